@@ -1,0 +1,1 @@
+"""The dhelix front end, planner and simulator (never imports torch)."""

@@ -1,0 +1,1 @@
+"""Holds dhelix.lark, the grammar of the language (package data)."""

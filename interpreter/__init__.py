@@ -1,0 +1,1 @@
+"""The torch.distributed runtime for lowered dhelix schedules."""

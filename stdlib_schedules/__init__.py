@@ -1,0 +1,1 @@
+"""The dhelix standard library: layer DAGs, pipeline schedules and hardware profiles (data)."""
