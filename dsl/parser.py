@@ -66,8 +66,15 @@ def _describe(terminal: str) -> str:
     return terminal.lower()
 
 
+_OPERATORS = {"PLUS", "MINUS", "STAR", "SLASH", "PERCENT", "__ANON_0"}
+
+
 def _expected(names) -> str:
-    words = sorted({_describe(n) for n in names if not n.startswith("_")})
+    names = set(names)
+    words = sorted({_describe(n) for n in names - _OPERATORS if not n.startswith("_")},
+                   key=lambda w: (not w[0].isalpha(), w))  # words before punctuation
+    if names & _OPERATORS:
+        words.append("an operator (+ - * / // %)")
     if len(words) > 6:
         words = words[:6] + ["…"]
     if len(words) == 1:
@@ -80,7 +87,9 @@ def _translate(exc: UnexpectedInput, source: Source) -> ParseError:
     if isinstance(exc, UnexpectedCharacters):
         char = source.text[exc.pos_in_stream] if exc.pos_in_stream < len(source.text) else "?"
         span = Span(source, line, column, line, column + 1)
-        notes = [f"expected {_expected(exc.allowed)} here"] if exc.allowed else []
+        # The lexer's allowed set can be a union over parser states: only show a short one.
+        allowed = exc.allowed or set()
+        notes = [f"expected {_expected(allowed)} here"] if 0 < len(allowed) <= 4 else []
         notes += _hints(char)
         return ParseError(f"unexpected character {char!r}", span, notes)
     if isinstance(exc, UnexpectedEOF) or (isinstance(exc, UnexpectedToken) and exc.token.type == "$END"):

@@ -1,0 +1,101 @@
+"""The ``dhelix`` command line.
+
+User mistakes print as ``file:line:col: message`` with the source line and a caret, exit
+code 1; command-line mistakes exit 2; nothing surfaces as a traceback. Commands that need
+torch (run, profile) import it only when invoked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import DhelixError, UsageError
+from .passes import STAGES, STAGE_NAMES, check_text, dump_stage, run_until
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read '{path}': {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"'{path}' is not UTF-8 text") from None
+
+
+def cmd_check(args) -> int:
+    """`dhelix check FILE [--dump STAGE]`."""
+    text = _read(args.file)
+    if args.dump:
+        sys.stdout.write(dump_stage(args.dump, run_until(text, args.file, args.dump)))
+        return 0
+    program = check_text(text, args.file)
+    what = f"model {program.model.name}" if program.model else "library"
+    print(f"{args.file}: ok ({what}; {len(program.layers)} layers, {len(program.pipelines)} pipelines defined)")
+    return 0
+
+
+def cmd_fmt(args) -> int:
+    """`dhelix fmt FILE [--check | --stdout]`."""
+    from .fmt import format_source
+
+    text = _read(args.file)
+    formatted = format_source(text, args.file)
+    if args.check:
+        if formatted != text:
+            print(f"{args.file}: not in canonical form (run `dhelix fmt {args.file}`)")
+            return 1
+        return 0
+    if args.stdout:
+        sys.stdout.write(formatted)
+    elif formatted != text:
+        Path(args.file).write_text(formatted)
+        print(f"{args.file}: reformatted")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with one sub-command per verb."""
+    parser = argparse.ArgumentParser(prog="dhelix", description=(
+        "Declare, check, plan, draw, simulate and run DHelix strand-interleaved training schedules."))
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    check = sub.add_parser("check", help="check a schedule file and optionally dump a stage's IR",
+                           description="Parse and check FILE with its imports; print every error found.")
+    check.add_argument("file", metavar="FILE")
+    stages = "; ".join(f"{s.name}: {s.doc}" for s in STAGES)
+    check.add_argument("--dump", metavar="STAGE", choices=STAGE_NAMES,
+                       help=f"print the IR after STAGE instead of a summary ({stages})")
+    check.set_defaults(func=cmd_check)
+    fmt = sub.add_parser("fmt", help="rewrite a file in canonical form",
+                         description="Rewrite FILE in canonical form (comments are kept).")
+    fmt.add_argument("file", metavar="FILE")
+    mode = fmt.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="only report whether FILE is canonical (exit 1 if not)")
+    mode.add_argument("--stdout", action="store_true", help="print the canonical form instead of rewriting FILE")
+    fmt.set_defaults(func=cmd_fmt)
+    for register in _extra_commands():
+        register(sub)
+    return parser
+
+
+def _extra_commands():
+    """Registration functions of commands defined in other modules (render, export, …)."""
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"dhelix: {exc.message}", file=sys.stderr)
+        return 2
+    except DhelixError as exc:
+        print(exc.render(), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("dhelix: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,182 @@
+"""The operator library: what a layer DAG may apply, with signatures and shape rules.
+
+Every tensor inside a layer is a per-GPU 2-D activation ``[tokens, features]``. An operator
+takes tensors, integer expressions, mesh axes (``tp``, ``cp``, ``ep``…) and flags
+(``causal``); its shape rule returns the output shape or raises :class:`ShapeMismatch`
+naming the argument at fault. ``kind`` is ``compute`` or ``comm``; ``op_class`` groups
+operators for the planner's constraints (``forbid attention.bwd with gemm``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+
+Shape = tuple[int, int]
+
+TENSOR, INT, AXIS, FLAG = "tensor", "int", "axis", "flag"
+MESH_AXES = ("tp", "cp", "ep", "dp", "pp")
+
+
+class ShapeMismatch(Exception):
+    """Raised by a shape rule: ``arg`` is the index of the offending argument."""
+
+    def __init__(self, message: str, arg: int, notes: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.message, self.arg, self.notes = message, arg, notes
+
+
+@attrs.frozen
+class Param:
+    """One parameter of an operator signature."""
+
+    name: str
+    kind: str  # tensor | int | axis | flag
+    optional: bool = False
+    choices: tuple[str, ...] = ()  # for flags
+
+
+@attrs.frozen
+class OpSpec:
+    """An operator: its signature, kind, class and shape rule."""
+
+    name: str
+    params: tuple[Param, ...]
+    kind: str  # compute | comm
+    op_class: str
+    infer: Callable[[list], Shape]
+    weight: Callable[[list], tuple[int, ...] | None] = lambda args: None
+    doc: str = ""
+
+    def usage(self) -> str:
+        """The signature as a user writes it, e.g. ``gemm(x, in_features, out_features)``."""
+        parts = [f"[{p.name}]" if p.optional else p.name for p in self.params]
+        return f"{self.name}({', '.join(parts)})"
+
+
+def _same(args):
+    return args[0]
+
+
+def _gemm(args):
+    (tokens, features), in_f, out_f = args[0], args[1], args[2]
+    if features != in_f:
+        raise ShapeMismatch(f"gemm input has {features} features but in_features is {in_f}", 1,
+                            (f"the input is [{tokens}, {features}]",))
+    _positive(out_f, 2, "out_features")
+    return (tokens, out_f)
+
+
+def _grouped_gemm(args):
+    _positive(args[3], 3, "local_experts")
+    return _gemm(args[:3])
+
+
+def _positive(value: int, arg: int, what: str) -> None:
+    if value <= 0:
+        raise ShapeMismatch(f"{what} must be positive, got {value}", arg)
+
+
+def _attention(args):
+    (tokens, features), heads, kv_heads = args[0], args[1], args[2]
+    _positive(heads, 1, "heads")
+    _positive(kv_heads, 2, "kv_heads")
+    if heads % kv_heads:
+        raise ShapeMismatch(f"{heads} query heads are not a multiple of {kv_heads} kv heads", 2,
+                            ("grouped-query attention shares each kv head among heads/kv_heads queries",))
+    width = heads + 2 * kv_heads
+    if features % width:
+        raise ShapeMismatch(f"qkv has {features} features, not a multiple of heads + 2*kv_heads = {width}",
+                            0, ("the qkv projection must produce (heads + 2*kv_heads) * head_dim features",))
+    return (tokens, heads * (features // width))
+
+
+def _swiglu(args):
+    tokens, features = args[0]
+    if features % 2:
+        raise ShapeMismatch(f"swiglu needs an even feature count (gate and up halves), got {features}", 0)
+    return (tokens, features // 2)
+
+
+def _add(args):
+    if args[0] != args[1]:
+        raise ShapeMismatch(f"add of [{args[0][0]}, {args[0][1]}] and [{args[1][0]}, {args[1][1]}]", 1,
+                            ("both operands of add must have the same shape",))
+    return args[0]
+
+
+def _all_gather(args):
+    (tokens, features), (_, size) = args[0], args[1]
+    return (tokens * size, features)
+
+
+def _reduce_scatter(args):
+    (tokens, features), (axis, size) = args[0], args[1]
+    if tokens % size:
+        raise ShapeMismatch(f"reduce_scatter of {tokens} tokens over {axis} = {size} does not divide", 0)
+    return (tokens // size, features)
+
+
+def _router(args):
+    _positive(args[1], 1, "experts")
+    return (args[0][0], args[1])
+
+
+def _permute(args):
+    (tokens, features), (score_tokens, _), top_k = args
+    if score_tokens != tokens:
+        raise ShapeMismatch(f"router scores cover {score_tokens} tokens but the input has {tokens}", 1)
+    _positive(top_k, 2, "top_k")
+    return (tokens * top_k, features)
+
+
+def _unpermute(args):
+    (tokens, features), (score_tokens, _), top_k = args
+    _positive(top_k, 2, "top_k")
+    if tokens != score_tokens * top_k:
+        raise ShapeMismatch(f"unpermute of {tokens} routed tokens, but the scores route "
+                            f"{score_tokens} tokens x top_k {top_k} = {score_tokens * top_k}", 0)
+    return (score_tokens, features)
+
+
+_X = Param("x", TENSOR)
+_AXIS = Param("axis", AXIS)
+
+
+def _spec(name, params, kind, op_class, infer, weight=lambda a: None, doc=""):
+    return OpSpec(name, tuple(params), kind, op_class, infer, weight, doc)
+
+
+OPS: dict[str, OpSpec] = {op.name: op for op in [
+    _spec("rmsnorm", [_X], "compute", "norm", _same, lambda a: (a[0][1],), "RMSNorm over features"),
+    _spec("layernorm", [_X], "compute", "norm", _same, lambda a: (2, a[0][1]), "LayerNorm (scale and bias)"),
+    _spec("gemm", [_X, Param("in_features", INT), Param("out_features", INT)], "compute", "gemm",
+          _gemm, lambda a: (a[1], a[2]), "x @ W, W sharded as written"),
+    _spec("attention", [Param("qkv", TENSOR), Param("heads", INT), Param("kv_heads", INT),
+                        Param("mask", FLAG, choices=("causal", "full")),
+                        Param("ring", AXIS, optional=True)], "compute", "attention", _attention,
+          doc="scaled dot-product attention with GQA; a ring over `ring` (cp) when its size > 1"),
+    _spec("swiglu", [_X], "compute", "activation", _swiglu, doc="silu(gate) * up over two halves"),
+    _spec("gelu", [_X], "compute", "activation", _same),
+    _spec("add", [Param("a", TENSOR), Param("b", TENSOR)], "compute", "add", _add,
+          doc="residual add (bias-dropout-add)"),
+    _spec("all_gather", [_X, _AXIS], "comm", "all_gather", _all_gather, doc="gather tokens over axis"),
+    _spec("reduce_scatter", [_X, _AXIS], "comm", "reduce_scatter", _reduce_scatter,
+          doc="sum over axis, scatter tokens"),
+    _spec("all_to_all", [_X, _AXIS], "comm", "all_to_all", _same, doc="exchange routed tokens"),
+    _spec("send", [_X, _AXIS], "comm", "send", _same, doc="point-to-point to the next rank of axis"),
+    _spec("recv", [_X, _AXIS], "comm", "recv", _same, doc="point-to-point from the previous rank"),
+    _spec("router", [_X, Param("experts", INT)], "compute", "router", _router,
+          lambda a: (a[0][1], a[1]), "MoE gate: scores per expert"),
+    _spec("permute", [_X, Param("scores", TENSOR), Param("top_k", INT)], "compute", "permute",
+          _permute, doc="replicate each token top_k times, grouped by expert"),
+    _spec("grouped_gemm", [_X, Param("in_features", INT), Param("out_features", INT),
+                           Param("local_experts", INT)], "compute", "gemm", _grouped_gemm,
+          lambda a: (a[3], a[1], a[2]), "one GEMM per local expert"),
+    _spec("unpermute", [_X, Param("scores", TENSOR), Param("top_k", INT)], "compute", "permute",
+          _unpermute, doc="weighted sum of each token's top_k expert outputs"),
+]}
+
+#: Op classes a constraint may name, besides op names and the derived classes below.
+DERIVED_CLASSES = ("dgrad", "wgrad", "bwd", "compute", "comm")
