@@ -111,11 +111,12 @@ def _backward_of(op: Op, upstream: list[str], fwd: LayerDag) -> list[Op]:
 
 def _ring_backward(op: Op, base: dict, fwd: LayerDag) -> list[Op]:
     qkv = _ring_input(op, fwd)
-    in_shape = fwd.op(f"{op.name}.step0").in_shapes[0]
+    first = fwd.op(f"{op.name}.step0")
+    in_shape = first.in_shapes[0]
     steps, previous = [], base["inputs"]
     for i in range(op.group_size):
         step = Op(f"{op.name}.bwd.step{i}", "attention_bwd", "comm", "ring_attention",
-                  **{**base, "inputs": previous}, shape=in_shape, lane=op.lane, saved=(qkv, op.name))
+                  **{**base, "inputs": previous}, shape=in_shape, lane=first.lane, saved=(qkv, op.name))
         steps.append(step)
         previous = (step.name,)
     steps.append(Op(f"{op.name}.bwd", "attention_bwd", "compute", "attention",

@@ -1,0 +1,34 @@
+# Bootstraps its own virtual environment: `make demo` and `make test` work on a fresh machine.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+EXAMPLE ?= examples/tiny_llama_cpu.dhx
+
+.PHONY: setup demo test graphviz clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch 2.13.0; an open range would download CUDA wheels.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[run,test]"
+	touch $(STAMP)
+
+setup: $(STAMP) graphviz
+
+# Graphviz's `dot` draws the diagrams; dhelix still writes .dot files without it.
+graphviz:
+	@command -v dot >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && apt-get install -y -qq graphviz >/dev/null) || \
+	  echo "note: install Graphviz (apt-get install graphviz) to render SVG/PNG"; }
+
+demo: setup
+	$(BIN)/dhelix check $(EXAMPLE)
+	$(BIN)/dhelix check --dump autodiff $(EXAMPLE)
+
+test: setup
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

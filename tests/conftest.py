@@ -1,0 +1,46 @@
+"""Shared test fixtures: golden files with an update flag.
+
+``pytest --update-golden`` (or ``DHELIX_UPDATE_GOLDEN=1``) rewrites golden files instead of
+comparing against them; a missing golden fails with a hint.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--update-golden", action="store_true", help="rewrite golden files from the current output")
+
+
+def pytest_configure(config):
+    if config.getoption("--update-golden"):
+        os.environ["DHELIX_UPDATE_GOLDEN"] = "1"
+
+
+@pytest.fixture
+def golden():
+    """``golden(relative_path, text)``: compare ``text`` with tests/golden/<relative_path>."""
+
+    def check(relative: str, text: str) -> None:
+        path = GOLDEN / relative
+        if os.environ.get("DHELIX_UPDATE_GOLDEN") == "1":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            return
+        if not path.exists():
+            pytest.fail(f"golden file {path.relative_to(ROOT)} is missing; run pytest --update-golden and review it")
+        assert text == path.read_text(), f"output differs from {path.relative_to(ROOT)} (pytest --update-golden)"
+
+    return check
+
+
+def shipped_files() -> list[Path]:
+    """Every .dhx file of the standard library and the examples, sorted."""
+    return sorted((ROOT / "stdlib_schedules").glob("*.dhx")) + sorted((ROOT / "examples").glob("*.dhx"))
