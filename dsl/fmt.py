@@ -4,14 +4,19 @@ Canonical form:
 
 * two-space indentation; a block's header and ``{`` on one line, its closing ``}`` on a
   line of its own; an empty block prints as ``strands {}``;
-* one setting or statement per line: ``key = value``, ``repeat m - warm {``,
+* one setting or statement per line: ``key = value``, ``repeat n {``,
   ``require m >= p``, ``F``, ``F[1]``, ``SI(F[1], B)``, ``in x [seq / tp, hidden]``,
   ``y = gemm(x, hidden, n = 2 * hidden)``, ``out y``, ``overlap tp, cp``,
   ``comm_with_comm on``, ``movable wgrad, attention.bwd``, ``forbid a.b with c``;
+* except that a ``repeat`` of actions only stays on one line, as the paper draws schedules:
+  ``repeat m - warm { F B }``, ``repeat n { SI(F[1], B) W }`` (unless a comment needs a line
+  inside it; a comment after it stays after it);
 * expressions as :func:`~dhelix.dsl.exprs.format_expr` prints them (minimal parentheses),
   strings in double quotes, ``fold loop(2)``;
 * one blank line between top-level items, except that consecutive imports, and consecutive
-  ``fold`` / ``pipeline NAME`` lines, stay together; no blank lines inside blocks;
+  ``fold`` / ``pipeline NAME`` lines, stay together; no other blank lines, except one where
+  the source has one after an own-line comment that another comment or a statement follows
+  (a file header, a commented section);
 * the file ends with one newline (an empty file stays empty).
 
 Comments are never lost. A comment is ``#`` to the end of the line, outside a string. Each is
@@ -47,11 +52,13 @@ INDENT = "  "
 
 @attrs.frozen
 class Comment:
-    """One ``#`` comment: 1-based line and column of its ``#``, and its text from the ``#``."""
+    """One ``#`` comment: 1-based line and column of its ``#``, its text from the ``#``, and
+    whether a blank line follows it in the source (kept between comments of one group)."""
 
     line: int
     column: int
     text: str
+    blank_after: bool = False
 
 
 def find_comments(text: str) -> list[Comment]:
@@ -61,13 +68,15 @@ def find_comments(text: str) -> list[Comment]:
     starts a comment. Lines are counted at ``\\n`` only, as lark counts them.
     """
     comments = []
-    for number, line in enumerate(text.split("\n"), start=1):
+    lines = text.split("\n")
+    for number, line in enumerate(lines, start=1):
         in_string = False
         for index, char in enumerate(line):
             if char == '"':
                 in_string = not in_string
             elif char == "#" and not in_string:
-                comments.append(Comment(number, index + 1, line[index:].rstrip()))
+                blank_after = number < len(lines) and not lines[number].strip()
+                comments.append(Comment(number, index + 1, line[index:].rstrip(), blank_after))
                 break
     return comments
 
@@ -131,11 +140,11 @@ _GROUPS = {s.Import: "import", s.Fold: "select", s.PipelineRef: "select"}
 class _Attached:
     """Comments by the ``id`` of their statement (equal statements may occur twice)."""
 
-    leading: dict[int, list[str]] = attrs.Factory(dict)
+    leading: dict[int, list[Comment]] = attrs.Factory(dict)
     trailing: dict[int, str] = attrs.Factory(dict)
     header: dict[int, str] = attrs.Factory(dict)
-    closing: dict[int, list[str]] = attrs.Factory(dict)
-    end: list[str] = attrs.Factory(list)
+    closing: dict[int, list[Comment]] = attrs.Factory(dict)
+    end: list[Comment] = attrs.Factory(list)
 
 
 @attrs.frozen
@@ -189,7 +198,7 @@ def _attach(comment: Comment, anchors: list[_Anchor], attached: _Attached) -> No
     for anchor in anchors:
         span = anchor.node.span
         if type(anchor.node) in _LEAVES and span.line <= comment.line < span.end_line:
-            attached.leading.setdefault(id(anchor.node), []).append(comment.text)
+            attached.leading.setdefault(id(anchor.node), []).append(comment)
             return
     # Rule 3: after the `{` of the innermost block starting on this line.
     opening = [a.node for a in anchors if not a.closing and type(a.node) in _BLOCKS
@@ -200,19 +209,30 @@ def _attach(comment: Comment, anchors: list[_Anchor], attached: _Attached) -> No
     # Rule 4: the next statement or closing brace; rule 5: the end of the file.
     after = [a for a in anchors if (a.line, a.column) > (comment.line, comment.column)]
     if not after:
-        attached.end.append(comment.text)
+        attached.end.append(comment)
     elif after[0].closing:
-        attached.closing.setdefault(id(after[0].node), []).append(comment.text)
+        attached.closing.setdefault(id(after[0].node), []).append(comment)
     else:
-        attached.leading.setdefault(id(after[0].node), []).append(comment.text)
+        attached.leading.setdefault(id(after[0].node), []).append(comment)
 
 
 # --- printing ---------------------------------------------------------------------------------
 
+def _comment_lines(comments: list[Comment], pad: str, blank_after_last: bool) -> list[str]:
+    """A group of own-line comments; a blank line after one in the source stays (once),
+    after the last only where a statement follows (``blank_after_last``)."""
+    lines = []
+    for index, comment in enumerate(comments):
+        lines.append(pad + comment.text)
+        if comment.blank_after and (blank_after_last or index < len(comments) - 1):
+            lines.append("")
+    return lines
+
+
 def _statement(node: s.Node, depth: int, attached: _Attached) -> list[str]:
     """The lines of one statement at ``depth``, with its comments."""
     pad = INDENT * depth
-    lines = [pad + text for text in attached.leading.get(id(node), ())]
+    lines = _comment_lines(attached.leading.get(id(node), []), pad, True)
     if type(node) in _BLOCKS:
         lines += _block(node, depth, attached)
     else:
@@ -222,9 +242,29 @@ def _statement(node: s.Node, depth: int, attached: _Attached) -> list[str]:
     return lines
 
 
+def _compact_repeat(node: s.Node, attached: _Attached) -> str | None:
+    """``repeat m - warm { F B }`` on one line, as the paper draws schedules, when the body is
+    only actions and no comment needs a line inside it (one after it is fine)."""
+    if not isinstance(node, s.Repeat) or not node.body or id(node) in attached.closing:
+        return None
+    if (id(node) in attached.header) + (id(node) in attached.trailing) > 1:
+        return None  # two comments cannot share the one line
+    for statement in node.body:
+        if not isinstance(statement, (s.Act, s.SIBlock)):
+            return None
+        if id(statement) in attached.leading or id(statement) in attached.trailing:
+            return None
+    actions = " ".join(_LEAVES[type(statement)](statement) for statement in node.body)
+    comment = attached.header.get(id(node), "")
+    return f"repeat {format_expr(node.count)} {{ {actions} }}" + (comment and "  " + comment)
+
+
 def _block(node: s.Node, depth: int, attached: _Attached) -> list[str]:
     header, body = _BLOCKS[type(node)](node)
     pad = INDENT * depth
+    compact = _compact_repeat(node, attached)
+    if compact is not None:
+        return [pad + compact]
     closing = attached.closing.get(id(node), [])
     opening = f"{pad}{header} {{"
     if id(node) in attached.header:
@@ -234,7 +274,7 @@ def _block(node: s.Node, depth: int, attached: _Attached) -> list[str]:
     lines = [opening]
     for statement in body:
         lines += _statement(statement, depth + 1, attached)
-    lines += [pad + INDENT + text for text in closing]
+    lines += _comment_lines(closing, pad + INDENT, False)
     lines.append(pad + "}")
     return lines
 
@@ -261,7 +301,7 @@ def format_module(module: s.Module, comments: list[Comment] | None = None) -> st
         previous = item
     if attached.end and lines:
         lines.append("")
-    lines += attached.end
+    lines += _comment_lines(attached.end, "", False)
     return "\n".join(lines) + "\n" if lines else ""
 
 

@@ -15,6 +15,8 @@ are drawn on purpose.
 
 from __future__ import annotations
 
+import re
+
 from hypothesis import strategies as st
 
 from dhelix.dsl import syntax as s
@@ -26,7 +28,9 @@ KEYWORDS = (
 )
 PIPELINE_RESERVED = frozenset({"F", "B", "W", "SI", "repeat", "require"})
 LAYER_RESERVED = frozenset({"in", "out"})
-SETTING_RESERVED = PIPELINE_RESERVED
+# LALR shares the end-of-expression states with pipeline bodies, so after `a = 1` the
+# statement keywords of pipelines are reserved as setting keys (the actions are not).
+SETTING_RESERVED = frozenset({"repeat", "require"})
 
 _COMMON_NAMES = ("x", "y", "p", "r", "m", "v", "tp", "cp", "dp", "hidden", "seq", "warm", "_a1")
 
@@ -152,3 +156,26 @@ def items() -> st.SearchStrategy:
 def modules(max_items: int = 5) -> st.SearchStrategy[s.Module]:
     """Whole files."""
     return st.builds(s.Module, _tuples(items(), max_size=max_items))
+
+
+# --- layouts -------------------------------------------------------------------------------
+
+#: Rough dhelix tokens: strings and comments whole, whitespace, words, numbers, operators.
+TOKEN = re.compile(r'"[^"\n]*"|#[^\n]*|\s+|[A-Za-z_]\w*|\d+|//|>=|<=|==|!=|.', re.S)
+
+_GAPS = (" ", "\n", "\n\n", "  # c{}\n", "\n# d{}\n", "\n  # e{}\n\n")
+
+
+@st.composite
+def relayouts(draw, text: str) -> str:
+    """``text`` with each run of whitespace replaced by a space, newlines, or a comment —
+    so statements split over lines and comments land in every position."""
+    out, count = [], 0
+    for token in TOKEN.findall(text):
+        if token.isspace():
+            gap = draw(st.sampled_from(_GAPS))
+            if "{}" in gap:
+                gap, count = gap.format(count), count + 1
+            token = gap
+        out.append(token)
+    return "".join(out)

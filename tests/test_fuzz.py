@@ -1,8 +1,11 @@
 """Token-level mutation fuzzing: a broken program gives a located dhelix error, never a crash.
 
-Mutants are made from the samples below and the shipped ``.dhx`` files by dropping, duplicating, swapping or inserting tokens with a seeded generator. Each
-mutant is either accepted or rejected with a :class:`DhelixError` whose rendering starts with
-``path:line:col:`` inside the text; any other exception is a bug in the front end.
+Mutants are made from the samples below and the shipped ``.dhx`` files by dropping,
+duplicating, swapping, replacing or inserting tokens with a seeded generator, plus every
+number of the samples set to 0 in turn. Each mutant is either accepted or rejected with a
+:class:`DhelixError` whose rendering starts with ``path:line:col:`` inside the text; any other
+exception is a bug in the front end. The front end is ``passes.check_text`` (parse, resolve,
+checks, shapes, autodiff) where it exists, else the parser.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from dhelix.dsl.errors import DhelixError
+from dhelix.dsl.errors import DhelixError, ErrorGroup
 from dhelix.dsl.fmt import find_comments, format_source
 from dhelix.dsl.parser import parse
+from strategies import TOKEN
 
 try:  # the full front end (parse, resolve, checks, shapes, autodiff), once it exists
     from dhelix.dsl.passes import check_text as process
@@ -134,8 +138,6 @@ pipeline w_helix {
 strands { overlap ep  comm_with_comm off  movable wgrad, gemm.dgrad  forbid router with all_to_all }
 '''
 
-# Tokens: strings and comments whole, then whitespace, words, numbers, two-char operators.
-TOKEN = re.compile(r'"[^"\n]*"|#[^\n]*|\s+|[A-Za-z_]\w*|\d+|//|>=|<=|==|!=|.', re.S)
 JUNK = ("}", "{", "(", ")", "[", "@", ";", "=", ",", ".", "F", "SI", "layer", "in", "repeat",
         "1/0", "0", '"', "#", "model", "zz_unknown", "-", "//")
 
@@ -201,23 +203,38 @@ def mutants() -> list[tuple[str, str, str]]:
 
 
 def assert_located(error: DhelixError, path: str, text: str) -> None:
-    """The rendering starts ``file:line:col:`` with the position inside that file's text."""
+    """The rendering starts ``file:line:col:`` with the position inside that file's text.
+
+    The file is the mutant itself, or one it imports (named as the user sees it, e.g.
+    ``stdlib/layers.dhx``); the span's source carries the text either way.
+    """
     rendered = error.render()
-    file_text = text
-    if not rendered.startswith(f"{path}:"):
-        # An error in an imported file names that file; it must exist to be shown.
-        other = rendered.split(":", 1)[0]
-        assert Path(other).is_file(), f"error without a position:\n{rendered}"
-        path, file_text = other, Path(other).read_text()
-    match = re.match(rf"{re.escape(path)}:(\d+):(\d+): ", rendered)
-    assert match, f"no line:col in:\n{rendered}"
+    first = error.errors[0] if isinstance(error, ErrorGroup) else error
+    assert first.span is not None, f"error without a position:\n{rendered}"
+    source = first.span.source
+    if source.path == path:
+        assert source.text == text, "the error was located in some other text"
+    match = re.match(rf"{re.escape(source.path)}:(\d+):(\d+): ", rendered)
+    assert match, f"no file:line:col: at the start of:\n{rendered}"
     line, column = int(match[1]), int(match[2])
-    lines = file_text.split("\n")
+    lines = source.text.split("\n")
     assert 1 <= line <= len(lines), rendered
     assert 1 <= column <= len(lines[line - 1]) + 1, rendered
 
 
-MUTANTS = mutants()
+def zeroed() -> list[tuple[str, str, str]]:
+    """(id, path, text): each number of each sample in turn replaced by 0 — zero sizes are
+    the classic way to crash a checker (a division or modulo by a setting)."""
+    cases = []
+    for path, text in sources()[:3]:
+        tokens = TOKEN.findall(text)
+        for i in (i for i, token in enumerate(tokens) if token.isdigit() and token != "0"):
+            mutant = "".join(tokens[:i] + ["0"] + tokens[i + 1:])
+            cases.append((f"{Path(path).stem}-zero-{i}", path, mutant))
+    return cases
+
+
+MUTANTS = mutants() + zeroed()
 
 
 @pytest.mark.parametrize("path,text", [(p, t) for _, p, t in MUTANTS],
