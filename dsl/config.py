@@ -10,10 +10,10 @@ import attrs
 
 from . import syntax as s
 from .errors import CheckError, ErrorCollector
-from .exprs import evaluate
+from .exprs import UnknownName, evaluate
 from .mesh import DIMENSIONS, Mesh
 from .program import Cluster, FoldSpec, Model, Train
-from .suggest import did_you_mean
+from .suggest import close_matches, did_you_mean
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
 MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
@@ -24,12 +24,18 @@ TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "lr")
 FOLD_KINDS = ("none", "u", "loop")
 
 
+#: The example a name-valued setting's message shows.
+NAME_EXAMPLES = {"dtype": "bf16", "layer": "llama"}
+
+
 @attrs.define
 class BlockValues:
-    """The evaluated settings of one block: ints and names, with each setting's node."""
+    """The evaluated settings of one block: ints and names, with each setting's node;
+    ``failed`` holds the keys written but rejected (unknown, or a value with an error)."""
 
     values: dict = attrs.field(factory=dict)
     nodes: dict = attrs.field(factory=dict)
+    failed: list = attrs.field(factory=list)
 
     def span(self, key: str):
         node = self.nodes.get(key)
@@ -40,76 +46,134 @@ def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), str
     """Evaluate ``settings`` in order; ``allowed`` limits the keys (None: any integer key),
     ``names`` are keys whose value is a bare name, ``strings`` keys that take a string."""
     out = BlockValues()
-    for setting in settings:
+    for index, setting in enumerate(settings):
         key = setting.key
         if key in out.nodes:
             errors.add(CheckError(f"'{key}' is set twice", setting.span_of("key"),
                                   [f"first set at {out.nodes[key].span_of('key')}"]))
             continue
         if allowed is not None and key not in allowed:
+            out.failed.append(key)
+            unset = [a for a in allowed if a not in {st.key for st in settings}]  # a typo is of a missing key
             errors.add(CheckError(f"unknown setting '{key}'", setting.span_of("key"),
-                                  did_you_mean(key, allowed) + [f"settings here: {', '.join(allowed)}"]))
+                                  did_you_mean(key, unset) + [f"settings here: {', '.join(allowed)}"]))
             continue
-        value = _setting_value(setting, out.values, names, strings, errors)
-        if value is not None:
+        later = {st.key: st for st in settings[index + 1:]}
+        value = _setting_value(setting, out, later, names, strings, errors)
+        if value is None:
+            out.failed.append(key)
+        else:
             out.values[key] = value
             out.nodes[key] = setting
     return out
 
 
-def _setting_value(setting, env, names, strings, errors):
-    value = setting.value
-    if setting.key in names:
+def _setting_value(setting, block: BlockValues, later, names, strings, errors):
+    value, key = setting.value, setting.key
+    if key in names:
         if isinstance(value, s.Name):
             return value.id
-        errors.add(CheckError(f"'{setting.key}' takes a name, e.g. {setting.key} = bf16", value.span))
+        if isinstance(value, s.Str):
+            errors.add(CheckError(f"'{key}' takes a name without quotes: {key} = {value.value}", value.span))
+        else:
+            errors.add(CheckError(f"'{key}' takes a name, e.g. {key} = {NAME_EXAMPLES.get(key, 'bf16')}", value.span))
         return None
-    if isinstance(value, s.Str) or setting.key in strings:
-        if setting.key in strings:
-            return value.value if isinstance(value, s.Str) else getattr(value, "id", None)
-        errors.add(CheckError(f"'{setting.key}' takes an integer, not a string", value.span))
+    if key in strings:
+        if isinstance(value, (s.Str, s.Name)):
+            return value.value if isinstance(value, s.Str) else value.id
+        errors.add(CheckError(f"'{key}' takes a string, e.g. {key} = \"a40\"", value.span))
         return None
+    if isinstance(value, s.Str):
+        errors.add(CheckError(f"'{key}' takes an integer, not a string", value.span,
+                              [f"write {key} = {value.value}" if value.value.isdigit() else
+                               "a setting's value is an integer expression over the settings before it"]))
+        return None
+    ints = {k: v for k, v in block.values.items() if isinstance(v, int)}
     try:
-        return evaluate(value, {k: v for k, v in env.items() if isinstance(v, int)}, "setting")
+        return evaluate(value, ints, "name")
+    except UnknownName as exc:
+        if exc.name not in block.failed:  # an earlier setting with its own error
+            errors.add(_unknown_in_setting(exc, ints, later))
     except CheckError as exc:
         errors.add(exc)
-        return None
+    return None
+
+
+def _unknown_in_setting(exc: UnknownName, env, later) -> CheckError:
+    """Say why a name is unknown in a setting: written after it, or not in this block."""
+    if exc.name in later:
+        where = later[exc.name].span_of("key")
+        return CheckError(f"'{exc.name}' is used before it is set", exc.span,
+                          [f"'{exc.name}' is set later, at {where}; a setting may only use the "
+                           "settings written before it in its block, so move it up"])
+    scope = f" (here: {', '.join(env)})" if env else ""
+    return CheckError(f"unknown name '{exc.name}'", exc.span,
+                      did_you_mean(exc.name, [*env, *later])
+                      + [f"a setting may only use the settings written before it in its block{scope}"])
 
 
 def build_model(node: s.ModelDef, errors: ErrorCollector) -> tuple[Model | None, BlockValues]:
     """The Model of a model block; missing or bad settings are recorded in ``errors``."""
     block = evaluate_block(node.settings, errors, names=MODEL_NAMES)
     values = block.values
-    written = {st.key for st in node.settings}
-    missing = [k for k in MODEL_REQUIRED + MODEL_NAMES if k not in written]
-    for key in missing:
-        near = [n for other in values if (n := did_you_mean(key, [other]))]
-        errors.add(CheckError(f"model {node.name} has no '{key}' setting", node.span_of("name"),
-                              (near[0] if near else []) + [f"a model sets {', '.join(MODEL_REQUIRED + MODEL_NAMES)}"]))
-    _check_positive(block, [k for k, v in values.items() if isinstance(v, int)], errors)
+    _report_missing_model_keys(node, errors)
+    positive = _check_positive(block, [k for k, v in values.items() if isinstance(v, int)], errors)
     dtype = values.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         errors.add(CheckError(f"unknown dtype '{dtype}'", block.nodes["dtype"].value.span,
                               did_you_mean(dtype, DTYPES) + [f"dtypes: {', '.join(DTYPES)}"]))
-    # A key written but not evaluated already has its own error.
-    if any(k not in values for k in MODEL_REQUIRED + MODEL_NAMES):
+    # A rejected setting already has its own error, and checks built on a model without it
+    # would only echo it; a zero would divide below.
+    if not positive or block.failed or any(k not in values for k in MODEL_REQUIRED + MODEL_NAMES):
         return None, block
     ints = tuple((k, v) for k, v in values.items() if isinstance(v, int))
     ints += (("kv_heads", values["heads"]),) if "kv_heads" not in values else ()
     return Model(node.name, ints, values["dtype"], values["layer"], span=node.span), block
 
 
-def _check_positive(block: BlockValues, keys, errors: ErrorCollector) -> None:
-    for key in keys:
-        if block.values[key] <= 0:
-            errors.add(CheckError(f"'{key}' must be positive, got {block.values[key]}", block.span(key)))
+def _report_missing_model_keys(node: s.ModelDef, errors: ErrorCollector) -> None:
+    """One error for every required model setting not written. A written key that looks
+    like a misspelling of a missing one (``hiden``) is where the error points."""
+    written = [st.key for st in node.settings]
+    missing = [k for k in MODEL_REQUIRED + MODEL_NAMES if k not in written]
+    if not missing:
+        return
+    misspelt = {key: near[0] for key in missing
+                if (near := close_matches(key, [w for w in written if w not in MODEL_REQUIRED + MODEL_NAMES]))}
+    notes = [f"'{wrong}' is set: is it a misspelling of '{key}'?" for key, wrong in misspelt.items()]
+    notes.append(f"a model needs {_and(MODEL_REQUIRED + MODEL_NAMES)}; e.g. {_model_example(missing)}")
+    keys = {st.key: st for st in node.settings}
+    span = keys[next(iter(misspelt.values()))].span_of("key") if len(misspelt) == 1 else node.span_of("name")
+    what = f"setting '{missing[0]}'" if len(missing) == 1 else "settings " + _and([f"'{k}'" for k in missing])
+    errors.add(CheckError(f"model {node.name} is missing the {what}", span, notes))
+
+
+def _and(words) -> str:
+    words = list(words)
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _model_example(missing: list[str]) -> str:
+    example = {"layers": "layers = 32", "hidden": "hidden = 4096", "heads": "heads = 32", "seq": "seq = 8192",
+               "vocab": "vocab = 128256", "dtype": "dtype = bf16", "layer": "layer = llama"}
+    return "  ".join(example[k] for k in missing)
+
+
+def _check_positive(block: BlockValues, keys, errors: ErrorCollector) -> bool:
+    """Record an error for each of ``keys`` whose value is not positive; True if all are."""
+    bad = [key for key in keys if block.values[key] <= 0]
+    for key in bad:
+        errors.add(CheckError(f"'{key}' must be positive, got {block.values[key]}", block.span(key)))
+    return not bad
 
 
 def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None:
     """The Cluster of a cluster block (nodes and gpus_per_node are required)."""
     block = evaluate_block(node.settings, errors, CLUSTER_KEYS, strings=("profile",))
-    _check_positive(block, [k for k in ("nodes", "gpus_per_node") if k in block.values], errors)
+    positive = _check_positive(block, [k for k in ("nodes", "gpus_per_node") if k in block.values], errors)
     if not _require(node, block, ("nodes", "gpus_per_node"), "cluster { nodes = 1  gpus_per_node = 4 }", errors):
+        return None
+    if not positive:
         return None
     v = block.values
     return Cluster(v["nodes"], v["gpus_per_node"], v.get("profile"), span=node.span)
@@ -127,8 +191,8 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
 def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:
     """The Mesh of a mesh block; axes not written have size 1 and follow in Megatron order."""
     block = evaluate_block(node.settings, errors, MESH_KEYS)
-    _check_positive(block, list(block.values), errors)
-    if any(v <= 0 for v in block.values.values()):
+    # A rejected setting (tq = 2) has its error; a mesh without that axis would only echo it.
+    if not _check_positive(block, list(block.values), errors) or block.failed:
         return None, block
     written = [k for k in block.values if k != "ep"]
     order = tuple(written + [d for d in DIMENSIONS if d not in written])
@@ -163,9 +227,11 @@ def build_fold(node: s.Fold, errors: ErrorCollector) -> FoldSpec | None:
     if node.kind != "loop":
         return FoldSpec(node.kind, 1 if node.kind == "none" else 2, span=node.span)
     try:
-        v = evaluate(node.arg, {}, "name (fold loop takes a number)")
+        v = evaluate(node.arg, {}, "name")
     except CheckError as exc:
-        errors.add(exc)
+        errors.add(CheckError(exc.message, exc.span, list(exc.notes) + (
+            ["fold loop takes a number: the chunks per rank, e.g. fold loop(2)"]
+            if isinstance(exc, UnknownName) else [])))
         return None
     if v < 1:
         errors.add(CheckError(f"fold loop needs at least 1 chunk per rank, got {v}", node.arg.span))
@@ -176,8 +242,11 @@ def build_fold(node: s.Fold, errors: ErrorCollector) -> FoldSpec | None:
 def _require(node, block: BlockValues, keys, example: str, errors: ErrorCollector) -> bool:
     written = {st.key for st in node.settings}
     missing = [k for k in keys if k not in block.values]
-    for key in missing:
-        if key not in written:
+    unset = [k for k in missing if k not in written]
+    # A misspelt key (micro_bach) has its own "did you mean"; do not report it twice.
+    guessed = {near[0] for key in block.failed if (near := close_matches(key, unset))}
+    for key in unset:
+        if key not in guessed:
             errors.add(CheckError(f"{node.kind} block has no '{key}' setting", node.span,
                                   [f"e.g. {example}"]))
     return not missing

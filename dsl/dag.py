@@ -99,8 +99,10 @@ def _instantiate_op(apply, env, mesh: Mesh, shapes, alias) -> Op:
         raise CheckError(f"shape mismatch in {apply.name} = {spec.name}(…): {exc.message}",
                          bad.span if bad is not None else apply.span, list(exc.notes)) from None
     lane = "compute" if spec.kind == "compute" else mesh.lane(axis)
-    if spec.op_class == "attention" and axis is not None:
-        lane = mesh.lane(axis)  # the lane of the ring's P2P steps (see ring_steps)
+    if spec.op_class == "attention":
+        params.append(("seq", env["seq"]))  # attention cost grows with the full sequence
+        if size > 1:
+            lane = mesh.lane(axis)  # the lane of the ring's P2P steps (see ring_steps)
     return Op(apply.name, spec.name, spec.kind, spec.op_class, tuple(inputs), tuple(in_shapes), shape,
               weight=spec.weight(values), axis=axis, group_size=size, lane=lane,
               movable=spec.op_class == "router",  # the paper lets the MoE router move

@@ -7,6 +7,8 @@ import attrs
 from . import syntax as s
 from .exprs import format_expr
 from .program import LayerDag, Op, Program
+from .schedule import format_lowered
+from .unittime import unit_time
 
 
 def dump_syntax(module: s.Module) -> str:
@@ -116,3 +118,32 @@ def _op_line(op: Op) -> str:
         notes += [f"{k}={v}" for k, v in op.params if k not in ("axis", "ring")]
     return (f"  {op.name:<16} {op.op + group:<24} {kind:<12} {str(list(op.shape)):<16} "
             f"<- {', '.join(op.inputs) or '-':<22} {'  '.join(notes)}").rstrip()
+
+
+def dump_placement(program: Program) -> str:
+    """Each pipeline rank's chunks and their layers (the fold)."""
+    if program.placement is None:
+        return dump_config(program)
+    placement = program.placement
+    lines = [f"fold {program.fold.kind}: {len(placement.stages)} stages on {placement.ranks} ranks"]
+    for stage in placement.stages:
+        last = stage.stop_layer - 1
+        layers = f"L{stage.first_layer}" + (f"-L{last}" if last > stage.first_layer else "")
+        lines.append(f"  stage {stage.index}: rank {stage.rank} chunk {stage.chunk}  {layers}")
+    return "\n".join(lines) + "\n"
+
+
+def dump_lowered(program: Program) -> str:
+    """The lowered schedule in its text form (or the configuration of a library file)."""
+    if program.lowered is None:
+        return dump_config(program)
+    return format_lowered(program.lowered)
+
+
+def dump_validated(program: Program) -> str:
+    """The lowered schedule and its unit-time make-span and bubble ratio."""
+    if program.lowered is None:
+        return dump_config(program)
+    timing = unit_time(program.lowered)
+    return (format_lowered(program.lowered) + f"# valid; unit-time make-span {timing.makespan}, "
+            f"bubble ratio {timing.bubble_ratio} = {float(timing.bubble_ratio):.3f}\n")

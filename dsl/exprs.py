@@ -16,6 +16,15 @@ from .suggest import did_you_mean
 FUNCTIONS = {"min": min, "max": max}
 
 
+class UnknownName(CheckError):
+    """A name an expression uses that its environment does not bind; ``name`` is the name,
+    so callers can add what they know (a setting written later, the names in scope)."""
+
+    def __init__(self, name: str, message: str, span, notes=()):
+        super().__init__(message, span, notes)
+        self.name = name
+
+
 def evaluate(expr: s.Expr, env: Mapping[str, int], what: str = "name") -> int:
     """Evaluate ``expr`` with the integer bindings of ``env``.
 
@@ -28,8 +37,8 @@ def evaluate(expr: s.Expr, env: Mapping[str, int], what: str = "name") -> int:
     if isinstance(expr, s.Name):
         if expr.id in env:
             return env[expr.id]
-        raise CheckError(f"unknown {what} '{expr.id}'", expr.span,
-                         did_you_mean(expr.id, env) + [f"known here: {_listing(env)}"])
+        known = [f"known here: {_listing(env)}"] if env else []
+        raise UnknownName(expr.id, f"unknown {what} '{expr.id}'", expr.span, did_you_mean(expr.id, env) + known)
     if isinstance(expr, s.Neg):
         return -evaluate(expr.operand, env, what)
     if isinstance(expr, s.Call):
@@ -96,4 +105,4 @@ def format_expr(expr: s.Expr, parent: int = 0, right_side: bool = False) -> str:
 
 def _listing(env: Mapping[str, int]) -> str:
     names = sorted(env)
-    return ", ".join(names[:12]) + (", …" if len(names) > 12 else "")
+    return ", ".join(names[:24]) + (", …" if len(names) > 24 else "")

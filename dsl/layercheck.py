@@ -29,7 +29,7 @@ def bind_args(apply: s.OpApply, spec: OpSpec, values: set[str]) -> tuple[Binding
     positional = [a for a in apply.args if a.key is None]
     if len(positional) > len(spec.params):
         extra = positional[len(spec.params)]
-        errors.append(CheckError(f"{spec.name}() takes {len(spec.params)} arguments, got {len(positional)}",
+        errors.append(CheckError(f"{spec.name}() takes {_count(spec)}, got {len(positional)}",
                                  extra.span, [f"usage: {spec.usage()}"]))
     for param, arg in zip(spec.params, positional):
         slots[param.name] = arg
@@ -40,13 +40,16 @@ def bind_args(apply: s.OpApply, spec: OpSpec, values: set[str]) -> tuple[Binding
             errors.append(CheckError(f"{spec.name}() has no parameter '{arg.key}'", arg.span_of("key"),
                                      did_you_mean(arg.key, params) + [f"usage: {spec.usage()}"]))
         elif arg.key in slots:
-            errors.append(CheckError(f"{spec.name}() got '{arg.key}' twice", arg.span))
+            errors.append(CheckError(f"{spec.name}() got '{arg.key}' twice", arg.span_of("key"),
+                                     [f"'{arg.key}' is already given by the argument at {slots[arg.key].span}",
+                                      f"usage: {spec.usage()}"]))
         else:
             slots[arg.key] = arg
+    rejected = bool(errors)  # a misplaced argument explains the missing ones: say it once
     binding: Binding = []
     for param in spec.params:
         arg = slots.get(param.name)
-        if arg is None and not param.optional:
+        if arg is None and not param.optional and not rejected:
             errors.append(CheckError(f"{spec.name}() is missing its '{param.name}' argument",
                                      apply.span_of("op"), [f"usage: {spec.usage()}"]))
         elif arg is not None:
@@ -55,16 +58,27 @@ def bind_args(apply: s.OpApply, spec: OpSpec, values: set[str]) -> tuple[Binding
     return binding, errors
 
 
+def _count(spec: OpSpec) -> str:
+    least = sum(not p.optional for p in spec.params)
+    most = len(spec.params)
+    count = f"{most}" if least == most else f"{least} to {most}"
+    return f"{count} argument{'s' if most != 1 else ''}"
+
+
+_TENSOR_NOTE = "a tensor argument names the layer's input or an op defined in the layer"
+
+
 def _check_arg_kind(spec: OpSpec, param, arg: s.Arg, values: set[str]) -> list[DhelixError]:
     name = arg.value.id if isinstance(arg.value, s.Name) else None
     where = f"'{param.name}' of {spec.name}()"
     if param.kind == TENSOR:
         if name is None:
-            return [CheckError(f"{where} takes a tensor (an op name or the layer input), not an expression",
-                               arg.value.span)]
+            what = f"the number {_text(arg)}" if isinstance(arg.value, s.Int) else f"the expression '{_text(arg)}'"
+            return [CheckError(f"{where} takes a tensor, got {what}", arg.value.span,
+                               [_TENSOR_NOTE, f"usage: {spec.usage()}"])]
         if name not in values:
-            return [CheckError(f"unknown value '{name}' in layer", arg.value.span,
-                               did_you_mean(name, values) + ["a tensor argument names an op of this layer or its input"])]
+            return [CheckError(f"unknown tensor '{name}'", arg.value.span,
+                               did_you_mean(name, values) + [_TENSOR_NOTE])]
     elif param.kind == AXIS:
         if name not in MESH_AXES:
             return [CheckError(f"{where} takes a mesh axis, got '{name or _text(arg)}'", arg.value.span,

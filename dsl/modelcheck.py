@@ -29,23 +29,23 @@ def check_divisibility(model: Model, model_block, mesh: Mesh, mesh_block, fold: 
     errors += _reserved(model_block)
     get = model.get
 
-    def need(key: str, axis: str, divisor: int | None = None, why: str = "") -> None:
-        value, size = get(key), divisor or mesh.size(axis)
+    def need(key: str, axis: str, why: str) -> None:
+        value, size = get(key), mesh.size(axis)
         if value is None or value % size == 0:
             return
         ok = [n for n in range(1, min(value, 64) + 1) if value % n == 0 and n <= 64]
         errors.append(CheckError(f"{key} = {value} is not divisible by {axis} = {size}",
                                  mesh_block.span(axis) or model_block.span(key),
-                                 [why or f"each {axis} rank holds {key}/{axis} of it",
+                                 [why,
                                   _where(model_block, key, value),
                                   f"{axis} sizes that divide {value}: {', '.join(map(str, ok[:12]))}"]))
 
     if get("hidden") % get("heads"):
         errors.append(CheckError(f"hidden = {get('hidden')} is not divisible by heads = {get('heads')}",
                                  model_block.span("hidden"), ["head_dim = hidden / heads must be whole"]))
-    need("heads", "tp")
+    need("heads", "tp", why="each tp rank computes heads/tp attention heads")
     need("kv_heads", "tp", why="each tp rank holds kv_heads/tp key-value heads")
-    need("ffn", "tp")
+    need("ffn", "tp", why="each tp rank holds ffn/tp of the MLP's hidden features")
     need("vocab", "tp", why="the embedding and LM head are split over tp by vocabulary")
     errors += _check_sequence(model, model_block, mesh, mesh_block)
     errors += _check_experts(model, model_block, mesh, mesh_block)
@@ -60,9 +60,13 @@ def _where(model_block, key: str, value: int) -> str:
     return f"{key} = {value} is set at {span}"
 
 
+_FORMULAS = {"tokens": "micro_batch * seq / cp", "head_dim": "hidden / heads"}
+
+
 def _reserved(model_block) -> list[DhelixError]:
     return [CheckError(f"'{name}' is derived from the other settings and cannot be set", model_block.span(name),
-                       ["tokens = micro_batch * seq / cp; head_dim = hidden / heads"])
+                       [f"layers see {name} = {_FORMULAS.get(name, 'a derived value')}; "
+                        "give your own setting another name"])
             for name in DERIVED if name in model_block.values]
 
 
@@ -74,7 +78,8 @@ def _check_sequence(model, model_block, mesh, mesh_block) -> list[DhelixError]:
                             f"seq = {seq} is set at {model_block.span('seq')}"])]
     if (seq // cp) % tp:
         return [CheckError(f"seq / cp = {seq // cp} tokens are not divisible by tp = {tp}", mesh_block.span("tp"),
-                           ["sequence parallelism splits each rank's tokens over tp"])]
+                           ["sequence parallelism splits each rank's tokens over tp",
+                            f"seq = {seq} is set at {model_block.span('seq')}"])]
     return []
 
 

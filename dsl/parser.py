@@ -20,7 +20,6 @@ from . import syntax as s
 from .errors import ParseError
 from .span import Source, Span
 from .suggest import did_you_mean
-from .suggest import did_you_mean
 
 ACTIONS = ("F", "B", "W")
 
@@ -81,7 +80,6 @@ def _describe(terminal: str) -> str:
 _OPERATORS = {"PLUS": "+", "MINUS": "-", "STAR": "*", "SLASH": "/", "__ANON_0": "//", "PERCENT": "%"}
 _VALUE_START = {"NAME", "INT", "LPAR", "MINUS"}
 _STATEMENTS = ("IMPORT", "MODEL", "CLUSTER", "MESH", "TRAIN", "FOLD", "PIPELINE", "LAYER", "STRANDS")
-_ACTIONS = {"FWD", "BWD", "WGT", "SI"}
 _CLOSERS = {"{": "}", "(": ")", "[": "]"}
 _CLOSER_TERMINALS = {"{": "RBRACE", "(": "RPAR", "[": "RSQB"}
 
@@ -93,9 +91,6 @@ def _expected(names) -> str:
     if set(_STATEMENTS) <= names:
         groups.append("a statement (" + ", ".join(t.lower() for t in _STATEMENTS) + ")")
         names -= set(_STATEMENTS)
-    if _ACTIONS <= names:
-        groups.append("an action (F, B, W or SI)")
-        names -= _ACTIONS
     if _VALUE_START <= names:
         groups.append("an expression")
         names -= _VALUE_START
@@ -231,8 +226,6 @@ def _token_hints(token: Token, expected: set[str], source: Source) -> list[str]:
 
 
 def _name_hint(word: str) -> str:
-    if re.fullmatch(r"[A-Z]", word):
-        return f"pipeline actions are F, B, W and SI(F, B); '{word}' starts a definition `{word} = …`"
     return f"'{word}' starts a definition `{word} = …` here"
 
 
@@ -324,8 +317,13 @@ class _Builder(Transformer):
 
     def pipeline_def(self, meta, children):
         name, *body = children
-        return s.PipelineDef(str(name), tuple(body), span=self._span(meta),
-                             spans={"name": self._tok(name)})
+        fold = body.pop(0) if body and isinstance(body[0], Token) else None
+        spans = {"name": self._tok(name)} | ({"fold": self._tok(fold)} if fold else {})
+        return s.PipelineDef(str(name), tuple(body), str(fold) if fold else None,
+                             span=self._span(meta), spans=spans)
+
+    def pipeline_fold(self, meta, children):
+        return children[0]
 
     def let_stmt(self, meta, children):
         name, value = children

@@ -13,9 +13,12 @@ import attrs
 from . import dump
 from .autodiff import derive_backward
 from .check import check_program
+from .fold import placement_for
 from .imports import load_modules
+from .lower import check_fold, lower_pipeline
 from .parser import parse
 from .program import Program
+from .validate import validate_lowered
 
 
 @attrs.frozen
@@ -32,6 +35,10 @@ STAGES = (
           dump.dump_config),
     Stage("shapes", "the forward layer DAG with per-GPU shapes, kinds and lanes", dump.dump_forward),
     Stage("autodiff", "the forward and the derived backward layer DAGs", dump.dump_dags),
+    Stage("fold", "which layers each pipeline rank and chunk holds", dump.dump_placement),
+    Stage("lower", "the per-rank action lists of the pipeline (text form)", dump.dump_lowered),
+    Stage("validate", "the lowered lists after validation, with their unit-time make-span",
+          dump.dump_validated),
 )
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 
@@ -48,9 +55,11 @@ def run_until(text: str, path: str, stop: str = STAGE_NAMES[-1]):
     if stop == "resolve":
         return modules
     program = check_program(modules)
-    if stop in ("check", "shapes"):
-        return program
-    return autodiff(program)
+    for stage, run in _PROGRAM_PASSES:
+        if STAGE_NAMES.index(stop) < STAGE_NAMES.index(stage):
+            break
+        program = run(program)
+    return program
 
 
 def autodiff(program: Program) -> Program:
@@ -58,6 +67,36 @@ def autodiff(program: Program) -> Program:
     if program.forward is None:
         return program
     return attrs.evolve(program, backward=derive_backward(program.forward))
+
+
+def fold(program: Program) -> Program:
+    """The program with its layer placement (rank, chunk and layers of every stage)."""
+    if program.model is None:
+        return program
+    spec = program.fold
+    placement = placement_for(spec.kind, spec.v if spec.kind == "loop" else None,
+                              program.model.get("layers"), program.mesh.size("pp"), span=spec.span)
+    return attrs.evolve(program, placement=placement)
+
+
+def lower(program: Program) -> Program:
+    """The program with its pipeline lowered to per-rank action lists (unvalidated)."""
+    if program.model is None:
+        return program
+    check_fold(program.pipeline, program.placement.kind, program.fold.span)
+    lowered = lower_pipeline(program.pipeline, ranks=program.mesh.size("pp"),
+                             microbatches=program.train.microbatches, placement=program.placement)
+    return attrs.evolve(program, lowered=lowered)
+
+
+def validate(program: Program) -> Program:
+    """The program unchanged, once its lowered schedule is shown to run without deadlock."""
+    if program.lowered is not None:
+        validate_lowered(program.lowered)
+    return program
+
+
+_PROGRAM_PASSES = (("autodiff", autodiff), ("fold", fold), ("lower", lower), ("validate", validate))
 
 
 def check_text(text: str, path: str) -> Program:

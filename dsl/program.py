@@ -128,6 +128,8 @@ class Program:
     env: tuple[tuple[str, int], ...] = ()
     forward: LayerDag | None = None
     backward: LayerDag | None = None
+    placement: object = None  # fold.Placement, set by the fold pass
+    lowered: object = None  # schedule.Lowered, set by the lower pass
 
     def layer(self, name: str) -> s.LayerDef | None:
         """The layer definition called ``name``, if any."""

@@ -87,18 +87,40 @@ def _kinds(st: s.Overlap, errors: ErrorCollector) -> list[str]:
     for i, kind in enumerate(st.kinds):
         if kind in OVERLAP_KINDS:
             good.append(kind)
-        else:
-            errors.add(CheckError(f"unknown communication kind '{kind}'", st.span_of(f"kinds.{i}"),
-                                  did_you_mean(kind, OVERLAP_KINDS) + ["SI can hide tp, cp and ep communication"]))
+            continue
+        notes = did_you_mean(kind, OVERLAP_KINDS)
+        if kind in ("pp", "dp"):
+            notes = [f"{kind} communication happens between layers (pipeline send/recv, gradient "
+                     "all-reduce); SI pairs the operators inside a layer"]
+        errors.add(CheckError(f"unknown communication kind '{kind}'", st.span_of(f"kinds.{i}"),
+                              notes + ["SI can hide tp, cp and ep communication"]))
     return good
+
+
+_SELECTOR_NOTE = ("a selector names an op (qkv, qkv.wgrad), an operator or class (gemm, norm), "
+                  "dgrad/wgrad/bwd/compute/comm, or X.fwd / X.bwd")
 
 
 def _resolves(selector: s.Selector, forward, backward, errors: ErrorCollector) -> bool:
     if select(selector, forward, backward):
         return True
     errors.add(CheckError(f"'{selector}' matches no operator of layer {forward.name}", selector.span,
-                          did_you_mean(str(selector), known_words(forward, backward))
-                          + did_you_mean(selector.parts[0], known_words(forward, backward))[:1]
-                          + ["a selector names an op (qkv, qkv.wgrad), an operator or class (gemm, norm), "
-                             "dgrad/wgrad/bwd/compute/comm, or X.fwd / X.bwd"]))
+                          _selector_hints(selector, forward, backward) + [_SELECTOR_NOTE]))
     return False
+
+
+def _selector_hints(selector: s.Selector, forward: LayerDag, backward: LayerDag) -> list[str]:
+    """Why a selector matched nothing: a misspelt word, or a phase its ops do not have."""
+    words = known_words(forward, backward)
+    head, *rest = selector.parts
+    if head in words and rest and rest[-1] in _PHASES:
+        base = {op.name for op in forward.ops if _matches(op, head)}
+        derived = [op.name for op in backward.ops if op.forward in base]
+        if not base:
+            return [f"layer {forward.name} has no '{head}' op"]
+        return [f"the backward ops of '{head}' are {', '.join(derived)}" if derived
+                else f"no backward op derives from '{head}'"]
+    if head in words and not rest:
+        return [f"layer {forward.name} has no op of kind '{head}'"]
+    close = did_you_mean(str(selector), words) or did_you_mean(head, words)
+    return close

@@ -140,6 +140,7 @@ PStmt = Union[Let, Require, Act, SIBlock, Repeat]
 class PipelineDef(Node):
     name: str
     body: tuple[PStmt, ...]
+    fold: str | None = None  # the fold kind it is written for (`pipeline w_helix for u`)
 
 
 # --- layer DAGs ---------------------------------------------------------------------------

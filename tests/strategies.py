@@ -113,7 +113,7 @@ def pipeline_statements(depth: int = 2) -> st.SearchStrategy:
 
 def pipeline_defs() -> st.SearchStrategy[s.PipelineDef]:
     """A named per-rank schedule."""
-    return st.builds(s.PipelineDef, names(), _tuples(pipeline_statements()))
+    return st.builds(s.PipelineDef, names(), _tuples(pipeline_statements()), st.none() | names())
 
 
 # --- layers and strands --------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, shipped_files
 from dhelix.dsl.passes import dump_stage, run_until
 
-STAGES = ("check", "autodiff")
+STAGES = ("check", "autodiff", "fold", "validate")
 
 
 @pytest.mark.parametrize("path", shipped_files(), ids=lambda p: f"{p.parent.name}/{p.name}")

@@ -1,0 +1,229 @@
+"""Communicators: the collectives a layer and the pipeline need, over mesh axes.
+
+A communicator knows this rank's place in the mesh and offers, per axis (``tp``, ``cp``,
+``dp``, ``pp``, ``ep``):
+
+* ``all_gather`` and ``reduce_scatter`` along dim 0, the token dimension (Megatron's
+  sequence parallelism): rank i of the group holds rows ``[i*n, (i+1)*n)`` of the gathered
+  tensor;
+* ``all_reduce`` (sum or max), ``all_to_all`` with optional split sizes;
+* point-to-point ``send``/``recv`` between global ranks.
+
+Every collective takes ``async_op``: False returns the result tensor, True returns a
+:class:`Pending` whose ``wait()`` returns it — so an executor can issue a collective,
+compute something else and collect the result when a consumer needs it. A group of size 1
+is the identity on every implementation, so a single process runs any DAG with
+:class:`SingleRankComm`.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dhelix.dsl.mesh import Mesh
+
+AXES = ("tp", "cp", "dp", "pp", "ep")
+
+# Newer torch renamed the tensor collectives; keep working on the older names too.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Pending:
+    """An issued asynchronous operation; :meth:`wait` blocks once and returns its result.
+
+    ``finish`` post-processes the raw result after the wait (a slice, a sum with other
+    gradient contributions); it runs once.
+    """
+
+    def __init__(self, work, result: torch.Tensor, finish: Callable | None = None):
+        self._work, self._result, self._finish = work, result, finish
+        self._done = False
+
+    @classmethod
+    def ready(cls, result: torch.Tensor) -> "Pending":
+        """A Pending that is already complete (what a size-1 group returns)."""
+        return cls(None, result)
+
+    def then(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Pending":
+        """A Pending whose result is ``fn`` of this one's, applied after the wait."""
+        return Pending(self, None, lambda _: fn(self.wait()))
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the operation (idempotent) and return its result."""
+        if not self._done:
+            if self._work is not None:
+                self._work.wait()
+            if self._finish is not None:
+                self._result = self._finish(self._result)
+            self._done = True
+        return self._result
+
+
+def resolve(value):
+    """``value`` itself, or its result if it is a :class:`Pending`."""
+    return value.wait() if isinstance(value, Pending) else value
+
+
+class Communicator:
+    """The interface; subclasses implement the ``_``-prefixed primitives.
+
+    ``rank`` is the global rank and ``mesh`` the program's mesh (None for the single-rank
+    communicator, where every axis has size 1).
+    """
+
+    rank: int = 0
+    mesh: Mesh | None = None
+
+    def size(self, axis: str) -> int:
+        """Number of ranks in this rank's group of ``axis``."""
+        return 1 if self.mesh is None else self.mesh.size(axis)
+
+    def index(self, axis: str) -> int:
+        """This rank's position inside its group of ``axis`` (0 … size-1)."""
+        if self.mesh is None:
+            return 0
+        if axis == "ep":  # EP groups are blocks of consecutive DP coordinates (see dsl.mesh)
+            return self.mesh.coords(self.rank).get("dp", 0) % self.mesh.ep
+        return self.mesh.coords(self.rank).get(axis, 0)
+
+    def peer(self, axis: str, offset: int) -> int:
+        """The global rank ``offset`` steps along ``axis`` from this one, cyclically."""
+        if self.mesh is None:
+            return self.rank
+        group = self.group_ranks(axis)
+        return group[(self.index(axis) + offset) % len(group)]
+
+    def group_ranks(self, axis: str) -> tuple[int, ...]:
+        """The global ranks of this rank's group of ``axis``, in axis order."""
+        if self.mesh is None:
+            return (self.rank,)
+        return next(g for g in self.mesh.groups(axis) if self.rank in g)
+
+    # -- collectives: identity on a size-1 group, else the subclass primitive --------------
+
+    def all_gather(self, x: torch.Tensor, axis: str, async_op: bool = False):
+        """Concatenate every group member's ``x`` along dim 0, in axis order."""
+        if self.size(axis) == 1:
+            return _done(x, async_op)
+        return self._all_gather(x.contiguous(), axis, async_op)
+
+    def reduce_scatter(self, x: torch.Tensor, axis: str, async_op: bool = False):
+        """Sum ``x`` over the group and keep this rank's block of dim 0."""
+        if self.size(axis) == 1:
+            return _done(x, async_op)
+        return self._reduce_scatter(x.contiguous(), axis, async_op)
+
+    def all_reduce(self, x: torch.Tensor, axis: str, op: str = "sum", async_op: bool = False):
+        """Reduce ``x`` (``sum`` or ``max``) over the group, in place; returns ``x``."""
+        if self.size(axis) == 1:
+            return _done(x, async_op)
+        return self._all_reduce(x, axis, op, async_op)
+
+    def all_to_all(self, x: torch.Tensor, axis: str, in_splits=None, out_splits=None,
+                   async_op: bool = False):
+        """Send row block i of ``x`` to group member i; ``in_splits``/``out_splits`` give
+        the block sizes (equal blocks when None). Returns the received rows in member order."""
+        if self.size(axis) == 1:
+            return _done(x, async_op)
+        return self._all_to_all(x.contiguous(), axis, in_splits, out_splits, async_op)
+
+    def send(self, x: torch.Tensor, dst: int, async_op: bool = False):
+        """Send ``x`` to global rank ``dst``; async returns a Pending resolving to ``x``."""
+        if dst == self.rank:
+            raise ValueError(f"rank {self.rank} cannot send to itself")
+        return self._send(x.contiguous(), dst, async_op)
+
+    def recv(self, shape, dtype: torch.dtype, src: int, async_op: bool = False):
+        """Receive a tensor of ``shape`` and ``dtype`` from global rank ``src``."""
+        if src == self.rank:
+            raise ValueError(f"rank {self.rank} cannot receive from itself")
+        return self._recv(tuple(shape), dtype, src, async_op)
+
+    def _all_gather(self, x, axis, async_op):
+        raise NotImplementedError
+
+    _reduce_scatter = _all_reduce = _all_to_all = _send = _recv = _all_gather
+
+
+def _done(x: torch.Tensor, async_op: bool):
+    return Pending.ready(x) if async_op else x
+
+
+class SingleRankComm(Communicator):
+    """One process holding the whole mesh position: every group has size 1."""
+
+    def __init__(self) -> None:
+        self.rank, self.mesh = 0, None
+
+
+class DistComm(Communicator):
+    """Collectives over torch.distributed process groups, one group per mesh-axis group.
+
+    Must be constructed on every rank of an initialised default process group, in the
+    same order (``new_group`` is collective). ``device`` is where received tensors go.
+    """
+
+    def __init__(self, mesh: Mesh, device: torch.device | str = "cpu", timeout_s: float | None = None):
+        self.mesh, self.rank = mesh, dist.get_rank()
+        self.device = torch.device(device)
+        if dist.get_world_size() != mesh.world:
+            raise ValueError(f"the mesh has {mesh.world} ranks but torch.distributed has "
+                             f"{dist.get_world_size()}")
+        timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        self._groups: dict[str, object] = {}
+        for axis in AXES:
+            for ranks in mesh.groups(axis):
+                if len(ranks) == 1:
+                    continue
+                # Every rank creates every group (a collective call), and keeps its own.
+                group = dist.new_group(list(ranks), timeout=timeout)
+                if self.rank in ranks:
+                    self._groups[axis] = group
+
+    def _all_gather(self, x, axis, async_op):
+        out = torch.empty((x.shape[0] * self.size(axis),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        work = _all_gather_single(out, x, group=self._groups[axis], async_op=async_op)
+        return Pending(work, out) if async_op else out
+
+    def _reduce_scatter(self, x, axis, async_op):
+        size = self.size(axis)
+        if x.shape[0] % size:
+            raise ValueError(f"reduce_scatter of {x.shape[0]} rows over {axis} = {size} does not divide")
+        out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        work = _reduce_scatter_single(out, x, group=self._groups[axis], async_op=async_op)
+        return Pending(work, out) if async_op else out
+
+    def _all_reduce(self, x, axis, op, async_op):
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+        work = dist.all_reduce(x, op=reduce_op, group=self._groups[axis], async_op=async_op)
+        return Pending(work, x) if async_op else x
+
+    def _all_to_all(self, x, axis, in_splits, out_splits, async_op):
+        rows = sum(out_splits) if out_splits is not None else x.shape[0]
+        out = torch.empty((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        work = dist.all_to_all_single(out, x, output_split_sizes=_list(out_splits),
+                                      input_split_sizes=_list(in_splits), group=self._groups[axis],
+                                      async_op=async_op)
+        return Pending(work, out) if async_op else out
+
+    def _send(self, x, dst, async_op):
+        if async_op:
+            return Pending(dist.isend(x, dst), x)
+        dist.send(x, dst)
+        return x
+
+    def _recv(self, shape, dtype, src, async_op):
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        if async_op:
+            return Pending(dist.irecv(out, src), out)
+        dist.recv(out, src)
+        return out
+
+
+def _list(splits):
+    return None if splits is None else [int(s) for s in splits]

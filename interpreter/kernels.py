@@ -1,0 +1,452 @@
+"""Operator kernels: an explicit forward, data-gradient and weight-gradient per operator.
+
+Each compute operator of the library is a :class:`Kernel` of three functions:
+
+* ``forward(inputs, weight, ctx) -> (out, saved)``: ``inputs`` are the op's input tensors in
+  DAG order, ``weight`` its (per-GPU) weight or None, ``saved`` what the backward needs;
+* ``dgrad(grad_out, saved, weight) -> grads``: one gradient per input, None for an input
+  that gets none (token ids, the router scores read by ``permute``);
+* ``wgrad(grad_out, saved) -> grad_weight``: kept separate so the executor can move it.
+
+Backward formulas are written out (no autograd), except attention, whose backward
+recomputes the forward with autograd inside the kernel (flash-attention style
+recomputation: only ``qkv`` is saved, never the probabilities).
+
+Tensors are 2-D ``[tokens, features]``; a micro-batch's tokens are rows in (batch, seq)
+order, so attention reshapes them with the micro-batch size from ``ctx``. Collectives go
+through ``ctx.comm`` (:mod:`.comm`). :func:`handler` is the dispatch table from an
+``Op.op`` — a library op or a derived kind such as ``_gemm_dgrad`` or ``rmsnorm_bwd`` — to
+its role and kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from .comm import Communicator, SingleRankComm
+
+#: Epsilon of RMSNorm and LayerNorm (the reference model uses the same).
+EPS = 1e-5
+
+
+@attrs.define
+class KernelCtx:
+    """What a kernel needs besides tensors and its weight.
+
+    ``params`` are the op's integer and flag arguments (heads, kv_heads, mask, top_k…);
+    ``routing`` is a record shared by the MoE ops of one layer run (the tokens per local
+    expert that ``permute`` computes and ``grouped_gemm`` needs, as Megatron's token
+    dispatcher keeps them beside the tensors); ``vocab_start`` is the first vocabulary row
+    of this rank's embedding / LM-head shard.
+    """
+
+    comm: Communicator = attrs.field(factory=SingleRankComm)
+    axis: str | None = None
+    micro_batch: int = 1
+    params: Mapping[str, object] = attrs.field(factory=dict)
+    routing: dict = attrs.field(factory=dict)
+    vocab_start: int = 0
+    async_op: bool = False
+
+
+@attrs.frozen
+class Kernel:
+    """The three functions of one compute operator (``wgrad`` None: no weight)."""
+
+    forward: Callable
+    dgrad: Callable
+    wgrad: Callable | None = None
+
+
+# -- norms -------------------------------------------------------------------------------
+
+def _rmsnorm_forward(inputs, weight, ctx):
+    (x,) = inputs
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return x * rstd * weight, (x, rstd)
+
+
+def _rmsnorm_dgrad(grad, saved, weight):
+    x, rstd = saved
+    xhat, gy = x * rstd, grad * weight
+    return (rstd * (gy - xhat * (gy * xhat).mean(-1, keepdim=True)),)
+
+
+def _rmsnorm_wgrad(grad, saved):
+    x, rstd = saved
+    return (grad * x * rstd).sum(0)
+
+
+def _layernorm_forward(inputs, weight, ctx):
+    """LayerNorm; ``weight`` is ``[2, features]``: row 0 the scale, row 1 the bias."""
+    (x,) = inputs
+    mean = x.mean(-1, keepdim=True)
+    centred = x - mean
+    rstd = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + EPS)
+    xhat = centred * rstd
+    return xhat * weight[0] + weight[1], (xhat, rstd)
+
+
+def _layernorm_dgrad(grad, saved, weight):
+    xhat, rstd = saved
+    gy = grad * weight[0]
+    return (rstd * (gy - gy.mean(-1, keepdim=True) - xhat * (gy * xhat).mean(-1, keepdim=True)),)
+
+
+def _layernorm_wgrad(grad, saved):
+    xhat, _ = saved
+    return torch.stack(((grad * xhat).sum(0), grad.sum(0)))
+
+
+# -- GEMMs -------------------------------------------------------------------------------
+
+def _gemm_forward(inputs, weight, ctx):
+    """``x @ W`` with ``W`` ``[in, out]``: column- and row-parallel alike (the shard is the
+    weight); the row-parallel partial sums are reduced by the DAG's reduce_scatter."""
+    (x,) = inputs
+    return x @ weight, (x,)
+
+
+def _gemm_dgrad(grad, saved, weight):
+    return (grad @ weight.t(),)
+
+
+def _gemm_wgrad(grad, saved):
+    (x,) = saved
+    return x.t() @ grad
+
+
+def _router_forward(inputs, weight, ctx):
+    """MoE gate: expert probabilities ``softmax(x @ Wr)`` per token."""
+    (x,) = inputs
+    probs = torch.softmax(x @ weight, dim=-1)
+    return probs, (x, probs)
+
+
+def _router_grad_logits(grad, probs):
+    return probs * (grad - (grad * probs).sum(-1, keepdim=True))
+
+
+def _router_dgrad(grad, saved, weight):
+    _, probs = saved
+    return (_router_grad_logits(grad, probs) @ weight.t(),)
+
+
+def _router_wgrad(grad, saved):
+    x, probs = saved
+    return x.t() @ _router_grad_logits(grad, probs)
+
+
+def _grouped_gemm_forward(inputs, weight, ctx):
+    """One GEMM per local expert over its block of rows; ``weight`` is ``[experts, in, out]``
+    and ``ctx.routing["counts"]`` the rows per local expert, in order."""
+    (x,) = inputs
+    counts = _counts(ctx, weight.shape[0], x.shape[0])
+    out = torch.cat([rows @ w for rows, w in zip(x.split(counts), weight, strict=True)])
+    return out, (x, counts)
+
+
+def _counts(ctx, experts: int, rows: int) -> list[int]:
+    counts = ctx.routing.get("counts")
+    if counts is None or len(counts) != experts or sum(counts) != rows:
+        raise RuntimeError(f"grouped_gemm over {rows} rows and {experts} local experts has no "
+                           f"matching routing (got {counts}); a permute must run first")
+    return list(counts)
+
+
+def _grouped_gemm_dgrad(grad, saved, weight):
+    _, counts = saved
+    return (torch.cat([g @ w.t() for g, w in zip(grad.split(counts), weight, strict=True)]),)
+
+
+def _grouped_gemm_wgrad(grad, saved):
+    x, counts = saved
+    return torch.stack([rows.t() @ g for rows, g in zip(x.split(counts), grad.split(counts), strict=True)])
+
+
+# -- attention ---------------------------------------------------------------------------
+
+def _attend(qkv: torch.Tensor, heads: int, kv_heads: int, causal: bool, micro_batch: int) -> torch.Tensor:
+    """Scaled dot-product attention of ``qkv`` ``[tokens, (heads + 2*kv_heads) * d]``,
+    laid out as ``[q heads | k heads | v heads]``, head-major inside each block; query head
+    i reads kv head ``i // (heads / kv_heads)``. Returns ``[tokens, heads * d]``."""
+    tokens, width = qkv.shape
+    d = width // (heads + 2 * kv_heads)
+    seq = tokens // micro_batch
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+
+    def split(t, n):
+        return t.reshape(micro_batch, seq, n, d).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(split(q, heads), split(k, kv_heads), split(v, kv_heads),
+                                         is_causal=causal, enable_gqa=heads != kv_heads)
+    return out.transpose(1, 2).reshape(tokens, heads * d)
+
+
+def _attention_forward(inputs, weight, ctx):
+    (qkv,) = inputs
+    if ctx.axis is not None and ctx.comm.size(ctx.axis) > 1:
+        raise NotImplementedError("ring attention over cp > 1 is not executed yet")
+    meta = (int(ctx.params["heads"]), int(ctx.params["kv_heads"]), ctx.params.get("mask") == "causal",
+            ctx.micro_batch)
+    if qkv.shape[0] % ctx.micro_batch:
+        raise ValueError(f"attention over {qkv.shape[0]} tokens with micro_batch {ctx.micro_batch}")
+    return _attend(qkv, *meta), (qkv, meta)
+
+
+def _attention_dgrad(grad, saved, weight):
+    # The only autograd backward: recompute the forward from qkv and differentiate it.
+    qkv, meta = saved
+    with torch.enable_grad():
+        leaf = qkv.detach().requires_grad_(True)
+        (dqkv,) = torch.autograd.grad(_attend(leaf, *meta), leaf, grad)
+    return (dqkv,)
+
+
+# -- activations and add -----------------------------------------------------------------
+
+def _swiglu_forward(inputs, weight, ctx):
+    """``silu(gate) * up`` with gate the first and up the second half of the features."""
+    (x,) = inputs
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up, (x,)
+
+
+def _swiglu_dgrad(grad, saved, weight):
+    (x,) = saved
+    gate, up = x.chunk(2, dim=-1)
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    dgate = grad * up * sig * (1 + gate * (1 - sig))
+    return (torch.cat((dgate, grad * silu), dim=-1),)
+
+
+def _gelu_forward(inputs, weight, ctx):
+    """Exact (erf) GeLU."""
+    (x,) = inputs
+    return F.gelu(x), (x,)
+
+
+def _gelu_dgrad(grad, saved, weight):
+    (x,) = saved
+    cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+    pdf = torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    return (grad * (cdf + x * pdf),)
+
+
+def _add_forward(inputs, weight, ctx):
+    a, b = inputs
+    return a + b, None
+
+
+def _add_dgrad(grad, saved, weight):
+    return (grad, grad)
+
+
+# -- MoE permutes ------------------------------------------------------------------------
+
+@attrs.frozen
+class Routing:
+    """Top-k routing of ``tokens`` tokens: chosen experts and probabilities ``[tokens, k]``
+    and ``order``, the (token, slot) pairs ``t * k + s`` sorted stably by expert."""
+
+    experts: torch.Tensor
+    probs: torch.Tensor
+    order: torch.Tensor
+    counts: list[int]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The source token of each routed row."""
+        return self.order // self.experts.shape[1]
+
+
+def route(scores: torch.Tensor, top_k: int) -> Routing:
+    """The top-k routing that ``scores`` ``[tokens, experts]`` choose (deterministic, so
+    permute and unpermute derive the same order independently)."""
+    probs, experts = scores.topk(top_k, dim=-1)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=scores.shape[1]).tolist()
+    return Routing(experts, probs, order, counts)
+
+
+def _permute_forward(inputs, weight, ctx):
+    """Replicate each token top_k times, rows grouped by expert; records the counts."""
+    x, scores = inputs
+    routing = route(scores, int(ctx.params["top_k"]))
+    ctx.routing["counts"] = routing.counts
+    rows = routing.rows
+    return x[rows], (rows, x.shape[0])
+
+
+def _permute_dgrad(grad, saved, weight):
+    rows, tokens = saved
+    dx = grad.new_zeros((tokens, grad.shape[1])).index_add_(0, rows, grad)
+    return (dx, None)  # the scores only choose rows: no gradient
+
+
+def _unpermute_forward(inputs, weight, ctx):
+    """Each token's sum of its top_k expert outputs, weighted by their probabilities."""
+    y, scores = inputs
+    routing = route(scores, int(ctx.params["top_k"]))
+    weights = routing.probs.reshape(-1)[routing.order]
+    rows = routing.rows
+    out = y.new_zeros((scores.shape[0], y.shape[1])).index_add_(0, rows, y * weights[:, None])
+    return out, (y, routing, weights, scores.shape)
+
+
+def _unpermute_dgrad(grad, saved, weight):
+    y, routing, weights, scores_shape = saved
+    tokens, experts = scores_shape
+    picked = grad[routing.rows]
+    dy = picked * weights[:, None]
+    dweights = (picked * y).sum(-1)
+    slot = routing.rows * experts + routing.experts.reshape(-1)[routing.order]
+    dscores = grad.new_zeros(tokens * experts).index_add_(0, slot, dweights)
+    return (dy, dscores.view(tokens, experts))
+
+
+# -- vocabulary-parallel embedding and LM head with cross-entropy --------------------------
+
+def _embedding_forward(inputs, weight, ctx):
+    """Rows of this rank's vocabulary shard ``[vocab/tp, hidden]`` for token ``ids``,
+    zeros for ids outside it (Megatron's VocabParallelEmbedding): a partial sum the caller
+    reduces (reduce_scatter over tp for sequence parallelism)."""
+    (ids,) = inputs
+    local = ids - ctx.vocab_start
+    inside = (local >= 0) & (local < weight.shape[0])
+    local = local.masked_fill(~inside, 0)
+    out = weight[local] * inside[:, None].to(weight.dtype)
+    return out, (local, inside, weight.shape[0])
+
+
+def _embedding_dgrad(grad, saved, weight):
+    return (None,)  # token ids have no gradient
+
+
+def _embedding_wgrad(grad, saved):
+    local, inside, rows = saved
+    return grad.new_zeros((rows, grad.shape[1])).index_add_(0, local[inside], grad[inside])
+
+
+def _lm_head_forward(inputs, weight, ctx):
+    """Per-token cross-entropy ``[tokens]`` of ``h @ W`` against ``targets`` with the
+    vocabulary split over ``ctx.axis``: the max, the sum of exponentials and the target
+    logit are all-reduced over the group, so every rank gets the full losses."""
+    h, targets = inputs
+    logits = h @ weight
+    vocab = weight.shape[1]
+    local = targets - ctx.vocab_start
+    inside = (local >= 0) & (local < vocab)
+    local = local.masked_fill(~inside, 0)
+    peak = ctx.comm.all_reduce(logits.max(dim=-1).values, ctx.axis, "max")
+    exp = torch.exp(logits - peak[:, None])
+    total = ctx.comm.all_reduce(exp.sum(-1), ctx.axis, "sum")
+    target = logits.gather(1, local[:, None]).squeeze(1) * inside.to(logits.dtype)
+    target = ctx.comm.all_reduce(target, ctx.axis, "sum")
+    losses = torch.log(total) + peak - target
+    return losses, (h, exp / total[:, None], local, inside)
+
+
+def _lm_head_grad_logits(grad, saved):
+    _, softmax, local, inside = saved
+    grad_logits = softmax * grad[:, None]
+    rows = torch.arange(grad.shape[0], device=grad.device)[inside]
+    grad_logits[rows, local[inside]] -= grad[inside]
+    return grad_logits
+
+
+def _lm_head_dgrad(grad, saved, weight):
+    """Gradient of ``h`` for ``grad`` ``[tokens]`` of the losses: a partial sum over the
+    vocabulary shards (the caller reduces it over tp); targets get none."""
+    return (_lm_head_grad_logits(grad, saved) @ weight.t(), None)
+
+
+def _lm_head_wgrad(grad, saved):
+    return saved[0].t() @ _lm_head_grad_logits(grad, saved)
+
+
+# -- collectives (their backward is the transposed collective, a DAG op of its own) --------
+
+def _all_gather(x, ctx):
+    return ctx.comm.all_gather(x, ctx.axis, async_op=ctx.async_op)
+
+
+def _reduce_scatter(x, ctx):
+    return ctx.comm.reduce_scatter(x, ctx.axis, async_op=ctx.async_op)
+
+
+def _all_to_all(x, ctx):
+    if ctx.comm.size(ctx.axis) > 1:
+        raise NotImplementedError("MoE dispatch over ep > 1 is not executed yet")
+    return ctx.comm.all_to_all(x, ctx.axis, async_op=ctx.async_op)
+
+
+def _send(x, ctx):
+    """Send to the next rank of the axis ring; the op's value is what it sent."""
+    return ctx.comm.send(x, ctx.comm.peer(ctx.axis, 1), async_op=ctx.async_op)
+
+
+def _recv(x, ctx):
+    """Receive a tensor shaped like ``x`` from the previous rank of the axis ring."""
+    return ctx.comm.recv(x.shape, x.dtype, ctx.comm.peer(ctx.axis, -1), async_op=ctx.async_op)
+
+
+KERNELS: dict[str, Kernel] = {
+    "rmsnorm": Kernel(_rmsnorm_forward, _rmsnorm_dgrad, _rmsnorm_wgrad),
+    "layernorm": Kernel(_layernorm_forward, _layernorm_dgrad, _layernorm_wgrad),
+    "gemm": Kernel(_gemm_forward, _gemm_dgrad, _gemm_wgrad),
+    "router": Kernel(_router_forward, _router_dgrad, _router_wgrad),
+    "grouped_gemm": Kernel(_grouped_gemm_forward, _grouped_gemm_dgrad, _grouped_gemm_wgrad),
+    "attention": Kernel(_attention_forward, _attention_dgrad),
+    "swiglu": Kernel(_swiglu_forward, _swiglu_dgrad),
+    "gelu": Kernel(_gelu_forward, _gelu_dgrad),
+    "add": Kernel(_add_forward, _add_dgrad),
+    "permute": Kernel(_permute_forward, _permute_dgrad),
+    "unpermute": Kernel(_unpermute_forward, _unpermute_dgrad),
+    "embedding": Kernel(_embedding_forward, _embedding_dgrad, _embedding_wgrad),
+    "lm_head": Kernel(_lm_head_forward, _lm_head_dgrad, _lm_head_wgrad),
+}
+
+#: Collectives: ``fn(x, ctx) -> Tensor | Pending`` (a Pending when ``ctx.async_op``).
+COLLECTIVES: dict[str, Callable] = {
+    "all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all,
+    "send": _send, "recv": _recv,
+}
+
+#: Roles an ``Op.op`` resolves to.
+FORWARD, DGRAD, WGRAD, BWD, COMM = "forward", "dgrad", "wgrad", "bwd", "comm"
+# Ops whose backward autodiff splits into .dgrad and .wgrad; a *_bwd op of any other
+# weighted op (the norms) computes both.
+_SPLIT = ("gemm", "grouped_gemm", "router")
+
+
+def _handlers() -> dict[str, tuple[str, object]]:
+    table: dict[str, tuple[str, object]] = {}
+    for name, kernel in KERNELS.items():
+        table[name] = (FORWARD, kernel)
+        if name in _SPLIT:
+            table[f"{name}_dgrad"] = (DGRAD, kernel)
+            table[f"{name}_wgrad"] = (WGRAD, kernel)
+        else:
+            table[f"{name}_bwd"] = (BWD, kernel)
+    table.update({name: (COMM, fn) for name, fn in COLLECTIVES.items()})
+    return table
+
+
+HANDLERS = _handlers()
+
+
+def handler(op_kind: str) -> tuple[str, object]:
+    """The role (forward | dgrad | wgrad | bwd | comm) and the Kernel (or collective
+    function) of ``op_kind``, an ``Op.op``. Raises KeyError naming the known kinds."""
+    try:
+        return HANDLERS[op_kind]
+    except KeyError:
+        raise KeyError(f"no kernel for op '{op_kind}'; known: {', '.join(sorted(HANDLERS))}") from None

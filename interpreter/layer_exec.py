@@ -1,0 +1,352 @@
+"""Execute one layer's forward DAG and derived backward DAG op by op, and the model's ends.
+
+A :class:`LayerRun` is the live state of one layer for one micro-batch: activations keyed
+by op name, what each forward kernel saved for its backward, and the gradients flowing
+back. The executor drives it one :class:`~dhelix.dsl.program.Op` at a time
+(:meth:`LayerRun.forward_op`, :meth:`LayerRun.backward_op`) in any order the DAG allows —
+that is what strand interleaving and wgrad moving need; :meth:`LayerRun.forward` and
+:meth:`LayerRun.backward` run a whole DAG in its listed order.
+
+Backward semantics (mirroring :mod:`dhelix.dsl.autodiff`): a backward op produces the
+gradients of its forward op's inputs, as a map *forward value → gradient* (``add``
+fans out, ``unpermute`` gives both the routed tokens and the router scores theirs). A value
+read by several forward ops receives several contributions; the backward op of its *first*
+reader (:attr:`LayerPlan.accumulate`) adds the others' to its own, the fused accumulation
+the derived DAG's extra dependencies announce. ``.wgrad`` ops (and the weight half of a
+norm's ``.bwd``) add into :attr:`LayerRun.grads`, keyed by op name, across micro-batches.
+
+Collectives may run asynchronously: the value stored is a :class:`~.comm.Pending` that the
+first reader waits for. Tensors are released as soon as their last reader has run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Mapping
+
+import attrs
+import torch
+
+from dhelix.dsl.program import LayerDag, Op, Program
+
+from .comm import AXES, Communicator, Pending, resolve
+from .kernels import BWD, COMM, DGRAD, FORWARD, KERNELS, WGRAD, KernelCtx, handler
+from .reference import Batch
+from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
+
+_SPLIT = ("gemm", "grouped_gemm", "router")
+
+
+@attrs.frozen
+class LayerPlan:
+    """The static bookkeeping of a (forward, backward) DAG pair, shared by all runs.
+
+    ``upstream[b]`` is the backward value holding the gradient of backward op ``b``'s
+    forward output; ``accumulate[b]`` lists ``(value, other producers)`` for the values whose
+    gradient sum ``b`` computes; ``fwd_readers``/``bwd_readers``/``saved_users`` count the
+    consumers of each forward value, backward value and forward op's saved tensors.
+    """
+
+    fwd: LayerDag
+    bwd: LayerDag
+    micro_batch: int
+    upstream: Mapping[str, str | None]
+    accumulate: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]]
+    fwd_readers: Mapping[str, int]
+    bwd_readers: Mapping[str, int]
+    saved_users: Mapping[str, int]
+
+    @classmethod
+    def build(cls, fwd: LayerDag, bwd: LayerDag, micro_batch: int) -> "LayerPlan":
+        """The plan of ``fwd`` and its derived ``bwd`` for micro-batches of ``micro_batch``
+        sequences. Raises NotImplementedError for ring attention (cp > 1)."""
+        if any(op.op_class == "ring_attention" for op in fwd.ops):
+            raise NotImplementedError("ring attention over cp > 1 is not executed yet")
+        contributions: dict[str, list[str]] = {}
+        for op in reversed(fwd.ops):
+            producer = f"{op.name}.dgrad" if op.op in _SPLIT else f"{op.name}.bwd"
+            for value in dict.fromkeys(_differentiable(op)):
+                contributions.setdefault(value, []).append(producer)
+        upstream = {}
+        for op in bwd.ops:
+            found = contributions.get(op.forward, [])
+            upstream[op.name] = bwd.input if op.forward == fwd.output else (found[-1] if found else None)
+            if upstream[op.name] not in op.inputs + (None,):
+                raise ValueError(f"backward op {op.name} does not read {upstream[op.name]}, the gradient "
+                                 "of its forward output: the backward DAG was not derived from this forward")
+        accumulate: dict[str, list] = {}
+        for value, producers in contributions.items():
+            if len(producers) > 1:
+                accumulate.setdefault(producers[-1], []).append((value, tuple(producers[:-1])))
+        return cls(fwd, bwd, micro_batch, upstream,
+                   {k: tuple(v) for k, v in accumulate.items()},
+                   Counter(name for op in fwd.ops for name in dict.fromkeys(op.inputs)),
+                   Counter(name for op in bwd.ops for name in dict.fromkeys(op.inputs)),
+                   Counter(op.forward for op in bwd.ops))
+
+
+def _differentiable(op: Op) -> tuple[str, ...]:
+    # permute's scores only choose rows; every other input of every op gets a gradient.
+    return op.inputs[:1] if op.op == "permute" else op.inputs
+
+
+class LayerRun:
+    """One layer's forward and backward for one micro-batch.
+
+    ``weights`` are this rank's shards keyed by op name; ``grads`` (shared across the runs
+    of the same layer so micro-batches accumulate) receives the weight gradients. The
+    communicator does the collectives of the DAG's comm ops.
+    """
+
+    def __init__(self, plan: LayerPlan, weights: Mapping[str, torch.Tensor], comm: Communicator,
+                 grads: dict[str, torch.Tensor] | None = None):
+        self.plan, self.weights, self.comm = plan, weights, comm
+        self.grads = grads if grads is not None else {}
+        self.routing: dict = {}  # MoE routing shared by permute and grouped_gemm
+        self.acts: dict[str, object] = {}
+        self.saved: dict[str, object] = {}
+        self.bgrads: dict[str, dict[str, object]] = {}
+        self._fwd_left = Counter(plan.fwd_readers)
+        self._bwd_left = Counter(plan.bwd_readers)
+        self._saved_left = Counter(plan.saved_users)
+
+    # -- forward -------------------------------------------------------------------------
+
+    def start(self, x: torch.Tensor) -> None:
+        """Set the layer input ``x`` (this rank's ``[tokens, hidden]`` rows)."""
+        self.acts[self.plan.fwd.input] = x
+
+    def forward_op(self, op: Op, async_op: bool = False) -> None:
+        """Run forward op ``op``; a collective with ``async_op`` is left in flight."""
+        role, kernel = handler(op.op)
+        args = [self._act(name) for name in op.inputs]
+        ctx = self._ctx(op, async_op)
+        if role == COMM:
+            self.acts[op.name] = kernel(args[0], ctx)
+        elif role == FORWARD:
+            out, saved = kernel.forward(args, self.weights.get(op.name), ctx)
+            self.acts[op.name] = out
+            if self._saved_left[op.name]:
+                self.saved[op.name] = saved
+        else:
+            raise ValueError(f"{op.name} ({op.op}) is not a forward op")
+        self._release(op.inputs, self._fwd_left, self.acts, keep=self.plan.fwd.output)
+
+    def output(self) -> torch.Tensor:
+        """The layer output (waits for it if a collective produces it)."""
+        return self._act(self.plan.fwd.output)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Run the whole forward DAG on ``x`` in its listed order; returns the output."""
+        self.start(x)
+        for op in self.plan.fwd.ops:
+            self.forward_op(op)
+        return self.output()
+
+    # -- backward ------------------------------------------------------------------------
+
+    def start_backward(self, grad_out: torch.Tensor) -> None:
+        """Set the gradient of the layer output."""
+        self.bgrads[self.plan.bwd.input] = {self.plan.fwd.output: grad_out}
+
+    def backward_op(self, op: Op, async_op: bool = False) -> None:
+        """Run backward op ``op`` (a dgrad, a wgrad, an op's whole backward or a collective)."""
+        role, kernel = handler(op.op)
+        forward = self.plan.fwd.op(op.forward)
+        grad = self._upstream(op, forward)
+        if role == COMM:
+            out = {forward.inputs[0]: kernel(grad, self._ctx(op, async_op))}
+        elif role in (DGRAD, BWD):
+            grads = kernel.dgrad(grad, self.saved[forward.name], self.weights.get(forward.name))
+            out = _by_value(forward.inputs, grads)
+            if role == BWD and kernel.wgrad is not None:
+                self._add_weight_grad(forward.name, kernel.wgrad(grad, self.saved[forward.name]))
+        elif role == WGRAD:
+            self._add_weight_grad(forward.name, kernel.wgrad(grad, self.saved[forward.name]))
+            out = {}
+        else:
+            raise ValueError(f"{op.name} ({op.op}) is not a backward op")
+        for value, producers in self.plan.accumulate.get(op.name, ()):
+            out[value] = self._accumulated(out[value], value, producers)
+        if out:  # a wgrad's result lives in grads, not in the flow of gradients
+            self.bgrads[op.name] = out
+        self._release(op.inputs, self._bwd_left, self.bgrads, keep=self.plan.bwd.output)
+        self._saved_left[forward.name] -= 1
+        if self._saved_left[forward.name] == 0:
+            self.saved.pop(forward.name, None)
+
+    def input_grad(self) -> torch.Tensor:
+        """The gradient of the layer input (after the whole backward DAG has run)."""
+        return resolve(self.bgrads[self.plan.bwd.output][self.plan.fwd.input])
+
+    def backward(self, grad_out: torch.Tensor) -> torch.Tensor:
+        """Run the whole backward DAG in its listed order; returns the input gradient."""
+        self.start_backward(grad_out)
+        for op in self.plan.bwd.ops:
+            self.backward_op(op)
+        return self.input_grad()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _ctx(self, op: Op, async_op: bool) -> KernelCtx:
+        return KernelCtx(self.comm, op.axis, self.plan.micro_batch, dict(op.params), self.routing,
+                         async_op=async_op)
+
+    def _act(self, name: str) -> torch.Tensor:
+        value = self.acts[name]
+        if isinstance(value, Pending):
+            value = self.acts[name] = value.wait()
+        return value
+
+    def _upstream(self, op: Op, forward: Op) -> torch.Tensor:
+        source = self.plan.upstream[op.name]
+        if source is None:  # the forward output feeds nothing differentiable
+            like = next(iter(self.weights.values()), torch.zeros(()))
+            return torch.zeros(forward.shape, dtype=like.dtype, device=like.device)
+        return resolve(self.bgrads[source][forward.name])
+
+    def _accumulated(self, own, value: str, producers: tuple[str, ...]):
+        def total(tensor):
+            for producer in producers:
+                tensor = tensor + resolve(self.bgrads[producer][value])
+            return tensor
+
+        return own.then(total) if isinstance(own, Pending) else total(own)
+
+    def _add_weight_grad(self, name: str, grad: torch.Tensor) -> None:
+        if name in self.grads:
+            self.grads[name] += grad
+        else:
+            self.grads[name] = grad
+
+    def _release(self, names, left: Counter, store: dict, keep: str) -> None:
+        for name in dict.fromkeys(names):
+            left[name] -= 1
+            if left[name] == 0 and name != keep:
+                store.pop(name, None)
+
+
+def _by_value(inputs: tuple[str, ...], grads) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, grad in zip(inputs, grads, strict=True):
+        if grad is not None:
+            out[name] = out[name] + grad if name in out else grad
+    return out
+
+
+class EmbedRun:
+    """The vocabulary-parallel embedding of one micro-batch: every tp rank looks up all
+    tokens in its vocabulary shard, then the partial rows are reduce-scattered over tp
+    (sequence parallelism) or all-reduced (without it)."""
+
+    def __init__(self, weight: torch.Tensor, comm: Communicator, vocab_start: int,
+                 sequence_parallel: bool = True, grads: dict | None = None, name: str = "embedding"):
+        self.weight, self.comm, self.name = weight, comm, name
+        self.ctx = KernelCtx(comm, "tp", vocab_start=vocab_start)
+        self.sequence_parallel = sequence_parallel
+        self.grads = grads if grads is not None else {}
+        self.saved = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """The layer-0 input for token ``ids`` ``[tokens]`` (all tokens of the micro-batch)."""
+        partial, self.saved = KERNELS["embedding"].forward((ids,), self.weight, self.ctx)
+        if self.sequence_parallel:
+            return self.comm.reduce_scatter(partial, "tp")
+        return self.comm.all_reduce(partial, "tp")
+
+    def backward(self, grad: torch.Tensor) -> None:
+        """Add the embedding gradient for ``grad``, the gradient of the forward output."""
+        if self.sequence_parallel:
+            grad = self.comm.all_gather(grad, "tp")
+        weight_grad = KERNELS["embedding"].wgrad(grad, self.saved)
+        self.grads[self.name] = self.grads[self.name] + weight_grad if self.name in self.grads else weight_grad
+        self.saved = None
+
+
+class HeadRun:
+    """The final norm, the vocabulary-parallel LM head and the cross-entropy of one
+    micro-batch. ``norm`` is an rmsnorm ``[hidden]`` or layernorm ``[2, hidden]`` weight."""
+
+    def __init__(self, norm: torch.Tensor, head: torch.Tensor, comm: Communicator, vocab_start: int,
+                 sequence_parallel: bool = True, grads: dict | None = None,
+                 names: tuple[str, str] = ("final_norm", "lm_head")):
+        self.norm_kernel = KERNELS["rmsnorm" if norm.dim() == 1 else "layernorm"]
+        self.norm, self.head, self.comm, self.names = norm, head, comm, names
+        self.ctx = KernelCtx(comm, "tp", vocab_start=vocab_start)
+        self.sequence_parallel = sequence_parallel
+        self.grads = grads if grads is not None else {}
+        self._norm_saved = self._head_saved = None
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of the micro-batch (a scalar, the same on every tp rank)
+        for the last layer's output ``x`` and the ``targets`` of all its tokens."""
+        h, self._norm_saved = self.norm_kernel.forward((x,), self.norm, self.ctx)
+        if self.sequence_parallel:
+            h = self.comm.all_gather(h, "tp")
+        losses, self._head_saved = KERNELS["lm_head"].forward((h, targets), self.head, self.ctx)
+        return losses.sum()
+
+    def backward(self, scale: float) -> torch.Tensor:
+        """The gradient of ``scale * loss_sum`` with respect to ``x``; adds the LM-head and
+        norm weight gradients to :attr:`grads`."""
+        saved = self._head_saved
+        grad_losses = torch.full((saved[0].shape[0],), scale, dtype=saved[0].dtype, device=saved[0].device)
+        kernel = KERNELS["lm_head"]
+        (grad_h, _), head_grad = kernel.dgrad(grad_losses, saved, self.head), kernel.wgrad(grad_losses, saved)
+        grad_h = self.comm.reduce_scatter(grad_h, "tp") if self.sequence_parallel \
+            else self.comm.all_reduce(grad_h, "tp")
+        (grad_x,) = self.norm_kernel.dgrad(grad_h, self._norm_saved, self.norm)
+        norm_grad = self.norm_kernel.wgrad(grad_h, self._norm_saved)
+        for name, grad in zip(self.names, (norm_grad, head_grad), strict=True):
+            self.grads[name] = self.grads[name] + grad if name in self.grads else grad
+        self._norm_saved = self._head_saved = None
+        return grad_x
+
+
+def sequential_step(program: Program, batch: Batch, comm: Communicator, plan: WeightPlan | None = None,
+                    seed: int = 0, device="cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One step without pipelining or strand interleaving (pp = 1): each micro-batch of
+    ``batch`` runs forward through the embedding, every layer and the head, then backward.
+
+    Returns the loss (the mean over all tokens of ``batch``, the same on every tp rank)
+    and this rank's gradients by parameter name — partial over tp for the parameters whose
+    ShardSpec says so (:func:`sum_partial_grads` completes them). The executor's baseline.
+    """
+    if program.mesh.size("pp") > 1:
+        raise ValueError("sequential_step runs the whole model on one stage; the mesh has pp > 1")
+    plan = plan or WeightPlan(program, seed)
+    index = {axis: comm.index(axis) for axis in AXES}
+    dtype, micro_batch = torch_dtype(program), program.train.micro_batch
+    layer_plan = LayerPlan.build(program.forward, program.backward, micro_batch)
+    weights = [plan.layer_weights(i, index, dtype, device) for i in range(plan.layers)]
+    layer_grads: list[dict] = [{} for _ in range(plan.layers)]
+    grads: dict[str, torch.Tensor] = {}
+    start = plan.vocab_start(index)
+    ends = [plan.shard(name, index, dtype).to(device) for name in (EMBEDDING, FINAL_NORM, LM_HEAD)]
+    count = batch.inputs.shape[0]
+    scale = 1.0 / (count * batch.inputs[0].numel())
+    total = torch.zeros((), dtype=dtype, device=device)
+    for m in range(count):
+        ids, targets = (t.to(device) for t in batch.micro(m))
+        embed = EmbedRun(ends[0], comm, start, plan.sequence_parallel, grads)
+        x = embed.forward(ids)
+        runs = [LayerRun(layer_plan, weights[i], comm, layer_grads[i]) for i in range(plan.layers)]
+        for run in runs:
+            x = run.forward(x)
+        head = HeadRun(ends[1], ends[2], comm, start, plan.sequence_parallel, grads)
+        total = total + head.forward(x, targets)
+        grad = head.backward(scale)
+        for run in reversed(runs):
+            grad = run.backward(grad)
+        embed.backward(grad)
+    for i, layer in enumerate(layer_grads):
+        grads.update({param_name(i, op): grad for op, grad in layer.items()})
+    return total * scale, grads
+
+
+def sum_partial_grads(plan: WeightPlan, grads: dict[str, torch.Tensor], comm: Communicator) -> None:
+    """All-reduce, in place, the gradients that are partial sums over tp (replicated
+    weights applied to sequence-parallel tokens: norms, router, experts)."""
+    for name, grad in grads.items():
+        for axis in plan.spec(name).grad_sum:
+            comm.all_reduce(grad, axis)
