@@ -6,6 +6,8 @@ that depend on a failed one are skipped so one mistake does not cascade into man
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 
 from . import syntax as s
@@ -14,6 +16,7 @@ from .dag import instantiate
 from .errors import CheckError, DhelixError, ErrorCollector
 from .layercheck import check_layer
 from .modelcheck import check_divisibility, layer_env
+from .profiles import load_profile
 from .program import Program
 from .strands import build_strands
 from .suggest import did_you_mean
@@ -78,13 +81,14 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
                                   [f"e.g. {example}"]))
     model, model_block = build_model(model_node, errors)
     cluster = build_cluster(singles["cluster"], errors) if "cluster" in singles else None
+    profile = _profile(singles.get("cluster"), cluster, errors)
     mesh, mesh_block = build_mesh(singles["mesh"], cluster, errors) if "mesh" in singles else (None, None)
     train = build_train(singles["train"], errors) if "train" in singles else None
     fold = build_fold(singles["fold"], errors) if "fold" in singles else build_fold(s.Fold("none", None), errors)
     pipeline = _pipeline(singles.get("pipeline"), pipelines, errors)
     layer = _layer(model, model_block, layers, errors)
     program = attrs.evolve(program, model=model, cluster=cluster, mesh=mesh, train=train, fold=fold,
-                           pipeline=pipeline)
+                           pipeline=pipeline, profile=profile)
     if None in (model, mesh, train, fold):
         return program
     for error in check_divisibility(model, model_block, mesh, mesh_block, fold, singles.get("fold")):
@@ -99,6 +103,19 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
         return attrs.evolve(program, env=tuple(env.items()))
     strands = build_strands(singles.get("strands"), forward, errors)
     return attrs.evolve(program, env=tuple(env.items()), forward=forward, strands=strands)
+
+
+def _profile(node: s.ConfigBlock | None, cluster, errors: ErrorCollector):
+    """The hardware profile the cluster names, loaded (and validated) next to the program."""
+    if cluster is None or cluster.profile is None:
+        return None
+    setting = next(st for st in node.settings if st.key == "profile")
+    folder = Path(setting.span.source.path).parent if setting.span else Path.cwd()
+    try:
+        return load_profile(cluster.profile, search_dir=folder, span=setting.value.span)
+    except DhelixError as exc:
+        errors.add(exc)
+        return None
 
 
 def _pipeline(ref: s.PipelineRef | None, pipelines: dict, errors: ErrorCollector):

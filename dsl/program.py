@@ -124,6 +124,7 @@ class Program:
     train: Train | None = None
     fold: FoldSpec | None = None
     pipeline: s.PipelineDef | None = None
+    profile: object = None  # profiles.Profile named by the cluster block
     strands: Strands = Strands()
     env: tuple[tuple[str, int], ...] = ()
     forward: LayerDag | None = None
