@@ -71,14 +71,19 @@ def _singletons(modules, errors: ErrorCollector) -> dict:
     return found
 
 
+_NEEDED = (("cluster", "cluster { nodes = 1  gpus_per_node = 4 }"), ("mesh", "mesh { tp = 2  pp = 2 }"),
+           ("train", "train { micro_batch = 1  microbatches = 8 }"),
+           ("pipeline", 'import "stdlib/pipelines.dhx" and write `pipeline one_f_one_b`'))
+
+
 def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, errors) -> Program:
     model_node = singles["model"]
-    for key, example in (("cluster", "cluster { nodes = 1  gpus_per_node = 4 }"),
-                         ("mesh", "mesh { tp = 2  pp = 2 }"), ("train", "train { micro_batch = 1  microbatches = 8 }"),
-                         ("pipeline", 'import "stdlib/pipelines.dhx" and write `pipeline one_f_one_b`')):
-        if key not in singles:
-            errors.add(CheckError(f"model {model_node.name} needs a '{key}' statement", model_node.span_of("name"),
-                                  [f"e.g. {example}"]))
+    missing = [(key, example) for key, example in _NEEDED if key not in singles]
+    if missing:
+        words = [f"a {key} block" if key != "pipeline" else "a pipeline statement" for key, _ in missing]
+        listing = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+        errors.add(CheckError(f"model {model_node.name} needs {listing}", model_node.span_of("name"),
+                              [f"e.g. {example}" for _, example in missing]))
     model, model_block = build_model(model_node, errors)
     cluster = build_cluster(singles["cluster"], errors) if "cluster" in singles else None
     profile = _profile(singles.get("cluster"), cluster, errors)

@@ -32,7 +32,9 @@ def cmd_check(args) -> int:
         return 0
     program = check_text(text, args.file)
     what = f"model {program.model.name}" if program.model else "library"
-    print(f"{args.file}: ok ({what}; {len(program.layers)} layers, {len(program.pipelines)} pipelines defined)")
+    layers, pipelines = len(program.layers), len(program.pipelines)
+    print(f"{args.file}: ok ({what}; {layers} layer{'s' * (layers != 1)} and "
+          f"{pipelines} pipeline{'s' * (pipelines != 1)} defined)")
     return 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from . import syntax as s
 from .errors import ErrorCollector, ImportFailure
 from .parser import parse
+from .suggest import did_you_mean
 
 STDLIB_PREFIX = "stdlib/"
 
@@ -67,10 +68,11 @@ class _Loader:
     def _follow(self, item: s.Import, importer: Path, chain: tuple[Path, ...]) -> None:
         found = resolve_import(item.path, importer)
         if found is None:
-            notes = [f"looked in {importer.parent or Path('.')}"]
+            notes = [f"looked for {importer.parent / item.path}"]
             if item.path.startswith(STDLIB_PREFIX):
                 known = sorted(p.name for p in stdlib_root().glob("*.dhx"))
-                notes.append(f"the standard library has: {', '.join(known)}")
+                notes.append(f"and in the standard library, which has: {', '.join(known)}")
+                notes += did_you_mean(item.path, [STDLIB_PREFIX + name for name in known])
             else:
                 notes.append('standard library files are imported as "stdlib/<file>.dhx"')
             self.errors.add(ImportFailure(f"cannot find imported file '{item.path}'",
