@@ -14,6 +14,7 @@ from . import syntax as s
 from .config import build_cluster, build_fold, build_mesh, build_model, build_train
 from .dag import instantiate
 from .errors import CheckError, DhelixError, ErrorCollector
+from .fold import placement_for
 from .layercheck import check_layer
 from .modelcheck import check_divisibility, layer_env
 from .profiles import load_profile
@@ -96,8 +97,9 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
                            pipeline=pipeline, profile=profile)
     if None in (model, mesh, train, fold):
         return program
-    for error in check_divisibility(model, model_block, mesh, mesh_block, fold, singles.get("fold")):
+    for error in check_divisibility(model, model_block, mesh, mesh_block):
         errors.add(error)
+    program = attrs.evolve(program, placement=_placement(model, model_block, mesh, fold, errors))
     if errors.errors or layer is None:
         return program
     env = layer_env(model, mesh, train, model_block)
@@ -108,6 +110,20 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
         return attrs.evolve(program, env=tuple(env.items()))
     strands = build_strands(singles.get("strands"), forward, errors)
     return attrs.evolve(program, env=tuple(env.items()), forward=forward, strands=strands)
+
+
+def _placement(model, model_block, mesh, fold, errors: ErrorCollector):
+    """Where each pipeline stage lives under the fold, or None (error recorded) if the layers
+    do not split."""
+    layers = model.get("layers")
+    span = fold.span or model_block.span("layers")
+    try:
+        return placement_for(fold.kind, fold.v if fold.kind == "loop" else None, layers,
+                             mesh.size("pp"), span=span)
+    except CheckError as exc:
+        errors.add(CheckError(exc.message, exc.span, exc.notes + (
+            f"layers = {layers} is set at {model_block.span('layers')}",)))
+        return None
 
 
 def _profile(node: s.ConfigBlock | None, cluster, errors: ErrorCollector):

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
     """Registration functions of commands defined in other modules (render, export, …)."""
-    return []
+    from . import export, render
+    return [render.register, export.register]
 
 
 def main(argv: list[str] | None = None) -> int:

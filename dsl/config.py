@@ -11,6 +11,7 @@ import attrs
 from . import syntax as s
 from .errors import CheckError, ErrorCollector
 from .exprs import UnknownName, evaluate
+from .fold import FOLD_KINDS
 from .mesh import DIMENSIONS, Mesh
 from .program import Cluster, FoldSpec, Model, Train
 from .suggest import close_matches, did_you_mean
@@ -21,7 +22,6 @@ MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
 TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "lr")
-FOLD_KINDS = ("none", "u", "loop")
 
 
 #: The example a name-valued setting's message shows.
@@ -218,7 +218,7 @@ def build_fold(node: s.Fold, errors: ErrorCollector) -> FoldSpec | None:
     """The FoldSpec of a fold statement: none, u (two chunks) or loop(v)."""
     if node.kind not in FOLD_KINDS:
         errors.add(CheckError(f"unknown fold '{node.kind}'", node.span_of("kind"),
-                              did_you_mean(node.kind, FOLD_KINDS) + ["folds: none, u, loop(v)"]))
+                              did_you_mean(node.kind, FOLD_KINDS) + ["folds are: none, u, loop(v)"]))
         return None
     if (node.kind == "loop") != (node.arg is not None):
         need = "needs its chunk count, e.g. fold loop(2)" if node.kind == "loop" else "takes no argument"

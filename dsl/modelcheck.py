@@ -1,10 +1,10 @@
-"""Checks of a model against its mesh and fold, and the names layer expressions may use."""
+"""Checks of a model against its mesh, and the names layer expressions may use."""
 
 from __future__ import annotations
 
 from .errors import CheckError, DhelixError
 from .mesh import Mesh
-from .program import FoldSpec, Model, Train
+from .program import Model, Train
 
 #: Names derived from the settings, available in layer expressions (and reserved).
 DERIVED = ("tokens", "head_dim")
@@ -22,9 +22,8 @@ def layer_env(model: Model, mesh: Mesh, train: Train, model_block) -> dict[str, 
     return env
 
 
-def check_divisibility(model: Model, model_block, mesh: Mesh, mesh_block, fold: FoldSpec,
-                       fold_node) -> list[DhelixError]:
-    """Every way the model does not split over the mesh and the fold."""
+def check_divisibility(model: Model, model_block, mesh: Mesh, mesh_block) -> list[DhelixError]:
+    """Every way the model does not split over the mesh (the fold is checked by dsl.fold)."""
     errors: list[DhelixError] = []
     errors += _reserved(model_block)
     get = model.get
@@ -49,7 +48,6 @@ def check_divisibility(model: Model, model_block, mesh: Mesh, mesh_block, fold: 
     need("vocab", "tp", why="the embedding and LM head are split over tp by vocabulary")
     errors += _check_sequence(model, model_block, mesh, mesh_block)
     errors += _check_experts(model, model_block, mesh, mesh_block)
-    errors += _check_fold(model, model_block, mesh, fold, fold_node)
     return errors
 
 
@@ -93,18 +91,3 @@ def _check_experts(model, model_block, mesh, mesh_block) -> list[DhelixError]:
                            ["each ep rank holds experts/ep experts",
                             f"experts = {experts} is set at {model_block.span('experts')}"])]
     return []
-
-
-def _check_fold(model, model_block, mesh, fold, fold_node) -> list[DhelixError]:
-    layers, pp = model.get("layers"), mesh.size("pp")
-    stages = pp * fold.v
-    if layers % stages == 0:
-        return []
-    how = {"none": f"pp = {pp} stages", "u": f"pp = {pp} ranks x 2 chunks (fold u)",
-           "loop": f"pp = {pp} ranks x {fold.v} chunks (fold loop)"}[fold.kind]
-    near = sorted({layers - layers % stages, layers - layers % stages + stages} - {0})
-    span = fold_node.span if fold_node is not None else model_block.span("layers")
-    return [CheckError(f"{layers} layers do not split evenly over {how}", span,
-                       [f"the layer count must be a multiple of {stages}; e.g. layers = "
-                        + " or ".join(map(str, near)),
-                        f"layers = {layers} is set at {model_block.span('layers')}"])]

@@ -13,7 +13,6 @@ import attrs
 from . import dump
 from .autodiff import derive_backward
 from .check import check_program
-from .fold import placement_for
 from .imports import load_modules
 from .lower import check_fold, lower_pipeline
 from .parser import parse
@@ -69,16 +68,6 @@ def autodiff(program: Program) -> Program:
     return attrs.evolve(program, backward=derive_backward(program.forward))
 
 
-def fold(program: Program) -> Program:
-    """The program with its layer placement (rank, chunk and layers of every stage)."""
-    if program.model is None:
-        return program
-    spec = program.fold
-    placement = placement_for(spec.kind, spec.v if spec.kind == "loop" else None,
-                              program.model.get("layers"), program.mesh.size("pp"), span=spec.span)
-    return attrs.evolve(program, placement=placement)
-
-
 def lower(program: Program) -> Program:
     """The program with its pipeline lowered to per-rank action lists (unvalidated)."""
     if program.model is None:
@@ -96,7 +85,8 @@ def validate(program: Program) -> Program:
     return program
 
 
-_PROGRAM_PASSES = (("autodiff", autodiff), ("fold", fold), ("lower", lower), ("validate", validate))
+# The fold placement is computed while checking (it is where layer counts are checked).
+_PROGRAM_PASSES = (("autodiff", autodiff), ("lower", lower), ("validate", validate))
 
 
 def check_text(text: str, path: str) -> Program:

@@ -1,0 +1,37 @@
+"""Small helpers for writing Graphviz DOT text by hand.
+
+The renderers write DOT themselves rather than through a builder so that the text is fully
+under their control: the same input gives byte-identical output (no dict or set order, no
+timestamps), which is what lets golden files and committed diagrams diff cleanly.
+"""
+
+from __future__ import annotations
+
+#: The font of every diagram: Graphviz maps it to a sans-serif face with Greek letters
+#: (DejaVu Sans or Liberation Sans on Linux, Helvetica on macOS).
+FONT = "Helvetica"
+
+
+def quote(text: str) -> str:
+    """``text`` as a double-quoted DOT string (IDs and plain labels)."""
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def html(text: str) -> str:
+    """``text`` escaped for an HTML-like label."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def attributes(**values) -> str:
+    """``[key="value", …]`` with keys in the order given; None values are left out."""
+    parts = [f"{key}={quote(str(value))}" for key, value in values.items() if value is not None]
+    return f"[{', '.join(parts)}]" if parts else ""
+
+
+def graph_header(kind: str, name: str, **values) -> list[str]:
+    """The opening lines of a graph: ``digraph name {`` and the graph-wide font defaults."""
+    lines = [f"{kind} {quote(name)} {{"]
+    lines += [f"  {key}={quote(str(value))};" for key, value in values.items() if value is not None]
+    lines += [f"  node {attributes(fontname=FONT)};", f"  edge {attributes(fontname=FONT)};"]
+    return lines

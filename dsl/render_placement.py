@@ -1,0 +1,1 @@
+def placement_dot(*a): return ""
