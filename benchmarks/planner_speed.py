@@ -1,0 +1,177 @@
+"""How long the DP pairing search takes: a Llama TP+SP layer pair and a 40+-operator MoE layer.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/planner_speed.py [--max-segment N] [--repeat R] [--unbounded]
+
+The pair cost is ``dsl.paircost.PairCost`` with each program's profile (the shipped "a40")
+when that module is installed, else a synthetic three-lane cost defined below (the numbers
+then only show the search's own speed). Every timed run gets a fresh cost object, since
+PairCost caches its results. ``--unbounded`` also plans the Llama pair with segments of any
+length and says whether the default bound found the same plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from dhelix.dsl.pairing import DEFAULT_MAX_SEGMENT, plan_layers
+from dhelix.dsl.passes import check_text
+from dhelix.dsl.sequences import DEFAULT_MAX_PREFIXES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A MoE layer of 46 forward and 60 backward operators: attention, a tensor-parallel shared
+# expert and four routed expert groups, each with its own dispatch and combine all-to-all.
+_GROUP = """
+  pm{k} = permute(ln2, rt, top_k)
+  dsp{k} = all_to_all(pm{k}, ep)
+  fc1{k} = grouped_gemm(dsp{k}, hidden, 2 * ffn, experts / ep)
+  act{k} = swiglu(fc1{k})
+  fc2{k} = grouped_gemm(act{k}, ffn, hidden, experts / ep)
+  cmb{k} = all_to_all(fc2{k}, ep)
+  up{k} = unpermute(cmb{k}, rt, top_k)"""
+MOE_PROGRAM = """
+import "stdlib/pipelines.dhx"
+layer moe_big {
+  in x [tokens / tp, hidden]
+  ln1 = rmsnorm(x)
+  ag1 = all_gather(ln1, tp)
+  qkv = gemm(ag1, hidden, (heads + 2 * kv_heads) * head_dim / tp)
+  att = attention(qkv, heads / tp, kv_heads / tp, causal, cp)
+  prj = gemm(att, hidden / tp, hidden)
+  rs1 = reduce_scatter(prj, tp)
+  h1 = add(rs1, x)
+  ln2 = rmsnorm(h1)
+  ag2 = all_gather(ln2, tp)
+  sfc1 = gemm(ag2, hidden, 2 * ffn / tp)
+  sact = swiglu(sfc1)
+  sfc2 = gemm(sact, ffn / tp, hidden)
+  rs2 = reduce_scatter(sfc2, tp)
+  rt = router(ln2, experts)""" + "".join(_GROUP.format(k=k) for k in range(4)) + """
+  m1 = add(up0, up1)
+  m2 = add(m1, up2)
+  m3 = add(m2, up3)
+  m4 = add(m3, rs2)
+  h2 = add(m4, h1)
+  out h2
+}
+model moe_big {
+  layers = 8  hidden = 4096  ffn = 2048  heads = 32  kv_heads = 8  seq = 4096  vocab = 32000
+  experts = 32  top_k = 2  dtype = bf16  layer = moe_big
+}
+cluster { nodes = 4  gpus_per_node = 8  profile = "a40" }
+mesh { tp = 2  ep = 4  pp = 2  dp = 8 }
+train { micro_batch = 1  microbatches = 8 }
+fold u
+pipeline w_helix
+strands {
+  overlap tp, ep
+  comm_with_comm on
+  movable wgrad, router
+}
+"""
+
+
+class SyntheticCost:
+    """A stand-in pair cost: op times from shapes, lanes run one op at a time, an op waits
+    for its inputs inside the segment, co-executed compute runs 15% slower, and every pair
+    pays a 20 µs launch gap."""
+
+    def duration(self, op) -> float:
+        tokens, features = op.shape if len(op.shape) == 2 else (1, 1)
+        if op.kind == "comm":
+            return 2 * tokens * features / (25e9 if op.lane == "local" else 12e9)
+        if op.op_class == "gemm" and op.weight:
+            return 2 * tokens * op.weight[-2] * op.weight[-1] / 150e12
+        if op.op_class == "attention":
+            return 2 * tokens * tokens * features / 150e12
+        return 6 * tokens * features / 600e9
+
+    def solo(self, ops) -> float:
+        return self._span([list(ops)], 1.0)
+
+    def pair(self, fwd, bwd) -> float:
+        return self._span([list(fwd), list(bwd)], 1.15) + 20e-6
+
+    def _span(self, strands: list[list], slowdown: float) -> float:
+        lanes = {"compute": 0.0, "local": 0.0, "cross": 0.0}
+        done: dict[str, float] = {}
+        heads = [0] * len(strands)
+        while any(h < len(ops) for h, ops in zip(heads, strands, strict=True)):
+            starts = [(self._start(ops[h], lanes, done), s) for s, (h, ops) in enumerate(zip(heads, strands))
+                      if h < len(ops)]
+            start, s = min(starts)
+            op = strands[s][heads[s]]
+            lane = op.lane if op.kind == "comm" else "compute"
+            factor = slowdown if lane == "compute" and len(strands) > 1 else 1.0
+            done[op.name] = lanes[lane] = start + self.duration(op) * factor
+            heads[s] += 1
+        return max(lanes.values())
+
+    def _start(self, op, lanes, done) -> float:
+        lane = op.lane if op.kind == "comm" else "compute"
+        return max([lanes[lane]] + [done[name] for name in op.inputs if name in done])
+
+
+def cost_factory(program):
+    """A function making a fresh cost for ``program`` and the name of the model behind it."""
+    try:
+        from dhelix.dsl.paircost import PairCost
+        PairCost.for_program(program)
+    except Exception as error:  # missing module or profile: the search alone is still timed
+        print(f"note: PairCost unavailable ({type(error).__name__}: {error}); using the synthetic cost")
+        return SyntheticCost, "synthetic three-lane cost"
+    return (lambda: PairCost.for_program(program)), f"PairCost, profile {program.cluster.profile}"
+
+
+def bench(title: str, program, repeat: int, **bounds) -> object:
+    """Plan ``program``'s layer pair ``repeat`` times; print the best time and the plan's figures."""
+    make, cost_name = cost_factory(program)
+    best, plan = float("inf"), None
+    for _ in range(repeat):
+        cost = make()
+        start = time.perf_counter()
+        plan = plan_layers(program.forward, program.backward, program.strands, cost, **bounds)
+        best = min(best, time.perf_counter() - start)
+    st = plan.stats
+    print(f"{title}: {len(plan.forward_order)} + {len(plan.backward_order)} ops, "
+          f"{st.forward_orders} x {st.backward_orders} legal orders, "
+          f"{st.forward_prefixes} x {st.backward_prefixes} prefixes "
+          f"(windows {st.forward_window}/{st.backward_window}), segments <= {st.max_segment}")
+    print(f"  {best:.3f} s to plan ({cost_name}; {st.pair_evaluations} pair costs); "
+          f"{len(plan.pairs)} segment pairs, predicted {plan.total * 1e3:.3f} ms vs sequential "
+          f"{plan.sequential * 1e3:.3f} ms (speedup {plan.speedup:.3f}x), comm hidden "
+          f"{100 * plan.comm_hidden_fraction:.1f}%")
+    return plan
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-segment", type=int, default=DEFAULT_MAX_SEGMENT)
+    parser.add_argument("--max-prefixes", type=int, default=DEFAULT_MAX_PREFIXES)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--unbounded", action="store_true", help="also plan Llama with segments of any length")
+    args = parser.parse_args(argv)
+    print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}")
+    bounds = dict(max_segment=args.max_segment, max_prefixes=args.max_prefixes)
+    llama_path = ROOT / "examples" / "llama39b_a40.dhx"
+    llama = check_text(llama_path.read_text(), str(llama_path))
+    plan = bench("llama39b_a40 (TP8 + SP)", llama, args.repeat, **bounds)
+    if args.unbounded:
+        free = bench("llama39b_a40, segments unbounded", llama, 1, max_segment=None,
+                     max_prefixes=args.max_prefixes)
+        print(f"  same plan as with segments <= {args.max_segment}: {free.total == plan.total}")
+    moe = check_text(MOE_PROGRAM, str(ROOT / "benchmarks" / "moe_big.dhx"))
+    bench("moe_big (TP2 EP4, 4 expert groups)", moe, 1, **bounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""The DP pairing search: exact against brute force, constraints never broken, plan output."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from dhelix.dsl import syntax as s
+from dhelix.dsl.errors import DhelixError
+from dhelix.dsl.pairing import pair_sequences, plan_layers, plan_program, restriction, rules_of
+from dhelix.dsl.passes import check_text
+from dhelix.dsl.plan import format_plan, plan_from_json, plan_to_json
+from dhelix.dsl.program import Strands
+from dhelix.dsl.sequences import canonical, is_legal, strand_of
+from dhelix.dsl.strands import select
+from test_sequences import PROPERTY, checked, dags, legal_by_permutation
+
+INF = float("inf")
+
+
+def unit(*key) -> int:
+    """A deterministic pseudo-random integer in 1..100 for ``key``."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=4).digest(), "big") % 100 + 1
+
+
+class SetCost:
+    """Random but deterministic integer costs of segment *sets* (integers add exactly, so
+    two searches that find equally good plans report identical totals)."""
+
+    def __init__(self, salt: int):
+        self.salt = salt
+        self.pairs: list[tuple[tuple, tuple]] = []
+
+    def solo(self, ops):
+        return unit(self.salt, "solo", sorted(op.name for op in ops))
+
+    def pair(self, fwd, bwd):
+        self.pairs.append((tuple(fwd), tuple(bwd)))
+        # Pairs range up to 1.5 solos, so pairing sometimes pays and sometimes does not.
+        return unit(self.salt, "pair", sorted(op.name for op in fwd), sorted(op.name for op in bwd)) * 3 // 2
+
+
+class LaneCost:
+    """A small lane model: a pair takes its busiest lane's work plus a gap, so hiding
+    communication pays and the constraints bind."""
+
+    unit = "us"
+
+    def weight(self, op) -> int:
+        return unit("w", op.name) * (3 if op.op_class == "gemm" else 1)
+
+    def solo(self, ops):
+        return sum(self.weight(op) for op in ops) + 2
+
+    def pair(self, fwd, bwd):
+        lanes: dict[str, int] = {}
+        for op in (*fwd, *bwd):
+            lane = op.lane if op.kind == "comm" else "compute"
+            lanes[lane] = lanes.get(lane, 0) + self.weight(op)
+        return max(lanes.values()) + 5
+
+
+@st.composite
+def strands_for(draw, fwd, bwd):
+    """A random strands block over the two DAGs: overlap kinds, comm_with_comm, some movable
+    ops (by name) and up to two forbid rules (op names or classes)."""
+    overlap = tuple(k for k in ("tp", "cp", "ep") if draw(st.booleans()))
+    movable = tuple(s.Selector((op.name,)) for dag in (fwd, bwd) for op in dag.ops
+                    if op.movable and draw(st.integers(0, 3)) > 0)
+    words = [op.name for op in fwd.ops + bwd.ops] + ["gemm", "comm", "compute", "norm", "all_gather"]
+    forbid = tuple((s.Selector((a,)), s.Selector((b,)))
+                   for a, b in draw(st.lists(st.tuples(st.sampled_from(words), st.sampled_from(words)), max_size=2)))
+    return Strands(overlap, draw(st.booleans()), movable, forbid)
+
+
+@st.composite
+def problems(draw, max_ops: int = 6, max_moving: int = 2):
+    fwd = draw(dags("forward", "f", max_ops, max_moving))
+    bwd = draw(dags("backward", "b", max_ops, max_moving))
+    return fwd, bwd, draw(strands_for(fwd, bwd)), draw(st.integers(0, 10**6))
+
+
+def forbidden(fops, bops, strands, fwd, bwd) -> bool:
+    """The pairing rules restated from the strands block, independently of dsl.pairing."""
+    if not fops or not bops:
+        return False
+    fcomm = [op for op in fops if op.kind == "comm"]
+    bcomm = [op for op in bops if op.kind == "comm"]
+    if any(op.axis not in strands.overlap for op in fcomm + bcomm):
+        return True  # communication `overlap` does not list is never hidden
+    if {op.axis for op in fcomm} & {op.axis for op in bcomm}:
+        return True  # never tp with tp, ring with ring, ep with ep
+    if not strands.comm_with_comm and fcomm and bcomm:
+        return True
+    fnames, bnames = {op.name for op in fops}, {op.name for op in bops}
+    for a, b in strands.forbid:
+        first = {op.name for op in select(a, fwd, bwd)}
+        second = {op.name for op in select(b, fwd, bwd)}
+        if fnames & first and bnames & second or fnames & second and bnames & first:
+            return True
+    return False
+
+
+def step_cost(cost, allowed, fseg, bseg) -> float:
+    if not fseg or not bseg:
+        return cost.solo(fseg or bseg)
+    return cost.pair(fseg, bseg) if allowed(fseg, bseg) else INF
+
+
+def exhaustive(fseq, bseq, cost, allowed) -> float:
+    """Every segmentation of both sequences with every monotone pairing, enumerated."""
+
+    def rest(a: int, b: int) -> float:
+        if a == len(fseq) and b == len(bseq):
+            return 0.0
+        best = INF
+        for a2 in range(a, len(fseq) + 1):
+            for b2 in range(b, len(bseq) + 1):
+                if (a2, b2) != (a, b):
+                    best = min(best, step_cost(cost, allowed, tuple(fseq[a:a2]), tuple(bseq[b:b2])) + rest(a2, b2))
+        return best
+
+    return rest(0, 0)
+
+
+def compositions(seq):
+    """Every way to cut ``seq`` into contiguous non-empty segments."""
+    n = len(seq)
+    for cuts in range(1 << max(n - 1, 0)):
+        bounds = [0] + [i + 1 for i in range(n - 1) if cuts >> i & 1] + [n]
+        yield [tuple(seq[x:y]) for x, y in zip(bounds, bounds[1:])]
+
+
+def reference_code_search(fseq, bseq, cost, allowed) -> float:
+    """The reference code's search: every pair of segmentations, each paired by Eq. (2)."""
+    best = INF
+    for fsegs in compositions(fseq):
+        for bsegs in compositions(bseq):
+            T = [[INF] * (len(bsegs) + 1) for _ in range(len(fsegs) + 1)]
+            T[0][0] = 0.0
+            for i in range(len(fsegs) + 1):
+                for j in range(len(bsegs) + 1):
+                    if i:
+                        T[i][j] = min(T[i][j], T[i - 1][j] + cost.solo(fsegs[i - 1]))
+                    if j:
+                        T[i][j] = min(T[i][j], T[i][j - 1] + cost.solo(bsegs[j - 1]))
+                    if i and j:
+                        T[i][j] = min(T[i][j], T[i - 1][j - 1] + step_cost(cost, allowed, fsegs[i - 1], bsegs[j - 1]))
+            best = min(best, T[-1][-1])
+    return best
+
+
+def rules_check(strands, fwd, bwd):
+    return lambda fseg, bseg: not forbidden(fseg, bseg, strands, fwd, bwd)
+
+
+@PROPERTY
+@given(problems())
+def test_position_dp_equals_the_reference_codes_search(problem):
+    fwd, bwd, strands, salt = problem
+    cost = SetCost(salt)
+    total, steps = pair_sequences(fwd.ops, bwd.ops, cost, rules_of(strands, fwd, bwd))
+    assert total == reference_code_search(fwd.ops, bwd.ops, cost, rules_check(strands, fwd, bwd))
+    assert sum(time for _, _, time in steps) == total
+    assert [op for f, _, _ in steps for op in f] == list(fwd.ops)
+    assert [op for _, b, _ in steps for op in b] == list(bwd.ops)
+
+
+@PROPERTY
+@given(problems(max_ops=4))
+def test_position_dp_equals_exhaustive_enumeration(problem):
+    fwd, bwd, strands, salt = problem
+    cost = SetCost(salt)
+    total, _ = pair_sequences(fwd.ops, bwd.ops, cost, rules_of(strands, fwd, bwd))
+    assert total == exhaustive(fwd.ops, bwd.ops, cost, rules_check(strands, fwd, bwd))
+
+
+def moving_names(strands, fwd, bwd) -> frozenset[str]:
+    return frozenset(op.name for sel in strands.movable for op in select(sel, fwd, bwd) if op.movable)
+
+
+def order_pairs(fwd, bwd, strands):
+    moving = moving_names(strands, fwd, bwd)
+    return legal_by_permutation(fwd, moving), legal_by_permutation(bwd, moving)
+
+
+@settings(PROPERTY, max_examples=300)
+@given(problems())
+def test_search_equals_the_best_over_all_legal_orders(problem):
+    fwd, bwd, strands, salt = problem
+    forders, borders = order_pairs(fwd, bwd, strands)
+    assume(len(forders) * len(borders) <= 40)
+    cost, rules = SetCost(salt), rules_of(strands, fwd, bwd)
+    fops, bops = {op.name: op for op in fwd.ops}, {op.name: op for op in bwd.ops}
+    best = min(pair_sequences([fops[n] for n in fo], [bops[n] for n in bo], cost, rules)[0]
+               for fo in forders for bo in borders)
+    assert plan_layers(fwd, bwd, strands, cost, max_segment=None).total == best
+
+
+@PROPERTY
+@given(problems(max_ops=3))
+def test_search_equals_exhaustive_enumeration_over_orders_segmentations_and_pairings(problem):
+    fwd, bwd, strands, salt = problem
+    forders, borders = order_pairs(fwd, bwd, strands)
+    cost, allowed = SetCost(salt), rules_check(strands, fwd, bwd)
+    fops, bops = {op.name: op for op in fwd.ops}, {op.name: op for op in bwd.ops}
+    best = min(exhaustive([fops[n] for n in fo], [bops[n] for n in bo], cost, allowed)
+               for fo in forders for bo in borders)
+    assert plan_layers(fwd, bwd, strands, cost, max_segment=None).total == best
+
+
+@PROPERTY
+@given(problems(), st.sampled_from([None, 1, 2, 3]))
+def test_a_plan_is_legal_consistent_and_never_breaks_a_rule(problem, max_segment):
+    fwd, bwd, strands, salt = problem
+    cost = SetCost(salt)
+    plan = plan_layers(fwd, bwd, strands, cost, max_segment=max_segment)
+    moving = moving_names(strands, fwd, bwd)
+    assert is_legal(strand_of(fwd, moving), plan.forward_order)
+    assert is_legal(strand_of(bwd, moving), plan.backward_order)
+    # The search never even evaluates a restricted pair, so no plan can hold one.
+    assert not any(forbidden(f, b, strands, fwd, bwd) for f, b in cost.pairs)
+    fops, bops = {op.name: op for op in fwd.ops}, {op.name: op for op in bwd.ops}
+    fresh = SetCost(salt)
+    for pair in plan.pairs:
+        f, b = [fops[n] for n in pair.forward], [bops[n] for n in pair.backward]
+        assert not forbidden(f, b, strands, fwd, bwd)
+        assert max_segment is None or max(len(f), len(b)) <= max_segment
+        assert pair.time == (fresh.pair(f, b) if f and b else fresh.solo(f or b))
+        assert pair.alone == (fresh.solo(f) if f else 0) + (fresh.solo(b) if b else 0)
+    assert plan.total == sum(pair.time for pair in plan.pairs)
+    assert plan.sequential == fresh.solo(fwd.ops) + fresh.solo(bwd.ops)
+    handed = [side for f, b in cost.pairs for side in (f, b)]
+    planned = [[(fops | bops)[n] for n in side] for pair in plan.pairs for side in (pair.forward, pair.backward) if side]
+    for segment in handed + planned:  # in canonical issue order, as the plan records them
+        dag = fwd if segment[0].name in fops else bwd
+        index = {op.name: i for i, op in enumerate(dag.ops)}
+        mask = sum(1 << index[op.name] for op in segment)
+        assert [op.name for op in segment] == [dag.ops[i].name for i in canonical(strand_of(dag, moving), mask)]
+
+@PROPERTY
+@given(problems(max_ops=5))
+def test_bounding_segments_never_helps_and_a_loose_bound_changes_nothing(problem):
+    fwd, bwd, strands, salt = problem
+    exact = plan_layers(fwd, bwd, strands, SetCost(salt), max_segment=None).total
+    assert plan_layers(fwd, bwd, strands, SetCost(salt), max_segment=2).total >= exact
+    assert plan_layers(fwd, bwd, strands, SetCost(salt), max_segment=5).total == exact
+
+
+@PROPERTY
+@given(problems())
+def test_restriction_agrees_with_the_rules_restated(problem):
+    fwd, bwd, strands, _ = problem
+    rules = rules_of(strands, fwd, bwd)
+    for fo in range(len(fwd.ops)):
+        for bo in range(len(bwd.ops)):
+            f, b = fwd.ops[fo:fo + 3], bwd.ops[bo:bo + 2]
+            assert (restriction(f, b, rules) is not None) == forbidden(f, b, strands, fwd, bwd)
+
+
+# --- the shipped layers ------------------------------------------------------------------------
+
+def llama_plan(mesh: str = "tp = 8", strands: str = "overlap tp\n movable wgrad", **bounds):
+    fwd, bwd, block = checked(mesh=mesh, strands=strands)
+    return fwd, bwd, block, plan_layers(fwd, bwd, block, LaneCost(), **bounds)
+
+
+def pairs_with(plan, fwd, bwd, test):
+    ops = {op.name: op for op in fwd.ops + bwd.ops}
+    return [(p.forward, p.backward) for p in plan.pairs
+            if p.forward and p.backward and test([ops[n] for n in p.forward], [ops[n] for n in p.backward])]
+
+
+def test_llama_plan_hides_tp_comm_but_never_beside_tp_comm():
+    fwd, bwd, block, plan = llama_plan()
+    assert plan.total < plan.sequential and plan.comm_hidden > 0
+    assert not pairs_with(plan, fwd, bwd, lambda f, b: any(op.axis == "tp" and op.kind == "comm" for op in f)
+                          and any(op.axis == "tp" and op.kind == "comm" for op in b))
+    assert plan.stats.backward_orders == 5824 and plan.stats.forward_orders == 1
+
+
+@pytest.mark.parametrize("overlap, paired", [("tp", False), ("tp, cp", True)])
+def test_ring_steps_pair_only_when_cp_overlap_is_on(overlap, paired):
+    fwd, bwd, block, plan = llama_plan("tp = 4  cp = 2", f"overlap {overlap}\n movable wgrad", max_segment=3)
+    ring = pairs_with(plan, fwd, bwd, lambda f, b: any(op.op_class == "ring_attention" for op in f + b))
+    assert bool(ring) == paired
+
+
+def test_comm_with_comm_off_keeps_comm_apart():
+    fwd, bwd, _, plan = llama_plan("tp = 4  cp = 2", "overlap tp, cp\n comm_with_comm off\n movable wgrad",
+                                   max_segment=3)
+    assert not pairs_with(plan, fwd, bwd, lambda f, b: any(op.kind == "comm" for op in f)
+                          and any(op.kind == "comm" for op in b))
+
+
+def test_forbid_keeps_attention_backward_away_from_gemms():
+    fwd, bwd, _, plan = llama_plan(strands="overlap tp\n movable wgrad\n forbid attention.bwd with gemm")
+    assert not pairs_with(plan, fwd, bwd, lambda f, b: any(op.name == "att.bwd" for op in b)
+                          and any(op.op_class == "gemm" for op in f))
+    free = llama_plan()[3]
+    assert plan.total >= free.total
+
+
+def test_the_default_segment_bound_is_recorded_and_only_narrows_the_search():
+    bounded = llama_plan()[3]
+    free = llama_plan(max_segment=None)[3]
+    assert bounded.stats.max_segment == 4 and free.stats.max_segment is None
+    assert free.total <= bounded.total
+    assert max(len(side) for pair in bounded.pairs for side in (pair.forward, pair.backward)) <= 4
+
+
+def test_plan_table_golden(golden):
+    golden("pairing/llama_tp8_lanecost.txt", format_plan(llama_plan()[3]))
+
+
+def test_plan_json_is_deterministic_and_round_trips():
+    plan = llama_plan()[3]
+    data = plan_to_json(plan)
+    assert json.dumps(data) == json.dumps(plan_to_json(llama_plan()[3]))
+    assert list(data) == ["forward_layer", "backward_layer", "unit", "forward_order", "backward_order", "ops",
+                          "pairs", "total", "sequential", "speedup", "compute_time", "comm_time", "comm_hidden",
+                          "comm_exposed", "rules", "stats"]
+    assert plan_from_json(json.loads(json.dumps(data))) == plan
+
+
+def test_plan_program_plans_the_programs_layer():
+    program = check_text(PROGRAM, "t.dhx")
+    plan = plan_program(program, LaneCost())
+    assert plan.forward_layer == "llama" and len(plan.forward_order) == 14 and len(plan.backward_order) == 18
+
+
+PROGRAM = """
+import "stdlib/layers.dhx"
+model m {
+  layers = 4  hidden = 1024  ffn = 4096  heads = 16  kv_heads = 8  seq = 4096  vocab = 32000
+  dtype = bf16  layer = llama
+}
+cluster { nodes = 1  gpus_per_node = 8 }
+mesh { tp = 8 }
+train { micro_batch = 1  microbatches = 8 }
+pipeline p
+pipeline p { repeat m { F } repeat m { B } }
+"""
+
+
+def test_plan_program_refuses_a_library_file():
+    library = check_text('import "stdlib/layers.dhx"\n', "lib.dhx")
+    with pytest.raises(DhelixError, match="no layer to plan"):
+        plan_program(library, LaneCost())
