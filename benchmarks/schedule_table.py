@@ -12,32 +12,14 @@ import argparse
 import platform
 import sys
 from fractions import Fraction
-from importlib import resources
 
-from dhelix.dsl import syntax as s
 from dhelix.dsl.errors import DhelixError
 from dhelix.dsl.fold import placement_for
 from dhelix.dsl.lower import lower_pipeline
-from dhelix.dsl.parser import parse
+from dhelix.dsl.stdlib import fold_of, stdlib_pipelines
 from dhelix.dsl.unittime import peak_in_flight, unit_time
 from dhelix.dsl.validate import validate_lowered
 
-#: The fold each stdlib pipeline is written for (its comment in pipelines.dhx says so).
-FOLDS = {
-    "gpipe": ("none", None),
-    "one_f_one_b": ("none", None),
-    "interleaved_1f1b": ("loop", 2),
-    "zb_h1": ("none", None),
-    "dualpipe_v": ("u", None),
-    "w_helix": ("u", None),
-}
-
-
-def stdlib_pipelines() -> dict[str, s.PipelineDef]:
-    """The PipelineDefs of the installed stdlib pipelines.dhx, by name."""
-    text = resources.files("dhelix.stdlib_schedules").joinpath("pipelines.dhx").read_text()
-    module = parse(text, "stdlib/pipelines.dhx")
-    return {item.name: item for item in module.items if isinstance(item, s.PipelineDef)}
 
 
 def table_rows(ranks: int, microbatches: list[int]) -> list[list[str]]:
@@ -46,7 +28,7 @@ def table_rows(ranks: int, microbatches: list[int]) -> list[list[str]]:
     rows = []
     for m in microbatches:
         baseline = _run(pipelines, "one_f_one_b", ranks, m)[0].normalized_makespan
-        for name, (kind, arg) in FOLDS.items():
+        for name, (kind, arg) in ((n, fold_of(d)) for n, d in stdlib_pipelines().items()):
             fold = kind if arg is None else f"{kind}({arg})"
             try:
                 timing, lowered = _run(pipelines, name, ranks, m)
@@ -62,7 +44,7 @@ def table_rows(ranks: int, microbatches: list[int]) -> list[list[str]]:
 
 
 def _run(pipelines, name: str, ranks: int, m: int):
-    kind, arg = FOLDS[name]
+    kind, arg = fold_of(stdlib_pipelines()[name])
     lowered = lower_pipeline(pipelines[name], ranks=ranks, microbatches=m,
                              placement=placement_for(kind, arg, 12 * ranks, ranks))
     validate_lowered(lowered)

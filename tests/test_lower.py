@@ -7,7 +7,6 @@ pipeline at a few sizes; `DHELIX_UPDATE_GOLDEN=1 .venv/bin/pytest tests/test_low
 
 from __future__ import annotations
 
-import functools
 import textwrap
 from collections import Counter
 from pathlib import Path
@@ -16,33 +15,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dhelix.dsl import syntax as s
 from dhelix.dsl.errors import DhelixError, ParseError, ScheduleError
 from dhelix.dsl.fold import placement_for
 from dhelix.dsl.lower import lower_pipeline
 from dhelix.dsl.parser import parse
+from dhelix.dsl.stdlib import fold_of, stdlib_pipelines
 from dhelix.dsl.schedule import (Compute, Interleaved, Lowered, Transfer, format_lowered,
                                  parse_lowered)
 
 ROOT = Path(__file__).resolve().parent.parent
-STDLIB = ROOT / "stdlib_schedules" / "pipelines.dhx"
 
-#: The fold each stdlib pipeline is written for (as its comment in pipelines.dhx says).
-FOLDS = {
-    "gpipe": ("none", None),
-    "one_f_one_b": ("none", None),
-    "interleaved_1f1b": ("loop", 2),
-    "zb_h1": ("none", None),
-    "dualpipe_v": ("u", None),
-    "w_helix": ("u", None),
-}
-
-
-@functools.cache
-def stdlib_pipelines() -> dict[str, s.PipelineDef]:
-    """The PipelineDefs of stdlib_schedules/pipelines.dhx by name."""
-    module = parse(STDLIB.read_text(), "stdlib/pipelines.dhx")
-    return {item.name: item for item in module.items if isinstance(item, s.PipelineDef)}
+#: The fold each stdlib pipeline is written for, from its `for` clause.
+FOLDS = {name: fold_of(pipeline) for name, pipeline in stdlib_pipelines().items()}
 
 
 def lower_stdlib(name: str, ranks: int, microbatches: int, fold=None) -> Lowered:
