@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from . import syntax as s
@@ -79,17 +81,25 @@ def dump_config(program: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _needs(field: str):
+    """Dump the configuration instead when ``program.<field>`` is missing (a library file)."""
+    def wrap(dumper):
+        @functools.wraps(dumper)
+        def dump(program: Program) -> str:
+            return dump_config(program) if getattr(program, field) is None else dumper(program)
+        return dump
+    return wrap
+
+
+@_needs("forward")
 def dump_forward(program: Program) -> str:
-    """The forward DAG (or the configuration dump of a library file)."""
-    if program.forward is None:
-        return dump_config(program)
+    """The forward DAG."""
     return dump_dag(program.forward)
 
 
+@_needs("backward")
 def dump_dags(program: Program) -> str:
     """The forward and backward DAGs."""
-    if program.forward is None:
-        return dump_config(program)
     return dump_dag(program.forward) + "\n" + dump_dag(program.backward)
 
 
@@ -120,10 +130,9 @@ def _op_line(op: Op) -> str:
             f"<- {', '.join(op.inputs) or '-':<22} {'  '.join(notes)}").rstrip()
 
 
+@_needs("placement")
 def dump_placement(program: Program) -> str:
     """Each pipeline rank's chunks and their layers (the fold)."""
-    if program.placement is None:
-        return dump_config(program)
     placement = program.placement
     lines = [f"fold {program.fold.kind}: {len(placement.stages)} stages on {placement.ranks} ranks"]
     for stage in placement.stages:
@@ -133,17 +142,15 @@ def dump_placement(program: Program) -> str:
     return "\n".join(lines) + "\n"
 
 
+@_needs("lowered")
 def dump_lowered(program: Program) -> str:
-    """The lowered schedule in its text form (or the configuration of a library file)."""
-    if program.lowered is None:
-        return dump_config(program)
+    """The lowered schedule in its text form."""
     return format_lowered(program.lowered)
 
 
+@_needs("lowered")
 def dump_validated(program: Program) -> str:
     """The lowered schedule and its unit-time make-span and bubble ratio."""
-    if program.lowered is None:
-        return dump_config(program)
     timing = unit_time(program.lowered)
     return (format_lowered(program.lowered) + f"# valid; unit-time make-span {timing.makespan}, "
             f"bubble ratio {timing.bubble_ratio} = {float(timing.bubble_ratio):.3f}\n")
