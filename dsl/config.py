@@ -21,7 +21,7 @@ MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
-TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "lr")
+TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps")
 
 
 #: The example a name-valued setting's message shows.
@@ -185,7 +185,8 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     _check_positive(block, [k for k in ("micro_batch", "microbatches", "steps") if k in block.values], errors)
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
         return None
-    return Train(block.values["micro_batch"], block.values["microbatches"], span=node.span)
+    v = block.values
+    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), span=node.span)
 
 
 def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:

@@ -71,7 +71,9 @@ def dump_config(program: Program) -> str:
         groups = mesh.groups(axis)
         lines.append(f"  {axis} = {mesh.size(axis)}: stride {mesh.stride(axis)}, {len(groups)} groups, "
                      f"lane {mesh.lane(axis)}, first {list(groups[0])}")
-    lines.append(f"train: micro_batch {program.train.micro_batch}, microbatches {program.train.microbatches}")
+    train = program.train
+    lines.append(f"train: micro_batch {train.micro_batch}, microbatches {train.microbatches}, seed {train.seed}"
+                 + (f", steps {train.steps}" if train.steps else ""))
     lines.append(f"fold: {program.fold.kind} ({program.fold.v} chunk{'s' if program.fold.v > 1 else ''} per rank)")
     lines.append(f"pipeline: {program.pipeline.name if program.pipeline else '-'}")
     st = program.strands

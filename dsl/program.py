@@ -40,8 +40,13 @@ class Cluster:
 
 @attrs.frozen
 class Train:
+    """The train block: micro-batch size and count per step; the seed of weights and data
+    and the default step count of `dhelix run`."""
+
     micro_batch: int
     microbatches: int
+    seed: int = 0
+    steps: int | None = None
     span: object = span_field()
 
 

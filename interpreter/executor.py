@@ -1,0 +1,347 @@
+"""The action executor: runs one rank's lowered action list, one training step at a time.
+
+Each stage — a (rank, chunk) slot of the placement — owns the layers of its range; stage 0
+also embeds the tokens and the last stage also runs the final norm, the LM head and the
+loss. Actions, dispatched by kind through :data:`HANDLERS`:
+
+* ``F`` runs the stage's forward layer chain for one micro-batch and keeps every layer's
+  saved tensors until the backward;
+* ``B`` runs the backward chain: the whole backward, or, when the schedule splits it, only
+  the data-gradient chain (the layers stay alive for the W);
+* ``W`` runs every weight-gradient op of the stage's layers for that micro-batch;
+* ``SI`` co-executes an F and a B segment pair by segment pair (:mod:`.si`), or runs them
+  one after the other when strand interleaving is off;
+* ``SEND``/``RECV`` queue point-to-point transfers, posted together before the next
+  computation (:mod:`.pipeline_comm`).
+
+Values move between stages through a mailbox keyed like the compiler's transfers (data,
+micro-batch, producing stage), whether the next stage is on this rank or a RECV brings it.
+The loss is the mean token cross-entropy of the rank's micro-batches, so each head
+backward is scaled by ``1 / (microbatches · tokens)`` — the reference's averaging.
+
+A failure in any action raises :class:`ExecutionError` naming the rank, the action in its
+text form and the schedule grid with that action marked.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+import torch
+
+from dhelix.dsl.errors import ScheduleError
+from dhelix.dsl.program import Program
+from dhelix.dsl.schedule import Compute, Interleaved, Transfer, format_grid
+from dhelix.dsl.validate import transfer_key
+
+from .comm import AXES, Communicator, Pending, resolve
+from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, sum_partial_grads
+from .pipeline_comm import PipelineComm, check_fifo
+from .reference import Batch
+from .si import (LayerChain, PlanFn, Recorder, TimedComm, backward_ops, check_plan, is_wgrad,
+                 run_alone, run_interleaved, sequential_plan, timed)
+from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
+
+
+class ExecutionError(ScheduleError):
+    """An action that failed on a rank: the rank, the action, the cause and the grid."""
+
+
+@attrs.define
+class StageState:
+    """One stage on this rank: its layers' weights and gradients (by op name, one dict per
+    layer in model order) and the live state of the micro-batches in flight."""
+
+    index: int
+    layers: range
+    first: bool
+    last: bool
+    weights: list[dict]
+    grads: list[dict] = attrs.field(factory=list)
+    runs: dict[int, list[LayerRun]] = attrs.field(factory=dict)
+    embeds: dict[int, EmbedRun] = attrs.field(factory=dict)
+    heads: dict[int, HeadRun] = attrs.field(factory=dict)
+
+
+def action_kind(action) -> str:
+    """The dispatch key of a lowered action: F, B, W, SI, SEND or RECV."""
+    if isinstance(action, Interleaved):
+        return "SI"
+    return action.kind
+
+
+class Executor:
+    """Runs the lowered schedule of ``program`` for this rank (``comm.rank``).
+
+    ``seed`` seeds the weights (:class:`~.weights.WeightPlan`); ``si`` turns strand
+    interleaving on; ``plan_for(fwd, bwd)`` gives the SI plan of a layer pair (checked once);
+    ``use_tags`` says whether point-to-point messages carry tags (gloo) — without tags the
+    schedule's transfers must be in matching order on both sides; ``on_action(step, index)``
+    is called before each action (a test hook). Weights live in :attr:`params` by parameter
+    name; the optimizer updates them in place.
+    """
+
+    def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
+                 si: bool = True, plan_for: PlanFn = sequential_plan, use_tags: bool = True,
+                 recorder: Recorder | None = None, on_action: Callable | None = None):
+        self.program, self.lowered = program, program.lowered
+        self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
+        self.recorder = recorder or Recorder()
+        self.recorder.probe = self.live_bytes
+        self.comm = TimedComm(comm, self.recorder)
+        self.pp = comm.index("pp")
+        self.actions = self.lowered.actions[self.pp]
+        self.weights = WeightPlan(program, seed)
+        self.index = {axis: comm.index(axis) for axis in AXES}
+        self.layer_plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
+        self.b_ops = backward_ops(program.backward, self.lowered.split)
+        self.w_ops = tuple(op for op in program.backward.ops if is_wgrad(op))
+        self.plan = plan_for(program.forward, program.backward)
+        optional = {op.name for op in self.w_ops} if self.lowered.split else set()
+        check_plan(self.plan, program.forward, program.backward, optional)
+        if not use_tags and check_fifo(self.lowered):
+            raise ValueError("this backend matches messages in order, but the schedule's transfers "
+                             f"are not in the same order on both sides: {check_fifo(self.lowered)[0]}")
+        self.p2p = PipelineComm(self.comm, self.lowered, use_tags,
+                                lambda pending, name: self._timed_recv(pending, name))
+        self.params: dict[str, torch.Tensor] = {}
+        self.stages = {chunk: self._stage(chunk) for chunk in range(self.lowered.chunks)
+                       if self.lowered.stage_of(self.pp, chunk) is not None}
+        self.on_action = on_action
+        self.steps_run = 0
+        self.end_grads: dict[str, torch.Tensor] = {}
+        self.mailbox: dict[tuple, object] = {}
+        self._grads: dict[str, torch.Tensor] = {}
+
+    # -- set-up ------------------------------------------------------------------------
+
+    def _stage(self, chunk: int) -> StageState:
+        index = self.lowered.stage_of(self.pp, chunk)
+        stage = self.program.placement.stages[index]
+        if (stage.rank, stage.chunk) != (self.pp, chunk):
+            raise ValueError(f"the lowered schedule puts stage {index} on r{self.pp}.{chunk}, "
+                             f"the placement on r{stage.rank}.{stage.chunk}")
+        weights = []
+        for layer in stage.layers:
+            shards = self.weights.layer_weights(layer, self.index, self.dtype, self.device)
+            self.params.update({param_name(layer, op): w for op, w in shards.items()})
+            weights.append(shards)
+        state = StageState(index, stage.layers, index == 0, index == len(self.lowered.stages) - 1, weights)
+        ends = ((EMBEDDING,) if state.first else ()) + ((FINAL_NORM, LM_HEAD) if state.last else ())
+        for name in ends:
+            self.params[name] = self.weights.shard(name, self.index, self.dtype).to(self.device)
+        return state
+
+    def _timed_recv(self, pending: Pending, name: str) -> Pending:
+        return timed(pending, self.recorder, name, self.comm.lane_of("pp"), "p2p")
+
+    # -- a step ------------------------------------------------------------------------
+
+    def step(self, batch: Batch) -> torch.Tensor:
+        """Run the action list once on ``batch`` (this DP replica's micro-batches, as many as
+        the schedule's m). Returns the loss, the same on every rank: the mean token
+        cross-entropy over the micro-batches of every DP replica. Gradients are then in
+        :meth:`grads` (complete over tp, not yet averaged over dp)."""
+        if batch.inputs.shape[0] != self.lowered.microbatches:
+            raise ValueError(f"the schedule runs {self.lowered.microbatches} micro-batches, "
+                             f"the batch has {batch.inputs.shape[0]}")
+        self._reset(batch)
+        with torch.no_grad():
+            for index, action in enumerate(self.actions):
+                if self.on_action is not None:
+                    self.on_action(self.steps_run, index)
+                try:
+                    self._dispatch(action)
+                except Exception as exc:
+                    raise self._failure(index, action, exc) from exc
+            self.p2p.drain()
+            self._finish()
+        self.steps_run += 1
+        return self._global_loss()
+
+    def _dispatch(self, action) -> None:
+        if not isinstance(action, Transfer):
+            self.p2p.flush()
+        kind = action_kind(action)
+        if kind in ("SEND", "RECV"):
+            HANDLERS[kind](self, action)
+            return
+        with self.recorder.span(str(action)):
+            HANDLERS[kind](self, action)
+        self.recorder.memory()
+
+    def _reset(self, batch: Batch) -> None:
+        self.batch = batch
+        self.mailbox, self.end_grads = {}, {}
+        tokens = batch.inputs[0].numel()
+        self.scale = 1.0 / (self.lowered.microbatches * tokens)
+        self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
+        for stage in self.stages.values():
+            stage.grads = [{} for _ in stage.layers]
+            stage.runs, stage.embeds, stage.heads = {}, {}, {}
+
+    def _finish(self) -> None:
+        leftovers = [(stage.index, m) for stage in self.stages.values() for m in stage.runs]
+        if leftovers or self.mailbox:
+            raise ValueError(f"the step ended with live micro-batches {leftovers} and unsent "
+                             f"values {sorted(self.mailbox)}")
+        sum_partial_grads(self.weights, self._collect_grads(), self.comm)
+
+    def _collect_grads(self) -> dict[str, torch.Tensor]:
+        grads = dict(self.end_grads)
+        for stage in self.stages.values():
+            for layer, layer_grads in zip(stage.layers, stage.grads, strict=True):
+                grads.update({param_name(layer, op): g for op, g in layer_grads.items()})
+        self._grads = grads
+        return grads
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """This rank's gradient of every parameter in :attr:`params` after :meth:`step`
+        (zeros for a weight no token reached)."""
+        return {name: self._grads.get(name, torch.zeros_like(p)) for name, p in self.params.items()}
+
+    def _global_loss(self) -> torch.Tensor:
+        # Only the last stage has a loss; tp ranks hold the same value, so sum over pp and
+        # average over dp.
+        loss = (self.loss_sum * self.scale).reshape(1).clone()
+        self.comm.all_reduce(loss, "pp")
+        self.comm.all_reduce(loss, "dp")
+        return loss[0] / self.comm.size("dp")
+
+    def _failure(self, index: int, action, exc: Exception) -> ExecutionError:
+        if isinstance(exc, ExecutionError):
+            return exc
+        rank = self.comm.rank
+        message = (f"rank {rank} (pipeline rank {self.pp}) failed in {action}, step {index} of its "
+                   f"list, training step {self.steps_run}: {type(exc).__name__}: {exc}")
+        return ExecutionError(message, getattr(action, "span", None),
+                              ["the grid shows pipeline ranks (rows) and their actions; the failing "
+                               "one is marked >…<"], grid=format_grid(self.lowered, {self.pp: index}))
+
+    # -- chains ------------------------------------------------------------------------
+
+    def _micro(self, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, targets = self.batch.micro(microbatch)
+        return ids.to(self.device), targets.to(self.device)
+
+    def forward_chain(self, action: Compute) -> LayerChain:
+        """The forward chain of F ``action``: embedding or received input, the stage's
+        layers, then the loss or the mailbox."""
+        stage, mb = self.stages[action.chunk], action.microbatch
+        if mb in stage.runs:
+            raise ValueError(f"micro-batch {mb} already runs forward on stage {stage.index}")
+        runs = [LayerRun(self.layer_plan, w, self.comm, g) for w, g in zip(stage.weights, stage.grads, strict=True)]
+        stage.runs[mb] = runs
+        start = self.weights.vocab_start(self.index)
+        sp = self.weights.sequence_parallel
+
+        def begin():
+            if stage.first:
+                stage.embeds[mb] = EmbedRun(self.params[EMBEDDING], self.comm, start, sp, self.end_grads)
+                return stage.embeds[mb].forward(self._micro(mb)[0])
+            return resolve(self.mailbox.pop(("F", mb, stage.index - 1)))
+
+        def end(x):
+            if stage.last:
+                head = HeadRun(self.params[FINAL_NORM], self.params[LM_HEAD], self.comm, start, sp, self.end_grads)
+                stage.heads[mb] = head
+                self.loss_sum += head.forward(x, self._micro(mb)[1])
+            else:
+                self.mailbox[("F", mb, stage.index)] = x
+
+        return LayerChain(runs, self.layer_plan.fwd.ops, begin, end, forward=True)
+
+    def backward_chain(self, action: Compute) -> LayerChain:
+        """The backward chain of B ``action``: loss gradient or received gradient, the
+        stage's layers in reverse, then the embedding or the mailbox."""
+        stage, mb = self.stages[action.chunk], action.microbatch
+        runs = stage.runs[mb] if self.lowered.split else stage.runs.pop(mb)
+
+        def begin():
+            if stage.last:
+                return stage.heads.pop(mb).backward(self.scale)
+            return resolve(self.mailbox.pop(("B", mb, stage.index + 1)))
+
+        def end(grad):
+            if stage.first:
+                stage.embeds.pop(mb).backward(grad)
+            else:
+                self.mailbox[("B", mb, stage.index)] = grad
+
+        return LayerChain(list(reversed(runs)), self.b_ops, begin, end, forward=False)
+
+    # -- handlers ----------------------------------------------------------------------
+
+    def run_forward(self, action: Compute) -> None:
+        """F: the forward chain alone."""
+        run_alone(self.forward_chain(action), self.recorder, str(action))
+
+    def run_backward(self, action: Compute) -> None:
+        """B: the backward chain alone (without the wgrads when they are split off)."""
+        run_alone(self.backward_chain(action), self.recorder, str(action))
+
+    def run_weight(self, action: Compute) -> None:
+        """W: every weight-gradient op of the stage's layers; frees the micro-batch."""
+        for run in self.stages[action.chunk].runs.pop(action.microbatch):
+            for op in self.w_ops:
+                run.backward_op(op)
+
+    def run_si(self, action: Interleaved) -> None:
+        """SI: the two chains co-executed by the plan, or one after the other when SI is off."""
+        if not self.si:
+            self.run_forward(action.fwd)
+            self.run_backward(action.bwd)
+            return
+        run_interleaved(self.forward_chain(action.fwd), self.backward_chain(action.bwd), self.plan,
+                        self.recorder, str(action))
+
+    def run_send(self, action: Transfer) -> None:
+        """SEND: queue the value the previous action left in the mailbox."""
+        key = transfer_key(self.lowered, self.pp, action)
+        self.p2p.send(resolve(self.mailbox.pop(key)), action, key)
+
+    def run_recv(self, action: Transfer) -> None:
+        """RECV: queue a receive; the consuming action finds it in the mailbox."""
+        key = transfer_key(self.lowered, self.pp, action)
+        shape = self.program.forward.input_shape
+        self.mailbox[key] = self.p2p.recv(shape, self.dtype, self.device, action, key)
+
+    # -- memory ------------------------------------------------------------------------
+
+    def live_bytes(self) -> int:
+        """Bytes of the activations, saved tensors and gradients alive for micro-batches in
+        flight (each storage counted once; weights and weight gradients excluded)."""
+        seen: dict[int, int] = {}
+        roots: list = [list(self.mailbox.values())]
+        for stage in self.stages.values():
+            for runs in stage.runs.values():
+                roots += [[run.acts, run.saved, run.bgrads] for run in runs]
+            roots += [[e.saved for e in stage.embeds.values()],
+                      [(h._norm_saved, h._head_saved) for h in stage.heads.values()]]
+        for tensor in _tensors(roots):
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+#: Action kind → handler(executor, action).
+HANDLERS: dict[str, Callable] = {
+    "F": Executor.run_forward,
+    "B": Executor.run_backward,
+    "W": Executor.run_weight,
+    "SI": Executor.run_si,
+    "SEND": Executor.run_send,
+    "RECV": Executor.run_recv,
+}

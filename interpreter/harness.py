@@ -1,0 +1,188 @@
+"""Check the distributed interpreter against the single-process reference model.
+
+Inside an initialised world, :func:`check_steps` runs training steps with the executor and
+the optimizer and, before each update, compares on global rank 0 the loss and the gradient
+of every parameter — assembled from all ranks' shards and averaged over dp — with
+:func:`~.reference.reference_step`-style autograd on the same (possibly already updated)
+full weights and the same batch. Weights are gathered before each step, so every step of a
+multi-step run is checked, the optimizer's updates included.
+
+The global batch of a step has ``dp · microbatches`` micro-batches; DP replica d runs
+micro-batches ``[d·m, (d+1)·m)`` (:func:`replica_batch`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pickle
+from typing import Mapping
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from dhelix.dsl.program import Program
+
+from .comm import AXES, Communicator
+from .reference import Batch, ReferenceModel, make_batch
+from .weights import WeightPlan
+
+
+@attrs.frozen
+class StepCheck:
+    """One checked step: the distributed and reference losses, the largest absolute
+    gradient difference over every parameter and which parameter it was."""
+
+    step: int
+    loss: float
+    reference_loss: float
+    grad_diff: float
+    worst: str
+    params: int
+    update_diff: float = 0.0
+
+    @property
+    def loss_diff(self) -> float:
+        """Absolute difference of the losses."""
+        return abs(self.loss - self.reference_loss)
+
+    def __str__(self) -> str:
+        return (f"step {self.step}: loss {self.loss:.6f} (reference {self.reference_loss:.6f}, "
+                f"diff {self.loss_diff:.2e}); max grad diff {self.grad_diff:.2e} over "
+                f"{self.params} parameters (worst {self.worst}); max update diff "
+                f"{self.update_diff:.2e}")
+
+
+def replica_batch(batch: Batch, replica: int, microbatches: int) -> Batch:
+    """DP replica ``replica``'s micro-batches of a global ``batch``."""
+    part = slice(replica * microbatches, (replica + 1) * microbatches)
+    return Batch(batch.inputs[part].contiguous(), batch.targets[part].contiguous())
+
+
+def global_batch(program: Program, seed: int) -> Batch:
+    """The seeded global batch of one step: ``dp · microbatches`` micro-batches."""
+    return make_batch(program, seed, program.train.microbatches * program.mesh.size("dp"))
+
+
+def gather_to_first(obj) -> list | None:
+    """Every rank's picklable ``obj``, in rank order, on global rank 0 (None elsewhere).
+    Collective over the world; ``torch.distributed.gather_object`` without NumPy (which
+    the CPU build of torch may lack), on the device the backend needs."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    data = pickle.dumps(obj)
+    world = dist.get_world_size()
+    size = torch.tensor([len(data)], dtype=torch.long, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    longest = max(int(s) for s in sizes)
+    buffer = torch.zeros(longest, dtype=torch.uint8)
+    buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    # all_gather rather than gather: every backend has it.
+    gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(gathered, buffer.to(device))
+    if dist.get_rank() != 0:
+        return None
+    blobs = [t.cpu() for t in gathered]
+    return [pickle.loads(ctypes.string_at(t.data_ptr(), int(n))) for t, n in zip(blobs, sizes, strict=True)]
+
+
+def broadcast_from_first(obj):
+    """Global rank 0's picklable ``obj`` on every rank (collective over the world)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    data = pickle.dumps(obj) if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.long, device=device)
+    dist.broadcast(size, 0)
+    buffer = torch.zeros(int(size), dtype=torch.uint8)
+    if data:
+        buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    buffer = buffer.to(device)
+    dist.broadcast(buffer, 0)
+    buffer = buffer.cpu()
+    return pickle.loads(ctypes.string_at(buffer.data_ptr(), int(size)))
+
+
+def gather_full(plan: WeightPlan, comm: Communicator, tensors: Mapping[str, torch.Tensor]):
+    """On global rank 0, the full value of every parameter (or gradient) from all ranks'
+    shards, keyed by parameter name; None on the other ranks. Collective over the world."""
+    index = {axis: comm.index(axis) for axis in AXES}
+    mine = (index, {name: t.detach().cpu() for name, t in tensors.items()})
+    pieces = gather_to_first(mine)
+    if pieces is None:
+        return None
+    full = {}
+    for name in plan.names():
+        spec = plan.spec(name)
+        holders = [(idx, values[name]) for idx, values in pieces if name in values and idx["dp"] == 0]
+        holders.sort(key=lambda item: item[0].get(spec.axis or "tp", 0))
+        if not holders:
+            raise ValueError(f"no rank holds parameter {name}")
+        if spec.axis is None:
+            full[name] = holders[0][1]
+        else:
+            split = [t for idx, t in holders if all(idx[a] == holders[0][0][a] for a in AXES if a != spec.axis)]
+            full[name] = plan.join(name, split)
+    return full
+
+
+def reference_with(program: Program, params: Mapping[str, torch.Tensor], batch: Batch, seed: int):
+    """The reference loss and gradients of ``batch`` with the full ``params``."""
+    model = ReferenceModel(program, seed)
+    with torch.no_grad():
+        for name, value in params.items():
+            model.params[name].copy_(value)
+    loss = model(batch)
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.params.items()}
+
+
+def compare(step: int, loss: float, grads: Mapping[str, torch.Tensor], reference) -> StepCheck:
+    """A StepCheck of ``loss`` and ``grads`` against ``reference`` = (loss, grads)."""
+    ref_loss, ref_grads = reference
+    if set(grads) != set(ref_grads):
+        raise ValueError(f"gradients of {sorted(set(ref_grads) ^ set(grads))} are missing on one side")
+    diffs = {name: (grads[name] - ref_grads[name]).abs().max().item() for name in ref_grads}
+    worst = max(diffs, key=diffs.get)
+    return StepCheck(step, float(loss), float(ref_loss), diffs[worst], worst, len(diffs))
+
+
+def check_steps(executor, optimizer, steps: int, data_seed: int = 0) -> list[StepCheck]:
+    """Run ``steps`` steps of ``executor`` (an :class:`~.executor.Executor`) with
+    ``optimizer`` (a :class:`~.optim.DistributedAdamW` over its params), checking each
+    against the reference before the update, and the update against ``torch.optim.AdamW``
+    applied to the same averaged gradients. Returns the checks on global rank 0 and an
+    empty list elsewhere. Collective: every rank of the world must call it."""
+    program, comm, plan = executor.program, executor.comm, executor.weights
+    checks, shadow = [], _ShadowAdamW(optimizer.config) if comm.rank == 0 else None
+    for step in range(steps):
+        batch = global_batch(program, data_seed + step)
+        params = gather_full(plan, comm, executor.params)
+        loss = executor.step(replica_batch(batch, comm.index("dp"), program.train.microbatches))
+        grads = gather_full(plan, comm, optimizer.averaged_grads(executor.grads()))
+        optimizer.step(executor.grads())
+        updated = gather_full(plan, comm, executor.params)
+        if comm.rank == 0:
+            check = compare(step, loss.item(), grads, reference_with(program, params, batch, plan.seed))
+            checks.append(attrs.evolve(check, update_diff=shadow.diff(params, grads, updated)))
+    return checks
+
+
+class _ShadowAdamW:
+    """torch.optim.AdamW on full parameters, fed the distributed run's gathered weights and
+    averaged gradients, to check the distributed update."""
+
+    def __init__(self, config):
+        self.config, self.params, self.optimizer = config, None, None
+
+    def diff(self, params, grads, updated) -> float:
+        """Largest difference between ``updated`` and AdamW applied to ``params`` with ``grads``."""
+        if self.params is None:
+            self.params = {name: value.clone().requires_grad_(True) for name, value in params.items()}
+            cfg = self.config
+            self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, betas=cfg.betas,
+                                               eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(params[name])
+                param.grad = grads[name].clone()
+        self.optimizer.step()
+        return max((self.params[name] - updated[name]).abs().max().item() for name in updated)

@@ -1,0 +1,133 @@
+"""Point-to-point transfers of activations and gradients between pipeline ranks.
+
+The lowered schedule puts SENDs right after the action producing the data and RECVs right
+before the action consuming it (:mod:`dhelix.dsl.schedule`). The executor queues the
+transfers of a run of consecutive SEND/RECV actions here and :meth:`PipelineComm.flush` posts
+them as one ``batch_isend_irecv``, so a rank that both sends and receives never blocks on the
+order of the two. Sends stay in flight (their tensors alive) until :meth:`PipelineComm.drain`;
+a receive is a :class:`~.comm.Pending` that the consuming action waits for.
+
+Matching: gloo takes a tag per message, so each transfer gets a tag derived from what it
+carries (data, micro-batch, producing stage) and messages match whatever their order. NCCL
+ignores tags inside a batch and matches messages between two ranks in the order they were
+posted; :func:`check_fifo` verifies that every sender's order equals its receiver's, which
+the executor requires before running a schedule on a backend without tags.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+from dhelix.dsl.schedule import Lowered, Transfer
+from dhelix.dsl.validate import transfer_key
+
+from .comm import Communicator, Pending
+
+
+class _Slot:
+    """The work of a receive, known only once its batch is posted; waited through Pending."""
+
+    def __init__(self) -> None:
+        self.work = None
+
+    def wait(self) -> None:
+        if self.work is None:
+            raise RuntimeError("a receive was waited for before its batch was posted (flush first)")
+        self.work.wait()
+
+
+def transfer_tag(lowered: Lowered, key: tuple) -> int:
+    """A tag unique within a step for a transfer's key (data, micro-batch, producing stage)."""
+    data, microbatch, stage = key
+    return (stage * lowered.microbatches + microbatch) * 2 + (data == "B")
+
+
+def check_fifo(lowered: Lowered) -> list[str]:
+    """The pairs of ranks whose sends and receives come in different orders (empty: none).
+
+    Each problem names the sender, the receiver and the first position that differs. A
+    backend that matches point-to-point messages in posting order needs an empty list.
+    """
+    sent: dict[tuple[int, int], list] = defaultdict(list)
+    received: dict[tuple[int, int], list] = defaultdict(list)
+    for rank, row in enumerate(lowered.actions):
+        for action in row:
+            if isinstance(action, Transfer):
+                pair = (rank, action.peer) if action.kind == "SEND" else (action.peer, rank)
+                book = sent if action.kind == "SEND" else received
+                book[pair].append((transfer_key(lowered, rank, action), str(action)))
+    problems = []
+    for pair in sorted(set(sent) | set(received)):
+        sends, recvs = sent.get(pair, []), received.get(pair, [])
+        for position, (send, recv) in enumerate(zip(sends, recvs)):
+            if send[0] != recv[0]:
+                problems.append(f"rank {pair[0]} sends {send[1]} as message {position} to rank "
+                                f"{pair[1]}, which receives {recv[1]} there")
+                break
+    return problems
+
+
+class PipelineComm:
+    """Queues the SEND/RECV actions of one rank and posts them in batches.
+
+    ``comm`` gives the pipeline group (lowered peer p is global rank ``group_ranks('pp')[p]``);
+    ``use_tags`` is True on gloo (see the module docstring); ``timed`` wraps a receive's
+    Pending so that waiting for it counts as exposed communication (identity by default).
+    """
+
+    def __init__(self, comm: Communicator, lowered: Lowered, use_tags: bool, timed=None):
+        self.comm, self.lowered, self.use_tags = comm, lowered, use_tags
+        self.pp_ranks = comm.group_ranks("pp")
+        self.timed = timed or (lambda pending, name: pending)
+        self._ops: list = []
+        self._slots: list[_Slot] = []
+        self._in_flight: list = []  # (work, tensor) of posted sends
+
+    def _tag(self, key: tuple) -> int:
+        return transfer_tag(self.lowered, key) if self.use_tags else 0
+
+    def send(self, tensor: torch.Tensor, transfer: Transfer, key: tuple) -> None:
+        """Queue sending ``tensor`` for ``transfer`` (a SEND whose key is ``key``)."""
+        peer = self.pp_ranks[transfer.peer]
+        self._ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, tag=self._tag(key)))
+        self._slots.append(None)
+
+    def recv(self, shape, dtype: torch.dtype, device, transfer: Transfer, key: tuple) -> Pending:
+        """Queue receiving a ``shape`` tensor for ``transfer``; the Pending resolves to it
+        once the batch is posted (:meth:`flush`) and the message has arrived."""
+        buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
+        peer = self.pp_ranks[transfer.peer]
+        slot = _Slot()
+        self._ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=self._tag(key)))
+        self._slots.append(slot)
+        return self.timed(Pending(slot, buffer), str(transfer))
+
+    def flush(self) -> None:
+        """Post the queued transfers as one batch (nothing to do when none are queued)."""
+        if not self._ops:
+            return
+        works = dist.batch_isend_irecv(self._ops)
+        if len(works) != len(self._ops):  # one work per op on every backend we run
+            works = [works[0]] * len(self._ops) if works else [None] * len(self._ops)
+        for op, slot, work in zip(self._ops, self._slots, works, strict=True):
+            if slot is None:
+                self._in_flight.append((work, op.tensor))
+            else:
+                slot.work = work if work is not None else _Done()
+        self._ops, self._slots = [], []
+
+    def drain(self) -> None:
+        """Wait for every posted send (at the end of a step, so buffers can be reused)."""
+        self.flush()
+        for work, _ in self._in_flight:
+            if work is not None:
+                work.wait()
+        self._in_flight = []
+
+
+class _Done:
+    def wait(self) -> None:
+        return None

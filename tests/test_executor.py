@@ -1,0 +1,197 @@
+"""The action executor against the single-process reference (fp32, max abs diff <= 1e-5 for
+the loss and every gradient): one process for pp = 1, then one world of 4 gloo ranks that
+runs every distributed configuration in turn (spawning a world costs more than the checks).
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import re
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+
+from dhelix.dsl.passes import check_text  # noqa: E402
+from dhelix.interpreter.comm import DistComm, SingleRankComm  # noqa: E402
+from dhelix.interpreter.executor import ExecutionError, Executor  # noqa: E402
+from dhelix.interpreter.harness import broadcast_from_first, check_steps, compare, reference_with  # noqa: E402
+from dhelix.interpreter.pipeline_comm import check_fifo  # noqa: E402
+from dhelix.interpreter.optim import AdamWConfig, DistributedAdamW  # noqa: E402
+from dhelix.interpreter.reference import Batch, make_batch  # noqa: E402
+from dhelix.interpreter.si import (check_plan, fixed_plan, op_by_op_plan, planned_pairs,  # noqa: E402
+                                   sequential_plan)
+from dhelix.interpreter.weights import WeightPlan  # noqa: E402
+
+from test_layer_exec import run_ranks  # noqa: E402
+
+TOL = 1e-5
+SEED, DATA_SEED = 7, 3
+
+
+def program(mesh: str, pipeline: str, fold: str = "none", microbatches: int = 4, layers: int = 4):
+    """A tiny Llama on ``mesh`` in "nodes" of 2 ranks (1 rank for a 1-rank mesh)."""
+    world = math.prod(int(size) for size in re.findall(r"\d+", mesh))
+    nodes, per_node = (2, 2) if world == 4 else (1, 1)  # the a40 profile prices the planner's pairs
+    return check_text(f"""
+import "stdlib/layers.dhx"
+import "stdlib/pipelines.dhx"
+model m {{ layers = {layers}  hidden = 32  ffn = 64  heads = 4  kv_heads = 2  seq = 8  vocab = 64
+  dtype = fp32  layer = llama }}
+cluster {{ nodes = {nodes}  gpus_per_node = {per_node}  profile = "a40" }}
+mesh {{ {mesh} }}
+train {{ micro_batch = 2  microbatches = {microbatches} }}
+fold {fold}
+pipeline {pipeline}
+""", "t.dhx")
+
+
+# -- one process -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pipeline", ["gpipe", "one_f_one_b", "zb_h1"])
+def test_single_rank_step_matches_reference(pipeline):
+    prog = program("tp = 1", pipeline, layers=2, microbatches=3)
+    batch = make_batch(prog, DATA_SEED)
+    executor = Executor(prog, SingleRankComm(), seed=SEED)
+    loss = executor.step(batch)
+    check = compare(0, loss.item(), executor.grads(), reference_with(prog, _full(prog), batch, SEED))
+    assert check.loss_diff <= TOL and check.grad_diff <= TOL, str(check)
+    assert executor.recorder.peak_bytes > 0
+
+
+def _full(prog):
+    plan = WeightPlan(prog, SEED)
+    return {name: plan.full(name) for name in plan.names()}
+
+
+def test_plans_cover_both_dags_in_order():
+    prog = program("tp = 1", "gpipe", layers=2)
+    fwd, bwd = prog.forward, prog.backward
+    for plan in (sequential_plan(fwd, bwd), op_by_op_plan(fwd, bwd)):
+        check_plan(plan, fwd, bwd)
+    backwards = tuple(reversed(op_by_op_plan(fwd, bwd)))
+    with pytest.raises(ValueError, match="before"):
+        check_plan(backwards, fwd, bwd)
+    with pytest.raises(ValueError, match="missing"):
+        check_plan(sequential_plan(fwd, bwd)[:1], fwd, bwd)
+
+
+def test_a_failing_action_names_rank_action_and_grid():
+    prog = program("tp = 1", "one_f_one_b", layers=2, microbatches=2)
+    executor = Executor(prog, SingleRankComm(), seed=SEED)
+    bad = Batch(torch.zeros((2, 2, 8)), torch.zeros((2, 2, 8), dtype=torch.long))  # float token ids
+    with pytest.raises(ExecutionError) as info:
+        executor.step(bad)
+    text = info.value.render()
+    assert "rank 0 (pipeline rank 0) failed in F0.0, step 0" in text
+    assert ">F0.0<" in text
+
+
+# -- one world of 4 gloo ranks ---------------------------------------------------------------
+
+#: name → (mesh, pipeline, fold, SI: on / off / "planned", ZeRO-1, steps[, layers, micro-batches])
+CASES = {
+    "tp2_dp2": ("tp = 2  dp = 2", "one_f_one_b", "none", True, False, 2),
+    "tp2_dp2_zero1": ("tp = 2  dp = 2", "one_f_one_b", "none", True, True, 2),
+    "pp2_1f1b": ("tp = 2  pp = 2", "one_f_one_b", "none", True, False, 1),
+    "pp2_w_helix_si": ("tp = 2  pp = 2", "w_helix", "u", True, False, 2),
+    "pp2_w_helix_no_si": ("tp = 2  pp = 2", "w_helix", "u", False, False, 1),
+    "pp2_dualpipe_v": ("tp = 2  pp = 2", "dualpipe_v", "u", True, False, 1),
+    "pp2_dp2_zb_h1": ("pp = 2  dp = 2", "zb_h1", "none", True, True, 1),
+    "pp2_dualpipe_v_planned": ("tp = 2  pp = 2", "dualpipe_v", "u", "planned", False, 1),
+    "pp2_w_helix_planned": ("tp = 2  pp = 2", "w_helix", "u", "planned", False, 1),
+    # Its transfers between ranks 0 and 1 come in different orders on the two sides, so
+    # only the tags of the gloo messages match them.
+    "pp4_dualpipe_v_unordered": ("pp = 4", "dualpipe_v", "u", True, False, 1, 8, 8),
+}
+
+
+def synthetic_batch(prog, seed: int) -> Batch:
+    """Counting sequences (start + stride·i mod vocab, stride 1 or 3): learnable in a few steps."""
+    gen = torch.Generator().manual_seed(seed)
+    m, mb, seq, vocab = prog.train.microbatches, prog.train.micro_batch, prog.model.get("seq"), prog.model.get("vocab")
+    start = torch.randint(0, vocab, (m, mb, 1), generator=gen)
+    stride = 1 + 2 * torch.randint(0, 2, (m, mb, 1), generator=gen)
+    tokens = (start + stride * torch.arange(seq + 1)) % vocab
+    return Batch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous())
+
+
+def _case(name: str):
+    mesh, pipeline, fold, si, zero1, steps, *sizes = CASES[name]
+    layers, microbatches = sizes or (4, 4)
+    prog = program(mesh, pipeline, fold, microbatches, layers)
+    comm = DistComm(prog.mesh, timeout_s=60)
+    # "planned": the planner's segment pairs (rank 0's, as `dhelix run` does).
+    plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog))) if si == "planned" else op_by_op_plan
+    executor = Executor(prog, comm, seed=SEED, si=bool(si), plan_for=plan_for)
+    optimizer = DistributedAdamW(executor.params, comm, zero1=zero1)
+    return check_steps(executor, optimizer, steps, DATA_SEED)
+
+
+def _training(steps: int = 20) -> list[float]:
+    prog = program("tp = 2  pp = 2", "w_helix", "u")
+    comm = DistComm(prog.mesh, timeout_s=60)
+    executor = Executor(prog, comm, seed=SEED, plan_for=op_by_op_plan)
+    optimizer = DistributedAdamW(executor.params, comm, config=AdamWConfig(lr=1e-2))
+    losses = []
+    for step in range(steps):
+        losses.append(executor.step(synthetic_batch(prog, step % 4)).item())
+        optimizer.step(executor.grads())
+    return losses
+
+
+def _world(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    try:
+        results = {name: _case(name) for name in CASES}
+        results["training"] = _training()
+        if rank == 0:
+            with open(f"{out_dir}/results.pkl", "wb") as out:
+                pickle.dump(results, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def world_results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("world")
+    run_ranks(_world, 4, str(out_dir), timeout=120)
+    with open(out_dir / "results.pkl", "rb") as results:
+        return pickle.load(results)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_distributed_step_matches_reference(world_results, name):
+    checks = world_results[name]
+    assert len(checks) == CASES[name][5]
+    for check in checks:
+        assert check.loss_diff <= TOL, str(check)
+        assert check.grad_diff <= TOL, str(check)
+        assert check.update_diff <= TOL, str(check)
+
+
+def test_si_on_and_off_give_the_same_result(world_results):
+    on, off = world_results["pp2_w_helix_si"][0], world_results["pp2_w_helix_no_si"][0]
+    assert abs(on.loss - off.loss) <= 1e-6
+    assert abs(on.grad_diff - off.grad_diff) <= TOL
+
+
+def test_the_unordered_case_needs_tags():
+    prog = program("pp = 4", "dualpipe_v", "u", 8, 8)
+    assert check_fifo(prog.lowered)
+    with pytest.raises(ValueError, match="not in the same order on both sides"):
+        Executor(prog, SingleRankComm(), use_tags=False)
+
+
+def test_twenty_steps_reduce_the_loss(world_results):
+    losses = world_results["training"]
+    assert len(losses) == 20
+    assert losses[-1] < 0.8 * losses[0], losses
+
