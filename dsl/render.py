@@ -63,20 +63,22 @@ def cmd_render(args) -> int:
     output = check_output_path(args.output) if args.output else None
     overrides = overrides_from_args(args)
     program = load_file(args.file, overrides, DIAGRAMS[args.what])
-    source = diagram_source(program, args.what)
+    source = diagram_source(program, args.what, overrides.describe())
     if output is None:
         sys.stdout.write(source)
         return 0
     return write_diagram(source, output)
 
 
-def diagram_source(program, what: str) -> str:
-    """The DOT text of diagram ``what`` for a program run through the passes it needs."""
+def diagram_source(program, what: str, overridden: str = "") -> str:
+    """The DOT text of diagram ``what`` for a program run through the passes it needs;
+    ``overridden`` names the command-line overrides, shown in the placement's title."""
     if what == "pipeline":
         fold = program.placement.kind
         return pipeline_dot(program.lowered, pipeline_title(program.lowered, fold))
     if what == "placement":
-        return placement_dot(program.placement, program.model.name, program.model.get("layers"))
+        name = program.model.name + (f" ({overridden})" if overridden else "")
+        return placement_dot(program.placement, name, program.model.get("layers"))
     return dag_dot(program.forward, program.backward)
 
 

@@ -29,6 +29,12 @@ def attributes(**values) -> str:
     return f"[{', '.join(parts)}]" if parts else ""
 
 
+def with_html_label(label: str, **values) -> str:
+    """Like :func:`attributes`, with an HTML-like ``label=<…>`` (already escaped) at the end."""
+    parts = [f"{key}={quote(str(value))}" for key, value in values.items() if value is not None]
+    return f"[{', '.join(parts + [f'label=<{label}>'])}]"
+
+
 def graph_header(kind: str, name: str, **values) -> list[str]:
     """The opening lines of a graph: ``digraph name {`` and the graph-wide font defaults."""
     lines = [f"{kind} {quote(name)} {{"]

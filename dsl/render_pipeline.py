@@ -1,10 +1,11 @@
 """The pipeline diagram: ranks as rows, unit time as columns, like the DHelix paper's Figs. 7–8.
 
-One Graphviz node holds one HTML-like table. A ruler row of one cell per time unit fixes the
-column widths; every action of a rank is one cell spanning its unit-time duration (from
-:mod:`dsl.unittime`), idle time is a pale cell. Forwards are blue and backwards green, as in the
-paper; weight gradients (W) orange. An SI block is one cell split in two: the forward on top
-over the backward below (the paper's [β5 / α1]). Transfers cost no unit time and are not drawn.
+One Graphviz node holds one HTML-like table (a second node below it, the legend). A ruler row
+of one cell per time unit fixes the column widths; every action of a rank is one cell spanning
+its unit-time duration (from :mod:`dsl.unittime`), idle time is a pale cell. Forwards are blue
+and backwards green, as in the paper; weight gradients (W) orange. An SI block is one cell split
+in two: the forward on top over the backward below (the paper's [β5 / α1]). Transfers cost no
+unit time and are not drawn.
 
 Strands: when a schedule has SI blocks, every micro-batch gets a strand, α or β, such that the
 two halves of each SI block are of opposite strands (micro-batch 0 is α); the labels then read
@@ -12,8 +13,9 @@ two halves of each SI block are of opposite strands (micro-batch 0 is α); the l
 ``dhelix check --dump lower`` (the paper counts from 1). With v > 1 chunks per rank the chunk
 follows as a subscript.
 
-Time scale: one whole-rank forward (v chunk forwards) is the same width whatever v is, so
-pictures of different folds compare directly; the ruler counts whole-rank forwards.
+Time scale: one whole-rank forward (v chunk forwards) is the same width whatever v is (down to
+a least cell width for v > 2), so pictures of different folds compare directly; the ruler counts
+whole-rank forwards.
 """
 
 from __future__ import annotations
@@ -47,13 +49,17 @@ def pipeline_dot(lowered: Lowered, title: str = "") -> str:
     strands = strands_of(lowered)
     unit = max(MIN_UNIT_PX, WHOLE_UNIT_PX // lowered.chunks)
     rows = [_ruler(timing.makespan, lowered.chunks, unit)]
-    rows += [_rank_row(lowered, timing, rank, strands, unit) for rank in range(lowered.ranks)]
-    rows.append(_legend_row(lowered, strands, timing.makespan + 1))
+    for rank in range(lowered.ranks):
+        # A thin blank row between ranks keeps neighbouring blocks apart.
+        rows.append(f'<TR><TD COLSPAN="{timing.makespan + 1}" HEIGHT="4" FIXEDSIZE="TRUE"></TD></TR>')
+        rows.append(_rank_row(lowered, timing, rank, strands, unit))
     table = ('<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0">\n'
              + "\n".join(rows) + "\n</TABLE>")
     lines = graph_header("digraph", f"pipeline_{lowered.name}", label=title or None,
-                         labelloc="t", fontname=FONT, fontsize="14")
+                         labelloc="t", fontname=FONT, fontsize="14", nodesep="0.1", ranksep="0.15")
     lines.append(f"  {quote('schedule')} [shape=plaintext, margin=0, label=<\n{table}\n>];")
+    lines.append(f"  {quote('legend')} [shape=plaintext, margin=0, label=<\n{_legend(lowered, strands)}\n>];")
+    lines.append(f"  {quote('schedule')} -> {quote('legend')} [style=invis];")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -64,8 +70,9 @@ def pipeline_title(lowered: Lowered, fold: str) -> str:
     ratio = timing.bubble_ratio
     span = timing.normalized_makespan
     span_text = str(span) if span.denominator == 1 else f"{float(span):g}"
+    costs = "F = B = W = 1" if lowered.split else "F = 1, B = 2"
     return (f"{lowered.name}: p = {lowered.ranks}, m = {lowered.microbatches}, fold {fold} "
-            f"(v = {lowered.chunks}); unit time F = 1, B = 2: make-span {span_text} whole-rank "
+            f"(v = {lowered.chunks}); unit time {costs}: make-span {span_text} whole-rank "
             f"forwards, bubble ratio {ratio} = {float(ratio):.3f}")
 
 
@@ -108,7 +115,7 @@ def _ruler(makespan: int, chunks: int, unit: int) -> str:
         text = f'<FONT POINT-SIZE="9" COLOR="#606060">{column // chunks}</FONT>' if tick else ""
         side = ' SIDES="L" BORDER="1" COLOR="#b0b0b0"' if tick else ""
         cells.append(f'<TD WIDTH="{unit}" HEIGHT="18" FIXEDSIZE="TRUE" ALIGN="LEFT"{side}>{text}</TD>')
-    return "<TR>" + "".join(cells) + "</TR>"
+    return "<TR>" + "\n".join(cells) + "</TR>"
 
 
 def _rank_row(lowered: Lowered, timing: Timing, rank: int, strands: dict[int, str], unit: int) -> str:
@@ -125,7 +132,7 @@ def _rank_row(lowered: Lowered, timing: Timing, rank: int, strands: dict[int, st
         now = end
     if timing.makespan > now:
         cells.append(_idle(timing.makespan - now, unit))
-    return "<TR>" + "".join(cells) + "</TR>"
+    return "<TR>" + "\n".join(cells) + "</TR>"
 
 
 def _idle(units: int, unit: int) -> str:
@@ -160,7 +167,7 @@ def _compute_cell(part: Compute, width: int, height: int, strands: dict[int, str
             f'<FONT POINT-SIZE="10" COLOR="{ink}">{label}</FONT></TD>')
 
 
-def _legend_row(lowered: Lowered, strands: dict[int, str], columns: int) -> str:
+def _legend(lowered: Lowered, strands: dict[int, str]) -> str:
     kinds = sorted({part.kind for row in lowered.actions for a in row for part in computes(a)},
                    key="FBW".index)
     names = {"F": "forward", "B": "input gradient" if lowered.split else "backward",
@@ -178,6 +185,5 @@ def _legend_row(lowered: Lowered, strands: dict[int, str], columns: int) -> str:
     chunk_note = ("; subscript = chunk" if lowered.chunks > 1 else "")
     entries.append(f'<TD CELLPADDING="3"><FONT POINT-SIZE="9">numbers: micro-batch (0-based)'
                    f'{chunk_note}; ruler: whole-rank forwards</FONT></TD>')
-    legend = ('<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="4" CELLPADDING="0"><TR>'
-              + "".join(entries) + "</TR></TABLE>")
-    return f'<TR><TD COLSPAN="{columns}" ALIGN="LEFT" HEIGHT="30">{legend}</TD></TR>'
+    return ('<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="4" CELLPADDING="0"><TR>'
+            + "".join(entries) + "</TR></TABLE>")
