@@ -1,5 +1,5 @@
 """``python -m dhelix``: the same command line as the ``dhelix`` script."""
 
-from dhelix.dsl.cli import main
+from dhelix.cli import main
 
 raise SystemExit(main())

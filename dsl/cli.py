@@ -57,8 +57,9 @@ def cmd_fmt(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with one sub-command per verb."""
+def build_parser(extra=()) -> argparse.ArgumentParser:
+    """The argument parser with one sub-command per verb; ``extra`` are registration
+    functions ``register(subparsers)`` of commands defined outside dsl/ (``run``)."""
     parser = argparse.ArgumentParser(prog="dhelix", description=(
         "Declare, check, plan, draw, simulate and run DHelix strand-interleaved training schedules."))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -76,20 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--check", action="store_true", help="only report whether FILE is canonical (exit 1 if not)")
     mode.add_argument("--stdout", action="store_true", help="print the canonical form instead of rewriting FILE")
     fmt.set_defaults(func=cmd_fmt)
-    for register in _extra_commands():
+    from . import export, plan_cli, render, sim_cli
+
+    for register in (render.register, export.register, plan_cli.register, sim_cli.register, *extra):
         register(sub)
     return parser
 
 
-def _extra_commands():
-    """Registration functions of commands defined in other modules (render, export, …)."""
-    from . import export, render
-    return [render.register, export.register]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    parser = build_parser()
+def main(argv: list[str] | None = None, extra=()) -> int:
+    """Run the command line with the compiler's commands and ``extra`` ones; returns the exit
+    code. ``dhelix.cli.main`` adds the interpreter's ``run``."""
+    parser = build_parser(extra)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -5,7 +5,9 @@ Three diagrams (``--what``):
 - ``pipeline`` (default): ranks × unit time, F/B/W/SI blocks (:mod:`dsl.render_pipeline`);
 - ``placement``: which layers each rank and chunk holds, with the stage order drawn as arrows
   (:mod:`dsl.render_placement`);
-- ``dag``: the layer's forward DAG and its derived backward DAG (:mod:`dsl.render_dag`).
+- ``dag``: the layer's forward DAG and its derived backward DAG (:mod:`dsl.render_dag`);
+- ``pairing``: the SI plan of a layer pair as a ladder of segment pairs (:mod:`dsl.render_ladder`,
+  the paper's Figs. 9–10); it needs the cluster's hardware profile.
 
 Output (``-o``) by extension: ``.dot`` is the DOT text, ``.svg`` and ``.png`` are rendered by
 the Graphviz ``dot`` program; without ``-o`` the DOT text goes to standard output. The DOT text
@@ -25,13 +27,15 @@ from pathlib import Path
 
 from .errors import DhelixError, UsageError
 from .render_dag import dag_dot
+from .render_ladder import ladder_dot
 from .render_overrides import add_override_arguments, load_file, overrides_from_args
 from .render_pipeline import pipeline_dot, pipeline_title
 from .render_placement import placement_dot
+from .simulate import schedule_plan
 from .suggest import did_you_mean
 
 #: The diagrams, with the last pass each one needs.
-DIAGRAMS = {"pipeline": "validate", "placement": "fold", "dag": "autodiff"}
+DIAGRAMS = {"pipeline": "validate", "placement": "fold", "dag": "autodiff", "pairing": "validate"}
 FORMATS = (".dot", ".svg", ".png")
 
 INSTALL_HINT = ("install Graphviz to make SVG/PNG pictures: `apt-get install graphviz` (Debian, "
@@ -41,7 +45,7 @@ INSTALL_HINT = ("install Graphviz to make SVG/PNG pictures: `apt-get install gra
 def register(subparsers) -> None:
     """Add the ``render`` command to the CLI's sub-command parsers."""
     render = subparsers.add_parser(
-        "render", help="draw the pipeline, the layer placement or the layer DAG",
+        "render", help="draw the pipeline, the layer placement, the layer DAG or the SI pairing",
         description="Draw FILE's pipeline schedule (ranks x unit time), its layer placement or "
                     "its layer DAG as a Graphviz diagram. Exit code 1 when the file has an error "
                     "or when Graphviz `dot` is missing for .svg/.png (the .dot is still written).")
@@ -79,6 +83,8 @@ def diagram_source(program, what: str, overridden: str = "") -> str:
     if what == "placement":
         name = program.model.name + (f" ({overridden})" if overridden else "")
         return placement_dot(program.placement, name, program.model.get("layers"))
+    if what == "pairing":
+        return ladder_dot(schedule_plan(program))
     return dag_dot(program.forward, program.backward)
 
 

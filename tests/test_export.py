@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dhelix.dsl.cli import main
+from dhelix.cli import main
 from dhelix.dsl.errors import ScheduleError
 from dhelix.dsl.export import check_p2p_order, torch_csv
 from dhelix.dsl.render_overrides import Overrides, load_file

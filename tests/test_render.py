@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dhelix.dsl import render
-from dhelix.dsl.cli import main
+from dhelix.cli import main
 from dhelix.dsl.render_overrides import Overrides, load_file
 from dhelix.dsl.render_pipeline import pipeline_dot, strands_of
 from dhelix.dsl.unittime import unit_time
@@ -147,3 +147,9 @@ def test_overrides_give_the_figure_8_case():
     assert (lowered.name, lowered.ranks, lowered.microbatches, lowered.chunks) == ("w_helix", 4, 12, 2)
     first_si = next(str(a) for a in lowered.actions[0] if str(a).startswith("SI"))
     assert first_si == "SI(F4.0,B0.1)"  # the paper's [β5 / α1]
+
+
+def test_pairing_ladder_renders_the_plan(capsys):
+    assert main(["render", str(ROOT / "examples" / "llama39b_a40.dhx"), "--what", "pairing"]) == 0
+    dot = capsys.readouterr().out
+    assert dot.startswith("digraph") and "SI plan: llama forward" in dot and "qkv.wgrad" in dot

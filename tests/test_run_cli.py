@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("tqdm")
 
-from dhelix.dsl.cli import main  # noqa: E402
+from dhelix.cli import main  # noqa: E402
 from dhelix.interpreter.launch import FAULT_ENV, FAULT_EXIT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

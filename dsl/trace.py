@@ -1,0 +1,134 @@
+"""Chrome trace (Trace Event Format) JSON for simulated and measured runs.
+
+Both the simulator and the interpreter describe a run the same way: one event per piece of
+work, given as ``(rank, lane, name, start, duration, args)`` with times in seconds. This
+module turns such events into the JSON that Perfetto (ui.perfetto.dev) and chrome://tracing
+open: a *process* per rank (``pid`` = rank), a *thread* per lane (``tid``: compute 0, local 1,
+cross 2, other lanes after them in order of first use), complete events (``"ph": "X"``) with
+microsecond ``ts`` / ``dur``, and metadata events (``"ph": "M"``) that name and order the
+processes and threads. Counter events (``"ph": "C"``), e.g. live memory, draw as a graph
+above the rank's threads.
+
+Output is deterministic: events are sorted by (pid, tid, ts, longer first, name), times are
+rounded to nanoseconds, and keys are written in a fixed order, so the same run gives the same
+bytes (golden files and diffs stay clean).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Mapping, NamedTuple
+
+#: The three lanes of a rank, in the order their threads are drawn.
+LANES = ("compute", "local", "cross")
+_US = 1e6  # the format's unit is the microsecond
+
+
+class TraceEvent(NamedTuple):
+    """One piece of work: on ``rank``'s ``lane`` from ``start`` for ``duration`` seconds.
+
+    A plain 6-tuple in this order is accepted wherever a TraceEvent is.
+    """
+
+    rank: int
+    lane: str
+    name: str
+    start: float
+    duration: float
+    args: Mapping | None = None
+
+
+class CounterSample(NamedTuple):
+    """A value of counter ``name`` on ``rank`` from time ``time`` (seconds) on, e.g. the
+    bytes of live activations; ``values`` maps series names to numbers."""
+
+    rank: int
+    name: str
+    time: float
+    values: Mapping
+
+
+def chrome_trace(events: Iterable, *, counters: Iterable = (), process_name: str = "rank {rank}",
+                 metadata: Mapping | None = None) -> dict:
+    """The Trace Event Format object of ``events`` (TraceEvents or 6-tuples, seconds) and
+    ``counters`` (CounterSamples or 4-tuples).
+
+    ``process_name`` is formatted with ``rank`` to label each process; ``metadata`` goes
+    into ``otherData`` (e.g. the program and the simulator's figures). Returns a dict ready
+    for :func:`json.dumps`.
+    """
+    events = [TraceEvent(*event) for event in events]
+    counters = [CounterSample(*sample) for sample in counters]
+    lanes = _lane_ids(events)
+    ranks = sorted({e.rank for e in events} | {c.rank for c in counters})
+    body = [_complete(event, lanes) for event in events]
+    body += [_counter(sample) for sample in counters]
+    body.sort(key=_order)
+    meta = []
+    for rank in ranks:
+        meta.append(_meta("process_name", rank, 0, {"name": process_name.format(rank=rank)}))
+        meta.append(_meta("process_sort_index", rank, 0, {"sort_index": rank}))
+        for lane, tid in lanes.items():
+            meta.append(_meta("thread_name", rank, tid, {"name": lane}))
+            meta.append(_meta("thread_sort_index", rank, tid, {"sort_index": tid}))
+    return {"traceEvents": meta + body, "displayTimeUnit": "ms",
+            "otherData": dict(metadata or {})}
+
+
+def trace_json(events: Iterable, **options) -> str:
+    """:func:`chrome_trace` as JSON text (compact, one event per line, newline at the end)."""
+    trace = chrome_trace(events, **options)
+    lines = ",\n".join(json.dumps(event, separators=(",", ":")) for event in trace["traceEvents"])
+    other = json.dumps(trace["otherData"], separators=(",", ":"), sort_keys=True)
+    return ('{"traceEvents":[\n' + lines + '\n],"displayTimeUnit":"ms","otherData":' + other + "}\n")
+
+
+def write_chrome_trace(path: str | Path, events: Iterable, **options) -> None:
+    """Write :func:`trace_json` of ``events`` to ``path`` (OSError if it cannot be written)."""
+    Path(path).write_text(trace_json(events, **options))
+
+
+def _lane_ids(events: list[TraceEvent]) -> dict[str, int]:
+    # The three lanes keep fixed ids even when unused, so traces of different runs line up.
+    lanes = {lane: tid for tid, lane in enumerate(LANES)}
+    for event in events:
+        lanes.setdefault(event.lane, len(lanes))
+    return lanes
+
+
+def _us(seconds: float) -> float:
+    return round(seconds * _US, 3)
+
+
+def _complete(event: TraceEvent, lanes: dict[str, int]) -> dict:
+    record = {"name": event.name, "cat": event.lane, "ph": "X", "ts": _us(event.start),
+              "dur": _us(event.duration), "pid": event.rank, "tid": lanes[event.lane]}
+    if event.args:
+        record["args"] = {str(key): _plain(value) for key, value in event.args.items()}
+    return record
+
+
+def _counter(sample: CounterSample) -> dict:
+    return {"name": sample.name, "ph": "C", "ts": _us(sample.time), "pid": sample.rank, "tid": 0,
+            "args": {str(key): _plain(value) for key, value in sample.values.items()}}
+
+
+def _meta(name: str, pid: int, tid: int, args: dict) -> dict:
+    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
+
+
+def _order(record: dict) -> tuple:
+    # Longer events first at equal start, so an enclosing slice precedes what it contains.
+    return (record["pid"], record["tid"], record["ts"], -record.get("dur", 0.0), record["ph"], record["name"])
+
+
+def _plain(value):
+    """A JSON-ready copy of an argument value (tuples become lists, floats are rounded)."""
+    if isinstance(value, float):
+        return round(value, 9)
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, Mapping):
+        return {str(key): _plain(item) for key, item in value.items()}
+    return value

@@ -1,0 +1,278 @@
+"""The step simulator: its event engine against the unit-time reference, its exact small
+cases, and what it must show on the paper's configurations (examples/*.dhx):
+
+* SI peak memory within 5% of the single strand, taken as **the same schedule with SI off**
+  (every SI block runs its forward, then its backward: same placement, same model states);
+  and at most one layer plus the LM head's activations above 1F1B without folding;
+* the W schedule with SI has no larger bubble share than 1F1B without folding, on the ideal
+  pipeline the paper's claim is about (free transfers, no embedding / LM head); with them the
+  W's doubled crossings and its first-and-last-stage rank 0 do cost bubble (see the report);
+* exposed communication never grows along the Fig. 15 ablation TP → +CP → +comm-with-comm →
+  +wgrad on llama39b_cp2_a40.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+import attrs
+import pytest
+
+from dhelix.cli import main
+from dhelix.dsl.memory import head_activations, layer_activations
+from dhelix.dsl.passes import check_text
+from dhelix.dsl.sim_costs import HeadCosts, LayerCosts, Work, cost_of, step_costs
+from dhelix.dsl.sim_report import compare, format_comparison, unfolded_1f1b
+from dhelix.dsl.simulate import schedule_plan, simulate
+from dhelix.dsl.unittime import unit_time
+from conftest import ROOT
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.dhx"))
+EXAMPLE_IDS = [path.stem for path in EXAMPLES]
+
+
+@lru_cache(maxsize=None)
+def example(name: str):
+    path = ROOT / "examples" / f"{name}.dhx"
+    return check_text(path.read_text(), str(path))
+
+
+@lru_cache(maxsize=None)
+def compared(name: str):
+    return compare(example(name))
+
+
+def _peak_activations(sim) -> float:
+    return max(rank.activations for rank in sim.ranks)
+
+
+# ---------------------------------------------------------------- the must-shows
+
+@pytest.mark.parametrize("name", EXAMPLE_IDS)
+def test_si_peak_memory_is_within_5_percent_of_the_single_strand(name):
+    si, off, _ = compared(name)
+    assert si.si and not off.si
+    assert si.peak_rank.memory <= 1.05 * off.peak_rank.memory
+    for with_si, without in zip(si.ranks, off.ranks, strict=True):
+        assert with_si.states == without.states
+        assert with_si.memory <= 1.05 * without.memory
+
+
+@pytest.mark.parametrize("name", EXAMPLE_IDS)
+def test_si_holds_at_most_one_layer_and_the_lm_head_more_than_1f1b(name):
+    program = example(name)
+    si, _, unfolded = compared(name)
+    layer = layer_activations(program.forward, program.backward, program.model.dtype, False).total
+    head = head_activations(program, False).total
+    assert _peak_activations(si) <= _peak_activations(unfolded) + layer + head + 1.0
+
+
+def _ideal(program, plan=None):
+    """The program's step costs with free pipeline transfers and no embedding / LM head."""
+    costs = step_costs(program, plan, cost_of(program))
+    return attrs.evolve(costs, p2p_seconds=0.0, heads=HeadCosts())
+
+
+@pytest.mark.parametrize("name", EXAMPLE_IDS)
+def test_w_with_si_has_no_larger_bubble_share_than_1f1b_on_the_ideal_pipeline(name):
+    program = example(name)
+    plan = schedule_plan(program)
+    unfolded = unfolded_1f1b(program)
+    w_si = simulate(program, costs=_ideal(program, plan))
+    w_off = simulate(program, si=False, costs=_ideal(program, plan))
+    one_f_one_b = simulate(unfolded, costs=_ideal(unfolded))
+    assert w_si.bubble_ratio <= one_f_one_b.bubble_ratio + 1e-9
+    # Without SI the W is the 1F1B pipeline folded: the same bubble (pipelines.dhx, unit time).
+    assert w_off.bubble_ratio == pytest.approx(one_f_one_b.bubble_ratio, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", EXAMPLE_IDS)
+def test_the_w_schedule_doubles_the_pipeline_crossings(name):
+    si, _, unfolded = compared(name)
+    assert sum(r.sends for r in si.ranks) == 2 * sum(r.sends for r in unfolded.ranks)
+
+
+ABLATION = {
+    "TP": "overlap tp\n  comm_with_comm off",
+    "+CP": "overlap tp, cp\n  comm_with_comm off",
+    "+comm-with-comm": "overlap tp, cp\n  comm_with_comm on",
+    "+wgrad": "overlap tp, cp\n  comm_with_comm on\n  movable wgrad",
+}
+
+
+def test_exposed_communication_shrinks_along_the_ablation_order():
+    path = ROOT / "examples" / "llama39b_cp2_a40.dhx"
+    text = path.read_text()
+    sims = []
+    for body in ABLATION.values():
+        variant = re.sub(r"strands \{.*?\}", "strands {\n  " + body + "\n}", text, flags=re.S)
+        assert variant != text or body == ABLATION["+wgrad"]
+        sims.append(simulate(check_text(variant, str(path))))
+    layer = [s.mean("layer_exposed") for s in sims]
+    total = [s.mean("layer_exposed") + s.mean("pp_exposed") + s.mean("dp_exposed") for s in sims]
+    for earlier, later in zip(sims, sims[1:]):
+        assert later.mean("layer_exposed") <= earlier.mean("layer_exposed") + 1e-12, layer
+        assert later.step_time <= earlier.step_time + 1e-12
+    assert all(b <= a + 1e-12 for a, b in zip(total, total[1:])), total
+    assert layer[-1] < layer[0]
+
+
+# ---------------------------------------------------------------- the engine, exactly
+
+def tiny_program(pipeline: str, fold: str, p: int, m: int, layers_per_stage: int = 2, dp: int = 1):
+    chunks = {"none": 1, "u": 2}.get(fold, 2)
+    text = f"""
+import "stdlib/layers.dhx"
+import "stdlib/pipelines.dhx"
+model tiny {{
+  layers = {layers_per_stage * p * chunks}  hidden = 64  ffn = 128  heads = 4  kv_heads = 2
+  seq = 32  vocab = 256  dtype = fp32  layer = llama
+}}
+cluster {{ nodes = 1  gpus_per_node = {p * dp}  profile = "a40" }}
+mesh {{ dp = {dp}  pp = {p} }}
+train {{ micro_batch = 1  microbatches = {m} }}
+fold {fold}
+pipeline {pipeline}
+"""
+    return check_text(text, f"{pipeline}.dhx")
+
+
+def unit_costs(program):
+    """Costs making every chunk action cost its unit time (F 1, B 2 or 1 + W 1, SI the sum)."""
+    n = len(program.placement.stages[0].layers)
+    split = program.lowered.split
+    layer = LayerCosts(forward=Work(1 / n), backward=Work(2 / n), backward_input=Work(1 / n),
+                       weight=Work(1 / n), pair=Work((2 if split else 3) / n))
+    costs = step_costs(program, None, cost_of(program))
+    return attrs.evolve(costs, layer=layer, heads=HeadCosts(), p2p_seconds=0.0)
+
+
+SCHEDULES = [("gpipe", "none"), ("one_f_one_b", "none"), ("zb_h1", "none"), ("interleaved_1f1b", "loop(2)"),
+             ("w_helix", "u"), ("dualpipe_v", "u")]
+
+
+@pytest.mark.parametrize("pipeline, fold", SCHEDULES)
+def test_free_transfers_and_unit_costs_reproduce_the_unit_time_run(pipeline, fold):
+    for p, m in ((1, 4), (2, 4), (3, 6), (4, 8)):
+        program = tiny_program(pipeline, fold, p, m)
+        sim = simulate(program, costs=unit_costs(program))
+        timing = unit_time(program.lowered)
+        assert sim.pipeline_time == pytest.approx(timing.makespan, rel=1e-9)
+        assert sum(r.busy for r in sim.ranks) == pytest.approx(timing.busy, rel=1e-9)
+        assert sim.bubble_ratio == pytest.approx(float(timing.bubble_ratio), abs=1e-9)
+
+
+def test_two_stage_1f1b_of_one_microbatch_pays_each_transfer_once():
+    program = tiny_program("one_f_one_b", "none", 2, 1)
+    costs = attrs.evolve(unit_costs(program), p2p_seconds=0.25)
+    sim = simulate(program, costs=costs)
+    # F on r0, send, F and B on r1, send back, B on r0.
+    assert sim.pipeline_time == pytest.approx(1 + 0.25 + 3 + 0.25 + 2)
+    assert [r.pp_exposed for r in sim.ranks] == pytest.approx([0.25, 0.25])
+    assert [r.sends for r in sim.ranks] == [1, 1]
+
+
+def test_1f1b_keeps_p_minus_r_microbatches_of_activations():
+    p, m = 4, 8
+    program = tiny_program("one_f_one_b", "none", p, m)
+    sim = simulate(program, costs=unit_costs(program))
+    layer = layer_activations(program.forward, program.backward, "fp32", False).total
+    head = head_activations(program, False).total
+    per_stage = len(program.placement.stages[0].layers) * layer
+    expected = [min(p - r, m) * per_stage for r in range(p)]
+    expected[-1] += head
+    assert [r.activations for r in sim.ranks] == pytest.approx(expected)
+
+
+def test_si_frees_a_layer_as_it_allocates_one():
+    program = tiny_program("w_helix", "u", 2, 8)
+    costs = unit_costs(program)
+    with_si = simulate(program, costs=costs)
+    without = simulate(program, si=False, costs=costs)
+    layer = layer_activations(program.forward, program.backward, "fp32", False).total
+    per_chunk = len(program.placement.stages[0].layers) * layer
+    # Rank 1 holds 2p chunks of activations before its first SI block; inside it, one layer more.
+    assert with_si.ranks[1].activations == pytest.approx(2 * 2 * per_chunk + layer)
+    assert without.ranks[1].activations == pytest.approx((2 * 2 + 1) * per_chunk)
+
+
+def test_zero1_shards_the_optimizer_states_over_data_parallel():
+    program = example("llama39b_a40")
+    plain = simulate(program)
+    sharded = simulate(program, zero1=True)
+    dp = program.mesh.size("dp")
+    for a, b in zip(plain.ranks, sharded.ranks, strict=True):
+        assert b.states.optimizer * dp == pytest.approx(a.states.optimizer)
+        assert b.states.params == a.states.params
+        assert b.activations == a.activations
+    assert sharded.mean("dp_comm") < plain.mean("dp_comm")  # reduce-scatter + all-gather < all-reduce + …
+
+
+def test_step_figures_follow_megatrons_count():
+    sim = compared("llama39b_a40")[0]
+    program = example("llama39b_a40")
+    assert sim.tokens == 4 * 16 * 1 * 8192
+    assert sim.tflops_per_gpu == pytest.approx(sim.flops / 64 / sim.step_time / 1e12)
+    assert sim.mfu == pytest.approx(sim.tflops_per_gpu * 1e12 / program.profile.peak_flops("bf16"))
+    assert sim.step_time > sim.pipeline_time > 0
+    assert 0 < sim.bubble_ratio < 1
+
+
+@pytest.mark.parametrize("pipeline, fold", [("one_f_one_b", "none"), ("zb_h1", "none"), ("w_helix", "u"),
+                                            ("dualpipe_v", "u")])
+def test_every_gradient_is_synchronised_once(pipeline, fold):
+    program = tiny_program(pipeline, fold, 2, 4, dp=2)
+    sim = simulate(program, zero1=True)
+    synced = sorted(e.name for e in sim.events if e.args and e.args.get("kind") == "DP")
+    layers = program.model.get("layers")
+    expected = sorted([f"reduce_scatter grads layer {i}" for i in range(layers)]
+                      + ["reduce_scatter grads embedding", "reduce_scatter grads LM head"]
+                      + ["all_gather weights"] * 2)
+    assert synced == expected
+    # The optimizer of a rank starts once its last gradient bucket is reduced.
+    for rank in range(2):
+        optimizer = next(e for e in sim.events if e.rank == rank and e.name == "optimizer")
+        reduced = [e.start + e.duration for e in sim.events if e.rank == rank and e.name.startswith("reduce")]
+        assert optimizer.start >= max(reduced)
+
+
+def test_compare_runs_the_three_variants_on_the_same_batch():
+    si, off, unfolded = compared("llama39b_cp2_a40")
+    assert (si.label, off.label, unfolded.label) == ("as written", "SI off", "1F1B, fold none")
+    assert (unfolded.pipeline, unfolded.fold) == ("one_f_one_b", "none")
+    assert si.tokens == off.tokens == unfolded.tokens
+    assert si.step_time < off.step_time
+    text = format_comparison((si, off, unfolded))
+    assert "as written" in text and "1F1B, fold none" in text
+
+
+# ---------------------------------------------------------------- the command line
+
+def test_simulate_cli_compare(golden, capsys):
+    assert main(["simulate", "examples/llama39b_a40.dhx", "--compare"]) == 0
+    golden("simulate/llama39b_a40_compare.txt", capsys.readouterr().out)
+
+
+def test_simulate_cli_report(golden, capsys):
+    assert main(["simulate", "examples/tiny_llama_cpu.dhx", "--zero1"]) == 0
+    golden("simulate/tiny_llama_cpu_zero1.txt", capsys.readouterr().out)
+
+
+def test_simulate_cli_needs_a_profile(tmp_path, capsys):
+    source = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text()
+    path = tmp_path / "noprofile.dhx"
+    path.write_text(source.replace('  profile = "a40"\n', ""))
+    assert main(["simulate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "`dhelix simulate` needs a hardware profile, and the cluster block names none" in err
+    assert 'cluster { profile = "a40" }' in err and "| cluster {" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--trace", "out.txt"], "a Chrome trace is a .json file"),
+    (["--trace", "no/such/folder/out.json"], "does not exist"),
+])
+def test_simulate_cli_usage_errors(argv, message, capsys):
+    assert main(["simulate", "examples/tiny_llama_cpu.dhx", *argv]) == 2
+    assert message in capsys.readouterr().err
