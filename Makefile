@@ -23,9 +23,15 @@ graphviz:
 	  (apt-get update -qq && apt-get install -y -qq graphviz >/dev/null) || \
 	  echo "note: install Graphviz (apt-get install graphviz) to render SVG/PNG"; }
 
+# The main job on the embedded default: check, plan, draw, predict and run the tiny example on
+# local CPU ranks (gloo), no cluster needed.
 demo: setup
+	mkdir -p out
 	$(BIN)/dhelix check $(EXAMPLE)
-	$(BIN)/dhelix check --dump autodiff $(EXAMPLE)
+	$(BIN)/dhelix plan $(EXAMPLE)
+	$(BIN)/dhelix render $(EXAMPLE) --what pipeline -o out/pipeline.svg
+	$(BIN)/dhelix simulate $(EXAMPLE) --compare
+	$(BIN)/dhelix run $(EXAMPLE) --steps 20
 
 test: setup
 	$(BIN)/pytest
