@@ -12,21 +12,13 @@ import sys
 from pathlib import Path
 
 from .errors import DhelixError, UsageError
+from .imports import read_source
 from .passes import STAGES, STAGE_NAMES, check_text, dump_stage, run_until
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError as exc:
-        raise UsageError(f"cannot read '{path}': {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"'{path}' is not UTF-8 text") from None
 
 
 def cmd_check(args) -> int:
     """`dhelix check FILE [--dump STAGE]`."""
-    text = _read(args.file)
+    text = read_source(args.file)
     if args.dump:
         sys.stdout.write(dump_stage(args.dump, run_until(text, args.file, args.dump)))
         return 0
@@ -42,7 +34,7 @@ def cmd_fmt(args) -> int:
     """`dhelix fmt FILE [--check | --stdout]`."""
     from .fmt import format_source
 
-    text = _read(args.file)
+    text = read_source(args.file)
     formatted = format_source(text, args.file)
     if args.check:
         if formatted != text:

@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 
 from . import syntax as s
-from .errors import ErrorCollector, ImportFailure
+from .errors import ErrorCollector, ImportFailure, UsageError
 from .parser import parse
 from .suggest import did_you_mean
 
@@ -22,6 +22,17 @@ STDLIB_PREFIX = "stdlib/"
 def stdlib_root() -> Path:
     """The folder of the installed standard library files."""
     return Path(str(resources.files("dhelix.stdlib_schedules")))
+
+
+def read_source(path: str) -> str:
+    """The text of the schedule file ``path`` named on a command line; UsageError (exit 2)
+    when it cannot be read or is not UTF-8."""
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read '{path}': {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"'{path}' is not UTF-8 text") from None
 
 
 def load_modules(text: str, path: str) -> list[s.Module]:

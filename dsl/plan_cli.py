@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from .errors import UsageError
+from .imports import read_source
 from .pairing import DEFAULT_MAX_SEGMENT
 from .passes import check_text
 from .plan import format_plan, plan_to_json
@@ -56,16 +56,6 @@ def cmd_plan(args) -> int:
         return 0
     sys.stdout.write(plan_header(args.file, program, usage) + "\n" + format_plan(plan))
     return 0
-
-
-def read_source(path: str) -> str:
-    """The text of the schedule file ``path``; UsageError (exit 2) if it cannot be read."""
-    try:
-        return Path(path).read_text()
-    except OSError as exc:
-        raise UsageError(f"cannot read '{path}': {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"'{path}' is not UTF-8 text") from None
 
 
 def plan_usage(program: Program) -> dict:

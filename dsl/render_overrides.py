@@ -15,12 +15,12 @@ cluster's, which the passes after autodiff never look at.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import attrs
 
 from . import passes
 from .fold import placement_for
+from .imports import read_source
 from .errors import DhelixError, ErrorGroup, UsageError
 from .program import FoldSpec, Program
 from .suggest import did_you_mean
@@ -68,13 +68,7 @@ def overrides_from_args(args) -> Overrides:
 
 def load_file(path: str, overrides: Overrides, stop: str = "validate") -> Program:
     """Read the schedule file ``path`` and :func:`load_program` it (UsageError if unreadable)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise UsageError(f"cannot read '{path}': {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"'{path}' is not UTF-8 text") from None
-    return load_program(text, path, overrides, stop)
+    return load_program(read_source(path), path, overrides, stop)
 
 
 def load_program(text: str, path: str, overrides: Overrides, stop: str = "validate") -> Program:

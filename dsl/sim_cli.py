@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .errors import UsageError
 from .passes import check_text
-from .plan_cli import read_source
+from .imports import read_source
 from .sim_report import compare, format_comparison, format_simulation
 from .simulate import Simulation, has_si, require_profile, schedule_plan, simulate
 from .sim_costs import cost_of

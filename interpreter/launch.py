@@ -31,6 +31,7 @@ from pathlib import Path
 import attrs
 
 from dhelix.dsl.errors import DhelixError, UsageError
+from dhelix.dsl.imports import read_source
 
 #: Test hook: ``rank:step:action`` makes that rank exit abruptly before that action.
 FAULT_ENV = "DHELIX_TEST_FAULT"
@@ -98,10 +99,7 @@ def cmd_run(args) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise UsageError("--steps must be at least 1")
-    try:
-        text = Path(args.file).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UsageError(f"cannot read '{args.file}': {exc}") from None
+    text = read_source(args.file)
     program = check_text(text, args.file)
     if program.model is None:
         raise UsageError(f"'{args.file}' is a library file: it has no model to run")
