@@ -13,6 +13,7 @@ import attrs
 from . import dump
 from .autodiff import derive_backward
 from .check import check_program
+from .errors import DhelixError, ErrorGroup
 from .imports import load_modules
 from .lower import check_fold, lower_pipeline
 from .parser import parse
@@ -72,10 +73,25 @@ def lower(program: Program) -> Program:
     """The program with its pipeline lowered to per-rank action lists (unvalidated)."""
     if program.model is None:
         return program
-    check_fold(program.pipeline, program.placement.kind, program.fold.span)
-    lowered = lower_pipeline(program.pipeline, ranks=program.mesh.size("pp"),
-                             microbatches=program.train.microbatches, placement=program.placement)
+    try:
+        check_fold(program.pipeline, program.placement.kind, program.fold.span)
+        lowered = lower_pipeline(program.pipeline, ranks=program.mesh.size("pp"),
+                                 microbatches=program.train.microbatches, placement=program.placement)
+    except DhelixError as exc:
+        _note_sizes(exc, program)
+        raise
     return attrs.evolve(program, lowered=lowered)
+
+
+def _note_sizes(error: DhelixError, program: Program) -> None:
+    """Say where the program sets the sizes a pipeline failed on: the error usually points
+    into the pipeline's definition, often in the standard library, not at the user's file."""
+    last = error.errors[-1] if isinstance(error, ErrorGroup) else error
+    where = [f"m = microbatches = {program.train.microbatches} (train block at {program.train.span})"
+             if program.train.span else None,
+             f"p = pp = {program.mesh.size('pp')} and v = {program.placement.chunks} "
+             f"(fold {program.fold.kind})"]
+    last.notes = last.notes + (f"this program has {', '.join(w for w in where if w)}",)
 
 
 def validate(program: Program) -> Program:
