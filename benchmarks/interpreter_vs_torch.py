@@ -217,6 +217,8 @@ def main() -> None:
     print(f"config: tiny Llama, {4 * args.pp} layers, hidden 128, seq 64, micro_batch 2, "
           f"{args.microbatches} micro-batches; gloo world of {args.pp} ranks (mesh pp = {args.pp}); "
           f"median of {args.rounds} alternated runs")
+    print("work per step, both sides: forward and backward of every micro-batch, gradients kept; "
+          "no optimizer step and no DP gradient sync on either (dp = 1)")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

@@ -36,7 +36,7 @@ from dhelix.dsl.schedule import Compute, Interleaved, Transfer, format_grid
 from dhelix.dsl.validate import transfer_key
 
 from .comm import AXES, Communicator, Pending, resolve
-from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, sum_partial_grads
+from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads
 from .pipeline_comm import PipelineComm, check_fifo
 from .reference import Batch
 from .si import (LayerChain, PlanFn, Recorder, TimedComm, backward_ops, check_plan, is_wgrad,
@@ -312,28 +312,18 @@ class Executor:
     def live_bytes(self) -> int:
         """Bytes of the activations, saved tensors and gradients alive for micro-batches in
         flight (each storage counted once; weights and weight gradients excluded)."""
+        # Sampled after every layer: each run keeps its own count until it changes, since
+        # walking every tensor in flight each time cost a tenth of a step.
         seen: dict[int, int] = {}
-        roots: list = [list(self.mailbox.values())]
+        values: list = list(self.mailbox.values())
         for stage in self.stages.values():
             for runs in stage.runs.values():
-                roots += [[run.acts, run.saved, run.bgrads] for run in runs]
-            roots += [[e.saved for e in stage.embeds.values()],
-                      [(h._norm_saved, h._head_saved) for h in stage.heads.values()]]
-        for tensor in _tensors(roots):
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+                for run in runs:
+                    seen.update(run.storages())
+            values += [e.saved for e in stage.embeds.values()]
+            values += [(h._norm_saved, h._head_saved) for h in stage.heads.values()]
+        count_storages(values, seen)
         return sum(seen.values())
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item)
 
 
 #: Action kind → handler(executor, action).

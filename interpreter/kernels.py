@@ -8,9 +8,9 @@ Each compute operator of the library is a :class:`Kernel` of three functions:
   that gets none (token ids, the router scores read by ``permute``);
 * ``wgrad(grad_out, saved) -> grad_weight``: kept separate so the executor can move it.
 
-Backward formulas are written out (no autograd), except attention, whose backward
-recomputes the forward with autograd inside the kernel (flash-attention style
-recomputation: only ``qkv`` is saved, never the probabilities).
+Backward formulas are written out (no autograd). Attention calls the flash-attention
+kernels directly on CPU (saving the output and the log-sum-exp, never the probabilities);
+on other devices its backward recomputes the forward under autograd.
 
 Tensors are 2-D ``[tokens, features]``; a micro-batch's tokens are rows in (batch, seq)
 order, so attention reshapes them with the micro-batch size from ``ctx``. Collectives go
@@ -56,11 +56,14 @@ class KernelCtx:
 
 @attrs.frozen
 class Kernel:
-    """The three functions of one compute operator (``wgrad`` None: no weight)."""
+    """The three functions of one compute operator (``wgrad`` None: no weight), and
+    optionally ``wgrad_into(acc, grad_out, saved)``, which adds the weight gradient into
+    ``acc`` in place (micro-batch accumulation without a temporary)."""
 
     forward: Callable
     dgrad: Callable
     wgrad: Callable | None = None
+    wgrad_into: Callable | None = None
 
 
 # -- norms -------------------------------------------------------------------------------
@@ -121,6 +124,11 @@ def _gemm_wgrad(grad, saved):
     return x.t() @ grad
 
 
+def _gemm_wgrad_into(acc, grad, saved):
+    (x,) = saved
+    acc.addmm_(x.t(), grad)
+
+
 def _router_forward(inputs, weight, ctx):
     """MoE gate: expert probabilities ``softmax(x @ Wr)`` per token."""
     (x,) = inputs
@@ -171,21 +179,30 @@ def _grouped_gemm_wgrad(grad, saved):
 
 # -- attention ---------------------------------------------------------------------------
 
-def _attend(qkv: torch.Tensor, heads: int, kv_heads: int, causal: bool, micro_batch: int) -> torch.Tensor:
-    """Scaled dot-product attention of ``qkv`` ``[tokens, (heads + 2*kv_heads) * d]``,
-    laid out as ``[q heads | k heads | v heads]``, head-major inside each block; query head
-    i reads kv head ``i // (heads / kv_heads)``. Returns ``[tokens, heads * d]``."""
+def _heads(qkv: torch.Tensor, heads: int, kv_heads: int, micro_batch: int):
+    """``qkv`` ``[tokens, (heads + 2*kv_heads) * d]``, laid out as ``[q heads | k heads |
+    v heads]``, head-major inside each block, as q, k, v ``[micro_batch, heads, seq, d]``
+    views."""
     tokens, width = qkv.shape
     d = width // (heads + 2 * kv_heads)
     seq = tokens // micro_batch
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    return tuple(t.reshape(micro_batch, seq, n, d).transpose(1, 2)
+                 for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
 
-    def split(t, n):
-        return t.reshape(micro_batch, seq, n, d).transpose(1, 2)
 
-    out = F.scaled_dot_product_attention(split(q, heads), split(k, kv_heads), split(v, kv_heads),
-                                         is_causal=causal, enable_gqa=heads != kv_heads)
-    return out.transpose(1, 2).reshape(tokens, heads * d)
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """``[micro_batch, heads, seq, d]`` back to ``[tokens, heads * d]``."""
+    b, n, seq, d = t.shape
+    return t.transpose(1, 2).reshape(b * seq, n * d)
+
+
+def _attend(qkv: torch.Tensor, heads: int, kv_heads: int, causal: bool, micro_batch: int) -> torch.Tensor:
+    """Scaled dot-product attention of ``qkv`` (see :func:`_heads`); query head i reads kv
+    head ``i // (heads / kv_heads)``. Returns ``[tokens, heads * d]``."""
+    q, k, v = _heads(qkv, heads, kv_heads, micro_batch)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=heads != kv_heads)
+    return _tokens(out)
 
 
 def _attention_forward(inputs, weight, ctx):
@@ -196,12 +213,30 @@ def _attention_forward(inputs, weight, ctx):
             ctx.micro_batch)
     if qkv.shape[0] % ctx.micro_batch:
         raise ValueError(f"attention over {qkv.shape[0]} tokens with micro_batch {ctx.micro_batch}")
-    return _attend(qkv, *meta), (qkv, meta)
+    if _flash_cpu(qkv):
+        # Flash attention as the CPU SDPA runs it, keeping its output and log-sum-exp so
+        # the backward needs no second forward (GQA handled inside the kernel).
+        q, k, v = _heads(qkv, *meta[:2], meta[3])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, meta[2])
+        return _tokens(out), (qkv, meta, out, lse)
+    return _attend(qkv, *meta), (qkv, meta, None, None)
+
+
+def _flash_cpu(qkv: torch.Tensor) -> bool:
+    # The explicit flash kernels exist on CPU only; under autograd (the kernel tests
+    # differentiate the forward) they are differentiable as well.
+    return qkv.device.type == "cpu" and qkv.dtype in (torch.float32, torch.float64)
 
 
 def _attention_dgrad(grad, saved, weight):
-    # The only autograd backward: recompute the forward from qkv and differentiate it.
-    qkv, meta = saved
+    qkv, meta, out, lse = saved
+    if out is not None:
+        q, k, v = _heads(qkv, *meta[:2], meta[3])
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.reshape(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).transpose(1, 2),
+            q, k, v, out, lse, 0.0, meta[2])
+        return (torch.cat([_tokens(g) for g in grads], dim=1),)
+    # Elsewhere recompute the forward from qkv under autograd and differentiate it.
     with torch.enable_grad():
         leaf = qkv.detach().requires_grad_(True)
         (dqkv,) = torch.autograd.grad(_attend(leaf, *meta), leaf, grad)
@@ -220,10 +255,13 @@ def _swiglu_forward(inputs, weight, ctx):
 def _swiglu_dgrad(grad, saved, weight):
     (x,) = saved
     gate, up = x.chunk(2, dim=-1)
-    sig = torch.sigmoid(gate)
-    silu = gate * sig
-    dgate = grad * up * sig * (1 + gate * (1 - sig))
-    return (torch.cat((dgate, grad * silu), dim=-1),)
+    # aten's fused silu_backward, both halves written straight into one buffer: the
+    # written-out sigmoid formula took nine elementwise passes and a concatenation.
+    dx = torch.empty_like(x)
+    dgate, dup = dx.chunk(2, dim=-1)
+    torch.mul(grad, F.silu(gate), out=dup)
+    torch.ops.aten.silu_backward(grad * up, gate, grad_input=dgate)
+    return (dx,)
 
 
 def _gelu_forward(inputs, weight, ctx):
@@ -372,6 +410,13 @@ def _lm_head_wgrad(grad, saved):
     return saved[0].t() @ _lm_head_grad_logits(grad, saved)
 
 
+def lm_head_backward(grad, saved, weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """dgrad and wgrad of the LM head together: the logits gradient, the largest tensor of
+    the head, is computed once instead of once per half."""
+    grad_logits = _lm_head_grad_logits(grad, saved)
+    return grad_logits @ weight.t(), saved[0].t() @ grad_logits
+
+
 # -- collectives (their backward is the transposed collective, a DAG op of its own) --------
 
 def _all_gather(x, ctx):
@@ -401,7 +446,7 @@ def _recv(x, ctx):
 KERNELS: dict[str, Kernel] = {
     "rmsnorm": Kernel(_rmsnorm_forward, _rmsnorm_dgrad, _rmsnorm_wgrad),
     "layernorm": Kernel(_layernorm_forward, _layernorm_dgrad, _layernorm_wgrad),
-    "gemm": Kernel(_gemm_forward, _gemm_dgrad, _gemm_wgrad),
+    "gemm": Kernel(_gemm_forward, _gemm_dgrad, _gemm_wgrad, _gemm_wgrad_into),
     "router": Kernel(_router_forward, _router_dgrad, _router_wgrad),
     "grouped_gemm": Kernel(_grouped_gemm_forward, _grouped_gemm_dgrad, _grouped_gemm_wgrad),
     "attention": Kernel(_attention_forward, _attention_dgrad),

@@ -30,7 +30,7 @@ import torch
 from dhelix.dsl.program import LayerDag, Op, Program
 
 from .comm import AXES, Communicator, Pending, resolve
-from .kernels import BWD, COMM, DGRAD, FORWARD, KERNELS, WGRAD, KernelCtx, handler
+from .kernels import BWD, COMM, DGRAD, FORWARD, KERNELS, WGRAD, KernelCtx, handler, lm_head_backward
 from .reference import Batch
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 
@@ -45,6 +45,8 @@ class LayerPlan:
     forward output; ``accumulate[b]`` lists ``(value, other producers)`` for the values whose
     gradient sum ``b`` computes; ``fwd_readers``/``bwd_readers``/``saved_users`` count the
     consumers of each forward value, backward value and forward op's saved tensors.
+    ``steps[name]`` is an op's :class:`Step` and ``fwd_ops`` the forward ops by name, both
+    resolved once here rather than on every call of every run.
     """
 
     fwd: LayerDag
@@ -55,6 +57,8 @@ class LayerPlan:
     fwd_readers: Mapping[str, int]
     bwd_readers: Mapping[str, int]
     saved_users: Mapping[str, int]
+    steps: Mapping[str, "Step"] = attrs.field(factory=dict)
+    fwd_ops: Mapping[str, Op] = attrs.field(factory=dict)
 
     @classmethod
     def build(cls, fwd: LayerDag, bwd: LayerDag, micro_batch: int) -> "LayerPlan":
@@ -82,7 +86,25 @@ class LayerPlan:
                    {k: tuple(v) for k, v in accumulate.items()},
                    Counter(name for op in fwd.ops for name in dict.fromkeys(op.inputs)),
                    Counter(name for op in bwd.ops for name in dict.fromkeys(op.inputs)),
-                   Counter(op.forward for op in bwd.ops))
+                   Counter(op.forward for op in bwd.ops),
+                   {op.name: Step.of(op) for op in fwd.ops + bwd.ops}, {op.name: op for op in fwd.ops})
+
+
+@attrs.frozen
+class Step:
+    """What running an op needs besides tensors: its role and kernel (:func:`handler`),
+    its parameters (shared read-only by every KernelCtx) and its distinct inputs."""
+
+    role: str
+    kernel: object
+    params: Mapping[str, object]
+    inputs: tuple[str, ...]
+
+    @classmethod
+    def of(cls, op: Op) -> "Step":
+        """The step of ``op``."""
+        role, kernel = handler(op.op)
+        return cls(role, kernel, dict(op.params), tuple(dict.fromkeys(op.inputs)))
 
 
 def _differentiable(op: Op) -> tuple[str, ...]:
@@ -109,18 +131,23 @@ class LayerRun:
         self._fwd_left = Counter(plan.fwd_readers)
         self._bwd_left = Counter(plan.bwd_readers)
         self._saved_left = Counter(plan.saved_users)
+        #: Bumped whenever the live tensors may have changed (see :meth:`storages`).
+        self.version = 0
+        self._memo: tuple[int, dict[int, int]] = (-1, {})
 
     # -- forward -------------------------------------------------------------------------
 
     def start(self, x: torch.Tensor) -> None:
         """Set the layer input ``x`` (this rank's ``[tokens, hidden]`` rows)."""
         self.acts[self.plan.fwd.input] = x
+        self.version += 1
 
     def forward_op(self, op: Op, async_op: bool = False) -> None:
         """Run forward op ``op``; a collective with ``async_op`` is left in flight."""
-        role, kernel = handler(op.op)
+        step = self.plan.steps[op.name]
+        role, kernel = step.role, step.kernel
         args = [self._act(name) for name in op.inputs]
-        ctx = self._ctx(op, async_op)
+        ctx = self._ctx(op, step, async_op)
         if role == COMM:
             self.acts[op.name] = kernel(args[0], ctx)
         elif role == FORWARD:
@@ -130,7 +157,8 @@ class LayerRun:
                 self.saved[op.name] = saved
         else:
             raise ValueError(f"{op.name} ({op.op}) is not a forward op")
-        self._release(op.inputs, self._fwd_left, self.acts, keep=self.plan.fwd.output)
+        self._release(step.inputs, self._fwd_left, self.acts, keep=self.plan.fwd.output)
+        self.version += 1
 
     def output(self) -> torch.Tensor:
         """The layer output (waits for it if a collective produces it)."""
@@ -148,21 +176,23 @@ class LayerRun:
     def start_backward(self, grad_out: torch.Tensor) -> None:
         """Set the gradient of the layer output."""
         self.bgrads[self.plan.bwd.input] = {self.plan.fwd.output: grad_out}
+        self.version += 1
 
     def backward_op(self, op: Op, async_op: bool = False) -> None:
         """Run backward op ``op`` (a dgrad, a wgrad, an op's whole backward or a collective)."""
-        role, kernel = handler(op.op)
-        forward = self.plan.fwd.op(op.forward)
+        step = self.plan.steps[op.name]
+        role, kernel = step.role, step.kernel
+        forward = self.plan.fwd_ops[op.forward]
         grad = self._upstream(op, forward)
         if role == COMM:
-            out = {forward.inputs[0]: kernel(grad, self._ctx(op, async_op))}
+            out = {forward.inputs[0]: kernel(grad, self._ctx(op, step, async_op))}
         elif role in (DGRAD, BWD):
             grads = kernel.dgrad(grad, self.saved[forward.name], self.weights.get(forward.name))
             out = _by_value(forward.inputs, grads)
             if role == BWD and kernel.wgrad is not None:
-                self._add_weight_grad(forward.name, kernel.wgrad(grad, self.saved[forward.name]))
+                self._add_weight_grad(forward.name, kernel, grad)
         elif role == WGRAD:
-            self._add_weight_grad(forward.name, kernel.wgrad(grad, self.saved[forward.name]))
+            self._add_weight_grad(forward.name, kernel, grad)
             out = {}
         else:
             raise ValueError(f"{op.name} ({op.op}) is not a backward op")
@@ -170,10 +200,11 @@ class LayerRun:
             out[value] = self._accumulated(out[value], value, producers)
         if out:  # a wgrad's result lives in grads, not in the flow of gradients
             self.bgrads[op.name] = out
-        self._release(op.inputs, self._bwd_left, self.bgrads, keep=self.plan.bwd.output)
+        self._release(step.inputs, self._bwd_left, self.bgrads, keep=self.plan.bwd.output)
         self._saved_left[forward.name] -= 1
         if self._saved_left[forward.name] == 0:
             self.saved.pop(forward.name, None)
+        self.version += 1
 
     def input_grad(self) -> torch.Tensor:
         """The gradient of the layer input (after the whole backward DAG has run)."""
@@ -188,15 +219,26 @@ class LayerRun:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _ctx(self, op: Op, async_op: bool) -> KernelCtx:
-        return KernelCtx(self.comm, op.axis, self.plan.micro_batch, dict(op.params), self.routing,
+    def _ctx(self, op: Op, step: "Step", async_op: bool) -> KernelCtx:
+        return KernelCtx(self.comm, op.axis, self.plan.micro_batch, step.params, self.routing,
                          async_op=async_op)
 
     def _act(self, name: str) -> torch.Tensor:
         value = self.acts[name]
         if isinstance(value, Pending):
             value = self.acts[name] = value.wait()
+            self.version += 1
         return value
+
+    def storages(self) -> dict[int, int]:
+        """The storages (data pointer → bytes) of the activations, saved tensors and
+        gradients this run holds. The memory probe asks after every layer for every run in
+        flight; most have not changed since, so the walk is redone only after a change."""
+        if self._memo[0] != self.version:
+            seen: dict[int, int] = {}
+            count_storages((self.acts, self.saved, self.bgrads), seen)
+            self._memo = (self.version, seen)
+        return self._memo[1]
 
     def _upstream(self, op: Op, forward: Op) -> torch.Tensor:
         source = self.plan.upstream[op.name]
@@ -213,17 +255,35 @@ class LayerRun:
 
         return own.then(total) if isinstance(own, Pending) else total(own)
 
-    def _add_weight_grad(self, name: str, grad: torch.Tensor) -> None:
-        if name in self.grads:
-            self.grads[name] += grad
+    def _add_weight_grad(self, name: str, kernel, grad: torch.Tensor) -> None:
+        # Later micro-batches add into the gradient in place (a GEMM's wgrad as one addmm)
+        # instead of materialising their own and adding it.
+        saved = self.saved[name]
+        if name not in self.grads:
+            self.grads[name] = kernel.wgrad(grad, saved)
+        elif kernel.wgrad_into is not None:
+            kernel.wgrad_into(self.grads[name], grad, saved)
         else:
-            self.grads[name] = grad
+            self.grads[name] += kernel.wgrad(grad, saved)
 
     def _release(self, names, left: Counter, store: dict, keep: str) -> None:
-        for name in dict.fromkeys(names):
+        for name in names:
             left[name] -= 1
             if left[name] == 0 and name != keep:
                 store.pop(name, None)
+
+
+def count_storages(values, seen: dict[int, int]) -> None:
+    """Add to ``seen`` the storages of the tensors in ``values`` (nested tuples, lists and
+    dicts; anything else, a Pending included, holds nothing countable yet)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, (tuple, list)):
+            count_storages(value, seen)
+        elif isinstance(value, dict):
+            count_storages(value.values(), seen)
 
 
 def _by_value(inputs: tuple[str, ...], grads) -> dict[str, torch.Tensor]:
@@ -291,8 +351,7 @@ class HeadRun:
         norm weight gradients to :attr:`grads`."""
         saved = self._head_saved
         grad_losses = torch.full((saved[0].shape[0],), scale, dtype=saved[0].dtype, device=saved[0].device)
-        kernel = KERNELS["lm_head"]
-        (grad_h, _), head_grad = kernel.dgrad(grad_losses, saved, self.head), kernel.wgrad(grad_losses, saved)
+        grad_h, head_grad = lm_head_backward(grad_losses, saved, self.head)
         grad_h = self.comm.reduce_scatter(grad_h, "tp") if self.sequence_parallel \
             else self.comm.all_reduce(grad_h, "tp")
         (grad_x,) = self.norm_kernel.dgrad(grad_h, self._norm_saved, self.norm)

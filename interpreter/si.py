@@ -30,6 +30,7 @@ import time
 from typing import Callable, Sequence
 
 import torch
+from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from dhelix.dsl.program import LayerDag, Op
@@ -136,12 +137,16 @@ class Recorder:
     @contextlib.contextmanager
     def span(self, name: str, lane: str = "compute"):
         """Time the body as ``name`` on ``lane`` (and mark it for torch.profiler)."""
-        with record_function(name):
+        # record_function costs tens of microseconds even with no profiler to see it, and
+        # spans open per layer and per segment pair: only mark when one is running.
+        marker = record_function(name) if _profiler_enabled() else contextlib.nullcontext()
+        with marker:
             start = time.perf_counter()
             try:
                 yield
             finally:
-                self.event(name, lane, start, time.perf_counter())
+                if self.trace:
+                    self.event(name, lane, start, time.perf_counter())
 
     def event(self, name: str, lane: str, start: float, stop: float) -> None:
         """Record an event between two ``perf_counter`` readings (kept only when tracing)."""
@@ -233,6 +238,7 @@ class TimedComm(Communicator):
 
 def settle(run) -> None:
     """The cross-strand barrier for one LayerRun: wait for every collective it left in flight."""
+    run.version += 1  # its live tensors change (the memory probe recounts them)
     for name, value in list(run.acts.items()):
         if isinstance(value, Pending):
             run.acts[name] = value.wait()
