@@ -27,6 +27,15 @@ import torch.distributed as dist
 from dhelix.dsl.mesh import Mesh
 
 AXES = ("tp", "cp", "dp", "pp", "ep")
+#: The expert-data-parallel axis: the dp / ep replicas of one expert shard (same ep index,
+#: one per EP block), over which sharded expert weights' gradients are summed.
+EDP = "edp"
+
+
+def expert_dp_groups(mesh: Mesh) -> list[tuple[int, ...]]:
+    """The groups of the :data:`EDP` axis: each dp group split by ep index, i.e. the dp
+    coordinates ``e, e + ep, e + 2·ep, …`` (EP groups are blocks of consecutive ones)."""
+    return sorted(group[e::mesh.ep] for group in mesh.groups("dp") for e in range(mesh.ep))
 
 # Newer torch renamed the tensor collectives; keep working on the older names too.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -81,7 +90,9 @@ class Communicator:
 
     def size(self, axis: str) -> int:
         """Number of ranks in this rank's group of ``axis``."""
-        return 1 if self.mesh is None else self.mesh.size(axis)
+        if self.mesh is None:
+            return 1
+        return self.mesh.size("dp") // self.mesh.ep if axis == EDP else self.mesh.size(axis)
 
     def index(self, axis: str) -> int:
         """This rank's position inside its group of ``axis`` (0 … size-1)."""
@@ -89,6 +100,8 @@ class Communicator:
             return 0
         if axis == "ep":  # EP groups are blocks of consecutive DP coordinates (see dsl.mesh)
             return self.mesh.coords(self.rank).get("dp", 0) % self.mesh.ep
+        if axis == EDP:
+            return self.mesh.coords(self.rank).get("dp", 0) // self.mesh.ep
         return self.mesh.coords(self.rank).get(axis, 0)
 
     def peer(self, axis: str, offset: int) -> int:
@@ -102,7 +115,8 @@ class Communicator:
         """The global ranks of this rank's group of ``axis``, in axis order."""
         if self.mesh is None:
             return (self.rank,)
-        return next(g for g in self.mesh.groups(axis) if self.rank in g)
+        groups = expert_dp_groups(self.mesh) if axis == EDP else self.mesh.groups(axis)
+        return next(g for g in groups if self.rank in g)
 
     # -- collectives: identity on a size-1 group, else the subclass primitive --------------
 
@@ -176,14 +190,16 @@ class DistComm(Communicator):
                              f"{dist.get_world_size()}")
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self._groups: dict[str, object] = {}
-        for axis in AXES:
-            for ranks in mesh.groups(axis):
+        for axis in AXES + ((EDP,) if mesh.ep > 1 else ()):
+            for ranks in expert_dp_groups(mesh) if axis == EDP else mesh.groups(axis):
                 if len(ranks) == 1:
                     continue
                 # Every rank creates every group (a collective call), and keeps its own.
                 group = dist.new_group(list(ranks), timeout=timeout)
                 if self.rank in ranks:
                     self._groups[axis] = group
+        if mesh.ep == 1 and "dp" in self._groups:  # without EP the expert replicas are the dp group
+            self._groups[EDP] = self._groups["dp"]
 
     def _all_gather(self, x, axis, async_op):
         out = torch.empty((x.shape[0] * self.size(axis),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)

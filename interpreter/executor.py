@@ -39,6 +39,7 @@ from .comm import AXES, Communicator, Pending, resolve
 from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads
 from .pipeline_comm import PipelineComm, check_fifo
 from .reference import Batch
+from .ring_attention import local_micro
 from .si import (LayerChain, PlanFn, Recorder, TimedComm, backward_ops, check_plan, is_wgrad,
                  run_alone, run_interleaved, sequential_plan, timed)
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
@@ -142,7 +143,7 @@ class Executor:
         """Run the action list once on ``batch`` (this DP replica's micro-batches, as many as
         the schedule's m). Returns the loss, the same on every rank: the mean token
         cross-entropy over the micro-batches of every DP replica. Gradients are then in
-        :meth:`grads` (complete over tp, not yet averaged over dp)."""
+        :meth:`grads` (complete over tp and cp, not yet averaged over dp)."""
         if batch.inputs.shape[0] != self.lowered.microbatches:
             raise ValueError(f"the schedule runs {self.lowered.microbatches} micro-batches, "
                              f"the batch has {batch.inputs.shape[0]}")
@@ -202,10 +203,11 @@ class Executor:
         return {name: self._grads.get(name, torch.zeros_like(p)) for name, p in self.params.items()}
 
     def _global_loss(self) -> torch.Tensor:
-        # Only the last stage has a loss; tp ranks hold the same value, so sum over pp and
-        # average over dp.
+        # Only the last stage has a loss; tp ranks hold the same value, cp ranks the losses
+        # of their own tokens, so sum over pp and cp and average over dp.
         loss = (self.loss_sum * self.scale).reshape(1).clone()
         self.comm.all_reduce(loss, "pp")
+        self.comm.all_reduce(loss, "cp")
         self.comm.all_reduce(loss, "dp")
         return loss[0] / self.comm.size("dp")
 
@@ -222,7 +224,8 @@ class Executor:
     # -- chains ------------------------------------------------------------------------
 
     def _micro(self, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, targets = self.batch.micro(microbatch)
+        # With cp > 1 this rank holds only its chunks of each sequence (load-balanced layout).
+        ids, targets = local_micro(self.batch, microbatch, self.comm.size("cp"), self.index["cp"])
         return ids.to(self.device), targets.to(self.device)
 
     def forward_chain(self, action: Compute) -> LayerChain:

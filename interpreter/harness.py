@@ -112,14 +112,17 @@ def gather_full(plan: WeightPlan, comm: Communicator, tensors: Mapping[str, torc
     full = {}
     for name in plan.names():
         spec = plan.spec(name)
-        holders = [(idx, values[name]) for idx, values in pieces if name in values and idx["dp"] == 0]
+        # The first DP replica, or with ep > 1 the first EP block (dp < ep: one rank per
+        # expert shard; its dp coordinate is its ep index, so neither may tell shards apart).
+        holders = [(idx, values[name]) for idx, values in pieces if name in values and idx["dp"] == idx["ep"]]
         holders.sort(key=lambda item: item[0].get(spec.axis or "tp", 0))
         if not holders:
             raise ValueError(f"no rank holds parameter {name}")
         if spec.axis is None:
             full[name] = holders[0][1]
         else:
-            split = [t for idx, t in holders if all(idx[a] == holders[0][0][a] for a in AXES if a != spec.axis)]
+            same = [a for a in AXES if a != spec.axis and not (spec.axis == "ep" and a == "dp")]
+            split = [t for idx, t in holders if all(idx[a] == holders[0][0][a] for a in same)]
             full[name] = plan.join(name, split)
     return full
 

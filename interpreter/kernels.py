@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .comm import Communicator, SingleRankComm
+from .moe import exchange
 
 #: Epsilon of RMSNorm and LayerNorm (the reference model uses the same).
 EPS = 1e-5
@@ -208,7 +209,8 @@ def _attend(qkv: torch.Tensor, heads: int, kv_heads: int, causal: bool, micro_ba
 def _attention_forward(inputs, weight, ctx):
     (qkv,) = inputs
     if ctx.axis is not None and ctx.comm.size(ctx.axis) > 1:
-        raise NotImplementedError("ring attention over cp > 1 is not executed yet")
+        raise NotImplementedError("the attention kernel runs on one cp rank; ring attention over cp > 1 "
+                                  "runs the ring steps of .ring_attention")
     meta = (int(ctx.params["heads"]), int(ctx.params["kv_heads"]), ctx.params.get("mask") == "causal",
             ctx.micro_batch)
     if qkv.shape[0] % ctx.micro_batch:
@@ -428,8 +430,10 @@ def _reduce_scatter(x, ctx):
 
 
 def _all_to_all(x, ctx):
+    """MoE dispatch or combine: the identity on one rank, else :func:`.moe.exchange`
+    (counts first, then the tokens with variable splits)."""
     if ctx.comm.size(ctx.axis) > 1:
-        raise NotImplementedError("MoE dispatch over ep > 1 is not executed yet")
+        return exchange(x, ctx)
     return ctx.comm.all_to_all(x, ctx.axis, async_op=ctx.async_op)
 
 

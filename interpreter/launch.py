@@ -159,9 +159,6 @@ def preflight(program) -> None:
         LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
     except (ShardingError, NotImplementedError) as exc:
         raise DhelixError(f"the interpreter cannot run this program: {exc}") from None
-    if program.mesh.ep > 1:
-        raise DhelixError("the interpreter cannot run this program: MoE dispatch over ep > 1 is not "
-                          "executed yet")
 
 
 # -- the local world -------------------------------------------------------------------------
@@ -302,7 +299,8 @@ def train(options: RunOptions, device) -> int:
                         plan_for=plan_for, use_tags=options.backend == "gloo",
                         recorder=recorder, on_action=_fault_hook(comm.rank))
     optimizer = DistributedAdamW(executor.params, executor.comm, zero1=options.zero1,
-                                 config=AdamWConfig(lr=options.lr))
+                                 config=AdamWConfig(lr=options.lr),
+                                 expert=executor.weights.ep_sharded(executor.params))
     dist.barrier()  # every group exists everywhere; also aligns the trace clocks
     recorder.origin = time.perf_counter()
     if options.check:

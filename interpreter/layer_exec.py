@@ -31,7 +31,9 @@ from dhelix.dsl.program import LayerDag, Op, Program
 
 from .comm import AXES, Communicator, Pending, resolve
 from .kernels import BWD, COMM, DGRAD, FORWARD, KERNELS, WGRAD, KernelCtx, handler, lm_head_backward
+from .moe import ROLE, a2a_roles
 from .reference import Batch
+from .ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_input, ring_step
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 
 _SPLIT = ("gemm", "grouped_gemm", "router")
@@ -63,22 +65,25 @@ class LayerPlan:
     @classmethod
     def build(cls, fwd: LayerDag, bwd: LayerDag, micro_batch: int) -> "LayerPlan":
         """The plan of ``fwd`` and its derived ``bwd`` for micro-batches of ``micro_batch``
-        sequences. Raises NotImplementedError for ring attention (cp > 1)."""
-        if any(op.op_class == "ring_attention" for op in fwd.ops):
-            raise NotImplementedError("ring attention over cp > 1 is not executed yet")
+        sequences. Raises NotImplementedError for a ring attention it cannot run."""
+        check_ring(fwd.ops)
+        fwd_ops = {op.name: op for op in fwd.ops}
         contributions: dict[str, list[str]] = {}
         for op in reversed(fwd.ops):
             producer = f"{op.name}.dgrad" if op.op in _SPLIT else f"{op.name}.bwd"
-            for value in dict.fromkeys(_differentiable(op)):
+            for value in dict.fromkeys(_differentiable(op, fwd_ops)):
                 contributions.setdefault(value, []).append(producer)
         upstream = {}
         for op in bwd.ops:
             found = contributions.get(op.forward, [])
             upstream[op.name] = bwd.input if op.forward == fwd.output else (found[-1] if found else None)
+            if ring_step(op):  # a later ring step reads the previous step's state
+                upstream[op.name] = op.inputs[0]
             if upstream[op.name] not in op.inputs + (None,):
                 raise ValueError(f"backward op {op.name} does not read {upstream[op.name]}, the gradient "
                                  "of its forward output: the backward DAG was not derived from this forward")
         accumulate: dict[str, list] = {}
+        roles = a2a_roles(fwd, bwd)  # MoE dispatch / combine direction of each ep all_to_all
         for value, producers in contributions.items():
             if len(producers) > 1:
                 accumulate.setdefault(producers[-1], []).append((value, tuple(producers[:-1])))
@@ -87,7 +92,8 @@ class LayerPlan:
                    Counter(name for op in fwd.ops for name in dict.fromkeys(op.inputs)),
                    Counter(name for op in bwd.ops for name in dict.fromkeys(op.inputs)),
                    Counter(op.forward for op in bwd.ops),
-                   {op.name: Step.of(op) for op in fwd.ops + bwd.ops}, {op.name: op for op in fwd.ops})
+                   {op.name: Step.of(op, roles.get(op.name)) for op in fwd.ops + bwd.ops},
+                   fwd_ops)
 
 
 @attrs.frozen
@@ -101,14 +107,24 @@ class Step:
     inputs: tuple[str, ...]
 
     @classmethod
-    def of(cls, op: Op) -> "Step":
-        """The step of ``op``."""
+    def of(cls, op: Op, ep_role: str | None = None) -> "Step":
+        """The step of ``op``; ``ep_role`` is an ep all_to_all's direction (:mod:`.moe`)."""
         role, kernel = handler(op.op)
-        return cls(role, kernel, dict(op.params), tuple(dict.fromkeys(op.inputs)))
+        params = dict(op.params) | ({ROLE: ep_role} if ep_role else {})
+        position = ring_step(op)
+        if position is not None:  # forward ring steps run as forward kernels, backward as RING
+            role = FORWARD if op.op == "attention" else RING
+            kernel, params[STEP] = RING_KERNEL, position
+        return cls(role, kernel, params, tuple(dict.fromkeys(op.inputs)))
 
 
-def _differentiable(op: Op) -> tuple[str, ...]:
-    # permute's scores only choose rows; every other input of every op gets a gradient.
+def _differentiable(op: Op, fwd_ops: Mapping[str, Op]) -> tuple[str, ...]:
+    # permute's scores only choose rows; a ring's steps pass state, its qkv gets the
+    # gradient from the last backward step; every other input of every op gets one.
+    if op.op_class == "ring_attention":
+        return ()
+    if ring_step(op) is not None:
+        return (ring_input(fwd_ops, op.name),)
     return op.inputs[:1] if op.op == "permute" else op.inputs
 
 
@@ -194,6 +210,10 @@ class LayerRun:
         elif role == WGRAD:
             self._add_weight_grad(forward.name, kernel, grad)
             out = {}
+        elif role == RING:  # carrying steps pass the ring's state on; the last gives d(qkv)
+            value = kernel.backward(grad, self.saved[forward.name], self._ctx(op, step, async_op))
+            last = op.kind != "comm"
+            out = {ring_input(self.plan.fwd_ops, forward.name) if last else forward.name: value}
         else:
             raise ValueError(f"{op.name} ({op.op}) is not a backward op")
         for value, producers in self.plan.accumulate.get(op.name, ()):
@@ -367,7 +387,7 @@ def sequential_step(program: Program, batch: Batch, comm: Communicator, plan: We
     """One step without pipelining or strand interleaving (pp = 1): each micro-batch of
     ``batch`` runs forward through the embedding, every layer and the head, then backward.
 
-    Returns the loss (the mean over all tokens of ``batch``, the same on every tp rank)
+    Returns the loss (the mean over all tokens of ``batch``, the same on every tp and cp rank)
     and this rank's gradients by parameter name — partial over tp for the parameters whose
     ShardSpec says so (:func:`sum_partial_grads` completes them). The executor's baseline.
     """
@@ -386,7 +406,7 @@ def sequential_step(program: Program, batch: Batch, comm: Communicator, plan: We
     scale = 1.0 / (count * batch.inputs[0].numel())
     total = torch.zeros((), dtype=dtype, device=device)
     for m in range(count):
-        ids, targets = (t.to(device) for t in batch.micro(m))
+        ids, targets = (t.to(device) for t in local_micro(batch, m, comm.size("cp"), comm.index("cp")))
         embed = EmbedRun(ends[0], comm, start, plan.sequence_parallel, grads)
         x = embed.forward(ids)
         runs = [LayerRun(layer_plan, weights[i], comm, layer_grads[i]) for i in range(plan.layers)]
@@ -400,12 +420,14 @@ def sequential_step(program: Program, batch: Batch, comm: Communicator, plan: We
         embed.backward(grad)
     for i, layer in enumerate(layer_grads):
         grads.update({param_name(i, op): grad for op, grad in layer.items()})
-    return total * scale, grads
+    # Each cp rank summed the losses of its own tokens.
+    return comm.all_reduce(total * scale, "cp"), grads
 
 
 def sum_partial_grads(plan: WeightPlan, grads: dict[str, torch.Tensor], comm: Communicator) -> None:
     """All-reduce, in place, the gradients that are partial sums over tp (replicated
-    weights applied to sequence-parallel tokens: norms, router, experts)."""
+    weights applied to sequence-parallel tokens: norms, router, experts) or over cp (every
+    weight: each cp rank sees its own part of the sequences)."""
     for name, grad in grads.items():
         for axis in plan.spec(name).grad_sum:
             comm.all_reduce(grad, axis)

@@ -30,8 +30,11 @@ instantiated without model parallelism, :func:`full_dags`):
 
 A replicated weight used on sequence-parallel (tp-split) tokens gets a partial gradient on
 each tp rank; its :attr:`ShardSpec.grad_sum` names ``tp``, the axis over which the executor
-sums it (Megatron all-reduces the norm gradients the same way). Summing over dp is the
-executor's business and is not recorded here.
+sums it (Megatron all-reduces the norm gradients the same way). With context parallelism
+every weight is replicated over cp and each cp rank sees its own tokens, so every
+``grad_sum`` also names ``cp`` (Megatron reduces over the DP × CP group). Summing over dp is the
+optimizer's business and is not recorded here (expert weights, split over ep, are summed over
+the dp / ep replicas of their shard only: :meth:`WeightPlan.ep_sharded`).
 """
 
 from __future__ import annotations
@@ -176,7 +179,8 @@ def _column_blocks(op: Op, width: int, fwd: LayerDag, full_fwd: LayerDag) -> tup
     layouts = set()
     for reader in _readers(fwd, op.name):
         if reader.op == "attention":
-            params = dict(full_fwd.op(reader.name).params)
+            # A ring's first step reads qkv; the full layer has the unsplit attention op.
+            params = dict(full_fwd.op(reader.name.split(".step")[0]).params)
             heads, kv = params["heads"], params["kv_heads"]
             d = width // (heads + 2 * kv)
             layouts.add((heads * d, kv * d, kv * d))
@@ -236,6 +240,11 @@ def init_full(spec: ShardSpec, seed: int) -> torch.Tensor:
     raise ShardingError(f"no initialiser for weights of kind {spec.kind}")
 
 
+def _partial_over_cp(specs: dict[str, ShardSpec]) -> dict[str, ShardSpec]:
+    # A weight replicated over cp gets a gradient from each cp rank's tokens.
+    return {name: attrs.evolve(spec, grad_sum=spec.grad_sum + ("cp",)) for name, spec in specs.items()}
+
+
 class WeightPlan:
     """Every parameter of ``program``: its spec, its seeded full value and its shards.
 
@@ -250,6 +259,9 @@ class WeightPlan:
         self.full_forward, self.full_backward = full_dags(program)
         self.layer_specs = layer_specs(program, self.full_forward)
         self.model_specs = model_specs(program)
+        if program.mesh.size("cp") > 1:
+            self.layer_specs = _partial_over_cp(self.layer_specs)
+            self.model_specs = _partial_over_cp(self.model_specs)
         self.layers = program.model.get("layers")
         #: Whether the layer input is split over tp (then the model's ends reduce-scatter
         #: and all-gather over tp instead of all-reducing).
@@ -291,6 +303,11 @@ class WeightPlan:
         if len(shards) != parts:
             raise ValueError(f"{name} is split in {parts} pieces over {spec.axis}, got {len(shards)}")
         return spec.join(shards)
+
+    def ep_sharded(self, names) -> list[str]:
+        """Those of parameter ``names`` split over ep (the experts): their gradients are summed
+        over the replicas of the same expert shard only (:mod:`.optim`)."""
+        return [name for name in names if self.spec(name).axis == "ep"]
 
     def vocab_start(self, index: Mapping[str, int]) -> int:
         """The first vocabulary row of this rank's embedding and LM-head shards."""

@@ -1,0 +1,138 @@
+"""MoE token dispatch and combine over an expert-parallel group (Megatron's all-to-all
+token dispatcher, NOTES §3.4).
+
+With ``E`` experts over an ep group of ``P`` ranks, rank ``j`` of the group holds the
+``L = E / P`` consecutive experts ``[j·L, (j+1)·L)`` (the grouped GEMM weights' ep shard).
+``permute`` leaves this rank's routed rows sorted by global expert, so the rows bound for
+rank ``j`` are one contiguous block. The stdlib ``moe`` layer's two ``all_to_all(ep)`` ops
+then run here:
+
+* **dispatch** (the all_to_all after ``permute``): first a small all_to_all of the
+  per-expert row counts, so each rank learns how many rows every source sends for each of
+  its local experts (a ``[P, L]`` table); then the variable-size all_to_all of the rows with
+  those in/out splits. The rows arrive grouped by source, each source's block grouped by
+  local expert; a gather re-groups them by local expert (source order inside each expert:
+  Megatron's "sort chunks by local expert"), which is the layout ``grouped_gemm`` reads,
+  and ``routing["counts"]`` becomes the rows per *local* expert.
+* **combine** (the all_to_all before ``unpermute``): the exact inverse: un-sort back to
+  source-major order, then the all_to_all with the dispatch's splits swapped, so every row
+  returns to the rank and position it came from.
+
+The backward of each is the transpose of its forward, i.e. the other direction over the
+same :class:`EpLayout` (a permutation's transpose is its inverse, an all_to_all's is the
+all_to_all with swapped splits): the gradient of combine is dispatched, the gradient of
+dispatch is combined. Routing is exact — no capacity factor, no dropped or padded tokens —
+so the splits really vary with the router's choices.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from dhelix.dsl.program import LayerDag
+
+from .comm import Pending
+
+DISPATCH, COMBINE = "dispatch", "combine"
+#: The Op.params key carrying the direction of an ep all_to_all (set by :func:`a2a_roles`).
+ROLE = "ep_role"
+
+
+@attrs.frozen
+class EpLayout:
+    """How one layer run's routed rows travel: ``send[j]`` rows go to group member ``j``,
+    ``recv[j]`` come from it; ``sort`` gathers the received (source-major) rows into
+    local-expert-major order and ``unsort`` is its inverse; ``local_counts`` are the rows
+    per local expert after the sort."""
+
+    send: list[int]
+    recv: list[int]
+    sort: torch.Tensor
+    unsort: torch.Tensor
+    local_counts: list[int]
+
+
+def a2a_roles(fwd: LayerDag, bwd: LayerDag) -> dict[str, str]:
+    """The direction (:data:`DISPATCH` or :data:`COMBINE`) of every ep all_to_all of the
+    forward DAG ``fwd`` and of its backward in ``bwd``, by op name.
+
+    A forward all_to_all that reads a ``permute`` dispatches, one read by an ``unpermute``
+    combines; its backward op runs the other direction. Raises NotImplementedError for an
+    ep all_to_all in any other place (no layout to exchange by)."""
+    producers = {op.name: op for op in fwd.ops}
+    roles = {}
+    for op in fwd.ops:
+        if op.op != "all_to_all" or op.axis != "ep":
+            continue
+        source = producers.get(op.inputs[0])
+        readers = [o for o in fwd.ops if op.name in o.inputs]
+        if source is not None and source.op == "permute":
+            roles[op.name] = DISPATCH
+        elif readers and all(o.op == "unpermute" for o in readers):
+            roles[op.name] = COMBINE
+        else:
+            raise NotImplementedError(f"all_to_all {op.name} over ep neither reads a permute (dispatch) "
+                                      "nor feeds an unpermute (combine): no token layout to exchange by")
+    for op in bwd.ops:
+        if op.forward in roles and op.op == "all_to_all":
+            roles[op.name] = COMBINE if roles[op.forward] == DISPATCH else DISPATCH
+    return roles
+
+
+def exchange(x: torch.Tensor, ctx):
+    """The ep all_to_all of ``x`` in the direction ``ctx.params[ROLE]``; ``ctx`` is a
+    :class:`~.kernels.KernelCtx` whose ``routing`` holds this layer run's counts and layout.
+    Returns a tensor, or a Pending when ``ctx.async_op``."""
+    role = ctx.params.get(ROLE)
+    if role is None:
+        raise NotImplementedError(f"an all_to_all over {ctx.axis} = {ctx.comm.size(ctx.axis)} that is "
+                                  "no MoE dispatch or combine is not executed")
+    layout = ctx.routing.get("ep")
+    if layout is None:
+        if role != DISPATCH:
+            raise RuntimeError("MoE combine before any dispatch in this layer run")
+        layout = ctx.routing["ep"] = plan_layout(ctx.routing["counts"], ctx.comm, ctx.axis, x.device)
+        ctx.routing["counts"] = layout.local_counts  # what grouped_gemm reads
+    if role == DISPATCH:
+        return dispatch(x, layout, ctx.comm, ctx.axis, ctx.async_op)
+    return combine(x, layout, ctx.comm, ctx.axis, ctx.async_op)
+
+
+def plan_layout(counts: list[int], comm, axis: str, device) -> EpLayout:
+    """The EpLayout of rows sorted by global expert with ``counts`` rows per expert (all
+    ``E`` of them): exchanges the counts over ``axis`` (a small synchronous all_to_all,
+    as Megatron's dispatcher does before the token all_to_all)."""
+    size = comm.size(axis)
+    if len(counts) % size:
+        raise ValueError(f"{len(counts)} experts do not split over {axis} = {size}")
+    local = len(counts) // size
+    mine = torch.tensor(counts, dtype=torch.int64, device=device)
+    # Row j of the received table: the rows member j sends for each of my local experts.
+    table = comm.all_to_all(mine, axis).view(size, local).cpu()
+    send = mine.view(size, local).sum(1).tolist()
+    recv = table.sum(1).tolist()
+    # Received row offsets are source-major; gather them local-expert-major.
+    starts = (table.reshape(-1).cumsum(0) - table.reshape(-1)).view(size, local)
+    sort = torch.cat([torch.arange(int(starts[j, e]), int(starts[j, e] + table[j, e]))
+                      for e in range(local) for j in range(size)] or [torch.zeros(0, dtype=torch.int64)])
+    sort = sort.to(device)
+    unsort = torch.empty_like(sort)
+    unsort[sort] = torch.arange(sort.numel(), device=device)
+    return EpLayout(send, recv, sort, unsort, table.sum(0).tolist())
+
+
+def dispatch(x: torch.Tensor, layout: EpLayout, comm, axis: str, async_op: bool = False):
+    """Rows of ``x`` (grouped by destination member) to their experts' ranks, received rows
+    sorted by local expert."""
+    out = comm.all_to_all(x, axis, layout.send, layout.recv, async_op=async_op)
+    if isinstance(out, Pending):
+        return out.then(lambda rows: rows.index_select(0, layout.sort))
+    return out.index_select(0, layout.sort)
+
+
+def combine(y: torch.Tensor, layout: EpLayout, comm, axis: str, async_op: bool = False):
+    """The inverse of :func:`dispatch`: rows sorted by local expert back to the ranks and
+    positions they were dispatched from."""
+    return comm.all_to_all(y.index_select(0, layout.unsort), axis, layout.recv, layout.send,
+                           async_op=async_op)
