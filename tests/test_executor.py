@@ -6,15 +6,12 @@ runs every distributed configuration in turn (spawning a world costs more than t
 from __future__ import annotations
 
 import math
-import pickle
 import re
-from datetime import timedelta
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
 
 from dhelix.dsl.passes import check_text  # noqa: E402
 from dhelix.interpreter.comm import DistComm, SingleRankComm  # noqa: E402
@@ -27,7 +24,7 @@ from dhelix.interpreter.si import (check_plan, fixed_plan, op_by_op_plan, planne
                                    sequential_plan)
 from dhelix.interpreter.weights import WeightPlan  # noqa: E402
 
-from test_layer_exec import run_ranks  # noqa: E402
+from distributed import assert_steps_match, gloo_results  # noqa: E402
 
 TOL = 1e-5
 SEED, DATA_SEED = 7, 3
@@ -144,37 +141,20 @@ def _training(steps: int = 20) -> list[float]:
     return losses
 
 
-def _world(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        results = {name: _case(name) for name in CASES}
-        results["training"] = _training()
-        if rank == 0:
-            with open(f"{out_dir}/results.pkl", "wb") as out:
-                pickle.dump(results, out)
-    finally:
-        dist.destroy_process_group()
+def _results(rank: int, world: int) -> dict:
+    results = {name: _case(name) for name in CASES}
+    results["training"] = _training()
+    return results
 
 
 @pytest.fixture(scope="module")
 def world_results(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("world")
-    run_ranks(_world, 4, str(out_dir), timeout=120)
-    with open(out_dir / "results.pkl", "rb") as results:
-        return pickle.load(results)
+    return gloo_results(_results, 4, tmp_path_factory.mktemp("world"))[0]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_distributed_step_matches_reference(world_results, name):
-    checks = world_results[name]
-    assert len(checks) == CASES[name][5]
-    for check in checks:
-        assert check.loss_diff <= TOL, str(check)
-        assert check.grad_diff <= TOL, str(check)
-        assert check.update_diff <= TOL, str(check)
+    assert_steps_match(world_results[name], CASES[name][5], TOL)
 
 
 def test_si_on_and_off_give_the_same_result(world_results):

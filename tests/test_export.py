@@ -9,8 +9,6 @@ Every stdlib pipeline is exported in both forms (compute_only, compute_comms); t
 from __future__ import annotations
 
 import copy
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +23,8 @@ from dhelix.dsl.schedule import Compute, Interleaved
 
 torch = pytest.importorskip("torch")
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+from distributed import run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")  # 4 layers, pp 2, fold u, w_helix
@@ -203,23 +203,8 @@ def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn(jobs: dict, out_dir: Path, timeout: float = 90.0) -> None:
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(_worker, args=(2, _free_port(), jobs, str(out_dir)), nprocs=2,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"2 gloo ranks did not finish within {timeout} s")
+    run_ranks(_worker, 2, jobs, str(out_dir), timeout=timeout)
 
 
 def _reference(microbatches: int):

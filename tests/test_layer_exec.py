@@ -3,8 +3,6 @@ and two gloo ranks at tp = 2 with sequence parallelism (fp32, max abs diff <= 1e
 
 from __future__ import annotations
 
-import socket
-import time
 from datetime import timedelta
 
 import pytest
@@ -12,8 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
+from distributed import run_ranks  # noqa: E402
 from dhelix.dsl.passes import check_text  # noqa: E402
 from dhelix.interpreter.comm import AXES, DistComm, SingleRankComm  # noqa: E402
 from dhelix.interpreter.layer_exec import (  # noqa: E402
@@ -132,26 +130,6 @@ def test_whole_model_step_matches_reference_step(layer):
 
 
 # -- two gloo ranks, tp = 2 with sequence parallelism -----------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run_ranks(fn, world: int, *args, timeout: float = 60.0) -> None:
-    """Spawn ``world`` processes running ``fn(rank, world, port, *args)``; fail the test
-    (after killing them) if they have not finished within ``timeout`` seconds."""
-    port = _free_port()
-    context = mp.start_processes(fn, args=(world, port, *args), nprocs=world, join=False,
-                                 start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{world} ranks did not finish within {timeout} s")
-
 
 def _tp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)

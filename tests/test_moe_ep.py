@@ -8,7 +8,6 @@ Two gloo worlds: 2 ranks (dp = ep = 2) for one layer, 4 ranks for executor steps
 
 from __future__ import annotations
 
-import pickle
 from datetime import timedelta
 
 import pytest
@@ -28,7 +27,7 @@ from dhelix.interpreter.reference import reference_layer  # noqa: E402
 from dhelix.interpreter.si import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
 
-from test_layer_exec import run_ranks  # noqa: E402
+from distributed import assert_steps_match, gloo_results, run_ranks  # noqa: E402
 
 TOL = 1e-5
 SEED, DATA_SEED, MICRO_BATCH = 13, 4, 2
@@ -187,33 +186,15 @@ def _case(name: str):
     return check_steps(executor, optimizer, steps, DATA_SEED)
 
 
-def _world(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        results = {name: _case(name) for name in CASES}
-        if rank == 0:
-            with open(f"{out_dir}/results.pkl", "wb") as out:
-                pickle.dump(results, out)
-    finally:
-        dist.destroy_process_group()
+def _results(rank: int, world: int) -> dict:
+    return {name: _case(name) for name in CASES}
 
 
 @pytest.fixture(scope="module")
 def world_results(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("moe_world")
-    run_ranks(_world, 4, str(out_dir), timeout=120)
-    with open(out_dir / "results.pkl", "rb") as results:
-        return pickle.load(results)
+    return gloo_results(_results, 4, tmp_path_factory.mktemp("moe_world"))[0]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_ep_steps_match_reference_and_adamw(world_results, name):
-    checks = world_results[name]
-    assert len(checks) == CASES[name][5]
-    for check in checks:
-        assert check.loss_diff <= TOL, str(check)
-        assert check.grad_diff <= TOL, str(check)
-        assert check.update_diff <= TOL, str(check)
+    assert_steps_match(world_results[name], CASES[name][5], TOL)

@@ -6,17 +6,14 @@ one world of 4 gloo ranks (spawning a world costs more than the checks)."""
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
 
 from dhelix.dsl.mesh import Mesh  # noqa: E402
 from dhelix.dsl.passes import check_text  # noqa: E402
@@ -32,7 +29,7 @@ from dhelix.interpreter.ring_attention import (  # noqa: E402
 from dhelix.interpreter.si import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
 
-from test_layer_exec import run_ranks  # noqa: E402
+from distributed import gloo_results  # noqa: E402
 
 TOL = 1e-5
 SEED, DATA_SEED = 13, 4
@@ -143,34 +140,21 @@ def executor_step(name: str):
     return checks, {k: g.clone() for k, g in executor.grads().items()}
 
 
-def _world(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        results = {}
-        for name, sizes in (("cp2", (2, 2)), ("cp4", (4, 1))):
-            comm = DistComm(Mesh(("cp", "dp"), sizes, 1, 4), timeout_s=60)
-            results[name] = [ring_kernels(comm, async_op) for async_op in (False, True)]
-        results["cp2_full"] = [ring_kernels(DistComm(Mesh(("cp", "dp"), (2, 2), 1, 4)), False, "full")]
-        results["layer_cp2"] = ring_layer("cp = 2  dp = 2")
-        results["layer_tp2_cp2"] = ring_layer("tp = 2  cp = 2")
-        results.update({name: executor_step(name) for name in STEPS})
-        with open(f"{out_dir}/rank{rank}.pkl", "wb") as out:
-            pickle.dump(results, out)
-    finally:
-        dist.destroy_process_group()
+def _results(rank: int, world: int) -> dict:
+    results = {}
+    for name, sizes in (("cp2", (2, 2)), ("cp4", (4, 1))):
+        comm = DistComm(Mesh(("cp", "dp"), sizes, 1, 4), timeout_s=60)
+        results[name] = [ring_kernels(comm, async_op) for async_op in (False, True)]
+    results["cp2_full"] = [ring_kernels(DistComm(Mesh(("cp", "dp"), (2, 2), 1, 4)), False, "full")]
+    results["layer_cp2"] = ring_layer("cp = 2  dp = 2")
+    results["layer_tp2_cp2"] = ring_layer("tp = 2  cp = 2")
+    results.update({name: executor_step(name) for name in STEPS})
+    return results
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("ring")
-    run_ranks(_world, 4, str(out_dir), timeout=120)
-    ranks = []
-    for rank in range(4):
-        with open(out_dir / f"rank{rank}.pkl", "rb") as results:
-            ranks.append(pickle.load(results))
-    return ranks
+    return gloo_results(_results, 4, tmp_path_factory.mktemp("ring"))
 
 
 def assert_close(got, want, what):
