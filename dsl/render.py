@@ -84,7 +84,7 @@ def diagram_source(program, what: str, overridden: str = "") -> str:
         name = program.model.name + (f" ({overridden})" if overridden else "")
         return placement_dot(program.placement, name, program.model.get("layers"))
     if what == "pairing":
-        return ladder_dot(schedule_plan(program))
+        return ladder_dot(schedule_plan(program, command="render --what pairing"))
     return dag_dot(program.forward, program.backward)
 
 

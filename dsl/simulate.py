@@ -65,11 +65,15 @@ def has_si(program: Program) -> bool:
     return any(isinstance(a, Interleaved) for row in program.lowered.actions for a in row)
 
 
-def schedule_plan(program: Program, cost: PairCost | None = None, **bounds) -> Plan:
+def schedule_plan(program: Program, cost: PairCost | None = None, *, command: str = "plan",
+                  **bounds) -> Plan:
     """The SI plan of the program's layer pair as its schedule runs it: the forward beside the
     whole backward, or beside the backward without its wgrads when the schedule splits W off.
-    ``bounds`` go to :func:`pairing.plan_layers`."""
-    cost = cost or cost_of(program)
+    ``bounds`` go to :func:`pairing.plan_layers`; without ``cost`` the program's profile prices
+    the segments, and ``command`` names what needed it in the error when there is none."""
+    if cost is None:
+        require_profile(program, command)
+        cost = cost_of(program)
     backward = program.backward
     if program.lowered is not None and program.lowered.split:
         backward = input_backward(backward)

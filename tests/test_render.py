@@ -153,3 +153,12 @@ def test_pairing_ladder_renders_the_plan(capsys):
     assert main(["render", str(ROOT / "examples" / "llama39b_a40.dhx"), "--what", "pairing"]) == 0
     dot = capsys.readouterr().out
     assert dot.startswith("digraph") and "SI plan: llama forward" in dot and "qkv.wgrad" in dot
+
+
+def test_pairing_without_a_profile_is_a_located_error(tmp_path, capsys):
+    text = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text().replace('  profile = "a40"\n', "")
+    path = tmp_path / "noprofile.dhx"
+    path.write_text(text)
+    assert main(["render", str(path), "--what", "pairing"]) == 1
+    err = capsys.readouterr().err
+    assert "`dhelix render --what pairing` needs a hardware profile" in err and "^" in err
