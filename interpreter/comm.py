@@ -159,7 +159,8 @@ class Communicator:
         return self._recv(tuple(shape), dtype, src, async_op)
 
     def _all_gather(self, x, axis, async_op):
-        raise NotImplementedError
+        # Only a group of more than one rank gets here, and only DistComm has those.
+        raise TypeError(f"{type(self).__name__} has no process groups to communicate over")
 
     _reduce_scatter = _all_reduce = _all_to_all = _send = _recv = _all_gather
 
