@@ -1,5 +1,6 @@
-"""Small gloo worlds for tests: spawn ranks that each run a module-level function of a test
-module, and read back what they computed."""
+"""Helpers of the interpreter tests: small gloo worlds (spawn ranks that each run a
+module-level function of a test module, read back what they computed), running one layer op by
+op, and comparing with the single-process reference."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from dhelix.interpreter.layer_exec import LayerRun
+
+#: fp32 tolerance of every comparison with the single-process reference.
+TOL = 1e-5
 
 
 def free_port() -> int:
@@ -68,3 +74,24 @@ def assert_steps_match(checks, count: int, tol: float) -> None:
         assert check.loss_diff <= tol, str(check)
         assert check.grad_diff <= tol, str(check)
         assert check.update_diff <= tol, str(check)
+
+
+def assert_close(got, want, what: str, tol: float = TOL) -> None:
+    """Fail naming ``what`` when the tensors differ by more than ``tol`` anywhere."""
+    diff = (got - want).abs().max().item()
+    assert diff <= tol, f"{what}: max abs diff {diff:.3g}"
+
+
+def drive_layer(layer_plan, weights, comm, x, dout, async_comm=False, backward_order=None):
+    """Run one layer's forward DAG on this rank's rows ``x`` and its backward on ``dout`` op by
+    op (collectives async when ``async_comm``); returns (output, input gradient, weight
+    gradients, the LayerRun)."""
+    run = LayerRun(layer_plan, weights, comm)
+    run.start(x)
+    for op in layer_plan.fwd.ops:
+        run.forward_op(op, async_op=async_comm and op.kind == "comm")
+    out = run.output()
+    run.start_backward(dout)
+    for op in backward_order or layer_plan.bwd.ops:
+        run.backward_op(op, async_op=async_comm and op.kind == "comm")
+    return out, run.input_grad(), run.grads, run

@@ -24,9 +24,8 @@ from dhelix.interpreter.si import (check_plan, fixed_plan, op_by_op_plan, planne
                                    sequential_plan)
 from dhelix.interpreter.weights import WeightPlan  # noqa: E402
 
-from distributed import assert_steps_match, gloo_results  # noqa: E402
+from distributed import TOL, assert_steps_match, gloo_results  # noqa: E402
 
-TOL = 1e-5
 SEED, DATA_SEED = 7, 3
 
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from distributed import run_ranks  # noqa: E402
+from distributed import assert_close, drive_layer, run_ranks  # noqa: E402
 from dhelix.dsl.passes import check_text  # noqa: E402
 from dhelix.interpreter.comm import AXES, DistComm, SingleRankComm  # noqa: E402
 from dhelix.interpreter.layer_exec import (  # noqa: E402
@@ -19,7 +19,6 @@ from dhelix.interpreter.layer_exec import (  # noqa: E402
 from dhelix.interpreter.reference import make_batch, reference_layer, reference_step  # noqa: E402
 from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
 
-TOL = 1e-5
 LAYERS = ("llama", "gpt", "moe")
 SEED, DATA_SEED, MICRO_BATCH = 11, 5, 2
 
@@ -54,24 +53,11 @@ def reference_layer_grads(plan: WeightPlan, layer: int = 0):
     return out.detach(), x.grad, {op: w.grad for op, w in weights.items()}
 
 
-def assert_close(got, want, what):
-    diff = (got - want).abs().max().item()
-    assert diff <= TOL, f"{what}: max abs diff {diff:.3g}"
-
-
 def run_layer(plan, layer_plan, comm, index, async_comm=False, backward_order=None):
     x, dout = layer_io(plan)
     tp = plan.program.mesh.size("tp")
     x, dout = x.chunk(tp)[index["tp"]], dout.chunk(tp)[index["tp"]]  # this rank's SP rows
-    run = LayerRun(layer_plan, plan.layer_weights(0, index), comm)
-    run.start(x)
-    for op in layer_plan.fwd.ops:
-        run.forward_op(op, async_op=async_comm and op.kind == "comm")
-    out = run.output()
-    run.start_backward(dout)
-    for op in backward_order or layer_plan.bwd.ops:
-        run.backward_op(op, async_op=async_comm and op.kind == "comm")
-    return out, run.input_grad(), run.grads, run
+    return drive_layer(layer_plan, plan.layer_weights(0, index), comm, x, dout, async_comm, backward_order)
 
 
 # -- one process ---------------------------------------------------------------------------

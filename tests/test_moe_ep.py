@@ -27,9 +27,8 @@ from dhelix.interpreter.reference import reference_layer  # noqa: E402
 from dhelix.interpreter.si import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
 
-from distributed import assert_steps_match, gloo_results, run_ranks  # noqa: E402
+from distributed import TOL, assert_steps_match, gloo_results, run_ranks  # noqa: E402
 
-TOL = 1e-5
 SEED, DATA_SEED, MICRO_BATCH = 13, 4, 2
 
 

@@ -21,7 +21,7 @@ from dhelix.interpreter.comm import AXES, DistComm, SingleRankComm  # noqa: E402
 from dhelix.interpreter.executor import Executor  # noqa: E402
 from dhelix.interpreter.harness import check_steps  # noqa: E402
 from dhelix.interpreter.kernels import KernelCtx  # noqa: E402
-from dhelix.interpreter.layer_exec import LayerPlan, LayerRun  # noqa: E402
+from dhelix.interpreter.layer_exec import LayerPlan  # noqa: E402
 from dhelix.interpreter.optim import DistributedAdamW  # noqa: E402
 from dhelix.interpreter.reference import reference_layer  # noqa: E402
 from dhelix.interpreter.ring_attention import (  # noqa: E402
@@ -29,9 +29,8 @@ from dhelix.interpreter.ring_attention import (  # noqa: E402
 from dhelix.interpreter.si import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
 
-from distributed import gloo_results  # noqa: E402
+from distributed import TOL, assert_close, drive_layer, gloo_results  # noqa: E402
 
-TOL = 1e-5
 SEED, DATA_SEED = 13, 4
 MB, SEQ, HEADS, KV_HEADS, D = 2, 16, 4, 2, 8
 
@@ -113,14 +112,7 @@ def ring_layer(mesh: str):
                for t in layer_io(plan))
     results = []
     for async_comm in (False, True):
-        run = LayerRun(layer_plan, plan.layer_weights(0, index), comm)
-        run.start(x)
-        for op in layer_plan.fwd.ops:
-            run.forward_op(op, async_op=async_comm and op.kind == "comm")
-        out = run.output()
-        run.start_backward(dout)
-        for op in layer_plan.bwd.ops:
-            run.backward_op(op, async_op=async_comm and op.kind == "comm")
+        out, _, _, run = drive_layer(layer_plan, plan.layer_weights(0, index), comm, x, dout, async_comm)
         assert not run.saved  # the ring released everything it kept for the backward
         results.append(dict(out=out, dx=run.input_grad(), grads=run.grads, index=index))
     return results
@@ -155,11 +147,6 @@ def _results(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     return gloo_results(_results, 4, tmp_path_factory.mktemp("ring"))
-
-
-def assert_close(got, want, what):
-    diff = (got - want).abs().max().item()
-    assert diff <= TOL, f"{what}: max abs diff {diff:.3g}"
 
 
 # -- checks ------------------------------------------------------------------------------
