@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.sim_report import compare
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.simulator.report import compare
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV  # noqa: E402
 
-from dhelix.dsl.passes import check_text  # noqa: E402
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.interpreter.comm import DistComm  # noqa: E402
 from dhelix.interpreter.executor import Executor  # noqa: E402
 from dhelix.interpreter.kernels import EPS  # noqa: E402

@@ -4,7 +4,7 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/planner_speed.py [--max-segment N] [--repeat R] [--unbounded]
 
-The pair cost is ``dsl.paircost.PairCost`` with each program's profile (the shipped "a40")
+The pair cost is ``dsl.planner.paircost.PairCost`` with each program's profile (the shipped "a40")
 when that module is installed, else a synthetic three-lane cost defined below (the numbers
 then only show the search's own speed). Every timed run gets a fresh cost object, since
 PairCost caches its results. ``--unbounded`` also plans the Llama pair with segments of any
@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from dhelix.dsl.pairing import DEFAULT_MAX_SEGMENT, plan_layers
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.sequences import DEFAULT_MAX_PREFIXES
+from dhelix.dsl.planner.pairing import DEFAULT_MAX_SEGMENT, plan_layers
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.planner.sequences import DEFAULT_MAX_PREFIXES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,7 +122,7 @@ class SyntheticCost:
 def cost_factory(program):
     """A function making a fresh cost for ``program`` and the name of the model behind it."""
     try:
-        from dhelix.dsl.paircost import PairCost
+        from dhelix.dsl.planner.paircost import PairCost
         PairCost.for_program(program)
     except Exception as error:  # missing module or profile: the search alone is still timed
         print(f"note: PairCost unavailable ({type(error).__name__}: {error}); using the synthetic cost")

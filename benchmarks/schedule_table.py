@@ -1,7 +1,7 @@
 """Unit-time make-span and bubble ratio of every stdlib pipeline, as a Markdown table.
 
 Run: ``.venv/bin/python benchmarks/schedule_table.py [--ranks 4] [--microbatches 8 16 32]``.
-The numbers come from :func:`dhelix.dsl.unittime.unit_time` (F = 1, B = 2 or B = W = 1 when
+The numbers come from :func:`dhelix.dsl.passes.unittime.unit_time` (F = 1, B = 2 or B = W = 1 when
 split, an SI block the sum of its pair, transfers free), so they are exact and the same on
 every machine; the peer is 1F1B at the same p and m. docs/schedules.md shows the output.
 """
@@ -13,12 +13,12 @@ import platform
 import sys
 from fractions import Fraction
 
-from dhelix.dsl.errors import DhelixError
-from dhelix.dsl.fold import placement_for
-from dhelix.dsl.lower import lower_pipeline
-from dhelix.dsl.stdlib import fold_of, stdlib_pipelines
-from dhelix.dsl.unittime import peak_in_flight, unit_time
-from dhelix.dsl.validate import validate_lowered
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.passes.fold import placement_for
+from dhelix.dsl.passes.lower import lower_pipeline
+from dhelix.dsl.frontend.stdlib import fold_of, stdlib_pipelines
+from dhelix.dsl.passes.unittime import peak_in_flight, unit_time
+from dhelix.dsl.passes.validate import validate_lowered
 
 
 

@@ -9,7 +9,7 @@ Llama-3.1-405B has 126 layers, which divide neither into 16 stages (fold none) n
 on ``fold u`` (4 layers per stage, 32 stages on 16 pipeline ranks); seq 8192, micro-batch 1,
 M micro-batches (default 64), the shipped ``h100`` profile. The SI plan is made once, outside
 the timing (that is the planner's cost, see benchmarks/planner_speed.py); the timings are of
-:func:`dsl.simulate.simulate` alone, for M and for 2·M micro-batches, with their ratio (the
+:func:`dsl.simulator.events.simulate` alone, for M and for 2·M micro-batches, with their ratio (the
 simulator is linear in the number of actions, so about 2 is expected).
 """
 
@@ -21,8 +21,8 @@ import platform
 import sys
 import time
 
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.simulate import schedule_plan, simulate
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.simulator.events import schedule_plan, simulate
 
 PROGRAM = """
 import "stdlib/layers.dhx"

@@ -26,10 +26,10 @@ from __future__ import annotations
 import platform
 import sys
 
-from dhelix.dsl.costmodel import comm_bytes, op_tasks, op_time
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.profiles import load_profile
-from dhelix.dsl.program import Op
+from dhelix.dsl.planner.costmodel import comm_bytes, op_tasks, op_time
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.frontend.profiles import load_profile
+from dhelix.dsl.core.program import Op
 
 GIB, GB = 2 ** 30, 1e9
 LAYERS, PP, VOCAB, HIDDEN = 126, 16, 128256, 16384

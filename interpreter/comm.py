@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dhelix.dsl.mesh import Mesh
+from dhelix.dsl.core.mesh import Mesh
 
 AXES = ("tp", "cp", "dp", "pp", "ep")
 #: The expert-data-parallel axis: the dp / ep replicas of one expert shard (same ep index,
@@ -98,7 +98,7 @@ class Communicator:
         """This rank's position inside its group of ``axis`` (0 … size-1)."""
         if self.mesh is None:
             return 0
-        if axis == "ep":  # EP groups are blocks of consecutive DP coordinates (see dsl.mesh)
+        if axis == "ep":  # EP groups are blocks of consecutive DP coordinates (see dsl.core.mesh)
             return self.mesh.coords(self.rank).get("dp", 0) % self.mesh.ep
         if axis == EDP:
             return self.mesh.coords(self.rank).get("dp", 0) // self.mesh.ep

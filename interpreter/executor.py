@@ -30,10 +30,10 @@ from typing import Callable
 import attrs
 import torch
 
-from dhelix.dsl.errors import ScheduleError
-from dhelix.dsl.program import Program
-from dhelix.dsl.schedule import Compute, Interleaved, Transfer, format_grid
-from dhelix.dsl.validate import transfer_key
+from dhelix.dsl.core.errors import ScheduleError
+from dhelix.dsl.core.program import Program
+from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
+from dhelix.dsl.passes.validate import transfer_key
 
 from .comm import AXES, Communicator, Pending, resolve
 from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads

@@ -21,7 +21,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from dhelix.dsl.program import Program
+from dhelix.dsl.core.program import Program
 
 from .comm import AXES, Communicator
 from .reference import Batch, ReferenceModel, make_batch

@@ -9,7 +9,7 @@ world (the embedded default: no cluster needed). Under ``torchrun`` (``RANK`` an
 
 Rank 0 shows a progress bar (loss, tokens/s, step time) and ends with a summary: measured
 step time, exposed communication (time a rank was blocked on communication), peak
-activation memory, and the simulator's prediction beside them when ``dhelix.dsl.simulate``
+activation memory, and the simulator's prediction beside them when ``dhelix.dsl.simulator.events``
 is there. ``--trace out.json`` writes a Chrome trace: a process per rank, a thread per lane.
 
 A bad run ends with a message and a non-zero exit code, never a hang: the parent watches its
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import attrs
 
-from dhelix.dsl.errors import DhelixError, UsageError
-from dhelix.dsl.imports import read_source
+from dhelix.dsl.core.errors import DhelixError, UsageError
+from dhelix.dsl.frontend.imports import read_source
 
 #: Test hook: ``rank:step:action`` makes that rank exit abruptly before that action.
 FAULT_ENV = "DHELIX_TEST_FAULT"
@@ -95,7 +95,7 @@ def register(subparsers) -> None:
 
 def cmd_run(args) -> int:
     """`dhelix run FILE …`: check the program, then run it on a spawned or torchrun world."""
-    from dhelix.dsl.passes import check_text
+    from dhelix.dsl.passes.pipeline import check_text
 
     if args.steps is not None and args.steps < 1:
         raise UsageError("--steps must be at least 1")
@@ -280,7 +280,7 @@ def train(options: RunOptions, device) -> int:
     """Build the executor and the optimizer, run the steps, print the summary on rank 0."""
     import torch.distributed as dist
 
-    from dhelix.dsl.passes import check_text
+    from dhelix.dsl.passes.pipeline import check_text
 
     from .comm import DistComm
     from .executor import Executor
@@ -462,9 +462,9 @@ def simulated(program, options) -> dict:
     worst rank's; seconds) and peak activation bytes for ``program`` run as ``options``
     says, with a note; only a note when the simulator is missing or cannot run it."""
     try:
-        from dhelix.dsl.simulate import simulate
+        from dhelix.dsl.simulator.events import simulate
     except ImportError:
-        return {"note": "not available (no dhelix.dsl.simulate)"}
+        return {"note": "not available (no dhelix.dsl.simulator.events)"}
     try:
         result = simulate(program, si=options.si, zero1=options.zero1)
     except DhelixError as exc:

@@ -2,12 +2,12 @@
 
 A :class:`LayerRun` is the live state of one layer for one micro-batch: activations keyed
 by op name, what each forward kernel saved for its backward, and the gradients flowing
-back. The executor drives it one :class:`~dhelix.dsl.program.Op` at a time
+back. The executor drives it one :class:`~dhelix.dsl.core.program.Op` at a time
 (:meth:`LayerRun.forward_op`, :meth:`LayerRun.backward_op`) in any order the DAG allows —
 that is what strand interleaving and wgrad moving need; :meth:`LayerRun.forward` and
 :meth:`LayerRun.backward` run a whole DAG in its listed order.
 
-Backward semantics (mirroring :mod:`dhelix.dsl.autodiff`): a backward op produces the
+Backward semantics (mirroring :mod:`dhelix.dsl.passes.autodiff`): a backward op produces the
 gradients of its forward op's inputs, as a map *forward value → gradient* (``add``
 fans out, ``unpermute`` gives both the routed tokens and the router scores theirs). A value
 read by several forward ops receives several contributions; the backward op of its *first*
@@ -27,7 +27,7 @@ from typing import Mapping
 import attrs
 import torch
 
-from dhelix.dsl.program import LayerDag, Op, Program
+from dhelix.dsl.core.program import LayerDag, Op, Program
 
 from .comm import AXES, Communicator, Pending, resolve
 from .kernels import BWD, COMM, DGRAD, FORWARD, KERNELS, WGRAD, KernelCtx, handler, lm_head_backward

@@ -30,7 +30,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from dhelix.dsl.program import LayerDag
+from dhelix.dsl.core.program import LayerDag
 
 from .comm import Pending
 

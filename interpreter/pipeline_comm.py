@@ -1,7 +1,7 @@
 """Point-to-point transfers of activations and gradients between pipeline ranks.
 
 The lowered schedule puts SENDs right after the action producing the data and RECVs right
-before the action consuming it (:mod:`dhelix.dsl.schedule`). The executor queues the
+before the action consuming it (:mod:`dhelix.dsl.core.schedule`). The executor queues the
 transfers of a run of consecutive SEND/RECV actions here and :meth:`PipelineComm.flush` posts
 them as one ``batch_isend_irecv``, so a rank that both sends and receives never blocks on the
 order of the two. Sends stay in flight (their tensors alive) until :meth:`PipelineComm.drain`;
@@ -21,8 +21,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from dhelix.dsl.schedule import Lowered, Transfer
-from dhelix.dsl.validate import transfer_key
+from dhelix.dsl.core.schedule import Lowered, Transfer
+from dhelix.dsl.passes.validate import transfer_key
 
 from .comm import Communicator, Pending
 

@@ -18,7 +18,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from dhelix.dsl.program import LayerDag, Program
+from dhelix.dsl.core.program import LayerDag, Program
 
 from .kernels import EPS
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name

@@ -51,7 +51,7 @@ from typing import Mapping
 import attrs
 import torch
 
-from dhelix.dsl.program import Op
+from dhelix.dsl.core.program import Op
 
 from .comm import Pending
 

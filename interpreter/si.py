@@ -13,7 +13,7 @@ default stream, so every tensor is allocated there. Collectives are issued with
 ``async_op=True``: on gloo each process group progresses on its own background thread, on
 NCCL each group has its own stream that the process group orders after the compute stream
 with an event at issue and before it at ``wait()``. A group is in the local or the cross
-lane according to :meth:`~dhelix.dsl.mesh.Mesh.lane`, so one lane's collectives never
+lane according to :meth:`~dhelix.dsl.core.mesh.Mesh.lane`, so one lane's collectives never
 queue behind the other's. Inside a pair the executor alternates between the strands op by
 op, so a collective one strand issues proceeds while the other strand computes; on CPU the
 barrier blocks the thread, on CUDA it only orders the streams.
@@ -33,7 +33,7 @@ import torch
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
-from dhelix.dsl.program import LayerDag, Op
+from dhelix.dsl.core.program import LayerDag, Op
 
 from .comm import Communicator, Pending
 from .kernels import WGRAD, handler
@@ -66,14 +66,14 @@ def planned_pairs(program) -> SegmentPlan:
     """The planner's SI plan of ``program``'s layer pair as its schedule runs it (without
     the wgrads when W is split off). Needs the program's hardware profile; raises the
     planner's DhelixError otherwise. Imported lazily: the planner is optional here."""
-    from dhelix.dsl.simulate import schedule_plan
+    from dhelix.dsl.simulator.events import schedule_plan
 
     return tuple((tuple(pair.forward), tuple(pair.backward)) for pair in schedule_plan(program).pairs)
 
 
 def has_si_blocks(lowered) -> bool:
     """Whether a lowered schedule has SI blocks (else no plan is needed)."""
-    from dhelix.dsl.schedule import Interleaved
+    from dhelix.dsl.core.schedule import Interleaved
 
     return any(isinstance(action, Interleaved) for row in lowered.actions for action in row)
 

@@ -45,10 +45,10 @@ from typing import Mapping
 import attrs
 import torch
 
-from dhelix.dsl.autodiff import derive_backward
-from dhelix.dsl.dag import instantiate
-from dhelix.dsl.mesh import Mesh
-from dhelix.dsl.program import LayerDag, Op, Program
+from dhelix.dsl.passes.autodiff import derive_backward
+from dhelix.dsl.passes.shapes import instantiate
+from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.program import LayerDag, Op, Program
 
 EMBEDDING, FINAL_NORM, LM_HEAD = "embedding", "final_norm", "lm_head"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for random dhelix syntax trees, covering every node of ``dsl/syntax.py``.
+"""Hypothesis strategies for random dhelix syntax trees, covering every node of ``dsl/core/syntax.py``.
 
 Trees are built without spans, so they compare equal to what the parser builds from their
 printed text. Names avoid the keywords only where the grammar reserves them (lark's contextual
@@ -19,7 +19,7 @@ import re
 
 from hypothesis import strategies as st
 
-from dhelix.dsl import syntax as s
+from dhelix.dsl.core import syntax as s
 
 KEYWORDS = (
     "import", "model", "cluster", "mesh", "train", "fold", "pipeline", "repeat", "require",

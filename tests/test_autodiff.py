@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dhelix.dsl.passes import check_text
+from dhelix.dsl.passes.pipeline import check_text
 
 TRANSPOSE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from dhelix.dsl.costmodel import (
+from dhelix.dsl.planner.costmodel import (
     collective_time, comm_bytes, dtype_bytes, megatron_flops_per_iteration, op_bytes, op_flops,
     op_tasks, op_time,
 )
-from dhelix.dsl.errors import DhelixError
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.profiles import Measured, load_profile
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.frontend.profiles import Measured, load_profile
 
 
 def program(hidden=8192, ffn=28672, heads=64, kv_heads=64, seq=8192, micro_batch=4, mesh="tp = 8",

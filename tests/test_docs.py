@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conftest import ROOT
-from dhelix.dsl.oplib import OPS
+from dhelix.dsl.core.oplib import OPS
 
 
 def test_language_reference_lists_every_operator_with_its_usage():

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from dhelix.dsl.errors import DhelixError
-from dhelix.dsl.imports import stdlib_root
-from dhelix.dsl.passes import check_text
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.frontend.imports import stdlib_root
+from dhelix.dsl.passes.pipeline import check_text
 
 CASES_DIR = Path(__file__).resolve().parent / "errors"
 CASES = sorted(p.stem for p in CASES_DIR.glob("*.dhx") if "." not in p.stem)

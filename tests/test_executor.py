@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-from dhelix.dsl.passes import check_text  # noqa: E402
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.interpreter.comm import DistComm, SingleRankComm  # noqa: E402
 from dhelix.interpreter.executor import ExecutionError, Executor  # noqa: E402
 from dhelix.interpreter.harness import broadcast_from_first, check_steps, compare, reference_with  # noqa: E402

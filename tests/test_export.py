@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 
 from dhelix.cli import main
-from dhelix.dsl.errors import ScheduleError
-from dhelix.dsl.export import check_p2p_order, torch_csv
-from dhelix.dsl.render_overrides import Overrides, load_file
-from dhelix.dsl.schedule import Compute, Interleaved
+from dhelix.dsl.core.errors import ScheduleError
+from dhelix.dsl.render.torch_csv import check_p2p_order, torch_csv
+from dhelix.dsl.passes.overrides import Overrides, load_file
+from dhelix.dsl.core.schedule import Compute, Interleaved
 
 torch = pytest.importorskip("torch")
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")

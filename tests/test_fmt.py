@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import strategies
-from dhelix.dsl import syntax as s
-from dhelix.dsl.errors import ParseError
-from dhelix.dsl.fmt import check_formatted, find_comments, format_module, format_source
-from dhelix.dsl.parser import parse
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.errors import ParseError
+from dhelix.dsl.frontend.fmt import check_formatted, find_comments, format_module, format_source
+from dhelix.dsl.frontend.parser import parse
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted([*ROOT.glob("stdlib_schedules/**/*.dhx"), *ROOT.glob("examples/**/*.dhx")])

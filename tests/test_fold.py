@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dhelix.dsl.errors import CheckError
-from dhelix.dsl.fold import fold_loop, fold_none, fold_u, placement_for
+from dhelix.dsl.core.errors import CheckError
+from dhelix.dsl.passes.fold import fold_loop, fold_none, fold_u, placement_for
 
 
 def test_fold_u_matches_the_paper_example():

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from dhelix.dsl.errors import DhelixError, ErrorGroup
-from dhelix.dsl.fmt import find_comments, format_source
-from dhelix.dsl.parser import parse
+from dhelix.dsl.core.errors import DhelixError, ErrorGroup
+from dhelix.dsl.frontend.fmt import find_comments, format_source
+from dhelix.dsl.frontend.parser import parse
 from strategies import TOKEN
 
 try:  # the full front end (parse, resolve, checks, shapes, autodiff), once it exists
-    from dhelix.dsl.passes import check_text as process
+    from dhelix.dsl.passes.pipeline import check_text as process
 except ImportError:
     process = parse
 

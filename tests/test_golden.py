@@ -7,7 +7,7 @@ import os
 import pytest
 
 from conftest import ROOT, shipped_files
-from dhelix.dsl.passes import dump_stage, run_until
+from dhelix.dsl.passes.pipeline import dump_stage, run_until
 
 STAGES = ("check", "autodiff", "fold", "validate")
 

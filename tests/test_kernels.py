@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from dhelix.dsl.oplib import OPS  # noqa: E402
-from dhelix.dsl.passes import check_text  # noqa: E402
+from dhelix.dsl.core.oplib import OPS  # noqa: E402
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.interpreter import kernels as k  # noqa: E402
 from dhelix.interpreter.comm import Pending, SingleRankComm, resolve  # noqa: E402
 from dhelix.interpreter.weights import (  # noqa: E402

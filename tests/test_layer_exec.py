@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from distributed import assert_close, drive_layer, run_ranks  # noqa: E402
-from dhelix.dsl.passes import check_text  # noqa: E402
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.interpreter.comm import AXES, DistComm, SingleRankComm  # noqa: E402
 from dhelix.interpreter.layer_exec import (  # noqa: E402
     LayerPlan, LayerRun, sequential_step, sum_partial_grads)

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dhelix.dsl.errors import DhelixError, ParseError, ScheduleError
-from dhelix.dsl.fold import placement_for
-from dhelix.dsl.lower import lower_pipeline
-from dhelix.dsl.parser import parse
-from dhelix.dsl.stdlib import fold_of, stdlib_pipelines
-from dhelix.dsl.schedule import (Compute, Interleaved, Lowered, Transfer, format_lowered,
+from dhelix.dsl.core.errors import DhelixError, ParseError, ScheduleError
+from dhelix.dsl.passes.fold import placement_for
+from dhelix.dsl.passes.lower import lower_pipeline
+from dhelix.dsl.frontend.parser import parse
+from dhelix.dsl.frontend.stdlib import fold_of, stdlib_pipelines
+from dhelix.dsl.core.schedule import (Compute, Interleaved, Lowered, Transfer, format_lowered,
                                  parse_lowered)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from dhelix.dsl.passes import check_text  # noqa: E402
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.interpreter.comm import AXES, EDP, Communicator, DistComm, expert_dp_groups  # noqa: E402
 from dhelix.interpreter.executor import Executor  # noqa: E402
 from dhelix.interpreter.harness import check_steps  # noqa: E402

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dhelix.dsl.costmodel import op_time
-from dhelix.dsl.paircost import PairCost
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.profiles import LaunchGap, Measured, MeasuredPair, load_profile
+from dhelix.dsl.planner.costmodel import op_time
+from dhelix.dsl.planner.paircost import PairCost
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.frontend.profiles import LaunchGap, Measured, MeasuredPair, load_profile
 
 SEQ = 8192
 
@@ -215,6 +215,6 @@ def test_perfect_overlap_costs_the_busiest_lane_at_least(case):
 
 
 def pc_tasks(pc, op):
-    from dhelix.dsl.costmodel import op_tasks
+    from dhelix.dsl.planner.costmodel import op_tasks
 
     return op_tasks(op, pc.profile, pc.dtype, seq=pc.seq)

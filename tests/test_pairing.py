@@ -9,14 +9,14 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dhelix.dsl import syntax as s
-from dhelix.dsl.errors import DhelixError
-from dhelix.dsl.pairing import pair_sequences, plan_layers, plan_program, restriction, rules_of
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.plan import format_plan, plan_from_json, plan_to_json
-from dhelix.dsl.program import Strands
-from dhelix.dsl.sequences import canonical, is_legal, strand_of
-from dhelix.dsl.strands import select
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.planner.pairing import pair_sequences, plan_layers, plan_program, restriction, rules_of
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.core.plan import format_plan, plan_from_json, plan_to_json
+from dhelix.dsl.core.program import Strands
+from dhelix.dsl.planner.sequences import canonical, is_legal, strand_of
+from dhelix.dsl.passes.strands import select
 from test_sequences import PROPERTY, checked, dags, legal_by_permutation
 
 INF = float("inf")
@@ -85,7 +85,7 @@ def problems(draw, max_ops: int = 6, max_moving: int = 2):
 
 
 def forbidden(fops, bops, strands, fwd, bwd) -> bool:
-    """The pairing rules restated from the strands block, independently of dsl.pairing."""
+    """The pairing rules restated from the strands block, independently of dsl.planner.pairing."""
     if not fops or not bops:
         return False
     fcomm = [op for op in fops if op.kind == "comm"]

@@ -1,5 +1,5 @@
 """`dhelix plan`: the plan table and JSON of a file's layer pair, its errors, and the ladder
-diagram of a plan (dsl.render_ladder)."""
+diagram of a plan (dsl.render.ladder)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import pytest
 
 from dhelix.cli import main
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.plan import plan_from_json
-from dhelix.dsl.render_ladder import ladder_dot
-from dhelix.dsl.simulate import schedule_plan
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.core.plan import plan_from_json
+from dhelix.dsl.render.ladder import ladder_dot
+from dhelix.dsl.simulator.events import schedule_plan
 from conftest import ROOT
 
 EXAMPLE = "examples/llama39b_a40.dhx"

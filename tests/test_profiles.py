@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from dhelix.dsl.errors import DhelixError
-from dhelix.dsl.profiles import ProfileError, load_profile, parse_profile, profile_names
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.frontend.profiles import ProfileError, load_profile, parse_profile, profile_names
 
 MINIMAL = """\
 name: lab

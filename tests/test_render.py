@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from dhelix.dsl import render
+from dhelix.cli import render
 from dhelix.cli import main
-from dhelix.dsl.render_overrides import Overrides, load_file
-from dhelix.dsl.render_pipeline import pipeline_dot, strands_of
-from dhelix.dsl.unittime import unit_time
+from dhelix.dsl.passes.overrides import Overrides, load_file
+from dhelix.dsl.render.pipeline import pipeline_dot, strands_of
+from dhelix.dsl.passes.unittime import unit_time
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")  # 4 layers, pp 2, fold u, w_helix, m 8

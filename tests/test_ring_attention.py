@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 
-from dhelix.dsl.mesh import Mesh  # noqa: E402
-from dhelix.dsl.passes import check_text  # noqa: E402
+from dhelix.dsl.core.mesh import Mesh  # noqa: E402
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.interpreter.comm import AXES, DistComm, SingleRankComm  # noqa: E402
 from dhelix.interpreter.executor import Executor  # noqa: E402
 from dhelix.interpreter.harness import check_steps  # noqa: E402

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dhelix.dsl import syntax as s
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.program import LayerDag, Op, Strands
-from dhelix.dsl.sequences import (available, canonical, count_orders, is_legal, legal_orders, members,
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.core.program import LayerDag, Op, Strands
+from dhelix.dsl.planner.sequences import (available, canonical, count_orders, is_legal, legal_orders, members,
                                   moving_ops, prefixes, strand_of, strand_within)
 
 PROPERTY = settings(max_examples=120, derandomize=True, deadline=None,

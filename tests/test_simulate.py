@@ -20,12 +20,12 @@ import attrs
 import pytest
 
 from dhelix.cli import main
-from dhelix.dsl.memory import head_activations, layer_activations
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.sim_costs import HeadCosts, LayerCosts, Work, cost_of, step_costs
-from dhelix.dsl.sim_report import compare, format_comparison, unfolded_1f1b
-from dhelix.dsl.simulate import schedule_plan, simulate
-from dhelix.dsl.unittime import unit_time
+from dhelix.dsl.simulator.memory import head_activations, layer_activations
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.simulator.costs import HeadCosts, LayerCosts, Work, cost_of, step_costs
+from dhelix.dsl.simulator.report import compare, format_comparison, unfolded_1f1b
+from dhelix.dsl.simulator.events import schedule_plan, simulate
+from dhelix.dsl.passes.unittime import unit_time
 from conftest import ROOT
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.dhx"))

@@ -10,9 +10,9 @@ from functools import lru_cache
 import pytest
 
 from dhelix.cli import main
-from dhelix.dsl.passes import check_text
-from dhelix.dsl.simulate import simulate
-from dhelix.dsl.trace import LANES, CounterSample, TraceEvent, chrome_trace, trace_json, write_chrome_trace
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.simulator.events import simulate
+from dhelix.dsl.render.trace import LANES, CounterSample, TraceEvent, chrome_trace, trace_json, write_chrome_trace
 from conftest import ROOT
 
 EVENTS = [

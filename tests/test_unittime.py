@@ -11,9 +11,9 @@ from fractions import Fraction
 
 import pytest
 
-from dhelix.dsl.errors import ScheduleError
-from dhelix.dsl.schedule import Compute, Interleaved, Transfer, parse_lowered
-from dhelix.dsl.unittime import action_cost, peak_in_flight, unit_time
+from dhelix.dsl.core.errors import ScheduleError
+from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, parse_lowered
+from dhelix.dsl.passes.unittime import action_cost, peak_in_flight, unit_time
 from test_lower import lower_stdlib
 
 

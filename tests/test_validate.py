@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from dhelix.dsl.errors import DhelixError, ErrorGroup, ScheduleError
-from dhelix.dsl.schedule import Transfer, computes, format_grid, format_lowered, parse_lowered
-from dhelix.dsl.validate import dry_run, transfer_key, validate_lowered
+from dhelix.dsl.core.errors import DhelixError, ErrorGroup, ScheduleError
+from dhelix.dsl.core.schedule import Transfer, computes, format_grid, format_lowered, parse_lowered
+from dhelix.dsl.passes.validate import dry_run, transfer_key, validate_lowered
 from test_lower import FOLDS, lower_stdlib
 
 # --- every stdlib pipeline, many sizes ----------------------------------------------------

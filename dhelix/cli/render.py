@@ -1,0 +1,138 @@
+"""`dhelix render`: draw a schedule file as a Graphviz diagram.
+
+Three diagrams (``--what``):
+
+- ``pipeline`` (default): ranks × unit time, F/B/W/SI blocks (:mod:`dsl.render.pipeline`);
+- ``placement``: which layers each rank and chunk holds, with the stage order drawn as arrows
+  (:mod:`dsl.render.placement`);
+- ``dag``: the layer's forward DAG and its derived backward DAG (:mod:`dsl.render.dag`);
+- ``pairing``: the SI plan of a layer pair as a ladder of segment pairs (:mod:`dsl.render.ladder`,
+  the paper's Figs. 9–10); it needs the cluster's hardware profile.
+
+Output (``-o``) by extension: ``.dot`` is the DOT text, ``.svg`` and ``.png`` are rendered by
+the Graphviz ``dot`` program; without ``-o`` the DOT text goes to standard output. The DOT text
+is deterministic, byte for byte. When ``dot`` is not installed, the ``.dot`` file is written next
+to the requested path, a message says how to install Graphviz, and the exit code is 1 (the
+requested picture was not made, so scripts notice). Command-line mistakes (unknown diagram, bad
+extension, unwritable path) exit 2; mistakes in the file exit 1 with the usual located message.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from dhelix.dsl.core.errors import DhelixError, UsageError
+from dhelix.dsl.render.dag import dag_dot
+from dhelix.dsl.render.ladder import ladder_dot
+from dhelix.dsl.passes.overrides import add_override_arguments, load_file, overrides_from_args
+from dhelix.dsl.render.pipeline import pipeline_dot, pipeline_title
+from dhelix.dsl.render.placement import placement_dot
+from dhelix.dsl.simulator.events import schedule_plan
+from dhelix.dsl.core.wording import did_you_mean
+
+#: The diagrams, with the last pass each one needs.
+DIAGRAMS = {"pipeline": "validate", "placement": "fold", "dag": "autodiff", "pairing": "validate"}
+FORMATS = (".dot", ".svg", ".png")
+
+INSTALL_HINT = ("install Graphviz to make SVG/PNG pictures: `apt-get install graphviz` (Debian, "
+                "Ubuntu) or `brew install graphviz` (macOS)")
+
+
+def register(subparsers) -> None:
+    """Add the ``render`` command to the CLI's sub-command parsers."""
+    render = subparsers.add_parser(
+        "render", help="draw the pipeline, the layer placement, the layer DAG or the SI pairing",
+        description="Draw FILE's pipeline schedule (ranks x unit time), its layer placement or "
+                    "its layer DAG as a Graphviz diagram. Exit code 1 when the file has an error "
+                    "or when Graphviz `dot` is missing for .svg/.png (the .dot is still written).")
+    render.add_argument("file", metavar="FILE")
+    render.add_argument("--what", default="pipeline", metavar="DIAGRAM",
+                        help=f"which diagram: {', '.join(DIAGRAMS)} (default pipeline)")
+    render.add_argument("-o", "--output", metavar="OUT",
+                        help="output file, .svg, .png or .dot (default: DOT text on standard output)")
+    add_override_arguments(render)
+    render.set_defaults(func=cmd_render)
+
+
+def cmd_render(args) -> int:
+    """`dhelix render FILE [--what DIAGRAM] [-o OUT] [overrides]`; returns the exit code."""
+    if args.what not in DIAGRAMS:
+        notes = did_you_mean(args.what, DIAGRAMS)
+        raise UsageError(f"--what: unknown diagram '{args.what}'"
+                         + (f" ({notes[0]})" if notes else "") + f"; diagrams: {', '.join(DIAGRAMS)}")
+    output = check_output_path(args.output) if args.output else None
+    overrides = overrides_from_args(args)
+    program = load_file(args.file, overrides, DIAGRAMS[args.what])
+    source = diagram_source(program, args.what, overrides.describe())
+    if output is None:
+        sys.stdout.write(source)
+        return 0
+    return write_diagram(source, output)
+
+
+def diagram_source(program, what: str, overridden: str = "") -> str:
+    """The DOT text of diagram ``what`` for a program run through the passes it needs;
+    ``overridden`` names the command-line overrides, shown in the placement's title."""
+    if what == "pipeline":
+        fold = program.placement.kind
+        return pipeline_dot(program.lowered, pipeline_title(program.lowered, fold))
+    if what == "placement":
+        name = program.model.name + (f" ({overridden})" if overridden else "")
+        return placement_dot(program.placement, name, program.model.get("layers"))
+    if what == "pairing":
+        return ladder_dot(schedule_plan(program, command="render --what pairing"))
+    return dag_dot(program.forward, program.backward)
+
+
+def check_output_path(path: str) -> Path:
+    """``path`` as a Path after checking its extension and that its folder is writable.
+
+    Raises UsageError naming the problem; does not create anything.
+    """
+    output = Path(path)
+    if output.suffix.lower() not in FORMATS:
+        raise UsageError(f"-o {path}: unknown picture format '{output.suffix or '(none)'}'; "
+                         f"write {', '.join(FORMATS)}")
+    folder = output.parent if str(output.parent) else Path(".")
+    if not folder.is_dir():
+        raise UsageError(f"-o {path}: the folder '{folder}' does not exist")
+    if not os.access(folder, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
+        raise UsageError(f"-o {path}: cannot write there (permission denied)")
+    return output
+
+
+def write_diagram(source: str, output: Path) -> int:
+    """Write ``source`` to ``output`` (.dot as text, .svg/.png through Graphviz ``dot``).
+
+    Returns 0, or 1 when ``dot`` is missing: then the DOT text is written to ``output`` with
+    the suffix .dot and a message on standard error says how to install Graphviz.
+    """
+    if output.suffix.lower() == ".dot":
+        _write_text(output, source)
+        return 0
+    dot = shutil.which("dot")
+    if dot is None:
+        fallback = output.with_suffix(".dot")
+        _write_text(fallback, source)
+        print(f"dhelix: Graphviz `dot` was not found, so {output} was not made; wrote the "
+              f"diagram source to {fallback} instead.\n  {INSTALL_HINT};\n  then run "
+              f"`dot -T{output.suffix[1:].lower()} {fallback} -o {output}`", file=sys.stderr)
+        return 1
+    result = subprocess.run([dot, f"-T{output.suffix[1:].lower()}", "-o", str(output)],
+                            input=source.encode(), capture_output=True, check=False)
+    if result.returncode != 0:
+        raise DhelixError(f"Graphviz dot failed to draw {output}: "
+                          f"{result.stderr.decode(errors='replace').strip()}")
+    return 0
+
+
+def _write_text(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as exc:
+        raise UsageError(f"cannot write '{path}': {exc.strerror or exc}") from None
+

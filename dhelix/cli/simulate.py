@@ -1,0 +1,84 @@
+"""`dhelix simulate FILE [--compare] [--zero1] [--trace OUT.json]`: predict one training step.
+
+Prints the simulator's report (:func:`dsl.simulator.report.format_simulation`): step time,
+tokens/s, TFLOPS/GPU, MFU, bubble ratio, communication hidden and exposed, and memory per
+pipeline rank. ``--compare`` prints instead the side-by-side table of the program as written,
+with SI off, and as 1F1B without folding. ``--zero1`` shards the optimizer states (and
+reduce-scatters the gradients, all-gathers the weights) over the data-parallel group.
+``--trace`` writes the Chrome trace of the run as written (open it in ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.simulator.report import compare, format_comparison, format_simulation
+from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
+from dhelix.dsl.simulator.costs import cost_of
+from dhelix.dsl.render.trace import write_chrome_trace
+
+
+def register(subparsers) -> None:
+    """Add the ``simulate`` command to the CLI's sub-command parsers."""
+    sim = subparsers.add_parser(
+        "simulate", help="predict step time, MFU, bubble, hidden communication and memory",
+        description="Simulate one training step of FILE over every pipeline rank (one representative "
+                    "DP/TP replica) on the cluster's hardware profile, with SI blocks from the plan.")
+    sim.add_argument("file", metavar="FILE")
+    sim.add_argument("--compare", action="store_true",
+                     help="compare with SI off and with 1F1B without folding (same model, mesh, micro-batches)")
+    sim.add_argument("--zero1", action="store_true",
+                     help="shard optimizer states over the data-parallel group (ZeRO-1, distributed optimizer)")
+    sim.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto) of the run as written")
+    sim.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args) -> int:
+    """`dhelix simulate FILE [--compare] [--zero1] [--trace OUT.json]`; returns the exit code."""
+    trace = _trace_path(args.trace) if args.trace else None
+    program = check_text(read_source(args.file), args.file)
+    require_profile(program, "simulate")
+    cost = cost_of(program)
+    plan = schedule_plan(program, cost) if has_si(program) else None
+    title = f"{args.file}: profile {program.profile.name}, mesh " + " ".join(
+        f"{axis}{size}" for axis, size in zip(program.mesh.order, program.mesh.sizes, strict=True) if size > 1)
+    if plan is not None:
+        title += (f"; SI plan per layer pair {plan.total * 1e3:.3f} ms vs {plan.sequential * 1e3:.3f} ms "
+                  f"sequential ({plan.speedup:.3f}x)")
+    if args.compare:
+        sims = compare(program, plan, zero1=args.zero1)
+        sys.stdout.write(format_comparison(sims, title))
+        written = sims[0]
+    else:
+        written = simulate(program, plan, zero1=args.zero1, cost=cost, label="as written")
+        sys.stdout.write(format_simulation(written, title))
+    if trace is not None:
+        write_trace(trace, written, args.file)
+        print(f"wrote {trace} (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def write_trace(path: Path, sim: Simulation, source: str) -> None:
+    """Write the Chrome trace of ``sim`` to ``path``; UsageError if it cannot be written."""
+    metadata = {"source": source, "program": sim.program, "schedule": sim.pipeline, "fold": sim.fold,
+                "si": sim.si, "zero1": sim.zero1, "step_time_s": round(sim.step_time, 9),
+                "simulated": "one DP/TP replica: a process per pipeline rank"}
+    try:
+        write_chrome_trace(path, sim.events, counters=sim.counters, process_name="pipeline rank {rank}",
+                           metadata=metadata)
+    except OSError as exc:
+        raise UsageError(f"cannot write '{path}': {exc.strerror or exc}") from None
+
+
+def _trace_path(text: str) -> Path:
+    path = Path(text)
+    if path.suffix.lower() != ".json":
+        raise UsageError(f"--trace {text}: a Chrome trace is a .json file")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise UsageError(f"--trace {text}: the folder '{folder}' does not exist")
+    return path

@@ -1,0 +1,116 @@
+"""The one error hierarchy of dhelix.
+
+Every user mistake is a :class:`DhelixError` carrying a span (or, at run time, a rank and an
+action); it renders as ``file:line:col: message``, the source line, a caret underline and
+notes. Validators collect many errors and raise one :class:`ErrorGroup`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from dhelix.dsl.core.span import Span
+
+
+class DhelixError(Exception):
+    """A user-facing error: a message, an optional span and notes saying what to do."""
+
+    def __init__(self, message: str, span: Span | None = None, notes: Sequence[str] = ()):
+        super().__init__(message)
+        self.message = message
+        self.span = span
+        self.notes = tuple(notes)
+
+    def render(self) -> str:
+        """The message as the CLI prints it, with the source line and a caret underline."""
+        head = f"{self.span}: {self.message}" if self.span else f"error: {self.message}"
+        lines = [head]
+        if self.span is not None:
+            lines.extend(_excerpt(self.span))
+        lines.extend(f"  note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+class ParseError(DhelixError):
+    """The text is not in the language (unexpected character or token, missing brace)."""
+
+
+class CheckError(DhelixError):
+    """The program parses but is wrong: unknown names, cycles, shapes, sizes."""
+
+
+class ImportFailure(DhelixError):
+    """An import that cannot be read or that closes a cycle."""
+
+
+class ScheduleError(DhelixError):
+    """A pipeline schedule that cannot run; ``grid`` shows the ranks × steps with the failure."""
+
+    def __init__(self, message: str, span: Span | None = None, notes: Sequence[str] = (),
+                 grid: str = ""):
+        super().__init__(message, span, notes)
+        self.grid = grid
+
+    def render(self) -> str:
+        text = super().render()
+        return f"{text}\n{self.grid}" if self.grid else text
+
+
+class UsageError(DhelixError):
+    """A wrong command line (exit code 2), as opposed to a wrong program (exit code 1)."""
+
+
+class ErrorGroup(DhelixError):
+    """Several errors found by one validator, sorted by position and rendered one after another."""
+
+    def __init__(self, errors: Iterable[DhelixError]):
+        self.errors = sorted(errors, key=_position)
+        count = len(self.errors)
+        super().__init__(f"{count} error{'s' if count != 1 else ''}")
+
+    def render(self) -> str:
+        body = "\n".join(error.render() for error in self.errors)
+        return f"{body}\n{self.message}" if len(self.errors) > 1 else body
+
+
+class ErrorCollector:
+    """Gathers errors during a check so that all of them are reported at once."""
+
+    def __init__(self) -> None:
+        self.errors: list[DhelixError] = []
+
+    def add(self, error: DhelixError) -> None:
+        """Record ``error`` (an ErrorGroup is flattened)."""
+        if isinstance(error, ErrorGroup):
+            self.errors.extend(error.errors)
+        else:
+            self.errors.append(error)
+
+    def raise_if_any(self) -> None:
+        """Raise the one error, or an ErrorGroup of all of them, if any were recorded."""
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            raise ErrorGroup(self.errors)
+
+
+def _position(error: DhelixError) -> tuple:
+    span = error.span
+    if span is None:
+        return ("", 0, 0)
+    return (span.source.path, span.line, span.column)
+
+
+def _excerpt(span: Span) -> list[str]:
+    text = span.source.line(span.line)
+    if not text:
+        return []
+    width = len(str(span.line))
+    start = span.column
+    end = span.end_column if span.end_line == span.line else len(text) + 1
+    carets = "^" * max(1, end - start)
+    gutter = " " * width
+    return [f"  {span.line} | {text}", f"  {gutter} | {' ' * (start - 1)}{carets}"]

@@ -1,0 +1,227 @@
+"""Syntax tree of a dhelix file: frozen attrs nodes built by :mod:`dhelix.dsl.frontend.parser`.
+
+Fields hold plain values (strings, ints, tuples of nodes). Each node's ``span`` and the
+per-field ``spans`` (the tokens of its names) are keyword-only and excluded from equality,
+so two texts that differ only in layout or comments parse to equal trees.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import attrs
+
+from dhelix.dsl.core.span import Span, span_field, spans_field
+
+
+@attrs.frozen
+class Node:
+    """Base of all syntax nodes: a span and the spans of named fields."""
+
+    span: Span | None = span_field()
+    spans: dict = spans_field()
+
+    def span_of(self, field: str) -> Span | None:
+        """The span of the token that wrote ``field`` (falls back to the node's span)."""
+        return self.spans.get(field, self.span)
+
+
+# --- expressions --------------------------------------------------------------------------
+
+@attrs.frozen
+class Int(Node):
+    value: int
+
+
+@attrs.frozen
+class Name(Node):
+    id: str
+
+
+@attrs.frozen
+class BinOp(Node):
+    op: str  # one of + - * / // %
+    left: "Expr"
+    right: "Expr"
+
+
+@attrs.frozen
+class Neg(Node):
+    operand: "Expr"
+
+
+@attrs.frozen
+class Call(Node):
+    func: str  # min | max
+    args: tuple["Expr", ...]
+
+
+Expr = Union[Int, Name, BinOp, Neg, Call]
+
+
+@attrs.frozen
+class Str(Node):
+    value: str
+
+
+# --- configuration ------------------------------------------------------------------------
+
+@attrs.frozen
+class Import(Node):
+    path: str
+
+
+@attrs.frozen
+class Setting(Node):
+    key: str
+    value: Union[Expr, Str]
+
+
+@attrs.frozen
+class ModelDef(Node):
+    name: str
+    settings: tuple[Setting, ...]
+
+
+@attrs.frozen
+class ConfigBlock(Node):
+    kind: str  # cluster | mesh | train
+    settings: tuple[Setting, ...]
+
+
+@attrs.frozen
+class Fold(Node):
+    kind: str  # none | u | loop
+    arg: Expr | None
+
+
+# --- pipelines ----------------------------------------------------------------------------
+
+@attrs.frozen
+class PipelineRef(Node):
+    name: str
+
+
+@attrs.frozen
+class Let(Node):
+    name: str
+    value: Expr
+
+
+@attrs.frozen
+class Require(Node):
+    left: Expr
+    op: str
+    right: Expr
+
+
+@attrs.frozen
+class Act(Node):
+    kind: str  # F | B | W
+    chunk: Expr | None
+
+
+@attrs.frozen
+class SIBlock(Node):
+    fwd: Act
+    bwd: Act
+
+
+@attrs.frozen
+class Repeat(Node):
+    count: Expr
+    body: tuple["PStmt", ...]
+
+
+PStmt = Union[Let, Require, Act, SIBlock, Repeat]
+
+
+@attrs.frozen
+class PipelineDef(Node):
+    name: str
+    body: tuple[PStmt, ...]
+    fold: str | None = None  # the fold kind it is written for (`pipeline w_helix for u`)
+
+
+# --- layer DAGs ---------------------------------------------------------------------------
+
+@attrs.frozen
+class LayerIn(Node):
+    name: str
+    shape: tuple[Expr, Expr] | None
+
+
+@attrs.frozen
+class LayerOut(Node):
+    name: str
+
+
+@attrs.frozen
+class Arg(Node):
+    value: Expr
+    key: str | None = None  # set for keyword arguments
+
+
+@attrs.frozen
+class OpApply(Node):
+    name: str
+    op: str
+    args: tuple[Arg, ...]
+
+
+LStmt = Union[LayerIn, OpApply, LayerOut]
+
+
+@attrs.frozen
+class LayerDef(Node):
+    name: str
+    body: tuple[LStmt, ...]
+
+
+# --- strands ------------------------------------------------------------------------------
+
+@attrs.frozen
+class Selector(Node):
+    parts: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return ".".join(self.parts)
+
+
+@attrs.frozen
+class Overlap(Node):
+    kinds: tuple[str, ...]
+
+
+@attrs.frozen
+class CommWithComm(Node):
+    value: str  # on | off
+
+
+@attrs.frozen
+class Movable(Node):
+    selectors: tuple[Selector, ...]
+
+
+@attrs.frozen
+class Forbid(Node):
+    first: Selector
+    second: Selector
+
+
+SStmt = Union[Overlap, CommWithComm, Movable, Forbid]
+
+
+@attrs.frozen
+class StrandsDef(Node):
+    body: tuple[SStmt, ...]
+
+
+Item = Union[Import, ModelDef, ConfigBlock, Fold, PipelineRef, PipelineDef, LayerDef, StrandsDef]
+
+
+@attrs.frozen
+class Module(Node):
+    """One parsed file: its items in source order."""
+
+    items: tuple[Item, ...]

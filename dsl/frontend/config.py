@@ -1,0 +1,253 @@
+"""Evaluate the configuration blocks (model, cluster, mesh, train, fold) into program IR.
+
+Settings are evaluated in order, each over the ones before it in the same block (the model
+block may write ``ffn = 4 * hidden``). Every problem is collected; the caller raises once.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.errors import CheckError, ErrorCollector
+from dhelix.dsl.frontend.exprs import UnknownName, evaluate
+from dhelix.dsl.passes.fold import FOLD_KINDS
+from dhelix.dsl.core.mesh import DIMENSIONS, Mesh
+from dhelix.dsl.core.program import Cluster, FoldSpec, Model, Train
+from dhelix.dsl.core.wording import close_matches, did_you_mean
+
+DTYPES = ("fp32", "bf16", "fp16", "fp8")
+MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
+MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
+CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
+MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
+TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps")
+
+
+#: The example a name-valued setting's message shows.
+NAME_EXAMPLES = {"dtype": "bf16", "layer": "llama"}
+
+
+@attrs.define
+class BlockValues:
+    """The evaluated settings of one block: ints and names, with each setting's node;
+    ``failed`` holds the keys written but rejected (unknown, or a value with an error)."""
+
+    values: dict = attrs.field(factory=dict)
+    nodes: dict = attrs.field(factory=dict)
+    failed: list = attrs.field(factory=list)
+
+    def span(self, key: str):
+        node = self.nodes.get(key)
+        return node.span if node is not None else None
+
+
+def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), strings=()) -> BlockValues:
+    """Evaluate ``settings`` in order; ``allowed`` limits the keys (None: any integer key),
+    ``names`` are keys whose value is a bare name, ``strings`` keys that take a string."""
+    out = BlockValues()
+    for index, setting in enumerate(settings):
+        key = setting.key
+        if key in out.nodes:
+            errors.add(CheckError(f"'{key}' is set twice", setting.span_of("key"),
+                                  [f"first set at {out.nodes[key].span_of('key')}"]))
+            continue
+        if allowed is not None and key not in allowed:
+            out.failed.append(key)
+            unset = [a for a in allowed if a not in {st.key for st in settings}]  # a typo is of a missing key
+            errors.add(CheckError(f"unknown setting '{key}'", setting.span_of("key"),
+                                  did_you_mean(key, unset) + [f"settings here: {', '.join(allowed)}"]))
+            continue
+        later = {st.key: st for st in settings[index + 1:]}
+        value = _setting_value(setting, out, later, names, strings, errors)
+        if value is None:
+            out.failed.append(key)
+        else:
+            out.values[key] = value
+            out.nodes[key] = setting
+    return out
+
+
+def _setting_value(setting, block: BlockValues, later, names, strings, errors):
+    value, key = setting.value, setting.key
+    if key in names:
+        if isinstance(value, s.Name):
+            return value.id
+        if isinstance(value, s.Str):
+            errors.add(CheckError(f"'{key}' takes a name without quotes: {key} = {value.value}", value.span))
+        else:
+            errors.add(CheckError(f"'{key}' takes a name, e.g. {key} = {NAME_EXAMPLES.get(key, 'bf16')}", value.span))
+        return None
+    if key in strings:
+        if isinstance(value, (s.Str, s.Name)):
+            return value.value if isinstance(value, s.Str) else value.id
+        errors.add(CheckError(f"'{key}' takes a string, e.g. {key} = \"a40\"", value.span))
+        return None
+    if isinstance(value, s.Str):
+        errors.add(CheckError(f"'{key}' takes an integer, not a string", value.span,
+                              [f"write {key} = {value.value}" if value.value.isdigit() else
+                               "a setting's value is an integer expression over the settings before it"]))
+        return None
+    ints = {k: v for k, v in block.values.items() if isinstance(v, int)}
+    try:
+        return evaluate(value, ints, "name")
+    except UnknownName as exc:
+        if exc.name not in block.failed:  # an earlier setting with its own error
+            errors.add(_unknown_in_setting(exc, ints, later))
+    except CheckError as exc:
+        errors.add(exc)
+    return None
+
+
+def _unknown_in_setting(exc: UnknownName, env, later) -> CheckError:
+    """Say why a name is unknown in a setting: written after it, or not in this block."""
+    if exc.name in later:
+        where = later[exc.name].span_of("key")
+        return CheckError(f"'{exc.name}' is used before it is set", exc.span,
+                          [f"'{exc.name}' is set later, at {where}; a setting may only use the "
+                           "settings written before it in its block, so move it up"])
+    scope = f" (here: {', '.join(env)})" if env else ""
+    return CheckError(f"unknown name '{exc.name}'", exc.span,
+                      did_you_mean(exc.name, [*env, *later])
+                      + [f"a setting may only use the settings written before it in its block{scope}"])
+
+
+def build_model(node: s.ModelDef, errors: ErrorCollector) -> tuple[Model | None, BlockValues]:
+    """The Model of a model block; missing or bad settings are recorded in ``errors``."""
+    block = evaluate_block(node.settings, errors, names=MODEL_NAMES)
+    values = block.values
+    _report_missing_model_keys(node, errors)
+    positive = _check_positive(block, [k for k, v in values.items() if isinstance(v, int)], errors)
+    dtype = values.get("dtype")
+    if dtype is not None and dtype not in DTYPES:
+        errors.add(CheckError(f"unknown dtype '{dtype}'", block.nodes["dtype"].value.span,
+                              did_you_mean(dtype, DTYPES) + [f"dtypes: {', '.join(DTYPES)}"]))
+    # A rejected setting already has its own error, and checks built on a model without it
+    # would only echo it; a zero would divide below.
+    if not positive or block.failed or any(k not in values for k in MODEL_REQUIRED + MODEL_NAMES):
+        return None, block
+    ints = tuple((k, v) for k, v in values.items() if isinstance(v, int))
+    ints += (("kv_heads", values["heads"]),) if "kv_heads" not in values else ()
+    return Model(node.name, ints, values["dtype"], values["layer"], span=node.span), block
+
+
+def _report_missing_model_keys(node: s.ModelDef, errors: ErrorCollector) -> None:
+    """One error for every required model setting not written. A written key that looks
+    like a misspelling of a missing one (``hiden``) is where the error points."""
+    written = [st.key for st in node.settings]
+    missing = [k for k in MODEL_REQUIRED + MODEL_NAMES if k not in written]
+    if not missing:
+        return
+    misspelt = {key: near[0] for key in missing
+                if (near := close_matches(key, [w for w in written if w not in MODEL_REQUIRED + MODEL_NAMES]))}
+    notes = [f"'{wrong}' is set: is it a misspelling of '{key}'?" for key, wrong in misspelt.items()]
+    notes.append(f"a model needs {_and(MODEL_REQUIRED + MODEL_NAMES)}; e.g. {_model_example(missing)}")
+    keys = {st.key: st for st in node.settings}
+    span = keys[next(iter(misspelt.values()))].span_of("key") if len(misspelt) == 1 else node.span_of("name")
+    what = f"setting '{missing[0]}'" if len(missing) == 1 else "settings " + _and([f"'{k}'" for k in missing])
+    errors.add(CheckError(f"model {node.name} is missing the {what}", span, notes))
+
+
+def _and(words) -> str:
+    words = list(words)
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _model_example(missing: list[str]) -> str:
+    example = {"layers": "layers = 32", "hidden": "hidden = 4096", "heads": "heads = 32", "seq": "seq = 8192",
+               "vocab": "vocab = 128256", "dtype": "dtype = bf16", "layer": "layer = llama"}
+    return "  ".join(example[k] for k in missing)
+
+
+def _check_positive(block: BlockValues, keys, errors: ErrorCollector) -> bool:
+    """Record an error for each of ``keys`` whose value is not positive; True if all are."""
+    bad = [key for key in keys if block.values[key] <= 0]
+    for key in bad:
+        errors.add(CheckError(f"'{key}' must be positive, got {block.values[key]}", block.span(key)))
+    return not bad
+
+
+def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None:
+    """The Cluster of a cluster block (nodes and gpus_per_node are required)."""
+    block = evaluate_block(node.settings, errors, CLUSTER_KEYS, strings=("profile",))
+    positive = _check_positive(block, [k for k in ("nodes", "gpus_per_node") if k in block.values], errors)
+    if not _require(node, block, ("nodes", "gpus_per_node"), "cluster { nodes = 1  gpus_per_node = 4 }", errors):
+        return None
+    if not positive:
+        return None
+    v = block.values
+    return Cluster(v["nodes"], v["gpus_per_node"], v.get("profile"), span=node.span)
+
+
+def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
+    """The Train of a train block (micro_batch and microbatches are required)."""
+    block = evaluate_block(node.settings, errors, TRAIN_KEYS)
+    _check_positive(block, [k for k in ("micro_batch", "microbatches", "steps") if k in block.values], errors)
+    if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
+        return None
+    v = block.values
+    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), span=node.span)
+
+
+def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:
+    """The Mesh of a mesh block; axes not written have size 1 and follow in Megatron order."""
+    block = evaluate_block(node.settings, errors, MESH_KEYS)
+    # A rejected setting (tq = 2) has its error; a mesh without that axis would only echo it.
+    if not _check_positive(block, list(block.values), errors) or block.failed:
+        return None, block
+    written = [k for k in block.values if k != "ep"]
+    order = tuple(written + [d for d in DIMENSIONS if d not in written])
+    sizes = tuple(block.values.get(axis, 1) for axis in order)
+    ep = block.values.get("ep", 1)
+    dp = block.values.get("dp", 1)
+    if dp % ep:
+        errors.add(CheckError(f"ep = {ep} does not divide dp = {dp}", block.span("ep"),
+                              ["expert-parallel groups are carved out of the data-parallel groups"]))
+        return None, block
+    per_node = cluster.gpus_per_node if cluster else 1
+    mesh = Mesh(order, sizes, ep, per_node)
+    if cluster is not None and mesh.world != cluster.nodes * cluster.gpus_per_node:
+        product = " x ".join(f"{a} {n}" for a, n in zip(order, sizes) if n > 1) or "1"
+        errors.add(CheckError(f"the mesh has {mesh.world} ranks ({product}) but the cluster has "
+                              f"{cluster.nodes * cluster.gpus_per_node} GPUs "
+                              f"({cluster.nodes} node{'s' if cluster.nodes != 1 else ''} x {cluster.gpus_per_node})", node.span,
+                              ["make tp * cp * dp * pp equal nodes * gpus_per_node"]))
+    return mesh, block
+
+
+def build_fold(node: s.Fold, errors: ErrorCollector) -> FoldSpec | None:
+    """The FoldSpec of a fold statement: none, u (two chunks) or loop(v)."""
+    if node.kind not in FOLD_KINDS:
+        errors.add(CheckError(f"unknown fold '{node.kind}'", node.span_of("kind"),
+                              did_you_mean(node.kind, FOLD_KINDS) + ["folds are: none, u, loop(v)"]))
+        return None
+    if (node.kind == "loop") != (node.arg is not None):
+        need = "needs its chunk count, e.g. fold loop(2)" if node.kind == "loop" else "takes no argument"
+        errors.add(CheckError(f"fold {node.kind} {need}", node.span))
+        return None
+    if node.kind != "loop":
+        return FoldSpec(node.kind, 1 if node.kind == "none" else 2, span=node.span)
+    try:
+        v = evaluate(node.arg, {}, "name")
+    except CheckError as exc:
+        errors.add(CheckError(exc.message, exc.span, list(exc.notes) + (
+            ["fold loop takes a number: the chunks per rank, e.g. fold loop(2)"]
+            if isinstance(exc, UnknownName) else [])))
+        return None
+    if v < 1:
+        errors.add(CheckError(f"fold loop needs at least 1 chunk per rank, got {v}", node.arg.span))
+        return None
+    return FoldSpec("loop", v, span=node.span)
+
+
+def _require(node, block: BlockValues, keys, example: str, errors: ErrorCollector) -> bool:
+    written = {st.key for st in node.settings}
+    missing = [k for k in keys if k not in block.values]
+    unset = [k for k in missing if k not in written]
+    # A misspelt key (micro_bach) has its own "did you mean"; do not report it twice.
+    guessed = {near[0] for key in block.failed if (near := close_matches(key, unset))}
+    for key in unset:
+        if key not in guessed:
+            errors.add(CheckError(f"{node.kind} block has no '{key}' setting", node.span,
+                                  [f"e.g. {example}"]))
+    return not missing

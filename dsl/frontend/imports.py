@@ -1,0 +1,106 @@
+"""Load a file and everything it imports.
+
+An import path is resolved against the importing file's folder first, then the standard
+library: ``import "stdlib/layers.dhx"`` names ``stdlib_schedules/layers.dhx`` of the
+installed package. A file imported twice is loaded once; an import cycle is an error that
+shows the chain.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.errors import ErrorCollector, ImportFailure, UsageError
+from dhelix.dsl.frontend.parser import parse
+from dhelix.dsl.core.wording import did_you_mean
+
+STDLIB_PREFIX = "stdlib/"
+
+
+def stdlib_root() -> Path:
+    """The folder of the installed standard library files."""
+    return Path(str(resources.files("dhelix.stdlib_schedules")))
+
+
+def read_source(path: str) -> str:
+    """The text of the schedule file ``path`` named on a command line; UsageError (exit 2)
+    when it cannot be read or is not UTF-8."""
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read '{path}': {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"'{path}' is not UTF-8 text") from None
+
+
+def load_modules(text: str, path: str) -> list[s.Module]:
+    """Parse ``text`` (the file at ``path``) and its imports, transitively.
+
+    Returns the modules in dependency order (imports before importers, the main file
+    last). Raises ParseError for the first unparsable file and ImportFailure (several
+    collected into an ErrorGroup) for missing files and cycles.
+    """
+    loader = _Loader()
+    loader.visit(parse(text, path), Path(path), chain=())
+    loader.errors.raise_if_any()
+    return loader.order
+
+
+def resolve_import(path: str, importer: Path) -> tuple[Path, str] | None:
+    """The file an import of ``path`` from ``importer`` names and the name messages show
+    for it (``stdlib/x.dhx`` for library files), or None if there is none."""
+    local = importer.parent / path
+    if local.is_file():
+        return local, str(local)
+    if path.startswith(STDLIB_PREFIX):
+        library = stdlib_root() / path[len(STDLIB_PREFIX):]
+        if library.is_file():
+            return library, path
+    return None
+
+
+class _Loader:
+    def __init__(self) -> None:
+        self.done: dict[Path, s.Module] = {}
+        self.order: list[s.Module] = []
+        self.errors = ErrorCollector()
+
+    def visit(self, module: s.Module, path: Path, chain: tuple[Path, ...]) -> None:
+        key = path.resolve()
+        chain = chain + (key,)
+        for item in module.items:
+            if isinstance(item, s.Import):
+                self._follow(item, path, chain)
+        self.done[key] = module
+        self.order.append(module)
+
+    def _follow(self, item: s.Import, importer: Path, chain: tuple[Path, ...]) -> None:
+        found = resolve_import(item.path, importer)
+        if found is None:
+            notes = [f"looked for {importer.parent / item.path}"]
+            if item.path.startswith(STDLIB_PREFIX):
+                known = sorted(p.name for p in stdlib_root().glob("*.dhx"))
+                notes.append(f"and in the standard library, which has: {', '.join(known)}")
+                notes += did_you_mean(item.path, [STDLIB_PREFIX + name for name in known])
+            else:
+                notes.append('standard library files are imported as "stdlib/<file>.dhx"')
+            self.errors.add(ImportFailure(f"cannot find imported file '{item.path}'",
+                                          item.span_of("path"), notes))
+            return
+        target, shown = found
+        key = target.resolve()
+        if key in chain:
+            cycle = " -> ".join(p.name for p in chain[chain.index(key):] + (key,))
+            self.errors.add(ImportFailure(f"import cycle: {cycle}", item.span_of("path"),
+                                          ["break the cycle by moving shared definitions into a third file"]))
+            return
+        if key in self.done:
+            return
+        try:
+            text = target.read_text()
+        except OSError as exc:
+            self.errors.add(ImportFailure(f"cannot read '{item.path}': {exc.strerror}", item.span_of("path")))
+            return
+        self.visit(parse(text, shown), target, chain)

@@ -1,0 +1,93 @@
+"""Checks of a model against its mesh, and the names layer expressions may use."""
+
+from __future__ import annotations
+
+from dhelix.dsl.core.errors import CheckError, DhelixError
+from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.program import Model, Train
+
+#: Names derived from the settings, available in layer expressions (and reserved).
+DERIVED = ("tokens", "head_dim")
+
+
+def layer_env(model: Model, mesh: Mesh, train: Train, model_block) -> dict[str, int]:
+    """The integer names a layer's expressions may use: model settings, mesh axis sizes,
+    ``micro_batch``/``microbatches``, ``tokens`` (micro_batch * seq / cp, the tokens of one
+    context-parallel rank) and ``head_dim`` (hidden / heads). Assumes check_divisibility passed."""
+    env = dict(model.settings)
+    env.update({axis: mesh.size(axis) for axis in ("tp", "cp", "ep", "dp", "pp")})
+    env.update(micro_batch=train.micro_batch, microbatches=train.microbatches)
+    env["tokens"] = train.micro_batch * model.get("seq") // mesh.size("cp")
+    env["head_dim"] = model.get("hidden") // model.get("heads")
+    return env
+
+
+def check_divisibility(model: Model, model_block, mesh: Mesh, mesh_block) -> list[DhelixError]:
+    """Every way the model does not split over the mesh (the fold is checked by dsl.passes.fold)."""
+    errors: list[DhelixError] = []
+    errors += _reserved(model_block)
+    get = model.get
+
+    def need(key: str, axis: str, why: str) -> None:
+        value, size = get(key), mesh.size(axis)
+        if value is None or value % size == 0:
+            return
+        ok = [n for n in range(1, min(value, 64) + 1) if value % n == 0 and n <= 64]
+        errors.append(CheckError(f"{key} = {value} is not divisible by {axis} = {size}",
+                                 mesh_block.span(axis) or model_block.span(key),
+                                 [why,
+                                  _where(model_block, key, value),
+                                  f"{axis} sizes that divide {value}: {', '.join(map(str, ok[:12]))}"]))
+
+    if get("hidden") % get("heads"):
+        errors.append(CheckError(f"hidden = {get('hidden')} is not divisible by heads = {get('heads')}",
+                                 model_block.span("hidden"), ["head_dim = hidden / heads must be whole"]))
+    need("heads", "tp", why="each tp rank computes heads/tp attention heads")
+    need("kv_heads", "tp", why="each tp rank holds kv_heads/tp key-value heads")
+    need("ffn", "tp", why="each tp rank holds ffn/tp of the MLP's hidden features")
+    need("vocab", "tp", why="the embedding and LM head are split over tp by vocabulary")
+    errors += _check_sequence(model, model_block, mesh, mesh_block)
+    errors += _check_experts(model, model_block, mesh, mesh_block)
+    return errors
+
+
+def _where(model_block, key: str, value: int) -> str:
+    span = model_block.span(key)
+    if span is None:  # kv_heads defaults to heads
+        return f"{key} = {value} by default (from heads); set {key} to change it"
+    return f"{key} = {value} is set at {span}"
+
+
+_FORMULAS = {"tokens": "micro_batch * seq / cp", "head_dim": "hidden / heads"}
+
+
+def _reserved(model_block) -> list[DhelixError]:
+    return [CheckError(f"'{name}' is derived from the other settings and cannot be set", model_block.span(name),
+                       [f"layers see {name} = {_FORMULAS.get(name, 'a derived value')}; "
+                        "give your own setting another name"])
+            for name in DERIVED if name in model_block.values]
+
+
+def _check_sequence(model, model_block, mesh, mesh_block) -> list[DhelixError]:
+    seq, cp, tp = model.get("seq"), mesh.size("cp"), mesh.size("tp")
+    if cp > 1 and seq % (2 * cp):
+        return [CheckError(f"seq = {seq} is not divisible by 2 * cp = {2 * cp}", mesh_block.span("cp"),
+                           ["causal ring attention balances load by cutting the sequence into 2*cp chunks",
+                            f"seq = {seq} is set at {model_block.span('seq')}"])]
+    if (seq // cp) % tp:
+        return [CheckError(f"seq / cp = {seq // cp} tokens are not divisible by tp = {tp}", mesh_block.span("tp"),
+                           ["sequence parallelism splits each rank's tokens over tp",
+                            f"seq = {seq} is set at {model_block.span('seq')}"])]
+    return []
+
+
+def _check_experts(model, model_block, mesh, mesh_block) -> list[DhelixError]:
+    ep, experts = mesh.size("ep"), model.get("experts")
+    if ep > 1 and experts is None:
+        return [CheckError(f"ep = {ep} but model {model.name} sets no 'experts'", mesh_block.span("ep"),
+                           ["expert parallelism needs a mixture-of-experts model (experts = 16, top_k = 2)"])]
+    if experts is not None and experts % ep:
+        return [CheckError(f"experts = {experts} is not divisible by ep = {ep}", mesh_block.span("ep"),
+                           ["each ep rank holds experts/ep experts",
+                            f"experts = {experts} is set at {model_block.span('experts')}"])]
+    return []

@@ -1,0 +1,496 @@
+"""Hardware profiles: what the planner's cost model knows about a GPU platform.
+
+A profile is a YAML file (read with PyYAML's safe loader only). Every mistake in it is a
+located :class:`ProfileError` (``file:line:col``, the line, a caret, notes). Units are SI
+with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 bytes/s),
+``_us`` (microseconds). The schema (keys marked * are required)::
+
+    name*: a40                        # the name `cluster { profile = "a40" }` uses
+    description: free text
+    peak_tflops*:                     # dense peak per dtype (fp32, bf16, fp16, fp8), > 0;
+      bf16: 149.7                     #   a dtype left out cannot be costed on this platform
+    hbm_gbps*: 696                    # memory bandwidth, > 0
+    achieved*:                        # fraction (0, 1] of the peak an op class reaches:
+      gemm, attention, router         #   of peak_tflops (compute-bound classes)
+      norm, add, activation, permute  #   of hbm_gbps (memory-bound classes)
+    links*:
+      local*: {bw_gbps*, latency_us*} # node-local collectives: NCCL bus bandwidth
+      cross*: {bw_gbps*, latency_us*} # cross-node: bandwidth per GPU
+    collectives:                      # optional; each {model, efficiency (0, 1]}
+      all_gather, reduce_scatter, all_reduce, all_to_all, p2p
+                                      # model: ring | ring_allreduce | pairwise | p2p
+    oef*:
+      classes*: {comp_comp, comp_intra, comp_inter, intra_intra, inter_inter, intra_inter}
+      pairs:                          # overrides: forward-strand op -> backward-strand op -> OEF
+        qkv: {reduce_scatter@local: 0.73}
+    slowdown*:
+      compute_with_comm*: 0.25        # σ in [0, 1]: own comm overlapping own compute
+    launch_gap*: {fixed_us*, comm_fraction*}   # per paired segment, both >= 0
+    measured:                         # filled by `dhelix profile`; optional
+      dtype*: bf16
+      source: what was profiled
+      ops: {op name: µs}              # solo op times
+      pairs: [{fwd*: [names], bwd*: [names], us*}]   # segment-pair make-spans
+
+OEF values (``(T_i + T_j - P) / min(T_i, T_j)``, the paper's Eq. 1) must lie in [-1, 2].
+A pair key is an op name (``qkv``, ``fc1.wgrad``), an op kind (``gemm_wgrad``,
+``attention_bwd``) or a communication kind with its lane (``all_gather@local``,
+``p2p@cross``; ring-attention steps and send/recv are ``p2p``). Shipped profiles live in the
+package ``dhelix.stdlib_schedules`` next to ``layers.dhx``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Sequence
+
+import attrs
+import yaml
+
+from dhelix.dsl.core.errors import DhelixError, ErrorCollector
+from dhelix.dsl.core.span import Source, Span
+from dhelix.dsl.core.wording import did_you_mean
+
+DTYPES = ("fp32", "bf16", "fp16", "fp8")
+COMPUTE_BOUND = ("gemm", "attention", "router")
+MEMORY_BOUND = ("norm", "add", "activation", "permute")
+LANES = ("local", "cross")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
+COLLECTIVE_MODELS = ("ring", "ring_allreduce", "pairwise", "p2p")
+DEFAULT_MODELS = {"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": "ring_allreduce",
+                  "all_to_all": "pairwise", "p2p": "p2p"}
+OEF_CLASSES = ("comp_comp", "comp_intra", "comp_inter", "intra_intra", "inter_inter", "intra_inter")
+OEF_LOW, OEF_HIGH = -1.0, 2.0
+TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "achieved", "links", "collectives",
+            "oef", "slowdown", "launch_gap", "measured")
+TOP_REQUIRED = ("name", "peak_tflops", "hbm_gbps", "achieved", "links", "oef", "slowdown", "launch_gap")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*(@[A-Za-z_]+)?")
+
+
+class ProfileError(DhelixError):
+    """A hardware profile that cannot be read, or one that does not follow the schema."""
+
+
+@attrs.frozen
+class Link:
+    """One communication lane's link: bandwidth (GB/s) and per-step latency (µs)."""
+
+    bw_gbps: float
+    latency_us: float
+
+
+@attrs.frozen
+class Collective:
+    """How one collective is timed: a NOTES §3.6 model and a bandwidth efficiency."""
+
+    model: str
+    efficiency: float = 1.0
+
+
+@attrs.frozen
+class LaunchGap:
+    """The cost of pairing two segments: the larger of a fixed gap and a share of the comm time."""
+
+    fixed_us: float
+    comm_fraction: float
+
+    def seconds(self, comm_seconds: float) -> float:
+        """The gap for a pair whose communication takes ``comm_seconds`` when run alone."""
+        return max(self.fixed_us * 1e-6, self.comm_fraction * comm_seconds)
+
+
+@attrs.frozen
+class MeasuredPair:
+    fwd: tuple[str, ...]
+    bwd: tuple[str, ...]
+    us: float
+
+
+@attrs.frozen
+class Measured:
+    """Timings taken by `dhelix profile` for one program and dtype (op names are that program's)."""
+
+    dtype: str
+    source: str = ""
+    ops: dict = attrs.field(factory=dict, hash=False)  # op name -> µs
+    pairs: tuple[MeasuredPair, ...] = ()
+
+    def pair_us(self, fwd: Sequence[str], bwd: Sequence[str]) -> float | None:
+        """The measured make-span (µs) of exactly this segment pair, if there is one."""
+        key = (tuple(fwd), tuple(bwd))
+        return next((p.us for p in self.pairs if (p.fwd, p.bwd) == key), None)
+
+
+@attrs.frozen
+class Profile:
+    """A validated hardware profile (see the module docstring for the meaning of each field)."""
+
+    name: str
+    peak_tflops: dict = attrs.field(hash=False)
+    hbm_gbps: float
+    achieved: dict = attrs.field(hash=False)
+    links: dict = attrs.field(hash=False)  # lane -> Link
+    collectives: dict = attrs.field(hash=False)  # collective -> Collective
+    oef_classes: dict = attrs.field(hash=False)
+    oef_pairs: dict = attrs.field(hash=False)  # (fwd key, bwd key) -> OEF
+    slowdown: float
+    launch_gap: LaunchGap
+    measured: Measured | None = None
+    description: str = ""
+    path: str = attrs.field(default="", eq=False)
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak dense FLOP/s for ``dtype``; a ProfileError when the profile has none."""
+        if dtype not in self.peak_tflops:
+            raise ProfileError(f"profile '{self.name}' has no peak_tflops for {dtype}",
+                               notes=[f"it lists {', '.join(self.peak_tflops)}", f"profile file: {self.path}"])
+        return self.peak_tflops[dtype] * 1e12
+
+    def oef(self, fwd_keys: Sequence[str], bwd_keys: Sequence[str], default: str) -> float:
+        """The OEF of a forward-strand op and a backward-strand op, each given by its keys
+        from the most to the least specific; the class ``default`` when no override matches."""
+        for fkey in fwd_keys:
+            for bkey in bwd_keys:
+                value = self.oef_pairs.get((fkey, bkey))
+                if value is not None:
+                    return value
+        return self.oef_classes[default]
+
+
+def profile_names() -> list[str]:
+    """The names of the shipped profiles, sorted."""
+    root = resources.files("dhelix.stdlib_schedules")
+    return sorted(entry.name[:-5] for entry in root.iterdir() if entry.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str, search_dir: str | Path | None = None, span: Span | None = None) -> Profile:
+    """Load a profile by shipped name (``"a40"``) or by path (``"lab/h100.yaml"``).
+
+    A name is looked up as ``<search_dir>/<name>.yaml`` first, then among the shipped
+    profiles; a path is taken relative to ``search_dir`` (or the working directory).
+    ``span`` locates the reference in the caller's file for an unknown name. Raises
+    ProfileError for a missing profile and for every schema mistake.
+    """
+    base = Path(search_dir) if search_dir is not None else Path.cwd()
+    is_path = name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path or "\\" in name_or_path
+    if is_path:
+        path = base / name_or_path
+        if not path.is_file():
+            raise ProfileError(f"cannot find profile file '{name_or_path}'", span, [f"looked in {base}"])
+        return parse_profile(path.read_text(), str(path))
+    if search_dir is not None and (base / f"{name_or_path}.yaml").is_file():
+        local = base / f"{name_or_path}.yaml"
+        return parse_profile(local.read_text(), str(local))
+    shipped = resources.files("dhelix.stdlib_schedules") / f"{name_or_path}.yaml"
+    if not shipped.is_file():
+        names = profile_names()
+        raise ProfileError(f"unknown profile '{name_or_path}'", span,
+                           did_you_mean(name_or_path, names) + [f"shipped profiles: {', '.join(names)}"])
+    return parse_profile(shipped.read_text(), f"stdlib/{name_or_path}.yaml")
+
+
+def parse_profile(text: str, path: str) -> Profile:
+    """Validate the YAML ``text`` of the file ``path`` and build its Profile.
+
+    Collects every schema mistake and raises them at once (a ProfileError or an ErrorGroup).
+    """
+    reader = _Reader(Source(path, text))
+    root = reader.compose()
+    top = reader.mapping(root, "", TOP_KEYS, TOP_REQUIRED)
+    profile = None if top is None else _build(reader, top, path)
+    reader.errors.raise_if_any()
+    return profile
+
+
+def _build(reader: "_Reader", top: dict, path: str) -> Profile | None:
+    fields = dict(
+        name=reader.string(top.get("name"), "name"),
+        description=reader.string(top["description"], "description") if "description" in top else "",
+        peak_tflops=_peak(reader, top.get("peak_tflops")),
+        hbm_gbps=reader.number(top.get("hbm_gbps"), "hbm_gbps", positive=True),
+        achieved=reader.number_map(top.get("achieved"), "achieved", COMPUTE_BOUND + MEMORY_BOUND,
+                                   COMPUTE_BOUND + MEMORY_BOUND, positive=True, high=1.0),
+        links=_links(reader, top.get("links")),
+        collectives=_collectives(reader, top.get("collectives")),
+        oef_classes=None, oef_pairs=None,
+        slowdown=_slowdown(reader, top.get("slowdown")),
+        launch_gap=_launch_gap(reader, top.get("launch_gap")),
+        measured=_measured(reader, top["measured"]) if "measured" in top else None,
+    )
+    fields["oef_classes"], fields["oef_pairs"] = _oef(reader, top.get("oef"))
+    if reader.errors.errors or any(v is None for k, v in fields.items() if k != "measured"):
+        return None
+    return Profile(**fields, path=path)
+
+
+def _links(reader: "_Reader", node) -> dict | None:
+    lanes = reader.mapping(node, "links", LANES, LANES)
+    if lanes is None:
+        return None
+    out = {}
+    for lane in LANES:
+        where = f"links.{lane}"
+        keys = reader.mapping(lanes.get(lane), where, ("bw_gbps", "latency_us"), ("bw_gbps", "latency_us"))
+        if keys is None:
+            continue
+        bw = reader.number(keys.get("bw_gbps"), f"{where}.bw_gbps", positive=True)
+        latency = reader.number(keys.get("latency_us"), f"{where}.latency_us", nonneg=True)
+        if bw is not None and latency is not None:
+            out[lane] = Link(bw, latency)
+    return out if len(out) == len(LANES) else None
+
+
+def _peak(reader: "_Reader", node) -> dict | None:
+    values = reader.number_map(node, "peak_tflops", DTYPES, (), positive=True)
+    if values == {}:
+        reader.error(node, "peak_tflops lists no dtype", [f"dtypes: {', '.join(DTYPES)}"])
+        return None
+    return values
+
+
+def _collectives(reader: "_Reader", node) -> dict | None:
+    out = {name: Collective(model) for name, model in DEFAULT_MODELS.items()}
+    if node is None:
+        return out
+    entries = reader.mapping(node, "collectives", COLLECTIVES, ())
+    if entries is None:
+        return None
+    for name, value in entries.items():
+        where = f"collectives.{name}"
+        keys = reader.mapping(value, where, ("model", "efficiency"), ("model",))
+        if keys is None:
+            continue
+        model = reader.choice(keys.get("model"), f"{where}.model", COLLECTIVE_MODELS)
+        eff = reader.number(keys["efficiency"], f"{where}.efficiency", positive=True, high=1.0) \
+            if "efficiency" in keys else 1.0
+        if model is not None and eff is not None:
+            out[name] = Collective(model, eff)
+    return out
+
+
+def _oef(reader: "_Reader", node) -> tuple[dict | None, dict | None]:
+    parts = reader.mapping(node, "oef", ("classes", "pairs"), ("classes",))
+    if parts is None:
+        return None, None
+    classes = reader.number_map(parts.get("classes"), "oef.classes", OEF_CLASSES, OEF_CLASSES, oef=True)
+    pairs: dict = {}
+    rows = reader.mapping(parts["pairs"], "oef.pairs", None, ()) if "pairs" in parts else {}
+    for fkey, row in (rows or {}).items():
+        if not reader.pair_key(fkey, row, "oef.pairs"):
+            continue
+        for bkey, value in (reader.mapping(row, f"oef.pairs.{fkey}", None, ()) or {}).items():
+            where = f"oef.pairs.{fkey}"
+            if reader.pair_key(bkey, value, where):
+                oef = reader.number(value, f"{where}.{bkey}", oef=True)
+                if oef is not None:
+                    pairs[(fkey, bkey)] = oef
+    return classes, pairs
+
+
+def _slowdown(reader: "_Reader", node) -> float | None:
+    values = reader.number_map(node, "slowdown", ("compute_with_comm",), ("compute_with_comm",),
+                               nonneg=True, high=1.0)
+    return None if values is None else values["compute_with_comm"]
+
+
+def _launch_gap(reader: "_Reader", node) -> LaunchGap | None:
+    keys = ("fixed_us", "comm_fraction")
+    values = reader.number_map(node, "launch_gap", keys, keys, nonneg=True)
+    return None if values is None else LaunchGap(values["fixed_us"], values["comm_fraction"])
+
+
+def _measured(reader: "_Reader", node) -> Measured | None:
+    keys = reader.mapping(node, "measured", ("dtype", "source", "ops", "pairs"), ("dtype",))
+    if keys is None:
+        return None
+    dtype = reader.choice(keys.get("dtype"), "measured.dtype", DTYPES)
+    source = reader.string(keys["source"], "measured.source") if "source" in keys else ""
+    ops = reader.number_map(keys["ops"], "measured.ops", None, (), nonneg=True) if "ops" in keys else {}
+    pairs = []
+    for index, item in enumerate(reader.sequence(keys["pairs"], "measured.pairs") if "pairs" in keys else []):
+        where = f"measured.pairs[{index}]"
+        entry = reader.mapping(item, where, ("fwd", "bwd", "us"), ("fwd", "bwd", "us"))
+        if entry is None:
+            continue
+        fwd = reader.string_list(entry.get("fwd"), f"{where}.fwd")
+        bwd = reader.string_list(entry.get("bwd"), f"{where}.bwd")
+        us = reader.number(entry.get("us"), f"{where}.us", nonneg=True)
+        if fwd == () and bwd == ():
+            reader.error(item, f"{where} pairs two empty segments", ["name the ops of at least one side"])
+        elif None not in (fwd, bwd, us):
+            pairs.append(MeasuredPair(fwd, bwd, us))
+    if dtype is None or source is None or ops is None:
+        return None
+    return Measured(dtype, source, ops, tuple(pairs))
+
+
+class _Reader:
+    """Walks a composed YAML node tree, converting scalars and recording located errors."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.errors = ErrorCollector()
+        self._loader = yaml.SafeLoader(source.text)
+        self.key_nodes: dict[int, yaml.Node] = {}  # id(value node) -> its key node
+
+    def compose(self):
+        """The root node of the text; a located ProfileError for a YAML syntax error."""
+        try:
+            node = self._loader.get_single_node()
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            span = Span(self.source, mark.line + 1, mark.column + 1, mark.line + 1, mark.column + 2)
+            notes = [f"{exc.context}" + (f" (line {exc.context_mark.line + 1})" if exc.context_mark else "")] \
+                if exc.context else []
+            raise ProfileError(f"YAML syntax error: {exc.problem}", span, notes) from None
+        finally:
+            self._loader.dispose()
+        if node is None:
+            raise ProfileError("the profile is empty", Span(self.source, 1, 1, 1, 2),
+                               ["a profile is a YAML mapping; see the shipped stdlib/h100.yaml"])
+        return node
+
+    def span(self, node) -> Span:
+        """The 1-based span of ``node`` (its first line only, for a block collection)."""
+        start, end = node.start_mark, node.end_mark
+        if end.line != start.line:  # a block collection ends on a later line: underline its first line
+            return Span(self.source, start.line + 1, start.column + 1, start.line + 1,
+                        len(self.source.line(start.line + 1)) + 1)
+        return Span(self.source, start.line + 1, start.column + 1, end.line + 1, end.column + 1)
+
+    def error(self, node, message: str, notes: Sequence[str] = ()) -> None:
+        """Record a ProfileError located at ``node``."""
+        self.errors.add(ProfileError(message, self.span(node), notes))
+
+    def _what(self, node) -> str:
+        if isinstance(node, yaml.MappingNode):
+            return "a mapping"
+        if isinstance(node, yaml.SequenceNode):
+            return "a list"
+        kind = node.tag.rsplit(":", 1)[-1]
+        names = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean", "null": "null"}
+        return f"{names.get(kind, kind)} '{node.value}'" if kind != "null" else "nothing (null)"
+
+    def mapping(self, node, where: str, allowed: Sequence[str] | None, required: Sequence[str]) -> dict | None:
+        """The key -> value-node dict of a mapping's well-formed keys (errors are recorded for
+        the others and for missing ``required`` keys); None if ``node`` is not a mapping."""
+        label = where or "the profile"
+        if node is None:
+            return None
+        if not isinstance(node, yaml.MappingNode):
+            self.error(node, f"{label} must be a mapping, got {self._what(node)}")
+            return None
+        out = {}
+        for key_node, value in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is None:
+                self.error(key_node, f"keys of {label} must be plain names")
+            elif key in out:
+                self.error(key_node, f"'{key}' is set twice in {label}")
+            elif allowed is not None and key not in allowed:
+                self.error(key_node, f"unknown key '{key}' in {label}",
+                           did_you_mean(key, allowed) + [f"keys here: {', '.join(allowed)}"])
+            else:
+                out[key] = value
+                self.key_nodes[id(value)] = key_node
+        missing = [key for key in required if key not in out]
+        if missing:
+            self.error(node, f"{label} is missing {', '.join(repr(k) for k in missing)}")
+        # Keep going with the keys that are fine, so one run reports every mistake.
+        return out
+
+    def number(self, node, where: str, positive=False, nonneg=False, high=None, oef=False) -> float | None:
+        """A real number within the given bounds, else None with a located error."""
+        if node is None:
+            return None
+        if not isinstance(node, yaml.ScalarNode) or node.tag.rsplit(":", 1)[-1] not in ("int", "float"):
+            self.error(node, f"'{where}' must be a number, got {self._what(node)}")
+            return None
+        value = float(self._loader.construct_object(node))
+        if oef and not OEF_LOW <= value <= OEF_HIGH:
+            self.error(node, f"OEF {node.value} of '{where}' is outside [-1, 2]",
+                       ["OEF = (T_i + T_j - P) / min(T_i, T_j): 0 is no overlap, 1 hides the shorter op",
+                        "measured values beyond the range are noise: clamp them and say so in a comment"])
+            return None
+        if not math.isfinite(value):
+            self.error(node, f"'{where}' must be a finite number, got {node.value}")
+            return None
+        if (positive and value <= 0) or (nonneg and value < 0):
+            bound = "positive" if positive else "zero or positive"
+            self.error(node, f"'{where}' must be {bound}, got {node.value}")
+            return None
+        if high is not None and value > high:
+            self.error(node, f"'{where}' must be at most {high:g}, got {node.value}")
+            return None
+        return value
+
+    def number_map(self, node, where: str, allowed, required, **bounds) -> dict | None:
+        """A mapping of names to numbers (see :meth:`number` for the bounds)."""
+        entries = self.mapping(node, where, allowed, required)
+        if entries is None:
+            return None
+        out = {key: self.number(value, f"{where}.{key}", **bounds) for key, value in entries.items()}
+        return None if None in out.values() else out
+
+    def string(self, node, where: str) -> str | None:
+        """A string scalar, else None with a located error (None for a missing node)."""
+        if node is None:
+            return None
+        if not isinstance(node, yaml.ScalarNode) or node.tag.rsplit(":", 1)[-1] != "str":
+            self.error(node, f"'{where}' must be a string, got {self._what(node)}")
+            return None
+        return node.value
+
+    def choice(self, node, where: str, choices: Sequence[str]) -> str | None:
+        """One of ``choices``, else None with a located error and a "did you mean"."""
+        value = self.string(node, where)
+        if value is not None and value not in choices:
+            self.error(node, f"'{where}' must be one of {', '.join(choices)}, got '{value}'",
+                       did_you_mean(value, choices))
+            return None
+        return value
+
+    def sequence(self, node, where: str) -> list:
+        """The items of a YAML list, else [] with a located error."""
+        if not isinstance(node, yaml.SequenceNode):
+            self.error(node, f"'{where}' must be a list, got {self._what(node)}")
+            return []
+        return list(node.value)
+
+    def string_list(self, node, where: str) -> tuple[str, ...] | None:
+        """A list of strings (op names), else None with a located error."""
+        if node is None:
+            return None
+        if not isinstance(node, yaml.SequenceNode):
+            self.error(node, f"'{where}' must be a list of op names, got {self._what(node)}")
+            return None
+        names = [self.string(item, where) for item in node.value]
+        return None if None in names else tuple(names)
+
+    def pair_key(self, key: str, value_node, where: str) -> bool:
+        """Check an oef.pairs key (an op name or kind, or ``<collective>@<lane>``); errors
+        point at the key."""
+        problem, notes = _pair_key_problem(key)
+        if problem:
+            self.error(self.key_nodes.get(id(value_node), value_node), f"{problem} in {where}", notes)
+            return False
+        return True
+
+
+def _pair_key_problem(key: str) -> tuple[str, list[str]]:
+    """Why ``key`` is not a valid oef.pairs key ('' when it is), with notes."""
+    if not _KEY.fullmatch(key):
+        return f"'{key}' is not an op name, op kind or <collective>@<lane>", []
+    kind, _, lane = key.partition("@")
+    if lane:
+        if kind not in COLLECTIVES:
+            return f"unknown collective '{kind}' in '{key}'", did_you_mean(kind, COLLECTIVES) + \
+                [f"collectives: {', '.join(COLLECTIVES)}"]
+        if lane not in LANES:
+            return f"unknown lane '{lane}' in '{key}'", did_you_mean(lane, LANES) + ["lanes: local, cross"]
+    elif kind in COLLECTIVES:
+        return f"'{key}' needs its lane", [f"write {key}@local or {key}@cross"]
+    return "", []

@@ -1,0 +1,277 @@
+"""Lowering: run a pipeline definition once per rank into explicit action lists.
+
+A pipeline body is a per-rank program over the builtins ``p`` (ranks), ``r`` (this rank),
+``m`` (micro-batches) and ``v`` (chunks per rank). Semantics, statement by statement:
+
+- ``name = expr`` binds ``name`` for the statements after it; binding it again rebinds it (so
+  ``k = k + 1`` inside a repeat counts iterations). The builtins cannot be rebound.
+- ``repeat N { … }`` runs its body N times; N must be ≥ 0.
+- ``require a CMP b`` stops with an error naming the values when it does not hold.
+- ``F[c]``, ``B[c]``, ``W[c]`` (chunk 0 unless given) and ``SI(F[c], B[c'])`` emit actions.
+  Micro-batch numbers are implicit: the k-th ``F[1]`` a rank runs is micro-batch k of chunk 1,
+  counted separately per (action kind, chunk).
+
+Around each computation the lowering inserts the transfers the placement implies: a RECV
+right before an action whose input comes from another rank, a SEND right after an action whose
+output goes to another rank; hand-offs between chunks of one rank need none.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.errors import CheckError, ErrorCollector, ScheduleError
+from dhelix.dsl.frontend.exprs import evaluate, format_expr
+from dhelix.dsl.passes.fold import FOLD_KINDS, Placement
+from dhelix.dsl.frontend.parser import ACTIONS
+from dhelix.dsl.core.wording import did_you_mean
+from dhelix.dsl.core.schedule import Compute, Interleaved, Lowered, Transfer
+
+ACTION_NAMES = ACTIONS + ("SI",)
+
+#: The names every pipeline program starts with, and what they mean.
+BUILTINS = {"p": "pipeline ranks", "r": "this rank", "m": "micro-batches",
+            "v": "chunks per rank"}
+
+_COMPARE = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne,
+            ">": operator.gt, "<": operator.lt}
+
+#: How many statements a rank may execute per action it is allowed, before lowering gives up
+#: on a runaway repeat (a repeat whose body emits nothing would otherwise spin silently).
+_STATEMENTS_PER_ACTION = 64
+
+
+def lower_pipeline(pipeline: s.PipelineDef, *, ranks: int, microbatches: int,
+                   placement: Placement) -> Lowered:
+    """Run ``pipeline`` for every rank of ``placement`` with ``microbatches`` micro-batches.
+
+    ``ranks`` must equal ``placement.ranks`` (a caller bug otherwise: ValueError). Returns the
+    :class:`Lowered` schedule, unvalidated. Raises :class:`ScheduleError` (one, or an ErrorGroup
+    of all of them) for a rebound builtin, an SI block not written ``SI(F…, B…)``, a failed
+    ``require``, a negative repeat count, a chunk outside ``0..v-1`` or a runaway program; each
+    names the rank(s) it fails on (unless it fails on every rank) and points at the statement.
+    """
+    if ranks != placement.ranks:
+        raise ValueError(f"ranks={ranks} but the placement is for {placement.ranks} ranks")
+    check_fold(pipeline, placement.kind)
+    _check_statements(pipeline)
+    rows, failures = [], []
+    for rank in range(ranks):
+        program = _RankProgram(pipeline.name, rank, microbatches, placement)
+        try:
+            program.run(pipeline.body)
+        except _Failure as failure:
+            failures.append((rank, failure))
+        rows.append(tuple(program.actions))
+    _raise_failures(failures, ranks)
+    return Lowered(pipeline.name, ranks, microbatches, placement.chunks, placement.slots(),
+                   tuple(rows), span=pipeline.span_of("name"))
+
+
+def check_fold(pipeline: s.PipelineDef, fold: str, fold_span=None) -> None:
+    """Raise when ``pipeline`` declares (``pipeline X for u``) a fold other than ``fold``.
+
+    ``fold_span`` locates the program's fold statement, named in a note."""
+    if pipeline.fold is None or pipeline.fold == fold.split("(")[0]:  # loop(2) is a loop
+        return
+    if pipeline.fold not in FOLD_KINDS:
+        raise ScheduleError(f"unknown fold '{pipeline.fold}'", pipeline.span_of("fold"),
+                            did_you_mean(pipeline.fold, FOLD_KINDS) + ["folds are: none, u, loop(v)"])
+    where = f" (at {fold_span})" if fold_span is not None else ""
+    raise ScheduleError(f"pipeline {pipeline.name} is written for fold {pipeline.fold}, "
+                        f"but the program uses fold {fold}{where}", pipeline.span_of("fold"),
+                        [f"write `fold {pipeline.fold}{'(2)' if pipeline.fold == 'loop' else ''}` "
+                         f"or pick a pipeline written for fold {fold}"])
+
+
+def _check_statements(pipeline: s.PipelineDef) -> None:
+    """Rank-independent mistakes, reported once rather than once per rank."""
+    errors = ErrorCollector()
+    for stmt in _walk(pipeline.body):
+        if isinstance(stmt, s.Let) and stmt.name in ACTION_NAMES:
+            errors.add(ScheduleError(
+                f"'{stmt.name}' names an action and cannot be bound", stmt.span_of("name"),
+                ["F, B, W and SI are the actions of a pipeline; pick another name"]))
+        if isinstance(stmt, s.Let) and stmt.name in BUILTINS:
+            errors.add(ScheduleError(
+                f"'{stmt.name}' is a builtin ({BUILTINS[stmt.name]}) and cannot be rebound",
+                stmt.span_of("name"), ["pick another name; the builtins are p, r, m and v"]))
+        if isinstance(stmt, s.SIBlock) and (stmt.fwd.kind, stmt.bwd.kind) != ("F", "B"):
+            errors.add(ScheduleError(
+                f"an SI block pairs a forward with a backward, not {stmt.fwd.kind} with "
+                f"{stmt.bwd.kind}", stmt.span,
+                ["write SI(F[c], B[c']): the forward of one strand beside the backward of "
+                 "the other"]))
+    errors.raise_if_any()
+
+
+def _walk(body):
+    for stmt in body:
+        yield stmt
+        if isinstance(stmt, s.Repeat):
+            yield from _walk(stmt.body)
+
+
+class _Failure(Exception):
+    """A rank's first error; ``message`` has a ``{where}`` slot for the ranks it fails on."""
+
+    def __init__(self, message: str, span, notes=()):
+        super().__init__(message)
+        self.message, self.span, self.notes = message, span, tuple(notes)
+
+
+class _RankProgram:
+    """The state of one rank while its program runs: bindings, counters, emitted actions."""
+
+    def __init__(self, name: str, rank: int, microbatches: int, placement: Placement):
+        self.name = name
+        self.rank = rank
+        self.placement = placement
+        self.env = {"p": placement.ranks, "r": rank, "m": microbatches, "v": placement.chunks}
+        self.defs: dict[str, s.Expr] = {}  # the expression each let was last bound to
+        self.counters: dict[tuple[str, int], int] = defaultdict(int)
+        self.actions: list = []
+        self.computes = 0
+        # A correct schedule runs one F, one B and at most one W per micro-batch and chunk.
+        self.limit = 3 * placement.chunks * microbatches
+        self.budget = _STATEMENTS_PER_ACTION * (self.limit + 1)
+
+    def run(self, body) -> None:
+        """Execute ``body``; raises _Failure at the first error."""
+        for stmt in body:
+            self.spend(stmt)
+            if isinstance(stmt, s.Let):
+                self.env[stmt.name] = self.eval(stmt.value)
+                self.defs[stmt.name] = stmt.value
+            elif isinstance(stmt, s.Repeat):
+                self.repeat(stmt)
+            elif isinstance(stmt, s.Require):
+                self.require(stmt)
+            elif isinstance(stmt, s.Act):
+                self.emit([self.compute(stmt)], stmt.span)
+            else:
+                self.emit([self.compute(stmt.fwd), self.compute(stmt.bwd)], stmt.span)
+
+    def spend(self, stmt) -> None:
+        """Count one executed statement (or repeat iteration) against the budget."""
+        self.budget -= 1
+        if self.budget < 0:
+            raise _Failure(f"pipeline {self.name} runs too long{{where}}", stmt.span,
+                           ("a repeat count is far larger than the schedule needs",))
+
+    def eval(self, expr: s.Expr) -> int:
+        try:
+            return evaluate(expr, self.env, "schedule variable")
+        except CheckError as error:
+            raise _Failure(error.message + "{where}", error.span, error.notes) from None
+
+    def repeat(self, stmt: s.Repeat) -> None:
+        count = self.eval(stmt.count)
+        if count < 0:
+            raise _Failure(f"repeat count {format_expr(stmt.count)} is {count}{{where}}"
+                           f"{self.values(stmt.count)}", stmt.count.span,
+                           ("a repeat runs its body N ≥ 0 times; clamp it with "
+                            f"max(0, {format_expr(stmt.count)}) if nothing should run here",))
+        for _ in range(count):
+            self.spend(stmt)
+            self.run(stmt.body)
+
+    def require(self, stmt: s.Require) -> None:
+        left, right = self.eval(stmt.left), self.eval(stmt.right)
+        if _COMPARE[stmt.op](left, right):
+            return
+        text = f"{format_expr(stmt.left)} {stmt.op} {format_expr(stmt.right)}"
+        raise _Failure(f"pipeline {self.name} needs {text}{{where}}"
+                       f"{self.values(stmt.left, stmt.right)}", stmt.span,
+                       (f"choose sizes with {text}, or another pipeline",))
+
+    def values(self, *exprs: s.Expr) -> str:
+        """' (warm = -1, p = 4, r = 3)': the names of ``exprs`` and, through lets, what they use."""
+        names: list[str] = []
+        pending = [name for expr in exprs for name in _names(expr)]
+        while pending:
+            name = pending.pop(0)
+            if name not in names:
+                names.append(name)
+                pending.extend(_names(self.defs[name]) if name in self.defs else ())
+        listed = ", ".join(f"{name} = {self.env[name]}" for name in names if name in self.env)
+        return f" ({listed})" if listed else ""
+
+    def compute(self, act: s.Act) -> Compute:
+        chunk = 0 if act.chunk is None else self.eval(act.chunk)
+        chunks = self.placement.chunks
+        if not 0 <= chunk < chunks:
+            allowed = "the only chunk is 0" if chunks == 1 else f"chunks are 0..{chunks - 1}"
+            raise _Failure(f"chunk {chunk} of {_act_text(act)} is out of range{{where}}: "
+                           f"v = {chunks}, so {allowed}", act.span,
+                           ("fold none gives v = 1 chunk per rank, fold u 2, fold loop(v) v",))
+        self.computes += 1
+        if self.computes > self.limit:
+            raise _Failure(f"pipeline {self.name} runs more than {self.limit} F/B/W actions"
+                           f"{{where}} (3·v·m with v = {chunks}, m = {self.env['m']})",
+                           act.span, ("each micro-batch runs one F, one B and at most one W "
+                                      "per chunk; check the repeat counts",))
+        key = (act.kind, chunk)
+        microbatch = self.counters[key]
+        self.counters[key] += 1
+        return Compute(act.kind, microbatch, chunk, span=act.span)
+
+    def emit(self, parts: list[Compute], span) -> None:
+        """Append ``parts`` (one action, or the two of an SI block) with their transfers."""
+        receives = [t for part in parts for t in self.transfers(part, "RECV", span)]
+        sends = [t for part in parts for t in self.transfers(part, "SEND", span)]
+        main = parts[0] if len(parts) == 1 else Interleaved(*parts, span=span)
+        self.actions.extend(receives + [main] + sends)
+
+    def transfers(self, part: Compute, kind: str, span) -> list[Transfer]:
+        """The RECV before or SEND after ``part`` when its neighbour stage is on another rank."""
+        if part.kind == "W":
+            return []
+        stages = self.placement.stages
+        here = self.placement.stage_at(self.rank, part.chunk).index
+        # Activations flow to the next stage, gradients to the previous one.
+        step = 1 if part.kind == "F" else -1
+        neighbour = here - step if kind == "RECV" else here + step
+        if not 0 <= neighbour < len(stages) or stages[neighbour].rank == self.rank:
+            return []
+        return [Transfer(kind, part.kind, part.microbatch, part.chunk, stages[neighbour].rank,
+                         span=span)]
+
+
+def _act_text(act: s.Act) -> str:
+    return act.kind if act.chunk is None else f"{act.kind}[{format_expr(act.chunk)}]"
+
+
+def _names(expr: s.Expr):
+    if isinstance(expr, s.Name):
+        yield expr.id
+    elif isinstance(expr, s.Neg):
+        yield from _names(expr.operand)
+    elif isinstance(expr, s.BinOp):
+        yield from _names(expr.left)
+        yield from _names(expr.right)
+    elif isinstance(expr, s.Call):
+        for arg in expr.args:
+            yield from _names(arg)
+
+
+def _raise_failures(failures: list[tuple[int, _Failure]], ranks: int) -> None:
+    """One error per distinct failure, naming the ranks it happens on (none if on all)."""
+    groups: dict[tuple, list[int]] = {}
+    for rank, failure in failures:
+        position = None if failure.span is None else (failure.span.line, failure.span.column)
+        groups.setdefault((failure.message, position, failure.notes), []).append(rank)
+    errors = ErrorCollector()
+    for (message, _, notes), failing in groups.items():
+        span = next(f.span for r, f in failures if r == failing[0])
+        where = "" if len(failing) == ranks else " on " + _ranks_text(failing)
+        errors.add(ScheduleError(message.replace("{where}", where), span, notes))
+    errors.raise_if_any()
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"

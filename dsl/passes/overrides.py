@@ -1,0 +1,163 @@
+"""Command-line overrides of a program's pipeline settings, for drawing and exporting.
+
+`dhelix render` and `dhelix export` can redraw a file's schedule at other sizes without
+editing it: ``--ranks P`` (mesh pp), ``--microbatches M``, ``--layers L``, ``--pipeline NAME``
+and ``--fold none|u|loop(V)``. The file is checked as written up to the autodiff stage; the
+overrides then replace fields of the checked Program with :func:`attrs.evolve`, and the fold,
+lower and validate passes run again on the result, so an override that does not fit (8 layers
+on 3 ranks, w_helix with m < p) is reported like any schedule error, with a note naming the
+overrides in force.
+
+Only the pipeline dimension changes: ``--ranks`` makes the mesh's world size differ from the
+cluster's, which the passes after autodiff never look at.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+
+from dhelix.dsl.passes import pipeline as passes
+from dhelix.dsl.passes.fold import placement_for
+from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
+from dhelix.dsl.core.program import FoldSpec, Program
+from dhelix.dsl.core.wording import did_you_mean
+
+_FOLD = re.compile(r"(none|u|loop\((\d+)\))$")
+
+
+@attrs.frozen
+class Overrides:
+    """The overrides given on the command line; None leaves the file's value."""
+
+    ranks: int | None = None
+    microbatches: int | None = None
+    layers: int | None = None
+    pipeline: str | None = None
+    fold: str | None = None
+
+    def describe(self) -> str:
+        """The overrides as command-line flags (empty when there are none)."""
+        flags = [f"--{field.name} {value}" for field in attrs.fields(Overrides)
+                 if (value := getattr(self, field.name)) is not None]
+        return " ".join(flags)
+
+
+def add_override_arguments(parser) -> None:
+    """Add the override options to an argparse (sub)parser."""
+    group = parser.add_argument_group("overrides (re-run fold, lower and validate with other sizes)")
+    group.add_argument("--ranks", type=int, metavar="P", help="pipeline ranks (the mesh's pp)")
+    group.add_argument("--microbatches", type=int, metavar="M", help="micro-batches per step")
+    group.add_argument("--layers", type=int, metavar="L", help="model layers")
+    group.add_argument("--pipeline", metavar="NAME",
+                       help="another pipeline defined in the file or its imports; the fold follows "
+                            "the pipeline's `for` clause unless --fold is given")
+    group.add_argument("--fold", metavar="FOLD", help="none, u or loop(V)")
+
+
+def overrides_from_args(args) -> Overrides:
+    """The :class:`Overrides` of parsed arguments; UsageError for a size below 1."""
+    for name in ("ranks", "microbatches", "layers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name} must be at least 1, got {value}")
+    return Overrides(args.ranks, args.microbatches, args.layers, args.pipeline, args.fold)
+
+
+def load_file(path: str, overrides: Overrides, stop: str = "validate") -> Program:
+    """Read the schedule file ``path`` and :func:`load_program` it (UsageError if unreadable)."""
+    return load_program(read_source(path), path, overrides, stop)
+
+
+def load_program(text: str, path: str, overrides: Overrides, stop: str = "validate") -> Program:
+    """Check ``text`` (the file ``path``), apply ``overrides`` and run the passes up to ``stop``.
+
+    ``stop`` is ``autodiff``, ``fold`` or ``validate``. Raises UsageError for a file without a
+    model or a bad override value, and the usual located errors for everything else (with a
+    note naming the overrides when the passes after them fail).
+    """
+    program = passes.run_until(text, path, "autodiff")
+    if program.model is None:
+        raise UsageError(f"'{path}' is a library file (no model block): give a file with a model, "
+                         "e.g. examples/tiny_llama_cpu.dhx")
+    program = _apply(program, overrides)
+    if stop == "autodiff":
+        return program
+    try:
+        program = _place(program)
+        if stop == "validate":
+            program = passes.validate(passes.lower(program))
+    except DhelixError as exc:
+        if overrides.describe():
+            _add_note(exc, f"with the overrides {overrides.describe()}")
+        raise
+    return program
+
+
+def _place(program: Program) -> Program:
+    """The program with the placement of its (possibly overridden) fold, layers and ranks."""
+    spec = program.fold
+    placement = placement_for(spec.kind, spec.v if spec.kind == "loop" else None,
+                              program.model.get("layers"), program.mesh.size("pp"), span=spec.span)
+    return attrs.evolve(program, placement=placement)
+
+
+def _add_note(error: DhelixError, note: str) -> None:
+    # A group renders its members, not its own notes: note the last member instead.
+    target = error.errors[-1] if isinstance(error, ErrorGroup) else error
+    target.notes = target.notes + (note,)
+
+
+def _apply(program: Program, overrides: Overrides) -> Program:
+    changes = {}
+    if overrides.ranks is not None:
+        mesh = program.mesh
+        sizes = tuple(overrides.ranks if axis == "pp" else size
+                      for axis, size in zip(mesh.order, mesh.sizes, strict=True))
+        changes["mesh"] = attrs.evolve(mesh, sizes=sizes)
+    if overrides.microbatches is not None:
+        changes["train"] = attrs.evolve(program.train, microbatches=overrides.microbatches)
+    if overrides.layers is not None:
+        settings = tuple((key, overrides.layers if key == "layers" else value)
+                         for key, value in program.model.settings)
+        changes["model"] = attrs.evolve(program.model, settings=settings)
+    pipeline = program.pipeline
+    if overrides.pipeline is not None:
+        pipeline = _pipeline(program, overrides.pipeline)
+        changes["pipeline"] = pipeline
+    fold = _fold(program.fold, overrides.fold, pipeline, overrides.pipeline is not None)
+    if fold is not None:
+        changes["fold"] = fold
+    return attrs.evolve(program, **changes)
+
+
+def _pipeline(program: Program, name: str):
+    for pipeline in program.pipelines:
+        if pipeline.name == name:
+            return pipeline
+    names = sorted(p.name for p in program.pipelines)
+    notes = did_you_mean(name, names)
+    raise UsageError(f"--pipeline: unknown pipeline '{name}'"
+                     + (f" ({' '.join(notes)})" if notes else "")
+                     + f"; pipelines: {', '.join(names) or 'none (import stdlib/pipelines.dhx)'}")
+
+
+def _fold(current: FoldSpec, written: str | None, pipeline, pipeline_changed: bool) -> FoldSpec | None:
+    """The FoldSpec to use, or None to keep ``current``. The new spec keeps the file's span so
+    that a fold error still points at the file's fold statement."""
+    if written is not None:
+        match = _FOLD.match(written)
+        if not match:
+            raise UsageError(f"--fold: unknown fold '{written}'; folds: none, u, loop(V) (e.g. loop(2))")
+        kind = written.split("(")[0]
+        v = int(match[2]) if match[2] else (1 if kind == "none" else 2)
+        return FoldSpec(kind, v, span=current.span)
+    declared = pipeline.fold if pipeline is not None else None
+    if not pipeline_changed or declared is None or declared == current.kind:
+        return None
+    if declared == "loop":
+        raise UsageError(f"--pipeline {pipeline.name} is written for fold loop(V): "
+                         "add --fold loop(2) (or another V)")
+    return FoldSpec(declared, 1 if declared == "none" else 2, span=current.span)

@@ -1,0 +1,126 @@
+"""The strands block: which communication SI may hide, and operator selectors.
+
+A selector names operators of the layer's forward or derived backward DAG:
+
+* an op name (``qkv``) or a backward op's full name (``qkv.wgrad``, ``ag1.bwd``);
+* an operator or class of the op library (``gemm``, ``attention``, ``all_gather``, ``norm``);
+* a derived class: ``dgrad``, ``wgrad``, ``bwd`` (every backward op), ``compute``, ``comm``;
+* ``X.fwd`` / ``X.bwd`` / ``X.dgrad`` / ``X.wgrad``: the forward ops matching X, or the
+  backward ops derived from them (``attention.bwd``).
+"""
+
+from __future__ import annotations
+
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.passes.autodiff import derive_backward
+from dhelix.dsl.core.errors import CheckError, ErrorCollector
+from dhelix.dsl.core.oplib import OPS
+from dhelix.dsl.core.program import LayerDag, Op, Strands
+from dhelix.dsl.core.wording import did_you_mean
+
+OVERLAP_KINDS = ("tp", "cp", "ep")
+_PHASES = ("fwd", "bwd", "dgrad", "wgrad")
+
+
+def select(selector: s.Selector, forward: LayerDag, backward: LayerDag) -> list[Op]:
+    """The ops of either DAG that ``selector`` names (forward first, in DAG order)."""
+    text = str(selector)
+    every = list(forward.ops) + list(backward.ops)
+    exact = [op for op in every if op.name == text]
+    if exact:
+        return exact
+    *head, last = selector.parts
+    if head and last in _PHASES:
+        base = {op.name for op in forward.ops if _matches(op, ".".join(head))}
+        if last == "fwd":
+            return [op for op in forward.ops if op.name in base]
+        return [op for op in backward.ops if op.forward in base and _phase(op, last)]
+    return [op for op in every if _matches(op, text)]
+
+
+def _matches(op: Op, word: str) -> bool:
+    if word in ("compute", "comm"):
+        return op.kind == word
+    if word == "bwd":
+        return op.forward is not None
+    if word in ("dgrad", "wgrad"):
+        return op.op.endswith("_" + word)
+    return word in (op.name, op.op, op.op_class) or (op.forward is None and op.name.split(".")[0] == word)
+
+
+def _phase(op: Op, phase: str) -> bool:
+    return phase == "bwd" or op.op.endswith("_" + phase)
+
+
+def known_words(forward: LayerDag, backward: LayerDag) -> set[str]:
+    """Every word a selector may start with, for "did you mean" notes."""
+    words = {op.name for op in forward.ops + backward.ops} | set(OPS)
+    words |= {spec.op_class for spec in OPS.values()} | {"dgrad", "wgrad", "bwd", "compute", "comm"}
+    return words
+
+
+def build_strands(node: s.StrandsDef | None, forward: LayerDag, errors: ErrorCollector) -> Strands:
+    """The Strands of a strands block (defaults when absent); selectors that match no
+    operator and unknown kinds are recorded in ``errors``."""
+    if node is None:
+        return Strands()
+    backward = derive_backward(forward)
+    overlap, comm_with_comm, movable, forbid = [], True, [], []
+    for st in node.body:
+        if isinstance(st, s.Overlap):
+            overlap += _kinds(st, errors)
+        elif isinstance(st, s.CommWithComm):
+            if st.value not in ("on", "off"):
+                errors.add(CheckError(f"comm_with_comm is 'on' or 'off', not '{st.value}'", st.span_of("value"),
+                                      did_you_mean(st.value, ("on", "off"))))
+            comm_with_comm = st.value != "off"
+        elif isinstance(st, s.Movable):
+            movable += [sel for sel in st.selectors if _resolves(sel, forward, backward, errors)]
+        elif isinstance(st, s.Forbid):
+            if all([_resolves(st.first, forward, backward, errors), _resolves(st.second, forward, backward, errors)]):
+                forbid.append((st.first, st.second))
+    return Strands(tuple(dict.fromkeys(overlap)), comm_with_comm, tuple(movable), tuple(forbid))
+
+
+def _kinds(st: s.Overlap, errors: ErrorCollector) -> list[str]:
+    good = []
+    for i, kind in enumerate(st.kinds):
+        if kind in OVERLAP_KINDS:
+            good.append(kind)
+            continue
+        notes = did_you_mean(kind, OVERLAP_KINDS)
+        if kind in ("pp", "dp"):
+            notes = [f"{kind} communication happens between layers (pipeline send/recv, gradient "
+                     "all-reduce); SI pairs the operators inside a layer"]
+        errors.add(CheckError(f"unknown communication kind '{kind}'", st.span_of(f"kinds.{i}"),
+                              notes + ["SI can hide tp, cp and ep communication"]))
+    return good
+
+
+_SELECTOR_NOTE = ("a selector names an op (qkv, qkv.wgrad), an operator or class (gemm, norm), "
+                  "dgrad/wgrad/bwd/compute/comm, or X.fwd / X.bwd")
+
+
+def _resolves(selector: s.Selector, forward, backward, errors: ErrorCollector) -> bool:
+    if select(selector, forward, backward):
+        return True
+    errors.add(CheckError(f"'{selector}' matches no operator of layer {forward.name}", selector.span,
+                          _selector_hints(selector, forward, backward) + [_SELECTOR_NOTE]))
+    return False
+
+
+def _selector_hints(selector: s.Selector, forward: LayerDag, backward: LayerDag) -> list[str]:
+    """Why a selector matched nothing: a misspelt word, or a phase its ops do not have."""
+    words = known_words(forward, backward)
+    head, *rest = selector.parts
+    if head in words and rest and rest[-1] in _PHASES:
+        base = {op.name for op in forward.ops if _matches(op, head)}
+        derived = [op.name for op in backward.ops if op.forward in base]
+        if not base:
+            return [f"layer {forward.name} has no '{head}' op"]
+        return [f"the backward ops of '{head}' are {', '.join(derived)}" if derived
+                else f"no backward op derives from '{head}'"]
+    if head in words and not rest:
+        return [f"layer {forward.name} has no op of kind '{head}'"]
+    close = did_you_mean(str(selector), words) or did_you_mean(head, words)
+    return close

@@ -1,0 +1,107 @@
+"""Unit-time dry run: make-span and bubble ratio of a lowered schedule, in exact fractions.
+
+Costs per action: F = 1; B = 2 for a full backward, or B = 1 and W = 1 when the schedule splits
+its backward (so B + W = 2 either way); an SI block costs the sum of its pair (the unit-time
+model gives strand interleaving no speed-up: that is the planner's business); SEND and RECV
+cost 0. Each action starts when its rank has finished the previous one and, for a RECV, when
+the matching SEND has run (sends are eager, as in :func:`validate.dry_run`).
+
+Costs are per chunk action: with v chunks per rank an action does 1/v of a rank's layers, so
+compare make-spans across folds after dividing by v (``Timing.normalized_makespan``).
+
+The bubble ratio is idle / (p × make-span), idle being p × make-span minus the busy time of all
+ranks. For 1F1B it is exactly (p − 1) / (m + p − 1): make-span 3(m + p − 1), busy 3m per rank.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import attrs
+
+from dhelix.dsl.core.schedule import Interleaved, Lowered, Transfer, computes
+from dhelix.dsl.passes.validate import dry_run, transfer_key
+
+
+@attrs.frozen
+class Timing:
+    """The result of a unit-time run: per-rank (start, end) of every action, and totals."""
+
+    lowered: Lowered
+    starts: tuple[tuple[int, ...], ...]
+    ends: tuple[tuple[int, ...], ...]
+
+    @property
+    def makespan(self) -> int:
+        """When the last rank finishes."""
+        return max((row[-1] for row in self.ends if row), default=0)
+
+    @property
+    def busy(self) -> int:
+        """Total compute time summed over ranks."""
+        return sum(end - start for s_row, e_row in zip(self.starts, self.ends, strict=True)
+                   for start, end in zip(s_row, e_row, strict=True))
+
+    @property
+    def bubble_ratio(self) -> Fraction:
+        """idle / (p × make-span), exact; 0 for an empty schedule."""
+        total = self.lowered.ranks * self.makespan
+        return Fraction(total - self.busy, total) if total else Fraction(0)
+
+    @property
+    def normalized_makespan(self) -> Fraction:
+        """Make-span / v: in units of a forward over all the layers of one rank."""
+        return Fraction(self.makespan, self.lowered.chunks)
+
+
+def action_cost(action, split: bool) -> int:
+    """Unit cost of one action: F 1, B 2 (1 when ``split``), W 1, SI its pair, transfers 0."""
+    if isinstance(action, Transfer):
+        return 0
+    if isinstance(action, Interleaved):
+        return sum(action_cost(part, split) for part in action.parts)
+    return {"F": 1, "B": 1 if split else 2, "W": 1}[action.kind]
+
+
+def unit_time(lowered: Lowered) -> Timing:
+    """Run ``lowered`` in unit time (see the module docstring) and return its :class:`Timing`.
+
+    Assumes ``validate.validate_lowered`` passed; raises ScheduleError if the ranks deadlock.
+    """
+    split = lowered.split
+    starts = [[0] * len(row) for row in lowered.actions]
+    ends = [[0] * len(row) for row in lowered.actions]
+    free = [0] * lowered.ranks
+    sent: dict = {}
+    # dry_run's order puts every SEND before its RECV, so one pass settles every start time.
+    for rank, step in dry_run(lowered):
+        action = lowered.actions[rank][step]
+        start = free[rank]
+        if isinstance(action, Transfer):
+            key = transfer_key(lowered, rank, action)
+            if action.kind == "SEND":
+                sent[key] = start
+            else:
+                start = max(start, sent[key])
+        end = start + action_cost(action, split)
+        starts[rank][step], ends[rank][step] = start, end
+        free[rank] = end
+    return Timing(lowered, tuple(map(tuple, starts)), tuple(map(tuple, ends)))
+
+
+def peak_in_flight(lowered: Lowered) -> tuple[int, ...]:
+    """Per rank, the most (micro-batch, chunk) activations held at once, in program order.
+
+    A forward adds one; its backward B frees it (W keeps only weight-gradient inputs, which
+    this count ignores). A memory proxy: divide by v for whole-rank activations.
+    """
+    peaks = []
+    for row in lowered.actions:
+        live = peak = 0
+        for action in row:
+            for part in computes(action):
+                live += {"F": 1, "B": -1}.get(part.kind, 0)
+            peak = max(peak, live)
+        peaks.append(peak)
+    return tuple(peaks)
+

@@ -1,0 +1,292 @@
+"""Per-operator cost: FLOPs, HBM bytes, wire bytes and time on a hardware profile.
+
+Formulas follow the project's reference notes (NOTES §3.1-3.4 for FLOPs and bytes, §3.6 for
+collectives, §3.8 for Megatron's FLOP count). Shapes are the per-GPU ``[tokens, features]``
+of :class:`~dhelix.dsl.core.program.Op`; a GEMM ``[M, K] x [K, N]`` costs ``2·M·K·N`` FLOPs and
+its dgrad and wgrad each cost the same (NOTES §3.2).
+
+Modelling choices, with their reasons:
+
+* **Attention** forward costs ``4·T·s·h_q·γ`` FLOPs, where ``T`` is the op's query tokens
+  (``b·s/cp``), ``s`` the full sequence one query attends over, ``h_q = heads·head_dim``
+  (local heads) and ``γ = ½`` for a causal mask (the work the kernel does; Megatron's MFU
+  counts ``γ = 1``, see :func:`megatron_flops_per_iteration`). The head dim is the qkv width
+  divided by ``heads + 2·kv_heads``. ``s`` comes from the op's ``seq`` param if the DAG
+  records one, else the caller's ``seq``, else ``T·cp`` (one sequence per micro-batch).
+* **Attention backward** costs 2.5× the forward: a FlashAttention-2 backward recomputes the
+  probabilities (NOTES §3.2 B13; Megatron counts 2×).
+* **Ring attention** (cp > 1) spreads the attention FLOPs and bytes evenly over its steps:
+  cp forward ops (cp - 1 carrying steps + the last), cp + 1 backward ops. A carrying step
+  also sends a KV block (``β·T·2·kv_heads·head_dim``) to its ring neighbour: forward steps one
+  block each, backward steps ``2(cp-1)/cp`` blocks each (KV forward, dKV back: NOTES §3.3).
+  Such a step is two tasks that run together: its compute and its P2P on the ring's lane.
+* **Compute-bound** classes (gemm, attention, router) take ``max(FLOPs / (peak·achieved),
+  bytes / HBM)``; **memory-bound** ones (norm, add, activation, permute) take ``bytes /
+  (HBM·achieved)``: elementwise FLOPs are negligible next to the tensor-core peak.
+* **Collectives** (NOTES §3.6, NCCL ring conventions), with ``S`` the full tensor bytes, ``g``
+  the group size, ``α`` the lane's latency and ``B`` its bandwidth times the profile's
+  efficiency: ring ``α(g-1) + S(g-1)/g/B`` (all_gather, reduce_scatter), ring_allreduce twice
+  that, pairwise ``α(g-1) + S_send(g-1)/g/B`` (all_to_all), p2p ``α + S/B``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.frontend.profiles import Profile
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+COMPUTE_BOUND = frozenset({"gemm", "attention", "router"})
+ATTENTION_BWD_FACTOR = 2.5  # FlashAttention-2 backward recomputes P (NOTES §3.2, B13)
+CAUSAL_FRACTION = 0.5  # γ: a causal kernel skips the masked half
+_COMM_KIND = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce",
+              "all_to_all": "all_to_all", "send": "p2p", "recv": "p2p", "attention": "p2p",
+              "attention_bwd": "p2p"}
+_LANE_CLASS = {"compute": "comp", "local": "intra", "cross": "inter"}
+
+
+@attrs.frozen
+class Task:
+    """Work an op puts on one lane: its solo time and the keys an OEF override may name."""
+
+    lane: str  # compute | local | cross
+    seconds: float
+    keys: tuple[str, ...]  # most specific first: op name, op kind, op class / collective@lane
+    cls: str  # comp | intra | inter (the OEF class of the lane)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (fp32, bf16, fp16, fp8)."""
+    if dtype not in DTYPE_BYTES:
+        raise DhelixError(f"unknown dtype '{dtype}'", notes=[f"dtypes: {', '.join(DTYPE_BYTES)}"])
+    return DTYPE_BYTES[dtype]
+
+
+def _params(op) -> dict:
+    return dict(op.params)
+
+
+def _elements(shape) -> int:
+    return math.prod(shape) if shape else 0
+
+
+# ---------------------------------------------------------------- attention geometry
+
+def _is_attention(op) -> bool:
+    return op.op in ("attention", "attention_bwd")
+
+
+def _attention(op, seq: int | None) -> tuple[float, float, float]:
+    """(FLOPs, HBM elements, KV elements per block) of one attention op or ring step,
+    already divided over the ring's steps."""
+    params = _params(op)
+    heads, kv_heads = params["heads"], params["kv_heads"]
+    backward = op.op == "attention_bwd"
+    qkv_width = op.shape[1] if backward else op.in_shapes[0][1]
+    head_dim = qkv_width / (heads + 2 * kv_heads)
+    tokens, ring = op.shape[0], op.group_size
+    context = params.get("seq") or seq or tokens * ring
+    gamma = CAUSAL_FRACTION if params.get("mask") == "causal" else 1.0
+    flops = 4.0 * tokens * context * heads * head_dim * gamma
+    out_width = heads * head_dim
+    # Forward reads q, k, v and writes o (+ fp32 log-sum-exp, counted as 2 elements per row and
+    # head); backward reads q, k, v, o, do and writes dq, dk, dv (NOTES §3.1 F4, §3.2 B13).
+    elements = tokens * (qkv_width + out_width) + 2 * tokens * heads
+    if backward:
+        flops *= ATTENTION_BWD_FACTOR
+        elements = tokens * (2 * qkv_width + 2 * out_width)
+    steps = ring + 1 if backward and ring > 1 else ring
+    kv_block = tokens * 2 * kv_heads * head_dim
+    return flops / steps, elements / steps, kv_block
+
+
+def _ring_send_elements(op, kv_block: float) -> float:
+    """Elements a carrying ring step sends: one KV block forward; backward, the cp steps
+    together move KV and dKV around the ring, 2(cp-1) blocks (NOTES §3.3)."""
+    if op.op == "attention_bwd":
+        ring = op.group_size
+        return kv_block * 2 * (ring - 1) / ring
+    return kv_block
+
+
+# ---------------------------------------------------------------- FLOPs and bytes
+
+def _gemm_dims(op) -> tuple[int, int, int, int]:
+    """(M, K, N, experts) of the forward product ``[M, K] x [K, N]`` behind a GEMM-family op."""
+    weight = op.weight
+    k, n = weight[-2], weight[-1]
+    experts = weight[0] if len(weight) == 3 else 1
+    return op.in_shapes[0][0], k, n, experts
+
+
+_ELEMENTWISE = {
+    # op kind: (FLOPs per element, element traffic per element) over the op's reference tensor;
+    # NOTES §3.1/§3.2 where given (norm 5 FLOPs and 2 passes, its backward 8 and 4, add 3 passes,
+    # swiglu 3 passes of [T, F] and 5 backward), else read-and-write (2 passes).
+    "rmsnorm": (5, 2), "layernorm": (5, 2), "rmsnorm_bwd": (8, 4), "layernorm_bwd": (8, 4),
+    "add": (1, 3), "add_bwd": (0, 3), "gelu": (8, 2), "gelu_bwd": (10, 3),
+}
+
+
+def _compute_cost(op, seq: int | None) -> tuple[float, float]:
+    """(FLOPs, HBM elements) of the compute work of ``op`` (zero for pure collectives)."""
+    if _is_attention(op):
+        flops, elements, _ = _attention(op, seq)
+        return flops, elements
+    if op.kind == "comm":
+        return 0.0, 0.0
+    base = op.op.removesuffix("_dgrad").removesuffix("_wgrad")
+    if base in ("gemm", "grouped_gemm", "router"):
+        m, k, n, experts = _gemm_dims(op)
+        return 2.0 * m * k * n, float(m * k + experts * k * n + m * n)
+    if op.op in _ELEMENTWISE:
+        flops, passes = _ELEMENTWISE[op.op]
+        size = _elements(op.shape)
+        return flops * size, passes * size
+    return _shuffle_cost(op)
+
+
+def _shuffle_cost(op) -> tuple[float, float]:
+    """SwiGLU, permute/unpermute and their backwards (and, as a fallback, any other op:
+    one read of its inputs and one write of its output)."""
+    inputs = sum(_elements(shape) for shape in op.in_shapes)
+    out = _elements(op.shape)
+    if op.op == "swiglu":  # [T, 2F] -> [T, F]: 3·T·F bytes, about 4·T·F FLOPs (NOTES F11)
+        return 4.0 * out, 3.0 * out
+    if op.op == "swiglu_bwd":  # output [T, 2F]: 5·T·F bytes, about 8·T·F FLOPs (NOTES B5)
+        return 4.0 * out, 2.5 * out
+    if op.op in ("permute", "permute_bwd"):  # gather k copies of each row (NOTES §3.4)
+        return 0.0, 2.0 * max(inputs, out)
+    if op.op in ("unpermute", "unpermute_bwd"):  # top-k weighted sum: read n·k rows, write n
+        return 2.0 * max(inputs, out), float(inputs + out)
+    return 0.0, float(inputs + out)
+
+
+def op_flops(op, *, seq: int | None = None) -> float:
+    """FLOPs of ``op`` on one GPU (0 for a pure collective). ``seq`` is the full sequence
+    length an attention query attends over (see the module docstring)."""
+    return _compute_cost(op, seq)[0]
+
+
+def op_bytes(op, dtype: str, *, seq: int | None = None) -> float:
+    """HBM bytes moved by the compute work of ``op`` on one GPU (0 for a pure collective)."""
+    return _compute_cost(op, seq)[1] * dtype_bytes(dtype)
+
+
+def _collective_kind(op) -> str | None:
+    """The NOTES §3.6 collective an op's communication is: all_gather, …, p2p; or None."""
+    if op.kind != "comm":
+        return None
+    return _COMM_KIND.get(op.op, "p2p")
+
+
+def _full_bytes(op, dtype: str) -> float:
+    """S of NOTES §3.6: the full (gathered / unscattered / sent) tensor in bytes."""
+    if op.op_class == "ring_attention":
+        _, _, kv_block = _attention(op, None)
+        return _ring_send_elements(op, kv_block) * dtype_bytes(dtype)
+    largest = max([_elements(op.shape)] + [_elements(shape) for shape in op.in_shapes])
+    return float(largest * dtype_bytes(dtype))
+
+
+def comm_bytes(op, dtype: str) -> float:
+    """Bytes one GPU sends over the wire for ``op`` (0 for compute ops): ``S(g-1)/g`` for
+    all_gather, reduce_scatter and all_to_all, ``2S(g-1)/g`` for all_reduce, ``S`` for P2P."""
+    kind = _collective_kind(op)
+    if kind is None or (op.group_size <= 1 and kind != "p2p"):
+        return 0.0
+    size, group = _full_bytes(op, dtype), op.group_size
+    if kind == "p2p":
+        return size
+    share = size * (group - 1) / group
+    return 2 * share if kind == "all_reduce" else share
+
+
+def collective_time(kind: str, size_bytes: float, group: int, lane: str, profile: Profile) -> float:
+    """Seconds for collective ``kind`` of ``size_bytes`` (S of NOTES §3.6) over ``group`` GPUs
+    on ``lane`` (local or cross), by the profile's model for that collective."""
+    link = profile.links[lane]
+    model = profile.collectives[kind]
+    bandwidth = link.bw_gbps * 1e9 * model.efficiency
+    alpha = link.latency_us * 1e-6
+    if model.model == "p2p":
+        return alpha + size_bytes / bandwidth
+    if group <= 1:
+        return 0.0
+    steps = group - 1
+    one = alpha * steps + size_bytes * steps / group / bandwidth
+    return 2 * one if model.model == "ring_allreduce" else one
+
+
+# ---------------------------------------------------------------- time
+
+def _compute_seconds(op, profile: Profile, dtype: str, seq: int | None) -> float:
+    flops, elements = _compute_cost(op, seq)
+    moved = elements * dtype_bytes(dtype)
+    op_class = "attention" if _is_attention(op) else op.op_class
+    hbm = profile.hbm_gbps * 1e9
+    achieved = profile.achieved.get(op_class)
+    if achieved is None:  # an op class the profile does not list: treat as a streaming kernel
+        achieved = profile.achieved["activation"]
+        op_class = "activation"
+    if op_class in COMPUTE_BOUND:
+        return max(flops / (profile.peak_flops(dtype) * achieved), moved / hbm)
+    return moved / (hbm * achieved)
+
+
+def op_tasks(op, profile: Profile, dtype: str, *, seq: int | None = None) -> tuple[Task, ...]:
+    """The lane work of ``op``: one task, or two for a carrying ring-attention step (its
+    compute on the compute lane and its P2P on the ring's lane, running together)."""
+    kind = _collective_kind(op)
+    tasks = []
+    if kind is None or op.op_class == "ring_attention":
+        keys = tuple(dict.fromkeys((op.name, op.op, op.op_class)))
+        tasks.append(Task("compute", _compute_seconds(op, profile, dtype, seq), keys, "comp"))
+    if kind is not None:
+        seconds = collective_time(kind, _full_bytes(op, dtype), op.group_size, op.lane, profile)
+        tasks.append(Task(op.lane, seconds, (op.name, f"{kind}@{op.lane}"), _LANE_CLASS[op.lane]))
+    return tuple(tasks)
+
+
+def op_time(op, profile: Profile, dtype: str, *, seq: int | None = None) -> float:
+    """Seconds ``op`` takes alone on one GPU: the profile's measured time for an op of that
+    name if it has one for ``dtype``, else the model above. A ring step's compute and P2P
+    overlap with the profile's same-strand slowdown σ: ``a + b - (1 - σ)·min(a, b)``."""
+    measured = profile.measured
+    if measured is not None and measured.dtype == dtype and op.name in measured.ops:
+        return measured.ops[op.name] * 1e-6
+    tasks = op_tasks(op, profile, dtype, seq=seq)
+    if len(tasks) == 1:
+        return tasks[0].seconds
+    a, b = tasks[0].seconds, tasks[1].seconds
+    return a + b - (1.0 - profile.slowdown) * min(a, b)
+
+
+# ---------------------------------------------------------------- Megatron MFU accounting
+
+def megatron_flops_per_iteration(model, global_batch: int, *, swiglu: bool | None = None) -> float:
+    """FLOPs of one training iteration as Megatron-LM counts them for TFLOPS and MFU (NOTES §3.8):
+    ``12·B·s·L·h²·[(1 + g/a + s/h)·(a·d/h) + (f/h)·k·(3/2 if SwiGLU) + V/(2·L·h)]``.
+
+    ``model`` is a :class:`~dhelix.dsl.core.program.Model` (layers, hidden, ffn, heads, kv_heads,
+    seq, vocab, top_k for MoE); ``global_batch`` counts sequences. Causal attention is not
+    halved. ``swiglu`` defaults to True unless the layer is a ``gpt*`` layer (GeLU MLP).
+    """
+    layers, hidden, heads, seq, vocab = (model.get(k) for k in ("layers", "hidden", "heads", "seq", "vocab"))
+    if None in (layers, hidden, heads, seq, vocab):
+        raise DhelixError(f"model {model.name} lacks a setting Megatron's FLOP count needs",
+                           notes=["it needs layers, hidden, heads, seq and vocab"])
+    kv_heads = model.get("kv_heads", heads)
+    ffn = model.get("ffn", 4 * hidden)
+    top_k = model.get("top_k", 1)
+    head_dim = model.get("head_dim", hidden // heads)
+    if swiglu is None:
+        swiglu = not model.layer.startswith("gpt")
+    gated = 1.5 if swiglu else 1.0
+    attention = (1 + kv_heads / heads + seq / hidden) * (heads * head_dim / hidden)
+    mlp = ffn / hidden * top_k * gated
+    logits = vocab / (2 * layers * hidden)
+    return 12.0 * global_batch * seq * layers * hidden ** 2 * (attention + mlp + logits)

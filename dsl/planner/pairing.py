@@ -1,0 +1,324 @@
+"""The DP pairing search: the best strand-interleaving plan of a forward and a backward layer.
+
+The paper's Eq. (2) pairs the segments of two fixed, segmented operator sequences::
+
+    T(i, j) = min(T(i-1, j) + P(i, ∅),  T(i, j-1) + P(∅, j),  T(i-1, j-1) + P(i, j))
+
+Run on op positions instead of segments, with any earlier position as the previous boundary,
+the same recurrence is exact over all segmentations at once (:func:`pair_sequences`). The
+search (:func:`plan_layers`) goes one step further and runs it on *prefixes* of the two DAGs
+(see :mod:`dsl.planner.sequences`): a state is (forward ops done, backward ops done) and a step runs
+the next forward segment beside the next backward segment, each the difference of two
+prefixes. Every plan over every legal order is such a path, so the search is exact over all
+legal orders of both strands and all their segmentations, for a cost that depends on each
+segment's op set; the planner always hands a segment to the cost in its canonical issue
+order (:func:`dsl.planner.sequences.canonical`), which is also the order the plan records.
+
+Bounds, both recorded in the plan: ``max_segment`` caps the ops per segment (None: any), and
+a strand with more than ``max_prefixes`` prefixes gets a narrower window for its moving ops
+(:func:`dsl.planner.sequences.strand_within`). Ties go to the first path found, deterministically.
+
+Constraints (a restricted pair may still run each segment alone, one after the other):
+
+* ``overlap K…``: communication over an axis not listed cannot be hidden — a segment holding
+  such a comm op never pairs with a non-empty segment of the other strand. So the paper's
+  Fig. 15 ablation reads ``overlap tp`` → ``overlap tp, cp`` → ``comm_with_comm on`` →
+  ``movable wgrad``: ring steps run alone until cp is listed.
+* ``comm_with_comm off``: a segment holding comm never pairs with a segment holding comm;
+  ``on`` leaves it to the cost model (a local and a cross-node transfer overlap, two transfers
+  on one lane do not).
+* ``forbid A with B``: no op matching A in one segment beside an op matching B in the other,
+  whichever strand each is in.
+* Always: never two comm ops over the same axis — TP collective with TP collective, ring
+  step with ring step (the reference code's rules), and likewise EP all-to-all with EP
+  all-to-all: both strands would share one communicator, which serialises them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import attrs
+
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.plan import Plan, PlanOp, SearchStats, SegmentPair
+from dhelix.dsl.core.program import LayerDag, Op, Program, Strands
+from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, available, canonical, count_orders, moving_ops,
+                        prefixes, selector_names, strand_within)
+from dhelix.dsl.passes.strands import OVERLAP_KINDS
+
+INF = float("inf")
+#: Ops per segment by default. The reference code's segments never exceed its atomic groups
+#: (at most 4 ops), and on every shipped example the plan with 4 equals the unbounded one
+#: while costing a quarter of the pair evaluations (benchmarks/planner_speed.py).
+DEFAULT_MAX_SEGMENT = 4
+
+
+class SegmentCost(Protocol):
+    """What the search needs from a cost model (``dsl.planner.paircost.PairCost`` provides it).
+
+    ``solo(ops)``: the make-span of one segment run alone; ``pair(fwd_ops, bwd_ops)``: the
+    make-span of two non-empty segments co-executed on the three lanes. Ops come in issue
+    order; inputs that are not in the list have already been computed. An optional ``unit``
+    attribute names the time unit (seconds if absent).
+    """
+
+    def solo(self, ops: Sequence[Op]) -> float: ...
+
+    def pair(self, fwd_ops: Sequence[Op], bwd_ops: Sequence[Op]) -> float: ...
+
+
+@attrs.frozen
+class PairingRules:
+    """The strands block's pairing constraints, with selectors resolved to op names."""
+
+    overlap: frozenset[str] = frozenset(OVERLAP_KINDS)
+    comm_with_comm: bool = True
+    forbid: tuple[tuple[frozenset[str], frozenset[str]], ...] = ()
+    forbid_text: tuple[str, ...] = ()
+
+
+def rules_of(strands: Strands, forward: LayerDag, backward: LayerDag) -> PairingRules:
+    """The PairingRules of a checked strands block for the two DAGs."""
+    forbid = tuple((selector_names(a, forward, backward), selector_names(b, forward, backward))
+                   for a, b in strands.forbid)
+    text = tuple(f"{a} with {b}" for a, b in strands.forbid)
+    return PairingRules(frozenset(strands.overlap), strands.comm_with_comm, forbid, text)
+
+
+def restriction(fwd_ops: Sequence[Op], bwd_ops: Sequence[Op], rules: PairingRules) -> str | None:
+    """Why the two segments may not be co-executed, or None when they may (always when
+    either is empty)."""
+    if not fwd_ops or not bwd_ops:
+        return None
+    for op in [*fwd_ops, *bwd_ops]:
+        if op.kind == "comm" and op.axis not in rules.overlap:
+            return f"{op.name} communicates over {op.axis}, which `overlap` does not list"
+    fwd_comm = {op.axis: op.name for op in fwd_ops if op.kind == "comm"}
+    for op in bwd_ops:
+        if op.kind == "comm" and op.axis in fwd_comm:
+            return f"{fwd_comm[op.axis]} and {op.name} both communicate over {op.axis}"
+    if not rules.comm_with_comm and fwd_comm and any(op.kind == "comm" for op in bwd_ops):
+        return "comm_with_comm is off and both segments communicate"
+    fwd_names, bwd_names = {op.name for op in fwd_ops}, {op.name for op in bwd_ops}
+    for (a, b), text in zip(rules.forbid, rules.forbid_text, strict=True):
+        if (fwd_names & a and bwd_names & b) or (fwd_names & b and bwd_names & a):
+            return f"forbid {text}"
+    return None
+
+
+@attrs.frozen
+class _Traits:
+    """A segment's constraint-relevant facts as bits, so a pair check is a few ANDs."""
+
+    pinned: bool  # holds comm that `overlap` does not list
+    comm: bool
+    axes: int  # one bit per communication axis
+    first: int  # bit r: matches the first selector of forbid rule r
+    second: int  # bit r: matches the second selector
+
+    def allows(self, other: _Traits, comm_with_comm: bool) -> bool:
+        """Whether this segment may be co-executed with ``other`` (of the other strand)."""
+        return not (self.pinned or other.pinned or self.axes & other.axes
+                    or (not comm_with_comm and self.comm and other.comm)
+                    or self.first & other.second or self.second & other.first)
+
+
+def _traits(ops: Sequence[Op], rules: PairingRules, axis_bits: dict[str, int]) -> _Traits:
+    comm = [op for op in ops if op.kind == "comm"]
+    names = {op.name for op in ops}
+    axes = 0
+    for op in comm:
+        axes |= axis_bits.setdefault(str(op.axis), 1 << len(axis_bits))
+    first = sum(1 << r for r, (a, _) in enumerate(rules.forbid) if names & a)
+    second = sum(1 << r for r, (_, b) in enumerate(rules.forbid) if names & b)
+    return _Traits(any(op.axis not in rules.overlap for op in comm), bool(comm), axes, first, second)
+
+
+class _Table:
+    """One strand's prefixes, its distinct segments (id 0: the empty one) and, per prefix,
+    the steps out of it: (segment id, index of the grown prefix), the empty step first."""
+
+    def __init__(self, strand: Strand, max_segment: int | None):
+        self.strand = strand
+        self.prefixes = prefixes(strand)
+        position = {p: k for k, p in enumerate(self.prefixes)}
+        ids: dict[int, int] = {0: 0}
+        self.succ: list[list[tuple[int, int]]] = []
+        for k, prefix in enumerate(self.prefixes):
+            steps = [(0, k)]
+            for grown in _grown(strand, prefix, max_segment):
+                steps.append((ids.setdefault(grown ^ prefix, len(ids)), position[grown]))
+            self.succ.append(steps)
+        self.segments = sorted(ids, key=ids.__getitem__)
+        self.ops = [tuple(strand.ops[i] for i in canonical(strand, seg)) for seg in self.segments]
+
+
+def _grown(strand: Strand, prefix: int, max_segment: int | None) -> list[int]:
+    """Every prefix that extends ``prefix`` by 1 … ``max_segment`` ops, by size then mask."""
+    found, level = [], {prefix}
+    limit = max_segment if max_segment is not None else len(strand.ops)
+    for _ in range(limit):
+        level = {grown | 1 << i for grown in level for i in available(strand, grown)}
+        if not level:
+            break
+        found += sorted(level)
+    return found
+
+
+def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost, *,
+                max_segment: int | None = DEFAULT_MAX_SEGMENT, max_prefixes: int = DEFAULT_MAX_PREFIXES) -> Plan:
+    """The best plan co-executing ``forward`` (one strand's layer) with ``backward`` (the
+    other strand's), under the strands block's constraints and ``cost``.
+
+    Assumes both DAGs come from a checked program (ops in topological order, selectors that
+    resolve). ``max_segment`` bounds the ops per segment; ``max_prefixes`` bounds each
+    strand's prefixes by narrowing its moving ops' window. Returns the Plan with the chosen
+    orders, the segment pairs, their predicted times and the totals.
+    """
+    moving = moving_ops(strands, forward, backward)
+    rules = rules_of(strands, forward, backward)
+    tables = (_Table(strand_within(forward, moving, max_prefixes), max_segment),
+              _Table(strand_within(backward, moving, max_prefixes), max_segment))
+    matrix = _PairMatrix(tables, cost, rules)
+    steps, total = _shortest(tables, matrix)
+    pairs = tuple(SegmentPair(tuple(op.name for op in tables[0].ops[f]),
+                              tuple(op.name for op in tables[1].ops[b]), time,
+                              matrix.solo[0][f] + matrix.solo[1][b]) for f, b, time in steps)
+    stats = SearchStats(count_orders(tables[0].strand), count_orders(tables[1].strand),
+                        len(tables[0].prefixes), len(tables[1].prefixes), tables[0].strand.window,
+                        tables[1].strand.window, max_segment, matrix.evaluations)
+    return Plan(
+        forward_layer=forward.name, backward_layer=backward.name,
+        forward_order=tuple(name for pair in pairs for name in pair.forward),
+        backward_order=tuple(name for pair in pairs for name in pair.backward),
+        ops=_plan_ops(forward, backward, moving), pairs=pairs, total=total,
+        sequential=_solo(cost, forward.ops) + _solo(cost, backward.ops),
+        compute_time=sum(_solo(cost, [op for op in dag.ops if op.kind == "compute"]) for dag in (forward, backward)),
+        comm_time=sum(_solo(cost, [op]) for dag in (forward, backward) for op in dag.ops if op.kind == "comm"),
+        rules=_rules_text(strands, rules, moving), stats=stats, unit=getattr(cost, "unit", "s"))
+
+
+def plan_program(program: Program, cost: SegmentCost, **bounds) -> Plan:
+    """:func:`plan_layers` for a checked program's layer (forward of one strand with the
+    backward of the other); ``bounds`` are plan_layers' keyword arguments. Raises
+    DhelixError for a library file, which has no model and so no layer to plan."""
+    if program.forward is None or program.backward is None:
+        raise DhelixError("there is no layer to plan: the file has no model block",
+                          notes=["plan a file with a model, cluster and mesh (e.g. examples/llama8b_a40.dhx)"])
+    return plan_layers(program.forward, program.backward, program.strands, cost, **bounds)
+
+
+class _PairMatrix:
+    """Solo times per segment and pair costs per (forward, backward) segment, filled one
+    forward segment at a time; ``rows[f][b]`` is INF for a restricted pair and for ∅ × ∅."""
+
+    def __init__(self, tables: tuple[_Table, _Table], cost: SegmentCost, rules: PairingRules):
+        self.tables, self.cost, self.rules = tables, cost, rules
+        self.solo = [[0.0] + [cost.solo(ops) for ops in table.ops[1:]] for table in tables]
+        axis_bits: dict[str, int] = {}
+        self.traits = [[_traits(ops, rules, axis_bits) for ops in table.ops] for table in tables]
+        self.rows: list[list[float] | None] = [None] * len(tables[0].ops)
+        self.rows[0] = [INF] + self.solo[1][1:]
+        self.evaluations = 0
+
+    def row(self, f: int) -> list[float]:
+        """The costs of forward segment ``f`` beside every backward segment (id 0: alone)."""
+        if self.rows[f] is None:
+            self.rows[f] = self._fill(f)
+        return self.rows[f]
+
+    def _fill(self, f: int) -> list[float]:
+        fwd_ops, fwd_traits = self.tables[0].ops[f], self.traits[0][f]
+        row = [self.solo[0][f]]
+        for b in range(1, len(self.tables[1].ops)):
+            if fwd_traits.allows(self.traits[1][b], self.rules.comm_with_comm):
+                self.evaluations += 1
+                row.append(self.cost.pair(fwd_ops, self.tables[1].ops[b]))
+            else:
+                row.append(INF)
+        return row
+
+
+def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix) -> tuple[list[tuple[int, int, float]], float]:
+    """The cheapest path from (∅, ∅) to (all, all): its steps (forward segment id, backward
+    segment id, step time) and its total. States are visited forward prefix by forward
+    prefix, then backward prefix by backward prefix, each by size, so a state's value is
+    final before it is extended."""
+    fwd, bwd = tables
+    width = len(bwd.prefixes)
+    best = [INF] * (len(fwd.prefixes) * width)
+    back: list[tuple[int, int, int] | None] = [None] * len(best)
+    best[0] = 0.0
+    for i, fwd_steps in enumerate(fwd.succ):
+        for k, bwd_steps in enumerate(bwd.succ):
+            here = i * width + k
+            start = best[here]
+            if start == INF:
+                continue
+            for f, j in fwd_steps:
+                row, base = matrix.row(f), j * width
+                for b, l in bwd_steps:
+                    value = start + row[b]
+                    if value < best[base + l]:
+                        best[base + l] = value
+                        back[base + l] = (here, f, b)
+    steps, state = [], len(best) - 1
+    while back[state] is not None:
+        state, f, b = back[state]
+        steps.append((f, b, matrix.row(f)[b]))
+    return steps[::-1], best[-1]
+
+
+def pair_sequences(fwd_ops: Sequence[Op], bwd_ops: Sequence[Op], cost: SegmentCost, rules: PairingRules, *,
+                   max_segment: int | None = None) -> tuple[float, list[tuple[tuple[Op, ...], tuple[Op, ...], float]]]:
+    """Eq. (2) on op positions for two fixed sequences: the least make-span over every
+    segmentation of both and every monotone pairing of their segments. Segments are slices
+    of the given sequences, handed to ``cost`` as they are. Returns the total and the steps
+    (forward slice, backward slice, time), either slice possibly empty."""
+    n, m = len(fwd_ops), len(bwd_ops)
+    limit = max_segment or max(n, m, 1)
+    best = {(0, 0): (0.0, None)}
+    for a in range(n + 1):
+        for b in range(m + 1):
+            for a0 in range(max(0, a - limit), a + 1):
+                for b0 in range(max(0, b - limit), b + 1):
+                    if (a0, b0) == (a, b):
+                        continue
+                    fseg, bseg = tuple(fwd_ops[a0:a]), tuple(bwd_ops[b0:b])
+                    time = _step_cost(cost, rules, fseg, bseg)
+                    value = best[a0, b0][0] + time
+                    if value < best.get((a, b), (INF, None))[0]:
+                        best[a, b] = (value, (a0, b0, fseg, bseg, time))
+    steps, state = [], (n, m)
+    while best[state][1] is not None:
+        a0, b0, fseg, bseg, time = best[state][1]
+        steps.append((fseg, bseg, time))
+        state = (a0, b0)
+    return best[n, m][0], steps[::-1]
+
+
+def _step_cost(cost: SegmentCost, rules: PairingRules, fseg: tuple[Op, ...], bseg: tuple[Op, ...]) -> float:
+    if not fseg or not bseg:
+        return cost.solo(fseg or bseg)
+    return INF if restriction(fseg, bseg, rules) else cost.pair(fseg, bseg)
+
+
+def _solo(cost: SegmentCost, ops: Sequence[Op]) -> float:
+    return cost.solo(tuple(ops)) if ops else 0.0
+
+
+def _plan_ops(forward: LayerDag, backward: LayerDag, moving: frozenset[str]) -> tuple[PlanOp, ...]:
+    # A compute op runs on the compute lane whatever group it belongs to (the IR gives an
+    # attention over a size-1 cp axis that group's lane).
+    return tuple(PlanOp(op.name, dag.direction, op.kind, op.lane if op.kind == "comm" else "compute", op.axis,
+                        op.name in moving) for dag in (forward, backward) for op in dag.ops)
+
+
+def _rules_text(strands: Strands, rules: PairingRules, moving: frozenset[str]) -> tuple[str, ...]:
+    text = [f"overlap {', '.join(strands.overlap) or '(none)'}",
+            f"comm_with_comm {'on' if rules.comm_with_comm else 'off'}",
+            "never two comm ops over one axis"]
+    text += [f"forbid {rule}" for rule in rules.forbid_text]
+    text.append(f"moving {', '.join(sorted(moving)) or '(none)'}")
+    return tuple(text)

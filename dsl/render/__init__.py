@@ -1,0 +1,1 @@
+"""Outputs for people and other tools: Graphviz diagrams, the torch.distributed.pipelining CSV and Chrome traces."""

@@ -1,0 +1,257 @@
+"""What each piece of one training step costs: the inputs of the step simulator.
+
+Everything here is per GPU, for one representative TP rank of each pipeline rank (all TP ranks
+of a group run the same operators on equal shards, and every DP replica runs the same
+timeline), in seconds of the program's hardware profile:
+
+* **Layers.** One layer's forward, backward (dgrad + wgrad), input-gradient backward (all but
+  the wgrads: B of a split schedule) and weight gradient (the wgrads: W) each cost the
+  make-span of its ops run alone (:meth:`PairCost.solo`, the single-strand time the planner
+  compares SI against; a strand's own independent comm and compute may overlap, as in the
+  paper's single-strand baseline). An SI layer pair costs the plan's ``total``.
+* **Layer communication** of each piece: its comm time (solo times of its comm ops) and the
+  part of it exposed, as :mod:`dsl.core.plan` defines for a plan:
+  ``exposed = clamp(time - compute_time, 0, comm_time)``.
+* **Embedding and LM head** (untied, vocab-parallel over tp, as in Megatron and Llama 3), on
+  the first and the last stage. The LM head gathers the sequence-parallel hidden state over
+  tp, runs a ``[T, h] x [h, V/tp]`` GEMM (``2·T·h·V/tp`` FLOPs; dgrad and wgrad the same) and
+  a vocab-parallel cross-entropy in fp32 (memory-bound: reads the logits, writes and reads an
+  fp32 softmax; backward reads it and writes the logit gradient; three tiny all-reduces over
+  tp). The embedding writes its ``[T, h]`` partial lookup and reduce-scatters it over tp;
+  its backward gathers the gradient and scatter-adds it. These run alone, never paired.
+* **Pipeline P2P**: ``micro_batch·(seq/cp)·hidden/tp`` elements of the model dtype per
+  micro-batch and stage boundary (NOTES §3.5): the layer input's bytes, on the pp group's lane.
+* **Data parallel**: each stage's gradients (model dtype) are reduced over the DP×CP group
+  (expert weights over DP×CP/EP) on that group's lane; the optimizer is a memory-bound AdamW
+  over the local parameters (a shard of them with ZeRO-1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from dhelix.dsl.planner.costmodel import collective_time, dtype_bytes, op_time
+from dhelix.dsl.planner.paircost import PairCost
+from dhelix.dsl.core.plan import Plan
+from dhelix.dsl.core.program import LayerDag, Op, Program
+
+#: AdamW bytes per parameter on HBM besides the gradient read and the weight write: read and
+#: write the fp32 master weight and the two fp32 moments. (fp32 training has no separate
+#: master copy: there the weight itself is read and written, the same count.)
+_ADAM_STATE_BYTES = 24
+
+
+@attrs.frozen
+class Work:
+    """One piece of work: seconds, and its layer communication (total and exposed seconds)."""
+
+    seconds: float
+    comm: float = 0.0
+    exposed: float = 0.0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.seconds + other.seconds, self.comm + other.comm, self.exposed + other.exposed)
+
+
+NOTHING = Work(0.0)
+
+
+@attrs.frozen
+class LayerCosts:
+    """The per-layer work of one micro-batch (see the module docstring)."""
+
+    forward: Work
+    backward: Work
+    backward_input: Work
+    weight: Work
+    pair: Work | None  # one SI layer pair, from the plan (None without a plan)
+
+
+@attrs.frozen
+class HeadCosts:
+    """Embedding (first stage) and LM head (last stage) work of one micro-batch."""
+
+    embed_forward: Work = NOTHING
+    embed_backward: Work = NOTHING
+    head_forward: Work = NOTHING
+    head_backward: Work = NOTHING  # cross-entropy, LM head dgrad, final norm backward
+    head_weight: Work = NOTHING  # the LM head wgrad (part of B unless the schedule splits)
+
+
+@attrs.frozen
+class Params:
+    """Parameters held per GPU: dense and expert elements of one layer and of the extras."""
+
+    layer_dense: int
+    layer_expert: int
+    embedding: int
+    head: int  # LM head and final norm
+
+
+@attrs.frozen
+class Group:
+    """A communication group of the step: its size and lane."""
+
+    size: int
+    lane: str
+
+
+@attrs.frozen
+class StepCosts:
+    """Everything the simulator charges for, built by :func:`step_costs`."""
+
+    layer: LayerCosts
+    heads: HeadCosts
+    params: Params
+    p2p_seconds: float
+    p2p_bytes: float
+    pp_lane: str
+    dense_group: Group  # gradient sync of dense weights (DP x CP)
+    expert_group: Group  # gradient sync of expert weights (DP x CP / EP)
+    grad_bytes: int  # bytes per gradient element (the model dtype)
+    dtype: str
+
+
+def is_wgrad(op: Op) -> bool:
+    """Whether ``op`` is a weight-gradient GEMM (what W runs in a split schedule)."""
+    return op.op.endswith("_wgrad")
+
+
+def input_backward(backward: LayerDag) -> LayerDag:
+    """The backward DAG without its weight-gradient ops: what B runs when W is split off."""
+    return attrs.evolve(backward, ops=tuple(op for op in backward.ops if not is_wgrad(op)))
+
+
+def cost_of(program: Program) -> PairCost:
+    """The PairCost of a checked program with a profile (the caller checks that it has one)."""
+    return PairCost(program.profile, program.model.dtype, seq=program.model.get("seq"))
+
+
+def solo_work(cost: PairCost, ops) -> Work:
+    """The Work of ``ops`` run alone: their make-span, comm time and exposed comm."""
+    ops = tuple(ops)
+    if not ops:
+        return NOTHING
+    seconds = cost.solo(ops)
+    compute = [op for op in ops if op.kind == "compute"]
+    compute_time = cost.solo(tuple(compute)) if compute else 0.0
+    comm = sum(cost.solo((op,)) for op in ops if op.kind == "comm")
+    return Work(seconds, comm, min(max(seconds - compute_time, 0.0), comm))
+
+
+def plan_work(plan: Plan) -> Work:
+    """The Work of one SI layer pair run by ``plan``."""
+    return Work(plan.total, plan.comm_time, plan.comm_exposed)
+
+
+def layer_costs(program: Program, cost: PairCost, plan: Plan | None) -> LayerCosts:
+    """Per-layer Works of ``program``'s layer; ``plan`` prices SI layer pairs."""
+    forward, backward = program.forward, program.backward
+    return LayerCosts(
+        forward=solo_work(cost, forward.ops), backward=solo_work(cost, backward.ops),
+        backward_input=solo_work(cost, (op for op in backward.ops if not is_wgrad(op))),
+        weight=solo_work(cost, (op for op in backward.ops if is_wgrad(op))),
+        pair=plan_work(plan) if plan is not None else None)
+
+
+def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None) -> StepCosts:
+    """The :class:`StepCosts` of a validated program with a profile; ``plan`` prices its SI
+    blocks (None when it has none, or to run them one after the other)."""
+    cost = cost or cost_of(program)
+    mesh, model = program.mesh, program.model
+    dtype = model.dtype
+    p2p_bytes = float(math.prod(program.forward.input_shape) * dtype_bytes(dtype))
+    pp_lane = mesh.lane("pp") if mesh.size("pp") > 1 else "local"
+    p2p_seconds = collective_time("p2p", p2p_bytes, 2, pp_lane, program.profile)
+    dp, cp, ep = mesh.size("dp"), mesh.size("cp"), mesh.size("ep")
+    return StepCosts(
+        layer=layer_costs(program, cost, plan), heads=head_costs(program),
+        params=layer_params(program), p2p_seconds=p2p_seconds, p2p_bytes=p2p_bytes, pp_lane=pp_lane,
+        dense_group=Group(dp * cp, _group_lane(mesh, dp * cp, expert=1)),
+        expert_group=Group(max(1, dp * cp // ep), _group_lane(mesh, max(1, dp * cp // ep), expert=ep)),
+        grad_bytes=dtype_bytes(dtype), dtype=dtype)
+
+
+def layer_params(program: Program) -> Params:
+    """Parameters per GPU: each layer's dense and expert (grouped GEMM) weights from the
+    forward DAG's ``weight`` shapes, the embedding and the LM head (``V·h/tp`` each, untied)
+    and the final norm (``h``)."""
+    dense = expert = 0
+    for op in program.forward.ops:
+        if op.weight:
+            if op.op == "grouped_gemm":
+                expert += math.prod(op.weight)
+            else:
+                dense += math.prod(op.weight)
+    vocab, hidden = program.model.get("vocab") or 0, program.model.get("hidden") or 0
+    shard = vocab * hidden // program.mesh.size("tp")
+    return Params(dense, expert, shard, shard + hidden)
+
+
+def _group_lane(mesh, size: int, expert: int) -> str:
+    """The lane of the gradient-sync group of rank 0: DP coordinates ``0, e, 2e, …`` (``e`` the
+    EP size for expert weights, else 1) times every CP coordinate; local when on one node."""
+    if size <= 1:
+        return "local"
+    dp_stride, cp_stride = mesh.stride("dp"), mesh.stride("cp")
+    members = {k * expert * dp_stride + c * cp_stride
+               for k in range(max(1, mesh.size("dp") // expert)) for c in range(mesh.size("cp"))}
+    return "local" if len({rank // mesh.gpus_per_node for rank in members}) == 1 else "cross"
+
+
+# ---------------------------------------------------------------- embedding and LM head
+
+def head_costs(program: Program) -> HeadCosts:
+    """Embedding and LM-head Works of one micro-batch (see the module docstring); nothing
+    when the model has no vocab."""
+    model, mesh, profile = program.model, program.mesh, program.profile
+    vocab, hidden = model.get("vocab"), model.get("hidden")
+    if not vocab or not hidden:
+        return HeadCosts()
+    tp, dtype = mesh.size("tp"), model.dtype
+    tp_lane = mesh.lane("tp") if tp > 1 else "local"
+    tokens = program.forward.input_shape[0] * tp  # micro_batch · seq / cp, gathered over tp
+    local, full, logits = (tokens // tp, hidden), (tokens, hidden), (tokens, vocab / tp)
+    size = dtype_bytes(dtype)
+    streaming = profile.hbm_gbps * 1e9 * profile.achieved.get("activation", 1.0)
+
+    def run(op: Op) -> Work:
+        seconds = op_time(op, profile, dtype)
+        return Work(seconds, seconds, seconds) if op.kind == "comm" else Work(seconds)
+
+    def collective(name: str, kind: str, shape_in, shape_out) -> Work:
+        if tp == 1:
+            return NOTHING
+        return run(Op(name, kind, "comm", kind, (), (shape_in,), shape_out, axis="tp", group_size=tp, lane=tp_lane))
+
+    def gemm(name: str, kind: str) -> Work:
+        shape_in = logits if kind == "gemm_dgrad" else full
+        return run(Op(name, kind, "compute", "gemm", (), (shape_in,), logits, weight=(hidden, logits[1])))
+
+    def memory(elements: float, bytes_each: float) -> Work:
+        return Work(elements * bytes_each / streaming)
+
+    # Three all-reduces of one fp32 value per token: the max, the sum and the target logit.
+    reduce = 3 * collective_time("all_reduce", 4.0 * tokens, tp, tp_lane, profile) if tp > 1 else 0.0
+    cross_entropy = memory(math.prod(logits), size + 8) + Work(reduce, reduce, reduce)
+    norm = Op("final_norm", "rmsnorm", "compute", "norm", (), (local,), local, weight=(hidden,))
+    return HeadCosts(
+        embed_forward=memory(math.prod(full), 2 * size) + collective("embed.rs", "reduce_scatter", full, local),
+        embed_backward=collective("embed.ag", "all_gather", local, full) + memory(math.prod(full), 3 * size),
+        head_forward=(run(norm) + collective("head.ag", "all_gather", local, full) + gemm("lm_head", "gemm")
+                      + cross_entropy),
+        head_backward=(memory(math.prod(logits), 4 + size) + gemm("lm_head.dgrad", "gemm_dgrad")
+                       + collective("head.rs", "reduce_scatter", full, local)
+                       + run(attrs.evolve(norm, name="final_norm.bwd", op="rmsnorm_bwd"))),
+        head_weight=gemm("lm_head.wgrad", "gemm_wgrad"))
+
+
+def optimizer_seconds(params: float, dtype: str, profile) -> float:
+    """Seconds of a memory-bound AdamW step over ``params`` local parameters."""
+    size = dtype_bytes(dtype)
+    # fp32: read the gradient (4) and the states; the weight is the master copy among them.
+    per_param = _ADAM_STATE_BYTES + (2 * size if dtype != "fp32" else size)
+    streaming = profile.hbm_gbps * 1e9 * profile.achieved.get("activation", 1.0)
+    return params * per_param / streaming

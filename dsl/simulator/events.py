@@ -1,0 +1,500 @@
+"""The step simulator: a discrete-event run of one training step over every pipeline rank.
+
+One representative DP/TP replica is simulated: every TP rank of a pipeline rank runs the same
+operators on equal shards, and every DP replica runs the same timeline, so p pipeline ranks
+stand for the whole cluster. Each rank has three lanes (compute, local, cross) and runs its
+lowered action list in order:
+
+* **F / B / W** cost the sum over the stage's layers of the single-strand layer times
+  (:mod:`dsl.simulator.costs`; B without a split is dgrad + wgrad, with a split B is all but the
+  wgrads and W the wgrads), plus the embedding on the first stage and the LM head on the last.
+* **SI(F, B)** costs the plan's ``total`` per layer pair. Its forward and backward chunks
+  usually hold the same number of layers n, so the block is n pairs; otherwise the first
+  min(n_f, n_b) layers pair up and the excess runs alone after them. The embedding and LM-head
+  work of the two stages runs alone, before the pairs (the B stage's LM head backward, the F
+  stage's embedding) or after them. With ``si=False`` the block runs its F, then its B.
+* **SEND** occupies the sender's pp lane (in program order) from when the producing action
+  has finished; the matching **RECV** completes when the transfer arrives, and the action
+  after it waits for that. Sends are eager, so the order of :func:`validate.dry_run` settles
+  every time in one pass.
+* **DP gradient sync**: every layer's gradients (and the embedding's, the LM head's) form a
+  bucket that is ready when the stage's last backward pass (B, or W when split) has finished
+  that layer; buckets reduce-scatter (ZeRO-1) or all-reduce over the gradient group's lane in
+  ready order, fitting into the lane's idle gaps between pipeline sends. Then the optimizer
+  runs on the compute lane, and with ZeRO-1 the updated weights are all-gathered. Nothing of
+  the next step overlaps these.
+
+Memory follows :mod:`dsl.simulator.memory` at layer granularity. Reported per rank: busy time, layer /
+pipeline / data-parallel communication with the part exposed, model states and the peak of
+live activations; per step: time, tokens/s, TFLOPS/GPU and MFU (Megatron's FLOP count), and
+the bubble ratio ``1 - Σ busy / (p · pipeline make-span)``.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration
+from dhelix.dsl.core.errors import CheckError, DhelixError
+from dhelix.dsl.simulator.memory import MemoryTimeline, ModelStates, head_activations, layer_activations, model_states
+from dhelix.dsl.planner.pairing import plan_layers
+from dhelix.dsl.planner.paircost import PairCost
+from dhelix.dsl.core.plan import Plan
+from dhelix.dsl.core.program import Program
+from dhelix.dsl.core.schedule import Interleaved, Transfer
+from dhelix.dsl.simulator.costs import (StepCosts, Work, cost_of, input_backward, optimizer_seconds,
+                        step_costs)
+from dhelix.dsl.render.trace import CounterSample, TraceEvent
+from dhelix.dsl.passes.validate import dry_run, transfer_key
+
+
+def require_profile(program: Program, command: str) -> None:
+    """Raise a located CheckError unless ``program`` has a model and a hardware profile."""
+    if program.model is None:
+        raise DhelixError(f"there is nothing to {command}: the file has no model block",
+                          notes=["give a file with a model, cluster and mesh (e.g. examples/llama8b_a40.dhx)"])
+    if program.profile is None:
+        raise CheckError(f"`dhelix {command}` needs a hardware profile, and the cluster block names none",
+                         program.cluster.span,
+                         ['set one in the cluster block: cluster { profile = "a40" } (or a800, h100, '
+                          'or the path of a profile file)'])
+
+
+def has_si(program: Program) -> bool:
+    """Whether the lowered schedule has strand-interleaved blocks."""
+    return any(isinstance(a, Interleaved) for row in program.lowered.actions for a in row)
+
+
+def schedule_plan(program: Program, cost: PairCost | None = None, *, command: str = "plan",
+                  **bounds) -> Plan:
+    """The SI plan of the program's layer pair as its schedule runs it: the forward beside the
+    whole backward, or beside the backward without its wgrads when the schedule splits W off.
+    ``bounds`` go to :func:`pairing.plan_layers`; without ``cost`` the program's profile prices
+    the segments, and ``command`` names what needed it in the error when there is none."""
+    if cost is None:
+        require_profile(program, command)
+        cost = cost_of(program)
+    backward = program.backward
+    if program.lowered is not None and program.lowered.split:
+        backward = input_backward(backward)
+    return plan_layers(program.forward, backward, program.strands, cost, **bounds)
+
+
+@attrs.frozen
+class Piece:
+    """A layer-sized step of an action: its work, the activation bytes allocated at its start
+    and freed at its end, and the gradient slot (``stage``-relative) it completes."""
+
+    work: Work
+    alloc: float = 0.0
+    free: float = 0.0
+    grads: tuple | None = None  # (slot name, dense elements, expert elements)
+
+
+@attrs.frozen
+class RankStats:
+    """What one pipeline rank did in the step (times in seconds, memory in bytes)."""
+
+    rank: int
+    busy: float
+    pipeline_end: float
+    end: float
+    layer_comm: float
+    layer_exposed: float
+    pp_comm: float
+    pp_exposed: float
+    sends: int
+    send_bytes: float
+    dp_comm: float
+    dp_exposed: float
+    optimizer: float
+    states: ModelStates
+    activations: float
+    activations_at: float
+
+    @property
+    def memory(self) -> float:
+        """Peak memory: model states plus the peak of live activations."""
+        return self.states.total + self.activations
+
+
+@attrs.frozen
+class Simulation:
+    """The result of :func:`simulate`: per-rank figures, step figures and the trace."""
+
+    label: str
+    program: str
+    pipeline: str
+    fold: str
+    shape: tuple[int, int, int]  # p, m, v
+    si: bool
+    zero1: bool
+    ranks: tuple[RankStats, ...]
+    tokens: float
+    flops: float
+    world: int
+    peak_flops: float
+    events: tuple = attrs.field(default=(), repr=False, eq=False)
+    counters: tuple = attrs.field(default=(), repr=False, eq=False)
+
+    @property
+    def step_time(self) -> float:
+        """Seconds from the first forward to the last rank's optimizer step."""
+        return max(r.end for r in self.ranks)
+
+    @property
+    def pipeline_time(self) -> float:
+        """Seconds until the last pipeline action ends (before DP sync and optimizer)."""
+        return max(r.pipeline_end for r in self.ranks)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle share of the compute lanes during the pipeline: ``1 - Σ busy / (p · make-span)``."""
+        total = len(self.ranks) * self.pipeline_time
+        return 1.0 - sum(r.busy for r in self.ranks) / total if total else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens of the global batch per second of step time."""
+        return self.tokens / self.step_time
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Megatron-counted TFLOP/s per GPU."""
+        return self.flops / self.world / self.step_time / 1e12
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: TFLOPS/GPU over the profile's peak for the model dtype."""
+        return self.flops / self.world / self.step_time / self.peak_flops
+
+    @property
+    def peak_rank(self) -> RankStats:
+        """The rank with the highest peak memory (the lowest such rank on a tie)."""
+        return max(self.ranks, key=lambda r: (r.memory, -r.rank))
+
+    def mean(self, field: str) -> float:
+        """The average over pipeline ranks of a RankStats field."""
+        return sum(getattr(r, field) for r in self.ranks) / len(self.ranks)
+
+
+class _Expander:
+    """Turns an action of a rank into its Pieces (cached: they depend only on the stages)."""
+
+    def __init__(self, program: Program, costs: StepCosts, si: bool):
+        self.costs, self.si = costs, si
+        self.split = program.lowered.split
+        self.stages = program.placement.stages
+        self.acts = layer_activations(program.forward, program.backward, program.model.dtype, self.split)
+        self.head = head_activations(program, self.split)
+        self.cache: dict[tuple, tuple[Piece, ...]] = {}
+
+    def pieces(self, kind: str, fstage: int | None, bstage: int | None) -> tuple[Piece, ...]:
+        """Pieces of F/B/W on one stage (``fstage`` for F, ``bstage`` for B and W) or of an SI
+        block (both); ``kind`` is F, B, W or SI."""
+        key = (kind, fstage, bstage)
+        hit = self.cache.get(key)
+        if hit is None:
+            if kind == "SI":
+                hit = self._interleaved(fstage, bstage)
+            else:
+                hit = {"F": self._forward, "B": self._backward, "W": self._weight}[kind](
+                    fstage if kind == "F" else bstage)
+            self.cache[key] = hit = tuple(p for p in hit if p.work.seconds or p.alloc or p.free or p.grads)
+        return hit
+
+    def _count(self, stage: int) -> int:
+        return len(self.stages[stage].layers)
+
+    def _embed_f(self, stage):
+        return [Piece(self.costs.heads.embed_forward)] if stage == 0 else []
+
+    def _head_f(self, stage):
+        last = stage == len(self.stages) - 1
+        return [Piece(self.costs.heads.head_forward, alloc=self.head.total)] if last else []
+
+    def _head_b(self, stage):
+        if stage != len(self.stages) - 1:
+            return []
+        heads, params = self.costs.heads, self.costs.params
+        if self.split:
+            return [Piece(heads.head_backward, free=self.head.at_backward)]
+        return [Piece(heads.head_backward + heads.head_weight, free=self.head.at_backward,
+                      grads=("head", params.head, 0))]
+
+    def _embed_b(self, stage):
+        if stage != 0:
+            return []
+        return [Piece(self.costs.heads.embed_backward, grads=("embedding", self.costs.params.embedding, 0))]
+
+    def _layer_b(self, index: int) -> Piece:
+        layer, params = self.costs.layer, self.costs.params
+        if self.split:
+            return Piece(layer.backward_input, free=self.acts.at_backward)
+        return Piece(layer.backward, free=self.acts.at_backward,
+                     grads=(index, params.layer_dense, params.layer_expert))
+
+    def _forward(self, stage: int) -> list[Piece]:
+        count = self._count(stage)
+        layer = Piece(self.costs.layer.forward, alloc=self.acts.total)
+        return self._embed_f(stage) + [layer] * count + self._head_f(stage)
+
+    def _backward(self, stage: int) -> list[Piece]:
+        count = self._count(stage)
+        return self._head_b(stage) + [self._layer_b(i) for i in reversed(range(count))] + self._embed_b(stage)
+
+    def _weight(self, stage: int) -> list[Piece]:
+        count, params = self._count(stage), self.costs.params
+        head = []
+        if stage == len(self.stages) - 1:
+            head = [Piece(self.costs.heads.head_weight, free=self.head.at_weight, grads=("head", params.head, 0))]
+        return head + [Piece(self.costs.layer.weight, free=self.acts.at_weight,
+                             grads=(i, params.layer_dense, params.layer_expert)) for i in reversed(range(count))]
+
+    def _interleaved(self, fstage: int, bstage: int) -> list[Piece]:
+        pair = self.costs.layer.pair
+        if not self.si or pair is None:
+            return self._forward(fstage) + self._backward(bstage)
+        nf, nb = self._count(fstage), self._count(bstage)
+        paired = min(nf, nb)
+        # A pair allocates its forward layer when it starts and frees its backward layer when
+        # it ends: the β forward grows as the α backward shrinks, one layer at a time.
+        body = []
+        for k in range(paired):
+            b = self._layer_b(nb - 1 - k)
+            body.append(attrs.evolve(b, work=pair, alloc=self.acts.total))
+        body += [Piece(self.costs.layer.forward, alloc=self.acts.total)] * (nf - paired)
+        body += [self._layer_b(i) for i in reversed(range(nb - paired))]
+        return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)
+                + self._embed_b(bstage))
+
+
+class _Lane:
+    """One communication lane of one rank: busy intervals, pipeline traffic in program order
+    and gradient buckets fitted into the gaps (they are booked after all pipeline traffic,
+    so in-order bookings never have to look for gaps)."""
+
+    def __init__(self) -> None:
+        self.busy: list[tuple[float, float]] = []
+        self.fifo = 0.0
+
+    def in_order(self, ready: float, seconds: float) -> float:
+        """Book ``seconds`` after ``ready`` and after the previous in-order booking; the start."""
+        start = max(ready, self.fifo)
+        self.fifo = start + seconds
+        self.busy.append((start, self.fifo))
+        return start
+
+    def fit(self, ready: float, seconds: float) -> float:
+        """Book ``seconds`` in the first idle gap at or after ``ready``; the start."""
+        start = ready
+        for begin, end in sorted(self.busy):
+            if end <= start:
+                continue
+            if begin >= start + seconds:
+                break
+            start = max(start, end)
+        self.busy.append((start, start + seconds))
+        return start
+
+
+class _Run:
+    """The state of one simulation while it steps through the ranks' actions."""
+
+    def __init__(self, program: Program, costs: StepCosts, si: bool, zero1: bool):
+        self.program, self.costs, self.zero1 = program, costs, zero1
+        self.lowered = program.lowered
+        p = self.lowered.ranks
+        self.expander = _Expander(program, costs, si)
+        self.free_at = [0.0] * p  # when each compute lane is next free
+        self.lanes = [{"local": _Lane(), "cross": _Lane()} for _ in range(p)]
+        self.last_end = [0.0] * p  # end of the rank's latest compute action
+        self.pending: list[list] = [[] for _ in range(p)]  # transfers the next action waits for
+        self.arrivals: dict = {}  # transfer key -> (arrival, produced)
+        self.grads: list[dict] = [{} for _ in range(p)]  # (stage, slot) -> (ready, dense, expert)
+        self.memory = [MemoryTimeline() for _ in range(p)]
+        self.tally = [dict.fromkeys(("busy", "layer_comm", "layer_exposed", "pp_comm", "pp_exposed",
+                                     "sends", "send_bytes"), 0.0) for _ in range(p)]
+        self.events: list[TraceEvent] = []
+
+    def run(self) -> None:
+        """Step every action in an order where each RECV follows its SEND."""
+        for rank, step in dry_run(self.lowered):
+            action = self.lowered.actions[rank][step]
+            if isinstance(action, Transfer):
+                self._transfer(rank, action)
+            else:
+                self._compute(rank, action)
+
+    def _transfer(self, rank: int, action: Transfer) -> None:
+        key = transfer_key(self.lowered, rank, action)
+        if action.kind == "RECV":
+            self.pending[rank].append(key)
+            return
+        seconds, lane = self.costs.p2p_seconds, self.costs.pp_lane
+        start = self.lanes[rank][lane].in_order(self.last_end[rank], seconds)
+        self.arrivals[key] = (start + seconds, self.last_end[rank])
+        tally = self.tally[rank]
+        tally["pp_comm"] += seconds
+        tally["sends"] += 1
+        tally["send_bytes"] += self.costs.p2p_bytes
+        self.events.append(TraceEvent(rank, lane, str(action), start, seconds, {
+            "kind": "SEND", "data": action.data, "microbatch": action.microbatch, "chunk": action.chunk,
+            "peer": action.peer, "bytes": self.costs.p2p_bytes}))
+
+    def _compute(self, rank: int, action) -> None:
+        free = self.free_at[rank]
+        start = free
+        if self.pending[rank]:
+            arrived = [self.arrivals[key] for key in self.pending[rank]]
+            start = max(free, max(a for a, _ in arrived))
+            produced = max(p for _, p in arrived)
+            # Only the wait past the data's production is the transfer's fault; waiting for the
+            # producer itself is pipeline bubble.
+            self.tally[rank]["pp_exposed"] += max(0.0, start - max(free, produced))
+            self.pending[rank] = []
+        kind, fstage, bstage = self._stages(rank, action)
+        now = start
+        tally, memory, grads = self.tally[rank], self.memory[rank], self.grads[rank]
+        for piece in self.expander.pieces(kind, fstage, bstage):
+            memory.change(now, piece.alloc)
+            now += piece.work.seconds
+            memory.change(now, -piece.free)
+            tally["layer_comm"] += piece.work.comm
+            tally["layer_exposed"] += piece.work.exposed
+            if piece.grads is not None:
+                slot, dense, expert = piece.grads
+                grads[(bstage, slot)] = (now, dense, expert)
+        tally["busy"] += now - start
+        self.free_at[rank] = self.last_end[rank] = now
+        self.events.append(TraceEvent(rank, "compute", str(action), start, now - start,
+                                      _action_args(action, kind, fstage, bstage)))
+
+    def _stages(self, rank: int, action):
+        stage = self.lowered.stage_of
+        if isinstance(action, Interleaved):
+            return "SI", stage(rank, action.fwd.chunk), stage(rank, action.bwd.chunk)
+        index = stage(rank, action.chunk)
+        return action.kind, index, index
+
+    # ------------------------------------------------------------ after the pipeline
+
+    def finish(self, rank: int) -> dict:
+        """Gradient sync, optimizer and (ZeRO-1) weight gather of ``rank``; its figures."""
+        costs, profile = self.costs, self.program.profile
+        kind = "reduce_scatter" if self.zero1 else "all_reduce"
+        ready_after, dp_comm = 0.0, 0.0
+        names = self._slot_names()
+        for (stage, slot), (ready, dense, expert) in sorted(self.grads[rank].items(), key=_by_ready):
+            for elements, group in ((dense, costs.dense_group), (expert, costs.expert_group)):
+                if not elements or group.size <= 1:
+                    continue
+                size = elements * costs.grad_bytes
+                seconds = collective_time(kind, size, group.size, group.lane, profile)
+                start = self.lanes[rank][group.lane].fit(max(ready, ready_after), seconds)
+                ready_after, dp_comm = start + seconds, dp_comm + seconds
+                self.events.append(TraceEvent(rank, group.lane, f"{kind} {names(stage, slot)}", start, seconds,
+                                              {"kind": "DP", "bytes": size, "group": group.size}))
+        dense, expert = self._local_params(rank)
+        shard_dense = dense / costs.dense_group.size if self.zero1 else dense
+        shard_expert = expert / costs.expert_group.size if self.zero1 else expert
+        optimizer = optimizer_seconds(shard_dense + shard_expert, costs.dtype, profile)
+        start = max(self.free_at[rank], ready_after)
+        self.events.append(TraceEvent(rank, "compute", "optimizer", start, optimizer,
+                                      {"kind": "optimizer", "params": shard_dense + shard_expert}))
+        end = start + optimizer
+        if self.zero1:
+            for elements, group in ((dense, costs.dense_group), (expert, costs.expert_group)):
+                if elements and group.size > 1:
+                    size = elements * costs.grad_bytes
+                    seconds = collective_time("all_gather", size, group.size, group.lane, profile)
+                    begin = self.lanes[rank][group.lane].fit(end, seconds)
+                    self.events.append(TraceEvent(rank, group.lane, "all_gather weights", begin, seconds,
+                                                  {"kind": "DP", "bytes": size, "group": group.size}))
+                    end, dp_comm = begin + seconds, dp_comm + seconds
+        states = model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
+                              expert_group=costs.expert_group.size)
+        return dict(end=end, dp_comm=dp_comm, optimizer=optimizer, states=states,
+                    dp_exposed=min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)))
+
+    def _local_params(self, rank: int) -> tuple[float, float]:
+        params = self.costs.params
+        dense = expert = 0.0
+        for chunk in range(self.lowered.chunks):
+            index = self.lowered.stage_of(rank, chunk)
+            if index is None:
+                continue
+            layers = len(self.program.placement.stages[index].layers)
+            dense += layers * params.layer_dense
+            expert += layers * params.layer_expert
+            dense += params.embedding if index == 0 else 0
+            dense += params.head if index == len(self.lowered.stages) - 1 else 0
+        return dense, expert
+
+    def _slot_names(self):
+        stages = self.program.placement.stages
+
+        def name(stage: int, slot) -> str:
+            if isinstance(slot, int):
+                return f"grads layer {stages[stage].first_layer + slot}"
+            return f"grads {'LM head' if slot == 'head' else slot}"
+
+        return name
+
+    def rank_stats(self, rank: int) -> RankStats:
+        """The figures of ``rank`` once :meth:`run` is done (runs :meth:`finish`)."""
+        done = self.finish(rank)
+        peak, when = self.memory[rank].peak()
+        tally = self.tally[rank]
+        return RankStats(rank, tally["busy"], self.last_end[rank], done["end"], tally["layer_comm"],
+                         tally["layer_exposed"], tally["pp_comm"], tally["pp_exposed"], int(tally["sends"]),
+                         tally["send_bytes"], done["dp_comm"], done["dp_exposed"], done["optimizer"],
+                         done["states"], peak, when)
+
+
+def _by_ready(item) -> tuple:
+    (stage, slot), (ready, _, _) = item
+    return (ready, stage, str(slot))
+
+
+def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
+    if isinstance(action, Interleaved):
+        return {"kind": "SI", "forward": str(action.fwd), "backward": str(action.bwd),
+                "microbatch": [action.fwd.microbatch, action.bwd.microbatch],
+                "chunk": [action.fwd.chunk, action.bwd.chunk], "stage": [fstage, bstage]}
+    return {"kind": kind, "microbatch": action.microbatch, "chunk": action.chunk, "stage": fstage}
+
+
+# ---------------------------------------------------------------- the entry points
+
+def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
+             cost: PairCost | None = None, costs: StepCosts | None = None, label: str = "") -> Simulation:
+    """Simulate one training step of a validated ``program`` (with a profile).
+
+    ``plan`` prices the SI blocks (planned with :func:`schedule_plan` when the schedule has
+    SI blocks and none is given); ``si=False`` runs every SI block as its F then its B;
+    ``zero1`` shards the optimizer states over the gradient-sync group. ``costs`` replaces
+    the :func:`sim_costs.step_costs` of the program, for what-if studies (free pipeline
+    transfers, no LM head, …); its ``layer.pair`` then prices the SI blocks. Returns the
+    :class:`Simulation`; raises DhelixError for a program without a profile.
+    """
+    require_profile(program, "simulate")
+    if costs is None:
+        cost = cost or cost_of(program)
+        if si and plan is None and has_si(program):
+            plan = schedule_plan(program, cost)
+        costs = step_costs(program, plan if si else None, cost)
+    run = _Run(program, costs, si, zero1)
+    run.run()
+    ranks = tuple(run.rank_stats(rank) for rank in range(program.lowered.ranks))
+    model, mesh, train = program.model, program.mesh, program.train
+    sequences = mesh.size("dp") * train.microbatches * train.micro_batch
+    counters = tuple(CounterSample(rank, "activations", time, {"GB": live / 1e9})
+                     for rank in range(len(ranks)) for time, live in run.memory[rank].samples())
+    lowered = program.lowered
+    return Simulation(
+        label=label, program=model.name, pipeline=lowered.name, fold=program.placement.kind,
+        shape=(lowered.ranks, lowered.microbatches, lowered.chunks), si=si and has_si(program), zero1=zero1,
+        ranks=ranks, tokens=float(sequences * model.get("seq")),
+        flops=megatron_flops_per_iteration(model, sequences), world=mesh.world,
+        peak_flops=program.profile.peak_flops(model.dtype), events=tuple(run.events), counters=counters)

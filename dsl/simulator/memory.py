@@ -1,0 +1,150 @@
+"""The memory model of the step simulator: model states and live activations per rank.
+
+**Model states** (per GPU, for the parameters it holds), mixed-precision training as in the
+ZeRO paper's accounting: weights and gradients in the model dtype, and for AdamW an fp32
+master copy plus the two fp32 moments (12 bytes per parameter; 8 for fp32 training, whose
+master copy is the weight). With ZeRO-1 (Megatron's distributed optimizer) the optimizer
+states are divided over the gradient-sync group: DP×CP for dense weights, DP×CP/EP for
+expert weights.
+
+**Activations** are counted from the layer DAGs: each backward op's ``saved`` list names the
+forward tensors it reads; a layer keeps each named tensor once (its forward shape, the model
+dtype) from the moment its forward starts until its backward has passed it. In a split
+schedule the tensors that only weight-gradient ops read stay until W passes the layer; the
+others go when B does. The LM head keeps its gathered input and an fp32 softmax of the local
+logits (``[T, V/tp]``, Megatron's vocab-parallel cross-entropy) until its backward. Small
+per-row statistics (norm variances, attention log-sum-exp) are left out.
+
+Time is layer-granular (the paper overlaps the strands "at the layer granularity"): a
+forward allocates a layer's activations when it starts that layer, a backward frees them
+when it finishes it. :class:`MemoryTimeline` records these steps per rank and finds the peak.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from dhelix.dsl.planner.costmodel import dtype_bytes
+from dhelix.dsl.core.program import LayerDag, Program
+
+#: Optimizer bytes per parameter: fp32 master weight and two fp32 moments (mixed precision),
+#: or just the moments when the weights are fp32 already.
+_OPTIMIZER_BYTES = {"fp32": 8}
+_MIXED_OPTIMIZER_BYTES = 12
+GB = 1e9
+
+
+@attrs.frozen
+class ModelStates:
+    """Bytes of weights, gradients and optimizer states one GPU holds."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        """All model-state bytes."""
+        return self.params + self.grads + self.optimizer
+
+
+def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_group: int,
+                 expert_group: int) -> ModelStates:
+    """Model states of ``dense`` + ``expert`` parameters in ``dtype``; with ``zero1`` the
+    optimizer states are sharded over the groups (sizes ``dense_group``, ``expert_group``)."""
+    size = dtype_bytes(dtype)
+    per_param = _OPTIMIZER_BYTES.get(dtype, _MIXED_OPTIMIZER_BYTES)
+    if zero1:
+        optimizer = per_param * (dense / max(1, dense_group) + expert / max(1, expert_group))
+    else:
+        optimizer = per_param * (dense + expert)
+    return ModelStates((dense + expert) * size, (dense + expert) * size, optimizer)
+
+
+@attrs.frozen
+class Activations:
+    """Bytes one micro-batch keeps per layer (or per LM head): freed by B and freed by W."""
+
+    at_backward: float
+    at_weight: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Everything the forward allocates."""
+        return self.at_backward + self.at_weight
+
+
+def layer_activations(forward: LayerDag, backward: LayerDag, dtype: str, split: bool) -> Activations:
+    """The saved-tensor bytes of one layer and micro-batch (see the module docstring);
+    ``split`` keeps the tensors only wgrad ops read until W."""
+    shapes = {op.name: op.shape for op in forward.ops}
+    shapes[forward.input] = forward.input_shape
+    readers: dict[str, list[bool]] = {}
+    for op in backward.ops:
+        for name in op.saved:
+            readers.setdefault(name, []).append(op.op.endswith("_wgrad"))
+    size = dtype_bytes(dtype)
+    at_backward = at_weight = 0.0
+    for name in sorted(readers):
+        if name not in shapes:
+            continue  # a tensor the forward never materialises (an elided collective's output)
+        nbytes = float(math.prod(shapes[name]) * size)
+        if split and all(readers[name]):
+            at_weight += nbytes
+        else:
+            at_backward += nbytes
+    return Activations(at_backward, at_weight)
+
+
+def head_activations(program: Program, split: bool) -> Activations:
+    """The LM head's bytes per micro-batch on the last stage: the final norm's input and the
+    fp32 softmax go with B; the gathered LM-head input goes with W when ``split``."""
+    model = program.model
+    vocab, hidden = model.get("vocab"), model.get("hidden")
+    if not vocab or not hidden:
+        return Activations(0.0)
+    tp, size = program.mesh.size("tp"), dtype_bytes(model.dtype)
+    tokens = program.forward.input_shape[0] * tp
+    softmax = tokens * vocab / tp * 4.0
+    norm_input = tokens / tp * hidden * size
+    head_input = tokens * hidden * size
+    if split:
+        return Activations(softmax + norm_input, head_input)
+    return Activations(softmax + norm_input + head_input)
+
+
+class MemoryTimeline:
+    """Live activation bytes of one rank over time: (time, change) steps, added in the order
+    they happen (a rank's compute lane is sequential, so that order is also time order, and
+    at one instant it says which came first)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float]] = []
+
+    def change(self, time: float, delta: float) -> None:
+        """Allocate (``delta`` > 0) or free bytes at ``time``."""
+        if delta:
+            self.steps.append((time, delta))
+
+    def peak(self) -> tuple[float, float]:
+        """(peak live bytes, the first time it is reached)."""
+        live = best = when = 0.0
+        for time, delta in self.steps:
+            live += delta
+            if live > best + 1e-6:
+                best, when = live, time
+        return best, when
+
+    def samples(self) -> list[tuple[float, float]]:
+        """(time, live bytes) after every instant with a change: the trace's counter track."""
+        out: list[tuple[float, float]] = []
+        live = 0.0
+        for time, delta in self.steps:
+            live += delta
+            if out and out[-1][0] == time:
+                out[-1] = (time, live)
+            else:
+                out.append((time, live))
+        return out

@@ -1,0 +1,165 @@
+"""Variants to compare and the text reports of the step simulator.
+
+:func:`compare` simulates a program three ways on the same model, mesh and micro-batches:
+as written (SI blocks co-executed by the plan), with SI off (every SI block runs its forward,
+then its backward), and as plain 1F1B without folding (``fold none``, ``one_f_one_b``).
+:func:`format_simulation` and :func:`format_comparison` print the figures; every number is
+formatted with a fixed precision, so the text is deterministic.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dhelix.dsl.passes import pipeline as passes
+from dhelix.dsl.passes.fold import fold_none
+from dhelix.dsl.simulator.memory import GB
+from dhelix.dsl.core.plan import Plan
+from dhelix.dsl.core.program import FoldSpec, Program
+from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
+from dhelix.dsl.simulator.costs import cost_of
+
+BASELINE_PIPELINE = "one_f_one_b"
+
+
+def unfolded_1f1b(program: Program) -> Program:
+    """``program`` re-lowered as 1F1B without folding (same model, mesh and micro-batches).
+
+    Takes ``one_f_one_b`` from the program's pipelines, else from the standard library.
+    Raises the usual located errors if the layers do not split over the pipeline ranks.
+    """
+    pipeline = next((p for p in program.pipelines if p.name == BASELINE_PIPELINE), None)
+    if pipeline is None:
+        library = passes.run_until('import "stdlib/pipelines.dhx"\n', "<stdlib>", "check")
+        pipeline = next(p for p in library.pipelines if p.name == BASELINE_PIPELINE)
+    span = program.fold.span
+    placement = fold_none(program.model.get("layers"), program.mesh.size("pp"), span=span)
+    changed = attrs.evolve(program, fold=FoldSpec("none", 1, span=span), pipeline=pipeline,
+                           placement=placement, lowered=None)
+    return passes.validate(passes.lower(changed))
+
+
+def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False) -> tuple[Simulation, ...]:
+    """Three simulations of ``program``: as written, SI off, and 1F1B without folding."""
+    require_profile(program, "simulate")
+    cost = cost_of(program)
+    if plan is None and has_si(program):
+        plan = schedule_plan(program, cost)
+    return (simulate(program, plan, zero1=zero1, cost=cost, label="as written"),
+            simulate(program, plan, si=False, zero1=zero1, cost=cost, label="SI off"),
+            simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="1F1B, fold none"))
+
+
+def describe(sim: Simulation) -> str:
+    """One line naming the schedule: pipeline, fold, p, m, v and whether SI is on."""
+    p, m, v = sim.shape
+    si = "SI on" if sim.si else "no SI"
+    optimizer = "ZeRO-1 optimizer" if sim.zero1 else "replicated optimizer"
+    return f"{sim.program}: {sim.pipeline}, fold {sim.fold}, p={p} m={m} v={v}, {si}, {optimizer}"
+
+
+@attrs.frozen
+class Units:
+    """The time and memory units of a report, picked from its largest figures so that tiny
+    CPU examples and 405B models both read well: (name, divisor) each."""
+
+    time: tuple[str, float]
+    memory: tuple[str, float]
+
+    @classmethod
+    def of(cls, sims) -> "Units":
+        """Units for the simulations ``sims`` (their longest step, their largest peak memory)."""
+        step = max(s.step_time for s in sims)
+        memory = max(s.peak_rank.memory for s in sims)
+        time = next((unit for unit in (("s", 1.0), ("ms", 1e-3)) if step >= unit[1]), ("us", 1e-6))
+        size = next((unit for unit in (("GB", GB), ("MB", 1e6)) if memory >= unit[1]), ("KB", 1e3))
+        return cls(time, size)
+
+    def t(self, seconds: float) -> str:
+        """A time in the report's unit, 3 decimals."""
+        return f"{seconds / self.time[1]:.3f}"
+
+    def m(self, nbytes: float) -> str:
+        """Bytes in the report's unit, 2 decimals."""
+        return f"{nbytes / self.memory[1]:.2f}"
+
+
+def format_simulation(sim: Simulation, title: str = "") -> str:
+    """The report of one simulation: step figures, communication and memory per rank."""
+    u = Units.of([sim])
+    ts, ms = u.time[0], u.memory[0]
+    lines = [title] if title else []
+    lines += [
+        describe(sim),
+        "one DP/TP replica simulated: every TP rank of a pipeline rank and every DP replica runs "
+        "the same timeline",
+        "",
+        f"step time      {u.t(sim.step_time)} {ts}  (pipeline {u.t(sim.pipeline_time)} {ts}, then gradient "
+        f"sync and optimizer {u.t(sim.step_time - sim.pipeline_time)} {ts})",
+        f"throughput     {sim.tokens_per_second:,.0f} tokens/s",
+        f"TFLOPS/GPU     {sim.tflops_per_gpu:.1f}  (MFU {100 * sim.mfu:.1f}% of "
+        f"{sim.peak_flops / 1e12:.1f} TFLOPS; Megatron's FLOP count)",
+        f"bubble ratio   {100 * sim.bubble_ratio:.1f}%",
+        "",
+        *_table(["communication per rank (mean)", f"total {ts}", f"hidden {ts}", f"exposed {ts}", "hidden"],
+                [_comm_row("layer (tp, cp, ep)", sim, "layer_comm", "layer_exposed", u),
+                 _comm_row("pipeline send/recv", sim, "pp_comm", "pp_exposed", u),
+                 _comm_row("data-parallel gradients", sim, "dp_comm", "dp_exposed", u)]),
+        "",
+        *_table(["rank", f"busy {ts}", f"end {ts}", "sends", f"sent {ms}", f"params {ms}", f"grads {ms}",
+                 f"optimizer {ms}", f"activations {ms}", f"at {ts}", f"peak {ms}"],
+                [_rank_row(r, u) for r in sim.ranks]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _comm_row(name: str, sim: Simulation, total: str, exposed: str, u: Units) -> list[str]:
+    whole, shown = sim.mean(total), sim.mean(exposed)
+    share = f"{100 * (whole - shown) / whole:.1f}%" if whole > 0 else "-"
+    return [name, u.t(whole), u.t(max(0.0, whole - shown)), u.t(shown), share]
+
+
+def _rank_row(r, u: Units) -> list[str]:
+    return [f"r{r.rank}", u.t(r.busy), u.t(r.end), str(r.sends), u.m(r.send_bytes), u.m(r.states.params),
+            u.m(r.states.grads), u.m(r.states.optimizer), u.m(r.activations), u.t(r.activations_at),
+            u.m(r.memory)]
+
+
+def format_comparison(sims: tuple[Simulation, ...], title: str = "") -> str:
+    """The side-by-side table of :func:`compare`'s simulations, with memory ratios."""
+    u = Units.of(sims)
+    ts, ms = u.time[0], u.memory[0]
+    first = sims[0]
+    rows = [
+        ["schedule"] + [f"{s.pipeline}, fold {s.fold}" for s in sims],
+        ["SI blocks co-executed"] + ["yes" if s.si else "no" for s in sims],
+        [f"step time {ts}"] + [u.t(s.step_time) for s in sims],
+        [f"pipeline make-span {ts}"] + [u.t(s.pipeline_time) for s in sims],
+        ["tokens/s"] + [f"{s.tokens_per_second:,.0f}" for s in sims],
+        ["TFLOPS/GPU"] + [f"{s.tflops_per_gpu:.1f}" for s in sims],
+        ["MFU"] + [f"{100 * s.mfu:.1f}%" for s in sims],
+        ["bubble ratio"] + [f"{100 * s.bubble_ratio:.1f}%" for s in sims],
+        [f"layer comm exposed {ts}"] + [u.t(s.mean("layer_exposed")) for s in sims],
+        [f"pipeline comm exposed {ts}"] + [u.t(s.mean("pp_exposed")) for s in sims],
+        [f"DP comm exposed {ts}"] + [u.t(s.mean("dp_exposed")) for s in sims],
+        ["P2P sends per rank"] + [f"{s.mean('sends'):.1f}" for s in sims],
+        [f"peak memory {ms} (rank)"] + [f"{u.m(s.peak_rank.memory)} (r{s.peak_rank.rank})" for s in sims],
+        [f"  of which activations {ms}"] + [u.m(s.peak_rank.activations) for s in sims],
+        [f"peak activations {ms}"] + [u.m(max(r.activations for r in s.ranks)) for s in sims],
+        ["step time vs as written"] + [f"{s.step_time / first.step_time:.3f}x" for s in sims],
+        ["peak memory vs as written"] + [f"{s.peak_rank.memory / first.peak_rank.memory:.3f}x" for s in sims],
+    ]
+    lines = [title] if title else []
+    lines += [describe(first), "figures per rank are means over the pipeline ranks; one DP/TP replica simulated", ""]
+    lines += _table([""] + [s.label for s in sims], rows)
+    return "\n".join(lines) + "\n"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
+        return "  ".join(cells).rstrip()
+
+    return [line(header)] + [line(row) for row in rows]
