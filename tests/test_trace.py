@@ -12,7 +12,8 @@ import pytest
 from dhelix.cli import main
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.simulator.events import simulate
-from dhelix.dsl.render.trace import LANES, CounterSample, TraceEvent, chrome_trace, trace_json, write_chrome_trace
+from dhelix.dsl.core.timeline import CounterSample, TraceEvent
+from dhelix.dsl.render.trace import LANES, chrome_trace, trace_json, write_chrome_trace
 from conftest import ROOT
 
 EVENTS = [

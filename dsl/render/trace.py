@@ -18,35 +18,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Mapping, NamedTuple
+from typing import Iterable, Mapping
+
+from dhelix.dsl.core.timeline import CounterSample, TraceEvent
 
 #: The three lanes of a rank, in the order their threads are drawn.
 LANES = ("compute", "local", "cross")
 _US = 1e6  # the format's unit is the microsecond
-
-
-class TraceEvent(NamedTuple):
-    """One piece of work: on ``rank``'s ``lane`` from ``start`` for ``duration`` seconds.
-
-    A plain 6-tuple in this order is accepted wherever a TraceEvent is.
-    """
-
-    rank: int
-    lane: str
-    name: str
-    start: float
-    duration: float
-    args: Mapping | None = None
-
-
-class CounterSample(NamedTuple):
-    """A value of counter ``name`` on ``rank`` from time ``time`` (seconds) on, e.g. the
-    bytes of live activations; ``values`` maps series names to numbers."""
-
-    rank: int
-    name: str
-    time: float
-    values: Mapping
 
 
 def chrome_trace(events: Iterable, *, counters: Iterable = (), process_name: str = "rank {rank}",

@@ -44,7 +44,7 @@ from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
 from dhelix.dsl.simulator.costs import (StepCosts, Work, cost_of, input_backward, optimizer_seconds,
                         step_costs)
-from dhelix.dsl.render.trace import CounterSample, TraceEvent
+from dhelix.dsl.core.timeline import CounterSample, TraceEvent
 from dhelix.dsl.passes.validate import dry_run, transfer_key
 
 
