@@ -9,8 +9,11 @@ small method per rule builds the frozen syntax nodes.
 from __future__ import annotations
 
 import functools
+import os
 import re
+import sys
 from importlib import resources
+from pathlib import Path
 
 import lark
 from lark import Token, Transformer, v_args
@@ -44,7 +47,34 @@ def grammar_text() -> str:
 @functools.cache
 def _lark() -> lark.Lark:
     return lark.Lark(grammar_text(), parser="lalr", strict=True, propagate_positions=True,
-                     maybe_placeholders=False, start=list(START_RULES))
+                     maybe_placeholders=False, start=list(START_RULES), cache=_cache_file() or False)
+
+
+def cache_dir() -> Path:
+    """Where the built parser is cached: ``$DHELIX_CACHE_DIR``, else ``$XDG_CACHE_HOME/dhelix``,
+    else ``~/.cache/dhelix``."""
+    if os.environ.get("DHELIX_CACHE_DIR"):
+        return Path(os.environ["DHELIX_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dhelix"
+
+
+def _cache_file() -> str | None:
+    """The file lark caches the analysed grammar in, or None when no cache can be kept.
+
+    Building the LALR tables is most of a short command's time. Lark keys the cache on the
+    grammar text and the options (a changed grammar rebuilds) and falls back to building
+    when the file is unreadable or corrupt; lark's own version and Python's are in the name
+    because its pickled tables are not portable across them. A cache folder that cannot be
+    created (read-only home, no home) means no cache, not an error.
+    """
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    version = f"lark{lark.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return str(folder / f"dhelix-grammar-{version}.lark-cache")
 
 
 def parse(text: str, path: str = "<string>", start: str = "start"):
