@@ -45,8 +45,7 @@ from typing import Mapping
 import attrs
 import torch
 
-from dhelix.dsl.passes.autodiff import derive_backward
-from dhelix.dsl.passes.shapes import instantiate
+from dhelix.dsl.passes.pipeline import rerun
 from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.core.program import LayerDag, Op, Program
 
@@ -119,12 +118,13 @@ class ShardSpec:
 def full_dags(program: Program) -> tuple[LayerDag, LayerDag]:
     """The program's layer instantiated with every mesh axis of size 1 (its collectives
     elided, full weights): the forward and backward DAGs of the reference model."""
-    env = dict(program.env)
-    env.update(tp=1, cp=1, ep=1, dp=1, pp=1, tokens=env["micro_batch"] * env["seq"])
+    # Not the program's DAGs: the reference model's have other shapes and no collectives.
+    # They come from the same passes (shapes, autodiff) run on the program with a mesh of
+    # size 1, so the layer's names (tokens, head_dim, …) have one definition.
     mesh = program.mesh
     single = Mesh(mesh.order, (1,) * len(mesh.sizes), 1, mesh.gpus_per_node)
-    fwd = instantiate(program.layer(program.model.layer), env, single)
-    return fwd, derive_backward(fwd)
+    full = rerun(attrs.evolve(program, mesh=single), after="check", stop="autodiff")
+    return full.forward, full.backward
 
 
 def layer_specs(program: Program, full_fwd: LayerDag | None = None) -> dict[str, ShardSpec]:

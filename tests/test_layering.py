@@ -50,10 +50,7 @@ def test_every_dsl_module_lives_in_a_stage_package():
         == sorted(STAGES)
 
 
-@pytest.mark.parametrize("stage", [
-    pytest.param("frontend", marks=pytest.mark.xfail(
-        strict=True, reason="check still computes shapes, fold and strands (issue 8, item 3)")),
-    *(stage for stage in STAGES if stage != "frontend")])
+@pytest.mark.parametrize("stage", STAGES)
 def test_a_stage_imports_only_stages_before_it(stage):
     allowed = {f"dhelix.dsl.{s}" for s in STAGES[:STAGES.index(stage) + 1]}
     wrong = []

@@ -9,10 +9,20 @@ from __future__ import annotations
 import attrs
 
 from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.errors import CheckError, DhelixError
 from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.core.span import span_field
+from dhelix.dsl.core.wording import did_you_mean
 
 Shape = tuple[int, int]
+
+#: The fold kinds of the language and the chunks per rank (v) each gives; ``loop`` takes v as
+#: its argument (None here). The one definition: the checker of fold statements and of a
+#: pipeline's ``for`` clause, the fold pass and the command-line overrides read it.
+FOLD_KINDS: dict[str, int | None] = {"none": 1, "u": 2, "loop": None}
+
+#: The communication kinds whose collectives SI may hide (a strands block's ``overlap``).
+OVERLAP_KINDS = ("tp", "cp", "ep")
 
 
 @attrs.frozen
@@ -58,15 +68,42 @@ class FoldSpec:
     v: int
     span: object = span_field()
 
+    @classmethod
+    def of(cls, kind: str, v: int | None = None, *, span=None) -> "FoldSpec":
+        """The spec of the known fold ``kind``; ``v`` is loop's chunk count, None for the
+        others (which fix theirs). A caller checks the kind first: ValueError otherwise."""
+        if kind not in FOLD_KINDS or (FOLD_KINDS[kind] is None) != (v is not None):
+            raise ValueError(f"no fold {kind} with v = {v}")
+        return cls(kind, FOLD_KINDS[kind] if v is None else v, span=span)
+
+    @property
+    def text(self) -> str:
+        """The fold as written: ``none``, ``u`` or ``loop(3)``."""
+        return self.kind if FOLD_KINDS[self.kind] is not None else f"{self.kind}({self.v})"
+
+
+def fold_kinds_text(argument: str = "v") -> str:
+    """The fold kinds for a message, ``none, u, loop(v)``, with ``argument`` for loop's."""
+    return ", ".join(k if v is not None else f"{k}({argument})" for k, v in FOLD_KINDS.items())
+
+
+def unknown_fold(kind: str, span, error: type[DhelixError] = CheckError) -> DhelixError:
+    """The error for a fold ``kind`` that is not in FOLD_KINDS, with a "did you mean" note."""
+    return error(f"unknown fold '{kind}'", span,
+                 did_you_mean(kind, FOLD_KINDS) + [f"folds are: {fold_kinds_text()}"])
+
 
 @attrs.frozen
 class Strands:
-    """Strand-pairing constraints; defaults when the program has no strands block."""
+    """Strand-pairing constraints; defaults when the program has no strands block (then
+    ``span`` is None). Built by the checker; the strands pass checks that each written
+    selector names operators of the layer."""
 
-    overlap: tuple[str, ...] = ("tp", "cp", "ep")
+    overlap: tuple[str, ...] = OVERLAP_KINDS
     comm_with_comm: bool = True
     movable: tuple[s.Selector, ...] = (s.Selector(("wgrad",)),)
     forbid: tuple[tuple[s.Selector, s.Selector], ...] = ()
+    span: object = span_field()
 
 
 @attrs.frozen
@@ -117,7 +154,7 @@ class Program:
     """A whole checked file with its imports.
 
     ``model`` is None for a library file (layers and pipelines only); then the
-    configuration fields are None too and no DAG is instantiated.
+    configuration fields are None too and no pass after check changes it.
     """
 
     files: tuple[str, ...]
@@ -131,9 +168,9 @@ class Program:
     pipeline: s.PipelineDef | None = None
     profile: object = None  # profiles.Profile named by the cluster block
     strands: Strands = Strands()
-    env: tuple[tuple[str, int], ...] = ()
-    forward: LayerDag | None = None
-    backward: LayerDag | None = None
+    env: tuple[tuple[str, int], ...] = ()  # the names layer expressions see, set by the shapes pass
+    forward: LayerDag | None = None  # set by the shapes pass
+    backward: LayerDag | None = None  # set by the autodiff pass
     placement: object = None  # fold.Placement, set by the fold pass
     lowered: object = None  # schedule.Lowered, set by the lower pass
 

@@ -1,6 +1,12 @@
-"""Check a loaded program and build its IR: definitions, configuration and layer DAGs.
+"""Check a loaded program and build its configured IR: definitions, model, cluster, mesh,
+train, fold, pipeline, strands and profile.
 
-Errors are collected across all stages that can still run and raised together; stages
+Every layer and every pipeline defined is checked on its own (library files too); a program
+with a model is checked against its mesh and fold (divisibility, layers per pipeline stage).
+Instantiating the layer DAG, deriving its backward, resolving strand selectors and placing
+the layers are the passes after this one (:mod:`dhelix.dsl.passes.pipeline`).
+
+Errors are collected across all checks that can still run and raised together; checks
 that depend on a failed one are skipped so one mistake does not cascade into many.
 """
 
@@ -11,28 +17,31 @@ from pathlib import Path
 import attrs
 
 from dhelix.dsl.core import syntax as s
-from dhelix.dsl.frontend.config import build_cluster, build_fold, build_mesh, build_model, build_train
-from dhelix.dsl.passes.shapes import instantiate
+from dhelix.dsl.frontend.config import (build_cluster, build_fold, build_mesh, build_model, build_strands,
+                                        build_train)
 from dhelix.dsl.core.errors import CheckError, DhelixError, ErrorCollector
-from dhelix.dsl.passes.fold import placement_for
 from dhelix.dsl.frontend.layercheck import check_layer
-from dhelix.dsl.frontend.modelcheck import check_divisibility, layer_env
+from dhelix.dsl.frontend.modelcheck import check_divisibility, stage_split_error
+from dhelix.dsl.frontend.pipelinecheck import check_pipeline
 from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.core.program import Program
-from dhelix.dsl.passes.strands import build_strands
 from dhelix.dsl.core.wording import did_you_mean
 
 _SINGLE = {s.ModelDef: "model", s.Fold: "fold", s.PipelineRef: "pipeline", s.StrandsDef: "strands"}
 
 
 def check_program(modules: list[s.Module]) -> Program:
-    """The Program of ``modules`` (dependency order, main file last), instantiated up to
-    the forward layer DAG. Raises CheckError or ErrorGroup with every problem found."""
+    """The configured Program of ``modules`` (dependency order, main file last): no layer
+    DAG, strand selectors or placement yet. Raises CheckError or ErrorGroup with every
+    problem found."""
     errors = ErrorCollector()
     layers = _definitions(modules, s.LayerDef, "layer", errors)
     pipelines = _definitions(modules, s.PipelineDef, "pipeline", errors)
     for layer in layers.values():
         for error in check_layer(layer):
+            errors.add(error)
+    for pipeline in pipelines.values():
+        for error in check_pipeline(pipeline):
             errors.add(error)
     singles = _singletons(modules, errors)
     program = Program(tuple(m.span.source.path if m.span else "" for m in modules),
@@ -92,38 +101,26 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
     train = build_train(singles["train"], errors) if "train" in singles else None
     fold = build_fold(singles["fold"], errors) if "fold" in singles else build_fold(s.Fold("none", None), errors)
     pipeline = _pipeline(singles.get("pipeline"), pipelines, errors)
-    layer = _layer(model, model_block, layers, errors)
+    _check_layer_name(model, model_block, layers, errors)
+    strands = build_strands(singles.get("strands"), errors)
     program = attrs.evolve(program, model=model, cluster=cluster, mesh=mesh, train=train, fold=fold,
-                           pipeline=pipeline, profile=profile)
+                           pipeline=pipeline, profile=profile, strands=strands)
     if None in (model, mesh, train, fold):
         return program
     for error in check_divisibility(model, model_block, mesh, mesh_block):
         errors.add(error)
-    program = attrs.evolve(program, placement=_placement(model, model_block, mesh, fold, errors))
-    if errors.errors or layer is None:
-        return program
-    env = layer_env(model, mesh, train, model_block)
-    try:
-        forward = instantiate(layer, env, mesh)
-    except DhelixError as exc:
-        errors.add(exc)
-        return attrs.evolve(program, env=tuple(env.items()))
-    strands = build_strands(singles.get("strands"), forward, errors)
-    return attrs.evolve(program, env=tuple(env.items()), forward=forward, strands=strands)
+    _check_stages(model, model_block, mesh, fold, errors)
+    return program
 
 
-def _placement(model, model_block, mesh, fold, errors: ErrorCollector):
-    """Where each pipeline stage lives under the fold, or None (error recorded) if the layers
-    do not split."""
+def _check_stages(model, model_block, mesh, fold, errors: ErrorCollector) -> None:
+    """Record an error when the layers do not split into the fold's pipeline stages (the fold
+    pass places them; the check is here so that it is reported with the other sizes')."""
     layers = model.get("layers")
-    span = fold.span or model_block.span("layers")
-    try:
-        return placement_for(fold.kind, fold.v if fold.kind == "loop" else None, layers,
-                             mesh.size("pp"), span=span)
-    except CheckError as exc:
-        errors.add(CheckError(exc.message, exc.span, exc.notes + (
-            f"layers = {layers} is set at {model_block.span('layers')}",)))
-        return None
+    error = stage_split_error(fold.text, layers, mesh.size("pp"), fold.v, fold.span or model_block.span("layers"))
+    if error is not None:
+        error.notes += (f"layers = {layers} is set at {model_block.span('layers')}",)
+        errors.add(error)
 
 
 def _profile(node: s.ConfigBlock | None, cluster, errors: ErrorCollector):
@@ -153,14 +150,11 @@ def _pipeline(ref: s.PipelineRef | None, pipelines: dict, errors: ErrorCollector
     return None
 
 
-def _layer(model, block, layers: dict, errors: ErrorCollector):
-    if model is None:
-        return None
-    if model.layer in layers:
-        layer = layers[model.layer]
-        return layer if not check_layer(layer) else None
+def _check_layer_name(model, block, layers: dict, errors: ErrorCollector) -> None:
+    """Record an error when the model names a layer that no file defines."""
+    if model is None or model.layer in layers:
+        return
     notes = did_you_mean(model.layer, layers)
     notes.append(f"layers: {', '.join(sorted(layers))}" if layers else
                  'no layer is defined; import "stdlib/layers.dhx" for llama, gpt and moe')
     errors.add(CheckError(f"unknown layer '{model.layer}'", block.nodes["layer"].value.span, notes))
-    return None

@@ -1,4 +1,4 @@
-"""Evaluate the configuration blocks (model, cluster, mesh, train, fold) into program IR.
+"""Evaluate the configuration blocks (model, cluster, mesh, train, fold, strands) into program IR.
 
 Settings are evaluated in order, each over the ones before it in the same block (the model
 block may write ``ffn = 4 * hidden``). Every problem is collected; the caller raises once.
@@ -11,9 +11,9 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.frontend.exprs import UnknownName, evaluate
-from dhelix.dsl.passes.fold import FOLD_KINDS
 from dhelix.dsl.core.mesh import DIMENSIONS, Mesh
-from dhelix.dsl.core.program import Cluster, FoldSpec, Model, Train
+from dhelix.dsl.core.program import (FOLD_KINDS, OVERLAP_KINDS, Cluster, FoldSpec, Model, Strands, Train,
+                                     unknown_fold)
 from dhelix.dsl.core.wording import close_matches, did_you_mean
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
@@ -218,15 +218,15 @@ def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollec
 def build_fold(node: s.Fold, errors: ErrorCollector) -> FoldSpec | None:
     """The FoldSpec of a fold statement: none, u (two chunks) or loop(v)."""
     if node.kind not in FOLD_KINDS:
-        errors.add(CheckError(f"unknown fold '{node.kind}'", node.span_of("kind"),
-                              did_you_mean(node.kind, FOLD_KINDS) + ["folds are: none, u, loop(v)"]))
+        errors.add(unknown_fold(node.kind, node.span_of("kind")))
         return None
-    if (node.kind == "loop") != (node.arg is not None):
-        need = "needs its chunk count, e.g. fold loop(2)" if node.kind == "loop" else "takes no argument"
+    takes_count = FOLD_KINDS[node.kind] is None
+    if takes_count != (node.arg is not None):
+        need = f"needs its chunk count, e.g. fold {node.kind}(2)" if takes_count else "takes no argument"
         errors.add(CheckError(f"fold {node.kind} {need}", node.span))
         return None
-    if node.kind != "loop":
-        return FoldSpec(node.kind, 1 if node.kind == "none" else 2, span=node.span)
+    if not takes_count:
+        return FoldSpec.of(node.kind, span=node.span)
     try:
         v = evaluate(node.arg, {}, "name")
     except CheckError as exc:
@@ -235,9 +235,46 @@ def build_fold(node: s.Fold, errors: ErrorCollector) -> FoldSpec | None:
             if isinstance(exc, UnknownName) else [])))
         return None
     if v < 1:
-        errors.add(CheckError(f"fold loop needs at least 1 chunk per rank, got {v}", node.arg.span))
+        errors.add(CheckError(f"fold {node.kind} needs at least 1 chunk per rank, got {v}", node.arg.span))
         return None
-    return FoldSpec("loop", v, span=node.span)
+    return FoldSpec.of(node.kind, v, span=node.span)
+
+
+def build_strands(node: s.StrandsDef | None, errors: ErrorCollector) -> Strands:
+    """The Strands of a strands block (defaults when absent). Unknown communication kinds
+    and comm_with_comm values are recorded in ``errors``; whether each selector names an
+    operator of the layer is the strands pass's check (it needs the layer's DAGs)."""
+    if node is None:
+        return Strands()
+    overlap, comm_with_comm, movable, forbid = [], True, [], []
+    for st in node.body:
+        if isinstance(st, s.Overlap):
+            overlap += _overlap_kinds(st, errors)
+        elif isinstance(st, s.CommWithComm):
+            if st.value not in ("on", "off"):
+                errors.add(CheckError(f"comm_with_comm is 'on' or 'off', not '{st.value}'", st.span_of("value"),
+                                      did_you_mean(st.value, ("on", "off"))))
+            comm_with_comm = st.value != "off"
+        elif isinstance(st, s.Movable):
+            movable += st.selectors
+        elif isinstance(st, s.Forbid):
+            forbid.append((st.first, st.second))
+    return Strands(tuple(dict.fromkeys(overlap)), comm_with_comm, tuple(movable), tuple(forbid), span=node.span)
+
+
+def _overlap_kinds(st: s.Overlap, errors: ErrorCollector) -> list[str]:
+    good = []
+    for i, kind in enumerate(st.kinds):
+        if kind in OVERLAP_KINDS:
+            good.append(kind)
+            continue
+        notes = did_you_mean(kind, OVERLAP_KINDS)
+        if kind in ("pp", "dp"):
+            notes = [f"{kind} communication happens between layers (pipeline send/recv, gradient "
+                     "all-reduce); SI pairs the operators inside a layer"]
+        errors.add(CheckError(f"unknown communication kind '{kind}'", st.span_of(f"kinds.{i}"),
+                              notes + [f"SI can hide {_and(OVERLAP_KINDS)} communication"]))
+    return good
 
 
 def _require(node, block: BlockValues, keys, example: str, errors: ErrorCollector) -> bool:

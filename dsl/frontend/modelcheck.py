@@ -1,4 +1,4 @@
-"""Checks of a model against its mesh, and the names layer expressions may use."""
+"""Checks of a model against its mesh and fold, and the names layer expressions may use."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dhelix.dsl.core.program import Model, Train
 DERIVED = ("tokens", "head_dim")
 
 
-def layer_env(model: Model, mesh: Mesh, train: Train, model_block) -> dict[str, int]:
+def layer_env(model: Model, mesh: Mesh, train: Train) -> dict[str, int]:
     """The integer names a layer's expressions may use: model settings, mesh axis sizes,
     ``micro_batch``/``microbatches``, ``tokens`` (micro_batch * seq / cp, the tokens of one
     context-parallel rank) and ``head_dim`` (hidden / heads). Assumes check_divisibility passed."""
@@ -23,7 +23,7 @@ def layer_env(model: Model, mesh: Mesh, train: Train, model_block) -> dict[str, 
 
 
 def check_divisibility(model: Model, model_block, mesh: Mesh, mesh_block) -> list[DhelixError]:
-    """Every way the model does not split over the mesh (the fold is checked by dsl.passes.fold)."""
+    """Every way the model does not split over the mesh (the fold: :func:`stage_split_error`)."""
     errors: list[DhelixError] = []
     errors += _reserved(model_block)
     get = model.get
@@ -91,3 +91,38 @@ def _check_experts(model, model_block, mesh, mesh_block) -> list[DhelixError]:
                            ["each ep rank holds experts/ep experts",
                             f"experts = {experts} is set at {model_block.span('experts')}"])]
     return []
+
+
+def stage_split_error(fold: str, layers: int, ranks: int, chunks: int, span) -> CheckError | None:
+    """Why ``layers`` layers do not split into ``ranks * chunks`` equal pipeline stages for
+    fold ``fold`` (its text, e.g. ``loop(3)``), saying which sizes work; None when they do.
+
+    The checker reports it with the program's other errors; the fold pass raises it for
+    sizes changed after checking (command-line overrides)."""
+    if chunks < 1:
+        return CheckError(f"fold {fold} needs at least 1 chunk per rank", span,
+                          ["write loop(2) or more for Megatron's interleaved schedule; "
+                           "loop(1) is the same as fold none"])
+    if ranks < 1:
+        return CheckError(f"a pipeline needs at least 1 rank, got {ranks}", span, ["set mesh pp to 1 or more"])
+    if layers < 1:
+        return CheckError(f"a model needs at least 1 layer, got {layers}", span)
+    count = ranks * chunks
+    if layers % count == 0:
+        return None
+    per_rank = "" if chunks == 1 else f" ({chunks} per rank)"
+    on_ranks = f"{ranks} rank{'s' if ranks != 1 else ''}"
+    working = [g for g in range(1, layers + 1) if layers % (g * chunks) == 0]
+    multiples = ", ".join(str(count * k) for k in (1, 2, 3))
+    works = (f"with {layers} layers, fold {fold} works on {_listing(working)} ranks" if working
+             else f"no number of ranks works: fold {fold} needs a multiple of {chunks} layers")
+    return CheckError(
+        f"{layers} layers do not split into {count} stages{per_rank} for fold {fold} "
+        f"on {on_ranks}", span,
+        [works, f"on {on_ranks}, fold {fold} needs a multiple of {count} layers "
+                f"({multiples}, …)"])
+
+
+def _listing(values: list[int]) -> str:
+    words = [str(v) for v in values[:8]] + (["…"] if len(values) > 8 else [])
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]

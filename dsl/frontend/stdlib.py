@@ -6,9 +6,10 @@ import functools
 from importlib import resources
 
 from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.program import FOLD_KINDS
 from dhelix.dsl.frontend.parser import parse
 
-#: The chunks per rank used for a pipeline written `for loop` when no count is given.
+#: The chunks per rank used for a pipeline written `for loop` (the clause gives no count).
 DEFAULT_LOOP_CHUNKS = 2
 
 
@@ -24,4 +25,4 @@ def fold_of(pipeline: s.PipelineDef) -> tuple[str, int | None]:
     """The (fold kind, loop chunks or None) a pipeline's ``for`` clause asks for; ``none``
     when it has no clause."""
     kind = pipeline.fold or "none"
-    return kind, DEFAULT_LOOP_CHUNKS if kind == "loop" else None
+    return kind, DEFAULT_LOOP_CHUNKS if FOLD_KINDS[kind] is None else None

@@ -10,6 +10,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.frontend.exprs import format_expr
 from dhelix.dsl.core.program import LayerDag, Op, Program
 from dhelix.dsl.core.schedule import format_lowered
+from dhelix.dsl.passes.strands import select
 from dhelix.dsl.passes.unittime import unit_time
 
 
@@ -130,6 +131,22 @@ def _op_line(op: Op) -> str:
         notes += [f"{k}={v}" for k, v in op.params if k not in ("axis", "ring")]
     return (f"  {op.name:<16} {op.op + group:<24} {kind:<12} {str(list(op.shape)):<16} "
             f"<- {', '.join(op.inputs) or '-':<22} {'  '.join(notes)}").rstrip()
+
+
+@_needs("backward")
+def dump_strands(program: Program) -> str:
+    """The strands constraints with the operators each selector names in the layer's DAGs."""
+    st = program.strands
+
+    def named(selector) -> str:
+        return ", ".join(op.name for op in select(selector, program.forward, program.backward)) or "-"
+
+    source = "" if st.span else " (defaults: the program has no strands block)"
+    lines = [f"strands{source}: overlap {', '.join(st.overlap) or '-'}; comm_with_comm "
+             f"{'on' if st.comm_with_comm else 'off'}"]
+    lines += [f"  movable {selector}: {named(selector)}" for selector in st.movable]
+    lines += [f"  forbid {a} with {b}: {named(a)} with {named(b)}" for a, b in st.forbid]
+    return "\n".join(lines) + "\n"
 
 
 @_needs("placement")

@@ -9,7 +9,9 @@ A *stage* is a contiguous run of layers in model order; stage ``s`` of ``S = p·
   stages p..2p−1 are chunk 1 on ranks p−1..0 ("up"), so the model doubles back like a U.
 - ``fold loop(v)`` (Megatron's interleaved schedule): stage s on rank ``s mod p``, chunk ``s // p``.
 
-All functions are pure; invalid sizes raise :class:`CheckError` saying which sizes work.
+All functions are pure; invalid sizes raise :class:`CheckError` saying which sizes work (the
+checker reports the same error, :func:`~dhelix.dsl.frontend.modelcheck.stage_split_error`, with
+the program's other mistakes; this pass meets it only for sizes changed after checking).
 """
 
 from __future__ import annotations
@@ -17,11 +19,9 @@ from __future__ import annotations
 import attrs
 
 from dhelix.dsl.core.errors import CheckError
+from dhelix.dsl.core.program import FOLD_KINDS, FoldSpec, unknown_fold
 from dhelix.dsl.core.span import Span
-from dhelix.dsl.core.wording import did_you_mean
-
-#: The fold kinds of the language, with whether they take an argument.
-FOLD_KINDS = {"none": False, "u": False, "loop": True}
+from dhelix.dsl.frontend.modelcheck import stage_split_error
 
 
 @attrs.frozen
@@ -67,7 +67,7 @@ class Placement:
 
 def fold_none(layers: int, ranks: int, *, span: Span | None = None) -> Placement:
     """Contiguous layers: stage g is rank g, chunk 0. Raises CheckError unless ``ranks`` divides ``layers``."""
-    return _place("none", layers, ranks, 1, lambda s: (s, 0), span)
+    return _place("none", layers, ranks, FOLD_KINDS["none"], lambda s: (s, 0), span)
 
 
 def fold_u(layers: int, ranks: int, *, span: Span | None = None) -> Placement:
@@ -76,7 +76,7 @@ def fold_u(layers: int, ranks: int, *, span: Span | None = None) -> Placement:
     Needs ``layers`` divisible by ``2·ranks`` (CheckError otherwise). With 32 layers on 4 ranks,
     rank 0 holds layers 0–3 and 28–31, rank 3 holds 12–15 and 16–19.
     """
-    return _place("u", layers, ranks, 2,
+    return _place("u", layers, ranks, FOLD_KINDS["u"],
                   lambda s: (s, 0) if s < ranks else (2 * ranks - 1 - s, 1), span)
 
 
@@ -85,10 +85,6 @@ def fold_loop(layers: int, ranks: int, chunks: int, *, span: Span | None = None)
 
     ``chunks`` is v ≥ 1; ``layers`` must be divisible by ``v·ranks`` (CheckError otherwise).
     """
-    if chunks < 1:
-        raise CheckError(f"fold loop({chunks}) needs at least 1 chunk per rank", span,
-                         ["write loop(2) or more for Megatron's interleaved schedule; "
-                          "loop(1) is the same as fold none"])
     return _place(f"loop({chunks})", layers, ranks, chunks, lambda s: (s % ranks, s // ranks), span)
 
 
@@ -100,22 +96,29 @@ def placement_for(kind: str, arg: int | None, layers: int, ranks: int, *,
     a missing or unexpected argument, and sizes that do not divide.
     """
     if kind not in FOLD_KINDS:
-        raise CheckError(f"unknown fold '{kind}'", span,
-                         did_you_mean(kind, FOLD_KINDS) + ["folds are: none, u, loop(v)"])
-    if FOLD_KINDS[kind] and arg is None:
+        raise unknown_fold(kind, span)
+    if FOLD_KINDS[kind] is None and arg is None:
         raise CheckError(f"fold {kind} needs the number of chunks per rank", span,
                          [f"write fold {kind}(2)"])
-    if not FOLD_KINDS[kind] and arg is not None:
+    if FOLD_KINDS[kind] is not None and arg is not None:
         raise CheckError(f"fold {kind} takes no argument", span, [f"write fold {kind}"])
-    if kind == "none":
-        return fold_none(layers, ranks, span=span)
-    if kind == "u":
-        return fold_u(layers, ranks, span=span)
-    return fold_loop(layers, ranks, arg, span=span)
+    return placement_of(FoldSpec.of(kind, arg, span=span), layers, ranks)
+
+
+def placement_of(fold: FoldSpec, layers: int, ranks: int) -> Placement:
+    """The placement of the checked ``fold`` for ``layers`` layers on ``ranks`` pipeline
+    ranks; a CheckError at the fold's span when the layers do not split."""
+    if fold.kind == "none":
+        return fold_none(layers, ranks, span=fold.span)
+    if fold.kind == "u":
+        return fold_u(layers, ranks, span=fold.span)
+    return fold_loop(layers, ranks, fold.v, span=fold.span)
 
 
 def _place(kind: str, layers: int, ranks: int, chunks: int, slot_of, span) -> Placement:
-    _check_sizes(kind, layers, ranks, chunks, span)
+    error = stage_split_error(kind, layers, ranks, chunks, span)
+    if error is not None:
+        raise error
     count = ranks * chunks
     width = layers // count
     stages = []
@@ -123,30 +126,3 @@ def _place(kind: str, layers: int, ranks: int, chunks: int, slot_of, span) -> Pl
         rank, chunk = slot_of(index)
         stages.append(Stage(index, rank, chunk, index * width, (index + 1) * width))
     return Placement(kind, ranks, chunks, tuple(stages))
-
-
-def _check_sizes(kind: str, layers: int, ranks: int, chunks: int, span) -> None:
-    if ranks < 1:
-        raise CheckError(f"a pipeline needs at least 1 rank, got {ranks}", span,
-                         ["set mesh pp to 1 or more"])
-    if layers < 1:
-        raise CheckError(f"a model needs at least 1 layer, got {layers}", span)
-    count = ranks * chunks
-    if layers % count == 0:
-        return
-    per_rank = "" if chunks == 1 else f" ({chunks} per rank)"
-    on_ranks = f"{ranks} rank{'s' if ranks != 1 else ''}"
-    working = [g for g in range(1, layers + 1) if layers % (g * chunks) == 0]
-    multiples = ", ".join(str(count * k) for k in (1, 2, 3))
-    works = (f"with {layers} layers, fold {kind} works on {_listing(working)} ranks" if working
-             else f"no number of ranks works: fold {kind} needs a multiple of {chunks} layers")
-    raise CheckError(
-        f"{layers} layers do not split into {count} stages{per_rank} for fold {kind} "
-        f"on {on_ranks}", span,
-        [works, f"on {on_ranks}, fold {kind} needs a multiple of {count} layers "
-                f"({multiples}, …)"])
-
-
-def _listing(values: list[int]) -> str:
-    words = [str(v) for v in values[:8]] + (["…"] if len(values) > 8 else [])
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]

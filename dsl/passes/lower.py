@@ -4,7 +4,8 @@ A pipeline body is a per-rank program over the builtins ``p`` (ranks), ``r`` (th
 ``m`` (micro-batches) and ``v`` (chunks per rank). Semantics, statement by statement:
 
 - ``name = expr`` binds ``name`` for the statements after it; binding it again rebinds it (so
-  ``k = k + 1`` inside a repeat counts iterations). The builtins cannot be rebound.
+  ``k = k + 1`` inside a repeat counts iterations). The builtins cannot be rebound (a
+  rank-independent mistake, found by :mod:`dhelix.dsl.frontend.pipelinecheck`).
 - ``repeat N { … }`` runs its body N times; N must be ≥ 0.
 - ``require a CMP b`` stops with an error naming the values when it does not hold.
 - ``F[c]``, ``B[c]``, ``W[c]`` (chunk 0 unless given) and ``SI(F[c], B[c'])`` emit actions.
@@ -23,17 +24,11 @@ from collections import defaultdict
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector, ScheduleError
+from dhelix.dsl.core.program import FOLD_KINDS
 from dhelix.dsl.frontend.exprs import evaluate, format_expr
-from dhelix.dsl.passes.fold import FOLD_KINDS, Placement
-from dhelix.dsl.frontend.parser import ACTIONS
-from dhelix.dsl.core.wording import did_you_mean
+from dhelix.dsl.frontend.pipelinecheck import check_pipeline
+from dhelix.dsl.passes.fold import Placement
 from dhelix.dsl.core.schedule import Compute, Interleaved, Lowered, Transfer
-
-ACTION_NAMES = ACTIONS + ("SI",)
-
-#: The names every pipeline program starts with, and what they mean.
-BUILTINS = {"p": "pipeline ranks", "r": "this rank", "m": "micro-batches",
-            "v": "chunks per rank"}
 
 _COMPARE = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne,
             ">": operator.gt, "<": operator.lt}
@@ -49,14 +44,20 @@ def lower_pipeline(pipeline: s.PipelineDef, *, ranks: int, microbatches: int,
 
     ``ranks`` must equal ``placement.ranks`` (a caller bug otherwise: ValueError). Returns the
     :class:`Lowered` schedule, unvalidated. Raises :class:`ScheduleError` (one, or an ErrorGroup
-    of all of them) for a rebound builtin, an SI block not written ``SI(F…, B…)``, a failed
-    ``require``, a negative repeat count, a chunk outside ``0..v-1`` or a runaway program; each
-    names the rank(s) it fails on (unless it fails on every rank) and points at the statement.
+    of all of them) for a failed ``require``, a negative repeat count, a chunk outside
+    ``0..v-1`` or a runaway program; each names the rank(s) it fails on (unless it fails on
+    every rank) and points at the statement. A pipeline that did not go through the checker
+    (parsed alone) gets the checker's errors for its rank-independent mistakes
+    (:func:`~dhelix.dsl.frontend.pipelinecheck.check_pipeline`) and for a ``for`` clause
+    naming another fold.
     """
     if ranks != placement.ranks:
         raise ValueError(f"ranks={ranks} but the placement is for {placement.ranks} ranks")
+    errors = ErrorCollector()
+    for error in check_pipeline(pipeline):
+        errors.add(error)
+    errors.raise_if_any()
     check_fold(pipeline, placement.kind)
-    _check_statements(pipeline)
     rows, failures = [], []
     for rank in range(ranks):
         program = _RankProgram(pipeline.name, rank, microbatches, placement)
@@ -71,47 +72,16 @@ def lower_pipeline(pipeline: s.PipelineDef, *, ranks: int, microbatches: int,
 
 
 def check_fold(pipeline: s.PipelineDef, fold: str, fold_span=None) -> None:
-    """Raise when ``pipeline`` declares (``pipeline X for u``) a fold other than ``fold``.
-
-    ``fold_span`` locates the program's fold statement, named in a note."""
+    """Raise when ``pipeline`` declares (``pipeline X for u``) a fold other than ``fold``
+    (a placement's kind, ``loop(2)`` for loop). The clause names a known fold: the checker
+    saw to that. ``fold_span`` locates the program's fold statement, named in a note."""
     if pipeline.fold is None or pipeline.fold == fold.split("(")[0]:  # loop(2) is a loop
         return
-    if pipeline.fold not in FOLD_KINDS:
-        raise ScheduleError(f"unknown fold '{pipeline.fold}'", pipeline.span_of("fold"),
-                            did_you_mean(pipeline.fold, FOLD_KINDS) + ["folds are: none, u, loop(v)"])
     where = f" (at {fold_span})" if fold_span is not None else ""
     raise ScheduleError(f"pipeline {pipeline.name} is written for fold {pipeline.fold}, "
                         f"but the program uses fold {fold}{where}", pipeline.span_of("fold"),
-                        [f"write `fold {pipeline.fold}{'(2)' if pipeline.fold == 'loop' else ''}` "
+                        [f"write `fold {pipeline.fold}{'(2)' if FOLD_KINDS[pipeline.fold] is None else ''}` "
                          f"or pick a pipeline written for fold {fold}"])
-
-
-def _check_statements(pipeline: s.PipelineDef) -> None:
-    """Rank-independent mistakes, reported once rather than once per rank."""
-    errors = ErrorCollector()
-    for stmt in _walk(pipeline.body):
-        if isinstance(stmt, s.Let) and stmt.name in ACTION_NAMES:
-            errors.add(ScheduleError(
-                f"'{stmt.name}' names an action and cannot be bound", stmt.span_of("name"),
-                ["F, B, W and SI are the actions of a pipeline; pick another name"]))
-        if isinstance(stmt, s.Let) and stmt.name in BUILTINS:
-            errors.add(ScheduleError(
-                f"'{stmt.name}' is a builtin ({BUILTINS[stmt.name]}) and cannot be rebound",
-                stmt.span_of("name"), ["pick another name; the builtins are p, r, m and v"]))
-        if isinstance(stmt, s.SIBlock) and (stmt.fwd.kind, stmt.bwd.kind) != ("F", "B"):
-            errors.add(ScheduleError(
-                f"an SI block pairs a forward with a backward, not {stmt.fwd.kind} with "
-                f"{stmt.bwd.kind}", stmt.span,
-                ["write SI(F[c], B[c']): the forward of one strand beside the backward of "
-                 "the other"]))
-    errors.raise_if_any()
-
-
-def _walk(body):
-    for stmt in body:
-        yield stmt
-        if isinstance(stmt, s.Repeat):
-            yield from _walk(stmt.body)
 
 
 class _Failure(Exception):

@@ -2,14 +2,14 @@
 
 `dhelix render` and `dhelix export` can redraw a file's schedule at other sizes without
 editing it: ``--ranks P`` (mesh pp), ``--microbatches M``, ``--layers L``, ``--pipeline NAME``
-and ``--fold none|u|loop(V)``. The file is checked as written up to the autodiff stage; the
-overrides then replace fields of the checked Program with :func:`attrs.evolve`, and the fold,
-lower and validate passes run again on the result, so an override that does not fit (8 layers
-on 3 ranks, w_helix with m < p) is reported like any schedule error, with a note naming the
-overrides in force.
+and ``--fold none|u|loop(V)``. The file is checked as written (the check stage); the
+overrides then replace fields of the checked Program with :func:`attrs.evolve`, and the passes
+after check run on the result (:func:`~dhelix.dsl.passes.pipeline.rerun`), so an override that
+does not fit (8 layers on 3 ranks, w_helix with m < p) is reported like any schedule error,
+with a note naming the overrides in force.
 
 Only the pipeline dimension changes: ``--ranks`` makes the mesh's world size differ from the
-cluster's, which the passes after autodiff never look at.
+cluster's, which only the checker looks at.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ import re
 import attrs
 
 from dhelix.dsl.passes import pipeline as passes
-from dhelix.dsl.passes.fold import placement_for
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
-from dhelix.dsl.core.program import FoldSpec, Program
+from dhelix.dsl.core.program import FOLD_KINDS, FoldSpec, Program, fold_kinds_text
 from dhelix.dsl.core.wording import did_you_mean
 
-_FOLD = re.compile(r"(none|u|loop\((\d+)\))$")
+_FOLD = re.compile(r"(\w+)(?:\((\d+)\))?$")  # a kind, and a count in parentheses
 
 
 @attrs.frozen
@@ -54,7 +53,7 @@ def add_override_arguments(parser) -> None:
     group.add_argument("--pipeline", metavar="NAME",
                        help="another pipeline defined in the file or its imports; the fold follows "
                             "the pipeline's `for` clause unless --fold is given")
-    group.add_argument("--fold", metavar="FOLD", help="none, u or loop(V)")
+    group.add_argument("--fold", metavar="FOLD", help=fold_kinds_text("V"))
 
 
 def overrides_from_args(args) -> Overrides:
@@ -74,34 +73,22 @@ def load_file(path: str, overrides: Overrides, stop: str = "validate") -> Progra
 def load_program(text: str, path: str, overrides: Overrides, stop: str = "validate") -> Program:
     """Check ``text`` (the file ``path``), apply ``overrides`` and run the passes up to ``stop``.
 
-    ``stop`` is ``autodiff``, ``fold`` or ``validate``. Raises UsageError for a file without a
-    model or a bad override value, and the usual located errors for everything else (with a
-    note naming the overrides when the passes after them fail).
+    ``stop`` is a stage after check (``autodiff``, ``fold``, ``validate``, …). Raises
+    UsageError for a file without a model or a bad override value, and the usual located
+    errors for everything else (with a note naming the overrides when the passes after them
+    fail).
     """
-    program = passes.run_until(text, path, "autodiff")
+    program = passes.run_until(text, path, "check")
     if program.model is None:
         raise UsageError(f"'{path}' is a library file (no model block): give a file with a model, "
                          "e.g. examples/tiny_llama_cpu.dhx")
     program = _apply(program, overrides)
-    if stop == "autodiff":
-        return program
     try:
-        program = _place(program)
-        if stop == "validate":
-            program = passes.validate(passes.lower(program))
+        return passes.rerun(program, after="check", stop=stop)
     except DhelixError as exc:
         if overrides.describe():
             _add_note(exc, f"with the overrides {overrides.describe()}")
         raise
-    return program
-
-
-def _place(program: Program) -> Program:
-    """The program with the placement of its (possibly overridden) fold, layers and ranks."""
-    spec = program.fold
-    placement = placement_for(spec.kind, spec.v if spec.kind == "loop" else None,
-                              program.model.get("layers"), program.mesh.size("pp"), span=spec.span)
-    return attrs.evolve(program, placement=placement)
 
 
 def _add_note(error: DhelixError, note: str) -> None:
@@ -148,16 +135,22 @@ def _fold(current: FoldSpec, written: str | None, pipeline, pipeline_changed: bo
     """The FoldSpec to use, or None to keep ``current``. The new spec keeps the file's span so
     that a fold error still points at the file's fold statement."""
     if written is not None:
-        match = _FOLD.match(written)
-        if not match:
-            raise UsageError(f"--fold: unknown fold '{written}'; folds: none, u, loop(V) (e.g. loop(2))")
-        kind = written.split("(")[0]
-        v = int(match[2]) if match[2] else (1 if kind == "none" else 2)
-        return FoldSpec(kind, v, span=current.span)
+        return _written_fold(written, current.span)
     declared = pipeline.fold if pipeline is not None else None
     if not pipeline_changed or declared is None or declared == current.kind:
         return None
-    if declared == "loop":
-        raise UsageError(f"--pipeline {pipeline.name} is written for fold loop(V): "
-                         "add --fold loop(2) (or another V)")
-    return FoldSpec(declared, 1 if declared == "none" else 2, span=current.span)
+    if FOLD_KINDS[declared] is None:
+        raise UsageError(f"--pipeline {pipeline.name} is written for fold {declared}(V): "
+                         f"add --fold {declared}(2) (or another V)")
+    return FoldSpec.of(declared, span=current.span)
+
+
+def _written_fold(written: str, span) -> FoldSpec:
+    """The FoldSpec of ``--fold`` text (``u``, ``loop(3)``); UsageError when it names none."""
+    match = _FOLD.match(written)
+    kind, count = (match[1], match[2]) if match else (written, None)
+    if kind not in FOLD_KINDS or (FOLD_KINDS[kind] is None) != (count is not None):
+        notes = did_you_mean(kind, FOLD_KINDS) if kind not in FOLD_KINDS else []
+        raise UsageError(f"--fold: unknown fold '{written}'" + (f" ({notes[0]})" if notes else "")
+                         + f"; folds: {fold_kinds_text('V')} (e.g. loop(2))")
+    return FoldSpec.of(kind, int(count) if count else None, span=span)

@@ -1,7 +1,10 @@
 """The named pipeline of passes that the CLI runs and can stop after (``--dump STAGE``).
 
-Each pass is a pure function from the previous stage's result to the next; ``STAGES``
-lists them in order with the dumper that prints their result.
+``STAGES`` lists them in order: parse, resolve and check build the configured Program from
+text; every later stage is a pure pass Program → Program that fills in the fields it owns
+(``produces``). :func:`run_until` runs a file up to a stage; :func:`rerun` runs the passes
+after a stage again on a program changed since (other sizes, pipeline or fold), which is how
+the command-line overrides and the simulator's unfolded 1F1B variant reuse the pipeline.
 """
 
 from __future__ import annotations
@@ -15,51 +18,36 @@ from dhelix.dsl.passes.autodiff import derive_backward
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup
 from dhelix.dsl.frontend.imports import load_modules
+from dhelix.dsl.frontend.modelcheck import layer_env
+from dhelix.dsl.passes.fold import placement_of
 from dhelix.dsl.passes.lower import check_fold, lower_pipeline
 from dhelix.dsl.frontend.parser import parse
 from dhelix.dsl.core.program import Program
+from dhelix.dsl.passes.shapes import instantiate
+from dhelix.dsl.passes.strands import check_selectors
 from dhelix.dsl.passes.validate import validate_lowered
 
 
 @attrs.frozen
 class Stage:
+    """One stage: its name, what its dump shows, the dumper, and for a pass after check the
+    function that runs it and the Program fields it fills in."""
+
     name: str
     doc: str
     dumper: Callable[[object], str]
+    run: Callable[[Program], Program] | None = None
+    produces: tuple[str, ...] = ()
 
 
-STAGES = (
-    Stage("parse", "the syntax tree of the main file", dump.dump_syntax),
-    Stage("resolve", "the files loaded through imports and what they define", dump.dump_modules),
-    Stage("check", "the checked configuration: model, mesh groups and lanes, fold, pipeline, strands",
-          dump.dump_config),
-    Stage("shapes", "the forward layer DAG with per-GPU shapes, kinds and lanes", dump.dump_forward),
-    Stage("autodiff", "the forward and the derived backward layer DAGs", dump.dump_dags),
-    Stage("fold", "which layers each pipeline rank and chunk holds", dump.dump_placement),
-    Stage("lower", "the per-rank action lists of the pipeline (text form)", dump.dump_lowered),
-    Stage("validate", "the lowered lists after validation, with their unit-time make-span",
-          dump.dump_validated),
-)
-STAGE_NAMES = tuple(stage.name for stage in STAGES)
-
-
-def run_until(text: str, path: str, stop: str = STAGE_NAMES[-1]):
-    """Run the passes on ``text`` (the file ``path``) up to and including ``stop``.
-
-    Returns that stage's result: a Module (parse), a list of Modules (resolve) or a
-    Program. Raises DhelixError subclasses for every user mistake.
-    """
-    if stop == "parse":
-        return parse(text, path)
-    modules = load_modules(text, path)
-    if stop == "resolve":
-        return modules
-    program = check_program(modules)
-    for stage, run in _PROGRAM_PASSES:
-        if STAGE_NAMES.index(stop) < STAGE_NAMES.index(stage):
-            break
-        program = run(program)
-    return program
+def shapes(program: Program) -> Program:
+    """The program with the names its layer's expressions see (``env``) and its forward
+    layer DAG with per-GPU shapes (unchanged for a library file)."""
+    if program.model is None:
+        return program
+    env = layer_env(program.model, program.mesh, program.train)
+    forward = instantiate(program.layer(program.model.layer), env, program.mesh)
+    return attrs.evolve(program, env=tuple(env.items()), forward=forward)
 
 
 def autodiff(program: Program) -> Program:
@@ -67,6 +55,23 @@ def autodiff(program: Program) -> Program:
     if program.forward is None:
         return program
     return attrs.evolve(program, backward=derive_backward(program.forward))
+
+
+def strands(program: Program) -> Program:
+    """The program unchanged, once every selector of its strands block names operators of
+    its forward or backward DAG."""
+    if program.backward is not None:
+        check_selectors(program.strands, program.forward, program.backward)
+    return program
+
+
+def fold(program: Program) -> Program:
+    """The program with the placement of its fold: which layers each pipeline rank and
+    chunk holds (unchanged for a library file)."""
+    if program.model is None:
+        return program
+    placement = placement_of(program.fold, program.model.get("layers"), program.mesh.size("pp"))
+    return attrs.evolve(program, placement=placement)
 
 
 def lower(program: Program) -> Program:
@@ -101,8 +106,60 @@ def validate(program: Program) -> Program:
     return program
 
 
-# The fold placement is computed while checking (it is where layer counts are checked).
-_PROGRAM_PASSES = (("autodiff", autodiff), ("lower", lower), ("validate", validate))
+STAGES = (
+    Stage("parse", "the syntax tree of the main file", dump.dump_syntax),
+    Stage("resolve", "the files loaded through imports and what they define", dump.dump_modules),
+    Stage("check", "the checked configuration: model, mesh groups and lanes, fold, pipeline, strands",
+          dump.dump_config),
+    Stage("shapes", "the forward layer DAG with per-GPU shapes, kinds and lanes", dump.dump_forward,
+          shapes, ("env", "forward")),
+    Stage("autodiff", "the forward and the derived backward layer DAGs", dump.dump_dags,
+          autodiff, ("backward",)),
+    Stage("strands", "the operators each selector of the strands block names", dump.dump_strands,
+          strands),
+    Stage("fold", "which layers each pipeline rank and chunk holds", dump.dump_placement,
+          fold, ("placement",)),
+    Stage("lower", "the per-rank action lists of the pipeline (text form)", dump.dump_lowered,
+          lower, ("lowered",)),
+    Stage("validate", "the lowered lists after validation, with their unit-time make-span",
+          dump.dump_validated, validate),
+)
+STAGE_NAMES = tuple(stage.name for stage in STAGES)
+_FIRST_PASS = next(i for i, stage in enumerate(STAGES) if stage.run is not None)
+
+
+def run_until(text: str, path: str, stop: str = STAGE_NAMES[-1]):
+    """Run the stages on ``text`` (the file ``path``) up to and including ``stop``.
+
+    Returns that stage's result: a Module (parse), a list of Modules (resolve) or a
+    Program. Raises DhelixError subclasses for every user mistake.
+    """
+    if stop == "parse":
+        return parse(text, path)
+    modules = load_modules(text, path)
+    if stop == "resolve":
+        return modules
+    return rerun(check_program(modules), after="check", stop=stop)
+
+
+def rerun(program: Program, after: str, stop: str = STAGE_NAMES[-1]) -> Program:
+    """Run the passes after stage ``after`` up to and including ``stop`` on ``program``.
+
+    ``program`` went through ``after`` (or further) and may have been changed since with
+    :func:`attrs.evolve`: other pipeline ranks, micro-batches, layers, pipeline or fold. What
+    the passes after ``after`` produced is dropped first, so no result of the old program
+    survives, not even past ``stop``. ``after`` is ``check`` or a later stage (ValueError
+    otherwise: a caller bug). Raises the passes' located errors.
+    """
+    first = STAGE_NAMES.index(after) + 1
+    if first < _FIRST_PASS:
+        raise ValueError(f"rerun after '{after}': the passes start after '{STAGE_NAMES[_FIRST_PASS - 1]}'")
+    defaults = attrs.fields_dict(Program)
+    program = attrs.evolve(program, **{field: defaults[field].default
+                                       for stage in STAGES[first:] for field in stage.produces})
+    for stage in STAGES[first:STAGE_NAMES.index(stop) + 1]:
+        program = stage.run(program)
+    return program
 
 
 def check_text(text: str, path: str) -> Program:

@@ -1,6 +1,8 @@
-"""The strands block: which communication SI may hide, and operator selectors.
+"""The strands pass: the selectors of the strands block, resolved against the layer's DAGs.
 
-A selector names operators of the layer's forward or derived backward DAG:
+The checker builds the block's :class:`Strands` (its communication kinds and on/off values
+need no DAG); this pass checks that every selector it holds names operators of the
+layer's forward or backward DAG. A selector names operators of the layer's forward or derived backward DAG:
 
 * an op name (``qkv``) or a backward op's full name (``qkv.wgrad``, ``ag1.bwd``);
 * an operator or class of the op library (``gemm``, ``attention``, ``all_gather``, ``norm``);
@@ -12,13 +14,11 @@ A selector names operators of the layer's forward or derived backward DAG:
 from __future__ import annotations
 
 from dhelix.dsl.core import syntax as s
-from dhelix.dsl.passes.autodiff import derive_backward
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.oplib import OPS
 from dhelix.dsl.core.program import LayerDag, Op, Strands
 from dhelix.dsl.core.wording import did_you_mean
 
-OVERLAP_KINDS = ("tp", "cp", "ep")
 _PHASES = ("fwd", "bwd", "dgrad", "wgrad")
 
 
@@ -59,54 +59,27 @@ def known_words(forward: LayerDag, backward: LayerDag) -> set[str]:
     return words
 
 
-def build_strands(node: s.StrandsDef | None, forward: LayerDag, errors: ErrorCollector) -> Strands:
-    """The Strands of a strands block (defaults when absent); selectors that match no
-    operator and unknown kinds are recorded in ``errors``."""
-    if node is None:
-        return Strands()
-    backward = derive_backward(forward)
-    overlap, comm_with_comm, movable, forbid = [], True, [], []
-    for st in node.body:
-        if isinstance(st, s.Overlap):
-            overlap += _kinds(st, errors)
-        elif isinstance(st, s.CommWithComm):
-            if st.value not in ("on", "off"):
-                errors.add(CheckError(f"comm_with_comm is 'on' or 'off', not '{st.value}'", st.span_of("value"),
-                                      did_you_mean(st.value, ("on", "off"))))
-            comm_with_comm = st.value != "off"
-        elif isinstance(st, s.Movable):
-            movable += [sel for sel in st.selectors if _resolves(sel, forward, backward, errors)]
-        elif isinstance(st, s.Forbid):
-            if all([_resolves(st.first, forward, backward, errors), _resolves(st.second, forward, backward, errors)]):
-                forbid.append((st.first, st.second))
-    return Strands(tuple(dict.fromkeys(overlap)), comm_with_comm, tuple(movable), tuple(forbid))
-
-
-def _kinds(st: s.Overlap, errors: ErrorCollector) -> list[str]:
-    good = []
-    for i, kind in enumerate(st.kinds):
-        if kind in OVERLAP_KINDS:
-            good.append(kind)
-            continue
-        notes = did_you_mean(kind, OVERLAP_KINDS)
-        if kind in ("pp", "dp"):
-            notes = [f"{kind} communication happens between layers (pipeline send/recv, gradient "
-                     "all-reduce); SI pairs the operators inside a layer"]
-        errors.add(CheckError(f"unknown communication kind '{kind}'", st.span_of(f"kinds.{i}"),
-                              notes + ["SI can hide tp, cp and ep communication"]))
-    return good
+def check_selectors(strands: Strands, forward: LayerDag, backward: LayerDag) -> None:
+    """Raise a CheckError (or an ErrorGroup) for every selector of a written strands block
+    that matches no operator of ``forward`` or ``backward``, saying why. The defaults of a
+    program without a strands block are not checked: a layer without GEMMs has no wgrad to
+    move, and that is no mistake of the user's."""
+    if strands.span is None:
+        return
+    errors = ErrorCollector()
+    for selector in strands.movable + tuple(sel for pair in strands.forbid for sel in pair):
+        _check_selector(selector, forward, backward, errors)
+    errors.raise_if_any()
 
 
 _SELECTOR_NOTE = ("a selector names an op (qkv, qkv.wgrad), an operator or class (gemm, norm), "
                   "dgrad/wgrad/bwd/compute/comm, or X.fwd / X.bwd")
 
 
-def _resolves(selector: s.Selector, forward, backward, errors: ErrorCollector) -> bool:
-    if select(selector, forward, backward):
-        return True
-    errors.add(CheckError(f"'{selector}' matches no operator of layer {forward.name}", selector.span,
-                          _selector_hints(selector, forward, backward) + [_SELECTOR_NOTE]))
-    return False
+def _check_selector(selector: s.Selector, forward, backward, errors: ErrorCollector) -> None:
+    if not select(selector, forward, backward):
+        errors.add(CheckError(f"'{selector}' matches no operator of layer {forward.name}", selector.span,
+                              _selector_hints(selector, forward, backward) + [_SELECTOR_NOTE]))
 
 
 def _selector_hints(selector: s.Selector, forward: LayerDag, backward: LayerDag) -> list[str]:

@@ -42,10 +42,9 @@ import attrs
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.plan import Plan, PlanOp, SearchStats, SegmentPair
-from dhelix.dsl.core.program import LayerDag, Op, Program, Strands
+from dhelix.dsl.core.program import OVERLAP_KINDS, LayerDag, Op, Program, Strands
 from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, available, canonical, count_orders, moving_ops,
                         prefixes, selector_names, strand_within)
-from dhelix.dsl.passes.strands import OVERLAP_KINDS
 
 INF = float("inf")
 #: Ops per segment by default. The reference code's segments never exceed its atomic groups

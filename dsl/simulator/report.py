@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import attrs
 
+from dhelix.dsl.frontend.stdlib import stdlib_pipelines
 from dhelix.dsl.passes import pipeline as passes
-from dhelix.dsl.passes.fold import fold_none
 from dhelix.dsl.simulator.memory import GB
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import FoldSpec, Program
@@ -29,14 +29,11 @@ def unfolded_1f1b(program: Program) -> Program:
     Raises the usual located errors if the layers do not split over the pipeline ranks.
     """
     pipeline = next((p for p in program.pipelines if p.name == BASELINE_PIPELINE), None)
-    if pipeline is None:
-        library = passes.run_until('import "stdlib/pipelines.dhx"\n', "<stdlib>", "check")
-        pipeline = next(p for p in library.pipelines if p.name == BASELINE_PIPELINE)
-    span = program.fold.span
-    placement = fold_none(program.model.get("layers"), program.mesh.size("pp"), span=span)
-    changed = attrs.evolve(program, fold=FoldSpec("none", 1, span=span), pipeline=pipeline,
-                           placement=placement, lowered=None)
-    return passes.validate(passes.lower(changed))
+    pipeline = pipeline or stdlib_pipelines()[BASELINE_PIPELINE]
+    changed = attrs.evolve(program, fold=FoldSpec.of("none", span=program.fold.span), pipeline=pipeline)
+    # Only the fold and the pipeline change: the layer DAGs and strands stay, and the passes
+    # from the fold on run again.
+    return passes.rerun(changed, after="strands")
 
 
 def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False) -> tuple[Simulation, ...]:
