@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 
 from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.dtypes import DTYPES
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.frontend.exprs import UnknownName, evaluate
 from dhelix.dsl.passes.fold import FOLD_KINDS
@@ -16,7 +17,6 @@ from dhelix.dsl.core.mesh import DIMENSIONS, Mesh
 from dhelix.dsl.core.program import Cluster, FoldSpec, Model, Train
 from dhelix.dsl.core.wording import close_matches, did_you_mean
 
-DTYPES = ("fp32", "bf16", "fp16", "fp8")
 MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")

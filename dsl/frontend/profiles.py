@@ -50,11 +50,11 @@ from typing import Sequence
 import attrs
 import yaml
 
+from dhelix.dsl.core.dtypes import DTYPES
 from dhelix.dsl.core.errors import DhelixError, ErrorCollector
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.wording import did_you_mean
 
-DTYPES = ("fp32", "bf16", "fp16", "fp8")
 COMPUTE_BOUND = ("gemm", "attention", "router")
 MEMORY_BOUND = ("norm", "add", "activation", "permute")
 LANES = ("local", "cross")
