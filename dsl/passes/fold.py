@@ -18,7 +18,7 @@ import attrs
 
 from dhelix.dsl.core.errors import CheckError
 from dhelix.dsl.core.span import Span
-from dhelix.dsl.core.wording import did_you_mean
+from dhelix.dsl.core.wording import did_you_mean, join_words
 
 #: The fold kinds of the language, with whether they take an argument.
 FOLD_KINDS = {"none": False, "u": False, "loop": True}
@@ -149,4 +149,4 @@ def _check_sizes(kind: str, layers: int, ranks: int, chunks: int, span) -> None:
 
 def _listing(values: list[int]) -> str:
     words = [str(v) for v in values[:8]] + (["…"] if len(values) > 8 else [])
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+    return join_words(words, "or")

@@ -26,7 +26,7 @@ from dhelix.dsl.core.errors import CheckError, ErrorCollector, ScheduleError
 from dhelix.dsl.frontend.exprs import evaluate, format_expr
 from dhelix.dsl.passes.fold import FOLD_KINDS, Placement
 from dhelix.dsl.frontend.parser import ACTIONS
-from dhelix.dsl.core.wording import did_you_mean
+from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.core.schedule import Compute, Interleaved, Lowered, Transfer
 
 ACTION_NAMES = ACTIONS + ("SI",)
@@ -274,4 +274,4 @@ def _raise_failures(failures: list[tuple[int, _Failure]], ranks: int) -> None:
 def _ranks_text(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+    return "ranks " + join_words(ranks)
