@@ -471,8 +471,10 @@ COLLECTIVES: dict[str, Callable] = {
     "send": _send, "recv": _recv,
 }
 
-#: Roles an ``Op.op`` resolves to: a backward kind's role is its part (dgrad | wgrad | bwd).
+#: Roles an ``Op.op`` resolves to (:func:`handler`); a derived backward kind's role is its
+#: part as the op library names it (DGRAD, WGRAD or BWD).
 FORWARD, COMM = "forward", "comm"
+ROLES = (FORWARD, DGRAD, WGRAD, BWD, COMM)
 
 
 def _handlers() -> dict[str, tuple[str, object]]:
@@ -490,8 +492,8 @@ HANDLERS = _handlers()
 
 
 def handler(op_kind: str) -> tuple[str, object]:
-    """The role (forward | dgrad | wgrad | bwd | comm) and the Kernel (or collective
-    function) of ``op_kind``, an ``Op.op``. Raises KeyError naming the known kinds."""
+    """The role (one of :data:`ROLES`) and the Kernel (or collective function) of
+    ``op_kind``, an ``Op.op``. Raises KeyError naming the known kinds."""
     try:
         return HANDLERS[op_kind]
     except KeyError:

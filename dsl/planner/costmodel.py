@@ -38,9 +38,8 @@ import attrs
 from dhelix.dsl.core.dtypes import dtype_bytes
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.oplib import SPLIT_OPS, base_kind
-from dhelix.dsl.frontend.profiles import Profile
+from dhelix.dsl.frontend.profiles import COMPUTE_BOUND, Profile
 
-COMPUTE_BOUND = frozenset({"gemm", "attention", "router"})
 ATTENTION_BWD_FACTOR = 2.5  # FlashAttention-2 backward recomputes P (NOTES §3.2, B13)
 CAUSAL_FRACTION = 0.5  # γ: a causal kernel skips the masked half
 _COMM_KIND = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce",
