@@ -31,6 +31,7 @@ import attrs
 import torch
 
 from dhelix.dsl.core.errors import ScheduleError
+from dhelix.dsl.core.oplib import is_wgrad
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
 from dhelix.dsl.passes.validate import transfer_key
@@ -40,7 +41,7 @@ from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, count_storages, 
 from .pipeline_comm import PipelineComm, check_fifo
 from .reference import Batch
 from .ring_attention import local_micro
-from .si import (LayerChain, PlanFn, Recorder, TimedComm, backward_ops, check_plan, is_wgrad,
+from .si import (LayerChain, PlanFn, Recorder, TimedComm, backward_ops, check_plan,
                  run_alone, run_interleaved, sequential_plan, timed)
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 

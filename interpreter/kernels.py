@@ -28,6 +28,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from dhelix.dsl.core.oplib import BWD, DGRAD, WGRAD, backward_parts, derived_kind
+
 from .comm import Communicator, SingleRankComm
 from .moe import exchange
 
@@ -469,22 +471,19 @@ COLLECTIVES: dict[str, Callable] = {
     "send": _send, "recv": _recv,
 }
 
-#: Roles an ``Op.op`` resolves to.
-FORWARD, DGRAD, WGRAD, BWD, COMM = "forward", "dgrad", "wgrad", "bwd", "comm"
-# Ops whose backward autodiff splits into .dgrad and .wgrad; a *_bwd op of any other
-# weighted op (the norms) computes both.
-_SPLIT = ("gemm", "grouped_gemm", "router")
+#: Roles an ``Op.op`` resolves to (:func:`handler`); a derived backward kind's role is its
+#: part as the op library names it (DGRAD, WGRAD or BWD).
+FORWARD, COMM = "forward", "comm"
+ROLES = (FORWARD, DGRAD, WGRAD, BWD, COMM)
 
 
 def _handlers() -> dict[str, tuple[str, object]]:
+    # The backward kinds are those autodiff derives (the op library says which ops split).
     table: dict[str, tuple[str, object]] = {}
     for name, kernel in KERNELS.items():
         table[name] = (FORWARD, kernel)
-        if name in _SPLIT:
-            table[f"{name}_dgrad"] = (DGRAD, kernel)
-            table[f"{name}_wgrad"] = (WGRAD, kernel)
-        else:
-            table[f"{name}_bwd"] = (BWD, kernel)
+        for part in backward_parts(name):
+            table[derived_kind(name, part)] = (part, kernel)
     table.update({name: (COMM, fn) for name, fn in COLLECTIVES.items()})
     return table
 
@@ -493,8 +492,8 @@ HANDLERS = _handlers()
 
 
 def handler(op_kind: str) -> tuple[str, object]:
-    """The role (forward | dgrad | wgrad | bwd | comm) and the Kernel (or collective
-    function) of ``op_kind``, an ``Op.op``. Raises KeyError naming the known kinds."""
+    """The role (one of :data:`ROLES`) and the Kernel (or collective function) of
+    ``op_kind``, an ``Op.op``. Raises KeyError naming the known kinds."""
     try:
         return HANDLERS[op_kind]
     except KeyError:

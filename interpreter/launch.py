@@ -31,12 +31,12 @@ from pathlib import Path
 import attrs
 
 from dhelix.dsl.core.errors import DhelixError, UsageError
+from dhelix.dsl.core.mesh import LANES
 from dhelix.dsl.frontend.imports import read_source
 
 #: Test hook: ``rank:step:action`` makes that rank exit abruptly before that action.
 FAULT_ENV = "DHELIX_TEST_FAULT"
 FAULT_EXIT = 13
-LANES = ("compute", "local", "cross")
 #: Largest absolute difference from the reference that ``--check`` accepts (fp32).
 CHECK_TOLERANCE = 1e-5
 

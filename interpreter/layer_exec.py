@@ -7,13 +7,15 @@ back. The executor drives it one :class:`~dhelix.dsl.core.program.Op` at a time
 that is what strand interleaving and wgrad moving need; :meth:`LayerRun.forward` and
 :meth:`LayerRun.backward` run a whole DAG in its listed order.
 
-Backward semantics (mirroring :mod:`dhelix.dsl.passes.autodiff`): a backward op produces the
-gradients of its forward op's inputs, as a map *forward value → gradient* (``add``
-fans out, ``unpermute`` gives both the routed tokens and the router scores theirs). A value
-read by several forward ops receives several contributions; the backward op of its *first*
-reader (:attr:`LayerPlan.accumulate`) adds the others' to its own, the fused accumulation
-the derived DAG's extra dependencies announce. ``.wgrad`` ops (and the weight half of a
-norm's ``.bwd``) add into :attr:`LayerRun.grads`, keyed by op name, across micro-batches.
+Backward semantics are those autodiff recorded in each backward op's
+:class:`~dhelix.dsl.core.program.GradFlow` (``Op.grad``); nothing is re-derived here. A
+backward op reads the gradient of its forward op's output from ``grad.upstream`` and
+produces the gradients of the forward values in ``grad.produces``, as a map *forward value
+→ gradient* (``add`` fans out, ``unpermute`` gives both the routed tokens and the router
+scores theirs). A value read by several forward ops receives several contributions; the op
+whose ``grad.accumulates`` names it adds the others' to its own. An op with a
+``grad.weight`` (a ``.wgrad``, a norm's ``.bwd``) adds that op's weight gradient into
+:attr:`LayerRun.grads`, keyed by op name, across micro-batches.
 
 Collectives may run asynchronously: the value stored is a :class:`~.comm.Pending` that the
 first reader waits for. Tensors are released as soon as their last reader has run.
@@ -33,29 +35,23 @@ from .comm import AXES, Communicator, Pending, resolve
 from .kernels import BWD, COMM, DGRAD, FORWARD, KERNELS, WGRAD, KernelCtx, handler, lm_head_backward
 from .moe import ROLE, a2a_roles
 from .reference import Batch
-from .ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_input, ring_step
+from .ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_step
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
-
-_SPLIT = ("gemm", "grouped_gemm", "router")
 
 
 @attrs.frozen
 class LayerPlan:
     """The static bookkeeping of a (forward, backward) DAG pair, shared by all runs.
 
-    ``upstream[b]`` is the backward value holding the gradient of backward op ``b``'s
-    forward output; ``accumulate[b]`` lists ``(value, other producers)`` for the values whose
-    gradient sum ``b`` computes; ``fwd_readers``/``bwd_readers``/``saved_users`` count the
-    consumers of each forward value, backward value and forward op's saved tensors.
-    ``steps[name]`` is an op's :class:`Step` and ``fwd_ops`` the forward ops by name, both
-    resolved once here rather than on every call of every run.
+    ``fwd_readers``/``bwd_readers``/``saved_users`` count the consumers of each forward
+    value, backward value and forward op's saved tensors. ``steps[name]`` is an op's
+    :class:`Step` and ``fwd_ops`` the forward ops by name, both resolved once here rather
+    than on every call of every run.
     """
 
     fwd: LayerDag
     bwd: LayerDag
     micro_batch: int
-    upstream: Mapping[str, str | None]
-    accumulate: Mapping[str, tuple[tuple[str, tuple[str, ...]], ...]]
     fwd_readers: Mapping[str, int]
     bwd_readers: Mapping[str, int]
     saved_users: Mapping[str, int]
@@ -65,30 +61,16 @@ class LayerPlan:
     @classmethod
     def build(cls, fwd: LayerDag, bwd: LayerDag, micro_batch: int) -> "LayerPlan":
         """The plan of ``fwd`` and its derived ``bwd`` for micro-batches of ``micro_batch``
-        sequences. Raises NotImplementedError for a ring attention it cannot run."""
+        sequences. Raises NotImplementedError for a ring attention it cannot run and
+        ValueError for a backward op without a GradFlow (not derived by autodiff)."""
         check_ring(fwd.ops)
         fwd_ops = {op.name: op for op in fwd.ops}
-        contributions: dict[str, list[str]] = {}
-        for op in reversed(fwd.ops):
-            producer = f"{op.name}.dgrad" if op.op in _SPLIT else f"{op.name}.bwd"
-            for value in dict.fromkeys(_differentiable(op, fwd_ops)):
-                contributions.setdefault(value, []).append(producer)
-        upstream = {}
         for op in bwd.ops:
-            found = contributions.get(op.forward, [])
-            upstream[op.name] = bwd.input if op.forward == fwd.output else (found[-1] if found else None)
-            if ring_step(op):  # a later ring step reads the previous step's state
-                upstream[op.name] = op.inputs[0]
-            if upstream[op.name] not in op.inputs + (None,):
-                raise ValueError(f"backward op {op.name} does not read {upstream[op.name]}, the gradient "
-                                 "of its forward output: the backward DAG was not derived from this forward")
-        accumulate: dict[str, list] = {}
+            if op.grad is None or op.forward not in fwd_ops:
+                raise ValueError(f"backward op {op.name} has no gradient flow for a forward op of "
+                                 f"{fwd.name}: the backward DAG was not derived from this forward")
         roles = a2a_roles(fwd, bwd)  # MoE dispatch / combine direction of each ep all_to_all
-        for value, producers in contributions.items():
-            if len(producers) > 1:
-                accumulate.setdefault(producers[-1], []).append((value, tuple(producers[:-1])))
-        return cls(fwd, bwd, micro_batch, upstream,
-                   {k: tuple(v) for k, v in accumulate.items()},
+        return cls(fwd, bwd, micro_batch,
                    Counter(name for op in fwd.ops for name in dict.fromkeys(op.inputs)),
                    Counter(name for op in bwd.ops for name in dict.fromkeys(op.inputs)),
                    Counter(op.forward for op in bwd.ops),
@@ -116,16 +98,6 @@ class Step:
             role = FORWARD if op.op == "attention" else RING
             kernel, params[STEP] = RING_KERNEL, position
         return cls(role, kernel, params, tuple(dict.fromkeys(op.inputs)))
-
-
-def _differentiable(op: Op, fwd_ops: Mapping[str, Op]) -> tuple[str, ...]:
-    # permute's scores only choose rows; a ring's steps pass state, its qkv gets the
-    # gradient from the last backward step; every other input of every op gets one.
-    if op.op_class == "ring_attention":
-        return ()
-    if ring_step(op) is not None:
-        return (ring_input(fwd_ops, op.name),)
-    return op.inputs[:1] if op.op == "permute" else op.inputs
 
 
 class LayerRun:
@@ -197,26 +169,24 @@ class LayerRun:
     def backward_op(self, op: Op, async_op: bool = False) -> None:
         """Run backward op ``op`` (a dgrad, a wgrad, an op's whole backward or a collective)."""
         step = self.plan.steps[op.name]
-        role, kernel = step.role, step.kernel
+        role, kernel, flow = step.role, step.kernel, op.grad
         forward = self.plan.fwd_ops[op.forward]
-        grad = self._upstream(op, forward)
+        grad = self._upstream(flow.upstream, forward)
+        out: dict[str, object] = {}
         if role == COMM:
-            out = {forward.inputs[0]: kernel(grad, self._ctx(op, step, async_op))}
+            (value,) = flow.produces
+            out[value] = kernel(grad, self._ctx(op, step, async_op))
         elif role in (DGRAD, BWD):
             grads = kernel.dgrad(grad, self.saved[forward.name], self.weights.get(forward.name))
-            out = _by_value(forward.inputs, grads)
-            if role == BWD and kernel.wgrad is not None:
-                self._add_weight_grad(forward.name, kernel, grad)
-        elif role == WGRAD:
-            self._add_weight_grad(forward.name, kernel, grad)
-            out = {}
+            out = _by_value(forward.inputs, grads, flow.produces)
         elif role == RING:  # carrying steps pass the ring's state on; the last gives d(qkv)
             value = kernel.backward(grad, self.saved[forward.name], self._ctx(op, step, async_op))
-            last = op.kind != "comm"
-            out = {ring_input(self.plan.fwd_ops, forward.name) if last else forward.name: value}
-        else:
+            out[flow.produces[0] if flow.produces else forward.name] = value
+        elif role != WGRAD:
             raise ValueError(f"{op.name} ({op.op}) is not a backward op")
-        for value, producers in self.plan.accumulate.get(op.name, ()):
+        if flow.weight is not None:
+            self._add_weight_grad(flow.weight, kernel, grad)
+        for value, producers in flow.accumulates:
             out[value] = self._accumulated(out[value], value, producers)
         if out:  # a wgrad's result lives in grads, not in the flow of gradients
             self.bgrads[op.name] = out
@@ -260,8 +230,9 @@ class LayerRun:
             self._memo = (self.version, seen)
         return self._memo[1]
 
-    def _upstream(self, op: Op, forward: Op) -> torch.Tensor:
-        source = self.plan.upstream[op.name]
+    def _upstream(self, source: str | None, forward: Op) -> torch.Tensor:
+        # The gradient of ``forward``'s output as ``source`` holds it (a carrying ring step
+        # keeps the ring's state under the attention's name, so the next step finds it the same way).
         if source is None:  # the forward output feeds nothing differentiable
             like = next(iter(self.weights.values()), torch.zeros(()))
             return torch.zeros(forward.shape, dtype=like.dtype, device=like.device)
@@ -306,11 +277,16 @@ def count_storages(values, seen: dict[int, int]) -> None:
             count_storages(value.values(), seen)
 
 
-def _by_value(inputs: tuple[str, ...], grads) -> dict[str, torch.Tensor]:
+def _by_value(inputs: tuple[str, ...], grads, produces: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The gradients a kernel's ``dgrad`` returned (one per forward input, in ``inputs``
+    order) by forward value, for the values in ``produces``; an input read twice gets the sum."""
     out: dict[str, torch.Tensor] = {}
     for name, grad in zip(inputs, grads, strict=True):
-        if grad is not None:
-            out[name] = out[name] + grad if name in out else grad
+        if name not in produces:
+            continue
+        if grad is None:
+            raise ValueError(f"the kernel gave no gradient for {name}, which autodiff says it produces")
+        out[name] = out[name] + grad if name in out else grad
     return out
 
 

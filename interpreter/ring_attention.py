@@ -46,8 +46,6 @@ both sides post in the same order, so untagged messages match.
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import attrs
 import torch
 
@@ -107,11 +105,6 @@ def ring_step(op: Op) -> int | None:
     if op.op_class == "attention" and op.group_size > 1:
         return op.group_size - (op.op == "attention")
     return None
-
-
-def ring_input(fwd_ops: Mapping[str, Op], att: str) -> str:
-    """The value the ring of attention op ``att`` reads (its qkv)."""
-    return fwd_ops[f"{att}.step0"].inputs[0]
 
 
 # -- blocks ----------------------------------------------------------------------------------

@@ -33,10 +33,10 @@ import torch
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
+from dhelix.dsl.core.oplib import is_wgrad
 from dhelix.dsl.core.program import LayerDag, Op
 
 from .comm import Communicator, Pending
-from .kernels import WGRAD, handler
 
 #: An SI plan for one layer pair: ``((forward op names, backward op names), ...)``.
 SegmentPlan = tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
@@ -108,11 +108,6 @@ def backward_ops(bwd: LayerDag, split: bool) -> tuple[Op, ...]:
     """The ops a B action runs: all of them, or without the weight gradients when the
     schedule splits them into W actions."""
     return tuple(op for op in bwd.ops if not (split and is_wgrad(op)))
-
-
-def is_wgrad(op: Op) -> bool:
-    """Whether ``op`` only computes a weight gradient (what a W action runs)."""
-    return handler(op.op)[0] == WGRAD
 
 
 # -- recording ----------------------------------------------------------------------------

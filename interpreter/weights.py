@@ -50,6 +50,8 @@ from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.core.program import LayerDag, Op, Program
 
 EMBEDDING, FINAL_NORM, LM_HEAD = "embedding", "final_norm", "lm_head"
+#: The torch dtype of each dtype of :data:`dhelix.dsl.core.dtypes.DTYPES` that runs here
+#: (fp8 is costed by the planner but not executed).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _MATRICES = ("gemm", "router", "grouped_gemm", "lm_head")
 
@@ -312,10 +314,3 @@ class WeightPlan:
     def vocab_start(self, index: Mapping[str, int]) -> int:
         """The first vocabulary row of this rank's embedding and LM-head shards."""
         return index.get("tp", 0) * self.program.model.get("vocab") // self.program.mesh.size("tp")
-
-
-def rank_index(mesh: Mesh, rank: int) -> dict[str, int]:
-    """Rank ``rank``'s position in its group of every axis, ``ep`` included."""
-    index = dict(mesh.coords(rank))
-    index["ep"] = index.get("dp", 0) % mesh.ep
-    return index

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from dhelix.dsl.core.program import GradFlow
 from dhelix.dsl.passes.pipeline import check_text
 
 TRANSPOSE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
@@ -98,3 +99,53 @@ def test_lanes_follow_the_node_boundary():
     assert {op.lane for op in fwd.ops if op.kind == "comm"} == {"cross"}
     fwd, _ = dags(mesh="tp = 2  dp = 4", gpus=2, nodes=4)
     assert {op.lane for op in fwd.ops if op.kind == "comm"} == {"local"}
+
+
+def test_gradient_flow_is_recorded_per_backward_op():
+    _, bwd = dags()
+    flow = {op.name: op.grad for op in bwd.ops}
+    assert flow["h2.bwd"] == GradFlow(upstream="dh2", produces=("rs2", "h1"))
+    assert flow["rs2.bwd"] == GradFlow(upstream="h2.bwd", produces=("fc2",))
+    assert flow["fc2.dgrad"] == GradFlow(upstream="rs2.bwd", produces=("act",))
+    assert flow["fc2.wgrad"] == GradFlow(upstream="rs2.bwd", weight="fc2")  # no input gradient
+    # The residual's two contributions are summed in the norm backward, which owns the weight too.
+    assert flow["ln1.bwd"] == GradFlow(upstream="ag1.bwd", produces=("x",), accumulates=(("x", ("h1.bwd",)),),
+                                       weight="ln1")
+
+
+@pytest.mark.parametrize("layer", ["llama", "gpt", "moe"])
+def test_gradient_flow_agrees_with_the_dag(layer):
+    fwd, bwd = dags(layer, "tp = 2  dp = 4  ep = 4")
+    readers = {}
+    for op in fwd.ops:
+        for value in dict.fromkeys(op.inputs):
+            readers.setdefault(value, []).append(op)
+    producers = {}
+    for op in bwd.ops:
+        assert op.grad.upstream in op.inputs + (None,), op.name
+        for value in op.grad.produces:
+            producers.setdefault(value, []).append(op.name)
+        for value, others in op.grad.accumulates:
+            assert value in op.grad.produces and set(others) <= set(op.inputs), op.name
+    for value, names in producers.items():
+        # One contribution per differentiable reader; the first reader's backward (last to run) sums them.
+        assert len(names) == len([r for r in readers[value] if not (r.op == "permute" and r.inputs[0] != value)])
+        if len(names) > 1:
+            summing = bwd.op(names[-1]).grad.accumulates
+            assert (value, tuple(names[:-1])) in summing
+    weighted = {op.grad.weight for op in bwd.ops if op.grad.weight}
+    assert weighted == {op.name for op in fwd.ops if op.weight}
+
+
+def test_permute_gives_no_gradient_to_the_scores_and_unpermute_does():
+    _, bwd = dags("moe", "tp = 2  dp = 4  ep = 4", nodes=2, gpus=4)
+    assert bwd.op("pm.bwd").grad.produces == ("ln2",)
+    assert bwd.op("up.bwd").grad.produces == ("cmb", "rt")
+    assert bwd.op("rt.dgrad").grad.accumulates == (("ln2", ("pm.bwd",)),)
+
+
+def test_ring_backward_steps_pass_the_ring_on_and_the_last_gives_qkv_its_gradient():
+    _, bwd = dags(mesh="tp = 4  cp = 2", gpus=4, nodes=2)
+    assert bwd.op("att.bwd.step0").grad == GradFlow(upstream="prj.dgrad")
+    assert bwd.op("att.bwd.step1").grad == GradFlow(upstream="att.bwd.step0")
+    assert bwd.op("att.bwd").grad == GradFlow(upstream="att.bwd.step1", produces=("qkv",))

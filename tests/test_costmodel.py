@@ -5,8 +5,9 @@ from __future__ import annotations
 import attrs
 import pytest
 
+from dhelix.dsl.core.dtypes import dtype_bytes
 from dhelix.dsl.planner.costmodel import (
-    collective_time, comm_bytes, dtype_bytes, megatron_flops_per_iteration, op_bytes, op_flops,
+    collective_time, comm_bytes, megatron_flops_per_iteration, op_bytes, op_flops,
     op_tasks, op_time,
 )
 from dhelix.dsl.core.errors import DhelixError

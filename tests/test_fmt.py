@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import strategies
 from dhelix.dsl.core import syntax as s
-from dhelix.dsl.core.errors import ParseError
-from dhelix.dsl.frontend.fmt import check_formatted, find_comments, format_module, format_source
+from dhelix.cli import main
+from dhelix.dsl.frontend.fmt import find_comments, format_module, format_source
 from dhelix.dsl.frontend.parser import parse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +40,6 @@ def test_printed_tree_parses_back_to_itself(tree):
 def test_format_source_is_idempotent(tree):
     text = format_module(tree)
     assert format_source(text) == text
-    assert check_formatted(text)
 
 
 @PROPERTY
@@ -352,12 +351,13 @@ def test_strings_keep_hashes_and_comments_only_files():
     assert format_source("\n\n") == ""
 
 
-def test_check_formatted():
-    assert check_formatted("fold u\n")
-    assert not check_formatted("fold u")
-    assert not check_formatted("fold  u\n")
-    with pytest.raises(ParseError):
-        check_formatted("fold {", "bad.dhx")
+def test_fmt_check_exits_1_for_a_file_not_in_canonical_form(tmp_path, capsys):
+    path = tmp_path / "f.dhx"
+    for text, code in (("fold u\n", 0), ("fold u", 1), ("fold  u\n", 1), ("fold {", 1)):
+        path.write_text(text)
+        assert main(["fmt", str(path), "--check"]) == code, text
+        assert path.read_text() == text  # --check never rewrites
+    assert "f.dhx:1:6: " in capsys.readouterr().err  # the parse error, rendered
 
 
 def test_tree_built_in_code_prints_without_spans():

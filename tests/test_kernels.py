@@ -9,12 +9,13 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from dhelix.dsl.core.oplib import OPS  # noqa: E402
+from dhelix.dsl.core.dtypes import DTYPES as DSL_DTYPES  # noqa: E402
+from dhelix.dsl.core.oplib import OPS, SPLIT_OPS, base_kind, part_of  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.interpreter import kernels as k  # noqa: E402
 from dhelix.interpreter.comm import Pending, SingleRankComm, resolve  # noqa: E402
 from dhelix.interpreter.weights import (  # noqa: E402
-    EMBEDDING, LM_HEAD, ShardSpec, WeightPlan, param_name, param_seed)
+    DTYPES, EMBEDDING, LM_HEAD, ShardSpec, ShardingError, WeightPlan, param_name, param_seed, torch_dtype)
 
 TOL = 1e-10  # float64: the explicit formulas must agree with autograd to rounding
 
@@ -148,6 +149,20 @@ def test_every_library_op_and_derived_kind_has_a_handler():
     assert k.handler("gemm_wgrad")[0] == k.WGRAD and k.handler("rmsnorm_bwd")[0] == k.BWD
     with pytest.raises(KeyError, match="no kernel for op 'conv'"):
         k.handler("conv")
+
+
+def test_derived_kinds_resolve_to_the_part_the_op_library_names():
+    for kind, (role, _) in k.HANDLERS.items():
+        assert role in k.ROLES and role == (part_of(kind) or role), kind
+        assert part_of(kind) is None or base_kind(kind) in k.KERNELS
+    split = {base_kind(kind) for kind, (role, _) in k.HANDLERS.items() if role == k.WGRAD}
+    assert split == SPLIT_OPS
+
+
+def test_executable_dtypes_are_dsl_dtypes():
+    assert set(DTYPES) <= set(DSL_DTYPES)
+    with pytest.raises(ShardingError, match="dtype fp8 is not executable; use one of fp32, bf16, fp16"):
+        torch_dtype(check_text(program_text().replace("dtype = fp32", "dtype = fp8"), "t.dhx"))
 
 
 def test_single_rank_collectives_are_the_identity_sync_and_async():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import attrs
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -101,6 +102,23 @@ def test_micro_batches_accumulate_weight_gradients():
         run.backward(dout)
     _, _, once = reference_layer_grads(plan)
     assert_close(grads["qkv"], 2 * once["qkv"], "twice the qkv gradient")
+
+
+def test_the_runtime_follows_the_gradient_flow_autodiff_recorded():
+    prog = program("llama")
+    fwd, bwd = prog.forward, prog.backward
+
+    def changed(name, **fields):
+        return attrs.evolve(bwd, ops=tuple(attrs.evolve(op, **fields) if op.name == name else op for op in bwd.ops))
+
+    with pytest.raises(ValueError, match="fc2.wgrad has no gradient flow"):
+        LayerPlan.build(fwd, changed("fc2.wgrad", grad=None), MICRO_BATCH)
+    # A wgrad whose record names no weight computes none: the runtime does not guess it.
+    flow = attrs.evolve(bwd.op("fc2.wgrad").grad, weight=None)
+    plan = WeightPlan(prog, SEED)
+    layer_plan = LayerPlan.build(fwd, changed("fc2.wgrad", grad=flow), MICRO_BATCH)
+    _, _, grads, _ = run_layer(plan, layer_plan, SingleRankComm(), {"tp": 0})
+    assert "fc2" not in grads and "fc1" in grads
 
 
 @pytest.mark.parametrize("layer", LAYERS)

@@ -1,6 +1,6 @@
 """`dhelix render`: draw a schedule file as a Graphviz diagram.
 
-Three diagrams (``--what``):
+Four diagrams (``--what``):
 
 - ``pipeline`` (default): ranks × unit time, F/B/W/SI blocks (:mod:`dsl.render.pipeline`);
 - ``placement``: which layers each rank and chunk holds, with the stage order drawn as arrows

@@ -17,6 +17,12 @@ import attrs
 #: Dimensions that multiply into the world size, in the default (Megatron) order.
 DIMENSIONS = ("tp", "cp", "dp", "pp")
 
+#: The communication lanes: collectives of node-local groups and of cross-node groups.
+COMM_LANES = ("local", "cross")
+#: Every lane an op runs on, the compute stream first: the order in which plan tables,
+#: traces and the pair cost list them.
+LANES = ("compute", *COMM_LANES)
+
 
 @attrs.frozen
 class Mesh:
@@ -76,7 +82,8 @@ def _groups(mesh: Mesh, axis: str) -> tuple[tuple[int, ...], ...]:
 @functools.cache
 def _lane(mesh: Mesh, axis: str) -> str:
     per_node = mesh.gpus_per_node
+    local, cross = COMM_LANES
     for group in _groups(mesh, axis):
         if len({rank // per_node for rank in group}) > 1:
-            return "cross"
-    return "local"
+            return cross
+    return local

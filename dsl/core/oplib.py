@@ -178,5 +178,40 @@ OPS: dict[str, OpSpec] = {op.name: op for op in [
           _unpermute, doc="weighted sum of each token's top_k expert outputs"),
 ]}
 
-#: Op classes a constraint may name, besides op names and the derived classes below.
-DERIVED_CLASSES = ("dgrad", "wgrad", "bwd", "compute", "comm")
+# -- derived backward kinds -------------------------------------------------------------------
+
+#: Operators with a weight whose backward autodiff splits in two: ``.dgrad`` (the input
+#: gradient) and ``.wgrad`` (the weight gradient, which feeds nothing else in the layer and
+#: so may move). Every other operator gets one ``.bwd`` (a norm's computes both gradients).
+SPLIT_OPS = frozenset({"gemm", "grouped_gemm", "router"})
+
+#: The parts of a backward: the input gradient, the weight gradient, or an op's whole backward.
+DGRAD, WGRAD, BWD = "dgrad", "wgrad", "bwd"
+
+
+def backward_parts(op: str) -> tuple[str, ...]:
+    """The parts autodiff derives for operator ``op``: (dgrad, wgrad) for a split op, else (bwd,)."""
+    return (DGRAD, WGRAD) if op in SPLIT_OPS else (BWD,)
+
+
+def derived_kind(op: str, part: str) -> str:
+    """The ``Op.op`` of part ``part`` of operator ``op``'s backward (``gemm_wgrad``, ``rmsnorm_bwd``)."""
+    return f"{op}_{part}"
+
+
+def part_of(kind: str) -> str | None:
+    """The backward part (dgrad | wgrad | bwd) an ``Op.op`` computes; None for a forward
+    operator and for a collective (a transposed collective is named like a forward one)."""
+    base, _, part = kind.rpartition("_")
+    return part if base and part in (DGRAD, WGRAD, BWD) else None
+
+
+def base_kind(kind: str) -> str:
+    """The operator an ``Op.op`` derives from: ``gemm`` for ``gemm_dgrad``, itself for a forward op."""
+    return kind.rpartition("_")[0] if part_of(kind) else kind
+
+
+def is_wgrad(op) -> bool:
+    """Whether :class:`~dhelix.dsl.core.program.Op` ``op`` only computes a weight gradient
+    (what a W action runs when the schedule splits the weight gradients off)."""
+    return part_of(op.op) == WGRAD

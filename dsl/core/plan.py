@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import attrs
 
-LANES = ("compute", "local", "cross")
+from dhelix.dsl.core.mesh import COMM_LANES
+from dhelix.dsl.core.table import format_table
 
 
 @attrs.frozen
@@ -118,7 +119,7 @@ def lanes_of(plan: Plan, pair: SegmentPair) -> dict[str, tuple[str, ...]]:
     ops = {op.name: op for op in plan.ops}
     out["fwd compute"] = tuple(n for n in pair.forward if ops[n].lane == "compute")
     out["bwd compute"] = tuple(n for n in pair.backward if ops[n].lane == "compute")
-    for lane in LANES[1:]:
+    for lane in COMM_LANES:
         out[lane] = tuple(n for n in pair.forward + pair.backward if ops[n].lane == lane)
     return out
 
@@ -133,11 +134,13 @@ def format_plan(plan: Plan) -> str:
     segment pair (its ops by lane, predicted time, time alone) and a summary with the
     sequential time, the speedup and the communication hidden."""
     factor, unit = _scale(plan.unit)
-    header = ["#", "fwd compute", "bwd compute", "local", "cross", f"time {unit}", f"alone {unit}"]
+    columns = ("fwd compute", "bwd compute", *COMM_LANES)  # the keys of lanes_of
+    header = ["#", *columns, f"time {unit}", f"alone {unit}"]
+    numeric = {0, len(header) - 2, len(header) - 1}  # right-align the index and the times
     rows = []
     for k, pair in enumerate(plan.pairs, 1):
         lanes = lanes_of(plan, pair)
-        cells = [", ".join(lanes[name]) or "-" for name in ("fwd compute", "bwd compute", "local", "cross")]
+        cells = [", ".join(lanes[name]) or "-" for name in columns]
         rows.append([str(k), *cells, f"{pair.time * factor:.3f}", f"{pair.alone * factor:.3f}"])
     stats = plan.stats
     lines = [
@@ -150,7 +153,7 @@ def format_plan(plan: Plan) -> str:
         f"segments of at most {stats.max_segment or 'any number of'} ops, "
         f"{stats.pair_evaluations} pair costs",
         "",
-        *_table(header, rows),
+        *format_table(header, rows, right=numeric),
         "",
         f"predicted {plan.total * factor:.3f} {unit}, sequential {plan.sequential * factor:.3f} {unit}, "
         f"speedup {plan.speedup:.3f}x",
@@ -162,18 +165,6 @@ def format_plan(plan: Plan) -> str:
 
 def _window(window: int | None) -> str:
     return "unbounded" if window is None else f"{window} fixed ops"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
-    numeric = {0, len(header) - 2, len(header) - 1}  # right-align the index and the times
-
-    def line(row: list[str]) -> str:
-        cells = [cell.rjust(w) if c in numeric else cell.ljust(w)
-                 for c, (cell, w) in enumerate(zip(row, widths, strict=True))]
-        return "  ".join(cells).rstrip()
-
-    return [line(header)] + [line(row) for row in rows]
 
 
 def plan_to_json(plan: Plan) -> dict:

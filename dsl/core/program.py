@@ -106,12 +106,36 @@ class Strands:
     span: object = span_field()
 
 
+@attrs.frozen(kw_only=True)
+class GradFlow:
+    """How a backward op takes part in the flow of gradients: recorded by autodiff, read by
+    the interpreter (one owner of the rules; the runtime does not re-derive them).
+
+    ``upstream`` is the backward value holding the gradient of the forward op's output that
+    this op reads: the layer's gradient input (``d<out>``), the backward op that produced and
+    summed that gradient, or, for a ring step after the first, the previous step (whose
+    output is the ring's state); None when the forward output feeds nothing differentiable
+    (its gradient is zero). ``produces`` lists the forward values whose gradient (one
+    contribution each) the op's output holds: empty for a wgrad and for a ring step that
+    only passes the ring on. ``accumulates`` pairs each forward value whose contributions
+    this op sums with the other producers it adds (the fused accumulation of a value read
+    by several forward ops). ``weight`` names the forward op whose weight gradient the op
+    computes (a wgrad, or a norm's whole backward), None for none.
+    """
+
+    upstream: str | None
+    produces: tuple[str, ...] = ()
+    accumulates: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    weight: str | None = None
+
+
 @attrs.frozen
 class Op:
     """One operator of an instantiated layer DAG (forward or derived backward).
 
     ``inputs`` name the ops (or the layer input) whose outputs it consumes; for backward
-    ops they are the gradient producers and ``saved`` names the forward tensors it reads.
+    ops they are the gradient producers, ``saved`` names the forward tensors it reads and
+    ``grad`` says which gradients it reads and produces (None for a forward op).
     """
 
     name: str
@@ -129,6 +153,7 @@ class Op:
     forward: str | None = None  # the forward op a backward op derives from
     saved: tuple[str, ...] = ()
     params: tuple[tuple[str, object], ...] = ()
+    grad: GradFlow | None = None
     span: object = span_field()
 
 

@@ -33,10 +33,6 @@ import attrs
 from dhelix.dsl.core.errors import ParseError
 from dhelix.dsl.core.span import Source, Span, span_field
 
-#: Action kinds of computations and of transfers.
-COMPUTE_KINDS = ("F", "B", "W")
-TRANSFER_KINDS = ("SEND", "RECV")
-
 
 @attrs.frozen
 class Compute:

@@ -1,9 +1,18 @@
-""""Did you mean" notes for misspelt names."""
+"""How messages word things: lists of words and "did you mean" notes for misspelt names."""
 
 from __future__ import annotations
 
 import difflib
 from typing import Iterable
+
+
+def join_words(words: Iterable[object], last: str = "and") -> str:
+    """``words`` as a sentence lists them: 'a', 'a and b', 'a, b and c' (with ``last`` "or":
+    'a, b or c'); "" for no words. Each word is written with ``str``."""
+    words = [str(word) for word in words]
+    if len(words) <= 1:
+        return "".join(words)
+    return ", ".join(words[:-1]) + f" {last} " + words[-1]
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> list[str]:
@@ -12,8 +21,7 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> list[str]:
     if not close:
         return []
     quoted = [f"'{c}'" for c in close]
-    listed = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
-    return [f"did you mean {listed}?"]
+    return [f"did you mean {join_words(quoted, 'or')}?"]
 
 
 def close_matches(word: str, candidates: Iterable[str]) -> list[str]:

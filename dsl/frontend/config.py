@@ -9,14 +9,14 @@ from __future__ import annotations
 import attrs
 
 from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.dtypes import DTYPES
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.frontend.exprs import UnknownName, evaluate
 from dhelix.dsl.core.mesh import DIMENSIONS, Mesh
 from dhelix.dsl.core.program import (FOLD_KINDS, OVERLAP_KINDS, Cluster, FoldSpec, Model, Strands, Train,
                                      unknown_fold)
-from dhelix.dsl.core.wording import close_matches, did_you_mean
+from dhelix.dsl.core.wording import close_matches, did_you_mean, join_words
 
-DTYPES = ("fp32", "bf16", "fp16", "fp8")
 MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
@@ -141,16 +141,11 @@ def _report_missing_model_keys(node: s.ModelDef, errors: ErrorCollector) -> None
     misspelt = {key: near[0] for key in missing
                 if (near := close_matches(key, [w for w in written if w not in MODEL_REQUIRED + MODEL_NAMES]))}
     notes = [f"'{wrong}' is set: is it a misspelling of '{key}'?" for key, wrong in misspelt.items()]
-    notes.append(f"a model needs {_and(MODEL_REQUIRED + MODEL_NAMES)}; e.g. {_model_example(missing)}")
+    notes.append(f"a model needs {join_words(MODEL_REQUIRED + MODEL_NAMES)}; e.g. {_model_example(missing)}")
     keys = {st.key: st for st in node.settings}
     span = keys[next(iter(misspelt.values()))].span_of("key") if len(misspelt) == 1 else node.span_of("name")
-    what = f"setting '{missing[0]}'" if len(missing) == 1 else "settings " + _and([f"'{k}'" for k in missing])
+    what = f"setting '{missing[0]}'" if len(missing) == 1 else "settings " + join_words([f"'{k}'" for k in missing])
     errors.add(CheckError(f"model {node.name} is missing the {what}", span, notes))
-
-
-def _and(words) -> str:
-    words = list(words)
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def _model_example(missing: list[str]) -> str:

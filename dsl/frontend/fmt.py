@@ -311,11 +311,3 @@ def format_source(text: str, path: str = "<string>") -> str:
     Raises :class:`~dhelix.dsl.core.errors.ParseError` when ``text`` does not parse.
     """
     return format_module(parse(text, path), find_comments(text))
-
-
-def check_formatted(text: str, path: str = "<string>") -> bool:
-    """Whether ``text`` is already in canonical form (``dhelix fmt --check``).
-
-    Raises :class:`~dhelix.dsl.core.errors.ParseError` when ``text`` does not parse.
-    """
-    return format_source(text, path) == text

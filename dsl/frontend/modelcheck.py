@@ -5,6 +5,7 @@ from __future__ import annotations
 from dhelix.dsl.core.errors import CheckError, DhelixError
 from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.core.program import Model, Train
+from dhelix.dsl.core.wording import join_words
 
 #: Names derived from the settings, available in layer expressions (and reserved).
 DERIVED = ("tokens", "head_dim")
@@ -125,4 +126,4 @@ def stage_split_error(fold: str, layers: int, ranks: int, chunks: int, span) -> 
 
 def _listing(values: list[int]) -> str:
     words = [str(v) for v in values[:8]] + (["…"] if len(values) > 8 else [])
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+    return join_words(words, "or")

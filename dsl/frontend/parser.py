@@ -22,7 +22,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import ParseError
 from dhelix.dsl.core.span import Source, Span
-from dhelix.dsl.core.wording import did_you_mean
+from dhelix.dsl.core.wording import did_you_mean, join_words
 
 ACTIONS = ("F", "B", "W")
 
@@ -132,11 +132,7 @@ def _expected(names) -> str:
         words.append(f"an operator ({' '.join(operators)})")
     elif operators:
         words.append(f"'{operators[0]}'")
-    return _or(words)
-
-
-def _or(words: list[str]) -> str:
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+    return join_words(words, "or")
 
 
 def _translate(exc: UnexpectedInput, source: Source) -> ParseError:

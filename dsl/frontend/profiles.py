@@ -50,14 +50,14 @@ from typing import Sequence
 import attrs
 import yaml
 
+from dhelix.dsl.core.dtypes import DTYPES
 from dhelix.dsl.core.errors import DhelixError, ErrorCollector
+from dhelix.dsl.core.mesh import COMM_LANES
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.wording import did_you_mean
 
-DTYPES = ("fp32", "bf16", "fp16", "fp8")
 COMPUTE_BOUND = ("gemm", "attention", "router")
 MEMORY_BOUND = ("norm", "add", "activation", "permute")
-LANES = ("local", "cross")
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 COLLECTIVE_MODELS = ("ring", "ring_allreduce", "pairwise", "p2p")
 DEFAULT_MODELS = {"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": "ring_allreduce",
@@ -227,11 +227,11 @@ def _build(reader: "_Reader", top: dict, path: str) -> Profile | None:
 
 
 def _links(reader: "_Reader", node) -> dict | None:
-    lanes = reader.mapping(node, "links", LANES, LANES)
+    lanes = reader.mapping(node, "links", COMM_LANES, COMM_LANES)
     if lanes is None:
         return None
     out = {}
-    for lane in LANES:
+    for lane in COMM_LANES:
         where = f"links.{lane}"
         keys = reader.mapping(lanes.get(lane), where, ("bw_gbps", "latency_us"), ("bw_gbps", "latency_us"))
         if keys is None:
@@ -240,7 +240,7 @@ def _links(reader: "_Reader", node) -> dict | None:
         latency = reader.number(keys.get("latency_us"), f"{where}.latency_us", nonneg=True)
         if bw is not None and latency is not None:
             out[lane] = Link(bw, latency)
-    return out if len(out) == len(LANES) else None
+    return out if len(out) == len(COMM_LANES) else None
 
 
 def _peak(reader: "_Reader", node) -> dict | None:
@@ -489,8 +489,9 @@ def _pair_key_problem(key: str) -> tuple[str, list[str]]:
         if kind not in COLLECTIVES:
             return f"unknown collective '{kind}' in '{key}'", did_you_mean(kind, COLLECTIVES) + \
                 [f"collectives: {', '.join(COLLECTIVES)}"]
-        if lane not in LANES:
-            return f"unknown lane '{lane}' in '{key}'", did_you_mean(lane, LANES) + ["lanes: local, cross"]
+        if lane not in COMM_LANES:
+            return (f"unknown lane '{lane}' in '{key}'",
+                    did_you_mean(lane, COMM_LANES) + [f"lanes: {', '.join(COMM_LANES)}"])
     elif kind in COLLECTIVES:
         return f"'{key}' needs its lane", [f"write {key}@local or {key}@cross"]
     return "", []

@@ -28,6 +28,7 @@ from dhelix.dsl.core.program import FOLD_KINDS
 from dhelix.dsl.frontend.exprs import evaluate, format_expr
 from dhelix.dsl.frontend.pipelinecheck import check_pipeline
 from dhelix.dsl.passes.fold import Placement
+from dhelix.dsl.core.wording import join_words
 from dhelix.dsl.core.schedule import Compute, Interleaved, Lowered, Transfer
 
 _COMPARE = {">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne,
@@ -244,4 +245,4 @@ def _raise_failures(failures: list[tuple[int, _Failure]], ranks: int) -> None:
 def _ranks_text(ranks: list[int]) -> str:
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+    return "ranks " + join_words(ranks)

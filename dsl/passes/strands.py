@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
-from dhelix.dsl.core.oplib import OPS
+from dhelix.dsl.core.oplib import BWD, DGRAD, OPS, WGRAD, part_of
 from dhelix.dsl.core.program import LayerDag, Op, Strands
 from dhelix.dsl.core.wording import did_you_mean
 
@@ -43,13 +43,13 @@ def _matches(op: Op, word: str) -> bool:
         return op.kind == word
     if word == "bwd":
         return op.forward is not None
-    if word in ("dgrad", "wgrad"):
-        return op.op.endswith("_" + word)
+    if word in (DGRAD, WGRAD):
+        return part_of(op.op) == word
     return word in (op.name, op.op, op.op_class) or (op.forward is None and op.name.split(".")[0] == word)
 
 
 def _phase(op: Op, phase: str) -> bool:
-    return phase == "bwd" or op.op.endswith("_" + phase)
+    return phase == BWD or part_of(op.op) == phase
 
 
 def known_words(forward: LayerDag, backward: LayerDag) -> set[str]:

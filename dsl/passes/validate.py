@@ -26,6 +26,7 @@ from collections import defaultdict, deque
 
 from dhelix.dsl.core.errors import ErrorCollector, ScheduleError
 from dhelix.dsl.core.schedule import Compute, Interleaved, Lowered, Transfer, computes, format_grid
+from dhelix.dsl.core.wording import join_words
 
 #: At most this many errors are shown; a last one says how many more there were.
 MAX_ERRORS = 20
@@ -351,4 +352,4 @@ def _microbatches(numbers: list[int]) -> str:
         return f"micro-batch {numbers[0]}"
     if numbers == list(range(numbers[0], numbers[-1] + 1)):
         return f"micro-batches {numbers[0]}..{numbers[-1]}"
-    return "micro-batches " + ", ".join(map(str, numbers[:-1])) + f" and {numbers[-1]}"
+    return "micro-batches " + join_words(numbers)

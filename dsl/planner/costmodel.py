@@ -35,11 +35,11 @@ import math
 
 import attrs
 
+from dhelix.dsl.core.dtypes import dtype_bytes
 from dhelix.dsl.core.errors import DhelixError
-from dhelix.dsl.frontend.profiles import Profile
+from dhelix.dsl.core.oplib import SPLIT_OPS, base_kind
+from dhelix.dsl.frontend.profiles import COMPUTE_BOUND, Profile
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-COMPUTE_BOUND = frozenset({"gemm", "attention", "router"})
 ATTENTION_BWD_FACTOR = 2.5  # FlashAttention-2 backward recomputes P (NOTES §3.2, B13)
 CAUSAL_FRACTION = 0.5  # γ: a causal kernel skips the masked half
 _COMM_KIND = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce",
@@ -56,13 +56,6 @@ class Task:
     seconds: float
     keys: tuple[str, ...]  # most specific first: op name, op kind, op class / collective@lane
     cls: str  # comp | intra | inter (the OEF class of the lane)
-
-
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of ``dtype`` (fp32, bf16, fp16, fp8)."""
-    if dtype not in DTYPE_BYTES:
-        raise DhelixError(f"unknown dtype '{dtype}'", notes=[f"dtypes: {', '.join(DTYPE_BYTES)}"])
-    return DTYPE_BYTES[dtype]
 
 
 def _params(op) -> dict:
@@ -138,8 +131,7 @@ def _compute_cost(op, seq: int | None) -> tuple[float, float]:
         return flops, elements
     if op.kind == "comm":
         return 0.0, 0.0
-    base = op.op.removesuffix("_dgrad").removesuffix("_wgrad")
-    if base in ("gemm", "grouped_gemm", "router"):
+    if base_kind(op.op) in SPLIT_OPS:  # the weighted GEMMs: dgrad and wgrad cost the forward's
         m, k, n, experts = _gemm_dims(op)
         return 2.0 * m * k * n, float(m * k + experts * k * n + m * n)
     if op.op in _ELEMENTWISE:

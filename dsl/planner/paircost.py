@@ -42,10 +42,10 @@ import attrs
 
 from dhelix.dsl.planner.costmodel import Task, op_tasks
 from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.mesh import LANES
 from dhelix.dsl.frontend.profiles import Profile, load_profile
 
-_LANES = {"compute": 0, "local": 1, "cross": 2}
-_LANE_NAMES = ("compute", "local", "cross")
+_LANES = {lane: index for index, lane in enumerate(LANES)}
 
 
 @attrs.frozen
@@ -328,7 +328,7 @@ def _simulate(cost: PairCost, segs: tuple[_Segment, ...], policy: int, record: b
                 for j in segs[strand].dependents[op]:
                     waiting[strand][j] -= 1
             if record:
-                slots.append(Slot(("fwd", "bwd")[strand], segs[strand].names[op], _LANE_NAMES[lane], r[4], now))
+                slots.append(Slot(("fwd", "bwd")[strand], segs[strand].names[op], LANES[lane], r[4], now))
     if any(any(counts) for counts in left):
         raise ValueError("segment simulation stalled: an op waits for one that cannot start")
     return now, slots, contested

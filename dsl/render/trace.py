@@ -20,10 +20,9 @@ import json
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from dhelix.dsl.core.mesh import LANES
 from dhelix.dsl.core.timeline import CounterSample, TraceEvent
 
-#: The three lanes of a rank, in the order their threads are drawn.
-LANES = ("compute", "local", "cross")
 _US = 1e6  # the format's unit is the microsecond
 
 

@@ -32,7 +32,9 @@ import math
 
 import attrs
 
-from dhelix.dsl.planner.costmodel import collective_time, dtype_bytes, op_time
+from dhelix.dsl.core.dtypes import dtype_bytes
+from dhelix.dsl.core.oplib import is_wgrad
+from dhelix.dsl.planner.costmodel import collective_time, op_time
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Op, Program
@@ -112,11 +114,6 @@ class StepCosts:
     expert_group: Group  # gradient sync of expert weights (DP x CP / EP)
     grad_bytes: int  # bytes per gradient element (the model dtype)
     dtype: str
-
-
-def is_wgrad(op: Op) -> bool:
-    """Whether ``op`` is a weight-gradient GEMM (what W runs in a split schedule)."""
-    return op.op.endswith("_wgrad")
 
 
 def input_backward(backward: LayerDag) -> LayerDag:

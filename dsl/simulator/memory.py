@@ -26,7 +26,8 @@ import math
 
 import attrs
 
-from dhelix.dsl.planner.costmodel import dtype_bytes
+from dhelix.dsl.core.dtypes import dtype_bytes
+from dhelix.dsl.core.oplib import is_wgrad
 from dhelix.dsl.core.program import LayerDag, Program
 
 #: Optimizer bytes per parameter: fp32 master weight and two fp32 moments (mixed precision),
@@ -84,7 +85,7 @@ def layer_activations(forward: LayerDag, backward: LayerDag, dtype: str, split: 
     readers: dict[str, list[bool]] = {}
     for op in backward.ops:
         for name in op.saved:
-            readers.setdefault(name, []).append(op.op.endswith("_wgrad"))
+            readers.setdefault(name, []).append(is_wgrad(op))
     size = dtype_bytes(dtype)
     at_backward = at_weight = 0.0
     for name in sorted(readers):

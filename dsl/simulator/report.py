@@ -16,6 +16,7 @@ from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.simulator.memory import GB
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import FoldSpec, Program
+from dhelix.dsl.core.table import format_table
 from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
 
@@ -153,10 +154,5 @@ def format_comparison(sims: tuple[Simulation, ...], title: str = "") -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(row[c]) for row in [header, *rows]) for c in range(len(header))]
-
-    def line(row: list[str]) -> str:
-        cells = [row[0].ljust(widths[0])] + [cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True)]
-        return "  ".join(cells).rstrip()
-
-    return [line(header)] + [line(row) for row in rows]
+    # Names in the first column, figures right-aligned in the others.
+    return format_table(header, rows, right=range(1, len(header)))

@@ -1,0 +1,25 @@
+"""The element types a model may be trained in and their sizes.
+
+One table for every stage: the checker accepts these names in ``model { dtype = … }``, a
+hardware profile lists its peak FLOPS under them, and the cost model and the simulator
+size tensors with :func:`dtype_bytes`. The interpreter maps the ones it can run to torch
+dtypes (``dhelix.interpreter.weights``).
+"""
+
+from __future__ import annotations
+
+from dhelix.dsl.core.errors import DhelixError
+
+#: Bytes per element of each dtype, in the order messages list them.
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+#: The dtype names.
+DTYPES = tuple(DTYPE_BYTES)
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` (one of :data:`DTYPES`); raises DhelixError naming
+    the known dtypes for any other name."""
+    if dtype not in DTYPE_BYTES:
+        raise DhelixError(f"unknown dtype '{dtype}'", notes=[f"dtypes: {', '.join(DTYPES)}"])
+    return DTYPE_BYTES[dtype]
