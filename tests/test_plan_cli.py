@@ -48,15 +48,16 @@ def test_plan_needs_a_profile(tmp_path, capsys):
     assert main(["plan", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.splitlines()[:3] == [
-        f"{path}:18:1: `dhelix plan` needs a hardware profile, and the cluster block names none",
+        f"{path}:18:1: the cost model needs a hardware profile, and the cluster block names none",
         "  18 | cluster {",
         "     | ^^^^^^^^^",
     ]
     assert 'note: set one in the cluster block: cluster { profile = "a40" }' in err
+    assert err.splitlines()[-1] == "  note: while running `dhelix plan`"
 
 
 @pytest.mark.parametrize("argv, code, message", [
-    (["stdlib_schedules/pipelines.dhx"], 1, "there is nothing to plan: the file has no model block"),
+    (["stdlib_schedules/pipelines.dhx"], 1, "the file has no model block, so there is nothing to plan"),
     (["no_such_file.dhx"], 2, "cannot read 'no_such_file.dhx'"),
     ([EXAMPLE, "--max-segment", "-1"], 2, "--max-segment must be 0 (no bound) or more"),
 ])

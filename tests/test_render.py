@@ -161,4 +161,5 @@ def test_pairing_without_a_profile_is_a_located_error(tmp_path, capsys):
     path.write_text(text)
     assert main(["render", str(path), "--what", "pairing"]) == 1
     err = capsys.readouterr().err
-    assert "`dhelix render --what pairing` needs a hardware profile" in err and "^" in err
+    assert "needs a hardware profile" in err and "^" in err
+    assert "while running `dhelix render`" in err

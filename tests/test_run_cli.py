@@ -16,7 +16,12 @@ pytest.importorskip("torch")
 pytest.importorskip("tqdm")
 
 from dhelix.cli import main  # noqa: E402
-from dhelix.interpreter.launch import FAULT_ENV, FAULT_EXIT  # noqa: E402
+from dhelix.cli.run import write_trace  # noqa: E402
+from dhelix.dsl.core.timeline import TraceEvent  # noqa: E402
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
+from dhelix.dsl.render.trace import LANES, trace_json  # noqa: E402
+from dhelix.interpreter.summary import RankRecord, RunResult, format_summary, summarize  # noqa: E402
+from dhelix.interpreter.train import FAULT_ENV, FAULT_EXIT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")
@@ -39,12 +44,20 @@ def test_run_prints_the_summary_and_writes_a_trace(tmp_path):
     assert "w_helix, tp 2 × pp 2 on 4 gloo rank(s), SI on" in out
     for row in ("step time", "exposed comm", "peak act.", "simulator:"):
         assert row in out
-    events = json.loads(trace.read_text())["traceEvents"]
+    loaded = json.loads(trace.read_text())
+    events = loaded["traceEvents"]
     processes = {e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert processes == {f"rank {r}" for r in range(4)}
     lanes = {e["cat"] for e in events if e["ph"] == "X"}
     assert lanes == {"compute", "local", "cross"}  # tp is node-local, pp crosses the 2 "nodes"
     assert any(e["name"].startswith("SI(") for e in events if e["ph"] == "X")
+    # The simulator's writer (dsl/render/trace.py): lanes are threads with fixed ids, events
+    # have what Perfetto needs, and the run is described in otherData.
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert all(threads[r, tid] == lane for r in range(4) for tid, lane in enumerate(LANES))
+    assert all({"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) for e in events if e["ph"] == "X")
+    assert loaded["otherData"]["program"] == "tiny_llama" and loaded["otherData"]["steps"] == 2
+    assert f"trace: {trace} ({sum(e['ph'] == 'X' for e in events)} events" in out
 
 
 def test_a_killed_rank_ends_the_run_naming_it(tmp_path):
@@ -72,3 +85,48 @@ def test_a_schedule_that_does_not_fit_is_reported_before_any_rank_starts(tmp_pat
     bad.write_text(Path(EXAMPLE).read_text().replace("microbatches = 8", "microbatches = 1"))
     assert main(["run", str(bad)]) == 1
     assert "pipeline w_helix needs m >= p (m = 1, p = 2)" in capsys.readouterr().err
+
+
+# --- what rank 0 brings back, printed and written by the command line (no ranks started) ---------
+
+def _result() -> RunResult:
+    """A made-up run of 3 steps on 2 ranks (seconds and bytes)."""
+    ranks = (RankRecord(rank=0, step=(0.9, 0.2, 0.4), collective=(0.5, 0.05, 0.07), p2p=(0.1, 0.01, 0.03),
+                        peak_activations=3 * 2**20, events=(TraceEvent(0, "compute", "F0.0", 0.0, 0.001),
+                                                            TraceEvent(0, "local", "all_gather", 0.0005, 0.002))),
+             RankRecord(rank=1, step=(1.0, 0.3, 0.1), collective=(0.4, 0.02, 0.04), p2p=(0.2, 0.1, 0.3),
+                        peak_activations=2**20, events=(TraceEvent(1, "cross", "SEND_F0.0>0", 0.001, 0.003),)))
+    return RunResult(losses=(6.0, 5.5, 5.25), ranks=ranks)
+
+
+def _options(program_path: str, **changes):
+    from dhelix.interpreter.train import RunOptions
+
+    return RunOptions(path=program_path, text=Path(program_path).read_text(), steps=3, **changes)
+
+
+def test_the_summary_is_medians_without_the_first_step_beside_the_simulator():
+    program = check_text(Path(EXAMPLE).read_text(), EXAMPLE)
+    summary = summarize(program, _options(EXAMPLE, plan="planned"), _result())
+    assert [(r.rank, r.step_time, r.p2p_wait) for r in summary.ranks] == [(0, pytest.approx(0.3), pytest.approx(0.02)),
+                                                                          (1, pytest.approx(0.2), pytest.approx(0.2))]
+    assert summary.measured.step_time == pytest.approx(0.35)  # median of max(0.2, 0.3), max(0.4, 0.1)
+    assert summary.measured.exposed_comm == pytest.approx(0.06)
+    assert summary.predicted.step_time > 0 and "a40 profile" in summary.note
+    text = format_summary(summary)
+    assert text.splitlines()[0] == f"{EXAMPLE}: w_helix, tp 2 × pp 2 on 2 gloo rank(s), SI on (planned plan)"
+    assert "loss 6.0000 -> 5.2500 over 3 step(s)" in text
+    assert "     step time     350.00ms" in text and "     peak act.     3.000MiB" in text
+
+
+def test_the_run_trace_is_the_simulators_format(tmp_path):
+    program = check_text(Path(EXAMPLE).read_text(), EXAMPLE)
+    result, path = _result(), tmp_path / "run.json"
+    write_trace(path, program, _options(EXAMPLE), result)
+    text = path.read_text()
+    assert text == trace_json(result.events, metadata=json.loads(text)["otherData"])  # the one writer
+    trace = json.loads(text)
+    complete = sorted((e["pid"], e["tid"], e["name"], e["ts"], e["dur"]) for e in trace["traceEvents"] if e["ph"] == "X")
+    assert complete == [(0, 0, "F0.0", 0.0, 1000.0), (0, 1, "all_gather", 500.0, 2000.0),
+                        (1, 2, "SEND_F0.0>0", 1000.0, 3000.0)]
+    assert trace["otherData"]["schedule"] == "w_helix" and trace["otherData"]["backend"] == "gloo"

@@ -265,7 +265,8 @@ def test_simulate_cli_needs_a_profile(tmp_path, capsys):
     path.write_text(source.replace('  profile = "a40"\n', ""))
     assert main(["simulate", str(path)]) == 1
     err = capsys.readouterr().err
-    assert "`dhelix simulate` needs a hardware profile, and the cluster block names none" in err
+    assert "the cost model needs a hardware profile, and the cluster block names none" in err
+    assert err.rstrip().endswith("note: while running `dhelix simulate`")
     assert 'cluster { profile = "a40" }' in err and "| cluster {" in err
 
 

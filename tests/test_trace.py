@@ -13,7 +13,7 @@ from dhelix.cli import main
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.simulator.events import simulate
 from dhelix.dsl.core.timeline import CounterSample, TraceEvent
-from dhelix.dsl.render.trace import LANES, chrome_trace, trace_json, write_chrome_trace
+from dhelix.dsl.render.trace import LANES, chrome_trace, trace_json
 from conftest import ROOT
 
 EVENTS = [
@@ -58,11 +58,9 @@ def test_output_is_deterministic_whatever_the_event_order():
     assert trace_json(shuffled) == trace_json(EVENTS)
 
 
-def test_counters_and_metadata(tmp_path):
-    path = tmp_path / "trace.json"
-    write_chrome_trace(path, EVENTS, counters=[CounterSample(0, "activations", 0.001, {"GB": 1.5})],
-                       metadata={"program": "tiny"})
-    trace = json.loads(path.read_text())
+def test_counters_and_metadata():
+    trace = json.loads(trace_json(EVENTS, counters=[CounterSample(0, "activations", 0.001, {"GB": 1.5})],
+                                  metadata={"program": "tiny"}))
     counter = next(e for e in trace["traceEvents"] if e["ph"] == "C")
     assert counter == {"name": "activations", "ph": "C", "ts": 1000.0, "pid": 0, "tid": 0, "args": {"GB": 1.5}}
     assert trace["otherData"] == {"program": "tiny"}

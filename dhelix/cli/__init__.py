@@ -1,15 +1,14 @@
-"""The ``dhelix`` command: the compiler's commands (:mod:`dhelix.dsl`, no torch) and ``run``
-(:mod:`dhelix.interpreter`, which imports torch only when a run starts).
+"""The ``dhelix`` command line: one module per command (:mod:`.check`, :mod:`.fmt`,
+:mod:`.render`, :mod:`.export`, :mod:`.plan`, :mod:`.simulate`, :mod:`.run`), the output-path
+check they share (:mod:`.paths`) and :mod:`.main`, which assembles the parser and turns what a
+command raises into an exit code.
 
-It lives here, above both packages, because ``dsl/`` never imports ``interpreter/``.
+It lives here, above :mod:`dhelix.dsl` and :mod:`dhelix.interpreter`, because those never
+print, parse arguments or exit: they raise typed errors and return values.
 """
 
 from __future__ import annotations
 
-from dhelix.cli import main as cli
-from dhelix.interpreter import launch
+from dhelix.cli.main import main
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit code."""
-    return cli.main(argv, extra=(launch.register,))
+__all__ = ["main"]

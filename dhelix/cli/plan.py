@@ -46,7 +46,7 @@ def cmd_plan(args) -> int:
     if args.max_segment < 0:
         raise UsageError(f"--max-segment must be 0 (no bound) or more, got {args.max_segment}")
     program = check_text(read_source(args.file), args.file)
-    require_profile(program, "plan")
+    require_profile(program)
     plan = schedule_plan(program, max_segment=args.max_segment or None)
     usage = plan_usage(program)
     if args.json:

@@ -19,12 +19,12 @@ extension, unwritable path) exit 2; mistakes in the file exit 1 with the usual l
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.render.dag import dag_dot
 from dhelix.dsl.render.ladder import ladder_dot
@@ -64,9 +64,14 @@ def cmd_render(args) -> int:
         notes = did_you_mean(args.what, DIAGRAMS)
         raise UsageError(f"--what: unknown diagram '{args.what}'"
                          + (f" ({notes[0]})" if notes else "") + f"; diagrams: {', '.join(DIAGRAMS)}")
-    output = check_output_path(args.output) if args.output else None
+    output = picture_path(args.output, args.file) if args.output else None
     overrides = overrides_from_args(args)
     program = load_file(args.file, overrides, DIAGRAMS[args.what])
+    if output is not None:
+        # The .dot written instead of a picture when Graphviz is missing must not overwrite
+        # an input either.
+        for written in {output, output.with_suffix(".dot")}:
+            refuse_inputs(written, "-o", program_inputs(program))
     source = diagram_source(program, args.what, overrides.describe())
     if output is None:
         sys.stdout.write(source)
@@ -84,25 +89,18 @@ def diagram_source(program, what: str, overridden: str = "") -> str:
         name = program.model.name + (f" ({overridden})" if overridden else "")
         return placement_dot(program.placement, name, program.model.get("layers"))
     if what == "pairing":
-        return ladder_dot(schedule_plan(program, command="render --what pairing"))
+        return ladder_dot(schedule_plan(program))
     return dag_dot(program.forward, program.backward)
 
 
-def check_output_path(path: str) -> Path:
-    """``path`` as a Path after checking its extension and that its folder is writable.
-
-    Raises UsageError naming the problem; does not create anything.
-    """
-    output = Path(path)
-    if output.suffix.lower() not in FORMATS:
-        raise UsageError(f"-o {path}: unknown picture format '{output.suffix or '(none)'}'; "
+def picture_path(path: str, program_file: str) -> Path:
+    """``path`` as a Path after checking its extension and :func:`paths.output_path`'s rules
+    (not the program file, not a folder, writable). Raises UsageError; creates nothing."""
+    suffix = Path(path).suffix
+    if suffix.lower() not in FORMATS:
+        raise UsageError(f"-o {path}: unknown picture format '{suffix or '(none)'}'; "
                          f"write {', '.join(FORMATS)}")
-    folder = output.parent if str(output.parent) else Path(".")
-    if not folder.is_dir():
-        raise UsageError(f"-o {path}: the folder '{folder}' does not exist")
-    if not os.access(folder, os.W_OK) or (output.exists() and not os.access(output, os.W_OK)):
-        raise UsageError(f"-o {path}: cannot write there (permission denied)")
-    return output
+    return output_path(path, "-o", inputs=(program_file,))
 
 
 def write_diagram(source: str, output: Path) -> int:
@@ -112,12 +110,12 @@ def write_diagram(source: str, output: Path) -> int:
     the suffix .dot and a message on standard error says how to install Graphviz.
     """
     if output.suffix.lower() == ".dot":
-        _write_text(output, source)
+        write_output(output, source)
         return 0
     dot = shutil.which("dot")
     if dot is None:
         fallback = output.with_suffix(".dot")
-        _write_text(fallback, source)
+        write_output(fallback, source)
         print(f"dhelix: Graphviz `dot` was not found, so {output} was not made; wrote the "
               f"diagram source to {fallback} instead.\n  {INSTALL_HINT};\n  then run "
               f"`dot -T{output.suffix[1:].lower()} {fallback} -o {output}`", file=sys.stderr)
@@ -128,11 +126,3 @@ def write_diagram(source: str, output: Path) -> int:
         raise DhelixError(f"Graphviz dot failed to draw {output}: "
                           f"{result.stderr.decode(errors='replace').strip()}")
     return 0
-
-
-def _write_text(path: Path, text: str) -> None:
-    try:
-        path.write_text(text)
-    except OSError as exc:
-        raise UsageError(f"cannot write '{path}': {exc.strerror or exc}") from None
-

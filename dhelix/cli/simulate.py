@@ -13,13 +13,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.simulator.report import compare, format_comparison, format_simulation
 from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
-from dhelix.dsl.render.trace import write_chrome_trace
+from dhelix.dsl.render.trace import trace_json
 
 
 def register(subparsers) -> None:
@@ -39,9 +40,11 @@ def register(subparsers) -> None:
 
 def cmd_simulate(args) -> int:
     """`dhelix simulate FILE [--compare] [--zero1] [--trace OUT.json]`; returns the exit code."""
-    trace = _trace_path(args.trace) if args.trace else None
+    trace = trace_path(args.trace, args.file) if args.trace else None
     program = check_text(read_source(args.file), args.file)
-    require_profile(program, "simulate")
+    if trace is not None:
+        refuse_inputs(trace, "--trace", program_inputs(program))
+    require_profile(program)
     cost = cost_of(program)
     plan = schedule_plan(program, cost) if has_si(program) else None
     title = f"{args.file}: profile {program.profile.name}, mesh " + " ".join(
@@ -67,18 +70,13 @@ def write_trace(path: Path, sim: Simulation, source: str) -> None:
     metadata = {"source": source, "program": sim.program, "schedule": sim.pipeline, "fold": sim.fold,
                 "si": sim.si, "zero1": sim.zero1, "step_time_s": round(sim.step_time, 9),
                 "simulated": "one DP/TP replica: a process per pipeline rank"}
-    try:
-        write_chrome_trace(path, sim.events, counters=sim.counters, process_name="pipeline rank {rank}",
-                           metadata=metadata)
-    except OSError as exc:
-        raise UsageError(f"cannot write '{path}': {exc.strerror or exc}") from None
+    write_output(path, trace_json(sim.events, counters=sim.counters, process_name="pipeline rank {rank}",
+                                  metadata=metadata))
 
 
-def _trace_path(text: str) -> Path:
-    path = Path(text)
-    if path.suffix.lower() != ".json":
+def trace_path(text: str, program_file: str) -> Path:
+    """The ``--trace`` path after checking that it is a .json file and
+    :func:`paths.output_path`'s rules. Raises UsageError; creates nothing."""
+    if Path(text).suffix.lower() != ".json":
         raise UsageError(f"--trace {text}: a Chrome trace is a .json file")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise UsageError(f"--trace {text}: the folder '{folder}' does not exist")
-    return path
+    return output_path(text, "--trace", inputs=(program_file,))

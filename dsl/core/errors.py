@@ -33,6 +33,11 @@ class DhelixError(Exception):
     def __str__(self) -> str:
         return self.render()
 
+    def add_note(self, note: str) -> None:
+        """Append ``note`` to the notes the error renders with (callers add context, e.g. the
+        command line says which command was running)."""
+        self.notes = self.notes + (note,)
+
 
 class ParseError(DhelixError):
     """The text is not in the language (unexpected character or token, missing brace)."""
@@ -74,6 +79,10 @@ class ErrorGroup(DhelixError):
     def render(self) -> str:
         body = "\n".join(error.render() for error in self.errors)
         return f"{body}\n{self.message}" if len(self.errors) > 1 else body
+
+    def add_note(self, note: str) -> None:
+        # A group renders its members, not its own notes: the last member carries the note.
+        self.errors[-1].add_note(note)
 
 
 class ErrorCollector:

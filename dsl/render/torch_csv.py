@@ -1,6 +1,6 @@
-"""`dhelix export`: write a lowered schedule for other tools.
+"""A lowered schedule for other tools (the writer behind `dhelix export`).
 
-``--torch-csv OUT`` writes the CSV that torch.distributed.pipelining's
+:func:`torch_csv` gives the CSV that torch.distributed.pipelining's
 ``_PipelineScheduleRuntime._load_csv`` reads (torch 2.13): one row per pipeline rank, one cell
 per action in torch's action notation (``_Action.from_str``):
 
@@ -14,7 +14,7 @@ per action in torch's action notation (``_Action.from_str``):
   and ``{s}REDUCE_GRAD`` after the last backward of stage ``s`` (where torch's own lowering puts
   it; it scales the gradients by 1/m).
 
-Two forms (``--torch-format``):
+Two forms:
 
 - ``compute_only`` (default): compute actions only, the form ``_load_csv(path)`` reads by
   default. torch then adds the transfers itself (``_add_send_recv``) in an order that matches
@@ -29,55 +29,12 @@ from __future__ import annotations
 
 import csv
 import io
-import os
-import sys
 from collections import defaultdict
-from pathlib import Path
 
-from dhelix.dsl.core.errors import ScheduleError, UsageError
-from dhelix.dsl.passes.overrides import add_override_arguments, load_file, overrides_from_args
+from dhelix.dsl.core.errors import ScheduleError
 from dhelix.dsl.core.schedule import Compute, Interleaved, Lowered, Transfer, computes, format_grid
 
 TORCH_FORMATS = ("compute_only", "compute_comms")
-
-
-def register(subparsers) -> None:
-    """Add the ``export`` command to the CLI's sub-command parsers."""
-    export = subparsers.add_parser(
-        "export", help="write the lowered schedule for torch.distributed.pipelining",
-        description="Write FILE's lowered pipeline schedule as the CSV that torch.distributed."
-                    "pipelining's _PipelineScheduleRuntime._load_csv reads (SI blocks as "
-                    "OVERLAP_F_B).")
-    export.add_argument("file", metavar="FILE")
-    export.add_argument("--torch-csv", metavar="OUT", help="write the torch schedule CSV to OUT")
-    export.add_argument("--torch-format", default="compute_only", metavar="FORM",
-                        help="compute_only (default; torch adds SEND/RECV itself) or compute_comms "
-                             "(dhelix's own SEND/RECV; load with format=\"compute_comms\")")
-    add_override_arguments(export)
-    export.set_defaults(func=cmd_export)
-
-
-def cmd_export(args) -> int:
-    """`dhelix export FILE --torch-csv OUT [--torch-format FORM] [overrides]`."""
-    if args.torch_format not in TORCH_FORMATS:
-        raise UsageError(f"--torch-format: unknown form '{args.torch_format}'; "
-                         f"forms: {', '.join(TORCH_FORMATS)}")
-    if not args.torch_csv:
-        raise UsageError("nothing to export: give --torch-csv OUT.csv")
-    output = Path(args.torch_csv)
-    folder = output.parent if str(output.parent) else Path(".")
-    if not folder.is_dir() or not os.access(folder, os.W_OK):
-        raise UsageError(f"--torch-csv {args.torch_csv}: cannot write into '{folder}'")
-    program = load_file(args.file, overrides_from_args(args))
-    text = torch_csv(program.lowered, args.torch_format)
-    try:
-        output.write_text(text)
-    except OSError as exc:
-        raise UsageError(f"cannot write '{output}': {exc.strerror or exc}") from None
-    lowered = program.lowered
-    print(f"{output}: {lowered.name}, p = {lowered.ranks}, m = {lowered.microbatches}, "
-          f"{len(lowered.stages)} stages, {args.torch_format}", file=sys.stderr)
-    return 0
 
 
 def torch_csv(lowered: Lowered, form: str = "compute_only") -> str:
@@ -174,6 +131,6 @@ def check_p2p_order(lowered: Lowered) -> None:
             f"{pair[0]} before {words[first]} of micro-batch {first_mb}, which rank {pair[0]} "
             "sends first; torch's P2P operations carry no tag, so the compute_comms form would "
             "pair them wrongly", lowered.span,
-            ["export --torch-format compute_only (the default): torch then orders the transfers "
-             "itself"],
+            ["export the compute_only form (the default) instead: torch then orders the "
+             "transfers itself"],
             grid=format_grid(lowered, {pair[1]: step}))

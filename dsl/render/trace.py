@@ -9,6 +9,7 @@ microsecond ``ts`` / ``dur``, and metadata events (``"ph": "M"``) that name and 
 processes and threads. Counter events (``"ph": "C"``), e.g. live memory, draw as a graph
 above the rank's threads.
 
+The command line writes the text (``dhelix simulate --trace``, ``dhelix run --trace``).
 Output is deterministic: events are sorted by (pid, tid, ts, longer first, name), times are
 rounded to nanoseconds, and keys are written in a fixed order, so the same run gives the same
 bytes (golden files and diffs stay clean).
@@ -17,7 +18,6 @@ bytes (golden files and diffs stay clean).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Iterable, Mapping
 
 from dhelix.dsl.core.mesh import LANES
@@ -59,11 +59,6 @@ def trace_json(events: Iterable, **options) -> str:
     lines = ",\n".join(json.dumps(event, separators=(",", ":")) for event in trace["traceEvents"])
     other = json.dumps(trace["otherData"], separators=(",", ":"), sort_keys=True)
     return ('{"traceEvents":[\n' + lines + '\n],"displayTimeUnit":"ms","otherData":' + other + "}\n")
-
-
-def write_chrome_trace(path: str | Path, events: Iterable, **options) -> None:
-    """Write :func:`trace_json` of ``events`` to ``path`` (OSError if it cannot be written)."""
-    Path(path).write_text(trace_json(events, **options))
 
 
 def _lane_ids(events: list[TraceEvent]) -> dict[str, int]:

@@ -48,13 +48,14 @@ from dhelix.dsl.core.timeline import CounterSample, TraceEvent
 from dhelix.dsl.passes.validate import dry_run, transfer_key
 
 
-def require_profile(program: Program, command: str) -> None:
-    """Raise a located CheckError unless ``program`` has a model and a hardware profile."""
+def require_profile(program: Program) -> None:
+    """Raise a located CheckError unless ``program`` has a model and a hardware profile (what
+    the cost model needs to plan and simulate); the command line says which command asked."""
     if program.model is None:
-        raise DhelixError(f"there is nothing to {command}: the file has no model block",
+        raise DhelixError("the file has no model block, so there is nothing to plan or simulate",
                           notes=["give a file with a model, cluster and mesh (e.g. examples/llama8b_a40.dhx)"])
     if program.profile is None:
-        raise CheckError(f"`dhelix {command}` needs a hardware profile, and the cluster block names none",
+        raise CheckError("the cost model needs a hardware profile, and the cluster block names none",
                          program.cluster.span,
                          ['set one in the cluster block: cluster { profile = "a40" } (or a800, h100, '
                           'or the path of a profile file)'])
@@ -65,14 +66,13 @@ def has_si(program: Program) -> bool:
     return any(isinstance(a, Interleaved) for row in program.lowered.actions for a in row)
 
 
-def schedule_plan(program: Program, cost: PairCost | None = None, *, command: str = "plan",
-                  **bounds) -> Plan:
+def schedule_plan(program: Program, cost: PairCost | None = None, **bounds) -> Plan:
     """The SI plan of the program's layer pair as its schedule runs it: the forward beside the
     whole backward, or beside the backward without its wgrads when the schedule splits W off.
     ``bounds`` go to :func:`pairing.plan_layers`; without ``cost`` the program's profile prices
-    the segments, and ``command`` names what needed it in the error when there is none."""
+    the segments (:func:`require_profile`'s error when there is none)."""
     if cost is None:
-        require_profile(program, command)
+        require_profile(program)
         cost = cost_of(program)
     backward = program.backward
     if program.lowered is not None and program.lowered.split:
@@ -478,7 +478,7 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     transfers, no LM head, …); its ``layer.pair`` then prices the SI blocks. Returns the
     :class:`Simulation`; raises DhelixError for a program without a profile.
     """
-    require_profile(program, "simulate")
+    require_profile(program)
     if costs is None:
         cost = cost or cost_of(program)
         if si and plan is None and has_si(program):

@@ -39,7 +39,7 @@ def unfolded_1f1b(program: Program) -> Program:
 
 def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False) -> tuple[Simulation, ...]:
     """Three simulations of ``program``: as written, SI off, and 1F1B without folding."""
-    require_profile(program, "simulate")
+    require_profile(program)
     cost = cost_of(program)
     if plan is None and has_si(program):
         plan = schedule_plan(program, cost)

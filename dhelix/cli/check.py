@@ -1,0 +1,39 @@
+"""`dhelix check FILE [--dump STAGE]`: check a schedule file, or print a stage's IR.
+
+Prints a one-line summary of what the file defines when it is correct; every error found
+(located, with the source line and a caret) otherwise, exit code 1. ``--dump STAGE`` runs the
+named pass pipeline up to STAGE and prints that stage's IR instead.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.passes.pipeline import STAGES, STAGE_NAMES, check_text, dump_stage, run_until
+
+
+def register(subparsers) -> None:
+    """Add the ``check`` command to the CLI's sub-command parsers."""
+    check = subparsers.add_parser(
+        "check", help="check a schedule file and optionally dump a stage's IR",
+        description="Parse and check FILE with its imports; print every error found.")
+    check.add_argument("file", metavar="FILE")
+    stages = "; ".join(f"{s.name}: {s.doc}" for s in STAGES)
+    check.add_argument("--dump", metavar="STAGE", choices=STAGE_NAMES,
+                       help=f"print the IR after STAGE instead of a summary ({stages})")
+    check.set_defaults(func=cmd_check)
+
+
+def cmd_check(args) -> int:
+    """`dhelix check FILE [--dump STAGE]`; returns the exit code."""
+    text = read_source(args.file)
+    if args.dump:
+        sys.stdout.write(dump_stage(args.dump, run_until(text, args.file, args.dump)))
+        return 0
+    program = check_text(text, args.file)
+    what = f"model {program.model.name}" if program.model else "library"
+    layers, pipelines = len(program.layers), len(program.pipelines)
+    print(f"{args.file}: ok ({what}; {layers} layer{'s' * (layers != 1)} and "
+          f"{pipelines} pipeline{'s' * (pipelines != 1)} defined)")
+    return 0

@@ -1,0 +1,138 @@
+"""`dhelix run FILE`: train the program's model with the interpreter.
+
+By default the command spawns one local process per mesh rank and joins them in a gloo
+world (the embedded default: no cluster needed). Under ``torchrun`` (``RANK`` and
+``WORLD_SIZE`` set) each process is one rank of torchrun's world, NCCL or gloo::
+
+    dhelix run examples/tiny_llama_cpu.dhx --steps 20
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m dhelix run FILE --backend nccl
+
+Rank 0 shows a progress bar (loss, tokens/s, step time); the command then prints the summary
+(:mod:`dhelix.interpreter.summary`): measured step time, exposed communication (time a rank
+was blocked on communication), peak activation memory, and the simulator's prediction beside
+them. ``--trace out.json`` writes a Chrome trace (:mod:`dhelix.dsl.render.trace`): a process
+per rank, a thread per lane. ``--check`` prints every step's comparison with the
+single-process reference instead and exits 1 when it differs by more than the tolerance.
+
+A bad run ends with a message and a non-zero exit code, never a hang: the spawner
+(:mod:`dhelix.interpreter.spawn`) stops the other ranks as soon as one fails and names it;
+collectives time out after ``--timeout`` seconds. Everything that can be checked before the
+ranks start is (the program, the output path, what the interpreter supports). torch is
+imported only when the command runs, so registering it keeps ``dhelix check`` torch-free.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
+from dhelix.dsl.core.errors import DhelixError, UsageError
+from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.render.trace import trace_json
+
+
+def register(subparsers) -> None:
+    """Add the ``run`` command to the CLI's sub-command parsers."""
+    run = subparsers.add_parser(
+        "run", help="train the model with the interpreter on local gloo ranks or under torchrun",
+        description="Run FILE's schedule with torch.distributed: by default on N local gloo "
+                    "processes (N = the mesh's world size); under torchrun on its world.")
+    run.add_argument("file", metavar="FILE")
+    run.add_argument("--nproc", type=int, metavar="N", help="local ranks to spawn (must equal the mesh size)")
+    run.add_argument("--steps", type=int, metavar="K",
+                     help="training steps (default: the train block's steps, else 10)")
+    run.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                     help="collective backend (default gloo; nccl needs one GPU per rank)")
+    run.add_argument("--no-si", dest="si", action="store_false",
+                     help="run SI blocks as a forward then a backward (same numbers, no overlap)")
+    run.add_argument("--si-plan", choices=("planned", "op_by_op", "sequential"), default="planned",
+                     help="segment pairs of SI blocks: the planner's (default; op_by_op when the "
+                          "cluster names no profile), op i beside op i, or no interleaving")
+    run.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace of what ran")
+    run.add_argument("--seed", type=int,
+                     help="seed of the weights and the data (default: the train block's seed, else 0)")
+    run.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    run.add_argument("--zero1", action="store_true", help="shard the optimizer state over dp (ZeRO-1)")
+    run.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                     help="collective timeout in seconds: a dead peer ends the run after this (default 60)")
+    run.add_argument("--check", action="store_true",
+                     help="compare every step's loss and gradients with the single-process reference")
+    run.set_defaults(func=cmd_run)
+
+
+def cmd_run(args) -> int:
+    """`dhelix run FILE …`: check the program and the output, then run it on a spawned or
+    torchrun world and print what rank 0 brings back; returns the exit code."""
+    if args.steps is not None and args.steps < 1:
+        raise UsageError("--steps must be at least 1")
+    trace = output_path(args.trace, "--trace", inputs=(args.file,)) if args.trace else None
+    text = read_source(args.file)
+    program = check_text(text, args.file)
+    if program.model is None:
+        raise UsageError(f"'{args.file}' is a library file: it has no model to run")
+    if trace is not None:
+        refuse_inputs(trace, "--trace", program_inputs(program))
+    from dhelix.interpreter import spawn
+
+    spawn.quiet_numpy_warning()  # before torch is first imported
+    from dhelix.interpreter import train
+
+    train.preflight(program)
+    options = run_options(args, text, program)
+    placed = spawn.torchrun_rank(program)
+    if placed is not None:
+        result = spawn.run_rank(options, *placed, "env://")
+    else:
+        nproc, world = args.nproc or program.mesh.world, program.mesh.world
+        if nproc != world:
+            from dhelix.interpreter.summary import describe_mesh
+
+            raise UsageError(f"--nproc {nproc} does not match the mesh: it has {world} ranks "
+                             f"({describe_mesh(program.mesh)})")
+        result = spawn.run_local(options, nproc)
+    if result is None:  # not global rank 0: rank 0 reports for the run
+        return 0
+    return report(program, options, result, trace)
+
+
+def run_options(args, text: str, program):
+    """The interpreter's RunOptions from the command line and the program's train block."""
+    from dhelix.interpreter import train
+
+    plan, pairs = train.si_plan(program, args.si_plan) if args.si else (args.si_plan, None)
+    return train.RunOptions(
+        path=args.file, text=text,
+        steps=args.steps if args.steps is not None else program.train.steps or train.DEFAULT_STEPS,
+        backend=args.backend or "gloo", si=args.si, plan=plan, trace=args.trace,
+        seed=args.seed if args.seed is not None else program.train.seed, lr=args.lr,
+        zero1=args.zero1, timeout=args.timeout, check=args.check, pairs=pairs)
+
+
+def report(program, options, result, trace: Path | None) -> int:
+    """Print the checks (``--check``: exit 1 past the tolerance, raised as DhelixError) or
+    the summary, and write the trace; returns the exit code."""
+    from dhelix.interpreter import summary
+
+    if options.check:
+        for check in result.checks:
+            print(check)
+        worst = summary.worst_difference(result.checks)
+        if worst > summary.CHECK_TOLERANCE:
+            raise DhelixError(f"the interpreter differs from the reference by {worst:.2e}, more than "
+                              f"{summary.CHECK_TOLERANCE}")
+        return 0
+    print("dhelix run: " + summary.format_summary(summary.summarize(program, options, result)))
+    if trace is not None:
+        write_trace(trace, program, options, result)
+        print(f"trace: {trace} ({len(result.events)} events; open in Perfetto or chrome://tracing)")
+    return 0
+
+
+def write_trace(path: Path, program, options, result) -> None:
+    """Write the Chrome trace of a run's ``result`` (every rank's events, measured) to
+    ``path``; UsageError if it cannot be written."""
+    metadata = {"source": options.path, "program": program.model.name, "schedule": program.pipeline.name,
+                "backend": options.backend, "si": options.si, "si_plan": options.plan, "zero1": options.zero1,
+                "steps": options.steps, "measured": "dhelix run: a process per rank, a thread per lane"}
+    write_output(path, trace_json(result.events, metadata=metadata))

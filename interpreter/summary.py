@@ -1,0 +1,182 @@
+"""What a run measured, beside what the simulator predicted: values the command line prints.
+
+The training loop (:mod:`.train`) ends on global rank 0 with a :class:`RunResult`: the losses
+and, per rank, a :class:`RankRecord` of step times, time blocked on communication, peak live
+activations and the trace events. :func:`summarize` turns it into a :class:`RunSummary`
+(medians per rank, the measured step time, exposed communication and activation peak, and the
+simulator's prediction of the same three for the same program, SI and ZeRO settings);
+:func:`format_summary` is its table. Nothing here imports torch or prints.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.timeline import TraceEvent
+
+if TYPE_CHECKING:
+    from .train import RunOptions
+
+#: Largest absolute difference from the reference that ``--check`` accepts (fp32).
+CHECK_TOLERANCE = 1e-5
+
+
+@attrs.frozen(kw_only=True)
+class RankRecord:
+    """What one rank measured: per step the time, the seconds blocked on collectives
+    (exposed communication) and on pipeline receives (bubbles included); the peak of live
+    activation bytes, the CUDA allocator's peak (None on CPU) and the trace events."""
+
+    rank: int
+    step: tuple[float, ...]
+    collective: tuple[float, ...]
+    p2p: tuple[float, ...]
+    peak_activations: int
+    cuda_peak: int | None = None
+    events: tuple[TraceEvent, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class RunResult:
+    """What a run gives back on global rank 0: the loss of every step, every rank's record
+    (empty for ``--check`` runs) and, for ``--check``, the per-step comparisons with the
+    reference (:class:`~.harness.StepCheck`)."""
+
+    losses: tuple[float, ...]
+    ranks: tuple[RankRecord, ...] = ()
+    checks: tuple = ()
+
+    @property
+    def events(self) -> tuple[TraceEvent, ...]:
+        """Every rank's trace events, in rank order."""
+        return tuple(event for record in self.ranks for event in record.events)
+
+
+@attrs.frozen(kw_only=True)
+class RankFigures:
+    """One rank's medians per step (seconds) and its activation peak (bytes)."""
+
+    rank: int
+    step_time: float
+    exposed_comm: float
+    p2p_wait: float
+    peak_activations: int
+
+
+@attrs.frozen(kw_only=True)
+class Figures:
+    """Step time and exposed communication (seconds), activation peak (bytes); None where
+    a figure is not known (exposed communication is not timed on CUDA)."""
+
+    step_time: float | None = None
+    exposed_comm: float | None = None
+    peak_activations: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RunSummary:
+    """The end of a run: what ran, the losses, per-rank medians, measured beside predicted."""
+
+    path: str
+    pipeline: str
+    mesh: str
+    backend: str
+    si: str
+    losses: tuple[float, ...]
+    ranks: tuple[RankFigures, ...]
+    measured: Figures
+    predicted: Figures
+    cuda_peak: int | None = None
+    note: str = ""
+
+
+def describe_mesh(mesh) -> str:
+    """``tp 2 × pp 2`` (the axes larger than 1, innermost first)."""
+    parts = [f"{axis} {size}" for axis, size in zip(mesh.order, mesh.sizes, strict=True) if size > 1]
+    return " × ".join(parts) or "1 rank"
+
+
+def steady(values) -> float:
+    """The median of ``values`` without the first, which pays for warm-up (allocations,
+    connection set-up); with the first when it is the only one."""
+    ordered = sorted(values[1:] or values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def worst_difference(checks) -> float:
+    """The largest loss, gradient or update difference from the reference over ``checks``."""
+    return max((max(c.loss_diff, c.grad_diff, c.update_diff) for c in checks), default=0.0)
+
+
+def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
+    """The summary of ``result``, a run of ``program`` as ``options`` says."""
+    ranks = result.ranks
+    per_step = [max(times) for times in zip(*(r.step for r in ranks), strict=True)]
+    # On CUDA, waits only order streams: host time says nothing about exposed communication.
+    exposed = None if options.backend == "nccl" else max(steady(r.collective) for r in ranks)
+    cuda = [r.cuda_peak for r in ranks if r.cuda_peak is not None]
+    predicted, note = simulated(program, options)
+    return RunSummary(
+        path=options.path, pipeline=program.pipeline.name, mesh=describe_mesh(program.mesh),
+        backend=options.backend, si=f"on ({options.plan} plan)" if options.si else "off",
+        losses=result.losses,
+        ranks=tuple(RankFigures(rank=r.rank, step_time=steady(r.step), exposed_comm=steady(r.collective),
+                                p2p_wait=steady(r.p2p), peak_activations=r.peak_activations) for r in ranks),
+        measured=Figures(step_time=steady(per_step), exposed_comm=exposed,
+                         peak_activations=max(r.peak_activations for r in ranks)),
+        predicted=predicted, cuda_peak=max(cuda) if cuda else None, note=note)
+
+
+def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
+    """The simulator's step time, exposed communication (layer and DP collectives, the worst
+    rank's) and activation peak for ``program`` run as ``options`` says, with a note saying
+    what they are a prediction of; empty figures and the reason when it cannot simulate."""
+    from dhelix.dsl.simulator.events import simulate
+
+    try:
+        result = simulate(program, si=options.si, zero1=options.zero1)
+    except DhelixError as exc:
+        return Figures(), f"cannot simulate this program: {exc.message}"
+    note = f"predicted for the {program.cluster.profile} profile, not for this machine"
+    if options.si and options.plan != "planned":
+        note += "; it prices SI blocks with the planner's plan, this run used " + options.plan
+    return Figures(step_time=result.step_time,
+                   exposed_comm=max(r.layer_exposed + r.dp_exposed for r in result.ranks),
+                   peak_activations=max(r.activations for r in result.ranks)), note
+
+
+def format_summary(summary: RunSummary) -> str:
+    """The end-of-run table: what ran, the losses, per rank the median step time, time
+    blocked on collectives and on pipeline receives and the activation peak; then the
+    measured figures beside the simulated ones."""
+    lines = [f"{summary.path}: {summary.pipeline}, {summary.mesh} on {len(summary.ranks)} "
+             f"{summary.backend} rank(s), SI {summary.si}",
+             f"loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f} over {len(summary.losses)} step(s); "
+             "medians per step (first step excluded):",
+             f"{'rank':>6} {'step time':>12} {'exposed comm':>14} {'p2p wait':>12} {'peak activations':>18}"]
+    for r in summary.ranks:
+        lines.append(f"{r.rank:>6} {1e3 * r.step_time:>10.2f}ms {1e3 * r.exposed_comm:>12.2f}ms"
+                     f" {1e3 * r.p2p_wait:>10.2f}ms {r.peak_activations / 2**20:>15.3f}MiB")
+    measured, predicted = summary.measured, summary.predicted
+    lines += [f"{'':>14} {'measured':>12} {'simulated':>12}",
+              f"{'step time':>14} {1e3 * measured.step_time:>10.2f}ms {_fmt(predicted.step_time, 1e3, 'ms'):>12}",
+              f"{'exposed comm':>14} {_fmt(measured.exposed_comm, 1e3, 'ms'):>12} "
+              f"{_fmt(predicted.exposed_comm, 1e3, 'ms'):>12}",
+              f"{'peak act.':>14} {measured.peak_activations / 2**20:>9.3f}MiB "
+              f"{_fmt(predicted.peak_activations, 2**-20, 'MiB'):>12}"]
+    if measured.exposed_comm is None:
+        lines.append("exposed comm: not timed on CUDA; see the per-rank torch.profiler traces written "
+                     "beside the trace")
+    if summary.cuda_peak is not None:
+        lines.append(f"CUDA peak allocated (weights and buffers included): {summary.cuda_peak / 2**20:.1f}MiB")
+    if summary.note:
+        lines.append(f"simulator: {summary.note}")
+    return "\n".join(lines)
+
+
+def _fmt(value, scale: float, unit: str) -> str:
+    return "—" if value is None else f"{value * scale:.2f}{unit}"

@@ -1,0 +1,211 @@
+"""The training loop of one rank: build the executor and the optimizer, run the steps.
+
+:func:`train` runs inside an initialised torch.distributed world (:mod:`.spawn` joins it) and
+returns, on global rank 0, a :class:`~.summary.RunResult`: the losses and every rank's
+measurements and trace events, gathered there; None on the other ranks. With
+``RunOptions.check`` it compares every step with the single-process reference instead
+(:func:`.harness.check_steps`) and returns the comparisons.
+
+The loop's one output of its own is the progress bar that rank 0 draws on standard error
+(loss, tokens/s, step time): progress can only come from the process that runs the steps,
+which under the local spawner is a child of the command. Everything else is a value.
+
+torch is imported inside the functions: a spawned rank unpickles its :class:`RunOptions`
+before it can silence torch's import-time warnings (:func:`.spawn.quiet_numpy_warning`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import attrs
+
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.timeline import TraceEvent
+
+from .summary import RankRecord, RunResult
+
+#: Test hook: ``rank:step:action`` makes that rank exit abruptly before that action.
+FAULT_ENV = "DHELIX_TEST_FAULT"
+FAULT_EXIT = 13
+#: Steps of a run when neither the caller nor the train block says.
+DEFAULT_STEPS = 10
+
+
+@attrs.frozen(kw_only=True)
+class RunOptions:
+    """Everything a rank needs to run (picklable: spawned ranks receive it). ``text`` is the
+    program file's text, checked again by every rank; ``plan`` names the SI plan
+    (planned, op_by_op, sequential) and ``pairs`` are the planner's segment pairs when it
+    is ``planned``; ``trace`` is where the trace goes (events are recorded only with one)."""
+
+    path: str
+    text: str
+    steps: int = DEFAULT_STEPS
+    backend: str = "gloo"
+    si: bool = True
+    plan: str = "op_by_op"
+    trace: str | None = None
+    seed: int = 0
+    lr: float = 1e-3
+    zero1: bool = False
+    timeout: float = 60.0
+    check: bool = False
+    pairs: tuple | None = None
+
+
+def preflight(program) -> None:
+    """Raise DhelixError for a program the interpreter cannot run, before any rank starts."""
+    from .layer_exec import LayerPlan
+    from .weights import ShardingError, WeightPlan
+
+    try:
+        WeightPlan(program)
+        LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
+    except (ShardingError, NotImplementedError) as exc:
+        raise DhelixError(f"the interpreter cannot run this program: {exc}") from None
+
+
+def si_plan(program, name: str) -> tuple[str, tuple | None]:
+    """The SI plan to run: (its name, the planner's pairs for ``planned``). Without a
+    hardware profile the planner has no costs, so ``planned`` falls back to ``op_by_op``."""
+    from .si import has_si_blocks, planned_pairs
+
+    if name != "planned" or not has_si_blocks(program.lowered):
+        return name, None
+    if program.profile is None:
+        return "op_by_op", None
+    return name, planned_pairs(program)
+
+
+def train(options: RunOptions, device) -> RunResult | None:
+    """Build the executor and the optimizer and run the steps (or check them) on ``device``
+    (a torch.device); returns the run's result on global rank 0, None elsewhere. Collective
+    over the world."""
+    import torch.distributed as dist
+
+    from dhelix.dsl.passes.pipeline import check_text
+
+    from .comm import DistComm
+    from .executor import Executor
+    from .harness import broadcast_from_first, check_steps
+    from .optim import AdamWConfig, DistributedAdamW
+    from .si import PLANS, Recorder, fixed_plan
+
+    program = check_text(options.text, options.path)
+    comm = DistComm(program.mesh, device, timeout_s=options.timeout)
+    recorder = Recorder(trace=options.trace is not None, cuda=device.type == "cuda")
+    # Every rank must run the same plan (collectives are issued in plan order); under
+    # torchrun each process planned on its own, so rank 0's plan wins.
+    pairs = broadcast_from_first(options.pairs)
+    plan_for = fixed_plan(pairs) if pairs is not None else PLANS.get(options.plan, PLANS["sequential"])
+    executor = Executor(program, comm, seed=options.seed, device=device, si=options.si,
+                        plan_for=plan_for, use_tags=options.backend == "gloo",
+                        recorder=recorder, on_action=_fault_hook(comm.rank))
+    optimizer = DistributedAdamW(executor.params, executor.comm, zero1=options.zero1,
+                                 config=AdamWConfig(lr=options.lr),
+                                 expert=executor.weights.ep_sharded(executor.params))
+    dist.barrier()  # every group exists everywhere; also aligns the trace clocks
+    recorder.origin = time.perf_counter()
+    if options.check:
+        # The reference is compared on rank 0: its comparisons are the verdict.
+        checks = tuple(check_steps(executor, optimizer, options.steps, options.seed))
+        return RunResult(losses=tuple(c.loss for c in checks), checks=checks) if comm.rank == 0 else None
+    losses, times = _steps(options, program, executor, optimizer, device)
+    return _gather(executor, losses, times)
+
+
+def _fault_hook(rank: int):
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    fault_rank, step, action = (int(part) for part in spec.split(":"))
+    if fault_rank != rank:
+        return None
+
+    def hook(at_step: int, at_action: int) -> None:
+        if (at_step, at_action) == (step, action):
+            os._exit(FAULT_EXIT)  # a crash: no clean-up, no goodbye to the peers
+
+    return hook
+
+
+def _steps(options: RunOptions, program, executor, optimizer, device):
+    """Run ``options.steps`` steps with a progress bar on rank 0; returns the losses and the
+    per-step times (step, blocked on collectives, blocked on pipeline receives)."""
+    from tqdm import tqdm
+
+    # A thread lock instead of tqdm's default multiprocessing one: a rank stopped by the
+    # spawner would leak its semaphore.
+    tqdm.set_lock(threading.RLock())
+    rank, comm = executor.comm.rank, executor.comm
+    tokens = program.train.micro_batch * program.model.get("seq") * program.train.microbatches * comm.size("dp")
+    losses, times = [], {"step": [], "collective": [], "p2p": []}
+    bar = tqdm(range(options.steps), desc="training", unit="step", disable=rank != 0, file=sys.stderr)
+    with _cuda_profile(options, device, rank):
+        for step in bar:
+            _one_step(program, executor, optimizer, device, options.seed + step, times, losses)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens / times['step'][-1]:.0f}",
+                            step_ms=f"{1e3 * times['step'][-1]:.1f}")
+    bar.close()
+    return losses, times
+
+
+def _one_step(program, executor, optimizer, device, seed: int, times: dict, losses: list) -> None:
+    """One training step; appends its loss and its times (step, blocked on collectives,
+    blocked on pipeline receives) to ``losses`` and ``times``."""
+    import torch
+
+    from .harness import global_batch, replica_batch
+
+    comm, waited = executor.comm, executor.recorder.waited
+    batch = replica_batch(global_batch(program, seed), comm.index("dp"), program.train.microbatches)
+    start, before = time.perf_counter(), dict(waited)
+    loss = executor.step(batch)
+    optimizer.step(executor.grads())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    times["step"].append(time.perf_counter() - start)
+    for kind in ("collective", "p2p"):
+        times[kind].append(waited[kind] - before[kind])
+    losses.append(loss.item())
+
+
+def _cuda_profile(options: RunOptions, device, rank: int):
+    """On CUDA with a trace, torch.profiler over the steps, written per rank beside the
+    trace (``OUT.rank3.json``): the host timestamps of our own trace say when work was
+    launched, the profiler's when the compute and NCCL streams ran it."""
+    if device.type != "cuda" or options.trace is None:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+
+    @contextlib.contextmanager
+    def profiled():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            yield
+        prof.export_chrome_trace(str(Path(options.trace).with_suffix(f".rank{rank}.json")))
+
+    return profiled()
+
+
+def _gather(executor, losses: list, times: dict) -> RunResult | None:
+    """Every rank's record gathered on global rank 0 as the run's result (None elsewhere)."""
+    import torch
+
+    from .harness import gather_to_first
+
+    recorder, rank = executor.recorder, executor.comm.rank
+    cuda_peak = None
+    if executor.device.type == "cuda":  # what the allocator saw: weights, gradients and buffers too
+        cuda_peak = torch.cuda.max_memory_allocated(executor.device)
+    mine = RankRecord(rank=rank, step=tuple(times["step"]), collective=tuple(times["collective"]),
+                      p2p=tuple(times["p2p"]), peak_activations=recorder.peak_bytes, cuda_peak=cuda_peak,
+                      events=tuple(TraceEvent(rank, lane, name, start, duration)
+                                   for name, lane, start, duration in recorder.events))
+    ranks = gather_to_first(mine)
+    return None if ranks is None else RunResult(losses=tuple(losses), ranks=tuple(ranks))
