@@ -41,7 +41,7 @@ def select(selector: s.Selector, forward: LayerDag, backward: LayerDag) -> list[
 def _matches(op: Op, word: str) -> bool:
     if word in ("compute", "comm"):
         return op.kind == word
-    if word == "bwd":
+    if word == BWD:
         return op.forward is not None
     if word in (DGRAD, WGRAD):
         return part_of(op.op) == word
