@@ -268,7 +268,7 @@ def _overlap_kinds(st: s.Overlap, errors: ErrorCollector) -> list[str]:
             notes = [f"{kind} communication happens between layers (pipeline send/recv, gradient "
                      "all-reduce); SI pairs the operators inside a layer"]
         errors.add(CheckError(f"unknown communication kind '{kind}'", st.span_of(f"kinds.{i}"),
-                              notes + [f"SI can hide {_and(OVERLAP_KINDS)} communication"]))
+                              notes + [f"SI can hide {join_words(OVERLAP_KINDS)} communication"]))
     return good
 
 
