@@ -3,7 +3,9 @@
 :func:`run_local` spawns one process per rank on this machine (the embedded default: no
 cluster needed), watches them and stops the rest as soon as one fails, so a bad run ends with
 a :class:`RankFailure` naming the rank, never a hang; rank 0's result comes back through a
-pipe. Under torchrun (``RANK`` and ``WORLD_SIZE`` set, :func:`torchrun_rank`) the calling
+pipe. What a rank does is the ``work`` function given (``work(options, device)``, e.g.
+:func:`.train.train`), run inside the joined world; it returns a picklable result on global
+rank 0 and None elsewhere. Under torchrun (``RANK`` and ``WORLD_SIZE`` set, :func:`torchrun_rank`) the calling
 process is one rank and :func:`run_rank` runs it in place. Collectives time out after
 ``RunOptions.timeout`` seconds, so a dead peer cannot block the others for ever.
 
@@ -19,15 +21,19 @@ import os
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from dhelix.dsl.core.errors import DhelixError
 
 from .summary import describe_mesh
 
 if TYPE_CHECKING:
-    from .summary import RunResult
     from .train import RunOptions
+
+#: What a rank runs in the joined world: ``work(options, device)`` → its result on global
+#: rank 0 (picklable: it travels to the parent), None elsewhere. Module-level, so that a
+#: spawned rank can unpickle it.
+Work = Callable[["RunOptions", object], object]
 
 
 class RankFailure(DhelixError):
@@ -62,9 +68,9 @@ def torchrun_rank(program) -> tuple[int, int] | None:
 
 # -- the local world -------------------------------------------------------------------------
 
-def run_local(options: "RunOptions", nproc: int) -> "RunResult | None":
-    """Start ``nproc`` local ranks, watch them and return rank 0's result. Raises
-    RankFailure for the first rank that exits non-zero (the others are stopped); a
+def run_local(options: "RunOptions", nproc: int, work: Work):
+    """Start ``nproc`` local ranks running ``work``, watch them and return rank 0's result.
+    Raises RankFailure for the first rank that exits non-zero (the others are stopped); a
     KeyboardInterrupt stops them all and propagates."""
     import multiprocessing
 
@@ -72,7 +78,7 @@ def run_local(options: "RunOptions", nproc: int) -> "RunResult | None":
     init = f"tcp://127.0.0.1:{_free_port()}"
     receiver, sender = context.Pipe(duplex=False)
     procs = [context.Process(target=_rank_process, name=f"dhelix-rank{rank}",
-                             args=(options, rank, nproc, init, sender if rank == 0 else None))
+                             args=(work, options, rank, nproc, init, sender if rank == 0 else None))
              for rank in range(nproc)]
     for proc in procs:
         proc.start()
@@ -91,7 +97,7 @@ def run_local(options: "RunOptions", nproc: int) -> "RunResult | None":
     return result
 
 
-def watch(procs, receiver) -> tuple[tuple[int, int] | None, "RunResult | None"]:
+def watch(procs, receiver) -> tuple[tuple[int, int] | None, object]:
     """Wait for every process, reading rank 0's result from ``receiver`` as it comes (a
     large result fills the pipe: rank 0 cannot exit before it is read). As soon as one
     process exits non-zero, stop the others. Returns ((its rank, its exit code) or None,
@@ -141,12 +147,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_process(options: "RunOptions", rank: int, world: int, init: str, results) -> None:
-    """The body of a spawned rank: run it, send rank 0's result to the parent through
+def _rank_process(work: Work, options: "RunOptions", rank: int, world: int, init: str, results) -> None:
+    """The body of a spawned rank: run ``work``, send rank 0's result to the parent through
     ``results``; on failure report it on standard error and exit 1 (see the module
     docstring for why this rank prints)."""
     try:
-        result = run_rank(options, rank, world, init)
+        result = run_rank(options, rank, world, init, work)
     except DhelixError as exc:
         print(exc.render(), file=sys.stderr)
         sys.exit(1)
@@ -157,18 +163,17 @@ def _rank_process(options: "RunOptions", rank: int, world: int, init: str, resul
 
 # -- one rank ---------------------------------------------------------------------------------
 
-def run_rank(options: "RunOptions", rank: int, world: int, init: str) -> "RunResult | None":
-    """Join the world as ``rank`` (``init``: a tcp:// address or ``env://``), train, leave;
-    returns the run's result on global rank 0, None elsewhere. Raises the executor's
-    DhelixError (rank, action, schedule grid) and RankFailure when a collective fails
-    because a peer did."""
+def run_rank(options: "RunOptions", rank: int, world: int, init: str, work: Work):
+    """Join the world as ``rank`` (``init``: a tcp:// address or ``env://``), run ``work``,
+    leave; returns its result (on global rank 0; None elsewhere). ``options`` gives the
+    backend, the seed and the collective timeout. Raises what ``work`` raises (the
+    executor's DhelixError: rank, action, schedule grid) and RankFailure when a collective
+    fails because a peer did."""
     from datetime import timedelta
 
     quiet_numpy_warning()
     import torch
     import torch.distributed as dist
-
-    from .train import train
 
     device = torch.device("cpu")
     if options.backend == "nccl":
@@ -181,7 +186,7 @@ def run_rank(options: "RunOptions", rank: int, world: int, init: str) -> "RunRes
     dist.init_process_group(options.backend, init_method=init, rank=rank, world_size=world,
                             timeout=timedelta(seconds=options.timeout))
     try:
-        return train(options, device)
+        return work(options, device)
     except (RuntimeError, ValueError) as exc:  # a peer's failure seen through a collective
         raise RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}", rank=rank) from None
     finally:

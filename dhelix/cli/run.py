@@ -82,7 +82,7 @@ def cmd_run(args) -> int:
     options = run_options(args, text, program)
     placed = spawn.torchrun_rank(program)
     if placed is not None:
-        result = spawn.run_rank(options, *placed, "env://")
+        result = spawn.run_rank(options, *placed, "env://", train.train)
     else:
         nproc, world = args.nproc or program.mesh.world, program.mesh.world
         if nproc != world:
@@ -90,7 +90,7 @@ def cmd_run(args) -> int:
 
             raise UsageError(f"--nproc {nproc} does not match the mesh: it has {world} ranks "
                              f"({describe_mesh(program.mesh)})")
-        result = spawn.run_local(options, nproc)
+        result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run
         return 0
     return report(program, options, result, trace)
