@@ -39,7 +39,7 @@ from .ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class LayerPlan:
     """The static bookkeeping of a (forward, backward) DAG pair, shared by all runs.
 
@@ -70,12 +70,12 @@ class LayerPlan:
                 raise ValueError(f"backward op {op.name} has no gradient flow for a forward op of "
                                  f"{fwd.name}: the backward DAG was not derived from this forward")
         roles = a2a_roles(fwd, bwd)  # MoE dispatch / combine direction of each ep all_to_all
-        return cls(fwd, bwd, micro_batch,
-                   Counter(name for op in fwd.ops for name in dict.fromkeys(op.inputs)),
-                   Counter(name for op in bwd.ops for name in dict.fromkeys(op.inputs)),
-                   Counter(op.forward for op in bwd.ops),
-                   {op.name: Step.of(op, roles.get(op.name)) for op in fwd.ops + bwd.ops},
-                   fwd_ops)
+        return cls(fwd=fwd, bwd=bwd, micro_batch=micro_batch,
+                   fwd_readers=Counter(name for op in fwd.ops for name in dict.fromkeys(op.inputs)),
+                   bwd_readers=Counter(name for op in bwd.ops for name in dict.fromkeys(op.inputs)),
+                   saved_users=Counter(op.forward for op in bwd.ops),
+                   steps={op.name: Step.of(op, roles.get(op.name)) for op in fwd.ops + bwd.ops},
+                   fwd_ops=fwd_ops)
 
 
 @attrs.frozen

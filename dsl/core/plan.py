@@ -69,7 +69,7 @@ class SearchStats:
     pair_evaluations: int
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Plan:
     """The SI plan of a (forward layer, backward layer) pair; see the module docstring."""
 
@@ -195,7 +195,9 @@ def plan_from_json(data: dict) -> Plan:
     """The Plan that :func:`plan_to_json` wrote (derived figures are recomputed)."""
     pairs = tuple(SegmentPair(tuple(p["forward"]), tuple(p["backward"]), p["time"], p["alone"])
                   for p in data["pairs"])
-    return Plan(data["forward_layer"], data["backward_layer"], tuple(data["forward_order"]),
-                tuple(data["backward_order"]), tuple(PlanOp(**op) for op in data["ops"]), pairs,
-                data["total"], data["sequential"], data["compute_time"], data["comm_time"],
-                tuple(data["rules"]), SearchStats(**data["stats"]), data["unit"])
+    return Plan(forward_layer=data["forward_layer"], backward_layer=data["backward_layer"],
+                forward_order=tuple(data["forward_order"]), backward_order=tuple(data["backward_order"]),
+                ops=tuple(PlanOp(**op) for op in data["ops"]), pairs=pairs, total=data["total"],
+                sequential=data["sequential"], compute_time=data["compute_time"],
+                comm_time=data["comm_time"], rules=tuple(data["rules"]),
+                stats=SearchStats(**data["stats"]), unit=data["unit"])

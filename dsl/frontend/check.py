@@ -25,7 +25,7 @@ from dhelix.dsl.frontend.modelcheck import check_divisibility, stage_split_error
 from dhelix.dsl.frontend.pipelinecheck import check_pipeline
 from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.core.program import Program
-from dhelix.dsl.core.wording import did_you_mean
+from dhelix.dsl.core.wording import did_you_mean, join_words
 
 _SINGLE = {s.ModelDef: "model", s.Fold: "fold", s.PipelineRef: "pipeline", s.StrandsDef: "strands"}
 
@@ -91,7 +91,7 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
     missing = [(key, example) for key, example in _NEEDED if key not in singles]
     if missing:
         words = [f"a {key} block" if key != "pipeline" else "a pipeline statement" for key, _ in missing]
-        listing = words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+        listing = join_words(words)
         errors.add(CheckError(f"model {model_node.name} needs {listing}", model_node.span_of("name"),
                               [f"e.g. {example}" for _, example in missing]))
     model, model_block = build_model(model_node, errors)

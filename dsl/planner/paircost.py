@@ -280,6 +280,18 @@ class PairCost:
 _CLASS_ORDER = ("comp", "intra", "inter")
 
 
+@attrs.define
+class _Running:
+    """A task on a lane: its strand, op and task id, the work it has left (seconds at full
+    rate) and when it started. Mutable (a slots class): the hot loop updates ``remaining``."""
+
+    strand: int
+    op: int
+    uid: int
+    remaining: float
+    start: float
+
+
 def _simulate(cost: PairCost, segs: tuple[_Segment, ...], policy: int, record: bool):
     """Event simulation of one or two strands on three lanes.
 
@@ -292,7 +304,7 @@ def _simulate(cost: PairCost, segs: tuple[_Segment, ...], policy: int, record: b
     left = [list(seg.ntasks) for seg in segs]
     heads = [[0] * len(segs) for _ in range(3)]
     keys = [seg.johnson if policy == 0 else seg.tail for seg in segs]
-    running: list = [None, None, None]  # per lane: [strand, op, uid, remaining, start]
+    running: list[_Running | None] = [None, None, None]  # per lane
     now, slots, contested, busy = 0.0, [], False, 0
     while True:
         for lane in range(3):
@@ -310,7 +322,7 @@ def _simulate(cost: PairCost, segs: tuple[_Segment, ...], policy: int, record: b
             if best is not None:
                 op, seconds, uid = segs[best].queues[lane][heads[lane][best]]
                 heads[lane][best] += 1
-                running[lane] = [best, op, uid, seconds, now]
+                running[lane] = _Running(best, op, uid, seconds, now)
                 busy += 1
         if not busy:
             break
@@ -318,31 +330,31 @@ def _simulate(cost: PairCost, segs: tuple[_Segment, ...], policy: int, record: b
         now += step
         for lane in range(3):
             r = running[lane]
-            if r is None or r[3] > 0.0:
+            if r is None or r.remaining > 0.0:
                 continue
             running[lane] = None
             busy -= 1
-            strand, op = r[0], r[1]
+            strand, op = r.strand, r.op
             left[strand][op] -= 1
             if left[strand][op] == 0:
                 for j in segs[strand].dependents[op]:
                     waiting[strand][j] -= 1
             if record:
-                slots.append(Slot(("fwd", "bwd")[strand], segs[strand].names[op], LANES[lane], r[4], now))
+                slots.append(Slot(("fwd", "bwd")[strand], segs[strand].names[op], LANES[lane], r.start, now))
     if any(any(counts) for counts in left):
         raise ValueError("segment simulation stalled: an op waits for one that cannot start")
     return now, slots, contested
 
 
-def _advance(cost: PairCost, active: list) -> float:
+def _advance(cost: PairCost, active: list[_Running]) -> float:
     """Progress the running tasks to the next finish (the finishing ones get exactly 0 work
     left, the others lose rate·step); returns the time step."""
     if len(active) == 1:
-        step, active[0][3] = active[0][3], 0.0
+        step, active[0].remaining = active[0].remaining, 0.0
         return step
-    rates = cost.rates(tuple((r[0], r[2]) for r in active))
-    times = [r[3] / rate for r, rate in zip(active, rates, strict=True)]
+    rates = cost.rates(tuple((r.strand, r.uid) for r in active))
+    times = [r.remaining / rate for r, rate in zip(active, rates, strict=True)]
     step = min(times)
     for r, rate, time in zip(active, rates, times, strict=True):
-        r[3] = 0.0 if time <= step * (1.0 + 1e-12) else r[3] - rate * step
+        r.remaining = 0.0 if time <= step * (1.0 + 1e-12) else r.remaining - rate * step
     return step

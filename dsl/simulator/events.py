@@ -91,7 +91,7 @@ class Piece:
     grads: tuple | None = None  # (slot name, dense elements, expert elements)
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class RankStats:
     """What one pipeline rank did in the step (times in seconds, memory in bytes)."""
 
@@ -298,6 +298,30 @@ class _Lane:
         return start
 
 
+@attrs.define
+class _Tally:
+    """What one rank has added up so far in the step (seconds, bytes)."""
+
+    busy: float = 0.0
+    layer_comm: float = 0.0
+    layer_exposed: float = 0.0
+    pp_comm: float = 0.0
+    pp_exposed: float = 0.0
+    sends: int = 0
+    send_bytes: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class _Finish:
+    """The end of one rank's step: gradient sync, optimizer, weight gather."""
+
+    end: float
+    dp_comm: float
+    dp_exposed: float
+    optimizer: float
+    states: ModelStates
+
+
 class _Run:
     """The state of one simulation while it steps through the ranks' actions."""
 
@@ -313,8 +337,7 @@ class _Run:
         self.arrivals: dict = {}  # transfer key -> (arrival, produced)
         self.grads: list[dict] = [{} for _ in range(p)]  # (stage, slot) -> (ready, dense, expert)
         self.memory = [MemoryTimeline() for _ in range(p)]
-        self.tally = [dict.fromkeys(("busy", "layer_comm", "layer_exposed", "pp_comm", "pp_exposed",
-                                     "sends", "send_bytes"), 0.0) for _ in range(p)]
+        self.tally = [_Tally() for _ in range(p)]
         self.events: list[TraceEvent] = []
 
     def run(self) -> None:
@@ -335,9 +358,9 @@ class _Run:
         start = self.lanes[rank][lane].in_order(self.last_end[rank], seconds)
         self.arrivals[key] = (start + seconds, self.last_end[rank])
         tally = self.tally[rank]
-        tally["pp_comm"] += seconds
-        tally["sends"] += 1
-        tally["send_bytes"] += self.costs.p2p_bytes
+        tally.pp_comm += seconds
+        tally.sends += 1
+        tally.send_bytes += self.costs.p2p_bytes
         self.events.append(TraceEvent(rank, lane, str(action), start, seconds, {
             "kind": "SEND", "data": action.data, "microbatch": action.microbatch, "chunk": action.chunk,
             "peer": action.peer, "bytes": self.costs.p2p_bytes}))
@@ -351,7 +374,7 @@ class _Run:
             produced = max(p for _, p in arrived)
             # Only the wait past the data's production is the transfer's fault; waiting for the
             # producer itself is pipeline bubble.
-            self.tally[rank]["pp_exposed"] += max(0.0, start - max(free, produced))
+            self.tally[rank].pp_exposed += max(0.0, start - max(free, produced))
             self.pending[rank] = []
         kind, fstage, bstage = self._stages(rank, action)
         now = start
@@ -360,12 +383,12 @@ class _Run:
             memory.change(now, piece.alloc)
             now += piece.work.seconds
             memory.change(now, -piece.free)
-            tally["layer_comm"] += piece.work.comm
-            tally["layer_exposed"] += piece.work.exposed
+            tally.layer_comm += piece.work.comm
+            tally.layer_exposed += piece.work.exposed
             if piece.grads is not None:
                 slot, dense, expert = piece.grads
                 grads[(bstage, slot)] = (now, dense, expert)
-        tally["busy"] += now - start
+        tally.busy += now - start
         self.free_at[rank] = self.last_end[rank] = now
         self.events.append(TraceEvent(rank, "compute", str(action), start, now - start,
                                       _action_args(action, kind, fstage, bstage)))
@@ -379,7 +402,7 @@ class _Run:
 
     # ------------------------------------------------------------ after the pipeline
 
-    def finish(self, rank: int) -> dict:
+    def finish(self, rank: int) -> _Finish:
         """Gradient sync, optimizer and (ZeRO-1) weight gather of ``rank``; its figures."""
         costs, profile = self.costs, self.program.profile
         kind = "reduce_scatter" if self.zero1 else "all_reduce"
@@ -414,8 +437,8 @@ class _Run:
                     end, dp_comm = begin + seconds, dp_comm + seconds
         states = model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
                               expert_group=costs.expert_group.size)
-        return dict(end=end, dp_comm=dp_comm, optimizer=optimizer, states=states,
-                    dp_exposed=min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)))
+        return _Finish(end=end, dp_comm=dp_comm, optimizer=optimizer, states=states,
+                       dp_exposed=min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)))
 
     def _local_params(self, rank: int) -> tuple[float, float]:
         params = self.costs.params
@@ -446,10 +469,12 @@ class _Run:
         done = self.finish(rank)
         peak, when = self.memory[rank].peak()
         tally = self.tally[rank]
-        return RankStats(rank, tally["busy"], self.last_end[rank], done["end"], tally["layer_comm"],
-                         tally["layer_exposed"], tally["pp_comm"], tally["pp_exposed"], int(tally["sends"]),
-                         tally["send_bytes"], done["dp_comm"], done["dp_exposed"], done["optimizer"],
-                         done["states"], peak, when)
+        return RankStats(rank=rank, busy=tally.busy, pipeline_end=self.last_end[rank], end=done.end,
+                         layer_comm=tally.layer_comm, layer_exposed=tally.layer_exposed,
+                         pp_comm=tally.pp_comm, pp_exposed=tally.pp_exposed, sends=tally.sends,
+                         send_bytes=tally.send_bytes, dp_comm=done.dp_comm, dp_exposed=done.dp_exposed,
+                         optimizer=done.optimizer, states=done.states, activations=peak,
+                         activations_at=when)
 
 
 def _by_ready(item) -> tuple:
