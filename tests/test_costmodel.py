@@ -12,7 +12,7 @@ from dhelix.dsl.planner.costmodel import (
 )
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.passes.pipeline import check_text
-from dhelix.dsl.frontend.profiles import Measured, load_profile
+from dhelix.dsl.frontend.profiles import Collective, Measured, load_profile
 
 
 def program(hidden=8192, ffn=28672, heads=64, kv_heads=64, seq=8192, micro_batch=4, mesh="tp = 8",
@@ -108,6 +108,10 @@ def test_collective_time_models_follow_notes_3_6():
     slower = attrs.evolve(h100, collectives={**h100.collectives,
                                              "all_gather": attrs.evolve(h100.collectives["all_gather"], efficiency=0.5)})
     assert collective_time("all_gather", size, 8, "local", slower) == pytest.approx(7 * alpha + size * 7 / 8 / (bw / 2))
+    # A per-lane efficiency slows only its lane.
+    per_lane = attrs.evolve(h100, collectives={**h100.collectives, "p2p": Collective("p2p", lanes={"local": 0.25})})
+    assert collective_time("p2p", size, 2, "local", per_lane) == pytest.approx(3e-6 + size / (bw / 4))
+    assert collective_time("p2p", size, 2, "cross", per_lane) == collective_time("p2p", size, 2, "cross", h100)
 
 
 def test_op_time_is_a_roofline(demo):

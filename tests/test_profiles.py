@@ -153,6 +153,28 @@ lab.yaml:13:41: 'collectives.all_gather.efficiency' must be at most 1, got 1.5
 2 errors"""
 
 
+def test_collective_efficiency_may_differ_per_lane():
+    text = MINIMAL + "collectives:\n  p2p: {model: p2p, efficiency: {local: 0.25}}\n  all_gather: {model: ring, efficiency: 0.5}\n"
+    profile = parse_profile(text, "lab.yaml")
+    p2p, gather = profile.collectives["p2p"], profile.collectives["all_gather"]
+    assert (p2p.efficiency_on("local"), p2p.efficiency_on("cross")) == (0.25, 1.0)  # a lane left out: 1.0
+    assert (gather.efficiency_on("local"), gather.efficiency_on("cross")) == (0.5, 0.5)
+
+
+def test_per_lane_efficiency_names_a_lane():
+    text = MINIMAL + "collectives:\n  p2p: {model: p2p, efficiency: {locl: 0.25, cross: 0}}\n"
+    assert error_of(text) == """\
+lab.yaml:13:34: unknown key 'locl' in collectives.p2p.efficiency
+  13 |   p2p: {model: p2p, efficiency: {locl: 0.25, cross: 0}}
+     |                                  ^^^^
+  note: did you mean 'local'?
+  note: keys here: local, cross
+lab.yaml:13:53: 'collectives.p2p.efficiency.cross' must be positive, got 0
+  13 |   p2p: {model: p2p, efficiency: {locl: 0.25, cross: 0}}
+     |                                                     ^
+2 errors"""
+
+
 def test_yaml_syntax_error_is_located():
     assert error_of("name: lab\npeak_tflops: {bf16: 100\nhbm_gbps: 3\n") == """\
 lab.yaml:3:9: YAML syntax error: expected ',' or '}', but got ':'

@@ -19,6 +19,8 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
     collectives:                      # optional; each {model, efficiency (0, 1]}
       all_gather, reduce_scatter, all_reduce, all_to_all, p2p
                                       # model: ring | ring_allreduce | pairwise | p2p
+                                      # efficiency: one number for both lanes, or per lane:
+                                      #   {local: 0.45, cross: 0.8} (a lane left out: 1.0)
     oef*:
       classes*: {comp_comp, comp_intra, comp_inter, intra_intra, inter_inter, intra_inter}
       pairs:                          # overrides: forward-strand op -> backward-strand op -> OEF
@@ -84,10 +86,16 @@ class Link:
 
 @attrs.frozen
 class Collective:
-    """How one collective is timed: a NOTES §3.6 model and a bandwidth efficiency."""
+    """How one collective is timed: a NOTES §3.6 model and the fraction of the link's
+    bandwidth it reaches, on both lanes unless ``lanes`` gives a lane its own fraction."""
 
     model: str
     efficiency: float = 1.0
+    lanes: dict = attrs.field(factory=dict, hash=False)  # lane -> efficiency on that lane
+
+    def efficiency_on(self, lane: str) -> float:
+        """The bandwidth fraction this collective reaches on ``lane`` (local or cross)."""
+        return self.lanes.get(lane, self.efficiency)
 
 
 @attrs.frozen
@@ -264,11 +272,21 @@ def _collectives(reader: "_Reader", node) -> dict | None:
         if keys is None:
             continue
         model = reader.choice(keys.get("model"), f"{where}.model", COLLECTIVE_MODELS)
-        eff = reader.number(keys["efficiency"], f"{where}.efficiency", positive=True, high=1.0) \
-            if "efficiency" in keys else 1.0
+        eff, lanes = _efficiency(reader, keys.get("efficiency"), f"{where}.efficiency")
         if model is not None and eff is not None:
-            out[name] = Collective(model, eff)
+            out[name] = Collective(model, eff, lanes)
     return out
+
+
+def _efficiency(reader: "_Reader", node, where: str) -> tuple[float | None, dict]:
+    """(efficiency on both lanes, per-lane efficiencies) of a collective: a number, or a
+    mapping of lanes to numbers (a lane left out runs at 1.0); (None, {}) after an error."""
+    if node is None:
+        return 1.0, {}
+    if isinstance(node, yaml.MappingNode):
+        lanes = reader.number_map(node, where, LANES, (), positive=True, high=1.0)
+        return (None, {}) if lanes is None else (1.0, lanes)
+    return reader.number(node, where, positive=True, high=1.0), {}
 
 
 def _oef(reader: "_Reader", node) -> tuple[dict | None, dict | None]:

@@ -25,8 +25,9 @@ Modelling choices, with their reasons:
   (HBM·achieved)``: elementwise FLOPs are negligible next to the tensor-core peak.
 * **Collectives** (NOTES §3.6, NCCL ring conventions), with ``S`` the full tensor bytes, ``g``
   the group size, ``α`` the lane's latency and ``B`` its bandwidth times the profile's
-  efficiency: ring ``α(g-1) + S(g-1)/g/B`` (all_gather, reduce_scatter), ring_allreduce twice
-  that, pairwise ``α(g-1) + S_send(g-1)/g/B`` (all_to_all), p2p ``α + S/B``.
+  efficiency for that collective on that lane: ring ``α(g-1) + S(g-1)/g/B`` (all_gather,
+  reduce_scatter), ring_allreduce twice that, pairwise ``α(g-1) + S_send(g-1)/g/B``
+  (all_to_all), p2p ``α + S/B``.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def collective_time(kind: str, size_bytes: float, group: int, lane: str, profile
     on ``lane`` (local or cross), by the profile's model for that collective."""
     link = profile.links[lane]
     model = profile.collectives[kind]
-    bandwidth = link.bw_gbps * 1e9 * model.efficiency
+    bandwidth = link.bw_gbps * 1e9 * model.efficiency_on(lane)
     alpha = link.latency_us * 1e-6
     if model.model == "p2p":
         return alpha + size_bytes / bandwidth
