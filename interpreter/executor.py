@@ -40,8 +40,9 @@ from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, count_storages, 
 from .pipeline_comm import PipelineComm, check_fifo
 from .reference import Batch
 from .ring_attention import local_micro
-from .si import (LayerChain, PlanFn, Recorder, TimedComm, backward_ops, check_plan, is_wgrad,
-                 run_alone, run_interleaved, sequential_plan, timed)
+from .recording import Recorder, TimedComm, timed
+from .si import LayerChain, run_alone, run_interleaved
+from .si_plan import PlanFn, backward_ops, check_plan, is_wgrad, sequential_plan
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 
 

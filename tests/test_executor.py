@@ -20,8 +20,8 @@ from dhelix.interpreter.harness import broadcast_from_first, check_steps, compar
 from dhelix.interpreter.pipeline_comm import check_fifo  # noqa: E402
 from dhelix.interpreter.optim import AdamWConfig, DistributedAdamW  # noqa: E402
 from dhelix.interpreter.reference import Batch, make_batch  # noqa: E402
-from dhelix.interpreter.si import (check_plan, fixed_plan, op_by_op_plan, planned_pairs,  # noqa: E402
-                                   sequential_plan)
+from dhelix.interpreter.si_plan import (check_plan, fixed_plan, op_by_op_plan, planned_pairs,  # noqa: E402
+                                        sequential_plan)
 from dhelix.interpreter.weights import WeightPlan  # noqa: E402
 
 from distributed import TOL, assert_steps_match, gloo_results  # noqa: E402
