@@ -4,29 +4,47 @@ An SI block co-executes the forward layer chain of one micro-batch (strand β) w
 backward layer chain of another (strand α) on one rank. Layer k of the forward chain is
 paired with layer k of the backward chain (the backward chain runs the model in reverse, so
 with fold u both travel the same way through the ranks); each layer pair runs the
-:data:`~.si_plan.SegmentPlan` of its DAGs (:mod:`.si_plan`). A *cross-strand barrier*
-after each pair waits for every collective either strand left in flight.
+:data:`~.si_plan.SegmentPlan` of its DAGs (:mod:`.si_plan`) segment pair by segment pair,
+each pair's ops in the order :mod:`.pair_order` gives: collectives issued as soon as their
+inputs exist, compute that unlocks a collective soonest first, a collective waited for only
+by the op that reads it.
 
 Lanes. Compute runs on the calling thread (CPU) or the current CUDA stream, which is the
 default stream, so every tensor is allocated there. Collectives are issued with
-``async_op=True``: on gloo each process group progresses on its own background thread, on
-NCCL each group has its own stream that the process group orders after the compute stream
-with an event at issue and before it at ``wait()``. A group is in the local or the cross
-lane according to :meth:`~dhelix.dsl.core.mesh.Mesh.lane`, so one lane's collectives never
-queue behind the other's. Inside a pair the executor alternates between the strands op by
-op, so a collective one strand issues proceeds while the other strand computes; on CPU the
-barrier blocks the thread, on CUDA it only orders the streams.
+``async_op=True``. On gloo each process group progresses on its own background thread. On
+NCCL each group has its own stream, and the process group itself gives the event ordering
+the lanes need: at issue its stream waits for an event recorded on the compute stream (the
+input exists), and ``wait()`` makes the compute stream wait for the collective's event
+without blocking the thread. A group is in the local or the cross lane according to
+:meth:`~dhelix.dsl.core.mesh.Mesh.lane`, so one lane's collectives never queue behind the
+other's.
+
+The cross-strand barrier (:func:`settle`: wait for every collective a run left in flight)
+comes at the end of every SI block. Between segment pairs it is kept only on CUDA
+(``barrier``): there both strands' kernels are queued on streams ahead of the GPU, and the
+barrier (a stream wait, no thread blocks) is what makes a pair co-execute as the planner
+priced it — its three lanes starting together, nothing spilling into the next pair — and
+keeps the buffers of a pair's collectives from overlapping the next pair's allocations.
+On one CPU thread compute runs in the order it is issued, so the issue order alone
+realises the pairing, and no plan needs the barrier: not for results (an op waits for the
+collective it reads), not for deadlock freedom (every rank of a group issues and waits in
+the same static order), and for memory only in that a collective's buffers live until its
+reader runs instead of until its pair ends — the collectives in flight across a pair
+boundary; at a layer boundary every reader of the layer has run and the layer's result has
+been waited for (a collective that only a split-off wgrad reads excepted), so the memory
+sampled there is unchanged.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 from dhelix.dsl.core.program import Op
 
 from .comm import Pending
+from .pair_order import BlockOrder, Issue
 from .recording import Recorder
-from .si_plan import SegmentPlan
 # launch.py (being split elsewhere) still imports these and Recorder from here; they live in
 # .si_plan and .recording now: drop this line once it imports them from there.
 from .si_plan import PLANS, fixed_plan, has_si_blocks, planned_pairs  # noqa: F401
@@ -44,25 +62,26 @@ def settle(run) -> None:
                 grads[name] = value.wait()
 
 
-def run_pair(fwd_run, fwd_ops: Sequence[Op], bwd_run, bwd_ops: Sequence[Op], recorder: Recorder,
-             label: str) -> None:
-    """Run one segment pair: alternate between the strands op by op, collectives in
-    flight, then the barrier. Either run may be None when its segment is empty."""
-    queues = [(fwd_run.forward_op if fwd_run else None, list(fwd_ops)),
-              (bwd_run.backward_op if bwd_run else None, list(bwd_ops))]
+def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, label: str,
+             barrier: bool) -> None:
+    """Run one segment pair: its ops in the order ``issues`` gives (:mod:`.pair_order`),
+    every collective asynchronous; then, with ``barrier``, wait for every collective either
+    run left in flight. A run may be None when ``issues`` holds none of its ops. When
+    tracing, each op is an event on the compute lane named ``F.op``/``B.op`` (for a
+    collective: its issue), recorded in issue order."""
+    steps = {"F": fwd_run.forward_op if fwd_run else None, "B": bwd_run.backward_op if bwd_run else None}
     with recorder.span(label):
-        turn, index = 0, [0, 0]
-        while index[0] < len(queues[0][1]) or index[1] < len(queues[1][1]):
-            if index[turn] >= len(queues[turn][1]):
-                turn = 1 - turn
-            run, ops = queues[turn]
-            op = ops[index[turn]]
-            run(op, async_op=op.kind == "comm")
-            index[turn] += 1
-            turn = 1 - turn
-        for layer in (fwd_run, bwd_run):
-            if layer is not None:
-                settle(layer)
+        for issue in issues:
+            if recorder.trace:
+                start = time.perf_counter()
+                steps[issue.strand](issue.op, async_op=issue.comm)
+                recorder.event(issue.name, "compute", start, time.perf_counter())
+            else:
+                steps[issue.strand](issue.op, async_op=issue.comm)
+        if barrier:
+            for layer in (fwd_run, bwd_run):
+                if layer is not None:
+                    settle(layer)
 
 
 class LayerChain:
@@ -98,16 +117,13 @@ def run_alone(chain: LayerChain, recorder: Recorder, label: str) -> None:
     chain.end(value)
 
 
-def run_interleaved(fwd: LayerChain, bwd: LayerChain, plan: SegmentPlan, recorder: Recorder,
+def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorder: Recorder,
                     label: str) -> None:
     """Run an SI block: the chains' ``begin`` parts (embedding, loss gradient), then layer
-    pair k = (forward layer k, backward layer k) segment pair by segment pair, each
-    followed by the barrier, then the ``end`` parts. ``plan`` names ops of the forward DAG
-    and the backward DAG; backward ops not in ``bwd.ops`` (wgrads of a split B) are left
-    for the W action. A layer without a partner (chains of unequal length) runs its plan
-    side alone."""
-    fwd_ops = {op.name: op for op in fwd.ops}
-    bwd_ops = {op.name: op for op in bwd.ops}
+    pair k = (forward layer k, backward layer k) segment pair by segment pair in ``order``
+    (built from the plan over ``fwd.ops`` and ``bwd.ops``; a barrier after each pair when
+    ``order.barrier``), the barrier, then the ``end`` parts. A layer without a partner
+    (chains of unequal length) runs its side of the plan alone."""
     x, grad = fwd.begin(), bwd.begin()
     for k in range(max(len(fwd.runs), len(bwd.runs))):
         frun = fwd.runs[k] if k < len(fwd.runs) else None
@@ -116,15 +132,14 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, plan: SegmentPlan, recorde
             fwd.start(frun, x)
         if brun is not None:
             bwd.start(brun, grad)
-        for index, (fnames, bnames) in enumerate(plan):
-            fseg = [fwd_ops[name] for name in fnames] if frun is not None else []
-            bseg = [bwd_ops[name] for name in bnames if name in bwd_ops] if brun is not None else []
-            if fseg or bseg:
-                run_pair(frun, fseg, brun, bseg, recorder, f"{label}.layer{k}.pair{index}")
-        recorder.memory()
+        for index, issues in order.pairs(frun is not None, brun is not None):
+            run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}", order.barrier)
         if frun is not None:
             x = fwd.result(frun)
         if brun is not None:
             grad = bwd.result(brun)
+        recorder.memory()
+    for run in fwd.runs + bwd.runs:
+        settle(run)
     fwd.end(x)
     bwd.end(grad)
