@@ -43,7 +43,7 @@ from dhelix.interpreter.comm import DistComm  # noqa: E402
 from dhelix.interpreter.executor import Executor  # noqa: E402
 from dhelix.interpreter.kernels import EPS  # noqa: E402
 from dhelix.interpreter.reference import ReferenceModel, make_batch, reference_layer  # noqa: E402
-from dhelix.interpreter.si import op_by_op_plan  # noqa: E402
+from dhelix.interpreter.si_plan import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.weights import EMBEDDING, FINAL_NORM, LM_HEAD  # noqa: E402
 
 SEED, DATA_SEED = 0, 1

@@ -38,11 +38,13 @@ from dhelix.dsl.passes.validate import transfer_key
 
 from .comm import AXES, Communicator, Pending, resolve
 from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads
+from .pair_order import BlockOrder
 from .pipeline_comm import PipelineComm, check_fifo
 from .reference import Batch
 from .ring_attention import local_micro
-from .si import (LayerChain, PlanFn, Recorder, TimedComm, backward_ops, check_plan,
-                 run_alone, run_interleaved, sequential_plan, timed)
+from .recording import Recorder, TimedComm, timed
+from .si import LayerChain, run_alone, run_interleaved
+from .si_plan import PlanFn, backward_ops, check_plan, sequential_plan
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 
 
@@ -78,6 +80,8 @@ class Executor:
 
     ``seed`` seeds the weights (:class:`~.weights.WeightPlan`); ``si`` turns strand
     interleaving on; ``plan_for(fwd, bwd)`` gives the SI plan of a layer pair (checked once);
+    ``pair_barrier`` says whether SI blocks wait for every collective after each segment pair
+    (None: on CUDA only, see :mod:`.si`);
     ``use_tags`` says whether point-to-point messages carry tags (gloo) — without tags the
     schedule's transfers must be in matching order on both sides; ``on_action(step, index)``
     is called before each action (a test hook). Weights live in :attr:`params` by parameter
@@ -86,7 +90,8 @@ class Executor:
 
     def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
                  si: bool = True, plan_for: PlanFn = sequential_plan, use_tags: bool = True,
-                 recorder: Recorder | None = None, on_action: Callable | None = None):
+                 recorder: Recorder | None = None, on_action: Callable | None = None,
+                 pair_barrier: bool | None = None):
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
@@ -102,6 +107,8 @@ class Executor:
         self.plan = plan_for(program.forward, program.backward)
         optional = {op.name for op in self.w_ops} if self.lowered.split else set()
         check_plan(self.plan, program.forward, program.backward, optional)
+        barrier = self.device.type == "cuda" if pair_barrier is None else pair_barrier
+        self.si_order = BlockOrder.build(self.plan, program.forward.ops, self.b_ops, barrier)
         if not use_tags and check_fifo(self.lowered):
             raise ValueError("this backend matches messages in order, but the schedule's transfers "
                              f"are not in the same order on both sides: {check_fifo(self.lowered)[0]}")
@@ -297,7 +304,7 @@ class Executor:
             self.run_forward(action.fwd)
             self.run_backward(action.bwd)
             return
-        run_interleaved(self.forward_chain(action.fwd), self.backward_chain(action.bwd), self.plan,
+        run_interleaved(self.forward_chain(action.fwd), self.backward_chain(action.bwd), self.si_order,
                         self.recorder, str(action))
 
     def run_send(self, action: Transfer) -> None:

@@ -74,7 +74,7 @@ def preflight(program) -> None:
 def si_plan(program, name: str) -> tuple[str, tuple | None]:
     """The SI plan to run: (its name, the planner's pairs for ``planned``). Without a
     hardware profile the planner has no costs, so ``planned`` falls back to ``op_by_op``."""
-    from .si import has_si_blocks, planned_pairs
+    from .si_plan import has_si_blocks, planned_pairs
 
     if name != "planned" or not has_si_blocks(program.lowered):
         return name, None
@@ -95,7 +95,8 @@ def train(options: RunOptions, device) -> RunResult | None:
     from .executor import Executor
     from .harness import broadcast_from_first, check_steps
     from .optim import AdamWConfig, DistributedAdamW
-    from .si import PLANS, Recorder, fixed_plan
+    from .recording import Recorder
+    from .si_plan import PLANS, fixed_plan
 
     program = check_text(options.text, options.path)
     comm = DistComm(program.mesh, device, timeout_s=options.timeout)

@@ -20,8 +20,8 @@ from dhelix.interpreter.harness import broadcast_from_first, check_steps, compar
 from dhelix.interpreter.pipeline_comm import check_fifo  # noqa: E402
 from dhelix.interpreter.optim import AdamWConfig, DistributedAdamW  # noqa: E402
 from dhelix.interpreter.reference import Batch, make_batch  # noqa: E402
-from dhelix.interpreter.si import (check_plan, fixed_plan, op_by_op_plan, planned_pairs,  # noqa: E402
-                                   sequential_plan)
+from dhelix.interpreter.si_plan import (check_plan, fixed_plan, op_by_op_plan, planned_pairs,  # noqa: E402
+                                        sequential_plan)
 from dhelix.interpreter.weights import WeightPlan  # noqa: E402
 
 from distributed import TOL, assert_steps_match, gloo_results  # noqa: E402
@@ -89,7 +89,8 @@ def test_a_failing_action_names_rank_action_and_grid():
 
 # -- one world of 4 gloo ranks ---------------------------------------------------------------
 
-#: name → (mesh, pipeline, fold, SI: on / off / "planned", ZeRO-1, steps[, layers, micro-batches])
+#: name → (mesh, pipeline, fold, SI: on / off / "planned" / "barrier", ZeRO-1, steps[, layers,
+#: micro-batches]); "barrier": op_by_op with the barrier after every segment pair (the CUDA path)
 CASES = {
     "tp2_dp2": ("tp = 2  dp = 2", "one_f_one_b", "none", True, False, 2),
     "tp2_dp2_zero1": ("tp = 2  dp = 2", "one_f_one_b", "none", True, True, 2),
@@ -100,6 +101,7 @@ CASES = {
     "pp2_dp2_zb_h1": ("pp = 2  dp = 2", "zb_h1", "none", True, True, 1),
     "pp2_dualpipe_v_planned": ("tp = 2  pp = 2", "dualpipe_v", "u", "planned", False, 1),
     "pp2_w_helix_planned": ("tp = 2  pp = 2", "w_helix", "u", "planned", False, 1),
+    "pp2_w_helix_pair_barrier": ("tp = 2  pp = 2", "w_helix", "u", "barrier", False, 1),
     # Its transfers between ranks 0 and 1 come in different orders on the two sides, so
     # only the tags of the gloo messages match them.
     "pp4_dualpipe_v_unordered": ("pp = 4", "dualpipe_v", "u", True, False, 1, 8, 8),
@@ -123,7 +125,8 @@ def _case(name: str):
     comm = DistComm(prog.mesh, timeout_s=60)
     # "planned": the planner's segment pairs (rank 0's, as `dhelix run` does).
     plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog))) if si == "planned" else op_by_op_plan
-    executor = Executor(prog, comm, seed=SEED, si=bool(si), plan_for=plan_for)
+    executor = Executor(prog, comm, seed=SEED, si=bool(si), plan_for=plan_for,
+                        pair_barrier=True if si == "barrier" else None)
     optimizer = DistributedAdamW(executor.params, comm, zero1=zero1)
     return check_steps(executor, optimizer, steps, DATA_SEED)
 

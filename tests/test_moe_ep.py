@@ -24,7 +24,7 @@ from dhelix.interpreter.layer_exec import LayerPlan, LayerRun  # noqa: E402
 from dhelix.interpreter.moe import COMBINE, DISPATCH, a2a_roles  # noqa: E402
 from dhelix.interpreter.optim import DistributedAdamW  # noqa: E402
 from dhelix.interpreter.reference import reference_layer  # noqa: E402
-from dhelix.interpreter.si import op_by_op_plan  # noqa: E402
+from dhelix.interpreter.si_plan import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
 
 from distributed import TOL, assert_steps_match, gloo_results, run_ranks  # noqa: E402

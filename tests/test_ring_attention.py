@@ -26,7 +26,7 @@ from dhelix.interpreter.optim import DistributedAdamW  # noqa: E402
 from dhelix.interpreter.reference import reference_layer  # noqa: E402
 from dhelix.interpreter.ring_attention import (  # noqa: E402
     KERNEL, STEP, local_positions, local_tokens)
-from dhelix.interpreter.si import op_by_op_plan  # noqa: E402
+from dhelix.interpreter.si_plan import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
 
 from distributed import TOL, assert_close, drive_layer, gloo_results  # noqa: E402

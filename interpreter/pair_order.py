@@ -1,0 +1,204 @@
+"""The order in which an SI block issues the ops of each segment pair.
+
+A segment pair holds a piece of each strand's op sequence; the plan says which ops run
+together, not in which order one host thread issues them, and that order decides how much
+communication the other strand's compute hides. :func:`order_pair` is a small list
+scheduler over both strands' ops. It repeatedly picks, among the ops whose producers in the
+pair have run, the first by class:
+
+0. a collective whose inputs exist (none is a collective still in flight): issued at once,
+   asynchronously, so it is in flight while the thread computes;
+1. a compute op on the way to a collective of the pair, the one that unlocks a collective
+   soonest first: its *distance* is the number of unrun compute ops the nearest collective
+   depending on it still waits for, itself included (the critical path to the next
+   collective, counted in ops: nothing here knows durations);
+2. an op on the way to a collective that reads a collective still in flight (running it
+   waits) which some compute op has covered since it was issued — the oldest first;
+3. a compute op that leads to no collective of the pair (filler to hide collectives behind);
+4. an op on the way to a collective that reads an uncovered one: waiting for a collective
+   nothing has run beside would expose all of it, so filler goes first;
+5. an op that waits and leads to no collective.
+
+Ties go to the strict alternation's order (forward op i, backward op i, forward op i+1, …).
+A collective is only waited for by the op that reads it, so collectives stay in flight
+across pair boundaries unless the runner puts a barrier there (``barrier``).
+
+The order is static — a function of the plan and the DAGs only, never of which collective
+happens to have finished — because every rank of a process group must issue that group's
+collectives in the same order (gloo and NCCL match them by order), and every rank of a
+group runs the same plan.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import attrs
+
+from dhelix.dsl.core.program import Op
+
+from .si_plan import SegmentPlan
+
+#: The strands of an SI pair as issue records name them: the forward (F) and backward (B) one.
+STRANDS = ("F", "B")
+
+
+@attrs.frozen
+class Issue:
+    """One op of a segment pair as the runner issues it: its strand (``F`` or ``B``) and the
+    op; a collective (``comm``) is issued asynchronously."""
+
+    strand: str
+    op: Op
+
+    @property
+    def comm(self) -> bool:
+        """Whether the op is a collective (issued with ``async_op``)."""
+        return self.op.kind == "comm"
+
+    @property
+    def name(self) -> str:
+        """``strand.op``, e.g. ``B.rs2.bwd``: how traces and tests name the issue."""
+        return f"{self.strand}.{self.op.name}"
+
+
+#: One segment pair ready to run: its index in the plan and its ops in issue order.
+PairIssues = tuple[int, tuple[Issue, ...]]
+
+
+@attrs.define
+class InFlight:
+    """The collectives issued and not yet read, carried from pair to pair: ``issued`` maps
+    (strand, collective name) to its issue number; ``clock`` numbers every issued op;
+    ``last_compute`` is the number of the last compute op issued (a collective issued
+    before it is *covered*: something ran beside it)."""
+
+    issued: dict[tuple[str, str], int] = attrs.field(factory=dict)
+    clock: int = 0
+    last_compute: int = -1
+
+    def covered(self, key: tuple[str, str]) -> bool:
+        """Whether a compute op was issued after in-flight collective ``key``."""
+        return self.issued[key] < self.last_compute
+
+
+def order_pair(fwd: Sequence[Op], bwd: Sequence[Op], flight: InFlight) -> tuple[Issue, ...]:
+    """The issue order of one segment pair with forward ops ``fwd`` and backward ops ``bwd``
+    (each in a legal order of its DAG; either may be empty), by the rules of the module.
+
+    ``flight`` holds the collectives earlier pairs left in flight and is updated in place:
+    ops that read one remove it, collectives issued here are added. Assumes every input an
+    op has in its own DAG is produced by an earlier pair or by an op of this pair
+    (:func:`.si_plan.check_plan`)."""
+    left: dict[tuple[str, str], Op] = {}
+    position: dict[tuple[str, str], int] = {}
+    for offset, ops in enumerate((fwd, bwd)):
+        for i, op in enumerate(ops):
+            key = (STRANDS[offset], op.name)
+            left[key], position[key] = op, 2 * i + offset
+    order = []
+    while left:
+        ready = [key for key, op in left.items() if not any((key[0], name) in left for name in op.inputs)]
+        distance = _distances(left)
+        key = min(ready, key=lambda k: _rank(k, left[k], flight, distance, position))
+        op = left.pop(key)
+        for name in op.inputs:
+            flight.issued.pop((key[0], name), None)
+        if op.kind == "comm":
+            flight.issued[key] = flight.clock
+        else:
+            flight.last_compute = flight.clock
+        flight.clock += 1
+        order.append(Issue(strand=key[0], op=op))
+    return tuple(order)
+
+
+def _rank(key: tuple[str, str], op: Op, flight: InFlight, distance: Mapping[tuple[str, str], int],
+          position: Mapping[tuple[str, str], int]) -> tuple:
+    """The sort key of a ready op: (class, oldest awaited issue, distance, alternation order)."""
+    comm = op.kind == "comm"
+    waits = [(key[0], name) for name in op.inputs if (key[0], name) in flight.issued]
+    steps = 0 if comm else distance.get(key)
+    leads = steps is not None
+    if not waits:
+        return (0 if comm else 1 if leads else 3, 0, steps or 0, position[key])
+    oldest = min(flight.issued[w] for w in waits)
+    if not leads:
+        cls = 5
+    else:
+        cls = 2 if all(flight.covered(w) for w in waits) else 4
+    return (cls, oldest, steps, position[key])
+
+
+def _distances(left: Mapping[tuple[str, str], Op]) -> dict[tuple[str, str], int]:
+    """For each unrun compute op that an unrun collective of the pair depends on: the fewest
+    unrun compute ops (itself included) such a collective still waits for."""
+    distance: dict[tuple[str, str], int] = {}
+    for key, op in left.items():
+        if op.kind != "comm":
+            continue
+        ancestors = _ancestors(key, left)
+        computes = [a for a in ancestors if left[a].kind != "comm"]
+        for a in computes:
+            distance[a] = min(distance.get(a, len(computes)), len(computes))
+    return distance
+
+
+def _ancestors(key: tuple[str, str], left: Mapping[tuple[str, str], Op]) -> set[tuple[str, str]]:
+    # The unrun ops of the same strand that ``key`` depends on, directly or not.
+    found: set[tuple[str, str]] = set()
+    stack = [key]
+    while stack:
+        for name in left[stack.pop()].inputs:
+            producer = (key[0], name)
+            if producer in left and producer not in found:
+                found.add(producer)
+                stack.append(producer)
+    return found
+
+
+def plan_order(plan: SegmentPlan, fwd_ops: Mapping[str, Op] | None, bwd_ops: Mapping[str, Op] | None,
+               barrier: bool) -> tuple[PairIssues, ...]:
+    """Every non-empty segment pair of ``plan`` with its ops in issue order, for one layer
+    pair. ``fwd_ops``/``bwd_ops`` are the ops each strand runs, by name, or None when that
+    strand has no layer here (chains of unequal length); plan names missing from
+    ``bwd_ops`` (the wgrads of a split B) are skipped. ``barrier``: whether the runner waits
+    for every collective at the end of each pair (then none is in flight when the next
+    starts); otherwise collectives stay in flight until their reader, across pairs."""
+    flight = InFlight()
+    pairs = []
+    for index, (fnames, bnames) in enumerate(plan):
+        fwd = [fwd_ops[name] for name in fnames] if fwd_ops is not None else []
+        bwd = [bwd_ops[name] for name in bnames if name in bwd_ops] if bwd_ops is not None else []
+        if not (fwd or bwd):
+            continue
+        pairs.append((index, order_pair(fwd, bwd, flight)))
+        if barrier:
+            flight.issued.clear()
+    return tuple(pairs)
+
+
+@attrs.frozen
+class BlockOrder:
+    """The issue order of a layer pair's segment pairs (:func:`plan_order`) for each case of
+    an SI block: both strands have a layer, only the forward one, only the backward one.
+    Built once per executor: every layer pair of every SI block runs the same plan."""
+
+    both: tuple[PairIssues, ...]
+    forward: tuple[PairIssues, ...]
+    backward: tuple[PairIssues, ...]
+    barrier: bool
+
+    @classmethod
+    def build(cls, plan: SegmentPlan, fwd_ops: Sequence[Op], bwd_ops: Sequence[Op],
+              barrier: bool) -> "BlockOrder":
+        """The orders of ``plan`` over the forward ops ``fwd_ops`` and the backward ops a B
+        action runs, ``bwd_ops``; ``barrier`` as in :func:`plan_order`."""
+        fwd = {op.name: op for op in fwd_ops}
+        bwd = {op.name: op for op in bwd_ops}
+        return cls(both=plan_order(plan, fwd, bwd, barrier), forward=plan_order(plan, fwd, None, barrier),
+                   backward=plan_order(plan, None, bwd, barrier), barrier=barrier)
+
+    def pairs(self, forward: bool, backward: bool) -> tuple[PairIssues, ...]:
+        """The pairs to run when the forward and/or the backward strand has a layer."""
+        return self.both if forward and backward else self.forward if forward else self.backward

@@ -1,0 +1,136 @@
+"""What a rank records about its time: trace events, time blocked on communication, memory.
+
+:class:`Recorder` keeps what ran (for the Chrome trace), how long the thread waited for
+communication (exposed communication) and the peak of live activation bytes;
+:class:`TimedComm` wraps a communicator so that every collective is recorded, and
+:func:`timed` wraps one Pending (a pipeline receive) the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+from torch.autograd import _profiler_enabled
+from torch.profiler import record_function
+
+from .comm import Communicator, Pending
+
+
+class Recorder:
+    """What one rank ran: trace events ``(name, lane, start_s, duration_s)`` when
+    ``trace`` is on, the seconds spent blocked on communication, the peak of live
+    activation bytes. ``cuda``: timings need a device synchronisation to mean anything,
+    so host-side waits are not counted as exposed time there."""
+
+    def __init__(self, trace: bool = False, cuda: bool = False):
+        self.trace, self.cuda = trace, cuda
+        self.events: list[tuple[str, str, float, float]] = []
+        #: Seconds blocked on collectives (TP/SP, DP, …) and on pipeline receives (which
+        #: include the pipeline bubble: the peer had not sent yet).
+        self.waited = {"collective": 0.0, "p2p": 0.0}
+        self.peak_bytes = 0
+        self.origin = time.perf_counter()
+        #: Returns the live activation bytes; sampled after every layer (set by the executor).
+        self.probe: Callable[[], int] | None = None
+
+    @contextlib.contextmanager
+    def span(self, name: str, lane: str = "compute"):
+        """Time the body as ``name`` on ``lane`` (and mark it for torch.profiler)."""
+        # record_function costs tens of microseconds even with no profiler to see it, and
+        # spans open per layer and per segment pair: only mark when one is running.
+        marker = record_function(name) if _profiler_enabled() else contextlib.nullcontext()
+        with marker:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                if self.trace:
+                    self.event(name, lane, start, time.perf_counter())
+
+    def event(self, name: str, lane: str, start: float, stop: float) -> None:
+        """Record an event between two ``perf_counter`` readings (kept only when tracing)."""
+        if self.trace:
+            self.events.append((name, lane, start - self.origin, stop - start))
+
+    def blocked(self, name: str, lane: str, issued: float, start: float, stop: float,
+                kind: str = "collective") -> None:
+        """The thread waited from ``start`` to ``stop`` for communication issued at ``issued``
+        (``kind``: collective or p2p)."""
+        if not self.cuda:
+            self.waited[kind] += stop - start
+        self.event(name, lane, issued, stop)
+
+    def memory(self) -> None:
+        """Sample the live activation bytes (through :attr:`probe`) into the peak."""
+        if self.probe is not None:
+            self.peak_bytes = max(self.peak_bytes, self.probe())
+
+
+class _TimedPending(Pending):
+    """A Pending whose wait is recorded as blocked time on its lane."""
+
+    def __init__(self, inner: Pending, recorder: Recorder, name: str, lane: str, issued: float,
+                 kind: str = "collective"):
+        super().__init__(inner, None, lambda _: inner.wait())
+        self._meta = (recorder, name, lane, issued, kind)
+        self._recorded = False
+
+    def wait(self) -> torch.Tensor:
+        start = time.perf_counter()
+        result = super().wait()
+        if not self._recorded:
+            recorder, name, lane, issued, kind = self._meta
+            recorder.blocked(name, lane, issued, start, time.perf_counter(), kind)
+            self._recorded = True
+        return result
+
+
+def timed(pending: Pending, recorder: Recorder, name: str, lane: str, kind: str = "collective") -> Pending:
+    """``pending`` wrapped so that waiting for it is recorded as ``kind`` (issued now)."""
+    return _TimedPending(pending, recorder, name, lane, time.perf_counter(), kind)
+
+
+class TimedComm(Communicator):
+    """A communicator that records every collective of ``inner`` in ``recorder``: a
+    synchronous one as blocked time, an asynchronous one from issue to the end of its wait."""
+
+    def __init__(self, inner: Communicator, recorder: Recorder):
+        self.inner, self.recorder = inner, recorder
+        self.rank, self.mesh = inner.rank, inner.mesh
+
+    def lane_of(self, axis: str) -> str:
+        """The lane (local or cross) of ``axis``'s process groups."""
+        return "local" if self.mesh is None else self.mesh.lane(axis)
+
+    def _run(self, name: str, axis: str, async_op: bool, call):
+        if self.size(axis) == 1:
+            return call()
+        issued = time.perf_counter()
+        out = call()
+        if async_op:
+            return _TimedPending(out, self.recorder, f"{name}.{axis}", self.lane_of(axis), issued)
+        self.recorder.blocked(f"{name}.{axis}", self.lane_of(axis), issued, issued, time.perf_counter())
+        return out
+
+    def all_gather(self, x, axis, async_op=False):
+        return self._run("all_gather", axis, async_op, lambda: self.inner.all_gather(x, axis, async_op))
+
+    def reduce_scatter(self, x, axis, async_op=False):
+        return self._run("reduce_scatter", axis, async_op,
+                         lambda: self.inner.reduce_scatter(x, axis, async_op))
+
+    def all_reduce(self, x, axis, op="sum", async_op=False):
+        return self._run("all_reduce", axis, async_op, lambda: self.inner.all_reduce(x, axis, op, async_op))
+
+    def all_to_all(self, x, axis, in_splits=None, out_splits=None, async_op=False):
+        return self._run("all_to_all", axis, async_op,
+                         lambda: self.inner.all_to_all(x, axis, in_splits, out_splits, async_op))
+
+    def send(self, x, dst, async_op=False):
+        return self._run("send", "pp", async_op, lambda: self.inner.send(x, dst, async_op))
+
+    def recv(self, shape, dtype, src, async_op=False):
+        return self._run("recv", "pp", async_op, lambda: self.inner.recv(shape, dtype, src, async_op))

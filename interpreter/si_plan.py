@@ -1,0 +1,88 @@
+"""SI plans as the executor runs them: which ops of a layer pair each segment pair holds.
+
+An SI block pairs forward layer k of one strand with backward layer k of the other; each
+layer pair runs the same :data:`SegmentPlan`, an ordered list of (forward op names,
+backward op names) segment pairs, either side possibly empty, covering both DAGs once.
+Plans come from the planner (:func:`planned_pairs`, the plan of the program's hardware
+profile) or are built here without costs (:data:`PLANS`: ``sequential``, ``op_by_op``);
+:func:`check_plan` says whether one can run at all. :func:`backward_ops` and
+:func:`is_wgrad` say which backward ops a B action runs when W is split off.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from dhelix.dsl.core.oplib import is_wgrad
+from dhelix.dsl.core.program import LayerDag, Op
+
+
+#: An SI plan for one layer pair: ``((forward op names, backward op names), ...)``.
+SegmentPlan = tuple[tuple[tuple[str, ...], tuple[str, ...]], ...]
+PlanFn = Callable[[LayerDag, LayerDag], SegmentPlan]
+
+
+def sequential_plan(fwd: LayerDag, bwd: LayerDag) -> SegmentPlan:
+    """One pair of all forward ops, then one of all backward ops: no interleaving."""
+    return ((tuple(op.name for op in fwd.ops), ()), ((), tuple(op.name for op in bwd.ops)))
+
+
+def op_by_op_plan(fwd: LayerDag, bwd: LayerDag) -> SegmentPlan:
+    """Forward op i paired with backward op i in each DAG's listed (topological) order,
+    the longer DAG's remaining ops alone: the finest interleaving, legal for any DAGs."""
+    pairs = []
+    for i in range(max(len(fwd.ops), len(bwd.ops))):
+        pairs.append((tuple(op.name for op in fwd.ops[i:i + 1]), tuple(op.name for op in bwd.ops[i:i + 1])))
+    return tuple(pairs)
+
+
+PLANS: dict[str, PlanFn] = {"sequential": sequential_plan, "op_by_op": op_by_op_plan}
+
+
+def planned_pairs(program) -> SegmentPlan:
+    """The planner's SI plan of ``program``'s layer pair as its schedule runs it (without
+    the wgrads when W is split off). Needs the program's hardware profile; raises the
+    planner's DhelixError otherwise. Imported lazily: the planner is optional here."""
+    from dhelix.dsl.simulator.events import schedule_plan
+
+    return tuple((tuple(pair.forward), tuple(pair.backward)) for pair in schedule_plan(program).pairs)
+
+
+def has_si_blocks(lowered) -> bool:
+    """Whether a lowered schedule has SI blocks (else no plan is needed)."""
+    from dhelix.dsl.core.schedule import Interleaved
+
+    return any(isinstance(action, Interleaved) for row in lowered.actions for action in row)
+
+
+def fixed_plan(pairs: SegmentPlan) -> PlanFn:
+    """A PlanFn returning ``pairs`` for every layer pair (all layers share one DAG)."""
+    return lambda fwd, bwd: pairs
+
+
+def check_plan(plan: SegmentPlan, fwd: LayerDag, bwd: LayerDag, optional=frozenset()) -> None:
+    """Raise ValueError unless ``plan`` runs every op of ``fwd`` and ``bwd`` exactly once,
+    each after the ops of its own DAG that it reads. Ops named in ``optional`` (the wgrads
+    of a schedule that runs them in W actions) may be left out."""
+    for dag, side in ((fwd, 0), (bwd, 1)):
+        order = [name for pair in plan for name in pair[side]]
+        known = {op.name: op for op in dag.ops}
+        required = set(known) - set(optional)
+        if len(order) != len(set(order)) or not required <= set(order) <= set(known):
+            missing = sorted(required - set(order))
+            extra = sorted(name for name in set(order) if order.count(name) > 1 or name not in known)
+            raise ValueError(f"the SI plan does not cover the {dag.direction} DAG once: missing "
+                             f"{missing or 'none'}, repeated or unknown {extra or 'none'}")
+        done = {dag.input}
+        for name in order:
+            late = [x for x in known[name].inputs if x not in done and x in known]
+            if late:
+                raise ValueError(f"the SI plan runs {name} before {', '.join(late)}, which it reads")
+            done.add(name)
+
+
+def backward_ops(bwd: LayerDag, split: bool) -> tuple[Op, ...]:
+    """The ops a B action runs: all of them, or without the weight gradients when the
+    schedule splits them into W actions."""
+    return tuple(op for op in bwd.ops if not (split and is_wgrad(op)))
+

@@ -1,0 +1,173 @@
+"""The issue order of SI segment pairs (interpreter/pair_order.py): every order runs each
+pair's ops once, each after its producers; collectives go first, compute that unlocks one
+next, waits last; and one executor step records exactly that order (recorded, not timed)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+torch = pytest.importorskip("torch")
+
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
+from dhelix.interpreter.comm import DistComm  # noqa: E402
+from dhelix.interpreter.executor import Executor  # noqa: E402
+from dhelix.interpreter.pair_order import BlockOrder, plan_order  # noqa: E402
+from dhelix.interpreter.recording import Recorder  # noqa: E402
+from dhelix.interpreter.reference import make_batch  # noqa: E402
+from dhelix.interpreter.si_plan import check_plan, op_by_op_plan, planned_pairs, sequential_plan  # noqa: E402
+
+from distributed import gloo_results  # noqa: E402
+
+PROPERTY = settings(max_examples=60, derandomize=True, deadline=None)
+
+
+def program(layer: str = "llama", mesh: str = "tp = 2", extra: str = ""):
+    """A tiny model with a layer pair to plan (fold u and w_helix: SI blocks even on one rank)."""
+    return check_text(f"""
+import "stdlib/layers.dhx"
+import "stdlib/pipelines.dhx"
+model m {{ layers = 2  hidden = 32  ffn = 64  heads = 4  kv_heads = 2  seq = 8  vocab = 64
+  {extra} dtype = fp32  layer = {layer} }}
+cluster {{ nodes = 1  gpus_per_node = {2 if "2" in mesh else 1}  profile = "a40" }}
+mesh {{ {mesh} }}
+train {{ micro_batch = 2  microbatches = 4 }}
+fold u
+pipeline w_helix
+""", "t.dhx")
+
+
+LLAMA = program()
+MOE = program("moe", "dp = 2  ep = 2", "experts = 4  top_k = 2")
+
+
+def orders(prog, plan, barrier=False):
+    """Each non-empty pair's issue order as names (``F.ln1``, ``B.rs2.bwd``)."""
+    order = BlockOrder.build(plan, prog.forward.ops, prog.backward.ops, barrier)
+    return [[issue.name for issue in issues] for _, issues in order.both]
+
+
+def assert_legal(prog, plan, barrier):
+    """Every pair issues exactly its ops, each after its producers in the same strand."""
+    fwd = {op.name: op for op in prog.forward.ops}
+    bwd = {op.name: op for op in prog.backward.ops}
+    pairs = dict(plan_order(plan, fwd, bwd, barrier))
+    done = {"F": {prog.forward.input}, "B": {prog.backward.input}}
+    for index, (fnames, bnames) in enumerate(plan):
+        issues = pairs.get(index, ())
+        assert sorted(i.name for i in issues) == sorted([f"F.{n}" for n in fnames] + [f"B.{n}" for n in bnames])
+        for issue in issues:
+            dag = fwd if issue.strand == "F" else bwd
+            assert all(x in done[issue.strand] or x not in dag for x in issue.op.inputs), issue.name
+            done[issue.strand].add(issue.op.name)
+
+
+@st.composite
+def segment_plans(draw, prog):
+    """A random legal plan: each DAG's listed order cut into segments, paired in order,
+    with some segments alone."""
+    def cut(names):
+        marks = draw(st.lists(st.booleans(), min_size=len(names), max_size=len(names)))
+        segments, current = [], []
+        for name, mark in zip(names, marks, strict=True):
+            current.append(name)
+            if mark:
+                segments.append(tuple(current))
+                current = []
+        return segments + ([tuple(current)] if current else [])
+
+    fwd, bwd = cut([op.name for op in prog.forward.ops]), cut([op.name for op in prog.backward.ops])
+    plan = []
+    while fwd or bwd:
+        side = draw(st.sampled_from(["both", "fwd", "bwd"]))
+        f = fwd.pop(0) if fwd and side != "bwd" else ()
+        b = bwd.pop(0) if bwd and (side != "fwd" or not f) else ()
+        plan.append((f, b))
+    return tuple(plan)
+
+
+@PROPERTY
+@given(st.sampled_from([LLAMA, MOE]).flatmap(lambda p: st.tuples(st.just(p), segment_plans(p))), st.booleans())
+def test_random_plans_issue_each_op_once_after_its_producers(case, barrier):
+    prog, plan = case
+    check_plan(plan, prog.forward, prog.backward)
+    assert_legal(prog, plan, barrier)
+
+
+@pytest.mark.parametrize("prog", [LLAMA, MOE], ids=["llama", "moe"])
+def test_fixed_and_planned_plans_are_legal(prog):
+    for make in (op_by_op_plan, sequential_plan):
+        for barrier in (False, True):
+            assert_legal(prog, make(prog.forward, prog.backward), barrier)
+    assert_legal(LLAMA, planned_pairs(LLAMA), False)
+
+
+def test_a_ready_collective_is_issued_before_the_other_strands_compute():
+    # op_by_op pairs forward op i with backward op i; where the backward op is a
+    # collective whose input an earlier pair produced, it goes first.
+    pairs = orders(LLAMA, op_by_op_plan(LLAMA.forward, LLAMA.backward))
+    assert ["B.ag2.bwd", "F.ln2"] in pairs
+    assert ["B.rs1.bwd", "F.act"] in pairs
+    assert ["F.ag1", "B.rs2.bwd"] in pairs  # two collectives: alternation order
+
+
+def test_compute_that_unlocks_a_collective_soonest_runs_first():
+    fwd, bwd = LLAMA.forward.ops, LLAMA.backward.ops
+    plan = ((("ln1", "ag1"), ()), (tuple(op.name for op in fwd[2:]), tuple(op.name for op in bwd)))
+    first = orders(LLAMA, plan)[1][:6]
+    # h2.bwd is one op from rs2.bwd, qkv three from rs1: the backward strand starts; rs2.bwd
+    # is issued at once; fc2.dgrad would wait for it, so qkv … rs1 run beside it.
+    assert first == ["B.h2.bwd", "B.rs2.bwd", "F.qkv", "F.att", "F.prj", "F.rs1"]
+
+
+def test_a_fresh_collective_gets_filler_before_its_reader_waits():
+    bwd = LLAMA.backward.ops
+    plan = (((), tuple(op.name for op in bwd)), (tuple(op.name for op in LLAMA.forward.ops), ()))
+    order = orders(LLAMA, plan)[0]
+    # Each reduce-scatter / all-gather of the backward strand is followed by a wgrad (which
+    # leads to no collective) before the op that reads it.
+    for comm, reader in (("B.ag2.bwd", "B.ln2.bwd"), ("B.rs1.bwd", "B.prj.dgrad")):
+        between = order[order.index(comm) + 1:order.index(reader)]
+        assert between and all(name.endswith(".wgrad") for name in between), (comm, order)
+
+
+def test_without_a_barrier_collectives_stay_in_flight_into_the_next_pair():
+    plan = op_by_op_plan(LLAMA.forward, LLAMA.backward)
+    # fc1 reads ag2, issued one pair earlier: without a barrier it waits, so the other
+    # strand's op goes first; with one, ag2 is complete and the alternation order holds.
+    assert ["B.h1.bwd", "F.fc1"] in orders(LLAMA, plan, barrier=False)
+    assert ["F.fc1", "B.h1.bwd"] in orders(LLAMA, plan, barrier=True)
+
+
+def _recorded_pairs(rank: int, world: int) -> dict:
+    # One step of the tiny Llama at tp = 2 with the op_by_op plan, tracing: the trace
+    # records each op of a pair when it is issued, in order, before the pair's own span.
+    prog = program()
+    recorder = Recorder(trace=True)
+    executor = Executor(prog, DistComm(prog.mesh, timeout_s=60), seed=1, plan_for=op_by_op_plan,
+                        recorder=recorder)
+    executor.step(make_batch(prog, 2))
+    pairs, current = [], []
+    for name, lane, _, _ in recorder.events:
+        if name.startswith(("F.", "B.")) and lane == "compute":
+            current.append(name)
+        elif ".pair" in name:
+            pairs.append(current)
+            current = []
+    blocks = sum(1 for action in prog.lowered.actions[0] if str(action).startswith("SI("))
+    return {"pairs": pairs, "blocks": blocks, "layers": len(prog.placement.stages[0].layers),
+            "planned": [[issue.name for issue in issues] for _, issues in executor.si_order.both]}
+
+
+def test_an_si_step_issues_a_ready_collective_before_the_other_strands_compute(tmp_path):
+    ranks = gloo_results(_recorded_pairs, 2, tmp_path)
+    got = ranks[0]
+    assert ranks[1]["pairs"] == got["pairs"], "the two tp ranks issued in different orders"
+    planned = got["planned"]
+    assert got["blocks"] and len(got["pairs"]) == got["blocks"] * got["layers"] * len(planned)
+    assert got["pairs"][:len(planned)] == planned
+    # op_by_op pairs ln2 (forward op 7) with ag2.bwd (backward op 7), a reduce-scatter of
+    # fc1.dgrad, which the pair before produced: it is issued first.
+    paired = [issued for issued in got["pairs"] if "F.ln2" in issued and "B.ag2.bwd" in issued]
+    assert len(paired) == got["blocks"] * got["layers"]
+    assert all(issued == ["B.ag2.bwd", "F.ln2"] for issued in paired), paired
