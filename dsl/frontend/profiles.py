@@ -284,7 +284,7 @@ def _efficiency(reader: "_Reader", node, where: str) -> tuple[float | None, dict
     if node is None:
         return 1.0, {}
     if isinstance(node, yaml.MappingNode):
-        lanes = reader.number_map(node, where, LANES, (), positive=True, high=1.0)
+        lanes = reader.number_map(node, where, COMM_LANES, (), positive=True, high=1.0)
         return (None, {}) if lanes is None else (1.0, lanes)
     return reader.number(node, where, positive=True, high=1.0), {}
 
