@@ -13,7 +13,8 @@ import sys
 
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import UsageError
-from dhelix.dsl.passes.overrides import add_override_arguments, load_file, overrides_from_args
+from dhelix.cli.overrides import add_override_arguments, overrides_from_args
+from dhelix.dsl.passes.overrides import load_file
 from dhelix.dsl.render.torch_csv import TORCH_FORMATS, torch_csv
 
 

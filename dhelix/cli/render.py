@@ -28,7 +28,8 @@ from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_o
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.render.dag import dag_dot
 from dhelix.dsl.render.ladder import ladder_dot
-from dhelix.dsl.passes.overrides import add_override_arguments, load_file, overrides_from_args
+from dhelix.cli.overrides import add_override_arguments, overrides_from_args
+from dhelix.dsl.passes.overrides import load_file
 from dhelix.dsl.render.pipeline import pipeline_dot, pipeline_title
 from dhelix.dsl.render.placement import placement_dot
 from dhelix.dsl.simulator.events import schedule_plan
