@@ -73,8 +73,10 @@ def build_parser(extra=()) -> argparse.ArgumentParser:
     from dhelix.cli import plan as plan_cli
     from dhelix.cli import render
     from dhelix.cli import simulate as sim_cli
+    from dhelix.cli import profile as profile_cli
 
-    for register in (render.register, export.register, plan_cli.register, sim_cli.register, *extra):
+    for register in (render.register, export.register, plan_cli.register, sim_cli.register, profile_cli.register,
+                     *extra):
         register(sub)
     return parser
 

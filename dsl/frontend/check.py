@@ -17,7 +17,8 @@ from dhelix.dsl.core.errors import CheckError, DhelixError, ErrorCollector
 from dhelix.dsl.passes.fold import placement_for
 from dhelix.dsl.frontend.layercheck import check_layer
 from dhelix.dsl.frontend.modelcheck import check_divisibility, layer_env
-from dhelix.dsl.frontend.profiles import load_profile
+from dhelix.dsl.frontend.profilecheck import stale_notes
+from dhelix.dsl.frontend.profiles import ProfileError, load_profile
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes.strands import build_strands
 from dhelix.dsl.core.wording import did_you_mean
@@ -109,6 +110,7 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
         errors.add(exc)
         return attrs.evolve(program, env=tuple(env.items()))
     strands = build_strands(singles.get("strands"), forward, errors)
+    _check_measured(singles.get("cluster"), profile, forward, mesh, model, errors)
     return attrs.evolve(program, env=tuple(env.items()), forward=forward, strands=strands)
 
 
@@ -137,6 +139,21 @@ def _profile(node: s.ConfigBlock | None, cluster, errors: ErrorCollector):
     except DhelixError as exc:
         errors.add(exc)
         return None
+
+
+def _check_measured(node: s.ConfigBlock | None, profile, forward, mesh, model, errors: ErrorCollector) -> None:
+    """A located error when the profile's measured section was taken on another program
+    (see :mod:`dhelix.dsl.frontend.profilecheck`)."""
+    if profile is None or profile.measured is None:
+        return
+    notes = stale_notes(profile.measured, forward, mesh, model.dtype)
+    if notes:
+        setting = next(st for st in node.settings if st.key == "profile")
+        errors.add(ProfileError(
+            f"profile '{setting.value.value}' was measured on another program", setting.value.span,
+            notes + [f"re-measure it: dhelix profile {setting.span.source.path if setting.span else 'FILE'}",
+                     "or delete its measured: section to keep only the derived rates (peak, links, OEF, "
+                     "slowdown, launch gap)"]))
 
 
 def _pipeline(ref: s.PipelineRef | None, pipelines: dict, errors: ErrorCollector):
