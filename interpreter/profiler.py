@@ -16,9 +16,10 @@ interpreter's own kernels and communicators:
 * **Link sweep.** all_gathers of 4 KiB to 8 MiB per rank on one group of each lane the
   mesh has, for the link bandwidth and latency.
 
-Every measurement is repeated (``warmup`` untimed rounds, then ``repeats`` timed ones) and
-rounds interleave the measurements, so one slow moment does not skew one op. Each rank
-returns its samples; :func:`dhelix.dsl.planner.calibrate.pool` takes the medians.
+Every measurement is repeated (``warmup`` untimed rounds, then ``repeats`` timed ones); each
+round runs all measurements in a new shuffled order, so neither a slow moment nor the state the
+previous measurement left behind skews one op. Each rank returns its samples;
+:func:`dhelix.dsl.planner.calibrate.pool` takes the medians.
 
 Ops run on two :class:`KeptRun` layer states (the forward strand and the backward strand,
 as in an SI block) that keep every tensor, so any op can run again on the same inputs.
@@ -30,6 +31,7 @@ the communication streams); on CPU, ``perf_counter``.
 
 from __future__ import annotations
 
+import random
 import time
 from collections import Counter
 from typing import Callable, Sequence
@@ -58,6 +60,28 @@ class KeptRun(LayerRun):
         super().__init__(plan, weights, comm)
         # Saved tensors are dropped when their count of backward users reaches 0: never.
         self._saved_left = Counter({name: 1 << 60 for name in plan.saved_users})
+        self._routing: dict | None = None
+
+    def run_once(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+        """Run the whole forward on ``x`` and backward from ``grad``, then keep the MoE
+        routing they settled on: a permute run again recomputes the same routing but
+        overwrites the per-local-expert counts the dispatch set, so they are put back."""
+        self.forward(x)
+        self.backward(grad)
+        self._routing = dict(self.routing)
+
+    def forward_op(self, op: Op, async_op: bool = False) -> None:
+        super().forward_op(op, async_op)
+        self._restore_routing()
+
+    def backward_op(self, op: Op, async_op: bool = False) -> None:
+        super().backward_op(op, async_op)
+        self._restore_routing()
+
+    def _restore_routing(self) -> None:
+        if self._routing is not None:
+            self.routing.clear()
+            self.routing.update(self._routing)
 
     def _release(self, names, left, store, keep) -> None:
         pass
@@ -106,10 +130,9 @@ class LayerBench:
         weights = WeightPlan(program, seed).layer_weights(0, rank_index(program.mesh, comm.rank), dtype, device)
         generator = torch.Generator().manual_seed(seed + comm.rank)
         self.runs = (KeptRun(plan, weights, comm), KeptRun(plan, weights, comm))
+        shape = program.forward.input_shape
         for run in self.runs:
-            shape = program.forward.input_shape
-            run.forward(torch.randn(shape, generator=generator, dtype=dtype).to(device))
-            run.backward(torch.randn(shape, generator=generator, dtype=dtype).to(device))
+            run.run_once(*(torch.randn(shape, generator=generator, dtype=dtype).to(device) for _ in range(2)))
 
     def issue(self, op: Op, async_op: bool) -> None:
         """Run ``op`` on its strand's state; a collective with ``async_op`` stays in flight."""
@@ -222,7 +245,12 @@ def measure(items: Sequence[Measurement], repeats: int, warmup: int, meet: Calla
     the world barrier before a measurement that communicates; ``tick`` advances a progress bar."""
     samples: dict[str, dict] = {kind: {} for kind in ("ops", "issued", "pairs", "stretched", "sweep")}
     for round_ in range(warmup + repeats):
-        for item in items:
+        # A new order each round, the same on every rank (collectives must match): what the
+        # previous measurement left behind (idle communication threads, cold caches) then
+        # varies instead of always favouring or penalising the same measurements.
+        order = list(items)
+        random.Random(round_).shuffle(order)
+        for item in order:
             if item.meet:
                 meet()
             result = item.run()

@@ -78,14 +78,14 @@ def output_path(program_file: str, given: str | None, program, host: str) -> Pat
     (the program, its imports, the profile it names)."""
     source = Path(program_file)
     out = Path(given) if given else source.with_name(f"{source.stem}-{host}.yaml")
-    if out.suffix.lower() not in (".yaml", ".yml"):
-        raise UsageError(f"-o {out}: a profile is a .yaml file")
-    if not out.parent.is_dir():
-        raise UsageError(f"-o {out}: the folder '{out.parent}' does not exist")
     inputs = [Path(path) for path in program.files if path]
     if program.profile is not None and Path(program.profile.path).is_file():
         inputs.append(Path(program.profile.path))
     for path in inputs:
         if path.exists() and out.resolve() == path.resolve():
             raise UsageError(f"-o {out} would overwrite '{path}', an input of this profile run; choose another name")
+    if out.suffix.lower() not in (".yaml", ".yml"):
+        raise UsageError(f"-o {out}: a profile is a .yaml file")
+    if not out.parent.is_dir():
+        raise UsageError(f"-o {out}: the folder '{out.parent}' does not exist")
     return out

@@ -253,13 +253,14 @@ def _overlap(ops: Sequence[Op], timings: Timings, gap_us: float, base: Profile,
     by_name = {op.name: op for op in ops}
     per_class: dict[str, list[float]] = {}
     overrides: dict[tuple[str, str], float] = {}
-    stretch = []
+    stretch, clamped = [], 0
     for (f, b), pair_us in timings.pairs.items():
         tf, tb = timings.ops[f], timings.ops[b]
         if min(tf, tb) <= 0:
             continue
-        oef = (tf + tb - (pair_us - gap_us)) / min(tf, tb)
-        overrides[(f, b)] = min(OEF_HIGH, max(OEF_LOW, _round(oef, 3)))
+        oef = _round((tf + tb - (pair_us - gap_us)) / min(tf, tb), 3)
+        overrides[(f, b)] = min(OEF_HIGH, max(OEF_LOW, oef))
+        clamped += overrides[(f, b)] != oef
         kinds = sorted((_CLASS[_lane(by_name[f])], _CLASS[_lane(by_name[b])]), key=_ORDER.index)
         per_class.setdefault("_".join(kinds), []).append(overrides[(f, b)])
         compute = f if by_name[f].kind == "compute" else b if by_name[b].kind == "compute" else None
@@ -277,7 +278,8 @@ def _overlap(ops: Sequence[Op], timings: Timings, gap_us: float, base: Profile,
             classes[cls] = _base_value(base.oef_classes[cls], base, f"oef.classes.{cls}",
                                        "no such pair in this program", notes)
     if overrides:
-        notes["oef.pairs"] = "[measured] forward op -> backward op, from measured.pairs"
+        notes["oef.pairs"] = "[measured] forward op -> backward op, from measured.pairs" + (
+            f"; {clamped} outside [-1, 2] clamped (timing noise)" if clamped else "")
     if stretch:
         slowdown = min(1.0, max(0.0, _round(statistics.median(stretch), 3)))
         notes["slowdown.compute_with_comm"] = f"[measured] median stretch of compute beside a collective, {len(stretch)} pair(s)"
