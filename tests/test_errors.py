@@ -2,7 +2,8 @@
 
 Each case is a wrong program ``tests/errors/NAME.dhx`` (its first line, a comment, says what
 is wrong) with the whole expected message in ``tests/errors/NAME.expected``. Files named
-``NAME.PART.dhx`` are helpers the case imports (an import cycle needs two files). A case
+``NAME.PART.dhx`` are helpers the case imports (an import cycle needs two files), and
+``NAME.PART.yaml`` hardware profiles it names. A case
 and its helpers are copied into a temporary folder and checked there; the folder's path is
 shown as ``TMP`` in the expected messages. ``pytest --update-golden`` rewrites the
 ``.expected`` files from the current messages: review the diff before committing it.
@@ -31,7 +32,7 @@ CASES = sorted(p.stem for p in CASES_DIR.glob("*.dhx") if "." not in p.stem)
 
 def _message(name: str, folder: Path) -> str:
     """The rendered error of case ``name``, checked as a copy in ``folder``."""
-    for source in CASES_DIR.glob(f"{name}.*dhx"):
+    for source in [*CASES_DIR.glob(f"{name}.*dhx"), *CASES_DIR.glob(f"{name}.*.yaml")]:
         shutil.copy(source, folder / source.name)
     path = folder / f"{name}.dhx"
     with pytest.raises(DhelixError) as caught:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 
 from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.frontend.profile_writer import render_profile
 from dhelix.dsl.frontend.profiles import ProfileError, load_profile, parse_profile, profile_names
 
 MINIMAL = """\
@@ -241,13 +244,38 @@ error: unknown profile 'a4O'
   note: shipped profiles: a40, a800, h100"""
 
 
-def test_profiles_load_by_path_and_from_a_search_dir(tmp_path):
+def test_profiles_load_by_path_relative_to_the_search_dir(tmp_path):
     (tmp_path / "lab.yaml").write_text(MINIMAL)
-    assert load_profile("lab", search_dir=tmp_path).name == "lab"
     assert load_profile("lab.yaml", search_dir=tmp_path).hbm_gbps == 1000
-    assert load_profile("h100", search_dir=tmp_path).name == "h100"  # falls back to the shipped one
     with pytest.raises(ProfileError, match="cannot find profile file 'missing.yaml'"):
         load_profile("missing.yaml", search_dir=tmp_path)
+
+
+def test_a_bare_name_is_always_the_shipped_profile(tmp_path):
+    # A file beside the program named like a shipped profile does not replace it …
+    (tmp_path / "h100.yaml").write_text(MINIMAL.replace("name: lab", "name: h100"))
+    profile = load_profile("h100", search_dir=tmp_path)
+    assert profile.path == "stdlib/h100.yaml" and profile == load_profile("h100")
+    assert load_profile("h100.yaml", search_dir=tmp_path).hbm_gbps == 1000  # … its path names it
+    # … and a name that is only a file beside the program is unknown, with the way to name it.
+    (tmp_path / "lab.yaml").write_text(MINIMAL)
+    with pytest.raises(ProfileError) as info:
+        load_profile("lab", search_dir=tmp_path)
+    assert str(info.value) == """\
+error: unknown profile 'lab'
+  note: shipped profiles: a40, a800, h100
+  note: a profile file is named by its path: profile = \"lab.yaml\""""
+
+
+def test_a_program_naming_a40_gets_the_shipped_a40_despite_a_local_file(tmp_path):
+    from dhelix.dsl.passes.pipeline import check_text
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama_cpu.dhx"
+    program_file = tmp_path / "tiny.dhx"
+    program_file.write_text(example.read_text())
+    (tmp_path / "a40.yaml").write_text(MINIMAL.replace("name: lab", "name: a40"))
+    program = check_text(program_file.read_text(), str(program_file))
+    assert program.profile == load_profile("a40") and program.profile.path == "stdlib/a40.yaml"
 
 
 def test_a_dtype_without_a_peak_cannot_be_costed():
@@ -257,3 +285,60 @@ def test_a_dtype_without_a_peak_cannot_be_costed():
 error: profile 'a40' has no peak_tflops for fp8
   note: it lists bf16, fp16, fp32
   note: profile file: stdlib/a40.yaml"""
+
+
+STAMPED = MEASURED.replace("  ops:", """\
+  machine: "lab1: NVIDIA H100 80GB HBM3"
+  torch: 2.5.1
+  backend: nccl
+  date: "2025-03-01T12:00:00+00:00"
+  command: dhelix profile lab.dhx -o lab.yaml --backend nccl --repeats 5
+  repeats: 5
+  mesh: {tp: 8, pp: 2}
+  shapes: {qkv: "[8192, 4096] -> [8192, 768] weight [4096, 768]"}
+  ops:""")
+
+
+def test_stamp_mesh_and_shapes_of_the_measured_section_parse():
+    measured = parse_profile(MINIMAL + STAMPED, "lab.yaml").measured
+    assert measured.stamp["machine"] == "lab1: NVIDIA H100 80GB HBM3" and measured.stamp["torch"] == "2.5.1"
+    assert measured.stamp["backend"] == "nccl" and measured.repeats == 5
+    assert measured.mesh == {"tp": 8, "pp": 2}
+    assert measured.shapes == {"qkv": "[8192, 4096] -> [8192, 768] weight [4096, 768]"}
+
+
+def test_stamp_mesh_and_shapes_are_validated():
+    text = MINIMAL + STAMPED.replace("repeats: 5", "repeats: five").replace("{tp: 8, pp: 2}", "{tp: 0, pq: 2}") \
+        .replace('{qkv: "[8192', '{qkv: ["8192').replace('768]"}', '768]"]}').replace("torch: 2.5.1", "torch: [2]")
+    assert error_of(text) == """\
+lab.yaml:16:10: 'measured.torch' must be a string, got a list
+  16 |   torch: [2]
+     |          ^^^
+lab.yaml:20:12: 'measured.repeats' must be a whole number, got a string 'five'
+  20 |   repeats: five
+     |            ^^^^
+lab.yaml:21:14: 'measured.mesh.tp' must be at least 1, got 0
+  21 |   mesh: {tp: 0, pq: 2}
+     |              ^
+lab.yaml:21:17: unknown key 'pq' in measured.mesh
+  21 |   mesh: {tp: 0, pq: 2}
+     |                 ^^
+  note: did you mean 'pp'?
+  note: keys here: tp, cp, dp, pp, ep
+lab.yaml:22:17: 'measured.shapes.qkv' must be a string, got a list
+  22 |   shapes: {qkv: ["8192, 4096] -> [8192, 768] weight [4096, 768]"]}
+     |                 ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+5 errors"""
+
+
+@pytest.mark.parametrize("name", ["a40", "a800", "h100"])
+def test_written_profiles_read_back_equal(name):
+    profile = load_profile(name)
+    text = render_profile(profile, {"hbm_gbps": "[spec] a note"}, ["a header"])
+    assert text.startswith("# a header\nname: ") and "hbm_gbps: " in text and "   # [spec] a note\n" in text
+    assert parse_profile(text, "copy.yaml") == profile
+
+
+def test_a_written_measured_section_reads_back_equal():
+    profile = parse_profile(MINIMAL + STAMPED, "lab.yaml")
+    assert parse_profile(render_profile(profile), "copy.yaml") == profile

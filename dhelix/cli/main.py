@@ -30,6 +30,7 @@ COMMANDS = (
     "plan",
     "simulate",
     "run",
+    "profile",
 )
 #: Commands whose errors are their report, so they get no "while running" note.
 REPORTING = ("check", "fmt")

@@ -42,10 +42,14 @@ class Model:
 
 @attrs.frozen
 class Cluster:
+    """The cluster block: its size, the hardware profile it names and where that name is
+    written (``profile_span``, where an error about the profile file points)."""
+
     nodes: int
     gpus_per_node: int
     profile: str | None
     span: object = span_field()
+    profile_span: object = span_field()
 
 
 @attrs.frozen

@@ -171,7 +171,8 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
     if not positive:
         return None
     v = block.values
-    return Cluster(v["nodes"], v["gpus_per_node"], v.get("profile"), span=node.span)
+    profile_span = block.nodes["profile"].value.span if "profile" in block.nodes else None
+    return Cluster(v["nodes"], v["gpus_per_node"], v.get("profile"), span=node.span, profile_span=profile_span)
 
 
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:

@@ -30,7 +30,11 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
     launch_gap*: {fixed_us*, comm_fraction*}   # per paired segment, both >= 0
     measured:                         # filled by `dhelix profile`; optional
       dtype*: bf16
-      source: what was profiled
+      source: what was profiled       # the program file
+      machine, torch, backend, date, command: strings stamping the measurement
+      repeats: 5                      # timed repetitions per median
+      mesh: {tp: 2, pp: 2}            # the mesh measured on (axes larger than 1)
+      shapes: {op name: signature}    # `[64, 64] -> [64, 128]`, see frontend.profilecheck
       ops: {op name: µs}              # solo op times
       pairs: [{fwd*: [names], bwd*: [names], us*}]   # segment-pair make-spans
 
@@ -69,6 +73,9 @@ OEF_LOW, OEF_HIGH = -1.0, 2.0
 TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "achieved", "links", "collectives",
             "oef", "slowdown", "launch_gap", "measured")
 TOP_REQUIRED = ("name", "peak_tflops", "hbm_gbps", "achieved", "links", "oef", "slowdown", "launch_gap")
+STAMP_KEYS = ("machine", "torch", "backend", "date", "command")
+MEASURED_KEYS = ("dtype", "source", *STAMP_KEYS, "repeats", "mesh", "shapes", "ops", "pairs")
+MESH_AXES = ("tp", "cp", "dp", "pp", "ep")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*(@[A-Za-z_]+)?")
 
 
@@ -119,12 +126,18 @@ class MeasuredPair:
 
 @attrs.frozen
 class Measured:
-    """Timings taken by `dhelix profile` for one program and dtype (op names are that program's)."""
+    """Timings taken by `dhelix profile` for one program and dtype (op names are that program's),
+    with the stamp of the measurement and what it was measured at (``mesh``: axis -> size,
+    ``shapes``: op name -> signature), so that a profile of another program is recognised."""
 
     dtype: str
     source: str = ""
     ops: dict = attrs.field(factory=dict, hash=False)  # op name -> µs
     pairs: tuple[MeasuredPair, ...] = ()
+    stamp: dict = attrs.field(factory=dict, hash=False)  # machine, torch, backend, date, command -> str
+    repeats: int | None = None
+    mesh: dict = attrs.field(factory=dict, hash=False)  # axis -> size (axes larger than 1)
+    shapes: dict = attrs.field(factory=dict, hash=False)  # op name -> signature
 
     def pair_us(self, fwd: Sequence[str], bwd: Sequence[str]) -> float | None:
         """The measured make-span (µs) of exactly this segment pair, if there is one."""
@@ -177,9 +190,10 @@ def profile_names() -> list[str]:
 def load_profile(name_or_path: str, search_dir: str | Path | None = None, span: Span | None = None) -> Profile:
     """Load a profile by shipped name (``"a40"``) or by path (``"lab/h100.yaml"``).
 
-    A name is looked up as ``<search_dir>/<name>.yaml`` first, then among the shipped
-    profiles; a path is taken relative to ``search_dir`` (or the working directory).
-    ``span`` locates the reference in the caller's file for an unknown name. Raises
+    A bare name is always a shipped profile: a file ``<name>.yaml`` beside the program does
+    not replace it (the program names such a file by its path, ``"a40.yaml"``). A path (it
+    ends in ``.yaml``/``.yml`` or has a ``/``) is taken relative to ``search_dir`` (or the
+    working directory). ``span`` locates the reference in the caller's file. Raises
     ProfileError for a missing profile and for every schema mistake.
     """
     base = Path(search_dir) if search_dir is not None else Path.cwd()
@@ -189,14 +203,13 @@ def load_profile(name_or_path: str, search_dir: str | Path | None = None, span: 
         if not path.is_file():
             raise ProfileError(f"cannot find profile file '{name_or_path}'", span, [f"looked in {base}"])
         return parse_profile(path.read_text(), str(path))
-    if search_dir is not None and (base / f"{name_or_path}.yaml").is_file():
-        local = base / f"{name_or_path}.yaml"
-        return parse_profile(local.read_text(), str(local))
     shipped = resources.files("dhelix.stdlib_schedules") / f"{name_or_path}.yaml"
     if not shipped.is_file():
         names = profile_names()
-        raise ProfileError(f"unknown profile '{name_or_path}'", span,
-                           did_you_mean(name_or_path, names) + [f"shipped profiles: {', '.join(names)}"])
+        notes = did_you_mean(name_or_path, names) + [f"shipped profiles: {', '.join(names)}"]
+        if search_dir is not None and (base / f"{name_or_path}.yaml").is_file():
+            notes.append(f'a profile file is named by its path: profile = "{name_or_path}.yaml"')
+        raise ProfileError(f"unknown profile '{name_or_path}'", span, notes)
     return parse_profile(shipped.read_text(), f"stdlib/{name_or_path}.yaml")
 
 
@@ -321,14 +334,48 @@ def _launch_gap(reader: "_Reader", node) -> LaunchGap | None:
 
 
 def _measured(reader: "_Reader", node) -> Measured | None:
-    keys = reader.mapping(node, "measured", ("dtype", "source", "ops", "pairs"), ("dtype",))
+    keys = reader.mapping(node, "measured", MEASURED_KEYS, ("dtype",))
     if keys is None:
         return None
-    dtype = reader.choice(keys.get("dtype"), "measured.dtype", DTYPES)
-    source = reader.string(keys["source"], "measured.source") if "source" in keys else ""
-    ops = reader.number_map(keys["ops"], "measured.ops", None, (), nonneg=True) if "ops" in keys else {}
+    fields = dict(
+        dtype=reader.choice(keys.get("dtype"), "measured.dtype", DTYPES),
+        source=reader.string(keys["source"], "measured.source") if "source" in keys else "",
+        ops=reader.number_map(keys["ops"], "measured.ops", None, (), nonneg=True) if "ops" in keys else {},
+        stamp=_stamp(reader, keys),
+        repeats=reader.integer(keys["repeats"], "measured.repeats") if "repeats" in keys else 0,
+        mesh=_measured_mesh(reader, keys["mesh"]) if "mesh" in keys else {},
+        shapes=_measured_shapes(reader, keys["shapes"]) if "shapes" in keys else {},
+        pairs=_measured_pairs(reader, keys["pairs"]) if "pairs" in keys else (),
+    )
+    if any(value is None for value in fields.values()):
+        return None
+    return Measured(**fields | {"repeats": fields["repeats"] or None})
+
+
+def _stamp(reader: "_Reader", keys: dict) -> dict | None:
+    stamp = {key: reader.string(keys[key], f"measured.{key}") for key in STAMP_KEYS if key in keys}
+    return None if None in stamp.values() else stamp
+
+
+def _measured_mesh(reader: "_Reader", node) -> dict | None:
+    entries = reader.mapping(node, "measured.mesh", MESH_AXES, ())
+    if entries is None:
+        return None
+    sizes = {axis: reader.integer(value, f"measured.mesh.{axis}") for axis, value in entries.items()}
+    return None if None in sizes.values() else sizes
+
+
+def _measured_shapes(reader: "_Reader", node) -> dict | None:
+    entries = reader.mapping(node, "measured.shapes", None, ())
+    if entries is None:
+        return None
+    shapes = {name: reader.string(value, f"measured.shapes.{name}") for name, value in entries.items()}
+    return None if None in shapes.values() else shapes
+
+
+def _measured_pairs(reader: "_Reader", node) -> tuple[MeasuredPair, ...]:
     pairs = []
-    for index, item in enumerate(reader.sequence(keys["pairs"], "measured.pairs") if "pairs" in keys else []):
+    for index, item in enumerate(reader.sequence(node, "measured.pairs")):
         where = f"measured.pairs[{index}]"
         entry = reader.mapping(item, where, ("fwd", "bwd", "us"), ("fwd", "bwd", "us"))
         if entry is None:
@@ -340,9 +387,7 @@ def _measured(reader: "_Reader", node) -> Measured | None:
             reader.error(item, f"{where} pairs two empty segments", ["name the ops of at least one side"])
         elif None not in (fwd, bwd, us):
             pairs.append(MeasuredPair(fwd, bwd, us))
-    if dtype is None or source is None or ops is None:
-        return None
-    return Measured(dtype, source, ops, tuple(pairs))
+    return tuple(pairs)
 
 
 class _Reader:
@@ -452,6 +497,19 @@ class _Reader:
             return None
         out = {key: self.number(value, f"{where}.{key}", **bounds) for key, value in entries.items()}
         return None if None in out.values() else out
+
+    def integer(self, node, where: str) -> int | None:
+        """A positive integer, else None with a located error."""
+        if node is None:
+            return None
+        if not isinstance(node, yaml.ScalarNode) or node.tag.rsplit(":", 1)[-1] != "int":
+            self.error(node, f"'{where}' must be a whole number, got {self._what(node)}")
+            return None
+        value = int(self._loader.construct_object(node))
+        if value < 1:
+            self.error(node, f"'{where}' must be at least 1, got {node.value}")
+            return None
+        return value
 
     def string(self, node, where: str) -> str | None:
         """A string scalar, else None with a located error (None for a missing node)."""

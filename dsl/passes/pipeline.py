@@ -19,6 +19,7 @@ from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup
 from dhelix.dsl.frontend.imports import load_modules
 from dhelix.dsl.frontend.modelcheck import layer_env
+from dhelix.dsl.frontend.profilecheck import check_measured
 from dhelix.dsl.passes.fold import placement_of
 from dhelix.dsl.passes.lower import check_fold, lower_pipeline
 from dhelix.dsl.frontend.parser import parse
@@ -42,12 +43,15 @@ class Stage:
 
 def shapes(program: Program) -> Program:
     """The program with the names its layer's expressions see (``env``) and its forward
-    layer DAG with per-GPU shapes (unchanged for a library file)."""
+    layer DAG with per-GPU shapes (unchanged for a library file); ProfileError when its
+    profile's measured section was taken on another program (other shapes, mesh or dtype)."""
     if program.model is None:
         return program
     env = layer_env(program.model, program.mesh, program.train)
     forward = instantiate(program.layer(program.model.layer), env, program.mesh)
-    return attrs.evolve(program, env=tuple(env.items()), forward=forward)
+    program = attrs.evolve(program, env=tuple(env.items()), forward=forward)
+    check_measured(program)
+    return program
 
 
 def autodiff(program: Program) -> Program:

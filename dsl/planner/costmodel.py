@@ -216,15 +216,20 @@ def collective_time(kind: str, size_bytes: float, group: int, lane: str, profile
 
 # ---------------------------------------------------------------- time
 
+def achieved_class(op, profile: Profile) -> str:
+    """The ``achieved`` class that prices the compute of ``op`` on ``profile``: its op class
+    (``attention`` for attention and its backward), ``activation`` for a class the profile
+    does not list (a streaming kernel)."""
+    op_class = "attention" if _is_attention(op) else op.op_class
+    return op_class if op_class in profile.achieved else "activation"
+
+
 def _compute_seconds(op, profile: Profile, dtype: str, seq: int | None) -> float:
     flops, elements = _compute_cost(op, seq)
     moved = elements * dtype_bytes(dtype)
-    op_class = "attention" if _is_attention(op) else op.op_class
+    op_class = achieved_class(op, profile)
     hbm = profile.hbm_gbps * 1e9
-    achieved = profile.achieved.get(op_class)
-    if achieved is None:  # an op class the profile does not list: treat as a streaming kernel
-        achieved = profile.achieved["activation"]
-        op_class = "activation"
+    achieved = profile.achieved[op_class]
     if op_class in COMPUTE_BOUND:
         return max(flops / (profile.peak_flops(dtype) * achieved), moved / hbm)
     return moved / (hbm * achieved)

@@ -139,7 +139,8 @@ class PairCost:
     @classmethod
     def for_program(cls, program, profile: Profile | None = None) -> "PairCost":
         """A PairCost for a checked Program: its model's dtype and seq, and ``profile`` or
-        the one its cluster block names."""
+        the one its cluster block names (as the checker loaded it, relative to the program)."""
+        profile = profile or program.profile
         if profile is None:
             name = program.cluster.profile if program.cluster is not None else None
             if name is None:

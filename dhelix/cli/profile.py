@@ -1,0 +1,146 @@
+"""`dhelix profile FILE [-o OUT.yaml] [--backend gloo|nccl] [--repeats N] [--nproc N]`:
+measure a hardware profile for FILE on the machine and mesh at hand.
+
+Launched like `dhelix run` (local gloo ranks by default, or each process of a ``torchrun``
+world, :mod:`dhelix.interpreter.spawn`), the ranks time every op of the program's layer alone
+and in the pairs the planner can choose (:mod:`dhelix.interpreter.profiler`); rank 0 brings
+the pooled samples back and this command fits the link rates, derives the profile
+(:mod:`dhelix.dsl.planner.calibrate`), writes it as YAML stamped with the machine, torch
+version, backend, date and command, reads it back through the schema and prints a summary.
+What the profile cannot measure comes from the program's own profile (its cluster block), or
+the shipped ``h100`` when it names none.
+
+The default output is ``<program>-<host>.yaml`` beside the program, so that
+``cluster { profile = "<program>-<host>.yaml" }`` names it. The output is checked before any
+rank starts (:mod:`dhelix.cli.paths`): it may not be the program, one of its imports or the
+profile it names, and must be a ``.yaml`` file that can be written (exit code 2).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from datetime import datetime, timezone
+from pathlib import Path
+
+from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
+from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.passes.pipeline import check_text
+
+DEFAULT_REPEATS = 5
+
+
+def register(subparsers) -> None:
+    """Add the ``profile`` command to the CLI's sub-command parsers."""
+    prof = subparsers.add_parser(
+        "profile", help="measure a hardware profile (op times, overlap, links) for a program on this machine",
+        description="Time every op of FILE's forward and backward layer alone and in the pairs the planner "
+                    "can choose, on N local gloo ranks (N = the mesh size) or under torchrun, and write a "
+                    "profile YAML that `cluster { profile = \"OUT.yaml\" }` accepts.")
+    prof.add_argument("file", metavar="FILE")
+    prof.add_argument("-o", "--output", metavar="OUT.yaml",
+                      help="where to write the profile (default: <program>-<host>.yaml beside the program)")
+    prof.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                      help="collective backend (default gloo; nccl needs one GPU per rank)")
+    prof.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
+                      help=f"timed repetitions of each measurement, after one warm-up (default {DEFAULT_REPEATS})")
+    prof.add_argument("--nproc", type=int, metavar="N", help="local ranks to spawn (must equal the mesh size)")
+    prof.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                      help="collective timeout in seconds (default 60)")
+    prof.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args) -> int:
+    """`dhelix profile FILE …`: check the program and the output path, measure on the
+    ranks, write the profile; returns the exit code."""
+    if args.repeats < 1:
+        raise UsageError("--repeats must be at least 1")
+    if args.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    text = read_source(args.file)
+    program = check_text(text, args.file)
+    if program.model is None:
+        raise UsageError(f"'{args.file}' is a library file: it has no model to profile")
+    from dhelix.interpreter import profile_launch, spawn
+
+    out = _output(args, program, profile_launch.host_name())
+    spawn.quiet_numpy_warning()  # before torch is first imported
+    from dhelix.interpreter import train
+
+    train.preflight(program)
+    command = shlex.join(["dhelix", "profile", args.file, "-o", str(out), "--backend", args.backend,
+                          "--repeats", str(args.repeats)])
+    options = profile_launch.ProfileOptions(path=args.file, text=text, backend=args.backend,
+                                            repeats=args.repeats, timeout=args.timeout,
+                                            seed=program.train.seed)
+    placed = spawn.torchrun_rank(program)
+    if placed is not None:
+        samples = spawn.run_rank(options, *placed, "env://", profile_launch.measure_layer)
+    else:
+        nproc, world = args.nproc or program.mesh.world, program.mesh.world
+        if nproc != world:
+            from dhelix.interpreter.summary import describe_mesh
+
+            raise UsageError(f"--nproc {nproc} does not match the mesh: it has {world} ranks "
+                             f"({describe_mesh(program.mesh)})")
+        samples = spawn.run_local(options, nproc, profile_launch.measure_layer)
+    if samples is None:  # not global rank 0: rank 0 writes the profile
+        return 0
+    profile = write_profile(out, program, options, samples, command, profile_launch.host_name())
+    print(summary(args.file, out, program, options, samples, profile))
+    return 0
+
+
+def _output(args, program, host: str) -> Path:
+    """The checked output path: ``-o``, else ``<program>-<host>.yaml`` beside the program."""
+    source = Path(args.file)
+    given = args.output or str(source.with_name(f"{source.stem}-{host}.yaml"))
+    out = output_path(given, "-o", inputs=(args.file,))
+    refuse_inputs(out, "-o", program_inputs(program))
+    if out.suffix.lower() not in (".yaml", ".yml"):
+        raise UsageError(f"-o {given}: a profile is a .yaml file")
+    return out
+
+
+def write_profile(out: Path, program, options, samples, command: str, host: str):
+    """Derive the profile of ``samples``, write it to ``out`` and read it back through the
+    schema (a profile that cannot be read back is a bug here, not the user's)."""
+    from dhelix.dsl.frontend.profile_writer import render_profile
+    from dhelix.dsl.frontend.profiles import load_profile, parse_profile
+    from dhelix.dsl.planner.calibrate import Stamp, derive_profile
+    from dhelix.interpreter.profile_launch import DEFAULT_BASE
+
+    base = program.profile or load_profile(DEFAULT_BASE)
+    stamp = Stamp(source=options.path, machine=samples.machine, torch=samples.torch, backend=options.backend,
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=command,
+                  repeats=options.repeats)
+    profile, notes = derive_profile(program, samples.timings, stamp, base, name=host)
+    header = [f"Measured by `{command}`.",
+              "Every number names its source: [measured] timed on this machine, [derived] computed from",
+              f"the timings, [executor] how the interpreter runs, [from {base.name}] copied from that profile.",
+              "Re-run the command to refresh it; the measured: section fits this program only."]
+    text = render_profile(profile, notes, header)
+    write_output(out, text)
+    return parse_profile(text, str(out))
+
+
+def summary(path: str, out: Path, program, options, samples, profile) -> str:
+    """What the command prints: what was timed, the headline figures, how to use the file."""
+    from dhelix.interpreter.summary import describe_mesh
+
+    dtype = program.model.dtype
+    counts = samples.counts
+    links = "; ".join(f"{lane} {link.bw_gbps:g} GB/s + {link.latency_us:g} µs per step"
+                      for lane, link in profile.links.items())
+    classes = ", ".join(f"{cls} {value:g}" for cls, value in profile.oef_classes.items())
+    relative = os.path.relpath(out.resolve(), Path(path).resolve().parent)
+    return "\n".join([
+        f"dhelix profile: {path} on {samples.world} {options.backend} rank(s) ({describe_mesh(program.mesh)}), "
+        f"{options.repeats} timed repeat(s) after {options.warmup} warm-up",
+        f"timed {counts['ops']} ops alone, {counts['pairs']} op pairs, {counts['sweep']} link sizes; wrote {out}",
+        f"  compute  peak {profile.peak_tflops[dtype] * 1e3:g} GFLOP/s {dtype} (fastest op), "
+        f"memory {profile.hbm_gbps:g} GB/s",
+        f"  links    {links}",
+        f"  overlap  OEF {classes}; slowdown {profile.slowdown:g}; launch gap {profile.launch_gap.fixed_us:g} µs",
+        f'use it: cluster {{ profile = "{relative}" }}  (a path relative to the program file)'])

@@ -1,0 +1,105 @@
+"""`dhelix profile FILE` on the ranks: time the layer (:mod:`.profiler`) and bring the
+samples to rank 0.
+
+Started like ``dhelix run`` by :mod:`.spawn` (local gloo ranks, or each process of a
+``torchrun`` world): :func:`measure_layer` is the ``work`` every rank runs. Each rank times
+the same measurements in the same order; rank 0 gathers every rank's samples and returns
+them pooled (medians: :func:`dhelix.dsl.planner.calibrate.pool`) with what the profile's
+stamp needs (the machine, torch's version). Deriving the profile and writing the YAML is the
+command's job (:mod:`dhelix.cli.profile`), on the parent, where the output path was checked.
+
+This module imports torch only inside a rank.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+import threading
+
+import attrs
+
+#: The shipped profile that supplies unmeasurable values when the program names none.
+DEFAULT_BASE = "h100"
+
+
+@attrs.frozen(kw_only=True)
+class ProfileOptions:
+    """Everything a rank needs (picklable: spawned ranks receive it). ``seed`` seeds the
+    weights and inputs the ops run on; ``timeout`` is the collectives' timeout in seconds."""
+
+    path: str
+    text: str
+    backend: str = "gloo"
+    repeats: int = 5
+    warmup: int = 1
+    timeout: float = 60.0
+    seed: int = 0
+
+
+@attrs.frozen
+class ProfileSamples:
+    """What rank 0 brings back: the pooled ``timings``, how many measurements of each kind
+    were timed (``counts``), the world size, the machine and torch's version."""
+
+    timings: object
+    counts: dict
+    world: int
+    machine: str
+    torch: str
+
+
+def host_name() -> str:
+    """This machine's name, safe in a file name (``host`` when it has none)."""
+    return re.sub(r"[^A-Za-z0-9_-]+", "-", platform.node()).strip("-") or "host"
+
+
+def measure_layer(options: ProfileOptions, device) -> ProfileSamples | None:
+    """Time the program's layer on this rank (a :data:`.spawn.Work`); the pooled samples of
+    every rank on global rank 0, None elsewhere. Rank 0 shows a progress bar."""
+    import torch
+    from tqdm import tqdm
+
+    from dhelix.dsl.passes.pipeline import check_text
+    from dhelix.dsl.planner.calibrate import pool
+
+    from .comm import DistComm
+    from .harness import gather_to_first
+    from .profiler import Clock, LayerBench, barrier, measure, measurements
+
+    program = check_text(options.text, options.path)
+    comm = DistComm(program.mesh, device, timeout_s=options.timeout)
+    bench = LayerBench(program, comm, device, seed=options.seed)
+    items = measurements(program, bench, comm, Clock(device), device)
+    meet = barrier(device)
+    meet()
+    tqdm.set_lock(threading.RLock())  # not tqdm's multiprocessing lock: a stopped rank would leak it
+    bar = tqdm(total=len(items) * (options.warmup + options.repeats), desc="dhelix profile", unit="timing",
+               disable=comm.rank != 0, file=sys.stderr)
+    samples = measure(items, options.repeats, options.warmup, meet, bar.update)
+    bar.close()
+    ranks = gather_to_first(samples)
+    if ranks is None:
+        return None
+    counts = {kind: sum(1 for item in items if item.kind == kind) for kind in ("ops", "pairs", "sweep")}
+    return ProfileSamples(pool(ranks), counts, len(ranks), machine(device), torch.__version__)
+
+
+def machine(device) -> str:
+    """The host and what it computes on: the GPU's name, or the CPU model and core count."""
+    import torch
+
+    if device.type == "cuda":
+        return f"{platform.node()}: {torch.cuda.get_device_name(device)}"
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{platform.node()}: {model}, {os.cpu_count()} CPU cores"

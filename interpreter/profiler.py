@@ -1,0 +1,270 @@
+"""Time the ops of a program's layer, alone and in pairs, on this rank (`dhelix profile`).
+
+The paper's offline profiling (§4.2, Table 2), done on the machine and mesh at hand with the
+interpreter's own kernels and communicators:
+
+* **Ops alone.** Every op of the forward and the derived backward layer DAG at the
+  program's shard shapes: compute kernels on the compute lane, each collective on its real
+  process group (tp, cp, ep …) and so on its lane. A collective is timed synchronously and,
+  separately, issued asynchronously and waited for at once (what the SI lanes do; the
+  difference is the launch gap).
+* **Pairs.** Every forward op beside every backward op where one of them communicates
+  (compute × comm both ways, comm × comm on one lane or across lanes), co-executed as an SI
+  pair runs them: the collectives issued asynchronously first, the compute op on the compute
+  lane (the calling thread on CPU, the current stream on CUDA), then the barrier. The compute
+  op's own time inside the pair is kept too (its slowdown beside communication).
+* **Link sweep.** all_gathers of 4 KiB to 8 MiB per rank on one group of each lane the
+  mesh has, for the link bandwidth and latency.
+
+Every measurement is repeated (``warmup`` untimed rounds, then ``repeats`` timed ones); each
+round runs all measurements in a new shuffled order, so neither a slow moment nor the state the
+previous measurement left behind skews one op. Each rank returns its samples;
+:func:`dhelix.dsl.planner.calibrate.pool` takes the medians.
+
+Ops run on two :class:`KeptRun` layer states (the forward strand and the backward strand,
+as in an SI block) that keep every tensor, so any op can run again on the same inputs.
+Every rank runs the same measurements in the same order (collectives must match); before a
+measurement with communication the world meets at a barrier so that the peers start
+together. On CUDA, times are CUDA events on the compute stream (the waits order it after
+the communication streams); on CPU, ``perf_counter``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from typing import Callable, Sequence
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from dhelix.dsl.core.program import Op, Program
+
+from .comm import AXES, Communicator, Pending
+from .layer_exec import LayerPlan, LayerRun
+from .weights import WeightPlan, torch_dtype
+
+#: Bytes per rank of the link sweep's all_gathers.
+SWEEP_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+#: Elements per row of the sweep's tensors.
+SWEEP_WIDTH = 256
+
+
+class KeptRun(LayerRun):
+    """A LayerRun that never releases a tensor: after one whole forward and backward, any
+    op can run again on the same inputs (it overwrites its output with an equal one)."""
+
+    def __init__(self, plan: LayerPlan, weights, comm: Communicator):
+        super().__init__(plan, weights, comm)
+        # Saved tensors are dropped when their count of backward users reaches 0: never.
+        self._saved_left = Counter({name: 1 << 60 for name in plan.saved_users})
+        self._routing: dict | None = None
+
+    def run_once(self, x: torch.Tensor, grad: torch.Tensor) -> None:
+        """Run the whole forward on ``x`` and backward from ``grad``, then keep the MoE
+        routing they settled on: a permute run again recomputes the same routing but
+        overwrites the per-local-expert counts the dispatch set, so they are put back."""
+        self.forward(x)
+        self.backward(grad)
+        self._routing = dict(self.routing)
+
+    def forward_op(self, op: Op, async_op: bool = False) -> None:
+        super().forward_op(op, async_op)
+        self._restore_routing()
+
+    def backward_op(self, op: Op, async_op: bool = False) -> None:
+        super().backward_op(op, async_op)
+        self._restore_routing()
+
+    def _restore_routing(self) -> None:
+        if self._routing is not None:
+            self.routing.clear()
+            self.routing.update(self._routing)
+
+    def _release(self, names, left, store, keep) -> None:
+        pass
+
+    def settle(self, op: Op, forward: bool) -> None:
+        """Wait for what ``op`` (a forward op when ``forward``) left in flight."""
+        if forward:
+            self._act(op.name)
+            return
+        grads = self.bgrads.get(op.name, {})
+        for value, grad in list(grads.items()):
+            if isinstance(grad, Pending):
+                grads[value] = grad.wait()
+
+
+class Clock:
+    """Marks and intervals: ``perf_counter`` on CPU, CUDA events on the current stream."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        """A point in time (on CUDA, an event recorded on the current stream)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def us(self, start, stop) -> float:
+        """Microseconds from mark ``start`` to mark ``stop`` (waits for ``stop`` on CUDA)."""
+        if self.cuda:
+            stop.synchronize()
+            return start.elapsed_time(stop) * 1e3
+        return (stop - start) * 1e6
+
+
+class LayerBench:
+    """The program's layer on this rank, ready to run any op again: the forward strand's
+    ops on one kept state, the backward strand's on another (both run once in full)."""
+
+    def __init__(self, program: Program, comm: Communicator, device: torch.device, seed: int = 0):
+        self.forward_names = {op.name for op in program.forward.ops}
+        dtype = torch_dtype(program)
+        plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
+        index = {axis: comm.index(axis) for axis in AXES}
+        weights = WeightPlan(program, seed).layer_weights(0, index, dtype, device)
+        generator = torch.Generator().manual_seed(seed + comm.rank)
+        self.runs = (KeptRun(plan, weights, comm), KeptRun(plan, weights, comm))
+        shape = program.forward.input_shape
+        for run in self.runs:
+            run.run_once(*(torch.randn(shape, generator=generator, dtype=dtype).to(device) for _ in range(2)))
+
+    def issue(self, op: Op, async_op: bool) -> None:
+        """Run ``op`` on its strand's state; a collective with ``async_op`` stays in flight."""
+        if op.name in self.forward_names:
+            self.runs[0].forward_op(op, async_op=async_op)
+        else:
+            self.runs[1].backward_op(op, async_op=async_op)
+
+    def wait(self, op: Op) -> None:
+        """Wait for whatever ``op`` left in flight (the cross-strand barrier for one op)."""
+        forward = op.name in self.forward_names
+        self.runs[0 if forward else 1].settle(op, forward)
+
+
+@attrs.frozen
+class Measurement:
+    """One thing to time: ``kind`` (ops, issued, pairs, sweep), the key its samples go
+    under, whether the world meets first, and ``run() -> {kind: µs}``."""
+
+    kind: str
+    key: object
+    meet: bool
+    run: Callable[[], dict]
+
+
+def measurements(program: Program, bench: LayerBench, comm: Communicator, clock: Clock,
+                 device: torch.device) -> list[Measurement]:
+    """Everything to time on this rank, in the order every rank times it."""
+    fwd, bwd = program.forward.ops, program.backward.ops
+    items = [Measurement("ops", op.name, op.kind == "comm", _solo(bench, clock, op, False)) for op in fwd + bwd]
+    items += [Measurement("issued", op.name, True, _solo(bench, clock, op, True))
+              for op in fwd + bwd if op.kind == "comm"]
+    items += [Measurement("pairs", (f.name, b.name), True, _pair(bench, clock, f, b))
+              for f, b in pairs_to_time(fwd, bwd)]
+    for lane, axis in sweep_axes(program):
+        for size in SWEEP_BYTES:
+            rows = max(1, size // (SWEEP_WIDTH * torch_dtype(program).itemsize))
+            x = torch.randn(rows, SWEEP_WIDTH, dtype=torch_dtype(program)).to(device)
+            group = comm.size(axis)
+            key = (lane, axis, group, float(x.numel() * x.element_size() * group))
+            items.append(Measurement("sweep", key, True, _gather(comm, clock, x, axis)))
+    return items
+
+
+def pairs_to_time(fwd: Sequence[Op], bwd: Sequence[Op]) -> list[tuple[Op, Op]]:
+    """The (forward op, backward op) pairs worth timing: those where one side communicates
+    (compute × compute never overlaps: one compute lane)."""
+    return [(f, b) for f in fwd for b in bwd if "comm" in (f.kind, b.kind)]
+
+
+def sweep_axes(program: Program) -> list[tuple[str, str]]:
+    """(lane, axis) of the group each lane's sweep runs on: the first axis on that lane that
+    the layer communicates over, else the first mesh axis larger than 1 on it."""
+    mesh, found = program.mesh, {}
+    layer_axes = [(op.lane, op.axis) for op in program.forward.ops if op.kind == "comm" and op.axis]
+    mesh_axes = [(mesh.lane(axis), axis) for axis in AXES if axis != "ep" and mesh.size(axis) > 1]
+    for lane, axis in layer_axes + mesh_axes:
+        found.setdefault(lane, axis)
+    return [(lane, found[lane]) for lane in ("local", "cross") if lane in found]
+
+
+def _solo(bench: LayerBench, clock: Clock, op: Op, async_op: bool) -> Callable[[], dict]:
+    def run() -> dict:
+        start = clock.mark()
+        bench.issue(op, async_op)
+        bench.wait(op)
+        return {"us": clock.us(start, clock.mark())}
+
+    return run
+
+
+def _pair(bench: LayerBench, clock: Clock, f: Op, b: Op) -> Callable[[], dict]:
+    # Collectives first, so that they run while the compute op does (an SI pair's lanes).
+    ordered = sorted((f, b), key=lambda op: op.kind != "comm")
+
+    def run() -> dict:
+        start = clock.mark()
+        stretched = None
+        for op in ordered:
+            if op.kind == "comm":
+                bench.issue(op, True)
+            else:
+                began = clock.mark()
+                bench.issue(op, False)
+                stretched = (began, clock.mark())
+        for op in ordered:
+            bench.wait(op)
+        stop = clock.mark()
+        out = {"us": clock.us(start, stop)}
+        if stretched is not None:
+            out["stretched"] = clock.us(*stretched)
+        return out
+
+    return run
+
+
+def _gather(comm: Communicator, clock: Clock, x: torch.Tensor, axis: str) -> Callable[[], dict]:
+    def run() -> dict:
+        start = clock.mark()
+        comm.all_gather(x, axis)
+        return {"us": clock.us(start, clock.mark())}
+
+    return run
+
+
+def measure(items: Sequence[Measurement], repeats: int, warmup: int, meet: Callable[[], None],
+            tick: Callable[[], None] = lambda: None) -> dict[str, dict]:
+    """Run every measurement ``warmup + repeats`` times, round by round; returns this rank's
+    samples ``{kind: {key: [µs, …]}}`` (pair compute times under ``stretched``). ``meet`` is
+    the world barrier before a measurement that communicates; ``tick`` advances a progress bar."""
+    samples: dict[str, dict] = {kind: {} for kind in ("ops", "issued", "pairs", "stretched", "sweep")}
+    for round_ in range(warmup + repeats):
+        # A new order each round, the same on every rank (collectives must match): what the
+        # previous measurement left behind (idle communication threads, cold caches) then
+        # varies instead of always favouring or penalising the same measurements.
+        order = list(items)
+        random.Random(round_).shuffle(order)
+        for item in order:
+            if item.meet:
+                meet()
+            result = item.run()
+            if round_ >= warmup:
+                samples[item.kind].setdefault(item.key, []).append(result["us"])
+                if "stretched" in result:
+                    samples["stretched"].setdefault(item.key, []).append(result["stretched"])
+            tick()
+    return samples
+
+
+def barrier(device: torch.device) -> Callable[[], None]:
+    """The world barrier on ``device``'s backend."""
+    if device.type == "cuda":
+        return lambda: dist.barrier(device_ids=[device.index])
+    return dist.barrier

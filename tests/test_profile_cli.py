@@ -1,0 +1,94 @@
+"""`dhelix profile`: a real profile of the tiny example on 4 local gloo ranks that `check`, `plan`
+and `simulate` accept, and the command-line mistakes refused before any rank starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("tqdm")
+
+from dhelix.cli import main  # noqa: E402
+from dhelix.dsl.frontend.profiles import parse_profile  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "tiny_llama_cpu.dhx"
+
+
+def dhelix(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``python -m dhelix ARGS`` in a fresh process (spawned ranks need a real main)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.run([sys.executable, "-m", "dhelix", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=ROOT)
+
+
+def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_and_simulate(tmp_path, capsys):
+    out = tmp_path / "measured.yaml"
+    result = dhelix("profile", str(EXAMPLE), "-o", str(out), "--repeats", "2")
+    assert result.returncode == 0, result.stderr
+    assert "on 4 gloo rank(s) (tp 2 × pp 2), 2 timed repeat(s) after 1 warm-up" in result.stdout
+    assert "timed 32 ops alone, 112 op pairs, 8 link sizes" in result.stdout
+    assert 'use it: cluster { profile = "' in result.stdout
+    assert "dhelix profile: 100%" in result.stderr  # the progress bar
+    profile = parse_profile(out.read_text(), str(out))
+    measured = profile.measured
+    assert measured.dtype == "fp32" and measured.repeats == 2 and measured.mesh == {"tp": 2, "pp": 2}
+    assert set(measured.stamp) == {"machine", "torch", "backend", "date", "command"}
+    assert measured.stamp["backend"] == "gloo" and measured.stamp["command"].startswith("dhelix profile ")
+    assert len(measured.ops) == 14 + 18 and len(measured.pairs) == 112
+    assert all(us > 0 for us in measured.ops.values())
+    assert set(profile.peak_tflops) == {"fp32"}
+    assert "[measured]" in out.read_text() and "[from a40]" in out.read_text()  # cross pairs: not in this layer
+
+    program = tmp_path / "tiny.dhx"
+    program.write_text(EXAMPLE.read_text().replace('profile = "a40"', 'profile = "measured.yaml"'))
+    capsys.readouterr()
+    for command in ("check", "plan", "simulate"):
+        assert main([command, str(program)]) == 0, capsys.readouterr().err
+    assert f"profile {profile.name}" in capsys.readouterr().out
+
+
+def test_the_output_may_not_overwrite_an_input(tmp_path, capsys):
+    program = tmp_path / "tiny.dhx"
+    program.write_text(EXAMPLE.read_text().replace('profile = "a40"', 'profile = "lab.yaml"'))
+    (tmp_path / "lab.yaml").write_text((ROOT / "stdlib_schedules" / "a40.yaml").read_text())
+    for target in (program, tmp_path / "lab.yaml"):
+        assert main(["profile", str(program), "-o", str(target)]) == 2
+        assert "that is an input of this command" in capsys.readouterr().err
+    assert program.read_text().count("lab.yaml") == 1  # untouched
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "out.txt"], "-o out.txt: a profile is a .yaml file"),
+    (["-o", "missing/out.yaml"], "-o missing/out.yaml: the folder 'missing' does not exist"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--nproc", "2"], "--nproc 2 does not match the mesh: it has 4 ranks (tp 2 × pp 2)"),
+])
+def test_command_line_mistakes_exit_2_before_any_rank_starts(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["profile", str(EXAMPLE), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_library_file_has_nothing_to_profile(capsys):
+    assert main(["profile", str(ROOT / "stdlib_schedules" / "layers.dhx")]) == 2
+    assert "is a library file: it has no model to profile" in capsys.readouterr().err
+
+
+def test_the_default_output_is_named_after_the_program_and_the_host(tmp_path, monkeypatch):
+    import argparse
+
+    from dhelix.cli.profile import _output
+    from dhelix.dsl.passes.pipeline import check_text
+
+    program_file = tmp_path / "tiny.dhx"
+    program_file.write_text(EXAMPLE.read_text())
+    program = check_text(program_file.read_text(), str(program_file))
+    args = argparse.Namespace(file=str(program_file), output=None)
+    assert _output(args, program, "lab1") == tmp_path / "tiny-lab1.yaml"
+    assert not (tmp_path / "tiny-lab1.yaml").exists()  # checked, not written
