@@ -76,7 +76,7 @@ def measure_layer(options: ProfileOptions, device) -> ProfileSamples | None:
     meet = barrier(device)
     meet()
     tqdm.set_lock(threading.RLock())  # not tqdm's multiprocessing lock: a stopped rank would leak it
-    bar = tqdm(total=len(items) * (options.warmup + options.repeats), desc="dhelix profile", unit="timing",
+    bar = tqdm(total=len(items) * (options.warmup + options.repeats), desc="profiling", unit="timing",
                disable=comm.rank != 0, file=sys.stderr)
     samples = measure(items, options.repeats, options.warmup, meet, bar.update)
     bar.close()

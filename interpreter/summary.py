@@ -149,6 +149,24 @@ def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
                    peak_activations=max(r.activations for r in result.ranks)), note
 
 
+def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> dict:
+    """The summary's figures and every rank's per-step times as plain values (what
+    ``dhelix run --metrics`` writes as JSON for scripts such as benchmarks/two_nodes.py):
+    seconds and bytes; ``exposed_comm_s`` is None on CUDA, predicted figures None when the
+    program cannot be simulated."""
+    measured, predicted = summary.measured, summary.predicted
+    return {
+        "file": options.path, "backend": options.backend, "si": options.si, "plan": options.plan,
+        "steps": len(result.losses), "losses": list(result.losses),
+        "step_s": measured.step_time, "exposed_comm_s": measured.exposed_comm,
+        "peak_activations_bytes": measured.peak_activations,
+        "predicted": {"step_s": predicted.step_time, "exposed_comm_s": predicted.exposed_comm,
+                      "peak_activations_bytes": predicted.peak_activations, "note": summary.note},
+        "ranks": [{"rank": r.rank, "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p)}
+                  for r in result.ranks],
+    }
+
+
 def format_summary(summary: RunSummary) -> str:
     """The end-of-run table: what ran, the losses, per rank the median step time, time
     blocked on collectives and on pipeline receives and the activation peak; then the

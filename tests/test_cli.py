@@ -209,10 +209,9 @@ def _program(folder: Path, name: str = "prog.dhx", imports=(), profile: str | No
 
 # --- the output path: every command that writes ------------------------------------------------
 
-#: Per command, the arguments before the output and the output option.
-WRITERS = {"render": ([], "-o"), "export": ([], "--torch-csv"), "simulate": ([], "--trace"),
-           "run": ([], "--trace")}
-SUFFIX = {"render": ".svg", "export": ".csv", "simulate": ".json", "run": ".json"}
+#: Every command and option that writes a file, with the file's usual suffix.
+WRITERS = [("render", "-o", ".svg"), ("export", "--torch-csv", ".csv"), ("simulate", "--trace", ".json"),
+           ("run", "--trace", ".json"), ("run", "--metrics", ".json"), ("profile", "-o", ".yaml")]
 
 
 @pytest.fixture
@@ -227,35 +226,39 @@ def no_training(monkeypatch):
     monkeypatch.setattr(spawn, "run_rank", started)
 
 
-@pytest.mark.parametrize("command", list(WRITERS))
+@pytest.mark.parametrize("command, flag, suffix", WRITERS)
 @pytest.mark.parametrize("where, message", [
     ("folder", "that is a folder"),
     ("missing", "does not exist"),
     pytest.param("proc", "cannot write there", marks=needs_proc),
 ])
-def test_every_writer_refuses_bad_places_before_any_work(command, where, message, tmp_path, capsys, no_training):
+def test_every_writer_refuses_bad_places_before_any_work(command, flag, suffix, where, message, tmp_path, capsys,
+                                                         no_training):
     program = _program(tmp_path)
-    target = {"folder": tmp_path / f"dir{SUFFIX[command]}", "missing": tmp_path / "missing" / f"x{SUFFIX[command]}",
-              "proc": PROC / f"x{SUFFIX[command]}"}[where]
+    target = {"folder": tmp_path / f"dir{suffix}", "missing": tmp_path / "missing" / f"x{suffix}",
+              "proc": PROC / f"x{suffix}"}[where]
     if where == "folder":
         target.mkdir()
-    assert main([command, str(program), WRITERS[command][1], str(target)]) == 2
+    assert main([command, str(program), flag, str(target)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"dhelix: {WRITERS[command][1]} {target}: ") and message in err
+    assert err.startswith(f"dhelix: {flag} {target}: ") and message in err
 
 
-@pytest.mark.parametrize("command, inputs, written", [
-    ("export", (), "prog.dhx"),  # the program itself
-    ("export", ("lib.dhx",), "lib.dhx"),  # a file it imports
-    ("export", (), "lab.yaml"),  # its hardware profile
-    ("export", (), "link.csv"),  # a link to the program
-    ("run", (), "prog.dhx"),
-    ("run", (), "lab.yaml"),
-    ("simulate", (), "lab.json"),  # a program file that happens to end in .json
-    ("render", ("lib.dot",), "lib.dot"),  # an import that happens to end in .dot
-    ("render", ("lib.dot",), "lib.svg"),  # its .dot fallback (Graphviz missing) would be lib.dot
+@pytest.mark.parametrize("command, flag, inputs, written", [
+    ("export", "--torch-csv", (), "prog.dhx"),  # the program itself
+    ("export", "--torch-csv", ("lib.dhx",), "lib.dhx"),  # a file it imports
+    ("export", "--torch-csv", (), "lab.yaml"),  # its hardware profile
+    ("export", "--torch-csv", (), "link.csv"),  # a link to the program
+    ("run", "--trace", (), "prog.dhx"),
+    ("run", "--trace", (), "lab.yaml"),
+    ("run", "--metrics", ("lib.dhx",), "lib.dhx"),
+    ("profile", "-o", (), "lab.yaml"),  # re-measuring over the profile the program names
+    ("profile", "-o", (), "prog.dhx"),
+    ("simulate", "--trace", (), "lab.json"),  # a program file that happens to end in .json
+    ("render", "-o", ("lib.dot",), "lib.dot"),  # an import that happens to end in .dot
+    ("render", "-o", ("lib.dot",), "lib.svg"),  # its .dot fallback (Graphviz missing) would be lib.dot
 ])
-def test_every_writer_refuses_to_overwrite_an_input(command, inputs, written, tmp_path, capsys, no_training):
+def test_every_writer_refuses_to_overwrite_an_input(command, flag, inputs, written, tmp_path, capsys, no_training):
     library = "layer tiny {\n  in x\n  y = rmsnorm(x)\n  out y\n}\n"
     for name in inputs:
         (tmp_path / name).write_text(library)
@@ -264,9 +267,19 @@ def test_every_writer_refuses_to_overwrite_an_input(command, inputs, written, tm
     program = _program(tmp_path, name, imports=inputs, profile="lab.yaml")
     (tmp_path / "link.csv").symlink_to(program)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
-    assert main([command, str(program), WRITERS[command][1], str(tmp_path / written)]) == 2
+    assert main([command, str(program), flag, str(tmp_path / written)]) == 2
     assert "that is an input of this command" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+
+
+def test_run_refuses_one_file_for_two_outputs_and_outputs_with_check(tmp_path, capsys, no_training):
+    program = _program(tmp_path)
+    out = str(tmp_path / "out.json")
+    assert main(["run", str(program), "--trace", out, "--metrics", out]) == 2
+    assert "--trace and --metrics name the same file" in capsys.readouterr().err
+    assert main(["run", str(program), "--check", "--metrics", out]) == 2
+    assert "it writes no --metrics (run without --check for them)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prog.dhx"]
 
 
 def test_a_good_output_is_still_written(tmp_path, capsys):

@@ -34,7 +34,7 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_and_simulate(tm
     assert "on 4 gloo rank(s) (tp 2 × pp 2), 2 timed repeat(s) after 1 warm-up" in result.stdout
     assert "timed 32 ops alone, 112 op pairs, 8 link sizes" in result.stdout
     assert 'use it: cluster { profile = "' in result.stdout
-    assert "dhelix profile: 100%" in result.stderr  # the progress bar
+    assert "profiling: 100%" in result.stderr  # the progress bar
     profile = parse_profile(out.read_text(), str(out))
     measured = profile.measured
     assert measured.dtype == "fp32" and measured.repeats == 2 and measured.mesh == {"tp": 2, "pp": 2}
@@ -92,3 +92,12 @@ def test_the_default_output_is_named_after_the_program_and_the_host(tmp_path, mo
     args = argparse.Namespace(file=str(program_file), output=None)
     assert _output(args, program, "lab1") == tmp_path / "tiny-lab1.yaml"
     assert not (tmp_path / "tiny-lab1.yaml").exists()  # checked, not written
+
+
+def test_check_says_how_to_re_measure_a_stale_profile(tmp_path, capsys):
+    for name in ("stale_profile.dhx", "stale_profile.measured.yaml"):
+        (tmp_path / name).write_text((ROOT / "tests" / "errors" / name).read_text())
+    assert main(["check", str(tmp_path / "stale_profile.dhx")]) == 1
+    err = capsys.readouterr().err
+    assert "was measured on another program" in err
+    assert err.rstrip().endswith(f"note: to re-measure it: dhelix profile {tmp_path / 'stale_profile.dhx'}")

@@ -19,7 +19,7 @@ import argparse
 import importlib
 import sys
 
-from dhelix.dsl.core.errors import DhelixError, UsageError
+from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
 
 #: The command modules of this package, in the order ``dhelix --help`` lists them.
 COMMANDS = (
@@ -46,6 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_remedies(exc: DhelixError) -> None:
+    """Add the command that fixes an error, where there is one (library messages name no
+    command): a stale measured profile is re-measured with `dhelix profile`."""
+    from dhelix.dsl.frontend.profilecheck import StaleProfileError
+
+    for error in exc.errors if isinstance(exc, ErrorGroup) else (exc,):
+        if isinstance(error, StaleProfileError) and error.program:
+            error.add_note(f"to re-measure it: dhelix profile {error.program}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default: the process's arguments); returns the exit code."""
     args = build_parser().parse_args(argv)
@@ -55,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dhelix: {exc.message}", file=sys.stderr)
         return 2
     except DhelixError as exc:
+        _add_remedies(exc)
         if args.command not in REPORTING:
             exc.add_note(f"while running `dhelix {args.command}`")
         print(exc.render(), file=sys.stderr)

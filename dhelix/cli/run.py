@@ -11,7 +11,8 @@ Rank 0 shows a progress bar (loss, tokens/s, step time); the command then prints
 (:mod:`dhelix.interpreter.summary`): measured step time, exposed communication (time a rank
 was blocked on communication), peak activation memory, and the simulator's prediction beside
 them. ``--trace out.json`` writes a Chrome trace (:mod:`dhelix.dsl.render.trace`): a process
-per rank, a thread per lane. ``--check`` prints every step's comparison with the
+per rank, a thread per lane; ``--metrics out.json`` the summary's figures, the prediction and
+every rank's per-step times as JSON (for scripts). ``--check`` prints every step's comparison with the
 single-process reference instead and exits 1 when it differs by more than the tolerance.
 
 A bad run ends with a message and a non-zero exit code, never a hang: the spawner
@@ -23,6 +24,8 @@ imported only when the command runs, so registering it keeps ``dhelix check`` to
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
@@ -50,6 +53,10 @@ def register(subparsers) -> None:
                      help="segment pairs of SI blocks: the planner's (default; op_by_op when the "
                           "cluster names no profile), op i beside op i, or no interleaving")
     run.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace of what ran")
+    run.add_argument("--metrics", metavar="OUT.json",
+                     help="write the summary's figures as JSON: step time and exposed communication "
+                          "(medians without the first step), the simulator's prediction of both, and "
+                          "every rank's per-step times, in seconds")
     run.add_argument("--seed", type=int,
                      help="seed of the weights and the data (default: the train block's seed, else 0)")
     run.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
@@ -66,13 +73,19 @@ def cmd_run(args) -> int:
     torchrun world and print what rank 0 brings back; returns the exit code."""
     if args.steps is not None and args.steps < 1:
         raise UsageError("--steps must be at least 1")
-    trace = output_path(args.trace, "--trace", inputs=(args.file,)) if args.trace else None
+    outputs = {flag: output_path(value, flag, inputs=(args.file,))
+               for flag, value in (("--trace", args.trace), ("--metrics", args.metrics)) if value}
+    if args.check and outputs:
+        raise UsageError(f"--check compares every step with the reference and prints that; it writes no "
+                         f"{' or '.join(outputs)} (run without --check for them)")
+    if len({os.path.realpath(path) for path in outputs.values()}) < len(outputs):
+        raise UsageError(f"--trace and --metrics name the same file '{args.trace}'; give each its own")
     text = read_source(args.file)
     program = check_text(text, args.file)
     if program.model is None:
         raise UsageError(f"'{args.file}' is a library file: it has no model to run")
-    if trace is not None:
-        refuse_inputs(trace, "--trace", program_inputs(program))
+    for flag, path in outputs.items():
+        refuse_inputs(path, flag, program_inputs(program))
     from dhelix.interpreter import spawn
 
     spawn.quiet_numpy_warning()  # before torch is first imported
@@ -93,7 +106,7 @@ def cmd_run(args) -> int:
         result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run
         return 0
-    return report(program, options, result, trace)
+    return report(program, options, result, outputs.get("--trace"), outputs.get("--metrics"))
 
 
 def run_options(args, text: str, program):
@@ -109,9 +122,9 @@ def run_options(args, text: str, program):
         zero1=args.zero1, timeout=args.timeout, check=args.check, pairs=pairs)
 
 
-def report(program, options, result, trace: Path | None) -> int:
+def report(program, options, result, trace: Path | None, metrics: Path | None = None) -> int:
     """Print the checks (``--check``: exit 1 past the tolerance, raised as DhelixError) or
-    the summary, and write the trace; returns the exit code."""
+    the summary, and write the trace and the metrics; returns the exit code."""
     from dhelix.interpreter import summary
 
     if options.check:
@@ -122,7 +135,10 @@ def report(program, options, result, trace: Path | None) -> int:
             raise DhelixError(f"the interpreter differs from the reference by {worst:.2e}, more than "
                               f"{summary.CHECK_TOLERANCE}")
         return 0
-    print("dhelix run: " + summary.format_summary(summary.summarize(program, options, result)))
+    figures = summary.summarize(program, options, result)
+    print("dhelix run: " + summary.format_summary(figures))
+    if metrics is not None:
+        write_output(metrics, json.dumps(summary.metrics(figures, options, result), indent=1) + "\n")
     if trace is not None:
         write_trace(trace, program, options, result)
         print(f"trace: {trace} ({len(result.events)} events; open in Perfetto or chrome://tracing)")

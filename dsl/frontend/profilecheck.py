@@ -86,8 +86,17 @@ def check_measured(program) -> None:
     notes = stale_notes(profile.measured, program.forward, program.mesh, program.model.dtype)
     if notes:
         span = cluster.profile_span
-        raise ProfileError(
+        raise StaleProfileError(
             f"profile '{cluster.profile}' was measured on another program", span,
-            notes + [f"re-measure it: dhelix profile {span.source.path if span else 'FILE'}",
-                     "or delete its measured: section to keep only the derived rates (peak, links, OEF, "
-                     "slowdown, launch gap)"])
+            notes + ["re-measure it on this program, or delete its measured: section to keep only the derived "
+                     "rates (peak, links, OEF, slowdown, launch gap)"],
+            program=span.source.path if span else "")
+
+
+class StaleProfileError(ProfileError):
+    """A profile whose measured section was taken on another program; ``program`` is the
+    file whose cluster block names it (the command line says how to re-measure it)."""
+
+    def __init__(self, message: str, span=None, notes=(), *, program: str = ""):
+        super().__init__(message, span, notes)
+        self.program = program

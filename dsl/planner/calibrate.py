@@ -127,7 +127,7 @@ def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profi
         repeats=stamp.repeats, mesh=mesh_sizes(program.mesh), shapes={op.name: op_signature(op) for op in ops})
     notes["measured.ops"] = "[measured] each op alone, µs (median over ranks and repeats)"
     notes["measured.pairs"] = "[measured] a forward op beside a backward op, as an SI pair runs them, µs"
-    description = (f"measured by `dhelix profile` on {stamp.machine} ({stamp.backend}, torch {stamp.torch}) "
+    description = (f"measured on {stamp.machine} ({stamp.backend}, torch {stamp.torch}) "
                    f"for {stamp.source}")
     profile = Profile(name=name, description=description, peak_tflops={dtype: peak}, hbm_gbps=hbm,
                       achieved=achieved, links=links, collectives=collectives, oef_classes=classes,

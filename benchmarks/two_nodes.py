@@ -1,0 +1,492 @@
+"""Strand interleaving over an emulated two-node link: how much communication does SI hide?
+
+Run as root (it creates network namespaces)::
+
+    sudo .venv/bin/python benchmarks/two_nodes.py --rounds 5 --output benchmarks/results/cpu_two_nodes.txt
+
+What it does:
+
+1. creates two network namespaces joined by a veth pair whose ends are rate limited with
+   ``tc tbf`` (``--rate``, default 200 Mbit/s); only the private addresses 10.213.0.1/24 and
+   10.213.0.2/24 live on that veth, and the namespaces (with the veth) are deleted on exit,
+   on failure and on Ctrl-C (``benchmarks/two_node_link.py``);
+2. writes the benchmark program: a small Llama with ``cluster { nodes = 2 gpus_per_node = 1 }``
+   and ``mesh { tp = 2 }``, so its tensor-parallel group spans the two "nodes" and every layer
+   collective goes over the limited link (the cross lane), and ``pipeline w_helix`` with
+   ``fold u``, so all but the first micro-batch's forward and the last one's backward run in
+   SI blocks: with m micro-batches, (m - 1) / m of the layer passes, which caps the hidden
+   fraction below (8 micro-batches: 87.5 %). Hidden 1024 and seq 256 make compute and
+   communication per step comparable at 200 Mbit/s on the 2-CPU machine it was written on
+   (≈3.5 s and ≈4.2 s for 4 layers × 4 micro-batches; the tensor-parallel collectives grow
+   with seq × hidden, the GEMMs with seq × hidden²). Or ``--program FILE``: a program whose
+   cluster has 2 nodes;
+3. profiles the link with ``dhelix profile`` when this dhelix has that command, and points the
+   program's cluster profile at the result, so the SI plan is planned for this link; without
+   it the plan comes from the shipped ``a40`` profile, and the output says so;
+4. runs, alternated in every round (the order rotates from round to round), one rank per
+   namespace (``ip netns exec NS env RANK=… MASTER_ADDR=<veth address of rank 0>
+   GLOO_SOCKET_IFNAME=<veth> python -m dhelix run FILE``): SI with the planner's plan,
+   SI with the op_by_op plan, ``--no-si``, and a collectives-only replay of the same layer
+   collectives without the compute (``benchmarks/collective_replay.py``);
+5. prints per mode the median over rounds of the step time and of the exposed communication
+   (each run's own figure is the median over its steps without the first, slowest rank), the
+   ratio SI ÷ no-SI, and the hidden fraction of min(compute, communication).
+
+The goals of the issue (a benchmark, not a test; the machine it runs on decides): where
+compute and communication per layer are comparable, SI step ≤ 0.70 × the ``--no-si`` step,
+and ≥ 80 % of min(compute, communication) hidden.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+import attrs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # two_node_link.py beside this file
+
+from two_node_link import LinkError, Shaping, TwoNodeLink, check_can_run, remove_namespaces  # noqa: E402
+
+from dhelix.dsl.core.errors import DhelixError  # noqa: E402
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+REPLAY = HERE / "collective_replay.py"
+SI_GOAL, HIDDEN_GOAL = 0.70, 0.80
+PROFILE_SETTING = re.compile(r'\bprofile\s*=\s*"[^"\n]*"')
+FIRST_PORT = 29611
+
+
+@attrs.frozen
+class Mode:
+    """One way of running the program: a name and the command after ``python``."""
+
+    name: str
+    args: tuple[str, ...]  # {file} stands for the program
+
+
+MODES = (
+    Mode("SI planned", ("-m", "dhelix", "run", "{file}", "--si-plan", "planned")),
+    Mode("SI op_by_op", ("-m", "dhelix", "run", "{file}", "--si-plan", "op_by_op")),
+    Mode("no SI", ("-m", "dhelix", "run", "{file}", "--no-si")),
+    Mode("comm only", (str(REPLAY), "{file}")),
+)
+
+
+def benchmark_program(args, profile: str) -> str:
+    """The built-in program: a Llama layer with tp = 2 across the two nodes, w_helix on fold u."""
+    heads = args.hidden // 64
+    return f"""# Written by benchmarks/two_nodes.py: tp = 2 across two emulated nodes (the cross lane).
+import "stdlib/layers.dhx"
+import "stdlib/pipelines.dhx"
+
+model two_nodes {{
+  layers = {args.layers}
+  hidden = {args.hidden}
+  ffn = {args.ffn or 2 * args.hidden}
+  heads = {heads}
+  kv_heads = {max(1, heads // 2)}
+  seq = {args.seq}
+  vocab = 512
+  dtype = fp32
+  layer = llama
+}}
+
+cluster {{
+  nodes = 2
+  gpus_per_node = 1
+  profile = "{profile}"
+}}
+
+mesh {{
+  tp = 2
+}}
+
+train {{
+  micro_batch = 1
+  microbatches = {args.microbatches}
+  seed = 0
+}}
+
+fold u
+pipeline w_helix
+
+strands {{
+  overlap tp
+  comm_with_comm on
+  movable wgrad
+}}
+"""
+
+
+def with_profile(program, profile: str) -> str:
+    """The text of ``program`` (a checked Program with a cluster block) with the cluster's
+    profile set to ``profile``: the setting replaced, or added before the block's ``}``."""
+    span = program.cluster.span
+    text = span.source.text
+    start, end = _offset(text, span.line, span.column), _offset(text, span.end_line, span.end_column)
+    block, setting = text[start:end], f'profile = "{profile}"'
+    if PROFILE_SETTING.search(block):
+        block = PROFILE_SETTING.sub(setting, block, count=1)
+    else:  # on a line of its own: the block's last line may end in a comment
+        block = f"{block[:-1].rstrip(' ')}\n  {setting}\n}}"
+    return text[:start] + block + text[end:]
+
+
+def _offset(text: str, line: int, column: int) -> int:
+    """The index in ``text`` of 1-based ``line`` and ``column``."""
+    return sum(len(before) + 1 for before in text.split("\n")[:line - 1]) + column - 1
+
+
+# -- the output --------------------------------------------------------------------------------
+
+class Report:
+    """Lines printed as they come and kept for ``--output``."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def write(self, path: str) -> None:
+        Path(path).write_text("\n".join(self.lines) + "\n")
+
+
+def command_line() -> str:
+    """The command that started this script, as one shell line."""
+    python = sys.executable
+    if python.startswith(os.getcwd() + os.sep):
+        python = os.path.relpath(python)
+    return shlex.join([python, *sys.argv])
+
+
+def machine() -> str:
+    """Platform, CPUs, Python and torch versions, load average."""
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs; python "
+            f"{platform.python_version()}, torch {torch}; load average {load}")
+
+
+# -- launching one world over the two namespaces ------------------------------------------------
+
+class World:
+    """Runs a command as every rank of a ``world``-rank job, ``per_node`` consecutive ranks in
+    each namespace, in the environment torchrun would give them."""
+
+    def __init__(self, link: TwoNodeLink, world: int, per_node: int, workdir: Path, timeout: float):
+        self.link, self.world, self.per_node = link, world, per_node
+        self.workdir, self.timeout = workdir, timeout
+        self.port = FIRST_PORT
+        self.runs = 0
+
+    def environment(self, rank: int) -> dict:
+        """RANK and the rest for ``rank``: rank 0's veth address is the rendezvous."""
+        node = self.link.node(rank // self.per_node)
+        return {"RANK": rank, "WORLD_SIZE": self.world, "LOCAL_RANK": rank % self.per_node,
+                # spawn.run_rank divides the CPUs by LOCAL_WORLD_SIZE: both "nodes" share this machine's.
+                "LOCAL_WORLD_SIZE": self.world, "MASTER_ADDR": self.link.node(0)["address"],
+                "MASTER_PORT": self.port, "GLOO_SOCKET_IFNAME": node["device"]}
+
+    def run(self, args: list[str], label: str) -> tuple[bool, str]:
+        """Run ``python ARGS`` on every rank; (success, where its output is or what failed)."""
+        self.runs += 1
+        self.port += 1  # a fresh port: the last run's socket may linger in TIME_WAIT
+        logs = self.workdir / f"{self.runs:03d}-{label.replace(' ', '_')}"
+        logs.mkdir()
+        procs = []
+        try:
+            for rank in range(self.world):
+                env = [f"{name}={value}" for name, value in self.environment(rank).items()]
+                command = ["ip", "netns", "exec", self.link.node(rank // self.per_node)["namespace"],
+                           "env", *env, sys.executable, *args]
+                with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
+                    procs.append(subprocess.Popen(command, stdout=out, stderr=err, cwd=self.workdir))
+            return self._watch(procs, logs)
+        finally:
+            _stop(procs)
+
+    def _watch(self, procs, logs: Path) -> tuple[bool, str]:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                return False, f"rank {rank} exited with code {code}:\n{_tail(logs / f'rank{rank}.err')}"
+            if all(code == 0 for code in codes):
+                return True, str(logs)
+            time.sleep(0.2)
+        return False, f"still running after {self.timeout:.0f} s (--run-timeout); rank 0:\n{_tail(logs / 'rank0.err')}"
+
+
+def _stop(procs, grace: float = 5.0) -> None:
+    """Terminate the processes of a run that are still alive (ours, by their handles)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace").replace("\r", "\n")
+    return "\n".join(f"    {line}" for line in text.strip().split("\n")[-lines:])
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+
+class BenchError(Exception):
+    """The benchmark cannot go on (a run failed, a program that does not fit)."""
+
+
+def has_profile_command() -> bool:
+    """Whether this dhelix has ``dhelix profile`` (another branch adds it)."""
+    result = subprocess.run([sys.executable, "-m", "dhelix", "profile", "--help"], capture_output=True)
+    return result.returncode == 0
+
+
+def profile_link(world: World, program: Path, args, report: Report) -> str | None:
+    """Run ``dhelix profile`` on the two nodes; the name of the profile written beside the
+    program, or None when this dhelix has no profile command."""
+    if not has_profile_command():
+        report("profile: skipped: this dhelix has no `dhelix profile` command")
+        return None
+    out = program.parent / "link.yaml"
+    command = ["-m", "dhelix", "profile", str(program), "-o", str(out), "--repeats", str(args.profile_repeats)]
+    start = time.monotonic()
+    ok, where = world.run(command, "profile")
+    if not ok:
+        raise BenchError(f"dhelix profile failed: {where}")
+    report(f"profile: `dhelix profile FILE -o link.yaml --repeats {args.profile_repeats}` over the link "
+           f"({time.monotonic() - start:.0f} s); the program's cluster profile is now link.yaml")
+    return out.name
+
+
+def run_rounds(world: World, program: Path, args, report: Report) -> dict[str, list[dict]]:
+    """Every mode once per round, the order rotating by one mode each round; returns the
+    metrics of the successful runs by mode name."""
+    results: dict[str, list[dict]] = {mode.name: [] for mode in MODES}
+    for round_index in range(args.rounds):
+        shift = round_index % len(MODES)
+        for mode in MODES[shift:] + MODES[:shift]:
+            metrics = world.workdir / f"round{round_index + 1}-{mode.name.replace(' ', '_')}.json"
+            command = [arg.format(file=program) for arg in mode.args]
+            command += ["--steps", str(args.steps), "--metrics", str(metrics)]
+            ok, where = world.run(command, mode.name)
+            label = f"round {round_index + 1}/{args.rounds}  {mode.name:<12}"
+            if not ok:
+                report(f"{label} FAILED: {where}")
+                if not args.keep_going:
+                    raise BenchError(f"{mode.name} failed (--keep-going goes on after a failed run)")
+                continue
+            data = json.loads(metrics.read_text())
+            results[mode.name].append(data)
+            report(f"{label} step {data['step_s']:7.3f} s   exposed comm {data['exposed_comm_s']:7.3f} s   "
+                   f"(load average {os.getloadavg()[0]:.1f})")
+    return results
+
+
+def summarise(results: dict[str, list[dict]], report: Report) -> None:
+    """The table of medians, the ratios, the hidden fractions and the goals."""
+    step = {m: _median([d["step_s"] for d in runs]) for m, runs in results.items()}
+    exposed = {m: _median([d["exposed_comm_s"] for d in runs]) for m, runs in results.items()}
+    report()
+    report("medians over the rounds (a run's figure: the median over its steps without the first, "
+           "of the slowest rank):")
+    report(f"{'mode':<12} {'runs':>4} {'step time':>10} {'min':>8} {'max':>8} {'exposed comm':>13}")
+    for mode, runs in results.items():
+        steps = [d["step_s"] for d in runs]
+        report(f"{mode:<12} {len(runs):>4} {_s(step[mode]):>10} {_s(min(steps, default=None)):>8} "
+               f"{_s(max(steps, default=None)):>8} {_s(exposed[mode]):>13}")
+    replay = results["comm only"]
+    if replay:
+        sent = replay[0]["ranks"][0]["bytes_sent"]
+        report(f"comm only: {replay[0]['ranks'][0]['collectives']} layer collectives per step, "
+               f"{sent / 2**20:.1f} MiB sent per rank, {8 * sent / step['comm only'] / 1e6:.0f} Mbit/s achieved")
+    no_si, comm = step["no SI"], step["comm only"]
+    compute = None if no_si is None or exposed["no SI"] is None else no_si - exposed["no SI"]
+    report()
+    report("compute       = no-SI step - no-SI exposed comm (the time the no-SI run was not waiting "
+           f"on a collective) = {_s(compute)}")
+    report(f"communication = the comm-only replay's step (the same layer collectives, no compute) = {_s(comm)}")
+    report("SI ÷ no-SI    = SI step / no-SI step (goal ≤ 0.70)")
+    report("hidden        = (no-SI step - SI step) / min(compute, communication) (goal ≥ 80 %)")
+    for mode in ("SI planned", "SI op_by_op"):
+        ratio = None if step[mode] is None or not no_si else step[mode] / no_si
+        hidden = None
+        if None not in (step[mode], no_si, compute, comm) and min(compute, comm) > 0:
+            hidden = (no_si - step[mode]) / min(compute, comm)
+        met = [f"SI ÷ no-SI {'met' if ratio <= SI_GOAL else 'not met'}" if ratio is not None else "",
+               f"hidden {'met' if hidden >= HIDDEN_GOAL else 'not met'}" if hidden is not None else ""]
+        report(f"{mode:<12}  SI ÷ no-SI {_ratio(ratio)}   hidden {_percent(hidden)}   goals: "
+               + (", ".join(m for m in met if m) or "—"))
+        if hidden is not None and hidden > 1:
+            report(f"{'':<12}  above 100 %: SI saved more than the whole communication, which it cannot; "
+                   "the runs of the two modes saw different loads of the machine")
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def _s(value) -> str:
+    return "—" if value is None else f"{value:.3f} s"
+
+
+def _ratio(value) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def _percent(value) -> str:
+    return "—" if value is None else f"{100 * value:.0f} %"
+
+
+def load_program(args, workdir: Path) -> tuple[str, object]:
+    """The benchmark program's text and its checked Program; BenchError when ``--program``
+    names one that cannot be split over two nodes."""
+    if args.program:
+        text = Path(args.program).read_text()
+    else:
+        text = benchmark_program(args, "a40")
+    # Checked where it will run from: a --program with relative imports of its own files fails here.
+    program = check_text(text, str(workdir / "two_nodes.dhx"))
+    if program.model is None or program.cluster is None:
+        raise BenchError("the program needs a model and a cluster block")
+    nodes, per_node = program.cluster.nodes, program.cluster.gpus_per_node
+    if nodes != 2 or program.mesh.world != 2 * per_node:
+        raise BenchError(f"the program must run on 2 nodes of gpus_per_node ranks: its cluster has {nodes} "
+                         f"node(s) of {per_node} and its mesh {program.mesh.world} rank(s)")
+    return text, program
+
+
+def describe(program, args) -> str:
+    """The configuration in one line."""
+    model = dict(program.model.settings)
+    mesh = " × ".join(f"{a} {n}" for a, n in zip(program.mesh.order, program.mesh.sizes, strict=True) if n > 1)
+    lanes = ", ".join(f"{a}: {program.mesh.lane(a)}" for a, n in zip(program.mesh.order, program.mesh.sizes,
+                                                                    strict=True) if n > 1)
+    return (f"{program.model.layer} layers × {model.get('layers')}, hidden {model.get('hidden')}, ffn "
+            f"{model.get('ffn')}, seq {model.get('seq')}, {program.model.dtype}; micro_batch "
+            f"{program.train.micro_batch}, {program.train.microbatches} micro-batches; mesh {mesh} ({lanes}); "
+            f"cluster {program.cluster.nodes} nodes × {program.cluster.gpus_per_node}; "
+            f"fold {program.fold.kind}, pipeline {program.pipeline.name}; {args.steps} steps per run, "
+            f"{args.rounds} rounds")
+
+
+def bench(args, report: Report, workdir: Path) -> int:
+    """Everything between the checks and the clean-up; returns the exit code."""
+    report(f"$ {command_line()}")
+    report(f"machine: {machine()}")
+    text, program = load_program(args, workdir)
+    path = workdir / "two_nodes.dhx"
+    path.write_text(text)
+    report(f"config: {describe(program, args)}")
+    with TwoNodeLink(Shaping(rate=args.rate, burst=args.burst, latency=args.latency)) as link:
+        report(f"link: {link.describe()}")
+        world = World(link, program.mesh.world, program.cluster.gpus_per_node, workdir, args.run_timeout)
+        profile = None if args.no_profile else profile_link(world, path, args, report)
+        if profile is not None:
+            path.write_text(with_profile(program, profile))
+            program = check_text(path.read_text(), str(path))
+        report(f"SI planned: planned for the {program.cluster.profile or 'no'} profile"
+               + ("" if program.cluster.profile else " (dhelix run falls back to op_by_op)"))
+        if args.show_plan and program.cluster.profile:
+            plan = subprocess.run([sys.executable, "-m", "dhelix", "plan", str(path)], capture_output=True,
+                                  text=True, cwd=workdir)
+            for line in (plan.stdout or plan.stderr).rstrip().split("\n"):
+                report(f"  {line}")
+        results = run_rounds(world, path, args, report)
+    summarise(results, report)
+    report(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+def parse_args(argv=None):
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--rate", default="200mbit", help="tbf rate of each direction of the link")
+    parser.add_argument("--burst", default="256kb", help="tbf burst")
+    parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of all modes, alternated")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is left out)")
+    parser.add_argument("--program", metavar="FILE",
+                        help="run this program instead of the built-in one (2 nodes; imports other than "
+                             "the stdlib must be absolute paths)")
+    parser.add_argument("--hidden", type=int, default=1024, help="built-in program: hidden size")
+    parser.add_argument("--ffn", type=int, help="built-in program: ffn size (default 2 × hidden)")
+    parser.add_argument("--seq", type=int, default=256, help="built-in program: sequence length")
+    parser.add_argument("--layers", type=int, default=2, help="built-in program: layers (even: fold u)")
+    parser.add_argument("--microbatches", type=int, default=8, help="built-in program: micro-batches per step")
+    parser.add_argument("--no-profile", action="store_true", help="do not run `dhelix profile` even if it exists")
+    parser.add_argument("--profile-repeats", type=int, default=5, help="--repeats of `dhelix profile`")
+    parser.add_argument("--show-plan", action="store_true", help="print `dhelix plan` of the program")
+    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds a run may take")
+    parser.add_argument("--keep-going", action="store_true", help="go on after a failed run")
+    parser.add_argument("--keep-files", action="store_true", help="keep the program, logs and metrics")
+    parser.add_argument("--output", metavar="FILE", help="also write everything printed to FILE")
+    parser.add_argument("--cleanup", action="store_true",
+                        help="delete the namespaces a killed run left behind, then exit")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps < 2:
+        parser.error("--rounds must be at least 1 and --steps at least 2 (the first step is left out)")
+    return args
+
+
+def main(argv=None) -> int:
+    """Check that the link can be made, run the benchmark, always remove what it created."""
+    args = parse_args(argv)
+    try:
+        check_can_run()
+        if args.cleanup:
+            removed = remove_namespaces()
+            print(f"removed: {', '.join(removed)}" if removed else "nothing to remove")
+            return 0
+    except LinkError as exc:
+        print(f"two_nodes.py: {exc}", file=sys.stderr)
+        return 2
+    report, workdir = Report(), Path(tempfile.mkdtemp(prefix="dhx2n-"))
+    try:
+        code = bench(args, report, workdir)
+        if args.output:  # only a complete run replaces the results file
+            report.write(args.output)
+        return code
+    except DhelixError as exc:
+        print(exc.render(), file=sys.stderr)
+    except (LinkError, BenchError, OSError) as exc:
+        print(f"two_nodes.py: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("two_nodes.py: interrupted; the namespaces are removed", file=sys.stderr)
+    finally:
+        if args.keep_files:
+            print(f"files kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
