@@ -28,10 +28,12 @@ graphviz:
 demo: setup
 	mkdir -p out
 	$(BIN)/dhelix check $(EXAMPLE)
-	$(BIN)/dhelix plan $(EXAMPLE)
 	$(BIN)/dhelix render $(EXAMPLE) --what pipeline -o out/pipeline.svg
 	$(BIN)/dhelix simulate $(EXAMPLE) --compare
-	$(BIN)/dhelix run $(EXAMPLE) --steps 20
+	# This machine, measured: the plan for it, then a run beside the prediction for it.
+	$(BIN)/dhelix profile $(EXAMPLE) -o out/this-machine.yaml --repeats 10
+	$(BIN)/dhelix plan $(EXAMPLE) --profile out/this-machine.yaml
+	$(BIN)/dhelix run $(EXAMPLE) --steps 20 --profile out/this-machine.yaml
 
 test: setup
 	$(BIN)/pytest

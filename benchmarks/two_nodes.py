@@ -263,7 +263,7 @@ class BenchError(Exception):
 
 
 def has_profile_command() -> bool:
-    """Whether this dhelix has ``dhelix profile`` (another branch adds it)."""
+    """Whether this dhelix has ``dhelix profile`` (an older checkout may lack it)."""
     result = subprocess.run([sys.executable, "-m", "dhelix", "profile", "--help"], capture_output=True)
     return result.returncode == 0
 
@@ -316,11 +316,18 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
     report()
     report("medians over the rounds (a run's figure: the median over its steps without the first, "
            "of the slowest rank):")
-    report(f"{'mode':<12} {'runs':>4} {'step time':>10} {'min':>8} {'max':>8} {'exposed comm':>13}")
+    report(f"{'mode':<12} {'runs':>4} {'step time':>10} {'min':>8} {'max':>8} {'exposed comm':>13} "
+           f"{'simulated':>10} {'sim ÷ run':>9}")
     for mode, runs in results.items():
         steps = [d["step_s"] for d in runs]
+        predicted = _median([d["predicted"]["step_s"] for d in runs
+                             if (d.get("predicted") or {}).get("step_s") is not None])
+        ratio = None if predicted is None or not step[mode] else predicted / step[mode]
         report(f"{mode:<12} {len(runs):>4} {_s(step[mode]):>10} {_s(min(steps, default=None)):>8} "
-               f"{_s(max(steps, default=None)):>8} {_s(exposed[mode]):>13}")
+               f"{_s(max(steps, default=None)):>8} {_s(exposed[mode]):>13} {_s(predicted):>10} {_ratio(ratio):>9}")
+    notes = {d["predicted"].get("note") for runs in results.values() for d in runs if d.get("predicted")}
+    for note in sorted(n for n in notes if n):
+        report(f"simulated: {note} (the goal: within 15 % of the measured step)")
     replay = results["comm only"]
     if replay:
         sent = replay[0]["ranks"][0]["bytes_sent"]

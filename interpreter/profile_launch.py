@@ -49,6 +49,7 @@ class ProfileSamples:
     world: int
     machine: str
     torch: str
+    memory_gb: float | None = None
 
 
 def host_name() -> str:
@@ -62,14 +63,14 @@ def measure_layer(options: ProfileOptions, device) -> ProfileSamples | None:
     import torch
     from tqdm import tqdm
 
-    from dhelix.dsl.passes.pipeline import check_text
+    from dhelix.dsl.passes.overrides import for_measuring
     from dhelix.dsl.planner.calibrate import pool
 
     from .comm import DistComm
     from .harness import gather_to_first
     from .profiler import Clock, LayerBench, barrier, measure, measurements
 
-    program = check_text(options.text, options.path)
+    program = for_measuring(options.text, options.path)
     comm = DistComm(program.mesh, device, timeout_s=options.timeout)
     bench = LayerBench(program, comm, device, seed=options.seed)
     items = measurements(program, bench, comm, Clock(device), device)
@@ -84,7 +85,26 @@ def measure_layer(options: ProfileOptions, device) -> ProfileSamples | None:
     if ranks is None:
         return None
     counts = {kind: sum(1 for item in items if item.kind == kind) for kind in ("ops", "pairs", "sweep")}
-    return ProfileSamples(pool(ranks), counts, len(ranks), machine(device), torch.__version__)
+    return ProfileSamples(pool(ranks), counts, len(ranks), machine(device), torch.__version__,
+                          device_memory_gb(device))
+
+
+def device_memory_gb(device) -> float | None:
+    """Memory one rank may use, in GB: the GPU's, or on CPU this machine's physical memory
+    shared by the local ranks; None when the system does not say."""
+    import torch
+
+    if device.type == "cuda":
+        return round(torch.cuda.get_device_properties(device).total_memory / 1e9, 2)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    import torch.distributed as dist
+
+    # Spawned local ranks share this machine; under torchrun, LOCAL_WORLD_SIZE ranks do.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return round(total / max(1, local) / 1e9, 2)
 
 
 def machine(device) -> str:

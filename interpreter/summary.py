@@ -10,6 +10,7 @@ simulator's prediction of the same three for the same program, SI and ZeRO setti
 
 from __future__ import annotations
 
+import platform
 from typing import TYPE_CHECKING
 
 import attrs
@@ -141,7 +142,7 @@ def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
         result = simulate(program, si=options.si, zero1=options.zero1)
     except DhelixError as exc:
         return Figures(), f"cannot simulate this program: {exc.message}"
-    note = f"predicted for the {program.cluster.profile} profile, not for this machine"
+    note = "predicted " + profile_provenance(program.profile, program.cluster.profile)
     if options.si and options.plan != "planned":
         note += "; it prices SI blocks with the planner's plan, this run used " + options.plan
     return Figures(step_time=result.step_time,
@@ -165,6 +166,19 @@ def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> di
         "ranks": [{"rank": r.rank, "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p)}
                   for r in result.ranks],
     }
+
+
+def profile_provenance(profile, named: str) -> str:
+    """Whose machine the prediction is for, plainly: ``with the profile measured on this
+    machine`` only when ``profile`` (named ``named``) was measured on this host."""
+    measured = profile.measured
+    if measured is None:
+        return f"for the {named} profile (not measured here), not for this machine"
+    host = str(measured.stamp.get("machine", "")).split(":", 1)[0]
+    when = measured.stamp.get("date", "")
+    if host == platform.node():
+        return f"with the profile {named} measured on this machine ({when})"
+    return f"with the profile {named} measured on {host or 'another machine'} ({when}), not on this machine"
 
 
 def format_summary(summary: RunSummary) -> str:

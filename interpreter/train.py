@@ -42,7 +42,9 @@ class RunOptions:
     """Everything a rank needs to run (picklable: spawned ranks receive it). ``text`` is the
     program file's text, checked again by every rank; ``plan`` names the SI plan
     (planned, op_by_op, sequential) and ``pairs`` are the planner's segment pairs when it
-    is ``planned``; ``trace`` is where the trace goes (events are recorded only with one)."""
+    is ``planned``; ``trace`` is where the trace goes (events are recorded only with one);
+    ``profile`` replaces the cluster block's hardware profile (a shipped name or an absolute
+    YAML path)."""
 
     path: str
     text: str
@@ -57,6 +59,7 @@ class RunOptions:
     timeout: float = 60.0
     check: bool = False
     pairs: tuple | None = None
+    profile: str | None = None
 
 
 def preflight(program) -> None:
@@ -89,7 +92,7 @@ def train(options: RunOptions, device) -> RunResult | None:
     over the world."""
     import torch.distributed as dist
 
-    from dhelix.dsl.passes.pipeline import check_text
+    from dhelix.dsl.passes.overrides import checked_program
 
     from .comm import DistComm
     from .executor import Executor
@@ -98,7 +101,7 @@ def train(options: RunOptions, device) -> RunResult | None:
     from .recording import Recorder
     from .si_plan import PLANS, fixed_plan
 
-    program = check_text(options.text, options.path)
+    program = checked_program(options.text, options.path, options.profile)
     comm = DistComm(program.mesh, device, timeout_s=options.timeout)
     recorder = Recorder(trace=options.trace is not None, cuda=device.type == "cuda")
     # Every rank must run the same plan (collectives are issued in plan order); under

@@ -122,10 +122,11 @@ def full_dags(program: Program) -> tuple[LayerDag, LayerDag]:
     elided, full weights): the forward and backward DAGs of the reference model."""
     # Not the program's DAGs: the reference model's have other shapes and no collectives.
     # They come from the same passes (shapes, autodiff) run on the program with a mesh of
-    # size 1, so the layer's names (tokens, head_dim, …) have one definition.
+    # size 1, so the layer's names (tokens, head_dim, …) have one definition. Without the
+    # profile: nothing here is priced, and a measured profile fits the program's own shapes.
     mesh = program.mesh
     single = Mesh(mesh.order, (1,) * len(mesh.sizes), 1, mesh.gpus_per_node)
-    full = rerun(attrs.evolve(program, mesh=single), after="check", stop="autodiff")
+    full = rerun(attrs.evolve(program, mesh=single, profile=None), after="check", stop="autodiff")
     return full.forward, full.backward
 
 

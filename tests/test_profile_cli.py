@@ -27,9 +27,15 @@ def dhelix(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
                           env=env, timeout=timeout, cwd=ROOT)
 
 
-def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_and_simulate(tmp_path, capsys):
+def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_run(tmp_path, capsys):
+    # The program names a stale measured profile (another layer's): re-measuring is the cure, so
+    # `dhelix profile` must not refuse it, and its other values fill in what cannot be measured.
+    (tmp_path / "stale.yaml").write_text((ROOT / "tests" / "errors" / "stale_profile.measured.yaml").read_text())
+    stale = tmp_path / "stale.dhx"
+    stale.write_text(EXAMPLE.read_text().replace('profile = "a40"', 'profile = "stale.yaml"'))
+    assert main(["check", str(stale)]) == 1 and "measured on another program" in capsys.readouterr().err
     out = tmp_path / "measured.yaml"
-    result = dhelix("profile", str(EXAMPLE), "-o", str(out), "--repeats", "2")
+    result = dhelix("profile", str(stale), "-o", str(out), "--repeats", "2")
     assert result.returncode == 0, result.stderr
     assert "on 4 gloo rank(s) (tp 2 × pp 2), 2 timed repeat(s) after 1 warm-up" in result.stdout
     assert "timed 32 ops alone, 112 op pairs, 8 link sizes" in result.stdout
@@ -43,7 +49,7 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_and_simulate(tm
     assert len(measured.ops) == 14 + 18 and len(measured.pairs) == 112
     assert all(us > 0 for us in measured.ops.values())
     assert set(profile.peak_tflops) == {"fp32"}
-    assert "[measured]" in out.read_text() and "[from a40]" in out.read_text()  # cross pairs: not in this layer
+    assert "[measured]" in out.read_text() and "[from lab]" in out.read_text()  # cross pairs: not in this layer
 
     program = tmp_path / "tiny.dhx"
     program.write_text(EXAMPLE.read_text().replace('profile = "a40"', 'profile = "measured.yaml"'))
@@ -51,6 +57,12 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_and_simulate(tm
     for command in ("check", "plan", "simulate"):
         assert main([command, str(program)]) == 0, capsys.readouterr().err
     assert f"profile {profile.name}" in capsys.readouterr().out
+
+    # --profile prices the stale program with the new profile instead, in the ranks too.
+    assert main(["plan", str(stale), "--profile", str(out)]) == 0, capsys.readouterr().err
+    result = dhelix("run", str(stale), "--steps", "2", "--profile", str(out))
+    assert result.returncode == 0, result.stderr
+    assert f"simulator: predicted with the profile {out} measured on this machine" in result.stdout
 
 
 def test_the_output_may_not_overwrite_an_input(tmp_path, capsys):

@@ -277,3 +277,22 @@ def test_simulate_cli_needs_a_profile(tmp_path, capsys):
 def test_simulate_cli_usage_errors(argv, message, capsys):
     assert main(["simulate", "examples/tiny_llama_cpu.dhx", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_peak_over_the_device_memory_is_a_located_warning_or_with_strict_an_error(capsys):
+    assert main(["simulate", "examples/llama39b_a40.dhx"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("examples/llama39b_a40.dhx:21:13: warning: pipeline rank 0 needs 59.69 GB at its "
+                          "predicted peak (as written), more than the 48 GB of one a40 device\n")
+    assert "pipeline rank 1 needs 51.29 GB" in err and "optimizer 35.00) and live activations 13.03 GB" in err
+    assert main(["simulate", "examples/llama39b_a40.dhx", "--strict"]) == 1
+    err = capsys.readouterr().err
+    assert "warning:" not in err and "21:13: pipeline rank 0 needs 59.69 GB" in err and err.endswith("2 errors\n")
+    assert main(["simulate", "examples/llama39b_a40.dhx", "--zero1", "--strict"]) == 0  # ZeRO-1 fits
+    assert capsys.readouterr().err == ""
+
+
+def test_zero_declared_in_the_train_block_is_zero1():
+    program = example("llama39b_a40")
+    declared = attrs.evolve(program, train=attrs.evolve(program.train, zero=1))
+    assert simulate(declared) == simulate(program, zero1=True)

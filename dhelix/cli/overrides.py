@@ -1,5 +1,6 @@
 """The override options of `dhelix render` and `dhelix export` (``--ranks``, ``--microbatches``,
-``--layers``, ``--pipeline``, ``--fold``); what they do is :mod:`dhelix.dsl.passes.overrides`."""
+``--layers``, ``--pipeline``, ``--fold``), and ``--profile`` of `plan`, `simulate` and `run`;
+what they do is :mod:`dhelix.dsl.passes.overrides`."""
 
 from __future__ import annotations
 
@@ -27,3 +28,10 @@ def overrides_from_args(args) -> Overrides:
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be at least 1, got {value}")
     return Overrides(args.ranks, args.microbatches, args.layers, args.pipeline, args.fold)
+
+
+def add_profile_argument(parser) -> None:
+    """Add ``--profile NAME|FILE`` to an argparse (sub)parser."""
+    parser.add_argument("--profile", metavar="NAME|FILE",
+                        help="price with this hardware profile instead of the one the cluster block names: a "
+                             "shipped name (a40, h100, …) or a YAML file, e.g. one written by `dhelix profile`")

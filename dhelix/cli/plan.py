@@ -19,7 +19,8 @@ import sys
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.planner.pairing import DEFAULT_MAX_SEGMENT
-from dhelix.dsl.passes.pipeline import check_text
+from dhelix.cli.overrides import add_profile_argument
+from dhelix.dsl.passes.overrides import checked_program
 from dhelix.dsl.core.plan import format_plan, plan_to_json
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Interleaved
@@ -38,6 +39,7 @@ def register(subparsers) -> None:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--max-segment", type=int, metavar="N", default=DEFAULT_MAX_SEGMENT,
                       help=f"at most N ops per segment (default {DEFAULT_MAX_SEGMENT}; 0: no bound)")
+    add_profile_argument(plan)
     plan.set_defaults(func=cmd_plan)
 
 
@@ -45,7 +47,7 @@ def cmd_plan(args) -> int:
     """`dhelix plan FILE [--json] [--max-segment N]`; returns the exit code."""
     if args.max_segment < 0:
         raise UsageError(f"--max-segment must be 0 (no bound) or more, got {args.max_segment}")
-    program = check_text(read_source(args.file), args.file)
+    program = checked_program(read_source(args.file), args.file, args.profile)
     require_profile(program)
     plan = schedule_plan(program, max_segment=args.max_segment or None)
     usage = plan_usage(program)

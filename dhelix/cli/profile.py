@@ -26,7 +26,7 @@ from pathlib import Path
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
-from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.passes.overrides import for_measuring
 
 DEFAULT_REPEATS = 5
 
@@ -59,7 +59,7 @@ def cmd_profile(args) -> int:
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     text = read_source(args.file)
-    program = check_text(text, args.file)
+    program = for_measuring(text, args.file)  # a stale measured profile is what this replaces
     if program.model is None:
         raise UsageError(f"'{args.file}' is a library file: it has no model to profile")
     from dhelix.interpreter import profile_launch, spawn
@@ -114,7 +114,7 @@ def write_profile(out: Path, program, options, samples, command: str, host: str)
     base = program.profile or load_profile(DEFAULT_BASE)
     stamp = Stamp(source=options.path, machine=samples.machine, torch=samples.torch, backend=options.backend,
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=command,
-                  repeats=options.repeats)
+                  repeats=options.repeats, memory_gb=samples.memory_gb)
     profile, notes = derive_profile(program, samples.timings, stamp, base, name=host)
     header = [f"Measured by `{command}`.",
               "Every number names its source: [measured] timed on this machine, [derived] computed from",

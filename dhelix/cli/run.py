@@ -31,7 +31,8 @@ from pathlib import Path
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.imports import read_source
-from dhelix.dsl.passes.pipeline import check_text
+from dhelix.cli.overrides import add_profile_argument
+from dhelix.dsl.passes.overrides import checked_program
 from dhelix.dsl.render.trace import trace_json
 
 
@@ -60,11 +61,13 @@ def register(subparsers) -> None:
     run.add_argument("--seed", type=int,
                      help="seed of the weights and the data (default: the train block's seed, else 0)")
     run.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    run.add_argument("--zero1", action="store_true", help="shard the optimizer state over dp (ZeRO-1)")
+    run.add_argument("--zero1", action="store_true",
+                     help="shard the optimizer state over dp (ZeRO-1), as `train { zero = 1 }` does")
     run.add_argument("--timeout", type=float, default=60.0, metavar="S",
                      help="collective timeout in seconds: a dead peer ends the run after this (default 60)")
     run.add_argument("--check", action="store_true",
                      help="compare every step's loss and gradients with the single-process reference")
+    add_profile_argument(run)
     run.set_defaults(func=cmd_run)
 
 
@@ -81,7 +84,7 @@ def cmd_run(args) -> int:
     if len({os.path.realpath(path) for path in outputs.values()}) < len(outputs):
         raise UsageError(f"--trace and --metrics name the same file '{args.trace}'; give each its own")
     text = read_source(args.file)
-    program = check_text(text, args.file)
+    program = checked_program(text, args.file, args.profile)
     if program.model is None:
         raise UsageError(f"'{args.file}' is a library file: it has no model to run")
     for flag, path in outputs.items():
@@ -119,7 +122,16 @@ def run_options(args, text: str, program):
         steps=args.steps if args.steps is not None else program.train.steps or train.DEFAULT_STEPS,
         backend=args.backend or "gloo", si=args.si, plan=plan, trace=args.trace,
         seed=args.seed if args.seed is not None else program.train.seed, lr=args.lr,
-        zero1=args.zero1, timeout=args.timeout, check=args.check, pairs=pairs)
+        zero1=args.zero1 or program.train.zero >= 1, timeout=args.timeout, check=args.check, pairs=pairs,
+        profile=_profile_for_ranks(args.profile))
+
+
+def _profile_for_ranks(profile: str | None) -> str | None:
+    """``--profile`` as the ranks must read it: a file by its absolute path (a torchrun
+    rank may start elsewhere), a shipped name as it is."""
+    if profile is None or not profile.endswith((".yaml", ".yml")) and "/" not in profile:
+        return profile
+    return str(Path(profile).resolve())
 
 
 def report(program, options, result, trace: Path | None, metrics: Path | None = None) -> int:

@@ -14,10 +14,11 @@ import sys
 from pathlib import Path
 
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
-from dhelix.dsl.core.errors import UsageError
-from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
+from dhelix.cli.overrides import add_profile_argument
+from dhelix.dsl.passes.overrides import checked_program
 from dhelix.dsl.frontend.imports import read_source
-from dhelix.dsl.simulator.report import compare, format_comparison, format_simulation
+from dhelix.dsl.simulator.report import compare, format_comparison, format_simulation, memory_warnings
 from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.render.trace import trace_json
@@ -33,15 +34,20 @@ def register(subparsers) -> None:
     sim.add_argument("--compare", action="store_true",
                      help="compare with SI off and with 1F1B without folding (same model, mesh, micro-batches)")
     sim.add_argument("--zero1", action="store_true",
-                     help="shard optimizer states over the data-parallel group (ZeRO-1, distributed optimizer)")
+                     help="shard optimizer states over the data-parallel group (ZeRO-1, distributed optimizer), "
+                          "as `train { zero = 1 }` does")
     sim.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto) of the run as written")
+    sim.add_argument("--strict", action="store_true",
+                     help="a rank whose predicted peak memory exceeds the profile's device memory is an "
+                          "error (exit 1), not a warning")
+    add_profile_argument(sim)
     sim.set_defaults(func=cmd_simulate)
 
 
 def cmd_simulate(args) -> int:
-    """`dhelix simulate FILE [--compare] [--zero1] [--trace OUT.json]`; returns the exit code."""
+    """`dhelix simulate FILE [--compare] [--zero1] [--trace OUT.json] [--strict]`; returns the exit code."""
     trace = trace_path(args.trace, args.file) if args.trace else None
-    program = check_text(read_source(args.file), args.file)
+    program = checked_program(read_source(args.file), args.file, args.profile)
     if trace is not None:
         refuse_inputs(trace, "--trace", program_inputs(program))
     require_profile(program)
@@ -62,6 +68,19 @@ def cmd_simulate(args) -> int:
     if trace is not None:
         write_trace(trace, written, args.file)
         print(f"wrote {trace} (open it in https://ui.perfetto.dev)")
+    return memory_verdict(program, written, args.strict)
+
+
+def memory_verdict(program, sim: Simulation, strict: bool) -> int:
+    """Print a warning per rank whose predicted peak exceeds the device memory (standard
+    error), or with ``strict`` raise them as errors; returns the exit code otherwise."""
+    warnings = memory_warnings(program, sim)
+    if strict and warnings:
+        errors = [DhelixError(w.message, w.span, w.notes) for w in warnings]
+        raise errors[0] if len(errors) == 1 else ErrorGroup(errors)
+    sys.stdout.flush()  # the table first, then what it means
+    for warning in warnings:
+        print(warning.render(), file=sys.stderr)
     return 0
 
 

@@ -68,6 +68,16 @@ class UsageError(DhelixError):
     """A wrong command line (exit code 2), as opposed to a wrong program (exit code 1)."""
 
 
+class DhelixWarning(DhelixError):
+    """A located warning: something that runs but likely not as meant (a prediction that
+    does not fit the device). Rendered like an error with ``warning:`` before the message;
+    a command may print it and go on, or raise it as an error when asked to be strict."""
+
+    def render(self) -> str:
+        text = DhelixError(f"warning: {self.message}", self.span, self.notes).render()
+        return text.replace("error: warning:", "warning:", 1)
+
+
 class ErrorGroup(DhelixError):
     """Several errors found by one validator, sorted by position and rendered one after another."""
 

@@ -54,13 +54,15 @@ class Cluster:
 
 @attrs.frozen
 class Train:
-    """The train block: micro-batch size and count per step; the seed of weights and data
-    and the default step count of `dhelix run`."""
+    """The train block: micro-batch size and count per step; the seed of weights and data,
+    the default step count of `dhelix run`, and the ZeRO stage of the optimizer (0: states
+    replicated, 1: sharded over data parallelism)."""
 
     micro_batch: int
     microbatches: int
     seed: int = 0
     steps: int | None = None
+    zero: int = 0
     span: object = span_field()
 
 

@@ -21,7 +21,10 @@ MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
-TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps")
+TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "zero")
+#: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states) and 1 (optimizer
+#: states sharded over data parallelism, Megatron's distributed optimizer).
+ZERO_STAGES = (0, 1)
 
 
 #: The example a name-valued setting's message shows.
@@ -182,7 +185,13 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
         return None
     v = block.values
-    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), span=node.span)
+    zero = v.get("zero", 0)
+    if zero not in ZERO_STAGES:
+        errors.add(CheckError(f"'zero' must be 0 or 1, got {zero}", block.span("zero"),
+                              ["zero = 1 shards the optimizer states over data parallelism (ZeRO-1); "
+                               "sharding gradients and weights too (ZeRO-2/3, FSDP) is not supported yet"]))
+        return None
+    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), zero, span=node.span)
 
 
 def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:

@@ -42,6 +42,8 @@ def render_profile(profile: Profile, notes: Mapping[str, str] | None = None, hea
     for dtype in (d for d in DTYPES if d in profile.peak_tflops):
         out.value(dtype, _num(profile.peak_tflops[dtype]), f"peak_tflops.{dtype}", 1)
     out.value("hbm_gbps", _num(profile.hbm_gbps), "hbm_gbps")
+    if profile.memory_gb is not None:
+        out.value("memory_gb", _num(profile.memory_gb), "memory_gb")
     out.blank()
     out.section("achieved", "achieved")
     for cls in COMPUTE_BOUND + MEMORY_BOUND:

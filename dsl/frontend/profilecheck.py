@@ -90,7 +90,7 @@ def check_measured(program) -> None:
             f"profile '{cluster.profile}' was measured on another program", span,
             notes + ["re-measure it on this program, or delete its measured: section to keep only the derived "
                      "rates (peak, links, OEF, slowdown, launch gap)"],
-            program=span.source.path if span else "")
+            program=program.files[-1] if program.files else "")
 
 
 class StaleProfileError(ProfileError):

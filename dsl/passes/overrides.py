@@ -21,6 +21,7 @@ import attrs
 
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
 from dhelix.dsl.core.program import FOLD_KINDS, FoldSpec, Program, fold_kinds_text
 from dhelix.dsl.core.wording import did_you_mean
@@ -69,6 +70,36 @@ def load_program(text: str, path: str, overrides: Overrides, stop: str = "valida
         if overrides.describe():
             _add_note(exc, f"with the overrides {overrides.describe()}")
         raise
+
+
+def with_profile(program: Program, name_or_path: str) -> Program:
+    """``program`` priced with another hardware profile: a shipped name or a YAML path
+    (relative to the working folder), as if its cluster block named it; the passes after
+    check run again, so a measured profile of another program is refused as in the file.
+    Raises ProfileError for a profile that cannot be read."""
+    if program.cluster is None:  # a library file: nothing to price
+        return program
+    profile = load_profile(name_or_path)
+    cluster = attrs.evolve(program.cluster, profile=name_or_path, profile_span=None)
+    return passes.rerun(attrs.evolve(program, profile=profile, cluster=cluster), after="check")
+
+
+def checked_program(text: str, path: str, profile: str | None = None) -> Program:
+    """The program of ``text`` (the file ``path``) through every pass, priced with
+    ``profile`` (:func:`with_profile`) when one is given instead of its cluster block's."""
+    if profile is None:
+        return passes.check_text(text, path)
+    return with_profile(passes.run_until(text, path, "check"), profile)
+
+
+def for_measuring(text: str, path: str) -> Program:
+    """The program of ``text`` (the file ``path``) checked with its profile's measured
+    section set aside: what a new measurement replaces, so a stale one is no error here.
+    The profile's other values stay (they fill in what cannot be measured)."""
+    program = passes.run_until(text, path, "check")
+    if program.profile is not None and program.profile.measured is not None:
+        program = attrs.evolve(program, profile=attrs.evolve(program.profile, measured=None))
+    return passes.rerun(program, after="check")
 
 
 def _add_note(error: DhelixError, note: str) -> None:

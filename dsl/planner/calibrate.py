@@ -86,6 +86,7 @@ class Stamp:
     date: str
     command: str
     repeats: int
+    memory_gb: float | None = None  # device memory per rank (GPU memory, or RAM ÷ local ranks)
 
 
 def pool(ranks: Sequence[Mapping[str, Mapping]]) -> Timings:
@@ -131,7 +132,10 @@ def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profi
                    f"for {stamp.source}")
     profile = Profile(name=name, description=description, peak_tflops={dtype: peak}, hbm_gbps=hbm,
                       achieved=achieved, links=links, collectives=collectives, oef_classes=classes,
-                      oef_pairs=pairs, slowdown=slowdown, launch_gap=gap, measured=measured)
+                      oef_pairs=pairs, slowdown=slowdown, launch_gap=gap, measured=measured,
+                      memory_gb=stamp.memory_gb if stamp.memory_gb is not None else base.memory_gb)
+    notes["memory_gb"] = ("[measured] device memory per rank" if stamp.memory_gb is not None
+                          else f"[from {base.name}] not measured")
     return profile, notes
 
 

@@ -498,7 +498,8 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
 
     ``plan`` prices the SI blocks (planned with :func:`schedule_plan` when the schedule has
     SI blocks and none is given); ``si=False`` runs every SI block as its F then its B;
-    ``zero1`` shards the optimizer states over the gradient-sync group. ``costs`` replaces
+    ``zero1`` shards the optimizer states over the gradient-sync group, as does the program's
+    ``train { zero = 1 }`` (``zero1`` can only add the sharding). ``costs`` replaces
     the :func:`sim_costs.step_costs` of the program, for what-if studies (free pipeline
     transfers, no LM head, …); its ``layer.pair`` then prices the SI blocks. Returns the
     :class:`Simulation`; raises DhelixError for a program without a profile.
@@ -509,6 +510,7 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         if si and plan is None and has_si(program):
             plan = schedule_plan(program, cost)
         costs = step_costs(program, plan if si else None, cost)
+    zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
     run = _Run(program, costs, si, zero1)
     run.run()
     ranks = tuple(run.rank_stats(rank) for rank in range(program.lowered.ranks))

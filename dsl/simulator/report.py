@@ -14,6 +14,7 @@ import attrs
 from dhelix.dsl.frontend.stdlib import stdlib_pipelines
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.simulator.memory import GB
+from dhelix.dsl.core.errors import DhelixWarning
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import FoldSpec, Program
 from dhelix.dsl.core.table import format_table
@@ -80,6 +81,31 @@ class Units:
     def m(self, nbytes: float) -> str:
         """Bytes in the report's unit, 2 decimals."""
         return f"{nbytes / self.memory[1]:.2f}"
+
+
+def memory_warnings(program: Program, sim: Simulation) -> list[DhelixWarning]:
+    """A warning per rank of ``sim`` whose predicted peak memory exceeds the device memory
+    of the program's profile (none when the profile does not give it), located at the
+    cluster's ``profile`` setting, where the device is named."""
+    capacity = program.profile.memory_gb
+    if capacity is None:
+        return []
+    warnings = []
+    for r in sim.ranks:
+        if r.memory <= capacity * GB:
+            continue
+        states = r.states
+        warnings.append(DhelixWarning(
+            f"pipeline rank {r.rank} needs {r.memory / GB:.2f} GB at its predicted peak ({sim.label}), more "
+            f"than the {capacity:g} GB of one {program.profile.name} device",
+            program.cluster.profile_span,
+            [f"model states {states.total / GB:.2f} GB (weights {states.params / GB:.2f}, gradients "
+             f"{states.grads / GB:.2f}, optimizer {states.optimizer / GB:.2f}) and live activations "
+             f"{r.activations / GB:.2f} GB",
+             "to fit: shard the optimizer states over data parallelism (ZeRO-1), more tensor or pipeline "
+             "parallelism, or a schedule with fewer micro-batches in flight; activation recomputation is "
+             "not modelled yet"]))
+    return warnings
 
 
 def format_simulation(sim: Simulation, title: str = "") -> str:
