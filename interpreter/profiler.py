@@ -42,9 +42,11 @@ import torch.distributed as dist
 
 from dhelix.dsl.core.program import Op, Program
 
+from dhelix.dsl.core.oplib import END_OPS
+
 from .comm import AXES, Communicator, Pending
-from .layer_exec import LayerPlan, LayerRun
-from .weights import WeightPlan, torch_dtype
+from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun
+from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, torch_dtype
 
 #: Bytes per rank of the link sweep's all_gathers.
 SWEEP_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
@@ -148,6 +150,45 @@ class LayerBench:
         self.runs[0 if forward else 1].settle(op, forward)
 
 
+class EndsBench:
+    """The model's end ops on this rank (:data:`END_OPS`): the vocabulary-parallel embedding
+    and the LM head with its cross-entropy, on one micro-batch of random tokens, as the
+    executor runs them on the first and the last pipeline stage."""
+
+    def __init__(self, program: Program, comm: Communicator, device: torch.device, seed: int = 0):
+        plan = WeightPlan(program, seed)
+        index = {axis: comm.index(axis) for axis in AXES}
+        dtype = torch_dtype(program)
+        self.comm, self.start, self.sp = comm, plan.vocab_start(index), plan.sequence_parallel
+        self.embedding, self.norm, self.head = (plan.shard(name, index, dtype).to(device)
+                                                for name in (EMBEDDING, FINAL_NORM, LM_HEAD))
+        generator = torch.Generator().manual_seed(seed + 1 + comm.rank)
+        tokens, vocab = dict(program.env)["tokens"], program.model.get("vocab")
+        self.ids, self.targets = (torch.randint(vocab, (tokens,), generator=generator).to(device) for _ in range(2))
+        self.x = torch.randn(program.forward.input_shape, generator=generator, dtype=dtype).to(device)
+
+    def runner(self, name: str, clock: "Clock") -> Callable[[], dict]:
+        """The timed run of end op ``name``; a backward first runs its forward, untimed."""
+        backward = name.endswith(".bwd")
+
+        def run() -> dict:
+            if name.startswith("embedding"):
+                piece = EmbedRun(self.embedding, self.comm, self.start, self.sp, {})
+                if backward:
+                    piece.forward(self.ids)
+                start = clock.mark()
+                piece.backward(self.x) if backward else piece.forward(self.ids)
+            else:
+                piece = HeadRun(self.norm, self.head, self.comm, self.start, self.sp, {})
+                if backward:
+                    piece.forward(self.x, self.targets)
+                start = clock.mark()
+                piece.backward(1.0) if backward else piece.forward(self.x, self.targets)
+            return {"us": clock.us(start, clock.mark())}
+
+        return run
+
+
 @attrs.frozen
 class Measurement:
     """One thing to time: ``kind`` (ops, issued, pairs, sweep), the key its samples go
@@ -160,10 +201,13 @@ class Measurement:
 
 
 def measurements(program: Program, bench: LayerBench, comm: Communicator, clock: Clock,
-                 device: torch.device) -> list[Measurement]:
-    """Everything to time on this rank, in the order every rank times it."""
+                 device: torch.device, ends: EndsBench | None = None) -> list[Measurement]:
+    """Everything to time on this rank, in the order every rank times it (the model's end
+    ops too when ``ends`` is given)."""
     fwd, bwd = program.forward.ops, program.backward.ops
     items = [Measurement("ops", op.name, op.kind == "comm", _solo(bench, clock, op, False)) for op in fwd + bwd]
+    if ends is not None:
+        items += [Measurement("ops", name, True, ends.runner(name, clock)) for name in END_OPS]
     items += [Measurement("issued", op.name, True, _solo(bench, clock, op, True))
               for op in fwd + bwd if op.kind == "comm"]
     items += [Measurement("pairs", (f.name, b.name), True, _pair(bench, clock, f, b))

@@ -14,6 +14,7 @@ pytest.importorskip("torch")
 pytest.importorskip("tqdm")
 
 from dhelix.cli import main  # noqa: E402
+from dhelix.dsl.core.oplib import END_OPS  # noqa: E402
 from dhelix.dsl.frontend.profiles import parse_profile  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,7 +39,7 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_ru
     result = dhelix("profile", str(stale), "-o", str(out), "--repeats", "2")
     assert result.returncode == 0, result.stderr
     assert "on 4 gloo rank(s) (tp 2 × pp 2), 2 timed repeat(s) after 1 warm-up" in result.stdout
-    assert "timed 32 ops alone, 112 op pairs, 8 link sizes" in result.stdout
+    assert "timed 32 layer ops alone, 4 embedding and LM-head passes, 112 op pairs, 8 link sizes" in result.stdout
     assert 'use it: cluster { profile = "' in result.stdout
     assert "profiling: 100%" in result.stderr  # the progress bar
     profile = parse_profile(out.read_text(), str(out))
@@ -46,7 +47,8 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_ru
     assert measured.dtype == "fp32" and measured.repeats == 2 and measured.mesh == {"tp": 2, "pp": 2}
     assert set(measured.stamp) == {"machine", "torch", "backend", "date", "command"}
     assert measured.stamp["backend"] == "gloo" and measured.stamp["command"].startswith("dhelix profile ")
-    assert len(measured.ops) == 14 + 18 and len(measured.pairs) == 112
+    assert len(measured.ops) == 14 + 18 + 4 and len(measured.pairs) == 112
+    assert set(END_OPS) <= set(measured.ops) and measured.shapes["lm_head"] == "tokens 64, hidden 64, vocab 256 over tp 2"
     assert all(us > 0 for us in measured.ops.values())
     assert set(profile.peak_tflops) == {"fp32"}
     assert "[measured]" in out.read_text() and "[from lab]" in out.read_text()  # cross pairs: not in this layer

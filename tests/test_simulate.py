@@ -296,3 +296,23 @@ def test_zero_declared_in_the_train_block_is_zero1():
     program = example("llama39b_a40")
     declared = attrs.evolve(program, train=attrs.evolve(program.train, zero=1))
     assert simulate(declared) == simulate(program, zero1=True)
+
+
+def test_measured_embedding_and_lm_head_times_replace_the_model():
+    from dhelix.dsl.frontend.profiles import Measured
+    from dhelix.dsl.simulator.costs import head_costs
+
+    program = example("tiny_llama_cpu")
+    modelled = head_costs(program)
+    times = {"embedding": 1500.0, "embedding.bwd": 700.0, "lm_head": 9000.0, "lm_head.bwd": 2000.0}
+    measured = attrs.evolve(program.profile, measured=Measured("fp32", ops=times))
+    timed = head_costs(attrs.evolve(program, profile=measured))
+    assert timed.embed_forward.seconds == pytest.approx(1.5e-3)
+    assert timed.embed_backward.seconds == pytest.approx(0.7e-3)
+    assert timed.head_forward.seconds == pytest.approx(9e-3)
+    assert timed.head_forward.comm == modelled.head_forward.comm  # the model's communication inside
+    # The measured backward includes the LM head's weight gradient, which keeps its modelled share.
+    assert timed.head_weight == modelled.head_weight
+    assert timed.head_backward.seconds + timed.head_weight.seconds == pytest.approx(2e-3)
+    other = attrs.evolve(program.profile, measured=Measured("bf16", ops=times))  # another dtype: unused
+    assert head_costs(attrs.evolve(program, profile=other)) == modelled

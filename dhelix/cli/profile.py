@@ -138,7 +138,8 @@ def summary(path: str, out: Path, program, options, samples, profile) -> str:
     return "\n".join([
         f"dhelix profile: {path} on {samples.world} {options.backend} rank(s) ({describe_mesh(program.mesh)}), "
         f"{options.repeats} timed repeat(s) after {options.warmup} warm-up",
-        f"timed {counts['ops']} ops alone, {counts['pairs']} op pairs, {counts['sweep']} link sizes; wrote {out}",
+        f"timed {counts['ops']} layer ops alone, {counts.get('ends', 0)} embedding and LM-head passes, "
+        f"{counts['pairs']} op pairs, {counts['sweep']} link sizes; wrote {out}",
         f"  compute  peak {profile.peak_tflops[dtype] * 1e3:g} GFLOP/s {dtype} (fastest op), "
         f"memory {profile.hbm_gbps:g} GB/s",
         f"  links    {links}",

@@ -185,6 +185,11 @@ OPS: dict[str, OpSpec] = {op.name: op for op in [
 #: so may move). Every other operator gets one ``.bwd`` (a norm's computes both gradients).
 SPLIT_OPS = frozenset({"gemm", "grouped_gemm", "router"})
 
+#: The model's work outside its layers, as `dhelix profile` times it and the simulator prices
+#: it: the vocabulary-parallel embedding (lookup and its tp reduction) and the LM head (final
+#: norm, gather, head GEMM, vocabulary-parallel cross-entropy), forward and backward.
+END_OPS = ("embedding", "embedding.bwd", "lm_head", "lm_head.bwd")
+
 #: The parts of a backward: the input gradient, the weight gradient, or an op's whole backward.
 DGRAD, WGRAD, BWD = "dgrad", "wgrad", "bwd"
 

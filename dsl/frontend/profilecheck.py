@@ -17,6 +17,7 @@ derived from one (``qkv.dgrad`` from ``qkv``) belongs to another layer.
 from __future__ import annotations
 
 from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.oplib import END_OPS
 from dhelix.dsl.core.program import LayerDag, Op
 from dhelix.dsl.frontend.profiles import Measured, ProfileError
 
@@ -45,9 +46,20 @@ def mesh_sizes(mesh: Mesh) -> dict[str, int]:
     return {axis: size for axis, size in zip(mesh.order, mesh.sizes, strict=True) if size > 1}
 
 
-def stale_notes(measured: Measured, forward: LayerDag, mesh: Mesh, dtype: str) -> list[str]:
-    """Why ``measured`` was not taken on a program with this ``forward`` DAG, ``mesh`` and
-    ``dtype``: one note per difference (the first :data:`SHOWN` ops), [] when it fits."""
+def ends_signature(program) -> str | None:
+    """What the model's end ops (:data:`END_OPS`: embedding, LM head) take time over, as one
+    line: tokens per micro-batch, hidden, vocabulary and its tp split; None without a vocab."""
+    vocab, hidden = program.model.get("vocab"), program.model.get("hidden")
+    if not vocab or not hidden or program.forward is None:
+        return None
+    tp = program.mesh.size("tp")
+    return f"tokens {program.forward.input_shape[0] * tp}, hidden {hidden}, vocab {vocab} over tp {tp}"
+
+
+def stale_notes(measured: Measured, forward: LayerDag, mesh: Mesh, dtype: str, ends: str | None = None) -> list[str]:
+    """Why ``measured`` was not taken on a program with this ``forward`` DAG, ``mesh``,
+    ``dtype`` and :func:`ends_signature` ``ends``: one note per difference (the first
+    :data:`SHOWN` ops), [] when it fits."""
     notes = []
     if measured.dtype != dtype:
         notes.append(f"measured in {measured.dtype}, the program trains in {dtype}")
@@ -55,9 +67,10 @@ def stale_notes(measured: Measured, forward: LayerDag, mesh: Mesh, dtype: str) -
     if measured.mesh and measured.mesh != here:
         notes.append(f"measured on mesh {_mesh(measured.mesh)}, the program's mesh is {_mesh(here)}")
     ops = {op.name: op for op in forward.ops}
-    changed = [f"{name}: measured {sig}, here {op_signature(ops[name])}"
-               for name, sig in sorted(measured.shapes.items())
-               if name in ops and sig != op_signature(ops[name])]
+    here = {name: op_signature(op) for name, op in ops.items()}
+    here.update({name: ends for name in END_OPS if ends is not None})
+    changed = [f"{name}: measured {sig}, here {here[name]}"
+               for name, sig in sorted(measured.shapes.items()) if name in here and sig != here[name]]
     named = set(measured.ops) | set(measured.shapes) | {n for p in measured.pairs for n in p.fwd + p.bwd}
     foreign = sorted(name for name in named if not _of_layer(name, ops))
     notes += changed[:SHOWN] + ([f"… and {len(changed) - SHOWN} more ops differ"] if len(changed) > SHOWN else [])
@@ -68,8 +81,9 @@ def stale_notes(measured: Measured, forward: LayerDag, mesh: Mesh, dtype: str) -
 
 
 def _of_layer(name: str, ops: dict) -> bool:
-    """Whether ``name`` is a forward op or a backward op derived from one (``fc1.wgrad``)."""
-    return name in ops or any(name.startswith(f"{op}.") for op in ops)
+    """Whether ``name`` is a forward op, a backward op derived from one (``fc1.wgrad``) or
+    one of the model's end ops."""
+    return name in ops or name in END_OPS or any(name.startswith(f"{op}.") for op in ops)
 
 
 def _mesh(sizes: dict) -> str:
@@ -83,7 +97,8 @@ def check_measured(program) -> None:
     profile, cluster = program.profile, program.cluster
     if profile is None or profile.measured is None or program.forward is None:
         return
-    notes = stale_notes(profile.measured, program.forward, program.mesh, program.model.dtype)
+    notes = stale_notes(profile.measured, program.forward, program.mesh, program.model.dtype,
+                        ends_signature(program))
     if notes:
         span = cluster.profile_span
         raise StaleProfileError(

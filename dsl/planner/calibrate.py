@@ -42,8 +42,9 @@ from typing import Mapping, Sequence
 
 import attrs
 
+from dhelix.dsl.core.oplib import END_OPS
 from dhelix.dsl.core.program import Op, Program
-from dhelix.dsl.frontend.profilecheck import mesh_sizes, op_signature
+from dhelix.dsl.frontend.profilecheck import ends_signature, mesh_sizes, op_signature
 from dhelix.dsl.frontend.profiles import (COMPUTE_BOUND, MEMORY_BOUND, OEF_CLASSES, OEF_HIGH, OEF_LOW, Collective,
                                           LaunchGap, Link, Measured, MeasuredPair, Profile)
 from dhelix.dsl.planner.costmodel import achieved_class, op_bytes, op_flops
@@ -121,11 +122,15 @@ def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profi
     collectives = {kind: Collective(model.model, 1.0) for kind, model in base.collectives.items()}
     notes["collectives"] = "[derived] the links are fitted with all_gather; the others follow the ring conventions"
     measured = Measured(
-        dtype=dtype, source=stamp.source, ops={op.name: _round(timings.ops[op.name], 3) for op in ops},
+        dtype=dtype, source=stamp.source,
+        ops={name: _round(timings.ops[name], 3) for name in [op.name for op in ops] + list(END_OPS)
+             if name in timings.ops},
         pairs=tuple(MeasuredPair((f,), (b,), _round(us, 3)) for (f, b), us in timings.pairs.items()),
         stamp={"machine": stamp.machine, "torch": stamp.torch, "backend": stamp.backend, "date": stamp.date,
                "command": stamp.command},
-        repeats=stamp.repeats, mesh=mesh_sizes(program.mesh), shapes={op.name: op_signature(op) for op in ops})
+        repeats=stamp.repeats, mesh=mesh_sizes(program.mesh),
+        shapes={op.name: op_signature(op) for op in ops} | {name: ends_signature(program) for name in END_OPS
+                                                            if name in timings.ops})
     notes["measured.ops"] = "[measured] each op alone, µs (median over ranks and repeats)"
     notes["measured.pairs"] = "[measured] a forward op beside a backward op, as an SI pair runs them, µs"
     description = (f"measured on {stamp.machine} ({stamp.backend}, torch {stamp.torch}) "

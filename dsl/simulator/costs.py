@@ -18,7 +18,9 @@ timeline), in seconds of the program's hardware profile:
   a vocab-parallel cross-entropy in fp32 (memory-bound: reads the logits, writes and reads an
   fp32 softmax; backward reads it and writes the logit gradient; three tiny all-reduces over
   tp). The embedding writes its ``[T, h]`` partial lookup and reduce-scatters it over tp;
-  its backward gathers the gradient and scatter-adds it. These run alone, never paired.
+  its backward gathers the gradient and scatter-adds it. These run alone, never paired. A
+  profile measured by `dhelix profile` times them (``embedding``, ``lm_head`` and their
+  ``.bwd`` in ``measured.ops``); those times replace the model's.
 * **Pipeline P2P**: ``micro_batch·(seq/cp)·hidden/tp`` elements of the model dtype per
   micro-batch and stage boundary (NOTES §3.5): the layer input's bytes, on the pp group's lane.
 * **Data parallel**: each stage's gradients (model dtype) are reduced over the DP×CP group
@@ -33,7 +35,7 @@ import math
 import attrs
 
 from dhelix.dsl.core.dtypes import dtype_bytes
-from dhelix.dsl.core.oplib import is_wgrad
+from dhelix.dsl.core.oplib import END_OPS, is_wgrad
 from dhelix.dsl.planner.costmodel import collective_time, op_time
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
@@ -234,7 +236,7 @@ def head_costs(program: Program) -> HeadCosts:
     reduce = 3 * collective_time("all_reduce", 4.0 * tokens, tp, tp_lane, profile) if tp > 1 else 0.0
     cross_entropy = memory(math.prod(logits), size + 8) + Work(reduce, reduce, reduce)
     norm = Op("final_norm", "rmsnorm", "compute", "norm", (), (local,), local, weight=(hidden,))
-    return HeadCosts(
+    modelled = HeadCosts(
         embed_forward=memory(math.prod(full), 2 * size) + collective("embed.rs", "reduce_scatter", full, local),
         embed_backward=collective("embed.ag", "all_gather", local, full) + memory(math.prod(full), 3 * size),
         head_forward=(run(norm) + collective("head.ag", "all_gather", local, full) + gemm("lm_head", "gemm")
@@ -243,6 +245,31 @@ def head_costs(program: Program) -> HeadCosts:
                        + collective("head.rs", "reduce_scatter", full, local)
                        + run(attrs.evolve(norm, name="final_norm.bwd", op="rmsnorm_bwd"))),
         head_weight=gemm("lm_head.wgrad", "gemm_wgrad"))
+    return _measured_ends(modelled, profile, dtype)
+
+
+def _measured_ends(modelled: HeadCosts, profile, dtype: str) -> HeadCosts:
+    """``modelled`` with the times a measured profile has for the model's end ops
+    (:data:`END_OPS`, timed by `dhelix profile` with their collectives). The communication
+    inside stays the model's (at most the measured time); the LM head's measured backward
+    includes its weight gradient, which keeps the model's share when a schedule splits it off."""
+    measured = profile.measured
+    if measured is None or measured.dtype != dtype:
+        return modelled
+    times = {name: measured.ops[name] * 1e-6 for name in END_OPS if name in measured.ops}
+
+    def timed(work: Work, name: str, minus: float = 0.0) -> Work:
+        if name not in times:
+            return work
+        seconds = max(times[name] - minus, 0.0)
+        return Work(seconds, min(work.comm, seconds), min(work.exposed, seconds))
+
+    return HeadCosts(
+        embed_forward=timed(modelled.embed_forward, "embedding"),
+        embed_backward=timed(modelled.embed_backward, "embedding.bwd"),
+        head_forward=timed(modelled.head_forward, "lm_head"),
+        head_backward=timed(modelled.head_backward, "lm_head.bwd", minus=modelled.head_weight.seconds),
+        head_weight=modelled.head_weight)
 
 
 def optimizer_seconds(params: float, dtype: str, profile) -> float:
