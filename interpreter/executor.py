@@ -242,7 +242,9 @@ class Executor:
         stage, mb = self.stages[action.chunk], action.microbatch
         if mb in stage.runs:
             raise ValueError(f"micro-batch {mb} already runs forward on stage {stage.index}")
-        runs = [LayerRun(self.layer_plan, w, self.comm, g) for w, g in zip(stage.weights, stage.grads, strict=True)]
+        full = self.program.train.recompute == "full"
+        runs = [LayerRun(self.layer_plan, w, self.comm, g, recompute=full)
+                for w, g in zip(stage.weights, stage.grads, strict=True)]
         stage.runs[mb] = runs
         start = self.weights.vocab_start(self.index)
         sp = self.weights.sequence_parallel

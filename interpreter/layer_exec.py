@@ -109,8 +109,15 @@ class LayerRun:
     """
 
     def __init__(self, plan: LayerPlan, weights: Mapping[str, torch.Tensor], comm: Communicator,
-                 grads: dict[str, torch.Tensor] | None = None):
+                 grads: dict[str, torch.Tensor] | None = None, recompute: bool = False):
         self.plan, self.weights, self.comm = plan, weights, comm
+        #: Full recomputation: keep only the layer input between the forward and the
+        #: backward, and run the forward again (collectives included) before the first
+        #: backward op. Every rank of a group replays at the same point of its op order.
+        self.recompute = recompute
+        self._input: torch.Tensor | None = None
+        self._forward_done = 0
+        self._replaying = False
         self.grads = grads if grads is not None else {}
         self.routing: dict = {}  # MoE routing shared by permute and grouped_gemm
         self.acts: dict[str, object] = {}
@@ -128,6 +135,8 @@ class LayerRun:
     def start(self, x: torch.Tensor) -> None:
         """Set the layer input ``x`` (this rank's ``[tokens, hidden]`` rows)."""
         self.acts[self.plan.fwd.input] = x
+        if self.recompute and not self._replaying:
+            self._input = x
         self.version += 1
 
     def forward_op(self, op: Op, async_op: bool = False) -> None:
@@ -147,6 +156,9 @@ class LayerRun:
             raise ValueError(f"{op.name} ({op.op}) is not a forward op")
         self._release(step.inputs, self._fwd_left, self.acts, keep=self.plan.fwd.output)
         self.version += 1
+        self._forward_done += 1
+        if self.recompute and not self._replaying and self._forward_done == len(self.plan.fwd.ops):
+            self.saved.clear()  # the backward rebuilds them from the kept input (_replay)
 
     def output(self) -> torch.Tensor:
         """The layer output (waits for it if a collective produces it)."""
@@ -168,6 +180,8 @@ class LayerRun:
 
     def backward_op(self, op: Op, async_op: bool = False) -> None:
         """Run backward op ``op`` (a dgrad, a wgrad, an op's whole backward or a collective)."""
+        if self._input is not None:
+            self._replay()
         step = self.plan.steps[op.name]
         role, kernel, flow = step.role, step.kernel, op.grad
         forward = self.plan.fwd_ops[op.forward]
@@ -207,6 +221,22 @@ class LayerRun:
             self.backward_op(op)
         return self.input_grad()
 
+    def _replay(self) -> None:
+        """Full recomputation: run the forward again from the kept input, synchronously, to
+        rebuild the saved tensors the backward reads; the layer output stays as it was."""
+        output = self.plan.fwd.output
+        kept = {output: self.acts[output]} if output in self.acts else {}
+        self._replaying = True
+        self._fwd_left = Counter(self.plan.fwd_readers)
+        self._saved_left = Counter(self.plan.saved_users)
+        self.start(self._input)
+        for op in self.plan.fwd.ops:
+            self.forward_op(op)
+        self._act(output)  # nothing of the replay left in flight
+        self.acts = kept
+        self._input, self._replaying = None, False
+        self.version += 1
+
     # -- helpers -------------------------------------------------------------------------
 
     def _ctx(self, op: Op, step: "Step", async_op: bool) -> KernelCtx:
@@ -226,7 +256,7 @@ class LayerRun:
         flight; most have not changed since, so the walk is redone only after a change."""
         if self._memo[0] != self.version:
             seen: dict[int, int] = {}
-            count_storages((self.acts, self.saved, self.bgrads), seen)
+            count_storages((self.acts, self.saved, self.bgrads, self._input), seen)
             self._memo = (self.version, seen)
         return self._memo[1]
 

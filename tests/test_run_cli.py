@@ -130,3 +130,19 @@ def test_the_run_trace_is_the_simulators_format(tmp_path):
     assert complete == [(0, 0, "F0.0", 0.0, 1000.0), (0, 1, "all_gather", 500.0, 2000.0),
                         (1, 2, "SEND_F0.0>0", 1000.0, 3000.0)]
     assert trace["otherData"]["schedule"] == "w_helix" and trace["otherData"]["backend"] == "gloo"
+
+
+def test_full_recomputation_runs_exactly_and_keeps_fewer_activations(tmp_path):
+    program = tmp_path / "recompute.dhx"
+    program.write_text(Path(EXAMPLE).read_text().replace("  seed = 1234", "  seed = 1234\n  recompute = full"))
+    checked = dhelix("run", str(program), "--steps", "2", "--check")
+    assert checked.returncode == 0, checked.stderr  # loss and every gradient equal to the reference
+    peaks = {}
+    for name, path in (("recompute", program), ("plain", Path(EXAMPLE))):
+        metrics = tmp_path / f"{name}.json"
+        result = dhelix("run", str(path), "--steps", "2", "--metrics", str(metrics))
+        assert result.returncode == 0, result.stderr
+        data = json.loads(metrics.read_text())
+        peaks[name] = (data["peak_activations_bytes"], data["predicted"]["peak_activations_bytes"])
+    assert peaks["recompute"][0] < 0.5 * peaks["plain"][0]  # measured
+    assert peaks["recompute"][1] < 0.5 * peaks["plain"][1]  # simulated

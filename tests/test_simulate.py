@@ -13,6 +13,7 @@ cases, and what it must show on the paper's configurations (examples/*.dhx):
 
 from __future__ import annotations
 
+import math
 import re
 from functools import lru_cache
 
@@ -20,6 +21,7 @@ import attrs
 import pytest
 
 from dhelix.cli import main
+from dhelix.dsl.core.dtypes import dtype_bytes
 from dhelix.dsl.simulator.memory import head_activations, layer_activations
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.simulator.costs import HeadCosts, LayerCosts, Work, cost_of, step_costs
@@ -316,3 +318,24 @@ def test_measured_embedding_and_lm_head_times_replace_the_model():
     assert timed.head_backward.seconds + timed.head_weight.seconds == pytest.approx(2e-3)
     other = attrs.evolve(program.profile, measured=Measured("bf16", ops=times))  # another dtype: unused
     assert head_costs(attrs.evolve(program, profile=other)) == modelled
+
+
+@pytest.mark.parametrize("name", ["tiny_llama_cpu", "llama39b_a40"])
+def test_full_recomputation_keeps_layer_inputs_and_pays_a_forward_per_backward(name):
+    program = example(name)
+    again = attrs.evolve(program, train=attrs.evolve(program.train, recompute="full"))
+    plain, recomputed = simulate(program), simulate(again)
+    assert simulate(again, si=False).step_time > simulate(program, si=False).step_time
+    assert recomputed.step_time > plain.step_time
+    layer = layer_activations(program.forward, program.backward, program.model.dtype, program.lowered.split)
+    kept = math.prod(program.forward.input_shape) * dtype_bytes(program.model.dtype)
+    for a, b in zip(plain.ranks, recomputed.ranks, strict=True):
+        assert b.states == a.states
+        assert b.activations < a.activations
+        # At most: every layer input in flight, the LM head's, and one layer rebuilt in full
+        # (two in an SI pair: the forward strand's and the rebuilt one).
+        assert b.activations <= a.activations * kept / layer.total + 2 * layer.total + head_activations(
+            program, program.lowered.split).total
+    costs, plain_costs = step_costs(again, None), step_costs(program, None)
+    assert costs.layer.backward.seconds == pytest.approx(plain_costs.layer.backward.seconds
+                                                         + plain_costs.layer.forward.seconds)

@@ -55,14 +55,16 @@ class Cluster:
 @attrs.frozen
 class Train:
     """The train block: micro-batch size and count per step; the seed of weights and data,
-    the default step count of `dhelix run`, and the ZeRO stage of the optimizer (0: states
-    replicated, 1: sharded over data parallelism)."""
+    the default step count of `dhelix run`, the ZeRO stage of the optimizer (0: states
+    replicated, 1: sharded over data parallelism) and the activation recomputation (none,
+    or full: each layer keeps its input and runs its forward again before its backward)."""
 
     micro_batch: int
     microbatches: int
     seed: int = 0
     steps: int | None = None
     zero: int = 0
+    recompute: str = "none"
     span: object = span_field()
 
 

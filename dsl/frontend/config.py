@@ -21,7 +21,10 @@ MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
-TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "zero")
+TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "zero", "recompute")
+#: What ``train { recompute = … }`` accepts: keep every saved activation (``none``) or only each
+#: layer's input, running the layer's forward again before its backward (``full``).
+RECOMPUTE = ("none", "full")
 #: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states) and 1 (optimizer
 #: states sharded over data parallelism, Megatron's distributed optimizer).
 ZERO_STAGES = (0, 1)
@@ -180,7 +183,7 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
-    block = evaluate_block(node.settings, errors, TRAIN_KEYS)
+    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute",))
     _check_positive(block, [k for k in ("micro_batch", "microbatches", "steps") if k in block.values], errors)
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
         return None
@@ -191,7 +194,17 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                               ["zero = 1 shards the optimizer states over data parallelism (ZeRO-1); "
                                "sharding gradients and weights too (ZeRO-2/3, FSDP) is not supported yet"]))
         return None
-    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), zero, span=node.span)
+    recompute = v.get("recompute", "none")
+    if recompute not in RECOMPUTE:
+        notes = did_you_mean(recompute, RECOMPUTE) + ["none keeps every activation the backward reads; full keeps "
+                                                      "each layer's input and runs its forward again"]
+        if recompute == "selective":
+            notes.append("selective recomputation (Megatron's) drops attention's s × s scores, which the "
+                         "flash-style attention here never keeps: it would change nothing")
+        errors.add(CheckError(f"unknown recompute '{recompute}' (none or full)", block.span("recompute"), notes))
+        return None
+    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), zero, recompute,
+                 span=node.span)
 
 
 def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:

@@ -21,6 +21,8 @@ timeline), in seconds of the program's hardware profile:
   its backward gathers the gradient and scatter-adds it. These run alone, never paired. A
   profile measured by `dhelix profile` times them (``embedding``, ``lm_head`` and their
   ``.bwd`` in ``measured.ops``); those times replace the model's.
+* **Activation recomputation** (``train { recompute = full }``): every layer's backward, and
+  every SI layer pair, first runs the layer's forward again, alone (its collectives included).
 * **Pipeline P2P**: ``micro_batch·(seq/cp)·hidden/tp`` elements of the model dtype per
   micro-batch and stage boundary (NOTES §3.5): the layer input's bytes, on the pp group's lane.
 * **Data parallel**: each stage's gradients (model dtype) are reduced over the DP×CP group
@@ -148,11 +150,15 @@ def plan_work(plan: Plan) -> Work:
 def layer_costs(program: Program, cost: PairCost, plan: Plan | None) -> LayerCosts:
     """Per-layer Works of ``program``'s layer; ``plan`` prices SI layer pairs."""
     forward, backward = program.forward, program.backward
+    fwd = solo_work(cost, forward.ops)
+    # Full recomputation runs the layer's forward again, alone, before its backward (in an SI
+    # pair too: the backward strand's first op needs what it rebuilds).
+    again = fwd if program.train is not None and program.train.recompute == "full" else NOTHING
     return LayerCosts(
-        forward=solo_work(cost, forward.ops), backward=solo_work(cost, backward.ops),
-        backward_input=solo_work(cost, (op for op in backward.ops if not is_wgrad(op))),
+        forward=fwd, backward=again + solo_work(cost, backward.ops),
+        backward_input=again + solo_work(cost, (op for op in backward.ops if not is_wgrad(op))),
         weight=solo_work(cost, (op for op in backward.ops if is_wgrad(op))),
-        pair=plan_work(plan) if plan is not None else None)
+        pair=again + plan_work(plan) if plan is not None else None)
 
 
 def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None) -> StepCosts:

@@ -36,7 +36,8 @@ import attrs
 
 from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration
 from dhelix.dsl.core.errors import CheckError, DhelixError
-from dhelix.dsl.simulator.memory import MemoryTimeline, ModelStates, head_activations, layer_activations, model_states
+from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, head_activations, layer_activations,
+                                         model_states, recomputed)
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
@@ -186,6 +187,10 @@ class _Expander:
         self.split = program.lowered.split
         self.stages = program.placement.stages
         self.acts = layer_activations(program.forward, program.backward, program.model.dtype, self.split)
+        # What a forward allocates per layer, and what its backward allocates again first.
+        self.kept, self.rebuilt = self.acts, 0.0
+        if program.train is not None and program.train.recompute == "full":
+            self.kept, self.rebuilt = recomputed(self.acts, program.forward, program.model.dtype)
         self.head = head_activations(program, self.split)
         self.cache: dict[tuple, tuple[Piece, ...]] = {}
 
@@ -230,13 +235,13 @@ class _Expander:
     def _layer_b(self, index: int) -> Piece:
         layer, params = self.costs.layer, self.costs.params
         if self.split:
-            return Piece(layer.backward_input, free=self.acts.at_backward)
-        return Piece(layer.backward, free=self.acts.at_backward,
+            return Piece(layer.backward_input, alloc=self.rebuilt, free=self.acts.at_backward)
+        return Piece(layer.backward, alloc=self.rebuilt, free=self.acts.at_backward,
                      grads=(index, params.layer_dense, params.layer_expert))
 
     def _forward(self, stage: int) -> list[Piece]:
         count = self._count(stage)
-        layer = Piece(self.costs.layer.forward, alloc=self.acts.total)
+        layer = Piece(self.costs.layer.forward, alloc=self.kept.total)
         return self._embed_f(stage) + [layer] * count + self._head_f(stage)
 
     def _backward(self, stage: int) -> list[Piece]:
@@ -262,8 +267,8 @@ class _Expander:
         body = []
         for k in range(paired):
             b = self._layer_b(nb - 1 - k)
-            body.append(attrs.evolve(b, work=pair, alloc=self.acts.total))
-        body += [Piece(self.costs.layer.forward, alloc=self.acts.total)] * (nf - paired)
+            body.append(attrs.evolve(b, work=pair, alloc=self.kept.total + self.rebuilt))
+        body += [Piece(self.costs.layer.forward, alloc=self.kept.total)] * (nf - paired)
         body += [self._layer_b(i) for i in reversed(range(nb - paired))]
         return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)
                 + self._embed_b(bstage))

@@ -11,7 +11,8 @@ expert weights.
 forward tensors it reads; a layer keeps each named tensor once (its forward shape, the model
 dtype) from the moment its forward starts until its backward has passed it. In a split
 schedule the tensors that only weight-gradient ops read stay until W passes the layer; the
-others go when B does. The LM head keeps its gathered input and an fp32 softmax of the local
+others go when B does. With full recomputation a layer keeps only its input from its forward
+to its backward, which allocates the rest again when it starts. The LM head keeps its gathered input and an fp32 softmax of the local
 logits (``[T, V/tp]``, Megatron's vocab-parallel cross-entropy) until its backward. Small
 per-row statistics (norm variances, attention log-sum-exp) are left out.
 
@@ -114,6 +115,14 @@ def head_activations(program: Program, split: bool) -> Activations:
     if split:
         return Activations(softmax + norm_input, head_input)
     return Activations(softmax + norm_input + head_input)
+
+
+def recomputed(acts: Activations, forward: LayerDag, dtype: str) -> tuple[Activations, float]:
+    """Full recomputation: what a layer keeps from its forward to its backward (its input
+    only), and what its backward allocates when it starts (the rest of ``acts``, rebuilt by
+    running the forward again); the backward and W free what ``acts`` says they free."""
+    kept = float(math.prod(forward.input_shape) * dtype_bytes(dtype))
+    return Activations(kept), max(acts.total - kept, 0.0)
 
 
 class MemoryTimeline:

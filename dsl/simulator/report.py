@@ -103,8 +103,7 @@ def memory_warnings(program: Program, sim: Simulation) -> list[DhelixWarning]:
              f"{states.grads / GB:.2f}, optimizer {states.optimizer / GB:.2f}) and live activations "
              f"{r.activations / GB:.2f} GB",
              "to fit: shard the optimizer states over data parallelism (ZeRO-1), more tensor or pipeline "
-             "parallelism, or a schedule with fewer micro-batches in flight; activation recomputation is "
-             "not modelled yet"]))
+             "parallelism, or a schedule with fewer micro-batches in flight, or full activation recomputation"]))
     return warnings
 
 
