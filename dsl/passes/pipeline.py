@@ -24,6 +24,7 @@ from dhelix.dsl.passes.fold import placement_of
 from dhelix.dsl.passes.lower import check_fold, lower_pipeline
 from dhelix.dsl.frontend.parser import parse
 from dhelix.dsl.core.program import Program
+from dhelix.dsl.passes.partition import partition_forward
 from dhelix.dsl.passes.shapes import instantiate
 from dhelix.dsl.passes.strands import check_selectors
 from dhelix.dsl.passes.validate import validate_lowered
@@ -52,6 +53,15 @@ def shapes(program: Program) -> Program:
     program = attrs.evolve(program, env=tuple(env.items()), forward=forward)
     check_measured(program)
     return program
+
+
+def partition(program: Program) -> Program:
+    """The program with its forward layer DAG rewritten by its partition block (Centauri's
+    substitutions and chunks), unchanged without one."""
+    if program.forward is None or program.partition is None:
+        return program
+    return attrs.evolve(program, forward=partition_forward(program.forward, program.partition,
+                                                           dict(program.env)))
 
 
 def autodiff(program: Program) -> Program:
@@ -117,6 +127,8 @@ STAGES = (
           dump.dump_config),
     Stage("shapes", "the forward layer DAG with per-GPU shapes, kinds and lanes", dump.dump_forward,
           shapes, ("env", "forward")),
+    Stage("partition", "the forward layer DAG after the partition block's substitutions and chunks",
+          dump.dump_forward, partition),
     Stage("autodiff", "the forward and the derived backward layer DAGs", dump.dump_dags,
           autodiff, ("backward",)),
     Stage("strands", "the operators each selector of the strands block names", dump.dump_strands,
