@@ -37,15 +37,31 @@ def unfolded_1f1b(program: Program) -> Program:
     return passes.rerun(changed, after="strands")
 
 
+def unpartitioned(program: Program) -> Program:
+    """``program`` without its partition block (Centauri off), every pass after check run again."""
+    return passes.rerun(attrs.evolve(program, partition=None), after="check")
+
+
 def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False) -> tuple[Simulation, ...]:
-    """Three simulations of ``program``: as written, SI off, and 1F1B without folding."""
+    """Simulations of ``program``: as written, SI off, and 1F1B without folding; for a
+    program with a partition block instead Centauri + SI (as written), SI only (no
+    partition), Centauri only (1F1B without folding, partitioned) and Megatron's baseline
+    (1F1B without folding, no partition)."""
     require_profile(program)
     cost = cost_of(program)
     if plan is None and has_si(program):
         plan = schedule_plan(program, cost)
-    return (simulate(program, plan, zero1=zero1, cost=cost, label="as written"),
-            simulate(program, plan, si=False, zero1=zero1, cost=cost, label="SI off"),
-            simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="1F1B, fold none"))
+    written = simulate(program, plan, zero1=zero1, cost=cost, label="as written")
+    if program.partition is None:
+        return (written, simulate(program, plan, si=False, zero1=zero1, cost=cost, label="SI off"),
+                simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="1F1B, fold none"))
+    plain = unpartitioned(program)
+    plain_cost = cost_of(plain)
+    plain_plan = schedule_plan(plain, plain_cost) if has_si(plain) else None
+    return (attrs.evolve(written, label="Centauri + SI"),
+            simulate(plain, plain_plan, zero1=zero1, cost=plain_cost, label="SI only"),
+            simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="Centauri only"),
+            simulate(unfolded_1f1b(plain), zero1=zero1, cost=plain_cost, label="baseline (1F1B)"))
 
 
 def describe(sim: Simulation) -> str:
