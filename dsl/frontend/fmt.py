@@ -142,6 +142,11 @@ _BLOCKS: dict[type, Callable[..., tuple[str, tuple]]] = {
     s.PartitionDef: lambda n: ("partition", n.body),
 }
 
+def format_statement(node: s.Node) -> str:
+    """The canonical one-line text of a statement node (a setting, ``chunk a + b by 2``…)."""
+    return _LEAVES[type(node)](node)
+
+
 # Top-level one-liners of the same group print without a blank line between them.
 _GROUPS = {s.Import: "import", s.Fold: "select", s.PipelineRef: "select"}
 

@@ -109,7 +109,8 @@ def _describe(terminal: str) -> str:
 # `expected a name, a number, '(' or '-'`.
 _OPERATORS = {"PLUS": "+", "MINUS": "-", "STAR": "*", "SLASH": "/", "__ANON_0": "//", "PERCENT": "%"}
 _VALUE_START = {"NAME", "INT", "LPAR", "MINUS"}
-_STATEMENTS = ("IMPORT", "MODEL", "CLUSTER", "MESH", "TRAIN", "FOLD", "PIPELINE", "LAYER", "STRANDS")
+_STATEMENTS = ("IMPORT", "MODEL", "CLUSTER", "MESH", "TRAIN", "FOLD", "PIPELINE", "LAYER", "STRANDS",
+               "PARTITION")
 _CLOSERS = {"{": "}", "(": ")", "[": "]"}
 _CLOSER_TERMINALS = {"{": "RBRACE", "(": "RPAR", "[": "RSQB"}
 

@@ -91,9 +91,9 @@ def _bad_target(st: s.Substitute) -> CheckError:
     span = st.span_of("into.0")
     if set(st.into) & _ROOTED:
         return CheckError(f"rooted substitution '{written}' is not supported", span, [
-            "a rooted collective (reduce, broadcast, gather, scatter) sends every byte through one "
-            "rank, so it is slower than the all_reduce it replaces at any group size; Centauri "
-            "prunes these substitutions (Table 2)",
+            "a rooted collective (reduce, broadcast, gather, scatter) concentrates the traffic on "
+            "one root rank, so it scales worse than the all_reduce it replaces; Centauri prunes "
+            "these substitutions (Table 2)",
             f"write: substitute {st.op} as {' + '.join(SCALABLE)}"])
     return CheckError(f"no substitution '{written}' for an all_reduce", span,
                       [f"the scalable substitution is: substitute {st.op} as {' + '.join(SCALABLE)}"])
@@ -127,11 +127,10 @@ def _checked_chain(fwd: LayerDag, st: s.Chunk, env, claimed: dict, errors: Error
                                   [f"by the chunk statement at {claimed[name].span}"]))
         split, why = dimension_split(op.op, dim)
         if split != OD:
-            need = "needs a reduction of partial sums, which chunking does not add" if split == CD \
-                else "never splits"
+            kind = "contracted: its chunks would be partial sums that need a reduction, which a chunk " \
+                "chain does not add" if split == CD else "not divisible: it never splits"
             errors.add(CheckError(f"cannot chunk {name} ({op.op}) along {dim}: {dim} is {split} for "
-                                  f"{op.op}, which {need}", span,
-                                  [f"{why} (Centauri Table 3)"] if why else []))
+                                  f"{op.op} ({kind})", span, [f"{why} (Centauri Table 3)"] if why else []))
         ops.append(op)
     if len(errors.errors) > found or not ops:
         return None
