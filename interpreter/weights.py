@@ -46,7 +46,7 @@ import attrs
 import torch
 
 from dhelix.dsl.passes.pipeline import rerun
-from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.mesh import Mesh, base_axis
 from dhelix.dsl.core.program import LayerDag, Op, Program
 
 EMBEDDING, FINAL_NORM, LM_HEAD = "embedding", "final_norm", "lm_head"
@@ -173,7 +173,8 @@ def _is_tp_collective(fwd: LayerDag, name: str, kind: str) -> bool:
     op = next((o for o in fwd.ops if o.name == name), None)
     if op is not None and op.op == "slice":  # a chunk of a partitioned chain's input
         return _is_tp_collective(fwd, op.inputs[0], kind)
-    return op is not None and op.op == kind and op.axis == "tp"
+    # A group-partitioned collective's last stage (over tp.inter or tp.intra) completes it.
+    return op is not None and op.op == kind and op.axis is not None and base_axis(op.axis) == "tp"
 
 
 def _readers(fwd: LayerDag, name: str) -> list[Op]:

@@ -238,7 +238,15 @@ class Substitute(Node):
     into: tuple[str, ...]
 
 
-XStmt = Union[Chunk, Substitute]
+@attrs.frozen
+class Group(Node):
+    """``group ag1 + rs1``: run each collective as sub-collectives over the node-local and the
+    cross-node part of its group. Spans: ``ops.i``."""
+
+    ops: tuple[str, ...]
+
+
+XStmt = Union[Chunk, Substitute, Group]
 
 
 @attrs.frozen

@@ -9,7 +9,7 @@ Canonical form:
   ``y = gemm(x, hidden, n = 2 * hidden)``, ``out y``, ``overlap tp, cp``,
   ``comm_with_comm on``, ``movable wgrad, attention.bwd``, ``forbid a.b with c``,
   ``chunk ag1 + qkv by 2``, ``chunk ag2 along features by 2``,
-  ``substitute ar as reduce_scatter + all_gather``;
+  ``substitute ar as reduce_scatter + all_gather``, ``group ag1 + rs1``;
 * except that a ``repeat`` of actions only stays on one line, as the paper draws schedules:
   ``repeat m - warm { F B }``, ``repeat n { SI(F[1], B) W }`` (unless a comment needs a line
   inside it; a comment after it stays after it);
@@ -129,6 +129,7 @@ _LEAVES: dict[type, Callable[..., str]] = {
     s.Chunk: lambda n: f"chunk {' + '.join(n.ops)}" + (f" along {n.dim}" if n.dim else "")
     + f" by {_count(n.parts)}",
     s.Substitute: lambda n: f"substitute {n.op} as {' + '.join(n.into)}",
+    s.Group: lambda n: f"group {' + '.join(n.ops)}",
 }
 
 #: Blocks: node type -> (header before ``{``, statements inside).

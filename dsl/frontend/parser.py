@@ -453,6 +453,10 @@ class _Builder(Transformer):
         (dim,) = children
         return (str(dim), self._tok(dim))
 
+    def group_stmt(self, meta, children):
+        return s.Group(tuple(str(n) for n in children), span=self._span(meta),
+                       spans={f"ops.{i}": self._tok(n) for i, n in enumerate(children)})
+
     def substitute_stmt(self, meta, children):
         op, *into = children
         spans = {"op": self._tok(op)} | {f"into.{i}": self._tok(n) for i, n in enumerate(into)}

@@ -18,6 +18,12 @@ interpreter see ordinary operators:
   Every operator must split along the dimension as an outer dimension (OD); a contracted
   (CD) or indivisible (ND) one is a located error, as are counts that do not divide.
 
+* ``group ag1 + rs1`` (group partition, §3.1.2): a collective over a group that spans nodes
+  runs as a sub-collective over the group's ranks on one node (``ag1.intra``, the local lane)
+  and one over the ranks at the same place on every node (``ag1``, over ``tp.inter``, the
+  cross lane), with the same result; chunks of the collective are split too. A group inside
+  one node, or one with unequal ranks on its nodes, is refused.
+
 Chunks of a weighted operator share its weight: their ``Op.origin`` names the written op.
 """
 
@@ -29,6 +35,7 @@ import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
+from dhelix.dsl.core.mesh import INTER, INTRA, Mesh
 from dhelix.dsl.core.oplib import CD, OD, PARTITION_DIMS, dimension_split
 from dhelix.dsl.core.program import LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
@@ -39,10 +46,11 @@ SCALABLE = ("reduce_scatter", "all_gather")
 _ROOTED = {"reduce", "broadcast", "gather", "scatter"}
 
 
-def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, int]) -> LayerDag:
-    """``fwd`` rewritten by the statements of ``block`` (substitutions first, then chunks),
-    with chunk counts evaluated over ``env``. Raises CheckError or ErrorGroup with every
-    problem found, each located at the statement's word at fault."""
+def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, int], mesh: Mesh) -> LayerDag:
+    """``fwd`` rewritten by the statements of ``block`` (substitutions first, then chunks,
+    then group partitions, which split the chunks' collectives too), with chunk counts
+    evaluated over ``env`` and groups taken from ``mesh``. Raises CheckError or ErrorGroup
+    with every problem found, each located at the statement's word at fault."""
     errors = ErrorCollector()
     for st in block.body:
         if isinstance(st, s.Substitute):
@@ -53,8 +61,63 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
             chain = _checked_chain(fwd, st, env, claimed, errors)
             if chain is not None:
                 fwd = _chunked(fwd, *chain)
+    for st in block.body:
+        if isinstance(st, s.Group):
+            for i, name in enumerate(st.ops):
+                fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors)
     errors.raise_if_any()
     return fwd
+
+
+# -- group partition ----------------------------------------------------------------------
+
+#: How each collective runs as two sub-collectives, in order (Centauri §3.1.2): a gather
+#: collects a node's blocks before the nodes exchange them, a reduce-scatter reduces across
+#: nodes first, so both keep the axis order (a rank's position is inter * intra_size + intra).
+_STAGES = {"all_gather": (INTRA, INTER), "reduce_scatter": (INTER, INTRA), "all_reduce": (INTRA, INTER)}
+
+
+def _group_partition(fwd: LayerDag, name: str, span, mesh: Mesh, errors: ErrorCollector) -> LayerDag:
+    targets = [op for op in fwd.ops if name in (op.name, op.origin) and op.kind == "comm"]
+    if not targets:
+        if name not in fwd.elided:  # an elided collective has no group to split
+            op = _named_op(fwd, name, span, errors)
+            if op is not None:
+                errors.add(CheckError(f"cannot group-partition '{name}': it is {op.op}, a {op.kind} operator",
+                                      span, ["group partition splits an all_gather, reduce_scatter or "
+                                             "all_reduce over a group that spans nodes"]))
+        return fwd
+    op = targets[0]
+    split = mesh.hierarchy(op.axis) if op.op in _STAGES else "none"
+    if op.op not in _STAGES:
+        errors.add(CheckError(f"cannot group-partition '{name}': {op.op} has no hierarchical form here",
+                              span, [f"group partition splits {join_words(list(_STAGES), 'or')}"]))
+    elif split is None or (isinstance(split, tuple) and split[0] == 1):
+        where = "lies inside one node" if split is None else "has one rank on each node"
+        errors.add(CheckError(f"cannot group-partition '{name}': its {op.axis} group "
+                              f"{list(mesh.groups(op.axis)[0])} {where}", span,
+                              [f"group partition splits a group with several ranks on each of several "
+                               f"nodes (gpus_per_node = {mesh.gpus_per_node})"]))
+    elif isinstance(split, str):
+        errors.add(CheckError(f"cannot group-partition '{name}': its sub-groups are unbalanced", span,
+                              [split, "every node must hold as many ranks of the group"]))
+    else:
+        replaced = {target.name: _hierarchical(target, mesh) for target in targets}
+        return attrs.evolve(fwd, ops=tuple(new for o in fwd.ops for new in replaced.get(o.name, [o])))
+    return fwd
+
+
+def _hierarchical(op: Op, mesh: Mesh) -> list[Op]:
+    """``op`` as its two sub-collectives; the second keeps its name (readers are unchanged)."""
+    first, second = (f"{op.axis}.{part}" for part in _STAGES[op.op])
+    rows, cols = op.in_shapes[0]
+    size = mesh.size(first)
+    middle = {"all_gather": rows * size, "reduce_scatter": rows // size, "all_reduce": rows}[op.op]
+    one = attrs.evolve(op, name=f"{op.name}.{first.rpartition('.')[2]}", axis=first, group_size=size,
+                       lane=mesh.lane(first), shape=(middle, cols), params=(("axis", first),))
+    two = attrs.evolve(op, inputs=(one.name,), in_shapes=(one.shape,), axis=second,
+                       group_size=mesh.size(second), lane=mesh.lane(second), params=(("axis", second),))
+    return [one, two]
 
 
 # -- primitive substitution ---------------------------------------------------------------

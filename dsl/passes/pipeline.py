@@ -57,11 +57,11 @@ def shapes(program: Program) -> Program:
 
 def partition(program: Program) -> Program:
     """The program with its forward layer DAG rewritten by its partition block (Centauri's
-    substitutions and chunks), unchanged without one."""
+    substitutions, chunks and group partitions), unchanged without one."""
     if program.forward is None or program.partition is None:
         return program
     return attrs.evolve(program, forward=partition_forward(program.forward, program.partition,
-                                                           dict(program.env)))
+                                                           dict(program.env), program.mesh))
 
 
 def autodiff(program: Program) -> Program:
