@@ -15,7 +15,7 @@ from dhelix.dsl.simulator.report import compare_partition
 HEADER = """
 import "stdlib/layers.dhx"
 import "stdlib/pipelines.dhx"
-model m {{ layers = {layers}  hidden = 32  ffn = 64  heads = 4  kv_heads = 2  seq = 8  vocab = 64
+model m {{ layers = {layers}  hidden = 32  ffn = 64  heads = 4  kv_heads = {kv_heads}  seq = 8  vocab = 64
   dtype = fp32  layer = {layer} }}
 cluster {{ nodes = {nodes}  gpus_per_node = {per_node}  profile = "a40" }}
 mesh {{ {mesh} }}
@@ -26,6 +26,8 @@ pipeline {pipeline}
 
 MLP_BY_4 = "chunk ag2 + fc1 + act + fc2 + rs2 by 4"
 QKV_BY_2 = "chunk ag1 + qkv by 2"
+MLP_BY_2 = "chunk ag2 + fc1 + act + fc2 + rs2 by 2"
+GROUP_ALL = "group ag1 + rs1 + ag2 + rs2"
 
 
 def program(partition: str = "", mesh: str = "tp = 2  pp = 2", pipeline: str = "w_helix", fold: str = "u",
@@ -36,7 +38,7 @@ def program(partition: str = "", mesh: str = "tp = 2  pp = 2", pipeline: str = "
         world *= size
     per_node = min(world, 2)  # "nodes" of 2 ranks: both the local and the cross lane are used
     text = extra + HEADER.format(layers=layers, layer=layer, nodes=world // per_node, per_node=per_node,
-                                 mesh=mesh, fold=fold, pipeline=pipeline)
+                                 mesh=mesh, fold=fold, pipeline=pipeline, kv_heads=4 if "tp = 4" in mesh else 2)
     if partition:
         text += "partition {\n" + "\n".join(f"  {line}" for line in partition.split(";")) + "\n}\n"
     return run_until(text, "t.dhx", stop)
@@ -79,6 +81,18 @@ def test_a_collective_elided_by_a_size_1_axis_drops_out_of_its_chain():
     names = [op.name for op in fwd.ops]
     assert "ag2.c0" not in names and "fc1.c0" in names and fwd.op("h2").inputs[0] == "fc2"
     assert fwd.op("fc2").op == "concat"
+
+
+def test_group_partition_splits_each_collective_and_its_chunks_into_local_then_cross():
+    fwd = program(f"{MLP_BY_2};{GROUP_ALL}", mesh="tp = 4", stop="partition").forward
+    ops = {op.name: op for op in fwd.ops}
+    first, second = ops["ag1.intra"], ops["ag1"]
+    assert (first.axis, first.lane, first.group_size, first.shape) == ("tp.intra", "local", 2, (8, 32))
+    assert (second.axis, second.lane, second.inputs, second.shape) == ("tp.inter", "cross", ("ag1.intra",), (16, 32))
+    assert (ops["rs1.inter"].lane, ops["rs1"].axis, ops["rs1"].shape) == ("cross", "tp.intra", (4, 32))
+    assert {"ag2.c1.intra", "rs2.c0.inter"} <= set(ops)
+    bwd = {op.name: op for op in program(GROUP_ALL, mesh="tp = 4", stop="autodiff").backward.ops}
+    assert (bwd["ag1.bwd"].op, bwd["ag1.bwd"].axis) == ("reduce_scatter", "tp.inter")
 
 
 SUBSTITUTE_LAYER = """
@@ -134,6 +148,8 @@ RUNS = {
     "qkv2_mlp4_w_helix_planned_si": (f"{QKV_BY_2};{MLP_BY_4}", "tp = 2  pp = 2", "w_helix", "u", "planned"),
     "qkv4_prj2_dp2": ("chunk ag1 + qkv by 4;chunk prj + rs1 by 2", "tp = 2  dp = 2", "one_f_one_b", "none",
                       False),
+    # tp = 4 over two "nodes" of 2 ranks: hierarchical collectives, chunked too, with SI.
+    "group_tp4_w_helix_planned_si": (f"{MLP_BY_2};{GROUP_ALL}", "tp = 4", "w_helix", "u", "planned"),
 }
 
 
