@@ -218,3 +218,48 @@ def test_substituted_all_reduce_matches_on_every_rank(world):
 def test_the_example_runs_chunks_it_declares():
     prog = check_text(open("examples/tiny_llama_centauri_cpu.dhx").read(), "examples/tiny_llama_centauri_cpu.dhx")
     assert {"ag1.c1", "qkv.c1", "rs2.c3"} <= {op.name for op in prog.forward.ops}
+
+
+# -- one process: the layout kernels and chunked layers against the reference ------------------
+
+@pytest.mark.parametrize(("parts", "blocks"), [(2, 1), (4, 1), (2, 2), (2, 4), (4, 2)])
+def test_slices_and_their_concat_are_inverse_and_so_are_their_gradients(parts, blocks):
+    torch = pytest.importorskip("torch")
+    from dhelix.interpreter.kernels import KERNELS, KernelCtx
+
+    x = torch.randn(blocks * parts * 3, 5)
+    ctx = lambda **more: KernelCtx(params={"parts": parts, "dim": 0, "blocks": blocks, **more})  # noqa: E731
+    pieces = [KERNELS["slice"].forward((x,), None, ctx(index=i)) for i in range(parts)]
+    # A chunk of a gathered tensor takes its share of every rank block.
+    rows = x.shape[0] // blocks
+    assert torch.equal(pieces[1][0][:3], x[rows // parts:rows // parts + 3])
+    joined, saved = KERNELS["concat"].forward(tuple(p for p, _ in pieces), None, ctx())
+    assert torch.equal(joined, x)
+    grads = KERNELS["concat"].dgrad(x, saved, None)
+    total = sum(KERNELS["slice"].dgrad(g, s, None)[0] for g, (_, s) in zip(grads, pieces, strict=True))
+    assert torch.equal(total, x)
+
+
+SINGLE = ["chunk ag1 + qkv by 2", "chunk ln2 + ag2 + fc1 + act by 4", "chunk fc1 + act + fc2 + rs2 + h2 by 2",
+          "chunk prj + rs1 + h1 by 4", "chunk h1 along features by 2;chunk h2 by 2"]
+
+
+@pytest.mark.parametrize("partition", SINGLE)
+def test_a_chunked_layer_on_one_rank_matches_the_reference(partition):
+    pytest.importorskip("torch")
+    from dhelix.interpreter.comm import SingleRankComm
+    from dhelix.interpreter.executor import Executor
+    from dhelix.interpreter.harness import compare, reference_with
+    from dhelix.interpreter.reference import make_batch
+    from dhelix.interpreter.weights import WeightPlan
+    from distributed import TOL
+
+    prog = program(partition, mesh="tp = 1", pipeline="one_f_one_b", fold="none", layers=2)
+    assert any(op.op == "concat" for op in prog.forward.ops)
+    batch = make_batch(prog, 3)
+    executor = Executor(prog, SingleRankComm(), seed=7)
+    loss = executor.step(batch)
+    weights = WeightPlan(prog, 7)
+    reference = reference_with(prog, {name: weights.full(name) for name in weights.names()}, batch, 7)
+    check = compare(0, loss.item(), executor.grads(), reference)
+    assert check.loss_diff <= TOL and check.grad_diff <= TOL, str(check)
