@@ -174,23 +174,24 @@ def _runs(rank: int, world: int) -> dict:
 
 
 def _substitution(rank: int, torch) -> tuple[float, float]:
-    """Max differences of the substituted layer's output and input gradient from the
-    all_reduce layer's and from the sums they must be (over tp = 2)."""
+    """Max differences of the substituted layer's output and input gradient (also with the
+    all_gather half chunked with the add after it) from the all_reduce layer's and from the
+    sums they must be (over tp = 2)."""
     from dhelix.interpreter.comm import DistComm
     from dhelix.interpreter.layer_exec import LayerPlan
     from distributed import drive_layer
 
     layer = "layer ar_only {\n  in x [tokens, hidden]\n  ar = all_reduce(x, tp)\n  y = add(ar, x)\n  out y\n}\n"
-    plain, parted = (program(partition, "tp = 2  dp = 2", "gpipe", "none", layer="ar_only", extra=layer)
-                     for partition in ("", "substitute ar as reduce_scatter + all_gather"))
-    comm = DistComm(plain.mesh, timeout_s=60)
+    substitute = "substitute ar as reduce_scatter + all_gather"
+    progs = [program(partition, "tp = 2  dp = 2", "gpipe", "none", layer="ar_only", extra=layer)
+             for partition in ("", substitute, f"{substitute};chunk ar + y by 2")]
+    comm = DistComm(progs[0].mesh, timeout_s=60)
     gen = torch.Generator().manual_seed(100 + rank)
-    x, dout = (torch.randn(plain.forward.input_shape, generator=gen) for _ in range(2))
-    runs = [drive_layer(LayerPlan.build(p.forward, p.backward, 2), {}, comm, x, dout) for p in (plain, parted)]
+    x, dout = (torch.randn(progs[0].forward.input_shape, generator=gen) for _ in range(2))
+    runs = [drive_layer(LayerPlan.build(p.forward, p.backward, 2), {}, comm, x, dout) for p in progs]
     x_sum, dout_sum = (comm.all_reduce(t.clone(), "tp") for t in (x, dout))
-    out_diff = max((runs[1][0] - runs[0][0]).abs().max().item(), (runs[1][0] - (x_sum + x)).abs().max().item())
-    grad_diff = max((runs[1][1] - runs[0][1]).abs().max().item(),
-                    (runs[1][1] - (dout_sum + dout)).abs().max().item())
+    out_diff = max((run[0] - (x_sum + x)).abs().max().item() for run in runs)
+    grad_diff = max((run[1] - (dout_sum + dout)).abs().max().item() for run in runs)
     return out_diff, grad_diff
 
 

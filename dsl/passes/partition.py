@@ -201,7 +201,7 @@ def _checked_chain(fwd: LayerDag, st: s.Chunk, env, claimed: dict, errors: Error
     order = [o.name for o in fwd.ops]
     ops.sort(key=lambda op: order.index(op.name))
     axis = PARTITION_DIMS.index(dim)
-    if not _connected(fwd, ops, st, errors) or not _divides(fwd, ops, parts, axis, st, errors):
+    if not _connected(fwd, ops, st, errors) or not _divides(ops, parts, axis, st, errors):
         return None
     return ops, parts, axis
 
@@ -238,17 +238,29 @@ def _connected(fwd: LayerDag, ops: list[Op], st: s.Chunk, errors: ErrorCollector
     return True
 
 
-def _blocks(fwd: LayerDag, shape, dim: int) -> int:
-    """Rank blocks of a tensor along ``dim``: along tokens a tensor with a multiple of the
-    layer input's tokens was gathered over that many ranks."""
-    rows = fwd.input_shape[0]
-    return shape[0] // rows if dim == 0 and shape[0] > rows and shape[0] % rows == 0 else 1
+def _blocks(chain: list[Op], shape, dim: int) -> int:
+    """Rank blocks of a tensor of the chain along ``dim``. A chunk of a collective's output
+    must be the collective of a chunk of its input: an all_gather over g ranks turns n rows
+    into g blocks of n, a reduce_scatter g blocks into one, so along tokens the chain's
+    collectives say how many blocks a tensor of each row count holds (1 where none does: the
+    chain's token-wise operators only need every tensor cut the same way)."""
+    if dim != 0:
+        return 1
+    blocks: dict[int, int] = {}
+    for op in chain:
+        if op.op == "all_gather":
+            inner = blocks.setdefault(op.in_shapes[0][0], 1)
+            blocks.setdefault(op.shape[0], inner * op.group_size)
+        elif op.op == "reduce_scatter":
+            inner = blocks.setdefault(op.shape[0], 1)
+            blocks.setdefault(op.in_shapes[0][0], inner * op.group_size)
+    return blocks.get(shape[0], 1)
 
 
-def _divides(fwd, ops: list[Op], parts: int, dim: int, st: s.Chunk, errors: ErrorCollector) -> bool:
+def _divides(ops: list[Op], parts: int, dim: int, st: s.Chunk, errors: ErrorCollector) -> bool:
     for op in ops:
         for name, shape in [*zip(op.inputs, op.in_shapes, strict=True), (op.name, op.shape)]:
-            blocks = _blocks(fwd, shape, dim)
+            blocks = _blocks(ops, shape, dim)
             size = shape[dim] // blocks
             if size % parts:
                 word = PARTITION_DIMS[dim]
@@ -274,7 +286,7 @@ def _chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int) -> LayerDag:
     for op in ops:
         for value, shape in zip(op.inputs, op.in_shapes, strict=True):
             if value not in names and value not in slices:
-                slices[value] = _slices(fwd, value, shape, parts, dim, taken, op.span)
+                slices[value] = _slices(ops, value, shape, parts, dim, taken, op.span)
                 new += slices[value]
     for i in range(parts):
         for op in ops:
@@ -285,7 +297,7 @@ def _chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int) -> LayerDag:
     last = ops[-1]
     new.append(Op(last.name, "concat", "compute", "layout", tuple(f"{last.name}.c{i}" for i in range(parts)),
                   (_chunk_shape(last.shape, parts, dim),) * parts, last.shape,
-                  params=(("parts", parts), ("dim", dim), ("blocks", _blocks(fwd, last.shape, dim))),
+                  params=(("parts", parts), ("dim", dim), ("blocks", _blocks(ops, last.shape, dim))),
                   span=last.span))
     out = []
     for op in fwd.ops:
@@ -296,8 +308,8 @@ def _chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int) -> LayerDag:
     return attrs.evolve(fwd, ops=tuple(out))
 
 
-def _slices(fwd, value: str, shape, parts: int, dim: int, taken: set, span) -> list[Op]:
-    blocks = _blocks(fwd, shape, dim)
+def _slices(chain: list[Op], value: str, shape, parts: int, dim: int, taken: set, span) -> list[Op]:
+    blocks = _blocks(chain, shape, dim)
     result = []
     for i in range(parts):
         name, again = f"{value}.s{i}", 1
