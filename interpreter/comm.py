@@ -102,7 +102,7 @@ class Communicator:
             return self.mesh.coords(self.rank).get("dp", 0) % self.mesh.ep
         if axis == EDP:
             return self.mesh.coords(self.rank).get("dp", 0) // self.mesh.ep
-        return self.mesh.coords(self.rank).get(axis, 0)
+        return self.mesh.position(self.rank, axis)
 
     def peer(self, axis: str, offset: int) -> int:
         """The global rank ``offset`` steps along ``axis`` from this one, cyclically."""
@@ -191,7 +191,8 @@ class DistComm(Communicator):
                              f"{dist.get_world_size()}")
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
         self._groups: dict[str, object] = {}
-        for axis in AXES + ((EDP,) if mesh.ep > 1 else ()):
+        # The sub-axes of group partitions (tp.intra, tp.inter) get groups of their own.
+        for axis in AXES + ((EDP,) if mesh.ep > 1 else ()) + mesh.sub_axes():
             for ranks in expert_dp_groups(mesh) if axis == EDP else mesh.groups(axis):
                 if len(ranks) == 1:
                     continue

@@ -290,6 +290,58 @@ def _add_dgrad(grad, saved, weight):
     return (grad, grad)
 
 
+# -- layout: the slices and concats of a partitioned chain -----------------------------------
+# Along tokens a gathered tensor holds ``blocks`` rank blocks; chunk ``index`` of ``parts``
+# is that share of every block, in block order (:mod:`dhelix.dsl.passes.partition`).
+
+def _piece(x, index: int, parts: int, dim: int, blocks: int):
+    if blocks == 1:
+        step = x.shape[dim] // parts
+        return x.narrow(dim, index * step, step)
+    rows = x.shape[0] // blocks
+    step = rows // parts
+    return torch.cat([x.narrow(0, b * rows + index * step, step) for b in range(blocks)])
+
+
+def _layout(ctx) -> tuple[int, int, int]:
+    return ctx.params["parts"], ctx.params["dim"], ctx.params["blocks"]
+
+
+def _slice_forward(inputs, weight, ctx):
+    (x,) = inputs
+    parts, dim, blocks = _layout(ctx)
+    index = ctx.params["index"]
+    return _piece(x, index, parts, dim, blocks).contiguous(), (tuple(x.shape), index, parts, dim, blocks)
+
+
+def _slice_dgrad(grad, saved, weight):
+    # The chunk's gradient in place in a zero tensor of the sliced value's shape; the
+    # accumulation of the value's gradients adds the other chunks'.
+    shape, index, parts, dim, blocks = saved
+    full = grad.new_zeros(shape)
+    if blocks == 1:
+        full.narrow(dim, index * grad.shape[dim], grad.shape[dim]).copy_(grad)
+        return (full,)
+    rows, step = shape[0] // blocks, grad.shape[0] // blocks
+    for b in range(blocks):
+        full.narrow(0, b * rows + index * step, step).copy_(grad.narrow(0, b * step, step))
+    return (full,)
+
+
+def _concat_forward(inputs, weight, ctx):
+    parts, dim, blocks = _layout(ctx)
+    if blocks == 1:
+        return torch.cat(inputs, dim), (parts, dim, blocks)
+    step = inputs[0].shape[0] // blocks  # rows of one chunk in one rank block
+    order = [x.narrow(0, b * step, step) for b in range(blocks) for x in inputs]
+    return torch.cat(order), (parts, dim, blocks)
+
+
+def _concat_dgrad(grad, saved, weight):
+    parts, dim, blocks = saved
+    return tuple(_piece(grad, i, parts, dim, blocks).contiguous() for i in range(parts))
+
+
 # -- MoE permutes ------------------------------------------------------------------------
 
 @attrs.frozen
@@ -431,6 +483,11 @@ def _reduce_scatter(x, ctx):
     return ctx.comm.reduce_scatter(x, ctx.axis, async_op=ctx.async_op)
 
 
+def _all_reduce(x, ctx):
+    # The communicator reduces in place; the input may be saved or read again.
+    return ctx.comm.all_reduce(x.clone(), ctx.axis, async_op=ctx.async_op)
+
+
 def _all_to_all(x, ctx):
     """MoE dispatch or combine: the identity on one rank, else :func:`.moe.exchange`
     (counts first, then the tokens with variable splits)."""
@@ -459,6 +516,8 @@ KERNELS: dict[str, Kernel] = {
     "swiglu": Kernel(_swiglu_forward, _swiglu_dgrad),
     "gelu": Kernel(_gelu_forward, _gelu_dgrad),
     "add": Kernel(_add_forward, _add_dgrad),
+    "slice": Kernel(_slice_forward, _slice_dgrad),
+    "concat": Kernel(_concat_forward, _concat_dgrad),
     "permute": Kernel(_permute_forward, _permute_dgrad),
     "unpermute": Kernel(_unpermute_forward, _unpermute_dgrad),
     "embedding": Kernel(_embedding_forward, _embedding_dgrad, _embedding_wgrad),
@@ -467,7 +526,8 @@ KERNELS: dict[str, Kernel] = {
 
 #: Collectives: ``fn(x, ctx) -> Tensor | Pending`` (a Pending when ``ctx.async_op``).
 COLLECTIVES: dict[str, Callable] = {
-    "all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_to_all": _all_to_all,
+    "all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_reduce": _all_reduce,
+    "all_to_all": _all_to_all,
     "send": _send, "recv": _recv,
 }
 

@@ -148,7 +148,7 @@ class LayerRun:
         if role == COMM:
             self.acts[op.name] = kernel(args[0], ctx)
         elif role == FORWARD:
-            out, saved = kernel.forward(args, self.weights.get(op.name), ctx)
+            out, saved = kernel.forward(args, self.weights.get(op.weight_name), ctx)
             self.acts[op.name] = out
             if self._saved_left[op.name]:
                 self.saved[op.name] = saved
@@ -191,7 +191,7 @@ class LayerRun:
             (value,) = flow.produces
             out[value] = kernel(grad, self._ctx(op, step, async_op))
         elif role in (DGRAD, BWD):
-            grads = kernel.dgrad(grad, self.saved[forward.name], self.weights.get(forward.name))
+            grads = kernel.dgrad(grad, self.saved[forward.name], self.weights.get(forward.weight_name))
             out = _by_value(forward.inputs, grads, flow.produces)
         elif role == RING:  # carrying steps pass the ring's state on; the last gives d(qkv)
             value = kernel.backward(grad, self.saved[forward.name], self._ctx(op, step, async_op))
@@ -276,10 +276,11 @@ class LayerRun:
 
         return own.then(total) if isinstance(own, Pending) else total(own)
 
-    def _add_weight_grad(self, name: str, kernel, grad: torch.Tensor) -> None:
-        # Later micro-batches add into the gradient in place (a GEMM's wgrad as one addmm)
-        # instead of materialising their own and adding it.
-        saved = self.saved[name]
+    def _add_weight_grad(self, op_name: str, kernel, grad: torch.Tensor) -> None:
+        # Later micro-batches (and the other chunks of a partitioned op, which share its
+        # weight) add into the gradient in place (a GEMM's wgrad as one addmm) instead of
+        # materialising their own and adding it.
+        saved, name = self.saved[op_name], self.plan.fwd_ops[op_name].weight_name
         if name not in self.grads:
             self.grads[name] = kernel.wgrad(grad, saved)
         elif kernel.wgrad_into is not None:

@@ -46,7 +46,7 @@ import attrs
 import torch
 
 from dhelix.dsl.passes.pipeline import rerun
-from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.mesh import Mesh, base_axis
 from dhelix.dsl.core.program import LayerDag, Op, Program
 
 EMBEDDING, FINAL_NORM, LM_HEAD = "embedding", "final_norm", "lm_head"
@@ -126,7 +126,8 @@ def full_dags(program: Program) -> tuple[LayerDag, LayerDag]:
     # profile: nothing here is priced, and a measured profile fits the program's own shapes.
     mesh = program.mesh
     single = Mesh(mesh.order, (1,) * len(mesh.sizes), 1, mesh.gpus_per_node)
-    full = rerun(attrs.evolve(program, mesh=single, profile=None), after="check", stop="autodiff")
+    # Nor partitioned: chunks are a schedule of the same layer, which the reference checks.
+    full = rerun(attrs.evolve(program, mesh=single, profile=None, partition=None), after="check", stop="autodiff")
     return full.forward, full.backward
 
 
@@ -136,14 +137,14 @@ def layer_specs(program: Program, full_fwd: LayerDag | None = None) -> dict[str,
     full_fwd = full_fwd or full_dags(program)[0]
     specs = {}
     for op in fwd.ops:
-        if op.weight is None:
+        if op.weight is None or op.weight_name in specs:  # a partitioned op's chunks share one
             continue
-        full_op = full_fwd.op(op.name)
+        full_op = full_fwd.op(op.weight_name)
         spec = _op_spec(op, full_op, fwd, full_fwd, program.mesh)
         if spec.shard_shape(program.mesh.size(spec.axis) if spec.axis else 1) != tuple(op.weight):
             raise ShardingError(f"op {op.name}: weight {list(op.weight)} is not a {spec.kind} shard of "
                                 f"the full {list(spec.full)} over {spec.axis}")
-        specs[op.name] = spec
+        specs[op.weight_name] = spec
     return specs
 
 
@@ -171,11 +172,19 @@ def _op_spec(op: Op, full_op: Op, fwd: LayerDag, full_fwd: LayerDag, mesh: Mesh)
 
 def _is_tp_collective(fwd: LayerDag, name: str, kind: str) -> bool:
     op = next((o for o in fwd.ops if o.name == name), None)
-    return op is not None and op.op == kind and op.axis == "tp"
+    if op is not None and op.op == "slice":  # a chunk of a partitioned chain's input
+        return _is_tp_collective(fwd, op.inputs[0], kind)
+    # A group-partitioned collective's last stage (over tp.inter or tp.intra) completes it.
+    return op is not None and op.op == kind and op.axis is not None and base_axis(op.axis) == "tp"
 
 
 def _readers(fwd: LayerDag, name: str) -> list[Op]:
-    return [op for op in fwd.ops if name in op.inputs]
+    # A partitioned op's chunks are read through the concat that joins them.
+    readers = []
+    for op in fwd.ops:
+        if name in op.inputs:
+            readers += _readers(fwd, op.name) if op.op == "concat" else [op]
+    return readers
 
 
 def _column_blocks(op: Op, width: int, fwd: LayerDag, full_fwd: LayerDag) -> tuple[int, ...]:
@@ -183,7 +192,7 @@ def _column_blocks(op: Op, width: int, fwd: LayerDag, full_fwd: LayerDag) -> tup
     for reader in _readers(fwd, op.name):
         if reader.op == "attention":
             # A ring's first step reads qkv; the full layer has the unsplit attention op.
-            params = dict(full_fwd.op(reader.name.split(".step")[0]).params)
+            params = dict(full_fwd.op(reader.weight_name.split(".step")[0]).params)
             heads, kv = params["heads"], params["kv_heads"]
             d = width // (heads + 2 * kv)
             layouts.add((heads * d, kv * d, kv * d))

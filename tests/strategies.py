@@ -24,7 +24,8 @@ from dhelix.dsl.core import syntax as s
 KEYWORDS = (
     "import", "model", "cluster", "mesh", "train", "fold", "pipeline", "repeat", "require",
     "SI", "F", "B", "W", "layer", "in", "out", "strands", "overlap", "comm_with_comm",
-    "movable", "forbid", "with", "on", "off", "min", "max",
+    "movable", "forbid", "with", "on", "off", "min", "max", "partition", "chunk", "by",
+    "along", "substitute", "as", "group",
 )
 PIPELINE_RESERVED = frozenset({"F", "B", "W", "SI", "repeat", "require"})
 LAYER_RESERVED = frozenset({"in", "out"})
@@ -143,6 +144,15 @@ def strands_statements() -> st.SearchStrategy:
     )
 
 
+def partition_statements() -> st.SearchStrategy:
+    """chunk (with and without along; counts of every expression form), substitute and group."""
+    return st.one_of(
+        st.builds(s.Chunk, _tuples(names(), min_size=1, max_size=3), exprs(4), st.none() | names()),
+        st.builds(s.Substitute, names(), _tuples(names(), min_size=1, max_size=3)),
+        st.builds(s.Group, _tuples(names(), min_size=1, max_size=3)),
+    )
+
+
 def items() -> st.SearchStrategy:
     """Any top-level item."""
     return st.one_of(
@@ -150,6 +160,7 @@ def items() -> st.SearchStrategy:
         pipeline_defs(),
         st.builds(s.LayerDef, names(), _tuples(layer_statements(), max_size=5)),
         st.builds(s.StrandsDef, _tuples(strands_statements())),
+        st.builds(s.PartitionDef, _tuples(partition_statements())),
     )
 
 

@@ -105,7 +105,7 @@ def test_cli_reports_every_error_of_a_program(tmp_path):
         "  3 |   y = rmsnorn(x)\n"
         "    |       ^^^^^^^\n"
         "  note: did you mean 'rmsnorm'?\n"
-        "  note: operators: add, all_gather, all_to_all, attention, gelu, gemm, grouped_gemm, layernorm, "
+        "  note: operators: add, all_gather, all_reduce, all_to_all, attention, gelu, gemm, grouped_gemm, layernorm, "
         "permute, recv, reduce_scatter, rmsnorm, router, send, swiglu, unpermute\n"
         "two.dhx:8:7: gemm() is missing its 'out_features' argument\n"
         "  8 |   y = gemm(x, 1)\n"

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, shipped_files
 from dhelix.dsl.passes.pipeline import dump_stage, run_until
 
-STAGES = ("check", "autodiff", "strands", "fold", "validate")
+STAGES = ("check", "partition", "autodiff", "strands", "fold", "validate")
 
 
 CASES = [(path, stage) for path in shipped_files()

@@ -90,7 +90,7 @@ def forbidden(fops, bops, strands, fwd, bwd) -> bool:
         return False
     fcomm = [op for op in fops if op.kind == "comm"]
     bcomm = [op for op in bops if op.kind == "comm"]
-    if any(op.axis not in strands.overlap for op in fcomm + bcomm):
+    if any(op.axis.partition(".")[0] not in strands.overlap for op in fcomm + bcomm):
         return True  # communication `overlap` does not list is never hidden
     if {op.axis for op in fcomm} & {op.axis for op in bcomm}:
         return True  # never tp with tp, ring with ring, ep with ep

@@ -28,6 +28,11 @@ _KINDS = [
     ("attention", "comm", "ring_attention", "cross", "cp"),
     ("all_to_all", "comm", "all_to_all", "local", "ep"),
     ("all_to_all", "comm", "all_to_all", "cross", "ep"),
+    # What the partition pass makes: the two halves of a group-partitioned collective and
+    # the slices / concats of a chunk chain (so the exactness properties cover them too).
+    ("all_gather", "comm", "all_gather", "local", "tp.intra"),
+    ("reduce_scatter", "comm", "reduce_scatter", "cross", "tp.inter"),
+    ("slice", "compute", "layout", "compute", None),
 ]
 
 

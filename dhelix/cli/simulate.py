@@ -3,7 +3,8 @@
 Prints the simulator's report (:func:`dsl.simulator.report.format_simulation`): step time,
 tokens/s, TFLOPS/GPU, MFU, bubble ratio, communication hidden and exposed, and memory per
 pipeline rank. ``--compare`` prints instead the side-by-side table of the program as written,
-with SI off, and as 1F1B without folding. ``--zero1`` shards the optimizer states (and
+with SI off, and as 1F1B without folding (for a program with a partition block: Centauri + SI,
+SI only, Centauri only and the 1F1B baseline). ``--zero1`` shards the optimizer states (and
 reduce-scatters the gradients, all-gathers the weights) over the data-parallel group.
 ``--trace`` writes the Chrome trace of the run as written (open it in ui.perfetto.dev).
 """
@@ -18,7 +19,8 @@ from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.overrides import checked_program
 from dhelix.dsl.frontend.imports import read_source
-from dhelix.dsl.simulator.report import compare, format_comparison, format_simulation, memory_warnings
+from dhelix.dsl.simulator.report import (compare, compare_partition, format_comparison, format_simulation,
+                                         memory_warnings)
 from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.render.trace import trace_json
@@ -32,7 +34,8 @@ def register(subparsers) -> None:
                     "DP/TP replica) on the cluster's hardware profile, with SI blocks from the plan.")
     sim.add_argument("file", metavar="FILE")
     sim.add_argument("--compare", action="store_true",
-                     help="compare with SI off and with 1F1B without folding (same model, mesh, micro-batches)")
+                     help="compare with SI off and with 1F1B without folding (same model, mesh, micro-batches); "
+                          "with a partition block: Centauri + SI, SI only, Centauri only, 1F1B baseline")
     sim.add_argument("--zero1", action="store_true",
                      help="shard optimizer states over the data-parallel group (ZeRO-1, distributed optimizer), "
                           "as `train { zero = 1 }` does")
@@ -59,7 +62,8 @@ def cmd_simulate(args) -> int:
         title += (f"; SI plan per layer pair {plan.total * 1e3:.3f} ms vs {plan.sequential * 1e3:.3f} ms "
                   f"sequential ({plan.speedup:.3f}x)")
     if args.compare:
-        sims = compare(program, plan, zero1=args.zero1)
+        variants = compare_partition if program.partition is not None else compare
+        sims = variants(program, plan, zero1=args.zero1)
         sys.stdout.write(format_comparison(sims, title))
         written = sims[0]
     else:

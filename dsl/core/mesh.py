@@ -19,6 +19,18 @@ DIMENSIONS = ("tp", "cp", "dp", "pp")
 
 #: The communication lanes: collectives of node-local groups and of cross-node groups.
 COMM_LANES = ("local", "cross")
+#: The sub-axes of a group partition (Centauri §3.1.2): the groups of an axis that span nodes
+#: split into their ranks on one node (``tp.intra``, a local group) and the ranks at the same
+#: place on every node (``tp.inter``, a cross-node group). A group's position on the axis is
+#: ``inter * intra_size + intra``, so an all_gather over intra then inter gathers in axis order.
+INTRA, INTER = "intra", "inter"
+
+
+def base_axis(axis: str) -> str:
+    """The mesh axis of ``axis``, a mesh axis or one of its sub-axes (``tp`` for ``tp.intra``)."""
+    return axis.partition(".")[0]
+
+
 #: Every lane an op runs on, the compute stream first: the order in which plan tables,
 #: traces and the pair cost list them.
 LANES = ("compute", *COMM_LANES)
@@ -39,13 +51,18 @@ class Mesh:
         return math.prod(self.sizes)
 
     def size(self, axis: str) -> int:
-        """Size of ``axis`` (1 for an axis the mesh does not list)."""
+        """Size of ``axis`` (1 for an axis the mesh does not list); a sub-axis's size comes
+        from :meth:`hierarchy` (ValueError for the sub-axis of an axis that has none)."""
+        if "." in axis:
+            return self._sub(axis)[0]
         if axis == "ep":
             return self.ep
         return self.sizes[self.order.index(axis)] if axis in self.order else 1
 
     def stride(self, axis: str) -> int:
         """Distance in rank numbers between neighbours along ``axis``."""
+        if "." in axis:
+            return self._sub(axis)[1]
         if axis == "ep":
             axis = "dp"
         if axis not in self.order:
@@ -55,6 +72,43 @@ class Mesh:
     def coords(self, rank: int) -> dict[str, int]:
         """The coordinate of ``rank`` on every listed axis."""
         return {axis: (rank // self.stride(axis)) % self.size(axis) for axis in self.order}
+
+    def position(self, rank: int, axis: str) -> int:
+        """The position of ``rank`` in its group of ``axis``, a listed axis or a sub-axis."""
+        if "." not in axis:
+            return self.coords(rank).get(axis, 0)
+        return (rank // self.stride(axis)) % self.size(axis)
+
+    def hierarchy(self, axis: str) -> tuple[int, int] | str | None:
+        """How the groups of mesh axis ``axis`` split over nodes: (ranks on each node, nodes)
+        when every group spans nodes with as many ranks on each; None when the groups lie
+        inside one node; else a sentence saying how a group is unbalanced."""
+        group = self.groups(axis)[0] if self.size(axis) > 1 else ()
+        counts: dict[int, int] = {}
+        for rank in group:
+            counts[rank // self.gpus_per_node] = counts.get(rank // self.gpus_per_node, 0) + 1
+        if len(counts) <= 1:
+            return None
+        if len(set(counts.values())) > 1:
+            spread = ", ".join(f"{n} rank{'s' if n > 1 else ''} on node {node}" for node, n in counts.items())
+            return f"the {axis} group {list(group)} has {spread}"
+        per_node = next(iter(counts.values()))
+        return per_node, len(counts)
+
+    def sub_axes(self) -> tuple[str, ...]:
+        """The sub-axes of every listed axis whose groups span nodes evenly."""
+        return tuple(f"{axis}.{part}" for axis in self.order if isinstance(split := self.hierarchy(axis), tuple)
+                     and split[0] > 1 for part in (INTRA, INTER))
+
+    def _sub(self, axis: str) -> tuple[int, int]:
+        """(size, stride) of sub-axis ``axis``."""
+        base, _, part = axis.partition(".")
+        split = self.hierarchy(base)
+        if not isinstance(split, tuple) or part not in (INTRA, INTER):
+            raise ValueError(f"{axis}: {base} has no {part} sub-axis on this mesh")
+        per_node, nodes = split
+        stride = self.stride(base)
+        return (per_node, stride) if part == INTRA else (nodes, stride * per_node)
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """All process groups of ``axis``, each a tuple of ranks in axis order, sorted."""

@@ -164,6 +164,9 @@ OPS: dict[str, OpSpec] = {op.name: op for op in [
     _spec("all_gather", [_X, _AXIS], "comm", "all_gather", _all_gather, doc="gather tokens over axis"),
     _spec("reduce_scatter", [_X, _AXIS], "comm", "reduce_scatter", _reduce_scatter,
           doc="sum over axis, scatter tokens"),
+    _spec("all_reduce", [_X, _AXIS], "comm", "all_reduce", _same,
+          doc="sum over axis, every rank gets the sum (Megatron TP without SP; partition may "
+              "substitute reduce_scatter + all_gather)"),
     _spec("all_to_all", [_X, _AXIS], "comm", "all_to_all", _same, doc="exchange routed tokens"),
     _spec("send", [_X, _AXIS], "comm", "send", _same, doc="point-to-point to the next rank of axis"),
     _spec("recv", [_X, _AXIS], "comm", "recv", _same, doc="point-to-point from the previous rank"),
@@ -177,6 +180,53 @@ OPS: dict[str, OpSpec] = {op.name: op for op in [
     _spec("unpermute", [_X, Param("scores", TENSOR), Param("top_k", INT)], "compute", "permute",
           _unpermute, doc="weighted sum of each token's top_k expert outputs"),
 ]}
+
+#: Layout operators the partition pass makes (a layer never writes them): ``slice`` takes
+#: chunk ``index`` of ``parts`` of a tensor along ``dim`` (0 tokens, 1 features), ``concat``
+#: joins ``parts`` chunks back. Along tokens a tensor gathered over a group holds ``blocks``
+#: rank blocks (one per rank, in rank order) and a chunk takes its share of every block, so
+#: that the chunks of a collective are collectives of chunks. Shapes come from the pass.
+LAYOUT_OPS = {"slice": "chunk index of parts along dim", "concat": "parts chunks joined along dim"}
+
+
+#: How each operator's dimensions split (Centauri Table 3), for the partition pass: ``OD``
+#: (an outer dimension: chunks are independent), ``CD`` (a contracted dimension: chunks give
+#: partial sums that need a reduction) or ``ND`` (not divisible: every output reads the
+#: whole dimension), with the reason for CD and ND. A layer tensor is [tokens, features].
+OD, CD, ND = "OD", "CD", "ND"
+PARTITION_DIMS = ("tokens", "features")
+_TOKEN_WISE = ("rmsnorm", "layernorm", "gemm", "swiglu", "gelu", "add", "router",
+               "all_gather", "reduce_scatter", "all_reduce")
+_TOKEN_MIXING = {
+    "attention": "attention mixes the tokens of a sequence",
+    "permute": "permute routes tokens to experts by the scores of all of them",
+    "unpermute": "unpermute gathers each token's expert outputs from the routed tokens",
+    "grouped_gemm": "grouped_gemm runs over each expert's block of routed tokens",
+    "all_to_all": "all_to_all exchanges routed tokens by their counts",
+    "send": "send and recv carry a whole activation", "recv": "send and recv carry a whole activation",
+}
+_FEATURE_SPLITS = {
+    "gemm": (CD, "gemm contracts its input features"),
+    "grouped_gemm": (CD, "grouped_gemm contracts its input features"),
+    "router": (CD, "router contracts its input features"),
+    "rmsnorm": (ND, "rmsnorm normalises over the features (the hidden dimension)"),
+    "layernorm": (ND, "layernorm normalises over the features (the hidden dimension)"),
+    "swiglu": (ND, "swiglu pairs the gate half of the features with the up half"),
+    "attention": (ND, "attention splits its features into q, k and v heads"),
+    "gelu": (OD, ""), "add": (OD, ""), "all_gather": (OD, ""), "reduce_scatter": (OD, ""),
+    "all_reduce": (OD, ""), "permute": (OD, ""), "unpermute": (OD, ""), "all_to_all": (ND, "all_to_all "
+    "exchanges whole routed rows"), "send": (OD, ""), "recv": (OD, ""),
+}
+
+
+def dimension_split(op: str, dim: str) -> tuple[str, str]:
+    """How operator ``op`` splits along ``dim`` (one of PARTITION_DIMS): (OD | CD | ND, why)."""
+    if dim == "tokens":
+        if op in _TOKEN_WISE:
+            return OD, ""
+        return ND, _TOKEN_MIXING.get(op, f"{op} is not token-wise")
+    return _FEATURE_SPLITS.get(op, (ND, f"{op} has no feature split"))
+
 
 # -- derived backward kinds -------------------------------------------------------------------
 

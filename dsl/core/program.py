@@ -162,7 +162,15 @@ class Op:
     saved: tuple[str, ...] = ()
     params: tuple[tuple[str, object], ...] = ()
     grad: GradFlow | None = None
+    #: The written op this one is a chunk of (the partition pass); it shares that op's
+    #: weight, which stays keyed by the written name.
+    origin: str | None = None
     span: object = span_field()
+
+    @property
+    def weight_name(self) -> str:
+        """The name the op's weight (and its gradient) is kept under: its origin's, else its own."""
+        return self.origin or self.name
 
 
 @attrs.frozen
@@ -201,6 +209,7 @@ class Program:
     pipeline: s.PipelineDef | None = None
     profile: object = None  # profiles.Profile named by the cluster block
     strands: Strands = Strands()
+    partition: s.PartitionDef | None = None  # the partition block, applied by the partition pass
     env: tuple[tuple[str, int], ...] = ()  # the names layer expressions see, set by the shapes pass
     forward: LayerDag | None = None  # set by the shapes pass
     backward: LayerDag | None = None  # set by the autodiff pass

@@ -217,7 +217,44 @@ class StrandsDef(Node):
     body: tuple[SStmt, ...]
 
 
-Item = Union[Import, ModelDef, ConfigBlock, Fold, PipelineRef, PipelineDef, LayerDef, StrandsDef]
+# --- partition (Centauri) ------------------------------------------------------------------
+
+@attrs.frozen
+class Chunk(Node):
+    """``chunk a + b by k [along dim]``: split the chain ``ops`` into ``parts`` chunks
+    along ``dim`` (None: tokens, the default). Each op name's span is ``ops.i``."""
+
+    ops: tuple[str, ...]
+    parts: Expr
+    dim: str | None = None
+
+
+@attrs.frozen
+class Substitute(Node):
+    """``substitute ar as reduce_scatter + all_gather``: replace collective ``op`` by the
+    sequence ``into``. Spans: ``op`` and ``into.i``."""
+
+    op: str
+    into: tuple[str, ...]
+
+
+@attrs.frozen
+class Group(Node):
+    """``group ag1 + rs1``: run each collective as sub-collectives over the node-local and the
+    cross-node part of its group. Spans: ``ops.i``."""
+
+    ops: tuple[str, ...]
+
+
+XStmt = Union[Chunk, Substitute, Group]
+
+
+@attrs.frozen
+class PartitionDef(Node):
+    body: tuple[XStmt, ...]
+
+
+Item = Union[Import, ModelDef, ConfigBlock, Fold, PipelineRef, PipelineDef, LayerDef, StrandsDef, PartitionDef]
 
 
 @attrs.frozen

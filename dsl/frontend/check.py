@@ -27,7 +27,8 @@ from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.wording import did_you_mean, join_words
 
-_SINGLE = {s.ModelDef: "model", s.Fold: "fold", s.PipelineRef: "pipeline", s.StrandsDef: "strands"}
+_SINGLE = {s.ModelDef: "model", s.Fold: "fold", s.PipelineRef: "pipeline", s.StrandsDef: "strands",
+           s.PartitionDef: "partition"}
 
 
 def check_program(modules: list[s.Module]) -> Program:
@@ -104,7 +105,8 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
     _check_layer_name(model, model_block, layers, errors)
     strands = build_strands(singles.get("strands"), errors)
     program = attrs.evolve(program, model=model, cluster=cluster, mesh=mesh, train=train, fold=fold,
-                           pipeline=pipeline, profile=profile, strands=strands)
+                           pipeline=pipeline, profile=profile, strands=strands,
+                           partition=singles.get("partition"))
     if None in (model, mesh, train, fold):
         return program
     for error in check_divisibility(model, model_block, mesh, mesh_block):

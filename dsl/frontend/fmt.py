@@ -7,7 +7,9 @@ Canonical form:
 * one setting or statement per line: ``key = value``, ``repeat n {``,
   ``require m >= p``, ``F``, ``F[1]``, ``SI(F[1], B)``, ``in x [seq / tp, hidden]``,
   ``y = gemm(x, hidden, n = 2 * hidden)``, ``out y``, ``overlap tp, cp``,
-  ``comm_with_comm on``, ``movable wgrad, attention.bwd``, ``forbid a.b with c``;
+  ``comm_with_comm on``, ``movable wgrad, attention.bwd``, ``forbid a.b with c``,
+  ``chunk ag1 + qkv by 2``, ``chunk ag2 along features by 2``,
+  ``substitute ar as reduce_scatter + all_gather``, ``group ag1 + rs1``;
 * except that a ``repeat`` of actions only stays on one line, as the paper draws schedules:
   ``repeat m - warm { F B }``, ``repeat n { SI(F[1], B) W }`` (unless a comment needs a line
   inside it; a comment after it stays after it);
@@ -101,6 +103,12 @@ def _layer_in(node: s.LayerIn) -> str:
     return f"in {node.name} [{format_expr(node.shape[0])}, {format_expr(node.shape[1])}]"
 
 
+def _count(expr) -> str:
+    # A chunk count that is not a number or a name is parenthesised (the grammar's rule).
+    text = format_expr(expr)
+    return text if isinstance(expr, (s.Int, s.Name)) else f"({text})"
+
+
 #: One-line statements: node type -> its text.
 _LEAVES: dict[type, Callable[..., str]] = {
     s.Import: lambda n: f'import "{n.path}"',
@@ -118,6 +126,10 @@ _LEAVES: dict[type, Callable[..., str]] = {
     s.CommWithComm: lambda n: f"comm_with_comm {n.value}",
     s.Movable: lambda n: "movable " + ", ".join(str(sel) for sel in n.selectors),
     s.Forbid: lambda n: f"forbid {n.first} with {n.second}",
+    s.Chunk: lambda n: f"chunk {' + '.join(n.ops)}" + (f" along {n.dim}" if n.dim else "")
+    + f" by {_count(n.parts)}",
+    s.Substitute: lambda n: f"substitute {n.op} as {' + '.join(n.into)}",
+    s.Group: lambda n: f"group {' + '.join(n.ops)}",
 }
 
 #: Blocks: node type -> (header before ``{``, statements inside).
@@ -128,7 +140,13 @@ _BLOCKS: dict[type, Callable[..., tuple[str, tuple]]] = {
     s.Repeat: lambda n: (f"repeat {format_expr(n.count)}", n.body),
     s.LayerDef: lambda n: (f"layer {n.name}", n.body),
     s.StrandsDef: lambda n: ("strands", n.body),
+    s.PartitionDef: lambda n: ("partition", n.body),
 }
+
+def format_statement(node: s.Node) -> str:
+    """The canonical one-line text of a statement node (a setting, ``chunk a + b by 2``…)."""
+    return _LEAVES[type(node)](node)
+
 
 # Top-level one-liners of the same group print without a blank line between them.
 _GROUPS = {s.Import: "import", s.Fold: "select", s.PipelineRef: "select"}

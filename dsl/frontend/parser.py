@@ -27,7 +27,7 @@ from dhelix.dsl.core.wording import did_you_mean, join_words
 ACTIONS = ("F", "B", "W")
 
 #: Start rules: `start` for files; the others let tests and tools parse fragments.
-START_RULES = ("start", "expr", "layer_def", "pipeline_def", "strands_def")
+START_RULES = ("start", "expr", "layer_def", "pipeline_def", "strands_def", "partition_def")
 
 _TERMINAL_WORDS = {
     "NAME": "a name",
@@ -109,7 +109,8 @@ def _describe(terminal: str) -> str:
 # `expected a name, a number, '(' or '-'`.
 _OPERATORS = {"PLUS": "+", "MINUS": "-", "STAR": "*", "SLASH": "/", "__ANON_0": "//", "PERCENT": "%"}
 _VALUE_START = {"NAME", "INT", "LPAR", "MINUS"}
-_STATEMENTS = ("IMPORT", "MODEL", "CLUSTER", "MESH", "TRAIN", "FOLD", "PIPELINE", "LAYER", "STRANDS")
+_STATEMENTS = ("IMPORT", "MODEL", "CLUSTER", "MESH", "TRAIN", "FOLD", "PIPELINE", "LAYER", "STRANDS",
+               "PARTITION")
 _CLOSERS = {"{": "}", "(": ")", "[": "]"}
 _CLOSER_TERMINALS = {"{": "RBRACE", "(": "RPAR", "[": "RSQB"}
 
@@ -434,6 +435,32 @@ class _Builder(Transformer):
 
     def selector(self, meta, children):
         return s.Selector(tuple(str(c) for c in children), span=self._span(meta))
+
+    # --- partition --------------------------------------------------------------------
+    def partition_def(self, meta, children):
+        return s.PartitionDef(tuple(children), span=self._span(meta))
+
+    def chunk_stmt(self, meta, children):
+        *names, parts = children
+        dim = names.pop() if names and isinstance(names[-1], tuple) else None
+        spans = {f"ops.{i}": self._tok(n) for i, n in enumerate(names)}
+        if dim is not None:
+            spans["dim"] = dim[1]
+        return s.Chunk(tuple(str(n) for n in names), parts, dim[0] if dim else None,
+                       span=self._span(meta), spans=spans)
+
+    def along(self, meta, children):
+        (dim,) = children
+        return (str(dim), self._tok(dim))
+
+    def group_stmt(self, meta, children):
+        return s.Group(tuple(str(n) for n in children), span=self._span(meta),
+                       spans={f"ops.{i}": self._tok(n) for i, n in enumerate(children)})
+
+    def substitute_stmt(self, meta, children):
+        op, *into = children
+        spans = {"op": self._tok(op)} | {f"into.{i}": self._tok(n) for i, n in enumerate(into)}
+        return s.Substitute(str(op), tuple(str(n) for n in into), span=self._span(meta), spans=spans)
 
     # --- expressions ------------------------------------------------------------------
     def int(self, meta, children):

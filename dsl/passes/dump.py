@@ -10,6 +10,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.frontend.exprs import format_expr
 from dhelix.dsl.core.program import LayerDag, Op, Program
 from dhelix.dsl.core.schedule import format_lowered
+from dhelix.dsl.frontend.fmt import format_statement
 from dhelix.dsl.passes.strands import select
 from dhelix.dsl.passes.unittime import unit_time
 
@@ -81,6 +82,9 @@ def dump_config(program: Program) -> str:
     lines.append(f"strands: overlap {', '.join(st.overlap) or '-'}; comm_with_comm "
                  f"{'on' if st.comm_with_comm else 'off'}; movable {', '.join(map(str, st.movable)) or '-'}")
     lines += [f"  forbid {a} with {b}" for a, b in st.forbid]
+    if program.partition is not None:
+        lines.append("partition:")
+        lines += [f"  {format_statement(statement)}" for statement in program.partition.body]
     return "\n".join(lines) + "\n"
 
 

@@ -24,6 +24,7 @@ from dhelix.dsl.passes.fold import placement_of
 from dhelix.dsl.passes.lower import check_fold, lower_pipeline
 from dhelix.dsl.frontend.parser import parse
 from dhelix.dsl.core.program import Program
+from dhelix.dsl.passes.partition import partition_forward
 from dhelix.dsl.passes.shapes import instantiate
 from dhelix.dsl.passes.strands import check_selectors
 from dhelix.dsl.passes.validate import validate_lowered
@@ -43,13 +44,22 @@ class Stage:
 
 def shapes(program: Program) -> Program:
     """The program with the names its layer's expressions see (``env``) and its forward
-    layer DAG with per-GPU shapes (unchanged for a library file); ProfileError when its
-    profile's measured section was taken on another program (other shapes, mesh or dtype)."""
+    layer DAG with per-GPU shapes (unchanged for a library file)."""
     if program.model is None:
         return program
     env = layer_env(program.model, program.mesh, program.train)
     forward = instantiate(program.layer(program.model.layer), env, program.mesh)
-    program = attrs.evolve(program, env=tuple(env.items()), forward=forward)
+    return attrs.evolve(program, env=tuple(env.items()), forward=forward)
+
+
+def partition(program: Program) -> Program:
+    """The program with its forward layer DAG rewritten by its partition block (Centauri's
+    substitutions, chunks and group partitions), unchanged without one; ProfileError when its
+    profile's measured section was taken on another program (other ops, shapes, mesh or
+    dtype), checked here because the measured ops are those of the rewritten DAG."""
+    if program.forward is not None and program.partition is not None:
+        program = attrs.evolve(program, forward=partition_forward(program.forward, program.partition,
+                                                                  dict(program.env), program.mesh))
     check_measured(program)
     return program
 
@@ -117,6 +127,8 @@ STAGES = (
           dump.dump_config),
     Stage("shapes", "the forward layer DAG with per-GPU shapes, kinds and lanes", dump.dump_forward,
           shapes, ("env", "forward")),
+    Stage("partition", "the forward layer DAG after the partition block's substitutions and chunks",
+          dump.dump_forward, partition),
     Stage("autodiff", "the forward and the derived backward layer DAGs", dump.dump_dags,
           autodiff, ("backward",)),
     Stage("strands", "the operators each selector of the strands block names", dump.dump_strands,

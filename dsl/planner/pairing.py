@@ -41,6 +41,7 @@ from typing import Protocol, Sequence
 import attrs
 
 from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.mesh import base_axis
 from dhelix.dsl.core.plan import Plan, PlanOp, SearchStats, SegmentPair
 from dhelix.dsl.core.program import OVERLAP_KINDS, LayerDag, Op, Program, Strands
 from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, available, canonical, count_orders, moving_ops,
@@ -91,7 +92,7 @@ def restriction(fwd_ops: Sequence[Op], bwd_ops: Sequence[Op], rules: PairingRule
     if not fwd_ops or not bwd_ops:
         return None
     for op in [*fwd_ops, *bwd_ops]:
-        if op.kind == "comm" and op.axis not in rules.overlap:
+        if op.kind == "comm" and base_axis(op.axis) not in rules.overlap:
             return f"{op.name} communicates over {op.axis}, which `overlap` does not list"
     fwd_comm = {op.axis: op.name for op in fwd_ops if op.kind == "comm"}
     for op in bwd_ops:
@@ -131,7 +132,7 @@ def _traits(ops: Sequence[Op], rules: PairingRules, axis_bits: dict[str, int]) -
         axes |= axis_bits.setdefault(str(op.axis), 1 << len(axis_bits))
     first = sum(1 << r for r, (a, _) in enumerate(rules.forbid) if names & a)
     second = sum(1 << r for r, (_, b) in enumerate(rules.forbid) if names & b)
-    return _Traits(any(op.axis not in rules.overlap for op in comm), bool(comm), axes, first, second)
+    return _Traits(any(base_axis(op.axis) not in rules.overlap for op in comm), bool(comm), axes, first, second)
 
 
 class _Table:

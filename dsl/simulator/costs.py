@@ -184,7 +184,9 @@ def layer_params(program: Program) -> Params:
     forward DAG's ``weight`` shapes, the embedding and the LM head (``V·h/tp`` each, untied)
     and the final norm (``h``)."""
     dense = expert = 0
-    for op in program.forward.ops:
+    # The chunks of a partitioned op share its weight: count each weight once.
+    weighted = {op.weight_name: op for op in program.forward.ops if op.weight}
+    for op in weighted.values():
         if op.weight:
             if op.op == "grouped_gemm":
                 expert += math.prod(op.weight)

@@ -3,6 +3,8 @@
 :func:`compare` simulates a program three ways on the same model, mesh and micro-batches:
 as written (SI blocks co-executed by the plan), with SI off (every SI block runs its forward,
 then its backward), and as plain 1F1B without folding (``fold none``, ``one_f_one_b``).
+:func:`compare_partition` compares a program with a partition block as Centauri's paper and
+DHelix's would: Centauri + SI, SI only, Centauri only and Megatron's 1F1B baseline.
 :func:`format_simulation` and :func:`format_comparison` print the figures; every number is
 formatted with a fixed precision, so the text is deterministic.
 """
@@ -38,6 +40,11 @@ def unfolded_1f1b(program: Program) -> Program:
     return passes.rerun(changed, after="strands")
 
 
+def unpartitioned(program: Program) -> Program:
+    """``program`` without its partition block (Centauri off), every pass after check run again."""
+    return passes.rerun(attrs.evolve(program, partition=None), after="check")
+
+
 def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False) -> tuple[Simulation, ...]:
     """Three simulations of ``program``: as written, SI off, and 1F1B without folding."""
     require_profile(program)
@@ -47,6 +54,24 @@ def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False) 
     return (simulate(program, plan, zero1=zero1, cost=cost, label="as written"),
             simulate(program, plan, si=False, zero1=zero1, cost=cost, label="SI off"),
             simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="1F1B, fold none"))
+
+
+def compare_partition(program: Program, plan: Plan | None = None, *,
+                      zero1: bool = False) -> tuple[Simulation, ...]:
+    """Four simulations of ``program``, which has a partition block: Centauri + SI (as
+    written), SI only (no partition), Centauri only (1F1B without folding, partitioned) and
+    Megatron's baseline (1F1B without folding, no partition)."""
+    require_profile(program)
+    cost = cost_of(program)
+    if plan is None and has_si(program):
+        plan = schedule_plan(program, cost)
+    plain = unpartitioned(program)
+    plain_cost = cost_of(plain)
+    plain_plan = schedule_plan(plain, plain_cost) if has_si(plain) else None
+    return (simulate(program, plan, zero1=zero1, cost=cost, label="Centauri + SI"),
+            simulate(plain, plain_plan, zero1=zero1, cost=plain_cost, label="SI only"),
+            simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="Centauri only"),
+            simulate(unfolded_1f1b(plain), zero1=zero1, cost=plain_cost, label="baseline (1F1B)"))
 
 
 def describe(sim: Simulation) -> str:

@@ -1,0 +1,321 @@
+"""Communication partitioning (Centauri, ASPLOS'24 §3.1): rewrite the forward layer DAG.
+
+The program's ``partition`` block says how; the result is an ordinary forward DAG, so
+autodiff, the strands checks, the planner, the simulator, the renderers and the
+interpreter see ordinary operators:
+
+* ``substitute ar as reduce_scatter + all_gather`` (primitive substitution, Table 2):
+  an ``all_reduce`` becomes ``ar.rs`` (a reduce_scatter) then ``ar`` (an all_gather of it),
+  the substitution that scales; the rooted ones (reduce + broadcast, gather + scatter) send
+  everything through one rank and are refused.
+* ``chunk ag2 + fc1 + act + fc2 + rs2 by 2`` (workload partition, Table 3): the chain's
+  operators run on ``k`` chunks (``ag2.c0``, ``fc1.c0``, … ``ag2.c1``, …), chunk-major so
+  that chunk 1's collective can run while chunk 0 computes. Values the chain reads from
+  outside are cut by ``slice`` ops (``ln2.s0``, ``ln2.s1``) and the chain's last operator's
+  chunks are joined by a ``concat`` that keeps its name, so the rest of the layer is
+  unchanged. Along tokens a gathered tensor holds one block per rank; a chunk takes its
+  share of every block, which makes the chunk of a collective the collective of a chunk.
+  Every operator must split along the dimension as an outer dimension (OD); a contracted
+  (CD) or indivisible (ND) one is a located error, as are counts that do not divide.
+
+* ``group ag1 + rs1`` (group partition, §3.1.2): a collective over a group that spans nodes
+  runs as a sub-collective over the group's ranks on one node (``ag1.intra``, the local lane)
+  and one over the ranks at the same place on every node (``ag1``, over ``tp.inter``, the
+  cross lane), with the same result; chunks of the collective are split too. A group inside
+  one node, or one with unequal ranks on its nodes, is refused.
+
+Chunks of a weighted operator share its weight: their ``Op.origin`` names the written op.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import attrs
+
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.errors import CheckError, ErrorCollector
+from dhelix.dsl.core.mesh import INTER, INTRA, Mesh
+from dhelix.dsl.core.oplib import CD, OD, PARTITION_DIMS, dimension_split
+from dhelix.dsl.core.program import LayerDag, Op
+from dhelix.dsl.core.wording import did_you_mean, join_words
+from dhelix.dsl.frontend.exprs import evaluate
+
+#: The one substitution Centauri keeps for an all_reduce (Table 2).
+SCALABLE = ("reduce_scatter", "all_gather")
+_ROOTED = {"reduce", "broadcast", "gather", "scatter"}
+
+
+def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, int], mesh: Mesh) -> LayerDag:
+    """``fwd`` rewritten by the statements of ``block`` (substitutions first, then chunks,
+    then group partitions, which split the chunks' collectives too), with chunk counts
+    evaluated over ``env`` and groups taken from ``mesh``. Raises CheckError or ErrorGroup
+    with every problem found, each located at the statement's word at fault."""
+    errors = ErrorCollector()
+    for st in block.body:
+        if isinstance(st, s.Substitute):
+            fwd = _substitute(fwd, st, errors)
+    claimed: dict[str, s.Chunk] = {}
+    for st in block.body:
+        if isinstance(st, s.Chunk):
+            chain = _checked_chain(fwd, st, env, claimed, errors)
+            if chain is not None:
+                fwd = _chunked(fwd, *chain)
+    for st in block.body:
+        if isinstance(st, s.Group):
+            for i, name in enumerate(st.ops):
+                fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors)
+    errors.raise_if_any()
+    return fwd
+
+
+# -- group partition ----------------------------------------------------------------------
+
+#: How each collective runs as two sub-collectives, in order (Centauri §3.1.2): a gather
+#: collects a node's blocks before the nodes exchange them, a reduce-scatter reduces across
+#: nodes first, so both keep the axis order (a rank's position is inter * intra_size + intra).
+_STAGES = {"all_gather": (INTRA, INTER), "reduce_scatter": (INTER, INTRA), "all_reduce": (INTRA, INTER)}
+
+
+def _group_partition(fwd: LayerDag, name: str, span, mesh: Mesh, errors: ErrorCollector) -> LayerDag:
+    targets = [op for op in fwd.ops if name in (op.name, op.origin) and op.kind == "comm"]
+    if not targets:
+        if name not in fwd.elided:  # an elided collective has no group to split
+            op = _named_op(fwd, name, span, errors)
+            if op is not None:
+                errors.add(CheckError(f"cannot group-partition '{name}': it is {op.op}, a {op.kind} operator",
+                                      span, ["group partition splits an all_gather, reduce_scatter or "
+                                             "all_reduce over a group that spans nodes"]))
+        return fwd
+    op = targets[0]
+    split = mesh.hierarchy(op.axis) if op.op in _STAGES else "none"
+    if op.op not in _STAGES:
+        errors.add(CheckError(f"cannot group-partition '{name}': {op.op} has no hierarchical form here",
+                              span, [f"group partition splits {join_words(list(_STAGES), 'or')}"]))
+    elif split is None or (isinstance(split, tuple) and split[0] == 1):
+        where = "lies inside one node" if split is None else "has one rank on each node"
+        errors.add(CheckError(f"cannot group-partition '{name}': its {op.axis} group "
+                              f"{list(mesh.groups(op.axis)[0])} {where}", span,
+                              [f"group partition splits a group with several ranks on each of several "
+                               f"nodes (gpus_per_node = {mesh.gpus_per_node})"]))
+    elif isinstance(split, str):
+        errors.add(CheckError(f"cannot group-partition '{name}': its sub-groups are unbalanced", span,
+                              [split, "every node must hold as many ranks of the group"]))
+    else:
+        replaced = {target.name: _hierarchical(target, mesh) for target in targets}
+        return attrs.evolve(fwd, ops=tuple(new for o in fwd.ops for new in replaced.get(o.name, [o])))
+    return fwd
+
+
+def _hierarchical(op: Op, mesh: Mesh) -> list[Op]:
+    """``op`` as its two sub-collectives; the second keeps its name (readers are unchanged)."""
+    first, second = (f"{op.axis}.{part}" for part in _STAGES[op.op])
+    rows, cols = op.in_shapes[0]
+    size = mesh.size(first)
+    middle = {"all_gather": rows * size, "reduce_scatter": rows // size, "all_reduce": rows}[op.op]
+    one = attrs.evolve(op, name=f"{op.name}.{first.rpartition('.')[2]}", axis=first, group_size=size,
+                       lane=mesh.lane(first), shape=(middle, cols), params=(("axis", first),))
+    two = attrs.evolve(op, inputs=(one.name,), in_shapes=(one.shape,), axis=second,
+                       group_size=mesh.size(second), lane=mesh.lane(second), params=(("axis", second),))
+    return [one, two]
+
+
+# -- primitive substitution ---------------------------------------------------------------
+
+def _substitute(fwd: LayerDag, st: s.Substitute, errors: ErrorCollector) -> LayerDag:
+    op = _named_op(fwd, st.op, st.span_of("op"), errors)
+    if op is None:
+        return fwd
+    if op.kind != "comm" or op.op != "all_reduce":
+        what = "a collective" if op.kind == "comm" else f"a {op.kind} operator"
+        errors.add(CheckError(f"cannot substitute '{op.name}': it is {op.op}, {what}, not an all_reduce",
+                              st.span_of("op"), ["primitive substitution replaces an all_reduce by "
+                                                 "reduce_scatter + all_gather (Centauri Table 2)"]))
+        return fwd
+    if st.into != SCALABLE:
+        errors.add(_bad_target(st))
+        return fwd
+    rows, size = op.in_shapes[0][0], op.group_size
+    if rows % size:
+        errors.add(CheckError(f"cannot substitute '{op.name}': its {rows} tokens do not split over "
+                              f"{op.axis} = {size} for the reduce_scatter", st.span_of("op")))
+        return fwd
+    half = (rows // size, op.shape[1])
+    rs = attrs.evolve(op, name=f"{op.name}.rs", op="reduce_scatter", op_class="reduce_scatter", shape=half)
+    ag = attrs.evolve(op, op="all_gather", op_class="all_gather", inputs=(rs.name,), in_shapes=(half,))
+    ops = []
+    for other in fwd.ops:
+        ops += [rs, ag] if other.name == op.name else [other]
+    return attrs.evolve(fwd, ops=tuple(ops))
+
+
+def _bad_target(st: s.Substitute) -> CheckError:
+    written = " + ".join(st.into)
+    span = st.span_of("into.0")
+    if set(st.into) & _ROOTED:
+        return CheckError(f"rooted substitution '{written}' is not supported", span, [
+            "a rooted collective (reduce, broadcast, gather, scatter) concentrates the traffic on "
+            "one root rank, so it scales worse than the all_reduce it replaces; Centauri prunes "
+            "these substitutions (Table 2)",
+            f"write: substitute {st.op} as {' + '.join(SCALABLE)}"])
+    return CheckError(f"no substitution '{written}' for an all_reduce", span,
+                      [f"the scalable substitution is: substitute {st.op} as {' + '.join(SCALABLE)}"])
+
+
+# -- workload partition -------------------------------------------------------------------
+
+def _checked_chain(fwd: LayerDag, st: s.Chunk, env, claimed: dict, errors: ErrorCollector):
+    """(ops of the chain in DAG order, parts, dim index) or None after recording errors."""
+    dim = st.dim or "tokens"
+    if dim not in PARTITION_DIMS:
+        errors.add(CheckError(f"unknown dimension '{dim}'", st.span_of("dim"),
+                              did_you_mean(dim, PARTITION_DIMS) + [f"chunks split along "
+                                                                    f"{join_words(PARTITION_DIMS, 'or')}"]))
+        return None
+    parts = evaluate(st.parts, env, "model, mesh or train setting")
+    if parts < 2:
+        errors.add(CheckError(f"a chunk count must be at least 2, got {parts}", st.parts.span))
+        return None
+    found = len(errors.errors)
+    ops = []
+    for i, name in enumerate(st.ops):
+        span = st.span_of(f"ops.{i}")
+        if name in fwd.elided:
+            continue  # a collective over a size-1 axis is the identity: nothing to chunk
+        op = _named_op(fwd, name, span, errors)
+        if op is None:
+            continue
+        if name in claimed:
+            errors.add(CheckError(f"'{name}' is already chunked", span,
+                                  [f"by the chunk statement at {claimed[name].span}"]))
+        split, why = dimension_split(op.op, dim)
+        if split != OD:
+            kind = "contracted: its chunks would be partial sums that need a reduction, which a chunk " \
+                "chain does not add" if split == CD else "not divisible: it never splits"
+            errors.add(CheckError(f"cannot chunk {name} ({op.op}) along {dim}: {dim} is {split} for "
+                                  f"{op.op} ({kind})", span, [f"{why} (Centauri Table 3)"] if why else []))
+        ops.append(op)
+    if len(errors.errors) > found or not ops:
+        return None
+    claimed.update({op.name: st for op in ops})
+    order = [o.name for o in fwd.ops]
+    ops.sort(key=lambda op: order.index(op.name))
+    axis = PARTITION_DIMS.index(dim)
+    if not _connected(fwd, ops, st, errors) or not _divides(ops, parts, axis, st, errors):
+        return None
+    return ops, parts, axis
+
+
+def _named_op(fwd: LayerDag, name: str, span, errors: ErrorCollector) -> Op | None:
+    names = [op.name for op in fwd.ops]
+    if name in names:
+        return fwd.op(name)
+    notes = did_you_mean(name, names) + [f"operators of layer {fwd.name}: {', '.join(names)}"]
+    errors.add(CheckError(f"layer {fwd.name} has no operator '{name}'", span, notes))
+    return None
+
+
+def _connected(fwd: LayerDag, ops: list[Op], st: s.Chunk, errors: ErrorCollector) -> bool:
+    """Whether ``ops`` form one chain: each op after the first reads an earlier one, and
+    only the last is read from outside (its chunks are joined; the others' never are)."""
+    names = {op.name for op in ops}
+    where = {op.name: st.span_of(f"ops.{st.ops.index(op.name)}") for op in ops}
+    for op in ops[1:]:
+        if not names & set(op.inputs):
+            errors.add(CheckError(f"{op.name} does not read another operator of the chain", where[op.name],
+                                  [f"it reads {join_words(op.inputs)}; a chunk chain follows the data: "
+                                   "each operator after the first reads one before it"]))
+            return False
+    readers = {o.name: o for o in fwd.ops if o.name not in names}
+    for op in ops[:-1]:
+        outside = [r for r in readers.values() if op.name in r.inputs]
+        if outside or op.name == fwd.output:
+            who = f"{outside[0].name} reads it" if outside else "it is the layer's output"
+            errors.add(CheckError(f"{op.name} is used outside the chain, so it cannot stay chunked",
+                                  where[op.name], [f"{who}; end the chain at {op.name} or add "
+                                                   f"{outside[0].name if outside else 'its readers'} to it"]))
+            return False
+    return True
+
+
+def _blocks(chain: list[Op], shape, dim: int) -> int:
+    """Rank blocks of a tensor of the chain along ``dim``. A chunk of a collective's output
+    must be the collective of a chunk of its input: an all_gather over g ranks turns n rows
+    into g blocks of n, a reduce_scatter g blocks into one, so along tokens the chain's
+    collectives say how many blocks a tensor of each row count holds (1 where none does: the
+    chain's token-wise operators only need every tensor cut the same way)."""
+    if dim != 0:
+        return 1
+    blocks: dict[int, int] = {}
+    for op in chain:
+        if op.op == "all_gather":
+            inner = blocks.setdefault(op.in_shapes[0][0], 1)
+            blocks.setdefault(op.shape[0], inner * op.group_size)
+        elif op.op == "reduce_scatter":
+            inner = blocks.setdefault(op.shape[0], 1)
+            blocks.setdefault(op.in_shapes[0][0], inner * op.group_size)
+    return blocks.get(shape[0], 1)
+
+
+def _divides(ops: list[Op], parts: int, dim: int, st: s.Chunk, errors: ErrorCollector) -> bool:
+    for op in ops:
+        for name, shape in [*zip(op.inputs, op.in_shapes, strict=True), (op.name, op.shape)]:
+            blocks = _blocks(ops, shape, dim)
+            size = shape[dim] // blocks
+            if size % parts:
+                word = PARTITION_DIMS[dim]
+                notes = [f"{name} is {list(shape)}" + (f": {blocks} gathered blocks of {size} {word}"
+                                                       if blocks > 1 else "")]
+                errors.add(CheckError(f"{parts} chunks do not divide the {size} {word} of {name}"
+                                      + (" per rank block" if blocks > 1 else ""), st.parts.span, notes))
+                return False
+    return True
+
+
+def _chunk_shape(shape, parts: int, dim: int):
+    return tuple(n // parts if d == dim else n for d, n in enumerate(shape))
+
+
+def _chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int) -> LayerDag:
+    """``fwd`` with the chain ``ops`` replaced, at its last op's place, by slices of its
+    outside inputs, the chunk ops (chunk-major) and the concat of the last op's chunks."""
+    names = {op.name for op in ops}
+    taken = {op.name for op in fwd.ops} | {fwd.input}
+    slices: dict[str, list[Op]] = {}
+    new: list[Op] = []
+    for op in ops:
+        for value, shape in zip(op.inputs, op.in_shapes, strict=True):
+            if value not in names and value not in slices:
+                slices[value] = _slices(ops, value, shape, parts, dim, taken, op.span)
+                new += slices[value]
+    for i in range(parts):
+        for op in ops:
+            inputs = tuple(f"{v}.c{i}" if v in names else slices[v][i].name for v in op.inputs)
+            new.append(attrs.evolve(op, name=f"{op.name}.c{i}", inputs=inputs, origin=op.origin or op.name,
+                                    in_shapes=tuple(_chunk_shape(x, parts, dim) for x in op.in_shapes),
+                                    shape=_chunk_shape(op.shape, parts, dim)))
+    last = ops[-1]
+    new.append(Op(last.name, "concat", "compute", "layout", tuple(f"{last.name}.c{i}" for i in range(parts)),
+                  (_chunk_shape(last.shape, parts, dim),) * parts, last.shape,
+                  params=(("parts", parts), ("dim", dim), ("blocks", _blocks(ops, last.shape, dim))),
+                  span=last.span))
+    out = []
+    for op in fwd.ops:
+        if op.name == last.name:
+            out += new
+        elif op.name not in names:
+            out.append(op)
+    return attrs.evolve(fwd, ops=tuple(out))
+
+
+def _slices(chain: list[Op], value: str, shape, parts: int, dim: int, taken: set, span) -> list[Op]:
+    blocks = _blocks(chain, shape, dim)
+    result = []
+    for i in range(parts):
+        name, again = f"{value}.s{i}", 1
+        while name in taken:  # another chain sliced the same value already
+            name, again = f"{value}.s{i}_{again}", again + 1
+        taken.add(name)
+        result.append(Op(name, "slice", "compute", "layout", (value,), (shape,), _chunk_shape(shape, parts, dim),
+                         params=(("index", i), ("parts", parts), ("dim", dim), ("blocks", blocks)), span=span))
+    return result

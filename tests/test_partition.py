@@ -1,0 +1,268 @@
+"""Centauri's communication partitioning: the partition pass's rewrite of the forward DAG, what
+the later passes, the planner and the simulator make of it, and its exact execution on one
+world of 4 gloo ranks against the single-process reference (fp32, 1e-5).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dhelix.dsl.passes.pipeline import check_text, run_until
+from dhelix.dsl.planner.pairing import plan_program
+from dhelix.dsl.simulator.costs import cost_of
+from dhelix.dsl.simulator.report import compare_partition
+
+HEADER = """
+import "stdlib/layers.dhx"
+import "stdlib/pipelines.dhx"
+model m {{ layers = {layers}  hidden = 32  ffn = 64  heads = 4  kv_heads = {kv_heads}  seq = 8  vocab = 64
+  dtype = fp32  layer = {layer} }}
+cluster {{ nodes = {nodes}  gpus_per_node = {per_node}  profile = "a40" }}
+mesh {{ {mesh} }}
+train {{ micro_batch = 2  microbatches = 4 }}
+fold {fold}
+pipeline {pipeline}
+"""
+
+MLP_BY_4 = "chunk ag2 + fc1 + act + fc2 + rs2 by 4"
+QKV_BY_2 = "chunk ag1 + qkv by 2"
+MLP_BY_2 = "chunk ag2 + fc1 + act + fc2 + rs2 by 2"
+GROUP_ALL = "group ag1 + rs1 + ag2 + rs2"
+
+
+def program(partition: str = "", mesh: str = "tp = 2  pp = 2", pipeline: str = "w_helix", fold: str = "u",
+            layers: int = 4, layer: str = "llama", extra: str = "", stop: str = "validate"):
+    """A tiny Llama (or ``layer``) with ``partition`` statements (no block when empty)."""
+    world = 1
+    for size in [int(word) for word in mesh.split() if word.isdigit()]:
+        world *= size
+    per_node = min(world, 2)  # "nodes" of 2 ranks: both the local and the cross lane are used
+    text = extra + HEADER.format(layers=layers, layer=layer, nodes=world // per_node, per_node=per_node,
+                                 mesh=mesh, fold=fold, pipeline=pipeline, kv_heads=4 if "tp = 4" in mesh else 2)
+    if partition:
+        text += "partition {\n" + "\n".join(f"  {line}" for line in partition.split(";")) + "\n}\n"
+    return run_until(text, "t.dhx", stop)
+
+
+# -- the rewrite ------------------------------------------------------------------------------
+
+def test_without_a_partition_block_the_pass_changes_nothing_and_llama_keeps_14_and_18_ops():
+    plain = program()
+    assert plain.partition is None
+    assert len(plain.forward.ops) == 14 and len(plain.backward.ops) == 18
+    assert program(stop="partition").forward == program(stop="shapes").forward
+
+
+def test_a_chain_becomes_slices_chunk_major_chunks_and_a_concat_that_keeps_its_name():
+    fwd = program(QKV_BY_2, stop="partition").forward
+    names = [op.name for op in fwd.ops]
+    assert names[:8] == ["ln1", "ln1.s0", "ln1.s1", "ag1.c0", "qkv.c0", "ag1.c1", "qkv.c1", "qkv"]
+    concat = fwd.op("qkv")
+    assert concat.op == "concat" and concat.inputs == ("qkv.c0", "qkv.c1")
+    # The gathered chunks hold one block per tp rank: the concat interleaves them back.
+    assert dict(concat.params) == {"parts": 2, "dim": 0, "blocks": 2}
+    chunk = fwd.op("qkv.c1")
+    assert chunk.origin == "qkv" and chunk.weight_name == "qkv" and chunk.shape == (8, 32)
+    assert fwd.op("ag1.c0").lane == "local" and fwd.op("ag1.c0").shape == (8, 32)  # 2 blocks of 4 rows
+    assert fwd.op("att").inputs == ("qkv",)  # the rest of the layer is unchanged
+
+
+def test_backward_is_derived_from_the_chunks_with_one_wgrad_per_chunk():
+    prog = program(f"{QKV_BY_2};{MLP_BY_4}", stop="autodiff")
+    bwd = {op.name: op for op in prog.backward.ops}
+    assert {f"fc1.c{i}.wgrad" for i in range(4)} <= set(bwd)
+    assert bwd["ag2.c3.bwd"].op == "reduce_scatter" and bwd["rs2.c0.bwd"].op == "all_gather"
+    assert bwd["rs2.bwd"].op == "concat_bwd" and bwd["ln2.s0.bwd"].op == "slice_bwd"
+    assert bwd["fc1.c2.wgrad"].grad.weight == "fc1.c2"  # the runtime adds it into fc1's gradient
+
+
+def test_a_collective_elided_by_a_size_1_axis_drops_out_of_its_chain():
+    fwd = program(MLP_BY_4, mesh="tp = 1", pipeline="gpipe", fold="none", stop="partition").forward
+    names = [op.name for op in fwd.ops]
+    assert "ag2.c0" not in names and "fc1.c0" in names and fwd.op("h2").inputs[0] == "fc2"
+    assert fwd.op("fc2").op == "concat"
+
+
+def test_group_partition_splits_each_collective_and_its_chunks_into_local_then_cross():
+    fwd = program(f"{MLP_BY_2};{GROUP_ALL}", mesh="tp = 4", stop="partition").forward
+    ops = {op.name: op for op in fwd.ops}
+    first, second = ops["ag1.intra"], ops["ag1"]
+    assert (first.axis, first.lane, first.group_size, first.shape) == ("tp.intra", "local", 2, (8, 32))
+    assert (second.axis, second.lane, second.inputs, second.shape) == ("tp.inter", "cross", ("ag1.intra",), (16, 32))
+    assert (ops["rs1.inter"].lane, ops["rs1"].axis, ops["rs1"].shape) == ("cross", "tp.intra", (4, 32))
+    assert {"ag2.c1.intra", "rs2.c0.inter"} <= set(ops)
+    bwd = {op.name: op for op in program(GROUP_ALL, mesh="tp = 4", stop="autodiff").backward.ops}
+    assert (bwd["ag1.bwd"].op, bwd["ag1.bwd"].axis) == ("reduce_scatter", "tp.inter")
+
+
+SUBSTITUTE_LAYER = """
+layer ar_block {
+  in x [tokens, hidden]
+  up = gemm(x, hidden, ffn / tp)
+  down = gemm(up, ffn / tp, hidden)
+  ar = all_reduce(down, tp)
+  y = add(ar, x)
+  out y
+}
+"""
+
+
+def test_substitution_replaces_an_all_reduce_by_reduce_scatter_then_all_gather():
+    prog = program("substitute ar as reduce_scatter + all_gather", mesh="tp = 2", pipeline="gpipe",
+                   fold="none", layer="ar_block", extra=SUBSTITUTE_LAYER, stop="autodiff")
+    fwd = {op.name: op for op in prog.forward.ops}
+    assert (fwd["ar.rs"].op, fwd["ar.rs"].shape) == ("reduce_scatter", (8, 32))
+    assert (fwd["ar"].op, fwd["ar"].inputs, fwd["ar"].shape) == ("all_gather", ("ar.rs",), (16, 32))
+    bwd = {op.name: op.op for op in prog.backward.ops}
+    assert bwd["ar.bwd"] == "reduce_scatter" and bwd["ar.rs.bwd"] == "all_gather"
+
+
+def test_the_planner_pairs_chunks_with_the_other_strand():
+    path = "examples/llama8b_centauri_a40.dhx"  # at real sizes, where pairing pays
+    prog = check_text(open(path).read(), path)
+    plan = plan_program(prog, cost_of(prog))
+    pairs = [pair for pair in plan.pairs if pair.forward and pair.backward]
+    assert any(name.startswith(("ag2.c", "rs2.c")) for pair in pairs for name in pair.forward)
+    assert any(name.startswith(("ag2.c", "fc1.c", "fc2.c")) for pair in pairs for name in pair.backward)
+
+
+def test_compare_shows_centauri_si_and_both_beside_the_baseline():
+    sims = compare_partition(program(MLP_BY_4))
+    assert [s.label for s in sims] == ["Centauri + SI", "SI only", "Centauri only", "baseline (1F1B)"]
+    assert sims[0].si and sims[1].si and not sims[2].si and not sims[3].si
+    assert sims[0].step_time != sims[1].step_time  # the chunks are priced, not ignored
+
+
+def test_the_partition_block_prints_canonically_and_parses_back():
+    from dhelix.dsl.frontend.fmt import format_source
+
+    text = "partition {\n  chunk ag1 + qkv along tokens by (2 * tp)\n  substitute ar as reduce_scatter + all_gather\n}\n"
+    assert format_source(text) == text
+    assert format_source(text.replace("(2 * tp)", "(((2) * tp))")) == text
+
+
+# -- exact execution: one world of 4 gloo ranks -----------------------------------------------
+
+#: name -> (partition statements, mesh, pipeline, fold, SI: False | "planned")
+RUNS = {
+    "qkv2_mlp4_w_helix_planned_si": (f"{QKV_BY_2};{MLP_BY_4}", "tp = 2  pp = 2", "w_helix", "u", "planned"),
+    # tp = 4 over two "nodes" of 2 ranks: hierarchical collectives, chunked too (the
+    # row-parallel chunks cut the gathered attention output by rank blocks), with SI.
+    "group_tp4_w_helix_planned_si": (f"chunk prj + rs1 by 2;{MLP_BY_2};{GROUP_ALL}", "tp = 4", "w_helix", "u",
+                                     "planned"),
+}
+
+
+def _runs(rank: int, world: int) -> dict:
+    import torch
+
+    from dhelix.interpreter.comm import DistComm
+    from dhelix.interpreter.executor import Executor
+    from dhelix.interpreter.harness import broadcast_from_first, check_steps
+    from dhelix.interpreter.optim import DistributedAdamW
+    from dhelix.interpreter.si_plan import fixed_plan, op_by_op_plan, planned_pairs
+
+    results = {}
+    for name, (partition, mesh, pipeline, fold, si) in RUNS.items():
+        prog = program(partition, mesh, pipeline, fold)
+        comm = DistComm(prog.mesh, timeout_s=60)
+        # The planner runs on rank 0 only (as `dhelix run` plans once): the ranks share 2 cores.
+        plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog) if rank == 0 else None)) \
+            if si else op_by_op_plan
+        executor = Executor(prog, comm, seed=7, si=bool(si), plan_for=plan_for)
+        results[name] = check_steps(executor, DistributedAdamW(executor.params, comm), 1, 3)
+    results["substitution"] = _substitution(rank, torch)
+    return results
+
+
+def _substitution(rank: int, torch) -> tuple[float, float]:
+    """Max differences of the substituted layer's output and input gradient (also with the
+    all_gather half chunked with the add after it) from the all_reduce layer's and from the
+    sums they must be (over tp = 2)."""
+    from dhelix.interpreter.comm import DistComm
+    from dhelix.interpreter.layer_exec import LayerPlan
+    from distributed import drive_layer
+
+    layer = "layer ar_only {\n  in x [tokens, hidden]\n  ar = all_reduce(x, tp)\n  y = add(ar, x)\n  out y\n}\n"
+    substitute = "substitute ar as reduce_scatter + all_gather"
+    progs = [program(partition, "tp = 2  dp = 2", "gpipe", "none", layer="ar_only", extra=layer)
+             for partition in ("", substitute, f"{substitute};chunk ar + y by 2")]
+    comm = DistComm(progs[0].mesh, timeout_s=60)
+    gen = torch.Generator().manual_seed(100 + rank)
+    x, dout = (torch.randn(progs[0].forward.input_shape, generator=gen) for _ in range(2))
+    runs = [drive_layer(LayerPlan.build(p.forward, p.backward, 2), {}, comm, x, dout) for p in progs]
+    x_sum, dout_sum = (comm.all_reduce(t.clone(), "tp") for t in (x, dout))
+    out_diff = max((run[0] - (x_sum + x)).abs().max().item() for run in runs)
+    grad_diff = max((run[1] - (dout_sum + dout)).abs().max().item() for run in runs)
+    return out_diff, grad_diff
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    pytest.importorskip("torch")
+    from distributed import gloo_results
+
+    return gloo_results(_runs, 4, tmp_path_factory.mktemp("partition"))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_chunked_runs_match_the_reference(world, name):
+    from distributed import TOL, assert_steps_match
+
+    assert_steps_match(world[0][name], 1, TOL)
+
+
+def test_substituted_all_reduce_matches_on_every_rank(world):
+    for rank, results in enumerate(world):
+        out_diff, grad_diff = results["substitution"]
+        assert out_diff <= 1e-5 and grad_diff <= 1e-5, (rank, out_diff, grad_diff)
+
+
+def test_the_example_runs_chunks_it_declares():
+    prog = check_text(open("examples/tiny_llama_centauri_cpu.dhx").read(), "examples/tiny_llama_centauri_cpu.dhx")
+    assert {"ag1.c1", "qkv.c1", "rs2.c3"} <= {op.name for op in prog.forward.ops}
+
+
+# -- one process: the layout kernels and chunked layers against the reference ------------------
+
+@pytest.mark.parametrize(("parts", "blocks"), [(2, 1), (4, 1), (2, 2), (2, 4), (4, 2)])
+def test_slices_and_their_concat_are_inverse_and_so_are_their_gradients(parts, blocks):
+    torch = pytest.importorskip("torch")
+    from dhelix.interpreter.kernels import KERNELS, KernelCtx
+
+    x = torch.randn(blocks * parts * 3, 5)
+    ctx = lambda **more: KernelCtx(params={"parts": parts, "dim": 0, "blocks": blocks, **more})  # noqa: E731
+    pieces = [KERNELS["slice"].forward((x,), None, ctx(index=i)) for i in range(parts)]
+    # A chunk of a gathered tensor takes its share of every rank block.
+    rows = x.shape[0] // blocks
+    assert torch.equal(pieces[1][0][:3], x[rows // parts:rows // parts + 3])
+    joined, saved = KERNELS["concat"].forward(tuple(p for p, _ in pieces), None, ctx())
+    assert torch.equal(joined, x)
+    grads = KERNELS["concat"].dgrad(x, saved, None)
+    total = sum(KERNELS["slice"].dgrad(g, s, None)[0] for g, (_, s) in zip(grads, pieces, strict=True))
+    assert torch.equal(total, x)
+
+
+SINGLE = ["chunk ag1 + qkv by 2", "chunk ln2 + ag2 + fc1 + act by 4", "chunk fc1 + act + fc2 + rs2 + h2 by 2",
+          "chunk prj + rs1 + h1 by 4", "chunk h1 along features by 2;chunk h2 by 2"]
+
+
+@pytest.mark.parametrize("partition", SINGLE)
+def test_a_chunked_layer_on_one_rank_matches_the_reference(partition):
+    pytest.importorskip("torch")
+    from dhelix.interpreter.comm import SingleRankComm
+    from dhelix.interpreter.executor import Executor
+    from dhelix.interpreter.harness import compare, reference_with
+    from dhelix.interpreter.reference import make_batch
+    from dhelix.interpreter.weights import WeightPlan
+    from distributed import TOL
+
+    prog = program(partition, mesh="tp = 1", pipeline="one_f_one_b", fold="none", layers=2)
+    assert any(op.op == "concat" for op in prog.forward.ops)
+    batch = make_batch(prog, 3)
+    executor = Executor(prog, SingleRankComm(), seed=7)
+    loss = executor.step(batch)
+    weights = WeightPlan(prog, 7)
+    reference = reference_with(prog, {name: weights.full(name) for name in weights.names()}, batch, 7)
+    check = compare(0, loss.item(), executor.grads(), reference)
+    assert check.loss_diff <= TOL and check.grad_diff <= TOL, str(check)
