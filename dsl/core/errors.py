@@ -113,13 +113,40 @@ def _position(error: DhelixError) -> tuple:
     return (span.source.path, span.line, span.column)
 
 
+#: The most characters of a source line an excerpt shows; a longer line is cut around the caret.
+EXCERPT_WIDTH = 120
+
+
 def _excerpt(span: Span) -> list[str]:
     text = span.source.line(span.line)
     if not text:
         return []
     width = len(str(span.line))
-    start = span.column
+    start = min(span.column, len(text) + 1)
     end = span.end_column if span.end_line == span.line else len(text) + 1
-    carets = "^" * max(1, end - start)
+    end = max(start + 1, min(end, len(text) + 1))
+    shown = [visible(char) for char in text]
+    # Columns count characters; an escaped control character takes several.
+    before, under = sum(map(len, shown[:start - 1])), max(1, sum(map(len, shown[start - 1:end - 1])))
+    line = "".join(shown)
+    left = max(0, min(before - EXCERPT_WIDTH // 3, len(line) - EXCERPT_WIDTH))
+    right = left + EXCERPT_WIDTH
+    cut_left, cut_right = ("…" if left > 0 else ""), ("…" if right < len(line) else "")
+    line = cut_left + line[left:right] + cut_right
+    caret_at = before - left + len(cut_left)
+    carets = "^" * max(1, min(under, len(line) - caret_at))
     gutter = " " * width
-    return [f"  {span.line} | {text}", f"  {gutter} | {' ' * (start - 1)}{carets}"]
+    return [f"  {span.line} | {line}", f"  {gutter} | {' ' * caret_at}{carets}"]
+
+
+#: Characters that reorder how a line is displayed (CVE-2021-42574, "Trojan Source").
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c")
+
+
+def visible(char: str) -> str:
+    """``char`` as a message shows it: control and bidirectional-override characters as
+    escapes (``\\x1b``), so echoing a source line cannot drive the terminal."""
+    code = ord(char)
+    if char == "\t" or (32 <= code < 127) or (code > 159 and char not in BIDI_CONTROLS and char != "\ufeff"):
+        return char
+    return f"\\x{code:02x}" if code < 256 else f"\\u{code:04x}"
