@@ -19,6 +19,7 @@ import sys
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.planner.pairing import DEFAULT_MAX_SEGMENT
+from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.core.plan import format_plan, plan_to_json
 from dhelix.dsl.core.program import Program
@@ -46,6 +47,7 @@ def cmd_plan(args) -> int:
     if args.max_segment < 0:
         raise UsageError(f"--max-segment must be 0 (no bound) or more, got {args.max_segment}")
     program = check_text(read_source(args.file), args.file)
+    require_model(program, args.file)
     require_profile(program)
     plan = schedule_plan(program, max_segment=args.max_segment or None)
     usage = plan_usage(program)

@@ -26,6 +26,7 @@ from pathlib import Path
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.passes.pipeline import check_text
 
 DEFAULT_REPEATS = 5
@@ -60,8 +61,7 @@ def cmd_profile(args) -> int:
         raise UsageError("--timeout must be positive")
     text = read_source(args.file)
     program = check_text(text, args.file)
-    if program.model is None:
-        raise UsageError(f"'{args.file}' is a library file: it has no model to profile")
+    require_model(program, args.file)
     from dhelix.interpreter import profile_launch, spawn
 
     out = _output(args, program, profile_launch.host_name())

@@ -31,6 +31,7 @@ from pathlib import Path
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.render.trace import trace_json
 
@@ -82,8 +83,7 @@ def cmd_run(args) -> int:
         raise UsageError(f"--trace and --metrics name the same file '{args.trace}'; give each its own")
     text = read_source(args.file)
     program = check_text(text, args.file)
-    if program.model is None:
-        raise UsageError(f"'{args.file}' is a library file: it has no model to run")
+    require_model(program, args.file)
     for flag, path in outputs.items():
         refuse_inputs(path, flag, program_inputs(program))
     from dhelix.interpreter import spawn

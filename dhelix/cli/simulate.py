@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.simulator.report import compare, format_comparison, format_simulation
@@ -42,6 +43,7 @@ def cmd_simulate(args) -> int:
     """`dhelix simulate FILE [--compare] [--zero1] [--trace OUT.json]`; returns the exit code."""
     trace = trace_path(args.trace, args.file) if args.trace else None
     program = check_text(read_source(args.file), args.file)
+    require_model(program, args.file)
     if trace is not None:
         refuse_inputs(trace, "--trace", program_inputs(program))
     require_profile(program)

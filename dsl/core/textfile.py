@@ -57,13 +57,15 @@ def read_text_file(path: str | os.PathLike) -> str:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as exc:
         raise FileProblem(exc.strerror or str(exc)) from None
-    with os.fdopen(fd, "rb") as file:
+    try:
         mode = os.fstat(fd)
         if stat.S_ISDIR(mode.st_mode):
             raise FileProblem("Is a directory")
         if not stat.S_ISREG(mode.st_mode):
             raise FileProblem("not a regular file (a device, pipe or socket); give a file")
-        data = _read_bounded(file, mode.st_size)
+        data = _read_bounded(fd, mode.st_size)
+    finally:
+        os.close(fd)
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -71,13 +73,20 @@ def read_text_file(path: str | os.PathLike) -> str:
         raise FileProblem(f"byte 0x{data[exc.start]:02x} on line {line} is not UTF-8", not_utf8=True) from None
 
 
-def _read_bounded(file, size: int) -> bytes:
+def _read_bounded(fd: int, size: int) -> bytes:
     if size > MAX_FILE_BYTES:
         raise FileProblem(_too_large(size))
+    chunks, total = [], 0
     try:
-        data = file.read(MAX_FILE_BYTES + 1)  # the file may have grown since fstat
+        while total <= MAX_FILE_BYTES:  # the file may have grown since fstat
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
     except OSError as exc:
         raise FileProblem(exc.strerror or str(exc)) from None
+    data = b"".join(chunks)
     if len(data) > MAX_FILE_BYTES:
         raise FileProblem(_too_large(len(data)))
     return data

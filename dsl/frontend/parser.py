@@ -20,7 +20,7 @@ from lark import Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from dhelix.dsl.core import syntax as s
-from dhelix.dsl.core.errors import ParseError
+from dhelix.dsl.core.errors import BIDI_CONTROLS, ParseError, visible
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.wording import did_you_mean, join_words
 
@@ -92,6 +92,10 @@ def parse(text: str, path: str = "<string>", start: str = "start"):
     Raises :class:`ParseError` located at the offending character or token.
     """
     source = Source(path, text)
+    _refuse_bidi_controls(source)
+    # A byte-order mark (kept by a reader that did not drop it) is whitespace to the parser;
+    # a space in its place keeps every column.
+    text = " " + text[1:] if text.startswith("\ufeff") else text
     try:
         tree = _lark().parse(text, start=start)
     except UnexpectedInput as exc:
@@ -102,6 +106,20 @@ def parse(text: str, path: str = "<string>", start: str = "start"):
         if isinstance(exc.orig_exc, ParseError):
             raise exc.orig_exc from None
         raise
+
+
+_BIDI = re.compile("[" + "".join(sorted(BIDI_CONTROLS)) + "]")
+
+
+def _refuse_bidi_controls(source: Source) -> None:
+    """A bidirectional control character makes an editor show text in another order than
+    the parser reads it ("Trojan Source", CVE-2021-42574): refused wherever it is."""
+    found = _BIDI.search(source.text)
+    if found:
+        raise ParseError(f"bidirectional control character {visible(found.group())} in the text",
+                         _offset_span(source, found.start()),
+                         ["it makes editors show the text in another order than dhelix reads it; "
+                          "remove it (dhelix refuses it even in comments and strings)"])
 
 
 def _describe(terminal: str) -> str:
