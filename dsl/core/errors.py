@@ -85,25 +85,43 @@ class ErrorGroup(DhelixError):
         self.errors[-1].add_note(note)
 
 
+#: The most errors one check reports: past it they are counted, not kept, so a file with an
+#: error on each of its 100,000 lines is checked in linear time and a readable report.
+MAX_REPORTED = 100
+
+
 class ErrorCollector:
-    """Gathers errors during a check so that all of them are reported at once."""
+    """Gathers errors during a check so that all of them are reported at once (the first
+    :data:`MAX_REPORTED`; the rest are counted)."""
 
     def __init__(self) -> None:
         self.errors: list[DhelixError] = []
+        self.dropped = 0
+
+    @property
+    def full(self) -> bool:
+        """Whether further errors are only counted: callers may skip wording them (a
+        did-you-mean over every name of a long file, once per error, is quadratic)."""
+        return len(self.errors) >= MAX_REPORTED
 
     def add(self, error: DhelixError) -> None:
         """Record ``error`` (an ErrorGroup is flattened)."""
-        if isinstance(error, ErrorGroup):
-            self.errors.extend(error.errors)
-        else:
-            self.errors.append(error)
+        for one in error.errors if isinstance(error, ErrorGroup) else (error,):
+            if self.full:
+                self.dropped += 1
+            else:
+                self.errors.append(one)
 
     def raise_if_any(self) -> None:
         """Raise the one error, or an ErrorGroup of all of them, if any were recorded."""
         if len(self.errors) == 1:
             raise self.errors[0]
         if self.errors:
-            raise ErrorGroup(self.errors)
+            group = ErrorGroup(self.errors)
+            if self.dropped:
+                group.add_note(f"{self.dropped} more error{'s' * (self.dropped != 1)} not shown: "
+                               f"dhelix reports the first {MAX_REPORTED}")
+            raise group
 
 
 def _position(error: DhelixError) -> tuple:

@@ -47,6 +47,7 @@ def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), str
     """Evaluate ``settings`` in order; ``allowed`` limits the keys (None: any integer key),
     ``names`` are keys whose value is a bare name, ``strings`` keys that take a string."""
     out = BlockValues()
+    last = {st.key: (i, st) for i, st in enumerate(settings)}  # one pass: blocks may be long
     for index, setting in enumerate(settings):
         key = setting.key
         if key in out.nodes:
@@ -59,7 +60,7 @@ def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), str
             errors.add(CheckError(f"unknown setting '{key}'", setting.span_of("key"),
                                   did_you_mean(key, unset) + [f"settings here: {', '.join(allowed)}"]))
             continue
-        later = {st.key: st for st in settings[index + 1:]}
+        later = _Later(last, index)
         value = _setting_value(setting, out, later, names, strings, errors)
         if value is None:
             out.failed.append(key)
@@ -67,6 +68,23 @@ def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), str
             out.values[key] = value
             out.nodes[key] = setting
     return out
+
+
+class _Later:
+    """The settings written after position ``index`` of a block, by key (the last of a key
+    written twice), as a read-only mapping built from one shared index."""
+
+    def __init__(self, last: dict, index: int):
+        self._last, self._index = last, index
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._last and self._last[key][0] > self._index
+
+    def __getitem__(self, key: str):
+        return self._last[key][1]
+
+    def __iter__(self):
+        return (key for key, (i, _) in self._last.items() if i > self._index)
 
 
 def _setting_value(setting, block: BlockValues, later, names, strings, errors):
@@ -94,7 +112,7 @@ def _setting_value(setting, block: BlockValues, later, names, strings, errors):
         return evaluate(value, ints, "name")
     except UnknownName as exc:
         if exc.name not in block.failed:  # an earlier setting with its own error
-            errors.add(_unknown_in_setting(exc, ints, later))
+            errors.add(exc if errors.full else _unknown_in_setting(exc, ints, later))
     except CheckError as exc:
         errors.add(exc)
     return None

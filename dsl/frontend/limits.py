@@ -24,6 +24,10 @@ MAX_CHUNKS = 1024
 #: The most (rank, micro-batch, chunk) forward passes a lowered schedule may hold: lowering,
 #: validation, export and simulation all take time in proportion to it.
 MAX_SCHEDULE_PASSES = 2**17
+#: The most layer passes one step may hold (micro-batches × layers: each micro-batch goes
+#: through every layer forward and backward): the simulator's time and memory (its trace
+#: keeps per-layer memory samples) are in proportion to it.
+MAX_LAYER_PASSES = 2**20
 
 
 def limit_of(block: str, key: str) -> int:
@@ -44,9 +48,14 @@ def range_error(block: str, key: str, value: int, span, lowest: int = 1) -> Chec
     return None
 
 
-def schedule_size_error(ranks: int, microbatches: int, chunks: int, span) -> CheckError | None:
+def schedule_size_error(ranks: int, microbatches: int, chunks: int, layers: int, span) -> CheckError | None:
     """The error for a schedule of ``ranks × microbatches × chunks`` forward passes past
-    :data:`MAX_SCHEDULE_PASSES`, or None."""
+    :data:`MAX_SCHEDULE_PASSES`, or of ``microbatches × layers`` layer passes past
+    :data:`MAX_LAYER_PASSES`; None when it is within both."""
+    if microbatches * layers > MAX_LAYER_PASSES:
+        return CheckError(f"one step would run {microbatches * layers:,} layer passes (microbatches "
+                          f"{microbatches} x layers {layers}); the limit is {MAX_LAYER_PASSES:,}", span,
+                          ["use fewer micro-batches or layers (docs/language.md, Limits)"])
     passes = ranks * microbatches * chunks
     if passes <= MAX_SCHEDULE_PASSES:
         return None

@@ -86,7 +86,8 @@ def lower(program: Program) -> Program:
     try:
         check_fold(program.pipeline, program.placement.kind, program.fold.span)
         too_large = schedule_size_error(program.mesh.size("pp"), program.train.microbatches,
-                                        program.placement.chunks, program.train.span)
+                                        program.placement.chunks, program.model.get("layers"),
+                                        program.train.span)
         if too_large:
             raise too_large
         lowered = lower_pipeline(program.pipeline, ranks=program.mesh.size("pp"),
