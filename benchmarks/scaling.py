@@ -71,8 +71,8 @@ SERIES = (
      ["export", "PROG", "--torch-csv", "OUT.csv"], 512),
     ("simulate         microbatches", lambda k: _program(microbatches=512 * k), ["simulate", "PROG"], 512),
     ("simulate         layers", lambda k: _program(layers=1024 * k), ["simulate", "PROG"], 1024),
-    ("render placement pp", lambda k: _program(microbatches=32 * k, layers=64 * k, pp=32 * k),
-     ["render", "PROG", "--what", "placement", "-o", "OUT.dot"], 32),
+    ("render placement pp", lambda k: _program(microbatches=8, layers=512 * k, pp=256 * k),
+     ["render", "PROG", "--what", "placement", "-o", "OUT.dot"], 256),
     ("check (errors)   errors", lambda k: _many_errors(1000 * k), ["check", "PROG"], 1000),
 )
 

@@ -24,10 +24,10 @@ class DhelixError(Exception):
     def render(self) -> str:
         """The message as the CLI prints it, with the source line and a caret underline."""
         head = f"{self.span}: {self.message}" if self.span else f"error: {self.message}"
-        lines = [head]
+        lines = [_printable(head)]
         if self.span is not None:
             lines.extend(_excerpt(self.span))
-        lines.extend(f"  note: {note}" for note in self.notes)
+        lines.extend(_printable(f"  note: {note}") for note in self.notes)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -159,6 +159,11 @@ def _excerpt(span: Span) -> list[str]:
 
 #: Characters that reorder how a line is displayed (CVE-2021-42574, "Trojan Source").
 BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c")
+
+
+def _printable(text: str) -> str:
+    # Messages quote the user's strings and paths: escape what could drive the terminal.
+    return "".join(char if char == "\n" else visible(char) for char in text)
 
 
 def visible(char: str) -> str:
