@@ -134,4 +134,4 @@ def test_cli_bad_dump_stage_exits_2(tmp_path):
 def test_cli_non_utf8_file_exits_2(tmp_path):
     (tmp_path / "bin.dhx").write_bytes(b"\xff\xfe model")
     result = _dhelix("check", "bin.dhx", cwd=tmp_path)
-    assert (result.returncode, result.stderr) == (2, "dhelix: 'bin.dhx' is not UTF-8 text\n")
+    assert (result.returncode, result.stderr) == (2, "dhelix: 'bin.dhx' is not UTF-8 text: byte 0xff on line 1 is not UTF-8\n")

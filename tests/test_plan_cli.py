@@ -57,7 +57,7 @@ def test_plan_needs_a_profile(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, code, message", [
-    (["stdlib_schedules/pipelines.dhx"], 1, "the file has no model block, so there is nothing to plan"),
+    (["stdlib_schedules/pipelines.dhx"], 2, "is a library file (no model block)"),
     (["no_such_file.dhx"], 2, "cannot read 'no_such_file.dhx'"),
     ([EXAMPLE, "--max-segment", "-1"], 2, "--max-segment must be 0 (no bound) or more"),
 ])

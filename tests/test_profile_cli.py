@@ -91,7 +91,7 @@ def test_command_line_mistakes_exit_2_before_any_rank_starts(args, message, tmp_
 
 def test_a_library_file_has_nothing_to_profile(capsys):
     assert main(["profile", str(ROOT / "stdlib_schedules" / "layers.dhx")]) == 2
-    assert "is a library file: it has no model to profile" in capsys.readouterr().err
+    assert "is a library file (no model block)" in capsys.readouterr().err
 
 
 def test_the_default_output_is_named_after_the_program_and_the_host(tmp_path, monkeypatch):

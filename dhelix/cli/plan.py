@@ -20,7 +20,7 @@ from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.planner.pairing import DEFAULT_MAX_SEGMENT
 from dhelix.cli.overrides import add_profile_argument
-from dhelix.dsl.passes.overrides import checked_program
+from dhelix.dsl.passes.overrides import checked_program, require_model
 from dhelix.dsl.core.plan import format_plan, plan_to_json
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Interleaved
@@ -48,6 +48,7 @@ def cmd_plan(args) -> int:
     if args.max_segment < 0:
         raise UsageError(f"--max-segment must be 0 (no bound) or more, got {args.max_segment}")
     program = checked_program(read_source(args.file), args.file, args.profile)
+    require_model(program, args.file)
     require_profile(program)
     plan = schedule_plan(program, max_segment=args.max_segment or None)
     usage = plan_usage(program)

@@ -26,7 +26,7 @@ from pathlib import Path
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
-from dhelix.dsl.passes.overrides import for_measuring
+from dhelix.dsl.passes.overrides import for_measuring, require_model
 
 DEFAULT_REPEATS = 5
 
@@ -60,8 +60,7 @@ def cmd_profile(args) -> int:
         raise UsageError("--timeout must be positive")
     text = read_source(args.file)
     program = for_measuring(text, args.file)  # a stale measured profile is what this replaces
-    if program.model is None:
-        raise UsageError(f"'{args.file}' is a library file: it has no model to profile")
+    require_model(program, args.file)
     from dhelix.interpreter import profile_launch, spawn
 
     out = _output(args, program, profile_launch.host_name())

@@ -32,7 +32,7 @@ from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_o
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.cli.overrides import add_profile_argument
-from dhelix.dsl.passes.overrides import checked_program
+from dhelix.dsl.passes.overrides import checked_program, require_model
 from dhelix.dsl.render.trace import trace_json
 
 
@@ -85,8 +85,7 @@ def cmd_run(args) -> int:
         raise UsageError(f"--trace and --metrics name the same file '{args.trace}'; give each its own")
     text = read_source(args.file)
     program = checked_program(text, args.file, args.profile)
-    if program.model is None:
-        raise UsageError(f"'{args.file}' is a library file: it has no model to run")
+    require_model(program, args.file)
     for flag, path in outputs.items():
         refuse_inputs(path, flag, program_inputs(program))
     from dhelix.interpreter import spawn

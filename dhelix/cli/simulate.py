@@ -17,7 +17,7 @@ from pathlib import Path
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
 from dhelix.cli.overrides import add_profile_argument
-from dhelix.dsl.passes.overrides import checked_program
+from dhelix.dsl.passes.overrides import checked_program, require_model
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.simulator.report import (compare, compare_partition, format_comparison, format_simulation,
                                          memory_warnings)
@@ -51,6 +51,7 @@ def cmd_simulate(args) -> int:
     """`dhelix simulate FILE [--compare] [--zero1] [--trace OUT.json] [--strict]`; returns the exit code."""
     trace = trace_path(args.trace, args.file) if args.trace else None
     program = checked_program(read_source(args.file), args.file, args.profile)
+    require_model(program, args.file)
     if trace is not None:
         refuse_inputs(trace, "--trace", program_inputs(program))
     require_profile(program)

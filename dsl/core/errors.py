@@ -24,10 +24,10 @@ class DhelixError(Exception):
     def render(self) -> str:
         """The message as the CLI prints it, with the source line and a caret underline."""
         head = f"{self.span}: {self.message}" if self.span else f"error: {self.message}"
-        lines = [head]
+        lines = [_printable(head)]
         if self.span is not None:
             lines.extend(_excerpt(self.span))
-        lines.extend(f"  note: {note}" for note in self.notes)
+        lines.extend(_printable(f"  note: {note}") for note in self.notes)
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -95,25 +95,43 @@ class ErrorGroup(DhelixError):
         self.errors[-1].add_note(note)
 
 
+#: The most errors one check reports: past it they are counted, not kept, so a file with an
+#: error on each of its 100,000 lines is checked in linear time and a readable report.
+MAX_REPORTED = 100
+
+
 class ErrorCollector:
-    """Gathers errors during a check so that all of them are reported at once."""
+    """Gathers errors during a check so that all of them are reported at once (the first
+    :data:`MAX_REPORTED`; the rest are counted)."""
 
     def __init__(self) -> None:
         self.errors: list[DhelixError] = []
+        self.dropped = 0
+
+    @property
+    def full(self) -> bool:
+        """Whether further errors are only counted: callers may skip wording them (a
+        did-you-mean over every name of a long file, once per error, is quadratic)."""
+        return len(self.errors) >= MAX_REPORTED
 
     def add(self, error: DhelixError) -> None:
         """Record ``error`` (an ErrorGroup is flattened)."""
-        if isinstance(error, ErrorGroup):
-            self.errors.extend(error.errors)
-        else:
-            self.errors.append(error)
+        for one in error.errors if isinstance(error, ErrorGroup) else (error,):
+            if self.full:
+                self.dropped += 1
+            else:
+                self.errors.append(one)
 
     def raise_if_any(self) -> None:
         """Raise the one error, or an ErrorGroup of all of them, if any were recorded."""
         if len(self.errors) == 1:
             raise self.errors[0]
         if self.errors:
-            raise ErrorGroup(self.errors)
+            group = ErrorGroup(self.errors)
+            if self.dropped:
+                group.add_note(f"{self.dropped} more error{'s' * (self.dropped != 1)} not shown: "
+                               f"dhelix reports the first {MAX_REPORTED}")
+            raise group
 
 
 def _position(error: DhelixError) -> tuple:
@@ -123,13 +141,45 @@ def _position(error: DhelixError) -> tuple:
     return (span.source.path, span.line, span.column)
 
 
+#: The most characters of a source line an excerpt shows; a longer line is cut around the caret.
+EXCERPT_WIDTH = 120
+
+
 def _excerpt(span: Span) -> list[str]:
     text = span.source.line(span.line)
     if not text:
         return []
     width = len(str(span.line))
-    start = span.column
+    start = min(span.column, len(text) + 1)
     end = span.end_column if span.end_line == span.line else len(text) + 1
-    carets = "^" * max(1, end - start)
+    end = max(start + 1, min(end, len(text) + 1))
+    shown = [visible(char) for char in text]
+    # Columns count characters; an escaped control character takes several.
+    before, under = sum(map(len, shown[:start - 1])), max(1, sum(map(len, shown[start - 1:end - 1])))
+    line = "".join(shown)
+    left = max(0, min(before - EXCERPT_WIDTH // 3, len(line) - EXCERPT_WIDTH))
+    right = left + EXCERPT_WIDTH
+    cut_left, cut_right = ("…" if left > 0 else ""), ("…" if right < len(line) else "")
+    line = cut_left + line[left:right] + cut_right
+    caret_at = before - left + len(cut_left)
+    carets = "^" * max(1, min(under, len(line) - caret_at))
     gutter = " " * width
-    return [f"  {span.line} | {text}", f"  {gutter} | {' ' * (start - 1)}{carets}"]
+    return [f"  {span.line} | {line}", f"  {gutter} | {' ' * caret_at}{carets}"]
+
+
+#: Characters that reorder how a line is displayed (CVE-2021-42574, "Trojan Source").
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c")
+
+
+def _printable(text: str) -> str:
+    # Messages quote the user's strings and paths: escape what could drive the terminal.
+    return "".join(char if char == "\n" else visible(char) for char in text)
+
+
+def visible(char: str) -> str:
+    """``char`` as a message shows it: control and bidirectional-override characters as
+    escapes (``\\x1b``), so echoing a source line cannot drive the terminal."""
+    code = ord(char)
+    if char == "\t" or (32 <= code < 127) or (code > 159 and char not in BIDI_CONTROLS and char != "\ufeff"):
+        return char
+    return f"\\x{code:02x}" if code < 256 else f"\\u{code:04x}"

@@ -102,9 +102,10 @@ class Lowered:
     actions: tuple[tuple[Action, ...], ...]
     span: Span | None = span_field()  # the pipeline definition (or the text) it came from
 
-    @property
+    @functools.cached_property
     def split(self) -> bool:
-        """Whether the backward is split into B (input gradient) and W (weight gradient)."""
+        """Whether the backward is split into B (input gradient) and W (weight gradient).
+        Cached: renderers ask once per action, and each answer scans every action."""
         return any(isinstance(a, Compute) and a.kind == "W" for row in self.actions for a in row)
 
     def stage_of(self, rank: int, chunk: int) -> int | None:

@@ -6,6 +6,8 @@ A span never takes part in IR equality (every IR field holding one is declared w
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 
@@ -18,8 +20,15 @@ class Source:
 
     def line(self, number: int) -> str:
         """Return line ``number`` (1-based) without its newline, or '' past the end."""
-        lines = self.text.splitlines()
-        return lines[number - 1] if 0 < number <= len(lines) else ""
+        lines = self._lines
+        return lines[number - 1].removesuffix("\r") if 0 < number <= len(lines) else ""
+
+    @functools.cached_property
+    def _lines(self) -> list[str]:
+        # Split once per file, not once per error: a file with many errors stays linear.
+        # Only '\n' ends a line, as for the parser's line numbers (splitlines would also
+        # split at '\x0c', '\x1c' or U+2028 and shift every later line).
+        return self.text.split("\n")
 
 
 @attrs.frozen(eq=False)

@@ -12,6 +12,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.dtypes import DTYPES
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.frontend.exprs import UnknownName, evaluate
+from dhelix.dsl.frontend.limits import MAX_CHUNKS, range_error
 from dhelix.dsl.core.mesh import DIMENSIONS, Mesh
 from dhelix.dsl.core.program import (FOLD_KINDS, OVERLAP_KINDS, Cluster, FoldSpec, Model, Strands, Train,
                                      unknown_fold)
@@ -52,6 +53,7 @@ def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), str
     """Evaluate ``settings`` in order; ``allowed`` limits the keys (None: any integer key),
     ``names`` are keys whose value is a bare name, ``strings`` keys that take a string."""
     out = BlockValues()
+    last = {st.key: (i, st) for i, st in enumerate(settings)}  # one pass: blocks may be long
     for index, setting in enumerate(settings):
         key = setting.key
         if key in out.nodes:
@@ -64,7 +66,7 @@ def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), str
             errors.add(CheckError(f"unknown setting '{key}'", setting.span_of("key"),
                                   did_you_mean(key, unset) + [f"settings here: {', '.join(allowed)}"]))
             continue
-        later = {st.key: st for st in settings[index + 1:]}
+        later = _Later(last, index)
         value = _setting_value(setting, out, later, names, strings, errors)
         if value is None:
             out.failed.append(key)
@@ -72,6 +74,23 @@ def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), str
             out.values[key] = value
             out.nodes[key] = setting
     return out
+
+
+class _Later:
+    """The settings written after position ``index`` of a block, by key (the last of a key
+    written twice), as a read-only mapping built from one shared index."""
+
+    def __init__(self, last: dict, index: int):
+        self._last, self._index = last, index
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._last and self._last[key][0] > self._index
+
+    def __getitem__(self, key: str):
+        return self._last[key][1]
+
+    def __iter__(self):
+        return (key for key, (i, _) in self._last.items() if i > self._index)
 
 
 def _setting_value(setting, block: BlockValues, later, names, strings, errors):
@@ -99,7 +118,7 @@ def _setting_value(setting, block: BlockValues, later, names, strings, errors):
         return evaluate(value, ints, "name")
     except UnknownName as exc:
         if exc.name not in block.failed:  # an earlier setting with its own error
-            errors.add(_unknown_in_setting(exc, ints, later))
+            errors.add(exc if errors.full else _unknown_in_setting(exc, ints, later))
     except CheckError as exc:
         errors.add(exc)
     return None
@@ -123,7 +142,7 @@ def build_model(node: s.ModelDef, errors: ErrorCollector) -> tuple[Model | None,
     block = evaluate_block(node.settings, errors, names=MODEL_NAMES)
     values = block.values
     _report_missing_model_keys(node, errors)
-    positive = _check_positive(block, [k for k, v in values.items() if isinstance(v, int)], errors)
+    positive = _check_positive("model", block, [k for k, v in values.items() if isinstance(v, int)], errors)
     dtype = values.get("dtype")
     if dtype is not None and dtype not in DTYPES:
         errors.add(CheckError(f"unknown dtype '{dtype}'", block.nodes["dtype"].value.span,
@@ -160,18 +179,19 @@ def _model_example(missing: list[str]) -> str:
     return "  ".join(example[k] for k in missing)
 
 
-def _check_positive(block: BlockValues, keys, errors: ErrorCollector) -> bool:
-    """Record an error for each of ``keys`` whose value is not positive; True if all are."""
-    bad = [key for key in keys if block.values[key] <= 0]
-    for key in bad:
-        errors.add(CheckError(f"'{key}' must be positive, got {block.values[key]}", block.span(key)))
-    return not bad
+def _check_positive(kind: str, block: BlockValues, keys, errors: ErrorCollector, lowest: int = 1) -> bool:
+    """Record an error for each of ``keys`` whose value is below ``lowest`` or past its limit
+    (frontend.limits); True if all are within."""
+    found = [error for key in keys if (error := range_error(kind, key, block.values[key], block.span(key), lowest))]
+    for error in found:
+        errors.add(error)
+    return not found
 
 
 def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None:
     """The Cluster of a cluster block (nodes and gpus_per_node are required)."""
     block = evaluate_block(node.settings, errors, CLUSTER_KEYS, strings=("profile",))
-    positive = _check_positive(block, [k for k in ("nodes", "gpus_per_node") if k in block.values], errors)
+    positive = _check_positive("cluster", block, [k for k in ("nodes", "gpus_per_node") if k in block.values], errors)
     if not _require(node, block, ("nodes", "gpus_per_node"), "cluster { nodes = 1  gpus_per_node = 4 }", errors):
         return None
     if not positive:
@@ -184,7 +204,8 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
     block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute",))
-    _check_positive(block, [k for k in ("micro_batch", "microbatches", "steps") if k in block.values], errors)
+    _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps") if k in block.values], errors)
+    _check_positive("train", block, [k for k in ("seed",) if k in block.values], errors, lowest=0)
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
         return None
     v = block.values
@@ -211,7 +232,7 @@ def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollec
     """The Mesh of a mesh block; axes not written have size 1 and follow in Megatron order."""
     block = evaluate_block(node.settings, errors, MESH_KEYS)
     # A rejected setting (tq = 2) has its error; a mesh without that axis would only echo it.
-    if not _check_positive(block, list(block.values), errors) or block.failed:
+    if not _check_positive("mesh", block, list(block.values), errors) or block.failed:
         return None, block
     written = [k for k in block.values if k != "ep"]
     order = tuple(written + [d for d in DIMENSIONS if d not in written])
@@ -254,6 +275,9 @@ def build_fold(node: s.Fold, errors: ErrorCollector) -> FoldSpec | None:
         return None
     if v < 1:
         errors.add(CheckError(f"fold {node.kind} needs at least 1 chunk per rank, got {v}", node.arg.span))
+        return None
+    if v > MAX_CHUNKS:
+        errors.add(CheckError(f"fold {node.kind} takes at most {MAX_CHUNKS} chunks per rank, got {v}", node.arg.span))
         return None
     return FoldSpec.of(node.kind, v, span=node.span)
 

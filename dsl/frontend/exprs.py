@@ -14,6 +14,9 @@ from dhelix.dsl.core.errors import CheckError
 from dhelix.dsl.core.wording import did_you_mean
 
 FUNCTIONS = {"min": min, "max": max}
+#: Every value an expression computes, intermediate ones included, is below this in
+#: magnitude, so arithmetic stays fast (sizes have their own, smaller limits).
+MAX_MAGNITUDE = 10**30
 
 
 class UnknownName(CheckError):
@@ -32,6 +35,19 @@ def evaluate(expr: s.Expr, env: Mapping[str, int], what: str = "name") -> int:
     variable"). Raises :class:`CheckError` for unknown names or functions, inexact ``/``,
     division by zero, and wrong argument counts.
     """
+    # A chain `a + b + … + z` nests to the left: walk that spine in a loop, so a long chain
+    # needs no recursion; right operands, '-' and calls nest at most parser.MAX_NESTING deep.
+    spine = []
+    while isinstance(expr, s.BinOp):
+        spine.append(expr)
+        expr = expr.left
+    value = _leaf(expr, env, what)
+    for node in reversed(spine):
+        value = _bounded(_binop(node, value, evaluate(node.right, env, what)), node)
+    return value
+
+
+def _leaf(expr: s.Expr, env: Mapping[str, int], what: str) -> int:
     if isinstance(expr, s.Int):
         return expr.value
     if isinstance(expr, s.Name):
@@ -43,9 +59,14 @@ def evaluate(expr: s.Expr, env: Mapping[str, int], what: str = "name") -> int:
         return -evaluate(expr.operand, env, what)
     if isinstance(expr, s.Call):
         return _call(expr, env, what)
-    if isinstance(expr, s.BinOp):
-        return _binop(expr, evaluate(expr.left, env, what), evaluate(expr.right, env, what))
     raise TypeError(f"not an expression: {expr!r}")
+
+
+def _bounded(value: int, expr: s.Expr) -> int:
+    if abs(value) >= MAX_MAGNITUDE:
+        raise CheckError(f"this expression's value has {len(str(abs(value)))} digits: too large", expr.span,
+                         ["values stay below 10**30 in magnitude; every size is far smaller"])
+    return value
 
 
 def _call(expr: s.Call, env: Mapping[str, int], what: str) -> int:
@@ -87,20 +108,38 @@ _PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2, "//": 2, "%": 2}
 
 def format_expr(expr: s.Expr, parent: int = 0, right_side: bool = False) -> str:
     """The canonical text of ``expr``, with only the parentheses its structure needs."""
+    spine = []
+    while isinstance(expr, s.BinOp):  # a long chain in a loop, as in evaluate
+        spine.append(expr)
+        expr = expr.left
     if isinstance(expr, s.Int):
-        return str(expr.value)
-    if isinstance(expr, s.Name):
-        return expr.id
-    if isinstance(expr, s.Neg):
-        return "-" + format_expr(expr.operand, 3)
-    if isinstance(expr, s.Call):
-        return f"{expr.func}({', '.join(format_expr(a) for a in expr.args)})"
-    prec = _PRECEDENCE[expr.op]
-    text = f"{format_expr(expr.left, prec)} {expr.op} {format_expr(expr.right, prec, True)}"
+        text = str(expr.value)
+    elif isinstance(expr, s.Name):
+        text = expr.id
+    elif isinstance(expr, s.Neg):
+        text = "-" + format_expr(expr.operand, 3)
+    else:
+        text = f"{expr.func}({', '.join(format_expr(a) for a in expr.args)})"
+    if not spine:
+        return text
+    parts, opened = [text], 0
+    for node in reversed(spine):
+        prec = _PRECEDENCE[node.op]
+        if _loosest(node.left) < prec:  # a left operand of lower precedence: (a + b) * c
+            parts.append(")")
+            opened += 1
+        parts.append(f" {node.op} {format_expr(node.right, prec, True)}")
+    text = "(" * opened + "".join(parts)
+    prec = _PRECEDENCE[spine[0].op]
     # Operators are left-associative: a right operand of equal precedence needs parentheses.
     if prec < parent or (prec == parent and right_side):
         return f"({text})"
     return text
+
+
+def _loosest(expr: s.Expr) -> int:
+    """The precedence of ``expr``'s outermost operator (3 for an atom or '-')."""
+    return _PRECEDENCE[expr.op] if isinstance(expr, s.BinOp) else 3
 
 
 def _listing(env: Mapping[str, int]) -> str:

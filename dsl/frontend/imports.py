@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import ErrorCollector, ImportFailure, UsageError
+from dhelix.dsl.core.textfile import FileProblem, name_problem, read_text_file
 from dhelix.dsl.frontend.parser import parse
 from dhelix.dsl.core.wording import did_you_mean
 
@@ -28,11 +29,11 @@ def read_source(path: str) -> str:
     """The text of the schedule file ``path`` named on a command line; UsageError (exit 2)
     when it cannot be read or is not UTF-8."""
     try:
-        return Path(path).read_text()
-    except OSError as exc:
-        raise UsageError(f"cannot read '{path}': {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"'{path}' is not UTF-8 text") from None
+        return read_text_file(path)
+    except FileProblem as exc:
+        if exc.not_utf8:
+            raise UsageError(f"'{path}' is not UTF-8 text: {exc.reason}") from None
+        raise UsageError(f"cannot read '{path}': {exc.reason}") from None
 
 
 def load_modules(text: str, path: str) -> list[s.Module]:
@@ -52,13 +53,20 @@ def resolve_import(path: str, importer: Path) -> tuple[Path, str] | None:
     """The file an import of ``path`` from ``importer`` names and the name messages show
     for it (``stdlib/x.dhx`` for library files), or None if there is none."""
     local = importer.parent / path
-    if local.is_file():
+    if _is_file(local):
         return local, str(local)
     if path.startswith(STDLIB_PREFIX):
         library = stdlib_root() / path[len(STDLIB_PREFIX):]
-        if library.is_file():
+        if _is_file(library):
             return library, path
     return None
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a path too long for the system names no file
+        return False
 
 
 class _Loader:
@@ -77,6 +85,10 @@ class _Loader:
         self.order.append(module)
 
     def _follow(self, item: s.Import, importer: Path, chain: tuple[Path, ...]) -> None:
+        problem = name_problem(item.path)
+        if problem:
+            self.errors.add(ImportFailure(f"cannot import this file: {problem}", item.span_of("path")))
+            return
         found = resolve_import(item.path, importer)
         if found is None:
             notes = [f"looked for {importer.parent / item.path}"]
@@ -99,8 +111,10 @@ class _Loader:
         if key in self.done:
             return
         try:
-            text = target.read_text()
-        except OSError as exc:
-            self.errors.add(ImportFailure(f"cannot read '{item.path}': {exc.strerror}", item.span_of("path")))
+            text = read_text_file(target)
+        except FileProblem as exc:
+            what = "is not UTF-8 text" if exc.not_utf8 else "cannot be read"
+            self.errors.add(ImportFailure(f"imported file '{item.path}' {what}: {exc.reason}",
+                                          item.span_of("path"), ["save it as UTF-8 text"] if exc.not_utf8 else []))
             return
         self.visit(parse(text, shown), target, chain)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dhelix.dsl.core.errors import CheckError, DhelixError
 from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.core.program import Model, Train
@@ -113,7 +115,7 @@ def stage_split_error(fold: str, layers: int, ranks: int, chunks: int, span) -> 
         return None
     per_rank = "" if chunks == 1 else f" ({chunks} per rank)"
     on_ranks = f"{ranks} rank{'s' if ranks != 1 else ''}"
-    working = [g for g in range(1, layers + 1) if layers % (g * chunks) == 0]
+    working = _divisors(layers // chunks) if layers % chunks == 0 else []
     multiples = ", ".join(str(count * k) for k in (1, 2, 3))
     works = (f"with {layers} layers, fold {fold} works on {_listing(working)} ranks" if working
              else f"no number of ranks works: fold {fold} needs a multiple of {chunks} layers")
@@ -122,6 +124,12 @@ def stage_split_error(fold: str, layers: int, ranks: int, chunks: int, span) -> 
         f"on {on_ranks}", span,
         [works, f"on {on_ranks}, fold {fold} needs a multiple of {count} layers "
                 f"({multiples}, …)"])
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending, in O(sqrt(n)) steps (``n`` may be large)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _listing(values: list[int]) -> str:

@@ -16,15 +16,23 @@ from importlib import resources
 from pathlib import Path
 
 import lark
-from lark import Token, Transformer, v_args
+from lark import Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken, VisitError
 
 from dhelix.dsl.core import syntax as s
-from dhelix.dsl.core.errors import ParseError
+from dhelix.dsl.core.errors import BIDI_CONTROLS, ParseError, visible
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.wording import did_you_mean, join_words
 
 ACTIONS = ("F", "B", "W")
+
+#: How deeply expressions and repeat blocks may nest: parentheses on the right of an
+#: operator, unary minus, min/max calls and repeat blocks each add a level; a flat chain
+#: ``1 + 1 + … + 1`` is one level however long. Deeper text is a located ParseError.
+MAX_NESTING = 100
+#: The most digits a number may have (every size is far smaller; Python refuses to convert
+#: numbers of over 4300 digits, and long ones make arithmetic slow).
+MAX_DIGITS = 30
 
 #: Start rules: `start` for files; the others let tests and tools parse fragments.
 START_RULES = ("start", "expr", "layer_def", "pipeline_def", "strands_def", "partition_def")
@@ -84,16 +92,34 @@ def parse(text: str, path: str = "<string>", start: str = "start"):
     Raises :class:`ParseError` located at the offending character or token.
     """
     source = Source(path, text)
+    _refuse_bidi_controls(source)
+    # A byte-order mark (kept by a reader that did not drop it) is whitespace to the parser;
+    # a space in its place keeps every column.
+    text = " " + text[1:] if text.startswith("\ufeff") else text
     try:
         tree = _lark().parse(text, start=start)
     except UnexpectedInput as exc:
         raise _translate(exc, source) from None
     try:
-        return _Builder(source).transform(tree)
+        return _Builder(source).build(tree)
     except VisitError as exc:  # lark wraps what a builder method raises
         if isinstance(exc.orig_exc, ParseError):
             raise exc.orig_exc from None
         raise
+
+
+_BIDI = re.compile("[" + "".join(sorted(BIDI_CONTROLS)) + "]")
+
+
+def _refuse_bidi_controls(source: Source) -> None:
+    """A bidirectional control character makes an editor show text in another order than
+    the parser reads it ("Trojan Source", CVE-2021-42574): refused wherever it is."""
+    found = _BIDI.search(source.text)
+    if found:
+        raise ParseError(f"bidirectional control character {visible(found.group())} in the text",
+                         _offset_span(source, found.start()),
+                         ["it makes editors show the text in another order than dhelix reads it; "
+                          "remove it (dhelix refuses it even in comments and strings)"])
 
 
 def _describe(terminal: str) -> str:
@@ -290,6 +316,35 @@ class _Builder(Transformer):
     def __default__(self, data, children, meta):
         raise NotImplementedError(f"grammar rule {data!r} has no builder method")
 
+    def build(self, root: Tree):
+        """Transform ``root`` bottom-up without recursion (lark's own transform recurses once
+        per level, and a chain of 500 ``+`` is 500 levels), checking :data:`MAX_NESTING`."""
+        results: list = []  # the built children, innermost last
+        depths: list[int] = []
+        stack: list[tuple[object, bool]] = [(root, False)]
+        while stack:
+            node, children_done = stack.pop()
+            if not isinstance(node, Tree):
+                results.append(node)
+                depths.append(0)
+            elif children_done:
+                count = len(node.children)
+                children, child_depths = results[len(results) - count:], depths[len(depths) - count:]
+                del results[len(results) - count:], depths[len(depths) - count:]
+                depth = _nesting(node.data, child_depths)
+                if depth > MAX_NESTING:
+                    raise ParseError(f"nested more than {MAX_NESTING} levels deep", self._span(node.meta),
+                                     ["parentheses on the right of an operator, '-', min/max calls "
+                                      "and repeat blocks each add a level; a flat chain "
+                                      "`1 + 1 + … + 1` is one level", "name a part with `x = …` "
+                                      "(in a pipeline) or a setting, and use the name"])
+                results.append(self._call_userfunc(node, children))
+                depths.append(depth)
+            else:
+                stack.append((node, True))
+                stack.extend((child, False) for child in reversed(node.children))
+        return results[0]
+
     def _span(self, meta) -> Span | None:
         return None if getattr(meta, "empty", True) else Span.from_meta(self.source, meta)
 
@@ -464,7 +519,12 @@ class _Builder(Transformer):
 
     # --- expressions ------------------------------------------------------------------
     def int(self, meta, children):
-        return s.Int(int(children[0]), span=self._span(meta))
+        (token,) = children
+        digits = str(token).lstrip("0") or "0"
+        if len(digits) > MAX_DIGITS:
+            raise ParseError(f"number with {len(digits)} digits is too large", self._span(meta),
+                             [f"numbers have at most {MAX_DIGITS} digits; every size is far smaller"])
+        return s.Int(int(digits), span=self._span(meta))
 
     def name(self, meta, children):
         return s.Name(str(children[0]), span=self._span(meta))
@@ -489,3 +549,17 @@ class _Builder(Transformer):
     floordiv = _binop("//")
     mod = _binop("%")
     del _binop
+
+
+_BINARY = frozenset({"add", "sub", "mul", "div", "floordiv", "mod"})
+_NESTING = frozenset({"neg", "call", "repeat_stmt"})
+
+
+def _nesting(rule: str, child_depths: list[int]) -> int:
+    """The nesting level of a node of ``rule`` over children at ``child_depths``: a binary
+    operator's left operand is at its own level (chains are flat), its right one a level in."""
+    if rule in _BINARY:
+        left, right = child_depths
+        return max(left, right + 1)
+    deepest = max(child_depths, default=0)
+    return deepest + 1 if rule in _NESTING else deepest

@@ -59,9 +59,10 @@ import attrs
 import yaml
 
 from dhelix.dsl.core.dtypes import DTYPES
-from dhelix.dsl.core.errors import DhelixError, ErrorCollector
+from dhelix.dsl.core.errors import DhelixError, ErrorCollector, visible
 from dhelix.dsl.core.mesh import COMM_LANES
 from dhelix.dsl.core.span import Source, Span
+from dhelix.dsl.core.textfile import FileProblem, name_problem, read_text_file
 from dhelix.dsl.core.wording import did_you_mean
 
 COMPUTE_BOUND = ("gemm", "attention", "router")
@@ -78,6 +79,12 @@ TOP_REQUIRED = ("name", "peak_tflops", "hbm_gbps", "achieved", "links", "oef", "
 STAMP_KEYS = ("machine", "torch", "backend", "date", "command")
 MEASURED_KEYS = ("dtype", "source", *STAMP_KEYS, "repeats", "mesh", "shapes", "ops", "pairs")
 MESH_AXES = ("tp", "cp", "dp", "pp", "ep")
+#: How deeply a profile's YAML may nest (the schema needs 4 levels).
+MAX_YAML_DEPTH = 16
+#: Every number of a profile other than an OEF is 0 or within [MIN_MAGNITUDE, MAX_MAGNITUDE]
+#: in its unit (TFLOP/s, GB/s, µs, fractions): outside it a cost would underflow to 0 or
+#: overflow to inf, and no hardware is that fast or slow.
+MIN_MAGNITUDE, MAX_MAGNITUDE = 1e-6, 1e9
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*(@[A-Za-z_]+)?")
 
 
@@ -200,20 +207,35 @@ def load_profile(name_or_path: str, search_dir: str | Path | None = None, span: 
     ProfileError for a missing profile and for every schema mistake.
     """
     base = Path(search_dir) if search_dir is not None else Path.cwd()
+    problem = name_problem(name_or_path)
+    if problem:
+        raise ProfileError(f"cannot use this profile name: {problem}", span)
     is_path = name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path or "\\" in name_or_path
     if is_path:
         path = base / name_or_path
-        if not path.is_file():
+        if not _is_file(path):
             raise ProfileError(f"cannot find profile file '{name_or_path}'", span, [f"looked in {base}"])
-        return parse_profile(path.read_text(), str(path))
+        try:
+            text = read_text_file(path)
+        except FileProblem as exc:
+            raise ProfileError(f"cannot read profile file '{name_or_path}': {exc.reason}", span,
+                               ["save it as UTF-8 text"] if exc.not_utf8 else []) from None
+        return parse_profile(text, str(path))
     shipped = resources.files("dhelix.stdlib_schedules") / f"{name_or_path}.yaml"
     if not shipped.is_file():
         names = profile_names()
         notes = did_you_mean(name_or_path, names) + [f"shipped profiles: {', '.join(names)}"]
-        if search_dir is not None and (base / f"{name_or_path}.yaml").is_file():
+        if search_dir is not None and _is_file(base / f"{name_or_path}.yaml"):
             notes.append(f'a profile file is named by its path: profile = "{name_or_path}.yaml"')
         raise ProfileError(f"unknown profile '{name_or_path}'", span, notes)
     return parse_profile(shipped.read_text(), f"stdlib/{name_or_path}.yaml")
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:  # a path too long for the system names no file
+        return False
 
 
 def parse_profile(text: str, path: str) -> Profile:
@@ -400,13 +422,20 @@ class _Reader:
     def __init__(self, source: Source):
         self.source = source
         self.errors = ErrorCollector()
-        self._loader = yaml.SafeLoader(source.text)
+        self._loader = None  # made by compose, once the text is known to be safe to compose
         self.key_nodes: dict[int, yaml.Node] = {}  # id(value node) -> its key node
 
     def compose(self):
-        """The root node of the text; a located ProfileError for a YAML syntax error."""
+        """The root node of the text; a located ProfileError for a YAML syntax error, a
+        character YAML does not allow, nesting past :data:`MAX_YAML_DEPTH` or an alias."""
         try:
+            self._check_structure()
+            self._loader = yaml.SafeLoader(self.source.text)
             node = self._loader.get_single_node()
+        except yaml.reader.ReaderError as exc:  # a character YAML does not allow: no mark
+            char = visible(chr(exc.character)) if isinstance(exc.character, int) else "?"
+            raise ProfileError(f"character '{char}' is not allowed in YAML", self._position_span(exc.position),
+                               ["YAML allows tabs, newlines and printable characters, even in comments"]) from None
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             span = Span(self.source, mark.line + 1, mark.column + 1, mark.line + 1, mark.column + 2)
@@ -414,11 +443,40 @@ class _Reader:
                 if exc.context else []
             raise ProfileError(f"YAML syntax error: {exc.problem}", span, notes) from None
         finally:
-            self._loader.dispose()
+            if self._loader is not None:
+                self._loader.dispose()
         if node is None:
             raise ProfileError("the profile is empty", Span(self.source, 1, 1, 1, 2),
                                ["a profile is a YAML mapping; see the shipped stdlib/h100.yaml"])
         return node
+
+    def _check_structure(self) -> None:
+        """Refuse, before composing, what would make composing slow or deep: the composer
+        recurses once per nesting level, and an alias repeats a whole subtree (a small file
+        of aliases of aliases expands without bound)."""
+        depth = 0
+        for event in yaml.parse(self.source.text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                raise ProfileError("YAML anchors and aliases are not allowed in a profile", self._mark_span(event),
+                                   ["write the values out: a profile is read by people, and aliases "
+                                    "can make a small file expand without bound"])
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    raise ProfileError(f"nested more than {MAX_YAML_DEPTH} levels deep", self._mark_span(event),
+                                       ["a profile's deepest part (measured.pairs) is 4 levels deep"])
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+
+    def _mark_span(self, event) -> Span:
+        mark = event.start_mark
+        return Span(self.source, mark.line + 1, mark.column + 1, mark.line + 1, mark.column + 2)
+
+    def _position_span(self, position: int) -> Span:
+        text = self.source.text
+        line = text.count("\n", 0, position) + 1
+        column = position - (text.rfind("\n", 0, position) + 1) + 1
+        return Span(self.source, line, column, line, column + 1)
 
     def span(self, node) -> Span:
         """The 1-based span of ``node`` (its first line only, for a block collection)."""
@@ -476,14 +534,17 @@ class _Reader:
         if not isinstance(node, yaml.ScalarNode) or node.tag.rsplit(":", 1)[-1] not in ("int", "float"):
             self.error(node, f"'{where}' must be a number, got {self._what(node)}")
             return None
-        value = float(self._loader.construct_object(node))
+        try:
+            value = float(self._loader.construct_object(node))
+        except OverflowError:  # an integer of hundreds of digits
+            value = math.inf
         if oef and not OEF_LOW <= value <= OEF_HIGH:
             self.error(node, f"OEF {node.value} of '{where}' is outside [-1, 2]",
                        ["OEF = (T_i + T_j - P) / min(T_i, T_j): 0 is no overlap, 1 hides the shorter op",
                         "measured values beyond the range are noise: clamp them and say so in a comment"])
             return None
         if not math.isfinite(value):
-            self.error(node, f"'{where}' must be a finite number, got {node.value}")
+            self.error(node, f"'{where}' must be a finite number, got {_short(node.value)}")
             return None
         if (positive and value <= 0) or (nonneg and value < 0):
             bound = "positive" if positive else "zero or positive"
@@ -491,6 +552,10 @@ class _Reader:
             return None
         if high is not None and value > high:
             self.error(node, f"'{where}' must be at most {high:g}, got {node.value}")
+            return None
+        if not oef and value != 0 and not MIN_MAGNITUDE <= abs(value) <= MAX_MAGNITUDE:
+            self.error(node, f"'{where}' must be {'' if positive else '0 or '}between {MIN_MAGNITUDE:g} and {MAX_MAGNITUDE:g}, "
+                       f"got {_short(node.value)}", ["a profile's numbers are in TFLOP/s, GB/s, µs or fractions"])
             return None
         return value
 
@@ -500,7 +565,8 @@ class _Reader:
         if entries is None:
             return None
         out = {key: self.number(value, f"{where}.{key}", **bounds) for key, value in entries.items()}
-        return None if None in out.values() else out
+        # A required key left out (or misspelt) has its error from mapping().
+        return None if None in out.values() or any(key not in out for key in required) else out
 
     def integer(self, node, where: str) -> int | None:
         """A positive integer, else None with a located error."""
@@ -510,8 +576,9 @@ class _Reader:
             self.error(node, f"'{where}' must be a whole number, got {self._what(node)}")
             return None
         value = int(self._loader.construct_object(node))
-        if value < 1:
-            self.error(node, f"'{where}' must be at least 1, got {node.value}")
+        if not 1 <= value <= MAX_MAGNITUDE:
+            bound = "at least 1" if value < 1 else f"at most {MAX_MAGNITUDE:.0f}"
+            self.error(node, f"'{where}' must be {bound}, got {_short(node.value)}")
             return None
         return value
 
@@ -558,6 +625,11 @@ class _Reader:
             self.error(self.key_nodes.get(id(value_node), value_node), f"{problem} in {where}", notes)
             return False
         return True
+
+
+def _short(text: str) -> str:
+    """A scalar as messages quote it: a 400-digit number is cut to its first digits."""
+    return text if len(text) <= 24 else f"{text[:12]}… ({len(text)} characters)"
 
 
 def _pair_key_problem(key: str) -> tuple[str, list[str]]:

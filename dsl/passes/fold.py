@@ -16,6 +16,8 @@ the program's other mistakes; this pass meets it only for sizes changed after ch
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from dhelix.dsl.core.errors import CheckError
@@ -51,7 +53,7 @@ class Placement:
 
     def stage_at(self, rank: int, chunk: int) -> Stage:
         """The stage held by ``rank`` as ``chunk`` (both assumed in range)."""
-        return self._by_slot()[(rank, chunk)]
+        return self._by_slot[(rank, chunk)]
 
     def slots(self) -> tuple[tuple[int, int], ...]:
         """(rank, chunk) of each stage, in stage order: the form the lowered schedule keeps."""
@@ -61,7 +63,9 @@ class Placement:
         """The layer ranges held by ``rank``, one per chunk in chunk order."""
         return tuple(self.stage_at(rank, chunk).layers for chunk in range(self.chunks))
 
+    @functools.cached_property
     def _by_slot(self) -> dict[tuple[int, int], Stage]:
+        # Built once: renderers ask for every slot, and rebuilding per call is quadratic in pp.
         return {(stage.rank, stage.chunk): stage for stage in self.stages}
 
 

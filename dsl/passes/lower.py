@@ -216,16 +216,18 @@ def _act_text(act: s.Act) -> str:
 
 
 def _names(expr: s.Expr):
-    if isinstance(expr, s.Name):
-        yield expr.id
-    elif isinstance(expr, s.Neg):
-        yield from _names(expr.operand)
-    elif isinstance(expr, s.BinOp):
-        yield from _names(expr.left)
-        yield from _names(expr.right)
-    elif isinstance(expr, s.Call):
-        for arg in expr.args:
-            yield from _names(arg)
+    """The names ``expr`` uses, left to right (an explicit stack: chains can be long)."""
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, s.Name):
+            yield node.id
+        elif isinstance(node, s.Neg):
+            stack.append(node.operand)
+        elif isinstance(node, s.BinOp):
+            stack += (node.right, node.left)
+        elif isinstance(node, s.Call):
+            stack.extend(reversed(node.args))
 
 
 def _raise_failures(failures: list[tuple[int, _Failure]], ranks: int) -> None:

@@ -21,6 +21,7 @@ import attrs
 
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.frontend.limits import limit_of
 from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
 from dhelix.dsl.core.program import FOLD_KINDS, FoldSpec, Program, fold_kinds_text
@@ -60,9 +61,7 @@ def load_program(text: str, path: str, overrides: Overrides, stop: str = "valida
     fail).
     """
     program = passes.run_until(text, path, "check")
-    if program.model is None:
-        raise UsageError(f"'{path}' is a library file (no model block): give a file with a model, "
-                         "e.g. examples/tiny_llama_cpu.dhx")
+    require_model(program, path)
     program = _apply(program, overrides)
     try:
         return passes.rerun(program, after="check", stop=stop)
@@ -102,6 +101,14 @@ def for_measuring(text: str, path: str) -> Program:
     return passes.rerun(program, after="check")
 
 
+def require_model(program: Program, path: str) -> None:
+    """UsageError (exit 2) when ``program``, the file ``path``, is a library file (no model
+    block): the one behaviour of every command that needs a model."""
+    if program.model is None:
+        raise UsageError(f"'{path}' is a library file (no model block): give a file with a model, "
+                         "e.g. examples/tiny_llama_cpu.dhx")
+
+
 def _add_note(error: DhelixError, note: str) -> None:
     # A group renders its members, not its own notes: note the last member instead.
     target = error.errors[-1] if isinstance(error, ErrorGroup) else error
@@ -109,6 +116,11 @@ def _add_note(error: DhelixError, note: str) -> None:
 
 
 def _apply(program: Program, overrides: Overrides) -> Program:
+    for flag, block, key, value in (("--ranks", "mesh", "pp", overrides.ranks),
+                                    ("--microbatches", "train", "microbatches", overrides.microbatches),
+                                    ("--layers", "model", "layers", overrides.layers)):
+        if value is not None and not 1 <= value <= limit_of(block, key):
+            raise UsageError(f"{flag} must be between 1 and {limit_of(block, key):,}, got {value}")
     changes = {}
     if overrides.ranks is not None:
         mesh = program.mesh

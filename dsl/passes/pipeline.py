@@ -18,6 +18,7 @@ from dhelix.dsl.passes.autodiff import derive_backward
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup
 from dhelix.dsl.frontend.imports import load_modules
+from dhelix.dsl.frontend.limits import schedule_size_error
 from dhelix.dsl.frontend.modelcheck import layer_env
 from dhelix.dsl.frontend.profilecheck import check_measured
 from dhelix.dsl.passes.fold import placement_of
@@ -94,6 +95,11 @@ def lower(program: Program) -> Program:
         return program
     try:
         check_fold(program.pipeline, program.placement.kind, program.fold.span)
+        too_large = schedule_size_error(program.mesh.size("pp"), program.train.microbatches,
+                                        program.placement.chunks, program.model.get("layers"),
+                                        program.train.span)
+        if too_large:
+            raise too_large
         lowered = lower_pipeline(program.pipeline, ranks=program.mesh.size("pp"),
                                  microbatches=program.train.microbatches, placement=program.placement)
     except DhelixError as exc:

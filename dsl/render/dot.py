@@ -7,20 +7,35 @@ timestamps), which is what lets golden files and committed diagrams diff cleanly
 
 from __future__ import annotations
 
+import hashlib
+
 #: The font of every diagram: Graphviz maps it to a sans-serif face with Greek letters
 #: (DejaVu Sans or Liberation Sans on Linux, Helvetica on macOS).
 FONT = "Helvetica"
+#: The longest text one DOT string or label piece holds: Graphviz rejects strings of 16384
+#: characters or more, so longer ones (a 20,000-character op name) are shortened.
+MAX_TEXT = 1000
+
+
+def shorten(text: str) -> str:
+    """``text``, or for one over :data:`MAX_TEXT` characters its start and end around '…'
+    and a digest of the whole, so two long names that differ stay different."""
+    if len(text) <= MAX_TEXT:
+        return text
+    digest = hashlib.sha1(text.encode()).hexdigest()[:8]
+    half = (MAX_TEXT - 16) // 2
+    return f"{text[:half]}…{digest}…{text[-half:]}"
 
 
 def quote(text: str) -> str:
     """``text`` as a double-quoted DOT string (IDs and plain labels)."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    escaped = shorten(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return f'"{escaped}"'
 
 
 def html(text: str) -> str:
     """``text`` escaped for an HTML-like label."""
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+    return shorten(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
 
 
 def attributes(**values) -> str:
