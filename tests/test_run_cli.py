@@ -80,6 +80,39 @@ def test_nproc_must_match_the_mesh(capsys):
     assert "--nproc 2 does not match the mesh: it has 4 ranks (tp 2 × pp 2)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["run", "profile"])
+@pytest.mark.parametrize("args, message", [
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+    (["--timeout", "-5"], "--timeout must be a positive number of seconds, got -5"),
+    (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+    (["--nproc", "-2"], "--nproc must be at least 1, got -2"),
+    (["--backend", "nccl"], "--backend nccl needs CUDA GPUs, and this torch sees none"),
+])
+def test_launch_mistakes_exit_2_before_any_rank_starts(command, args, message, tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine
+    monkeypatch.chdir(tmp_path)
+    assert main([command, EXAMPLE, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing written
+
+
+def test_without_a_backend_gpus_mean_nccl_and_too_few_mean_gloo(monkeypatch):
+    import torch
+
+    from dhelix.cli.launch import choose_backend
+    from dhelix.dsl.core.errors import UsageError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert choose_backend(None, 4) == "nccl" and choose_backend(None, 8) == "gloo"
+    assert choose_backend("gloo", 4) == "gloo"
+    with pytest.raises(UsageError, match="one GPU per local rank: 8 rank"):
+        choose_backend("nccl", 8)
+
+
 def test_a_schedule_that_does_not_fit_is_reported_before_any_rank_starts(tmp_path, capsys):
     bad = tmp_path / "bad.dhx"
     bad.write_text(Path(EXAMPLE).read_text().replace("microbatches = 8", "microbatches = 1"))

@@ -28,6 +28,7 @@ import json
 import os
 from pathlib import Path
 
+from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.imports import read_source
@@ -42,11 +43,8 @@ def register(subparsers) -> None:
         description="Run FILE's schedule with torch.distributed: by default on N local gloo "
                     "processes (N = the mesh's world size); under torchrun on its world.")
     run.add_argument("file", metavar="FILE")
-    run.add_argument("--nproc", type=int, metavar="N", help="local ranks to spawn (must equal the mesh size)")
     run.add_argument("--steps", type=int, metavar="K",
                      help="training steps (default: the train block's steps, else 10)")
-    run.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                     help="collective backend (default gloo; nccl needs one GPU per rank)")
     run.add_argument("--no-si", dest="si", action="store_false",
                      help="run SI blocks as a forward then a backward (same numbers, no overlap)")
     run.add_argument("--si-plan", choices=("planned", "op_by_op", "sequential"), default="planned",
@@ -61,10 +59,9 @@ def register(subparsers) -> None:
                      help="seed of the weights and the data (default: the train block's seed, else 0)")
     run.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     run.add_argument("--zero1", action="store_true", help="shard the optimizer state over dp (ZeRO-1)")
-    run.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                     help="collective timeout in seconds: a dead peer ends the run after this (default 60)")
     run.add_argument("--check", action="store_true",
                      help="compare every step's loss and gradients with the single-process reference")
+    add_launch_arguments(run, what="train")
     run.set_defaults(func=cmd_run)
 
 
@@ -73,6 +70,7 @@ def cmd_run(args) -> int:
     torchrun world and print what rank 0 brings back; returns the exit code."""
     if args.steps is not None and args.steps < 1:
         raise UsageError("--steps must be at least 1")
+    check_launch_numbers(args)
     outputs = {flag: output_path(value, flag, inputs=(args.file,))
                for flag, value in (("--trace", args.trace), ("--metrics", args.metrics)) if value}
     if args.check and outputs:
@@ -92,24 +90,19 @@ def cmd_run(args) -> int:
     from dhelix.interpreter import train
 
     train.preflight(program)
-    options = run_options(args, text, program)
     placed = spawn.torchrun_rank(program)
+    nproc = local_ranks(args, program, torchrun=placed is not None)
+    options = run_options(args, text, program, choose_backend(args.backend, nproc))
     if placed is not None:
         result = spawn.run_rank(options, *placed, "env://", train.train)
     else:
-        nproc, world = args.nproc or program.mesh.world, program.mesh.world
-        if nproc != world:
-            from dhelix.interpreter.summary import describe_mesh
-
-            raise UsageError(f"--nproc {nproc} does not match the mesh: it has {world} ranks "
-                             f"({describe_mesh(program.mesh)})")
         result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run
         return 0
     return report(program, options, result, outputs.get("--trace"), outputs.get("--metrics"))
 
 
-def run_options(args, text: str, program):
+def run_options(args, text: str, program, backend: str):
     """The interpreter's RunOptions from the command line and the program's train block."""
     from dhelix.interpreter import train
 
@@ -117,7 +110,7 @@ def run_options(args, text: str, program):
     return train.RunOptions(
         path=args.file, text=text,
         steps=args.steps if args.steps is not None else program.train.steps or train.DEFAULT_STEPS,
-        backend=args.backend or "gloo", si=args.si, plan=plan, trace=args.trace,
+        backend=backend, si=args.si, plan=plan, trace=args.trace,
         seed=args.seed if args.seed is not None else program.train.seed, lr=args.lr,
         zero1=args.zero1, timeout=args.timeout, check=args.check, pairs=pairs)
 
