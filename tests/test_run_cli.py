@@ -21,7 +21,7 @@ from dhelix.dsl.core.timeline import TraceEvent  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.dsl.render.trace import LANES, trace_json  # noqa: E402
 from dhelix.interpreter.summary import RankRecord, RunResult, format_summary, summarize  # noqa: E402
-from dhelix.interpreter.train import FAULT_ENV, FAULT_EXIT  # noqa: E402
+from dhelix.interpreter.train import FAULT_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")
@@ -60,11 +60,15 @@ def test_run_prints_the_summary_and_writes_a_trace(tmp_path):
     assert f"trace: {trace} ({sum(e['ph'] == 'X' for e in events)} events" in out
 
 
-def test_a_killed_rank_ends_the_run_naming_it(tmp_path):
+def test_a_killed_rank_ends_the_run_naming_it_as_the_one_cause(tmp_path):
     start = time.monotonic()
-    result = dhelix("run", EXAMPLE, "--steps", "3", "--timeout", "20", env={FAULT_ENV: "1:0:3"})
+    result = dhelix("run", EXAMPLE, "--steps", "3", "--timeout", "20", env={FAULT_ENV: "1:1:3:kill"})
     assert result.returncode == 1
-    assert f"rank 1 exited with code {FAULT_EXIT}; stopped the other 3 rank(s)" in result.stderr
+    err = result.stderr
+    assert err.startswith("error: rank 1 was killed by signal 9 (SIGKILL); stopped the other 3 rank(s)\n"), err
+    # The peers' "connection reset by peer" follows from it: not shown, not as a schedule error.
+    assert err.count("error:") == 1 and "Connection reset" not in err and "Traceback" not in err
+    assert err.endswith("\n")
     assert time.monotonic() - start < 60
 
 
