@@ -23,6 +23,8 @@ from dhelix.dsl.render.trace import LANES, trace_json  # noqa: E402
 from dhelix.interpreter.summary import RankRecord, RunResult, format_summary, summarize  # noqa: E402
 from dhelix.interpreter.train import FAULT_ENV  # noqa: E402
 
+from test_trace import assert_nested  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")
 
@@ -58,6 +60,7 @@ def test_run_prints_the_summary_and_writes_a_trace(tmp_path):
     assert all({"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) for e in events if e["ph"] == "X")
     assert loaded["otherData"]["program"] == "tiny_llama" and loaded["otherData"]["steps"] == 2
     assert f"trace: {trace} ({sum(e['ph'] == 'X' for e in events)} events" in out
+    assert_nested(loaded)  # concurrent receives on the cross lane go to tracks of their own
 
 
 def test_a_killed_rank_ends_the_run_naming_it_as_the_one_cause(tmp_path):
