@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks
@@ -61,6 +62,8 @@ def register(subparsers) -> None:
     run.add_argument("--zero1", action="store_true", help="shard the optimizer state over dp (ZeRO-1)")
     run.add_argument("--check", action="store_true",
                      help="compare every step's loss and gradients with the single-process reference")
+    run.add_argument("--json", action="store_true",
+                     help="print the summary's figures as JSON (what --metrics writes) instead of the table")
     add_launch_arguments(run, what="train")
     run.set_defaults(func=cmd_run)
 
@@ -73,6 +76,8 @@ def cmd_run(args) -> int:
     check_launch_numbers(args)
     outputs = {flag: output_path(value, flag, inputs=(args.file,))
                for flag, value in (("--trace", args.trace), ("--metrics", args.metrics)) if value}
+    if args.check and args.json:
+        raise UsageError("--check prints every step's comparison with the reference; it has no --json")
     if args.check and outputs:
         raise UsageError(f"--check compares every step with the reference and prints that; it writes no "
                          f"{' or '.join(outputs)} (run without --check for them)")
@@ -99,7 +104,7 @@ def cmd_run(args) -> int:
         result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run
         return 0
-    return report(program, options, result, outputs.get("--trace"), outputs.get("--metrics"))
+    return report(program, options, result, outputs.get("--trace"), outputs.get("--metrics"), as_json=args.json)
 
 
 def run_options(args, text: str, program, backend: str):
@@ -115,9 +120,11 @@ def run_options(args, text: str, program, backend: str):
         zero1=args.zero1, timeout=args.timeout, check=args.check, pairs=pairs)
 
 
-def report(program, options, result, trace: Path | None, metrics: Path | None = None) -> int:
+def report(program, options, result, trace: Path | None, metrics: Path | None = None, *,
+           as_json: bool = False) -> int:
     """Print the checks (``--check``: exit 1 past the tolerance, raised as DhelixError) or
-    the summary, and write the trace and the metrics; returns the exit code."""
+    the summary (``as_json``: the metrics as JSON, alone on standard output), and write the
+    trace and the metrics; returns the exit code."""
     from dhelix.interpreter import summary
 
     if options.check:
@@ -129,12 +136,14 @@ def report(program, options, result, trace: Path | None, metrics: Path | None = 
                               f"{summary.CHECK_TOLERANCE}")
         return 0
     figures = summary.summarize(program, options, result)
-    print("dhelix run: " + summary.format_summary(figures))
+    numbers = json.dumps(summary.metrics(figures, options, result), indent=1) + "\n"
+    print(numbers if as_json else "dhelix run: " + summary.format_summary(figures), end="" if as_json else "\n")
     if metrics is not None:
-        write_output(metrics, json.dumps(summary.metrics(figures, options, result), indent=1) + "\n")
+        write_output(metrics, numbers)
     if trace is not None:
         write_trace(trace, program, options, result)
-        print(f"trace: {trace} ({len(result.events)} events; open in Perfetto or chrome://tracing)")
+        print(f"trace: {trace} ({len(result.events)} events; open in Perfetto or chrome://tracing)",
+              file=sys.stderr if as_json else sys.stdout)
     return 0
 
 

@@ -10,6 +10,7 @@ reduce-scatters the gradients, all-gathers the weights) over the data-parallel g
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_o
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.frontend.imports import read_source
-from dhelix.dsl.simulator.report import compare, format_comparison, format_simulation
+from dhelix.dsl.simulator.report import compare, format_comparison, format_simulation, simulation_metrics
 from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.render.trace import trace_json
@@ -35,6 +36,9 @@ def register(subparsers) -> None:
     sim.add_argument("--zero1", action="store_true",
                      help="shard optimizer states over the data-parallel group (ZeRO-1, distributed optimizer)")
     sim.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto) of the run as written")
+    sim.add_argument("--json", action="store_true",
+                     help="print the figures as JSON instead of the tables (seconds, bytes, ratios; with "
+                          "--compare a list, one object per simulation)")
     sim.set_defaults(func=cmd_simulate)
 
 
@@ -52,16 +56,17 @@ def cmd_simulate(args) -> int:
     if plan is not None:
         title += (f"; SI plan per layer pair {plan.total * 1e3:.3f} ms vs {plan.sequential * 1e3:.3f} ms "
                   f"sequential ({plan.speedup:.3f}x)")
-    if args.compare:
-        sims = compare(program, plan, zero1=args.zero1)
-        sys.stdout.write(format_comparison(sims, title))
-        written = sims[0]
+    sims = compare(program, plan, zero1=args.zero1) if args.compare else (
+        simulate(program, plan, zero1=args.zero1, cost=cost, label="as written"),)
+    if args.json:
+        figures = [simulation_metrics(sim) for sim in sims]
+        print(json.dumps(figures if args.compare else figures[0], indent=1))
     else:
-        written = simulate(program, plan, zero1=args.zero1, cost=cost, label="as written")
-        sys.stdout.write(format_simulation(written, title))
+        sys.stdout.write(format_comparison(sims, title) if args.compare else format_simulation(sims[0], title))
     if trace is not None:
-        write_trace(trace, written, args.file)
-        print(f"wrote {trace} (open it in https://ui.perfetto.dev)")
+        write_trace(trace, sims[0], args.file)
+        # With --json, standard output is the JSON alone.
+        print(f"wrote {trace} (open it in https://ui.perfetto.dev)", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
