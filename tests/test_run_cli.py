@@ -61,6 +61,10 @@ def test_run_prints_the_summary_and_writes_a_trace(tmp_path):
     assert loaded["otherData"]["program"] == "tiny_llama" and loaded["otherData"]["steps"] == 2
     assert f"trace: {trace} ({sum(e['ph'] == 'X' for e in events)} events" in out
     assert_nested(loaded)  # concurrent receives on the cross lane go to tracks of their own
+    # A layer's collectives carry the program's op names, as the plan's rows do (those of the
+    # embedding and the LM head, which are no ops of the layer, keep their kind and axis).
+    local = {e["name"] for e in events if e["ph"] == "X" and e["cat"] == "local"}
+    assert {"ag1", "rs1", "ag2", "rs2", "ag1.bwd", "rs1.bwd"} <= local, local
 
 
 def test_a_killed_rank_ends_the_run_naming_it_as_the_one_cause(tmp_path):
