@@ -336,11 +336,14 @@ def _client(address: tuple[str, int], timeout: float):
 
 # -- one rank ---------------------------------------------------------------------------------
 
-def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, address: tuple[str, int] | None = None):
+def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, address: tuple[str, int] | None = None,
+             gpus_per_node: int | None = None):
     """Join the world as ``rank`` through the TCP store at ``address`` (the local launcher's)
     or, without one, torchrun's ``env://`` (``MASTER_ADDR``/``MASTER_PORT``); run ``work``
     with a heartbeat (:mod:`.heartbeat`), leave; returns its result (on global rank 0; None
-    elsewhere). ``options`` gives the backend, the seed and the collective timeout. Raises
+    elsewhere). ``options`` gives the backend, the seed and the collective timeout. Under
+    torchrun with ``gpus_per_node`` (the cluster block's), the nodes the ranks run on are
+    checked against it first (:mod:`.topology`). Raises
     what ``work`` raises (the executor's DhelixError: rank, action, schedule grid) and
     RankFailure when a collective fails because a peer did."""
     from datetime import timedelta
@@ -361,6 +364,10 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
     # Beating before joining: a rank that hangs while the world forms is named too.
     heartbeat = Heartbeat(_client(address, options.timeout), rank).start()
     try:
+        if torchrun and gpus_per_node is not None:
+            from .topology import check_placement, exchange
+
+            check_placement(exchange(_client(address, options.timeout), rank, world), gpus_per_node)
         if torchrun:
             dist.init_process_group(options.backend, init_method="env://", rank=rank, world_size=world,
                                     timeout=timeout)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ def test_run_prints_the_summary_and_writes_a_trace(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "w_helix, tp 2 × pp 2 on 4 gloo rank(s), SI on" in out
+    assert f"devices: cpu on every rank ({socket.gethostname()})" in out  # never CPU without saying so
     for row in ("step time", "exposed comm", "peak act.", "simulator:"):
         assert row in out
     loaded = json.loads(trace.read_text())
@@ -161,6 +163,14 @@ def test_the_summary_is_medians_without_the_first_step_beside_the_simulator():
     assert text.splitlines()[0] == f"{EXAMPLE}: w_helix, tp 2 × pp 2 on 2 gloo rank(s), SI on (planned plan)"
     assert "loss 6.0000 -> 5.2500 over 3 step(s)" in text
     assert "     step time     350.00ms" in text and "     peak act.     3.000MiB" in text
+
+
+def test_the_summary_says_which_device_each_rank_used():
+    from dhelix.interpreter.summary import describe_devices
+
+    ranks = [RankRecord(rank=r, step=(0.1,), collective=(0.0,), p2p=(0.0,), peak_activations=0,
+                        device=f"cuda:{r % 2}", host=f"node{r // 2}") for r in range(4)]
+    assert describe_devices(ranks) == "node0: rank 0 cuda:0, rank 1 cuda:1; node1: rank 2 cuda:0, rank 3 cuda:1"
 
 
 def test_the_run_trace_is_the_simulators_format(tmp_path):

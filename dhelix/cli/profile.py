@@ -74,7 +74,8 @@ def cmd_profile(args) -> int:
                                             repeats=args.repeats, timeout=args.timeout,
                                             seed=program.train.seed)
     if placed is not None:
-        samples = spawn.run_rank(options, *placed, profile_launch.measure_layer)
+        samples = spawn.run_rank(options, *placed, profile_launch.measure_layer,
+                                 gpus_per_node=program.mesh.gpus_per_node)
     else:
         samples = spawn.run_local(options, nproc, profile_launch.measure_layer)
     if samples is None:  # not global rank 0: rank 0 writes the profile

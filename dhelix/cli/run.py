@@ -99,7 +99,7 @@ def cmd_run(args) -> int:
     nproc = local_ranks(args, program, torchrun=placed is not None)
     options = run_options(args, text, program, choose_backend(args.backend, nproc))
     if placed is not None:
-        result = spawn.run_rank(options, *placed, train.train)
+        result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node)
     else:
         result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run
