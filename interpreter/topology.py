@@ -68,7 +68,7 @@ def check_placement(places: list[Where], gpus_per_node: int) -> None:
                 f"but they run on {fact}: rank {rank} on {place}, rank {other} on {places[other]}",
                 notes=[f"measured: {measured}",
                        f"set gpus_per_node = {_measured_per_node(nodes)} in the cluster block, or launch "
-                       f"{gpus_per_node} rank(s) per node (torchrun --nproc-per-node)"])
+                       f"{gpus_per_node} rank(s) per node"])
 
 
 def _measured_per_node(nodes: dict) -> int:

@@ -30,8 +30,7 @@ def test_four_ranks_on_a_node_said_to_hold_two_is_an_error_naming_ranks_and_host
     assert error.message == ("the cluster block puts ranks 0 and 2 on different nodes (gpus_per_node = 2), but "
                              "they run on the same one: rank 0 on a (node 0), rank 2 on a (node 0)")
     assert error.notes == ("measured: ranks 0-3 on a (node 0)",
-                           "set gpus_per_node = 4 in the cluster block, or launch 2 rank(s) per node "
-                           "(torchrun --nproc-per-node)")
+                           "set gpus_per_node = 4 in the cluster block, or launch 2 rank(s) per node")
 
 
 def _free_port() -> int:
