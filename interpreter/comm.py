@@ -18,6 +18,7 @@ is the identity on every implementation, so a single process runs any DAG with
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Callable
 
@@ -87,6 +88,12 @@ class Communicator:
 
     rank: int = 0
     mesh: Mesh | None = None
+
+    @contextlib.contextmanager
+    def op_named(self, name: str):
+        """Within the block, the collectives issued are the program's op ``name`` (``rs1``):
+        a recording communicator names its events so; the others ignore it."""
+        yield
 
     def size(self, axis: str) -> int:
         """Number of ranks in this rank's group of ``axis``."""

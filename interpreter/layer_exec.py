@@ -146,7 +146,8 @@ class LayerRun:
         args = [self._act(name) for name in op.inputs]
         ctx = self._ctx(op, step, async_op)
         if role == COMM:
-            self.acts[op.name] = kernel(args[0], ctx)
+            with self.comm.op_named(op.name):
+                self.acts[op.name] = kernel(args[0], ctx)
         elif role == FORWARD:
             out, saved = kernel.forward(args, self.weights.get(op.weight_name), ctx)
             self.acts[op.name] = out
@@ -189,7 +190,8 @@ class LayerRun:
         out: dict[str, object] = {}
         if role == COMM:
             (value,) = flow.produces
-            out[value] = kernel(grad, self._ctx(op, step, async_op))
+            with self.comm.op_named(op.name):
+                out[value] = kernel(grad, self._ctx(op, step, async_op))
         elif role in (DGRAD, BWD):
             grads = kernel.dgrad(grad, self.saved[forward.name], self.weights.get(forward.weight_name))
             out = _by_value(forward.inputs, grads, flow.produces)

@@ -57,9 +57,10 @@ def host_name() -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "-", platform.node()).strip("-") or "host"
 
 
-def measure_layer(options: ProfileOptions, device) -> ProfileSamples | None:
-    """Time the program's layer on this rank (a :data:`.spawn.Work`); the pooled samples of
-    every rank on global rank 0, None elsewhere. Rank 0 shows a progress bar."""
+def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSamples | None:
+    """Time the program's layer on this rank (a :data:`.spawn.Work`), telling ``heartbeat``
+    (optional) each timing done; the pooled samples of every rank on global rank 0, None
+    elsewhere. Rank 0 shows a progress bar on a terminal."""
     import torch
     from tqdm import tqdm
 
@@ -80,8 +81,14 @@ def measure_layer(options: ProfileOptions, device) -> ProfileSamples | None:
     meet()
     tqdm.set_lock(threading.RLock())  # not tqdm's multiprocessing lock: a stopped rank would leak it
     bar = tqdm(total=len(items) * (options.warmup + options.repeats), desc="profiling", unit="timing",
-               disable=comm.rank != 0, file=sys.stderr)
-    samples = measure(items, options.repeats, options.warmup, meet, bar.update)
+               disable=None if comm.rank == 0 else True, file=sys.stderr)
+
+    def done() -> None:
+        bar.update()
+        if heartbeat is not None:
+            heartbeat.beat(0, bar.n, "a profiling timing")
+
+    samples = measure(items, options.repeats, options.warmup, meet, done)
     bar.close()
     ranks = gather_to_first(samples)
     if ranks is None:

@@ -100,6 +100,17 @@ class TimedComm(Communicator):
     def __init__(self, inner: Communicator, recorder: Recorder):
         self.inner, self.recorder = inner, recorder
         self.rank, self.mesh = inner.rank, inner.mesh
+        self._op: str | None = None
+
+    @contextlib.contextmanager
+    def op_named(self, name: str):
+        """Name the events of the collectives issued in the block after the program's op
+        ``name`` (``rs1``, as in the plan), instead of the collective's kind and axis."""
+        outer, self._op = self._op, name
+        try:
+            yield
+        finally:
+            self._op = outer
 
     def lane_of(self, axis: str) -> str:
         """The lane (local or cross) of ``axis``'s process groups."""
@@ -110,9 +121,10 @@ class TimedComm(Communicator):
             return call()
         issued = time.perf_counter()
         out = call()
+        label = self._op or f"{name}.{axis}"
         if async_op:
-            return _TimedPending(out, self.recorder, f"{name}.{axis}", self.lane_of(axis), issued)
-        self.recorder.blocked(f"{name}.{axis}", self.lane_of(axis), issued, issued, time.perf_counter())
+            return _TimedPending(out, self.recorder, label, self.lane_of(axis), issued)
+        self.recorder.blocked(label, self.lane_of(axis), issued, issued, time.perf_counter())
         return out
 
     def all_gather(self, x, axis, async_op=False):

@@ -1,24 +1,36 @@
-"""Starting the ranks of a run: local processes joined in a gloo world, or torchrun's.
+"""Starting the ranks of a run: local processes joined in one world, or torchrun's.
 
 :func:`run_local` spawns one process per rank on this machine (the embedded default: no
-cluster needed), watches them and stops the rest as soon as one fails, so a bad run ends with
-a :class:`RankFailure` naming the rank, never a hang; rank 0's result comes back through a
-pipe. What a rank does is the ``work`` function given (``work(options, device)``, e.g.
-:func:`.train.train`), run inside the joined world; it returns a picklable result on global
-rank 0 and None elsewhere. Under torchrun (``RANK`` and ``WORLD_SIZE`` set, :func:`torchrun_rank`) the calling
-process is one rank and :func:`run_rank` runs it in place. Collectives time out after
-``RunOptions.timeout`` seconds, so a dead peer cannot block the others for ever.
+cluster needed) and hosts the world's TCP store itself, so that whatever happens to a rank it
+can read what the ranks left there. It watches them and stops the rest as soon as one fails,
+so a bad run ends with one :class:`RankFailure` naming the rank that caused it, never a hang:
+
+- a rank killed by a signal, or one that crashed, is the cause; its peers' "connection reset
+  by peer" that follows is not reported;
+- a rank that stopped making progress (stopped, hung) is named from the heartbeats every rank
+  publishes in the store (:mod:`.heartbeat`), with the action it was in, once the others'
+  collectives time out (``RunOptions.timeout``);
+- otherwise the first failing rank's own error (rank, action, schedule grid), which it leaves
+  in the store.
+
+SIGTERM and SIGHUP to the launcher are forwarded to the ranks, which are stopped; the launcher
+then raises :class:`LauncherStopped` (the command exits 128 + the signal). A rank dies with
+its launcher even if that is killed outright (:func:`die_with_parent`). Rank 0's result comes
+back through a pipe. What a rank does is the ``work`` function given (``work(options, device,
+heartbeat)``, e.g. :func:`.train.train`), run inside the joined world; it returns a picklable
+result on global rank 0 and None elsewhere. Under torchrun (``RANK`` and ``WORLD_SIZE`` set,
+:func:`torchrun_rank`) the calling process is one rank and :func:`run_rank` runs it in place.
 
 The one place where the interpreter prints is :func:`_rank_process`, the top of a spawned
-rank: its failure (the rank, the action, the schedule grid) goes to standard error, which
-the child shares with the command, because that is the channel that survives the child's
-end — the parent only learns the exit code. This module imports torch only inside a rank.
+rank, and only when the launcher's store cannot take its error (the launcher is gone). This
+module imports torch only when it starts a world.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
+import signal
 import sys
 import time
 from typing import TYPE_CHECKING, Callable
@@ -30,19 +42,36 @@ from .summary import describe_mesh
 if TYPE_CHECKING:
     from .train import RunOptions
 
-#: What a rank runs in the joined world: ``work(options, device)`` → its result on global
-#: rank 0 (picklable: it travels to the parent), None elsewhere. Module-level, so that a
-#: spawned rank can unpickle it.
-Work = Callable[["RunOptions", object], object]
+#: What a rank runs in the joined world: ``work(options, device, heartbeat)`` → its result on
+#: global rank 0 (picklable: it travels to the parent), None elsewhere; it calls
+#: ``heartbeat.beat(step, index, action)`` as it moves on (:class:`.heartbeat.Heartbeat`).
+#: Module-level, so that a spawned rank can unpickle it.
+Work = Callable[["RunOptions", object, object], object]
 
 
 class RankFailure(DhelixError):
-    """A rank of a run failed: it died (``exitcode``, negative for a signal) or a collective
-    failed under it because a peer did (``exitcode`` None)."""
+    """A rank of a run failed: it died (``exitcode``, negative for a signal), stopped making
+    progress, or raised an error; ``report`` is that rank's own rendered error, shown instead
+    of ``message`` when there is one (it has the file location and the schedule grid)."""
 
-    def __init__(self, message: str, *, rank: int, exitcode: int | None = None):
-        super().__init__(message)
-        self.rank, self.exitcode = rank, exitcode
+    def __init__(self, message: str, *, rank: int = -1, exitcode: int | None = None, report: str = "",
+                 notes=()):
+        super().__init__(message, notes=notes)
+        self.rank, self.exitcode, self.report = rank, exitcode, report
+
+    def render(self) -> str:
+        if not self.report:
+            return super().render()
+        return "\n".join([self.report, *(f"  note: {note}" for note in self.notes)])
+
+
+class LauncherStopped(Exception):
+    """The launcher received ``signum`` (SIGTERM, SIGHUP): its ranks were stopped; the
+    command exits with 128 + ``signum``, as a process killed by it would."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def quiet_numpy_warning() -> None:
@@ -68,40 +97,91 @@ def torchrun_rank(program) -> tuple[int, int] | None:
 
 # -- the local world -------------------------------------------------------------------------
 
+#: Signals that stop the launcher; forwarded to its ranks, which are then stopped.
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+FAILURE_PREFIX = "dhelix/failure/"
+#: After a rank fails with an error of its own, how long to wait for a peer's death to show
+#: up (a rank killed by a signal makes its peers fail too, a few milliseconds later).
+SETTLE_S = 0.5
+#: prctl(2) options (linux/prctl.h).
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+
+
 def run_local(options: "RunOptions", nproc: int, work: Work):
     """Start ``nproc`` local ranks running ``work``, watch them and return rank 0's result.
-    Raises RankFailure for the first rank that exits non-zero (the others are stopped); a
-    KeyboardInterrupt stops them all and propagates."""
+
+    The launcher hosts the world's TCP store, so it can read the ranks' heartbeats and
+    failure reports whatever happens to them. Raises RankFailure naming the rank that caused
+    a failure (the others are stopped); on KeyboardInterrupt, or LauncherStopped for SIGTERM
+    or SIGHUP (forwarded to the ranks), stops them all and propagates. A rank dies with the
+    launcher even when the launcher is killed outright (:func:`die_with_parent`)."""
     import multiprocessing
 
+    store = _launcher_store(options.timeout)
     context = multiprocessing.get_context("spawn")
-    init = f"tcp://127.0.0.1:{_free_port()}"
     receiver, sender = context.Pipe(duplex=False)
+    address = ("127.0.0.1", store.port)
     procs = [context.Process(target=_rank_process, name=f"dhelix-rank{rank}",
-                             args=(work, options, rank, nproc, init, sender if rank == 0 else None))
+                             args=(work, options, rank, nproc, address, os.getpid(), sender if rank == 0 else None))
              for rank in range(nproc)]
-    for proc in procs:
-        proc.start()
-    sender.close()  # rank 0 holds the only writing end: EOF once it is gone
+    with _stop_signals_raise():
+        try:
+            for proc in procs:
+                proc.start()
+            sender.close()  # rank 0 holds the only writing end: EOF once it is gone
+            failure, result = watch(procs, receiver)
+        except (KeyboardInterrupt, LauncherStopped) as exc:
+            stop(procs, signum=getattr(exc, "signum", None))
+            raise
+        finally:
+            receiver.close()
+    if failure is None:
+        return result
     try:
-        failure, result = watch(procs, receiver)
-    except KeyboardInterrupt:
-        stop(procs)
-        raise
+        _settle(procs, failure)
+        raise failure_cause(procs, failure, store, options.timeout)
     finally:
-        receiver.close()
-    if failure is not None:
-        rank, code = failure
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        raise RankFailure(f"rank {rank} {how}; stopped the other {nproc - 1} rank(s)", rank=rank, exitcode=code)
-    return result
+        stop(procs)
+
+
+def _launcher_store(timeout: float):
+    from datetime import timedelta
+
+    quiet_numpy_warning()
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+
+
+class _stop_signals_raise:
+    """While active (main thread only), SIGTERM and SIGHUP raise LauncherStopped in the
+    launcher, so that it can forward them and stop its ranks instead of orphaning them."""
+
+    def __enter__(self):
+        self.saved = {}
+        for name in STOP_SIGNALS:
+            signum = getattr(signal, name, None)
+            if signum is None:  # not on this platform
+                continue
+            try:
+                self.saved[signum] = signal.signal(signum, self._raise)
+            except ValueError:  # not the main thread: signals are not ours to handle
+                break
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise LauncherStopped(signum)
 
 
 def watch(procs, receiver) -> tuple[tuple[int, int] | None, object]:
     """Wait for every process, reading rank 0's result from ``receiver`` as it comes (a
-    large result fills the pipe: rank 0 cannot exit before it is read). As soon as one
-    process exits non-zero, stop the others. Returns ((its rank, its exit code) or None,
-    the result or None)."""
+    large result fills the pipe: rank 0 cannot exit before it is read). Returns as soon as
+    one process exits non-zero: ((its rank, its exit code) or None, the result or None)."""
     from multiprocessing.connection import wait
 
     alive = {proc.sentinel: rank for rank, proc in enumerate(procs)}
@@ -114,7 +194,6 @@ def watch(procs, receiver) -> tuple[tuple[int, int] | None, object]:
             rank = alive.pop(ready)
             procs[rank].join()
             if procs[rank].exitcode != 0:
-                stop(procs)
                 return (rank, procs[rank].exitcode), None
     if reading and receiver.poll():  # sent just before rank 0 exited
         result = _receive(receiver)
@@ -128,11 +207,58 @@ def _receive(receiver):
         return None
 
 
-def stop(procs, grace: float = 3.0) -> None:
-    """Terminate the processes still running; kill those that outlive ``grace`` seconds."""
+def _settle(procs, failure: tuple[int, int]) -> None:
+    """After a rank failed with its own error (exit code 1), give a peer that was killed the
+    moment to show it: its death, not the error it caused, is the cause to report."""
+    from multiprocessing.connection import wait
+
+    if failure[1] != 1:
+        return
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        alive = [proc.sentinel for proc in procs if proc.exitcode is None]
+        if not alive or any(proc.exitcode not in (None, 0, 1) for proc in procs):
+            return
+        wait(alive, timeout=max(0.0, deadline - time.monotonic()))
+
+
+def failure_cause(procs, first: tuple[int, int], store, timeout: float) -> RankFailure:
+    """The RankFailure to report for a failed local run: a rank killed by a signal, else one
+    that crashed (exit code other than 1), else one whose heartbeat stopped (a hung rank the
+    others timed out waiting for), else the first rank's own error, read from ``store``."""
+    from .heartbeat import read_beats, stalled_rank
+
+    codes = {rank: proc.exitcode for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)}
+    others = f"stopped the other {len(procs) - 1} rank(s)"
+    followers = ["the other ranks' errors (connection reset by peer, timeouts) follow from it and are not shown"]
+    for rank, code in sorted(codes.items(), key=lambda item: (item[1] >= 0, item[1] == 1, item[0])):
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            return RankFailure(f"rank {rank} was killed by signal {-code} ({name}); {others}", rank=rank,
+                               exitcode=code, notes=followers if len(codes) > 1 else ())
+        if code != 1:
+            return RankFailure(f"rank {rank} exited with code {code}; {others}", rank=rank, exitcode=code,
+                               notes=followers if len(codes) > 1 else ())
+    stalled = stalled_rank(read_beats(store, len(procs)), len(procs))
+    if stalled is not None:
+        rank, what = stalled
+        return RankFailure(f"rank {rank} {what}; the others waited for it until their collective timeout of "
+                           f"{timeout:g} s; {others}", rank=rank)
+    rank = first[0]
+    key = f"{FAILURE_PREFIX}{rank}"
+    report = store.get(key).decode() if store.check([key]) else ""
+    return RankFailure(f"rank {rank} exited with code {first[1]}; {others}", rank=rank, exitcode=first[1],
+                       report=report, notes=[others] if report else ())
+
+
+def stop(procs, grace: float = 3.0, signum: int | None = None) -> None:
+    """Stop the processes still running: send ``signum`` (default SIGTERM), kill those that
+    outlive ``grace`` seconds (a stopped process only dies of SIGKILL)."""
     for proc in procs:
         if proc.is_alive():
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signum or signal.SIGTERM)
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped rank takes the signal now
     deadline = time.monotonic() + grace
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
@@ -141,53 +267,150 @@ def stop(procs, grace: float = 3.0) -> None:
             proc.join()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def die_with_parent(parent: int, *, prctl: bool) -> None:
+    """Make this process end when ``parent`` (the launcher) is gone, even killed outright:
+    with ``prctl`` on Linux the kernel sends SIGKILL at its death (PR_SET_PDEATHSIG; only
+    safe when the parent's main thread started this process), else a daemon thread checks
+    every half second whether the parent changed."""
+    if prctl and sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    else:
+        import threading
+
+        def orphaned() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=orphaned, name="dhelix-parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it died before we asked
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _rank_process(work: Work, options: "RunOptions", rank: int, world: int, init: str, results) -> None:
-    """The body of a spawned rank: run ``work``, send rank 0's result to the parent through
-    ``results``; on failure report it on standard error and exit 1 (see the module
-    docstring for why this rank prints)."""
+def name_process(name: str) -> None:
+    """Show this process as ``name`` (15 bytes at most) in ps, top and /proc/PID/comm, on
+    Linux; a no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
+def _rank_process(work: Work, options: "RunOptions", rank: int, world: int, address: tuple[str, int],
+                  launcher: int, results) -> None:
+    """The body of a spawned rank: die with the launcher, run ``work``, send rank 0's result
+    to the parent through ``results``. On failure, leave the rendered error in the store for
+    the launcher (which reports the cause, not every consequence) and exit 1; print it when
+    the store cannot take it (see the module docstring for why this rank prints)."""
+    die_with_parent(launcher, prctl=True)
+    name_process(f"dhelix-rank{rank}")
+    # torch's C++ warnings (a store poll that timed out) repeat what the launcher reports.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher, which stops us
     try:
-        result = run_rank(options, rank, world, init, work)
+        result = run_rank(options, rank, world, work, address=address)
     except DhelixError as exc:
-        print(exc.render(), file=sys.stderr)
-        sys.exit(1)
+        try:
+            _client(address, timeout=5.0).set(f"{FAILURE_PREFIX}{rank}", exc.render())
+        except Exception:  # the launcher's store is gone: our own stderr is all that is left
+            print(exc.render(), file=sys.stderr)
+        sys.stderr.flush()
+        # Not sys.exit: the interpreter's clean-up would wait on communication with the
+        # peer that failed (seconds of a dead job); everything worth keeping is reported.
+        os._exit(1)
     if results is not None:
         results.send(result)
         results.close()
 
 
+def _client(address: tuple[str, int], timeout: float):
+    """A client of the TCP store at ``address`` (host, port)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(address[0], address[1], None, False, timedelta(seconds=timeout))
+
+
 # -- one rank ---------------------------------------------------------------------------------
 
-def run_rank(options: "RunOptions", rank: int, world: int, init: str, work: Work):
-    """Join the world as ``rank`` (``init``: a tcp:// address or ``env://``), run ``work``,
-    leave; returns its result (on global rank 0; None elsewhere). ``options`` gives the
-    backend, the seed and the collective timeout. Raises what ``work`` raises (the
-    executor's DhelixError: rank, action, schedule grid) and RankFailure when a collective
-    fails because a peer did."""
+def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, address: tuple[str, int] | None = None,
+             gpus_per_node: int | None = None):
+    """Join the world as ``rank`` through the TCP store at ``address`` (the local launcher's)
+    or, without one, torchrun's ``env://`` (``MASTER_ADDR``/``MASTER_PORT``); run ``work``
+    with a heartbeat (:mod:`.heartbeat`), leave; returns its result (on global rank 0; None
+    elsewhere). ``options`` gives the backend, the seed and the collective timeout. Under
+    torchrun with ``gpus_per_node`` (the cluster block's), the nodes the ranks run on are
+    checked against it first (:mod:`.topology`). Raises
+    what ``work`` raises (the executor's DhelixError: rank, action, schedule grid) and
+    RankFailure when a collective fails because a peer did."""
     from datetime import timedelta
 
     quiet_numpy_warning()
     import torch
     import torch.distributed as dist
 
-    device = torch.device("cpu")
+    from .heartbeat import Heartbeat
+
+    device = _rank_device(options, rank, world)
+    torch.manual_seed(options.seed)
+    timeout = timedelta(seconds=options.timeout)
+    torchrun = address is None
+    if torchrun:
+        die_with_parent(os.getppid(), prctl=False)  # torchrun's agent may start us from any thread
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    # Beating before joining: a rank that hangs while the world forms is named too.
+    heartbeat = Heartbeat(_client(address, options.timeout), rank).start()
+    try:
+        if torchrun and gpus_per_node is not None:
+            from .topology import check_placement, exchange
+
+            check_placement(exchange(_client(address, options.timeout), rank, world), gpus_per_node)
+        if torchrun:
+            dist.init_process_group(options.backend, init_method="env://", rank=rank, world_size=world,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(options.backend, store=_client(address, options.timeout), rank=rank,
+                                    world_size=world, timeout=timeout)
+        try:
+            return work(options, device, heartbeat)
+        finally:
+            dist.destroy_process_group()
+    except (RuntimeError, ValueError) as exc:  # a peer's failure seen through a collective
+        raise _blame_stalled(RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}", rank=rank),
+                             address, world) from None
+    except DhelixError as exc:
+        raise _blame_stalled(exc, address, world) from None
+    finally:
+        heartbeat.stop()
+
+
+def _rank_device(options: "RunOptions", rank: int, world: int):
+    """This rank's device: its local GPU under NCCL, else the CPU with its share of the
+    cores."""
+    import torch
+
     if options.backend == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
-    else:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-    torch.manual_seed(options.seed)
-    dist.init_process_group(options.backend, init_method=init, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=options.timeout))
+        return device
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    return torch.device("cpu")
+
+
+def _blame_stalled(exc: DhelixError, address: tuple[str, int], world: int) -> DhelixError:
+    """``exc``, or — when a rank's heartbeat stopped — a RankFailure naming that rank (a
+    timeout here is its consequence). Under torchrun this rank is its own reporter."""
+    from .heartbeat import read_beats, stalled_rank
+
     try:
-        return work(options, device)
-    except (RuntimeError, ValueError) as exc:  # a peer's failure seen through a collective
-        raise RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}", rank=rank) from None
-    finally:
-        dist.destroy_process_group()
+        stalled = stalled_rank(read_beats(_client(address, timeout=2.0), world), world)
+    except Exception:  # the store went with its host: keep the error we have
+        return exc
+    if stalled is None:
+        return exc
+    rank, what = stalled
+    return RankFailure(f"rank {rank} {what}", rank=rank, notes=[f"seen from this rank: {exc.message}"])

@@ -38,6 +38,8 @@ class RankRecord:
     peak_activations: int
     cuda_peak: int | None = None
     events: tuple[TraceEvent, ...] = ()
+    device: str = "cpu"
+    host: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -92,6 +94,19 @@ class RunSummary:
     predicted: Figures
     cuda_peak: int | None = None
     note: str = ""
+    devices: str = ""
+
+
+def describe_devices(ranks) -> str:
+    """Which device each rank ran on: ``cpu on every rank (host a)``, or per host the ranks
+    and their devices (``a: rank 0 cuda:0, rank 1 cuda:1; b: …``)."""
+    hosts: dict[str, list] = {}
+    for record in ranks:
+        hosts.setdefault(record.host or "this host", []).append(record)
+    if all(record.device == "cpu" for record in ranks):
+        return f"cpu on every rank ({', '.join(hosts)})"
+    return "; ".join(f"{host}: " + ", ".join(f"rank {r.rank} {r.device}" for r in records)
+                     for host, records in hosts.items())
 
 
 def describe_mesh(mesh) -> str:
@@ -129,7 +144,7 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
                                 p2p_wait=steady(r.p2p), peak_activations=r.peak_activations) for r in ranks),
         measured=Figures(step_time=steady(per_step), exposed_comm=exposed,
                          peak_activations=max(r.peak_activations for r in ranks)),
-        predicted=predicted, cuda_peak=max(cuda) if cuda else None, note=note)
+        predicted=predicted, cuda_peak=max(cuda) if cuda else None, note=note, devices=describe_devices(ranks))
 
 
 def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
@@ -163,7 +178,7 @@ def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> di
         "peak_activations_bytes": measured.peak_activations,
         "predicted": {"step_s": predicted.step_time, "exposed_comm_s": predicted.exposed_comm,
                       "peak_activations_bytes": predicted.peak_activations, "note": summary.note},
-        "ranks": [{"rank": r.rank, "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p)}
+        "ranks": [{"rank": r.rank, "device": r.device, "host": r.host, "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p)}
                   for r in result.ranks],
     }
 
@@ -187,6 +202,7 @@ def format_summary(summary: RunSummary) -> str:
     measured figures beside the simulated ones."""
     lines = [f"{summary.path}: {summary.pipeline}, {summary.mesh} on {len(summary.ranks)} "
              f"{summary.backend} rank(s), SI {summary.si}",
+             *([f"devices: {summary.devices}"] if summary.devices else []),
              f"loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f} over {len(summary.losses)} step(s); "
              "medians per step (first step excluded):",
              f"{'rank':>6} {'step time':>12} {'exposed comm':>14} {'p2p wait':>12} {'peak activations':>18}"]

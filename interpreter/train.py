@@ -7,7 +7,7 @@ measurements and trace events, gathered there; None on the other ranks. With
 (:func:`.harness.check_steps`) and returns the comparisons.
 
 The loop's one output of its own is the progress bar that rank 0 draws on standard error
-(loss, tokens/s, step time): progress can only come from the process that runs the steps,
+(loss, tokens/s, step time) when that is a terminal (logs stay readable when redirected): progress can only come from the process that runs the steps,
 which under the local spawner is a child of the command. Everything else is a value.
 
 torch is imported inside the functions: a spawned rank unpickles its :class:`RunOptions`
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -30,7 +32,8 @@ from dhelix.dsl.core.timeline import TraceEvent
 
 from .summary import RankRecord, RunResult
 
-#: Test hook: ``rank:step:action`` makes that rank exit abruptly before that action.
+#: Test hook: ``rank:step:action`` makes that rank exit abruptly before that action;
+#: ``rank:step:action:stop`` stops it (SIGSTOP, a hang) and ``…:kill`` kills it (SIGKILL).
 FAULT_ENV = "DHELIX_TEST_FAULT"
 FAULT_EXIT = 13
 #: Steps of a run when neither the caller nor the train block says.
@@ -86,9 +89,10 @@ def si_plan(program, name: str) -> tuple[str, tuple | None]:
     return name, planned_pairs(program)
 
 
-def train(options: RunOptions, device) -> RunResult | None:
+def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     """Build the executor and the optimizer and run the steps (or check them) on ``device``
-    (a torch.device); returns the run's result on global rank 0, None elsewhere. Collective
+    (a torch.device), telling ``heartbeat`` (a :class:`.heartbeat.Heartbeat`, optional) each
+    action begun; returns the run's result on global rank 0, None elsewhere. Collective
     over the world."""
     import torch.distributed as dist
 
@@ -110,7 +114,7 @@ def train(options: RunOptions, device) -> RunResult | None:
     plan_for = fixed_plan(pairs) if pairs is not None else PLANS.get(options.plan, PLANS["sequential"])
     executor = Executor(program, comm, seed=options.seed, device=device, si=options.si,
                         plan_for=plan_for, use_tags=options.backend == "gloo",
-                        recorder=recorder, on_action=_fault_hook(comm.rank))
+                        recorder=recorder, on_action=_action_hook(comm, program, heartbeat))
     optimizer = DistributedAdamW(executor.params, executor.comm, zero1=options.zero1,
                                  config=AdamWConfig(lr=options.lr),
                                  expert=executor.weights.ep_sharded(executor.params))
@@ -124,17 +128,38 @@ def train(options: RunOptions, device) -> RunResult | None:
     return _gather(executor, losses, times)
 
 
+def _action_hook(comm, program, heartbeat):
+    """What runs before each action: the heartbeat's beat and the test fault, as there are."""
+    fault = _fault_hook(comm.rank)
+    if heartbeat is None:
+        return fault
+    actions = program.lowered.actions[comm.index("pp")]
+
+    def hook(step: int, index: int) -> None:
+        heartbeat.beat(step, index, actions[index])
+        if fault is not None:
+            fault(step, index)
+
+    return hook
+
+
 def _fault_hook(rank: int):
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return None
-    fault_rank, step, action = (int(part) for part in spec.split(":"))
-    if fault_rank != rank:
+    fault_rank, step, action, *how = spec.split(":")
+    if int(fault_rank) != rank:
         return None
 
     def hook(at_step: int, at_action: int) -> None:
-        if (at_step, at_action) == (step, action):
-            os._exit(FAULT_EXIT)  # a crash: no clean-up, no goodbye to the peers
+        if (at_step, at_action) != (int(step), int(action)):
+            return
+        if how == ["stop"]:  # a hang inside the action: it runs a moment, then no longer runs
+            time.sleep(1.0)  # (long enough for the heartbeat to publish where it is)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif how == ["kill"]:  # killed from outside
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(FAULT_EXIT)  # a crash: no clean-up, no goodbye to the peers
 
     return hook
 
@@ -150,7 +175,7 @@ def _steps(options: RunOptions, program, executor, optimizer, device):
     rank, comm = executor.comm.rank, executor.comm
     tokens = program.train.micro_batch * program.model.get("seq") * program.train.microbatches * comm.size("dp")
     losses, times = [], {"step": [], "collective": [], "p2p": []}
-    bar = tqdm(range(options.steps), desc="training", unit="step", disable=rank != 0, file=sys.stderr)
+    bar = tqdm(range(options.steps), desc="training", unit="step", disable=None if rank == 0 else True, file=sys.stderr)
     with _cuda_profile(options, device, rank):
         for step in bar:
             _one_step(program, executor, optimizer, device, options.seed + step, times, losses)
@@ -209,6 +234,7 @@ def _gather(executor, losses: list, times: dict) -> RunResult | None:
         cuda_peak = torch.cuda.max_memory_allocated(executor.device)
     mine = RankRecord(rank=rank, step=tuple(times["step"]), collective=tuple(times["collective"]),
                       p2p=tuple(times["p2p"]), peak_activations=recorder.peak_bytes, cuda_peak=cuda_peak,
+                      device=str(executor.device), host=socket.gethostname(),
                       events=tuple(TraceEvent(rank, lane, name, start, duration)
                                    for name, lane, start, duration in recorder.events))
     ranks = gather_to_first(mine)

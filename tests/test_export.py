@@ -37,7 +37,7 @@ FORMS = ("compute_only", "compute_comms")
 
 def exported(pipeline: str, fold: str | None, ranks: int = 2, microbatches: int = 4):
     """The program of the tiny example lowered with ``pipeline`` at p = ranks, m = microbatches."""
-    layers = 4 if ranks == 2 else 8
+    layers = 4 if ranks == 2 else 2 * ranks  # two stages per rank (fold u, v) also split evenly
     return load_file(EXAMPLE, Overrides(ranks=ranks, microbatches=microbatches, layers=layers,
                                         pipeline=pipeline, fold=fold))
 
@@ -114,14 +114,31 @@ def test_torch_load_csv_reads_the_compute_comms_form_back(tmp_path, pipeline, fo
         assert sorted(reduced) == sorted(s for s, (r, _) in enumerate(lowered.stages) if r == rank)
 
 
+@pytest.mark.parametrize("ranks, microbatches", [(3, 8), (4, 8), (4, 10)])
+def test_dualpipe_v_is_lowered_in_fifo_order_and_exports_with_comms(ranks, microbatches):
+    # DualPipeV at p >= 3 has a gradient overtake an activation between two ranks; lowering
+    # hoists the receive of what was sent first, so untagged P2P (NCCL, torch's runtime) pairs
+    # every message right.
+    from dhelix.interpreter.pipeline_comm import check_fifo
+
+    lowered = exported("dualpipe_v", None, ranks=ranks, microbatches=microbatches).lowered
+    assert check_fifo(lowered) == []
+    check_p2p_order(lowered)
+    assert "SEND_F" in torch_csv(lowered, "compute_comms")
+
+
 def test_compute_comms_refuses_receives_out_of_send_order():
-    # DualPipeV at p = 4: rank 1 posts the receive of a gradient before that of an activation
-    # rank 0 sent earlier; untagged torch P2P would pair them wrongly.
+    import attrs
+
     lowered = exported("dualpipe_v", None, ranks=4, microbatches=8).lowered
+    row = list(lowered.actions[1])
+    first = next(i for i, a in enumerate(row) if str(a) == "RECV_F6.0<0")  # hoisted before RECV_B0.1<0
+    row.insert(first + 1, row.pop(first))  # put it back after: the receives cross again
+    crossed = attrs.evolve(lowered, actions=(lowered.actions[0], tuple(row), *lowered.actions[2:]))
     with pytest.raises(ScheduleError) as info:
-        check_p2p_order(lowered)
+        check_p2p_order(crossed)
     assert "rank 1 receives the gradient of micro-batch 0 from rank 0 before the activation" in str(info.value)
-    assert torch_csv(lowered, "compute_only")  # the default form is fine
+    assert torch_csv(crossed, "compute_only")  # the default form is fine
 
 
 # --- the command line -----------------------------------------------------------------------

@@ -41,7 +41,7 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_ru
     assert "on 4 gloo rank(s) (tp 2 × pp 2), 2 timed repeat(s) after 1 warm-up" in result.stdout
     assert "timed 32 layer ops alone, 4 embedding and LM-head passes, 112 op pairs, 8 link sizes" in result.stdout
     assert 'use it: cluster { profile = "' in result.stdout
-    assert "profiling: 100%" in result.stderr  # the progress bar
+    assert "profiling" not in result.stderr  # the progress bar is for terminals: logs stay readable
     profile = parse_profile(out.read_text(), str(out))
     measured = profile.measured
     assert measured.dtype == "fp32" and measured.repeats == 2 and measured.mesh == {"tp": 2, "pp": 2}

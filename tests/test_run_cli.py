@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -21,7 +22,9 @@ from dhelix.dsl.core.timeline import TraceEvent  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.dsl.render.trace import LANES, trace_json  # noqa: E402
 from dhelix.interpreter.summary import RankRecord, RunResult, format_summary, summarize  # noqa: E402
-from dhelix.interpreter.train import FAULT_ENV, FAULT_EXIT  # noqa: E402
+from dhelix.interpreter.train import FAULT_ENV  # noqa: E402
+
+from test_trace import assert_nested  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")
@@ -42,6 +45,7 @@ def test_run_prints_the_summary_and_writes_a_trace(tmp_path):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "w_helix, tp 2 × pp 2 on 4 gloo rank(s), SI on" in out
+    assert f"devices: cpu on every rank ({socket.gethostname()})" in out  # never CPU without saying so
     for row in ("step time", "exposed comm", "peak act.", "simulator:"):
         assert row in out
     loaded = json.loads(trace.read_text())
@@ -58,13 +62,22 @@ def test_run_prints_the_summary_and_writes_a_trace(tmp_path):
     assert all({"name", "ph", "ts", "dur", "pid", "tid"} <= set(e) for e in events if e["ph"] == "X")
     assert loaded["otherData"]["program"] == "tiny_llama" and loaded["otherData"]["steps"] == 2
     assert f"trace: {trace} ({sum(e['ph'] == 'X' for e in events)} events" in out
+    assert_nested(loaded)  # concurrent receives on the cross lane go to tracks of their own
+    # A layer's collectives carry the program's op names, as the plan's rows do (those of the
+    # embedding and the LM head, which are no ops of the layer, keep their kind and axis).
+    local = {e["name"] for e in events if e["ph"] == "X" and e["cat"] == "local"}
+    assert {"ag1", "rs1", "ag2", "rs2", "ag1.bwd", "rs1.bwd"} <= local, local
 
 
-def test_a_killed_rank_ends_the_run_naming_it(tmp_path):
+def test_a_killed_rank_ends_the_run_naming_it_as_the_one_cause(tmp_path):
     start = time.monotonic()
-    result = dhelix("run", EXAMPLE, "--steps", "3", "--timeout", "20", env={FAULT_ENV: "1:0:3"})
+    result = dhelix("run", EXAMPLE, "--steps", "3", "--timeout", "20", env={FAULT_ENV: "1:1:3:kill"})
     assert result.returncode == 1
-    assert f"rank 1 exited with code {FAULT_EXIT}; stopped the other 3 rank(s)" in result.stderr
+    err = result.stderr
+    assert err.startswith("error: rank 1 was killed by signal 9 (SIGKILL); stopped the other 3 rank(s)\n"), err
+    # The peers' "connection reset by peer" follows from it: not shown, not as a schedule error.
+    assert err.count("error:") == 1 and "Connection reset" not in err and "Traceback" not in err
+    assert err.endswith("\n")
     assert time.monotonic() - start < 60
 
 
@@ -78,6 +91,39 @@ def test_mesh_size_must_match_the_torchrun_world(monkeypatch, capsys):
 def test_nproc_must_match_the_mesh(capsys):
     assert main(["run", EXAMPLE, "--nproc", "2"]) == 2
     assert "--nproc 2 does not match the mesh: it has 4 ranks (tp 2 × pp 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["run", "profile"])
+@pytest.mark.parametrize("args, message", [
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+    (["--timeout", "-5"], "--timeout must be a positive number of seconds, got -5"),
+    (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+    (["--nproc", "-2"], "--nproc must be at least 1, got -2"),
+    (["--backend", "nccl"], "--backend nccl needs CUDA GPUs, and this torch sees none"),
+])
+def test_launch_mistakes_exit_2_before_any_rank_starts(command, args, message, tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same on a GPU machine
+    monkeypatch.chdir(tmp_path)
+    assert main([command, EXAMPLE, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing written
+
+
+def test_without_a_backend_gpus_mean_nccl_and_too_few_mean_gloo(monkeypatch):
+    import torch
+
+    from dhelix.cli.launch import choose_backend
+    from dhelix.dsl.core.errors import UsageError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert choose_backend(None, 4) == "nccl" and choose_backend(None, 8) == "gloo"
+    assert choose_backend("gloo", 4) == "gloo"
+    with pytest.raises(UsageError, match="one GPU per local rank: 8 rank"):
+        choose_backend("nccl", 8)
 
 
 def test_a_schedule_that_does_not_fit_is_reported_before_any_rank_starts(tmp_path, capsys):
@@ -117,6 +163,14 @@ def test_the_summary_is_medians_without_the_first_step_beside_the_simulator():
     assert text.splitlines()[0] == f"{EXAMPLE}: w_helix, tp 2 × pp 2 on 2 gloo rank(s), SI on (planned plan)"
     assert "loss 6.0000 -> 5.2500 over 3 step(s)" in text
     assert "     step time     350.00ms" in text and "     peak act.     3.000MiB" in text
+
+
+def test_the_summary_says_which_device_each_rank_used():
+    from dhelix.interpreter.summary import describe_devices
+
+    ranks = [RankRecord(rank=r, step=(0.1,), collective=(0.0,), p2p=(0.0,), peak_activations=0,
+                        device=f"cuda:{r % 2}", host=f"node{r // 2}") for r in range(4)]
+    assert describe_devices(ranks) == "node0: rank 0 cuda:0, rank 1 cuda:1; node1: rank 2 cuda:0, rank 3 cuda:1"
 
 
 def test_the_run_trace_is_the_simulators_format(tmp_path):

@@ -339,3 +339,24 @@ def test_full_recomputation_keeps_layer_inputs_and_pays_a_forward_per_backward(n
     costs, plain_costs = step_costs(again, None), step_costs(program, None)
     assert costs.layer.backward.seconds == pytest.approx(plain_costs.layer.backward.seconds
                                                          + plain_costs.layer.forward.seconds)
+
+
+def test_json_holds_the_figures_of_the_tables(capsys):
+    import json
+
+    from dhelix.dsl.simulator.report import format_simulation
+
+    path = ROOT / "examples" / "tiny_llama_cpu.dhx"
+    assert main(["simulate", str(path), "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    program = check_text(path.read_text(), str(path))
+    sim = simulate(program, schedule_plan(program, cost_of(program)))
+    assert figures["step_s"] == pytest.approx(sim.step_time) and figures["label"] == "as written"
+    table = format_simulation(sim)
+    assert f"bubble ratio   {100 * figures['bubble_ratio']:.1f}%" in table
+    assert f"throughput     {figures['tokens_per_s']:,.0f} tokens/s" in table
+    assert [r["rank"] for r in figures["ranks"]] == [0, 1]
+    assert main(["simulate", str(path), "--json", "--compare"]) == 0
+    compared = json.loads(capsys.readouterr().out)
+    assert [c["label"] for c in compared] == ["as written", "SI off", "1F1B, fold none"]
+    assert compared[0] == figures

@@ -84,7 +84,33 @@ def test_a_simulated_lane_runs_one_thing_at_a_time(name):
     assert {tid for _, tid in by_thread} <= {0, 1, 2}
     for events in by_thread.values():
         for before, after in zip(events, events[1:]):
-            assert before["ts"] + before["dur"] <= after["ts"] + 2e-3  # times are rounded to 1 ns
+            assert round(before["ts"] + before["dur"], 3) <= after["ts"]  # end points rounded: no 1 ns overlap
+
+
+def assert_nested(trace: dict) -> None:
+    """Every thread's complete events nest: each begins after, or ends within, the open ones."""
+    by_thread: dict = {}
+    for event in sorted((e for e in trace["traceEvents"] if e["ph"] == "X"), key=lambda e: (e["ts"], -e["dur"])):
+        by_thread.setdefault((event["pid"], event["tid"]), []).append(event)
+    for (pid, tid), events in by_thread.items():
+        open_ends: list = []
+        for event in events:
+            end = round(event["ts"] + event["dur"], 3)
+            while open_ends and open_ends[-1] <= event["ts"]:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1], f"{event} overlaps partially on thread {pid}/{tid}"
+            open_ends.append(end)
+
+
+def test_concurrent_transfers_get_their_own_track_and_every_thread_nests():
+    events = [(0, "cross", "RECV_F0", 0.0, 3e-6), (0, "cross", "RECV_F1", 1e-6, 3e-6),
+              (0, "cross", "RECV_F2", 2e-6, 0.5e-6), (0, "compute", "F0", 0.0, 1e-6), (0, "compute", "F1", 1e-6, 1e-6)]
+    trace = chrome_trace(events)
+    assert_nested(trace)
+    tids = {e["name"]: e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert tids == {"RECV_F0": 2, "RECV_F1": 18, "RECV_F2": 2, "F0": 0, "F1": 0}  # F2 nests inside F0
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names[18] == "cross (2)"
 
 
 def test_compute_events_name_their_microbatch_chunk_and_kind():

@@ -8,7 +8,9 @@ command is adding its module's name to :data:`COMMANDS` (one line). The policy f
 - any other :class:`DhelixError` (a wrong program, a failed run): rendered with its location,
   source line, caret and notes, exit 1; outside ``check`` and ``fmt``, whose errors are their
   whole output, a last note says which command was running, because library messages do not;
-- ``KeyboardInterrupt``: ``dhelix: interrupted``, exit 130.
+- ``KeyboardInterrupt``: ``dhelix: interrupted``, exit 130; SIGTERM or SIGHUP to a launcher
+  (``spawn.LauncherStopped``, its ranks stopped): ``dhelix: stopped by SIGTERM``, exit 128 + the
+  signal.
 
 Nothing surfaces as a traceback. Commands that need torch (run) import it only when invoked.
 """
@@ -65,11 +67,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dhelix: {exc.message}", file=sys.stderr)
         return 2
     except DhelixError as exc:
+        _end_progress_line()
         _add_remedies(exc)
         if args.command not in REPORTING:
             exc.add_note(f"while running `dhelix {args.command}`")
         print(exc.render(), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        _end_progress_line()
         print("dhelix: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        stopped = _launcher_signal(exc)
+        if stopped is None:
+            raise
+        _end_progress_line()
+        print(f"dhelix: stopped by {stopped.name}; stopped every rank", file=sys.stderr)
+        return 128 + stopped.value
+
+
+def _launcher_signal(exc: Exception):
+    """The signal that stopped a launcher (``spawn.LauncherStopped``), else None; the
+    interpreter is imported only if it was running."""
+    spawn = sys.modules.get("dhelix.interpreter.spawn")
+    if spawn is None or not isinstance(exc, spawn.LauncherStopped):
+        return None
+    import signal
+
+    return signal.Signals(exc.signum)
+
+
+def _end_progress_line() -> None:
+    """On a terminal, end the line a rank's progress bar may have left open, so that the
+    message starts on a line of its own (redirected, there is no bar)."""
+    if sys.stderr.isatty():
+        print(file=sys.stderr)

@@ -23,6 +23,7 @@ import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 
+from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
@@ -41,13 +42,9 @@ def register(subparsers) -> None:
     prof.add_argument("file", metavar="FILE")
     prof.add_argument("-o", "--output", metavar="OUT.yaml",
                       help="where to write the profile (default: <program>-<host>.yaml beside the program)")
-    prof.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                      help="collective backend (default gloo; nccl needs one GPU per rank)")
     prof.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
                       help=f"timed repetitions of each measurement, after one warm-up (default {DEFAULT_REPEATS})")
-    prof.add_argument("--nproc", type=int, metavar="N", help="local ranks to spawn (must equal the mesh size)")
-    prof.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                      help="collective timeout in seconds (default 60)")
+    add_launch_arguments(prof, what="measure")
     prof.set_defaults(func=cmd_profile)
 
 
@@ -56,8 +53,7 @@ def cmd_profile(args) -> int:
     ranks, write the profile; returns the exit code."""
     if args.repeats < 1:
         raise UsageError("--repeats must be at least 1")
-    if args.timeout <= 0:
-        raise UsageError("--timeout must be positive")
+    check_launch_numbers(args)
     text = read_source(args.file)
     program = for_measuring(text, args.file)  # a stale measured profile is what this replaces
     require_model(program, args.file)
@@ -68,21 +64,18 @@ def cmd_profile(args) -> int:
     from dhelix.interpreter import train
 
     train.preflight(program)
-    command = shlex.join(["dhelix", "profile", args.file, "-o", str(out), "--backend", args.backend,
+    placed = spawn.torchrun_rank(program)
+    nproc = local_ranks(args, program, torchrun=placed is not None)
+    backend = choose_backend(args.backend, nproc)
+    command = shlex.join(["dhelix", "profile", args.file, "-o", str(out), "--backend", backend,
                           "--repeats", str(args.repeats)])
-    options = profile_launch.ProfileOptions(path=args.file, text=text, backend=args.backend,
+    options = profile_launch.ProfileOptions(path=args.file, text=text, backend=backend,
                                             repeats=args.repeats, timeout=args.timeout,
                                             seed=program.train.seed)
-    placed = spawn.torchrun_rank(program)
     if placed is not None:
-        samples = spawn.run_rank(options, *placed, "env://", profile_launch.measure_layer)
+        samples = spawn.run_rank(options, *placed, profile_launch.measure_layer,
+                                 gpus_per_node=program.mesh.gpus_per_node)
     else:
-        nproc, world = args.nproc or program.mesh.world, program.mesh.world
-        if nproc != world:
-            from dhelix.interpreter.summary import describe_mesh
-
-            raise UsageError(f"--nproc {nproc} does not match the mesh: it has {world} ranks "
-                             f"({describe_mesh(program.mesh)})")
         samples = spawn.run_local(options, nproc, profile_launch.measure_layer)
     if samples is None:  # not global rank 0: rank 0 writes the profile
         return 0

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
+from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.imports import read_source
@@ -43,11 +45,8 @@ def register(subparsers) -> None:
         description="Run FILE's schedule with torch.distributed: by default on N local gloo "
                     "processes (N = the mesh's world size); under torchrun on its world.")
     run.add_argument("file", metavar="FILE")
-    run.add_argument("--nproc", type=int, metavar="N", help="local ranks to spawn (must equal the mesh size)")
     run.add_argument("--steps", type=int, metavar="K",
                      help="training steps (default: the train block's steps, else 10)")
-    run.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                     help="collective backend (default gloo; nccl needs one GPU per rank)")
     run.add_argument("--no-si", dest="si", action="store_false",
                      help="run SI blocks as a forward then a backward (same numbers, no overlap)")
     run.add_argument("--si-plan", choices=("planned", "op_by_op", "sequential"), default="planned",
@@ -63,10 +62,11 @@ def register(subparsers) -> None:
     run.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     run.add_argument("--zero1", action="store_true",
                      help="shard the optimizer state over dp (ZeRO-1), as `train { zero = 1 }` does")
-    run.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                     help="collective timeout in seconds: a dead peer ends the run after this (default 60)")
     run.add_argument("--check", action="store_true",
                      help="compare every step's loss and gradients with the single-process reference")
+    run.add_argument("--json", action="store_true",
+                     help="print the summary's figures as JSON (what --metrics writes) instead of the table")
+    add_launch_arguments(run, what="train")
     add_profile_argument(run)
     run.set_defaults(func=cmd_run)
 
@@ -76,8 +76,11 @@ def cmd_run(args) -> int:
     torchrun world and print what rank 0 brings back; returns the exit code."""
     if args.steps is not None and args.steps < 1:
         raise UsageError("--steps must be at least 1")
+    check_launch_numbers(args)
     outputs = {flag: output_path(value, flag, inputs=(args.file,))
                for flag, value in (("--trace", args.trace), ("--metrics", args.metrics)) if value}
+    if args.check and args.json:
+        raise UsageError("--check prints every step's comparison with the reference; it has no --json")
     if args.check and outputs:
         raise UsageError(f"--check compares every step with the reference and prints that; it writes no "
                          f"{' or '.join(outputs)} (run without --check for them)")
@@ -94,24 +97,19 @@ def cmd_run(args) -> int:
     from dhelix.interpreter import train
 
     train.preflight(program)
-    options = run_options(args, text, program)
     placed = spawn.torchrun_rank(program)
+    nproc = local_ranks(args, program, torchrun=placed is not None)
+    options = run_options(args, text, program, choose_backend(args.backend, nproc))
     if placed is not None:
-        result = spawn.run_rank(options, *placed, "env://", train.train)
+        result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node)
     else:
-        nproc, world = args.nproc or program.mesh.world, program.mesh.world
-        if nproc != world:
-            from dhelix.interpreter.summary import describe_mesh
-
-            raise UsageError(f"--nproc {nproc} does not match the mesh: it has {world} ranks "
-                             f"({describe_mesh(program.mesh)})")
         result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run
         return 0
-    return report(program, options, result, outputs.get("--trace"), outputs.get("--metrics"))
+    return report(program, options, result, outputs.get("--trace"), outputs.get("--metrics"), as_json=args.json)
 
 
-def run_options(args, text: str, program):
+def run_options(args, text: str, program, backend: str):
     """The interpreter's RunOptions from the command line and the program's train block."""
     from dhelix.interpreter import train
 
@@ -119,7 +117,7 @@ def run_options(args, text: str, program):
     return train.RunOptions(
         path=args.file, text=text,
         steps=args.steps if args.steps is not None else program.train.steps or train.DEFAULT_STEPS,
-        backend=args.backend or "gloo", si=args.si, plan=plan, trace=args.trace,
+        backend=backend, si=args.si, plan=plan, trace=args.trace,
         seed=args.seed if args.seed is not None else program.train.seed, lr=args.lr,
         zero1=args.zero1 or program.train.zero >= 1, timeout=args.timeout, check=args.check, pairs=pairs,
         profile=_profile_for_ranks(args.profile))
@@ -133,9 +131,11 @@ def _profile_for_ranks(profile: str | None) -> str | None:
     return str(Path(profile).resolve())
 
 
-def report(program, options, result, trace: Path | None, metrics: Path | None = None) -> int:
+def report(program, options, result, trace: Path | None, metrics: Path | None = None, *,
+           as_json: bool = False) -> int:
     """Print the checks (``--check``: exit 1 past the tolerance, raised as DhelixError) or
-    the summary, and write the trace and the metrics; returns the exit code."""
+    the summary (``as_json``: the metrics as JSON, alone on standard output), and write the
+    trace and the metrics; returns the exit code."""
     from dhelix.interpreter import summary
 
     if options.check:
@@ -147,12 +147,14 @@ def report(program, options, result, trace: Path | None, metrics: Path | None = 
                               f"{summary.CHECK_TOLERANCE}")
         return 0
     figures = summary.summarize(program, options, result)
-    print("dhelix run: " + summary.format_summary(figures))
+    numbers = json.dumps(summary.metrics(figures, options, result), indent=1) + "\n"
+    print(numbers if as_json else "dhelix run: " + summary.format_summary(figures), end="" if as_json else "\n")
     if metrics is not None:
-        write_output(metrics, json.dumps(summary.metrics(figures, options, result), indent=1) + "\n")
+        write_output(metrics, numbers)
     if trace is not None:
         write_trace(trace, program, options, result)
-        print(f"trace: {trace} ({len(result.events)} events; open in Perfetto or chrome://tracing)")
+        print(f"trace: {trace} ({len(result.events)} events; open in Perfetto or chrome://tracing)",
+              file=sys.stderr if as_json else sys.stdout)
     return 0
 
 

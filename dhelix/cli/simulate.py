@@ -11,6 +11,7 @@ reduce-scatters the gradients, all-gathers the weights) over the data-parallel g
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.overrides import checked_program, require_model
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.simulator.report import (compare, compare_partition, format_comparison, format_simulation,
-                                         memory_warnings)
+                                         memory_warnings, simulation_metrics)
 from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.render.trace import trace_json
@@ -44,6 +45,9 @@ def register(subparsers) -> None:
                      help="a rank whose predicted peak memory exceeds the profile's device memory is an "
                           "error (exit 1), not a warning")
     add_profile_argument(sim)
+    sim.add_argument("--json", action="store_true",
+                     help="print the figures as JSON instead of the tables (seconds, bytes, ratios; with "
+                          "--compare a list, one object per simulation)")
     sim.set_defaults(func=cmd_simulate)
 
 
@@ -62,18 +66,19 @@ def cmd_simulate(args) -> int:
     if plan is not None:
         title += (f"; SI plan per layer pair {plan.total * 1e3:.3f} ms vs {plan.sequential * 1e3:.3f} ms "
                   f"sequential ({plan.speedup:.3f}x)")
-    if args.compare:
-        variants = compare_partition if program.partition is not None else compare
-        sims = variants(program, plan, zero1=args.zero1)
-        sys.stdout.write(format_comparison(sims, title))
-        written = sims[0]
+    variants = compare_partition if program.partition is not None else compare
+    sims = variants(program, plan, zero1=args.zero1) if args.compare else (
+        simulate(program, plan, zero1=args.zero1, cost=cost, label="as written"),)
+    if args.json:
+        figures = [simulation_metrics(sim) for sim in sims]
+        print(json.dumps(figures if args.compare else figures[0], indent=1))
     else:
-        written = simulate(program, plan, zero1=args.zero1, cost=cost, label="as written")
-        sys.stdout.write(format_simulation(written, title))
+        sys.stdout.write(format_comparison(sims, title) if args.compare else format_simulation(sims[0], title))
     if trace is not None:
-        write_trace(trace, written, args.file)
-        print(f"wrote {trace} (open it in https://ui.perfetto.dev)")
-    return memory_verdict(program, written, args.strict)
+        write_trace(trace, sims[0], args.file)
+        # With --json, standard output is the JSON alone.
+        print(f"wrote {trace} (open it in https://ui.perfetto.dev)", file=sys.stderr if args.json else sys.stdout)
+    return memory_verdict(program, sims[0], args.strict)
 
 
 def memory_verdict(program, sim: Simulation, strict: bool) -> int:

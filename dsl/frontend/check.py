@@ -98,6 +98,7 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
     model, model_block = build_model(model_node, errors)
     cluster = build_cluster(singles["cluster"], errors) if "cluster" in singles else None
     profile = _profile(singles.get("cluster"), cluster, errors)
+    _check_dtype_costed(model, model_block, profile, errors)
     mesh, mesh_block = build_mesh(singles["mesh"], cluster, errors) if "mesh" in singles else (None, None)
     train = build_train(singles["train"], errors) if "train" in singles else None
     fold = build_fold(singles["fold"], errors) if "fold" in singles else build_fold(s.Fold("none", None), errors)
@@ -136,6 +137,18 @@ def _profile(node: s.ConfigBlock | None, cluster, errors: ErrorCollector):
     except DhelixError as exc:
         errors.add(exc)
         return None
+
+
+def _check_dtype_costed(model, model_block, profile, errors: ErrorCollector) -> None:
+    """Record an error, located at the model's dtype, when the cluster's profile has no peak
+    for that dtype: nothing of the program could be costed (plan, simulate, run's prediction)."""
+    if model is None or profile is None or model.dtype in profile.peak_tflops:
+        return
+    listed = ", ".join(profile.peak_tflops)
+    errors.add(CheckError(f"dtype {model.dtype} cannot be costed: profile '{profile.name}' has no peak for it",
+                          model_block.span("dtype"),
+                          [f"'{profile.name}' lists {listed}; use one of them, or a profile with "
+                           f"peak_tflops.{model.dtype}", f"profile file: {profile.path}"]))
 
 
 def _pipeline(ref: s.PipelineRef | None, pipelines: dict, errors: ErrorCollector):

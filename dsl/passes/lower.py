@@ -14,7 +14,9 @@ A pipeline body is a per-rank program over the builtins ``p`` (ranks), ``r`` (th
 
 Around each computation the lowering inserts the transfers the placement implies: a RECV
 right before an action whose input comes from another rank, a SEND right after an action whose
-output goes to another rank; hand-offs between chunks of one rank need none.
+output goes to another rank; hand-offs between chunks of one rank need none. Then every rank's
+receives from a peer are put in the order that peer sends (:func:`fifo_order`), so that
+untagged point-to-point backends (NCCL) pair every message right.
 """
 
 from __future__ import annotations
@@ -69,7 +71,53 @@ def lower_pipeline(pipeline: s.PipelineDef, *, ranks: int, microbatches: int,
         rows.append(tuple(program.actions))
     _raise_failures(failures, ranks)
     return Lowered(pipeline.name, ranks, microbatches, placement.chunks, placement.slots(),
-                   tuple(rows), span=pipeline.span_of("name"))
+                   fifo_order(rows, placement), span=pipeline.span_of("name"))
+
+
+def _message(rank: int, transfer: Transfer, placement: Placement) -> tuple:
+    """What a transfer carries, the same on both sides: (data, micro-batch, producing stage)."""
+    stage = placement.stage_at(rank, transfer.chunk).index
+    if transfer.kind == "RECV":  # activations come from the stage before, gradients from the one after
+        stage += -1 if transfer.data == "F" else 1
+    return transfer.data, transfer.microbatch, stage
+
+
+def fifo_order(rows: list[tuple], placement: Placement) -> tuple[tuple, ...]:
+    """``rows`` with every rank's receives from each peer in the order that peer sends them.
+
+    Untagged point-to-point backends (NCCL) match messages between two ranks in posting
+    order, so a receive that comes before one sent earlier (DualPipe-V at p >= 3: a gradient
+    overtakes an activation) would take the wrong message. A receive sent earlier than the one
+    a rank is about to post is hoisted to just before it; this cannot deadlock a schedule that
+    did not, because the peer sent it before the receive the rank was waiting for anyway.
+    """
+    sent: dict[tuple[int, int], list] = defaultdict(list)  # (sender, receiver) -> messages in order
+    for rank, row in enumerate(rows):
+        for action in row:
+            if isinstance(action, Transfer) and action.kind == "SEND":
+                sent[rank, action.peer].append(_message(rank, action, placement))
+    ordered = []
+    for rank, row in enumerate(rows):
+        pending = {_message(rank, a, placement): a for a in row if isinstance(a, Transfer) and a.kind == "RECV"}
+        position: dict[int, int] = defaultdict(int)  # peer -> messages received so far
+        out: list = []
+        for action in row:
+            if not (isinstance(action, Transfer) and action.kind == "RECV"):
+                out.append(action)
+                continue
+            message = _message(rank, action, placement)
+            if message not in pending:  # hoisted already
+                continue
+            order = sent[action.peer, rank]
+            while position[action.peer] < len(order) and order[position[action.peer]] != message:
+                earlier = pending.pop(order[position[action.peer]], None)
+                if earlier is not None:
+                    out.append(earlier)
+                position[action.peer] += 1
+            out.append(pending.pop(message))
+            position[action.peer] += 1
+        ordered.append(tuple(out))
+    return tuple(ordered)
 
 
 def check_fold(pipeline: s.PipelineDef, fold: str, fold_span=None) -> None:

@@ -39,16 +39,22 @@ def chrome_trace(events: Iterable, *, counters: Iterable = (), process_name: str
     counters = [CounterSample(*sample) for sample in counters]
     lanes = _lane_ids(events)
     ranks = sorted({e.rank for e in events} | {c.rank for c in counters})
-    body = [_complete(event, lanes) for event in events]
+    body = _nested_tracks([_complete(event, lanes) for event in events], len(lanes))
+    extra = sorted({(r["pid"], r["tid"]) for r in body if r["tid"] >= len(lanes)})
     body += [_counter(sample) for sample in counters]
     body.sort(key=_order)
+    names = {tid: lane for lane, tid in lanes.items()}
     meta = []
     for rank in ranks:
         meta.append(_meta("process_name", rank, 0, {"name": process_name.format(rank=rank)}))
         meta.append(_meta("process_sort_index", rank, 0, {"sort_index": rank}))
-        for lane, tid in lanes.items():
-            meta.append(_meta("thread_name", rank, tid, {"name": lane}))
-            meta.append(_meta("thread_sort_index", rank, tid, {"sort_index": tid}))
+        tids = [*lanes.values(), *(tid for pid, tid in extra if pid == rank)]
+        for tid in tids:
+            name = names.get(tid) or f"{names[tid % _TRACKS_PER_LANE]} ({tid // _TRACKS_PER_LANE + 1})"
+            meta.append(_meta("thread_name", rank, tid, {"name": name}))
+            # An extra track sorts right below its lane.
+            sort = (tid % _TRACKS_PER_LANE) * _TRACKS_PER_LANE + tid // _TRACKS_PER_LANE
+            meta.append(_meta("thread_sort_index", rank, tid, {"sort_index": sort}))
     return {"traceEvents": meta + body, "displayTimeUnit": "ms",
             "otherData": dict(metadata or {})}
 
@@ -74,11 +80,40 @@ def _us(seconds: float) -> float:
 
 
 def _complete(event: TraceEvent, lanes: dict[str, int]) -> dict:
-    record = {"name": event.name, "cat": event.lane, "ph": "X", "ts": _us(event.start),
-              "dur": _us(event.duration), "pid": event.rank, "tid": lanes[event.lane]}
+    # Both end points are rounded, not start and duration apart: an event that ends where the
+    # next begins must not overlap it by a rounding step.
+    start = _us(event.start)
+    record = {"name": event.name, "cat": event.lane, "ph": "X", "ts": start,
+              "dur": round(_us(event.start + event.duration) - start, 3), "pid": event.rank,
+              "tid": lanes[event.lane]}
     if event.args:
         record["args"] = {str(key): _plain(value) for key, value in event.args.items()}
     return record
+
+
+#: Thread ids of one lane's extra tracks are its id plus multiples of this.
+_TRACKS_PER_LANE = 16
+
+
+def _nested_tracks(records: list[dict], lanes: int) -> list[dict]:
+    """``records`` with each one moved, where needed, to an extra track of its lane so that
+    the events of every thread nest (viewers draw a thread as a stack of slices: partial
+    overlaps, such as concurrent receives, would be drawn wrongly). Extra tracks of lane ``t``
+    have thread ids ``t + 16 k``; the first track that can hold an event gets it."""
+    stacks: dict[tuple[int, int], list[float]] = {}  # (pid, tid) -> ends of the open slices
+    for record in sorted(records, key=_order):
+        start, end = record["ts"], round(record["ts"] + record["dur"], 3)  # the rounded end point
+        tid = record["tid"]
+        while True:
+            stack = stacks.setdefault((record["pid"], tid), [])
+            while stack and stack[-1] <= start:
+                stack.pop()
+            if not stack or end <= stack[-1]:
+                stack.append(end)
+                record["tid"] = tid
+                break
+            tid += _TRACKS_PER_LANE
+    return records
 
 
 def _counter(sample: CounterSample) -> dict:

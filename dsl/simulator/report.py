@@ -206,3 +206,26 @@ def format_comparison(sims: tuple[Simulation, ...], title: str = "") -> str:
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     # Names in the first column, figures right-aligned in the others.
     return format_table(header, rows, right=range(1, len(header)))
+
+
+def simulation_metrics(sim: Simulation) -> dict:
+    """The figures of :func:`format_simulation` as plain values (``dhelix simulate --json``):
+    seconds, bytes, ratios (not percentages); communication per rank as means over the
+    pipeline ranks, as the table shows it; every rank's row."""
+    comm = {name: {"total_s": sim.mean(total), "exposed_s": sim.mean(exposed),
+                   "hidden_s": max(0.0, sim.mean(total) - sim.mean(exposed))}
+            for name, total, exposed in (("layer", "layer_comm", "layer_exposed"),
+                                         ("pipeline", "pp_comm", "pp_exposed"),
+                                         ("data_parallel", "dp_comm", "dp_exposed"))}
+    return {
+        "label": sim.label, "program": sim.program, "pipeline": sim.pipeline, "fold": sim.fold,
+        "p": sim.shape[0], "m": sim.shape[1], "v": sim.shape[2], "si": sim.si, "zero1": sim.zero1,
+        "step_s": sim.step_time, "pipeline_s": sim.pipeline_time, "tokens_per_s": sim.tokens_per_second,
+        "tflops_per_gpu": sim.tflops_per_gpu, "mfu": sim.mfu, "peak_flops": sim.peak_flops,
+        "bubble_ratio": sim.bubble_ratio, "sends_per_rank": sim.mean("sends"), "comm_per_rank": comm,
+        "peak_memory_bytes": sim.peak_rank.memory, "peak_memory_rank": sim.peak_rank.rank,
+        "ranks": [{"rank": r.rank, "busy_s": r.busy, "end_s": r.end, "sends": r.sends, "sent_bytes": r.send_bytes,
+                   "params_bytes": r.states.params, "grads_bytes": r.states.grads,
+                   "optimizer_bytes": r.states.optimizer, "activations_bytes": r.activations,
+                   "activations_at_s": r.activations_at, "memory_bytes": r.memory} for r in sim.ranks],
+    }

@@ -1,0 +1,76 @@
+"""How `dhelix run` and `dhelix profile` start their ranks: the options both share, checked
+before any rank starts.
+
+Both commands launch the same way (local ranks by default, or each process of a torchrun
+world, :mod:`dhelix.interpreter.spawn`), so the launch options are added and checked here once:
+
+- ``--nproc N``: must be at least 1 and equal the mesh's world size (a usage error, exit 2);
+- ``--timeout S``: must be positive (torch's store rejects 0 with C++ frames);
+- ``--backend``: ``nccl`` needs CUDA and one visible GPU per local rank (a usage error rather
+  than four tracebacks from ``torch.cuda.set_device``). Not given, it is ``nccl`` when there are
+  enough GPUs for the local ranks and ``gloo`` otherwise, so a job on a GPU machine never
+  trains on CPU by accident; the summary says which device each rank used.
+
+torch is imported only inside :func:`choose_backend`, when a command launches.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dhelix.dsl.core.errors import UsageError
+
+
+def add_launch_arguments(parser, *, what: str) -> None:
+    """Add ``--nproc``, ``--backend`` and ``--timeout`` to ``parser`` (``what``: the verb in
+    their help, e.g. "train")."""
+    parser.add_argument("--nproc", type=int, metavar="N", help="local ranks to spawn (must equal the mesh size)")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                        help=f"collective backend to {what} with (default: nccl when every local rank can have "
+                             "a GPU of its own, else gloo; nccl needs one GPU per local rank)")
+    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                        help="collective timeout in seconds: a dead or hung peer ends the run after this "
+                             "(default 60)")
+
+
+def check_launch_numbers(args) -> None:
+    """Raise UsageError for a ``--timeout`` that is not positive or an ``--nproc`` below 1;
+    cheap, so commands call it before reading the program."""
+    if not args.timeout > 0:  # also refuses NaN
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if args.nproc is not None and args.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+
+
+def local_ranks(args, program, torchrun: bool) -> int:
+    """How many ranks this machine runs: torchrun's ``LOCAL_WORLD_SIZE`` under torchrun, else
+    ``--nproc`` (which must equal the mesh's world size) or the world size."""
+    if torchrun:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    world = program.mesh.world
+    nproc = args.nproc if args.nproc is not None else world
+    if nproc != world:
+        from dhelix.interpreter.summary import describe_mesh
+
+        raise UsageError(f"--nproc {nproc} does not match the mesh: it has {world} ranks "
+                         f"({describe_mesh(program.mesh)})")
+    return nproc
+
+
+def choose_backend(requested: str | None, local: int) -> str:
+    """The backend for ``local`` ranks on this machine: ``requested`` when it can run here
+    (UsageError for ``nccl`` without CUDA or with fewer GPUs than local ranks), else nccl when
+    every local rank can have a GPU, else gloo."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "nccl" and gpus == 0:
+        raise UsageError("--backend nccl needs CUDA GPUs, and this torch sees none "
+                         f"(torch {torch.__version__}, CUDA {'built in' if torch.version.cuda else 'not built in'}); "
+                         "use --backend gloo to run on CPU")
+    if requested == "nccl" and gpus < local:
+        raise UsageError(f"--backend nccl needs one GPU per local rank: {local} rank(s) here but {gpus} GPU(s) "
+                         "visible (CUDA_VISIBLE_DEVICES)")
+    if requested is not None:
+        return requested
+    return "nccl" if 0 < local <= gpus else "gloo"

@@ -1,0 +1,82 @@
+"""Is the machine what the program says? The nodes the ranks really run on, checked against
+the cluster block.
+
+The lanes of every collective (local or cross-node) and the simulator's prediction come from
+the cluster block's ``gpus_per_node``: global rank r is on node ``r // gpus_per_node``. Under
+torchrun that is an assumption about how the job was launched, so each rank publishes where
+it runs (torchrun's node rank ``GROUP_RANK`` and the host name) through the rendezvous store
+and every rank checks the whole world before training (:func:`check_placement`). The local
+spawner's ranks share one machine on purpose (two "nodes" of a CPU example), so it is not
+checked there. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import attrs
+
+from dhelix.dsl.core.errors import DhelixError
+
+PREFIX = "dhelix/node/"
+
+
+@attrs.frozen
+class Where:
+    """Where a rank runs: torchrun's node rank (``GROUP_RANK``) and the host's name."""
+
+    node: int
+    host: str
+
+    def __str__(self) -> str:
+        return f"{self.host} (node {self.node})"
+
+
+def here() -> Where:
+    """This process's node rank (0 outside torchrun) and host name."""
+    return Where(int(os.environ.get("GROUP_RANK", 0)), socket.gethostname())
+
+
+def exchange(store, rank: int, world: int) -> list[Where]:
+    """Publish this rank's :func:`here` in ``store`` and read every rank's (waits for them,
+    up to the store's timeout)."""
+    mine = here()
+    store.set(f"{PREFIX}{rank}", json.dumps([mine.node, mine.host]))
+    return [Where(*json.loads(store.get(f"{PREFIX}{other}"))) for other in range(world)]
+
+
+def check_placement(places: list[Where], gpus_per_node: int) -> None:
+    """Raise DhelixError when the ranks' real nodes differ from the cluster block's: ranks the
+    program puts on one node that run on different ones, or the other way round. The message
+    names the first ranks and hosts that disagree."""
+    for rank, place in enumerate(places):
+        for other in range(rank + 1, len(places)):
+            said = rank // gpus_per_node == other // gpus_per_node
+            real = place == places[other]
+            if said == real:
+                continue
+            nodes = {}
+            for r, p in enumerate(places):
+                nodes.setdefault(p, []).append(r)
+            measured = "; ".join(f"ranks {_span(ranks)} on {p}" for p, ranks in nodes.items())
+            claim = "the same node" if said else "different nodes"
+            fact = "different ones" if said else "the same one"
+            raise DhelixError(
+                f"the cluster block puts ranks {rank} and {other} on {claim} (gpus_per_node = {gpus_per_node}), "
+                f"but they run on {fact}: rank {rank} on {place}, rank {other} on {places[other]}",
+                notes=[f"measured: {measured}",
+                       f"set gpus_per_node = {_measured_per_node(nodes)} in the cluster block, or launch "
+                       f"{gpus_per_node} rank(s) per node"])
+
+
+def _measured_per_node(nodes: dict) -> int:
+    return max(len(ranks) for ranks in nodes.values())
+
+
+def _span(ranks: list[int]) -> str:
+    contiguous = ranks == list(range(ranks[0], ranks[-1] + 1))
+    if contiguous and len(ranks) > 2:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks))

@@ -1,0 +1,59 @@
+"""The nodes the ranks run on are checked against the cluster block (interpreter/topology.py):
+a pure check on made-up placements, and two local torchrun "nodes" launching a program that
+says all four ranks share one node."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.interpreter.topology import Where, check_placement
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "tiny_llama_cpu.dhx"
+
+
+def test_the_cluster_blocks_nodes_pass():
+    check_placement([Where(0, "a"), Where(0, "a"), Where(1, "b"), Where(1, "b")], gpus_per_node=2)
+
+
+def test_four_ranks_on_a_node_said_to_hold_two_is_an_error_naming_ranks_and_hosts():
+    with pytest.raises(DhelixError) as info:
+        check_placement([Where(0, "a")] * 4, gpus_per_node=2)
+    error = info.value
+    assert error.message == ("the cluster block puts ranks 0 and 2 on different nodes (gpus_per_node = 2), but "
+                             "they run on the same one: rank 0 on a (node 0), rank 2 on a (node 0)")
+    assert error.notes == ("measured: ranks 0-3 on a (node 0)",
+                           "set gpus_per_node = 4 in the cluster block, or launch 2 rank(s) per node")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_torchrun_nodes_running_a_one_node_program_stop_with_the_error(tmp_path):
+    pytest.importorskip("torch")
+    program = tmp_path / "one_node.dhx"
+    program.write_text(EXAMPLE.read_text().replace("nodes = 2", "nodes = 1 #").replace("gpus_per_node = 2",
+                                                                                        "gpus_per_node = 4"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    port = _free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                               str(node), "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                               f"127.0.0.1:{port}", "-m", "dhelix", "run", str(program), "--steps", "1",
+                               "--timeout", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=ROOT) for node in (0, 1)]
+    outputs = [node.communicate(timeout=120) for node in nodes]
+    assert [node.returncode for node in nodes] != [0, 0]
+    err = outputs[0][1]
+    assert ("the cluster block puts ranks 0 and 2 on the same node (gpus_per_node = 4), but they run on "
+            "different ones") in err, err
+    assert "ranks 0, 1 on " in err and "(node 0); ranks 2, 3 on " in err
