@@ -21,7 +21,8 @@ MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
-TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps")
+TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup")
+TRAIN_STRINGS = ("data",)  # a path, relative to the program file
 
 
 #: The example a name-valued setting's message shows.
@@ -177,12 +178,18 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
-    block = evaluate_block(node.settings, errors, TRAIN_KEYS)
-    _check_positive(block, [k for k in ("micro_batch", "microbatches", "steps") if k in block.values], errors)
+    block = evaluate_block(node.settings, errors, TRAIN_KEYS, strings=TRAIN_STRINGS)
+    _check_positive(block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every") if k in block.values],
+                    errors)
+    if block.values.get("warmup", 0) < 0:
+        errors.add(CheckError("'warmup' must be at least 0 (steps of linear learning-rate warm-up)",
+                              block.nodes["warmup"].value.span))
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
         return None
     v = block.values
-    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), span=node.span)
+    data_span = block.nodes["data"].value.span if "data" in block.nodes else None
+    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
+                 v.get("eval_every"), v.get("warmup", 0), span=node.span, data_span=data_span)
 
 
 def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:
