@@ -22,9 +22,11 @@ column-parallel weight's shard is several non-contiguous blocks of the full tens
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,6 +42,14 @@ FORMAT = 1
 
 class CheckpointError(DhelixError):
     """A checkpoint that cannot be read or does not fit this run."""
+
+
+@contextlib.contextmanager
+def _single_process():
+    # no_dist=True is the intent (rank 0 writes the gathered state); DCP still warns.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _full_state(executor, optimizer) -> dict | None:
@@ -68,7 +78,8 @@ def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequenc
     partial = root_path / f".partial-{final.name}-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     state["rng"] = torch.get_rng_state()
-    dcp.save(state, checkpoint_id=str(partial), no_dist=True)
+    with _single_process():
+        dcp.save(state, checkpoint_id=str(partial), no_dist=True)
     meta = {"format": FORMAT, "step": step, "seed": seed, "global_sequences": global_sequences,
             "optimizer_steps": optimizer.steps,
             "shapes": {name: list(t.shape) for name, t in state["model"].items()}}
@@ -99,8 +110,13 @@ def latest(root: str) -> tuple[Path, dict]:
         if meta.get("format") != FORMAT:
             raise ValueError(f"format {meta.get('format')}, expected {FORMAT}")
         meta["step"], meta["shapes"]  # noqa: B018 - the keys every reader needs
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"the checkpoint '{folder}' is corrupt: {exc}") from None
+        from torch.distributed.checkpoint import FileSystemReader
+
+        FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:  # a broken JSON, a missing file, DCP's unpickling of its metadata
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        raise CheckpointError(f"the checkpoint '{folder}' is corrupt: {first}",
+                              notes=["resume from another save, or start again without --resume"]) from None
     return folder, meta
 
 
@@ -135,7 +151,8 @@ def load(root: str, executor, optimizer, global_sequences: int) -> dict:
              for key in ("model", "exp_avg", "exp_avg_sq")}
     state["rng"] = torch.get_rng_state()
     try:
-        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+        with _single_process():
+            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     except Exception as exc:  # DCP raises many kinds (CheckpointException, pickle, OS errors)
         raise CheckpointError(f"the checkpoint '{folder}' cannot be read: {str(exc).splitlines()[0][:300]}",
                               notes=["it is corrupt or incomplete; resume from another save"]) from None
