@@ -31,7 +31,7 @@ demo: setup
 	$(BIN)/dhelix plan $(EXAMPLE)
 	$(BIN)/dhelix render $(EXAMPLE) --what pipeline -o out/pipeline.svg
 	$(BIN)/dhelix simulate $(EXAMPLE) --compare
-	$(BIN)/dhelix run $(EXAMPLE) --steps 20
+	$(BIN)/dhelix run $(EXAMPLE) --steps 50 --lr 3e-3 --log out/train.jsonl --save out/checkpoint
 
 test: setup
 	$(BIN)/pytest

@@ -103,7 +103,7 @@ def latest(root: str) -> tuple[Path, dict]:
     pointer = root_path / LATEST
     if not pointer.is_file():
         raise CheckpointError(f"'{root}' is not a dhelix checkpoint: it has no '{LATEST}' file",
-                              notes=["give the folder that `dhelix run --save DIR` wrote"])
+                              notes=["give a folder that a run saved its checkpoints in"])
     folder = root_path / pointer.read_text().strip()
     try:
         meta = json.loads((folder / META).read_text())
@@ -116,7 +116,7 @@ def latest(root: str) -> tuple[Path, dict]:
     except Exception as exc:  # a broken JSON, a missing file, DCP's unpickling of its metadata
         first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
         raise CheckpointError(f"the checkpoint '{folder}' is corrupt: {first}",
-                              notes=["resume from another save, or start again without --resume"]) from None
+                              notes=["resume from another save, or start the run again"]) from None
     return folder, meta
 
 

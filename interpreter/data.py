@@ -62,11 +62,13 @@ class DataSpec:
         return DataError(f"{message}{where}", self.span, list(notes))
 
 
-def data_spec(program: Program, program_path: str, override: str | None) -> DataSpec | None:
-    """The run's data: ``override`` (``--data``, relative to the working folder) or the train
-    block's ``data`` (relative to the program file); None for random tokens."""
+def data_spec(program: Program, program_path: str, override: str | None = None,
+              flag: str | None = None) -> DataSpec | None:
+    """The run's data: ``override`` (relative to the working folder; ``flag`` names where
+    it was given) or the train block's ``data`` (relative to the program file); None for
+    random tokens."""
     if override is not None:
-        return DataSpec(str(Path(override).resolve()), flag="--data")
+        return DataSpec(str(Path(override).resolve()), flag=flag)
     if program.train.data is None:
         return None
     path = (Path(program_path).resolve().parent / program.train.data).resolve()

@@ -188,7 +188,7 @@ def run_options(args, text: str, program):
         backend=args.backend or "gloo", si=args.si, plan=plan, trace=args.trace,
         seed=args.seed if args.seed is not None else program.train.seed, lr=args.lr,
         zero1=args.zero1, timeout=args.timeout, check=args.check, pairs=pairs,
-        data=data.data_spec(program, args.file, args.data),
+        data=data.data_spec(program, args.file, args.data, "--data"),
         warmup=args.warmup if args.warmup is not None else program.train.warmup,
         decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip,
         eval_every=args.eval_every if args.eval_every is not None else program.train.eval_every,
