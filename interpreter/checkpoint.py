@@ -56,7 +56,7 @@ def _full_state(executor, optimizer) -> dict | None:
     """The layout-free state on global rank 0 (None elsewhere); collective."""
     plan, comm = executor.weights, executor.comm
     moments = optimizer.moments()
-    params = gather_full(plan, comm, executor.params)
+    params = gather_full(plan, comm, optimizer.masters())  # fp32, whatever the compute dtype
     first = gather_full(plan, comm, {name: pair[0] for name, pair in moments.items()})
     second = gather_full(plan, comm, {name: pair[1] for name, pair in moments.items()})
     if params is None:
@@ -163,19 +163,18 @@ def load(root: str, executor, optimizer, global_sequences: int) -> dict:
         parts = plan.program.mesh.size(spec.axis) if spec.axis else 1
         return spec.take(full, index.get(spec.axis, 0) if spec.axis else 0, parts)
 
-    with torch.no_grad():
-        for name in names:
-            executor.params[name].copy_(mine(name, state["model"][name]))
-    optimizer.load_moments({name: (mine(name, state["exp_avg"][name]), mine(name, state["exp_avg_sq"][name]))
-                            for name in names}, meta["optimizer_steps"])
+    optimizer.load_state({name: mine(name, state["model"][name]) for name in names},
+                         {name: (mine(name, state["exp_avg"][name]), mine(name, state["exp_avg_sq"][name]))
+                          for name in names}, meta["optimizer_steps"])
     torch.set_rng_state(state["rng"])
     return meta
 
 
-def export_weights(path: str, executor) -> None:
-    """Write the full weights to ``path`` on global rank 0 as a ``torch.save`` file keyed
-    like :class:`~.reference.ReferenceModel`'s ``state_dict``; collective."""
-    full = gather_full(executor.weights, executor.comm, executor.params)
+def export_weights(path: str, executor, optimizer) -> None:
+    """Write the full fp32 weights (the masters) to ``path`` on global rank 0 as a
+    ``torch.save`` file keyed like :class:`~.reference.ReferenceModel`'s ``state_dict``;
+    collective."""
+    full = gather_full(executor.weights, executor.comm, optimizer.masters())
     if full is not None:
         partial = Path(f"{path}.partial-{os.getpid()}")
         torch.save({name.replace(".", "__"): t.float().contiguous() for name, t in full.items()}, partial)

@@ -53,6 +53,9 @@ class AdamWConfig:
     weight_decay: float = 0.0
     #: The largest global gradient norm (None: no clipping).
     clip: float | None = None
+    #: Keep fp32 master weights (Megatron's mixed precision: bf16 parameters are copies of
+    #: them); False updates the parameters in their own dtype ("pure" bf16).
+    master: bool = True
 
 
 #: The cosine decay ends at this fraction of the peak learning rate.
@@ -105,8 +108,15 @@ class _Bucket:
         self.padded = math.ceil(max(self.total, 1) / size) * size
         width = self.padded // size if zero1 else self.padded
         self.offset = comm.index(axis) * width if zero1 else 0
+        self.width = width
         self.exp_avg = torch.zeros(width, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        #: This rank's part of the fp32 master weights (None: the parameters are the masters).
+        self.master: torch.Tensor | None = None
+
+    def keep_master(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Start the fp32 masters of this rank's part from ``params``."""
+        self.master = self.flat(params)[self.offset:self.offset + self.width].clone()
 
     def flat(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``tensors`` of :attr:`names` as one padded fp32 buffer."""
@@ -152,6 +162,9 @@ class DistributedAdamW:
         self.buckets = [_Bucket(set(self.params) - expert, self.params, comm, "dp", zero1, like.device)]
         if expert:
             self.buckets.append(_Bucket(expert, self.params, comm, EDP, zero1, like.device))
+        if config.master:
+            for bucket in self.buckets:
+                bucket.keep_master(self.params)
         self.norm_weights = None
         if weights is not None:
             # Under ZeRO-1 each replica of the bucket's axis holds its own slice.
@@ -206,12 +219,18 @@ class DistributedAdamW:
                 averaged = [grad * scale for grad in averaged]
         for bucket, grad in zip(self.buckets, averaged, strict=True):
             flat = bucket.flat(self.params)
-            mine = flat[bucket.offset:bucket.offset + grad.numel()]
+            mine = bucket.master if bucket.master is not None else flat[bucket.offset:bucket.offset + grad.numel()]
             self._adamw(bucket, mine, grad, self.config.lr if lr is None else lr)
-            if self.zero1:
-                flat = self.comm.all_gather(mine.contiguous(), bucket.axis)
-            for name, value in bucket.unflatten(flat).items():
-                self.params[name].copy_(value)
+            self._publish(bucket, mine, flat)
+
+    def _publish(self, bucket: _Bucket, mine: torch.Tensor, flat: torch.Tensor) -> None:
+        # Every replica's parameters from the updated part (a copy rounds fp32 masters to bf16).
+        if self.zero1:
+            flat = self.comm.all_gather(mine.contiguous(), bucket.axis)
+        elif bucket.master is not None:
+            flat = mine
+        for name, value in bucket.unflatten(flat).items():
+            self.params[name].copy_(value)
 
     def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """This rank's AdamW moments (exp_avg, exp_avg_sq) of each of its parameters, shaped
@@ -224,10 +243,28 @@ class DistributedAdamW:
             out.update({name: (first[name].clone(), second[name].clone()) for name in bucket.names})
         return out
 
-    def load_moments(self, moments: Mapping[str, tuple[torch.Tensor, torch.Tensor]], steps: int) -> None:
-        """Set the moments of every parameter (shaped like this rank's shards) and the step
-        count, as :meth:`moments` returned them on any layout."""
+    def masters(self) -> dict[str, torch.Tensor]:
+        """The fp32 value of each of this rank's parameters: its master weight, or the
+        parameter itself without masters (ZeRO-1 gathers the slices: collective)."""
+        out = {}
         for bucket in self.buckets:
+            if bucket.master is None:
+                out.update({name: self.params[name].float() for name in bucket.names})
+                continue
+            flat = self.comm.all_gather(bucket.master.contiguous(), bucket.axis) if self.zero1 else bucket.master
+            out.update({name: value.clone() for name, value in bucket.unflatten(flat).items()})
+        return out
+
+    def load_state(self, masters: Mapping[str, torch.Tensor],
+                   moments: Mapping[str, tuple[torch.Tensor, torch.Tensor]], steps: int) -> None:
+        """Set every parameter and its master from fp32 ``masters``, the moments and the step
+        count (each tensor shaped like this rank's shard, as :meth:`masters` and
+        :meth:`moments` return them on any layout)."""
+        for bucket in self.buckets:
+            for name in bucket.names:
+                self.params[name].copy_(masters[name])
+            if bucket.master is not None:
+                bucket.keep_master(masters)
             for slot, moment in enumerate((bucket.exp_avg, bucket.exp_avg_sq)):
                 flat = bucket.flat({name: moments[name][slot] for name in bucket.names})
                 moment.copy_(flat[bucket.offset:bucket.offset + moment.numel()])

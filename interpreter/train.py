@@ -64,6 +64,8 @@ class RunOptions:
     decay: bool = True
     weight_decay: float = 0.0
     clip: float | None = None
+    #: fp32 master weights under a bf16/fp16 model (False: "pure" low-precision updates).
+    master: bool = True
     eval_every: int | None = None
     save: str | None = None
     save_every: int | None = None
@@ -128,7 +130,8 @@ def train(options: RunOptions, device) -> RunResult | None:
     executor = Executor(program, comm, seed=options.seed, device=device, si=options.si,
                         plan_for=plan_for, use_tags=options.backend == "gloo",
                         recorder=recorder, on_action=_fault_hook(comm.rank))
-    config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip)
+    config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
+                         master=options.master)
     optimizer = DistributedAdamW(executor.params, executor.comm, zero1=options.zero1, config=config,
                                  expert=executor.weights.ep_sharded(executor.params),
                                  weights=norm_weights(executor.weights, executor.comm, executor.params))
@@ -150,7 +153,7 @@ def train(options: RunOptions, device) -> RunResult | None:
     if options.export is not None:
         from .checkpoint import export_weights
 
-        export_weights(options.export, executor)
+        export_weights(options.export, executor, optimizer)
     return _gather(executor, losses, times, evals)
 
 

@@ -221,3 +221,37 @@ def test_bad_checkpoints_are_clear_errors(tmp_path, capsys):
     (save / "dhelix.json").write_text("{broken")
     assert main(["run", program, "--resume", str(tmp_path)]) == 1
     assert f"the checkpoint '{save}' is corrupt: " in capsys.readouterr().err
+
+
+# --- mixed precision (one rank, in process) -------------------------------------------------
+
+def _losses(dtype: str, master: bool, steps: int = 2) -> list[float]:
+    from dhelix.interpreter.comm import SingleRankComm
+    from dhelix.interpreter.executor import Executor
+    from dhelix.interpreter.optim import AdamWConfig, DistributedAdamW, norm_weights
+
+    text = program_text("one").replace("dtype = fp32", f"dtype = {dtype}").replace("microbatches = 8",
+                                                                                 "microbatches = 2").replace("micro_batch = 2", "micro_batch = 1")
+    program = check_text(text, "one.dhx")
+    comm = SingleRankComm()
+    executor = Executor(program, comm, seed=1)
+    optimizer = DistributedAdamW(executor.params, comm, config=AdamWConfig(lr=3e-3, clip=1.0, master=master),
+                                 weights=norm_weights(executor.weights, comm, executor.params))
+    source = DataSource(program, 1, 1, load_corpus(DataSpec(DOCS), 256, 32))
+    losses = []
+    for step in range(steps):
+        losses.append(executor.step(source.batch(step)).item())
+        optimizer.step(executor.grads())
+        if master and dtype != "fp32":
+            masters = optimizer.masters()
+            assert all(t.dtype == torch.float32 for t in masters.values())
+            assert all(p.dtype == torch.bfloat16 for p in executor.params.values())
+            # The bf16 parameters are the masters rounded, not a separate trajectory.
+            assert all(torch.equal(executor.params[n], m.to(torch.bfloat16)) for n, m in masters.items())
+    return losses
+
+
+def test_bf16_with_fp32_masters_stays_within_0_05_of_fp32():
+    fp32, bf16 = _losses("fp32", True), _losses("bf16", True)
+    assert fp32[-1] < fp32[0]
+    assert max(abs(a - b) for a, b in zip(fp32, bf16, strict=True)) < 0.05

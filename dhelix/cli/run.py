@@ -89,6 +89,9 @@ def _add_training_arguments(run) -> None:
                       help="after the warm-up: cosine decay to 0.1 · lr at the last step (default), or constant")
     data.add_argument("--weight-decay", type=float, default=0.0, metavar="W", help="AdamW weight decay (default 0)")
     data.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this global norm")
+    data.add_argument("--no-fp32-master", dest="master", action="store_false",
+                      help="with dtype bf16 or fp16, update the parameters in that dtype (\"pure\" bf16) "
+                           "instead of keeping fp32 master weights")
     data.add_argument("--eval-every", type=int, metavar="N",
                       help="evaluate on the held-out data every N steps (default: the train block's eval_every)")
 
@@ -190,7 +193,7 @@ def run_options(args, text: str, program):
         zero1=args.zero1, timeout=args.timeout, check=args.check, pairs=pairs,
         data=data.data_spec(program, args.file, args.data, "--data"),
         warmup=args.warmup if args.warmup is not None else program.train.warmup,
-        decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip,
+        decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip, master=args.master,
         eval_every=args.eval_every if args.eval_every is not None else program.train.eval_every,
         save=args.save, save_every=args.save_every, resume=args.resume, log=args.log,
         export=args.export_weights)
