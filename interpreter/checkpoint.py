@@ -142,6 +142,7 @@ def load(root: str, executor, optimizer, global_sequences: int) -> dict:
     """Load the last save under ``root`` into this rank's shards of the weights and the
     optimizer moments and restore the RNG; returns the metadata (``step``: steps done)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     folder, meta = latest(root)
     plan = executor.weights
@@ -153,8 +154,10 @@ def load(root: str, executor, optimizer, global_sequences: int) -> dict:
     try:
         with _single_process():
             dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    except Exception as exc:  # DCP raises many kinds (CheckpointException, pickle, OS errors)
-        raise CheckpointError(f"the checkpoint '{folder}' cannot be read: {str(exc).splitlines()[0][:300]}",
+    except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+        exc = _first_failure(exc)
+        raise CheckpointError(f"the checkpoint '{folder}' cannot be read: "
+                              f"{(str(exc).splitlines() or [''])[0][:300] or type(exc).__name__}",
                               notes=["it is corrupt or incomplete; resume from another save"]) from None
     index = executor.index
 
@@ -168,6 +171,16 @@ def load(root: str, executor, optimizer, global_sequences: int) -> dict:
                           for name in names}, meta["optimizer_steps"])
     torch.set_rng_state(state["rng"])
     return meta
+
+
+def _first_failure(exc):
+    """The error a rank met inside DCP's CheckpointException (which wraps each rank's)."""
+    failures = getattr(exc, "failures", None)
+    if failures:  # rank → (exception, traceback)
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        return inner if isinstance(inner, BaseException) else exc
+    return exc
 
 
 def export_weights(path: str, executor, optimizer) -> None:

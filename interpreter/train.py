@@ -193,7 +193,7 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
             lr = options.lr_of(step)
             _one_step(executor, optimizer, device, source.batch(step), lr, times, losses)
             record = log.step(step, losses[-1], lr, optimizer.last_norm, times, _peak_bytes(executor))
-            if options.eval_every and (step + 1) % options.eval_every == 0:
+            if options.eval_every and ((step + 1) % options.eval_every == 0 or step + 1 == options.steps):
                 evals.append((step, _evaluate(executor, source)))
                 log.evaluation(step, evals[-1][1])
             if options.save and (step + 1 == options.steps or (

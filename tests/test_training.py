@@ -176,7 +176,7 @@ def _log(path: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r}
 
 
-def test_a_resumed_run_continues_the_uninterrupted_one_on_any_layout(tmp_path):
+def test_a_resumed_run_continues_the_uninterrupted_one_on_any_layout(tmp_path, capsys):
     programs = {layout: write_program(tmp_path, layout) for layout in ("tp2_pp2", "one", "dp2")}
     whole = tmp_path / "whole.jsonl"
     assert dhelix("run", programs["one"], "--steps", "4", "--log", str(whole)).returncode == 0
@@ -197,6 +197,31 @@ def test_a_resumed_run_continues_the_uninterrupted_one_on_any_layout(tmp_path):
             assert resumed[step]["lr"] == pytest.approx(expected[step]["lr"], rel=1e-12)
             assert resumed[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-4)
     _check_export(tmp_path / "w.pt", programs["one"])
+    log = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    # eval_every = 10 in the program: the held-out loss comes at the last step too.
+    assert set(log[-1]) == {"step", "eval_loss", "eval_ppl"} and log[-1]["step"] == 4
+    assert set(log[-2]) == {"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s", "exposed_comm_s",
+                            "peak_bytes"}
+    _check_refusals(tmp_path, saves, capsys)
+
+
+def _check_refusals(tmp_path: Path, saves: Path, capsys) -> None:
+    """A checkpoint that does not fit the model or the batch, and one with a truncated file."""
+    wider = tmp_path / "wider.dhx"
+    wider.write_text(program_text("one").replace("hidden = 64", "hidden = 32"))
+    assert main(["run", str(wider), "--steps", "4", "--resume", str(saves)]) == 1
+    assert ("does not fit this model (27 parameters differ: embedding: checkpoint [256, 64], model [256, 32]"
+            in capsys.readouterr().err)
+    fewer = tmp_path / "fewer.dhx"
+    fewer.write_text(program_text("one").replace("microbatches = 8", "microbatches = 4"))
+    assert main(["run", str(fewer), "--steps", "4", "--resume", str(saves)]) == 1
+    assert "was trained with 16 sequences a step, this run has 8" in capsys.readouterr().err
+    for data in (saves / "step-000002").glob("*.distcp"):
+        data.write_bytes(data.read_bytes()[:100])
+    broken = dhelix("run", str(tmp_path / "one.dhx"), "--steps", "4", "--resume", str(saves))
+    assert broken.returncode == 1
+    assert f"the checkpoint '{saves / 'step-000002'}' cannot be read: EOFError" in broken.stderr
+    assert "Traceback" not in broken.stderr
 
 
 def _check_export(path: Path, program_path: str):
