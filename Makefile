@@ -30,10 +30,11 @@ demo: setup
 	$(BIN)/dhelix check $(EXAMPLE)
 	$(BIN)/dhelix render $(EXAMPLE) --what pipeline -o out/pipeline.svg
 	$(BIN)/dhelix simulate $(EXAMPLE) --compare
-	# This machine, measured: the plan for it, then a run beside the prediction for it.
+	# This machine, measured: the plan for it, then training on the project's docs beside the
+	# prediction for it.
 	$(BIN)/dhelix profile $(EXAMPLE) -o out/this-machine.yaml --repeats 10
 	$(BIN)/dhelix plan $(EXAMPLE) --profile out/this-machine.yaml
-	$(BIN)/dhelix run $(EXAMPLE) --steps 20 --profile out/this-machine.yaml
+	$(BIN)/dhelix run $(EXAMPLE) --steps 50 --lr 3e-3 --log out/train.jsonl --save out/checkpoint --profile out/this-machine.yaml
 
 test: setup
 	$(BIN)/pytest

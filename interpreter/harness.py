@@ -40,6 +40,8 @@ class StepCheck:
     worst: str
     params: int
     update_diff: float = 0.0
+    #: |global gradient norm − the reference's| (clip_grad_norm_ on the full gradients).
+    norm_diff: float = 0.0
 
     @property
     def loss_diff(self) -> float:
@@ -50,7 +52,7 @@ class StepCheck:
         return (f"step {self.step}: loss {self.loss:.6f} (reference {self.reference_loss:.6f}, "
                 f"diff {self.loss_diff:.2e}); max grad diff {self.grad_diff:.2e} over "
                 f"{self.params} parameters (worst {self.worst}); max update diff "
-                f"{self.update_diff:.2e}")
+                f"{self.update_diff:.2e}; grad norm diff {self.norm_diff:.2e}")
 
 
 def replica_batch(batch: Batch, replica: int, microbatches: int) -> Batch:
@@ -148,24 +150,31 @@ def compare(step: int, loss: float, grads: Mapping[str, torch.Tensor], reference
     return StepCheck(step, float(loss), float(ref_loss), diffs[worst], worst, len(diffs))
 
 
-def check_steps(executor, optimizer, steps: int, data_seed: int = 0) -> list[StepCheck]:
+def check_steps(executor, optimizer, steps: int, data=0, lr_of=None) -> list[StepCheck]:
     """Run ``steps`` steps of ``executor`` (an :class:`~.executor.Executor`) with
     ``optimizer`` (a :class:`~.optim.DistributedAdamW` over its params), checking each
-    against the reference before the update, and the update against ``torch.optim.AdamW``
-    applied to the same averaged gradients. Returns the checks on global rank 0 and an
-    empty list elsewhere. Collective: every rank of the world must call it."""
+    against the reference before the update, and the update (clipping included) against
+    ``torch.optim.AdamW`` and ``torch.nn.utils.clip_grad_norm_`` applied to the same
+    averaged gradients. ``data`` is a seed of random batches or a function step → global
+    batch; ``lr_of`` a function step → learning rate (default: the optimizer's). Returns the
+    checks on global rank 0 and an empty list elsewhere. Collective: every rank of the world
+    must call it."""
     program, comm, plan = executor.program, executor.comm, executor.weights
+    batch_of = data if callable(data) else (lambda step: global_batch(program, data + step))
     checks, shadow = [], _ShadowAdamW(optimizer.config) if comm.rank == 0 else None
     for step in range(steps):
-        batch = global_batch(program, data_seed + step)
+        batch = batch_of(step)
+        lr = lr_of(step) if lr_of is not None else optimizer.config.lr
         params = gather_full(plan, comm, executor.params)
         loss = executor.step(replica_batch(batch, comm.index("dp"), program.train.microbatches))
         grads = gather_full(plan, comm, optimizer.averaged_grads(executor.grads()))
-        optimizer.step(executor.grads())
+        optimizer.step(executor.grads(), lr)
         updated = gather_full(plan, comm, executor.params)
         if comm.rank == 0:
             check = compare(step, loss.item(), grads, reference_with(program, params, batch, plan.seed))
-            checks.append(attrs.evolve(check, update_diff=shadow.diff(params, grads, updated)))
+            update_diff, norm = shadow.diff(params, grads, updated, lr)
+            norm_diff = abs(norm - optimizer.last_norm) if optimizer.last_norm is not None else 0.0
+            checks.append(attrs.evolve(check, update_diff=update_diff, norm_diff=norm_diff))
     return checks
 
 
@@ -176,8 +185,9 @@ class _ShadowAdamW:
     def __init__(self, config):
         self.config, self.params, self.optimizer = config, None, None
 
-    def diff(self, params, grads, updated) -> float:
-        """Largest difference between ``updated`` and AdamW applied to ``params`` with ``grads``."""
+    def diff(self, params, grads, updated, lr: float) -> tuple[float, float]:
+        """Largest difference between ``updated`` and AdamW with learning rate ``lr`` applied
+        to ``params`` with ``grads`` (clipped as the config says), and the gradients' norm."""
         if self.params is None:
             self.params = {name: value.clone().requires_grad_(True) for name, value in params.items()}
             cfg = self.config
@@ -187,5 +197,9 @@ class _ShadowAdamW:
             for name, param in self.params.items():
                 param.copy_(params[name])
                 param.grad = grads[name].clone()
+        clip = self.config.clip if self.config.clip is not None else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), clip, foreach=False))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
-        return max((self.params[name] - updated[name]).abs().max().item() for name in updated)
+        return max((self.params[name] - updated[name]).abs().max().item() for name in updated), norm

@@ -10,6 +10,14 @@ over the ``dp`` axis:
   average of its 1/dp slice of the buffer; it keeps the AdamW moments of that slice only,
   updates those parameters, and an all-gather gives every replica all parameters again.
 
+Before the update the gradients may be clipped to a global norm (``AdamWConfig.clip``, as
+``torch.nn.utils.clip_grad_norm_`` on the full model): the norm counts every element of the
+full model once, so each rank weighs its squared gradients by one over the number of ranks
+that hold the same elements (:func:`norm_weights`: tp-replicated norms are held by every tp
+rank, a pipeline stage's weights by its rank only, a ZeRO-1 slice by one replica) and the
+weighted sums are added over the world. The learning rate of each update comes from
+:func:`lr_at` (linear warm-up, then cosine decay), passed to :meth:`DistributedAdamW.step`.
+
 Both compute the same numbers; the average over replicas matches the reference model, whose
 loss is the mean over all micro-batches of all replicas.
 
@@ -43,6 +51,47 @@ class AdamWConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    #: The largest global gradient norm (None: no clipping).
+    clip: float | None = None
+    #: Keep fp32 master weights (Megatron's mixed precision: bf16 parameters are copies of
+    #: them); False updates the parameters in their own dtype ("pure" bf16).
+    master: bool = True
+
+
+#: The cosine decay ends at this fraction of the peak learning rate.
+MIN_LR_RATIO = 0.1
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int | None) -> float:
+    """The learning rate of update ``step`` (0-based): linear warm-up from ``peak / warmup``
+    to ``peak`` over the first ``warmup`` updates, then cosine decay to
+    ``MIN_LR_RATIO · peak`` at update ``total`` (None: constant after the warm-up). The
+    same numbers as torch's ``SequentialLR(LinearLR, CosineAnnealingLR)`` (tested)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if total is None or total <= warmup:
+        return peak
+    progress = min(step - warmup, total - warmup) / (total - warmup)
+    low = MIN_LR_RATIO * peak
+    return low + (peak - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def norm_weights(plan, comm: Communicator, names) -> dict[str, float]:
+    """For each of this rank's parameter ``names``, one over the number of ranks in the
+    world that hold the same elements (the same shard of the same parameter); collective
+    over the world. ``plan`` is the run's :class:`~.weights.WeightPlan`."""
+    import torch.distributed as dist
+
+    keys = {(name, part) for name in plan.names()
+            for part in range(comm.size(plan.spec(name).axis) if plan.spec(name).axis else 1)}
+    index = {key: i for i, key in enumerate(sorted(keys))}
+    mine = {name: (name, comm.index(plan.spec(name).axis) if plan.spec(name).axis else 0) for name in names}
+    counts = torch.zeros(len(index), dtype=torch.float64)
+    for key in mine.values():
+        counts[index[key]] += 1
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+    return {name: 1.0 / float(counts[index[key]]) for name, key in mine.items()}
 
 
 class _Bucket:
@@ -59,8 +108,15 @@ class _Bucket:
         self.padded = math.ceil(max(self.total, 1) / size) * size
         width = self.padded // size if zero1 else self.padded
         self.offset = comm.index(axis) * width if zero1 else 0
+        self.width = width
         self.exp_avg = torch.zeros(width, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        #: This rank's part of the fp32 master weights (None: the parameters are the masters).
+        self.master: torch.Tensor | None = None
+
+    def keep_master(self, params: Mapping[str, torch.Tensor]) -> None:
+        """Start the fp32 masters of this rank's part from ``params``."""
+        self.master = self.flat(params)[self.offset:self.offset + self.width].clone()
 
     def flat(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``tensors`` of :attr:`names` as one padded fp32 buffer."""
@@ -88,8 +144,14 @@ class DistributedAdamW:
     then, so that no caller silently sums the gradients of different experts."""
 
     def __init__(self, params: Mapping[str, torch.Tensor], comm: Communicator, *, zero1: bool = False,
-                 config: AdamWConfig = AdamWConfig(), expert: Collection[str] | None = None):
+                 config: AdamWConfig = AdamWConfig(), expert: Collection[str] | None = None,
+                 weights: Mapping[str, float] | None = None):
         self.params, self.comm, self.zero1, self.config = dict(params), comm, zero1, config
+        #: The global gradient norm of the last step (None without ``weights``: see
+        #: :func:`norm_weights`; clipping needs them).
+        self.last_norm: float | None = None
+        if config.clip is not None and weights is None:
+            raise ValueError("clipping needs the norm weights of the parameters (weights=norm_weights(…))")
         self.dp = comm.size("dp")
         if comm.size("ep") > 1 and expert is None:
             raise ValueError("with ep > 1 the optimizer must be told which parameters are sharded over "
@@ -100,6 +162,15 @@ class DistributedAdamW:
         self.buckets = [_Bucket(set(self.params) - expert, self.params, comm, "dp", zero1, like.device)]
         if expert:
             self.buckets.append(_Bucket(expert, self.params, comm, EDP, zero1, like.device))
+        if config.master:
+            for bucket in self.buckets:
+                bucket.keep_master(self.params)
+        self.norm_weights = None
+        if weights is not None:
+            # Under ZeRO-1 each replica of the bucket's axis holds its own slice.
+            self.norm_weights = [bucket.flat({n: torch.full_like(self.params[n], weights[n] * (
+                comm.size(bucket.axis) if zero1 else 1), dtype=torch.float32) for n in bucket.names})
+                for bucket in self.buckets]
         self.steps = 0
 
     def _average(self, bucket: _Bucket, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -121,26 +192,90 @@ class DistributedAdamW:
             out.update(bucket.unflatten(flat))
         return out
 
-    def step(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Average ``grads`` (dense over dp, experts over edp) and apply one AdamW update to
-        :attr:`params`."""
-        self.steps += 1
-        for bucket in self.buckets:
-            grad = self._average(bucket, grads)
-            flat = bucket.flat(self.params)
-            mine = flat[bucket.offset:bucket.offset + grad.numel()]
-            self._adamw(bucket, mine, grad)
-            if self.zero1:
-                flat = self.comm.all_gather(mine.contiguous(), bucket.axis)
-            for name, value in bucket.unflatten(flat).items():
-                self.params[name].copy_(value)
+    def global_norm(self, averaged: list[torch.Tensor]) -> float:
+        """The norm of the full model's averaged gradient from this rank's ``averaged``
+        bucket parts (collective over the world)."""
+        import torch.distributed as dist
 
-    def _adamw(self, bucket: _Bucket, param: torch.Tensor, grad: torch.Tensor) -> None:
+        total = torch.zeros((), dtype=torch.float64, device=averaged[0].device)
+        for bucket, weight, grad in zip(self.buckets, self.norm_weights, averaged, strict=True):
+            part = weight[bucket.offset:bucket.offset + grad.numel()]
+            total += (part.double() * grad.double() ** 2).sum()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total)
+        return math.sqrt(float(total))
+
+    def step(self, grads: Mapping[str, torch.Tensor], lr: float | None = None) -> None:
+        """Average ``grads`` (dense over dp, experts over edp), clip them to the global norm
+        ``config.clip`` and apply one AdamW update with learning rate ``lr`` (default
+        ``config.lr``) to :attr:`params`; the norm before clipping is :attr:`last_norm`."""
+        self.steps += 1
+        averaged = [self._average(bucket, grads) for bucket in self.buckets]
+        if self.norm_weights is not None:
+            self.last_norm = self.global_norm(averaged)
+            if self.config.clip is not None:
+                # torch.nn.utils.clip_grad_norm_'s coefficient, so the reference agrees.
+                scale = min(1.0, self.config.clip / (self.last_norm + 1e-6))
+                averaged = [grad * scale for grad in averaged]
+        for bucket, grad in zip(self.buckets, averaged, strict=True):
+            flat = bucket.flat(self.params)
+            mine = bucket.master if bucket.master is not None else flat[bucket.offset:bucket.offset + grad.numel()]
+            self._adamw(bucket, mine, grad, self.config.lr if lr is None else lr)
+            self._publish(bucket, mine, flat)
+
+    def _publish(self, bucket: _Bucket, mine: torch.Tensor, flat: torch.Tensor) -> None:
+        # Every replica's parameters from the updated part (a copy rounds fp32 masters to bf16).
+        if self.zero1:
+            flat = self.comm.all_gather(mine.contiguous(), bucket.axis)
+        elif bucket.master is not None:
+            flat = mine
+        for name, value in bucket.unflatten(flat).items():
+            self.params[name].copy_(value)
+
+    def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's AdamW moments (exp_avg, exp_avg_sq) of each of its parameters, shaped
+        like them (ZeRO-1 gathers the slices over the bucket's axis: collective)."""
+        out: dict = {}
+        for bucket in self.buckets:
+            pair = [m if not self.zero1 else self.comm.all_gather(m.contiguous(), bucket.axis)
+                    for m in (bucket.exp_avg, bucket.exp_avg_sq)]
+            first, second = (bucket.unflatten(m) for m in pair)
+            out.update({name: (first[name].clone(), second[name].clone()) for name in bucket.names})
+        return out
+
+    def masters(self) -> dict[str, torch.Tensor]:
+        """The fp32 value of each of this rank's parameters: its master weight, or the
+        parameter itself without masters (ZeRO-1 gathers the slices: collective)."""
+        out = {}
+        for bucket in self.buckets:
+            if bucket.master is None:
+                out.update({name: self.params[name].float() for name in bucket.names})
+                continue
+            flat = self.comm.all_gather(bucket.master.contiguous(), bucket.axis) if self.zero1 else bucket.master
+            out.update({name: value.clone() for name, value in bucket.unflatten(flat).items()})
+        return out
+
+    def load_state(self, masters: Mapping[str, torch.Tensor],
+                   moments: Mapping[str, tuple[torch.Tensor, torch.Tensor]], steps: int) -> None:
+        """Set every parameter and its master from fp32 ``masters``, the moments and the step
+        count (each tensor shaped like this rank's shard, as :meth:`masters` and
+        :meth:`moments` return them on any layout)."""
+        for bucket in self.buckets:
+            for name in bucket.names:
+                self.params[name].copy_(masters[name])
+            if bucket.master is not None:
+                bucket.keep_master(masters)
+            for slot, moment in enumerate((bucket.exp_avg, bucket.exp_avg_sq)):
+                flat = bucket.flat({name: moments[name][slot] for name in bucket.names})
+                moment.copy_(flat[bucket.offset:bucket.offset + moment.numel()])
+        self.steps = steps
+
+    def _adamw(self, bucket: _Bucket, param: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
         cfg = self.config
         beta1, beta2 = cfg.betas
-        param.mul_(1 - cfg.lr * cfg.weight_decay)
+        param.mul_(1 - lr * cfg.weight_decay)
         bucket.exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
         bucket.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step_size = cfg.lr / (1 - beta1 ** self.steps)
+        step_size = lr / (1 - beta1 ** self.steps)
         denom = (bucket.exp_avg_sq / (1 - beta2 ** self.steps)).sqrt_().add_(cfg.eps)
         param.addcdiv_(bucket.exp_avg, denom, value=-step_size)

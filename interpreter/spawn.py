@@ -74,14 +74,6 @@ class LauncherStopped(Exception):
         self.signum = signum
 
 
-def quiet_numpy_warning() -> None:
-    """Silence torch's import-time warning about a missing NumPy (the interpreter does not
-    use NumPy); call it before the first import of torch in a process."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-
-
 def torchrun_rank(program) -> tuple[int, int] | None:
     """(rank, world size) when this process was started by torchrun, else None. Raises
     DhelixError when torchrun's world is not the size of ``program``'s mesh."""
@@ -147,7 +139,6 @@ def run_local(options: "RunOptions", nproc: int, work: Work):
 def _launcher_store(timeout: float):
     from datetime import timedelta
 
-    quiet_numpy_warning()
     from torch.distributed import TCPStore
 
     return TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
@@ -348,7 +339,6 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
     RankFailure when a collective fails because a peer did."""
     from datetime import timedelta
 
-    quiet_numpy_warning()
     import torch
     import torch.distributed as dist
 

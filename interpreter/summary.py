@@ -51,6 +51,8 @@ class RunResult:
     losses: tuple[float, ...]
     ranks: tuple[RankRecord, ...] = ()
     checks: tuple = ()
+    #: (step, held-out loss) of every evaluation.
+    evals: tuple = ()
 
     @property
     def events(self) -> tuple[TraceEvent, ...]:
@@ -125,7 +127,7 @@ def steady(values) -> float:
 
 def worst_difference(checks) -> float:
     """The largest loss, gradient or update difference from the reference over ``checks``."""
-    return max((max(c.loss_diff, c.grad_diff, c.update_diff) for c in checks), default=0.0)
+    return max((max(c.loss_diff, c.grad_diff, c.update_diff, c.norm_diff) for c in checks), default=0.0)
 
 
 def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:

@@ -7,11 +7,11 @@ measurements and trace events, gathered there; None on the other ranks. With
 (:func:`.harness.check_steps`) and returns the comparisons.
 
 The loop's one output of its own is the progress bar that rank 0 draws on standard error
-(loss, tokens/s, step time) when that is a terminal (logs stay readable when redirected): progress can only come from the process that runs the steps,
-which under the local spawner is a child of the command. Everything else is a value.
+(loss, tokens/s, step time) when that is a terminal (logs stay readable when redirected):
+progress can only come from the process that runs the steps, which under the local spawner is
+a child of the command. Everything else is a value.
 
-torch is imported inside the functions: a spawned rank unpickles its :class:`RunOptions`
-before it can silence torch's import-time warnings (:func:`.spawn.quiet_numpy_warning`).
+torch is imported inside the functions, so that registering the command line stays light.
 """
 
 from __future__ import annotations
@@ -63,6 +63,27 @@ class RunOptions:
     check: bool = False
     pairs: tuple | None = None
     profile: str | None = None
+    #: The training data (:class:`~.data.DataSpec`; None: seeded random tokens).
+    data: object = None
+    warmup: int = 0
+    #: Cosine decay of the learning rate over the run's steps (else constant after warm-up).
+    decay: bool = True
+    weight_decay: float = 0.0
+    clip: float | None = None
+    #: fp32 master weights under a bf16/fp16 model (False: "pure" low-precision updates).
+    master: bool = True
+    eval_every: int | None = None
+    save: str | None = None
+    save_every: int | None = None
+    resume: str | None = None
+    log: str | None = None
+    export: str | None = None
+
+    def lr_of(self, step: int) -> float:
+        """The learning rate of update ``step`` (0-based)."""
+        from .optim import lr_at
+
+        return lr_at(step, self.lr, self.warmup, self.steps if self.decay else None)
 
 
 def preflight(program) -> None:
@@ -101,7 +122,8 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     from .comm import DistComm
     from .executor import Executor
     from .harness import broadcast_from_first, check_steps
-    from .optim import AdamWConfig, DistributedAdamW
+    from .data import DataSource, load_corpus
+    from .optim import AdamWConfig, DistributedAdamW, norm_weights
     from .recording import Recorder
     from .si_plan import PLANS, fixed_plan
 
@@ -115,17 +137,31 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     executor = Executor(program, comm, seed=options.seed, device=device, si=options.si,
                         plan_for=plan_for, use_tags=options.backend == "gloo",
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat))
-    optimizer = DistributedAdamW(executor.params, executor.comm, zero1=options.zero1,
-                                 config=AdamWConfig(lr=options.lr),
-                                 expert=executor.weights.ep_sharded(executor.params))
+    config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
+                         master=options.master)
+    optimizer = DistributedAdamW(executor.params, executor.comm, zero1=options.zero1, config=config,
+                                 expert=executor.weights.ep_sharded(executor.params),
+                                 weights=norm_weights(executor.weights, executor.comm, executor.params))
+    corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
+                                                           program.model.get("seq"))
+    source = DataSource(program, comm.size("dp"), options.seed, corpus)
     dist.barrier()  # every group exists everywhere; also aligns the trace clocks
     recorder.origin = time.perf_counter()
     if options.check:
         # The reference is compared on rank 0: its comparisons are the verdict.
-        checks = tuple(check_steps(executor, optimizer, options.steps, options.seed))
+        checks = tuple(check_steps(executor, optimizer, options.steps, source.batch, options.lr_of))
         return RunResult(losses=tuple(c.loss for c in checks), checks=checks) if comm.rank == 0 else None
-    losses, times = _steps(options, program, executor, optimizer, device)
-    return _gather(executor, losses, times)
+    start = 0
+    if options.resume is not None:
+        from .checkpoint import load
+
+        start = load(options.resume, executor, optimizer, source.global_sequences)["step"]
+    losses, times, evals = _steps(options, executor, optimizer, device, source, start)
+    if options.export is not None:
+        from .checkpoint import export_weights
+
+        export_weights(options.export, executor, optimizer)
+    return _gather(executor, losses, times, evals)
 
 
 def _action_hook(comm, program, heartbeat):
@@ -164,39 +200,72 @@ def _fault_hook(rank: int):
     return hook
 
 
-def _steps(options: RunOptions, program, executor, optimizer, device):
-    """Run ``options.steps`` steps with a progress bar on rank 0; returns the losses and the
-    per-step times (step, blocked on collectives, blocked on pipeline receives)."""
+def _steps(options: RunOptions, executor, optimizer, device, source, start: int):
+    """Run steps ``start`` … ``options.steps - 1`` with a progress bar on rank 0, evaluating,
+    saving and logging as the options say; returns the losses, the per-step times (step,
+    blocked on collectives, blocked on pipeline receives) and the evaluations (step, loss)."""
     from tqdm import tqdm
+
+    from .steplog import StepLog
 
     # A thread lock instead of tqdm's default multiprocessing one: a rank stopped by the
     # spawner would leak its semaphore.
     tqdm.set_lock(threading.RLock())
-    rank, comm = executor.comm.rank, executor.comm
-    tokens = program.train.micro_batch * program.model.get("seq") * program.train.microbatches * comm.size("dp")
-    losses, times = [], {"step": [], "collective": [], "p2p": []}
-    bar = tqdm(range(options.steps), desc="training", unit="step", disable=None if rank == 0 else True, file=sys.stderr)
-    with _cuda_profile(options, device, rank):
+    rank = executor.comm.rank
+    tokens = source.global_sequences * executor.program.model.get("seq")
+    losses, times, evals = [], {"step": [], "collective": [], "p2p": []}, []
+    log = StepLog(options.log if rank == 0 else None, tokens, append=start > 0)
+    bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
+               file=sys.stderr)
+    with _cuda_profile(options, device, rank), log:
         for step in bar:
-            _one_step(program, executor, optimizer, device, options.seed + step, times, losses)
-            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens / times['step'][-1]:.0f}",
+            lr = options.lr_of(step)
+            _one_step(executor, optimizer, device, source.batch(step), lr, times, losses)
+            record = log.step(step, losses[-1], lr, optimizer.last_norm, times, _peak_bytes(executor))
+            if options.eval_every and ((step + 1) % options.eval_every == 0 or step + 1 == options.steps):
+                evals.append((step, _evaluate(executor, source)))
+                log.evaluation(step, evals[-1][1])
+            if options.save and (step + 1 == options.steps or (
+                    options.save_every and (step + 1) % options.save_every == 0)):
+                from .checkpoint import save
+
+                save(options.save, executor, optimizer, step=step + 1, seed=options.seed,
+                     global_sequences=source.global_sequences)
+            bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             step_ms=f"{1e3 * times['step'][-1]:.1f}")
     bar.close()
-    return losses, times
+    return losses, times, evals
 
 
-def _one_step(program, executor, optimizer, device, seed: int, times: dict, losses: list) -> None:
-    """One training step; appends its loss and its times (step, blocked on collectives,
-    blocked on pipeline receives) to ``losses`` and ``times``."""
+def _peak_bytes(executor) -> int:
     import torch
 
-    from .harness import global_batch, replica_batch
+    if executor.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(executor.device)
+    return executor.recorder.peak_bytes
+
+
+def _evaluate(executor, source) -> float:
+    """The loss of the held-out batch with the current weights (its gradients are dropped)."""
+    from .harness import replica_batch
+
+    batch = replica_batch(source.held_out(), executor.comm.index("dp"), executor.program.train.microbatches)
+    return executor.step(batch).item()
+
+
+def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses: list) -> None:
+    """One training step on the global ``batch`` with learning rate ``lr``; appends its loss
+    and its times (step, blocked on collectives, blocked on pipeline receives) to
+    ``losses`` and ``times``."""
+    import torch
+
+    from .harness import replica_batch
 
     comm, waited = executor.comm, executor.recorder.waited
-    batch = replica_batch(global_batch(program, seed), comm.index("dp"), program.train.microbatches)
+    batch = replica_batch(batch, comm.index("dp"), executor.program.train.microbatches)
     start, before = time.perf_counter(), dict(waited)
     loss = executor.step(batch)
-    optimizer.step(executor.grads())
+    optimizer.step(executor.grads(), lr)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     times["step"].append(time.perf_counter() - start)
@@ -222,7 +291,7 @@ def _cuda_profile(options: RunOptions, device, rank: int):
     return profiled()
 
 
-def _gather(executor, losses: list, times: dict) -> RunResult | None:
+def _gather(executor, losses: list, times: dict, evals: list) -> RunResult | None:
     """Every rank's record gathered on global rank 0 as the run's result (None elsewhere)."""
     import torch
 
@@ -238,4 +307,4 @@ def _gather(executor, losses: list, times: dict) -> RunResult | None:
                       events=tuple(TraceEvent(rank, lane, name, start, duration)
                                    for name, lane, start, duration in recorder.events))
     ranks = gather_to_first(mine)
-    return None if ranks is None else RunResult(losses=tuple(losses), ranks=tuple(ranks))
+    return None if ranks is None else RunResult(losses=tuple(losses), ranks=tuple(ranks), evals=tuple(evals))

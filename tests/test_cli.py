@@ -211,6 +211,7 @@ def _program(folder: Path, name: str = "prog.dhx", imports=(), profile: str | No
 
 #: Every command and option that writes a file, with the file's usual suffix.
 WRITERS = [("render", "-o", ".svg"), ("export", "--torch-csv", ".csv"), ("simulate", "--trace", ".json"),
+           ("run", "--log", ".jsonl"), ("run", "--export-weights", ".pt"),
            ("run", "--trace", ".json"), ("run", "--metrics", ".json"), ("profile", "-o", ".yaml")]
 
 

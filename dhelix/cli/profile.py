@@ -60,7 +60,6 @@ def cmd_profile(args) -> int:
     from dhelix.interpreter import profile_launch, spawn
 
     out = _output(args, program, profile_launch.host_name())
-    spawn.quiet_numpy_warning()  # before torch is first imported
     from dhelix.interpreter import train
 
     train.preflight(program)

@@ -68,24 +68,54 @@ def register(subparsers) -> None:
                      help="print the summary's figures as JSON (what --metrics writes) instead of the table")
     add_launch_arguments(run, what="train")
     add_profile_argument(run)
+    _add_training_arguments(run)
     run.set_defaults(func=cmd_run)
+
+
+def _add_training_arguments(run) -> None:
+    data = run.add_argument_group("data, checkpoints and the training loop")
+    data.add_argument("--data", metavar="PATH",
+                      help="train on a text file or a folder of them (byte-level tokens), or on raw token "
+                           "files (.uint16, .uint32); overrides the train block's data")
+    data.add_argument("--save", metavar="DIR", help="save a checkpoint to DIR at the end (and every --save-every)")
+    data.add_argument("--save-every", type=int, metavar="N", help="also save every N steps")
+    data.add_argument("--resume", metavar="DIR",
+                      help="continue the run saved in DIR, on this program's layout (--steps counts all steps)")
+    data.add_argument("--export-weights", metavar="OUT.pt",
+                      help="write the trained full weights as one torch.save state_dict of the reference model")
+    data.add_argument("--log", metavar="OUT.jsonl",
+                      help="write one JSON line per step (loss, lr, grad norm, step time, tokens/s, exposed "
+                           "communication, peak memory) and per evaluation")
+    data.add_argument("--warmup", type=int, metavar="N", help="linear learning-rate warm-up steps "
+                                                              "(default: the train block's warmup, else 0)")
+    data.add_argument("--lr-decay", choices=("cosine", "constant"), default="cosine",
+                      help="after the warm-up: cosine decay to 0.1 · lr at the last step (default), or constant")
+    data.add_argument("--weight-decay", type=float, default=0.0, metavar="W", help="AdamW weight decay (default 0)")
+    data.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this global norm")
+    data.add_argument("--no-fp32-master", dest="master", action="store_false",
+                      help="with dtype bf16 or fp16, update the parameters in that dtype (\"pure\" bf16) "
+                           "instead of keeping fp32 master weights")
+    data.add_argument("--eval-every", type=int, metavar="N",
+                      help="evaluate on the held-out data every N steps (default: the train block's eval_every)")
 
 
 def cmd_run(args) -> int:
     """`dhelix run FILE …`: check the program and the output, then run it on a spawned or
     torchrun world and print what rank 0 brings back; returns the exit code."""
-    if args.steps is not None and args.steps < 1:
-        raise UsageError("--steps must be at least 1")
+    _check_numbers(args)
     check_launch_numbers(args)
     outputs = {flag: output_path(value, flag, inputs=(args.file,))
-               for flag, value in (("--trace", args.trace), ("--metrics", args.metrics)) if value}
+               for flag, value in (("--trace", args.trace), ("--metrics", args.metrics), ("--log", args.log),
+                                   ("--export-weights", args.export_weights)) if value}
+    if args.save:
+        outputs["--save"] = _save_folder(args.save)
     if args.check and args.json:
         raise UsageError("--check prints every step's comparison with the reference; it has no --json")
-    if args.check and outputs:
+    if args.check and (outputs or args.resume):
         raise UsageError(f"--check compares every step with the reference and prints that; it writes no "
-                         f"{' or '.join(outputs)} (run without --check for them)")
+                         f"{' or '.join(outputs) or '--resume'} (run without --check for them)")
     if len({os.path.realpath(path) for path in outputs.values()}) < len(outputs):
-        raise UsageError(f"--trace and --metrics name the same file '{args.trace}'; give each its own")
+        raise UsageError(f"{' and '.join(outputs)} name the same file; give each its own")
     text = read_source(args.file)
     program = checked_program(text, args.file, args.profile)
     require_model(program, args.file)
@@ -93,13 +123,13 @@ def cmd_run(args) -> int:
         refuse_inputs(path, flag, program_inputs(program))
     from dhelix.interpreter import spawn
 
-    spawn.quiet_numpy_warning()  # before torch is first imported
     from dhelix.interpreter import train
 
     train.preflight(program)
     placed = spawn.torchrun_rank(program)
     nproc = local_ranks(args, program, torchrun=placed is not None)
     options = run_options(args, text, program, choose_backend(args.backend, nproc))
+    _preflight_data(program, options)
     if placed is not None:
         result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node)
     else:
@@ -109,9 +139,49 @@ def cmd_run(args) -> int:
     return report(program, options, result, outputs.get("--trace"), outputs.get("--metrics"), as_json=args.json)
 
 
+def _check_numbers(args) -> None:
+    for flag, value in (("--steps", args.steps), ("--save-every", args.save_every),
+                        ("--eval-every", args.eval_every)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1")
+    if args.warmup is not None and args.warmup < 0:
+        raise UsageError("--warmup must be at least 0")
+    if args.clip is not None and args.clip <= 0:
+        raise UsageError("--clip must be a positive norm")
+    if args.save_every is not None and not args.save:
+        raise UsageError("--save-every needs --save DIR (where to save)")
+
+
+def _save_folder(text: str) -> Path:
+    """``--save DIR`` as a folder the run may create or add saves to."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--save {text}: that is a file; give a folder for the checkpoints")
+    if not path.exists() and not path.parent.resolve().is_dir():
+        raise UsageError(f"--save {text}: the folder '{path.parent}' does not exist")
+    return path
+
+
+def _preflight_data(program, options) -> None:
+    """Read the data and the checkpoint to resume before any rank starts, so that their
+    errors come once, located, and not from every rank."""
+    from dhelix.interpreter import checkpoint, data
+    from dhelix.interpreter.weights import WeightPlan
+
+    if options.data is not None:
+        data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"))
+    if options.resume is not None:
+        _, meta = checkpoint.latest(options.resume)
+        sequences = program.train.micro_batch * program.train.microbatches * program.mesh.size("dp")
+        checkpoint.check_fits(options.resume, meta, WeightPlan(program, options.seed), sequences)
+        if meta["step"] >= options.steps:
+            raise UsageError(f"--resume {options.resume}: the checkpoint is at step {meta['step']}, and this run "
+                             f"has {options.steps} steps in all; give --steps above {meta['step']}")
+
+
 def run_options(args, text: str, program, backend: str):
     """The interpreter's RunOptions from the command line and the program's train block."""
-    from dhelix.interpreter import train
+    from dhelix.interpreter import data, train
 
     plan, pairs = train.si_plan(program, args.si_plan) if args.si else (args.si_plan, None)
     return train.RunOptions(
@@ -120,7 +190,13 @@ def run_options(args, text: str, program, backend: str):
         backend=backend, si=args.si, plan=plan, trace=args.trace,
         seed=args.seed if args.seed is not None else program.train.seed, lr=args.lr,
         zero1=args.zero1 or program.train.zero >= 1, timeout=args.timeout, check=args.check, pairs=pairs,
-        profile=_profile_for_ranks(args.profile))
+        profile=_profile_for_ranks(args.profile),
+        data=data.data_spec(program, args.file, args.data, "--data"),
+        warmup=args.warmup if args.warmup is not None else program.train.warmup,
+        decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip, master=args.master,
+        eval_every=args.eval_every if args.eval_every is not None else program.train.eval_every,
+        save=args.save, save_every=args.save_every, resume=args.resume, log=args.log,
+        export=args.export_weights)
 
 
 def _profile_for_ranks(profile: str | None) -> str | None:
@@ -149,6 +225,7 @@ def report(program, options, result, trace: Path | None, metrics: Path | None = 
     figures = summary.summarize(program, options, result)
     numbers = json.dumps(summary.metrics(figures, options, result), indent=1) + "\n"
     print(numbers if as_json else "dhelix run: " + summary.format_summary(figures), end="" if as_json else "\n")
+    _report_training(options, result, sys.stderr if as_json else sys.stdout)
     if metrics is not None:
         write_output(metrics, numbers)
     if trace is not None:
@@ -156,6 +233,28 @@ def report(program, options, result, trace: Path | None, metrics: Path | None = 
         print(f"trace: {trace} ({len(result.events)} events; open in Perfetto or chrome://tracing)",
               file=sys.stderr if as_json else sys.stdout)
     return 0
+
+
+def _report_training(options, result, out) -> None:
+    """The lines about what the training loop kept (the held-out loss, saves, weights, log),
+    printed to ``out``."""
+    import math
+
+    if result.losses:
+        print(f"loss: {result.losses[0]:.4f} at the first step run, {result.losses[-1]:.4f} at step {options.steps}",
+              file=out)
+    if result.evals:
+        step, loss = result.evals[-1]
+        print(f"held-out: loss {loss:.4f}, perplexity {math.exp(min(loss, 80.0)):.2f} after step {step + 1}",
+              file=out)
+    if options.save:
+        print(f"checkpoint: {options.save} (step {options.steps}; resume with --resume {options.save})",
+              file=out)
+    if options.export:
+        print(f"weights: {options.export} (torch.load it into the reference model's load_state_dict)",
+              file=out)
+    if options.log:
+        print(f"log: {options.log} (one JSON line per step)", file=out)
 
 
 def write_trace(path: Path, program, options, result) -> None:

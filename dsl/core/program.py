@@ -54,18 +54,25 @@ class Cluster:
 
 @attrs.frozen
 class Train:
-    """The train block: micro-batch size and count per step; the seed of weights and data,
-    the default step count of `dhelix run`, the ZeRO stage of the optimizer (0: states
-    replicated, 1: sharded over data parallelism) and the activation recomputation (none,
-    or full: each layer keeps its input and runs its forward again before its backward)."""
+    """The train block: micro-batch size and count per step; the seed of weights and data
+    and the default step count of `dhelix run`; the training data (a path as written,
+    relative to the program file; None: seeded random tokens), evaluation every
+    ``eval_every`` steps and ``warmup`` steps of learning-rate warm-up; the ZeRO stage of the
+    optimizer (0: states replicated, 1: sharded over data parallelism) and the activation
+    recomputation (none, or full: each layer keeps its input and runs its forward again
+    before its backward). ``data_span`` is where an error about the data points."""
 
     micro_batch: int
     microbatches: int
     seed: int = 0
     steps: int | None = None
+    data: str | None = None
+    eval_every: int | None = None
+    warmup: int = 0
     zero: int = 0
     recompute: str = "none"
     span: object = span_field()
+    data_span: object = span_field()
 
 
 @attrs.frozen

@@ -22,7 +22,8 @@ MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
-TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "zero", "recompute")
+TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute")
+TRAIN_STRINGS = ("data",)  # a path, relative to the program file
 #: What ``train { recompute = … }`` accepts: keep every saved activation (``none``) or only each
 #: layer's input, running the layer's forward again before its backward (``full``).
 RECOMPUTE = ("none", "full")
@@ -203,9 +204,10 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
-    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute",))
-    _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps") if k in block.values], errors)
-    _check_positive("train", block, [k for k in ("seed",) if k in block.values], errors, lowest=0)
+    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute",), strings=TRAIN_STRINGS)
+    _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every")
+                                     if k in block.values], errors)
+    _check_positive("train", block, [k for k in ("seed", "warmup") if k in block.values], errors, lowest=0)
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
         return None
     v = block.values
@@ -224,8 +226,9 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                          "flash-style attention here never keeps: it would change nothing")
         errors.add(CheckError(f"unknown recompute '{recompute}' (none or full)", block.span("recompute"), notes))
         return None
-    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), zero, recompute,
-                 span=node.span)
+    data_span = block.nodes["data"].value.span if "data" in block.nodes else None
+    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
+                 v.get("eval_every"), v.get("warmup", 0), zero, recompute, span=node.span, data_span=data_span)
 
 
 def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:

@@ -1,0 +1,194 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP) that resume on any layout.
+
+A checkpoint folder ``DIR`` holds one sub-folder per save (``step-000010``) and a file
+``latest`` naming the last complete one. A save is written to a temporary folder, renamed
+into place once complete, and only then does ``latest`` (replaced atomically with
+``os.replace``) point at it, after which older saves are removed: a save interrupted midway
+leaves the last good checkpoint as it was.
+
+What is saved is layout-free: every parameter and both AdamW moments under the parameter's
+full (unsharded) name and shape, gathered from the shards on global rank 0
+(:func:`.harness.gather_full`) and written there by DCP (``no_dist``), with the step, the
+seed, the global batch size (the data position is the step: step k reads the k-th global
+batch) and the torch RNG state. Loading reads the full tensors on every rank and keeps its
+own shard (:meth:`.weights.ShardSpec.take`), so a run saved with tp 2 × pp 2 resumes on one
+rank or on dp 2. The shards are gathered rather than saved in place because a
+column-parallel weight's shard is several non-contiguous blocks of the full tensor
+(:mod:`.weights`), which neither DTensor's placements nor a single DCP chunk describe.
+
+:func:`export_weights` writes the full weights as one ``torch.save`` file whose keys are
+:class:`~.reference.ReferenceModel`'s ``state_dict`` keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from dhelix.dsl.core.errors import DhelixError
+
+from .harness import gather_full
+
+LATEST = "latest"
+META = "dhelix.json"
+FORMAT = 1
+
+
+class CheckpointError(DhelixError):
+    """A checkpoint that cannot be read or does not fit this run."""
+
+
+@contextlib.contextmanager
+def _single_process():
+    # no_dist=True is the intent (rank 0 writes the gathered state); DCP still warns.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _full_state(executor, optimizer) -> dict | None:
+    """The layout-free state on global rank 0 (None elsewhere); collective."""
+    plan, comm = executor.weights, executor.comm
+    moments = optimizer.moments()
+    params = gather_full(plan, comm, optimizer.masters())  # fp32, whatever the compute dtype
+    first = gather_full(plan, comm, {name: pair[0] for name, pair in moments.items()})
+    second = gather_full(plan, comm, {name: pair[1] for name, pair in moments.items()})
+    if params is None:
+        return None
+    return {"model": params, "exp_avg": first, "exp_avg_sq": second}
+
+
+def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequences: int) -> Path | None:
+    """Save the run after ``step`` steps under ``root``; returns the new save's folder on
+    global rank 0 (None elsewhere). Collective over the world."""
+    import torch.distributed.checkpoint as dcp
+
+    state = _full_state(executor, optimizer)
+    if state is None:
+        return None
+    root_path = Path(root)
+    root_path.mkdir(parents=True, exist_ok=True)
+    final = root_path / f"step-{step:06d}"
+    partial = root_path / f".partial-{final.name}-{os.getpid()}"
+    shutil.rmtree(partial, ignore_errors=True)
+    state["rng"] = torch.get_rng_state()
+    with _single_process():
+        dcp.save(state, checkpoint_id=str(partial), no_dist=True)
+    meta = {"format": FORMAT, "step": step, "seed": seed, "global_sequences": global_sequences,
+            "optimizer_steps": optimizer.steps,
+            "shapes": {name: list(t.shape) for name, t in state["model"].items()}}
+    (partial / META).write_text(json.dumps(meta, indent=1) + "\n")
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)
+    pointer = root_path / f".{LATEST}-{os.getpid()}"
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root_path / LATEST)
+    for old in root_path.glob("step-*"):
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(root: str) -> tuple[Path, dict]:
+    """The last complete save under ``root`` and its metadata; CheckpointError when there
+    is none or it cannot be read."""
+    root_path = Path(root)
+    pointer = root_path / LATEST
+    if not pointer.is_file():
+        raise CheckpointError(f"'{root}' is not a dhelix checkpoint: it has no '{LATEST}' file",
+                              notes=["give a folder that a run saved its checkpoints in"])
+    folder = root_path / pointer.read_text().strip()
+    try:
+        meta = json.loads((folder / META).read_text())
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')}, expected {FORMAT}")
+        meta["step"], meta["shapes"]  # noqa: B018 - the keys every reader needs
+        from torch.distributed.checkpoint import FileSystemReader
+
+        FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:  # a broken JSON, a missing file, DCP's unpickling of its metadata
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
+        raise CheckpointError(f"the checkpoint '{folder}' is corrupt: {first}",
+                              notes=["resume from another save, or start the run again"]) from None
+    return folder, meta
+
+
+def check_fits(root: str, meta: dict, plan, global_sequences: int) -> None:
+    """CheckpointError when the checkpoint's parameters or global batch differ from the
+    run's (``plan``: its WeightPlan)."""
+    mine = {name: list(plan.spec(name).full) for name in plan.names()}
+    theirs = meta["shapes"]
+    wrong = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
+    if wrong:
+        shown = "; ".join(f"{n}: checkpoint {theirs.get(n, 'absent')}, model {mine.get(n, 'absent')}"
+                          for n in wrong[:4])
+        raise CheckpointError(f"the checkpoint '{root}' does not fit this model ({len(wrong)} parameters "
+                              f"differ: {shown})", notes=["resume with the model it was saved from"])
+    if meta["global_sequences"] != global_sequences:
+        raise CheckpointError(
+            f"the checkpoint '{root}' was trained with {meta['global_sequences']} sequences a step, this run "
+            f"has {global_sequences} (dp · microbatches · micro_batch)",
+            notes=["set microbatches so that the global batch is the same; the data position is the step"])
+
+
+def load(root: str, executor, optimizer, global_sequences: int) -> dict:
+    """Load the last save under ``root`` into this rank's shards of the weights and the
+    optimizer moments and restore the RNG; returns the metadata (``step``: steps done)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    folder, meta = latest(root)
+    plan = executor.weights
+    check_fits(root, meta, plan, global_sequences)
+    names = list(executor.params)
+    state = {key: {name: torch.empty(plan.spec(name).full) for name in names}
+             for key in ("model", "exp_avg", "exp_avg_sq")}
+    state["rng"] = torch.get_rng_state()
+    try:
+        with _single_process():
+            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    except (Exception, CheckpointException) as exc:  # the latter is a BaseException
+        exc = _first_failure(exc)
+        raise CheckpointError(f"the checkpoint '{folder}' cannot be read: "
+                              f"{(str(exc).splitlines() or [''])[0][:300] or type(exc).__name__}",
+                              notes=["it is corrupt or incomplete; resume from another save"]) from None
+    index = executor.index
+
+    def mine(name, full):
+        spec = plan.spec(name)
+        parts = plan.program.mesh.size(spec.axis) if spec.axis else 1
+        return spec.take(full, index.get(spec.axis, 0) if spec.axis else 0, parts)
+
+    optimizer.load_state({name: mine(name, state["model"][name]) for name in names},
+                         {name: (mine(name, state["exp_avg"][name]), mine(name, state["exp_avg_sq"][name]))
+                          for name in names}, meta["optimizer_steps"])
+    torch.set_rng_state(state["rng"])
+    return meta
+
+
+def _first_failure(exc):
+    """The error a rank met inside DCP's CheckpointException (which wraps each rank's)."""
+    failures = getattr(exc, "failures", None)
+    if failures:  # rank → (exception, traceback)
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        return inner if isinstance(inner, BaseException) else exc
+    return exc
+
+
+def export_weights(path: str, executor, optimizer) -> None:
+    """Write the full fp32 weights (the masters) to ``path`` on global rank 0 as a
+    ``torch.save`` file keyed like :class:`~.reference.ReferenceModel`'s ``state_dict``;
+    collective."""
+    full = gather_full(executor.weights, executor.comm, optimizer.masters())
+    if full is not None:
+        partial = Path(f"{path}.partial-{os.getpid()}")
+        torch.save({name.replace(".", "__"): t.float().contiguous() for name, t in full.items()}, partial)
+        os.replace(partial, path)

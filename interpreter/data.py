@@ -1,0 +1,201 @@
+"""Training data: a byte-level corpus or raw token files, packed into sequences, in a seeded
+order that does not depend on the layout.
+
+A data path is a file, a folder (every regular file under it, sorted by relative path;
+hidden files and files that are neither UTF-8 text nor token files are skipped, so a
+folder of documents with pictures in it works) or a glob pattern (``docs/*.md``, matches
+sorted). A file ending in ``.uint16`` or ``.uint32`` holds raw little-endian
+token ids (pre-tokenized, e.g. by a BPE tokenizer); any other file is text, tokenized
+byte-level (token = byte value, so the model's vocab must be at least 256). The files'
+tokens are concatenated into one stream; its last :data:`HELD_OUT` part is held out for
+evaluation, and each part is packed into windows of ``seq + 1`` tokens that do not overlap
+(inputs are a window's first ``seq`` tokens, targets its last ``seq``).
+
+Order: training sample ``j`` (counted from the first step) is window ``perm_e[j mod n]`` of
+epoch ``e = j // n``, ``perm_e`` a permutation seeded by the run's seed and ``e``. Step k's
+global batch holds samples ``[k·B, (k+1)·B)`` with ``B = dp · microbatches · micro_batch``
+sequences, arranged as ``dp · microbatches`` micro-batches: the same tokens whatever
+tp, pp, cp, ep and schedule, and DP replica d takes micro-batches ``[d·m, (d+1)·m)``
+(:func:`.harness.replica_batch`). Without data the batches are seeded random tokens
+(:func:`.reference.make_batch`), layout-independent the same way.
+
+torch only (no NumPy, which the CPU build of torch may lack).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import attrs
+import torch
+
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.program import Program
+
+from .reference import Batch, make_batch
+
+#: The fraction of the token stream held out for evaluation (its tail).
+HELD_OUT = 0.1
+#: Raw token files: suffix → dtype of their little-endian ids.
+TOKEN_FILES = {".uint16": torch.int16, ".uint32": torch.int32}
+BYTE_VOCAB = 256
+
+
+class DataError(DhelixError):
+    """Training data that cannot be used: missing, empty, too short or of the wrong kind."""
+
+
+@attrs.frozen
+class DataSpec:
+    """Where the data is (a resolved path) and where that path was written: ``span`` in the
+    program, or ``flag`` on the command line (for the error messages)."""
+
+    path: str
+    span: object = None
+    flag: str | None = None
+
+    def error(self, message: str, notes=()) -> DataError:
+        """A DataError about this data, located at its setting or naming its flag."""
+        where = f" (given by {self.flag})" if self.flag else ""
+        return DataError(f"{message}{where}", self.span, list(notes))
+
+
+def data_spec(program: Program, program_path: str, override: str | None = None,
+              flag: str | None = None) -> DataSpec | None:
+    """The run's data: ``override`` (relative to the working folder; ``flag`` names where
+    it was given) or the train block's ``data`` (relative to the program file); None for
+    random tokens."""
+    if override is not None:
+        return DataSpec(str(Path(override).resolve()), flag=flag)
+    if program.train.data is None:
+        return None
+    path = (Path(program_path).resolve().parent / program.train.data).resolve()
+    return DataSpec(str(path), span=program.train.data_span)
+
+
+def _is_text(path: Path) -> bool:
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _files(spec: DataSpec) -> list[Path]:
+    root = Path(spec.path)
+    if root.is_file():
+        return [root]
+    if any(char in root.name for char in "*?["):
+        files = sorted(p for p in root.parent.glob(root.name) if p.is_file())
+        if not files:
+            raise spec.error(f"no data file matches '{spec.path}'")
+        return files
+    if not root.is_dir():
+        raise spec.error(f"no data file or folder '{spec.path}'",
+                         ["give a text file, a folder of text files, a pattern (docs/*.md), or raw token "
+                          "files (.uint16, .uint32)"])
+    files = sorted(p for p in root.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(root).parts)
+                   and (p.suffix in TOKEN_FILES or _is_text(p)))
+    if not files:
+        raise spec.error(f"the data folder '{spec.path}' holds no text or token files")
+    return files
+
+
+def _file_tokens(path: Path, spec: DataSpec, vocab: int) -> torch.Tensor:
+    raw = path.read_bytes()
+    dtype = TOKEN_FILES.get(path.suffix)
+    if dtype is None:
+        if vocab < BYTE_VOCAB:
+            raise spec.error(f"'{path}' is text, tokenized byte-level (256 tokens), but the model's vocab is "
+                             f"{vocab}", ["set vocab = 256 or more in the model block"])
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long() if raw else torch.zeros(0, dtype=torch.long)
+    width = dtype.itemsize
+    if len(raw) % width:
+        raise spec.error(f"'{path}' is {len(raw)} bytes, not a whole number of {8 * width}-bit token ids")
+    ids = torch.frombuffer(bytearray(raw), dtype=dtype).long() if raw else torch.zeros(0, dtype=torch.long)
+    ids = ids % (1 << (8 * width))  # the file's ids are unsigned
+    if ids.numel() and int(ids.max()) >= vocab:
+        raise spec.error(f"'{path}' holds token id {int(ids.max())}, outside the model's vocab of {vocab}")
+    return ids
+
+
+@attrs.frozen
+class Corpus:
+    """The packed windows ``[n, seq + 1]`` of the training and the held-out part."""
+
+    train: torch.Tensor
+    held_out: torch.Tensor
+
+
+def load_corpus(spec: DataSpec, vocab: int, seq: int) -> Corpus:
+    """Read, tokenize, split and pack the data of ``spec``; DataError when it cannot be
+    used (no file, nothing in it, too short for one window in each part)."""
+    parts = [(path, _file_tokens(path, spec, vocab)) for path in _files(spec)]
+    stream = torch.cat([tokens for _, tokens in parts])
+    if stream.numel() == 0:
+        raise spec.error(f"the data '{spec.path}' is empty")
+    window = seq + 1
+    held = max(window, math.ceil(HELD_OUT * stream.numel()))
+    if stream.numel() - held < window:
+        raise spec.error(f"the data '{spec.path}' has {stream.numel()} tokens: too short for sequences of "
+                         f"{seq} (it needs at least {window + held} tokens: one training sequence of seq + 1 "
+                         f"and a held-out tail of {held})")
+    train, held_out = stream[:-held], stream[-held:]
+
+    def pack(tokens):
+        count = tokens.numel() // window
+        return tokens[:count * window].reshape(count, window)
+
+    return Corpus(pack(train), pack(held_out))
+
+
+def _epoch_order(seed: int, epoch: int, count: int) -> torch.Tensor:
+    digest = hashlib.sha256(f"dhelix/data/{seed}/{epoch}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+    return torch.randperm(count, generator=gen)
+
+
+class DataSource:
+    """The global batch of every step and the held-out batch, for ``program`` with ``dp``
+    replicas (:meth:`global_sequences` sequences a step); ``corpus`` None gives random
+    tokens seeded by ``seed + step``."""
+
+    def __init__(self, program: Program, dp: int, seed: int, corpus: Corpus | None = None):
+        self.program, self.seed, self.corpus = program, seed, corpus
+        self.count = program.train.microbatches * dp
+        self.shape = (self.count, program.train.micro_batch, program.model.get("seq"))
+        self._orders: dict[int, torch.Tensor] = {}
+
+    @property
+    def global_sequences(self) -> int:
+        """Sequences in one step's global batch (dp · microbatches · micro_batch)."""
+        return self.shape[0] * self.shape[1]
+
+    def batch(self, step: int) -> Batch:
+        """The global batch of step ``step`` (0-based over the whole training run)."""
+        if self.corpus is None:
+            return make_batch(self.program, self.seed + step, self.count)
+        n, size = self.corpus.train.shape[0], self.global_sequences
+        rows = []
+        for sample in range(step * size, (step + 1) * size):
+            epoch = sample // n
+            if epoch not in self._orders:
+                self._orders = {epoch: _epoch_order(self.seed, epoch, n)}  # one epoch at a time
+            rows.append(self.corpus.train[self._orders[epoch][sample % n]])
+        return self._shaped(torch.stack(rows))
+
+    def held_out(self) -> Batch:
+        """The evaluation batch: the held-out windows in order (repeated to fill a global
+        batch when there are fewer); random tokens seeded apart from training without data."""
+        if self.corpus is None:
+            return make_batch(self.program, self.seed - 1, self.count)
+        windows, size = self.corpus.held_out, self.global_sequences
+        index = torch.arange(size) % windows.shape[0]
+        return self._shaped(windows[index])
+
+    def _shaped(self, windows: torch.Tensor) -> Batch:
+        tokens = windows.reshape(*self.shape[:2], -1)
+        return Batch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous())

@@ -1,0 +1,82 @@
+"""The per-step JSONL log of a run (``dhelix run --log OUT.jsonl``), written by global rank 0.
+
+One JSON object a line, flushed as it is written so that a run stopped midway keeps the
+lines of the steps it finished:
+
+* a step: ``{"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s", "exposed_comm_s",
+  "peak_bytes"}`` — ``step`` 1-based (the number of updates done), ``exposed_comm_s`` the
+  time rank 0 was blocked on collectives and pipeline receives during the step,
+  ``peak_bytes`` rank 0's peak (the CUDA allocator's on a GPU, else the live activations the
+  executor tracks);
+* an evaluation: ``{"step", "eval_loss", "eval_ppl"}`` (perplexity = exp(loss)).
+
+When ``tensorboard`` is installed the same scalars also go to a TensorBoard event folder
+beside the log (``OUT.tb/``); without it the log says so once on its first line
+(``{"note": ...}``) rather than failing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class StepLog:
+    """A JSONL log at ``path`` (None: record nothing, e.g. on ranks other than 0);
+    ``tokens`` is the number of tokens of one global batch (for tokens/s); ``append`` keeps
+    the lines already there (a resumed run continues its log)."""
+
+    def __init__(self, path: str | None, tokens: int, append: bool = False):
+        self.path, self.tokens, self.append = path, tokens, append
+        self._file = None
+        self._board = None
+
+    def __enter__(self) -> "StepLog":
+        if self.path is not None:
+            self._file = open(self.path, "a" if self.append else "w", encoding="utf-8")
+            self._board = self._tensorboard()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._board is not None:
+            self._board.close()
+
+    def _tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # torch's writer needs the tensorboard package
+            self._write({"note": "tensorboard is not installed: no TensorBoard scalars, this log only"})
+            return None
+        return SummaryWriter(str(Path(self.path).with_suffix(".tb")))
+
+    def _write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, times: dict,
+             peak_bytes: int) -> dict:
+        """Record step ``step`` (0-based; logged 1-based) from the last entries of ``times``
+        (the training loop's per-step times); returns the record."""
+        seconds = times["step"][-1]
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": seconds,
+                  "tokens_per_s": self.tokens / seconds if seconds > 0 else 0.0,
+                  "exposed_comm_s": times["collective"][-1] + times["p2p"][-1], "peak_bytes": peak_bytes}
+        if self._file is not None:
+            self._write(record)
+            self._scalars(step + 1, {k: v for k, v in record.items() if k != "step" and v is not None})
+        return record
+
+    def evaluation(self, step: int, loss: float) -> None:
+        """Record the held-out loss after step ``step`` (0-based) and its perplexity."""
+        record = {"step": step + 1, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 80.0))}
+        if self._file is not None:
+            self._write(record)
+            self._scalars(step + 1, {"eval_loss": loss, "eval_ppl": record["eval_ppl"]})
+
+    def _scalars(self, step: int, values: dict) -> None:
+        if self._board is not None:
+            for key, value in values.items():
+                self._board.add_scalar(key, value, step)

@@ -1,0 +1,282 @@
+"""Training on data: a layout-independent batch order, the learning-rate schedule against
+torch's schedulers, clipping against the reference (``--check``), checkpoints that resume
+the same trajectory on other layouts, the weights export and the per-step log, and the
+messages of bad data and bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("tqdm")
+
+from dhelix.cli import main  # noqa: E402
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
+from dhelix.interpreter.data import DataSource, DataSpec, load_corpus  # noqa: E402
+from dhelix.interpreter.harness import replica_batch  # noqa: E402
+from dhelix.interpreter.optim import MIN_LR_RATIO, lr_at  # noqa: E402
+from dhelix.interpreter.train import FAULT_ENV  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text()
+DOCS = str(ROOT / "docs" / "*.md")
+#: Layouts of the tiny example with the same global batch (16 sequences a step).
+LAYOUTS = {
+    "tp2_pp2": ("mesh {\n  tp = 2\n  pp = 2\n}", 8, 4),
+    "one": ("mesh {\n}", 8, 1),
+    "dp2": ("mesh {\n  dp = 2\n}", 4, 2),
+    "dp2_tp2": ("mesh {\n  tp = 2\n  dp = 2\n}", 4, 4),
+}
+
+
+def program_text(layout: str, data: str = DOCS) -> str:
+    mesh, microbatches, gpus = LAYOUTS[layout]
+    text = EXAMPLE.replace("mesh {\n  tp = 2\n  pp = 2\n}", mesh).replace("nodes = 2", "nodes = 1")
+    text = text.replace("gpus_per_node = 2", f"gpus_per_node = {gpus}")
+    text = text.replace("microbatches = 8", f"microbatches = {microbatches}")
+    return text.replace('"../docs/*.md"', f'"{data}"')
+
+
+def write_program(tmp_path: Path, layout: str, data: str = DOCS) -> str:
+    path = tmp_path / f"{layout}.dhx"
+    path.write_text(program_text(layout, data))
+    return str(path)
+
+
+def dhelix(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        full_env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "dhelix", *args], capture_output=True, text=True,
+                          env=full_env, timeout=120, cwd=ROOT)
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("with_data", [True, False])
+def test_a_step_s_global_batch_does_not_depend_on_the_layout(with_data):
+    batches = {}
+    for layout in LAYOUTS:
+        program = check_text(program_text(layout), f"{layout}.dhx")
+        corpus = load_corpus(DataSpec(DOCS), 256, program.model.get("seq")) if with_data else None
+        dp = program.mesh.size("dp")
+        source = DataSource(program, dp, 7, corpus)
+        # Steps far enough apart to cross an epoch of the corpus.
+        steps = (0, 1, 5, 80) if with_data else (0, 1, 5)
+        batches[layout] = [source.batch(k) for k in steps]
+        for batch in batches[layout]:
+            replicas = [replica_batch(batch, d, program.train.microbatches) for d in range(dp)]
+            assert torch.equal(torch.cat([r.inputs for r in replicas]), batch.inputs)
+    first = batches.pop("tp2_pp2")
+    for layout, others in batches.items():
+        for a, b in zip(first, others, strict=True):
+            assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets), layout
+    assert not torch.equal(first[0].inputs, first[1].inputs)
+
+
+def test_text_is_packed_into_byte_windows_each_used_once_an_epoch(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(bytes(range(200)) * 10)
+    corpus = load_corpus(DataSpec(str(text)), 256, 32)
+    assert corpus.train.shape[1] == 33 and corpus.held_out.shape[0] >= 1
+    assert corpus.train[0].tolist() == list(range(33))  # the file's bytes, in order
+    program = check_text(program_text("one", str(text)), "one.dhx")
+    source = DataSource(program, 1, 3, corpus)
+    n = corpus.train.shape[0]
+    seen = torch.cat([source.batch(k).inputs.reshape(-1, 32) for k in range(math.ceil(n / 16))])[:n]
+    assert len({tuple(row.tolist()) for row in seen}) == len({tuple(r[:-1].tolist()) for r in corpus.train})
+
+
+def test_raw_token_files_are_read_as_unsigned_ids(tmp_path):
+    tokens = torch.arange(0, 2000, dtype=torch.int32) % 300 + 40000
+    path = tmp_path / "ids.uint16"
+    path.write_bytes(b"".join(int(t).to_bytes(2, "little") for t in tokens.tolist()))
+    corpus = load_corpus(DataSpec(str(path)), 50000, 32)
+    assert corpus.train[0, 0].item() == 40000 and int(corpus.train.max()) == 40299
+
+
+def _bad_data(tmp_path, name: str) -> tuple[str, str]:
+    """A program whose data is bad in way ``name``; (program path, data path)."""
+    data = tmp_path / "data.txt"
+    if name == "empty":
+        data.write_text("")
+    elif name == "short":
+        data.write_text("too short for one window")
+    elif name == "odd":
+        data = tmp_path / "ids.uint16"
+        data.write_bytes(b"\x01\x02\x03")
+    return write_program(tmp_path, "one", str(data)), str(data)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("missing", "no data file or folder '{data}'"),
+    ("empty", "the data '{data}' is empty"),
+    ("short", "the data '{data}' has 24 tokens: too short for sequences of 32"),
+    ("odd", "'{data}' is 3 bytes, not a whole number of 16-bit token ids"),
+])
+def test_bad_data_is_a_located_error_before_any_rank_starts(name, message, tmp_path, capsys):
+    program, data = _bad_data(tmp_path, name)
+    assert main(["run", program]) == 1
+    err = capsys.readouterr().err
+    line = next(i for i, text in enumerate(Path(program).read_text().splitlines(), 1) if "data =" in text)
+    assert f"{program}:{line}:10: " + message.format(data=data) in err
+    assert "Traceback" not in err
+
+
+def test_text_data_needs_a_byte_vocabulary(tmp_path, capsys):
+    program = tmp_path / "small.dhx"
+    program.write_text(program_text("one").replace("vocab = 256", "vocab = 128"))
+    assert main(["run", str(program)]) == 1
+    err = capsys.readouterr().err
+    assert "is text, tokenized byte-level (256 tokens), but the model's vocab is 128" in err
+    assert f"{program}:" in err and "note: set vocab = 256 or more in the model block" in err
+
+
+def test_data_on_the_command_line_names_the_flag(tmp_path, capsys):
+    assert main(["run", write_program(tmp_path, "one"), "--data", str(tmp_path / "nothing")]) == 1
+    assert f"error: no data file or folder '{tmp_path / 'nothing'}' (given by --data)" in capsys.readouterr().err
+
+
+# --- the learning rate ----------------------------------------------------------------------
+
+def test_the_schedule_is_torch_s_linear_warm_up_then_cosine():
+    warmup, total, peak = 3, 11, 0.01
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=peak)
+    sched = torch.optim.lr_scheduler
+    scheduler = sched.SequentialLR(optimizer, [
+        sched.LinearLR(optimizer, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1),
+        sched.CosineAnnealingLR(optimizer, T_max=total - warmup, eta_min=MIN_LR_RATIO * peak)],
+        milestones=[warmup])
+    for step in range(total):
+        assert lr_at(step, peak, warmup, total) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-9), step
+        optimizer.step()
+        scheduler.step()
+    assert lr_at(total - 1, peak, 0, None) == peak
+
+
+# --- the loop against the reference, checkpoints, export, log (ranks) ---------------------
+
+def test_clipping_decay_and_schedule_match_the_reference_under_dp_tp_and_zero1(tmp_path):
+    result = dhelix("run", write_program(tmp_path, "dp2_tp2"), "--check", "--steps", "3", "--clip", "0.3",
+                    "--warmup", "2", "--weight-decay", "0.1", "--zero1")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 3 and all("grad norm diff" in line for line in lines)
+
+
+def _log(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r}
+
+
+def test_a_resumed_run_continues_the_uninterrupted_one_on_any_layout(tmp_path, capsys):
+    programs = {layout: write_program(tmp_path, layout) for layout in ("tp2_pp2", "one", "dp2")}
+    whole = tmp_path / "whole.jsonl"
+    assert dhelix("run", programs["one"], "--steps", "4", "--log", str(whole)).returncode == 0
+    # Saved every 2 steps on tp 2 x pp 2, then rank 0 dies before step 3: the save of step 2 survives.
+    saves = tmp_path / "ck"
+    died = dhelix("run", programs["tp2_pp2"], "--steps", "4", "--save", str(saves), "--save-every", "2",
+                  env={FAULT_ENV: "0:2:0"})
+    assert died.returncode == 1 and (saves / "latest").read_text().strip() == "step-000002"
+    expected = _log(whole)
+    for layout, extra in (("tp2_pp2", ()), ("one", ()), ("dp2", ("--export-weights", str(tmp_path / "w.pt")))):
+        log = tmp_path / f"{layout}.jsonl"
+        result = dhelix("run", programs[layout], "--steps", "4", "--resume", str(saves), "--log", str(log), *extra)
+        assert result.returncode == 0, result.stderr
+        resumed = _log(log)
+        assert sorted(resumed) == [3, 4]
+        for step in (3, 4):
+            assert resumed[step]["loss"] == pytest.approx(expected[step]["loss"], abs=2e-5), (layout, step)
+            assert resumed[step]["lr"] == pytest.approx(expected[step]["lr"], rel=1e-12)
+            assert resumed[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-4)
+    _check_export(tmp_path / "w.pt", programs["one"])
+    log = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    # eval_every = 10 in the program: the held-out loss comes at the last step too.
+    assert set(log[-1]) == {"step", "eval_loss", "eval_ppl"} and log[-1]["step"] == 4
+    assert set(log[-2]) == {"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s", "exposed_comm_s",
+                            "peak_bytes"}
+    _check_refusals(tmp_path, saves, capsys)
+
+
+def _check_refusals(tmp_path: Path, saves: Path, capsys) -> None:
+    """A checkpoint that does not fit the model or the batch, and one with a truncated file."""
+    wider = tmp_path / "wider.dhx"
+    wider.write_text(program_text("one").replace("hidden = 64", "hidden = 32"))
+    assert main(["run", str(wider), "--steps", "4", "--resume", str(saves)]) == 1
+    assert ("does not fit this model (27 parameters differ: embedding: checkpoint [256, 64], model [256, 32]"
+            in capsys.readouterr().err)
+    fewer = tmp_path / "fewer.dhx"
+    fewer.write_text(program_text("one").replace("microbatches = 8", "microbatches = 4"))
+    assert main(["run", str(fewer), "--steps", "4", "--resume", str(saves)]) == 1
+    assert "was trained with 16 sequences a step, this run has 8" in capsys.readouterr().err
+    for data in (saves / "step-000002").glob("*.distcp"):
+        data.write_bytes(data.read_bytes()[:100])
+    broken = dhelix("run", str(tmp_path / "one.dhx"), "--steps", "4", "--resume", str(saves))
+    assert broken.returncode == 1
+    assert f"the checkpoint '{saves / 'step-000002'}' cannot be read: EOFError" in broken.stderr
+    assert "Traceback" not in broken.stderr
+
+
+def _check_export(path: Path, program_path: str):
+    from dhelix.interpreter.reference import ReferenceModel
+
+    program = check_text(Path(program_path).read_text(), program_path)
+    model = ReferenceModel(program, seed=program.train.seed)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(torch.load(path))  # strict: every key, every shape
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# --- bad checkpoints (no rank starts) ---------------------------------------------------------
+
+def test_bad_checkpoints_are_clear_errors(tmp_path, capsys):
+    program = write_program(tmp_path, "one")
+    assert main(["run", program, "--resume", str(tmp_path)]) == 1
+    assert f"'{tmp_path}' is not a dhelix checkpoint: it has no 'latest' file" in capsys.readouterr().err
+    save = tmp_path / "step-000002"
+    save.mkdir()
+    (tmp_path / "latest").write_text("step-000002\n")
+    (save / "dhelix.json").write_text("{broken")
+    assert main(["run", program, "--resume", str(tmp_path)]) == 1
+    assert f"the checkpoint '{save}' is corrupt: " in capsys.readouterr().err
+
+
+# --- mixed precision (one rank, in process) -------------------------------------------------
+
+def _losses(dtype: str, master: bool, steps: int = 2) -> list[float]:
+    from dhelix.interpreter.comm import SingleRankComm
+    from dhelix.interpreter.executor import Executor
+    from dhelix.interpreter.optim import AdamWConfig, DistributedAdamW, norm_weights
+
+    text = program_text("one").replace("dtype = fp32", f"dtype = {dtype}").replace("microbatches = 8",
+                                                                                 "microbatches = 2").replace("micro_batch = 2", "micro_batch = 1")
+    program = check_text(text, "one.dhx")
+    comm = SingleRankComm()
+    executor = Executor(program, comm, seed=1)
+    optimizer = DistributedAdamW(executor.params, comm, config=AdamWConfig(lr=3e-3, clip=1.0, master=master),
+                                 weights=norm_weights(executor.weights, comm, executor.params))
+    source = DataSource(program, 1, 1, load_corpus(DataSpec(DOCS), 256, 32))
+    losses = []
+    for step in range(steps):
+        losses.append(executor.step(source.batch(step)).item())
+        optimizer.step(executor.grads())
+        if master and dtype != "fp32":
+            masters = optimizer.masters()
+            assert all(t.dtype == torch.float32 for t in masters.values())
+            assert all(p.dtype == torch.bfloat16 for p in executor.params.values())
+            # The bf16 parameters are the masters rounded, not a separate trajectory.
+            assert all(torch.equal(executor.params[n], m.to(torch.bfloat16)) for n, m in masters.items())
+    return losses
+
+
+def test_bf16_with_fp32_masters_stays_within_0_05_of_fp32():
+    fp32, bf16 = _losses("fp32", True), _losses("bf16", True)
+    assert fp32[-1] < fp32[0]
+    assert max(abs(a - b) for a, b in zip(fp32, bf16, strict=True)) < 0.05
