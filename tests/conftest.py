@@ -44,3 +44,10 @@ def golden():
 def shipped_files() -> list[Path]:
     """Every .dhx file of the standard library and the examples, sorted."""
     return sorted((ROOT / "stdlib_schedules").glob("*.dhx")) + sorted((ROOT / "examples").glob("*.dhx"))
+
+
+def tiny_example_text() -> str:
+    """The text of examples/tiny_llama_cpu.dhx with its data path made absolute, so that a
+    copy of it in another folder still trains on the checkout's docs."""
+    text = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text()
+    return text.replace('"../docs/*.md"', f'"{ROOT / "docs"}/*.md"')

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tiny_example_text
 
 pytest.importorskip("torch")
 pytest.importorskip("tqdm")
@@ -33,8 +34,7 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_ru
     # `dhelix profile` must not refuse it, and its other values fill in what cannot be measured.
     (tmp_path / "stale.yaml").write_text((ROOT / "tests" / "errors" / "stale_profile.measured.yaml").read_text())
     stale = tmp_path / "stale.dhx"
-    stale.write_text(EXAMPLE.read_text().replace('profile = "a40"', 'profile = "stale.yaml"')
-                     .replace('"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))  # the copy's data
+    stale.write_text(tiny_example_text().replace('profile = "a40"', 'profile = "stale.yaml"'))  # a copy elsewhere
     assert main(["check", str(stale)]) == 1 and "measured on another program" in capsys.readouterr().err
     out = tmp_path / "measured.yaml"
     result = dhelix("profile", str(stale), "-o", str(out), "--repeats", "2")

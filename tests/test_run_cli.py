@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import tiny_example_text
 
 pytest.importorskip("torch")
 pytest.importorskip("tqdm")
@@ -188,7 +189,7 @@ def test_the_run_trace_is_the_simulators_format(tmp_path):
 
 def test_full_recomputation_runs_exactly_and_keeps_fewer_activations(tmp_path):
     program = tmp_path / "recompute.dhx"
-    text = Path(EXAMPLE).read_text().replace('"../docs/*.md"', f'"{ROOT / "docs"}/*.md"')  # the copy's data
+    text = tiny_example_text()  # a copy elsewhere
     program.write_text(text.replace("  seed = 1234", "  seed = 1234\n  recompute = full"))
     checked = dhelix("run", str(program), "--steps", "2", "--check")
     assert checked.returncode == 0, checked.stderr  # loss and every gradient equal to the reference

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import tiny_example_text
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.interpreter.topology import Where, check_placement
@@ -42,7 +43,7 @@ def _free_port() -> int:
 def test_two_torchrun_nodes_running_a_one_node_program_stop_with_the_error(tmp_path):
     pytest.importorskip("torch")
     program = tmp_path / "one_node.dhx"
-    program.write_text(EXAMPLE.read_text().replace("nodes = 2", "nodes = 1 #").replace("gpus_per_node = 2",
+    program.write_text(tiny_example_text().replace("nodes = 2", "nodes = 1 #").replace("gpus_per_node = 2",
                                                                                         "gpus_per_node = 4"))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     port = _free_port()
