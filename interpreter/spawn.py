@@ -314,6 +314,12 @@ def _rank_process(work: Work, options: "RunOptions", rank: int, world: int, addr
     if results is not None:
         results.send(result)
         results.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Done, and the result is with the launcher: leave without the interpreter's clean-up,
+    # whose C++ static destructors sometimes abort ("terminate called without an active
+    # exception", SIGABRT) on a torch.distributed thread still running, failing a finished run.
+    os._exit(0)
 
 
 def _client(address: tuple[str, int], timeout: float):
