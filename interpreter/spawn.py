@@ -354,9 +354,11 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
     torch.manual_seed(options.seed)
     timeout = timedelta(seconds=options.timeout)
     torchrun = address is None
+    host = None
     if torchrun:
         die_with_parent(os.getppid(), prctl=False)  # torchrun's agent may start us from any thread
         address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        host = _env_store_host(address, rank, options.timeout)
     # Beating before joining: a rank that hangs while the world forms is named too.
     heartbeat = Heartbeat(_client(address, options.timeout), rank).start()
     try:
@@ -364,12 +366,8 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
             from .topology import check_placement, exchange
 
             check_placement(exchange(_client(address, options.timeout), rank, world), gpus_per_node)
-        if torchrun:
-            dist.init_process_group(options.backend, init_method="env://", rank=rank, world_size=world,
-                                    timeout=timeout)
-        else:
-            dist.init_process_group(options.backend, store=_client(address, options.timeout), rank=rank,
-                                    world_size=world, timeout=timeout)
+        dist.init_process_group(options.backend, store=_client(address, options.timeout), rank=rank,
+                                world_size=world, timeout=timeout)
         try:
             return work(options, device, heartbeat)
         finally:
@@ -381,6 +379,21 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
         raise _blame_stalled(exc, address, world) from None
     finally:
         heartbeat.stop()
+        del host
+
+
+def _env_store_host(address: tuple[str, int], rank: int, timeout: float):
+    """The TCP store of an ``env://`` world, hosted here when this rank must host it: torchrun's
+    agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``); ranks started some other way with
+    ``MASTER_ADDR``/``MASTER_PORT`` (a script, another launcher) find it on global rank 0, as
+    torch's own env:// rendezvous does. None on the ranks that only connect to it."""
+    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(address[0], address[1], None, True, timedelta(seconds=timeout), wait_for_workers=False)
 
 
 def _rank_device(options: "RunOptions", rank: int, world: int):
