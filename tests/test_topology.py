@@ -58,3 +58,20 @@ def test_two_torchrun_nodes_running_a_one_node_program_stop_with_the_error(tmp_p
     assert ("the cluster block puts ranks 0 and 2 on the same node (gpus_per_node = 4), but they run on "
             "different ones") in err, err
     assert "ranks 0, 1 on " in err and "(node 0); ranks 2, 3 on " in err
+
+
+def test_ranks_started_with_master_addr_but_no_torchrun_agent_find_the_store_on_rank_0(tmp_path):
+    # What a script or another launcher does (benchmarks/two_nodes.py): no agent hosts the store.
+    pytest.importorskip("torch")
+    program = tmp_path / "tp2.dhx"
+    program.write_text(tiny_example_text().replace("nodes = 2", "nodes = 1 #").replace("pp = 2", "pp = 1"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RANK", "LOCAL_RANK"))}
+    env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    ranks = [subprocess.Popen([sys.executable, "-m", "dhelix", "run", str(program), "--steps", "1",
+                               "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=ROOT)
+             for rank in (1, 0)]  # rank 1 first: it waits for rank 0 to host the store
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs
+    assert "dhelix run: " in outputs[1][0]  # rank 0 reports for the run
