@@ -86,7 +86,8 @@ class KeptRun(LayerRun):
             self.routing.update(self._routing)
 
     def _release(self, names, left, store, keep) -> None:
-        pass
+        """Keep every tensor (LayerRun drops one when its last reader has run): the profiler
+        runs ops again and again on the same inputs."""
 
     def settle(self, op: Op, forward: bool) -> None:
         """Wait for what ``op`` (a forward op when ``forward``) left in flight."""
