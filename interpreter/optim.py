@@ -34,6 +34,7 @@ over that axis.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Collection, Mapping
 
@@ -97,12 +98,18 @@ def norm_weights(plan, comm: Communicator, names) -> dict[str, float]:
 class _Bucket:
     """Parameters synchronised over one axis: their names (sorted, the same on every
     replica), the flat buffer layout padded to a multiple of the axis size, and the AdamW
-    moments of this rank's part (all of it, or its 1/size slice under ZeRO-1)."""
+    moments of this rank's part (all of it, or its 1/size slice under ZeRO-1).
+
+    The buffers a step writes (the gradients, the flat parameters of a ZeRO-1 or master
+    update, the AdamW denominator) are allocated once and reused: a step that allocates
+    several model-sized buffers pays for fresh pages every time, which on a CPU rank cost
+    more than the update itself."""
 
     def __init__(self, names, params: Mapping[str, torch.Tensor], comm: Communicator, axis: str,
                  zero1: bool, device):
         self.names, self.axis = sorted(names), axis
         self.shapes = [params[n].shape for n in self.names]
+        self.starts = list(itertools.accumulate((s.numel() for s in self.shapes), initial=0))[:-1]
         self.total = sum(params[n].numel() for n in self.names)
         size = comm.size(axis)
         self.padded = math.ceil(max(self.total, 1) / size) * size
@@ -111,6 +118,13 @@ class _Bucket:
         self.width = width
         self.exp_avg = torch.zeros(width, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        #: Scratch for the AdamW denominator of this rank's part.
+        self.denom = torch.zeros_like(self.exp_avg)
+        #: The flat gradients (the padding stays zero).
+        self.grads = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        #: The flat fp32 parameters an update without masters reads when it cannot update
+        #: the parameters in place (ZeRO-1 slices, parameters not in fp32); made when needed.
+        self.flat_params: torch.Tensor | None = None
         #: This rank's part of the fp32 master weights (None: the parameters are the masters).
         self.master: torch.Tensor | None = None
 
@@ -118,20 +132,30 @@ class _Bucket:
         """Start the fp32 masters of this rank's part from ``params``."""
         self.master = self.flat(params)[self.offset:self.offset + self.width].clone()
 
+    def fill(self, out: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Copy ``tensors`` of :attr:`names` into the padded fp32 buffer ``out``; returns it."""
+        for name, start, shape in zip(self.names, self.starts, self.shapes, strict=True):
+            out[start:start + shape.numel()].view(shape).copy_(tensors[name])
+        return out
+
     def flat(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """``tensors`` of :attr:`names` as one padded fp32 buffer."""
-        flat = torch.zeros(self.padded, dtype=torch.float32, device=self.exp_avg.device)
-        if self.names:
-            flat[:self.total] = torch.cat([tensors[n].reshape(-1).float() for n in self.names])
-        return flat
+        """``tensors`` of :attr:`names` as a new padded fp32 buffer."""
+        return self.fill(torch.zeros(self.padded, dtype=torch.float32, device=self.exp_avg.device), tensors)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``flat`` shaped like the parameters, by name."""
-        out, start = {}, 0
-        for name, shape in zip(self.names, self.shapes, strict=True):
-            out[name] = flat[start:start + shape.numel()].view(shape)
-            start += shape.numel()
-        return out
+        return {name: flat[start:start + shape.numel()].view(shape)
+                for name, start, shape in zip(self.names, self.starts, self.shapes, strict=True)}
+
+    def part_spans(self) -> list[tuple[str, int, int]]:
+        """(name, start, end) of each parameter's elements inside this rank's part, relative
+        to the part's first element (a parameter may straddle a ZeRO-1 slice boundary)."""
+        spans = []
+        for name, start, shape in zip(self.names, self.starts, self.shapes, strict=True):
+            lo, hi = max(start, self.offset), min(start + shape.numel(), self.offset + self.width)
+            if lo < hi:
+                spans.append((name, lo - self.offset, hi - self.offset))
+        return spans
 
 
 class DistributedAdamW:
@@ -162,45 +186,51 @@ class DistributedAdamW:
         self.buckets = [_Bucket(set(self.params) - expert, self.params, comm, "dp", zero1, like.device)]
         if expert:
             self.buckets.append(_Bucket(expert, self.params, comm, EDP, zero1, like.device))
-        if config.master:
+        if config.master:  # fp32 parameters are their own masters: no copy of them
             for bucket in self.buckets:
-                bucket.keep_master(self.params)
+                if any(self.params[name].dtype != torch.float32 for name in bucket.names):
+                    bucket.keep_master(self.params)
+        #: Per bucket, (weight, start, end) of each parameter inside this rank's part, the
+        #: weight being one over the ranks that hold those elements (None: no norm).
         self.norm_weights = None
         if weights is not None:
             # Under ZeRO-1 each replica of the bucket's axis holds its own slice.
-            self.norm_weights = [bucket.flat({n: torch.full_like(self.params[n], weights[n] * (
-                comm.size(bucket.axis) if zero1 else 1), dtype=torch.float32) for n in bucket.names})
-                for bucket in self.buckets]
+            self.norm_weights = [[(weights[name] * (comm.size(bucket.axis) if zero1 else 1), lo, hi)
+                                  for name, lo, hi in bucket.part_spans()] for bucket in self.buckets]
         self.steps = 0
 
     def _average(self, bucket: _Bucket, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        # A sum over the bucket's axis divided by dp, for edp too (module docstring).
-        flat = bucket.flat(grads)
+        # A sum over the bucket's axis divided by dp, for edp too (module docstring). The
+        # result is this rank's part: the bucket's gradient buffer, or a new ZeRO-1 slice.
+        flat = bucket.fill(bucket.grads, grads)
         if self.zero1:
             flat = self.comm.reduce_scatter(flat, bucket.axis)
         else:
             self.comm.all_reduce(flat, bucket.axis)
-        return flat / self.dp
+        return flat.div_(self.dp)
 
     def averaged_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every parameter's gradient averaged over dp (ZeRO-1 gathers the slices: for checks)."""
+        """Every parameter's gradient averaged over dp (ZeRO-1 gathers the slices: for checks);
+        copies, which the next step does not overwrite."""
         out = {}
         for bucket in self.buckets:
             flat = self._average(bucket, grads)
             if self.zero1:
                 flat = self.comm.all_gather(flat, bucket.axis)
-            out.update(bucket.unflatten(flat))
+            out.update({name: value.clone() for name, value in bucket.unflatten(flat).items()})
         return out
 
     def global_norm(self, averaged: list[torch.Tensor]) -> float:
         """The norm of the full model's averaged gradient from this rank's ``averaged``
-        bucket parts (collective over the world)."""
+        bucket parts (collective over the world): the weighted sum of the squared fp32 norm
+        of each parameter's part, as ``clip_grad_norm_`` takes a norm per tensor."""
         import torch.distributed as dist
 
-        total = torch.zeros((), dtype=torch.float64, device=averaged[0].device)
-        for bucket, weight, grad in zip(self.buckets, self.norm_weights, averaged, strict=True):
-            part = weight[bucket.offset:bucket.offset + grad.numel()]
-            total += (part.double() * grad.double() ** 2).sum()
+        total = 0.0
+        for spans, grad in zip(self.norm_weights, averaged, strict=True):
+            for weight, lo, hi in spans:
+                total += weight * float(torch.linalg.vector_norm(grad[lo:hi])) ** 2
+        total = torch.tensor(total, dtype=torch.float64, device=averaged[0].device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
         return math.sqrt(float(total))
@@ -210,25 +240,36 @@ class DistributedAdamW:
         ``config.clip`` and apply one AdamW update with learning rate ``lr`` (default
         ``config.lr``) to :attr:`params`; the norm before clipping is :attr:`last_norm`."""
         self.steps += 1
+        lr = self.config.lr if lr is None else lr
         averaged = [self._average(bucket, grads) for bucket in self.buckets]
         if self.norm_weights is not None:
             self.last_norm = self.global_norm(averaged)
             if self.config.clip is not None:
                 # torch.nn.utils.clip_grad_norm_'s coefficient, so the reference agrees.
                 scale = min(1.0, self.config.clip / (self.last_norm + 1e-6))
-                averaged = [grad * scale for grad in averaged]
+                for grad in averaged:
+                    grad.mul_(scale)
         for bucket, grad in zip(self.buckets, averaged, strict=True):
-            flat = bucket.flat(self.params)
-            mine = bucket.master if bucket.master is not None else flat[bucket.offset:bucket.offset + grad.numel()]
-            self._adamw(bucket, mine, grad, self.config.lr if lr is None else lr)
-            self._publish(bucket, mine, flat)
+            if bucket.master is None and not self.zero1 and all(
+                    self.params[n].dtype == torch.float32 for n in bucket.names):
+                # fp32 parameters are their own masters: update them where they are.
+                views = bucket.unflatten
+                self._adamw(bucket, [self.params[n] for n in bucket.names], list(views(grad).values()),
+                            list(views(bucket.exp_avg).values()), list(views(bucket.exp_avg_sq).values()),
+                            list(views(bucket.denom).values()), lr)
+                continue
+            if bucket.master is not None:
+                mine = bucket.master
+            else:
+                if bucket.flat_params is None:
+                    bucket.flat_params = torch.zeros_like(bucket.grads)
+                mine = bucket.fill(bucket.flat_params, self.params)[bucket.offset:bucket.offset + grad.numel()]
+            self._adamw(bucket, [mine], [grad], [bucket.exp_avg], [bucket.exp_avg_sq], [bucket.denom], lr)
+            self._publish(bucket, mine)
 
-    def _publish(self, bucket: _Bucket, mine: torch.Tensor, flat: torch.Tensor) -> None:
+    def _publish(self, bucket: _Bucket, mine: torch.Tensor) -> None:
         # Every replica's parameters from the updated part (a copy rounds fp32 masters to bf16).
-        if self.zero1:
-            flat = self.comm.all_gather(mine.contiguous(), bucket.axis)
-        elif bucket.master is not None:
-            flat = mine
+        flat = self.comm.all_gather(mine.contiguous(), bucket.axis) if self.zero1 else mine
         for name, value in bucket.unflatten(flat).items():
             self.params[name].copy_(value)
 
@@ -270,12 +311,17 @@ class DistributedAdamW:
                 moment.copy_(flat[bucket.offset:bucket.offset + moment.numel()])
         self.steps = steps
 
-    def _adamw(self, bucket: _Bucket, param: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+    def _adamw(self, bucket: _Bucket, params, grads, exp_avgs, exp_avg_sqs, denoms, lr: float) -> None:
+        # Tensor by tensor, in place: the parameters (or their flat part), their gradients,
+        # moments and denominator scratch (views of the bucket's buffers).
         cfg = self.config
         beta1, beta2 = cfg.betas
-        param.mul_(1 - lr * cfg.weight_decay)
-        bucket.exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-        bucket.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         step_size = lr / (1 - beta1 ** self.steps)
-        denom = (bucket.exp_avg_sq / (1 - beta2 ** self.steps)).sqrt_().add_(cfg.eps)
-        param.addcdiv_(bucket.exp_avg, denom, value=-step_size)
+        correction2 = 1 - beta2 ** self.steps
+        for param, grad, exp_avg, exp_avg_sq, denom in zip(params, grads, exp_avgs, exp_avg_sqs, denoms,
+                                                             strict=True):
+            param.mul_(1 - lr * cfg.weight_decay)
+            exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            torch.div(exp_avg_sq, correction2, out=denom).sqrt_().add_(cfg.eps)
+            param.addcdiv_(exp_avg, denom, value=-step_size)
