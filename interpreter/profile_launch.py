@@ -64,19 +64,20 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
     import torch
     from tqdm import tqdm
 
-    from dhelix.dsl.core.oplib import END_OPS
+    from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
     from dhelix.dsl.passes.overrides import for_measuring
     from dhelix.dsl.planner.calibrate import pool
 
     from .comm import DistComm
     from .harness import gather_to_first
-    from .profiler import Clock, EndsBench, LayerBench, barrier, measure, measurements
+    from .profiler import Clock, EndsBench, LayerBench, OptimizerBench, barrier, measure, measurements
 
     program = for_measuring(options.text, options.path)
     comm = DistComm(program.mesh, device, timeout_s=options.timeout)
     bench = LayerBench(program, comm, device, seed=options.seed)
     ends = EndsBench(program, comm, device, seed=options.seed) if program.model.get("vocab") else None
-    items = measurements(program, bench, comm, Clock(device), device, ends)
+    optimizer = OptimizerBench(program, comm, device, seed=options.seed)
+    items = measurements(program, bench, comm, Clock(device), device, ends, optimizer)
     meet = barrier(device)
     meet()
     tqdm.set_lock(threading.RLock())  # not tqdm's multiprocessing lock: a stopped rank would leak it
@@ -95,7 +96,8 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
         return None
     counts = {kind: sum(1 for item in items if item.kind == kind) for kind in ("ops", "pairs", "sweep")}
     counts["ends"] = sum(1 for item in items if item.key in END_OPS)
-    counts["ops"] -= counts["ends"]
+    counts["optimizer"] = sum(1 for item in items if item.key == OPTIMIZER_STEP)
+    counts["ops"] -= counts["ends"] + counts["optimizer"]
     return ProfileSamples(pool(ranks), counts, len(ranks), machine(device), torch.__version__,
                           device_memory_gb(device))
 

@@ -13,6 +13,9 @@ interpreter's own kernels and communicators:
   pair runs them: the collectives issued asynchronously first, the compute op on the compute
   lane (the calling thread on CPU, the current stream on CUDA), then the barrier. The compute
   op's own time inside the pair is kept too (its slowdown beside communication).
+* **The optimizer.** One AdamW step over this rank's weights of one layer, as the run's
+  optimizer takes it (gradient copy, the norm for clipping, the update), without the dp
+  synchronisation the simulator prices on its own lane: the streaming rate of the update.
 * **Link sweep.** all_gathers of 4 KiB to 8 MiB per rank on one group of each lane the
   mesh has, for the link bandwidth and latency.
 
@@ -42,7 +45,7 @@ import torch.distributed as dist
 
 from dhelix.dsl.core.program import Op, Program
 
-from dhelix.dsl.core.oplib import END_OPS
+from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
 
 from .comm import AXES, Communicator, Pending
 from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun
@@ -190,6 +193,33 @@ class EndsBench:
         return run
 
 
+class OptimizerBench:
+    """One AdamW step of the run's optimizer (:class:`~.optim.DistributedAdamW`, clipping on)
+    over a copy of this rank's weights of one layer and random gradients, on a one-rank
+    communicator: the dp synchronisation is not part of it (the simulator prices it apart)."""
+
+    def __init__(self, program: Program, comm: Communicator, device: torch.device, seed: int = 0):
+        from .comm import SingleRankComm
+        from .optim import AdamWConfig, DistributedAdamW
+
+        index = {axis: comm.index(axis) for axis in AXES}
+        params = WeightPlan(program, seed).layer_weights(0, index, torch_dtype(program), device)
+        generator = torch.Generator().manual_seed(seed + 2 + comm.rank)
+        self.grads = {name: torch.randn(w.shape, generator=generator, dtype=w.dtype).to(device)
+                      for name, w in params.items()}
+        self.optimizer = DistributedAdamW(params, SingleRankComm(), config=AdamWConfig(clip=1.0),
+                                          weights={name: 1.0 for name in params})
+
+    def runner(self, clock: "Clock") -> Callable[[], dict]:
+        """The timed step (its norm is a world all-reduce, as in the run: every rank takes it)."""
+        def run() -> dict:
+            start = clock.mark()
+            self.optimizer.step(self.grads, lr=1e-6)
+            return {"us": clock.us(start, clock.mark())}
+
+        return run
+
+
 @attrs.frozen
 class Measurement:
     """One thing to time: ``kind`` (ops, issued, pairs, sweep), the key its samples go
@@ -202,13 +232,16 @@ class Measurement:
 
 
 def measurements(program: Program, bench: LayerBench, comm: Communicator, clock: Clock,
-                 device: torch.device, ends: EndsBench | None = None) -> list[Measurement]:
+                 device: torch.device, ends: EndsBench | None = None,
+                 optimizer: OptimizerBench | None = None) -> list[Measurement]:
     """Everything to time on this rank, in the order every rank times it (the model's end
-    ops too when ``ends`` is given)."""
+    ops too when ``ends`` is given, the optimizer step when ``optimizer`` is)."""
     fwd, bwd = program.forward.ops, program.backward.ops
     items = [Measurement("ops", op.name, op.kind == "comm", _solo(bench, clock, op, False)) for op in fwd + bwd]
     if ends is not None:
         items += [Measurement("ops", name, True, ends.runner(name, clock)) for name in END_OPS]
+    if optimizer is not None:
+        items.append(Measurement("ops", OPTIMIZER_STEP, True, optimizer.runner(clock)))
     items += [Measurement("issued", op.name, True, _solo(bench, clock, op, True))
               for op in fwd + bwd if op.kind == "comm"]
     items += [Measurement("pairs", (f.name, b.name), True, _pair(bench, clock, f, b))

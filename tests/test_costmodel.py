@@ -8,7 +8,7 @@ import pytest
 from dhelix.dsl.core.dtypes import dtype_bytes
 from dhelix.dsl.planner.costmodel import (
     collective_time, comm_bytes, megatron_flops_per_iteration, op_bytes, op_flops,
-    op_tasks, op_time,
+    op_tasks, op_time, optimizer_bytes_per_param, optimizer_time,
 )
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.passes.pipeline import check_text
@@ -216,3 +216,14 @@ def test_table1_communication_volumes_of_llama_405b():
     assert dp128["intra_model_s"] == pytest.approx(0.49, rel=0.15)
     for row in (dp64, dp128, cp16):
         assert row["cross_model_s"] == pytest.approx(row["cross_s"], rel=0.1)
+
+
+def test_the_optimizer_streams_at_the_measured_rate_when_the_profile_has_one():
+    a40 = load_profile("a40")
+    # fp32: gradient, weight, two moments (read + write each but the gradient): 28 bytes; bf16: 28 too
+    # (fp32 master and moments 24, bf16 gradient read 2, rounded weight write 2).
+    assert optimizer_bytes_per_param("fp32") == 28 and optimizer_bytes_per_param("bf16") == 28
+    modelled = optimizer_time(1e9, "bf16", a40)
+    assert modelled == pytest.approx(28e9 / (a40.hbm_gbps * 1e9 * a40.achieved["activation"]))
+    measured = attrs.evolve(a40, optimizer_gbps=7.0)
+    assert optimizer_time(1e9, "bf16", measured) == pytest.approx(4.0)

@@ -40,7 +40,8 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_ru
     result = dhelix("profile", str(stale), "-o", str(out), "--repeats", "2")
     assert result.returncode == 0, result.stderr
     assert "on 4 gloo rank(s) (tp 2 × pp 2), 2 timed repeat(s) after 1 warm-up" in result.stdout
-    assert "timed 32 layer ops alone, 4 embedding and LM-head passes, 112 op pairs, 8 link sizes" in result.stdout
+    assert ("timed 32 layer ops alone, 4 embedding and LM-head passes, 1 optimizer step, 112 op pairs, "
+            "8 link sizes") in result.stdout
     assert 'use it: cluster { profile = "' in result.stdout
     assert "profiling" not in result.stderr  # the progress bar is for terminals: logs stay readable
     profile = parse_profile(out.read_text(), str(out))
@@ -52,6 +53,8 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_ru
     assert set(END_OPS) <= set(measured.ops) and measured.shapes["lm_head"] == "tokens 64, hidden 64, vocab 256 over tp 2"
     assert all(us > 0 for us in measured.ops.values())
     assert set(profile.peak_tflops) == {"fp32"}
+    # The optimizer step was timed over one layer's weights (18,560 on this rank): its rate.
+    assert profile.optimizer_gbps > 0 and "one AdamW step over a layer's 18,560 parameters (fp32)" in out.read_text()
     assert "[measured]" in out.read_text() and "[from lab]" in out.read_text()  # cross pairs: not in this layer
 
     program = tmp_path / "tiny.dhx"

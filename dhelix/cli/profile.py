@@ -130,9 +130,11 @@ def summary(path: str, out: Path, program, options, samples, profile) -> str:
         f"dhelix profile: {path} on {samples.world} {options.backend} rank(s) ({describe_mesh(program.mesh)}), "
         f"{options.repeats} timed repeat(s) after {options.warmup} warm-up",
         f"timed {counts['ops']} layer ops alone, {counts.get('ends', 0)} embedding and LM-head passes, "
+        f"{counts.get('optimizer', 0)} optimizer step, "
         f"{counts['pairs']} op pairs, {counts['sweep']} link sizes; wrote {out}",
         f"  compute  peak {profile.peak_tflops[dtype] * 1e3:g} GFLOP/s {dtype} (fastest op), "
-        f"memory {profile.hbm_gbps:g} GB/s",
+        f"memory {profile.hbm_gbps:g} GB/s"
+        + (f", optimizer {profile.optimizer_gbps:g} GB/s" if profile.optimizer_gbps is not None else ""),
         f"  links    {links}",
         f"  overlap  OEF {classes}; slowdown {profile.slowdown:g}; launch gap {profile.launch_gap.fixed_us:g} µs",
         f'use it: cluster {{ profile = "{relative}" }}  (a path relative to the program file)'])

@@ -240,6 +240,9 @@ SPLIT_OPS = frozenset({"gemm", "grouped_gemm", "router"})
 #: norm, gather, head GEMM, vocabulary-parallel cross-entropy), forward and backward.
 END_OPS = ("embedding", "embedding.bwd", "lm_head", "lm_head.bwd")
 
+#: The name `dhelix profile` times one optimizer step under (beside the ops; not an op).
+OPTIMIZER_STEP = "optimizer"
+
 #: The parts of a backward: the input gradient, the weight gradient, or an op's whole backward.
 DGRAD, WGRAD, BWD = "dgrad", "wgrad", "bwd"
 

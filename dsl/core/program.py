@@ -6,6 +6,8 @@ objects with :func:`attrs.evolve` instead of mutating.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from dhelix.dsl.core import syntax as s
@@ -195,6 +197,14 @@ class LayerDag:
     def op(self, name: str) -> Op:
         """The op called ``name`` (KeyError if absent: callers check names first)."""
         return {o.name: o for o in self.ops}[name]
+
+    def weight_elements(self) -> tuple[int, int]:
+        """(dense, expert) weight elements of one layer on one rank, from the ops' ``weight``
+        shapes; the chunks of a partitioned op share its weight, counted once; expert
+        weights are the grouped GEMMs'."""
+        weighted = {op.weight_name: op for op in self.ops if op.weight}
+        expert = sum(math.prod(op.weight) for op in weighted.values() if op.op == "grouped_gemm")
+        return sum(math.prod(op.weight) for op in weighted.values()) - expert, expert
 
 
 @attrs.frozen

@@ -44,6 +44,8 @@ def render_profile(profile: Profile, notes: Mapping[str, str] | None = None, hea
     out.value("hbm_gbps", _num(profile.hbm_gbps), "hbm_gbps")
     if profile.memory_gb is not None:
         out.value("memory_gb", _num(profile.memory_gb), "memory_gb")
+    if profile.optimizer_gbps is not None:
+        out.value("optimizer_gbps", _num(profile.optimizer_gbps), "optimizer_gbps")
     out.blank()
     out.section("achieved", "achieved")
     for cls in COMPUTE_BOUND + MEMORY_BOUND:

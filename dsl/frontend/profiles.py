@@ -12,6 +12,8 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
     hbm_gbps*: 696                    # memory bandwidth, > 0
     memory_gb: 48                     # device memory per GPU (rank), > 0; the simulator
                                       #   warns when a rank's predicted peak exceeds it
+    optimizer_gbps: 7.5               # bytes/s (10^9) an AdamW step streams, > 0; measured by
+                                      #   `dhelix profile`; absent: hbm_gbps × achieved.activation
     achieved*:                        # fraction (0, 1] of the peak an op class reaches:
       gemm, attention, router         #   of peak_tflops (compute-bound classes)
       norm, add, activation, permute  #   of hbm_gbps (memory-bound classes)
@@ -73,8 +75,8 @@ DEFAULT_MODELS = {"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": 
                   "all_to_all": "pairwise", "p2p": "p2p"}
 OEF_CLASSES = ("comp_comp", "comp_intra", "comp_inter", "intra_intra", "inter_inter", "intra_inter")
 OEF_LOW, OEF_HIGH = -1.0, 2.0
-TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "memory_gb", "achieved", "links", "collectives",
-            "oef", "slowdown", "launch_gap", "measured")
+TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "memory_gb", "optimizer_gbps", "achieved", "links",
+            "collectives", "oef", "slowdown", "launch_gap", "measured")
 TOP_REQUIRED = ("name", "peak_tflops", "hbm_gbps", "achieved", "links", "oef", "slowdown", "launch_gap")
 STAMP_KEYS = ("machine", "torch", "backend", "date", "command")
 MEASURED_KEYS = ("dtype", "source", *STAMP_KEYS, "repeats", "mesh", "shapes", "ops", "pairs")
@@ -171,6 +173,7 @@ class Profile:
     measured: Measured | None = None
     description: str = ""
     memory_gb: float | None = None  # device memory per rank; None: not known
+    optimizer_gbps: float | None = None  # an AdamW step's streaming rate; None: from hbm_gbps
     path: str = attrs.field(default="", eq=False)
 
     def peak_flops(self, dtype: str) -> float:
@@ -266,9 +269,11 @@ def _build(reader: "_Reader", top: dict, path: str) -> Profile | None:
         launch_gap=_launch_gap(reader, top.get("launch_gap")),
         measured=_measured(reader, top["measured"]) if "measured" in top else None,
         memory_gb=reader.number(top["memory_gb"], "memory_gb", positive=True) if "memory_gb" in top else None,
+        optimizer_gbps=(reader.number(top["optimizer_gbps"], "optimizer_gbps", positive=True)
+                        if "optimizer_gbps" in top else None),
     )
     fields["oef_classes"], fields["oef_pairs"] = _oef(reader, top.get("oef"))
-    if reader.errors.errors or any(v is None for k, v in fields.items() if k not in ("measured", "memory_gb")):
+    if reader.errors.errors or any(v is None for k, v in fields.items() if k not in ("measured", "memory_gb", "optimizer_gbps")):
         return None
     return Profile(**fields, path=path)
 

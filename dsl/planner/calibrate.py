@@ -42,12 +42,12 @@ from typing import Mapping, Sequence
 
 import attrs
 
-from dhelix.dsl.core.oplib import END_OPS
+from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
 from dhelix.dsl.core.program import Op, Program
 from dhelix.dsl.frontend.profilecheck import ends_signature, mesh_sizes, op_signature
 from dhelix.dsl.frontend.profiles import (COMPUTE_BOUND, MEMORY_BOUND, OEF_CLASSES, OEF_HIGH, OEF_LOW, Collective,
                                           LaunchGap, Link, Measured, MeasuredPair, Profile)
-from dhelix.dsl.planner.costmodel import achieved_class, op_bytes, op_flops
+from dhelix.dsl.planner.costmodel import achieved_class, op_bytes, op_flops, optimizer_bytes_per_param
 
 _CLASS = {"compute": "comp", "local": "intra", "cross": "inter"}
 _ORDER = ("comp", "intra", "inter")
@@ -141,7 +141,21 @@ def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profi
                       memory_gb=stamp.memory_gb if stamp.memory_gb is not None else base.memory_gb)
     notes["memory_gb"] = ("[measured] device memory per rank" if stamp.memory_gb is not None
                           else f"[from {base.name}] not measured")
-    return profile, notes
+    return attrs.evolve(profile, optimizer_gbps=_optimizer_rate(program, timings, notes)), notes
+
+
+def _optimizer_rate(program: Program, timings: Timings, notes: dict) -> float | None:
+    """The optimizer's streaming rate (GB/s) from the timed AdamW step over one layer's
+    weights, or None when it was not timed (the simulator then uses the memory rate)."""
+    us = timings.ops.get(OPTIMIZER_STEP)
+    params = sum(program.forward.weight_elements())
+    if not us or not params:
+        return None
+    moved = params * optimizer_bytes_per_param(program.model.dtype)
+    rate = moved / (us * 1e-6) / 1e9
+    notes["optimizer_gbps"] = (f"[measured] one AdamW step over a layer's {params:,} parameters "
+                               f"({program.model.dtype}): {us / 1e3:.3g} ms")
+    return _round(rate, 4)
 
 
 # ---------------------------------------------------------------- compute

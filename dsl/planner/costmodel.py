@@ -23,6 +23,11 @@ Modelling choices, with their reasons:
 * **Compute-bound** classes (gemm, attention, router) take ``max(FLOPs / (peak·achieved),
   bytes / HBM)``; **memory-bound** ones (norm, add, activation, permute) take ``bytes /
   (HBM·achieved)``: elementwise FLOPs are negligible next to the tensor-core peak.
+* **The optimizer** is a memory-bound AdamW: per parameter it reads the gradient and reads
+  and writes the fp32 master weight and the two fp32 moments (with bf16/fp16 weights it also
+  writes the rounded weight; fp32 training has no separate master: the weight is it),
+  streamed at the profile's ``optimizer_gbps`` when `dhelix profile` measured one, else at
+  ``hbm_gbps × achieved.activation``.
 * **Collectives** (NOTES §3.6, NCCL ring conventions), with ``S`` the full tensor bytes, ``g``
   the group size, ``α`` the lane's latency and ``B`` its bandwidth times the profile's
   efficiency for that collective on that lane: ring ``α(g-1) + S(g-1)/g/B`` (all_gather,
@@ -264,6 +269,25 @@ def op_time(op, profile: Profile, dtype: str, *, seq: int | None = None) -> floa
 
 
 # ---------------------------------------------------------------- Megatron MFU accounting
+
+#: AdamW bytes per parameter besides the gradient read and the weight write: read and write
+#: the fp32 master weight and the two fp32 moments.
+_ADAM_STATE_BYTES = 24
+
+
+def optimizer_bytes_per_param(dtype: str) -> int:
+    """Bytes one AdamW step streams per parameter of a model trained in ``dtype``."""
+    size = dtype_bytes(dtype)
+    # fp32: read the gradient (4) and the states; the weight is the master copy among them.
+    return _ADAM_STATE_BYTES + (2 * size if dtype != "fp32" else size)
+
+
+def optimizer_time(params: float, dtype: str, profile: Profile) -> float:
+    """Seconds of an AdamW step over ``params`` local parameters (see the module docstring)."""
+    rate = profile.optimizer_gbps if profile.optimizer_gbps is not None else (
+        profile.hbm_gbps * profile.achieved.get("activation", 1.0))
+    return params * optimizer_bytes_per_param(dtype) / (rate * 1e9)
+
 
 def megatron_flops_per_iteration(model, global_batch: int, *, swiglu: bool | None = None) -> float:
     """FLOPs of one training iteration as Megatron-LM counts them for TFLOPS and MFU (NOTES §3.8):

@@ -27,7 +27,7 @@ timeline), in seconds of the program's hardware profile:
   micro-batch and stage boundary (NOTES §3.5): the layer input's bytes, on the pp group's lane.
 * **Data parallel**: each stage's gradients (model dtype) are reduced over the DP×CP group
   (expert weights over DP×CP/EP) on that group's lane; the optimizer is a memory-bound AdamW
-  over the local parameters (a shard of them with ZeRO-1).
+  over the local parameters (a shard of them with ZeRO-1): :func:`~dhelix.dsl.planner.costmodel.optimizer_time`.
 """
 
 from __future__ import annotations
@@ -42,12 +42,6 @@ from dhelix.dsl.planner.costmodel import collective_time, op_time
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Op, Program
-
-#: AdamW bytes per parameter on HBM besides the gradient read and the weight write: read and
-#: write the fp32 master weight and the two fp32 moments. (fp32 training has no separate
-#: master copy: there the weight itself is read and written, the same count.)
-_ADAM_STATE_BYTES = 24
-
 
 @attrs.frozen
 class Work:
@@ -183,15 +177,7 @@ def layer_params(program: Program) -> Params:
     """Parameters per GPU: each layer's dense and expert (grouped GEMM) weights from the
     forward DAG's ``weight`` shapes, the embedding and the LM head (``V·h/tp`` each, untied)
     and the final norm (``h``)."""
-    dense = expert = 0
-    # The chunks of a partitioned op share its weight: count each weight once.
-    weighted = {op.weight_name: op for op in program.forward.ops if op.weight}
-    for op in weighted.values():
-        if op.weight:
-            if op.op == "grouped_gemm":
-                expert += math.prod(op.weight)
-            else:
-                dense += math.prod(op.weight)
+    dense, expert = program.forward.weight_elements()
     vocab, hidden = program.model.get("vocab") or 0, program.model.get("hidden") or 0
     shard = vocab * hidden // program.mesh.size("tp")
     return Params(dense, expert, shard, shard + hidden)
@@ -278,12 +264,3 @@ def _measured_ends(modelled: HeadCosts, profile, dtype: str) -> HeadCosts:
         head_forward=timed(modelled.head_forward, "lm_head"),
         head_backward=timed(modelled.head_backward, "lm_head.bwd", minus=modelled.head_weight.seconds),
         head_weight=modelled.head_weight)
-
-
-def optimizer_seconds(params: float, dtype: str, profile) -> float:
-    """Seconds of a memory-bound AdamW step over ``params`` local parameters."""
-    size = dtype_bytes(dtype)
-    # fp32: read the gradient (4) and the states; the weight is the master copy among them.
-    per_param = _ADAM_STATE_BYTES + (2 * size if dtype != "fp32" else size)
-    streaming = profile.hbm_gbps * 1e9 * profile.achieved.get("activation", 1.0)
-    return params * per_param / streaming

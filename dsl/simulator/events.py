@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import attrs
 
-from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration
+from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration, optimizer_time
 from dhelix.dsl.core.errors import CheckError, DhelixError
 from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, head_activations, layer_activations,
                                          model_states, recomputed)
@@ -43,8 +43,7 @@ from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
-from dhelix.dsl.simulator.costs import (StepCosts, Work, cost_of, input_backward, optimizer_seconds,
-                        step_costs)
+from dhelix.dsl.simulator.costs import StepCosts, Work, cost_of, input_backward, step_costs
 from dhelix.dsl.core.timeline import CounterSample, TraceEvent
 from dhelix.dsl.passes.validate import dry_run, transfer_key
 
@@ -426,7 +425,7 @@ class _Run:
         dense, expert = self._local_params(rank)
         shard_dense = dense / costs.dense_group.size if self.zero1 else dense
         shard_expert = expert / costs.expert_group.size if self.zero1 else expert
-        optimizer = optimizer_seconds(shard_dense + shard_expert, costs.dtype, profile)
+        optimizer = optimizer_time(shard_dense + shard_expert, costs.dtype, profile)
         start = max(self.free_at[rank], ready_after)
         self.events.append(TraceEvent(rank, "compute", "optimizer", start, optimizer,
                                       {"kind": "optimizer", "params": shard_dense + shard_expert}))
