@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 from dhelix.dsl.core.program import Op
 
 from .comm import Pending
-from .pair_order import BlockOrder, Issue
+from .pair_order import BlockOrder, InFlight, Issue, order_pair
 from .recording import Recorder
 
 
@@ -101,14 +101,22 @@ class LayerChain:
 
 
 def run_alone(chain: LayerChain, recorder: Recorder, label: str) -> None:
-    """Run a chain without a partner strand, every collective synchronous, in DAG order."""
+    """Run a chain without a partner strand. Each layer's ops go in the order
+    :func:`~.pair_order.order_pair` gives one strand: every collective issued asynchronously
+    as soon as its inputs exist and waited for only by the op that reads it, so the strand's
+    own compute that does not depend on it (a backward's wgrads) runs beside it — the
+    single-strand overlap the simulator's solo times assume. Nothing is left in flight at a
+    layer's end."""
+    strand = (chain.ops, ()) if chain.forward else ((), chain.ops)
+    issues = order_pair(*strand, InFlight())
     value = chain.begin()
     for k, run in enumerate(chain.runs):
         chain.start(run, value)
         with recorder.span(f"{label}.layer{k}"):
             step = run.forward_op if chain.forward else run.backward_op
-            for op in chain.ops:
-                step(op)
+            for issue in issues:
+                step(issue.op, async_op=issue.comm)
+            settle(run)
         recorder.memory()
         value = chain.result(run)
     chain.end(value)

@@ -171,3 +171,39 @@ def test_an_si_step_issues_a_ready_collective_before_the_other_strands_compute(t
     paired = [issued for issued in got["pairs"] if "F.ln2" in issued and "B.ag2.bwd" in issued]
     assert len(paired) == got["blocks"] * got["layers"]
     assert all(issued == ["B.ag2.bwd", "F.ln2"] for issued in paired), paired
+
+
+class _Recording:
+    """A stand-in LayerRun that records the ops a runner issues (name, asynchronously?)."""
+
+    def __init__(self):
+        self.issued, self.version, self.acts, self.bgrads = [], 0, {}, {}
+
+    def forward_op(self, op, async_op=False):
+        self.issued.append((op.name, async_op))
+
+    backward_op = forward_op
+
+
+def test_a_lone_strand_issues_its_collectives_asynchronously_with_its_wgrads_beside_them():
+    from dhelix.interpreter.si import LayerChain, run_alone
+
+    for forward, ops in ((False, LLAMA.backward.ops), (True, LLAMA.forward.ops)):
+        run = _Recording()
+        chain = LayerChain([run], ops, begin=lambda: None, end=lambda value: None, forward=forward)
+        chain.start = chain.result = lambda *args: None
+        run_alone(chain, Recorder(), "B0")
+        names = [name for name, _ in run.issued]
+        assert sorted(names) == sorted(op.name for op in ops)
+        assert all(is_async == (LLAMA_KINDS[name] == "comm") for name, is_async in run.issued)
+        if forward:  # a forward layer is one chain: nothing can run beside its collectives
+            assert names == [op.name for op in ops]
+            continue
+        # ag2.bwd (reduce-scatter of fc1.dgrad) has fc2.wgrad beside it before ln2.bwd reads it;
+        # ag1.bwd has the attention wgrads beside it.
+        for comm, reader in (("ag2.bwd", "ln2.bwd"), ("rs1.bwd", "prj.dgrad"), ("ag1.bwd", "ln1.bwd")):
+            between = names[names.index(comm) + 1:names.index(reader)]
+            assert between and all(name.endswith(".wgrad") for name in between), (comm, names)
+
+
+LLAMA_KINDS = {op.name: op.kind for op in LLAMA.forward.ops + LLAMA.backward.ops}
