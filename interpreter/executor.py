@@ -165,6 +165,7 @@ class Executor:
                 except Exception as exc:
                     raise self._failure(index, action, exc) from exc
             self.p2p.drain()
+            self._settle_deferred(len(self.deferred))
             self._finish()
         self.steps_run += 1
         return self._global_loss()
@@ -176,13 +177,24 @@ class Executor:
         if kind in ("SEND", "RECV"):
             HANDLERS[kind](self, action)
             return
+        earlier = len(self.deferred)
         with self.recorder.span(str(action)):
             HANDLERS[kind](self, action)
+            # What earlier actions left in flight has had this whole action beside it.
+            self._settle_deferred(earlier)
         self.recorder.memory()
+
+    def _settle_deferred(self, count: int) -> None:
+        # Wait for the first ``count`` deferred collectives (the embedding gradients' gathers:
+        # nothing reads them before the optimizer, so they overlap the action after theirs).
+        done, self.deferred = self.deferred[:count], self.deferred[count:]
+        for pending in done:
+            pending.wait()
 
     def _reset(self, batch: Batch) -> None:
         self.batch = batch
         self.mailbox, self.end_grads = {}, {}
+        self.deferred: list[Pending] = []
         tokens = batch.inputs[0].numel()
         self.scale = 1.0 / (self.lowered.microbatches * tokens)
         self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
@@ -250,12 +262,13 @@ class Executor:
         sp = self.weights.sequence_parallel
 
         def begin():
-            if stage.first:
+            if stage.first:  # its tp reduction stays in flight until layer 0 reads it
                 stage.embeds[mb] = EmbedRun(self.params[EMBEDDING], self.comm, start, sp, self.end_grads)
-                return stage.embeds[mb].forward(self._micro(mb)[0])
+                return stage.embeds[mb].forward(self._micro(mb)[0], async_op=True)
             return resolve(self.mailbox.pop(("F", mb, stage.index - 1)))
 
         def end(x):
+            x = resolve(x)
             if stage.last:
                 head = HeadRun(self.params[FINAL_NORM], self.params[LM_HEAD], self.comm, start, sp, self.end_grads)
                 stage.heads[mb] = head
@@ -272,13 +285,13 @@ class Executor:
         runs = stage.runs[mb] if self.lowered.split else stage.runs.pop(mb)
 
         def begin():
-            if stage.last:
-                return stage.heads.pop(mb).backward(self.scale)
+            if stage.last:  # its tp reduction stays in flight until the last layer reads it
+                return stage.heads.pop(mb).backward(self.scale, async_op=True)
             return resolve(self.mailbox.pop(("B", mb, stage.index + 1)))
 
         def end(grad):
             if stage.first:
-                stage.embeds.pop(mb).backward(grad)
+                self.deferred.append(stage.embeds.pop(mb).backward(resolve(grad), async_op=True))
             else:
                 self.mailbox[("B", mb, stage.index)] = grad
 

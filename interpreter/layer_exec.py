@@ -336,17 +336,28 @@ class EmbedRun:
         self.grads = grads if grads is not None else {}
         self.saved = None
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """The layer-0 input for token ``ids`` ``[tokens]`` (all tokens of the micro-batch)."""
+    def forward(self, ids: torch.Tensor, async_op: bool = False):
+        """The layer-0 input for token ``ids`` ``[tokens]`` (all tokens of the micro-batch);
+        with ``async_op`` a Pending of it, its tp reduction in flight."""
         partial, self.saved = KERNELS["embedding"].forward((ids,), self.weight, self.ctx)
         if self.sequence_parallel:
-            return self.comm.reduce_scatter(partial, "tp")
-        return self.comm.all_reduce(partial, "tp")
+            return self.comm.reduce_scatter(partial, "tp", async_op=async_op)
+        return self.comm.all_reduce(partial, "tp", async_op=async_op)
 
-    def backward(self, grad: torch.Tensor) -> None:
-        """Add the embedding gradient for ``grad``, the gradient of the forward output."""
+    def backward(self, grad: torch.Tensor, async_op: bool = False):
+        """Add the embedding gradient for ``grad``, the gradient of the forward output. With
+        ``async_op`` the gather of ``grad`` over tp is left in flight and a Pending is
+        returned whose wait adds the gradient (nothing reads it before the optimizer)."""
         if self.sequence_parallel:
-            grad = self.comm.all_gather(grad, "tp")
+            gathered = self.comm.all_gather(grad, "tp", async_op=async_op)
+        else:
+            gathered = Pending.ready(grad) if async_op else grad
+        if async_op:
+            return Pending(gathered, None, lambda _: self._add_grad(gathered.wait()))
+        self._add_grad(gathered)
+        return None
+
+    def _add_grad(self, grad: torch.Tensor) -> None:
         weight_grad = KERNELS["embedding"].wgrad(grad, self.saved)
         self.grads[self.name] = self.grads[self.name] + weight_grad if self.name in self.grads else weight_grad
         self.saved = None
@@ -375,20 +386,27 @@ class HeadRun:
         losses, self._head_saved = KERNELS["lm_head"].forward((h, targets), self.head, self.ctx)
         return losses.sum()
 
-    def backward(self, scale: float) -> torch.Tensor:
+    def backward(self, scale: float, async_op: bool = False):
         """The gradient of ``scale * loss_sum`` with respect to ``x``; adds the LM-head and
-        norm weight gradients to :attr:`grads`."""
+        norm weight gradients to :attr:`grads`. With ``async_op`` a Pending of it: the tp
+        reduction of the head's input gradient stays in flight, and the final norm's backward
+        runs when the gradient is first read."""
         saved = self._head_saved
         grad_losses = torch.full((saved[0].shape[0],), scale, dtype=saved[0].dtype, device=saved[0].device)
         grad_h, head_grad = lm_head_backward(grad_losses, saved, self.head)
-        grad_h = self.comm.reduce_scatter(grad_h, "tp") if self.sequence_parallel \
-            else self.comm.all_reduce(grad_h, "tp")
+        self._add_grad(self.names[1], head_grad)
+        grad_h = self.comm.reduce_scatter(grad_h, "tp", async_op=async_op) if self.sequence_parallel \
+            else self.comm.all_reduce(grad_h, "tp", async_op=async_op)
+        return grad_h.then(self._norm_backward) if async_op else self._norm_backward(grad_h)
+
+    def _norm_backward(self, grad_h: torch.Tensor) -> torch.Tensor:
         (grad_x,) = self.norm_kernel.dgrad(grad_h, self._norm_saved, self.norm)
-        norm_grad = self.norm_kernel.wgrad(grad_h, self._norm_saved)
-        for name, grad in zip(self.names, (norm_grad, head_grad), strict=True):
-            self.grads[name] = self.grads[name] + grad if name in self.grads else grad
+        self._add_grad(self.names[0], self.norm_kernel.wgrad(grad_h, self._norm_saved))
         self._norm_saved = self._head_saved = None
         return grad_x
+
+    def _add_grad(self, name: str, grad: torch.Tensor) -> None:
+        self.grads[name] = self.grads[name] + grad if name in self.grads else grad
 
 
 def sequential_step(program: Program, batch: Batch, comm: Communicator, plan: WeightPlan | None = None,

@@ -19,6 +19,12 @@ without blocking the thread. A group is in the local or the cross lane according
 :meth:`~dhelix.dsl.core.mesh.Mesh.lane`, so one lane's collectives never queue behind the
 other's.
 
+The model's ends follow the same rule: a chain's ``begin`` leaves the embedding's tp
+reduction and the LM-head backward's reduction in flight (the first layer op reads them, the
+final norm's backward runs on that read), so the forward strand's reduction overlaps the
+head backward's GEMMs; the embedding backward's gather is waited for only after the next
+action (nothing reads it before the optimizer).
+
 The cross-strand barrier (:func:`settle`: wait for every collective a run left in flight)
 comes at the end of every SI block. Between segment pairs it is kept only on CUDA
 (``barrier``): there both strands' kernels are queued on streams ahead of the GPU, and the

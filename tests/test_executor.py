@@ -185,3 +185,37 @@ def test_twenty_steps_reduce_the_loss(world_results):
     assert len(losses) == 20
     assert losses[-1] < 0.8 * losses[0], losses
 
+
+
+def test_the_model_ends_leave_their_reductions_in_flight_and_finish_on_the_wait():
+    # The embedding's forward reduction, the head backward's reduction and the embedding
+    # backward's gather may stay in flight (an SI block issues them asynchronously): the
+    # results on the wait equal the synchronous ones, and nothing is added before it.
+    from dhelix.interpreter.comm import Pending
+    from dhelix.interpreter.layer_exec import EmbedRun, HeadRun
+
+    gen = torch.Generator().manual_seed(0)
+    comm = SingleRankComm()
+    embedding, norm, head = (torch.randn(shape, generator=gen) for shape in ((32, 16), (16,), (16, 32)))
+    ids, targets = torch.randint(32, (8,), generator=gen), torch.randint(32, (8,), generator=gen)
+    results = {}
+    for async_op in (False, True):
+        grads: dict = {}
+        embed = EmbedRun(embedding, comm, 0, True, grads)
+        x = embed.forward(ids, async_op=async_op)
+        assert isinstance(x, Pending) == async_op
+        x = x.wait() if async_op else x
+        run = HeadRun(norm, head, comm, 0, True, grads)
+        loss = run.forward(x * 1.5, targets)
+        grad = run.backward(0.5, async_op=async_op)
+        if async_op:
+            assert isinstance(grad, Pending) and "final_norm" not in grads  # the norm runs on the wait
+            grad = grad.wait()
+        done = embed.backward(grad * 1.5, async_op=async_op)
+        if async_op:
+            assert isinstance(done, Pending) and "embedding" not in grads
+            done.wait()
+        results[async_op] = (loss, grad, dict(grads))
+    (loss, grad, grads), (aloss, agrad, agrads) = results[False], results[True]
+    assert torch.equal(loss, aloss) and torch.equal(grad, agrad) and grads.keys() == agrads.keys()
+    assert all(torch.equal(grads[name], agrads[name]) for name in grads)
