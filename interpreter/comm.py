@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.mesh import DIMENSIONS, Mesh
 
 AXES = ("tp", "cp", "dp", "pp", "ep")
 #: The expert-data-parallel axis: the dp / ep replicas of one expert shard (same ep index,
@@ -197,9 +197,15 @@ class DistComm(Communicator):
             raise ValueError(f"the mesh has {mesh.world} ranks but torch.distributed has "
                              f"{dist.get_world_size()}")
         timeout = timedelta(seconds=timeout_s) if timeout_s else None
+        #: The mesh's dimensions (tp, cp, dp, pp larger than 1) as a torch DeviceMesh with
+        #: named dims, for DTensor and distributed checkpointing; None on one rank.
+        self.device_mesh = _device_mesh(mesh, self.device.type, timeout)
         self._groups: dict[str, object] = {}
-        # The sub-axes of group partitions (tp.intra, tp.inter) get groups of their own.
-        for axis in AXES + ((EDP,) if mesh.ep > 1 else ()) + mesh.sub_axes():
+        if self.device_mesh is not None:
+            self._groups = {axis: self.device_mesh.get_group(axis) for axis in self.device_mesh.mesh_dim_names}
+        # ep groups (blocks of dp coordinates), the expert-dp groups and the sub-axes of group
+        # partitions (tp.intra, tp.inter) are not dimensions of the mesh: groups of their own.
+        for axis in ("ep",) + ((EDP,) if mesh.ep > 1 else ()) + mesh.sub_axes():
             for ranks in expert_dp_groups(mesh) if axis == EDP else mesh.groups(axis):
                 if len(ranks) == 1:
                     continue
@@ -248,6 +254,30 @@ class DistComm(Communicator):
             return Pending(dist.irecv(out, src), out)
         dist.recv(out, src)
         return out
+
+
+def _device_mesh(mesh: Mesh, device_type: str, timeout: timedelta | None):
+    """A DeviceMesh of ``mesh``'s dimensions larger than 1, outermost first (DeviceMesh's
+    last dim is the innermost, dhelix lists axes innermost first: the same rank layout),
+    every dim with its own process groups and ``timeout``; None when no dim is larger than 1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dims = [(axis, size) for axis, size in zip(mesh.order, mesh.sizes, strict=True)
+            if axis in DIMENSIONS and size > 1][::-1]
+    if not dims:
+        return None
+    backend = dist.get_backend()
+    options = None
+    if backend == "gloo" and timeout is not None:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+    elif backend == "nccl" and timeout is not None:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+    # A backend per dim also keeps a dim spanning the world off the default group.
+    return init_device_mesh(device_type, tuple(size for _, size in dims),
+                            mesh_dim_names=tuple(axis for axis, _ in dims),
+                            backend_override={axis: (backend, options) for axis, _ in dims})
 
 
 def _list(splits):

@@ -33,6 +33,8 @@ import os
 import signal
 import sys
 import time
+
+import attrs
 from typing import TYPE_CHECKING, Callable
 
 from dhelix.dsl.core.errors import DhelixError
@@ -362,16 +364,28 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
     # Beating before joining: a rank that hangs while the world forms is named too.
     heartbeat = Heartbeat(_client(address, options.timeout), rank).start()
     try:
+        measured = None
         if torchrun and gpus_per_node is not None:
-            from .topology import check_placement, exchange
+            from .topology import check_placement, exchange, measured_per_node
 
-            check_placement(exchange(_client(address, options.timeout), rank, world), gpus_per_node)
+            places = exchange(_client(address, options.timeout), rank, world)
+            if getattr(options, "topology", "declared") == "measured":
+                measured = measured_per_node(places)
+                options = attrs.evolve(options, gpus_per_node=measured)
+            else:
+                check_placement(places, gpus_per_node)
         dist.init_process_group(options.backend, store=_client(address, options.timeout), rank=rank,
                                 world_size=world, timeout=timeout)
         try:
-            return work(options, device, heartbeat)
+            result = work(options, device, heartbeat)
         finally:
             dist.destroy_process_group()
+        if result is not None and measured is not None:
+            from .topology import describe_measured
+
+            result = attrs.evolve(result, gpus_per_node=measured,
+                                  topology=describe_measured(measured, world, gpus_per_node))
+        return result
     except (RuntimeError, ValueError) as exc:  # a peer's failure seen through a collective
         raise _blame_stalled(RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}", rank=rank),
                              address, world) from None

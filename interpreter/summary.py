@@ -53,6 +53,10 @@ class RunResult:
     checks: tuple = ()
     #: (step, held-out loss) of every evaluation.
     evals: tuple = ()
+    #: The ranks per node measured under torchrun when they replaced the cluster block's
+    #: (``--topology measured``), and the summary's line saying so; None and "" otherwise.
+    gpus_per_node: int | None = None
+    topology: str = ""
 
     @property
     def events(self) -> tuple[TraceEvent, ...]:
@@ -97,6 +101,7 @@ class RunSummary:
     cuda_peak: int | None = None
     note: str = ""
     devices: str = ""
+    topology: str = ""
 
 
 def describe_devices(ranks) -> str:
@@ -146,7 +151,8 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
                                 p2p_wait=steady(r.p2p), peak_activations=r.peak_activations) for r in ranks),
         measured=Figures(step_time=steady(per_step), exposed_comm=exposed,
                          peak_activations=max(r.peak_activations for r in ranks)),
-        predicted=predicted, cuda_peak=max(cuda) if cuda else None, note=note, devices=describe_devices(ranks))
+        predicted=predicted, cuda_peak=max(cuda) if cuda else None, note=note, devices=describe_devices(ranks),
+        topology=result.topology)
 
 
 def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
@@ -175,6 +181,7 @@ def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> di
     measured, predicted = summary.measured, summary.predicted
     return {
         "file": options.path, "backend": options.backend, "si": options.si, "plan": options.plan,
+        "topology": summary.topology or "declared",
         "steps": len(result.losses), "losses": list(result.losses),
         "step_s": measured.step_time, "exposed_comm_s": measured.exposed_comm,
         "peak_activations_bytes": measured.peak_activations,
@@ -205,6 +212,7 @@ def format_summary(summary: RunSummary) -> str:
     lines = [f"{summary.path}: {summary.pipeline}, {summary.mesh} on {len(summary.ranks)} "
              f"{summary.backend} rank(s), SI {summary.si}",
              *([f"devices: {summary.devices}"] if summary.devices else []),
+             *([f"topology: {summary.topology}"] if summary.topology else []),
              f"loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f} over {len(summary.losses)} step(s); "
              "medians per step (first step excluded):",
              f"{'rank':>6} {'step time':>12} {'exposed comm':>14} {'p2p wait':>12} {'peak activations':>18}"]

@@ -71,6 +71,32 @@ def check_placement(places: list[Where], gpus_per_node: int) -> None:
                        f"{gpus_per_node} rank(s) per node"])
 
 
+def measured_per_node(places: list[Where]) -> int:
+    """The ranks per node the ranks really run with, when they are laid out as a cluster
+    block can say (rank r on node r // n, every node with n ranks); else DhelixError naming
+    where the layout breaks."""
+    nodes: dict[Where, list[int]] = {}
+    for rank, place in enumerate(places):
+        nodes.setdefault(place, []).append(rank)
+    per_node = _measured_per_node(nodes)
+    blocks = [list(range(start, start + per_node)) for start in range(0, len(places), per_node)]
+    if sorted(nodes.values()) != blocks:
+        measured = "; ".join(f"ranks {_span(ranks)} on {p}" for p, ranks in nodes.items())
+        raise DhelixError(
+            "the measured topology cannot be used: the ranks are not laid out as consecutive blocks of "
+            "equal size per node, which is what a cluster block (gpus_per_node) can describe",
+            notes=[f"measured: {measured}",
+                   "launch the same number of ranks on every node, node by node (torchrun does)"])
+    return per_node
+
+
+def describe_measured(per_node: int, world: int, declared: int) -> str:
+    """One line for the run summary: the topology the run used instead of the declared one."""
+    nodes = world // per_node
+    return (f"measured, {per_node} rank(s) per node on {nodes} node(s), used instead of the cluster block's "
+            f"gpus_per_node = {declared} (lanes and prediction follow the measured nodes)")
+
+
 def _measured_per_node(nodes: dict) -> int:
     return max(len(ranks) for ranks in nodes.values())
 

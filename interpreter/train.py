@@ -78,6 +78,10 @@ class RunOptions:
     resume: str | None = None
     log: str | None = None
     export: str | None = None
+    #: ``declared``: the cluster block's gpus_per_node, checked under torchrun; ``measured``:
+    #: the nodes the ranks report decide (then ``gpus_per_node`` is the measured count).
+    topology: str = "declared"
+    gpus_per_node: int | None = None
 
     def lr_of(self, step: int) -> float:
         """The learning rate of update ``step`` (0-based)."""
@@ -127,7 +131,10 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     from .recording import Recorder
     from .si_plan import PLANS, fixed_plan
 
-    program = checked_program(options.text, options.path, options.profile)
+    program = checked_program(options.text, options.path, options.profile, options.gpus_per_node)
+    if options.gpus_per_node is not None and options.pairs is not None:
+        # The plan was made for the declared lanes: plan again for the measured ones.
+        options = attrs.evolve(options, pairs=si_plan(program, "planned")[1])
     comm = DistComm(program.mesh, device, timeout_s=options.timeout)
     recorder = Recorder(trace=options.trace is not None, cuda=device.type == "cuda")
     # Every rank must run the same plan (collectives are issued in plan order); under

@@ -219,3 +219,29 @@ def test_the_model_ends_leave_their_reductions_in_flight_and_finish_on_the_wait(
     (loss, grad, grads), (aloss, agrad, agrads) = results[False], results[True]
     assert torch.equal(loss, aloss) and torch.equal(grad, agrad) and grads.keys() == agrads.keys()
     assert all(torch.equal(grads[name], agrads[name]) for name in grads)
+
+
+def _mesh_groups(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from dhelix.dsl.core.mesh import Mesh
+
+    mesh = Mesh(("tp", "cp", "dp", "pp"), (2, 1, 1, 2), gpus_per_node=2)
+    comm = DistComm(mesh, timeout_s=30)
+    device_mesh = comm.device_mesh
+    return {"names": device_mesh.mesh_dim_names, "shape": tuple(device_mesh.mesh.shape),
+            "groups": {axis: tuple(dist.get_process_group_ranks(comm._groups[axis])) for axis in ("tp", "pp")},
+            "sub": {axis: tuple(dist.get_process_group_ranks(comm._groups[axis])) for axis in comm._groups
+                    if "." in axis}}
+
+
+def test_the_process_groups_come_from_a_device_mesh_with_the_mesh_s_layout(tmp_path):
+    from dhelix.dsl.core.mesh import Mesh
+
+    mesh = Mesh(("tp", "cp", "dp", "pp"), (2, 1, 1, 2), gpus_per_node=2)
+    for rank, got in enumerate(gloo_results(_mesh_groups, 4, tmp_path)):
+        # DeviceMesh lists the outermost dim first; size-1 dims are left out.
+        assert got["names"] == ("pp", "tp") and got["shape"] == (2, 2)
+        for axis in ("tp", "pp"):
+            assert got["groups"][axis] == next(g for g in mesh.groups(axis) if rank in g)
+        assert got["sub"] == {}  # tp lies inside a node: no group partition sub-axes

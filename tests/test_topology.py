@@ -75,3 +75,43 @@ def test_ranks_started_with_master_addr_but_no_torchrun_agent_find_the_store_on_
     outputs = [rank.communicate(timeout=120) for rank in ranks]
     assert [rank.returncode for rank in ranks] == [0, 0], outputs
     assert "dhelix run: " in outputs[1][0]  # rank 0 reports for the run
+
+
+def test_measured_topology_from_ranks_laid_out_node_by_node():
+    from dhelix.interpreter.topology import measured_per_node
+
+    assert measured_per_node([Where(0, "a")] * 4) == 4
+    assert measured_per_node([Where(0, "a"), Where(0, "a"), Where(1, "b"), Where(1, "b")]) == 2
+    with pytest.raises(DhelixError) as info:
+        measured_per_node([Where(0, "a"), Where(1, "b"), Where(0, "a"), Where(1, "b")])
+    assert info.value.message.startswith("the measured topology cannot be used: the ranks are not laid out as "
+                                         "consecutive blocks of equal size per node")
+    assert info.value.notes[0] == "measured: ranks 0, 2 on a (node 0); ranks 1, 3 on b (node 1)"
+
+
+def test_two_torchrun_nodes_run_a_one_node_program_with_the_measured_topology(tmp_path):
+    pytest.importorskip("torch")
+    program = tmp_path / "one_node.dhx"
+    program.write_text(tiny_example_text().replace("nodes = 2", "nodes = 1 #").replace("gpus_per_node = 2",
+                                                                                        "gpus_per_node = 4"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    port = _free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                               str(node), "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                               f"127.0.0.1:{port}", "-m", "dhelix", "run", str(program), "--steps", "2",
+                               "--timeout", "30", "--topology", "measured", "--json"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for node in (0, 1)]
+    outputs = [node.communicate(timeout=180) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    import json
+
+    figures = json.loads(outputs[0][0])
+    assert figures["topology"] == ("measured, 2 rank(s) per node on 2 node(s), used instead of the cluster "
+                                   "block's gpus_per_node = 4 (lanes and prediction follow the measured nodes)")
+
+
+def test_the_measured_topology_is_for_torchrun(capsys):
+    from dhelix.cli.main import main
+
+    assert main(["run", str(EXAMPLE), "--topology", "measured"]) == 2
+    assert "--topology measured applies under torchrun" in capsys.readouterr().err

@@ -67,6 +67,10 @@ def register(subparsers) -> None:
     run.add_argument("--json", action="store_true",
                      help="print the summary's figures as JSON (what --metrics writes) instead of the table")
     add_launch_arguments(run, what="train")
+    run.add_argument("--topology", choices=("declared", "measured"), default="declared",
+                     help="under torchrun: check the nodes the ranks run on against the cluster block "
+                          "(declared, the default: a mismatch is an error), or let them decide which groups "
+                          "are node-local (measured; the summary says so)")
     add_profile_argument(run)
     _add_training_arguments(run)
     run.set_defaults(func=cmd_run)
@@ -127,6 +131,9 @@ def cmd_run(args) -> int:
 
     train.preflight(program)
     placed = spawn.torchrun_rank(program)
+    if args.topology == "measured" and placed is None:
+        raise UsageError("--topology measured applies under torchrun: the local launcher's ranks share this "
+                         "machine on purpose (the cluster block's nodes are emulated); run without it")
     nproc = local_ranks(args, program, torchrun=placed is not None)
     options = run_options(args, text, program, choose_backend(args.backend, nproc))
     _preflight_data(program, options)
@@ -136,6 +143,8 @@ def cmd_run(args) -> int:
         result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run
         return 0
+    if result.gpus_per_node is not None:  # the run used the measured nodes: so does its prediction
+        program = checked_program(text, args.file, args.profile, result.gpus_per_node)
     return report(program, options, result, outputs.get("--trace"), outputs.get("--metrics"), as_json=args.json)
 
 
@@ -196,7 +205,7 @@ def run_options(args, text: str, program, backend: str):
         decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip, master=args.master,
         eval_every=args.eval_every if args.eval_every is not None else program.train.eval_every,
         save=args.save, save_every=args.save_every, resume=args.resume, log=args.log,
-        export=args.export_weights)
+        export=args.export_weights, topology=args.topology)
 
 
 def _profile_for_ranks(profile: str | None) -> str | None:

@@ -83,12 +83,27 @@ def with_profile(program: Program, name_or_path: str) -> Program:
     return passes.rerun(attrs.evolve(program, profile=profile, cluster=cluster), after="check")
 
 
-def checked_program(text: str, path: str, profile: str | None = None) -> Program:
+def checked_program(text: str, path: str, profile: str | None = None,
+                    gpus_per_node: int | None = None) -> Program:
     """The program of ``text`` (the file ``path``) through every pass, priced with
-    ``profile`` (:func:`with_profile`) when one is given instead of its cluster block's."""
-    if profile is None:
+    ``profile`` (:func:`with_profile`) when one is given instead of its cluster block's, on
+    nodes of ``gpus_per_node`` ranks (:func:`with_nodes`) when that is given."""
+    if profile is None and gpus_per_node is None:
         return passes.check_text(text, path)
-    return with_profile(passes.run_until(text, path, "check"), profile)
+    program = passes.run_until(text, path, "check")
+    if gpus_per_node is not None:
+        program = with_nodes(program, gpus_per_node)
+    return with_profile(program, profile) if profile is not None else passes.rerun(program, after="check")
+
+
+def with_nodes(program: Program, gpus_per_node: int) -> Program:
+    """The checked ``program`` (check stage) on nodes of ``gpus_per_node`` ranks instead of
+    its cluster block's (the measured topology of a run): its mesh's lanes and the group
+    partitions follow them. The passes after check are not run."""
+    if program.cluster is None:
+        return program
+    cluster = attrs.evolve(program.cluster, nodes=program.mesh.world // gpus_per_node, gpus_per_node=gpus_per_node)
+    return attrs.evolve(program, cluster=cluster, mesh=attrs.evolve(program.mesh, gpus_per_node=gpus_per_node))
 
 
 def for_measuring(text: str, path: str) -> Program:
