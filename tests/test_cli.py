@@ -288,3 +288,18 @@ def test_a_good_output_is_still_written(tmp_path, capsys):
     assert main(["export", str(program), "--torch-csv", str(tmp_path / "w.csv")]) == 0
     assert (tmp_path / "w.csv").read_text().count("\n") == 2  # one row per pipeline rank
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prog.dhx", "w.csv"]
+
+
+@pytest.mark.parametrize("command", [["simulate", "examples/tiny_llama_cpu.dhx", "--json"],
+                                     ["check", "examples/tiny_llama_cpu.dhx", "--dump", "lower"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(command):
+    # `dhelix simulate --json | head -c 10`: the reader closes the pipe before dhelix writes.
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "dhelix", *command], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

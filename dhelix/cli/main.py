@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
@@ -62,7 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default: the process's arguments); returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`dhelix simulate --json | head`): stop quietly, exit 1, as
+        # Python's documentation advises; stdout goes to /dev/null so nothing fails at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except UsageError as exc:
         print(f"dhelix: {exc.message}", file=sys.stderr)
         return 2
