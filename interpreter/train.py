@@ -121,7 +121,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     over the world."""
     import torch.distributed as dist
 
-    from dhelix.dsl.passes.overrides import checked_program
+    from dhelix.dsl.planner.chunking import priced_program
 
     from .comm import DistComm
     from .executor import Executor
@@ -131,7 +131,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     from .recording import Recorder
     from .si_plan import PLANS, fixed_plan
 
-    program = checked_program(options.text, options.path, options.profile, options.gpus_per_node)
+    program, _ = priced_program(options.text, options.path, options.profile, options.gpus_per_node)
     if options.gpus_per_node is not None and options.pairs is not None:
         # The plan was made for the declared lanes: plan again for the measured ones.
         options = attrs.evolve(options, pairs=si_plan(program, "planned")[1])

@@ -20,7 +20,8 @@ from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.planner.pairing import DEFAULT_MAX_SEGMENT
 from dhelix.cli.overrides import add_profile_argument
-from dhelix.dsl.passes.overrides import checked_program, require_model
+from dhelix.dsl.passes.overrides import require_model
+from dhelix.dsl.planner.chunking import priced_program
 from dhelix.dsl.core.plan import format_plan, plan_to_json
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Interleaved
@@ -47,17 +48,20 @@ def cmd_plan(args) -> int:
     """`dhelix plan FILE [--json] [--max-segment N]`; returns the exit code."""
     if args.max_segment < 0:
         raise UsageError(f"--max-segment must be 0 (no bound) or more, got {args.max_segment}")
-    program = checked_program(read_source(args.file), args.file, args.profile)
+    program, chunks = priced_program(read_source(args.file), args.file, args.profile)
     require_model(program, args.file)
     require_profile(program)
     plan = schedule_plan(program, max_segment=args.max_segment or None)
     usage = plan_usage(program)
     if args.json:
         data = {"file": args.file, "model": program.model.name, "layer": program.model.layer,
-                "profile": program.profile.name, **usage, "plan": plan_to_json(plan)}
+                "profile": program.profile.name, **usage, "plan": plan_to_json(plan),
+                "chunks": [{"ops": list(c.ops), "chosen": c.chosen,
+                            "candidates": {c2.count: c2.seconds for c2 in c.candidates}} for c in chunks]}
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
-    sys.stdout.write(plan_header(args.file, program, usage) + "\n" + format_plan(plan))
+    sys.stdout.write(plan_header(args.file, program, usage) + "\n"
+                     + "".join(f"partition {choice.describe()}\n" for choice in chunks) + format_plan(plan))
     return 0
 
 

@@ -34,7 +34,8 @@ from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_o
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.cli.overrides import add_profile_argument
-from dhelix.dsl.passes.overrides import checked_program, require_model
+from dhelix.dsl.passes.overrides import require_model
+from dhelix.dsl.planner.chunking import priced_program
 from dhelix.dsl.render.trace import trace_json
 
 
@@ -121,7 +122,7 @@ def cmd_run(args) -> int:
     if len({os.path.realpath(path) for path in outputs.values()}) < len(outputs):
         raise UsageError(f"{' and '.join(outputs)} name the same file; give each its own")
     text = read_source(args.file)
-    program = checked_program(text, args.file, args.profile)
+    program, _ = priced_program(text, args.file, args.profile)
     require_model(program, args.file)
     for flag, path in outputs.items():
         refuse_inputs(path, flag, program_inputs(program))
@@ -144,7 +145,7 @@ def cmd_run(args) -> int:
     if result is None:  # not global rank 0: rank 0 reports for the run
         return 0
     if result.gpus_per_node is not None:  # the run used the measured nodes: so does its prediction
-        program = checked_program(text, args.file, args.profile, result.gpus_per_node)
+        program, _ = priced_program(text, args.file, args.profile, result.gpus_per_node)
     return report(program, options, result, outputs.get("--trace"), outputs.get("--metrics"), as_json=args.json)
 
 

@@ -227,6 +227,9 @@ class Program:
     profile: object = None  # profiles.Profile named by the cluster block
     strands: Strands = Strands()
     partition: s.PartitionDef | None = None  # the partition block, applied by the partition pass
+    #: The counts the planner chose for the partition block's ``by auto`` chunk statements
+    #: ((index among the chunk statements, count), …); empty: not chosen (chains whole).
+    chunk_counts: tuple[tuple[int, int], ...] = ()
     env: tuple[tuple[str, int], ...] = ()  # the names layer expressions see, set by the shapes pass
     forward: LayerDag | None = None  # set by the shapes pass
     backward: LayerDag | None = None  # set by the autodiff pass

@@ -41,26 +41,44 @@ from dhelix.dsl.core.program import LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.frontend.exprs import evaluate
 
+#: ``chunk … by auto``: the planner chooses the count (Centauri's Algorithm 1).
+AUTO = "auto"
+
 #: The one substitution Centauri keeps for an all_reduce (Table 2).
 SCALABLE = ("reduce_scatter", "all_gather")
 _ROOTED = {"reduce", "broadcast", "gather", "scatter"}
 
 
-def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, int], mesh: Mesh) -> LayerDag:
+def is_auto(st: s.Chunk) -> bool:
+    """Whether chunk statement ``st`` leaves its count to the planner (``by auto``)."""
+    return isinstance(st.parts, s.Name) and st.parts.id == AUTO
+
+
+def chunk_statements(block: s.PartitionDef | None) -> list[s.Chunk]:
+    """The chunk statements of ``block`` in order (their index keys ``counts``)."""
+    return [st for st in block.body if isinstance(st, s.Chunk)] if block is not None else []
+
+
+def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, int], mesh: Mesh,
+                      counts: Mapping[int, int] | None = None) -> LayerDag:
     """``fwd`` rewritten by the statements of ``block`` (substitutions first, then chunks,
     then group partitions, which split the chunks' collectives too), with chunk counts
-    evaluated over ``env`` and groups taken from ``mesh``. Raises CheckError or ErrorGroup
-    with every problem found, each located at the statement's word at fault."""
+    evaluated over ``env`` and groups taken from ``mesh``. A ``by auto`` statement takes its
+    count from ``counts`` (keyed by its index among the chunk statements; the planner
+    chooses it, :mod:`dhelix.dsl.planner.chunking`); without one, or with 1, its chain stays
+    whole. Raises CheckError or ErrorGroup with every problem found, each located at the
+    statement's word at fault."""
     errors = ErrorCollector()
     for st in block.body:
         if isinstance(st, s.Substitute):
             fwd = _substitute(fwd, st, errors)
     claimed: dict[str, s.Chunk] = {}
-    for st in block.body:
-        if isinstance(st, s.Chunk):
-            chain = _checked_chain(fwd, st, env, claimed, errors)
-            if chain is not None:
-                fwd = _chunked(fwd, *chain)
+    for index, st in enumerate(chunk_statements(block)):
+        auto = (counts or {}).get(index, 1) if is_auto(st) else None
+        # An auto chain is checked even while whole (count 1): its mistakes show at once.
+        chain = _checked_chain(fwd, st, env, claimed, errors, auto)
+        if chain is not None and chain[1] > 1:
+            fwd = _chunked(fwd, *chain)
     for st in block.body:
         if isinstance(st, s.Group):
             for i, name in enumerate(st.ops):
@@ -164,16 +182,21 @@ def _bad_target(st: s.Substitute) -> CheckError:
 
 # -- workload partition -------------------------------------------------------------------
 
-def _checked_chain(fwd: LayerDag, st: s.Chunk, env, claimed: dict, errors: ErrorCollector):
-    """(ops of the chain in DAG order, parts, dim index) or None after recording errors."""
+def _checked_chain(fwd: LayerDag, st: s.Chunk, env, claimed: dict, errors: ErrorCollector,
+                   parts: int | None = None):
+    """(ops of the chain in DAG order, parts, dim index) or None after recording errors;
+    ``parts`` is the count of a ``by auto`` statement (else the statement's own)."""
     dim = st.dim or "tokens"
     if dim not in PARTITION_DIMS:
         errors.add(CheckError(f"unknown dimension '{dim}'", st.span_of("dim"),
                               did_you_mean(dim, PARTITION_DIMS) + [f"chunks split along "
                                                                     f"{join_words(PARTITION_DIMS, 'or')}"]))
         return None
-    parts = evaluate(st.parts, env, "model, mesh or train setting")
-    if parts < 2:
+    if parts is None:
+        parts = evaluate(st.parts, env, "model, mesh or train setting")
+    elif parts < 2:  # an auto count the planner left at 1: the chain stays whole
+        parts = 1
+    if parts < 2 and not is_auto(st):
         errors.add(CheckError(f"a chunk count must be at least 2, got {parts}", st.parts.span))
         return None
     found = len(errors.errors)

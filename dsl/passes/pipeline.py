@@ -60,7 +60,8 @@ def partition(program: Program) -> Program:
     dtype), checked here because the measured ops are those of the rewritten DAG."""
     if program.forward is not None and program.partition is not None:
         program = attrs.evolve(program, forward=partition_forward(program.forward, program.partition,
-                                                                  dict(program.env), program.mesh))
+                                                                  dict(program.env), program.mesh,
+                                                                  dict(program.chunk_counts)))
     check_measured(program)
     return program
 
