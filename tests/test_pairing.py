@@ -351,3 +351,44 @@ def test_plan_program_refuses_a_library_file():
     library = check_text('import "stdlib/layers.dhx"\n', "lib.dhx")
     with pytest.raises(DhelixError, match="no layer to plan"):
         plan_program(library, LaneCost())
+
+
+# -- partitioned DAGs (Centauri chunks): the search stays exact ---------------------------
+
+SMALL_PARTITIONED = """
+import "stdlib/pipelines.dhx"
+layer mlp {{
+  in x [tokens / tp, hidden]
+  ag = all_gather(x, tp)
+  fc = gemm(ag, hidden, hidden)
+  rs = reduce_scatter(fc, tp)
+  out rs
+}}
+model m {{ layers = 2  hidden = 32  ffn = 64  heads = 4  kv_heads = 4  seq = 8  vocab = 64
+  dtype = fp32  layer = mlp }}
+cluster {{ nodes = 1  gpus_per_node = 2  profile = "a40" }}
+mesh {{ tp = 2 }}
+train {{ micro_batch = 2  microbatches = 2 }}
+fold u
+pipeline w_helix
+strands {{ overlap tp  comm_with_comm {comm_with_comm}  movable wgrad }}
+partition {{ {chunk} }}
+"""
+
+
+@settings(PROPERTY, max_examples=40)
+@given(st.sampled_from(["chunk ag + fc by 2", "chunk fc + rs by 2", "chunk ag + fc + rs by 2"]),
+       st.sampled_from(["on", "off"]), st.integers(0, 10**6))
+def test_search_over_partitioned_dags_equals_the_best_over_all_legal_orders(chunk, comm_with_comm, salt):
+    from dhelix.dsl.passes.pipeline import check_text
+
+    program = check_text(SMALL_PARTITIONED.format(chunk=chunk, comm_with_comm=comm_with_comm), "small.dhx")
+    fwd, bwd, strands = program.forward, program.backward, program.strands
+    assert any(".c1" in op.name for op in fwd.ops)  # the chain is chunked
+    forders, borders = order_pairs(fwd, bwd, strands)
+    assume(len(forders) * len(borders) <= 400)
+    cost, rules = SetCost(salt), rules_of(strands, fwd, bwd)
+    fops, bops = {op.name: op for op in fwd.ops}, {op.name: op for op in bwd.ops}
+    best = min(pair_sequences([fops[n] for n in fo], [bops[n] for n in bo], cost, rules)[0]
+               for fo in forders for bo in borders)
+    assert plan_layers(fwd, bwd, strands, cost, max_segment=None).total == best
