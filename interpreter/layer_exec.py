@@ -248,7 +248,10 @@ class LayerRun:
     def _act(self, name: str) -> torch.Tensor:
         value = self.acts[name]
         if isinstance(value, Pending):
-            value = self.acts[name] = value.wait()
+            pending, value = value, value.wait()
+            self.acts[name] = value
+            if self._input is pending:  # the input kept for recomputation arrived: keep the tensor
+                self._input = value
             self.version += 1
         return value
 

@@ -226,11 +226,18 @@ class DistributedAdamW:
         of each parameter's part, as ``clip_grad_norm_`` takes a norm per tensor."""
         import torch.distributed as dist
 
-        total = 0.0
+        # One fp32 norm per parameter part, weighed and summed in fp64 on the device (no
+        # host round trip per parameter on CUDA).
+        norms, weights = [], []
         for spans, grad in zip(self.norm_weights, averaged, strict=True):
             for weight, lo, hi in spans:
-                total += weight * float(torch.linalg.vector_norm(grad[lo:hi])) ** 2
-        total = torch.tensor(total, dtype=torch.float64, device=averaged[0].device)
+                norms.append(torch.linalg.vector_norm(grad[lo:hi]))
+                weights.append(weight)
+        device = averaged[0].device
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        if norms:
+            squares = torch.stack(norms).double() ** 2
+            total = (torch.tensor(weights, dtype=torch.float64, device=device) * squares).sum()
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(total)
         return math.sqrt(float(total))
