@@ -33,9 +33,9 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING, Callable
 
 import attrs
-from typing import TYPE_CHECKING, Callable
 
 from dhelix.dsl.core.errors import DhelixError
 

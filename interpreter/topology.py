@@ -93,6 +93,8 @@ def measured_per_node(places: list[Where]) -> int:
 def describe_measured(per_node: int, world: int, declared: int) -> str:
     """One line for the run summary: the topology the run used instead of the declared one."""
     nodes = world // per_node
+    if per_node == declared:
+        return f"measured, {per_node} rank(s) per node on {nodes} node(s), as the cluster block says"
     return (f"measured, {per_node} rank(s) per node on {nodes} node(s), used instead of the cluster block's "
             f"gpus_per_node = {declared} (lanes and prediction follow the measured nodes)")
 

@@ -115,3 +115,10 @@ def test_the_measured_topology_is_for_torchrun(capsys):
 
     assert main(["run", str(EXAMPLE), "--topology", "measured"]) == 2
     assert "--topology measured applies under torchrun" in capsys.readouterr().err
+
+
+def test_the_summary_line_says_whether_the_measured_nodes_differ():
+    from dhelix.interpreter.topology import describe_measured
+
+    assert describe_measured(2, 4, 2) == "measured, 2 rank(s) per node on 2 node(s), as the cluster block says"
+    assert describe_measured(4, 4, 2).startswith("measured, 4 rank(s) per node on 1 node(s), used instead of")
