@@ -56,9 +56,10 @@ def _full_state(executor, optimizer) -> dict | None:
     """The layout-free state on global rank 0 (None elsewhere); collective."""
     plan, comm = executor.weights, executor.comm
     moments = optimizer.moments()
-    params = gather_full(plan, comm, optimizer.masters())  # fp32, whatever the compute dtype
-    first = gather_full(plan, comm, {name: pair[0] for name, pair in moments.items()})
-    second = gather_full(plan, comm, {name: pair[1] for name, pair in moments.items()})
+    flat = executor.flat  # ZeRO-3 pieces are gathered over dp first
+    params = gather_full(plan, comm, optimizer.masters(), flat)  # fp32, whatever the compute dtype
+    first = gather_full(plan, comm, {name: pair[0] for name, pair in moments.items()}, flat)
+    second = gather_full(plan, comm, {name: pair[1] for name, pair in moments.items()}, flat)
     if params is None:
         return None
     return {"model": params, "exp_avg": first, "exp_avg_sq": second}
@@ -164,7 +165,7 @@ def load(root: str, executor, optimizer, global_sequences: int) -> dict:
     def mine(name, full):
         spec = plan.spec(name)
         parts = plan.program.mesh.size(spec.axis) if spec.axis else 1
-        return spec.take(full, index.get(spec.axis, 0) if spec.axis else 0, parts)
+        return executor.flat.take(name, spec.take(full, index.get(spec.axis, 0) if spec.axis else 0, parts))
 
     optimizer.load_state({name: mine(name, state["model"][name]) for name in names},
                          {name: (mine(name, state["exp_avg"][name]), mine(name, state["exp_avg_sq"][name]))
@@ -187,7 +188,7 @@ def export_weights(path: str, executor, optimizer) -> None:
     """Write the full fp32 weights (the masters) to ``path`` on global rank 0 as a
     ``torch.save`` file keyed like :class:`~.reference.ReferenceModel`'s ``state_dict``;
     collective."""
-    full = gather_full(executor.weights, executor.comm, optimizer.masters())
+    full = gather_full(executor.weights, executor.comm, optimizer.masters(), executor.flat)
     if full is not None:
         partial = Path(f"{path}.partial-{os.getpid()}")
         torch.save({name.replace(".", "__"): t.float().contiguous() for name, t in full.items()}, partial)

@@ -31,12 +31,13 @@ import attrs
 import torch
 
 from dhelix.dsl.core.errors import ScheduleError
-from dhelix.dsl.core.oplib import is_wgrad
+from dhelix.dsl.core.oplib import in_weight_pass
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
 from dhelix.dsl.passes.validate import transfer_key
 
 from .comm import AXES, Communicator, Pending, resolve
+from .fsdp import FlatShards
 from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads
 from .pair_order import BlockOrder
 from .pipeline_comm import PipelineComm, check_fifo
@@ -103,7 +104,7 @@ class Executor:
         self.index = {axis: comm.index(axis) for axis in AXES}
         self.layer_plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
         self.b_ops = backward_ops(program.backward, self.lowered.split)
-        self.w_ops = tuple(op for op in program.backward.ops if is_wgrad(op))
+        self.w_ops = tuple(op for op in program.backward.ops if in_weight_pass(op))
         self.plan = plan_for(program.forward, program.backward)
         optional = {op.name for op in self.w_ops} if self.lowered.split else set()
         check_plan(self.plan, program.forward, program.backward, optional)
@@ -115,6 +116,8 @@ class Executor:
         self.p2p = PipelineComm(self.comm, self.lowered, use_tags,
                                 lambda pending, name: self._timed_recv(pending, name))
         self.params: dict[str, torch.Tensor] = {}
+        #: ZeRO-3: which parameters are dp pieces (:mod:`.fsdp`).
+        self.flat = FlatShards.of(program, comm)
         self.stages = {chunk: self._stage(chunk) for chunk in range(self.lowered.chunks)
                        if self.lowered.stage_of(self.pp, chunk) is not None}
         self.on_action = on_action
@@ -134,6 +137,8 @@ class Executor:
         weights = []
         for layer in stage.layers:
             shards = self.weights.layer_weights(layer, self.index, self.dtype, self.device)
+            if self.flat.enabled:  # ZeRO-3: this rank keeps its dp piece of each
+                shards = {op: self.flat.add(param_name(layer, op), w) for op, w in shards.items()}
             self.params.update({param_name(layer, op): w for op, w in shards.items()})
             weights.append(shards)
         state = StageState(index, stage.layers, index == 0, index == len(self.lowered.stages) - 1, weights)
@@ -190,6 +195,11 @@ class Executor:
         done, self.deferred = self.deferred[:count], self.deferred[count:]
         for pending in done:
             pending.wait()
+
+    def _defer(self, pending: Pending) -> None:
+        # A ZeRO-3 gradient reduce-scatter: waited for after the next action, as the
+        # embedding's gathers are (the list is replaced as it is settled).
+        self.deferred.append(pending)
 
     def _reset(self, batch: Batch) -> None:
         self.batch = batch
@@ -255,7 +265,7 @@ class Executor:
         if mb in stage.runs:
             raise ValueError(f"micro-batch {mb} already runs forward on stage {stage.index}")
         full = self.program.train.recompute == "full"
-        runs = [LayerRun(self.layer_plan, w, self.comm, g, recompute=full)
+        runs = [LayerRun(self.layer_plan, w, self.comm, g, recompute=full, defer=self._defer)
                 for w, g in zip(stage.weights, stage.grads, strict=True)]
         stage.runs[mb] = runs
         start = self.weights.vocab_start(self.index)

@@ -103,9 +103,13 @@ def broadcast_from_first(obj):
     return pickle.loads(ctypes.string_at(buffer.data_ptr(), int(size)))
 
 
-def gather_full(plan: WeightPlan, comm: Communicator, tensors: Mapping[str, torch.Tensor]):
+def gather_full(plan: WeightPlan, comm: Communicator, tensors: Mapping[str, torch.Tensor], flat=None):
     """On global rank 0, the full value of every parameter (or gradient) from all ranks'
-    shards, keyed by parameter name; None on the other ranks. Collective over the world."""
+    shards, keyed by parameter name; None on the other ranks. Collective over the world.
+    ``flat`` (the run's :class:`~.fsdp.FlatShards`) says which tensors are ZeRO-3 dp pieces:
+    they are gathered over dp first."""
+    if flat is not None:
+        tensors = flat.gather(comm, tensors)
     index = {axis: comm.index(axis) for axis in AXES}
     mine = (index, {name: t.detach().cpu() for name, t in tensors.items()})
     pieces = gather_to_first(mine)
@@ -165,11 +169,12 @@ def check_steps(executor, optimizer, steps: int, data=0, lr_of=None) -> list[Ste
     for step in range(steps):
         batch = batch_of(step)
         lr = lr_of(step) if lr_of is not None else optimizer.config.lr
-        params = gather_full(plan, comm, executor.params)
+        flat = executor.flat
+        params = gather_full(plan, comm, executor.params, flat)
         loss = executor.step(replica_batch(batch, comm.index("dp"), program.train.microbatches))
-        grads = gather_full(plan, comm, optimizer.averaged_grads(executor.grads()))
+        grads = gather_full(plan, comm, optimizer.averaged_grads(executor.grads()), flat)
         optimizer.step(executor.grads(), lr)
-        updated = gather_full(plan, comm, executor.params)
+        updated = gather_full(plan, comm, executor.params, flat)
         if comm.rank == 0:
             check = compare(step, loss.item(), grads, reference_with(program, params, batch, plan.seed))
             update_diff, norm = shadow.diff(params, grads, updated, lr)
@@ -187,19 +192,21 @@ class _ShadowAdamW:
 
     def diff(self, params, grads, updated, lr: float) -> tuple[float, float]:
         """Largest difference between ``updated`` and AdamW with learning rate ``lr`` applied
-        to ``params`` with ``grads`` (clipped as the config says), and the gradients' norm."""
+        to ``params`` with ``grads`` (clipped as the config says), and the gradients' norm.
+        The shadow works in fp32 whatever the run's dtype (a bf16 run updates fp32 masters:
+        its update differs from this one by the rounding of its weights to bf16)."""
         if self.params is None:
-            self.params = {name: value.clone().requires_grad_(True) for name, value in params.items()}
+            self.params = {name: value.float().clone().requires_grad_(True) for name, value in params.items()}
             cfg = self.config
             self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=cfg.lr, betas=cfg.betas,
                                                eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
         with torch.no_grad():
             for name, param in self.params.items():
                 param.copy_(params[name])
-                param.grad = grads[name].clone()
+                param.grad = grads[name].float().clone()
         clip = self.config.clip if self.config.clip is not None else float("inf")
         norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), clip, foreach=False))
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        return max((self.params[name] - updated[name]).abs().max().item() for name in updated), norm
+        return max((self.params[name] - updated[name].float()).abs().max().item() for name in updated), norm

@@ -534,7 +534,9 @@ COLLECTIVES: dict[str, Callable] = {
 #: Roles an ``Op.op`` resolves to (:func:`handler`); a derived backward kind's role is its
 #: part as the op library names it (DGRAD, WGRAD or BWD).
 FORWARD, COMM = "forward", "comm"
-ROLES = (FORWARD, DGRAD, WGRAD, BWD, COMM)
+#: ZeRO-3's weight all-gather and gradient reduce-scatter (:mod:`.fsdp`; run by LayerRun).
+GATHER_W, SCATTER_DW = "gather_w", "scatter_dw"
+ROLES = (FORWARD, DGRAD, WGRAD, BWD, COMM, GATHER_W, SCATTER_DW)
 
 
 def _handlers() -> dict[str, tuple[str, object]]:
@@ -545,6 +547,7 @@ def _handlers() -> dict[str, tuple[str, object]]:
         for part in backward_parts(name):
             table[derived_kind(name, part)] = (part, kernel)
     table.update({name: (COMM, fn) for name, fn in COLLECTIVES.items()})
+    table.update({"param_gather": (GATHER_W, None), "grad_scatter": (SCATTER_DW, None)})
     return table
 
 

@@ -24,15 +24,18 @@ first reader waits for. Tensors are released as soon as their last reader has ru
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping
+from typing import Callable, Mapping
 
 import attrs
 import torch
 
 from dhelix.dsl.core.program import LayerDag, Op, Program
+from dhelix.dsl.passes.fsdp import GATHER as FSDP_GATHER
 
 from .comm import AXES, Communicator, Pending, resolve
-from .kernels import BWD, COMM, DGRAD, FORWARD, KERNELS, WGRAD, KernelCtx, handler, lm_head_backward
+from .fsdp import gather_weight, scatter_grad
+from .kernels import (BWD, COMM, DGRAD, FORWARD, GATHER_W, KERNELS, SCATTER_DW, WGRAD, KernelCtx, handler,
+                      lm_head_backward)
 from .moe import ROLE, a2a_roles
 from .reference import Batch
 from .ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_step
@@ -57,6 +60,10 @@ class LayerPlan:
     saved_users: Mapping[str, int]
     steps: Mapping[str, "Step"] = attrs.field(factory=dict)
     fwd_ops: Mapping[str, Op] = attrs.field(factory=dict)
+    #: ZeRO-3: the op whose output is the gathered weight each weighted op reads (forward
+    #: and backward ops by name), and the names of the weights sharded so.
+    gathered_by: Mapping[str, str] = attrs.field(factory=dict)
+    sharded: frozenset = frozenset()
 
     @classmethod
     def build(cls, fwd: LayerDag, bwd: LayerDag, micro_batch: int) -> "LayerPlan":
@@ -70,18 +77,22 @@ class LayerPlan:
                 raise ValueError(f"backward op {op.name} has no gradient flow for a forward op of "
                                  f"{fwd.name}: the backward DAG was not derived from this forward")
         roles = a2a_roles(fwd, bwd)  # MoE dispatch / combine direction of each ep all_to_all
+        gathers = {op.name for op in fwd.ops + bwd.ops if op.op == FSDP_GATHER}
         return cls(fwd=fwd, bwd=bwd, micro_batch=micro_batch,
-                   fwd_readers=Counter(name for op in fwd.ops for name in dict.fromkeys(op.inputs)),
-                   bwd_readers=Counter(name for op in bwd.ops for name in dict.fromkeys(op.inputs)),
+                   fwd_readers=Counter(name for op in fwd.ops for name in dict.fromkeys(op.deps)),
+                   bwd_readers=Counter(name for op in bwd.ops for name in dict.fromkeys(op.deps)),
                    saved_users=Counter(op.forward for op in bwd.ops),
                    steps={op.name: Step.of(op, roles.get(op.name)) for op in fwd.ops + bwd.ops},
-                   fwd_ops=fwd_ops)
+                   fwd_ops=fwd_ops,
+                   gathered_by={op.name: name for op in fwd.ops + bwd.ops for name in op.waits if name in gathers},
+                   sharded=frozenset(dict(op.params)["weight"] for op in fwd.ops if op.op == FSDP_GATHER))
 
 
 @attrs.frozen
 class Step:
     """What running an op needs besides tensors: its role and kernel (:func:`handler`),
-    its parameters (shared read-only by every KernelCtx) and its distinct inputs."""
+    its parameters (shared read-only by every KernelCtx) and the distinct ops it runs after
+    (its inputs and what it waits for: when the last reader has run, a value is released)."""
 
     role: str
     kernel: object
@@ -97,7 +108,11 @@ class Step:
         if position is not None:  # forward ring steps run as forward kernels, backward as RING
             role = FORWARD if op.op == "attention" else RING
             kernel, params[STEP] = RING_KERNEL, position
-        return cls(role, kernel, params, tuple(dict.fromkeys(op.inputs)))
+        return cls(role, kernel, params, tuple(dict.fromkeys(op.deps)))
+
+
+#: The key of a backward re-gather's weight among the backward values.
+GATHERED = "weight"
 
 
 class LayerRun:
@@ -109,8 +124,15 @@ class LayerRun:
     """
 
     def __init__(self, plan: LayerPlan, weights: Mapping[str, torch.Tensor], comm: Communicator,
-                 grads: dict[str, torch.Tensor] | None = None, recompute: bool = False):
+                 grads: dict[str, torch.Tensor] | None = None, recompute: bool = False,
+                 defer: Callable[[Pending], None] | None = None):
         self.plan, self.weights, self.comm = plan, weights, comm
+        #: Takes a ZeRO-3 gradient reduce-scatter left in flight (nothing in the layer reads
+        #: it; the caller waits for it before the optimizer); None: wait for it at once.
+        self.defer = defer
+        #: ZeRO-3: this micro-batch's full gradient of each sharded weight, until its
+        #: reduce-scatter adds this rank's piece into :attr:`grads`.
+        self.full_grads: dict[str, torch.Tensor] = {}
         #: Full recomputation: keep only the layer input between the forward and the
         #: backward, and run the forward again (collectives included) before the first
         #: backward op. Every rank of a group replays at the same point of its op order.
@@ -148,8 +170,10 @@ class LayerRun:
         if role == COMM:
             with self.comm.op_named(op.name):
                 self.acts[op.name] = kernel(args[0], ctx)
+        elif role == GATHER_W:
+            self.acts[op.name] = self._gather(op, async_op)
         elif role == FORWARD:
-            out, saved = kernel.forward(args, self.weights.get(op.weight_name), ctx)
+            out, saved = kernel.forward(args, self._weight(op, self.acts), ctx)
             self.acts[op.name] = out
             if self._saved_left[op.name]:
                 self.saved[op.name] = saved
@@ -185,6 +209,9 @@ class LayerRun:
             self._replay()
         step = self.plan.steps[op.name]
         role, kernel, flow = step.role, step.kernel, op.grad
+        if role in (GATHER_W, SCATTER_DW):
+            self._fsdp_backward(op, step, async_op)
+            return
         forward = self.plan.fwd_ops[op.forward]
         grad = self._upstream(flow.upstream, forward)
         out: dict[str, object] = {}
@@ -193,7 +220,9 @@ class LayerRun:
             with self.comm.op_named(op.name):
                 out[value] = kernel(grad, self._ctx(op, step, async_op))
         elif role in (DGRAD, BWD):
-            grads = kernel.dgrad(grad, self.saved[forward.name], self.weights.get(forward.weight_name))
+            weight = self._weight(op, self.bgrads) if op.name in self.plan.gathered_by else \
+                self.weights.get(forward.weight_name)
+            grads = kernel.dgrad(grad, self.saved[forward.name], weight)
             out = _by_value(forward.inputs, grads, flow.produces)
         elif role == RING:  # carrying steps pass the ring's state on; the last gives d(qkv)
             value = kernel.backward(grad, self.saved[forward.name], self._ctx(op, step, async_op))
@@ -238,6 +267,56 @@ class LayerRun:
         self.acts = kept
         self._input, self._replaying = None, False
         self.version += 1
+
+    # -- ZeRO-3 ----------------------------------------------------------------------------
+
+    def _gather(self, op: Op, async_op: bool):
+        params = dict(op.params)
+        with self.comm.op_named(op.name):
+            return gather_weight(self.weights[params["weight"]], self.comm, params["shape"], async_op)
+
+    def _weight(self, op: Op, store: dict) -> torch.Tensor | None:
+        """The weight ``op`` computes with: its ZeRO-3 gather's output (in ``store``: the
+        activations in the forward, the backward values in the backward), else this rank's
+        shard as kept."""
+        source = self.plan.gathered_by.get(op.name)
+        if source is None:
+            return self.weights.get(op.weight_name)
+        if store is self.acts:
+            return self._act(source)
+        value = self.bgrads[source][GATHERED] = resolve(self.bgrads[source][GATHERED])
+        return value
+
+    def _fsdp_backward(self, op: Op, step: "Step", async_op: bool) -> None:
+        """A backward re-gather (its weight stays among the backward values until its last
+        reader) or a gradient reduce-scatter (its piece adds into :attr:`grads`)."""
+        name = dict(op.params)["weight"]
+        if step.role == GATHER_W:
+            self.bgrads[op.name] = {GATHERED: self._gather(op, async_op)}
+        else:
+            with self.comm.op_named(op.name):
+                sent = scatter_grad(self._full_grad(name), self.comm, async_op)
+            if isinstance(sent, Pending):
+                done = sent.then(lambda mine: self._add_piece(name, mine))
+                if self.defer is None:
+                    done.wait()
+                else:
+                    self.defer(done)
+            else:
+                self._add_piece(name, sent)
+        self._release(step.inputs, self._bwd_left, self.bgrads, keep=self.plan.bwd.output)
+        self.version += 1
+
+    def _full_grad(self, name: str) -> torch.Tensor:
+        # This micro-batch's full gradient of weight ``name``, handed to its reduce-scatter.
+        return self.full_grads.pop(name)
+
+    def _add_piece(self, name: str, mine: torch.Tensor) -> torch.Tensor:
+        if name in self.grads:
+            self.grads[name] += mine
+        else:
+            self.grads[name] = mine
+        return mine
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -286,12 +365,14 @@ class LayerRun:
         # weight) add into the gradient in place (a GEMM's wgrad as one addmm) instead of
         # materialising their own and adding it.
         saved, name = self.saved[op_name], self.plan.fwd_ops[op_name].weight_name
-        if name not in self.grads:
-            self.grads[name] = kernel.wgrad(grad, saved)
+        # A ZeRO-3 weight's full gradient is this micro-batch's only, until its reduce-scatter.
+        grads = self.full_grads if name in self.plan.sharded else self.grads
+        if name not in grads:
+            grads[name] = kernel.wgrad(grad, saved)
         elif kernel.wgrad_into is not None:
-            kernel.wgrad_into(self.grads[name], grad, saved)
+            kernel.wgrad_into(grads[name], grad, saved)
         else:
-            self.grads[name] += kernel.wgrad(grad, saved)
+            grads[name] += kernel.wgrad(grad, saved)
 
     def _release(self, names, left: Counter, store: dict, keep: str) -> None:
         for name in names:

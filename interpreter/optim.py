@@ -77,16 +77,24 @@ def lr_at(step: int, peak: float, warmup: int, total: int | None) -> float:
     return low + (peak - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def norm_weights(plan, comm: Communicator, names) -> dict[str, float]:
+def norm_weights(plan, comm: Communicator, names, flat=None) -> dict[str, float]:
     """For each of this rank's parameter ``names``, one over the number of ranks in the
-    world that hold the same elements (the same shard of the same parameter); collective
-    over the world. ``plan`` is the run's :class:`~.weights.WeightPlan`."""
+    world that hold the same elements (the same shard of the same parameter; under ZeRO-3
+    the same dp piece, ``flat`` being the run's :class:`~.fsdp.FlatShards`); collective over
+    the world. ``plan`` is the run's :class:`~.weights.WeightPlan`."""
     import torch.distributed as dist
 
-    keys = {(name, part) for name in plan.names()
-            for part in range(comm.size(plan.spec(name).axis) if plan.spec(name).axis else 1)}
+    def pieces(name: str) -> int:  # a layer weight is cut in dp pieces under ZeRO-3
+        return flat.dp if flat is not None and flat.enabled and name not in plan.model_specs else 1
+
+    def parts(name: str) -> int:
+        axis = plan.spec(name).axis
+        return comm.size(axis) if axis else 1
+
+    keys = {(name, part, p) for name in plan.names() for part in range(parts(name)) for p in range(pieces(name))}
     index = {key: i for i, key in enumerate(sorted(keys))}
-    mine = {name: (name, comm.index(plan.spec(name).axis) if plan.spec(name).axis else 0) for name in names}
+    mine = {name: (name, comm.index(plan.spec(name).axis) if plan.spec(name).axis else 0,
+                   comm.index("dp") if pieces(name) > 1 else 0) for name in names}
     counts = torch.zeros(len(index), dtype=torch.float64)
     for key in mine.values():
         counts[index[key]] += 1
@@ -106,8 +114,14 @@ class _Bucket:
     more than the update itself."""
 
     def __init__(self, names, params: Mapping[str, torch.Tensor], comm: Communicator, axis: str,
-                 zero1: bool, device):
+                 zero1: bool, device, summed: bool = False):
         self.names, self.axis = sorted(names), axis
+        #: ZeRO-3 pieces: their gradients arrive summed over ``axis`` (each replica holds its
+        #: own piece, so nothing is reduced or sliced here).
+        self.summed = summed
+        zero1 = zero1 and not summed
+        #: Whether this rank keeps only its 1/size slice of the buffer (ZeRO-1).
+        self.sliced = zero1
         self.shapes = [params[n].shape for n in self.names]
         self.starts = list(itertools.accumulate((s.numel() for s in self.shapes), initial=0))[:-1]
         self.total = sum(params[n].numel() for n in self.names)
@@ -161,6 +175,8 @@ class _Bucket:
 class DistributedAdamW:
     """AdamW over this rank's ``params`` (name → tensor, updated in place) with the
     gradients averaged over dp by ``comm``; ``zero1`` shards the optimizer state.
+    ``pieces`` names ZeRO-3 pieces (:mod:`.fsdp`): their gradients come summed over dp
+    (reduce-scattered in the layers) and their states are this rank's alone.
 
     ``expert`` names the parameters sharded over ep (the grouped GEMMs'; see
     :meth:`~.weights.WeightPlan.ep_sharded`): with ep > 1 they are synchronised over the
@@ -169,7 +185,7 @@ class DistributedAdamW:
 
     def __init__(self, params: Mapping[str, torch.Tensor], comm: Communicator, *, zero1: bool = False,
                  config: AdamWConfig = AdamWConfig(), expert: Collection[str] | None = None,
-                 weights: Mapping[str, float] | None = None):
+                 weights: Mapping[str, float] | None = None, pieces: Collection[str] = ()):
         self.params, self.comm, self.zero1, self.config = dict(params), comm, zero1, config
         #: The global gradient norm of the last step (None without ``weights``: see
         #: :func:`norm_weights`; clipping needs them).
@@ -183,9 +199,12 @@ class DistributedAdamW:
         # With one expert shard the experts are plain dp replicas: one buffer suffices.
         expert = set(expert or ()) & set(self.params) if comm.size("ep") > 1 else set()
         like = next(iter(self.params.values()), torch.zeros(()))
-        self.buckets = [_Bucket(set(self.params) - expert, self.params, comm, "dp", zero1, like.device)]
+        pieces = set(pieces) & set(self.params)
+        self.buckets = [_Bucket(set(self.params) - expert - pieces, self.params, comm, "dp", zero1, like.device)]
         if expert:
             self.buckets.append(_Bucket(expert, self.params, comm, EDP, zero1, like.device))
+        if pieces:
+            self.buckets.append(_Bucket(pieces, self.params, comm, "dp", zero1, like.device, summed=True))
         if config.master:  # fp32 parameters are their own masters: no copy of them
             for bucket in self.buckets:
                 if any(self.params[name].dtype != torch.float32 for name in bucket.names):
@@ -195,7 +214,7 @@ class DistributedAdamW:
         self.norm_weights = None
         if weights is not None:
             # Under ZeRO-1 each replica of the bucket's axis holds its own slice.
-            self.norm_weights = [[(weights[name] * (comm.size(bucket.axis) if zero1 else 1), lo, hi)
+            self.norm_weights = [[(weights[name] * (comm.size(bucket.axis) if bucket.sliced else 1), lo, hi)
                                   for name, lo, hi in bucket.part_spans()] for bucket in self.buckets]
         self.steps = 0
 
@@ -203,9 +222,9 @@ class DistributedAdamW:
         # A sum over the bucket's axis divided by dp, for edp too (module docstring). The
         # result is this rank's part: the bucket's gradient buffer, or a new ZeRO-1 slice.
         flat = bucket.fill(bucket.grads, grads)
-        if self.zero1:
+        if bucket.sliced:
             flat = self.comm.reduce_scatter(flat, bucket.axis)
-        else:
+        elif not bucket.summed:
             self.comm.all_reduce(flat, bucket.axis)
         return flat.div_(self.dp)
 
@@ -215,7 +234,7 @@ class DistributedAdamW:
         out = {}
         for bucket in self.buckets:
             flat = self._average(bucket, grads)
-            if self.zero1:
+            if bucket.sliced:
                 flat = self.comm.all_gather(flat, bucket.axis)
             out.update({name: value.clone() for name, value in bucket.unflatten(flat).items()})
         return out
@@ -257,7 +276,7 @@ class DistributedAdamW:
                 for grad in averaged:
                     grad.mul_(scale)
         for bucket, grad in zip(self.buckets, averaged, strict=True):
-            if bucket.master is None and not self.zero1 and all(
+            if bucket.master is None and not bucket.sliced and all(
                     self.params[n].dtype == torch.float32 for n in bucket.names):
                 # fp32 parameters are their own masters: update them where they are.
                 views = bucket.unflatten
@@ -276,7 +295,7 @@ class DistributedAdamW:
 
     def _publish(self, bucket: _Bucket, mine: torch.Tensor) -> None:
         # Every replica's parameters from the updated part (a copy rounds fp32 masters to bf16).
-        flat = self.comm.all_gather(mine.contiguous(), bucket.axis) if self.zero1 else mine
+        flat = self.comm.all_gather(mine.contiguous(), bucket.axis) if bucket.sliced else mine
         for name, value in bucket.unflatten(flat).items():
             self.params[name].copy_(value)
 
@@ -285,7 +304,7 @@ class DistributedAdamW:
         like them (ZeRO-1 gathers the slices over the bucket's axis: collective)."""
         out: dict = {}
         for bucket in self.buckets:
-            pair = [m if not self.zero1 else self.comm.all_gather(m.contiguous(), bucket.axis)
+            pair = [m if not bucket.sliced else self.comm.all_gather(m.contiguous(), bucket.axis)
                     for m in (bucket.exp_avg, bucket.exp_avg_sq)]
             first, second = (bucket.unflatten(m) for m in pair)
             out.update({name: (first[name].clone(), second[name].clone()) for name in bucket.names})
@@ -299,7 +318,7 @@ class DistributedAdamW:
             if bucket.master is None:
                 out.update({name: self.params[name].float() for name in bucket.names})
                 continue
-            flat = self.comm.all_gather(bucket.master.contiguous(), bucket.axis) if self.zero1 else bucket.master
+            flat = self.comm.all_gather(bucket.master.contiguous(), bucket.axis) if bucket.sliced else bucket.master
             out.update({name: value.clone() for name, value in bucket.unflatten(flat).items()})
         return out
 

@@ -98,11 +98,11 @@ def order_pair(fwd: Sequence[Op], bwd: Sequence[Op], flight: InFlight) -> tuple[
             left[key], position[key] = op, 2 * i + offset
     order = []
     while left:
-        ready = [key for key, op in left.items() if not any((key[0], name) in left for name in op.inputs)]
+        ready = [key for key, op in left.items() if not any((key[0], name) in left for name in op.deps)]
         distance = _distances(left)
         key = min(ready, key=lambda k: _rank(k, left[k], flight, distance, position))
         op = left.pop(key)
-        for name in op.inputs:
+        for name in op.deps:
             flight.issued.pop((key[0], name), None)
         if op.kind == "comm":
             flight.issued[key] = flight.clock
@@ -117,7 +117,7 @@ def _rank(key: tuple[str, str], op: Op, flight: InFlight, distance: Mapping[tupl
           position: Mapping[tuple[str, str], int]) -> tuple:
     """The sort key of a ready op: (class, oldest awaited issue, distance, alternation order)."""
     comm = op.kind == "comm"
-    waits = [(key[0], name) for name in op.inputs if (key[0], name) in flight.issued]
+    waits = [(key[0], name) for name in op.deps if (key[0], name) in flight.issued]
     steps = 0 if comm else distance.get(key)
     leads = steps is not None
     if not waits:
@@ -149,7 +149,7 @@ def _ancestors(key: tuple[str, str], left: Mapping[tuple[str, str], Op]) -> set[
     found: set[tuple[str, str]] = set()
     stack = [key]
     while stack:
-        for name in left[stack.pop()].inputs:
+        for name in left[stack.pop()].deps:
             producer = (key[0], name)
             if producer in left and producer not in found:
                 found.add(producer)

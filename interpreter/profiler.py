@@ -48,6 +48,7 @@ from dhelix.dsl.core.program import Op, Program
 from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
 
 from .comm import AXES, Communicator, Pending
+from .fsdp import FlatShards
 from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, torch_dtype
 
@@ -87,6 +88,9 @@ class KeptRun(LayerRun):
         if self._routing is not None:
             self.routing.clear()
             self.routing.update(self._routing)
+
+    def _full_grad(self, name: str) -> torch.Tensor:
+        return self.full_grads[name]  # kept too: a ZeRO-3 reduce-scatter runs again
 
     def _release(self, names, left, store, keep) -> None:
         """Keep every tensor (LayerRun drops one when its last reader has run): the profiler
@@ -135,6 +139,9 @@ class LayerBench:
         plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
         index = {axis: comm.index(axis) for axis in AXES}
         weights = WeightPlan(program, seed).layer_weights(0, index, dtype, device)
+        flat = FlatShards.of(program, comm)
+        if flat.enabled:  # ZeRO-3: the layer keeps dp pieces, gathered by its ops
+            weights = {name: flat.add(name, w) for name, w in weights.items()}
         generator = torch.Generator().manual_seed(seed + comm.rank)
         self.runs = (KeptRun(plan, weights, comm), KeptRun(plan, weights, comm))
         shape = program.forward.input_shape

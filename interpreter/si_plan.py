@@ -6,14 +6,14 @@ backward op names) segment pairs, either side possibly empty, covering both DAGs
 Plans come from the planner (:func:`planned_pairs`, the plan of the program's hardware
 profile) or are built here without costs (:data:`PLANS`: ``sequential``, ``op_by_op``);
 :func:`check_plan` says whether one can run at all. :func:`backward_ops` and
-:func:`is_wgrad` say which backward ops a B action runs when W is split off.
+:func:`in_weight_pass` say which backward ops a B action runs when W is split off.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from dhelix.dsl.core.oplib import is_wgrad
+from dhelix.dsl.core.oplib import in_weight_pass
 from dhelix.dsl.core.program import LayerDag, Op
 
 
@@ -75,7 +75,7 @@ def check_plan(plan: SegmentPlan, fwd: LayerDag, bwd: LayerDag, optional=frozens
                              f"{missing or 'none'}, repeated or unknown {extra or 'none'}")
         done = {dag.input}
         for name in order:
-            late = [x for x in known[name].inputs if x not in done and x in known]
+            late = [x for x in known[name].deps if x not in done and x in known]
             if late:
                 raise ValueError(f"the SI plan runs {name} before {', '.join(late)}, which it reads")
             done.add(name)
@@ -84,5 +84,5 @@ def check_plan(plan: SegmentPlan, fwd: LayerDag, bwd: LayerDag, optional=frozens
 def backward_ops(bwd: LayerDag, split: bool) -> tuple[Op, ...]:
     """The ops a B action runs: all of them, or without the weight gradients when the
     schedule splits them into W actions."""
-    return tuple(op for op in bwd.ops if not (split and is_wgrad(op)))
+    return tuple(op for op in bwd.ops if not (split and in_weight_pass(op)))
 

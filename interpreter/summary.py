@@ -21,8 +21,10 @@ from dhelix.dsl.core.timeline import TraceEvent
 if TYPE_CHECKING:
     from .train import RunOptions
 
-#: Largest absolute difference from the reference that ``--check`` accepts (fp32).
-CHECK_TOLERANCE = 1e-5
+#: Largest absolute difference from the reference that ``--check`` accepts, by the model's
+#: dtype: fp32 must agree to rounding; the reference computes in fp32, so a bf16 or fp16
+#: run differs from it by its own rounding (8 or 11 mantissa bits).
+CHECK_TOLERANCES = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 5e-2}
 
 
 @attrs.frozen(kw_only=True)

@@ -148,7 +148,8 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
                          master=options.master)
     optimizer = DistributedAdamW(executor.params, executor.comm, zero1=options.zero1, config=config,
                                  expert=executor.weights.ep_sharded(executor.params),
-                                 weights=norm_weights(executor.weights, executor.comm, executor.params))
+                                 weights=norm_weights(executor.weights, executor.comm, executor.params, executor.flat),
+                                 pieces=executor.flat.shapes)
     corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
                                                            program.model.get("seq"))
     source = DataSource(program, comm.size("dp"), options.seed, corpus)

@@ -89,7 +89,7 @@ def test_strands_dump_names_the_operators_of_each_selector():
 def test_strands_dump_says_when_the_defaults_are_used():
     text = TINY.read_text().split("strands {")[0]
     assert dump_stage("strands", tiny("strands", text)).startswith(
-        "strands (defaults: the program has no strands block): overlap tp, cp, ep;")
+        "strands (defaults: the program has no strands block): overlap tp, cp, ep, dp;")
 
 
 # --- the command-line overrides re-run the passes after check ---------------------------

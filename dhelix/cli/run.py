@@ -228,9 +228,11 @@ def report(program, options, result, trace: Path | None, metrics: Path | None = 
         for check in result.checks:
             print(check)
         worst = summary.worst_difference(result.checks)
-        if worst > summary.CHECK_TOLERANCE:
+        dtype = program.model.dtype
+        tolerance = summary.CHECK_TOLERANCES.get(dtype, summary.CHECK_TOLERANCES["fp32"])
+        if worst > tolerance:
             raise DhelixError(f"the interpreter differs from the reference by {worst:.2e}, more than "
-                              f"{summary.CHECK_TOLERANCE}")
+                              f"{tolerance} ({dtype})")
         return 0
     figures = summary.summarize(program, options, result)
     numbers = json.dumps(summary.metrics(figures, options, result), indent=1) + "\n"

@@ -273,3 +273,14 @@ def is_wgrad(op) -> bool:
     """Whether :class:`~dhelix.dsl.core.program.Op` ``op`` only computes a weight gradient
     (what a W action runs when the schedule splits the weight gradients off)."""
     return part_of(op.op) == WGRAD
+
+
+#: The parameter (set True) of a ZeRO-3 gradient reduce-scatter whose gradient only wgrads
+#: compute (:mod:`dhelix.dsl.passes.fsdp`): it goes with them when W is split off.
+WEIGHT_PASS = "weight_pass"
+
+
+def in_weight_pass(op) -> bool:
+    """Whether ``op`` runs in a split schedule's W action rather than its B: a wgrad, or the
+    reduce-scatter of a gradient that only wgrads compute."""
+    return is_wgrad(op) or (WEIGHT_PASS, True) in op.params

@@ -24,7 +24,7 @@ Shape = tuple[int, int]
 FOLD_KINDS: dict[str, int | None] = {"none": 1, "u": 2, "loop": None}
 
 #: The communication kinds whose collectives SI may hide (a strands block's ``overlap``).
-OVERLAP_KINDS = ("tp", "cp", "ep")
+OVERLAP_KINDS = ("tp", "cp", "ep", "dp")
 
 
 @attrs.frozen
@@ -62,7 +62,10 @@ class Train:
     ``eval_every`` steps and ``warmup`` steps of learning-rate warm-up; the ZeRO stage of the
     optimizer (0: states replicated, 1: sharded over data parallelism) and the activation
     recomputation (none, or full: each layer keeps its input and runs its forward again
-    before its backward). ``data_span`` is where an error about the data points."""
+    before its backward). ZeRO stage 3 (FSDP) shards the layers' weights and gradients over
+    data parallelism too: the autodiff stage adds their all-gathers and reduce-scatters to
+    the layer DAGs (:mod:`dhelix.dsl.passes.fsdp`). ``data_span`` is where an error about
+    the data points, ``zero_span`` where one about the ZeRO stage does."""
 
     micro_batch: int
     microbatches: int
@@ -75,6 +78,7 @@ class Train:
     recompute: str = "none"
     span: object = span_field()
     data_span: object = span_field()
+    zero_span: object = span_field()
 
 
 @attrs.frozen
@@ -174,12 +178,21 @@ class Op:
     #: The written op this one is a chunk of (the partition pass); it shares that op's
     #: weight, which stays keyed by the written name.
     origin: str | None = None
+    #: Ops that must run before this one although it reads no value of theirs as an input:
+    #: under ZeRO-3 the all-gather of its weight, or the gradients a weight's reduce-scatter
+    #: sends (:mod:`dhelix.dsl.passes.fsdp`).
+    waits: tuple[str, ...] = ()
     span: object = span_field()
 
     @property
     def weight_name(self) -> str:
         """The name the op's weight (and its gradient) is kept under: its origin's, else its own."""
         return self.origin or self.name
+
+    @property
+    def deps(self) -> tuple[str, ...]:
+        """Every op this one runs after: its inputs, then what it ``waits`` for."""
+        return self.inputs + self.waits if self.waits else self.inputs
 
 
 @attrs.frozen

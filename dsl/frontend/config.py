@@ -27,9 +27,10 @@ TRAIN_STRINGS = ("data",)  # a path, relative to the program file
 #: What ``train { recompute = … }`` accepts: keep every saved activation (``none``) or only each
 #: layer's input, running the layer's forward again before its backward (``full``).
 RECOMPUTE = ("none", "full")
-#: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states) and 1 (optimizer
-#: states sharded over data parallelism, Megatron's distributed optimizer).
-ZERO_STAGES = (0, 1)
+#: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states), 1 (optimizer
+#: states sharded over data parallelism, Megatron's distributed optimizer) and 3 (FSDP: the
+#: layers' weights and gradients sharded too, gathered and reduce-scattered per layer).
+ZERO_STAGES = (0, 1, 3)
 
 
 #: The example a name-valued setting's message shows.
@@ -213,9 +214,12 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     v = block.values
     zero = v.get("zero", 0)
     if zero not in ZERO_STAGES:
-        errors.add(CheckError(f"'zero' must be 0 or 1, got {zero}", block.span("zero"),
+        errors.add(CheckError(f"'zero' must be 0, 1 or 3, got {zero}", block.span("zero"),
                               ["zero = 1 shards the optimizer states over data parallelism (ZeRO-1); "
-                               "sharding gradients and weights too (ZeRO-2/3, FSDP) is not supported yet"]))
+                               "zero = 3 shards the layers' weights and gradients too (FSDP); ZeRO-2 "
+                               "(gradients without weights) is not offered: under pipelining it "
+                               "saves no more than ZeRO-1 unless gradients are reduced per micro-batch, "
+                               "which is what zero = 3 does"]))
         return None
     recompute = v.get("recompute", "none")
     if recompute not in RECOMPUTE:
@@ -228,7 +232,8 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
         return None
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
     return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
-                 v.get("eval_every"), v.get("warmup", 0), zero, recompute, span=node.span, data_span=data_span)
+                 v.get("eval_every"), v.get("warmup", 0), zero, recompute, span=node.span, data_span=data_span,
+                 zero_span=block.span("zero") if "zero" in block.nodes else None)
 
 
 def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:
@@ -314,11 +319,12 @@ def _overlap_kinds(st: s.Overlap, errors: ErrorCollector) -> list[str]:
             good.append(kind)
             continue
         notes = did_you_mean(kind, OVERLAP_KINDS)
-        if kind in ("pp", "dp"):
-            notes = [f"{kind} communication happens between layers (pipeline send/recv, gradient "
-                     "all-reduce); SI pairs the operators inside a layer"]
+        if kind == "pp":
+            notes = ["pp communication happens between layers (pipeline send/recv); SI pairs the "
+                     "operators inside a layer"]
         errors.add(CheckError(f"unknown communication kind '{kind}'", st.span_of(f"kinds.{i}"),
-                              notes + [f"SI can hide {join_words(OVERLAP_KINDS)} communication"]))
+                              notes + [f"SI can hide {join_words(OVERLAP_KINDS)} communication (dp: the "
+                                       "weight gathers and gradient reduce-scatters of zero = 3)"]))
     return good
 
 

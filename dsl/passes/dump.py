@@ -131,6 +131,8 @@ def _op_line(op: Op) -> str:
         notes.append("movable")
     if op.saved:
         notes.append(f"saves {','.join(op.saved)}")
+    if op.waits:
+        notes.append(f"after {','.join(op.waits)}")
     if not op.weight:
         notes += [f"{k}={v}" for k, v in op.params if k not in ("axis", "ring")]
     return (f"  {op.name:<16} {op.op + group:<24} {kind:<12} {str(list(op.shape)):<16} "

@@ -15,6 +15,7 @@ import attrs
 
 from dhelix.dsl.passes import dump
 from dhelix.dsl.passes.autodiff import derive_backward
+from dhelix.dsl.passes.fsdp import shard_weights
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup
 from dhelix.dsl.frontend.imports import load_modules
@@ -67,10 +68,11 @@ def partition(program: Program) -> Program:
 
 
 def autodiff(program: Program) -> Program:
-    """The program with its backward layer DAG derived (unchanged for a library file)."""
+    """The program with its backward layer DAG derived (unchanged for a library file) and,
+    under ZeRO-3, both DAGs carrying the weights' gathers and the gradients' reduce-scatters."""
     if program.forward is None:
         return program
-    return attrs.evolve(program, backward=derive_backward(program.forward))
+    return shard_weights(attrs.evolve(program, backward=derive_backward(program.forward)))
 
 
 def strands(program: Program) -> Program:
@@ -136,7 +138,8 @@ STAGES = (
           shapes, ("env", "forward")),
     Stage("partition", "the forward layer DAG after the partition block's substitutions and chunks",
           dump.dump_forward, partition),
-    Stage("autodiff", "the forward and the derived backward layer DAGs", dump.dump_dags,
+    Stage("autodiff", "the forward and the derived backward layer DAGs (with ZeRO-3's weight "
+          "gathers and gradient reduce-scatters)", dump.dump_dags,
           autodiff, ("backward",)),
     Stage("strands", "the operators each selector of the strands block names", dump.dump_strands,
           strands),

@@ -110,7 +110,7 @@ def issue_order(ops):
     done: set[str] = set()
     left, order = list(ops), []
     while left:
-        ready = [op for op in left if all(name in done or name not in names for name in op.inputs)]
+        ready = [op for op in left if all(name in done or name not in names for name in op.deps)]
         op = next((o for o in ready if o.kind == "comm"), ready[0])
         left.remove(op)
         done.add(op.name)

@@ -50,7 +50,7 @@ ATTENTION_BWD_FACTOR = 2.5  # FlashAttention-2 backward recomputes P (NOTES §3.
 CAUSAL_FRACTION = 0.5  # γ: a causal kernel skips the masked half
 _COMM_KIND = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce",
               "all_to_all": "all_to_all", "send": "p2p", "recv": "p2p", "attention": "p2p",
-              "attention_bwd": "p2p"}
+              "attention_bwd": "p2p", "param_gather": "all_gather", "grad_scatter": "reduce_scatter"}
 _LANE_CLASS = {"compute": "comp", "local": "intra", "cross": "inter"}
 
 

@@ -241,7 +241,7 @@ class PairCost:
             for task in tasks:
                 lanes.append((_LANES[task.lane], task.seconds, len(self._tasks)))
                 self._tasks.append(task)
-            hit = ((op.name, tuple(op.inputs), tuple(lanes)), op)
+            hit = ((op.name, tuple(op.deps), tuple(lanes)), op)
             self._ops[id(op)] = hit
         return hit[0]
 

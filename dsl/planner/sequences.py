@@ -98,7 +98,7 @@ def strand_of(dag: LayerDag, moving: frozenset[str] = frozenset(), window: int |
     fixed_seen, last_fixed = 0, -1
     for i, op in enumerate(dag.ops):
         mask = 0
-        for name in op.inputs:
+        for name in op.deps:
             if name in index:
                 mask |= 1 << index[name]
         if not is_moving[i] and last_fixed >= 0:

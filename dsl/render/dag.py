@@ -64,6 +64,8 @@ def _cluster(dag: LayerDag) -> list[str]:
                 names.add(source)
                 lines.append(f"    {_id(dag, source)} {attributes(shape='plaintext', style='')};")
             lines.append(f"    {_id(dag, source)} -> {_id(dag, op.name)};")
+        for source in op.waits:  # an order, not a value: dashed
+            lines.append(f"    {_id(dag, source)} -> {_id(dag, op.name)} [style=dashed];")
     lines.append("  }")
     return lines
 

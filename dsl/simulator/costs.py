@@ -37,7 +37,7 @@ import math
 import attrs
 
 from dhelix.dsl.core.dtypes import dtype_bytes
-from dhelix.dsl.core.oplib import END_OPS, is_wgrad
+from dhelix.dsl.core.oplib import END_OPS, in_weight_pass
 from dhelix.dsl.planner.costmodel import collective_time, op_time
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
@@ -116,7 +116,7 @@ class StepCosts:
 
 def input_backward(backward: LayerDag) -> LayerDag:
     """The backward DAG without its weight-gradient ops: what B runs when W is split off."""
-    return attrs.evolve(backward, ops=tuple(op for op in backward.ops if not is_wgrad(op)))
+    return attrs.evolve(backward, ops=tuple(op for op in backward.ops if not in_weight_pass(op)))
 
 
 def cost_of(program: Program) -> PairCost:
@@ -150,8 +150,8 @@ def layer_costs(program: Program, cost: PairCost, plan: Plan | None) -> LayerCos
     again = fwd if program.train is not None and program.train.recompute == "full" else NOTHING
     return LayerCosts(
         forward=fwd, backward=again + solo_work(cost, backward.ops),
-        backward_input=again + solo_work(cost, (op for op in backward.ops if not is_wgrad(op))),
-        weight=solo_work(cost, (op for op in backward.ops if is_wgrad(op))),
+        backward_input=again + solo_work(cost, (op for op in backward.ops if not in_weight_pass(op))),
+        weight=solo_work(cost, (op for op in backward.ops if in_weight_pass(op))),
         pair=again + plan_work(plan) if plan is not None else None)
 
 

@@ -36,6 +36,7 @@ import attrs
 
 from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration, optimizer_time
 from dhelix.dsl.core.errors import CheckError, DhelixError
+from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, head_activations, layer_activations,
                                          model_states, recomputed)
 from dhelix.dsl.planner.pairing import plan_layers
@@ -136,6 +137,8 @@ class Simulation:
     peak_flops: float
     events: tuple = attrs.field(default=(), repr=False, eq=False)
     counters: tuple = attrs.field(default=(), repr=False, eq=False)
+    #: ZeRO-3: the layers' weights and gradients are sharded over dp (FSDP).
+    fsdp: bool = False
 
     @property
     def step_time(self) -> float:
@@ -331,6 +334,9 @@ class _Run:
 
     def __init__(self, program: Program, costs: StepCosts, si: bool, zero1: bool):
         self.program, self.costs, self.zero1 = program, costs, zero1
+        #: ZeRO-3: the layers' gradients are reduce-scattered inside the layer DAGs (their
+        #: cost is in the layer pieces), only the model's ends sync after the pipeline.
+        self.fsdp = is_fsdp(program)
         self.lowered = program.lowered
         p = self.lowered.ranks
         self.expander = _Expander(program, costs, si)
@@ -413,6 +419,8 @@ class _Run:
         ready_after, dp_comm = 0.0, 0.0
         names = self._slot_names()
         for (stage, slot), (ready, dense, expert) in sorted(self.grads[rank].items(), key=_by_ready):
+            if self.fsdp and isinstance(slot, int):
+                continue  # a layer's: reduce-scattered by its scatter_dw ops
             for elements, group in ((dense, costs.dense_group), (expert, costs.expert_group)):
                 if not elements or group.size <= 1:
                     continue
@@ -423,6 +431,7 @@ class _Run:
                 self.events.append(TraceEvent(rank, group.lane, f"{kind} {names(stage, slot)}", start, seconds,
                                               {"kind": "DP", "bytes": size, "group": group.size}))
         dense, expert = self._local_params(rank)
+        layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
         shard_dense = dense / costs.dense_group.size if self.zero1 else dense
         shard_expert = expert / costs.expert_group.size if self.zero1 else expert
         optimizer = optimizer_time(shard_dense + shard_expert, costs.dtype, profile)
@@ -431,7 +440,7 @@ class _Run:
                                       {"kind": "optimizer", "params": shard_dense + shard_expert}))
         end = start + optimizer
         if self.zero1:
-            for elements, group in ((dense, costs.dense_group), (expert, costs.expert_group)):
+            for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group)):
                 if elements and group.size > 1:
                     size = elements * costs.grad_bytes
                     seconds = collective_time("all_gather", size, group.size, group.lane, profile)
@@ -440,9 +449,16 @@ class _Run:
                                                   {"kind": "DP", "bytes": size, "group": group.size}))
                     end, dp_comm = begin + seconds, dp_comm + seconds
         states = model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
-                              expert_group=costs.expert_group.size)
+                              expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
+                              fsdp_layer=costs.params.layer_dense if self.fsdp else 0)
         return _Finish(end=end, dp_comm=dp_comm, optimizer=optimizer, states=states,
                        dp_exposed=min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)))
+
+    def _end_params(self, rank: int) -> float:
+        """Parameters of the model's ends (embedding, LM head and final norm) on ``rank``."""
+        params, last = self.costs.params, len(self.lowered.stages) - 1
+        stages = [self.lowered.stage_of(rank, chunk) for chunk in range(self.lowered.chunks)]
+        return (params.embedding if 0 in stages else 0) + (params.head if last in stages else 0)
 
     def _local_params(self, rank: int) -> tuple[float, float]:
         params = self.costs.params
@@ -528,4 +544,5 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         shape=(lowered.ranks, lowered.microbatches, lowered.chunks), si=si and has_si(program), zero1=zero1,
         ranks=ranks, tokens=float(sequences * model.get("seq")),
         flops=megatron_flops_per_iteration(model, sequences), world=mesh.world,
-        peak_flops=program.profile.peak_flops(model.dtype), events=tuple(run.events), counters=counters)
+        peak_flops=program.profile.peak_flops(model.dtype), events=tuple(run.events), counters=counters,
+        fsdp=run.fsdp)

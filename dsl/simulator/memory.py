@@ -5,7 +5,8 @@ ZeRO paper's accounting: weights and gradients in the model dtype, and for AdamW
 master copy plus the two fp32 moments (12 bytes per parameter; 8 for fp32 training, whose
 master copy is the weight). With ZeRO-1 (Megatron's distributed optimizer) the optimizer
 states are divided over the gradient-sync group: DP×CP for dense weights, DP×CP/EP for
-expert weights.
+expert weights. With ZeRO-3 (FSDP) the layers' weights and gradients are divided over DP
+too, plus the layers gathered at a time (:func:`model_states`).
 
 **Activations** are counted from the layer DAGs: each backward op's ``saved`` list names the
 forward tensors it reads; a layer keeps each named tensor once (its forward shape, the model
@@ -53,16 +54,22 @@ class ModelStates:
 
 
 def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_group: int,
-                 expert_group: int) -> ModelStates:
+                 expert_group: int, fsdp_dense: float = 0.0, fsdp_layer: float = 0.0) -> ModelStates:
     """Model states of ``dense`` + ``expert`` parameters in ``dtype``; with ``zero1`` the
-    optimizer states are sharded over the groups (sizes ``dense_group``, ``expert_group``)."""
+    optimizer states are sharded over the groups (sizes ``dense_group``, ``expert_group``).
+
+    ZeRO-3: ``fsdp_dense`` of the dense parameters (the layers') keep their weights and
+    gradients sharded over ``dense_group`` too, and ``fsdp_layer`` is one layer's dense
+    parameters: the weights gathered at once (one layer per strand: two) and the full
+    gradient of one layer before its reduce-scatter are added."""
     size = dtype_bytes(dtype)
     per_param = _OPTIMIZER_BYTES.get(dtype, _MIXED_OPTIMIZER_BYTES)
     if zero1:
         optimizer = per_param * (dense / max(1, dense_group) + expert / max(1, expert_group))
     else:
         optimizer = per_param * (dense + expert)
-    return ModelStates((dense + expert) * size, (dense + expert) * size, optimizer)
+    held = dense + expert - fsdp_dense + fsdp_dense / max(1, dense_group)
+    return ModelStates((held + 2 * fsdp_layer) * size, (held + fsdp_layer) * size, optimizer)
 
 
 @attrs.frozen

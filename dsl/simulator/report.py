@@ -78,7 +78,8 @@ def describe(sim: Simulation) -> str:
     """One line naming the schedule: pipeline, fold, p, m, v and whether SI is on."""
     p, m, v = sim.shape
     si = "SI on" if sim.si else "no SI"
-    optimizer = "ZeRO-1 optimizer" if sim.zero1 else "replicated optimizer"
+    optimizer = ("ZeRO-3 (FSDP: layer weights and gradients sharded)" if sim.fsdp else
+                 "ZeRO-1 optimizer" if sim.zero1 else "replicated optimizer")
     return f"{sim.program}: {sim.pipeline}, fold {sim.fold}, p={p} m={m} v={v}, {si}, {optimizer}"
 
 
@@ -150,9 +151,9 @@ def format_simulation(sim: Simulation, title: str = "") -> str:
         f"bubble ratio   {100 * sim.bubble_ratio:.1f}%",
         "",
         *_table(["communication per rank (mean)", f"total {ts}", f"hidden {ts}", f"exposed {ts}", "hidden"],
-                [_comm_row("layer (tp, cp, ep)", sim, "layer_comm", "layer_exposed", u),
+                [_comm_row("layer (tp, cp, ep, FSDP dp)" if sim.fsdp else "layer (tp, cp, ep)", sim, "layer_comm", "layer_exposed", u),
                  _comm_row("pipeline send/recv", sim, "pp_comm", "pp_exposed", u),
-                 _comm_row("data-parallel gradients", sim, "dp_comm", "dp_exposed", u)]),
+                 _comm_row("data-parallel gradients" if not sim.fsdp else "data-parallel (model's ends)", sim, "dp_comm", "dp_exposed", u)]),
         "",
         *_table(["rank", f"busy {ts}", f"end {ts}", "sends", f"sent {ms}", f"params {ms}", f"grads {ms}",
                  f"optimizer {ms}", f"activations {ms}", f"at {ts}", f"peak {ms}"],

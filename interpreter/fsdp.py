@@ -1,0 +1,96 @@
+"""ZeRO-3 / FSDP at run time: the dp shards of the layer weights and their collectives.
+
+Under ``train { zero = 3 }`` with dp > 1 (:func:`dhelix.dsl.passes.fsdp.is_fsdp`) each rank
+keeps, of every layer weight, the tensor- and pipeline-parallel shard it would hold
+otherwise (:mod:`.weights`) flattened, zero-padded to a multiple of dp and cut into dp equal
+pieces: piece ``i`` lives on dp rank ``i`` (PyTorch FSDP's flat sharding). The layer DAGs
+name the traffic (:mod:`dhelix.dsl.passes.fsdp`): a ``param_gather`` op all-gathers the
+pieces into the weight before an op reads it, a ``grad_scatter`` op reduce-scatters a
+micro-batch's weight gradient into this rank's piece, where the micro-batches' pieces add up.
+The optimizer then updates pieces only (:mod:`.optim`: their gradients are summed over dp
+already); checks and checkpoints gather them back (:meth:`FlatShards.gather`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from dhelix.dsl.core.program import Program
+from dhelix.dsl.passes.fsdp import is_fsdp, padded_elements
+
+from .comm import Communicator, Pending
+
+
+class FlatShards:
+    """Which of a rank's parameters are ZeRO-3 pieces, and how to cut and join them.
+
+    ``enabled``: the program shards (ZeRO-3, dp > 1); ``dp`` and ``index`` are the dp size
+    and this rank's position; :attr:`shapes` maps each sharded parameter's name to the shape
+    of the (tensor-parallel) shard it is a piece of, as :meth:`add` records them."""
+
+    def __init__(self, enabled: bool, dp: int, index: int):
+        self.enabled, self.dp, self.index = enabled, dp, index
+        self.shapes: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def of(cls, program: Program, comm: Communicator) -> "FlatShards":
+        """The (still empty) layout of ``program`` on this rank."""
+        return cls(is_fsdp(program), comm.size("dp"), comm.index("dp"))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def add(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Record parameter ``name`` (this rank's tensor-parallel shard ``tensor``) as sharded
+        and return this rank's piece of it (a new contiguous tensor)."""
+        self.shapes[name] = tuple(tensor.shape)
+        return piece(tensor, self.dp, self.index)
+
+    def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of ``tensor`` if ``name`` is sharded, else ``tensor``."""
+        return piece(tensor, self.dp, self.index) if name in self.shapes else tensor
+
+    def gather(self, comm: Communicator, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` by name with every sharded one gathered over dp and shaped back
+        (collective over dp; the others are passed through)."""
+        out = dict(tensors)
+        for name in sorted(set(tensors) & set(self.shapes)):
+            out[name] = unflatten(comm.all_gather(tensors[name].contiguous(), "dp"), self.shapes[name])
+        return out
+
+
+def piece(tensor: torch.Tensor, dp: int, index: int) -> torch.Tensor:
+    """Piece ``index`` of ``dp`` of ``tensor`` flattened and zero-padded to a multiple of dp."""
+    flat = tensor.reshape(-1)
+    total = padded_elements(tuple(tensor.shape), dp)
+    if total != flat.numel():
+        flat = F.pad(flat, (0, total - flat.numel()))
+    width = total // dp
+    return flat[index * width:(index + 1) * width].clone()
+
+
+def unflatten(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor of ``shape`` at the start of the gathered, padded ``flat``."""
+    return flat[:math.prod(shape)].view(shape)
+
+
+def gather_weight(shard: torch.Tensor, comm: Communicator, shape: tuple[int, ...], async_op: bool):
+    """The weight of ``shape`` from every dp rank's piece (a Pending of it with ``async_op``)."""
+    gathered = comm.all_gather(shard, "dp", async_op=async_op)
+    if isinstance(gathered, Pending):
+        return gathered.then(lambda flat: unflatten(flat, shape))
+    return unflatten(gathered, shape)
+
+
+def scatter_grad(grad: torch.Tensor, comm: Communicator, async_op: bool):
+    """This rank's piece of ``grad`` summed over dp (a Pending of it with ``async_op``)."""
+    dp = comm.size("dp")
+    flat = grad.reshape(-1)
+    total = padded_elements(tuple(grad.shape), dp)
+    if total != flat.numel():
+        flat = F.pad(flat, (0, total - flat.numel()))
+    return comm.reduce_scatter(flat, "dp", async_op=async_op)
