@@ -63,13 +63,17 @@ class FlatShards:
         return out
 
 
-def piece(tensor: torch.Tensor, dp: int, index: int) -> torch.Tensor:
-    """Piece ``index`` of ``dp`` of ``tensor`` flattened and zero-padded to a multiple of dp."""
+def padded_flat(tensor: torch.Tensor, dp: int) -> torch.Tensor:
+    """``tensor`` flattened and zero-padded to a multiple of ``dp`` elements."""
     flat = tensor.reshape(-1)
     total = padded_elements(tuple(tensor.shape), dp)
-    if total != flat.numel():
-        flat = F.pad(flat, (0, total - flat.numel()))
-    width = total // dp
+    return F.pad(flat, (0, total - flat.numel())) if total != flat.numel() else flat
+
+
+def piece(tensor: torch.Tensor, dp: int, index: int) -> torch.Tensor:
+    """Piece ``index`` of ``dp`` of ``tensor`` flattened and zero-padded to a multiple of dp."""
+    flat = padded_flat(tensor, dp)
+    width = flat.numel() // dp
     return flat[index * width:(index + 1) * width].clone()
 
 
@@ -88,9 +92,4 @@ def gather_weight(shard: torch.Tensor, comm: Communicator, shape: tuple[int, ...
 
 def scatter_grad(grad: torch.Tensor, comm: Communicator, async_op: bool):
     """This rank's piece of ``grad`` summed over dp (a Pending of it with ``async_op``)."""
-    dp = comm.size("dp")
-    flat = grad.reshape(-1)
-    total = padded_elements(tuple(grad.shape), dp)
-    if total != flat.numel():
-        flat = F.pad(flat, (0, total - flat.numel()))
-    return comm.reduce_scatter(flat, "dp", async_op=async_op)
+    return comm.reduce_scatter(padded_flat(grad, comm.size("dp")), "dp", async_op=async_op)
