@@ -30,6 +30,7 @@ from pathlib import Path
 
 import attrs
 
+from dhelix.dsl.core.oplib import in_weight_pass
 from dhelix.dsl.core.schedule import computes
 
 #: Collectives the replay can issue, and the share of its input each rank sends over the
@@ -62,26 +63,33 @@ def replay_schedule(program, rank: int) -> tuple[Collective, ...]:
     checked Program with its lowered schedule), in a no-SI run's order. ValueError for a
     collective the replay cannot issue (send/recv inside a layer DAG)."""
     pp_index = program.mesh.coords(rank).get("pp", 0)
-    per_direction = {d.direction: _layer_collectives(d) for d in (program.forward, program.backward)}
+    split = program.lowered.split  # W runs the weight gradients (and, under ZeRO-3, their reduce-scatters)
+    backward = [op for op in program.backward.ops if not (split and in_weight_pass(op))]
+    per_kind = {"F": _layer_collectives(program.forward.ops, "forward"),
+                "B": _layer_collectives(backward, "backward"),
+                "W": _layer_collectives([op for op in program.backward.ops if split and in_weight_pass(op)], "backward")}
     issued = []
     for action in program.lowered.actions[pp_index]:
         for part in computes(action):
-            if part.kind == "W":  # weight gradients: compute only
-                continue
             layers = len(program.placement.stage_at(pp_index, part.chunk).layers)
-            issued += per_direction["forward" if part.kind == "F" else "backward"] * layers
+            issued += per_kind[part.kind] * layers
     return tuple(issued)
 
 
-def _layer_collectives(dag) -> list[Collective]:
+#: ZeRO-3's weight gathers and gradient reduce-scatters are these collectives of their shapes.
+_AS = {"param_gather": "all_gather", "grad_scatter": "reduce_scatter"}
+
+
+def _layer_collectives(ops, direction: str) -> list[Collective]:
     found = []
-    for op in dag.ops:
+    for op in ops:
         if op.kind != "comm" or op.group_size == 1:
             continue
-        if op.op not in SENT_SHARE:
+        kind = _AS.get(op.op, op.op)
+        if kind not in SENT_SHARE:
             raise ValueError(f"the replay cannot issue {op.name} ({op.op} over {op.axis}) of the "
-                             f"{dag.direction} layer: only {', '.join(SENT_SHARE)}")
-        found.append(Collective(name=op.name, op=op.op, axis=op.axis, shape=tuple(op.in_shapes[0]),
+                             f"{direction} layer: only {', '.join(SENT_SHARE)}")
+        found.append(Collective(name=op.name, op=kind, axis=op.axis, shape=tuple(op.in_shapes[0]),
                                 group_size=op.group_size))
     return found
 
