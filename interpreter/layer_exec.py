@@ -173,7 +173,7 @@ class LayerRun:
         elif role == GATHER_W:
             self.acts[op.name] = self._gather(op, async_op)
         elif role == FORWARD:
-            out, saved = kernel.forward(args, self._weight(op, self.acts), ctx)
+            out, saved = kernel.forward(args, self._weight(op, op.weight_name), ctx)
             self.acts[op.name] = out
             if self._saved_left[op.name]:
                 self.saved[op.name] = saved
@@ -220,9 +220,7 @@ class LayerRun:
             with self.comm.op_named(op.name):
                 out[value] = kernel(grad, self._ctx(op, step, async_op))
         elif role in (DGRAD, BWD):
-            weight = self._weight(op, self.bgrads) if op.name in self.plan.gathered_by else \
-                self.weights.get(forward.weight_name)
-            grads = kernel.dgrad(grad, self.saved[forward.name], weight)
+            grads = kernel.dgrad(grad, self.saved[forward.name], self._weight(op, forward.weight_name))
             out = _by_value(forward.inputs, grads, flow.produces)
         elif role == RING:  # carrying steps pass the ring's state on; the last gives d(qkv)
             value = kernel.backward(grad, self.saved[forward.name], self._ctx(op, step, async_op))
@@ -275,17 +273,17 @@ class LayerRun:
         with self.comm.op_named(op.name):
             return gather_weight(self.weights[params["weight"]], self.comm, params["shape"], async_op)
 
-    def _weight(self, op: Op, store: dict) -> torch.Tensor | None:
-        """The weight ``op`` computes with: its ZeRO-3 gather's output (in ``store``: the
-        activations in the forward, the backward values in the backward), else this rank's
-        shard as kept."""
+    def _weight(self, op: Op, name: str) -> torch.Tensor | None:
+        """The weight ``op`` computes with: its ZeRO-3 gather's output (an activation in the
+        forward, a backward value in the backward), else this rank's kept weight ``name``."""
         source = self.plan.gathered_by.get(op.name)
         if source is None:
-            return self.weights.get(op.weight_name)
-        if store is self.acts:
+            return self.weights.get(name)
+        if op.name in self.plan.fwd_ops:
             return self._act(source)
-        value = self.bgrads[source][GATHERED] = resolve(self.bgrads[source][GATHERED])
-        return value
+        gathered = self.bgrads[source]
+        gathered[GATHERED] = resolve(gathered[GATHERED])
+        return gathered[GATHERED]
 
     def _fsdp_backward(self, op: Op, step: "Step", async_op: bool) -> None:
         """A backward re-gather (its weight stays among the backward values until its last
