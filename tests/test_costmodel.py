@@ -11,6 +11,7 @@ from dhelix.dsl.planner.costmodel import (
     op_tasks, op_time, optimizer_bytes_per_param, optimizer_time,
 )
 from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.frontend.profiles import Collective, Measured, load_profile
 
@@ -112,6 +113,39 @@ def test_collective_time_models_follow_notes_3_6():
     per_lane = attrs.evolve(h100, collectives={**h100.collectives, "p2p": Collective("p2p", lanes={"local": 0.25})})
     assert collective_time("p2p", size, 2, "local", per_lane) == pytest.approx(3e-6 + size / (bw / 4))
     assert collective_time("p2p", size, 2, "cross", per_lane) == collective_time("p2p", size, 2, "cross", h100)
+
+
+def test_a_ring_across_nodes_gets_the_share_of_its_ranks_on_each_node():
+    # NOTES §3.6: the cross link's bandwidth is per GPU (the node's NICs over its GPUs); a ring
+    # with k ranks on each node shares the node's NICs with gpus_per_node / k equal rings.
+    h100, size = load_profile("h100"), 2 * N * H
+    alpha, cross, local = 10e-6, 50e9, 450e9
+    assert collective_time("all_gather", size, 16, "cross", h100, per_node=8) == pytest.approx(
+        15 * alpha + size * 15 / 16 / min(8 * cross, local))
+    assert collective_time("reduce_scatter", size, 16, "cross", h100, per_node=2) == pytest.approx(
+        15 * alpha + size * 15 / 16 / (2 * cross))
+    assert collective_time("all_reduce", size, 4, "cross", h100, per_node=1) == pytest.approx(
+        2 * (3 * alpha + size * 3 / 4 / cross))
+    # Not for all-to-all (every rank sends across nodes at once) or P2P, nor on a local lane.
+    for kind, group in (("all_to_all", 4), ("p2p", 2)):
+        assert collective_time(kind, size, group, "cross", h100, per_node=2) == collective_time(kind, size, group, "cross", h100)
+    assert collective_time("all_gather", size, 8, "local", h100, per_node=8) == collective_time("all_gather", size, 8, "local", h100)
+    # The hierarchy of a 16-rank gather on 2 nodes: 8 inter-node gathers of S/8 over 2 ranks carry
+    # S/2 per node, the flat ring 15/16 of S (both at the node's cross bandwidth).
+    flat = collective_time("all_gather", size, 16, "cross", h100, per_node=8) - 15 * alpha
+    inter = collective_time("all_gather", size / 8, 2, "cross", h100, per_node=1) - alpha
+    assert flat / inter == pytest.approx(15 / 16 / (1 / 2))
+
+
+def test_the_mesh_counts_a_group_s_ranks_on_each_node():
+    mesh = Mesh(("tp", "cp", "dp", "pp"), (1, 1, 16, 1), gpus_per_node=8)
+    assert mesh.per_node("dp") == 8
+    assert (mesh.per_node("dp.intra"), mesh.lane("dp.intra")) == (1, "local")
+    assert (mesh.per_node("dp.inter"), mesh.lane("dp.inter")) == (1, "cross")
+    wide = Mesh(("tp", "cp", "dp", "pp"), (4, 1, 16, 1), gpus_per_node=8)
+    assert (wide.per_node("tp"), wide.per_node("dp")) == (1, 2)
+    inside = Mesh(("tp", "cp", "dp", "pp"), (8, 1, 2, 1), gpus_per_node=8)
+    assert (inside.per_node("tp"), inside.per_node("dp")) == (1, 1)
 
 
 def test_op_time_is_a_roofline(demo):

@@ -9,6 +9,7 @@ interpreter gives each kind its own communication lane.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -94,6 +95,14 @@ class Mesh:
             return f"the {axis} group {list(group)} has {spread}"
         per_node = next(iter(counts.values()))
         return per_node, len(counts)
+
+    def per_node(self, axis: str) -> int:
+        """Ranks of a group of ``axis`` (a mesh axis or a sub-axis) on each node it spans,
+        1 when the groups lie inside one node or spread unevenly."""
+        if self.lane(axis) != COMM_LANES[1]:
+            return 1
+        counts = collections.Counter(rank // self.gpus_per_node for rank in self.groups(axis)[0])
+        return counts.most_common(1)[0][1] if len(set(counts.values())) == 1 else 1
 
     def sub_axes(self) -> tuple[str, ...]:
         """The sub-axes of every listed axis whose groups span nodes evenly."""

@@ -170,6 +170,9 @@ class Op:
     axis: str | None = None
     group_size: int = 1
     lane: str = "compute"  # compute | local | cross
+    #: Ranks of the op's group on each node when the group spans nodes (1 otherwise): how
+    #: many GPUs' shares of a node's cross-node links its rings get (costmodel.ring_bandwidth).
+    per_node: int = 1
     movable: bool = False
     forward: str | None = None  # the forward op a backward op derives from
     saved: tuple[str, ...] = ()

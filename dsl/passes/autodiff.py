@@ -85,7 +85,7 @@ def _backward_of(op: Op, upstream: str | None, fwd: LayerDag) -> list[Op]:
     grad_shape = op.shape
     in_shape = op.in_shapes[0] if op.in_shapes else op.shape
     base = dict(inputs=(upstream,) if upstream else (), in_shapes=(grad_shape,), forward=op.name,
-                span=op.span, axis=op.axis, group_size=op.group_size, params=op.params)
+                span=op.span, axis=op.axis, group_size=op.group_size, per_node=op.per_node, params=op.params)
     flow = GradFlow(upstream=upstream, produces=_differentiable_inputs(op, fwd))
     if op.op in SPLIT_OPS:
         dgrad = Op(f"{op.name}.{DGRAD}", derived_kind(op.op, DGRAD), "compute", op.op_class, shape=in_shape,

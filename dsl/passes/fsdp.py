@@ -80,7 +80,7 @@ def shard_weights(program: Program) -> Program:
         gathered = kind == GATHER
         shapes = ((full // dp, 1), (full, 1)) if gathered else ((full, 1), (full // dp, 1))
         return Op(name, kind, "comm", "all_gather" if gathered else "reduce_scatter", (), (shapes[0],), shapes[1],
-                  axis="dp", group_size=dp, lane=lane, forward=forward_op, waits=waits, span=weight.span,
+                  axis="dp", group_size=dp, lane=lane, per_node=mesh.per_node("dp"), forward=forward_op, waits=waits, span=weight.span,
                   params=(("weight", weight.weight_name), ("shape", tuple(weight.weight)))
                   + (((WEIGHT_PASS, True),) if weight_pass else ()),
                   grad=None if forward_op is None else GradFlow(upstream=None))

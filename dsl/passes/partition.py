@@ -132,9 +132,9 @@ def _hierarchical(op: Op, mesh: Mesh) -> list[Op]:
     size = mesh.size(first)
     middle = {"all_gather": rows * size, "reduce_scatter": rows // size, "all_reduce": rows}[op.op]
     one = attrs.evolve(op, name=f"{op.name}.{first.rpartition('.')[2]}", axis=first, group_size=size,
-                       lane=mesh.lane(first), shape=(middle, cols), params=(("axis", first),))
+                       lane=mesh.lane(first), per_node=mesh.per_node(first), shape=(middle, cols), params=(("axis", first),))
     two = attrs.evolve(op, inputs=(one.name,), in_shapes=(one.shape,), axis=second,
-                       group_size=mesh.size(second), lane=mesh.lane(second), params=(("axis", second),))
+                       group_size=mesh.size(second), lane=mesh.lane(second), per_node=mesh.per_node(second), params=(("axis", second),))
     return [one, two]
 
 

@@ -105,6 +105,7 @@ def _instantiate_op(apply, env, mesh: Mesh, shapes, alias) -> Op:
             lane = mesh.lane(axis)  # the lane of the ring's P2P steps (see ring_steps)
     return Op(apply.name, spec.name, spec.kind, spec.op_class, tuple(inputs), tuple(in_shapes), shape,
               weight=spec.weight(values), axis=axis, group_size=size, lane=lane,
+              per_node=mesh.per_node(axis) if axis and spec.kind == "comm" else 1,
               movable=spec.op_class == "router",  # the paper lets the MoE router move
               params=tuple(params), span=apply.span)
 

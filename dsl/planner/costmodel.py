@@ -203,9 +203,12 @@ def comm_bytes(op, dtype: str) -> float:
     return 2 * share if kind == "all_reduce" else share
 
 
-def collective_time(kind: str, size_bytes: float, group: int, lane: str, profile: Profile) -> float:
+def collective_time(kind: str, size_bytes: float, group: int, lane: str, profile: Profile,
+                    per_node: int = 1) -> float:
     """Seconds for collective ``kind`` of ``size_bytes`` (S of NOTES §3.6) over ``group`` GPUs
-    on ``lane`` (local or cross), by the profile's model for that collective."""
+    on ``lane`` (local or cross), by the profile's model for that collective. ``per_node``:
+    ranks of the group on each node when it spans nodes (a ring's bandwidth, see
+    :func:`ring_bandwidth`)."""
     link = profile.links[lane]
     model = profile.collectives[kind]
     bandwidth = link.bw_gbps * 1e9 * model.efficiency_on(lane)
@@ -214,9 +217,26 @@ def collective_time(kind: str, size_bytes: float, group: int, lane: str, profile
         return alpha + size_bytes / bandwidth
     if group <= 1:
         return 0.0
+    if lane == "cross" and model.model in ("ring", "ring_allreduce"):
+        bandwidth = ring_bandwidth(bandwidth, per_node, profile.links["local"].bw_gbps * 1e9)
     steps = group - 1
     one = alpha * steps + size_bytes * steps / group / bandwidth
     return 2 * one if model.model == "ring_allreduce" else one
+
+
+def ring_bandwidth(per_gpu: float, per_node: int, local: float) -> float:
+    """Bus bandwidth (bytes/s) of a ring collective over a group with ``per_node`` ranks on
+    each of its nodes, the cross link giving ``per_gpu`` to each GPU. A ring leaves and
+    enters a node once per pass, whatever the number of its ranks there; NCCL runs several
+    rings (channels) through all the NICs of the node, which every GPU of the node shares
+    with the same collective of the other groups (``gpus_per_node / per_node`` of them, each
+    as busy): the group's rings get ``per_node`` GPUs' share of the node's cross-node
+    bandwidth, at most the ring's node-local hops' (NOTES §3.6: "8 × 400 Gb/s per node").
+    With one rank per node (a DP group under tp = gpus_per_node) this is ``per_gpu``; FSDP
+    over 16 GPUs of 2 nodes gets the whole node's 8 shares; a flat ring there carries 15/16
+    of S through each node's links each way, its group partition (8 inter-node gathers of
+    S/8 over 2 ranks, one per GPU) S/2."""
+    return min(per_gpu * max(1, per_node), local) if per_node > 1 else per_gpu
 
 
 # ---------------------------------------------------------------- time
@@ -249,7 +269,7 @@ def op_tasks(op, profile: Profile, dtype: str, *, seq: int | None = None) -> tup
         keys = tuple(dict.fromkeys((op.name, op.op, op.op_class)))
         tasks.append(Task("compute", _compute_seconds(op, profile, dtype, seq), keys, "comp"))
     if kind is not None:
-        seconds = collective_time(kind, _full_bytes(op, dtype), op.group_size, op.lane, profile)
+        seconds = collective_time(kind, _full_bytes(op, dtype), op.group_size, op.lane, profile, op.per_node)
         tasks.append(Task(op.lane, seconds, (op.name, f"{kind}@{op.lane}"), _LANE_CLASS[op.lane]))
     return tuple(tasks)
 

@@ -32,6 +32,7 @@ timeline), in seconds of the program's hardware profile:
 
 from __future__ import annotations
 
+import collections
 import math
 
 import attrs
@@ -92,10 +93,11 @@ class Params:
 
 @attrs.frozen
 class Group:
-    """A communication group of the step: its size and lane."""
+    """A communication group of the step: its size, lane and ranks on each node it spans."""
 
     size: int
     lane: str
+    per_node: int = 1
 
 
 @attrs.frozen
@@ -168,8 +170,7 @@ def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None
     return StepCosts(
         layer=layer_costs(program, cost, plan), heads=head_costs(program),
         params=layer_params(program), p2p_seconds=p2p_seconds, p2p_bytes=p2p_bytes, pp_lane=pp_lane,
-        dense_group=Group(dp * cp, _group_lane(mesh, dp * cp, expert=1)),
-        expert_group=Group(max(1, dp * cp // ep), _group_lane(mesh, max(1, dp * cp // ep), expert=ep)),
+        dense_group=_sync_group(mesh, expert=1), expert_group=_sync_group(mesh, expert=ep),
         grad_bytes=dtype_bytes(dtype), dtype=dtype)
 
 
@@ -183,15 +184,19 @@ def layer_params(program: Program) -> Params:
     return Params(dense, expert, shard, shard + hidden)
 
 
-def _group_lane(mesh, size: int, expert: int) -> str:
-    """The lane of the gradient-sync group of rank 0: DP coordinates ``0, e, 2e, …`` (``e`` the
-    EP size for expert weights, else 1) times every CP coordinate; local when on one node."""
+def _sync_group(mesh, expert: int) -> Group:
+    """The gradient-sync group of rank 0: DP coordinates ``0, e, 2e, …`` (``e`` the EP size
+    for expert weights, else 1) times every CP coordinate; local when on one node."""
+    size = max(1, mesh.size("dp") * mesh.size("cp") // expert)
     if size <= 1:
-        return "local"
+        return Group(size, "local")
     dp_stride, cp_stride = mesh.stride("dp"), mesh.stride("cp")
     members = {k * expert * dp_stride + c * cp_stride
                for k in range(max(1, mesh.size("dp") // expert)) for c in range(mesh.size("cp"))}
-    return "local" if len({rank // mesh.gpus_per_node for rank in members}) == 1 else "cross"
+    nodes = collections.Counter(rank // mesh.gpus_per_node for rank in members)
+    if len(nodes) == 1:
+        return Group(size, "local")
+    return Group(size, "cross", nodes.most_common(1)[0][1] if len(set(nodes.values())) == 1 else 1)
 
 
 # ---------------------------------------------------------------- embedding and LM head
@@ -217,7 +222,8 @@ def head_costs(program: Program) -> HeadCosts:
     def collective(name: str, kind: str, shape_in, shape_out) -> Work:
         if tp == 1:
             return NOTHING
-        return run(Op(name, kind, "comm", kind, (), (shape_in,), shape_out, axis="tp", group_size=tp, lane=tp_lane))
+        return run(Op(name, kind, "comm", kind, (), (shape_in,), shape_out, axis="tp", group_size=tp, lane=tp_lane,
+                      per_node=mesh.per_node("tp")))
 
     def gemm(name: str, kind: str) -> Work:
         shape_in = logits if kind == "gemm_dgrad" else full
@@ -227,7 +233,7 @@ def head_costs(program: Program) -> HeadCosts:
         return Work(elements * bytes_each / streaming)
 
     # Three all-reduces of one fp32 value per token: the max, the sum and the target logit.
-    reduce = 3 * collective_time("all_reduce", 4.0 * tokens, tp, tp_lane, profile) if tp > 1 else 0.0
+    reduce = 3 * collective_time("all_reduce", 4.0 * tokens, tp, tp_lane, profile, mesh.per_node("tp")) if tp > 1 else 0.0
     cross_entropy = memory(math.prod(logits), size + 8) + Work(reduce, reduce, reduce)
     norm = Op("final_norm", "rmsnorm", "compute", "norm", (), (local,), local, weight=(hidden,))
     modelled = HeadCosts(

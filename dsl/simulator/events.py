@@ -425,7 +425,7 @@ class _Run:
                 if not elements or group.size <= 1:
                     continue
                 size = elements * costs.grad_bytes
-                seconds = collective_time(kind, size, group.size, group.lane, profile)
+                seconds = collective_time(kind, size, group.size, group.lane, profile, group.per_node)
                 start = self.lanes[rank][group.lane].fit(max(ready, ready_after), seconds)
                 ready_after, dp_comm = start + seconds, dp_comm + seconds
                 self.events.append(TraceEvent(rank, group.lane, f"{kind} {names(stage, slot)}", start, seconds,
@@ -443,7 +443,7 @@ class _Run:
             for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group)):
                 if elements and group.size > 1:
                     size = elements * costs.grad_bytes
-                    seconds = collective_time("all_gather", size, group.size, group.lane, profile)
+                    seconds = collective_time("all_gather", size, group.size, group.lane, profile, group.per_node)
                     begin = self.lanes[rank][group.lane].fit(end, seconds)
                     self.events.append(TraceEvent(rank, group.lane, "all_gather weights", begin, seconds,
                                                   {"kind": "DP", "bytes": size, "group": group.size}))
