@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 import attrs
 import torch
 
+from dhelix.dsl.core.mesh import INTRA
 from dhelix.dsl.core.program import LayerDag, Op, Program
 from dhelix.dsl.passes.fsdp import GATHER as FSDP_GATHER
 
@@ -171,7 +172,7 @@ class LayerRun:
             with self.comm.op_named(op.name):
                 self.acts[op.name] = kernel(args[0], ctx)
         elif role == GATHER_W:
-            self.acts[op.name] = self._gather(op, async_op)
+            self.acts[op.name] = self._gather(op, async_op, args[0] if args else None)
         elif role == FORWARD:
             out, saved = kernel.forward(args, self._weight(op, op.weight_name), ctx)
             self.acts[op.name] = out
@@ -268,10 +269,12 @@ class LayerRun:
 
     # -- ZeRO-3 ----------------------------------------------------------------------------
 
-    def _gather(self, op: Op, async_op: bool):
+    def _gather(self, op: Op, async_op: bool, source: torch.Tensor | None = None):
+        # ``source``: the first stage's output, for the second of a ``group weights`` gather.
         params = dict(op.params)
         with self.comm.op_named(op.name):
-            return gather_weight(self.weights[params["weight"]], self.comm, params["shape"], async_op)
+            return gather_weight(self.weights[params["weight"]] if source is None else source, self.comm,
+                                 params["shape"], async_op, op.axis)
 
     def _weight(self, op: Op, name: str) -> torch.Tensor | None:
         """The weight ``op`` computes with: its ZeRO-3 gather's output (an activation in the
@@ -289,12 +292,16 @@ class LayerRun:
         """A backward re-gather (its weight stays among the backward values until its last
         reader) or a gradient reduce-scatter (its piece adds into :attr:`grads`)."""
         name = dict(op.params)["weight"]
+        # The second stage of a ``group weights`` collective reads the first's output.
+        source = resolve(self.bgrads[op.inputs[0]][GATHERED]) if op.inputs else None
         if step.role == GATHER_W:
-            self.bgrads[op.name] = {GATHERED: self._gather(op, async_op)}
+            self.bgrads[op.name] = {GATHERED: self._gather(op, async_op, source)}
         else:
             with self.comm.op_named(op.name):
-                sent = scatter_grad(self._full_grad(name), self.comm, async_op)
-            if isinstance(sent, Pending):
+                sent = scatter_grad(self._full_grad(name) if source is None else source, self.comm, async_op, op.axis)
+            if op.axis == f"dp.{INTRA}":  # the first stage: the second reduce-scatters it on
+                self.bgrads[op.name] = {GATHERED: sent}
+            elif isinstance(sent, Pending):
                 done = sent.then(lambda mine: self._add_piece(name, mine))
                 if self.defer is None:
                     done.wait()

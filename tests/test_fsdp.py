@@ -12,6 +12,7 @@ import pytest
 from dhelix.dsl.core.errors import CheckError
 from dhelix.dsl.core.oplib import in_weight_pass
 from dhelix.dsl.passes.pipeline import run_until
+from dhelix.dsl.planner.costmodel import op_time
 from dhelix.dsl.planner.pairing import plan_program
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.simulator.events import simulate
@@ -87,6 +88,27 @@ def test_the_chunks_of_a_partitioned_gemm_share_one_gather_and_one_scatter():
     assert set(scatter.waits) == {"fc1.c0.wgrad", "fc1.c1.wgrad"}
 
 
+def test_group_weights_gathers_across_nodes_first_and_reduces_inside_the_node_first():
+    prog = program(mesh="dp = 4", partition="group weights")  # 2 nodes of 2: dp.intra 2, dp.inter 2
+    fwd = {op.name: op for op in prog.forward.ops}
+    bwd = {op.name: op for op in prog.backward.ops}
+    first, second = fwd["qkv.gather_w.inter"], fwd["qkv.gather_w"]
+    elements = 32 * (4 + 2 * 2) * 32 // 4  # hidden x qkv width, over 4 ranks
+    assert (first.axis, first.lane, first.inputs, first.in_shapes, first.shape) == (
+        "dp.inter", "cross", (), ((elements // 4, 1),), (elements // 2, 1))
+    assert (second.axis, second.lane, second.inputs, second.shape) == ("dp.intra", "local", (first.name,), (elements, 1))
+    assert fwd["qkv"].waits == ("qkv.gather_w",)
+    rs1, rs2 = bwd["qkv.scatter_dw.intra"], bwd["qkv.scatter_dw"]
+    assert (rs1.axis, rs1.lane, rs1.waits, rs1.shape) == ("dp.intra", "local", ("qkv.wgrad",), (elements // 2, 1))
+    assert (rs2.axis, rs2.lane, rs2.inputs, rs2.shape) == ("dp.inter", "cross", (rs1.name,), (elements // 4, 1))
+    assert bwd["qkv.regather_w"].inputs == ("qkv.regather_w.inter",)
+    # The cross-node stage moves half of what the flat ring's does through a node (2 nodes).
+    flat = {op.name: op for op in program(mesh="dp = 4").forward.ops}["qkv.gather_w"]
+    assert (flat.axis, flat.lane, flat.per_node) == ("dp", "cross", 2)
+    profile = prog.profile
+    assert op_time(first, profile, "fp32") < op_time(flat, profile, "fp32")
+
+
 @pytest.mark.parametrize(("mesh", "axis"), [("cp = 2  dp = 2", "cp"), ("ep = 2  dp = 4", "ep")])
 def test_zero_3_with_cp_or_ep_is_a_located_error(mesh, axis):
     layer = "llama" if axis == "cp" else None
@@ -138,6 +160,10 @@ RUNS = {
     "tp2_dp2_chunked_planned": ("tp = 2  dp = 2", "w_helix", "u", "chunk ag2 + fc1 + act + fc2 + rs2 by 2", "",
                                 "planned", {}),
     "tp2_dp2_recompute": ("tp = 2  dp = 2", "w_helix", "u", "", "recompute = full", "op_by_op", {}),
+    # group weights: gathers over dp.inter then dp.intra, reduce-scatters the other way round.
+    "dp4_group_weights_planned": ("dp = 4", "w_helix", "u", "group weights", "", "planned", {}),
+    "dp4_group_weights_padded": ("dp = 4", "one_f_one_b", "none", "group weights", "", None,
+                                 {"hidden": 42, "ffn": 66, "heads": 6, "kv": 3}),
 }
 
 

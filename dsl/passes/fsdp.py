@@ -27,6 +27,15 @@ all-gather and reduce-scatter of that many elements in the model dtype. The mode
 (embedding, final norm, LM head) are not in the layer DAGs and stay ZeRO-1: their optimizer
 states are sharded, their weights replicated.
 
+``group weights`` in the partition block (Centauri's group partition of FSDP, §3.1.2) runs
+each of them as two sub-collectives when dp spans nodes with several ranks on each: a
+gather first over ``dp.inter`` (``<op>.gather_w.inter``: the pieces of the ranks at this
+rank's place on every node, the only cross-node traffic, 1/intra of the flat ring's per
+node) then over ``dp.intra`` (``<op>.gather_w``, node-local); a reduce-scatter first over
+``dp.intra`` then over ``dp.inter`` (``<op>.scatter_dw.intra``, ``<op>.scatter_dw``).
+The inter-first gather collects the pieces out of dp order; the interpreter puts them back
+(one copy of the weight), so pieces stay where the flat collectives put them.
+
 Not offered: FSDP with cp > 1 or ep > 1 (the gradient of a weight shared over cp, or of an
 expert sharded over ep, would need the reduce-scatter over another group than dp); a
 located error says so.
@@ -38,9 +47,12 @@ import math
 
 import attrs
 
+from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError
+from dhelix.dsl.core.mesh import INTER, INTRA
 from dhelix.dsl.core.oplib import WEIGHT_PASS, is_wgrad
 from dhelix.dsl.core.program import GradFlow, Op, Program
+from dhelix.dsl.passes.partition import WEIGHTS, unsplittable
 
 GATHER, SCATTER = "param_gather", "grad_scatter"
 #: The suffixes of the ops this pass adds to a weight's (written) name.
@@ -62,32 +74,51 @@ def shard_weights(program: Program) -> Program:
     """``program`` with its layer DAGs carrying the ZeRO-3 collectives (module docstring);
     unchanged unless :func:`is_fsdp`. CheckError, located at the ``zero`` setting, for a
     mesh this does not support."""
+    hierarchy = _weights_statement(program)
+    if hierarchy is not None and not is_fsdp(program):
+        raise CheckError("'group weights' splits the collectives of ZeRO-3, which this program does not run",
+                         hierarchy, ["ZeRO-3 is train { zero = 3 } with dp > 1: its weight all-gathers and "
+                                     "gradient reduce-scatters are what 'weights' names",
+                                     "to split a collective of the layer, name it: group ag1 + rs1"])
     if not is_fsdp(program) or program.forward is None:
         return program
     mesh, train = program.mesh, program.train
+    if hierarchy is not None and (problem := unsplittable(WEIGHTS, "dp", mesh, hierarchy)) is not None:
+        raise problem
     for axis, why in (("cp", "a weight shared over cp has its gradient summed over cp too"),
                       ("ep", "an expert weight's gradient is summed over the expert-data-parallel group")):
         if mesh.size(axis) > 1:
             raise CheckError(f"zero = 3 with {axis} = {mesh.size(axis)} is not supported",
                              train.zero_span or train.span,
                              [f"{why}, not over dp alone", f"use zero = 1 with {axis} > 1, or {axis} = 1 with zero = 3"])
-    dp, lane = mesh.size("dp"), mesh.lane("dp")
+    dp = mesh.size("dp")
     forward, backward = program.forward, program.backward
 
     def collective(name: str, kind: str, weight: Op, forward_op: str | None = None,
-                   waits: tuple[str, ...] = (), weight_pass: bool = False) -> Op:
+                   waits: tuple[str, ...] = (), weight_pass: bool = False) -> list[Op]:
+        """The op (or, under ``group weights``, the two ops, the second named ``name``)."""
         full = padded_elements(weight.weight, dp)
         gathered = kind == GATHER
-        shapes = ((full // dp, 1), (full, 1)) if gathered else ((full, 1), (full // dp, 1))
-        return Op(name, kind, "comm", "all_gather" if gathered else "reduce_scatter", (), (shapes[0],), shapes[1],
-                  axis="dp", group_size=dp, lane=lane, per_node=mesh.per_node("dp"), forward=forward_op, waits=waits, span=weight.span,
-                  params=(("weight", weight.weight_name), ("shape", tuple(weight.weight)))
-                  + (((WEIGHT_PASS, True),) if weight_pass else ()),
-                  grad=None if forward_op is None else GradFlow(upstream=None))
+        stages = (("dp", dp),) if hierarchy is None else \
+            tuple((f"dp.{part}", mesh.size(f"dp.{part}")) for part in ((INTER, INTRA) if gathered else (INTRA, INTER)))
+        ops, size, previous = [], full // dp if gathered else full, ()
+        for index, (axis, group) in enumerate(stages):
+            out = size * group if gathered else size // group
+            last = index == len(stages) - 1
+            ops.append(Op(name if last else f"{name}.{axis.partition('.')[2]}", kind, "comm",
+                          "all_gather" if gathered else "reduce_scatter", previous, ((size, 1),), (out, 1),
+                          axis=axis, group_size=group, lane=mesh.lane(axis), per_node=mesh.per_node(axis),
+                          forward=forward_op, waits=() if previous else waits, span=weight.span,
+                          params=(("weight", weight.weight_name), ("shape", tuple(weight.weight)))
+                          + (((WEIGHT_PASS, True),) if weight_pass else ()),
+                          grad=None if forward_op is None else GradFlow(upstream=None)))
+            size, previous = out, (ops[-1].name,)
+        return ops
 
     weights = _weights_in_order(forward.ops)
-    gathers = {name: collective(name + FORWARD_GATHER, GATHER, op) for name, op in weights.items()}
-    fwd_ops = [*gathers.values()] + [
+    gather_ops = {name: collective(name + FORWARD_GATHER, GATHER, op) for name, op in weights.items()}
+    gathers = {name: ops[-1] for name, ops in gather_ops.items()}
+    fwd_ops = [op for ops in gather_ops.values() for op in ops] + [
         attrs.evolve(op, waits=op.waits + (gathers[op.weight_name].name,)) if op.weight else op
         for op in forward.ops]
     owner = {op.name: op.weight_name for op in forward.ops if op.weight}
@@ -121,8 +152,8 @@ def _backward(ops, weights: dict[str, Op], gathers: dict[str, Op], owner: dict[s
             readers.setdefault(name, []).append(op.name)
     # Every re-gather first, in the order of use (FSDP's backward prefetch: the dp lane runs
     # them back to back while the layer computes), each reduce-scatter after its gradient.
-    result = [collective(weight + BACKWARD_GATHER, GATHER, weights[weight], forward_op=gathers[weight].name)
-              for weight in readers]
+    result = [op for weight in readers
+              for op in collective(weight + BACKWARD_GATHER, GATHER, weights[weight], forward_op=gathers[weight].name)]
     last_producer = {names[-1]: weight for weight, names in producers.items()}
     for op in ops:
         if op.weight is not None and op.forward in owner and not is_wgrad(op):
@@ -132,6 +163,18 @@ def _backward(ops, weights: dict[str, Op], gathers: dict[str, Op], owner: dict[s
             weight = last_producer[op.name]
             # Only wgrads compute it: a split schedule's W runs it (after them), not its B.
             only_wgrads = all(is_wgrad(by_name[name]) for name in producers[weight])
-            result.append(collective(weight + GRAD_SCATTER, SCATTER, weights[weight], forward_op=gathers[weight].name,
-                                     waits=tuple(producers[weight]), weight_pass=only_wgrads))
+            result += collective(weight + GRAD_SCATTER, SCATTER, weights[weight], forward_op=gathers[weight].name,
+                                 waits=tuple(producers[weight]), weight_pass=only_wgrads)
     return result
+
+
+def _weights_statement(program: Program):
+    """The span of ``weights`` in a ``group`` statement of the partition block (the layer
+    has no operator of that name), or None."""
+    if program.partition is None:
+        return None
+    names = {op.name for op in program.forward.ops} if program.forward is not None else set()
+    for st in program.partition.body:
+        if isinstance(st, s.Group) and WEIGHTS in st.ops and WEIGHTS not in names:
+            return st.span_of(f"ops.{st.ops.index(WEIGHTS)}")
+    return None

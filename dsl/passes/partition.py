@@ -44,6 +44,10 @@ from dhelix.dsl.frontend.exprs import evaluate
 #: ``chunk … by auto``: the planner chooses the count (Centauri's Algorithm 1).
 AUTO = "auto"
 
+#: ``group weights``: the ZeRO-3 weight all-gathers and gradient reduce-scatters
+#: (:mod:`dhelix.dsl.passes.fsdp`), which this pass does not see, run hierarchically.
+WEIGHTS = "weights"
+
 #: The one substitution Centauri keeps for an all_reduce (Table 2).
 SCALABLE = ("reduce_scatter", "all_gather")
 _ROOTED = {"reduce", "broadcast", "gather", "scatter"}
@@ -82,6 +86,8 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     for st in block.body:
         if isinstance(st, s.Group):
             for i, name in enumerate(st.ops):
+                if name == WEIGHTS and name not in {op.name for op in fwd.ops}:
+                    continue  # ZeRO-3's collectives: split by the fsdp pass
                 fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors)
     errors.raise_if_any()
     return fwd
@@ -106,23 +112,31 @@ def _group_partition(fwd: LayerDag, name: str, span, mesh: Mesh, errors: ErrorCo
                                              "all_reduce over a group that spans nodes"]))
         return fwd
     op = targets[0]
-    split = mesh.hierarchy(op.axis) if op.op in _STAGES else "none"
     if op.op not in _STAGES:
         errors.add(CheckError(f"cannot group-partition '{name}': {op.op} has no hierarchical form here",
                               span, [f"group partition splits {join_words(list(_STAGES), 'or')}"]))
-    elif split is None or (isinstance(split, tuple) and split[0] == 1):
+        return fwd
+    problem = unsplittable(name, op.axis, mesh, span)
+    if problem is not None:
+        errors.add(problem)
+        return fwd
+    replaced = {target.name: _hierarchical(target, mesh) for target in targets}
+    return attrs.evolve(fwd, ops=tuple(new for o in fwd.ops for new in replaced.get(o.name, [o])))
+
+
+def unsplittable(name: str, axis: str, mesh: Mesh, span) -> CheckError | None:
+    """Why the groups of ``axis`` cannot be group-partitioned (the error for ``name``,
+    located at ``span``), or None when each spans nodes with as many ranks (two or more) on each."""
+    split = mesh.hierarchy(axis)
+    if split is None or (isinstance(split, tuple) and split[0] == 1):
         where = "lies inside one node" if split is None else "has one rank on each node"
-        errors.add(CheckError(f"cannot group-partition '{name}': its {op.axis} group "
-                              f"{list(mesh.groups(op.axis)[0])} {where}", span,
-                              [f"group partition splits a group with several ranks on each of several "
-                               f"nodes (gpus_per_node = {mesh.gpus_per_node})"]))
-    elif isinstance(split, str):
-        errors.add(CheckError(f"cannot group-partition '{name}': its sub-groups are unbalanced", span,
-                              [split, "every node must hold as many ranks of the group"]))
-    else:
-        replaced = {target.name: _hierarchical(target, mesh) for target in targets}
-        return attrs.evolve(fwd, ops=tuple(new for o in fwd.ops for new in replaced.get(o.name, [o])))
-    return fwd
+        return CheckError(f"cannot group-partition '{name}': its {axis} group {list(mesh.groups(axis)[0])} {where}",
+                          span, [f"group partition splits a group with several ranks on each of several "
+                                 f"nodes (gpus_per_node = {mesh.gpus_per_node})"])
+    if isinstance(split, str):
+        return CheckError(f"cannot group-partition '{name}': its sub-groups are unbalanced", span,
+                          [split, "every node must hold as many ranks of the group"])
+    return None
 
 
 def _hierarchical(op: Op, mesh: Mesh) -> list[Op]:
