@@ -33,10 +33,10 @@ def error_of(text: str, path: str = "lab.yaml") -> str:
 
 
 def test_profile_names_are_the_shipped_ones():
-    assert profile_names() == ["a40", "a800", "h100"]
+    assert profile_names() == ["a100", "a40", "a800", "h100"]
 
 
-@pytest.mark.parametrize("name", ["a40", "a800", "h100"])
+@pytest.mark.parametrize("name", ["a100", "a40", "a800", "h100"])
 def test_each_shipped_profile_loads(name):
     profile = load_profile(name)
     assert profile.name == name
@@ -51,6 +51,8 @@ def test_shipped_profiles_follow_the_papers_platform_data():
     assert a40.oef_classes["intra_inter"] == 0.37  # Fig. 4: PCIe shares the links with the NIC
     assert a800.oef_classes["intra_inter"] == 0.99
     assert h100.links["local"].bw_gbps == 450 and h100.links["cross"].bw_gbps == 50
+    a100 = load_profile("a100")  # Centauri's Cluster A: 600 GB/s NVSwitch, 25 Gb/s of IB per GPU
+    assert a100.links["local"].bw_gbps == 300 and a100.links["cross"].bw_gbps == 25 / 8
     assert h100.oef(("qkv", "gemm"), ("ag1.bwd", "reduce_scatter@local"), "comp_intra") == 0.73
     assert h100.oef(("ln1", "rmsnorm"), ("ag1.bwd", "reduce_scatter@local"), "comp_intra") == 0.8
 
@@ -67,7 +69,7 @@ def _numbers(node, ancestors=()):
         yield node, ancestors
 
 
-@pytest.mark.parametrize("name", ["a40", "a800", "h100"])
+@pytest.mark.parametrize("name", ["a100", "a40", "a800", "h100"])
 def test_every_shipped_number_names_its_source(name):
     from importlib import resources
 
@@ -241,7 +243,7 @@ def test_unknown_profile_name_lists_the_shipped_ones():
     assert str(info.value) == """\
 error: unknown profile 'a4O'
   note: did you mean 'a40'?
-  note: shipped profiles: a40, a800, h100"""
+  note: shipped profiles: a100, a40, a800, h100"""
 
 
 def test_profiles_load_by_path_relative_to_the_search_dir(tmp_path):
@@ -263,7 +265,7 @@ def test_a_bare_name_is_always_the_shipped_profile(tmp_path):
         load_profile("lab", search_dir=tmp_path)
     assert str(info.value) == """\
 error: unknown profile 'lab'
-  note: shipped profiles: a40, a800, h100
+  note: shipped profiles: a100, a40, a800, h100
   note: a profile file is named by its path: profile = \"lab.yaml\""""
 
 
@@ -331,7 +333,7 @@ lab.yaml:22:17: 'measured.shapes.qkv' must be a string, got a list
 5 errors"""
 
 
-@pytest.mark.parametrize("name", ["a40", "a800", "h100"])
+@pytest.mark.parametrize("name", ["a100", "a40", "a800", "h100"])
 def test_written_profiles_read_back_equal(name):
     profile = load_profile(name)
     text = render_profile(profile, {"hbm_gbps": "[spec] a note"}, ["a header"])

@@ -1,0 +1,144 @@
+"""dhelix's predictions for Centauri's evaluation (ASPLOS'24, sec. 5), beside what the paper reports.
+
+Centauri's Table 4 LLaMA sizes (hidden, heads, layers; seq 2048; LLaMA-1: multi-head attention,
+SwiGLU width 2/3 of 4h rounded up to 256, vocabulary 32000) on its Cluster A (the shipped
+``a100`` profile: 8 A100-80G per node on NVSwitch, 25 Gb/s of InfiniBand per GPU), bf16:
+
+* FSDP 16 on 2 nodes (``dp = 16``, ``zero = 3``), micro-batch 1, 2 and 4 sequences per device,
+  4 micro-batches per step. Centauri = ``partition { group weights }`` (the weight gathers
+  across nodes first, the gradient reduce-scatters inside the node first).
+* DP 16 on 2 nodes: baseline ZeRO-0 (one all-reduce per layer's gradients, issued as the
+  backward produces them, as DDP's buckets); Centauri = its primitive substitution, ZeRO-1
+  (reduce-scatter, then the all-gather of the updated weights after the optimizer).
+* TP 4 + PP 3 + DP 4 on 6 nodes, 6 micro-batches (the paper's gradient accumulation), ZeRO-1.
+  Centauri = ``partition { chunk ag2 + fc1 + act + fc2 + rs2 by auto }`` (workload partition of
+  the MLP, its count chosen by the cost model).
+
+For each: the baseline (1F1B, no partition, SI off: Megatron), Centauri only (1F1B with the
+partition), SI only (the W schedule, fold u, SI on, no partition) and Centauri + SI, with the
+simulated step time and the speedup over the baseline. The paper reports up to 1.45x for single
+parallelism (FSDP, DP) and up to 1.49x for hybrid. Not modelled (the reason is printed): FSDP + DP
+(an FSDP group inside dp, HSDP: dhelix shards over the whole dp group), Centauri's model-level
+scheduling (the DP all-gather overlapping the next forward, micro-batches launched together) and
+its workload partition of the FSDP collectives. Predictions from the shipped profile, not
+measurements:
+
+    .venv/bin/python benchmarks/centauri_table4.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.planner.chunking import choose_chunks
+from dhelix.dsl.simulator.events import has_si, schedule_plan, simulate
+from dhelix.dsl.simulator.costs import cost_of
+from dhelix.dsl.simulator.report import unfolded_1f1b, unpartitioned
+
+#: Centauri's Table 4 (hidden, heads, layers); Big lists 8, 10 and 30 layers.
+SIZES = {"Small": (4096, 32, 18), "Medium": (5120, 40, 15), "Big": (6656, 52, 30), "Large": (8192, 64, 8)}
+PAPER = {"single": "up to 1.45x", "hybrid": "up to 1.49x"}
+
+TEMPLATE = """
+import "stdlib/layers.dhx"
+import "stdlib/pipelines.dhx"
+model llama {{ layers = {layers}  hidden = {hidden}  ffn = {ffn}  heads = {heads}  kv_heads = {heads}  seq = 2048
+  vocab = 32000  dtype = bf16  layer = llama }}
+cluster {{ nodes = {nodes}  gpus_per_node = 8  profile = "a100" }}
+mesh {{ {mesh} }}
+train {{ micro_batch = {batch}  microbatches = {microbatches}  zero = {zero} }}
+fold u
+pipeline w_helix
+{partition}
+"""
+
+
+def ffn_of(hidden: int) -> int:
+    """LLaMA-1's SwiGLU width: 2/3 of 4h, rounded up to a multiple of 256."""
+    return -(-(8 * hidden // 3) // 256) * 256
+
+
+def program(size: str, *, mesh: str, nodes: int, batch: int, microbatches: int, zero: int, partition: str = ""):
+    hidden, heads, layers = SIZES[size]
+    text = TEMPLATE.format(layers=layers, hidden=hidden, ffn=ffn_of(hidden), heads=heads, nodes=nodes, mesh=mesh,
+                           batch=batch, microbatches=microbatches, zero=zero,
+                           partition=f"partition {{\n  {partition}\n}}" if partition else "")
+    prog = check_text(text, f"{size}.dhx")
+    return choose_chunks(prog)[0] if partition else prog
+
+
+def _si(prog):
+    cost = cost_of(prog)
+    return simulate(prog, schedule_plan(prog, cost) if has_si(prog) else None, cost=cost)
+
+
+def four(centauri, plain):
+    """Step seconds of baseline, Centauri only, SI only, Centauri + SI (and peak memory GB of each)."""
+    sims = (simulate(unfolded_1f1b(plain)), simulate(unfolded_1f1b(centauri)), _si(plain), _si(centauri))
+    return [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims]
+
+
+#: A100-80G: a predicted peak above it is marked (the run would not fit).
+MEMORY_GB = 80
+
+
+def row(label: str, times, memory, paper: str) -> str:
+    base = times[0]
+    cells = "  ".join(f"{t:8.3f} s {base / t:5.2f}x{'!' if m > MEMORY_GB else ' '}" for t, m in zip(times, memory))
+    peaks = "/".join(f"{m:.0f}" for m in memory)
+    return f"{label:34} {cells}   {peaks:>11}   {paper}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    args = parser.parse_args(argv)
+    print(f"$ .venv/bin/python benchmarks/centauri_table4.py{' --sizes ' + ' '.join(args.sizes) if argv else ''}")
+    print(f"machine: {platform.platform()}, Python {platform.python_version()} (predictions: the figures do not "
+          f"depend on it)")
+    print("profile a100 (Centauri's Cluster A), bf16, seq 2048; step time and speedup over the baseline")
+    print(f"peak GB: the four variants' predicted peak memory per GPU; '!': above the A100's {MEMORY_GB} GB")
+    head = "  ".join(f"{name:>18}" for name in ("baseline", "Centauri only", "SI only", "Centauri + SI"))
+    print(f"{'configuration':34} {head}   {'peak GB':>11}   paper (Centauri)")
+    for size in args.sizes:
+        layers = SIZES[size][2]
+        print(f"-- LLaMA {size} (hidden {SIZES[size][0]}, {SIZES[size][1]} heads, {layers} layers)")
+        for batch in (1, 2, 4):
+            try:
+                kw = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4, zero=3)
+                centauri = program(size, partition="group weights", **kw)
+                times, memory = four(centauri, unpartitioned(centauri))
+                print(row(f"FSDP16, 2 nodes, b={batch}", times, memory, PAPER["single"]))
+            except DhelixError as exc:
+                print(f"{'FSDP16, 2 nodes, b=' + str(batch):34} not run: {_first(exc)}")
+        for batch in (1, 4):
+            try:
+                kw = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4)
+                zero0, zero1 = program(size, zero=0, **kw), program(size, zero=1, **kw)
+                sims = (simulate(unfolded_1f1b(zero0)), simulate(unfolded_1f1b(zero1)), _si(zero0), _si(zero1))
+                print(row(f"DP16, 2 nodes, b={batch} (ZeRO-0 -> 1)", [s.step_time for s in sims],
+                          [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
+            except DhelixError as exc:
+                print(f"{'DP16, 2 nodes, b=' + str(batch):34} not run: {_first(exc)}")
+        try:
+            kw = dict(mesh="tp = 4  dp = 4  pp = 3", nodes=6, batch=1, microbatches=6, zero=1)
+            centauri = program(size, partition="chunk ag2 + fc1 + act + fc2 + rs2 by auto", **kw)
+            times, memory = four(centauri, unpartitioned(centauri))
+            print(row("TP4+PP3+DP4, 6 nodes, m=6", times, memory, PAPER["hybrid"]))
+        except DhelixError as exc:
+            print(f"{'TP4+PP3+DP4, 6 nodes, m=6':34} not run: {_first(exc)}")
+        print(f"{'FSDP+DP, 6 nodes':34} not modelled: an FSDP group inside dp (HSDP) is not a dhelix option")
+    return 0
+
+
+def _first(exc: DhelixError) -> str:
+    errors = getattr(exc, "errors", None) or [exc]
+    return errors[0].message
+
+
+if __name__ == "__main__":
+    sys.exit(main())
