@@ -236,7 +236,7 @@ def ring_bandwidth(per_gpu: float, per_node: int, local: float) -> float:
     over 16 GPUs of 2 nodes gets the whole node's 8 shares; a flat ring there carries 15/16
     of S through each node's links each way, its group partition (8 inter-node gathers of
     S/8 over 2 ranks, one per GPU) S/2."""
-    return min(per_gpu * max(1, per_node), local) if per_node > 1 else per_gpu
+    return min(per_gpu * per_node, local) if per_node > 1 else per_gpu
 
 
 # ---------------------------------------------------------------- time

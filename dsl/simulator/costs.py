@@ -166,11 +166,10 @@ def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None
     p2p_bytes = float(math.prod(program.forward.input_shape) * dtype_bytes(dtype))
     pp_lane = mesh.lane("pp") if mesh.size("pp") > 1 else "local"
     p2p_seconds = collective_time("p2p", p2p_bytes, 2, pp_lane, program.profile)
-    dp, cp, ep = mesh.size("dp"), mesh.size("cp"), mesh.size("ep")
     return StepCosts(
         layer=layer_costs(program, cost, plan), heads=head_costs(program),
         params=layer_params(program), p2p_seconds=p2p_seconds, p2p_bytes=p2p_bytes, pp_lane=pp_lane,
-        dense_group=_sync_group(mesh, expert=1), expert_group=_sync_group(mesh, expert=ep),
+        dense_group=_sync_group(mesh, expert=1), expert_group=_sync_group(mesh, expert=mesh.size("ep")),
         grad_bytes=dtype_bytes(dtype), dtype=dtype)
 
 
