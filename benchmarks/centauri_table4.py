@@ -97,7 +97,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
     args = parser.parse_args(argv)
-    print(f"$ .venv/bin/python benchmarks/centauri_table4.py{' --sizes ' + ' '.join(args.sizes) if argv else ''}")
+    given = sys.argv[1:] if argv is None else argv
+    print(f"$ .venv/bin/python benchmarks/centauri_table4.py{''.join(' ' + a for a in given)}")
     print(f"machine: {platform.platform()}, Python {platform.python_version()} (predictions: the figures do not "
           f"depend on it)")
     print("profile a100 (Centauri's Cluster A), bf16, seq 2048; step time and speedup over the baseline")

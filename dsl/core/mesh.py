@@ -99,10 +99,7 @@ class Mesh:
     def per_node(self, axis: str) -> int:
         """Ranks of a group of ``axis`` (a mesh axis or a sub-axis) on each node it spans,
         1 when the groups lie inside one node or spread unevenly."""
-        if self.lane(axis) != COMM_LANES[1]:
-            return 1
-        counts = collections.Counter(rank // self.gpus_per_node for rank in self.groups(axis)[0])
-        return counts.most_common(1)[0][1] if len(set(counts.values())) == 1 else 1
+        return ranks_per_node(self.groups(axis)[0], self.gpus_per_node)
 
     def sub_axes(self) -> tuple[str, ...]:
         """The sub-axes of every listed axis whose groups span nodes evenly."""
@@ -126,6 +123,13 @@ class Mesh:
     def lane(self, axis: str) -> str:
         """``local`` when every group of ``axis`` lies inside one node, else ``cross``."""
         return _lane(self, axis)
+
+
+def ranks_per_node(ranks, gpus_per_node: int) -> int:
+    """Ranks of the group ``ranks`` on each node it spans: 1 when it lies inside one node or
+    holds unequal numbers on its nodes."""
+    counts = collections.Counter(rank // gpus_per_node for rank in ranks)
+    return counts.most_common(1)[0][1] if len(counts) > 1 and len(set(counts.values())) == 1 else 1
 
 
 @functools.cache

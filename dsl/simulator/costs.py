@@ -32,12 +32,12 @@ timeline), in seconds of the program's hardware profile:
 
 from __future__ import annotations
 
-import collections
 import math
 
 import attrs
 
 from dhelix.dsl.core.dtypes import dtype_bytes
+from dhelix.dsl.core.mesh import ranks_per_node
 from dhelix.dsl.core.oplib import END_OPS, in_weight_pass
 from dhelix.dsl.planner.costmodel import collective_time, op_time
 from dhelix.dsl.planner.paircost import PairCost
@@ -192,10 +192,9 @@ def _sync_group(mesh, expert: int) -> Group:
     dp_stride, cp_stride = mesh.stride("dp"), mesh.stride("cp")
     members = {k * expert * dp_stride + c * cp_stride
                for k in range(max(1, mesh.size("dp") // expert)) for c in range(mesh.size("cp"))}
-    nodes = collections.Counter(rank // mesh.gpus_per_node for rank in members)
-    if len(nodes) == 1:
+    if len({rank // mesh.gpus_per_node for rank in members}) == 1:
         return Group(size, "local")
-    return Group(size, "cross", nodes.most_common(1)[0][1] if len(set(nodes.values())) == 1 else 1)
+    return Group(size, "cross", ranks_per_node(members, mesh.gpus_per_node))
 
 
 # ---------------------------------------------------------------- embedding and LM head
