@@ -34,7 +34,7 @@ import sys
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.passes.pipeline import check_text
-from dhelix.dsl.planner.chunking import choose_chunks
+from dhelix.dsl.planner.chunking import choose_chunks, choose_orders
 from dhelix.dsl.simulator.events import has_si, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.simulator.report import unfolded_1f1b, unpartitioned
@@ -68,7 +68,7 @@ def program(size: str, *, mesh: str, nodes: int, batch: int, microbatches: int, 
                            batch=batch, microbatches=microbatches, zero=zero,
                            partition=f"partition {{\n  {partition}\n}}" if partition else "")
     prog = check_text(text, f"{size}.dhx")
-    return choose_chunks(prog)[0] if partition else prog
+    return choose_orders(choose_chunks(prog)[0])[0] if partition else prog
 
 
 def _si(prog):

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dhelix.dsl.core.mesh import DIMENSIONS, Mesh
+from dhelix.dsl.core.mesh import DIMENSIONS, INTER, INTRA, Mesh
 
 AXES = ("tp", "cp", "dp", "pp", "ep")
 #: The expert-data-parallel axis: the dp / ep replicas of one expert shard (same ep index,
@@ -72,6 +72,20 @@ class Pending:
                 self._result = self._finish(self._result)
             self._done = True
         return self._result
+
+
+def regrouped(x: torch.Tensor, comm: "Communicator", axis: str, gathered: bool) -> torch.Tensor:
+    """``x``'s rank blocks (equal slices along dim 0, one per rank of ``axis``'s whole group)
+    reordered for the node-local stage ``axis`` (``tp.intra``) of a group-partitioned
+    collective (:data:`~dhelix.dsl.core.oplib.REGROUP`). A rank's position in the group is
+    ``inter · intra_size + intra``. After a gather across nodes then inside the node
+    (``gathered``) the blocks come intra-major and go back to that order; before a
+    reduce-scatter inside the node then across, they go intra-major, so that each intra
+    position receives the blocks of its place on every node."""
+    base = axis.rpartition(".")[0]
+    intra, inter = comm.size(f"{base}.{INTRA}"), comm.size(f"{base}.{INTER}")
+    outer, inner = (intra, inter) if gathered else (inter, intra)
+    return x.reshape(outer, inner, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
 
 
 def resolve(value):

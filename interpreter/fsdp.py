@@ -19,11 +19,10 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
-from dhelix.dsl.core.mesh import INTER, INTRA
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes.fsdp import is_fsdp, padded_elements
 
-from .comm import Communicator, Pending
+from .comm import Communicator, Pending, regrouped
 
 
 class FlatShards:
@@ -84,38 +83,30 @@ def unflatten(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def gather_weight(shard: torch.Tensor, comm: Communicator, shape: tuple[int, ...], async_op: bool,
-                  axis: str = "dp"):
+                  axis: str = "dp", first_stage: bool = False, regroup: bool = False):
     """The weight of ``shape`` from every dp rank's piece (a Pending of it with ``async_op``),
-    gathered over ``axis``: ``dp``, or a stage of ``group weights``: ``dp.inter`` (``shard``
-    is this rank's piece; gives the pieces of this rank's place on every node, flat) then
-    ``dp.intra`` (``shard`` is that; gives the weight, its pieces put back in dp order)."""
+    gathered over ``axis``: ``dp``, or a stage of ``group weights`` (``dp.inter``,
+    ``dp.intra``). The first of two stages (``first_stage``; ``shard`` is this rank's piece)
+    gives its sub-group's pieces, flat; the second (``shard`` is that) gives the weight, its
+    pieces put back in dp order when they came grouped by place on the node (``regroup``,
+    :func:`~.comm.regrouped`)."""
     gathered = comm.all_gather(shard, axis, async_op=async_op)
-    if axis == f"dp.{INTER}":
-        return gathered
 
     def finish(flat: torch.Tensor) -> torch.Tensor:
-        if axis == f"dp.{INTRA}":
-            flat = _swap(flat, comm.size(f"dp.{INTRA}"), comm.size(f"dp.{INTER}"))
-        return unflatten(flat, shape)
+        if regroup:
+            flat = regrouped(flat, comm, axis, gathered=True)
+        return flat if first_stage else unflatten(flat, shape)
     return gathered.then(finish) if isinstance(gathered, Pending) else finish(gathered)
 
 
-def scatter_grad(grad: torch.Tensor, comm: Communicator, async_op: bool, axis: str = "dp"):
+def scatter_grad(grad: torch.Tensor, comm: Communicator, async_op: bool, axis: str = "dp",
+                 whole: bool = True, regroup: bool = False):
     """This rank's piece of ``grad`` summed over dp (a Pending of it with ``async_op``),
-    reduce-scattered over ``axis``: ``dp``, or a stage of ``group weights``: ``dp.intra``
-    (``grad`` is the full gradient; gives the node's sum of the pieces of this rank's place on
-    every node) then ``dp.inter`` (``grad`` is that; gives the piece)."""
-    if axis == f"dp.{INTER}":
-        return comm.reduce_scatter(grad, axis, async_op=async_op)
-    flat = padded_flat(grad, comm.size("dp"))
-    if axis == f"dp.{INTRA}":
-        flat = _swap(flat, comm.size(f"dp.{INTER}"), comm.size(f"dp.{INTRA}"))
+    reduce-scattered over ``axis``: ``dp``, or a stage of ``group weights`` (``dp.intra``,
+    ``dp.inter``). ``whole``: ``grad`` is the full gradient (flattened and padded here), not
+    the first stage's output; ``regroup``: the pieces go grouped by place on the node first
+    (:func:`~.comm.regrouped`), as a reduce-scatter inside the node before the nodes must."""
+    flat = padded_flat(grad, comm.size("dp")) if whole else grad
+    if regroup:
+        flat = regrouped(flat, comm, axis, gathered=False)
     return comm.reduce_scatter(flat, axis, async_op=async_op)
-
-
-def _swap(flat: torch.Tensor, outer: int, inner: int) -> torch.Tensor:
-    """``flat``'s ``outer · inner`` equal pieces regrouped from ``[outer, inner]`` order to
-    ``[inner, outer]``. A rank's dp position is ``inter · intra_size + intra``: pieces gathered
-    over dp.inter then dp.intra come intra-major, and dp.intra's reduce-scatter must hand
-    each intra position the pieces of its place on every node, inter-major."""
-    return flat.view(outer, inner, -1).transpose(0, 1).reshape(-1)

@@ -28,9 +28,9 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from dhelix.dsl.core.oplib import BWD, DGRAD, WGRAD, backward_parts, derived_kind
+from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, WGRAD, backward_parts, derived_kind
 
-from .comm import Communicator, SingleRankComm
+from .comm import Communicator, Pending, SingleRankComm, regrouped
 from .moe import exchange
 
 #: Epsilon of RMSNorm and LayerNorm (the reference model uses the same).
@@ -476,10 +476,18 @@ def lm_head_backward(grad, saved, weight) -> tuple[torch.Tensor, torch.Tensor]:
 # -- collectives (their backward is the transposed collective, a DAG op of its own) --------
 
 def _all_gather(x, ctx):
-    return ctx.comm.all_gather(x, ctx.axis, async_op=ctx.async_op)
+    gathered = ctx.comm.all_gather(x, ctx.axis, async_op=ctx.async_op)
+    if not ctx.params.get(REGROUP):
+        return gathered
+
+    def finish(y):
+        return regrouped(y, ctx.comm, ctx.axis, gathered=True)
+    return gathered.then(finish) if isinstance(gathered, Pending) else finish(gathered)
 
 
 def _reduce_scatter(x, ctx):
+    if ctx.params.get(REGROUP):
+        x = regrouped(x, ctx.comm, ctx.axis, gathered=False)
     return ctx.comm.reduce_scatter(x, ctx.axis, async_op=ctx.async_op)
 
 

@@ -29,9 +29,9 @@ from typing import Callable, Mapping
 import attrs
 import torch
 
-from dhelix.dsl.core.mesh import INTRA
+from dhelix.dsl.core.oplib import REGROUP
 from dhelix.dsl.core.program import LayerDag, Op, Program
-from dhelix.dsl.passes.fsdp import GATHER as FSDP_GATHER
+from dhelix.dsl.passes.fsdp import FIRST_STAGE, GATHER as FSDP_GATHER
 
 from .comm import AXES, Communicator, Pending, resolve
 from .fsdp import gather_weight, scatter_grad
@@ -274,7 +274,8 @@ class LayerRun:
         params = dict(op.params)
         with self.comm.op_named(op.name):
             return gather_weight(self.weights[params["weight"]] if source is None else source, self.comm,
-                                 params["shape"], async_op, op.axis)
+                                 params["shape"], async_op, op.axis, bool(params.get(FIRST_STAGE)),
+                                 bool(params.get(REGROUP)))
 
     def _weight(self, op: Op, name: str) -> torch.Tensor | None:
         """The weight ``op`` computes with: its ZeRO-3 gather's output (an activation in the
@@ -291,15 +292,17 @@ class LayerRun:
     def _fsdp_backward(self, op: Op, step: "Step", async_op: bool) -> None:
         """A backward re-gather (its weight stays among the backward values until its last
         reader) or a gradient reduce-scatter (its piece adds into :attr:`grads`)."""
-        name = dict(op.params)["weight"]
+        params = dict(op.params)
+        name = params["weight"]
         # The second stage of a ``group weights`` collective reads the first's output.
         source = resolve(self.bgrads[op.inputs[0]][GATHERED]) if op.inputs else None
         if step.role == GATHER_W:
             self.bgrads[op.name] = {GATHERED: self._gather(op, async_op, source)}
         else:
             with self.comm.op_named(op.name):
-                sent = scatter_grad(self._full_grad(name) if source is None else source, self.comm, async_op, op.axis)
-            if op.axis == f"dp.{INTRA}":  # the first stage: the second reduce-scatters it on
+                sent = scatter_grad(self._full_grad(name) if source is None else source, self.comm, async_op,
+                                    op.axis, source is None, bool(params.get(REGROUP)))
+            if params.get(FIRST_STAGE):  # the second stage reduce-scatters it on
                 self.bgrads[op.name] = {GATHERED: sent}
             elif isinstance(sent, Pending):
                 done = sent.then(lambda mine: self._add_piece(name, mine))

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.frontend.profiles import Link
 from dhelix.dsl.passes import pipeline as passes
-from dhelix.dsl.planner.chunking import MAX_CHUNKS, choose_chunks, issue_order
+from dhelix.dsl.planner.chunking import MAX_CHUNKS, choose_chunks, choose_orders, choose_priority, issue_order
 from dhelix.dsl.planner.paircost import PairCost
 
 from conftest import ROOT
@@ -55,7 +55,7 @@ def test_the_choice_is_the_cheapest_count_priced_one_by_one(bw, latency):
     priced = {k: s for k in range(1, MAX_CHUNKS + 1) if (s := layer_seconds(program, k)) is not None}
     best = min(priced.values())
     assert choice.chosen == min(k for k, s in priced.items() if s == best)
-    assert {c.count: c.seconds for c in choice.candidates} == pytest.approx(priced)
+    assert {c.value: c.seconds for c in choice.candidates} == pytest.approx(priced)
 
 
 def test_latency_per_collective_means_fewer_chunks_and_comm_like_compute_more():
@@ -74,3 +74,68 @@ def test_an_auto_chain_through_an_indivisible_dimension_is_refused_at_once():
     with pytest.raises(DhelixError) as info:
         auto_program(statement="chunk ag2 + fc1 + act + fc2 + rs2 along features by auto")
     assert "cannot chunk" in info.value.render()
+
+
+# -- group orders: which sub-group a group-partitioned collective runs over first ------------
+
+GROUP_EXAMPLE = ROOT / "examples" / "tiny_llama_group_cpu.dhx"
+
+
+def group_program(local: Link | None = None, cross: Link | None = None, statement: str = "group ag1 + rs1 + ag2 + rs2"):
+    text = GROUP_EXAMPLE.read_text().replace("group ag1 + rs1 + ag2 + rs2", statement)
+    program = passes.check_text(text, str(GROUP_EXAMPLE))
+    links = dict(program.profile.links) | ({"local": local} if local else {}) | ({"cross": cross} if cross else {})
+    return passes.rerun(attrs.evolve(program, profile=attrs.evolve(program.profile, links=links)), after="check")
+
+
+def orders_seconds(program, orders: dict[str, str]) -> float:
+    tried = passes.rerun(attrs.evolve(program, group_orders=tuple(sorted(orders.items()))), after="check")
+    cost = PairCost(tried.profile, tried.model.dtype, seq=tried.model.get("seq"))
+    return cost.solo(issue_order(tried.forward.ops)) + cost.solo(issue_order(tried.backward.ops))
+
+
+def test_the_planner_orders_gathers_across_nodes_first_and_reduce_scatters_inside_first():
+    program = group_program()
+    chosen, choices = choose_orders(program)
+    assert {c.what: c.chosen for c in choices} == {"group ag1": "inter", "group rs1": "intra", "group ag2": "inter", "group rs2": "intra"}
+    assert choices[0].describe().startswith("group ag1: inter first (inter: ")
+    names = [op.name for op in chosen.forward.ops]
+    assert "ag1.inter" in names and "rs1.intra" in names
+    # An explicit order is the program's: nothing to choose.
+    assert choose_orders(group_program(statement="group ag1 + rs1 + ag2 + rs2 first intra"))[1] == ()
+
+
+@settings(max_examples=8, deadline=None)
+@given(local_bw=st.floats(0.5, 400.0), cross_bw=st.floats(0.5, 400.0))
+def test_each_order_is_the_cheaper_one_priced_both_ways(local_bw, cross_bw):
+    # Brute force, one collective at a time in block order with the earlier choices kept;
+    # a local link slower than the cross one (no real machine) turns the orders round.
+    program = group_program(Link(local_bw, 5.0), Link(cross_bw, 5.0))
+    _, choices = choose_orders(program)
+    kept: dict[str, str] = {}
+    for choice in choices:
+        priced = {order: orders_seconds(program, {**kept, choice.what.split()[1]: order}) for order in ("inter", "intra")}
+        assert {c.value: c.seconds for c in choice.candidates} == pytest.approx(priced)
+        assert priced[choice.chosen] == min(priced.values())
+        kept[choice.what.split()[1]] = choice.chosen
+
+
+# -- layer level: dgrad or wgrad first (Eq. 1) ------------------------------------------------
+
+def test_the_planner_prices_both_backward_priorities_and_keeps_the_faster():
+    program = auto_program(statement="chunk ag2 + fc1 + act + fc2 + rs2 by 2")
+    chosen, (choice,) = choose_priority(program)
+    priced = {}
+    for first in ("dgrad", "wgrad"):
+        tried = passes.rerun(attrs.evolve(program, backward_first=first), after="check")
+        cost = PairCost(tried.profile, tried.model.dtype, seq=tried.model.get("seq"))
+        priced[first] = cost.solo(issue_order(tried.forward.ops)) + cost.solo(issue_order(tried.backward.ops))
+    assert {c.value: c.seconds for c in choice.candidates} == pytest.approx(priced)
+    assert priced[choice.chosen] == min(priced.values()) and choice.what == "backward"
+    names = [op.name for op in chosen.backward.ops if op.name.startswith("fc1.c0.")]
+    assert names.index(f"fc1.c0.{choice.chosen}") < names.index(f"fc1.c0.{'wgrad' if choice.chosen == 'dgrad' else 'dgrad'}")
+    # Written in the block, or without a block: nothing to choose.
+    fixed = auto_program(statement="chunk ag2 + fc1 + act + fc2 + rs2 by 2\n  backward wgrad first")
+    assert choose_priority(fixed)[1] == ()
+    assert [op.name for op in fixed.backward.ops].index("fc1.c0.wgrad") < \
+        [op.name for op in fixed.backward.ops].index("fc1.c0.dgrad")

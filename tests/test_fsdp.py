@@ -10,7 +10,7 @@ import math
 import pytest
 
 from dhelix.dsl.core.errors import CheckError
-from dhelix.dsl.core.oplib import in_weight_pass
+from dhelix.dsl.core.oplib import REGROUP, in_weight_pass
 from dhelix.dsl.passes.pipeline import run_until
 from dhelix.dsl.planner.costmodel import op_time
 from dhelix.dsl.planner.pairing import plan_program
@@ -107,6 +107,29 @@ def test_group_weights_gathers_across_nodes_first_and_reduces_inside_the_node_fi
     assert (flat.axis, flat.lane, flat.per_node) == ("dp", "cross", 2)
     profile = prog.profile
     assert op_time(first, profile, "fp32") < op_time(flat, profile, "fp32")
+    assert dict(second.params)[REGROUP] and dict(rs1.params)[REGROUP] and REGROUP not in dict(first.params)
+
+
+def test_wgrad_first_runs_each_weight_gradient_and_its_reduce_scatter_before_the_dgrad():
+    names = [op.name for op in program(partition="backward wgrad first").backward.ops]
+    for gemm in ("fc2", "fc1", "prj", "qkv"):
+        at = names.index(f"{gemm}.wgrad")
+        assert names[at + 1:at + 3] == [f"{gemm}.scatter_dw", f"{gemm}.dgrad"], names[at - 1:at + 3]
+    default = [op.name for op in program().backward.ops]
+    assert default.index("fc2.dgrad") < default.index("fc2.wgrad")  # autodiff's: dgrad first
+    assert sorted(default) == sorted(names)
+
+
+def test_group_weights_first_intra_reverses_both_and_carries_more_across_nodes():
+    prog = program(mesh="dp = 4", partition="group weights first intra")
+    fwd = {op.name: op for op in prog.forward.ops}
+    bwd = {op.name: op for op in prog.backward.ops}
+    assert (fwd["qkv.gather_w.intra"].axis, fwd["qkv.gather_w"].axis) == ("dp.intra", "dp.inter")
+    assert (bwd["qkv.scatter_dw.inter"].axis, bwd["qkv.scatter_dw"].axis) == ("dp.inter", "dp.intra")
+    assert not any(REGROUP in dict(op.params) for op in prog.forward.ops + prog.backward.ops)
+    cheap = {op.name: op for op in program(mesh="dp = 4", partition="group weights").forward.ops}
+    time = lambda op: op_time(op, prog.profile, "fp32")  # noqa: E731
+    assert time(fwd["qkv.gather_w"]) > time(cheap["qkv.gather_w.inter"])  # intra_size x the bytes across
 
 
 @pytest.mark.parametrize(("mesh", "axis"), [("cp = 2  dp = 2", "cp"), ("ep = 2  dp = 4", "ep")])
@@ -164,6 +187,10 @@ RUNS = {
     "dp4_group_weights_planned": ("dp = 4", "w_helix", "u", "group weights", "", "planned", {}),
     "dp4_group_weights_padded": ("dp = 4", "one_f_one_b", "none", "group weights", "", None,
                                  {"hidden": 42, "ffn": 66, "heads": 6, "kv": 3}),
+    # ... and the other order: pieces in dp order, nothing regrouped; each GEMM's weight
+    # gradient (and its reduce-scatter) before its activation gradient (Centauri's T2).
+    "dp4_group_weights_intra_first": ("dp = 4", "one_f_one_b", "none", "group weights first intra;backward wgrad first",
+                                      "", None, {}),
 }
 
 

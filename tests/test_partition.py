@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from dhelix.dsl.core.oplib import REGROUP
 from dhelix.dsl.passes.pipeline import check_text, run_until
 from dhelix.dsl.planner.pairing import plan_program
 from dhelix.dsl.simulator.costs import cost_of
@@ -83,16 +84,34 @@ def test_a_collective_elided_by_a_size_1_axis_drops_out_of_its_chain():
     assert fwd.op("fc2").op == "concat"
 
 
-def test_group_partition_splits_each_collective_and_its_chunks_into_local_then_cross():
+def test_group_partition_splits_each_collective_and_its_chunks_with_fewest_bytes_across_nodes():
+    # Unchosen, an all_gather crosses nodes first with each rank's piece and a reduce_scatter
+    # reduces inside the node first; the node-local stage regroups the rank blocks.
     fwd = program(f"{MLP_BY_2};{GROUP_ALL}", mesh="tp = 4", stop="partition").forward
     ops = {op.name: op for op in fwd.ops}
-    first, second = ops["ag1.intra"], ops["ag1"]
-    assert (first.axis, first.lane, first.group_size, first.shape) == ("tp.intra", "local", 2, (8, 32))
-    assert (second.axis, second.lane, second.inputs, second.shape) == ("tp.inter", "cross", ("ag1.intra",), (16, 32))
-    assert (ops["rs1.inter"].lane, ops["rs1"].axis, ops["rs1"].shape) == ("cross", "tp.intra", (4, 32))
-    assert {"ag2.c1.intra", "rs2.c0.inter"} <= set(ops)
+    first, second = ops["ag1.inter"], ops["ag1"]
+    assert (first.axis, first.lane, first.group_size, first.shape) == ("tp.inter", "cross", 2, (8, 32))
+    assert (second.axis, second.lane, second.inputs, second.shape) == ("tp.intra", "local", ("ag1.inter",), (16, 32))
+    assert dict(first.params) == {"axis": "tp.inter"} and dict(second.params) == {"axis": "tp.intra", REGROUP: True}
+    assert (ops["rs1.intra"].lane, ops["rs1"].axis, ops["rs1"].shape) == ("local", "tp.inter", (4, 32))
+    assert dict(ops["rs1.intra"].params)[REGROUP] and REGROUP not in dict(ops["rs1"].params)
+    assert {"ag2.c1.inter", "rs2.c0.intra"} <= set(ops)
     bwd = {op.name: op for op in program(GROUP_ALL, mesh="tp = 4", stop="autodiff").backward.ops}
-    assert (bwd["ag1.bwd"].op, bwd["ag1.bwd"].axis) == ("reduce_scatter", "tp.inter")
+    # The transpose runs the stages in reverse and keeps the regrouping on the local one.
+    assert (bwd["ag1.bwd"].op, bwd["ag1.bwd"].axis, dict(bwd["ag1.bwd"].params)[REGROUP]) == \
+        ("reduce_scatter", "tp.intra", True)
+    assert (bwd["ag1.inter.bwd"].op, bwd["ag1.inter.bwd"].inputs) == ("reduce_scatter", ("ag1.bwd",))
+
+
+def test_first_fixes_which_sub_group_runs_first_and_only_out_of_order_stages_regroup():
+    ops = {op.name: op for op in program(f"{GROUP_ALL} first intra", mesh="tp = 4", stop="partition").forward.ops}
+    assert (ops["ag1.intra"].axis, ops["ag1"].axis) == ("tp.intra", "tp.inter")
+    assert (ops["rs1.intra"].axis, ops["rs1"].axis) == ("tp.intra", "tp.inter")
+    assert not any(REGROUP in dict(op.params) for op in ops.values() if op.name.startswith("ag"))
+    assert dict(ops["rs1.intra"].params)[REGROUP]
+    ops = {op.name: op for op in program(f"{GROUP_ALL} first inter", mesh="tp = 4", stop="partition").forward.ops}
+    assert (ops["rs1.inter"].axis, ops["rs1"].axis) == ("tp.inter", "tp.intra")
+    assert not any(REGROUP in dict(op.params) for op in ops.values() if op.name.startswith("rs"))
 
 
 SUBSTITUTE_LAYER = """
@@ -136,7 +155,8 @@ def test_compare_shows_centauri_si_and_both_beside_the_baseline():
 def test_the_partition_block_prints_canonically_and_parses_back():
     from dhelix.dsl.frontend.fmt import format_source
 
-    text = "partition {\n  chunk ag1 + qkv along tokens by (2 * tp)\n  substitute ar as reduce_scatter + all_gather\n}\n"
+    text = ("partition {\n  chunk ag1 + qkv along tokens by (2 * tp)\n  substitute ar as reduce_scatter + all_gather\n"
+            "  group ag1 + rs1 first inter\n  group weights\n  backward wgrad first\n}\n")
     assert format_source(text) == text
     assert format_source(text.replace("(2 * tp)", "(((2) * tp))")) == text
 
@@ -150,6 +170,10 @@ RUNS = {
     # row-parallel chunks cut the gathered attention output by rank blocks), with SI.
     "group_tp4_w_helix_planned_si": (f"chunk prj + rs1 by 2;{MLP_BY_2};{GROUP_ALL}", "tp = 4", "w_helix", "u",
                                      "planned"),
+    # The orders the run above does not take: an all_gather inside the node first (blocks
+    # in order), a reduce_scatter across nodes first.
+    "group_tp4_other_orders_1f1b": ("group ag1 + rs1 first intra;group ag2 + rs2 first inter", "tp = 4",
+                                    "one_f_one_b", "none", False),
 }
 
 

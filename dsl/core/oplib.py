@@ -280,6 +280,15 @@ def is_wgrad(op) -> bool:
 WEIGHT_PASS = "weight_pass"
 
 
+#: The parameter (set True) of the node-local stage of a group-partitioned all_gather or
+#: reduce_scatter that runs with the group's rank blocks grouped by place on the node
+#: rather than in the group's order (:mod:`dhelix.dsl.passes.partition`): a gather across
+#: nodes first leaves the blocks intra-major and the node-local gather puts them back in
+#: order after it; a reduce-scatter inside the node first reorders them before it (the
+#: adjoint: a collective's transpose keeps the parameter).
+REGROUP = "regroup"
+
+
 def in_weight_pass(op) -> bool:
     """Whether ``op`` runs in a split schedule's W action rather than its B: a wgrad, or the
     reduce-scatter of a gradient that only wgrads compute."""

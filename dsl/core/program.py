@@ -246,6 +246,12 @@ class Program:
     #: The counts the planner chose for the partition block's ``by auto`` chunk statements
     #: ((index among the chunk statements, count), …); empty: not chosen (chains whole).
     chunk_counts: tuple[tuple[int, int], ...] = ()
+    #: The sub-group the planner chose to run first for each collective of a group statement
+    #: without ``first`` ((name, "inter" | "intra"), …; ``weights`` for ZeRO-3's gathers).
+    group_orders: tuple[tuple[str, str], ...] = ()
+    #: The half of each GEMM's backward the planner chose to run first ("dgrad" | "wgrad";
+    #: None: not chosen) when the partition block does not say (dsl.passes.priority).
+    backward_first: str | None = None
     env: tuple[tuple[str, int], ...] = ()  # the names layer expressions see, set by the shapes pass
     forward: LayerDag | None = None  # set by the shapes pass
     backward: LayerDag | None = None  # set by the autodiff pass

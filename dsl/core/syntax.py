@@ -240,13 +240,23 @@ class Substitute(Node):
 
 @attrs.frozen
 class Group(Node):
-    """``group ag1 + rs1``: run each collective as sub-collectives over the node-local and the
-    cross-node part of its group. Spans: ``ops.i``."""
+    """``group ag1 + rs1 [first inter]``: run each collective as sub-collectives over the
+    node-local and the cross-node part of its group, the sub-group ``first`` names (``inter``
+    or ``intra``; None: chosen by cost) first. Spans: ``ops.i`` and ``first``."""
 
     ops: tuple[str, ...]
+    first: str | None = None
 
 
-XStmt = Union[Chunk, Substitute, Group]
+@attrs.frozen
+class Backward(Node):
+    """``backward wgrad first``: which half of each GEMM's backward runs first (``dgrad`` or
+    ``wgrad``). Span: ``first``."""
+
+    first: str
+
+
+XStmt = Union[Chunk, Substitute, Group, Backward]
 
 
 @attrs.frozen

@@ -509,8 +509,20 @@ class _Builder(Transformer):
         return (str(dim), self._tok(dim))
 
     def group_stmt(self, meta, children):
-        return s.Group(tuple(str(n) for n in children), span=self._span(meta),
-                       spans={f"ops.{i}": self._tok(n) for i, n in enumerate(children)})
+        names = list(children)
+        first = names.pop() if names and isinstance(names[-1], tuple) else None
+        spans = {f"ops.{i}": self._tok(n) for i, n in enumerate(names)}
+        if first is not None:
+            spans["first"] = first[1]
+        return s.Group(tuple(str(n) for n in names), first[0] if first else None, span=self._span(meta), spans=spans)
+
+    def backward_stmt(self, meta, children):
+        (first,) = children
+        return s.Backward(str(first), span=self._span(meta), spans={"first": self._tok(first)})
+
+    def first(self, meta, children):
+        (part,) = children
+        return (str(part), self._tok(part))
 
     def substitute_stmt(self, meta, children):
         op, *into = children

@@ -28,13 +28,16 @@ all-gather and reduce-scatter of that many elements in the model dtype. The mode
 states are sharded, their weights replicated.
 
 ``group weights`` in the partition block (Centauri's group partition of FSDP, §3.1.2) runs
-each of them as two sub-collectives when dp spans nodes with several ranks on each: a
-gather first over ``dp.inter`` (``<op>.gather_w.inter``: the pieces of the ranks at this
-rank's place on every node, the only cross-node traffic, 1/intra of the flat ring's per
-node) then over ``dp.intra`` (``<op>.gather_w``, node-local); a reduce-scatter first over
-``dp.intra`` then over ``dp.inter`` (``<op>.scatter_dw.intra``, ``<op>.scatter_dw``).
-The inter-first gather collects the pieces out of dp order; the interpreter puts them back
-(one copy of the weight), so pieces stay where the flat collectives put them.
+each of them as two sub-collectives when dp spans nodes with several ranks on each. By
+default (:func:`~dhelix.dsl.passes.partition.fewest_cross_bytes`) a gather runs first over
+``dp.inter`` (``<op>.gather_w.inter``: the pieces of the ranks at this rank's place on
+every node, the only cross-node traffic, 1/intra of the flat ring's per node) then over
+``dp.intra`` (``<op>.gather_w``, node-local), and a reduce-scatter, its transpose, first
+over ``dp.intra`` then over ``dp.inter`` (``<op>.scatter_dw.intra``, ``<op>.scatter_dw``);
+``group weights first intra`` (or the planner's choice) reverses both. The inter-first
+gather collects the pieces out of dp order; its node-local stage carries
+:data:`~dhelix.dsl.core.oplib.REGROUP` and the interpreter puts them back (one copy of the
+weight), so pieces stay where the flat collectives put them.
 
 Not offered: FSDP with cp > 1 or ep > 1 (the gradient of a weight shared over cp, or of an
 expert sharded over ep, would need the reduce-scatter over another group than dp); a
@@ -50,13 +53,16 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError
 from dhelix.dsl.core.mesh import INTER, INTRA
-from dhelix.dsl.core.oplib import WEIGHT_PASS, is_wgrad
+from dhelix.dsl.core.oplib import REGROUP, WEIGHT_PASS, is_wgrad
 from dhelix.dsl.core.program import GradFlow, Op, Program
-from dhelix.dsl.passes.partition import WEIGHTS, unsplittable
+from dhelix.dsl.passes.partition import WEIGHTS, fewest_cross_bytes, unsplittable
 
 GATHER, SCATTER = "param_gather", "grad_scatter"
 #: The suffixes of the ops this pass adds to a weight's (written) name.
 FORWARD_GATHER, BACKWARD_GATHER, GRAD_SCATTER = ".gather_w", ".regather_w", ".scatter_dw"
+#: The parameter (set True) of the first of a ``group weights`` collective's two stages,
+#: whose output the second stage reads.
+FIRST_STAGE = "first_stage"
 
 
 def is_fsdp(program: Program) -> bool:
@@ -74,7 +80,8 @@ def shard_weights(program: Program) -> Program:
     """``program`` with its layer DAGs carrying the ZeRO-3 collectives (module docstring);
     unchanged unless :func:`is_fsdp`. CheckError, located at the ``zero`` setting, for a
     mesh this does not support."""
-    hierarchy = _weights_statement(program)
+    statement = _weights_statement(program)
+    hierarchy = statement.span_of(f"ops.{statement.ops.index(WEIGHTS)}") if statement is not None else None
     if hierarchy is not None and not is_fsdp(program):
         raise CheckError("'group weights' splits the collectives of ZeRO-3, which this program does not run",
                          hierarchy, ["ZeRO-3 is train { zero = 3 } with dp > 1: its weight all-gathers and "
@@ -93,24 +100,31 @@ def shard_weights(program: Program) -> Program:
                              [f"{why}, not over dp alone", f"use zero = 1 with {axis} > 1, or {axis} = 1 with zero = 3"])
     dp = mesh.size("dp")
     forward, backward = program.forward, program.backward
+    if statement is not None:
+        first = statement.first or dict(program.group_orders).get(WEIGHTS) or fewest_cross_bytes("all_gather")
+        parts = (first, INTRA if first == INTER else INTER)
 
     def collective(name: str, kind: str, weight: Op, forward_op: str | None = None,
                    waits: tuple[str, ...] = (), weight_pass: bool = False) -> list[Op]:
         """The op (or, under ``group weights``, the two ops, the second named ``name``)."""
         full = padded_elements(weight.weight, dp)
         gathered = kind == GATHER
+        # The reduce-scatter is the gather's transpose: its stages run in reverse.
         stages = (("dp", dp),) if hierarchy is None else \
-            tuple((f"dp.{part}", mesh.size(f"dp.{part}")) for part in ((INTER, INTRA) if gathered else (INTRA, INTER)))
+            tuple((f"dp.{part}", mesh.size(f"dp.{part}")) for part in (parts if gathered else parts[::-1]))
         ops, size, previous = [], full // dp if gathered else full, ()
         for index, (axis, group) in enumerate(stages):
             out = size * group if gathered else size // group
             last = index == len(stages) - 1
+            # Inter-first gathers see the pieces grouped by place on the node (partition pass).
+            regroup = hierarchy is not None and parts[0] == INTER and axis.endswith(INTRA)
             ops.append(Op(name if last else f"{name}.{axis.partition('.')[2]}", kind, "comm",
                           "all_gather" if gathered else "reduce_scatter", previous, ((size, 1),), (out, 1),
                           axis=axis, group_size=group, lane=mesh.lane(axis), per_node=mesh.per_node(axis),
                           forward=forward_op, waits=() if previous else waits, span=weight.span,
                           params=(("weight", weight.weight_name), ("shape", tuple(weight.weight)))
-                          + (((WEIGHT_PASS, True),) if weight_pass else ()),
+                          + (((WEIGHT_PASS, True),) if weight_pass else ())
+                          + (((REGROUP, True),) if regroup else ()) + (((FIRST_STAGE, True),) if not last else ()),
                           grad=None if forward_op is None else GradFlow(upstream=None)))
             size, previous = out, (ops[-1].name,)
         return ops
@@ -168,13 +182,13 @@ def _backward(ops, weights: dict[str, Op], gathers: dict[str, Op], owner: dict[s
     return result
 
 
-def _weights_statement(program: Program):
-    """The span of ``weights`` in a ``group`` statement of the partition block (the layer
-    has no operator of that name), or None."""
+def _weights_statement(program: Program) -> s.Group | None:
+    """The ``group`` statement of the partition block that names ``weights`` (the layer has
+    no operator of that name), or None."""
     if program.partition is None:
         return None
     names = {op.name for op in program.forward.ops} if program.forward is not None else set()
     for st in program.partition.body:
         if isinstance(st, s.Group) and WEIGHTS in st.ops and WEIGHTS not in names:
-            return st.span_of(f"ops.{st.ops.index(WEIGHTS)}")
+            return st
     return None

@@ -18,11 +18,18 @@ interpreter see ordinary operators:
   Every operator must split along the dimension as an outer dimension (OD); a contracted
   (CD) or indivisible (ND) one is a located error, as are counts that do not divide.
 
-* ``group ag1 + rs1`` (group partition, §3.1.2): a collective over a group that spans nodes
-  runs as a sub-collective over the group's ranks on one node (``ag1.intra``, the local lane)
-  and one over the ranks at the same place on every node (``ag1``, over ``tp.inter``, the
-  cross lane), with the same result; chunks of the collective are split too. A group inside
-  one node, or one with unequal ranks on its nodes, is refused.
+* ``group ag1 + rs1 [first inter|intra]`` (group partition, §3.1.2): a collective over a
+  group that spans nodes runs as two sub-collectives, with the same result: one over the
+  ranks at the same place on every node (``tp.inter``, the cross lane) and one over the
+  group's ranks on one node (``tp.intra``, the local lane). The first is named for its
+  sub-group (``ag1.inter``), the second keeps the name. ``first`` says which runs first;
+  without it the planner prices both orders (:mod:`dhelix.dsl.planner.chunking`) and before
+  it chooses the order that carries fewest bytes across nodes: an all_gather across nodes
+  first (each rank's piece, not the node's), a reduce_scatter inside the node first (the
+  node's sums, not each rank's). Those orders see the rank blocks grouped by place on the node,
+  so their node-local stage regroups them (:data:`~dhelix.dsl.core.oplib.REGROUP`). Chunks of
+  the collective are split too. A group inside one node, or one with unequal ranks on its
+  nodes, is refused.
 
 Chunks of a weighted operator share its weight: their ``Op.origin`` names the written op.
 """
@@ -36,10 +43,11 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.mesh import INTER, INTRA, Mesh
-from dhelix.dsl.core.oplib import CD, OD, PARTITION_DIMS, dimension_split
+from dhelix.dsl.core.oplib import CD, OD, PARTITION_DIMS, REGROUP, dimension_split
 from dhelix.dsl.core.program import LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.frontend.exprs import evaluate
+from dhelix.dsl.passes.priority import PRIORITIES
 
 #: ``chunk … by auto``: the planner chooses the count (Centauri's Algorithm 1).
 AUTO = "auto"
@@ -64,15 +72,18 @@ def chunk_statements(block: s.PartitionDef | None) -> list[s.Chunk]:
 
 
 def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, int], mesh: Mesh,
-                      counts: Mapping[int, int] | None = None) -> LayerDag:
+                      counts: Mapping[int, int] | None = None, orders: Mapping[str, str] | None = None) -> LayerDag:
     """``fwd`` rewritten by the statements of ``block`` (substitutions first, then chunks,
     then group partitions, which split the chunks' collectives too), with chunk counts
     evaluated over ``env`` and groups taken from ``mesh``. A ``by auto`` statement takes its
     count from ``counts`` (keyed by its index among the chunk statements; the planner
     chooses it, :mod:`dhelix.dsl.planner.chunking`); without one, or with 1, its chain stays
-    whole. Raises CheckError or ErrorGroup with every problem found, each located at the
-    statement's word at fault."""
+    whole. A group statement without ``first`` takes each collective's first sub-group from
+    ``orders`` (by name; the planner's choice), else :func:`fewest_cross_bytes`. Raises
+    CheckError or ErrorGroup with every problem found, each located at the statement's word
+    at fault."""
     errors = ErrorCollector()
+    _check_backward(block, errors)
     for st in block.body:
         if isinstance(st, s.Substitute):
             fwd = _substitute(fwd, st, errors)
@@ -84,24 +95,61 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
         if chain is not None and chain[1] > 1:
             fwd = _chunked(fwd, *chain)
     for st in block.body:
-        if isinstance(st, s.Group):
+        if isinstance(st, s.Group) and _checked_first(st, errors):
             for i, name in enumerate(st.ops):
                 if name == WEIGHTS and name not in {op.name for op in fwd.ops}:
                     continue  # ZeRO-3's collectives: split by the fsdp pass
-                fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors)
+                fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors,
+                                       st.first or (orders or {}).get(name))
     errors.raise_if_any()
     return fwd
 
 
+def _check_backward(block: s.PartitionDef, errors: ErrorCollector) -> None:
+    """Errors for a ``backward … first`` statement that names no half, and for a second one."""
+    statements = [st for st in block.body if isinstance(st, s.Backward)]
+    for st in statements[:1]:
+        if st.first not in PRIORITIES:
+            errors.add(CheckError(f"unknown half '{st.first}' of the backward to run first (dgrad or wgrad)",
+                                  st.span_of("first"), did_you_mean(st.first, PRIORITIES)
+                                  + ["dgrad: each GEMM's activation gradient first (Megatron's order); wgrad: "
+                                     "its weight gradient first (FSDP's reduce-scatter starts earlier); leave "
+                                     "the statement out to let the planner choose"]))
+    for st in statements[1:]:
+        errors.add(CheckError("a second 'backward … first' statement", st.span,
+                              [f"the first is at line {statements[0].span.line}: one priority holds for the layer"]))
+
+
 # -- group partition ----------------------------------------------------------------------
 
-#: How each collective runs as two sub-collectives, in order (Centauri §3.1.2): a gather
-#: collects a node's blocks before the nodes exchange them, a reduce-scatter reduces across
-#: nodes first, so both keep the axis order (a rank's position is inter * intra_size + intra).
-_STAGES = {"all_gather": (INTRA, INTER), "reduce_scatter": (INTER, INTRA), "all_reduce": (INTRA, INTER)}
+#: The collectives a group partition splits, and the sub-group each runs over first when
+#: neither the program nor the planner chose (:func:`fewest_cross_bytes`).
+_CHEAP_FIRST = {"all_gather": INTER, "reduce_scatter": INTRA, "all_reduce": INTRA}
+ORDERS = (INTER, INTRA)
 
 
-def _group_partition(fwd: LayerDag, name: str, span, mesh: Mesh, errors: ErrorCollector) -> LayerDag:
+def fewest_cross_bytes(op: str) -> str:
+    """The sub-group (``inter`` or ``intra``) collective ``op`` runs over first to carry the
+    fewest bytes across nodes (Centauri §3.1.2: limit cross-node volume). An all_gather
+    across nodes first sends each rank's piece there, where the node-local gather first
+    would make every rank of the node send the node's pieces again (intra_size times the
+    bytes); a reduce_scatter inside the node first sends the node's partial sums; an
+    all_reduce carries as much either way."""
+    return _CHEAP_FIRST[op]
+
+
+def _checked_first(st: s.Group, errors: ErrorCollector) -> bool:
+    if st.first is None or st.first in ORDERS:
+        return True
+    errors.add(CheckError(f"unknown sub-group '{st.first}' to run first (inter or intra)", st.span_of("first"),
+                          did_you_mean(st.first, ORDERS)
+                          + ["inter: across nodes first (an all_gather's cheapest order); intra: inside the "
+                             "node first (a reduce_scatter's); leave 'first' out to let the planner choose"]))
+    return False
+
+
+def _group_partition(fwd: LayerDag, name: str, span, mesh: Mesh, errors: ErrorCollector,
+                     first: str | None) -> LayerDag:
     targets = [op for op in fwd.ops if name in (op.name, op.origin) and op.kind == "comm"]
     if not targets:
         if name not in fwd.elided:  # an elided collective has no group to split
@@ -112,15 +160,16 @@ def _group_partition(fwd: LayerDag, name: str, span, mesh: Mesh, errors: ErrorCo
                                              "all_reduce over a group that spans nodes"]))
         return fwd
     op = targets[0]
-    if op.op not in _STAGES:
+    if op.op not in _CHEAP_FIRST:
         errors.add(CheckError(f"cannot group-partition '{name}': {op.op} has no hierarchical form here",
-                              span, [f"group partition splits {join_words(list(_STAGES), 'or')}"]))
+                              span, [f"group partition splits {join_words(list(_CHEAP_FIRST), 'or')}"]))
         return fwd
     problem = unsplittable(name, op.axis, mesh, span)
     if problem is not None:
         errors.add(problem)
         return fwd
-    replaced = {target.name: _hierarchical(target, mesh) for target in targets}
+    first = first or fewest_cross_bytes(op.op)
+    replaced = {target.name: _hierarchical(target, mesh, first) for target in targets}
     return attrs.evolve(fwd, ops=tuple(new for o in fwd.ops for new in replaced.get(o.name, [o])))
 
 
@@ -139,16 +188,25 @@ def unsplittable(name: str, axis: str, mesh: Mesh, span) -> CheckError | None:
     return None
 
 
-def _hierarchical(op: Op, mesh: Mesh) -> list[Op]:
-    """``op`` as its two sub-collectives; the second keeps its name (readers are unchanged)."""
-    first, second = (f"{op.axis}.{part}" for part in _STAGES[op.op])
+def _hierarchical(op: Op, mesh: Mesh, first_part: str) -> list[Op]:
+    """``op`` as its two sub-collectives, over ``first_part`` (inter or intra) first; the
+    second keeps its name (readers are unchanged)."""
+    second_part = INTRA if first_part == INTER else INTER
+    first, second = f"{op.axis}.{first_part}", f"{op.axis}.{second_part}"
     rows, cols = op.in_shapes[0]
     size = mesh.size(first)
     middle = {"all_gather": rows * size, "reduce_scatter": rows // size, "all_reduce": rows}[op.op]
-    one = attrs.evolve(op, name=f"{op.name}.{first.rpartition('.')[2]}", axis=first, group_size=size,
-                       lane=mesh.lane(first), per_node=mesh.per_node(first), shape=(middle, cols), params=(("axis", first),))
+    # Blocks come grouped by node place after a gather across nodes, and a reduce-scatter
+    # inside the node must see them so: that stage regroups (an all_reduce sums in place).
+    regroup = {"all_gather": first_part == INTER, "reduce_scatter": first_part == INTRA}.get(op.op, False)
+
+    def params(axis: str) -> tuple:
+        return (("axis", axis),) + (((REGROUP, True),) if regroup and axis.endswith(INTRA) else ())
+    one = attrs.evolve(op, name=f"{op.name}.{first_part}", axis=first, group_size=size,
+                       lane=mesh.lane(first), per_node=mesh.per_node(first), shape=(middle, cols), params=params(first))
     two = attrs.evolve(op, inputs=(one.name,), in_shapes=(one.shape,), axis=second,
-                       group_size=mesh.size(second), lane=mesh.lane(second), per_node=mesh.per_node(second), params=(("axis", second),))
+                       group_size=mesh.size(second), lane=mesh.lane(second), per_node=mesh.per_node(second),
+                       params=params(second))
     return [one, two]
 
 

@@ -27,6 +27,7 @@ from dhelix.dsl.passes.lower import check_fold, lower_pipeline
 from dhelix.dsl.frontend.parser import parse
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes.partition import partition_forward
+from dhelix.dsl.passes.priority import backward_first, prioritized
 from dhelix.dsl.passes.shapes import instantiate
 from dhelix.dsl.passes.strands import check_selectors
 from dhelix.dsl.passes.validate import validate_lowered
@@ -62,7 +63,7 @@ def partition(program: Program) -> Program:
     if program.forward is not None and program.partition is not None:
         program = attrs.evolve(program, forward=partition_forward(program.forward, program.partition,
                                                                   dict(program.env), program.mesh,
-                                                                  dict(program.chunk_counts)))
+                                                                  dict(program.chunk_counts), dict(program.group_orders)))
     check_measured(program)
     return program
 
@@ -72,7 +73,8 @@ def autodiff(program: Program) -> Program:
     under ZeRO-3, both DAGs carrying the weights' gathers and the gradients' reduce-scatters."""
     if program.forward is None:
         return program
-    return shard_weights(attrs.evolve(program, backward=derive_backward(program.forward)))
+    backward = prioritized(derive_backward(program.forward), backward_first(program))
+    return shard_weights(attrs.evolve(program, backward=backward))
 
 
 def strands(program: Program) -> Program:

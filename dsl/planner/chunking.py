@@ -1,5 +1,7 @@
 """Centauri's operation-level scheduling (ASPLOS'24 §3.2.1, Algorithm 1): the chunk count of
-every ``chunk … by auto`` statement of a partition block, chosen with the cost model.
+every ``chunk … by auto`` statement of a partition block, and the launch order (inter- or
+intra-node sub-group first) of every collective of a ``group`` statement without ``first``,
+chosen with the cost model.
 
 The partition pass leaves an auto chain whole until it is given a count
 (``Program.chunk_counts``). Here each auto statement, in block order, tries every candidate
@@ -13,6 +15,19 @@ model; pricing the whole layer also counts what a chain does to the ops around i
 candidate the passes refuse (a count that does not divide, a measured profile taken on
 another program) is skipped with the reason, shown by ``dhelix plan``.
 
+Orders come after the counts (Algorithm 1 partitions the workload, then orders the group's
+stages): each such collective, in block order, is priced both ways the same way, the others
+kept, and the faster order wins, ties to the one that carries fewest bytes across nodes
+(:func:`~dhelix.dsl.passes.partition.fewest_cross_bytes`, which is also what ``dhelix
+check`` shows before any choice). ``weights`` stands for ZeRO-3's gathers (its
+reduce-scatters run the reverse order).
+
+Last, the layer-level priority (§3.2.2, Eq. 1: T1, each GEMM's dgrad first, against T2,
+its wgrad first; :mod:`dhelix.dsl.passes.priority`) of a program with a partition block and
+no ``backward … first`` statement: both priced the same way, ties to dgrad (Megatron's).
+Eq. 1 writes T1 and T2 in closed form for one TP + FSDP layer; pricing the layer's DAG
+evaluates the same overlaps for whatever the layer holds.
+
 The choice needs the profile's costs, so it is made here, at the planner stage, and the
 commands that price or run a program (plan, simulate, run) apply it through
 :func:`priced_program`; ``dhelix check`` shows auto chains whole.
@@ -22,11 +37,15 @@ from __future__ import annotations
 
 import attrs
 
+from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes import pipeline as passes
+from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.passes.overrides import checked_program
-from dhelix.dsl.passes.partition import chunk_statements, is_auto
+from dhelix.dsl.core.oplib import DGRAD
+from dhelix.dsl.passes.partition import ORDERS, WEIGHTS, chunk_statements, fewest_cross_bytes, is_auto
+from dhelix.dsl.passes.priority import PRIORITIES, backward_statement
 from dhelix.dsl.planner.paircost import PairCost
 
 #: The largest chunk count ``by auto`` tries (Centauri's MAX_CHUNKS).
@@ -35,10 +54,10 @@ MAX_CHUNKS = 8
 
 @attrs.frozen
 class Candidate:
-    """One chunk count tried: the layer's forward + backward time alone with it (seconds),
-    or None and why the passes refused it."""
+    """One chunk count or group order tried: the layer's forward + backward time alone with
+    it (seconds), or None and why the passes refused it."""
 
-    count: int
+    value: int | str
     seconds: float | None
     why: str = ""
 
@@ -53,16 +72,87 @@ class ChunkChoice:
 
     def describe(self) -> str:
         """``chunk ag2 + fc1 by auto: 4 (1: 12.3 ms, 2: 10.1 ms, 4: 9.8 ms, 8: 10.4 ms)``."""
-        tried = ", ".join(f"{c.count}: {c.seconds * 1e3:.3f} ms" if c.seconds is not None
-                          else f"{c.count}: refused ({c.why})" for c in self.candidates)
+        tried = _tried(self.candidates)
         return f"chunk {' + '.join(self.ops)} by auto: {self.chosen} ({tried}; forward + backward of a layer alone)"
 
 
+@attrs.frozen
+class OrderChoice:
+    """What runs first, chosen for ``what``: a collective of a ``group`` statement
+    (``group ag1``; ``group weights``: ZeRO-3's gathers) — ``inter`` or ``intra`` — or the
+    layer's ``backward`` — ``dgrad`` or ``wgrad`` — and the layer's time alone with each."""
+
+    what: str
+    chosen: str
+    candidates: tuple[Candidate, ...]
+
+    def describe(self) -> str:
+        """``group ag1: inter first (inter: 1.234 ms, intra: 1.456 ms; …)``."""
+        tried = _tried(self.candidates)
+        return f"{self.what}: {self.chosen} first ({tried}; forward + backward of a layer alone)"
+
+
 def priced_program(text: str, path: str, profile: str | None = None,
-                   gpus_per_node: int | None = None) -> tuple[Program, tuple[ChunkChoice, ...]]:
+                   gpus_per_node: int | None = None) -> tuple[Program, tuple[ChunkChoice | OrderChoice, ...]]:
     """:func:`~dhelix.dsl.passes.overrides.checked_program` with the counts of its ``by auto``
-    chunk statements chosen (:func:`choose_chunks`), and the choices."""
-    return choose_chunks(checked_program(text, path, profile, gpus_per_node))
+    chunk statements and the orders of its group partitions chosen (:func:`choose_chunks`,
+    :func:`choose_orders`), and the choices."""
+    program, chunks = choose_chunks(checked_program(text, path, profile, gpus_per_node))
+    program, orders = choose_orders(program)
+    program, priority = choose_priority(program)
+    return program, chunks + orders + priority
+
+
+def choose_priority(program: Program) -> tuple[Program, tuple[OrderChoice, ...]]:
+    """``program`` (checked, any stage from check on) with the layer-level priority chosen by
+    the cost model when it has a partition block without a ``backward … first`` statement,
+    its later passes run again; unchanged with () otherwise."""
+    if program.partition is None or backward_statement(program) is not None or program.forward is None \
+            or program.profile is None:
+        return program, ()
+    candidates = tuple(Candidate(first, *_price(attrs.evolve(program, backward_first=first))) for first in PRIORITIES)
+    best = _fastest(candidates, DGRAD)
+    return passes.rerun(attrs.evolve(program, backward_first=best), after="check"), \
+        (OrderChoice("backward", best, candidates),)
+
+
+def choose_orders(program: Program) -> tuple[Program, tuple[OrderChoice, ...]]:
+    """``program`` (checked, any stage from check on, its chunk counts chosen) with the
+    launch order of every collective of its ``group`` statements without ``first`` chosen by
+    the cost model, its later passes run again; unchanged with () when it has none."""
+    names = _unordered(program)
+    if not names or program.profile is None:
+        return program, ()
+    orders = dict(program.group_orders)
+    choices = []
+    for name, op in names:
+        candidates = tuple(Candidate(order, *_price(attrs.evolve(
+            program, group_orders=tuple(sorted({**orders, name: order}.items()))))) for order in ORDERS)
+        # A measured profile holds the ops of one order: the other is refused, not an error.
+        best = _fastest(candidates, fewest_cross_bytes(op))
+        orders[name] = best
+        choices.append(OrderChoice(f"group {name}", best, candidates))
+    chosen = attrs.evolve(program, group_orders=tuple(sorted(orders.items())))
+    return passes.rerun(chosen, after="check"), tuple(choices)
+
+
+def _unordered(program: Program) -> list[tuple[str, str]]:
+    """(name, collective kind) of each collective a ``group`` statement without ``first``
+    splits, in block order; ``weights`` (an all_gather's order) under ZeRO-3."""
+    if program.partition is None or program.forward is None:
+        return []
+    # A chunked collective's chunks name it as their origin; a split one's last stage keeps its name.
+    written = {op.origin: op.op for op in program.forward.ops if op.origin} | \
+        {op.name: op.op for op in program.forward.ops}
+    found = []
+    for st in program.partition.body:
+        if isinstance(st, s.Group) and st.first is None:
+            for name in st.ops:
+                if name in written:
+                    found.append((name, written[name]))
+                elif name == WEIGHTS and is_fsdp(program):
+                    found.append((name, "all_gather"))
+    return found
 
 
 def choose_chunks(program: Program) -> tuple[Program, tuple[ChunkChoice, ...]]:
@@ -77,23 +167,23 @@ def choose_chunks(program: Program) -> tuple[Program, tuple[ChunkChoice, ...]]:
     for index in autos:
         candidates = []
         for count in range(1, MAX_CHUNKS + 1):
-            seconds, why = _price(program, {**counts, index: count})
+            seconds, why = _price(attrs.evolve(program, chunk_counts=tuple(sorted({**counts, index: count}.items()))))
             if count == 1 or seconds is not None or not why.startswith("the chain's"):
                 candidates.append(Candidate(count, seconds, why))
         priced = [c for c in candidates if c.seconds is not None]
-        best = min(priced, key=lambda c: (c.seconds, c.count)) if priced else Candidate(1, None)
-        counts[index] = best.count
-        choices.append(ChunkChoice(statements[index].ops, best.count,
-                                   tuple(c for c in candidates if c.seconds is not None or c.count > 1)))
+        best = min(priced, key=lambda c: (c.seconds, c.value)) if priced else Candidate(1, None)
+        counts[index] = best.value
+        choices.append(ChunkChoice(statements[index].ops, best.value,
+                                   tuple(c for c in candidates if c.seconds is not None or c.value > 1)))
     chosen = attrs.evolve(program, chunk_counts=tuple(sorted(counts.items())))
     return passes.rerun(chosen, after="check"), tuple(choices)
 
 
-def _price(program: Program, counts: dict[int, int]) -> tuple[float | None, str]:
-    """(forward + backward seconds of the layer alone, "") with these counts, or (None, why)."""
+def _price(program: Program) -> tuple[float | None, str]:
+    """(forward + backward seconds of the layer alone, "") with the program's chunk counts and
+    group orders, or (None, why)."""
     try:
-        tried = passes.rerun(attrs.evolve(program, chunk_counts=tuple(sorted(counts.items()))),
-                             after="check", stop="autodiff")
+        tried = passes.rerun(program, after="check", stop="autodiff")
     except DhelixError as exc:
         message = exc.errors[0].message if hasattr(exc, "errors") else exc.message
         return None, _why(message)
@@ -116,6 +206,26 @@ def issue_order(ops):
         done.add(op.name)
         order.append(op)
     return order
+
+
+#: Relative difference below which two priced candidates tie (float rounding of equal sums).
+_TIE = 1e-9
+
+
+def _fastest(candidates, default):
+    """The value of the fastest priced candidate, ``default`` when it ties with it (or when
+    nothing could be priced)."""
+    priced = [c for c in candidates if c.seconds is not None]
+    if not priced:
+        return default
+    best = min(c.seconds for c in priced)
+    tied = [c.value for c in priced if c.seconds <= best * (1 + _TIE)]
+    return default if default in tied else tied[0]
+
+
+def _tried(candidates) -> str:
+    return ", ".join(f"{c.value}: {c.seconds * 1e3:.3f} ms" if c.seconds is not None
+                     else f"{c.value}: refused ({c.why})" for c in candidates)
 
 
 def _why(message: str) -> str:
