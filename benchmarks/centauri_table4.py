@@ -5,22 +5,25 @@ SwiGLU width 2/3 of 4h rounded up to 256, vocabulary 32000) on its Cluster A (th
 ``a100`` profile: 8 A100-80G per node on NVSwitch, 25 Gb/s of InfiniBand per GPU), bf16:
 
 * FSDP 16 on 2 nodes (``dp = 16``, ``zero = 3``), micro-batch 1, 2 and 4 sequences per device,
-  4 micro-batches per step. Centauri = ``partition { group weights }`` (the weight gathers
-  across nodes first, the gradient reduce-scatters inside the node first).
+  4 micro-batches per step. Centauri = ``partition { group weights }`` with the orders and the
+  backward priority the planner chooses (the weight gathers across nodes first, the gradient
+  reduce-scatters inside the node first; each GEMM's dgrad or wgrad first, Eq. 1).
 * DP 16 on 2 nodes: baseline ZeRO-0 (one all-reduce per layer's gradients, issued as the
   backward produces them, as DDP's buckets); Centauri = its primitive substitution, ZeRO-1
-  (reduce-scatter, then the all-gather of the updated weights after the optimizer).
+  (reduce-scatter, then the all-gather of the updated weights), with the model-level overlap
+  of that all-gather with the next forward (``train { param_gather = forward }``); the row
+  "ZeRO-1 only" keeps the all-gather after the optimizer.
 * TP 4 + PP 3 + DP 4 on 6 nodes, 6 micro-batches (the paper's gradient accumulation), ZeRO-1.
   Centauri = ``partition { chunk ag2 + fc1 + act + fc2 + rs2 by auto }`` (workload partition of
-  the MLP, its count chosen by the cost model).
+  the MLP, its count chosen by the cost model) and ``param_gather = forward``.
 
 For each: the baseline (1F1B, no partition, SI off: Megatron), Centauri only (1F1B with the
 partition), SI only (the W schedule, fold u, SI on, no partition) and Centauri + SI, with the
 simulated step time and the speedup over the baseline. The paper reports up to 1.45x for single
 parallelism (FSDP, DP) and up to 1.49x for hybrid. Not modelled (the reason is printed): FSDP + DP
-(an FSDP group inside dp, HSDP: dhelix shards over the whole dp group), Centauri's model-level
-scheduling (the DP all-gather overlapping the next forward, micro-batches launched together) and
-its workload partition of the FSDP collectives. Predictions from the shipped profile, not
+(an FSDP group inside dp, HSDP: dhelix shards over the whole dp group), the part of Centauri's
+model-level scheduling that launches several micro-batches together (the schedule is the one
+declared) and its workload partition of the FSDP collectives. Predictions from the shipped profile, not
 measurements:
 
     .venv/bin/python benchmarks/centauri_table4.py
@@ -34,7 +37,7 @@ import sys
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.passes.pipeline import check_text
-from dhelix.dsl.planner.chunking import choose_chunks, choose_orders
+from dhelix.dsl.planner.chunking import choose_all
 from dhelix.dsl.simulator.events import has_si, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.simulator.report import unfolded_1f1b, unpartitioned
@@ -50,7 +53,7 @@ model llama {{ layers = {layers}  hidden = {hidden}  ffn = {ffn}  heads = {heads
   vocab = 32000  dtype = bf16  layer = llama }}
 cluster {{ nodes = {nodes}  gpus_per_node = 8  profile = "a100" }}
 mesh {{ {mesh} }}
-train {{ micro_batch = {batch}  microbatches = {microbatches}  zero = {zero} }}
+train {{ micro_batch = {batch}  microbatches = {microbatches}  zero = {zero}  {train} }}
 fold u
 pipeline w_helix
 {partition}
@@ -62,13 +65,14 @@ def ffn_of(hidden: int) -> int:
     return -(-(8 * hidden // 3) // 256) * 256
 
 
-def program(size: str, *, mesh: str, nodes: int, batch: int, microbatches: int, zero: int, partition: str = ""):
+def program(size: str, *, mesh: str, nodes: int, batch: int, microbatches: int, zero: int, partition: str = "",
+            train: str = ""):
     hidden, heads, layers = SIZES[size]
     text = TEMPLATE.format(layers=layers, hidden=hidden, ffn=ffn_of(hidden), heads=heads, nodes=nodes, mesh=mesh,
-                           batch=batch, microbatches=microbatches, zero=zero,
+                           batch=batch, microbatches=microbatches, zero=zero, train=train,
                            partition=f"partition {{\n  {partition}\n}}" if partition else "")
     prog = check_text(text, f"{size}.dhx")
-    return choose_orders(choose_chunks(prog)[0])[0] if partition else prog
+    return choose_all(prog)[0] if partition else prog
 
 
 def _si(prog):
@@ -90,7 +94,7 @@ def row(label: str, times, memory, paper: str) -> str:
     base = times[0]
     cells = "  ".join(f"{t:8.3f} s {base / t:5.2f}x{'!' if m > MEMORY_GB else ' '}" for t, m in zip(times, memory))
     peaks = "/".join(f"{m:.0f}" for m in memory)
-    return f"{label:34} {cells}   {peaks:>11}   {paper}"
+    return f"{label:47} {cells}   {peaks:>11}   {paper}"
 
 
 def main(argv=None) -> int:
@@ -104,7 +108,7 @@ def main(argv=None) -> int:
     print("profile a100 (Centauri's Cluster A), bf16, seq 2048; step time and speedup over the baseline")
     print(f"peak GB: the four variants' predicted peak memory per GPU; '!': above the A100's {MEMORY_GB} GB")
     head = "  ".join(f"{name:>18}" for name in ("baseline", "Centauri only", "SI only", "Centauri + SI"))
-    print(f"{'configuration':34} {head}   {'peak GB':>11}   paper (Centauri)")
+    print(f"{'configuration':47} {head}   {'peak GB':>11}   paper (Centauri)")
     for size in args.sizes:
         layers = SIZES[size][2]
         print(f"-- LLaMA {size} (hidden {SIZES[size][0]}, {SIZES[size][1]} heads, {layers} layers)")
@@ -115,24 +119,28 @@ def main(argv=None) -> int:
                 times, memory = four(centauri, unpartitioned(centauri))
                 print(row(f"FSDP16, 2 nodes, b={batch}", times, memory, PAPER["single"]))
             except DhelixError as exc:
-                print(f"{'FSDP16, 2 nodes, b=' + str(batch):34} not run: {_first(exc)}")
+                print(f"{'FSDP16, 2 nodes, b=' + str(batch):47} not run: {_first(exc)}")
         for batch in (1, 4):
             try:
                 kw = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4)
-                zero0, zero1 = program(size, zero=0, **kw), program(size, zero=1, **kw)
-                sims = (simulate(unfolded_1f1b(zero0)), simulate(unfolded_1f1b(zero1)), _si(zero0), _si(zero1))
-                print(row(f"DP16, 2 nodes, b={batch} (ZeRO-0 -> 1)", [s.step_time for s in sims],
-                          [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
+                zero0 = program(size, zero=0, **kw)
+                for label, train in (("ZeRO-1, gather under fwd", "param_gather = forward"),
+                                     ("ZeRO-1, gather after step", "")):
+                    zero1 = program(size, zero=1, train=train, **kw)
+                    sims = (simulate(unfolded_1f1b(zero0)), simulate(unfolded_1f1b(zero1)), _si(zero0), _si(zero1))
+                    print(row(f"DP16, 2 nodes, b={batch} ({label})", [s.step_time for s in sims],
+                              [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
             except DhelixError as exc:
-                print(f"{'DP16, 2 nodes, b=' + str(batch):34} not run: {_first(exc)}")
+                print(f"{'DP16, 2 nodes, b=' + str(batch):47} not run: {_first(exc)}")
         try:
             kw = dict(mesh="tp = 4  dp = 4  pp = 3", nodes=6, batch=1, microbatches=6, zero=1)
-            centauri = program(size, partition="chunk ag2 + fc1 + act + fc2 + rs2 by auto", **kw)
-            times, memory = four(centauri, unpartitioned(centauri))
+            centauri = program(size, partition="chunk ag2 + fc1 + act + fc2 + rs2 by auto",
+                               train="param_gather = forward", **kw)
+            times, memory = four(centauri, program(size, **kw))
             print(row("TP4+PP3+DP4, 6 nodes, m=6", times, memory, PAPER["hybrid"]))
         except DhelixError as exc:
-            print(f"{'TP4+PP3+DP4, 6 nodes, m=6':34} not run: {_first(exc)}")
-        print(f"{'FSDP+DP, 6 nodes':34} not modelled: an FSDP group inside dp (HSDP) is not a dhelix option")
+            print(f"{'TP4+PP3+DP4, 6 nodes, m=6':47} not run: {_first(exc)}")
+        print(f"{'FSDP+DP, 6 nodes':47} not modelled: an FSDP group inside dp (HSDP) is not a dhelix option")
     return 0
 
 

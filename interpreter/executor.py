@@ -86,7 +86,9 @@ class Executor:
     ``use_tags`` says whether point-to-point messages carry tags (gloo) — without tags the
     schedule's transfers must be in matching order on both sides; ``on_action(step, index)``
     is called before each action (a test hook). Weights live in :attr:`params` by parameter
-    name; the optimizer updates them in place.
+    name; the optimizer updates them in place. ``param_ready(names)``, when set, is called
+    before a forward reads parameters ``names`` (each layer's, the model ends'): ZeRO-1's
+    gathers under the forward wait there (:meth:`~.optim.DistributedAdamW.ready`).
     """
 
     def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
@@ -121,6 +123,7 @@ class Executor:
         self.stages = {chunk: self._stage(chunk) for chunk in range(self.lowered.chunks)
                        if self.lowered.stage_of(self.pp, chunk) is not None}
         self.on_action = on_action
+        self.param_ready: Callable[[tuple[str, ...]], None] | None = None
         self.steps_run = 0
         self.end_grads: dict[str, torch.Tensor] = {}
         self.mailbox: dict[tuple, object] = {}
@@ -146,6 +149,29 @@ class Executor:
         for name in ends:
             self.params[name] = self.weights.shard(name, self.index, self.dtype).to(self.device)
         return state
+
+    def param_groups(self) -> list[tuple[str, ...]]:
+        """This rank's parameter names in the groups a forward reads together (the embedding,
+        each layer's weights, the final norm with the LM head), in the order the schedule's
+        forwards first read them: ZeRO-1's gather buckets under ``param_gather = forward``."""
+        chunks = []
+        for action in self.actions:
+            chunk = action.fwd.chunk if isinstance(action, Interleaved) else \
+                action.chunk if action_kind(action) == "F" else None
+            if chunk is not None and chunk not in chunks:
+                chunks.append(chunk)
+        groups = []
+        for chunk in chunks:
+            stage = self.stages[chunk]
+            groups += [(EMBEDDING,)] if stage.first else []
+            groups += [tuple(param_name(layer, op) for op in weights)
+                       for layer, weights in zip(stage.layers, stage.weights, strict=True)]
+            groups += [(FINAL_NORM, LM_HEAD)] if stage.last else []
+        return groups
+
+    def _ready(self, *names: str) -> None:
+        if self.param_ready is not None:
+            self.param_ready(names)
 
     def _timed_recv(self, pending: Pending, name: str) -> Pending:
         return timed(pending, self.recorder, name, self.comm.lane_of("pp"), "p2p")
@@ -273,6 +299,7 @@ class Executor:
 
         def begin():
             if stage.first:  # its tp reduction stays in flight until layer 0 reads it
+                self._ready(EMBEDDING)
                 stage.embeds[mb] = EmbedRun(self.params[EMBEDDING], self.comm, start, sp, self.end_grads)
                 return stage.embeds[mb].forward(self._micro(mb)[0], async_op=True)
             return resolve(self.mailbox.pop(("F", mb, stage.index - 1)))
@@ -280,13 +307,16 @@ class Executor:
         def end(x):
             x = resolve(x)
             if stage.last:
+                self._ready(FINAL_NORM, LM_HEAD)
                 head = HeadRun(self.params[FINAL_NORM], self.params[LM_HEAD], self.comm, start, sp, self.end_grads)
                 stage.heads[mb] = head
                 self.loss_sum += head.forward(x, self._micro(mb)[1])
             else:
                 self.mailbox[("F", mb, stage.index)] = x
 
-        return LayerChain(runs, self.layer_plan.fwd.ops, begin, end, forward=True)
+        names = [tuple(param_name(layer, op) for op in w) for layer, w in zip(stage.layers, stage.weights, strict=True)]
+        before = None if self.param_ready is None else (lambda k: self.param_ready(names[k]))
+        return LayerChain(runs, self.layer_plan.fwd.ops, begin, end, forward=True, before=before)
 
     def backward_chain(self, action: Compute) -> LayerChain:
         """The backward chain of B ``action``: loss gradient or received gradient, the

@@ -163,23 +163,36 @@ def check_steps(executor, optimizer, steps: int, data=0, lr_of=None) -> list[Ste
     batch; ``lr_of`` a function step → learning rate (default: the optimizer's). Returns the
     checks on global rank 0 and an empty list elsewhere. Collective: every rank of the world
     must call it."""
-    program, comm, plan = executor.program, executor.comm, executor.weights
+    program, comm, plan, flat = executor.program, executor.comm, executor.weights, executor.flat
     batch_of = data if callable(data) else (lambda step: global_batch(program, data + step))
     checks, shadow = [], _ShadowAdamW(optimizer.config) if comm.rank == 0 else None
+    # A step's update is checked once its weights are read: after the next step has run its
+    # forward (the executor never writes its weights, but with ZeRO-1's gathers under the
+    # forward they land there), after the last step once every gather has.
+    unchecked = None  # (step, loss, reference's params, averaged grads, lr, batch, the run's norm)
+
+    def check(updated) -> None:
+        step, loss, params, grads, lr, batch, last_norm = unchecked
+        if comm.rank == 0:
+            found = compare(step, loss, grads, reference_with(program, params, batch, plan.seed))
+            update_diff, norm = shadow.diff(params, grads, updated, lr)
+            norm_diff = abs(norm - last_norm) if last_norm is not None else 0.0
+            checks.append(attrs.evolve(found, update_diff=update_diff, norm_diff=norm_diff))
+
+    params = gather_full(plan, comm, executor.params, flat)
     for step in range(steps):
         batch = batch_of(step)
         lr = lr_of(step) if lr_of is not None else optimizer.config.lr
-        flat = executor.flat
-        params = gather_full(plan, comm, executor.params, flat)
         loss = executor.step(replica_batch(batch, comm.index("dp"), program.train.microbatches))
+        if unchecked is not None:
+            params = gather_full(plan, comm, executor.params, flat)  # the weights it ran with
+            check(params)
         grads = gather_full(plan, comm, optimizer.averaged_grads(executor.grads()), flat)
         optimizer.step(executor.grads(), lr)
-        updated = gather_full(plan, comm, executor.params, flat)
-        if comm.rank == 0:
-            check = compare(step, loss.item(), grads, reference_with(program, params, batch, plan.seed))
-            update_diff, norm = shadow.diff(params, grads, updated, lr)
-            norm_diff = abs(norm - optimizer.last_norm) if optimizer.last_norm is not None else 0.0
-            checks.append(attrs.evolve(check, update_diff=update_diff, norm_diff=norm_diff))
+        unchecked = (step, loss.item(), params, grads, lr, batch, optimizer.last_norm)
+    optimizer.settle()
+    if unchecked is not None:
+        check(gather_full(plan, comm, executor.params, flat))
     return checks
 
 

@@ -21,6 +21,16 @@ weighted sums are added over the world. The learning rate of each update comes f
 Both compute the same numbers; the average over replicas matches the reference model, whose
 loss is the mean over all micro-batches of all replicas.
 
+ZeRO-1's all-gather of the updated weights may run under the next step's forward
+(``train { param_gather = forward }``, Megatron's ``--overlap-param-gather``, Centauri's
+model-level overlap): the dense parameters then form one bucket per group of
+``gather_groups`` (a layer's weights, a model end's, in the order the next forward uses
+them), :meth:`DistributedAdamW.step` leaves each bucket's all-gather in flight, and
+:meth:`DistributedAdamW.ready` waits for the buckets holding the parameters a forward is
+about to read (the executor calls it before each layer); :meth:`DistributedAdamW.settle`
+waits for all, and everything here that reads or writes parameters or states settles first.
+The numbers are the same; only when the copies land changes.
+
 With expert parallelism (ep > 1) the grouped-GEMM weights are sharded over ep: ranks of one
 dp group with different ep indices hold *different* experts, so those parameters form a
 second buffer, summed only over the ``edp`` group (:data:`~.comm.EDP`: the dp / ep replicas
@@ -36,12 +46,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Collection, Mapping
+from typing import Collection, Mapping, Sequence
 
 import attrs
 import torch
 
-from .comm import EDP, Communicator
+from .comm import EDP, Communicator, Pending
 
 
 @attrs.frozen
@@ -116,6 +126,7 @@ class _Bucket:
     def __init__(self, names, params: Mapping[str, torch.Tensor], comm: Communicator, axis: str,
                  zero1: bool, device, summed: bool = False):
         self.names, self.axis = sorted(names), axis
+        self.name_set = frozenset(self.names)
         #: ZeRO-3 pieces: their gradients arrive summed over ``axis`` (each replica holds its
         #: own piece, so nothing is reduced or sliced here).
         self.summed = summed
@@ -185,8 +196,13 @@ class DistributedAdamW:
 
     def __init__(self, params: Mapping[str, torch.Tensor], comm: Communicator, *, zero1: bool = False,
                  config: AdamWConfig = AdamWConfig(), expert: Collection[str] | None = None,
-                 weights: Mapping[str, float] | None = None, pieces: Collection[str] = ()):
+                 weights: Mapping[str, float] | None = None, pieces: Collection[str] = (),
+                 gather_groups: Sequence[Collection[str]] | None = None):
         self.params, self.comm, self.zero1, self.config = dict(params), comm, zero1, config
+        #: ZeRO-1 gathers left in flight by :meth:`step` (module docstring): (bucket, its
+        #: updated part, the pending all-gather), in issue order.
+        self.deferred = zero1 and gather_groups is not None and comm.size("dp") > 1
+        self._inflight: list[tuple[_Bucket, torch.Tensor, Pending]] = []
         #: The global gradient norm of the last step (None without ``weights``: see
         #: :func:`norm_weights`; clipping needs them).
         self.last_norm: float | None = None
@@ -200,7 +216,12 @@ class DistributedAdamW:
         expert = set(expert or ()) & set(self.params) if comm.size("ep") > 1 else set()
         like = next(iter(self.params.values()), torch.zeros(()))
         pieces = set(pieces) & set(self.params)
-        self.buckets = [_Bucket(set(self.params) - expert - pieces, self.params, comm, "dp", zero1, like.device)]
+        dense = set(self.params) - expert - pieces
+        groups = [set(group) & dense for group in gather_groups or ()] if self.deferred else []
+        rest = dense - set().union(*groups)
+        self.buckets = [_Bucket(group, self.params, comm, "dp", zero1, like.device) for group in groups if group]
+        if rest or not self.buckets:
+            self.buckets.append(_Bucket(rest, self.params, comm, "dp", zero1, like.device))
         if expert:
             self.buckets.append(_Bucket(expert, self.params, comm, EDP, zero1, like.device))
         if pieces:
@@ -231,6 +252,7 @@ class DistributedAdamW:
     def averaged_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every parameter's gradient averaged over dp (ZeRO-1 gathers the slices: for checks);
         copies, which the next step does not overwrite."""
+        self.settle()
         out = {}
         for bucket in self.buckets:
             flat = self._average(bucket, grads)
@@ -265,6 +287,7 @@ class DistributedAdamW:
         """Average ``grads`` (dense over dp, experts over edp), clip them to the global norm
         ``config.clip`` and apply one AdamW update with learning rate ``lr`` (default
         ``config.lr``) to :attr:`params`; the norm before clipping is :attr:`last_norm`."""
+        self.settle()
         self.steps += 1
         lr = self.config.lr if lr is None else lr
         averaged = [self._average(bucket, grads) for bucket in self.buckets]
@@ -295,13 +318,40 @@ class DistributedAdamW:
 
     def _publish(self, bucket: _Bucket, mine: torch.Tensor) -> None:
         # Every replica's parameters from the updated part (a copy rounds fp32 masters to bf16).
+        if bucket.sliced and self.deferred:
+            mine = mine.contiguous()  # nothing writes it before the next step settles
+            self._inflight.append((bucket, mine, self.comm.all_gather(mine, bucket.axis, async_op=True)))
+            return
         flat = self.comm.all_gather(mine.contiguous(), bucket.axis) if bucket.sliced else mine
+        self._land(bucket, flat)
+
+    def _land(self, bucket: _Bucket, flat: torch.Tensor) -> None:
         for name, value in bucket.unflatten(flat).items():
             self.params[name].copy_(value)
+
+    def ready(self, names: Collection[str]) -> None:
+        """Wait for the in-flight weight gathers of the buckets holding any of ``names`` and
+        copy them into the parameters (nothing to do unless ``param_gather = forward``)."""
+        if not self._inflight:
+            return
+        wanted, left = frozenset(names), []
+        for bucket, mine, pending in self._inflight:
+            if bucket.name_set & wanted:
+                self._land(bucket, pending.wait())
+            else:
+                left.append((bucket, mine, pending))
+        self._inflight = left
+
+    def settle(self) -> None:
+        """Wait for every in-flight weight gather (before the parameters are read elsewhere)."""
+        for bucket, _, pending in self._inflight:
+            self._land(bucket, pending.wait())
+        self._inflight = []
 
     def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """This rank's AdamW moments (exp_avg, exp_avg_sq) of each of its parameters, shaped
         like them (ZeRO-1 gathers the slices over the bucket's axis: collective)."""
+        self.settle()
         out: dict = {}
         for bucket in self.buckets:
             pair = [m if not bucket.sliced else self.comm.all_gather(m.contiguous(), bucket.axis)
@@ -313,6 +363,7 @@ class DistributedAdamW:
     def masters(self) -> dict[str, torch.Tensor]:
         """The fp32 value of each of this rank's parameters: its master weight, or the
         parameter itself without masters (ZeRO-1 gathers the slices: collective)."""
+        self.settle()
         out = {}
         for bucket in self.buckets:
             if bucket.master is None:
@@ -327,6 +378,7 @@ class DistributedAdamW:
         """Set every parameter and its master from fp32 ``masters``, the moments and the step
         count (each tensor shaped like this rank's shard, as :meth:`masters` and
         :meth:`moments` return them on any layout)."""
+        self.settle()
         for bucket in self.buckets:
             for name in bucket.names:
                 self.params[name].copy_(masters[name])

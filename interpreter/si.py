@@ -94,11 +94,17 @@ class LayerChain:
     each layer run, in DAG order (the forward DAG, or the backward DAG without wgrads for a
     split B)."""
 
-    def __init__(self, runs: list, ops: Sequence[Op], begin: Callable, end: Callable, forward: bool):
+    def __init__(self, runs: list, ops: Sequence[Op], begin: Callable, end: Callable, forward: bool,
+                 before: Callable[[int], None] | None = None):
         self.runs, self.ops, self.begin, self.end, self.forward = runs, tuple(ops), begin, end, forward
+        #: Called with a layer's position in :attr:`runs` before it starts (the executor
+        #: waits there for the layer's weights when their gather runs under the forward).
+        self.before = before
 
     def start(self, run, value) -> None:
         """Give ``run`` its input (forward) or its output gradient (backward)."""
+        if self.before is not None:
+            self.before(self.runs.index(run))
         run.start(value) if self.forward else run.start_backward(value)
 
     def result(self, run):

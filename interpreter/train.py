@@ -146,10 +146,14 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat))
     config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
                          master=options.master)
+    overlap = options.zero1 and program.train.param_gather == "forward"
     optimizer = DistributedAdamW(executor.params, executor.comm, zero1=options.zero1, config=config,
                                  expert=executor.weights.ep_sharded(executor.params),
                                  weights=norm_weights(executor.weights, executor.comm, executor.params, executor.flat),
-                                 pieces=executor.flat.shapes)
+                                 pieces=executor.flat.shapes,
+                                 gather_groups=executor.param_groups() if overlap else None)
+    if overlap:  # ZeRO-1's weight gathers land under the next forward, layer by layer
+        executor.param_ready = optimizer.ready
     corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
                                                            program.model.get("seq"))
     source = DataSource(program, comm.size("dp"), options.seed, corpus)
@@ -165,6 +169,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
 
         start = load(options.resume, executor, optimizer, source.global_sequences)["step"]
     losses, times, evals = _steps(options, executor, optimizer, device, source, start)
+    optimizer.settle()  # the last step's weight gathers, when they run under the next forward
     if options.export is not None:
         from .checkpoint import export_weights
 

@@ -139,3 +139,15 @@ def test_the_planner_prices_both_backward_priorities_and_keeps_the_faster():
     assert choose_priority(fixed)[1] == ()
     assert [op.name for op in fixed.backward.ops].index("fc1.c0.wgrad") < \
         [op.name for op in fixed.backward.ops].index("fc1.c0.dgrad")
+
+
+def test_without_its_partition_block_a_program_drops_the_planner_s_choices_too():
+    from dhelix.dsl.simulator.report import unpartitioned
+
+    program = passes.rerun(attrs.evolve(auto_program(statement="chunk ag2 + fc1 + act + fc2 + rs2 by 2"),
+                                        backward_first="wgrad"), after="check")
+    names = [op.name for op in program.backward.ops]
+    assert names.index("fc1.c0.wgrad") < names.index("fc1.c0.dgrad")
+    plain = unpartitioned(program)
+    names = [op.name for op in plain.backward.ops]
+    assert plain.backward_first is None and names.index("fc1.dgrad") < names.index("fc1.wgrad")

@@ -90,7 +90,9 @@ def test_a_failing_action_names_rank_action_and_grid():
 # -- one world of 4 gloo ranks ---------------------------------------------------------------
 
 #: name → (mesh, pipeline, fold, SI: on / off / "planned" / "barrier", ZeRO-1, steps[, layers,
-#: micro-batches]); "barrier": op_by_op with the barrier after every segment pair (the CUDA path)
+#: micro-batches]); "barrier": op_by_op with the barrier after every segment pair (the CUDA path);
+#: ZeRO-1 "forward": its weight gathers left in flight by the optimizer, landing layer by layer
+#: under the next step's forward (param_gather = forward)
 CASES = {
     "tp2_dp2": ("tp = 2  dp = 2", "one_f_one_b", "none", True, False, 2),
     "tp2_dp2_zero1": ("tp = 2  dp = 2", "one_f_one_b", "none", True, True, 2),
@@ -99,6 +101,7 @@ CASES = {
     "pp2_w_helix_no_si": ("tp = 2  pp = 2", "w_helix", "u", False, False, 1),
     "pp2_dualpipe_v": ("tp = 2  pp = 2", "dualpipe_v", "u", True, False, 1),
     "pp2_dp2_zb_h1": ("pp = 2  dp = 2", "zb_h1", "none", True, True, 1),
+    "pp2_dp2_w_helix_gather_under_forward": ("pp = 2  dp = 2", "w_helix", "u", True, "forward", 3),
     "pp2_dualpipe_v_planned": ("tp = 2  pp = 2", "dualpipe_v", "u", "planned", False, 1),
     "pp2_w_helix_planned": ("tp = 2  pp = 2", "w_helix", "u", "planned", False, 1),
     "pp2_w_helix_pair_barrier": ("tp = 2  pp = 2", "w_helix", "u", "barrier", False, 1),
@@ -127,8 +130,19 @@ def _case(name: str):
     plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog))) if si == "planned" else op_by_op_plan
     executor = Executor(prog, comm, seed=SEED, si=bool(si), plan_for=plan_for,
                         pair_barrier=True if si == "barrier" else None, use_tags=si != "untagged")
-    optimizer = DistributedAdamW(executor.params, comm, zero1=zero1)
-    return check_steps(executor, optimizer, steps, DATA_SEED)
+    groups = executor.param_groups() if zero1 == "forward" else None
+    optimizer = DistributedAdamW(executor.params, comm, zero1=bool(zero1), gather_groups=groups)
+    if groups is None:
+        return check_steps(executor, optimizer, steps, DATA_SEED)
+    landed = []  # per ready() call: the gathers in flight before and after it
+
+    def ready(names):
+        before = len(optimizer._inflight)
+        optimizer.ready(names)
+        landed.append((before, len(optimizer._inflight)))
+    executor.param_ready = ready
+    checks = check_steps(executor, optimizer, steps, DATA_SEED)
+    return {"checks": checks, "landed": landed, "buckets": len(optimizer.buckets), "groups": len(groups)}
 
 
 def _training(steps: int = 20) -> list[float]:
@@ -156,7 +170,19 @@ def world_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_distributed_step_matches_reference(world_results, name):
-    assert_steps_match(world_results[name], CASES[name][5], TOL)
+    result = world_results[name]
+    assert_steps_match(result["checks"] if isinstance(result, dict) else result, CASES[name][5], TOL)
+
+
+def test_zero1_gathers_land_layer_by_layer_under_the_next_forward(world_results):
+    result = world_results["pp2_dp2_w_helix_gather_under_forward"]
+    # Rank 0 (stage 0 and the last stage under the U fold): the embedding, its layers and the
+    # head each a bucket, gathered in the order its forwards first read them.
+    assert result["buckets"] == result["groups"] >= 4
+    landings = [before - after for before, after in result["landed"] if before > after]
+    # Steps 2 and 3 began with every bucket in flight; each forward landed only its own.
+    assert len(landings) == 2 * result["buckets"] and set(landings) == {1}
+    assert max(before for before, _ in result["landed"]) == result["buckets"]
 
 
 def test_si_on_and_off_give_the_same_result(world_results):

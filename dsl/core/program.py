@@ -76,6 +76,9 @@ class Train:
     warmup: int = 0
     zero: int = 0
     recompute: str = "none"
+    #: When ZeRO-1's weight all-gather runs: "step" (after the optimizer) or "forward" (under
+    #: the next step's forward, each chunk's weights waited for before its first forward).
+    param_gather: str = "step"
     span: object = span_field()
     data_span: object = span_field()
     zero_span: object = span_field()

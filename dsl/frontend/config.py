@@ -22,11 +22,17 @@ MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
-TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute")
+TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute",
+              "param_gather")
 TRAIN_STRINGS = ("data",)  # a path, relative to the program file
 #: What ``train { recompute = … }`` accepts: keep every saved activation (``none``) or only each
 #: layer's input, running the layer's forward again before its backward (``full``).
 RECOMPUTE = ("none", "full")
+#: When ZeRO-1's all-gather of the updated weights runs (``train { param_gather = … }``):
+#: right after the optimizer (``step``), or under the next step's forward, each model chunk's
+#: weights waited for before its first forward (``forward``: Megatron's
+#: ``--overlap-param-gather``, Centauri's model-level overlap of the all-gather, §3.2.3).
+PARAM_GATHER = ("step", "forward")
 #: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states), 1 (optimizer
 #: states sharded over data parallelism, Megatron's distributed optimizer) and 3 (FSDP: the
 #: layers' weights and gradients sharded too, gathered and reduce-scattered per layer).
@@ -205,7 +211,8 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
-    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute",), strings=TRAIN_STRINGS)
+    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute", "param_gather"),
+                           strings=TRAIN_STRINGS)
     _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every")
                                      if k in block.values], errors)
     _check_positive("train", block, [k for k in ("seed", "warmup") if k in block.values], errors, lowest=0)
@@ -230,10 +237,25 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                          "flash-style attention here never keeps: it would change nothing")
         errors.add(CheckError(f"unknown recompute '{recompute}' (none or full)", block.span("recompute"), notes))
         return None
+    param_gather = v.get("param_gather", PARAM_GATHER[0])
+    if param_gather not in PARAM_GATHER:
+        errors.add(CheckError(f"unknown param_gather '{param_gather}' (step or forward)", block.span("param_gather"),
+                              did_you_mean(param_gather, PARAM_GATHER)
+                              + ["step all-gathers ZeRO-1's updated weights right after the optimizer; forward "
+                                 "overlaps it with the next step's forward, layer by layer"]))
+        return None
+    if param_gather != PARAM_GATHER[0] and zero != 1:
+        errors.add(CheckError(f"param_gather = {param_gather} needs zero = 1, not zero = {zero}",
+                              block.span("param_gather"),
+                              ["it moves ZeRO-1's all-gather of the updated weights under the next forward; "
+                               + ("without ZeRO-1 the weights are all-reduced and updated in place: there is "
+                                  "no such all-gather" if zero == 0 else
+                                  "ZeRO-3 gathers each layer's weights before use already")]))
+        return None
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
     return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
-                 v.get("eval_every"), v.get("warmup", 0), zero, recompute, span=node.span, data_span=data_span,
-                 zero_span=block.span("zero") if "zero" in block.nodes else None)
+                 v.get("eval_every"), v.get("warmup", 0), zero, recompute, param_gather, span=node.span,
+                 data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None)
 
 
 def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:

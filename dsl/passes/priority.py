@@ -36,7 +36,10 @@ def backward_statement(program: Program) -> s.Backward | None:
 
 
 def backward_first(program: Program) -> str:
-    """The half that runs first: the program's statement, else the planner's choice, else dgrad."""
+    """The half that runs first: the program's statement, else the planner's choice (only
+    with a partition block), else dgrad."""
+    if program.partition is None:
+        return DGRAD
     statement = backward_statement(program)
     return statement.first if statement is not None else program.backward_first or DGRAD
 

@@ -97,7 +97,14 @@ def priced_program(text: str, path: str, profile: str | None = None,
     """:func:`~dhelix.dsl.passes.overrides.checked_program` with the counts of its ``by auto``
     chunk statements and the orders of its group partitions chosen (:func:`choose_chunks`,
     :func:`choose_orders`), and the choices."""
-    program, chunks = choose_chunks(checked_program(text, path, profile, gpus_per_node))
+    return choose_all(checked_program(text, path, profile, gpus_per_node))
+
+
+def choose_all(program: Program) -> tuple[Program, tuple[ChunkChoice | OrderChoice, ...]]:
+    """``program`` (checked, any stage from check on) with its chunk counts, group orders and
+    backward priority chosen, in that order (:func:`choose_chunks`, :func:`choose_orders`,
+    :func:`choose_priority`), and the choices."""
+    program, chunks = choose_chunks(program)
     program, orders = choose_orders(program)
     program, priority = choose_priority(program)
     return program, chunks + orders + priority

@@ -22,7 +22,11 @@ lowered action list in order:
   that layer; buckets reduce-scatter (ZeRO-1) or all-reduce over the gradient group's lane in
   ready order, fitting into the lane's idle gaps between pipeline sends. Then the optimizer
   runs on the compute lane, and with ZeRO-1 the updated weights are all-gathered. Nothing of
-  the next step overlaps these.
+  the next step overlaps these, except with ``train { param_gather = forward }``: then the
+  all-gather of each model chunk's weights (Megatron's ``--overlap-param-gather``, Centauri's
+  model level) is booked at the start of the step, on the group's lane in the order the
+  rank's actions first run each chunk's forward, and that first forward waits for it (the
+  steady state: the previous step's optimizer issued them as it ended).
 
 Memory follows :mod:`dsl.simulator.memory` at layer granularity. Reported per rank: busy time, layer /
 pipeline / data-parallel communication with the part exposed, model states and the peak of
@@ -84,12 +88,15 @@ def schedule_plan(program: Program, cost: PairCost | None = None, **bounds) -> P
 @attrs.frozen
 class Piece:
     """A layer-sized step of an action: its work, the activation bytes allocated at its start
-    and freed at its end, and the gradient slot (``stage``-relative) it completes."""
+    and freed at its end, the gradient slot (``stage``-relative) it completes and the weights
+    whose forward it runs (a layer index, ``embedding`` or ``head``; what an overlapped
+    ZeRO-1 weight gather must have delivered before it starts)."""
 
     work: Work
     alloc: float = 0.0
     free: float = 0.0
     grads: tuple | None = None  # (slot name, dense elements, expert elements)
+    weights: int | str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -139,6 +146,8 @@ class Simulation:
     counters: tuple = attrs.field(default=(), repr=False, eq=False)
     #: ZeRO-3: the layers' weights and gradients are sharded over dp (FSDP).
     fsdp: bool = False
+    #: ZeRO-1's weight all-gather runs under the next step's forward (param_gather = forward).
+    gather_under_forward: bool = False
 
     @property
     def step_time(self) -> float:
@@ -214,11 +223,11 @@ class _Expander:
         return len(self.stages[stage].layers)
 
     def _embed_f(self, stage):
-        return [Piece(self.costs.heads.embed_forward)] if stage == 0 else []
+        return [Piece(self.costs.heads.embed_forward, weights="embedding")] if stage == 0 else []
 
     def _head_f(self, stage):
         last = stage == len(self.stages) - 1
-        return [Piece(self.costs.heads.head_forward, alloc=self.head.total)] if last else []
+        return [Piece(self.costs.heads.head_forward, alloc=self.head.total, weights="head")] if last else []
 
     def _head_b(self, stage):
         if stage != len(self.stages) - 1:
@@ -243,8 +252,8 @@ class _Expander:
 
     def _forward(self, stage: int) -> list[Piece]:
         count = self._count(stage)
-        layer = Piece(self.costs.layer.forward, alloc=self.kept.total)
-        return self._embed_f(stage) + [layer] * count + self._head_f(stage)
+        layers = [Piece(self.costs.layer.forward, alloc=self.kept.total, weights=i) for i in range(count)]
+        return self._embed_f(stage) + layers + self._head_f(stage)
 
     def _backward(self, stage: int) -> list[Piece]:
         count = self._count(stage)
@@ -269,8 +278,8 @@ class _Expander:
         body = []
         for k in range(paired):
             b = self._layer_b(nb - 1 - k)
-            body.append(attrs.evolve(b, work=pair, alloc=self.kept.total + self.rebuilt))
-        body += [Piece(self.costs.layer.forward, alloc=self.kept.total)] * (nf - paired)
+            body.append(attrs.evolve(b, work=pair, alloc=self.kept.total + self.rebuilt, weights=k))
+        body += [Piece(self.costs.layer.forward, alloc=self.kept.total, weights=k) for k in range(paired, nf)]
         body += [self._layer_b(i) for i in reversed(range(nb - paired))]
         return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)
                 + self._embed_b(bstage))
@@ -349,9 +358,18 @@ class _Run:
         self.memory = [MemoryTimeline() for _ in range(p)]
         self.tally = [_Tally() for _ in range(p)]
         self.events: list[TraceEvent] = []
+        #: ZeRO-1's weight all-gather under the next forward: per rank, chunk -> {weights
+        #: (Piece.weights) -> when they have arrived} (popped by the chunk's first forward),
+        #: and the seconds spent gathering and waited for.
+        self.overlap_gather = zero1 and program.train is not None and program.train.param_gather == "forward"
+        self.gathered: list[dict[int, dict]] = [{} for _ in range(p)]
+        self.gather_comm, self.gather_exposed = [0.0] * p, [0.0] * p
 
     def run(self) -> None:
         """Step every action in an order where each RECV follows its SEND."""
+        if self.overlap_gather:
+            for rank in range(self.lowered.ranks):
+                self._book_gathers(rank)
         for rank, step in dry_run(self.lowered):
             action = self.lowered.actions[rank][step]
             if isinstance(action, Transfer):
@@ -375,21 +393,63 @@ class _Run:
             "kind": "SEND", "data": action.data, "microbatch": action.microbatch, "chunk": action.chunk,
             "peer": action.peer, "bytes": self.costs.p2p_bytes}))
 
+    def _book_gathers(self, rank: int) -> None:
+        """The all-gathers of ``rank``'s updated weights from the start of the step
+        (``param_gather = forward``): one per layer (and per model end), chunk by chunk in
+        the order the rank first runs their forwards, as Megatron's per-bucket gathers."""
+        costs, profile, params = self.costs, self.program.profile, self.costs.params
+        first_use = []
+        for action in self.lowered.actions[rank]:
+            chunk = _forward_chunk(action)
+            if chunk is not None and chunk not in first_use:
+                first_use.append(chunk)
+        last = len(self.lowered.stages) - 1
+        for chunk in first_use:
+            index = self.lowered.stage_of(rank, chunk)
+            layers = len(self.program.placement.stages[index].layers)
+            slots = ([("embedding", params.embedding, 0.0)] if index == 0 else []) + \
+                [(i, params.layer_dense, params.layer_expert) for i in range(layers)] + \
+                ([("head", params.head, 0.0)] if index == last else [])
+            arrivals = {}
+            for slot, dense, expert in slots:
+                ready = 0.0
+                for elements, group in ((dense, costs.dense_group), (expert, costs.expert_group)):
+                    if elements and group.size > 1:
+                        size = elements * costs.grad_bytes
+                        seconds = collective_time("all_gather", size, group.size, group.lane, profile, group.per_node)
+                        begin = self.lanes[rank][group.lane].in_order(0.0, seconds)
+                        ready = max(ready, begin + seconds)
+                        self.gather_comm[rank] += seconds
+                        what = f"layer {self.program.placement.stages[index].first_layer + slot}" \
+                            if isinstance(slot, int) else slot
+                        self.events.append(TraceEvent(rank, group.lane, f"all_gather weights {what}", begin, seconds,
+                                                      {"kind": "DP", "bytes": size, "group": group.size,
+                                                       "overlapped": "next forward"}))
+                arrivals[slot] = ready
+            self.gathered[rank][chunk] = arrivals
+
     def _compute(self, rank: int, action) -> None:
         free = self.free_at[rank]
         start = free
+        # A chunk's first forward waits for each layer's weights (param_gather = forward).
+        gates, waited = self.gathered[rank].pop(_forward_chunk(action), {}), 0.0
         if self.pending[rank]:
             arrived = [self.arrivals[key] for key in self.pending[rank]]
-            start = max(free, max(a for a, _ in arrived))
+            ready = max(start, max(a for a, _ in arrived))
             produced = max(p for _, p in arrived)
             # Only the wait past the data's production is the transfer's fault; waiting for the
             # producer itself is pipeline bubble.
-            self.tally[rank].pp_exposed += max(0.0, start - max(free, produced))
+            self.tally[rank].pp_exposed += max(0.0, ready - max(start, produced))
+            start = ready
             self.pending[rank] = []
         kind, fstage, bstage = self._stages(rank, action)
         now = start
         tally, memory, grads = self.tally[rank], self.memory[rank], self.grads[rank]
         for piece in self.expander.pieces(kind, fstage, bstage):
+            if piece.weights in gates:
+                arrived = gates.pop(piece.weights)
+                waited += max(0.0, arrived - now)
+                now = max(now, arrived)
             memory.change(now, piece.alloc)
             now += piece.work.seconds
             memory.change(now, -piece.free)
@@ -398,7 +458,8 @@ class _Run:
             if piece.grads is not None:
                 slot, dense, expert = piece.grads
                 grads[(bstage, slot)] = (now, dense, expert)
-        tally.busy += now - start
+        tally.busy += now - start - waited
+        self.gather_exposed[rank] += waited
         self.free_at[rank] = self.last_end[rank] = now
         self.events.append(TraceEvent(rank, "compute", str(action), start, now - start,
                                       _action_args(action, kind, fstage, bstage)))
@@ -439,7 +500,7 @@ class _Run:
         self.events.append(TraceEvent(rank, "compute", "optimizer", start, optimizer,
                                       {"kind": "optimizer", "params": shard_dense + shard_expert}))
         end = start + optimizer
-        if self.zero1:
+        if self.zero1 and not self.overlap_gather:
             for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group)):
                 if elements and group.size > 1:
                     size = elements * costs.grad_bytes
@@ -451,8 +512,9 @@ class _Run:
         states = model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
                               expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
                               fsdp_layer=costs.params.layer_dense if self.fsdp else 0)
-        return _Finish(end=end, dp_comm=dp_comm, optimizer=optimizer, states=states,
-                       dp_exposed=min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)))
+        exposed = min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)) + self.gather_exposed[rank]
+        return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,
+                       dp_exposed=exposed)
 
     def _end_params(self, rank: int) -> float:
         """Parameters of the model's ends (embedding, LM head and final norm) on ``rank``."""
@@ -461,18 +523,19 @@ class _Run:
         return (params.embedding if 0 in stages else 0) + (params.head if last in stages else 0)
 
     def _local_params(self, rank: int) -> tuple[float, float]:
+        pairs = [self._chunk_params(rank, chunk) for chunk in range(self.lowered.chunks)]
+        return sum(d for d, _ in pairs), sum(e for _, e in pairs)
+
+    def _chunk_params(self, rank: int, chunk: int) -> tuple[float, float]:
+        """(dense, expert) parameters of ``rank``'s stage at ``chunk`` (0 when it has none)."""
         params = self.costs.params
-        dense = expert = 0.0
-        for chunk in range(self.lowered.chunks):
-            index = self.lowered.stage_of(rank, chunk)
-            if index is None:
-                continue
-            layers = len(self.program.placement.stages[index].layers)
-            dense += layers * params.layer_dense
-            expert += layers * params.layer_expert
-            dense += params.embedding if index == 0 else 0
-            dense += params.head if index == len(self.lowered.stages) - 1 else 0
-        return dense, expert
+        index = self.lowered.stage_of(rank, chunk)
+        if index is None:
+            return 0.0, 0.0
+        layers = len(self.program.placement.stages[index].layers)
+        dense = layers * params.layer_dense + (params.embedding if index == 0 else 0) \
+            + (params.head if index == len(self.lowered.stages) - 1 else 0)
+        return dense, layers * params.layer_expert
 
     def _slot_names(self):
         stages = self.program.placement.stages
@@ -500,6 +563,13 @@ class _Run:
 def _by_ready(item) -> tuple:
     (stage, slot), (ready, _, _) = item
     return (ready, stage, str(slot))
+
+
+def _forward_chunk(action) -> int | None:
+    """The chunk whose forward ``action`` runs (an F, or an SI block's forward), else None."""
+    if isinstance(action, Interleaved):
+        return action.fwd.chunk
+    return action.chunk if getattr(action, "kind", None) == "F" else None
 
 
 def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
@@ -545,4 +615,4 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         ranks=ranks, tokens=float(sequences * model.get("seq")),
         flops=megatron_flops_per_iteration(model, sequences), world=mesh.world,
         peak_flops=program.profile.peak_flops(model.dtype), events=tuple(run.events), counters=counters,
-        fsdp=run.fsdp)
+        fsdp=run.fsdp, gather_under_forward=run.overlap_gather)

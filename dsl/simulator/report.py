@@ -41,8 +41,10 @@ def unfolded_1f1b(program: Program) -> Program:
 
 
 def unpartitioned(program: Program) -> Program:
-    """``program`` without its partition block (Centauri off), every pass after check run again."""
-    return passes.rerun(attrs.evolve(program, partition=None), after="check")
+    """``program`` without its partition block (Centauri off: nor what the planner chose for it),
+    every pass after check run again."""
+    return passes.rerun(attrs.evolve(program, partition=None, chunk_counts=(), group_orders=(), backward_first=None),
+                        after="check")
 
 
 def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False) -> tuple[Simulation, ...]:
@@ -79,7 +81,8 @@ def describe(sim: Simulation) -> str:
     p, m, v = sim.shape
     si = "SI on" if sim.si else "no SI"
     optimizer = ("ZeRO-3 (FSDP: layer weights and gradients sharded)" if sim.fsdp else
-                 "ZeRO-1 optimizer" if sim.zero1 else "replicated optimizer")
+                 "ZeRO-1 optimizer" + (", weight gather under the next forward" if sim.gather_under_forward else "")
+                 if sim.zero1 else "replicated optimizer")
     return f"{sim.program}: {sim.pipeline}, fold {sim.fold}, p={p} m={m} v={v}, {si}, {optimizer}"
 
 
