@@ -17,13 +17,18 @@ SwiGLU width 2/3 of 4h rounded up to 256, vocabulary 32000) on its Cluster A (th
   Centauri = ``partition { chunk ag2 + fc1 + act + fc2 + rs2 by auto }`` (workload partition of
   the MLP, its count chosen by the cost model) and ``param_gather = forward``.
 
+* FSDP + DP on 6 nodes (48 GPUs), Centauri's DP3+FSDP16, DP6+FSDP8 and DP12+FSDP4: hybrid
+  sharding, ``dp = 48``, ``zero = 3``, ``shard = 16 | 8 | 4``, micro-batch 1, 4 micro-batches.
+  Centauri = an empty partition block: the backward priority chosen by cost (Eq. 1); ``group
+  weights`` does not combine with ``shard`` (DP3+FSDP16's shard group spans 2 nodes).
+
 For each: the baseline (1F1B, no partition, SI off: Megatron), Centauri only (1F1B with the
 partition), SI only (the W schedule, fold u, SI on, no partition) and Centauri + SI, with the
 simulated step time and the speedup over the baseline. The paper reports up to 1.45x for single
-parallelism (FSDP, DP) and up to 1.49x for hybrid. Not modelled (the reason is printed): FSDP + DP
-(an FSDP group inside dp, HSDP: dhelix shards over the whole dp group), the part of Centauri's
-model-level scheduling that launches several micro-batches together (the schedule is the one
-declared) and its workload partition of the FSDP collectives. Predictions from the shipped profile, not
+parallelism (FSDP, DP) and up to 1.49x for hybrid. Not modelled: the group partition of an HSDP
+shard group that spans nodes, the part of Centauri's model-level scheduling that launches
+several micro-batches together (the schedule is the one declared) and its workload partition of
+the FSDP collectives. Predictions from the shipped profile, not
 measurements:
 
     .venv/bin/python benchmarks/centauri_table4.py
@@ -70,7 +75,7 @@ def program(size: str, *, mesh: str, nodes: int, batch: int, microbatches: int, 
     hidden, heads, layers = SIZES[size]
     text = TEMPLATE.format(layers=layers, hidden=hidden, ffn=ffn_of(hidden), heads=heads, nodes=nodes, mesh=mesh,
                            batch=batch, microbatches=microbatches, zero=zero, train=train,
-                           partition=f"partition {{\n  {partition}\n}}" if partition else "")
+                           partition=f"partition {{\n  {partition.strip()}\n}}" if partition else "")
     prog = check_text(text, f"{size}.dhx")
     return choose_all(prog)[0] if partition else prog
 
@@ -140,7 +145,14 @@ def main(argv=None) -> int:
             print(row("TP4+PP3+DP4, 6 nodes, m=6", times, memory, PAPER["hybrid"]))
         except DhelixError as exc:
             print(f"{'TP4+PP3+DP4, 6 nodes, m=6':47} not run: {_first(exc)}")
-        print(f"{'FSDP+DP, 6 nodes':47} not modelled: an FSDP group inside dp (HSDP) is not a dhelix option")
+        for shard in (16, 8, 4):
+            label = f"DP{48 // shard}+FSDP{shard} (HSDP), 6 nodes, b=1"
+            try:
+                kw = dict(mesh="dp = 48", nodes=6, batch=1, microbatches=4, zero=3, train=f"shard = {shard}")
+                times, memory = four(program(size, partition=" ", **kw), program(size, **kw))
+                print(row(label, times, memory, PAPER["hybrid"]))
+            except DhelixError as exc:
+                print(f"{label:47} not run: {_first(exc)}")
     return 0
 
 

@@ -9,6 +9,11 @@ pieces into the weight before an op reads it, a ``grad_scatter`` op reduce-scatt
 micro-batch's weight gradient into this rank's piece, where the micro-batches' pieces add up.
 The optimizer then updates pieces only (:mod:`.optim`: their gradients are summed over dp
 already); checks and checkpoints gather them back (:meth:`FlatShards.gather`).
+
+Under hybrid sharding (``train { shard = K }``, HSDP) the same holds over ``dp.shard``, the
+groups of ``K`` consecutive dp ranks: ``K`` pieces, gathered and reduce-scattered inside the
+group; the optimizer all-reduces the pieces' gradients over ``dp.replicate`` (the ranks
+holding the same piece) before it updates them.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from typing import Mapping
 import torch
 import torch.nn.functional as F
 
+from dhelix.dsl.core.mesh import REPLICATE, SHARD
 from dhelix.dsl.core.program import Program
-from dhelix.dsl.passes.fsdp import is_fsdp, padded_elements
+from dhelix.dsl.passes.fsdp import is_fsdp, padded_elements, shard_axis
 
 from .comm import Communicator, Pending, regrouped
 
@@ -28,18 +34,26 @@ from .comm import Communicator, Pending, regrouped
 class FlatShards:
     """Which of a rank's parameters are ZeRO-3 pieces, and how to cut and join them.
 
-    ``enabled``: the program shards (ZeRO-3, dp > 1); ``dp`` and ``index`` are the dp size
-    and this rank's position; :attr:`shapes` maps each sharded parameter's name to the shape
-    of the (tensor-parallel) shard it is a piece of, as :meth:`add` records them."""
+    ``enabled``: the program shards (ZeRO-3, dp > 1); the weights are cut into ``pieces``
+    pieces over ``axis`` (``dp``, or ``dp.shard`` under hybrid sharding) and ``index`` is this
+    rank's position there; :attr:`shapes` maps each sharded parameter's name to the shape of
+    the (tensor-parallel) shard it is a piece of, as :meth:`add` records them."""
 
-    def __init__(self, enabled: bool, dp: int, index: int):
-        self.enabled, self.dp, self.index = enabled, dp, index
+    def __init__(self, enabled: bool, pieces: int, index: int, axis: str = "dp"):
+        self.enabled, self.pieces, self.index, self.axis = enabled, pieces, index, axis
         self.shapes: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     def of(cls, program: Program, comm: Communicator) -> "FlatShards":
         """The (still empty) layout of ``program`` on this rank."""
-        return cls(is_fsdp(program), comm.size("dp"), comm.index("dp"))
+        axis = shard_axis(program)
+        return cls(is_fsdp(program), comm.size(axis), comm.index(axis), axis)
+
+    @property
+    def replicated_over(self) -> str | None:
+        """The axis over which the pieces' gradients are still all-reduced: ``dp.replicate``
+        under hybrid sharding, else None (the reduce-scatter over dp summed them)."""
+        return f"dp.{REPLICATE}" if self.axis == f"dp.{SHARD}" else None
 
     def __contains__(self, name: str) -> bool:
         return name in self.shapes
@@ -48,18 +62,18 @@ class FlatShards:
         """Record parameter ``name`` (this rank's tensor-parallel shard ``tensor``) as sharded
         and return this rank's piece of it (a new contiguous tensor)."""
         self.shapes[name] = tuple(tensor.shape)
-        return piece(tensor, self.dp, self.index)
+        return piece(tensor, self.pieces, self.index)
 
     def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``tensor`` if ``name`` is sharded, else ``tensor``."""
-        return piece(tensor, self.dp, self.index) if name in self.shapes else tensor
+        return piece(tensor, self.pieces, self.index) if name in self.shapes else tensor
 
     def gather(self, comm: Communicator, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``tensors`` by name with every sharded one gathered over dp and shaped back
-        (collective over dp; the others are passed through)."""
+        """``tensors`` by name with every sharded one gathered over :attr:`axis` and shaped
+        back (collective over that axis; the others are passed through)."""
         out = dict(tensors)
         for name in sorted(set(tensors) & set(self.shapes)):
-            out[name] = unflatten(comm.all_gather(tensors[name].contiguous(), "dp"), self.shapes[name])
+            out[name] = unflatten(comm.all_gather(tensors[name].contiguous(), self.axis), self.shapes[name])
         return out
 
 
@@ -100,13 +114,13 @@ def gather_weight(shard: torch.Tensor, comm: Communicator, shape: tuple[int, ...
 
 
 def scatter_grad(grad: torch.Tensor, comm: Communicator, async_op: bool, axis: str = "dp",
-                 whole: bool = True, regroup: bool = False):
+                 whole: bool = True, regroup: bool = False, pieces: int | None = None):
     """This rank's piece of ``grad`` summed over dp (a Pending of it with ``async_op``),
     reduce-scattered over ``axis``: ``dp``, or a stage of ``group weights`` (``dp.intra``,
-    ``dp.inter``). ``whole``: ``grad`` is the full gradient (flattened and padded here), not
-    the first stage's output; ``regroup``: the pieces go grouped by place on the node first
+    ``dp.inter``; or ``dp.shard``). ``whole``: ``grad`` is the full gradient (flattened and
+    padded here to a multiple of ``pieces``, default dp), not the first stage's output; ``regroup``: the pieces go grouped by place on the node first
     (:func:`~.comm.regrouped`), as a reduce-scatter inside the node before the nodes must."""
-    flat = padded_flat(grad, comm.size("dp")) if whole else grad
+    flat = padded_flat(grad, pieces or comm.size("dp")) if whole else grad
     if regroup:
         flat = regrouped(flat, comm, axis, gathered=False)
     return comm.reduce_scatter(flat, axis, async_op=async_op)

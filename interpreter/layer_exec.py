@@ -31,7 +31,7 @@ import torch
 
 from dhelix.dsl.core.oplib import REGROUP
 from dhelix.dsl.core.program import LayerDag, Op, Program
-from dhelix.dsl.passes.fsdp import FIRST_STAGE, GATHER as FSDP_GATHER
+from dhelix.dsl.passes.fsdp import FIRST_STAGE, GATHER as FSDP_GATHER, PIECES
 
 from .comm import AXES, Communicator, Pending, resolve
 from .fsdp import gather_weight, scatter_grad
@@ -301,7 +301,7 @@ class LayerRun:
         else:
             with self.comm.op_named(op.name):
                 sent = scatter_grad(self._full_grad(name) if source is None else source, self.comm, async_op,
-                                    op.axis, source is None, bool(params.get(REGROUP)))
+                                    op.axis, source is None, bool(params.get(REGROUP)), params.get(PIECES))
             if params.get(FIRST_STAGE):  # the second stage reduce-scatters it on
                 self.bgrads[op.name] = {GATHERED: sent}
             elif isinstance(sent, Pending):

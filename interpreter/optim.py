@@ -94,8 +94,8 @@ def norm_weights(plan, comm: Communicator, names, flat=None) -> dict[str, float]
     the world. ``plan`` is the run's :class:`~.weights.WeightPlan`."""
     import torch.distributed as dist
 
-    def pieces(name: str) -> int:  # a layer weight is cut in dp pieces under ZeRO-3
-        return flat.dp if flat is not None and flat.enabled and name not in plan.model_specs else 1
+    def pieces(name: str) -> int:  # a layer weight is cut in dp (or shard) pieces under ZeRO-3
+        return flat.pieces if flat is not None and flat.enabled and name not in plan.model_specs else 1
 
     def parts(name: str) -> int:
         axis = plan.spec(name).axis
@@ -104,7 +104,7 @@ def norm_weights(plan, comm: Communicator, names, flat=None) -> dict[str, float]
     keys = {(name, part, p) for name in plan.names() for part in range(parts(name)) for p in range(pieces(name))}
     index = {key: i for i, key in enumerate(sorted(keys))}
     mine = {name: (name, comm.index(plan.spec(name).axis) if plan.spec(name).axis else 0,
-                   comm.index("dp") if pieces(name) > 1 else 0) for name in names}
+                   flat.index if pieces(name) > 1 else 0) for name in names}
     counts = torch.zeros(len(index), dtype=torch.float64)
     for key in mine.values():
         counts[index[key]] += 1
@@ -187,7 +187,9 @@ class DistributedAdamW:
     """AdamW over this rank's ``params`` (name → tensor, updated in place) with the
     gradients averaged over dp by ``comm``; ``zero1`` shards the optimizer state.
     ``pieces`` names ZeRO-3 pieces (:mod:`.fsdp`): their gradients come summed over dp
-    (reduce-scattered in the layers) and their states are this rank's alone.
+    (reduce-scattered in the layers) and their states are this rank's alone; under hybrid
+    sharding they come summed over the shard group and are all-reduced over
+    ``replicated_over`` (``dp.replicate``) here, their states replicated there.
 
     ``expert`` names the parameters sharded over ep (the grouped GEMMs'; see
     :meth:`~.weights.WeightPlan.ep_sharded`): with ep > 1 they are synchronised over the
@@ -197,7 +199,7 @@ class DistributedAdamW:
     def __init__(self, params: Mapping[str, torch.Tensor], comm: Communicator, *, zero1: bool = False,
                  config: AdamWConfig = AdamWConfig(), expert: Collection[str] | None = None,
                  weights: Mapping[str, float] | None = None, pieces: Collection[str] = (),
-                 gather_groups: Sequence[Collection[str]] | None = None):
+                 gather_groups: Sequence[Collection[str]] | None = None, replicated_over: str | None = None):
         self.params, self.comm, self.zero1, self.config = dict(params), comm, zero1, config
         #: ZeRO-1 gathers left in flight by :meth:`step` (module docstring): (bucket, its
         #: updated part, the pending all-gather), in issue order.
@@ -224,7 +226,9 @@ class DistributedAdamW:
             self.buckets.append(_Bucket(rest, self.params, comm, "dp", zero1, like.device))
         if expert:
             self.buckets.append(_Bucket(expert, self.params, comm, EDP, zero1, like.device))
-        if pieces:
+        if pieces and replicated_over:  # hybrid sharding: summed over the shard group only
+            self.buckets.append(_Bucket(pieces, self.params, comm, replicated_over, False, like.device))
+        elif pieces:
             self.buckets.append(_Bucket(pieces, self.params, comm, "dp", zero1, like.device, summed=True))
         if config.master:  # fp32 parameters are their own masters: no copy of them
             for bucket in self.buckets:

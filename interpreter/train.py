@@ -150,7 +150,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     optimizer = DistributedAdamW(executor.params, executor.comm, zero1=options.zero1, config=config,
                                  expert=executor.weights.ep_sharded(executor.params),
                                  weights=norm_weights(executor.weights, executor.comm, executor.params, executor.flat),
-                                 pieces=executor.flat.shapes,
+                                 pieces=executor.flat.shapes, replicated_over=executor.flat.replicated_over,
                                  gather_groups=executor.param_groups() if overlap else None)
     if overlap:  # ZeRO-1's weight gathers land under the next forward, layer by layer
         executor.param_ready = optimizer.ready

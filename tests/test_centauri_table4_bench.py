@@ -33,4 +33,11 @@ def test_group_weights_predicts_faster_fsdp_across_two_nodes_bounded_by_the_volu
 def test_a_layer_count_that_does_not_fold_is_reported_not_raised(capsys):
     assert bench.main(["--sizes", "Medium"]) == 0
     out = capsys.readouterr().out
-    assert "not run: 15 layers do not split" in out and "not modelled: an FSDP group inside dp" in out
+    assert "not run: 15 layers do not split" in out and "DP6+FSDP8 (HSDP), 6 nodes, b=1" in out
+
+
+def test_the_fsdp_plus_dp_rows_shard_inside_the_node_and_replicate_across():
+    prog = bench.program("Small", mesh="dp = 48", nodes=6, batch=1, microbatches=4, zero=3, train="shard = 8")
+    gather = next(op for op in prog.forward.ops if op.name == "qkv.gather_w")
+    assert (gather.axis, gather.group_size, gather.lane) == ("dp.shard", 8, "local")
+    assert prog.mesh.size("dp.replicate") == 6 and prog.mesh.lane("dp.replicate") == "cross"

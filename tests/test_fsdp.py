@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from dhelix.dsl.core.errors import CheckError
+from dhelix.dsl.core.errors import CheckError, DhelixError
 from dhelix.dsl.core.oplib import REGROUP, in_weight_pass
 from dhelix.dsl.passes.pipeline import run_until
 from dhelix.dsl.planner.costmodel import op_time
@@ -191,6 +191,10 @@ RUNS = {
     # gradient (and its reduce-scatter) before its activation gradient (Centauri's T2).
     "dp4_group_weights_intra_first": ("dp = 4", "one_f_one_b", "none", "group weights first intra;backward wgrad first",
                                       "", None, {}),
+    # Hybrid sharding: pieces over each node's 2 dp ranks, their gradients all-reduced across.
+    "dp4_hsdp_planned": ("dp = 4", "w_helix", "u", "", "shard = 2", "planned", {}),
+    "dp4_hsdp_padded": ("dp = 4", "one_f_one_b", "none", "", "shard = 2", None,
+                        {"hidden": 42, "ffn": 66, "heads": 6, "kv": 3}),
 }
 
 
@@ -210,10 +214,10 @@ def _runs(rank: int, world: int) -> dict:
         executor = Executor(prog, comm, seed=7, si=si is not None, plan_for=plan_for)
         optimizer = DistributedAdamW(executor.params, comm, zero1=True, config=AdamWConfig(clip=0.5),
                                      weights=norm_weights(executor.weights, comm, executor.params, executor.flat),
-                                     pieces=executor.flat.shapes)
+                                     pieces=executor.flat.shapes, replicated_over=executor.flat.replicated_over)
         held = sum(p.numel() for n, p in executor.params.items() if n in executor.flat)
         full = sum(math.prod(shape) for shape in executor.flat.shapes.values())
-        results[name] = (check_steps(executor, optimizer, 2, 3), held, full, comm.size("dp"))
+        results[name] = (check_steps(executor, optimizer, 2, 3), held, full, (executor.flat.pieces, comm.size("dp")))
     return results
 
 
@@ -232,5 +236,39 @@ def test_fsdp_runs_match_the_reference_and_keep_a_dp_piece_of_each_weight(world,
     checks, _, _, _ = world[0][name]
     assert_steps_match(checks, 2, TOL)
     for rank_results in world:
-        _, held, full, dp = rank_results[name]
-        assert full and held == pytest.approx(full / dp, abs=dp * 8)  # padding: < dp per weight
+        _, held, full, (pieces, dp) = rank_results[name]
+        assert pieces == (dp // 2 if "hsdp" in name else dp)  # hsdp: shard = 2 of dp = 4
+        assert full and held == pytest.approx(full / pieces, abs=pieces * 8)  # padding: < pieces per weight
+
+
+def test_hybrid_sharding_gathers_inside_the_shard_group_and_syncs_pieces_across_it():
+    prog = program(mesh="dp = 4", train="shard = 2")  # 2 nodes of 2: each node one shard group
+    fwd = {op.name: op for op in prog.forward.ops}
+    gather = fwd["qkv.gather_w"]
+    elements = 32 * (4 + 2 * 2) * 32 // 4
+    assert (gather.axis, gather.group_size, gather.lane, gather.shape) == ("dp.shard", 2, "local", (elements, 1))
+    assert dict(gather.params)["pieces"] == 2
+    assert prog.mesh.groups("dp.shard")[0] == (0, 1) and prog.mesh.groups("dp.replicate")[0] == (0, 2)
+    hybrid, full = simulate(prog), simulate(program(mesh="dp = 4"))
+    # Half of each layer weight per rank (against a quarter), its states too; the gathers stay
+    # inside the node, and the pieces' gradients are all-reduced across it after the pipeline.
+    layer_params = sum(math.prod(op.weight) for op in prog.forward.ops if op.weight and "gather" not in op.name)
+    assert hybrid.ranks[0].states.params - full.ranks[0].states.params == pytest.approx(
+        4 * 4 * layer_params * (1 / 2 - 1 / 4))  # 4 layers, fp32
+    synced = [e for e in hybrid.events if e.args and e.args.get("kind") == "DP" and "layer" in e.name]
+    assert len(synced) == 4 and all(e.name.startswith("all_reduce grads layer") for e in synced)
+    assert synced[0].args["group"] == 2 and synced[0].lane == "cross"
+    assert hybrid.step_time < full.step_time  # the tiny layers' gathers across nodes dominate
+
+
+@pytest.mark.parametrize(("train", "message"), [
+    ("zero = 1  shard = 2", "shard = 2 needs zero = 3, not zero = 1"),
+    ("zero = 3  shard = 3", "shard = 3 does not divide dp = 4"),
+    ("zero = 3  shard = 4", "shard = 4 is the whole dp group (dp = 4): that is plain ZeRO-3"),
+])
+def test_a_shard_that_does_not_cut_dp_into_groups_is_a_located_error(train, message):
+    text = HEADER.format(mesh="dp = 4", zero=3, pipeline="gpipe", fold="none", train="", hidden=32, ffn=64,
+                         heads=4, kv=2, seq=8).replace("zero = 3", train)
+    with pytest.raises(DhelixError) as info:
+        run_until(text, "t.dhx", "check")
+    assert message in str(info.value)

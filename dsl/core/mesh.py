@@ -25,6 +25,11 @@ COMM_LANES = ("local", "cross")
 #: place on every node (``tp.inter``, a cross-node group). A group's position on the axis is
 #: ``inter * intra_size + intra``, so an all_gather over intra then inter gathers in axis order.
 INTRA, INTER = "intra", "inter"
+#: The sub-axes of hybrid sharding (HSDP, ``train { zero = 3  shard = K }``): the dp groups
+#: split into groups of ``K`` consecutive dp positions (``dp.shard``, over which ZeRO-3 shards
+#: the weights) and the ranks at the same place in every such group (``dp.replicate``, over
+#: which the shards' gradients are all-reduced). A dp position is ``replicate * K + shard``.
+SHARD, REPLICATE = "shard", "replicate"
 
 
 def base_axis(axis: str) -> str:
@@ -45,6 +50,8 @@ class Mesh:
     sizes: tuple[int, ...]
     ep: int = 1
     gpus_per_node: int = 1
+    #: The size of the FSDP shard groups under hybrid sharding (0: none; see SHARD).
+    dp_shard: int = 0
 
     @property
     def world(self) -> int:
@@ -102,13 +109,21 @@ class Mesh:
         return ranks_per_node(self.groups(axis)[0], self.gpus_per_node)
 
     def sub_axes(self) -> tuple[str, ...]:
-        """The sub-axes of every listed axis whose groups span nodes evenly."""
+        """The sub-axes of every listed axis whose groups span nodes evenly, and hybrid
+        sharding's (``dp.shard``, ``dp.replicate``) when it is on."""
+        hybrid = (f"dp.{SHARD}", f"dp.{REPLICATE}") if 1 < self.dp_shard < self.size("dp") else ()
         return tuple(f"{axis}.{part}" for axis in self.order if isinstance(split := self.hierarchy(axis), tuple)
-                     and split[0] > 1 for part in (INTRA, INTER))
+                     and split[0] > 1 for part in (INTRA, INTER)) + hybrid
 
     def _sub(self, axis: str) -> tuple[int, int]:
         """(size, stride) of sub-axis ``axis``."""
         base, _, part = axis.partition(".")
+        if part in (SHARD, REPLICATE):
+            if base != "dp" or not 1 < self.dp_shard < self.size("dp"):
+                raise ValueError(f"{axis}: the mesh has no hybrid sharding of dp")
+            stride = self.stride("dp")
+            return (self.dp_shard, stride) if part == SHARD else (self.size("dp") // self.dp_shard,
+                                                                   stride * self.dp_shard)
         split = self.hierarchy(base)
         if not isinstance(split, tuple) or part not in (INTRA, INTER):
             raise ValueError(f"{axis}: {base} has no {part} sub-axis on this mesh")

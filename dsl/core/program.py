@@ -79,9 +79,12 @@ class Train:
     #: When ZeRO-1's weight all-gather runs: "step" (after the optimizer) or "forward" (under
     #: the next step's forward, each chunk's weights waited for before its first forward).
     param_gather: str = "step"
+    #: ZeRO-3's shard group size under hybrid sharding (HSDP); None: the whole dp group.
+    shard: int | None = None
     span: object = span_field()
     data_span: object = span_field()
     zero_span: object = span_field()
+    shard_span: object = span_field()
 
 
 @attrs.frozen

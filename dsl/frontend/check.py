@@ -113,7 +113,27 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
     for error in check_divisibility(model, model_block, mesh, mesh_block):
         errors.add(error)
     _check_stages(model, model_block, mesh, fold, errors)
+    if train.shard is not None and _check_shard(train, mesh, errors):
+        program = attrs.evolve(program, mesh=attrs.evolve(mesh, dp_shard=train.shard))
     return program
+
+
+def _check_shard(train, mesh, errors: ErrorCollector) -> bool:
+    """Whether ``shard`` cuts dp into hybrid-sharding groups (HSDP); else an error, located
+    at the setting, saying why."""
+    dp = mesh.size("dp")
+    if 1 < train.shard < dp and dp % train.shard == 0:
+        return True
+    why = (f"shard = {train.shard} does not divide dp = {dp}" if dp % train.shard else
+           f"shard = {train.shard} is the whole dp group (dp = {dp}): that is plain ZeRO-3" if train.shard == dp else
+           "shard = 1 keeps whole weights on every rank: that is ZeRO-1 data parallelism")
+    notes = [f"shard is the size of the groups of consecutive dp ranks that split the weights ({dp} ranks: "
+             f"try {', '.join(str(k) for k in range(2, dp) if dp % k == 0) or 'none: dp is prime'})"
+             if dp > 2 else "hybrid sharding needs dp of at least 4 (two groups of two)"]
+    if train.shard == dp:
+        notes = ["remove shard to shard over the whole dp group"]
+    errors.add(CheckError(why, train.shard_span or train.span, notes))
+    return False
 
 
 def _check_stages(model, model_block, mesh, fold, errors: ErrorCollector) -> None:

@@ -23,7 +23,7 @@ MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
 TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute",
-              "param_gather")
+              "param_gather", "shard")
 TRAIN_STRINGS = ("data",)  # a path, relative to the program file
 #: What ``train { recompute = … }`` accepts: keep every saved activation (``none``) or only each
 #: layer's input, running the layer's forward again before its backward (``full``).
@@ -213,7 +213,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
     block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute", "param_gather"),
                            strings=TRAIN_STRINGS)
-    _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every")
+    _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every", "shard")
                                      if k in block.values], errors)
     _check_positive("train", block, [k for k in ("seed", "warmup") if k in block.values], errors, lowest=0)
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
@@ -252,10 +252,16 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                   "no such all-gather" if zero == 0 else
                                   "ZeRO-3 gathers each layer's weights before use already")]))
         return None
+    if "shard" in v and zero != 3:
+        errors.add(CheckError(f"shard = {v['shard']} needs zero = 3, not zero = {zero}", block.span("shard"),
+                              ["shard is the size of the groups ZeRO-3 shards the weights over (hybrid sharding, "
+                               "HSDP: replicated across the groups); add zero = 3, or remove shard"]))
+        return None
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
     return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
-                 v.get("eval_every"), v.get("warmup", 0), zero, recompute, param_gather, span=node.span,
-                 data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None)
+                 v.get("eval_every"), v.get("warmup", 0), zero, recompute, param_gather, v.get("shard"),
+                 span=node.span, data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,
+                 shard_span=block.span("shard") if "shard" in block.nodes else None)
 
 
 def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:

@@ -39,6 +39,13 @@ gather collects the pieces out of dp order; its node-local stage carries
 :data:`~dhelix.dsl.core.oplib.REGROUP` and the interpreter puts them back (one copy of the
 weight), so pieces stay where the flat collectives put them.
 
+Hybrid sharding (HSDP, PyTorch's ``HYBRID_SHARD``; Centauri's FSDP + DP): with
+``train { zero = 3  shard = K }`` the weights are sharded over groups of ``K`` consecutive dp
+ranks (the sub-axis ``dp.shard``) and replicated across them (``dp.replicate``): the gathers
+and reduce-scatters above run over ``dp.shard``, each weight is cut into ``K`` pieces, and
+the pieces' gradients are all-reduced over ``dp.replicate`` once per step, after the
+pipeline (by the optimizer, as DP's buckets). ``group weights`` does not combine with it.
+
 Not offered: FSDP with cp > 1 or ep > 1 (the gradient of a weight shared over cp, or of an
 expert sharded over ep, would need the reduce-scatter over another group than dp); a
 located error says so.
@@ -52,7 +59,7 @@ import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError
-from dhelix.dsl.core.mesh import INTER, INTRA
+from dhelix.dsl.core.mesh import INTER, INTRA, SHARD
 from dhelix.dsl.core.oplib import REGROUP, WEIGHT_PASS, is_wgrad
 from dhelix.dsl.core.program import GradFlow, Op, Program
 from dhelix.dsl.passes.partition import WEIGHTS, fewest_cross_bytes, unsplittable
@@ -63,12 +70,20 @@ FORWARD_GATHER, BACKWARD_GATHER, GRAD_SCATTER = ".gather_w", ".regather_w", ".sc
 #: The parameter (set True) of the first of a ``group weights`` collective's two stages,
 #: whose output the second stage reads.
 FIRST_STAGE = "first_stage"
+#: The parameter holding how many pieces a weight is cut into (dp, or the shard size).
+PIECES = "pieces"
 
 
 def is_fsdp(program: Program) -> bool:
     """Whether ``program`` shards its layer weights over dp (ZeRO-3 with dp > 1)."""
     return (program.train is not None and program.train.zero == 3 and program.mesh is not None
             and program.mesh.size("dp") > 1)
+
+
+def shard_axis(program: Program) -> str:
+    """The axis ZeRO-3 shards the layer weights over: ``dp``, or ``dp.shard`` under hybrid
+    sharding (``train { shard = K }``)."""
+    return f"dp.{SHARD}" if program.mesh is not None and program.mesh.dp_shard else "dp"
 
 
 def padded_elements(shape: tuple[int, ...], dp: int) -> int:
@@ -90,6 +105,11 @@ def shard_weights(program: Program) -> Program:
     if not is_fsdp(program) or program.forward is None:
         return program
     mesh, train = program.mesh, program.train
+    if hierarchy is not None and mesh.dp_shard:
+        raise CheckError("'group weights' does not combine with hybrid sharding (shard)", hierarchy,
+                         [f"with shard = {mesh.dp_shard} the weights' collectives run over groups of "
+                          f"{mesh.dp_shard} dp ranks (inside a node when shard <= gpus_per_node)",
+                          "drop shard to group-partition the collectives of the whole dp group"])
     if hierarchy is not None and (problem := unsplittable(WEIGHTS, "dp", mesh, hierarchy)) is not None:
         raise problem
     for axis, why in (("cp", "a weight shared over cp has its gradient summed over cp too"),
@@ -98,7 +118,8 @@ def shard_weights(program: Program) -> Program:
             raise CheckError(f"zero = 3 with {axis} = {mesh.size(axis)} is not supported",
                              train.zero_span or train.span,
                              [f"{why}, not over dp alone", f"use zero = 1 with {axis} > 1, or {axis} = 1 with zero = 3"])
-    dp = mesh.size("dp")
+    sharded_over = shard_axis(program)
+    dp = mesh.size(sharded_over)  # the pieces each weight is cut into
     forward, backward = program.forward, program.backward
     if statement is not None:
         first = statement.first or dict(program.group_orders).get(WEIGHTS) or fewest_cross_bytes("all_gather")
@@ -110,7 +131,7 @@ def shard_weights(program: Program) -> Program:
         full = padded_elements(weight.weight, dp)
         gathered = kind == GATHER
         # The reduce-scatter is the gather's transpose: its stages run in reverse.
-        stages = (("dp", dp),) if hierarchy is None else \
+        stages = ((sharded_over, dp),) if hierarchy is None else \
             tuple((f"dp.{part}", mesh.size(f"dp.{part}")) for part in (parts if gathered else parts[::-1]))
         ops, size, previous = [], full // dp if gathered else full, ()
         for index, (axis, group) in enumerate(stages):
@@ -122,7 +143,7 @@ def shard_weights(program: Program) -> Program:
                           "all_gather" if gathered else "reduce_scatter", previous, ((size, 1),), (out, 1),
                           axis=axis, group_size=group, lane=mesh.lane(axis), per_node=mesh.per_node(axis),
                           forward=forward_op, waits=() if previous else waits, span=weight.span,
-                          params=(("weight", weight.weight_name), ("shape", tuple(weight.weight)))
+                          params=(("weight", weight.weight_name), ("shape", tuple(weight.weight)), (PIECES, dp))
                           + (((WEIGHT_PASS, True),) if weight_pass else ())
                           + (((REGROUP, True),) if regroup else ()) + (((FIRST_STAGE, True),) if not last else ()),
                           grad=None if forward_op is None else GradFlow(upstream=None)))

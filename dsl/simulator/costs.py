@@ -37,7 +37,7 @@ import math
 import attrs
 
 from dhelix.dsl.core.dtypes import dtype_bytes
-from dhelix.dsl.core.mesh import ranks_per_node
+from dhelix.dsl.core.mesh import REPLICATE, SHARD, ranks_per_node
 from dhelix.dsl.core.oplib import END_OPS, in_weight_pass
 from dhelix.dsl.planner.costmodel import collective_time, op_time
 from dhelix.dsl.planner.paircost import PairCost
@@ -114,6 +114,10 @@ class StepCosts:
     expert_group: Group  # gradient sync of expert weights (DP x CP / EP)
     grad_bytes: int  # bytes per gradient element (the model dtype)
     dtype: str
+    #: Hybrid sharding (HSDP): the ZeRO-3 shard group of the layers' weights and the group
+    #: their pieces' gradients are all-reduced over (None without).
+    shard_group: Group | None = None
+    replicate_group: Group | None = None
 
 
 def input_backward(backward: LayerDag) -> LayerDag:
@@ -170,7 +174,9 @@ def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None
         layer=layer_costs(program, cost, plan), heads=head_costs(program),
         params=layer_params(program), p2p_seconds=p2p_seconds, p2p_bytes=p2p_bytes, pp_lane=pp_lane,
         dense_group=_sync_group(mesh, expert=1), expert_group=_sync_group(mesh, expert=mesh.size("ep")),
-        grad_bytes=dtype_bytes(dtype), dtype=dtype)
+        grad_bytes=dtype_bytes(dtype), dtype=dtype,
+        shard_group=_sub_group(mesh, f"dp.{SHARD}") if mesh.dp_shard else None,
+        replicate_group=_sub_group(mesh, f"dp.{REPLICATE}") if mesh.dp_shard else None)
 
 
 def layer_params(program: Program) -> Params:
@@ -195,6 +201,11 @@ def _sync_group(mesh, expert: int) -> Group:
     if len({rank // mesh.gpus_per_node for rank in members}) == 1:
         return Group(size, "local")
     return Group(size, "cross", ranks_per_node(members, mesh.gpus_per_node))
+
+
+def _sub_group(mesh, axis: str) -> Group:
+    """The Group of rank 0 on sub-axis ``axis`` of ``mesh``."""
+    return Group(mesh.size(axis), mesh.lane(axis), mesh.per_node(axis))
 
 
 # ---------------------------------------------------------------- embedding and LM head

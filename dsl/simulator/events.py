@@ -148,6 +148,8 @@ class Simulation:
     fsdp: bool = False
     #: ZeRO-1's weight all-gather runs under the next step's forward (param_gather = forward).
     gather_under_forward: bool = False
+    #: Hybrid sharding: the size of ZeRO-3's shard groups (0: none).
+    shard: int = 0
 
     @property
     def step_time(self) -> float:
@@ -480,16 +482,21 @@ class _Run:
         ready_after, dp_comm = 0.0, 0.0
         names = self._slot_names()
         for (stage, slot), (ready, dense, expert) in sorted(self.grads[rank].items(), key=_by_ready):
+            syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
             if self.fsdp and isinstance(slot, int):
-                continue  # a layer's: reduce-scattered by its scatter_dw ops
-            for elements, group in ((dense, costs.dense_group), (expert, costs.expert_group)):
+                # A layer's: reduce-scattered by its scatter_dw ops; under hybrid sharding its
+                # piece is then all-reduced across the shard groups.
+                if costs.replicate_group is None:
+                    continue
+                syncs = ((dense / costs.shard_group.size, costs.replicate_group, "all_reduce"),)
+            for elements, group, collective in syncs:
                 if not elements or group.size <= 1:
                     continue
                 size = elements * costs.grad_bytes
-                seconds = collective_time(kind, size, group.size, group.lane, profile, group.per_node)
+                seconds = collective_time(collective, size, group.size, group.lane, profile, group.per_node)
                 start = self.lanes[rank][group.lane].fit(max(ready, ready_after), seconds)
                 ready_after, dp_comm = start + seconds, dp_comm + seconds
-                self.events.append(TraceEvent(rank, group.lane, f"{kind} {names(stage, slot)}", start, seconds,
+                self.events.append(TraceEvent(rank, group.lane, f"{collective} {names(stage, slot)}", start, seconds,
                                               {"kind": "DP", "bytes": size, "group": group.size}))
         dense, expert = self._local_params(rank)
         layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
@@ -511,7 +518,8 @@ class _Run:
                     end, dp_comm = begin + seconds, dp_comm + seconds
         states = model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
                               expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
-                              fsdp_layer=costs.params.layer_dense if self.fsdp else 0)
+                              fsdp_layer=costs.params.layer_dense if self.fsdp else 0,
+                              fsdp_group=costs.shard_group.size if costs.shard_group else 0)
         exposed = min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)) + self.gather_exposed[rank]
         return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,
                        dp_exposed=exposed)
@@ -615,4 +623,4 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         ranks=ranks, tokens=float(sequences * model.get("seq")),
         flops=megatron_flops_per_iteration(model, sequences), world=mesh.world,
         peak_flops=program.profile.peak_flops(model.dtype), events=tuple(run.events), counters=counters,
-        fsdp=run.fsdp, gather_under_forward=run.overlap_gather)
+        fsdp=run.fsdp, gather_under_forward=run.overlap_gather, shard=mesh.dp_shard if run.fsdp else 0)

@@ -54,21 +54,25 @@ class ModelStates:
 
 
 def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_group: int,
-                 expert_group: int, fsdp_dense: float = 0.0, fsdp_layer: float = 0.0) -> ModelStates:
+                 expert_group: int, fsdp_dense: float = 0.0, fsdp_layer: float = 0.0,
+                 fsdp_group: int = 0) -> ModelStates:
     """Model states of ``dense`` + ``expert`` parameters in ``dtype``; with ``zero1`` the
     optimizer states are sharded over the groups (sizes ``dense_group``, ``expert_group``).
 
-    ZeRO-3: ``fsdp_dense`` of the dense parameters (the layers') keep their weights and
-    gradients sharded over ``dense_group`` too, and ``fsdp_layer`` is one layer's dense
-    parameters: the weights gathered at once (one layer per strand: two) and the full
-    gradient of one layer before its reduce-scatter are added."""
+    ZeRO-3: ``fsdp_dense`` of the dense parameters (the layers') keep their weights,
+    gradients and optimizer states sharded over ``fsdp_group`` (0: ``dense_group``; hybrid
+    sharding's shard group), and ``fsdp_layer`` is one layer's dense parameters: the weights
+    gathered at once (one layer per strand: two) and the full gradient of one layer before
+    its reduce-scatter are added."""
     size = dtype_bytes(dtype)
     per_param = _OPTIMIZER_BYTES.get(dtype, _MIXED_OPTIMIZER_BYTES)
+    shards = max(1, fsdp_group or dense_group)
     if zero1:
-        optimizer = per_param * (dense / max(1, dense_group) + expert / max(1, expert_group))
+        optimizer = per_param * ((dense - fsdp_dense) / max(1, dense_group) + fsdp_dense / shards
+                                 + expert / max(1, expert_group))
     else:
         optimizer = per_param * (dense + expert)
-    held = dense + expert - fsdp_dense + fsdp_dense / max(1, dense_group)
+    held = dense + expert - fsdp_dense + fsdp_dense / shards
     return ModelStates((held + 2 * fsdp_layer) * size, (held + fsdp_layer) * size, optimizer)
 
 

@@ -80,7 +80,9 @@ def describe(sim: Simulation) -> str:
     """One line naming the schedule: pipeline, fold, p, m, v and whether SI is on."""
     p, m, v = sim.shape
     si = "SI on" if sim.si else "no SI"
-    optimizer = ("ZeRO-3 (FSDP: layer weights and gradients sharded)" if sim.fsdp else
+    optimizer = (f"ZeRO-3 (HSDP: layer weights and gradients sharded over groups of {sim.shard} dp ranks, "
+                 "replicated across them)" if sim.shard else
+                 "ZeRO-3 (FSDP: layer weights and gradients sharded)" if sim.fsdp else
                  "ZeRO-1 optimizer" + (", weight gather under the next forward" if sim.gather_under_forward else "")
                  if sim.zero1 else "replicated optimizer")
     return f"{sim.program}: {sim.pipeline}, fold {sim.fold}, p={p} m={m} v={v}, {si}, {optimizer}"
@@ -156,7 +158,9 @@ def format_simulation(sim: Simulation, title: str = "") -> str:
         *_table(["communication per rank (mean)", f"total {ts}", f"hidden {ts}", f"exposed {ts}", "hidden"],
                 [_comm_row("layer (tp, cp, ep, FSDP dp)" if sim.fsdp else "layer (tp, cp, ep)", sim, "layer_comm", "layer_exposed", u),
                  _comm_row("pipeline send/recv", sim, "pp_comm", "pp_exposed", u),
-                 _comm_row("data-parallel gradients" if not sim.fsdp else "data-parallel (model's ends)", sim, "dp_comm", "dp_exposed", u)]),
+                 _comm_row("data-parallel gradients" if not sim.fsdp else
+                           "data-parallel (ends, shards)" if sim.shard else "data-parallel (model's ends)",
+                           sim, "dp_comm", "dp_exposed", u)]),
         "",
         *_table(["rank", f"busy {ts}", f"end {ts}", "sends", f"sent {ms}", f"params {ms}", f"grads {ms}",
                  f"optimizer {ms}", f"activations {ms}", f"at {ts}", f"peak {ms}"],
