@@ -12,10 +12,14 @@ SwiGLU width 2/3 of 4h rounded up to 256, vocabulary 32000) on its Cluster A (th
   backward produces them, as DDP's buckets); Centauri = its primitive substitution, ZeRO-1
   (reduce-scatter, then the all-gather of the updated weights), with the model-level overlap
   of that all-gather with the next forward (``train { param_gather = forward }``); the row
-  "ZeRO-1 only" keeps the all-gather after the optimizer.
+  "ZeRO-1, gather after step" keeps the all-gather after the optimizer; "+ launch N, interl."
+  adds Centauri's choice of micro-batches launched together (``launch = auto``, Eq. 2) on two
+  model chunks per rank (``fold loop(2)``, ``interleaved_1f1b``; no SI blocks there, so its
+  SI columns repeat the Centauri one).
 * TP 4 + PP 3 + DP 4 on 6 nodes, 6 micro-batches (the paper's gradient accumulation), ZeRO-1.
   Centauri = ``partition { chunk ag2 + fc1 + act + fc2 + rs2 by auto }`` (workload partition of
-  the MLP, its count chosen by the cost model) and ``param_gather = forward``.
+  the MLP, its count chosen by the cost model) and ``param_gather = forward``; its "+ launch"
+  row adds ``launch = auto`` on the interleaved schedule as for DP 16.
 
 * FSDP + DP on 6 nodes (48 GPUs), Centauri's DP3+FSDP16, DP6+FSDP8 and DP12+FSDP4: hybrid
   sharding, ``dp = 48``, ``zero = 3``, ``shard = 16 | 8 | 4``, micro-batch 1, 4 micro-batches.
@@ -26,9 +30,8 @@ For each: the baseline (1F1B, no partition, SI off: Megatron), Centauri only (1F
 partition), SI only (the W schedule, fold u, SI on, no partition) and Centauri + SI, with the
 simulated step time and the speedup over the baseline. The paper reports up to 1.45x for single
 parallelism (FSDP, DP) and up to 1.49x for hybrid. Not modelled: the group partition of an HSDP
-shard group that spans nodes, the part of Centauri's model-level scheduling that launches
-several micro-batches together (the schedule is the one declared) and its workload partition of
-the FSDP collectives. Predictions from the shipped profile, not
+shard group that spans nodes, separate forward and backward launch counts (Eq. 2's L1, L2) and
+Centauri's workload partition of the FSDP collectives. Predictions from the shipped profile, not
 measurements:
 
     .venv/bin/python benchmarks/centauri_table4.py
@@ -43,6 +46,7 @@ import sys
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.planner.chunking import choose_all
+from dhelix.dsl.simulator.launch import choose_launch
 from dhelix.dsl.simulator.events import has_si, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.simulator.report import unfolded_1f1b, unpartitioned
@@ -59,8 +63,8 @@ model llama {{ layers = {layers}  hidden = {hidden}  ffn = {ffn}  heads = {heads
 cluster {{ nodes = {nodes}  gpus_per_node = 8  profile = "a100" }}
 mesh {{ {mesh} }}
 train {{ micro_batch = {batch}  microbatches = {microbatches}  zero = {zero}  {train} }}
-fold u
-pipeline w_helix
+fold {fold}
+pipeline {pipeline}
 {partition}
 """
 
@@ -71,13 +75,17 @@ def ffn_of(hidden: int) -> int:
 
 
 def program(size: str, *, mesh: str, nodes: int, batch: int, microbatches: int, zero: int, partition: str = "",
-            train: str = ""):
+            train: str = "", fold: str = "u", pipeline: str = "w_helix"):
     hidden, heads, layers = SIZES[size]
     text = TEMPLATE.format(layers=layers, hidden=hidden, ffn=ffn_of(hidden), heads=heads, nodes=nodes, mesh=mesh,
-                           batch=batch, microbatches=microbatches, zero=zero, train=train,
-                           partition=f"partition {{\n  {partition.strip()}\n}}" if partition else "")
-    prog = check_text(text, f"{size}.dhx")
-    return choose_all(prog)[0] if partition else prog
+                           batch=batch, microbatches=microbatches, zero=zero, train=train, fold=fold,
+                           pipeline=pipeline, partition=f"partition {{\n  {partition.strip()}\n}}" if partition else "")
+    return choose_launch(choose_all(check_text(text, f"{size}.dhx"))[0])[0]  # the choices, where there are any
+
+
+#: Centauri's model level: chunks launched together (train { launch = auto }, Eq. 2) need an
+#: interleaved schedule: two model chunks per rank.
+INTERLEAVED = dict(fold="loop(2)", pipeline="interleaved_1f1b")
 
 
 def _si(prog):
@@ -135,14 +143,24 @@ def main(argv=None) -> int:
                     sims = (simulate(unfolded_1f1b(zero0)), simulate(unfolded_1f1b(zero1)), _si(zero0), _si(zero1))
                     print(row(f"DP16, 2 nodes, b={batch} ({label})", [s.step_time for s in sims],
                               [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
+                launched = program(size, zero=1, train="param_gather = forward  launch = auto", **kw, **INTERLEAVED)
+                sims = (simulate(unfolded_1f1b(zero0)), simulate(launched), _si(zero0), simulate(launched))
+                print(row(f"DP16, 2 nodes, b={batch} (+ launch {launched.launch}, interl.)",
+                          [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
             except DhelixError as exc:
                 print(f"{'DP16, 2 nodes, b=' + str(batch):47} not run: {_first(exc)}")
         try:
             kw = dict(mesh="tp = 4  dp = 4  pp = 3", nodes=6, batch=1, microbatches=6, zero=1)
             centauri = program(size, partition="chunk ag2 + fc1 + act + fc2 + rs2 by auto",
                                train="param_gather = forward", **kw)
-            times, memory = four(centauri, program(size, **kw))
+            plain = program(size, **kw)
+            times, memory = four(centauri, plain)
             print(row("TP4+PP3+DP4, 6 nodes, m=6", times, memory, PAPER["hybrid"]))
+            launched = program(size, partition="chunk ag2 + fc1 + act + fc2 + rs2 by auto",
+                               train="param_gather = forward  launch = auto", **kw, **INTERLEAVED)
+            sims = (simulate(unfolded_1f1b(plain)), simulate(launched), _si(plain), simulate(launched))
+            print(row(f"TP4+PP3+DP4, 6 nodes, m=6 (+ launch {launched.launch}, interl.)",
+                      [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["hybrid"]))
         except DhelixError as exc:
             print(f"{'TP4+PP3+DP4, 6 nodes, m=6':47} not run: {_first(exc)}")
         for shard in (16, 8, 4):

@@ -121,7 +121,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     over the world."""
     import torch.distributed as dist
 
-    from dhelix.dsl.planner.chunking import priced_program
+    from dhelix.dsl.simulator.launch import priced_program
 
     from .comm import DistComm
     from .executor import Executor

@@ -29,7 +29,7 @@ from distributed import TOL, assert_steps_match, gloo_results  # noqa: E402
 SEED, DATA_SEED = 7, 3
 
 
-def program(mesh: str, pipeline: str, fold: str = "none", microbatches: int = 4, layers: int = 4):
+def program(mesh: str, pipeline: str, fold: str = "none", microbatches: int = 4, layers: int = 4, train: str = ""):
     """A tiny Llama on ``mesh`` in "nodes" of 2 ranks (1 rank for a 1-rank mesh)."""
     world = math.prod(int(size) for size in re.findall(r"\d+", mesh))
     nodes, per_node = (2, 2) if world == 4 else (1, 1)  # the a40 profile prices the planner's pairs
@@ -40,7 +40,7 @@ model m {{ layers = {layers}  hidden = 32  ffn = 64  heads = 4  kv_heads = 2  se
   dtype = fp32  layer = llama }}
 cluster {{ nodes = {nodes}  gpus_per_node = {per_node}  profile = "a40" }}
 mesh {{ {mesh} }}
-train {{ micro_batch = 2  microbatches = {microbatches} }}
+train {{ micro_batch = 2  microbatches = {microbatches}  {train} }}
 fold {fold}
 pipeline {pipeline}
 """, "t.dhx")
@@ -102,6 +102,8 @@ CASES = {
     "pp2_dualpipe_v": ("tp = 2  pp = 2", "dualpipe_v", "u", True, False, 1),
     "pp2_dp2_zb_h1": ("pp = 2  dp = 2", "zb_h1", "none", True, True, 1),
     "pp2_dp2_w_helix_gather_under_forward": ("pp = 2  dp = 2", "w_helix", "u", True, "forward", 3),
+    # Four micro-batches launched together per chunk (g = 4 > p), the gathers under them.
+    "pp2_dp2_interleaved_launch4": ("pp = 2  dp = 2", "interleaved_1f1b", "loop(2)", True, "forward", 2, 8, 8),
     "pp2_dualpipe_v_planned": ("tp = 2  pp = 2", "dualpipe_v", "u", "planned", False, 1),
     "pp2_w_helix_planned": ("tp = 2  pp = 2", "w_helix", "u", "planned", False, 1),
     "pp2_w_helix_pair_barrier": ("tp = 2  pp = 2", "w_helix", "u", "barrier", False, 1),
@@ -124,7 +126,7 @@ def synthetic_batch(prog, seed: int) -> Batch:
 def _case(name: str):
     mesh, pipeline, fold, si, zero1, steps, *sizes = CASES[name]
     layers, microbatches = sizes or (4, 4)
-    prog = program(mesh, pipeline, fold, microbatches, layers)
+    prog = program(mesh, pipeline, fold, microbatches, layers, "launch = 4" if "launch4" in name else "")
     comm = DistComm(prog.mesh, timeout_s=60)
     # "planned": the planner's segment pairs (rank 0's, as `dhelix run` does).
     plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog))) if si == "planned" else op_by_op_plan

@@ -213,8 +213,8 @@ def test_negative_repeat_names_the_rank_and_the_values():
 
 def test_failed_require_states_the_need_and_the_values():
     assert error_text(lambda: lower_stdlib("dualpipe_v", 4, 3)) == (
-        "stdlib/pipelines.dhx:89:3: pipeline dualpipe_v needs m >= 2 * p (m = 3, p = 4)\n"
-        "  89 |   require m >= 2 * p\n     |   ^^^^^^^^^^^^^^^^^^\n"
+        "stdlib/pipelines.dhx:93:3: pipeline dualpipe_v needs m >= 2 * p (m = 3, p = 4)\n"
+        "  93 |   require m >= 2 * p\n     |   ^^^^^^^^^^^^^^^^^^\n"
         "  note: choose sizes with m >= 2 * p, or another pipeline")
 
 
@@ -252,7 +252,7 @@ def test_rank_independent_mistakes_are_reported_once():
     assert error_text(lambda: lower_text(text, 4, 4)) == (
         "test.dhx:2:3: 'p' is a builtin (pipeline ranks) and cannot be rebound\n"
         "  2 |   p = 3\n    |   ^\n"
-        "  note: pick another name; the builtins are p, r, m and v\n"
+        "  note: pick another name; the builtins are p, r, m, v and g\n"
         "test.dhx:3:3: an SI block pairs a forward with a backward, not B with F\n"
         "  3 |   SI(B, F)\n    |   ^^^^^^^^\n"
         "  note: write SI(F[c], B[c']): the forward of one strand beside the backward of the "
@@ -267,7 +267,7 @@ def test_unknown_name_is_reported_once_without_ranks():
     """
     assert error_text(lambda: lower_text(text, 4, 4)) == (
         "test.dhx:2:10: unknown schedule variable 'warm'\n"
-        "  2 |   repeat warm { F }\n    |          ^^^^\n  note: known here: m, p, r, v")
+        "  2 |   repeat warm { F }\n    |          ^^^^\n  note: known here: g, m, p, r, v")
 
 
 def test_runaway_programs_stop_with_an_error():
@@ -367,3 +367,22 @@ def test_orders_match_torch_pipelining(ranks):
         if microbatches >= 2 * ranks:
             assert _our_orders(lower_stdlib("dualpipe_v", ranks, microbatches)) == \
                 _torch_orders(schedules.ScheduleDualPipeV, ranks, microbatches, 2, vee, True)
+
+
+def test_interleaved_1f1b_runs_each_chunk_g_micro_batches_in_a_row():
+    # launch = 4 on p = 2: rank 0 runs 4 forwards of chunk 0, then of chunk 1, as Megatron's
+    # microbatch_group_size_per_vp_stage = 4; the warm-up grows by (v - 1)·(g - p).
+    from dhelix.dsl.passes.pipeline import check_text
+
+    text = (ROOT / "examples" / "tiny_llama_zero1_overlap_cpu.dhx").read_text()
+    text = text.replace("layers = 4", "layers = 8").replace("microbatches = 4", "microbatches = 8  launch = 4") \
+        .replace("fold u", "fold loop(2)").replace("pipeline w_helix", "pipeline interleaved_1f1b")
+    lowered = check_text(text, str(ROOT / "examples" / "t.dhx")).lowered
+    forwards = [str(a) for a in lowered.actions[0] if getattr(a, "kind", None) == "F"]
+    assert forwards[:8] == ["F0.0", "F1.0", "F2.0", "F3.0", "F0.1", "F1.1", "F2.1", "F3.1"]
+    default = check_text(text.replace("  launch = 4", ""), str(ROOT / "examples" / "t.dhx")).lowered
+    assert [str(a) for a in default.actions[0] if getattr(a, "kind", None) == "F"][:4] == ["F0.0", "F1.0", "F0.1", "F1.1"]
+    for bad, need in (("launch = 3", "m % g == 0"), ("launch = 1", "g >= p")):
+        with pytest.raises(DhelixError) as info:
+            check_text(text.replace("launch = 4", bad), str(ROOT / "examples" / "t.dhx"))
+        assert f"needs {need}" in str(info.value)

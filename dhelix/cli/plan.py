@@ -21,7 +21,7 @@ from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.planner.pairing import DEFAULT_MAX_SEGMENT
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.overrides import require_model
-from dhelix.dsl.planner.chunking import priced_program
+from dhelix.dsl.simulator.launch import priced_program
 from dhelix.dsl.core.plan import format_plan, plan_to_json
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Interleaved
@@ -61,7 +61,7 @@ def cmd_plan(args) -> int:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
     sys.stdout.write(plan_header(args.file, program, usage) + "\n"
-                     + "".join(f"partition {choice.describe()}\n" for choice in chunks) + format_plan(plan))
+                     + "".join(f"{choice.block} {choice.describe()}\n" for choice in chunks) + format_plan(plan))
     return 0
 
 

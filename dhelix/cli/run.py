@@ -35,7 +35,7 @@ from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.overrides import require_model
-from dhelix.dsl.planner.chunking import priced_program
+from dhelix.dsl.simulator.launch import priced_program
 from dhelix.dsl.render.trace import trace_json
 
 

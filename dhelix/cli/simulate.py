@@ -19,7 +19,7 @@ from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_o
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.overrides import require_model
-from dhelix.dsl.planner.chunking import priced_program
+from dhelix.dsl.simulator.launch import priced_program
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.simulator.report import (compare, compare_partition, format_comparison, format_simulation,
                                          memory_warnings, simulation_metrics)
@@ -67,7 +67,7 @@ def cmd_simulate(args) -> int:
     if plan is not None:
         title += (f"; SI plan per layer pair {plan.total * 1e3:.3f} ms vs {plan.sequential * 1e3:.3f} ms "
                   f"sequential ({plan.speedup:.3f}x)")
-    title += "".join(f"\npartition {choice.describe()}" for choice in chunks)
+    title += "".join(f"\n{choice.block} {choice.describe()}" for choice in chunks)
     variants = compare_partition if program.partition is not None else compare
     sims = variants(program, plan, zero1=args.zero1) if args.compare else (
         simulate(program, plan, zero1=args.zero1, cost=cost, label="as written"),)

@@ -27,6 +27,10 @@ FOLD_KINDS: dict[str, int | None] = {"none": 1, "u": 2, "loop": None}
 OVERLAP_KINDS = ("tp", "cp", "ep", "dp")
 
 
+
+#: A value the planner chooses: ``chunk … by auto``, ``train { launch = auto }``.
+AUTO = "auto"
+
 @attrs.frozen
 class Model:
     """The model block: integer settings in source order, dtype and the layer DAG's name."""
@@ -81,10 +85,14 @@ class Train:
     param_gather: str = "step"
     #: ZeRO-3's shard group size under hybrid sharding (HSDP); None: the whole dp group.
     shard: int | None = None
+    #: Micro-batches launched together per model chunk (the pipelines' ``g``): a number,
+    #: "auto" (the planner chooses, Centauri's Eq. 2) or None (p).
+    launch: int | str | None = None
     span: object = span_field()
     data_span: object = span_field()
     zero_span: object = span_field()
     shard_span: object = span_field()
+    launch_span: object = span_field()
 
 
 @attrs.frozen
@@ -258,6 +266,8 @@ class Program:
     #: The half of each GEMM's backward the planner chose to run first ("dgrad" | "wgrad";
     #: None: not chosen) when the partition block does not say (dsl.passes.priority).
     backward_first: str | None = None
+    #: The pipelines' ``g`` the planner chose for ``train { launch = auto }`` (None: not chosen).
+    launch: int | None = None
     env: tuple[tuple[str, int], ...] = ()  # the names layer expressions see, set by the shapes pass
     forward: LayerDag | None = None  # set by the shapes pass
     backward: LayerDag | None = None  # set by the autodiff pass

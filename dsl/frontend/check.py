@@ -22,7 +22,7 @@ from dhelix.dsl.frontend.config import (build_cluster, build_fold, build_mesh, b
 from dhelix.dsl.core.errors import CheckError, DhelixError, ErrorCollector
 from dhelix.dsl.frontend.layercheck import check_layer
 from dhelix.dsl.frontend.modelcheck import check_divisibility, stage_split_error
-from dhelix.dsl.frontend.pipelinecheck import check_pipeline
+from dhelix.dsl.frontend.pipelinecheck import check_pipeline, reads_name
 from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.wording import did_you_mean, join_words
@@ -115,6 +115,12 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
     _check_stages(model, model_block, mesh, fold, errors)
     if train.shard is not None and _check_shard(train, mesh, errors):
         program = attrs.evolve(program, mesh=attrs.evolve(mesh, dp_shard=train.shard))
+    if train.launch is not None and pipeline is not None and not reads_name(pipeline, "g"):
+        errors.add(CheckError(f"launch = {train.launch} sets g, which pipeline {pipeline.name} does not read",
+                              train.launch_span or train.span,
+                              ["launch is how many micro-batches run each model chunk in a row (g) in a pipeline "
+                               "that reads it: interleaved_1f1b, with fold loop(v)", "remove launch, or pick such "
+                               "a pipeline"]))
     return program
 
 

@@ -14,7 +14,7 @@ from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.frontend.exprs import UnknownName, evaluate
 from dhelix.dsl.frontend.limits import MAX_CHUNKS, range_error
 from dhelix.dsl.core.mesh import DIMENSIONS, Mesh
-from dhelix.dsl.core.program import (FOLD_KINDS, OVERLAP_KINDS, Cluster, FoldSpec, Model, Strands, Train,
+from dhelix.dsl.core.program import (AUTO, FOLD_KINDS, OVERLAP_KINDS, Cluster, FoldSpec, Model, Strands, Train,
                                      unknown_fold)
 from dhelix.dsl.core.wording import close_matches, did_you_mean, join_words
 
@@ -23,7 +23,7 @@ MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
 TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute",
-              "param_gather", "shard")
+              "param_gather", "shard", "launch")
 TRAIN_STRINGS = ("data",)  # a path, relative to the program file
 #: What ``train { recompute = … }`` accepts: keep every saved activation (``none``) or only each
 #: layer's input, running the layer's forward again before its backward (``full``).
@@ -57,9 +57,10 @@ class BlockValues:
         return node.span if node is not None else None
 
 
-def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), strings=()) -> BlockValues:
+def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), strings=(), autos=()) -> BlockValues:
     """Evaluate ``settings`` in order; ``allowed`` limits the keys (None: any integer key),
-    ``names`` are keys whose value is a bare name, ``strings`` keys that take a string."""
+    ``names`` are keys whose value is a bare name, ``strings`` keys that take a string,
+    ``autos`` integer keys that may also be ``auto`` (left to the planner)."""
     out = BlockValues()
     last = {st.key: (i, st) for i, st in enumerate(settings)}  # one pass: blocks may be long
     for index, setting in enumerate(settings):
@@ -75,7 +76,8 @@ def evaluate_block(settings, errors: ErrorCollector, allowed=None, names=(), str
                                   did_you_mean(key, unset) + [f"settings here: {', '.join(allowed)}"]))
             continue
         later = _Later(last, index)
-        value = _setting_value(setting, out, later, names, strings, errors)
+        value = AUTO if key in autos and isinstance(setting.value, s.Name) and setting.value.id == AUTO else \
+            _setting_value(setting, out, later, names, strings, errors)
         if value is None:
             out.failed.append(key)
         else:
@@ -212,8 +214,9 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
     block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute", "param_gather"),
-                           strings=TRAIN_STRINGS)
+                           strings=TRAIN_STRINGS, autos=("launch",))
     _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every", "shard")
+                                     + (("launch",) if block.values.get("launch") != AUTO else ())
                                      if k in block.values], errors)
     _check_positive("train", block, [k for k in ("seed", "warmup") if k in block.values], errors, lowest=0)
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
@@ -260,7 +263,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
     return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
                  v.get("eval_every"), v.get("warmup", 0), zero, recompute, param_gather, v.get("shard"),
-                 span=node.span, data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,
+                 v.get("launch"), span=node.span, launch_span=block.span("launch") if "launch" in block.nodes else None, data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,
                  shard_span=block.span("shard") if "shard" in block.nodes else None)
 
 

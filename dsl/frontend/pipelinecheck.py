@@ -1,6 +1,6 @@
 """Checks of a pipeline definition that hold for every rank and every size.
 
-A pipeline is a per-rank program over the builtins ``p``, ``r``, ``m`` and ``v``; most of its
+A pipeline is a per-rank program over the builtins ``p``, ``r``, ``m``, ``v`` and ``g``; most of its
 mistakes show only when it runs for some rank at some size (lowering finds those). These do
 not: a ``let`` that rebinds a builtin or an action, an SI block that is not a forward beside
 a backward, and a ``for`` clause naming no fold. They run on every pipeline of a program,
@@ -18,7 +18,7 @@ ACTION_NAMES = ACTIONS + ("SI",)
 
 #: The names every pipeline program starts with, and what they mean.
 BUILTINS = {"p": "pipeline ranks", "r": "this rank", "m": "micro-batches",
-            "v": "chunks per rank"}
+            "v": "chunks per rank", "g": "micro-batches launched together per chunk (train { launch }, default p)"}
 _BUILTIN_LIST = ", ".join(list(BUILTINS)[:-1]) + f" and {list(BUILTINS)[-1]}"
 
 
@@ -43,6 +43,31 @@ def check_pipeline(pipeline: s.PipelineDef) -> list[DhelixError]:
                 ["write SI(F[c], B[c']): the forward of one strand beside the backward of "
                  "the other"]))
     return errors
+
+
+def reads_name(pipeline: s.PipelineDef, name: str) -> bool:
+    """Whether an expression of ``pipeline`` reads ``name`` (a builtin such as ``g``)."""
+    def exprs(stmt):
+        if isinstance(stmt, s.Let):
+            return [stmt.value]
+        if isinstance(stmt, s.Require):
+            return [stmt.left, stmt.right]
+        if isinstance(stmt, s.Repeat):
+            return [stmt.count]
+        acts = [stmt.fwd, stmt.bwd] if isinstance(stmt, s.SIBlock) else [stmt]
+        return [act.chunk for act in acts if act.chunk is not None]
+
+    def reads(expr) -> bool:
+        if isinstance(expr, s.Name):
+            return expr.id == name
+        if isinstance(expr, s.BinOp):
+            return reads(expr.left) or reads(expr.right)
+        if isinstance(expr, s.Neg):
+            return reads(expr.operand)
+        if isinstance(expr, s.Call):
+            return any(reads(arg) for arg in expr.args)
+        return False
+    return any(reads(expr) for stmt in _walk(pipeline.body) for expr in exprs(stmt))
 
 
 def _walk(body):

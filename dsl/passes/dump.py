@@ -78,6 +78,7 @@ def dump_config(program: Program) -> str:
                  + (f", steps {train.steps}" if train.steps else "")
                  + (f", zero {train.zero}" if train.zero else "")
                  + (f", shard {train.shard}" if train.shard else "")
+                 + (f", launch {train.launch}" if train.launch is not None else "")
                  + (f", param_gather {train.param_gather}" if train.param_gather != "step" else "")
                  + (f", recompute {train.recompute}" if train.recompute != "none" else ""))
     lines.append(f"fold: {program.fold.kind} ({program.fold.v} chunk{'s' if program.fold.v > 1 else ''} per rank)")

@@ -44,13 +44,11 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.mesh import INTER, INTRA, Mesh
 from dhelix.dsl.core.oplib import CD, OD, PARTITION_DIMS, REGROUP, dimension_split
-from dhelix.dsl.core.program import LayerDag, Op
+from dhelix.dsl.core.program import AUTO, LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.frontend.exprs import evaluate
 from dhelix.dsl.passes.priority import PRIORITIES
 
-#: ``chunk … by auto``: the planner chooses the count (Centauri's Algorithm 1).
-AUTO = "auto"
 
 #: ``group weights``: the ZeRO-3 weight all-gathers and gradient reduce-scatters
 #: (:mod:`dhelix.dsl.passes.fsdp`), which this pass does not see, run hierarchically.

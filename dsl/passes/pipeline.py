@@ -106,11 +106,21 @@ def lower(program: Program) -> Program:
         if too_large:
             raise too_large
         lowered = lower_pipeline(program.pipeline, ranks=program.mesh.size("pp"),
-                                 microbatches=program.train.microbatches, placement=program.placement)
+                                 microbatches=program.train.microbatches, placement=program.placement,
+                                 launch=launch_of(program))
     except DhelixError as exc:
         _note_sizes(exc, program)
         raise
     return attrs.evolve(program, lowered=lowered)
+
+
+def launch_of(program: Program) -> int | None:
+    """The pipeline's ``g`` (micro-batches launched together per chunk): the planner's choice
+    for ``train { launch = auto }``, the number written, else None (p)."""
+    if program.launch is not None:
+        return program.launch
+    launch = program.train.launch if program.train is not None else None
+    return launch if isinstance(launch, int) else None
 
 
 def _note_sizes(error: DhelixError, program: Program) -> None:

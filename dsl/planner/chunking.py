@@ -30,7 +30,7 @@ evaluates the same overlaps for whatever the layer holds.
 
 The choice needs the profile's costs, so it is made here, at the planner stage, and the
 commands that price or run a program (plan, simulate, run) apply it through
-:func:`priced_program`; ``dhelix check`` shows auto chains whole.
+:func:`dhelix.dsl.simulator.launch.priced_program`; ``dhelix check`` shows auto chains whole.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
-from dhelix.dsl.passes.overrides import checked_program
 from dhelix.dsl.core.oplib import DGRAD
 from dhelix.dsl.passes.partition import ORDERS, WEIGHTS, chunk_statements, fewest_cross_bytes, is_auto
 from dhelix.dsl.passes.priority import PRIORITIES, backward_statement
@@ -69,6 +68,7 @@ class ChunkChoice:
     ops: tuple[str, ...]
     chosen: int
     candidates: tuple[Candidate, ...]
+    block = "partition"  # the block whose statement it chose for
 
     def describe(self) -> str:
         """``chunk ag2 + fc1 by auto: 4 (1: 12.3 ms, 2: 10.1 ms, 4: 9.8 ms, 8: 10.4 ms)``."""
@@ -85,6 +85,7 @@ class OrderChoice:
     what: str
     chosen: str
     candidates: tuple[Candidate, ...]
+    block = "partition"  # the block whose statement it chose for
 
     def describe(self) -> str:
         """``group ag1: inter first (inter: 1.234 ms, intra: 1.456 ms; …)``."""
@@ -92,18 +93,11 @@ class OrderChoice:
         return f"{self.what}: {self.chosen} first ({tried}; forward + backward of a layer alone)"
 
 
-def priced_program(text: str, path: str, profile: str | None = None,
-                   gpus_per_node: int | None = None) -> tuple[Program, tuple[ChunkChoice | OrderChoice, ...]]:
-    """:func:`~dhelix.dsl.passes.overrides.checked_program` with the counts of its ``by auto``
-    chunk statements and the orders of its group partitions chosen (:func:`choose_chunks`,
-    :func:`choose_orders`), and the choices."""
-    return choose_all(checked_program(text, path, profile, gpus_per_node))
-
-
 def choose_all(program: Program) -> tuple[Program, tuple[ChunkChoice | OrderChoice, ...]]:
     """``program`` (checked, any stage from check on) with its chunk counts, group orders and
     backward priority chosen, in that order (:func:`choose_chunks`, :func:`choose_orders`,
-    :func:`choose_priority`), and the choices."""
+    :func:`choose_priority`), and the choices. The model level's launch count, which
+    simulates the step, comes after (:func:`dhelix.dsl.simulator.launch.priced_program`)."""
     program, chunks = choose_chunks(program)
     program, orders = choose_orders(program)
     program, priority = choose_priority(program)

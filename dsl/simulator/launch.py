@@ -1,0 +1,104 @@
+"""Centauri's model-level scheduling (ASPLOS'24 §3.2.3, Eq. 2): how many micro-batches to
+launch together, ``train { launch = auto }``.
+
+Eq. 2 chooses L1 forward and L2 backward micro-batches launched together so that the
+partitioned weight all-gather hides behind L1 forwards and the gradient reduce-scatter behind
+L2 backwards, under the device's memory cap (``L · m ≤ M``, m the activations of one). In
+dhelix the micro-batches launched together per model chunk are the pipelines' builtin ``g``
+(``interleaved_1f1b`` runs each chunk ``g`` micro-batches in a row, Megatron's
+``microbatch_group_size_per_vp_stage``; its warm-up, so the activations in flight, grows
+with ``g``), one count for both phases. The choice simulates the whole step for every ``g``
+the pipeline accepts (each divisor of m from p on; a ``require`` it fails refuses it) and
+keeps the fastest whose predicted peak fits the profile's device memory, ties to the smaller
+``g``: the simulator charges what Eq. 2 writes in closed form — the weight gathers of ZeRO-1
+under the forward (``param_gather = forward``, each layer's first forward waiting for its
+own), ZeRO-3's gathers and the gradient reductions as the backward frees them — and the
+pipeline bubble and transfers Eq. 2 leaves out. Without a memory figure in the profile
+every ``g`` fits.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.program import AUTO, Program
+from dhelix.dsl.passes import pipeline as passes
+from dhelix.dsl.passes.overrides import checked_program
+from dhelix.dsl.planner.chunking import ChunkChoice, OrderChoice, choose_all
+from dhelix.dsl.simulator.events import simulate
+
+
+@attrs.frozen
+class LaunchTry:
+    """One ``g`` tried: the simulated step (seconds) and peak memory (bytes) of its busiest
+    rank, or None and why it was refused."""
+
+    launch: int
+    seconds: float | None
+    peak: float | None = None
+    why: str = ""
+
+
+@attrs.frozen
+class LaunchChoice:
+    """The ``g`` chosen for ``launch = auto`` and every one tried."""
+
+    chosen: int
+    tries: tuple[LaunchTry, ...]
+    memory_gb: float | None
+    block = "train"  # the block whose setting it chose
+
+    def describe(self) -> str:
+        """``launch = auto: 4 (2: 1234.567 ms 40.1 GB, 4: …)``."""
+        def one(t: LaunchTry) -> str:
+            if t.seconds is None:
+                return f"{t.launch}: refused ({t.why})"
+            over = self.memory_gb is not None and t.peak / 1e9 > self.memory_gb
+            return f"{t.launch}: {t.seconds * 1e3:.3f} ms {t.peak / 1e9:.3g} GB{' (does not fit)' if over else ''}"
+        cap = f"; device memory {self.memory_gb:g} GB" if self.memory_gb is not None else ""
+        return (f"launch = auto: {self.chosen} micro-batches per chunk together "
+                f"({', '.join(one(t) for t in self.tries)}; simulated step, peak of the busiest rank{cap})")
+
+
+def priced_program(text: str, path: str, profile: str | None = None, gpus_per_node: int | None = None
+                   ) -> tuple[Program, tuple[ChunkChoice | OrderChoice | LaunchChoice, ...]]:
+    """:func:`~dhelix.dsl.passes.overrides.checked_program` with every choice the tools make
+    before they price or run it — the planner's (:func:`~dhelix.dsl.planner.chunking.choose_all`:
+    chunk counts, group orders, backward priority), then the launch count
+    (:func:`choose_launch`) — and the choices, for ``dhelix plan`` to print."""
+    program, choices = choose_all(checked_program(text, path, profile, gpus_per_node))
+    program, launch = choose_launch(program)
+    return program, choices + launch
+
+
+def choose_launch(program: Program) -> tuple[Program, tuple[LaunchChoice, ...]]:
+    """``program`` (checked, any stage from check on) with the pipelines' ``g`` chosen for
+    ``train { launch = auto }``, its later passes run again; unchanged with () otherwise."""
+    train = program.train
+    if train is None or train.launch != AUTO or program.profile is None or program.mesh is None:
+        return program, ()
+    p, m = program.mesh.size("pp"), train.microbatches
+    memory_gb = program.profile.memory_gb
+    tries = []
+    for g in (k for k in range(max(1, p), m + 1) if m % k == 0):
+        try:
+            tried = passes.rerun(attrs.evolve(program, launch=g), after="check")
+            sim = simulate(tried)
+        except DhelixError as exc:
+            tries.append(LaunchTry(g, None, why=_first(exc)))
+            continue
+        tries.append(LaunchTry(g, sim.step_time, sim.peak_rank.memory))
+    priced = [t for t in tries if t.seconds is not None]
+    fits = [t for t in priced if memory_gb is None or t.peak / 1e9 <= memory_gb]
+    pool = fits or priced
+    if not pool:
+        raise DhelixError(f"launch = auto: no micro-batch count fits pipeline {program.pipeline.name}",
+                          train.launch_span or train.span, [t.why for t in tries][:1])
+    best = min(pool, key=lambda t: (t.seconds, t.launch)).launch
+    return passes.rerun(attrs.evolve(program, launch=best), after="check"), (LaunchChoice(best, tuple(tries), memory_gb),)
+
+
+def _first(exc: DhelixError) -> str:
+    errors = getattr(exc, "errors", None) or [exc]
+    return errors[0].message
