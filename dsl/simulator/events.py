@@ -22,11 +22,12 @@ lowered action list in order:
   that layer; buckets reduce-scatter (ZeRO-1) or all-reduce over the gradient group's lane in
   ready order, fitting into the lane's idle gaps between pipeline sends. Then the optimizer
   runs on the compute lane, and with ZeRO-1 the updated weights are all-gathered. Nothing of
-  the next step overlaps these, except with ``train { param_gather = forward }``: then the
-  all-gather of each model chunk's weights (Megatron's ``--overlap-param-gather``, Centauri's
-  model level) is booked at the start of the step, on the group's lane in the order the
-  rank's actions first run each chunk's forward, and that first forward waits for it (the
-  steady state: the previous step's optimizer issued them as it ended).
+  the next step overlaps these, except with ``train { param_gather = forward }``: then one
+  all-gather per layer and model end (Megatron's ``--overlap-param-gather``, Centauri's
+  model level) is booked at the start of the step, on the group's lane (the pipeline's sends
+  there queue behind them) in the order the rank's actions first run those forwards, and
+  each layer's first forward waits for its own (the steady state: the previous step's
+  optimizer issued them as it ended).
 
 Memory follows :mod:`dsl.simulator.memory` at layer granularity. Reported per rank: busy time, layer /
 pipeline / data-parallel communication with the part exposed, model states and the peak of
