@@ -31,7 +31,7 @@ import attrs
 import torch
 
 from dhelix.dsl.core.errors import ScheduleError
-from dhelix.dsl.core.oplib import in_weight_pass
+from dhelix.dsl.core.oplib import in_weight_pass, selective_drops
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
 from dhelix.dsl.passes.validate import transfer_key
@@ -106,6 +106,9 @@ class Executor:
         self.index = {axis: comm.index(axis) for axis in AXES}
         self.layer_plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
         self.b_ops = backward_ops(program.backward, self.lowered.split)
+        #: Selective recomputation: the forward ops whose outputs each layer drops until its backward.
+        self.selective = selective_drops(program.forward.ops, program.backward.ops) \
+            if program.train.recompute == "selective" else ()
         self.w_ops = tuple(op for op in program.backward.ops if in_weight_pass(op))
         self.plan = plan_for(program.forward, program.backward)
         optional = {op.name for op in self.w_ops} if self.lowered.split else set()
@@ -291,7 +294,8 @@ class Executor:
         if mb in stage.runs:
             raise ValueError(f"micro-batch {mb} already runs forward on stage {stage.index}")
         full = self.program.train.recompute == "full"
-        runs = [LayerRun(self.layer_plan, w, self.comm, g, recompute=full, defer=self._defer)
+        runs = [LayerRun(self.layer_plan, w, self.comm, g, recompute=full, defer=self._defer,
+                         selective=self.selective)
                 for w, g in zip(stage.weights, stage.grads, strict=True)]
         stage.runs[mb] = runs
         start = self.weights.vocab_start(self.index)

@@ -24,7 +24,7 @@ first reader waits for. Tensors are released as soon as their last reader has ru
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 import attrs
 import torch
@@ -126,7 +126,7 @@ class LayerRun:
 
     def __init__(self, plan: LayerPlan, weights: Mapping[str, torch.Tensor], comm: Communicator,
                  grads: dict[str, torch.Tensor] | None = None, recompute: bool = False,
-                 defer: Callable[[Pending], None] | None = None):
+                 defer: Callable[[Pending], None] | None = None, selective: Collection[str] = ()):
         self.plan, self.weights, self.comm = plan, weights, comm
         #: Takes a ZeRO-3 gradient reduce-scatter left in flight (nothing in the layer reads
         #: it; the caller waits for it before the optimizer); None: wait for it at once.
@@ -138,6 +138,12 @@ class LayerRun:
         #: backward, and run the forward again (collectives included) before the first
         #: backward op. Every rank of a group replays at the same point of its op order.
         self.recompute = recompute
+        #: Selective recomputation: the forward ops whose outputs are dropped when the forward
+        #: ends (their places in the saved tensors marked) and computed again, from the
+        #: inputs kept for them (:attr:`_recipes`), when the backward starts.
+        self.selective = frozenset(selective)
+        self._recipes: dict[str, tuple[Op, list]] = {}
+        self._dropped: dict[str, torch.Tensor] = {}
         self._input: torch.Tensor | None = None
         self._forward_done = 0
         self._replaying = False
@@ -178,6 +184,9 @@ class LayerRun:
             self.acts[op.name] = out
             if self._saved_left[op.name]:
                 self.saved[op.name] = saved
+            if op.name in self.selective:  # its inputs: kept tensors, or dropped ones by name
+                self._recipes[op.name] = (op, [n if n in self.selective else a for n, a in zip(op.inputs, args)])
+                self._dropped[op.name] = out
         else:
             raise ValueError(f"{op.name} ({op.op}) is not a forward op")
         self._release(step.inputs, self._fwd_left, self.acts, keep=self.plan.fwd.output)
@@ -185,6 +194,8 @@ class LayerRun:
         self._forward_done += 1
         if self.recompute and not self._replaying and self._forward_done == len(self.plan.fwd.ops):
             self.saved.clear()  # the backward rebuilds them from the kept input (_replay)
+        if self._dropped and self._forward_done == len(self.plan.fwd.ops):
+            self._drop()
 
     def output(self) -> torch.Tensor:
         """The layer output (waits for it if a collective produces it)."""
@@ -208,6 +219,8 @@ class LayerRun:
         """Run backward op ``op`` (a dgrad, a wgrad, an op's whole backward or a collective)."""
         if self._input is not None:
             self._replay()
+        if self._recipes:
+            self._rebuild()
         step = self.plan.steps[op.name]
         role, kernel, flow = step.role, step.kernel, op.grad
         if role in (GATHER_W, SCATTER_DW):
@@ -265,6 +278,34 @@ class LayerRun:
         self._act(output)  # nothing of the replay left in flight
         self.acts = kept
         self._input, self._replaying = None, False
+        self.version += 1
+
+    def _drop(self) -> None:
+        """Selective recomputation, at the forward's end: every saved tensor that is a
+        dropped op's output becomes a :class:`_Dropped` mark, and the output is let go."""
+        names = {id(tensor): name for name, tensor in self._dropped.items()}
+        for key, saved in self.saved.items():
+            if isinstance(saved, tuple) and any(id(t) in names for t in saved):
+                self.saved[key] = tuple(_Dropped(names[id(t)]) if id(t) in names else t for t in saved)
+        for name in self._dropped:
+            if name != self.plan.fwd.output:
+                self.acts.pop(name, None)
+        self._dropped.clear()
+        self.version += 1
+
+    def _rebuild(self) -> None:
+        """Selective recomputation, before the first backward op: run the dropped ops'
+        forward kernels again (in forward order, from the kept inputs) and put their outputs
+        back where they were saved."""
+        made: dict[str, torch.Tensor] = {}
+        for name, (op, inputs) in self._recipes.items():
+            step = self.plan.steps[name]
+            args = [made[x] if isinstance(x, str) else x for x in inputs]
+            made[name], _ = step.kernel.forward(args, self._weight(op, op.weight_name), self._ctx(op, step, False))
+        for key, saved in self.saved.items():
+            if isinstance(saved, tuple) and any(isinstance(t, _Dropped) for t in saved):
+                self.saved[key] = tuple(made[t.name] if isinstance(t, _Dropped) else t for t in saved)
+        self._recipes.clear()
         self.version += 1
 
     # -- ZeRO-3 ----------------------------------------------------------------------------
@@ -348,7 +389,8 @@ class LayerRun:
         flight; most have not changed since, so the walk is redone only after a change."""
         if self._memo[0] != self.version:
             seen: dict[int, int] = {}
-            count_storages((self.acts, self.saved, self.bgrads, self._input), seen)
+            count_storages((self.acts, self.saved, self.bgrads, self._input,
+                            [inputs for _, inputs in self._recipes.values()]), seen)
             self._memo = (self.version, seen)
         return self._memo[1]
 
@@ -387,6 +429,13 @@ class LayerRun:
             left[name] -= 1
             if left[name] == 0 and name != keep:
                 store.pop(name, None)
+
+
+@attrs.frozen
+class _Dropped:
+    """Where a saved tensor was that selective recomputation dropped: the op that makes it."""
+
+    name: str
 
 
 def count_storages(values, seen: dict[int, int]) -> None:

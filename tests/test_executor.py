@@ -59,6 +59,25 @@ def test_single_rank_step_matches_reference(pipeline):
     assert executor.recorder.peak_bytes > 0
 
 
+@pytest.mark.parametrize("pipeline", ["one_f_one_b", "zb_h1"])
+def test_selective_recomputation_drops_norm_and_activation_outputs_and_stays_exact(pipeline):
+    # Without sequence parallelism both norms' outputs are saved (for the GEMMs' wgrads), and
+    # so is the SwiGLU's: all three are dropped, and rebuilt when each layer's backward starts
+    # (before W too, under zb_h1's split backward).
+    plain = program("tp = 1", pipeline, layers=2, microbatches=3)
+    prog = program("tp = 1", pipeline, layers=2, microbatches=3, train="recompute = selective")
+    batch = make_batch(prog, DATA_SEED)
+    peaks = {}
+    for name, p in (("plain", plain), ("selective", prog)):
+        executor = Executor(p, SingleRankComm(), seed=SEED)
+        loss = executor.step(batch)
+        check = compare(0, loss.item(), executor.grads(), reference_with(p, _full(p), batch, SEED))
+        assert check.loss_diff <= TOL and check.grad_diff <= TOL, str(check)
+        peaks[name] = executor.recorder.peak_bytes
+    assert Executor(prog, SingleRankComm(), seed=SEED).selective == ("ln1", "ln2", "act")
+    assert peaks["selective"] < peaks["plain"]
+
+
 def _full(prog):
     plan = WeightPlan(prog, SEED)
     return {name: plan.full(name) for name in plan.names()}

@@ -346,6 +346,23 @@ def test_full_recomputation_keeps_layer_inputs_and_pays_a_forward_per_backward(n
                                                          + plain_costs.layer.forward.seconds)
 
 
+@pytest.mark.parametrize("name", ["tiny_llama_cpu", "llama39b_a40"])
+def test_selective_recomputation_drops_the_cheap_outputs_and_pays_their_forward_again(name):
+    from dhelix.dsl.core.oplib import selective_drops
+
+    program = example(name)
+    modes = {mode: attrs.evolve(program, train=attrs.evolve(program.train, recompute=mode))
+             for mode in ("selective", "full")}
+    plain, selective, full = simulate(program), simulate(modes["selective"]), simulate(modes["full"])
+    dropped = selective_drops(program.forward.ops, program.backward.ops)
+    assert dropped == ("act",)  # sequence parallel: the norms' outputs are gathered, not saved
+    for a, b, c in zip(plain.ranks, selective.ranks, full.ranks, strict=True):
+        assert c.activations < b.activations < a.activations and b.states == a.states
+    again = step_costs(modes["selective"], None).layer.backward.seconds - step_costs(program, None).layer.backward.seconds
+    act = next(op for op in program.forward.ops if op.name == "act")
+    assert again == pytest.approx(cost_of(program).solo((act,)))
+
+
 def test_json_holds_the_figures_of_the_tables(capsys):
     import json
 

@@ -275,6 +275,27 @@ def is_wgrad(op) -> bool:
     return part_of(op.op) == WGRAD
 
 
+#: Forward operators whose outputs ``train { recompute = selective }`` drops between a layer's
+#: forward and its backward and computes again when the backward starts: the cheap,
+#: memory-bound ones (norms, activations, adds). GEMM, attention and collective outputs,
+#: which cost compute or traffic to make, are kept (torchtitan's op-level selective
+#: checkpointing keeps the matmuls' outputs the same way).
+SELECTIVE_RECOMPUTE = frozenset({"rmsnorm", "layernorm", "swiglu", "gelu", "add"})
+
+
+def selective_drops(forward_ops, backward_ops) -> tuple[str, ...]:
+    """The forward ops, in order, whose outputs selective recomputation drops: one of
+    :data:`SELECTIVE_RECOMPUTE` whose output a backward op saves and whose inputs the
+    backward saves too and keeps (so computing it again costs nothing to keep)."""
+    saved = {name for op in backward_ops for name in op.saved}
+    dropped: list[str] = []
+    for op in forward_ops:
+        if op.op in SELECTIVE_RECOMPUTE and op.name in saved and op.inputs \
+                and all(name in saved and name not in dropped for name in op.inputs):
+            dropped.append(op.name)
+    return tuple(dropped)
+
+
 #: The parameter (set True) of a ZeRO-3 gradient reduce-scatter whose gradient only wgrads
 #: compute (:mod:`dhelix.dsl.passes.fsdp`): it goes with them when W is split off.
 WEIGHT_PASS = "weight_pass"

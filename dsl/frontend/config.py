@@ -25,9 +25,11 @@ MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
 TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute",
               "param_gather", "shard", "launch")
 TRAIN_STRINGS = ("data",)  # a path, relative to the program file
-#: What ``train { recompute = … }`` accepts: keep every saved activation (``none``) or only each
+#: What ``train { recompute = … }`` accepts: keep every saved activation (``none``), drop the
+#: outputs of the cheap operators and compute them again when the layer's backward starts
+#: (``selective``, :data:`~dhelix.dsl.core.oplib.SELECTIVE_RECOMPUTE`), or keep only each
 #: layer's input, running the layer's forward again before its backward (``full``).
-RECOMPUTE = ("none", "full")
+RECOMPUTE = ("none", "selective", "full")
 #: When ZeRO-1's all-gather of the updated weights runs (``train { param_gather = … }``):
 #: right after the optimizer (``step``), or under the next step's forward, each model chunk's
 #: weights waited for before its first forward (``forward``: Megatron's
@@ -233,12 +235,12 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
         return None
     recompute = v.get("recompute", "none")
     if recompute not in RECOMPUTE:
-        notes = did_you_mean(recompute, RECOMPUTE) + ["none keeps every activation the backward reads; full keeps "
-                                                      "each layer's input and runs its forward again"]
-        if recompute == "selective":
-            notes.append("selective recomputation (Megatron's) drops attention's s × s scores, which the "
-                         "flash-style attention here never keeps: it would change nothing")
-        errors.add(CheckError(f"unknown recompute '{recompute}' (none or full)", block.span("recompute"), notes))
+        notes = did_you_mean(recompute, RECOMPUTE) + ["none keeps every activation the backward reads; selective "
+                                                      "drops the norms', activations' and adds' outputs and computes "
+                                                      "them again; full keeps each layer's input and runs its forward "
+                                                      "again"]
+        errors.add(CheckError(f"unknown recompute '{recompute}' (none, selective or full)", block.span("recompute"),
+                              notes))
         return None
     param_gather = v.get("param_gather", PARAM_GATHER[0])
     if param_gather not in PARAM_GATHER:

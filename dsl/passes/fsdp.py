@@ -118,6 +118,10 @@ def shard_weights(program: Program) -> Program:
             raise CheckError(f"zero = 3 with {axis} = {mesh.size(axis)} is not supported",
                              train.zero_span or train.span,
                              [f"{why}, not over dp alone", f"use zero = 1 with {axis} > 1, or {axis} = 1 with zero = 3"])
+    if train.recompute == "selective":
+        raise CheckError("recompute = selective with zero = 3 is not supported", train.zero_span or train.span,
+                         ["selective recomputation computes the dropped norms again when the backward starts, "
+                          "before ZeRO-3 has gathered their weights again", "use recompute = full, or zero = 1"])
     sharded_over = shard_axis(program)
     dp = mesh.size(sharded_over)  # the pieces each weight is cut into
     forward, backward = program.forward, program.backward

@@ -22,7 +22,9 @@ timeline), in seconds of the program's hardware profile:
   profile measured by `dhelix profile` times them (``embedding``, ``lm_head`` and their
   ``.bwd`` in ``measured.ops``); those times replace the model's.
 * **Activation recomputation** (``train { recompute = full }``): every layer's backward, and
-  every SI layer pair, first runs the layer's forward again, alone (its collectives included).
+  every SI layer pair, first runs the layer's forward again, alone (its collectives included);
+  with ``selective`` only the forward ops whose outputs it dropped
+  (:func:`~dhelix.dsl.core.oplib.selective_drops`: norms, activations, adds).
 * **Pipeline P2P**: ``micro_batch·(seq/cp)·hidden/tp`` elements of the model dtype per
   micro-batch and stage boundary (NOTES §3.5): the layer input's bytes, on the pp group's lane.
 * **Data parallel**: each stage's gradients (model dtype) are reduced over the DP×CP group
@@ -38,7 +40,7 @@ import attrs
 
 from dhelix.dsl.core.dtypes import dtype_bytes
 from dhelix.dsl.core.mesh import REPLICATE, SHARD, ranks_per_node
-from dhelix.dsl.core.oplib import END_OPS, in_weight_pass
+from dhelix.dsl.core.oplib import END_OPS, in_weight_pass, selective_drops
 from dhelix.dsl.planner.costmodel import collective_time, op_time
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
@@ -153,7 +155,11 @@ def layer_costs(program: Program, cost: PairCost, plan: Plan | None) -> LayerCos
     fwd = solo_work(cost, forward.ops)
     # Full recomputation runs the layer's forward again, alone, before its backward (in an SI
     # pair too: the backward strand's first op needs what it rebuilds).
-    again = fwd if program.train is not None and program.train.recompute == "full" else NOTHING
+    recompute = program.train.recompute if program.train is not None else "none"
+    again = fwd if recompute == "full" else NOTHING
+    if recompute == "selective":
+        dropped = set(selective_drops(forward.ops, backward.ops))
+        again = solo_work(cost, [op for op in forward.ops if op.name in dropped])
     return LayerCosts(
         forward=fwd, backward=again + solo_work(cost, backward.ops),
         backward_input=again + solo_work(cost, (op for op in backward.ops if not in_weight_pass(op))),

@@ -43,7 +43,7 @@ from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_ite
 from dhelix.dsl.core.errors import CheckError, DhelixError
 from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, head_activations, layer_activations,
-                                         model_states, recomputed)
+                                         model_states, recomputed, selectively_recomputed)
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
@@ -203,8 +203,12 @@ class _Expander:
         self.acts = layer_activations(program.forward, program.backward, program.model.dtype, self.split)
         # What a forward allocates per layer, and what its backward allocates again first.
         self.kept, self.rebuilt = self.acts, 0.0
-        if program.train is not None and program.train.recompute == "full":
+        recompute = program.train.recompute if program.train is not None else "none"
+        if recompute == "full":
             self.kept, self.rebuilt = recomputed(self.acts, program.forward, program.model.dtype)
+        elif recompute == "selective":
+            self.kept, self.rebuilt = selectively_recomputed(self.acts, program.forward, program.backward,
+                                                             program.model.dtype, self.split)
         self.head = head_activations(program, self.split)
         self.cache: dict[tuple, tuple[Piece, ...]] = {}
 

@@ -25,11 +25,12 @@ when it finishes it. :class:`MemoryTimeline` records these steps per rank and fi
 from __future__ import annotations
 
 import math
+from typing import Collection
 
 import attrs
 
 from dhelix.dsl.core.dtypes import dtype_bytes
-from dhelix.dsl.core.oplib import is_wgrad
+from dhelix.dsl.core.oplib import is_wgrad, selective_drops
 from dhelix.dsl.core.program import LayerDag, Program
 
 #: Optimizer bytes per parameter: fp32 master weight and two fp32 moments (mixed precision),
@@ -89,9 +90,11 @@ class Activations:
         return self.at_backward + self.at_weight
 
 
-def layer_activations(forward: LayerDag, backward: LayerDag, dtype: str, split: bool) -> Activations:
+def layer_activations(forward: LayerDag, backward: LayerDag, dtype: str, split: bool,
+                      drop: Collection[str] = ()) -> Activations:
     """The saved-tensor bytes of one layer and micro-batch (see the module docstring);
-    ``split`` keeps the tensors only wgrad ops read until W."""
+    ``split`` keeps the tensors only wgrad ops read until W; the values ``drop`` names are
+    not kept (selective recomputation)."""
     shapes = {op.name: op.shape for op in forward.ops}
     shapes[forward.input] = forward.input_shape
     readers: dict[str, list[bool]] = {}
@@ -101,7 +104,7 @@ def layer_activations(forward: LayerDag, backward: LayerDag, dtype: str, split: 
     size = dtype_bytes(dtype)
     at_backward = at_weight = 0.0
     for name in sorted(readers):
-        if name not in shapes:
+        if name not in shapes or name in drop:
             continue  # a tensor the forward never materialises (an elided collective's output)
         nbytes = float(math.prod(shapes[name]) * size)
         if split and all(readers[name]):
@@ -134,6 +137,15 @@ def recomputed(acts: Activations, forward: LayerDag, dtype: str) -> tuple[Activa
     running the forward again); the backward and W free what ``acts`` says they free."""
     kept = float(math.prod(forward.input_shape) * dtype_bytes(dtype))
     return Activations(kept), max(acts.total - kept, 0.0)
+
+
+def selectively_recomputed(acts: Activations, forward: LayerDag, backward: LayerDag, dtype: str,
+                           split: bool) -> tuple[Activations, float]:
+    """Selective recomputation: what a layer keeps from its forward to its backward (``acts``
+    without the outputs :func:`~dhelix.dsl.core.oplib.selective_drops` names), and what its
+    backward allocates when it starts (those outputs, computed again)."""
+    kept = layer_activations(forward, backward, dtype, split, drop=selective_drops(forward.ops, backward.ops))
+    return kept, max(acts.total - kept.total, 0.0)
 
 
 class MemoryTimeline:
