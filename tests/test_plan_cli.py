@@ -75,3 +75,13 @@ def test_ladder_has_a_rung_per_segment_pair(golden):
     assert len(rungs) == len(plan.pairs)
     assert sum('style="dashed"' in line for line in rungs) == sum(not (p.forward and p.backward) for p in plan.pairs)
     golden("render_ladder/llama39b_a40.dot", dot)
+
+
+def test_plan_prints_the_choices_of_every_level(capsys):
+    from dhelix.cli import main
+
+    assert main(["plan", "examples/tiny_llama_group_cpu.dhx"]) == 0
+    out = capsys.readouterr().out
+    assert "partition group ag1: inter first (inter: " in out and "partition backward: " in out
+    assert main(["plan", "examples/tiny_llama_launch_cpu.dhx"]) == 0
+    assert "train launch = auto: " in capsys.readouterr().out
