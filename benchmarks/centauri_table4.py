@@ -43,7 +43,7 @@ import argparse
 import platform
 import sys
 
-from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.planner.chunking import choose_all
 from dhelix.dsl.simulator.launch import choose_launch
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
                 times, memory = four(centauri, unpartitioned(centauri))
                 print(row(f"FSDP16, 2 nodes, b={batch}", times, memory, PAPER["single"]))
             except DhelixError as exc:
-                print(f"{'FSDP16, 2 nodes, b=' + str(batch):47} not run: {_first(exc)}")
+                print(f"{'FSDP16, 2 nodes, b=' + str(batch):47} not run: {first_message(exc)}")
         for batch in (1, 4):
             try:
                 kw = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
                 print(row(f"DP16, 2 nodes, b={batch} (+ launch {launched.launch}, interl.)",
                           [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
             except DhelixError as exc:
-                print(f"{'DP16, 2 nodes, b=' + str(batch):47} not run: {_first(exc)}")
+                print(f"{'DP16, 2 nodes, b=' + str(batch):47} not run: {first_message(exc)}")
         try:
             kw = dict(mesh="tp = 4  dp = 4  pp = 3", nodes=6, batch=1, microbatches=6, zero=1)
             centauri = program(size, partition="chunk ag2 + fc1 + act + fc2 + rs2 by auto",
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
             print(row(f"TP4+PP3+DP4, 6 nodes, m=6 (+ launch {launched.launch}, interl.)",
                       [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["hybrid"]))
         except DhelixError as exc:
-            print(f"{'TP4+PP3+DP4, 6 nodes, m=6':47} not run: {_first(exc)}")
+            print(f"{'TP4+PP3+DP4, 6 nodes, m=6':47} not run: {first_message(exc)}")
         for shard in (16, 8, 4):
             label = f"DP{48 // shard}+FSDP{shard} (HSDP), 6 nodes, b=1"
             try:
@@ -170,13 +170,9 @@ def main(argv=None) -> int:
                 times, memory = four(program(size, partition=" ", **kw), program(size, **kw))
                 print(row(label, times, memory, PAPER["hybrid"]))
             except DhelixError as exc:
-                print(f"{label:47} not run: {_first(exc)}")
+                print(f"{label:47} not run: {first_message(exc)}")
     return 0
 
-
-def _first(exc: DhelixError) -> str:
-    errors = getattr(exc, "errors", None) or [exc]
-    return errors[0].message
 
 
 if __name__ == "__main__":

@@ -187,19 +187,25 @@ def test_the_run_trace_is_the_simulators_format(tmp_path):
     assert trace["otherData"]["schedule"] == "w_helix" and trace["otherData"]["backend"] == "gloo"
 
 
+def _peak_activations(tmp_path, **programs) -> dict[str, tuple[float, float]]:
+    """Per named program: (measured, predicted) peak activation bytes of a 2-step run."""
+    peaks = {}
+    for name, path in programs.items():
+        metrics = tmp_path / f"{name}.json"
+        result = dhelix("run", str(path), "--steps", "2", "--metrics", str(metrics))
+        assert result.returncode == 0, result.stderr
+        data = json.loads(metrics.read_text())
+        peaks[name] = (data["peak_activations_bytes"], data["predicted"]["peak_activations_bytes"])
+    return peaks
+
+
 def test_full_recomputation_runs_exactly_and_keeps_fewer_activations(tmp_path):
     program = tmp_path / "recompute.dhx"
     text = tiny_example_text()  # a copy elsewhere
     program.write_text(text.replace("  seed = 1234", "  seed = 1234\n  recompute = full"))
     checked = dhelix("run", str(program), "--steps", "2", "--check")
     assert checked.returncode == 0, checked.stderr  # loss and every gradient equal to the reference
-    peaks = {}
-    for name, path in (("recompute", program), ("plain", Path(EXAMPLE))):
-        metrics = tmp_path / f"{name}.json"
-        result = dhelix("run", str(path), "--steps", "2", "--metrics", str(metrics))
-        assert result.returncode == 0, result.stderr
-        data = json.loads(metrics.read_text())
-        peaks[name] = (data["peak_activations_bytes"], data["predicted"]["peak_activations_bytes"])
+    peaks = _peak_activations(tmp_path, recompute=program, plain=Path(EXAMPLE))
     assert peaks["recompute"][0] < 0.5 * peaks["plain"][0]  # measured
     assert peaks["recompute"][1] < 0.5 * peaks["plain"][1]  # simulated
 
@@ -211,13 +217,7 @@ def test_selective_recomputation_runs_exactly_and_drops_what_the_model_says(tmp_
     program.write_text(tiny_example_text().replace("  seed = 1234", "  seed = 1234\n  recompute = selective"))
     checked = dhelix("run", str(program), "--steps", "2", "--check")
     assert checked.returncode == 0, checked.stderr
-    peaks = {}
-    for name, path in (("selective", program), ("plain", Path(EXAMPLE))):
-        metrics = tmp_path / f"{name}.json"
-        result = dhelix("run", str(path), "--steps", "2", "--metrics", str(metrics))
-        assert result.returncode == 0, result.stderr
-        data = json.loads(metrics.read_text())
-        peaks[name] = (data["peak_activations_bytes"], data["predicted"]["peak_activations_bytes"])
+    peaks = _peak_activations(tmp_path, selective=program, plain=Path(EXAMPLE))
     measured, simulated = (peaks["plain"][i] - peaks["selective"][i] for i in (0, 1))
     assert measured > 0 and simulated > 0
     assert measured == pytest.approx(simulated, rel=0.25)

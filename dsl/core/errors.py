@@ -95,6 +95,12 @@ class ErrorGroup(DhelixError):
         self.errors[-1].add_note(note)
 
 
+def first_message(error: DhelixError) -> str:
+    """The message of ``error``, or of the first member of an :class:`ErrorGroup` (a one-line
+    reason, where a candidate a planner tried was refused)."""
+    return error.errors[0].message if isinstance(error, ErrorGroup) and error.errors else error.message
+
+
 #: The most errors one check reports: past it they are counted, not kept, so a file with an
 #: error on each of its 100,000 lines is checked in linear time and a readable report.
 MAX_REPORTED = 100

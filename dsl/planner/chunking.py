@@ -38,7 +38,7 @@ from __future__ import annotations
 import attrs
 
 from dhelix.dsl.core import syntax as s
-from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
@@ -72,8 +72,7 @@ class ChunkChoice:
 
     def describe(self) -> str:
         """``chunk ag2 + fc1 by auto: 4 (1: 12.3 ms, 2: 10.1 ms, 4: 9.8 ms, 8: 10.4 ms)``."""
-        tried = _tried(self.candidates)
-        return f"chunk {' + '.join(self.ops)} by auto: {self.chosen} ({tried}; forward + backward of a layer alone)"
+        return _described(f"chunk {' + '.join(self.ops)} by auto: {self.chosen}", self.candidates)
 
 
 @attrs.frozen
@@ -89,8 +88,7 @@ class OrderChoice:
 
     def describe(self) -> str:
         """``group ag1: inter first (inter: 1.234 ms, intra: 1.456 ms; …)``."""
-        tried = _tried(self.candidates)
-        return f"{self.what}: {self.chosen} first ({tried}; forward + backward of a layer alone)"
+        return _described(f"{self.what}: {self.chosen} first", self.candidates)
 
 
 def choose_all(program: Program) -> tuple[Program, tuple[ChunkChoice | OrderChoice, ...]]:
@@ -186,8 +184,7 @@ def _price(program: Program) -> tuple[float | None, str]:
     try:
         tried = passes.rerun(program, after="check", stop="autodiff")
     except DhelixError as exc:
-        message = exc.errors[0].message if hasattr(exc, "errors") else exc.message
-        return None, _why(message)
+        return None, _why(first_message(exc))
     cost = PairCost(tried.profile, tried.model.dtype, seq=tried.model.get("seq"))
     return cost.solo(issue_order(tried.forward.ops)) + cost.solo(issue_order(tried.backward.ops)), ""
 
@@ -224,9 +221,10 @@ def _fastest(candidates, default):
     return default if default in tied else tied[0]
 
 
-def _tried(candidates) -> str:
-    return ", ".join(f"{c.value}: {c.seconds * 1e3:.3f} ms" if c.seconds is not None
-                     else f"{c.value}: refused ({c.why})" for c in candidates)
+def _described(head: str, candidates) -> str:
+    tried = ", ".join(f"{c.value}: {c.seconds * 1e3:.3f} ms" if c.seconds is not None
+                      else f"{c.value}: refused ({c.why})" for c in candidates)
+    return f"{head} ({tried}; forward + backward of a layer alone)"
 
 
 def _why(message: str) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import attrs
 
-from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.core.program import AUTO, Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.overrides import checked_program
@@ -86,7 +86,7 @@ def choose_launch(program: Program) -> tuple[Program, tuple[LaunchChoice, ...]]:
             tried = passes.rerun(attrs.evolve(program, launch=g), after="check")
             sim = simulate(tried)
         except DhelixError as exc:
-            tries.append(LaunchTry(g, None, why=_first(exc)))
+            tries.append(LaunchTry(g, None, why=first_message(exc)))
             continue
         tries.append(LaunchTry(g, sim.step_time, sim.peak_rank.memory))
     priced = [t for t in tries if t.seconds is not None]
@@ -98,7 +98,3 @@ def choose_launch(program: Program) -> tuple[Program, tuple[LaunchChoice, ...]]:
     best = min(pool, key=lambda t: (t.seconds, t.launch)).launch
     return passes.rerun(attrs.evolve(program, launch=best), after="check"), (LaunchChoice(best, tuple(tries), memory_gb),)
 
-
-def _first(exc: DhelixError) -> str:
-    errors = getattr(exc, "errors", None) or [exc]
-    return errors[0].message
