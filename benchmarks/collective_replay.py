@@ -34,13 +34,12 @@ from dhelix.dsl.core.oplib import in_weight_pass
 from dhelix.dsl.core.schedule import computes
 
 #: Collectives the replay can issue, and the share of its input each rank sends over the
-#: link in gloo. torch's gloo reduce_scatter_tensor runs as an all_reduce of the whole input
-#: (ring: 2(n-1)/n of it), twice a ring reduce_scatter's (n-1)/n. Measured on the 200 Mbit/s
-#: two-node link (2 ranks): reduce_scatter of 1 MiB 43 ms, all_reduce of 1 MiB 44 ms,
-#: all_gather of 0.5 MiB per rank (1 MiB out) 26 ms.
+#: link. A reduce_scatter sends (n-1)/n of its input on every backend: on gloo the
+#: Communicator runs it as an all_to_all and a local sum (torch's gloo reduce_scatter_tensor
+#: would send an all_reduce's 2(n-1)/n).
 SENT_SHARE = {
     "all_gather": lambda n: n - 1,           # its input goes to each of the n - 1 others
-    "reduce_scatter": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
 }
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -297,6 +297,8 @@ def run_rounds(world: World, program: Path, args, report: Report) -> dict[str, l
             metrics = world.workdir / f"round{round_index + 1}-{mode.name.replace(' ', '_')}.json"
             command = [arg.format(file=program) for arg in mode.args]
             command += ["--steps", str(args.steps), "--metrics", str(metrics)]
+            if args.trace and round_index == args.rounds - 1 and "dhelix" in mode.args:
+                command += ["--trace", str(Path(args.trace).resolve() / f"{mode.name.replace(' ', '_')}.json")]
             ok, where = world.run(command, mode.name)
             label = f"round {round_index + 1}/{args.rounds}  {mode.name:<12}"
             if not ok:
@@ -457,6 +459,8 @@ def parse_args(argv=None):
     parser.add_argument("--keep-going", action="store_true", help="go on after a failed run")
     parser.add_argument("--keep-files", action="store_true", help="keep the program, logs and metrics")
     parser.add_argument("--output", metavar="FILE", help="also write everything printed to FILE")
+    parser.add_argument("--trace", metavar="DIR",
+                        help="write a Chrome trace of each mode's last-round run into DIR (MODE.json)")
     parser.add_argument("--cleanup", action="store_true",
                         help="delete the namespaces a killed run left behind, then exit")
     args = parser.parse_args(argv)
@@ -477,6 +481,8 @@ def main(argv=None) -> int:
     except LinkError as exc:
         print(f"two_nodes.py: {exc}", file=sys.stderr)
         return 2
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
     report, workdir = Report(), Path(tempfile.mkdtemp(prefix="dhx2n-"))
     try:
         code = bench(args, report, workdir)

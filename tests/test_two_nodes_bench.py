@@ -39,10 +39,10 @@ def test_the_replay_issues_every_layer_collective_of_a_step():
                                                                  ("reduce_scatter", "tp", 2)}
     ag = next(c for c in collectives if c.name == "ag1")
     assert ag.shape == (256 // 2, 1024)  # the sequence-parallel shard of one micro-batch
-    # gloo: an all_gather sends its input once to the peer; a reduce_scatter the whole input
+    # an all_gather sends its input once to the peer; a reduce_scatter the peer's half
     assert collective_replay.bytes_sent([ag], "fp32") == 128 * 1024 * 4
     rs = next(c for c in collectives if c.name == "rs1")
-    assert collective_replay.bytes_sent([rs], "fp32") == 256 * 1024 * 4
+    assert collective_replay.bytes_sent([rs], "fp32") == 128 * 1024 * 4
 
 
 def test_the_replay_follows_the_rank_s_pipeline_stage_and_skips_weight_gradients():
