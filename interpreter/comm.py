@@ -63,6 +63,12 @@ class Pending:
         """A Pending whose result is ``fn`` of this one's, applied after the wait."""
         return Pending(self, None, lambda _: fn(self.wait()))
 
+    def done(self) -> bool:
+        """Whether :meth:`wait` would return without blocking on the operation."""
+        if self._done or self._work is None:
+            return True
+        return self._work.done() if isinstance(self._work, Pending) else self._work.is_completed()
+
     def wait(self) -> torch.Tensor:
         """Wait for the operation (idempotent) and return its result."""
         if not self._done:

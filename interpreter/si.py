@@ -46,6 +46,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Sequence
 
+from dhelix.dsl.core.oplib import is_wgrad
 from dhelix.dsl.core.program import Op
 
 from .comm import Pending
@@ -65,26 +66,98 @@ def settle(run) -> None:
                 grads[name] = value.wait()
 
 
+def _run(run, issue: Issue, recorder: Recorder) -> None:
+    # One op of ``issue``'s strand on ``run``; when tracing, an event on the compute lane
+    # named ``F.op``/``B.op`` (for a collective: its issue).
+    step = run.forward_op if issue.strand == "F" else run.backward_op
+    if recorder.trace:
+        start = time.perf_counter()
+        step(issue.op, async_op=issue.comm)
+        recorder.event(issue.name, "compute", start, time.perf_counter())
+    else:
+        step(issue.op, async_op=issue.comm)
+
+
+def _unfinished_inputs(run, issue: Issue) -> bool:
+    """Whether an input of ``issue``'s op on ``run`` is a collective still in flight (running
+    the op now would block the thread on it)."""
+    store = run.acts if issue.strand == "F" else run.bgrads
+    for name in issue.op.deps:
+        value = store.get(name)
+        for item in value.values() if isinstance(value, dict) else (value,):
+            if isinstance(item, Pending) and not item.done():
+                return True
+    return False
+
+
+class Filler:
+    """The backward strand's weight-gradient ops of an SI block, held back from their place
+    in the plan and run while the thread would otherwise block on a collective — on one CPU
+    thread, where a wait blocks every lane of compute. A wgrad feeds nothing of its layer
+    but the weight's gradient (a ZeRO-3 reduce-scatter of it excepted, which runs it first),
+    so where it runs changes no result and no collective's place in the issue order, which
+    stays static and the same on every rank. A layer pair opens with both strands waiting
+    for a collective that depends on the previous layer pair's last ones; the wgrads the
+    previous backward layer held are what can run then. Held ops are run at the latest at
+    the end of the layer pair after their own (:meth:`flush`), so they keep at most one
+    layer's saved tensors alive a layer longer."""
+
+    def __init__(self, recorder: Recorder):
+        self.recorder = recorder
+        self.held: list[tuple[int, object, Issue]] = []  # (layer pair, its backward run, the wgrad)
+
+    def holds(self, issue: Issue) -> bool:
+        """Whether ``issue`` is an op this filler takes instead of running it in place."""
+        return issue.strand == "B" and not issue.comm and is_wgrad(issue.op)
+
+    def hold(self, layer: int, run, issue: Issue) -> None:
+        self.held.append((layer, run, issue))
+
+    def before(self, run, issue: Issue) -> None:
+        """Run what must or can run before ``issue`` on ``run``: the held ops it reads, then,
+        while it would block on a collective, held ops whose own inputs have arrived (the
+        oldest first)."""
+        needed = [h for h in self.held if h[1] is run and h[2].op.name in issue.op.deps]
+        for held in needed:
+            self._run(held)
+        while _unfinished_inputs(run, issue):
+            ready = next((h for h in self.held if not _unfinished_inputs(h[1], h[2])), None)
+            if ready is None:
+                return
+            self._run(ready)
+
+    def flush(self, before_layer: int | None = None) -> None:
+        """Run the held ops of layer pairs before ``before_layer`` (all of them: None)."""
+        for held in [h for h in self.held if before_layer is None or h[0] < before_layer]:
+            self._run(held)
+
+    def _run(self, held) -> None:
+        self.held.remove(held)
+        _run(held[1], held[2], self.recorder)
+
+
 def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, label: str,
-             barrier: bool) -> None:
+             barrier: bool, filler: Filler | None = None, layer: int = 0) -> None:
     """Run one segment pair: its ops in the order ``issues`` gives (:mod:`.pair_order`),
     every collective asynchronous; then, with ``barrier``, wait for every collective either
-    run left in flight. A run may be None when ``issues`` holds none of its ops. When
-    tracing, each op is an event on the compute lane named ``F.op``/``B.op`` (for a
-    collective: its issue), recorded in issue order."""
-    steps = {"F": fwd_run.forward_op if fwd_run else None, "B": bwd_run.backward_op if bwd_run else None}
+    run left in flight. A run may be None when ``issues`` holds none of its ops. With a
+    ``filler``, the backward layer's wgrads go to it (``layer``: the layer pair's index)
+    and it runs held ones where an op would block. When tracing, each op is an event on the
+    compute lane, recorded when it runs."""
+    runs = {"F": fwd_run, "B": bwd_run}
     with recorder.span(label):
         for issue in issues:
-            if recorder.trace:
-                start = time.perf_counter()
-                steps[issue.strand](issue.op, async_op=issue.comm)
-                recorder.event(issue.name, "compute", start, time.perf_counter())
-            else:
-                steps[issue.strand](issue.op, async_op=issue.comm)
+            run = runs[issue.strand]
+            if filler is not None:
+                if filler.holds(issue):
+                    filler.hold(layer, run, issue)
+                    continue
+                filler.before(run, issue)
+            _run(run, issue, recorder)
         if barrier:
-            for layer in (fwd_run, bwd_run):
-                if layer is not None:
-                    settle(layer)
+            for layer_run in (fwd_run, bwd_run):
+                if layer_run is not None:
+                    settle(layer_run)
 
 
 class LayerChain:
@@ -140,8 +213,10 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
     pair k = (forward layer k, backward layer k) segment pair by segment pair in ``order``
     (built from the plan over ``fwd.ops`` and ``bwd.ops``; a barrier after each pair when
     ``order.barrier``), the barrier, then the ``end`` parts. A layer without a partner
-    (chains of unequal length) runs its side of the plan alone."""
+    (chains of unequal length) runs its side of the plan alone. Without the barrier (one CPU
+    thread), the backward's wgrads run where the thread would wait (:class:`Filler`)."""
     x, grad = fwd.begin(), bwd.begin()
+    filler = None if order.barrier else Filler(recorder)
     for k in range(max(len(fwd.runs), len(bwd.runs))):
         frun = fwd.runs[k] if k < len(fwd.runs) else None
         brun = bwd.runs[k] if k < len(bwd.runs) else None
@@ -150,12 +225,16 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
         if brun is not None:
             bwd.start(brun, grad)
         for index, issues in order.pairs(frun is not None, brun is not None):
-            run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}", order.barrier)
+            run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}", order.barrier, filler, k)
+        if filler is not None:
+            filler.flush(before_layer=k)
         if frun is not None:
             x = fwd.result(frun)
         if brun is not None:
             grad = bwd.result(brun)
         recorder.memory()
+    if filler is not None:
+        filler.flush()
     for run in fwd.runs + bwd.runs:
         settle(run)
     fwd.end(x)
