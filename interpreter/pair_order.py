@@ -50,6 +50,8 @@ class Issue:
 
     strand: str
     op: Op
+    #: An op of the next layer pair's forward layer, issued in this one (:class:`BlockOrder`).
+    ahead: bool = False
 
     @property
     def comm(self) -> bool:
@@ -158,17 +160,19 @@ def _ancestors(key: tuple[str, str], left: Mapping[tuple[str, str], Op]) -> set[
 
 
 def plan_order(plan: SegmentPlan, fwd_ops: Mapping[str, Op] | None, bwd_ops: Mapping[str, Op] | None,
-               barrier: bool) -> tuple[PairIssues, ...]:
+               barrier: bool, flight: InFlight | None = None) -> tuple[PairIssues, ...]:
     """Every non-empty segment pair of ``plan`` with its ops in issue order, for one layer
     pair. ``fwd_ops``/``bwd_ops`` are the ops each strand runs, by name, or None when that
     strand has no layer here (chains of unequal length); plan names missing from
     ``bwd_ops`` (the wgrads of a split B) are skipped. ``barrier``: whether the runner waits
     for every collective at the end of each pair (then none is in flight when the next
-    starts); otherwise collectives stay in flight until their reader, across pairs."""
-    flight = InFlight()
+    starts); otherwise collectives stay in flight until their reader, across pairs.
+    ``flight``: collectives already in flight when the layer pair starts (and plan names
+    missing from ``fwd_ops`` are ops issued before it)."""
+    flight = flight if flight is not None else InFlight()
     pairs = []
     for index, (fnames, bnames) in enumerate(plan):
-        fwd = [fwd_ops[name] for name in fnames] if fwd_ops is not None else []
+        fwd = [fwd_ops[name] for name in fnames if name in fwd_ops] if fwd_ops is not None else []
         bwd = [bwd_ops[name] for name in bnames if name in bwd_ops] if bwd_ops is not None else []
         if not (fwd or bwd):
             continue
@@ -178,16 +182,51 @@ def plan_order(plan: SegmentPlan, fwd_ops: Mapping[str, Op] | None, bwd_ops: Map
     return tuple(pairs)
 
 
+def forward_lead(fwd_ops: Sequence[Op], plan: SegmentPlan) -> tuple[Op, ...]:
+    """The forward layer's ops in the plan's order up to and including its first collective
+    (e.g. ``ln1``, ``ag1``): they read only the layer input, so they can be issued as soon as
+    the previous forward layer's output exists. Empty when the layer has no collective."""
+    by_name = {op.name: op for op in fwd_ops}
+    lead = []
+    for fnames, _ in plan:
+        for name in fnames:
+            lead.append(by_name[name])
+            if by_name[name].kind == "comm":
+                return tuple(lead)
+    return ()
+
+
+def with_lead(pairs: Sequence[PairIssues], lead: Sequence[Op]) -> tuple[PairIssues, ...]:
+    """``pairs`` with the next forward layer's ``lead`` (:func:`forward_lead`) issued right
+    after this layer pair's last forward op (``ahead``)."""
+    ahead = tuple(Issue(strand="F", op=op, ahead=True) for op in lead)
+    found = [(at, position) for at, (_, issues) in enumerate(pairs)
+             for position, issue in enumerate(issues) if issue.strand == "F"]
+    at, position = found[-1]
+    index, issues = pairs[at]
+    return tuple(pairs[:at]) + ((index, issues[:position + 1] + ahead + issues[position + 1:]),) + tuple(pairs[at + 1:])
+
+
 @attrs.frozen
 class BlockOrder:
     """The issue order of a layer pair's segment pairs (:func:`plan_order`) for each case of
     an SI block: both strands have a layer, only the forward one, only the backward one.
-    Built once per executor: every layer pair of every SI block runs the same plan."""
+    Built once per executor: every layer pair of every SI block runs the same plan.
+
+    Between the layer pairs of a block, the next forward layer's lead (:func:`forward_lead`:
+    its first collective and what feeds it) is issued right after this layer pair's last
+    forward op instead of in the next layer pair: both strands open a layer pair waiting for
+    a collective that depends on the previous one's last collectives, and the forward's can
+    be on the wire while the backward finishes its layer. The next layer pair is ordered
+    with it in flight (``*_led``)."""
 
     both: tuple[PairIssues, ...]
     forward: tuple[PairIssues, ...]
     backward: tuple[PairIssues, ...]
     barrier: bool
+    lead: tuple[Op, ...] = ()
+    both_led: tuple[PairIssues, ...] = ()
+    forward_led: tuple[PairIssues, ...] = ()
 
     @classmethod
     def build(cls, plan: SegmentPlan, fwd_ops: Sequence[Op], bwd_ops: Sequence[Op],
@@ -196,9 +235,27 @@ class BlockOrder:
         action runs, ``bwd_ops``; ``barrier`` as in :func:`plan_order`."""
         fwd = {op.name: op for op in fwd_ops}
         bwd = {op.name: op for op in bwd_ops}
-        return cls(both=plan_order(plan, fwd, bwd, barrier), forward=plan_order(plan, fwd, None, barrier),
-                   backward=plan_order(plan, None, bwd, barrier), barrier=barrier)
+        lead = forward_lead(fwd_ops, plan)
+        rest = {name: op for name, op in fwd.items() if op not in lead}
 
-    def pairs(self, forward: bool, backward: bool) -> tuple[PairIssues, ...]:
-        """The pairs to run when the forward and/or the backward strand has a layer."""
-        return self.both if forward and backward else self.forward if forward else self.backward
+        def led(bwd_ops):
+            # the lead's collective in flight (under a barrier: complete) when the pair starts
+            flight = InFlight(issued={} if barrier else {("F", lead[-1].name): 0}, clock=1)
+            return plan_order(plan, rest, bwd_ops, barrier, flight)
+
+        return cls(both=plan_order(plan, fwd, bwd, barrier), forward=plan_order(plan, fwd, None, barrier),
+                   backward=plan_order(plan, None, bwd, barrier), barrier=barrier, lead=lead,
+                   both_led=led(bwd) if lead else (), forward_led=led(None) if lead else ())
+
+    def pairs(self, forward: bool, backward: bool, led: bool = False, lead_next: bool = False
+              ) -> tuple[PairIssues, ...]:
+        """The pairs to run when the forward and/or the backward strand has a layer; ``led``:
+        the forward layer's lead was issued in the previous layer pair; ``lead_next``: issue
+        the next forward layer's lead in this one (both only where the forward has a layer)."""
+        if not (forward and self.lead):
+            return self.both if forward and backward else self.forward if forward else self.backward
+        if led:
+            pairs = self.both_led if backward else self.forward_led
+        else:
+            pairs = self.both if backward else self.forward
+        return with_lead(pairs, self.lead) if lead_next else pairs

@@ -137,17 +137,19 @@ class Filler:
 
 
 def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, label: str,
-             barrier: bool, filler: Filler | None = None, layer: int = 0) -> None:
+             barrier: bool, filler: Filler | None = None, layer: int = 0,
+             ahead: Callable[[], object] | None = None) -> None:
     """Run one segment pair: its ops in the order ``issues`` gives (:mod:`.pair_order`),
     every collective asynchronous; then, with ``barrier``, wait for every collective either
     run left in flight. A run may be None when ``issues`` holds none of its ops. With a
     ``filler``, the backward layer's wgrads go to it (``layer``: the layer pair's index)
-    and it runs held ones where an op would block. When tracing, each op is an event on the
-    compute lane, recorded when it runs."""
+    and it runs held ones where an op would block. ``ahead()`` gives the next forward layer's
+    run (started) for the ops ``issues`` issues ahead of it. When tracing, each op is an
+    event on the compute lane, recorded when it runs."""
     runs = {"F": fwd_run, "B": bwd_run}
     with recorder.span(label):
         for issue in issues:
-            run = runs[issue.strand]
+            run = ahead() if issue.ahead else runs[issue.strand]
             if filler is not None:
                 if filler.holds(issue):
                     filler.hold(layer, run, issue)
@@ -217,15 +219,26 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
     thread), the backward's wgrads run where the thread would wait (:class:`Filler`)."""
     x, grad = fwd.begin(), bwd.begin()
     filler = None if order.barrier else Filler(recorder)
+    started = set()  # forward runs started ahead of their layer pair (their lead issued)
     for k in range(max(len(fwd.runs), len(bwd.runs))):
         frun = fwd.runs[k] if k < len(fwd.runs) else None
         brun = bwd.runs[k] if k < len(bwd.runs) else None
-        if frun is not None:
+        if frun is not None and k not in started:
             fwd.start(frun, x)
         if brun is not None:
             bwd.start(brun, grad)
-        for index, issues in order.pairs(frun is not None, brun is not None):
-            run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}", order.barrier, filler, k)
+        lead_next = frun is not None and k + 1 < len(fwd.runs)
+
+        def ahead(k=k, frun=frun):
+            if k + 1 not in started:
+                started.add(k + 1)
+                fwd.start(fwd.runs[k + 1], fwd.result(frun))
+            return fwd.runs[k + 1]
+
+        for index, issues in order.pairs(frun is not None, brun is not None, led=k in started,
+                                         lead_next=lead_next):
+            run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}", order.barrier, filler, k,
+                     ahead)
         if filler is not None:
             filler.flush(before_layer=k)
         if frun is not None:

@@ -126,6 +126,10 @@ CASES = {
     "pp2_dualpipe_v_planned": ("tp = 2  pp = 2", "dualpipe_v", "u", "planned", False, 1),
     "pp2_w_helix_planned": ("tp = 2  pp = 2", "w_helix", "u", "planned", False, 1),
     "pp2_w_helix_pair_barrier": ("tp = 2  pp = 2", "w_helix", "u", "barrier", False, 1),
+    # Two layers per chunk: the next forward layer's lead issued in the layer pair before,
+    # the wgrads held across the layer pairs.
+    "pp2_w_helix_planned_two_layer_chunks": ("tp = 2  pp = 2", "w_helix", "u", "planned", False, 1, 8, 4),
+    "pp2_w_helix_barrier_two_layer_chunks": ("tp = 2  pp = 2", "w_helix", "u", "barrier", False, 1, 8, 4),
     # Lowered in FIFO order (a gradient no longer overtakes an activation between ranks 0
     # and 1), so it runs without message tags, as on NCCL.
     "pp4_dualpipe_v_untagged": ("pp = 4", "dualpipe_v", "u", "untagged", False, 1, 8, 8),

@@ -139,6 +139,26 @@ def test_without_a_barrier_collectives_stay_in_flight_into_the_next_pair():
     assert ["F.fc1", "B.h1.bwd"] in orders(LLAMA, plan, barrier=True)
 
 
+@pytest.mark.parametrize("barrier", [False, True])
+def test_the_next_forward_layer_s_lead_is_issued_after_this_layer_pair_s_last_forward_op(barrier):
+    plan = op_by_op_plan(LLAMA.forward, LLAMA.backward)
+    order = BlockOrder.build(plan, LLAMA.forward.ops, LLAMA.backward.ops, barrier)
+    assert [op.name for op in order.lead] == ["ln1", "ag1"]
+    plain = [issue.name for _, issues in order.both for issue in issues]
+    issues = [issue for _, pair in order.pairs(True, True, lead_next=True) for issue in pair]
+    names = [issue.name for issue in issues]
+    last_f = max(i for i, issue in enumerate(issues) if issue.strand == "F" and not issue.ahead)
+    assert [(i.name, i.ahead) for i in issues[last_f + 1:last_f + 3]] == [("F.ln1", True), ("F.ag1", True)]
+    assert [n for i, n in enumerate(names) if not issues[i].ahead] == plain
+    # the next layer pair runs without them, everything else once, each after its producers
+    led = [issue.name for _, pair in order.pairs(True, True, led=True) for issue in pair]
+    assert sorted(led) == sorted(n for n in plain if n not in ("F.ln1", "F.ag1"))
+    assert led.index("F.qkv") < led.index("F.prj")
+    # a lone backward layer has no lead; the last layer pair issues none
+    assert order.pairs(False, True, lead_next=True) == order.backward
+    assert order.pairs(True, True) == order.both
+
+
 def _recorded_pairs(rank: int, world: int) -> dict:
     # One step of the tiny Llama at tp = 2 with the op_by_op plan, tracing: the trace
     # records each op of a pair when it is issued, in order, before the pair's own span.
