@@ -30,7 +30,8 @@ What it does:
    collectives without the compute (``benchmarks/collective_replay.py``);
 5. prints per mode the median over rounds of the step time and of the exposed communication
    (each run's own figure is the median over its steps without the first, slowest rank), the
-   ratio SI ÷ no-SI, and the hidden fraction of min(compute, communication).
+   ratio SI ÷ no-SI, and the hidden fraction of min(compute, communication); ``--trace DIR``
+   keeps a Chrome trace of each ``dhelix run`` mode's last-round run (what waited for what).
 
 The goals of the issue (a benchmark, not a test; the machine it runs on decides): where
 compute and communication per layer are comparable, SI step ≤ 0.70 × the ``--no-si`` step,
