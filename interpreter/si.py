@@ -7,7 +7,11 @@ with fold u both travel the same way through the ranks); each layer pair runs th
 :data:`~.si_plan.SegmentPlan` of its DAGs (:mod:`.si_plan`) segment pair by segment pair,
 each pair's ops in the order :mod:`.pair_order` gives: collectives issued as soon as their
 inputs exist, compute that unlocks a collective soonest first, a collective waited for only
-by the op that reads it.
+by the op that reads it. Between layer pairs, the next forward layer's first collective is
+issued as soon as this forward layer's output exists (:class:`~.pair_order.BlockOrder`), and
+on one CPU thread the backward's wgrads are held and run where an op would wait
+(:class:`Filler`): the two places where a layer-by-layer plan leaves the thread waiting are
+the layer pair's opening, where both strands need a collective first.
 
 Lanes. Compute runs on the calling thread (CPU) or the current CUDA stream, which is the
 default stream, so every tensor is allocated there. Collectives are issued with
