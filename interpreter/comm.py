@@ -67,7 +67,10 @@ class Pending:
         """Whether :meth:`wait` would return without blocking on the operation."""
         if self._done or self._work is None:
             return True
-        return self._work.done() if isinstance(self._work, Pending) else self._work.is_completed()
+        if isinstance(self._work, Pending):
+            return self._work.done()
+        completed = getattr(self._work, "is_completed", None)
+        return completed() if completed is not None else True  # unknown: the wait will tell
 
     def wait(self) -> torch.Tensor:
         """Wait for the operation (idempotent) and return its result."""

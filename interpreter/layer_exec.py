@@ -253,6 +253,12 @@ class LayerRun:
             self.saved.pop(forward.name, None)
         self.version += 1
 
+    @property
+    def backward_started(self) -> bool:
+        """Whether the backward's own preparation is done: a full recomputation's replay (its
+        forward collectives) or a selective one's rebuild runs with the first backward op."""
+        return self._input is None and not self._recipes
+
     def input_grad(self) -> torch.Tensor:
         """The gradient of the layer input (after the whole backward DAG has run)."""
         return resolve(self.bgrads[self.plan.bwd.output][self.plan.fwd.input])

@@ -160,19 +160,20 @@ def _ancestors(key: tuple[str, str], left: Mapping[tuple[str, str], Op]) -> set[
 
 
 def plan_order(plan: SegmentPlan, fwd_ops: Mapping[str, Op] | None, bwd_ops: Mapping[str, Op] | None,
-               barrier: bool, flight: InFlight | None = None) -> tuple[PairIssues, ...]:
+               barrier: bool, flight: InFlight | None = None,
+               issued: frozenset[str] = frozenset()) -> tuple[PairIssues, ...]:
     """Every non-empty segment pair of ``plan`` with its ops in issue order, for one layer
     pair. ``fwd_ops``/``bwd_ops`` are the ops each strand runs, by name, or None when that
     strand has no layer here (chains of unequal length); plan names missing from
     ``bwd_ops`` (the wgrads of a split B) are skipped. ``barrier``: whether the runner waits
     for every collective at the end of each pair (then none is in flight when the next
     starts); otherwise collectives stay in flight until their reader, across pairs.
-    ``flight``: collectives already in flight when the layer pair starts (and plan names
-    missing from ``fwd_ops`` are ops issued before it)."""
+    ``flight``: collectives already in flight when the layer pair starts; ``issued``: forward
+    ops issued before it (the lead)."""
     flight = flight if flight is not None else InFlight()
     pairs = []
     for index, (fnames, bnames) in enumerate(plan):
-        fwd = [fwd_ops[name] for name in fnames if name in fwd_ops] if fwd_ops is not None else []
+        fwd = [fwd_ops[name] for name in fnames if name not in issued] if fwd_ops is not None else []
         bwd = [bwd_ops[name] for name in bnames if name in bwd_ops] if bwd_ops is not None else []
         if not (fwd or bwd):
             continue
@@ -236,12 +237,16 @@ class BlockOrder:
         fwd = {op.name: op for op in fwd_ops}
         bwd = {op.name: op for op in bwd_ops}
         lead = forward_lead(fwd_ops, plan)
-        rest = {name: op for name, op in fwd.items() if op not in lead}
+        read = {name for op in fwd_ops for name in op.deps}
+        if len(lead) == len(fwd) or any(op.kind == "comm" for op in fwd_ops if op.name not in read):
+            # the lead is the whole layer, or the layer's output is a collective (issuing the
+            # next lead would wait for it at once): no lead
+            lead = ()
 
         def led(bwd_ops):
             # the lead's collective in flight (under a barrier: complete) when the pair starts
             flight = InFlight(issued={} if barrier else {("F", lead[-1].name): 0}, clock=1)
-            return plan_order(plan, rest, bwd_ops, barrier, flight)
+            return plan_order(plan, fwd, bwd_ops, barrier, flight, frozenset(op.name for op in lead))
 
         return cls(both=plan_order(plan, fwd, bwd, barrier), forward=plan_order(plan, fwd, None, barrier),
                    backward=plan_order(plan, None, bwd, barrier), barrier=barrier, lead=lead,

@@ -102,17 +102,20 @@ class Filler:
     so where it runs changes no result and no collective's place in the issue order, which
     stays static and the same on every rank. A layer pair opens with both strands waiting
     for a collective that depends on the previous layer pair's last ones; the wgrads the
-    previous backward layer held are what can run then. Held ops are run at the latest at
-    the end of the layer pair after their own (:meth:`flush`), so they keep at most one
-    layer's saved tensors alive a layer longer."""
+    previous backward layer held are what can run then. Each run's held wgrads run in the
+    order the plan lists them (chunks of one weight add into one gradient: the sum's order
+    stays fixed), and only once the run's backward has started (a recomputing run's replay,
+    whose forward collectives must stay in place, comes first). Held ops are run at the
+    latest at the end of the layer pair after their own (:meth:`flush`), so they keep at most
+    one layer's saved tensors alive a layer longer."""
 
     def __init__(self, recorder: Recorder):
         self.recorder = recorder
         self.held: list[tuple[int, object, Issue]] = []  # (layer pair, its backward run, the wgrad)
 
-    def holds(self, issue: Issue) -> bool:
+    def holds(self, run, issue: Issue) -> bool:
         """Whether ``issue`` is an op this filler takes instead of running it in place."""
-        return issue.strand == "B" and not issue.comm and is_wgrad(issue.op)
+        return issue.strand == "B" and not issue.comm and is_wgrad(issue.op) and run.backward_started
 
     def hold(self, layer: int, run, issue: Issue) -> None:
         self.held.append((layer, run, issue))
@@ -125,7 +128,10 @@ class Filler:
         for held in needed:
             self._run(held)
         while _unfinished_inputs(run, issue):
-            ready = next((h for h in self.held if not _unfinished_inputs(h[1], h[2])), None)
+            firsts = {}  # each run's first held op, oldest first
+            for held in self.held:
+                firsts.setdefault(id(held[1]), held)
+            ready = next((h for h in firsts.values() if not _unfinished_inputs(h[1], h[2])), None)
             if ready is None:
                 return
             self._run(ready)
@@ -151,17 +157,21 @@ def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, labe
     run (started) for the ops ``issues`` issues ahead of it. When tracing, each op is an
     event on the compute lane, recorded when it runs."""
     runs = {"F": fwd_run, "B": bwd_run}
+    led = None  # the next forward layer's run, when this pair issues its lead
     with recorder.span(label):
         for issue in issues:
-            run = ahead() if issue.ahead else runs[issue.strand]
+            if issue.ahead:
+                run = led = ahead()
+            else:
+                run = runs[issue.strand]
             if filler is not None:
-                if filler.holds(issue):
+                if filler.holds(run, issue):
                     filler.hold(layer, run, issue)
                     continue
                 filler.before(run, issue)
             _run(run, issue, recorder)
         if barrier:
-            for layer_run in (fwd_run, bwd_run):
+            for layer_run in (fwd_run, bwd_run, led):
                 if layer_run is not None:
                     settle(layer_run)
 

@@ -159,6 +159,31 @@ def test_the_next_forward_layer_s_lead_is_issued_after_this_layer_pair_s_last_fo
     assert order.pairs(True, True) == order.both
 
 
+def test_a_layer_whose_output_is_a_collective_issues_no_lead():
+    # Megatron TP without SP: the layer ends with its all_reduce, so the next layer's lead
+    # would wait for it at once (and here the lead would be the whole layer).
+    prog = check_text("""
+import "stdlib/pipelines.dhx"
+layer tail {
+  in x [tokens, hidden]
+  ln1 = rmsnorm(x)
+  f = gemm(ln1, hidden, hidden)
+  o = all_reduce(f, tp)
+  out o
+}
+model m { layers = 6  hidden = 32  ffn = 64  heads = 4  seq = 8  vocab = 64  dtype = fp32  layer = tail }
+cluster { nodes = 1  gpus_per_node = 2  profile = "a40" }
+mesh { tp = 2 }
+train { micro_batch = 2  microbatches = 4 }
+fold u
+pipeline w_helix
+""", "t.dhx")
+    plan = op_by_op_plan(prog.forward, prog.backward)
+    order = BlockOrder.build(plan, prog.forward.ops, prog.backward.ops, False)
+    assert order.lead == ()
+    assert order.pairs(True, True, led=True, lead_next=True) == order.both
+
+
 def _recorded_pairs(rank: int, world: int) -> dict:
     # One step of the tiny Llama at tp = 2 with the op_by_op plan, tracing: the trace
     # records each op of a pair when it is issued, in order, before the pair's own span.
@@ -217,6 +242,8 @@ class _Flying:
 class _Strand:
     """A stand-in LayerRun for the filler: records what runs; a collective leaves a Pending
     whose work ``flying`` controls; a wgrad that runs lets it arrive (time passing)."""
+
+    backward_started = True
 
     def __init__(self, log, strand, flying):
         self.log, self.strand, self.flying = log, strand, flying
