@@ -42,7 +42,8 @@ the same static order), and for memory only in that a collective's buffers live 
 reader runs instead of until its pair ends — the collectives in flight across a pair
 boundary; at a layer boundary every reader of the layer has run and the layer's result has
 been waited for (a collective that only a split-off wgrad reads excepted), so the memory
-sampled there is unchanged.
+sampled there is unchanged — but for the wgrads the :class:`Filler` still holds (at most one
+layer pair's) and the next forward layer's lead, issued before the boundary.
 """
 
 from __future__ import annotations
