@@ -288,6 +288,11 @@ def profile_link(world: World, program: Path, args, report: Report) -> str | Non
     return out.name
 
 
+def trace_file(folder: str, mode: Mode) -> Path:
+    """Where ``--trace FOLDER`` puts the Chrome trace of ``mode``'s last-round run."""
+    return Path(folder) / f"{mode.name.replace(' ', '_')}.json"
+
+
 def run_rounds(world: World, program: Path, args, report: Report) -> dict[str, list[dict]]:
     """Every mode once per round, the order rotating by one mode each round; returns the
     metrics of the successful runs by mode name."""
@@ -299,7 +304,7 @@ def run_rounds(world: World, program: Path, args, report: Report) -> dict[str, l
             command = [arg.format(file=program) for arg in mode.args]
             command += ["--steps", str(args.steps), "--metrics", str(metrics)]
             if args.trace and round_index == args.rounds - 1 and "dhelix" in mode.args:
-                command += ["--trace", str(Path(args.trace).resolve() / f"{mode.name.replace(' ', '_')}.json")]
+                command += ["--trace", str(trace_file(args.trace, mode).resolve())]
             ok, where = world.run(command, mode.name)
             label = f"round {round_index + 1}/{args.rounds}  {mode.name:<12}"
             if not ok:
@@ -467,6 +472,11 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 2:
         parser.error("--rounds must be at least 1 and --steps at least 2 (the first step is left out)")
+    if args.trace:
+        kept = [str(trace_file(args.trace, m)) for m in MODES if trace_file(args.trace, m).exists()]
+        if kept:
+            parser.error(f"--trace {args.trace} already holds {', '.join(kept)}: "
+                         "name an empty or new folder (nothing is overwritten)")
     return args
 
 
@@ -482,10 +492,10 @@ def main(argv=None) -> int:
     except LinkError as exc:
         print(f"two_nodes.py: {exc}", file=sys.stderr)
         return 2
-    if args.trace:
-        Path(args.trace).mkdir(parents=True, exist_ok=True)
     report, workdir = Report(), Path(tempfile.mkdtemp(prefix="dhx2n-"))
     try:
+        if args.trace:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
         code = bench(args, report, workdir)
         if args.output:  # only a complete run replaces the results file
             report.write(args.output)

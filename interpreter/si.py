@@ -114,19 +114,21 @@ class Filler:
         self.recorder = recorder
         self.held: list[tuple[int, object, Issue]] = []  # (layer pair, its backward run, the wgrad)
 
-    def holds(self, run, issue: Issue) -> bool:
-        """Whether ``issue`` is an op this filler takes instead of running it in place."""
-        return issue.strand == "B" and not issue.comm and is_wgrad(issue.op) and run.backward_started
-
-    def hold(self, layer: int, run, issue: Issue) -> None:
-        self.held.append((layer, run, issue))
+    def take(self, layer: int, run, issue: Issue) -> bool:
+        """Hold ``issue`` (an op of layer pair ``layer`` on ``run``) instead of running it in
+        place, when it is a wgrad this filler may move; whether it did."""
+        if issue.strand == "B" and not issue.comm and is_wgrad(issue.op) and run.backward_started:
+            self.held.append((layer, run, issue))
+            return True
+        return False
 
     def before(self, run, issue: Issue) -> None:
-        """Run what must or can run before ``issue`` on ``run``: the held ops it reads, then,
-        while it would block on a collective, held ops whose own inputs have arrived (the
-        oldest first)."""
-        needed = [h for h in self.held if h[1] is run and h[2].op.name in issue.op.deps]
-        for held in needed:
+        """Run what must or can run before ``issue`` on ``run``: the held ops it reads (with
+        those of the run held before them), then, while it would block on a collective,
+        each run's first held op whose own inputs have arrived, the oldest first."""
+        mine = [h for h in self.held if h[1] is run]
+        last = max((i for i, h in enumerate(mine) if h[2].op.name in issue.op.deps), default=-1)
+        for held in mine[:last + 1]:
             self._run(held)
         while _unfinished_inputs(run, issue):
             firsts = {}  # each run's first held op, oldest first
@@ -166,8 +168,7 @@ def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, labe
             else:
                 run = runs[issue.strand]
             if filler is not None:
-                if filler.holds(run, issue):
-                    filler.hold(layer, run, issue)
+                if filler.take(layer, run, issue):
                     continue
                 filler.before(run, issue)
             _run(run, issue, recorder)

@@ -295,6 +295,16 @@ def test_the_filler_runs_held_wgrads_only_while_an_op_would_wait_for_a_collectiv
     assert log == ["B.act.bwd"]
     filler.flush(before_layer=2)
     assert log == ["B.act.bwd", "B.fc2.wgrad"] and filler.held == []
+    # an op that reads a held wgrad (a ZeRO-3 gradient scatter) runs it first, with the ones
+    # held before it on that run, in their order
+    log.clear()
+    import attrs
+
+    reader = attrs.evolve(ops["act.bwd"], inputs=("fc1.wgrad",), waits=())
+    run_pair(None, nxt, [Issue("B", ops["fc2.wgrad"]), Issue("B", ops["fc1.wgrad"]),
+                         Issue("B", ops["prj.wgrad"]), Issue("B", reader)], Recorder(), "l2", False, filler, 2)
+    assert log == ["B.fc2.wgrad", "B.fc1.wgrad", "B.act.bwd"]
+    assert [h[2].op.name for h in filler.held] == ["prj.wgrad"]
 
 
 class _Recording:

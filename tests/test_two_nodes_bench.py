@@ -129,3 +129,11 @@ def test_the_summary_s_ratio_and_hidden_fraction():
     # planned: median 7 s → 7 / 10 = 0.700 (goal met); hidden (10 - 7) / min(4, 5) = 75 %
     assert "SI planned    SI ÷ no-SI 0.700   hidden 75 %   goals: SI ÷ no-SI met, hidden not met" in text
     assert "SI op_by_op   SI ÷ no-SI 0.900   hidden 25 %" in text
+
+
+def test_a_trace_folder_holding_an_earlier_trace_is_refused(tmp_path, capsys):
+    (tmp_path / "SI_planned.json").write_text("{}")
+    with pytest.raises(SystemExit) as info:
+        two_nodes.parse_args(["--trace", str(tmp_path)])
+    assert info.value.code == 2
+    assert "already holds" in capsys.readouterr().err and (tmp_path / "SI_planned.json").read_text() == "{}"
