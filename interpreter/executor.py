@@ -114,7 +114,8 @@ class Executor:
         optional = {op.name for op in self.w_ops} if self.lowered.split else set()
         check_plan(self.plan, program.forward, program.backward, optional)
         barrier = self.device.type == "cuda" if pair_barrier is None else pair_barrier
-        self.si_order = BlockOrder.build(self.plan, program.forward.ops, self.b_ops, barrier)
+        self.si_order = BlockOrder.build(self.plan, program.forward.ops, self.b_ops, barrier,
+                                         (program.forward.output, program.backward.output))
         if not use_tags and check_fifo(self.lowered):
             raise ValueError("this backend matches messages in order, but the schedule's transfers "
                              f"are not in the same order on both sides: {check_fifo(self.lowered)[0]}")

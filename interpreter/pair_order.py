@@ -35,6 +35,7 @@ from typing import Mapping, Sequence
 
 import attrs
 
+from dhelix.dsl.core.oplib import is_wgrad
 from dhelix.dsl.core.program import Op
 
 from .si_plan import SegmentPlan
@@ -161,20 +162,21 @@ def _ancestors(key: tuple[str, str], left: Mapping[tuple[str, str], Op]) -> set[
 
 def plan_order(plan: SegmentPlan, fwd_ops: Mapping[str, Op] | None, bwd_ops: Mapping[str, Op] | None,
                barrier: bool, flight: InFlight | None = None,
-               issued: frozenset[str] = frozenset()) -> tuple[PairIssues, ...]:
+               issued: frozenset[tuple[str, str]] = frozenset()) -> tuple[PairIssues, ...]:
     """Every non-empty segment pair of ``plan`` with its ops in issue order, for one layer
     pair. ``fwd_ops``/``bwd_ops`` are the ops each strand runs, by name, or None when that
     strand has no layer here (chains of unequal length); plan names missing from
     ``bwd_ops`` (the wgrads of a split B) are skipped. ``barrier``: whether the runner waits
     for every collective at the end of each pair (then none is in flight when the next
     starts); otherwise collectives stay in flight until their reader, across pairs.
-    ``flight``: collectives already in flight when the layer pair starts; ``issued``: forward
-    ops issued before it (the lead)."""
+    ``flight``: collectives already in flight when the layer pair starts; ``issued``: the
+    (strand, op name) issued before it (the leads)."""
     flight = flight if flight is not None else InFlight()
     pairs = []
     for index, (fnames, bnames) in enumerate(plan):
-        fwd = [fwd_ops[name] for name in fnames if name not in issued] if fwd_ops is not None else []
-        bwd = [bwd_ops[name] for name in bnames if name in bwd_ops] if bwd_ops is not None else []
+        fwd = [fwd_ops[name] for name in fnames if ("F", name) not in issued] if fwd_ops is not None else []
+        bwd = [bwd_ops[name] for name in bnames if name in bwd_ops and ("B", name) not in issued] \
+            if bwd_ops is not None else []
         if not (fwd or bwd):
             continue
         pairs.append((index, order_pair(fwd, bwd, flight)))
@@ -183,26 +185,37 @@ def plan_order(plan: SegmentPlan, fwd_ops: Mapping[str, Op] | None, bwd_ops: Map
     return tuple(pairs)
 
 
-def forward_lead(fwd_ops: Sequence[Op], plan: SegmentPlan) -> tuple[Op, ...]:
-    """The forward layer's ops in the plan's order up to and including its first collective
-    (e.g. ``ln1``, ``ag1``): they read only the layer input, so they can be issued as soon as
-    the previous forward layer's output exists. Empty when the layer has no collective."""
-    by_name = {op.name: op for op in fwd_ops}
+def strand_lead(ops: Sequence[Op], plan: SegmentPlan, strand: str, output: str) -> tuple[Op, ...]:
+    """A layer's lead on ``strand``: its ops in the plan's order up to and including its
+    first collective (forward ``ln1``, ``ag1``; backward ``h2.bwd``, ``rs2.bwd``), which read
+    only the layer's input (its output gradient) and so can be issued as soon as the
+    previous layer of the strand produced it (its op ``output``). Empty when issuing it
+    early gains nothing: the layer has no collective, the lead is the whole layer, or the
+    previous layer's result is itself a collective (the lead would wait for it at once)."""
+    by_name = {op.name: op for op in ops}
+    side = 0 if strand == "F" else 1
     lead = []
-    for fnames, _ in plan:
-        for name in fnames:
+    for names in plan:
+        for name in names[side]:
+            if name not in by_name:
+                continue
             lead.append(by_name[name])
             if by_name[name].kind == "comm":
+                if len(lead) == len(by_name) or by_name[output].kind == "comm":
+                    return ()
                 return tuple(lead)
     return ()
 
 
-def with_lead(pairs: Sequence[PairIssues], lead: Sequence[Op]) -> tuple[PairIssues, ...]:
-    """``pairs`` with the next forward layer's ``lead`` (:func:`forward_lead`) issued right
-    after this layer pair's last forward op (``ahead``)."""
-    ahead = tuple(Issue(strand="F", op=op, ahead=True) for op in lead)
+def with_lead(pairs: Sequence[PairIssues], lead: Sequence[Op], strand: str = "F",
+              after: str | None = None) -> tuple[PairIssues, ...]:
+    """``pairs`` with the next layer's ``lead`` on ``strand`` (:func:`strand_lead`) issued
+    right after this layer pair's op ``after`` of that strand (the op producing the layer's
+    result; None: the strand's last op) (``ahead``)."""
+    ahead = tuple(Issue(strand=strand, op=op, ahead=True) for op in lead)
     found = [(at, position) for at, (_, issues) in enumerate(pairs)
-             for position, issue in enumerate(issues) if issue.strand == "F"]
+             for position, issue in enumerate(issues)
+             if issue.strand == strand and not issue.ahead and (after is None or issue.op.name == after)]
     at, position = found[-1]
     index, issues = pairs[at]
     return tuple(pairs[:at]) + ((index, issues[:position + 1] + ahead + issues[position + 1:]),) + tuple(pairs[at + 1:])
@@ -214,53 +227,76 @@ class BlockOrder:
     an SI block: both strands have a layer, only the forward one, only the backward one.
     Built once per executor: every layer pair of every SI block runs the same plan.
 
-    Between the layer pairs of a block, the next forward layer's lead (:func:`forward_lead`:
-    its first collective and what feeds it) is issued right after this layer pair's last
-    forward op instead of in the next layer pair: both strands open a layer pair waiting for
-    a collective that depends on the previous one's last collectives, and the forward's can
-    be on the wire while the backward finishes its layer. The next layer pair is ordered
-    with it in flight (``*_led``)."""
+    Between the layer pairs of a block, each strand's next layer's lead (:func:`strand_lead`:
+    its first collective and what feeds it) is issued in this layer pair, right after the
+    op that produces this layer's result (the forward's output, the backward's input
+    gradient), instead of in the next layer pair: both strands would otherwise open every
+    layer pair waiting for a collective that depends on the previous one's last
+    collectives. Their collectives are on the wire while this layer pair's remaining ops
+    run (the backward's wgrads, the forward's last GEMMs). The next layer pair is ordered
+    with them in flight (``led``)."""
 
-    both: tuple[PairIssues, ...]
-    forward: tuple[PairIssues, ...]
-    backward: tuple[PairIssues, ...]
+    plan: SegmentPlan
+    fwd: Mapping[str, Op]
+    bwd: Mapping[str, Op]
     barrier: bool
+    #: The forward and the backward strand's leads (empty: none).
     lead: tuple[Op, ...] = ()
-    both_led: tuple[PairIssues, ...] = ()
-    forward_led: tuple[PairIssues, ...] = ()
+    back_lead: tuple[Op, ...] = ()
+    #: The ops producing a layer's output (forward) and input gradient (backward).
+    outputs: tuple[str, str] = ("", "")
+    _orders: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     @classmethod
     def build(cls, plan: SegmentPlan, fwd_ops: Sequence[Op], bwd_ops: Sequence[Op],
-              barrier: bool) -> "BlockOrder":
+              barrier: bool, outputs: tuple[str, str] | None = None) -> "BlockOrder":
         """The orders of ``plan`` over the forward ops ``fwd_ops`` and the backward ops a B
-        action runs, ``bwd_ops``; ``barrier`` as in :func:`plan_order`."""
-        fwd = {op.name: op for op in fwd_ops}
-        bwd = {op.name: op for op in bwd_ops}
-        lead = forward_lead(fwd_ops, plan)
-        read = {name for op in fwd_ops for name in op.deps}
-        if len(lead) == len(fwd) or any(op.kind == "comm" for op in fwd_ops if op.name not in read):
-            # the lead is the whole layer, or the layer's output is a collective (issuing the
-            # next lead would wait for it at once): no lead
-            lead = ()
+        action runs, ``bwd_ops``; ``barrier`` as in :func:`plan_order`; ``outputs``: the ops
+        producing the layer's output and input gradient (default: the last forward op,
+        the last backward op that is not a wgrad)."""
+        if outputs is None:
+            outputs = (fwd_ops[-1].name, [op.name for op in bwd_ops if not is_wgrad(op)][-1])
+        return cls(plan=plan, fwd={op.name: op for op in fwd_ops}, bwd={op.name: op for op in bwd_ops},
+                   barrier=barrier, lead=strand_lead(fwd_ops, plan, "F", outputs[0]),
+                   back_lead=strand_lead(bwd_ops, plan, "B", outputs[1]), outputs=outputs)
 
-        def led(bwd_ops):
-            # the lead's collective in flight (under a barrier: complete) when the pair starts
-            flight = InFlight(issued={} if barrier else {("F", lead[-1].name): 0}, clock=1)
-            return plan_order(plan, fwd, bwd_ops, barrier, flight, frozenset(op.name for op in lead))
+    @property
+    def both(self) -> tuple[PairIssues, ...]:
+        """Both strands have a layer, no lead issued or to issue."""
+        return self.pairs(True, True)
 
-        return cls(both=plan_order(plan, fwd, bwd, barrier), forward=plan_order(plan, fwd, None, barrier),
-                   backward=plan_order(plan, None, bwd, barrier), barrier=barrier, lead=lead,
-                   both_led=led(bwd) if lead else (), forward_led=led(None) if lead else ())
+    @property
+    def forward(self) -> tuple[PairIssues, ...]:
+        """Only the forward strand has a layer."""
+        return self.pairs(True, False)
 
-    def pairs(self, forward: bool, backward: bool, led: bool = False, lead_next: bool = False
-              ) -> tuple[PairIssues, ...]:
-        """The pairs to run when the forward and/or the backward strand has a layer; ``led``:
-        the forward layer's lead was issued in the previous layer pair; ``lead_next``: issue
-        the next forward layer's lead in this one (both only where the forward has a layer)."""
-        if not (forward and self.lead):
-            return self.both if forward and backward else self.forward if forward else self.backward
-        if led:
-            pairs = self.both_led if backward else self.forward_led
-        else:
-            pairs = self.both if backward else self.forward
-        return with_lead(pairs, self.lead) if lead_next else pairs
+    @property
+    def backward(self) -> tuple[PairIssues, ...]:
+        """Only the backward strand has a layer."""
+        return self.pairs(False, True)
+
+    def pairs(self, forward: bool, backward: bool, led: bool = False, lead_next: bool = False,
+              back_led: bool = False, back_lead_next: bool = False) -> tuple[PairIssues, ...]:
+        """The pairs to run when the forward and/or the backward strand has a layer; ``led``
+        / ``back_led``: that strand's layer had its lead issued in the previous layer pair;
+        ``lead_next`` / ``back_lead_next``: issue that strand's next layer's lead in this one
+        (each only where the strand has a layer and a lead)."""
+        led, lead_next = (forward and bool(self.lead)) and led, (forward and bool(self.lead)) and lead_next
+        back_led = (backward and bool(self.back_lead)) and back_led
+        back_lead_next = (backward and bool(self.back_lead)) and back_lead_next
+        key = (forward, backward, led, back_led)
+        if key not in self._orders:
+            leads = [("F", self.lead) if led else None, ("B", self.back_lead) if back_led else None]
+            leads = [lead for lead in leads if lead is not None]
+            # the leads' collectives in flight (under a barrier: complete) when the pair starts
+            flight = InFlight(issued={} if self.barrier else {(s, ops[-1].name): 0 for s, ops in leads},
+                              clock=1 if leads else 0)
+            self._orders[key] = plan_order(self.plan, self.fwd if forward else None,
+                                           self.bwd if backward else None, self.barrier, flight,
+                                           frozenset((s, op.name) for s, ops in leads for op in ops))
+        pairs = self._orders[key]
+        if lead_next:
+            pairs = with_lead(pairs, self.lead, "F", self.outputs[0])
+        if back_lead_next:
+            pairs = with_lead(pairs, self.back_lead, "B", self.outputs[1])
+        return pairs

@@ -7,8 +7,9 @@ with fold u both travel the same way through the ranks); each layer pair runs th
 :data:`~.si_plan.SegmentPlan` of its DAGs (:mod:`.si_plan`) segment pair by segment pair,
 each pair's ops in the order :mod:`.pair_order` gives: collectives issued as soon as their
 inputs exist, compute that unlocks a collective soonest first, a collective waited for only
-by the op that reads it. Between layer pairs, the next forward layer's first collective is
-issued as soon as this forward layer's output exists (:class:`~.pair_order.BlockOrder`), and
+by the op that reads it. Between layer pairs, each strand's next layer's first collective
+is issued as soon as this layer's result exists — the forward output, the backward input
+gradient — (:class:`~.pair_order.BlockOrder`), and
 on one CPU thread the backward's wgrads are held and run where an op would wait
 (:class:`Filler`): the two places where a layer-by-layer plan leaves the thread waiting are
 the layer pair's opening, where both strands need a collective first.
@@ -43,7 +44,7 @@ reader runs instead of until its pair ends — the collectives in flight across 
 boundary; at a layer boundary every reader of the layer has run and the layer's result has
 been waited for (a collective that only a split-off wgrad reads excepted), so the memory
 sampled there is unchanged — but for the wgrads the :class:`Filler` still holds (at most one
-layer pair's) and the next forward layer's lead, issued before the boundary.
+layer pair's) and the next layers' leads, issued before the boundary.
 """
 
 from __future__ import annotations
@@ -151,20 +152,20 @@ class Filler:
 
 def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, label: str,
              barrier: bool, filler: Filler | None = None, layer: int = 0,
-             ahead: Callable[[], object] | None = None) -> None:
+             ahead: Callable[[str], object] | None = None) -> None:
     """Run one segment pair: its ops in the order ``issues`` gives (:mod:`.pair_order`),
     every collective asynchronous; then, with ``barrier``, wait for every collective either
     run left in flight. A run may be None when ``issues`` holds none of its ops. With a
     ``filler``, the backward layer's wgrads go to it (``layer``: the layer pair's index)
-    and it runs held ones where an op would block. ``ahead()`` gives the next forward layer's
-    run (started) for the ops ``issues`` issues ahead of it. When tracing, each op is an
-    event on the compute lane, recorded when it runs."""
+    and it runs held ones where an op would block. ``ahead(strand)`` gives the strand's next
+    layer's run (started) for the ops ``issues`` issues ahead of it (its lead). When tracing,
+    each op is an event on the compute lane, recorded when it runs."""
     runs = {"F": fwd_run, "B": bwd_run}
-    led = None  # the next forward layer's run, when this pair issues its lead
+    led = {}  # the next layers' runs, by strand, when this pair issues their leads
     with recorder.span(label):
         for issue in issues:
             if issue.ahead:
-                run = led = ahead()
+                run = led[issue.strand] = ahead(issue.strand)
             else:
                 run = runs[issue.strand]
             if filler is not None:
@@ -173,7 +174,7 @@ def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, labe
                 filler.before(run, issue)
             _run(run, issue, recorder)
         if barrier:
-            for layer_run in (fwd_run, bwd_run, led):
+            for layer_run in (fwd_run, bwd_run, *led.values()):
                 if layer_run is not None:
                     settle(layer_run)
 
@@ -235,24 +236,28 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
     thread), the backward's wgrads run where the thread would wait (:class:`Filler`)."""
     x, grad = fwd.begin(), bwd.begin()
     filler = None if order.barrier else Filler(recorder)
-    started = set()  # forward runs started ahead of their layer pair (their lead issued)
+    chains = {"F": fwd, "B": bwd}
+    started = {"F": set(), "B": set()}  # runs started ahead of their layer pair (their lead issued)
     for k in range(max(len(fwd.runs), len(bwd.runs))):
         frun = fwd.runs[k] if k < len(fwd.runs) else None
         brun = bwd.runs[k] if k < len(bwd.runs) else None
-        if frun is not None and k not in started:
+        if frun is not None and k not in started["F"]:
             fwd.start(frun, x)
-        if brun is not None:
+        if brun is not None and k not in started["B"]:
             bwd.start(brun, grad)
-        lead_next = frun is not None and k + 1 < len(fwd.runs)
+        current = {"F": frun, "B": brun}
 
-        def ahead(k=k, frun=frun):
-            if k + 1 not in started:
-                started.add(k + 1)
-                fwd.start(fwd.runs[k + 1], fwd.result(frun))
-            return fwd.runs[k + 1]
+        def ahead(strand, k=k, current=current):
+            chain = chains[strand]
+            if k + 1 not in started[strand]:
+                started[strand].add(k + 1)
+                chain.start(chain.runs[k + 1], chain.result(current[strand]))
+            return chain.runs[k + 1]
 
-        for index, issues in order.pairs(frun is not None, brun is not None, led=k in started,
-                                         lead_next=lead_next):
+        for index, issues in order.pairs(frun is not None, brun is not None, led=k in started["F"],
+                                         lead_next=frun is not None and k + 1 < len(fwd.runs),
+                                         back_led=k in started["B"],
+                                         back_lead_next=brun is not None and k + 1 < len(bwd.runs)):
             run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}", order.barrier, filler, k,
                      ahead)
         if filler is not None:

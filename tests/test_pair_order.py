@@ -159,6 +159,38 @@ def test_the_next_forward_layer_s_lead_is_issued_after_this_layer_pair_s_last_fo
     assert order.pairs(True, True) == order.both
 
 
+@pytest.mark.parametrize("barrier", [False, True])
+def test_the_next_backward_layer_s_lead_is_issued_right_after_this_one_s_input_gradient(barrier):
+    plan = planned_pairs(LLAMA)
+    order = BlockOrder.build(plan, LLAMA.forward.ops, LLAMA.backward.ops, barrier,
+                             (LLAMA.forward.output, LLAMA.backward.output))
+    assert [op.name for op in order.back_lead] == ["h2.bwd", "rs2.bwd"]
+    plain = [issue.name for _, issues in order.both for issue in issues]
+    issues = [i for _, pair in order.pairs(True, True, lead_next=True, back_lead_next=True) for i in pair]
+    names = [issue.name for issue in issues]
+    # right after the op that produces this backward layer's input gradient, before the
+    # wgrads and forward ops the plan puts after it
+    at = names.index(f"B.{LLAMA.backward.output}")
+    assert [(i.name, i.ahead) for i in issues[at + 1:at + 3]] == [("B.h2.bwd", True), ("B.rs2.bwd", True)]
+    assert at + 3 < len(names) - 2, "something of the layer pair runs beside the lead"
+    assert [n for i, n in enumerate(names) if not issues[i].ahead] == plain
+    # the next layer pair runs without either lead, everything else once, each after its producers
+    led = [i for _, pair in order.pairs(True, True, led=True, back_led=True) for i in pair]
+    assert sorted(i.name for i in led) == sorted(n for n in plain if n not in
+                                                ("F.ln1", "F.ag1", "B.h2.bwd", "B.rs2.bwd"))
+    done = {"F": {"ln1", "ag1", LLAMA.forward.input}, "B": {"h2.bwd", "rs2.bwd", LLAMA.backward.input}}
+    dags = {"F": {op.name: op for op in LLAMA.forward.ops}, "B": {op.name: op for op in LLAMA.backward.ops}}
+    for issue in led:
+        assert all(dep in done[issue.strand] or dep not in dags[issue.strand] for dep in issue.op.deps), issue
+        done[issue.strand].add(issue.op.name)
+    # the backward strand's first op reads the lead's collective (in flight, or complete
+    # under a barrier)
+    first_b = next(i for i in led if i.strand == "B")
+    assert "rs2.bwd" in first_b.op.deps
+    # only where the backward strand has a layer
+    assert order.pairs(True, False, back_lead_next=True, back_led=True) == order.forward
+
+
 def test_a_layer_whose_output_is_a_collective_issues_no_lead():
     # Megatron TP without SP: the layer ends with its all_reduce, so the next layer's lead
     # would wait for it at once (and here the lead would be the whole layer).
@@ -182,6 +214,8 @@ pipeline w_helix
     order = BlockOrder.build(plan, prog.forward.ops, prog.backward.ops, False)
     assert order.lead == ()
     assert order.pairs(True, True, led=True, lead_next=True) == order.both
+    # its backward's input gradient is ln1's backward, not a collective: that lead stays
+    assert [op.name for op in order.back_lead][-1] == "o.bwd"
 
 
 def _recorded_pairs(rank: int, world: int) -> dict:
