@@ -35,7 +35,6 @@ from typing import Mapping, Sequence
 
 import attrs
 
-from dhelix.dsl.core.oplib import is_wgrad
 from dhelix.dsl.core.program import Op
 
 from .si_plan import SegmentPlan
@@ -207,16 +206,15 @@ def strand_lead(ops: Sequence[Op], plan: SegmentPlan, strand: str, output: str) 
     return ()
 
 
-def with_lead(pairs: Sequence[PairIssues], lead: Sequence[Op], strand: str = "F",
-              after: str | None = None) -> tuple[PairIssues, ...]:
+def with_lead(pairs: Sequence[PairIssues], lead: Sequence[Op], strand: str, after: str
+              ) -> tuple[PairIssues, ...]:
     """``pairs`` with the next layer's ``lead`` on ``strand`` (:func:`strand_lead`) issued
     right after this layer pair's op ``after`` of that strand (the op producing the layer's
-    result; None: the strand's last op) (``ahead``)."""
+    result) (``ahead``)."""
     ahead = tuple(Issue(strand=strand, op=op, ahead=True) for op in lead)
-    found = [(at, position) for at, (_, issues) in enumerate(pairs)
-             for position, issue in enumerate(issues)
-             if issue.strand == strand and not issue.ahead and (after is None or issue.op.name == after)]
-    at, position = found[-1]
+    at, position = next((at, position) for at, (_, issues) in enumerate(pairs)
+                        for position, issue in enumerate(issues)
+                        if issue.strand == strand and not issue.ahead and issue.op.name == after)
     index, issues = pairs[at]
     return tuple(pairs[:at]) + ((index, issues[:position + 1] + ahead + issues[position + 1:]),) + tuple(pairs[at + 1:])
 
@@ -249,13 +247,10 @@ class BlockOrder:
 
     @classmethod
     def build(cls, plan: SegmentPlan, fwd_ops: Sequence[Op], bwd_ops: Sequence[Op],
-              barrier: bool, outputs: tuple[str, str] | None = None) -> "BlockOrder":
+              barrier: bool, outputs: tuple[str, str]) -> "BlockOrder":
         """The orders of ``plan`` over the forward ops ``fwd_ops`` and the backward ops a B
         action runs, ``bwd_ops``; ``barrier`` as in :func:`plan_order`; ``outputs``: the ops
-        producing the layer's output and input gradient (default: the last forward op,
-        the last backward op that is not a wgrad)."""
-        if outputs is None:
-            outputs = (fwd_ops[-1].name, [op.name for op in bwd_ops if not is_wgrad(op)][-1])
+        producing the layer's output and its input gradient (the DAGs' ``output``)."""
         return cls(plan=plan, fwd={op.name: op for op in fwd_ops}, bwd={op.name: op for op in bwd_ops},
                    barrier=barrier, lead=strand_lead(fwd_ops, plan, "F", outputs[0]),
                    back_lead=strand_lead(bwd_ops, plan, "B", outputs[1]), outputs=outputs)
@@ -281,13 +276,13 @@ class BlockOrder:
         / ``back_led``: that strand's layer had its lead issued in the previous layer pair;
         ``lead_next`` / ``back_lead_next``: issue that strand's next layer's lead in this one
         (each only where the strand has a layer and a lead)."""
-        led, lead_next = (forward and bool(self.lead)) and led, (forward and bool(self.lead)) and lead_next
-        back_led = (backward and bool(self.back_lead)) and back_led
-        back_lead_next = (backward and bool(self.back_lead)) and back_lead_next
+        leading = forward and bool(self.lead), backward and bool(self.back_lead)
+        led, lead_next = led and leading[0], lead_next and leading[0]
+        back_led, back_lead_next = back_led and leading[1], back_lead_next and leading[1]
         key = (forward, backward, led, back_led)
         if key not in self._orders:
-            leads = [("F", self.lead) if led else None, ("B", self.back_lead) if back_led else None]
-            leads = [lead for lead in leads if lead is not None]
+            leads = [(strand, ops) for strand, ops, on in (("F", self.lead, led), ("B", self.back_lead, back_led))
+                     if on]
             # the leads' collectives in flight (under a barrier: complete) when the pair starts
             flight = InFlight(issued={} if self.barrier else {(s, ops[-1].name): 0 for s, ops in leads},
                               clock=1 if leads else 0)

@@ -41,9 +41,14 @@ LLAMA = program()
 MOE = program("moe", "dp = 2  ep = 2", "experts = 4  top_k = 2")
 
 
+def outputs(prog) -> tuple[str, str]:
+    """The ops producing a layer's output and its input gradient."""
+    return prog.forward.output, prog.backward.output
+
+
 def orders(prog, plan, barrier=False):
     """Each non-empty pair's issue order as names (``F.ln1``, ``B.rs2.bwd``)."""
-    order = BlockOrder.build(plan, prog.forward.ops, prog.backward.ops, barrier)
+    order = BlockOrder.build(plan, prog.forward.ops, prog.backward.ops, barrier, outputs(prog))
     return [[issue.name for issue in issues] for _, issues in order.both]
 
 
@@ -142,7 +147,7 @@ def test_without_a_barrier_collectives_stay_in_flight_into_the_next_pair():
 @pytest.mark.parametrize("barrier", [False, True])
 def test_the_next_forward_layer_s_lead_is_issued_after_this_layer_pair_s_last_forward_op(barrier):
     plan = op_by_op_plan(LLAMA.forward, LLAMA.backward)
-    order = BlockOrder.build(plan, LLAMA.forward.ops, LLAMA.backward.ops, barrier)
+    order = BlockOrder.build(plan, LLAMA.forward.ops, LLAMA.backward.ops, barrier, outputs(LLAMA))
     assert [op.name for op in order.lead] == ["ln1", "ag1"]
     plain = [issue.name for _, issues in order.both for issue in issues]
     issues = [issue for _, pair in order.pairs(True, True, lead_next=True) for issue in pair]
@@ -162,8 +167,7 @@ def test_the_next_forward_layer_s_lead_is_issued_after_this_layer_pair_s_last_fo
 @pytest.mark.parametrize("barrier", [False, True])
 def test_the_next_backward_layer_s_lead_is_issued_right_after_this_one_s_input_gradient(barrier):
     plan = planned_pairs(LLAMA)
-    order = BlockOrder.build(plan, LLAMA.forward.ops, LLAMA.backward.ops, barrier,
-                             (LLAMA.forward.output, LLAMA.backward.output))
+    order = BlockOrder.build(plan, LLAMA.forward.ops, LLAMA.backward.ops, barrier, outputs(LLAMA))
     assert [op.name for op in order.back_lead] == ["h2.bwd", "rs2.bwd"]
     plain = [issue.name for _, issues in order.both for issue in issues]
     issues = [i for _, pair in order.pairs(True, True, lead_next=True, back_lead_next=True) for i in pair]
@@ -211,11 +215,13 @@ fold u
 pipeline w_helix
 """, "t.dhx")
     plan = op_by_op_plan(prog.forward, prog.backward)
-    order = BlockOrder.build(plan, prog.forward.ops, prog.backward.ops, False)
+    order = BlockOrder.build(plan, prog.forward.ops, prog.backward.ops, False, outputs(prog))
     assert order.lead == ()
     assert order.pairs(True, True, led=True, lead_next=True) == order.both
-    # its backward's input gradient is ln1's backward, not a collective: that lead stays
-    assert [op.name for op in order.back_lead][-1] == "o.bwd"
+    # its backward's input gradient comes from ln1's backward, not a collective: the backward
+    # lead stays, up to its first collective
+    assert order.back_lead[-1].name == "o.bwd" and order.back_lead[-1].kind == "comm"
+    assert order.pairs(True, True, back_lead_next=True) != order.both
 
 
 def _recorded_pairs(rank: int, world: int) -> dict:
