@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def machine() -> str:
         pass
     import torch
 
-    return f"{platform.node()}: {model}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, " \
+    gpu = f"{torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible), " if torch.cuda.is_available() else ""
+    return f"{platform.node()}: {gpu}{model}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, " \
            f"torch {torch.__version__}"
 
 
@@ -74,7 +76,7 @@ def run_rounds(args, profile: Path, work: Path, say) -> dict[str, list[dict]]:
             data = json.loads(metrics.read_text())
             results[name].append(data)
             say(f"round {index + 1}/{args.rounds}  {name:<10} step {1e3 * data['step_s']:8.1f} ms   "
-                f"exposed comm {1e3 * data['exposed_comm_s']:8.1f} ms   "
+                f"exposed comm {1e3 * (data['exposed_comm_s'] or 0.0):8.1f} ms   "
                 f"(load average {os.getloadavg()[0]:.1f})")
     return results
 
@@ -88,8 +90,8 @@ def summarise(results: dict[str, list[dict]], say) -> None:
         steps = [d["step_s"] for d in runs]
         step = statistics.median(steps)
         predicted = statistics.median(d["predicted"]["step_s"] for d in runs)
-        exposed = statistics.median(d["exposed_comm_s"] for d in runs)
-        exposed_sim = statistics.median(d["predicted"]["exposed_comm_s"] for d in runs)
+        exposed = statistics.median(d["exposed_comm_s"] or 0.0 for d in runs)  # None: nothing to communicate
+        exposed_sim = statistics.median(d["predicted"]["exposed_comm_s"] or 0.0 for d in runs)
         ratio = predicted / step
         say(f"{name:<10} {len(runs):>4} {1e3 * step:>8.1f}ms {1e3 * min(steps):>6.1f}ms {1e3 * max(steps):>6.1f}ms "
             f"{1e3 * predicted:>8.1f}ms {ratio:>9.3f}  {1e3 * exposed:>9.1f}ms {1e3 * exposed_sim:>9.1f}ms  "
@@ -109,6 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=10, help="dhelix profile --repeats (default 10)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per command (default 600)")
     parser.add_argument("--output", type=Path, help="also write the report to this file")
+    parser.add_argument("--keep-profile", type=Path, metavar="OUT.yaml", help="also copy the measured profile here")
     args = parser.parse_args(argv)
     lines: list[str] = []
 
@@ -127,6 +130,8 @@ def main(argv=None) -> int:
                         timeout=args.timeout)
         if result.returncode != 0:
             raise SystemExit(f"dhelix profile failed:\n{result.stderr[-2000:]}")
+        if args.keep_profile is not None:
+            shutil.copyfile(profile, args.keep_profile)
         say(f"profile: `dhelix profile PROGRAM -o this-machine.yaml --repeats {args.repeats}`:")
         for line in result.stdout.splitlines()[2:5]:
             say(f"  {line.strip()}")

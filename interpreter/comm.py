@@ -28,6 +28,14 @@ import torch.distributed as dist
 from dhelix.dsl.core.mesh import DIMENSIONS, INTER, INTRA, Mesh
 
 AXES = ("tp", "cp", "dp", "pp", "ep")
+
+
+def collective_device() -> torch.device:
+    """Where the default process group takes its tensors: this rank's current GPU under
+    NCCL (which has no CPU collectives), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 #: The expert-data-parallel axis: the dp / ep replicas of one expert shard (same ep index,
 #: one per EP block), over which sharded expert weights' gradients are summed.
 EDP = "edp"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from dhelix.dsl.core.program import Program
 
-from .comm import AXES, Communicator
+from .comm import AXES, Communicator, collective_device
 from .reference import Batch, ReferenceModel, make_batch
 from .weights import WeightPlan
 
@@ -70,7 +70,7 @@ def gather_to_first(obj) -> list | None:
     """Every rank's picklable ``obj``, in rank order, on global rank 0 (None elsewhere).
     Collective over the world; ``torch.distributed.gather_object`` without NumPy (which
     the CPU build of torch may lack), on the device the backend needs."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    device = collective_device()
     data = pickle.dumps(obj)
     world = dist.get_world_size()
     size = torch.tensor([len(data)], dtype=torch.long, device=device)
@@ -90,7 +90,7 @@ def gather_to_first(obj) -> list | None:
 
 def broadcast_from_first(obj):
     """Global rank 0's picklable ``obj`` on every rank (collective over the world)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    device = collective_device()
     data = pickle.dumps(obj) if dist.get_rank() == 0 else b""
     size = torch.tensor([len(data)], dtype=torch.long, device=device)
     dist.broadcast(size, 0)

@@ -10,7 +10,8 @@ Each compute operator of the library is a :class:`Kernel` of three functions:
 
 Backward formulas are written out (no autograd). Attention calls the flash-attention
 kernels directly on CPU (saving the output and the log-sum-exp, never the probabilities);
-on other devices its backward recomputes the forward under autograd.
+on other devices its backward recomputes the forward under autograd. On a GPU RMSNorm and
+SwiGLU run fused (:mod:`.gpu_kernels`).
 
 Tensors are 2-D ``[tokens, features]``; a micro-batch's tokens are rows in (batch, seq)
 order, so attention reshapes them with the micro-batch size from ``ctx``. Collectives go
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, WGRAD, backward_parts, derived_kind
 
+from . import gpu_kernels as gpu
 from .comm import Communicator, Pending, SingleRankComm, regrouped
 from .moe import exchange
 
@@ -73,18 +75,25 @@ class Kernel:
 
 def _rmsnorm_forward(inputs, weight, ctx):
     (x,) = inputs
+    if gpu.on_gpu(x):
+        out, rstd = gpu.rmsnorm_forward(x, weight, EPS)
+        return out, (x, rstd)
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
     return x * rstd * weight, (x, rstd)
 
 
 def _rmsnorm_dgrad(grad, saved, weight):
     x, rstd = saved
+    if gpu.on_gpu(x):
+        return (gpu.rmsnorm_dgrad(grad, x, rstd, weight),)
     xhat, gy = x * rstd, grad * weight
     return (rstd * (gy - xhat * (gy * xhat).mean(-1, keepdim=True)),)
 
 
 def _rmsnorm_wgrad(grad, saved):
     x, rstd = saved
+    if gpu.on_gpu(x):
+        return gpu.rmsnorm_wgrad(grad, x, rstd)
     return (grad * x * rstd).sum(0)
 
 
@@ -227,8 +236,10 @@ def _attention_forward(inputs, weight, ctx):
 
 
 def _flash_cpu(qkv: torch.Tensor) -> bool:
-    # The explicit flash kernels exist on CPU only; under autograd (the kernel tests
-    # differentiate the forward) they are differentiable as well.
+    # The explicit flash kernels are called on CPU only; under autograd (the kernel tests
+    # differentiate the forward) they are differentiable as well. On a GPU, SDPA picks the
+    # fastest backend (on an H200 calling aten's flash kernels directly, with GQA heads
+    # expanded, measured slower: benchmarks/results/h200_one_device.txt).
     return qkv.device.type == "cpu" and qkv.dtype in (torch.float32, torch.float64)
 
 
@@ -252,12 +263,16 @@ def _attention_dgrad(grad, saved, weight):
 def _swiglu_forward(inputs, weight, ctx):
     """``silu(gate) * up`` with gate the first and up the second half of the features."""
     (x,) = inputs
+    if gpu.on_gpu(x):
+        return gpu.swiglu_forward(x), (x,)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up, (x,)
 
 
 def _swiglu_dgrad(grad, saved, weight):
     (x,) = saved
+    if gpu.on_gpu(x):
+        return (gpu.swiglu_dgrad(grad, x),)
     gate, up = x.chunk(2, dim=-1)
     # aten's fused silu_backward, both halves written straight into one buffer: the
     # written-out sigmoid formula took nine elementwise passes and a concatenation.

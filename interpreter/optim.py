@@ -51,7 +51,7 @@ from typing import Collection, Mapping, Sequence
 import attrs
 import torch
 
-from .comm import EDP, Communicator, Pending
+from .comm import EDP, Communicator, Pending, collective_device
 
 
 @attrs.frozen
@@ -109,7 +109,9 @@ def norm_weights(plan, comm: Communicator, names, flat=None) -> dict[str, float]
     for key in mine.values():
         counts[index[key]] += 1
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(counts)
+        on_device = counts.to(collective_device())  # NCCL has no CPU collectives
+        dist.all_reduce(on_device)
+        counts = on_device.cpu()
     return {name: 1.0 / float(counts[index[key]]) for name, key in mine.items()}
 
 

@@ -157,7 +157,8 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
                                                            program.model.get("seq"))
     source = DataSource(program, comm.size("dp"), options.seed, corpus)
-    dist.barrier()  # every group exists everywhere; also aligns the trace clocks
+    # Every group exists everywhere; also aligns the trace clocks (on NCCL, on this rank's GPU).
+    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
     recorder.origin = time.perf_counter()
     if options.check:
         # The reference is compared on rank 0: its comparisons are the verdict.

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The GPU checks, as one script for one short session on a machine with one CUDA GPU: the GPU
+# kernels' test, `dhelix run --check` under NCCL, the interpreter against torch autograd, and
+# `dhelix profile` then simulated against measured step times. Outputs go to $OUT (default
+# out/device), each step's kept when a later one fails. Needs dhelix importable by $PY (default
+# python3): `pip install -e .`, or PYTHONPATH pointing at an install of it and of lark,
+# interegular and graphviz. ONLY=013 runs steps 0, 1 and 3; BIG= another one-rank program.
+# Results of its runs: benchmarks/results/h200_*.
+set -u
+OUT=${OUT:-out/device}
+BIG=${BIG:-benchmarks/one_gpu_llama.dhx}  # the one-device model of steps 2 and 3
+ONLY=${ONLY:-0123}  # the steps to run
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+step() { echo "== $*" | tee -a "$OUT/steps.log"; }
+{
+  nvidia-smi -L 2>/dev/null; $PY -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")'
+} | tee "$OUT/machine.txt"
+
+[[ $ONLY == *0* ]] && step "0. the GPU kernels against the CPU kernels in float64"
+[[ $ONLY == *0* ]] && $PY -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | tee "$OUT/gpu_kernels.txt" | tail -15
+
+[[ $ONLY == *1* ]] && step "1. dhelix run --check on one GPU (nccl, fp32): every step against the single-process reference"
+[[ $ONLY == *1* ]] && $PY -m dhelix run benchmarks/one_gpu_tiny.dhx --steps 3 --check 2>&1 | tee "$OUT/check_one_gpu.txt"
+
+[[ $ONLY == *2* ]] && step "2. the interpreter against torch autograd on one device (4 Llama-8B-sized layers, bf16)"
+[[ $ONLY == *2* ]] && $PY benchmarks/one_device.py --program ${BIG:-benchmarks/one_gpu_llama.dhx} --rounds ${ROUNDS:-5} 2>&1 | tee "$OUT/one_device.txt"
+
+[[ $ONLY == *3* ]] && step "3. dhelix profile, then simulated against measured step time (SI on and off)"
+[[ $ONLY == *3* ]] && $PY benchmarks/predict_vs_run.py --program ${BIG:-benchmarks/one_gpu_llama.dhx} --rounds ${PREDICT_ROUNDS:-2} \
+  --steps ${STEPS:-5} --repeats 5 --output "$OUT/predict_vs_run.txt" --keep-profile "$OUT/profile.yaml" 2>&1 | tail -20
+[[ $ONLY == *3* ]] && $PY -m dhelix simulate ${BIG:-benchmarks/one_gpu_llama.dhx} --profile "$OUT/profile.yaml" 2>&1 | tee "$OUT/simulate.txt" | tail -15
