@@ -44,7 +44,7 @@ from .pipeline_comm import PipelineComm, check_fifo
 from .reference import Batch
 from .ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
-from .si import LayerChain, run_alone, run_interleaved
+from .si import Filler, LayerChain, run_alone, run_interleaved
 from .si_plan import PlanFn, backward_ops, check_plan, sequential_plan
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 
@@ -199,6 +199,7 @@ class Executor:
                     self._dispatch(action)
                 except Exception as exc:
                     raise self._failure(index, action, exc) from exc
+            self.filler.flush()
             self.p2p.drain()
             self._settle_deferred(len(self.deferred))
             self._finish()
@@ -209,6 +210,8 @@ class Executor:
         if not isinstance(action, Transfer):
             self.p2p.flush()
         kind = action_kind(action)
+        if kind != "SI" and not isinstance(action, Transfer):
+            self.filler.flush()  # the wgrads an SI block carried wait only for the next SI block
         if kind in ("SEND", "RECV"):
             HANDLERS[kind](self, action)
             return
@@ -235,6 +238,9 @@ class Executor:
         self.batch = batch
         self.mailbox, self.end_grads = {}, {}
         self.deferred: list[Pending] = []
+        #: The backward wgrads SI blocks hold to run where the thread would wait (one CPU
+        #: thread); the last layer pair's are carried from one block into the next.
+        self.filler = Filler(self.recorder)
         tokens = batch.inputs[0].numel()
         self.scale = 1.0 / (self.lowered.microbatches * tokens)
         self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
@@ -365,7 +371,7 @@ class Executor:
             self.run_backward(action.bwd)
             return
         run_interleaved(self.forward_chain(action.fwd), self.backward_chain(action.bwd), self.si_order,
-                        self.recorder, str(action))
+                        self.recorder, str(action), self.filler)
 
     def run_send(self, action: Transfer) -> None:
         """SEND: queue the value the previous action left in the mailbox."""

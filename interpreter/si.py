@@ -109,7 +109,11 @@ class Filler:
     stays fixed), and only once the run's backward has started (a recomputing run's replay,
     whose forward collectives must stay in place, comes first). Held ops are run at the
     latest at the end of the layer pair after their own (:meth:`flush`), so they keep at most
-    one layer's saved tensors alive a layer longer."""
+    one layer's saved tensors alive a layer longer. The block's last layer pair's are carried
+    (:meth:`carry`) into the next SI block, whose opening waits for the collectives of both
+    strands' ``begin`` (the embedding's and the LM head's reductions) with nothing else to
+    compute; they run there, at the latest after its first layer pair, and before any other
+    action or the step's end (the executor's :meth:`flush`)."""
 
     def __init__(self, recorder: Recorder):
         self.recorder = recorder
@@ -144,6 +148,11 @@ class Filler:
         """Run the held ops of layer pairs before ``before_layer`` (all of them: None)."""
         for held in [h for h in self.held if before_layer is None or h[0] < before_layer]:
             self._run(held)
+
+    def carry(self) -> None:
+        """At a block's end: keep the held ops for the next block, as ops of the layer pair
+        before its first (run at the latest after that first pair)."""
+        self.held = [(-1, run, issue) for _, run, issue in self.held]
 
     def _run(self, held) -> None:
         self.held.remove(held)
@@ -227,15 +236,20 @@ def run_alone(chain: LayerChain, recorder: Recorder, label: str) -> None:
 
 
 def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorder: Recorder,
-                    label: str) -> None:
+                    label: str, filler: Filler | None = None) -> None:
     """Run an SI block: the chains' ``begin`` parts (embedding, loss gradient), then layer
     pair k = (forward layer k, backward layer k) segment pair by segment pair in ``order``
     (built from the plan over ``fwd.ops`` and ``bwd.ops``; a barrier after each pair when
     ``order.barrier``), the barrier, then the ``end`` parts. A layer without a partner
     (chains of unequal length) runs its side of the plan alone. Without the barrier (one CPU
-    thread), the backward's wgrads run where the thread would wait (:class:`Filler`)."""
+    thread), the backward's wgrads run where the thread would wait: ``filler`` (the step's,
+    holding what earlier blocks carried; a fresh one when None), which carries the last
+    layer pair's into the next block."""
     x, grad = fwd.begin(), bwd.begin()
-    filler = None if order.barrier else Filler(recorder)
+    if order.barrier:
+        filler = None
+    elif filler is None:
+        filler = Filler(recorder)
     chains = {"F": fwd, "B": bwd}
     started = {"F": set(), "B": set()}  # runs started ahead of their layer pair (their lead issued)
     for k in range(max(len(fwd.runs), len(bwd.runs))):
@@ -268,7 +282,7 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
             grad = bwd.result(brun)
         recorder.memory()
     if filler is not None:
-        filler.flush()
+        filler.carry()
     for run in fwd.runs + bwd.runs:
         settle(run)
     fwd.end(x)
