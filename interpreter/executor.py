@@ -17,7 +17,10 @@ loss. Actions, dispatched by kind through :data:`HANDLERS`:
 Values move between stages through a mailbox keyed like the compiler's transfers (data,
 micro-batch, producing stage), whether the next stage is on this rank or a RECV brings it.
 The loss is the mean token cross-entropy of the rank's micro-batches, so each head
-backward is scaled by ``1 / (microbatches · tokens)`` — the reference's averaging.
+backward is scaled by ``1 / (microbatches · tokens)`` — the reference's averaging. The head's
+backward needs nothing but that scale and its forward, so it runs right after the forward
+(its tp reduction left in flight until the micro-batch's backward reads it): the reduction
+flies while the rest of that action, and whatever comes before the backward, runs.
 
 A failure in any action raises :class:`ExecutionError` naming the rank, the action in its
 text form and the schedule grid with that action marked.
@@ -67,6 +70,9 @@ class StageState:
     runs: dict[int, list[LayerRun]] = attrs.field(factory=dict)
     embeds: dict[int, EmbedRun] = attrs.field(factory=dict)
     heads: dict[int, HeadRun] = attrs.field(factory=dict)
+    #: The head's input gradient per micro-batch, computed right after its forward: a
+    #: Pending while its tp reduction is in flight.
+    head_grads: dict[int, object] = attrs.field(factory=dict)
 
 
 def action_kind(action) -> str:
@@ -193,6 +199,7 @@ class Executor:
         self._reset(batch)
         with torch.no_grad():
             for index, action in enumerate(self.actions):
+                self.index_now = index
                 if self.on_action is not None:
                     self.on_action(self.steps_run, index)
                 try:
@@ -200,6 +207,7 @@ class Executor:
                 except Exception as exc:
                     raise self._failure(index, action, exc) from exc
             self.filler.flush()
+            self._issue_postponed()
             self.p2p.drain()
             self._settle_deferred(len(self.deferred))
             self._finish()
@@ -217,6 +225,8 @@ class Executor:
             return
         earlier = len(self.deferred)
         with self.recorder.span(str(action)):
+            if kind != "SI":
+                self._issue_postponed()
             HANDLERS[kind](self, action)
             # What earlier actions left in flight has had this whole action beside it.
             self._settle_deferred(earlier)
@@ -229,6 +239,36 @@ class Executor:
         for pending in done:
             pending.wait()
 
+    def _issue_postponed(self) -> None:
+        # Issue the embedding gradients' gathers an SI block's end postponed (see _opened).
+        postponed, self.postponed = self.postponed, []
+        for issue in postponed:
+            self.deferred.append(issue())
+
+    def _opened(self) -> None:
+        """Called by an SI block once its first layer pair has run (the collectives of its
+        opening have arrived): issue the embedding gradients' gathers the previous block's end
+        postponed, and the next action's embedding forward (its tp reduction left in flight for
+        that action's first layer), so that their transfers fly beside this block's compute,
+        not in the next block's opening beside the collectives both strands wait for there.
+        The same static point on every rank: the collectives' order stays common."""
+        self._issue_postponed()
+        following = next((a for a in self.actions[self.index_now + 1:] if not isinstance(a, Transfer)), None)
+        kind = action_kind(following) if following is not None else None
+        action = following.fwd if kind == "SI" else following if kind == "F" else None
+        if action is None or not self.stages[action.chunk].first:
+            return
+        stage, mb = self.stages[action.chunk], action.microbatch
+        if (stage.index, mb) not in self.prefetched:
+            self.prefetched[(stage.index, mb)] = self._embed(stage, mb)
+
+    def _embed(self, stage: StageState, mb: int):
+        # The embedding's forward for micro-batch ``mb``: a Pending of its tp reduction.
+        self._ready(EMBEDDING)
+        start, sp = self.weights.vocab_start(self.index), self.weights.sequence_parallel
+        stage.embeds[mb] = EmbedRun(self.params[EMBEDDING], self.comm, start, sp, self.end_grads)
+        return stage.embeds[mb].forward(self._micro(mb)[0], async_op=True)
+
     def _defer(self, pending: Pending) -> None:
         # A ZeRO-3 gradient reduce-scatter: waited for after the next action, as the
         # embedding's gathers are (the list is replaced as it is settled).
@@ -238,6 +278,10 @@ class Executor:
         self.batch = batch
         self.mailbox, self.end_grads = {}, {}
         self.deferred: list[Pending] = []
+        #: Embedding-gradient gathers not yet issued (see :meth:`_opened`), and embedding
+        #: forwards issued ahead of their action, by (stage, micro-batch).
+        self.postponed: list[Callable[[], Pending]] = []
+        self.prefetched: dict[tuple[int, int], Pending] = {}
         #: The backward wgrads SI blocks hold to run where the thread would wait (one CPU
         #: thread); the last layer pair's are carried from one block into the next.
         self.filler = Filler(self.recorder)
@@ -246,7 +290,7 @@ class Executor:
         self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
         for stage in self.stages.values():
             stage.grads = [{} for _ in stage.layers]
-            stage.runs, stage.embeds, stage.heads = {}, {}, {}
+            stage.runs, stage.embeds, stage.heads, stage.head_grads = {}, {}, {}, {}
 
     def _finish(self) -> None:
         leftovers = [(stage.index, m) for stage in self.stages.values() for m in stage.runs]
@@ -310,9 +354,8 @@ class Executor:
 
         def begin():
             if stage.first:  # its tp reduction stays in flight until layer 0 reads it
-                self._ready(EMBEDDING)
-                stage.embeds[mb] = EmbedRun(self.params[EMBEDDING], self.comm, start, sp, self.end_grads)
-                return stage.embeds[mb].forward(self._micro(mb)[0], async_op=True)
+                prefetched = self.prefetched.pop((stage.index, mb), None)
+                return prefetched if prefetched is not None else self._embed(stage, mb)
             return resolve(self.mailbox.pop(("F", mb, stage.index - 1)))
 
         def end(x):
@@ -322,6 +365,7 @@ class Executor:
                 head = HeadRun(self.params[FINAL_NORM], self.params[LM_HEAD], self.comm, start, sp, self.end_grads)
                 stage.heads[mb] = head
                 self.loss_sum += head.forward(x, self._micro(mb)[1])
+                stage.head_grads[mb] = head.backward(self.scale, async_op=True)
             else:
                 self.mailbox[("F", mb, stage.index)] = x
 
@@ -336,13 +380,15 @@ class Executor:
         runs = stage.runs[mb] if self.lowered.split else stage.runs.pop(mb)
 
         def begin():
-            if stage.last:  # its tp reduction stays in flight until the last layer reads it
-                return stage.heads.pop(mb).backward(self.scale, async_op=True)
+            if stage.last:  # computed after the forward; its tp reduction in flight until read
+                stage.heads.pop(mb)
+                return stage.head_grads.pop(mb)
             return resolve(self.mailbox.pop(("B", mb, stage.index + 1)))
 
         def end(grad):
-            if stage.first:
-                self.deferred.append(stage.embeds.pop(mb).backward(resolve(grad), async_op=True))
+            if stage.first:  # its gather goes out after the next SI block's opening (_opened)
+                embed, grad = stage.embeds.pop(mb), resolve(grad)
+                self.postponed.append(lambda: embed.backward(grad, async_op=True))
             else:
                 self.mailbox[("B", mb, stage.index)] = grad
 
@@ -371,7 +417,7 @@ class Executor:
             self.run_backward(action.bwd)
             return
         run_interleaved(self.forward_chain(action.fwd), self.backward_chain(action.bwd), self.si_order,
-                        self.recorder, str(action), self.filler)
+                        self.recorder, str(action), self.filler, self._opened)
 
     def run_send(self, action: Transfer) -> None:
         """SEND: queue the value the previous action left in the mailbox."""

@@ -24,11 +24,12 @@ without blocking the thread. A group is in the local or the cross lane according
 :meth:`~dhelix.dsl.core.mesh.Mesh.lane`, so one lane's collectives never queue behind the
 other's.
 
-The model's ends follow the same rule: a chain's ``begin`` leaves the embedding's tp
-reduction and the LM-head backward's reduction in flight (the first layer op reads them, the
-final norm's backward runs on that read), so the forward strand's reduction overlaps the
-head backward's GEMMs; the embedding backward's gather is waited for only after the next
-action (nothing reads it before the optimizer).
+The model's ends follow the same rule: a forward chain's ``begin`` leaves the embedding's
+tp reduction in flight, and its ``end`` (run before the block's barrier) computes the LM head's
+forward and at once its backward, whose reduction stays in flight until the micro-batch's
+backward chain begins and its first layer op reads it (the final norm's backward runs on that
+read); the embedding backward's gather is waited for only after the next action (nothing
+reads it before the optimizer).
 
 The cross-strand barrier (:func:`settle`: wait for every collective a run left in flight)
 comes at the end of every SI block. Between segment pairs it is kept only on CUDA
@@ -236,7 +237,7 @@ def run_alone(chain: LayerChain, recorder: Recorder, label: str) -> None:
 
 
 def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorder: Recorder,
-                    label: str, filler: Filler | None = None) -> None:
+                    label: str, filler: Filler | None = None, opened: Callable[[], None] | None = None) -> None:
     """Run an SI block: the chains' ``begin`` parts (embedding, loss gradient), then layer
     pair k = (forward layer k, backward layer k) segment pair by segment pair in ``order``
     (built from the plan over ``fwd.ops`` and ``bwd.ops``; a barrier after each pair when
@@ -244,7 +245,8 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
     (chains of unequal length) runs its side of the plan alone. Without the barrier (one CPU
     thread), the backward's wgrads run where the thread would wait: ``filler`` (the step's,
     holding what earlier blocks carried; a fresh one when None), which carries the last
-    layer pair's into the next block."""
+    layer pair's into the next block. ``opened`` is called once the first layer pair has run
+    (what the executor issues there flies beside the rest of the block)."""
     x, grad = fwd.begin(), bwd.begin()
     if order.barrier:
         filler = None
@@ -276,6 +278,8 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
                      ahead)
         if filler is not None:
             filler.flush(before_layer=k)
+        if k == 0 and opened is not None:
+            opened()
         if frun is not None:
             x = fwd.result(frun)
         if brun is not None:
@@ -283,7 +287,7 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
         recorder.memory()
     if filler is not None:
         filler.carry()
+    fwd.end(x)  # before the barrier: the collectives the end issues (the head's) fly beside it
     for run in fwd.runs + bwd.runs:
         settle(run)
-    fwd.end(x)
     bwd.end(grad)

@@ -410,3 +410,61 @@ def test_a_lone_strand_issues_its_collectives_asynchronously_with_its_wgrads_bes
 
 
 LLAMA_KINDS = {op.name: op.kind for op in LLAMA.forward.ops + LLAMA.backward.ops}
+
+
+def test_a_block_s_end_sends_the_model_ends_collectives_off_the_next_block_s_opening(monkeypatch):
+    # One rank (every group of size 1: the same calls, nothing on a wire), w_helix over fold u:
+    # consecutive SI blocks. Recorded: in which action each model-end call happens.
+    from dhelix.interpreter import layer_exec
+    from dhelix.interpreter.comm import SingleRankComm
+
+    prog = program(mesh="tp = 1")
+    log: list = []
+    executor = Executor(prog, SingleRankComm(), seed=1, plan_for=op_by_op_plan, pair_barrier=False,
+                        on_action=lambda step, index: log.append(("action", index)))
+
+    def spy(cls, name, label):
+        method = getattr(cls, name)
+
+        def record(self, *args, **kwargs):
+            log.append((label, id(self)))
+            return method(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, record)
+
+    spy(layer_exec.EmbedRun, "forward", "embed")
+    spy(layer_exec.EmbedRun, "backward", "embed.bwd")
+    spy(layer_exec.HeadRun, "forward", "head")
+    spy(layer_exec.HeadRun, "backward", "head.bwd")
+    executor.step(make_batch(prog, 2))
+    actions, stages = executor.actions, executor.stages
+    where, index = [], None
+    for entry in log:
+        if entry[0] == "action":
+            index = entry[1]
+        else:
+            where.append((entry[0], index))
+
+    def parts(action):  # (forward, backward) Compute actions of an action, None where absent
+        if str(action).startswith("SI("):
+            return action.fwd, action.bwd
+        return (action, None) if str(action).startswith("F") else (None, action)
+
+    # the head's backward runs right after its forward, in the same action
+    heads = [entry for entry in where if entry[0].startswith("head")]
+    assert heads and heads[::2] == [("head", at) for _, at in heads[1::2]]
+    assert all(label == "head.bwd" for label, _ in heads[1::2])
+    # an SI block followed by an action whose forward embeds issues that embedding itself
+    # (after its first layer pair): that action does not
+    embeds = [at for label, at in where if label == "embed"]
+    ahead = [i for i, action in enumerate(actions[:-1]) if str(action).startswith("SI(")
+             and parts(actions[i + 1])[0] is not None and stages[parts(actions[i + 1])[0].chunk].first]
+    assert ahead and all(i in embeds and i + 1 not in embeds for i in ahead)
+    # the gather of an embedding backward is issued in a later action than the one whose
+    # backward chain reached the embedding (or at the step's end, after the last action)
+    reached = [i for i, action in enumerate(actions) if parts(action)[1] is not None
+               and stages[parts(action)[1].chunk].first]
+    gathers = [at for label, at in where if label == "embed.bwd"]
+    assert len(gathers) == len(reached) == prog.train.microbatches
+    assert all(at > i for i, at in zip(reached[:-1], gathers[:-1], strict=True))
+    assert gathers[-1] == reached[-1] == len(actions) - 1
