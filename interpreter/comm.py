@@ -28,14 +28,6 @@ import torch.distributed as dist
 from dhelix.dsl.core.mesh import DIMENSIONS, INTER, INTRA, Mesh
 
 AXES = ("tp", "cp", "dp", "pp", "ep")
-
-
-def collective_device() -> torch.device:
-    """Where the default process group takes its tensors: this rank's current GPU under
-    NCCL (which has no CPU collectives), else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 #: The expert-data-parallel axis: the dp / ep replicas of one expert shard (same ep index,
 #: one per EP block), over which sharded expert weights' gradients are summed.
 EDP = "edp"
@@ -45,6 +37,15 @@ def expert_dp_groups(mesh: Mesh) -> list[tuple[int, ...]]:
     """The groups of the :data:`EDP` axis: each dp group split by ep index, i.e. the dp
     coordinates ``e, e + ep, e + 2·ep, …`` (EP groups are blocks of consecutive ones)."""
     return sorted(group[e::mesh.ep] for group in mesh.groups("dp") for e in range(mesh.ep))
+
+
+def collective_device() -> torch.device:
+    """Where the default process group takes its tensors: this rank's current GPU under
+    NCCL (which has no CPU collectives), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
 
 # Newer torch renamed the tensor collectives; keep working on the older names too.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -282,6 +282,7 @@ class Executor:
         #: forwards issued ahead of their action, by (stage, micro-batch).
         self.postponed: list[Callable[[], Pending]] = []
         self.prefetched: dict[tuple[int, int], Pending] = {}
+        self.index_now = 0  # the action running (the step's loop sets it)
         #: The backward wgrads SI blocks hold to run where the thread would wait (one CPU
         #: thread); the last layer pair's are carried from one block into the next.
         self.filler = Filler(self.recorder)
