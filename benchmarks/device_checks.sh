@@ -25,9 +25,9 @@ step() { echo "== $*" | tee -a "$OUT/steps.log"; }
 [[ $ONLY == *1* ]] && $PY -m dhelix run benchmarks/one_gpu_tiny.dhx --steps 3 --check 2>&1 | tee "$OUT/check_one_gpu.txt"
 
 [[ $ONLY == *2* ]] && step "2. the interpreter against torch autograd on one device (4 Llama-8B-sized layers, bf16)"
-[[ $ONLY == *2* ]] && $PY benchmarks/one_device.py --program ${BIG:-benchmarks/one_gpu_llama.dhx} --rounds ${ROUNDS:-5} 2>&1 | tee "$OUT/one_device.txt"
+[[ $ONLY == *2* ]] && $PY benchmarks/one_device.py --program $BIG --rounds ${ROUNDS:-5} 2>&1 | tee "$OUT/one_device.txt"
 
 [[ $ONLY == *3* ]] && step "3. dhelix profile, then simulated against measured step time (SI on and off)"
-[[ $ONLY == *3* ]] && $PY benchmarks/predict_vs_run.py --program ${BIG:-benchmarks/one_gpu_llama.dhx} --rounds ${PREDICT_ROUNDS:-2} \
+[[ $ONLY == *3* ]] && $PY benchmarks/predict_vs_run.py --program $BIG --rounds ${PREDICT_ROUNDS:-2} \
   --steps ${STEPS:-5} --repeats 5 --output "$OUT/predict_vs_run.txt" --keep-profile "$OUT/profile.yaml" 2>&1 | tail -20
-[[ $ONLY == *3* ]] && $PY -m dhelix simulate ${BIG:-benchmarks/one_gpu_llama.dhx} --profile "$OUT/profile.yaml" 2>&1 | tee "$OUT/simulate.txt" | tail -15
+[[ $ONLY == *3* ]] && $PY -m dhelix simulate $BIG --profile "$OUT/profile.yaml" 2>&1 | tee "$OUT/simulate.txt" | tail -15

@@ -218,14 +218,13 @@ class Executor:
         if not isinstance(action, Transfer):
             self.p2p.flush()
         kind = action_kind(action)
-        if kind != "SI" and not isinstance(action, Transfer):
-            self.filler.flush()  # the wgrads an SI block carried wait only for the next SI block
         if kind in ("SEND", "RECV"):
             HANDLERS[kind](self, action)
             return
         earlier = len(self.deferred)
         with self.recorder.span(str(action)):
-            if kind != "SI":
+            if kind != "SI":  # what an SI block carried or postponed waits only for the next SI block
+                self.filler.flush()
                 self._issue_postponed()
             HANDLERS[kind](self, action)
             # What earlier actions left in flight has had this whole action beside it.
