@@ -95,6 +95,12 @@ class Executor:
     name; the optimizer updates them in place. ``param_ready(names)``, when set, is called
     before a forward reads parameters ``names`` (each layer's, the model ends'): ZeRO-1's
     gathers under the forward wait there (:meth:`~.optim.DistributedAdamW.ready`).
+    ``grad_ready(grads)``, when set, is given a layer's final gradients of the step (by
+    parameter name, partial sums over tp and cp) once the step's last backward of that layer
+    has finished, at a point of the action list that is the same on every rank (see
+    :meth:`_layer_done`), and returns the names it takes: the data-parallel reduction under
+    the backward (:meth:`~.optim.DistributedAdamW.reduce`), which then also sums them over
+    tp and cp.
     """
 
     def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
@@ -134,6 +140,7 @@ class Executor:
                        if self.lowered.stage_of(self.pp, chunk) is not None}
         self.on_action = on_action
         self.param_ready: Callable[[tuple[str, ...]], None] | None = None
+        self.grad_ready: Callable[[dict[str, torch.Tensor]], set[str]] | None = None
         self.steps_run = 0
         self.end_grads: dict[str, torch.Tensor] = {}
         self.mailbox: dict[tuple, object] = {}
@@ -179,6 +186,33 @@ class Executor:
             groups += [(FINAL_NORM, LM_HEAD)] if stage.last else []
         return groups
 
+    def partial_sums(self) -> dict[str, tuple[str, ...]]:
+        """The axes over which each of this rank's parameters' gradients is a partial sum
+        (tp for the weights replicated over sequence-parallel tokens, cp for every one);
+        parameters without any are left out."""
+        return {name: self.weights.spec(name).grad_sum for name in self.params if self.weights.spec(name).grad_sum}
+
+    def _layer_done(self, stage: StageState, layer: int) -> None:
+        """The backward of stage-relative ``layer`` for one micro-batch has finished, wgrads
+        included. Called at static points of the action list — a layer's end in a chain run
+        alone or with the barrier, the end of the layer pair after its own when the SI block
+        holds its wgrads (:class:`~.si.Filler`, which may run them earlier, at a moment that
+        differs between ranks), the flush of what a block carried, a W — so that the
+        reductions ``grad_ready`` starts are issued in the same order on every rank."""
+        if self.grad_ready is None:
+            return
+        key = (stage.index, layer)
+        self.done_counts[key] = self.done_counts.get(key, 0) + 1
+        if self.done_counts[key] < self.lowered.microbatches:
+            return
+        index, grads = stage.layers[layer], stage.grads[layer]
+        self.reduced_early |= self.grad_ready({param_name(index, op): grads[op] if op in grads else torch.zeros_like(w)
+                                               for op, w in stage.weights[layer].items()})
+        if stage.last and layer == len(stage.layers) - 1:
+            # Every backward chain here has read its head gradient in this layer, which ran
+            # the final norm's backward: the LM head's and the norm's are final too.
+            self.reduced_early |= self.grad_ready({name: self.end_grads[name] for name in (FINAL_NORM, LM_HEAD)})
+
     def _ready(self, *names: str) -> None:
         if self.param_ready is not None:
             self.param_ready(names)
@@ -192,7 +226,8 @@ class Executor:
         """Run the action list once on ``batch`` (this DP replica's micro-batches, as many as
         the schedule's m). Returns the loss, the same on every rank: the mean token
         cross-entropy over the micro-batches of every DP replica. Gradients are then in
-        :meth:`grads` (complete over tp and cp, not yet averaged over dp)."""
+        :meth:`grads` (complete over tp and cp, not yet averaged over dp; but for those
+        ``grad_ready`` took, which its reduction completes)."""
         if batch.inputs.shape[0] != self.lowered.microbatches:
             raise ValueError(f"the schedule runs {self.lowered.microbatches} micro-batches, "
                              f"the batch has {batch.inputs.shape[0]}")
@@ -282,6 +317,9 @@ class Executor:
         self.postponed: list[Callable[[], Pending]] = []
         self.prefetched: dict[tuple[int, int], Pending] = {}
         self.index_now = 0  # the action running (the step's loop sets it)
+        #: Backwards finished per (stage, layer) this step, and the gradients grad_ready took.
+        self.done_counts: dict[tuple[int, int], int] = {}
+        self.reduced_early: set[str] = set()
         #: The backward wgrads SI blocks hold to run where the thread would wait (one CPU
         #: thread); the last layer pair's are carried from one block into the next.
         self.filler = Filler(self.recorder)
@@ -297,7 +335,9 @@ class Executor:
         if leftovers or self.mailbox:
             raise ValueError(f"the step ended with live micro-batches {leftovers} and unsent "
                              f"values {sorted(self.mailbox)}")
-        sum_partial_grads(self.weights, self._collect_grads(), self.comm)
+        grads = self._collect_grads()
+        sum_partial_grads(self.weights, {name: g for name, g in grads.items() if name not in self.reduced_early},
+                          self.comm)
 
     def _collect_grads(self) -> dict[str, torch.Tensor]:
         grads = dict(self.end_grads)
@@ -392,7 +432,9 @@ class Executor:
             else:
                 self.mailbox[("B", mb, stage.index)] = grad
 
-        return LayerChain(list(reversed(runs)), self.b_ops, begin, end, forward=False)
+        # A split B leaves the wgrads to the W (run_weight reports the layers done).
+        done = None if self.lowered.split else (lambda position: self._layer_done(stage, len(runs) - 1 - position))
+        return LayerChain(list(reversed(runs)), self.b_ops, begin, end, forward=False, done=done)
 
     # -- handlers ----------------------------------------------------------------------
 
@@ -406,9 +448,11 @@ class Executor:
 
     def run_weight(self, action: Compute) -> None:
         """W: every weight-gradient op of the stage's layers; frees the micro-batch."""
-        for run in self.stages[action.chunk].runs.pop(action.microbatch):
+        stage = self.stages[action.chunk]
+        for layer, run in enumerate(stage.runs.pop(action.microbatch)):
             for op in self.w_ops:
                 run.backward_op(op)
+            self._layer_done(stage, layer)
 
     def run_si(self, action: Interleaved) -> None:
         """SI: the two chains co-executed by the plan, or one after the other when SI is off."""

@@ -21,11 +21,24 @@ weighted sums are added over the world. The learning rate of each update comes f
 Both compute the same numbers; the average over replicas matches the reference model, whose
 loss is the mean over all micro-batches of all replicas.
 
+The reduction may run during the backward (``train { grad_reduce = backward }``, the default:
+PyTorch DDP's bucketed overlap, Megatron's ``--overlap-grad-reduce``, Centauri's model-level
+overlap of the reduce-scatter): the parameters then form one bucket per group of ``groups``
+(a layer's weights, a model end's), and the executor hands a layer's gradients to
+:meth:`DistributedAdamW.reduce` once the step's last backward of that layer has finished (at
+a point of its action list that is the same on every replica, so the buckets are reduced in
+the same order everywhere); their all-reduce or reduce-scatter is left in flight and
+:meth:`DistributedAdamW.step` waits for it. Those gradients come as this rank's partial sums
+over tp and cp (the executor no longer sums them itself, which would block the backward on
+a collective): since every reduction here is a sum, the bucket is summed over dp first and
+the spans of the partial parameters then over tp and cp, inside this rank's part — replicas
+of one dp index hold the same bucket layout. The model ends' buckets are reduced in
+:meth:`~DistributedAdamW.step`, as is everything with ``grad_reduce = step``.
+
 ZeRO-1's all-gather of the updated weights may run under the next step's forward
 (``train { param_gather = forward }``, Megatron's ``--overlap-param-gather``, Centauri's
-model-level overlap): the dense parameters then form one bucket per group of
-``gather_groups`` (a layer's weights, a model end's, in the order the next forward uses
-them), :meth:`DistributedAdamW.step` leaves each bucket's all-gather in flight, and
+model-level overlap): with the buckets per group of ``groups`` (in the order the next
+forward uses them), :meth:`DistributedAdamW.step` leaves each bucket's all-gather in flight, and
 :meth:`DistributedAdamW.ready` waits for the buckets holding the parameters a forward is
 about to read (the executor calls it before each layer); :meth:`DistributedAdamW.settle`
 waits for all, and everything here that reads or writes parameters or states settles first.
@@ -126,7 +139,7 @@ class _Bucket:
     more than the update itself."""
 
     def __init__(self, names, params: Mapping[str, torch.Tensor], comm: Communicator, axis: str,
-                 zero1: bool, device, summed: bool = False):
+                 zero1: bool, device, summed: bool = False, partial: Mapping[str, tuple[str, ...]] = {}):
         self.names, self.axis = sorted(names), axis
         self.name_set = frozenset(self.names)
         #: ZeRO-3 pieces: their gradients arrive summed over ``axis`` (each replica holds its
@@ -154,6 +167,13 @@ class _Bucket:
         self.flat_params: torch.Tensor | None = None
         #: This rank's part of the fp32 master weights (None: the parameters are the masters).
         self.master: torch.Tensor | None = None
+        #: Per axis a gradient is a partial sum over (tp, cp), the (start, end) of those
+        #: parameters' elements inside this rank's part.
+        self.partial_spans: dict[str, list[tuple[int, int]]] = {}
+        for name, lo, hi in self.part_spans():
+            for part_axis in partial.get(name, ()):
+                if comm.size(part_axis) > 1:
+                    self.partial_spans.setdefault(part_axis, []).append((lo, hi))
 
     def keep_master(self, params: Mapping[str, torch.Tensor]) -> None:
         """Start the fp32 masters of this rank's part from ``params``."""
@@ -201,12 +221,19 @@ class DistributedAdamW:
     def __init__(self, params: Mapping[str, torch.Tensor], comm: Communicator, *, zero1: bool = False,
                  config: AdamWConfig = AdamWConfig(), expert: Collection[str] | None = None,
                  weights: Mapping[str, float] | None = None, pieces: Collection[str] = (),
-                 gather_groups: Sequence[Collection[str]] | None = None, replicated_over: str | None = None):
+                 groups: Sequence[Collection[str]] | None = None, gather_forward: bool = False,
+                 reduce_backward: bool = False, partial: Mapping[str, tuple[str, ...]] = {},
+                 replicated_over: str | None = None):
         self.params, self.comm, self.zero1, self.config = dict(params), comm, zero1, config
         #: ZeRO-1 gathers left in flight by :meth:`step` (module docstring): (bucket, its
         #: updated part, the pending all-gather), in issue order.
-        self.deferred = zero1 and gather_groups is not None and comm.size("dp") > 1
+        self.deferred = zero1 and gather_forward and groups is not None and comm.size("dp") > 1
         self._inflight: list[tuple[_Bucket, torch.Tensor, Pending]] = []
+        #: Whether :meth:`reduce` takes a layer's gradients during the backward; the
+        #: reductions it left in flight and the averaged parts waited for, by bucket index.
+        self.early = reduce_backward and groups is not None and comm.size("dp") > 1
+        self._reducing: dict[int, Pending] = {}
+        self._landed: dict[int, torch.Tensor] = {}
         #: The global gradient norm of the last step (None without ``weights``: see
         #: :func:`norm_weights`; clipping needs them).
         self.last_norm: float | None = None
@@ -221,13 +248,18 @@ class DistributedAdamW:
         like = next(iter(self.params.values()), torch.zeros(()))
         pieces = set(pieces) & set(self.params)
         dense = set(self.params) - expert - pieces
-        groups = [set(group) & dense for group in gather_groups or ()] if self.deferred else []
-        rest = dense - set().union(*groups)
-        self.buckets = [_Bucket(group, self.params, comm, "dp", zero1, like.device) for group in groups if group]
+        per_group = [set(group) for group in groups or ()] if self.deferred or self.early else []
+        rest, rest_expert = dense - set().union(*per_group), expert - set().union(*per_group)
+
+        def bucket(names, axis: str) -> _Bucket:
+            return _Bucket(names, self.params, comm, axis, zero1, like.device, partial=partial)
+
+        self.buckets = [bucket(group & dense, "dp") for group in per_group if group & dense]
         if rest or not self.buckets:
-            self.buckets.append(_Bucket(rest, self.params, comm, "dp", zero1, like.device))
-        if expert:
-            self.buckets.append(_Bucket(expert, self.params, comm, EDP, zero1, like.device))
+            self.buckets.append(bucket(rest, "dp"))
+        self.buckets += [bucket(group & expert, EDP) for group in per_group if group & expert]
+        if rest_expert:
+            self.buckets.append(bucket(rest_expert, EDP))
         if pieces and replicated_over:  # hybrid sharding: summed over the shard group only
             self.buckets.append(_Bucket(pieces, self.params, comm, replicated_over, False, like.device))
         elif pieces:
@@ -245,6 +277,43 @@ class DistributedAdamW:
                                   for name, lo, hi in bucket.part_spans()] for bucket in self.buckets]
         self.steps = 0
 
+    def reduce(self, grads: Mapping[str, torch.Tensor]) -> set[str]:
+        """Start reducing, in flight, the buckets all of whose parameters are in ``grads`` (a
+        layer's final gradients of the step, partial sums over tp and cp as its backward left
+        them; the executor calls this at the same point of its action list on every
+        replica). Returns the names taken: their gradients are this optimizer's to sum over
+        tp and cp (:meth:`step` does it); nothing without ``reduce_backward``."""
+        taken: set[str] = set()
+        if not self.early:
+            return taken
+        for index, bucket in enumerate(self.buckets):
+            if bucket.summed or not bucket.names or not bucket.name_set <= grads.keys() or index in self._reducing:
+                continue
+            flat = bucket.fill(bucket.grads, grads)
+            self._reducing[index] = self.comm.reduce_scatter(flat, bucket.axis, async_op=True) if bucket.sliced \
+                else self.comm.all_reduce(flat, bucket.axis, async_op=True)
+            taken |= bucket.name_set
+        return taken
+
+    def _averaged(self, index: int, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        # Bucket ``index``'s averaged part: the reduction :meth:`reduce` left in flight (then
+        # kept until :meth:`step` has used it), or one run now from ``grads``.
+        if index in self._landed:
+            return self._landed[index]
+        bucket = self.buckets[index]
+        if index not in self._reducing:
+            return self._average(bucket, grads)
+        flat = self._reducing.pop(index).wait()
+        for axis, spans in bucket.partial_spans.items():  # sums commute: dp first, then these
+            joined = torch.cat([flat[lo:hi] for lo, hi in spans])
+            self.comm.all_reduce(joined, axis)
+            at = 0
+            for lo, hi in spans:
+                flat[lo:hi].copy_(joined[at:at + hi - lo])
+                at += hi - lo
+        self._landed[index] = flat.div_(self.dp)
+        return flat
+
     def _average(self, bucket: _Bucket, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
         # A sum over the bucket's axis divided by dp, for edp too (module docstring). The
         # result is this rank's part: the bucket's gradient buffer, or a new ZeRO-1 slice.
@@ -260,8 +329,8 @@ class DistributedAdamW:
         copies, which the next step does not overwrite."""
         self.settle()
         out = {}
-        for bucket in self.buckets:
-            flat = self._average(bucket, grads)
+        for index, bucket in enumerate(self.buckets):
+            flat = self._averaged(index, grads)
             if bucket.sliced:
                 flat = self.comm.all_gather(flat, bucket.axis)
             out.update({name: value.clone() for name, value in bucket.unflatten(flat).items()})
@@ -296,7 +365,8 @@ class DistributedAdamW:
         self.settle()
         self.steps += 1
         lr = self.config.lr if lr is None else lr
-        averaged = [self._average(bucket, grads) for bucket in self.buckets]
+        averaged = [self._averaged(index, grads) for index in range(len(self.buckets))]
+        self._landed = {}
         if self.norm_weights is not None:
             self.last_norm = self.global_norm(averaged)
             if self.config.clip is not None:
@@ -409,3 +479,28 @@ class DistributedAdamW:
             exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             torch.div(exp_avg_sq, correction2, out=denom).sqrt_().add_(cfg.eps)
             param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWConfig(),
+                 norms: bool = True) -> DistributedAdamW:
+    """The optimizer of ``executor``'s parameters (an :class:`~.executor.Executor`), its
+    buckets and hooks as the program's train block says: the gradients reduced during the
+    backward (``grad_reduce = backward``: :meth:`DistributedAdamW.reduce` becomes the
+    executor's ``grad_ready``), ZeRO-1's gathers under the next forward (``param_gather =
+    forward`` with ``zero1``: :meth:`DistributedAdamW.ready` its ``param_ready``). ``norms``
+    computes the norm weights (collective over the world; clipping needs them)."""
+    train = executor.program.train
+    gather = zero1 and train.param_gather == "forward"
+    reduce = train.grad_reduce == "backward"
+    comm = executor.comm
+    optimizer = DistributedAdamW(
+        executor.params, comm, zero1=zero1, config=config, expert=executor.weights.ep_sharded(executor.params),
+        weights=norm_weights(executor.weights, comm, executor.params, executor.flat) if norms else None,
+        pieces=executor.flat.shapes, replicated_over=executor.flat.replicated_over,
+        groups=executor.param_groups() if gather or reduce else None, gather_forward=gather,
+        reduce_backward=reduce, partial=executor.partial_sums())
+    if optimizer.deferred:
+        executor.param_ready = optimizer.ready
+    if optimizer.early:
+        executor.grad_ready = optimizer.reduce
+    return optimizer

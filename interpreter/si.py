@@ -119,6 +119,8 @@ class Filler:
     def __init__(self, recorder: Recorder):
         self.recorder = recorder
         self.held: list[tuple[int, object, Issue]] = []  # (layer pair, its backward run, the wgrad)
+        #: What :meth:`carry` was told to call once the carried ops have run.
+        self.carried: list[Callable[[], None]] = []
 
     def take(self, layer: int, run, issue: Issue) -> bool:
         """Hold ``issue`` (an op of layer pair ``layer`` on ``run``) instead of running it in
@@ -146,14 +148,22 @@ class Filler:
             self._run(ready)
 
     def flush(self, before_layer: int | None = None) -> None:
-        """Run the held ops of layer pairs before ``before_layer`` (all of them: None)."""
+        """Run the held ops of layer pairs before ``before_layer`` (all of them: None); the
+        carried ones among them are then all run, and what :meth:`carry` was given is called."""
         for held in [h for h in self.held if before_layer is None or h[0] < before_layer]:
             self._run(held)
+        if before_layer is None or before_layer >= 0:
+            carried, self.carried = self.carried, []
+            for call in carried:
+                call()
 
-    def carry(self) -> None:
+    def carry(self, then: Callable[[], None] | None = None) -> None:
         """At a block's end: keep the held ops for the next block, as ops of the layer pair
-        before its first (run at the latest after that first pair)."""
+        before its first (run at the latest after that first pair); call ``then`` once they
+        have all run (at that static point, whether they ran there or earlier)."""
         self.held = [(-1, run, issue) for _, run, issue in self.held]
+        if then is not None:
+            self.carried.append(then)
 
     def _run(self, held) -> None:
         self.held.remove(held)
@@ -197,11 +207,20 @@ class LayerChain:
     split B)."""
 
     def __init__(self, runs: list, ops: Sequence[Op], begin: Callable, end: Callable, forward: bool,
-                 before: Callable[[int], None] | None = None):
+                 before: Callable[[int], None] | None = None, done: Callable[[int], None] | None = None):
         self.runs, self.ops, self.begin, self.end, self.forward = runs, tuple(ops), begin, end, forward
         #: Called with a layer's position in :attr:`runs` before it starts (the executor
         #: waits there for the layer's weights when their gather runs under the forward).
         self.before = before
+        #: Called with a layer's position once all of its ops have run (a backward's wgrads
+        #: included), at a point of the block's order that is the same on every rank.
+        self.done = done
+
+    def finished(self, positions) -> None:
+        """Report the layers at ``positions`` done (see :attr:`done`)."""
+        if self.done is not None:
+            for position in positions:
+                self.done(position)
 
     def start(self, run, value) -> None:
         """Give ``run`` its input (forward) or its output gradient (backward)."""
@@ -231,6 +250,7 @@ def run_alone(chain: LayerChain, recorder: Recorder, label: str) -> None:
             for issue in issues:
                 step(issue.op, async_op=issue.comm)
             settle(run)
+        chain.finished((k,))
         recorder.memory()
         value = chain.result(run)
     chain.end(value)
@@ -254,6 +274,7 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
         filler = Filler(recorder)
     chains = {"F": fwd, "B": bwd}
     started = {"F": set(), "B": set()}  # runs started ahead of their layer pair (their lead issued)
+    reported = 0  # the backward layers reported done (their held wgrads run by then)
     for k in range(max(len(fwd.runs), len(bwd.runs))):
         frun = fwd.runs[k] if k < len(fwd.runs) else None
         brun = bwd.runs[k] if k < len(bwd.runs) else None
@@ -277,7 +298,10 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
             run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}", order.barrier, filler, k,
                      ahead)
         if filler is not None:
-            filler.flush(before_layer=k)
+            filler.flush(before_layer=k)  # the layer pairs before this one have run whole
+        done = min(k + (filler is None), len(bwd.runs))
+        bwd.finished(range(reported, done))
+        reported = max(reported, done)
         if k == 0 and opened is not None:
             opened()
         if frun is not None:
@@ -285,8 +309,8 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
         if brun is not None:
             grad = bwd.result(brun)
         recorder.memory()
-    if filler is not None:
-        filler.carry()
+    if filler is not None:  # the last layer's held wgrads, and its report, go to the next block
+        filler.carry(lambda rest=range(reported, len(bwd.runs)): bwd.finished(rest))
     fwd.end(x)  # before the barrier: the collectives the end issues (the head's) fly beside it
     for run in fwd.runs + bwd.runs:
         settle(run)

@@ -127,7 +127,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     from .executor import Executor
     from .harness import broadcast_from_first, check_steps
     from .data import DataSource, load_corpus
-    from .optim import AdamWConfig, DistributedAdamW, norm_weights
+    from .optim import AdamWConfig, for_executor
     from .recording import Recorder
     from .si_plan import PLANS, fixed_plan
 
@@ -146,14 +146,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat))
     config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
                          master=options.master)
-    overlap = options.zero1 and program.train.param_gather == "forward"
-    optimizer = DistributedAdamW(executor.params, executor.comm, zero1=options.zero1, config=config,
-                                 expert=executor.weights.ep_sharded(executor.params),
-                                 weights=norm_weights(executor.weights, executor.comm, executor.params, executor.flat),
-                                 pieces=executor.flat.shapes, replicated_over=executor.flat.replicated_over,
-                                 gather_groups=executor.param_groups() if overlap else None)
-    if overlap:  # ZeRO-1's weight gathers land under the next forward, layer by layer
-        executor.param_ready = optimizer.ready
+    optimizer = for_executor(executor, zero1=options.zero1, config=config)
     corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
                                                            program.model.get("seq"))
     source = DataSource(program, comm.size("dp"), options.seed, corpus)
@@ -264,7 +257,11 @@ def _evaluate(executor, source) -> float:
     from .harness import replica_batch
 
     batch = replica_batch(source.held_out(), executor.comm.index("dp"), executor.program.train.microbatches)
-    return executor.step(batch).item()
+    reduce, executor.grad_ready = executor.grad_ready, None  # nothing to reduce
+    try:
+        return executor.step(batch).item()
+    finally:
+        executor.grad_ready = reduce
 
 
 def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses: list) -> None:

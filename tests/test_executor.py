@@ -18,7 +18,7 @@ from dhelix.interpreter.comm import DistComm, SingleRankComm  # noqa: E402
 from dhelix.interpreter.executor import ExecutionError, Executor  # noqa: E402
 from dhelix.interpreter.harness import broadcast_from_first, check_steps, compare, reference_with  # noqa: E402
 from dhelix.interpreter.pipeline_comm import check_fifo  # noqa: E402
-from dhelix.interpreter.optim import AdamWConfig, DistributedAdamW  # noqa: E402
+from dhelix.interpreter.optim import AdamWConfig, DistributedAdamW, for_executor  # noqa: E402
 from dhelix.interpreter.reference import Batch, make_batch  # noqa: E402
 from dhelix.interpreter.si_plan import (check_plan, fixed_plan, op_by_op_plan, planned_pairs,  # noqa: E402
                                         sequential_plan)
@@ -121,6 +121,10 @@ CASES = {
     "pp2_dualpipe_v": ("tp = 2  pp = 2", "dualpipe_v", "u", True, False, 1),
     "pp2_dp2_zb_h1": ("pp = 2  dp = 2", "zb_h1", "none", True, True, 1),
     "pp2_dp2_w_helix_gather_under_forward": ("pp = 2  dp = 2", "w_helix", "u", True, "forward", 3),
+    # The gradients reduced after the step (grad_reduce = step) instead of under the backward
+    # (the default, every other dp case here), ZeRO-1 and without.
+    "tp2_dp2_reduce_after_step": ("tp = 2  dp = 2", "one_f_one_b", "none", True, False, 2),
+    "pp2_dp2_w_helix_zero1_reduce_after_step": ("pp = 2  dp = 2", "w_helix", "u", True, True, 2),
     # Four micro-batches launched together per chunk (g = 4 > p), the gathers under them.
     "pp2_dp2_interleaved_launch4": ("pp = 2  dp = 2", "interleaved_1f1b", "loop(2)", True, "forward", 2, 8, 8),
     "pp2_dualpipe_v_planned": ("tp = 2  pp = 2", "dualpipe_v", "u", "planned", False, 1),
@@ -149,25 +153,34 @@ def synthetic_batch(prog, seed: int) -> Batch:
 def _case(name: str):
     mesh, pipeline, fold, si, zero1, steps, *sizes = CASES[name]
     layers, microbatches = sizes or (4, 4)
-    prog = program(mesh, pipeline, fold, microbatches, layers, "launch = 4" if "launch4" in name else "")
+    train = ("launch = 4" if "launch4" in name else "") + ("  zero = 1  param_gather = forward" if zero1 == "forward" else "") \
+        + ("  grad_reduce = step" if "after_step" in name else "")
+    prog = program(mesh, pipeline, fold, microbatches, layers, train)
     comm = DistComm(prog.mesh, timeout_s=60)
     # "planned": the planner's segment pairs (rank 0's, as `dhelix run` does).
     plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog))) if si == "planned" else op_by_op_plan
     executor = Executor(prog, comm, seed=SEED, si=bool(si), plan_for=plan_for,
                         pair_barrier=True if si == "barrier" else None, use_tags=si != "untagged")
-    groups = executor.param_groups() if zero1 == "forward" else None
-    optimizer = DistributedAdamW(executor.params, comm, zero1=bool(zero1), gather_groups=groups)
-    if groups is None:
-        return check_steps(executor, optimizer, steps, DATA_SEED)
+    optimizer = for_executor(executor, zero1=bool(zero1), norms=False)
     landed = []  # per ready() call: the gathers in flight before and after it
-
-    def ready(names):
-        before = len(optimizer._inflight)
-        optimizer.ready(names)
-        landed.append((before, len(optimizer._inflight)))
-    executor.param_ready = ready
+    reduced = []  # per grad_ready call: (step, action index, the names taken)
+    if executor.param_ready is not None:
+        def ready(names):
+            before = len(optimizer._inflight)
+            optimizer.ready(names)
+            landed.append((before, len(optimizer._inflight)))
+        executor.param_ready = ready
+    if executor.grad_ready is not None:
+        def reduce(grads):
+            taken = optimizer.reduce(grads)
+            reduced.append((executor.steps_run, executor.index_now, sorted(taken)))
+            return taken
+        executor.grad_ready = reduce
     checks = check_steps(executor, optimizer, steps, DATA_SEED)
-    return {"checks": checks, "landed": landed, "buckets": len(optimizer.buckets), "groups": len(groups)}
+    return {"checks": checks, "landed": landed, "buckets": len(optimizer.buckets), "reduced": reduced,
+            "groups": len(executor.param_groups()), "actions": len(executor.actions),
+            "param_groups": [sorted(group) for group in executor.param_groups()],
+            "place": (comm.index("pp"), comm.index("tp"), comm.index("dp"))}
 
 
 def _training(steps: int = 20) -> list[float]:
@@ -189,14 +202,46 @@ def _results(rank: int, world: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def world_results(tmp_path_factory):
-    return gloo_results(_results, 4, tmp_path_factory.mktemp("world"))[0]
+def world_ranks(tmp_path_factory):
+    return gloo_results(_results, 4, tmp_path_factory.mktemp("world"))
+
+
+@pytest.fixture(scope="module")
+def world_results(world_ranks):
+    return world_ranks[0]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_distributed_step_matches_reference(world_results, name):
-    result = world_results[name]
-    assert_steps_match(result["checks"] if isinstance(result, dict) else result, CASES[name][5], TOL)
+    assert_steps_match(world_results[name]["checks"], CASES[name][5], TOL)
+
+
+@pytest.mark.parametrize("name", ["tp2_dp2", "tp2_dp2_zero1", "pp2_dp2_w_helix_gather_under_forward",
+                                  "pp2_dp2_zb_h1"])
+def test_gradients_are_reduced_under_the_backward_layer_by_layer(world_ranks, name):
+    result = world_ranks[0][name]
+    steps, reduced = CASES[name][5], result["reduced"]
+    # One reduction per step of each layer's bucket and of the LM head's with the final
+    # norm's; the embedding's is left to the step.
+    groups = result["param_groups"]
+    expected = [g for g in groups if g != ["embedding"]]
+    assert sorted(names for _, _, names in reduced) == sorted(expected * steps)
+    # Under the backward: with the U fold, chunk 1's layers are reduced while chunk 0's
+    # backwards still run, before the step's last action; without it every layer's last
+    # backward is in the last action (B, or W for zb_h1), which issues them layer by layer.
+    first_step = [index for step, index, _ in reduced if step == 0]
+    assert min(first_step) < result["actions"] - 1 if "w_helix" in name else \
+        set(first_step) == {result["actions"] - 1}
+    # The same layers in the same order on the other dp replica of this stage, the order
+    # every replica issues its collectives in.
+    pp, tp, dp = result["place"]
+    (peer,) = [r[name]["reduced"] for r in world_ranks if r[name]["place"] == (pp, tp, 1 - dp)]
+    assert [names for _, _, names in reduced] == [names for _, _, names in peer]
+
+
+def test_grad_reduce_step_reduces_nothing_under_the_backward(world_results):
+    for name in ("tp2_dp2_reduce_after_step", "pp2_dp2_w_helix_zero1_reduce_after_step"):
+        assert world_results[name]["reduced"] == []
 
 
 def test_zero1_gathers_land_layer_by_layer_under_the_next_forward(world_results):
@@ -211,7 +256,7 @@ def test_zero1_gathers_land_layer_by_layer_under_the_next_forward(world_results)
 
 
 def test_si_on_and_off_give_the_same_result(world_results):
-    on, off = world_results["pp2_w_helix_si"][0], world_results["pp2_w_helix_no_si"][0]
+    on, off = world_results["pp2_w_helix_si"]["checks"][0], world_results["pp2_w_helix_no_si"]["checks"][0]
     assert abs(on.loss - off.loss) <= 1e-6
     assert abs(on.grad_diff - off.grad_diff) <= TOL
 

@@ -359,21 +359,27 @@ def test_a_block_s_last_held_wgrads_run_in_the_next_block_s_opening_wait():
     # the last layer pair (1) of a block holds a wgrad; the block ends: carried, not run
     last = _Strand(log, "B", flying)
     run_pair(None, last, [Issue("B", ops["qkv.wgrad"])], Recorder(), "b0.l1", False, filler, 1)
-    filler.carry()
+    filler.carry(lambda: log.append("layer done"))
     assert log == [] and [h[0] for h in filler.held] == [-1]
     # the next block's first layer pair: its forward waits for ag1 (the embedding's reduction
     # stands for it here) — the carried wgrad runs there
     fwd, bwd = _Strand(log, "F", flying), _Strand(log, "B", flying)
     run_pair(fwd, bwd, [Issue("F", fops["ag1"]), Issue("F", fops["qkv"])], Recorder(), "b1.l0", False, filler, 0)
     assert log == ["F.ag1", "B.qkv.wgrad", "F.qkv"] and filler.held == []
+    # the layer is reported done at the static point, the flush after that first pair, not
+    # when its wgrad happened to run (a moment that differs between ranks)
+    filler.flush(before_layer=0)
+    assert log[-1] == "layer done"
     # with no wait in the opening it runs at the latest after that first layer pair
     log.clear()
     run_pair(None, last, [Issue("B", ops["fc2.wgrad"])], Recorder(), "b1.l1", False, filler, 1)
-    filler.carry()
+    filler.carry(lambda: log.append("layer done"))
     run_pair(fwd, None, [Issue("F", fops["h1"])], Recorder(), "b2.l0", False, filler, 0)
     assert log == ["F.h1"]
     filler.flush(before_layer=0)
-    assert log == ["F.h1", "B.fc2.wgrad"] and filler.held == []
+    assert log == ["F.h1", "B.fc2.wgrad", "layer done"] and filler.held == []
+    filler.flush()
+    assert log.count("layer done") == 1
 
 
 class _Recording:

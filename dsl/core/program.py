@@ -88,6 +88,9 @@ class Train:
     #: Micro-batches launched together per model chunk (the pipelines' ``g``): a number,
     #: "auto" (the planner chooses, Centauri's Eq. 2) or None (p).
     launch: int | str | None = None
+    #: When the data-parallel gradient reduction runs: "backward" (each layer's as soon as
+    #: the step's last backward of it has finished) or "step" (all after the last backward).
+    grad_reduce: str = "backward"
     span: object = span_field()
     data_span: object = span_field()
     zero_span: object = span_field()

@@ -23,7 +23,7 @@ MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
 TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute",
-              "param_gather", "shard", "launch")
+              "param_gather", "grad_reduce", "shard", "launch")
 TRAIN_STRINGS = ("data",)  # a path, relative to the program file
 #: What ``train { recompute = … }`` accepts: keep every saved activation (``none``), drop the
 #: outputs of the cheap operators and compute them again when the layer's backward starts
@@ -35,6 +35,12 @@ RECOMPUTE = ("none", "selective", "full")
 #: weights waited for before its first forward (``forward``: Megatron's
 #: ``--overlap-param-gather``, Centauri's model-level overlap of the all-gather, §3.2.3).
 PARAM_GATHER = ("step", "forward")
+#: When the data-parallel gradient reduction runs (``train { grad_reduce = … }``): each
+#: layer's as soon as the step's last backward of that layer has finished, beside the rest of
+#: the backward (``backward``, the default: PyTorch DDP's bucketed overlap, Megatron's
+#: ``--overlap-grad-reduce``, Centauri's model-level overlap of the reduce-scatter, §3.2.3),
+#: or all of it after the step's last backward (``step``).
+GRAD_REDUCE = ("backward", "step")
 #: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states), 1 (optimizer
 #: states sharded over data parallelism, Megatron's distributed optimizer) and 3 (FSDP: the
 #: layers' weights and gradients sharded too, gathered and reduce-scattered per layer).
@@ -215,7 +221,7 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
-    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute", "param_gather"),
+    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute", "param_gather", "grad_reduce"),
                            strings=TRAIN_STRINGS, autos=("launch",))
     _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every", "shard")
                                      + (("launch",) if block.values.get("launch") != AUTO else ())
@@ -257,6 +263,14 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                   "no such all-gather" if zero == 0 else
                                   "ZeRO-3 gathers each layer's weights before use already")]))
         return None
+    grad_reduce = v.get("grad_reduce", GRAD_REDUCE[0])
+    if grad_reduce not in GRAD_REDUCE:
+        errors.add(CheckError(f"unknown grad_reduce '{grad_reduce}' (backward or step)", block.span("grad_reduce"),
+                              did_you_mean(grad_reduce, GRAD_REDUCE)
+                              + ["backward reduces each layer's gradients over data parallelism as soon as its "
+                                 "last backward of the step has finished; step reduces them all after the "
+                                 "step's last backward"]))
+        return None
     if "shard" in v and zero != 3:
         errors.add(CheckError(f"shard = {v['shard']} needs zero = 3, not zero = {zero}", block.span("shard"),
                               ["shard is the size of the groups ZeRO-3 shards the weights over (hybrid sharding, "
@@ -265,7 +279,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
     return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
                  v.get("eval_every"), v.get("warmup", 0), zero, recompute, param_gather, v.get("shard"),
-                 v.get("launch"), span=node.span, launch_span=block.span("launch") if "launch" in block.nodes else None, data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,
+                 v.get("launch"), grad_reduce, span=node.span, launch_span=block.span("launch") if "launch" in block.nodes else None, data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,
                  shard_span=block.span("shard") if "shard" in block.nodes else None)
 
 

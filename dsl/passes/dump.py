@@ -80,6 +80,7 @@ def dump_config(program: Program) -> str:
                  + (f", shard {train.shard}" if train.shard else "")
                  + (f", launch {train.launch}" if train.launch is not None else "")
                  + (f", param_gather {train.param_gather}" if train.param_gather != "step" else "")
+                 + (f", grad_reduce {train.grad_reduce}" if train.grad_reduce != "backward" else "")
                  + (f", recompute {train.recompute}" if train.recompute != "none" else ""))
     lines.append(f"fold: {program.fold.kind} ({program.fold.v} chunk{'s' if program.fold.v > 1 else ''} per rank)")
     lines.append(f"pipeline: {program.pipeline.name if program.pipeline else '-'}")

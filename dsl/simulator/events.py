@@ -17,10 +17,12 @@ lowered action list in order:
   has finished; the matching **RECV** completes when the transfer arrives, and the action
   after it waits for that. Sends are eager, so the order of :func:`validate.dry_run` settles
   every time in one pass.
-* **DP gradient sync**: every layer's gradients (and the embedding's, the LM head's) form a
-  bucket that is ready when the stage's last backward pass (B, or W when split) has finished
-  that layer; buckets reduce-scatter (ZeRO-1) or all-reduce over the gradient group's lane in
-  ready order, fitting into the lane's idle gaps between pipeline sends. Then the optimizer
+* **DP gradient sync**: every layer's gradients form a bucket that is ready when the stage's
+  last backward pass (B, or W when split) has finished that layer, the LM head's with the final
+  norm's when its last backward has (``train { grad_reduce = backward }``, the default; with
+  ``step``, and for the embedding always, when the rank's last action has finished: what the
+  interpreter does); buckets reduce-scatter (ZeRO-1) or all-reduce over the gradient
+  group's lane in ready order, fitting into the lane's idle gaps between pipeline sends. Then the optimizer
   runs on the compute lane, and with ZeRO-1 the updated weights are all-gathered. Nothing of
   the next step overlaps these, except with ``train { param_gather = forward }``: then one
   all-gather per layer and model end (Megatron's ``--overlap-param-gather``, Centauri's
@@ -486,7 +488,10 @@ class _Run:
         kind = "reduce_scatter" if self.zero1 else "all_reduce"
         ready_after, dp_comm = 0.0, 0.0
         names = self._slot_names()
+        early = self.program.train is None or self.program.train.grad_reduce == "backward"
         for (stage, slot), (ready, dense, expert) in sorted(self.grads[rank].items(), key=_by_ready):
+            if not early or slot == "embedding":  # reduced after the rank's last action
+                ready = max(ready, self.last_end[rank])
             syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
             if self.fsdp and isinstance(slot, int):
                 # A layer's: reduce-scattered by its scatter_dw ops; under hybrid sharding its

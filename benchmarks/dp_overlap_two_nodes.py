@@ -1,0 +1,193 @@
+"""Data-parallel gradient reduction under the backward, over an emulated two-node link.
+
+Run as root (it creates network namespaces, as ``benchmarks/two_nodes.py`` does)::
+
+    sudo .venv/bin/python benchmarks/dp_overlap_two_nodes.py --rounds 5 \\
+        --output benchmarks/results/cpu_two_nodes_dp_overlap.txt
+
+The program: a small Llama with ``mesh { dp = 2 }`` over ``cluster { nodes = 2
+gpus_per_node = 1 }``, so the data-parallel gradient reduction crosses the rate-limited veth
+(the cross lane) and nothing else does. It runs in two modes, alternated in every round (the
+order rotating), one rank per namespace:
+
+* ``grad_reduce = backward`` (dhelix's default): each layer's all-reduce (reduce-scatter under
+  ``--zero1``) is issued as the step's last backward of that layer ends and flies beside the
+  backward of the layers below it;
+* ``grad_reduce = step``: every bucket is reduced after the step's last backward.
+
+It prints per mode the median over rounds of the step time and of the time blocked on
+collectives (each run's figure: the median over its steps without the first, of the slowest
+rank), and the ratio backward ÷ step. The reduction can hide at most behind the last
+micro-batch's backward below each layer (what is left of the backward once a layer's last
+gradient exists), so few micro-batches and several layers give it the most room.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # two_nodes.py beside this file
+
+from two_node_link import LinkError, Shaping, TwoNodeLink, check_can_run  # noqa: E402
+from two_nodes import BenchError, Report, World, _median, _ratio, _s, command_line, machine  # noqa: E402
+
+from dhelix.dsl.core.errors import DhelixError  # noqa: E402
+from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
+
+MODES = ("backward", "step")
+
+
+def program_text(args, grad_reduce: str) -> str:
+    """The benchmark program with ``train { grad_reduce = … }``."""
+    heads = args.hidden // 64
+    zero = "  zero = 1" if args.zero1 else ""
+    return f"""# Written by benchmarks/dp_overlap_two_nodes.py: dp = 2 across two emulated nodes.
+import "stdlib/layers.dhx"
+import "stdlib/pipelines.dhx"
+
+model dp_two_nodes {{
+  layers = {args.layers}
+  hidden = {args.hidden}
+  ffn = {2 * args.hidden}
+  heads = {heads}
+  kv_heads = {max(1, heads // 2)}
+  seq = {args.seq}
+  vocab = 512
+  dtype = fp32
+  layer = llama
+}}
+
+cluster {{
+  nodes = 2
+  gpus_per_node = 1
+  profile = "a40"
+}}
+
+mesh {{
+  dp = 2
+}}
+
+train {{
+  micro_batch = 1
+  microbatches = {args.microbatches}
+  seed = 0{zero}
+  grad_reduce = {grad_reduce}
+}}
+
+pipeline one_f_one_b
+"""
+
+
+def run_rounds(world: World, files: dict[str, Path], args, report: Report) -> dict[str, list[dict]]:
+    """Both modes once per round, alternating which goes first; the metrics by mode."""
+    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for round_index in range(args.rounds):
+        order = MODES if round_index % 2 == 0 else MODES[::-1]
+        for mode in order:
+            metrics = world.workdir / f"round{round_index + 1}-{mode}.json"
+            command = ["-m", "dhelix", "run", str(files[mode]), "--steps", str(args.steps), "--metrics", str(metrics)]
+            ok, where = world.run(command, mode)
+            label = f"round {round_index + 1}/{args.rounds}  grad_reduce = {mode:<8}"
+            if not ok:
+                raise BenchError(f"{label} failed: {where}")
+            data = json.loads(metrics.read_text())
+            results[mode].append(data)
+            report(f"{label}  step {data['step_s']:7.3f} s   blocked on collectives {data['exposed_comm_s']:7.3f} s"
+                   f"   (load average {os.getloadavg()[0]:.1f})")
+    return results
+
+
+def summarise(results: dict[str, list[dict]], report: Report) -> None:
+    """The medians, per-round ratios and their median."""
+    report()
+    report("medians over the rounds (a run's figure: the median over its steps without the first, "
+           "of the slowest rank):")
+    report(f"{'grad_reduce':<12} {'runs':>4} {'step time':>10} {'min':>8} {'max':>8} {'blocked on collectives':>23}")
+    step = {}
+    for mode, runs in results.items():
+        steps = [d["step_s"] for d in runs]
+        step[mode] = _median(steps)
+        report(f"{mode:<12} {len(runs):>4} {_s(step[mode]):>10} {_s(min(steps)):>8} {_s(max(steps)):>8} "
+               f"{_s(_median([d['exposed_comm_s'] for d in runs])):>23}")
+    pairs = [b["step_s"] / s["step_s"] for b, s in zip(results["backward"], results["step"], strict=True)]
+    report()
+    report(f"backward ÷ step: medians {_ratio(step['backward'] / step['step'])}; per round "
+           f"{', '.join(f'{r:.3f}' for r in pairs)} (shorter in {sum(r < 1 for r in pairs)}/{len(pairs)})")
+
+
+def bench(args, report: Report, workdir: Path) -> int:
+    """Write the programs, make the link, run the rounds, summarise."""
+    report(f"$ {command_line()}")
+    report(f"machine: {machine()}")
+    files = {}
+    for mode in MODES:
+        files[mode] = workdir / f"dp_{mode}.dhx"
+        files[mode].write_text(program_text(args, mode))
+        check_text(files[mode].read_text(), str(files[mode]))
+    report(f"config: llama layers × {args.layers}, hidden {args.hidden}, ffn {2 * args.hidden}, seq {args.seq}, "
+           f"fp32; micro_batch 1, {args.microbatches} micro-batches, 1F1B; mesh dp 2 across 2 nodes × 1 "
+           f"(cross lane){', ZeRO-1' if args.zero1 else ''}; {args.steps} steps per run, {args.rounds} rounds")
+    with TwoNodeLink(Shaping(rate=args.rate, burst=args.burst, latency=args.latency)) as link:
+        report(f"link: {link.describe()}")
+        world = World(link, 2, 1, workdir, args.run_timeout)
+        results = run_rounds(world, files, args, report)
+    summarise(results, report)
+    report(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return 0
+
+
+def parse_args(argv=None):
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--rate", default="400mbit", help="tbf rate of each direction of the link")
+    parser.add_argument("--burst", default="256kb", help="tbf burst")
+    parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of both modes, alternated")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is left out)")
+    parser.add_argument("--hidden", type=int, default=512, help="hidden size")
+    parser.add_argument("--seq", type=int, default=512, help="sequence length")
+    parser.add_argument("--layers", type=int, default=4, help="layers")
+    parser.add_argument("--microbatches", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--zero1", action="store_true", help="ZeRO-1: reduce-scatter instead of all-reduce")
+    parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds a run may take")
+    parser.add_argument("--output", metavar="FILE", help="also write everything printed to FILE")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps < 2:
+        parser.error("--rounds must be at least 1 and --steps at least 2 (the first step is left out)")
+    return args
+
+
+def main(argv=None) -> int:
+    """Check that the link can be made, run the benchmark, always remove what it created."""
+    args = parse_args(argv)
+    try:
+        check_can_run()
+    except LinkError as exc:
+        print(f"dp_overlap_two_nodes.py: {exc}", file=sys.stderr)
+        return 2
+    report, workdir = Report(), Path(tempfile.mkdtemp(prefix="dhxdp-"))
+    try:
+        code = bench(args, report, workdir)
+        if args.output:  # only a complete run replaces the results file
+            report.write(args.output)
+        return code
+    except DhelixError as exc:
+        print(exc.render(), file=sys.stderr)
+    except (LinkError, BenchError, OSError) as exc:
+        print(f"dp_overlap_two_nodes.py: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("dp_overlap_two_nodes.py: interrupted; the namespaces are removed", file=sys.stderr)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
