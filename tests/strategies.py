@@ -25,7 +25,7 @@ KEYWORDS = (
     "import", "model", "cluster", "mesh", "train", "fold", "pipeline", "repeat", "require",
     "SI", "F", "B", "W", "layer", "in", "out", "strands", "overlap", "comm_with_comm",
     "movable", "forbid", "with", "on", "off", "min", "max", "partition", "chunk", "by",
-    "along", "substitute", "as", "group",
+    "along", "substitute", "as", "group", "move", "later",
 )
 PIPELINE_RESERVED = frozenset({"F", "B", "W", "SI", "repeat", "require"})
 LAYER_RESERVED = frozenset({"in", "out"})
@@ -145,10 +145,11 @@ def strands_statements() -> st.SearchStrategy:
 
 
 def partition_statements() -> st.SearchStrategy:
-    """chunk (with and without along; counts of every expression form), substitute and group."""
+    """chunk (with and without along; counts of every expression form), substitute, move and group."""
     return st.one_of(
         st.builds(s.Chunk, _tuples(names(), min_size=1, max_size=3), exprs(4), st.none() | names()),
         st.builds(s.Substitute, names(), _tuples(names(), min_size=1, max_size=3)),
+        st.builds(s.Move, _tuples(names(), min_size=1, max_size=3)),
         st.builds(s.Group, _tuples(names(), min_size=1, max_size=3)),
     )
 

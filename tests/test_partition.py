@@ -30,6 +30,27 @@ QKV_BY_2 = "chunk ag1 + qkv by 2"
 MLP_BY_2 = "chunk ag2 + fc1 + act + fc2 + rs2 by 2"
 GROUP_ALL = "group ag1 + rs1 + ag2 + rs2"
 
+#: Megatron's tensor-parallel Llama layer without sequence parallelism (an all_reduce ends each block).
+LLAMA_TP = """layer llama_tp {
+  in x [tokens, hidden]
+  ln1 = rmsnorm(x)
+  qkv = gemm(ln1, hidden, (heads + 2 * kv_heads) * head_dim / tp)
+  att = attention(qkv, heads / tp, kv_heads / tp, causal)
+  prj = gemm(att, hidden / tp, hidden)
+  ar1 = all_reduce(prj, tp)
+  h1 = add(ar1, x)
+  ln2 = rmsnorm(h1)
+  fc1 = gemm(ln2, hidden, 2 * ffn / tp)
+  act = swiglu(fc1)
+  fc2 = gemm(act, ffn / tp, hidden)
+  ar2 = all_reduce(fc2, tp)
+  h2 = add(ar2, h1)
+  out h2
+}
+"""
+TP_TO_SP = "substitute ar1 as reduce_scatter + all_gather;substitute ar2 as reduce_scatter + all_gather;" \
+    "move ar1 + ar2 later"
+
 
 def program(partition: str = "", mesh: str = "tp = 2  pp = 2", pipeline: str = "w_helix", fold: str = "u",
             layers: int = 4, layer: str = "llama", extra: str = "", stop: str = "validate"):
@@ -152,11 +173,32 @@ def test_compare_shows_centauri_si_and_both_beside_the_baseline():
     assert sims[0].step_time != sims[1].step_time  # the chunks are priced, not ignored
 
 
+def test_moving_the_substituted_gathers_later_turns_tensor_into_sequence_parallelism():
+    # The tensor-parallel layer, substituted and moved, is the stdlib's sequence-parallel
+    # llama op for op: the same operators, shapes and collectives, its input and output
+    # 1/tp of the tokens; the gathers are named for what they gather.
+    moved = program(TP_TO_SP, layer="llama_tp", extra=LLAMA_TP)
+    llama = program()
+    names = {"ln1.ag": "ag1", "ar1.rs": "rs1", "ln2.ag": "ag2", "ar2.rs": "rs2"}
+    assert [names.get(op.name, op.name) for op in moved.forward.ops] == [op.name for op in llama.forward.ops]
+    for got, want in zip(moved.forward.ops, llama.forward.ops, strict=True):
+        assert (got.op, got.shape, got.in_shapes, got.weight, got.lane) == \
+            (want.op, want.shape, want.in_shapes, want.weight, want.lane), got.name
+        assert [names.get(i, i) for i in got.inputs] == list(want.inputs), got.name
+    assert moved.forward.input_shape == llama.forward.input_shape == (16 // 2, 32)
+    assert [op.op for op in moved.backward.ops] == [op.op for op in llama.backward.ops]
+    # Substituted but not moved: the all_gathers stay where the all_reduces were, every
+    # token on every rank between the blocks.
+    kept = program(TP_TO_SP.rsplit(";", 1)[0], layer="llama_tp", extra=LLAMA_TP).forward
+    assert [op.name for op in kept.ops if op.op == "all_gather"] == ["ar1", "ar2"]
+    assert kept.input_shape == (16, 32)
+
+
 def test_the_partition_block_prints_canonically_and_parses_back():
     from dhelix.dsl.frontend.fmt import format_source
 
     text = ("partition {\n  chunk ag1 + qkv along tokens by (2 * tp)\n  substitute ar as reduce_scatter + all_gather\n"
-            "  group ag1 + rs1 first inter\n  group weights\n  backward wgrad first\n}\n")
+            "  move ar + ag2 later\n  group ag1 + rs1 first inter\n  group weights\n  backward wgrad first\n}\n")
     assert format_source(text) == text
     assert format_source(text.replace("(2 * tp)", "(((2) * tp))")) == text
 
@@ -174,6 +216,10 @@ RUNS = {
     # in order), a reduce_scatter across nodes first.
     "group_tp4_other_orders_1f1b": ("group ag1 + rs1 first intra;group ag2 + rs2 first inter", "tp = 4",
                                     "one_f_one_b", "none", False),
+    # Tensor parallelism without SP, substituted and moved into SP (the llama_tp layer), with
+    # the MLP chunked after the move and SI on the W.
+    "tp_to_sp_mlp2_w_helix_planned_si": (f"{TP_TO_SP};chunk ln2.ag + fc1 + act + fc2 + ar2.rs by 2",
+                                         "tp = 2  pp = 2", "w_helix", "u", "planned"),
 }
 
 
@@ -188,7 +234,9 @@ def _runs(rank: int, world: int) -> dict:
 
     results = {}
     for name, (partition, mesh, pipeline, fold, si) in RUNS.items():
-        prog = program(partition, mesh, pipeline, fold)
+        tp_layer = "move" in partition
+        prog = program(partition, mesh, pipeline, fold, layer="llama_tp" if tp_layer else "llama",
+                       extra=LLAMA_TP if tp_layer else "")
         comm = DistComm(prog.mesh, timeout_s=60)
         # The planner runs on rank 0 only (as `dhelix run` plans once): the ranks share 2 cores.
         plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog) if rank == 0 else None)) \

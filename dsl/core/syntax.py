@@ -239,6 +239,14 @@ class Substitute(Node):
 
 
 @attrs.frozen
+class Move(Node):
+    """``move ar1 + ar2 later``: move the all_gathers ``ops`` past the elementwise operators
+    that read them (sequence parallelism of the layer's tokens). Spans: ``ops.i``."""
+
+    ops: tuple[str, ...]
+
+
+@attrs.frozen
 class Group(Node):
     """``group ag1 + rs1 [first inter]``: run each collective as sub-collectives over the
     node-local and the cross-node part of its group, the sub-group ``first`` names (``inter``
@@ -256,7 +264,7 @@ class Backward(Node):
     first: str
 
 
-XStmt = Union[Chunk, Substitute, Group, Backward]
+XStmt = Union[Chunk, Substitute, Move, Group, Backward]
 
 
 @attrs.frozen

@@ -129,6 +129,7 @@ _LEAVES: dict[type, Callable[..., str]] = {
     s.Chunk: lambda n: f"chunk {' + '.join(n.ops)}" + (f" along {n.dim}" if n.dim else "")
     + f" by {_count(n.parts)}",
     s.Substitute: lambda n: f"substitute {n.op} as {' + '.join(n.into)}",
+    s.Move: lambda n: f"move {' + '.join(n.ops)} later",
     s.Backward: lambda n: f"backward {n.first} first",
     s.Group: lambda n: f"group {' + '.join(n.ops)}" + (f" first {n.first}" if n.first else ""),
 }

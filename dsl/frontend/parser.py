@@ -495,6 +495,12 @@ class _Builder(Transformer):
     def partition_def(self, meta, children):
         return s.PartitionDef(tuple(children), span=self._span(meta))
 
+    def op_name(self, meta, children):
+        # One token spanning the dotted name, as a plain NAME would.
+        first, last = children[0], children[-1]
+        return Token("NAME", ".".join(str(c) for c in children), start_pos=first.start_pos, line=first.line,
+                     column=first.column, end_line=last.end_line, end_column=last.end_column, end_pos=last.end_pos)
+
     def chunk_stmt(self, meta, children):
         *names, parts = children
         dim = names.pop() if names and isinstance(names[-1], tuple) else None
@@ -523,6 +529,10 @@ class _Builder(Transformer):
     def first(self, meta, children):
         (part,) = children
         return (str(part), self._tok(part))
+
+    def move_stmt(self, meta, children):
+        spans = {f"ops.{i}": self._tok(n) for i, n in enumerate(children)}
+        return s.Move(tuple(str(n) for n in children), span=self._span(meta), spans=spans)
 
     def substitute_stmt(self, meta, children):
         op, *into = children

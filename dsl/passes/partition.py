@@ -8,6 +8,17 @@ interpreter see ordinary operators:
   an ``all_reduce`` becomes ``ar.rs`` (a reduce_scatter) then ``ar`` (an all_gather of it),
   the substitution that scales; the rooted ones (reduce + broadcast, gather + scatter) send
   everything through one rank and are refused.
+* ``move ar1 + ar2 later`` (after a substitution): the all_gathers move past the
+  elementwise operators that read them (norms, activations, the residual add: token-wise,
+  no weight to contract), which then run on the rank's 1/n of the tokens, up to the
+  operators that need every token (a GEMM, attention), where an all_gather of their input
+  is made (named ``ln2.ag`` for ``ln2``'s output; a moved gather that no elementwise operator
+  took keeps its name). The layer's tokens are what gets sharded: its input is taken as the
+  all_gather of a shard and moves the same way (``x.ag`` where it is still needed whole),
+  and its output must then be a moved gather, which is dropped: the layer maps a shard of
+  the tokens to a shard, as the ``llama`` layer of ``stdlib/layers.dhx`` does. That is how
+  tensor parallelism becomes sequence parallelism (Centauri §3.1.1: after the substitution
+  the all_gather may move through elementwise operators).
 * ``chunk ag2 + fc1 + act + fc2 + rs2 by 2`` (workload partition, Table 3): the chain's
   operators run on ``k`` chunks (``ag2.c0``, ``fc1.c0``, … ``ag2.c1``, …), chunk-major so
   that chunk 1's collective can run while chunk 0 computes. Values the chain reads from
@@ -71,8 +82,8 @@ def chunk_statements(block: s.PartitionDef | None) -> list[s.Chunk]:
 
 def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, int], mesh: Mesh,
                       counts: Mapping[int, int] | None = None, orders: Mapping[str, str] | None = None) -> LayerDag:
-    """``fwd`` rewritten by the statements of ``block`` (substitutions first, then chunks,
-    then group partitions, which split the chunks' collectives too), with chunk counts
+    """``fwd`` rewritten by the statements of ``block`` (substitutions first, then moved
+    gathers, then chunks, then group partitions, which split the chunks' collectives too), with chunk counts
     evaluated over ``env`` and groups taken from ``mesh``. A ``by auto`` statement takes its
     count from ``counts`` (keyed by its index among the chunk statements; the planner
     chooses it, :mod:`dhelix.dsl.planner.chunking`); without one, or with 1, its chain stays
@@ -85,6 +96,9 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     for st in block.body:
         if isinstance(st, s.Substitute):
             fwd = _substitute(fwd, st, errors)
+    for st in block.body:
+        if isinstance(st, s.Move):
+            fwd = _moved_later(fwd, st, errors)
     claimed: dict[str, s.Chunk] = {}
     for index, st in enumerate(chunk_statements(block)):
         auto = (counts or {}).get(index, 1) if is_auto(st) else None
@@ -235,6 +249,88 @@ def _substitute(fwd: LayerDag, st: s.Substitute, errors: ErrorCollector) -> Laye
     for other in fwd.ops:
         ops += [rs, ag] if other.name == op.name else [other]
     return attrs.evolve(fwd, ops=tuple(ops))
+
+
+# -- all_gathers moved later ---------------------------------------------------------------
+
+#: The operator classes an all_gather moves through: token-wise, without a weight that would
+#: contract the gathered rows (Table 3's OD along tokens, elementwise).
+ELEMENTWISE = ("norm", "activation", "add")
+
+
+def _moved_later(fwd: LayerDag, st: s.Move, errors: ErrorCollector) -> LayerDag:
+    """``fwd`` with the all_gathers ``st`` names, and its input, moved past the elementwise
+    operators that read them (module docstring); errors located at the statement's names."""
+    found, gathers = len(errors.errors), {}
+    for i, name in enumerate(st.ops):
+        span = st.span_of(f"ops.{i}")
+        if name in fwd.elided:
+            continue  # over a size-1 axis: the identity, nothing to move
+        op = _named_op(fwd, name, span, errors)
+        if op is None:
+            continue
+        if op.op != "all_gather":
+            notes = [f"write 'substitute {name} as reduce_scatter + all_gather' before it: the all_gather "
+                     f"half keeps the name {name}"] if op.op == "all_reduce" else []
+            errors.add(CheckError(f"cannot move '{name}' later: it is {op.op}, not an all_gather", span,
+                                  notes + [f"an all_gather commutes with the elementwise operators after it "
+                                           f"({join_words(ELEMENTWISE, 'or')}); this moves it past them"]))
+            continue
+        gathers[name] = (op, span)
+    if len(errors.errors) > found or not gathers:
+        return fwd
+    (template, _), *others = gathers.values()
+    for op, span in others:
+        if (op.axis, op.group_size) != (template.axis, template.group_size):
+            errors.add(CheckError(f"cannot move '{op.name}' with '{template.name}': it gathers over {op.axis} = "
+                                  f"{op.group_size}, '{template.name}' over {template.axis} = {template.group_size}",
+                                  span, ["the gathers moved together shard the layer's tokens over one axis"]))
+            return fwd
+    size, (rows, cols) = template.group_size, fwd.input_shape
+    first_span = next(iter(gathers.values()))[1]
+    if rows % size:
+        errors.add(CheckError(f"cannot move '{template.name}' later: the layer's {rows} tokens do not split over "
+                              f"{template.axis} = {size}", first_span))
+        return fwd
+    # value -> (the name of its shard, the shard's shape), for every value that is an
+    # all_gather of a shard: the moved gathers, the layer input, what elementwise ops made of them.
+    shard = {name: (op.inputs[0], op.in_shapes[0]) for name, (op, _) in gathers.items()}
+    shard[fwd.input] = (fwd.input, (rows // size, cols))
+    made: dict[str, str] = {}  # value -> the all_gather op that gives it whole again
+    ops: list[Op] = []
+
+    def whole(value: str) -> str:
+        if value not in made:
+            source, shape = shard[value]
+            written = gathers.get(value, (template, first_span))[0]
+            made[value] = value if value in gathers else f"{value}.ag"
+            ops.append(attrs.evolve(written, name=made[value], inputs=(source,), in_shapes=(shape,),
+                                    shape=(shape[0] * size, shape[1])))
+        return made[value]
+
+    for op in fwd.ops:
+        if op.name in gathers:
+            continue
+        if op.kind == "compute" and op.op_class in ELEMENTWISE and op.inputs and all(i in shard for i in op.inputs):
+            shapes = tuple(shard[i][1] for i in op.inputs)
+            ops.append(attrs.evolve(op, inputs=tuple(shard[i][0] for i in op.inputs), in_shapes=shapes,
+                                    shape=(op.shape[0] // size, op.shape[1])))
+            shard[op.name] = (op.name, ops[-1].shape)
+        else:
+            ops.append(attrs.evolve(op, inputs=tuple(whole(i) if i in shard else i for i in op.inputs)))
+    if fwd.output not in shard:
+        producer = fwd.op(fwd.output)
+        whole_inputs = [i for i in producer.inputs if i not in shard]
+        why = f"{producer.name} ({producer.op}) needs every token" if producer.op_class not in ELEMENTWISE \
+            else f"{producer.name} ({producer.op}) also reads {whole_inputs[0]} ({fwd.op(whole_inputs[0]).op}), " \
+            "which holds every token"
+        errors.add(CheckError(f"moving {join_words(list(gathers))} later leaves the layer's output "
+                              f"{fwd.output} whole: {why}", first_span,
+                              ["the moved gathers shard the layer's tokens, its input and output included: every "
+                               "path from a moved gather to the output must run through elementwise operators "
+                               f"({join_words(ELEMENTWISE, 'or')})"]))
+        return fwd
+    return attrs.evolve(fwd, ops=tuple(ops), input_shape=(rows // size, cols), output=shard[fwd.output][0])
 
 
 def _bad_target(st: s.Substitute) -> CheckError:
