@@ -32,8 +32,10 @@ the same order everywhere); their all-reduce or reduce-scatter is left in flight
 over tp and cp (the executor no longer sums them itself, which would block the backward on
 a collective): since every reduction here is a sum, the bucket is summed over dp first and
 the spans of the partial parameters then over tp and cp, inside this rank's part — replicas
-of one dp index hold the same bucket layout. The model ends' buckets are reduced in
-:meth:`~DistributedAdamW.step`, as is everything with ``grad_reduce = step``.
+of one dp index hold the same bucket layout. The final norm's and the LM head's bucket is
+handed over with the last stage's last layer; the embedding's, ZeRO-3's pieces (their
+reduce-scatters land after the next action) and everything with ``grad_reduce = step`` are
+reduced in :meth:`~DistributedAdamW.step`.
 
 ZeRO-1's all-gather of the updated weights may run under the next step's forward
 (``train { param_gather = forward }``, Megatron's ``--overlap-param-gather``, Centauri's
@@ -247,6 +249,7 @@ class DistributedAdamW:
         expert = set(expert or ()) & set(self.params) if comm.size("ep") > 1 else set()
         like = next(iter(self.params.values()), torch.zeros(()))
         pieces = set(pieces) & set(self.params)
+        self.pieces = frozenset(pieces)
         dense = set(self.params) - expert - pieces
         per_group = [set(group) for group in groups or ()] if self.deferred or self.early else []
         rest, rest_expert = dense - set().union(*per_group), expert - set().union(*per_group)
@@ -287,8 +290,12 @@ class DistributedAdamW:
         if not self.early:
             return taken
         for index, bucket in enumerate(self.buckets):
-            if bucket.summed or not bucket.names or not bucket.name_set <= grads.keys() or index in self._reducing:
+            # ZeRO-3 pieces are summed by their layers' reduce-scatters, which land after the
+            # next action: their buckets (hybrid sharding's all-reduce too) wait for the step.
+            if bucket.name_set & self.pieces or not bucket.names or not bucket.name_set <= grads.keys() \
+                    or index in self._reducing:
                 continue
+            self._landed.pop(index, None)  # a previous step's, had it not been used
             flat = bucket.fill(bucket.grads, grads)
             self._reducing[index] = self.comm.reduce_scatter(flat, bucket.axis, async_op=True) if bucket.sliced \
                 else self.comm.all_reduce(flat, bucket.axis, async_op=True)

@@ -148,14 +148,13 @@ class Filler:
             self._run(ready)
 
     def flush(self, before_layer: int | None = None) -> None:
-        """Run the held ops of layer pairs before ``before_layer`` (all of them: None); the
-        carried ones among them are then all run, and what :meth:`carry` was given is called."""
+        """Run the held ops of layer pairs before ``before_layer`` (all of them: None), which
+        include every carried one (layer -1), then call what :meth:`carry` was given."""
         for held in [h for h in self.held if before_layer is None or h[0] < before_layer]:
             self._run(held)
-        if before_layer is None or before_layer >= 0:
-            carried, self.carried = self.carried, []
-            for call in carried:
-                call()
+        carried, self.carried = self.carried, []
+        for call in carried:
+            call()
 
     def carry(self, then: Callable[[], None] | None = None) -> None:
         """At a block's end: keep the held ops for the next block, as ops of the layer pair

@@ -124,6 +124,8 @@ CASES = {
     # The gradients reduced after the step (grad_reduce = step) instead of under the backward
     # (the default, every other dp case here), ZeRO-1 and without.
     "tp2_dp2_reduce_after_step": ("tp = 2  dp = 2", "one_f_one_b", "none", True, False, 2),
+    # The CUDA path (the barrier after every segment pair, no held wgrads) reducing under the backward.
+    "pp2_dp2_w_helix_pair_barrier": ("pp = 2  dp = 2", "w_helix", "u", "barrier", False, 2),
     "pp2_dp2_w_helix_zero1_reduce_after_step": ("pp = 2  dp = 2", "w_helix", "u", True, True, 2),
     # Four micro-batches launched together per chunk (g = 4 > p), the gathers under them.
     "pp2_dp2_interleaved_launch4": ("pp = 2  dp = 2", "interleaved_1f1b", "loop(2)", True, "forward", 2, 8, 8),
@@ -179,7 +181,7 @@ def _case(name: str):
     checks = check_steps(executor, optimizer, steps, DATA_SEED)
     return {"checks": checks, "landed": landed, "buckets": len(optimizer.buckets), "reduced": reduced,
             "groups": len(executor.param_groups()), "actions": len(executor.actions),
-            "param_groups": [sorted(group) for group in executor.param_groups()],
+            "param_groups": [sorted(group) for group in executor.param_groups()], "early": optimizer.early,
             "place": (comm.index("pp"), comm.index("tp"), comm.index("dp"))}
 
 
@@ -217,9 +219,10 @@ def test_distributed_step_matches_reference(world_results, name):
 
 
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp2_dp2_zero1", "pp2_dp2_w_helix_gather_under_forward",
-                                  "pp2_dp2_zb_h1"])
-def test_gradients_are_reduced_under_the_backward_layer_by_layer(world_ranks, name):
-    result = world_ranks[0][name]
+                                  "pp2_dp2_zb_h1", "pp2_dp2_w_helix_pair_barrier"])
+@pytest.mark.parametrize("rank", range(4))
+def test_gradients_are_reduced_under_the_backward_layer_by_layer(world_ranks, name, rank):
+    result = world_ranks[rank][name]
     steps, reduced = CASES[name][5], result["reduced"]
     # One reduction per step of each layer's bucket and of the LM head's with the final
     # norm's; the embedding's is left to the step.
@@ -241,7 +244,8 @@ def test_gradients_are_reduced_under_the_backward_layer_by_layer(world_ranks, na
 
 def test_grad_reduce_step_reduces_nothing_under_the_backward(world_results):
     for name in ("tp2_dp2_reduce_after_step", "pp2_dp2_w_helix_zero1_reduce_after_step"):
-        assert world_results[name]["reduced"] == []
+        assert world_results[name]["reduced"] == [] and not world_results[name]["early"]
+    assert world_results["tp2_dp2"]["early"]
 
 
 def test_zero1_gathers_land_layer_by_layer_under_the_next_forward(world_results):

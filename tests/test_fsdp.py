@@ -202,7 +202,7 @@ def _runs(rank: int, world: int) -> dict:
     from dhelix.interpreter.comm import DistComm
     from dhelix.interpreter.executor import Executor
     from dhelix.interpreter.harness import broadcast_from_first, check_steps
-    from dhelix.interpreter.optim import AdamWConfig, DistributedAdamW, norm_weights
+    from dhelix.interpreter.optim import AdamWConfig, for_executor
     from dhelix.interpreter.si_plan import fixed_plan, op_by_op_plan, planned_pairs
 
     results = {}
@@ -212,9 +212,8 @@ def _runs(rank: int, world: int) -> dict:
         plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog) if rank == 0 else None)) \
             if si == "planned" else op_by_op_plan
         executor = Executor(prog, comm, seed=7, si=si is not None, plan_for=plan_for)
-        optimizer = DistributedAdamW(executor.params, comm, zero1=True, config=AdamWConfig(clip=0.5),
-                                     weights=norm_weights(executor.weights, comm, executor.params, executor.flat),
-                                     pieces=executor.flat.shapes, replicated_over=executor.flat.replicated_over)
+        # As `dhelix run` builds it: the dense gradients reduced under the backward.
+        optimizer = for_executor(executor, zero1=True, config=AdamWConfig(clip=0.5))
         held = sum(p.numel() for n, p in executor.params.items() if n in executor.flat)
         full = sum(math.prod(shape) for shape in executor.flat.shapes.values())
         results[name] = (check_steps(executor, optimizer, 2, 3), held, full, (executor.flat.pieces, comm.size("dp")))

@@ -22,7 +22,7 @@ from dhelix.interpreter.executor import Executor  # noqa: E402
 from dhelix.interpreter.harness import check_steps  # noqa: E402
 from dhelix.interpreter.layer_exec import LayerPlan, LayerRun  # noqa: E402
 from dhelix.interpreter.moe import COMBINE, DISPATCH, a2a_roles  # noqa: E402
-from dhelix.interpreter.optim import DistributedAdamW  # noqa: E402
+from dhelix.interpreter.optim import DistributedAdamW, for_executor  # noqa: E402
 from dhelix.interpreter.reference import reference_layer  # noqa: E402
 from dhelix.interpreter.si_plan import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
@@ -180,8 +180,8 @@ def _case(name: str):
     prog = program(mesh, pipeline, fold, layers, microbatches, nodes=2, per_node=2)
     comm = DistComm(prog.mesh, timeout_s=60)
     executor = Executor(prog, comm, seed=SEED, si=si, plan_for=op_by_op_plan)
-    optimizer = DistributedAdamW(executor.params, comm, zero1=zero1,
-                                 expert=executor.weights.ep_sharded(executor.params))
+    # As `dhelix run` builds it: dense and expert buckets per layer, reduced under the backward.
+    optimizer = for_executor(executor, zero1=zero1, norms=False)
     return check_steps(executor, optimizer, steps, DATA_SEED)
 
 

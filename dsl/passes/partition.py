@@ -96,9 +96,9 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     for st in block.body:
         if isinstance(st, s.Substitute):
             fwd = _substitute(fwd, st, errors)
-    for st in block.body:
-        if isinstance(st, s.Move):
-            fwd = _moved_later(fwd, st, errors)
+    moves = [st for st in block.body if isinstance(st, s.Move)]
+    if moves:  # one rewrite: the gathers of every statement shard the same tokens
+        fwd = _moved_later(fwd, moves, errors)
     claimed: dict[str, s.Chunk] = {}
     for index, st in enumerate(chunk_statements(block)):
         auto = (counts or {}).get(index, 1) if is_auto(st) else None
@@ -258,11 +258,11 @@ def _substitute(fwd: LayerDag, st: s.Substitute, errors: ErrorCollector) -> Laye
 ELEMENTWISE = ("norm", "activation", "add")
 
 
-def _moved_later(fwd: LayerDag, st: s.Move, errors: ErrorCollector) -> LayerDag:
-    """``fwd`` with the all_gathers ``st`` names, and its input, moved past the elementwise
-    operators that read them (module docstring); errors located at the statement's names."""
+def _moved_later(fwd: LayerDag, statements: list[s.Move], errors: ErrorCollector) -> LayerDag:
+    """``fwd`` with the all_gathers the move ``statements`` name, and its input, moved past
+    the elementwise operators that read them (module docstring); errors located at the names."""
     found, gathers = len(errors.errors), {}
-    for i, name in enumerate(st.ops):
+    for st, i, name in [(st, i, name) for st in statements for i, name in enumerate(st.ops)]:
         span = st.span_of(f"ops.{i}")
         if name in fwd.elided:
             continue  # over a size-1 axis: the identity, nothing to move
@@ -288,6 +288,12 @@ def _moved_later(fwd: LayerDag, st: s.Move, errors: ErrorCollector) -> LayerDag:
             return fwd
     size, (rows, cols) = template.group_size, fwd.input_shape
     first_span = next(iter(gathers.values()))[1]
+    if template.shape[0] != rows:
+        errors.add(CheckError(f"cannot move '{template.name}' later: the layer's input holds {rows} tokens, "
+                              f"'{template.name}' gathers {template.shape[0]}", first_span,
+                              ["moving gathers later shards a layer whose input holds every token (tensor "
+                               "parallelism without sequence parallelism); this layer's tokens are split already"]))
+        return fwd
     if rows % size:
         errors.add(CheckError(f"cannot move '{template.name}' later: the layer's {rows} tokens do not split over "
                               f"{template.axis} = {size}", first_span))
@@ -299,11 +305,16 @@ def _moved_later(fwd: LayerDag, st: s.Move, errors: ErrorCollector) -> LayerDag:
     made: dict[str, str] = {}  # value -> the all_gather op that gives it whole again
     ops: list[Op] = []
 
-    def whole(value: str) -> str:
+    names = {op.name for op in fwd.ops} | {fwd.input}
+
+    def whole(value: str, reader: Op) -> str:
         if value not in made:
             source, shape = shard[value]
-            written = gathers.get(value, (template, first_span))[0]
             made[value] = value if value in gathers else f"{value}.ag"
+            if value not in gathers and made[value] in names:
+                raise AssertionError(f"{made[value]} exists already")  # layer names have no dots
+            # A new gather points where its reader is written.
+            written = gathers[value][0] if value in gathers else attrs.evolve(template, span=reader.span)
             ops.append(attrs.evolve(written, name=made[value], inputs=(source,), in_shapes=(shape,),
                                     shape=(shape[0] * size, shape[1])))
         return made[value]
@@ -317,13 +328,13 @@ def _moved_later(fwd: LayerDag, st: s.Move, errors: ErrorCollector) -> LayerDag:
                                     shape=(op.shape[0] // size, op.shape[1])))
             shard[op.name] = (op.name, ops[-1].shape)
         else:
-            ops.append(attrs.evolve(op, inputs=tuple(whole(i) if i in shard else i for i in op.inputs)))
+            ops.append(attrs.evolve(op, inputs=tuple(whole(i, op) if i in shard else i for i in op.inputs)))
     if fwd.output not in shard:
         producer = fwd.op(fwd.output)
         whole_inputs = [i for i in producer.inputs if i not in shard]
         why = f"{producer.name} ({producer.op}) needs every token" if producer.op_class not in ELEMENTWISE \
             else f"{producer.name} ({producer.op}) also reads {whole_inputs[0]} ({fwd.op(whole_inputs[0]).op}), " \
-            "which holds every token"
+            "which no moved gather gives"
         errors.add(CheckError(f"moving {join_words(list(gathers))} later leaves the layer's output "
                               f"{fwd.output} whole: {why}", first_span,
                               ["the moved gathers shard the layer's tokens, its input and output included: every "
