@@ -132,6 +132,30 @@ def test_group_weights_first_intra_reverses_both_and_carries_more_across_nodes()
     assert time(fwd["qkv.gather_w"]) > time(cheap["qkv.gather_w.inter"])  # intra_size x the bytes across
 
 
+def test_group_weights_splits_a_hybrid_shard_group_that_spans_nodes():
+    # dp 8 on 4 nodes of 2, shard groups of 4 dp ranks: each spans 2 nodes (Centauri's
+    # DP3+FSDP16 shape, small). Its collectives run over its own sub-groups.
+    text = HEADER.replace("nodes = 2  gpus_per_node = 2", "nodes = 4  gpus_per_node = 2").format(
+        mesh="dp = 8", zero=3, pipeline="one_f_one_b", fold="none", train="shard = 4", hidden=32, ffn=64, heads=4,
+        kv=2, seq=8)
+    plain = run_until(text, "t.dhx")
+    grouped = run_until(text + "partition {\n  group weights\n}\n", "t.dhx")
+    fwd = {op.name: op for op in grouped.forward.ops}
+    bwd = {op.name: op for op in grouped.backward.ops}
+    first, second = fwd["qkv.gather_w.inter"], fwd["qkv.gather_w"]
+    assert [(op.axis, op.group_size, op.lane) for op in (first, second)] == \
+        [("dp.shard.inter", 2, "cross"), ("dp.shard.intra", 2, "local")]
+    assert [bwd["qkv.scatter_dw.intra"].axis, bwd["qkv.scatter_dw"].axis] == ["dp.shard.intra", "dp.shard.inter"]
+    assert grouped.mesh.groups("dp.shard.inter")[:2] == [(0, 2), (1, 3)]
+    flat = {op.name: op for op in plain.forward.ops}["qkv.gather_w"]
+    assert (flat.axis, flat.lane, flat.per_node) == ("dp.shard", "cross", 2)
+    # Across nodes the first stage carries half of what the flat ring does through a node.
+    assert op_time(first, grouped.profile, "fp32") < op_time(flat, plain.profile, "fp32")
+    # Inside one node (shard 2 on nodes of 2) there is nothing to split.
+    with pytest.raises(CheckError, match="its dp.shard group .* lies inside one node"):
+        run_until(text.replace("shard = 4", "shard = 2") + "partition {\n  group weights\n}\n", "t.dhx")
+
+
 @pytest.mark.parametrize(("mesh", "axis"), [("cp = 2  dp = 2", "cp"), ("ep = 2  dp = 4", "ep")])
 def test_zero_3_with_cp_or_ep_is_a_located_error(mesh, axis):
     layer = "llama" if axis == "cp" else None

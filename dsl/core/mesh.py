@@ -110,14 +110,17 @@ class Mesh:
 
     def sub_axes(self) -> tuple[str, ...]:
         """The sub-axes of every listed axis whose groups span nodes evenly, and hybrid
-        sharding's (``dp.shard``, ``dp.replicate``) when it is on."""
+        sharding's (``dp.shard``, ``dp.replicate``) when it is on, with the shard groups'
+        own (``dp.shard.intra``, ``dp.shard.inter``) when they span nodes evenly."""
         hybrid = (f"dp.{SHARD}", f"dp.{REPLICATE}") if 1 < self.dp_shard < self.size("dp") else ()
-        return tuple(f"{axis}.{part}" for axis in self.order if isinstance(split := self.hierarchy(axis), tuple)
-                     and split[0] > 1 for part in (INTRA, INTER)) + hybrid
+        return tuple(f"{axis}.{part}" for axis in self.order + hybrid[:1]
+                     if isinstance(split := self.hierarchy(axis), tuple) and split[0] > 1
+                     for part in (INTRA, INTER)) + hybrid
 
     def _sub(self, axis: str) -> tuple[int, int]:
-        """(size, stride) of sub-axis ``axis``."""
-        base, _, part = axis.partition(".")
+        """(size, stride) of sub-axis ``axis``: a mesh axis's (``tp.intra``, ``dp.shard``) or a
+        sub-axis's group partition (``dp.shard.inter``)."""
+        base, _, part = axis.rpartition(".")
         if part in (SHARD, REPLICATE):
             if base != "dp" or not 1 < self.dp_shard < self.size("dp"):
                 raise ValueError(f"{axis}: the mesh has no hybrid sharding of dp")

@@ -44,7 +44,9 @@ Hybrid sharding (HSDP, PyTorch's ``HYBRID_SHARD``; Centauri's FSDP + DP): with
 ranks (the sub-axis ``dp.shard``) and replicated across them (``dp.replicate``): the gathers
 and reduce-scatters above run over ``dp.shard``, each weight is cut into ``K`` pieces, and
 the pieces' gradients are all-reduced over ``dp.replicate`` once per step, after the
-pipeline (by the optimizer, as DP's buckets). ``group weights`` does not combine with it.
+pipeline (by the optimizer, as DP's buckets). With ``group weights`` a shard group that
+spans nodes (``shard`` > ``gpus_per_node``, as many ranks on each) runs its collectives over
+its own sub-groups, ``dp.shard.inter`` and ``dp.shard.intra``, as above.
 
 Not offered: FSDP with cp > 1 or ep > 1 (the gradient of a weight shared over cp, or of an
 expert sharded over ep, would need the reduce-scatter over another group than dp); a
@@ -105,12 +107,8 @@ def shard_weights(program: Program) -> Program:
     if not is_fsdp(program) or program.forward is None:
         return program
     mesh, train = program.mesh, program.train
-    if hierarchy is not None and mesh.dp_shard:
-        raise CheckError("'group weights' does not combine with hybrid sharding (shard)", hierarchy,
-                         [f"with shard = {mesh.dp_shard} the weights' collectives run over groups of "
-                          f"{mesh.dp_shard} dp ranks (inside a node when shard <= gpus_per_node)",
-                          "drop shard to group-partition the collectives of the whole dp group"])
-    if hierarchy is not None and (problem := unsplittable(WEIGHTS, "dp", mesh, hierarchy)) is not None:
+    sharded_over = shard_axis(program)
+    if hierarchy is not None and (problem := unsplittable(WEIGHTS, sharded_over, mesh, hierarchy)) is not None:
         raise problem
     for axis, why in (("cp", "a weight shared over cp has its gradient summed over cp too"),
                       ("ep", "an expert weight's gradient is summed over the expert-data-parallel group")):
@@ -122,7 +120,6 @@ def shard_weights(program: Program) -> Program:
         raise CheckError("recompute = selective with zero = 3 is not supported", train.zero_span or train.span,
                          ["selective recomputation computes the dropped norms again when the backward starts, "
                           "before ZeRO-3 has gathered their weights again", "use recompute = full, or zero = 1"])
-    sharded_over = shard_axis(program)
     dp = mesh.size(sharded_over)  # the pieces each weight is cut into
     forward, backward = program.forward, program.backward
     if statement is not None:
@@ -136,14 +133,15 @@ def shard_weights(program: Program) -> Program:
         gathered = kind == GATHER
         # The reduce-scatter is the gather's transpose: its stages run in reverse.
         stages = ((sharded_over, dp),) if hierarchy is None else \
-            tuple((f"dp.{part}", mesh.size(f"dp.{part}")) for part in (parts if gathered else parts[::-1]))
+            tuple((f"{sharded_over}.{part}", mesh.size(f"{sharded_over}.{part}"))
+                  for part in (parts if gathered else parts[::-1]))
         ops, size, previous = [], full // dp if gathered else full, ()
         for index, (axis, group) in enumerate(stages):
             out = size * group if gathered else size // group
             last = index == len(stages) - 1
             # Inter-first gathers see the pieces grouped by place on the node (partition pass).
             regroup = hierarchy is not None and parts[0] == INTER and axis.endswith(INTRA)
-            ops.append(Op(name if last else f"{name}.{axis.partition('.')[2]}", kind, "comm",
+            ops.append(Op(name if last else f"{name}.{axis.rpartition('.')[2]}", kind, "comm",
                           "all_gather" if gathered else "reduce_scatter", previous, ((size, 1),), (out, 1),
                           axis=axis, group_size=group, lane=mesh.lane(axis), per_node=mesh.per_node(axis),
                           forward=forward_op, waits=() if previous else waits, span=weight.span,
