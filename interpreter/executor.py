@@ -206,8 +206,15 @@ class Executor:
         if self.done_counts[key] < self.lowered.microbatches:
             return
         index, grads = stage.layers[layer], stage.grads[layer]
-        self.reduced_early |= self.grad_ready({param_name(index, op): grads[op] if op in grads else torch.zeros_like(w)
-                                               for op, w in stage.weights[layer].items()})
+
+        def final(pieces: bool) -> dict:
+            return {param_name(index, op): grads[op] if op in grads else torch.zeros_like(w)
+                    for op, w in stage.weights[layer].items() if (param_name(index, op) in self.flat) == pieces}
+        self.reduced_early |= self.grad_ready(final(False))
+        if self.flat.enabled:
+            # ZeRO-3 pieces are summed into their gradients as their reduce-scatters land,
+            # the last of them waited for after the next action: handed over then.
+            self.pieces_done.append((self.issued, lambda: final(True)))
         if stage.last and layer == len(stage.layers) - 1:
             # Every backward chain here has read its head gradient in this layer, which ran
             # the final norm's backward: the LM head's and the norm's are final too.
@@ -272,12 +279,19 @@ class Executor:
         done, self.deferred = self.deferred[:count], self.deferred[count:]
         for pending in done:
             pending.wait()
+        self.settled += count
+        # The ZeRO-3 pieces of layers done whose last reduce-scatters have now landed.
+        ready = [grads for after, grads in self.pieces_done if after <= self.settled]
+        self.pieces_done = [(after, grads) for after, grads in self.pieces_done if after > self.settled]
+        for grads in ready:
+            self.reduced_early |= self.grad_ready(grads())
 
     def _issue_postponed(self) -> None:
         # Issue the embedding gradients' gathers an SI block's end postponed (see _opened).
         postponed, self.postponed = self.postponed, []
         for issue in postponed:
             self.deferred.append(issue())
+            self.issued += 1
 
     def _opened(self) -> None:
         """Called by an SI block once its first layer pair has run (the collectives of its
@@ -307,11 +321,16 @@ class Executor:
         # A ZeRO-3 gradient reduce-scatter: waited for after the next action, as the
         # embedding's gathers are (the list is replaced as it is settled).
         self.deferred.append(pending)
+        self.issued += 1
 
     def _reset(self, batch: Batch) -> None:
         self.batch = batch
         self.mailbox, self.end_grads = {}, {}
         self.deferred: list[Pending] = []
+        #: Deferred collectives issued and settled so far this step, and the layers done whose
+        #: ZeRO-3 pieces wait for the first ``after`` of them: (after, their gradients).
+        self.issued = self.settled = 0
+        self.pieces_done: list[tuple[int, Callable[[], dict]]] = []
         #: Embedding-gradient gathers not yet issued (see :meth:`_opened`), and embedding
         #: forwards issued ahead of their action, by (stage, micro-batch).
         self.postponed: list[Callable[[], Pending]] = []

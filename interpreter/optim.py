@@ -33,8 +33,9 @@ over tp and cp (the executor no longer sums them itself, which would block the b
 a collective): since every reduction here is a sum, the bucket is summed over dp first and
 the spans of the partial parameters then over tp and cp, inside this rank's part — replicas
 of one dp index hold the same bucket layout. The final norm's and the LM head's bucket is
-handed over with the last stage's last layer; the embedding's, ZeRO-3's pieces (their
-reduce-scatters land after the next action) and everything with ``grad_reduce = step`` are
+handed over with the last stage's last layer; under hybrid sharding a layer's pieces, whose
+reduce-scatters the executor waits for after the next action, then, for the all-reduce
+across the shard groups; the embedding's and everything with ``grad_reduce = step`` are
 reduced in :meth:`~DistributedAdamW.step`.
 
 ZeRO-1's all-gather of the updated weights may run under the next step's forward
@@ -249,13 +250,13 @@ class DistributedAdamW:
         expert = set(expert or ()) & set(self.params) if comm.size("ep") > 1 else set()
         like = next(iter(self.params.values()), torch.zeros(()))
         pieces = set(pieces) & set(self.params)
-        self.pieces = frozenset(pieces)
         dense = set(self.params) - expert - pieces
         per_group = [set(group) for group in groups or ()] if self.deferred or self.early else []
         rest, rest_expert = dense - set().union(*per_group), expert - set().union(*per_group)
 
-        def bucket(names, axis: str) -> _Bucket:
-            return _Bucket(names, self.params, comm, axis, zero1, like.device, partial=partial)
+        def bucket(names, axis: str, summed: bool = False) -> _Bucket:
+            return _Bucket(names, self.params, comm, axis, zero1 and not summed and axis != replicated_over,
+                           like.device, summed=summed, partial=partial)
 
         self.buckets = [bucket(group & dense, "dp") for group in per_group if group & dense]
         if rest or not self.buckets:
@@ -264,9 +265,11 @@ class DistributedAdamW:
         if rest_expert:
             self.buckets.append(bucket(rest_expert, EDP))
         if pieces and replicated_over:  # hybrid sharding: summed over the shard group only
-            self.buckets.append(_Bucket(pieces, self.params, comm, replicated_over, False, like.device))
+            self.buckets += [bucket(group & pieces, replicated_over) for group in per_group if group & pieces]
+            if pieces - set().union(*per_group):
+                self.buckets.append(bucket(pieces - set().union(*per_group), replicated_over))
         elif pieces:
-            self.buckets.append(_Bucket(pieces, self.params, comm, "dp", zero1, like.device, summed=True))
+            self.buckets.append(bucket(pieces, "dp", summed=True))
         if config.master:  # fp32 parameters are their own masters: no copy of them
             for bucket in self.buckets:
                 if any(self.params[name].dtype != torch.float32 for name in bucket.names):
@@ -290,10 +293,9 @@ class DistributedAdamW:
         if not self.early:
             return taken
         for index, bucket in enumerate(self.buckets):
-            # ZeRO-3 pieces are summed by their layers' reduce-scatters, which land after the
-            # next action: their buckets (hybrid sharding's all-reduce too) wait for the step.
-            if bucket.name_set & self.pieces or not bucket.names or not bucket.name_set <= grads.keys() \
-                    or index in self._reducing:
+            # ZeRO-3 pieces come summed over dp by their layers' reduce-scatters (the executor
+            # hands hybrid sharding's over once those have landed, for the all-reduce across).
+            if bucket.summed or not bucket.names or not bucket.name_set <= grads.keys() or index in self._reducing:
                 continue
             self._landed.pop(index, None)  # a previous step's, had it not been used
             flat = bucket.fill(bucket.grads, grads)

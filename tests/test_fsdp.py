@@ -238,9 +238,17 @@ def _runs(rank: int, world: int) -> dict:
         executor = Executor(prog, comm, seed=7, si=si is not None, plan_for=plan_for)
         # As `dhelix run` builds it: the dense gradients reduced under the backward.
         optimizer = for_executor(executor, zero1=True, config=AdamWConfig(clip=0.5))
+        taken = []  # per hand-over: the ZeRO-3 pieces the optimizer took
+
+        def reduce(grads, taken=taken, optimizer=optimizer, flat=executor.flat):
+            names = optimizer.reduce(grads)
+            taken.append(sorted(n for n in names if n in flat))
+            return names
+        executor.grad_ready = reduce
         held = sum(p.numel() for n, p in executor.params.items() if n in executor.flat)
         full = sum(math.prod(shape) for shape in executor.flat.shapes.values())
-        results[name] = (check_steps(executor, optimizer, 2, 3), held, full, (executor.flat.pieces, comm.size("dp")))
+        results[name] = (check_steps(executor, optimizer, 2, 3), held, full, (executor.flat.pieces, comm.size("dp")),
+                         [names for names in taken if names])
     return results
 
 
@@ -256,12 +264,16 @@ def world(tmp_path_factory):
 def test_fsdp_runs_match_the_reference_and_keep_a_dp_piece_of_each_weight(world, name):
     from distributed import TOL, assert_steps_match
 
-    checks, _, _, _ = world[0][name]
+    checks, _, _, _, _ = world[0][name]
     assert_steps_match(checks, 2, TOL)
     for rank_results in world:
-        _, held, full, (pieces, dp) = rank_results[name]
+        _, held, full, (pieces, dp), taken = rank_results[name]
         assert pieces == (dp // 2 if "hsdp" in name else dp)  # hsdp: shard = 2 of dp = 4
         assert full and held == pytest.approx(full / pieces, abs=pieces * 8)  # padding: < pieces per weight
+        # Hybrid sharding: each layer's pieces handed over for their all-reduce across the
+        # shard groups under the backward, once per step and layer; plain ZeRO-3's none.
+        layers = {name.split(".")[1] for names in taken for name in names}
+        assert (len(taken), len(layers)) == ((2 * 4, 4) if "hsdp" in name else (0, 0)), taken  # 2 steps, 4 layers
 
 
 def test_hybrid_sharding_gathers_inside_the_shard_group_and_syncs_pieces_across_it():

@@ -20,8 +20,8 @@ lowered action list in order:
 * **DP gradient sync**: every layer's gradients form a bucket that is ready when the stage's
   last backward pass (B, or W when split) has finished that layer, the LM head's with the final
   norm's when its last backward has (``train { grad_reduce = backward }``, the default; with
-  ``step``, and for the embedding and hybrid sharding's layer pieces always, when the rank's
-  last action has finished: what the interpreter does); buckets reduce-scatter (ZeRO-1) or all-reduce over the gradient
+  ``step``, and for the embedding always, when the rank's last action has finished: what the
+  interpreter does); buckets reduce-scatter (ZeRO-1) or all-reduce over the gradient
   group's lane in ready order, fitting into the lane's idle gaps between pipeline sends. Then the optimizer
   runs on the compute lane, and with ZeRO-1 the updated weights are all-gathered. Nothing of
   the next step overlaps these, except with ``train { param_gather = forward }``: then one
@@ -490,10 +490,8 @@ class _Run:
         names = self._slot_names()
         early = self.program.train is None or self.program.train.grad_reduce == "backward"
         for (stage, slot), (ready, dense, expert) in sorted(self.grads[rank].items(), key=_by_ready):
-            # After the rank's last action: everything with grad_reduce = step, the embedding's,
-            # and under hybrid sharding the layers' pieces (all-reduced across the shard groups
-            # once their reduce-scatters have landed: the interpreter does it after the step).
-            if not early or slot == "embedding" or (self.fsdp and isinstance(slot, int)):
+            # After the rank's last action: everything with grad_reduce = step, and the embedding's.
+            if not early or slot == "embedding":
                 ready = max(ready, self.last_end[rank])
             syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
             if self.fsdp and isinstance(slot, int):
