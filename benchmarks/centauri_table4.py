@@ -35,8 +35,10 @@ SwiGLU width 2/3 of 4h rounded up to 256, vocabulary 32000) on its Cluster A (th
 For each: the baseline (1F1B, no partition, SI off: Megatron), Centauri only (1F1B with the
 partition), SI only (the W schedule, fold u, SI on, no partition) and Centauri + SI, with the
 simulated step time and the speedup over the baseline. The paper reports up to 1.45x for single
-parallelism (FSDP, DP) and up to 1.49x for hybrid. Not modelled: separate forward and backward
-launch counts (Eq. 2's L1, L2) and Centauri's workload partition of the FSDP collectives. Predictions from the shipped profile, not
+parallelism (FSDP, DP) and up to 1.49x for hybrid. Not modelled: Centauri's workload partition
+of the FSDP collectives, and separate forward and backward launch counts (Eq. 2's L1, L2: on
+interleaved 1F1B a larger backward count breaks the warm-up and a smaller one only delays the
+gradients, see the results file). Predictions from the shipped profile, not
 measurements:
 
     .venv/bin/python benchmarks/centauri_table4.py
