@@ -15,6 +15,12 @@ order rotating), one rank per namespace:
   backward of the layers below it;
 * ``grad_reduce = step``: every bucket is reduced after the step's last backward.
 
+With ``--hsdp`` the program is hybrid sharding instead: ``dp = 4`` on two nodes of 2 ranks,
+``zero = 3  shard = 2``, so each node's two ranks shard the layer weights (their gathers and
+reduce-scatters inside the node) and the pieces' all-reduce across the two nodes is what
+crosses the link: per layer under the backward (once the layer's last reduce-scatter has
+landed) or after the step.
+
 It prints per mode the median over rounds of the step time and of the time blocked on
 collectives (each run's figure: the median over its steps without the first, of the slowest
 rank), and the ratio backward ÷ step. The reduction can hide at most behind the last
@@ -43,10 +49,15 @@ from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 MODES = ("backward", "step")
 
 
+def per_node(args) -> int:
+    """Ranks on each emulated node: 2 under ``--hsdp`` (a shard group per node), else 1."""
+    return 2 if args.hsdp else 1
+
+
 def program_text(args, grad_reduce: str) -> str:
     """The benchmark program with ``train { grad_reduce = … }``."""
     heads = args.hidden // 64
-    zero = "  zero = 1" if args.zero1 else ""
+    zero = "  zero = 3  shard = 2" if args.hsdp else "  zero = 1" if args.zero1 else ""
     return f"""# Written by benchmarks/dp_overlap_two_nodes.py: dp = 2 across two emulated nodes.
 import "stdlib/layers.dhx"
 import "stdlib/pipelines.dhx"
@@ -65,12 +76,12 @@ model dp_two_nodes {{
 
 cluster {{
   nodes = 2
-  gpus_per_node = 1
+  gpus_per_node = {per_node(args)}
   profile = "a40"
 }}
 
 mesh {{
-  dp = 2
+  dp = {2 * per_node(args)}
 }}
 
 train {{
@@ -130,12 +141,14 @@ def bench(args, report: Report, workdir: Path) -> int:
         files[mode] = workdir / f"dp_{mode}.dhx"
         files[mode].write_text(program_text(args, mode))
         check_text(files[mode].read_text(), str(files[mode]))
+    sharding = ", ZeRO-3 with shard = 2 (HSDP: the pieces' all-reduce crosses)" if args.hsdp else \
+        ", ZeRO-1" if args.zero1 else ""
     report(f"config: llama layers × {args.layers}, hidden {args.hidden}, ffn {2 * args.hidden}, seq {args.seq}, "
-           f"fp32; micro_batch 1, {args.microbatches} micro-batches, 1F1B; mesh dp 2 across 2 nodes × 1 "
-           f"(cross lane){', ZeRO-1' if args.zero1 else ''}; {args.steps} steps per run, {args.rounds} rounds")
+           f"fp32; micro_batch 1, {args.microbatches} micro-batches, 1F1B; mesh dp {2 * per_node(args)} across 2 "
+           f"nodes × {per_node(args)} (cross lane){sharding}; {args.steps} steps per run, {args.rounds} rounds")
     with TwoNodeLink(Shaping(rate=args.rate, burst=args.burst, latency=args.latency)) as link:
         report(f"link: {link.describe()}")
-        world = World(link, 2, 1, workdir, args.run_timeout)
+        world = World(link, 2 * per_node(args), per_node(args), workdir, args.run_timeout)
         results = run_rounds(world, files, args, report)
     summarise(results, report)
     report(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -156,6 +169,8 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=4, help="layers")
     parser.add_argument("--microbatches", type=int, default=2, help="micro-batches per step")
     parser.add_argument("--zero1", action="store_true", help="ZeRO-1: reduce-scatter instead of all-reduce")
+    parser.add_argument("--hsdp", action="store_true",
+                        help="hybrid sharding on 2 nodes of 2 ranks: the pieces' all-reduce crosses the link")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds a run may take")
     parser.add_argument("--output", metavar="FILE", help="also write everything printed to FILE")
     args = parser.parse_args(argv)

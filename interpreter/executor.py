@@ -201,6 +201,9 @@ class Executor:
         reductions ``grad_ready`` starts are issued in the same order on every rank."""
         if self.grad_ready is None:
             return
+        if self.pieces_done:  # the pieces of the layers done before this one: their last
+            # reduce-scatters have had this layer's backward beside them
+            self._settle_deferred(max(after for after, _ in self.pieces_done))
         key = (stage.index, layer)
         self.done_counts[key] = self.done_counts.get(key, 0) + 1
         if self.done_counts[key] < self.lowered.microbatches:
@@ -212,8 +215,8 @@ class Executor:
                     for op, w in stage.weights[layer].items() if (param_name(index, op) in self.flat) == pieces}
         self.reduced_early |= self.grad_ready(final(False))
         if self.flat.enabled:
-            # ZeRO-3 pieces are summed into their gradients as their reduce-scatters land,
-            # the last of them waited for after the next action: handed over then.
+            # ZeRO-3 pieces are summed into their gradients as their reduce-scatters land:
+            # handed over once the last of them has, at the next layer done or action's end.
             self.pieces_done.append((self.issued, lambda: final(True)))
         if stage.last and layer == len(stage.layers) - 1:
             # Every backward chain here has read its head gradient in this layer, which ran
@@ -251,7 +254,7 @@ class Executor:
             self.filler.flush()
             self._issue_postponed()
             self.p2p.drain()
-            self._settle_deferred(len(self.deferred))
+            self._settle_deferred(self.issued)
             self._finish()
         self.steps_run += 1
         return self._global_loss()
@@ -263,7 +266,7 @@ class Executor:
         if kind in ("SEND", "RECV"):
             HANDLERS[kind](self, action)
             return
-        earlier = len(self.deferred)
+        earlier = self.issued
         with self.recorder.span(str(action)):
             if kind != "SI":  # what an SI block carried or postponed waits only for the next SI block
                 self.filler.flush()
@@ -273,14 +276,16 @@ class Executor:
             self._settle_deferred(earlier)
         self.recorder.memory()
 
-    def _settle_deferred(self, count: int) -> None:
-        # Wait for the first ``count`` deferred collectives (the embedding gradients' gathers:
-        # nothing reads them before the optimizer, so they overlap the action after theirs).
+    def _settle_deferred(self, issued: int) -> None:
+        # Wait for the deferred collectives among the first ``issued`` of the step (the
+        # embedding gradients' gathers, ZeRO-3's reduce-scatters: nothing reads them before
+        # the optimizer, so they overlap the action after theirs), then hand over the ZeRO-3
+        # pieces of the layers done whose last reduce-scatters are among them.
+        count = max(0, issued - self.settled)
         done, self.deferred = self.deferred[:count], self.deferred[count:]
         for pending in done:
             pending.wait()
         self.settled += count
-        # The ZeRO-3 pieces of layers done whose last reduce-scatters have now landed.
         ready = [grads for after, grads in self.pieces_done if after <= self.settled]
         self.pieces_done = [(after, grads) for after, grads in self.pieces_done if after > self.settled]
         for grads in ready:
@@ -319,7 +324,8 @@ class Executor:
 
     def _defer(self, pending: Pending) -> None:
         # A ZeRO-3 gradient reduce-scatter: waited for after the next action, as the
-        # embedding's gathers are (the list is replaced as it is settled).
+        # embedding's gathers are, or earlier to hand its layer's pieces over (the list is
+        # replaced as it is settled).
         self.deferred.append(pending)
         self.issued += 1
 

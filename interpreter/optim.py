@@ -34,7 +34,7 @@ a collective): since every reduction here is a sum, the bucket is summed over dp
 the spans of the partial parameters then over tp and cp, inside this rank's part — replicas
 of one dp index hold the same bucket layout. The final norm's and the LM head's bucket is
 handed over with the last stage's last layer; under hybrid sharding a layer's pieces, whose
-reduce-scatters the executor waits for after the next action, then, for the all-reduce
+reduce-scatters the executor waits for when the next layer's backward ends, then, for the all-reduce
 across the shard groups; the embedding's and everything with ``grad_reduce = step`` are
 reduced in :meth:`~DistributedAdamW.step`.
 
