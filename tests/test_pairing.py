@@ -377,12 +377,33 @@ partition {{ {chunk} }}
 """
 
 
+#: A tensor-parallel block without SP whose all_reduce is substituted and its all_gather moved
+#: later: the block's tokens become sequence-parallel (the input's gather before the GEMM).
+SMALL_MOVED = SMALL_PARTITIONED.replace("""layer mlp {{
+  in x [tokens / tp, hidden]
+  ag = all_gather(x, tp)
+  fc = gemm(ag, hidden, hidden)
+  rs = reduce_scatter(fc, tp)
+  out rs
+}}""", """layer mlp {{
+  in x [tokens, hidden]
+  n = rmsnorm(x)
+  up = gemm(n, hidden, hidden / tp)
+  down = gemm(up, hidden / tp, hidden)
+  ar = all_reduce(down, tp)
+  h = add(ar, x)
+  out h
+}}""")
+MOVED = "substitute ar as reduce_scatter + all_gather  move ar later"
+
+
 @functools.cache
 def _partitioned(chunk: str, comm_with_comm: str):
-    """The small layer chunked by ``chunk``."""
+    """The small layer chunked by ``chunk`` (or, for MOVED, the tensor-parallel block moved)."""
     from dhelix.dsl.passes.pipeline import check_text
 
-    return check_text(SMALL_PARTITIONED.format(chunk=chunk, comm_with_comm=comm_with_comm), "small.dhx")
+    template = SMALL_MOVED if chunk == MOVED else SMALL_PARTITIONED
+    return check_text(template.format(chunk=chunk, comm_with_comm=comm_with_comm), "small.dhx")
 
 
 @functools.cache
@@ -393,13 +414,16 @@ def _partitioned_orders(chunk: str):
 
 
 @settings(PROPERTY, max_examples=12)
-@given(st.sampled_from(["chunk ag + fc by 2", "chunk fc + rs by 2"]), st.sampled_from(["on", "off"]),
+@given(st.sampled_from(["chunk ag + fc by 2", "chunk fc + rs by 2", MOVED]), st.sampled_from(["on", "off"]),
        st.integers(0, 10**6))
 def test_search_over_partitioned_dags_equals_the_best_over_all_legal_orders(chunk, comm_with_comm, salt):
     program = _partitioned(chunk, comm_with_comm)
     forders, borders = _partitioned_orders(chunk)
     fwd, bwd, strands = program.forward, program.backward, program.strands
-    assert any(".c1" in op.name for op in fwd.ops)  # the chain is chunked
+    if chunk == MOVED:  # the gather moved past the add, the input's made before the GEMM
+        assert [op.name for op in fwd.ops] == ["n", "n.ag", "up", "down", "ar.rs", "h"]
+    else:
+        assert any(".c1" in op.name for op in fwd.ops)  # the chain is chunked
     cost, rules = SetCost(salt), rules_of(strands, fwd, bwd)
     fops, bops = {op.name: op for op in fwd.ops}, {op.name: op for op in bwd.ops}
     best = min(pair_sequences([fops[n] for n in fo], [bops[n] for n in bo], cost, rules)[0]
