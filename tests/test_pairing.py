@@ -7,7 +7,7 @@ import hashlib
 import json
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from dhelix.dsl.core import syntax as s
@@ -416,6 +416,7 @@ def _partitioned_orders(chunk: str):
 @settings(PROPERTY, max_examples=12)
 @given(st.sampled_from(["chunk ag + fc by 2", "chunk fc + rs by 2", MOVED]), st.sampled_from(["on", "off"]),
        st.integers(0, 10**6))
+@example(MOVED, "on", 7)
 def test_search_over_partitioned_dags_equals_the_best_over_all_legal_orders(chunk, comm_with_comm, salt):
     program = _partitioned(chunk, comm_with_comm)
     forders, borders = _partitioned_orders(chunk)
