@@ -21,9 +21,12 @@ reduce-scatters inside the node) and the pieces' all-reduce across the two nodes
 crosses the link: per layer under the backward (once the layer's last reduce-scatter has
 landed) or after the step.
 
-It prints per mode the median over rounds of the step time and of the time blocked on
-collectives (each run's figure: the median over its steps without the first, of the slowest
-rank), and the ratio backward ÷ step. The reduction can hide at most behind the last
+The link is profiled first with ``dhelix profile`` (its all_gather sweep over dp measures the
+cross lane), so that each run's prediction (``dhelix run`` simulates the program with the
+profile it runs on) is of this machine. It prints per mode the median over rounds of the step
+time, of the time blocked on collectives (each run's figure: the median over its steps without
+the first, of the slowest rank) and of the simulated step with sim ÷ run, and the ratio
+backward ÷ step, measured and simulated. The reduction can hide at most behind the last
 micro-batch's backward below each layer (what is left of the backward once a layer's last
 gradient exists), so few micro-batches and several layers give it the most room.
 """
@@ -41,7 +44,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # two_nodes.py beside this file
 
 from two_node_link import LinkError, Shaping, TwoNodeLink, check_can_run  # noqa: E402
-from two_nodes import BenchError, Report, World, _median, _ratio, _s, command_line, machine  # noqa: E402
+from two_nodes import (BenchError, Report, World, _median, _ratio, _s, command_line, machine,  # noqa: E402
+                       profile_link)
 
 from dhelix.dsl.core.errors import DhelixError  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
@@ -119,17 +123,25 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
     report()
     report("medians over the rounds (a run's figure: the median over its steps without the first, "
            "of the slowest rank):")
-    report(f"{'grad_reduce':<12} {'runs':>4} {'step time':>10} {'min':>8} {'max':>8} {'blocked on collectives':>23}")
-    step = {}
+    report(f"{'grad_reduce':<12} {'runs':>4} {'step time':>10} {'min':>8} {'max':>8} {'blocked on collectives':>23} "
+           f"{'simulated':>10} {'sim ÷ run':>9}")
+    step, simulated = {}, {}
     for mode, runs in results.items():
         steps = [d["step_s"] for d in runs]
         step[mode] = _median(steps)
+        simulated[mode] = _median([d["predicted"]["step_s"] for d in runs
+                                   if (d.get("predicted") or {}).get("step_s") is not None])
+        ratio = None if simulated[mode] is None else simulated[mode] / step[mode]
         report(f"{mode:<12} {len(runs):>4} {_s(step[mode]):>10} {_s(min(steps)):>8} {_s(max(steps)):>8} "
-               f"{_s(_median([d['exposed_comm_s'] for d in runs])):>23}")
+               f"{_s(_median([d['exposed_comm_s'] for d in runs])):>23} {_s(simulated[mode]):>10} {_ratio(ratio):>9}")
+    notes = {d["predicted"].get("note") for runs in results.values() for d in runs if d.get("predicted")}
+    for note in sorted(n for n in notes if n):
+        report(f"simulated: {note}")
     pairs = [b["step_s"] / s["step_s"] for b, s in zip(results["backward"], results["step"], strict=True)]
     report()
-    report(f"backward ÷ step: medians {_ratio(step['backward'] / step['step'])}; per round "
-           f"{', '.join(f'{r:.3f}' for r in pairs)} (shorter in {sum(r < 1 for r in pairs)}/{len(pairs)})")
+    predicted = None if None in simulated.values() else simulated["backward"] / simulated["step"]
+    report(f"backward ÷ step: medians {_ratio(step['backward'] / step['step'])} (simulated {_ratio(predicted)}); "
+           f"per round {', '.join(f'{r:.3f}' for r in pairs)} (shorter in {sum(r < 1 for r in pairs)}/{len(pairs)})")
 
 
 def bench(args, report: Report, workdir: Path) -> int:
@@ -149,6 +161,9 @@ def bench(args, report: Report, workdir: Path) -> int:
     with TwoNodeLink(Shaping(rate=args.rate, burst=args.burst, latency=args.latency)) as link:
         report(f"link: {link.describe()}")
         world = World(link, 2 * per_node(args), per_node(args), workdir, args.run_timeout)
+        if not args.no_profile and profile_link(world, files["backward"], args, report) is not None:
+            for path in files.values():  # both modes run, and are predicted, on the link's profile
+                path.write_text(path.read_text().replace('profile = "a40"', 'profile = "link.yaml"'))
         results = run_rounds(world, files, args, report)
     summarise(results, report)
     report(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -171,6 +186,8 @@ def parse_args(argv=None):
     parser.add_argument("--zero1", action="store_true", help="ZeRO-1: reduce-scatter instead of all-reduce")
     parser.add_argument("--hsdp", action="store_true",
                         help="hybrid sharding on 2 nodes of 2 ranks: the pieces' all-reduce crosses the link")
+    parser.add_argument("--no-profile", action="store_true", help="run on the shipped a40 profile, not the link's")
+    parser.add_argument("--profile-repeats", type=int, default=3, help="--repeats of `dhelix profile`")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds a run may take")
     parser.add_argument("--output", metavar="FILE", help="also write everything printed to FILE")
     args = parser.parse_args(argv)
