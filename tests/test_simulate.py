@@ -244,6 +244,30 @@ def test_every_gradient_is_synchronised_once(pipeline, fold):
         assert optimizer.start >= max(reduced)
 
 
+def test_grad_reduce_books_the_layers_reductions_under_the_backward_or_after_it():
+    import attrs
+
+    program = tiny_program("w_helix", "u", 2, 4, dp=2)
+    late = attrs.evolve(program, train=attrs.evolve(program.train, grad_reduce="step"))
+    sims = {mode: simulate(prog, zero1=True) for mode, prog in (("backward", program), ("step", late))}
+
+    def starts(sim, rank, what):  # start times of the rank's DP reductions named with ``what``
+        return [e.start for e in sim.events if e.rank == rank and e.args and e.args.get("kind") == "DP"
+                and e.name.startswith("reduce") and what in e.name]
+    def last(sim, rank):  # when the rank's last action ends
+        return max(e.start + e.duration for e in sim.events
+                   if e.rank == rank and e.lane == "compute" and e.name != "optimizer")
+    for rank in range(2):
+        # step: every bucket after the rank's last action; backward: the embedding's still after it.
+        assert min(starts(sims["step"], rank, "grads")) >= last(sims["step"], rank)
+        assert all(start >= last(sims["backward"], rank) for start in starts(sims["backward"], rank, "embedding"))
+    # backward: on rank 0 (stages 0 and 3 of the U) chunk 1's layers finish their backward
+    # first and start reducing before its last action ends (rank 1's last two actions are
+    # back to back and its lane carries their sends: its reductions queue behind them).
+    assert min(starts(sims["backward"], 0, "grads layer")) < last(sims["backward"], 0)
+    assert sims["backward"].step_time <= sims["step"].step_time
+
+
 def test_compare_runs_the_three_variants_on_the_same_batch():
     si, off, unfolded = compared("llama39b_cp2_a40")
     assert (si.label, off.label, unfolded.label) == ("as written", "SI off", "1F1B, fold none")
