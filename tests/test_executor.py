@@ -124,6 +124,8 @@ CASES = {
     # The gradients reduced after the step (grad_reduce = step) instead of under the backward
     # (the default, every other dp case here), ZeRO-1 and without.
     "tp2_dp2_reduce_after_step": ("tp = 2  dp = 2", "one_f_one_b", "none", True, False, 2),
+    # DualPipeV's split backward (W actions, some inside SI blocks' schedules) reducing under it.
+    "pp2_dp2_dualpipe_v": ("pp = 2  dp = 2", "dualpipe_v", "u", "planned", True, 2),
     # The CUDA path (the barrier after every segment pair, no held wgrads) reducing under the backward.
     "pp2_dp2_w_helix_pair_barrier": ("pp = 2  dp = 2", "w_helix", "u", "barrier", False, 2),
     "pp2_dp2_w_helix_zero1_reduce_after_step": ("pp = 2  dp = 2", "w_helix", "u", True, True, 2),
@@ -219,7 +221,7 @@ def test_distributed_step_matches_reference(world_results, name):
 
 
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp2_dp2_zero1", "pp2_dp2_w_helix_gather_under_forward",
-                                  "pp2_dp2_zb_h1", "pp2_dp2_w_helix_pair_barrier"])
+                                  "pp2_dp2_zb_h1", "pp2_dp2_w_helix_pair_barrier", "pp2_dp2_dualpipe_v"])
 @pytest.mark.parametrize("rank", range(4))
 def test_gradients_are_reduced_under_the_backward_layer_by_layer(world_ranks, name, rank):
     result = world_ranks[rank][name]
@@ -233,7 +235,7 @@ def test_gradients_are_reduced_under_the_backward_layer_by_layer(world_ranks, na
     # backwards still run, before the step's last action; without it every layer's last
     # backward is in the last action (B, or W for zb_h1), which issues them layer by layer.
     first_step = [index for step, index, _ in reduced if step == 0]
-    assert min(first_step) < result["actions"] - 1 if "w_helix" in name else \
+    assert min(first_step) < result["actions"] - 1 if CASES[name][2] == "u" else \
         set(first_step) == {result["actions"] - 1}
     # The same layers in the same order on the other dp replica of this stage, the order
     # every replica issues its collectives in.
