@@ -137,3 +137,21 @@ def test_a_trace_folder_holding_an_earlier_trace_is_refused(tmp_path, capsys):
         two_nodes.parse_args(["--trace", str(tmp_path)])
     assert info.value.code == 2
     assert "already holds" in capsys.readouterr().err and (tmp_path / "SI_planned.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("flags, dp, per_node, zero, shard", [([], 2, 1, 0, None), (["--zero1"], 2, 1, 1, None),
+                                                              (["--hsdp"], 4, 2, 3, 2)])
+def test_the_dp_overlap_programs_put_the_gradient_reduction_across_the_two_nodes(flags, dp, per_node, zero, shard):
+    import dp_overlap_two_nodes as dp_bench
+
+    args = dp_bench.parse_args(flags)
+    for mode in dp_bench.MODES:
+        program = check_text(dp_bench.program_text(args, mode), str(ROOT / "dp.dhx"))
+        assert program.train.grad_reduce == mode
+        assert (program.mesh.size("dp"), program.cluster.gpus_per_node, program.train.zero) == (dp, per_node, zero)
+        assert program.train.shard == shard
+        # What crosses the link: the dp group, or under hybrid sharding the replicas' group.
+        crossing = "dp.replicate" if shard else "dp"
+        assert program.mesh.lane(crossing) == "cross"
+        if shard:
+            assert program.mesh.lane("dp.shard") == "local"
