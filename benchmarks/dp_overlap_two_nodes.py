@@ -44,8 +44,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # two_nodes.py beside this file
 
 from two_node_link import LinkError, Shaping, TwoNodeLink, check_can_run  # noqa: E402
-from two_nodes import (BenchError, Report, World, _median, _ratio, _s, command_line, machine,  # noqa: E402
-                       profile_link)
+from two_nodes import (BenchError, Report, World, _median, _ratio, _s, add_link_arguments,  # noqa: E402
+                       command_line, machine, profile_link)
 
 from dhelix.dsl.core.errors import DhelixError  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
@@ -174,11 +174,7 @@ def parse_args(argv=None):
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--rate", default="400mbit", help="tbf rate of each direction of the link")
-    parser.add_argument("--burst", default="256kb", help="tbf burst")
-    parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of both modes, alternated")
-    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is left out)")
+    add_link_arguments(parser, "400mbit")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size")
     parser.add_argument("--seq", type=int, default=512, help="sequence length")
     parser.add_argument("--layers", type=int, default=4, help="layers")

@@ -441,15 +441,21 @@ def bench(args, report: Report, workdir: Path) -> int:
     return 0
 
 
+def add_link_arguments(parser, rate: str) -> None:
+    """The options every benchmark over the two-node link takes: the link's shaping (``rate``
+    by default), the rounds of alternated modes and the steps of each run."""
+    parser.add_argument("--rate", default=rate, help="tbf rate of each direction of the link")
+    parser.add_argument("--burst", default="256kb", help="tbf burst")
+    parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every mode, alternated")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is left out)")
+
+
 def parse_args(argv=None):
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--rate", default="200mbit", help="tbf rate of each direction of the link")
-    parser.add_argument("--burst", default="256kb", help="tbf burst")
-    parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of all modes, alternated")
-    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is left out)")
+    add_link_arguments(parser, "200mbit")
     parser.add_argument("--program", metavar="FILE",
                         help="run this program instead of the built-in one (2 nodes; imports other than "
                              "the stdlib must be absolute paths)")

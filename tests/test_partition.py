@@ -30,24 +30,6 @@ QKV_BY_2 = "chunk ag1 + qkv by 2"
 MLP_BY_2 = "chunk ag2 + fc1 + act + fc2 + rs2 by 2"
 GROUP_ALL = "group ag1 + rs1 + ag2 + rs2"
 
-#: Megatron's tensor-parallel Llama layer without sequence parallelism (an all_reduce ends each block).
-LLAMA_TP = """layer llama_tp {
-  in x [tokens, hidden]
-  ln1 = rmsnorm(x)
-  qkv = gemm(ln1, hidden, (heads + 2 * kv_heads) * head_dim / tp)
-  att = attention(qkv, heads / tp, kv_heads / tp, causal)
-  prj = gemm(att, hidden / tp, hidden)
-  ar1 = all_reduce(prj, tp)
-  h1 = add(ar1, x)
-  ln2 = rmsnorm(h1)
-  fc1 = gemm(ln2, hidden, 2 * ffn / tp)
-  act = swiglu(fc1)
-  fc2 = gemm(act, ffn / tp, hidden)
-  ar2 = all_reduce(fc2, tp)
-  h2 = add(ar2, h1)
-  out h2
-}
-"""
 TP_TO_SP = "substitute ar1 as reduce_scatter + all_gather;substitute ar2 as reduce_scatter + all_gather;" \
     "move ar1 + ar2 later"
 
@@ -177,7 +159,7 @@ def test_moving_the_substituted_gathers_later_turns_tensor_into_sequence_paralle
     # The tensor-parallel layer, substituted and moved, is the stdlib's sequence-parallel
     # llama op for op: the same operators, shapes and collectives, its input and output
     # 1/tp of the tokens; the gathers are named for what they gather.
-    moved = program(TP_TO_SP, layer="llama_tp", extra=LLAMA_TP)
+    moved = program(TP_TO_SP, layer="llama_tp")
     llama = program()
     names = {"ln1.ag": "ag1", "ar1.rs": "rs1", "ln2.ag": "ag2", "ar2.rs": "rs2"}
     assert [names.get(op.name, op.name) for op in moved.forward.ops] == [op.name for op in llama.forward.ops]
@@ -189,7 +171,7 @@ def test_moving_the_substituted_gathers_later_turns_tensor_into_sequence_paralle
     assert [op.op for op in moved.backward.ops] == [op.op for op in llama.backward.ops]
     # Substituted but not moved: the all_gathers stay where the all_reduces were, every
     # token on every rank between the blocks.
-    kept = program(TP_TO_SP.rsplit(";", 1)[0], layer="llama_tp", extra=LLAMA_TP).forward
+    kept = program(TP_TO_SP.rsplit(";", 1)[0], layer="llama_tp").forward
     assert [op.name for op in kept.ops if op.op == "all_gather"] == ["ar1", "ar2"]
     assert kept.input_shape == (16, 32)
 
@@ -234,9 +216,8 @@ def _runs(rank: int, world: int) -> dict:
 
     results = {}
     for name, (partition, mesh, pipeline, fold, si) in RUNS.items():
-        tp_layer = "move" in partition
-        prog = program(partition, mesh, pipeline, fold, layer="llama_tp" if tp_layer else "llama",
-                       extra=LLAMA_TP if tp_layer else "")
+        # The stdlib's llama_tp (TP without SP) for the runs that move its gathers later.
+        prog = program(partition, mesh, pipeline, fold, layer="llama_tp" if "move" in partition else "llama")
         comm = DistComm(prog.mesh, timeout_s=60)
         # The planner runs on rank 0 only (as `dhelix run` plans once): the ranks share 2 cores.
         plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog) if rank == 0 else None)) \

@@ -258,9 +258,10 @@ def _substitute(fwd: LayerDag, st: s.Substitute, errors: ErrorCollector) -> Laye
 ELEMENTWISE = ("norm", "activation", "add")
 
 
-def _moved_later(fwd: LayerDag, statements: list[s.Move], errors: ErrorCollector) -> LayerDag:
-    """``fwd`` with the all_gathers the move ``statements`` name, and its input, moved past
-    the elementwise operators that read them (module docstring); errors located at the names."""
+def _gathers_to_move(fwd: LayerDag, statements: list[s.Move], errors: ErrorCollector) -> dict:
+    """The all_gathers the move ``statements`` name (name -> (op, its span), in statement
+    order), or {} after recording why they cannot move: not an all_gather, gathers over
+    different axes, a layer whose tokens are split already or do not divide."""
     found, gathers = len(errors.errors), {}
     for st, i, name in [(st, i, name) for st in statements for i, name in enumerate(st.ops)]:
         span = st.span_of(f"ops.{i}")
@@ -278,26 +279,36 @@ def _moved_later(fwd: LayerDag, statements: list[s.Move], errors: ErrorCollector
             continue
         gathers[name] = (op, span)
     if len(errors.errors) > found or not gathers:
-        return fwd
-    (template, _), *others = gathers.values()
+        return {}
+    (template, first_span), *others = gathers.values()
     for op, span in others:
         if (op.axis, op.group_size) != (template.axis, template.group_size):
             errors.add(CheckError(f"cannot move '{op.name}' with '{template.name}': it gathers over {op.axis} = "
                                   f"{op.group_size}, '{template.name}' over {template.axis} = {template.group_size}",
                                   span, ["the gathers moved together shard the layer's tokens over one axis"]))
-            return fwd
-    size, (rows, cols) = template.group_size, fwd.input_shape
-    first_span = next(iter(gathers.values()))[1]
+            return {}
+    rows = fwd.input_shape[0]
     if template.shape[0] != rows:
         errors.add(CheckError(f"cannot move '{template.name}' later: the layer's input holds {rows} tokens, "
                               f"'{template.name}' gathers {template.shape[0]}", first_span,
                               ["moving gathers later shards a layer whose input holds every token (tensor "
                                "parallelism without sequence parallelism); this layer's tokens are split already"]))
-        return fwd
-    if rows % size:
+        return {}
+    if rows % template.group_size:
         errors.add(CheckError(f"cannot move '{template.name}' later: the layer's {rows} tokens do not split over "
-                              f"{template.axis} = {size}", first_span))
+                              f"{template.axis} = {template.group_size}", first_span))
+        return {}
+    return gathers
+
+
+def _moved_later(fwd: LayerDag, statements: list[s.Move], errors: ErrorCollector) -> LayerDag:
+    """``fwd`` with the all_gathers the move ``statements`` name, and its input, moved past
+    the elementwise operators that read them (module docstring); errors located at the names."""
+    gathers = _gathers_to_move(fwd, statements, errors)
+    if not gathers:
         return fwd
+    (template, first_span) = next(iter(gathers.values()))
+    size, (rows, cols) = template.group_size, fwd.input_shape
     # value -> (the name of its shard, the shard's shape), for every value that is an
     # all_gather of a shard: the moved gathers, the layer input, what elementwise ops made of them.
     shard = {name: (op.inputs[0], op.in_shapes[0]) for name, (op, _) in gathers.items()}
@@ -305,14 +316,11 @@ def _moved_later(fwd: LayerDag, statements: list[s.Move], errors: ErrorCollector
     made: dict[str, str] = {}  # value -> the all_gather op that gives it whole again
     ops: list[Op] = []
 
-    names = {op.name for op in fwd.ops} | {fwd.input}
-
     def whole(value: str, reader: Op) -> str:
         if value not in made:
             source, shape = shard[value]
+            # Written names have no dots: ``V.ag`` names no other operator.
             made[value] = value if value in gathers else f"{value}.ag"
-            if value not in gathers and made[value] in names:
-                raise AssertionError(f"{made[value]} exists already")  # layer names have no dots
             # A new gather points where its reader is written.
             written = gathers[value][0] if value in gathers else attrs.evolve(template, span=reader.span)
             ops.append(attrs.evolve(written, name=made[value], inputs=(source,), in_shapes=(shape,),
