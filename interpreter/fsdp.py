@@ -7,7 +7,10 @@ pieces: piece ``i`` lives on dp rank ``i`` (PyTorch FSDP's flat sharding). The l
 name the traffic (:mod:`dhelix.dsl.passes.fsdp`): a ``param_gather`` op all-gathers the
 pieces into the weight before an op reads it, a ``grad_scatter`` op reduce-scatters a
 micro-batch's weight gradient into this rank's piece, where the micro-batches' pieces add up.
-The optimizer then updates pieces only (:mod:`.optim`: their gradients are summed over dp
+A gemm chunked along its outputs (``chunk fc1 along outputs by 2``) has its weight cut per
+column block: each block is flattened, padded and cut into dp pieces on its own, and a rank's
+piece is its pieces of the blocks one after the other (:func:`piece`, :func:`block_of`), so
+each chunk's gather and reduce-scatter moves its block only. The optimizer then updates pieces only (:mod:`.optim`: their gradients are summed over dp
 already); checks and checkpoints gather them back (:meth:`FlatShards.gather`).
 
 Under hybrid sharding (``train { shard = K }``, HSDP) the same holds over ``dp.shard``, the
@@ -39,15 +42,27 @@ class FlatShards:
     rank's position there; :attr:`shapes` maps each sharded parameter's name to the shape of
     the (tensor-parallel) shard it is a piece of, as :meth:`add` records them."""
 
-    def __init__(self, enabled: bool, pieces: int, index: int, axis: str = "dp"):
+    def __init__(self, enabled: bool, pieces: int, index: int, axis: str = "dp",
+                 columns: Mapping[str, int] | None = None):
         self.enabled, self.pieces, self.index, self.axis = enabled, pieces, index, axis
         self.shapes: dict[str, tuple[int, ...]] = {}
+        #: Weights (by op name) chunked along their outputs, and into how many column blocks:
+        #: each block is flattened, padded and cut on its own, and a piece is the blocks'
+        #: pieces one after the other, so a chunk's gather moves its columns only.
+        self.columns = dict(columns or {})
 
     @classmethod
     def of(cls, program: Program, comm: Communicator) -> "FlatShards":
         """The (still empty) layout of ``program`` on this rank."""
         axis = shard_axis(program)
-        return cls(is_fsdp(program), comm.size(axis), comm.index(axis), axis)
+        columns = {op.weight_name: op.columns[1] for op in program.forward.ops if op.columns} \
+            if program.forward is not None else {}
+        return cls(is_fsdp(program), comm.size(axis), comm.index(axis), axis, columns)
+
+    def blocks(self, name: str) -> int:
+        """How many column blocks parameter (or layer op) ``name``'s pieces are made of."""
+        op = name.split(".", 2)[2] if name.startswith("layers.") else name
+        return self.columns.get(op, 1)
 
     @property
     def replicated_over(self) -> str | None:
@@ -62,18 +77,26 @@ class FlatShards:
         """Record parameter ``name`` (this rank's tensor-parallel shard ``tensor``) as sharded
         and return this rank's piece of it (a new contiguous tensor)."""
         self.shapes[name] = tuple(tensor.shape)
-        return piece(tensor, self.pieces, self.index)
+        return piece(tensor, self.pieces, self.index, self.blocks(name))
 
     def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``tensor`` if ``name`` is sharded, else ``tensor``."""
-        return piece(tensor, self.pieces, self.index) if name in self.shapes else tensor
+        return piece(tensor, self.pieces, self.index, self.blocks(name)) if name in self.shapes else tensor
 
     def gather(self, comm: Communicator, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` by name with every sharded one gathered over :attr:`axis` and shaped
         back (collective over that axis; the others are passed through)."""
         out = dict(tensors)
         for name in sorted(set(tensors) & set(self.shapes)):
-            out[name] = unflatten(comm.all_gather(tensors[name].contiguous(), self.axis), self.shapes[name])
+            flat, shape, blocks = comm.all_gather(tensors[name].contiguous(), self.axis), self.shapes[name], \
+                self.blocks(name)
+            if blocks == 1:
+                out[name] = unflatten(flat, shape)
+                continue
+            # Rank r's piece is [block 0's piece r | block 1's piece r | …].
+            by_block = flat.view(self.pieces, blocks, -1).transpose(0, 1)
+            block_shape = (*shape[:-1], shape[-1] // blocks)
+            out[name] = torch.cat([unflatten(b.reshape(-1), block_shape) for b in by_block], dim=-1)
         return out
 
 
@@ -84,11 +107,24 @@ def padded_flat(tensor: torch.Tensor, dp: int) -> torch.Tensor:
     return F.pad(flat, (0, total - flat.numel())) if total != flat.numel() else flat
 
 
-def piece(tensor: torch.Tensor, dp: int, index: int) -> torch.Tensor:
-    """Piece ``index`` of ``dp`` of ``tensor`` flattened and zero-padded to a multiple of dp."""
+def piece(tensor: torch.Tensor, dp: int, index: int, blocks: int = 1) -> torch.Tensor:
+    """Piece ``index`` of ``dp`` of ``tensor`` flattened and zero-padded to a multiple of dp;
+    with ``blocks`` > 1, of each of its ``blocks`` column blocks, one after the other."""
+    if blocks > 1:
+        return torch.cat([piece(b, dp, index) for b in tensor.chunk(blocks, dim=-1)])
     flat = padded_flat(tensor, dp)
     width = flat.numel() // dp
     return flat[index * width:(index + 1) * width].clone()
+
+
+def block_of(mine: torch.Tensor, columns: tuple[int, int] | None) -> torch.Tensor:
+    """The part of a rank's piece ``mine`` that is column block ``columns`` = (index, blocks)
+    of the weight (:func:`piece`), or ``mine`` for a weight kept whole (None)."""
+    if columns is None:
+        return mine
+    index, blocks = columns
+    width = mine.numel() // blocks
+    return mine.narrow(0, index * width, width)
 
 
 def unflatten(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:

@@ -30,11 +30,11 @@ import attrs
 import torch
 
 from dhelix.dsl.core.oplib import REGROUP
-from dhelix.dsl.core.program import LayerDag, Op, Program
-from dhelix.dsl.passes.fsdp import FIRST_STAGE, GATHER as FSDP_GATHER, PIECES
+from dhelix.dsl.core.program import COLUMNS, LayerDag, Op, Program
+from dhelix.dsl.passes.fsdp import FIRST_STAGE, GATHER as FSDP_GATHER, PIECES, unit_of
 
 from .comm import AXES, Communicator, Pending, resolve
-from .fsdp import gather_weight, scatter_grad
+from .fsdp import block_of, gather_weight, scatter_grad
 from .kernels import (BWD, COMM, DGRAD, FORWARD, GATHER_W, KERNELS, SCATTER_DW, WGRAD, KernelCtx, handler,
                       lm_head_backward)
 from .moe import ROLE, a2a_roles
@@ -62,7 +62,8 @@ class LayerPlan:
     steps: Mapping[str, "Step"] = attrs.field(factory=dict)
     fwd_ops: Mapping[str, Op] = attrs.field(factory=dict)
     #: ZeRO-3: the op whose output is the gathered weight each weighted op reads (forward
-    #: and backward ops by name), and the names of the weights sharded so.
+    #: and backward ops by name), and the units sharded so (:attr:`Op.weight_unit`: weights,
+    #: or their column blocks under a chunk along outputs).
     gathered_by: Mapping[str, str] = attrs.field(factory=dict)
     sharded: frozenset = frozenset()
 
@@ -86,7 +87,7 @@ class LayerPlan:
                    steps={op.name: Step.of(op, roles.get(op.name)) for op in fwd.ops + bwd.ops},
                    fwd_ops=fwd_ops,
                    gathered_by={op.name: name for op in fwd.ops + bwd.ops for name in op.waits if name in gathers},
-                   sharded=frozenset(dict(op.params)["weight"] for op in fwd.ops if op.op == FSDP_GATHER))
+                   sharded=frozenset(unit_of(op.params) for op in fwd.ops if op.op == FSDP_GATHER))
 
 
 @attrs.frozen
@@ -319,8 +320,10 @@ class LayerRun:
     def _gather(self, op: Op, async_op: bool, source: torch.Tensor | None = None):
         # ``source``: the first stage's output, for the second of a ``group weights`` gather.
         params = dict(op.params)
+        if source is None:  # this rank's piece of the weight, or of its columns' block
+            source = block_of(self.weights[params["weight"]], params.get(COLUMNS))
         with self.comm.op_named(op.name):
-            return gather_weight(self.weights[params["weight"]] if source is None else source, self.comm,
+            return gather_weight(source, self.comm,
                                  params["shape"], async_op, op.axis, bool(params.get(FIRST_STAGE)),
                                  bool(params.get(REGROUP)))
 
@@ -340,34 +343,41 @@ class LayerRun:
         """A backward re-gather (its weight stays among the backward values until its last
         reader) or a gradient reduce-scatter (its piece adds into :attr:`grads`)."""
         params = dict(op.params)
-        name = params["weight"]
+        name, unit = params["weight"], unit_of(params)
         # The second stage of a ``group weights`` collective reads the first's output.
         source = resolve(self.bgrads[op.inputs[0]][GATHERED]) if op.inputs else None
         if step.role == GATHER_W:
             self.bgrads[op.name] = {GATHERED: self._gather(op, async_op, source)}
         else:
             with self.comm.op_named(op.name):
-                sent = scatter_grad(self._full_grad(name) if source is None else source, self.comm, async_op,
+                sent = scatter_grad(self._full_grad(unit) if source is None else source, self.comm, async_op,
                                     op.axis, source is None, bool(params.get(REGROUP)), params.get(PIECES))
             if params.get(FIRST_STAGE):  # the second stage reduce-scatters it on
                 self.bgrads[op.name] = {GATHERED: sent}
             elif isinstance(sent, Pending):
-                done = sent.then(lambda mine: self._add_piece(name, mine))
+                done = sent.then(lambda mine: self._add_piece(name, mine, params.get(COLUMNS)))
                 if self.defer is None:
                     done.wait()
                 else:
                     self.defer(done)
             else:
-                self._add_piece(name, sent)
+                self._add_piece(name, sent, params.get(COLUMNS))
         self._release(step.inputs, self._bwd_left, self.bgrads, keep=self.plan.bwd.output)
         self.version += 1
 
-    def _full_grad(self, name: str) -> torch.Tensor:
-        # This micro-batch's full gradient of weight ``name``, handed to its reduce-scatter.
-        return self.full_grads.pop(name)
+    def _full_grad(self, unit: str) -> torch.Tensor:
+        # This micro-batch's full gradient of ``unit`` (a weight, or a column block of one),
+        # handed to its reduce-scatter.
+        return self.full_grads.pop(unit)
 
-    def _add_piece(self, name: str, mine: torch.Tensor) -> torch.Tensor:
-        if name in self.grads:
+    def _add_piece(self, name: str, mine: torch.Tensor, columns: tuple[int, int] | None = None) -> torch.Tensor:
+        # ``mine``: this rank's piece of weight ``name``'s gradient, or of its column block
+        # ``columns`` (whose place in the piece :func:`block_of` gives).
+        if columns is not None:
+            if name not in self.grads:
+                self.grads[name] = mine.new_zeros(mine.numel() * columns[1])
+            block_of(self.grads[name], columns).add_(mine)
+        elif name in self.grads:
             self.grads[name] += mine
         else:
             self.grads[name] = mine
@@ -420,8 +430,9 @@ class LayerRun:
         # Later micro-batches (and the other chunks of a partitioned op, which share its
         # weight) add into the gradient in place (a GEMM's wgrad as one addmm) instead of
         # materialising their own and adding it.
-        saved, name = self.saved[op_name], self.plan.fwd_ops[op_name].weight_name
-        # A ZeRO-3 weight's full gradient is this micro-batch's only, until its reduce-scatter.
+        saved, name = self.saved[op_name], self.plan.fwd_ops[op_name].weight_unit
+        # A ZeRO-3 weight's full gradient is this micro-batch's only, until its reduce-scatter
+        # (a chunk along outputs computes its own columns' block: its unit's gradient).
         grads = self.full_grads if name in self.plan.sharded else self.grads
         if name not in grads:
             grads[name] = kernel.wgrad(grad, saved)

@@ -141,8 +141,9 @@ def layer_specs(program: Program, full_fwd: LayerDag | None = None) -> dict[str,
             continue
         full_op = full_fwd.op(op.weight_name)
         spec = _op_spec(op, full_op, fwd, full_fwd, program.mesh)
-        if spec.shard_shape(program.mesh.size(spec.axis) if spec.axis else 1) != tuple(op.weight):
-            raise ShardingError(f"op {op.name}: weight {list(op.weight)} is not a {spec.kind} shard of "
+        weight = tuple(op.weight) if op.columns is None else (*op.weight[:-1], op.weight[-1] * op.columns[1])
+        if spec.shard_shape(program.mesh.size(spec.axis) if spec.axis else 1) != weight:
+            raise ShardingError(f"op {op.name}: weight {list(weight)} is not a {spec.kind} shard of "
                                 f"the full {list(spec.full)} over {spec.axis}")
         specs[op.weight_name] = spec
     return specs

@@ -88,6 +88,50 @@ def test_the_chunks_of_a_partitioned_gemm_share_one_gather_and_one_scatter():
     assert set(scatter.waits) == {"fc1.c0.wgrad", "fc1.c1.wgrad"}
 
 
+def test_a_gemm_chunked_along_outputs_gathers_and_scatters_each_block_of_columns_on_its_own():
+    prog = program(mesh="dp = 4", partition="chunk fc1 along outputs by 2;group weights")
+    whole = program(mesh="dp = 4", partition="group weights")
+    fwd, bwd = {op.name: op for op in prog.forward.ops}, {op.name: op for op in prog.backward.ops}
+    fc1 = whole.forward.op("fc1")
+    (rows, cols), (inner, outer) = fc1.shape, fc1.weight
+    # Each chunk computes its half of fc1's output features from its half of the weight's
+    # columns, gathered on its own (across nodes first, then inside), and the concat joins them.
+    for i in range(2):
+        chunk = fwd[f"fc1.c{i}"]
+        assert (chunk.inputs, chunk.shape, chunk.weight, chunk.columns) == (
+            fc1.inputs, (rows, cols // 2), (inner, outer // 2), (i, 2))
+        assert chunk.waits == (f"fc1.c{i}.gather_w",)
+        gather = fwd[f"fc1.c{i}.gather_w"]
+        assert (gather.shape, gather.inputs, dict(gather.params)["columns"]) == (
+            (inner * outer // 2, 1), (f"fc1.c{i}.gather_w.inter",), (i, 2))
+        assert bwd[f"fc1.c{i}.dgrad"].waits == (f"fc1.c{i}.regather_w",)
+        first = bwd[f"fc1.c{i}.scatter_dw.intra"]  # inside the node first, then across
+        assert (first.waits, bwd[f"fc1.c{i}.scatter_dw"].inputs) == ((f"fc1.c{i}.wgrad",), (first.name,))
+    assert (fwd["fc1"].op, fwd["fc1"].inputs, fwd["act"].inputs) == ("concat", ("fc1.c0", "fc1.c1"), ("fc1",))
+    assert "fc1.gather_w" not in fwd and "fc1.scatter_dw" not in bwd
+    # The same weights, gathered in smaller pieces: parameters and memory as without the chunks.
+    assert prog.forward.weight_elements() == whole.forward.weight_elements()
+    assert simulate(prog).ranks[0].states == simulate(whole).ranks[0].states
+
+
+def test_a_piece_of_a_weight_chunked_along_outputs_holds_each_block_and_gathers_back():
+    torch = pytest.importorskip("torch")
+    from dhelix.interpreter.fsdp import FlatShards, block_of, piece
+
+    weight = torch.arange(5 * 6, dtype=torch.float32).reshape(5, 6)  # 3 blocks of 10 elements: padded to 12
+
+    class Gather:  # every rank's piece, in rank order, as the all-gather over dp returns them
+        def all_gather(self, mine, axis):
+            return torch.cat([piece(weight, 4, r, 3) for r in range(4)])
+
+    flat = FlatShards(True, 4, 1, columns={"fc1": 3})
+    mine = flat.add("layers.0.fc1", weight)
+    assert mine.numel() == 3 * 3
+    for b in range(3):  # block b of this rank's piece is its piece of the columns of block b
+        assert torch.equal(block_of(mine, (b, 3)), piece(weight[:, 2 * b:2 * b + 2], 4, 1))
+    assert torch.equal(flat.gather(Gather(), {"layers.0.fc1": mine})["layers.0.fc1"], weight)
+
+
 def test_group_weights_gathers_across_nodes_first_and_reduces_inside_the_node_first():
     prog = program(mesh="dp = 4", partition="group weights")  # 2 nodes of 2: dp.intra 2, dp.inter 2
     fwd = {op.name: op for op in prog.forward.ops}
@@ -219,6 +263,13 @@ RUNS = {
     "dp4_hsdp_planned": ("dp = 4", "w_helix", "u", "", "shard = 2", "planned", {}),
     "dp4_hsdp_padded": ("dp = 4", "one_f_one_b", "none", "", "shard = 2", None,
                         {"hidden": 42, "ffn": 66, "heads": 6, "kv": 3}),
+    # Centauri's workload partition of the weight gathers: each chunk gathers its own columns.
+    "tp2_dp2_outputs_planned": ("tp = 2  dp = 2", "w_helix", "u",
+                                "chunk qkv along outputs by 2;chunk fc1 along outputs by 2", "", "planned", {}),
+    "dp4_outputs_group_padded": ("dp = 4", "one_f_one_b", "none",
+                                 "chunk fc1 along outputs by 2;chunk fc2 along outputs by 3;group weights", "", None,
+                                 {"hidden": 42, "ffn": 66, "heads": 6, "kv": 3}),
+    "dp4_outputs_hsdp_planned": ("dp = 4", "w_helix", "u", "chunk prj along outputs by 2", "shard = 2", "planned", {}),
 }
 
 

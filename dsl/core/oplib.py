@@ -193,8 +193,13 @@ LAYOUT_OPS = {"slice": "chunk index of parts along dim", "concat": "parts chunks
 #: (an outer dimension: chunks are independent), ``CD`` (a contracted dimension: chunks give
 #: partial sums that need a reduction) or ``ND`` (not divisible: every output reads the
 #: whole dimension), with the reason for CD and ND. A layer tensor is [tokens, features].
+#: ``outputs`` is a GEMM's output features, the columns of its weight (``y = x W``): OD for
+#: the GEMM alone (each chunk reads the whole input and its own columns of the weight), so a
+#: chunk there splits the weight too, and under ZeRO-3 its all-gather (Centauri's workload
+#: partition of FSDP's collectives).
 OD, CD, ND = "OD", "CD", "ND"
-PARTITION_DIMS = ("tokens", "features")
+PARTITION_DIMS = ("tokens", "features", "outputs")
+OUTPUTS = PARTITION_DIMS[2]
 _TOKEN_WISE = ("rmsnorm", "layernorm", "gemm", "swiglu", "gelu", "add", "router",
                "all_gather", "reduce_scatter", "all_reduce")
 _TOKEN_MIXING = {
@@ -218,6 +223,11 @@ _FEATURE_SPLITS = {
     "exchanges whole routed rows"), "send": (OD, ""), "recv": (OD, ""),
 }
 
+_OUTPUT_SPLITS = {
+    "grouped_gemm": "grouped_gemm's weights are split by expert over ep",
+    "router": "router's top-k reads every expert's score",
+}
+
 
 def dimension_split(op: str, dim: str) -> tuple[str, str]:
     """How operator ``op`` splits along ``dim`` (one of PARTITION_DIMS): (OD | CD | ND, why)."""
@@ -225,6 +235,11 @@ def dimension_split(op: str, dim: str) -> tuple[str, str]:
         if op in _TOKEN_WISE:
             return OD, ""
         return ND, _TOKEN_MIXING.get(op, f"{op} is not token-wise")
+    if dim == OUTPUTS:
+        if op == "gemm":
+            return OD, ""
+        return ND, _OUTPUT_SPLITS.get(op, f"only a gemm's output features are the columns of its weight; {op} "
+                                          "has no such weight")
     return _FEATURE_SPLITS.get(op, (ND, f"{op} has no feature split"))
 
 

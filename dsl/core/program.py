@@ -30,6 +30,8 @@ OVERLAP_KINDS = ("tp", "cp", "ep", "dp")
 
 #: A value the planner chooses: ``chunk … by auto``, ``train { launch = auto }``.
 AUTO = "auto"
+#: The parameter of a GEMM chunked along its outputs: (index, parts) of its weight's columns.
+COLUMNS = "columns"
 
 @attrs.frozen
 class Model:
@@ -210,6 +212,18 @@ class Op:
         return self.origin or self.name
 
     @property
+    def columns(self) -> tuple[int, int] | None:
+        """(index, parts) of a GEMM chunked along its outputs: it holds columns ``index`` of
+        ``parts`` of its origin's weight (``weight`` is those columns' shape); else None."""
+        return dict(self.params).get(COLUMNS)
+
+    @property
+    def weight_unit(self) -> str:
+        """What ZeRO-3 gathers and reduce-scatters as one: a chunk along outputs' columns
+        (the op's own name), else the whole weight (:attr:`weight_name`)."""
+        return self.name if self.columns else self.weight_name
+
+    @property
     def deps(self) -> tuple[str, ...]:
         """Every op this one runs after: its inputs, then what it ``waits`` for."""
         return self.inputs + self.waits if self.waits else self.inputs
@@ -233,9 +247,10 @@ class LayerDag:
 
     def weight_elements(self) -> tuple[int, int]:
         """(dense, expert) weight elements of one layer on one rank, from the ops' ``weight``
-        shapes; the chunks of a partitioned op share its weight, counted once; expert
+        shapes; the chunks of a partitioned op share its weight, counted once (along outputs
+        each holds its own columns, counted each); expert
         weights are the grouped GEMMs'."""
-        weighted = {op.weight_name: op for op in self.ops if op.weight}
+        weighted = {op.weight_unit: op for op in self.ops if op.weight}
         expert = sum(math.prod(op.weight) for op in weighted.values() if op.op == "grouped_gemm")
         return sum(math.prod(op.weight) for op in weighted.values()) - expert, expert
 

@@ -21,6 +21,13 @@ any collective (Centauri's §3.1 model, where FSDP is the main case):
   sum) and keeps no full gradient between micro-batches, which gradient accumulation
   without communication (FSDP's ``no_sync``) would.
 
+A gemm chunked along its outputs (``chunk fc1 along outputs by 2``, Centauri's workload
+partition of FSDP's collectives) has one of each per column block of its weight
+(``fc1.c0.gather_w``, ``fc1.c0.regather_w``, ``fc1.c0.scatter_dw``, …: the unit of
+:attr:`Op.weight_unit`), so a chunk computes on its columns while the next block's arrive;
+each block is flattened, padded and cut over dp on its own (:mod:`dhelix.interpreter.fsdp`).
+Without ZeRO-3 such a chunk is a located error: there is no gather to split.
+
 These operators read no activation: their dependencies are ``Op.waits``. Their shapes are
 the flattened weight ``[elements, 1]`` (padded), so the cost model prices them as the
 all-gather and reduce-scatter of that many elements in the model dtype. The model's ends
@@ -62,8 +69,8 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError
 from dhelix.dsl.core.mesh import INTER, INTRA, SHARD
-from dhelix.dsl.core.oplib import REGROUP, WEIGHT_PASS, is_wgrad
-from dhelix.dsl.core.program import GradFlow, Op, Program
+from dhelix.dsl.core.oplib import OUTPUTS, REGROUP, WEIGHT_PASS, is_wgrad
+from dhelix.dsl.core.program import COLUMNS, GradFlow, Op, Program
 from dhelix.dsl.passes.partition import WEIGHTS, fewest_cross_bytes, unsplittable
 
 GATHER, SCATTER = "param_gather", "grad_scatter"
@@ -74,6 +81,15 @@ FORWARD_GATHER, BACKWARD_GATHER, GRAD_SCATTER = ".gather_w", ".regather_w", ".sc
 FIRST_STAGE = "first_stage"
 #: The parameter holding how many pieces a weight is cut into (dp, or the shard size).
 PIECES = "pieces"
+#: The parameter naming what a collective gathers or reduce-scatters when it is not the whole
+#: weight: under a chunk along outputs, one chunk's columns of it (:attr:`Op.weight_unit`).
+UNIT = "unit"
+
+
+def unit_of(params) -> str:
+    """What the ZeRO-3 collective with ``params`` gathers or reduce-scatters (:data:`UNIT`)."""
+    params = dict(params)
+    return params.get(UNIT, params["weight"])
 
 
 def is_fsdp(program: Program) -> bool:
@@ -99,6 +115,14 @@ def shard_weights(program: Program) -> Program:
     mesh this does not support."""
     statement = _weights_statement(program)
     hierarchy = statement.span_of(f"ops.{statement.ops.index(WEIGHTS)}") if statement is not None else None
+    columns = _output_chunks(program)
+    if columns is not None and not is_fsdp(program):
+        raise CheckError(f"chunking along {OUTPUTS} splits the ZeRO-3 gather of a gemm's weight, which this "
+                         "program does not run", columns.span_of("dim"),
+                         ["ZeRO-3 is train { zero = 3 } with dp > 1: each chunk then gathers only its columns "
+                          "of the weight and computes on them while the next chunk's columns arrive",
+                          "to split a collective and the computation after it, chunk along tokens: "
+                          "chunk ag2 + fc1 by 2"])
     if hierarchy is not None and not is_fsdp(program):
         raise CheckError("'group weights' splits the collectives of ZeRO-3, which this program does not run",
                          hierarchy, ["ZeRO-3 is train { zero = 3 } with dp > 1: its weight all-gathers and "
@@ -128,7 +152,9 @@ def shard_weights(program: Program) -> Program:
 
     def collective(name: str, kind: str, weight: Op, forward_op: str | None = None,
                    waits: tuple[str, ...] = (), weight_pass: bool = False) -> list[Op]:
-        """The op (or, under ``group weights``, the two ops, the second named ``name``)."""
+        """The op (or, under ``group weights``, the two ops, the second named ``name``) of
+        ``weight``'s unit (:attr:`Op.weight_unit`: its columns when chunked along outputs)."""
+        part = ((UNIT, weight.weight_unit), (COLUMNS, weight.columns)) if weight.columns else ()
         full = padded_elements(weight.weight, dp)
         gathered = kind == GATHER
         # The reduce-scatter is the gather's transpose: its stages run in reverse.
@@ -146,6 +172,7 @@ def shard_weights(program: Program) -> Program:
                           axis=axis, group_size=group, lane=mesh.lane(axis), per_node=mesh.per_node(axis),
                           forward=forward_op, waits=() if previous else waits, span=weight.span,
                           params=(("weight", weight.weight_name), ("shape", tuple(weight.weight)), (PIECES, dp))
+                          + part
                           + (((WEIGHT_PASS, True),) if weight_pass else ())
                           + (((REGROUP, True),) if regroup else ()) + (((FIRST_STAGE, True),) if not last else ()),
                           grad=None if forward_op is None else GradFlow(upstream=None)))
@@ -156,20 +183,21 @@ def shard_weights(program: Program) -> Program:
     gather_ops = {name: collective(name + FORWARD_GATHER, GATHER, op) for name, op in weights.items()}
     gathers = {name: ops[-1] for name, ops in gather_ops.items()}
     fwd_ops = [op for ops in gather_ops.values() for op in ops] + [
-        attrs.evolve(op, waits=op.waits + (gathers[op.weight_name].name,)) if op.weight else op
+        attrs.evolve(op, waits=op.waits + (gathers[op.weight_unit].name,)) if op.weight else op
         for op in forward.ops]
-    owner = {op.name: op.weight_name for op in forward.ops if op.weight}
+    owner = {op.name: op.weight_unit for op in forward.ops if op.weight}
     bwd_ops = _backward(backward.ops, weights, gathers, owner, collective)
     return attrs.evolve(program, forward=attrs.evolve(forward, ops=tuple(fwd_ops)),
                         backward=attrs.evolve(backward, ops=tuple(bwd_ops)))
 
 
 def _weights_in_order(ops) -> dict[str, Op]:
-    """The first op of each weight (by weight name), in the order the weights are first used."""
+    """The first op of each weight unit (:attr:`Op.weight_unit`), in the order the units are
+    first used."""
     found: dict[str, Op] = {}
     for op in ops:
-        if op.weight and op.weight_name not in found:
-            found[op.weight_name] = op
+        if op.weight and op.weight_unit not in found:
+            found[op.weight_unit] = op
     return found
 
 
@@ -203,6 +231,13 @@ def _backward(ops, weights: dict[str, Op], gathers: dict[str, Op], owner: dict[s
             result += collective(weight + GRAD_SCATTER, SCATTER, weights[weight], forward_op=gathers[weight].name,
                                  waits=tuple(producers[weight]), weight_pass=only_wgrads)
     return result
+
+
+def _output_chunks(program: Program) -> s.Chunk | None:
+    """The first chunk statement of the partition block along outputs, or None."""
+    if program.partition is None:
+        return None
+    return next((st for st in program.partition.body if isinstance(st, s.Chunk) and st.dim == OUTPUTS), None)
 
 
 def _weights_statement(program: Program) -> s.Group | None:

@@ -28,6 +28,10 @@ interpreter see ordinary operators:
   share of every block, which makes the chunk of a collective the collective of a chunk.
   Every operator must split along the dimension as an outer dimension (OD); a contracted
   (CD) or indivisible (ND) one is a located error, as are counts that do not divide.
+  ``chunk fc1 along outputs by 2`` splits one gemm over the column blocks of its weight
+  (``fc1.c0``, ``fc1.c1``: :attr:`Op.columns`; each reads the whole input), joined by a
+  concat along the features: under ZeRO-3 each block is gathered and reduce-scattered on its
+  own (:mod:`dhelix.dsl.passes.fsdp`, which refuses it without ZeRO-3).
 
 * ``group ag1 + rs1 [first inter|intra]`` (group partition, §3.1.2): a collective over a
   group that spans nodes runs as two sub-collectives, with the same result: one over the
@@ -42,7 +46,8 @@ interpreter see ordinary operators:
   the collective are split too. A group inside one node, or one with unequal ranks on its
   nodes, is refused.
 
-Chunks of a weighted operator share its weight: their ``Op.origin`` names the written op.
+Chunks of a weighted operator share its weight: their ``Op.origin`` names the written op
+(along outputs each holds its own columns of it).
 """
 
 from __future__ import annotations
@@ -54,8 +59,8 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.mesh import INTER, INTRA, Mesh
-from dhelix.dsl.core.oplib import CD, OD, PARTITION_DIMS, REGROUP, dimension_split
-from dhelix.dsl.core.program import AUTO, LayerDag, Op
+from dhelix.dsl.core.oplib import CD, OD, OUTPUTS, PARTITION_DIMS, REGROUP, dimension_split
+from dhelix.dsl.core.program import AUTO, COLUMNS, LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.frontend.exprs import evaluate
 from dhelix.dsl.passes.priority import PRIORITIES
@@ -384,6 +389,13 @@ def _checked_chain(fwd: LayerDag, st: s.Chunk, env, claimed: dict, errors: Error
     if parts < 2 and not is_auto(st):
         errors.add(CheckError(f"a chunk count must be at least 2, got {parts}", st.parts.span))
         return None
+    if dim == OUTPUTS and len(st.ops) > 1:
+        errors.add(CheckError(f"'along {OUTPUTS}' chunks one gemm, not a chain of {len(st.ops)} operators",
+                              st.span_of("ops.1"), [f"the chunks of {st.ops[0]} are joined along their "
+                                                    "columns right after it: its readers see the whole output",
+                                                    f"write one statement per gemm: chunk {st.ops[0]} along "
+                                                    f"{OUTPUTS} by {'auto' if is_auto(st) else parts}"]))
+        return None
     found = len(errors.errors)
     ops = []
     for i, name in enumerate(st.ops):
@@ -408,10 +420,13 @@ def _checked_chain(fwd: LayerDag, st: s.Chunk, env, claimed: dict, errors: Error
     claimed.update({op.name: st for op in ops})
     order = [o.name for o in fwd.ops]
     ops.sort(key=lambda op: order.index(op.name))
+    if dim == OUTPUTS:  # the gemm's output features: its input is read whole by every chunk
+        return (ops, parts, OUTPUTS) if _divides(ops, parts, 1, st, errors, outputs=True) else None
     axis = PARTITION_DIMS.index(dim)
     if not _connected(fwd, ops, st, errors) or not _divides(ops, parts, axis, st, errors):
         return None
     return ops, parts, axis
+
 
 
 def _named_op(fwd: LayerDag, name: str, span, errors: ErrorCollector) -> Op | None:
@@ -465,13 +480,15 @@ def _blocks(chain: list[Op], shape, dim: int) -> int:
     return blocks.get(shape[0], 1)
 
 
-def _divides(ops: list[Op], parts: int, dim: int, st: s.Chunk, errors: ErrorCollector) -> bool:
+def _divides(ops: list[Op], parts: int, dim: int, st: s.Chunk, errors: ErrorCollector,
+             outputs: bool = False) -> bool:
     for op in ops:
-        for name, shape in [*zip(op.inputs, op.in_shapes, strict=True), (op.name, op.shape)]:
+        values = [] if outputs else list(zip(op.inputs, op.in_shapes, strict=True))
+        for name, shape in [*values, (op.name, op.shape)]:
             blocks = _blocks(ops, shape, dim)
             size = shape[dim] // blocks
             if size % parts:
-                word = PARTITION_DIMS[dim]
+                word = "output features" if outputs else PARTITION_DIMS[dim]
                 notes = [f"{name} is {list(shape)}" + (f": {blocks} gathered blocks of {size} {word}"
                                                        if blocks > 1 else "")]
                 errors.add(CheckError(f"{parts} chunks do not divide the {size} {word} of {name}"
@@ -484,9 +501,12 @@ def _chunk_shape(shape, parts: int, dim: int):
     return tuple(n // parts if d == dim else n for d, n in enumerate(shape))
 
 
-def _chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int) -> LayerDag:
+def _chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int | str) -> LayerDag:
     """``fwd`` with the chain ``ops`` replaced, at its last op's place, by slices of its
-    outside inputs, the chunk ops (chunk-major) and the concat of the last op's chunks."""
+    outside inputs, the chunk ops (chunk-major) and the concat of the last op's chunks
+    (along ``OUTPUTS``: the gemm's chunks, each on the whole input with its own columns)."""
+    if dim == OUTPUTS:
+        return _by_columns(fwd, ops[0], parts)
     names = {op.name for op in ops}
     taken = {op.name for op in fwd.ops} | {fwd.input}
     slices: dict[str, list[Op]] = {}
@@ -513,6 +533,21 @@ def _chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int) -> LayerDag:
             out += new
         elif op.name not in names:
             out.append(op)
+    return attrs.evolve(fwd, ops=tuple(out))
+
+
+def _by_columns(fwd: LayerDag, op: Op, parts: int) -> LayerDag:
+    """``fwd`` with gemm ``op`` split into ``parts`` gemms over its weight's column blocks
+    (``op.c0`` …, :attr:`Op.columns`), joined by a concat along the features that keeps its name."""
+    rows, cols = op.shape
+    chunks = [attrs.evolve(op, name=f"{op.name}.c{i}", origin=op.name, shape=(rows, cols // parts),
+                           weight=(op.weight[0], op.weight[1] // parts), params=op.params + ((COLUMNS, (i, parts)),))
+              for i in range(parts)]
+    join = Op(op.name, "concat", "compute", "layout", tuple(c.name for c in chunks), (chunks[0].shape,) * parts,
+              op.shape, params=(("parts", parts), ("dim", 1), ("blocks", 1)), span=op.span)
+    out = []
+    for each in fwd.ops:
+        out += [*chunks, join] if each.name == op.name else [each]
     return attrs.evolve(fwd, ops=tuple(out))
 
 
