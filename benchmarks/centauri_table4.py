@@ -147,8 +147,8 @@ def main(argv=None) -> int:
                 print(row(f"FSDP16, 2 nodes, b={batch}", times, memory, PAPER["single"]))
                 chunked = program(size, partition="\n".join(["group weights", *WEIGHT_CHUNKS]), **kw)
                 times, memory = four(chunked, unpartitioned(chunked))
-                counts = ", ".join(f"{op.name.split('.')[0]} {op.columns[1]}" for op in chunked.forward.ops
-                                   if op.columns and op.columns[0] == 0)
+                counts = ", ".join(f"{op.origin} {op.columns[1]}" for op in chunked.forward.ops
+                                   if op.op == "gemm" and op.columns and op.columns[0] == 0)
                 print(row(f"FSDP16, 2 nodes, b={batch} + weight chunks", times, memory, PAPER["single"])
                       + f"   ({counts or 'none chosen'})")
             except DhelixError as exc:

@@ -357,6 +357,60 @@ def _concat_dgrad(grad, saved, weight):
     return tuple(_piece(grad, i, parts, dim, blocks).contiguous() for i in range(parts))
 
 
+# -- rest and merge: a chain split at the stages of a group-partitioned all_gather ----------
+# The first stage brought the rank blocks of this rank's node (``first`` intra) or of its
+# place on every node (inter), in rank order; ``rest`` takes the other blocks of the whole
+# gather, ``merge`` puts chunk 0's rows (the first stage's blocks) and chunk 1's (the rest)
+# back in rank order. A rank's position in the group is inter · intra_size + intra.
+
+def _first_blocks(ctx) -> list[int]:
+    axis, first = ctx.params["axis"], ctx.params["first"]
+    intra, inter = ctx.comm.size(f"{axis}.intra"), ctx.comm.size(f"{axis}.inter")
+    if first == "intra":
+        node = ctx.comm.index(f"{axis}.inter")
+        return [node * intra + place for place in range(intra)]
+    place = ctx.comm.index(f"{axis}.intra")
+    return [node * intra + place for node in range(inter)]
+
+
+def _split_blocks(x, near: list[int], blocks: int):
+    """(the rows of blocks ``near``, the rows of the others), each in block order."""
+    pieces = x.chunk(blocks)
+    return (torch.cat([pieces[b] for b in near]),
+            torch.cat([pieces[b] for b in range(blocks) if b not in near]))
+
+
+def _rest_forward(inputs, weight, ctx):
+    (x,) = inputs
+    near, blocks = _first_blocks(ctx), ctx.params["blocks"]
+    return _split_blocks(x, near, blocks)[1].contiguous(), (near, blocks)
+
+
+def _rest_dgrad(grad, saved, weight):
+    # The others' gradient in place in a zero tensor of the whole gather; the first stage's
+    # blocks get theirs through chunk 0 (the gradients of the gather's stages add up).
+    near, blocks = saved
+    rows = grad.shape[0] // (blocks - len(near))
+    full = grad.new_zeros((rows * blocks, *grad.shape[1:]))
+    far = [b for b in range(blocks) if b not in near]
+    for i, b in enumerate(far):
+        full.narrow(0, b * rows, rows).copy_(grad.narrow(0, i * rows, rows))
+    return (full,)
+
+
+def _merge_forward(inputs, weight, ctx):
+    first, rest = inputs
+    near, blocks = _first_blocks(ctx), ctx.params["blocks"]
+    rows = first.shape[0] // len(near)
+    mine, others = iter(first.split(rows)), iter(rest.split(rows))
+    return torch.cat([next(mine) if b in near else next(others) for b in range(blocks)]), (near, blocks)
+
+
+def _merge_dgrad(grad, saved, weight):
+    near, blocks = saved
+    return tuple(part.contiguous() for part in _split_blocks(grad, near, blocks))
+
+
 # -- MoE permutes ------------------------------------------------------------------------
 
 @attrs.frozen
@@ -543,6 +597,8 @@ KERNELS: dict[str, Kernel] = {
     "add": Kernel(_add_forward, _add_dgrad),
     "slice": Kernel(_slice_forward, _slice_dgrad),
     "concat": Kernel(_concat_forward, _concat_dgrad),
+    "rest": Kernel(_rest_forward, _rest_dgrad),
+    "merge": Kernel(_merge_forward, _merge_dgrad),
     "permute": Kernel(_permute_forward, _permute_dgrad),
     "unpermute": Kernel(_unpermute_forward, _unpermute_dgrad),
     "embedding": Kernel(_embedding_forward, _embedding_dgrad, _embedding_wgrad),

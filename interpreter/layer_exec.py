@@ -419,9 +419,12 @@ class LayerRun:
         return resolve(self.bgrads[source][forward.name])
 
     def _accumulated(self, own, value: str, producers: tuple[str, ...]):
+        # Taken now: a collective's sum is made when it lands, after this op released them.
+        parts = [self.bgrads[producer][value] for producer in producers]
+
         def total(tensor):
-            for producer in producers:
-                tensor = tensor + resolve(self.bgrads[producer][value])
+            for part in parts:
+                tensor = tensor + resolve(part)
             return tensor
 
         return own.then(total) if isinstance(own, Pending) else total(own)

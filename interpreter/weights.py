@@ -173,7 +173,7 @@ def _op_spec(op: Op, full_op: Op, fwd: LayerDag, full_fwd: LayerDag, mesh: Mesh)
 
 def _is_tp_collective(fwd: LayerDag, name: str, kind: str) -> bool:
     op = next((o for o in fwd.ops if o.name == name), None)
-    if op is not None and op.op == "slice":  # a chunk of a partitioned chain's input
+    if op is not None and op.op in ("slice", "rest"):  # a chunk of a partitioned chain's input
         return _is_tp_collective(fwd, op.inputs[0], kind)
     # A group-partitioned collective's last stage (over tp.inter or tp.intra) completes it.
     return op is not None and op.op == kind and op.axis is not None and base_axis(op.axis) == "tp"
@@ -184,7 +184,7 @@ def _readers(fwd: LayerDag, name: str) -> list[Op]:
     readers = []
     for op in fwd.ops:
         if name in op.inputs:
-            readers += _readers(fwd, op.name) if op.op == "concat" else [op]
+            readers += _readers(fwd, op.name) if op.op in ("concat", "merge") else [op]
     return readers
 
 

@@ -120,6 +120,26 @@ def test_each_order_is_the_cheaper_one_priced_both_ways(local_bw, cross_bw):
         kept[choice.what.split()[1]] = choice.chosen
 
 
+STAGED = "group ag1 + rs1 + ag2 + rs2\n  chunk ag2 + fc1 + act + fc2 by auto"
+
+
+@pytest.mark.parametrize(("local_bw", "chosen"), [(0.5, "stages"), (100.0, 1)])
+def test_an_auto_chain_from_a_split_gather_also_tries_its_stages_with_either_stage_first(local_bw, chosen):
+    # Algorithm 1's uneven partition: chunk 0 on what the first stage (across nodes here)
+    # brought, while the node-local stage runs; it pays where that stage is slow.
+    program = group_program(Link(local_bw, 5.0), Link(5.0, 5.0), statement=STAGED)
+    _, (choice,) = choose_chunks(program)
+    priced = {c.value: c.seconds for c in choice.candidates}
+    staged = attrs.evolve(program, chunk_counts=((0, "stages"),))
+    both = [orders_seconds(staged, {"ag2": order}) for order in ("inter", "intra")]
+    assert priced["stages"] == pytest.approx(min(both))
+    assert priced[1] == pytest.approx(orders_seconds(program, {}))
+    assert choice.chosen == chosen and priced[chosen] == min(priced.values())
+    # Without a group statement the gather has no stages: not a candidate, nothing reported.
+    _, (plain,) = choose_chunks(group_program(statement="chunk ag2 + fc1 + act + fc2 by auto"))
+    assert "stages" not in {c.value for c in plain.candidates}
+
+
 # -- layer level: dgrad or wgrad first (Eq. 1) ------------------------------------------------
 
 def test_the_planner_prices_both_backward_priorities_and_keeps_the_faster():

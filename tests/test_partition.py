@@ -29,6 +29,8 @@ MLP_BY_4 = "chunk ag2 + fc1 + act + fc2 + rs2 by 4"
 QKV_BY_2 = "chunk ag1 + qkv by 2"
 MLP_BY_2 = "chunk ag2 + fc1 + act + fc2 + rs2 by 2"
 GROUP_ALL = "group ag1 + rs1 + ag2 + rs2"
+QKV_BY_STAGES = "chunk ag1 + qkv by stages"
+MLP_BY_STAGES = "chunk ag2 + fc1 + act + fc2 by stages"
 
 TP_TO_SP = "substitute ar1 as reduce_scatter + all_gather;substitute ar2 as reduce_scatter + all_gather;" \
     "move ar1 + ar2 later"
@@ -117,6 +119,30 @@ def test_first_fixes_which_sub_group_runs_first_and_only_out_of_order_stages_reg
     assert not any(REGROUP in dict(op.params) for op in ops.values() if op.name.startswith("rs"))
 
 
+@pytest.mark.parametrize(("first", "near"), [("inter", 8), ("intra", 8)])
+def test_by_stages_computes_on_the_first_stage_then_on_the_rest_and_merges_in_rank_order(first, near):
+    order = f" first {first}" if first == "intra" else ""
+    prog = program(f"group ag2{order};{MLP_BY_STAGES}", mesh="tp = 4", stop="autodiff")
+    ops = {op.name: op for op in prog.forward.ops}
+    # tp = 4 on 2 nodes of 2: either stage first brings 2 of the 4 rank blocks of 4 rows.
+    stage = f"ag2.{first}"
+    assert (ops["fc1.c0"].inputs, ops["fc1.c0"].shape) == ((stage,), (near, 32))
+    assert (ops["ag2.rest"].op, ops["ag2.rest"].inputs, ops["ag2.rest"].shape) == ("rest", ("ag2",), (16 - near, 32))
+    assert (ops["fc1.c1"].inputs, ops["act.c1"].inputs, ops["fc2.c1"].shape) == (("ag2.rest",), ("fc1.c1",),
+                                                                                 (16 - near, 32))
+    merge = ops["fc2"]
+    assert (merge.op, merge.inputs, merge.shape, ops["rs2"].inputs) == ("merge", ("fc2.c0", "fc2.c1"), (16, 32), ("fc2",))
+    assert dict(merge.params) == {"axis": "tp", "first": first, "blocks": 4}
+    assert ops["fc1.c0"].origin == "fc1" and ops["fc1.c0"].weight == ops["fc1.c1"].weight  # one weight
+    bwd = {op.name: op for op in prog.backward.ops}
+    # The first stage's output gets two gradients, its reader chunk 0's and the second
+    # stage's transpose's: the latter sums them (as it lands) before the first stage's.
+    second = bwd["ag2.bwd"]
+    assert second.inputs == ("ag2.rest.bwd", "fc1.c0.dgrad")
+    assert second.grad.accumulates == ((stage, ("fc1.c0.dgrad",)),)
+    assert bwd[f"{stage}.bwd"].inputs == ("ag2.bwd",)
+
+
 SUBSTITUTE_LAYER = """
 layer ar_block {
   in x [tokens, hidden]
@@ -197,6 +223,12 @@ RUNS = {
     # The orders the run above does not take: an all_gather inside the node first (blocks
     # in order), a reduce_scatter across nodes first.
     "group_tp4_other_orders_1f1b": ("group ag1 + rs1 first intra;group ag2 + rs2 first inter", "tp = 4",
+                                    "one_f_one_b", "none", False),
+    # Algorithm 1's uneven partition: each chain computes on what its gather's first stage
+    # brought while the second stage runs, then on the rest; both orders of the stages.
+    "stages_tp4_w_helix_planned_si": (f"group ag1 + ag2;{QKV_BY_STAGES};{MLP_BY_STAGES}", "tp = 4", "w_helix",
+                                      "u", "planned"),
+    "stages_intra_first_tp4_1f1b": (f"group ag1 + ag2 first intra;{QKV_BY_STAGES};{MLP_BY_STAGES}", "tp = 4",
                                     "one_f_one_b", "none", False),
     # Tensor parallelism without SP, substituted and moved into SP (the llama_tp layer), with
     # the MLP chunked after the move and SI on the W.
@@ -294,6 +326,43 @@ def test_slices_and_their_concat_are_inverse_and_so_are_their_gradients(parts, b
     grads = KERNELS["concat"].dgrad(x, saved, None)
     total = sum(KERNELS["slice"].dgrad(g, s, None)[0] for g, (_, s) in zip(grads, pieces, strict=True))
     assert torch.equal(total, x)
+
+
+class _Place:
+    """The communicator a rest or merge asks: this rank's node and place on it."""
+
+    def __init__(self, node: int, place: int, nodes: int = 2, per_node: int = 2):
+        self.at = {"tp.inter": node, "tp.intra": place}
+        self.sizes = {"tp.inter": nodes, "tp.intra": per_node}
+
+    def index(self, axis):
+        return self.at[axis]
+
+    def size(self, axis):
+        return self.sizes[axis]
+
+
+@pytest.mark.parametrize(("first", "node", "place", "near"), [
+    ("inter", 0, 1, [1, 3]), ("inter", 1, 0, [0, 2]), ("intra", 1, 1, [2, 3]), ("intra", 0, 0, [0, 1])])
+def test_rest_and_merge_take_the_blocks_the_first_stage_did_not_bring_and_put_them_back(first, node, place, near):
+    torch = pytest.importorskip("torch")
+    from dhelix.interpreter.kernels import KERNELS, KernelCtx
+
+    ctx = KernelCtx(comm=_Place(node, place), params={"axis": "tp", "first": first, "blocks": 4})
+    x = torch.arange(4 * 3 * 2, dtype=torch.float32).reshape(12, 2)  # 4 rank blocks of 3 rows
+    rest, saved = KERNELS["rest"].forward((x,), None, ctx)
+    far = [b for b in range(4) if b not in near]
+    assert torch.equal(rest, torch.cat([x[3 * b:3 * b + 3] for b in far]))
+    mine = torch.cat([x[3 * b:3 * b + 3] for b in near])  # what the first stage brought, in rank order
+    merged, merge_saved = KERNELS["merge"].forward((mine, rest), None, ctx)
+    assert torch.equal(merged, x)
+    back_mine, back_rest = KERNELS["merge"].dgrad(x, merge_saved, None)
+    assert torch.equal(back_mine, mine) and torch.equal(back_rest, rest)
+    (whole,) = KERNELS["rest"].dgrad(rest, saved, None)  # the others' rows in place, zeros elsewhere
+    expected = x.clone()
+    for b in near:
+        expected[3 * b:3 * b + 3] = 0
+    assert torch.equal(whole, expected)
 
 
 SINGLE = ["chunk ag1 + qkv by 2", "chunk ln2 + ag2 + fc1 + act by 4", "chunk fc1 + act + fc2 + rs2 + h2 by 2",

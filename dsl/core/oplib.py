@@ -183,10 +183,15 @@ OPS: dict[str, OpSpec] = {op.name: op for op in [
 
 #: Layout operators the partition pass makes (a layer never writes them): ``slice`` takes
 #: chunk ``index`` of ``parts`` of a tensor along ``dim`` (0 tokens, 1 features), ``concat``
-#: joins ``parts`` chunks back. Along tokens a tensor gathered over a group holds ``blocks``
+#: joins ``parts`` chunks back; ``rest`` and ``merge`` split a chain at the stages of a
+#: group-partitioned all_gather (``chunk ag1 + qkv by stages``): which rank blocks the first
+#: stage brings depends on the rank (its node, or its place on the node), so they ask the
+#: communicator at run time. Along tokens a tensor gathered over a group holds ``blocks``
 #: rank blocks (one per rank, in rank order) and a chunk takes its share of every block, so
 #: that the chunks of a collective are collectives of chunks. Shapes come from the pass.
-LAYOUT_OPS = {"slice": "chunk index of parts along dim", "concat": "parts chunks joined along dim"}
+LAYOUT_OPS = {"slice": "chunk index of parts along dim", "concat": "parts chunks joined along dim",
+              "rest": "the rank blocks a group-partitioned gather's first stage did not bring",
+              "merge": "the first stage's blocks and the rest put back in rank order"}
 
 
 #: How each operator's dimensions split (Centauri Table 3), for the partition pass: ``OD``

@@ -277,7 +277,7 @@ class Program:
     partition: s.PartitionDef | None = None  # the partition block, applied by the partition pass
     #: The counts the planner chose for the partition block's ``by auto`` chunk statements
     #: ((index among the chunk statements, count), …); empty: not chosen (chains whole).
-    chunk_counts: tuple[tuple[int, int], ...] = ()
+    chunk_counts: tuple[tuple[int, int | str], ...] = ()
     #: The sub-group the planner chose to run first for each collective of a group statement
     #: without ``first`` ((name, "inter" | "intra"), …; ``weights`` for ZeRO-3's gathers).
     group_orders: tuple[tuple[str, str], ...] = ()

@@ -33,6 +33,12 @@ interpreter see ordinary operators:
   concat along the features: under ZeRO-3 each block is gathered and reduce-scattered on its
   own (:mod:`dhelix.dsl.passes.fsdp`, which refuses it without ZeRO-3).
 
+* ``chunk ag1 + qkv by stages`` (Algorithm 1's uneven workload partition, after the group
+  partitions): where ``ag1`` is group-partitioned, chunk 0 (``qkv.c0``) computes on the rank
+  blocks its first stage brought (``ag1.inter`` or ``ag1.intra``) while the second runs,
+  chunk 1 on the others (``ag1.rest``, a ``rest`` of the whole gather), and a ``merge``
+  named like the chain's last op puts the rows back in rank order (:data:`STAGES`).
+
 * ``group ag1 + rs1 [first inter|intra]`` (group partition, §3.1.2): a collective over a
   group that spans nodes runs as two sub-collectives, with the same result: one over the
   ranks at the same place on every node (``tp.inter``, the cross lane) and one over the
@@ -80,6 +86,17 @@ def is_auto(st: s.Chunk) -> bool:
     return isinstance(st.parts, s.Name) and st.parts.id == AUTO
 
 
+#: ``chunk ag1 + qkv by stages``: the chain split unevenly at the stages of its
+#: group-partitioned all_gather (Centauri's Algorithm 1, lines 8-22); also a count the
+#: planner may choose for ``by auto``.
+STAGES = "stages"
+
+
+def is_stages(st: s.Chunk) -> bool:
+    """Whether chunk statement ``st`` splits its chain at its gather's stages (``by stages``)."""
+    return isinstance(st.parts, s.Name) and st.parts.id == STAGES
+
+
 def chunk_statements(block: s.PartitionDef | None) -> list[s.Chunk]:
     """The chunk statements of ``block`` in order (their index keys ``counts``)."""
     return [st for st in block.body if isinstance(st, s.Chunk)] if block is not None else []
@@ -88,7 +105,8 @@ def chunk_statements(block: s.PartitionDef | None) -> list[s.Chunk]:
 def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, int], mesh: Mesh,
                       counts: Mapping[int, int] | None = None, orders: Mapping[str, str] | None = None) -> LayerDag:
     """``fwd`` rewritten by the statements of ``block`` (substitutions first, then moved
-    gathers, then chunks, then group partitions, which split the chunks' collectives too), with chunk counts
+    gathers, then chunks, then group partitions, which split the chunks' collectives too,
+    then the chains split at their gathers' stages), with chunk counts
     evaluated over ``env`` and groups taken from ``mesh``. A ``by auto`` statement takes its
     count from ``counts`` (keyed by its index among the chunk statements; the planner
     chooses it, :mod:`dhelix.dsl.planner.chunking`); without one, or with 1, its chain stays
@@ -105,8 +123,12 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     if moves:  # one rewrite: the gathers of every statement shard the same tokens
         fwd = _moved_later(fwd, moves, errors)
     claimed: dict[str, s.Chunk] = {}
+    staged = []
     for index, st in enumerate(chunk_statements(block)):
         auto = (counts or {}).get(index, 1) if is_auto(st) else None
+        if is_stages(st) or auto == STAGES:
+            staged.append(st)  # after the group partitions, whose stages they split at
+            continue
         # An auto chain is checked even while whole (count 1): its mistakes show at once.
         chain = _checked_chain(fwd, st, env, claimed, errors, auto)
         if chain is not None and chain[1] > 1:
@@ -118,6 +140,8 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
                     continue  # ZeRO-3's collectives: split by the fsdp pass
                 fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors,
                                        st.first or (orders or {}).get(name))
+    for st in staged:
+        fwd = _by_stages(fwd, st, claimed, errors)
     errors.raise_if_any()
     return fwd
 
@@ -548,6 +572,84 @@ def _by_columns(fwd: LayerDag, op: Op, parts: int) -> LayerDag:
     out = []
     for each in fwd.ops:
         out += [*chunks, join] if each.name == op.name else [each]
+    return attrs.evolve(fwd, ops=tuple(out))
+
+
+def _by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector) -> LayerDag:
+    """``fwd`` with the chain of ``st`` (a group-partitioned all_gather, then token-wise
+    compute) split unevenly: chunk 0 computes on the rank blocks the gather's first stage
+    brought (``ag.inter`` or ``ag.intra``), chunk 1 on the others (``ag.rest``, taken from
+    the whole gather), and a ``merge`` named like the chain's last op puts the rows back in
+    rank order. Errors, located at the statement's words, for a chain it cannot split so."""
+    spans = {name: st.span_of(f"ops.{i}") for i, name in enumerate(st.ops)}
+    if st.dim not in (None, PARTITION_DIMS[0]):
+        errors.add(CheckError(f"'by {STAGES}' splits the tokens a gather brings, not its {st.dim}",
+                              st.span_of("dim"), ["leave 'along' out, or chunk by a count"]))
+        return fwd
+    gather = _named_op(fwd, st.ops[0], spans[st.ops[0]], errors)
+    chain = [op for name in st.ops[1:] if (op := _named_op(fwd, name, spans[name], errors)) is not None]
+    if gather is None or len(chain) < len(st.ops) - 1:
+        return fwd
+    first = next((o for o in fwd.ops if gather.op == "all_gather" and gather.inputs == (o.name,)
+                  and o.name in (f"{gather.name}.{INTER}", f"{gather.name}.{INTRA}")), None)
+    if first is None:
+        what = "is not an all_gather" if gather.op != "all_gather" else "is not group-partitioned"
+        notes = [f"add: group {gather.name}"] if gather.op == "all_gather" else []
+        errors.add(CheckError(f"'by {STAGES}' computes on what the first stage of a group-partitioned all_gather "
+                              f"brought, and {gather.name} {what}", spans[gather.name],
+                              notes + ["the chain starts with the gather (Centauri Algorithm 1: the uneven "
+                                       "workload partition of a hierarchical all_gather)"]))
+        return fwd
+    if not chain:
+        errors.add(CheckError(f"'by {STAGES}' needs the compute after {gather.name}", spans[gather.name],
+                              [f"name the operators that read it: chunk {gather.name} + … by {STAGES}"]))
+        return fwd
+    found = len(errors.errors)
+    for op in [gather, *chain]:
+        if op.name in claimed:
+            errors.add(CheckError(f"'{op.name}' is already chunked", spans[op.name],
+                                  [f"by the chunk statement at {claimed[op.name].span}"]))
+    for op in chain:
+        split, why = dimension_split(op.op, "tokens")
+        if op.kind != "compute" or split != OD:
+            errors.add(CheckError(f"cannot split {op.name} ({op.op}) by {STAGES}: it is not token-wise compute",
+                                  spans[op.name], ([why] if why else []) + [
+                                      "the stages' chunks are rows of the gathered tokens: each chain operator "
+                                      "after the gather must compute row by row"]))
+    order = [o.name for o in fwd.ops]
+    ops = sorted([gather, *chain], key=lambda o: order.index(o.name))
+    inside = {o.name for o in ops}
+    for op in chain:
+        outside = [v for v in op.inputs if v not in inside]
+        if outside:
+            errors.add(CheckError(f"{op.name} reads {outside[0]} from outside the chain", spans[op.name],
+                                  [f"'by {STAGES}' splits the rows of {gather.name} only; end the chain before "
+                                   f"{op.name}"]))
+    if len(errors.errors) > found or ops[0] is not gather or not _connected(fwd, ops, st, errors):
+        return fwd
+    claimed.update({op.name: st for op in ops})
+    rows, whole = first.in_shapes[0][0], first.group_size * gather.group_size
+    near, far = rows * first.group_size, rows * (whole - first.group_size)
+    params = (("axis", first.axis.rpartition(".")[0]), ("first", first.name.rpartition(".")[2]),
+              ("blocks", whole))
+    rest = Op(f"{gather.name}.rest", "rest", "compute", "layout", (gather.name,), (gather.shape,),
+              (far, gather.shape[1]), params=params, span=gather.span)
+
+    def part(index: int, source: str, count: int) -> list[Op]:
+        return [attrs.evolve(op, name=f"{op.name}.c{index}", origin=op.origin or op.name,
+                             inputs=tuple(source if v == gather.name else f"{v}.c{index}" for v in op.inputs),
+                             in_shapes=tuple((count, shape[1]) for shape in op.in_shapes), shape=(count, op.shape[1]))
+                for op in chain]
+    last = ops[-1]
+    new = [*part(0, first.name, near), rest, *part(1, rest.name, far),
+           Op(last.name, "merge", "compute", "layout", (f"{last.name}.c0", f"{last.name}.c1"),
+              ((near, last.shape[1]), (far, last.shape[1])), last.shape, params=params, span=last.span)]
+    out = []
+    for op in fwd.ops:
+        if op.name == last.name:
+            out += new
+        elif op.name not in inside or op is gather:
+            out.append(op)
     return attrs.evolve(fwd, ops=tuple(out))
 
 

@@ -15,6 +15,11 @@ model; pricing the whole layer also counts what a chain does to the ops around i
 candidate the passes refuse (a count that does not divide, a measured profile taken on
 another program) is skipped with the reason, shown by ``dhelix plan``.
 
+Besides the counts, a chain that starts with a gather a ``group`` statement splits tries
+``stages`` (Algorithm 1's uneven partition, lines 8-22: compute on what the first stage
+brought while the second runs, then on the rest; :func:`~dhelix.dsl.passes.partition.is_stages`),
+priced the same way, with the gather's order as it stands before the orders are chosen.
+
 Orders come after the counts (Algorithm 1 partitions the workload, then orders the group's
 stages): each such collective, in block order, is priced both ways the same way, the others
 kept, and the faster order wins, ties to the one that carries fewest bytes across nodes
@@ -43,7 +48,7 @@ from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.core.oplib import DGRAD
-from dhelix.dsl.passes.partition import ORDERS, WEIGHTS, chunk_statements, fewest_cross_bytes, is_auto
+from dhelix.dsl.passes.partition import ORDERS, STAGES, WEIGHTS, chunk_statements, fewest_cross_bytes, is_auto
 from dhelix.dsl.passes.priority import PRIORITIES, backward_statement
 from dhelix.dsl.planner.paircost import PairCost
 
@@ -165,17 +170,37 @@ def choose_chunks(program: Program) -> tuple[Program, tuple[ChunkChoice, ...]]:
     choices = []
     for index in autos:
         candidates = []
-        for count in range(1, MAX_CHUNKS + 1):
-            seconds, why = _price(attrs.evolve(program, chunk_counts=tuple(sorted({**counts, index: count}.items()))))
-            if count == 1 or seconds is not None or not why.startswith("the chain's"):
+        for count in [*range(1, MAX_CHUNKS + 1), STAGES]:
+            tried = attrs.evolve(program, chunk_counts=tuple(sorted({**counts, index: count}.items())))
+            if count == STAGES:  # with either stage first where the order is still open
+                seconds, why = _staged(tried, statements[index].ops[0])
+            else:
+                seconds, why = _price(tried)
+            # Counts the dimension does not divide, and the stages of a gather no group
+            # statement splits, are expected for most chains: left out of the report.
+            if count == 1 or seconds is not None or not why.startswith(_EXPECTED):
                 candidates.append(Candidate(count, seconds, why))
         priced = [c for c in candidates if c.seconds is not None]
-        best = min(priced, key=lambda c: (c.seconds, c.value)) if priced else Candidate(1, None)
+        best = min(priced, key=_cheapest) if priced else Candidate(1, None)
         counts[index] = best.value
         choices.append(ChunkChoice(statements[index].ops, best.value,
-                                   tuple(c for c in candidates if c.seconds is not None or c.value > 1)))
+                                   tuple(c for c in candidates if c.seconds is not None or c.value != 1)))
     chosen = attrs.evolve(program, chunk_counts=tuple(sorted(counts.items())))
     return passes.rerun(chosen, after="check"), tuple(choices)
+
+
+def _staged(program: Program, gather: str) -> tuple[float | None, str]:
+    """:func:`_price` of ``program`` whose chain splits at the stages of ``gather``, the
+    cheaper of both orders when no ``first`` fixes it (Algorithm 1 weighs the chunks with the
+    order: the fast node-local stage first brings intra_size blocks to compute on while the
+    slow one runs; the inter-node stage first brings inter_size)."""
+    if gather not in dict(_unordered(program)):
+        return _price(program)
+    orders = dict(program.group_orders)
+    priced = [_price(attrs.evolve(program, group_orders=tuple(sorted({**orders, gather: order}.items()))))
+              for order in ORDERS]
+    found = [p for p in priced if p[0] is not None]
+    return min(found) if found else priced[0]
 
 
 def _price(program: Program) -> tuple[float | None, str]:
@@ -228,6 +253,19 @@ def _described(head: str, candidates) -> str:
 
 
 def _why(message: str) -> str:
-    # A count the chain's dimension does not divide is expected for most candidates: keyed
-    # so that those are left out of the report, anything else is shown.
-    return "the chain's dimension does not divide" if "divid" in message else message
+    # A count the chain's dimension does not divide, or stages where there are none, is
+    # expected for most candidates: keyed so that those are left out of the report,
+    # anything else is shown.
+    if "divid" in message:
+        return "the chain's dimension does not divide"
+    if f"by {STAGES}" in message:
+        return f"the chain's gather has no stages: {message}"
+    return message
+
+
+_EXPECTED = ("the chain's dimension", "the chain's gather")
+
+
+def _cheapest(candidate: Candidate) -> tuple:
+    # Fastest first; ties to fewer chunks, the stages' uneven two after two even ones.
+    return candidate.seconds, 2.5 if candidate.value == STAGES else candidate.value
