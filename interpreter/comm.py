@@ -106,6 +106,19 @@ def regrouped(x: torch.Tensor, comm: "Communicator", axis: str, gathered: bool) 
     return x.reshape(outer, inner, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
 
 
+def stage_blocks(comm: "Communicator", axis: str, stage: str) -> list[int]:
+    """The positions in ``axis``'s group (position = inter · intra_size + intra, as in
+    :func:`regrouped`) of the ranks whose blocks the first stage of a group-partitioned
+    all_gather over ``axis.<stage>`` brings this rank, in the order it brings them: its
+    node's ranks (``intra``) or the ranks at its place on every node (``inter``)."""
+    intra, inter = comm.size(f"{axis}.{INTRA}"), comm.size(f"{axis}.{INTER}")
+    if stage == INTRA:
+        node = comm.index(f"{axis}.{INTER}")
+        return [node * intra + place for place in range(intra)]
+    place = comm.index(f"{axis}.{INTRA}")
+    return [node * intra + place for node in range(inter)]
+
+
 def resolve(value):
     """``value`` itself, or its result if it is a :class:`Pending`."""
     return value.wait() if isinstance(value, Pending) else value

@@ -10,7 +10,9 @@ micro-batch's weight gradient into this rank's piece, where the micro-batches' p
 A gemm chunked along its outputs (``chunk fc1 along outputs by 2``) has its weight cut per
 column block: each block is flattened, padded and cut into dp pieces on its own, and a rank's
 piece is its pieces of the blocks one after the other (:func:`piece`, :func:`block_of`), so
-each chunk's gather and reduce-scatter moves its block only. The optimizer then updates pieces only (:mod:`.optim`: their gradients are summed over dp
+each chunk's gather and reduce-scatter moves its block only.
+
+The optimizer then updates pieces only (:mod:`.optim`: their gradients are summed over dp
 already); checks and checkpoints gather them back (:meth:`FlatShards.gather`).
 
 Under hybrid sharding (``train { shard = K }``, HSDP) the same holds over ``dp.shard``, the
@@ -55,7 +57,7 @@ class FlatShards:
     def of(cls, program: Program, comm: Communicator) -> "FlatShards":
         """The (still empty) layout of ``program`` on this rank."""
         axis = shard_axis(program)
-        columns = {op.weight_name: op.columns[1] for op in program.forward.ops if op.columns} \
+        columns = {op.weight_name: op.columns[1] for op in program.forward.ops if op.weight and op.columns} \
             if program.forward is not None else {}
         return cls(is_fsdp(program), comm.size(axis), comm.index(axis), axis, columns)
 

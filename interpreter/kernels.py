@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, WGRAD, backward_parts, derived_kind
 
 from . import gpu_kernels as gpu
-from .comm import Communicator, Pending, SingleRankComm, regrouped
+from .comm import Communicator, Pending, SingleRankComm, regrouped, stage_blocks
 from .moe import exchange
 
 #: Epsilon of RMSNorm and LayerNorm (the reference model uses the same).
@@ -361,16 +361,10 @@ def _concat_dgrad(grad, saved, weight):
 # The first stage brought the rank blocks of this rank's node (``first`` intra) or of its
 # place on every node (inter), in rank order; ``rest`` takes the other blocks of the whole
 # gather, ``merge`` puts chunk 0's rows (the first stage's blocks) and chunk 1's (the rest)
-# back in rank order. A rank's position in the group is inter · intra_size + intra.
+# back in rank order (:func:`~.comm.stage_blocks` says which blocks are whose).
 
 def _first_blocks(ctx) -> list[int]:
-    axis, first = ctx.params["axis"], ctx.params["first"]
-    intra, inter = ctx.comm.size(f"{axis}.intra"), ctx.comm.size(f"{axis}.inter")
-    if first == "intra":
-        node = ctx.comm.index(f"{axis}.inter")
-        return [node * intra + place for place in range(intra)]
-    place = ctx.comm.index(f"{axis}.intra")
-    return [node * intra + place for node in range(inter)]
+    return stage_blocks(ctx.comm, ctx.params["axis"], ctx.params["first"])
 
 
 def _split_blocks(x, near: list[int], blocks: int):

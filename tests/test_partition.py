@@ -119,13 +119,14 @@ def test_first_fixes_which_sub_group_runs_first_and_only_out_of_order_stages_reg
     assert not any(REGROUP in dict(op.params) for op in ops.values() if op.name.startswith("rs"))
 
 
-@pytest.mark.parametrize(("first", "near"), [("inter", 8), ("intra", 8)])
-def test_by_stages_computes_on_the_first_stage_then_on_the_rest_and_merges_in_rank_order(first, near):
+@pytest.mark.parametrize("first", ["inter", "intra"])
+def test_by_stages_computes_on_the_first_stage_then_on_the_rest_and_merges_in_rank_order(first):
     order = f" first {first}" if first == "intra" else ""
-    prog = program(f"group ag2{order};{MLP_BY_STAGES}", mesh="tp = 4", stop="autodiff")
+    # The reduce_scatter that ends the chain runs whole on the merged rows.
+    prog = program(f"group ag2{order};chunk ag2 + fc1 + act + fc2 + rs2 by stages", mesh="tp = 4", stop="autodiff")
     ops = {op.name: op for op in prog.forward.ops}
     # tp = 4 on 2 nodes of 2: either stage first brings 2 of the 4 rank blocks of 4 rows.
-    stage = f"ag2.{first}"
+    stage, near = f"ag2.{first}", 8
     assert (ops["fc1.c0"].inputs, ops["fc1.c0"].shape) == ((stage,), (near, 32))
     assert (ops["ag2.rest"].op, ops["ag2.rest"].inputs, ops["ag2.rest"].shape) == ("rest", ("ag2",), (16 - near, 32))
     assert (ops["fc1.c1"].inputs, ops["act.c1"].inputs, ops["fc2.c1"].shape) == (("ag2.rest",), ("fc1.c1",),
@@ -228,8 +229,10 @@ RUNS = {
     # brought while the second stage runs, then on the rest; both orders of the stages.
     "stages_tp4_w_helix_planned_si": (f"group ag1 + ag2;{QKV_BY_STAGES};{MLP_BY_STAGES}", "tp = 4", "w_helix",
                                       "u", "planned"),
-    "stages_intra_first_tp4_1f1b": (f"group ag1 + ag2 first intra;{QKV_BY_STAGES};{MLP_BY_STAGES}", "tp = 4",
-                                    "one_f_one_b", "none", False),
+    # ... the MLP's chain ending with its (group-partitioned) reduce_scatter, run whole.
+    "stages_intra_first_tp4_1f1b": (f"group ag1 + ag2 + rs2 first intra;{QKV_BY_STAGES};"
+                                    "chunk ag2 + fc1 + act + fc2 + rs2 by stages", "tp = 4", "one_f_one_b", "none",
+                                    False),
     # Tensor parallelism without SP, substituted and moved into SP (the llama_tp layer), with
     # the MLP chunked after the move and SI on the W.
     "tp_to_sp_mlp2_w_helix_planned_si": (f"{TP_TO_SP};chunk ln2.ag + fc1 + act + fc2 + ar2.rs by 2",

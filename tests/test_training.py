@@ -236,6 +236,29 @@ def _check_export(path: Path, program_path: str):
 
 # --- bad checkpoints (no rank starts) ---------------------------------------------------------
 
+def test_a_zero_3_run_with_weight_chunks_resumes_on_another_layout_and_back(tmp_path):
+    # The ZeRO-3 pieces of a gemm chunked along its outputs are cut per block of columns; a
+    # checkpoint holds the full weights, so either layout resumes the other's save.
+    chunked = tmp_path / "chunked.dhx"
+    chunked.write_text(program_text("dp2").replace("seed = 1234", "seed = 1234\n  zero = 3")
+                       + "\npartition {\n  chunk qkv along outputs by 2\n  chunk fc2 along outputs by 4\n}\n")
+    plain = write_program(tmp_path, "one")
+    whole = tmp_path / "whole.jsonl"
+    assert dhelix("run", plain, "--steps", "4", "--log", str(whole)).returncode == 0
+    expected = _log(whole)
+    for saved_by, resumed_by in ((str(chunked), plain), (plain, str(chunked))):
+        saves, log = tmp_path / f"ck-{Path(saved_by).stem}", tmp_path / f"from-{Path(saved_by).stem}.jsonl"
+        # As in the test above: saved at step 2 of 4, then rank 0 dies before step 3.
+        died = dhelix("run", saved_by, "--steps", "4", "--save", str(saves), "--save-every", "2",
+                      env={FAULT_ENV: "0:2:0"})
+        assert died.returncode == 1 and (saves / "latest").read_text().strip() == "step-000002"
+        result = dhelix("run", resumed_by, "--steps", "4", "--resume", str(saves), "--log", str(log))
+        assert result.returncode == 0, result.stderr
+        resumed = _log(log)
+        for step in (3, 4):
+            assert resumed[step]["loss"] == pytest.approx(expected[step]["loss"], abs=2e-5), (saved_by, step)
+
+
 def test_bad_checkpoints_are_clear_errors(tmp_path, capsys):
     program = write_program(tmp_path, "one")
     assert main(["run", program, "--resume", str(tmp_path)]) == 1

@@ -219,9 +219,9 @@ class Op:
 
     @property
     def weight_unit(self) -> str:
-        """What ZeRO-3 gathers and reduce-scatters as one: a chunk along outputs' columns
-        (the op's own name), else the whole weight (:attr:`weight_name`)."""
-        return self.name if self.columns else self.weight_name
+        """What ZeRO-3 gathers and reduce-scatters as one for this forward op: a chunk along
+        outputs' block of columns (``fc1.c0``), else the whole weight (:attr:`weight_name`)."""
+        return f"{self.weight_name}.c{self.columns[0]}" if self.columns else self.weight_name
 
     @property
     def deps(self) -> tuple[str, ...]:

@@ -71,7 +71,7 @@ from dhelix.dsl.core.errors import CheckError
 from dhelix.dsl.core.mesh import INTER, INTRA, SHARD
 from dhelix.dsl.core.oplib import OUTPUTS, REGROUP, WEIGHT_PASS, is_wgrad
 from dhelix.dsl.core.program import COLUMNS, GradFlow, Op, Program
-from dhelix.dsl.passes.partition import WEIGHTS, fewest_cross_bytes, unsplittable
+from dhelix.dsl.passes.partition import WEIGHTS, chunk_statements, fewest_cross_bytes, unsplittable
 
 GATHER, SCATTER = "param_gather", "grad_scatter"
 #: The suffixes of the ops this pass adds to a weight's (written) name.
@@ -121,8 +121,8 @@ def shard_weights(program: Program) -> Program:
                          "program does not run", columns.span_of("dim"),
                          ["ZeRO-3 is train { zero = 3 } with dp > 1: each chunk then gathers only its columns "
                           "of the weight and computes on them while the next chunk's columns arrive",
-                          "to split a collective and the computation after it, chunk along tokens: "
-                          "chunk ag2 + fc1 by 2"])
+                          "without ZeRO-3 a gemm's weight is not gathered; a layer collective and the compute "
+                          "after it chunk along tokens (chunk ag2 + fc1 by 2, under tensor parallelism)"])
     if hierarchy is not None and not is_fsdp(program):
         raise CheckError("'group weights' splits the collectives of ZeRO-3, which this program does not run",
                          hierarchy, ["ZeRO-3 is train { zero = 3 } with dp > 1: its weight all-gathers and "
@@ -235,9 +235,7 @@ def _backward(ops, weights: dict[str, Op], gathers: dict[str, Op], owner: dict[s
 
 def _output_chunks(program: Program) -> s.Chunk | None:
     """The first chunk statement of the partition block along outputs, or None."""
-    if program.partition is None:
-        return None
-    return next((st for st in program.partition.body if isinstance(st, s.Chunk) and st.dim == OUTPUTS), None)
+    return next((st for st in chunk_statements(program.partition) if st.dim == OUTPUTS), None)
 
 
 def _weights_statement(program: Program) -> s.Group | None:

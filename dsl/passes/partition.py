@@ -37,7 +37,8 @@ interpreter see ordinary operators:
   partitions): where ``ag1`` is group-partitioned, chunk 0 (``qkv.c0``) computes on the rank
   blocks its first stage brought (``ag1.inter`` or ``ag1.intra``) while the second runs,
   chunk 1 on the others (``ag1.rest``, a ``rest`` of the whole gather), and a ``merge``
-  named like the chain's last op puts the rows back in rank order (:data:`STAGES`).
+  named like the chain's last compute op puts the rows back in rank order (:data:`STAGES`);
+  collectives that end the chain (``rs2`` after the MLP) run whole on the merged rows.
 
 * ``group ag1 + rs1 [first inter|intra]`` (group partition, §3.1.2): a collective over a
   group that spans nodes runs as two sub-collectives, with the same result: one over the
@@ -103,7 +104,8 @@ def chunk_statements(block: s.PartitionDef | None) -> list[s.Chunk]:
 
 
 def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, int], mesh: Mesh,
-                      counts: Mapping[int, int] | None = None, orders: Mapping[str, str] | None = None) -> LayerDag:
+                      counts: Mapping[int, int | str] | None = None,
+                      orders: Mapping[str, str] | None = None) -> LayerDag:
     """``fwd`` rewritten by the statements of ``block`` (substitutions first, then moved
     gathers, then chunks, then group partitions, which split the chunks' collectives too,
     then the chains split at their gathers' stages), with chunk counts
@@ -452,7 +454,6 @@ def _checked_chain(fwd: LayerDag, st: s.Chunk, env, claimed: dict, errors: Error
     return ops, parts, axis
 
 
-
 def _named_op(fwd: LayerDag, name: str, span, errors: ErrorCollector) -> Op | None:
     names = [op.name for op in fwd.ops]
     if name in names:
@@ -576,36 +577,49 @@ def _by_columns(fwd: LayerDag, op: Op, parts: int) -> LayerDag:
 
 
 def _by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector) -> LayerDag:
-    """``fwd`` with the chain of ``st`` (a group-partitioned all_gather, then token-wise
-    compute) split unevenly: chunk 0 computes on the rank blocks the gather's first stage
-    brought (``ag.inter`` or ``ag.intra``), chunk 1 on the others (``ag.rest``, taken from
-    the whole gather), and a ``merge`` named like the chain's last op puts the rows back in
-    rank order. Errors, located at the statement's words, for a chain it cannot split so."""
+    """``fwd`` with the chain of ``st`` (a group-partitioned all_gather, token-wise compute,
+    then maybe collectives) split unevenly: chunk 0 computes on the rank blocks the gather's
+    first stage brought (``ag.inter`` or ``ag.intra``), chunk 1 on the others (``ag.rest``,
+    taken from the whole gather), and a ``merge`` named like the chain's last compute op puts
+    the rows back in rank order, where the collectives that end the chain (the MLP's
+    reduce_scatter) read it whole. Errors, located at the statement's words, for a chain it
+    cannot split so; those of a gather without stages say it "has no stages"."""
     spans = {name: st.span_of(f"ops.{i}") for i, name in enumerate(st.ops)}
     if st.dim not in (None, PARTITION_DIMS[0]):
         errors.add(CheckError(f"'by {STAGES}' splits the tokens a gather brings, not its {st.dim}",
                               st.span_of("dim"), ["leave 'along' out, or chunk by a count"]))
         return fwd
-    gather = _named_op(fwd, st.ops[0], spans[st.ops[0]], errors)
-    chain = [op for name in st.ops[1:] if (op := _named_op(fwd, name, spans[name], errors)) is not None]
+    name = st.ops[0]
+    lead = f"'by {STAGES}' computes on what the first stage of a group-partitioned all_gather brought, and " \
+        f"{name} has no stages"
+    if name in fwd.elided:
+        errors.add(CheckError(f"{lead}: it runs over an axis of size 1", spans[name],
+                              ["a collective over one rank is the identity: there is nothing to split"]))
+        return fwd
+    gather = _named_op(fwd, name, spans[name], errors)
+    chain = [op for other in st.ops[1:] if (op := _named_op(fwd, other, spans[other], errors)) is not None]
     if gather is None or len(chain) < len(st.ops) - 1:
         return fwd
     first = next((o for o in fwd.ops if gather.op == "all_gather" and gather.inputs == (o.name,)
-                  and o.name in (f"{gather.name}.{INTER}", f"{gather.name}.{INTRA}")), None)
+                  and o.name in (f"{name}.{INTER}", f"{name}.{INTRA}")), None)
     if first is None:
-        what = "is not an all_gather" if gather.op != "all_gather" else "is not group-partitioned"
-        notes = [f"add: group {gather.name}"] if gather.op == "all_gather" else []
-        errors.add(CheckError(f"'by {STAGES}' computes on what the first stage of a group-partitioned all_gather "
-                              f"brought, and {gather.name} {what}", spans[gather.name],
+        what = f"it is {gather.op}, not an all_gather" if gather.op != "all_gather" else "it is not group-partitioned"
+        notes = [f"add: group {name}"] if gather.op == "all_gather" else []
+        errors.add(CheckError(f"{lead}: {what}", spans[name],
                               notes + ["the chain starts with the gather (Centauri Algorithm 1: the uneven "
                                        "workload partition of a hierarchical all_gather)"]))
         return fwd
+    order = [o.name for o in fwd.ops]
+    chain.sort(key=lambda o: order.index(o.name))
+    tail = []  # the collectives that end the chain: they run whole on the merged rows
+    while chain and chain[-1].kind == "comm":
+        tail.insert(0, chain.pop())
     if not chain:
-        errors.add(CheckError(f"'by {STAGES}' needs the compute after {gather.name}", spans[gather.name],
-                              [f"name the operators that read it: chunk {gather.name} + … by {STAGES}"]))
+        errors.add(CheckError(f"'by {STAGES}' needs the compute after {name}", spans[name],
+                              [f"name the operators that read it: chunk {name} + … by {STAGES}"]))
         return fwd
     found = len(errors.errors)
-    for op in [gather, *chain]:
+    for op in [gather, *chain, *tail]:
         if op.name in claimed:
             errors.add(CheckError(f"'{op.name}' is already chunked", spans[op.name],
                                   [f"by the chunk statement at {claimed[op.name].span}"]))
@@ -614,19 +628,23 @@ def _by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector
         if op.kind != "compute" or split != OD:
             errors.add(CheckError(f"cannot split {op.name} ({op.op}) by {STAGES}: it is not token-wise compute",
                                   spans[op.name], ([why] if why else []) + [
-                                      "the stages' chunks are rows of the gathered tokens: each chain operator "
-                                      "after the gather must compute row by row"]))
-    order = [o.name for o in fwd.ops]
-    ops = sorted([gather, *chain], key=lambda o: order.index(o.name))
-    inside = {o.name for o in ops}
+                                      "the stages' chunks are rows of the gathered tokens: each operator between "
+                                      "the gather and the collectives that may end the chain must compute row by "
+                                      "row"]))
+    inside = {o.name for o in [gather, *chain]}
+    for before, op in zip([chain[-1], *tail], tail):
+        if not _reads(fwd, op, before.name):
+            errors.add(CheckError(f"{op.name} does not read {before.name}", spans[op.name],
+                                  [f"the collectives that end a chain split by {STAGES} read what comes before them"]))
     for op in chain:
         outside = [v for v in op.inputs if v not in inside]
         if outside:
             errors.add(CheckError(f"{op.name} reads {outside[0]} from outside the chain", spans[op.name],
-                                  [f"'by {STAGES}' splits the rows of {gather.name} only; end the chain before "
+                                  [f"'by {STAGES}' splits the rows of {name} only; end the chain before "
                                    f"{op.name}"]))
-    if len(errors.errors) > found or ops[0] is not gather or not _connected(fwd, ops, st, errors):
+    if len(errors.errors) > found or not _connected(fwd, [gather, *chain], st, errors):
         return fwd
+    ops = [gather, *chain, *tail]
     claimed.update({op.name: st for op in ops})
     rows, whole = first.in_shapes[0][0], first.group_size * gather.group_size
     near, far = rows * first.group_size, rows * (whole - first.group_size)
@@ -640,7 +658,7 @@ def _by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector
                              inputs=tuple(source if v == gather.name else f"{v}.c{index}" for v in op.inputs),
                              in_shapes=tuple((count, shape[1]) for shape in op.in_shapes), shape=(count, op.shape[1]))
                 for op in chain]
-    last = ops[-1]
+    last = chain[-1]
     new = [*part(0, first.name, near), rest, *part(1, rest.name, far),
            Op(last.name, "merge", "compute", "layout", (f"{last.name}.c0", f"{last.name}.c1"),
               ((near, last.shape[1]), (far, last.shape[1])), last.shape, params=params, span=last.span)]
@@ -651,6 +669,12 @@ def _by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector
         elif op.name not in inside or op is gather:
             out.append(op)
     return attrs.evolve(fwd, ops=tuple(out))
+
+
+def _reads(fwd: LayerDag, op: Op, value: str) -> bool:
+    """Whether ``op`` reads ``value``, itself or through the first stage of its group partition."""
+    stages = {f"{op.name}.{INTER}", f"{op.name}.{INTRA}"}
+    return value in op.inputs or any(value in o.inputs for o in fwd.ops if o.name in stages & set(op.inputs))
 
 
 def _slices(chain: list[Op], value: str, shape, parts: int, dim: int, taken: set, span) -> list[Op]:

@@ -18,7 +18,8 @@ another program) is skipped with the reason, shown by ``dhelix plan``.
 Besides the counts, a chain that starts with a gather a ``group`` statement splits tries
 ``stages`` (Algorithm 1's uneven partition, lines 8-22: compute on what the first stage
 brought while the second runs, then on the rest; :func:`~dhelix.dsl.passes.partition.is_stages`),
-priced the same way, with the gather's order as it stands before the orders are chosen.
+priced the same way with either stage first where no ``first`` fixes the order (the order
+itself is chosen after the counts, below); a chain whose gather has no stages does not list it.
 
 Orders come after the counts (Algorithm 1 partitions the workload, then orders the group's
 stages): each such collective, in block order, is priced both ways the same way, the others
@@ -61,7 +62,7 @@ class Candidate:
     """One chunk count or group order tried: the layer's forward + backward time alone with
     it (seconds), or None and why the passes refused it."""
 
-    value: int | str
+    value: int | str  # a chunk count (or STAGES), an order or a priority
     seconds: float | None
     why: str = ""
 
@@ -71,7 +72,7 @@ class ChunkChoice:
     """The count chosen for one ``by auto`` statement and every candidate tried."""
 
     ops: tuple[str, ...]
-    chosen: int
+    chosen: int | str  # a count, or STAGES
     candidates: tuple[Candidate, ...]
     block = "partition"  # the block whose statement it chose for
 
@@ -258,7 +259,7 @@ def _why(message: str) -> str:
     # anything else is shown.
     if "divid" in message:
         return "the chain's dimension does not divide"
-    if f"by {STAGES}" in message:
+    if "has no stages" in message:
         return f"the chain's gather has no stages: {message}"
     return message
 
