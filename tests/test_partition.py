@@ -207,7 +207,8 @@ def test_the_partition_block_prints_canonically_and_parses_back():
     from dhelix.dsl.frontend.fmt import format_source
 
     text = ("partition {\n  chunk ag1 + qkv along tokens by (2 * tp)\n  substitute ar as reduce_scatter + all_gather\n"
-            "  move ar + ag2 later\n  group ag1 + rs1 first inter\n  group weights\n  backward wgrad first\n}\n")
+            "  move ar + ag2 later\n  group ag1 + rs1 first inter\n  group weights\n  backward wgrad first\n"
+            "  chunk ag2 + fc1 + act by stages\n  chunk fc2 along outputs by auto\n}\n")
     assert format_source(text) == text
     assert format_source(text.replace("(2 * tp)", "(((2) * tp))")) == text
 

@@ -565,7 +565,7 @@ def _by_columns(fwd: LayerDag, op: Op, parts: int) -> LayerDag:
     """``fwd`` with gemm ``op`` split into ``parts`` gemms over its weight's column blocks
     (``op.c0`` …, :attr:`Op.columns`), joined by a concat along the features that keeps its name."""
     rows, cols = op.shape
-    chunks = [attrs.evolve(op, name=f"{op.name}.c{i}", origin=op.name, shape=(rows, cols // parts),
+    chunks = [attrs.evolve(op, name=f"{op.name}.c{i}", origin=op.origin or op.name, shape=(rows, cols // parts),
                            weight=(op.weight[0], op.weight[1] // parts), params=op.params + ((COLUMNS, (i, parts)),))
               for i in range(parts)]
     join = Op(op.name, "concat", "compute", "layout", tuple(c.name for c in chunks), (chunks[0].shape,) * parts,
