@@ -582,24 +582,35 @@ def _by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector
     first stage brought (``ag.inter`` or ``ag.intra``), chunk 1 on the others (``ag.rest``,
     taken from the whole gather), and a ``merge`` named like the chain's last compute op puts
     the rows back in rank order, where the collectives that end the chain (the MLP's
-    reduce_scatter) read it whole. Errors, located at the statement's words, for a chain it
-    cannot split so; those of a gather without stages say it "has no stages"."""
+    reduce_scatter) read it whole. ``fwd`` unchanged after recording errors."""
+    found = _stage_chain(fwd, st, claimed, errors)
+    if found is None:
+        return fwd
+    gather, first, chain, tail = found
+    claimed.update({op.name: st for op in [gather, *chain, *tail]})
+    return _split_at_stages(fwd, gather, first, chain)
+
+
+def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector):
+    """(the gather, its first stage, the compute to split, the collectives that end the
+    chain) of ``st``, or None after recording errors located at the statement's words;
+    those of a gather without stages say it "has no stages" (``by auto`` leaves it out)."""
     spans = {name: st.span_of(f"ops.{i}") for i, name in enumerate(st.ops)}
     if st.dim not in (None, PARTITION_DIMS[0]):
         errors.add(CheckError(f"'by {STAGES}' splits the tokens a gather brings, not its {st.dim}",
                               st.span_of("dim"), ["leave 'along' out, or chunk by a count"]))
-        return fwd
+        return None
     name = st.ops[0]
     lead = f"'by {STAGES}' computes on what the first stage of a group-partitioned all_gather brought, and " \
         f"{name} has no stages"
     if name in fwd.elided:
         errors.add(CheckError(f"{lead}: it runs over an axis of size 1", spans[name],
                               ["a collective over one rank is the identity: there is nothing to split"]))
-        return fwd
+        return None
     gather = _named_op(fwd, name, spans[name], errors)
     chain = [op for other in st.ops[1:] if (op := _named_op(fwd, other, spans[other], errors)) is not None]
     if gather is None or len(chain) < len(st.ops) - 1:
-        return fwd
+        return None
     first = next((o for o in fwd.ops if gather.op == "all_gather" and gather.inputs == (o.name,)
                   and o.name in (f"{name}.{INTER}", f"{name}.{INTRA}")), None)
     if first is None:
@@ -608,7 +619,7 @@ def _by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector
         errors.add(CheckError(f"{lead}: {what}", spans[name],
                               notes + ["the chain starts with the gather (Centauri Algorithm 1: the uneven "
                                        "workload partition of a hierarchical all_gather)"]))
-        return fwd
+        return None
     order = [o.name for o in fwd.ops]
     chain.sort(key=lambda o: order.index(o.name))
     tail = []  # the collectives that end the chain: they run whole on the merged rows
@@ -617,7 +628,7 @@ def _by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector
     if not chain:
         errors.add(CheckError(f"'by {STAGES}' needs the compute after {name}", spans[name],
                               [f"name the operators that read it: chunk {name} + … by {STAGES}"]))
-        return fwd
+        return None
     found = len(errors.errors)
     for op in [gather, *chain, *tail]:
         if op.name in claimed:
@@ -643,9 +654,12 @@ def _by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector
                                   [f"'by {STAGES}' splits the rows of {name} only; end the chain before "
                                    f"{op.name}"]))
     if len(errors.errors) > found or not _connected(fwd, [gather, *chain], st, errors):
-        return fwd
-    ops = [gather, *chain, *tail]
-    claimed.update({op.name: st for op in ops})
+        return None
+    return gather, first, chain, tail
+
+
+def _split_at_stages(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> LayerDag:
+    """The rewrite of :func:`_by_stages` for a checked chain."""
     rows, whole = first.in_shapes[0][0], first.group_size * gather.group_size
     near, far = rows * first.group_size, rows * (whole - first.group_size)
     params = (("axis", first.axis.rpartition(".")[0]), ("first", first.name.rpartition(".")[2]),
@@ -662,11 +676,12 @@ def _by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector
     new = [*part(0, first.name, near), rest, *part(1, rest.name, far),
            Op(last.name, "merge", "compute", "layout", (f"{last.name}.c0", f"{last.name}.c1"),
               ((near, last.shape[1]), (far, last.shape[1])), last.shape, params=params, span=last.span)]
+    split = {op.name for op in chain}
     out = []
     for op in fwd.ops:
         if op.name == last.name:
             out += new
-        elif op.name not in inside or op is gather:
+        elif op.name not in split:
             out.append(op)
     return attrs.evolve(fwd, ops=tuple(out))
 

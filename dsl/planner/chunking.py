@@ -48,7 +48,7 @@ from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
-from dhelix.dsl.core.oplib import DGRAD
+from dhelix.dsl.core.oplib import DGRAD, PARTITION_DIMS
 from dhelix.dsl.passes.partition import ORDERS, STAGES, WEIGHTS, chunk_statements, fewest_cross_bytes, is_auto
 from dhelix.dsl.passes.priority import PRIORITIES, backward_statement
 from dhelix.dsl.planner.paircost import PairCost
@@ -171,7 +171,9 @@ def choose_chunks(program: Program) -> tuple[Program, tuple[ChunkChoice, ...]]:
     choices = []
     for index in autos:
         candidates = []
-        for count in [*range(1, MAX_CHUNKS + 1), STAGES]:
+        # Stages split the tokens a gather brings: not a candidate along other dimensions.
+        along_tokens = statements[index].dim in (None, PARTITION_DIMS[0])
+        for count in [*range(1, MAX_CHUNKS + 1), *([STAGES] if along_tokens else [])]:
             tried = attrs.evolve(program, chunk_counts=tuple(sorted({**counts, index: count}.items())))
             if count == STAGES:  # with either stage first where the order is still open
                 seconds, why = _staged(tried, statements[index].ops[0])
