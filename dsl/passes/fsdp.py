@@ -71,7 +71,8 @@ from dhelix.dsl.core.errors import CheckError
 from dhelix.dsl.core.mesh import INTER, INTRA, SHARD
 from dhelix.dsl.core.oplib import OUTPUTS, REGROUP, WEIGHT_PASS, is_wgrad
 from dhelix.dsl.core.program import COLUMNS, GradFlow, Op, Program
-from dhelix.dsl.passes.partition import WEIGHTS, chunk_statements, fewest_cross_bytes, unsplittable
+from dhelix.dsl.passes.partition import WEIGHTS, fewest_cross_bytes, unsplittable
+from dhelix.dsl.passes.workload import chunk_statements
 
 GATHER, SCATTER = "param_gather", "grad_scatter"
 #: The suffixes of the ops this pass adds to a weight's (written) name.

@@ -17,7 +17,7 @@ another program) is skipped with the reason, shown by ``dhelix plan``.
 
 Besides the counts, a chain that starts with a gather a ``group`` statement splits tries
 ``stages`` (Algorithm 1's uneven partition, lines 8-22: compute on what the first stage
-brought while the second runs, then on the rest; :func:`~dhelix.dsl.passes.partition.is_stages`),
+brought while the second runs, then on the rest; :func:`~dhelix.dsl.passes.workload.is_stages`),
 priced the same way with either stage first where no ``first`` fixes the order (the order
 itself is chosen after the counts, below); a chain whose gather has no stages does not list it.
 
@@ -49,7 +49,8 @@ from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.core.oplib import DGRAD, PARTITION_DIMS
-from dhelix.dsl.passes.partition import ORDERS, STAGES, WEIGHTS, chunk_statements, fewest_cross_bytes, is_auto
+from dhelix.dsl.passes.partition import ORDERS, WEIGHTS, fewest_cross_bytes
+from dhelix.dsl.passes.workload import STAGES, chunk_statements, is_auto
 from dhelix.dsl.passes.priority import PRIORITIES, backward_statement
 from dhelix.dsl.planner.paircost import PairCost
 

@@ -1,0 +1,342 @@
+"""Centauri's workload partition (ASPLOS'24 §3.1.3, Table 3; Algorithm 1's uneven split):
+the ``chunk`` statements of a partition block, as :func:`~dhelix.dsl.passes.partition.partition_forward`
+applies them to the forward layer DAG — a chain of a collective and the compute that depends on
+it cut into chunks along tokens or features, a gemm cut over its weight's column blocks (``along
+outputs``, ZeRO-3's gathers), or a chain split at the stages of a group-partitioned all_gather
+(``by stages``). The statements' meaning is described in that module's docstring.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.errors import CheckError, ErrorCollector
+from dhelix.dsl.core.mesh import INTER, INTRA
+from dhelix.dsl.core.oplib import CD, OD, OUTPUTS, PARTITION_DIMS, dimension_split
+from dhelix.dsl.core.program import AUTO, COLUMNS, LayerDag, Op
+from dhelix.dsl.core.wording import did_you_mean, join_words
+from dhelix.dsl.frontend.exprs import evaluate
+
+
+def is_auto(st: s.Chunk) -> bool:
+    """Whether chunk statement ``st`` leaves its count to the planner (``by auto``)."""
+    return isinstance(st.parts, s.Name) and st.parts.id == AUTO
+
+
+#: ``chunk ag1 + qkv by stages``: the chain split unevenly at the stages of its
+#: group-partitioned all_gather (Centauri's Algorithm 1, lines 8-22); also a count the
+#: planner may choose for ``by auto``.
+STAGES = "stages"
+
+
+def is_stages(st: s.Chunk) -> bool:
+    """Whether chunk statement ``st`` splits its chain at its gather's stages (``by stages``)."""
+    return isinstance(st.parts, s.Name) and st.parts.id == STAGES
+
+
+def chunk_statements(block: s.PartitionDef | None) -> list[s.Chunk]:
+    """The chunk statements of ``block`` in order (their index keys ``counts``)."""
+    return [st for st in block.body if isinstance(st, s.Chunk)] if block is not None else []
+
+
+def checked_chain(fwd: LayerDag, st: s.Chunk, env, claimed: dict, errors: ErrorCollector,
+                   parts: int | None = None):
+    """(ops of the chain in DAG order, parts, dim index) or None after recording errors;
+    ``parts`` is the count of a ``by auto`` statement (else the statement's own)."""
+    dim = st.dim or "tokens"
+    if dim not in PARTITION_DIMS:
+        errors.add(CheckError(f"unknown dimension '{dim}'", st.span_of("dim"),
+                              did_you_mean(dim, PARTITION_DIMS) + [f"chunks split along "
+                                                                    f"{join_words(PARTITION_DIMS, 'or')}"]))
+        return None
+    if parts is None:
+        parts = evaluate(st.parts, env, "model, mesh or train setting")
+    elif parts < 2:  # an auto count the planner left at 1: the chain stays whole
+        parts = 1
+    if parts < 2 and not is_auto(st):
+        errors.add(CheckError(f"a chunk count must be at least 2, got {parts}", st.parts.span))
+        return None
+    if dim == OUTPUTS and len(st.ops) > 1:
+        errors.add(CheckError(f"'along {OUTPUTS}' chunks one gemm, not a chain of {len(st.ops)} operators",
+                              st.span_of("ops.1"), [f"the chunks of {st.ops[0]} are joined along their "
+                                                    "columns right after it: its readers see the whole output",
+                                                    f"write one statement per gemm: chunk {st.ops[0]} along "
+                                                    f"{OUTPUTS} by {'auto' if is_auto(st) else parts}"]))
+        return None
+    found = len(errors.errors)
+    ops = []
+    for i, name in enumerate(st.ops):
+        span = st.span_of(f"ops.{i}")
+        if name in fwd.elided:
+            continue  # a collective over a size-1 axis is the identity: nothing to chunk
+        op = named_op(fwd, name, span, errors)
+        if op is None:
+            continue
+        if name in claimed:
+            errors.add(CheckError(f"'{name}' is already chunked", span,
+                                  [f"by the chunk statement at {claimed[name].span}"]))
+        split, why = dimension_split(op.op, dim)
+        if split != OD:
+            kind = "contracted: its chunks would be partial sums that need a reduction, which a chunk " \
+                "chain does not add" if split == CD else "not divisible: it never splits"
+            errors.add(CheckError(f"cannot chunk {name} ({op.op}) along {dim}: {dim} is {split} for "
+                                  f"{op.op} ({kind})", span, [f"{why} (Centauri Table 3)"] if why else []))
+        ops.append(op)
+    if len(errors.errors) > found or not ops:
+        return None
+    claimed.update({op.name: st for op in ops})
+    order = [o.name for o in fwd.ops]
+    ops.sort(key=lambda op: order.index(op.name))
+    if dim == OUTPUTS:  # the gemm's output features: its input is read whole by every chunk
+        return (ops, parts, OUTPUTS) if _divides(ops, parts, 1, st, errors, outputs=True) else None
+    axis = PARTITION_DIMS.index(dim)
+    if not _connected(fwd, ops, st, errors) or not _divides(ops, parts, axis, st, errors):
+        return None
+    return ops, parts, axis
+
+
+def named_op(fwd: LayerDag, name: str, span, errors: ErrorCollector) -> Op | None:
+    names = [op.name for op in fwd.ops]
+    if name in names:
+        return fwd.op(name)
+    notes = did_you_mean(name, names) + [f"operators of layer {fwd.name}: {', '.join(names)}"]
+    errors.add(CheckError(f"layer {fwd.name} has no operator '{name}'", span, notes))
+    return None
+
+
+def _connected(fwd: LayerDag, ops: list[Op], st: s.Chunk, errors: ErrorCollector) -> bool:
+    """Whether ``ops`` form one chain: each op after the first reads an earlier one, and
+    only the last is read from outside (its chunks are joined; the others' never are)."""
+    names = {op.name for op in ops}
+    where = {op.name: st.span_of(f"ops.{st.ops.index(op.name)}") for op in ops}
+    for op in ops[1:]:
+        if not names & set(op.inputs):
+            errors.add(CheckError(f"{op.name} does not read another operator of the chain", where[op.name],
+                                  [f"it reads {join_words(op.inputs)}; a chunk chain follows the data: "
+                                   "each operator after the first reads one before it"]))
+            return False
+    readers = {o.name: o for o in fwd.ops if o.name not in names}
+    for op in ops[:-1]:
+        outside = [r for r in readers.values() if op.name in r.inputs]
+        if outside or op.name == fwd.output:
+            who = f"{outside[0].name} reads it" if outside else "it is the layer's output"
+            errors.add(CheckError(f"{op.name} is used outside the chain, so it cannot stay chunked",
+                                  where[op.name], [f"{who}; end the chain at {op.name} or add "
+                                                   f"{outside[0].name if outside else 'its readers'} to it"]))
+            return False
+    return True
+
+
+def _blocks(chain: list[Op], shape, dim: int) -> int:
+    """Rank blocks of a tensor of the chain along ``dim``. A chunk of a collective's output
+    must be the collective of a chunk of its input: an all_gather over g ranks turns n rows
+    into g blocks of n, a reduce_scatter g blocks into one, so along tokens the chain's
+    collectives say how many blocks a tensor of each row count holds (1 where none does: the
+    chain's token-wise operators only need every tensor cut the same way)."""
+    if dim != 0:
+        return 1
+    blocks: dict[int, int] = {}
+    for op in chain:
+        if op.op == "all_gather":
+            inner = blocks.setdefault(op.in_shapes[0][0], 1)
+            blocks.setdefault(op.shape[0], inner * op.group_size)
+        elif op.op == "reduce_scatter":
+            inner = blocks.setdefault(op.shape[0], 1)
+            blocks.setdefault(op.in_shapes[0][0], inner * op.group_size)
+    return blocks.get(shape[0], 1)
+
+
+def _divides(ops: list[Op], parts: int, dim: int, st: s.Chunk, errors: ErrorCollector,
+             outputs: bool = False) -> bool:
+    for op in ops:
+        values = [] if outputs else list(zip(op.inputs, op.in_shapes, strict=True))
+        for name, shape in [*values, (op.name, op.shape)]:
+            blocks = _blocks(ops, shape, dim)
+            size = shape[dim] // blocks
+            if size % parts:
+                word = "output features" if outputs else PARTITION_DIMS[dim]
+                notes = [f"{name} is {list(shape)}" + (f": {blocks} gathered blocks of {size} {word}"
+                                                       if blocks > 1 else "")]
+                errors.add(CheckError(f"{parts} chunks do not divide the {size} {word} of {name}"
+                                      + (" per rank block" if blocks > 1 else ""), st.parts.span, notes))
+                return False
+    return True
+
+
+def _chunk_shape(shape, parts: int, dim: int):
+    return tuple(n // parts if d == dim else n for d, n in enumerate(shape))
+
+
+def chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int | str) -> LayerDag:
+    """``fwd`` with the chain ``ops`` replaced, at its last op's place, by slices of its
+    outside inputs, the chunk ops (chunk-major) and the concat of the last op's chunks
+    (along ``OUTPUTS``: the gemm's chunks, each on the whole input with its own columns)."""
+    if dim == OUTPUTS:
+        return _by_columns(fwd, ops[0], parts)
+    names = {op.name for op in ops}
+    taken = {op.name for op in fwd.ops} | {fwd.input}
+    slices: dict[str, list[Op]] = {}
+    new: list[Op] = []
+    for op in ops:
+        for value, shape in zip(op.inputs, op.in_shapes, strict=True):
+            if value not in names and value not in slices:
+                slices[value] = _slices(ops, value, shape, parts, dim, taken, op.span)
+                new += slices[value]
+    for i in range(parts):
+        for op in ops:
+            inputs = tuple(f"{v}.c{i}" if v in names else slices[v][i].name for v in op.inputs)
+            new.append(attrs.evolve(op, name=f"{op.name}.c{i}", inputs=inputs, origin=op.origin or op.name,
+                                    in_shapes=tuple(_chunk_shape(x, parts, dim) for x in op.in_shapes),
+                                    shape=_chunk_shape(op.shape, parts, dim)))
+    last = ops[-1]
+    new.append(Op(last.name, "concat", "compute", "layout", tuple(f"{last.name}.c{i}" for i in range(parts)),
+                  (_chunk_shape(last.shape, parts, dim),) * parts, last.shape,
+                  params=(("parts", parts), ("dim", dim), ("blocks", _blocks(ops, last.shape, dim))),
+                  span=last.span))
+    return _replaced(fwd, names, last.name, new)
+
+
+def _replaced(fwd: LayerDag, names, last: str, new: list[Op]) -> LayerDag:
+    """``fwd`` without the ops ``names``, ``new`` in the place of ``last`` (one of them)."""
+    out = []
+    for op in fwd.ops:
+        if op.name == last:
+            out += new
+        elif op.name not in names:
+            out.append(op)
+    return attrs.evolve(fwd, ops=tuple(out))
+
+
+def _by_columns(fwd: LayerDag, op: Op, parts: int) -> LayerDag:
+    """``fwd`` with gemm ``op`` split into ``parts`` gemms over its weight's column blocks
+    (``op.c0`` …, :attr:`Op.columns`), joined by a concat along the features that keeps its name."""
+    rows, cols = op.shape
+    chunks = [attrs.evolve(op, name=f"{op.name}.c{i}", origin=op.origin or op.name, shape=(rows, cols // parts),
+                           weight=(op.weight[0], op.weight[1] // parts), params=op.params + ((COLUMNS, (i, parts)),))
+              for i in range(parts)]
+    join = Op(op.name, "concat", "compute", "layout", tuple(c.name for c in chunks), (chunks[0].shape,) * parts,
+              op.shape, params=(("parts", parts), ("dim", 1), ("blocks", 1)), span=op.span)
+    return _replaced(fwd, {op.name}, op.name, [*chunks, join])
+
+
+def by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector) -> LayerDag:
+    """``fwd`` with the chain of ``st`` (a group-partitioned all_gather, token-wise compute,
+    then maybe collectives) split unevenly: chunk 0 computes on the rank blocks the gather's
+    first stage brought (``ag.inter`` or ``ag.intra``), chunk 1 on the others (``ag.rest``,
+    taken from the whole gather), and a ``merge`` named like the chain's last compute op puts
+    the rows back in rank order, where the collectives that end the chain (the MLP's
+    reduce_scatter) read it whole. ``fwd`` unchanged after recording errors."""
+    found = _stage_chain(fwd, st, claimed, errors)
+    if found is None:
+        return fwd
+    gather, first, chain, tail = found
+    claimed.update({op.name: st for op in [gather, *chain, *tail]})
+    return _split_at_stages(fwd, gather, first, chain)
+
+
+def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector):
+    """(the gather, its first stage, the compute to split, the collectives that end the
+    chain) of ``st``, or None after recording errors located at the statement's words;
+    those of a gather without stages say it "has no stages" (``by auto`` leaves it out)."""
+    spans = {name: st.span_of(f"ops.{i}") for i, name in enumerate(st.ops)}
+    if st.dim not in (None, PARTITION_DIMS[0]):
+        errors.add(CheckError(f"'by {STAGES}' splits the tokens a gather brings, not its {st.dim}",
+                              st.span_of("dim"), ["leave 'along' out, or chunk by a count"]))
+        return None
+    name = st.ops[0]
+    lead = f"'by {STAGES}' computes on what the first stage of a group-partitioned all_gather brought, and " \
+        f"{name} has no stages"
+    if name in fwd.elided:
+        errors.add(CheckError(f"{lead}: it runs over an axis of size 1", spans[name],
+                              ["a collective over one rank is the identity: there is nothing to split"]))
+        return None
+    gather = named_op(fwd, name, spans[name], errors)
+    chain = [op for other in st.ops[1:] if (op := named_op(fwd, other, spans[other], errors)) is not None]
+    if gather is None or len(chain) < len(st.ops) - 1:
+        return None
+    first = next((o for o in fwd.ops if gather.op == "all_gather" and gather.inputs == (o.name,)
+                  and o.name in (f"{name}.{INTER}", f"{name}.{INTRA}")), None)
+    if first is None:
+        what = f"it is {gather.op}, not an all_gather" if gather.op != "all_gather" else "it is not group-partitioned"
+        notes = [f"add: group {name}"] if gather.op == "all_gather" else []
+        errors.add(CheckError(f"{lead}: {what}", spans[name],
+                              notes + ["the chain starts with the gather (Centauri Algorithm 1: the uneven "
+                                       "workload partition of a hierarchical all_gather)"]))
+        return None
+    order = [o.name for o in fwd.ops]
+    chain.sort(key=lambda o: order.index(o.name))
+    tail = []  # the collectives that end the chain: they run whole on the merged rows
+    while chain and chain[-1].kind == "comm":
+        tail.insert(0, chain.pop())
+    if not chain:
+        errors.add(CheckError(f"'by {STAGES}' needs the compute after {name}", spans[name],
+                              [f"name the operators that read it: chunk {name} + … by {STAGES}"]))
+        return None
+    found = len(errors.errors)
+    for op in [gather, *chain, *tail]:
+        if op.name in claimed:
+            errors.add(CheckError(f"'{op.name}' is already chunked", spans[op.name],
+                                  [f"by the chunk statement at {claimed[op.name].span}"]))
+    for op in chain:
+        split, why = dimension_split(op.op, "tokens")
+        if op.kind != "compute" or split != OD:
+            errors.add(CheckError(f"cannot split {op.name} ({op.op}) by {STAGES}: it is not token-wise compute",
+                                  spans[op.name], ([why] if why else []) + [
+                                      "the stages' chunks are rows of the gathered tokens: each operator between "
+                                      "the gather and the collectives that may end the chain must compute row by "
+                                      "row"]))
+    inside = {o.name for o in [gather, *chain]}
+    for before, op in zip([chain[-1], *tail], tail):
+        if not _reads(fwd, op, before.name):
+            errors.add(CheckError(f"{op.name} does not read {before.name}", spans[op.name],
+                                  [f"the collectives that end a chain split by {STAGES} read what comes before them"]))
+    for op in chain:
+        outside = [v for v in op.inputs if v not in inside]
+        if outside:
+            errors.add(CheckError(f"{op.name} reads {outside[0]} from outside the chain", spans[op.name],
+                                  [f"'by {STAGES}' splits the rows of {name} only; end the chain before "
+                                   f"{op.name}"]))
+    if len(errors.errors) > found or not _connected(fwd, [gather, *chain], st, errors):
+        return None
+    return gather, first, chain, tail
+
+
+def _split_at_stages(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> LayerDag:
+    """The rewrite of :func:`by_stages` for a checked chain."""
+    rows, whole = first.in_shapes[0][0], first.group_size * gather.group_size
+    near, far = rows * first.group_size, rows * (whole - first.group_size)
+    params = (("axis", first.axis.rpartition(".")[0]), ("first", first.name.rpartition(".")[2]),
+              ("blocks", whole))
+    rest = Op(f"{gather.name}.rest", "rest", "compute", "layout", (gather.name,), (gather.shape,),
+              (far, gather.shape[1]), params=params, span=gather.span)
+
+    def part(index: int, source: str, count: int) -> list[Op]:
+        return [attrs.evolve(op, name=f"{op.name}.c{index}", origin=op.origin or op.name,
+                             inputs=tuple(source if v == gather.name else f"{v}.c{index}" for v in op.inputs),
+                             in_shapes=tuple((count, shape[1]) for shape in op.in_shapes), shape=(count, op.shape[1]))
+                for op in chain]
+    last = chain[-1]
+    new = [*part(0, first.name, near), rest, *part(1, rest.name, far),
+           Op(last.name, "merge", "compute", "layout", (f"{last.name}.c0", f"{last.name}.c1"),
+              ((near, last.shape[1]), (far, last.shape[1])), last.shape, params=params, span=last.span)]
+    return _replaced(fwd, {op.name for op in chain}, last.name, new)
+
+
+def _reads(fwd: LayerDag, op: Op, value: str) -> bool:
+    """Whether ``op`` reads ``value``, itself or through the first stage of its group partition."""
+    stages = {f"{op.name}.{INTER}", f"{op.name}.{INTRA}"}
+    return value in op.inputs or any(value in o.inputs for o in fwd.ops if o.name in stages & set(op.inputs))
+
+
+def _slices(chain: list[Op], value: str, shape, parts: int, dim: int, taken: set, span) -> list[Op]:
+    blocks = _blocks(chain, shape, dim)
+    result = []
+    for i in range(parts):
+        name, again = f"{value}.s{i}", 1
+        while name in taken:  # another chain sliced the same value already
+            name, again = f"{value}.s{i}_{again}", again + 1
+        taken.add(name)
+        result.append(Op(name, "slice", "compute", "layout", (value,), (shape,), _chunk_shape(shape, parts, dim),
+                         params=(("index", i), ("parts", parts), ("dim", dim), ("blocks", blocks)), span=span))
+    return result
