@@ -124,6 +124,87 @@ def row(label: str, times, memory, paper: str) -> str:
     return f"{label:47} {cells}   {peaks:>11}   {paper}"
 
 
+def fsdp16_rows(size: str) -> None:
+    """FSDP 16 on 2 nodes, group-partitioned, and with the weight gathers chunked too."""
+    for batch in (1, 2, 4):
+        try:
+            kw = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4, zero=3)
+            centauri = program(size, partition="group weights", **kw)
+            times, memory = four(centauri, unpartitioned(centauri))
+            print(row(f"FSDP16, 2 nodes, b={batch}", times, memory, PAPER["single"]))
+            chunked = program(size, partition="\n".join(["group weights", *WEIGHT_CHUNKS]), **kw)
+            times, memory = four(chunked, unpartitioned(chunked))
+            counts = ", ".join(f"{op.origin} {op.columns[1]}" for op in chunked.forward.ops
+                               if op.op == "gemm" and op.columns and op.columns[0] == 0)
+            print(row(f"FSDP16, 2 nodes, b={batch} + weight chunks", times, memory, PAPER["single"])
+                  + f"   ({counts or 'none chosen'})")
+        except DhelixError as exc:
+            print(f"{'FSDP16, 2 nodes, b=' + str(batch):47} not run: {first_message(exc)}")
+
+
+def dp16_rows(size: str) -> None:
+    """DP 16 on 2 nodes: ZeRO-1 against ZeRO-0 and against ZeRO-1 without overlap, and launched together."""
+    for batch in (1, 4):
+        try:
+            kw = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4)
+            zero0 = program(size, zero=0, **kw)
+            for label, train in (("ZeRO-1, gather under fwd", "param_gather = forward"),
+                                 ("ZeRO-1, gather after step", "")):
+                zero1 = program(size, zero=1, train=train, **kw)
+                sims = (simulate(unfolded_1f1b(zero0)), simulate(unfolded_1f1b(zero1)), _si(zero0), _si(zero1))
+                print(row(f"DP16, 2 nodes, b={batch} ({label})", [s.step_time for s in sims],
+                          [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
+            # The paper's ZeRO-1 baseline (Megatron's distributed optimizer of 2023): the
+            # gradients reduce-scattered after the backward, the weights gathered after the step.
+            late = program(size, zero=1, train="grad_reduce = step", **kw)
+            zero1 = program(size, zero=1, train="param_gather = forward", **kw)
+            sims = (simulate(unfolded_1f1b(late)), simulate(unfolded_1f1b(zero1)), _si(late), _si(zero1))
+            print(row(f"DP16, 2 nodes, b={batch} (vs ZeRO-1 without overlap)", [s.step_time for s in sims],
+                      [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
+            launched = program(size, zero=1, train="param_gather = forward  launch = auto", **kw, **INTERLEAVED)
+            sims = (simulate(unfolded_1f1b(zero0)), simulate(launched), _si(zero0), simulate(launched))
+            print(row(f"DP16, 2 nodes, b={batch} (+ launch {launched.launch}, interl.)",
+                      [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
+        except DhelixError as exc:
+            print(f"{'DP16, 2 nodes, b=' + str(batch):47} not run: {first_message(exc)}")
+
+
+def hybrid_rows(size: str) -> None:
+    """TP 4 + PP 3 + DP 4 on 6 nodes: the MLP chunked, the gathers under the forward, launched together."""
+    try:
+        kw = dict(mesh="tp = 4  dp = 4  pp = 3", nodes=6, batch=1, microbatches=6, zero=1)
+        centauri = program(size, partition="chunk ag2 + fc1 + act + fc2 + rs2 by auto",
+                           train="param_gather = forward", **kw)
+        plain = program(size, **kw)
+        times, memory = four(centauri, plain)
+        print(row("TP4+PP3+DP4, 6 nodes, m=6", times, memory, PAPER["hybrid"]))
+        launched = program(size, partition="chunk ag2 + fc1 + act + fc2 + rs2 by auto",
+                           train="param_gather = forward  launch = auto", **kw, **INTERLEAVED)
+        sims = (simulate(unfolded_1f1b(plain)), simulate(launched), _si(plain), simulate(launched))
+        print(row(f"TP4+PP3+DP4, 6 nodes, m=6 (+ launch {launched.launch}, interl.)",
+                  [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["hybrid"]))
+        # Megatron's baseline of 2023: the gradients reduced after the pipeline.
+        late = program(size, train="grad_reduce = step", **kw)
+        sims = (simulate(unfolded_1f1b(late)), simulate(launched), _si(late), simulate(launched))
+        print(row(f"TP4+PP3+DP4, m=6 (+ launch {launched.launch}) vs no overlap",
+                  [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["hybrid"]))
+    except DhelixError as exc:
+        print(f"{'TP4+PP3+DP4, 6 nodes, m=6':47} not run: {first_message(exc)}")
+
+
+def hsdp_rows(size: str) -> None:
+    """FSDP + DP on 6 nodes: hybrid sharding with shard groups of 16, 8 and 4."""
+    for shard in (16, 8, 4):
+        label = f"DP{48 // shard}+FSDP{shard} (HSDP), 6 nodes, b=1"
+        try:
+            kw = dict(mesh="dp = 48", nodes=6, batch=1, microbatches=4, zero=3, train=f"shard = {shard}")
+            partition = "group weights" if shard > 8 else " "  # spans nodes of 8 GPUs
+            times, memory = four(program(size, partition=partition, **kw), program(size, **kw))
+            print(row(label, times, memory, PAPER["hybrid"]))
+        except DhelixError as exc:
+            print(f"{label:47} not run: {first_message(exc)}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
@@ -139,71 +220,8 @@ def main(argv=None) -> int:
     for size in args.sizes:
         layers = SIZES[size][2]
         print(f"-- LLaMA {size} (hidden {SIZES[size][0]}, {SIZES[size][1]} heads, {layers} layers)")
-        for batch in (1, 2, 4):
-            try:
-                kw = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4, zero=3)
-                centauri = program(size, partition="group weights", **kw)
-                times, memory = four(centauri, unpartitioned(centauri))
-                print(row(f"FSDP16, 2 nodes, b={batch}", times, memory, PAPER["single"]))
-                chunked = program(size, partition="\n".join(["group weights", *WEIGHT_CHUNKS]), **kw)
-                times, memory = four(chunked, unpartitioned(chunked))
-                counts = ", ".join(f"{op.origin} {op.columns[1]}" for op in chunked.forward.ops
-                                   if op.op == "gemm" and op.columns and op.columns[0] == 0)
-                print(row(f"FSDP16, 2 nodes, b={batch} + weight chunks", times, memory, PAPER["single"])
-                      + f"   ({counts or 'none chosen'})")
-            except DhelixError as exc:
-                print(f"{'FSDP16, 2 nodes, b=' + str(batch):47} not run: {first_message(exc)}")
-        for batch in (1, 4):
-            try:
-                kw = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4)
-                zero0 = program(size, zero=0, **kw)
-                for label, train in (("ZeRO-1, gather under fwd", "param_gather = forward"),
-                                     ("ZeRO-1, gather after step", "")):
-                    zero1 = program(size, zero=1, train=train, **kw)
-                    sims = (simulate(unfolded_1f1b(zero0)), simulate(unfolded_1f1b(zero1)), _si(zero0), _si(zero1))
-                    print(row(f"DP16, 2 nodes, b={batch} ({label})", [s.step_time for s in sims],
-                              [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
-                # The paper's ZeRO-1 baseline (Megatron's distributed optimizer of 2023): the
-                # gradients reduce-scattered after the backward, the weights gathered after the step.
-                late = program(size, zero=1, train="grad_reduce = step", **kw)
-                zero1 = program(size, zero=1, train="param_gather = forward", **kw)
-                sims = (simulate(unfolded_1f1b(late)), simulate(unfolded_1f1b(zero1)), _si(late), _si(zero1))
-                print(row(f"DP16, 2 nodes, b={batch} (vs ZeRO-1 without overlap)", [s.step_time for s in sims],
-                          [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
-                launched = program(size, zero=1, train="param_gather = forward  launch = auto", **kw, **INTERLEAVED)
-                sims = (simulate(unfolded_1f1b(zero0)), simulate(launched), _si(zero0), simulate(launched))
-                print(row(f"DP16, 2 nodes, b={batch} (+ launch {launched.launch}, interl.)",
-                          [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
-            except DhelixError as exc:
-                print(f"{'DP16, 2 nodes, b=' + str(batch):47} not run: {first_message(exc)}")
-        try:
-            kw = dict(mesh="tp = 4  dp = 4  pp = 3", nodes=6, batch=1, microbatches=6, zero=1)
-            centauri = program(size, partition="chunk ag2 + fc1 + act + fc2 + rs2 by auto",
-                               train="param_gather = forward", **kw)
-            plain = program(size, **kw)
-            times, memory = four(centauri, plain)
-            print(row("TP4+PP3+DP4, 6 nodes, m=6", times, memory, PAPER["hybrid"]))
-            launched = program(size, partition="chunk ag2 + fc1 + act + fc2 + rs2 by auto",
-                               train="param_gather = forward  launch = auto", **kw, **INTERLEAVED)
-            sims = (simulate(unfolded_1f1b(plain)), simulate(launched), _si(plain), simulate(launched))
-            print(row(f"TP4+PP3+DP4, 6 nodes, m=6 (+ launch {launched.launch}, interl.)",
-                      [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["hybrid"]))
-            # Megatron's baseline of 2023: the gradients reduced after the pipeline.
-            late = program(size, train="grad_reduce = step", **kw)
-            sims = (simulate(unfolded_1f1b(late)), simulate(launched), _si(late), simulate(launched))
-            print(row(f"TP4+PP3+DP4, m=6 (+ launch {launched.launch}) vs no overlap",
-                      [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["hybrid"]))
-        except DhelixError as exc:
-            print(f"{'TP4+PP3+DP4, 6 nodes, m=6':47} not run: {first_message(exc)}")
-        for shard in (16, 8, 4):
-            label = f"DP{48 // shard}+FSDP{shard} (HSDP), 6 nodes, b=1"
-            try:
-                kw = dict(mesh="dp = 48", nodes=6, batch=1, microbatches=4, zero=3, train=f"shard = {shard}")
-                partition = "group weights" if shard > 8 else " "  # spans nodes of 8 GPUs
-                times, memory = four(program(size, partition=partition, **kw), program(size, **kw))
-                print(row(label, times, memory, PAPER["hybrid"]))
-            except DhelixError as exc:
-                print(f"{label:47} not run: {first_message(exc)}")
+        for rows in (fsdp16_rows, dp16_rows, hybrid_rows, hsdp_rows):
+            rows(size)
     return 0
 
 
