@@ -26,7 +26,8 @@ What it does:
 4. runs, alternated in every round (the order rotates from round to round), one rank per
    namespace (``ip netns exec NS env RANK=… MASTER_ADDR=<veth address of rank 0>
    GLOO_SOCKET_IFNAME=<veth> python -m dhelix run FILE``): SI with the planner's plan,
-   SI with the op_by_op plan, ``--no-si``, and a collectives-only replay of the same layer
+   SI in the block scheduler's order (``--si-plan scheduled``), SI with the op_by_op plan,
+   ``--no-si``, and a collectives-only replay of the same layer
    collectives without the compute (``benchmarks/collective_replay.py``);
 5. prints per mode the median over rounds of the step time and of the exposed communication
    (each run's own figure is the median over its steps without the first, slowest rank), the
@@ -81,6 +82,7 @@ class Mode:
 
 MODES = (
     Mode("SI planned", ("-m", "dhelix", "run", "{file}", "--si-plan", "planned")),
+    Mode("SI scheduled", ("-m", "dhelix", "run", "{file}", "--si-plan", "scheduled")),
     Mode("SI op_by_op", ("-m", "dhelix", "run", "{file}", "--si-plan", "op_by_op")),
     Mode("no SI", ("-m", "dhelix", "run", "{file}", "--no-si")),
     Mode("comm only", (str(REPLAY), "{file}")),
@@ -296,17 +298,18 @@ def trace_file(folder: str, mode: Mode) -> Path:
 def run_rounds(world: World, program: Path, args, report: Report) -> dict[str, list[dict]]:
     """Every mode once per round, the order rotating by one mode each round; returns the
     metrics of the successful runs by mode name."""
-    results: dict[str, list[dict]] = {mode.name: [] for mode in MODES}
+    modes = selected_modes(args)
+    results: dict[str, list[dict]] = {mode.name: [] for mode in modes}
     for round_index in range(args.rounds):
-        shift = round_index % len(MODES)
-        for mode in MODES[shift:] + MODES[:shift]:
+        shift = round_index % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
             metrics = world.workdir / f"round{round_index + 1}-{mode.name.replace(' ', '_')}.json"
             command = [arg.format(file=program) for arg in mode.args]
             command += ["--steps", str(args.steps), "--metrics", str(metrics)]
             if args.trace and round_index == args.rounds - 1 and "dhelix" in mode.args:
                 command += ["--trace", str(trace_file(args.trace, mode).resolve())]
             ok, where = world.run(command, mode.name)
-            label = f"round {round_index + 1}/{args.rounds}  {mode.name:<12}"
+            label = f"round {round_index + 1}/{args.rounds}  {mode.name:<13}"
             if not ok:
                 report(f"{label} FAILED: {where}")
                 if not args.keep_going:
@@ -319,6 +322,17 @@ def run_rounds(world: World, program: Path, args, report: Report) -> dict[str, l
     return results
 
 
+def selected_modes(args) -> tuple[Mode, ...]:
+    """The modes ``--skip`` leaves, in MODES' order (no SI and the replay always run: the
+    ratios need them)."""
+    skip = {name.strip() for name in (args.skip or "").split(",") if name.strip()}
+    unknown = skip - {mode.name for mode in MODES}
+    if unknown or skip & {"no SI", "comm only"}:
+        raise BenchError(f"--skip {args.skip}: give SI modes among "
+                         + ", ".join(m.name for m in MODES if m.name.startswith("SI")))
+    return tuple(mode for mode in MODES if mode.name not in skip)
+
+
 def summarise(results: dict[str, list[dict]], report: Report) -> None:
     """The table of medians, the ratios, the hidden fractions and the goals."""
     step = {m: _median([d["step_s"] for d in runs]) for m, runs in results.items()}
@@ -326,14 +340,14 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
     report()
     report("medians over the rounds (a run's figure: the median over its steps without the first, "
            "of the slowest rank):")
-    report(f"{'mode':<12} {'runs':>4} {'step time':>10} {'min':>8} {'max':>8} {'exposed comm':>13} "
+    report(f"{'mode':<13} {'runs':>4} {'step time':>10} {'min':>8} {'max':>8} {'exposed comm':>13} "
            f"{'simulated':>10} {'sim ÷ run':>9}")
     for mode, runs in results.items():
         steps = [d["step_s"] for d in runs]
         predicted = _median([d["predicted"]["step_s"] for d in runs
                              if (d.get("predicted") or {}).get("step_s") is not None])
         ratio = None if predicted is None or not step[mode] else predicted / step[mode]
-        report(f"{mode:<12} {len(runs):>4} {_s(step[mode]):>10} {_s(min(steps, default=None)):>8} "
+        report(f"{mode:<13} {len(runs):>4} {_s(step[mode]):>10} {_s(min(steps, default=None)):>8} "
                f"{_s(max(steps, default=None)):>8} {_s(exposed[mode]):>13} {_s(predicted):>10} {_ratio(ratio):>9}")
     notes = {d["predicted"].get("note") for runs in results.values() for d in runs if d.get("predicted")}
     for note in sorted(n for n in notes if n):
@@ -351,17 +365,17 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
     report(f"communication = the comm-only replay's step (the same layer collectives, no compute) = {_s(comm)}")
     report("SI ÷ no-SI    = SI step / no-SI step (goal ≤ 0.70)")
     report("hidden        = (no-SI step - SI step) / min(compute, communication) (goal ≥ 80 %)")
-    for mode in ("SI planned", "SI op_by_op"):
+    for mode in (m for m in results if m.startswith("SI")):
         ratio = None if step[mode] is None or not no_si else step[mode] / no_si
         hidden = None
         if None not in (step[mode], no_si, compute, comm) and min(compute, comm) > 0:
             hidden = (no_si - step[mode]) / min(compute, comm)
         met = [f"SI ÷ no-SI {'met' if ratio <= SI_GOAL else 'not met'}" if ratio is not None else "",
                f"hidden {'met' if hidden >= HIDDEN_GOAL else 'not met'}" if hidden is not None else ""]
-        report(f"{mode:<12}  SI ÷ no-SI {_ratio(ratio)}   hidden {_percent(hidden)}   goals: "
+        report(f"{mode:<13}  SI ÷ no-SI {_ratio(ratio)}   hidden {_percent(hidden)}   goals: "
                + (", ".join(m for m in met if m) or "—"))
         if hidden is not None and hidden > 1:
-            report(f"{'':<12}  above 100 %: SI saved more than the whole communication, which it cannot; "
+            report(f"{'':<13}  above 100 %: SI saved more than the whole communication, which it cannot; "
                    "the runs of the two modes saw different loads of the machine")
 
 
@@ -456,6 +470,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_link_arguments(parser, "200mbit")
+    parser.add_argument("--skip", metavar="MODES",
+                        help='SI modes not to run, comma-separated (e.g. "SI op_by_op")')
     parser.add_argument("--program", metavar="FILE",
                         help="run this program instead of the built-in one (2 nodes; imports other than "
                              "the stdlib must be absolute paths)")

@@ -47,7 +47,7 @@ from .pipeline_comm import PipelineComm, check_fifo
 from .reference import Batch
 from .ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
-from .si import Filler, LayerChain, run_alone, run_interleaved
+from .si import Filler, LayerChain, run_alone, run_interleaved, run_scheduled
 from .si_plan import PlanFn, backward_ops, check_plan, sequential_plan
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 
@@ -106,7 +106,7 @@ class Executor:
     def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
                  si: bool = True, plan_for: PlanFn = sequential_plan, use_tags: bool = True,
                  recorder: Recorder | None = None, on_action: Callable | None = None,
-                 pair_barrier: bool | None = None):
+                 pair_barrier: bool | None = None, block_orders: dict | None = None):
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
@@ -126,6 +126,9 @@ class Executor:
         optional = {op.name for op in self.w_ops} if self.lowered.split else set()
         check_plan(self.plan, program.forward, program.backward, optional)
         barrier = self.device.type == "cuda" if pair_barrier is None else pair_barrier
+        #: The block scheduler's orders by (forward layers, backward layers): SI blocks run
+        #: whole in that order (:func:`.si.run_scheduled`) instead of pair by pair; None.
+        self.block_orders = block_orders
         self.si_order = BlockOrder.build(self.plan, program.forward.ops, self.b_ops, barrier,
                                          (program.forward.output, program.backward.output))
         if not use_tags and check_fifo(self.lowered):
@@ -485,8 +488,12 @@ class Executor:
             self.run_forward(action.fwd)
             self.run_backward(action.bwd)
             return
-        run_interleaved(self.forward_chain(action.fwd), self.backward_chain(action.bwd), self.si_order,
-                        self.recorder, str(action), self.filler, self._opened)
+        fwd, bwd = self.forward_chain(action.fwd), self.backward_chain(action.bwd)
+        if self.block_orders is not None:
+            order = self.block_orders[(len(fwd.runs), len(bwd.runs))]
+            run_scheduled(fwd, bwd, order, self.recorder, str(action), self._opened)
+            return
+        run_interleaved(fwd, bwd, self.si_order, self.recorder, str(action), self.filler, self._opened)
 
     def run_send(self, action: Transfer) -> None:
         """SEND: queue the value the previous action left in the mailbox."""

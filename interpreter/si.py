@@ -314,3 +314,48 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
     for run in fwd.runs + bwd.runs:
         settle(run)
     bwd.end(grad)
+
+
+def run_scheduled(fwd: LayerChain, bwd: LayerChain, order: Sequence[tuple[str, int, str]], recorder: Recorder,
+                  label: str, opened: Callable[[], None] | None = None) -> None:
+    """Run an SI block in the block scheduler's order (:mod:`dhelix.dsl.planner.blockorder`):
+    ``order`` lists every op of both chains as (strand, layer, op name), each after its
+    producers, the strands free to drift apart across layers. A layer starts (its input or
+    output gradient given, its weights waited for) just before its first op; a backward
+    layer is reported done after its last. Every collective is issued asynchronously and
+    waited for by the op that reads it; nothing is left in flight at the block's end.
+    ``opened`` is called once both strands' first layers have run whole."""
+    chains = {"F": fwd, "B": bwd}
+    by_name = {strand: {op.name: op for op in chain.ops} for strand, chain in chains.items()}
+    value = {"F": fwd.begin(), "B": bwd.begin()}
+    left = {(strand, layer): 0 for strand, layer, _ in order}
+    for strand, layer, _ in order:
+        left[(strand, layer)] += 1
+    started: set[tuple[str, int]] = set()
+    firsts = {key for key in left if key[1] == 0}
+    with recorder.span(f"{label}.block"):
+        for strand, layer, name in order:
+            chain, key = chains[strand], (strand, layer)
+            run = chain.runs[layer]
+            if key not in started:
+                started.add(key)
+                chain.start(run, value[strand] if layer == 0 else chain.result(chain.runs[layer - 1]))
+            _run(run, Issue(strand=strand, op=by_name[strand][name]), recorder)
+            left[key] -= 1
+            if left[key]:
+                continue
+            if strand == "B":
+                chain.finished((layer,))
+            firsts.discard(key)
+            if key[1] == 0 and not firsts and opened is not None:
+                opened()
+            recorder.memory()
+    fwd.end(chain_result(fwd, value["F"]))
+    for run in fwd.runs + bwd.runs:
+        settle(run)
+    bwd.end(chain_result(bwd, value["B"]))
+
+
+def chain_result(chain: LayerChain, first):
+    """A chain's last layer's result (``first``, its begin's value, when it has no layer)."""
+    return chain.result(chain.runs[-1]) if chain.runs else first

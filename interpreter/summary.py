@@ -164,11 +164,11 @@ def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
     from dhelix.dsl.simulator.events import simulate
 
     try:
-        result = simulate(program, si=options.si, zero1=options.zero1)
+        result = simulate(program, si=options.si, zero1=options.zero1, scheduled=options.plan == "scheduled")
     except DhelixError as exc:
         return Figures(), f"cannot simulate this program: {exc.message}"
     note = "predicted " + profile_provenance(program.profile, program.cluster.profile)
-    if options.si and options.plan != "planned":
+    if options.si and options.plan not in ("planned", "scheduled"):
         note += "; it prices SI blocks with the planner's plan, this run used " + options.plan
     return Figures(step_time=result.step_time,
                    exposed_comm=max(r.layer_exposed + r.dp_exposed for r in result.ranks),

@@ -44,8 +44,8 @@ DEFAULT_STEPS = 10
 class RunOptions:
     """Everything a rank needs to run (picklable: spawned ranks receive it). ``text`` is the
     program file's text, checked again by every rank; ``plan`` names the SI plan
-    (planned, op_by_op, sequential) and ``pairs`` are the planner's segment pairs when it
-    is ``planned``; ``trace`` is where the trace goes (events are recorded only with one);
+    (planned, scheduled, op_by_op, sequential) and ``pairs`` are the planner's segment
+    pairs when it is ``planned``, the block orders when ``scheduled``; ``trace`` is where the trace goes (events are recorded only with one);
     ``profile`` replaces the cluster block's hardware profile (a shipped name or an absolute
     YAML path)."""
 
@@ -103,14 +103,19 @@ def preflight(program) -> None:
 
 
 def si_plan(program, name: str) -> tuple[str, tuple | None]:
-    """The SI plan to run: (its name, the planner's pairs for ``planned``). Without a
-    hardware profile the planner has no costs, so ``planned`` falls back to ``op_by_op``."""
+    """The SI plan to run: (its name, the planner's pairs for ``planned``, the block
+    scheduler's orders by layer counts for ``scheduled``). Without a hardware profile
+    neither has costs, so both fall back to ``op_by_op``."""
     from .si_plan import has_si_blocks, planned_pairs
 
-    if name != "planned" or not has_si_blocks(program.lowered):
+    if name not in ("planned", "scheduled") or not has_si_blocks(program.lowered):
         return name, None
     if program.profile is None:
         return "op_by_op", None
+    if name == "scheduled":
+        from dhelix.dsl.simulator.events import block_orders
+
+        return name, block_orders(program)
     return name, planned_pairs(program)
 
 
@@ -134,15 +139,18 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     program, _ = priced_program(options.text, options.path, options.profile, options.gpus_per_node)
     if options.gpus_per_node is not None and options.pairs is not None:
         # The plan was made for the declared lanes: plan again for the measured ones.
-        options = attrs.evolve(options, pairs=si_plan(program, "planned")[1])
+        options = attrs.evolve(options, pairs=si_plan(program, options.plan)[1])
     comm = DistComm(program.mesh, device, timeout_s=options.timeout)
     recorder = Recorder(trace=options.trace is not None, cuda=device.type == "cuda")
     # Every rank must run the same plan (collectives are issued in plan order); under
     # torchrun each process planned on its own, so rank 0's plan wins.
     pairs = broadcast_from_first(options.pairs)
+    orders = None
+    if options.plan == "scheduled" and pairs is not None:
+        orders, pairs = pairs, None
     plan_for = fixed_plan(pairs) if pairs is not None else PLANS.get(options.plan, PLANS["sequential"])
     executor = Executor(program, comm, seed=options.seed, device=device, si=options.si,
-                        plan_for=plan_for, use_tags=options.backend == "gloo",
+                        plan_for=plan_for, use_tags=options.backend == "gloo", block_orders=orders,
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat))
     config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
                          master=options.master)

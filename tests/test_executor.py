@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
+from dhelix.dsl.simulator.events import block_orders  # noqa: E402
 from dhelix.interpreter.comm import DistComm, SingleRankComm  # noqa: E402
 from dhelix.interpreter.executor import ExecutionError, Executor  # noqa: E402
 from dhelix.interpreter.harness import broadcast_from_first, check_steps, compare, reference_with  # noqa: E402
@@ -108,7 +109,7 @@ def test_a_failing_action_names_rank_action_and_grid():
 
 # -- one world of 4 gloo ranks ---------------------------------------------------------------
 
-#: name → (mesh, pipeline, fold, SI: on / off / "planned" / "barrier", ZeRO-1, steps[, layers,
+#: name → (mesh, pipeline, fold, SI: on / off / "planned" / "scheduled" / "barrier", ZeRO-1, steps[, layers,
 #: micro-batches]); "barrier": op_by_op with the barrier after every segment pair (the CUDA path);
 #: ZeRO-1 "forward": its weight gathers left in flight by the optimizer, landing layer by layer
 #: under the next step's forward (param_gather = forward)
@@ -138,6 +139,10 @@ CASES = {
     # the wgrads held across the layer pairs.
     "pp2_w_helix_planned_two_layer_chunks": ("tp = 2  pp = 2", "w_helix", "u", "planned", False, 1, 8, 4),
     "pp2_w_helix_barrier_two_layer_chunks": ("tp = 2  pp = 2", "w_helix", "u", "barrier", False, 1, 8, 4),
+    # The block scheduler's order (SI blocks run whole, the strands drifting across layers):
+    # two layers per chunk; DualPipeV's split backward with ZeRO-1, reducing under it.
+    "pp2_w_helix_scheduled_two_layer_chunks": ("tp = 2  pp = 2", "w_helix", "u", "scheduled", False, 1, 8, 4),
+    "pp2_dp2_dualpipe_v_scheduled": ("pp = 2  dp = 2", "dualpipe_v", "u", "scheduled", True, 2),
     # Lowered in FIFO order (a gradient no longer overtakes an activation between ranks 0
     # and 1), so it runs without message tags, as on NCCL.
     "pp4_dualpipe_v_untagged": ("pp = 4", "dualpipe_v", "u", "untagged", False, 1, 8, 8),
@@ -163,7 +168,9 @@ def _case(name: str):
     comm = DistComm(prog.mesh, timeout_s=60)
     # "planned": the planner's segment pairs (rank 0's, as `dhelix run` does).
     plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog))) if si == "planned" else op_by_op_plan
-    executor = Executor(prog, comm, seed=SEED, si=bool(si), plan_for=plan_for,
+    # "scheduled": the block scheduler's orders (rank 0's, as `dhelix run` does).
+    orders = broadcast_from_first(block_orders(prog)) if si == "scheduled" else None
+    executor = Executor(prog, comm, seed=SEED, si=bool(si), plan_for=plan_for, block_orders=orders,
                         pair_barrier=True if si == "barrier" else None, use_tags=si != "untagged")
     optimizer = for_executor(executor, zero1=bool(zero1), norms=False)
     landed = []  # per ready() call: the gathers in flight before and after it
@@ -221,7 +228,8 @@ def test_distributed_step_matches_reference(world_results, name):
 
 
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp2_dp2_zero1", "pp2_dp2_w_helix_gather_under_forward",
-                                  "pp2_dp2_zb_h1", "pp2_dp2_w_helix_pair_barrier", "pp2_dp2_dualpipe_v"])
+                                  "pp2_dp2_zb_h1", "pp2_dp2_w_helix_pair_barrier", "pp2_dp2_dualpipe_v",
+                                  "pp2_dp2_dualpipe_v_scheduled"])
 @pytest.mark.parametrize("rank", range(4))
 def test_gradients_are_reduced_under_the_backward_layer_by_layer(world_ranks, name, rank):
     result = world_ranks[rank][name]

@@ -270,6 +270,11 @@ RUNS = {
                                  "chunk fc1 along outputs by 2;chunk fc2 along outputs by 3;group weights", "", None,
                                  {"hidden": 42, "ffn": 66, "heads": 6, "kv": 3}),
     "dp4_outputs_hsdp_planned": ("dp = 4", "w_helix", "u", "chunk prj along outputs by 2", "shard = 2", "planned", {}),
+    # The block scheduler's order: each layer's weights waited for as the layer starts, the
+    # forward strand running ahead of the backward; with recomputation and with weight chunks.
+    "tp2_dp2_recompute_scheduled": ("tp = 2  dp = 2", "w_helix", "u", "", "recompute = full", "scheduled", {}),
+    "dp4_outputs_hsdp_scheduled": ("dp = 4", "w_helix", "u", "chunk prj along outputs by 2", "shard = 2",
+                                   "scheduled", {}),
 }
 
 
@@ -279,6 +284,7 @@ def _runs(rank: int, world: int) -> dict:
     from dhelix.interpreter.harness import broadcast_from_first, check_steps
     from dhelix.interpreter.optim import AdamWConfig, for_executor
     from dhelix.interpreter.si_plan import fixed_plan, op_by_op_plan, planned_pairs
+    from dhelix.dsl.simulator.events import block_orders
 
     results = {}
     for name, (mesh, pipeline, fold, partition, train, si, sizes) in RUNS.items():
@@ -286,7 +292,8 @@ def _runs(rank: int, world: int) -> dict:
         comm = DistComm(prog.mesh, timeout_s=60)
         plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog) if rank == 0 else None)) \
             if si == "planned" else op_by_op_plan
-        executor = Executor(prog, comm, seed=7, si=si is not None, plan_for=plan_for)
+        orders = broadcast_from_first(block_orders(prog) if rank == 0 else None) if si == "scheduled" else None
+        executor = Executor(prog, comm, seed=7, si=si is not None, plan_for=plan_for, block_orders=orders)
         # As `dhelix run` builds it: the dense gradients reduced under the backward.
         optimizer = for_executor(executor, zero1=True, config=AdamWConfig(clip=0.5))
         taken = []  # per hand-over: the ZeRO-3 pieces the optimizer took

@@ -215,13 +215,16 @@ def test_the_partition_block_prints_canonically_and_parses_back():
 
 # -- exact execution: one world of 4 gloo ranks -----------------------------------------------
 
-#: name -> (partition statements, mesh, pipeline, fold, SI: False | "planned")
+#: name -> (partition statements, mesh, pipeline, fold, SI: False | "planned" | "scheduled")
 RUNS = {
     "qkv2_mlp4_w_helix_planned_si": (f"{QKV_BY_2};{MLP_BY_4}", "tp = 2  pp = 2", "w_helix", "u", "planned"),
     # tp = 4 over two "nodes" of 2 ranks: hierarchical collectives, chunked too (the
     # row-parallel chunks cut the gathered attention output by rank blocks), with SI.
     "group_tp4_w_helix_planned_si": (f"chunk prj + rs1 by 2;{MLP_BY_2};{GROUP_ALL}", "tp = 4", "w_helix", "u",
                                      "planned"),
+    # ... in the block scheduler's order (the chunks' collectives on both lanes).
+    "group_tp4_w_helix_scheduled_si": (f"chunk prj + rs1 by 2;{MLP_BY_2};{GROUP_ALL}", "tp = 4", "w_helix", "u",
+                                       "scheduled"),
     # The orders the run above does not take: an all_gather inside the node first (blocks
     # in order), a reduce_scatter across nodes first.
     "group_tp4_other_orders_1f1b": ("group ag1 + rs1 first intra;group ag2 + rs2 first inter", "tp = 4",
@@ -249,6 +252,7 @@ def _runs(rank: int, world: int) -> dict:
     from dhelix.interpreter.harness import broadcast_from_first, check_steps
     from dhelix.interpreter.optim import DistributedAdamW
     from dhelix.interpreter.si_plan import fixed_plan, op_by_op_plan, planned_pairs
+    from dhelix.dsl.simulator.events import block_orders
 
     results = {}
     for name, (partition, mesh, pipeline, fold, si) in RUNS.items():
@@ -257,8 +261,9 @@ def _runs(rank: int, world: int) -> dict:
         comm = DistComm(prog.mesh, timeout_s=60)
         # The planner runs on rank 0 only (as `dhelix run` plans once): the ranks share 2 cores.
         plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog) if rank == 0 else None)) \
-            if si else op_by_op_plan
-        executor = Executor(prog, comm, seed=7, si=bool(si), plan_for=plan_for)
+            if si == "planned" else op_by_op_plan
+        orders = broadcast_from_first(block_orders(prog) if rank == 0 else None) if si == "scheduled" else None
+        executor = Executor(prog, comm, seed=7, si=bool(si), plan_for=plan_for, block_orders=orders)
         results[name] = check_steps(executor, DistributedAdamW(executor.params, comm), 1, 3)
     results["substitution"] = _substitution(rank, torch)
     return results

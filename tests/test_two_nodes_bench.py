@@ -122,13 +122,22 @@ class QuietReport(two_nodes.Report):
 
 def test_the_summary_s_ratio_and_hidden_fraction():
     report = QuietReport()
-    two_nodes.summarise({"SI planned": runs(7.0, 6.0, 8.0), "SI op_by_op": runs(9.0),
+    two_nodes.summarise({"SI planned": runs(7.0, 6.0, 8.0), "SI scheduled": runs(6.5), "SI op_by_op": runs(9.0),
                          "no SI": runs(10.0, exposed=6.0), "comm only": runs(5.0)}, report)
     text = "\n".join(report.lines)
     assert "= 4.000 s" in text  # compute = 10 - 6
     # planned: median 7 s → 7 / 10 = 0.700 (goal met); hidden (10 - 7) / min(4, 5) = 75 %
-    assert "SI planned    SI ÷ no-SI 0.700   hidden 75 %   goals: SI ÷ no-SI met, hidden not met" in text
-    assert "SI op_by_op   SI ÷ no-SI 0.900   hidden 25 %" in text
+    assert "SI planned     SI ÷ no-SI 0.700   hidden 75 %   goals: SI ÷ no-SI met, hidden not met" in text
+    assert "SI scheduled   SI ÷ no-SI 0.650   hidden 88 %   goals: SI ÷ no-SI met, hidden met" in text
+    assert "SI op_by_op    SI ÷ no-SI 0.900   hidden 25 %" in text
+
+
+def test_skip_leaves_the_other_modes_and_refuses_the_baselines():
+    names = [mode.name for mode in two_nodes.selected_modes(two_nodes.parse_args(["--skip", "SI op_by_op"]))]
+    assert names == ["SI planned", "SI scheduled", "no SI", "comm only"]
+    for bad in ("no SI", "SI nothing"):
+        with pytest.raises(two_nodes.BenchError, match="give SI modes among"):
+            two_nodes.selected_modes(two_nodes.parse_args(["--skip", bad]))
 
 
 def test_a_trace_folder_holding_an_earlier_trace_is_refused(tmp_path, capsys):

@@ -50,9 +50,11 @@ def register(subparsers) -> None:
                      help="training steps (default: the train block's steps, else 10)")
     run.add_argument("--no-si", dest="si", action="store_false",
                      help="run SI blocks as a forward then a backward (same numbers, no overlap)")
-    run.add_argument("--si-plan", choices=("planned", "op_by_op", "sequential"), default="planned",
-                     help="segment pairs of SI blocks: the planner's (default; op_by_op when the "
-                          "cluster names no profile), op i beside op i, or no interleaving")
+    run.add_argument("--si-plan", choices=("planned", "scheduled", "op_by_op", "sequential"), default="planned",
+                     help="how SI blocks run: the planner's segment pairs, layer pair by layer pair "
+                          "(default), one order of the whole block from the block scheduler, both "
+                          "from the profile (op_by_op when the cluster names none), op i beside op "
+                          "i, or no interleaving")
     run.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace of what ran")
     run.add_argument("--metrics", metavar="OUT.json",
                      help="write the summary's figures as JSON: step time and exposed communication "

@@ -70,6 +70,11 @@ class LayerCosts:
     backward_input: Work
     weight: Work
     pair: Work | None  # one SI layer pair, from the plan (None without a plan)
+    #: What a backward layer runs again first (recomputation; NOTHING without).
+    again: Work = attrs.field(default=Work(0.0))
+    #: SI blocks priced whole by the block scheduler
+    #: (:class:`~dhelix.dsl.planner.blockorder.BlockScheduler`), not pair by pair: None.
+    block: object = None
 
 
 @attrs.frozen
@@ -164,7 +169,7 @@ def layer_costs(program: Program, cost: PairCost, plan: Plan | None) -> LayerCos
         forward=fwd, backward=again + solo_work(cost, backward.ops),
         backward_input=again + solo_work(cost, (op for op in backward.ops if not in_weight_pass(op))),
         weight=solo_work(cost, (op for op in backward.ops if in_weight_pass(op))),
-        pair=again + plan_work(plan) if plan is not None else None)
+        pair=again + plan_work(plan) if plan is not None else None, again=again)
 
 
 def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None) -> StepCosts:

@@ -46,6 +46,7 @@ from dhelix.dsl.core.errors import CheckError, DhelixError
 from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, head_activations, layer_activations,
                                          model_states, recomputed, selectively_recomputed)
+from dhelix.dsl.planner.blockorder import BlockScheduler
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
@@ -86,6 +87,28 @@ def schedule_plan(program: Program, cost: PairCost | None = None, **bounds) -> P
     if program.lowered is not None and program.lowered.split:
         backward = input_backward(backward)
     return plan_layers(program.forward, backward, program.strands, cost, **bounds)
+
+
+def block_scheduler(program: Program, cost: PairCost | None = None) -> BlockScheduler:
+    """The block scheduler of the program's SI blocks (:mod:`dhelix.dsl.planner.blockorder`):
+    the forward DAG beside the backward as the schedule runs it, priced by ``cost`` (the
+    program's profile when None: :func:`require_profile`'s error when there is none)."""
+    if cost is None:
+        require_profile(program)
+        cost = cost_of(program)
+    backward = program.backward
+    if program.lowered is not None and program.lowered.split:
+        backward = input_backward(backward)
+    return BlockScheduler(program.forward.ops, backward.ops, (program.forward.output, program.backward.output),
+                          lambda op: cost.solo((op,)), program.profile.slowdown)
+
+
+def block_orders(program: Program) -> dict[tuple[int, int], tuple]:
+    """The block order for every (forward layers, backward layers) an SI block of the
+    program can have: what every rank of a run must follow alike."""
+    scheduler = block_scheduler(program)
+    counts = sorted({len(stage.layers) for stage in program.placement.stages})
+    return {(nf, nb): scheduler(nf, nb).order for nf in counts for nb in counts}
 
 
 @attrs.frozen
@@ -278,6 +301,8 @@ class _Expander:
 
     def _interleaved(self, fstage: int, bstage: int) -> list[Piece]:
         pair = self.costs.layer.pair
+        if self.si and self.costs.layer.block is not None:
+            return self._scheduled(fstage, bstage)
         if not self.si or pair is None:
             return self._forward(fstage) + self._backward(bstage)
         nf, nb = self._count(fstage), self._count(bstage)
@@ -290,6 +315,25 @@ class _Expander:
             body.append(attrs.evolve(b, work=pair, alloc=self.kept.total + self.rebuilt, weights=k))
         body += [Piece(self.costs.layer.forward, alloc=self.kept.total, weights=k) for k in range(paired, nf)]
         body += [self._layer_b(i) for i in reversed(range(nb - paired))]
+        return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)
+                + self._embed_b(bstage))
+
+    def _scheduled(self, fstage: int, bstage: int) -> list[Piece]:
+        # The block scheduler's make-span for the whole block, cut into max(nf, nb) equal
+        # layer-sized pieces that allocate and free as the pairs of _interleaved do.
+        nf, nb = self._count(fstage), self._count(bstage)
+        block = self.costs.layer.block(nf, nb)
+        steps = max(nf, nb, 1)
+        share = Work(block.makespan / steps, block.comm / steps, block.comm_exposed / steps)
+        body = []
+        for k in range(steps):
+            alloc = self.kept.total if k < nf else 0.0
+            if k < nb:
+                b = self._layer_b(nb - 1 - k)
+                body.append(attrs.evolve(b, work=share + self.costs.layer.again, alloc=alloc + self.rebuilt,
+                                         weights=k if k < nf else None))
+            else:
+                body.append(Piece(share, alloc=alloc, weights=k))
         return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)
                 + self._embed_b(bstage))
 
@@ -602,13 +646,16 @@ def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
 # ---------------------------------------------------------------- the entry points
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
-             cost: PairCost | None = None, costs: StepCosts | None = None, label: str = "") -> Simulation:
+             cost: PairCost | None = None, costs: StepCosts | None = None, label: str = "",
+             scheduled: bool = False) -> Simulation:
     """Simulate one training step of a validated ``program`` (with a profile).
 
     ``plan`` prices the SI blocks (planned with :func:`schedule_plan` when the schedule has
     SI blocks and none is given); ``si=False`` runs every SI block as its F then its B;
     ``zero1`` shards the optimizer states over the gradient-sync group, as does the program's
-    ``train { zero = 1 }`` (``zero1`` can only add the sharding). ``costs`` replaces
+    ``train { zero = 1 }`` (``zero1`` can only add the sharding). ``scheduled`` prices
+    every SI block whole by the block scheduler (what ``dhelix run --si-plan scheduled``
+    runs) instead of layer pair by layer pair with the plan. ``costs`` replaces
     the :func:`sim_costs.step_costs` of the program, for what-if studies (free pipeline
     transfers, no LM head, …); its ``layer.pair`` then prices the SI blocks. Returns the
     :class:`Simulation`; raises DhelixError for a program without a profile.
@@ -619,6 +666,8 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         if si and plan is None and has_si(program):
             plan = schedule_plan(program, cost)
         costs = step_costs(program, plan if si else None, cost)
+        if si and scheduled and has_si(program):
+            costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, block=block_scheduler(program, cost)))
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
     run = _Run(program, costs, si, zero1)
     run.run()
