@@ -200,3 +200,22 @@ def test_two_tp_ranks_issue_the_same_block_order(tmp_path):
     order = ranks[0]["expected"]
     assert any(name.startswith("F.ag") and any(o.startswith("B.") and o.endswith("dgrad") for o in order[i + 1:])
                for i, name in enumerate(order))
+
+
+def test_simulate_cli_prices_si_blocks_with_the_block_scheduler(capsys):
+    import json
+
+    from conftest import ROOT
+    from dhelix.cli import main
+
+    example = str(ROOT / "examples" / "tiny_llama_cpu.dhx")
+    steps = {}
+    for plan in ("planned", "scheduled"):
+        assert main(["simulate", example, "--json", "--si-plan", plan]) == 0
+        steps[plan] = json.loads(capsys.readouterr().out)["step_s"]
+    assert steps["scheduled"] != steps["planned"]
+    assert main(["simulate", example, "--compare", "--json", "--si-plan", "scheduled"]) == 0
+    written, off, _ = json.loads(capsys.readouterr().out)
+    assert written["step_s"] == steps["scheduled"] and off["step_s"] != written["step_s"]
+    assert main(["simulate", example, "--si-plan", "scheduled"]) == 0
+    assert "SI blocks priced whole by the block scheduler" in capsys.readouterr().out

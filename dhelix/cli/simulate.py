@@ -1,4 +1,4 @@
-"""`dhelix simulate FILE [--compare] [--zero1] [--trace OUT.json]`: predict one training step.
+"""`dhelix simulate FILE [--compare] [--zero1] [--si-plan P] [--trace OUT.json]`: predict one training step.
 
 Prints the simulator's report (:func:`dsl.simulator.report.format_simulation`): step time,
 tokens/s, TFLOPS/GPU, MFU, bubble ratio, communication hidden and exposed, and memory per
@@ -6,7 +6,9 @@ pipeline rank. ``--compare`` prints instead the side-by-side table of the progra
 with SI off, and as 1F1B without folding (for a program with a partition block: Centauri + SI,
 SI only, Centauri only and the 1F1B baseline). ``--zero1`` shards the optimizer states (and
 reduce-scatters the gradients, all-gathers the weights) over the data-parallel group.
-``--trace`` writes the Chrome trace of the run as written (open it in ui.perfetto.dev).
+``--si-plan scheduled`` prices the SI blocks whole in the block scheduler's order, as
+``dhelix run --si-plan scheduled`` runs them. ``--trace`` writes the Chrome trace of the run
+as written (open it in ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ def register(subparsers) -> None:
     sim.add_argument("--strict", action="store_true",
                      help="a rank whose predicted peak memory exceeds the profile's device memory is an "
                           "error (exit 1), not a warning")
+    sim.add_argument("--si-plan", choices=("planned", "scheduled"), default="planned",
+                     help="price SI blocks layer pair by layer pair with the planner's plan, or whole in "
+                          "the block scheduler's order (as `dhelix run --si-plan` runs them)")
     add_profile_argument(sim)
     sim.add_argument("--json", action="store_true",
                      help="print the figures as JSON instead of the tables (seconds, bytes, ratios; with "
@@ -69,8 +74,11 @@ def cmd_simulate(args) -> int:
                   f"sequential ({plan.speedup:.3f}x)")
     title += "".join(f"\n{choice.block} {choice.describe()}" for choice in chunks)
     variants = compare_partition if program.partition is not None else compare
-    sims = variants(program, plan, zero1=args.zero1) if args.compare else (
-        simulate(program, plan, zero1=args.zero1, cost=cost, label="as written"),)
+    scheduled = args.si_plan == "scheduled"
+    if plan is not None and scheduled:
+        title += "; SI blocks priced whole by the block scheduler"
+    sims = variants(program, plan, zero1=args.zero1, scheduled=scheduled) if args.compare else (
+        simulate(program, plan, zero1=args.zero1, cost=cost, label="as written", scheduled=scheduled),)
     if args.json:
         figures = [simulation_metrics(sim) for sim in sims]
         print(json.dumps(figures if args.compare else figures[0], indent=1))

@@ -4,8 +4,9 @@ The planner (:mod:`.pairing`) cuts one layer pair into segment pairs, and every 
 of a block runs that plan, one after the other. At a layer boundary both strands then need
 a collective that depends on the previous layer's last one (a Llama layer under sequence
 parallelism ends each half with a reduce-scatter followed, after a norm, by an all-gather),
-and on one host thread both wait together: in a two-node run the thread idled about a
-quarter of every layer pair there (``benchmarks/results/cpu_two_nodes_block_scheduler.txt``).
+and on one host thread both wait together: in a two-node run the thread waited about a
+quarter of every layer pair (``benchmarks/results/cpu_two_nodes_block_scheduler.txt``; there,
+bound by the link, this order measured no faster than the plan's).
 
 :func:`schedule_block` instead orders every op of the block — forward layers ``0 … nf-1``
 of one strand, backward layers ``0 … nb-1`` of the other — by list scheduling over a model

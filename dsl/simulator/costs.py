@@ -71,7 +71,7 @@ class LayerCosts:
     weight: Work
     pair: Work | None  # one SI layer pair, from the plan (None without a plan)
     #: What a backward layer runs again first (recomputation; NOTHING without).
-    again: Work = attrs.field(default=Work(0.0))
+    again: Work = NOTHING
     #: SI blocks priced whole by the block scheduler
     #: (:class:`~dhelix.dsl.planner.blockorder.BlockScheduler`), not pair by pair: None.
     block: object = None

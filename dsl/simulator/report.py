@@ -47,22 +47,25 @@ def unpartitioned(program: Program) -> Program:
                         after="check")
 
 
-def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False) -> tuple[Simulation, ...]:
-    """Three simulations of ``program``: as written, SI off, and 1F1B without folding."""
+def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False,
+            scheduled: bool = False) -> tuple[Simulation, ...]:
+    """Three simulations of ``program``: as written (SI blocks by the block scheduler with
+    ``scheduled``), SI off, and 1F1B without folding."""
     require_profile(program)
     cost = cost_of(program)
     if plan is None and has_si(program):
         plan = schedule_plan(program, cost)
-    return (simulate(program, plan, zero1=zero1, cost=cost, label="as written"),
+    return (simulate(program, plan, zero1=zero1, cost=cost, label="as written", scheduled=scheduled),
             simulate(program, plan, si=False, zero1=zero1, cost=cost, label="SI off"),
             simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="1F1B, fold none"))
 
 
 def compare_partition(program: Program, plan: Plan | None = None, *,
-                      zero1: bool = False) -> tuple[Simulation, ...]:
+                      zero1: bool = False, scheduled: bool = False) -> tuple[Simulation, ...]:
     """Four simulations of ``program``, which has a partition block: Centauri + SI (as
     written), SI only (no partition), Centauri only (1F1B without folding, partitioned) and
-    Megatron's baseline (1F1B without folding, no partition)."""
+    Megatron's baseline (1F1B without folding, no partition); the SI blocks by the block
+    scheduler with ``scheduled``."""
     require_profile(program)
     cost = cost_of(program)
     if plan is None and has_si(program):
@@ -70,8 +73,8 @@ def compare_partition(program: Program, plan: Plan | None = None, *,
     plain = unpartitioned(program)
     plain_cost = cost_of(plain)
     plain_plan = schedule_plan(plain, plain_cost) if has_si(plain) else None
-    return (simulate(program, plan, zero1=zero1, cost=cost, label="Centauri + SI"),
-            simulate(plain, plain_plan, zero1=zero1, cost=plain_cost, label="SI only"),
+    return (simulate(program, plan, zero1=zero1, cost=cost, label="Centauri + SI", scheduled=scheduled),
+            simulate(plain, plain_plan, zero1=zero1, cost=plain_cost, label="SI only", scheduled=scheduled),
             simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="Centauri only"),
             simulate(unfolded_1f1b(plain), zero1=zero1, cost=plain_cost, label="baseline (1F1B)"))
 
