@@ -47,7 +47,7 @@ from .pipeline_comm import PipelineComm, check_fifo
 from .reference import Batch
 from .ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
-from .si import Filler, LayerChain, run_alone, run_interleaved, run_scheduled
+from .si import Filler, LayerChain, check_orders, run_alone, run_interleaved, run_scheduled
 from .si_plan import PlanFn, backward_ops, check_plan, sequential_plan
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 
@@ -129,6 +129,9 @@ class Executor:
         #: The block scheduler's orders by (forward layers, backward layers): SI blocks run
         #: whole in that order (:func:`.si.run_scheduled`) instead of pair by pair; None.
         self.block_orders = block_orders
+        if block_orders is not None:
+            check_orders(block_orders, program.forward.ops, self.b_ops,
+                         {len(stage.layers) for stage in program.placement.stages})
         self.si_order = BlockOrder.build(self.plan, program.forward.ops, self.b_ops, barrier,
                                          (program.forward.output, program.backward.output))
         if not use_tags and check_fifo(self.lowered):
@@ -491,7 +494,8 @@ class Executor:
         fwd, bwd = self.forward_chain(action.fwd), self.backward_chain(action.bwd)
         if self.block_orders is not None:
             order = self.block_orders[(len(fwd.runs), len(bwd.runs))]
-            run_scheduled(fwd, bwd, order, self.recorder, str(action), self._opened)
+            run_scheduled(fwd, bwd, order, self.recorder, str(action),
+                          (self.program.forward.output, self.program.backward.output), self._opened)
             return
         run_interleaved(fwd, bwd, self.si_order, self.recorder, str(action), self.filler, self._opened)
 

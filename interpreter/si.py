@@ -317,14 +317,17 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
 
 
 def run_scheduled(fwd: LayerChain, bwd: LayerChain, order: Sequence[tuple[str, int, str]], recorder: Recorder,
-                  label: str, opened: Callable[[], None] | None = None) -> None:
+                  label: str, outputs: tuple[str, str], opened: Callable[[], None] | None = None) -> None:
     """Run an SI block in the block scheduler's order (:mod:`dhelix.dsl.planner.blockorder`):
     ``order`` lists every op of both chains as (strand, layer, op name), each after its
     producers, the strands free to drift apart across layers. A layer starts (its input or
     output gradient given, its weights waited for) just before its first op; a backward
     layer is reported done after its last. Every collective is issued asynchronously and
-    waited for by the op that reads it; nothing is left in flight at the block's end.
-    ``opened`` is called once both strands' first layers have run whole."""
+    waited for by the op that reads it; nothing is left in flight at the block's end. There
+    is no barrier between ops on CUDA either (the order, not segment pairs, is what the
+    model priced). ``outputs`` name the ops producing a layer's output and its input
+    gradient; ``opened`` is called once both strands' first layers have run them (their
+    openings' collectives have arrived)."""
     chains = {"F": fwd, "B": bwd}
     by_name = {strand: {op.name: op for op in chain.ops} for strand, chain in chains.items()}
     value = {"F": fwd.begin(), "B": bwd.begin()}
@@ -332,7 +335,7 @@ def run_scheduled(fwd: LayerChain, bwd: LayerChain, order: Sequence[tuple[str, i
     for strand, layer, _ in order:
         left[(strand, layer)] += 1
     started: set[tuple[str, int]] = set()
-    firsts = {key for key in left if key[1] == 0}
+    firsts = {(strand, 0, output) for (strand, chain), output in zip(chains.items(), outputs) if chain.runs}
     with recorder.span(f"{label}.block"):
         for strand, layer, name in order:
             chain, key = chains[strand], (strand, layer)
@@ -341,14 +344,15 @@ def run_scheduled(fwd: LayerChain, bwd: LayerChain, order: Sequence[tuple[str, i
                 started.add(key)
                 chain.start(run, value[strand] if layer == 0 else chain.result(chain.runs[layer - 1]))
             _run(run, Issue(strand=strand, op=by_name[strand][name]), recorder)
+            if (strand, layer, name) in firsts:
+                firsts.discard((strand, layer, name))
+                if not firsts and opened is not None:
+                    opened()
             left[key] -= 1
             if left[key]:
                 continue
             if strand == "B":
                 chain.finished((layer,))
-            firsts.discard(key)
-            if key[1] == 0 and not firsts and opened is not None:
-                opened()
             recorder.memory()
     fwd.end(chain_result(fwd, value["F"]))
     for run in fwd.runs + bwd.runs:
@@ -359,3 +363,19 @@ def run_scheduled(fwd: LayerChain, bwd: LayerChain, order: Sequence[tuple[str, i
 def chain_result(chain: LayerChain, first):
     """A chain's last layer's result (``first``, its begin's value, when it has no layer)."""
     return chain.result(chain.runs[-1]) if chain.runs else first
+
+
+def check_orders(orders: dict, fwd_ops: Sequence[Op], bwd_ops: Sequence[Op], counts: set[int]) -> None:
+    """Raise ValueError unless ``orders`` (block orders by (forward layers, backward
+    layers)) has one for every pair of ``counts`` and each runs every op of its layers once:
+    an order made for another program would skip ops or stop a step halfway."""
+    for key in ((nf, nb) for nf in counts for nb in counts):
+        if key not in orders:
+            raise ValueError(f"no block order for {key[0]} forward and {key[1]} backward layers "
+                             "(the orders were made for another program)")
+        want = sorted([("F", layer, op.name) for layer in range(key[0]) for op in fwd_ops]
+                      + [("B", layer, op.name) for layer in range(key[1]) for op in bwd_ops])
+        if sorted(tuple(issue) for issue in orders[key]) != want:
+            raise ValueError(f"the block order for {key[0]} forward and {key[1]} backward layers does not run "
+                             "each of their ops once (it was made for another program)")
+

@@ -44,8 +44,7 @@ DEFAULT_STEPS = 10
 class RunOptions:
     """Everything a rank needs to run (picklable: spawned ranks receive it). ``text`` is the
     program file's text, checked again by every rank; ``plan`` names the SI plan
-    (planned, scheduled, op_by_op, sequential) and ``pairs`` are the planner's segment
-    pairs when it is ``planned``, the block orders when ``scheduled``; ``trace`` is where the trace goes (events are recorded only with one);
+    (planned, scheduled, op_by_op, sequential), ``pairs`` what it needs (below); ``trace`` is where the trace goes (events are recorded only with one);
     ``profile`` replaces the cluster block's hardware profile (a shipped name or an absolute
     YAML path)."""
 
@@ -61,7 +60,9 @@ class RunOptions:
     zero1: bool = False
     timeout: float = 60.0
     check: bool = False
-    pairs: tuple | None = None
+    #: The planner's segment pairs (``planned``) or the block orders by layer counts
+    #: (``scheduled``), rank 0's; None otherwise.
+    pairs: tuple | dict | None = None
     profile: str | None = None
     #: The training data (:class:`~.data.DataSpec`; None: seeded random tokens).
     data: object = None
@@ -102,7 +103,7 @@ def preflight(program) -> None:
         raise DhelixError(f"the interpreter cannot run this program: {exc}") from None
 
 
-def si_plan(program, name: str) -> tuple[str, tuple | None]:
+def si_plan(program, name: str) -> tuple[str, tuple | dict | None]:
     """The SI plan to run: (its name, the planner's pairs for ``planned``, the block
     scheduler's orders by layer counts for ``scheduled``). Without a hardware profile
     neither has costs, so both fall back to ``op_by_op``."""

@@ -143,6 +143,7 @@ CASES = {
     # two layers per chunk; DualPipeV's split backward with ZeRO-1, reducing under it.
     "pp2_w_helix_scheduled_two_layer_chunks": ("tp = 2  pp = 2", "w_helix", "u", "scheduled", False, 1, 8, 4),
     "pp2_dp2_dualpipe_v_scheduled": ("pp = 2  dp = 2", "dualpipe_v", "u", "scheduled", True, 2),
+    "pp2_dp2_w_helix_scheduled": ("pp = 2  dp = 2", "w_helix", "u", "scheduled", True, 2, 8, 4),
     # Lowered in FIFO order (a gradient no longer overtakes an activation between ranks 0
     # and 1), so it runs without message tags, as on NCCL.
     "pp4_dualpipe_v_untagged": ("pp = 4", "dualpipe_v", "u", "untagged", False, 1, 8, 8),
@@ -229,7 +230,7 @@ def test_distributed_step_matches_reference(world_results, name):
 
 @pytest.mark.parametrize("name", ["tp2_dp2", "tp2_dp2_zero1", "pp2_dp2_w_helix_gather_under_forward",
                                   "pp2_dp2_zb_h1", "pp2_dp2_w_helix_pair_barrier", "pp2_dp2_dualpipe_v",
-                                  "pp2_dp2_dualpipe_v_scheduled"])
+                                  "pp2_dp2_dualpipe_v_scheduled", "pp2_dp2_w_helix_scheduled"])
 @pytest.mark.parametrize("rank", range(4))
 def test_gradients_are_reduced_under_the_backward_layer_by_layer(world_ranks, name, rank):
     result = world_ranks[rank][name]

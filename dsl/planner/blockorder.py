@@ -29,8 +29,14 @@ critical path can starve the other strand's collectives, and unlocking first can
 long strand's work for the end.
 
 Nothing ties a strand's layer to the other strand's layer of the same index, so the
-strands drift apart by whatever the dependencies allow: while one strand waits for its
-reduce-scatter and all-gather, the other computes, possibly its next layer.
+strands drift apart: while one strand waits for its reduce-scatter and all-gather, the other
+computes, possibly its next layer. Memory bounds the drift (:func:`block_nodes`): backward
+layer k+2 starts only once every op of backward layer k has run (its wgrads, which nothing
+else waits for, cannot be put off to the block's end: their saved tensors stay alive at
+most two layers), and forward layer k+2 only once backward layer k has (the forward
+allocates no further ahead of what the backward frees than that). A collective whose input
+is another collective is issued only once that one has arrived (issuing it earlier would
+block the thread on it).
 
 The order is a function of the DAGs, the layer counts and the profile's op times only —
 the same on every rank of a group, as the collectives' matching by order requires — and the
@@ -41,7 +47,6 @@ flight stretched by the profile's ``slowdown``.
 
 from __future__ import annotations
 
-import heapq
 from typing import Callable, Sequence
 
 import attrs
@@ -61,7 +66,9 @@ class BlockSchedule:
     makespan: float
     compute: float  # the compute lane's busy time
     comm: float  # the collectives' time, all lanes
-    waits: float  # the compute lane idle before the make-span (waiting for collectives)
+    #: The thread idle before its last op (waiting for collectives); with a collective
+    #: ending the block, make-span = compute + waits + that tail.
+    waits: float
 
     @property
     def comm_exposed(self) -> float:
@@ -84,15 +91,38 @@ def chain_nodes(ops: Sequence[Op], output: str, strand: str, layers: int) -> dic
     return nodes
 
 
+#: How many layers a strand may start ahead of the backward layers that have run whole.
+LAG = 2
+
+
+def block_nodes(fwd: Sequence[Op], bwd: Sequence[Op], outputs: tuple[str, str],
+                layers: tuple[int, int]) -> dict[BlockIssue, list[BlockIssue]]:
+    """Both chains' ops with their producers (:func:`chain_nodes`), plus the memory bound of
+    the module: the ops that start forward or backward layer k + LAG also wait for every op
+    of backward layer k."""
+    nodes = chain_nodes(fwd, outputs[0], "F", layers[0]) | chain_nodes(bwd, outputs[1], "B", layers[1])
+    for strand, ops, count in (("F", fwd, layers[0]), ("B", bwd, layers[1])):
+        names = {op.name for op in ops}
+        roots = [op.name for op in ops if not any(dep in names for dep in op.deps)]
+        for layer in range(LAG, count):
+            if layer - LAG >= layers[1]:
+                break
+            done = [("B", layer - LAG, op.name) for op in bwd]
+            for root in roots:
+                nodes[(strand, layer, root)] = nodes[(strand, layer, root)] + done
+    return nodes
+
+
 def schedule_block(fwd: Sequence[Op], bwd: Sequence[Op], outputs: tuple[str, str], layers: tuple[int, int],
                    seconds: Callable[[Op], float], slowdown: float = 0.0) -> BlockSchedule:
-    """The block order of ``layers[0]`` forward layers (DAG ops ``fwd``, output op
-    ``outputs[0]``) beside ``layers[1]`` backward layers (``bwd``, ``outputs[1]``), by the
-    rules of the module; ``seconds(op)`` is an op's time alone."""
+    """The block order of ``layers[0]`` forward layers (DAG ops ``fwd``, in a topological
+    order, output op ``outputs[0]``) beside ``layers[1]`` backward layers (``bwd``,
+    ``outputs[1]``), by the rules of the module; ``seconds(op)`` is an op's time alone,
+    ``slowdown`` the profile's stretch of compute beside a collective. Returns the order
+    and its modelled times (the best of the module's two priorities)."""
     ops = {("F", op.name): op for op in fwd}
     ops.update({("B", op.name): op for op in bwd})
-    nodes = chain_nodes(fwd, outputs[0], "F", layers[0])
-    nodes.update(chain_nodes(bwd, outputs[1], "B", layers[1]))
+    nodes = block_nodes(fwd, bwd, outputs, tuple(layers))
     duration = {node: seconds(ops[(node[0], node[2])]) for node in nodes}
     succ: dict[BlockIssue, list[BlockIssue]] = {node: [] for node in nodes}
     for node, deps in nodes.items():
@@ -115,19 +145,29 @@ def schedule_block(fwd: Sequence[Op], bwd: Sequence[Op], outputs: tuple[str, str
 def _list_schedule(nodes, succ, ops, duration, priority, slowdown, layers) -> BlockSchedule:
     """The list schedule of the module's model with ``priority`` (a sort key per op)."""
     left = {node: len(deps) for node, deps in nodes.items()}
-    comms: list = []  # ready collectives: (priority, node)
+    comms: list[BlockIssue] = []  # ready collectives
     computes: list[BlockIssue] = []  # ready compute ops
     for node, count in left.items():
         if count == 0:
-            _push(node, ops, comms, computes, priority)
+            _push(node, ops, comms, computes)
     done: dict[BlockIssue, float] = {}
     lane_free: dict[str, float] = {}
     in_flight: list[tuple[float, float]] = []  # (start, end) of every collective
     order: list[BlockIssue] = []
     now = busy = waits = comm_time = 0.0
+
+    def arrival(node) -> float:  # when the collectives a collective reads have arrived
+        return max([0.0] + [done[dep] for dep in nodes[node] if ops[(dep[0], dep[2])].kind == "comm"])
+
     while comms or computes:
-        if comms:
-            node = heapq.heappop(comms)[1]
+        issuable = [node for node in comms if arrival(node) <= now]
+        if issuable or not computes:
+            node = min(issuable, key=priority.__getitem__) if issuable else \
+                min(comms, key=lambda n: (arrival(n), priority[n]))
+            comms.remove(node)
+            if arrival(node) > now:  # nothing else to run: the thread waits for its input
+                waits += arrival(node) - now
+                now = arrival(node)
             lane = ops[(node[0], node[2])].lane
             start = max([now, lane_free.get(lane, 0.0)] + [done[dep] for dep in nodes[node]])
             done[node] = lane_free[lane] = start + duration[node]
@@ -145,17 +185,14 @@ def _list_schedule(nodes, succ, ops, duration, priority, slowdown, layers) -> Bl
         for nxt in succ[node]:
             left[nxt] -= 1
             if left[nxt] == 0:
-                _push(nxt, ops, comms, computes, priority)
+                _push(nxt, ops, comms, computes)
     makespan = max(done.values(), default=0.0)
     return BlockSchedule(order=tuple(order), layers=layers, makespan=makespan, compute=busy,
                          comm=comm_time, waits=waits)
 
 
-def _push(node, ops, comms, computes, priority) -> None:
-    if ops[(node[0], node[2])].kind == "comm":
-        heapq.heappush(comms, (priority[node], node))
-    else:
-        computes.append(node)
+def _push(node, ops, comms, computes) -> None:
+    (comms if ops[(node[0], node[2])].kind == "comm" else computes).append(node)
 
 
 def _choice(node, nodes, done, now, priority) -> tuple:

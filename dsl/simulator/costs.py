@@ -35,6 +35,7 @@ timeline), in seconds of the program's hardware profile:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import attrs
 
@@ -72,9 +73,10 @@ class LayerCosts:
     pair: Work | None  # one SI layer pair, from the plan (None without a plan)
     #: What a backward layer runs again first (recomputation; NOTHING without).
     again: Work = NOTHING
-    #: SI blocks priced whole by the block scheduler
-    #: (:class:`~dhelix.dsl.planner.blockorder.BlockScheduler`), not pair by pair: None.
-    block: object = None
+    #: SI blocks priced whole by the block scheduler, a callable of (forward layers,
+    #: backward layers) giving a :class:`~dhelix.dsl.planner.blockorder.BlockSchedule`
+    #: (a BlockScheduler); None: pair by pair with ``pair``.
+    block: Callable | None = None
 
 
 @attrs.frozen

@@ -320,7 +320,10 @@ class _Expander:
 
     def _scheduled(self, fstage: int, bstage: int) -> list[Piece]:
         # The block scheduler's make-span for the whole block, cut into max(nf, nb) equal
-        # layer-sized pieces that allocate and free as the pairs of _interleaved do.
+        # layer-sized pieces that allocate, free and complete gradients as the pairs of
+        # _interleaved do. The order may run a layer's wgrads, and the forward's next layers,
+        # up to blockorder.LAG layers off those points: memory and the dp reductions' start
+        # are booked at the pairs' points, not the order's.
         nf, nb = self._count(fstage), self._count(bstage)
         block = self.costs.layer.block(nf, nb)
         steps = max(nf, nb, 1)
@@ -655,7 +658,8 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     ``zero1`` shards the optimizer states over the gradient-sync group, as does the program's
     ``train { zero = 1 }`` (``zero1`` can only add the sharding). ``scheduled`` prices
     every SI block whole by the block scheduler (what ``dhelix run --si-plan scheduled``
-    runs) instead of layer pair by layer pair with the plan. ``costs`` replaces
+    runs) instead of layer pair by layer pair with the plan (not with ``costs``, whose
+    ``layer.block`` says). ``costs`` replaces
     the :func:`sim_costs.step_costs` of the program, for what-if studies (free pipeline
     transfers, no LM head, …); its ``layer.pair`` then prices the SI blocks. Returns the
     :class:`Simulation`; raises DhelixError for a program without a profile.
