@@ -5,8 +5,10 @@ of a block runs that plan, one after the other. At a layer boundary both strands
 a collective that depends on the previous layer's last one (a Llama layer under sequence
 parallelism ends each half with a reduce-scatter followed, after a norm, by an all-gather),
 and on one host thread both wait together: in a two-node run the thread waited about a
-quarter of every layer pair (``benchmarks/results/cpu_two_nodes_block_scheduler.txt``; there,
-bound by the link, this order measured no faster than the plan's).
+quarter of every layer pair (``benchmarks/results/cpu_two_nodes_block_scheduler.txt``). There,
+bound by the link, this order measured no faster than the plan's (slower in two runs of
+three), though its model prices a layer pair 15 % shorter: it is an option
+(``--si-plan scheduled``), not the default.
 
 :func:`schedule_block` instead orders every op of the block — forward layers ``0 … nf-1``
 of one strand, backward layers ``0 … nb-1`` of the other — by list scheduling over a model
