@@ -50,7 +50,7 @@ from dhelix.dsl.planner.blockorder import BlockScheduler
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
-from dhelix.dsl.core.program import Program
+from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
 from dhelix.dsl.simulator.costs import StepCosts, Work, cost_of, input_backward, step_costs
 from dhelix.dsl.core.timeline import CounterSample, TraceEvent
@@ -80,12 +80,7 @@ def schedule_plan(program: Program, cost: PairCost | None = None, **bounds) -> P
     whole backward, or beside the backward without its wgrads when the schedule splits W off.
     ``bounds`` go to :func:`pairing.plan_layers`; without ``cost`` the program's profile prices
     the segments (:func:`require_profile`'s error when there is none)."""
-    if cost is None:
-        require_profile(program)
-        cost = cost_of(program)
-    backward = program.backward
-    if program.lowered is not None and program.lowered.split:
-        backward = input_backward(backward)
+    cost, backward = _priced_backward(program, cost)
     return plan_layers(program.forward, backward, program.strands, cost, **bounds)
 
 
@@ -93,14 +88,22 @@ def block_scheduler(program: Program, cost: PairCost | None = None) -> BlockSche
     """The block scheduler of the program's SI blocks (:mod:`dhelix.dsl.planner.blockorder`):
     the forward DAG beside the backward as the schedule runs it, priced by ``cost`` (the
     program's profile when None: :func:`require_profile`'s error when there is none)."""
+    cost, backward = _priced_backward(program, cost)
+    return BlockScheduler(program.forward.ops, backward.ops, (program.forward.output, program.backward.output),
+                          lambda op: cost.solo((op,)), program.profile.slowdown)
+
+
+def _priced_backward(program: Program, cost: PairCost | None) -> tuple[PairCost, LayerDag]:
+    """``cost`` (the program's profile's when None: :func:`require_profile`'s error when
+    there is none) and the backward DAG an SI block runs: without its wgrads when the
+    schedule splits W off."""
     if cost is None:
         require_profile(program)
         cost = cost_of(program)
     backward = program.backward
     if program.lowered is not None and program.lowered.split:
         backward = input_backward(backward)
-    return BlockScheduler(program.forward.ops, backward.ops, (program.forward.output, program.backward.output),
-                          lambda op: cost.solo((op,)), program.profile.slowdown)
+    return cost, backward
 
 
 def block_orders(program: Program) -> dict[tuple[int, int], tuple]:
