@@ -9,7 +9,7 @@ Each step issues, in a no-SI run's order, every collective the layers of one tra
 issue on this rank: for each F and B of the rank's lowered schedule (both halves of an SI
 block), for each layer of that chunk, the collectives of the forward or backward layer DAG
 at their shard shapes and dtype, over the same process groups ``dhelix run`` builds
-(:class:`~dhelix.interpreter.comm.DistComm`), each waited for before the next is issued.
+(:class:`~dhelix.interpreter.ops.comm.DistComm`), each waited for before the next is issued.
 Left out, and said so in the output: pipeline sends and receives (their timing is the
 pipeline's, not the link's), the LM head's loss reductions and the optimizer's gradient
 synchronisation (a few KiB per step for these models). Rank 0 writes the same JSON as
@@ -125,9 +125,9 @@ def main(argv=None) -> int:
 
     from dhelix.dsl.frontend.imports import read_source
     from dhelix.dsl.passes.pipeline import check_text
-    from dhelix.interpreter.comm import DistComm
-    from dhelix.interpreter.harness import gather_to_first
-    from dhelix.interpreter.weights import torch_dtype
+    from dhelix.interpreter.ops.comm import DistComm
+    from dhelix.interpreter.verify.harness import gather_to_first
+    from dhelix.interpreter.ops.weights import torch_dtype
 
     program = check_text(read_source(args.file), args.file)
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=args.timeout))

@@ -39,12 +39,12 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleDualPipeV  # noqa: E402
 
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
-from dhelix.interpreter.comm import DistComm  # noqa: E402
-from dhelix.interpreter.executor import Executor  # noqa: E402
-from dhelix.interpreter.kernels import EPS  # noqa: E402
-from dhelix.interpreter.reference import ReferenceModel, make_batch, reference_layer  # noqa: E402
-from dhelix.interpreter.si_plan import op_by_op_plan  # noqa: E402
-from dhelix.interpreter.weights import EMBEDDING, FINAL_NORM, LM_HEAD  # noqa: E402
+from dhelix.interpreter.ops.comm import DistComm  # noqa: E402
+from dhelix.interpreter.execute.executor import Executor  # noqa: E402
+from dhelix.interpreter.ops.kernels import EPS  # noqa: E402
+from dhelix.interpreter.verify.reference import ReferenceModel, make_batch, reference_layer  # noqa: E402
+from dhelix.dsl.planner.si_plan import op_by_op_plan  # noqa: E402
+from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD  # noqa: E402
 
 SEED, DATA_SEED = 0, 1
 

@@ -38,11 +38,11 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
-from dhelix.interpreter.comm import SingleRankComm  # noqa: E402
-from dhelix.interpreter.executor import Executor  # noqa: E402
-from dhelix.interpreter.reference import ReferenceModel, make_batch  # noqa: E402
-from dhelix.interpreter.si_plan import op_by_op_plan  # noqa: E402
-from dhelix.interpreter.weights import EMBEDDING, torch_dtype  # noqa: E402
+from dhelix.interpreter.ops.comm import SingleRankComm  # noqa: E402
+from dhelix.interpreter.execute.executor import Executor  # noqa: E402
+from dhelix.interpreter.verify.reference import ReferenceModel, make_batch  # noqa: E402
+from dhelix.dsl.planner.si_plan import op_by_op_plan  # noqa: E402
+from dhelix.interpreter.ops.weights import EMBEDDING, torch_dtype  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED, DATA_SEED = 0, 1

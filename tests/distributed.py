@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dhelix.interpreter.layer_exec import LayerRun
+from dhelix.interpreter.execute.layer_exec import LayerRun
 
 #: fp32 tolerance of every comparison with the single-process reference.
 TOL = 1e-5

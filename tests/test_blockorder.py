@@ -143,8 +143,8 @@ def test_random_chains_give_legal_orders_that_replay(data):
 
 def test_an_executor_refuses_orders_made_for_another_program():
     pytest.importorskip("torch")
-    from dhelix.interpreter.comm import SingleRankComm
-    from dhelix.interpreter.executor import Executor
+    from dhelix.interpreter.ops.comm import SingleRankComm
+    from dhelix.interpreter.execute.executor import Executor
 
     prog = program(mesh="tp = 1")
     orders = block_orders(prog)
@@ -180,11 +180,11 @@ def test_a_split_backward_is_scheduled_without_its_wgrads():
 # -- the interpreter follows the order ---------------------------------------------------------
 
 def _recorded(rank: int, world: int) -> dict:
-    from dhelix.interpreter.comm import DistComm, SingleRankComm
-    from dhelix.interpreter.executor import Executor
-    from dhelix.interpreter.harness import broadcast_from_first
-    from dhelix.interpreter.recording import Recorder
-    from dhelix.interpreter.reference import make_batch
+    from dhelix.interpreter.ops.comm import DistComm, SingleRankComm
+    from dhelix.interpreter.execute.executor import Executor
+    from dhelix.interpreter.verify.harness import broadcast_from_first
+    from dhelix.interpreter.execute.recording import Recorder
+    from dhelix.interpreter.verify.reference import make_batch
 
     prog = program(mesh="tp = 2" if world == 2 else "tp = 1")
     comm = DistComm(prog.mesh, timeout_s=60) if world == 2 else SingleRankComm()

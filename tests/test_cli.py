@@ -34,7 +34,7 @@ IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 #: Where library code may print or exit, and why: a spawned rank's top level reports its own
 #: failure on the standard error it shares with the command (the parent sees only its exit code).
-ALLOWED = {("interpreter/spawn.py", "_rank_process")}
+ALLOWED = {("interpreter/launch/spawn.py", "_rank_process")}
 
 
 def _library_sources():
@@ -218,7 +218,7 @@ WRITERS = [("render", "-o", ".svg"), ("export", "--torch-csv", ".csv"), ("simula
 @pytest.fixture
 def no_training(monkeypatch):
     """Fail the test if `dhelix run` starts a rank: its output is refused before training."""
-    from dhelix.interpreter import spawn
+    from dhelix.interpreter.launch import spawn
 
     def started(*args, **kwargs):
         raise AssertionError("a rank was started")

@@ -15,15 +15,15 @@ torch = pytest.importorskip("torch")
 
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.dsl.simulator.events import block_orders  # noqa: E402
-from dhelix.interpreter.comm import DistComm, SingleRankComm  # noqa: E402
-from dhelix.interpreter.executor import ExecutionError, Executor  # noqa: E402
-from dhelix.interpreter.harness import broadcast_from_first, check_steps, compare, reference_with  # noqa: E402
-from dhelix.interpreter.pipeline_comm import check_fifo  # noqa: E402
-from dhelix.interpreter.optim import AdamWConfig, DistributedAdamW, for_executor  # noqa: E402
-from dhelix.interpreter.reference import Batch, make_batch  # noqa: E402
-from dhelix.interpreter.si_plan import (check_plan, fixed_plan, op_by_op_plan, planned_pairs,  # noqa: E402
-                                        sequential_plan)
-from dhelix.interpreter.weights import WeightPlan  # noqa: E402
+from dhelix.interpreter.ops.comm import DistComm, SingleRankComm  # noqa: E402
+from dhelix.interpreter.execute.executor import ExecutionError, Executor  # noqa: E402
+from dhelix.interpreter.verify.harness import broadcast_from_first, check_steps, compare, reference_with  # noqa: E402
+from dhelix.interpreter.execute.pipeline_comm import check_fifo  # noqa: E402
+from dhelix.interpreter.training.optim import AdamWConfig, DistributedAdamW, for_executor  # noqa: E402
+from dhelix.interpreter.verify.reference import Batch, make_batch  # noqa: E402
+from dhelix.dsl.planner.si_plan import check_plan, fixed_plan, op_by_op_plan, sequential_plan  # noqa: E402
+from dhelix.dsl.simulator.events import planned_pairs  # noqa: E402
+from dhelix.interpreter.ops.weights import WeightPlan  # noqa: E402
 
 from distributed import TOL, assert_steps_match, gloo_results  # noqa: E402
 
@@ -302,8 +302,8 @@ def test_the_model_ends_leave_their_reductions_in_flight_and_finish_on_the_wait(
     # The embedding's forward reduction, the head backward's reduction and the embedding
     # backward's gather may stay in flight (an SI block issues them asynchronously): the
     # results on the wait equal the synchronous ones, and nothing is added before it.
-    from dhelix.interpreter.comm import Pending
-    from dhelix.interpreter.layer_exec import EmbedRun, HeadRun
+    from dhelix.interpreter.ops.comm import Pending
+    from dhelix.interpreter.execute.layer_exec import EmbedRun, HeadRun
 
     gen = torch.Generator().manual_seed(0)
     comm = SingleRankComm()

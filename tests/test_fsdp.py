@@ -116,7 +116,7 @@ def test_a_gemm_chunked_along_outputs_gathers_and_scatters_each_block_of_columns
 
 def test_a_piece_of_a_weight_chunked_along_outputs_holds_each_block_and_gathers_back():
     torch = pytest.importorskip("torch")
-    from dhelix.interpreter.fsdp import FlatShards, block_of, piece
+    from dhelix.interpreter.ops.fsdp import FlatShards, block_of, piece
 
     weight = torch.arange(5 * 6, dtype=torch.float32).reshape(5, 6)  # 3 blocks of 10 elements: padded to 12
 
@@ -279,11 +279,12 @@ RUNS = {
 
 
 def _runs(rank: int, world: int) -> dict:
-    from dhelix.interpreter.comm import DistComm
-    from dhelix.interpreter.executor import Executor
-    from dhelix.interpreter.harness import broadcast_from_first, check_steps
-    from dhelix.interpreter.optim import AdamWConfig, for_executor
-    from dhelix.interpreter.si_plan import fixed_plan, op_by_op_plan, planned_pairs
+    from dhelix.interpreter.ops.comm import DistComm
+    from dhelix.interpreter.execute.executor import Executor
+    from dhelix.interpreter.verify.harness import broadcast_from_first, check_steps
+    from dhelix.interpreter.training.optim import AdamWConfig, for_executor
+    from dhelix.dsl.planner.si_plan import fixed_plan, op_by_op_plan
+    from dhelix.dsl.simulator.events import planned_pairs
     from dhelix.dsl.simulator.events import block_orders
 
     results = {}

@@ -1,4 +1,4 @@
-"""The kernels on a GPU (fused RMSNorm and SwiGLU from :mod:`dhelix.interpreter.gpu_kernels`,
+"""The kernels on a GPU (fused RMSNorm and SwiGLU from :mod:`dhelix.interpreter.ops.gpu_kernels`,
 attention through SDPA) against the CPU kernels in float64. Skipped without a CUDA GPU;
 `benchmarks/device_checks.sh` runs it on one."""
 
@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dhelix.interpreter import kernels as k  # noqa: E402
+from dhelix.interpreter.ops import kernels as k  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

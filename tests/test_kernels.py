@@ -12,9 +12,9 @@ import torch.nn.functional as F  # noqa: E402
 from dhelix.dsl.core.dtypes import DTYPES as DSL_DTYPES  # noqa: E402
 from dhelix.dsl.core.oplib import OPS, SPLIT_OPS, base_kind, part_of  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
-from dhelix.interpreter import kernels as k  # noqa: E402
-from dhelix.interpreter.comm import Pending, SingleRankComm, resolve  # noqa: E402
-from dhelix.interpreter.weights import (  # noqa: E402
+from dhelix.interpreter.ops import kernels as k  # noqa: E402
+from dhelix.interpreter.ops.comm import Pending, SingleRankComm, resolve  # noqa: E402
+from dhelix.interpreter.ops.weights import (  # noqa: E402
     DTYPES, EMBEDDING, LM_HEAD, ShardSpec, ShardingError, WeightPlan, param_name, param_seed, torch_dtype)
 
 TOL = 1e-10  # float64: the explicit formulas must agree with autograd to rounding

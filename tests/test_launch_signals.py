@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("torch")
 
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
-from dhelix.interpreter.train import FAULT_ENV  # noqa: E402
+from dhelix.interpreter.training.train import FAULT_ENV  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks in Linux's /proc")
 

@@ -14,11 +14,11 @@ import torch.distributed as dist  # noqa: E402
 
 from distributed import assert_close, drive_layer, run_ranks  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
-from dhelix.interpreter.comm import AXES, DistComm, SingleRankComm  # noqa: E402
-from dhelix.interpreter.layer_exec import (  # noqa: E402
+from dhelix.interpreter.ops.comm import AXES, DistComm, SingleRankComm  # noqa: E402
+from dhelix.interpreter.execute.layer_exec import (  # noqa: E402
     LayerPlan, LayerRun, sequential_step, sum_partial_grads)
-from dhelix.interpreter.reference import make_batch, reference_layer, reference_step  # noqa: E402
-from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
+from dhelix.interpreter.verify.reference import make_batch, reference_layer, reference_step  # noqa: E402
+from dhelix.interpreter.ops.weights import WeightPlan, param_name  # noqa: E402
 
 LAYERS = ("llama", "gpt", "moe")
 SEED, DATA_SEED, MICRO_BATCH = 11, 5, 2

@@ -1,5 +1,5 @@
 """MoE with expert parallelism (ep > 1) against the single-process reference (fp32, max abs
-diff <= 1e-5): the EP dispatch/combine of :mod:`dhelix.interpreter.moe` with real variable
+diff <= 1e-5): the EP dispatch/combine of :mod:`dhelix.interpreter.ops.moe` with real variable
 splits, the backward all_to_alls as their transposes, and the optimizer summing expert
 gradients over the replicas of each expert shard (edp) but dense ones over dp.
 
@@ -17,15 +17,15 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
-from dhelix.interpreter.comm import AXES, EDP, Communicator, DistComm, expert_dp_groups  # noqa: E402
-from dhelix.interpreter.executor import Executor  # noqa: E402
-from dhelix.interpreter.harness import check_steps  # noqa: E402
-from dhelix.interpreter.layer_exec import LayerPlan, LayerRun  # noqa: E402
-from dhelix.interpreter.moe import COMBINE, DISPATCH, a2a_roles  # noqa: E402
-from dhelix.interpreter.optim import DistributedAdamW, for_executor  # noqa: E402
-from dhelix.interpreter.reference import reference_layer  # noqa: E402
-from dhelix.interpreter.si_plan import op_by_op_plan  # noqa: E402
-from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
+from dhelix.interpreter.ops.comm import AXES, EDP, Communicator, DistComm, expert_dp_groups  # noqa: E402
+from dhelix.interpreter.execute.executor import Executor  # noqa: E402
+from dhelix.interpreter.verify.harness import check_steps  # noqa: E402
+from dhelix.interpreter.execute.layer_exec import LayerPlan, LayerRun  # noqa: E402
+from dhelix.interpreter.ops.moe import COMBINE, DISPATCH, a2a_roles  # noqa: E402
+from dhelix.interpreter.training.optim import DistributedAdamW, for_executor  # noqa: E402
+from dhelix.interpreter.verify.reference import reference_layer  # noqa: E402
+from dhelix.dsl.planner.si_plan import op_by_op_plan  # noqa: E402
+from dhelix.interpreter.ops.weights import WeightPlan, param_name  # noqa: E402
 
 from distributed import TOL, assert_steps_match, gloo_results, run_ranks  # noqa: E402
 

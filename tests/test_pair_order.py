@@ -1,4 +1,4 @@
-"""The issue order of SI segment pairs (interpreter/pair_order.py): every order runs each
+"""The issue order of SI segment pairs (dsl/planner/pair_order.py): every order runs each
 pair's ops once, each after its producers; collectives go first, compute that unlocks one
 next, waits last; and one executor step records exactly that order (recorded, not timed)."""
 
@@ -10,12 +10,13 @@ from hypothesis import given, settings, strategies as st
 torch = pytest.importorskip("torch")
 
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
-from dhelix.interpreter.comm import DistComm  # noqa: E402
-from dhelix.interpreter.executor import Executor  # noqa: E402
-from dhelix.interpreter.pair_order import BlockOrder, plan_order  # noqa: E402
-from dhelix.interpreter.recording import Recorder  # noqa: E402
-from dhelix.interpreter.reference import make_batch  # noqa: E402
-from dhelix.interpreter.si_plan import check_plan, op_by_op_plan, planned_pairs, sequential_plan  # noqa: E402
+from dhelix.interpreter.ops.comm import DistComm  # noqa: E402
+from dhelix.interpreter.execute.executor import Executor  # noqa: E402
+from dhelix.dsl.planner.pair_order import BlockOrder, plan_order  # noqa: E402
+from dhelix.interpreter.execute.recording import Recorder  # noqa: E402
+from dhelix.interpreter.verify.reference import make_batch  # noqa: E402
+from dhelix.dsl.planner.si_plan import check_plan, op_by_op_plan, sequential_plan  # noqa: E402
+from dhelix.dsl.simulator.events import planned_pairs  # noqa: E402
 
 from distributed import gloo_results  # noqa: E402
 
@@ -290,7 +291,7 @@ class _Strand:
         self.acts, self.bgrads, self.version = {}, {}, 0
 
     def forward_op(self, op, async_op=False):
-        from dhelix.interpreter.comm import Pending
+        from dhelix.interpreter.ops.comm import Pending
 
         self.log.append(f"{self.strand}.{op.name}")
         value = Pending(self.flying[op.name], None) if op.kind == "comm" else object()
@@ -306,8 +307,8 @@ class _Strand:
 
 
 def test_the_filler_runs_held_wgrads_only_while_an_op_would_wait_for_a_collective():
-    from dhelix.interpreter.pair_order import Issue
-    from dhelix.interpreter.si import Filler, run_pair
+    from dhelix.dsl.planner.pair_order import Issue
+    from dhelix.interpreter.execute.si import Filler, run_pair
 
     ops = {op.name: op for op in LLAMA.backward.ops}
     fops = {op.name: op for op in LLAMA.forward.ops}
@@ -348,8 +349,8 @@ def test_the_filler_runs_held_wgrads_only_while_an_op_would_wait_for_a_collectiv
 
 
 def test_a_block_s_last_held_wgrads_run_in_the_next_block_s_opening_wait():
-    from dhelix.interpreter.pair_order import Issue
-    from dhelix.interpreter.si import Filler, run_pair
+    from dhelix.dsl.planner.pair_order import Issue
+    from dhelix.interpreter.execute.si import Filler, run_pair
 
     ops = {op.name: op for op in LLAMA.backward.ops}
     fops = {op.name: op for op in LLAMA.forward.ops}
@@ -395,7 +396,7 @@ class _Recording:
 
 
 def test_a_lone_strand_issues_its_collectives_asynchronously_with_its_wgrads_beside_them():
-    from dhelix.interpreter.si import LayerChain, run_alone
+    from dhelix.interpreter.execute.si import LayerChain, run_alone
 
     for forward, ops in ((False, LLAMA.backward.ops), (True, LLAMA.forward.ops)):
         run = _Recording()
@@ -421,8 +422,8 @@ LLAMA_KINDS = {op.name: op.kind for op in LLAMA.forward.ops + LLAMA.backward.ops
 def test_a_block_s_end_sends_the_model_ends_collectives_off_the_next_block_s_opening(monkeypatch):
     # One rank (every group of size 1: the same calls, nothing on a wire), w_helix over fold u:
     # consecutive SI blocks. Recorded: in which action each model-end call happens.
-    from dhelix.interpreter import layer_exec
-    from dhelix.interpreter.comm import SingleRankComm
+    from dhelix.interpreter.execute import layer_exec
+    from dhelix.interpreter.ops.comm import SingleRankComm
 
     prog = program(mesh="tp = 1")
     log: list = []

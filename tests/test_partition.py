@@ -247,11 +247,12 @@ RUNS = {
 def _runs(rank: int, world: int) -> dict:
     import torch
 
-    from dhelix.interpreter.comm import DistComm
-    from dhelix.interpreter.executor import Executor
-    from dhelix.interpreter.harness import broadcast_from_first, check_steps
-    from dhelix.interpreter.optim import DistributedAdamW
-    from dhelix.interpreter.si_plan import fixed_plan, op_by_op_plan, planned_pairs
+    from dhelix.interpreter.ops.comm import DistComm
+    from dhelix.interpreter.execute.executor import Executor
+    from dhelix.interpreter.verify.harness import broadcast_from_first, check_steps
+    from dhelix.interpreter.training.optim import DistributedAdamW
+    from dhelix.dsl.planner.si_plan import fixed_plan, op_by_op_plan
+    from dhelix.dsl.simulator.events import planned_pairs
     from dhelix.dsl.simulator.events import block_orders
 
     results = {}
@@ -273,8 +274,8 @@ def _substitution(rank: int, torch) -> tuple[float, float]:
     """Max differences of the substituted layer's output and input gradient (also with the
     all_gather half chunked with the add after it) from the all_reduce layer's and from the
     sums they must be (over tp = 2)."""
-    from dhelix.interpreter.comm import DistComm
-    from dhelix.interpreter.layer_exec import LayerPlan
+    from dhelix.interpreter.ops.comm import DistComm
+    from dhelix.interpreter.execute.layer_exec import LayerPlan
     from distributed import drive_layer
 
     layer = "layer ar_only {\n  in x [tokens, hidden]\n  ar = all_reduce(x, tp)\n  y = add(ar, x)\n  out y\n}\n"
@@ -322,7 +323,7 @@ def test_the_example_runs_chunks_it_declares():
 @pytest.mark.parametrize(("parts", "blocks"), [(2, 1), (4, 1), (2, 2), (2, 4), (4, 2)])
 def test_slices_and_their_concat_are_inverse_and_so_are_their_gradients(parts, blocks):
     torch = pytest.importorskip("torch")
-    from dhelix.interpreter.kernels import KERNELS, KernelCtx
+    from dhelix.interpreter.ops.kernels import KERNELS, KernelCtx
 
     x = torch.randn(blocks * parts * 3, 5)
     ctx = lambda **more: KernelCtx(params={"parts": parts, "dim": 0, "blocks": blocks, **more})  # noqa: E731
@@ -355,7 +356,7 @@ class _Place:
     ("inter", 0, 1, [1, 3]), ("inter", 1, 0, [0, 2]), ("intra", 1, 1, [2, 3]), ("intra", 0, 0, [0, 1])])
 def test_rest_and_merge_take_the_blocks_the_first_stage_did_not_bring_and_put_them_back(first, node, place, near):
     torch = pytest.importorskip("torch")
-    from dhelix.interpreter.kernels import KERNELS, KernelCtx
+    from dhelix.interpreter.ops.kernels import KERNELS, KernelCtx
 
     ctx = KernelCtx(comm=_Place(node, place), params={"axis": "tp", "first": first, "blocks": 4})
     x = torch.arange(4 * 3 * 2, dtype=torch.float32).reshape(12, 2)  # 4 rank blocks of 3 rows
@@ -381,11 +382,11 @@ SINGLE = ["chunk ag1 + qkv by 2", "chunk ln2 + ag2 + fc1 + act by 4", "chunk fc1
 @pytest.mark.parametrize("partition", SINGLE)
 def test_a_chunked_layer_on_one_rank_matches_the_reference(partition):
     pytest.importorskip("torch")
-    from dhelix.interpreter.comm import SingleRankComm
-    from dhelix.interpreter.executor import Executor
-    from dhelix.interpreter.harness import compare, reference_with
-    from dhelix.interpreter.reference import make_batch
-    from dhelix.interpreter.weights import WeightPlan
+    from dhelix.interpreter.ops.comm import SingleRankComm
+    from dhelix.interpreter.execute.executor import Executor
+    from dhelix.interpreter.verify.harness import compare, reference_with
+    from dhelix.interpreter.verify.reference import make_batch
+    from dhelix.interpreter.ops.weights import WeightPlan
     from distributed import TOL
 
     prog = program(partition, mesh="tp = 1", pipeline="one_f_one_b", fold="none", layers=2)

@@ -17,17 +17,17 @@ torch = pytest.importorskip("torch")
 
 from dhelix.dsl.core.mesh import Mesh  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
-from dhelix.interpreter.comm import AXES, DistComm, SingleRankComm  # noqa: E402
-from dhelix.interpreter.executor import Executor  # noqa: E402
-from dhelix.interpreter.harness import check_steps  # noqa: E402
-from dhelix.interpreter.kernels import KernelCtx  # noqa: E402
-from dhelix.interpreter.layer_exec import LayerPlan  # noqa: E402
-from dhelix.interpreter.optim import DistributedAdamW, for_executor  # noqa: E402
-from dhelix.interpreter.reference import reference_layer  # noqa: E402
-from dhelix.interpreter.ring_attention import (  # noqa: E402
+from dhelix.interpreter.ops.comm import AXES, DistComm, SingleRankComm  # noqa: E402
+from dhelix.interpreter.execute.executor import Executor  # noqa: E402
+from dhelix.interpreter.verify.harness import check_steps  # noqa: E402
+from dhelix.interpreter.ops.kernels import KernelCtx  # noqa: E402
+from dhelix.interpreter.execute.layer_exec import LayerPlan  # noqa: E402
+from dhelix.interpreter.training.optim import DistributedAdamW, for_executor  # noqa: E402
+from dhelix.interpreter.verify.reference import reference_layer  # noqa: E402
+from dhelix.interpreter.ops.ring_attention import (  # noqa: E402
     KERNEL, STEP, local_positions, local_tokens)
-from dhelix.interpreter.si_plan import op_by_op_plan  # noqa: E402
-from dhelix.interpreter.weights import WeightPlan, param_name  # noqa: E402
+from dhelix.dsl.planner.si_plan import op_by_op_plan  # noqa: E402
+from dhelix.interpreter.ops.weights import WeightPlan, param_name  # noqa: E402
 
 from distributed import TOL, assert_close, drive_layer, gloo_results  # noqa: E402
 
@@ -64,7 +64,7 @@ def attention_io():
 
 def full_attention(mask: str = "causal"):
     """Output and qkv gradient of GQA attention over whole sequences (autograd)."""
-    from dhelix.interpreter.reference import _attention
+    from dhelix.interpreter.verify.reference import _attention
 
     qkv, dout = attention_io()
     qkv.requires_grad_(True)

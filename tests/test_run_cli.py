@@ -22,8 +22,8 @@ from dhelix.cli.run import write_trace  # noqa: E402
 from dhelix.dsl.core.timeline import TraceEvent  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.dsl.render.trace import LANES, trace_json  # noqa: E402
-from dhelix.interpreter.summary import RankRecord, RunResult, format_summary, summarize  # noqa: E402
-from dhelix.interpreter.train import FAULT_ENV  # noqa: E402
+from dhelix.interpreter.training.summary import RankRecord, RunResult, format_summary, summarize  # noqa: E402
+from dhelix.interpreter.training.train import FAULT_ENV  # noqa: E402
 
 from test_trace import assert_nested  # noqa: E402
 
@@ -147,7 +147,7 @@ def _result() -> RunResult:
 
 
 def _options(program_path: str, **changes):
-    from dhelix.interpreter.train import RunOptions
+    from dhelix.interpreter.training.train import RunOptions
 
     return RunOptions(path=program_path, text=Path(program_path).read_text(), steps=3, **changes)
 
@@ -167,7 +167,7 @@ def test_the_summary_is_medians_without_the_first_step_beside_the_simulator():
 
 
 def test_the_summary_says_which_device_each_rank_used():
-    from dhelix.interpreter.summary import describe_devices
+    from dhelix.interpreter.training.summary import describe_devices
 
     ranks = [RankRecord(rank=r, step=(0.1,), collective=(0.0,), p2p=(0.0,), peak_activations=0,
                         device=f"cuda:{r % 2}", host=f"node{r // 2}") for r in range(4)]

@@ -1,4 +1,4 @@
-"""The nodes the ranks run on are checked against the cluster block (interpreter/topology.py):
+"""The nodes the ranks run on are checked against the cluster block (interpreter/launch/topology.py):
 a pure check on made-up placements, and two local torchrun "nodes" launching a program that
 says all four ranks share one node."""
 
@@ -14,7 +14,7 @@ import pytest
 from conftest import tiny_example_text
 
 from dhelix.dsl.core.errors import DhelixError
-from dhelix.interpreter.topology import Where, check_placement
+from dhelix.interpreter.launch.topology import Where, check_placement
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "tiny_llama_cpu.dhx"
@@ -78,7 +78,7 @@ def test_ranks_started_with_master_addr_but_no_torchrun_agent_find_the_store_on_
 
 
 def test_measured_topology_from_ranks_laid_out_node_by_node():
-    from dhelix.interpreter.topology import measured_per_node
+    from dhelix.interpreter.launch.topology import measured_per_node
 
     assert measured_per_node([Where(0, "a")] * 4) == 4
     assert measured_per_node([Where(0, "a"), Where(0, "a"), Where(1, "b"), Where(1, "b")]) == 2
@@ -118,7 +118,7 @@ def test_the_measured_topology_is_for_torchrun(capsys):
 
 
 def test_the_summary_line_says_whether_the_measured_nodes_differ():
-    from dhelix.interpreter.topology import describe_measured
+    from dhelix.interpreter.launch.topology import describe_measured
 
     assert describe_measured(2, 4, 2) == "measured, 2 rank(s) per node on 2 node(s), as the cluster block says"
     assert describe_measured(4, 4, 2).startswith("measured, 4 rank(s) per node on 1 node(s), used instead of")

@@ -19,10 +19,10 @@ pytest.importorskip("tqdm")
 
 from dhelix.cli import main  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
-from dhelix.interpreter.data import DataSource, DataSpec, load_corpus  # noqa: E402
-from dhelix.interpreter.harness import replica_batch  # noqa: E402
-from dhelix.interpreter.optim import MIN_LR_RATIO, lr_at  # noqa: E402
-from dhelix.interpreter.train import FAULT_ENV  # noqa: E402
+from dhelix.interpreter.training.data import DataSource, DataSpec, load_corpus  # noqa: E402
+from dhelix.interpreter.verify.harness import replica_batch  # noqa: E402
+from dhelix.interpreter.training.optim import MIN_LR_RATIO, lr_at  # noqa: E402
+from dhelix.interpreter.training.train import FAULT_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text()
@@ -225,7 +225,7 @@ def _check_refusals(tmp_path: Path, saves: Path, capsys) -> None:
 
 
 def _check_export(path: Path, program_path: str):
-    from dhelix.interpreter.reference import ReferenceModel
+    from dhelix.interpreter.verify.reference import ReferenceModel
 
     program = check_text(Path(program_path).read_text(), program_path)
     model = ReferenceModel(program, seed=program.train.seed)
@@ -274,9 +274,9 @@ def test_bad_checkpoints_are_clear_errors(tmp_path, capsys):
 # --- mixed precision (one rank, in process) -------------------------------------------------
 
 def _losses(dtype: str, master: bool, steps: int = 2) -> list[float]:
-    from dhelix.interpreter.comm import SingleRankComm
-    from dhelix.interpreter.executor import Executor
-    from dhelix.interpreter.optim import AdamWConfig, DistributedAdamW, norm_weights
+    from dhelix.interpreter.ops.comm import SingleRankComm
+    from dhelix.interpreter.execute.executor import Executor
+    from dhelix.interpreter.training.optim import AdamWConfig, DistributedAdamW, norm_weights
 
     text = program_text("one").replace("dtype = fp32", f"dtype = {dtype}").replace("microbatches = 8",
                                                                                  "microbatches = 2").replace("micro_batch = 2", "micro_batch = 1")

@@ -2,7 +2,7 @@
 before any rank starts.
 
 Both commands launch the same way (local ranks by default, or each process of a torchrun
-world, :mod:`dhelix.interpreter.spawn`), so the launch options are added and checked here once:
+world, :mod:`dhelix.interpreter.launch.spawn`), so the launch options are added and checked here once:
 
 - ``--nproc N``: must be at least 1 and equal the mesh's world size (a usage error, exit 2);
 - ``--timeout S``: must be positive (torch's store rejects 0 with C++ frames);
@@ -50,7 +50,7 @@ def local_ranks(args, program, torchrun: bool) -> int:
     world = program.mesh.world
     nproc = args.nproc if args.nproc is not None else world
     if nproc != world:
-        from dhelix.interpreter.summary import describe_mesh
+        from dhelix.interpreter.training.summary import describe_mesh
 
         raise UsageError(f"--nproc {nproc} does not match the mesh: it has {world} ranks "
                          f"({describe_mesh(program.mesh)})")

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 def _launcher_signal(exc: Exception):
     """The signal that stopped a launcher (``spawn.LauncherStopped``), else None; the
     interpreter is imported only if it was running."""
-    spawn = sys.modules.get("dhelix.interpreter.spawn")
+    spawn = sys.modules.get("dhelix.interpreter.launch.spawn")
     if spawn is None or not isinstance(exc, spawn.LauncherStopped):
         return None
     import signal

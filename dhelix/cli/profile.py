@@ -2,8 +2,8 @@
 measure a hardware profile for FILE on the machine and mesh at hand.
 
 Launched like `dhelix run` (local gloo ranks by default, or each process of a ``torchrun``
-world, :mod:`dhelix.interpreter.spawn`), the ranks time every op of the program's layer alone
-and in the pairs the planner can choose (:mod:`dhelix.interpreter.profiler`); rank 0 brings
+world, :mod:`dhelix.interpreter.launch.spawn`), the ranks time every op of the program's layer alone
+and in the pairs the planner can choose (:mod:`dhelix.interpreter.measure.profiler`); rank 0 brings
 the pooled samples back and this command fits the link rates, derives the profile
 (:mod:`dhelix.dsl.planner.calibrate`), writes it as YAML stamped with the machine, torch
 version, backend, date and command, reads it back through the schema and prints a summary.
@@ -57,10 +57,11 @@ def cmd_profile(args) -> int:
     text = read_source(args.file)
     program = for_measuring(text, args.file)  # a stale measured profile is what this replaces
     require_model(program, args.file)
-    from dhelix.interpreter import profile_launch, spawn
+    from dhelix.interpreter.measure import profile_launch
+    from dhelix.interpreter.launch import spawn
 
     out = _output(args, program, profile_launch.host_name())
-    from dhelix.interpreter import train
+    from dhelix.interpreter.training import train
 
     train.preflight(program)
     placed = spawn.torchrun_rank(program)
@@ -100,7 +101,7 @@ def write_profile(out: Path, program, options, samples, command: str, host: str)
     from dhelix.dsl.frontend.profile_writer import render_profile
     from dhelix.dsl.frontend.profiles import load_profile, parse_profile
     from dhelix.dsl.planner.calibrate import Stamp, derive_profile
-    from dhelix.interpreter.profile_launch import DEFAULT_BASE
+    from dhelix.interpreter.measure.profile_launch import DEFAULT_BASE
 
     base = program.profile or load_profile(DEFAULT_BASE)
     stamp = Stamp(source=options.path, machine=samples.machine, torch=samples.torch, backend=options.backend,
@@ -118,7 +119,7 @@ def write_profile(out: Path, program, options, samples, command: str, host: str)
 
 def summary(path: str, out: Path, program, options, samples, profile) -> str:
     """What the command prints: what was timed, the headline figures, how to use the file."""
-    from dhelix.interpreter.summary import describe_mesh
+    from dhelix.interpreter.training.summary import describe_mesh
 
     dtype = program.model.dtype
     counts = samples.counts

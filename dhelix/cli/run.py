@@ -8,7 +8,7 @@ world (the embedded default: no cluster needed). Under ``torchrun`` (``RANK`` an
     torchrun --nnodes 2 --nproc-per-node 8 ... -m dhelix run FILE --backend nccl
 
 Rank 0 shows a progress bar (loss, tokens/s, step time); the command then prints the summary
-(:mod:`dhelix.interpreter.summary`): measured step time, exposed communication (time a rank
+(:mod:`dhelix.interpreter.training.summary`): measured step time, exposed communication (time a rank
 was blocked on communication), peak activation memory, and the simulator's prediction beside
 them. ``--trace out.json`` writes a Chrome trace (:mod:`dhelix.dsl.render.trace`): a process
 per rank, a thread per lane; ``--metrics out.json`` the summary's figures, the prediction and
@@ -16,7 +16,7 @@ every rank's per-step times as JSON (for scripts). ``--check`` prints every step
 single-process reference instead and exits 1 when it differs by more than the tolerance.
 
 A bad run ends with a message and a non-zero exit code, never a hang: the spawner
-(:mod:`dhelix.interpreter.spawn`) stops the other ranks as soon as one fails and names it;
+(:mod:`dhelix.interpreter.launch.spawn`) stops the other ranks as soon as one fails and names it;
 collectives time out after ``--timeout`` seconds. Everything that can be checked before the
 ranks start is (the program, the output path, what the interpreter supports). torch is
 imported only when the command runs, so registering it keeps ``dhelix check`` torch-free.
@@ -128,9 +128,9 @@ def cmd_run(args) -> int:
     require_model(program, args.file)
     for flag, path in outputs.items():
         refuse_inputs(path, flag, program_inputs(program))
-    from dhelix.interpreter import spawn
+    from dhelix.interpreter.launch import spawn
 
-    from dhelix.interpreter import train
+    from dhelix.interpreter.training import train
 
     train.preflight(program)
     placed = spawn.torchrun_rank(program)
@@ -177,8 +177,8 @@ def _save_folder(text: str) -> Path:
 def _preflight_data(program, options) -> None:
     """Read the data and the checkpoint to resume before any rank starts, so that their
     errors come once, located, and not from every rank."""
-    from dhelix.interpreter import checkpoint, data
-    from dhelix.interpreter.weights import WeightPlan
+    from dhelix.interpreter.training import checkpoint, data
+    from dhelix.interpreter.ops.weights import WeightPlan
 
     if options.data is not None:
         data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"))
@@ -193,7 +193,7 @@ def _preflight_data(program, options) -> None:
 
 def run_options(args, text: str, program, backend: str):
     """The interpreter's RunOptions from the command line and the program's train block."""
-    from dhelix.interpreter import data, train
+    from dhelix.interpreter.training import data, train
 
     plan, pairs = train.si_plan(program, args.si_plan) if args.si else (args.si_plan, None)
     return train.RunOptions(
@@ -224,7 +224,7 @@ def report(program, options, result, trace: Path | None, metrics: Path | None = 
     """Print the checks (``--check``: exit 1 past the tolerance, raised as DhelixError) or
     the summary (``as_json``: the metrics as JSON, alone on standard output), and write the
     trace and the metrics; returns the exit code."""
-    from dhelix.interpreter import summary
+    from dhelix.interpreter.training import summary
 
     if options.check:
         for check in result.checks:

@@ -3,7 +3,7 @@
 One table for every stage: the checker accepts these names in ``model { dtype = … }``, a
 hardware profile lists its peak FLOPS under them, and the cost model and the simulator
 size tensors with :func:`dtype_bytes`. The interpreter maps the ones it can run to torch
-dtypes (``dhelix.interpreter.weights``).
+dtypes (``dhelix.interpreter.ops.weights``).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ A gemm chunked along its outputs (``chunk fc1 along outputs by 2``, Centauri's w
 partition of FSDP's collectives) has one of each per column block of its weight
 (``fc1.c0.gather_w``, ``fc1.c0.regather_w``, ``fc1.c0.scatter_dw``, …: the unit of
 :attr:`Op.weight_unit`), so a chunk computes on its columns while the next block's arrive;
-each block is flattened, padded and cut over dp on its own (:mod:`dhelix.interpreter.fsdp`).
+each block is flattened, padded and cut over dp on its own (:mod:`dhelix.interpreter.ops.fsdp`).
 Without ZeRO-3 such a chunk is a located error: there is no gather to split.
 
 These operators read no activation: their dependencies are ``Op.waits``. Their shapes are

@@ -49,6 +49,7 @@ from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, head_activ
 from dhelix.dsl.planner.blockorder import BlockScheduler
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
+from dhelix.dsl.planner.si_plan import SegmentPlan
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
@@ -104,6 +105,13 @@ def _priced_backward(program: Program, cost: PairCost | None) -> tuple[PairCost,
     if program.lowered is not None and program.lowered.split:
         backward = input_backward(backward)
     return cost, backward
+
+
+def planned_pairs(program: Program) -> SegmentPlan:
+    """The planner's SI plan of ``program``'s layer pair as its schedule runs it (without
+    the wgrads when W is split off), in the form the executor runs. Needs the program's
+    hardware profile; raises the planner's DhelixError otherwise."""
+    return tuple((tuple(pair.forward), tuple(pair.backward)) for pair in schedule_plan(program).pairs)
 
 
 def block_orders(program: Program) -> dict[tuple[int, int], tuple]:

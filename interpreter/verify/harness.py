@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from dhelix.dsl.core.program import Program
 
-from .comm import AXES, Communicator, collective_device
+from dhelix.interpreter.ops.comm import AXES, Communicator, collective_device
 from .reference import Batch, ReferenceModel, make_batch
-from .weights import WeightPlan
+from dhelix.interpreter.ops.weights import WeightPlan
 
 
 @attrs.frozen

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from dhelix.dsl.core.program import LayerDag, Program
 
-from .kernels import EPS
-from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name
+from dhelix.interpreter.ops.kernels import EPS
+from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name
 
 
 @attrs.frozen

@@ -67,7 +67,7 @@ from typing import Collection, Mapping, Sequence
 import attrs
 import torch
 
-from .comm import EDP, Communicator, Pending, collective_device
+from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device
 
 
 @attrs.frozen

@@ -3,7 +3,8 @@
 An SI block pairs forward layer k of one strand with backward layer k of the other; each
 layer pair runs the same :data:`SegmentPlan`, an ordered list of (forward op names,
 backward op names) segment pairs, either side possibly empty, covering both DAGs once.
-Plans come from the planner (:func:`planned_pairs`, the plan of the program's hardware
+Plans come from the planner
+(:func:`dhelix.dsl.simulator.events.planned_pairs`, the plan of the program's hardware
 profile) or are built here without costs (:data:`PLANS`: ``sequential``, ``op_by_op``);
 :func:`check_plan` says whether one can run at all. :func:`backward_ops` and
 :func:`in_weight_pass` say which backward ops a B action runs when W is split off.
@@ -37,15 +38,6 @@ def op_by_op_plan(fwd: LayerDag, bwd: LayerDag) -> SegmentPlan:
 
 
 PLANS: dict[str, PlanFn] = {"sequential": sequential_plan, "op_by_op": op_by_op_plan}
-
-
-def planned_pairs(program) -> SegmentPlan:
-    """The planner's SI plan of ``program``'s layer pair as its schedule runs it (without
-    the wgrads when W is split off). Needs the program's hardware profile; raises the
-    planner's DhelixError otherwise. Imported lazily: the planner is optional here."""
-    from dhelix.dsl.simulator.events import schedule_plan
-
-    return tuple((tuple(pair.forward), tuple(pair.backward)) for pair in schedule_plan(program).pairs)
 
 
 def has_si_blocks(lowered) -> bool:

@@ -93,8 +93,8 @@ class RunOptions:
 
 def preflight(program) -> None:
     """Raise DhelixError for a program the interpreter cannot run, before any rank starts."""
-    from .layer_exec import LayerPlan
-    from .weights import ShardingError, WeightPlan
+    from dhelix.interpreter.execute.layer_exec import LayerPlan
+    from dhelix.interpreter.ops.weights import ShardingError, WeightPlan
 
     try:
         WeightPlan(program)
@@ -107,7 +107,8 @@ def si_plan(program, name: str) -> tuple[str, tuple | dict | None]:
     """The SI plan to run: (its name, the planner's pairs for ``planned``, the block
     scheduler's orders by layer counts for ``scheduled``). Without a hardware profile
     neither has costs, so both fall back to ``op_by_op``."""
-    from .si_plan import has_si_blocks, planned_pairs
+    from dhelix.dsl.planner.si_plan import has_si_blocks
+    from dhelix.dsl.simulator.events import planned_pairs
 
     if name not in ("planned", "scheduled") or not has_si_blocks(program.lowered):
         return name, None
@@ -129,13 +130,13 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
 
     from dhelix.dsl.simulator.launch import priced_program
 
-    from .comm import DistComm
-    from .executor import Executor
-    from .harness import broadcast_from_first, check_steps
+    from dhelix.interpreter.ops.comm import DistComm
+    from dhelix.interpreter.execute.executor import Executor
+    from dhelix.interpreter.verify.harness import broadcast_from_first, check_steps
     from .data import DataSource, load_corpus
     from .optim import AdamWConfig, for_executor
-    from .recording import Recorder
-    from .si_plan import PLANS, fixed_plan
+    from dhelix.interpreter.execute.recording import Recorder
+    from dhelix.dsl.planner.si_plan import PLANS, fixed_plan
 
     program, _ = priced_program(options.text, options.path, options.profile, options.gpus_per_node)
     if options.gpus_per_node is not None and options.pairs is not None:
@@ -263,7 +264,7 @@ def _peak_bytes(executor) -> int:
 
 def _evaluate(executor, source) -> float:
     """The loss of the held-out batch with the current weights (its gradients are dropped)."""
-    from .harness import replica_batch
+    from dhelix.interpreter.verify.harness import replica_batch
 
     batch = replica_batch(source.held_out(), executor.comm.index("dp"), executor.program.train.microbatches)
     reduce, executor.grad_ready = executor.grad_ready, None  # nothing to reduce
@@ -279,7 +280,7 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
     ``losses`` and ``times``."""
     import torch
 
-    from .harness import replica_batch
+    from dhelix.interpreter.verify.harness import replica_batch
 
     comm, waited = executor.comm, executor.recorder.waited
     batch = replica_batch(batch, comm.index("dp"), executor.program.train.microbatches)
@@ -315,7 +316,7 @@ def _gather(executor, losses: list, times: dict, evals: list) -> RunResult | Non
     """Every rank's record gathered on global rank 0 as the run's result (None elsewhere)."""
     import torch
 
-    from .harness import gather_to_first
+    from dhelix.interpreter.verify.harness import gather_to_first
 
     recorder, rank = executor.recorder, executor.comm.rank
     cuda_peak = None

@@ -68,8 +68,8 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
     from dhelix.dsl.passes.overrides import for_measuring
     from dhelix.dsl.planner.calibrate import pool
 
-    from .comm import DistComm
-    from .harness import gather_to_first
+    from dhelix.interpreter.ops.comm import DistComm
+    from dhelix.interpreter.verify.harness import gather_to_first
     from .profiler import Clock, EndsBench, LayerBench, OptimizerBench, barrier, measure, measurements
 
     program = for_measuring(options.text, options.path)

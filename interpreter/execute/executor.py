@@ -39,17 +39,17 @@ from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
 from dhelix.dsl.passes.validate import transfer_key
 
-from .comm import AXES, Communicator, Pending, resolve
-from .fsdp import FlatShards
+from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
+from dhelix.interpreter.ops.fsdp import FlatShards
 from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads
-from .pair_order import BlockOrder
+from dhelix.dsl.planner.pair_order import BlockOrder
 from .pipeline_comm import PipelineComm, check_fifo
-from .reference import Batch
-from .ring_attention import local_micro
+from dhelix.interpreter.verify.reference import Batch
+from dhelix.interpreter.ops.ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
 from .si import Filler, LayerChain, check_orders, run_alone, run_interleaved, run_scheduled
-from .si_plan import PlanFn, backward_ops, check_plan, sequential_plan
-from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
+from dhelix.dsl.planner.si_plan import PlanFn, backward_ops, check_plan, sequential_plan
+from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 
 
 class ExecutionError(ScheduleError):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dhelix.dsl.core.schedule import Lowered, Transfer
 from dhelix.dsl.passes.validate import transfer_key
 
-from .comm import Communicator, Pending
+from dhelix.interpreter.ops.comm import Communicator, Pending
 
 
 class _Slot:

@@ -34,7 +34,7 @@ import torch
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.program import Program
 
-from .reference import Batch, make_batch
+from dhelix.interpreter.verify.reference import Batch, make_batch
 
 #: The fraction of the token stream held out for evaluation (its tail).
 HELD_OUT = 0.1

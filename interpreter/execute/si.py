@@ -56,8 +56,8 @@ from typing import Callable, Sequence
 from dhelix.dsl.core.oplib import is_wgrad
 from dhelix.dsl.core.program import Op
 
-from .comm import Pending
-from .pair_order import BlockOrder, InFlight, Issue, order_pair
+from dhelix.interpreter.ops.comm import Pending
+from dhelix.dsl.planner.pair_order import BlockOrder, InFlight, Issue, order_pair
 from .recording import Recorder
 
 

@@ -33,7 +33,7 @@ import torch
 
 from dhelix.dsl.core.errors import DhelixError
 
-from .harness import gather_full
+from dhelix.interpreter.verify.harness import gather_full
 
 LATEST = "latest"
 META = "dhelix.json"

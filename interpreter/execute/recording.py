@@ -16,7 +16,7 @@ import torch
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
-from .comm import Communicator, Pending
+from dhelix.interpreter.ops.comm import Communicator, Pending
 
 
 class Recorder:

@@ -47,10 +47,10 @@ from dhelix.dsl.core.program import Op, Program
 
 from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
 
-from .comm import AXES, Communicator, Pending
-from .fsdp import FlatShards
-from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun
-from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, torch_dtype
+from dhelix.interpreter.ops.comm import AXES, Communicator, Pending
+from dhelix.interpreter.ops.fsdp import FlatShards
+from dhelix.interpreter.execute.layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun
+from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, torch_dtype
 
 #: Bytes per rank of the link sweep's all_gathers.
 SWEEP_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
@@ -206,8 +206,8 @@ class OptimizerBench:
     communicator: the dp synchronisation is not part of it (the simulator prices it apart)."""
 
     def __init__(self, program: Program, comm: Communicator, device: torch.device, seed: int = 0):
-        from .comm import SingleRankComm
-        from .optim import AdamWConfig, DistributedAdamW
+        from dhelix.interpreter.ops.comm import SingleRankComm
+        from dhelix.interpreter.training.optim import AdamWConfig, DistributedAdamW
 
         index = {axis: comm.index(axis) for axis in AXES}
         params = WeightPlan(program, seed).layer_weights(0, index, torch_dtype(program), device)

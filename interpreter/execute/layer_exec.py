@@ -33,14 +33,14 @@ from dhelix.dsl.core.oplib import REGROUP
 from dhelix.dsl.core.program import COLUMNS, LayerDag, Op, Program
 from dhelix.dsl.passes.fsdp import FIRST_STAGE, GATHER as FSDP_GATHER, PIECES, unit_of
 
-from .comm import AXES, Communicator, Pending, resolve
-from .fsdp import block_of, gather_weight, scatter_grad
-from .kernels import (BWD, COMM, DGRAD, FORWARD, GATHER_W, KERNELS, SCATTER_DW, WGRAD, KernelCtx, handler,
+from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
+from dhelix.interpreter.ops.fsdp import block_of, gather_weight, scatter_grad
+from dhelix.interpreter.ops.kernels import (BWD, COMM, DGRAD, FORWARD, GATHER_W, KERNELS, SCATTER_DW, WGRAD, KernelCtx, handler,
                       lm_head_backward)
-from .moe import ROLE, a2a_roles
-from .reference import Batch
-from .ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_step
-from .weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
+from dhelix.interpreter.ops.moe import ROLE, a2a_roles
+from dhelix.interpreter.verify.reference import Batch
+from dhelix.interpreter.ops.ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_step
+from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
 
 
 @attrs.frozen(kw_only=True)

@@ -39,10 +39,10 @@ import attrs
 
 from dhelix.dsl.core.errors import DhelixError
 
-from .summary import describe_mesh
+from dhelix.interpreter.training.summary import describe_mesh
 
 if TYPE_CHECKING:
-    from .train import RunOptions
+    from dhelix.interpreter.training.train import RunOptions
 
 #: What a rank runs in the joined world: ``work(options, device, heartbeat)`` → its result on
 #: global rank 0 (picklable: it travels to the parent), None elsewhere; it calls

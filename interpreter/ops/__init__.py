@@ -1,0 +1,1 @@
+"""Kernels and communicators: operators, collectives, FSDP shards, MoE, ring attention, weight layout."""

@@ -1,0 +1,1 @@
+"""Checking a run: the single-process reference model and the comparison harness."""
