@@ -31,7 +31,8 @@ def test_four_ranks_on_a_node_said_to_hold_two_is_an_error_naming_ranks_and_host
     assert error.message == ("the cluster block puts ranks 0 and 2 on different nodes (gpus_per_node = 2), but "
                              "they run on the same one: rank 0 on a (node 0), rank 2 on a (node 0)")
     assert error.notes == ("measured: ranks 0-3 on a (node 0)",
-                           "set gpus_per_node = 4 in the cluster block, or launch 2 rank(s) per node")
+                           "set gpus_per_node = 4 in the cluster block, launch 2 rank(s) per node, or run with "
+                           "--topology measured (the nodes the ranks run on decide which groups are node-local)")
 
 
 def _free_port() -> int:
@@ -122,3 +123,63 @@ def test_the_summary_line_says_whether_the_measured_nodes_differ():
 
     assert describe_measured(2, 4, 2) == "measured, 2 rank(s) per node on 2 node(s), as the cluster block says"
     assert describe_measured(4, 4, 2).startswith("measured, 4 rank(s) per node on 1 node(s), used instead of")
+
+
+def test_a_one_host_torchrun_of_a_two_node_program_emulates_the_nodes():
+    from dhelix.interpreter.topology import emulated_nodes
+
+    assert emulated_nodes([Where(0, "vm")] * 4, gpus_per_node=2) == (
+        "emulated, the cluster block's 2 node(s) of 2 rank(s) on one host (vm), as `dhelix run` does; lanes and "
+        "prediction follow the cluster block (--topology measured: one node)")
+    assert emulated_nodes([Where(0, "vm")] * 4, gpus_per_node=4) == ""  # one node: nothing to emulate
+    assert emulated_nodes([Where(0, "a"), Where(0, "a"), Where(1, "b"), Where(1, "b")], gpus_per_node=2) == ""
+
+
+def test_the_placement_error_names_the_measured_topology():
+    from dhelix.interpreter.topology import PlacementError
+
+    with pytest.raises(PlacementError) as info:
+        check_placement([Where(0, "a"), Where(1, "b"), Where(0, "a"), Where(1, "b")], gpus_per_node=2)
+    assert "or run with --topology measured" in info.value.notes[-1]
+
+
+@pytest.mark.parametrize(("env", "placement", "started", "silent"), [
+    ({}, False, False, False),  # not torchrun: this process is the reporter
+    ({"RANK": "0", "LOCAL_RANK": "0"}, True, True, False),
+    ({"RANK": "2", "LOCAL_RANK": "0"}, True, True, True),  # rank 0 reports the placement
+    ({"RANK": "2", "LOCAL_RANK": "0"}, False, False, False),  # a node's local rank 0 reports its own
+    ({"RANK": "3", "LOCAL_RANK": "1"}, False, False, True),
+    ({"RANK": "3", "LOCAL_RANK": "1"}, False, True, False),  # a rank's own failure while training
+])
+def test_under_torchrun_an_error_every_rank_meets_is_reported_once(monkeypatch, env, placement, started, silent):
+    from dhelix.cli.run import _reported_elsewhere
+    from dhelix.interpreter.topology import PlacementError
+
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {**env, **({"WORLD_SIZE": "4"} if env else {})}.items():
+        monkeypatch.setenv(key, value)
+    error = PlacementError("x") if placement else DhelixError("x")
+    assert _reported_elsewhere(error, started) is silent
+
+
+def test_torchrun_standalone_runs_the_two_node_demo_emulating_its_nodes(tmp_path):
+    # The README's demo program under a plain one-host torchrun (issue 31): it runs as `dhelix run` does.
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           "-m", "dhelix", "run", str(EXAMPLE), "--steps", "2", "--timeout", "30"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "topology: emulated, the cluster block's 2 node(s) of 2 rank(s) on one host" in done.stdout
+    assert done.stdout.count("dhelix run: ") == 1
+
+
+def test_torchrun_of_the_wrong_world_size_says_so_once(tmp_path):
+    pytest.importorskip("torch")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "dhelix", "run", str(EXAMPLE), "--steps", "1"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
+    assert done.returncode != 0
+    assert done.stderr.count("the mesh has 4 ranks (tp 2 × pp 2) but torchrun started 2") == 1, done.stderr

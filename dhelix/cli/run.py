@@ -108,7 +108,33 @@ def _add_training_arguments(run) -> None:
 
 def cmd_run(args) -> int:
     """`dhelix run FILE …`: check the program and the output, then run it on a spawned or
-    torchrun world and print what rank 0 brings back; returns the exit code."""
+    torchrun world and print what rank 0 brings back; returns the exit code. Under torchrun an
+    error every rank meets alike is reported once (:func:`_reported_elsewhere`)."""
+    started = []
+    try:
+        return _run(args, started)
+    except DhelixError as exc:
+        if _reported_elsewhere(exc, bool(started)):
+            return 1
+        raise
+
+
+def _reported_elsewhere(exc: DhelixError, started: bool) -> bool:
+    """Whether another process of a torchrun world reports ``exc``: the nodes' placement, which
+    every rank reads alike, is reported by global rank 0; an error met before the ranks join
+    (the command line, the program, the data) by each node's local rank 0."""
+    from dhelix.interpreter.topology import PlacementError
+
+    rank = os.environ.get("RANK")
+    if rank is None or "WORLD_SIZE" not in os.environ:
+        return False
+    if isinstance(exc, PlacementError):
+        return rank != "0"
+    return not started and os.environ.get("LOCAL_RANK", rank) != "0"
+
+
+def _run(args, started: list) -> int:
+    """The body of :func:`cmd_run`; appends to ``started`` once the ranks begin to join."""
     _check_numbers(args)
     check_launch_numbers(args)
     outputs = {flag: output_path(value, flag, inputs=(args.file,))
@@ -140,6 +166,7 @@ def cmd_run(args) -> int:
     nproc = local_ranks(args, program, torchrun=placed is not None)
     options = run_options(args, text, program, choose_backend(args.backend, nproc))
     _preflight_data(program, options)
+    started.append(True)
     if placed is not None:
         result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node)
     else:

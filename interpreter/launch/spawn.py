@@ -364,16 +364,18 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
     # Beating before joining: a rank that hangs while the world forms is named too.
     heartbeat = Heartbeat(_client(address, options.timeout), rank).start()
     try:
-        measured = None
+        measured, emulated = None, ""
         if torchrun and gpus_per_node is not None:
-            from .topology import check_placement, exchange, measured_per_node
+            from .topology import check_placement, emulated_nodes, exchange, measured_per_node
 
             places = exchange(_client(address, options.timeout), rank, world)
             if getattr(options, "topology", "declared") == "measured":
                 measured = measured_per_node(places)
                 options = attrs.evolve(options, gpus_per_node=measured)
             else:
-                check_placement(places, gpus_per_node)
+                emulated = emulated_nodes(places, gpus_per_node)
+                if not emulated:
+                    check_placement(places, gpus_per_node)
         dist.init_process_group(options.backend, store=_client(address, options.timeout), rank=rank,
                                 world_size=world, timeout=timeout)
         try:
@@ -385,6 +387,8 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
 
             result = attrs.evolve(result, gpus_per_node=measured,
                                   topology=describe_measured(measured, world, gpus_per_node))
+        elif result is not None and emulated:
+            result = attrs.evolve(result, topology=emulated)
         return result
     except (RuntimeError, ValueError) as exc:  # a peer's failure seen through a collective
         raise _blame_stalled(RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}", rank=rank),

@@ -7,7 +7,9 @@ torchrun that is an assumption about how the job was launched, so each rank publ
 it runs (torchrun's node rank ``GROUP_RANK`` and the host name) through the rendezvous store
 and every rank checks the whole world before training (:func:`check_placement`). The local
 spawner's ranks share one machine on purpose (two "nodes" of a CPU example), so it is not
-checked there. Nothing here imports torch.
+checked there. A torchrun of every rank on one host is the same on purpose (``torchrun
+--standalone`` of a CPU example): its nodes are emulated as the local spawner's are
+(:func:`emulated_nodes`), and the summary says so. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ import attrs
 from dhelix.dsl.core.errors import DhelixError
 
 PREFIX = "dhelix/node/"
+
+
+class PlacementError(DhelixError):
+    """The nodes the ranks run on do not fit the program. Every rank reads the same
+    placements and meets the same error, so only global rank 0 reports it."""
 
 
 @attrs.frozen
@@ -47,6 +54,19 @@ def exchange(store, rank: int, world: int) -> list[Where]:
     return [Where(*json.loads(store.get(f"{PREFIX}{other}"))) for other in range(world)]
 
 
+def emulated_nodes(places: list[Where], gpus_per_node: int) -> str:
+    """The summary's line when every rank runs on one host and the cluster block says several
+    nodes: those nodes are emulated on it, as ``dhelix run``'s own launcher does (lanes and
+    prediction follow the cluster block); "" when the ranks are not all on one host or the
+    program has one node."""
+    world = len(places)
+    if world <= gpus_per_node or any(place != places[0] for place in places):
+        return ""
+    return (f"emulated, the cluster block's {world // gpus_per_node} node(s) of {gpus_per_node} rank(s) on one "
+            f"host ({places[0].host}), as `dhelix run` does; lanes and prediction follow the cluster block "
+            "(--topology measured: one node)")
+
+
 def check_placement(places: list[Where], gpus_per_node: int) -> None:
     """Raise DhelixError when the ranks' real nodes differ from the cluster block's: ranks the
     program puts on one node that run on different ones, or the other way round. The message
@@ -63,12 +83,13 @@ def check_placement(places: list[Where], gpus_per_node: int) -> None:
             measured = "; ".join(f"ranks {_span(ranks)} on {p}" for p, ranks in nodes.items())
             claim = "the same node" if said else "different nodes"
             fact = "different ones" if said else "the same one"
-            raise DhelixError(
+            raise PlacementError(
                 f"the cluster block puts ranks {rank} and {other} on {claim} (gpus_per_node = {gpus_per_node}), "
                 f"but they run on {fact}: rank {rank} on {place}, rank {other} on {places[other]}",
                 notes=[f"measured: {measured}",
-                       f"set gpus_per_node = {_measured_per_node(nodes)} in the cluster block, or launch "
-                       f"{gpus_per_node} rank(s) per node"])
+                       f"set gpus_per_node = {_measured_per_node(nodes)} in the cluster block, launch "
+                       f"{gpus_per_node} rank(s) per node, or run with --topology measured (the nodes the "
+                       "ranks run on decide which groups are node-local)"])
 
 
 def measured_per_node(places: list[Where]) -> int:
@@ -82,7 +103,7 @@ def measured_per_node(places: list[Where]) -> int:
     blocks = [list(range(start, start + per_node)) for start in range(0, len(places), per_node)]
     if sorted(nodes.values()) != blocks:
         measured = "; ".join(f"ranks {_span(ranks)} on {p}" for p, ranks in nodes.items())
-        raise DhelixError(
+        raise PlacementError(
             "the measured topology cannot be used: the ranks are not laid out as consecutive blocks of "
             "equal size per node, which is what a cluster block (gpus_per_node) can describe",
             notes=[f"measured: {measured}",
