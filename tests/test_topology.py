@@ -31,8 +31,7 @@ def test_four_ranks_on_a_node_said_to_hold_two_is_an_error_naming_ranks_and_host
     assert error.message == ("the cluster block puts ranks 0 and 2 on different nodes (gpus_per_node = 2), but "
                              "they run on the same one: rank 0 on a (node 0), rank 2 on a (node 0)")
     assert error.notes == ("measured: ranks 0-3 on a (node 0)",
-                           "set gpus_per_node = 4 in the cluster block, launch 2 rank(s) per node, or run with "
-                           "--topology measured (the nodes the ranks run on decide which groups are node-local)")
+                           "set gpus_per_node = 4 in the cluster block, or launch 2 rank(s) per node")
 
 
 def _free_port() -> int:
@@ -126,21 +125,23 @@ def test_the_summary_line_says_whether_the_measured_nodes_differ():
 
 
 def test_a_one_host_torchrun_of_a_two_node_program_emulates_the_nodes():
-    from dhelix.interpreter.topology import emulated_nodes
+    from dhelix.interpreter.launch.topology import emulated_nodes
 
     assert emulated_nodes([Where(0, "vm")] * 4, gpus_per_node=2) == (
-        "emulated, the cluster block's 2 node(s) of 2 rank(s) on one host (vm), as `dhelix run` does; lanes and "
-        "prediction follow the cluster block (--topology measured: one node)")
+        "emulated, the cluster block's 2 node(s) of 2 rank(s) on one host (vm), as the local launcher does; lanes "
+        "and prediction follow the cluster block")
     assert emulated_nodes([Where(0, "vm")] * 4, gpus_per_node=4) == ""  # one node: nothing to emulate
     assert emulated_nodes([Where(0, "a"), Where(0, "a"), Where(1, "b"), Where(1, "b")], gpus_per_node=2) == ""
 
 
-def test_the_placement_error_names_the_measured_topology():
-    from dhelix.interpreter.topology import PlacementError
+def test_the_placement_error_names_the_measured_topology(capsys):
+    from dhelix.cli.main import _add_remedies
+    from dhelix.interpreter.launch.topology import PlacementError
 
     with pytest.raises(PlacementError) as info:
         check_placement([Where(0, "a"), Where(1, "b"), Where(0, "a"), Where(1, "b")], gpus_per_node=2)
-    assert "or run with --topology measured" in info.value.notes[-1]
+    _add_remedies(info.value)  # the command line names the option
+    assert info.value.notes[-1].startswith("or run with --topology measured")
 
 
 @pytest.mark.parametrize(("env", "placement", "started", "silent"), [
@@ -153,7 +154,7 @@ def test_the_placement_error_names_the_measured_topology():
 ])
 def test_under_torchrun_an_error_every_rank_meets_is_reported_once(monkeypatch, env, placement, started, silent):
     from dhelix.cli.run import _reported_elsewhere
-    from dhelix.interpreter.topology import PlacementError
+    from dhelix.interpreter.launch.topology import PlacementError
 
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(key, raising=False)

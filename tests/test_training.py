@@ -153,13 +153,16 @@ def test_the_schedule_is_torch_s_linear_warm_up_then_cosine():
     sched = torch.optim.lr_scheduler
     scheduler = sched.SequentialLR(optimizer, [
         sched.LinearLR(optimizer, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1),
-        sched.CosineAnnealingLR(optimizer, T_max=total - warmup, eta_min=MIN_LR_RATIO * peak)],
+        sched.CosineAnnealingLR(optimizer, T_max=total - warmup - 1, eta_min=MIN_LR_RATIO * peak)],
         milestones=[warmup])
     for step in range(total):
         assert lr_at(step, peak, warmup, total) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-9), step
         optimizer.step()
         scheduler.step()
     assert lr_at(total - 1, peak, 0, None) == peak
+    # The floor is the last update's rate, not the one after it (issue 31).
+    assert lr_at(total - 1, peak, warmup, total) == pytest.approx(MIN_LR_RATIO * peak, rel=1e-12)
+    assert lr_at(total - 2, peak, warmup, total) > MIN_LR_RATIO * peak
 
 
 # --- the loop against the reference, checkpoints, export, log (ranks) ---------------------

@@ -1,7 +1,8 @@
 """`dhelix check FILE [--dump STAGE]`: check a schedule file, or print a stage's IR.
 
-Prints a one-line summary of what the file defines when it is correct; every error found
-(located, with the source line and a caret) otherwise, exit code 1. ``--dump STAGE`` runs the
+Prints a one-line summary of what the file defines when it is correct (after the located
+warnings of what runs but likely not as meant: a mesh axis the layer never uses); every error
+found (located, with the source line and a caret) otherwise, exit code 1. ``--dump STAGE`` runs the
 named pass pipeline up to STAGE and prints that stage's IR instead.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.passes.axisuse import unused_axes
 from dhelix.dsl.passes.pipeline import STAGES, STAGE_NAMES, check_text, dump_stage, run_until
 
 
@@ -32,6 +34,8 @@ def cmd_check(args) -> int:
         sys.stdout.write(dump_stage(args.dump, run_until(text, args.file, args.dump)))
         return 0
     program = check_text(text, args.file)
+    for warning in unused_axes(program):
+        print(warning.render(), file=sys.stderr)
     what = f"model {program.model.name}" if program.model else "library"
     layers, pipelines = len(program.layers), len(program.pipelines)
     print(f"{args.file}: ok ({what}; {layers} layer{'s' * (layers != 1)} and "

@@ -5,7 +5,8 @@ Both commands launch the same way (local ranks by default, or each process of a 
 world, :mod:`dhelix.interpreter.launch.spawn`), so the launch options are added and checked here once:
 
 - ``--nproc N``: must be at least 1 and equal the mesh's world size (a usage error, exit 2);
-- ``--timeout S``: must be positive (torch's store rejects 0 with C++ frames);
+- ``--timeout S``: must be positive (torch's store rejects 0 with C++ frames) and at most a week
+  (infinity and NaN are refused);
 - ``--backend``: ``nccl`` needs CUDA and one visible GPU per local rank (a usage error rather
   than four tracebacks from ``torch.cuda.set_device``). Not given, it is ``nccl`` when there are
   enough GPUs for the local ranks and ``gloo`` otherwise, so a job on a GPU machine never
@@ -19,6 +20,10 @@ from __future__ import annotations
 import os
 
 from dhelix.dsl.core.errors import UsageError
+
+#: The longest ``--timeout``: a week, far past any collective, and a finite one (torch's
+#: stores take milliseconds as a 64-bit integer; infinity is a launcher traceback).
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 def add_launch_arguments(parser, *, what: str) -> None:
@@ -36,8 +41,9 @@ def add_launch_arguments(parser, *, what: str) -> None:
 def check_launch_numbers(args) -> None:
     """Raise UsageError for a ``--timeout`` that is not positive or an ``--nproc`` below 1;
     cheap, so commands call it before reading the program."""
-    if not args.timeout > 0:  # also refuses NaN
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # also refuses NaN and infinity
+        raise UsageError(f"--timeout must be a positive number of seconds up to {MAX_TIMEOUT_S} (a week), "
+                         f"got {args.timeout:g}")
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
 

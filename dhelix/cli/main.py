@@ -49,14 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The options that fix a run-time error, by the error's class name (library messages name no
+#: option; a rank's error reaches the command as a RankFailure naming its ``cause``).
+RUN_REMEDIES = {
+    "NonFiniteError": "lower --lr, clip the gradients (--clip 1.0), or skip such steps with --skip-nonfinite",
+    "PlacementError": "or run with --topology measured: the nodes the ranks run on then decide which groups "
+                      "are node-local",
+}
+
+
 def _add_remedies(exc: DhelixError) -> None:
-    """Add the command that fixes an error, where there is one (library messages name no
-    command): a stale measured profile is re-measured with `dhelix profile`."""
+    """Add the command or option that fixes an error, where there is one (library messages
+    name none): a stale measured profile is re-measured with `dhelix profile`; a run's
+    non-finite step or wrong placement gets the options of :data:`RUN_REMEDIES`."""
     from dhelix.dsl.frontend.profilecheck import StaleProfileError
 
     for error in exc.errors if isinstance(exc, ErrorGroup) else (exc,):
         if isinstance(error, StaleProfileError) and error.program:
             error.add_note(f"to re-measure it: dhelix profile {error.program}")
+        remedy = RUN_REMEDIES.get(getattr(error, "cause", "") or type(error).__name__)
+        if remedy is not None:
+            error.add_note(remedy)
 
 
 def main(argv: list[str] | None = None) -> int:

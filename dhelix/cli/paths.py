@@ -8,7 +8,8 @@ exit code 2 and before any work:
   real paths (symbolic links resolved, hard links seen by :func:`os.path.samefile`);
 - an existing directory;
 - a folder that does not exist or is not a folder;
-- a place where nothing can be written. That is found out by trying: an existing file is
+- a place where nothing can be written (:func:`output_folder` probes a folder an output
+  goes into, ``run --save``). That is found out by trying: an existing file is
   opened for appending (which changes nothing in it), otherwise a temporary file is created
   in the folder and removed. ``os.access`` is not asked, because it says yes to root even on
   a read-only file system.
@@ -26,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.core.errors import OutputError, UsageError
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.frontend.imports import STDLIB_PREFIX, stdlib_root
 
@@ -95,9 +96,43 @@ def _probe(path: Path) -> None:
 
 
 def write_output(path: Path, text: str) -> None:
-    """Write ``text`` to the output ``path``; UsageError (exit 2) when the system refuses
-    anyway (a disk that filled up since the check, a file made read-only meanwhile)."""
+    """Write ``text`` to the output ``path``: a regular file through a temporary file beside
+    it renamed into place (a failed write leaves neither a partial file nor a truncated old
+    one), a device or a pipe directly. OutputError (exit 1: the command line was right) when
+    the system refuses anyway (a disk that filled up since the probe, a file made read-only
+    meanwhile), with nothing left behind."""
+    if path.exists() and not path.is_file():
+        try:
+            path.write_text(text)
+        except OSError as exc:
+            raise OutputError(f"cannot write '{path}': {exc.strerror or exc}") from None
+        return
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
     try:
-        path.write_text(text)
+        partial.write_text(text)
+        os.replace(partial, path)
     except OSError as exc:
-        raise UsageError(f"cannot write '{path}': {exc.strerror or exc}") from None
+        partial.unlink(missing_ok=True)
+        raise OutputError(f"cannot write '{path}': {exc.strerror or exc}",
+                          notes=["nothing was written there (the partial file was removed)"]) from None
+
+
+def output_folder(text: str, flag: str) -> Path:
+    """``text``, the value of option ``flag``, as a folder the command may create or add files
+    to: an existing folder, or a new one in an existing folder; probed by creating (and
+    removing) a file there. UsageError (exit 2) naming the option otherwise."""
+    path = Path(text)
+    try:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{flag} {text}: that is a file; give a folder")
+        where = path if path.exists() else path.parent
+        if not where.exists():
+            raise UsageError(f"{flag} {text}: the folder '{where}' does not exist")
+        if not where.is_dir():
+            raise UsageError(f"{flag} {text}: '{where}' is not a folder")
+        handle, probe = tempfile.mkstemp(prefix=".dhelix-probe-", dir=where)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{flag} {text}: cannot write there ({exc.strerror or exc})") from None
+    return path

@@ -30,13 +30,15 @@ import sys
 from pathlib import Path
 
 from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks
-from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
-from dhelix.dsl.core.errors import DhelixError, UsageError
+from dhelix.cli.paths import output_folder, output_path, program_inputs, refuse_inputs, write_output
+from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.cli.overrides import add_profile_argument
+from dhelix.dsl.passes.axisuse import unused_axes
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.simulator.launch import priced_program
 from dhelix.dsl.render.trace import trace_json
+from dhelix.interpreter.training.train import DEFAULT_KEEP  # torch-free at import
 
 
 def register(subparsers) -> None:
@@ -86,6 +88,8 @@ def _add_training_arguments(run) -> None:
                            "files (.uint16, .uint32); overrides the train block's data")
     data.add_argument("--save", metavar="DIR", help="save a checkpoint to DIR at the end (and every --save-every)")
     data.add_argument("--save-every", type=int, metavar="N", help="also save every N steps")
+    data.add_argument("--keep", type=int, metavar="K",
+                      help=f"keep the K newest saves in --save DIR, removing older ones (default {DEFAULT_KEEP})")
     data.add_argument("--resume", metavar="DIR",
                       help="continue the run saved in DIR, on this program's layout (--steps counts all steps)")
     data.add_argument("--export-weights", metavar="OUT.pt",
@@ -99,6 +103,9 @@ def _add_training_arguments(run) -> None:
                       help="after the warm-up: cosine decay to 0.1 · lr at the last step (default), or constant")
     data.add_argument("--weight-decay", type=float, default=0.0, metavar="W", help="AdamW weight decay (default 0)")
     data.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this global norm")
+    data.add_argument("--skip-nonfinite", action="store_true",
+                      help="skip a step whose loss or gradient norm is NaN or infinite (its update is not "
+                           "applied; the log marks it) instead of stopping the run there")
     data.add_argument("--no-fp32-master", dest="master", action="store_false",
                       help="with dtype bf16 or fp16, update the parameters in that dtype (\"pure\" bf16) "
                            "instead of keeping fp32 master weights")
@@ -122,13 +129,12 @@ def cmd_run(args) -> int:
 def _reported_elsewhere(exc: DhelixError, started: bool) -> bool:
     """Whether another process of a torchrun world reports ``exc``: the nodes' placement, which
     every rank reads alike, is reported by global rank 0; an error met before the ranks join
-    (the command line, the program, the data) by each node's local rank 0."""
-    from dhelix.interpreter.topology import PlacementError
-
+    (the command line, the program, the data) by each node's local rank 0. Errors every rank
+    meets alike (``reported_by_rank_0``: the placement, a non-finite step) by global rank 0."""
     rank = os.environ.get("RANK")
     if rank is None or "WORLD_SIZE" not in os.environ:
         return False
-    if isinstance(exc, PlacementError):
+    if getattr(exc, "reported_by_rank_0", False):  # the placement, a non-finite step
         return rank != "0"
     return not started and os.environ.get("LOCAL_RANK", rank) != "0"
 
@@ -141,7 +147,7 @@ def _run(args, started: list) -> int:
                for flag, value in (("--trace", args.trace), ("--metrics", args.metrics), ("--log", args.log),
                                    ("--export-weights", args.export_weights)) if value}
     if args.save:
-        outputs["--save"] = _save_folder(args.save)
+        outputs["--save"] = _save_folder(args.save, args.resume)
     if args.check and args.json:
         raise UsageError("--check prints every step's comparison with the reference; it has no --json")
     if args.check and (outputs or args.resume):
@@ -154,6 +160,9 @@ def _run(args, started: list) -> int:
     require_model(program, args.file)
     for flag, path in outputs.items():
         refuse_inputs(path, flag, program_inputs(program))
+    if not _reported_elsewhere(DhelixError(""), started=False):  # once per node under torchrun
+        for warning in unused_axes(program):
+            print(warning.render(), file=sys.stderr)
     from dhelix.interpreter.launch import spawn
 
     from dhelix.interpreter.training import train
@@ -165,6 +174,8 @@ def _run(args, started: list) -> int:
                          "machine on purpose (the cluster block's nodes are emulated); run without it")
     nproc = local_ranks(args, program, torchrun=placed is not None)
     options = run_options(args, text, program, choose_backend(args.backend, nproc))
+    if options.data is not None:
+        _refuse_data(outputs, options.data)
     _preflight_data(program, options)
     started.append(True)
     if placed is not None:
@@ -179,26 +190,61 @@ def _run(args, started: list) -> int:
 
 
 def _check_numbers(args) -> None:
+    """UsageError for an option out of its range: counts below 1 (or past the train block's
+    limit of steps), a seed outside the train block's range, and a learning rate, weight
+    decay or clipping norm that is not a finite number of the right sign."""
+    import math
+
+    from dhelix.dsl.frontend.limits import limit_of
+
     for flag, value in (("--steps", args.steps), ("--save-every", args.save_every),
-                        ("--eval-every", args.eval_every)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1")
-    if args.warmup is not None and args.warmup < 0:
-        raise UsageError("--warmup must be at least 0")
-    if args.clip is not None and args.clip <= 0:
-        raise UsageError("--clip must be a positive norm")
-    if args.save_every is not None and not args.save:
-        raise UsageError("--save-every needs --save DIR (where to save)")
+                        ("--eval-every", args.eval_every), ("--keep", args.keep)):
+        if value is not None and not 1 <= value <= limit_of("train", "steps"):
+            raise UsageError(f"{flag} must be between 1 and {limit_of('train', 'steps')}, got {value}")
+    if args.warmup is not None and not 0 <= args.warmup <= limit_of("train", "steps"):
+        raise UsageError(f"--warmup must be between 0 and {limit_of('train', 'steps')}, got {args.warmup}")
+    if args.seed is not None and not 0 <= args.seed <= limit_of("train", "seed"):
+        raise UsageError(f"--seed must be between 0 and {limit_of('train', 'seed')} (2**63 - 1), got {args.seed}")
+    for flag, value, lowest in (("--lr", args.lr, "positive"), ("--weight-decay", args.weight_decay, "at least 0"),
+                                ("--clip", args.clip, "positive")):
+        bad = value is not None and (not math.isfinite(value) or value < 0 or value == 0 and lowest == "positive")
+        if bad:
+            raise UsageError(f"{flag} must be a finite number, {lowest}; got {value:g}")
+    for flag, value in (("--save-every", args.save_every), ("--keep", args.keep)):
+        if value is not None and not args.save:
+            raise UsageError(f"{flag} needs --save DIR (where to save)")
 
 
-def _save_folder(text: str) -> Path:
-    """``--save DIR`` as a folder the run may create or add saves to."""
-    path = Path(text)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--save {text}: that is a file; give a folder for the checkpoints")
-    if not path.exists() and not path.parent.resolve().is_dir():
-        raise UsageError(f"--save {text}: the folder '{path.parent}' does not exist")
+def _save_folder(text: str, resume: str | None) -> Path:
+    """``--save DIR`` as a folder the run may create or add saves to (probed), refused when it
+    holds another run's checkpoint: only a run resumed from that folder may save over it."""
+    from dhelix.interpreter.training.checkpoint import saves_in
+
+    path = output_folder(text, "--save")
+    saves = saves_in(path) if path.is_dir() else []
+    same = resume is not None and os.path.realpath(resume) == os.path.realpath(path)
+    if saves and not same:
+        raise UsageError(f"--save {text}: the folder holds a checkpoint of another run ({saves[-1].name}), which "
+                         f"this run's saves would replace; continue that run with --resume {text}, or give "
+                         "another folder")
     return path
+
+
+def _refuse_data(outputs: dict, data) -> None:
+    """UsageError when an output would overwrite the training data: a file output that is a
+    data file, or a checkpoint folder that holds data files."""
+    from dhelix.interpreter.training.data import data_files
+
+    files = data_files(data)
+    for flag, path in outputs.items():
+        if flag != "--save":
+            refuse_inputs(path, flag, files)
+            continue
+        folder = os.path.realpath(path)
+        inside = [f for f in files if os.path.realpath(f).startswith(folder + os.sep) or os.path.realpath(f) == folder]
+        if inside:
+            raise UsageError(f"--save {path}: the folder holds the training data ('{inside[0]}'); the checkpoints "
+                             "would be mixed with it; give another folder")
 
 
 def _preflight_data(program, options) -> None:
@@ -207,15 +253,40 @@ def _preflight_data(program, options) -> None:
     from dhelix.interpreter.training import checkpoint, data
     from dhelix.interpreter.ops.weights import WeightPlan
 
+    sequences = program.train.micro_batch * program.train.microbatches * program.mesh.size("dp")
     if options.data is not None:
-        data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"))
+        corpus = data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"))
+        short = data.short_data(options.data, corpus, sequences)
+        if short is not None and not _reported_elsewhere(short, started=False):
+            print(short.render(), file=sys.stderr)
     if options.resume is not None:
         _, meta = checkpoint.latest(options.resume)
-        sequences = program.train.micro_batch * program.train.microbatches * program.mesh.size("dp")
         checkpoint.check_fits(options.resume, meta, WeightPlan(program, options.seed), sequences)
         if meta["step"] >= options.steps:
             raise UsageError(f"--resume {options.resume}: the checkpoint is at step {meta['step']}, and this run "
                              f"has {options.steps} steps in all; give --steps above {meta['step']}")
+        for warning in resume_differences(meta, options):
+            print(warning.render(), file=sys.stderr)
+
+
+def resume_differences(meta: dict, options) -> list:
+    """Warnings (DhelixWarning) for what a resumed run changes from the saved one: the seed
+    (the data order) and each setting of the learning-rate schedule the checkpoint stored."""
+    from dhelix.dsl.core.errors import DhelixWarning
+
+    found = []
+    if meta.get("seed") is not None and meta["seed"] != options.seed:
+        found.append(DhelixWarning(f"--resume {options.resume}: the run was saved with seed {meta['seed']}, this one "
+                                   f"has {options.seed}; the data order changes from here",
+                                   notes=[f"give --seed {meta['seed']} to continue the same run"]))
+    saved, now = meta.get("schedule") or {}, options.schedule()
+    changed = [f"{key} {saved[key]} → {now[key]}" for key in now if key in saved and saved[key] != now[key]]
+    if changed:
+        found.append(DhelixWarning(f"--resume {options.resume}: the learning-rate schedule differs from the saved "
+                                   f"run's ({'; '.join(changed)})",
+                                   notes=["the resumed steps follow this run's options; give the saved ones to "
+                                          "continue the same trajectory"]))
+    return found
 
 
 def run_options(args, text: str, program, backend: str):
@@ -235,7 +306,8 @@ def run_options(args, text: str, program, backend: str):
         decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip, master=args.master,
         eval_every=args.eval_every if args.eval_every is not None else program.train.eval_every,
         save=args.save, save_every=args.save_every, resume=args.resume, log=args.log,
-        export=args.export_weights, topology=args.topology)
+        export=args.export_weights, topology=args.topology, skip_nonfinite=args.skip_nonfinite,
+        keep=args.keep if args.keep is not None else DEFAULT_KEEP)
 
 
 def _profile_for_ranks(profile: str | None) -> str | None:
@@ -267,12 +339,16 @@ def report(program, options, result, trace: Path | None, metrics: Path | None = 
     numbers = json.dumps(summary.metrics(figures, options, result), indent=1) + "\n"
     print(numbers if as_json else "dhelix run: " + summary.format_summary(figures), end="" if as_json else "\n")
     _report_training(options, result, sys.stderr if as_json else sys.stdout)
-    if metrics is not None:
-        write_output(metrics, numbers)
-    if trace is not None:
-        write_trace(trace, program, options, result)
-        print(f"trace: {trace} ({len(result.events)} events; open in Perfetto or chrome://tracing)",
-              file=sys.stderr if as_json else sys.stdout)
+    try:
+        if metrics is not None:
+            write_output(metrics, numbers)
+        if trace is not None:
+            write_trace(trace, program, options, result)
+            print(f"trace: {trace} ({len(result.events)} events; open in Perfetto or chrome://tracing)",
+                  file=sys.stderr if as_json else sys.stdout)
+    except OutputError as exc:
+        exc.add_note("the training finished: the summary above and the other outputs are complete")
+        raise
     return 0
 
 
@@ -288,9 +364,13 @@ def _report_training(options, result, out) -> None:
         step, loss = result.evals[-1]
         print(f"held-out: loss {loss:.4f}, perplexity {math.exp(min(loss, 80.0)):.2f} after step {step + 1}",
               file=out)
-    if options.save:
-        print(f"checkpoint: {options.save} (step {options.steps}; resume with --resume {options.save})",
+    if result.skipped:
+        shown = ", ".join(map(str, result.skipped[:10])) + (" …" if len(result.skipped) > 10 else "")
+        print(f"skipped: {len(result.skipped)} step(s) whose loss or gradient norm was not finite ({shown})",
               file=out)
+    if options.save:
+        print(f"checkpoint: {options.save} (step {options.steps}, the {options.keep} newest saves kept; resume "
+              f"with --resume {options.save})", file=out)
     if options.export:
         print(f"weights: {options.export} (torch.load it into the reference model's load_state_dict)",
               file=out)

@@ -68,6 +68,13 @@ class UsageError(DhelixError):
     """A wrong command line (exit code 2), as opposed to a wrong program (exit code 1)."""
 
 
+class OutputError(DhelixError):
+    """An output that could not be written although its place was probed before the run (a
+    disk that filled up, a place made read-only meanwhile): the message names the path and the
+    system's reason, the notes what was removed and what was kept. Exit code 1: the command
+    line was right."""
+
+
 class DhelixWarning(DhelixError):
     """A located warning: something that runs but likely not as meant (a prediction that
     does not fit the device). Rendered like an error with ``warning:`` before the message;

@@ -15,6 +15,8 @@ import math
 
 import attrs
 
+from dhelix.dsl.core.span import spans_field
+
 #: Dimensions that multiply into the world size, in the default (Megatron) order.
 DIMENSIONS = ("tp", "cp", "dp", "pp")
 
@@ -52,6 +54,8 @@ class Mesh:
     gpus_per_node: int = 1
     #: The size of the FSDP shard groups under hybrid sharding (0: none; see SHARD).
     dp_shard: int = 0
+    #: Where each written axis is set in the mesh block (axis → span), for located warnings.
+    spans: dict = spans_field()
 
     @property
     def world(self) -> int:

@@ -7,11 +7,14 @@ so a bad run ends with one :class:`RankFailure` naming the rank that caused it, 
 
 - a rank killed by a signal, or one that crashed, is the cause; its peers' "connection reset
   by peer" that follows is not reported;
-- a rank that stopped making progress (stopped, hung) is named from the heartbeats every rank
-  publishes in the store (:mod:`.heartbeat`), with the action it was in, once the others'
+- then the first error a rank met of its own (rank, action, schedule grid; a full disk under
+  an output), which it leaves in the store, rather than a peer's "connection closed by peer"
+  that followed from it (:func:`lost_a_peer`): the launcher waits a moment for that report
+  when the first rank to exit only lost a peer;
+- else a rank that stopped making progress (stopped, hung) is named from the heartbeats every
+  rank publishes in the store (:mod:`.heartbeat`), with the action it was in, once the others'
   collectives time out (``RunOptions.timeout``);
-- otherwise the first failing rank's own error (rank, action, schedule grid), which it leaves
-  in the store.
+- else the first failing rank's error.
 
 SIGTERM and SIGHUP to the launcher are forwarded to the ranks, which are stopped; the launcher
 then raises :class:`LauncherStopped` (the command exits 128 + the signal). A rank dies with
@@ -57,9 +60,15 @@ class RankFailure(DhelixError):
     of ``message`` when there is one (it has the file location and the schedule grid)."""
 
     def __init__(self, message: str, *, rank: int = -1, exitcode: int | None = None, report: str = "",
-                 notes=()):
+                 notes=(), secondary: bool = False, cause: str = ""):
         super().__init__(message, notes=notes)
         self.rank, self.exitcode, self.report = rank, exitcode, report
+        #: The class name of the rank's own error behind ``report`` (NonFiniteError, …), so
+        #: that the command line can add its remedy; "" when unknown.
+        self.cause = cause
+        #: True when another rank reports this failure: this rank failed only because a peer
+        #: did (a closed connection, a timeout).
+        self.secondary = secondary
 
     def render(self) -> str:
         if not self.report:
@@ -94,6 +103,15 @@ def torchrun_rank(program) -> tuple[int, int] | None:
 #: Signals that stop the launcher; forwarded to its ranks, which are then stopped.
 STOP_SIGNALS = ("SIGTERM", "SIGHUP")
 FAILURE_PREFIX = "dhelix/failure/"
+#: Beside a rank's failure: ``own <time>`` for an error of its own, ``peer <time>`` for one it
+#: met only because a peer failed (the launcher reports the first own error).
+CAUSE_PREFIX = "dhelix/cause/"
+#: How long the launcher waits for an error of a rank's own once the first rank to fail only
+#: lost a peer (the rank that failed first may still be cleaning up and reporting).
+OWN_CAUSE_WAIT_S = 5.0
+#: What torch.distributed's errors say when a peer went away or did not answer in time.
+PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
+             "timeout", "connection refused", "socket closed", "end of file")
 #: After a rank fails with an error of its own, how long to wait for a peer's death to show
 #: up (a rank killed by a signal makes its peers fail too, a few milliseconds later).
 SETTLE_S = 0.5
@@ -133,6 +151,7 @@ def run_local(options: "RunOptions", nproc: int, work: Work):
         return result
     try:
         _settle(procs, failure)
+        _await_own_cause(procs, store)
         raise failure_cause(procs, failure, store, options.timeout)
     finally:
         stop(procs)
@@ -215,10 +234,42 @@ def _settle(procs, failure: tuple[int, int]) -> None:
         wait(alive, timeout=max(0.0, deadline - time.monotonic()))
 
 
+def _causes(store, world: int) -> dict[int, tuple[str, float, str]]:
+    """The failures the ranks reported: rank → (``own`` or ``peer``, when, the error's class)."""
+    found = {}
+    for rank in range(world):
+        key = f"{CAUSE_PREFIX}{rank}"
+        if store.check([key]):
+            kind, when, *name = store.get(key).decode().split()
+            found[rank] = (kind, float(when), name[0] if name else "")
+    return found
+
+
+def _await_own_cause(procs, store) -> None:
+    """While every reported failure is a lost peer and some rank still runs (and none of those
+    is hung: its heartbeat stale), wait (up to :data:`OWN_CAUSE_WAIT_S`) for the rank that
+    failed of its own to report: it may have closed its connections before its report
+    reached the store."""
+    from multiprocessing.connection import wait
+
+    from .heartbeat import read_beats, stalled_rank
+
+    deadline = time.monotonic() + OWN_CAUSE_WAIT_S
+    while time.monotonic() < deadline:
+        if any(kind == "own" for kind, *_ in _causes(store, len(procs)).values()):
+            return
+        alive = [proc.sentinel for proc in procs if proc.exitcode is None]
+        stalled = stalled_rank(read_beats(store, len(procs)), len(procs))
+        if not alive or stalled is not None and procs[stalled[0]].exitcode is None:
+            return  # nothing left to report, or a hung rank: the cause is known
+        wait(alive, timeout=0.1)
+
+
 def failure_cause(procs, first: tuple[int, int], store, timeout: float) -> RankFailure:
     """The RankFailure to report for a failed local run: a rank killed by a signal, else one
-    that crashed (exit code other than 1), else one whose heartbeat stopped (a hung rank the
-    others timed out waiting for), else the first rank's own error, read from ``store``."""
+    that crashed (exit code other than 1), else the first error a rank reported of its own
+    (not a lost peer), else one whose heartbeat stopped (a hung rank the others timed out
+    waiting for), else the first rank's error, read from ``store``."""
     from .heartbeat import read_beats, stalled_rank
 
     codes = {rank: proc.exitcode for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)}
@@ -232,16 +283,22 @@ def failure_cause(procs, first: tuple[int, int], store, timeout: float) -> RankF
         if code != 1:
             return RankFailure(f"rank {rank} exited with code {code}; {others}", rank=rank, exitcode=code,
                                notes=followers if len(codes) > 1 else ())
-    stalled = stalled_rank(read_beats(store, len(procs)), len(procs))
+    causes = _causes(store, len(procs))
+    own = sorted((when, rank) for rank, (kind, when, _) in causes.items() if kind == "own")
+    stalled = None if own else stalled_rank(read_beats(store, len(procs)), len(procs))
     if stalled is not None:
         rank, what = stalled
         return RankFailure(f"rank {rank} {what}; the others waited for it until their collective timeout of "
                            f"{timeout:g} s; {others}", rank=rank)
-    rank = first[0]
+    rank = own[0][1] if own else first[0]
     key = f"{FAILURE_PREFIX}{rank}"
     report = store.get(key).decode() if store.check([key]) else ""
-    return RankFailure(f"rank {rank} exited with code {first[1]}; {others}", rank=rank, exitcode=first[1],
-                       report=report, notes=[others] if report else ())
+    code = codes.get(rank, first[1])
+    notes = [others] if report and len(procs) > 1 else []
+    if own and len(causes) > 1:
+        notes.append(followers[0])
+    return RankFailure(f"rank {rank} exited with code {code}; {others}", rank=rank, exitcode=code,
+                       report=report, notes=notes, cause=causes[rank][2] if rank in causes else "")
 
 
 def stop(procs, grace: float = 3.0, signum: int | None = None) -> None:
@@ -306,7 +363,10 @@ def _rank_process(work: Work, options: "RunOptions", rank: int, world: int, addr
         result = run_rank(options, rank, world, work, address=address)
     except DhelixError as exc:
         try:
-            _client(address, timeout=5.0).set(f"{FAILURE_PREFIX}{rank}", exc.render())
+            client = _client(address, timeout=5.0)
+            client.set(f"{FAILURE_PREFIX}{rank}", exc.render())
+            kind = "peer" if secondary(exc, rank) else "own"
+            client.set(f"{CAUSE_PREFIX}{rank}", f"{kind} {time.time()!r} {type(exc).__name__}")
         except Exception:  # the launcher's store is gone: our own stderr is all that is left
             print(exc.render(), file=sys.stderr)
         sys.stderr.flush()
@@ -391,13 +451,34 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
             result = attrs.evolve(result, topology=emulated)
         return result
     except (RuntimeError, ValueError) as exc:  # a peer's failure seen through a collective
-        raise _blame_stalled(RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}", rank=rank),
-                             address, world) from None
+        raise _blame_stalled(RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}", rank=rank,
+                                         secondary=lost_a_peer(exc)), address, world) from None
     except DhelixError as exc:
+        if lost_a_peer(exc):
+            exc.secondary = True
         raise _blame_stalled(exc, address, world) from None
     finally:
         heartbeat.stop()
         del host
+
+
+def secondary(exc: DhelixError, rank: int) -> bool:
+    """Whether another rank reports ``exc``, met on ``rank``: a lost peer (``secondary``), or
+    an error every rank meets alike (``reported_by_rank_0``, e.g. a non-finite loss) away from
+    global rank 0."""
+    return getattr(exc, "secondary", False) or getattr(exc, "reported_by_rank_0", False) and rank != 0
+
+
+def lost_a_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an error it was raised from) is torch.distributed saying that a
+    peer went away or did not answer in time: a consequence of another rank's failure."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError) and any(words in str(exc).lower() for words in PEER_LOST):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _env_store_host(address: tuple[str, int], rank: int, timeout: float):
@@ -440,4 +521,5 @@ def _blame_stalled(exc: DhelixError, address: tuple[str, int], world: int) -> Dh
     if stalled is None:
         return exc
     rank, what = stalled
-    return RankFailure(f"rank {rank} {what}", rank=rank, notes=[f"seen from this rank: {exc.message}"])
+    return RankFailure(f"rank {rank} {what}", rank=rank, notes=[f"seen from this rank: {exc.message}"],
+                       secondary=True)

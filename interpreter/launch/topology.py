@@ -29,6 +29,8 @@ class PlacementError(DhelixError):
     """The nodes the ranks run on do not fit the program. Every rank reads the same
     placements and meets the same error, so only global rank 0 reports it."""
 
+    reported_by_rank_0 = True
+
 
 @attrs.frozen
 class Where:
@@ -63,8 +65,7 @@ def emulated_nodes(places: list[Where], gpus_per_node: int) -> str:
     if world <= gpus_per_node or any(place != places[0] for place in places):
         return ""
     return (f"emulated, the cluster block's {world // gpus_per_node} node(s) of {gpus_per_node} rank(s) on one "
-            f"host ({places[0].host}), as `dhelix run` does; lanes and prediction follow the cluster block "
-            "(--topology measured: one node)")
+            f"host ({places[0].host}), as the local launcher does; lanes and prediction follow the cluster block")
 
 
 def check_placement(places: list[Where], gpus_per_node: int) -> None:
@@ -87,9 +88,8 @@ def check_placement(places: list[Where], gpus_per_node: int) -> None:
                 f"the cluster block puts ranks {rank} and {other} on {claim} (gpus_per_node = {gpus_per_node}), "
                 f"but they run on {fact}: rank {rank} on {place}, rank {other} on {places[other]}",
                 notes=[f"measured: {measured}",
-                       f"set gpus_per_node = {_measured_per_node(nodes)} in the cluster block, launch "
-                       f"{gpus_per_node} rank(s) per node, or run with --topology measured (the nodes the "
-                       "ranks run on decide which groups are node-local)"])
+                       f"set gpus_per_node = {_measured_per_node(nodes)} in the cluster block, or launch "
+                       f"{gpus_per_node} rank(s) per node"])
 
 
 def measured_per_node(places: list[Where]) -> int:

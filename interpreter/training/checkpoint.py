@@ -3,8 +3,10 @@
 A checkpoint folder ``DIR`` holds one sub-folder per save (``step-000010``) and a file
 ``latest`` naming the last complete one. A save is written to a temporary folder, renamed
 into place once complete, and only then does ``latest`` (replaced atomically with
-``os.replace``) point at it, after which older saves are removed: a save interrupted midway
-leaves the last good checkpoint as it was.
+``os.replace``) point at it, after which all but the ``keep`` newest saves are removed: a save
+interrupted midway leaves the last good checkpoint as it was, and the next save removes what
+it left (``.partial-*`` of a process that is gone). A save that cannot be written (a full
+disk) removes its partial folder and raises OutputError naming the save that is kept.
 
 What is saved is layout-free: every parameter and both AdamW moments under the parameter's
 full (unsharded) name and shape, gathered from the shards on global rank 0
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.errors import DhelixError, OutputError
 
 from dhelix.interpreter.verify.harness import gather_full
 
@@ -65,36 +67,95 @@ def _full_state(executor, optimizer) -> dict | None:
     return {"model": params, "exp_avg": first, "exp_avg_sq": second}
 
 
-def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequences: int) -> Path | None:
-    """Save the run after ``step`` steps under ``root``; returns the new save's folder on
-    global rank 0 (None elsewhere). Collective over the world."""
-    import torch.distributed.checkpoint as dcp
+def saves_in(root: Path) -> list[Path]:
+    """The complete saves in the checkpoint folder ``root``, oldest first (by step)."""
+    saves = [p for p in root.glob("step-*") if p.is_dir() and p.name[len("step-"):].isdigit()]
+    return sorted(saves, key=lambda p: int(p.name[len("step-"):]))
 
+
+def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequences: int,
+         schedule: dict | None = None, keep: int = 1) -> Path | None:
+    """Save the run after ``step`` steps under ``root``, keeping the ``keep`` newest saves;
+    returns the new save's folder on global rank 0 (None elsewhere). ``schedule`` (the
+    learning-rate schedule's settings) is stored beside the seed, for a resume to compare.
+    Collective over the world. OutputError when it cannot be written (the partial save is
+    removed; the last good one is kept and named)."""
     state = _full_state(executor, optimizer)
     if state is None:
         return None
     root_path = Path(root)
-    root_path.mkdir(parents=True, exist_ok=True)
     final = root_path / f"step-{step:06d}"
     partial = root_path / f".partial-{final.name}-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
     state["rng"] = torch.get_rng_state()
+    meta = {"format": FORMAT, "step": step, "seed": seed, "global_sequences": global_sequences,
+            "optimizer_steps": optimizer.steps, "schedule": schedule or {},
+            "shapes": {name: list(t.shape) for name, t in state["model"].items()}}
+    try:
+        root_path.mkdir(parents=True, exist_ok=True)
+        _remove_stale(root_path)
+        _write_save(state, meta, partial, final, root_path)
+    except (Exception, _checkpoint_exception()) as exc:  # DCP wraps the writer's OSError
+        shutil.rmtree(partial, ignore_errors=True)
+        cause = _first_failure(exc)
+        if not isinstance(cause, OSError):
+            raise
+        kept = saves_in(root_path) if root_path.is_dir() else []
+        raise OutputError(f"cannot save the checkpoint of step {step} to '{root}': {cause.strerror or cause}",
+                          notes=["the partial save was removed",
+                                 f"the last good save, {kept[-1].name}, is kept" if kept
+                                 else "there is no earlier save"]) from None
+    for old in saves_in(root_path)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_save(state: dict, meta: dict, partial: Path, final: Path, root: Path) -> None:
+    """Write ``state`` and ``meta`` into ``partial``, rename it to ``final`` and point
+    ``latest`` at it (atomically)."""
+    import torch.distributed.checkpoint as dcp
+
     with _single_process():
         dcp.save(state, checkpoint_id=str(partial), no_dist=True)
-    meta = {"format": FORMAT, "step": step, "seed": seed, "global_sequences": global_sequences,
-            "optimizer_steps": optimizer.steps,
-            "shapes": {name: list(t.shape) for name, t in state["model"].items()}}
     (partial / META).write_text(json.dumps(meta, indent=1) + "\n")
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)
-    pointer = root_path / f".{LATEST}-{os.getpid()}"
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, root_path / LATEST)
-    for old in root_path.glob("step-*"):
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+    pointer = root / f".{LATEST}-{os.getpid()}"
+    try:
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, root / LATEST)
+    finally:
+        pointer.unlink(missing_ok=True)
+
+
+def _checkpoint_exception():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _remove_stale(root: Path) -> None:
+    """Remove what interrupted saves left in ``root`` (``.partial-*`` folders, ``.latest-*``
+    files) whose writing process is gone."""
+    for leftover in [*root.glob(".partial-step-*"), *root.glob(f".{LATEST}-*")]:
+        pid = leftover.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process writes one save at a time: its leftover is stale
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def latest(root: str) -> tuple[Path, dict]:
@@ -187,9 +248,49 @@ def _first_failure(exc):
 def export_weights(path: str, executor, optimizer) -> None:
     """Write the full fp32 weights (the masters) to ``path`` on global rank 0 as a
     ``torch.save`` file keyed like :class:`~.reference.ReferenceModel`'s ``state_dict``;
-    collective."""
+    collective. A regular file is written beside and renamed into place (a device, such as
+    /dev/null, directly). OutputError when it cannot be written (nothing left behind)."""
     full = gather_full(executor.weights, executor.comm, optimizer.masters(), executor.flat)
-    if full is not None:
-        partial = Path(f"{path}.partial-{os.getpid()}")
-        torch.save({name.replace(".", "__"): t.float().contiguous() for name, t in full.items()}, partial)
-        os.replace(partial, path)
+    if full is None:
+        return
+    weights = {name.replace(".", "__"): t.float().contiguous() for name, t in full.items()}
+    target = Path(path)
+    direct = target.exists() and not target.is_file()
+    partial = target if direct else target.with_name(f".{target.name}.partial-{os.getpid()}")
+    writer = None
+    try:
+        with open(partial, "wb") as file:
+            writer = _Writer(file)
+            torch.save(weights, writer)
+        if not direct:
+            os.replace(partial, target)
+    except (OSError, RuntimeError) as exc:
+        cause = writer.error if writer is not None and writer.error is not None else exc
+        if not isinstance(cause, OSError):
+            raise
+        if not direct:
+            partial.unlink(missing_ok=True)
+        raise OutputError(f"cannot write the weights to '{path}': {cause.strerror or cause}",
+                          notes=[] if direct else ["nothing was written there (the partial file was removed)"]) from None
+
+
+class _Writer:
+    """A file for ``torch.save`` that keeps the OSError of a failed write (torch reports it
+    as a RuntimeError of its zip writer, "unexpected pos …", without the system's reason)."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except OSError as exc:
+            self.error = exc
+            raise

@@ -31,7 +31,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.errors import DhelixError, DhelixWarning
 from dhelix.dsl.core.program import Program
 
 from dhelix.interpreter.verify.reference import Batch, make_batch
@@ -104,6 +104,12 @@ def _files(spec: DataSpec) -> list[Path]:
     return files
 
 
+def data_files(spec: DataSpec) -> list[Path]:
+    """The files the data of ``spec`` is read from (what an output must never overwrite);
+    DataError when there are none."""
+    return _files(spec)
+
+
 def _file_tokens(path: Path, spec: DataSpec, vocab: int) -> torch.Tensor:
     raw = path.read_bytes()
     dtype = TOKEN_FILES.get(path.suffix)
@@ -120,6 +126,19 @@ def _file_tokens(path: Path, spec: DataSpec, vocab: int) -> torch.Tensor:
     if ids.numel() and int(ids.max()) >= vocab:
         raise spec.error(f"'{path}' holds token id {int(ids.max())}, outside the model's vocab of {vocab}")
     return ids
+
+
+def short_data(spec: DataSpec, corpus: "Corpus", global_sequences: int) -> DhelixWarning | None:
+    """A warning when the training part of the data holds fewer sequences than one step's
+    global batch (every step then repeats the same few), located like the data's errors;
+    None otherwise."""
+    count = corpus.train.shape[0]
+    if count >= global_sequences:
+        return None
+    where = f" (given by {spec.flag})" if spec.flag else ""
+    return DhelixWarning(f"the data '{spec.path}'{where} holds {count} training sequence(s) of seq + 1 tokens, fewer "
+                         f"than one step's global batch of {global_sequences}: every step repeats them",
+                         spec.span, ["give more data, or fewer sequences a step (micro_batch, microbatches, dp)"])
 
 
 @attrs.frozen

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Collection, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import attrs
 import torch
@@ -91,14 +91,16 @@ MIN_LR_RATIO = 0.1
 
 def lr_at(step: int, peak: float, warmup: int, total: int | None) -> float:
     """The learning rate of update ``step`` (0-based): linear warm-up from ``peak / warmup``
-    to ``peak`` over the first ``warmup`` updates, then cosine decay to
-    ``MIN_LR_RATIO · peak`` at update ``total`` (None: constant after the warm-up). The
-    same numbers as torch's ``SequentialLR(LinearLR, CosineAnnealingLR)`` (tested)."""
+    to ``peak`` over the first ``warmup`` updates, then cosine decay reaching
+    ``MIN_LR_RATIO · peak`` at the last of ``total`` updates (``step = total - 1``; None:
+    constant after the warm-up). The same numbers as torch's ``SequentialLR(LinearLR,
+    CosineAnnealingLR(T_max = total - warmup - 1))`` (tested)."""
     if step < warmup:
         return peak * (step + 1) / warmup
     if total is None or total <= warmup:
         return peak
-    progress = min(step - warmup, total - warmup) / (total - warmup)
+    span = total - 1 - warmup
+    progress = 1.0 if span <= 0 else min(step - warmup, span) / span
     low = MIN_LR_RATIO * peak
     return low + (peak - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -367,10 +369,13 @@ class DistributedAdamW:
             dist.all_reduce(total)
         return math.sqrt(float(total))
 
-    def step(self, grads: Mapping[str, torch.Tensor], lr: float | None = None) -> None:
+    def step(self, grads: Mapping[str, torch.Tensor], lr: float | None = None,
+             accept: Callable[[float | None], bool] | None = None) -> bool:
         """Average ``grads`` (dense over dp, experts over edp), clip them to the global norm
         ``config.clip`` and apply one AdamW update with learning rate ``lr`` (default
-        ``config.lr``) to :attr:`params`; the norm before clipping is :attr:`last_norm`."""
+        ``config.lr``) to :attr:`params`; the norm before clipping is :attr:`last_norm`.
+        ``accept(norm)`` False (the same on every rank: the norm is global) leaves the
+        parameters and the moments as they were. Returns whether the update was applied."""
         self.settle()
         self.steps += 1
         lr = self.config.lr if lr is None else lr
@@ -378,11 +383,14 @@ class DistributedAdamW:
         self._landed = {}
         if self.norm_weights is not None:
             self.last_norm = self.global_norm(averaged)
-            if self.config.clip is not None:
-                # torch.nn.utils.clip_grad_norm_'s coefficient, so the reference agrees.
-                scale = min(1.0, self.config.clip / (self.last_norm + 1e-6))
-                for grad in averaged:
-                    grad.mul_(scale)
+        if accept is not None and not accept(self.last_norm):
+            self.steps -= 1
+            return False
+        if self.norm_weights is not None and self.config.clip is not None:
+            # torch.nn.utils.clip_grad_norm_'s coefficient, so the reference agrees.
+            scale = min(1.0, self.config.clip / (self.last_norm + 1e-6))
+            for grad in averaged:
+                grad.mul_(scale)
         for bucket, grad in zip(self.buckets, averaged, strict=True):
             if bucket.master is None and not bucket.sliced and all(
                     self.params[n].dtype == torch.float32 for n in bucket.names):
@@ -400,6 +408,7 @@ class DistributedAdamW:
                 mine = bucket.fill(bucket.flat_params, self.params)[bucket.offset:bucket.offset + grad.numel()]
             self._adamw(bucket, [mine], [grad], [bucket.exp_avg], [bucket.exp_avg_sq], [bucket.denom], lr)
             self._publish(bucket, mine)
+        return True
 
     def _publish(self, bucket: _Bucket, mine: torch.Tensor) -> None:
         # Every replica's parameters from the updated part (a copy rounds fp32 masters to bf16).

@@ -10,6 +10,10 @@ lines of the steps it finished:
   executor tracks);
 * an evaluation: ``{"step", "eval_loss", "eval_ppl"}`` (perplexity = exp(loss)).
 
+The file is strict JSON: a value that is not a finite number is written ``null`` and the
+line gains ``"nonfinite": {"grad_norm": "inf"}`` (what it was). A line that cannot be written
+(a full disk) stops the run with an OutputError naming the log.
+
 When ``tensorboard`` is installed the same scalars also go to a TensorBoard event folder
 beside the log (``OUT.tb/``); without it the log says so once on its first line
 (``{"note": ...}``) rather than failing.
@@ -17,9 +21,22 @@ beside the log (``OUT.tb/``); without it the log says so once on its first line
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
+
+from dhelix.dsl.core.errors import OutputError
+
+
+def strict(record: dict) -> dict:
+    """``record`` as strict JSON can hold it: a value that is not a finite number (NaN,
+    infinity) becomes null, and ``nonfinite`` lists those keys with what they were
+    (``{"grad_norm": "inf"}``)."""
+    bad = {key: str(value) for key, value in record.items() if isinstance(value, float) and not math.isfinite(value)}
+    if not bad:
+        return record
+    return {**{key: None if key in bad else value for key, value in record.items()}, "nonfinite": bad}
 
 
 class StepLog:
@@ -31,16 +48,26 @@ class StepLog:
         self.path, self.tokens, self.append = path, tokens, append
         self._file = None
         self._board = None
+        self.lines = 0
 
     def __enter__(self) -> "StepLog":
         if self.path is not None:
-            self._file = open(self.path, "a" if self.append else "w", encoding="utf-8")
+            try:
+                self._file = open(self.path, "a" if self.append else "w", encoding="utf-8")
+            except OSError as exc:
+                raise self._failure(exc) from None
             self._board = self._tensorboard()
         return self
 
+    def _failure(self, exc: OSError) -> OutputError:
+        return OutputError(f"cannot write the log '{self.path}': {exc.strerror or exc}",
+                           notes=[f"the run stopped there; the log holds the lines written before "
+                                  f"({self.lines} line(s) this run)"])
+
     def __exit__(self, *exc) -> None:
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):  # what did not fit was reported as it was written
+                self._file.close()
         if self._board is not None:
             self._board.close()
 
@@ -53,20 +80,27 @@ class StepLog:
         return SummaryWriter(str(Path(self.path).with_suffix(".tb")))
 
     def _write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(strict(record), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            raise self._failure(exc) from None
+        self.lines += 1
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None, times: dict,
-             peak_bytes: int) -> dict:
+             peak_bytes: int, skipped: bool = False) -> dict:
         """Record step ``step`` (0-based; logged 1-based) from the last entries of ``times``
-        (the training loop's per-step times); returns the record."""
+        (the training loop's per-step times); ``skipped``: its update was not applied (a
+        non-finite step), said by ``"skipped": true``. Returns the record."""
         seconds = times["step"][-1]
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_s": seconds,
                   "tokens_per_s": self.tokens / seconds if seconds > 0 else 0.0,
-                  "exposed_comm_s": times["collective"][-1] + times["p2p"][-1], "peak_bytes": peak_bytes}
+                  "exposed_comm_s": times["collective"][-1] + times["p2p"][-1], "peak_bytes": peak_bytes,
+                  **({"skipped": True} if skipped else {})}
         if self._file is not None:
             self._write(record)
-            self._scalars(step + 1, {k: v for k, v in record.items() if k != "step" and v is not None})
+            self._scalars(step + 1, {k: v for k, v in record.items()
+                                     if k not in ("step", "skipped") and v is not None and math.isfinite(v)})
         return record
 
     def evaluation(self, step: int, loss: float) -> None:
@@ -74,7 +108,7 @@ class StepLog:
         record = {"step": step + 1, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 80.0))}
         if self._file is not None:
             self._write(record)
-            self._scalars(step + 1, {"eval_loss": loss, "eval_ppl": record["eval_ppl"]})
+            self._scalars(step + 1, {k: v for k, v in record.items() if k != "step" and math.isfinite(v)})
 
     def _scalars(self, step: int, values: dict) -> None:
         if self._board is not None:

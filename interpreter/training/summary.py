@@ -59,6 +59,9 @@ class RunResult:
     #: (``--topology measured``), and the summary's line saying so; None and "" otherwise.
     gpus_per_node: int | None = None
     topology: str = ""
+    #: The steps (1-based) skipped because their loss or gradient norm was not finite
+    #: (``--skip-nonfinite``).
+    skipped: tuple[int, ...] = ()
 
     @property
     def events(self) -> tuple[TraceEvent, ...]:

@@ -17,6 +17,7 @@ torch is imported inside the functions, so that registering the command line sta
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -38,6 +39,15 @@ FAULT_ENV = "DHELIX_TEST_FAULT"
 FAULT_EXIT = 13
 #: Steps of a run when neither the caller nor the train block says.
 DEFAULT_STEPS = 10
+#: How many of the newest checkpoints a run keeps (``dhelix run --keep``).
+DEFAULT_KEEP = 2
+
+
+class NonFiniteError(DhelixError):
+    """A training step whose loss or gradient norm is not a finite number (the update was not
+    applied). Every rank meets it alike; rank 0's message names the gradients."""
+
+    reported_by_rank_0 = True
 
 
 @attrs.frozen(kw_only=True)
@@ -79,10 +89,21 @@ class RunOptions:
     resume: str | None = None
     log: str | None = None
     export: str | None = None
+    #: How many of the newest checkpoints ``save`` keeps.
+    keep: int = DEFAULT_KEEP
+    #: A step with a non-finite loss or gradient norm is skipped (not applied) instead of
+    #: stopping the run.
+    skip_nonfinite: bool = False
     #: ``declared``: the cluster block's gpus_per_node, checked under torchrun; ``measured``:
     #: the nodes the ranks report decide (then ``gpus_per_node`` is the measured count).
     topology: str = "declared"
     gpus_per_node: int | None = None
+
+    def schedule(self) -> dict:
+        """The learning-rate schedule's settings, stored in a checkpoint so that a resume
+        can say when it differs."""
+        return {"lr": self.lr, "warmup": self.warmup, "decay": "cosine" if self.decay else "constant",
+                "steps": self.steps, "weight_decay": self.weight_decay, "clip": self.clip}
 
     def lr_of(self, step: int) -> float:
         """The learning rate of update ``step`` (0-based)."""
@@ -172,13 +193,14 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
         from .checkpoint import load
 
         start = load(options.resume, executor, optimizer, source.global_sequences)["step"]
-    losses, times, evals = _steps(options, executor, optimizer, device, source, start)
+    losses, times, evals, skipped = _steps(options, executor, optimizer, device, source, start)
     optimizer.settle()  # the last step's weight gathers, when they run under the next forward
     if options.export is not None:
         from .checkpoint import export_weights
 
         export_weights(options.export, executor, optimizer)
-    return _gather(executor, losses, times, evals)
+    result = _gather(executor, losses, times, evals)
+    return None if result is None else attrs.evolve(result, skipped=skipped)
 
 
 def _action_hook(comm, program, heartbeat):
@@ -220,7 +242,9 @@ def _fault_hook(rank: int):
 def _steps(options: RunOptions, executor, optimizer, device, source, start: int):
     """Run steps ``start`` … ``options.steps - 1`` with a progress bar on rank 0, evaluating,
     saving and logging as the options say; returns the losses, the per-step times (step,
-    blocked on collectives, blocked on pipeline receives) and the evaluations (step, loss)."""
+    blocked on collectives, blocked on pipeline receives), the evaluations (step, loss) and
+    the steps skipped as non-finite (1-based). A non-finite step stops the run
+    (NonFiniteError) unless ``options.skip_nonfinite``."""
     from tqdm import tqdm
 
     from .steplog import StepLog
@@ -230,15 +254,20 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
     tqdm.set_lock(threading.RLock())
     rank = executor.comm.rank
     tokens = source.global_sequences * executor.program.model.get("seq")
-    losses, times, evals = [], {"step": [], "collective": [], "p2p": []}, []
+    losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": []}, [], []
     log = StepLog(options.log if rank == 0 else None, tokens, append=start > 0)
     bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
                file=sys.stderr)
     with _cuda_profile(options, device, rank), log:
         for step in bar:
             lr = options.lr_of(step)
-            _one_step(executor, optimizer, device, source.batch(step), lr, times, losses)
-            record = log.step(step, losses[-1], lr, optimizer.last_norm, times, _peak_bytes(executor))
+            bad = _one_step(executor, optimizer, device, source.batch(step), lr, times, losses)
+            record = log.step(step, losses[-1], lr, optimizer.last_norm, times, _peak_bytes(executor),
+                              skipped=bad is not None)
+            if bad is not None:
+                if not options.skip_nonfinite:
+                    raise _nonfinite_error(step, losses[-1], optimizer.last_norm, bad, rank)
+                skipped.append(step + 1)
             if options.eval_every and ((step + 1) % options.eval_every == 0 or step + 1 == options.steps):
                 evals.append((step, _evaluate(executor, source)))
                 log.evaluation(step, evals[-1][1])
@@ -247,11 +276,11 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
                 from .checkpoint import save
 
                 save(options.save, executor, optimizer, step=step + 1, seed=options.seed,
-                     global_sequences=source.global_sequences)
+                     global_sequences=source.global_sequences, schedule=options.schedule(), keep=options.keep)
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             step_ms=f"{1e3 * times['step'][-1]:.1f}")
     bar.close()
-    return losses, times, evals
+    return losses, times, evals, tuple(skipped)
 
 
 def _peak_bytes(executor) -> int:
@@ -274,10 +303,12 @@ def _evaluate(executor, source) -> float:
         executor.grad_ready = reduce
 
 
-def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses: list) -> None:
+def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses: list):
     """One training step on the global ``batch`` with learning rate ``lr``; appends its loss
     and its times (step, blocked on collectives, blocked on pipeline receives) to
-    ``losses`` and ``times``."""
+    ``losses`` and ``times``. A loss or gradient norm that is not finite (the same verdict
+    on every rank: both are global) is not applied: returns what rank 0 gathered of the
+    non-finite gradients (:func:`_nonfinite_grads`), else None."""
     import torch
 
     from dhelix.interpreter.verify.harness import replica_batch
@@ -285,14 +316,42 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
     comm, waited = executor.comm, executor.recorder.waited
     batch = replica_batch(batch, comm.index("dp"), executor.program.train.microbatches)
     start, before = time.perf_counter(), dict(waited)
-    loss = executor.step(batch)
-    optimizer.step(executor.grads(), lr)
+    loss = executor.step(batch).item()
+    grads = executor.grads()
+    applied = optimizer.step(grads, lr, accept=lambda norm: math.isfinite(loss) and (
+        norm is None or math.isfinite(norm)))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     times["step"].append(time.perf_counter() - start)
     for kind in ("collective", "p2p"):
         times[kind].append(waited[kind] - before[kind])
-    losses.append(loss.item())
+    losses.append(loss)
+    return None if applied else _nonfinite_grads(grads, comm.rank)
+
+
+def _nonfinite_grads(grads: dict, rank: int) -> list:
+    """Every rank's non-finite gradients (name list, model order) gathered on rank 0 as
+    (rank, names); an empty list elsewhere. Collective over the world."""
+    import torch
+
+    from dhelix.interpreter.verify.harness import gather_to_first
+
+    names = [name for name, grad in grads.items() if not bool(torch.isfinite(grad).all())]
+    return gather_to_first((rank, names)) or []
+
+
+def _nonfinite_error(step: int, loss: float, norm: float | None, found: list, rank: int) -> NonFiniteError:
+    """The error that stops a run at non-finite training ``step`` (0-based), naming the
+    first non-finite gradients each rank holds (``found``, rank 0's gathering)."""
+    what = [f"loss {loss}"] + ([f"gradient norm {norm}"] if norm is not None else [])
+    named = [f"rank {r}: {', '.join(names[:3])}{' …' if len(names) > 3 else ''} ({len(names)} in all)"
+             for r, names in found if names]
+    notes = [f"first non-finite gradients: {'; '.join(named)}" if named
+             else "every gradient is finite: the loss itself overflowed" if found
+             else "rank 0 names the non-finite gradients"]
+    notes += ["the update was not applied; the last checkpoint (if any) was saved before it"]
+    return NonFiniteError(f"rank {rank}: training step {step + 1} is not finite ({', '.join(what)}); the run "
+                          "stopped", notes=notes)
 
 
 def _cuda_profile(options: RunOptions, device, rank: int):

@@ -1,0 +1,74 @@
+"""What runs but likely not as meant is said before it runs (issue 31): a mesh axis the layer
+never uses (a warning of `dhelix check` and `dhelix run`), and data too short for one step's
+global batch (a warning of `dhelix run`, before any rank starts)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import tiny_example_text
+
+from dhelix.cli import main
+from dhelix.dsl.passes.axisuse import unused_axes
+from dhelix.dsl.passes.pipeline import check_text
+
+PLAIN = """import "stdlib/pipelines.dhx"
+
+layer plain {
+  in x [tokens, hidden]
+  ln1 = rmsnorm(x)
+  fc1 = gemm(ln1, hidden, ffn)
+  fc2 = gemm(fc1, ffn, hidden)
+  h = add(fc2, x)
+  out h
+}
+
+model m {
+  layers = 2  hidden = 64  ffn = 128  heads = 4  kv_heads = 2  seq = 32  vocab = 256  dtype = fp32  layer = plain
+}
+cluster { nodes = 1  gpus_per_node = 2  profile = "a40" }
+mesh {
+  tp = 2
+}
+train { micro_batch = 1  microbatches = 2 }
+pipeline gpipe
+"""
+
+
+def test_a_mesh_axis_the_layer_never_uses_is_a_located_warning_of_check(tmp_path, capsys):
+    path = tmp_path / "plain.dhx"
+    path.write_text(PLAIN)
+    assert main(["check", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"{path}: ok")
+    assert captured.err == (
+        f"{path}:17:3: warning: tp = 2, but no operation of layer 'plain' runs over tp: each group of 2 tp ranks "
+        "computes the same thing\n"
+        "  17 |   tp = 2\n"
+        "     |   ^^^^^^\n"
+        "  note: use tp in the layer (all_gather and reduce_scatter over tp, as stdlib's llama does), or set tp = 1 "
+        "and give the ranks to dp\n")
+
+
+def test_axes_the_layers_use_are_not_warned_about():
+    text = tiny_example_text()
+    assert unused_axes(check_text(text, "tiny.dhx")) == []
+    # cp through ring attention, tp split in node-local and cross-node stages by a group partition.
+    for name in ("llama39b_cp2_a40.dhx", "tiny_llama_group_cpu.dhx", "phi31b_a40.dhx"):
+        path = Path(__file__).resolve().parent.parent / "examples" / name
+        assert unused_axes(check_text(path.read_text(), str(path))) == [], name
+
+
+def test_data_shorter_than_one_batch_is_warned_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    import dhelix.interpreter.launch.spawn as spawn
+
+    corpus = tmp_path / "short.txt"
+    corpus.write_text("x" * 200)  # 167 bytes after the held-out 33: 5 windows of 33 for a batch of 16
+    monkeypatch.setattr(spawn, "run_local", lambda *args: (_ for _ in ()).throw(SystemExit("no ranks in this test")))
+    example = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama_cpu.dhx"
+    with pytest.raises(SystemExit):
+        main(["run", str(example), "--data", str(corpus)])
+    assert (f"warning: the data '{corpus}' (given by --data) holds 5 training sequence(s) of seq + 1 tokens, fewer "
+            "than one step's global batch of 16: every step repeats them") in capsys.readouterr().err
