@@ -303,3 +303,16 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(command):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_version_prints_the_packages_one_version(capsys):
+    import importlib.metadata
+
+    import dhelix
+    from dhelix.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"dhelix {dhelix.__version__}\n"
+    assert importlib.metadata.version("dhelix") == dhelix.__version__  # pyproject reads it from there

@@ -62,13 +62,45 @@ def test_axes_the_layers_use_are_not_warned_about():
 
 def test_data_shorter_than_one_batch_is_warned_before_any_rank_starts(tmp_path, capsys, monkeypatch):
     pytest.importorskip("torch")
-    import dhelix.interpreter.launch.spawn as spawn
-
     corpus = tmp_path / "short.txt"
     corpus.write_text("x" * 200)  # 167 bytes after the held-out 33: 5 windows of 33 for a batch of 16
-    monkeypatch.setattr(spawn, "run_local", lambda *args: (_ for _ in ()).throw(SystemExit("no ranks in this test")))
+    _no_ranks(monkeypatch)
     example = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama_cpu.dhx"
     with pytest.raises(SystemExit):
         main(["run", str(example), "--data", str(corpus)])
     assert (f"warning: the data '{corpus}' (given by --data) holds 5 training sequence(s) of seq + 1 tokens, fewer "
             "than one step's global batch of 16: every step repeats them") in capsys.readouterr().err
+
+
+def _no_ranks(monkeypatch):
+    import dhelix.interpreter.launch.spawn as spawn
+
+    def refuse(*args, **kwargs):
+        raise SystemExit("no ranks in this test")
+
+    monkeypatch.setattr(spawn, "run_local", refuse)
+
+
+def test_a_run_predicted_not_to_fit_this_machine_is_refused_before_any_rank_starts(monkeypatch, capsys):
+    pytest.importorskip("torch")
+    import dhelix.cli.launch as launch
+
+    _no_ranks(monkeypatch)
+    monkeypatch.setattr(launch, "available_memory", lambda: (1e6, "available"))  # a 1 MB machine
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "tiny_llama_cpu.dhx")
+    assert main(["run", example]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{example}:5:1: the simulator predicts ") and "GB per rank at its peak" in err, err
+    assert "for the 4 rank(s) this machine would run; this machine has 0.00 GB available" in err
+    assert "or give --force to start anyway" in err
+    with pytest.raises(SystemExit):  # --force: said, then the ranks start
+        main(["run", example, "--force"])
+    assert "starting anyway (--force)" in capsys.readouterr().err
+
+
+def test_the_tiny_example_fits_this_machine():
+    pytest.importorskip("torch")
+    from dhelix.cli.launch import check_memory
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama_cpu.dhx"
+    assert check_memory(check_text(example.read_text(), str(example)), 4, "gloo") is None

@@ -80,3 +80,55 @@ def choose_backend(requested: str | None, local: int) -> str:
     if requested is not None:
         return requested
     return "nccl" if 0 < local <= gpus else "gloo"
+
+
+def available_memory() -> tuple[float, str] | None:
+    """The bytes of memory this machine can give a run now (Linux: ``MemAvailable`` of
+    /proc/meminfo, else the physical memory) and which figure that is; None when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024, "available"
+    except OSError:
+        pass
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")), "installed"
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(program, local: int, backend: str, *, force: bool = False) -> str | None:
+    """Before any rank starts: the simulator's peak memory of a rank (model states plus live
+    activations, :mod:`dhelix.dsl.simulator.memory`) against what this machine has — on
+    ``gloo``, its memory for the ``local`` ranks together; on ``nccl``, the smallest
+    visible GPU for one. Raises DhelixError (at the model block) when it does not fit, naming
+    the way out, unless ``force``; then returns the line saying so (None when it fits or
+    there is no profile to predict with)."""
+    from dhelix.dsl.core.errors import DhelixError
+    from dhelix.dsl.simulator.events import simulate
+
+    if program.profile is None:
+        return None
+    peak = max(rank.memory for rank in simulate(program).ranks)
+    if backend == "nccl":
+        import torch
+
+        have = min(torch.cuda.get_device_properties(i).total_memory for i in range(local))
+        need, where = peak, f"the smallest of this machine's {local} GPU(s) has {have / 1e9:.2f} GB"
+    else:
+        found = available_memory()
+        if found is None:
+            return None
+        have, kind = found
+        need = peak * local
+        where = f"this machine has {have / 1e9:.2f} GB {kind}"
+    if need <= have:
+        return None
+    message = (f"the simulator predicts {peak / 1e9:.2f} GB per rank at its peak (model states and live "
+               f"activations), {need / 1e9:.2f} GB for the {local} rank(s) this machine would run; {where}")
+    if force:
+        return f"warning: {message}; starting anyway (--force)"
+    raise DhelixError(message, program.model.span, [
+        "train a smaller model (fewer layers, hidden, ffn, seq or vocab) or fewer micro-batches; run it across "
+        "nodes under torchrun; or give --force to start anyway"])

@@ -22,6 +22,7 @@ import importlib
 import os
 import sys
 
+from dhelix import __version__
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
 
 #: The command modules of this package, in the order ``dhelix --help`` lists them.
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-command per module of :data:`COMMANDS`."""
     parser = argparse.ArgumentParser(prog="dhelix", description=(
         "Declare, check, plan, draw, simulate and run DHelix strand-interleaved training schedules."))
+    parser.add_argument("--version", action="version", version=f"dhelix {__version__}",
+                        help="print dhelix's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(f"dhelix.cli.{name}").register(sub)

@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks
+from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, check_memory, choose_backend, local_ranks
 from dhelix.cli.paths import output_folder, output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
 from dhelix.dsl.frontend.imports import read_source
@@ -72,6 +72,8 @@ def register(subparsers) -> None:
     run.add_argument("--json", action="store_true",
                      help="print the summary's figures as JSON (what --metrics writes) instead of the table")
     add_launch_arguments(run, what="train")
+    run.add_argument("--force", action="store_true",
+                     help="start even when the simulator predicts more memory than this machine has")
     run.add_argument("--topology", choices=("declared", "measured"), default="declared",
                      help="under torchrun: check the nodes the ranks run on against the cluster block "
                           "(declared, the default: a mismatch is an error), or let them decide which groups "
@@ -84,8 +86,8 @@ def register(subparsers) -> None:
 def _add_training_arguments(run) -> None:
     data = run.add_argument_group("data, checkpoints and the training loop")
     data.add_argument("--data", metavar="PATH",
-                      help="train on a text file or a folder of them (byte-level tokens), or on raw token "
-                           "files (.uint16, .uint32); overrides the train block's data")
+                      help="train on a text file or a folder of them (byte-level tokens), or on token files "
+                           "(raw .uint16/.uint32 ids, or a 1-D integer .npy array); overrides the train block's data")
     data.add_argument("--save", metavar="DIR", help="save a checkpoint to DIR at the end (and every --save-every)")
     data.add_argument("--save-every", type=int, metavar="N", help="also save every N steps")
     data.add_argument("--keep", type=int, metavar="K",
@@ -136,7 +138,21 @@ def _reported_elsewhere(exc: DhelixError, started: bool) -> bool:
         return False
     if getattr(exc, "reported_by_rank_0", False):  # the placement, a non-finite step
         return rank != "0"
-    return not started and os.environ.get("LOCAL_RANK", rank) != "0"
+    return not started and not _reporter()
+
+
+def _reporter() -> bool:
+    """Whether this process prints what every process meets before the ranks join (errors,
+    warnings): outside torchrun, or as a node's local rank 0 under it."""
+    rank = os.environ.get("RANK")
+    return rank is None or "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", rank) == "0"
+
+
+def _warn(warnings) -> None:
+    """Print ``warnings`` (DhelixWarning, or lines) on standard error, once per node."""
+    if _reporter():
+        for warning in warnings:
+            print(warning if isinstance(warning, str) else warning.render(), file=sys.stderr)
 
 
 def _run(args, started: list) -> int:
@@ -160,9 +176,7 @@ def _run(args, started: list) -> int:
     require_model(program, args.file)
     for flag, path in outputs.items():
         refuse_inputs(path, flag, program_inputs(program))
-    if not _reported_elsewhere(DhelixError(""), started=False):  # once per node under torchrun
-        for warning in unused_axes(program):
-            print(warning.render(), file=sys.stderr)
+    _warn(unused_axes(program))
     from dhelix.interpreter.launch import spawn
 
     from dhelix.interpreter.training import train
@@ -174,6 +188,7 @@ def _run(args, started: list) -> int:
                          "machine on purpose (the cluster block's nodes are emulated); run without it")
     nproc = local_ranks(args, program, torchrun=placed is not None)
     options = run_options(args, text, program, choose_backend(args.backend, nproc))
+    _warn(filter(None, [check_memory(program, nproc, options.backend, force=args.force)]))
     if options.data is not None:
         _refuse_data(outputs, options.data)
     _preflight_data(program, options)
@@ -256,17 +271,14 @@ def _preflight_data(program, options) -> None:
     sequences = program.train.micro_batch * program.train.microbatches * program.mesh.size("dp")
     if options.data is not None:
         corpus = data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"))
-        short = data.short_data(options.data, corpus, sequences)
-        if short is not None and not _reported_elsewhere(short, started=False):
-            print(short.render(), file=sys.stderr)
+        _warn(filter(None, [data.short_data(options.data, corpus, sequences)]))
     if options.resume is not None:
         _, meta = checkpoint.latest(options.resume)
         checkpoint.check_fits(options.resume, meta, WeightPlan(program, options.seed), sequences)
         if meta["step"] >= options.steps:
             raise UsageError(f"--resume {options.resume}: the checkpoint is at step {meta['step']}, and this run "
                              f"has {options.steps} steps in all; give --steps above {meta['step']}")
-        for warning in resume_differences(meta, options):
-            print(warning.render(), file=sys.stderr)
+        _warn(resume_differences(meta, options))
 
 
 def resume_differences(meta: dict, options) -> list:

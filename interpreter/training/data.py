@@ -4,9 +4,11 @@ order that does not depend on the layout.
 A data path is a file, a folder (every regular file under it, sorted by relative path;
 hidden files and files that are neither UTF-8 text nor token files are skipped, so a
 folder of documents with pictures in it works) or a glob pattern (``docs/*.md``, matches
-sorted). A file ending in ``.uint16`` or ``.uint32`` holds raw little-endian
-token ids (pre-tokenized, e.g. by a BPE tokenizer); any other file is text, tokenized
-byte-level (token = byte value, so the model's vocab must be at least 256). The files'
+sorted). A token file (pre-tokenized, e.g. by a BPE tokenizer: raw little-endian ``.uint16``
+or ``.uint32`` ids, or a 1-D integer NumPy ``.npy`` array) is memory-mapped
+(:mod:`.tokenfiles`); any other file is UTF-8 text, tokenized byte-level (token = byte value,
+so the model's vocab must be at least 256). A file given alone or matched by a pattern that
+is neither is an error (a folder skips it, as it does pictures). The files'
 tokens are concatenated into one stream; its last :data:`HELD_OUT` part is held out for
 evaluation, and each part is packed into windows of ``seq + 1`` tokens that do not overlap
 (inputs are a window's first ``seq`` tokens, targets its last ``seq``).
@@ -36,10 +38,10 @@ from dhelix.dsl.core.program import Program
 
 from dhelix.interpreter.verify.reference import Batch, make_batch
 
+from .tokenfiles import TOKEN_SUFFIXES, TokenFileError, is_token_file, read_token_file
+
 #: The fraction of the token stream held out for evaluation (its tail).
 HELD_OUT = 0.1
-#: Raw token files: suffix → dtype of their little-endian ids.
-TOKEN_FILES = {".uint16": torch.int16, ".uint32": torch.int32}
 BYTE_VOCAB = 256
 
 
@@ -83,22 +85,32 @@ def _is_text(path: Path) -> bool:
     return True
 
 
+def _named(spec: DataSpec, files: list[Path]) -> list[Path]:
+    """``files``, named one by one (a file, a pattern's matches): DataError for one that is
+    neither a token file nor UTF-8 text, rather than training on its bytes."""
+    for path in files:
+        if not is_token_file(path) and not _is_text(path):
+            raise spec.error(f"'{path}' is neither UTF-8 text nor a token file ({', '.join(TOKEN_SUFFIXES)})",
+                             ["give text, or token ids in one of those formats"])
+    return files
+
+
 def _files(spec: DataSpec) -> list[Path]:
     root = Path(spec.path)
     if root.is_file():
-        return [root]
+        return _named(spec, [root])
     if any(char in root.name for char in "*?["):
         files = sorted(p for p in root.parent.glob(root.name) if p.is_file())
         if not files:
             raise spec.error(f"no data file matches '{spec.path}'")
-        return files
+        return _named(spec, files)
     if not root.is_dir():
         raise spec.error(f"no data file or folder '{spec.path}'",
-                         ["give a text file, a folder of text files, a pattern (docs/*.md), or raw token "
-                          "files (.uint16, .uint32)"])
+                         ["give a text file, a folder of text files, a pattern (docs/*.md), or token "
+                          f"files ({', '.join(TOKEN_SUFFIXES)})"])
     files = sorted(p for p in root.rglob("*") if p.is_file()
                    and not any(part.startswith(".") for part in p.relative_to(root).parts)
-                   and (p.suffix in TOKEN_FILES or _is_text(p)))
+                   and (is_token_file(p) or _is_text(p)))
     if not files:
         raise spec.error(f"the data folder '{spec.path}' holds no text or token files")
     return files
@@ -111,21 +123,16 @@ def data_files(spec: DataSpec) -> list[Path]:
 
 
 def _file_tokens(path: Path, spec: DataSpec, vocab: int) -> torch.Tensor:
+    if is_token_file(path):
+        try:
+            return read_token_file(path, vocab)
+        except TokenFileError as exc:
+            raise spec.error(str(exc)) from None
+    if vocab < BYTE_VOCAB:
+        raise spec.error(f"'{path}' is text, tokenized byte-level (256 tokens), but the model's vocab is "
+                         f"{vocab}", ["set vocab = 256 or more in the model block"])
     raw = path.read_bytes()
-    dtype = TOKEN_FILES.get(path.suffix)
-    if dtype is None:
-        if vocab < BYTE_VOCAB:
-            raise spec.error(f"'{path}' is text, tokenized byte-level (256 tokens), but the model's vocab is "
-                             f"{vocab}", ["set vocab = 256 or more in the model block"])
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long() if raw else torch.zeros(0, dtype=torch.long)
-    width = dtype.itemsize
-    if len(raw) % width:
-        raise spec.error(f"'{path}' is {len(raw)} bytes, not a whole number of {8 * width}-bit token ids")
-    ids = torch.frombuffer(bytearray(raw), dtype=dtype).long() if raw else torch.zeros(0, dtype=torch.long)
-    ids = ids % (1 << (8 * width))  # the file's ids are unsigned
-    if ids.numel() and int(ids.max()) >= vocab:
-        raise spec.error(f"'{path}' holds token id {int(ids.max())}, outside the model's vocab of {vocab}")
-    return ids
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long() if raw else torch.zeros(0, dtype=torch.long)
 
 
 def short_data(spec: DataSpec, corpus: "Corpus", global_sequences: int) -> DhelixWarning | None:
@@ -143,7 +150,9 @@ def short_data(spec: DataSpec, corpus: "Corpus", global_sequences: int) -> Dheli
 
 @attrs.frozen
 class Corpus:
-    """The packed windows ``[n, seq + 1]`` of the training and the held-out part."""
+    """The packed windows ``[n, seq + 1]`` of the training and the held-out part (in the
+    token file's own integer dtype when the data is one mapped token file: rows become
+    ids as batches take them)."""
 
     train: torch.Tensor
     held_out: torch.Tensor
@@ -152,8 +161,9 @@ class Corpus:
 def load_corpus(spec: DataSpec, vocab: int, seq: int) -> Corpus:
     """Read, tokenize, split and pack the data of ``spec``; DataError when it cannot be
     used (no file, nothing in it, too short for one window in each part)."""
-    parts = [(path, _file_tokens(path, spec, vocab)) for path in _files(spec)]
-    stream = torch.cat([tokens for _, tokens in parts])
+    parts = [_file_tokens(path, spec, vocab) for path in _files(spec)]
+    # One file stays as it is (a token file: its memory map); several are joined as ids.
+    stream = parts[0] if len(parts) == 1 else torch.cat([tokens.long() for tokens in parts])
     if stream.numel() == 0:
         raise spec.error(f"the data '{spec.path}' is empty")
     window = seq + 1
@@ -216,5 +226,5 @@ class DataSource:
         return self._shaped(windows[index])
 
     def _shaped(self, windows: torch.Tensor) -> Batch:
-        tokens = windows.reshape(*self.shape[:2], -1)
+        tokens = windows.long().reshape(*self.shape[:2], -1)
         return Batch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous())
