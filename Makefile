@@ -34,6 +34,8 @@ demo: setup
 	# prediction for it.
 	$(BIN)/dhelix profile $(EXAMPLE) -o out/this-machine.yaml --repeats 10
 	$(BIN)/dhelix plan $(EXAMPLE) --profile out/this-machine.yaml
+	# A fresh run: an earlier demo's checkpoint goes (dhelix run never saves over another run's).
+	rm -rf out/checkpoint
 	$(BIN)/dhelix run $(EXAMPLE) --steps 50 --lr 3e-3 --log out/train.jsonl --save out/checkpoint --profile out/this-machine.yaml
 
 test: setup

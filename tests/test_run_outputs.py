@@ -319,3 +319,17 @@ def test_a_resume_with_another_seed_or_schedule_is_warned():
                               "(lr 0.001 → 0.003; steps 4 → 8)")
     same = {"seed": 2, "schedule": options.schedule()}
     assert resume_differences(same, options) == []
+
+
+def test_a_resumed_log_continues_rather_than_repeats(tmp_path):
+    # Saved at step 3, stopped at step 5: the resumed run writes steps 4 and 5 again.
+    from dhelix.interpreter.training.steplog import StepLog
+
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"note": "x"}\n' + "".join(f'{{"step": {k}, "loss": 1.0}}\n' for k in range(1, 6))
+                    + '{"step": 4, "eval_loss": 1.0, "eval_ppl": 2.7}\n')
+    times = {"step": [0.5], "collective": [0.1], "p2p": [0.0]}
+    with StepLog(str(path), tokens=64, resumed=3) as log:
+        log.step(3, 0.5, 1e-3, 1.0, times, 10)
+    assert [row.get("step") for row in _strict_lines(path)] == [None, 1, 2, 3, 4]
+    assert list(tmp_path.iterdir()) == [path]

@@ -39,13 +39,24 @@ def strict(record: dict) -> dict:
     return {**{key: None if key in bad else value for key, value in record.items()}, "nonfinite": bad}
 
 
+def _step_of(line: str) -> int | None:
+    """The ``step`` of a log line; None for a line without one (or not JSON)."""
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 class StepLog:
     """A JSONL log at ``path`` (None: record nothing, e.g. on ranks other than 0);
-    ``tokens`` is the number of tokens of one global batch (for tokens/s); ``append`` keeps
-    the lines already there (a resumed run continues its log)."""
+    ``tokens`` is the number of tokens of one global batch (for tokens/s). ``resumed``: the
+    run continues after that many steps, so its log continues too: the lines already there
+    are kept but those of later steps (a run that went on past its last save before it
+    stopped), which the resumed run writes again."""
 
-    def __init__(self, path: str | None, tokens: int, append: bool = False):
-        self.path, self.tokens, self.append = path, tokens, append
+    def __init__(self, path: str | None, tokens: int, resumed: int | None = None):
+        self.path, self.tokens, self.resumed = path, tokens, resumed
         self._file = None
         self._board = None
         self.lines = 0
@@ -53,11 +64,24 @@ class StepLog:
     def __enter__(self) -> "StepLog":
         if self.path is not None:
             try:
-                self._file = open(self.path, "a" if self.append else "w", encoding="utf-8")
+                if self.resumed is not None:
+                    self._keep_through(self.resumed)
+                self._file = open(self.path, "w" if self.resumed is None else "a", encoding="utf-8")
             except OSError as exc:
                 raise self._failure(exc) from None
             self._board = self._tensorboard()
         return self
+
+    def _keep_through(self, step: int) -> None:
+        """Drop the log's lines of steps after ``step`` (1-based, as logged), in place."""
+        path = Path(self.path)
+        if not path.is_file():
+            return
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
+                if _step_of(line) is None or _step_of(line) <= step]
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text("".join(kept), encoding="utf-8")
+        partial.replace(path)
 
     def _failure(self, exc: OSError) -> OutputError:
         return OutputError(f"cannot write the log '{self.path}': {exc.strerror or exc}",
@@ -75,7 +99,8 @@ class StepLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # torch's writer needs the tensorboard package
-            self._write({"note": "tensorboard is not installed: no TensorBoard scalars, this log only"})
+            if self.resumed is None:  # a resumed log has it already
+                self._write({"note": "tensorboard is not installed: no TensorBoard scalars, this log only"})
             return None
         return SummaryWriter(str(Path(self.path).with_suffix(".tb")))
 

@@ -255,7 +255,7 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
     rank = executor.comm.rank
     tokens = source.global_sequences * executor.program.model.get("seq")
     losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": []}, [], []
-    log = StepLog(options.log if rank == 0 else None, tokens, append=start > 0)
+    log = StepLog(options.log if rank == 0 else None, tokens, resumed=start if options.resume else None)
     bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
                file=sys.stderr)
     with _cuda_profile(options, device, rank), log:
