@@ -316,16 +316,17 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
     comm, waited = executor.comm, executor.recorder.waited
     batch = replica_batch(batch, comm.index("dp"), executor.program.train.microbatches)
     start, before = time.perf_counter(), dict(waited)
-    loss = executor.step(batch).item()
+    loss = executor.step(batch)
     grads = executor.grads()
-    applied = optimizer.step(grads, lr, accept=lambda norm: math.isfinite(loss) and (
-        norm is None or math.isfinite(norm)))
+    # The loss is read once the norm has been (that waits for the device already).
+    applied = optimizer.step(grads, lr, accept=lambda norm: (norm is None or math.isfinite(norm))
+                             and math.isfinite(loss.item()))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     times["step"].append(time.perf_counter() - start)
     for kind in ("collective", "p2p"):
         times[kind].append(waited[kind] - before[kind])
-    losses.append(loss)
+    losses.append(loss.item())
     return None if applied else _nonfinite_grads(grads, comm.rank)
 
 
