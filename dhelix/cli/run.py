@@ -124,7 +124,7 @@ def cmd_run(args) -> int:
         return _run(args, started)
     except DhelixError as exc:
         if _reported_elsewhere(exc, bool(started)):
-            return 1
+            return 2 if isinstance(exc, UsageError) else 1  # the reporter's exit code
         raise
 
 
