@@ -147,9 +147,10 @@ def _unordered(program: Program) -> list[tuple[str, str]]:
     splits, in block order; ``weights`` (an all_gather's order) under ZeRO-3."""
     if program.partition is None or program.forward is None:
         return []
-    # A chunked collective's chunks name it as their origin; a split one's last stage keeps its name.
-    written = {op.origin: op.op for op in program.forward.ops if op.origin} | \
-        {op.name: op.op for op in program.forward.ops}
+    # A chunked collective's chunks name it as their origin (the concat that joins them keeps
+    # its name, so only collectives count); a split one's last stage keeps its name.
+    comms = [op for op in program.forward.ops if op.kind == "comm"]
+    written = {op.origin: op.op for op in comms if op.origin} | {op.name: op.op for op in comms}
     found = []
     for st in program.partition.body:
         if isinstance(st, s.Group) and st.first is None:

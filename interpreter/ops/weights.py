@@ -175,16 +175,19 @@ def _is_tp_collective(fwd: LayerDag, name: str, kind: str) -> bool:
     op = next((o for o in fwd.ops if o.name == name), None)
     if op is not None and op.op in ("slice", "rest"):  # a chunk of a partitioned chain's input
         return _is_tp_collective(fwd, op.inputs[0], kind)
+    if op is not None and op.op in ("concat", "merge"):  # a chain that ends with the collective
+        return all(_is_tp_collective(fwd, part, kind) for part in op.inputs)
     # A group-partitioned collective's last stage (over tp.inter or tp.intra) completes it.
     return op is not None and op.op == kind and op.axis is not None and base_axis(op.axis) == "tp"
 
 
 def _readers(fwd: LayerDag, name: str) -> list[Op]:
-    # A partitioned op's chunks are read through the concat that joins them.
+    # A partitioned op's chunks are read through the concat that joins them, and the chunks
+    # of a chain that starts after it through the slices that cut its output.
     readers = []
     for op in fwd.ops:
         if name in op.inputs:
-            readers += _readers(fwd, op.name) if op.op in ("concat", "merge") else [op]
+            readers += _readers(fwd, op.name) if op.op in ("concat", "merge", "slice", "rest") else [op]
     return readers
 
 
