@@ -45,13 +45,17 @@ def source(body: str, mesh: str = "tp = 4", pipeline: str = "w_helix", fold: str
     return PROGRAM.format(mesh=mesh, train=train, fold=fold, pipeline=pipeline, body=lines)
 
 
-#: name -> (partition statements, pipeline, fold): each was accepted by check and then
-#: crashed (the first) or was refused by run (the others) at tp = 4 over two nodes.
+#: name -> (partition statements, pipeline, fold), at tp = 4 over two nodes: the first four
+#: were accepted by check and then crashed (the first) or were refused by run.
 ACCEPTED = {
     "group_rs2_in_a_chunked_mlp": ("group rs2;chunk ag2 + fc1 + act + fc2 + rs2 by 2", "w_helix", "u"),
     "ag2_along_features": ("chunk ag2 along features by 2", "w_helix", "u"),
     "rs2_h2_along_features": ("chunk rs2 + h2 along features by 2", "w_helix", "u"),
     "ag1_along_features_zb_h1": ("chunk ag1 along features by 2", "zb_h1", "none"),
+    # Table 2's distinct-root substitutions (a reduce_scatter as reduces, an all_gather as
+    # broadcasts), with SI on the W and with W split off.
+    "distinct_roots_w_helix": ("substitute rs1 as reduce;substitute ag2 as broadcast", "w_helix", "u"),
+    "distinct_roots_zb_h1": ("substitute ag1 as broadcast;substitute rs2 as reduce", "zb_h1", "none"),
 }
 
 
@@ -60,6 +64,38 @@ def priced(name: str):
     and ``dhelix simulate`` take it."""
     body, pipeline, fold = ACCEPTED[name]
     return priced_program(source(body, pipeline=pipeline, fold=fold), "t.dhx")
+
+
+def test_distinct_roots_replace_a_reduce_scatter_by_reduces_and_an_all_gather_by_broadcasts():
+    program, _ = priced("distinct_roots_w_helix")
+    fwd = program.forward
+    reduces = [op for op in fwd.ops if op.op == "reduce"]
+    assert [(op.name, dict(op.params)["root"], op.inputs) for op in reduces] == [
+        (f"rs1.r{j}", j, (f"rs1.s{j}",)) for j in range(4)]
+    # Rank block j of the row-parallel output goes to root j; the pick keeps this rank's.
+    assert [dict(fwd.op(f"rs1.s{j}").params)["index"] for j in range(4)] == [0, 1, 2, 3]
+    assert fwd.op("rs1").op == "pick" and fwd.op("h1").inputs[0] == "rs1"
+    join = fwd.op("ag2")
+    assert join.op == "concat" and join.inputs == tuple(f"ag2.b{j}" for j in range(4)) and join.shape == (32, 32)
+    assert {fwd.op(f"ag2.b{j}").op for j in range(4)} == {"broadcast"}
+    # Each is the other's transpose.
+    bwd = {op.name: op.op for op in program.backward.ops}
+    assert bwd["rs1.r2.bwd"] == "broadcast" and bwd["ag2.b1.bwd"] == "reduce"
+
+
+def test_distinct_roots_cost_more_alone_than_the_collective_they_replace():
+    # n latencies and S/B against S(g-1)/g/B: they pay only where their pieces overlap
+    # better (Centauri prunes them otherwise), so the layer alone is slower.
+    from dhelix.dsl.planner.chunking import issue_order
+    from dhelix.dsl.planner.paircost import PairCost
+
+    def alone(program):
+        cost = PairCost(program.profile, program.model.dtype, seq=program.model.get("seq"))
+        return cost.solo(issue_order(program.forward.ops)) + cost.solo(issue_order(program.backward.ops))
+
+    plain, _ = priced_program(source("backward dgrad first"), "t.dhx")
+    substituted, _ = priced_program(source("backward dgrad first;substitute rs1 as reduce"), "t.dhx")
+    assert alone(substituted) > alone(plain)
 
 
 def test_a_group_partition_of_the_collective_ending_a_chunk_chain_is_ordered_by_the_planner():
@@ -131,7 +167,9 @@ def group_statements(draw) -> str:
     return f"group {' + '.join(ops)}{draw(st.sampled_from(['', ' first inter', ' first intra']))}"
 
 
-STATEMENTS = st.one_of(chunk_statements(), chunk_statements(), group_statements(),
+SUBSTITUTIONS = ("substitute ag1 as broadcast", "substitute rs1 as reduce", "substitute ag2 as broadcast",
+                 "substitute rs2 as reduce")
+STATEMENTS = st.one_of(chunk_statements(), chunk_statements(), group_statements(), st.sampled_from(SUBSTITUTIONS),
                        st.sampled_from(["backward dgrad first", "backward wgrad first"]))
 LAYOUTS = st.sampled_from([("tp = 4", "", "w_helix", "u"), ("tp = 2  pp = 2", "", "w_helix", "u"),
                            ("tp = 2  dp = 2", "zero = 3", "one_f_one_b", "none"),

@@ -132,7 +132,7 @@ lab.yaml:10:5: unknown collective 'all_gathr' in 'all_gathr@local' in oef.pairs
   10 |     all_gathr@local: {gemm_dgrad: 0.9}
      |     ^^^^^^^^^^^^^^^
   note: did you mean 'all_gather'?
-  note: collectives: all_gather, reduce_scatter, all_reduce, all_to_all, p2p
+  note: collectives: all_gather, reduce_scatter, all_reduce, all_to_all, p2p, reduce, broadcast
 lab.yaml:11:11: unknown lane 'locl' in 'reduce_scatter@locl' in oef.pairs.qkv
   11 |     qkv: {reduce_scatter@locl: 0.7, all_to_all: 0.5}
      |           ^^^^^^^^^^^^^^^^^^^
@@ -148,7 +148,7 @@ lab.yaml:11:37: 'all_to_all' needs its lane in oef.pairs.qkv
 def test_collective_model_choice_and_efficiency():
     text = MINIMAL + "collectives:\n  all_gather: {model: rign, efficiency: 1.5}\n"
     assert error_of(text) == """\
-lab.yaml:13:23: 'collectives.all_gather.model' must be one of ring, ring_allreduce, pairwise, p2p, got 'rign'
+lab.yaml:13:23: 'collectives.all_gather.model' must be one of ring, ring_allreduce, pairwise, p2p, rooted, got 'rign'
   13 |   all_gather: {model: rign, efficiency: 1.5}
      |                       ^^^^
   note: did you mean 'ring'?

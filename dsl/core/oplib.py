@@ -191,7 +191,20 @@ OPS: dict[str, OpSpec] = {op.name: op for op in [
 #: that the chunks of a collective are collectives of chunks. Shapes come from the pass.
 LAYOUT_OPS = {"slice": "chunk index of parts along dim", "concat": "parts chunks joined along dim",
               "rest": "the rank blocks a group-partitioned gather's first stage did not bring",
-              "merge": "the first stage's blocks and the rest put back in rank order"}
+              "merge": "the first stage's blocks and the rest put back in rank order",
+              "pick": "the input whose root is this rank (after reduces of distinct roots)"}
+
+#: Table 2's scalable substitutions of a reduce_scatter and an all_gather (``substitute rs1
+#: as reduce``, ``substitute ag1 as broadcast``): one rooted collective per rank of the
+#: group, rank j the root of the j-th, over rank block j of the tokens. The partition pass
+#: makes them (a layer never writes them); their ``root`` parameter is the root's index in
+#: the group. A ``reduce`` leaves the sum on its root and zeros elsewhere (so that as a
+#: broadcast's transpose it gives each rank only its own gradient), a ``broadcast`` the
+#: root's input everywhere; each is the other's transpose.
+DISTINCT_ROOTS = {"reduce_scatter": "reduce", "all_gather": "broadcast"}
+#: The collective a rooted collective of :data:`DISTINCT_ROOTS` is one part of.
+ROOTED_PART_OF = {rooted: whole for whole, rooted in DISTINCT_ROOTS.items()}
+ROOT = "root"
 
 
 #: How each operator's dimensions split (Centauri Table 3), for the partition pass: ``OD``

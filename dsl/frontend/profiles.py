@@ -21,8 +21,10 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
       local*: {bw_gbps*, latency_us*} # node-local collectives: NCCL bus bandwidth
       cross*: {bw_gbps*, latency_us*} # cross-node: bandwidth per GPU
     collectives:                      # optional; each {model, efficiency (0, 1]}
-      all_gather, reduce_scatter, all_reduce, all_to_all, p2p
-                                      # model: ring | ring_allreduce | pairwise | p2p
+      all_gather, reduce_scatter, all_reduce, all_to_all, p2p, reduce, broadcast
+                                      # model: ring | ring_allreduce | pairwise | p2p | rooted
+                                      #   (rooted: a pipelined chain to or from one root,
+                                      #   alpha (g - 1) + S / B; reduce and broadcast by default)
                                       # efficiency: one number for both lanes, or per lane:
                                       #   {local: 0.45, cross: 0.8} (a lane left out: 1.0)
     oef*:
@@ -69,10 +71,10 @@ from dhelix.dsl.core.wording import did_you_mean
 
 COMPUTE_BOUND = ("gemm", "attention", "router")
 MEMORY_BOUND = ("norm", "add", "activation", "permute")
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
-COLLECTIVE_MODELS = ("ring", "ring_allreduce", "pairwise", "p2p")
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p", "reduce", "broadcast")
+COLLECTIVE_MODELS = ("ring", "ring_allreduce", "pairwise", "p2p", "rooted")
 DEFAULT_MODELS = {"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": "ring_allreduce",
-                  "all_to_all": "pairwise", "p2p": "p2p"}
+                  "all_to_all": "pairwise", "p2p": "p2p", "reduce": "rooted", "broadcast": "rooted"}
 OEF_CLASSES = ("comp_comp", "comp_intra", "comp_inter", "intra_intra", "inter_inter", "intra_inter")
 OEF_LOW, OEF_HIGH = -1.0, 2.0
 TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "memory_gb", "optimizer_gbps", "achieved", "links",

@@ -31,7 +31,8 @@ from dhelix.dsl.core.oplib import BWD, DGRAD, SPLIT_OPS, WGRAD, derived_kind
 from dhelix.dsl.core.program import GradFlow, LayerDag, Op
 
 _TRANSPOSE = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather",
-              "all_to_all": "all_to_all", "send": "recv", "recv": "send", "all_reduce": "all_reduce"}
+              "all_to_all": "all_to_all", "send": "recv", "recv": "send", "all_reduce": "all_reduce",
+              "reduce": "broadcast", "broadcast": "reduce"}
 # Which forward tensors each backward op reads, by forward op: input indices and the output.
 _SAVES_INPUTS = {"rmsnorm", "layernorm", "swiglu", "gelu", "attention", "unpermute", "permute"}
 

@@ -7,7 +7,11 @@ interpreter see ordinary operators:
 * ``substitute ar as reduce_scatter + all_gather`` (primitive substitution, Table 2):
   an ``all_reduce`` becomes ``ar.rs`` (a reduce_scatter) then ``ar`` (an all_gather of it),
   the substitution that scales; the rooted ones (reduce + broadcast, gather + scatter) send
-  everything through one rank and are refused.
+  everything through one rank and are refused. ``substitute rs1 as reduce`` and
+  ``substitute ag1 as broadcast`` are Table 2's substitutions of distinct roots: one
+  ``reduce`` (``rs1.rJ``, of rank block J, a slice ``rs1.sJ``) or ``broadcast`` (``ag1.bJ``)
+  per rank J of the group, rank J its root, joined by a ``pick`` of this rank's reduce or a
+  ``concat`` of the broadcasts in rank order that keeps the collective's name.
 * ``move ar1 + ar2 later`` (after a substitution): the all_gathers move past the
   elementwise operators that read them (norms, activations, the residual add: token-wise,
   no weight to contract), which then run on the rank's 1/n of the tokens, up to the
@@ -67,7 +71,7 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.mesh import INTER, INTRA, Mesh
-from dhelix.dsl.core.oplib import REGROUP
+from dhelix.dsl.core.oplib import DISTINCT_ROOTS, REGROUP, ROOT
 from dhelix.dsl.core.program import LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.passes.priority import PRIORITIES
@@ -237,14 +241,17 @@ def _hierarchical(op: Op, mesh: Mesh, first_part: str) -> list[Op]:
 # -- primitive substitution ---------------------------------------------------------------
 
 def _substitute(fwd: LayerDag, st: s.Substitute, errors: ErrorCollector) -> LayerDag:
+    if st.op in fwd.elided:
+        return fwd  # over a size-1 axis: the identity, nothing to substitute
     op = named_op(fwd, st.op, st.span_of("op"), errors)
     if op is None:
         return fwd
+    if op.kind == "comm" and op.op in DISTINCT_ROOTS:
+        return _distinct_roots(fwd, op, st, errors)
     if op.kind != "comm" or op.op != "all_reduce":
         what = "a collective" if op.kind == "comm" else f"a {op.kind} operator"
-        errors.add(CheckError(f"cannot substitute '{op.name}': it is {op.op}, {what}, not an all_reduce",
-                              st.span_of("op"), ["primitive substitution replaces an all_reduce by "
-                                                 "reduce_scatter + all_gather (Centauri Table 2)"]))
+        errors.add(CheckError(f"cannot substitute '{op.name}': it is {op.op}, {what}, not an all_reduce, "
+                              f"reduce_scatter or all_gather", st.span_of("op"), [_SUBSTITUTIONS]))
         return fwd
     if st.into != SCALABLE:
         errors.add(_bad_target(st))
@@ -362,6 +369,54 @@ def _moved_later(fwd: LayerDag, statements: list[s.Move], errors: ErrorCollector
                                f"({join_words(ELEMENTWISE, 'or')})"]))
         return fwd
     return attrs.evolve(fwd, ops=tuple(ops), input_shape=(rows // size, cols), output=shard[fwd.output][0])
+
+
+_SUBSTITUTIONS = ("primitive substitution replaces an all_reduce by reduce_scatter + all_gather, a "
+                  "reduce_scatter by reduces of distinct roots ('as reduce'), an all_gather by broadcasts of "
+                  "distinct roots ('as broadcast') (Centauri Table 2)")
+
+
+def _distinct_roots(fwd: LayerDag, op: Op, st: s.Substitute, errors: ErrorCollector) -> LayerDag:
+    """``fwd`` with reduce_scatter or all_gather ``op`` replaced by one rooted collective per
+    rank of its group (Table 2): a reduce_scatter by ``op.sJ`` (rank block J of its input, a
+    slice) reduced to root J by ``op.rJ``, and a ``pick`` named ``op`` of the one whose root
+    is this rank; an all_gather by ``op.bJ`` (root J's input broadcast) joined by a
+    ``concat`` named ``op`` in rank order. Readers are unchanged."""
+    rooted = DISTINCT_ROOTS[op.op]
+    if st.into != (rooted,):
+        errors.add(_bad_rooted_target(st, op, rooted))
+        return fwd
+    size, (rows, cols) = op.group_size, op.in_shapes[0]
+    common = dict(op=rooted, op_class=rooted, origin=op.name)
+    if op.op == "all_gather":
+        parts = [attrs.evolve(op, name=f"{op.name}.b{j}", shape=(rows, cols), params=op.params + ((ROOT, j),),
+                              **common) for j in range(size)]
+        join = Op(op.name, "concat", "compute", "layout", tuple(p.name for p in parts), ((rows, cols),) * size,
+                  op.shape, params=(("parts", size), ("dim", 0), ("blocks", 1)), span=op.span)
+        return attrs.evolve(fwd, ops=tuple(new for o in fwd.ops for new in ([*parts, join] if o is op else [o])))
+    block = (rows // size, cols)
+    slices = [Op(f"{op.name}.s{j}", "slice", "compute", "layout", op.inputs, op.in_shapes, block,
+                 params=(("index", j), ("parts", size), ("dim", 0), ("blocks", 1)), span=op.span)
+              for j in range(size)]
+    parts = [attrs.evolve(op, name=f"{op.name}.r{j}", inputs=(piece.name,), in_shapes=(block,), shape=block,
+                          params=op.params + ((ROOT, j),), **common) for j, piece in enumerate(slices)]
+    pick = Op(op.name, "pick", "compute", "layout", tuple(p.name for p in parts), (block,) * size, block,
+              params=(("axis", op.axis),), span=op.span)
+    new = [*slices, *parts, pick]
+    return attrs.evolve(fwd, ops=tuple(n for o in fwd.ops for n in (new if o is op else [o])))
+
+
+def _bad_rooted_target(st: s.Substitute, op: Op, rooted: str) -> CheckError:
+    written = " + ".join(st.into)
+    span = st.span_of("into.0")
+    if len(st.into) > 1 and set(st.into) & _ROOTED:
+        return CheckError(f"rooted substitution '{written}' of {op.op} '{op.name}' is not supported", span, [
+            "a rooted pair (reduce + scatter, gather + broadcast) sends the whole tensor through one root "
+            "rank, so it scales worse than the collective it replaces; Centauri prunes it (Table 2)",
+            f"write: substitute {op.name} as {rooted} (one {rooted} per rank, each rank a root)"])
+    return CheckError(f"no substitution '{written}' for {op.op} '{op.name}'", span,
+                      [f"the scalable substitution is: substitute {op.name} as {rooted} (one {rooted} per rank, "
+                       "each rank a root; Centauri Table 2)"])
 
 
 def _bad_target(st: s.Substitute) -> CheckError:

@@ -31,7 +31,8 @@ Modelling choices, with their reasons:
 * **Collectives** (NOTES §3.6, NCCL ring conventions), with ``S`` the full tensor bytes, ``g``
   the group size, ``α`` the lane's latency and ``B`` its bandwidth times the profile's
   efficiency for that collective on that lane: ring ``α(g-1) + S(g-1)/g/B`` (all_gather,
-  reduce_scatter), ring_allreduce twice that, pairwise ``α(g-1) + S_send(g-1)/g/B``
+  reduce_scatter), ring_allreduce twice that, rooted ``α(g-1) + S/B`` (a reduce or broadcast
+  of distinct roots: a pipelined chain to or from the root, every byte over every hop), pairwise ``α(g-1) + S_send(g-1)/g/B``
   (all_to_all), p2p ``α + S/B``.
 """
 
@@ -50,7 +51,8 @@ ATTENTION_BWD_FACTOR = 2.5  # FlashAttention-2 backward recomputes P (NOTES §3.
 CAUSAL_FRACTION = 0.5  # γ: a causal kernel skips the masked half
 _COMM_KIND = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "all_reduce",
               "all_to_all": "all_to_all", "send": "p2p", "recv": "p2p", "attention": "p2p",
-              "attention_bwd": "p2p", "param_gather": "all_gather", "grad_scatter": "reduce_scatter"}
+              "attention_bwd": "p2p", "param_gather": "all_gather", "grad_scatter": "reduce_scatter",
+              "reduce": "reduce", "broadcast": "broadcast"}
 _LANE_CLASS = {"compute": "comp", "local": "intra", "cross": "inter"}
 
 
@@ -217,9 +219,11 @@ def collective_time(kind: str, size_bytes: float, group: int, lane: str, profile
         return alpha + size_bytes / bandwidth
     if group <= 1:
         return 0.0
-    if lane == "cross" and model.model in ("ring", "ring_allreduce"):
+    if lane == "cross" and model.model in ("ring", "ring_allreduce", "rooted"):
         bandwidth = ring_bandwidth(bandwidth, per_node, profile.links["local"].bw_gbps * 1e9)
     steps = group - 1
+    if model.model == "rooted":  # a pipelined chain to or from the root: every byte crosses each hop
+        return alpha * steps + size_bytes / bandwidth
     one = alpha * steps + size_bytes * steps / group / bandwidth
     return 2 * one if model.model == "ring_allreduce" else one
 

@@ -137,6 +137,12 @@ class TimedComm(Communicator):
     def all_reduce(self, x, axis, op="sum", async_op=False):
         return self._run("all_reduce", axis, async_op, lambda: self.inner.all_reduce(x, axis, op, async_op))
 
+    def reduce(self, x, axis, root, async_op=False):
+        return self._run("reduce", axis, async_op, lambda: self.inner.reduce(x, axis, root, async_op))
+
+    def broadcast(self, x, axis, root, async_op=False):
+        return self._run("broadcast", axis, async_op, lambda: self.inner.broadcast(x, axis, root, async_op))
+
     def all_to_all(self, x, axis, in_splits=None, out_splits=None, async_op=False):
         return self._run("all_to_all", axis, async_op,
                          lambda: self.inner.all_to_all(x, axis, in_splits, out_splits, async_op))

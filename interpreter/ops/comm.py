@@ -190,6 +190,20 @@ class Communicator:
             return _done(x, async_op)
         return self._all_reduce(x, axis, op, async_op)
 
+    def reduce(self, x: torch.Tensor, axis: str, root: int, async_op: bool = False):
+        """Sum ``x`` over the group onto group member ``root``: the sum there, zeros on the
+        other members (a reduce of distinct roots; as a broadcast's transpose each rank gets
+        only its own gradient). ``x`` is overwritten."""
+        if self.size(axis) == 1:
+            return _done(x, async_op)
+        return self._reduce(x.contiguous(), axis, root, async_op)
+
+    def broadcast(self, x: torch.Tensor, axis: str, root: int, async_op: bool = False):
+        """Group member ``root``'s ``x`` on every member; ``x`` is overwritten."""
+        if self.size(axis) == 1:
+            return _done(x, async_op)
+        return self._broadcast(x.contiguous(), axis, root, async_op)
+
     def all_to_all(self, x: torch.Tensor, axis: str, in_splits=None, out_splits=None,
                    async_op: bool = False):
         """Send row block i of ``x`` to group member i; ``in_splits``/``out_splits`` give
@@ -214,7 +228,7 @@ class Communicator:
         # Only a group of more than one rank gets here, and only DistComm has those.
         raise TypeError(f"{type(self).__name__} has no process groups to communicate over")
 
-    _reduce_scatter = _all_reduce = _all_to_all = _send = _recv = _all_gather
+    _reduce_scatter = _all_reduce = _all_to_all = _send = _recv = _reduce = _broadcast = _all_gather
 
 
 def _done(x: torch.Tensor, async_op: bool):
@@ -298,6 +312,18 @@ class DistComm(Communicator):
     def _all_reduce(self, x, axis, op, async_op):
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         work = dist.all_reduce(x, op=reduce_op, group=self._groups[axis], async_op=async_op)
+        return Pending(work, x) if async_op else x
+
+    def _reduce(self, x, axis, root, async_op):
+        mine = self.index(axis) == root
+        work = dist.reduce(x, dst=self.group_ranks(axis)[root], group=self._groups[axis], async_op=async_op)
+
+        def kept(result: torch.Tensor) -> torch.Tensor:  # the other members' buffers hold partial sums
+            return result if mine else result.zero_()
+        return Pending(work, x, kept) if async_op else kept(x)
+
+    def _broadcast(self, x, axis, root, async_op):
+        work = dist.broadcast(x, src=self.group_ranks(axis)[root], group=self._groups[axis], async_op=async_op)
         return Pending(work, x) if async_op else x
 
     def _all_to_all(self, x, axis, in_splits, out_splits, async_op):

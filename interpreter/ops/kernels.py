@@ -29,7 +29,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, WGRAD, backward_parts, derived_kind
+from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_parts, derived_kind
 
 from . import gpu_kernels as gpu
 from .comm import Communicator, Pending, SingleRankComm, regrouped, stage_blocks
@@ -405,6 +405,19 @@ def _merge_dgrad(grad, saved, weight):
     return tuple(part.contiguous() for part in _split_blocks(grad, near, blocks))
 
 
+def _pick_forward(inputs, weight, ctx):
+    # After reduces of distinct roots: the one whose root is this rank holds its block's sum.
+    mine = ctx.comm.index(ctx.params["axis"])
+    return inputs[mine], (mine, len(inputs))
+
+
+def _pick_dgrad(grad, saved, weight):
+    # Only this rank's reduce gets a gradient: a reduce's transpose is a broadcast from its
+    # root, which reads nothing from the other members.
+    mine, parts = saved
+    return tuple(grad if i == mine else grad.new_zeros(grad.shape) for i in range(parts))
+
+
 # -- MoE permutes ------------------------------------------------------------------------
 
 @attrs.frozen
@@ -561,6 +574,16 @@ def _all_reduce(x, ctx):
     return ctx.comm.all_reduce(x.clone(), ctx.axis, async_op=ctx.async_op)
 
 
+def _reduce(x, ctx):
+    # Reduces of distinct roots (a substituted reduce_scatter): the communicator sums in place.
+    return ctx.comm.reduce(x.clone(), ctx.axis, ctx.params[ROOT], async_op=ctx.async_op)
+
+
+def _broadcast(x, ctx):
+    # Broadcasts of distinct roots (a substituted all_gather): the communicator writes in place.
+    return ctx.comm.broadcast(x.clone(), ctx.axis, ctx.params[ROOT], async_op=ctx.async_op)
+
+
 def _all_to_all(x, ctx):
     """MoE dispatch or combine: the identity on one rank, else :func:`.moe.exchange`
     (counts first, then the tokens with variable splits)."""
@@ -593,6 +616,7 @@ KERNELS: dict[str, Kernel] = {
     "concat": Kernel(_concat_forward, _concat_dgrad),
     "rest": Kernel(_rest_forward, _rest_dgrad),
     "merge": Kernel(_merge_forward, _merge_dgrad),
+    "pick": Kernel(_pick_forward, _pick_dgrad),
     "permute": Kernel(_permute_forward, _permute_dgrad),
     "unpermute": Kernel(_unpermute_forward, _unpermute_dgrad),
     "embedding": Kernel(_embedding_forward, _embedding_dgrad, _embedding_wgrad),
@@ -602,7 +626,7 @@ KERNELS: dict[str, Kernel] = {
 #: Collectives: ``fn(x, ctx) -> Tensor | Pending`` (a Pending when ``ctx.async_op``).
 COLLECTIVES: dict[str, Callable] = {
     "all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_reduce": _all_reduce,
-    "all_to_all": _all_to_all,
+    "all_to_all": _all_to_all, "reduce": _reduce, "broadcast": _broadcast,
     "send": _send, "recv": _recv,
 }
 

@@ -47,6 +47,7 @@ import torch
 
 from dhelix.dsl.passes.pipeline import rerun
 from dhelix.dsl.core.mesh import Mesh, base_axis
+from dhelix.dsl.core.oplib import ROOTED_PART_OF
 from dhelix.dsl.core.program import LayerDag, Op, Program
 
 EMBEDDING, FINAL_NORM, LM_HEAD = "embedding", "final_norm", "lm_head"
@@ -175,10 +176,12 @@ def _is_tp_collective(fwd: LayerDag, name: str, kind: str) -> bool:
     op = next((o for o in fwd.ops if o.name == name), None)
     if op is not None and op.op in ("slice", "rest"):  # a chunk of a partitioned chain's input
         return _is_tp_collective(fwd, op.inputs[0], kind)
-    if op is not None and op.op in ("concat", "merge"):  # a chain that ends with the collective
+    if op is not None and op.op in ("concat", "merge", "pick"):  # the joined chunks or rooted parts of it
         return all(_is_tp_collective(fwd, part, kind) for part in op.inputs)
-    # A group-partitioned collective's last stage (over tp.inter or tp.intra) completes it.
-    return op is not None and op.op == kind and op.axis is not None and base_axis(op.axis) == "tp"
+    # A group-partitioned collective's last stage (over tp.inter or tp.intra) completes it,
+    # as do its reduces or broadcasts of distinct roots together.
+    return op is not None and kind in (op.op, ROOTED_PART_OF.get(op.op)) and op.axis is not None \
+        and base_axis(op.axis) == "tp"
 
 
 def _readers(fwd: LayerDag, name: str) -> list[Op]:
