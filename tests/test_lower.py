@@ -213,8 +213,8 @@ def test_negative_repeat_names_the_rank_and_the_values():
 
 def test_failed_require_states_the_need_and_the_values():
     assert error_text(lambda: lower_stdlib("dualpipe_v", 4, 3)) == (
-        "stdlib/pipelines.dhx:93:3: pipeline dualpipe_v needs m >= 2 * p (m = 3, p = 4)\n"
-        "  93 |   require m >= 2 * p\n     |   ^^^^^^^^^^^^^^^^^^\n"
+        "stdlib/pipelines.dhx:98:3: pipeline dualpipe_v needs m >= 2 * p (m = 3, p = 4)\n"
+        "  98 |   require m >= 2 * p\n     |   ^^^^^^^^^^^^^^^^^^\n"
         "  note: choose sizes with m >= 2 * p, or another pipeline")
 
 
@@ -252,7 +252,7 @@ def test_rank_independent_mistakes_are_reported_once():
     assert error_text(lambda: lower_text(text, 4, 4)) == (
         "test.dhx:2:3: 'p' is a builtin (pipeline ranks) and cannot be rebound\n"
         "  2 |   p = 3\n    |   ^\n"
-        "  note: pick another name; the builtins are p, r, m, v and g\n"
+        "  note: pick another name; the builtins are p, r, m, v, g and gb\n"
         "test.dhx:3:3: an SI block pairs a forward with a backward, not B with F\n"
         "  3 |   SI(B, F)\n    |   ^^^^^^^^\n"
         "  note: write SI(F[c], B[c']): the forward of one strand beside the backward of the "
@@ -267,7 +267,7 @@ def test_unknown_name_is_reported_once_without_ranks():
     """
     assert error_text(lambda: lower_text(text, 4, 4)) == (
         "test.dhx:2:10: unknown schedule variable 'warm'\n"
-        "  2 |   repeat warm { F }\n    |          ^^^^\n  note: known here: g, m, p, r, v")
+        "  2 |   repeat warm { F }\n    |          ^^^^\n  note: known here: g, gb, m, p, r, v")
 
 
 def test_runaway_programs_stop_with_an_error():

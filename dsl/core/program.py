@@ -93,11 +93,15 @@ class Train:
     #: When the data-parallel gradient reduction runs: "backward" (each layer's as soon as
     #: the step's last backward of it has finished) or "step" (all after the last backward).
     grad_reduce: str = "backward"
+    #: Micro-batches launched together per model chunk in the backward (the pipelines'
+    #: ``gb``, Eq. 2's L2 where ``launch`` is L1): a number, "auto" or None (``launch``'s).
+    launch_backward: int | str | None = None
     span: object = span_field()
     data_span: object = span_field()
     zero_span: object = span_field()
     shard_span: object = span_field()
     launch_span: object = span_field()
+    launch_backward_span: object = span_field()
 
 
 @attrs.frozen
@@ -286,6 +290,8 @@ class Program:
     backward_first: str | None = None
     #: The pipelines' ``g`` the planner chose for ``train { launch = auto }`` (None: not chosen).
     launch: int | None = None
+    #: The pipelines' ``gb`` the planner chose for ``train { launch_backward = auto }``.
+    launch_backward: int | None = None
     env: tuple[tuple[str, int], ...] = ()  # the names layer expressions see, set by the shapes pass
     forward: LayerDag | None = None  # set by the shapes pass
     backward: LayerDag | None = None  # set by the autodiff pass

@@ -121,6 +121,12 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
                               ["launch is how many micro-batches run each model chunk in a row (g) in a pipeline "
                                "that reads it: interleaved_1f1b, with fold loop(v)", "remove launch, or pick such "
                                "a pipeline"]))
+    if train.launch_backward is not None and pipeline is not None and not reads_name(pipeline, "gb"):
+        errors.add(CheckError(f"launch_backward = {train.launch_backward} sets gb, which pipeline {pipeline.name} "
+                              "does not read", train.launch_backward_span or train.span,
+                              ["launch_backward is how many micro-batches run each model chunk's backward in a row "
+                               "(gb, Eq. 2's L2) in a pipeline that reads it: interleaved_1f1b, with fold loop(v)",
+                               "remove launch_backward, or pick such a pipeline"]))
     return program
 
 

@@ -23,7 +23,7 @@ MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
 TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute",
-              "param_gather", "grad_reduce", "shard", "launch")
+              "param_gather", "grad_reduce", "shard", "launch", "launch_backward")
 TRAIN_STRINGS = ("data",)  # a path, relative to the program file
 #: What ``train { recompute = … }`` accepts: keep every saved activation (``none``), drop the
 #: outputs of the cheap operators and compute them again when the layer's backward starts
@@ -222,9 +222,10 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
     block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute", "param_gather", "grad_reduce"),
-                           strings=TRAIN_STRINGS, autos=("launch",))
+                           strings=TRAIN_STRINGS, autos=("launch", "launch_backward"))
     _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every", "shard")
-                                     + (("launch",) if block.values.get("launch") != AUTO else ())
+                                     + tuple(k for k in ("launch", "launch_backward")
+                                             if k in block.values and block.values[k] != AUTO)
                                      if k in block.values], errors)
     _check_positive("train", block, [k for k in ("seed", "warmup") if k in block.values], errors, lowest=0)
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
@@ -279,7 +280,10 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
     return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
                  v.get("eval_every"), v.get("warmup", 0), zero, recompute, param_gather, v.get("shard"),
-                 v.get("launch"), grad_reduce, span=node.span, launch_span=block.span("launch") if "launch" in block.nodes else None, data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,
+                 v.get("launch"), grad_reduce, v.get("launch_backward"), span=node.span,
+                 launch_span=block.span("launch") if "launch" in block.nodes else None,
+                 launch_backward_span=block.span("launch_backward") if "launch_backward" in block.nodes else None,
+                 data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,
                  shard_span=block.span("shard") if "shard" in block.nodes else None)
 
 

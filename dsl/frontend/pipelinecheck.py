@@ -18,7 +18,8 @@ ACTION_NAMES = ACTIONS + ("SI",)
 
 #: The names every pipeline program starts with, and what they mean.
 BUILTINS = {"p": "pipeline ranks", "r": "this rank", "m": "micro-batches",
-            "v": "chunks per rank", "g": "micro-batches launched together per chunk (train { launch }, default p)"}
+            "v": "chunks per rank", "g": "micro-batches launched together per chunk (train { launch }, default p)",
+            "gb": "micro-batches launched together per chunk in the backward (train { launch_backward }, default g)"}
 _BUILTIN_LIST = ", ".join(list(BUILTINS)[:-1]) + f" and {list(BUILTINS)[-1]}"
 
 

@@ -79,6 +79,7 @@ def dump_config(program: Program) -> str:
                  + (f", zero {train.zero}" if train.zero else "")
                  + (f", shard {train.shard}" if train.shard else "")
                  + (f", launch {train.launch}" if train.launch is not None else "")
+                 + (f", launch_backward {train.launch_backward}" if train.launch_backward is not None else "")
                  + (f", param_gather {train.param_gather}" if train.param_gather != "step" else "")
                  + (f", grad_reduce {train.grad_reduce}" if train.grad_reduce != "backward" else "")
                  + (f", recompute {train.recompute}" if train.recompute != "none" else ""))

@@ -1,8 +1,9 @@
 """Lowering: run a pipeline definition once per rank into explicit action lists.
 
 A pipeline body is a per-rank program over the builtins ``p`` (ranks), ``r`` (this rank),
-``m`` (micro-batches), ``v`` (chunks per rank) and ``g`` (micro-batches launched together
-per chunk: ``train { launch }``, default p). Semantics, statement by statement:
+``m`` (micro-batches), ``v`` (chunks per rank), ``g`` (micro-batches launched together
+per chunk: ``train { launch }``, default p) and ``gb`` (the same in the backward: ``train {
+launch_backward }``, default g). Semantics, statement by statement:
 
 - ``name = expr`` binds ``name`` for the statements after it; binding it again rebinds it (so
   ``k = k + 1`` inside a repeat counts iterations). The builtins cannot be rebound (a
@@ -43,7 +44,7 @@ _STATEMENTS_PER_ACTION = 64
 
 
 def lower_pipeline(pipeline: s.PipelineDef, *, ranks: int, microbatches: int,
-                   placement: Placement, launch: int | None = None) -> Lowered:
+                   placement: Placement, launch: int | None = None, launch_backward: int | None = None) -> Lowered:
     """Run ``pipeline`` for every rank of ``placement`` with ``microbatches`` micro-batches
     (``launch``: the builtin ``g``, micro-batches launched together per chunk; default p).
 
@@ -65,7 +66,8 @@ def lower_pipeline(pipeline: s.PipelineDef, *, ranks: int, microbatches: int,
     check_fold(pipeline, placement.kind)
     rows, failures = [], []
     for rank in range(ranks):
-        program = _RankProgram(pipeline.name, rank, microbatches, placement, launch or ranks)
+        program = _RankProgram(pipeline.name, rank, microbatches, placement, launch or ranks,
+                               launch_backward or launch or ranks)
         try:
             program.run(pipeline.body)
         except _Failure as failure:
@@ -146,11 +148,13 @@ class _Failure(Exception):
 class _RankProgram:
     """The state of one rank while its program runs: bindings, counters, emitted actions."""
 
-    def __init__(self, name: str, rank: int, microbatches: int, placement: Placement, launch: int):
+    def __init__(self, name: str, rank: int, microbatches: int, placement: Placement, launch: int,
+                 launch_backward: int):
         self.name = name
         self.rank = rank
         self.placement = placement
-        self.env = {"p": placement.ranks, "r": rank, "m": microbatches, "v": placement.chunks, "g": launch}
+        self.env = {"p": placement.ranks, "r": rank, "m": microbatches, "v": placement.chunks, "g": launch,
+                    "gb": launch_backward}
         self.defs: dict[str, s.Expr] = {}  # the expression each let was last bound to
         self.counters: dict[tuple[str, int], int] = defaultdict(int)
         self.actions: list = []

@@ -107,7 +107,7 @@ def lower(program: Program) -> Program:
             raise too_large
         lowered = lower_pipeline(program.pipeline, ranks=program.mesh.size("pp"),
                                  microbatches=program.train.microbatches, placement=program.placement,
-                                 launch=launch_of(program))
+                                 launch=launch_of(program), launch_backward=launch_backward_of(program))
     except DhelixError as exc:
         _note_sizes(exc, program)
         raise
@@ -120,6 +120,16 @@ def launch_of(program: Program) -> int | None:
     if program.launch is not None:
         return program.launch
     launch = program.train.launch if program.train is not None else None
+    return launch if isinstance(launch, int) else None
+
+
+def launch_backward_of(program: Program) -> int | None:
+    """The pipeline's ``gb`` (micro-batches launched together per chunk in the backward): the
+    planner's choice for ``train { launch_backward = auto }``, the number written, else None
+    (``g``)."""
+    if program.launch_backward is not None:
+        return program.launch_backward
+    launch = program.train.launch_backward if program.train is not None else None
     return launch if isinstance(launch, int) else None
 
 

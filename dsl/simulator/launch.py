@@ -34,7 +34,7 @@ class LaunchTry:
     """One ``g`` tried: the simulated step (seconds) and peak memory (bytes) of its busiest
     rank, or None and why it was refused."""
 
-    launch: int
+    launch: int  # the g tried (the gb tried, for launch_backward)
     seconds: float | None
     peak: float | None = None
     why: str = ""
@@ -47,6 +47,7 @@ class LaunchChoice:
     chosen: int
     tries: tuple[LaunchTry, ...]
     memory_gb: float | None
+    setting: str = "launch"  # or "launch_backward" (the backward's gb)
     block = "train"  # the block whose setting it chose
 
     def describe(self) -> str:
@@ -57,7 +58,8 @@ class LaunchChoice:
             over = self.memory_gb is not None and t.peak / 1e9 > self.memory_gb
             return f"{t.launch}: {t.seconds * 1e3:.3f} ms {t.peak / 1e9:.3g} GB{' (does not fit)' if over else ''}"
         cap = f"; device memory {self.memory_gb:g} GB" if self.memory_gb is not None else ""
-        return (f"launch = auto: {self.chosen} micro-batches per chunk together "
+        phase = " in the backward" if self.setting == BACKWARD else ""
+        return (f"{self.setting} = auto: {self.chosen} micro-batches per chunk together{phase} "
                 f"({', '.join(one(t) for t in self.tries)}; simulated step, peak of the busiest rank{cap})")
 
 
@@ -69,21 +71,29 @@ def priced_program(text: str, path: str, profile: str | None = None, gpus_per_no
     (:func:`choose_launch`) — and the choices, for ``dhelix plan`` to print."""
     program, choices = choose_all(checked_program(text, path, profile, gpus_per_node))
     program, launch = choose_launch(program)
-    return program, choices + launch
+    program, backward = choose_launch(program, BACKWARD)
+    return program, choices + launch + backward
 
 
-def choose_launch(program: Program) -> tuple[Program, tuple[LaunchChoice, ...]]:
+#: ``train { launch_backward }``: the backward's micro-batches launched together (``gb``).
+BACKWARD = "launch_backward"
+
+
+def choose_launch(program: Program, setting: str = "launch") -> tuple[Program, tuple[LaunchChoice, ...]]:
     """``program`` (checked, any stage from check on) with the pipelines' ``g`` chosen for
-    ``train { launch = auto }``, its later passes run again; unchanged with () otherwise."""
+    ``train { launch = auto }`` (``setting`` "launch"; the backward's ``gb`` too unless
+    ``launch_backward`` is set), or ``gb`` for ``launch_backward = auto`` (``setting``
+    :data:`BACKWARD`, with ``g`` as chosen or written: Eq. 2's L2 after L1), its later passes
+    run again; unchanged with () otherwise."""
     train = program.train
-    if train is None or train.launch != AUTO or program.profile is None or program.mesh is None:
+    if train is None or getattr(train, setting) != AUTO or program.profile is None or program.mesh is None:
         return program, ()
     p, m = program.mesh.size("pp"), train.microbatches
     memory_gb = program.profile.memory_gb
     tries = []
     for g in (k for k in range(max(1, p), m + 1) if m % k == 0):
         try:
-            tried = passes.rerun(attrs.evolve(program, launch=g), after="check")
+            tried = passes.rerun(attrs.evolve(program, **{setting: g}), after="check")
             sim = simulate(tried)
         except DhelixError as exc:
             tries.append(LaunchTry(g, None, why=first_message(exc)))
@@ -93,8 +103,9 @@ def choose_launch(program: Program) -> tuple[Program, tuple[LaunchChoice, ...]]:
     fits = [t for t in priced if memory_gb is None or t.peak / 1e9 <= memory_gb]
     pool = fits or priced
     if not pool:
-        raise DhelixError(f"launch = auto: no micro-batch count fits pipeline {program.pipeline.name}",
-                          train.launch_span or train.span, [t.why for t in tries][:1])
+        raise DhelixError(f"{setting} = auto: no micro-batch count fits pipeline {program.pipeline.name}",
+                          getattr(train, f"{setting}_span") or train.span, [t.why for t in tries][:1])
     best = min(pool, key=lambda t: (t.seconds, t.launch)).launch
-    return passes.rerun(attrs.evolve(program, launch=best), after="check"), (LaunchChoice(best, tuple(tries), memory_gb),)
+    return passes.rerun(attrs.evolve(program, **{setting: best}), after="check"), \
+        (LaunchChoice(best, tuple(tries), memory_gb, setting),)
 
