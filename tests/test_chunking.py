@@ -171,3 +171,54 @@ def test_without_its_partition_block_a_program_drops_the_planner_s_choices_too()
     plain = unpartitioned(program)
     names = [op.name for op in plain.backward.ops]
     assert plain.backward_first is None and names.index("fc1.dgrad") < names.index("fc1.wgrad")
+
+
+# -- substitute … as auto: Table 2's substitutions, pruned where they do not pay -------------
+
+AUTO_SUBSTITUTION = """
+import "stdlib/layers.dhx"
+import "stdlib/pipelines.dhx"
+model m { layers = 2  hidden = 256  ffn = 512  heads = 4  kv_heads = 4  seq = 256  vocab = 256  dtype = bf16
+  layer = llama }
+cluster { nodes = 2  gpus_per_node = 2  profile = "a40" }
+mesh { tp = 4 }
+train { micro_batch = 1  microbatches = 4 }
+fold none
+pipeline one_f_one_b
+partition {
+  substitute rs1 as auto
+  substitute ag2 as auto
+  backward dgrad first
+}
+"""
+
+
+def _with_collective(program, kind: str, efficiency: float):
+    from dhelix.dsl.frontend.profiles import Collective
+
+    collectives = {**program.profile.collectives, kind: Collective("ring", efficiency)}
+    profile = attrs.evolve(program.profile, collectives=collectives)
+    return passes.rerun(attrs.evolve(program, profile=profile), after="check")
+
+
+# Each substitution replaces a collective and, in the backward, its transpose: a slow
+# reduce_scatter makes both pay (rs1 forward, ag2's backward), and so does a slow all_gather.
+@pytest.mark.parametrize(("slow", "expected"), [(None, ("whole", "whole")),
+                                                ("reduce_scatter", ("reduce", "broadcast")),
+                                                ("all_gather", ("reduce", "broadcast"))])
+def test_a_substitution_is_kept_only_where_it_makes_the_layer_faster(slow, expected):
+    from dhelix.dsl.planner.chunking import choose_substitutions
+
+    program = passes.check_text(AUTO_SUBSTITUTION, "t.dhx")
+    assert program.forward.op("rs1").op == "reduce_scatter"  # check shows it whole
+    if slow is not None:  # a collective far below its link's bandwidth (gloo's reduce_scatter)
+        program = _with_collective(program, slow, 0.05)
+    chosen, choices = choose_substitutions(program)
+    assert tuple(c.chosen for c in choices) == expected
+    for choice in choices:  # brute force: the faster of the two, ties to whole
+        whole, form = (c.seconds for c in choice.candidates)
+        assert choice.chosen == ("whole" if whole <= form else choice.candidates[1].value)
+    ops = {op.name: op.op for op in chosen.forward.ops}
+    assert ops["rs1"] == ("pick" if expected[0] == "reduce" else "reduce_scatter")
+    assert ops["ag2"] == ("concat" if expected[1] == "broadcast" else "all_gather")
+    assert choices[0].describe().startswith(f"substitute rs1 as auto: {expected[0]} (whole: ")

@@ -168,7 +168,7 @@ def group_statements(draw) -> str:
 
 
 SUBSTITUTIONS = ("substitute ag1 as broadcast", "substitute rs1 as reduce", "substitute ag2 as broadcast",
-                 "substitute rs2 as reduce")
+                 "substitute rs2 as reduce", "substitute rs1 as auto", "substitute ag1 as auto")
 STATEMENTS = st.one_of(chunk_statements(), chunk_statements(), group_statements(), st.sampled_from(SUBSTITUTIONS),
                        st.sampled_from(["backward dgrad first", "backward wgrad first"]))
 LAYOUTS = st.sampled_from([("tp = 4", "", "w_helix", "u"), ("tp = 2  pp = 2", "", "w_helix", "u"),

@@ -288,6 +288,9 @@ class Program:
     #: The half of each GEMM's backward the planner chose to run first ("dgrad" | "wgrad";
     #: None: not chosen) when the partition block does not say (dsl.passes.priority).
     backward_first: str | None = None
+    #: The collectives of ``substitute X as auto`` statements the planner chose to substitute
+    #: (Table 2's scalable form for their kind); one left out stays whole (pruned).
+    substituted: tuple[str, ...] = ()
     #: The pipelines' ``g`` the planner chose for ``train { launch = auto }`` (None: not chosen).
     launch: int | None = None
     #: The pipelines' ``gb`` the planner chose for ``train { launch_backward = auto }``.

@@ -72,7 +72,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.mesh import INTER, INTRA, Mesh
 from dhelix.dsl.core.oplib import DISTINCT_ROOTS, REGROUP, ROOT
-from dhelix.dsl.core.program import LayerDag, Op
+from dhelix.dsl.core.program import AUTO, LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.passes.priority import PRIORITIES
 from dhelix.dsl.passes.workload import (STAGES, by_stages, checked_chain, chunk_statements, chunked, is_auto,
@@ -90,7 +90,7 @@ _ROOTED = {"reduce", "broadcast", "gather", "scatter"}
 
 def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, int], mesh: Mesh,
                       counts: Mapping[int, int | str] | None = None,
-                      orders: Mapping[str, str] | None = None) -> LayerDag:
+                      orders: Mapping[str, str] | None = None, substituted=()) -> LayerDag:
     """``fwd`` rewritten by the statements of ``block`` (substitutions first, then moved
     gathers, then chunks, then group partitions, which split the chunks' collectives too,
     then the chains split at their gathers' stages), with chunk counts
@@ -98,14 +98,16 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     count from ``counts`` (keyed by its index among the chunk statements; the planner
     chooses it, :mod:`dhelix.dsl.planner.chunking`); without one, or with 1, its chain stays
     whole. A group statement without ``first`` takes each collective's first sub-group from
-    ``orders`` (by name; the planner's choice), else :func:`fewest_cross_bytes`. Raises
+    ``orders`` (by name; the planner's choice), else :func:`fewest_cross_bytes`. A
+    ``substitute X as auto`` statement substitutes X (Table 2's scalable form for its kind)
+    when X is in ``substituted`` (the planner's choice), else leaves it whole. Raises
     CheckError or ErrorGroup with every problem found, each located at the statement's word
     at fault."""
     errors = ErrorCollector()
     _check_backward(block, errors)
     for st in block.body:
         if isinstance(st, s.Substitute):
-            fwd = _substitute(fwd, st, errors)
+            fwd = _substitute(fwd, st, errors, st.op in substituted)
     moves = [st for st in block.body if isinstance(st, s.Move)]
     if moves:  # one rewrite: the gathers of every statement shard the same tokens
         fwd = _moved_later(fwd, moves, errors)
@@ -240,12 +242,31 @@ def _hierarchical(op: Op, mesh: Mesh, first_part: str) -> list[Op]:
 
 # -- primitive substitution ---------------------------------------------------------------
 
-def _substitute(fwd: LayerDag, st: s.Substitute, errors: ErrorCollector) -> LayerDag:
+def is_auto_substitution(st: s.Substitute) -> bool:
+    """Whether ``st`` leaves its substitution to the planner (``substitute X as auto``)."""
+    return st.into == (AUTO,)
+
+
+def scalable_form(kind: str) -> tuple[str, ...] | None:
+    """What Table 2 substitutes collective ``kind`` by where it scales, or None."""
+    return SCALABLE if kind == "all_reduce" else ((DISTINCT_ROOTS[kind],) if kind in DISTINCT_ROOTS else None)
+
+
+def _substitute(fwd: LayerDag, st: s.Substitute, errors: ErrorCollector, chosen: bool = False) -> LayerDag:
     if st.op in fwd.elided:
         return fwd  # over a size-1 axis: the identity, nothing to substitute
     op = named_op(fwd, st.op, st.span_of("op"), errors)
     if op is None:
         return fwd
+    if is_auto_substitution(st):
+        form = scalable_form(op.op) if op.kind == "comm" else None
+        if form is None:
+            errors.add(CheckError(f"cannot substitute '{op.name}': it is {op.op}, not an all_reduce, reduce_scatter "
+                                  "or all_gather", st.span_of("op"), [_SUBSTITUTIONS]))
+            return fwd
+        if not chosen:
+            return fwd  # whole until the planner substitutes it (or prunes it)
+        st = attrs.evolve(st, into=form)
     if op.kind == "comm" and op.op in DISTINCT_ROOTS:
         return _distinct_roots(fwd, op, st, errors)
     if op.kind != "comm" or op.op != "all_reduce":

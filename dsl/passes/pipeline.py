@@ -63,7 +63,8 @@ def partition(program: Program) -> Program:
     if program.forward is not None and program.partition is not None:
         program = attrs.evolve(program, forward=partition_forward(program.forward, program.partition,
                                                                   dict(program.env), program.mesh,
-                                                                  dict(program.chunk_counts), dict(program.group_orders)))
+                                                                  dict(program.chunk_counts), dict(program.group_orders),
+                                                                  program.substituted))
     check_measured(program)
     return program
 

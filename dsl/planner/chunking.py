@@ -28,6 +28,10 @@ kept, and the faster order wins, ties to the one that carries fewest bytes acros
 check`` shows before any choice). ``weights`` stands for ZeRO-3's gathers (its
 reduce-scatters run the reverse order).
 
+Before all of these (substitutions apply first), each ``substitute X as auto`` statement:
+X whole against Table 2's scalable form for its kind (``Program.substituted``), priced the
+same way, ties to whole — Centauri prunes the substitutions that do not pay.
+
 Last, the layer-level priority (§3.2.2, Eq. 1: T1, each GEMM's dgrad first, against T2,
 its wgrad first; :mod:`dhelix.dsl.passes.priority`) of a program with a partition block and
 no ``backward … first`` statement: both priced the same way, ties to dgrad (Megatron's).
@@ -49,7 +53,7 @@ from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.core.oplib import DGRAD, PARTITION_DIMS
-from dhelix.dsl.passes.partition import ORDERS, WEIGHTS, fewest_cross_bytes
+from dhelix.dsl.passes.partition import ORDERS, WEIGHTS, fewest_cross_bytes, is_auto_substitution, scalable_form
 from dhelix.dsl.passes.workload import STAGES, chunk_statements, is_auto
 from dhelix.dsl.passes.priority import PRIORITIES, backward_statement
 from dhelix.dsl.planner.paircost import PairCost
@@ -98,15 +102,61 @@ class OrderChoice:
         return _described(f"{self.what}: {self.chosen} first", self.candidates)
 
 
-def choose_all(program: Program) -> tuple[Program, tuple[ChunkChoice | OrderChoice, ...]]:
-    """``program`` (checked, any stage from check on) with its chunk counts, group orders and
-    backward priority chosen, in that order (:func:`choose_chunks`, :func:`choose_orders`,
-    :func:`choose_priority`), and the choices. The model level's launch count, which
-    simulates the step, comes after (:func:`dhelix.dsl.simulator.launch.priced_program`)."""
+@attrs.frozen
+class SubstitutionChoice:
+    """Whether the collective of a ``substitute X as auto`` statement is substituted (by
+    Table 2's scalable form, ``form``) or pruned (left whole), and the layer's time alone
+    both ways."""
+
+    op: str
+    chosen: str  # WHOLE or the form, "reduce_scatter + all_gather", "reduce", "broadcast"
+    candidates: tuple[Candidate, ...]
+    block = "partition"  # the block whose statement it chose for
+
+    def describe(self) -> str:
+        """``substitute rs1 as auto: whole (whole: 1.234 ms, reduce: 1.456 ms; …)``."""
+        return _described(f"substitute {self.op} as auto: {self.chosen}", self.candidates)
+
+
+#: A ``substitute … as auto`` the planner pruned: the collective stays as written.
+WHOLE = "whole"
+
+
+def choose_all(program: Program) -> tuple[Program, tuple[ChunkChoice | OrderChoice | SubstitutionChoice, ...]]:
+    """``program`` (checked, any stage from check on) with its substitutions, chunk counts,
+    group orders and backward priority chosen, in that order (:func:`choose_substitutions`,
+    :func:`choose_chunks`, :func:`choose_orders`, :func:`choose_priority`), and the choices.
+    The model level's launch count, which simulates the step, comes after
+    (:func:`dhelix.dsl.simulator.launch.priced_program`)."""
+    program, substitutions = choose_substitutions(program)
     program, chunks = choose_chunks(program)
     program, orders = choose_orders(program)
     program, priority = choose_priority(program)
-    return program, chunks + orders + priority
+    return program, substitutions + chunks + orders + priority
+
+
+def choose_substitutions(program: Program) -> tuple[Program, tuple[SubstitutionChoice, ...]]:
+    """``program`` (checked, any stage from check on) with each collective of a ``substitute
+    X as auto`` statement substituted by Table 2's scalable form for its kind where that makes
+    the layer's forward + backward alone faster (Centauri's pruning of substitutions that do
+    not pay; ties to leaving it whole), its later passes run again; unchanged with () when
+    it has none."""
+    if program.partition is None or program.forward is None or program.profile is None:
+        return program, ()
+    kinds = {op.name: op.op for op in program.forward.ops}
+    names = [st.op for st in program.partition.body
+             if isinstance(st, s.Substitute) and is_auto_substitution(st) and st.op in kinds]
+    if not names:
+        return program, ()
+    chosen, choices = set(program.substituted), []
+    for name in names:
+        form = " + ".join(scalable_form(kinds[name]))
+        candidates = tuple(Candidate(value, *_price(attrs.evolve(program, substituted=tuple(sorted(names_with)))))
+                           for value, names_with in ((WHOLE, chosen - {name}), (form, chosen | {name})))
+        best = _fastest(candidates, WHOLE)
+        chosen = chosen | {name} if best != WHOLE else chosen - {name}
+        choices.append(SubstitutionChoice(name, best, candidates))
+    return passes.rerun(attrs.evolve(program, substituted=tuple(sorted(chosen))), after="check"), tuple(choices)
 
 
 def choose_priority(program: Program) -> tuple[Program, tuple[OrderChoice, ...]]:

@@ -25,7 +25,7 @@ from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.core.program import AUTO, Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.overrides import checked_program
-from dhelix.dsl.planner.chunking import ChunkChoice, OrderChoice, choose_all
+from dhelix.dsl.planner.chunking import ChunkChoice, OrderChoice, SubstitutionChoice, choose_all
 from dhelix.dsl.simulator.events import simulate
 
 
@@ -64,7 +64,7 @@ class LaunchChoice:
 
 
 def priced_program(text: str, path: str, profile: str | None = None, gpus_per_node: int | None = None
-                   ) -> tuple[Program, tuple[ChunkChoice | OrderChoice | LaunchChoice, ...]]:
+                   ) -> tuple[Program, tuple[ChunkChoice | OrderChoice | SubstitutionChoice | LaunchChoice, ...]]:
     """:func:`~dhelix.dsl.passes.overrides.checked_program` with every choice the tools make
     before they price or run it — the planner's (:func:`~dhelix.dsl.planner.chunking.choose_all`:
     chunk counts, group orders, backward priority), then the launch count

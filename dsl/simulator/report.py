@@ -43,7 +43,8 @@ def unfolded_1f1b(program: Program) -> Program:
 def unpartitioned(program: Program) -> Program:
     """``program`` without its partition block (Centauri off: nor what the planner chose for it),
     every pass after check run again."""
-    return passes.rerun(attrs.evolve(program, partition=None, chunk_counts=(), group_orders=(), backward_first=None),
+    return passes.rerun(attrs.evolve(program, partition=None, chunk_counts=(), group_orders=(), backward_first=None,
+                                       substituted=()),
                         after="check")
 
 
