@@ -44,7 +44,7 @@ GRAD_REDUCE = ("backward", "step")
 #: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states), 1 (optimizer
 #: states sharded over data parallelism, Megatron's distributed optimizer) and 3 (FSDP: the
 #: layers' weights and gradients sharded too, gathered and reduce-scattered per layer).
-ZERO_STAGES = (0, 1, 3)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 #: The example a name-valued setting's message shows.
@@ -233,12 +233,10 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     v = block.values
     zero = v.get("zero", 0)
     if zero not in ZERO_STAGES:
-        errors.add(CheckError(f"'zero' must be 0, 1 or 3, got {zero}", block.span("zero"),
+        errors.add(CheckError(f"'zero' must be 0, 1, 2 or 3, got {zero}", block.span("zero"),
                               ["zero = 1 shards the optimizer states over data parallelism (ZeRO-1); "
-                               "zero = 3 shards the layers' weights and gradients too (FSDP); ZeRO-2 "
-                               "(gradients without weights) is not offered: under pipelining it "
-                               "saves no more than ZeRO-1 unless gradients are reduced per micro-batch, "
-                               "which is what zero = 3 does"]))
+                               "zero = 2 the gradients too, each micro-batch's reduce-scattered after its "
+                               "backward (ZeRO-2); zero = 3 the layers' weights too (FSDP)"]))
         return None
     recompute = v.get("recompute", "none")
     if recompute not in RECOMPUTE:
@@ -256,8 +254,8 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                               + ["step all-gathers ZeRO-1's updated weights right after the optimizer; forward "
                                  "overlaps it with the next step's forward, layer by layer"]))
         return None
-    if param_gather != PARAM_GATHER[0] and zero != 1:
-        errors.add(CheckError(f"param_gather = {param_gather} needs zero = 1, not zero = {zero}",
+    if param_gather != PARAM_GATHER[0] and zero not in (1, 2):
+        errors.add(CheckError(f"param_gather = {param_gather} needs zero = 1 or 2, not zero = {zero}",
                               block.span("param_gather"),
                               ["it moves ZeRO-1's all-gather of the updated weights under the next forward; "
                                + ("without ZeRO-1 the weights are all-reduced and updated in place: there is "
@@ -271,6 +269,12 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                               + ["backward reduces each layer's gradients over data parallelism as soon as its "
                                  "last backward of the step has finished; step reduces them all after the "
                                  "step's last backward"]))
+        return None
+    if grad_reduce != GRAD_REDUCE[0] and zero == 2:
+        errors.add(CheckError(f"grad_reduce = {grad_reduce} with zero = 2", block.span("grad_reduce"),
+                              ["ZeRO-2 reduce-scatters each micro-batch's gradients after its backward (it keeps "
+                               "no full gradient across micro-batches): remove grad_reduce, or use zero = 1 to "
+                               "reduce once per step"]))
         return None
     if "shard" in v and zero != 3:
         errors.add(CheckError(f"shard = {v['shard']} needs zero = 3, not zero = {zero}", block.span("shard"),

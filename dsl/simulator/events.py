@@ -422,6 +422,8 @@ class _Run:
         self.pending: list[list] = [[] for _ in range(p)]  # transfers the next action waits for
         self.arrivals: dict = {}  # transfer key -> (arrival, produced)
         self.grads: list[dict] = [{} for _ in range(p)]  # (stage, slot) -> (ready, dense, expert)
+        #: (stage, slot) -> when each of its backwards finished (ZeRO-2 reduces after each).
+        self.micro_ready: list[dict] = [{} for _ in range(p)]
         self.memory = [MemoryTimeline() for _ in range(p)]
         self.tally = [_Tally() for _ in range(p)]
         self.events: list[TraceEvent] = []
@@ -525,6 +527,7 @@ class _Run:
             if piece.grads is not None:
                 slot, dense, expert = piece.grads
                 grads[(bstage, slot)] = (now, dense, expert)
+                self.micro_ready[rank].setdefault((bstage, slot), []).append(now)
         tally.busy += now - start - waited
         self.gather_exposed[rank] += waited
         self.free_at[rank] = self.last_end[rank] = now
@@ -547,7 +550,7 @@ class _Run:
         ready_after, dp_comm = 0.0, 0.0
         names = self._slot_names()
         early = self.program.train is None or self.program.train.grad_reduce == "backward"
-        for (stage, slot), (ready, dense, expert) in sorted(self.grads[rank].items(), key=_by_ready):
+        for (stage, slot), (ready, dense, expert) in self._reductions(rank):
             # After the rank's last action: everything with grad_reduce = step, and the embedding's.
             if not early or slot == "embedding":
                 ready = max(ready, self.last_end[rank])
@@ -592,6 +595,17 @@ class _Run:
         exposed = min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)) + self.gather_exposed[rank]
         return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,
                        dp_exposed=exposed)
+
+    def _reductions(self, rank: int) -> list:
+        """((stage, slot), (ready, dense, expert)) of each gradient reduction of ``rank``, by
+        ready time: one per slot, or under ZeRO-2 one per backward of each layer (each
+        micro-batch's gradients reduce-scattered after its backward)."""
+        per_microbatch = self.program.train is not None and self.program.train.zero == 2
+        items = []
+        for (stage, slot), (ready, dense, expert) in self.grads[rank].items():
+            readies = self.micro_ready[rank][(stage, slot)] if per_microbatch and isinstance(slot, int) else [ready]
+            items += [((stage, slot), (at, dense, expert)) for at in readies]
+        return sorted(items, key=_by_ready)
 
     def _end_params(self, rank: int) -> float:
         """Parameters of the model's ends (embedding, LM head and final norm) on ``rank``."""

@@ -212,14 +212,25 @@ class Executor:
             self._settle_deferred(max(after for after, _ in self.pieces_done))
         key = (stage.index, layer)
         self.done_counts[key] = self.done_counts.get(key, 0) + 1
-        if self.done_counts[key] < self.lowered.microbatches:
+        last = self.done_counts[key] >= self.lowered.microbatches
+        if not last and not self.program.train.zero == 2:
             return
         index, grads = stage.layers[layer], stage.grads[layer]
 
         def final(pieces: bool) -> dict:
             return {param_name(index, op): grads[op] if op in grads else torch.zeros_like(w)
                     for op, w in stage.weights[layer].items() if (param_name(index, op) in self.flat) == pieces}
-        self.reduced_early |= self.grad_ready(final(False))
+        taken = self.grad_ready(final(False))
+        self.reduced_early |= taken
+        if self.program.train.zero == 2:
+            # ZeRO-2: this micro-batch's gradients are being reduce-scattered (the optimizer
+            # copied them); the next micro-batch's accumulate from zero, so no full gradient
+            # is kept across micro-batches.
+            for op, grad in grads.items():
+                if param_name(index, op) in taken:
+                    grad.zero_()
+            if not last:
+                return
         if self.flat.enabled:
             # ZeRO-3 pieces are summed into their gradients as their reduce-scatters land:
             # handed over once the last of them has, at the next layer done or action's end.

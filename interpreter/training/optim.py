@@ -228,7 +228,7 @@ class DistributedAdamW:
                  weights: Mapping[str, float] | None = None, pieces: Collection[str] = (),
                  groups: Sequence[Collection[str]] | None = None, gather_forward: bool = False,
                  reduce_backward: bool = False, partial: Mapping[str, tuple[str, ...]] = {},
-                 replicated_over: str | None = None):
+                 replicated_over: str | None = None, per_microbatch: bool = False):
         self.params, self.comm, self.zero1, self.config = dict(params), comm, zero1, config
         #: ZeRO-1 gathers left in flight by :meth:`step` (module docstring): (bucket, its
         #: updated part, the pending all-gather), in issue order.
@@ -237,7 +237,10 @@ class DistributedAdamW:
         #: Whether :meth:`reduce` takes a layer's gradients during the backward; the
         #: reductions it left in flight and the averaged parts waited for, by bucket index.
         self.early = reduce_backward and groups is not None and comm.size("dp") > 1
-        self._reducing: dict[int, Pending] = {}
+        self._reducing: dict[int, list[Pending]] = {}
+        #: ZeRO-2: :meth:`reduce` takes a layer's gradients after every micro-batch's backward
+        #: (each reduce-scattered on its own, the slices summed), not once per step.
+        self.per_microbatch = per_microbatch
         self._landed: dict[int, torch.Tensor] = {}
         #: The global gradient norm of the last step (None without ``weights``: see
         #: :func:`norm_weights`; clipping needs them).
@@ -297,12 +300,16 @@ class DistributedAdamW:
         for index, bucket in enumerate(self.buckets):
             # ZeRO-3 pieces come summed over dp by their layers' reduce-scatters (the executor
             # hands hybrid sharding's over once those have landed, for the all-reduce across).
-            if bucket.summed or not bucket.names or not bucket.name_set <= grads.keys() or index in self._reducing:
+            if bucket.summed or not bucket.names or not bucket.name_set <= grads.keys() \
+                    or (index in self._reducing and not self.per_microbatch):
                 continue
-            self._landed.pop(index, None)  # a previous step's, had it not been used
-            flat = bucket.fill(bucket.grads, grads)
-            self._reducing[index] = self.comm.reduce_scatter(flat, bucket.axis, async_op=True) if bucket.sliced \
-                else self.comm.all_reduce(flat, bucket.axis, async_op=True)
+            if index not in self._reducing:
+                self._landed.pop(index, None)  # a previous step's, had it not been used
+            # ZeRO-2 leaves one micro-batch's reduction in flight while the next fills: a buffer each.
+            flat = bucket.fill(torch.zeros_like(bucket.grads) if self.per_microbatch else bucket.grads, grads)
+            self._reducing.setdefault(index, []).append(
+                self.comm.reduce_scatter(flat, bucket.axis, async_op=True) if bucket.sliced
+                else self.comm.all_reduce(flat, bucket.axis, async_op=True))
             taken |= bucket.name_set
         return taken
 
@@ -314,7 +321,10 @@ class DistributedAdamW:
         bucket = self.buckets[index]
         if index not in self._reducing:
             return self._average(bucket, grads)
-        flat = self._reducing.pop(index).wait()
+        first, *rest = self._reducing.pop(index)
+        flat = first.wait()
+        for pending in rest:  # ZeRO-2: the micro-batches' slices, in the same order on every rank
+            flat.add_(pending.wait())
         for axis, spans in bucket.partial_spans.items():  # sums commute: dp first, then these
             joined = torch.cat([flat[lo:hi] for lo, hi in spans])
             self.comm.all_reduce(joined, axis)
@@ -510,13 +520,14 @@ def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWCo
     train = executor.program.train
     gather = zero1 and train.param_gather == "forward"
     reduce = train.grad_reduce == "backward"
+    per_microbatch = train.zero == 2 and zero1
     comm = executor.comm
     optimizer = DistributedAdamW(
         executor.params, comm, zero1=zero1, config=config, expert=executor.weights.ep_sharded(executor.params),
         weights=norm_weights(executor.weights, comm, executor.params, executor.flat) if norms else None,
         pieces=executor.flat.shapes, replicated_over=executor.flat.replicated_over,
         groups=executor.param_groups() if gather or reduce else None, gather_forward=gather,
-        reduce_backward=reduce, partial=executor.partial_sums())
+        reduce_backward=reduce, partial=executor.partial_sums(), per_microbatch=per_microbatch)
     if optimizer.deferred:
         executor.param_ready = optimizer.ready
     if optimizer.early:
