@@ -114,6 +114,7 @@ def shard_weights(program: Program) -> Program:
     """``program`` with its layer DAGs carrying the ZeRO-3 collectives (module docstring);
     unchanged unless :func:`is_fsdp`. CheckError, located at the ``zero`` setting, for a
     mesh this does not support."""
+    _check_replica_statement(program)
     statement = _weights_statement(program)
     hierarchy = statement.span_of(f"ops.{statement.ops.index(WEIGHTS)}") if statement is not None else None
     columns = _output_chunks(program)
@@ -237,6 +238,39 @@ def _backward(ops, weights: dict[str, Op], gathers: dict[str, Op], owner: dict[s
 def _output_chunks(program: Program) -> s.Chunk | None:
     """The first chunk statement of the partition block along outputs, or None."""
     return next((st for st in chunk_statements(program.partition) if st.dim == OUTPUTS), None)
+
+
+def replicas_substituted(program: Program) -> bool:
+    """Whether the partition block substitutes hybrid sharding's all-reduce of the pieces'
+    gradients across the replicas (``substitute weights as reduce_scatter + all_gather``):
+    each replica then reduce-scatters them over ``dp.replicate``, updates its part of its
+    piece and all-gathers the updated part (ZeRO-1 across the replicas)."""
+    return _replica_statement(program) is not None and is_fsdp(program) and bool(program.mesh.dp_shard)
+
+
+def _replica_statement(program: Program) -> s.Substitute | None:
+    if program.partition is None:
+        return None
+    names = {op.name for op in program.forward.ops} if program.forward is not None else set()
+    return next((st for st in program.partition.body
+                 if isinstance(st, s.Substitute) and st.op == WEIGHTS and WEIGHTS not in names), None)
+
+
+def _check_replica_statement(program: Program) -> None:
+    """CheckError, located at the name, for ``substitute weights …`` without hybrid sharding."""
+    statement = _replica_statement(program)
+    if statement is None or (is_fsdp(program) and program.mesh.dp_shard):
+        return
+    zero = program.train.zero if program.train is not None else 0
+    notes = ["under hybrid sharding (train { zero = 3  shard = K }) each weight's pieces are all-reduced across "
+             "the replicas once per step: 'weights' names that all-reduce"]
+    if zero in (0, 1, 2):
+        notes.append("without ZeRO-3 the gradients' all-reduce over dp is substituted by train { zero = 1 } "
+                     "(reduce-scatter, update the slice, all-gather)")
+    else:
+        notes.append("plain ZeRO-3 reduce-scatters the gradients in the layers: there is no all-reduce to substitute")
+    raise CheckError("'substitute weights' substitutes the all-reduce of hybrid sharding across its replicas, "
+                     "which this program does not run", statement.span_of("op"), notes)
 
 
 def _weights_statement(program: Program) -> s.Group | None:

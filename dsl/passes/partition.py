@@ -255,6 +255,11 @@ def scalable_form(kind: str) -> tuple[str, ...] | None:
 def _substitute(fwd: LayerDag, st: s.Substitute, errors: ErrorCollector, chosen: bool = False) -> LayerDag:
     if st.op in fwd.elided:
         return fwd  # over a size-1 axis: the identity, nothing to substitute
+    if st.op == WEIGHTS and WEIGHTS not in {op.name for op in fwd.ops}:
+        # Hybrid sharding's all-reduce across replicas (not a layer op: the fsdp pass checks it).
+        if st.into != SCALABLE:
+            errors.add(_bad_target(st))
+        return fwd
     op = named_op(fwd, st.op, st.span_of("op"), errors)
     if op is None:
         return fwd

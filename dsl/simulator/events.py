@@ -43,7 +43,7 @@ import attrs
 
 from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration, optimizer_time
 from dhelix.dsl.core.errors import CheckError, DhelixError
-from dhelix.dsl.passes.fsdp import is_fsdp
+from dhelix.dsl.passes.fsdp import is_fsdp, replicas_substituted
 from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, head_activations, layer_activations,
                                          model_states, recomputed, selectively_recomputed)
 from dhelix.dsl.planner.blockorder import BlockScheduler
@@ -431,6 +431,8 @@ class _Run:
         #: (Piece.weights) -> when they have arrived} (popped by the chunk's first forward),
         #: and the seconds spent gathering and waited for.
         self.overlap_gather = zero1 and program.train is not None and program.train.param_gather == "forward"
+        #: Hybrid sharding's replica all-reduce substituted (reduce-scatter, then all-gather).
+        self.replicas_sliced = replicas_substituted(program)
         self.gathered: list[dict[int, dict]] = [{} for _ in range(p)]
         self.gather_comm, self.gather_exposed = [0.0] * p, [0.0] * p
 
@@ -557,10 +559,12 @@ class _Run:
             syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
             if self.fsdp and isinstance(slot, int):
                 # A layer's: reduce-scattered by its scatter_dw ops; under hybrid sharding its
-                # piece is then all-reduced across the shard groups.
+                # piece is then all-reduced across the shard groups (or, substituted,
+                # reduce-scattered there and its updated part all-gathered after the optimizer).
                 if costs.replicate_group is None:
                     continue
-                syncs = ((dense / costs.shard_group.size, costs.replicate_group, "all_reduce"),)
+                across = "reduce_scatter" if self.replicas_sliced else "all_reduce"
+                syncs = ((dense / costs.shard_group.size, costs.replicate_group, across),)
             for elements, group, collective in syncs:
                 if not elements or group.size <= 1:
                     continue
@@ -580,7 +584,8 @@ class _Run:
                                       {"kind": "optimizer", "params": shard_dense + shard_expert}))
         end = start + optimizer
         if self.zero1 and not self.overlap_gather:
-            for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group)):
+            pieces = ((layer_dense / costs.shard_group.size, costs.replicate_group),) if self.replicas_sliced else ()
+            for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group), *pieces):
                 if elements and group.size > 1:
                     size = elements * costs.grad_bytes
                     seconds = collective_time("all_gather", size, group.size, group.lane, profile, group.per_node)

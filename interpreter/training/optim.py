@@ -67,6 +67,7 @@ from typing import Callable, Collection, Mapping, Sequence
 import attrs
 import torch
 
+from dhelix.dsl.passes.fsdp import replicas_substituted
 from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device
 
 
@@ -228,7 +229,7 @@ class DistributedAdamW:
                  weights: Mapping[str, float] | None = None, pieces: Collection[str] = (),
                  groups: Sequence[Collection[str]] | None = None, gather_forward: bool = False,
                  reduce_backward: bool = False, partial: Mapping[str, tuple[str, ...]] = {},
-                 replicated_over: str | None = None, per_microbatch: bool = False):
+                 replicated_over: str | None = None, per_microbatch: bool = False, replicas_sliced: bool = False):
         self.params, self.comm, self.zero1, self.config = dict(params), comm, zero1, config
         #: ZeRO-1 gathers left in flight by :meth:`step` (module docstring): (bucket, its
         #: updated part, the pending all-gather), in issue order.
@@ -260,7 +261,10 @@ class DistributedAdamW:
         rest, rest_expert = dense - set().union(*per_group), expert - set().union(*per_group)
 
         def bucket(names, axis: str, summed: bool = False) -> _Bucket:
-            return _Bucket(names, self.params, comm, axis, zero1 and not summed and axis != replicated_over,
+            # Hybrid sharding's pieces are sliced across the replicas only where the program
+            # substitutes their all-reduce (replicas_sliced); ZeRO-1's buckets everywhere else.
+            sliced = zero1 and not summed and (axis != replicated_over or replicas_sliced)
+            return _Bucket(names, self.params, comm, axis, sliced,
                            like.device, summed=summed, partial=partial)
 
         self.buckets = [bucket(group & dense, "dp") for group in per_group if group & dense]
@@ -527,7 +531,8 @@ def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWCo
         weights=norm_weights(executor.weights, comm, executor.params, executor.flat) if norms else None,
         pieces=executor.flat.shapes, replicated_over=executor.flat.replicated_over,
         groups=executor.param_groups() if gather or reduce else None, gather_forward=gather,
-        reduce_backward=reduce, partial=executor.partial_sums(), per_microbatch=per_microbatch)
+        reduce_backward=reduce, partial=executor.partial_sums(), per_microbatch=per_microbatch,
+        replicas_sliced=replicas_substituted(executor.program))
     if optimizer.deferred:
         executor.param_ready = optimizer.ready
     if optimizer.early:
