@@ -8,7 +8,16 @@ over the ``dp`` axis:
   all of it;
 * ZeRO-1 (Rajbhandari et al., 2020, stage 1): a reduce-scatter leaves each replica the
   average of its 1/dp slice of the buffer; it keeps the AdamW moments of that slice only,
-  updates those parameters, and an all-gather gives every replica all parameters again.
+  updates those parameters, and an all-gather gives every replica all parameters again;
+* ZeRO-2 (``train { zero = 2 }``, stage 2 as DeepSpeed runs it): the same, but the executor
+  hands each layer's gradients over after every micro-batch's backward (``per_microbatch``),
+  each is reduce-scattered from a buffer of its own and the slices are summed in
+  :meth:`DistributedAdamW.step` (in the same order on every replica), so no full gradient
+  is kept across micro-batches.
+
+Under hybrid sharding the pieces' buckets are summed across the replicas (``dp.replicate``)
+by an all-reduce, or, where the program substitutes it (``replicas_sliced``: ``substitute
+weights as reduce_scatter + all_gather``), sliced there as ZeRO-1's are.
 
 Before the update the gradients may be clipped to a global norm (``AdamWConfig.clip``, as
 ``torch.nn.utils.clip_grad_norm_`` on the full model): the norm counts every element of the
