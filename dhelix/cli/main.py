@@ -33,6 +33,7 @@ COMMANDS = (
     "export",
     "plan",
     "simulate",
+    "tune",
     "run",
     "profile",
 )

@@ -39,10 +39,10 @@ def check_program(modules: list[s.Module]) -> Program:
     layers = _definitions(modules, s.LayerDef, "layer", errors)
     pipelines = _definitions(modules, s.PipelineDef, "pipeline", errors)
     for layer in layers.values():
-        for error in check_layer(layer):
+        for error in _definition_errors(layer, check_layer):
             errors.add(error)
     for pipeline in pipelines.values():
-        for error in check_pipeline(pipeline):
+        for error in _definition_errors(pipeline, check_pipeline):
             errors.add(error)
     singles = _singletons(modules, errors)
     program = Program(tuple(m.span.source.path if m.span else "" for m in modules),
@@ -51,6 +51,26 @@ def check_program(modules: list[s.Module]) -> Program:
         program = _configure(program, singles, layers, pipelines, errors)
     errors.raise_if_any()
     return program
+
+
+#: Definitions found well formed, by identity (holding each keeps its id unique): `dhelix tune`
+#: checks thousands of variants of one program, whose layer and pipeline definitions are the
+#: same objects. Only the well formed are remembered, so an error is always built afresh.
+_WELL_FORMED: dict[int, object] = {}
+_REMEMBERED = 512
+
+
+def _definition_errors(item, check) -> list[DhelixError]:
+    """``check(item)``, the structural errors of a layer or pipeline definition; [] at once
+    for the very object found well formed before."""
+    if _WELL_FORMED.get(id(item)) is item:
+        return []
+    found = check(item)
+    if not found:
+        if len(_WELL_FORMED) >= _REMEMBERED:
+            _WELL_FORMED.clear()
+        _WELL_FORMED[id(item)] = item
+    return found
 
 
 def _definitions(modules, kind, word: str, errors: ErrorCollector) -> dict:

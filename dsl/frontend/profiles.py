@@ -53,6 +53,8 @@ package ``dhelix.stdlib_schedules`` next to ``layers.dhx``.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import re
 from importlib import resources
@@ -243,10 +245,14 @@ def _is_file(path: Path) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=16)
 def parse_profile(text: str, path: str) -> Profile:
     """Validate the YAML ``text`` of the file ``path`` and build its Profile.
 
     Collects every schema mistake and raises them at once (a ProfileError or an ErrorGroup).
+    The result is cached by (text, path): a Profile is frozen, and `dhelix tune` checks
+    thousands of variants of one program, each naming the same profile (errors are not
+    cached: each call raises them afresh).
     """
     reader = _Reader(Source(path, text))
     root = reader.compose()

@@ -190,6 +190,16 @@ class PairCost:
         strand = "fwd" if fwd else "bwd"
         return span, [attrs.evolve(slot, strand=strand) for slot in slots]
 
+    def lane_work(self, ops: Sequence) -> tuple[float, ...]:
+        """Seconds of work ``ops`` put on each lane (compute, local, cross) at full speed:
+        a lower bound of any segment pairing's make-span that runs them (a lane runs one
+        task at a time, and running beside others only slows a task)."""
+        work = [0.0] * len(LANES)
+        for op in ops:
+            for lane, seconds, _ in self._prepare(op)[2]:
+                work[lane] += seconds
+        return tuple(work)
+
     def gap(self, fwd: Sequence, bwd: Sequence) -> float:
         """The launch gap a pair of these two non-empty segments pays."""
         comm = self._segment(fwd).comm + self._segment(bwd).comm

@@ -1,0 +1,157 @@
+"""`dhelix tune FILE [--gpus N] [--keep S,…] [--budget SECONDS] [--top K] [-o best.dhx] [--json] [--profile P]`:
+search the fastest schedule that fits.
+
+FILE gives the model, the cluster and the global batch (its dp × micro_batch × microbatches
+sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation, fold and
+pipeline (:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
+top K that fit the device's memory with one line on why the best wins; ``-o`` writes the best
+as a formatted program that `check` and `run` take; ``--json`` prints the result as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from dhelix.cli.overrides import add_profile_argument
+from dhelix.cli.paths import output_path, program_inputs, write_output
+from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.frontend.check import check_program
+from dhelix.dsl.frontend.imports import load_modules, read_source
+from dhelix.dsl.passes import pipeline as passes
+from dhelix.dsl.passes.overrides import require_model
+from dhelix.dsl.search.explain import differences, format_outcome, step_parts, why_best
+from dhelix.dsl.search.space import KEEPABLE, space_of
+from dhelix.dsl.search.tune import Outcome, Pricer, search
+from dhelix.dsl.search.variant import relocate, require_main_blocks, variant_text, with_profile_setting
+from dhelix.dsl.simulator.events import require_profile
+from dhelix.dsl.simulator.report import simulation_metrics
+
+
+def register(subparsers) -> None:
+    """Add the ``tune`` command to the CLI's sub-command parsers."""
+    tune = subparsers.add_parser(
+        "tune", help="search the fastest schedule that fits: mesh, micro-batches, ZeRO, recomputation, fold, pipeline",
+        description="Search the mesh factorization, micro-batch size and count (at the file's global batch), "
+                    "ZeRO stage, recomputation, fold and pipeline for FILE's model on its cluster; price every "
+                    "candidate with the step simulator under the device's memory (branch and bound: exact) and "
+                    "print the fastest.")
+    tune.add_argument("file", metavar="FILE")
+    tune.add_argument("--gpus", type=int, metavar="N",
+                      help="search for N GPUs (a multiple of the cluster's gpus_per_node) instead of the cluster's")
+    tune.add_argument("--keep", metavar="S,…", default="",
+                      help=f"settings that stay as written, comma-separated: {', '.join(KEEPABLE)}")
+    tune.add_argument("--budget", type=float, metavar="SECONDS",
+                      help="stop after this many seconds with the best found so far (default: search to the end)")
+    tune.add_argument("--top", type=int, default=5, metavar="K", help="how many to show (default 5)")
+    tune.add_argument("-o", "--output", metavar="OUT.dhx", help="write the best as a program file")
+    tune.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_profile_argument(tune)
+    tune.set_defaults(func=cmd_tune)
+
+
+def cmd_tune(args) -> int:
+    """`dhelix tune FILE …`; returns the exit code."""
+    if not 1 <= args.top <= 100:
+        raise UsageError(f"--top must be between 1 and 100, got {args.top}")
+    if args.budget is not None and not args.budget > 0:
+        raise UsageError(f"--budget must be a positive number of seconds, got {args.budget}")
+    text = read_source(args.file)
+    modules = load_modules(text, args.file)
+    require_main_blocks(modules, args.file)
+    if args.profile is not None:
+        modules = with_profile_setting(modules, os.path.abspath(args.profile) if _is_file(args.profile) else args.profile)
+    base = passes.rerun(check_program(modules), after="check")
+    require_model(base, args.file)
+    require_profile(base)
+    output = output_path(args.output, "-o", inputs=program_inputs(base)) if args.output else None
+    world = _world(args.gpus, base)
+    keep = tuple(name.strip() for name in args.keep.split(",") if name.strip())
+    try:
+        space = space_of(base, world, keep)
+    except UsageError as exc:
+        raise UsageError(f"--keep: {exc.message}") from None
+    pricer = Pricer(modules, base, world)
+    outcome = search(pricer, space, top=args.top, budget=args.budget, progress=_progress_bar(args.json))
+    title = (f"{args.file}: model {base.model.name} on {world} GPUs ({world // base.cluster.gpus_per_node} x "
+             f"{base.cluster.gpus_per_node}), profile {base.profile.name}, global batch {space.sequences} "
+             f"sequences of {base.model.get('seq')}")
+    if base.profile.measured is not None:
+        title += ("\nthe profile's measured op times belong to one mesh and shape: every candidate is priced "
+                  "with its derived rates (peak, links, overlap) instead")
+    if args.json:
+        print(json.dumps(_json(outcome, args.file, world, space.sequences), indent=1))
+    else:
+        sys.stdout.write(format_outcome(outcome, title))
+    if output is not None and outcome.top:
+        best = outcome.top[0]
+        variant = pricer.variant(best.choice, load_modules(text, args.file))  # the file's own profile
+        header = (f"Written by `dhelix tune {args.file}` on {world} GPUs, profile {base.profile.name}: the fastest of "
+                  f"{outcome.choices:,} choices that fit.\nPredicted step {best.seconds * 1e3:,.3f} ms, "
+                  f"{best.sim.tokens_per_second:,.0f} tokens/s, MFU {best.sim.mfu:.1%}, peak "
+                  f"{best.sim.peak_rank.memory / 1e9:.2f} GB.")
+        write_output(output, variant_text(relocate(variant, args.file, str(output)), text, header))
+        if not args.json:
+            print(f"wrote {output}")
+    if not outcome.top:
+        print("no choice fits: " + _reasons(outcome), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _world(gpus: int | None, base) -> int:
+    per_node = base.cluster.gpus_per_node
+    if gpus is None:
+        return base.cluster.nodes * per_node
+    if gpus < 1 or gpus % per_node:
+        raise UsageError(f"--gpus {gpus}: give a positive multiple of the cluster's gpus_per_node ({per_node})")
+    return gpus
+
+
+def _is_file(name: str) -> bool:
+    return name.endswith((".yaml", ".yml")) or "/" in name
+
+
+def _reasons(outcome: Outcome) -> str:
+    if outcome.too_big and not outcome.reasons:
+        return f"every candidate needs more than the {outcome.memory_gb:g} GB of the device"
+    shown = "; ".join(f"{why} ({n})" for why, n in outcome.reasons[:3])
+    return shown or "the space is empty (see --keep)"
+
+
+def _progress_bar(quiet: bool):
+    """A progress callback: a tqdm bar on a terminal when tqdm is installed, else nothing."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    bar = {}
+
+    def update(done: int, total: int) -> None:
+        if "bar" not in bar:
+            bar["bar"] = tqdm(total=total, desc="layouts", unit="layout", leave=False)
+        if done == 0:
+            return
+        bar["bar"].total = total
+        bar["bar"].n = done
+        bar["bar"].refresh()
+        if done >= total:
+            bar["bar"].close()
+    return update
+
+
+def _json(outcome: Outcome, path: str, world: int, sequences: int) -> dict:
+    best = outcome.top[0].choice if outcome.top else None
+    return {
+        "file": path, "gpus": world, "sequences": sequences, "complete": outcome.complete,
+        "searched": {"choices": outcome.choices, "layouts": outcome.layouts, "simulated": outcome.priced,
+                     "pruned": outcome.pruned, "over_memory": outcome.too_big, "refused": outcome.refused,
+                     "plans": outcome.plans, "seconds": outcome.seconds},
+        "memory_gb": outcome.memory_gb,
+        "top": [{"choice": p.choice.settings(), "differs": differences(p.choice, best), "parts_s": step_parts(p.sim),
+                 **simulation_metrics(p.sim)} for p in outcome.top],
+        "why": why_best(outcome.top[0], outcome.top[1]) if len(outcome.top) > 1 else None,
+    }

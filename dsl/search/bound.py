@@ -1,0 +1,68 @@
+"""Lower bounds of a layout's step time and peak memory, from its layer DAGs alone.
+
+They let the search skip a layout without lowering, planning or simulating any of its
+schedules, and stay exact: a layout is skipped only when its bound is no better than the
+K-th best step already priced (or its memory bound exceeds the device), and every schedule
+of it would then be no better either.
+
+**Time.** Whatever the schedule, every micro-batch runs every layer's forward and backward
+once, and a rank's compute lane runs one op at a time: an SI layer pair costs the plan's
+make-span, at least the compute of both strands' layers run alone; a forward or backward run
+alone costs at least its compute. More generally, each of the three lanes (compute, local and
+cross-node communication) runs one task at a time, at most at full speed, so a layer's
+forward and backward take at least the busiest lane's work, whether paired or alone
+(:meth:`~dhelix.dsl.planner.paircost.PairCost.lane_work`). Recomputation adds its forward work again before each
+backward; the embedding and the LM head run alone, once per micro-batch. So the busiest
+pipeline rank is busy at least the average over the ``pp`` ranks of all this work, and the
+step (which ends after the busiest rank's last action) is at least that.
+
+**Memory.** Each rank holds the model states of its layers (and the model's ends); the
+busiest rank holds at least the average over the pipeline ranks (the states are linear in
+the parameters held), before a single activation.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dhelix.dsl.core.program import Program
+from dhelix.dsl.simulator.costs import StepCosts, step_costs
+from dhelix.dsl.simulator.memory import model_states
+from dhelix.dsl.planner.paircost import PairCost
+
+
+@attrs.frozen
+class Bound:
+    """Lower bounds of any schedule of a layout: step seconds and peak bytes per GPU."""
+
+    seconds: float
+    memory: float
+
+
+def layout_bound(program: Program, cost: PairCost) -> Bound:
+    """The bounds of the layout of ``program`` (checked up to autodiff: its layer DAGs, mesh
+    and train block) priced by ``cost``."""
+    costs = step_costs(program, None, cost)
+    train, mesh = program.train, program.mesh
+    layers, m, pp = program.model.get("layers"), train.microbatches, mesh.size("pp")
+    layer = max(cost.lane_work(program.forward.ops + program.backward.ops)) + costs.layer.again.seconds
+    heads = costs.heads
+    ends = sum(w.seconds for w in (heads.embed_forward, heads.embed_backward, heads.head_forward,
+                                   heads.head_backward, heads.head_weight))
+    return Bound((layers * m * layer + m * ends) / pp, _states(program, costs))
+
+
+def _states(program: Program, costs: StepCosts) -> float:
+    """Model-state bytes of the average pipeline rank (a lower bound of the busiest one's)."""
+    params, pp = costs.params, program.mesh.size("pp")
+    layers = program.model.get("layers")
+    dense = (layers * params.layer_dense + params.embedding + params.head) / pp
+    expert = layers * params.layer_expert / pp
+    train = program.train
+    fsdp = train.zero == 3
+    states = model_states(dense, expert, costs.dtype, zero1=train.zero >= 1, dense_group=costs.dense_group.size,
+                          expert_group=costs.expert_group.size,
+                          fsdp_dense=layers * params.layer_dense / pp if fsdp else 0.0,
+                          fsdp_layer=params.layer_dense if fsdp else 0,
+                          fsdp_group=costs.shard_group.size if fsdp and costs.shard_group else 0)
+    return states.total

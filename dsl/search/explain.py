@@ -1,0 +1,82 @@
+"""Words and tables for a search's result: what differs between two choices, why the best
+beats the runner-up, and the ranked table `dhelix tune` prints."""
+
+from __future__ import annotations
+
+from dhelix.dsl.core.table import format_table
+from dhelix.dsl.search.space import Choice
+from dhelix.dsl.search.tune import Outcome, Priced
+from dhelix.dsl.simulator.events import Simulation
+from dhelix.dsl.simulator.memory import GB
+
+
+def differences(choice: Choice, best: Choice) -> str:
+    """The settings of ``choice`` that differ from ``best``'s, ``pp 4 (2), b 2 (1)``; "best"
+    for the best itself."""
+    if choice == best:
+        return "best"
+    mine, theirs = choice.settings(), best.settings()
+    names = {"micro_batch": "b", "microbatches": "m"}
+    return ", ".join(f"{names.get(key, key)} {value} ({theirs[key]})" for key, value in mine.items()
+                     if value != theirs[key])
+
+
+def step_parts(sim: Simulation) -> dict[str, float]:
+    """The step of ``sim`` split into what a rank spends it on, averaged over the pipeline
+    ranks (seconds): compute and exposed layer communication while busy, the pipeline's idle
+    time (bubble, waiting for transfers), and the tail after the pipeline (exposed gradient
+    reduction and the optimizer)."""
+    busy = sim.mean("busy")
+    layer_exposed = sim.mean("layer_exposed")
+    return {"compute": busy - layer_exposed, "exposed layer communication": layer_exposed,
+            "pipeline idle (bubble, transfers)": max(0.0, sim.pipeline_time - busy),
+            "gradient reduction and optimizer after the pipeline": max(0.0, sim.step_time - sim.pipeline_time)}
+
+
+def why_best(best: Priced, runner: Priced) -> str:
+    """One line: how much faster the best is than the runner-up, the part of the step that
+    differs most, and the settings behind it."""
+    gap = runner.seconds - best.seconds
+    mine, theirs = step_parts(best.sim), step_parts(runner.sim)
+    part = max(mine, key=lambda k: abs(theirs[k] - mine[k]))
+    delta = theirs[part] - mine[part]
+    return (f"the best is {_ms(gap)} ({gap / runner.seconds:.1%}) faster than the runner-up "
+            f"({differences(runner.choice, best.choice)}): its {part} is {_ms(abs(delta))} "
+            f"{'shorter' if delta > 0 else 'longer'} ({_ms(mine[part])} vs {_ms(theirs[part])} per rank)")
+
+
+def format_outcome(outcome: Outcome, title: str) -> str:
+    """The ranked table of the top choices with what the search looked at, for the terminal."""
+    lines = [title, _summary(outcome)]
+    if not outcome.top:
+        return "\n".join(lines) + "\n"
+    best = outcome.top[0].choice
+    rows = []
+    for rank, p in enumerate(outcome.top, start=1):
+        sim = p.sim
+        exposed = sim.mean("layer_exposed") + sim.mean("pp_exposed") + sim.mean("dp_exposed")
+        peak = sim.peak_rank
+        rows.append([str(rank), p.choice.layout.describe(), f"{p.choice.fold} {p.choice.pipeline}",
+                     _ms(sim.step_time), f"{sim.tokens_per_second:,.0f}", f"{sim.mfu:.1%}",
+                     f"{peak.memory / GB:.2f} (r{peak.rank})", _ms(exposed), differences(p.choice, best)])
+    header = ["#", "layout", "schedule", "step", "tokens/s", "MFU", "peak GB", "exposed comm", "differs from #1"]
+    lines += [""] + format_table(header, rows, right=(0, 3, 4, 5, 6, 7))
+    if len(outcome.top) > 1:
+        lines += ["", why_best(outcome.top[0], outcome.top[1])]
+    return "\n".join(lines) + "\n"
+
+
+def _summary(outcome: Outcome) -> str:
+    cap = f"device memory {outcome.memory_gb:g} GB" if outcome.memory_gb is not None else "no device memory in the profile"
+    text = (f"searched {outcome.choices:,} choices ({outcome.layouts:,} layouts) in {outcome.seconds:.1f} s: "
+            f"{outcome.priced:,} simulated, {outcome.pruned:,} ruled out by their lower bound, "
+            f"{outcome.too_big:,} over the {cap}, {outcome.refused:,} refused by the checks; "
+            f"{outcome.plans} SI plan{'s' if outcome.plans != 1 else ''} computed")
+    if not outcome.complete:
+        text += (f"\nstopped by the time budget: the choices not visited take at least {_ms(outcome.bound)}"
+                 " per step (more time may find a faster one)")
+    return text
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.3f} ms"

@@ -1,0 +1,188 @@
+"""What `dhelix tune` may change in a program, and every combination of it.
+
+A :class:`Choice` is one assignment of the searched settings: the mesh (tp, cp, pp, dp and,
+for expert layers, ep), the micro-batch size and count at the program's global batch, the
+ZeRO stage (with hybrid sharding's shard group under ZeRO-3), the recomputation, the fold and
+the pipeline. Its :attr:`~Choice.layout` is everything but the schedule (fold and pipeline):
+what fixes the layer DAGs, the model states and the work per micro-batch.
+
+:class:`Space` holds the domain of each setting, built from the checked program
+(:func:`space_of`): the global batch, the model and the cluster stay as written; a setting
+named in ``keep`` stays as written too (`dhelix tune --keep`). The domains are generous — every divisor — and the
+checker decides what is valid (a choice the passes refuse is reported with their reason).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator
+
+import attrs
+
+from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.core.program import FOLD_KINDS, Program
+from dhelix.dsl.core.wording import did_you_mean
+
+#: The mesh axes a choice sets, in the order a mesh block lists them when the file does not.
+MESH_AXES = ("tp", "cp", "pp", "dp", "ep")
+#: What ``--keep`` can name: a mesh axis, ``mesh`` (all of them), a train setting, the fold
+#: or the pipeline.
+KEEPABLE = MESH_AXES + ("mesh", "micro_batch", "zero", "recompute", "shard", "fold", "pipeline")
+#: Micro-batch sizes tried (those that divide the per-replica batch).
+MICRO_BATCHES = (1, 2, 4, 8)
+#: Chunks per rank tried for ``fold loop(v)``.
+LOOP_CHUNKS = (2, 4)
+RECOMPUTE = ("none", "selective", "full")
+
+
+@attrs.frozen(order=True)
+class Layout:
+    """Everything a choice sets but the schedule: mesh sizes, micro-batch size and count,
+    ZeRO stage, hybrid sharding's shard group (0: none) and recomputation."""
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    ep: int
+    micro_batch: int
+    microbatches: int
+    zero: int
+    shard: int
+    recompute: str
+
+    def mesh(self) -> dict[str, int]:
+        """The mesh sizes by axis."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    def describe(self) -> str:
+        """``tp8 pp2 dp4  b1 m16  zero1  recompute none`` (axes of size 1 left out)."""
+        axes = " ".join(f"{a}{n}" for a, n in self.mesh().items() if n > 1) or "1 rank"
+        zero = f"zero{self.zero}" + (f" shard{self.shard}" if self.shard else "")
+        return f"{axes}  b{self.micro_batch} m{self.microbatches}  {zero}  recompute {self.recompute}"
+
+
+@attrs.frozen(order=True)
+class Choice:
+    """One point of the space: a layout and a schedule (fold text and pipeline name)."""
+
+    layout: Layout
+    fold: str
+    pipeline: str
+
+    def describe(self) -> str:
+        """The layout's description, then ``fold u  w_helix``."""
+        return f"{self.layout.describe()}  fold {self.fold}  {self.pipeline}"
+
+    def settings(self) -> dict[str, object]:
+        """Every setting by name (``tp``, …, ``fold``, ``pipeline``): what tables compare."""
+        return {**attrs.asdict(self.layout), "fold": self.fold, "pipeline": self.pipeline}
+
+
+@attrs.frozen
+class Space:
+    """The domain of each searched setting; ``sequences`` is the global batch (sequences per
+    step), ``world`` the GPUs, ``schedules`` the (fold, pipeline) pairs to try."""
+
+    world: int
+    sequences: int
+    tp: tuple[int, ...]
+    cp: tuple[int, ...]
+    pp: tuple[int, ...]
+    ep: tuple[int, ...]
+    micro_batch: tuple[int, ...]
+    zero: tuple[int, ...]
+    shard: tuple[int, ...]
+    recompute: tuple[str, ...]
+    schedules: tuple[tuple[str, str], ...]
+    kept: dict = attrs.field(factory=dict, eq=False)
+
+    def layouts(self) -> Iterator[Layout]:
+        """Every layout of the space whose sizes multiply to the world and divide the batch."""
+        for tp, cp, pp in itertools.product(self.tp, self.cp, self.pp):
+            if self.world % (tp * cp * pp):
+                continue
+            dp = self.world // (tp * cp * pp)
+            if "dp" in self.kept and dp != self.kept["dp"]:
+                continue
+            for ep, b in itertools.product(self.ep, self.micro_batch):
+                if dp % ep or self.sequences % (dp * b):
+                    continue
+                for zero, recompute in itertools.product(self.zero, self.recompute):
+                    if zero and dp == 1 and "zero" not in self.kept:
+                        continue  # nothing to shard over: the same as zero = 0
+                    for shard in self._shards(zero, dp):
+                        yield Layout(tp, cp, pp, dp, ep, b, self.sequences // (dp * b), zero, shard, recompute)
+
+    def _shards(self, zero: int, dp: int) -> tuple[int, ...]:
+        if zero != 3:
+            return (0,)
+        return tuple(k for k in self.shard if k == 0 or (1 < k < dp and dp % k == 0))
+
+    def choices(self) -> Iterator[Choice]:
+        """Every choice: each layout with each schedule."""
+        for layout in self.layouts():
+            for fold, pipeline in self.schedules:
+                yield Choice(layout, fold, pipeline)
+
+    def size(self) -> int:
+        """The number of choices."""
+        return sum(1 for _ in self.layouts()) * len(self.schedules)
+
+
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of ``n`` in increasing order."""
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = ()) -> Space:
+    """The search space of a checked ``program`` (a model, mesh and train block) on ``world``
+    GPUs (None: its cluster's); ``keep`` names settings that stay as written (KEEPABLE).
+    Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot hold."""
+    for name in keep:
+        if name not in KEEPABLE:
+            notes = did_you_mean(name, KEEPABLE)
+            raise UsageError(f"unknown setting '{name}' to keep" + (f" ({notes[0]})" if notes else "")
+                             + f"; settings: {', '.join(KEEPABLE)}")
+    mesh, train, model = program.mesh, program.train, program.model
+    world = world or mesh.world
+    kept = _kept(program, keep)
+    sequences = mesh.size("dp") * train.micro_batch * train.microbatches
+
+    def domain(name: str, values):
+        return (kept[name],) if name in kept else tuple(values)
+
+    experts = model.get("experts")
+    layers = model.get("layers")
+    return Space(
+        world=world, sequences=sequences,
+        tp=domain("tp", divisors(world)), cp=domain("cp", divisors(world)),
+        pp=domain("pp", (d for d in divisors(world) if d <= layers)),
+        ep=domain("ep", (d for d in divisors(world) if experts and experts % d == 0) if experts else (1,)),
+        micro_batch=domain("micro_batch", (b for b in MICRO_BATCHES if sequences % b == 0)),
+        zero=domain("zero", (0, 1, 3)), shard=domain("shard", (0,) + divisors(world)[1:]),
+        recompute=domain("recompute", RECOMPUTE),
+        schedules=_schedules(program, kept), kept=kept)
+
+
+def _kept(program: Program, keep: tuple[str, ...]) -> dict:
+    """The written value of each kept setting (``mesh`` stands for every mesh axis)."""
+    mesh, train = program.mesh, program.train
+    names = set(keep) | (set(MESH_AXES) if "mesh" in keep else set())
+    written = {axis: mesh.size(axis) for axis in MESH_AXES}
+    written.update(micro_batch=train.micro_batch, zero=train.zero, recompute=train.recompute,
+                   shard=train.shard or 0, fold=program.fold.text, pipeline=program.pipeline.name)
+    return {name: written[name] for name in sorted(names - {"mesh"})}
+
+
+def _schedules(program: Program, kept: dict) -> tuple[tuple[str, str], ...]:
+    """(fold, pipeline) for every pipeline the program can name, each with the fold it is
+    written for (every fold for one written for any; loop with each of LOOP_CHUNKS)."""
+    out = []
+    for pipeline in sorted(program.pipelines, key=lambda p: p.name):
+        kinds = (pipeline.fold,) if pipeline.fold else tuple(FOLD_KINDS)
+        for kind in kinds:
+            folds = [kind] if FOLD_KINDS[kind] is not None else [f"{kind}({v})" for v in LOOP_CHUNKS]
+            out += [(fold, pipeline.name) for fold in folds]
+    return tuple((fold, name) for fold, name in out
+                 if kept.get("fold", fold) == fold and kept.get("pipeline", name) == name)

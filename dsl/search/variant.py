@@ -1,0 +1,178 @@
+"""One choice of the search written into the program: syntax in, syntax out.
+
+A choice is applied to the parsed files (:func:`apply_choice`), not to the checked Program,
+so every variant goes through the same checker and passes as `dhelix check` (divisibility,
+stage splits, the pipelines' ``require``, deadlock freedom) and the winner prints back as a
+canonical `.dhx` file (:func:`variant_text`) that `check` and `run` take as it is. The
+blocks a choice changes (mesh, train, fold, pipeline; cluster when the GPU count changes) must
+be written in the main file: :func:`require_main_blocks` says which is not.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.frontend.fmt import find_comments, format_module
+from dhelix.dsl.frontend.imports import STDLIB_PREFIX, resolve_import
+from dhelix.dsl.frontend.pipelinecheck import reads_name
+from dhelix.dsl.search.space import MESH_AXES, Choice
+
+#: The train settings a choice writes (the others stay as written).
+_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "shard")
+_DEFAULTS = {"zero": 0, "recompute": "none", "shard": 0}
+
+
+def require_main_blocks(modules: list[s.Module], path: str) -> None:
+    """UsageError unless the main file (the last module) writes the mesh, train, pipeline
+    and cluster statements that a choice rewrites."""
+    main = modules[-1].items
+    have = {item.kind for item in main if isinstance(item, s.ConfigBlock)}
+    have |= {"pipeline" for item in main if isinstance(item, s.PipelineRef)}
+    missing = [kind for kind in ("cluster", "mesh", "train", "pipeline") if kind not in have]
+    if missing:
+        raise UsageError(f"{path}: dhelix tune rewrites the {', '.join(missing)} statement"
+                         f"{'s' if len(missing) > 1 else ''} of the file it is given, and they come from an import; "
+                         "write them in this file")
+
+
+def apply_choice(modules: list[s.Module], choice: Choice, pipelines: dict[str, s.PipelineDef],
+                 gpus_per_node: int, world: int) -> list[s.Module]:
+    """``modules`` with the main file's mesh, train, fold and pipeline statements set to
+    ``choice`` (a fold statement added when the file has none; ``launch`` dropped from the
+    train block when the pipeline does not read ``g``) and the cluster's nodes set to hold
+    ``world`` GPUs of ``gpus_per_node``."""
+    main = modules[-1]
+    items, has_fold = [], False
+    reads_g = reads_name(pipelines[choice.pipeline], "g")
+    for item in main.items:
+        if isinstance(item, s.ConfigBlock) and item.kind == "mesh":
+            item = attrs.evolve(item, settings=_mesh_settings(item.settings, choice))
+        elif isinstance(item, s.ConfigBlock) and item.kind == "train":
+            item = attrs.evolve(item, settings=_train_settings(item.settings, choice, reads_g))
+        elif isinstance(item, s.ConfigBlock) and item.kind == "cluster":
+            item = attrs.evolve(item, settings=_replace(item.settings, {"nodes": world // gpus_per_node}))
+        elif isinstance(item, s.Fold):
+            item, has_fold = _fold(choice.fold, item.span), True
+        elif isinstance(item, s.PipelineRef):
+            item = attrs.evolve(item, name=choice.pipeline)
+            if not has_fold:
+                items.append(_fold(choice.fold, None))
+                has_fold = True
+        items.append(item)
+    return modules[:-1] + [attrs.evolve(main, items=tuple(items))]
+
+
+def with_profile_setting(modules: list[s.Module], profile: str) -> list[s.Module]:
+    """``modules`` with the main file's cluster block naming ``profile`` (a shipped name or an
+    absolute path), as `--profile` asks."""
+    main = modules[-1]
+    items = tuple(attrs.evolve(item, settings=_replace(item.settings, {"profile": s.Str(profile)}))
+                  if isinstance(item, s.ConfigBlock) and item.kind == "cluster" else item for item in main.items)
+    return modules[:-1] + [attrs.evolve(main, items=items)]
+
+
+def variant_text(modules: list[s.Module], source: str, header: str) -> str:
+    """The main file of ``modules`` (a variant of the file whose text is ``source``) in
+    canonical form, its comments kept where its statements kept their place, ``header``
+    (comment lines) first."""
+    body = format_module(modules[-1], find_comments(source))
+    return "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines()) + "\n" + body
+
+
+def _value(value) -> s.Node:
+    """A setting's value node: a node as it is, a name for a string, else a number."""
+    if isinstance(value, s.Node):
+        return value
+    return s.Name(value) if isinstance(value, str) else s.Int(value)
+
+
+def _replace(settings: tuple[s.Setting, ...], values: dict) -> tuple[s.Setting, ...]:
+    """``settings`` with the keys of ``values`` set (in place where written, else appended;
+    a None value removes the setting)."""
+    out, done = [], set()
+    for setting in settings:
+        if setting.key in values:
+            done.add(setting.key)
+            if values[setting.key] is None:
+                continue
+            setting = attrs.evolve(setting, value=_value(values[setting.key]))
+        out.append(setting)
+    out += [s.Setting(key, _value(value)) for key, value in values.items() if key not in done and value is not None]
+    return tuple(out)
+
+
+def _mesh_settings(settings: tuple[s.Setting, ...], choice: Choice) -> tuple[s.Setting, ...]:
+    """The mesh block of ``choice``: the axes the file writes keep their place; an axis of
+    size 1 it does not write stays out."""
+    written = {setting.key for setting in settings}
+    sizes = choice.layout.mesh()
+    values = {axis: size if size > 1 or axis in written else None for axis, size in sizes.items()}
+    if not any(values.values()):
+        values["dp"] = 1  # a mesh block names at least one axis
+    return _replace(settings, {axis: values[axis] for axis in MESH_AXES})
+
+
+def _train_settings(settings: tuple[s.Setting, ...], choice: Choice, reads_g: bool) -> tuple[s.Setting, ...]:
+    """The train block of ``choice``: a setting at its default that the file does not write
+    stays out; ``launch`` goes when the pipeline does not read it."""
+    written = {setting.key for setting in settings}
+    layout = attrs.asdict(choice.layout)
+    values = {key: None if layout[key] == _DEFAULTS.get(key) and key not in written else layout[key]
+              for key in _TRAIN_SET}
+    if values["shard"] == 0:
+        values["shard"] = None
+    if not reads_g:
+        values["launch"] = None
+    return _replace(settings, values)
+
+
+def _fold(text: str, span) -> s.Fold:
+    kind, _, arg = text.partition("(")
+    return s.Fold(kind, s.Int(int(arg.rstrip(")"))) if arg else None, span=span)
+
+
+def relocate(modules: list[s.Module], source: str, output: str) -> list[s.Module]:
+    """``modules`` with the main file's relative paths (local imports, ``train { data }``,
+    a cluster profile given as a file) rewritten from the folder of ``source`` (the file it
+    was read from) to the folder of ``output`` (where it will be written), so the written
+    file reads the same files."""
+    source_dir = os.path.dirname(os.path.abspath(source))
+    output_dir = os.path.dirname(os.path.abspath(output))
+    if source_dir == output_dir:
+        return modules
+
+    def moved(path: str) -> str:
+        if os.path.isabs(path):
+            return path
+        return os.path.relpath(os.path.join(source_dir, path), output_dir)
+
+    items = []
+    for item in modules[-1].items:
+        if isinstance(item, s.Import) and resolve_import(item.path, Path(source)) is not None \
+                and not _is_library(item.path, Path(source)):
+            item = attrs.evolve(item, path=moved(item.path))
+        elif isinstance(item, s.ConfigBlock) and item.kind in ("train", "cluster"):
+            key = "data" if item.kind == "train" else "profile"
+            item = attrs.evolve(item, settings=tuple(
+                attrs.evolve(st, value=s.Str(moved(st.value.value)))
+                if st.key == key and isinstance(st.value, s.Str) and _is_path(st.value.value, key) else st
+                for st in item.settings))
+        items.append(item)
+    return modules[:-1] + [attrs.evolve(modules[-1], items=tuple(items))]
+
+
+def _is_library(path: str, importer: Path) -> bool:
+    """Whether the import ``path`` names a standard-library file (no local file shadows it)."""
+    found = resolve_import(path, importer)
+    return found is not None and found[1] == path and path.startswith(STDLIB_PREFIX)
+
+
+def _is_path(value: str, key: str) -> bool:
+    """Whether a string setting names a file: always for data, for a profile when it is not
+    a shipped profile's name (it has a folder or a YAML suffix)."""
+    return key == "data" or value.endswith((".yaml", ".yml")) or "/" in value or "\\" in value

@@ -1,0 +1,127 @@
+"""`dhelix tune`: the search equals an exhaustive pricing, its bounds hold, its output runs."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+from dhelix.dsl.frontend.check import check_program
+from dhelix.dsl.frontend.imports import load_modules, read_source
+from dhelix.dsl.passes import pipeline as passes
+from dhelix.dsl.search.space import Space, space_of
+from dhelix.dsl.search.tune import Pricer, Priced, exhaustive, search
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "examples" / "tiny_llama_cpu.dhx"
+
+
+def _pricer(path: Path = TINY) -> tuple[Pricer, Space]:
+    text = read_source(str(path))
+    modules = load_modules(text, str(path))
+    base = passes.rerun(check_program(modules), after="check")
+    return Pricer(modules, base, base.mesh.world), space_of(base)
+
+
+def _sub(rng: random.Random, values: tuple) -> tuple:
+    """A random non-empty subset of ``values`` in their order."""
+    picked = [v for v in values if rng.random() < 0.5]
+    return tuple(picked) or (rng.choice(values),)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _pricer()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
+    pricer, full = tiny
+    rng = random.Random(seed)
+    space = attrs.evolve(full, tp=_sub(rng, full.tp), pp=_sub(rng, full.pp), micro_batch=_sub(rng, full.micro_batch),
+                         zero=_sub(rng, full.zero), recompute=_sub(rng, full.recompute),
+                         schedules=_sub(rng, full.schedules), cp=(1,))
+    top = rng.choice((1, 3, 5))
+    expected = exhaustive(pricer, space, top=top)
+    found = search(pricer, space, top=top)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    assert found.priced + found.refused + found.pruned + found.too_big == found.choices
+
+
+def test_the_bound_never_exceeds_a_priced_step(tiny):
+    pricer, space = tiny
+    schedule = next(s for s in space.schedules if s[0] == "none")
+    checked = 0
+    for choice in list(space.choices())[::7]:
+        result = pricer.price(choice)
+        if not isinstance(result, Priced):
+            continue
+        bound = pricer.bound(choice.layout, schedule)
+        assert bound.seconds <= result.seconds * (1 + 1e-9), choice.describe()
+        assert bound.memory <= max(r.memory for r in result.sim.ranks) * (1 + 1e-9), choice.describe()
+        checked += 1
+    assert checked > 20
+
+
+def test_kept_settings_stay_as_written(tiny):
+    pricer, _ = tiny
+    base = passes.rerun(check_program(pricer.modules), after="check")
+    space = space_of(base, keep=("mesh", "pipeline"))
+    outcome = search(pricer, space, top=3)
+    assert outcome.top
+    for p in outcome.top:
+        assert (p.choice.layout.tp, p.choice.layout.pp, p.choice.layout.dp) == (2, 2, 1)
+        assert p.choice.pipeline == "w_helix"
+
+
+def test_memory_cap_refuses_what_does_not_fit(tmp_path):
+    # The a40's 48 GB cannot hold Llama-39B's states on 8 GPUs without sharding them.
+    text = (ROOT / "examples" / "llama39b_a40.dhx").read_text().replace("nodes = 8", "nodes = 1").replace(
+        "dp = 4", "dp = 1").replace("pp = 2", "pp = 1")
+    path = tmp_path / "small.dhx"
+    path.write_text(text.replace('import "stdlib', 'import "stdlib'))
+    pricer, space = _pricer(path)
+    outcome = search(pricer, space, top=1)
+    assert outcome.top == () and outcome.too_big > 0
+
+
+def test_cli_writes_a_program_that_checks(tmp_path):
+    out = tmp_path / "t.dhx"
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "-o", str(out), "--top", "2"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "the best is" in proc.stdout and f"wrote {out}" in proc.stdout
+    check = subprocess.run([sys.executable, "-m", "dhelix", "check", str(out)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "Predicted step" in out.read_text()
+    # The written file names its data relative to itself: it trains, and matches the reference.
+    run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_cli_json(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--json", "--top", "2",
+                           "--keep", "mesh"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert len(data["top"]) == 2 and data["complete"]
+    assert data["top"][0]["step_s"] <= data["top"][1]["step_s"]
+    assert data["top"][0]["choice"]["tp"] == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--keep", "tq"], "--keep: unknown setting 'tq' to keep (did you mean 'tp'?)"),
+    (["--gpus", "3"], "--gpus 3: give a positive multiple of the cluster's gpus_per_node (2)"),
+    (["--top", "0"], "--top must be between 1 and 100, got 0"),
+])
+def test_cli_usage_errors(argv, message):
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), *argv], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert message in proc.stderr
