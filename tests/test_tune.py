@@ -51,7 +51,7 @@ def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
     found = search(pricer, space, top=top)
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert [p.seconds for p in found.top] == [p.seconds for p in expected]
-    assert found.priced + found.refused + found.pruned + found.too_big == found.choices
+    assert found.fit + found.refused + found.pruned + found.too_big == found.choices
 
 
 def test_the_bound_never_exceeds_a_priced_step(tiny):
@@ -125,3 +125,23 @@ def test_cli_usage_errors(argv, message):
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), *argv], capture_output=True, text=True)
     assert proc.returncode == 2
     assert message in proc.stderr
+
+
+def test_a_relaxed_simulation_bounds_the_step_and_has_its_memory(tiny):
+    from dhelix.dsl.search.tune import relaxed_costs
+    from dhelix.dsl.simulator.events import has_si, simulate
+
+    pricer, space = tiny
+    checked = 0
+    for choice in list(space.choices())[::5]:
+        result = pricer.price(choice)
+        if not isinstance(result, Priced):
+            continue
+        program = pricer.checked(choice)
+        if not has_si(program):
+            continue
+        relaxed = simulate(program, costs=relaxed_costs(program, pricer.cost))
+        assert relaxed.step_time <= result.seconds * (1 + 1e-9), choice.describe()
+        assert [r.memory for r in relaxed.ranks] == pytest.approx([r.memory for r in result.sim.ranks], rel=1e-12)
+        checked += 1
+    assert checked > 5

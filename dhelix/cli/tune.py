@@ -147,7 +147,8 @@ def _json(outcome: Outcome, path: str, world: int, sequences: int) -> dict:
     best = outcome.top[0].choice if outcome.top else None
     return {
         "file": path, "gpus": world, "sequences": sequences, "complete": outcome.complete,
-        "searched": {"choices": outcome.choices, "layouts": outcome.layouts, "simulated": outcome.priced,
+        "searched": {"choices": outcome.choices, "layouts": outcome.layouts, "simulated": outcome.simulated,
+                     "fit": outcome.fit,
                      "pruned": outcome.pruned, "over_memory": outcome.too_big, "refused": outcome.refused,
                      "plans": outcome.plans, "seconds": outcome.seconds},
         "memory_gb": outcome.memory_gb,

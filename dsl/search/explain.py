@@ -69,12 +69,13 @@ def format_outcome(outcome: Outcome, title: str) -> str:
 def _summary(outcome: Outcome) -> str:
     cap = f"device memory {outcome.memory_gb:g} GB" if outcome.memory_gb is not None else "no device memory in the profile"
     text = (f"searched {outcome.choices:,} choices ({outcome.layouts:,} layouts) in {outcome.seconds:.1f} s: "
-            f"{outcome.priced:,} simulated, {outcome.pruned:,} ruled out by their lower bound, "
-            f"{outcome.too_big:,} over the {cap}, {outcome.refused:,} refused by the checks; "
+            f"{outcome.simulated:,} simulated, {outcome.fit:,} of them fit; {outcome.pruned:,} ruled out by "
+            f"their lower bound, {outcome.too_big:,} over the {cap}, {outcome.refused:,} refused by the checks; "
             f"{outcome.plans} SI plan{'s' if outcome.plans != 1 else ''} computed")
     if not outcome.complete:
-        text += (f"\nstopped by the time budget: the choices not visited take at least {_ms(outcome.bound)}"
-                 " per step (more time may find a faster one)")
+        text += "\nstopped by the time budget: " + (
+            f"the choices not visited take at least {_ms(outcome.bound)} per step" if outcome.bound is not None
+            else "some layouts were not even bounded") + " (more time may find a faster one)"
     return text
 
 

@@ -27,11 +27,12 @@ from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.planner.chunking import choose_all
+from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.search.bound import Bound, layout_bound
 from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.search.variant import apply_choice
-from dhelix.dsl.simulator.costs import input_backward
+from dhelix.dsl.simulator.costs import StepCosts, Work, input_backward, step_costs
 from dhelix.dsl.simulator.events import Simulation, has_si, simulate
 from dhelix.dsl.simulator.launch import choose_launch
 from dhelix.dsl.simulator.memory import GB
@@ -61,13 +62,24 @@ class Refused:
 
 
 @attrs.frozen
+class Pruned:
+    """A choice whose lower bound (seconds) showed it cannot enter the top."""
+
+    choice: Choice
+    bound: float
+
+
+@attrs.frozen
 class Outcome:
     """What a search found: the best ``top`` choices that fit, fastest first, and counts of
-    what it looked at. ``complete`` is False when the time budget ran out first (then
-    ``bound`` is the least lower bound among the layouts not visited)."""
+    what it looked at: choices simulated, and each choice once among those that fit, were
+    refused, ruled out by a bound or over the device memory (by its bound or simulated).
+    ``complete`` is False when the time budget ran out first (then ``bound`` is the least
+    lower bound among the layouts not visited, None when some were not even bounded)."""
 
     top: tuple[Priced, ...]
-    priced: int
+    simulated: int
+    fit: int
     refused: int
     pruned: int
     too_big: int
@@ -102,15 +114,21 @@ class PlanCache:
 
     def plan(self, program: Program) -> Plan:
         """The plan :func:`~dhelix.dsl.simulator.events.schedule_plan` would compute."""
-        from dhelix.dsl.planner.pairing import plan_layers
+        key = self._key(program)
+        if key not in self._plans:
+            self._plans[key] = plan_layers(program.forward, key[1], program.strands, self.cost)
+        return self._plans[key]
 
+    @staticmethod
+    def _key(program: Program) -> tuple:
         backward = program.backward
         if program.lowered is not None and program.lowered.split:
             backward = input_backward(backward)
-        key = (program.forward, backward, program.strands)
-        if key not in self._plans:
-            self._plans[key] = plan_layers(program.forward, backward, program.strands, self.cost)
-        return self._plans[key]
+        return program.forward, backward, program.strands
+
+    def has(self, program: Program) -> bool:
+        """Whether the plan of ``program``'s layer pair is computed already."""
+        return self._key(program) in self._plans
 
     def __len__(self) -> int:
         return len(self._plans)
@@ -131,12 +149,45 @@ class Pricer:
         self.plans = PlanCache(self.cost)
         self.memory_gb = base.profile.memory_gb
         self._bounds: dict[Layout, Bound | str] = {}
+        self._dags: dict[Layout, Program] = {}
+        self._schedules: dict[tuple, tuple | DhelixError] = {}
 
     def checked(self, choice: Choice, stop: str = "validate") -> Program:
-        """The variant of ``choice`` through the passes up to ``stop`` (DhelixError if refused)."""
-        program = check_program(self.variant(choice))
-        program = attrs.evolve(program, profile=self.profile)
-        return self.plans.intern(passes.rerun(program, after="check", stop=stop))
+        """The variant of ``choice`` through the passes up to ``stop`` (DhelixError if refused).
+
+        The layer DAGs (the passes up to autodiff) depend on the layout only — the model,
+        mesh, train and partition blocks — not on the fold or pipeline, so they are derived
+        once per layout and shared by its schedules."""
+        program = attrs.evolve(check_program(self.variant(choice)), profile=self.profile)
+        if stop != "validate":
+            return self.plans.intern(passes.rerun(program, after="check", stop=stop))
+        dags = self.layer_dags(choice.layout, (choice.fold, choice.pipeline))
+        program = passes.strands(attrs.evolve(program, env=dags.env, forward=dags.forward, backward=dags.backward))
+        placement, lowered = self.lowered(program)
+        return attrs.evolve(program, placement=placement, lowered=lowered)
+
+    def lowered(self, program: Program) -> tuple[object, object]:
+        """(placement, validated lowered schedule) of ``program`` (checked up to strands):
+        they depend on the fold, the pipeline, its sizes (p, m, g) and the layer count
+        only, so each is lowered and validated once; a refusal is kept and raised again."""
+        key = (program.fold.text, program.pipeline.name, program.mesh.size("pp"), program.train.microbatches,
+               passes.launch_of(program), program.model.get("layers"))
+        if key not in self._schedules:
+            try:
+                done = passes.rerun(program, after="strands")
+                self._schedules[key] = (done.placement, done.lowered)
+            except DhelixError as exc:
+                self._schedules[key] = exc
+        found = self._schedules[key]
+        if isinstance(found, DhelixError):
+            raise found
+        return found
+
+    def layer_dags(self, layout: Layout, schedule: tuple[str, str]) -> Program:
+        """The program of ``layout`` (with ``schedule``) up to its layer DAGs, once per layout."""
+        if layout not in self._dags:
+            self._dags[layout] = self.checked(Choice(layout, *schedule), stop="autodiff")
+        return self._dags[layout]
 
     def variant(self, choice: Choice, modules: list[s.Module] | None = None) -> list[s.Module]:
         """The parsed files (``modules``, default the priced ones) with ``choice`` written in."""
@@ -147,81 +198,141 @@ class Pricer:
         layer DAGs), or why the passes refuse it."""
         if layout not in self._bounds:
             try:
-                program = self.checked(Choice(layout, *schedule), stop="autodiff")
-                self._bounds[layout] = layout_bound(program, self.cost)
+                self._bounds[layout] = layout_bound(self.layer_dags(layout, schedule), self.cost)
             except DhelixError as exc:
                 self._bounds[layout] = first_message(exc)
         return self._bounds[layout]
 
-    def price(self, choice: Choice) -> Priced | Refused:
-        """``choice`` checked, given the planner's choices, simulated and held to the memory."""
+    def price(self, choice: Choice, cutoff: float | None = None) -> Priced | Refused | Pruned:
+        """``choice`` checked, given the planner's choices, simulated and held to the memory.
+
+        A schedule with SI blocks whose layer pair is not planned yet is first simulated with
+        each layer pair at its lower bound (:func:`relaxed_costs`): its memory is the real
+        one (a rank's allocations follow its actions' order, not their durations), so one
+        that does not fit is returned as such without planning; and with a ``cutoff``
+        (seconds), when even that step exceeds the cutoff the choice is Pruned."""
         try:
             program = self.checked(choice)
             if program.partition is not None or program.train.launch is not None:
                 program, _ = choose_all(program)
                 program, _ = choose_launch(program)
                 program = self.plans.intern(program)
-            plan = self.plans.plan(program) if has_si(program) else None
-            sim = simulate(program, plan, cost=self.cost, label=choice.describe())
+            plan = None
+            if has_si(program) and not self.plans.has(program):
+                relaxed = simulate(program, costs=relaxed_costs(program, self.cost), label=choice.describe(), trace=False)
+                if not self._fits(relaxed):
+                    return Priced(choice, relaxed, False)
+                if cutoff is not None and relaxed.step_time > cutoff:
+                    return Pruned(choice, relaxed.step_time)
+            if has_si(program):
+                plan = self.plans.plan(program)
+            sim = simulate(program, plan, cost=self.cost, label=choice.describe(), trace=False)
         except DhelixError as exc:
             return Refused(choice, first_message(exc))
-        fits = self.memory_gb is None or max(r.memory for r in sim.ranks) <= self.memory_gb * GB
-        return Priced(choice, sim, fits)
+        return Priced(choice, sim, self._fits(sim))
 
-    def program(self, choice: Choice) -> Program:
-        """The variant of ``choice`` through every pass and the planner's choices."""
-        program, _ = choose_all(self.checked(choice))
-        return choose_launch(program)[0]
+    def _fits(self, sim: Simulation) -> bool:
+        return self.memory_gb is None or max(r.memory for r in sim.ranks) <= self.memory_gb * GB
+
+
+def relaxed_costs(program: Program, cost: PairCost) -> StepCosts:
+    """The program's step costs with every SI layer pair at a lower bound of its plan: the
+    busiest lane's work of the two layers (:meth:`PairCost.lane_work`), after what the
+    backward runs again. Simulated, they give a lower bound of the step with any plan (the
+    simulator only delays an action for a longer one before it)."""
+    costs = step_costs(program, None, cost)
+    backward = program.backward
+    if program.lowered.split:
+        backward = input_backward(backward)
+    pair = costs.layer.again + Work(max(cost.lane_work(program.forward.ops + backward.ops)))
+    return attrs.evolve(costs, layer=attrs.evolve(costs.layer, pair=pair))
+
+
+@attrs.define
+class _Tally:
+    """Counts of a search as it goes (choices, except ``unbounded``: layouts)."""
+
+    simulated: int = 0
+    fit: int = 0
+    refused: int = 0
+    pruned: int = 0
+    too_big: int = 0
+    unbounded: int = 0
+    reasons: dict = attrs.field(factory=dict)
+
+    def refuse(self, why: str, count: int = 1) -> None:
+        self.refused += count
+        self.reasons[why] = self.reasons.get(why, 0) + count
 
 
 def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None = None,
            progress: Callable[[int, int], None] | None = None) -> Outcome:
     """The ``top`` fastest choices of ``space`` that fit, by branch and bound (see the module
-    docstring); ``budget`` caps the seconds spent (None: none); ``progress(done, total)`` is
-    called as layouts are visited."""
+    docstring); ``budget`` caps the seconds spent (None: none; half of it at most goes to
+    the bounds); ``progress(done, total)`` is called as layouts are bounded and visited."""
     start = time.perf_counter()
     layouts = list(space.layouts())
-    first = space.schedules[0] if space.schedules else None
-    bounded: list[tuple[float, Layout]] = []
-    refused, too_big, reasons = 0, 0, {}
+    tally = _Tally()
+    bounding_ends = None if budget is None else start + budget / 2
+    bounded = _bounded(pricer, space, layouts, tally, bounding_ends, progress)
+    best, left = _branch(pricer, space, bounded, top, tally, None if budget is None else start + budget, progress)
+    return Outcome(tuple(best), tally.simulated, tally.fit, tally.refused, tally.pruned, tally.too_big,
+                   len(layouts), len(layouts) * len(space.schedules), time.perf_counter() - start,
+                   left is None and not tally.unbounded, left, len(pricer.plans), pricer.memory_gb,
+                   tuple(sorted(tally.reasons.items(), key=lambda kv: (-kv[1], kv[0]))))
+
+
+def _bounded(pricer: Pricer, space: Space, layouts: list[Layout], tally: _Tally, deadline: float | None,
+             progress) -> list[tuple[float, Layout]]:
+    """(time bound, layout) of every layout that may hold a choice that fits, fastest bound
+    first; the others counted in ``tally``. Stops at ``deadline`` (the rest unbounded)."""
+    schedule = _bound_schedule(space)
+    bounded = []
     for index, layout in enumerate(layouts):
-        bound = pricer.bound(layout, _bound_schedule(space, first))
+        if deadline is not None and time.perf_counter() > deadline:
+            tally.unbounded = len(layouts) - index
+            break
+        bound = pricer.bound(layout, schedule)
         if isinstance(bound, str):
-            refused += len(space.schedules)
-            reasons[bound] = reasons.get(bound, 0) + len(space.schedules)
+            tally.refuse(bound, len(space.schedules))
         elif pricer.memory_gb is not None and bound.memory > pricer.memory_gb * GB:
-            too_big += len(space.schedules)
+            tally.too_big += len(space.schedules)
         else:
             bounded.append((bound.seconds, layout))
-        if progress and index % 16 == 0:
-            progress(0, len(layouts))
-    bounded.sort()
+        if progress and index % 64 == 0:
+            progress(index, len(layouts))
+    return sorted(bounded)
+
+
+def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], top: int, tally: _Tally,
+            deadline: float | None, progress) -> tuple[list[Priced], float | None]:
+    """The ``top`` best choices of the ``bounded`` layouts, visited in order until the next
+    bound exceeds the K-th best step; and the bound where ``deadline`` stopped the visit
+    (None: not stopped)."""
     best: list[Priced] = []
-    priced = pruned = 0
-    complete, left = True, None
     for visited, (seconds, layout) in enumerate(bounded):
         if len(best) >= top and seconds > best[top - 1].seconds:
-            pruned += (len(bounded) - visited) * len(space.schedules)
+            tally.pruned += (len(bounded) - visited) * len(space.schedules)
             break
-        if budget is not None and time.perf_counter() - start > budget:
-            complete, left = False, seconds
-            break
+        if deadline is not None and time.perf_counter() > deadline:
+            return best, seconds
         for fold, pipeline in space.schedules:
-            result = pricer.price(Choice(layout, fold, pipeline))
+            cutoff = best[top - 1].seconds if len(best) >= top else None
+            result = pricer.price(Choice(layout, fold, pipeline), cutoff)
             if isinstance(result, Refused):
-                refused += 1
-                reasons[result.why] = reasons.get(result.why, 0) + 1
-                continue
-            priced += 1
-            if not result.fits:
-                too_big += 1
-                continue
-            best = _insert(best, result, top)
+                tally.refuse(result.why)
+            elif isinstance(result, Pruned):
+                tally.pruned += 1
+            else:
+                tally.simulated += 1
+                if result.fits:
+                    tally.fit += 1
+                    best = _insert(best, result, top)
+                else:
+                    tally.too_big += 1
         if progress:
             progress(visited + 1, len(bounded))
-    return Outcome(tuple(best), priced, refused, pruned, too_big, len(layouts), len(layouts) * len(space.schedules),
-                   time.perf_counter() - start, complete, left, len(pricer.plans), pricer.memory_gb,
-                   tuple(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))))
+    return best, None
 
 
 def exhaustive(pricer: Pricer, space: Space, top: int = 5) -> tuple[Priced, ...]:
@@ -245,8 +356,8 @@ def _rank(p: Priced) -> tuple:
     return (round(p.seconds, 12), p.choice)
 
 
-def _bound_schedule(space: Space, first: tuple[str, str] | None) -> tuple[str, str]:
+def _bound_schedule(space: Space) -> tuple[str, str]:
     """The schedule the layouts' DAGs are checked with: the first with fold none (every
     fold's stage split divides a fold-none one), else the first."""
-    return next((sched for sched in space.schedules if sched[0] == "none"), first)
+    return next((sched for sched in space.schedules if sched[0] == "none"), space.schedules[0])
 

@@ -408,8 +408,8 @@ class _Finish:
 class _Run:
     """The state of one simulation while it steps through the ranks' actions."""
 
-    def __init__(self, program: Program, costs: StepCosts, si: bool, zero1: bool):
-        self.program, self.costs, self.zero1 = program, costs, zero1
+    def __init__(self, program: Program, costs: StepCosts, si: bool, zero1: bool, trace: bool = True):
+        self.program, self.costs, self.zero1, self.trace = program, costs, zero1, trace
         #: ZeRO-3: the layers' gradients are reduce-scattered inside the layer DAGs (their
         #: cost is in the layer pieces), only the model's ends sync after the pipeline.
         self.fsdp = is_fsdp(program)
@@ -460,9 +460,10 @@ class _Run:
         tally.pp_comm += seconds
         tally.sends += 1
         tally.send_bytes += self.costs.p2p_bytes
-        self.events.append(TraceEvent(rank, lane, str(action), start, seconds, {
-            "kind": "SEND", "data": action.data, "microbatch": action.microbatch, "chunk": action.chunk,
-            "peer": action.peer, "bytes": self.costs.p2p_bytes}))
+        if self.trace:
+            self.events.append(TraceEvent(rank, lane, str(action), start, seconds, {
+                "kind": "SEND", "data": action.data, "microbatch": action.microbatch, "chunk": action.chunk,
+                "peer": action.peer, "bytes": self.costs.p2p_bytes}))
 
     def _book_gathers(self, rank: int) -> None:
         """The all-gathers of ``rank``'s updated weights from the start of the step
@@ -533,8 +534,9 @@ class _Run:
         tally.busy += now - start - waited
         self.gather_exposed[rank] += waited
         self.free_at[rank] = self.last_end[rank] = now
-        self.events.append(TraceEvent(rank, "compute", str(action), start, now - start,
-                                      _action_args(action, kind, fstage, bstage)))
+        if self.trace:
+            self.events.append(TraceEvent(rank, "compute", str(action), start, now - start,
+                                          _action_args(action, kind, fstage, bstage)))
 
     def _stages(self, rank: int, action):
         stage = self.lowered.stage_of
@@ -680,7 +682,7 @@ def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
              cost: PairCost | None = None, costs: StepCosts | None = None, label: str = "",
-             scheduled: bool = False) -> Simulation:
+             scheduled: bool = False, trace: bool = True) -> Simulation:
     """Simulate one training step of a validated ``program`` (with a profile).
 
     ``plan`` prices the SI blocks (planned with :func:`schedule_plan` when the schedule has
@@ -691,8 +693,10 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     runs) instead of layer pair by layer pair with the plan (not with ``costs``, whose
     ``layer.block`` says). ``costs`` replaces
     the :func:`sim_costs.step_costs` of the program, for what-if studies (free pipeline
-    transfers, no LM head, …); its ``layer.pair`` then prices the SI blocks. Returns the
-    :class:`Simulation`; raises DhelixError for a program without a profile.
+    transfers, no LM head, …); its ``layer.pair`` then prices the SI blocks. ``trace=False``
+    leaves out the per-action trace events and the memory counters (a search pricing many
+    programs needs the figures only). Returns the :class:`Simulation`; raises DhelixError
+    for a program without a profile.
     """
     require_profile(program)
     if costs is None:
@@ -703,13 +707,13 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         if si and scheduled and has_si(program):
             costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, block=block_scheduler(program, cost)))
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
-    run = _Run(program, costs, si, zero1)
+    run = _Run(program, costs, si, zero1, trace)
     run.run()
     ranks = tuple(run.rank_stats(rank) for rank in range(program.lowered.ranks))
     model, mesh, train = program.model, program.mesh, program.train
     sequences = mesh.size("dp") * train.microbatches * train.micro_batch
     counters = tuple(CounterSample(rank, "activations", time, {"GB": live / 1e9})
-                     for rank in range(len(ranks)) for time, live in run.memory[rank].samples())
+                     for rank in range(len(ranks)) for time, live in run.memory[rank].samples()) if trace else ()
     lowered = program.lowered
     return Simulation(
         label=label, program=model.name, pipeline=lowered.name, fold=program.placement.kind,
