@@ -14,11 +14,15 @@ forward and backward take at least the busiest lane's work, whether paired or al
 (:meth:`~dhelix.dsl.planner.paircost.PairCost.lane_work`). Recomputation adds its forward work again before each
 backward; the embedding and the LM head run alone, once per micro-batch. So the busiest
 pipeline rank is busy at least the average over the ``pp`` ranks of all this work, and the
-step (which ends after the busiest rank's last action) is at least that.
+step (which ends after the busiest rank's last action) is at least that, plus the average
+rank's optimizer step, which runs after its last action.
 
 **Memory.** Each rank holds the model states of its layers (and the model's ends); the
 busiest rank holds at least the average over the pipeline ranks (the states are linear in
-the parameters held), before a single activation.
+the parameters held). And whatever the schedule, a micro-batch's backward starts only once
+its forward has passed the last stage, so every rank at some moment holds what each of its
+layers keeps of one micro-batch (after recomputation's drops): its ``layers / pp`` layers'
+activations come on top of its states.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from __future__ import annotations
 import attrs
 
 from dhelix.dsl.core.program import Program
+from dhelix.dsl.planner.costmodel import optimizer_time
 from dhelix.dsl.simulator.costs import StepCosts, step_costs
-from dhelix.dsl.simulator.memory import model_states
+from dhelix.dsl.simulator.memory import layer_activations, model_states, recomputed, selectively_recomputed
 from dhelix.dsl.planner.paircost import PairCost
 
 
@@ -49,15 +54,43 @@ def layout_bound(program: Program, cost: PairCost) -> Bound:
     heads = costs.heads
     ends = sum(w.seconds for w in (heads.embed_forward, heads.embed_backward, heads.head_forward,
                                    heads.head_backward, heads.head_weight))
-    return Bound((layers * m * layer + m * ends) / pp, _states(program, costs))
+    return Bound((layers * m * layer + m * ends) / pp + _optimizer(program, costs),
+                 _states(program, costs) + layers / pp * _kept(program))
+
+
+def _kept(program: Program) -> float:
+    """Bytes one layer keeps for one micro-batch from its forward to its backward (after
+    recomputation's drops), as the simulator counts them."""
+    forward, backward, dtype = program.forward, program.backward, program.model.dtype
+    acts = layer_activations(forward, backward, dtype, split=False)
+    recompute = program.train.recompute
+    if recompute == "full":
+        return recomputed(acts, forward, dtype)[0].total
+    if recompute == "selective":
+        return selectively_recomputed(acts, forward, backward, dtype, split=False)[0].total
+    return acts.total
+
+
+def _held(program: Program, costs: StepCosts) -> tuple[float, float]:
+    """(dense, expert) parameters the average pipeline rank holds."""
+    params, pp = costs.params, program.mesh.size("pp")
+    layers = program.model.get("layers")
+    return (layers * params.layer_dense + params.embedding + params.head) / pp, layers * params.layer_expert / pp
+
+
+def _optimizer(program: Program, costs: StepCosts) -> float:
+    """Seconds of the average rank's optimizer step, which runs after its last action."""
+    dense, expert = _held(program, costs)
+    if program.train.zero >= 1:
+        dense, expert = dense / costs.dense_group.size, expert / costs.expert_group.size
+    return optimizer_time(dense + expert, costs.dtype, program.profile)
 
 
 def _states(program: Program, costs: StepCosts) -> float:
     """Model-state bytes of the average pipeline rank (a lower bound of the busiest one's)."""
     params, pp = costs.params, program.mesh.size("pp")
     layers = program.model.get("layers")
-    dense = (layers * params.layer_dense + params.embedding + params.head) / pp
-    expert = layers * params.layer_expert / pp
+    dense, expert = _held(program, costs)
     train = program.train
     fsdp = train.zero == 3
     states = model_states(dense, expert, costs.dtype, zero1=train.zero >= 1, dense_group=costs.dense_group.size,

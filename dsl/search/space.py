@@ -8,8 +8,10 @@ what fixes the layer DAGs, the model states and the work per micro-batch.
 
 :class:`Space` holds the domain of each setting, built from the checked program
 (:func:`space_of`): the global batch, the model and the cluster stay as written; a setting
-named in ``keep`` stays as written too (`dhelix tune --keep`). The domains are generous — every divisor — and the
-checker decides what is valid (a choice the passes refuse is reported with their reason).
+named in ``keep`` stays as written too (`dhelix tune --keep`). The domains are generous —
+every divisor, but tensor parallelism beyond two nodes and context parallelism beyond 16,
+which no published recipe uses (keep a written value to search around it) — and the checker
+decides what is valid (a choice the passes refuse is reported with their reason).
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ MESH_AXES = ("tp", "cp", "pp", "dp", "ep")
 KEEPABLE = MESH_AXES + ("mesh", "micro_batch", "zero", "recompute", "shard", "fold", "pipeline")
 #: Micro-batch sizes tried (those that divide the per-replica batch).
 MICRO_BATCHES = (1, 2, 4, 8)
+#: The largest context-parallel size tried: the ring attention DAG grows with cp, and
+#: published recipes stop at 16 (Llama 3's 405B pre-training at 128K context).
+MAX_CP = 16
+#: Tensor parallelism tried up to this many nodes' GPUs: inside a node, and across two (the
+#: cross-node TP that SI hides; beyond, the all-gathers of every layer cross a node per
+#: rank pair and no published recipe goes).
+MAX_TP_NODES = 2
 #: Chunks per rank tried for ``fold loop(v)``.
 LOOP_CHUNKS = (2, 4)
 RECOMPUTE = ("none", "selective", "full")
@@ -156,7 +165,8 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
     layers = model.get("layers")
     return Space(
         world=world, sequences=sequences,
-        tp=domain("tp", divisors(world)), cp=domain("cp", divisors(world)),
+        tp=domain("tp", (d for d in divisors(world) if d <= MAX_TP_NODES * program.cluster.gpus_per_node)),
+        cp=domain("cp", (d for d in divisors(world) if d <= MAX_CP)),
         pp=domain("pp", (d for d in divisors(world) if d <= layers)),
         ep=domain("ep", (d for d in divisors(world) if experts and experts % d == 0) if experts else (1,)),
         micro_batch=domain("micro_batch", (b for b in MICRO_BATCHES if sequences % b == 0)),

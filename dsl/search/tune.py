@@ -310,6 +310,7 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
     bound exceeds the K-th best step; and the bound where ``deadline`` stopped the visit
     (None: not stopped)."""
     best: list[Priced] = []
+    dominance = _Dominance()
     for visited, (seconds, layout) in enumerate(bounded):
         if len(best) >= top and seconds > best[top - 1].seconds:
             tally.pruned += (len(bounded) - visited) * len(space.schedules)
@@ -317,14 +318,23 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
         if deadline is not None and time.perf_counter() > deadline:
             return best, seconds
         for fold, pipeline in space.schedules:
+            choice = Choice(layout, fold, pipeline)
             cutoff = best[top - 1].seconds if len(best) >= top else None
-            result = pricer.price(Choice(layout, fold, pipeline), cutoff)
+            ruled = dominance.rules_out(choice, cutoff)
+            if ruled == "slower":
+                tally.pruned += 1
+                continue
+            if ruled == "bigger":
+                tally.too_big += 1
+                continue
+            result = pricer.price(choice, cutoff)
             if isinstance(result, Refused):
                 tally.refuse(result.why)
             elif isinstance(result, Pruned):
                 tally.pruned += 1
             else:
                 tally.simulated += 1
+                dominance.saw(result)
                 if result.fits:
                     tally.fit += 1
                     best = _insert(best, result, top)
@@ -333,6 +343,40 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
         if progress:
             progress(visited + 1, len(bounded))
     return best, None
+
+
+class _Dominance:
+    """Choices another priced one settles without a simulation of their own.
+
+    Recomputation only adds work to a schedule, so a choice recomputing (selective or full)
+    is never faster than the same choice without recomputation (visited first: its time
+    bound is lower); when that one fits and is already slower than the K-th best, so is the
+    recomputing one. ZeRO-1 only shrinks the model states of ZeRO-0 (the activations follow the same actions
+    in the same order), so when a ZeRO-1 choice does not fit, its ZeRO-0 twin does not either.
+    Both rest, as the bounds do, on the simulator never shortening a step for more work."""
+
+    def __init__(self) -> None:
+        self._fits: dict[Choice, float] = {}
+        self._too_big: set[Choice] = set()
+
+    def saw(self, result: Priced) -> None:
+        """Remember what ``result`` settles."""
+        choice = result.choice
+        if result.fits and choice.layout.recompute == "none":
+            self._fits[choice] = result.seconds
+        elif not result.fits and choice.layout.zero == 1:
+            self._too_big.add(choice)
+
+    def rules_out(self, choice: Choice, cutoff: float | None) -> str | None:
+        """"slower" (than ``cutoff``, the K-th best step) or "bigger" (than the device) when
+        a priced choice settles ``choice``, else None."""
+        layout = choice.layout
+        twin = attrs.evolve(choice, layout=attrs.evolve(layout, recompute="none"))
+        if layout.recompute != "none" and cutoff is not None and self._fits.get(twin, 0.0) > cutoff:
+            return "slower"
+        if layout.zero == 0 and attrs.evolve(choice, layout=attrs.evolve(layout, zero=1)) in self._too_big:
+            return "bigger"
+        return None
 
 
 def exhaustive(pricer: Pricer, space: Space, top: int = 5) -> tuple[Priced, ...]:

@@ -1,0 +1,71 @@
+"""How long `dhelix tune` takes to search: the tiny example's whole space, and Llama-70B-shaped
+models on 64 A40s and on 1024 H100s.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/tune_speed.py [--only NAME]
+
+Each search runs to the end (no budget) with the top 5 kept. Printed per search: wall-clock
+and CPU seconds (CPU seconds tell the search's own cost on a machine shared with other work;
+the load average is printed too), the space (choices, layouts), what the branch and bound
+did with it (simulated, ruled out by a bound, over the device memory, refused by the checks),
+the SI plans computed, and the best choice with its predicted step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from pathlib import Path
+
+from dhelix.dsl.frontend.check import check_program
+from dhelix.dsl.frontend.imports import load_modules, read_source
+from dhelix.dsl.passes import pipeline as passes
+from dhelix.dsl.search.space import space_of
+from dhelix.dsl.search.tune import Pricer, search
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {
+    "tiny": ROOT / "examples" / "tiny_llama_cpu.dhx",
+    "llama70b_64xa40": ROOT / "benchmarks" / "llama70b_a40_64.dhx",
+    "llama70b_1024xh100": ROOT / "benchmarks" / "llama70b_h100_1024.dhx",
+}
+
+
+def run_case(name: str, path: Path) -> None:
+    """Search the file ``path`` and print what it took."""
+    load = os.getloadavg()[0]
+    wall, cpu = time.perf_counter(), time.process_time()
+    text = read_source(str(path))
+    modules = load_modules(text, str(path))
+    base = passes.rerun(check_program(modules), after="check")
+    space = space_of(base)
+    outcome = search(Pricer(modules, base, base.mesh.world), space, top=5)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    print(f"{name}: {path.relative_to(ROOT)}, {base.mesh.world} GPUs, profile {base.profile.name}, "
+          f"global batch {space.sequences} x {base.model.get('seq')}")
+    print(f"  {wall:.1f} s wall, {cpu:.1f} s CPU (load average {load:.1f} at the start); "
+          f"{outcome.choices:,} choices in {outcome.layouts:,} layouts: {outcome.simulated:,} simulated "
+          f"({outcome.fit:,} fit), {outcome.pruned:,} ruled out by a bound, {outcome.too_big:,} over "
+          f"{outcome.memory_gb:g} GB, {outcome.refused:,} refused by the checks; {outcome.plans} SI plans")
+    if outcome.top:
+        best = outcome.top[0]
+        print(f"  best: {best.choice.describe()}: {best.seconds * 1e3:,.3f} ms, MFU {best.sim.mfu:.1%}, "
+              f"peak {best.sim.peak_rank.memory / 1e9:.2f} GB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(CASES), help="run one search")
+    args = parser.parse_args()
+    print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}")
+    for name, path in CASES.items():
+        if args.only in (None, name):
+            run_case(name, path)
+
+
+if __name__ == "__main__":
+    main()
