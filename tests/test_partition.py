@@ -11,7 +11,7 @@ from dhelix.dsl.core.oplib import REGROUP
 from dhelix.dsl.passes.pipeline import check_text, run_until
 from dhelix.dsl.planner.pairing import plan_program
 from dhelix.dsl.simulator.costs import cost_of
-from dhelix.dsl.simulator.report import compare_partition
+from dhelix.dsl.simulator.report import compare
 
 HEADER = """
 import "stdlib/layers.dhx"
@@ -175,11 +175,12 @@ def test_the_planner_pairs_chunks_with_the_other_strand():
     assert any(name.startswith(("ag2.c", "fc1.c", "fc2.c")) for pair in pairs for name in pair.backward)
 
 
-def test_compare_shows_centauri_si_and_both_beside_the_baseline():
-    sims = compare_partition(program(MLP_BY_4))
-    assert [s.label for s in sims] == ["Centauri + SI", "SI only", "Centauri only", "baseline (1F1B)"]
-    assert sims[0].si and sims[1].si and not sims[2].si and not sims[3].si
-    assert sims[0].step_time != sims[1].step_time  # the chunks are priced, not ignored
+def test_compare_removes_one_feature_per_column():
+    sims = compare(program(MLP_BY_4))
+    assert [s.label for s in sims] == ["as written", "without SI", "1F1B, fold none", "without partition"]
+    assert sims[0].si and not sims[1].si and not sims[2].si and sims[3].si
+    assert sims[3].pipeline == sims[0].pipeline and sims[3].fold == sims[0].fold  # only the block goes
+    assert sims[0].step_time != sims[3].step_time  # the chunks are priced, not ignored
 
 
 def test_moving_the_substituted_gathers_later_turns_tensor_into_sequence_parallelism():

@@ -2,9 +2,8 @@
 
 Prints the simulator's report (:func:`dsl.simulator.report.format_simulation`): step time,
 tokens/s, TFLOPS/GPU, MFU, bubble ratio, communication hidden and exposed, and memory per
-pipeline rank. ``--compare`` prints instead the side-by-side table of the program as written,
-with SI off, and as 1F1B without folding (for a program with a partition block: Centauri + SI,
-SI only, Centauri only and the 1F1B baseline). ``--zero1`` shards the optimizer states (and
+pipeline rank. ``--compare`` prints instead the side-by-side table of the program as written
+and minus one feature at a time (:func:`dsl.simulator.report.compare`). ``--zero1`` shards the optimizer states (and
 reduce-scatters the gradients, all-gathers the weights) over the data-parallel group.
 ``--si-plan scheduled`` prices the SI blocks whole in the block scheduler's order, as
 ``dhelix run --si-plan scheduled`` runs them. ``--trace`` writes the Chrome trace of the run
@@ -23,7 +22,7 @@ from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.simulator.launch import priced_program
 from dhelix.dsl.frontend.imports import read_source
-from dhelix.dsl.simulator.report import (compare, compare_partition, format_comparison, format_simulation,
+from dhelix.dsl.simulator.report import (compare, format_comparison, format_simulation,
                                          memory_warnings, simulation_metrics)
 from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
@@ -38,8 +37,8 @@ def register(subparsers) -> None:
                     "DP/TP replica) on the cluster's hardware profile, with SI blocks from the plan.")
     sim.add_argument("file", metavar="FILE")
     sim.add_argument("--compare", action="store_true",
-                     help="compare with SI off and with 1F1B without folding (same model, mesh, micro-batches); "
-                          "with a partition block: Centauri + SI, SI only, Centauri only, 1F1B baseline")
+                     help="compare with the program minus one feature at a time: without SI, as 1F1B without "
+                          "folding, without its partition block, without its model-level overlaps (those it has)")
     sim.add_argument("--zero1", action="store_true",
                      help="shard optimizer states over the data-parallel group (ZeRO-1, distributed optimizer), "
                           "as `train { zero = 1 }` does")
@@ -73,11 +72,10 @@ def cmd_simulate(args) -> int:
         title += (f"; SI plan per layer pair {plan.total * 1e3:.3f} ms vs {plan.sequential * 1e3:.3f} ms "
                   f"sequential ({plan.speedup:.3f}x)")
     title += "".join(f"\n{choice.block} {choice.describe()}" for choice in chunks)
-    variants = compare_partition if program.partition is not None else compare
     scheduled = args.si_plan == "scheduled"
     if plan is not None and scheduled:
         title += "; SI blocks priced whole by the block scheduler"
-    sims = variants(program, plan, zero1=args.zero1, scheduled=scheduled) if args.compare else (
+    sims = compare(program, plan, zero1=args.zero1, scheduled=scheduled) if args.compare else (
         simulate(program, plan, zero1=args.zero1, cost=cost, label="as written", scheduled=scheduled),)
     if args.json:
         figures = [simulation_metrics(sim) for sim in sims]

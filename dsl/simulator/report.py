@@ -1,10 +1,10 @@
 """Variants to compare and the text reports of the step simulator.
 
-:func:`compare` simulates a program three ways on the same model, mesh and micro-batches:
-as written (SI blocks co-executed by the plan), with SI off (every SI block runs its forward,
-then its backward), and as plain 1F1B without folding (``fold none``, ``one_f_one_b``).
-:func:`compare_partition` compares a program with a partition block as Centauri's paper and
-DHelix's would: Centauri + SI, SI only, Centauri only and Megatron's 1F1B baseline.
+:func:`compare` simulates a program as written and then minus one feature at a time on the
+same model, mesh and micro-batches: without SI (every SI block runs its forward, then its
+backward), as plain 1F1B without folding (``fold none``, ``one_f_one_b``), without its
+partition block, without its model-level overlaps — each column differs from the first in
+the one feature its label names.
 :func:`format_simulation` and :func:`format_comparison` print the figures; every number is
 formatted with a fixed precision, so the text is deterministic.
 """
@@ -48,36 +48,45 @@ def unpartitioned(program: Program) -> Program:
                         after="check")
 
 
+def without_model_level(program: Program) -> Program:
+    """``program`` without Centauri's model-level overlaps that it turns on: ZeRO-1's weight
+    gather after the optimizer again (``param_gather = step``) and the pipeline's default
+    micro-batches per chunk (no ``launch``); every pass after check run again."""
+    train = attrs.evolve(program.train, param_gather="step", launch=None)
+    return passes.rerun(attrs.evolve(program, train=train, launch=None), after="check")
+
+
+def has_model_level(program: Program) -> bool:
+    """Whether ``program`` turns on a model-level overlap that :func:`without_model_level` removes."""
+    train = program.train
+    return train is not None and (train.param_gather != "step" or train.launch is not None)
+
+
 def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False,
             scheduled: bool = False) -> tuple[Simulation, ...]:
-    """Three simulations of ``program``: as written (SI blocks by the block scheduler with
-    ``scheduled``), SI off, and 1F1B without folding."""
+    """``program`` as written (SI blocks by the block scheduler with ``scheduled``), then the
+    program minus one feature at a time, each labelled with what it removes, for the
+    features it has: SI (every SI block runs its forward, then its backward), the fold and
+    pipeline (1F1B without folding), the partition block (and the planner's choices for it)
+    and the model-level overlaps (:func:`without_model_level`). Everything else stays as
+    written: each column differs from the first in one feature only."""
     require_profile(program)
     cost = cost_of(program)
     if plan is None and has_si(program):
         plan = schedule_plan(program, cost)
-    return (simulate(program, plan, zero1=zero1, cost=cost, label="as written", scheduled=scheduled),
-            simulate(program, plan, si=False, zero1=zero1, cost=cost, label="SI off"),
-            simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="1F1B, fold none"))
-
-
-def compare_partition(program: Program, plan: Plan | None = None, *,
-                      zero1: bool = False, scheduled: bool = False) -> tuple[Simulation, ...]:
-    """Four simulations of ``program``, which has a partition block: Centauri + SI (as
-    written), SI only (no partition), Centauri only (1F1B without folding, partitioned) and
-    Megatron's baseline (1F1B without folding, no partition); the SI blocks by the block
-    scheduler with ``scheduled``."""
-    require_profile(program)
-    cost = cost_of(program)
-    if plan is None and has_si(program):
-        plan = schedule_plan(program, cost)
-    plain = unpartitioned(program)
-    plain_cost = cost_of(plain)
-    plain_plan = schedule_plan(plain, plain_cost) if has_si(plain) else None
-    return (simulate(program, plan, zero1=zero1, cost=cost, label="Centauri + SI", scheduled=scheduled),
-            simulate(plain, plain_plan, zero1=zero1, cost=plain_cost, label="SI only", scheduled=scheduled),
-            simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="Centauri only"),
-            simulate(unfolded_1f1b(plain), zero1=zero1, cost=plain_cost, label="baseline (1F1B)"))
+    sims = [simulate(program, plan, zero1=zero1, cost=cost, label="as written", scheduled=scheduled)]
+    if has_si(program):
+        sims.append(simulate(program, plan, si=False, zero1=zero1, cost=cost, label="without SI"))
+    if program.fold.kind != "none" or program.pipeline.name != BASELINE_PIPELINE:
+        sims.append(simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="1F1B, fold none"))
+    variants = ((unpartitioned, "without partition") if program.partition is not None else None,
+                (without_model_level, "without model-level overlap") if has_model_level(program) else None)
+    for change, label in filter(None, variants):
+        other = change(program)
+        other_cost = cost_of(other)
+        other_plan = schedule_plan(other, other_cost) if has_si(other) else None
+        sims.append(simulate(other, other_plan, zero1=zero1, cost=other_cost, label=label, scheduled=scheduled))
+    return tuple(sims)
 
 
 def describe(sim: Simulation) -> str:
