@@ -24,6 +24,7 @@ import attrs
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.core.program import FOLD_KINDS, Program
 from dhelix.dsl.core.wording import did_you_mean
+from dhelix.dsl.frontend.config import RECOMPUTE, ZERO_STAGES
 
 #: The mesh axes a choice sets, in the order a mesh block lists them when the file does not.
 MESH_AXES = ("tp", "cp", "pp", "dp", "ep")
@@ -41,7 +42,6 @@ MAX_CP = 16
 MAX_TP_NODES = 2
 #: Chunks per rank tried for ``fold loop(v)``.
 LOOP_CHUNKS = (2, 4)
-RECOMPUTE = ("none", "selective", "full")
 
 
 @attrs.frozen(order=True)
@@ -170,7 +170,7 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         pp=domain("pp", (d for d in divisors(world) if d <= layers)),
         ep=domain("ep", (d for d in divisors(world) if experts and experts % d == 0) if experts else (1,)),
         micro_batch=domain("micro_batch", (b for b in MICRO_BATCHES if sequences % b == 0)),
-        zero=domain("zero", (0, 1, 3)), shard=domain("shard", (0,) + divisors(world)[1:]),
+        zero=domain("zero", ZERO_STAGES), shard=domain("shard", (0,) + divisors(world)[1:]),
         recompute=domain("recompute", RECOMPUTE),
         schedules=_schedules(program, kept), kept=kept)
 
