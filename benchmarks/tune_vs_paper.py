@@ -84,7 +84,8 @@ def _si_memory(text: str, path: str) -> None:
         row.append(f"{sim.label}: {r.memory / 1e9:.2f} GB (states {r.states.total / 1e9:.2f} + activations "
                    f"{r.activations / 1e9:.2f}, rank {r.rank})")
     print("  memory  " + "; ".join(row))
-    si, _, flat = sims
+    si = sims[0]
+    flat = next(sim for sim in sims if sim.label == "1F1B, fold none")
     extra = si.peak_rank.memory - flat.peak_rank.memory
     acts = si.peak_rank.activations - flat.peak_rank.activations
     print(f"  SI + fold over 1F1B: {extra / 1e9:+.2f} GB ({extra / flat.peak_rank.memory:+.1%}), of which "

@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+import attrs
+
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.cli.paths import output_path, program_inputs, write_output
 from dhelix.dsl.core.errors import UsageError
@@ -59,12 +61,15 @@ def cmd_tune(args) -> int:
         raise UsageError(f"--budget must be a positive number of seconds, got {args.budget}")
     text = read_source(args.file)
     modules = load_modules(text, args.file)
-    require_main_blocks(modules, args.file)
     if args.profile is not None:
         modules = with_profile_setting(modules, os.path.abspath(args.profile) if _is_file(args.profile) else args.profile)
-    base = passes.rerun(check_program(modules), after="check")
-    require_model(base, args.file)
-    require_profile(base)
+    checked = check_program(modules)
+    require_model(checked, args.file)
+    require_main_blocks(modules, args.file)
+    require_profile(checked)
+    measured = checked.profile.measured is not None
+    # Every candidate is priced by the profile's derived rates (tune.Pricer), the file too.
+    base = passes.rerun(attrs.evolve(checked, profile=attrs.evolve(checked.profile, measured=None)), after="check")
     output = output_path(args.output, "-o", inputs=program_inputs(base)) if args.output else None
     world = _world(args.gpus, base)
     keep = tuple(name.strip() for name in args.keep.split(",") if name.strip())
@@ -77,7 +82,7 @@ def cmd_tune(args) -> int:
     title = (f"{args.file}: model {base.model.name} on {world} GPUs ({world // base.cluster.gpus_per_node} x "
              f"{base.cluster.gpus_per_node}), profile {base.profile.name}, global batch {space.sequences} "
              f"sequences of {base.model.get('seq')}")
-    if base.profile.measured is not None:
+    if measured:
         title += ("\nthe profile's measured op times belong to one mesh and shape: every candidate is priced "
                   "with its derived rates (peak, links, overlap) instead")
     if args.json:
