@@ -31,7 +31,7 @@ from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.search.bound import Bound, layout_bound
 from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.search.variant import apply_choice
-from dhelix.dsl.simulator.costs import StepCosts, Work, input_backward, step_costs
+from dhelix.dsl.simulator.costs import StepCosts, Work, si_backward, step_costs
 from dhelix.dsl.simulator.events import Simulation, has_si, simulate
 from dhelix.dsl.simulator.launch import make_choices
 from dhelix.dsl.simulator.memory import GB
@@ -120,10 +120,7 @@ class PlanCache:
 
     @staticmethod
     def _key(program: Program) -> tuple:
-        backward = program.backward
-        if program.lowered is not None and program.lowered.split:
-            backward = input_backward(backward)
-        return program.forward, backward, program.strands
+        return program.forward, si_backward(program), program.strands
 
     def has(self, program: Program) -> bool:
         """Whether the plan of ``program``'s layer pair is computed already."""
@@ -239,10 +236,7 @@ def relaxed_costs(program: Program, cost: PairCost) -> StepCosts:
     backward runs again. Simulated, they give a lower bound of the step with any plan (the
     simulator only delays an action for a longer one before it)."""
     costs = step_costs(program, None, cost)
-    backward = program.backward
-    if program.lowered.split:
-        backward = input_backward(backward)
-    pair = costs.layer.again + Work(max(cost.lane_work(program.forward.ops + backward.ops)))
+    pair = costs.layer.again + Work(max(cost.lane_work(program.forward.ops + si_backward(program).ops)))
     return attrs.evolve(costs, layer=attrs.evolve(costs.layer, pair=pair))
 
 

@@ -134,6 +134,14 @@ def input_backward(backward: LayerDag) -> LayerDag:
     return attrs.evolve(backward, ops=tuple(op for op in backward.ops if not in_weight_pass(op)))
 
 
+def si_backward(program: Program) -> LayerDag:
+    """The backward DAG an SI block of ``program`` runs: without its wgrads when the schedule
+    splits W off (then W runs them on its own)."""
+    if program.lowered is not None and program.lowered.split:
+        return input_backward(program.backward)
+    return program.backward
+
+
 def cost_of(program: Program) -> PairCost:
     """The PairCost of a checked program with a profile (the caller checks that it has one)."""
     return PairCost(program.profile, program.model.dtype, seq=program.model.get("seq"))

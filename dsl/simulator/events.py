@@ -53,7 +53,7 @@ from dhelix.dsl.planner.si_plan import SegmentPlan
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
-from dhelix.dsl.simulator.costs import StepCosts, Work, cost_of, input_backward, step_costs
+from dhelix.dsl.simulator.costs import StepCosts, Work, cost_of, si_backward, step_costs
 from dhelix.dsl.core.timeline import CounterSample, TraceEvent
 from dhelix.dsl.passes.validate import dry_run, transfer_key
 
@@ -101,10 +101,7 @@ def _priced_backward(program: Program, cost: PairCost | None) -> tuple[PairCost,
     if cost is None:
         require_profile(program)
         cost = cost_of(program)
-    backward = program.backward
-    if program.lowered is not None and program.lowered.split:
-        backward = input_backward(backward)
-    return cost, backward
+    return cost, si_backward(program)
 
 
 def planned_pairs(program: Program) -> SegmentPlan:
