@@ -89,7 +89,20 @@ def _attention(args):
     if features % width:
         raise ShapeMismatch(f"qkv has {features} features, not a multiple of heads + 2*kv_heads = {width}",
                             0, ("the qkv projection must produce (heads + 2*kv_heads) * head_dim features",))
-    return (tokens, heads * (features // width))
+    head_dim = features // width
+    rope = args[5] if len(args) > 5 else None
+    if rope is not None:
+        _positive(rope, 5, "rope")
+        if head_dim % 2:
+            raise ShapeMismatch(f"rotary embeddings turn pairs of features, but head_dim is {head_dim}", 5,
+                                ("give heads and hidden with an even hidden / heads",))
+    return (tokens, heads * head_dim)
+
+
+def _norm(args):
+    if len(args) > 1 and args[1] is not None:
+        _positive(args[1], 1, "inv_eps")
+    return args[0]
 
 
 def _swiglu(args):
@@ -142,6 +155,8 @@ def _unpermute(args):
 
 _X = Param("x", TENSOR)
 _AXIS = Param("axis", AXIS)
+#: A norm's epsilon as its reciprocal (the language's numbers are integers): 1e-6 is 1000000.
+_INV_EPS = Param("inv_eps", INT, optional=True)
 
 
 def _spec(name, params, kind, op_class, infer, weight=lambda a: None, doc=""):
@@ -149,14 +164,18 @@ def _spec(name, params, kind, op_class, infer, weight=lambda a: None, doc=""):
 
 
 OPS: dict[str, OpSpec] = {op.name: op for op in [
-    _spec("rmsnorm", [_X], "compute", "norm", _same, lambda a: (a[0][1],), "RMSNorm over features"),
-    _spec("layernorm", [_X], "compute", "norm", _same, lambda a: (2, a[0][1]), "LayerNorm (scale and bias)"),
+    _spec("rmsnorm", [_X, _INV_EPS], "compute", "norm", _norm, lambda a: (a[0][1],),
+          "RMSNorm over features; epsilon 1 / inv_eps (default 1e-5)"),
+    _spec("layernorm", [_X, _INV_EPS], "compute", "norm", _norm, lambda a: (2, a[0][1]),
+          "LayerNorm (scale and bias); epsilon 1 / inv_eps (default 1e-5)"),
     _spec("gemm", [_X, Param("in_features", INT), Param("out_features", INT)], "compute", "gemm",
           _gemm, lambda a: (a[1], a[2]), "x @ W, W sharded as written"),
     _spec("attention", [Param("qkv", TENSOR), Param("heads", INT), Param("kv_heads", INT),
                         Param("mask", FLAG, choices=("causal", "full")),
-                        Param("ring", AXIS, optional=True)], "compute", "attention", _attention,
-          doc="scaled dot-product attention with GQA; a ring over `ring` (cp) when its size > 1"),
+                        Param("ring", AXIS, optional=True), Param("rope", INT, optional=True)],
+          "compute", "attention", _attention,
+          doc="scaled dot-product attention with GQA; a ring over `ring` (cp) when its size > 1; "
+              "rotary position embeddings of base `rope` on q and k when given"),
     _spec("swiglu", [_X], "compute", "activation", _swiglu, doc="silu(gate) * up over two halves"),
     _spec("gelu", [_X], "compute", "activation", _same),
     _spec("add", [Param("a", TENSOR), Param("b", TENSOR)], "compute", "add", _add,

@@ -444,7 +444,8 @@ class Executor:
             x = resolve(x)
             if stage.last:
                 self._ready(FINAL_NORM, LM_HEAD)
-                head = HeadRun(self.params[FINAL_NORM], self.params[LM_HEAD], self.comm, start, sp, self.end_grads)
+                head = HeadRun(self.params[FINAL_NORM], self.params[LM_HEAD], self.comm, start, sp, self.end_grads,
+                               norm_params=self.weights.norm_params)
                 stage.heads[mb] = head
                 self.loss_sum += head.forward(x, self._micro(mb)[1])
                 stage.head_grads[mb] = head.backward(self.scale, async_op=True)

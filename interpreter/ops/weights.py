@@ -282,6 +282,9 @@ class WeightPlan:
             self.layer_specs = _partial_over_cp(self.layer_specs)
             self.model_specs = _partial_over_cp(self.model_specs)
         self.layers = program.model.get("layers")
+        #: The parameters of the layer's first norm (its ``inv_eps``), which the final norm shares.
+        self.norm_params = next((dict(op.params) for op in self.full_forward.ops
+                                 if op.op in ("rmsnorm", "layernorm")), {})
         #: Whether the layer input is split over tp (then the model's ends reduce-scatter
         #: and all-gather over tp instead of all-reducing).
         self.sequence_parallel = _sequence_parallel(program)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from dhelix.dsl.core.program import LayerDag, Program
 
-from dhelix.interpreter.ops.kernels import EPS
+from dhelix.interpreter.ops.kernels import norm_eps
 from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name
 
 
@@ -46,12 +46,26 @@ def make_batch(program: Program, seed: int = 0, microbatches: int | None = None)
     return Batch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous())
 
 
+def _rope(t, theta: int):
+    """Rotary embedding of ``t`` ``[batch, heads, seq, d]`` as complex multiplication: the
+    features ``i`` and ``i + d/2`` are one complex number, turned by ``position · theta^(-2i/d)``
+    (written independently of the kernels' cos/sin form)."""
+    seq, d = t.shape[-2], t.shape[-1]
+    freq = theta ** -(torch.arange(0, d, 2, dtype=torch.float64) / d)
+    turn = torch.polar(torch.ones(seq, d // 2, dtype=torch.float64),
+                       torch.outer(torch.arange(seq, dtype=torch.float64), freq))
+    pairs = torch.complex(*(half.double() for half in t.chunk(2, dim=-1))) * turn
+    return torch.cat((pairs.real, pairs.imag), dim=-1).to(t.dtype)
+
+
 def _attention(qkv, params, micro_batch):
     heads, kv_heads = params["heads"], params["kv_heads"]
     tokens, width = qkv.shape
     d, seq = width // (heads + 2 * kv_heads), tokens // micro_batch
     q, k, v = (t.reshape(micro_batch, seq, -1, d).transpose(1, 2)
                for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1))
+    if params.get("rope") is not None:
+        q, k = _rope(q, params["rope"]), _rope(k, params["rope"])
     group = heads // kv_heads  # query head j reads kv head j // group
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=params["mask"] == "causal")
@@ -81,11 +95,11 @@ def _grouped_gemm(x, weight, routing):
 
 
 def _rmsnorm(args, weight, params, micro_batch, routing):
-    return F.rms_norm(args[0], (args[0].shape[-1],), weight, eps=EPS)
+    return F.rms_norm(args[0], (args[0].shape[-1],), weight, eps=norm_eps(params))
 
 
 def _layernorm(args, weight, params, micro_batch, routing):
-    return F.layer_norm(args[0], (args[0].shape[-1],), weight[0], weight[1], eps=EPS)
+    return F.layer_norm(args[0], (args[0].shape[-1],), weight[0], weight[1], eps=norm_eps(params))
 
 
 def _swiglu(args, weight, params, micro_batch, routing):
@@ -151,12 +165,17 @@ class ReferenceModel(torch.nn.Module):
         h = F.embedding(ids, self.params[EMBEDDING])
         for layer in range(self.plan.layers):
             h = reference_layer(self.plan.full_forward, self.layer_weights(layer), h, micro_batch)
-        norm = self.params[FINAL_NORM]
+        return F.cross_entropy(self.logits_of(h), targets)
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits ``[tokens, vocab]`` for the last layer's output ``h``: the
+        final norm (with the layer's norm epsilon), then ``h @ lm_head``."""
+        norm, eps = self.params[FINAL_NORM], norm_eps(self.plan.norm_params)
         if norm.dim() == 1:
-            h = F.rms_norm(h, (h.shape[-1],), norm, eps=EPS)
+            h = F.rms_norm(h, (h.shape[-1],), norm, eps=eps)
         else:
-            h = F.layer_norm(h, (h.shape[-1],), norm[0], norm[1], eps=EPS)
-        return F.cross_entropy(h @ self.params[LM_HEAD], targets)
+            h = F.layer_norm(h, (h.shape[-1],), norm[0], norm[1], eps=eps)
+        return h @ self.params[LM_HEAD]
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """The loss: the mean over micro-batches of their mean token cross-entropy (all
