@@ -88,12 +88,18 @@ def _add_training_arguments(run) -> None:
     data.add_argument("--data", metavar="PATH",
                       help="train on a text file or a folder of them (byte-level tokens), or on token files "
                            "(raw .uint16/.uint32 ids, or a 1-D integer .npy array); overrides the train block's data")
+    data.add_argument("--tokenizer", metavar="TOKENIZER.json",
+                      help="tokenize text data with this Hugging Face fast tokenizer (documents separated by its "
+                           "end-of-text token) instead of byte-level")
     data.add_argument("--save", metavar="DIR", help="save a checkpoint to DIR at the end (and every --save-every)")
     data.add_argument("--save-every", type=int, metavar="N", help="also save every N steps")
     data.add_argument("--keep", type=int, metavar="K",
                       help=f"keep the K newest saves in --save DIR, removing older ones (default {DEFAULT_KEEP})")
     data.add_argument("--resume", metavar="DIR",
                       help="continue the run saved in DIR, on this program's layout (--steps counts all steps)")
+    data.add_argument("--init", metavar="HF_DIR",
+                      help="start from the weights of a Hugging Face Llama checkpoint folder (model.safetensors or "
+                           "its shards; each rank reads only its slices) instead of seeded ones")
     data.add_argument("--export-weights", metavar="OUT.pt",
                       help="write the trained full weights as one torch.save state_dict of the reference model")
     data.add_argument("--log", metavar="OUT.jsonl",
@@ -169,6 +175,9 @@ def _run(args, started: list) -> int:
     if args.check and (outputs or args.resume):
         raise UsageError(f"--check compares every step with the reference and prints that; it writes no "
                          f"{' or '.join(outputs) or '--resume'} (run without --check for them)")
+    if args.init and (args.resume or args.check):
+        raise UsageError(f"--init starts a run from Hugging Face weights; {'--resume' if args.resume else '--check'} "
+                         "starts from its own (give one of them)")
     if len({os.path.realpath(path) for path in outputs.values()}) < len(outputs):
         raise UsageError(f"{' and '.join(outputs)} name the same file; give each its own")
     text = read_source(args.file)
@@ -191,6 +200,8 @@ def _run(args, started: list) -> int:
     _warn(filter(None, [check_memory(program, nproc, options.backend, force=args.force)]))
     if options.data is not None:
         _refuse_data(outputs, options.data)
+    if args.tokenizer and options.data is None:
+        raise UsageError("--tokenizer tokenizes text data: give --data, or a train block's data")
     _preflight_data(program, options)
     started.append(True)
     if placed is not None:
@@ -268,6 +279,8 @@ def _preflight_data(program, options) -> None:
     from dhelix.interpreter.training import checkpoint, data
     from dhelix.interpreter.ops.weights import WeightPlan
 
+    if options.init is not None:
+        WeightPlan(program, options.seed, hf=options.init)  # every tensor's presence and shape
     sequences = program.train.micro_batch * program.train.microbatches * program.mesh.size("dp")
     if options.data is not None:
         corpus = data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"))
@@ -313,11 +326,12 @@ def run_options(args, text: str, program, backend: str):
         seed=args.seed if args.seed is not None else program.train.seed, lr=args.lr,
         zero1=args.zero1 or program.train.zero >= 1, timeout=args.timeout, check=args.check, pairs=pairs,
         profile=_profile_for_ranks(args.profile),
-        data=data.data_spec(program, args.file, args.data, "--data"),
+        data=data.data_spec(program, args.file, args.data, "--data", args.tokenizer),
         warmup=args.warmup if args.warmup is not None else program.train.warmup,
         decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip, master=args.master,
         eval_every=args.eval_every if args.eval_every is not None else program.train.eval_every,
         save=args.save, save_every=args.save_every, resume=args.resume, log=args.log,
+        init=str(Path(args.init).resolve()) if args.init else None,
         export=args.export_weights, topology=args.topology, skip_nonfinite=args.skip_nonfinite,
         keep=args.keep if args.keep is not None else DEFAULT_KEEP)
 

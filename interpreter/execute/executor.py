@@ -106,7 +106,7 @@ class Executor:
     def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
                  si: bool = True, plan_for: PlanFn = sequential_plan, use_tags: bool = True,
                  recorder: Recorder | None = None, on_action: Callable | None = None,
-                 pair_barrier: bool | None = None, block_orders: dict | None = None):
+                 pair_barrier: bool | None = None, block_orders: dict | None = None, init: str | None = None):
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
@@ -114,7 +114,7 @@ class Executor:
         self.comm = TimedComm(comm, self.recorder)
         self.pp = comm.index("pp")
         self.actions = self.lowered.actions[self.pp]
-        self.weights = WeightPlan(program, seed)
+        self.weights = WeightPlan(program, seed, hf=init)  # init: a Hugging Face checkpoint folder
         self.index = {axis: comm.index(axis) for axis in AXES}
         self.layer_plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
         self.b_ops = backward_ops(program.backward, self.lowered.split)

@@ -268,10 +268,12 @@ class WeightPlan:
     """Every parameter of ``program``: its spec, its seeded full value and its shards.
 
     ``index`` arguments map a mesh axis to this rank's position in its group (as
-    :meth:`Communicator.index` returns); missing axes count as 0.
+    :meth:`Communicator.index` returns); missing axes count as 0. With ``hf`` (a Hugging Face
+    checkpoint folder, :mod:`.hf_weights`) the values are that checkpoint's instead of seeded
+    ones, each shard read on its own.
     """
 
-    def __init__(self, program: Program, seed: int = 0):
+    def __init__(self, program: Program, seed: int = 0, hf: str | None = None):
         if program.forward is None:
             raise ShardingError("the program has no model, so it has no weights")
         self.program, self.seed = program, seed
@@ -288,6 +290,11 @@ class WeightPlan:
         #: Whether the layer input is split over tp (then the model's ends reduce-scatter
         #: and all-gather over tp instead of all-reducing).
         self.sequence_parallel = _sequence_parallel(program)
+        self.source = None
+        if hf is not None:
+            from .hf_weights import HFWeights
+
+            self.source = HFWeights(hf, self)
 
     def spec(self, name: str) -> ShardSpec:
         """The ShardSpec of parameter ``name``."""
@@ -302,6 +309,8 @@ class WeightPlan:
 
     def full(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full (unsharded) value of parameter ``name``."""
+        if self.source is not None:
+            return self.source.full(name).to(dtype)
         return init_full(self.spec(name), param_seed(self.seed, name)).to(dtype)
 
     def shard(self, name: str, index: Mapping[str, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -310,6 +319,8 @@ class WeightPlan:
         if spec.dim is None:
             return self.full(name, dtype)
         parts = self.program.mesh.size(spec.axis)
+        if self.source is not None:
+            return self.source.shard(name, index.get(spec.axis, 0), parts).to(dtype)
         return spec.take(self.full(name, dtype), index.get(spec.axis, 0), parts)
 
     def layer_weights(self, layer: int, index: Mapping[str, int], dtype=torch.float32,

@@ -57,6 +57,8 @@ class DataSpec:
     path: str
     span: object = None
     flag: str | None = None
+    #: A Hugging Face ``tokenizer.json`` for the text files (None: byte-level), :mod:`.tokenizer`.
+    tokenizer: str | None = None
 
     def error(self, message: str, notes=()) -> DataError:
         """A DataError about this data, located at its setting or naming its flag."""
@@ -65,16 +67,17 @@ class DataSpec:
 
 
 def data_spec(program: Program, program_path: str, override: str | None = None,
-              flag: str | None = None) -> DataSpec | None:
+              flag: str | None = None, tokenizer: str | None = None) -> DataSpec | None:
     """The run's data: ``override`` (relative to the working folder; ``flag`` names where
     it was given) or the train block's ``data`` (relative to the program file); None for
-    random tokens."""
+    random tokens. ``tokenizer`` is a ``tokenizer.json`` for its text (None: byte-level)."""
+    tokenizer = str(Path(tokenizer).resolve()) if tokenizer else None
     if override is not None:
-        return DataSpec(str(Path(override).resolve()), flag=flag)
+        return DataSpec(str(Path(override).resolve()), flag=flag, tokenizer=tokenizer)
     if program.train.data is None:
         return None
     path = (Path(program_path).resolve().parent / program.train.data).resolve()
-    return DataSpec(str(path), span=program.train.data_span)
+    return DataSpec(str(path), span=program.train.data_span, tokenizer=tokenizer)
 
 
 def _is_text(path: Path) -> bool:
@@ -128,6 +131,8 @@ def _file_tokens(path: Path, spec: DataSpec, vocab: int) -> torch.Tensor:
             return read_token_file(path, vocab)
         except TokenFileError as exc:
             raise spec.error(str(exc)) from None
+    if spec.tokenizer is not None:
+        return _tokenized(path.read_bytes().decode("utf-8", errors="replace"), spec, vocab)
     if vocab < BYTE_VOCAB:
         raise spec.error(f"'{path}' is text, tokenized byte-level (256 tokens), but the model's vocab is "
                          f"{vocab}", ["set vocab = 256 or more in the model block"])
@@ -146,6 +151,20 @@ def short_data(spec: DataSpec, corpus: "Corpus", global_sequences: int) -> Dheli
     return DhelixWarning(f"the data '{spec.path}'{where} holds {count} training sequence(s) of seq + 1 tokens, fewer "
                          f"than one step's global batch of {global_sequences}: every step repeats them",
                          spec.span, ["give more data, or fewer sequences a step (micro_batch, microbatches, dp)"])
+
+
+def _tokenized(text: str, spec: DataSpec, vocab: int) -> torch.Tensor:
+    """One text document through the spec's tokenizer, then its end-of-text id."""
+    from .tokenizer import END_OF_TEXT, TokenizerError, codec
+
+    try:
+        found = codec(spec.tokenizer, vocab)
+    except TokenizerError as exc:
+        raise spec.error(exc.message, exc.notes) from None
+    if found.end_of_text is None:
+        raise spec.error(f"the tokenizer '{spec.tokenizer}' has no end-of-text token ({', '.join(END_OF_TEXT)}), "
+                         "which separates the documents", ["give a tokenizer that has one"])
+    return torch.tensor(found.encode(text) + [found.end_of_text], dtype=torch.long)
 
 
 @attrs.frozen

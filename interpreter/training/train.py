@@ -87,6 +87,8 @@ class RunOptions:
     save: str | None = None
     save_every: int | None = None
     resume: str | None = None
+    #: A Hugging Face checkpoint folder the weights start from (:mod:`.hf_weights`); None: seeded.
+    init: str | None = None
     log: str | None = None
     export: str | None = None
     #: How many of the newest checkpoints ``save`` keeps.
@@ -174,7 +176,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     plan_for = fixed_plan(pairs) if pairs is not None else PLANS.get(options.plan, PLANS["sequential"])
     executor = Executor(program, comm, seed=options.seed, device=device, si=options.si,
                         plan_for=plan_for, use_tags=options.backend == "gloo", block_orders=orders,
-                        recorder=recorder, on_action=_action_hook(comm, program, heartbeat))
+                        recorder=recorder, on_action=_action_hook(comm, program, heartbeat), init=options.init)
     config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
                          master=options.master)
     optimizer = for_executor(executor, zero1=options.zero1, config=config)
@@ -276,7 +278,8 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
                 from .checkpoint import save
 
                 save(options.save, executor, optimizer, step=step + 1, seed=options.seed,
-                     global_sequences=source.global_sequences, schedule=options.schedule(), keep=options.keep)
+                     global_sequences=source.global_sequences, schedule=options.schedule(), keep=options.keep,
+                     program={"path": os.path.abspath(options.path), "text": options.text})
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             step_ms=f"{1e3 * times['step'][-1]:.1f}")
     bar.close()

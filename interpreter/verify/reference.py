@@ -146,9 +146,9 @@ class ReferenceModel(torch.nn.Module):
     """The whole model with full weights as ``nn.Parameter`` s, keyed by parameter name in
     :attr:`params` (dotted names, so they are registered with ``__`` instead of dots)."""
 
-    def __init__(self, program: Program, seed: int = 0, dtype: torch.dtype = torch.float32):
+    def __init__(self, program: Program, seed: int = 0, dtype: torch.dtype = torch.float32, hf: str | None = None):
         super().__init__()
-        self.program, self.plan = program, WeightPlan(program, seed)
+        self.program, self.plan = program, WeightPlan(program, seed, hf)
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in self.plan.names():
             param = torch.nn.Parameter(self.plan.full(name, dtype))
@@ -166,6 +166,15 @@ class ReferenceModel(torch.nn.Module):
         for layer in range(self.plan.layers):
             h = reference_layer(self.plan.full_forward, self.layer_weights(layer), h, micro_batch)
         return F.cross_entropy(self.logits_of(h), targets)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The next-token logits ``[batch, seq, vocab]`` of token ``ids`` ``[batch, seq]`` (any
+        sequence length: attention and rotary embeddings follow the ids given)."""
+        batch, seq = ids.shape
+        h = F.embedding(ids.reshape(-1), self.params[EMBEDDING])
+        for layer in range(self.plan.layers):
+            h = reference_layer(self.plan.full_forward, self.layer_weights(layer), h, batch)
+        return self.logits_of(h).reshape(batch, seq, -1)
 
     def logits_of(self, h: torch.Tensor) -> torch.Tensor:
         """The LM head's logits ``[tokens, vocab]`` for the last layer's output ``h``: the
