@@ -138,3 +138,5 @@ def test_init_first_step_loss_equals_transformers_and_export_loads_back(hf_dir, 
     assert moved > 1e-3  # two steps of training are in what was exported
     ours = api.logits(api.reference_model(program, checkpoint=str(ckpt)), ids)
     assert (ours - theirs).abs().max() < TOL
+    # The save keeps its program: the checkpoint alone generates (byte-level text, 3 new tokens).
+    assert main(["generate", str(ckpt), "--prompt", "ab", "--max-new", "3"]) == 0

@@ -94,3 +94,34 @@ def test_generate_command_prints_the_prompt_and_its_continuation(tmp_path, capsy
     assert out.startswith("Hi") and len(out.encode()) >= 3
     assert main(["generate", str(path), "--prompt", "", "--max-new", "4"]) == 2
     assert main(["generate", str(tmp_path), "--max-new", "4"]) == 1  # a folder that is no checkpoint
+
+
+def test_eval_data_is_held_out_whole_and_the_training_data_trained_on_whole(tmp_path):
+    (tmp_path / "train.txt").write_text("abcdefghij" * 5)
+    (tmp_path / "eval.txt").write_text("zyxwvutsrq" * 2)
+    corpus = load_corpus(DataSpec(str(tmp_path / "train.txt")), 256, 8, DataSpec(str(tmp_path / "eval.txt")))
+    assert corpus.train.shape == (50 // 9, 9) and corpus.held_out.shape == (20 // 9, 9)
+    assert bytes(corpus.held_out[0].tolist()) == b"zyxwvutsr"
+
+
+def test_run_trains_on_tokenized_text_and_evaluates_on_eval_data(tokenizer_file, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "m.dhx"
+    path.write_text(PROGRAM.replace("vocab = 256", "vocab = 512"))
+    (tmp_path / "train").mkdir()
+    for i, line in enumerate(LINES):
+        (tmp_path / "train" / f"{i}.txt").write_text(line * 4)
+    (tmp_path / "eval.txt").write_text(" ".join(LINES))
+    log = tmp_path / "log.jsonl"
+    done = subprocess.run([sys.executable, "-m", "dhelix", "run", str(path), "--data", str(tmp_path / "train"),
+                           "--eval-data", str(tmp_path / "eval.txt"), "--tokenizer", tokenizer_file, "--steps", "2",
+                           "--eval-every", "1", "--log", str(log)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum("eval_loss" in r for r in records) == 2 and sum("loss" in r for r in records) == 2
+    done = subprocess.run([sys.executable, "-m", "dhelix", "run", str(path), "--tokenizer", tokenizer_file],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--tokenizer goes with training data" in done.stderr

@@ -88,6 +88,9 @@ def _add_training_arguments(run) -> None:
     data.add_argument("--data", metavar="PATH",
                       help="train on a text file or a folder of them (byte-level tokens), or on token files "
                            "(raw .uint16/.uint32 ids, or a 1-D integer .npy array); overrides the train block's data")
+    data.add_argument("--eval-data", metavar="PATH",
+                      help="evaluate on this held-out data (text or token files, as --data) instead of the last "
+                           "10 %% of the training data, which is then all trained on")
     data.add_argument("--tokenizer", metavar="TOKENIZER.json",
                       help="tokenize text data with this Hugging Face fast tokenizer (documents separated by its "
                            "end-of-text token) instead of byte-level")
@@ -197,11 +200,13 @@ def _run(args, started: list) -> int:
                          "machine on purpose (the cluster block's nodes are emulated); run without it")
     nproc = local_ranks(args, program, torchrun=placed is not None)
     options = run_options(args, text, program, choose_backend(args.backend, nproc))
+    if (args.tokenizer or args.eval_data) and options.data is None:
+        raise UsageError(f"{'--tokenizer' if args.tokenizer else '--eval-data'} goes with training data: give --data, "
+                         "or a train block's data")
     _warn(filter(None, [check_memory(program, nproc, options.backend, force=args.force)]))
-    if options.data is not None:
-        _refuse_data(outputs, options.data)
-    if args.tokenizer and options.data is None:
-        raise UsageError("--tokenizer tokenizes text data: give --data, or a train block's data")
+    for given in (options.data, options.eval_data):
+        if given is not None:
+            _refuse_data(outputs, given)
     _preflight_data(program, options)
     started.append(True)
     if placed is not None:
@@ -283,7 +288,8 @@ def _preflight_data(program, options) -> None:
         WeightPlan(program, options.seed, hf=options.init)  # every tensor's presence and shape
     sequences = program.train.micro_batch * program.train.microbatches * program.mesh.size("dp")
     if options.data is not None:
-        corpus = data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"))
+        corpus = data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"),
+                                  options.eval_data)
         _warn(filter(None, [data.short_data(options.data, corpus, sequences)]))
     if options.resume is not None:
         _, meta = checkpoint.latest(options.resume)
@@ -327,6 +333,9 @@ def run_options(args, text: str, program, backend: str):
         zero1=args.zero1 or program.train.zero >= 1, timeout=args.timeout, check=args.check, pairs=pairs,
         profile=_profile_for_ranks(args.profile),
         data=data.data_spec(program, args.file, args.data, "--data", args.tokenizer),
+        eval_data=data.DataSpec(str(Path(args.eval_data).resolve()), flag="--eval-data",
+                                tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
+        if args.eval_data else None,
         warmup=args.warmup if args.warmup is not None else program.train.warmup,
         decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip, master=args.master,
         eval_every=args.eval_every if args.eval_every is not None else program.train.eval_every,

@@ -7,10 +7,13 @@ folder of documents with pictures in it works) or a glob pattern (``docs/*.md``,
 sorted). A token file (pre-tokenized, e.g. by a BPE tokenizer: raw little-endian ``.uint16``
 or ``.uint32`` ids, or a 1-D integer NumPy ``.npy`` array) is memory-mapped
 (:mod:`.tokenfiles`); any other file is UTF-8 text, tokenized byte-level (token = byte value,
-so the model's vocab must be at least 256). A file given alone or matched by a pattern that
+so the model's vocab must be at least 256), or with ``--tokenizer tokenizer.json`` by that
+Hugging Face tokenizer, each file a document ended by the tokenizer's end-of-text id
+(:mod:`.tokenizer`). A file given alone or matched by a pattern that
 is neither is an error (a folder skips it, as it does pictures). The files'
 tokens are concatenated into one stream; its last :data:`HELD_OUT` part is held out for
-evaluation, and each part is packed into windows of ``seq + 1`` tokens that do not overlap
+evaluation (or, with ``--eval-data``, all of it is trained on and that data is held out),
+and each part is packed into windows of ``seq + 1`` tokens that do not overlap
 (inputs are a window's first ``seq`` tokens, targets its last ``seq``).
 
 Order: training sample ``j`` (counted from the first step) is window ``perm_e[j mod n]`` of
@@ -177,27 +180,41 @@ class Corpus:
     held_out: torch.Tensor
 
 
-def load_corpus(spec: DataSpec, vocab: int, seq: int) -> Corpus:
+def load_corpus(spec: DataSpec, vocab: int, seq: int, evaluation: DataSpec | None = None) -> Corpus:
     """Read, tokenize, split and pack the data of ``spec``; DataError when it cannot be
-    used (no file, nothing in it, too short for one window in each part)."""
-    parts = [_file_tokens(path, spec, vocab) for path in _files(spec)]
-    # One file stays as it is (a token file: its memory map); several are joined as ids.
-    stream = parts[0] if len(parts) == 1 else torch.cat([tokens.long() for tokens in parts])
-    if stream.numel() == 0:
-        raise spec.error(f"the data '{spec.path}' is empty")
+    used (no file, nothing in it, too short for one window in each part). With
+    ``evaluation`` (``--eval-data``) all of ``spec`` is trained on and the held-out windows
+    are ``evaluation``'s."""
     window = seq + 1
+    stream = _stream(spec, vocab)
+    if evaluation is not None:
+        held_out = _stream(evaluation, vocab)
+        for part, tokens in ((spec, stream), (evaluation, held_out)):
+            if tokens.numel() < window:
+                raise part.error(f"the data '{part.path}' has {tokens.numel()} tokens: too short for one sequence "
+                                 f"of seq + 1 = {window}")
+        return Corpus(_pack(stream, window), _pack(held_out, window))
     held = max(window, math.ceil(HELD_OUT * stream.numel()))
     if stream.numel() - held < window:
         raise spec.error(f"the data '{spec.path}' has {stream.numel()} tokens: too short for sequences of "
                          f"{seq} (it needs at least {window + held} tokens: one training sequence of seq + 1 "
                          f"and a held-out tail of {held})")
-    train, held_out = stream[:-held], stream[-held:]
+    return Corpus(_pack(stream[:-held], window), _pack(stream[-held:], window))
 
-    def pack(tokens):
-        count = tokens.numel() // window
-        return tokens[:count * window].reshape(count, window)
 
-    return Corpus(pack(train), pack(held_out))
+def _stream(spec: DataSpec, vocab: int) -> torch.Tensor:
+    """Every token of ``spec``'s files, in order; DataError when there are none."""
+    parts = [_file_tokens(path, spec, vocab) for path in _files(spec)]
+    # One file stays as it is (a token file: its memory map); several are joined as ids.
+    stream = parts[0] if len(parts) == 1 else torch.cat([tokens.long() for tokens in parts])
+    if stream.numel() == 0:
+        raise spec.error(f"the data '{spec.path}' is empty")
+    return stream
+
+
+def _pack(tokens: torch.Tensor, window: int) -> torch.Tensor:
+    count = tokens.numel() // window
+    return tokens[:count * window].reshape(count, window)
 
 
 def _epoch_order(seed: int, epoch: int, count: int) -> torch.Tensor:

@@ -76,6 +76,8 @@ class RunOptions:
     profile: str | None = None
     #: The training data (:class:`~.data.DataSpec`; None: seeded random tokens).
     data: object = None
+    #: The held-out data (a DataSpec, ``--eval-data``); None: the tail of ``data``.
+    eval_data: object = None
     warmup: int = 0
     #: Cosine decay of the learning rate over the run's steps (else constant after warm-up).
     decay: bool = True
@@ -181,7 +183,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
                          master=options.master)
     optimizer = for_executor(executor, zero1=options.zero1, config=config)
     corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
-                                                           program.model.get("seq"))
+                                                           program.model.get("seq"), options.eval_data)
     source = DataSource(program, comm.size("dp"), options.seed, corpus)
     # Every group exists everywhere; also aligns the trace clocks (on NCCL, on this rank's GPU).
     dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
