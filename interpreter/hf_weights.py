@@ -31,6 +31,7 @@ import torch
 
 from dhelix.dsl.core.errors import DhelixError
 
+from .kernels import rope_of
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD
 
 #: The ops of a layer whose weights are Hugging Face's, with their op kind and the tensors
@@ -52,9 +53,9 @@ class HFWeightsError(DhelixError):
 
 
 def check_llama(plan) -> dict:
-    """The rotary base and norm epsilon (``rope_theta``, ``norm_inv_eps``) of ``plan``'s
-    program, after checking that its layer has Llama's weights and numerics; HFWeightsError
-    naming what differs."""
+    """The rotary base, its Llama 3 scaling and the norm epsilon (``rope_theta``, ``scaling``,
+    ``norm_inv_eps``) of ``plan``'s program, after checking that its layer has Llama's weights
+    and numerics; HFWeightsError naming what differs."""
     fwd = plan.full_forward
     kinds = {op.name: op.op for op in fwd.ops if op.weight is not None}
     wanted = {name: kind for name, (kind, _) in LAYER_PARTS.items()}
@@ -66,7 +67,8 @@ def check_llama(plan) -> dict:
     if len(attention) != 1 or attention[0].get("rope") is None or not swiglu:
         raise HFWeightsError(f"layer {plan.program.model.layer} has no rotary attention with a SwiGLU MLP, which "
                              "Hugging Face's Llama computes", notes=["use the stdlib layer llama_rope, which a Hugging Face configuration becomes"])
-    return {"rope_theta": attention[0]["rope"], "norm_inv_eps": plan.norm_params.get("inv_eps")}
+    _, scaling = rope_of(attention[0])
+    return {"rope_theta": attention[0]["rope"], "scaling": scaling, "norm_inv_eps": plan.norm_params.get("inv_eps")}
 
 
 def _listing(kinds: dict) -> str:

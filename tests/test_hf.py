@@ -107,6 +107,38 @@ def test_reference_logits_equal_transformers(hf_dir, tmp_path):
     assert (ours - theirs).abs().max() < TOL
 
 
+def test_llama3_rope_scaling_in_and_out(tmp_path):
+    """Llama 3.1's RoPE scaling: the configuration becomes layer llama3_rope, whose logits are
+    transformers'; the exported configuration and weights give them back."""
+    from dhelix.interpreter.hf_weights import check_llama, hf_state, write_hf
+    from dhelix.dsl.frontend.hfconfig import hf_config_of
+
+    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    torch.manual_seed(1)
+    theirs = transformers.LlamaForCausalLM(tiny_config(rope_parameters=scaling, rms_norm_eps=1e-5)).eval()
+    theirs.save_pretrained(tmp_path / "in")
+    program = api.load_program(new_program(tmp_path / "in", tmp_path / "m.dhx"))
+    assert program.model.layer == "llama3_rope" and program.model.get("rope_original") == 16
+    ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    ours = api.reference_model(program, hf=str(tmp_path / "in"))
+    with torch.no_grad():
+        expected = theirs(ids).logits
+    assert (api.logits(ours, ids) - expected).abs().max() < TOL
+    numerics = check_llama(ours.plan)
+    config = hf_config_of(program.model, numerics["norm_inv_eps"], numerics["rope_theta"], numerics["scaling"])
+    full = {name: p.detach() for name, p in ours.params.items()}
+    write_hf(tmp_path / "out", config, hf_state(ours.plan, full, torch.float32), 10**9)
+    with torch.no_grad():
+        assert (hf_model(tmp_path / "out")(ids).logits - expected).abs().max() < TOL
+
+
+def test_new_refuses_other_rope_scaling(tmp_path, capsys):
+    tiny_config(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}).save_pretrained(tmp_path)
+    assert main(["new", "--hf", str(tmp_path / "config.json"), "-o", str(tmp_path / "m.dhx")]) == 1
+    assert 'RoPE scaling of type "linear" is not computed' in capsys.readouterr().err
+
+
 def run(*args):
     done = subprocess.run([sys.executable, "-m", "dhelix", "run", *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

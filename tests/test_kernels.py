@@ -94,13 +94,16 @@ def test_attention_backward_and_gqa_layout(heads, kv_heads, mask):
         assert (out[seq] - expected).abs().max() < TOL
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (2, 2)])
-def test_rotary_attention_matches_the_reference_and_autograd(heads, kv_heads):
+LLAMA3_SCALING = {"rope_factor": 8, "rope_low_freq": 1, "rope_high_freq": 4, "rope_original": 16}
+
+
+@pytest.mark.parametrize("heads, kv_heads, scaling", [(4, 2, {}), (2, 2, {}), (4, 2, LLAMA3_SCALING)])
+def test_rotary_attention_matches_the_reference_and_autograd(heads, kv_heads, scaling):
     from dhelix.interpreter.reference import _attention
 
-    d, micro_batch, seq, theta = 8, 2, 6, 500000
+    d, micro_batch, seq, theta = 16, 2, 6, 500000
     qkv = randn(micro_batch * seq, (heads + 2 * kv_heads) * d)
-    params = {"heads": heads, "kv_heads": kv_heads, "mask": "causal", "rope": theta}
+    params = {"heads": heads, "kv_heads": kv_heads, "mask": "causal", "rope": theta, **scaling}
     out = check_against_autograd("attention", [qkv], None, k.KernelCtx(micro_batch=micro_batch, params=params), [0])
     # The kernel's cos/sin tables are fp32 (as Hugging Face computes them), the reference's fp64.
     assert (out - _attention(qkv, params, micro_batch)).abs().max() < 1e-6

@@ -96,7 +96,29 @@ def _attention(args):
         if head_dim % 2:
             raise ShapeMismatch(f"rotary embeddings turn pairs of features, but head_dim is {head_dim}", 5,
                                 ("give heads and hidden with an even hidden / heads",))
+    _check_rope_scaling(args[6:10], rope is not None)
     return (tokens, heads * head_dim)
+
+
+#: Llama 3's RoPE scaling (``rope_type`` "llama3"), all four or none: the frequencies of
+#: wavelengths above ``rope_original / rope_low_freq`` are divided by ``rope_factor``, those
+#: below ``rope_original / rope_high_freq`` kept, those between blended.
+ROPE_SCALING = ("rope_factor", "rope_low_freq", "rope_high_freq", "rope_original")
+
+
+def _check_rope_scaling(values, rope: bool) -> None:
+    given = [v for v in values if v is not None]
+    if not given:
+        return
+    first = 6 + next(i for i, v in enumerate(values) if v is not None)
+    if not rope:
+        raise ShapeMismatch("RoPE scaling needs rotary embeddings: give rope = θ too", first)
+    if len(given) != len(ROPE_SCALING):
+        raise ShapeMismatch(f"Llama 3's RoPE scaling takes all of {', '.join(ROPE_SCALING)}", first)
+    for offset, value in enumerate(values):
+        _positive(value, 6 + offset, ROPE_SCALING[offset])
+    if values[2] <= values[1]:
+        raise ShapeMismatch("rope_high_freq must exceed rope_low_freq", 8)
 
 
 def _norm(args):
@@ -172,10 +194,12 @@ OPS: dict[str, OpSpec] = {op.name: op for op in [
           _gemm, lambda a: (a[1], a[2]), "x @ W, W sharded as written"),
     _spec("attention", [Param("qkv", TENSOR), Param("heads", INT), Param("kv_heads", INT),
                         Param("mask", FLAG, choices=("causal", "full")),
-                        Param("ring", AXIS, optional=True), Param("rope", INT, optional=True)],
+                        Param("ring", AXIS, optional=True), Param("rope", INT, optional=True),
+                        *(Param(name, INT, optional=True) for name in ROPE_SCALING)],
           "compute", "attention", _attention,
           doc="scaled dot-product attention with GQA; a ring over `ring` (cp) when its size > 1; "
-              "rotary position embeddings of base `rope` on q and k when given"),
+              "rotary position embeddings of base `rope` on q and k when given, with Llama 3's "
+              "scaling when the four rope_* sizes are given"),
     _spec("swiglu", [_X], "compute", "activation", _swiglu, doc="silu(gate) * up over two halves"),
     _spec("gelu", [_X], "compute", "activation", _same),
     _spec("add", [Param("a", TENSOR), Param("b", TENSOR)], "compute", "add", _add,

@@ -3,9 +3,10 @@
 :func:`read_hf_config` reads a Llama, Mistral or Qwen2 configuration into :class:`HFModel`,
 the model settings of the stdlib layer ``llama_rope`` (RMSNorm with epsilon ``1 /
 norm_inv_eps``, grouped-query attention with rotary embeddings of base ``rope_theta``, a
-SwiGLU MLP, an untied LM head). Whatever that layer cannot compute is an error located at the
-configuration's field (``config.json:12:3``) naming it: q/k/v or MLP biases (Qwen2), tied
-embeddings, RoPE scaling, a sliding window shorter than the sequence, another activation, a
+SwiGLU MLP, an untied LM head), or of ``llama3_rope`` (the same with Llama 3's RoPE scaling)
+for a ``rope_type`` "llama3" configuration. Whatever the layers cannot compute is an error
+located at the configuration's field (``config.json:12:3``) naming it: q/k/v or MLP biases
+(Qwen2), tied embeddings, other RoPE scaling, a sliding window shorter than the sequence, another activation, a
 ``head_dim`` other than ``hidden / heads``. Every problem is collected and raised at once.
 
 :func:`hf_config_of` is the inverse for ``dhelix export --hf``: the ``LlamaConfig`` fields of
@@ -27,6 +28,11 @@ from dhelix.dsl.core.span import Source, Span
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 #: The layer a configuration becomes (stdlib/layers.dhx).
 LAYER = "llama_rope"
+#: The layer of a configuration with Llama 3's RoPE scaling, and its four extra settings with
+#: the configuration's names for them.
+LLAMA3_LAYER = "llama3_rope"
+LLAMA3_SCALING = (("rope_factor", "factor"), ("rope_low_freq", "low_freq_factor"),
+                  ("rope_high_freq", "high_freq_factor"), ("rope_original", "original_max_position_embeddings"))
 #: Hugging Face's ``torch_dtype`` / ``dtype`` names → dhelix dtypes.
 HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 #: Defaults of the fields a configuration may leave out (LlamaConfig's).
@@ -37,11 +43,13 @@ DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu", "
 @attrs.frozen
 class HFModel:
     """A configuration's model: ``settings`` in the order a model block lists them (integers,
-    and ``dtype``), ``model_type`` and ``max_seq`` (``max_position_embeddings``)."""
+    and ``dtype``), ``model_type``, ``max_seq`` (``max_position_embeddings``) and the stdlib
+    ``layer`` that computes it."""
 
     settings: tuple[tuple[str, object], ...]
     model_type: str
     max_seq: int
+    layer: str = LAYER
 
     def get(self, key: str):
         """The setting ``key`` (None when absent)."""
@@ -78,10 +86,11 @@ def read_hf_config(text: str, path: str, seq: int | None = None) -> HFModel:
     max_seq = reader.integer("max_position_embeddings")
     seq = seq or min(max_seq or 4096, 4096)
     reader.refuse_unsupported(model_type, seq, settings)
-    settings += [("seq", seq), ("rope_theta", reader.rope_theta()), ("norm_inv_eps", reader.inv_eps()),
+    scaling = reader.rope_scaling()
+    settings += [("seq", seq), ("rope_theta", reader.rope_theta()), *scaling, ("norm_inv_eps", reader.inv_eps()),
                  ("dtype", reader.dtype())]
     errors.raise_if_any()
-    return HFModel(tuple(settings), model_type, max_seq or seq)
+    return HFModel(tuple(settings), model_type, max_seq or seq, LLAMA3_LAYER if scaling else LAYER)
 
 
 @attrs.define
@@ -153,12 +162,6 @@ class _Reader:
         if self.value("hidden_act") != "silu":
             self.fail("hidden_act", f"hidden_act {json.dumps(self.value('hidden_act'))}: the layer's MLP is "
                       "SwiGLU (silu)")
-        scaling = self.value("rope_scaling") or _rope_parameters(self.config).get("rope_type", "default")
-        if scaling not in (None, "default") and not (isinstance(scaling, dict)
-                                                     and scaling.get("rope_type", scaling.get("type")) == "default"):
-            key = "rope_scaling" if "rope_scaling" in self.config else "rope_parameters"
-            self.fail(key, f"{key} {json.dumps(scaling)}: RoPE scaling is not computed",
-                      "the attention's rotary embedding has a base (rope_theta) and no scaling")
         window = self.config.get("sliding_window")
         if window is not None and self.config.get("use_sliding_window", True) and window < seq:
             self.fail("sliding_window", f"sliding_window = {window} is shorter than the sequence ({seq} tokens): "
@@ -166,6 +169,27 @@ class _Reader:
                       f"give sequences of {window} tokens or less")
         if self.config.get("attention_dropout", 0.0):
             self.fail("attention_dropout", "attention_dropout is not computed; set it to 0.0")
+
+    def rope_scaling(self) -> list[tuple[str, int]]:
+        """The settings of Llama 3's RoPE scaling (none without scaling); other kinds are errors."""
+        key = "rope_scaling" if self.config.get("rope_scaling") else "rope_parameters"
+        scaling = self.config.get(key) or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else scaling
+        if kind == "default":
+            return []
+        if kind != "llama3":
+            self.fail(key, f"{key}: RoPE scaling of type {json.dumps(kind)} is not computed",
+                      "the rotary embeddings have a base (rope_theta) and Llama 3's scaling (rope_type llama3)")
+            return []
+        settings = []
+        for ours, theirs in LLAMA3_SCALING:
+            value = scaling.get(theirs)
+            if not isinstance(value, (int, float)) or value <= 0 or value != int(value):
+                self.fail(key, f"{key}: {theirs} = {json.dumps(value)}: a positive whole number was expected",
+                          "the language's numbers are integers")
+                return []
+            settings.append((ours, int(value)))
+        return settings
 
     def rope_theta(self) -> int | None:
         theta = _rope_parameters(self.config).get("rope_theta", self.value("rope_theta"))
@@ -203,11 +227,14 @@ def _rope_parameters(config: dict) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def hf_config_of(model, norm_inv_eps: int | None, rope_theta: int | None) -> dict:
+def hf_config_of(model, norm_inv_eps: int | None, rope_theta: int | None, scaling: tuple | None = None) -> dict:
     """The ``LlamaConfig`` fields (``config.json``) of the dhelix ``model`` (a
     :class:`~dhelix.dsl.core.program.Model`) whose layer has norm epsilon ``1 / norm_inv_eps``
-    and rotary base ``rope_theta`` (None: the defaults the layer used)."""
+    (None: the default 1e-5), rotary base ``rope_theta`` and Llama 3's RoPE ``scaling``
+    (factor, low, high, original; None: none)."""
     get = model.get
+    rope_scaling = None if scaling is None else {
+        "rope_type": "llama3", **{theirs: value for (_, theirs), value in zip(LLAMA3_SCALING, scaling, strict=True)}}
     dtypes = {ours: theirs for theirs, ours in HF_DTYPES.items()}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -215,7 +242,7 @@ def hf_config_of(model, norm_inv_eps: int | None, rope_theta: int | None) -> dic
         "num_key_value_heads": get("kv_heads"), "num_hidden_layers": get("layers"), "vocab_size": get("vocab"),
         "head_dim": get("hidden") // get("heads"), "max_position_embeddings": get("seq"),
         "rms_norm_eps": 1 / (norm_inv_eps or 100000), "rope_theta": float(rope_theta or 10000),
-        "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "rope_scaling": rope_scaling, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": False, "torch_dtype": dtypes.get(model.dtype, "float32"),
     }
 
@@ -262,10 +289,10 @@ def program_text(model: HFModel, name: str, layout: Layout, origin: str) -> str:
     folds = model.get("layers") % (2 * layout.pp) == 0
     schedule = "fold u\npipeline w_helix\n" if folds else "fold none\npipeline one_f_one_b\n"
     strands = "strands {\n  overlap tp\n  comm_with_comm on\n  movable wgrad\n}\n" if tp > 1 else ""
-    return (f"# {model.model_type} from the Hugging Face configuration {origin}: layer {LAYER}, whose\n"
+    return (f"# {model.model_type} from the Hugging Face configuration {origin}: layer {model.layer}, whose\n"
             f"# weights map one to one onto Hugging Face's.\n"
             f'import "stdlib/layers.dhx"\nimport "stdlib/pipelines.dhx"\n\n'
-            f"model {name} {{\n{settings}\n  layer = {LAYER}\n}}\n\n"
+            f"model {name} {{\n{settings}\n  layer = {model.layer}\n}}\n\n"
             f'cluster {{\n  nodes = {nodes}\n  gpus_per_node = {per_node}\n  profile = "{layout.profile}"\n}}\n\n'
             f"mesh {{\n{mesh or '  tp = 1'}\n}}\n\n"
             f"train {{\n  micro_batch = {layout.micro_batch}\n  microbatches = {microbatches}\n}}\n\n"

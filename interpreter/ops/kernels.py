@@ -29,7 +29,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_parts, derived_kind
+from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, ROPE_SCALING, WGRAD, backward_parts, derived_kind
 
 from . import gpu_kernels as gpu
 from .comm import Communicator, Pending, SingleRankComm, regrouped, stage_blocks
@@ -46,11 +46,36 @@ def norm_eps(params: Mapping[str, object]) -> float:
     return EPS if inv is None else 1.0 / int(inv)
 
 
-def rope_tables(seq: int, dim: int, theta: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cosines and sines ``[seq, dim]`` of rotary position embeddings with base ``theta``
-    for positions ``0 … seq-1`` (Hugging Face's Llama convention: frequency ``theta^(-2i/dim)``
-    for the pair of features ``i`` and ``i + dim/2``), computed in fp32 and cast to ``dtype``."""
+def rope_of(params: Mapping[str, object]) -> tuple | None:
+    """The rotary embedding an attention op with ``params`` applies: ``(theta, scaling)``,
+    ``scaling`` Llama 3's ``(factor, low_freq, high_freq, original)`` or None; None without
+    ``rope``."""
+    if params.get("rope") is None:
+        return None
+    scaling = tuple(params.get(name) for name in ROPE_SCALING)
+    return int(params["rope"]), None if scaling[0] is None else tuple(int(v) for v in scaling)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: tuple) -> torch.Tensor:
+    # As Hugging Face computes them (modeling_rope_utils, "llama3"), in fp32.
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(seq: int, dim: int, rope: tuple, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cosines and sines ``[seq, dim]`` of rotary position embeddings ``rope`` (see
+    :func:`rope_of`) for positions ``0 … seq-1`` (Hugging Face's Llama convention: frequency
+    ``theta^(-2i/dim)`` for the pair of features ``i`` and ``i + dim/2``), computed in fp32
+    and cast to ``dtype``."""
+    theta, scaling = rope
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
+    if scaling is not None:
+        inv_freq = _llama3_frequencies(inv_freq, scaling)
     freqs = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -217,10 +242,10 @@ def _grouped_gemm_wgrad(grad, saved):
 
 # -- attention ---------------------------------------------------------------------------
 
-def _heads(qkv: torch.Tensor, heads: int, kv_heads: int, micro_batch: int, rope: int | None = None):
+def _heads(qkv: torch.Tensor, heads: int, kv_heads: int, micro_batch: int, rope: tuple | None = None):
     """``qkv`` ``[tokens, (heads + 2*kv_heads) * d]``, laid out as ``[q heads | k heads |
     v heads]``, head-major inside each block, as q, k, v ``[micro_batch, heads, seq, d]``;
-    with ``rope`` (a RoPE base) q and k are rotated by their positions ``0 … seq-1``."""
+    with ``rope`` (:func:`rope_of`) q and k are rotated by their positions ``0 … seq-1``."""
     tokens, width = qkv.shape
     d = width // (heads + 2 * kv_heads)
     seq = tokens // micro_batch
@@ -240,7 +265,7 @@ def _tokens(t: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(qkv: torch.Tensor, heads: int, kv_heads: int, causal: bool, micro_batch: int,
-            rope: int | None = None) -> torch.Tensor:
+            rope: tuple | None = None) -> torch.Tensor:
     """Scaled dot-product attention of ``qkv`` (see :func:`_heads`); query head i reads kv
     head ``i // (heads / kv_heads)``. Returns ``[tokens, heads * d]``."""
     q, k, v = _heads(qkv, heads, kv_heads, micro_batch, rope)
@@ -253,9 +278,8 @@ def _attention_forward(inputs, weight, ctx):
     if ctx.axis is not None and ctx.comm.size(ctx.axis) > 1:
         raise NotImplementedError("the attention kernel runs on one cp rank; ring attention over cp > 1 "
                                   "runs the ring steps of .ring_attention")
-    rope = ctx.params.get("rope")
     meta = (int(ctx.params["heads"]), int(ctx.params["kv_heads"]), ctx.params.get("mask") == "causal",
-            ctx.micro_batch, None if rope is None else int(rope))
+            ctx.micro_batch, rope_of(ctx.params))
     if qkv.shape[0] % ctx.micro_batch:
         raise ValueError(f"attention over {qkv.shape[0]} tokens with micro_batch {ctx.micro_batch}")
     if _flash_cpu(qkv):

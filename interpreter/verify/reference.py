@@ -46,12 +46,18 @@ def make_batch(program: Program, seed: int = 0, microbatches: int | None = None)
     return Batch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous())
 
 
-def _rope(t, theta: int):
+def _rope(t, theta: int, scaling: tuple | None):
     """Rotary embedding of ``t`` ``[batch, heads, seq, d]`` as complex multiplication: the
     features ``i`` and ``i + d/2`` are one complex number, turned by ``position · theta^(-2i/d)``
-    (written independently of the kernels' cos/sin form)."""
+    (written independently of the kernels' cos/sin form); with Llama 3's ``scaling``
+    (factor, low, high, original) the long wavelengths' frequencies are divided by factor."""
     seq, d = t.shape[-2], t.shape[-1]
     freq = theta ** -(torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if scaling is not None:
+        factor, low, high, original = scaling
+        cycles = original * freq / (2 * torch.pi)  # turns within the original context
+        share = ((cycles - low) / (high - low)).clamp(0, 1)  # 0: long wavelengths, 1: short ones
+        freq = freq / factor * (1 - share) + freq * share
     turn = torch.polar(torch.ones(seq, d // 2, dtype=torch.float64),
                        torch.outer(torch.arange(seq, dtype=torch.float64), freq))
     pairs = torch.complex(*(half.double() for half in t.chunk(2, dim=-1))) * turn
@@ -65,7 +71,9 @@ def _attention(qkv, params, micro_batch):
     q, k, v = (t.reshape(micro_batch, seq, -1, d).transpose(1, 2)
                for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1))
     if params.get("rope") is not None:
-        q, k = _rope(q, params["rope"]), _rope(k, params["rope"])
+        scaling = tuple(params.get(n) for n in ("rope_factor", "rope_low_freq", "rope_high_freq", "rope_original"))
+        scaling = None if scaling[0] is None else scaling
+        q, k = _rope(q, params["rope"], scaling), _rope(k, params["rope"], scaling)
     group = heads // kv_heads  # query head j reads kv head j // group
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=params["mask"] == "causal")
