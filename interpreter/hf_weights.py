@@ -31,7 +31,7 @@ import torch
 
 from dhelix.dsl.core.errors import DhelixError
 
-from .kernels import rope_of
+from .rope import rope_of
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD
 
 #: The ops of a layer whose weights are Hugging Face's, with their op kind and the tensors

@@ -29,11 +29,12 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, ROPE_SCALING, WGRAD, backward_parts, derived_kind
+from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_parts, derived_kind
 
 from . import gpu_kernels as gpu
 from .comm import Communicator, Pending, SingleRankComm, regrouped, stage_blocks
 from .moe import exchange
+from .rope import rope_of, rope_tables, rotate
 
 #: Epsilon of RMSNorm and LayerNorm when the op gives none (the reference model uses the same).
 EPS = 1e-5
@@ -44,49 +45,6 @@ def norm_eps(params: Mapping[str, object]) -> float:
     ``rmsnorm(x, inv_eps = N)``, else :data:`EPS`."""
     inv = params.get("inv_eps")
     return EPS if inv is None else 1.0 / int(inv)
-
-
-def rope_of(params: Mapping[str, object]) -> tuple | None:
-    """The rotary embedding an attention op with ``params`` applies: ``(theta, scaling)``,
-    ``scaling`` Llama 3's ``(factor, low_freq, high_freq, original)`` or None; None without
-    ``rope``."""
-    if params.get("rope") is None:
-        return None
-    scaling = tuple(params.get(name) for name in ROPE_SCALING)
-    return int(params["rope"]), None if scaling[0] is None else tuple(int(v) for v in scaling)
-
-
-def _llama3_frequencies(inv_freq: torch.Tensor, scaling: tuple) -> torch.Tensor:
-    # As Hugging Face computes them (modeling_rope_utils, "llama3"), in fp32.
-    factor, low, high, original = scaling
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < original / high) * ~(wavelen > original / low)
-    return torch.where(medium, blended, scaled)
-
-
-def rope_tables(seq: int, dim: int, rope: tuple, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cosines and sines ``[seq, dim]`` of rotary position embeddings ``rope`` (see
-    :func:`rope_of`) for positions ``0 … seq-1`` (Hugging Face's Llama convention: frequency
-    ``theta^(-2i/dim)`` for the pair of features ``i`` and ``i + dim/2``), computed in fp32
-    and cast to ``dtype``."""
-    theta, scaling = rope
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim))
-    if scaling is not None:
-        inv_freq = _llama3_frequencies(inv_freq, scaling)
-    freqs = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``t`` ``[..., seq, dim]`` with each pair of features ``(i, i + dim/2)`` turned by its
-    position's angle; ``rotate(t, cos, -sin)`` turns it back (the rotation's transpose, so
-    also the gradient of a rotation)."""
-    first, second = t.chunk(2, dim=-1)
-    return t * cos + torch.cat((-second, first), dim=-1) * sin
 
 
 @attrs.define

@@ -54,7 +54,7 @@ import torch
 from dhelix.dsl.core.program import Op
 
 from .comm import Pending
-from .kernels import rope_of, rope_tables, rotate
+from .rope import rope_of, rope_tables, rotate
 
 #: The role of a ring op in :class:`~.layer_exec.LayerRun`, and the key of its step index.
 RING, STEP = "ring", "ring_step"

@@ -18,6 +18,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from dhelix.dsl.core.oplib import ROPE_SCALING
 from dhelix.dsl.core.program import LayerDag, Program
 
 from dhelix.interpreter.ops.kernels import norm_eps
@@ -71,7 +72,7 @@ def _attention(qkv, params, micro_batch):
     q, k, v = (t.reshape(micro_batch, seq, -1, d).transpose(1, 2)
                for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1))
     if params.get("rope") is not None:
-        scaling = tuple(params.get(n) for n in ("rope_factor", "rope_low_freq", "rope_high_freq", "rope_original"))
+        scaling = tuple(params.get(name) for name in ROPE_SCALING)
         scaling = None if scaling[0] is None else scaling
         q, k = _rope(q, params["rope"], scaling), _rope(k, params["rope"], scaling)
     group = heads // kv_heads  # query head j reads kv head j // group
