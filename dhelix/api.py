@@ -10,7 +10,7 @@ For scripts and notebooks; the command line is built on the same functions::
     ids = api.generate(model, [72, 105], max_new=20)                      # greedy by default
     api.export_hf(program, "out/checkpoint", "hf_out")                   # config.json + safetensors
 
-The model is :class:`~dhelix.interpreter.reference.ReferenceModel`: plain torch on one
+The model is :class:`~dhelix.interpreter.verify.reference.ReferenceModel`: plain torch on one
 process, the layer DAG without model parallelism, the weights full. Generation runs the whole
 prefix again for every new token (no key-value cache): meant to see what a model learned,
 not to serve it. Everything raises :class:`~dhelix.dsl.core.errors.DhelixError` subclasses
@@ -29,10 +29,10 @@ from dhelix.dsl.frontend.hfconfig import hf_config_of
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.passes.pipeline import check_text
-from dhelix.interpreter.checkpoint import read_weights
-from dhelix.interpreter.hf_weights import check_llama, hf_state, write_hf
-from dhelix.interpreter.reference import ReferenceModel
-from dhelix.interpreter.weights import WeightPlan, torch_dtype
+from dhelix.interpreter.training.checkpoint import read_weights
+from dhelix.interpreter.ops.hf_weights import check_llama, hf_state, write_hf
+from dhelix.interpreter.verify.reference import ReferenceModel
+from dhelix.interpreter.ops.weights import WeightPlan, torch_dtype
 
 #: ``export_hf``'s largest safetensors file before it shards (Hugging Face's default, 5 GB).
 SHARD_BYTES = 5 * 10**9

@@ -14,9 +14,9 @@ transformers = pytest.importorskip("transformers")
 
 from dhelix import api  # noqa: E402
 from dhelix.cli.main import main  # noqa: E402
-from dhelix.interpreter.data import DataSource  # noqa: E402
-from dhelix.interpreter.hf_weights import HFWeights  # noqa: E402
-from dhelix.interpreter.weights import WeightPlan  # noqa: E402
+from dhelix.interpreter.training.data import DataSource  # noqa: E402
+from dhelix.interpreter.ops.hf_weights import HFWeights  # noqa: E402
+from dhelix.interpreter.ops.weights import WeightPlan  # noqa: E402
 
 TOL = 1e-5
 SEQ = 16
@@ -110,7 +110,7 @@ def test_reference_logits_equal_transformers(hf_dir, tmp_path):
 def test_llama3_rope_scaling_in_and_out(tmp_path):
     """Llama 3.1's RoPE scaling: the configuration becomes layer llama3_rope, whose logits are
     transformers'; the exported configuration and weights give them back."""
-    from dhelix.interpreter.hf_weights import check_llama, hf_state, write_hf
+    from dhelix.interpreter.ops.hf_weights import check_llama, hf_state, write_hf
     from dhelix.dsl.frontend.hfconfig import hf_config_of
 
     scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

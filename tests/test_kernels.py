@@ -99,7 +99,7 @@ LLAMA3_SCALING = {"rope_factor": 8, "rope_low_freq": 1, "rope_high_freq": 4, "ro
 
 @pytest.mark.parametrize("heads, kv_heads, scaling", [(4, 2, {}), (2, 2, {}), (4, 2, LLAMA3_SCALING)])
 def test_rotary_attention_matches_the_reference_and_autograd(heads, kv_heads, scaling):
-    from dhelix.interpreter.reference import _attention
+    from dhelix.interpreter.verify.reference import _attention
 
     d, micro_batch, seq, theta = 16, 2, 6, 500000
     qkv = randn(micro_batch * seq, (heads + 2 * kv_heads) * d)

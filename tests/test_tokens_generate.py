@@ -10,8 +10,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from dhelix import api  # noqa: E402
 from dhelix.cli.main import main  # noqa: E402
-from dhelix.interpreter.data import DataError, DataSpec, load_corpus  # noqa: E402
-from dhelix.interpreter.tokenizer import ByteCodec, TokenizerError, codec  # noqa: E402
+from dhelix.interpreter.training.data import DataError, DataSpec, load_corpus  # noqa: E402
+from dhelix.interpreter.training.tokenizer import ByteCodec, TokenizerError, codec  # noqa: E402
 
 LINES = ["the pipeline folds into a u", "strands interleave the forward and the backward",
          "communication hides behind computation", "a tiny tokenizer trained in the test"]

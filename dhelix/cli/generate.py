@@ -43,8 +43,8 @@ def cmd_generate(args) -> int:
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise UsageError("--temperature must be 0 or more and --top-p in (0, 1]")
     from dhelix import api
-    from dhelix.interpreter.checkpoint import latest
-    from dhelix.interpreter.tokenizer import codec
+    from dhelix.interpreter.training.checkpoint import latest
+    from dhelix.interpreter.training.tokenizer import codec
 
     target = Path(args.target)
     checkpoint = args.checkpoint
