@@ -96,6 +96,17 @@ def test_generate_command_prints_the_prompt_and_its_continuation(tmp_path, capsy
     assert main(["generate", str(tmp_path), "--max-new", "4"]) == 1  # a folder that is no checkpoint
 
 
+def test_generate_command_decodes_with_the_tokenizer(tokenizer_file, tmp_path, capsys):
+    path = tmp_path / "m.dhx"
+    path.write_text(PROGRAM.replace("vocab = 256", "vocab = 512"))
+    assert main(["generate", str(path), "--tokenizer", tokenizer_file, "--prompt", LINES[0], "--max-new", "3"]) == 0
+    out = capsys.readouterr().out
+    model = api.reference_model(api.load_program(str(path)))
+    text = codec(tokenizer_file, 512)
+    assert out == text.decode(api.generate(model, text.encode(LINES[0]), 3, stop=text.end_of_text)) + "\n"
+    assert out.startswith(LINES[0])
+
+
 def test_eval_data_is_held_out_whole_and_the_training_data_trained_on_whole(tmp_path):
     (tmp_path / "train.txt").write_text("abcdefghij" * 5)
     (tmp_path / "eval.txt").write_text("zyxwvutsrq" * 2)

@@ -5,7 +5,7 @@ The pair of features ``i`` and ``i + d/2`` of each query and key head turns by t
 weights), optionally with Llama 3's scaling of the frequencies. The tables are computed in fp32
 as Hugging Face computes them and cast to the tensors' dtype. Used by the attention kernel
 (:mod:`.kernels`) and by ring attention (:mod:`.ring_attention`, at each cp rank's own
-positions); the reference model has its own formulation (:mod:`.reference`).
+positions); the reference model has its own formulation (:mod:`dhelix.interpreter.verify.reference`).
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ class RunOptions:
     save: str | None = None
     save_every: int | None = None
     resume: str | None = None
-    #: A Hugging Face checkpoint folder the weights start from (:mod:`.hf_weights`); None: seeded.
+    #: A Hugging Face checkpoint folder the weights start from (:mod:`dhelix.interpreter.ops.hf_weights`); None: seeded.
     init: str | None = None
     log: str | None = None
     export: str | None = None
