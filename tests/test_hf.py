@@ -98,6 +98,20 @@ def test_a_mismatched_checkpoint_names_the_tensor_and_both_shapes(tmp_path):
         WeightPlan(api.load_program(path), hf=str(large))
 
 
+def test_a_missing_shard_is_named(hf_dir, tmp_path):
+    import shutil
+
+    from dhelix.interpreter.ops.hf_weights import HFWeightsError
+
+    folder = tmp_path / "copy"
+    shutil.copytree(hf_dir, folder)
+    shard = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    (folder / shard).unlink()
+    path = new_program(folder, tmp_path / "m.dhx")
+    with pytest.raises(HFWeightsError, match=f"cannot read .* from '.*{shard}'"):
+        WeightPlan(api.load_program(path), hf=str(folder))
+
+
 def test_reference_logits_equal_transformers(hf_dir, tmp_path):
     program = api.load_program(new_program(hf_dir, tmp_path / "m.dhx"))
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))

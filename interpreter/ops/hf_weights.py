@@ -124,8 +124,12 @@ class HFWeights:
         file = self.files.get(tensor)
         if file is None:
             return None
-        with self._open(file, framework="pt") as handle:
-            return tuple(handle.get_slice(tensor).get_shape())
+        try:
+            with self._open(file, framework="pt") as handle:
+                return tuple(handle.get_slice(tensor).get_shape())
+        except Exception as exc:  # a missing shard, a broken header (safetensors' own error types)
+            raise HFWeightsError(f"cannot read {tensor} from '{file}': {str(exc).splitlines()[0][:200]}",
+                                 notes=["the folder's files are incomplete or corrupt"]) from None
 
     def _rows(self, tensor: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (``dim`` 0) or columns (1) ``start … stop-1`` of ``tensor``, as fp32."""
