@@ -222,3 +222,19 @@ def test_a_substitution_is_kept_only_where_it_makes_the_layer_faster(slow, expec
     assert ops["rs1"] == ("pick" if expected[0] == "reduce" else "reduce_scatter")
     assert ops["ag2"] == ("concat" if expected[1] == "broadcast" else "all_gather")
     assert choices[0].describe().startswith(f"substitute rs1 as auto: {expected[0]} (whole: ")
+
+
+def test_by_auto_counts_are_settled_by_the_whole_step():
+    from dhelix.dsl.planner.chunking import ChunkChoice
+    from dhelix.dsl.simulator.events import simulate
+    from dhelix.dsl.simulator.launch import priced_program
+
+    path = "examples/tiny_llama_stages_cpu.dhx"
+    program, choices = priced_program(open(path).read(), path)
+    chunk = next(c for c in choices if isinstance(c, ChunkChoice))
+    layer_best = min((c for c in chunk.candidates if c.seconds is not None), key=lambda c: c.seconds).value
+    steps = dict(chunk.steps)
+    assert len(steps) >= 2 and layer_best in steps
+    assert chunk.chosen == min(steps, key=steps.get)
+    assert simulate(program).step_time == steps[chunk.chosen]
+    assert "by the whole step:" in chunk.describe()

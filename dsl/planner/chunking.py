@@ -79,11 +79,18 @@ class ChunkChoice:
     ops: tuple[str, ...]
     chosen: int | str  # a count, or STAGES
     candidates: tuple[Candidate, ...]
+    #: The whole step's seconds of the counts the layer priced best, when the step chose
+    #: among them (:func:`dhelix.dsl.simulator.launch.choose_counts_by_step`); () otherwise.
+    steps: tuple[tuple[int | str, float], ...] = ()
     block = "partition"  # the block whose statement it chose for
 
     def describe(self) -> str:
-        """``chunk ag2 + fc1 by auto: 4 (1: 12.3 ms, 2: 10.1 ms, 4: 9.8 ms, 8: 10.4 ms)``."""
-        return _described(f"chunk {' + '.join(self.ops)} by auto: {self.chosen}", self.candidates)
+        """``chunk ag2 + fc1 by auto: 4 (1: 12.3 ms, 2: 10.1 ms, 4: 9.8 ms, 8: 10.4 ms)``, then
+        ``; by the step: 4: 330.1 ms, 2: 329.8 ms`` when the step chose."""
+        text = _described(f"chunk {' + '.join(self.ops)} by auto: {self.chosen}", self.candidates)
+        if self.steps:
+            text += "; by the whole step: " + ", ".join(f"{v}: {t * 1e3:.3f} ms" for v, t in self.steps)
+        return text
 
 
 @attrs.frozen

@@ -37,6 +37,9 @@ def why_best(best: Priced, runner: Priced) -> str:
     """One line: how much faster the best is than the runner-up, the part of the step that
     differs most, and the settings behind it."""
     gap = runner.seconds - best.seconds
+    if gap <= 1e-9 * runner.seconds:
+        return (f"the best ties the runner-up ({differences(runner.choice, best.choice)}): the same predicted step, "
+                "so the order of the settings decides (a schedule changes nothing on one pipeline rank, say)")
     mine, theirs = step_parts(best.sim), step_parts(runner.sim)
     part = max(mine, key=lambda k: abs(theirs[k] - mine[k]))
     delta = theirs[part] - mine[part]

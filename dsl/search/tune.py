@@ -26,7 +26,6 @@ from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.passes import pipeline as passes
-from dhelix.dsl.planner.chunking import choose_all
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.search.bound import Bound, layout_bound
@@ -34,7 +33,7 @@ from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.search.variant import apply_choice
 from dhelix.dsl.simulator.costs import StepCosts, Work, input_backward, step_costs
 from dhelix.dsl.simulator.events import Simulation, has_si, simulate
-from dhelix.dsl.simulator.launch import choose_launch
+from dhelix.dsl.simulator.launch import make_choices
 from dhelix.dsl.simulator.memory import GB
 
 
@@ -213,10 +212,9 @@ class Pricer:
         (seconds), when even that step exceeds the cutoff the choice is Pruned."""
         try:
             program = self.checked(choice)
-            if program.partition is not None or program.train.launch is not None:
-                program, _ = choose_all(program)
-                program, _ = choose_launch(program)
-                program = self.plans.intern(program)
+            if program.partition is not None or program.train.launch is not None \
+                    or program.train.launch_backward is not None:
+                program = self.plans.intern(make_choices(program)[0])
             plan = None
             if has_si(program) and not self.plans.has(program):
                 relaxed = simulate(program, costs=relaxed_costs(program, self.cost), label=choice.describe(), trace=False)

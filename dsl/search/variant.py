@@ -43,17 +43,17 @@ def require_main_blocks(modules: list[s.Module], path: str) -> None:
 def apply_choice(modules: list[s.Module], choice: Choice, pipelines: dict[str, s.PipelineDef],
                  gpus_per_node: int, world: int) -> list[s.Module]:
     """``modules`` with the main file's mesh, train, fold and pipeline statements set to
-    ``choice`` (a fold statement added when the file has none; ``launch`` dropped from the
-    train block when the pipeline does not read ``g``) and the cluster's nodes set to hold
+    ``choice`` (a fold statement added when the file has none; ``launch`` and
+    ``launch_backward`` dropped from the train block when the pipeline does not read them) and the cluster's nodes set to hold
     ``world`` GPUs of ``gpus_per_node``."""
     main = modules[-1]
     items, has_fold = [], False
-    reads_g = reads_name(pipelines[choice.pipeline], "g")
+    reads = {name for name in ("g", "gb") if reads_name(pipelines[choice.pipeline], name)}
     for item in main.items:
         if isinstance(item, s.ConfigBlock) and item.kind == "mesh":
             item = attrs.evolve(item, settings=_mesh_settings(item.settings, choice))
         elif isinstance(item, s.ConfigBlock) and item.kind == "train":
-            item = attrs.evolve(item, settings=_train_settings(item.settings, choice, reads_g))
+            item = attrs.evolve(item, settings=_train_settings(item.settings, choice, reads))
         elif isinstance(item, s.ConfigBlock) and item.kind == "cluster":
             item = attrs.evolve(item, settings=_replace(item.settings, {"nodes": world // gpus_per_node}))
         elif isinstance(item, s.Fold):
@@ -117,17 +117,19 @@ def _mesh_settings(settings: tuple[s.Setting, ...], choice: Choice) -> tuple[s.S
     return _replace(settings, {axis: values[axis] for axis in MESH_AXES})
 
 
-def _train_settings(settings: tuple[s.Setting, ...], choice: Choice, reads_g: bool) -> tuple[s.Setting, ...]:
+def _train_settings(settings: tuple[s.Setting, ...], choice: Choice, reads: set[str]) -> tuple[s.Setting, ...]:
     """The train block of ``choice``: a setting at its default that the file does not write
-    stays out; ``launch`` goes when the pipeline does not read it."""
+    stays out; ``launch`` (``launch_backward``) goes when the pipeline does not read ``g``
+    (``gb``), the names in ``reads``."""
     written = {setting.key for setting in settings}
     layout = attrs.asdict(choice.layout)
     values = {key: None if layout[key] == _DEFAULTS.get(key) and key not in written else layout[key]
               for key in _TRAIN_SET}
     if values["shard"] == 0:
         values["shard"] = None
-    if not reads_g:
-        values["launch"] = None
+    for name, setting in (("g", "launch"), ("gb", "launch_backward")):
+        if name not in reads:
+            values[setting] = None
     return _replace(settings, values)
 
 

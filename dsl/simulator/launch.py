@@ -25,6 +25,7 @@ from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.core.program import AUTO, Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.overrides import checked_program
+from dhelix.dsl.passes.workload import chunk_statements, is_auto
 from dhelix.dsl.planner.chunking import ChunkChoice, OrderChoice, SubstitutionChoice, choose_all
 from dhelix.dsl.simulator.events import simulate
 
@@ -69,10 +70,55 @@ def priced_program(text: str, path: str, profile: str | None = None, gpus_per_no
     before they price or run it — the planner's (:func:`~dhelix.dsl.planner.chunking.choose_all`:
     chunk counts, group orders, backward priority), then the launch count
     (:func:`choose_launch`) — and the choices, for ``dhelix plan`` to print."""
-    program, choices = choose_all(checked_program(text, path, profile, gpus_per_node))
+    return make_choices(checked_program(text, path, profile, gpus_per_node))
+
+
+def make_choices(program: Program) -> tuple[Program, tuple[ChunkChoice | OrderChoice | LaunchChoice, ...]]:
+    """``program`` (checked, any stage from check on) with every choice the tools make before
+    they price or run it, in order: the planner's (:func:`~dhelix.dsl.planner.chunking.choose_all`),
+    the ``by auto`` counts settled by the whole step (:func:`choose_counts_by_step`), the
+    launch counts (:func:`choose_launch`, forward then backward); and the choices."""
+    program, choices = choose_all(program)
+    program, choices = choose_counts_by_step(program, choices)
     program, launch = choose_launch(program)
     program, backward = choose_launch(program, BACKWARD)
     return program, choices + launch + backward
+
+
+#: How many of the counts a layer prices best the whole step then decides among.
+STEP_CANDIDATES = 3
+
+
+def choose_counts_by_step(program: Program, choices: tuple) -> tuple[Program, tuple]:
+    """``program`` with each ``by auto`` count chosen among the :data:`STEP_CANDIDATES` that
+    price the layer best, by simulating the whole step with each (a count that wins the layer
+    can lose the step: SI pairs the chunks with the other strand, the pipeline carries them),
+    one statement after the other; ties to the layer's choice. ``choices`` are those of
+    :func:`~dhelix.dsl.planner.chunking.choose_all`; returned with the chunk choices updated."""
+    if program.profile is None or not any(isinstance(c, ChunkChoice) for c in choices):
+        return program, choices
+    autos = [index for index, st in enumerate(chunk_statements(program.partition)) if is_auto(st)]
+    counts = dict(program.chunk_counts)
+    updated = []
+    for choice in choices:
+        if not isinstance(choice, ChunkChoice) or not autos:
+            updated.append(choice)
+            continue
+        index = autos.pop(0)
+        priced = sorted((c for c in choice.candidates if c.seconds is not None), key=lambda c: c.seconds)
+        values = [choice.chosen] + [c.value for c in priced if c.value != choice.chosen][:STEP_CANDIDATES - 1]
+        steps = []
+        for value in values:
+            tried = attrs.evolve(program, chunk_counts=tuple(sorted({**counts, index: value}.items())))
+            try:
+                steps.append((value, simulate(passes.rerun(tried, after="check"), trace=False).step_time))
+            except DhelixError:
+                continue
+        best = min(steps, key=lambda vt: vt[1])[0] if steps else choice.chosen
+        counts[index] = best
+        updated.append(attrs.evolve(choice, chosen=best, steps=tuple(steps)))
+    chosen = passes.rerun(attrs.evolve(program, chunk_counts=tuple(sorted(counts.items()))), after="check")
+    return chosen, tuple(updated)
 
 
 #: ``train { launch_backward }``: the backward's micro-batches launched together (``gb``).
