@@ -100,13 +100,15 @@ class Executor:
     has finished (under ZeRO-2 after each backward of it, those it takes then zeroed), at a point of the action list that is the same on every rank (see
     :meth:`_layer_done`), and returns the names it takes: the data-parallel reduction under
     the backward (:meth:`~.optim.DistributedAdamW.reduce`), which then also sums them over
-    tp and cp.
+    tp and cp. ``reference`` is the reference model's DAGs (a run's
+    :attr:`~dhelix.dsl.simulator.runplan.RunPlan.reference`; see :class:`~.weights.WeightPlan`).
     """
 
     def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
                  si: bool = True, plan_for: PlanFn = sequential_plan, use_tags: bool = True,
                  recorder: Recorder | None = None, on_action: Callable | None = None,
-                 pair_barrier: bool | None = None, block_orders: dict | None = None, init: str | None = None):
+                 pair_barrier: bool | None = None, block_orders: dict | None = None,
+                 reference: tuple | None = None, init: str | None = None):
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
@@ -114,7 +116,7 @@ class Executor:
         self.comm = TimedComm(comm, self.recorder)
         self.pp = comm.index("pp")
         self.actions = self.lowered.actions[self.pp]
-        self.weights = WeightPlan(program, seed, hf=init)  # init: a Hugging Face checkpoint folder
+        self.weights = WeightPlan(program, seed, reference, hf=init)  # init: a Hugging Face checkpoint folder
         self.index = {axis: comm.index(axis) for axis in AXES}
         self.layer_plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
         self.b_ops = backward_ops(program.backward, self.lowered.split)

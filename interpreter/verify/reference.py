@@ -1,7 +1,7 @@
 """The single-process reference model: plain torch with autograd, no kernels, no comms.
 
 It runs the program's layer DAG instantiated without model parallelism
-(:func:`~.weights.full_dags`: tp = cp = ep = 1, collectives elided) with the full seeded
+(:func:`~dhelix.dsl.passes.overrides.reference_dags`: tp = cp = ep = 1, collectives elided) with the full seeded
 weights of :class:`~.weights.WeightPlan`: embedding → L layers → final norm → LM head →
 cross-entropy averaged over every token of every micro-batch. The distributed interpreter
 must reproduce its loss and gradients. Its operators are written independently of
@@ -153,11 +153,13 @@ def reference_layer(fwd: LayerDag, weights: Mapping[str, torch.Tensor], x: torch
 
 class ReferenceModel(torch.nn.Module):
     """The whole model with full weights as ``nn.Parameter`` s, keyed by parameter name in
-    :attr:`params` (dotted names, so they are registered with ``__`` instead of dots)."""
+    :attr:`params` (dotted names, so they are registered with ``__`` instead of dots).
+    ``plan`` is the run's WeightPlan (of ``program`` and ``seed``; built when None)."""
 
-    def __init__(self, program: Program, seed: int = 0, dtype: torch.dtype = torch.float32, hf: str | None = None):
+    def __init__(self, program: Program, seed: int = 0, dtype: torch.dtype = torch.float32, hf: str | None = None,
+                 plan: WeightPlan | None = None):
         super().__init__()
-        self.program, self.plan = program, WeightPlan(program, seed, hf)
+        self.program, self.plan = program, plan or WeightPlan(program, seed, hf=hf)
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in self.plan.names():
             param = torch.nn.Parameter(self.plan.full(name, dtype))
