@@ -39,6 +39,7 @@ from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.axisuse import unused_axes
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.simulator.launch import priced_program
+from dhelix.dsl.planner.si_plan import SIMode
 from dhelix.dsl.simulator.runplan import build_run_plan, plan_run
 from dhelix.dsl.render.trace import trace_json
 from dhelix.interpreter.training.train import DEFAULT_KEEP  # torch-free at import
@@ -55,7 +56,7 @@ def register(subparsers) -> None:
                      help="training steps (default: the train block's steps, else 10)")
     run.add_argument("--no-si", dest="si", action="store_false",
                      help="run SI blocks as a forward then a backward (same numbers, no overlap)")
-    run.add_argument("--si-plan", choices=("planned", "scheduled", "op_by_op", "sequential"), default="planned",
+    run.add_argument("--si-plan", choices=[mode.value for mode in SIMode], default=SIMode.PLANNED.value,
                      help="how SI blocks run: the planner's segment pairs, layer pair by layer pair "
                           "(default), one order of the whole block from the block scheduler, both "
                           "from the profile (op_by_op when the cluster names none), op i beside op "
@@ -343,21 +344,29 @@ def run_options(args, compiled, backend: str):
     program = compiled.program
     return train.RunOptions(
         path=args.file, compiled=compiled,
-        steps=args.steps if args.steps is not None else program.train.steps or train.DEFAULT_STEPS,
+        steps=flag_or_train(args.steps, program.train.steps, train.DEFAULT_STEPS),
         backend=backend, trace=args.trace,
-        seed=args.seed if args.seed is not None else program.train.seed, lr=args.lr,
+        seed=flag_or_train(args.seed, program.train.seed), lr=args.lr,
         zero1=args.zero1 or program.train.zero >= 1, timeout=args.timeout, check=args.check,
         data=data.data_spec(program, args.file, args.data, "--data", args.tokenizer),
         eval_data=data.DataSpec(str(Path(args.eval_data).resolve()), flag="--eval-data",
                                 tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
         if args.eval_data else None,
-        warmup=args.warmup if args.warmup is not None else program.train.warmup,
+        warmup=flag_or_train(args.warmup, program.train.warmup),
         decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip, master=args.master,
-        eval_every=args.eval_every if args.eval_every is not None else program.train.eval_every,
+        eval_every=flag_or_train(args.eval_every, program.train.eval_every),
         save=args.save, save_every=args.save_every, resume=args.resume, log=args.log,
         init=str(Path(args.init).resolve()) if args.init else None,
         export=args.export_weights, topology=args.topology, skip_nonfinite=args.skip_nonfinite,
         keep=args.keep if args.keep is not None else DEFAULT_KEEP)
+
+
+def flag_or_train(flag, setting, default=None):
+    """The command line's ``flag`` when it was given, else the train block's ``setting`` when
+    the block sets it, else ``default``: the one rule of every option the train block can set."""
+    if flag is not None:
+        return flag
+    return setting if setting is not None else default
 
 
 def report(program, options, result, trace: Path | None, metrics: Path | None = None, *,

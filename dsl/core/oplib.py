@@ -13,10 +13,11 @@ from typing import Callable
 
 import attrs
 
+from dhelix.dsl.core.mesh import MESH_AXES  # noqa: F401 (the axes an op's axis argument names)
+
 Shape = tuple[int, int]
 
 TENSOR, INT, AXIS, FLAG = "tensor", "int", "axis", "flag"
-MESH_AXES = ("tp", "cp", "ep", "dp", "pp")
 
 
 class ShapeMismatch(Exception):
