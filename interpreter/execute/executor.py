@@ -150,9 +150,31 @@ class Executor:
         self.param_ready: Callable[[tuple[str, ...]], None] | None = None
         self.grad_ready: Callable[[dict[str, torch.Tensor]], set[str]] | None = None
         self.steps_run = 0
-        self.end_grads: dict[str, torch.Tensor] = {}
-        self.mailbox: dict[tuple, object] = {}
         self._grads: dict[str, torch.Tensor] = {}
+        # What one step keeps while it runs, made fresh by each step (_reset): its batch, the
+        # values between stages, the model ends' gradients, ...
+        self.batch: Batch | None = None
+        self.mailbox: dict[tuple, object] = {}
+        self.end_grads: dict[str, torch.Tensor] = {}
+        #: ... the deferred collectives (waited for after the next action), how many were
+        #: issued and settled so far, and the layers done whose ZeRO-3 pieces wait for the first
+        #: ``after`` of them: (after, their gradients), ...
+        self.deferred: list[Pending] = []
+        self.issued = self.settled = 0
+        self.pieces_done: list[tuple[int, Callable[[], dict]]] = []
+        #: ... the embedding-gradient gathers not yet issued (see :meth:`_opened`), the embedding
+        #: forwards issued ahead of their action by (stage, micro-batch), the action running, ...
+        self.postponed: list[Callable[[], Pending]] = []
+        self.prefetched: dict[tuple[int, int], Pending] = {}
+        self.index_now = 0
+        #: ... the backwards finished per (stage, layer) and the gradients grad_ready took, ...
+        self.done_counts: dict[tuple[int, int], int] = {}
+        self.reduced_early: set[str] = set()
+        #: ... the backward wgrads SI blocks hold to run where the thread would wait (one CPU
+        #: thread; the last layer pair's carried from one block into the next), and the loss.
+        self.filler = Filler(self.recorder)
+        self.scale = 0.0
+        self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -349,23 +371,12 @@ class Executor:
         self.issued += 1
 
     def _reset(self, batch: Batch) -> None:
+        """Start a step on ``batch``: every per-step attribute (declared in ``__init__``) fresh."""
         self.batch = batch
         self.mailbox, self.end_grads = {}, {}
-        self.deferred: list[Pending] = []
-        #: Deferred collectives issued and settled so far this step, and the layers done whose
-        #: ZeRO-3 pieces wait for the first ``after`` of them: (after, their gradients).
-        self.issued = self.settled = 0
-        self.pieces_done: list[tuple[int, Callable[[], dict]]] = []
-        #: Embedding-gradient gathers not yet issued (see :meth:`_opened`), and embedding
-        #: forwards issued ahead of their action, by (stage, micro-batch).
-        self.postponed: list[Callable[[], Pending]] = []
-        self.prefetched: dict[tuple[int, int], Pending] = {}
-        self.index_now = 0  # the action running (the step's loop sets it)
-        #: Backwards finished per (stage, layer) this step, and the gradients grad_ready took.
-        self.done_counts: dict[tuple[int, int], int] = {}
-        self.reduced_early: set[str] = set()
-        #: The backward wgrads SI blocks hold to run where the thread would wait (one CPU
-        #: thread); the last layer pair's are carried from one block into the next.
+        self.deferred, self.issued, self.settled, self.pieces_done = [], 0, 0, []
+        self.postponed, self.prefetched, self.index_now = [], {}, 0
+        self.done_counts, self.reduced_early = {}, set()
         self.filler = Filler(self.recorder)
         tokens = batch.inputs[0].numel()
         self.scale = 1.0 / (self.lowered.microbatches * tokens)
