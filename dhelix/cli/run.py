@@ -197,7 +197,7 @@ def _run(args, started: list) -> int:
 
     from dhelix.interpreter.training import train
 
-    compiled = plan_run(program, args.file, choices, mode=args.si_plan, interleave=args.si)
+    compiled = plan_run(program, args.file, choices, mode=args.si_plan, interleave=args.si, text=text)
     train.preflight(program, compiled.reference)
     placed = spawn.torchrun_rank(program)
     if args.topology == "measured" and placed is None:

@@ -82,7 +82,8 @@ class RunPlan:
     """A run compiled once: the source ``path``, the priced ``program`` (every pass run),
     the ``reference`` model's forward and backward DAGs, the ``si`` plan, whether SI blocks
     interleave at all (``interleave``; else each runs its F then its B) and the ``choices``
-    the tools made (chunks, orders, launch), for the summary."""
+    the tools made (chunks, orders, launch), for the summary; ``text`` is the source as read
+    (a checkpoint keeps it, so that the model can be rebuilt from the checkpoint alone)."""
 
     path: str
     program: Program
@@ -90,6 +91,7 @@ class RunPlan:
     si: SIPlan
     interleave: bool = True
     choices: tuple = ()
+    text: str = ""
 
     @property
     def mode(self) -> SIMode:
@@ -104,17 +106,17 @@ def build_run_plan(text: str, path: str, *, profile: str | None = None, gpus_per
     (a measured topology), planned by :func:`plan_run`. Raises the passes' and the planner's
     located errors."""
     program, choices = priced_program(text, path, profile, gpus_per_node)
-    return plan_run(program, path, choices, mode=mode, interleave=interleave)
+    return plan_run(program, path, choices, mode=mode, interleave=interleave, text=text)
 
 
 def plan_run(program: Program, path: str, choices: tuple = (), *, mode: SIMode = SIMode.PLANNED,
-             interleave: bool = True) -> RunPlan:
+             interleave: bool = True, text: str = "") -> RunPlan:
     """The RunPlan of ``program`` (priced: :func:`~dhelix.dsl.simulator.launch.priced_program`,
     which made ``choices``; with a model), the file ``path``: its reference DAGs and its SI
-    blocks run as ``mode`` says (:func:`choose_si`), interleaved or not."""
+    blocks run as ``mode`` says (:func:`choose_si`), interleaved or not; ``text`` is its source."""
     mode = SIMode(mode)
     return RunPlan(path=path, program=program, reference=reference_dags(program),
-                   si=choose_si(program, mode, interleave), interleave=interleave, choices=choices)
+                   si=choose_si(program, mode, interleave), interleave=interleave, choices=choices, text=text)
 
 
 def measuring_plan(program: Program, path: str) -> RunPlan:

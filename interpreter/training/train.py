@@ -260,7 +260,7 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
 
                 save(options.save, executor, optimizer, step=step + 1, seed=options.seed,
                      global_sequences=source.global_sequences, schedule=options.schedule(), keep=options.keep,
-                     program={"path": os.path.abspath(options.path), "text": options.text})
+                     program={"path": os.path.abspath(options.path), "text": options.compiled.text})
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             step_ms=f"{1e3 * times['step'][-1]:.1f}")
     bar.close()
