@@ -57,6 +57,7 @@ from pathlib import Path
 import attrs
 import yaml
 
+from dhelix.dsl.core.mesh import MESH_AXES
 from dhelix.dsl.frontend.profiles import COLLECTIVES, Profile, load_profile
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.simulator.costs import cost_of, step_costs
@@ -349,7 +350,7 @@ def validate(title: str, runs: list[Run], profiles: tuple[Profile, Profile]) -> 
 def describe_mesh(program) -> str:
     """The run's mesh and micro-batches, e.g. ``tp8 cp2 dp4, m=128``."""
     mesh = program.mesh
-    axes = " ".join(f"{a}{mesh.size(a)}" for a in ("tp", "cp", "ep", "dp", "pp") if mesh.size(a) > 1)
+    axes = " ".join(f"{a}{mesh.size(a)}" for a in MESH_AXES if mesh.size(a) > 1)
     return f"{axes}, seq {program.model.get('seq')}, m={program.train.microbatches}"
 
 

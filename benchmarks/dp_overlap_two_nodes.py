@@ -41,14 +41,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # two_nodes.py beside this file
+# Beside this file (the script's folder is the first on sys.path): the link and what the
+# two-node benchmarks share.
+from two_node_link import LinkError, Shaping, TwoNodeLink, check_can_run
+from two_node_runs import (BenchError, Report, World, add_link_arguments, command_line, machine, median, profile_link,
+                           ratio_text, seconds_text)
 
-from two_node_link import LinkError, Shaping, TwoNodeLink, check_can_run  # noqa: E402
-from two_nodes import (BenchError, Report, World, _median, _ratio, _s, add_link_arguments,  # noqa: E402
-                       command_line, machine, profile_link)
-
-from dhelix.dsl.core.errors import DhelixError  # noqa: E402
-from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.passes.pipeline import check_text
 
 MODES = ("backward", "step")
 
@@ -128,19 +128,19 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
     step, simulated = {}, {}
     for mode, runs in results.items():
         steps = [d["step_s"] for d in runs]
-        step[mode] = _median(steps)
-        simulated[mode] = _median([d["predicted"]["step_s"] for d in runs
+        step[mode] = median(steps)
+        simulated[mode] = median([d["predicted"]["step_s"] for d in runs
                                    if (d.get("predicted") or {}).get("step_s") is not None])
         ratio = None if simulated[mode] is None else simulated[mode] / step[mode]
-        report(f"{mode:<12} {len(runs):>4} {_s(step[mode]):>10} {_s(min(steps)):>8} {_s(max(steps)):>8} "
-               f"{_s(_median([d['exposed_comm_s'] for d in runs])):>23} {_s(simulated[mode]):>10} {_ratio(ratio):>9}")
+        report(f"{mode:<12} {len(runs):>4} {seconds_text(step[mode]):>10} {seconds_text(min(steps)):>8} {seconds_text(max(steps)):>8} "
+               f"{seconds_text(median([d['exposed_comm_s'] for d in runs])):>23} {seconds_text(simulated[mode]):>10} {ratio_text(ratio):>9}")
     notes = {d["predicted"].get("note") for runs in results.values() for d in runs if d.get("predicted")}
     for note in sorted(n for n in notes if n):
         report(f"simulated: {note}")
     pairs = [b["step_s"] / s["step_s"] for b, s in zip(results["backward"], results["step"], strict=True)]
     report()
     predicted = None if None in simulated.values() else simulated["backward"] / simulated["step"]
-    report(f"backward ÷ step: medians {_ratio(step['backward'] / step['step'])} (simulated {_ratio(predicted)}); "
+    report(f"backward ÷ step: medians {ratio_text(step['backward'] / step['step'])} (simulated {ratio_text(predicted)}); "
            f"per round {', '.join(f'{r:.3f}' for r in pairs)} (shorter in {sum(r < 1 for r in pairs)}/{len(pairs)})")
 
 

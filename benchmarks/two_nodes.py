@@ -44,32 +44,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
-import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from importlib import metadata
 from pathlib import Path
 
 import attrs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # two_node_link.py beside this file
+# Beside this file (the script's folder is the first on sys.path): the link and what the
+# two-node benchmarks share.
+from two_node_link import LinkError, Shaping, TwoNodeLink, check_can_run, remove_namespaces
+from two_node_runs import (BenchError, Report, World, add_link_arguments, command_line, machine, median, percent_text,
+                           profile_link, ratio_text, seconds_text)
 
-from two_node_link import LinkError, Shaping, TwoNodeLink, check_can_run, remove_namespaces  # noqa: E402
-
-from dhelix.dsl.core.errors import DhelixError  # noqa: E402
-from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
+from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.passes.pipeline import check_text
 
 HERE = Path(__file__).resolve().parent
 REPLAY = HERE / "collective_replay.py"
 SI_GOAL, HIDDEN_GOAL = 0.70, 0.80
 PROFILE_SETTING = re.compile(r'\bprofile\s*=\s*"[^"\n]*"')
-FIRST_PORT = 29611
 
 
 @attrs.frozen
@@ -156,139 +152,9 @@ def _offset(text: str, line: int, column: int) -> int:
 
 # -- the output --------------------------------------------------------------------------------
 
-class Report:
-    """Lines printed as they come and kept for ``--output``."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def __call__(self, line: str = "") -> None:
-        print(line, flush=True)
-        self.lines.append(line)
-
-    def write(self, path: str) -> None:
-        Path(path).write_text("\n".join(self.lines) + "\n")
-
-
-def command_line() -> str:
-    """The command that started this script, as one shell line."""
-    python = sys.executable
-    if python.startswith(os.getcwd() + os.sep):
-        python = os.path.relpath(python)
-    return shlex.join([python, *sys.argv])
-
-
-def machine() -> str:
-    """Platform, CPUs, Python and torch versions, load average."""
-    try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch = "not installed"
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs; python "
-            f"{platform.python_version()}, torch {torch}; load average {load}")
-
-
 # -- launching one world over the two namespaces ------------------------------------------------
 
-class World:
-    """Runs a command as every rank of a ``world``-rank job, ``per_node`` consecutive ranks in
-    each namespace, in the environment torchrun would give them."""
-
-    def __init__(self, link: TwoNodeLink, world: int, per_node: int, workdir: Path, timeout: float):
-        self.link, self.world, self.per_node = link, world, per_node
-        self.workdir, self.timeout = workdir, timeout
-        self.port = FIRST_PORT
-        self.runs = 0
-
-    def environment(self, rank: int) -> dict:
-        """RANK and the rest for ``rank``: rank 0's veth address is the rendezvous."""
-        node = self.link.node(rank // self.per_node)
-        # GROUP_RANK, the node's number, as torchrun sets it: dhelix checks it against the cluster block.
-        return {"RANK": rank, "WORLD_SIZE": self.world, "LOCAL_RANK": rank % self.per_node,
-                "GROUP_RANK": rank // self.per_node,
-                # spawn.run_rank divides the CPUs by LOCAL_WORLD_SIZE: both "nodes" share this machine's.
-                "LOCAL_WORLD_SIZE": self.world, "MASTER_ADDR": self.link.node(0)["address"],
-                "MASTER_PORT": self.port, "GLOO_SOCKET_IFNAME": node["device"]}
-
-    def run(self, args: list[str], label: str) -> tuple[bool, str]:
-        """Run ``python ARGS`` on every rank; (success, where its output is or what failed)."""
-        self.runs += 1
-        self.port += 1  # a fresh port: the last run's socket may linger in TIME_WAIT
-        logs = self.workdir / f"{self.runs:03d}-{label.replace(' ', '_')}"
-        logs.mkdir()
-        procs = []
-        try:
-            for rank in range(self.world):
-                env = [f"{name}={value}" for name, value in self.environment(rank).items()]
-                command = ["ip", "netns", "exec", self.link.node(rank // self.per_node)["namespace"],
-                           "env", *env, sys.executable, *args]
-                with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
-                    procs.append(subprocess.Popen(command, stdout=out, stderr=err, cwd=self.workdir))
-            return self._watch(procs, logs)
-        finally:
-            _stop(procs)
-
-    def _watch(self, procs, logs: Path) -> tuple[bool, str]:
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            codes = [p.poll() for p in procs]
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                return False, f"rank {rank} exited with code {code}:\n{_tail(logs / f'rank{rank}.err')}"
-            if all(code == 0 for code in codes):
-                return True, str(logs)
-            time.sleep(0.2)
-        return False, f"still running after {self.timeout:.0f} s (--run-timeout); rank 0:\n{_tail(logs / 'rank0.err')}"
-
-
-def _stop(procs, grace: float = 5.0) -> None:
-    """Terminate the processes of a run that are still alive (ours, by their handles)."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    text = path.read_text(errors="replace").replace("\r", "\n")
-    return "\n".join(f"    {line}" for line in text.strip().split("\n")[-lines:])
-
-
 # -- the benchmark -----------------------------------------------------------------------------
-
-class BenchError(Exception):
-    """The benchmark cannot go on (a run failed, a program that does not fit)."""
-
-
-def has_profile_command() -> bool:
-    """Whether this dhelix has ``dhelix profile`` (an older checkout may lack it)."""
-    result = subprocess.run([sys.executable, "-m", "dhelix", "profile", "--help"], capture_output=True)
-    return result.returncode == 0
-
-
-def profile_link(world: World, program: Path, args, report: Report) -> str | None:
-    """Run ``dhelix profile`` on the two nodes; the name of the profile written beside the
-    program, or None when this dhelix has no profile command."""
-    if not has_profile_command():
-        report("profile: skipped: this dhelix has no `dhelix profile` command")
-        return None
-    out = program.parent / "link.yaml"
-    command = ["-m", "dhelix", "profile", str(program), "-o", str(out), "--repeats", str(args.profile_repeats)]
-    start = time.monotonic()
-    ok, where = world.run(command, "profile")
-    if not ok:
-        raise BenchError(f"dhelix profile failed: {where}")
-    report(f"profile: `dhelix profile FILE -o link.yaml --repeats {args.profile_repeats}` over the link "
-           f"({time.monotonic() - start:.0f} s); the program's cluster profile is now link.yaml")
-    return out.name
-
 
 def trace_file(folder: str, mode: Mode) -> Path:
     """Where ``--trace FOLDER`` puts the Chrome trace of ``mode``'s last-round run."""
@@ -335,8 +201,8 @@ def selected_modes(args) -> tuple[Mode, ...]:
 
 def summarise(results: dict[str, list[dict]], report: Report) -> None:
     """The table of medians, the ratios, the hidden fractions and the goals."""
-    step = {m: _median([d["step_s"] for d in runs]) for m, runs in results.items()}
-    exposed = {m: _median([d["exposed_comm_s"] for d in runs]) for m, runs in results.items()}
+    step = {m: median([d["step_s"] for d in runs]) for m, runs in results.items()}
+    exposed = {m: median([d["exposed_comm_s"] for d in runs]) for m, runs in results.items()}
     report()
     report("medians over the rounds (a run's figure: the median over its steps without the first, "
            "of the slowest rank):")
@@ -344,11 +210,11 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
            f"{'simulated':>10} {'sim ÷ run':>9}")
     for mode, runs in results.items():
         steps = [d["step_s"] for d in runs]
-        predicted = _median([d["predicted"]["step_s"] for d in runs
+        predicted = median([d["predicted"]["step_s"] for d in runs
                              if (d.get("predicted") or {}).get("step_s") is not None])
         ratio = None if predicted is None or not step[mode] else predicted / step[mode]
-        report(f"{mode:<13} {len(runs):>4} {_s(step[mode]):>10} {_s(min(steps, default=None)):>8} "
-               f"{_s(max(steps, default=None)):>8} {_s(exposed[mode]):>13} {_s(predicted):>10} {_ratio(ratio):>9}")
+        report(f"{mode:<13} {len(runs):>4} {seconds_text(step[mode]):>10} {seconds_text(min(steps, default=None)):>8} "
+               f"{seconds_text(max(steps, default=None)):>8} {seconds_text(exposed[mode]):>13} {seconds_text(predicted):>10} {ratio_text(ratio):>9}")
     notes = {d["predicted"].get("note") for runs in results.values() for d in runs if d.get("predicted")}
     for note in sorted(n for n in notes if n):
         report(f"simulated: {note} (the goal: within 15 % of the measured step)")
@@ -361,8 +227,8 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
     compute = None if no_si is None or exposed["no SI"] is None else no_si - exposed["no SI"]
     report()
     report("compute       = no-SI step - no-SI exposed comm (the time the no-SI run was not waiting "
-           f"on a collective) = {_s(compute)}")
-    report(f"communication = the comm-only replay's step (the same layer collectives, no compute) = {_s(comm)}")
+           f"on a collective) = {seconds_text(compute)}")
+    report(f"communication = the comm-only replay's step (the same layer collectives, no compute) = {seconds_text(comm)}")
     report("SI ÷ no-SI    = SI step / no-SI step (goal ≤ 0.70)")
     report("hidden        = (no-SI step - SI step) / min(compute, communication) (goal ≥ 80 %)")
     for mode in (m for m in results if m.startswith("SI")):
@@ -372,27 +238,11 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
             hidden = (no_si - step[mode]) / min(compute, comm)
         met = [f"SI ÷ no-SI {'met' if ratio <= SI_GOAL else 'not met'}" if ratio is not None else "",
                f"hidden {'met' if hidden >= HIDDEN_GOAL else 'not met'}" if hidden is not None else ""]
-        report(f"{mode:<13}  SI ÷ no-SI {_ratio(ratio)}   hidden {_percent(hidden)}   goals: "
+        report(f"{mode:<13}  SI ÷ no-SI {ratio_text(ratio)}   hidden {percent_text(hidden)}   goals: "
                + (", ".join(m for m in met if m) or "—"))
         if hidden is not None and hidden > 1:
             report(f"{'':<13}  above 100 %: SI saved more than the whole communication, which it cannot; "
                    "the runs of the two modes saw different loads of the machine")
-
-
-def _median(values):
-    return statistics.median(values) if values else None
-
-
-def _s(value) -> str:
-    return "—" if value is None else f"{value:.3f} s"
-
-
-def _ratio(value) -> str:
-    return "—" if value is None else f"{value:.3f}"
-
-
-def _percent(value) -> str:
-    return "—" if value is None else f"{100 * value:.0f} %"
 
 
 def load_program(args, workdir: Path) -> tuple[str, object]:
@@ -453,16 +303,6 @@ def bench(args, report: Report, workdir: Path) -> int:
     summarise(results, report)
     report(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
-
-
-def add_link_arguments(parser, rate: str) -> None:
-    """The options every benchmark over the two-node link takes: the link's shaping (``rate``
-    by default), the rounds of alternated modes and the steps of each run."""
-    parser.add_argument("--rate", default=rate, help="tbf rate of each direction of the link")
-    parser.add_argument("--burst", default="256kb", help="tbf burst")
-    parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of every mode, alternated")
-    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is left out)")
 
 
 def parse_args(argv=None):

@@ -356,3 +356,25 @@ def test_the_process_groups_come_from_a_device_mesh_with_the_mesh_s_layout(tmp_p
         for axis in ("tp", "pp"):
             assert got["groups"][axis] == next(g for g in mesh.groups(axis) if rank in g)
         assert got["sub"] == {}  # tp lies inside a node: no group partition sub-axes
+
+
+def test_the_executor_is_built_whole_in_its_constructor():
+    """Every attribute the Executor's methods assign is first set in ``__init__`` (a step
+    resets its state; it adds none)."""
+    import ast
+    import inspect
+
+    from dhelix.interpreter.execute import executor as module
+
+    tree = ast.parse(inspect.getsource(module))
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Executor")
+    assigned: dict[str, set[str]] = {}
+    for method in (node for node in cls.body if isinstance(node, ast.FunctionDef)):
+        for node in ast.walk(method):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in (t for tg in targets for t in ast.walk(tg)):
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self":
+                    assigned.setdefault(target.attr, set()).add(method.name)
+    outside = sorted(name for name, methods in assigned.items() if "__init__" not in methods)
+    assert outside == [], f"first set outside __init__: {outside}"

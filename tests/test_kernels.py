@@ -94,6 +94,33 @@ def test_attention_backward_and_gqa_layout(heads, kv_heads, mask):
         assert (out[seq] - expected).abs().max() < TOL
 
 
+LLAMA3_SCALING = {"rope_factor": 8, "rope_low_freq": 1, "rope_high_freq": 4, "rope_original": 16}
+
+
+@pytest.mark.parametrize("heads, kv_heads, scaling", [(4, 2, {}), (2, 2, {}), (4, 2, LLAMA3_SCALING)])
+def test_rotary_attention_matches_the_reference_and_autograd(heads, kv_heads, scaling):
+    from dhelix.interpreter.verify.reference import _attention
+
+    d, micro_batch, seq, theta = 16, 2, 6, 500000
+    qkv = randn(micro_batch * seq, (heads + 2 * kv_heads) * d)
+    params = {"heads": heads, "kv_heads": kv_heads, "mask": "causal", "rope": theta, **scaling}
+    out = check_against_autograd("attention", [qkv], None, k.KernelCtx(micro_batch=micro_batch, params=params), [0])
+    # The kernel's cos/sin tables are fp32 (as Hugging Face computes them), the reference's fp64.
+    assert (out - _attention(qkv, params, micro_batch)).abs().max() < 1e-6
+    plain = k.KERNELS["attention"].forward([qkv], None, k.KernelCtx(micro_batch=micro_batch, params={
+        **params, "rope": None}))[0]
+    # Position 0 is not turned, so each sequence's first token attends as without RoPE; later ones differ.
+    assert (out[::seq] - plain[::seq]).abs().max() < TOL
+    assert (out - plain).abs().max() > 1e-3
+
+
+def test_norm_epsilon_comes_from_inv_eps():
+    x, w = randn(6, 16) * 1e-3, 1 + 0.1 * randn(16, seed=1)
+    out, _ = k.KERNELS["rmsnorm"].forward([x], w, k.KernelCtx(params={"inv_eps": 1000000}))
+    assert (out - F.rms_norm(x, (16,), w, eps=1e-6)).abs().max() < TOL
+    assert (out - F.rms_norm(x, (16,), w, eps=1e-5)).abs().max() > 1e-3
+
+
 def test_grouped_gemm_uses_the_routing_counts():
     x, w = randn(10, 6), randn(3, 6, 5, seed=1)
     ctx = k.KernelCtx(routing={"counts": [4, 0, 6]})

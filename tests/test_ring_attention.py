@@ -35,13 +35,15 @@ SEED, DATA_SEED = 13, 4
 MB, SEQ, HEADS, KV_HEADS, D = 2, 16, 4, 2, 8
 
 
-def program(mesh: str, pipeline: str = "one_f_one_b", fold: str = "none"):
-    """A tiny Llama (hidden 64, seq 16: 2·cp·tp divides it) on ``mesh`` (4 ranks)."""
+def program(mesh: str, pipeline: str = "one_f_one_b", fold: str = "none", layer: str = "llama"):
+    """A tiny Llama (hidden 64, seq 16: 2·cp·tp divides it) on ``mesh`` (4 ranks); the
+    rotary settings are read by layer llama3_rope only."""
     return check_text(f"""
 import "stdlib/layers.dhx"
 import "stdlib/pipelines.dhx"
 model m {{ layers = 4  hidden = 64  ffn = 128  heads = {HEADS}  kv_heads = {KV_HEADS}  seq = {SEQ}
-  vocab = 64  dtype = fp32  layer = llama }}
+  vocab = 64  dtype = fp32  layer = {layer}  rope_theta = 10000  rope_factor = 8  rope_low_freq = 1
+  rope_high_freq = 4  rope_original = 8  norm_inv_eps = 1000000 }}
 cluster {{ nodes = 2  gpus_per_node = 2  profile = "a40" }}
 mesh {{ {mesh} }}
 train {{ micro_batch = {MB}  microbatches = 4 }}
@@ -62,24 +64,28 @@ def attention_io():
     return qkv, torch.randn(MB * SEQ, HEADS * D, generator=gen)
 
 
-def full_attention(mask: str = "causal"):
+#: Rotary embeddings with Llama 3's scaling, as the attention op's parameters.
+ROPE = {"rope": 10000, "rope_factor": 8, "rope_low_freq": 1, "rope_high_freq": 4, "rope_original": 8}
+
+
+def full_attention(mask: str = "causal", rope: dict | None = None):
     """Output and qkv gradient of GQA attention over whole sequences (autograd)."""
     from dhelix.interpreter.verify.reference import _attention
 
     qkv, dout = attention_io()
     qkv.requires_grad_(True)
-    out = _attention(qkv, {"heads": HEADS, "kv_heads": KV_HEADS, "mask": mask}, MB)
+    out = _attention(qkv, {"heads": HEADS, "kv_heads": KV_HEADS, "mask": mask, **(rope or {})}, MB)
     out.backward(dout)
     return out.detach(), qkv.grad
 
 
-def ring_kernels(comm, async_op: bool, mask: str = "causal"):
+def ring_kernels(comm, async_op: bool, mask: str = "causal", rope: dict | None = None):
     """Run the ring's forward and backward steps on this rank's rows."""
     cp, index = comm.size("cp"), comm.index("cp")
     qkv, dout = (local_rows(t, cp, index) for t in attention_io())
 
     def ctx(step):
-        params = {"heads": HEADS, "kv_heads": KV_HEADS, "mask": mask, STEP: step}
+        params = {"heads": HEADS, "kv_heads": KV_HEADS, "mask": mask, STEP: step, **(rope or {})}
         return KernelCtx(comm, "cp", MB, params, async_op=async_op)
 
     value = qkv
@@ -120,15 +126,15 @@ def ring_layer(mesh: str):
 
 STEPS = {"cp2_pp2_w_helix": ("cp = 2  pp = 2", "w_helix", "u"),
          "tp2_cp2_1f1b": ("tp = 2  cp = 2", "one_f_one_b", "none"),
-         "cp2_dp2_1f1b": ("cp = 2  dp = 2", "one_f_one_b", "none")}
+         "cp2_dp2_1f1b": ("cp = 2  dp = 2", "one_f_one_b", "none"),
+         "tp2_cp2_1f1b_llama3_rope": ("tp = 2  cp = 2", "one_f_one_b", "none", "llama3_rope")}
 #: With the optimizer `dhelix run` builds: each layer's gradients, partial over cp, handed to it
 #: under the backward, reduced over dp, then summed over cp by the optimizer.
 EARLY = {"cp2_dp2_1f1b_reduced_under_backward": ("cp = 2  dp = 2", "one_f_one_b", "none")}
 
 
 def executor_step(name: str):
-    mesh, pipeline, fold = STEPS.get(name) or EARLY[name]
-    prog = program(mesh, pipeline, fold)
+    prog = program(*(STEPS.get(name) or EARLY[name]))
     comm = DistComm(prog.mesh, timeout_s=60)
     executor = Executor(prog, comm, seed=SEED, plan_for=op_by_op_plan)
     optimizer = for_executor(executor, norms=False) if name in EARLY else DistributedAdamW(executor.params, comm)
@@ -143,6 +149,8 @@ def _results(rank: int, world: int) -> dict:
         comm = DistComm(Mesh(("cp", "dp"), sizes, 1, 4), timeout_s=60)
         results[name] = [ring_kernels(comm, async_op) for async_op in (False, True)]
     results["cp2_full"] = [ring_kernels(DistComm(Mesh(("cp", "dp"), (2, 2), 1, 4)), False, "full")]
+    results["cp4_rope"] = [ring_kernels(DistComm(Mesh(("cp", "dp"), (4, 1), 1, 4)), async_op, rope=ROPE)
+                           for async_op in (False, True)]
     results["layer_cp2"] = ring_layer("cp = 2  dp = 2")
     results["layer_tp2_cp2"] = ring_layer("tp = 2  cp = 2")
     results.update({name: executor_step(name) for name in list(STEPS) + list(EARLY)})
@@ -163,9 +171,10 @@ def test_layout_gives_rank_i_chunks_i_and_its_mirror():
     assert sorted(every.tolist()) == list(range(16))
 
 
-@pytest.mark.parametrize("name,cp", [("cp2", 2), ("cp4", 4), ("cp2_full", 2)])
+@pytest.mark.parametrize("name,cp", [("cp2", 2), ("cp4", 4), ("cp2_full", 2), ("cp4_rope", 4)])
 def test_ring_kernels_match_full_attention(world, name, cp):
-    want_out, want_dqkv = full_attention("full" if name.endswith("full") else "causal")
+    want_out, want_dqkv = full_attention("full" if name.endswith("full") else "causal",
+                                         ROPE if name.endswith("rope") else None)
     for rank, results in enumerate(world):
         index = rank % cp  # cp is the innermost axis of these meshes
         for out, dqkv in results[name]:  # synchronous, then asynchronous steps

@@ -146,10 +146,12 @@ def _result() -> RunResult:
     return RunResult(losses=(6.0, 5.5, 5.25), ranks=ranks)
 
 
-def _options(program_path: str, **changes):
+def _options(program_path: str, plan: str = "planned", **changes):
+    from dhelix.dsl.simulator.runplan import build_run_plan
     from dhelix.interpreter.training.train import RunOptions
 
-    return RunOptions(path=program_path, text=Path(program_path).read_text(), steps=3, **changes)
+    compiled = build_run_plan(Path(program_path).read_text(), program_path, mode=plan)
+    return RunOptions(path=program_path, compiled=compiled, steps=3, **changes)
 
 
 def test_the_summary_is_medians_without_the_first_step_beside_the_simulator():

@@ -111,3 +111,26 @@ def test_a_fold_override_names_a_fold(fold, message):
     with pytest.raises(UsageError) as caught:
         load_program(TINY.read_text(), "examples/tiny_llama_cpu.dhx", Overrides(fold=fold))
     assert caught.value.message == message
+
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.dhx"))
+PASSES = STAGE_NAMES[STAGE_NAMES.index("check") + 1:]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_each_pass_writes_only_the_fields_its_stage_declares(path):
+    from dhelix.dsl.passes.pipeline import STAGES
+
+    program = run_until(path.read_text(), str(path), "check")
+    for stage in STAGES[STAGE_NAMES.index("check") + 1:]:
+        after = stage.run(program)
+        written = {f.name for f in attrs.fields(type(program)) if getattr(after, f.name) != getattr(program, f.name)}
+        assert written <= set(stage.produces), (stage.name, written)
+        program = after
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_rerun_after_every_stage_equals_a_fresh_run(path):
+    fresh = run_until(path.read_text(), str(path))
+    for after in PASSES:
+        assert rerun(fresh, after=after) == fresh, after

@@ -27,6 +27,7 @@ from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
 
 #: The command modules of this package, in the order ``dhelix --help`` lists them.
 COMMANDS = (
+    "new",
     "check",
     "fmt",
     "render",
@@ -36,6 +37,7 @@ COMMANDS = (
     "tune",
     "run",
     "profile",
+    "generate",
 )
 #: Commands whose errors are their report, so they get no "while running" note.
 REPORTING = ("check", "fmt")

@@ -28,6 +28,7 @@ from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_o
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.passes.overrides import for_measuring, require_model
+from dhelix.dsl.simulator.runplan import measuring_plan
 
 DEFAULT_REPEATS = 5
 
@@ -63,13 +64,14 @@ def cmd_profile(args) -> int:
     out = _output(args, program, profile_launch.host_name())
     from dhelix.interpreter.training import train
 
-    train.preflight(program)
+    compiled = measuring_plan(program, args.file)
+    train.preflight(program, compiled.reference)
     placed = spawn.torchrun_rank(program)
     nproc = local_ranks(args, program, torchrun=placed is not None)
     backend = choose_backend(args.backend, nproc)
     command = shlex.join(["dhelix", "profile", args.file, "-o", str(out), "--backend", backend,
                           "--repeats", str(args.repeats)])
-    options = profile_launch.ProfileOptions(path=args.file, text=text, backend=backend,
+    options = profile_launch.ProfileOptions(path=args.file, compiled=compiled, backend=backend,
                                             repeats=args.repeats, timeout=args.timeout,
                                             seed=program.train.seed)
     if placed is not None:

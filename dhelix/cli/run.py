@@ -29,6 +29,8 @@ import os
 import sys
 from pathlib import Path
 
+import attrs
+
 from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, check_memory, choose_backend, local_ranks
 from dhelix.cli.paths import output_folder, output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
@@ -37,6 +39,8 @@ from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.axisuse import unused_axes
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.simulator.launch import priced_program
+from dhelix.dsl.planner.si_plan import SIMode
+from dhelix.dsl.simulator.runplan import build_run_plan, plan_run
 from dhelix.dsl.render.trace import trace_json
 from dhelix.interpreter.training.train import DEFAULT_KEEP  # torch-free at import
 
@@ -52,7 +56,7 @@ def register(subparsers) -> None:
                      help="training steps (default: the train block's steps, else 10)")
     run.add_argument("--no-si", dest="si", action="store_false",
                      help="run SI blocks as a forward then a backward (same numbers, no overlap)")
-    run.add_argument("--si-plan", choices=("planned", "scheduled", "op_by_op", "sequential"), default="planned",
+    run.add_argument("--si-plan", choices=[mode.value for mode in SIMode], default=SIMode.PLANNED.value,
                      help="how SI blocks run: the planner's segment pairs, layer pair by layer pair "
                           "(default), one order of the whole block from the block scheduler, both "
                           "from the profile (op_by_op when the cluster names none), op i beside op "
@@ -88,12 +92,21 @@ def _add_training_arguments(run) -> None:
     data.add_argument("--data", metavar="PATH",
                       help="train on a text file or a folder of them (byte-level tokens), or on token files "
                            "(raw .uint16/.uint32 ids, or a 1-D integer .npy array); overrides the train block's data")
+    data.add_argument("--eval-data", metavar="PATH",
+                      help="evaluate on this held-out data (text or token files, as --data) instead of the last "
+                           "10 %% of the training data, which is then all trained on")
+    data.add_argument("--tokenizer", metavar="TOKENIZER.json",
+                      help="tokenize text data with this Hugging Face fast tokenizer (documents separated by its "
+                           "end-of-text token) instead of byte-level")
     data.add_argument("--save", metavar="DIR", help="save a checkpoint to DIR at the end (and every --save-every)")
     data.add_argument("--save-every", type=int, metavar="N", help="also save every N steps")
     data.add_argument("--keep", type=int, metavar="K",
                       help=f"keep the K newest saves in --save DIR, removing older ones (default {DEFAULT_KEEP})")
     data.add_argument("--resume", metavar="DIR",
                       help="continue the run saved in DIR, on this program's layout (--steps counts all steps)")
+    data.add_argument("--init", metavar="HF_DIR",
+                      help="start from the weights of a Hugging Face Llama checkpoint folder (model.safetensors or "
+                           "its shards; each rank reads only its slices) instead of seeded ones")
     data.add_argument("--export-weights", metavar="OUT.pt",
                       help="write the trained full weights as one torch.save state_dict of the reference model")
     data.add_argument("--log", metavar="OUT.jsonl",
@@ -169,10 +182,13 @@ def _run(args, started: list) -> int:
     if args.check and (outputs or args.resume):
         raise UsageError(f"--check compares every step with the reference and prints that; it writes no "
                          f"{' or '.join(outputs) or '--resume'} (run without --check for them)")
+    if args.init and (args.resume or args.check):
+        raise UsageError(f"--init starts a run from Hugging Face weights; {'--resume' if args.resume else '--check'} "
+                         "starts from its own (give one of them)")
     if len({os.path.realpath(path) for path in outputs.values()}) < len(outputs):
         raise UsageError(f"{' and '.join(outputs)} name the same file; give each its own")
     text = read_source(args.file)
-    program, _ = priced_program(text, args.file, args.profile)
+    program, choices = priced_program(text, args.file, args.profile)
     require_model(program, args.file)
     for flag, path in outputs.items():
         refuse_inputs(path, flag, program_inputs(program))
@@ -181,27 +197,41 @@ def _run(args, started: list) -> int:
 
     from dhelix.interpreter.training import train
 
-    train.preflight(program)
+    compiled = plan_run(program, args.file, choices, mode=args.si_plan, interleave=args.si, text=text)
+    train.preflight(program, compiled.reference)
     placed = spawn.torchrun_rank(program)
     if args.topology == "measured" and placed is None:
         raise UsageError("--topology measured applies under torchrun: the local launcher's ranks share this "
                          "machine on purpose (the cluster block's nodes are emulated); run without it")
     nproc = local_ranks(args, program, torchrun=placed is not None)
-    options = run_options(args, text, program, choose_backend(args.backend, nproc))
+    options = run_options(args, compiled, choose_backend(args.backend, nproc))
+    if (args.tokenizer or args.eval_data) and options.data is None:
+        raise UsageError(f"{'--tokenizer' if args.tokenizer else '--eval-data'} goes with training data: give --data, "
+                         "or a train block's data")
     _warn(filter(None, [check_memory(program, nproc, options.backend, force=args.force)]))
-    if options.data is not None:
-        _refuse_data(outputs, options.data)
-    _preflight_data(program, options)
+    for given in (options.data, options.eval_data):
+        if given is not None:
+            _refuse_data(outputs, given)
+    _preflight_data(options)
     started.append(True)
     if placed is not None:
-        result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node)
+        def replan(options, gpus_per_node: int):
+            # The measured nodes decide the lanes: compiled again here, in the command (under
+            # torchrun this process is the rank), before the rank runs anything.
+            return attrs.evolve(options, compiled=build_run_plan(
+                text, args.file, profile=args.profile, gpus_per_node=gpus_per_node, mode=args.si_plan,
+                interleave=args.si))
+
+        result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node,
+                                replan=replan)
     else:
         result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run
         return 0
     if result.gpus_per_node is not None:  # the run used the measured nodes: so does its prediction
-        program, _ = priced_program(text, args.file, args.profile, result.gpus_per_node)
-    return report(program, options, result, outputs.get("--trace"), outputs.get("--metrics"), as_json=args.json)
+        options = replan(options, result.gpus_per_node)
+    return report(options.compiled.program, options, result, outputs.get("--trace"), outputs.get("--metrics"),
+                  as_json=args.json)
 
 
 def _check_numbers(args) -> None:
@@ -262,19 +292,24 @@ def _refuse_data(outputs: dict, data) -> None:
                              "would be mixed with it; give another folder")
 
 
-def _preflight_data(program, options) -> None:
+def _preflight_data(options) -> None:
     """Read the data and the checkpoint to resume before any rank starts, so that their
     errors come once, located, and not from every rank."""
     from dhelix.interpreter.training import checkpoint, data
     from dhelix.interpreter.ops.weights import WeightPlan
 
+    program = options.compiled.program
+    if options.init is not None:  # every tensor's presence and shape
+        WeightPlan(program, options.seed, options.compiled.reference, hf=options.init)
     sequences = program.train.micro_batch * program.train.microbatches * program.mesh.size("dp")
     if options.data is not None:
-        corpus = data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"))
+        corpus = data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"),
+                                  options.eval_data)
         _warn(filter(None, [data.short_data(options.data, corpus, sequences)]))
     if options.resume is not None:
         _, meta = checkpoint.latest(options.resume)
-        checkpoint.check_fits(options.resume, meta, WeightPlan(program, options.seed), sequences)
+        plan = WeightPlan(program, options.seed, options.compiled.reference)
+        checkpoint.check_fits(options.resume, meta, plan, sequences)
         if meta["step"] >= options.steps:
             raise UsageError(f"--resume {options.resume}: the checkpoint is at step {meta['step']}, and this run "
                              f"has {options.steps} steps in all; give --steps above {meta['step']}")
@@ -301,33 +336,37 @@ def resume_differences(meta: dict, options) -> list:
     return found
 
 
-def run_options(args, text: str, program, backend: str):
-    """The interpreter's RunOptions from the command line and the program's train block."""
+def run_options(args, compiled, backend: str):
+    """The interpreter's RunOptions from the command line, the program's train block and
+    the run ``compiled`` once (a :class:`~dhelix.dsl.simulator.runplan.RunPlan`)."""
     from dhelix.interpreter.training import data, train
 
-    plan, pairs = train.si_plan(program, args.si_plan) if args.si else (args.si_plan, None)
+    program = compiled.program
     return train.RunOptions(
-        path=args.file, text=text,
-        steps=args.steps if args.steps is not None else program.train.steps or train.DEFAULT_STEPS,
-        backend=backend, si=args.si, plan=plan, trace=args.trace,
-        seed=args.seed if args.seed is not None else program.train.seed, lr=args.lr,
-        zero1=args.zero1 or program.train.zero >= 1, timeout=args.timeout, check=args.check, pairs=pairs,
-        profile=_profile_for_ranks(args.profile),
-        data=data.data_spec(program, args.file, args.data, "--data"),
-        warmup=args.warmup if args.warmup is not None else program.train.warmup,
+        path=args.file, compiled=compiled,
+        steps=flag_or_train(args.steps, program.train.steps, train.DEFAULT_STEPS),
+        backend=backend, trace=args.trace,
+        seed=flag_or_train(args.seed, program.train.seed), lr=args.lr,
+        zero1=args.zero1 or program.train.zero >= 1, timeout=args.timeout, check=args.check,
+        data=data.data_spec(program, args.file, args.data, "--data", args.tokenizer),
+        eval_data=data.DataSpec(str(Path(args.eval_data).resolve()), flag="--eval-data",
+                                tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
+        if args.eval_data else None,
+        warmup=flag_or_train(args.warmup, program.train.warmup),
         decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip, master=args.master,
-        eval_every=args.eval_every if args.eval_every is not None else program.train.eval_every,
+        eval_every=flag_or_train(args.eval_every, program.train.eval_every),
         save=args.save, save_every=args.save_every, resume=args.resume, log=args.log,
+        init=str(Path(args.init).resolve()) if args.init else None,
         export=args.export_weights, topology=args.topology, skip_nonfinite=args.skip_nonfinite,
         keep=args.keep if args.keep is not None else DEFAULT_KEEP)
 
 
-def _profile_for_ranks(profile: str | None) -> str | None:
-    """``--profile`` as the ranks must read it: a file by its absolute path (a torchrun
-    rank may start elsewhere), a shipped name as it is."""
-    if profile is None or not profile.endswith((".yaml", ".yml")) and "/" not in profile:
-        return profile
-    return str(Path(profile).resolve())
+def flag_or_train(flag, setting, default=None):
+    """The command line's ``flag`` when it was given, else the train block's ``setting`` when
+    the block sets it, else ``default``: the one rule of every option the train block can set."""
+    if flag is not None:
+        return flag
+    return setting if setting is not None else default
 
 
 def report(program, options, result, trace: Path | None, metrics: Path | None = None, *,

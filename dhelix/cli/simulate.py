@@ -25,6 +25,7 @@ from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.simulator.report import (compare, format_comparison, format_simulation,
                                          memory_warnings, simulation_metrics)
 from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
+from dhelix.dsl.planner.si_plan import SIMode
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.render.trace import trace_json
 
@@ -46,7 +47,7 @@ def register(subparsers) -> None:
     sim.add_argument("--strict", action="store_true",
                      help="a rank whose predicted peak memory exceeds the profile's device memory is an "
                           "error (exit 1), not a warning")
-    sim.add_argument("--si-plan", choices=("planned", "scheduled"), default="planned",
+    sim.add_argument("--si-plan", choices=(SIMode.PLANNED.value, SIMode.SCHEDULED.value), default=SIMode.PLANNED.value,
                      help="price SI blocks layer pair by layer pair with the planner's plan, or whole in "
                           "the block scheduler's order (as `dhelix run --si-plan` runs them)")
     add_profile_argument(sim)
@@ -72,7 +73,7 @@ def cmd_simulate(args) -> int:
         title += (f"; SI plan per layer pair {plan.total * 1e3:.3f} ms vs {plan.sequential * 1e3:.3f} ms "
                   f"sequential ({plan.speedup:.3f}x)")
     title += "".join(f"\n{choice.block} {choice.describe()}" for choice in chunks)
-    scheduled = args.si_plan == "scheduled"
+    scheduled = args.si_plan == SIMode.SCHEDULED
     if plan is not None and scheduled:
         title += "; SI blocks priced whole by the block scheduler"
     sims = compare(program, plan, zero1=args.zero1, scheduled=scheduled) if args.compare else (

@@ -19,6 +19,9 @@ from dhelix.dsl.core.span import spans_field
 
 #: Dimensions that multiply into the world size, in the default (Megatron) order.
 DIMENSIONS = ("tp", "cp", "dp", "pp")
+#: Every axis a mesh block may size, in the order the language lists them: the dimensions and
+#: ``ep``, which splits the experts over a part of dp.
+MESH_AXES = ("tp", "cp", "ep", "dp", "pp")
 
 #: The communication lanes: collectives of node-local groups and of cross-node groups.
 COMM_LANES = ("local", "cross")

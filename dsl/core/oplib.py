@@ -13,10 +13,11 @@ from typing import Callable
 
 import attrs
 
+from dhelix.dsl.core.mesh import MESH_AXES  # noqa: F401 (the axes an op's axis argument names)
+
 Shape = tuple[int, int]
 
 TENSOR, INT, AXIS, FLAG = "tensor", "int", "axis", "flag"
-MESH_AXES = ("tp", "cp", "ep", "dp", "pp")
 
 
 class ShapeMismatch(Exception):
@@ -89,7 +90,42 @@ def _attention(args):
     if features % width:
         raise ShapeMismatch(f"qkv has {features} features, not a multiple of heads + 2*kv_heads = {width}",
                             0, ("the qkv projection must produce (heads + 2*kv_heads) * head_dim features",))
-    return (tokens, heads * (features // width))
+    head_dim = features // width
+    rope = args[5] if len(args) > 5 else None
+    if rope is not None:
+        _positive(rope, 5, "rope")
+        if head_dim % 2:
+            raise ShapeMismatch(f"rotary embeddings turn pairs of features, but head_dim is {head_dim}", 5,
+                                ("give heads and hidden with an even hidden / heads",))
+    _check_rope_scaling(args[6:10], rope is not None)
+    return (tokens, heads * head_dim)
+
+
+#: Llama 3's RoPE scaling (``rope_type`` "llama3"), all four or none: the frequencies of
+#: wavelengths above ``rope_original / rope_low_freq`` are divided by ``rope_factor``, those
+#: below ``rope_original / rope_high_freq`` kept, those between blended.
+ROPE_SCALING = ("rope_factor", "rope_low_freq", "rope_high_freq", "rope_original")
+
+
+def _check_rope_scaling(values, rope: bool) -> None:
+    given = [v for v in values if v is not None]
+    if not given:
+        return
+    first = 6 + next(i for i, v in enumerate(values) if v is not None)
+    if not rope:
+        raise ShapeMismatch("RoPE scaling needs rotary embeddings: give rope = θ too", first)
+    if len(given) != len(ROPE_SCALING):
+        raise ShapeMismatch(f"Llama 3's RoPE scaling takes all of {', '.join(ROPE_SCALING)}", first)
+    for offset, value in enumerate(values):
+        _positive(value, 6 + offset, ROPE_SCALING[offset])
+    if values[2] <= values[1]:
+        raise ShapeMismatch("rope_high_freq must exceed rope_low_freq", 8)
+
+
+def _norm(args):
+    if len(args) > 1 and args[1] is not None:
+        _positive(args[1], 1, "inv_eps")
+    return args[0]
 
 
 def _swiglu(args):
@@ -142,6 +178,8 @@ def _unpermute(args):
 
 _X = Param("x", TENSOR)
 _AXIS = Param("axis", AXIS)
+#: A norm's epsilon as its reciprocal (the language's numbers are integers): 1e-6 is 1000000.
+_INV_EPS = Param("inv_eps", INT, optional=True)
 
 
 def _spec(name, params, kind, op_class, infer, weight=lambda a: None, doc=""):
@@ -149,14 +187,20 @@ def _spec(name, params, kind, op_class, infer, weight=lambda a: None, doc=""):
 
 
 OPS: dict[str, OpSpec] = {op.name: op for op in [
-    _spec("rmsnorm", [_X], "compute", "norm", _same, lambda a: (a[0][1],), "RMSNorm over features"),
-    _spec("layernorm", [_X], "compute", "norm", _same, lambda a: (2, a[0][1]), "LayerNorm (scale and bias)"),
+    _spec("rmsnorm", [_X, _INV_EPS], "compute", "norm", _norm, lambda a: (a[0][1],),
+          "RMSNorm over features; epsilon 1 / inv_eps (default 1e-5)"),
+    _spec("layernorm", [_X, _INV_EPS], "compute", "norm", _norm, lambda a: (2, a[0][1]),
+          "LayerNorm (scale and bias); epsilon 1 / inv_eps (default 1e-5)"),
     _spec("gemm", [_X, Param("in_features", INT), Param("out_features", INT)], "compute", "gemm",
           _gemm, lambda a: (a[1], a[2]), "x @ W, W sharded as written"),
     _spec("attention", [Param("qkv", TENSOR), Param("heads", INT), Param("kv_heads", INT),
                         Param("mask", FLAG, choices=("causal", "full")),
-                        Param("ring", AXIS, optional=True)], "compute", "attention", _attention,
-          doc="scaled dot-product attention with GQA; a ring over `ring` (cp) when its size > 1"),
+                        Param("ring", AXIS, optional=True), Param("rope", INT, optional=True),
+                        *(Param(name, INT, optional=True) for name in ROPE_SCALING)],
+          "compute", "attention", _attention,
+          doc="scaled dot-product attention with GQA; a ring over `ring` (cp) when its size > 1; "
+              "rotary position embeddings of base `rope` on q and k when given, with Llama 3's "
+              "scaling when the four rope_* sizes are given"),
     _spec("swiglu", [_X], "compute", "activation", _swiglu, doc="silu(gate) * up over two halves"),
     _spec("gelu", [_X], "compute", "activation", _same),
     _spec("add", [Param("a", TENSOR), Param("b", TENSOR)], "compute", "add", _add,

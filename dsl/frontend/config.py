@@ -13,7 +13,7 @@ from dhelix.dsl.core.dtypes import DTYPES
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.frontend.exprs import UnknownName, evaluate
 from dhelix.dsl.frontend.limits import MAX_CHUNKS, range_error
-from dhelix.dsl.core.mesh import DIMENSIONS, Mesh
+from dhelix.dsl.core.mesh import DIMENSIONS, MESH_AXES, Mesh
 from dhelix.dsl.core.program import (AUTO, FOLD_KINDS, OVERLAP_KINDS, Cluster, FoldSpec, Model, Strands, Train,
                                      unknown_fold)
 from dhelix.dsl.core.wording import close_matches, did_you_mean, join_words
@@ -21,7 +21,6 @@ from dhelix.dsl.core.wording import close_matches, did_you_mean, join_words
 MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
-MESH_KEYS = ("tp", "cp", "ep", "dp", "pp")
 TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute",
               "param_gather", "grad_reduce", "shard", "launch", "launch_backward")
 TRAIN_STRINGS = ("data",)  # a path, relative to the program file
@@ -293,7 +292,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
 
 def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollector) -> tuple[Mesh | None, BlockValues]:
     """The Mesh of a mesh block; axes not written have size 1 and follow in Megatron order."""
-    block = evaluate_block(node.settings, errors, MESH_KEYS)
+    block = evaluate_block(node.settings, errors, MESH_AXES)
     # A rejected setting (tq = 2) has its error; a mesh without that axis would only echo it.
     if not _check_positive("mesh", block, list(block.values), errors) or block.failed:
         return None, block

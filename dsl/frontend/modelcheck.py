@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from dhelix.dsl.core.errors import CheckError, DhelixError
-from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.mesh import MESH_AXES, Mesh
 from dhelix.dsl.core.program import Model, Train
 from dhelix.dsl.core.wording import join_words
 
@@ -18,7 +18,7 @@ def layer_env(model: Model, mesh: Mesh, train: Train) -> dict[str, int]:
     ``micro_batch``/``microbatches``, ``tokens`` (micro_batch * seq / cp, the tokens of one
     context-parallel rank) and ``head_dim`` (hidden / heads). Assumes check_divisibility passed."""
     env = dict(model.settings)
-    env.update({axis: mesh.size(axis) for axis in ("tp", "cp", "ep", "dp", "pp")})
+    env.update({axis: mesh.size(axis) for axis in MESH_AXES})
     env.update(micro_batch=train.micro_batch, microbatches=train.microbatches)
     env["tokens"] = train.micro_batch * model.get("seq") // mesh.size("cp")
     env["head_dim"] = model.get("hidden") // model.get("heads")

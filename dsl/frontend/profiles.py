@@ -66,7 +66,7 @@ import yaml
 
 from dhelix.dsl.core.dtypes import DTYPES
 from dhelix.dsl.core.errors import DhelixError, ErrorCollector, visible
-from dhelix.dsl.core.mesh import COMM_LANES
+from dhelix.dsl.core.mesh import COMM_LANES, DIMENSIONS
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.textfile import FileProblem, name_problem, read_text_file
 from dhelix.dsl.core.wording import did_you_mean
@@ -84,7 +84,8 @@ TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "memory_gb", "opti
 TOP_REQUIRED = ("name", "peak_tflops", "hbm_gbps", "achieved", "links", "oef", "slowdown", "launch_gap")
 STAMP_KEYS = ("machine", "torch", "backend", "date", "command")
 MEASURED_KEYS = ("dtype", "source", *STAMP_KEYS, "repeats", "mesh", "shapes", "ops", "pairs")
-MESH_AXES = ("tp", "cp", "dp", "pp", "ep")
+#: The keys a measured mesh may have (the dimensions, then ep), as its error lists them.
+MEASURED_AXES = DIMENSIONS + ("ep",)
 #: How deeply a profile's YAML may nest (the schema needs 4 levels).
 MAX_YAML_DEPTH = 16
 #: Every number of a profile other than an OEF is 0 or within [MIN_MAGNITUDE, MAX_MAGNITUDE]
@@ -397,7 +398,7 @@ def _stamp(reader: "_Reader", keys: dict) -> dict | None:
 
 
 def _measured_mesh(reader: "_Reader", node) -> dict | None:
-    entries = reader.mapping(node, "measured.mesh", MESH_AXES, ())
+    entries = reader.mapping(node, "measured.mesh", MEASURED_AXES, ())
     if entries is None:
         return None
     sizes = {axis: reader.integer(value, f"measured.mesh.{axis}") for axis, value in entries.items()}

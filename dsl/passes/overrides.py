@@ -24,7 +24,8 @@ from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.frontend.limits import limit_of
 from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
-from dhelix.dsl.core.program import FOLD_KINDS, FoldSpec, Program, fold_kinds_text
+from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.program import FOLD_KINDS, FoldSpec, LayerDag, Program, fold_kinds_text
 from dhelix.dsl.core.wording import did_you_mean
 
 _FOLD = re.compile(r"(\w+)(?:\((\d+)\))?$")  # a kind, and a count in parentheses
@@ -114,6 +115,22 @@ def for_measuring(text: str, path: str) -> Program:
     if program.profile is not None and program.profile.measured is not None:
         program = attrs.evolve(program, profile=attrs.evolve(program.profile, measured=None))
     return passes.rerun(program, after="check")
+
+
+def reference_dags(program: Program) -> tuple[LayerDag, LayerDag]:
+    """The program's layer instantiated with every mesh axis of size 1 (its collectives
+    elided, full weights), unpartitioned and unpriced: the forward and backward DAGs of the
+    single-process reference model, from which the interpreter reads how each weight is
+    sharded. ``program`` is checked (any stage from check on)."""
+    # The same passes (shapes, autodiff) on a mesh of size 1, so the layer's names (tokens,
+    # head_dim, …) have one definition. Without the profile: nothing here is priced, and a
+    # measured profile fits the program's own shapes. Nor partitioned: chunks are a
+    # schedule of the same layer, which the reference checks.
+    mesh = program.mesh
+    single = Mesh(mesh.order, (1,) * len(mesh.sizes), 1, mesh.gpus_per_node)
+    full = passes.rerun(attrs.evolve(program, mesh=single, profile=None, partition=None), after="check",
+                        stop="autodiff")
+    return full.forward, full.backward
 
 
 def require_model(program: Program, path: str) -> None:

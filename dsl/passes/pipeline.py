@@ -36,7 +36,8 @@ from dhelix.dsl.passes.validate import validate_lowered
 @attrs.frozen
 class Stage:
     """One stage: its name, what its dump shows, the dumper, and for a pass after check the
-    function that runs it and the Program fields it fills in."""
+    function that runs it and the Program fields it writes (``produces``: those it fills
+    in and those it rewrites; a test holds every pass to it)."""
 
     name: str
     doc: str
@@ -160,10 +161,10 @@ STAGES = (
     Stage("shapes", "the forward layer DAG with per-GPU shapes, kinds and lanes", dump.dump_forward,
           shapes, ("env", "forward")),
     Stage("partition", "the forward layer DAG after the partition block's substitutions and chunks",
-          dump.dump_forward, partition),
+          dump.dump_forward, partition, ("forward",)),
     Stage("autodiff", "the forward and the derived backward layer DAGs (with ZeRO-3's weight "
           "gathers and gradient reduce-scatters)", dump.dump_dags,
-          autodiff, ("backward",)),
+          autodiff, ("backward", "forward")),
     Stage("strands", "the operators each selector of the strands block names", dump.dump_strands,
           strands),
     Stage("fold", "which layers each pipeline rank and chunk holds", dump.dump_placement,
@@ -197,12 +198,16 @@ def rerun(program: Program, after: str, stop: str = STAGE_NAMES[-1]) -> Program:
     ``program`` went through ``after`` (or further) and may have been changed since with
     :func:`attrs.evolve`: other pipeline ranks, micro-batches, layers, pipeline or fold. What
     the passes after ``after`` produced is dropped first, so no result of the old program
-    survives, not even past ``stop``. ``after`` is ``check`` or a later stage (ValueError
-    otherwise: a caller bug). Raises the passes' located errors.
+    survives, not even past ``stop``. A field that a pass after ``after`` rewrites (the
+    forward DAG: partition, autodiff under ZeRO-3) no longer holds what the stage that made
+    it left, so the passes run again from that stage. ``after`` is ``check`` or a later stage
+    (ValueError otherwise: a caller bug). Raises the passes' located errors.
     """
     first = STAGE_NAMES.index(after) + 1
     if first < _FIRST_PASS:
         raise ValueError(f"rerun after '{after}': the passes start after '{STAGE_NAMES[_FIRST_PASS - 1]}'")
+    rewritten = {field for stage in STAGES[first:] for field in stage.produces}
+    first = next((i for i, stage in enumerate(STAGES[:first]) if set(stage.produces) & rewritten), first)
     defaults = attrs.fields_dict(Program)
     program = attrs.evolve(program, **{field: defaults[field].default
                                        for stage in STAGES[first:] for field in stage.produces})

@@ -12,6 +12,7 @@ profile) or are built here without costs (:data:`PLANS`: ``sequential``, ``op_by
 
 from __future__ import annotations
 
+import enum
 from typing import Callable
 
 from dhelix.dsl.core.oplib import in_weight_pass
@@ -37,7 +38,18 @@ def op_by_op_plan(fwd: LayerDag, bwd: LayerDag) -> SegmentPlan:
     return tuple(pairs)
 
 
-PLANS: dict[str, PlanFn] = {"sequential": sequential_plan, "op_by_op": op_by_op_plan}
+class SIMode(enum.StrEnum):
+    """How a run's SI blocks run (``dhelix run --si-plan``): the planner's segment pairs,
+    the block scheduler's order of a whole block, op i beside op i, or no interleaving."""
+
+    PLANNED = "planned"
+    SCHEDULED = "scheduled"
+    OP_BY_OP = "op_by_op"
+    SEQUENTIAL = "sequential"
+
+
+#: The plans built without costs, by mode.
+PLANS: dict[SIMode, PlanFn] = {SIMode.SEQUENTIAL: sequential_plan, SIMode.OP_BY_OP: op_by_op_plan}
 
 
 def has_si_blocks(lowered) -> bool:

@@ -39,6 +39,8 @@ the bubble ratio ``1 - Σ busy / (p · pipeline make-span)``.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 
 from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration, optimizer_time
@@ -679,7 +681,7 @@ def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
              cost: PairCost | None = None, costs: StepCosts | None = None, label: str = "",
-             scheduled: bool = False, trace: bool = True) -> Simulation:
+             scheduled: bool = False, blocks: Callable | None = None, trace: bool = True) -> Simulation:
     """Simulate one training step of a validated ``program`` (with a profile).
 
     ``plan`` prices the SI blocks (planned with :func:`schedule_plan` when the schedule has
@@ -688,7 +690,9 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     ``train { zero = 1 }`` (``zero1`` can only add the sharding). ``scheduled`` prices
     every SI block whole by the block scheduler (what ``dhelix run --si-plan scheduled``
     runs) instead of layer pair by layer pair with the plan (not with ``costs``, whose
-    ``layer.block`` says). ``costs`` replaces
+    ``layer.block`` says); ``blocks(forward layers, backward layers)`` gives those
+    schedules ready-made (a run's :class:`~dhelix.dsl.simulator.runplan.BlockOrders`), and
+    implies ``scheduled``. ``costs`` replaces
     the :func:`sim_costs.step_costs` of the program, for what-if studies (free pipeline
     transfers, no LM head, …); its ``layer.pair`` then prices the SI blocks. ``trace=False``
     leaves out the per-action trace events and the memory counters (a search pricing many
@@ -701,8 +705,9 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         if si and plan is None and has_si(program):
             plan = schedule_plan(program, cost)
         costs = step_costs(program, plan if si else None, cost)
-        if si and scheduled and has_si(program):
-            costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, block=block_scheduler(program, cost)))
+        if si and (scheduled or blocks is not None) and has_si(program):
+            blocks = blocks or block_scheduler(program, cost)
+            costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, block=blocks))
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
     run = _Run(program, costs, si, zero1, trace)
     run.run()

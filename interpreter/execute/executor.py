@@ -100,13 +100,15 @@ class Executor:
     has finished (under ZeRO-2 after each backward of it, those it takes then zeroed), at a point of the action list that is the same on every rank (see
     :meth:`_layer_done`), and returns the names it takes: the data-parallel reduction under
     the backward (:meth:`~.optim.DistributedAdamW.reduce`), which then also sums them over
-    tp and cp.
+    tp and cp. ``reference`` is the reference model's DAGs (a run's
+    :attr:`~dhelix.dsl.simulator.runplan.RunPlan.reference`; see :class:`~.weights.WeightPlan`).
     """
 
     def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
                  si: bool = True, plan_for: PlanFn = sequential_plan, use_tags: bool = True,
                  recorder: Recorder | None = None, on_action: Callable | None = None,
-                 pair_barrier: bool | None = None, block_orders: dict | None = None):
+                 pair_barrier: bool | None = None, block_orders: dict | None = None,
+                 reference: tuple | None = None, init: str | None = None):
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
@@ -114,7 +116,7 @@ class Executor:
         self.comm = TimedComm(comm, self.recorder)
         self.pp = comm.index("pp")
         self.actions = self.lowered.actions[self.pp]
-        self.weights = WeightPlan(program, seed)
+        self.weights = WeightPlan(program, seed, reference, hf=init)  # init: a Hugging Face checkpoint folder
         self.index = {axis: comm.index(axis) for axis in AXES}
         self.layer_plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
         self.b_ops = backward_ops(program.backward, self.lowered.split)
@@ -148,9 +150,31 @@ class Executor:
         self.param_ready: Callable[[tuple[str, ...]], None] | None = None
         self.grad_ready: Callable[[dict[str, torch.Tensor]], set[str]] | None = None
         self.steps_run = 0
-        self.end_grads: dict[str, torch.Tensor] = {}
-        self.mailbox: dict[tuple, object] = {}
         self._grads: dict[str, torch.Tensor] = {}
+        # What one step keeps while it runs, made fresh by each step (_reset): its batch, the
+        # values between stages, the model ends' gradients, ...
+        self.batch: Batch | None = None
+        self.mailbox: dict[tuple, object] = {}
+        self.end_grads: dict[str, torch.Tensor] = {}
+        #: ... the deferred collectives (waited for after the next action), how many were
+        #: issued and settled so far, and the layers done whose ZeRO-3 pieces wait for the first
+        #: ``after`` of them: (after, their gradients), ...
+        self.deferred: list[Pending] = []
+        self.issued = self.settled = 0
+        self.pieces_done: list[tuple[int, Callable[[], dict]]] = []
+        #: ... the embedding-gradient gathers not yet issued (see :meth:`_opened`), the embedding
+        #: forwards issued ahead of their action by (stage, micro-batch), the action running, ...
+        self.postponed: list[Callable[[], Pending]] = []
+        self.prefetched: dict[tuple[int, int], Pending] = {}
+        self.index_now = 0
+        #: ... the backwards finished per (stage, layer) and the gradients grad_ready took, ...
+        self.done_counts: dict[tuple[int, int], int] = {}
+        self.reduced_early: set[str] = set()
+        #: ... the backward wgrads SI blocks hold to run where the thread would wait (one CPU
+        #: thread; the last layer pair's carried from one block into the next), and the loss.
+        self.filler = Filler(self.recorder)
+        self.scale = 0.0
+        self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -347,23 +371,12 @@ class Executor:
         self.issued += 1
 
     def _reset(self, batch: Batch) -> None:
+        """Start a step on ``batch``: every per-step attribute (declared in ``__init__``) fresh."""
         self.batch = batch
         self.mailbox, self.end_grads = {}, {}
-        self.deferred: list[Pending] = []
-        #: Deferred collectives issued and settled so far this step, and the layers done whose
-        #: ZeRO-3 pieces wait for the first ``after`` of them: (after, their gradients).
-        self.issued = self.settled = 0
-        self.pieces_done: list[tuple[int, Callable[[], dict]]] = []
-        #: Embedding-gradient gathers not yet issued (see :meth:`_opened`), and embedding
-        #: forwards issued ahead of their action, by (stage, micro-batch).
-        self.postponed: list[Callable[[], Pending]] = []
-        self.prefetched: dict[tuple[int, int], Pending] = {}
-        self.index_now = 0  # the action running (the step's loop sets it)
-        #: Backwards finished per (stage, layer) this step, and the gradients grad_ready took.
-        self.done_counts: dict[tuple[int, int], int] = {}
-        self.reduced_early: set[str] = set()
-        #: The backward wgrads SI blocks hold to run where the thread would wait (one CPU
-        #: thread); the last layer pair's are carried from one block into the next.
+        self.deferred, self.issued, self.settled, self.pieces_done = [], 0, 0, []
+        self.postponed, self.prefetched, self.index_now = [], {}, 0
+        self.done_counts, self.reduced_early = {}, set()
         self.filler = Filler(self.recorder)
         tokens = batch.inputs[0].numel()
         self.scale = 1.0 / (self.lowered.microbatches * tokens)
@@ -444,7 +457,8 @@ class Executor:
             x = resolve(x)
             if stage.last:
                 self._ready(FINAL_NORM, LM_HEAD)
-                head = HeadRun(self.params[FINAL_NORM], self.params[LM_HEAD], self.comm, start, sp, self.end_grads)
+                head = HeadRun(self.params[FINAL_NORM], self.params[LM_HEAD], self.comm, start, sp, self.end_grads,
+                               norm_params=self.weights.norm_params)
                 stage.heads[mb] = head
                 self.loss_sum += head.forward(x, self._micro(mb)[1])
                 stage.head_grads[mb] = head.backward(self.scale, async_op=True)

@@ -530,10 +530,12 @@ class HeadRun:
 
     def __init__(self, norm: torch.Tensor, head: torch.Tensor, comm: Communicator, vocab_start: int,
                  sequence_parallel: bool = True, grads: dict | None = None,
-                 names: tuple[str, str] = ("final_norm", "lm_head")):
+                 names: tuple[str, str] = ("final_norm", "lm_head"), norm_params: Mapping | None = None):
         self.norm_kernel = KERNELS["rmsnorm" if norm.dim() == 1 else "layernorm"]
         self.norm, self.head, self.comm, self.names = norm, head, comm, names
         self.ctx = KernelCtx(comm, "tp", vocab_start=vocab_start)
+        #: The final norm's parameters (its epsilon: the layer's norms', WeightPlan.norm_params).
+        self.norm_ctx = KernelCtx(comm, "tp", params=dict(norm_params or {}))
         self.sequence_parallel = sequence_parallel
         self.grads = grads if grads is not None else {}
         self._norm_saved = self._head_saved = None
@@ -541,7 +543,7 @@ class HeadRun:
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of the micro-batch (a scalar, the same on every tp rank)
         for the last layer's output ``x`` and the ``targets`` of all its tokens."""
-        h, self._norm_saved = self.norm_kernel.forward((x,), self.norm, self.ctx)
+        h, self._norm_saved = self.norm_kernel.forward((x,), self.norm, self.norm_ctx)
         if self.sequence_parallel:
             h = self.comm.all_gather(h, "tp")
         losses, self._head_saved = KERNELS["lm_head"].forward((h, targets), self.head, self.ctx)
@@ -601,7 +603,7 @@ def sequential_step(program: Program, batch: Batch, comm: Communicator, plan: We
         runs = [LayerRun(layer_plan, weights[i], comm, layer_grads[i]) for i in range(plan.layers)]
         for run in runs:
             x = run.forward(x)
-        head = HeadRun(ends[1], ends[2], comm, start, plan.sequence_parallel, grads)
+        head = HeadRun(ends[1], ends[2], comm, start, plan.sequence_parallel, grads, norm_params=plan.norm_params)
         total = total + head.forward(x, targets)
         grad = head.backward(scale)
         for run in reversed(runs):

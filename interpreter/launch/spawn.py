@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import sys
 import time
@@ -133,8 +134,11 @@ def run_local(options: "RunOptions", nproc: int, work: Work):
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
     address = ("127.0.0.1", store.port)
+    # Pickled here, unpickled by the rank only once it dies with us: unpickling imports what
+    # the work needs (torch among it), seconds during which a killed launcher would orphan it.
+    payload = pickle.dumps((work, options))
     procs = [context.Process(target=_rank_process, name=f"dhelix-rank{rank}",
-                             args=(work, options, rank, nproc, address, os.getpid(), sender if rank == 0 else None))
+                             args=(payload, rank, nproc, address, os.getpid(), sender if rank == 0 else None))
              for rank in range(nproc)]
     with _stop_signals_raise():
         try:
@@ -348,13 +352,15 @@ def name_process(name: str) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
-def _rank_process(work: Work, options: "RunOptions", rank: int, world: int, address: tuple[str, int],
-                  launcher: int, results) -> None:
-    """The body of a spawned rank: die with the launcher, run ``work``, send rank 0's result
-    to the parent through ``results``. On failure, leave the rendered error in the store for
-    the launcher (which reports the cause, not every consequence) and exit 1; print it when
-    the store cannot take it (see the module docstring for why this rank prints)."""
+def _rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int], launcher: int,
+                  results) -> None:
+    """The body of a spawned rank: die with the launcher, unpickle ``payload`` (the work and
+    its options), run the work, send rank 0's result to the parent through ``results``. On
+    failure, leave the rendered error in the store for the launcher (which reports the cause,
+    not every consequence) and exit 1; print it when the store cannot take it (see the
+    module docstring for why this rank prints)."""
     die_with_parent(launcher, prctl=True)
+    work, options = pickle.loads(payload)
     name_process(f"dhelix-rank{rank}")
     # torch's C++ warnings (a store poll that timed out) repeat what the launcher reports.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -396,13 +402,15 @@ def _client(address: tuple[str, int], timeout: float):
 # -- one rank ---------------------------------------------------------------------------------
 
 def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, address: tuple[str, int] | None = None,
-             gpus_per_node: int | None = None):
+             gpus_per_node: int | None = None, replan: Callable | None = None):
     """Join the world as ``rank`` through the TCP store at ``address`` (the local launcher's)
     or, without one, torchrun's ``env://`` (``MASTER_ADDR``/``MASTER_PORT``); run ``work``
     with a heartbeat (:mod:`.heartbeat`), leave; returns its result (on global rank 0; None
     elsewhere). ``options`` gives the backend, the seed and the collective timeout. Under
     torchrun with ``gpus_per_node`` (the cluster block's), the nodes the ranks run on are
-    checked against it first (:mod:`.topology`). Raises
+    checked against it first (:mod:`.topology`), or with ``options.topology`` measured they
+    decide: ``replan(options, measured gpus_per_node)`` (the command's, which compiles the
+    run for them) gives the options to run. Raises
     what ``work`` raises (the executor's DhelixError: rank, action, schedule grid) and
     RankFailure when a collective fails because a peer did."""
     from datetime import timedelta
@@ -431,7 +439,7 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
             places = exchange(_client(address, options.timeout), rank, world)
             if getattr(options, "topology", "declared") == "measured":
                 measured = measured_per_node(places)
-                options = attrs.evolve(options, gpus_per_node=measured)
+                options = replan(options, measured)
             else:
                 emulated = emulated_nodes(places, gpus_per_node)
                 if not emulated:

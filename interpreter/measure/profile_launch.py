@@ -27,11 +27,13 @@ DEFAULT_BASE = "h100"
 
 @attrs.frozen(kw_only=True)
 class ProfileOptions:
-    """Everything a rank needs (picklable: spawned ranks receive it). ``seed`` seeds the
-    weights and inputs the ops run on; ``timeout`` is the collectives' timeout in seconds."""
+    """Everything a rank needs (picklable: spawned ranks receive it). ``compiled`` is the
+    program compiled once by the command (:func:`~dhelix.dsl.simulator.runplan.measuring_plan`),
+    which ranks never compile again; ``seed`` seeds the weights and inputs the ops run on;
+    ``timeout`` is the collectives' timeout in seconds."""
 
     path: str
-    text: str
+    compiled: object
     backend: str = "gloo"
     repeats: int = 5
     warmup: int = 1
@@ -65,18 +67,18 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
     from tqdm import tqdm
 
     from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
-    from dhelix.dsl.passes.overrides import for_measuring
     from dhelix.dsl.planner.calibrate import pool
 
     from dhelix.interpreter.ops.comm import DistComm
     from dhelix.interpreter.verify.harness import gather_to_first
     from .profiler import Clock, EndsBench, LayerBench, OptimizerBench, barrier, measure, measurements
 
-    program = for_measuring(options.text, options.path)
+    program, reference = options.compiled.program, options.compiled.reference
     comm = DistComm(program.mesh, device, timeout_s=options.timeout)
-    bench = LayerBench(program, comm, device, seed=options.seed)
-    ends = EndsBench(program, comm, device, seed=options.seed) if program.model.get("vocab") else None
-    optimizer = OptimizerBench(program, comm, device, seed=options.seed)
+    bench = LayerBench(program, comm, device, seed=options.seed, reference=reference)
+    ends = EndsBench(program, comm, device, seed=options.seed, reference=reference) \
+        if program.model.get("vocab") else None
+    optimizer = OptimizerBench(program, comm, device, seed=options.seed, reference=reference)
     items = measurements(program, bench, comm, Clock(device), device, ends, optimizer)
     meet = barrier(device)
     meet()

@@ -133,12 +133,13 @@ class LayerBench:
     """The program's layer on this rank, ready to run any op again: the forward strand's
     ops on one kept state, the backward strand's on another (both run once in full)."""
 
-    def __init__(self, program: Program, comm: Communicator, device: torch.device, seed: int = 0):
+    def __init__(self, program: Program, comm: Communicator, device: torch.device, seed: int = 0,
+                 reference=None):
         self.forward_names = {op.name for op in program.forward.ops}
         dtype = torch_dtype(program)
         plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
         index = {axis: comm.index(axis) for axis in AXES}
-        weights = WeightPlan(program, seed).layer_weights(0, index, dtype, device)
+        weights = WeightPlan(program, seed, reference).layer_weights(0, index, dtype, device)
         flat = FlatShards.of(program, comm)
         if flat.enabled:  # ZeRO-3: the layer keeps dp pieces, gathered by its ops
             weights = {name: flat.add(name, w) for name, w in weights.items()}
@@ -166,8 +167,9 @@ class EndsBench:
     and the LM head with its cross-entropy, on one micro-batch of random tokens, as the
     executor runs them on the first and the last pipeline stage."""
 
-    def __init__(self, program: Program, comm: Communicator, device: torch.device, seed: int = 0):
-        plan = WeightPlan(program, seed)
+    def __init__(self, program: Program, comm: Communicator, device: torch.device, seed: int = 0,
+                 reference=None):
+        plan = WeightPlan(program, seed, reference)
         index = {axis: comm.index(axis) for axis in AXES}
         dtype = torch_dtype(program)
         self.comm, self.start, self.sp = comm, plan.vocab_start(index), plan.sequence_parallel
@@ -205,12 +207,13 @@ class OptimizerBench:
     over a copy of this rank's weights of one layer and random gradients, on a one-rank
     communicator: the dp synchronisation is not part of it (the simulator prices it apart)."""
 
-    def __init__(self, program: Program, comm: Communicator, device: torch.device, seed: int = 0):
+    def __init__(self, program: Program, comm: Communicator, device: torch.device, seed: int = 0,
+                 reference=None):
         from dhelix.interpreter.ops.comm import SingleRankComm
         from dhelix.interpreter.training.optim import AdamWConfig, DistributedAdamW
 
         index = {axis: comm.index(axis) for axis in AXES}
-        params = WeightPlan(program, seed).layer_weights(0, index, torch_dtype(program), device)
+        params = WeightPlan(program, seed, reference).layer_weights(0, index, torch_dtype(program), device)
         generator = torch.Generator().manual_seed(seed + 2 + comm.rank)
         self.grads = {name: torch.randn(w.shape, generator=generator, dtype=w.dtype).to(device)
                       for name, w in params.items()}

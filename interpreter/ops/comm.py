@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from dhelix.dsl.core.mesh import DIMENSIONS, INTER, INTRA, Mesh
 
-AXES = ("tp", "cp", "dp", "pp", "ep")
+#: Every mesh axis, in the order a measured profile lists them (the dimensions, then ep).
+AXES = DIMENSIONS + ("ep",)
 #: The expert-data-parallel axis: the dp / ep replicas of one expert shard (same ep index,
 #: one per EP block), over which sharded expert weights' gradients are summed.
 EDP = "edp"

@@ -34,9 +34,17 @@ from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_par
 from . import gpu_kernels as gpu
 from .comm import Communicator, Pending, SingleRankComm, regrouped, stage_blocks
 from .moe import exchange
+from .rope import rope_of, rope_tables, rotate
 
-#: Epsilon of RMSNorm and LayerNorm (the reference model uses the same).
+#: Epsilon of RMSNorm and LayerNorm when the op gives none (the reference model uses the same).
 EPS = 1e-5
+
+
+def norm_eps(params: Mapping[str, object]) -> float:
+    """The epsilon of a norm op with ``params``: ``1 / inv_eps`` when the layer gives
+    ``rmsnorm(x, inv_eps = N)``, else :data:`EPS`."""
+    inv = params.get("inv_eps")
+    return EPS if inv is None else 1.0 / int(inv)
 
 
 @attrs.define
@@ -75,10 +83,11 @@ class Kernel:
 
 def _rmsnorm_forward(inputs, weight, ctx):
     (x,) = inputs
+    eps = norm_eps(ctx.params)
     if gpu.on_gpu(x):
-        out, rstd = gpu.rmsnorm_forward(x, weight, EPS)
+        out, rstd = gpu.rmsnorm_forward(x, weight, eps)
         return out, (x, rstd)
-    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return x * rstd * weight, (x, rstd)
 
 
@@ -102,7 +111,7 @@ def _layernorm_forward(inputs, weight, ctx):
     (x,) = inputs
     mean = x.mean(-1, keepdim=True)
     centred = x - mean
-    rstd = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + EPS)
+    rstd = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + norm_eps(ctx.params))
     xhat = centred * rstd
     return xhat * weight[0] + weight[1], (xhat, rstd)
 
@@ -191,16 +200,20 @@ def _grouped_gemm_wgrad(grad, saved):
 
 # -- attention ---------------------------------------------------------------------------
 
-def _heads(qkv: torch.Tensor, heads: int, kv_heads: int, micro_batch: int):
+def _heads(qkv: torch.Tensor, heads: int, kv_heads: int, micro_batch: int, rope: tuple | None = None):
     """``qkv`` ``[tokens, (heads + 2*kv_heads) * d]``, laid out as ``[q heads | k heads |
-    v heads]``, head-major inside each block, as q, k, v ``[micro_batch, heads, seq, d]``
-    views."""
+    v heads]``, head-major inside each block, as q, k, v ``[micro_batch, heads, seq, d]``;
+    with ``rope`` (:func:`rope_of`) q and k are rotated by their positions ``0 … seq-1``."""
     tokens, width = qkv.shape
     d = width // (heads + 2 * kv_heads)
     seq = tokens // micro_batch
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
-    return tuple(t.reshape(micro_batch, seq, n, d).transpose(1, 2)
-                 for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
+    q, k, v = (t.reshape(micro_batch, seq, n, d).transpose(1, 2)
+               for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
+    if rope is not None:
+        cos, sin = rope_tables(seq, d, rope, qkv.device, qkv.dtype)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    return q, k, v
 
 
 def _tokens(t: torch.Tensor) -> torch.Tensor:
@@ -209,10 +222,11 @@ def _tokens(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).reshape(b * seq, n * d)
 
 
-def _attend(qkv: torch.Tensor, heads: int, kv_heads: int, causal: bool, micro_batch: int) -> torch.Tensor:
+def _attend(qkv: torch.Tensor, heads: int, kv_heads: int, causal: bool, micro_batch: int,
+            rope: tuple | None = None) -> torch.Tensor:
     """Scaled dot-product attention of ``qkv`` (see :func:`_heads`); query head i reads kv
     head ``i // (heads / kv_heads)``. Returns ``[tokens, heads * d]``."""
-    q, k, v = _heads(qkv, heads, kv_heads, micro_batch)
+    q, k, v = _heads(qkv, heads, kv_heads, micro_batch, rope)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=heads != kv_heads)
     return _tokens(out)
 
@@ -223,13 +237,13 @@ def _attention_forward(inputs, weight, ctx):
         raise NotImplementedError("the attention kernel runs on one cp rank; ring attention over cp > 1 "
                                   "runs the ring steps of .ring_attention")
     meta = (int(ctx.params["heads"]), int(ctx.params["kv_heads"]), ctx.params.get("mask") == "causal",
-            ctx.micro_batch)
+            ctx.micro_batch, rope_of(ctx.params))
     if qkv.shape[0] % ctx.micro_batch:
         raise ValueError(f"attention over {qkv.shape[0]} tokens with micro_batch {ctx.micro_batch}")
     if _flash_cpu(qkv):
         # Flash attention as the CPU SDPA runs it, keeping its output and log-sum-exp so
         # the backward needs no second forward (GQA handled inside the kernel).
-        q, k, v = _heads(qkv, *meta[:2], meta[3])
+        q, k, v = _heads(qkv, *meta[:2], meta[3], meta[4])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, meta[2])
         return _tokens(out), (qkv, meta, out, lse)
     return _attend(qkv, *meta), (qkv, meta, None, None)
@@ -246,11 +260,14 @@ def _flash_cpu(qkv: torch.Tensor) -> bool:
 def _attention_dgrad(grad, saved, weight):
     qkv, meta, out, lse = saved
     if out is not None:
-        q, k, v = _heads(qkv, *meta[:2], meta[3])
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        q, k, v = _heads(qkv, *meta[:2], meta[3], meta[4])
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad.reshape(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).transpose(1, 2),
             q, k, v, out, lse, 0.0, meta[2])
-        return (torch.cat([_tokens(g) for g in grads], dim=1),)
+        if meta[4] is not None:  # the gradients of the rotated q and k, turned back
+            cos, sin = rope_tables(q.shape[2], q.shape[3], meta[4], q.device, q.dtype)
+            dq, dk = rotate(dq, cos, -sin), rotate(dk, cos, -sin)
+        return (torch.cat([_tokens(g) for g in (dq, dk, dv)], dim=1),)
     # Elsewhere recompute the forward from qkv under autograd and differentiate it.
     with torch.enable_grad():
         leaf = qkv.detach().requires_grad_(True)

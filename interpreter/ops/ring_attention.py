@@ -4,7 +4,9 @@
 into ``2·cp`` equal chunks; cp rank ``i`` holds chunks ``i`` and ``2·cp−1−i``, in that order
 (:func:`local_positions`). A micro-batch's rows on a cp rank are its sequences' local tokens
 in (batch, local position) order, so every op but attention — all per-token, none
-position-dependent (no rotary embedding in the kernels) — runs unchanged on them; the data
+position-dependent — runs unchanged on them (rotary embeddings, the one thing that depends on
+a token's position, are applied to q and k here, at the positions :func:`local_positions`
+gives, before the ring passes the keys on, and turned back on dQ and dK at the end); the data
 loader picks the tokens with :func:`local_tokens`, the reference model keeps whole
 sequences in natural order, and the sum of the per-token losses is the same.
 
@@ -52,6 +54,7 @@ import torch
 from dhelix.dsl.core.program import Op
 
 from .comm import Pending
+from .rope import rope_of, rope_tables, rotate
 
 #: The role of a ring op in :class:`~.layer_exec.LayerRun`, and the key of its step index.
 RING, STEP = "ring", "ring_step"
@@ -215,7 +218,7 @@ class _Forward:
     k: torch.Tensor
     v: torch.Tensor
     kv: torch.Tensor  # the K/V block held now, k and v stacked
-    meta: tuple  # (heads, kv_heads, causal, micro_batch, dtype)
+    meta: tuple  # (heads, kv_heads, causal, micro_batch, dtype, rope tables or None)
     out: torch.Tensor | None = None
     lse: torch.Tensor | None = None
 
@@ -234,6 +237,18 @@ class _Forward:
         self.lse[:, :, rows] = new_lse
 
 
+def _rope_tables(params, q: torch.Tensor, cp: int, rank: int):
+    """The cos and sin ``[local tokens, d]`` of this cp rank's positions (its two chunks of
+    the sequence), or None without rotary embeddings."""
+    rope = rope_of(params)
+    if rope is None:
+        return None
+    length, d = q.shape[2], q.shape[3]
+    cos, sin = rope_tables(length * cp, d, rope, q.device, q.dtype)
+    positions = local_positions(length * cp, cp, rank).to(q.device)
+    return cos[positions], sin[positions]
+
+
 def ring_forward(inputs, weight, ctx):
     """A forward ring step (the Kernel ``forward`` signature): step 0 reads qkv, later
     steps the previous step's state; carrying steps return the state (or its Pending), the
@@ -244,7 +259,10 @@ def ring_forward(inputs, weight, ctx):
         (qkv,) = inputs
         heads, kv_heads = int(ctx.params["heads"]), int(ctx.params["kv_heads"])
         q, k, v = _heads(qkv, heads, kv_heads, ctx.micro_batch)
-        meta = (heads, kv_heads, ctx.params.get("mask") == "causal", ctx.micro_batch, qkv.dtype)
+        tables = _rope_tables(ctx.params, q, cp, rank)
+        if tables is not None:  # rotated once here: the ring passes rotated keys around
+            q, k = rotate(q, *tables), rotate(k, *tables)
+        meta = (heads, kv_heads, ctx.params.get("mask") == "causal", ctx.micro_batch, qkv.dtype, tables)
         state = _Forward(q, k, v, torch.stack((k, v)), meta)
     else:
         (state,) = inputs
@@ -329,8 +347,12 @@ def _assemble(state: _Backward) -> torch.Tensor:
     (dkv,) = [p.wait() for p in got]
     for p in sent:
         p.wait()
-    dtype = state.saved[5][4]
-    return torch.cat([_tokens(state.dq), _tokens(dkv[0]), _tokens(dkv[1])], dim=1).to(dtype)
+    dtype, tables = state.saved[5][4], state.saved[5][5]
+    dq, dk = state.dq, dkv[0]
+    if tables is not None:  # gradients of the rotated q and k, turned back
+        cos, sin = tables
+        dq, dk = rotate(dq, cos, -sin), rotate(dk, cos, -sin)
+    return torch.cat([_tokens(dq), _tokens(dk), _tokens(dkv[1])], dim=1).to(dtype)
 
 
 @attrs.frozen

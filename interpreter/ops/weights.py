@@ -6,7 +6,8 @@ weight are the same numbers whatever the mesh. Parameter names are ``layers.<i>.
 layer weights and ``embedding``, ``final_norm``, ``lm_head`` for the model's ends.
 
 How a weight splits is read off the DAG (the program's forward DAG against the same layer
-instantiated without model parallelism, :func:`full_dags`):
+instantiated without model parallelism, the reference DAGs of the run's
+:class:`~dhelix.dsl.simulator.runplan.RunPlan`):
 
 * a ``gemm`` whose input comes from an ``all_gather`` over tp is **column-parallel**: the
   output features are split. The full output is a concatenation of *blocks* that are each
@@ -45,7 +46,6 @@ from typing import Mapping
 import attrs
 import torch
 
-from dhelix.dsl.passes.pipeline import rerun
 from dhelix.dsl.core.mesh import Mesh, base_axis
 from dhelix.dsl.core.oplib import ROOTED_PART_OF
 from dhelix.dsl.core.program import LayerDag, Op, Program
@@ -118,24 +118,10 @@ class ShardSpec:
         return tuple(shape)
 
 
-def full_dags(program: Program) -> tuple[LayerDag, LayerDag]:
-    """The program's layer instantiated with every mesh axis of size 1 (its collectives
-    elided, full weights): the forward and backward DAGs of the reference model."""
-    # Not the program's DAGs: the reference model's have other shapes and no collectives.
-    # They come from the same passes (shapes, autodiff) run on the program with a mesh of
-    # size 1, so the layer's names (tokens, head_dim, …) have one definition. Without the
-    # profile: nothing here is priced, and a measured profile fits the program's own shapes.
-    mesh = program.mesh
-    single = Mesh(mesh.order, (1,) * len(mesh.sizes), 1, mesh.gpus_per_node)
-    # Nor partitioned: chunks are a schedule of the same layer, which the reference checks.
-    full = rerun(attrs.evolve(program, mesh=single, profile=None, partition=None), after="check", stop="autodiff")
-    return full.forward, full.backward
-
-
-def layer_specs(program: Program, full_fwd: LayerDag | None = None) -> dict[str, ShardSpec]:
-    """The ShardSpec of every weighted op of the program's layer, by op name."""
+def layer_specs(program: Program, full_fwd: LayerDag) -> dict[str, ShardSpec]:
+    """The ShardSpec of every weighted op of the program's layer, by op name, against
+    ``full_fwd``, the reference model's forward DAG."""
     fwd = program.forward
-    full_fwd = full_fwd or full_dags(program)[0]
     specs = {}
     for op in fwd.ops:
         if op.weight is None or op.weight_name in specs:  # a partitioned op's chunks share one
@@ -268,23 +254,42 @@ class WeightPlan:
     """Every parameter of ``program``: its spec, its seeded full value and its shards.
 
     ``index`` arguments map a mesh axis to this rank's position in its group (as
-    :meth:`Communicator.index` returns); missing axes count as 0.
+    :meth:`Communicator.index` returns); missing axes count as 0. ``reference`` is the
+    reference model's (forward, backward) DAGs, a run's
+    :attr:`~dhelix.dsl.simulator.runplan.RunPlan.reference`; without it (a test's bare
+    Program) they are derived from ``program`` by the dsl
+    (:func:`~dhelix.dsl.passes.overrides.reference_dags`). With ``hf`` (a Hugging Face
+    checkpoint folder, :mod:`.hf_weights`) the values are that checkpoint's instead of seeded
+    ones, each shard read on its own.
     """
 
-    def __init__(self, program: Program, seed: int = 0):
+    def __init__(self, program: Program, seed: int = 0, reference: tuple[LayerDag, LayerDag] | None = None,
+                 hf: str | None = None):
         if program.forward is None:
             raise ShardingError("the program has no model, so it has no weights")
+        if reference is None:
+            from dhelix.dsl.passes.overrides import reference_dags
+
+            reference = reference_dags(program)
         self.program, self.seed = program, seed
-        self.full_forward, self.full_backward = full_dags(program)
+        self.full_forward, self.full_backward = reference
         self.layer_specs = layer_specs(program, self.full_forward)
         self.model_specs = model_specs(program)
         if program.mesh.size("cp") > 1:
             self.layer_specs = _partial_over_cp(self.layer_specs)
             self.model_specs = _partial_over_cp(self.model_specs)
         self.layers = program.model.get("layers")
+        #: The parameters of the layer's first norm (its ``inv_eps``), which the final norm shares.
+        self.norm_params = next((dict(op.params) for op in self.full_forward.ops
+                                 if op.op in ("rmsnorm", "layernorm")), {})
         #: Whether the layer input is split over tp (then the model's ends reduce-scatter
         #: and all-gather over tp instead of all-reducing).
         self.sequence_parallel = _sequence_parallel(program)
+        self.source = None
+        if hf is not None:
+            from .hf_weights import HFWeights
+
+            self.source = HFWeights(hf, self)
 
     def spec(self, name: str) -> ShardSpec:
         """The ShardSpec of parameter ``name``."""
@@ -299,6 +304,8 @@ class WeightPlan:
 
     def full(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The full (unsharded) value of parameter ``name``."""
+        if self.source is not None:
+            return self.source.full(name).to(dtype)
         return init_full(self.spec(name), param_seed(self.seed, name)).to(dtype)
 
     def shard(self, name: str, index: Mapping[str, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -307,6 +314,8 @@ class WeightPlan:
         if spec.dim is None:
             return self.full(name, dtype)
         parts = self.program.mesh.size(spec.axis)
+        if self.source is not None:
+            return self.source.shard(name, index.get(spec.axis, 0), parts).to(dtype)
         return spec.take(self.full(name, dtype), index.get(spec.axis, 0), parts)
 
     def layer_weights(self, layer: int, index: Mapping[str, int], dtype=torch.float32,

@@ -74,10 +74,11 @@ def saves_in(root: Path) -> list[Path]:
 
 
 def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequences: int,
-         schedule: dict | None = None, keep: int = 1) -> Path | None:
+         schedule: dict | None = None, keep: int = 1, program: dict | None = None) -> Path | None:
     """Save the run after ``step`` steps under ``root``, keeping the ``keep`` newest saves;
     returns the new save's folder on global rank 0 (None elsewhere). ``schedule`` (the
-    learning-rate schedule's settings) is stored beside the seed, for a resume to compare.
+    learning-rate schedule's settings) is stored beside the seed, for a resume to compare;
+    ``program`` (its ``path`` and ``text``), so that ``dhelix generate CK`` needs nothing else.
     Collective over the world. OutputError when it cannot be written (the partial save is
     removed; the last good one is kept and named)."""
     state = _full_state(executor, optimizer)
@@ -90,6 +91,8 @@ def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequenc
     meta = {"format": FORMAT, "step": step, "seed": seed, "global_sequences": global_sequences,
             "optimizer_steps": optimizer.steps, "schedule": schedule or {},
             "shapes": {name: list(t.shape) for name, t in state["model"].items()}}
+    if program is not None:
+        meta["program"] = program
     try:
         root_path.mkdir(parents=True, exist_ok=True)
         _remove_stale(root_path)
@@ -182,9 +185,9 @@ def latest(root: str) -> tuple[Path, dict]:
     return folder, meta
 
 
-def check_fits(root: str, meta: dict, plan, global_sequences: int) -> None:
+def check_fits(root: str, meta: dict, plan, global_sequences: int | None) -> None:
     """CheckpointError when the checkpoint's parameters or global batch differ from the
-    run's (``plan``: its WeightPlan)."""
+    run's (``plan``: its WeightPlan; ``global_sequences`` None: the parameters only)."""
     mine = {name: list(plan.spec(name).full) for name in plan.names()}
     theirs = meta["shapes"]
     wrong = sorted(n for n in set(mine) | set(theirs) if mine.get(n) != theirs.get(n))
@@ -193,7 +196,7 @@ def check_fits(root: str, meta: dict, plan, global_sequences: int) -> None:
                           for n in wrong[:4])
         raise CheckpointError(f"the checkpoint '{root}' does not fit this model ({len(wrong)} parameters "
                               f"differ: {shown})", notes=["resume with the model it was saved from"])
-    if meta["global_sequences"] != global_sequences:
+    if global_sequences is not None and meta["global_sequences"] != global_sequences:
         raise CheckpointError(
             f"the checkpoint '{root}' was trained with {meta['global_sequences']} sequences a step, this run "
             f"has {global_sequences} (dp · microbatches · micro_batch)",
@@ -233,6 +236,27 @@ def load(root: str, executor, optimizer, global_sequences: int) -> dict:
                           for name in names}, meta["optimizer_steps"])
     torch.set_rng_state(state["rng"])
     return meta
+
+
+def read_weights(root: str, plan) -> tuple[dict[str, torch.Tensor], dict]:
+    """The full fp32 weights of the last save under ``root`` (keyed like ``plan.names()``)
+    and its metadata, in this one process (no torch.distributed); CheckpointError when it
+    cannot be read or does not fit ``plan``'s program."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    folder, meta = latest(root)
+    check_fits(root, meta, plan, None)
+    state = {"model": {name: torch.empty(plan.spec(name).full) for name in plan.names()}}
+    try:
+        with _single_process():
+            dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    except (Exception, CheckpointException) as exc:
+        exc = _first_failure(exc)
+        raise CheckpointError(f"the checkpoint '{folder}' cannot be read: "
+                              f"{(str(exc).splitlines() or [''])[0][:300] or type(exc).__name__}",
+                              notes=["it is corrupt or incomplete"]) from None
+    return state["model"], meta
 
 
 def _first_failure(exc):

@@ -7,10 +7,13 @@ folder of documents with pictures in it works) or a glob pattern (``docs/*.md``,
 sorted). A token file (pre-tokenized, e.g. by a BPE tokenizer: raw little-endian ``.uint16``
 or ``.uint32`` ids, or a 1-D integer NumPy ``.npy`` array) is memory-mapped
 (:mod:`.tokenfiles`); any other file is UTF-8 text, tokenized byte-level (token = byte value,
-so the model's vocab must be at least 256). A file given alone or matched by a pattern that
+so the model's vocab must be at least 256), or with ``--tokenizer tokenizer.json`` by that
+Hugging Face tokenizer, each file a document ended by the tokenizer's end-of-text id
+(:mod:`.tokenizer`). A file given alone or matched by a pattern that
 is neither is an error (a folder skips it, as it does pictures). The files'
 tokens are concatenated into one stream; its last :data:`HELD_OUT` part is held out for
-evaluation, and each part is packed into windows of ``seq + 1`` tokens that do not overlap
+evaluation (or, with ``--eval-data``, all of it is trained on and that data is held out),
+and each part is packed into windows of ``seq + 1`` tokens that do not overlap
 (inputs are a window's first ``seq`` tokens, targets its last ``seq``).
 
 Order: training sample ``j`` (counted from the first step) is window ``perm_e[j mod n]`` of
@@ -57,6 +60,8 @@ class DataSpec:
     path: str
     span: object = None
     flag: str | None = None
+    #: A Hugging Face ``tokenizer.json`` for the text files (None: byte-level), :mod:`.tokenizer`.
+    tokenizer: str | None = None
 
     def error(self, message: str, notes=()) -> DataError:
         """A DataError about this data, located at its setting or naming its flag."""
@@ -65,16 +70,17 @@ class DataSpec:
 
 
 def data_spec(program: Program, program_path: str, override: str | None = None,
-              flag: str | None = None) -> DataSpec | None:
+              flag: str | None = None, tokenizer: str | None = None) -> DataSpec | None:
     """The run's data: ``override`` (relative to the working folder; ``flag`` names where
     it was given) or the train block's ``data`` (relative to the program file); None for
-    random tokens."""
+    random tokens. ``tokenizer`` is a ``tokenizer.json`` for its text (None: byte-level)."""
+    tokenizer = str(Path(tokenizer).resolve()) if tokenizer else None
     if override is not None:
-        return DataSpec(str(Path(override).resolve()), flag=flag)
+        return DataSpec(str(Path(override).resolve()), flag=flag, tokenizer=tokenizer)
     if program.train.data is None:
         return None
     path = (Path(program_path).resolve().parent / program.train.data).resolve()
-    return DataSpec(str(path), span=program.train.data_span)
+    return DataSpec(str(path), span=program.train.data_span, tokenizer=tokenizer)
 
 
 def _is_text(path: Path) -> bool:
@@ -128,6 +134,8 @@ def _file_tokens(path: Path, spec: DataSpec, vocab: int) -> torch.Tensor:
             return read_token_file(path, vocab)
         except TokenFileError as exc:
             raise spec.error(str(exc)) from None
+    if spec.tokenizer is not None:
+        return _tokenized(path.read_bytes().decode("utf-8", errors="replace"), spec, vocab)
     if vocab < BYTE_VOCAB:
         raise spec.error(f"'{path}' is text, tokenized byte-level (256 tokens), but the model's vocab is "
                          f"{vocab}", ["set vocab = 256 or more in the model block"])
@@ -148,6 +156,20 @@ def short_data(spec: DataSpec, corpus: "Corpus", global_sequences: int) -> Dheli
                          spec.span, ["give more data, or fewer sequences a step (micro_batch, microbatches, dp)"])
 
 
+def _tokenized(text: str, spec: DataSpec, vocab: int) -> torch.Tensor:
+    """One text document through the spec's tokenizer, then its end-of-text id."""
+    from .tokenizer import END_OF_TEXT, TokenizerError, codec
+
+    try:
+        found = codec(spec.tokenizer, vocab)
+    except TokenizerError as exc:
+        raise spec.error(exc.message, exc.notes) from None
+    if found.end_of_text is None:
+        raise spec.error(f"the tokenizer '{spec.tokenizer}' has no end-of-text token ({', '.join(END_OF_TEXT)}), "
+                         "which separates the documents", ["give a tokenizer that has one"])
+    return torch.tensor(found.encode(text) + [found.end_of_text], dtype=torch.long)
+
+
 @attrs.frozen
 class Corpus:
     """The packed windows ``[n, seq + 1]`` of the training and the held-out part (in the
@@ -158,27 +180,41 @@ class Corpus:
     held_out: torch.Tensor
 
 
-def load_corpus(spec: DataSpec, vocab: int, seq: int) -> Corpus:
+def load_corpus(spec: DataSpec, vocab: int, seq: int, evaluation: DataSpec | None = None) -> Corpus:
     """Read, tokenize, split and pack the data of ``spec``; DataError when it cannot be
-    used (no file, nothing in it, too short for one window in each part)."""
-    parts = [_file_tokens(path, spec, vocab) for path in _files(spec)]
-    # One file stays as it is (a token file: its memory map); several are joined as ids.
-    stream = parts[0] if len(parts) == 1 else torch.cat([tokens.long() for tokens in parts])
-    if stream.numel() == 0:
-        raise spec.error(f"the data '{spec.path}' is empty")
+    used (no file, nothing in it, too short for one window in each part). With
+    ``evaluation`` (``--eval-data``) all of ``spec`` is trained on and the held-out windows
+    are ``evaluation``'s."""
     window = seq + 1
+    stream = _stream(spec, vocab)
+    if evaluation is not None:
+        held_out = _stream(evaluation, vocab)
+        for part, tokens in ((spec, stream), (evaluation, held_out)):
+            if tokens.numel() < window:
+                raise part.error(f"the data '{part.path}' has {tokens.numel()} tokens: too short for one sequence "
+                                 f"of seq + 1 = {window}")
+        return Corpus(_pack(stream, window), _pack(held_out, window))
     held = max(window, math.ceil(HELD_OUT * stream.numel()))
     if stream.numel() - held < window:
         raise spec.error(f"the data '{spec.path}' has {stream.numel()} tokens: too short for sequences of "
                          f"{seq} (it needs at least {window + held} tokens: one training sequence of seq + 1 "
                          f"and a held-out tail of {held})")
-    train, held_out = stream[:-held], stream[-held:]
+    return Corpus(_pack(stream[:-held], window), _pack(stream[-held:], window))
 
-    def pack(tokens):
-        count = tokens.numel() // window
-        return tokens[:count * window].reshape(count, window)
 
-    return Corpus(pack(train), pack(held_out))
+def _stream(spec: DataSpec, vocab: int) -> torch.Tensor:
+    """Every token of ``spec``'s files, in order; DataError when there are none."""
+    parts = [_file_tokens(path, spec, vocab) for path in _files(spec)]
+    # One file stays as it is (a token file: its memory map); several are joined as ids.
+    stream = parts[0] if len(parts) == 1 else torch.cat([tokens.long() for tokens in parts])
+    if stream.numel() == 0:
+        raise spec.error(f"the data '{spec.path}' is empty")
+    return stream
+
+
+def _pack(tokens: torch.Tensor, window: int) -> torch.Tensor:
+    count = tokens.numel() // window
+    return tokens[:count * window].reshape(count, window)
 
 
 def _epoch_order(seed: int, epoch: int, count: int) -> torch.Tensor:

@@ -26,6 +26,10 @@ that hold the same elements (:func:`norm_weights`: tp-replicated norms are held 
 rank, a pipeline stage's weights by its rank only, a ZeRO-1 slice by one replica) and the
 weighted sums are added over the world. The learning rate of each update comes from
 :func:`lr_at` (linear warm-up, then cosine decay), passed to :meth:`DistributedAdamW.step`.
+The update itself is torch's AdamW (``torch.optim.adamw.adamw``), its fused kernel over each
+bucket's fp32 tensors (benchmarks/optimizer_step.py measures it against the per-tensor loop
+it replaced). The schedule stays :func:`lr_at`: torch's schedulers drive a
+``torch.optim.Optimizer``'s groups and compute the cosine recursively, which rounds differently.
 
 Both compute the same numbers; the average over replicas matches the reference model, whose
 loss is the mean over all micro-batches of all replicas.
@@ -75,6 +79,7 @@ from typing import Callable, Collection, Mapping, Sequence
 
 import attrs
 import torch
+from torch.optim.adamw import adamw
 
 from dhelix.dsl.passes.fsdp import replicas_substituted
 from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device
@@ -149,9 +154,9 @@ class _Bucket:
     moments of this rank's part (all of it, or its 1/size slice under ZeRO-1).
 
     The buffers a step writes (the gradients, the flat parameters of a ZeRO-1 or master
-    update, the AdamW denominator) are allocated once and reused: a step that allocates
-    several model-sized buffers pays for fresh pages every time, which on a CPU rank cost
-    more than the update itself."""
+    update) are allocated once and reused: a step that allocates several model-sized
+    buffers pays for fresh pages every time, which on a CPU rank cost more than the update
+    itself."""
 
     def __init__(self, names, params: Mapping[str, torch.Tensor], comm: Communicator, axis: str,
                  zero1: bool, device, summed: bool = False, partial: Mapping[str, tuple[str, ...]] = {}):
@@ -173,8 +178,6 @@ class _Bucket:
         self.width = width
         self.exp_avg = torch.zeros(width, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        #: Scratch for the AdamW denominator of this rank's part.
-        self.denom = torch.zeros_like(self.exp_avg)
         #: The flat gradients (the padding stays zero).
         self.grads = torch.zeros(self.padded, dtype=torch.float32, device=device)
         #: The flat fp32 parameters an update without masters reads when it cannot update
@@ -419,9 +422,8 @@ class DistributedAdamW:
                     self.params[n].dtype == torch.float32 for n in bucket.names):
                 # fp32 parameters are their own masters: update them where they are.
                 views = bucket.unflatten
-                self._adamw(bucket, [self.params[n] for n in bucket.names], list(views(grad).values()),
-                            list(views(bucket.exp_avg).values()), list(views(bucket.exp_avg_sq).values()),
-                            list(views(bucket.denom).values()), lr)
+                self._adamw([self.params[n] for n in bucket.names], list(views(grad).values()),
+                            list(views(bucket.exp_avg).values()), list(views(bucket.exp_avg_sq).values()), lr)
                 continue
             if bucket.master is not None:
                 mine = bucket.master
@@ -429,7 +431,7 @@ class DistributedAdamW:
                 if bucket.flat_params is None:
                     bucket.flat_params = torch.zeros_like(bucket.grads)
                 mine = bucket.fill(bucket.flat_params, self.params)[bucket.offset:bucket.offset + grad.numel()]
-            self._adamw(bucket, [mine], [grad], [bucket.exp_avg], [bucket.exp_avg_sq], [bucket.denom], lr)
+            self._adamw([mine], [grad], [bucket.exp_avg], [bucket.exp_avg_sq], lr)
             self._publish(bucket, mine)
         return True
 
@@ -506,20 +508,23 @@ class DistributedAdamW:
                 moment.copy_(flat[bucket.offset:bucket.offset + moment.numel()])
         self.steps = steps
 
-    def _adamw(self, bucket: _Bucket, params, grads, exp_avgs, exp_avg_sqs, denoms, lr: float) -> None:
-        # Tensor by tensor, in place: the parameters (or their flat part), their gradients,
-        # moments and denominator scratch (views of the bucket's buffers).
+    def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, lr: float) -> None:
+        """One AdamW update of ``params`` in place (the parameters or this rank's flat fp32
+        part, with their gradients and moments: views of the bucket's buffers) by torch's own
+        AdamW, the function ``torch.optim.AdamW`` runs: its fused kernel (every tensor here is
+        fp32 on one device), else its multi-tensor (foreach) one where no fused kernel exists
+        for the device."""
         cfg = self.config
-        beta1, beta2 = cfg.betas
-        step_size = lr / (1 - beta1 ** self.steps)
-        correction2 = 1 - beta2 ** self.steps
-        for param, grad, exp_avg, exp_avg_sq, denom in zip(params, grads, exp_avgs, exp_avg_sqs, denoms,
-                                                             strict=True):
-            param.mul_(1 - lr * cfg.weight_decay)
-            exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            torch.div(exp_avg_sq, correction2, out=denom).sqrt_().add_(cfg.eps)
-            param.addcdiv_(exp_avg, denom, value=-step_size)
+        device = params[0].device
+        # torch counts this step itself: its step tensors start from the steps before it.
+        steps = list(torch.full((len(params),), float(self.steps - 1), device=device).unbind(0))
+        kernel = {"fused": True} if device.type in _FUSED_DEVICES else {"foreach": True}
+        adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, beta1=cfg.betas[0],
+              beta2=cfg.betas[1], lr=lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False, **kernel)
+
+
+#: Devices torch has a fused AdamW kernel for.
+_FUSED_DEVICES = ("cpu", "cuda")
 
 
 def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWConfig(),

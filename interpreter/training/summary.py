@@ -17,6 +17,7 @@ import attrs
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.timeline import TraceEvent
+from dhelix.dsl.planner.si_plan import SIMode
 
 if TYPE_CHECKING:
     from .train import RunOptions
@@ -162,16 +163,17 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
 
 def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
     """The simulator's step time, exposed communication (layer and DP collectives, the worst
-    rank's) and activation peak for ``program`` run as ``options`` says, with a note saying
+    rank's) and activation peak of the run ``options.compiled`` (of ``program``) as the
+    ranks ran it (:func:`~dhelix.dsl.simulator.runplan.price`), with a note saying
     what they are a prediction of; empty figures and the reason when it cannot simulate."""
-    from dhelix.dsl.simulator.events import simulate
+    from dhelix.dsl.simulator.runplan import price
 
     try:
-        result = simulate(program, si=options.si, zero1=options.zero1, scheduled=options.plan == "scheduled")
+        result = price(options.compiled, zero1=options.zero1)
     except DhelixError as exc:
         return Figures(), f"cannot simulate this program: {exc.message}"
     note = "predicted " + profile_provenance(program.profile, program.cluster.profile)
-    if options.si and options.plan not in ("planned", "scheduled"):
+    if options.si and options.plan not in (SIMode.PLANNED, SIMode.SCHEDULED):
         note += "; it prices SI blocks with the planner's plan, this run used " + options.plan
     return Figures(step_time=result.step_time,
                    exposed_comm=max(r.layer_exposed + r.dp_exposed for r in result.ranks),

@@ -30,6 +30,8 @@ import attrs
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.timeline import TraceEvent
+from dhelix.dsl.planner.si_plan import SIMode
+from dhelix.dsl.simulator.runplan import RunPlan
 
 from .summary import RankRecord, RunResult
 
@@ -52,30 +54,25 @@ class NonFiniteError(DhelixError):
 
 @attrs.frozen(kw_only=True)
 class RunOptions:
-    """Everything a rank needs to run (picklable: spawned ranks receive it). ``text`` is the
-    program file's text, checked again by every rank; ``plan`` names the SI plan
-    (planned, scheduled, op_by_op, sequential), ``pairs`` what it needs (below); ``trace`` is where the trace goes (events are recorded only with one);
-    ``profile`` replaces the cluster block's hardware profile (a shipped name or an absolute
-    YAML path)."""
+    """Everything a rank needs to run (picklable: spawned ranks receive it). ``compiled`` is
+    the run compiled once by the command (:class:`~dhelix.dsl.simulator.runplan.RunPlan`:
+    the priced program, the reference DAGs, the SI plan), which ranks run and never compile
+    again; ``trace`` is where the trace goes (events are recorded only with one)."""
 
     path: str
-    text: str
+    compiled: RunPlan
     steps: int = DEFAULT_STEPS
     backend: str = "gloo"
-    si: bool = True
-    plan: str = "op_by_op"
     trace: str | None = None
     seed: int = 0
     lr: float = 1e-3
     zero1: bool = False
     timeout: float = 60.0
     check: bool = False
-    #: The planner's segment pairs (``planned``) or the block orders by layer counts
-    #: (``scheduled``), rank 0's; None otherwise.
-    pairs: tuple | dict | None = None
-    profile: str | None = None
     #: The training data (:class:`~.data.DataSpec`; None: seeded random tokens).
     data: object = None
+    #: The held-out data (a DataSpec, ``--eval-data``); None: the tail of ``data``.
+    eval_data: object = None
     warmup: int = 0
     #: Cosine decay of the learning rate over the run's steps (else constant after warm-up).
     decay: bool = True
@@ -87,6 +84,8 @@ class RunOptions:
     save: str | None = None
     save_every: int | None = None
     resume: str | None = None
+    #: A Hugging Face checkpoint folder the weights start from (:mod:`dhelix.interpreter.ops.hf_weights`); None: seeded.
+    init: str | None = None
     log: str | None = None
     export: str | None = None
     #: How many of the newest checkpoints ``save`` keeps.
@@ -95,9 +94,18 @@ class RunOptions:
     #: stopping the run.
     skip_nonfinite: bool = False
     #: ``declared``: the cluster block's gpus_per_node, checked under torchrun; ``measured``:
-    #: the nodes the ranks report decide (then ``gpus_per_node`` is the measured count).
+    #: the nodes the ranks report decide (the command compiles ``compiled`` again for them).
     topology: str = "declared"
-    gpus_per_node: int | None = None
+
+    @property
+    def si(self) -> bool:
+        """Whether SI blocks interleave their strands (else each runs its F then its B)."""
+        return self.compiled.interleave
+
+    @property
+    def plan(self) -> SIMode:
+        """How SI blocks run: the compiled SI plan's mode."""
+        return self.compiled.mode
 
     def schedule(self) -> dict:
         """The learning-rate schedule's settings, stored in a checkpoint so that a resume
@@ -112,34 +120,17 @@ class RunOptions:
         return lr_at(step, self.lr, self.warmup, self.steps if self.decay else None)
 
 
-def preflight(program) -> None:
-    """Raise DhelixError for a program the interpreter cannot run, before any rank starts."""
+def preflight(program, reference=None) -> None:
+    """Raise DhelixError for a program the interpreter cannot run, before any rank starts
+    (``reference``: its reference DAGs when known, see :class:`~.weights.WeightPlan`)."""
     from dhelix.interpreter.execute.layer_exec import LayerPlan
     from dhelix.interpreter.ops.weights import ShardingError, WeightPlan
 
     try:
-        WeightPlan(program)
+        WeightPlan(program, reference=reference)
         LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
     except (ShardingError, NotImplementedError) as exc:
         raise DhelixError(f"the interpreter cannot run this program: {exc}") from None
-
-
-def si_plan(program, name: str) -> tuple[str, tuple | dict | None]:
-    """The SI plan to run: (its name, the planner's pairs for ``planned``, the block
-    scheduler's orders by layer counts for ``scheduled``). Without a hardware profile
-    neither has costs, so both fall back to ``op_by_op``."""
-    from dhelix.dsl.planner.si_plan import has_si_blocks
-    from dhelix.dsl.simulator.events import planned_pairs
-
-    if name not in ("planned", "scheduled") or not has_si_blocks(program.lowered):
-        return name, None
-    if program.profile is None:
-        return "op_by_op", None
-    if name == "scheduled":
-        from dhelix.dsl.simulator.events import block_orders
-
-        return name, block_orders(program)
-    return name, planned_pairs(program)
 
 
 def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
@@ -149,37 +140,29 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     over the world."""
     import torch.distributed as dist
 
-    from dhelix.dsl.simulator.launch import priced_program
-
     from dhelix.interpreter.ops.comm import DistComm
     from dhelix.interpreter.execute.executor import Executor
     from dhelix.interpreter.verify.harness import broadcast_from_first, check_steps
     from .data import DataSource, load_corpus
     from .optim import AdamWConfig, for_executor
     from dhelix.interpreter.execute.recording import Recorder
-    from dhelix.dsl.planner.si_plan import PLANS, fixed_plan
 
-    program, _ = priced_program(options.text, options.path, options.profile, options.gpus_per_node)
-    if options.gpus_per_node is not None and options.pairs is not None:
-        # The plan was made for the declared lanes: plan again for the measured ones.
-        options = attrs.evolve(options, pairs=si_plan(program, options.plan)[1])
+    compiled = options.compiled
+    program = compiled.program
     comm = DistComm(program.mesh, device, timeout_s=options.timeout)
     recorder = Recorder(trace=options.trace is not None, cuda=device.type == "cuda")
     # Every rank must run the same plan (collectives are issued in plan order); under
     # torchrun each process planned on its own, so rank 0's plan wins.
-    pairs = broadcast_from_first(options.pairs)
-    orders = None
-    if options.plan == "scheduled" and pairs is not None:
-        orders, pairs = pairs, None
-    plan_for = fixed_plan(pairs) if pairs is not None else PLANS.get(options.plan, PLANS["sequential"])
-    executor = Executor(program, comm, seed=options.seed, device=device, si=options.si,
-                        plan_for=plan_for, use_tags=options.backend == "gloo", block_orders=orders,
-                        recorder=recorder, on_action=_action_hook(comm, program, heartbeat))
+    si = broadcast_from_first(compiled.si)
+    executor = Executor(program, comm, seed=options.seed, device=device, si=compiled.interleave,
+                        plan_for=si.plan_for(), use_tags=options.backend == "gloo", block_orders=si.orders(),
+                        recorder=recorder, on_action=_action_hook(comm, program, heartbeat),
+                        reference=compiled.reference, init=options.init)
     config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
                          master=options.master)
     optimizer = for_executor(executor, zero1=options.zero1, config=config)
     corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
-                                                           program.model.get("seq"))
+                                                           program.model.get("seq"), options.eval_data)
     source = DataSource(program, comm.size("dp"), options.seed, corpus)
     # Every group exists everywhere; also aligns the trace clocks (on NCCL, on this rank's GPU).
     dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
@@ -276,7 +259,8 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
                 from .checkpoint import save
 
                 save(options.save, executor, optimizer, step=step + 1, seed=options.seed,
-                     global_sequences=source.global_sequences, schedule=options.schedule(), keep=options.keep)
+                     global_sequences=source.global_sequences, schedule=options.schedule(), keep=options.keep,
+                     program={"path": os.path.abspath(options.path), "text": options.compiled.text})
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             step_ms=f"{1e3 * times['step'][-1]:.1f}")
     bar.close()

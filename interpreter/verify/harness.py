@@ -133,9 +133,11 @@ def gather_full(plan: WeightPlan, comm: Communicator, tensors: Mapping[str, torc
     return full
 
 
-def reference_with(program: Program, params: Mapping[str, torch.Tensor], batch: Batch, seed: int):
-    """The reference loss and gradients of ``batch`` with the full ``params``."""
-    model = ReferenceModel(program, seed)
+def reference_with(program: Program, params: Mapping[str, torch.Tensor], batch: Batch, seed: int,
+                   plan: WeightPlan | None = None):
+    """The reference loss and gradients of ``batch`` with the full ``params`` (``plan``: the
+    run's WeightPlan, whose reference DAGs the model runs; built when None)."""
+    model = ReferenceModel(program, seed, plan=plan)
     with torch.no_grad():
         for name, value in params.items():
             model.params[name].copy_(value)
@@ -174,7 +176,7 @@ def check_steps(executor, optimizer, steps: int, data=0, lr_of=None) -> list[Ste
     def check(updated) -> None:
         step, loss, params, grads, lr, batch, last_norm = unchecked
         if comm.rank == 0:
-            found = compare(step, loss, grads, reference_with(program, params, batch, plan.seed))
+            found = compare(step, loss, grads, reference_with(program, params, batch, plan.seed, plan))
             update_diff, norm = shadow.diff(params, grads, updated, lr)
             norm_diff = abs(norm - last_norm) if last_norm is not None else 0.0
             checks.append(attrs.evolve(found, update_diff=update_diff, norm_diff=norm_diff))

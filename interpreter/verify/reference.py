@@ -1,7 +1,7 @@
 """The single-process reference model: plain torch with autograd, no kernels, no comms.
 
 It runs the program's layer DAG instantiated without model parallelism
-(:func:`~.weights.full_dags`: tp = cp = ep = 1, collectives elided) with the full seeded
+(:func:`~dhelix.dsl.passes.overrides.reference_dags`: tp = cp = ep = 1, collectives elided) with the full seeded
 weights of :class:`~.weights.WeightPlan`: embedding → L layers → final norm → LM head →
 cross-entropy averaged over every token of every micro-batch. The distributed interpreter
 must reproduce its loss and gradients. Its operators are written independently of
@@ -18,9 +18,10 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from dhelix.dsl.core.oplib import ROPE_SCALING
 from dhelix.dsl.core.program import LayerDag, Program
 
-from dhelix.interpreter.ops.kernels import EPS
+from dhelix.interpreter.ops.kernels import norm_eps
 from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name
 
 
@@ -46,12 +47,34 @@ def make_batch(program: Program, seed: int = 0, microbatches: int | None = None)
     return Batch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous())
 
 
+def _rope(t, theta: int, scaling: tuple | None):
+    """Rotary embedding of ``t`` ``[batch, heads, seq, d]`` as complex multiplication: the
+    features ``i`` and ``i + d/2`` are one complex number, turned by ``position · theta^(-2i/d)``
+    (written independently of the kernels' cos/sin form); with Llama 3's ``scaling``
+    (factor, low, high, original) the long wavelengths' frequencies are divided by factor."""
+    seq, d = t.shape[-2], t.shape[-1]
+    freq = theta ** -(torch.arange(0, d, 2, dtype=torch.float64) / d)
+    if scaling is not None:
+        factor, low, high, original = scaling
+        cycles = original * freq / (2 * torch.pi)  # turns within the original context
+        share = ((cycles - low) / (high - low)).clamp(0, 1)  # 0: long wavelengths, 1: short ones
+        freq = freq / factor * (1 - share) + freq * share
+    turn = torch.polar(torch.ones(seq, d // 2, dtype=torch.float64),
+                       torch.outer(torch.arange(seq, dtype=torch.float64), freq))
+    pairs = torch.complex(*(half.double() for half in t.chunk(2, dim=-1))) * turn
+    return torch.cat((pairs.real, pairs.imag), dim=-1).to(t.dtype)
+
+
 def _attention(qkv, params, micro_batch):
     heads, kv_heads = params["heads"], params["kv_heads"]
     tokens, width = qkv.shape
     d, seq = width // (heads + 2 * kv_heads), tokens // micro_batch
     q, k, v = (t.reshape(micro_batch, seq, -1, d).transpose(1, 2)
                for t in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1))
+    if params.get("rope") is not None:
+        scaling = tuple(params.get(name) for name in ROPE_SCALING)
+        scaling = None if scaling[0] is None else scaling
+        q, k = _rope(q, params["rope"], scaling), _rope(k, params["rope"], scaling)
     group = heads // kv_heads  # query head j reads kv head j // group
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=params["mask"] == "causal")
@@ -81,11 +104,11 @@ def _grouped_gemm(x, weight, routing):
 
 
 def _rmsnorm(args, weight, params, micro_batch, routing):
-    return F.rms_norm(args[0], (args[0].shape[-1],), weight, eps=EPS)
+    return F.rms_norm(args[0], (args[0].shape[-1],), weight, eps=norm_eps(params))
 
 
 def _layernorm(args, weight, params, micro_batch, routing):
-    return F.layer_norm(args[0], (args[0].shape[-1],), weight[0], weight[1], eps=EPS)
+    return F.layer_norm(args[0], (args[0].shape[-1],), weight[0], weight[1], eps=norm_eps(params))
 
 
 def _swiglu(args, weight, params, micro_batch, routing):
@@ -130,11 +153,13 @@ def reference_layer(fwd: LayerDag, weights: Mapping[str, torch.Tensor], x: torch
 
 class ReferenceModel(torch.nn.Module):
     """The whole model with full weights as ``nn.Parameter`` s, keyed by parameter name in
-    :attr:`params` (dotted names, so they are registered with ``__`` instead of dots)."""
+    :attr:`params` (dotted names, so they are registered with ``__`` instead of dots).
+    ``plan`` is the run's WeightPlan (of ``program`` and ``seed``; built when None)."""
 
-    def __init__(self, program: Program, seed: int = 0, dtype: torch.dtype = torch.float32):
+    def __init__(self, program: Program, seed: int = 0, dtype: torch.dtype = torch.float32, hf: str | None = None,
+                 plan: WeightPlan | None = None):
         super().__init__()
-        self.program, self.plan = program, WeightPlan(program, seed)
+        self.program, self.plan = program, plan or WeightPlan(program, seed, hf=hf)
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in self.plan.names():
             param = torch.nn.Parameter(self.plan.full(name, dtype))
@@ -151,12 +176,26 @@ class ReferenceModel(torch.nn.Module):
         h = F.embedding(ids, self.params[EMBEDDING])
         for layer in range(self.plan.layers):
             h = reference_layer(self.plan.full_forward, self.layer_weights(layer), h, micro_batch)
-        norm = self.params[FINAL_NORM]
+        return F.cross_entropy(self.logits_of(h), targets)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The next-token logits ``[batch, seq, vocab]`` of token ``ids`` ``[batch, seq]`` (any
+        sequence length: attention and rotary embeddings follow the ids given)."""
+        batch, seq = ids.shape
+        h = F.embedding(ids.reshape(-1), self.params[EMBEDDING])
+        for layer in range(self.plan.layers):
+            h = reference_layer(self.plan.full_forward, self.layer_weights(layer), h, batch)
+        return self.logits_of(h).reshape(batch, seq, -1)
+
+    def logits_of(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits ``[tokens, vocab]`` for the last layer's output ``h``: the
+        final norm (with the layer's norm epsilon), then ``h @ lm_head``."""
+        norm, eps = self.params[FINAL_NORM], norm_eps(self.plan.norm_params)
         if norm.dim() == 1:
-            h = F.rms_norm(h, (h.shape[-1],), norm, eps=EPS)
+            h = F.rms_norm(h, (h.shape[-1],), norm, eps=eps)
         else:
-            h = F.layer_norm(h, (h.shape[-1],), norm[0], norm[1], eps=EPS)
-        return F.cross_entropy(h @ self.params[LM_HEAD], targets)
+            h = F.layer_norm(h, (h.shape[-1],), norm[0], norm[1], eps=eps)
+        return h @ self.params[LM_HEAD]
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """The loss: the mean over micro-batches of their mean token cross-entropy (all

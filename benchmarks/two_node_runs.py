@@ -1,0 +1,190 @@
+"""What the benchmarks over the emulated two-node link share: running one world of ranks
+over the two network namespaces (:class:`World`), profiling the link with ``dhelix profile``,
+the report printed and kept for ``--output``, the command-line options of the link and the
+figures' formatting. Used by ``two_nodes.py`` and ``dp_overlap_two_nodes.py``; prints only
+through the :class:`Report` it is given.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from two_node_link import TwoNodeLink
+
+#: The first rendezvous port; each run takes the next (a socket may linger in TIME_WAIT).
+FIRST_PORT = 29611
+
+
+# -- the output --------------------------------------------------------------------------------
+
+class Report:
+    """Lines printed as they come and kept for ``--output``."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def write(self, path: str) -> None:
+        Path(path).write_text("\n".join(self.lines) + "\n")
+
+
+def command_line() -> str:
+    """The command that started this script, as one shell line."""
+    python = sys.executable
+    if python.startswith(os.getcwd() + os.sep):
+        python = os.path.relpath(python)
+    return shlex.join([python, *sys.argv])
+
+
+def machine() -> str:
+    """Platform, CPUs, Python and torch versions, load average."""
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs; python "
+            f"{platform.python_version()}, torch {torch}; load average {load}")
+
+
+# -- launching one world over the two namespaces ------------------------------------------------
+
+class World:
+    """Runs a command as every rank of a ``world``-rank job, ``per_node`` consecutive ranks in
+    each namespace, in the environment torchrun would give them."""
+
+    def __init__(self, link: TwoNodeLink, world: int, per_node: int, workdir: Path, timeout: float):
+        self.link, self.world, self.per_node = link, world, per_node
+        self.workdir, self.timeout = workdir, timeout
+        self.port = FIRST_PORT
+        self.runs = 0
+
+    def environment(self, rank: int) -> dict:
+        """RANK and the rest for ``rank``: rank 0's veth address is the rendezvous."""
+        node = self.link.node(rank // self.per_node)
+        # GROUP_RANK, the node's number, as torchrun sets it: dhelix checks it against the cluster block.
+        return {"RANK": rank, "WORLD_SIZE": self.world, "LOCAL_RANK": rank % self.per_node,
+                "GROUP_RANK": rank // self.per_node,
+                # spawn.run_rank divides the CPUs by LOCAL_WORLD_SIZE: both "nodes" share this machine's.
+                "LOCAL_WORLD_SIZE": self.world, "MASTER_ADDR": self.link.node(0)["address"],
+                "MASTER_PORT": self.port, "GLOO_SOCKET_IFNAME": node["device"]}
+
+    def run(self, args: list[str], label: str) -> tuple[bool, str]:
+        """Run ``python ARGS`` on every rank; (success, where its output is or what failed)."""
+        self.runs += 1
+        self.port += 1  # a fresh port: the last run's socket may linger in TIME_WAIT
+        logs = self.workdir / f"{self.runs:03d}-{label.replace(' ', '_')}"
+        logs.mkdir()
+        procs = []
+        try:
+            for rank in range(self.world):
+                env = [f"{name}={value}" for name, value in self.environment(rank).items()]
+                command = ["ip", "netns", "exec", self.link.node(rank // self.per_node)["namespace"],
+                           "env", *env, sys.executable, *args]
+                with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
+                    procs.append(subprocess.Popen(command, stdout=out, stderr=err, cwd=self.workdir))
+            return self._watch(procs, logs)
+        finally:
+            stop_processes(procs)
+
+    def _watch(self, procs, logs: Path) -> tuple[bool, str]:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                return False, f"rank {rank} exited with code {code}:\n{tail(logs / f'rank{rank}.err')}"
+            if all(code == 0 for code in codes):
+                return True, str(logs)
+            time.sleep(0.2)
+        return False, f"still running after {self.timeout:.0f} s (--run-timeout); rank 0:\n{tail(logs / 'rank0.err')}"
+
+
+def stop_processes(procs, grace: float = 5.0) -> None:
+    """Terminate the processes of a run that are still alive (ours, by their handles)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of the file ``path``, indented."""
+    text = path.read_text(errors="replace").replace("\r", "\n")
+    return "\n".join(f"    {line}" for line in text.strip().split("\n")[-lines:])
+
+
+# -- profiling the link and the figures ---------------------------------------------------------
+
+class BenchError(Exception):
+    """The benchmark cannot go on (a run failed, a program that does not fit)."""
+
+
+def has_profile_command() -> bool:
+    """Whether this dhelix has ``dhelix profile`` (an older checkout may lack it)."""
+    result = subprocess.run([sys.executable, "-m", "dhelix", "profile", "--help"], capture_output=True)
+    return result.returncode == 0
+
+
+def profile_link(world: World, program: Path, args, report: Report) -> str | None:
+    """Run ``dhelix profile`` on the two nodes; the name of the profile written beside the
+    program, or None when this dhelix has no profile command."""
+    if not has_profile_command():
+        report("profile: skipped: this dhelix has no `dhelix profile` command")
+        return None
+    out = program.parent / "link.yaml"
+    command = ["-m", "dhelix", "profile", str(program), "-o", str(out), "--repeats", str(args.profile_repeats)]
+    start = time.monotonic()
+    ok, where = world.run(command, "profile")
+    if not ok:
+        raise BenchError(f"dhelix profile failed: {where}")
+    report(f"profile: `dhelix profile FILE -o link.yaml --repeats {args.profile_repeats}` over the link "
+           f"({time.monotonic() - start:.0f} s); the program's cluster profile is now link.yaml")
+    return out.name
+
+
+def add_link_arguments(parser, rate: str) -> None:
+    """The options every benchmark over the two-node link takes: the link's shaping (``rate``
+    by default), the rounds of alternated modes and the steps of each run."""
+    parser.add_argument("--rate", default=rate, help="tbf rate of each direction of the link")
+    parser.add_argument("--burst", default="256kb", help="tbf burst")
+    parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of every mode, alternated")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is left out)")
+
+
+def median(values):
+    """The median of ``values``, None when there are none."""
+    return statistics.median(values) if values else None
+
+
+def seconds_text(value) -> str:
+    """``1.234 s``, or a dash for None."""
+    return "—" if value is None else f"{value:.3f} s"
+
+
+def ratio_text(value) -> str:
+    """``0.812``, or a dash for None."""
+    return "—" if value is None else f"{value:.3f}"
+
+
+def percent_text(value) -> str:
+    """``81 %``, or a dash for None."""
+    return "—" if value is None else f"{100 * value:.0f} %"

@@ -1,0 +1,165 @@
+"""The one compiled artefact of a run: what ``dhelix run`` and ``dhelix profile`` build once,
+price with the simulator and hand to their ranks, which never compile again.
+
+A :class:`RunPlan` holds the program through every pass with every choice the tools make
+(:func:`~dhelix.dsl.simulator.launch.priced_program`: chunk counts, group orders, backward
+priority, ``launch = auto``), the reference model's DAGs (the layer on a mesh of size 1, from
+which the interpreter reads how each weight is sharded:
+:func:`~dhelix.dsl.passes.overrides.reference_dags`) and the SI plan the ranks run, in one
+typed form per mode:
+
+* :class:`SegmentPairs` — ``planned``, ``op_by_op``, ``sequential``: one segment plan that
+  every layer pair runs (the executor orders each pair's issues from it,
+  :class:`~dhelix.dsl.planner.pair_order.BlockOrder`); for ``planned`` also the planner's
+  :class:`~dhelix.dsl.core.plan.Plan` it came from, which prices the run;
+* :class:`BlockOrders` — ``scheduled``: the block scheduler's schedule of a whole SI block for
+  every (forward layers, backward layers) the program's blocks can have; the ranks run its
+  issue order, the simulator prices its make-span.
+
+:func:`price` simulates the run from that same object, so what was priced is what the ranks
+run. A RunPlan is frozen and picklable (spawned ranks receive it).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from dhelix.dsl.core.plan import Plan
+from dhelix.dsl.core.program import LayerDag, Program
+from dhelix.dsl.passes.overrides import reference_dags
+from dhelix.dsl.planner.blockorder import BlockIssue, BlockSchedule
+from dhelix.dsl.planner.si_plan import PLANS, PlanFn, SegmentPlan, SIMode, fixed_plan, has_si_blocks, sequential_plan
+from dhelix.dsl.simulator.events import Simulation, block_scheduler, schedule_plan, simulate
+from dhelix.dsl.simulator.launch import priced_program
+
+
+@attrs.frozen
+class SegmentPairs:
+    """The SI plan of ``mode`` (planned, op_by_op or sequential): the segment pairs every
+    layer pair runs; ``planned`` is the planner's Plan they came from (planned only)."""
+
+    mode: SIMode
+    pairs: SegmentPlan
+    planned: Plan | None = None
+
+    def plan_for(self) -> PlanFn:
+        """The executor's plan function: these pairs for every layer pair."""
+        return fixed_plan(self.pairs)
+
+    def orders(self) -> None:
+        """No block orders: SI blocks run layer pair by layer pair."""
+        return None
+
+
+@attrs.frozen
+class BlockOrders:
+    """The SI plan of ``scheduled``: the block scheduler's schedule of a whole SI block, one
+    per (forward layers, backward layers) an SI block of the program can have."""
+
+    schedules: tuple[BlockSchedule, ...]
+    mode: ClassVar[SIMode] = SIMode.SCHEDULED
+
+    def plan_for(self) -> PlanFn:
+        """The executor's plan function, unused by blocks run whole: no interleaving."""
+        return sequential_plan
+
+    def orders(self) -> dict[tuple[int, int], tuple[BlockIssue, ...]]:
+        """The issue order of every block by its (forward layers, backward layers)."""
+        return {schedule.layers: schedule.order for schedule in self.schedules}
+
+    def schedule(self, forward_layers: int, backward_layers: int) -> BlockSchedule:
+        """The schedule of a block of these layer counts (KeyError for counts it has none for)."""
+        return next(s for s in self.schedules if s.layers == (forward_layers, backward_layers))
+
+
+SIPlan = SegmentPairs | BlockOrders
+
+
+@attrs.frozen(kw_only=True)
+class RunPlan:
+    """A run compiled once: the source ``path``, the priced ``program`` (every pass run),
+    the ``reference`` model's forward and backward DAGs, the ``si`` plan, whether SI blocks
+    interleave at all (``interleave``; else each runs its F then its B) and the ``choices``
+    the tools made (chunks, orders, launch), for the summary; ``text`` is the source as read
+    (a checkpoint keeps it, so that the model can be rebuilt from the checkpoint alone)."""
+
+    path: str
+    program: Program
+    reference: tuple[LayerDag, LayerDag]
+    si: SIPlan
+    interleave: bool = True
+    choices: tuple = ()
+    text: str = ""
+
+    @property
+    def mode(self) -> SIMode:
+        """The SI plan's mode (what the summary and the trace name)."""
+        return self.si.mode
+
+
+def build_run_plan(text: str, path: str, *, profile: str | None = None, gpus_per_node: int | None = None,
+                   mode: SIMode = SIMode.PLANNED, interleave: bool = True) -> RunPlan:
+    """The RunPlan of ``text`` (the file ``path``, with a model): priced with ``profile``
+    instead of its cluster block's when given, on nodes of ``gpus_per_node`` ranks when given
+    (a measured topology), planned by :func:`plan_run`. Raises the passes' and the planner's
+    located errors."""
+    program, choices = priced_program(text, path, profile, gpus_per_node)
+    return plan_run(program, path, choices, mode=mode, interleave=interleave, text=text)
+
+
+def plan_run(program: Program, path: str, choices: tuple = (), *, mode: SIMode = SIMode.PLANNED,
+             interleave: bool = True, text: str = "") -> RunPlan:
+    """The RunPlan of ``program`` (priced: :func:`~dhelix.dsl.simulator.launch.priced_program`,
+    which made ``choices``; with a model), the file ``path``: its reference DAGs and its SI
+    blocks run as ``mode`` says (:func:`choose_si`), interleaved or not; ``text`` is its source."""
+    mode = SIMode(mode)
+    return RunPlan(path=path, program=program, reference=reference_dags(program),
+                   si=choose_si(program, mode, interleave), interleave=interleave, choices=choices, text=text)
+
+
+def measuring_plan(program: Program, path: str) -> RunPlan:
+    """The RunPlan ``dhelix profile`` measures: ``program`` (the file ``path``, with a model)
+    as :func:`~dhelix.dsl.passes.overrides.for_measuring` checked it, its profile's measured
+    section set aside; nothing planned, no interleaving."""
+    return RunPlan(path=path, program=program, reference=reference_dags(program),
+                   si=_unplanned(program, SIMode.SEQUENTIAL), interleave=False)
+
+
+def choose_si(program: Program, mode: SIMode, interleave: bool = True) -> SIPlan:
+    """The SI plan ``mode`` gives ``program``: the planner's pairs for ``planned``, the block
+    scheduler's orders for ``scheduled`` — both need the profile's costs, so without a
+    profile both fall back to ``op_by_op`` — and the plans without costs otherwise. When
+    SI blocks do not interleave, or the schedule has none, nothing is planned (the mode is
+    kept; ``planned`` and ``scheduled`` then run no interleaving)."""
+    if not interleave or not has_si_blocks(program.lowered) or mode not in (SIMode.PLANNED, SIMode.SCHEDULED):
+        return _unplanned(program, mode)
+    if program.profile is None:
+        return _unplanned(program, SIMode.OP_BY_OP)
+    if mode == SIMode.SCHEDULED:
+        scheduler = block_scheduler(program)
+        counts = sorted({len(stage.layers) for stage in program.placement.stages})
+        return BlockOrders(tuple(scheduler(nf, nb) for nf in counts for nb in counts))
+    plan = schedule_plan(program)
+    pairs = tuple((tuple(pair.forward), tuple(pair.backward)) for pair in plan.pairs)
+    return SegmentPairs(SIMode.PLANNED, pairs, plan)
+
+
+def _unplanned(program: Program, mode: SIMode) -> SegmentPairs:
+    """``mode`` with the pairs of the plans built without costs (no interleaving for
+    ``planned`` and ``scheduled``, which have none)."""
+    plan_of = PLANS.get(mode, sequential_plan)
+    return SegmentPairs(mode, plan_of(program.forward, program.backward) if program.forward is not None else ())
+
+
+def price(run: RunPlan, *, zero1: bool = False) -> Simulation:
+    """The simulated step of ``run`` as its ranks run it: its SI blocks priced with its own
+    plan (the planner's pairs, the block scheduler's schedules; ``op_by_op`` and
+    ``sequential`` with the planner's plan, as the summary notes), or as F then B without
+    interleaving; ``zero1`` as :func:`~dhelix.dsl.simulator.events.simulate`. Raises
+    DhelixError for a program without a profile."""
+    si = run.si
+    if isinstance(si, BlockOrders):
+        return simulate(run.program, si=run.interleave, zero1=zero1, blocks=si.schedule)
+    return simulate(run.program, si.planned, si=run.interleave, zero1=zero1)

@@ -1,0 +1,249 @@
+"""Hugging Face Llama weights in and out: the names, layouts and files of ``safetensors``.
+
+A program whose layer is ``llama_rope`` (``dhelix new --hf``; any layer with the same op
+names, norms, rotary attention and SwiGLU MLP) has the weights of ``LlamaForCausalLM``, one
+to one. dhelix's matrices are ``[in, out]`` (``x @ W``), Hugging Face's ``[out, in]``
+(``nn.Linear``), so each is the other's transpose; two of them are fused:
+
+- ``layers.i.qkv`` = ``[q_proj.T | k_proj.T | v_proj.T]``: the attention reads q heads,
+  then k heads, then v heads, each head-major, which is the order of the rows of Hugging
+  Face's projections (and query head j reads kv head ``j // (heads / kv_heads)`` in both);
+- ``layers.i.fc1`` = ``[gate_proj.T | up_proj.T]``: swiglu is ``silu(first half) * second``.
+
+The rest map alone: ``ln1``/``ln2`` the input and post-attention norms, ``prj`` = ``o_proj.T``,
+``fc2`` = ``down_proj.T``, ``embedding`` = ``embed_tokens``, ``final_norm`` = ``model.norm``,
+``lm_head`` = ``lm_head.weight.T``.
+
+:class:`HFWeights` reads a (sharded) checkpoint folder for ``dhelix run --init``: each rank
+reads only the rows or columns of its own shard (``safe_open(...).get_slice``), whichever
+blocks a tensor-parallel shard is made of (:class:`~.weights.ShardSpec`). :func:`write_hf`
+writes full weights as ``config.json`` + ``model.safetensors`` (sharded above a size, with
+``model.safetensors.index.json``) for ``dhelix export --hf``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from dhelix.dsl.core.errors import DhelixError
+
+from .rope import rope_of
+from .weights import EMBEDDING, FINAL_NORM, LM_HEAD
+
+#: The ops of a layer whose weights are Hugging Face's, with their op kind and the tensors
+#: (under ``model.layers.<i>.``) each is the concatenation of.
+LAYER_PARTS = {
+    "ln1": ("rmsnorm", ("input_layernorm.weight",)),
+    "qkv": ("gemm", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    "prj": ("gemm", ("self_attn.o_proj.weight",)),
+    "ln2": ("rmsnorm", ("post_attention_layernorm.weight",)),
+    "fc1": ("gemm", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    "fc2": ("gemm", ("mlp.down_proj.weight",)),
+}
+MODEL_PARTS = {EMBEDDING: "model.embed_tokens.weight", FINAL_NORM: "model.norm.weight", LM_HEAD: "lm_head.weight"}
+SINGLE_FILE, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+class HFWeightsError(DhelixError):
+    """A program or a checkpoint whose weights do not map onto Hugging Face's Llama."""
+
+
+def check_llama(plan) -> dict:
+    """The rotary base, its Llama 3 scaling and the norm epsilon (``rope_theta``, ``scaling``,
+    ``norm_inv_eps``) of ``plan``'s program, after checking that its layer has Llama's weights
+    and numerics; HFWeightsError naming what differs."""
+    fwd = plan.full_forward
+    kinds = {op.name: op.op for op in fwd.ops if op.weight is not None}
+    wanted = {name: kind for name, (kind, _) in LAYER_PARTS.items()}
+    if kinds != wanted:
+        raise HFWeightsError(f"layer {plan.program.model.layer} has the weights {_listing(kinds)}; Hugging Face's "
+                             f"Llama maps onto {_listing(wanted)}", notes=["use the stdlib layer llama_rope, which a Hugging Face configuration becomes"])
+    attention = [dict(op.params) for op in fwd.ops if op.op == "attention"]
+    swiglu = any(op.op == "swiglu" for op in fwd.ops)
+    if len(attention) != 1 or attention[0].get("rope") is None or not swiglu:
+        raise HFWeightsError(f"layer {plan.program.model.layer} has no rotary attention with a SwiGLU MLP, which "
+                             "Hugging Face's Llama computes", notes=["use the stdlib layer llama_rope, which a Hugging Face configuration becomes"])
+    _, scaling = rope_of(attention[0])
+    return {"rope_theta": attention[0]["rope"], "scaling": scaling, "norm_inv_eps": plan.norm_params.get("inv_eps")}
+
+
+def _listing(kinds: dict) -> str:
+    return ", ".join(f"{name} ({kind})" for name, kind in sorted(kinds.items()))
+
+
+def hf_parts(plan, name: str) -> list[tuple[str, tuple[int, ...], bool]]:
+    """The Hugging Face tensors parameter ``name`` is made of, in order along dhelix's
+    columns: (tensor name, its shape, whether it is dhelix's transpose)."""
+    get = plan.program.model.get
+    hidden, ffn, vocab = get("hidden"), get("ffn"), get("vocab")
+    d = hidden // get("heads")
+    if name in MODEL_PARTS:
+        shape = (hidden,) if name == FINAL_NORM else (vocab, hidden)
+        return [(MODEL_PARTS[name], shape, name == LM_HEAD)]
+    _, layer, op = name.split(".", 2)
+    prefix = f"model.layers.{layer}."
+    rows = {"self_attn.q_proj.weight": get("heads") * d, "self_attn.k_proj.weight": get("kv_heads") * d,
+            "self_attn.v_proj.weight": get("kv_heads") * d, "self_attn.o_proj.weight": hidden,
+            "mlp.gate_proj.weight": ffn, "mlp.up_proj.weight": ffn, "mlp.down_proj.weight": hidden}
+    ins = {"self_attn.o_proj.weight": get("heads") * d, "mlp.down_proj.weight": ffn}
+    parts = []
+    for tensor in LAYER_PARTS[op][1]:
+        shape = (hidden,) if tensor.endswith("layernorm.weight") else (rows[tensor], ins.get(tensor, hidden))
+        parts.append((prefix + tensor, shape, len(shape) == 2))
+    return parts
+
+
+class HFWeights:
+    """A Hugging Face checkpoint folder (``model.safetensors`` or the shards its index names)
+    read into ``plan``'s parameters. Construction checks every tensor's presence and shape."""
+
+    def __init__(self, folder: str, plan):
+        from safetensors import safe_open
+
+        self.folder, self.plan, self._open = Path(folder), plan, safe_open
+        self.files = _weight_map(self.folder)
+        check_llama(plan)
+        problems = []
+        for name in plan.names():
+            for tensor, shape, _ in hf_parts(plan, name):
+                found = self._shape(tensor)
+                if found != shape:
+                    problems.append(f"{tensor}: the checkpoint has {list(found) if found else 'no such tensor'}, "
+                                    f"the program's {name} needs {list(shape)}")
+        if problems:
+            raise HFWeightsError(f"the Hugging Face weights in '{folder}' do not fit this program: {problems[0]}"
+                                 + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
+                                 notes=problems[1:4] + ["give the checkpoint of the configuration the program "
+                                                        "was made from"])
+
+    def _shape(self, tensor: str) -> tuple[int, ...] | None:
+        file = self.files.get(tensor)
+        if file is None:
+            return None
+        try:
+            with self._open(file, framework="pt") as handle:
+                return tuple(handle.get_slice(tensor).get_shape())
+        except Exception as exc:  # a missing shard, a broken header (safetensors' own error types)
+            raise HFWeightsError(f"cannot read {tensor} from '{file}': {str(exc).splitlines()[0][:200]}",
+                                 notes=["the folder's files are incomplete or corrupt"]) from None
+
+    def _rows(self, tensor: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (``dim`` 0) or columns (1) ``start … stop-1`` of ``tensor``, as fp32."""
+        with self._open(self.files[tensor], framework="pt") as handle:
+            piece = handle.get_slice(tensor)
+            piece = piece[start:stop] if dim == 0 else piece[:, start:stop]
+        return piece.float()
+
+    def _range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Parameter ``name`` in dhelix's layout, restricted to ``start … stop-1`` along ``dim``."""
+        parts, pieces, offset = hf_parts(self.plan, name), [], 0
+        for tensor, shape, transposed in parts:
+            ours = shape[::-1] if transposed else shape
+            if len(parts) > 1 and dim != len(ours) - 1:  # replicated fused parts: read whole
+                pieces.append(self._whole(tensor, shape, transposed))
+                continue
+            width = ours[dim]
+            low, high = max(start, offset), min(stop, offset + width)
+            offset += width
+            if low < high:
+                hf_dim = len(ours) - 1 - dim if transposed else dim
+                piece = self._rows(tensor, hf_dim, low - (offset - width), high - (offset - width))
+                pieces.append(piece.t() if transposed else piece)
+        joined = 1 if len(parts) > 1 else dim  # fused parts sit side by side along dhelix's columns
+        return torch.cat(pieces, dim=joined) if len(pieces) > 1 else pieces[0].contiguous()
+
+    def _whole(self, tensor, shape, transposed) -> torch.Tensor:
+        piece = self._rows(tensor, 0, 0, shape[0])
+        return piece.t() if transposed else piece
+
+    def full(self, name: str) -> torch.Tensor:
+        """The full fp32 parameter ``name`` in dhelix's layout."""
+        spec = self.plan.spec(name)
+        return self._range(name, 0, 0, spec.full[0])
+
+    def shard(self, name: str, index: int, parts: int) -> torch.Tensor:
+        """This rank's piece of parameter ``name`` (the rank is ``index`` of ``parts`` along its
+        spec's axis), reading only the slices it is made of."""
+        spec = self.plan.spec(name)
+        if spec.dim is None or parts == 1:
+            return self.full(name)
+        pieces, start = [], 0
+        for block in spec.blocks:
+            piece = block // parts
+            pieces.append(self._range(name, spec.dim, start + index * piece, start + (index + 1) * piece))
+            start += block
+        return torch.cat(pieces, dim=spec.dim).contiguous()
+
+
+def _weight_map(folder: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file holding it, from the index or the single file."""
+    from safetensors import safe_open
+
+    index, single = folder / INDEX, folder / SINGLE_FILE
+    try:
+        if index.is_file():
+            names = json.loads(index.read_text())["weight_map"]
+            return {tensor: folder / file for tensor, file in names.items()}
+        if single.is_file():
+            with safe_open(single, framework="pt") as handle:
+                return {tensor: single for tensor in handle.keys()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise HFWeightsError(f"cannot read the Hugging Face weights in '{folder}': {exc}") from None
+    raise HFWeightsError(f"'{folder}' has neither {SINGLE_FILE} nor {INDEX}",
+                         notes=["give the folder a Hugging Face model was saved in (save_pretrained)"])
+
+
+def hf_state(plan, full: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Hugging Face's state dict (in ``dtype``) of dhelix's full parameters ``full``."""
+    state = {}
+    for name in plan.names():
+        offset, parts = 0, hf_parts(plan, name)
+        for tensor, shape, transposed in parts:
+            if len(parts) == 1:
+                piece = full[name]
+            else:
+                piece = full[name].narrow(1, offset, shape[0])
+                offset += shape[0]
+            state[tensor] = (piece.t() if transposed else piece).to(dtype).contiguous()
+    return state
+
+
+def write_hf(folder: Path, config: dict, state: dict[str, torch.Tensor], shard_bytes: int) -> list[Path]:
+    """Write ``config.json`` and ``state`` into ``folder`` (created; files written beside
+    and renamed into place): one ``model.safetensors``, or above ``shard_bytes`` shards named
+    like Hugging Face's with their index. Returns the files written."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    groups, size = [[]], 0
+    for tensor, value in state.items():
+        nbytes = value.numel() * value.element_size()
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += nbytes
+    names = [SINGLE_FILE] if len(groups) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    written = []
+    for file, group in zip(names, groups, strict=True):
+        _replace(folder / file, lambda path, g=group: save_file({t: state[t] for t in g}, str(path),
+                                                                metadata={"format": "pt"}))
+        written.append(folder / file)
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
+                 "weight_map": {t: file for file, group in zip(names, groups, strict=True) for t in group}}
+        _replace(folder / INDEX, lambda path: path.write_text(json.dumps(index, indent=2) + "\n"))
+        written.append(folder / INDEX)
+    _replace(folder / "config.json", lambda path: path.write_text(json.dumps(config, indent=2) + "\n"))
+    return written + [folder / "config.json"]
+
+
+def _replace(path: Path, write) -> None:
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    write(partial)
+    os.replace(partial, path)

@@ -1,0 +1,188 @@
+"""Hugging Face Llama models in and out: `dhelix new --hf`, `dhelix run --init`, `dhelix export
+--hf`, checked against `transformers` itself on a tiny random model (fp32, no network)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dhelix import api  # noqa: E402
+from dhelix.cli.main import main  # noqa: E402
+from dhelix.interpreter.training.data import DataSource  # noqa: E402
+from dhelix.interpreter.ops.hf_weights import HFWeights  # noqa: E402
+from dhelix.interpreter.ops.weights import WeightPlan  # noqa: E402
+
+TOL = 1e-5
+SEQ = 16
+
+
+def tiny_config(**changes):
+    fields = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=2, vocab_size=256, max_position_embeddings=64, rms_norm_eps=1e-6,
+                  rope_theta=10000.0)
+    fields.update(changes)
+    return transformers.LlamaConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A random tiny LlamaForCausalLM saved in shards (so --init reads through the index)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_config()).float().eval()
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(folder, max_shard_size="100KB")
+    assert (folder / "model.safetensors.index.json").is_file()
+    return folder
+
+
+def new_program(hf_dir, out, *args) -> str:
+    assert main(["new", "--hf", str(hf_dir / "config.json"), "--seq", str(SEQ), "-o", str(out), *args]) == 0
+    return str(out)
+
+
+def hf_model(folder):
+    return transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def test_new_writes_a_checked_canonical_program(hf_dir, tmp_path, capsys):
+    path = new_program(hf_dir, tmp_path / "tiny.dhx", "--gpus", "4", "--pp", "2")
+    assert main(["fmt", path, "--check"]) == 0
+    assert main(["check", path]) == 0
+    program = api.load_program(path)
+    get = program.model.get
+    assert (get("layers"), get("hidden"), get("ffn"), get("heads"), get("kv_heads"), get("vocab")) == (2, 64, 128, 4, 2, 256)
+    assert (get("rope_theta"), get("norm_inv_eps"), program.model.layer) == (10000, 1000000, "llama_rope")
+    assert (program.mesh.size("tp"), program.mesh.size("pp"), program.mesh.size("dp")) == (2, 2, 1)
+    # Never over a file that exists, nor over the configuration it reads.
+    assert main(["new", "--hf", str(hf_dir / "config.json"), "-o", path]) == 2
+    assert main(["new", "--hf", str(hf_dir / "config.json"), "-o", str(hf_dir / "config.json")]) == 2
+    assert "the file exists" in capsys.readouterr().err
+
+
+def test_new_names_each_field_the_layers_cannot_compute(tmp_path, capsys):
+    config = tiny_config(tie_word_embeddings=True, rms_norm_eps=3e-6, attention_bias=True)
+    config.save_pretrained(tmp_path)
+    text = (tmp_path / "config.json").read_text()
+    assert main(["new", "--hf", str(tmp_path / "config.json"), "-o", str(tmp_path / "m.dhx")]) == 1
+    err = capsys.readouterr().err
+    for field in ("tie_word_embeddings", "rms_norm_eps", "attention_bias"):
+        line = next(i for i, row in enumerate(text.splitlines(), 1) if f'"{field}"' in row)
+        assert f"config.json:{line}:3: {field}" in err
+    assert "3 errors" in err and not (tmp_path / "m.dhx").exists()
+
+
+def test_each_rank_reads_exactly_its_shard(hf_dir, tmp_path):
+    path = new_program(hf_dir, tmp_path / "tp2.dhx", "--gpus", "2")
+    program = api.load_program(path)
+    plan = WeightPlan(program, hf=str(hf_dir))
+    for name in plan.names():
+        spec = plan.spec(name)
+        full = plan.full(name)
+        for rank in range(2):
+            assert torch.equal(plan.shard(name, {"tp": rank}), spec.take(full, rank, 2 if spec.axis else 1)), name
+
+
+def test_a_mismatched_checkpoint_names_the_tensor_and_both_shapes(tmp_path):
+    small, large = tmp_path / "small", tmp_path / "large"
+    transformers.LlamaForCausalLM(tiny_config()).save_pretrained(small)
+    path = new_program(small, tmp_path / "m.dhx")
+    transformers.LlamaForCausalLM(tiny_config(intermediate_size=96)).save_pretrained(large)
+    with pytest.raises(Exception, match=r"model.layers.0.mlp.gate_proj.weight: the checkpoint has \[96, 64\], "
+                                        r"the program's layers.0.fc1 needs \[128, 64\]"):
+        WeightPlan(api.load_program(path), hf=str(large))
+
+
+def test_a_missing_shard_is_named(hf_dir, tmp_path):
+    import shutil
+
+    from dhelix.interpreter.ops.hf_weights import HFWeightsError
+
+    folder = tmp_path / "copy"
+    shutil.copytree(hf_dir, folder)
+    shard = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]["lm_head.weight"]
+    (folder / shard).unlink()
+    path = new_program(folder, tmp_path / "m.dhx")
+    with pytest.raises(HFWeightsError, match=f"cannot read .* from '.*{shard}'"):
+        WeightPlan(api.load_program(path), hf=str(folder))
+
+
+def test_reference_logits_equal_transformers(hf_dir, tmp_path):
+    program = api.load_program(new_program(hf_dir, tmp_path / "m.dhx"))
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    ours = api.logits(api.reference_model(program, hf=str(hf_dir)), ids)
+    with torch.no_grad():
+        theirs = hf_model(hf_dir)(ids).logits
+    assert (ours - theirs).abs().max() < TOL
+
+
+def test_llama3_rope_scaling_in_and_out(tmp_path):
+    """Llama 3.1's RoPE scaling: the configuration becomes layer llama3_rope, whose logits are
+    transformers'; the exported configuration and weights give them back."""
+    from dhelix.interpreter.ops.hf_weights import check_llama, hf_state, write_hf
+    from dhelix.dsl.frontend.hfconfig import hf_config_of
+
+    scaling = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    torch.manual_seed(1)
+    theirs = transformers.LlamaForCausalLM(tiny_config(rope_parameters=scaling, rms_norm_eps=1e-5)).eval()
+    theirs.save_pretrained(tmp_path / "in")
+    program = api.load_program(new_program(tmp_path / "in", tmp_path / "m.dhx"))
+    assert program.model.layer == "llama3_rope" and program.model.get("rope_original") == 16
+    ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    ours = api.reference_model(program, hf=str(tmp_path / "in"))
+    with torch.no_grad():
+        expected = theirs(ids).logits
+    assert (api.logits(ours, ids) - expected).abs().max() < TOL
+    numerics = check_llama(ours.plan)
+    config = hf_config_of(program.model, numerics["norm_inv_eps"], numerics["rope_theta"], numerics["scaling"])
+    full = {name: p.detach() for name, p in ours.params.items()}
+    write_hf(tmp_path / "out", config, hf_state(ours.plan, full, torch.float32), 10**9)
+    with torch.no_grad():
+        assert (hf_model(tmp_path / "out")(ids).logits - expected).abs().max() < TOL
+
+
+def test_new_refuses_other_rope_scaling(tmp_path, capsys):
+    tiny_config(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}).save_pretrained(tmp_path)
+    assert main(["new", "--hf", str(tmp_path / "config.json"), "-o", str(tmp_path / "m.dhx")]) == 1
+    assert 'RoPE scaling of type "linear" is not computed' in capsys.readouterr().err
+
+
+def run(*args):
+    done = subprocess.run([sys.executable, "-m", "dhelix", "run", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.mark.parametrize("layout", [("--gpus", "4", "--pp", "2"), ("--gpus", "4", "--tp", "2")],
+                         ids=["tp2_pp2", "tp2_dp2"])
+def test_init_first_step_loss_equals_transformers_and_export_loads_back(hf_dir, tmp_path, layout):
+    path = new_program(hf_dir, tmp_path / "m.dhx", *layout, "--microbatches", "2")
+    log, ckpt, out = tmp_path / "log.jsonl", tmp_path / "ck", tmp_path / "hf_out"
+    run(path, "--init", str(hf_dir), "--steps", "2", "--lr", "1e-2", "--seed", "0", "--log", str(log),
+        "--save", str(ckpt))
+    first = next(json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line)
+    program = api.load_program(path)
+    batch = DataSource(program, program.mesh.size("dp"), 0).batch(0)
+    with torch.no_grad():
+        scores = hf_model(hf_dir)(batch.inputs.reshape(-1, SEQ)).logits
+    expected = torch.nn.functional.cross_entropy(scores.reshape(-1, 256), batch.targets.reshape(-1))
+    assert abs(first - expected.item()) < TOL
+    # The trained weights out, loaded by transformers: the same logits as the checkpoint's own model.
+    assert main(["export", path, "--checkpoint", str(ckpt), "--hf", str(out), "--max-shard-size", "0.1"]) == 0
+    assert (out / "model.safetensors.index.json").is_file()
+    ids = batch.inputs[0]
+    trained = hf_model(out)
+    with torch.no_grad():
+        theirs = trained(ids).logits
+        moved = (trained.model.embed_tokens.weight - hf_model(hf_dir).model.embed_tokens.weight).abs().max()
+    assert moved > 1e-3  # two steps of training are in what was exported
+    ours = api.logits(api.reference_model(program, checkpoint=str(ckpt)), ids)
+    assert (ours - theirs).abs().max() < TOL
+    # The save keeps its program: the checkpoint alone generates (byte-level text, 3 new tokens).
+    assert main(["generate", str(ckpt), "--prompt", "ab", "--max-new", "3"]) == 0

@@ -1,0 +1,83 @@
+"""The run compiled once (dsl/simulator/runplan.py): the command builds a RunPlan, the
+simulator prices it, the ranks run it and never parse or run a pass again."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from dhelix.dsl.planner.si_plan import SIMode, op_by_op_plan, sequential_plan
+from dhelix.dsl.simulator.events import block_orders, planned_pairs, simulate
+from dhelix.dsl.simulator.runplan import BlockOrders, SegmentPairs, build_run_plan, price
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")
+def _plan(mode: str = "planned", interleave: bool = True, text: str | None = None, path: str = EXAMPLE):
+    return build_run_plan(text if text is not None else Path(path).read_text(), path, mode=mode,
+                          interleave=interleave)
+
+
+def test_each_mode_has_its_one_typed_plan():
+    planned, scheduled = _plan("planned"), _plan("scheduled")
+    assert isinstance(planned.si, SegmentPairs) and planned.mode == SIMode.PLANNED
+    assert planned.si.pairs == planned_pairs(planned.program) and planned.si.planned is not None
+    assert isinstance(scheduled.si, BlockOrders) and scheduled.mode == SIMode.SCHEDULED
+    assert scheduled.si.orders() == block_orders(scheduled.program)
+    op_by_op = _plan("op_by_op")
+    assert op_by_op.si == SegmentPairs(SIMode.OP_BY_OP, op_by_op_plan(op_by_op.program.forward,
+                                                                      op_by_op.program.backward))
+
+
+def test_without_a_profile_the_planned_modes_fall_back_to_op_by_op_and_without_si_nothing_is_planned():
+    text = Path(EXAMPLE).read_text()
+    assert '  profile = "a40"\n' in text
+    for mode in ("planned", "scheduled"):
+        run = _plan(mode, text=text.replace('  profile = "a40"\n', ""))
+        assert run.program.profile is None and run.si.mode == SIMode.OP_BY_OP
+    off = _plan("scheduled", interleave=False)
+    assert off.si == SegmentPairs(SIMode.SCHEDULED, sequential_plan(off.program.forward, off.program.backward))
+
+
+def test_the_simulator_prices_the_plan_the_ranks_run():
+    for mode, scheduled in (("planned", False), ("scheduled", True), ("op_by_op", False)):
+        run = _plan(mode)
+        assert price(run) == simulate(run.program, scheduled=scheduled), mode
+    off = _plan("planned", interleave=False)
+    assert price(off, zero1=True) == simulate(off.program, si=False, zero1=True)
+
+
+def test_a_run_plan_travels_to_the_ranks_whole():
+    run = _plan("scheduled")
+    assert pickle.loads(pickle.dumps(run)) == run
+
+
+# -- the ranks never compile ---------------------------------------------------------------
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a rank parsed or ran a pass: it must run the command's RunPlan")
+
+
+def guarded_train(options, device, heartbeat=None):
+    """:func:`train` in a rank whose parser, checker and pass pipeline fail when called
+    (their code replaced, so every name bound to them fails alike)."""
+    from dhelix.dsl.frontend import check, imports, parser
+    from dhelix.dsl.passes import pipeline
+    from dhelix.interpreter.training import train
+
+    for module, name in ((parser, "parse"), (imports, "load_modules"), (check, "check_program"),
+                         (pipeline, "run_until"), (pipeline, "rerun")):
+        getattr(module, name).__code__ = _refuse.__code__
+    return train.train(options, device, heartbeat)
+
+
+def test_ranks_run_the_commands_plan_and_never_parse_or_run_a_pass(monkeypatch, capsys):
+    pytest.importorskip("torch")
+    from dhelix.cli.main import main
+    from dhelix.interpreter.training import train
+
+    monkeypatch.setattr(train, "train", guarded_train)  # what cmd_run hands to the spawner
+    assert main(["run", EXAMPLE, "--steps", "2", "--check", "--si-plan", "scheduled", "--timeout", "60"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("step ") >= 2, out
