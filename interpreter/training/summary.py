@@ -39,6 +39,10 @@ class RankRecord:
     p2p: tuple[float, ...]
     peak_activations: int
     cuda_peak: int | None = None
+    #: Bytes of weights, gradients and optimizer moments and masters after the last step;
+    #: the optimizer's flat work buffers beside them.
+    model_states: int = 0
+    optimizer_scratch: int = 0
     events: tuple[TraceEvent, ...] = ()
     device: str = "cpu"
     host: str = ""
@@ -88,6 +92,10 @@ class Figures:
     step_time: float | None = None
     exposed_comm: float | None = None
     peak_activations: float | None = None
+    #: Per pipeline rank (the simulator's ranks, in order): the activation peak and the model
+    #: states' bytes; empty where not known.
+    rank_activations: tuple[float, ...] = ()
+    rank_states: tuple[float, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -107,6 +115,8 @@ class RunSummary:
     note: str = ""
     devices: str = ""
     topology: str = ""
+    #: The pipeline rank (pp coordinate) of each of :attr:`ranks`.
+    pipeline_ranks: tuple[int, ...] = ()
 
 
 def describe_devices(ranks) -> str:
@@ -157,7 +167,8 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
         measured=Figures(step_time=steady(per_step), exposed_comm=exposed,
                          peak_activations=max(r.peak_activations for r in ranks)),
         predicted=predicted, cuda_peak=max(cuda) if cuda else None, note=note, devices=describe_devices(ranks),
-        topology=result.topology)
+        topology=result.topology,
+        pipeline_ranks=tuple(program.mesh.position(r.rank, "pp") for r in ranks))
 
 
 def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
@@ -175,7 +186,9 @@ def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
         note += "; it prices SI blocks with the planner's plan, this run used " + options.plan
     return Figures(step_time=result.step_time,
                    exposed_comm=max(r.layer_exposed + r.dp_exposed for r in result.ranks),
-                   peak_activations=max(r.activations for r in result.ranks)), note
+                   peak_activations=max(r.activations for r in result.ranks),
+                   rank_activations=tuple(r.activations for r in result.ranks),
+                   rank_states=tuple(r.states.total for r in result.ranks)), note
 
 
 def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> dict:
@@ -191,9 +204,15 @@ def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> di
         "step_s": measured.step_time, "exposed_comm_s": measured.exposed_comm,
         "peak_activations_bytes": measured.peak_activations,
         "predicted": {"step_s": predicted.step_time, "exposed_comm_s": predicted.exposed_comm,
-                      "peak_activations_bytes": predicted.peak_activations, "note": summary.note},
-        "ranks": [{"rank": r.rank, "device": r.device, "host": r.host, "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p)}
-                  for r in result.ranks],
+                      "peak_activations_bytes": predicted.peak_activations, "note": summary.note,
+                      "pipeline_ranks": [{"pp": pp, "peak_activations_bytes": acts, "model_states_bytes": states}
+                                         for pp, (acts, states) in enumerate(zip(predicted.rank_activations,
+                                                                                 predicted.rank_states, strict=True))]},
+        "ranks": [{"rank": r.rank, "pp": summary.pipeline_ranks[i] if summary.pipeline_ranks else 0, "device": r.device, "host": r.host,
+                   "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p),
+                   "peak_activations_bytes": r.peak_activations, "model_states_bytes": r.model_states,
+                   "optimizer_scratch_bytes": r.optimizer_scratch}
+                  for i, r in enumerate(result.ranks)],
     }
 
 

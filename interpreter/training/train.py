@@ -203,7 +203,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
         from .checkpoint import export_weights
 
         export_weights(options.export, executor, optimizer)
-    result = _gather(executor, losses, times, evals)
+    result = _gather(executor, losses, times, evals, optimizer)
     return None if result is None else attrs.evolve(result, skipped=skipped)
 
 
@@ -296,6 +296,21 @@ def _peak_bytes(executor) -> int:
     return executor.recorder.peak_bytes
 
 
+def model_state_bytes(executor, optimizer) -> int:
+    """Bytes of the model states this rank holds after a step, each storage once: its
+    weights (ZeRO-3: its pieces), the gradients of the last step and the optimizer's moments
+    and fp32 masters (:meth:`~.optim.DistributedAdamW.state_tensors`)."""
+    return _storage_bytes([executor.params, executor.grads(), optimizer.state_tensors()])
+
+
+def _storage_bytes(values) -> int:
+    from dhelix.interpreter.execute.layer_exec import count_storages
+
+    seen: dict[int, int] = {}
+    count_storages(values, seen)
+    return sum(seen.values())
+
+
 def _evaluate(executor, source) -> float:
     """The loss of the held-out batch with the current weights (its gradients are dropped)."""
     from dhelix.interpreter.verify.harness import replica_batch
@@ -377,7 +392,7 @@ def _cuda_profile(options: RunOptions, device, rank: int):
     return profiled()
 
 
-def _gather(executor, losses: list, times: dict, evals: list) -> RunResult | None:
+def _gather(executor, losses: list, times: dict, evals: list, optimizer) -> RunResult | None:
     """Every rank's record gathered on global rank 0 as the run's result (None elsewhere)."""
     import torch
 
@@ -389,6 +404,8 @@ def _gather(executor, losses: list, times: dict, evals: list) -> RunResult | Non
         cuda_peak = torch.cuda.max_memory_allocated(executor.device)
     mine = RankRecord(rank=rank, step=tuple(times["step"]), collective=tuple(times["collective"]),
                       p2p=tuple(times["p2p"]), peak_activations=recorder.peak_bytes, cuda_peak=cuda_peak,
+                      model_states=model_state_bytes(executor, optimizer),
+                      optimizer_scratch=_storage_bytes(optimizer.scratch_tensors()),
                       device=str(executor.device), host=socket.gethostname(),
                       events=tuple(TraceEvent(rank, lane, name, start, duration)
                                    for name, lane, start, duration in recorder.events))
