@@ -10,7 +10,9 @@ simulator's prediction of the same three for the same program, SI and ZeRO setti
 
 from __future__ import annotations
 
+import os
 import platform
+import socket
 from typing import TYPE_CHECKING
 
 import attrs
@@ -158,6 +160,8 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
     exposed = None if options.backend == "nccl" else max(steady(r.collective) for r in ranks)
     cuda = [r.cuda_peak for r in ranks if r.cuda_peak is not None]
     predicted, note = simulated(program, options)
+    shared = shared_cores(ranks)
+    note = "; ".join(filter(None, [note, shared]))
     return RunSummary(
         path=options.path, pipeline=program.pipeline.name, mesh=describe_mesh(program.mesh),
         backend=options.backend, si=f"on ({options.plan} plan)" if options.si else "off",
@@ -189,6 +193,22 @@ def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
                    peak_activations=max(r.activations for r in result.ranks),
                    rank_activations=tuple(r.activations for r in result.ranks),
                    rank_states=tuple(r.states.total for r in result.ranks)), note
+
+
+def shared_cores(ranks, cores: int | None = None, host: str | None = None) -> str:
+    """Why a CPU run on more local ranks than this machine has cores is slower than the
+    prediction, plainly, or "" when it is not such a run. ``cores`` and ``host`` default to
+    this machine's."""
+    cores = cores or os.cpu_count() or 1
+    host = host if host is not None else socket.gethostname()
+    local = sum(1 for r in ranks if r.device == "cpu" and r.host in (host, ""))
+    if local <= cores:
+        return ""
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (f"{local} ranks share {cores} CPU cores here{load}: the profile times each op in bursts "
+            f"shorter than a scheduler slice (a core's speed), while in the run a rank gets a share of the cores "
+            f"and each collective also waits for its peer to be scheduled; the step time above the prediction "
+            f"is that share, which the simulator does not model")
 
 
 def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> dict:
