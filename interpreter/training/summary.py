@@ -41,6 +41,9 @@ class RankRecord:
     p2p: tuple[float, ...]
     peak_activations: int
     cuda_peak: int | None = None
+    #: Per step, the seconds the rank's main thread was runnable but waiting for a CPU core
+    #: (empty where the kernel does not say).
+    core_wait: tuple[float, ...] = ()
     #: Bytes of weights, gradients and optimizer moments and masters after the last step;
     #: the optimizer's flat work buffers beside them.
     model_states: int = 0
@@ -160,7 +163,7 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
     exposed = None if options.backend == "nccl" else max(steady(r.collective) for r in ranks)
     cuda = [r.cuda_peak for r in ranks if r.cuda_peak is not None]
     predicted, note = simulated(program, options)
-    shared = shared_cores(ranks)
+    shared = shared_cores(ranks, core_wait=max((steady(r.core_wait) for r in ranks if r.core_wait), default=None))
     note = "; ".join(filter(None, [note, shared]))
     return RunSummary(
         path=options.path, pipeline=program.pipeline.name, mesh=describe_mesh(program.mesh),
@@ -195,20 +198,22 @@ def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
                    rank_states=tuple(r.states.total for r in result.ranks)), note
 
 
-def shared_cores(ranks, cores: int | None = None, host: str | None = None) -> str:
+def shared_cores(ranks, cores: int | None = None, host: str | None = None, core_wait: float | None = None) -> str:
     """Why a CPU run on more local ranks than this machine has cores is slower than the
-    prediction, plainly, or "" when it is not such a run. ``cores`` and ``host`` default to
-    this machine's."""
+    prediction, plainly, or "" when it is not such a run; ``core_wait``: the seconds per step
+    the slowest-waiting rank was runnable but waiting for a core (median, None: not known).
+    ``cores`` and ``host`` default to this machine's."""
     cores = cores or os.cpu_count() or 1
     host = host if host is not None else socket.gethostname()
     local = sum(1 for r in ranks if r.device == "cpu" and r.host in (host, ""))
     if local <= cores:
         return ""
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    waited = "" if core_wait is None else f" (measured: a rank waited {1e3 * core_wait:.2f}ms per step for a core)"
     return (f"{local} ranks share {cores} CPU cores here{load}: the profile times each op in bursts "
-            f"shorter than a scheduler slice (a core's speed), while in the run a rank gets a share of the cores "
-            f"and each collective also waits for its peer to be scheduled; the step time above the prediction "
-            f"is that share, which the simulator does not model")
+            f"shorter than a scheduler slice (a core's speed), while in the run a rank waits for a core{waited} "
+            f"and each collective also for its peer to be scheduled; the simulator does not model that wait, "
+            f"so the step measured here is longer than the prediction")
 
 
 def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> dict:
@@ -229,7 +234,7 @@ def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> di
                                          for pp, (acts, states) in enumerate(zip(predicted.rank_activations,
                                                                                  predicted.rank_states, strict=True))]},
         "ranks": [{"rank": r.rank, "pp": summary.pipeline_ranks[i] if summary.pipeline_ranks else 0, "device": r.device, "host": r.host,
-                   "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p),
+                   "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p), "core_wait_s": list(r.core_wait),
                    "peak_activations_bytes": r.peak_activations, "model_states_bytes": r.model_states,
                    "optimizer_scratch_bytes": r.optimizer_scratch}
                   for i, r in enumerate(result.ranks)],

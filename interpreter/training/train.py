@@ -258,7 +258,7 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
     tqdm.set_lock(threading.RLock())
     rank = executor.comm.rank
     tokens = source.global_sequences * executor.program.model.get("seq")
-    losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": []}, [], []
+    losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": [], "core_wait": []}, [], []
     log = StepLog(options.log if rank == 0 else None, tokens, resumed=start if options.resume else None)
     bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
                file=sys.stderr)
@@ -294,6 +294,16 @@ def _peak_bytes(executor) -> int:
     if executor.device.type == "cuda":
         return torch.cuda.max_memory_allocated(executor.device)
     return executor.recorder.peak_bytes
+
+
+def run_queue_seconds() -> float | None:
+    """Seconds this thread has been runnable but waiting for a CPU core (Linux's
+    ``/proc/thread-self/schedstat``, second field); None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def model_state_bytes(executor, optimizer) -> int:
@@ -335,7 +345,7 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
 
     comm, waited = executor.comm, executor.recorder.waited
     batch = replica_batch(batch, comm.index("dp"), executor.program.train.microbatches)
-    start, before = time.perf_counter(), dict(waited)
+    start, before, queued = time.perf_counter(), dict(waited), run_queue_seconds()
     loss = executor.step(batch)
     grads = executor.grads()
     # The loss is read once the norm has been (that waits for the device already).
@@ -344,6 +354,8 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     times["step"].append(time.perf_counter() - start)
+    if queued is not None:
+        times["core_wait"].append(run_queue_seconds() - queued)
     for kind in ("collective", "p2p"):
         times[kind].append(waited[kind] - before[kind])
     losses.append(loss.item())
@@ -403,7 +415,8 @@ def _gather(executor, losses: list, times: dict, evals: list, optimizer) -> RunR
     if executor.device.type == "cuda":  # what the allocator saw: weights, gradients and buffers too
         cuda_peak = torch.cuda.max_memory_allocated(executor.device)
     mine = RankRecord(rank=rank, step=tuple(times["step"]), collective=tuple(times["collective"]),
-                      p2p=tuple(times["p2p"]), peak_activations=recorder.peak_bytes, cuda_peak=cuda_peak,
+                      p2p=tuple(times["p2p"]), core_wait=tuple(times["core_wait"]),
+                      peak_activations=recorder.peak_bytes, cuda_peak=cuda_peak,
                       model_states=model_state_bytes(executor, optimizer),
                       optimizer_scratch=_storage_bytes(optimizer.scratch_tensors()),
                       device=str(executor.device), host=socket.gethostname(),
