@@ -104,9 +104,9 @@ def summarise(results: dict[str, list[dict]], say) -> None:
         waits = [max((statistics.median(r["core_wait_s"][1:] or r["core_wait_s"]) for r in d["ranks"]
                       if r.get("core_wait_s")), default=0.0) for d in runs]
         wait, step = statistics.median(waits), statistics.median(d["step_s"] for d in runs)
-        predicted = statistics.median(d["predicted"]["step_s"] for d in runs)
-        say(f"{name:<10} {1e3 * wait:>8.1f}ms {1e3 * (step - wait):>8.1f}ms {1e3 * predicted:>8.1f}ms "
-            f"{predicted / (step - wait):>18.3f}")
+        simulated = statistics.median(d["predicted"]["step_s"] for d in runs)
+        say(f"{name:<10} {1e3 * wait:>8.1f}ms {1e3 * (step - wait):>8.1f}ms {1e3 * simulated:>8.1f}ms "
+            f"{simulated / (step - wait):>18.3f}")
     say(f"SI ÷ no-SI: measured {measured['SI planned'] / measured['no SI']:.3f}, "
         f"simulated {predicted['SI planned'] / predicted['no SI']:.3f}")
     say(f"simulator: {results['SI planned'][0]['predicted']['note']}")
