@@ -98,6 +98,15 @@ def summarise(results: dict[str, list[dict]], say) -> None:
             f"{'met' if abs(ratio - 1) <= GOAL else 'not met'}")
     measured = {name: statistics.median(d["step_s"] for d in runs) for name, runs in results.items()}
     predicted = {name: statistics.median(d["predicted"]["step_s"] for d in runs) for name, runs in results.items()}
+    say(f"{'mode':<10} {'core wait':>10} {'run - wait':>10} {'simulated':>10} {'sim ÷ (run - wait)':>18}   "
+        "(core wait: the slowest-waiting rank's median seconds per step runnable but waiting for a CPU core)")
+    for name, runs in results.items():
+        waits = [max((statistics.median(r["core_wait_s"][1:] or r["core_wait_s"]) for r in d["ranks"]
+                      if r.get("core_wait_s")), default=0.0) for d in runs]
+        wait, step = statistics.median(waits), statistics.median(d["step_s"] for d in runs)
+        simulated = statistics.median(d["predicted"]["step_s"] for d in runs)
+        say(f"{name:<10} {1e3 * wait:>8.1f}ms {1e3 * (step - wait):>8.1f}ms {1e3 * simulated:>8.1f}ms "
+            f"{simulated / (step - wait):>18.3f}")
     say(f"SI ÷ no-SI: measured {measured['SI planned'] / measured['no SI']:.3f}, "
         f"simulated {predicted['SI planned'] / predicted['no SI']:.3f}")
     say(f"simulator: {results['SI planned'][0]['predicted']['note']}")

@@ -16,6 +16,7 @@ from dhelix.dsl.planner.costmodel import op_time
 from dhelix.dsl.planner.pairing import plan_program
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.simulator.events import simulate
+from dhelix.dsl.simulator.memory import largest_gathered
 
 HEADER = """
 import "stdlib/layers.dhx"
@@ -109,9 +110,12 @@ def test_a_gemm_chunked_along_outputs_gathers_and_scatters_each_block_of_columns
         assert (first.waits, bwd[f"fc1.c{i}.scatter_dw"].inputs) == ((f"fc1.c{i}.wgrad",), (first.name,))
     assert (fwd["fc1"].op, fwd["fc1"].inputs, fwd["act"].inputs) == ("concat", ("fc1.c0", "fc1.c1"), ("fc1",))
     assert "fc1.gather_w" not in fwd and "fc1.scatter_dw" not in bwd
-    # The same weights, gathered in smaller pieces: parameters and memory as without the chunks.
+    # The same weights, gathered in smaller pieces: the same model states, and less held while
+    # a layer runs (the largest gather is half of fc1's weight now).
     assert prog.forward.weight_elements() == whole.forward.weight_elements()
     assert simulate(prog).ranks[0].states == simulate(whole).ranks[0].states
+    assert largest_gathered(prog.forward) * 2 == largest_gathered(whole.forward)
+    assert simulate(prog).ranks[0].activations < simulate(whole).ranks[0].activations
 
 
 def test_a_piece_of_a_weight_chunked_along_outputs_holds_each_block_and_gathers_back():

@@ -214,8 +214,10 @@ def test_si_frees_a_layer_as_it_allocates_one():
     without = simulate(program, si=False, costs=costs)
     layer = layer_activations(program.forward, program.backward, "fp32", False).total
     per_chunk = len(program.placement.stages[0].layers) * layer
-    # Rank 1 holds 2p chunks of activations before its first SI block; inside it, one layer more.
-    assert with_si.ranks[1].activations == pytest.approx(2 * 2 * per_chunk + layer)
+    # Rank 1 holds 2p chunks of activations before its first SI block; inside it, each paired
+    # backward layer frees what its forward layer allocates (memory.interleaved): nothing more.
+    assert with_si.ranks[1].activations == pytest.approx(2 * 2 * per_chunk)
+    assert layer > 0
     assert without.ranks[1].activations == pytest.approx((2 * 2 + 1) * per_chunk)
 
 
@@ -330,12 +332,12 @@ def test_a_peak_over_the_device_memory_is_a_located_warning_or_with_strict_an_er
     path.write_text(replicated_text("llama39b_a40").replace('import "stdlib/', 'import "stdlib/'))
     assert main(["simulate", str(path)]) == 0
     err = capsys.readouterr().err
-    assert err.startswith(f"{path}:21:13: warning: pipeline rank 0 needs 59.69 GB at its "
+    assert err.startswith(f"{path}:21:13: warning: pipeline rank 0 needs 59.52 GB at its "
                           "predicted peak (as written), more than the 48 GB of one a40 device\n")
-    assert "pipeline rank 1 needs 51.29 GB" in err and "optimizer 35.00) and live activations 13.03 GB" in err
+    assert "pipeline rank 1 needs 50.28 GB" in err and "optimizer 35.00) and live activations 12.86 GB" in err
     assert main(["simulate", str(path), "--strict"]) == 1
     err = capsys.readouterr().err
-    assert "warning:" not in err and "21:13: pipeline rank 0 needs 59.69 GB" in err and err.endswith("2 errors\n")
+    assert "warning:" not in err and "21:13: pipeline rank 0 needs 59.52 GB" in err and err.endswith("2 errors\n")
     assert main(["simulate", str(path), "--zero1", "--strict"]) == 0  # ZeRO-1 fits
     assert capsys.readouterr().err == ""
     assert main(["simulate", "examples/llama39b_a40.dhx", "--strict"]) == 0  # as shipped: ZeRO-1

@@ -46,8 +46,8 @@ import attrs
 from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration, optimizer_time
 from dhelix.dsl.core.errors import CheckError, DhelixError
 from dhelix.dsl.passes.fsdp import is_fsdp, replicas_substituted
-from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, head_activations, layer_activations,
-                                         model_states, recomputed, selectively_recomputed)
+from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, gathered_bytes, head_activations, interleaved,
+                                         layer_activations, model_states, recomputed, selectively_recomputed)
 from dhelix.dsl.planner.blockorder import BlockScheduler
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
@@ -245,6 +245,8 @@ class _Expander:
             self.kept, self.rebuilt = selectively_recomputed(self.acts, program.forward, program.backward,
                                                              program.model.dtype, self.split)
         self.head = head_activations(program, self.split)
+        # ZeRO-3: a running layer's gathered weight (and, backward, its full gradient).
+        self.gathered = gathered_bytes(program.forward, program.model.dtype, is_fsdp(program))
         self.cache: dict[tuple, tuple[Piece, ...]] = {}
 
     def pieces(self, kind: str, fstage: int | None, bstage: int | None) -> tuple[Piece, ...]:
@@ -287,14 +289,25 @@ class _Expander:
 
     def _layer_b(self, index: int) -> Piece:
         layer, params = self.costs.layer, self.costs.params
+        held = 2 * self.gathered
         if self.split:
-            return Piece(layer.backward_input, alloc=self.rebuilt, free=self.acts.at_backward)
-        return Piece(layer.backward, alloc=self.rebuilt, free=self.acts.at_backward,
+            return Piece(layer.backward_input, alloc=self.rebuilt + held, free=self.acts.at_backward + held)
+        return Piece(layer.backward, alloc=self.rebuilt + held, free=self.acts.at_backward + held,
                      grads=(index, params.layer_dense, params.layer_expert))
+
+    def _layer_f(self, index: int, work: Work) -> Piece:
+        return Piece(work, alloc=self.kept.total + self.gathered, free=self.gathered, weights=index)
+
+    def _paired(self, b: Piece, alloc: float, work: Work, weights) -> Piece:
+        # A forward layer allocating ``alloc`` beside backward layer ``b`` (memory.interleaved),
+        # both strands' gathered weights and the backward's full gradient held meanwhile.
+        up, down = interleaved(alloc + self.rebuilt, b.free - 2 * self.gathered)
+        held = 3 * self.gathered
+        return attrs.evolve(b, work=work, alloc=up + held, free=down + held, weights=weights)
 
     def _forward(self, stage: int) -> list[Piece]:
         count = self._count(stage)
-        layers = [Piece(self.costs.layer.forward, alloc=self.kept.total, weights=i) for i in range(count)]
+        layers = [self._layer_f(i, self.costs.layer.forward) for i in range(count)]
         return self._embed_f(stage) + layers + self._head_f(stage)
 
     def _backward(self, stage: int) -> list[Piece]:
@@ -306,7 +319,7 @@ class _Expander:
         head = []
         if stage == len(self.stages) - 1:
             head = [Piece(self.costs.heads.head_weight, free=self.head.at_weight, grads=("head", params.head, 0))]
-        return head + [Piece(self.costs.layer.weight, free=self.acts.at_weight,
+        return head + [Piece(self.costs.layer.weight, alloc=self.gathered, free=self.acts.at_weight + self.gathered,
                              grads=(i, params.layer_dense, params.layer_expert)) for i in reversed(range(count))]
 
     def _interleaved(self, fstage: int, bstage: int) -> list[Piece]:
@@ -317,13 +330,9 @@ class _Expander:
             return self._forward(fstage) + self._backward(bstage)
         nf, nb = self._count(fstage), self._count(bstage)
         paired = min(nf, nb)
-        # A pair allocates its forward layer when it starts and frees its backward layer when
-        # it ends: the β forward grows as the α backward shrinks, one layer at a time.
-        body = []
-        for k in range(paired):
-            b = self._layer_b(nb - 1 - k)
-            body.append(attrs.evolve(b, work=pair, alloc=self.kept.total + self.rebuilt, weights=k))
-        body += [Piece(self.costs.layer.forward, alloc=self.kept.total, weights=k) for k in range(paired, nf)]
+        # In a pair the β forward grows as the α backward shrinks (memory.interleaved).
+        body = [self._paired(self._layer_b(nb - 1 - k), self.kept.total, pair, k) for k in range(paired)]
+        body += [self._layer_f(k, self.costs.layer.forward) for k in range(paired, nf)]
         body += [self._layer_b(i) for i in reversed(range(nb - paired))]
         return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)
                 + self._embed_b(bstage))
@@ -342,11 +351,10 @@ class _Expander:
         for k in range(steps):
             alloc = self.kept.total if k < nf else 0.0
             if k < nb:
-                b = self._layer_b(nb - 1 - k)
-                body.append(attrs.evolve(b, work=share + self.costs.layer.again, alloc=alloc + self.rebuilt,
-                                         weights=k if k < nf else None))
+                body.append(self._paired(self._layer_b(nb - 1 - k), alloc, share + self.costs.layer.again,
+                                         k if k < nf else None))
             else:
-                body.append(Piece(share, alloc=alloc, weights=k))
+                body.append(self._layer_f(k, share))
         return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)
                 + self._embed_b(bstage))
 
@@ -596,7 +604,6 @@ class _Run:
                     end, dp_comm = begin + seconds, dp_comm + seconds
         states = model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
                               expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
-                              fsdp_layer=costs.params.layer_dense if self.fsdp else 0,
                               fsdp_group=costs.shard_group.size if costs.shard_group else 0)
         exposed = min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)) + self.gather_exposed[rank]
         return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,

@@ -6,7 +6,8 @@ master copy plus the two fp32 moments (12 bytes per parameter; 8 for fp32 traini
 master copy is the weight). With ZeRO-1 (Megatron's distributed optimizer) the optimizer
 states are divided over the gradient-sync group: DP×CP for dense weights, DP×CP/EP for
 expert weights. With ZeRO-3 (FSDP) the layers' weights and gradients are divided over DP
-too, plus the layers gathered at a time (:func:`model_states`).
+too (:func:`model_states`); the weights gathered at a time live while a layer runs
+(:func:`gathered_bytes`).
 
 **Activations** are counted from the layer DAGs: each backward op's ``saved`` list names the
 forward tensors it reads; a layer keeps each named tensor once (its forward shape, the model
@@ -19,7 +20,8 @@ per-row statistics (norm variances, attention log-sum-exp) are left out.
 
 Time is layer-granular (the paper overlaps the strands "at the layer granularity"): a
 forward allocates a layer's activations when it starts that layer, a backward frees them
-when it finishes it. :class:`MemoryTimeline` records these steps per rank and finds the peak.
+when it finishes it; a forward layer paired with a backward layer in an SI block books only
+the difference (:func:`interleaved`). :class:`MemoryTimeline` records these steps per rank and finds the peak.
 """
 
 from __future__ import annotations
@@ -55,16 +57,15 @@ class ModelStates:
 
 
 def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_group: int,
-                 expert_group: int, fsdp_dense: float = 0.0, fsdp_layer: float = 0.0,
-                 fsdp_group: int = 0) -> ModelStates:
+                 expert_group: int, fsdp_dense: float = 0.0, fsdp_group: int = 0) -> ModelStates:
     """Model states of ``dense`` + ``expert`` parameters in ``dtype``; with ``zero1`` the
     optimizer states are sharded over the groups (sizes ``dense_group``, ``expert_group``).
 
     ZeRO-3: ``fsdp_dense`` of the dense parameters (the layers') keep their weights,
     gradients and optimizer states sharded over ``fsdp_group`` (0: ``dense_group``; hybrid
-    sharding's shard group), and ``fsdp_layer`` is one layer's dense parameters: the weights
-    gathered at once (one layer per strand: two) and the full gradient of one layer before
-    its reduce-scatter are added."""
+    sharding's shard group). The weights a ZeRO-3 gather brings in whole, and a full
+    gradient before its reduce-scatter, live only while a layer runs: the timeline counts
+    them (:func:`gathered_bytes`), not the states."""
     size = dtype_bytes(dtype)
     per_param = _OPTIMIZER_BYTES.get(dtype, _MIXED_OPTIMIZER_BYTES)
     shards = max(1, fsdp_group or dense_group)
@@ -74,7 +75,23 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
     else:
         optimizer = per_param * (dense + expert)
     held = dense + expert - fsdp_dense + fsdp_dense / shards
-    return ModelStates((held + 2 * fsdp_layer) * size, (held + fsdp_layer) * size, optimizer)
+    return ModelStates(held * size, held * size, optimizer)
+
+
+def largest_gathered(forward: LayerDag) -> int:
+    """Elements of the largest dense weight unit of a layer (a weight, or a column block of
+    one chunked along its outputs): what one ZeRO-3 gather brings in whole."""
+    units = {op.weight_unit: math.prod(op.weight) for op in forward.ops if op.weight and op.op != "grouped_gemm"}
+    return max(units.values(), default=0)
+
+
+def gathered_bytes(forward: LayerDag, dtype: str, fsdp: bool) -> float:
+    """ZeRO-3: the bytes one running layer holds besides its activations, per strand: the
+    largest gathered weight (the DAG gathers weight by weight and drops each after its last
+    reader); a backward also holds that weight's full gradient until its reduce-scatter.
+    A forward layer books this once, a backward layer twice, an SI pair three times, each
+    from its start to its end. 0 without ZeRO-3."""
+    return float(largest_gathered(forward) * dtype_bytes(dtype)) if fsdp else 0.0
 
 
 @attrs.frozen
@@ -129,6 +146,16 @@ def head_activations(program: Program, split: bool) -> Activations:
     if split:
         return Activations(softmax + norm_input, head_input)
     return Activations(softmax + norm_input + head_input)
+
+
+def interleaved(alloc: float, free: float) -> tuple[float, float]:
+    """What a forward layer allocating ``alloc`` bytes, paired in an SI block with a backward
+    layer freeing ``free``, books at the pair's start and frees at its end: the backward
+    frees each op's saved tensors as it passes them while the forward allocates its own
+    (the paper: "forward allocates activations while backward frees them"), so the pair
+    raises the live bytes only by what it allocates beyond what it frees; its net change is
+    ``alloc - free`` either way."""
+    return max(0.0, alloc - free), max(0.0, free - alloc)
 
 
 def recomputed(acts: Activations, forward: LayerDag, dtype: str) -> tuple[Activations, float]:

@@ -10,7 +10,9 @@ simulator's prediction of the same three for the same program, SI and ZeRO setti
 
 from __future__ import annotations
 
+import os
 import platform
+import socket
 from typing import TYPE_CHECKING
 
 import attrs
@@ -40,6 +42,13 @@ class RankRecord:
     p2p: tuple[float, ...]
     peak_activations: int
     cuda_peak: int | None = None
+    #: Per step, the seconds the rank's main thread was runnable but waiting for a CPU core
+    #: (empty where the kernel does not say).
+    core_wait: tuple[float, ...] = ()
+    #: Bytes of weights, gradients and optimizer moments and masters after the last step;
+    #: the optimizer's flat work buffers beside them.
+    model_states: int = 0
+    optimizer_scratch: int = 0
     events: tuple[TraceEvent, ...] = ()
     device: str = "cpu"
     host: str = ""
@@ -89,6 +98,10 @@ class Figures:
     step_time: float | None = None
     exposed_comm: float | None = None
     peak_activations: float | None = None
+    #: Per pipeline rank (the simulator's ranks, in order): the activation peak and the model
+    #: states' bytes; empty where not known.
+    rank_activations: tuple[float, ...] = ()
+    rank_states: tuple[float, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +121,8 @@ class RunSummary:
     note: str = ""
     devices: str = ""
     topology: str = ""
+    #: The pipeline rank (pp coordinate) of each of :attr:`ranks`.
+    pipeline_ranks: tuple[int, ...] = ()
 
 
 def describe_devices(ranks) -> str:
@@ -149,6 +164,8 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
     exposed = None if options.backend == "nccl" else max(steady(r.collective) for r in ranks)
     cuda = [r.cuda_peak for r in ranks if r.cuda_peak is not None]
     predicted, note = simulated(program, options)
+    shared = shared_cores(ranks, core_wait=max((steady(r.core_wait) for r in ranks if r.core_wait), default=None))
+    note = "; ".join(filter(None, [note, shared]))
     return RunSummary(
         path=options.path, pipeline=program.pipeline.name, mesh=describe_mesh(program.mesh),
         backend=options.backend, si=f"on ({options.plan} plan)" if options.si else "off",
@@ -158,7 +175,8 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
         measured=Figures(step_time=steady(per_step), exposed_comm=exposed,
                          peak_activations=max(r.peak_activations for r in ranks)),
         predicted=predicted, cuda_peak=max(cuda) if cuda else None, note=note, devices=describe_devices(ranks),
-        topology=result.topology)
+        topology=result.topology,
+        pipeline_ranks=tuple(program.mesh.position(r.rank, "pp") for r in ranks))
 
 
 def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
@@ -177,7 +195,27 @@ def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
         note += "; it prices SI blocks with the planner's plan, this run used " + options.plan
     return Figures(step_time=result.step_time,
                    exposed_comm=max(r.layer_exposed + r.dp_exposed for r in result.ranks),
-                   peak_activations=max(r.activations for r in result.ranks)), note
+                   peak_activations=max(r.activations for r in result.ranks),
+                   rank_activations=tuple(r.activations for r in result.ranks),
+                   rank_states=tuple(r.states.total for r in result.ranks)), note
+
+
+def shared_cores(ranks, cores: int | None = None, host: str | None = None, core_wait: float | None = None) -> str:
+    """Why a CPU run on more local ranks than this machine has cores is slower than the
+    prediction, plainly, or "" when it is not such a run; ``core_wait``: the seconds per step
+    the slowest-waiting rank was runnable but waiting for a core (median, None: not known).
+    ``cores`` and ``host`` default to this machine's."""
+    cores = cores or os.cpu_count() or 1
+    host = host if host is not None else socket.gethostname()
+    local = sum(1 for r in ranks if r.device == "cpu" and r.host in (host, ""))
+    if local <= cores:
+        return ""
+    load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    waited = "" if core_wait is None else f" (measured: a rank waited {1e3 * core_wait:.2f}ms per step for a core)"
+    return (f"{local} ranks share {cores} CPU cores here{load}: the profile times each op in bursts "
+            f"shorter than a scheduler slice (a core's speed), while in the run a rank waits for a core{waited} "
+            f"and each collective also for its peer to be scheduled; the simulator does not model that wait, "
+            f"so the step measured here is longer than the prediction")
 
 
 def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> dict:
@@ -193,9 +231,15 @@ def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> di
         "step_s": measured.step_time, "exposed_comm_s": measured.exposed_comm,
         "peak_activations_bytes": measured.peak_activations,
         "predicted": {"step_s": predicted.step_time, "exposed_comm_s": predicted.exposed_comm,
-                      "peak_activations_bytes": predicted.peak_activations, "note": summary.note},
-        "ranks": [{"rank": r.rank, "device": r.device, "host": r.host, "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p)}
-                  for r in result.ranks],
+                      "peak_activations_bytes": predicted.peak_activations, "note": summary.note,
+                      "pipeline_ranks": [{"pp": pp, "peak_activations_bytes": acts, "model_states_bytes": states}
+                                         for pp, (acts, states) in enumerate(zip(predicted.rank_activations,
+                                                                                 predicted.rank_states, strict=True))]},
+        "ranks": [{"rank": r.rank, "pp": summary.pipeline_ranks[i] if summary.pipeline_ranks else 0, "device": r.device, "host": r.host,
+                   "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p), "core_wait_s": list(r.core_wait),
+                   "peak_activations_bytes": r.peak_activations, "model_states_bytes": r.model_states,
+                   "optimizer_scratch_bytes": r.optimizer_scratch}
+                  for i, r in enumerate(result.ranks)],
     }
 
 

@@ -182,7 +182,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
         from .checkpoint import export_weights
 
         export_weights(options.export, executor, optimizer)
-    result = _gather(executor, losses, times, evals)
+    result = _gather(executor, losses, times, evals, optimizer)
     return None if result is None else attrs.evolve(result, skipped=skipped)
 
 
@@ -237,7 +237,7 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
     tqdm.set_lock(threading.RLock())
     rank = executor.comm.rank
     tokens = source.global_sequences * executor.program.model.get("seq")
-    losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": []}, [], []
+    losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": [], "core_wait": []}, [], []
     log = StepLog(options.log if rank == 0 else None, tokens, resumed=start if options.resume else None)
     bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
                file=sys.stderr)
@@ -275,6 +275,31 @@ def _peak_bytes(executor) -> int:
     return executor.recorder.peak_bytes
 
 
+def run_queue_seconds() -> float | None:
+    """Seconds this thread has been runnable but waiting for a CPU core (Linux's
+    ``/proc/thread-self/schedstat``, second field); None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def model_state_bytes(executor, optimizer) -> int:
+    """Bytes of the model states this rank holds after a step, each storage once: its
+    weights (ZeRO-3: its pieces), the gradients of the last step and the optimizer's moments
+    and fp32 masters (:meth:`~.optim.DistributedAdamW.state_tensors`)."""
+    return _storage_bytes([executor.params, executor.grads(), optimizer.state_tensors()])
+
+
+def _storage_bytes(values) -> int:
+    from dhelix.interpreter.execute.layer_exec import count_storages
+
+    seen: dict[int, int] = {}
+    count_storages(values, seen)
+    return sum(seen.values())
+
+
 def _evaluate(executor, source) -> float:
     """The loss of the held-out batch with the current weights (its gradients are dropped)."""
     from dhelix.interpreter.verify.harness import replica_batch
@@ -299,7 +324,7 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
 
     comm, waited = executor.comm, executor.recorder.waited
     batch = replica_batch(batch, comm.index("dp"), executor.program.train.microbatches)
-    start, before = time.perf_counter(), dict(waited)
+    start, before, queued = time.perf_counter(), dict(waited), run_queue_seconds()
     loss = executor.step(batch)
     grads = executor.grads()
     # The loss is read once the norm has been (that waits for the device already).
@@ -308,6 +333,8 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     times["step"].append(time.perf_counter() - start)
+    if queued is not None:
+        times["core_wait"].append(run_queue_seconds() - queued)
     for kind in ("collective", "p2p"):
         times[kind].append(waited[kind] - before[kind])
     losses.append(loss.item())
@@ -356,7 +383,7 @@ def _cuda_profile(options: RunOptions, device, rank: int):
     return profiled()
 
 
-def _gather(executor, losses: list, times: dict, evals: list) -> RunResult | None:
+def _gather(executor, losses: list, times: dict, evals: list, optimizer) -> RunResult | None:
     """Every rank's record gathered on global rank 0 as the run's result (None elsewhere)."""
     import torch
 
@@ -367,7 +394,10 @@ def _gather(executor, losses: list, times: dict, evals: list) -> RunResult | Non
     if executor.device.type == "cuda":  # what the allocator saw: weights, gradients and buffers too
         cuda_peak = torch.cuda.max_memory_allocated(executor.device)
     mine = RankRecord(rank=rank, step=tuple(times["step"]), collective=tuple(times["collective"]),
-                      p2p=tuple(times["p2p"]), peak_activations=recorder.peak_bytes, cuda_peak=cuda_peak,
+                      p2p=tuple(times["p2p"]), core_wait=tuple(times["core_wait"]),
+                      peak_activations=recorder.peak_bytes, cuda_peak=cuda_peak,
+                      model_states=model_state_bytes(executor, optimizer),
+                      optimizer_scratch=_storage_bytes(optimizer.scratch_tensors()),
                       device=str(executor.device), host=socket.gethostname(),
                       events=tuple(TraceEvent(rank, lane, name, start, duration)
                                    for name, lane, start, duration in recorder.events))
