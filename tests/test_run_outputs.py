@@ -310,7 +310,7 @@ def test_a_resume_with_another_seed_or_schedule_is_warned():
     from dhelix.cli.run import resume_differences
     from dhelix.interpreter.training.train import RunOptions
 
-    options = RunOptions(path="p.dhx", text="", steps=8, seed=2, lr=3e-3, warmup=2, resume="ck")
+    options = RunOptions(path="p.dhx", compiled=None, steps=8, seed=2, lr=3e-3, warmup=2, resume="ck")
     saved = {"seed": 1, "schedule": {**options.schedule(), "lr": 1e-3, "steps": 4}}
     first, second = resume_differences(saved, options)
     assert first.render() == ("warning: --resume ck: the run was saved with seed 1, this one has 2; the data order "
