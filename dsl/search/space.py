@@ -134,10 +134,6 @@ class Space:
             for fold, pipeline in self.schedules:
                 yield Choice(layout, fold, pipeline)
 
-    def size(self) -> int:
-        """The number of choices."""
-        return sum(1 for _ in self.layouts()) * len(self.schedules)
-
 
 def divisors(n: int) -> tuple[int, ...]:
     """The divisors of ``n`` in increasing order."""
