@@ -470,13 +470,13 @@ class DistributedAdamW:
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors the optimizer keeps between steps: this rank's AdamW moments and fp32
         masters (what the simulator's model states count as the optimizer's; the flat
-        gradient and denominator buffers are scratch, see :meth:`scratch_tensors`)."""
+        gradient buffers are scratch, see :meth:`scratch_tensors`)."""
         return [t for b in self.buckets for t in (b.exp_avg, b.exp_avg_sq, b.master) if t is not None]
 
     def scratch_tensors(self) -> list[torch.Tensor]:
-        """The optimizer's work buffers: the padded flat fp32 gradients, the AdamW
-        denominator and the flat fp32 parameters (made when needed)."""
-        return [t for b in self.buckets for t in (b.grads, b.denom, b.flat_params) if t is not None]
+        """The optimizer's work buffers: the padded flat fp32 gradients and the flat fp32
+        parameters (made when needed)."""
+        return [t for b in self.buckets for t in (b.grads, b.flat_params) if t is not None]
 
     def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """This rank's AdamW moments (exp_avg, exp_avg_sq) of each of its parameters, shaped
