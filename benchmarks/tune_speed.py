@@ -49,7 +49,8 @@ def run_case(name: str, path: Path) -> None:
     print(f"  {wall:.1f} s wall, {cpu:.1f} s CPU (load average {load:.1f} at the start); "
           f"{outcome.choices:,} choices in {outcome.layouts:,} layouts: {outcome.simulated:,} simulated "
           f"({outcome.fit:,} fit), {outcome.pruned:,} ruled out by a bound, {outcome.too_big:,} over "
-          f"{outcome.memory_gb:g} GB, {outcome.refused:,} refused by the checks; {outcome.plans} SI plans")
+          f"{outcome.memory_gb:g} GB, {outcome.refused:,} refused by the checks, "
+          f"{outcome.same:,} the same as another; {outcome.plans} SI plans")
     if outcome.top:
         best = outcome.top[0]
         print(f"  best: {best.choice.describe()}: {best.seconds * 1e3:,.3f} ms, MFU {best.sim.mfu:.1%}, "

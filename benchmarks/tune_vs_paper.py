@@ -39,7 +39,8 @@ def shipped_choice(program) -> Choice:
     """The Choice a checked program makes as written."""
     mesh, train = program.mesh, program.train
     return Choice(Layout(mesh.size("tp"), mesh.size("cp"), mesh.size("pp"), mesh.size("dp"), mesh.size("ep"),
-                         train.micro_batch, train.microbatches, train.zero, train.shard or 0, train.recompute),
+                         train.micro_batch, train.microbatches, train.zero, train.shard or 0, train.recompute,
+                         "written", train.param_gather),
                   program.fold.text, program.pipeline.name)
 
 

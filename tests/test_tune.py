@@ -45,13 +45,14 @@ def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
     rng = random.Random(seed)
     space = attrs.evolve(full, tp=_sub(rng, full.tp), pp=_sub(rng, full.pp), micro_batch=_sub(rng, full.micro_batch),
                          zero=_sub(rng, full.zero), recompute=_sub(rng, full.recompute),
-                         schedules=_sub(rng, full.schedules), cp=(1,))
+                         schedules=_sub(rng, full.schedules), cp=(1,), partition=_sub(rng, full.partition),
+                         param_gather=_sub(rng, full.param_gather))
     top = rng.choice((1, 3, 5))
     expected = exhaustive(pricer, space, top=top)
     found = search(pricer, space, top=top)
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert [p.seconds for p in found.top] == [p.seconds for p in expected]
-    assert found.fit + found.refused + found.pruned + found.too_big == found.choices
+    assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
 
 
 def test_the_bound_never_exceeds_a_priced_step(tiny):
@@ -145,3 +146,37 @@ def test_a_relaxed_simulation_bounds_the_step_and_has_its_memory(tiny):
         assert [r.memory for r in relaxed.ranks] == pytest.approx([r.memory for r in result.sim.ranks], rel=1e-12)
         checked += 1
     assert checked > 5
+
+
+def test_a_generated_partition_prints_checks_and_runs_exactly(tiny, tmp_path):
+    from dhelix.dsl.search.space import Choice, Layout
+    from dhelix.dsl.search.variant import relocate, variant_text
+
+    pricer, _ = tiny
+    choice = Choice(Layout(2, 1, 2, 1, 1, 2, 8, 0, 0, "none", "auto"), "u", "w_helix")
+    priced = pricer.price(choice)
+    assert isinstance(priced, Priced), priced
+    out = tmp_path / "auto.dhx"
+    text = read_source(str(TINY))
+    out.write_text(variant_text(relocate(pricer.variant(choice), str(TINY), str(out)), text, "generated"))
+    written = out.read_text()
+    assert "chunk ag2 + fc1 + act + fc2 + rs2 by auto" in written and "chunk ag1 + qkv by auto" in written
+    run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_generated_partitions_follow_the_layer(tiny):
+    from dhelix.dsl.core import syntax as s
+    from dhelix.dsl.search.partitions import generated_partition
+
+    pricer, _ = tiny
+    base = passes.rerun(check_program(pricer.modules), after="check", stop="shapes")
+    block = generated_partition(base)
+    chains = [st.ops for st in block.body if isinstance(st, s.Chunk)]
+    # Attention ends the first chain (tokens are ND for it); the MLP is one chain.
+    assert chains == [("ag1", "qkv"), ("prj", "rs1"), ("ag2", "fc1", "act", "fc2", "rs2")]
+    tp_to_sp = ROOT / "examples" / "tiny_llama_tp_to_sp_cpu.dhx"
+    modules = load_modules(read_source(str(tp_to_sp)), str(tp_to_sp))
+    megatron = passes.rerun(check_program(modules), after="check", stop="shapes")
+    assert [st.op for st in generated_partition(megatron).body if isinstance(st, s.Substitute)] == ["ar1", "ar2"]

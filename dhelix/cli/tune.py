@@ -155,7 +155,7 @@ def _json(outcome: Outcome, path: str, world: int, sequences: int) -> dict:
         "searched": {"choices": outcome.choices, "layouts": outcome.layouts, "simulated": outcome.simulated,
                      "fit": outcome.fit,
                      "pruned": outcome.pruned, "over_memory": outcome.too_big, "refused": outcome.refused,
-                     "plans": outcome.plans, "seconds": outcome.seconds},
+                     "same": outcome.same, "plans": outcome.plans, "seconds": outcome.seconds},
         "memory_gb": outcome.memory_gb,
         "top": [{"choice": p.choice.settings(), "differs": differences(p.choice, best), "parts_s": step_parts(p.sim),
                  **simulation_metrics(p.sim)} for p in outcome.top],

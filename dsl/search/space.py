@@ -2,8 +2,11 @@
 
 A :class:`Choice` is one assignment of the searched settings: the mesh (tp, cp, pp, dp and,
 for expert layers, ep), the micro-batch size and count at the program's global batch, the
-ZeRO stage (with hybrid sharding's shard group under ZeRO-3), the recomputation, the fold and
-the pipeline. Its :attr:`~Choice.layout` is everything but the schedule (fold and pipeline):
+ZeRO stage (with hybrid sharding's shard group under ZeRO-3), the recomputation, Centauri's
+partition (the file's own block, or the one :mod:`~dhelix.dsl.search.partitions` generates for
+the layout, its counts, substitutions and priority left to the planner), when ZeRO-1's
+all-gather runs (``param_gather``: after the optimizer or under the next forward), the fold
+and the pipeline. Its :attr:`~Choice.layout` is everything but the schedule (fold and pipeline):
 what fixes the layer DAGs, the model states and the work per micro-batch.
 
 :class:`Space` holds the domain of each setting, built from the checked program
@@ -24,13 +27,17 @@ import attrs
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.core.program import FOLD_KINDS, Program
 from dhelix.dsl.core.wording import did_you_mean
-from dhelix.dsl.frontend.config import RECOMPUTE, ZERO_STAGES
+from dhelix.dsl.frontend.config import PARAM_GATHER, RECOMPUTE, ZERO_STAGES
 
 #: The mesh axes a choice sets, in the order a mesh block lists them when the file does not.
 MESH_AXES = ("tp", "cp", "pp", "dp", "ep")
 #: What ``--keep`` can name: a mesh axis, ``mesh`` (all of them), a train setting, the fold
 #: or the pipeline.
-KEEPABLE = MESH_AXES + ("mesh", "micro_batch", "zero", "recompute", "shard", "fold", "pipeline")
+KEEPABLE = MESH_AXES + ("mesh", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather", "fold",
+                        "pipeline")
+#: The partitions a layout may take: the file's partition block (none when it has none), or
+#: the one generated for the layout (:func:`~dhelix.dsl.search.partitions.generated_partition`).
+PARTITIONS = ("written", "auto")
 #: Micro-batch sizes tried (those that divide the per-replica batch).
 MICRO_BATCHES = (1, 2, 4, 8)
 #: The largest context-parallel size tried: the ring attention DAG grows with cp, and
@@ -47,7 +54,8 @@ LOOP_CHUNKS = (2, 4)
 @attrs.frozen(order=True)
 class Layout:
     """Everything a choice sets but the schedule: mesh sizes, micro-batch size and count,
-    ZeRO stage, hybrid sharding's shard group (0: none) and recomputation."""
+    ZeRO stage, hybrid sharding's shard group (0: none), recomputation, the partition
+    (:data:`PARTITIONS`) and when ZeRO-1's all-gather runs (``step`` or ``forward``)."""
 
     tp: int
     cp: int
@@ -59,16 +67,21 @@ class Layout:
     zero: int
     shard: int
     recompute: str
+    partition: str = "written"
+    param_gather: str = "step"
 
     def mesh(self) -> dict[str, int]:
         """The mesh sizes by axis."""
         return {axis: getattr(self, axis) for axis in MESH_AXES}
 
     def describe(self) -> str:
-        """``tp8 pp2 dp4  b1 m16  zero1  recompute none`` (axes of size 1 left out)."""
+        """``tp8 pp2 dp4  b1 m16  zero1  recompute none`` (axes of size 1 left out), then
+        ``gather forward`` and ``partition auto`` where they are set."""
         axes = " ".join(f"{a}{n}" for a, n in self.mesh().items() if n > 1) or "1 rank"
         zero = f"zero{self.zero}" + (f" shard{self.shard}" if self.shard else "")
-        return f"{axes}  b{self.micro_batch} m{self.microbatches}  {zero}  recompute {self.recompute}"
+        zero += " gather forward" if self.param_gather == "forward" else ""
+        partition = "  partition auto" if self.partition == "auto" else ""
+        return f"{axes}  b{self.micro_batch} m{self.microbatches}  {zero}  recompute {self.recompute}{partition}"
 
 
 @attrs.frozen(order=True)
@@ -105,6 +118,8 @@ class Space:
     recompute: tuple[str, ...]
     schedules: tuple[tuple[str, str], ...]
     kept: dict = attrs.field(factory=dict, eq=False)
+    partition: tuple[str, ...] = ("written",)
+    param_gather: tuple[str, ...] = ("step",)
 
     def layouts(self) -> Iterator[Layout]:
         """Every layout of the space whose sizes multiply to the world and divide the batch."""
@@ -120,13 +135,19 @@ class Space:
                 for zero, recompute in itertools.product(self.zero, self.recompute):
                     if zero and dp == 1 and "zero" not in self.kept:
                         continue  # nothing to shard over: the same as zero = 0
-                    for shard in self._shards(zero, dp):
-                        yield Layout(tp, cp, pp, dp, ep, b, self.sequences // (dp * b), zero, shard, recompute)
+                    for shard, partition, gather in itertools.product(
+                            self._shards(zero, dp), self.partition, self._gathers(zero)):
+                        yield Layout(tp, cp, pp, dp, ep, b, self.sequences // (dp * b), zero, shard, recompute,
+                                     partition, gather)
 
     def _shards(self, zero: int, dp: int) -> tuple[int, ...]:
         if zero != 3:
             return (0,)
         return tuple(k for k in self.shard if k == 0 or (1 < k < dp and dp % k == 0))
+
+    def _gathers(self, zero: int) -> tuple[str, ...]:
+        # Only ZeRO-1 and ZeRO-2 have an all-gather of the updated weights to place.
+        return self.param_gather if zero in (1, 2) else (PARAM_GATHER[0],)
 
     def choices(self) -> Iterator[Choice]:
         """Every choice: each layout with each schedule."""
@@ -168,7 +189,8 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         micro_batch=domain("micro_batch", (b for b in MICRO_BATCHES if sequences % b == 0)),
         zero=domain("zero", ZERO_STAGES), shard=domain("shard", (0,) + divisors(world)[1:]),
         recompute=domain("recompute", RECOMPUTE),
-        schedules=_schedules(program, kept), kept=kept)
+        schedules=_schedules(program, kept), kept=kept,
+        partition=domain("partition", PARTITIONS), param_gather=domain("param_gather", PARAM_GATHER))
 
 
 def _kept(program: Program, keep: tuple[str, ...]) -> dict:
@@ -177,7 +199,8 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
     names = set(keep) | (set(MESH_AXES) if "mesh" in keep else set())
     written = {axis: mesh.size(axis) for axis in MESH_AXES}
     written.update(micro_batch=train.micro_batch, zero=train.zero, recompute=train.recompute,
-                   shard=train.shard or 0, fold=program.fold.text, pipeline=program.pipeline.name)
+                   shard=train.shard or 0, fold=program.fold.text, pipeline=program.pipeline.name,
+                   partition="written", param_gather=train.param_gather)
     return {name: written[name] for name in sorted(names - {"mesh"})}
 
 

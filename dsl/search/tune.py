@@ -21,14 +21,16 @@ from typing import Callable
 import attrs
 
 from dhelix.dsl.core import syntax as s
-from dhelix.dsl.core.errors import DhelixError, first_message
+from dhelix.dsl.core.errors import CheckError, DhelixError, first_message
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.passes import pipeline as passes
+from dhelix.dsl.planner.chunking import choose_all
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.search.bound import Bound, layout_bound
+from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
 from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.search.variant import apply_choice
 from dhelix.dsl.simulator.costs import StepCosts, Work, si_backward, step_costs
@@ -73,7 +75,8 @@ class Outcome:
     """What a search found: the best ``top`` choices that fit, fastest first, and counts of
     what it looked at: choices simulated, and each choice once among those that fit, were
     refused, ruled out by a bound or over the device memory (by its bound or simulated).
-    ``complete`` is False when the time budget ran out first (then ``bound`` is the least
+    ``same`` counts the choices that are others again (a generated partition with nothing
+    to partition). ``complete`` is False when the time budget ran out first (then ``bound`` is the least
     lower bound among the layouts not visited, None when some were not even bounded)."""
 
     top: tuple[Priced, ...]
@@ -90,6 +93,7 @@ class Outcome:
     plans: int = 0
     memory_gb: float | None = None
     reasons: tuple[tuple[str, int], ...] = ()
+    same: int = 0
 
 
 class PlanCache:
@@ -147,6 +151,9 @@ class Pricer:
         self._bounds: dict[Layout, Bound | str] = {}
         self._dags: dict[Layout, Program] = {}
         self._schedules: dict[tuple, tuple | DhelixError] = {}
+        self._partitions: dict[Layout, s.PartitionDef | None | DhelixError] = {}
+        self._layer_choices: dict[tuple, tuple[dict, tuple]] = {}
+        self._rechecked_dags: dict[tuple, Program] = {}
 
     def checked(self, choice: Choice, stop: str = "validate") -> Program:
         """The variant of ``choice`` through the passes up to ``stop`` (DhelixError if refused).
@@ -186,8 +193,66 @@ class Pricer:
         return self._dags[layout]
 
     def variant(self, choice: Choice, modules: list[s.Module] | None = None) -> list[s.Module]:
-        """The parsed files (``modules``, default the priced ones) with ``choice`` written in."""
-        return apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world)
+        """The parsed files (``modules``, default the priced ones) with ``choice`` written in
+        (its generated partition block too, when its partition is ``auto``)."""
+        partition = self.generated(choice) if choice.layout.partition == "auto" else None
+        return apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition)
+
+    def generated(self, choice: Choice) -> s.PartitionDef:
+        """The partition block generated for the layout of ``choice``
+        (:func:`~dhelix.dsl.search.partitions.generated_partition` of its layer before any
+        partition), once per layout's mesh, micro-batch and sharding; CheckError when none
+        applies (then the layout is the same as its twin without one)."""
+        layout = choice.layout
+        key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
+        if key not in self._partitions:
+            twin = attrs.evolve(choice, layout=attrs.evolve(layout, partition="written"))
+            try:
+                program = passes.rerun(check_program(self.variant(twin)), after="check", stop="shapes")
+                self._partitions[key] = generated_partition(program)
+            except DhelixError as exc:
+                self._partitions[key] = exc
+        found = self._partitions[key]
+        if isinstance(found, DhelixError):
+            raise found
+        if found is None:
+            raise CheckError(NOTHING_TO_PARTITION)
+        return found
+
+    def chosen(self, program: Program, layout: Layout) -> Program:
+        """``program`` (a choice of ``layout``, checked) with the choices the tools make
+        before pricing (:func:`~dhelix.dsl.simulator.launch.make_choices`). The planner's
+        layer-level choices depend on the layer alone: made once per layer DAGs, partition
+        block and mesh, whatever the schedule; the counts settled by the step are not."""
+        def rerun(p: Program) -> Program:
+            return self._rechecked(p, layout)
+
+        def layer(p: Program) -> tuple[Program, tuple]:
+            key = (p.forward, p.backward, p.partition, p.mesh)
+            if key not in self._layer_choices:
+                made, choices = choose_all(p)
+                self._layer_choices[key] = ({name: getattr(made, name) for name in _LAYER_CHOICES}, choices)
+            fields, choices = self._layer_choices[key]
+            return rerun(attrs.evolve(p, **fields)), choices
+
+        return make_choices(program, self.step_seconds, rerun, layer)[0]
+
+    def _rechecked(self, program: Program, layout: Layout) -> Program:
+        """``program`` (checked, its planner choices set) through the passes after check
+        again: the layer DAGs once per layout and choices, the schedule from the cache."""
+        key = (layout, program.substituted, program.chunk_counts, program.group_orders, program.backward_first)
+        if key not in self._rechecked_dags:
+            self._rechecked_dags[key] = self.plans.intern(passes.rerun(program, after="check", stop="autodiff"))
+        dags = self._rechecked_dags[key]
+        program = passes.strands(attrs.evolve(program, env=dags.env, forward=dags.forward, backward=dags.backward))
+        placement, lowered = self.lowered(program)
+        return attrs.evolve(program, placement=placement, lowered=lowered)
+
+    def step_seconds(self, program: Program) -> float:
+        """The simulated step of a checked ``program``, its SI plan from the cache."""
+        program = self.plans.intern(program)
+        plan = self.plans.plan(program) if has_si(program) else None
+        return simulate(program, plan, cost=self.cost, trace=False).step_time
 
     def bound(self, layout: Layout, schedule: tuple[str, str]) -> Bound | str:
         """The lower bounds of ``layout`` (checked with the schedule ``schedule`` up to the
@@ -209,16 +274,23 @@ class Pricer:
         (seconds), when even that step exceeds the cutoff the choice is Pruned."""
         try:
             program = self.checked(choice)
-            if program.partition is not None or program.train.launch is not None \
-                    or program.train.launch_backward is not None:
-                program = self.plans.intern(make_choices(program)[0])
-            plan = None
+            launch = program.train.launch is not None or program.train.launch_backward is not None
+            if program.partition is not None or launch:
+                if cutoff is not None and not launch and has_si(program):
+                    # Chains whole, substitutions undone: no lane has less work (see
+                    # dsl.search.partitions), so this bounds the step of any choice the
+                    # planner makes, before it makes them.
+                    relaxed = simulate(program, costs=relaxed_costs(program, self.cost), trace=False)
+                    if relaxed.step_time > cutoff:
+                        return Pruned(choice, relaxed.step_time)
+                program = self.chosen(program, choice.layout)
             if has_si(program) and not self.plans.has(program):
                 relaxed = simulate(program, costs=relaxed_costs(program, self.cost), label=choice.describe(), trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
                 if cutoff is not None and relaxed.step_time > cutoff:
                     return Pruned(choice, relaxed.step_time)
+            plan = None
             if has_si(program):
                 plan = self.plans.plan(program)
             sim = simulate(program, plan, cost=self.cost, label=choice.describe(), trace=False)
@@ -228,6 +300,10 @@ class Pricer:
 
     def _fits(self, sim: Simulation) -> bool:
         return self.memory_gb is None or max(r.memory for r in sim.ranks) <= self.memory_gb * GB
+
+
+#: The Program fields the planner's layer-level choices set (chunking.choose_all).
+_LAYER_CHOICES = ("substituted", "chunk_counts", "group_orders", "backward_first")
 
 
 def relaxed_costs(program: Program, cost: PairCost) -> StepCosts:
@@ -249,6 +325,7 @@ class _Tally:
     refused: int = 0
     pruned: int = 0
     too_big: int = 0
+    same: int = 0
     unbounded: int = 0
     reasons: dict = attrs.field(factory=dict)
 
@@ -271,7 +348,7 @@ def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None =
     return Outcome(tuple(best), tally.simulated, tally.fit, tally.refused, tally.pruned, tally.too_big,
                    len(layouts), len(layouts) * len(space.schedules), time.perf_counter() - start,
                    left is None and not tally.unbounded, left, len(pricer.plans), pricer.memory_gb,
-                   tuple(sorted(tally.reasons.items(), key=lambda kv: (-kv[1], kv[0]))))
+                   tuple(sorted(tally.reasons.items(), key=lambda kv: (-kv[1], kv[0]))), tally.same)
 
 
 def _bounded(pricer: Pricer, space: Space, layouts: list[Layout], tally: _Tally, deadline: float | None,
@@ -285,7 +362,9 @@ def _bounded(pricer: Pricer, space: Space, layouts: list[Layout], tally: _Tally,
             tally.unbounded = len(layouts) - index
             break
         bound = pricer.bound(layout, schedule)
-        if isinstance(bound, str):
+        if bound == NOTHING_TO_PARTITION:
+            tally.same += len(space.schedules)
+        elif isinstance(bound, str):
             tally.refuse(bound, len(space.schedules))
         elif pricer.memory_gb is not None and bound.memory > pricer.memory_gb * GB:
             tally.too_big += len(space.schedules)

@@ -23,8 +23,8 @@ from dhelix.dsl.frontend.pipelinecheck import reads_name
 from dhelix.dsl.search.space import MESH_AXES, Choice
 
 #: The train settings a choice writes (the others stay as written).
-_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "shard")
-_DEFAULTS = {"zero": 0, "recompute": "none", "shard": 0}
+_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "shard", "param_gather")
+_DEFAULTS = {"zero": 0, "recompute": "none", "shard": 0, "param_gather": "step"}
 
 
 def require_main_blocks(modules: list[s.Module], path: str) -> None:
@@ -41,13 +41,16 @@ def require_main_blocks(modules: list[s.Module], path: str) -> None:
 
 
 def apply_choice(modules: list[s.Module], choice: Choice, pipelines: dict[str, s.PipelineDef],
-                 gpus_per_node: int, world: int) -> list[s.Module]:
+                 gpus_per_node: int, world: int, partition: s.PartitionDef | None = None) -> list[s.Module]:
     """``modules`` with the main file's mesh, train, fold and pipeline statements set to
     ``choice`` (a fold statement added when the file has none; ``launch`` and
-    ``launch_backward`` dropped from the train block when the pipeline does not read them) and the cluster's nodes set to hold
-    ``world`` GPUs of ``gpus_per_node``."""
+    ``launch_backward`` dropped from the train block when the pipeline does not read them),
+    the cluster's nodes set to hold ``world`` GPUs of ``gpus_per_node``, and, when the
+    choice's partition is ``auto``, ``partition`` in place of the main file's partition block
+    (at the end when it has none)."""
     main = modules[-1]
     items, has_fold = [], False
+    generated = choice.layout.partition == "auto"
     reads = {name for name in ("g", "gb") if reads_name(pipelines[choice.pipeline], name)}
     for item in main.items:
         if isinstance(item, s.ConfigBlock) and item.kind == "mesh":
@@ -63,7 +66,11 @@ def apply_choice(modules: list[s.Module], choice: Choice, pipelines: dict[str, s
             if not has_fold:
                 items.append(_fold(choice.fold, None))
                 has_fold = True
+        elif isinstance(item, s.PartitionDef) and generated:
+            continue
         items.append(item)
+    if generated and partition is not None:
+        items.append(partition)
     return modules[:-1] + [attrs.evolve(main, items=tuple(items))]
 
 

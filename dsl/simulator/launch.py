@@ -19,6 +19,8 @@ every ``g`` fits.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 
 from dhelix.dsl.core.errors import DhelixError, first_message
@@ -73,13 +75,17 @@ def priced_program(text: str, path: str, profile: str | None = None, gpus_per_no
     return make_choices(checked_program(text, path, profile, gpus_per_node))
 
 
-def make_choices(program: Program) -> tuple[Program, tuple[ChunkChoice | OrderChoice | LaunchChoice, ...]]:
+def make_choices(program: Program, step: Callable[[Program], float] | None = None,
+                 rerun: Callable[[Program], Program] | None = None, layer: Callable | None = None
+                 ) -> tuple[Program, tuple[ChunkChoice | OrderChoice | LaunchChoice, ...]]:
     """``program`` (checked, any stage from check on) with every choice the tools make before
-    they price or run it, in order: the planner's (:func:`~dhelix.dsl.planner.chunking.choose_all`),
-    the ``by auto`` counts settled by the whole step (:func:`choose_counts_by_step`), the
-    launch counts (:func:`choose_launch`, forward then backward); and the choices."""
-    program, choices = choose_all(program)
-    program, choices = choose_counts_by_step(program, choices)
+    they price or run it, in order: the planner's (``layer``, default
+    :func:`~dhelix.dsl.planner.chunking.choose_all`), the ``by auto`` counts settled by the
+    whole step (:func:`choose_counts_by_step`, with ``step`` and ``rerun``), the launch counts
+    (:func:`choose_launch`, forward then backward); and the choices. A search passes hooks
+    that reuse what it has computed for other choices."""
+    program, choices = (layer or choose_all)(program)
+    program, choices = choose_counts_by_step(program, choices, step, rerun)
     program, launch = choose_launch(program)
     program, backward = choose_launch(program, BACKWARD)
     return program, choices + launch + backward
@@ -89,12 +95,18 @@ def make_choices(program: Program) -> tuple[Program, tuple[ChunkChoice | OrderCh
 STEP_CANDIDATES = 3
 
 
-def choose_counts_by_step(program: Program, choices: tuple) -> tuple[Program, tuple]:
+def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Program], float] | None = None,
+                          rerun: Callable[[Program], Program] | None = None) -> tuple[Program, tuple]:
     """``program`` with each ``by auto`` count chosen among the :data:`STEP_CANDIDATES` that
     price the layer best, by simulating the whole step with each (a count that wins the layer
     can lose the step: SI pairs the chunks with the other strand, the pipeline carries them),
     one statement after the other; ties to the layer's choice. ``choices`` are those of
-    :func:`~dhelix.dsl.planner.chunking.choose_all`; returned with the chunk choices updated."""
+    :func:`~dhelix.dsl.planner.chunking.choose_all`; returned with the chunk choices updated.
+    ``rerun(program)`` runs the passes after check again with the counts set (default
+    :func:`~dhelix.dsl.passes.pipeline.rerun`), ``step(program)`` gives the step seconds of
+    what it returns (default: :func:`simulate` it)."""
+    step = step or (lambda p: simulate(p, trace=False).step_time)
+    rerun = rerun or (lambda p: passes.rerun(p, after="check"))
     if program.profile is None or not any(isinstance(c, ChunkChoice) for c in choices):
         return program, choices
     autos = [index for index, st in enumerate(chunk_statements(program.partition)) if is_auto(st)]
@@ -111,13 +123,13 @@ def choose_counts_by_step(program: Program, choices: tuple) -> tuple[Program, tu
         for value in values:
             tried = attrs.evolve(program, chunk_counts=tuple(sorted({**counts, index: value}.items())))
             try:
-                steps.append((value, simulate(passes.rerun(tried, after="check"), trace=False).step_time))
+                steps.append((value, step(rerun(tried))))
             except DhelixError:
                 continue
         best = min(steps, key=lambda vt: vt[1])[0] if steps else choice.chosen
         counts[index] = best
         updated.append(attrs.evolve(choice, chosen=best, steps=tuple(steps)))
-    chosen = passes.rerun(attrs.evolve(program, chunk_counts=tuple(sorted(counts.items()))), after="check")
+    chosen = rerun(attrs.evolve(program, chunk_counts=tuple(sorted(counts.items()))))
     return chosen, tuple(updated)
 
 
