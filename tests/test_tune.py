@@ -153,7 +153,7 @@ def test_a_generated_partition_prints_checks_and_runs_exactly(tiny, tmp_path):
     from dhelix.dsl.search.variant import relocate, variant_text
 
     pricer, _ = tiny
-    choice = Choice(Layout(2, 1, 2, 1, 1, 2, 8, 0, 0, "none", "auto"), "u", "w_helix")
+    choice = Choice(Layout(2, 1, 2, 1, 1, 2, 8, 0, 0, "none", "auto"), "none", "one_f_one_b")
     priced = pricer.price(choice)
     assert isinstance(priced, Priced), priced
     out = tmp_path / "auto.dhx"
@@ -161,6 +161,9 @@ def test_a_generated_partition_prints_checks_and_runs_exactly(tiny, tmp_path):
     out.write_text(variant_text(relocate(pricer.variant(choice), str(TINY), str(out)), text, "generated"))
     written = out.read_text()
     assert "chunk ag2 + fc1 + act + fc2 + rs2 by auto" in written and "chunk ag1 + qkv by auto" in written
+    # With SI blocks the chains are left out, and on one node nothing else applies.
+    si = pricer.price(attrs.evolve(choice, fold="u", pipeline="w_helix"))
+    assert not isinstance(si, Priced) and "nothing to partition" in si.why
     run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

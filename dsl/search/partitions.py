@@ -23,6 +23,12 @@ Pruned as the paper prunes (and what keeps the search's bounds valid):
   written as ``first``, so the layout's layer DAGs — and its bounds — are those it runs);
   under ZeRO-3, ``group weights`` when the data-parallel groups span nodes.
 
+With a pipeline that writes SI blocks the chains are left out (:func:`for_schedule`): SI
+already hides a strand's collectives behind the other strand's compute, and the pairing
+search over two chunked layers (three chains of up to 8 chunks each) is beyond what a search
+can afford per candidate (a Llama-70B-shaped pair did not plan in 10 minutes on 2 cores); the
+language still takes both together when written by hand.
+
 Chunks, substitutions and the priority never lessen a lane's work (chunk GEMMs read their
 weight once per chunk, collectives pay their latency per chunk, a substituted all_reduce
 moves the same bytes), so the layout's bounds, computed with every chain whole, stay lower
@@ -98,3 +104,19 @@ def _chain(fwd: LayerDag, op: Op, env, claimed: dict, substituted: list[str]) ->
             return statement
         names.pop()
     return None
+
+
+def for_schedule(block: s.PartitionDef | None, si: bool) -> s.PartitionDef | None:
+    """``block`` for a pipeline with SI blocks (``si``: its chunk statements left out) or
+    without (as it is); None when nothing is left."""
+    if block is None or not si:
+        return block
+    body = tuple(st for st in block.body if not isinstance(st, s.Chunk))
+    return s.PartitionDef(body) if body else None
+
+
+def writes_si(pipeline: s.PipelineDef) -> bool:
+    """Whether ``pipeline`` writes an SI block (anywhere, repeats included)."""
+    def any_si(body) -> bool:
+        return any(isinstance(st, s.SIBlock) or (isinstance(st, s.Repeat) and any_si(st.body)) for st in body)
+    return any_si(pipeline.body)

@@ -30,7 +30,7 @@ from dhelix.dsl.planner.chunking import choose_all
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.search.bound import Bound, layout_bound
-from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
+from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, for_schedule, generated_partition, writes_si
 from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.search.variant import apply_choice
 from dhelix.dsl.simulator.costs import StepCosts, Work, si_backward, step_costs
@@ -201,8 +201,9 @@ class Pricer:
     def generated(self, choice: Choice) -> s.PartitionDef:
         """The partition block generated for the layout of ``choice``
         (:func:`~dhelix.dsl.search.partitions.generated_partition` of its layer before any
-        partition), once per layout's mesh, micro-batch and sharding; CheckError when none
-        applies (then the layout is the same as its twin without one)."""
+        partition), once per layout's mesh, micro-batch and sharding, without its chunk
+        chains when the choice's pipeline writes SI blocks (:func:`for_schedule`); CheckError
+        when nothing applies (then the choice is the same as its twin without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
         if key not in self._partitions:
@@ -215,6 +216,7 @@ class Pricer:
         found = self._partitions[key]
         if isinstance(found, DhelixError):
             raise found
+        found = for_schedule(found, writes_si(self.pipelines[choice.pipeline]))
         if found is None:
             raise CheckError(NOTHING_TO_PARTITION)
         return found
@@ -399,7 +401,9 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
                 tally.too_big += 1
                 continue
             result = pricer.price(choice, cutoff)
-            if isinstance(result, Refused):
+            if isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
+                tally.same += 1
+            elif isinstance(result, Refused):
                 tally.refuse(result.why)
             elif isinstance(result, Pruned):
                 tally.pruned += 1
