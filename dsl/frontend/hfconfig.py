@@ -3,10 +3,11 @@
 :func:`read_hf_config` reads a Llama, Mistral or Qwen2 configuration into :class:`HFModel`,
 the model settings of the stdlib layer ``llama_rope`` (RMSNorm with epsilon ``1 /
 norm_inv_eps``, grouped-query attention with rotary embeddings of base ``rope_theta``, a
-SwiGLU MLP, an untied LM head), or of ``llama3_rope`` (the same with Llama 3's RoPE scaling)
+SwiGLU MLP, an LM head of its own or, with ``tie_word_embeddings``, the embedding's transpose:
+``tie_embeddings = 1``), or of ``llama3_rope`` (the same with Llama 3's RoPE scaling)
 for a ``rope_type`` "llama3" configuration. Whatever the layers cannot compute is an error
 located at the configuration's field (``config.json:12:3``) naming it: q/k/v or MLP biases
-(Qwen2), tied embeddings, other RoPE scaling, a sliding window shorter than the sequence, another activation, a
+(Qwen2), other RoPE scaling, a sliding window shorter than the sequence, another activation, a
 ``head_dim`` other than ``hidden / heads``. Every problem is collected and raised at once.
 
 :func:`hf_config_of` is the inverse for ``dhelix export --hf``: the ``LlamaConfig`` fields of
@@ -23,6 +24,7 @@ import attrs
 
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.span import Source, Span
+from dhelix.dsl.frontend.modelcheck import TIE_SETTING
 
 #: The ``model_type`` values read, each computed by ``llama_rope`` with the same weights.
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -87,8 +89,9 @@ def read_hf_config(text: str, path: str, seq: int | None = None) -> HFModel:
     seq = seq or min(max_seq or 4096, 4096)
     reader.refuse_unsupported(model_type, seq, settings)
     scaling = reader.rope_scaling()
-    settings += [("seq", seq), ("rope_theta", reader.rope_theta()), *scaling, ("norm_inv_eps", reader.inv_eps()),
-                 ("dtype", reader.dtype())]
+    settings += [("seq", seq), ("rope_theta", reader.rope_theta()), *scaling, ("norm_inv_eps", reader.inv_eps())]
+    settings += [(TIE_SETTING, 1)] if reader.value("tie_word_embeddings") is True else []
+    settings += [("dtype", reader.dtype())]
     errors.raise_if_any()
     return HFModel(tuple(settings), model_type, max_seq or seq, LLAMA3_LAYER if scaling else LAYER)
 
@@ -155,10 +158,9 @@ class _Reader:
             if self.value(key):
                 self.fail(key, f"{key} = true: the layer library's gemm has no bias",
                           f"layer {LAYER} reads unbiased projections, as Llama's")
-        if self.value("tie_word_embeddings"):
-            self.fail("tie_word_embeddings", "tie_word_embeddings = true: dhelix trains the LM head as its own "
-                      "weight, not the embedding's transpose", "untie the checkpoint (lm_head = a copy of "
-                      "embed_tokens, tie_word_embeddings = false) to train it untied")
+        if not isinstance(self.value("tie_word_embeddings"), bool):
+            self.fail("tie_word_embeddings", f"tie_word_embeddings = {json.dumps(self.value('tie_word_embeddings'))}: "
+                      "true or false was expected")
         if self.value("hidden_act") != "silu":
             self.fail("hidden_act", f"hidden_act {json.dumps(self.value('hidden_act'))}: the layer's MLP is "
                       "SwiGLU (silu)")
@@ -243,7 +245,7 @@ def hf_config_of(model, norm_inv_eps: int | None, rope_theta: int | None, scalin
         "head_dim": get("hidden") // get("heads"), "max_position_embeddings": get("seq"),
         "rms_norm_eps": 1 / (norm_inv_eps or 100000), "rope_theta": float(rope_theta or 10000),
         "rope_scaling": rope_scaling, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "torch_dtype": dtypes.get(model.dtype, "float32"),
+        "tie_word_embeddings": get(TIE_SETTING) == 1, "torch_dtype": dtypes.get(model.dtype, "float32"),
     }
 
 

@@ -135,3 +135,30 @@ def _divisors(n: int) -> list[int]:
 def _listing(values: list[int]) -> str:
     words = [str(v) for v in values[:8]] + (["…"] if len(values) > 8 else [])
     return join_words(words, "or")
+
+
+#: The model setting that ties the LM head to the embedding (1: tied; absent: untied).
+TIE_SETTING = "tie_embeddings"
+
+
+def tie_error(model, model_block, mesh, fold) -> CheckError | None:
+    """An error at ``tie_embeddings`` when it is not 1, or when the embedding and the LM head
+    would sit on different pipeline ranks (pp > 1 without fold u, whose rank 0 holds the first
+    and the last layers); None otherwise."""
+    value = model.get(TIE_SETTING)
+    if value is None:
+        return None
+    span = model_block.span(TIE_SETTING)
+    if value != 1:
+        return CheckError(f"{TIE_SETTING} = {value}: write {TIE_SETTING} = 1 for an LM head tied to the embedding",
+                          span, ["leave it out for an LM head of its own"])
+    pp = mesh.size("pp")
+    if pp > 1 and fold.kind != "u":
+        return CheckError(f"{TIE_SETTING} = 1 with pp = {pp} and fold {fold.text}: the embedding (first stage, "
+                          f"pipeline rank 0) and the LM head (last stage, rank {pp - 1}) would be on different "
+                          "ranks", span,
+                          ["a tied LM head runs where the embedding is: use fold u (rank 0 holds the first and "
+                           "the last layers) or pp = 1",
+                           "summing the two copies' gradients across pipeline ranks (Megatron's embedding group) "
+                           "is not implemented"])
+    return None

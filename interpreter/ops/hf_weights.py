@@ -12,7 +12,8 @@ to one. dhelix's matrices are ``[in, out]`` (``x @ W``), Hugging Face's ``[out, 
 
 The rest map alone: ``ln1``/``ln2`` the input and post-attention norms, ``prj`` = ``o_proj.T``,
 ``fc2`` = ``down_proj.T``, ``embedding`` = ``embed_tokens``, ``final_norm`` = ``model.norm``,
-``lm_head`` = ``lm_head.weight.T``.
+``lm_head`` = ``lm_head.weight.T`` (with tied embeddings ``embed_tokens.T``, and not written
+out: ``tie_word_embeddings`` says so).
 
 :class:`HFWeights` reads a (sharded) checkpoint folder for ``dhelix run --init``: each rank
 reads only the rows or columns of its own shard (``safe_open(...).get_slice``), whichever
@@ -83,7 +84,9 @@ def hf_parts(plan, name: str) -> list[tuple[str, tuple[int, ...], bool]]:
     d = hidden // get("heads")
     if name in MODEL_PARTS:
         shape = (hidden,) if name == FINAL_NORM else (vocab, hidden)
-        return [(MODEL_PARTS[name], shape, name == LM_HEAD)]
+        # A tied LM head is the embedding's transpose: the checkpoint holds embed_tokens only.
+        tensor = MODEL_PARTS[EMBEDDING if name == LM_HEAD and plan.tied else name]
+        return [(tensor, shape, name == LM_HEAD)]
     _, layer, op = name.split(".", 2)
     prefix = f"model.layers.{layer}."
     rows = {"self_attn.q_proj.weight": get("heads") * d, "self_attn.k_proj.weight": get("kv_heads") * d,
@@ -201,6 +204,8 @@ def hf_state(plan, full: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[st
     """Hugging Face's state dict (in ``dtype``) of dhelix's full parameters ``full``."""
     state = {}
     for name in plan.names():
+        if plan.tied and name == LM_HEAD:  # the copy of the embedding: written once, as embed_tokens
+            continue
         offset, parts = 0, hf_parts(plan, name)
         for tensor, shape, transposed in parts:
             if len(parts) == 1:

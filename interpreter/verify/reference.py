@@ -22,7 +22,7 @@ from dhelix.dsl.core.oplib import ROPE_SCALING
 from dhelix.dsl.core.program import LayerDag, Program
 
 from dhelix.interpreter.ops.kernels import norm_eps
-from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name
+from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, tie_grads
 
 
 @attrs.frozen
@@ -166,6 +166,15 @@ class ReferenceModel(torch.nn.Module):
             self.register_parameter(name.replace(".", "__"), param)
             self.params[name] = param
 
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient after a backward, keyed by parameter name; a tied LM
+        head's summed with the embedding's into both (:func:`~.weights.tie_grads`), as the
+        interpreter keeps them."""
+        grads = {name: p.grad for name, p in self.params.items()}
+        if self.plan.tied:
+            tie_grads(grads)
+        return grads
+
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer ``layer``'s parameters keyed by op name."""
         return {op: self.params[param_name(layer, op)] for op in self.plan.layer_specs}
@@ -211,4 +220,4 @@ def reference_step(program: Program, batch: Batch, seed: int = 0,
     model = ReferenceModel(program, seed, dtype)
     loss = model(batch)
     loss.backward()
-    return loss.detach(), {name: p.grad for name, p in model.params.items()}
+    return loss.detach(), model.grads()
