@@ -123,7 +123,7 @@ def test_one_source_is_read_as_before_with_or_without_a_weight(tmp_path):
 ])
 def test_bad_weights_are_usage_errors_naming_the_item(items, message, tmp_path, capsys):
     with pytest.raises(UsageError) as caught:
-        parse_items(items)
+        parse_items(items, "--data")
     assert caught.value.message == message
     # argparse reads an item starting with "-" as an option: "--data=-0.3:a" passes it.
     argv = [f"--data={items[0]}"] if items[0].startswith("-") else ["--data", *items]
@@ -132,8 +132,8 @@ def test_bad_weights_are_usage_errors_naming_the_item(items, message, tmp_path, 
 
 
 def test_a_path_that_does_not_start_like_a_number_keeps_its_colon():
-    assert [item.path for item in parse_items(["data:v2/", "./0.5:x"])] == ["data:v2/", "./0.5:x"]
-    assert [item.weight for item in parse_items(["3:a", ".5:b"])] == [3.0, 0.5]
+    assert [item.path for item in parse_items(["data:v2/", "./0.5:x"], "--data")] == ["data:v2/", "./0.5:x"]
+    assert [item.weight for item in parse_items(["3:a", ".5:b"], "--data")] == [3.0, 0.5]
 
 
 def _resume_point(saves: Path, step: int, to: Path, move: int = 0) -> str:

@@ -251,3 +251,48 @@ def test_tied_embeddings_match_the_reference_under_zero1_and_clipping(tmp_path):
     path = new_program(tmp_path, tmp_path / "m.dhx", "--gpus", "4", "--tp", "2", "--microbatches", "2")
     done = run(path, "--zero1", "--clip", "0.05", "--steps", "2", "--check")
     assert done.stdout.count("max update diff") == 2
+
+
+def test_qwen2_q_k_v_biases_train_as_transformers_does_and_go_back_out(tmp_path):
+    """Qwen2's q/k/v biases (layer qwen2_rope: the qkv weight's last row, split over tp with
+    its columns): under tp 2 x pp 2 the first two steps' losses are those of transformers'
+    Qwen2ForCausalLM trained by torch.optim.AdamW (so the bias gradients are), and the export
+    loads back as Qwen2ForCausalLM with the checkpoint's logits."""
+    torch.manual_seed(5)
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
+                                      max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+    theirs = transformers.Qwen2ForCausalLM(config).float()
+    with torch.no_grad():  # biases away from their zero initialisation
+        for name, param in theirs.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_()
+    theirs.save_pretrained(tmp_path / "in")
+    path = new_program(tmp_path / "in", tmp_path / "m.dhx", "--gpus", "4", "--pp", "2", "--microbatches", "2")
+    program = api.load_program(path)
+    assert program.model.layer == "qwen2_rope"
+    log, ckpt, out = tmp_path / "log.jsonl", tmp_path / "ck", tmp_path / "out"
+    run(path, "--init", str(tmp_path / "in"), "--steps", "2", "--lr", "1e-3", "--lr-decay", "constant", "--seed", "0",
+        "--log", str(log), "--save", str(ckpt))
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line]
+    source = DataSource(program, program.mesh.size("dp"), 0)
+    optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    expected = []
+    for step in range(2):
+        batch = source.batch(step)
+        scores = theirs(batch.inputs.reshape(-1, SEQ)).logits
+        loss = torch.nn.functional.cross_entropy(scores.reshape(-1, 256), batch.targets.reshape(-1))
+        expected.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses == pytest.approx(expected, abs=TOL)
+    assert main(["export", path, "--checkpoint", str(ckpt), "--hf", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    ids = source.batch(0).inputs[0]
+    with torch.no_grad():
+        back = transformers.Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+        trained = theirs.eval()(ids).logits
+    ours = api.logits(api.reference_model(program, checkpoint=str(ckpt)), ids)
+    assert (ours - back).abs().max() < TOL
+    assert (ours - trained).abs().max() < 1e-4  # two AdamW steps apart from transformers' own

@@ -260,7 +260,7 @@ def _check_numbers(args) -> None:
     if args.data:  # the blend's weights, before anything is compiled
         from dhelix.interpreter.training.blend import parse_items
 
-        parse_items(args.data)
+        parse_items(args.data, "--data")
     for flag, value in (("--save-every", args.save_every), ("--keep", args.keep)):
         if value is not None and not args.save:
             raise UsageError(f"{flag} needs --save DIR (where to save)")

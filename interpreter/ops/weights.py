@@ -174,6 +174,9 @@ def _op_spec(op: Op, full_op: Op, fwd: LayerDag, full_fwd: LayerDag, mesh: Mesh)
         raise ShardingError(f"gemm {op.name} both reads an all_gather and feeds a reduce_scatter over "
                             "tp: it cannot be both column- and row-parallel")
     if row:
+        if dict(op.params).get("bias"):
+            raise ShardingError(f"gemm {op.name} is row-parallel (it feeds a reduce_scatter over tp) and has a "
+                                "bias, which every tp rank's partial sum would add once")
         return ShardSpec(full, init, 0, "tp", (full[0],))
     if column:
         return ShardSpec(full, init, 1, "tp", _column_blocks(op, full[1], fwd, full_fwd))

@@ -39,7 +39,7 @@ class DataItem:
     weight: float | None = None
 
 
-def parse_items(items, flag: str = "--data") -> list[DataItem]:
+def parse_items(items, flag: str) -> list[DataItem]:
     """The items of ``flag``'s values ``items`` (strings); UsageError naming the item for a
     weight that is not a finite non-negative number, an empty path, weights given to some
     items only, or weights that sum to zero."""

@@ -115,7 +115,7 @@ def data_spec(program: Program, program_path: str, override=None,
     text (None: byte-level). UsageError for a malformed item or bad weights."""
     tokenizer = str(Path(tokenizer).resolve()) if tokenizer else None
     if override is not None:
-        items = parse_items([override] if isinstance(override, str) else list(override), flag or "--data")
+        items = parse_items([override] if isinstance(override, str) else list(override), flag or "data")
         sources = tuple(DataSpec(str(Path(item.path).resolve()), flag=flag, tokenizer=tokenizer) for item in items)
         if len(sources) == 1:
             if items[0].weight == 0:

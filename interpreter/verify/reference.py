@@ -99,6 +99,11 @@ def _unpermute(y, scores, top_k):
     return (by_pair * probs[..., None]).sum(1)
 
 
+def _gemm(x, weight):
+    # With a bias the weight has one more row than x has features: the bias.
+    return x @ weight[:-1] + weight[-1] if weight.shape[0] == x.shape[-1] + 1 else x @ weight
+
+
 def _grouped_gemm(x, weight, routing):
     return torch.cat([rows @ w for rows, w in zip(x.split(routing["counts"]), weight, strict=True)])
 
@@ -120,7 +125,7 @@ def _swiglu(args, weight, params, micro_batch, routing):
 _OPS = {
     "rmsnorm": _rmsnorm,
     "layernorm": _layernorm,
-    "gemm": lambda args, weight, *_: args[0] @ weight,
+    "gemm": lambda args, weight, *_: _gemm(args[0], weight),
     "router": lambda args, weight, *_: torch.softmax(args[0] @ weight, dim=-1),
     "grouped_gemm": lambda args, weight, params, mb, routing: _grouped_gemm(args[0], weight, routing),
     "attention": lambda args, weight, params, mb, routing: _attention(args[0], params, mb),
