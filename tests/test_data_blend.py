@@ -43,6 +43,7 @@ def origin(window: torch.Tensor) -> int:
 
 
 def blend_source(tmp_path: Path, weights, sizes=(4000, 2500, 3000), seed: int = 5) -> DataSource:
+    tmp_path.mkdir(exist_ok=True)
     program = check_text(program_text("one"), "one.dhx")
     specs = tuple(DataSpec(write_source(tmp_path / f"s{i}.uint16", i, size))
                   for i, size in enumerate(sizes[:len(weights or sizes)]))
@@ -79,8 +80,8 @@ def test_each_source_gives_all_its_windows_once_an_epoch_in_a_seeded_order(tmp_p
     as_lists = sorted(row.tolist() for row in from_first)
     assert as_lists == sorted(windows.long().tolist())  # every window once in the first epoch
     assert [row.tolist() for row in from_first] != windows.long().tolist()  # shuffled
-    again = blend_source(tmp_path / "..", (0.5, 0.5), sizes=(1400, 1400))
-    other_seed = blend_source(tmp_path / "..", (0.5, 0.5), sizes=(1400, 1400), seed=6)
+    again = blend_source(tmp_path / "again", (0.5, 0.5), sizes=(1400, 1400))
+    other_seed = blend_source(tmp_path / "other", (0.5, 0.5), sizes=(1400, 1400), seed=6)
     assert torch.equal(again.batch(5).inputs, source.batch(5).inputs)
     assert not torch.equal(other_seed.batch(5).inputs, source.batch(5).inputs)
 

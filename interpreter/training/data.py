@@ -117,9 +117,7 @@ def data_spec(program: Program, program_path: str, override=None,
     if override is not None:
         items = parse_items([override] if isinstance(override, str) else list(override), flag or "data")
         sources = tuple(DataSpec(str(Path(item.path).resolve()), flag=flag, tokenizer=tokenizer) for item in items)
-        if len(sources) == 1:
-            if items[0].weight == 0:
-                raise DataSpec(sources[0].path, flag=flag).error("the only data source has weight 0")
+        if len(sources) == 1:  # a weight of its own changes nothing (parse_items refused 0)
             return sources[0]
         return Blend(sources, None if items[0].weight is None else tuple(item.weight for item in items))
     if program.train.data is None:
