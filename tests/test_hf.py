@@ -296,3 +296,42 @@ def test_qwen2_q_k_v_biases_train_as_transformers_does_and_go_back_out(tmp_path)
     ours = api.logits(api.reference_model(program, checkpoint=str(ckpt)), ids)
     assert (ours - back).abs().max() < TOL
     assert (ours - trained).abs().max() < 1e-4  # two AdamW steps apart from transformers' own
+
+
+def test_new_refuses_qwen2_with_llama3_scaling_and_a_tie_that_is_not_a_boolean(tmp_path, capsys):
+    scaling = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    text = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                    num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
+                                    rope_parameters=scaling).to_json_string()
+    (tmp_path / "config.json").write_text(text.replace('"tie_word_embeddings": false', '"tie_word_embeddings": 1'))
+    assert main(["new", "--hf", str(tmp_path / "config.json"), "-o", str(tmp_path / "m.dhx")]) == 1
+    err = capsys.readouterr().err
+    assert "Qwen2 with Llama 3's RoPE scaling is not computed" in err
+    assert "tie_word_embeddings = 1: true or false was expected" in err
+
+
+def test_a_gemm_bias_is_one_or_absent_and_never_on_a_row_parallel_gemm(tmp_path):
+    from dhelix.dsl.core.errors import DhelixError
+    from dhelix.dsl.passes.pipeline import check_text
+    from dhelix.interpreter.ops.weights import ShardingError
+
+    from conftest import tiny_example_text
+
+    text = tiny_example_text().replace("layer = llama\n", "layer = biased\n") + """
+layer biased {
+  in x [tokens / tp, hidden]
+  ag = all_gather(x, tp)
+  up = gemm(ag, hidden, ffn / tp, bias = BIAS_UP)
+  down = gemm(up, ffn / tp, hidden, bias = BIAS_DOWN)
+  rs = reduce_scatter(down, tp)
+  out rs
+}
+"""
+    with pytest.raises(DhelixError, match="bias = 2: write bias = 1 for a bias"):
+        check_text(text.replace("BIAS_UP", "2").replace("BIAS_DOWN", "0"), str(tmp_path / "a.dhx"))
+    program = check_text(text.replace("BIAS_UP", "1").replace("BIAS_DOWN", "1"), str(tmp_path / "b.dhx"))
+    with pytest.raises(ShardingError, match="gemm down is row-parallel .* and has a bias"):
+        WeightPlan(program)
+    assert WeightPlan(check_text(text.replace("BIAS_UP", "1").replace("BIAS_DOWN", "0"),
+                                 str(tmp_path / "c.dhx"))).spec("layers.0.up").full == (65, 128)

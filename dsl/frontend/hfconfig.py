@@ -5,10 +5,12 @@ the model settings of the stdlib layer ``llama_rope`` (RMSNorm with epsilon ``1 
 norm_inv_eps``, grouped-query attention with rotary embeddings of base ``rope_theta``, a
 SwiGLU MLP, an LM head of its own or, with ``tie_word_embeddings``, the embedding's transpose:
 ``tie_embeddings = 1``), or of ``llama3_rope`` (the same with Llama 3's RoPE scaling)
-for a ``rope_type`` "llama3" configuration. Whatever the layers cannot compute is an error
-located at the configuration's field (``config.json:12:3``) naming it: biases on every attention
-projection or the MLP (Qwen2's on q, k and v are layer ``qwen2_rope``), other RoPE scaling, a sliding window shorter than the sequence, another activation, a
-``head_dim`` other than ``hidden / heads``. Every problem is collected and raised at once.
+for a ``rope_type`` "llama3" configuration, or of ``qwen2_rope`` (``llama_rope`` with Qwen2's
+biases on q, k and v) for a Qwen2 one. Whatever the layers cannot compute is an error located
+at the configuration's field (``config.json:12:3``) naming it: biases on every attention
+projection or on the MLP, other RoPE scaling, a sliding window shorter than the sequence,
+another activation, a ``head_dim`` other than ``hidden / heads``. Every problem is collected
+and raised at once.
 
 :func:`hf_config_of` is the inverse for ``dhelix export --hf``: the ``LlamaConfig`` fields of
 a program's model. Nothing here imports torch or transformers.
@@ -26,7 +28,7 @@ from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.frontend.modelcheck import TIE_SETTING
 
-#: The ``model_type`` values read, each computed by ``llama_rope`` with the same weights.
+#: The ``model_type`` values read, computed by ``llama_rope`` (Qwen2: ``qwen2_rope``) with the same weights.
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 #: The layer a configuration becomes (stdlib/layers.dhx).
 LAYER = "llama_rope"
@@ -95,7 +97,8 @@ def read_hf_config(text: str, path: str, seq: int | None = None) -> HFModel:
     settings += [(TIE_SETTING, 1)] if reader.value("tie_word_embeddings") is True else []
     settings += [("dtype", reader.dtype())]
     if model_type == "qwen2" and scaling:
-        reader.fail("rope_scaling", "Qwen2 with Llama 3's RoPE scaling is not computed (no stdlib layer has both)")
+        reader.fail("rope_scaling" if config.get("rope_scaling") else "rope_parameters",
+                    "Qwen2 with Llama 3's RoPE scaling is not computed (no stdlib layer has both)")
     errors.raise_if_any()
     layer = QWEN2_LAYER if model_type == "qwen2" else LLAMA3_LAYER if scaling else LAYER
     return HFModel(tuple(settings), model_type, max_seq or seq, layer)
