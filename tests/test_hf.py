@@ -234,9 +234,13 @@ def test_tied_embeddings_on_pipeline_ranks_apart_are_refused_at_the_setting(tmp_
     text = text.replace("gpus_per_node = 1", "gpus_per_node = 2").replace("fold u", "fold none")
     (tmp_path / "pp2.dhx").write_text(text)
     assert main(["check", str(tmp_path / "pp2.dhx")]) == 1
-    line = next(i for i, row in enumerate(text.splitlines(), 1) if "tie_embeddings" in row)
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if row.startswith("fold none"))
     err = capsys.readouterr().err
-    assert f"pp2.dhx:{line}:3: tie_embeddings = 1 with pp = 2 and fold none" in err
+    assert f"pp2.dhx:{line}:1: tie_embeddings = 1 with fold none on 2 pipeline ranks: the embedding" in err
+    (tmp_path / "two.dhx").write_text(text.replace("tie_embeddings = 1", "tie_embeddings = 2"))
+    assert main(["check", str(tmp_path / "two.dhx")]) == 1
+    assert "tie_embeddings = 2: write tie_embeddings = 1 for an LM head tied to the embedding" in \
+        capsys.readouterr().err
     # `dhelix new` does not write such a program: its --pp is the mistake.
     assert main(["new", "--hf", str(tmp_path / "config.json"), "--gpus", "2", "--pp", "2", "-o",
                  str(tmp_path / "n.dhx")]) == 2

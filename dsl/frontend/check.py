@@ -133,7 +133,7 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
     for error in check_divisibility(model, model_block, mesh, mesh_block):
         errors.add(error)
     _check_stages(model, model_block, mesh, fold, errors)
-    if (tied := tie_error(model, model_block, mesh, fold)) is not None:
+    if (tied := tie_error(model, model_block)) is not None:
         errors.add(tied)
     if train.shard is not None and _check_shard(train, mesh, errors):
         program = attrs.evolve(program, mesh=attrs.evolve(mesh, dp_shard=train.shard))

@@ -141,24 +141,11 @@ def _listing(values: list[int]) -> str:
 TIE_SETTING = "tie_embeddings"
 
 
-def tie_error(model, model_block, mesh, fold) -> CheckError | None:
-    """An error at ``tie_embeddings`` when it is not 1, or when the embedding and the LM head
-    would sit on different pipeline ranks (pp > 1 without fold u, whose rank 0 holds the first
-    and the last layers); None otherwise."""
+def tie_error(model, model_block) -> CheckError | None:
+    """An error at ``tie_embeddings`` when it is set to anything but 1; None otherwise. (Where
+    the tied ends sit is the fold pass's to check: :func:`~dhelix.dsl.passes.fold.tie_placement_error`.)"""
     value = model.get(TIE_SETTING)
-    if value is None:
+    if value is None or value == 1:
         return None
-    span = model_block.span(TIE_SETTING)
-    if value != 1:
-        return CheckError(f"{TIE_SETTING} = {value}: write {TIE_SETTING} = 1 for an LM head tied to the embedding",
-                          span, ["leave it out for an LM head of its own"])
-    pp = mesh.size("pp")
-    if pp > 1 and fold.kind != "u":
-        return CheckError(f"{TIE_SETTING} = 1 with pp = {pp} and fold {fold.text}: the embedding (first stage, "
-                          f"pipeline rank 0) and the LM head (last stage, rank {pp - 1}) would be on different "
-                          "ranks", span,
-                          ["a tied LM head runs where the embedding is: use fold u (rank 0 holds the first and "
-                           "the last layers) or pp = 1",
-                           "summing the two copies' gradients across pipeline ranks (Megatron's embedding group) "
-                           "is not implemented"])
-    return None
+    return CheckError(f"{TIE_SETTING} = {value}: write {TIE_SETTING} = 1 for an LM head tied to the embedding",
+                      model_block.span(TIE_SETTING), ["leave it out for an LM head of its own"])
