@@ -57,7 +57,7 @@ def test_each_source_s_share_of_many_batches_is_its_weight(weights, tmp_path):
     seen = [origin(row) for step in range(60) for row in source.batch(step).inputs.reshape(-1, SEQ)]
     total = sum(weights)
     for index, weight in enumerate(weights):
-        # Megatron's rule keeps every prefix within one sample of its share.
+        # Megatron's rule keeps every prefix near its share: here within one sample.
         assert abs(seen.count(index) - weight / total * len(seen)) <= 1, (index, seen.count(index), len(seen))
     assert source.sources_of(3) == [origin(row) for row in source.batch(3).inputs.reshape(-1, SEQ)]
 

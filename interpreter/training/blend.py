@@ -8,8 +8,8 @@ training sequences (as if the sources were one). The weights are normalised to s
 Which source sample ``j`` of the blend (counted over the whole run, as the batches are)
 comes from is Megatron's blended-dataset rule: the source ``i`` furthest behind its share,
 ``argmax_i (w_i · (j + 1) − c_i)`` with ``c_i`` the samples source ``i`` gave so far (ties to
-the first). Every prefix of the blend then holds within one sample of ``w_i · j`` from each
-source, whatever the seed; the seed orders each source's own windows
+the first). Every prefix of the blend then keeps each source's count near ``w_i · j`` (the
+tests find it within one sample), whatever the seed; the seed orders each source's own windows
 (:class:`~.data.DataSource`). The position of the blend is ``(j, c)``: a checkpoint stores it
 and a resumed run continues from it (:func:`advance` replays from any position, for a run
 that has none).
