@@ -112,5 +112,6 @@ def export_hf(program: Program, checkpoint: str, folder: str, shard_bytes: int =
     plan = WeightPlan(program)
     numerics = check_llama(plan)
     weights, _ = read_weights(checkpoint, plan)
-    config = hf_config_of(program.model, numerics["norm_inv_eps"], numerics["rope_theta"], numerics["scaling"])
+    config = hf_config_of(program.model, numerics["norm_inv_eps"], numerics["rope_theta"], numerics["scaling"],
+                          qkv_bias=numerics["qkv_bias"])
     return write_hf(Path(folder), config, hf_state(plan, weights, torch_dtype(program)), shard_bytes)

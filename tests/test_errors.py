@@ -110,7 +110,7 @@ def test_cli_reports_every_error_of_a_program(tmp_path):
         "two.dhx:8:7: gemm() is missing its 'out_features' argument\n"
         "  8 |   y = gemm(x, 1)\n"
         "    |       ^^^^\n"
-        "  note: usage: gemm(x, in_features, out_features)\n"
+        "  note: usage: gemm(x, in_features, out_features, [bias])\n"
         "2 errors\n")
 
 

@@ -66,12 +66,12 @@ def test_new_writes_a_checked_canonical_program(hf_dir, tmp_path, capsys):
 
 
 def test_new_names_each_field_the_layers_cannot_compute(tmp_path, capsys):
-    config = tiny_config(tie_word_embeddings=True, rms_norm_eps=3e-6, attention_bias=True)
+    config = tiny_config(mlp_bias=True, rms_norm_eps=3e-6, attention_bias=True)
     config.save_pretrained(tmp_path)
     text = (tmp_path / "config.json").read_text()
     assert main(["new", "--hf", str(tmp_path / "config.json"), "-o", str(tmp_path / "m.dhx")]) == 1
     err = capsys.readouterr().err
-    for field in ("tie_word_embeddings", "rms_norm_eps", "attention_bias"):
+    for field in ("mlp_bias", "rms_norm_eps", "attention_bias"):
         line = next(i for i, row in enumerate(text.splitlines(), 1) if f'"{field}"' in row)
         assert f"config.json:{line}:3: {field}" in err
     assert "3 errors" in err and not (tmp_path / "m.dhx").exists()
@@ -186,3 +186,156 @@ def test_init_first_step_loss_equals_transformers_and_export_loads_back(hf_dir, 
     assert (ours - theirs).abs().max() < TOL
     # The save keeps its program: the checkpoint alone generates (byte-level text, 3 new tokens).
     assert main(["generate", str(ckpt), "--prompt", "ab", "--max-new", "3"]) == 0
+
+
+def test_tied_embeddings_train_as_transformers_does_and_go_back_out_tied(tmp_path):
+    """tie_word_embeddings: the program ties its LM head to the embedding (tp 2 x pp 2, fold u:
+    both on pipeline rank 0); the first step's loss is transformers', and so is the second's
+    after one AdamW step of transformers' own tied model (the two copies' gradients summed);
+    the export is tied again (no lm_head tensor) and gives the checkpoint's logits."""
+    torch.manual_seed(3)
+    theirs = transformers.LlamaForCausalLM(tiny_config(tie_word_embeddings=True, num_hidden_layers=4)).float()
+    theirs.save_pretrained(tmp_path / "in")
+    path = new_program(tmp_path / "in", tmp_path / "m.dhx", "--gpus", "4", "--pp", "2", "--microbatches", "4")
+    program = api.load_program(path)
+    assert program.model.get("tie_embeddings") == 1 and program.fold.kind == "u"
+    log, ckpt, out = tmp_path / "log.jsonl", tmp_path / "ck", tmp_path / "out"
+    run(path, "--init", str(tmp_path / "in"), "--steps", "2", "--lr", "1e-3", "--lr-decay", "constant", "--seed", "0",
+        "--log", str(log), "--save", str(ckpt))
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line]
+    source = DataSource(program, program.mesh.size("dp"), 0)
+    optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    expected = []
+    for step in range(2):
+        batch = source.batch(step)
+        scores = theirs(batch.inputs.reshape(-1, SEQ)).logits
+        loss = torch.nn.functional.cross_entropy(scores.reshape(-1, 256), batch.targets.reshape(-1))
+        expected.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses == pytest.approx(expected, abs=TOL)
+    assert main(["export", path, "--checkpoint", str(ckpt), "--hf", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", framework="pt") as handle:
+        assert "lm_head.weight" not in handle.keys()
+    ids = source.batch(0).inputs[0]
+    with torch.no_grad():
+        back = hf_model(out)(ids).logits
+    assert (api.logits(api.reference_model(program, checkpoint=str(ckpt)), ids) - back).abs().max() < TOL
+
+
+def test_tied_embeddings_on_pipeline_ranks_apart_are_refused_at_the_setting(tmp_path, capsys):
+    tiny_config(tie_word_embeddings=True).save_pretrained(tmp_path)
+    path = new_program(tmp_path, tmp_path / "m.dhx")
+    text = (tmp_path / "m.dhx").read_text().replace("mesh {\n  tp = 1\n}", "mesh {\n  pp = 2\n}")
+    text = text.replace("gpus_per_node = 1", "gpus_per_node = 2").replace("fold u", "fold none")
+    (tmp_path / "pp2.dhx").write_text(text)
+    assert main(["check", str(tmp_path / "pp2.dhx")]) == 1
+    line = next(i for i, row in enumerate(text.splitlines(), 1) if row.startswith("fold none"))
+    err = capsys.readouterr().err
+    assert f"pp2.dhx:{line}:1: tie_embeddings = 1 with fold none on 2 pipeline ranks: the embedding" in err
+    (tmp_path / "two.dhx").write_text(text.replace("tie_embeddings = 1", "tie_embeddings = 2"))
+    assert main(["check", str(tmp_path / "two.dhx")]) == 1
+    assert "tie_embeddings = 2: write tie_embeddings = 1 for an LM head tied to the embedding" in \
+        capsys.readouterr().err
+    # `dhelix new` does not write such a program: its --pp is the mistake.
+    assert main(["new", "--hf", str(tmp_path / "config.json"), "--gpus", "2", "--pp", "2", "-o",
+                 str(tmp_path / "n.dhx")]) == 2
+    assert "--pp 2: the configuration ties its embeddings" in capsys.readouterr().err
+
+
+def test_tied_embeddings_match_the_reference_under_zero1_and_clipping(tmp_path):
+    """tp 2 x dp 2 with ZeRO-1 and clipping: every step's gradients (the two copies' summed)
+    and update equal the reference's, whose norm counts the tied weight once."""
+    torch.manual_seed(4)
+    transformers.LlamaForCausalLM(tiny_config(tie_word_embeddings=True)).save_pretrained(tmp_path)
+    path = new_program(tmp_path, tmp_path / "m.dhx", "--gpus", "4", "--tp", "2", "--microbatches", "2")
+    done = run(path, "--zero1", "--clip", "0.05", "--steps", "2", "--check")
+    assert done.stdout.count("max update diff") == 2
+
+
+def test_qwen2_q_k_v_biases_train_as_transformers_does_and_go_back_out(tmp_path):
+    """Qwen2's q/k/v biases (layer qwen2_rope: the qkv weight's last row, split over tp with
+    its columns): under tp 2 x pp 2 the first two steps' losses are those of transformers'
+    Qwen2ForCausalLM trained by torch.optim.AdamW (so the bias gradients are), and the export
+    loads back as Qwen2ForCausalLM with the checkpoint's logits."""
+    torch.manual_seed(5)
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
+                                      max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0)
+    theirs = transformers.Qwen2ForCausalLM(config).float()
+    with torch.no_grad():  # biases away from their zero initialisation
+        for name, param in theirs.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_()
+    theirs.save_pretrained(tmp_path / "in")
+    path = new_program(tmp_path / "in", tmp_path / "m.dhx", "--gpus", "4", "--pp", "2", "--microbatches", "2")
+    program = api.load_program(path)
+    assert program.model.layer == "qwen2_rope"
+    log, ckpt, out = tmp_path / "log.jsonl", tmp_path / "ck", tmp_path / "out"
+    run(path, "--init", str(tmp_path / "in"), "--steps", "2", "--lr", "1e-3", "--lr-decay", "constant", "--seed", "0",
+        "--log", str(log), "--save", str(ckpt))
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line]
+    source = DataSource(program, program.mesh.size("dp"), 0)
+    optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    expected = []
+    for step in range(2):
+        batch = source.batch(step)
+        scores = theirs(batch.inputs.reshape(-1, SEQ)).logits
+        loss = torch.nn.functional.cross_entropy(scores.reshape(-1, 256), batch.targets.reshape(-1))
+        expected.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert losses == pytest.approx(expected, abs=TOL)
+    assert main(["export", path, "--checkpoint", str(ckpt), "--hf", str(out)]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    ids = source.batch(0).inputs[0]
+    with torch.no_grad():
+        back = transformers.Qwen2ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(ids).logits
+        trained = theirs.eval()(ids).logits
+    ours = api.logits(api.reference_model(program, checkpoint=str(ckpt)), ids)
+    assert (ours - back).abs().max() < TOL
+    assert (ours - trained).abs().max() < 1e-4  # two AdamW steps apart from transformers' own
+
+
+def test_new_refuses_qwen2_with_llama3_scaling_and_a_tie_that_is_not_a_boolean(tmp_path, capsys):
+    scaling = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    text = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                    num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
+                                    rope_parameters=scaling).to_json_string()
+    (tmp_path / "config.json").write_text(text.replace('"tie_word_embeddings": false', '"tie_word_embeddings": 1'))
+    assert main(["new", "--hf", str(tmp_path / "config.json"), "-o", str(tmp_path / "m.dhx")]) == 1
+    err = capsys.readouterr().err
+    assert "Qwen2 with Llama 3's RoPE scaling is not computed" in err
+    assert "tie_word_embeddings = 1: true or false was expected" in err
+
+
+def test_a_gemm_bias_is_one_or_absent_and_never_on_a_row_parallel_gemm(tmp_path):
+    from dhelix.dsl.core.errors import DhelixError
+    from dhelix.dsl.passes.pipeline import check_text
+    from dhelix.interpreter.ops.weights import ShardingError
+
+    from conftest import tiny_example_text
+
+    text = tiny_example_text().replace("layer = llama\n", "layer = biased\n") + """
+layer biased {
+  in x [tokens / tp, hidden]
+  ag = all_gather(x, tp)
+  up = gemm(ag, hidden, ffn / tp, bias = BIAS_UP)
+  down = gemm(up, ffn / tp, hidden, bias = BIAS_DOWN)
+  rs = reduce_scatter(down, tp)
+  out rs
+}
+"""
+    with pytest.raises(DhelixError, match="bias = 2: write bias = 1 for a bias"):
+        check_text(text.replace("BIAS_UP", "2").replace("BIAS_DOWN", "0"), str(tmp_path / "a.dhx"))
+    program = check_text(text.replace("BIAS_UP", "1").replace("BIAS_DOWN", "1"), str(tmp_path / "b.dhx"))
+    with pytest.raises(ShardingError, match="gemm down is row-parallel .* and has a bias"):
+        WeightPlan(program)
+    assert WeightPlan(check_text(text.replace("BIAS_UP", "1").replace("BIAS_DOWN", "0"),
+                                 str(tmp_path / "c.dhx"))).spec("layers.0.up").full == (65, 128)

@@ -56,6 +56,13 @@ def cmd_new(args) -> int:
     tp = choose_tp(model, layout)
     if layout.gpus % (tp * layout.pp):
         raise UsageError(f"--gpus {layout.gpus} is not a multiple of tp {tp} × pp {layout.pp}")
+    layers = model.get("layers")
+    if model.get("tie_embeddings") and layout.pp > 1 and layers % (2 * layout.pp):
+        fits = [p for p in range(1, layers // 2 + 1) if layers % (2 * p) == 0]
+        raise UsageError(f"--pp {layout.pp}: the configuration ties its embeddings (tie_word_embeddings), and a tied "
+                         "LM head runs on the embedding's pipeline rank, which with pp > 1 needs fold u: its "
+                         f"{layers} layers do not split into 2 · pp = {2 * layout.pp} stages; give --pp 1"
+                         f"{''.join(f' or --pp {p}' for p in fits if p > 1)}")
     name = args.name or _model_name(Path(args.hf))
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise UsageError(f"--name {name}: a model's name is a letter or _ then letters, digits or _")

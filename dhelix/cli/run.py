@@ -89,9 +89,11 @@ def register(subparsers) -> None:
 
 def _add_training_arguments(run) -> None:
     data = run.add_argument_group("data, checkpoints and the training loop")
-    data.add_argument("--data", metavar="PATH",
+    data.add_argument("--data", metavar="[WEIGHT:]PATH", nargs="+",
                       help="train on a text file or a folder of them (byte-level tokens), or on token files "
-                           "(raw .uint16/.uint32 ids, or a 1-D integer .npy array); overrides the train block's data")
+                           "(raw .uint16/.uint32 ids, or a 1-D integer .npy array); overrides the train block's "
+                           "data. Several sources make a blend, drawn by weight: 0.7:web/ 0.3:code.npy (without "
+                           "weights, by size)")
     data.add_argument("--eval-data", metavar="PATH",
                       help="evaluate on this held-out data (text or token files, as --data) instead of the last "
                            "10 %% of the training data, which is then all trained on")
@@ -255,6 +257,10 @@ def _check_numbers(args) -> None:
         bad = value is not None and (not math.isfinite(value) or value < 0 or value == 0 and lowest == "positive")
         if bad:
             raise UsageError(f"{flag} must be a finite number, {lowest}; got {value:g}")
+    if args.data:  # the blend's weights, before anything is compiled
+        from dhelix.interpreter.training.blend import parse_items
+
+        parse_items(args.data, "--data")
     for flag, value in (("--save-every", args.save_every), ("--keep", args.keep)):
         if value is not None and not args.save:
             raise UsageError(f"{flag} needs --save DIR (where to save)")
@@ -326,6 +332,7 @@ def resume_differences(meta: dict, options) -> list:
         found.append(DhelixWarning(f"--resume {options.resume}: the run was saved with seed {meta['seed']}, this one "
                                    f"has {options.seed}; the data order changes from here",
                                    notes=[f"give --seed {meta['seed']} to continue the same run"]))
+    found += _blend_differences(meta, options)
     saved, now = meta.get("schedule") or {}, options.schedule()
     changed = [f"{key} {saved[key]} → {now[key]}" for key in now if key in saved and saved[key] != now[key]]
     if changed:
@@ -334,6 +341,21 @@ def resume_differences(meta: dict, options) -> list:
                                    notes=["the resumed steps follow this run's options; give the saved ones to "
                                           "continue the same trajectory"]))
     return found
+
+
+def _blend_differences(meta: dict, options) -> list:
+    """A warning (DhelixWarning) when the resumed run's data blend is not the saved one's."""
+    from dhelix.dsl.core.errors import DhelixWarning
+    from dhelix.interpreter.training.data import Blend
+
+    saved = (meta.get("data") or {}).get("blend")
+    now = options.data.describe() if isinstance(options.data, Blend) else None
+    if saved is None or now is None or saved == now:
+        return []
+    return [DhelixWarning(f"--resume {options.resume}: the data blend differs from the saved run's (sources "
+                          f"{' '.join(saved['sources'])}, weights {saved['weights'] or 'by size'}); its order is "
+                          "drawn again from the first step with this run's sources and weights",
+                          notes=["give the saved blend to continue where each source stood"])]
 
 
 def run_options(args, compiled, backend: str):

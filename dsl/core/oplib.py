@@ -66,7 +66,19 @@ def _gemm(args):
         raise ShapeMismatch(f"gemm input has {features} features but in_features is {in_f}", 1,
                             (f"the input is [{tokens}, {features}]",))
     _positive(out_f, 2, "out_features")
+    if _gemm_bias(args) not in (0, 1):
+        raise ShapeMismatch(f"bias = {args[3]}: write bias = 1 for a bias (or leave it out)", 3)
     return (tokens, out_f)
+
+
+def _gemm_bias(args) -> int:
+    """A gemm's ``bias`` argument: 1 adds a bias (its weight's last row), 0 or absent none."""
+    return args[3] if len(args) > 3 and args[3] is not None else 0
+
+
+def gemm_weight_shape(in_features: int, out_features: int, bias: bool) -> tuple[int, int]:
+    """The weight of a gemm: ``[in, out]``, with one more row (the bias) when it has one."""
+    return (in_features + int(bias), out_features)
 
 
 def _grouped_gemm(args):
@@ -191,8 +203,9 @@ OPS: dict[str, OpSpec] = {op.name: op for op in [
           "RMSNorm over features; epsilon 1 / inv_eps (default 1e-5)"),
     _spec("layernorm", [_X, _INV_EPS], "compute", "norm", _norm, lambda a: (2, a[0][1]),
           "LayerNorm (scale and bias); epsilon 1 / inv_eps (default 1e-5)"),
-    _spec("gemm", [_X, Param("in_features", INT), Param("out_features", INT)], "compute", "gemm",
-          _gemm, lambda a: (a[1], a[2]), "x @ W, W sharded as written"),
+    _spec("gemm", [_X, Param("in_features", INT), Param("out_features", INT), Param("bias", INT, optional=True)],
+          "compute", "gemm", _gemm, lambda a: gemm_weight_shape(a[1], a[2], bool(_gemm_bias(a))),
+          "x @ W, W sharded as written; bias = 1: x @ W + b, b the weight's last row"),
     _spec("attention", [Param("qkv", TENSOR), Param("heads", INT), Param("kv_heads", INT),
                         Param("mask", FLAG, choices=("causal", "full")),
                         Param("ring", AXIS, optional=True), Param("rope", INT, optional=True),

@@ -21,7 +21,7 @@ from dhelix.dsl.frontend.config import (build_cluster, build_fold, build_mesh, b
                                         build_train)
 from dhelix.dsl.core.errors import CheckError, DhelixError, ErrorCollector
 from dhelix.dsl.frontend.layercheck import check_layer
-from dhelix.dsl.frontend.modelcheck import check_divisibility, stage_split_error
+from dhelix.dsl.frontend.modelcheck import check_divisibility, stage_split_error, tie_error
 from dhelix.dsl.frontend.pipelinecheck import check_pipeline, reads_name
 from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.core.program import Program
@@ -133,6 +133,8 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
     for error in check_divisibility(model, model_block, mesh, mesh_block):
         errors.add(error)
     _check_stages(model, model_block, mesh, fold, errors)
+    if (tied := tie_error(model, model_block)) is not None:
+        errors.add(tied)
     if train.shard is not None and _check_shard(train, mesh, errors):
         program = attrs.evolve(program, mesh=attrs.evolve(mesh, dp_shard=train.shard))
     if train.launch is not None and pipeline is not None and not reads_name(pipeline, "g"):

@@ -3,11 +3,14 @@
 :func:`read_hf_config` reads a Llama, Mistral or Qwen2 configuration into :class:`HFModel`,
 the model settings of the stdlib layer ``llama_rope`` (RMSNorm with epsilon ``1 /
 norm_inv_eps``, grouped-query attention with rotary embeddings of base ``rope_theta``, a
-SwiGLU MLP, an untied LM head), or of ``llama3_rope`` (the same with Llama 3's RoPE scaling)
-for a ``rope_type`` "llama3" configuration. Whatever the layers cannot compute is an error
-located at the configuration's field (``config.json:12:3``) naming it: q/k/v or MLP biases
-(Qwen2), tied embeddings, other RoPE scaling, a sliding window shorter than the sequence, another activation, a
-``head_dim`` other than ``hidden / heads``. Every problem is collected and raised at once.
+SwiGLU MLP, an LM head of its own or, with ``tie_word_embeddings``, the embedding's transpose:
+``tie_embeddings = 1``), or of ``llama3_rope`` (the same with Llama 3's RoPE scaling)
+for a ``rope_type`` "llama3" configuration, or of ``qwen2_rope`` (``llama_rope`` with Qwen2's
+biases on q, k and v) for a Qwen2 one. Whatever the layers cannot compute is an error located
+at the configuration's field (``config.json:12:3``) naming it: biases on every attention
+projection or on the MLP, other RoPE scaling, a sliding window shorter than the sequence,
+another activation, a ``head_dim`` other than ``hidden / heads``. Every problem is collected
+and raised at once.
 
 :func:`hf_config_of` is the inverse for ``dhelix export --hf``: the ``LlamaConfig`` fields of
 a program's model. Nothing here imports torch or transformers.
@@ -23,11 +26,14 @@ import attrs
 
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.span import Source, Span
+from dhelix.dsl.frontend.modelcheck import TIE_SETTING
 
-#: The ``model_type`` values read, each computed by ``llama_rope`` with the same weights.
+#: The ``model_type`` values read, computed by ``llama_rope`` (Qwen2: ``qwen2_rope``) with the same weights.
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 #: The layer a configuration becomes (stdlib/layers.dhx).
 LAYER = "llama_rope"
+#: The layer of a Qwen2 configuration: ``llama_rope`` with a bias on q, k and v.
+QWEN2_LAYER = "qwen2_rope"
 #: The layer of a configuration with Llama 3's RoPE scaling, and its four extra settings with
 #: the configuration's names for them.
 LLAMA3_LAYER = "llama3_rope"
@@ -87,10 +93,15 @@ def read_hf_config(text: str, path: str, seq: int | None = None) -> HFModel:
     seq = seq or min(max_seq or 4096, 4096)
     reader.refuse_unsupported(model_type, seq, settings)
     scaling = reader.rope_scaling()
-    settings += [("seq", seq), ("rope_theta", reader.rope_theta()), *scaling, ("norm_inv_eps", reader.inv_eps()),
-                 ("dtype", reader.dtype())]
+    settings += [("seq", seq), ("rope_theta", reader.rope_theta()), *scaling, ("norm_inv_eps", reader.inv_eps())]
+    settings += [(TIE_SETTING, 1)] if reader.value("tie_word_embeddings") is True else []
+    settings += [("dtype", reader.dtype())]
+    if model_type == "qwen2" and scaling:
+        reader.fail("rope_scaling" if config.get("rope_scaling") else "rope_parameters",
+                    "Qwen2 with Llama 3's RoPE scaling is not computed (no stdlib layer has both)")
     errors.raise_if_any()
-    return HFModel(tuple(settings), model_type, max_seq or seq, LLAMA3_LAYER if scaling else LAYER)
+    layer = QWEN2_LAYER if model_type == "qwen2" else LLAMA3_LAYER if scaling else LAYER
+    return HFModel(tuple(settings), model_type, max_seq or seq, layer)
 
 
 @attrs.define
@@ -148,17 +159,14 @@ class _Reader:
 
     def refuse_unsupported(self, model_type: str, seq: int, settings) -> None:
         """Record an error for each field whose value the layer does not compute."""
-        if model_type == "qwen2":
-            self.fail("model_type", "Qwen2 adds a bias to the q, k and v projections, which the layer library "
-                      "cannot express (its gemm has no bias)", "the Llama and Mistral configurations are read")
         for key in ("attention_bias", "mlp_bias"):
             if self.value(key):
-                self.fail(key, f"{key} = true: the layer library's gemm has no bias",
-                          f"layer {LAYER} reads unbiased projections, as Llama's")
-        if self.value("tie_word_embeddings"):
-            self.fail("tie_word_embeddings", "tie_word_embeddings = true: dhelix trains the LM head as its own "
-                      "weight, not the embedding's transpose", "untie the checkpoint (lm_head = a copy of "
-                      "embed_tokens, tie_word_embeddings = false) to train it untied")
+                self.fail(key, f"{key} = true: biases on every attention projection (o_proj too) or on the MLP "
+                          "are not in a stdlib layer", f"layer {LAYER} reads unbiased projections, as Llama's, and "
+                          f"{QWEN2_LAYER} Qwen2's biases on q, k and v only")
+        if not isinstance(self.value("tie_word_embeddings"), bool):
+            self.fail("tie_word_embeddings", f"tie_word_embeddings = {json.dumps(self.value('tie_word_embeddings'))}: "
+                      "true or false was expected")
         if self.value("hidden_act") != "silu":
             self.fail("hidden_act", f"hidden_act {json.dumps(self.value('hidden_act'))}: the layer's MLP is "
                       "SwiGLU (silu)")
@@ -227,23 +235,28 @@ def _rope_parameters(config: dict) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def hf_config_of(model, norm_inv_eps: int | None, rope_theta: int | None, scaling: tuple | None = None) -> dict:
+def hf_config_of(model, norm_inv_eps: int | None, rope_theta: int | None, scaling: tuple | None = None, *,
+                 qkv_bias: bool = False) -> dict:
     """The ``LlamaConfig`` fields (``config.json``) of the dhelix ``model`` (a
     :class:`~dhelix.dsl.core.program.Model`) whose layer has norm epsilon ``1 / norm_inv_eps``
     (None: the default 1e-5), rotary base ``rope_theta`` and Llama 3's RoPE ``scaling``
-    (factor, low, high, original; None: none)."""
+    (factor, low, high, original; None: none); with ``qkv_bias`` (q, k and v biased) a
+    ``Qwen2Config``'s instead."""
     get = model.get
     rope_scaling = None if scaling is None else {
         "rope_type": "llama3", **{theirs: value for (_, theirs), value in zip(LLAMA3_SCALING, scaling, strict=True)}}
     dtypes = {ours: theirs for theirs, ours in HF_DTYPES.items()}
+    kind = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False,
+            "max_window_layers": get("layers")} if qkv_bias else {"architectures": ["LlamaForCausalLM"],
+                                                                  "model_type": "llama"}
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        **kind,
         "hidden_size": get("hidden"), "intermediate_size": get("ffn"), "num_attention_heads": get("heads"),
         "num_key_value_heads": get("kv_heads"), "num_hidden_layers": get("layers"), "vocab_size": get("vocab"),
         "head_dim": get("hidden") // get("heads"), "max_position_embeddings": get("seq"),
         "rms_norm_eps": 1 / (norm_inv_eps or 100000), "rope_theta": float(rope_theta or 10000),
         "rope_scaling": rope_scaling, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": False, "torch_dtype": dtypes.get(model.dtype, "float32"),
+        "tie_word_embeddings": get(TIE_SETTING) == 1, "torch_dtype": dtypes.get(model.dtype, "float32"),
     }
 
 

@@ -135,3 +135,17 @@ def _divisors(n: int) -> list[int]:
 def _listing(values: list[int]) -> str:
     words = [str(v) for v in values[:8]] + (["…"] if len(values) > 8 else [])
     return join_words(words, "or")
+
+
+#: The model setting that ties the LM head to the embedding (1: tied; absent: untied).
+TIE_SETTING = "tie_embeddings"
+
+
+def tie_error(model, model_block) -> CheckError | None:
+    """An error at ``tie_embeddings`` when it is set to anything but 1; None otherwise. (Where
+    the tied ends sit is the fold pass's to check: :func:`~dhelix.dsl.passes.fold.tie_placement_error`.)"""
+    value = model.get(TIE_SETTING)
+    if value is None or value == 1:
+        return None
+    return CheckError(f"{TIE_SETTING} = {value}: write {TIE_SETTING} = 1 for an LM head tied to the embedding",
+                      model_block.span(TIE_SETTING), ["leave it out for an LM head of its own"])

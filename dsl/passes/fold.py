@@ -23,7 +23,7 @@ import attrs
 from dhelix.dsl.core.errors import CheckError
 from dhelix.dsl.core.program import FOLD_KINDS, FoldSpec, unknown_fold
 from dhelix.dsl.core.span import Span
-from dhelix.dsl.frontend.modelcheck import stage_split_error
+from dhelix.dsl.frontend.modelcheck import TIE_SETTING, stage_split_error
 
 
 @attrs.frozen
@@ -130,3 +130,19 @@ def _place(kind: str, layers: int, ranks: int, chunks: int, slot_of, span) -> Pl
         rank, chunk = slot_of(index)
         stages.append(Stage(index, rank, chunk, index * width, (index + 1) * width))
     return Placement(kind, ranks, chunks, tuple(stages))
+
+
+def tie_placement_error(model, fold, placement: Placement) -> CheckError | None:
+    """An error at the fold statement (else the model block) when ``model`` ties its LM head
+    to its embedding (``tie_embeddings = 1``) and ``placement`` puts the first stage (the
+    embedding) and the last (the LM head) on different pipeline ranks; None otherwise."""
+    first, last = placement.stages[0].rank, placement.stages[-1].rank
+    if model.get(TIE_SETTING) != 1 or first == last:
+        return None
+    return CheckError(f"tie_embeddings = 1 with fold {fold.text} on {placement.ranks} pipeline ranks: the embedding "
+                      f"(first stage, rank {first}) and the LM head (last stage, rank {last}) would be on different "
+                      "ranks", fold.span or model.span,
+                      ["a tied LM head runs where the embedding is: use fold u (rank 0 holds the first and the last "
+                       "layers) or pp = 1",
+                       "summing the two copies' gradients across pipeline ranks (Megatron's embedding group) is not "
+                       "implemented"])

@@ -22,7 +22,7 @@ from dhelix.dsl.frontend.imports import load_modules
 from dhelix.dsl.frontend.limits import schedule_size_error
 from dhelix.dsl.frontend.modelcheck import layer_env
 from dhelix.dsl.frontend.profilecheck import check_measured
-from dhelix.dsl.passes.fold import placement_of
+from dhelix.dsl.passes.fold import placement_of, tie_placement_error
 from dhelix.dsl.passes.lower import check_fold, lower_pipeline
 from dhelix.dsl.frontend.parser import parse
 from dhelix.dsl.core.program import Program
@@ -93,6 +93,8 @@ def fold(program: Program) -> Program:
     if program.model is None:
         return program
     placement = placement_of(program.fold, program.model.get("layers"), program.mesh.size("pp"))
+    if (error := tie_placement_error(program.model, program.fold, placement)) is not None:
+        raise error
     return attrs.evolve(program, placement=placement)
 
 

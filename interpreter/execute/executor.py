@@ -49,7 +49,8 @@ from dhelix.interpreter.ops.ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
 from .si import Filler, LayerChain, check_orders, run_alone, run_interleaved, run_scheduled
 from dhelix.dsl.planner.si_plan import PlanFn, backward_ops, check_plan, sequential_plan
-from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
+from dhelix.interpreter.ops.weights import (EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, tie_grads,
+                                             torch_dtype)
 
 
 class ExecutionError(ScheduleError):
@@ -259,7 +260,8 @@ class Executor:
             # ZeRO-3 pieces are summed into their gradients as their reduce-scatters land:
             # handed over once the last of them has, at the next layer done or action's end.
             self.pieces_done.append((self.issued, lambda: final(True)))
-        if stage.last and layer == len(stage.layers) - 1:
+        if stage.last and layer == len(stage.layers) - 1 and not self.weights.tied:
+            # (A tied LM head's gradient is summed with the embedding's at the step's end first.)
             # Every backward chain here has read its head gradient in this layer, which ran
             # the final norm's backward: the LM head's and the norm's are final too.
             self.reduced_early |= self.grad_ready({name: self.end_grads[name] for name in (FINAL_NORM, LM_HEAD)})
@@ -393,6 +395,8 @@ class Executor:
         grads = self._collect_grads()
         sum_partial_grads(self.weights, {name: g for name, g in grads.items() if name not in self.reduced_early},
                           self.comm)
+        if self.weights.tied:  # both copies take the sum, before the optimizer reduces them over dp
+            tie_grads(grads)
 
     def _collect_grads(self) -> dict[str, torch.Tensor]:
         grads = dict(self.end_grads)

@@ -8,11 +8,14 @@ to one. dhelix's matrices are ``[in, out]`` (``x @ W``), Hugging Face's ``[out, 
 - ``layers.i.qkv`` = ``[q_proj.T | k_proj.T | v_proj.T]``: the attention reads q heads,
   then k heads, then v heads, each head-major, which is the order of the rows of Hugging
   Face's projections (and query head j reads kv head ``j // (heads / kv_heads)`` in both);
-- ``layers.i.fc1`` = ``[gate_proj.T | up_proj.T]``: swiglu is ``silu(first half) * second``.
+- ``layers.i.fc1`` = ``[gate_proj.T | up_proj.T]``: swiglu is ``silu(first half) * second``;
+- Qwen2's ``layers.i.qkv`` (layer ``qwen2_rope``, a gemm with ``bias = 1``) has one more row,
+  ``[q_proj.bias | k_proj.bias | v_proj.bias]`` (:func:`bias_parts`).
 
 The rest map alone: ``ln1``/``ln2`` the input and post-attention norms, ``prj`` = ``o_proj.T``,
 ``fc2`` = ``down_proj.T``, ``embedding`` = ``embed_tokens``, ``final_norm`` = ``model.norm``,
-``lm_head`` = ``lm_head.weight.T``.
+``lm_head`` = ``lm_head.weight.T`` (with tied embeddings ``embed_tokens.T``, and not written
+out: ``tie_word_embeddings`` says so).
 
 :class:`HFWeights` reads a (sharded) checkpoint folder for ``dhelix run --init``: each rank
 reads only the rows or columns of its own shard (``safe_open(...).get_slice``), whichever
@@ -68,7 +71,13 @@ def check_llama(plan) -> dict:
         raise HFWeightsError(f"layer {plan.program.model.layer} has no rotary attention with a SwiGLU MLP, which "
                              "Hugging Face's Llama computes", notes=["use the stdlib layer llama_rope, which a Hugging Face configuration becomes"])
     _, scaling = rope_of(attention[0])
-    return {"rope_theta": attention[0]["rope"], "scaling": scaling, "norm_inv_eps": plan.norm_params.get("inv_eps")}
+    biased = sorted(op.name for op in fwd.ops if op.op == "gemm" and dict(op.params).get("bias"))
+    if biased not in ([], ["qkv"]):
+        raise HFWeightsError(f"layer {plan.program.model.layer} has a bias on {', '.join(biased)}; Hugging Face's "
+                             "Llama has none and Qwen2 one on q, k and v only (qkv)",
+                             notes=["use the stdlib layer llama_rope or qwen2_rope"])
+    return {"rope_theta": attention[0]["rope"], "scaling": scaling, "norm_inv_eps": plan.norm_params.get("inv_eps"),
+            "qkv_bias": bool(biased)}
 
 
 def _listing(kinds: dict) -> str:
@@ -77,13 +86,16 @@ def _listing(kinds: dict) -> str:
 
 def hf_parts(plan, name: str) -> list[tuple[str, tuple[int, ...], bool]]:
     """The Hugging Face tensors parameter ``name`` is made of, in order along dhelix's
-    columns: (tensor name, its shape, whether it is dhelix's transpose)."""
+    columns: (tensor name, its shape, whether it is dhelix's transpose). A gemm with a bias
+    (Qwen2's qkv) has its bias row below: :func:`bias_parts`."""
     get = plan.program.model.get
     hidden, ffn, vocab = get("hidden"), get("ffn"), get("vocab")
     d = hidden // get("heads")
     if name in MODEL_PARTS:
         shape = (hidden,) if name == FINAL_NORM else (vocab, hidden)
-        return [(MODEL_PARTS[name], shape, name == LM_HEAD)]
+        # A tied LM head is the embedding's transpose: the checkpoint holds embed_tokens only.
+        tensor = MODEL_PARTS[EMBEDDING if name == LM_HEAD and plan.tied else name]
+        return [(tensor, shape, name == LM_HEAD)]
     _, layer, op = name.split(".", 2)
     prefix = f"model.layers.{layer}."
     rows = {"self_attn.q_proj.weight": get("heads") * d, "self_attn.k_proj.weight": get("kv_heads") * d,
@@ -95,6 +107,19 @@ def hf_parts(plan, name: str) -> list[tuple[str, tuple[int, ...], bool]]:
         shape = (hidden,) if tensor.endswith("layernorm.weight") else (rows[tensor], ins.get(tensor, hidden))
         parts.append((prefix + tensor, shape, len(shape) == 2))
     return parts
+
+
+def bias_parts(plan, name: str) -> list[tuple[str, int]]:
+    """The Hugging Face bias tensors (name, length) of parameter ``name``'s last row, in
+    order along its columns, when it is a gemm with a bias (Qwen2's q, k and v); else none."""
+    if not name.startswith("layers.") or not plan.spec(name).full[0] == _in_features(plan, name) + 1:
+        return []
+    return [(tensor.replace(".weight", ".bias"), shape[0]) for tensor, shape, _ in hf_parts(plan, name)]
+
+
+def _in_features(plan, name: str) -> int:
+    tensor, shape, transposed = hf_parts(plan, name)[0]
+    return shape[-1] if transposed else shape[0]
 
 
 class HFWeights:
@@ -109,7 +134,8 @@ class HFWeights:
         check_llama(plan)
         problems = []
         for name in plan.names():
-            for tensor, shape, _ in hf_parts(plan, name):
+            wanted = [(tensor, shape) for tensor, shape, _ in hf_parts(plan, name)]
+            for tensor, shape in wanted + [(bias, (length,)) for bias, length in bias_parts(plan, name)]:
                 found = self._shape(tensor)
                 if found != shape:
                     problems.append(f"{tensor}: the checkpoint has {list(found) if found else 'no such tensor'}, "
@@ -141,10 +167,11 @@ class HFWeights:
     def _range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Parameter ``name`` in dhelix's layout, restricted to ``start … stop-1`` along ``dim``."""
         parts, pieces, offset = hf_parts(self.plan, name), [], 0
-        for tensor, shape, transposed in parts:
+        biases = [bias for bias, _ in bias_parts(self.plan, name)] or [None] * len(parts)
+        for (tensor, shape, transposed), bias in zip(parts, biases, strict=True):
             ours = shape[::-1] if transposed else shape
             if len(parts) > 1 and dim != len(ours) - 1:  # replicated fused parts: read whole
-                pieces.append(self._whole(tensor, shape, transposed))
+                pieces.append(self._with_bias(self._whole(tensor, shape, transposed), bias, 0, shape[0]))
                 continue
             width = ours[dim]
             low, high = max(start, offset), min(stop, offset + width)
@@ -152,9 +179,16 @@ class HFWeights:
             if low < high:
                 hf_dim = len(ours) - 1 - dim if transposed else dim
                 piece = self._rows(tensor, hf_dim, low - (offset - width), high - (offset - width))
-                pieces.append(piece.t() if transposed else piece)
+                pieces.append(self._with_bias(piece.t() if transposed else piece, bias,
+                                              low - (offset - width), high - (offset - width)))
         joined = 1 if len(parts) > 1 else dim  # fused parts sit side by side along dhelix's columns
         return torch.cat(pieces, dim=joined) if len(pieces) > 1 else pieces[0].contiguous()
+
+    def _with_bias(self, piece: torch.Tensor, bias: str | None, start: int, stop: int) -> torch.Tensor:
+        """``piece`` (columns ``start … stop-1`` of a part) with its bias's as a last row."""
+        if bias is None:
+            return piece
+        return torch.cat((piece, self._rows(bias, 0, start, stop)[None]))
 
     def _whole(self, tensor, shape, transposed) -> torch.Tensor:
         piece = self._rows(tensor, 0, 0, shape[0])
@@ -201,13 +235,19 @@ def hf_state(plan, full: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[st
     """Hugging Face's state dict (in ``dtype``) of dhelix's full parameters ``full``."""
     state = {}
     for name in plan.names():
+        if plan.tied and name == LM_HEAD:  # the copy of the embedding: written once, as embed_tokens
+            continue
         offset, parts = 0, hf_parts(plan, name)
-        for tensor, shape, transposed in parts:
+        biases = [bias for bias, _ in bias_parts(plan, name)] or [None] * len(parts)
+        for (tensor, shape, transposed), bias in zip(parts, biases, strict=True):
             if len(parts) == 1:
                 piece = full[name]
             else:
                 piece = full[name].narrow(1, offset, shape[0])
                 offset += shape[0]
+            if bias is not None:  # the last row
+                state[bias] = piece[-1].to(dtype).contiguous()
+                piece = piece[:-1]
             state[tensor] = (piece.t() if transposed else piece).to(dtype).contiguous()
     return state
 

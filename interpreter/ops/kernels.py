@@ -129,24 +129,38 @@ def _layernorm_wgrad(grad, saved):
 
 # -- GEMMs -------------------------------------------------------------------------------
 
+#: What a gemm with a bias saves beside its input, so that its wgrad adds the bias row.
+_BIAS = "bias"
+
+
 def _gemm_forward(inputs, weight, ctx):
     """``x @ W`` with ``W`` ``[in, out]``: column- and row-parallel alike (the shard is the
-    weight); the row-parallel partial sums are reduced by the DAG's reduce_scatter."""
+    weight); the row-parallel partial sums are reduced by the DAG's reduce_scatter. A gemm
+    with ``bias = 1`` has ``W`` ``[in + 1, out]``, its last row the bias: ``x @ W[:in] + b``
+    (its weight is one row longer than the input has features)."""
     (x,) = inputs
+    if weight.shape[0] == x.shape[-1] + 1:
+        return torch.addmm(weight[-1], x, weight[:-1]), (x, _BIAS)
     return x @ weight, (x,)
 
 
 def _gemm_dgrad(grad, saved, weight):
-    return (grad @ weight.t(),)
+    return (grad @ (weight[:-1] if len(saved) > 1 else weight).t(),)
 
 
 def _gemm_wgrad(grad, saved):
-    (x,) = saved
+    x = saved[0]
+    if len(saved) > 1:  # the bias row: the output gradient summed over tokens
+        return torch.cat((x.t() @ grad, grad.sum(0, keepdim=True)))
     return x.t() @ grad
 
 
 def _gemm_wgrad_into(acc, grad, saved):
-    (x,) = saved
+    x = saved[0]
+    if len(saved) > 1:
+        acc[:-1].addmm_(x.t(), grad)
+        acc[-1] += grad.sum(0)
+        return
     acc.addmm_(x.t(), grad)
 
 

@@ -29,6 +29,14 @@ instantiated without model parallelism, the reference DAGs of the run's
 * the embedding ``[vocab, hidden]`` and the LM head ``[hidden, vocab]`` split the
   vocabulary over tp (Megatron's vocabulary-parallel layers).
 
+Tied embeddings (the model setting ``tie_embeddings = 1``: the LM head is the embedding's
+transpose, as Hugging Face's ``tie_word_embeddings``) are run as Megatron runs them: the LM
+head is a copy of the embedding (the same numbers, transposed: the same shard on each tp
+rank), and the two gradients are summed into both before anything reduces or reads them
+(:func:`tie_grads`), so the two copies take the same update and stay equal; the global norm
+counts the embedding once. The two must be on one pipeline rank (pp = 1, or fold u, whose
+rank 0 holds the first and the last layers): the check says so otherwise.
+
 A replicated weight used on sequence-parallel (tp-split) tokens gets a partial gradient on
 each tp rank; its :attr:`ShardSpec.grad_sum` names ``tp``, the axis over which the executor
 sums it (Megatron all-reduces the norm gradients the same way). With context parallelism
@@ -49,6 +57,7 @@ import torch
 from dhelix.dsl.core.mesh import Mesh, base_axis
 from dhelix.dsl.core.oplib import ROOTED_PART_OF
 from dhelix.dsl.core.program import LayerDag, Op, Program
+from dhelix.dsl.frontend.modelcheck import TIE_SETTING
 
 EMBEDDING, FINAL_NORM, LM_HEAD = "embedding", "final_norm", "lm_head"
 #: The torch dtype of each dtype of :data:`dhelix.dsl.core.dtypes.DTYPES` that runs here
@@ -64,6 +73,19 @@ class ShardingError(ValueError):
 def param_name(layer: int, op: str) -> str:
     """The name of the weight of op ``op`` in layer ``layer`` (0-based, model order)."""
     return f"layers.{layer}.{op}"
+
+
+def tied_embeddings(program: Program) -> bool:
+    """Whether ``program``'s LM head is its embedding's transpose (``tie_embeddings = 1``)."""
+    return program.model.get(TIE_SETTING, 0) == 1
+
+
+def tie_grads(grads: dict) -> None:
+    """Sum the gradients of the tied embedding and LM head into both, in place (``grads``
+    keyed by parameter name; nothing when it does not hold both)."""
+    if EMBEDDING in grads and LM_HEAD in grads:
+        total = grads[EMBEDDING] + grads[LM_HEAD].t()
+        grads[EMBEDDING], grads[LM_HEAD] = total, total.t().contiguous()
 
 
 def torch_dtype(program: Program) -> torch.dtype:
@@ -152,6 +174,9 @@ def _op_spec(op: Op, full_op: Op, fwd: LayerDag, full_fwd: LayerDag, mesh: Mesh)
         raise ShardingError(f"gemm {op.name} both reads an all_gather and feeds a reduce_scatter over "
                             "tp: it cannot be both column- and row-parallel")
     if row:
+        if dict(op.params).get("bias"):
+            raise ShardingError(f"gemm {op.name} is row-parallel (it feeds a reduce_scatter over tp) and has a "
+                                "bias, which every tp rank's partial sum would add once")
         return ShardSpec(full, init, 0, "tp", (full[0],))
     if column:
         return ShardSpec(full, init, 1, "tp", _column_blocks(op, full[1], fwd, full_fwd))
@@ -272,6 +297,8 @@ class WeightPlan:
 
             reference = reference_dags(program)
         self.program, self.seed = program, seed
+        #: Whether the LM head is the embedding's transpose (:func:`tied_embeddings`).
+        self.tied = tied_embeddings(program)
         self.full_forward, self.full_backward = reference
         self.layer_specs = layer_specs(program, self.full_forward)
         self.model_specs = model_specs(program)
@@ -306,6 +333,11 @@ class WeightPlan:
         """The full (unsharded) value of parameter ``name``."""
         if self.source is not None:
             return self.source.full(name).to(dtype)
+        if self.tied and name == LM_HEAD:
+            return self.full(EMBEDDING, dtype).t().contiguous()
+        if self.tied and name == EMBEDDING:  # it is the LM head too: scaled as a matrix, N(0, 1/hidden)
+            spec = self.spec(name)
+            return (init_full(spec, param_seed(self.seed, name)) * spec.full[1] ** -0.5).to(dtype)
         return init_full(self.spec(name), param_seed(self.seed, name)).to(dtype)
 
     def shard(self, name: str, index: Mapping[str, int], dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -12,7 +12,8 @@ What is saved is layout-free: every parameter and both AdamW moments under the p
 full (unsharded) name and shape, gathered from the shards on global rank 0
 (:func:`.harness.gather_full`) and written there by DCP (``no_dist``), with the step, the
 seed, the global batch size (the data position is the step: step k reads the k-th global
-batch) and the torch RNG state. Loading reads the full tensors on every rank and keeps its
+batch; a data blend's position, where each source stands, is stored beside it) and the
+torch RNG state. Loading reads the full tensors on every rank and keeps its
 own shard (:meth:`.weights.ShardSpec.take`), so a run saved with tp 2 × pp 2 resumes on one
 rank or on dp 2. The shards are gathered rather than saved in place because a
 column-parallel weight's shard is several non-contiguous blocks of the full tensor
@@ -74,11 +75,14 @@ def saves_in(root: Path) -> list[Path]:
 
 
 def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequences: int,
-         schedule: dict | None = None, keep: int = 1, program: dict | None = None) -> Path | None:
+         schedule: dict | None = None, keep: int = 1, program: dict | None = None,
+         data: dict | None = None) -> Path | None:
     """Save the run after ``step`` steps under ``root``, keeping the ``keep`` newest saves;
     returns the new save's folder on global rank 0 (None elsewhere). ``schedule`` (the
     learning-rate schedule's settings) is stored beside the seed, for a resume to compare;
-    ``program`` (its ``path`` and ``text``), so that ``dhelix generate CK`` needs nothing else.
+    ``program`` (its ``path`` and ``text``), so that ``dhelix generate CK`` needs nothing else;
+    ``data``, a data blend's sources and position (:func:`.data.saved_data`; None: the step is
+    the data position).
     Collective over the world. OutputError when it cannot be written (the partial save is
     removed; the last good one is kept and named)."""
     state = _full_state(executor, optimizer)
@@ -93,6 +97,8 @@ def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequenc
             "shapes": {name: list(t.shape) for name, t in state["model"].items()}}
     if program is not None:
         meta["program"] = program
+    if data is not None:
+        meta["data"] = data
     try:
         root_path.mkdir(parents=True, exist_ok=True)
         _remove_stale(root_path)

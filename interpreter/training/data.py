@@ -24,6 +24,13 @@ tp, pp, cp, ep and schedule, and DP replica d takes micro-batches ``[d·m, (d+1)
 (:func:`.harness.replica_batch`). Without data the batches are seeded random tokens
 (:func:`.reference.make_batch`), layout-independent the same way.
 
+A blend of several sources (``--data 0.7:a/ 0.3:b.npy``, :class:`Blend`) packs and holds out
+each source apart; training sample ``j`` comes from the source :func:`.blend.pick` names, and
+is that source's ``c``-th window in its own seeded epoch order (``c``: what the source gave
+before). The blend's position (``j`` and every ``c``) is stored in a checkpoint and restored
+on ``--resume`` (:meth:`DataSource.position`, :meth:`DataSource.restore`); the held-out batch
+mixes the sources' held-out windows by the same weights.
+
 torch only (no NumPy, which the CPU build of torch may lack).
 """
 
@@ -41,6 +48,7 @@ from dhelix.dsl.core.program import Program
 
 from dhelix.interpreter.verify.reference import Batch, make_batch
 
+from .blend import advance, normalised, parse_items, pick
 from .tokenfiles import TOKEN_SUFFIXES, TokenFileError, is_token_file, read_token_file
 
 #: The fraction of the token stream held out for evaluation (its tail).
@@ -69,14 +77,49 @@ class DataSpec:
         return DataError(f"{message}{where}", self.span, list(notes))
 
 
-def data_spec(program: Program, program_path: str, override: str | None = None,
-              flag: str | None = None, tokenizer: str | None = None) -> DataSpec | None:
+@attrs.frozen
+class Blend:
+    """Several sources drawn by weight (``--data 0.7:a/ 0.3:b.npy``): ``sources`` (DataSpecs)
+    and their ``weights`` as given (None: by their sizes, known once they are read)."""
+
+    sources: tuple[DataSpec, ...]
+    weights: tuple[float, ...] | None = None
+
+    @property
+    def flag(self) -> str | None:
+        """Where the blend was given (its sources' flag)."""
+        return self.sources[0].flag
+
+    @property
+    def span(self) -> None:
+        """A blend is written on the command line only."""
+        return None
+
+    @property
+    def path(self) -> str:
+        """The sources' paths, for messages."""
+        return " ".join(source.path for source in self.sources)
+
+    def describe(self) -> dict:
+        """What a checkpoint stores to recognise the blend: its paths and weights."""
+        return {"sources": [source.path for source in self.sources],
+                "weights": None if self.weights is None else list(self.weights)}
+
+
+def data_spec(program: Program, program_path: str, override=None,
+              flag: str | None = None, tokenizer: str | None = None) -> DataSpec | Blend | None:
     """The run's data: ``override`` (relative to the working folder; ``flag`` names where
-    it was given) or the train block's ``data`` (relative to the program file); None for
-    random tokens. ``tokenizer`` is a ``tokenizer.json`` for its text (None: byte-level)."""
+    it was given: a path, or a list of ``[WEIGHT:]PATH`` items, :func:`.blend.parse_items`,
+    several of which make a :class:`Blend`) or the train block's ``data`` (relative to the
+    program file); None for random tokens. ``tokenizer`` is a ``tokenizer.json`` for its
+    text (None: byte-level). UsageError for a malformed item or bad weights."""
     tokenizer = str(Path(tokenizer).resolve()) if tokenizer else None
     if override is not None:
-        return DataSpec(str(Path(override).resolve()), flag=flag, tokenizer=tokenizer)
+        items = parse_items([override] if isinstance(override, str) else list(override), flag or "data")
+        sources = tuple(DataSpec(str(Path(item.path).resolve()), flag=flag, tokenizer=tokenizer) for item in items)
+        if len(sources) == 1:  # a weight of its own changes nothing (parse_items refused 0)
+            return sources[0]
+        return Blend(sources, None if items[0].weight is None else tuple(item.weight for item in items))
     if program.train.data is None:
         return None
     path = (Path(program_path).resolve().parent / program.train.data).resolve()
@@ -122,9 +165,11 @@ def _files(spec: DataSpec) -> list[Path]:
     return files
 
 
-def data_files(spec: DataSpec) -> list[Path]:
-    """The files the data of ``spec`` is read from (what an output must never overwrite);
-    DataError when there are none."""
+def data_files(spec: DataSpec | Blend) -> list[Path]:
+    """The files the data of ``spec`` (a source or a blend) is read from (what an output
+    must never overwrite); DataError when a source has none."""
+    if isinstance(spec, Blend):
+        return [path for source in spec.sources for path in _files(source)]
     return _files(spec)
 
 
@@ -147,7 +192,7 @@ def short_data(spec: DataSpec, corpus: "Corpus", global_sequences: int) -> Dheli
     """A warning when the training part of the data holds fewer sequences than one step's
     global batch (every step then repeats the same few), located like the data's errors;
     None otherwise."""
-    count = corpus.train.shape[0]
+    count = training_sequences(corpus)
     if count >= global_sequences:
         return None
     where = f" (given by {spec.flag})" if spec.flag else ""
@@ -180,26 +225,60 @@ class Corpus:
     held_out: torch.Tensor
 
 
-def load_corpus(spec: DataSpec, vocab: int, seq: int, evaluation: DataSpec | None = None) -> Corpus:
+@attrs.frozen
+class BlendedCorpus:
+    """A blend's sources read: each one's Corpus (``parts``), the ``weights`` normalised to sum
+    to 1, and ``evaluation``: the ``--eval-data`` windows (None: each part's held-out ones)."""
+
+    parts: tuple[Corpus, ...]
+    weights: tuple[float, ...]
+    evaluation: torch.Tensor | None = None
+
+
+def training_sequences(corpus: Corpus | BlendedCorpus) -> int:
+    """How many training windows ``corpus`` holds (every source's, for a blend)."""
+    if isinstance(corpus, BlendedCorpus):
+        return sum(part.train.shape[0] for part in corpus.parts)
+    return corpus.train.shape[0]
+
+
+def load_corpus(spec: DataSpec | Blend, vocab: int, seq: int,
+                evaluation: DataSpec | None = None) -> Corpus | BlendedCorpus:
     """Read, tokenize, split and pack the data of ``spec``; DataError when it cannot be
     used (no file, nothing in it, too short for one window in each part). With
     ``evaluation`` (``--eval-data``) all of ``spec`` is trained on and the held-out windows
-    are ``evaluation``'s."""
+    are ``evaluation``'s. A blend's sources are each split and packed alone."""
     window = seq + 1
-    stream = _stream(spec, vocab)
+    held_out = None
     if evaluation is not None:
-        held_out = _stream(evaluation, vocab)
-        for part, tokens in ((spec, stream), (evaluation, held_out)):
-            if tokens.numel() < window:
-                raise part.error(f"the data '{part.path}' has {tokens.numel()} tokens: too short for one sequence "
-                                 f"of seq + 1 = {window}")
-        return Corpus(_pack(stream, window), _pack(held_out, window))
+        held_out = _pack(_long_enough(evaluation, _stream(evaluation, vocab), window), window)
+    if isinstance(spec, Blend):
+        parts = tuple(_source_corpus(source, vocab, window, held_out) for source in spec.sources)
+        weights = spec.weights or tuple(float(part.train.shape[0]) for part in parts)
+        return BlendedCorpus(parts, normalised(weights), held_out)
+    return _source_corpus(spec, vocab, window, held_out)
+
+
+def _source_corpus(spec: DataSpec, vocab: int, window: int, held_out: torch.Tensor | None) -> Corpus:
+    """One source's Corpus: all of it trained on beside the given ``held_out`` windows, or
+    split into a training part and a held-out tail."""
+    stream = _stream(spec, vocab)
+    if held_out is not None:
+        return Corpus(_pack(_long_enough(spec, stream, window), window), held_out)
     held = max(window, math.ceil(HELD_OUT * stream.numel()))
     if stream.numel() - held < window:
         raise spec.error(f"the data '{spec.path}' has {stream.numel()} tokens: too short for sequences of "
-                         f"{seq} (it needs at least {window + held} tokens: one training sequence of seq + 1 "
+                         f"{window - 1} (it needs at least {window + held} tokens: one training sequence of seq + 1 "
                          f"and a held-out tail of {held})")
     return Corpus(_pack(stream[:-held], window), _pack(stream[-held:], window))
+
+
+def _long_enough(spec: DataSpec, tokens: torch.Tensor, window: int) -> torch.Tensor:
+    """``tokens``; DataError when they are too few for one window."""
+    if tokens.numel() < window:
+        raise spec.error(f"the data '{spec.path}' has {tokens.numel()} tokens: too short for one sequence "
+                         f"of seq + 1 = {window}")
+    return tokens
 
 
 def _stream(spec: DataSpec, vocab: int) -> torch.Tensor:
@@ -217,8 +296,9 @@ def _pack(tokens: torch.Tensor, window: int) -> torch.Tensor:
     return tokens[:count * window].reshape(count, window)
 
 
-def _epoch_order(seed: int, epoch: int, count: int) -> torch.Tensor:
-    digest = hashlib.sha256(f"dhelix/data/{seed}/{epoch}".encode()).digest()
+def _epoch_order(seed: int, epoch: int, count: int, source: int | None = None) -> torch.Tensor:
+    key = f"dhelix/data/{seed}/{epoch}" if source is None else f"dhelix/data/{seed}/source-{source}/{epoch}"
+    digest = hashlib.sha256(key.encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
     return torch.randperm(count, generator=gen)
 
@@ -226,13 +306,17 @@ def _epoch_order(seed: int, epoch: int, count: int) -> torch.Tensor:
 class DataSource:
     """The global batch of every step and the held-out batch, for ``program`` with ``dp``
     replicas (:meth:`global_sequences` sequences a step); ``corpus`` None gives random
-    tokens seeded by ``seed + step``."""
+    tokens seeded by ``seed + step``; a BlendedCorpus draws its sources by weight."""
 
-    def __init__(self, program: Program, dp: int, seed: int, corpus: Corpus | None = None):
+    def __init__(self, program: Program, dp: int, seed: int, corpus: Corpus | BlendedCorpus | None = None):
         self.program, self.seed, self.corpus = program, seed, corpus
         self.count = program.train.microbatches * dp
         self.shape = (self.count, program.train.micro_batch, program.model.get("seq"))
         self._orders: dict[int, torch.Tensor] = {}
+        #: A blend's position: the next sample and what each source gave before it.
+        self._sample, self._counts = 0, [0] * len(corpus.parts) if isinstance(corpus, BlendedCorpus) else []
+        #: A blend's epoch orders: source → (epoch, order).
+        self._source_orders: dict[int, tuple[int, torch.Tensor]] = {}
 
     @property
     def global_sequences(self) -> int:
@@ -243,6 +327,8 @@ class DataSource:
         """The global batch of step ``step`` (0-based over the whole training run)."""
         if self.corpus is None:
             return make_batch(self.program, self.seed + step, self.count)
+        if isinstance(self.corpus, BlendedCorpus):
+            return self._shaped(self._blended(step))
         n, size = self.corpus.train.shape[0], self.global_sequences
         rows = []
         for sample in range(step * size, (step + 1) * size):
@@ -252,15 +338,100 @@ class DataSource:
             rows.append(self.corpus.train[self._orders[epoch][sample % n]])
         return self._shaped(torch.stack(rows))
 
+    def sources_of(self, step: int) -> list[int]:
+        """For a blend: which source each sequence of step ``step``'s global batch comes from
+        (in the batch's order); what :meth:`batch` draws, without reading the windows."""
+        start = step * self.global_sequences
+        counts, found = self._counts_at(start), []
+        for sample in range(start, start + self.global_sequences):
+            found.append(pick(self.corpus.weights, sample, counts))
+            counts[found[-1]] += 1
+        return found
+
+    def position(self) -> dict | None:
+        """Where a blend stands (the next sample and each source's count), for a checkpoint;
+        None for one source or none (its position is the step)."""
+        if not isinstance(self.corpus, BlendedCorpus):
+            return None
+        return {"sample": self._sample, "counts": list(self._counts)}
+
+    def restore(self, position: dict | None) -> bool:
+        """Continue a blend from ``position`` (what :meth:`position` returned when the
+        checkpoint was saved); returns whether it was taken (it is not for one source, nor
+        when it has another number of sources: the blend then replays to the step)."""
+        if not isinstance(self.corpus, BlendedCorpus) or not position:
+            return False
+        counts = position.get("counts")
+        if not isinstance(counts, list) or len(counts) != len(self._counts):
+            return False
+        self._sample, self._counts = int(position["sample"]), [int(c) for c in counts]
+        return True
+
+    def _counts_at(self, sample: int) -> list[int]:
+        """Each source's count at blend sample ``sample``: from the position when it is there
+        or behind it, else replayed from the start."""
+        if sample >= self._sample:
+            return advance(self.corpus.weights, self._sample, self._counts, sample)
+        return advance(self.corpus.weights, 0, [0] * len(self._counts), sample)
+
+    def _blended(self, step: int) -> torch.Tensor:
+        """The windows of step ``step`` from a blend, moving its position past them."""
+        start = step * self.global_sequences
+        counts, rows = self._counts_at(start), []
+        for sample in range(start, start + self.global_sequences):
+            source = pick(self.corpus.weights, sample, counts)
+            rows.append(self._window(source, counts[source]).long())
+            counts[source] += 1
+        self._sample, self._counts = start + self.global_sequences, counts
+        return torch.stack(rows)
+
+    def _window(self, source: int, index: int) -> torch.Tensor:
+        """The ``index``-th training window source ``source`` gives: its own seeded order,
+        epoch after epoch."""
+        windows = self.corpus.parts[source].train
+        n = windows.shape[0]
+        epoch = index // n
+        if self._source_orders.get(source, (None,))[0] != epoch:
+            self._source_orders[source] = (epoch, _epoch_order(self.seed, epoch, n, source))
+        return windows[self._source_orders[source][1][index % n]]
+
     def held_out(self) -> Batch:
         """The evaluation batch: the held-out windows in order (repeated to fill a global
-        batch when there are fewer); random tokens seeded apart from training without data."""
+        batch when there are fewer; a blend's sources mixed by their weights); random tokens
+        seeded apart from training without data."""
         if self.corpus is None:
             return make_batch(self.program, self.seed - 1, self.count)
-        windows, size = self.corpus.held_out, self.global_sequences
+        size = self.global_sequences
+        if isinstance(self.corpus, BlendedCorpus) and self.corpus.evaluation is None:
+            counts, rows = [0] * len(self.corpus.parts), []
+            for sample in range(size):
+                source = pick(self.corpus.weights, sample, counts)
+                windows = self.corpus.parts[source].held_out
+                rows.append(windows[counts[source] % windows.shape[0]].long())
+                counts[source] += 1
+            return self._shaped(torch.stack(rows))
+        windows = self.corpus.evaluation if isinstance(self.corpus, BlendedCorpus) else self.corpus.held_out
         index = torch.arange(size) % windows.shape[0]
         return self._shaped(windows[index])
 
     def _shaped(self, windows: torch.Tensor) -> Batch:
         tokens = windows.long().reshape(*self.shape[:2], -1)
         return Batch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous())
+
+
+def saved_data(spec, source: DataSource) -> dict | None:
+    """What a checkpoint stores about the data of ``spec``: a blend's sources, weights and
+    position (``source``'s); None for one source or none (the position is the step)."""
+    position = source.position()
+    if position is None or not isinstance(spec, Blend):
+        return None
+    return {"blend": spec.describe(), "position": position}
+
+
+def resume_data(spec, saved: dict | None, source: DataSource) -> bool:
+    """Continue ``source`` from the position a checkpoint stored (``saved``, what
+    :func:`saved_data` returned) when its blend is ``spec``; returns whether it did (a
+    changed blend replays its order from the first step with the new weights)."""
+    if not isinstance(spec, Blend) or not saved or saved.get("blend") != spec.describe():
+        return False
+    return source.restore(saved.get("position"))

@@ -83,6 +83,7 @@ from torch.optim.adamw import adamw
 
 from dhelix.dsl.passes.fsdp import replicas_substituted
 from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device
+from dhelix.interpreter.ops.weights import LM_HEAD
 
 
 @attrs.frozen
@@ -124,7 +125,8 @@ def norm_weights(plan, comm: Communicator, names, flat=None) -> dict[str, float]
     """For each of this rank's parameter ``names``, one over the number of ranks in the
     world that hold the same elements (the same shard of the same parameter; under ZeRO-3
     the same dp piece, ``flat`` being the run's :class:`~.fsdp.FlatShards`); collective over
-    the world. ``plan`` is the run's :class:`~.weights.WeightPlan`."""
+    the world; 0 for a tied LM head (a copy of the embedding, counted there). ``plan`` is
+    the run's :class:`~.weights.WeightPlan`."""
     import torch.distributed as dist
 
     def pieces(name: str) -> int:  # a layer weight is cut in dp (or shard) pieces under ZeRO-3
@@ -145,7 +147,8 @@ def norm_weights(plan, comm: Communicator, names, flat=None) -> dict[str, float]
         on_device = counts.to(collective_device())  # NCCL has no CPU collectives
         dist.all_reduce(on_device)
         counts = on_device.cpu()
-    return {name: 1.0 / float(counts[index[key]]) for name, key in mine.items()}
+    copies = {LM_HEAD} if plan.tied else set()
+    return {name: 0.0 if name in copies else 1.0 / float(counts[index[key]]) for name, key in mine.items()}
 
 
 class _Bucket:

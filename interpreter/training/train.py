@@ -143,7 +143,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     from dhelix.interpreter.ops.comm import DistComm
     from dhelix.interpreter.execute.executor import Executor
     from dhelix.interpreter.verify.harness import broadcast_from_first, check_steps
-    from .data import DataSource, load_corpus
+    from .data import DataSource, load_corpus, resume_data
     from .optim import AdamWConfig, for_executor
     from dhelix.interpreter.execute.recording import Recorder
 
@@ -175,7 +175,9 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     if options.resume is not None:
         from .checkpoint import load
 
-        start = load(options.resume, executor, optimizer, source.global_sequences)["step"]
+        meta = load(options.resume, executor, optimizer, source.global_sequences)
+        start = meta["step"]
+        resume_data(options.data, meta.get("data"), source)
     losses, times, evals, skipped = _steps(options, executor, optimizer, device, source, start)
     optimizer.settle()  # the last step's weight gathers, when they run under the next forward
     if options.export is not None:
@@ -257,10 +259,12 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
             if options.save and (step + 1 == options.steps or (
                     options.save_every and (step + 1) % options.save_every == 0)):
                 from .checkpoint import save
+                from .data import saved_data
 
                 save(options.save, executor, optimizer, step=step + 1, seed=options.seed,
                      global_sequences=source.global_sequences, schedule=options.schedule(), keep=options.keep,
-                     program={"path": os.path.abspath(options.path), "text": options.compiled.text})
+                     program={"path": os.path.abspath(options.path), "text": options.compiled.text},
+                     data=saved_data(options.data, source))
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             step_ms=f"{1e3 * times['step'][-1]:.1f}")
     bar.close()

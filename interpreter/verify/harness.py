@@ -25,7 +25,7 @@ from dhelix.dsl.core.program import Program
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, collective_device
 from .reference import Batch, ReferenceModel, make_batch
-from dhelix.interpreter.ops.weights import WeightPlan
+from dhelix.interpreter.ops.weights import EMBEDDING, LM_HEAD, WeightPlan
 
 
 @attrs.frozen
@@ -143,7 +143,7 @@ def reference_with(program: Program, params: Mapping[str, torch.Tensor], batch: 
             model.params[name].copy_(value)
     loss = model(batch)
     loss.backward()
-    return loss.detach(), {name: p.grad for name, p in model.params.items()}
+    return loss.detach(), model.grads()
 
 
 def compare(step: int, loss: float, grads: Mapping[str, torch.Tensor], reference) -> StepCheck:
@@ -167,7 +167,7 @@ def check_steps(executor, optimizer, steps: int, data=0, lr_of=None) -> list[Ste
     must call it."""
     program, comm, plan, flat = executor.program, executor.comm, executor.weights, executor.flat
     batch_of = data if callable(data) else (lambda step: global_batch(program, data + step))
-    checks, shadow = [], _ShadowAdamW(optimizer.config) if comm.rank == 0 else None
+    checks, shadow = [], _ShadowAdamW(optimizer.config, plan.tied) if comm.rank == 0 else None
     # A step's update is checked once its weights are read: after the next step has run its
     # forward (the executor never writes its weights, but with ZeRO-1's gathers under the
     # forward they land there), after the last step once every gather has.
@@ -202,8 +202,10 @@ class _ShadowAdamW:
     """torch.optim.AdamW on full parameters, fed the distributed run's gathered weights and
     averaged gradients, to check the distributed update."""
 
-    def __init__(self, config):
-        self.config, self.params, self.optimizer = config, None, None
+    def __init__(self, config, tied: bool = False):
+        # A tied LM head is a copy of the embedding: the norm counts it once, as torch's
+        # clip_grad_norm_ on the one tied parameter does.
+        self.config, self.params, self.optimizer, self.tied = config, None, None, tied
 
     def diff(self, params, grads, updated, lr: float) -> tuple[float, float]:
         """Largest difference between ``updated`` and AdamW with learning rate ``lr`` applied
@@ -220,7 +222,10 @@ class _ShadowAdamW:
                 param.copy_(params[name])
                 param.grad = grads[name].float().clone()
         clip = self.config.clip if self.config.clip is not None else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), clip, foreach=False))
+        counted = [p for name, p in self.params.items() if not (self.tied and name == LM_HEAD)]
+        norm = float(torch.nn.utils.clip_grad_norm_(counted, clip, foreach=False))
+        if self.tied and LM_HEAD in self.params:  # scaled as the embedding was
+            self.params[LM_HEAD].grad.copy_(self.params[EMBEDDING].grad.t())
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

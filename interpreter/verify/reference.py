@@ -22,7 +22,7 @@ from dhelix.dsl.core.oplib import ROPE_SCALING
 from dhelix.dsl.core.program import LayerDag, Program
 
 from dhelix.interpreter.ops.kernels import norm_eps
-from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name
+from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, tie_grads
 
 
 @attrs.frozen
@@ -99,6 +99,11 @@ def _unpermute(y, scores, top_k):
     return (by_pair * probs[..., None]).sum(1)
 
 
+def _gemm(x, weight):
+    # With a bias the weight has one more row than x has features: the bias.
+    return x @ weight[:-1] + weight[-1] if weight.shape[0] == x.shape[-1] + 1 else x @ weight
+
+
 def _grouped_gemm(x, weight, routing):
     return torch.cat([rows @ w for rows, w in zip(x.split(routing["counts"]), weight, strict=True)])
 
@@ -120,7 +125,7 @@ def _swiglu(args, weight, params, micro_batch, routing):
 _OPS = {
     "rmsnorm": _rmsnorm,
     "layernorm": _layernorm,
-    "gemm": lambda args, weight, *_: args[0] @ weight,
+    "gemm": lambda args, weight, *_: _gemm(args[0], weight),
     "router": lambda args, weight, *_: torch.softmax(args[0] @ weight, dim=-1),
     "grouped_gemm": lambda args, weight, params, mb, routing: _grouped_gemm(args[0], weight, routing),
     "attention": lambda args, weight, params, mb, routing: _attention(args[0], params, mb),
@@ -165,6 +170,15 @@ class ReferenceModel(torch.nn.Module):
             param = torch.nn.Parameter(self.plan.full(name, dtype))
             self.register_parameter(name.replace(".", "__"), param)
             self.params[name] = param
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient after a backward, keyed by parameter name; a tied LM
+        head's summed with the embedding's into both (:func:`~.weights.tie_grads`), as the
+        interpreter keeps them."""
+        grads = {name: p.grad for name, p in self.params.items()}
+        if self.plan.tied:
+            tie_grads(grads)
+        return grads
 
     def layer_weights(self, layer: int) -> dict[str, torch.Tensor]:
         """Layer ``layer``'s parameters keyed by op name."""
@@ -211,4 +225,4 @@ def reference_step(program: Program, batch: Batch, seed: int = 0,
     model = ReferenceModel(program, seed, dtype)
     loss = model(batch)
     loss.backward()
-    return loss.detach(), {name: p.grad for name, p in model.params.items()}
+    return loss.detach(), model.grads()
