@@ -133,19 +133,23 @@ def test_a_relaxed_simulation_bounds_the_step_and_has_its_memory(tiny):
     from dhelix.dsl.simulator.events import has_si, simulate
 
     pricer, space = tiny
-    checked = 0
+    checked = relaxed_partitions = 0
     for choice in list(space.choices())[::5]:
         result = pricer.price(choice)
         if not isinstance(result, Priced):
             continue
         program = pricer.checked(choice)
+        if program.partition is not None:  # before the planner's choices: every layer pass relaxed
+            loose = simulate(program, costs=relaxed_costs(program, pricer.cost, layers=True))
+            assert loose.step_time <= result.seconds * (1 + 1e-9), choice.describe()
+            relaxed_partitions += 1
         if not has_si(program):
             continue
         relaxed = simulate(program, costs=relaxed_costs(program, pricer.cost))
         assert relaxed.step_time <= result.seconds * (1 + 1e-9), choice.describe()
         assert [r.memory for r in relaxed.ranks] == pytest.approx([r.memory for r in result.sim.ranks], rel=1e-12)
         checked += 1
-    assert checked > 5
+    assert checked > 5 and relaxed_partitions > 5
 
 
 def test_a_generated_partition_prints_checks_and_runs_exactly(tiny, tmp_path):

@@ -23,6 +23,7 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, DhelixError, first_message
 from dhelix.dsl.core.plan import Plan
+from dhelix.dsl.core.oplib import in_weight_pass, selective_drops
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.passes import pipeline as passes
@@ -33,7 +34,7 @@ from dhelix.dsl.search.bound import Bound, layout_bound
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, for_schedule, generated_partition, writes_si
 from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.search.variant import apply_choice
-from dhelix.dsl.simulator.costs import StepCosts, Work, si_backward, step_costs
+from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, si_backward, step_costs
 from dhelix.dsl.simulator.events import Simulation, has_si, simulate
 from dhelix.dsl.simulator.launch import make_choices
 from dhelix.dsl.simulator.memory import GB
@@ -278,11 +279,11 @@ class Pricer:
             program = self.checked(choice)
             launch = program.train.launch is not None or program.train.launch_backward is not None
             if program.partition is not None or launch:
-                if cutoff is not None and not launch and has_si(program):
-                    # Chains whole, substitutions undone: no lane has less work (see
-                    # dsl.search.partitions), so this bounds the step of any choice the
-                    # planner makes, before it makes them.
-                    relaxed = simulate(program, costs=relaxed_costs(program, self.cost), trace=False)
+                if cutoff is not None and not launch:
+                    # Chains whole, substitutions undone, every layer pass at its busiest
+                    # lane: a bound of the step of any choice the planner makes, before it
+                    # makes them (the counts settled by the step simulate it several times).
+                    relaxed = simulate(program, costs=relaxed_costs(program, self.cost, layers=True), trace=False)
                     if relaxed.step_time > cutoff:
                         return Pruned(choice, relaxed.step_time)
                 program = self.chosen(program, choice.layout)
@@ -308,14 +309,33 @@ class Pricer:
 _LAYER_CHOICES = ("substituted", "chunk_counts", "group_orders", "backward_first")
 
 
-def relaxed_costs(program: Program, cost: PairCost) -> StepCosts:
+def relaxed_costs(program: Program, cost: PairCost, layers: bool = False) -> StepCosts:
     """The program's step costs with every SI layer pair at a lower bound of its plan: the
     busiest lane's work of the two layers (:meth:`PairCost.lane_work`), after what the
     backward runs again. Simulated, they give a lower bound of the step with any plan (the
-    simulator only delays an action for a longer one before it)."""
+    simulator only delays an action for a longer one before it). With ``layers``, every
+    layer pass alone and what it runs again is at its busiest lane's work too: a lower bound
+    of the step whatever chunk counts and substitutions the planner then chooses, none of
+    which lessens a lane's work (:mod:`dhelix.dsl.search.partitions`)."""
     costs = step_costs(program, None, cost)
-    pair = costs.layer.again + Work(max(cost.lane_work(program.forward.ops + si_backward(program).ops)))
-    return attrs.evolve(costs, layer=attrs.evolve(costs.layer, pair=pair))
+    layer = costs.layer
+    if layers:
+        def lane(ops) -> Work:
+            ops = tuple(ops)
+            return Work(max(cost.lane_work(ops))) if ops else NOTHING
+
+        forward, backward = program.forward.ops, program.backward.ops
+        again, recompute = NOTHING, program.train.recompute
+        if recompute == "full":
+            again = lane(forward)
+        elif recompute == "selective":
+            dropped = set(selective_drops(forward, backward))
+            again = lane(op for op in forward if op.name in dropped)
+        layer = attrs.evolve(layer, forward=lane(forward), backward=again + lane(backward), again=again,
+                             backward_input=again + lane(op for op in backward if not in_weight_pass(op)),
+                             weight=lane(op for op in backward if in_weight_pass(op)))
+    pair = layer.again + Work(max(cost.lane_work(program.forward.ops + si_backward(program).ops)))
+    return attrs.evolve(costs, layer=attrs.evolve(layer, pair=pair))
 
 
 @attrs.define
