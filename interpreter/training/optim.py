@@ -24,12 +24,11 @@ Before the update the gradients may be clipped to a global norm (``AdamWConfig.c
 full model once, so each rank weighs its squared gradients by one over the number of ranks
 that hold the same elements (:func:`norm_weights`: tp-replicated norms are held by every tp
 rank, a pipeline stage's weights by its rank only, a ZeRO-1 slice by one replica) and the
-weighted sums are added over the world. The learning rate of each update comes from
-:func:`lr_at` (linear warm-up, then cosine decay), passed to :meth:`DistributedAdamW.step`.
-The update itself is torch's AdamW (``torch.optim.adamw.adamw``), its fused kernel over each
-bucket's fp32 tensors (benchmarks/optimizer_step.py measures it against the per-tensor loop
-it replaced). The schedule stays :func:`lr_at`: torch's schedulers drive a
-``torch.optim.Optimizer``'s groups and compute the cosine recursively, which rounds differently.
+weighted sums are added over the world. The learning rate of each update is passed to
+:meth:`DistributedAdamW.step` (the training loop reads it from :class:`~.schedule.LRSchedule`,
+torch's schedulers). The update itself is torch's AdamW (``torch.optim.adamw.adamw``), its
+fused kernel over each bucket's fp32 tensors (benchmarks/optimizer_step.py measures it
+against the per-tensor loop it replaced).
 
 Both compute the same numbers; the average over replicas matches the reference model, whose
 loss is the mean over all micro-batches of all replicas.
@@ -98,26 +97,6 @@ class AdamWConfig:
     #: Keep fp32 master weights (Megatron's mixed precision: bf16 parameters are copies of
     #: them); False updates the parameters in their own dtype ("pure" bf16).
     master: bool = True
-
-
-#: The cosine decay ends at this fraction of the peak learning rate.
-MIN_LR_RATIO = 0.1
-
-
-def lr_at(step: int, peak: float, warmup: int, total: int | None) -> float:
-    """The learning rate of update ``step`` (0-based): linear warm-up from ``peak / warmup``
-    to ``peak`` over the first ``warmup`` updates, then cosine decay reaching
-    ``MIN_LR_RATIO · peak`` at the last of ``total`` updates (``step = total - 1``; None:
-    constant after the warm-up). The same numbers as torch's ``SequentialLR(LinearLR,
-    CosineAnnealingLR(T_max = total - warmup - 1))`` (tested)."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    if total is None or total <= warmup:
-        return peak
-    span = total - 1 - warmup
-    progress = 1.0 if span <= 0 else min(step - warmup, span) / span
-    low = MIN_LR_RATIO * peak
-    return low + (peak - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def norm_weights(plan, comm: Communicator, names, flat=None) -> dict[str, float]:

@@ -113,11 +113,12 @@ class RunOptions:
         return {"lr": self.lr, "warmup": self.warmup, "decay": "cosine" if self.decay else "constant",
                 "steps": self.steps, "weight_decay": self.weight_decay, "clip": self.clip}
 
-    def lr_of(self, step: int) -> float:
-        """The learning rate of update ``step`` (0-based)."""
-        from .optim import lr_at
+    def lr_schedule(self, start: int = 0):
+        """The learning-rate schedule (:class:`~.schedule.LRSchedule`, torch's schedulers)
+        positioned at update ``start`` (0-based; a resumed run's checkpoint step)."""
+        from .schedule import LRSchedule
 
-        return lr_at(step, self.lr, self.warmup, self.steps if self.decay else None)
+        return LRSchedule.at(start, self.lr, self.warmup, self.steps if self.decay else None)
 
 
 def preflight(program, reference=None) -> None:
@@ -169,7 +170,8 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     recorder.origin = time.perf_counter()
     if options.check:
         # The reference is compared on rank 0: its comparisons are the verdict.
-        checks = tuple(check_steps(executor, optimizer, options.steps, source.batch, options.lr_of))
+        checks = tuple(check_steps(executor, optimizer, options.steps, source.batch,
+                                     options.lr_schedule().rates(options.steps)))
         return RunResult(losses=tuple(c.loss for c in checks), checks=checks) if comm.rank == 0 else None
     start = 0
     if options.resume is not None:
@@ -239,12 +241,14 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
     tokens = source.global_sequences * executor.program.model.get("seq")
     losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": [], "core_wait": []}, [], []
     log = StepLog(options.log if rank == 0 else None, tokens, resumed=start if options.resume else None)
+    schedule = options.lr_schedule(start)
     bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
                file=sys.stderr)
     with _cuda_profile(options, device, rank), log:
         for step in bar:
-            lr = options.lr_of(step)
+            lr = schedule.lr
             bad = _one_step(executor, optimizer, device, source.batch(step), lr, times, losses)
+            schedule.advance()
             record = log.step(step, losses[-1], lr, optimizer.last_norm, times, _peak_bytes(executor),
                               skipped=bad is not None)
             if bad is not None:
