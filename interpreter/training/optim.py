@@ -81,6 +81,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from dhelix.dsl.passes.fsdp import replicas_substituted
+from dhelix.interpreter.execute.executor import StepHooks
 from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device
 
 
@@ -440,6 +441,14 @@ class DistributedAdamW:
                 left.append((bucket, mine, pending))
         self._inflight = left
 
+    def hooks(self) -> StepHooks:
+        """The executor's hooks into this optimizer: :meth:`ready` before a forward reads
+        parameters when ZeRO-1's gathers run under it (:attr:`deferred`), :meth:`reduce`
+        with each layer's final gradients when they are reduced under the backward
+        (:attr:`early`)."""
+        return StepHooks(param_ready=self.ready if self.deferred else None,
+                         grad_ready=self.reduce if self.early else None)
+
     def settle(self) -> None:
         """Wait for every in-flight weight gather (before the parameters are read elsewhere)."""
         for bucket, _, pending in self._inflight:
@@ -523,7 +532,9 @@ def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWCo
     buckets and hooks as the program's train block says: the gradients reduced during the
     backward (``grad_reduce = backward``: :meth:`DistributedAdamW.reduce` becomes the
     executor's ``grad_ready``), ZeRO-1's gathers under the next forward (``param_gather =
-    forward`` with ``zero1``: :meth:`DistributedAdamW.ready` its ``param_ready``). ``norms``
+    forward`` with ``zero1``: :meth:`DistributedAdamW.ready` its ``param_ready``). The
+    executor takes those hooks when it builds the optimizer itself: pass
+    ``functools.partial(for_executor, …)`` as its ``optimizer`` argument. ``norms``
     computes the norm weights (collective over the world; clipping needs them)."""
     train = executor.program.train
     gather = zero1 and train.param_gather == "forward"
@@ -537,8 +548,4 @@ def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWCo
         groups=executor.param_groups() if gather or reduce else None, gather_forward=gather,
         reduce_backward=reduce, partial=executor.partial_sums(), per_microbatch=per_microbatch,
         replicas_sliced=replicas_substituted(executor.program))
-    if optimizer.deferred:
-        executor.param_ready = optimizer.ready
-    if optimizer.early:
-        executor.grad_ready = optimizer.reduce
     return optimizer

@@ -17,6 +17,7 @@ torch is imported inside the functions, so that registering the command line sta
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -155,13 +156,14 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     # Every rank must run the same plan (collectives are issued in plan order); under
     # torchrun each process planned on its own, so rank 0's plan wins.
     si = broadcast_from_first(compiled.si)
+    config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
+                         master=options.master)
     executor = Executor(program, comm, seed=options.seed, device=device, si=compiled.interleave,
                         plan_for=si.plan_for(), use_tags=options.backend == "gloo", block_orders=si.orders(),
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat),
-                        reference=compiled.reference, init=options.init)
-    config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
-                         master=options.master)
-    optimizer = for_executor(executor, zero1=options.zero1, config=config)
+                        reference=compiled.reference, init=options.init,
+                        optimizer=functools.partial(for_executor, zero1=options.zero1, config=config))
+    optimizer = executor.optimizer
     corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
                                                            program.model.get("seq"), options.eval_data)
     source = DataSource(program, comm.size("dp"), options.seed, corpus)
@@ -309,11 +311,7 @@ def _evaluate(executor, source) -> float:
     from dhelix.interpreter.verify.harness import replica_batch
 
     batch = replica_batch(source.held_out(), executor.comm.index("dp"), executor.program.train.microbatches)
-    reduce, executor.grad_ready = executor.grad_ready, None  # nothing to reduce
-    try:
-        return executor.step(batch).item()
-    finally:
-        executor.grad_ready = reduce
+    return executor.step(batch, hand_over=False).item()  # nothing to reduce
 
 
 def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses: list):
