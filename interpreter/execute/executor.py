@@ -116,6 +116,8 @@ class Executor:
     the backward (:meth:`~.optim.DistributedAdamW.reduce`), which then also sums them over
     tp and cp. ``reference`` is the reference model's DAGs (a run's
     :attr:`~dhelix.dsl.simulator.runplan.RunPlan.reference`; see :class:`~.weights.WeightPlan`).
+    ``issue_order`` is the issue orders of ``plan_for``'s pairs the RunPlan computed
+    (:meth:`~dhelix.dsl.simulator.runplan.SegmentPairs.issue_order`; None: ordered here).
     """
 
     def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
@@ -123,7 +125,7 @@ class Executor:
                  recorder: Recorder | None = None, on_action: Callable | None = None,
                  pair_barrier: bool | None = None, block_orders: dict | None = None,
                  reference: tuple | None = None, init: str | None = None,
-                 optimizer: Callable[["Executor"], object] | None = None):
+                 optimizer: Callable[["Executor"], object] | None = None, issue_order: BlockOrder | None = None):
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
@@ -149,8 +151,12 @@ class Executor:
         if block_orders is not None:
             check_orders(block_orders, program.forward.ops, self.b_ops,
                          {len(stage.layers) for stage in program.placement.stages})
-        self.si_order = BlockOrder.build(self.plan, program.forward.ops, self.b_ops, barrier,
-                                         (program.forward.output, program.backward.output))
+        #: The issue orders of the plan's segment pairs: the RunPlan's (``issue_order``,
+        #: :meth:`~dhelix.dsl.simulator.runplan.SegmentPairs.issue_order`), else ordered here.
+        self.si_order = issue_order if issue_order is not None else BlockOrder.build(
+            self.plan, program.forward.ops, self.b_ops, barrier, (program.forward.output, program.backward.output))
+        if issue_order is not None and (issue_order.plan != self.plan or issue_order.barrier != barrier):
+            raise ValueError("the issue orders given are of another SI plan or pair barrier than this executor's")
         if not use_tags and check_fifo(self.lowered):
             raise ValueError("this backend matches messages in order, but the schedule's transfers "
                              f"are not in the same order on both sides: {check_fifo(self.lowered)[0]}")

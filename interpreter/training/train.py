@@ -162,6 +162,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
                         plan_for=si.plan_for(), use_tags=options.backend == "gloo", block_orders=si.orders(),
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat),
                         reference=compiled.reference, init=options.init,
+                        issue_order=si.issue_order(device.type == "cuda"),
                         optimizer=functools.partial(for_executor, zero1=options.zero1, config=config))
     optimizer = executor.optimizer
     corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
