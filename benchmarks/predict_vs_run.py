@@ -134,6 +134,10 @@ def main(argv=None) -> int:
         f"{args.rounds} rounds × {args.steps} steps per mode")
     with tempfile.TemporaryDirectory(prefix="dhelix-predict-") as folder:
         work = Path(folder)
+        printed = say
+
+        def say(line: str = "") -> None:  # the temporary folder is WORK in the report
+            printed(line.replace(folder, "WORK"))
         profile = work / "this-machine.yaml"
         result = dhelix("profile", str(args.program), "-o", str(profile), "--repeats", str(args.repeats),
                         timeout=args.timeout)

@@ -70,6 +70,10 @@ def main(argv=None) -> int:
     say(f"machine: {machine()}")
     with tempfile.TemporaryDirectory(prefix="dhelix-tune-") as folder:
         work = Path(folder)
+        printed = say
+
+        def say(line: str = "") -> None:  # the temporary folder is WORK in the report
+            printed(line.replace(folder, "WORK"))
         profile, tuned = work / "this-machine.yaml", work / "tuned.dhx"
         for command in (("profile", str(PROGRAM), "-o", str(profile), "--repeats", str(args.repeats)),
                         ("tune", str(PROGRAM), "--profile", str(profile), "-o", str(tuned))):

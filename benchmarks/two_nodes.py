@@ -295,7 +295,7 @@ def bench(args, report: Report, workdir: Path) -> int:
         report(f"SI planned: planned for the {program.cluster.profile or 'no'} profile"
                + ("" if program.cluster.profile else " (dhelix run falls back to op_by_op)"))
         if args.show_plan and program.cluster.profile:
-            plan = subprocess.run([sys.executable, "-m", "dhelix", "plan", str(path)], capture_output=True,
+            plan = subprocess.run([sys.executable, "-m", "dhelix", "plan", path.name], capture_output=True,
                                   text=True, cwd=workdir)
             for line in (plan.stdout or plan.stderr).rstrip().split("\n"):
                 report(f"  {line}")

@@ -171,23 +171,29 @@ def _case(name: str):
     plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog))) if si == "planned" else op_by_op_plan
     # "scheduled": the block scheduler's orders (rank 0's, as `dhelix run` does).
     orders = broadcast_from_first(block_orders(prog)) if si == "scheduled" else None
-    executor = Executor(prog, comm, seed=SEED, si=bool(si), plan_for=plan_for, block_orders=orders,
-                        pair_barrier=True if si == "barrier" else None, use_tags=si != "untagged")
-    optimizer = for_executor(executor, zero1=bool(zero1), norms=False)
     landed = []  # per ready() call: the gathers in flight before and after it
     reduced = []  # per grad_ready call: (step, action index, the names taken)
-    if executor.param_ready is not None:
-        def ready(names):
+
+    def observed(executor):  # the optimizer `dhelix run` builds, its hooks recording their calls
+        optimizer = for_executor(executor, zero1=bool(zero1), norms=False)
+        ready, reduce = optimizer.ready, optimizer.reduce
+
+        def ready_logged(names):
             before = len(optimizer._inflight)
-            optimizer.ready(names)
+            ready(names)
             landed.append((before, len(optimizer._inflight)))
-        executor.param_ready = ready
-    if executor.grad_ready is not None:
-        def reduce(grads):
-            taken = optimizer.reduce(grads)
+
+        def reduce_logged(grads):
+            taken = reduce(grads)
             reduced.append((executor.steps_run, executor.index_now, sorted(taken)))
             return taken
-        executor.grad_ready = reduce
+        optimizer.ready, optimizer.reduce = ready_logged, reduce_logged
+        return optimizer
+
+    executor = Executor(prog, comm, seed=SEED, si=bool(si), plan_for=plan_for, block_orders=orders,
+                        pair_barrier=True if si == "barrier" else None, use_tags=si != "untagged",
+                        optimizer=observed)
+    optimizer = executor.optimizer
     checks = check_steps(executor, optimizer, steps, DATA_SEED)
     return {"checks": checks, "landed": landed, "buckets": len(optimizer.buckets), "reduced": reduced,
             "groups": len(executor.param_groups()), "actions": len(executor.actions),

@@ -298,16 +298,23 @@ def _runs(rank: int, world: int) -> dict:
         plan_for = fixed_plan(broadcast_from_first(planned_pairs(prog) if rank == 0 else None)) \
             if si == "planned" else op_by_op_plan
         orders = broadcast_from_first(block_orders(prog) if rank == 0 else None) if si == "scheduled" else None
-        executor = Executor(prog, comm, seed=7, si=si is not None, plan_for=plan_for, block_orders=orders)
-        # As `dhelix run` builds it: the dense gradients reduced under the backward.
-        optimizer = for_executor(executor, zero1=True, config=AdamWConfig(clip=0.5))
         taken = []  # per hand-over: the ZeRO-3 pieces the optimizer took
 
-        def reduce(grads, taken=taken, optimizer=optimizer, flat=executor.flat):
-            names = optimizer.reduce(grads)
-            taken.append(sorted(n for n in names if n in flat))
-            return names
-        executor.grad_ready = reduce
+        def observed(executor, taken=taken):
+            # As `dhelix run` builds it: the dense gradients reduced under the backward.
+            optimizer = for_executor(executor, zero1=True, config=AdamWConfig(clip=0.5))
+            reduce = optimizer.reduce
+
+            def reduce_logged(grads):
+                names = reduce(grads)
+                taken.append(sorted(n for n in names if n in executor.flat))
+                return names
+            optimizer.reduce = reduce_logged
+            return optimizer
+
+        executor = Executor(prog, comm, seed=7, si=si is not None, plan_for=plan_for, block_orders=orders,
+                            optimizer=observed)
+        optimizer = executor.optimizer
         held = sum(p.numel() for n, p in executor.params.items() if n in executor.flat)
         full = sum(math.prod(shape) for shape in executor.flat.shapes.values())
         results[name] = (check_steps(executor, optimizer, 2, 3), held, full, (executor.flat.pieces, comm.size("dp")),

@@ -6,6 +6,8 @@ Simulated and run exactly on 4 gloo ranks (dp = 4 in shard groups of 2)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from dhelix.dsl.core.errors import DhelixError
@@ -64,8 +66,9 @@ def _run(rank: int, world: int) -> tuple:
     from dhelix.interpreter.training.optim import for_executor
 
     prog = program()
-    executor = Executor(prog, DistComm(prog.mesh, timeout_s=60), seed=7)
-    optimizer = for_executor(executor, zero1=True)
+    executor = Executor(prog, DistComm(prog.mesh, timeout_s=60), seed=7,
+                        optimizer=functools.partial(for_executor, zero1=True))
+    optimizer = executor.optimizer
     sliced = sorted(b.axis for b in optimizer.buckets if b.sliced)
     return check_steps(executor, optimizer, 2, 3), sliced
 

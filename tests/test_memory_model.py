@@ -8,6 +8,8 @@ both (benchmarks/memory_vs_run.py does it for every tiny example on its full mes
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -42,8 +44,8 @@ pipeline {pipeline}
 
 def measured(prog, comm, si: bool = True, zero1: bool = False) -> tuple[int, int]:
     """(activation peak, model-state bytes) of one step of ``prog`` on this rank."""
-    executor = Executor(prog, comm, seed=1, si=si)
-    optimizer = for_executor(executor, zero1=zero1)
+    executor = Executor(prog, comm, seed=1, si=si, optimizer=functools.partial(for_executor, zero1=zero1))
+    optimizer = executor.optimizer
     executor.step(make_batch(prog, 2))
     optimizer.step(executor.grads(), 1e-3)
     optimizer.settle()

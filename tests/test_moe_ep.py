@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import functools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -179,9 +181,10 @@ def _case(name: str):
     layers, microbatches = (4, 4) if "pp" in mesh else (2, 2)
     prog = program(mesh, pipeline, fold, layers, microbatches, nodes=2, per_node=2)
     comm = DistComm(prog.mesh, timeout_s=60)
-    executor = Executor(prog, comm, seed=SEED, si=si, plan_for=op_by_op_plan)
     # As `dhelix run` builds it: dense and expert buckets per layer, reduced under the backward.
-    optimizer = for_executor(executor, zero1=zero1, norms=False)
+    executor = Executor(prog, comm, seed=SEED, si=si, plan_for=op_by_op_plan,
+                        optimizer=functools.partial(for_executor, zero1=zero1, norms=False))
+    optimizer = executor.optimizer
     return check_steps(executor, optimizer, steps, DATA_SEED)
 
 

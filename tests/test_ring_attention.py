@@ -5,6 +5,7 @@ one world of 4 gloo ranks (spawning a world costs more than the checks)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -136,8 +137,9 @@ EARLY = {"cp2_dp2_1f1b_reduced_under_backward": ("cp = 2  dp = 2", "one_f_one_b"
 def executor_step(name: str):
     prog = program(*(STEPS.get(name) or EARLY[name]))
     comm = DistComm(prog.mesh, timeout_s=60)
-    executor = Executor(prog, comm, seed=SEED, plan_for=op_by_op_plan)
-    optimizer = for_executor(executor, norms=False) if name in EARLY else DistributedAdamW(executor.params, comm)
+    early = functools.partial(for_executor, norms=False) if name in EARLY else None
+    executor = Executor(prog, comm, seed=SEED, plan_for=op_by_op_plan, optimizer=early)
+    optimizer = executor.optimizer or DistributedAdamW(executor.params, comm)
     assert optimizer.early == (name in EARLY)
     checks = check_steps(executor, optimizer, 1, DATA_SEED)
     return checks, {k: g.clone() for k, g in executor.grads().items()}

@@ -212,8 +212,8 @@ def one_rank(tmp_path):
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         text = program_text("one").replace("microbatches = 8", "microbatches = 1").replace("layers = 4", "layers = 2")
-        executor = Executor(check_text(text, "one.dhx"), SingleRankComm(), seed=1)
-        yield executor, for_executor(executor)
+        executor = Executor(check_text(text, "one.dhx"), SingleRankComm(), seed=1, optimizer=for_executor)
+        yield executor, executor.optimizer
     finally:
         dist.destroy_process_group()
 

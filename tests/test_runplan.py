@@ -81,3 +81,51 @@ def test_ranks_run_the_commands_plan_and_never_parse_or_run_a_pass(monkeypatch, 
     assert main(["run", EXAMPLE, "--steps", "2", "--check", "--si-plan", "scheduled", "--timeout", "60"]) == 0
     out = capsys.readouterr().out
     assert out.count("step ") >= 2, out
+
+
+def test_the_plan_holds_every_issue_order_the_ranks_run():
+    from dhelix.dsl.planner.pair_order import BlockOrder
+    from dhelix.dsl.planner.si_plan import backward_ops
+
+    for mode in ("planned", "op_by_op"):
+        run = _plan(mode)
+        program = run.program
+        for barrier in (False, True):
+            held = run.si.issue_order(barrier)
+            fresh = BlockOrder.build(run.si.pairs, program.forward.ops,
+                                     backward_ops(program.backward, program.lowered.split), barrier,
+                                     (program.forward.output, program.backward.output))
+            assert held.barrier == barrier and held.plan == run.si.pairs
+            for forward, backward in ((True, True), (True, False), (False, True)):
+                for led in (False, True):
+                    for back_led in (False, True):
+                        key = (forward, backward, led and forward and bool(held.lead),
+                               back_led and backward and bool(held.back_lead))
+                        assert key in held._orders, (mode, barrier, key)  # computed by the command
+                        assert held.pairs(forward, backward, led=led, back_led=back_led) == \
+                            fresh.pairs(forward, backward, led=led, back_led=back_led)
+    assert _plan("scheduled").si.issue_order(False) is None  # blocks run whole in their orders
+
+
+def _refuse_ordering(*args, **kwargs):
+    raise AssertionError("a rank ordered a segment pair's issues: they come with the RunPlan")
+
+
+def issue_guarded_train(options, device, heartbeat=None):
+    """:func:`train` in a rank whose pair orderer fails when called: the issue orders come
+    with the RunPlan."""
+    from dhelix.dsl.planner import pair_order
+    from dhelix.interpreter.training import train
+
+    pair_order.plan_order.__code__ = _refuse_ordering.__code__
+    return train.train(options, device, heartbeat)
+
+
+def test_ranks_take_the_pair_issue_orders_from_the_plan(monkeypatch, capsys):
+    pytest.importorskip("torch")
+    from dhelix.cli.main import main
+    from dhelix.interpreter.training import train
+
+    monkeypatch.setattr(train, "train", issue_guarded_train)
+    assert main(["run", EXAMPLE, "--steps", "1", "--check", "--si-plan", "planned", "--timeout", "60"]) == 0
+    assert "step " in capsys.readouterr().out

@@ -21,7 +21,7 @@ from dhelix.cli import main  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.interpreter.training.data import DataSource, DataSpec, load_corpus  # noqa: E402
 from dhelix.interpreter.verify.harness import replica_batch  # noqa: E402
-from dhelix.interpreter.training.optim import MIN_LR_RATIO, lr_at  # noqa: E402
+from dhelix.interpreter.training.schedule import MIN_LR_RATIO, LRSchedule  # noqa: E402
 from dhelix.interpreter.training.train import FAULT_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,23 +146,33 @@ def test_data_on_the_command_line_names_the_flag(tmp_path, capsys):
 
 # --- the learning rate ----------------------------------------------------------------------
 
-def test_the_schedule_is_torch_s_linear_warm_up_then_cosine():
-    warmup, total, peak = 3, 11, 0.01
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.AdamW([param], lr=peak)
-    sched = torch.optim.lr_scheduler
-    scheduler = sched.SequentialLR(optimizer, [
-        sched.LinearLR(optimizer, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1),
-        sched.CosineAnnealingLR(optimizer, T_max=total - warmup - 1, eta_min=MIN_LR_RATIO * peak)],
-        milestones=[warmup])
-    for step in range(total):
-        assert lr_at(step, peak, warmup, total) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-9), step
-        optimizer.step()
-        scheduler.step()
-    assert lr_at(total - 1, peak, 0, None) == peak
-    # The floor is the last update's rate, not the one after it (issue 31).
-    assert lr_at(total - 1, peak, warmup, total) == pytest.approx(MIN_LR_RATIO * peak, rel=1e-12)
-    assert lr_at(total - 2, peak, warmup, total) > MIN_LR_RATIO * peak
+def formula_lr(step: int, peak: float, warmup: int, total: int | None) -> float:
+    """The schedule in closed form (what the run computed before torch's schedulers did):
+    linear warm-up, then cosine decay reaching the floor AT the last update (issue 31)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if total is None or total <= warmup:
+        return peak
+    span = total - 1 - warmup
+    progress = 1.0 if span <= 0 else min(step - warmup, span) / span
+    low = MIN_LR_RATIO * peak
+    return low + (peak - low) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@pytest.mark.parametrize("warmup, total", [(3, 11), (0, 11), (1, 2), (4, 5), (3, 3), (2, None), (0, None),
+                                           (0, 1), (5, 400)])
+def test_the_schedule_is_torch_s_linear_warm_up_then_cosine(warmup, total):
+    peak = 0.01
+    rates = LRSchedule(peak, warmup, total).rates(total or 8)
+    for step, rate in enumerate(rates):
+        assert rate == pytest.approx(formula_lr(step, peak, warmup, total), rel=1e-12), step
+    if total is not None and total > warmup:
+        # The floor is the last update's rate, not the one after it (issue 31).
+        assert rates[-1] == pytest.approx(MIN_LR_RATIO * peak, rel=1e-12)
+        assert total - 2 < warmup or rates[-2] > MIN_LR_RATIO * peak * (1 + 1e-9)
+    # A resumed run's schedule continues the uninterrupted one, to the bit.
+    for start in range(len(rates)):
+        assert LRSchedule.at(start, peak, warmup, total).lr == rates[start], start
 
 
 # --- the loop against the reference, checkpoints, export, log (ranks) ---------------------

@@ -52,11 +52,16 @@ def _runs(rank: int, world: int) -> dict:
     for name, (pipeline, fold) in {"1f1b": ("one_f_one_b", "none"), "zb_h1": ("zb_h1", "none"),
                                    "w_helix_si": ("w_helix", "u")}.items():
         prog = program(2, pipeline, fold)
-        executor = Executor(prog, DistComm(prog.mesh, timeout_s=60), seed=7)
-        optimizer = for_executor(executor, zero1=True)
         calls = []
-        reduce = executor.grad_ready
-        executor.grad_ready = lambda grads: (calls.append(sorted(grads)), reduce(grads))[1]
+
+        def observed(executor, calls=calls):
+            optimizer = for_executor(executor, zero1=True)
+            reduce = optimizer.reduce
+            optimizer.reduce = lambda grads: (calls.append(sorted(grads)), reduce(grads))[1]
+            return optimizer
+
+        executor = Executor(prog, DistComm(prog.mesh, timeout_s=60), seed=7, optimizer=observed)
+        optimizer = executor.optimizer
         results[name] = (check_steps(executor, optimizer, 2, 3), len(calls))
     return results
 

@@ -255,6 +255,15 @@ class BlockOrder:
                    barrier=barrier, lead=strand_lead(fwd_ops, plan, "F", outputs[0]),
                    back_lead=strand_lead(bwd_ops, plan, "B", outputs[1]), outputs=outputs)
 
+    def complete(self) -> "BlockOrder":
+        """This order with every case an SI block can ask for computed (each strand's layer
+        led or not), so that whoever holds it never orders a pair again; returns itself."""
+        for forward, backward in ((True, True), (True, False), (False, True)):
+            for led in (False, True):
+                for back_led in (False, True):
+                    self.pairs(forward, backward, led=led, back_led=back_led)
+        return self
+
     @property
     def both(self) -> tuple[PairIssues, ...]:
         """Both strands have a layer, no lead issued or to issue."""

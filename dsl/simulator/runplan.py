@@ -9,9 +9,10 @@ which the interpreter reads how each weight is sharded:
 typed form per mode:
 
 * :class:`SegmentPairs` — ``planned``, ``op_by_op``, ``sequential``: one segment plan that
-  every layer pair runs (the executor orders each pair's issues from it,
-  :class:`~dhelix.dsl.planner.pair_order.BlockOrder`); for ``planned`` also the planner's
-  :class:`~dhelix.dsl.core.plan.Plan` it came from, which prices the run;
+  every layer pair runs and its issue orders (:class:`~dhelix.dsl.planner.pair_order.BlockOrder`,
+  every case of an SI block computed, with and without the CUDA pair barrier); for
+  ``planned`` also the planner's :class:`~dhelix.dsl.core.plan.Plan` it came from, which
+  prices the run;
 * :class:`BlockOrders` — ``scheduled``: the block scheduler's schedule of a whole SI block for
   every (forward layers, backward layers) the program's blocks can have; the ranks run its
   issue order, the simulator prices its make-span.
@@ -30,7 +31,9 @@ from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.passes.overrides import reference_dags
 from dhelix.dsl.planner.blockorder import BlockIssue, BlockSchedule
-from dhelix.dsl.planner.si_plan import PLANS, PlanFn, SegmentPlan, SIMode, fixed_plan, has_si_blocks, sequential_plan
+from dhelix.dsl.planner.pair_order import BlockOrder
+from dhelix.dsl.planner.si_plan import (PLANS, PlanFn, SegmentPlan, SIMode, backward_ops, fixed_plan, has_si_blocks,
+                                        sequential_plan)
 from dhelix.dsl.simulator.events import Simulation, block_scheduler, schedule_plan, simulate
 from dhelix.dsl.simulator.launch import priced_program
 
@@ -38,15 +41,22 @@ from dhelix.dsl.simulator.launch import priced_program
 @attrs.frozen
 class SegmentPairs:
     """The SI plan of ``mode`` (planned, op_by_op or sequential): the segment pairs every
-    layer pair runs; ``planned`` is the planner's Plan they came from (planned only)."""
+    layer pair runs; ``planned`` is the planner's Plan they came from (planned only);
+    ``issues`` their issue orders without and with the pair barrier (:func:`issue_orders`;
+    None for a program without layers)."""
 
     mode: SIMode
     pairs: SegmentPlan
     planned: Plan | None = None
+    issues: tuple[BlockOrder, BlockOrder] | None = attrs.field(default=None, eq=False)
 
     def plan_for(self) -> PlanFn:
         """The executor's plan function: these pairs for every layer pair."""
         return fixed_plan(self.pairs)
+
+    def issue_order(self, barrier: bool) -> BlockOrder | None:
+        """The issue orders the ranks run, with the pair barrier (CUDA) or without."""
+        return None if self.issues is None else self.issues[barrier]
 
     def orders(self) -> None:
         """No block orders: SI blocks run layer pair by layer pair."""
@@ -68,6 +78,10 @@ class BlockOrders:
     def orders(self) -> dict[tuple[int, int], tuple[BlockIssue, ...]]:
         """The issue order of every block by its (forward layers, backward layers)."""
         return {schedule.layers: schedule.order for schedule in self.schedules}
+
+    def issue_order(self, barrier: bool) -> None:
+        """No pair issue orders: blocks run whole in :meth:`orders`."""
+        return None
 
     def schedule(self, forward_layers: int, backward_layers: int) -> BlockSchedule:
         """The schedule of a block of these layer counts (KeyError for counts it has none for)."""
@@ -143,14 +157,25 @@ def choose_si(program: Program, mode: SIMode, interleave: bool = True) -> SIPlan
         return BlockOrders(tuple(scheduler(nf, nb) for nf in counts for nb in counts))
     plan = schedule_plan(program)
     pairs = tuple((tuple(pair.forward), tuple(pair.backward)) for pair in plan.pairs)
-    return SegmentPairs(SIMode.PLANNED, pairs, plan)
+    return SegmentPairs(SIMode.PLANNED, pairs, plan, issue_orders(program, pairs))
 
 
 def _unplanned(program: Program, mode: SIMode) -> SegmentPairs:
     """``mode`` with the pairs of the plans built without costs (no interleaving for
     ``planned`` and ``scheduled``, which have none)."""
-    plan_of = PLANS.get(mode, sequential_plan)
-    return SegmentPairs(mode, plan_of(program.forward, program.backward) if program.forward is not None else ())
+    if program.forward is None:
+        return SegmentPairs(mode, ())
+    pairs = PLANS.get(mode, sequential_plan)(program.forward, program.backward)
+    return SegmentPairs(mode, pairs, issues=issue_orders(program, pairs))
+
+
+def issue_orders(program: Program, pairs: SegmentPlan) -> tuple[BlockOrder, BlockOrder]:
+    """The issue orders of ``pairs`` over ``program``'s layer pair as an SI block's B action
+    runs it (without the wgrads a split schedule moves to W), every case computed: without
+    the pair barrier (gloo) and with it (CUDA's streams)."""
+    fwd_ops, bwd_ops = program.forward.ops, backward_ops(program.backward, program.lowered.split)
+    outputs = (program.forward.output, program.backward.output)
+    return tuple(BlockOrder.build(pairs, fwd_ops, bwd_ops, barrier, outputs).complete() for barrier in (False, True))
 
 
 def price(run: RunPlan, *, zero1: bool = False) -> Simulation:

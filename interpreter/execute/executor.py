@@ -76,6 +76,17 @@ class StageState:
     head_grads: dict[int, object] = attrs.field(factory=dict)
 
 
+@attrs.frozen
+class StepHooks:
+    """What the executor calls during a step, given by its optimizer
+    (:meth:`~dhelix.interpreter.training.optim.DistributedAdamW.hooks`): ``param_ready(names)``
+    before a forward reads parameters ``names``, ``grad_ready(grads)`` with a layer's final
+    gradients (returns the names it takes); None: not called."""
+
+    param_ready: Callable[[tuple[str, ...]], None] | None = None
+    grad_ready: Callable[[dict[str, torch.Tensor]], set[str]] | None = None
+
+
 def action_kind(action) -> str:
     """The dispatch key of a lowered action: F, B, W, SI, SEND or RECV."""
     if isinstance(action, Interleaved):
@@ -93,7 +104,10 @@ class Executor:
     ``use_tags`` says whether point-to-point messages carry tags (gloo) — without tags the
     schedule's transfers must be in matching order on both sides; ``on_action(step, index)``
     is called before each action (a test hook). Weights live in :attr:`params` by parameter
-    name; the optimizer updates them in place. ``param_ready(names)``, when set, is called
+    name; the optimizer updates them in place. ``optimizer``, when given, builds the
+    optimizer of those parameters from the executor at the end of its construction (e.g.
+    ``functools.partial(for_executor, zero1=True)``, :func:`~.optim.for_executor`): the
+    executor keeps it (:attr:`optimizer`) and takes its :class:`StepHooks`. ``param_ready(names)``, when set, is called
     before a forward reads parameters ``names`` (each layer's, the model ends'): ZeRO-1's
     gathers under the forward wait there (:meth:`~.optim.DistributedAdamW.ready`).
     ``grad_ready(grads)``, when set, is given a layer's final gradients of the step (by
@@ -103,13 +117,16 @@ class Executor:
     the backward (:meth:`~.optim.DistributedAdamW.reduce`), which then also sums them over
     tp and cp. ``reference`` is the reference model's DAGs (a run's
     :attr:`~dhelix.dsl.simulator.runplan.RunPlan.reference`; see :class:`~.weights.WeightPlan`).
+    ``issue_order`` is the issue orders of ``plan_for``'s pairs the RunPlan computed
+    (:meth:`~dhelix.dsl.simulator.runplan.SegmentPairs.issue_order`; None: ordered here).
     """
 
     def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
                  si: bool = True, plan_for: PlanFn = sequential_plan, use_tags: bool = True,
                  recorder: Recorder | None = None, on_action: Callable | None = None,
                  pair_barrier: bool | None = None, block_orders: dict | None = None,
-                 reference: tuple | None = None, init: str | None = None):
+                 reference: tuple | None = None, init: str | None = None,
+                 optimizer: Callable[["Executor"], object] | None = None, issue_order: BlockOrder | None = None):
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
@@ -135,8 +152,12 @@ class Executor:
         if block_orders is not None:
             check_orders(block_orders, program.forward.ops, self.b_ops,
                          {len(stage.layers) for stage in program.placement.stages})
-        self.si_order = BlockOrder.build(self.plan, program.forward.ops, self.b_ops, barrier,
-                                         (program.forward.output, program.backward.output))
+        #: The issue orders of the plan's segment pairs: the RunPlan's (``issue_order``,
+        #: :meth:`~dhelix.dsl.simulator.runplan.SegmentPairs.issue_order`), else ordered here.
+        self.si_order = issue_order if issue_order is not None else BlockOrder.build(
+            self.plan, program.forward.ops, self.b_ops, barrier, (program.forward.output, program.backward.output))
+        if issue_order is not None and (issue_order.plan != self.plan or issue_order.barrier != barrier):
+            raise ValueError("the issue orders given are of another SI plan or pair barrier than this executor's")
         if not use_tags and check_fifo(self.lowered):
             raise ValueError("this backend matches messages in order, but the schedule's transfers "
                              f"are not in the same order on both sides: {check_fifo(self.lowered)[0]}")
@@ -148,8 +169,6 @@ class Executor:
         self.stages = {chunk: self._stage(chunk) for chunk in range(self.lowered.chunks)
                        if self.lowered.stage_of(self.pp, chunk) is not None}
         self.on_action = on_action
-        self.param_ready: Callable[[tuple[str, ...]], None] | None = None
-        self.grad_ready: Callable[[dict[str, torch.Tensor]], set[str]] | None = None
         self.steps_run = 0
         self._grads: dict[str, torch.Tensor] = {}
         # What one step keeps while it runs, made fresh by each step (_reset): its batch, the
@@ -176,6 +195,13 @@ class Executor:
         self.filler = Filler(self.recorder)
         self.scale = 0.0
         self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
+        #: ... and whether this step hands its gradients to ``grad_ready`` (not an evaluation's).
+        self.handing = True
+        #: The optimizer of :attr:`params` (None: none given), built last: it reads the
+        #: executor's parameters and groups; its hooks are the executor's.
+        self.optimizer = optimizer(self) if optimizer is not None else None
+        hooks = self.optimizer.hooks() if self.optimizer is not None else StepHooks()
+        self.param_ready, self.grad_ready = hooks.param_ready, hooks.grad_ready
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -230,7 +256,7 @@ class Executor:
         holds its wgrads (:class:`~.si.Filler`, which may run them earlier, at a moment that
         differs between ranks), the flush of what a block carried, a W — so that the
         reductions ``grad_ready`` starts are issued in the same order on every rank."""
-        if self.grad_ready is None:
+        if self.grad_ready is None or not self.handing:
             return
         if self.pieces_done:  # the pieces of the layers done before this one: their last
             # reduce-scatters have had this layer's backward beside them
@@ -275,16 +301,17 @@ class Executor:
 
     # -- a step ------------------------------------------------------------------------
 
-    def step(self, batch: Batch) -> torch.Tensor:
+    def step(self, batch: Batch, hand_over: bool = True) -> torch.Tensor:
         """Run the action list once on ``batch`` (this DP replica's micro-batches, as many as
         the schedule's m). Returns the loss, the same on every rank: the mean token
         cross-entropy over the micro-batches of every DP replica. Gradients are then in
         :meth:`grads` (complete over tp and cp, not yet averaged over dp; but for those
-        ``grad_ready`` took, which its reduction completes)."""
+        ``grad_ready`` took, which its reduction completes). ``hand_over`` False gives
+        ``grad_ready`` nothing (an evaluation: its gradients are dropped)."""
         if batch.inputs.shape[0] != self.lowered.microbatches:
             raise ValueError(f"the schedule runs {self.lowered.microbatches} micro-batches, "
                              f"the batch has {batch.inputs.shape[0]}")
-        self._reset(batch)
+        self._reset(batch, hand_over)
         with torch.no_grad():
             for index, action in enumerate(self.actions):
                 self.index_now = index
@@ -372,9 +399,9 @@ class Executor:
         self.deferred.append(pending)
         self.issued += 1
 
-    def _reset(self, batch: Batch) -> None:
+    def _reset(self, batch: Batch, hand_over: bool = True) -> None:
         """Start a step on ``batch``: every per-step attribute (declared in ``__init__``) fresh."""
-        self.batch = batch
+        self.batch, self.handing = batch, hand_over
         self.mailbox, self.end_grads = {}, {}
         self.deferred, self.issued, self.settled, self.pieces_done = [], 0, 0, []
         self.postponed, self.prefetched, self.index_now = [], {}, 0

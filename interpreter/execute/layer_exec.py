@@ -19,6 +19,13 @@ whose ``grad.accumulates`` names it adds the others' to its own. An op with a
 
 Collectives may run asynchronously: the value stored is a :class:`~.comm.Pending` that the
 first reader waits for. Tensors are released as soon as their last reader has run.
+
+An op's role (:func:`~dhelix.interpreter.ops.kernels.handler`) picks the method that runs it
+(``_FORWARD_BY_ROLE``, ``_BACKWARD_BY_ROLE``: a kernel, a collective, a ring attention step,
+ZeRO-3's weight gathers and gradient reduce-scatters); what a layer keeps between its forward
+and its backward is its recomputation policy (:mod:`.recompute`), chosen when the run is
+made. Neither :meth:`LayerRun.forward_op` nor :meth:`LayerRun.backward_op` asks which mode
+the run is in.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from dhelix.interpreter.ops.moe import ROLE, a2a_roles
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_step
 from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
+from .recompute import keeping
 
 
 @attrs.frozen(kw_only=True)
@@ -130,24 +138,16 @@ class LayerRun:
                  defer: Callable[[Pending], None] | None = None, selective: Collection[str] = ()):
         self.plan, self.weights, self.comm = plan, weights, comm
         #: Takes a ZeRO-3 gradient reduce-scatter left in flight (nothing in the layer reads
-        #: it; the caller waits for it before the optimizer); None: wait for it at once.
-        self.defer = defer
+        #: it; the caller waits for it before the optimizer); without one, waited for at once.
+        self.defer = defer if defer is not None else _wait_now
         #: ZeRO-3: this micro-batch's full gradient of each sharded weight, until its
         #: reduce-scatter adds this rank's piece into :attr:`grads`.
         self.full_grads: dict[str, torch.Tensor] = {}
-        #: Full recomputation: keep only the layer input between the forward and the
-        #: backward, and run the forward again (collectives included) before the first
-        #: backward op. Every rank of a group replays at the same point of its op order.
-        self.recompute = recompute
-        #: Selective recomputation: the forward ops whose outputs are dropped when the forward
-        #: ends (their places in the saved tensors marked) and computed again, from the
-        #: inputs kept for them (:attr:`_recipes`), when the backward starts.
-        self.selective = frozenset(selective)
-        self._recipes: dict[str, tuple[Op, list]] = {}
-        self._dropped: dict[str, torch.Tensor] = {}
-        self._input: torch.Tensor | None = None
+        #: What the layer keeps between its forward and its backward (:mod:`.recompute`):
+        #: everything, only its input (``recompute``: full recomputation) or all but the
+        #: outputs of the ``selective`` ops (selective recomputation).
+        self.keeping = keeping(recompute, selective)
         self._forward_done = 0
-        self._replaying = False
         self.grads = grads if grads is not None else {}
         self.routing: dict = {}  # MoE routing shared by permute and grouped_gemm
         self.acts: dict[str, object] = {}
@@ -165,38 +165,51 @@ class LayerRun:
     def start(self, x: torch.Tensor) -> None:
         """Set the layer input ``x`` (this rank's ``[tokens, hidden]`` rows)."""
         self.acts[self.plan.fwd.input] = x
-        if self.recompute and not self._replaying:
-            self._input = x
+        self.keeping.started(self, x)
         self.version += 1
 
     def forward_op(self, op: Op, async_op: bool = False) -> None:
         """Run forward op ``op``; a collective with ``async_op`` is left in flight."""
         step = self.plan.steps[op.name]
-        role, kernel = step.role, step.kernel
-        args = [self._act(name) for name in op.inputs]
-        ctx = self._ctx(op, step, async_op)
-        if role == COMM:
-            with self.comm.op_named(op.name):
-                self.acts[op.name] = kernel(args[0], ctx)
-        elif role == GATHER_W:
-            self.acts[op.name] = self._gather(op, async_op, args[0] if args else None)
-        elif role == FORWARD:
-            out, saved = kernel.forward(args, self._weight(op, op.weight_name), ctx)
-            self.acts[op.name] = out
-            if self._saved_left[op.name]:
-                self.saved[op.name] = saved
-            if op.name in self.selective:  # its inputs: kept tensors, or dropped ones by name
-                self._recipes[op.name] = (op, [n if n in self.selective else a for n, a in zip(op.inputs, args)])
-                self._dropped[op.name] = out
-        else:
+        handler = _FORWARD_BY_ROLE.get(step.role)
+        if handler is None:
             raise ValueError(f"{op.name} ({op.op}) is not a forward op")
+        handler(self, op, step, [self._act(name) for name in op.inputs], async_op)
         self._release(step.inputs, self._fwd_left, self.acts, keep=self.plan.fwd.output)
         self.version += 1
         self._forward_done += 1
-        if self.recompute and not self._replaying and self._forward_done == len(self.plan.fwd.ops):
-            self.saved.clear()  # the backward rebuilds them from the kept input (_replay)
-        if self._dropped and self._forward_done == len(self.plan.fwd.ops):
-            self._drop()
+        if self._forward_done == len(self.plan.fwd.ops):
+            self.keeping.forward_ended(self)
+
+    def _forward_comm(self, op: Op, step: "Step", args: list, async_op: bool) -> None:
+        # A collective of the forward (left in flight with ``async_op``).
+        with self.comm.op_named(op.name):
+            self.acts[op.name] = step.kernel(args[0], self._ctx(op, step, async_op))
+
+    def _forward_gather(self, op: Op, step: "Step", args: list, async_op: bool) -> None:
+        # ZeRO-3: the all-gather of a weight (the second stage of a grouped one reads the first's).
+        self.acts[op.name] = self._gather(op, async_op, args[0] if args else None)
+
+    def _forward_kernel(self, op: Op, step: "Step", args: list, async_op: bool) -> None:
+        # A compute kernel (a ring attention's forward steps included); its saved tensors
+        # are kept while a backward op reads them.
+        out, saved = step.kernel.forward(args, self._weight(op, op.weight_name), self._ctx(op, step, async_op))
+        self.acts[op.name] = out
+        if self._saved_left[op.name]:
+            self.saved[op.name] = saved
+        self.keeping.forwarded(self, op, out, args)
+
+    def remake(self, op: Op, args: list) -> torch.Tensor:
+        """The output of forward kernel ``op`` computed again from ``args`` (selective
+        recomputation; nothing saved, nothing left in flight)."""
+        step = self.plan.steps[op.name]
+        out, _ = step.kernel.forward(args, self._weight(op, op.weight_name), self._ctx(op, step, False))
+        return out
+
+    def restart_forward(self) -> None:
+        """Count every forward value's and saved tensor's readers afresh (a replay's forward)."""
+        self._fwd_left = Counter(self.plan.fwd_readers)
+        self._saved_left = Counter(self.plan.saved_users)
 
     def output(self) -> torch.Tensor:
         """The layer output (waits for it if a collective produces it)."""
@@ -218,32 +231,19 @@ class LayerRun:
 
     def backward_op(self, op: Op, async_op: bool = False) -> None:
         """Run backward op ``op`` (a dgrad, a wgrad, an op's whole backward or a collective)."""
-        if self._input is not None:
-            self._replay()
-        if self._recipes:
-            self._rebuild()
+        self.keeping.before_backward(self)
         step = self.plan.steps[op.name]
-        role, kernel, flow = step.role, step.kernel, op.grad
-        if role in (GATHER_W, SCATTER_DW):
-            self._fsdp_backward(op, step, async_op)
-            return
-        forward = self.plan.fwd_ops[op.forward]
-        grad = self._upstream(flow.upstream, forward)
-        out: dict[str, object] = {}
-        if role == COMM:
-            (value,) = flow.produces
-            with self.comm.op_named(op.name):
-                out[value] = kernel(grad, self._ctx(op, step, async_op))
-        elif role in (DGRAD, BWD):
-            grads = kernel.dgrad(grad, self.saved[forward.name], self._weight(op, forward.weight_name))
-            out = _by_value(forward.inputs, grads, flow.produces)
-        elif role == RING:  # carrying steps pass the ring's state on; the last gives d(qkv)
-            value = kernel.backward(grad, self.saved[forward.name], self._ctx(op, step, async_op))
-            out[flow.produces[0] if flow.produces else forward.name] = value
-        elif role != WGRAD:
+        handler = _BACKWARD_BY_ROLE.get(step.role)
+        if handler is None:
             raise ValueError(f"{op.name} ({op.op}) is not a backward op")
+        if step.role in _FSDP_ROLES:
+            handler(self, op, step, async_op)
+            return
+        flow, forward = op.grad, self.plan.fwd_ops[op.forward]
+        grad = self._upstream(flow.upstream, forward)
+        out = handler(self, op, step, forward, grad, async_op)
         if flow.weight is not None:
-            self._add_weight_grad(flow.weight, kernel, grad)
+            self._add_weight_grad(flow.weight, step.kernel, grad)
         for value, producers in flow.accumulates:
             out[value] = self._accumulated(out[value], value, producers)
         if out:  # a wgrad's result lives in grads, not in the flow of gradients
@@ -254,11 +254,31 @@ class LayerRun:
             self.saved.pop(forward.name, None)
         self.version += 1
 
+    def _backward_comm(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
+        # A collective of the backward: the gradient of the one value it produces.
+        (value,) = op.grad.produces
+        with self.comm.op_named(op.name):
+            return {value: step.kernel(grad, self._ctx(op, step, async_op))}
+
+    def _backward_dgrad(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
+        # A data gradient (or an op's whole backward): the gradients of its forward inputs.
+        grads = step.kernel.dgrad(grad, self.saved[forward.name], self._weight(op, forward.weight_name))
+        return _by_value(forward.inputs, grads, op.grad.produces)
+
+    def _backward_ring(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
+        # A ring attention's backward step: carrying steps pass the ring's state on; the last gives d(qkv).
+        value = step.kernel.backward(grad, self.saved[forward.name], self._ctx(op, step, async_op))
+        return {op.grad.produces[0] if op.grad.produces else forward.name: value}
+
+    def _backward_wgrad(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
+        # A weight gradient: it adds into :attr:`grads` (``op.grad.weight``), nothing flows on.
+        return {}
+
     @property
     def backward_started(self) -> bool:
         """Whether the backward's own preparation is done: a full recomputation's replay (its
         forward collectives) or a selective one's rebuild runs with the first backward op."""
-        return self._input is None and not self._recipes
+        return self.keeping.prepared
 
     def input_grad(self) -> torch.Tensor:
         """The gradient of the layer input (after the whole backward DAG has run)."""
@@ -270,50 +290,6 @@ class LayerRun:
         for op in self.plan.bwd.ops:
             self.backward_op(op)
         return self.input_grad()
-
-    def _replay(self) -> None:
-        """Full recomputation: run the forward again from the kept input, synchronously, to
-        rebuild the saved tensors the backward reads; the layer output stays as it was."""
-        output = self.plan.fwd.output
-        kept = {output: self.acts[output]} if output in self.acts else {}
-        self._replaying = True
-        self._fwd_left = Counter(self.plan.fwd_readers)
-        self._saved_left = Counter(self.plan.saved_users)
-        self.start(self._input)
-        for op in self.plan.fwd.ops:
-            self.forward_op(op)
-        self._act(output)  # nothing of the replay left in flight
-        self.acts = kept
-        self._input, self._replaying = None, False
-        self.version += 1
-
-    def _drop(self) -> None:
-        """Selective recomputation, at the forward's end: every saved tensor that is a
-        dropped op's output becomes a :class:`_Dropped` mark, and the output is let go."""
-        names = {id(tensor): name for name, tensor in self._dropped.items()}
-        for key, saved in self.saved.items():
-            if isinstance(saved, tuple) and any(id(t) in names for t in saved):
-                self.saved[key] = tuple(_Dropped(names[id(t)]) if id(t) in names else t for t in saved)
-        for name in self._dropped:
-            if name != self.plan.fwd.output:
-                self.acts.pop(name, None)
-        self._dropped.clear()
-        self.version += 1
-
-    def _rebuild(self) -> None:
-        """Selective recomputation, before the first backward op: run the dropped ops'
-        forward kernels again (in forward order, from the kept inputs) and put their outputs
-        back where they were saved."""
-        made: dict[str, torch.Tensor] = {}
-        for name, (op, inputs) in self._recipes.items():
-            step = self.plan.steps[name]
-            args = [made[x] if isinstance(x, str) else x for x in inputs]
-            made[name], _ = step.kernel.forward(args, self._weight(op, op.weight_name), self._ctx(op, step, False))
-        for key, saved in self.saved.items():
-            if isinstance(saved, tuple) and any(isinstance(t, _Dropped) for t in saved):
-                self.saved[key] = tuple(made[t.name] if isinstance(t, _Dropped) else t for t in saved)
-        self._recipes.clear()
-        self.version += 1
 
     # -- ZeRO-3 ----------------------------------------------------------------------------
 
@@ -355,11 +331,7 @@ class LayerRun:
             if params.get(FIRST_STAGE):  # the second stage reduce-scatters it on
                 self.bgrads[op.name] = {GATHERED: sent}
             elif isinstance(sent, Pending):
-                done = sent.then(lambda mine: self._add_piece(name, mine, params.get(COLUMNS)))
-                if self.defer is None:
-                    done.wait()
-                else:
-                    self.defer(done)
+                self.defer(sent.then(lambda mine: self._add_piece(name, mine, params.get(COLUMNS))))
             else:
                 self._add_piece(name, sent, params.get(COLUMNS))
         self._release(step.inputs, self._bwd_left, self.bgrads, keep=self.plan.bwd.output)
@@ -394,8 +366,7 @@ class LayerRun:
         if isinstance(value, Pending):
             pending, value = value, value.wait()
             self.acts[name] = value
-            if self._input is pending:  # the input kept for recomputation arrived: keep the tensor
-                self._input = value
+            self.keeping.arrived(pending, value)
             self.version += 1
         return value
 
@@ -405,8 +376,7 @@ class LayerRun:
         flight; most have not changed since, so the walk is redone only after a change."""
         if self._memo[0] != self.version:
             seen: dict[int, int] = {}
-            count_storages((self.acts, self.saved, self.bgrads, self._input,
-                            [inputs for _, inputs in self._recipes.values()]), seen)
+            count_storages((self.acts, self.saved, self.bgrads, self.keeping.held()), seen)
             self._memo = (self.version, seen)
         return self._memo[1]
 
@@ -451,11 +421,20 @@ class LayerRun:
                 store.pop(name, None)
 
 
-@attrs.frozen
-class _Dropped:
-    """Where a saved tensor was that selective recomputation dropped: the op that makes it."""
+#: What runs a forward op of each role (:func:`~.kernels.handler`; ring steps run as kernels).
+_FORWARD_BY_ROLE = {COMM: LayerRun._forward_comm, GATHER_W: LayerRun._forward_gather,
+                    FORWARD: LayerRun._forward_kernel}
+#: What runs a backward op of each role; ZeRO-3's re-gathers and reduce-scatters
+#: (:data:`_FSDP_ROLES`) handle the gradients' flow themselves.
+_BACKWARD_BY_ROLE = {COMM: LayerRun._backward_comm, DGRAD: LayerRun._backward_dgrad, BWD: LayerRun._backward_dgrad,
+                     RING: LayerRun._backward_ring, WGRAD: LayerRun._backward_wgrad,
+                     GATHER_W: LayerRun._fsdp_backward, SCATTER_DW: LayerRun._fsdp_backward}
+_FSDP_ROLES = (GATHER_W, SCATTER_DW)
 
-    name: str
+
+def _wait_now(pending: Pending) -> None:
+    """Wait for ``pending`` at once (a LayerRun's ZeRO-3 reduce-scatter with nowhere to defer it)."""
+    pending.wait()
 
 
 def count_storages(values, seen: dict[int, int]) -> None:

@@ -24,12 +24,11 @@ Before the update the gradients may be clipped to a global norm (``AdamWConfig.c
 full model once, so each rank weighs its squared gradients by one over the number of ranks
 that hold the same elements (:func:`norm_weights`: tp-replicated norms are held by every tp
 rank, a pipeline stage's weights by its rank only, a ZeRO-1 slice by one replica) and the
-weighted sums are added over the world. The learning rate of each update comes from
-:func:`lr_at` (linear warm-up, then cosine decay), passed to :meth:`DistributedAdamW.step`.
-The update itself is torch's AdamW (``torch.optim.adamw.adamw``), its fused kernel over each
-bucket's fp32 tensors (benchmarks/optimizer_step.py measures it against the per-tensor loop
-it replaced). The schedule stays :func:`lr_at`: torch's schedulers drive a
-``torch.optim.Optimizer``'s groups and compute the cosine recursively, which rounds differently.
+weighted sums are added over the world. The learning rate of each update is passed to
+:meth:`DistributedAdamW.step` (the training loop reads it from :class:`~.schedule.LRSchedule`,
+torch's schedulers). The update itself is torch's AdamW (``torch.optim.adamw.adamw``), its
+fused kernel over each bucket's fp32 tensors (benchmarks/optimizer_step.py measures it
+against the per-tensor loop it replaced).
 
 Both compute the same numbers; the average over replicas matches the reference model, whose
 loss is the mean over all micro-batches of all replicas.
@@ -82,6 +81,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from dhelix.dsl.passes.fsdp import replicas_substituted
+from dhelix.interpreter.execute.executor import StepHooks
 from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device
 from dhelix.interpreter.ops.weights import LM_HEAD
 
@@ -99,26 +99,6 @@ class AdamWConfig:
     #: Keep fp32 master weights (Megatron's mixed precision: bf16 parameters are copies of
     #: them); False updates the parameters in their own dtype ("pure" bf16).
     master: bool = True
-
-
-#: The cosine decay ends at this fraction of the peak learning rate.
-MIN_LR_RATIO = 0.1
-
-
-def lr_at(step: int, peak: float, warmup: int, total: int | None) -> float:
-    """The learning rate of update ``step`` (0-based): linear warm-up from ``peak / warmup``
-    to ``peak`` over the first ``warmup`` updates, then cosine decay reaching
-    ``MIN_LR_RATIO · peak`` at the last of ``total`` updates (``step = total - 1``; None:
-    constant after the warm-up). The same numbers as torch's ``SequentialLR(LinearLR,
-    CosineAnnealingLR(T_max = total - warmup - 1))`` (tested)."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    if total is None or total <= warmup:
-        return peak
-    span = total - 1 - warmup
-    progress = 1.0 if span <= 0 else min(step - warmup, span) / span
-    low = MIN_LR_RATIO * peak
-    return low + (peak - low) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def norm_weights(plan, comm: Communicator, names, flat=None) -> dict[str, float]:
@@ -464,6 +444,14 @@ class DistributedAdamW:
                 left.append((bucket, mine, pending))
         self._inflight = left
 
+    def hooks(self) -> StepHooks:
+        """The executor's hooks into this optimizer: :meth:`ready` before a forward reads
+        parameters when ZeRO-1's gathers run under it (:attr:`deferred`), :meth:`reduce`
+        with each layer's final gradients when they are reduced under the backward
+        (:attr:`early`)."""
+        return StepHooks(param_ready=self.ready if self.deferred else None,
+                         grad_ready=self.reduce if self.early else None)
+
     def settle(self) -> None:
         """Wait for every in-flight weight gather (before the parameters are read elsewhere)."""
         for bucket, _, pending in self._inflight:
@@ -547,7 +535,9 @@ def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWCo
     buckets and hooks as the program's train block says: the gradients reduced during the
     backward (``grad_reduce = backward``: :meth:`DistributedAdamW.reduce` becomes the
     executor's ``grad_ready``), ZeRO-1's gathers under the next forward (``param_gather =
-    forward`` with ``zero1``: :meth:`DistributedAdamW.ready` its ``param_ready``). ``norms``
+    forward`` with ``zero1``: :meth:`DistributedAdamW.ready` its ``param_ready``). The
+    executor takes those hooks when it builds the optimizer itself: pass
+    ``functools.partial(for_executor, …)`` as its ``optimizer`` argument. ``norms``
     computes the norm weights (collective over the world; clipping needs them)."""
     train = executor.program.train
     gather = zero1 and train.param_gather == "forward"
@@ -561,8 +551,4 @@ def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWCo
         groups=executor.param_groups() if gather or reduce else None, gather_forward=gather,
         reduce_backward=reduce, partial=executor.partial_sums(), per_microbatch=per_microbatch,
         replicas_sliced=replicas_substituted(executor.program))
-    if optimizer.deferred:
-        executor.param_ready = optimizer.ready
-    if optimizer.early:
-        executor.grad_ready = optimizer.reduce
     return optimizer

@@ -17,6 +17,7 @@ torch is imported inside the functions, so that registering the command line sta
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -113,11 +114,12 @@ class RunOptions:
         return {"lr": self.lr, "warmup": self.warmup, "decay": "cosine" if self.decay else "constant",
                 "steps": self.steps, "weight_decay": self.weight_decay, "clip": self.clip}
 
-    def lr_of(self, step: int) -> float:
-        """The learning rate of update ``step`` (0-based)."""
-        from .optim import lr_at
+    def lr_schedule(self, start: int = 0):
+        """The learning-rate schedule (:class:`~.schedule.LRSchedule`, torch's schedulers)
+        positioned at update ``start`` (0-based; a resumed run's checkpoint step)."""
+        from .schedule import LRSchedule
 
-        return lr_at(step, self.lr, self.warmup, self.steps if self.decay else None)
+        return LRSchedule.at(start, self.lr, self.warmup, self.steps if self.decay else None)
 
 
 def preflight(program, reference=None) -> None:
@@ -154,13 +156,15 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     # Every rank must run the same plan (collectives are issued in plan order); under
     # torchrun each process planned on its own, so rank 0's plan wins.
     si = broadcast_from_first(compiled.si)
+    config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
+                         master=options.master)
     executor = Executor(program, comm, seed=options.seed, device=device, si=compiled.interleave,
                         plan_for=si.plan_for(), use_tags=options.backend == "gloo", block_orders=si.orders(),
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat),
-                        reference=compiled.reference, init=options.init)
-    config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
-                         master=options.master)
-    optimizer = for_executor(executor, zero1=options.zero1, config=config)
+                        reference=compiled.reference, init=options.init,
+                        issue_order=si.issue_order(device.type == "cuda"),
+                        optimizer=functools.partial(for_executor, zero1=options.zero1, config=config))
+    optimizer = executor.optimizer
     corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
                                                            program.model.get("seq"), options.eval_data)
     source = DataSource(program, comm.size("dp"), options.seed, corpus)
@@ -169,7 +173,8 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     recorder.origin = time.perf_counter()
     if options.check:
         # The reference is compared on rank 0: its comparisons are the verdict.
-        checks = tuple(check_steps(executor, optimizer, options.steps, source.batch, options.lr_of))
+        checks = tuple(check_steps(executor, optimizer, options.steps, source.batch,
+                                     options.lr_schedule().rates(options.steps)))
         return RunResult(losses=tuple(c.loss for c in checks), checks=checks) if comm.rank == 0 else None
     start = 0
     if options.resume is not None:
@@ -241,12 +246,14 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
     tokens = source.global_sequences * executor.program.model.get("seq")
     losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": [], "core_wait": []}, [], []
     log = StepLog(options.log if rank == 0 else None, tokens, resumed=start if options.resume else None)
+    schedule = options.lr_schedule(start)
     bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
                file=sys.stderr)
     with _cuda_profile(options, device, rank), log:
         for step in bar:
-            lr = options.lr_of(step)
+            lr = schedule.lr
             bad = _one_step(executor, optimizer, device, source.batch(step), lr, times, losses)
+            schedule.advance()
             record = log.step(step, losses[-1], lr, optimizer.last_norm, times, _peak_bytes(executor),
                               skipped=bad is not None)
             if bad is not None:
@@ -309,11 +316,7 @@ def _evaluate(executor, source) -> float:
     from dhelix.interpreter.verify.harness import replica_batch
 
     batch = replica_batch(source.held_out(), executor.comm.index("dp"), executor.program.train.microbatches)
-    reduce, executor.grad_ready = executor.grad_ready, None  # nothing to reduce
-    try:
-        return executor.step(batch).item()
-    finally:
-        executor.grad_ready = reduce
+    return executor.step(batch, hand_over=False).item()  # nothing to reduce
 
 
 def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses: list):

@@ -156,13 +156,13 @@ def compare(step: int, loss: float, grads: Mapping[str, torch.Tensor], reference
     return StepCheck(step, float(loss), float(ref_loss), diffs[worst], worst, len(diffs))
 
 
-def check_steps(executor, optimizer, steps: int, data=0, lr_of=None) -> list[StepCheck]:
+def check_steps(executor, optimizer, steps: int, data=0, lrs=None) -> list[StepCheck]:
     """Run ``steps`` steps of ``executor`` (an :class:`~.executor.Executor`) with
     ``optimizer`` (a :class:`~.optim.DistributedAdamW` over its params), checking each
     against the reference before the update, and the update (clipping included) against
     ``torch.optim.AdamW`` and ``torch.nn.utils.clip_grad_norm_`` applied to the same
     averaged gradients. ``data`` is a seed of random batches or a function step → global
-    batch; ``lr_of`` a function step → learning rate (default: the optimizer's). Returns the
+    batch; ``lrs`` the learning rate of each step (default: the optimizer's). Returns the
     checks on global rank 0 and an empty list elsewhere. Collective: every rank of the world
     must call it."""
     program, comm, plan, flat = executor.program, executor.comm, executor.weights, executor.flat
@@ -184,7 +184,7 @@ def check_steps(executor, optimizer, steps: int, data=0, lr_of=None) -> list[Ste
     params = gather_full(plan, comm, executor.params, flat)
     for step in range(steps):
         batch = batch_of(step)
-        lr = lr_of(step) if lr_of is not None else optimizer.config.lr
+        lr = lrs[step] if lrs is not None else optimizer.config.lr
         loss = executor.step(replica_batch(batch, comm.index("dp"), program.train.microbatches))
         if unchecked is not None:
             params = gather_full(plan, comm, executor.params, flat)  # the weights it ran with
