@@ -25,7 +25,7 @@ def _pricer(path: Path = TINY) -> tuple[Pricer, Space]:
     text = read_source(str(path))
     modules = load_modules(text, str(path))
     base = passes.rerun(check_program(modules), after="check")
-    return Pricer(modules, base, base.mesh.world), space_of(base)
+    return Pricer(modules, base, base.mesh.world), space_of(base, partitions=True)
 
 
 def _sub(rng: random.Random, values: tuple) -> tuple:
@@ -109,10 +109,13 @@ def test_cli_writes_a_program_that_checks(tmp_path):
 
 def test_cli_json(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--json", "--top", "2",
-                           "--keep", "mesh"], capture_output=True, text=True)
+                           "--keep", "mesh", "--partitions"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert len(data["top"]) == 2 and data["complete"]
+    # --partitions doubles the layouts: the file's partition (none) and a generated one.
+    base = passes.rerun(check_program(load_modules(read_source(str(TINY)), str(TINY))), after="check")
+    assert data["searched"]["choices"] == 2 * len(list(space_of(base, keep=("mesh",)).choices()))
     assert data["top"][0]["step_s"] <= data["top"][1]["step_s"]
     assert data["top"][0]["choice"]["tp"] == 2
 

@@ -1,9 +1,10 @@
-"""`dhelix tune FILE [--gpus N] [--keep S,…] [--budget SECONDS] [--top K] [-o best.dhx] [--json] [--profile P]`:
-search the fastest schedule that fits.
+"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--budget SECONDS] [--top K] [-o best.dhx] [--json]
+[--profile P]`: search the fastest schedule that fits.
 
 FILE gives the model, the cluster and the global batch (its dp × micro_batch × microbatches
-sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation, fold and
-pipeline (:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
+sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
+``param_gather``, with ``--partitions`` Centauri's partition, fold and pipeline
+(:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
 top K that fit the device's memory with one line on why the best wins; ``-o`` writes the best
 as a formatted program that `check` and `run` take; ``--json`` prints the result as JSON.
 """
@@ -46,6 +47,10 @@ def register(subparsers) -> None:
                       help=f"settings that stay as written, comma-separated: {', '.join(KEEPABLE)}")
     tune.add_argument("--budget", type=float, metavar="SECONDS",
                       help="stop after this many seconds with the best found so far (default: search to the end)")
+    tune.add_argument("--partitions", action="store_true",
+                      help="search Centauri's partition too: the file's own partition block (or none) against one "
+                           "generated for each layout, the planner choosing its chunk counts, substitutions and "
+                           "orders (slower: a candidate's chunk counts are settled by simulating its step)")
     tune.add_argument("--top", type=int, default=5, metavar="K", help="how many to show (default 5)")
     tune.add_argument("-o", "--output", metavar="OUT.dhx", help="write the best as a program file")
     tune.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -74,7 +79,7 @@ def cmd_tune(args) -> int:
     world = _world(args.gpus, base)
     keep = tuple(name.strip() for name in args.keep.split(",") if name.strip())
     try:
-        space = space_of(base, world, keep)
+        space = space_of(base, world, keep, partitions=args.partitions)
     except UsageError as exc:
         raise UsageError(f"--keep: {exc.message}") from None
     pricer = Pricer(modules, base, world)

@@ -161,10 +161,14 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = ()) -> Space:
+def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = (),
+             partitions: bool = False) -> Space:
     """The search space of a checked ``program`` (a model, mesh and train block) on ``world``
-    GPUs (None: its cluster's); ``keep`` names settings that stay as written (KEEPABLE).
-    Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot hold."""
+    GPUs (None: its cluster's); ``keep`` names settings that stay as written (KEEPABLE);
+    ``partitions`` adds the generated partition against the file's own (`dhelix tune
+    --partitions`: each such candidate's chunk counts are settled by simulating its step
+    several times, so the search takes longer). Raises UsageError for an unknown name in
+    ``keep`` or a world the nodes cannot hold."""
     for name in keep:
         if name not in KEEPABLE:
             notes = did_you_mean(name, KEEPABLE)
@@ -190,7 +194,8 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         zero=domain("zero", ZERO_STAGES), shard=domain("shard", (0,) + divisors(world)[1:]),
         recompute=domain("recompute", RECOMPUTE),
         schedules=_schedules(program, kept), kept=kept,
-        partition=domain("partition", PARTITIONS), param_gather=domain("param_gather", PARAM_GATHER))
+        partition=domain("partition", PARTITIONS if partitions else PARTITIONS[:1]),
+        param_gather=domain("param_gather", PARAM_GATHER))
 
 
 def _kept(program: Program, keep: tuple[str, ...]) -> dict:
