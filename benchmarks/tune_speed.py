@@ -3,7 +3,7 @@ models on 64 A40s and on 1024 H100s.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/tune_speed.py [--only NAME]
+    .venv/bin/python benchmarks/tune_speed.py [--only NAME] [--partitions]
 
 Each search runs to the end (no budget) with the top 5 kept. Printed per search: wall-clock
 and CPU seconds (CPU seconds tell the search's own cost on a machine shared with other work;
@@ -34,17 +34,18 @@ CASES = {
 }
 
 
-def run_case(name: str, path: Path) -> None:
+def run_case(name: str, path: Path, partitions: bool = False) -> None:
     """Search the file ``path`` and print what it took."""
     load = os.getloadavg()[0]
     wall, cpu = time.perf_counter(), time.process_time()
     text = read_source(str(path))
     modules = load_modules(text, str(path))
     base = passes.rerun(check_program(modules), after="check")
-    space = space_of(base)
+    space = space_of(base, partitions=partitions)
     outcome = search(Pricer(modules, base, base.mesh.world), space, top=5)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    print(f"{name}: {path.relative_to(ROOT)}, {base.mesh.world} GPUs, profile {base.profile.name}, "
+    print(f"{name}{' --partitions' if partitions else ''}: {path.relative_to(ROOT)}, {base.mesh.world} GPUs, "
+          f"profile {base.profile.name}, "
           f"global batch {space.sequences} x {base.model.get('seq')}")
     print(f"  {wall:.1f} s wall, {cpu:.1f} s CPU (load average {load:.1f} at the start); "
           f"{outcome.choices:,} choices in {outcome.layouts:,} layouts: {outcome.simulated:,} simulated "
@@ -60,12 +61,13 @@ def run_case(name: str, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(CASES), help="run one search")
+    parser.add_argument("--partitions", action="store_true", help="search Centauri's partition too (tune --partitions)")
     args = parser.parse_args()
     print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}")
     for name, path in CASES.items():
         if args.only in (None, name):
-            run_case(name, path)
+            run_case(name, path, args.partitions)
 
 
 if __name__ == "__main__":

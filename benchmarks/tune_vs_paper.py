@@ -5,7 +5,7 @@ and the memory SI costs over one strand.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/tune_vs_paper.py [--only NAME]
+    .venv/bin/python benchmarks/tune_vs_paper.py [--only NAME] [--partitions]
 
 Per example: the shipped choice and its predicted step and peak memory; the tuned choice, its
 step, peak and the ratio shipped / tuned; the settings that differ. Then, for the example's
@@ -44,21 +44,21 @@ def shipped_choice(program) -> Choice:
                   program.fold.text, program.pipeline.name)
 
 
-def run_example(name: str) -> None:
+def run_example(name: str, partitions: bool = False) -> None:
     """Tune the example ``name`` and print it beside the shipped one."""
     path = ROOT / "examples" / f"{name}.dhx"
     text = read_source(str(path))
     modules = load_modules(text, str(path))
     base = passes.rerun(check_program(modules), after="check")
     pricer = Pricer(modules, base, base.mesh.world)
-    space = space_of(base)
+    space = space_of(base, partitions=partitions)
     shipped = shipped_choice(base)
     assert shipped in set(space.choices()), f"{name}: the shipped choice is outside the space"
     as_shipped = pricer.price(shipped)
     start = time.process_time()
     outcome = search(pricer, space, top=1)
     seconds = time.process_time() - start
-    print(f"{name}: {base.mesh.world} GPUs, profile {base.profile.name}, global batch {space.sequences} x "
+    print(f"{name}{' --partitions' if partitions else ''}: {base.mesh.world} GPUs, profile {base.profile.name}, global batch {space.sequences} x "
           f"{base.model.get('seq')} ({seconds:.0f} s CPU to tune)")
     if isinstance(as_shipped, Priced):
         fits = "fits" if as_shipped.fits else "does NOT fit"
@@ -97,11 +97,12 @@ def _si_memory(text: str, path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=EXAMPLES)
+    parser.add_argument("--partitions", action="store_true", help="search Centauri's partition too (tune --partitions)")
     args = parser.parse_args()
     print(f"machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     for name in EXAMPLES:
         if args.only in (None, name):
-            run_example(name)
+            run_example(name, args.partitions)
 
 
 if __name__ == "__main__":
