@@ -24,7 +24,7 @@ from collections import deque
 
 from dhelix.dsl.render.dot import FONT, graph_header, html, quote
 from dhelix.dsl.core.schedule import Compute, Interleaved, Lowered, computes
-from dhelix.dsl.passes.unittime import Timing, unit_time
+from dhelix.dsl.passes.unittime import Timing, describe, unit_time
 
 #: Pixels per whole-rank forward, and the least per chunk action (narrower labels would clash).
 WHOLE_UNIT_PX = 48
@@ -66,14 +66,8 @@ def pipeline_dot(lowered: Lowered, title: str = "") -> str:
 
 def pipeline_title(lowered: Lowered, fold: str) -> str:
     """The diagram's title line: name, sizes, fold, make-span and bubble ratio."""
-    timing = unit_time(lowered)
-    ratio = timing.bubble_ratio
-    span = timing.normalized_makespan
-    span_text = str(span) if span.denominator == 1 else f"{float(span):g}"
-    costs = "F = B = W = 1" if lowered.split else "F = 1, B = 2"
     return (f"{lowered.name}: p = {lowered.ranks}, m = {lowered.microbatches}, fold {fold} "
-            f"(v = {lowered.chunks}); unit time {costs}: make-span {span_text} whole-rank "
-            f"forwards, bubble ratio {ratio} = {float(ratio):.3f}")
+            f"(v = {lowered.chunks}); {describe(unit_time(lowered))}")
 
 
 def strands_of(lowered: Lowered) -> dict[int, str]:
