@@ -190,6 +190,10 @@ def _run(args, started: list) -> int:
                          "starts from its own (give one of them)")
     if len({os.path.realpath(path) for path in outputs.values()}) < len(outputs):
         raise UsageError(f"{' and '.join(outputs)} name the same file; give each its own")
+    if "WORLD_SIZE" not in os.environ:  # local ranks: their process server loads torch meanwhile
+        from dhelix.interpreter.launch.spawn import warm_up_ranks
+
+        warm_up_ranks()
     text = read_source(args.file)
     program, choices = priced_program(text, args.file, args.profile)
     require_model(program, args.file)
