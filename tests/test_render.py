@@ -175,3 +175,13 @@ def test_pairing_without_a_profile_is_a_located_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "needs a hardware profile" in err and "^" in err
     assert "while running `dhelix render`" in err
+
+
+def test_the_ladder_never_shows_a_tiny_op_as_zero(capsys):
+    from dhelix.cli import main
+
+    assert main(["render", str(ROOT / "examples" / "tiny_llama_cpu.dhx"), "--what", "pairing"]) == 0
+    dot = capsys.readouterr().out
+    assert "0.000" not in dot and " ns alone" in dot and " µs" in dot
+    # The legend hangs below both rails, so it centres under the ladder.
+    assert dot.count('-> "legend" [style=invis]') == 2
