@@ -28,7 +28,11 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chr
 METRICS = {"file": "examples/tiny_llama_cpu.dhx", "backend": "gloo", "si": True, "steps": 2,
            "losses": [5.61, 5.43], "step_s": 0.0123, "exposed_comm_s": 0.0021, "peak_activations_bytes": 1048576,
            "predicted": {"step_s": 0.0011, "exposed_comm_s": 0.0009, "peak_activations_bytes": 524288,
-                         "note": "predicted for the a40 profile"}}
+                         "note": "predicted for the a40 profile",
+                         "pipeline_ranks": [{"pp": 0, "peak_activations_bytes": 524288,
+                                             "model_states_bytes": 3 * 2**20}]},
+           "ranks": [{"rank": 0, "pp": 0, "device": "cpu", "step_s": [0.5, 0.0123, 0.0125],
+                      "peak_activations_bytes": 1048576, "model_states_bytes": 3 * 2**20}]}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +63,9 @@ def test_the_page_shows_measured_beside_predicted_and_the_commands(page):
     measured = text[text.index('<section id="measured">'):]
     assert "12.3 ms" in measured and "1.10 ms" in measured  # the run's step, the run's prediction
     assert "5.6100 → 5.4300" in measured
+    # Per rank: the median step without the first, memory beside its pipeline rank's prediction.
+    assert re.search(r"<td>0</td><td>0</td><td>cpu</td><td>12.4 ms</td><td>1.000 MiB</td><td>0.500 MiB</td>"
+                     r"<td>3.000 MiB</td><td>3.000 MiB</td>", measured)
     commands = text[text.index('<section id="commands">'):text.index('<section id="pipeline">')]
     assert f"dhelix report {EXAMPLE}" in commands and "--run" in commands
 

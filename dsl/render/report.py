@@ -184,7 +184,38 @@ def _measured(sim: Simulation, metrics: Mapping | None) -> str:
         note += f", loss {losses[0]:.4f} → {losses[-1]:.4f}"
     why = predicted.get("note")
     return (f'<p class="note">{html(note)}. Measured: medians over steps, the first excluded. '
-            f"{html(why or '')}</p><table class=\"figures\">{head}{cells}</table>")
+            f"{html(why or '')}</p><table class=\"figures\">{head}{cells}</table>{_measured_ranks(metrics)}")
+
+
+def _measured_ranks(metrics: Mapping) -> str:
+    """Per rank of the run: its median step and its memory beside the prediction for its
+    pipeline rank (what ``--metrics`` holds of it)."""
+    ranks = [r for r in metrics.get("ranks") or [] if isinstance(r, Mapping)]
+    if not ranks:
+        return ""
+    predicted = {p.get("pp"): p for p in (metrics.get("predicted") or {}).get("pipeline_ranks") or []
+                 if isinstance(p, Mapping)}
+    head = ("<tr><th>rank</th><th>pipeline rank</th><th>device</th><th>step (median)</th>"
+            "<th>peak activations</th><th>predicted</th><th>model states</th><th>predicted</th></tr>")
+    rows = []
+    for r in ranks:
+        steps = [t for t in r.get("step_s") or [] if isinstance(t, (int, float))]
+        step = _median(steps[1:] or steps)
+        mine = predicted.get(r.get("pp"), {})
+        cells = [r.get("rank"), r.get("pp"), r.get("device"), None if step is None else duration(step),
+                 *(None if v is None else _mib(v) for v in (r.get("peak_activations_bytes"),
+                                                            mine.get("peak_activations_bytes"),
+                                                            r.get("model_states_bytes"),
+                                                            mine.get("model_states_bytes")))]
+        rows.append("<tr>" + "".join(f"<td>{'—' if c is None else html(str(c))}</td>" for c in cells) + "</tr>")
+    return f'<h3>Per rank</h3><table class="figures">{head}{"".join(rows)}</table>'
+
+
+def _median(values: list) -> float | None:
+    if not values:
+        return None
+    ordered, middle = sorted(values), len(values) // 2
+    return ordered[middle] if len(values) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _mib(nbytes: float) -> str:
