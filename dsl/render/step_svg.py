@@ -69,7 +69,7 @@ def _axis(step: float, scale: float, height: int) -> str:
     for k in range(11):
         x = LEFT + k * step / 10 * scale
         ticks.append(f'<line x1="{x:.1f}" y1="14" x2="{x:.1f}" y2="{height}" stroke="#e0e0e0"/>'
-                     f'<text x="{x:.1f}" y="11" text-anchor="middle" fill="#606060">'
+                     f'<text x="{x:.1f}" y="11" text-anchor="{"end" if k == 10 else "middle"}" fill="#606060">'
                      f'{html(duration(k * step / 10))}</text>')
     return "".join(ticks)
 
