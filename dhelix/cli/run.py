@@ -190,10 +190,6 @@ def _run(args, started: list) -> int:
                          "starts from its own (give one of them)")
     if len({os.path.realpath(path) for path in outputs.values()}) < len(outputs):
         raise UsageError(f"{' and '.join(outputs)} name the same file; give each its own")
-    if "WORLD_SIZE" not in os.environ:  # local ranks: their process server loads torch meanwhile
-        from dhelix.interpreter.launch.spawn import warm_up_ranks
-
-        warm_up_ranks()
     text = read_source(args.file)
     program, choices = priced_program(text, args.file, args.profile)
     require_model(program, args.file)
@@ -203,6 +199,9 @@ def _run(args, started: list) -> int:
     for problem in unrunnable(program):  # check warns; a run cannot go on
         raise DhelixError(problem.message, problem.span, problem.notes)
     from dhelix.interpreter.launch import spawn
+
+    if "WORLD_SIZE" not in os.environ:  # local ranks: their process server loads torch meanwhile
+        spawn.warm_up_ranks()
 
     from dhelix.interpreter.training import train
 
