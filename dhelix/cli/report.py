@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import sys
-from pathlib import Path
 
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output

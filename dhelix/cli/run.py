@@ -175,11 +175,7 @@ def _run(args, started: list) -> int:
     """The body of :func:`cmd_run`; appends to ``started`` once the ranks begin to join."""
     _check_numbers(args)
     check_launch_numbers(args)
-    outputs = {flag: output_path(value, flag, inputs=(args.file,))
-               for flag, value in (("--trace", args.trace), ("--metrics", args.metrics), ("--log", args.log),
-                                   ("--export-weights", args.export_weights)) if value}
-    if args.save:
-        outputs["--save"] = _save_folder(args.save, args.resume)
+    outputs = _outputs(args)
     if args.check and args.json:
         raise UsageError("--check prints every step's comparison with the reference; it has no --json")
     if args.check and (outputs or args.resume):
@@ -241,6 +237,16 @@ def _run(args, started: list) -> int:
         options = replan(options, result.gpus_per_node)
     return report(options.compiled.program, options, result, outputs.get("--trace"), outputs.get("--metrics"),
                   as_json=args.json)
+
+
+def _outputs(args) -> dict:
+    """The run's output files and folder by option, each checked (:mod:`dhelix.cli.paths`)."""
+    outputs = {flag: output_path(value, flag, inputs=(args.file,))
+               for flag, value in (("--trace", args.trace), ("--metrics", args.metrics), ("--log", args.log),
+                                   ("--export-weights", args.export_weights)) if value}
+    if args.save:
+        outputs["--save"] = _save_folder(args.save, args.resume)
+    return outputs
 
 
 def _print_header(program, options, args, placed, nproc: int) -> None:
