@@ -36,7 +36,9 @@ demo: setup
 	$(BIN)/dhelix plan $(EXAMPLE) --profile out/this-machine.yaml
 	# A fresh run: an earlier demo's checkpoint goes (dhelix run never saves over another run's).
 	rm -rf out/checkpoint
-	$(BIN)/dhelix run $(EXAMPLE) --steps 50 --lr 3e-3 --log out/train.jsonl --save out/checkpoint --profile out/this-machine.yaml
+	$(BIN)/dhelix run $(EXAMPLE) --steps 50 --lr 3e-3 --log out/train.jsonl --save out/checkpoint --profile out/this-machine.yaml --metrics out/metrics.json
+	# One page with every picture, the prediction and the run beside it (open it in a browser).
+	$(BIN)/dhelix report $(EXAMPLE) -o out/report.html --profile out/this-machine.yaml --run out/metrics.json
 
 test: setup
 	$(BIN)/pytest

@@ -144,3 +144,14 @@ def test_pool_takes_medians_over_ranks_and_repeats():
 def test_every_shipped_profile_is_written_back_equal(name):
     profile = load_profile(name)
     assert parse_profile(render_profile(profile), f"{name}.yaml") == profile
+
+
+def test_noise_is_said_when_repeats_disagree_or_an_oef_is_negative():
+    from dhelix.dsl.planner.calibrate import noise
+
+    steady = {"ops": {"a": [10.0, 10.1, 10.0, 9.9, 10.0]}, "pairs": {("a", "b"): [15.0, 15.2, 14.9, 15.1]}}
+    shaky = {"ops": {"a": [10.0, 30.0, 5.0, 12.0, 20.0]}, "pairs": {("a", "b"): [15.0, 15.2, 14.9, 15.1]}}
+    assert noise(pool([steady]), {"comp_comm": 0.8}) == []
+    said = noise(pool([shaky]), {"comp_comm": -0.956, "local_cross": 0.5})
+    assert said[0].startswith("repeated ops timings disagree by ") and "pairs" not in said[0]
+    assert said[1] == "OEF below 0 (comp_comm -0.956): pairs ran slower than their ops one after the other"

@@ -212,7 +212,8 @@ def _program(folder: Path, name: str = "prog.dhx", imports=(), profile: str | No
 #: Every command and option that writes a file, with the file's usual suffix.
 WRITERS = [("render", "-o", ".svg"), ("export", "--torch-csv", ".csv"), ("simulate", "--trace", ".json"),
            ("run", "--log", ".jsonl"), ("run", "--export-weights", ".pt"),
-           ("run", "--trace", ".json"), ("run", "--metrics", ".json"), ("profile", "-o", ".yaml")]
+           ("run", "--trace", ".json"), ("run", "--metrics", ".json"), ("profile", "-o", ".yaml"),
+           ("report", "-o", ".html")]
 
 
 @pytest.fixture
@@ -255,6 +256,9 @@ def test_every_writer_refuses_bad_places_before_any_work(command, flag, suffix, 
     ("run", "--metrics", ("lib.dhx",), "lib.dhx"),
     ("profile", "-o", (), "lab.yaml"),  # re-measuring over the profile the program names
     ("profile", "-o", (), "prog.dhx"),
+    ("report", "-o", (), "prog.dhx"),
+    ("report", "-o", ("lib.dhx",), "lib.dhx"),
+    ("report", "-o", (), "lab.yaml"),
     ("simulate", "--trace", (), "lab.json"),  # a program file that happens to end in .json
     ("render", "-o", ("lib.dot",), "lib.dot"),  # an import that happens to end in .dot
     ("render", "-o", ("lib.dot",), "lib.svg"),  # its .dot fallback (Graphviz missing) would be lib.dot

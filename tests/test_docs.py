@@ -20,3 +20,38 @@ def test_the_architecture_tour_names_every_module():
                if path.name != "__init__.py"]
     missing = sorted(str(p.relative_to(ROOT)) for p in modules if not re.search(rf"\b{p.stem}\b", text))
     assert missing == [], f"docs/architecture.md does not name {missing}"
+
+
+def test_the_readmes_error_example_is_what_check_prints(capsys, monkeypatch):
+    import re
+
+    from dhelix.cli import main
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"Errors look like this.*?```\n\$ dhelix check (\S+)\n(.*?)```", text, re.DOTALL)
+    assert block, "README.md's error example is missing"
+    monkeypatch.chdir(ROOT)
+    assert main(["check", block.group(1)]) == 1
+    assert capsys.readouterr().err == block.group(2)
+
+
+def _figures():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_figures", ROOT / "docs" / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_readmes_example_outputs_are_current():
+    figures = _figures()
+    for name in figures.BLOCKS:
+        assert figures.readme_block(name) == figures.block(name), f"run python docs/figures.py ({name})"
+
+
+def test_the_readme_lists_the_commands_that_draw_its_pictures():
+    text = (ROOT / "README.md").read_text()
+    for command in _figures().PICTURES:
+        assert command in text
+        assert (ROOT / command.split(" -o ")[1]).is_file()

@@ -36,14 +36,16 @@ def _launch(tmp_path, *args: str, env: dict | None = None) -> subprocess.Popen:
 
 
 def _ranks_of(launcher: int, count: int = 4, within: float = 60.0) -> list[int]:
-    """The pids of the launcher's ``count`` rank processes (multiprocessing spawn children)."""
+    """The pids of the launcher's ``count`` rank processes: named ``dhelix-rankN``, children of
+    the launcher (spawned) or of its forkserver (forked)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         found = []
         for entry in Path("/proc").iterdir():
             try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if parent == launcher and b"spawn_main" in (entry / "cmdline").read_bytes():
+                parent = _parent(int(entry.name))
+                named = (entry / "comm").read_text().startswith("dhelix-rank")
+                if named and launcher in (parent, _parent(parent)):
                     found.append(int(entry.name))
             except (OSError, ValueError, IndexError):
                 continue
@@ -51,6 +53,10 @@ def _ranks_of(launcher: int, count: int = 4, within: float = 60.0) -> list[int]:
             return sorted(found)
         time.sleep(0.2)
     raise AssertionError(f"the launcher did not start {count} ranks in {within} s")
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _running(pid: int) -> bool:

@@ -12,7 +12,7 @@ import pytest
 from dhelix.cli import render
 from dhelix.cli import main
 from dhelix.dsl.passes.overrides import Overrides, load_file
-from dhelix.dsl.render.pipeline import pipeline_dot, strands_of
+from dhelix.dsl.render.pipeline import MAX_WIDTH_PX, bands, pipeline_dot, strands_of
 from dhelix.dsl.passes.unittime import unit_time
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,12 +72,24 @@ def test_every_rank_row_spans_the_make_span(pipeline):
     text = pipeline_dot(lowered)
     makespan = unit_time(lowered).makespan
     rows = [row for row in re.findall(r"<TR>(.*?)</TR>\n", text, re.DOTALL) if "<B>rank " in row]
-    assert len(rows) == lowered.ranks
-    for row in rows:
-        # Top-level cells only: drop the SI blocks' inner tables first.
-        flat = re.sub(r"<TABLE.*?</TABLE>", "", row)
-        spans = [int(n) for n in re.findall(r'COLSPAN="(\d+)"', flat)]
+    bands = len(rows) // lowered.ranks
+    assert len(rows) == bands * lowered.ranks
+    for rank in range(lowered.ranks):
+        # A rank's row in each band (wrapped schedules have several); top-level cells only:
+        # drop the SI blocks' inner tables first.
+        flat = [re.sub(r"<TABLE.*?</TABLE>", "", row) for row in rows if f"<B>rank {rank}</B>" in row]
+        spans = [sum(int(n) for n in re.findall(r'COLSPAN="(\d+)"', row)) for row in flat]
         assert sum(spans) == makespan
+        assert all(span * 24 <= MAX_WIDTH_PX for span in spans)
+
+
+def test_a_long_schedule_wraps_into_bands_of_whole_ticks():
+    lowered = lowered_at(4, 64, "w_helix")
+    text = pipeline_dot(lowered)
+    makespan = unit_time(lowered).makespan
+    rulers = text.count("time →")
+    assert rulers == len(bands(makespan, lowered.chunks, 24)) > 1
+    assert bands(makespan, 2, 24)[0] == (0, 40) and bands(makespan, 2, 24)[-1][1] == makespan
 
 
 def test_si_block_shows_forward_over_backward():
@@ -163,3 +175,13 @@ def test_pairing_without_a_profile_is_a_located_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "needs a hardware profile" in err and "^" in err
     assert "while running `dhelix render`" in err
+
+
+def test_the_ladder_never_shows_a_tiny_op_as_zero(capsys):
+    from dhelix.cli import main
+
+    assert main(["render", str(ROOT / "examples" / "tiny_llama_cpu.dhx"), "--what", "pairing"]) == 0
+    dot = capsys.readouterr().out
+    assert "0.000" not in dot and " ns alone" in dot and " µs" in dot
+    # The legend hangs below both rails, so it centres under the ladder.
+    assert dot.count('-> "legend" [style=invis]') == 2

@@ -257,4 +257,4 @@ def test_dhelix_run_checks_a_cp_run_against_the_reference(tmp_path):
     result = subprocess.run([sys.executable, "-m", "dhelix", "run", str(path), "--steps", "1", "--check"],
                             capture_output=True, text=True, env=env, timeout=90, cwd=root)
     assert result.returncode == 0, result.stderr
-    assert "step 0: loss" in result.stdout
+    assert "step 1: loss" in result.stdout

@@ -219,6 +219,10 @@ def test_full_recomputation_runs_exactly_and_keeps_fewer_activations(tmp_path):
     program.write_text(text.replace("  seed = 1234", "  seed = 1234\n  recompute = full"))
     checked = dhelix("run", str(program), "--steps", "2", "--check")
     assert checked.returncode == 0, checked.stderr  # loss and every gradient equal to the reference
+    # Steps counted from 1, as the summary and the log count them; a verdict at the end.
+    lines = checked.stdout.splitlines()
+    assert lines[1].startswith("step 1: loss") and lines[2].startswith("step 2: loss")
+    assert lines[-1].startswith("check: passed: 2 step(s) match the single-process reference")
     peaks = _peak_activations(tmp_path, recompute=program, plain=Path(EXAMPLE))
     assert peaks["recompute"][0] < 0.5 * peaks["plain"][0]  # measured
     assert peaks["recompute"][1] < 0.5 * peaks["plain"][1]  # simulated

@@ -33,7 +33,7 @@ def test_metrics_hold_the_summary_figures_and_every_rank_s_steps(tmp_path):
     program.write_text(PROGRAM)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = subprocess.run([sys.executable, "-m", "dhelix", "run", str(program), "--steps", "3",
-                             "--no-si", "--metrics", str(metrics), "--json"],
+                             "--no-si", "--metrics", str(metrics), "--json", "--eval-every", "2"],
                             capture_output=True, text=True, env=env, timeout=90, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     data = json.loads(metrics.read_text())
@@ -47,3 +47,6 @@ def test_metrics_hold_the_summary_figures_and_every_rank_s_steps(tmp_path):
     assert data["step_s"] == pytest.approx(sum(slowest[1:]) / 2)
     assert 0 < data["exposed_comm_s"] < data["step_s"]
     assert json.loads(result.stdout) == data  # --json: the same figures, alone on standard output
+    # The held-out losses (every 2 steps and after the last), steps counted from 1 as the summary counts them.
+    assert [row["step"] for row in data["held_out"]] == [2, 3] and data["held_out"][0]["loss"] > 0
+    assert "dhelix run: " in result.stderr  # the header, before the ranks started

@@ -333,3 +333,16 @@ def test_a_resumed_log_continues_rather_than_repeats(tmp_path):
         log.step(3, 0.5, 1e-3, 1.0, times, 10)
     assert [row.get("step") for row in _strict_lines(path)] == [None, 1, 2, 3, 4]
     assert list(tmp_path.iterdir()) == [path]
+
+
+def test_the_log_holds_steps_and_evaluations_only(tmp_path):
+    # No metadata row (a `note` column and NaN steps in a table reader).
+    from dhelix.interpreter.training.steplog import StepLog
+
+    path = tmp_path / "log.jsonl"
+    times = {"step": [0.5], "collective": [0.1], "p2p": [0.0]}
+    with StepLog(str(path), tokens=64) as log:
+        log.step(0, 0.5, 1e-3, 1.0, times, 10)
+        log.evaluation(0, 0.7)
+    rows = _strict_lines(path)
+    assert [row["step"] for row in rows] == [1, 1] and "eval_loss" in rows[1]

@@ -133,3 +133,27 @@ def test_simulate_cli_writes_a_trace_that_loads(tmp_path, capsys):
     first = path.read_text()
     assert main(["simulate", "examples/tiny_llama_cpu.dhx", "--trace", str(path)]) == 0
     assert path.read_text() == first
+
+
+def test_the_detailed_trace_shows_each_si_blocks_segment_pairs_and_the_collectives_they_hide():
+    from dhelix.dsl.simulator.events import schedule_plan
+
+    path = ROOT / "examples" / "llama39b_a40.dhx"
+    program = check_text(path.read_text(), str(path))
+    plan = schedule_plan(program)
+    sim = simulate(program, plan, zero1=True, detail=True)
+    plain = simulated("llama39b_a40")
+    assert sim.step_time == plain.step_time  # the detail changes the trace, not the figures
+    blocks = [e for e in sim.events if e.args and e.args.get("kind") == "SI"]
+    pairs = [e for e in sim.events if e.args and e.args.get("kind") == "SI pair"]
+    hidden = [e for e in sim.events if e.args and e.args.get("kind") == "SI collective"]
+    block = blocks[0]
+    inside = [e for e in pairs if e.rank == block.rank and block.start <= e.start < block.start + block.duration]
+    assert [e.name for e in inside[:len(plan.pairs)]] == [f"SI pair {k}" for k in range(1, len(plan.pairs) + 1)]
+    assert sum(e.duration for e in inside[:len(plan.pairs)]) == pytest.approx(plan.total)
+    assert all(e.start + e.duration <= block.start + block.duration + 1e-12 for e in inside)
+    # Every collective of the plan shows on its lane, by strand, with the compute it hides behind.
+    ag1 = next(e for e in hidden if "β ag1" in e.name.split(", "))
+    assert ag1.lane == "local" and ag1.args["hidden behind"]
+    assert block.args["layer_comm_s"] > block.args["layer_comm_exposed_s"] >= 0
+    assert_nested(chrome_trace(sim.events, counters=sim.counters))

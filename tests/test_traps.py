@@ -104,3 +104,42 @@ def test_the_tiny_example_fits_this_machine():
 
     example = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama_cpu.dhx"
     assert check_memory(check_text(example.read_text(), str(example)), 4, "gloo") is None
+
+
+def test_fp8_is_a_warning_of_check_and_an_error_of_run_before_any_rank_starts(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "fp8.dhx"
+    path.write_text(tiny_example_text().replace("dtype = fp32", "dtype = fp8").replace('"a40"', '"h100"'))
+    assert main(["check", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "warning: model tiny_llama: dtype = fp8 can be checked, planned, drawn and simulated, but not run" \
+        in captured.err and captured.out.startswith(f"{path}: ok")
+    pytest.importorskip("torch")
+    _no_ranks(monkeypatch)
+    assert main(["run", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:5:1: model tiny_llama: dtype = fp8" in err and "set dtype = bf16" in err
+
+
+def test_check_names_the_models_layer_count_and_what_the_file_defines(tmp_path, capsys):
+    path = tmp_path / "twelve.dhx"
+    path.write_text(tiny_example_text().replace("layers = 4", "layers = 12"))
+    assert main(["check", str(path)]) == 0
+    program = check_text(path.read_text(), str(path))  # the stdlib's definitions, however many
+    assert capsys.readouterr().out == (
+        f"{path}: ok (model tiny_llama: 12 layers of llama, fp32; mesh tp 2 × pp 2, pipeline w_helix, fold u; "
+        f"{len(program.layers)} layer DAGs and {len(program.pipelines)} pipelines defined with the imports)\n")
+
+
+@pytest.mark.parametrize("pipeline, si", [("fold u\npipeline w_helix", "SI on (planned plan)"),
+                                          ("fold none\npipeline one_f_one_b",
+                                           "SI none (the schedule has no SI blocks)")])
+def test_run_says_what_runs_before_the_ranks_start(pipeline, si, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("torch")
+    _no_ranks(monkeypatch)
+    path = tmp_path / "tiny.dhx"
+    path.write_text(tiny_example_text().replace("fold u\npipeline w_helix", pipeline))
+    with pytest.raises(SystemExit):
+        main(["run", str(path), "--steps", "3"])
+    out = capsys.readouterr().out
+    assert f"dhelix run: {path}: {pipeline.split()[-1]}, tp 2 × pp 2 on 4 gloo rank(s), {si}; training, 3 step(s)" \
+        in out

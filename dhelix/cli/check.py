@@ -12,6 +12,7 @@ import sys
 
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.passes.axisuse import unused_axes
+from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.passes.pipeline import STAGES, STAGE_NAMES, check_text, dump_stage, run_until
 
 
@@ -34,10 +35,23 @@ def cmd_check(args) -> int:
         sys.stdout.write(dump_stage(args.dump, run_until(text, args.file, args.dump)))
         return 0
     program = check_text(text, args.file)
-    for warning in unused_axes(program):
+    for warning in [*unused_axes(program), *unrunnable(program)]:
         print(warning.render(), file=sys.stderr)
-    what = f"model {program.model.name}" if program.model else "library"
-    layers, pipelines = len(program.layers), len(program.pipelines)
-    print(f"{args.file}: ok ({what}; {layers} layer{'s' * (layers != 1)} and "
-          f"{pipelines} pipeline{'s' * (pipelines != 1)} defined)")
+    print(f"{args.file}: ok ({summary(program)})")
     return 0
+
+
+def summary(program) -> str:
+    """What a checked file holds, in a few words: the model (its real layer count, layer
+    DAG, dtype), mesh, pipeline and fold; then the definitions it and its imports provide."""
+    layers, pipelines = len(program.layers), len(program.pipelines)
+    defined = (f"{layers} layer DAG{'s' * (layers != 1)} and {pipelines} pipeline{'s' * (pipelines != 1)} "
+               "defined with the imports")
+    model = program.model
+    if model is None:
+        return f"library; {defined}"
+    count = model.get("layers")
+    mesh = " × ".join(f"{axis} {size}" for axis, size in zip(program.mesh.order, program.mesh.sizes, strict=True)
+                      if size > 1) or "1 rank"
+    return (f"model {model.name}: {count} layer{'s' * (count != 1)} of {model.layer}, {model.dtype}; mesh {mesh}, "
+            f"pipeline {program.pipeline.name}, fold {program.fold.kind}; {defined}")

@@ -34,6 +34,7 @@ COMMANDS = (
     "export",
     "plan",
     "simulate",
+    "report",
     "tune",
     "run",
     "profile",

@@ -140,4 +140,18 @@ def summary(path: str, out: Path, program, options, samples, profile) -> str:
         + (f", optimizer {profile.optimizer_gbps:g} GB/s" if profile.optimizer_gbps is not None else ""),
         f"  links    {links}",
         f"  overlap  OEF {classes}; slowdown {profile.slowdown:g}; launch gap {profile.launch_gap.fixed_us:g} µs",
+        *_noise_lines(samples.timings, profile),
         f'use it: cluster {{ profile = "{relative}" }}  (a path relative to the program file)'])
+
+
+def _noise_lines(timings, profile) -> list[str]:
+    """The lines that say the overlap figures are noise, with the way to better ones; none
+    when the timings agree."""
+    from dhelix.dsl.planner.calibrate import noise
+
+    reasons = noise(timings, profile.oef_classes)
+    if not reasons:
+        return []
+    return ["  noise    these overlap figures are noise: " + "; ".join(reasons),
+            "           re-measure on an idle machine (`uptime`: load below the core count) with more --repeats; "
+            "plans made with this profile follow the noise"]

@@ -19,24 +19,19 @@ extension, unwritable path) exit 2; mistakes in the file exit 1 with the usual l
 
 from __future__ import annotations
 
+import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
-from dhelix.dsl.core.errors import DhelixError, UsageError
-from dhelix.dsl.render.dag import dag_dot
-from dhelix.dsl.render.ladder import ladder_dot
+from dhelix.dsl.core.errors import OutputError, UsageError
 from dhelix.cli.overrides import add_override_arguments, overrides_from_args
 from dhelix.dsl.passes.overrides import load_file
-from dhelix.dsl.render.pipeline import pipeline_dot, pipeline_title
-from dhelix.dsl.render.placement import placement_dot
-from dhelix.dsl.simulator.events import schedule_plan
+from dhelix.dsl.render.diagrams import DIAGRAMS, diagram_source
+from dhelix.dsl.render.dot import run_dot
 from dhelix.dsl.core.wording import did_you_mean
 
-#: The diagrams, with the last pass each one needs.
-DIAGRAMS = {"pipeline": "validate", "placement": "fold", "dag": "autodiff", "pairing": "validate"}
 FORMATS = (".dot", ".svg", ".png")
 
 INSTALL_HINT = ("install Graphviz to make SVG/PNG pictures: `apt-get install graphviz` (Debian, "
@@ -80,20 +75,6 @@ def cmd_render(args) -> int:
     return write_diagram(source, output)
 
 
-def diagram_source(program, what: str, overridden: str = "") -> str:
-    """The DOT text of diagram ``what`` for a program run through the passes it needs;
-    ``overridden`` names the command-line overrides, shown in the placement's title."""
-    if what == "pipeline":
-        fold = program.placement.kind
-        return pipeline_dot(program.lowered, pipeline_title(program.lowered, fold))
-    if what == "placement":
-        name = program.model.name + (f" ({overridden})" if overridden else "")
-        return placement_dot(program.placement, name, program.model.get("layers"))
-    if what == "pairing":
-        return ladder_dot(schedule_plan(program))
-    return dag_dot(program.forward, program.backward)
-
-
 def picture_path(path: str, program_file: str) -> Path:
     """``path`` as a Path after checking its extension and :func:`paths.output_path`'s rules
     (not the program file, not a folder, writable). Raises UsageError; creates nothing."""
@@ -121,9 +102,15 @@ def write_diagram(source: str, output: Path) -> int:
               f"diagram source to {fallback} instead.\n  {INSTALL_HINT};\n  then run "
               f"`dot -T{output.suffix[1:].lower()} {fallback} -o {output}`", file=sys.stderr)
         return 1
-    result = subprocess.run([dot, f"-T{output.suffix[1:].lower()}", "-o", str(output)],
-                            input=source.encode(), capture_output=True, check=False)
-    if result.returncode != 0:
-        raise DhelixError(f"Graphviz dot failed to draw {output}: "
-                          f"{result.stderr.decode(errors='replace').strip()}")
+    picture = run_dot(dot, source, output.suffix[1:].lower(), str(output))
+    if output.exists() and not output.is_file():
+        output.write_bytes(picture)  # a device or a pipe
+    else:
+        partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
+        try:
+            partial.write_bytes(picture)
+            os.replace(partial, output)
+        except OSError as exc:
+            partial.unlink(missing_ok=True)
+            raise OutputError(f"cannot write '{output}': {exc.strerror or exc}") from None
     return 0

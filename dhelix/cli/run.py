@@ -34,6 +34,7 @@ import attrs
 from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, check_memory, choose_backend, local_ranks
 from dhelix.cli.paths import output_folder, output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
+from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.axisuse import unused_axes
@@ -174,11 +175,7 @@ def _run(args, started: list) -> int:
     """The body of :func:`cmd_run`; appends to ``started`` once the ranks begin to join."""
     _check_numbers(args)
     check_launch_numbers(args)
-    outputs = {flag: output_path(value, flag, inputs=(args.file,))
-               for flag, value in (("--trace", args.trace), ("--metrics", args.metrics), ("--log", args.log),
-                                   ("--export-weights", args.export_weights)) if value}
-    if args.save:
-        outputs["--save"] = _save_folder(args.save, args.resume)
+    outputs = _outputs(args)
     if args.check and args.json:
         raise UsageError("--check prints every step's comparison with the reference; it has no --json")
     if args.check and (outputs or args.resume):
@@ -195,7 +192,12 @@ def _run(args, started: list) -> int:
     for flag, path in outputs.items():
         refuse_inputs(path, flag, program_inputs(program))
     _warn(unused_axes(program))
+    for problem in unrunnable(program):  # check warns; a run cannot go on
+        raise DhelixError(problem.message, problem.span, problem.notes)
     from dhelix.interpreter.launch import spawn
+
+    if "WORLD_SIZE" not in os.environ:  # local ranks: their process server loads torch meanwhile
+        spawn.warm_up_ranks()
 
     from dhelix.interpreter.training import train
 
@@ -215,6 +217,7 @@ def _run(args, started: list) -> int:
         if given is not None:
             _refuse_data(outputs, given)
     _preflight_data(options)
+    _print_header(program, options, args, placed, nproc)
     started.append(True)
     if placed is not None:
         def replan(options, gpus_per_node: int):
@@ -234,6 +237,31 @@ def _run(args, started: list) -> int:
         options = replan(options, result.gpus_per_node)
     return report(options.compiled.program, options, result, outputs.get("--trace"), outputs.get("--metrics"),
                   as_json=args.json)
+
+
+def _outputs(args) -> dict:
+    """The run's output files and folder by option, each checked (:mod:`dhelix.cli.paths`)."""
+    outputs = {flag: output_path(value, flag, inputs=(args.file,))
+               for flag, value in (("--trace", args.trace), ("--metrics", args.metrics), ("--log", args.log),
+                                   ("--export-weights", args.export_weights)) if value}
+    if args.save:
+        outputs["--save"] = _save_folder(args.save, args.resume)
+    return outputs
+
+
+def _print_header(program, options, args, placed, nproc: int) -> None:
+    """Say what runs before the ranks start (training takes a while): standard output, or
+    standard error with ``--json`` (whose output is the JSON alone); once per node."""
+    from dhelix.interpreter.training import summary
+
+    if not _reporter():
+        return
+    ranks = program.mesh.world if placed is not None else nproc
+    line = summary.run_header(args.file, program.pipeline.name, summary.describe_mesh(program.mesh), ranks,
+                              options.backend, summary.describe_si(program, options))
+    what = "checking every step against the single-process reference" if options.check else "training"
+    print(f"dhelix run: {line}; {what}, {options.steps} step(s)", file=sys.stderr if args.json else sys.stdout,
+          flush=True)
 
 
 def _check_numbers(args) -> None:
@@ -405,8 +433,11 @@ def report(program, options, result, trace: Path | None, metrics: Path | None = 
         dtype = program.model.dtype
         tolerance = summary.CHECK_TOLERANCES.get(dtype, summary.CHECK_TOLERANCES["fp32"])
         if worst > tolerance:
+            print(f"check: FAILED: {len(result.checks)} step(s), worst difference {worst:.2e} > {tolerance} ({dtype})")
             raise DhelixError(f"the interpreter differs from the reference by {worst:.2e}, more than "
                               f"{tolerance} ({dtype})")
+        print(f"check: passed: {len(result.checks)} step(s) match the single-process reference, worst difference "
+              f"{worst:.2e} <= {tolerance} ({dtype})")
         return 0
     figures = summary.summarize(program, options, result)
     numbers = json.dumps(summary.metrics(figures, options, result), indent=1) + "\n"
@@ -448,7 +479,10 @@ def _report_training(options, result, out) -> None:
         print(f"weights: {options.export} (torch.load it into the reference model's load_state_dict)",
               file=out)
     if options.log:
-        print(f"log: {options.log} (one JSON line per step)", file=out)
+        board = Path(options.log).with_suffix(".tb")
+        scalars = (f"TensorBoard scalars in {board}" if board.is_dir() else
+                   "no TensorBoard scalars: tensorboard is not installed")
+        print(f"log: {options.log} (one JSON line per step and per evaluation; {scalars})", file=out)
 
 
 def write_trace(path: Path, program, options, result) -> None:

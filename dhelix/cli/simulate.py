@@ -7,7 +7,9 @@ and minus one feature at a time (:func:`dsl.simulator.report.compare`). ``--zero
 reduce-scatters the gradients, all-gathers the weights) over the data-parallel group.
 ``--si-plan scheduled`` prices the SI blocks whole in the block scheduler's order, as
 ``dhelix run --si-plan scheduled`` runs them. ``--trace`` writes the Chrome trace of the run
-as written (open it in ui.perfetto.dev).
+as written (open it in ui.perfetto.dev): a process per pipeline rank, a thread per lane, and
+inside each SI block its segment pairs, with the collectives each pair hides drawn on their
+lanes (:mod:`dsl.simulator.pairtrace`).
 """
 
 from __future__ import annotations
@@ -84,7 +86,10 @@ def cmd_simulate(args) -> int:
     else:
         sys.stdout.write(format_comparison(sims, title) if args.compare else format_simulation(sims[0], title))
     if trace is not None:
-        write_trace(trace, sims[0], args.file)
+        # Again with the SI blocks' segment pairs and the collectives they hide in the trace.
+        detailed = simulate(program, plan, zero1=args.zero1, cost=cost, label=sims[0].label, scheduled=scheduled,
+                            detail=True)
+        write_trace(trace, detailed, args.file)
         # With --json, standard output is the JSON alone.
         print(f"wrote {trace} (open it in https://ui.perfetto.dev)", file=sys.stderr if args.json else sys.stdout)
     return memory_verdict(program, sims[0], args.strict)

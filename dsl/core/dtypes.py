@@ -16,6 +16,9 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 #: The dtype names.
 DTYPES = tuple(DTYPE_BYTES)
 
+#: The dtypes the interpreter executes (fp8 is priced by the planner, not run).
+RUNNABLE_DTYPES = ("fp32", "bf16", "fp16")
+
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of ``dtype`` (one of :data:`DTYPES`); raises DhelixError naming

@@ -18,3 +18,22 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Co
         return "  ".join(cells).rstrip()
 
     return [line(header)] + [line(row) for row in rows]
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` with three significant digits in the unit that reads best: ``1.25 s``,
+    ``12.5 ms``, ``125 µs``, ``3.10 ns``; ``0 s`` for zero. Tiny times never print as
+    ``0.000 ms``."""
+    seconds = float(f"{seconds:.3g}")  # rounded first, so 999.6 µs reads 1.00 ms
+    if seconds == 0:
+        return "0 s"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{_significant(seconds / scale)} {unit}"
+    return f"{_significant(seconds / 1e-9)} ns"
+
+
+def _significant(value: float) -> str:
+    # Three significant digits without an exponent: 1.25, 12.5, 125, 1250.
+    digits = max(0, 2 - (len(str(int(abs(value)))) - 1)) if abs(value) >= 1 else 3
+    return f"{value:.{digits}f}"

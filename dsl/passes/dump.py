@@ -12,7 +12,7 @@ from dhelix.dsl.core.program import LayerDag, Op, Program
 from dhelix.dsl.core.schedule import format_lowered
 from dhelix.dsl.frontend.fmt import format_statement
 from dhelix.dsl.passes.strands import select
-from dhelix.dsl.passes.unittime import unit_time
+from dhelix.dsl.passes.unittime import describe, unit_time
 
 
 def dump_syntax(module: s.Module) -> str:
@@ -183,6 +183,4 @@ def dump_lowered(program: Program) -> str:
 @_needs("lowered")
 def dump_validated(program: Program) -> str:
     """The lowered schedule and its unit-time make-span and bubble ratio."""
-    timing = unit_time(program.lowered)
-    return (format_lowered(program.lowered) + f"# valid; unit-time make-span {timing.makespan}, "
-            f"bubble ratio {timing.bubble_ratio} = {float(timing.bubble_ratio):.3f}\n")
+    return format_lowered(program.lowered) + f"# valid; {describe(unit_time(program.lowered))}\n"

@@ -105,3 +105,19 @@ def peak_in_flight(lowered: Lowered) -> tuple[int, ...]:
         peaks.append(peak)
     return tuple(peaks)
 
+
+
+def describe(timing: Timing) -> str:
+    """The unit-time figures in words, as ``check --dump validate`` and the pipeline diagram
+    say them: ``unit-time make-span 27 whole-rank forwards (54 chunk actions; F = 1, B = 2),
+    unit-time bubble ratio 1/9 = 0.111``. They count actions, not seconds: the simulator's
+    pipeline make-span and bubble ratio price the same schedule with the op costs and the
+    transfers, so they differ."""
+    lowered = timing.lowered
+    costs = "F = B = W = 1" if lowered.split else "F = 1, B = 2"
+    span = timing.normalized_makespan
+    span_text = str(span) if span.denominator == 1 else f"{float(span):g}"
+    chunks = f"{timing.makespan} chunk actions; " if lowered.chunks > 1 else ""
+    ratio = timing.bubble_ratio
+    return (f"unit-time make-span {span_text} whole-rank forwards ({chunks}{costs}), "
+            f"unit-time bubble ratio {ratio} = {float(ratio):.3f}")

@@ -74,6 +74,9 @@ class Timings:
     pairs: Mapping[tuple[str, str], float] = attrs.field(factory=dict)
     stretched: Mapping[tuple[str, str], float] = attrs.field(factory=dict)
     sweep: tuple[SweepPoint, ...] = ()
+    #: Per kind (ops, pairs, …): the median over its keys of the samples' interquartile range
+    #: over their median, where a key has 4 samples or more (how much repeats disagree).
+    spread: Mapping[str, float] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -103,7 +106,36 @@ def pool(ranks: Sequence[Mapping[str, Mapping]]) -> Timings:
                for kind, samples in merged.items()}
     sweep = tuple(SweepPoint(lane, axis, group, size, us)
                   for (lane, axis, group, size), us in sorted(medians.pop("sweep").items()))
-    return Timings(**medians, sweep=sweep)
+    spread = {}
+    for kind, samples in merged.items():
+        ranges = [_relative_iqr(values) for values in samples.values() if len(values) >= 4]
+        if ranges:
+            spread[kind] = statistics.median(ranges)
+    return Timings(**medians, sweep=sweep, spread=spread)
+
+
+def _relative_iqr(values: Sequence[float]) -> float:
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    middle = statistics.median(values)
+    return (q3 - q1) / middle if middle > 0 else 0.0
+
+
+#: Repeats that disagree by more than this (interquartile range over median) make the
+#: figures derived from them noise; a pair's OEF is a small difference of such times.
+NOISY_SPREAD = 0.2
+
+
+def noise(timings: Timings, classes: Mapping[str, float]) -> list[str]:
+    """Why the figures derived from ``timings`` (OEF ``classes`` among them) are noise, one
+    line per reason, or [] when nothing says so: repeats of the ops or pairs that disagree by
+    more than :data:`NOISY_SPREAD`, and OEF classes below 0 (a pair slower than its two ops
+    one after the other: contention for the cores, or noise)."""
+    found = [f"repeated {kind} timings disagree by {100 * spread:.0f}% (interquartile range over median)"
+             for kind, spread in sorted(timings.spread.items()) if kind in ("ops", "pairs") and spread > NOISY_SPREAD]
+    negative = [f"{cls} {value:g}" for cls, value in classes.items() if value < 0]
+    if negative:
+        found.append(f"OEF below 0 ({', '.join(negative)}): pairs ran slower than their ops one after the other")
+    return found
 
 
 def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profile,

@@ -8,6 +8,10 @@ timestamps), which is what lets golden files and committed diagrams diff cleanly
 from __future__ import annotations
 
 import hashlib
+import re
+import subprocess
+
+from dhelix.dsl.core.errors import DhelixError
 
 #: The font of every diagram: Graphviz maps it to a sans-serif face with Greek letters
 #: (DejaVu Sans or Liberation Sans on Linux, Helvetica on macOS).
@@ -56,3 +60,21 @@ def graph_header(kind: str, name: str, **values) -> list[str]:
     lines += [f"  {key}={quote(str(value))};" for key, value in values.items() if value is not None]
     lines += [f"  node {attributes(fontname=FONT)};", f"  edge {attributes(fontname=FONT)};"]
     return lines
+
+
+def run_dot(dot: str, source: str, fmt: str, name: str) -> bytes:
+    """The picture Graphviz's ``dot`` program (at path ``dot``) draws from ``source`` in
+    format ``fmt`` (svg, png); DhelixError naming ``name`` (what was being drawn) when it fails."""
+    result = subprocess.run([dot, f"-T{fmt}"], input=source.encode(), capture_output=True, check=False)
+    if result.returncode != 0:
+        raise DhelixError(f"Graphviz dot failed to draw {name}: {result.stderr.decode(errors='replace').strip()}")
+    return result.stdout
+
+
+def inline_svg(svg: str) -> str:
+    """Graphviz's SVG as an element to inline in HTML5: from ``<svg`` on, without the XML
+    prolog, the doctype, comments and the namespace attributes (HTML needs none), so the page
+    names no address."""
+    body = svg[svg.index("<svg"):]
+    body = re.sub(r"<!--.*?-->", "", body, flags=re.S)
+    return re.sub(r'\s+xmlns(:\w+)?="[^"]*"', "", body)

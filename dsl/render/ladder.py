@@ -14,6 +14,7 @@ The text is deterministic (no dict or set order, fixed number formats), so it di
 from __future__ import annotations
 
 from dhelix.dsl.core.plan import Plan, SegmentPair
+from dhelix.dsl.core.table import duration
 from dhelix.dsl.render.dot import FONT, graph_header, html, quote
 
 #: Cell colours by (strand, lane); text is black on all of them.
@@ -27,10 +28,10 @@ EMPTY = "#f2f2f2"
 
 def ladder_dot(plan: Plan) -> str:
     """DOT text of the ladder of ``plan`` (see the module docstring)."""
-    factor, unit = (1e3, "ms") if plan.unit == "s" else (1.0, plan.unit)
+    time = _timer(plan.unit)
     title = (f"SI plan: {plan.forward_layer} forward (β) × {plan.backward_layer} backward (α)\n"
-             f"{len(plan.pairs)} segment pairs; predicted {plan.total * factor:.3f} {unit}, sequential "
-             f"{plan.sequential * factor:.3f} {unit}, speedup {plan.speedup:.3f}x; communication hidden "
+             f"{len(plan.pairs)} segment pairs; predicted {time(plan.total)}, sequential "
+             f"{time(plan.sequential)}, speedup {plan.speedup:.3f}x; communication hidden "
              f"{100 * plan.comm_hidden_fraction:.1f}%")
     lines = graph_header("digraph", f"ladder_{plan.forward_layer}_{plan.backward_layer}", label=title,
                          labelloc="t", fontname=FONT, fontsize="14", rankdir="TB", nodesep="1.2",
@@ -46,12 +47,14 @@ def ladder_dot(plan: Plan) -> str:
         lines.append(f"  {quote(left)} {_label(_segment(pair.forward, ops, 'forward'))};")
         lines.append(f"  {quote(right)} {_label(_segment(pair.backward, ops, 'backward'))};")
         lines.append(f"  {{ rank=same; {quote(left)}; {quote(right)}; }}")
-        lines.append(f"  {quote(left)} -> {quote(right)} {_rung(k, pair, factor, unit)};")
+        lines.append(f"  {quote(left)} -> {quote(right)} {_rung(k, pair, time)};")
         for rail, node in zip(previous, (left, right), strict=True):
             lines.append(f"  {quote(rail)} -> {quote(node)} {_attrs(color='#808080', arrowsize='0.6')};")
         previous = (left, right)
     lines.append(f"  {quote('legend')} {_label(_legend())};")
-    lines.append(f"  {quote(previous[0])} -> {quote('legend')} [style=invis];")
+    # Below both rails, so the legend sits centred under the ladder, not under one rail.
+    for rail in previous:
+        lines.append(f"  {quote(rail)} -> {quote('legend')} [style=invis];")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -82,11 +85,19 @@ def _segment(names: tuple[str, ...], ops: dict, strand: str) -> str:
     return '<TABLE BORDER="1" CELLBORDER="0" CELLSPACING="1" CELLPADDING="3">' + "".join(cells) + "</TABLE>"
 
 
-def _rung(k: int, pair: SegmentPair, factor: float, unit: str) -> str:
+def _timer(unit: str):
+    """Times of the plan's ``unit`` as text: seconds with three significant digits in the
+    unit that reads best (so a tiny op is never "0.000 ms"); other units as they are."""
+    if unit == "s":
+        return duration
+    return lambda value: f"{value:.4g} {unit}"
+
+
+def _rung(k: int, pair: SegmentPair, time) -> str:
     if pair.forward and pair.backward:
-        label = f"#{k}  {pair.time * factor:.3f} {unit}\n(apart {pair.alone * factor:.3f})"
+        label = f"#{k}  {time(pair.time)}\n(apart {time(pair.alone)})"
         return _attrs(label=label, dir="none", penwidth="2", color="#404040")
-    label = f"#{k}  {pair.time * factor:.3f} {unit} alone"
+    label = f"#{k}  {time(pair.time)} alone"
     return _attrs(label=label, dir="none", style="dashed", color="#b0b0b0")
 
 
@@ -95,6 +106,8 @@ def _legend() -> str:
             (COLOURS[("backward", "compute")], "backward compute"),
             (COLOURS[("forward", "local")], "node-local communication"),
             (COLOURS[("forward", "cross")], "cross-node communication")]
-    cells = "".join(f'<TD BGCOLOR="{colour}">{html(text)}</TD>' for colour, text in rows)
-    return (f'<TABLE BORDER="0" CELLSPACING="4" CELLPADDING="3"><TR>{cells}'
-            f"<TD><I>italic</I>: movable; ∅: the other segment runs alone</TD></TR></TABLE>")
+    # Two rows of two, then the notes: no wider than the ladder itself.
+    cells = [f'<TD BGCOLOR="{colour}">{html(text)}</TD>' for colour, text in rows]
+    return (f'<TABLE BORDER="0" CELLSPACING="4" CELLPADDING="3"><TR>{"".join(cells[:2])}</TR>'
+            f'<TR>{"".join(cells[2:])}</TR>'
+            f'<TR><TD COLSPAN="2"><I>italic</I>: movable; ∅: the other segment runs alone</TD></TR></TABLE>')

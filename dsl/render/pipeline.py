@@ -13,6 +13,10 @@ two halves of each SI block are of opposite strands (micro-batch 0 is α); the l
 ``dhelix check --dump lower`` (the paper counts from 1). With v > 1 chunks per rank the chunk
 follows as a subscript.
 
+Long schedules wrap: past :data:`MAX_WIDTH_PX` of time columns the picture continues in
+another band below (ruler and ranks again), cut at a ruler tick; an action cut by the wrap
+shows in both bands.
+
 Time scale: one whole-rank forward (v chunk forwards) is the same width whatever v is (down to
 a least cell width for v > 2), so pictures of different folds compare directly; the ruler counts
 whole-rank forwards.
@@ -24,7 +28,7 @@ from collections import deque
 
 from dhelix.dsl.render.dot import FONT, graph_header, html, quote
 from dhelix.dsl.core.schedule import Compute, Interleaved, Lowered, computes
-from dhelix.dsl.passes.unittime import Timing, unit_time
+from dhelix.dsl.passes.unittime import Timing, describe, unit_time
 
 #: Pixels per whole-rank forward, and the least per chunk action (narrower labels would clash).
 WHOLE_UNIT_PX = 48
@@ -32,6 +36,8 @@ MIN_UNIT_PX = 22
 ROW_PX = 36
 HEADER_PX = 64
 TICK_EVERY = 5  # whole-rank units between ruler labels
+#: The widest band of time columns, in pixels; longer schedules wrap into several bands.
+MAX_WIDTH_PX = 1100
 
 #: (background, text) colours by kind and strand ("" when the schedule has no strands).
 COLOURS = {
@@ -48,11 +54,15 @@ def pipeline_dot(lowered: Lowered, title: str = "") -> str:
     timing = unit_time(lowered)
     strands = strands_of(lowered)
     unit = max(MIN_UNIT_PX, WHOLE_UNIT_PX // lowered.chunks)
-    rows = [_ruler(timing.makespan, lowered.chunks, unit)]
-    for rank in range(lowered.ranks):
-        # A thin blank row between ranks keeps neighbouring blocks apart.
-        rows.append(f'<TR><TD COLSPAN="{timing.makespan + 1}" HEIGHT="4" FIXEDSIZE="TRUE"></TD></TR>')
-        rows.append(_rank_row(lowered, timing, rank, strands, unit))
+    rows = []
+    for lo, hi in bands(timing.makespan, lowered.chunks, unit):
+        if lo:  # a gap between the bands of a wrapped schedule
+            rows.append(f'<TR><TD COLSPAN="{hi - lo + 1}" HEIGHT="16" FIXEDSIZE="TRUE"></TD></TR>')
+        rows.append(_ruler(lo, hi, lowered.chunks, unit))
+        for rank in range(lowered.ranks):
+            # A thin blank row between ranks keeps neighbouring blocks apart.
+            rows.append(f'<TR><TD COLSPAN="{hi - lo + 1}" HEIGHT="4" FIXEDSIZE="TRUE"></TD></TR>')
+            rows.append(_rank_row(lowered, timing, rank, strands, unit, (lo, hi)))
     table = ('<TABLE BORDER="0" CELLBORDER="0" CELLSPACING="0" CELLPADDING="0">\n'
              + "\n".join(rows) + "\n</TABLE>")
     lines = graph_header("digraph", f"pipeline_{lowered.name}", label=title or None,
@@ -66,14 +76,8 @@ def pipeline_dot(lowered: Lowered, title: str = "") -> str:
 
 def pipeline_title(lowered: Lowered, fold: str) -> str:
     """The diagram's title line: name, sizes, fold, make-span and bubble ratio."""
-    timing = unit_time(lowered)
-    ratio = timing.bubble_ratio
-    span = timing.normalized_makespan
-    span_text = str(span) if span.denominator == 1 else f"{float(span):g}"
-    costs = "F = B = W = 1" if lowered.split else "F = 1, B = 2"
     return (f"{lowered.name}: p = {lowered.ranks}, m = {lowered.microbatches}, fold {fold} "
-            f"(v = {lowered.chunks}); unit time {costs}: make-span {span_text} whole-rank "
-            f"forwards, bubble ratio {ratio} = {float(ratio):.3f}")
+            f"(v = {lowered.chunks}); {describe(unit_time(lowered))}")
 
 
 def strands_of(lowered: Lowered) -> dict[int, str]:
@@ -107,10 +111,21 @@ def strands_of(lowered: Lowered) -> dict[int, str]:
     return {mb: "αβ"[side] for mb, side in sorted(strand.items())}
 
 
-def _ruler(makespan: int, chunks: int, unit: int) -> str:
+def bands(makespan: int, chunks: int, unit: int) -> list[tuple[int, int]]:
+    """The time columns ``[lo, hi)`` of each band of the picture: one band when the schedule
+    fits :data:`MAX_WIDTH_PX`, else bands of whole ruler ticks stacked top to bottom (a long
+    schedule wraps like text instead of making a picture thousands of pixels wide)."""
+    tick = chunks * TICK_EVERY
+    width = max(tick, (MAX_WIDTH_PX // unit) // tick * tick)
+    if makespan <= width:
+        return [(0, makespan)]
+    return [(lo, min(lo + width, makespan)) for lo in range(0, makespan, width)]
+
+
+def _ruler(lo: int, hi: int, chunks: int, unit: int) -> str:
     cells = [f'<TD WIDTH="{HEADER_PX}" HEIGHT="18" FIXEDSIZE="TRUE" ALIGN="LEFT">'
              f'<FONT POINT-SIZE="9" COLOR="#606060">time →</FONT></TD>']
-    for column in range(makespan):
+    for column in range(lo, hi):
         tick = column % (chunks * TICK_EVERY) == 0
         text = f'<FONT POINT-SIZE="9" COLOR="#606060">{column // chunks}</FONT>' if tick else ""
         side = ' SIDES="L" BORDER="1" COLOR="#b0b0b0"' if tick else ""
@@ -118,20 +133,24 @@ def _ruler(makespan: int, chunks: int, unit: int) -> str:
     return "<TR>" + "\n".join(cells) + "</TR>"
 
 
-def _rank_row(lowered: Lowered, timing: Timing, rank: int, strands: dict[int, str], unit: int) -> str:
+def _rank_row(lowered: Lowered, timing: Timing, rank: int, strands: dict[int, str], unit: int,
+              band: tuple[int, int]) -> str:
+    # The rank's actions and idle stretches, each cut to the band's columns [lo, hi).
+    lo, hi = band
     cells = [f'<TD WIDTH="{HEADER_PX}" HEIGHT="{ROW_PX}" FIXEDSIZE="TRUE" ALIGN="LEFT">'
              f'<B>rank {rank}</B></TD>']
-    now = 0
+    now = lo
     for action, start, end in zip(lowered.actions[rank], timing.starts[rank], timing.ends[rank],
                                   strict=True):
-        if end == start:  # transfers take no unit time
+        start, end = max(start, lo), min(end, hi)
+        if end <= start:  # transfers take no unit time; other bands' actions
             continue
         if start > now:
             cells.append(_idle(start - now, unit))
         cells.append(_action_cell(action, end - start, unit, strands, lowered.chunks))
         now = end
-    if timing.makespan > now:
-        cells.append(_idle(timing.makespan - now, unit))
+    if hi > now:
+        cells.append(_idle(hi - now, unit))
     return "<TR>" + "\n".join(cells) + "</TR>"
 
 

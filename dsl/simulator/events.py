@@ -56,6 +56,7 @@ from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
 from dhelix.dsl.simulator.costs import StepCosts, Work, cost_of, si_backward, step_costs
+from dhelix.dsl.simulator.pairtrace import pair_events
 from dhelix.dsl.core.timeline import CounterSample, TraceEvent
 from dhelix.dsl.passes.validate import dry_run, transfer_key
 
@@ -133,6 +134,9 @@ class Piece:
     free: float = 0.0
     grads: tuple | None = None  # (slot name, dense elements, expert elements)
     weights: int | str | None = None
+    #: An SI layer pair priced by the plan (its ``again`` recomputation first): what
+    #: :mod:`pairtrace` draws as segment pairs.
+    paired: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -303,7 +307,8 @@ class _Expander:
         # both strands' gathered weights and the backward's full gradient held meanwhile.
         up, down = interleaved(alloc + self.rebuilt, b.free - 2 * self.gathered)
         held = 3 * self.gathered
-        return attrs.evolve(b, work=work, alloc=up + held, free=down + held, weights=weights)
+        return attrs.evolve(b, work=work, alloc=up + held, free=down + held, weights=weights,
+                            paired=self.costs.layer.block is None)
 
     def _forward(self, stage: int) -> list[Piece]:
         count = self._count(stage)
@@ -415,8 +420,11 @@ class _Finish:
 class _Run:
     """The state of one simulation while it steps through the ranks' actions."""
 
-    def __init__(self, program: Program, costs: StepCosts, si: bool, zero1: bool, trace: bool = True):
+    def __init__(self, program: Program, costs: StepCosts, si: bool, zero1: bool, trace: bool = True,
+                 detail: Plan | None = None):
         self.program, self.costs, self.zero1, self.trace = program, costs, zero1, trace
+        #: The plan whose segment pairs the trace draws inside SI blocks (None: not drawn).
+        self.detail = detail
         #: ZeRO-3: the layers' gradients are reduce-scattered inside the layer DAGs (their
         #: cost is in the layer pieces), only the model's ends sync after the pipeline.
         self.fsdp = is_fsdp(program)
@@ -524,26 +532,34 @@ class _Run:
         kind, fstage, bstage = self._stages(rank, action)
         now = start
         tally, memory, grads = self.tally[rank], self.memory[rank], self.grads[rank]
-        for piece in self.expander.pieces(kind, fstage, bstage):
+        comm = exposed = 0.0
+        for layer, piece in enumerate(self.expander.pieces(kind, fstage, bstage)):
             if piece.weights in gates:
                 arrived = gates.pop(piece.weights)
                 waited += max(0.0, arrived - now)
                 now = max(now, arrived)
             memory.change(now, piece.alloc)
+            if self.detail is not None and self.trace and piece.paired:
+                # The plan's pairs end the piece (a full recomputation runs before them).
+                seconds = min(self.detail.total, piece.work.seconds)
+                self.events += pair_events(rank, self.detail, now + piece.work.seconds - seconds, seconds, layer)
             now += piece.work.seconds
             memory.change(now, -piece.free)
-            tally.layer_comm += piece.work.comm
-            tally.layer_exposed += piece.work.exposed
+            comm, exposed = comm + piece.work.comm, exposed + piece.work.exposed
             if piece.grads is not None:
                 slot, dense, expert = piece.grads
                 grads[(bstage, slot)] = (now, dense, expert)
                 self.micro_ready[rank].setdefault((bstage, slot), []).append(now)
+        tally.layer_comm += comm
+        tally.layer_exposed += exposed
         tally.busy += now - start - waited
         self.gather_exposed[rank] += waited
         self.free_at[rank] = self.last_end[rank] = now
         if self.trace:
-            self.events.append(TraceEvent(rank, "compute", str(action), start, now - start,
-                                          _action_args(action, kind, fstage, bstage)))
+            args = _action_args(action, kind, fstage, bstage)
+            if self.detail is not None and comm > 0:
+                args |= {"layer_comm_s": comm, "layer_comm_exposed_s": exposed}
+            self.events.append(TraceEvent(rank, "compute", str(action), start, now - start, args))
 
     def _stages(self, rank: int, action):
         stage = self.lowered.stage_of
@@ -688,7 +704,8 @@ def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
              cost: PairCost | None = None, costs: StepCosts | None = None, label: str = "",
-             scheduled: bool = False, blocks: Callable | None = None, trace: bool = True) -> Simulation:
+             scheduled: bool = False, blocks: Callable | None = None, trace: bool = True,
+             detail: bool = False) -> Simulation:
     """Simulate one training step of a validated ``program`` (with a profile).
 
     ``plan`` prices the SI blocks (planned with :func:`schedule_plan` when the schedule has
@@ -703,7 +720,10 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     the :func:`sim_costs.step_costs` of the program, for what-if studies (free pipeline
     transfers, no LM head, …); its ``layer.pair`` then prices the SI blocks. ``trace=False``
     leaves out the per-action trace events and the memory counters (a search pricing many
-    programs needs the figures only). Returns the :class:`Simulation`; raises DhelixError
+    programs needs the figures only); ``detail=True`` adds the SI blocks' segment pairs and
+    the collectives they hide (:mod:`pairtrace`; with the plan, not ``scheduled``) and each
+    action's layer communication (``layer_comm_s``, ``layer_comm_exposed_s``) to the trace.
+    Returns the :class:`Simulation`; raises DhelixError
     for a program without a profile.
     """
     require_profile(program)
@@ -716,7 +736,8 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
             blocks = blocks or block_scheduler(program, cost)
             costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, block=blocks))
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
-    run = _Run(program, costs, si, zero1, trace)
+    priced_by_plan = si and plan is not None and costs.layer.block is None and costs.layer.pair is not None
+    run = _Run(program, costs, si, zero1, trace, detail=plan if detail and priced_by_plan else None)
     run.run()
     ranks = tuple(run.rank_stats(rank) for rank in range(program.lowered.ranks))
     model, mesh, train = program.model, program.mesh, program.train

@@ -166,7 +166,8 @@ def format_simulation(sim: Simulation, title: str = "") -> str:
         f"throughput     {sim.tokens_per_second:,.0f} tokens/s",
         f"TFLOPS/GPU     {sim.tflops_per_gpu:.1f}  (MFU {100 * sim.mfu:.1f}% of "
         f"{sim.peak_flops / 1e12:.1f} TFLOPS; Megatron's FLOP count)",
-        f"bubble ratio   {100 * sim.bubble_ratio:.1f}%",
+        f"bubble ratio   {100 * sim.bubble_ratio:.1f}%  (idle compute in the pipeline make-span, priced; the "
+        "unit-time bubble ratio counts actions as F = 1, B = 2 with free transfers)",
         "",
         *_table(["communication per rank (mean)", f"total {ts}", f"hidden {ts}", f"exposed {ts}", "hidden"],
                 [_comm_row("layer (tp, cp, ep, FSDP dp)" if sim.fsdp else "layer (tp, cp, ep)", sim, "layer_comm", "layer_exposed", u),

@@ -1,7 +1,7 @@
 """Starting the ranks of a run: local processes joined in one world, or torchrun's.
 
-:func:`run_local` spawns one process per rank on this machine (the embedded default: no
-cluster needed) and hosts the world's TCP store itself, so that whatever happens to a rank it
+:func:`run_local` starts one process per rank on this machine (the embedded default: no
+cluster needed; forked from a forkserver that imported torch once, :func:`rank_context`) and hosts the world's TCP store itself, so that whatever happens to a rank it
 can read what the ranks left there. It watches them and stops the rest as soon as one fails,
 so a bad run ends with one :class:`RankFailure` naming the rank that caused it, never a hang:
 
@@ -18,7 +18,7 @@ so a bad run ends with one :class:`RankFailure` naming the rank that caused it, 
 
 SIGTERM and SIGHUP to the launcher are forwarded to the ranks, which are stopped; the launcher
 then raises :class:`LauncherStopped` (the command exits 128 + the signal). A rank dies with
-its launcher even if that is killed outright (:func:`die_with_parent`). Rank 0's result comes
+its launcher even if that is killed outright (:func:`die_with_launcher`). Rank 0's result comes
 back through a pipe. What a rank does is the ``work`` function given (``work(options, device,
 heartbeat)``, e.g. :func:`.train.train`), run inside the joined world; it returns a picklable
 result on global rank 0 and None elsewhere. Under torchrun (``RANK`` and ``WORLD_SIZE`` set,
@@ -127,24 +127,27 @@ def run_local(options: "RunOptions", nproc: int, work: Work):
     failure reports whatever happens to them. Raises RankFailure naming the rank that caused
     a failure (the others are stopped); on KeyboardInterrupt, or LauncherStopped for SIGTERM
     or SIGHUP (forwarded to the ranks), stops them all and propagates. A rank dies with the
-    launcher even when the launcher is killed outright (:func:`die_with_parent`)."""
-    import multiprocessing
-
+    launcher even when the launcher is killed outright (:func:`die_with_launcher`)."""
     store = _launcher_store(options.timeout)
-    context = multiprocessing.get_context("spawn")
+    context = rank_context()
     receiver, sender = context.Pipe(duplex=False)
+    # Only the launcher writes to the lifeline: a rank reads EOF the moment the launcher is gone.
+    lifeline, alive = context.Pipe(duplex=False)
     address = ("127.0.0.1", store.port)
     # Pickled here, unpickled by the rank only once it dies with us: unpickling imports what
-    # the work needs (torch among it), seconds during which a killed launcher would orphan it.
-    payload = pickle.dumps((work, options))
+    # the work needs (torch among it, unless preloaded), during which a killed launcher would
+    # orphan it. The environment goes along: a forkserver's ranks would otherwise see the
+    # environment of when the server started.
+    payload = pickle.dumps((work, options, dict(os.environ)))
     procs = [context.Process(target=_rank_process, name=f"dhelix-rank{rank}",
-                             args=(payload, rank, nproc, address, os.getpid(), sender if rank == 0 else None))
+                             args=(payload, rank, nproc, address, lifeline, sender if rank == 0 else None))
              for rank in range(nproc)]
     with _stop_signals_raise():
         try:
             for proc in procs:
                 proc.start()
             sender.close()  # rank 0 holds the only writing end: EOF once it is gone
+            lifeline.close()  # the ranks hold the reading ends
             failure, result = watch(procs, receiver)
         except (KeyboardInterrupt, LauncherStopped) as exc:
             stop(procs, signum=getattr(exc, "signum", None))
@@ -152,6 +155,7 @@ def run_local(options: "RunOptions", nproc: int, work: Work):
         finally:
             receiver.close()
     if failure is None:
+        alive.close()
         return result
     try:
         _settle(procs, failure)
@@ -159,6 +163,38 @@ def run_local(options: "RunOptions", nproc: int, work: Work):
         raise failure_cause(procs, failure, store, options.timeout)
     finally:
         stop(procs)
+        alive.close()
+
+
+#: What the forkserver imports once, so that ranks forked from it start with torch and the
+#: training loop loaded instead of importing them each (seconds per rank).
+PRELOAD = ["torch", "torch.distributed", "dhelix.interpreter.training.train"]
+
+
+def rank_context():
+    """The multiprocessing context local ranks start in: a forkserver that has imported
+    :data:`PRELOAD` once (each rank is a fork of it: no re-import of torch per rank) where the
+    platform has one (Linux, macOS), else spawn. Either way a rank starts from a fresh
+    interpreter's state, never a fork of the launcher (its threads, the store)."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+def warm_up_ranks() -> None:
+    """Start the forkserver of :func:`rank_context` now, so that its imports run while the
+    command still compiles the program (a no-op where ranks are spawned, or when it runs)."""
+    import multiprocessing
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        rank_context()
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def _launcher_store(timeout: float):
@@ -343,6 +379,23 @@ def die_with_parent(parent: int, *, prctl: bool) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_with_launcher(lifeline) -> None:
+    """End this rank the moment its launcher is gone, even killed outright: ``lifeline`` is
+    the reading end of a pipe only the launcher writes to, so it reads EOF then. (A rank
+    forked by the forkserver is not the launcher's child, and the forkserver outlives the
+    launcher while ranks run, so a parent-death signal would not do.)"""
+    import threading
+
+    def watch() -> None:
+        try:
+            lifeline.recv()
+        except (EOFError, OSError):
+            pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="dhelix-launcher-watch", daemon=True).start()
+
+
 def name_process(name: str) -> None:
     """Show this process as ``name`` (15 bytes at most) in ps, top and /proc/PID/comm, on
     Linux; a no-op elsewhere."""
@@ -352,15 +405,17 @@ def name_process(name: str) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
-def _rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int], launcher: int,
+def _rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int], lifeline,
                   results) -> None:
     """The body of a spawned rank: die with the launcher, unpickle ``payload`` (the work and
     its options), run the work, send rank 0's result to the parent through ``results``. On
     failure, leave the rendered error in the store for the launcher (which reports the cause,
     not every consequence) and exit 1; print it when the store cannot take it (see the
     module docstring for why this rank prints)."""
-    die_with_parent(launcher, prctl=True)
-    work, options = pickle.loads(payload)
+    die_with_launcher(lifeline)
+    work, options, environment = pickle.loads(payload)
+    os.environ.clear()
+    os.environ.update(environment)
     name_process(f"dhelix-rank{rank}")
     # torch's C++ warnings (a store poll that timed out) repeat what the launcher reports.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")

@@ -14,9 +14,10 @@ The file is strict JSON: a value that is not a finite number is written ``null``
 line gains ``"nonfinite": {"grad_norm": "inf"}`` (what it was). A line that cannot be written
 (a full disk) stops the run with an OutputError naming the log.
 
-When ``tensorboard`` is installed the same scalars also go to a TensorBoard event folder
-beside the log (``OUT.tb/``); without it the log says so once on its first line
-(``{"note": ...}``) rather than failing.
+Every line is a step or an evaluation: no metadata rows (a table reader such as
+``pandas.read_json(lines=True)`` gets one column per figure). When ``tensorboard`` is
+installed the same scalars also go to a TensorBoard event folder beside the log
+(``OUT.tb/``); without it ``dhelix run``'s last lines say so.
 """
 
 from __future__ import annotations
@@ -98,9 +99,7 @@ class StepLog:
     def _tensorboard(self):
         try:
             from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # torch's writer needs the tensorboard package
-            if self.resumed is None:  # a resumed log has it already
-                self._write({"note": "tensorboard is not installed: no TensorBoard scalars, this log only"})
+        except ImportError:  # torch's writer needs the tensorboard package; the command says so
             return None
         return SummaryWriter(str(Path(self.path).with_suffix(".tb")))
 

@@ -137,6 +137,22 @@ def describe_devices(ranks) -> str:
                      for host, records in hosts.items())
 
 
+def describe_si(program, options: "RunOptions") -> str:
+    """What the run does with SI blocks: ``on (planned plan)``, ``off``, or, for a schedule
+    that has none, says so (SI then changes nothing)."""
+    from dhelix.dsl.simulator.events import has_si
+
+    if not has_si(program):
+        return "none (the schedule has no SI blocks)"
+    return f"on ({options.plan} plan)" if options.si else "off"
+
+
+def run_header(path: str, pipeline: str, mesh: str, ranks: int, backend: str, si: str) -> str:
+    """The line that says what runs: ``FILE: pipeline, mesh on N backend rank(s), SI …``
+    (printed before the ranks start, and again atop the summary)."""
+    return f"{path}: {pipeline}, {mesh} on {ranks} {backend} rank(s), SI {si}"
+
+
 def describe_mesh(mesh) -> str:
     """``tp 2 × pp 2`` (the axes larger than 1, innermost first)."""
     parts = [f"{axis} {size}" for axis, size in zip(mesh.order, mesh.sizes, strict=True) if size > 1]
@@ -168,7 +184,7 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
     note = "; ".join(filter(None, [note, shared]))
     return RunSummary(
         path=options.path, pipeline=program.pipeline.name, mesh=describe_mesh(program.mesh),
-        backend=options.backend, si=f"on ({options.plan} plan)" if options.si else "off",
+        backend=options.backend, si=describe_si(program, options),
         losses=result.losses,
         ranks=tuple(RankFigures(rank=r.rank, step_time=steady(r.step), exposed_comm=steady(r.collective),
                                 p2p_wait=steady(r.p2p), peak_activations=r.peak_activations) for r in ranks),
@@ -221,13 +237,15 @@ def shared_cores(ranks, cores: int | None = None, host: str | None = None, core_
 def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> dict:
     """The summary's figures and every rank's per-step times as plain values (what
     ``dhelix run --metrics`` writes as JSON for scripts such as benchmarks/two_nodes.py):
-    seconds and bytes; ``exposed_comm_s`` is None on CUDA, predicted figures None when the
+    seconds and bytes; ``held_out`` the held-out losses (step numbered from 1, as the summary
+    counts); ``exposed_comm_s`` is None on CUDA, predicted figures None when the
     program cannot be simulated."""
     measured, predicted = summary.measured, summary.predicted
     return {
         "file": options.path, "backend": options.backend, "si": options.si, "plan": options.plan,
         "topology": summary.topology or "declared",
         "steps": len(result.losses), "losses": list(result.losses),
+        "held_out": [{"step": step + 1, "loss": loss} for step, loss in result.evals],
         "step_s": measured.step_time, "exposed_comm_s": measured.exposed_comm,
         "peak_activations_bytes": measured.peak_activations,
         "predicted": {"step_s": predicted.step_time, "exposed_comm_s": predicted.exposed_comm,
@@ -260,8 +278,7 @@ def format_summary(summary: RunSummary) -> str:
     """The end-of-run table: what ran, the losses, per rank the median step time, time
     blocked on collectives and on pipeline receives and the activation peak; then the
     measured figures beside the simulated ones."""
-    lines = [f"{summary.path}: {summary.pipeline}, {summary.mesh} on {len(summary.ranks)} "
-             f"{summary.backend} rank(s), SI {summary.si}",
+    lines = [run_header(summary.path, summary.pipeline, summary.mesh, len(summary.ranks), summary.backend, summary.si),
              *([f"devices: {summary.devices}"] if summary.devices else []),
              *([f"topology: {summary.topology}"] if summary.topology else []),
              f"loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f} over {len(summary.losses)} step(s); "

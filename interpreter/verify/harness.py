@@ -49,7 +49,8 @@ class StepCheck:
         return abs(self.loss - self.reference_loss)
 
     def __str__(self) -> str:
-        return (f"step {self.step}: loss {self.loss:.6f} (reference {self.reference_loss:.6f}, "
+        # ``step`` is 0-based; printed from 1, as the run's summary and log count steps.
+        return (f"step {self.step + 1}: loss {self.loss:.6f} (reference {self.reference_loss:.6f}, "
                 f"diff {self.loss_diff:.2e}); max grad diff {self.grad_diff:.2e} over "
                 f"{self.params} parameters (worst {self.worst}); max update diff "
                 f"{self.update_diff:.2e}; grad norm diff {self.norm_diff:.2e}")
