@@ -6,7 +6,11 @@ comparing against them; a missing golden fails with a hint.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,8 +50,22 @@ def shipped_files() -> list[Path]:
     return sorted((ROOT / "stdlib_schedules").glob("*.dhx")) + sorted((ROOT / "examples").glob("*.dhx"))
 
 
+@functools.cache
+def docs_corpus() -> str:
+    """The glob of the training corpus tests run on: a copy of the checkout's docs/*.md taken
+    once per test session (removed at exit). Tests compare the losses of separate runs (a
+    resumed run with the uninterrupted one), each of which reads its corpus afresh; the live
+    docs change whenever a merge or an edit lands in the checkout mid-suite, and the runs of
+    one test would then train on different text (a loss off by 0.1, not noise)."""
+    frozen = Path(tempfile.mkdtemp(prefix="dhelix-test-docs-"))
+    atexit.register(shutil.rmtree, frozen, True)
+    for doc in sorted((ROOT / "docs").glob("*.md")):
+        shutil.copyfile(doc, frozen / doc.name)
+    return str(frozen / "*.md")
+
+
 def tiny_example_text() -> str:
     """The text of examples/tiny_llama_cpu.dhx with its data path made absolute, so that a
-    copy of it in another folder still trains on the checkout's docs."""
+    copy of it in another folder still trains on the docs (their frozen copy, :func:`docs_corpus`)."""
     text = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text()
-    return text.replace('"../docs/*.md"', f'"{ROOT / "docs"}/*.md"')
+    return text.replace('"../docs/*.md"', f'"{docs_corpus()}"')

@@ -24,9 +24,12 @@ from dhelix.interpreter.verify.harness import replica_batch  # noqa: E402
 from dhelix.interpreter.training.schedule import MIN_LR_RATIO, LRSchedule  # noqa: E402
 from dhelix.interpreter.training.train import FAULT_ENV  # noqa: E402
 
+from conftest import docs_corpus, tiny_example_text  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text()
-DOCS = str(ROOT / "docs" / "*.md")
+#: The docs as they were when the session began: every run of a test trains on the same text.
+DOCS = docs_corpus()
 #: Layouts of the tiny example with the same global batch (16 sequences a step).
 LAYOUTS = {
     "tp2_pp2": ("mesh {\n  tp = 2\n  pp = 2\n}", 8, 4),
@@ -59,6 +62,14 @@ def dhelix(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 # --- data ---------------------------------------------------------------------------------------
+
+def test_the_tests_train_on_a_frozen_copy_of_the_docs():
+    # A resume test compares separate runs, each reading the corpus afresh: on the live docs
+    # a merge landing mid-suite made them train on different text (a loss off by 0.1).
+    frozen = Path(DOCS).parent
+    assert not frozen.is_relative_to(ROOT) and f'data = "{DOCS}"' in tiny_example_text()
+    assert docs_corpus() == DOCS and any(frozen.glob("*.md"))  # one copy a session, of the docs
+
 
 @pytest.mark.parametrize("with_data", [True, False])
 def test_a_step_s_global_batch_does_not_depend_on_the_layout(with_data):
