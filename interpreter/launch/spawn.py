@@ -18,13 +18,13 @@ so a bad run ends with one :class:`RankFailure` naming the rank that caused it, 
 
 SIGTERM and SIGHUP to the launcher are forwarded to the ranks, which are stopped; the launcher
 then raises :class:`LauncherStopped` (the command exits 128 + the signal). A rank dies with
-its launcher even if that is killed outright (:func:`die_with_parent`). Rank 0's result comes
+its launcher even if that is killed outright, from its first line on (:mod:`.rank_entry`). Rank 0's result comes
 back through a pipe. What a rank does is the ``work`` function given (``work(options, device,
 heartbeat)``, e.g. :func:`.train.train`), run inside the joined world; it returns a picklable
 result on global rank 0 and None elsewhere. Under torchrun (``RANK`` and ``WORLD_SIZE`` set,
 :func:`torchrun_rank`) the calling process is one rank and :func:`run_rank` runs it in place.
 
-The one place where the interpreter prints is :func:`_rank_process`, the top of a spawned
+The one place where the interpreter prints is :func:`rank_process`, the top of a spawned
 rank, and only when the launcher's store cannot take its error (the launcher is gone). This
 module imports torch only when it starts a world.
 """
@@ -44,6 +44,7 @@ import attrs
 from dhelix.dsl.core.errors import DhelixError
 
 from dhelix.interpreter.training.summary import describe_mesh
+from .rank_entry import die_with_parent, name_process, start_rank
 
 if TYPE_CHECKING:
     from dhelix.interpreter.training.train import RunOptions
@@ -116,8 +117,6 @@ PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pi
 #: After a rank fails with an error of its own, how long to wait for a peer's death to show
 #: up (a rank killed by a signal makes its peers fail too, a few milliseconds later).
 SETTLE_S = 0.5
-#: prctl(2) options (linux/prctl.h).
-PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 
 
 def run_local(options: "RunOptions", nproc: int, work: Work):
@@ -137,7 +136,7 @@ def run_local(options: "RunOptions", nproc: int, work: Work):
     # Pickled here, unpickled by the rank only once it dies with us: unpickling imports what
     # the work needs (torch among it), seconds during which a killed launcher would orphan it.
     payload = pickle.dumps((work, options))
-    procs = [context.Process(target=_rank_process, name=f"dhelix-rank{rank}",
+    procs = [context.Process(target=start_rank, name=f"dhelix-rank{rank}",
                              args=(payload, rank, nproc, address, os.getpid(), sender if rank == 0 else None))
              for rank in range(nproc)]
     with _stop_signals_raise():
@@ -321,45 +320,12 @@ def stop(procs, grace: float = 3.0, signum: int | None = None) -> None:
             proc.join()
 
 
-def die_with_parent(parent: int, *, prctl: bool) -> None:
-    """Make this process end when ``parent`` (the launcher) is gone, even killed outright:
-    with ``prctl`` on Linux the kernel sends SIGKILL at its death (PR_SET_PDEATHSIG; only
-    safe when the parent's main thread started this process), else a daemon thread checks
-    every half second whether the parent changed."""
-    if prctl and sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    else:
-        import threading
-
-        def orphaned() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=orphaned, name="dhelix-parent-watch", daemon=True).start()
-    if os.getppid() != parent:  # it died before we asked
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def name_process(name: str) -> None:
-    """Show this process as ``name`` (15 bytes at most) in ps, top and /proc/PID/comm, on
-    Linux; a no-op elsewhere."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
-
-
-def _rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int], launcher: int,
-                  results) -> None:
-    """The body of a spawned rank: die with the launcher, unpickle ``payload`` (the work and
-    its options), run the work, send rank 0's result to the parent through ``results``. On
-    failure, leave the rendered error in the store for the launcher (which reports the cause,
-    not every consequence) and exit 1; print it when the store cannot take it (see the
-    module docstring for why this rank prints)."""
-    die_with_parent(launcher, prctl=True)
+def rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int], results) -> None:
+    """The body of a spawned rank, once it dies with its launcher (:mod:`.rank_entry`):
+    unpickle ``payload`` (the work and its options), run the work, send rank 0's result to the
+    parent through ``results``. On failure, leave the rendered error in the store for the
+    launcher (which reports the cause, not every consequence) and exit 1; print it when the
+    store cannot take it (see the module docstring for why this rank prints)."""
     work, options = pickle.loads(payload)
     name_process(f"dhelix-rank{rank}")
     # torch's C++ warnings (a store poll that timed out) repeat what the launcher reports.
@@ -391,12 +357,16 @@ def _rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int
 
 
 def _client(address: tuple[str, int], timeout: float):
-    """A client of the TCP store at ``address`` (host, port)."""
+    """A client of the TCP store at ``address`` (host, port). Under torchrun the store
+    outlives a restart (``--max-restarts``): each attempt's keys get a prefix of their own, so
+    that an attempt never reads the addresses and heartbeats of the ranks of one before it."""
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
+    from torch.distributed import PrefixStore, TCPStore
 
-    return TCPStore(address[0], address[1], None, False, timedelta(seconds=timeout))
+    store = TCPStore(address[0], address[1], None, False, timedelta(seconds=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return store if attempt == "0" else PrefixStore(f"dhelix/attempt-{attempt}/", store)
 
 
 # -- one rank ---------------------------------------------------------------------------------
