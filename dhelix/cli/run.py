@@ -177,9 +177,7 @@ def _run(args, started: list) -> int:
     """The body of :func:`cmd_run`; appends to ``started`` once the ranks begin to join."""
     _check_numbers(args)
     check_launch_numbers(args)
-    verified = None
-    if args.resume == "auto":
-        args.resume, verified = _resume_auto(args.save)
+    args.resume, verified = _resume_auto(args.save) if args.resume == "auto" else (args.resume, None)
     outputs = {flag: output_path(value, flag, inputs=(args.file,))
                for flag, value in (("--trace", args.trace), ("--metrics", args.metrics), ("--log", args.log),
                                    ("--export-weights", args.export_weights)) if value}

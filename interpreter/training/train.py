@@ -238,9 +238,9 @@ def _fault_hook(rank: int):
 
 def _steps(options: RunOptions, executor, optimizer, device, source, start: int, saving=None):
     """Run steps ``start`` … ``options.steps - 1`` with a progress bar on rank 0, evaluating,
-    saving (through the process group ``saving``) and logging as the options say; returns the losses, the per-step times (step,
-    blocked on collectives, blocked on pipeline receives), the evaluations (step, loss) and
-    the steps skipped as non-finite (1-based). A non-finite step stops the run
+    saving (through the process group ``saving``) and logging as the options say; returns
+    the losses, the per-step times (step, blocked on collectives, blocked on pipeline
+    receives), the evaluations (step, loss) and the steps skipped as non-finite (1-based). A non-finite step stops the run
     (NonFiniteError) unless ``options.skip_nonfinite``."""
     from tqdm import tqdm
 
