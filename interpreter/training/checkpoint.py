@@ -61,7 +61,7 @@ SLOW_SAVE_ENV = "DHELIX_TEST_SLOW_SAVE"
 
 @contextlib.contextmanager
 def _single_process():
-    # no_dist=True is the intent (rank 0 writes the gathered state); DCP still warns.
+    # no_dist=True is the intent (each rank reads the full tensors alone); DCP still warns.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
