@@ -230,7 +230,8 @@ def test_a_resumed_run_continues_the_uninterrupted_one_on_any_layout(tmp_path, c
 
 
 def _check_refusals(tmp_path: Path, saves: Path, capsys) -> None:
-    """A checkpoint that does not fit the model or the batch, and one with a truncated file."""
+    """A checkpoint that does not fit the model or the batch, and one with truncated files
+    (named from the save's manifest)."""
     wider = tmp_path / "wider.dhx"
     wider.write_text(program_text("one").replace("hidden = 64", "hidden = 32"))
     assert main(["run", str(wider), "--steps", "4", "--resume", str(saves)]) == 1
@@ -244,7 +245,7 @@ def _check_refusals(tmp_path: Path, saves: Path, capsys) -> None:
         data.write_bytes(data.read_bytes()[:100])
     broken = dhelix("run", str(tmp_path / "one.dhx"), "--steps", "4", "--resume", str(saves))
     assert broken.returncode == 1
-    assert f"the checkpoint '{saves / 'step-000002'}' cannot be read: EOFError" in broken.stderr
+    assert f"the checkpoint '{saves / 'step-000002'}' is damaged: its file '__0_0.distcp' has 100 bytes" in broken.stderr
     assert "Traceback" not in broken.stderr
 
 

@@ -39,6 +39,7 @@ COMMANDS = (
     "run",
     "profile",
     "generate",
+    "checkpoint",
 )
 #: Commands whose errors are their report, so they get no "while running" note.
 REPORTING = ("check", "fmt")
@@ -67,13 +68,16 @@ RUN_REMEDIES = {
 
 def _add_remedies(exc: DhelixError) -> None:
     """Add the command or option that fixes an error, where there is one (library messages
-    name none): a stale measured profile is re-measured with `dhelix profile`; a run's
-    non-finite step or wrong placement gets the options of :data:`RUN_REMEDIES`."""
+    name none): a stale measured profile is re-measured with `dhelix profile`; a damaged
+    checkpoint's earlier save is resumed with --resume; a run's non-finite step or wrong
+    placement gets the options of :data:`RUN_REMEDIES`."""
     from dhelix.dsl.frontend.profilecheck import StaleProfileError
 
     for error in exc.errors if isinstance(exc, ErrorGroup) else (exc,):
         if isinstance(error, StaleProfileError) and error.program:
             error.add_note(f"to re-measure it: dhelix profile {error.program}")
+        if type(error).__name__ == "CheckpointDamaged" and error.earlier is not None:
+            error.add_note(f"resume from it: --resume {error.earlier} (--resume auto skips damaged saves)")
         remedy = RUN_REMEDIES.get(getattr(error, "cause", "") or type(error).__name__)
         if remedy is not None:
             error.add_note(remedy)

@@ -105,8 +105,11 @@ def _add_training_arguments(run) -> None:
     data.add_argument("--save-every", type=int, metavar="N", help="also save every N steps")
     data.add_argument("--keep", type=int, metavar="K",
                       help=f"keep the K newest saves in --save DIR, removing older ones (default {DEFAULT_KEEP})")
-    data.add_argument("--resume", metavar="DIR",
-                      help="continue the run saved in DIR, on this program's layout (--steps counts all steps)")
+    data.add_argument("--resume", metavar="DIR|auto",
+                      help="continue the run saved in DIR (a --save folder, or one save of it: DIR/step-000010), on "
+                           "this program's layout (--steps counts all steps); auto: from the newest intact save in "
+                           "--save DIR if there is one, else from the start (for restarts, torchrun's "
+                           "--max-restarts included)")
     data.add_argument("--init", metavar="HF_DIR",
                       help="start from the weights of a Hugging Face Llama checkpoint folder (model.safetensors or "
                            "its shards; each rank reads only its slices) instead of seeded ones")
@@ -175,6 +178,7 @@ def _run(args, started: list) -> int:
     """The body of :func:`cmd_run`; appends to ``started`` once the ranks begin to join."""
     _check_numbers(args)
     check_launch_numbers(args)
+    args.resume, verified = _resume_auto(args.save) if args.resume == "auto" else (args.resume, None)
     outputs = _outputs(args)
     if args.check and args.json:
         raise UsageError("--check prints every step's comparison with the reference; it has no --json")
@@ -216,7 +220,7 @@ def _run(args, started: list) -> int:
     for given in (options.data, options.eval_data):
         if given is not None:
             _refuse_data(outputs, given)
-    _preflight_data(options)
+    _preflight_data(options, verified)
     _print_header(program, options, args, placed, nproc)
     started.append(True)
     if placed is not None:
@@ -301,7 +305,9 @@ def _save_folder(text: str, resume: str | None) -> Path:
 
     path = output_folder(text, "--save")
     saves = saves_in(path) if path.is_dir() else []
-    same = resume is not None and os.path.realpath(resume) == os.path.realpath(path)
+    # The same run: resumed from this folder or from one of its saves.
+    same = resume is not None and os.path.realpath(path) in (
+        os.path.realpath(resume), os.path.dirname(os.path.realpath(resume)))
     if saves and not same:
         raise UsageError(f"--save {text}: the folder holds a checkpoint of another run ({saves[-1].name}), which "
                          f"this run's saves would replace; continue that run with --resume {text}, or give "
@@ -326,9 +332,31 @@ def _refuse_data(outputs: dict, data) -> None:
                              "would be mixed with it; give another folder")
 
 
-def _preflight_data(options) -> None:
+def _resume_auto(save: str | None) -> tuple[str | None, list]:
+    """``--resume auto``: the newest intact save in ``--save DIR`` (damaged saves skipped,
+    each with a warning) and what verifying it said, or (None, []) to start afresh; says
+    which on standard error. Every rank of a torchrun world reads the same folder by the
+    same rule (and rank 0's choice holds, :func:`~dhelix.interpreter.training.train.train`)."""
+    from dhelix.dsl.core.errors import DhelixWarning
+    from dhelix.interpreter.training.manifest import intact_saves
+
+    if not save:
+        raise UsageError("--resume auto continues from the newest save in --save DIR: give --save")
+    root = Path(save)
+    for folder, warnings, damage in intact_saves(root) if root.is_dir() else ():
+        if damage is not None:
+            _warn([DhelixWarning(f"--resume auto: {damage.message}; this save is skipped", notes=damage.notes)])
+            continue
+        _warn([f"dhelix run: --resume auto: continuing from {folder}"])
+        return str(folder), warnings
+    _warn([f"dhelix run: --resume auto: no save in {save} yet; starting from the first step"])
+    return None, []
+
+
+def _preflight_data(options, verified: list | None = None) -> None:
     """Read the data and the checkpoint to resume before any rank starts, so that their
-    errors come once, located, and not from every rank."""
+    errors come once, located, and not from every rank; the save resumed from is checked
+    against its manifest unless ``verified`` (what checking it already said) is given."""
     from dhelix.interpreter.training import checkpoint, data
     from dhelix.interpreter.ops.weights import WeightPlan
 
@@ -341,6 +369,7 @@ def _preflight_data(options) -> None:
                                   options.eval_data)
         _warn(filter(None, [data.short_data(options.data, corpus, sequences)]))
     if options.resume is not None:
+        _warn(checkpoint.verify(checkpoint.resolve(options.resume)) if verified is None else verified)
         _, meta = checkpoint.latest(options.resume)
         plan = WeightPlan(program, options.seed, options.compiled.reference)
         checkpoint.check_fits(options.resume, meta, plan, sequences)
@@ -472,6 +501,8 @@ def _report_training(options, result, out) -> None:
         shown = ", ".join(map(str, result.skipped[:10])) + (" …" if len(result.skipped) > 10 else "")
         print(f"skipped: {len(result.skipped)} step(s) whose loss or gradient norm was not finite ({shown})",
               file=out)
+    if options.resume:
+        print(f"resumed: from {options.resume}", file=out)
     if options.save:
         print(f"checkpoint: {options.save} (step {options.steps}, the {options.keep} newest saves kept; resume "
               f"with --resume {options.save})", file=out)

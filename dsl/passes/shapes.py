@@ -43,6 +43,8 @@ def instantiate(layer: s.LayerDef, env: Mapping[str, int], mesh: Mesh) -> LayerD
             errors.add(exc)
             break  # later shapes depend on this one; report the first mismatch only
         shapes[apply.name] = op.shape
+        if op.op_class == "attention" and mesh.size("cp") > 1 and (op.axis or "").split(".")[0] != "cp":
+            errors.add(_attention_off_cp(apply, op, mesh))
         if op.kind == "comm" and op.group_size == 1 and op.op not in ("send", "recv"):
             alias[apply.name] = op.inputs[0]
             elided.append(apply.name)
@@ -66,6 +68,19 @@ def _input_shape(inp: s.LayerIn, env: Mapping[str, int]) -> tuple[int, int]:
     if rows <= 0 or cols <= 0:
         raise CheckError(f"input shape [{rows}, {cols}] must be positive", inp.span)
     return (rows, cols)
+
+
+def _attention_off_cp(apply, op: Op, mesh: Mesh) -> CheckError:
+    """The error of an attention that does not ring over cp while cp splits every sequence:
+    each rank would attend only within its own part of the sequence."""
+    cp = mesh.size("cp")
+    over = f"runs over {op.axis}" if op.axis else "is not given the cp axis"
+    where = mesh.spans.get("cp")
+    return CheckError(f"attention {apply.name} {over}, but cp = {cp} splits each sequence over {cp} ranks: each "
+                      "would attend only within its own part of the sequence", apply.span,
+                      [*([f"cp = {cp} is set at {where}"] if where is not None else []),
+                       "give the attention the cp axis, attention(…, cp), for ring attention as stdlib's llama "
+                       "does, or set cp = 1"])
 
 
 def _instantiate_op(apply, env, mesh: Mesh, shapes, alias) -> Op:

@@ -446,12 +446,16 @@ def _rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int
 
 
 def _client(address: tuple[str, int], timeout: float):
-    """A client of the TCP store at ``address`` (host, port)."""
+    """A client of the TCP store at ``address`` (host, port). Under torchrun the store
+    outlives a restart (``--max-restarts``): each attempt's keys get a prefix of their own, so
+    that an attempt never reads the addresses and heartbeats of the ranks of one before it."""
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
+    from torch.distributed import PrefixStore, TCPStore
 
-    return TCPStore(address[0], address[1], None, False, timedelta(seconds=timeout))
+    store = TCPStore(address[0], address[1], None, False, timedelta(seconds=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return store if attempt == "0" else PrefixStore(f"dhelix/attempt-{attempt}/", store)
 
 
 # -- one rank ---------------------------------------------------------------------------------

@@ -180,6 +180,13 @@ def _op_spec(op: Op, full_op: Op, fwd: LayerDag, full_fwd: LayerDag, mesh: Mesh)
         return ShardSpec(full, init, 0, "tp", (full[0],))
     if column:
         return ShardSpec(full, init, 1, "tp", _column_blocks(op, full[1], fwd, full_fwd))
+    if tuple(op.weight) != full and op.columns is None:
+        raise ShardingError(f"gemm {op.name} holds a {list(op.weight)} slice of its {list(full)} weight over tp, but "
+                            "neither reads an all_gather over tp (column-parallel) nor feeds a reduce_scatter "
+                            "over tp (row-parallel): the interpreter runs tensor parallelism in its "
+                            "sequence-parallel form; a layer of all_reduce blocks (Megatron's without sequence "
+                            "parallelism, stdlib llama_tp) runs once each all_reduce is substituted by a "
+                            "reduce_scatter and an all_gather moved later (examples/tiny_llama_tp_to_sp_cpu.dhx)")
     return ShardSpec(full, init, grad_sum=partial)
 
 

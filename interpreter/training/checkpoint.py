@@ -8,16 +8,23 @@ interrupted midway leaves the last good checkpoint as it was, and the next save 
 it left (``.partial-*`` of a process that is gone). A save that cannot be written (a full
 disk) removes its partial folder and raises OutputError naming the save that is kept.
 
+Each save ends with a manifest (``manifest.json``: every file's size and SHA-256), written
+last and atomically before the folder is renamed into place; :func:`verify` checks a save
+against it and names the damaged file (:class:`CheckpointDamaged`). A save without one (an
+older dhelix's) loads with a warning.
+
 What is saved is layout-free: every parameter and both AdamW moments under the parameter's
-full (unsharded) name and shape, gathered from the shards on global rank 0
-(:func:`.harness.gather_full`) and written there by DCP (``no_dist``), with the step, the
-seed, the global batch size (the data position is the step: step k reads the k-th global
-batch; a data blend's position, where each source stands, is stored beside it) and the
-torch RNG state. Loading reads the full tensors on every rank and keeps its
+full (unsharded) name and shape, with the step, the seed, the global batch size (the data
+position is the step: step k reads the k-th global batch; a data blend's position, where each
+source stands, is stored beside it) and the torch RNG state. The shards
+are joined into full tensors (:func:`.harness.gather_full`, every parameter on the rank that
+writes it) and every rank writes its share of the parameters, in parallel, through DCP over a
+process group of its own whose timeout is :data:`SAVE_TIMEOUT_S`: a slow disk never trips the
+training collectives' ``--timeout``. Loading reads the full tensors on every rank and keeps its
 own shard (:meth:`.weights.ShardSpec.take`), so a run saved with tp 2 × pp 2 resumes on one
-rank or on dp 2. The shards are gathered rather than saved in place because a
-column-parallel weight's shard is several non-contiguous blocks of the full tensor
-(:mod:`.weights`), which neither DTensor's placements nor a single DCP chunk describe.
+rank or on dp 2. The shards are joined rather than saved in place because a column-parallel
+weight's shard is several non-contiguous blocks of the full tensor (:mod:`.weights`), which
+neither DTensor's placements nor a single DCP chunk describe.
 
 :func:`export_weights` writes the full weights as one ``torch.save`` file whose keys are
 :class:`~.reference.ReferenceModel`'s ``state_dict`` keys.
@@ -29,103 +36,143 @@ import contextlib
 import json
 import os
 import shutil
+import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from dhelix.dsl.core.errors import DhelixError, OutputError
+from dhelix.dsl.core.errors import OutputError
 
 from dhelix.interpreter.verify.harness import gather_full
+from .manifest import (META, CheckpointDamaged, CheckpointError, intact_saves, saves_in,  # noqa: F401 (API)
+                       verify, write_manifest)
 
 LATEST = "latest"
-META = "dhelix.json"
 FORMAT = 1
-
-
-class CheckpointError(DhelixError):
-    """A checkpoint that cannot be read or does not fit this run."""
+#: The timeout of the process group that saves go through (a day): a save is never cut short
+#: by the collectives' ``--timeout``; a rank that dies meanwhile ends the run through its
+#: launcher instead.
+SAVE_TIMEOUT_S = 24 * 3600.0
+#: Test-only: seconds global rank 0 waits before it writes its share of a save (a slow disk).
+SLOW_SAVE_ENV = "DHELIX_TEST_SLOW_SAVE"
 
 
 @contextlib.contextmanager
 def _single_process():
-    # no_dist=True is the intent (rank 0 writes the gathered state); DCP still warns.
+    # no_dist=True is the intent (each rank reads the full tensors alone); DCP still warns.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
 
 
-def _full_state(executor, optimizer) -> dict | None:
-    """The layout-free state on global rank 0 (None elsewhere); collective."""
+def save_group():
+    """The process group that saves and exports wait in (gloo, :data:`SAVE_TIMEOUT_S`); create
+    it on every rank, in the same order, before the first save. Collective over the world."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=SAVE_TIMEOUT_S))
+
+
+def _owned_state(executor, optimizer) -> dict:
+    """This rank's share of the layout-free state (:func:`.harness.owned_names`): full fp32
+    weights and both moments; collective over the world."""
     plan, comm = executor.weights, executor.comm
     moments = optimizer.moments()
     flat = executor.flat  # ZeRO-3 pieces are gathered over dp first
-    params = gather_full(plan, comm, optimizer.masters(), flat)  # fp32, whatever the compute dtype
-    first = gather_full(plan, comm, {name: pair[0] for name, pair in moments.items()}, flat)
-    second = gather_full(plan, comm, {name: pair[1] for name, pair in moments.items()}, flat)
-    if params is None:
-        return None
+    params = gather_full(plan, comm, optimizer.masters(), flat, owned=True)  # fp32, whatever the compute dtype
+    first = gather_full(plan, comm, {name: pair[0] for name, pair in moments.items()}, flat, owned=True)
+    second = gather_full(plan, comm, {name: pair[1] for name, pair in moments.items()}, flat, owned=True)
     return {"model": params, "exp_avg": first, "exp_avg_sq": second}
 
 
-def saves_in(root: Path) -> list[Path]:
-    """The complete saves in the checkpoint folder ``root``, oldest first (by step)."""
-    saves = [p for p in root.glob("step-*") if p.is_dir() and p.name[len("step-"):].isdigit()]
-    return sorted(saves, key=lambda p: int(p.name[len("step-"):]))
-
-
-def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequences: int,
+def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequences: int, group=None,
          schedule: dict | None = None, keep: int = 1, program: dict | None = None,
          data: dict | None = None) -> Path | None:
     """Save the run after ``step`` steps under ``root``, keeping the ``keep`` newest saves;
-    returns the new save's folder on global rank 0 (None elsewhere). ``schedule`` (the
-    learning-rate schedule's settings) is stored beside the seed, for a resume to compare;
-    ``program`` (its ``path`` and ``text``), so that ``dhelix generate CK`` needs nothing else;
-    ``data``, a data blend's sources and position (:func:`.data.saved_data`; None: the step is
-    the data position).
-    Collective over the world. OutputError when it cannot be written (the partial save is
-    removed; the last good one is kept and named)."""
-    state = _full_state(executor, optimizer)
-    if state is None:
-        return None
+    returns the new save's folder on global rank 0 (None elsewhere). Every rank writes its
+    share of the tensors, waiting for the others only in ``group`` (:func:`save_group`; None:
+    the default group).
+    ``schedule`` (the learning-rate schedule's settings) is stored beside the seed, for a
+    resume to compare; ``program`` (its ``path`` and ``text``), so that ``dhelix generate CK``
+    needs nothing else; ``data``, a data blend's sources and position (:func:`.data.saved_data`;
+    None: the step is the data position). Collective over the world. OutputError when it cannot be written (the
+    partial save is removed; the last good one is kept and named)."""
+    import torch.distributed as dist
+
+    state = _owned_state(executor, optimizer)
+    first = dist.get_rank() == 0
     root_path = Path(root)
     final = root_path / f"step-{step:06d}"
-    partial = root_path / f".partial-{final.name}-{os.getpid()}"
-    state["rng"] = torch.get_rng_state()
-    meta = {"format": FORMAT, "step": step, "seed": seed, "global_sequences": global_sequences,
-            "optimizer_steps": optimizer.steps, "schedule": schedule or {},
-            "shapes": {name: list(t.shape) for name, t in state["model"].items()}}
-    if program is not None:
-        meta["program"] = program
-    if data is not None:
-        meta["data"] = data
+    if first:
+        state["rng"] = torch.get_rng_state()
     try:
-        root_path.mkdir(parents=True, exist_ok=True)
-        _remove_stale(root_path)
-        _write_save(state, meta, partial, final, root_path)
+        partial = _begin_save(root_path, final, group)
+        if first and os.environ.get(SLOW_SAVE_ENV):
+            time.sleep(float(os.environ[SLOW_SAVE_ENV]))
+        _write_shards(state, partial, group)
+        if first:
+            meta = {"format": FORMAT, "step": step, "seed": seed, "global_sequences": global_sequences,
+                    "optimizer_steps": optimizer.steps, "schedule": schedule or {},
+                    "shapes": {name: list(spec.full) for name, spec in
+                               ((n, executor.weights.spec(n)) for n in executor.weights.names())}}
+            if program is not None:
+                meta["program"] = program
+            if data is not None:
+                meta["data"] = data
+            _finish_save(meta, partial, final, root_path)
     except (Exception, _checkpoint_exception()) as exc:  # DCP wraps the writer's OSError
-        shutil.rmtree(partial, ignore_errors=True)
         cause = _first_failure(exc)
         if not isinstance(cause, OSError):
             raise
+        if "partial" in locals():
+            shutil.rmtree(partial, ignore_errors=True)
         kept = saves_in(root_path) if root_path.is_dir() else []
         raise OutputError(f"cannot save the checkpoint of step {step} to '{root}': {cause.strerror or cause}",
                           notes=["the partial save was removed",
                                  f"the last good save, {kept[-1].name}, is kept" if kept
                                  else "there is no earlier save"]) from None
+    dist.barrier(group=group)  # rank 0 has renamed the save into place: it is complete
+    if not first:
+        return None
     for old in saves_in(root_path)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _write_save(state: dict, meta: dict, partial: Path, final: Path, root: Path) -> None:
-    """Write ``state`` and ``meta`` into ``partial``, rename it to ``final`` and point
-    ``latest`` at it (atomically)."""
+def _begin_save(root: Path, final: Path, group) -> Path:
+    """Global rank 0 creates ``root``, removes what interrupted saves left, and names the
+    partial folder of this save; every rank gets that name (through ``group``)."""
+    import torch.distributed as dist
+
+    name = [None]
+    if dist.get_rank() == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale(root)
+            name[0] = f".partial-{final.name}-{os.getpid()}"
+        except OSError as exc:
+            name[0] = exc  # the others raise it too rather than wait for a save that never comes
+    dist.broadcast_object_list(name, src=0, group=group)
+    if isinstance(name[0], OSError):
+        raise name[0]
+    return root / name[0]
+
+
+def _write_shards(state: dict, partial: Path, group) -> None:
+    """Every rank writes its ``state`` into ``partial`` through DCP over ``group`` (global
+    rank 0 also writes DCP's metadata)."""
     import torch.distributed.checkpoint as dcp
 
-    with _single_process():
-        dcp.save(state, checkpoint_id=str(partial), no_dist=True)
+    dcp.save(state, checkpoint_id=str(partial), process_group=group)
+
+
+def _finish_save(meta: dict, partial: Path, final: Path, root: Path) -> None:
+    """Write ``meta`` and the manifest into ``partial`` (the manifest last), rename it to
+    ``final`` and point ``latest`` at it (atomically)."""
     (partial / META).write_text(json.dumps(meta, indent=1) + "\n")
+    write_manifest(partial)
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)
@@ -167,15 +214,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def latest(root: str) -> tuple[Path, dict]:
-    """The last complete save under ``root`` and its metadata; CheckpointError when there
-    is none or it cannot be read."""
+def resolve(root: str) -> Path:
+    """The save that ``root`` means: the one its ``latest`` names, or ``root`` itself when it
+    is one save of a checkpoint folder (``DIR/step-000010``); CheckpointError when neither."""
     root_path = Path(root)
     pointer = root_path / LATEST
+    if not pointer.is_file() and (root_path / META).is_file():
+        return root_path
     if not pointer.is_file():
         raise CheckpointError(f"'{root}' is not a dhelix checkpoint: it has no '{LATEST}' file",
                               notes=["give a folder that a run saved its checkpoints in"])
-    folder = root_path / pointer.read_text().strip()
+    return root_path / pointer.read_text().strip()
+
+
+def latest(root: str) -> tuple[Path, dict]:
+    """The save that ``root`` means (:func:`resolve`) and its metadata; CheckpointError when
+    there is none or it cannot be read."""
+    folder = resolve(root)
     try:
         meta = json.loads((folder / META).read_text())
         if meta.get("format") != FORMAT:
@@ -251,6 +306,7 @@ def read_weights(root: str, plan) -> tuple[dict[str, torch.Tensor], dict]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    verify(resolve(root))  # a save without a manifest (an older dhelix's) loads as it is
     folder, meta = latest(root)
     check_fits(root, meta, plan, None)
     state = {"model": {name: torch.empty(plan.spec(name).full) for name in plan.names()}}

@@ -180,15 +180,22 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     if options.resume is not None:
         from .checkpoint import load
 
+        # Under torchrun each rank's command chose the save (--resume auto): rank 0's choice holds.
+        options = attrs.evolve(options, resume=broadcast_from_first(options.resume))
         meta = load(options.resume, executor, optimizer, source.global_sequences)
         start = meta["step"]
         resume_data(options.data, meta.get("data"), source)
-    losses, times, evals, skipped = _steps(options, executor, optimizer, device, source, start)
+    from .checkpoint import save_group
+
+    # Saves and the export wait in a group of their own, without the collectives' timeout.
+    saving = save_group() if options.save or options.export else None
+    losses, times, evals, skipped = _steps(options, executor, optimizer, device, source, start, saving)
     optimizer.settle()  # the last step's weight gathers, when they run under the next forward
     if options.export is not None:
         from .checkpoint import export_weights
 
         export_weights(options.export, executor, optimizer)
+        dist.barrier(group=saving)  # rank 0 wrote the file: the others waited here, not in a collective
     result = _gather(executor, losses, times, evals, optimizer)
     return None if result is None else attrs.evolve(result, skipped=skipped)
 
@@ -210,8 +217,8 @@ def _action_hook(comm, program, heartbeat):
 
 def _fault_hook(rank: int):
     spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return None
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return None  # under torchrun, the first attempt only: its restarts then run clean
     fault_rank, step, action, *how = spec.split(":")
     if int(fault_rank) != rank:
         return None
@@ -229,11 +236,11 @@ def _fault_hook(rank: int):
     return hook
 
 
-def _steps(options: RunOptions, executor, optimizer, device, source, start: int):
+def _steps(options: RunOptions, executor, optimizer, device, source, start: int, saving=None):
     """Run steps ``start`` … ``options.steps - 1`` with a progress bar on rank 0, evaluating,
-    saving and logging as the options say; returns the losses, the per-step times (step,
-    blocked on collectives, blocked on pipeline receives), the evaluations (step, loss) and
-    the steps skipped as non-finite (1-based). A non-finite step stops the run
+    saving (through the process group ``saving``) and logging as the options say; returns
+    the losses, the per-step times (step, blocked on collectives, blocked on pipeline
+    receives), the evaluations (step, loss) and the steps skipped as non-finite (1-based). A non-finite step stops the run
     (NonFiniteError) unless ``options.skip_nonfinite``."""
     from tqdm import tqdm
 
@@ -269,8 +276,8 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int)
                 from .data import saved_data
 
                 save(options.save, executor, optimizer, step=step + 1, seed=options.seed,
-                     global_sequences=source.global_sequences, schedule=options.schedule(), keep=options.keep,
-                     program={"path": os.path.abspath(options.path), "text": options.compiled.text},
+                     global_sequences=source.global_sequences, group=saving, schedule=options.schedule(),
+                     keep=options.keep, program={"path": os.path.abspath(options.path), "text": options.compiled.text},
                      data=saved_data(options.data, source))
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             step_ms=f"{1e3 * times['step'][-1]:.1f}")

@@ -71,6 +71,13 @@ def gather_to_first(obj) -> list | None:
     """Every rank's picklable ``obj``, in rank order, on global rank 0 (None elsewhere).
     Collective over the world; ``torch.distributed.gather_object`` without NumPy (which
     the CPU build of torch may lack), on the device the backend needs."""
+    gathered = gather_to_all(obj)
+    return gathered if dist.get_rank() == 0 else None
+
+
+def gather_to_all(obj) -> list:
+    """Every rank's picklable ``obj``, in rank order, on every rank (collective over the
+    world), on the device the backend needs."""
     device = collective_device()
     data = pickle.dumps(obj)
     world = dist.get_world_size()
@@ -83,8 +90,6 @@ def gather_to_first(obj) -> list | None:
     # all_gather rather than gather: every backend has it.
     gathered = [torch.zeros(longest, dtype=torch.uint8, device=device) for _ in range(world)]
     dist.all_gather(gathered, buffer.to(device))
-    if dist.get_rank() != 0:
-        return None
     blobs = [t.cpu() for t in gathered]
     return [pickle.loads(ctypes.string_at(t.data_ptr(), int(n))) for t, n in zip(blobs, sizes, strict=True)]
 
@@ -104,20 +109,47 @@ def broadcast_from_first(obj):
     return pickle.loads(ctypes.string_at(buffer.data_ptr(), int(size)))
 
 
-def gather_full(plan: WeightPlan, comm: Communicator, tensors: Mapping[str, torch.Tensor], flat=None):
+def gather_full(plan: WeightPlan, comm: Communicator, tensors: Mapping[str, torch.Tensor], flat=None, *,
+                owned: bool = False):
     """On global rank 0, the full value of every parameter (or gradient) from all ranks'
     shards, keyed by parameter name; None on the other ranks. Collective over the world.
     ``flat`` (the run's :class:`~.fsdp.FlatShards`) says which tensors are ZeRO-3 dp pieces:
-    they are gathered over dp first."""
+    they are gathered over dp first. With ``owned``, every rank gets the full values of its
+    own share of the parameters instead (:func:`owned_names`)."""
     if flat is not None:
         tensors = flat.gather(comm, tensors)
     index = {axis: comm.index(axis) for axis in AXES}
     mine = (index, {name: t.detach().cpu() for name, t in tensors.items()})
+    if owned:
+        return _join(plan, gather_to_all(mine), owned_names(plan, dist.get_rank(), dist.get_world_size()))
     pieces = gather_to_first(mine)
-    if pieces is None:
-        return None
+    return None if pieces is None else _join(plan, pieces, plan.names())
+
+
+def owned_names(plan: WeightPlan, rank: int, world: int) -> list[str]:
+    """The parameters that ``rank`` of ``world`` holds in full for a save: the largest first,
+    each to the rank with the fewest elements so far (the same answer on every rank)."""
+    load, mine = [0] * world, []
+    sizes = {name: _numel(plan.spec(name).full) for name in plan.names()}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        owner = min(range(world), key=lambda r: (load[r], r))
+        load[owner] += sizes[name]
+        if owner == rank:
+            mine.append(name)
+    return mine
+
+
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
+
+
+def _join(plan: WeightPlan, pieces: list, names) -> dict:
+    """The full value of each of ``names`` from every rank's (index, shards) ``pieces``."""
     full = {}
-    for name in plan.names():
+    for name in names:
         spec = plan.spec(name)
         # The first DP replica, or with ep > 1 the first EP block (dp < ep: one rank per
         # expert shard; its dp coordinate is its ep index, so neither may tell shards apart).

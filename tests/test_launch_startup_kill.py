@@ -1,0 +1,109 @@
+"""No orphan at startup: a launcher killed outright (SIGKILL) at any moment of its ranks'
+start leaves no rank alive 5 s later, on a machine kept busy by CPU burners.
+
+The ranks are found by a marker in their environment (they inherit the launcher's), so
+processes of other runs on the machine are never counted, and any rank the launcher had
+started by the moment it died is seen, whether the test saw it appear or not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks in Linux's /proc")
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")
+MARK = "DHELIX_TEST_STARTUP_MARK"
+
+
+def _marked(mark: str) -> list[int]:
+    """The live (not zombie) processes whose environment holds ``MARK=mark``."""
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(entry.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def _ranks(launcher: int, mark: str) -> list[int]:
+    return [pid for pid in _marked(mark) if pid != launcher]
+
+
+def _named_ranks(pids) -> int:
+    count = 0
+    for pid in pids:
+        try:
+            count += Path(f"/proc/{pid}/comm").read_text().startswith("dhelix-rank")
+        except OSError:
+            continue
+    return count
+
+
+#: When the launcher is killed: as its first rank process appears, once all four exist, a
+#: moment later (importing torch, joining the world), and once every rank runs its work.
+MOMENTS = {
+    "first rank appears": lambda ranks, since: len(ranks) >= 1,
+    "all four exist": lambda ranks, since: len(ranks) >= 4,
+    "0.5 s after": lambda ranks, since: len(ranks) >= 4 and since() > 0.5,
+    "ranks at work": lambda ranks, since: _named_ranks(ranks) >= 4,
+}
+
+
+@pytest.fixture
+def cpu_load():
+    """Two busy-loop processes for the test's duration."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait(10)
+
+
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_a_launcher_killed_during_startup_leaves_no_rank(moment, cpu_load, tmp_path):
+    mark = uuid.uuid4().hex
+    env = {**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, MARK: mark}
+    launcher = subprocess.Popen([sys.executable, "-m", "dhelix", "run", EXAMPLE, "--steps", "100000"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+    try:
+        reached, first_seen = MOMENTS[moment], None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ranks = _ranks(launcher.pid, mark)
+            if ranks and first_seen is None:
+                first_seen = time.monotonic()
+            if reached(ranks, lambda: time.monotonic() - first_seen):
+                break
+            time.sleep(0.02)
+        else:
+            pytest.fail(f"the launcher did not reach '{moment}' in 120 s")
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        time.sleep(5.0)
+        assert _ranks(launcher.pid, mark) == [], f"ranks alive 5 s after the launcher was killed ({moment})"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(10)
+        for pid in _ranks(launcher.pid, mark):
+            os.kill(pid, signal.SIGKILL)
