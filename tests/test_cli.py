@@ -34,7 +34,7 @@ IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 #: Where library code may print or exit, and why: a spawned rank's top level reports its own
 #: failure on the standard error it shares with the command (the parent sees only its exit code).
-ALLOWED = {("interpreter/launch/spawn.py", "rank_process")}
+ALLOWED = {("interpreter/launch/spawn.py", "_rank_process")}
 
 
 def _library_sources():

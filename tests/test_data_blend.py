@@ -142,6 +142,8 @@ def _resume_point(saves: Path, step: int, to: Path, move: int = 0) -> str:
     by ``move`` samples from the first source to the second)."""
     import shutil
 
+    from dhelix.interpreter.training.manifest import write_manifest
+
     name = f"step-{step:06d}"
     shutil.copytree(saves / name, to / name)
     (to / "latest").write_text(name + "\n")
@@ -149,6 +151,7 @@ def _resume_point(saves: Path, step: int, to: Path, move: int = 0) -> str:
     meta["data"]["position"]["counts"][0] += move
     meta["data"]["position"]["counts"][1] -= move
     (to / name / "dhelix.json").write_text(json.dumps(meta))
+    write_manifest(to / name)  # the edited save, verified as the run would have written it
     return str(to)
 
 

@@ -168,9 +168,12 @@ def test_a_generated_partition_prints_checks_and_runs_exactly(tiny, tmp_path):
     out.write_text(variant_text(relocate(pricer.variant(choice), str(TINY), str(out)), text, "generated"))
     written = out.read_text()
     assert "chunk ag2 + fc1 + act + fc2 + rs2 by auto" in written and "chunk ag1 + qkv by auto" in written
-    # With SI blocks the chains are left out, and on one node nothing else applies.
+    # With SI blocks the chains are left out, and on one node nothing else applies; the
+    # layout's bounds still come from the whole block, whichever schedule checks it.
     si = pricer.price(attrs.evolve(choice, fold="u", pipeline="w_helix"))
     assert not isinstance(si, Priced) and "nothing to partition" in si.why
+    assert not isinstance(pricer.bound(attrs.evolve(choice.layout, microbatches=4, micro_batch=4),
+                                       ("u", "w_helix")), str)
     run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

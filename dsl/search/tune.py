@@ -162,7 +162,9 @@ class Pricer:
         The layer DAGs (the passes up to autodiff) depend on the layout only — the model,
         mesh, train and partition blocks — not on the fold or pipeline, so they are derived
         once per layout and shared by its schedules."""
-        program = attrs.evolve(check_program(self.variant(choice)), profile=self.profile)
+        # Up to the layer DAGs a generated partition is written whole: its chains are checked
+        # whole (count 1), so the DAGs are those of the schedule's block, chains or none.
+        program = attrs.evolve(check_program(self.variant(choice, whole=stop != "validate")), profile=self.profile)
         if stop != "validate":
             return self.plans.intern(passes.rerun(program, after="check", stop=stop))
         dags = self.layer_dags(choice.layout, (choice.fold, choice.pipeline))
@@ -193,18 +195,21 @@ class Pricer:
             self._dags[layout] = self.checked(Choice(layout, *schedule), stop="autodiff")
         return self._dags[layout]
 
-    def variant(self, choice: Choice, modules: list[s.Module] | None = None) -> list[s.Module]:
+    def variant(self, choice: Choice, modules: list[s.Module] | None = None, whole: bool = False
+                ) -> list[s.Module]:
         """The parsed files (``modules``, default the priced ones) with ``choice`` written in
-        (its generated partition block too, when its partition is ``auto``)."""
-        partition = self.generated(choice) if choice.layout.partition == "auto" else None
+        (its generated partition block too, when its partition is ``auto``; ``whole``: the
+        block as generated, whatever the schedule)."""
+        partition = self.generated(choice, whole) if choice.layout.partition == "auto" else None
         return apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition)
 
-    def generated(self, choice: Choice) -> s.PartitionDef:
+    def generated(self, choice: Choice, whole: bool = False) -> s.PartitionDef:
         """The partition block generated for the layout of ``choice``
         (:func:`~dhelix.dsl.search.partitions.generated_partition` of its layer before any
         partition), once per layout's mesh, micro-batch and sharding, without its chunk
-        chains when the choice's pipeline writes SI blocks (:func:`for_schedule`); CheckError
-        when nothing applies (then the choice is the same as its twin without one)."""
+        chains when the choice's pipeline writes SI blocks (:func:`for_schedule`) unless
+        ``whole``; CheckError when nothing applies (then the choice is the same as its twin
+        without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
         if key not in self._partitions:
@@ -217,7 +222,7 @@ class Pricer:
         found = self._partitions[key]
         if isinstance(found, DhelixError):
             raise found
-        found = for_schedule(found, writes_si(self.pipelines[choice.pipeline]))
+        found = for_schedule(found, not whole and writes_si(self.pipelines[choice.pipeline]))
         if found is None:
             raise CheckError(NOTHING_TO_PARTITION)
         return found
