@@ -105,8 +105,13 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     at fault."""
     errors = ErrorCollector()
     _check_backward(block, errors)
+    seen: dict[str, s.Substitute] = {}
     for st in block.body:
-        if isinstance(st, s.Substitute):
+        if isinstance(st, s.Substitute) and st.op in seen:
+            errors.add(CheckError(f"'{st.op}' is already substituted", st.span_of("op"),
+                                  [f"by the statement at {seen[st.op].span}; keep one substitution per collective"]))
+        elif isinstance(st, s.Substitute):
+            seen[st.op] = st
             fwd = _substitute(fwd, st, errors, st.op in substituted)
     moves = [st for st in block.body if isinstance(st, s.Move)]
     if moves:  # one rewrite: the gathers of every statement shard the same tokens
