@@ -17,8 +17,7 @@ import pytest
 from hypothesis import settings
 
 # Property tests draw the same examples on every run (the suite is deterministic: a CI run
-# passes or fails for the code, not for the draw); `benchmarks/fuzz_programs.py` and a local
-# `pytest --hypothesis-seed=N` explore further.
+# passes or fails for the code, not for the draw); `benchmarks/fuzz_programs.py` explores further.
 settings.register_profile("dhelix", derandomize=True, database=None)
 settings.load_profile("dhelix")
 
