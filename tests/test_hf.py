@@ -204,17 +204,7 @@ def test_tied_embeddings_train_as_transformers_does_and_go_back_out_tied(tmp_pat
         "--log", str(log), "--save", str(ckpt))
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line]
     source = DataSource(program, program.mesh.size("dp"), 0)
-    optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    expected = []
-    for step in range(2):
-        batch = source.batch(step)
-        scores = theirs(batch.inputs.reshape(-1, SEQ)).logits
-        loss = torch.nn.functional.cross_entropy(scores.reshape(-1, 256), batch.targets.reshape(-1))
-        expected.append(loss.item())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert losses == pytest.approx(expected, abs=TOL)
+    assert losses == pytest.approx(_adamw_losses(theirs, source, steps=2), abs=TOL)
     assert main(["export", path, "--checkpoint", str(ckpt), "--hf", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
     from safetensors import safe_open
@@ -280,17 +270,7 @@ def test_qwen2_q_k_v_biases_train_as_transformers_does_and_go_back_out(tmp_path)
         "--log", str(log), "--save", str(ckpt))
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines() if '"loss"' in line]
     source = DataSource(program, program.mesh.size("dp"), 0)
-    optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
-    expected = []
-    for step in range(2):
-        batch = source.batch(step)
-        scores = theirs(batch.inputs.reshape(-1, SEQ)).logits
-        loss = torch.nn.functional.cross_entropy(scores.reshape(-1, 256), batch.targets.reshape(-1))
-        expected.append(loss.item())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    assert losses == pytest.approx(expected, abs=TOL)
+    assert losses == pytest.approx(_adamw_losses(theirs, source, steps=2), abs=TOL)
     assert main(["export", path, "--checkpoint", str(ckpt), "--hf", str(out)]) == 0
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
     ids = source.batch(0).inputs[0]
@@ -339,3 +319,19 @@ layer biased {
         WeightPlan(program)
     assert WeightPlan(check_text(text.replace("BIAS_UP", "1").replace("BIAS_DOWN", "0"),
                                  str(tmp_path / "c.dhx"))).spec("layers.0.up").full == (65, 128)
+
+
+def _adamw_losses(theirs, source, steps: int) -> list[float]:
+    """The first ``steps`` losses of transformers' model ``theirs`` trained on ``source``'s
+    batches by torch's AdamW with the run's settings (lr 1e-3, constant, no weight decay)."""
+    optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        batch = source.batch(step)
+        scores = theirs(batch.inputs.reshape(-1, SEQ)).logits
+        loss = torch.nn.functional.cross_entropy(scores.reshape(-1, 256), batch.targets.reshape(-1))
+        losses.append(loss.item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return losses

@@ -23,7 +23,6 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, DhelixError, first_message
 from dhelix.dsl.core.plan import Plan
-from dhelix.dsl.core.oplib import in_weight_pass, selective_drops
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.passes import pipeline as passes
@@ -34,7 +33,7 @@ from dhelix.dsl.search.bound import Bound, layout_bound
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, for_schedule, generated_partition, writes_si
 from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.search.variant import apply_choice
-from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, si_backward, step_costs
+from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, layer_costs, si_backward, step_costs
 from dhelix.dsl.simulator.events import Simulation, has_si, simulate
 from dhelix.dsl.simulator.launch import make_choices
 from dhelix.dsl.simulator.memory import GB
@@ -323,24 +322,15 @@ def relaxed_costs(program: Program, cost: PairCost, layers: bool = False) -> Ste
     of the step whatever chunk counts and substitutions the planner then chooses, none of
     which lessens a lane's work (:mod:`dhelix.dsl.search.partitions`)."""
     costs = step_costs(program, None, cost)
-    layer = costs.layer
-    if layers:
-        def lane(ops) -> Work:
-            ops = tuple(ops)
-            return Work(max(cost.lane_work(ops))) if ops else NOTHING
-
-        forward, backward = program.forward.ops, program.backward.ops
-        again, recompute = NOTHING, program.train.recompute
-        if recompute == "full":
-            again = lane(forward)
-        elif recompute == "selective":
-            dropped = set(selective_drops(forward, backward))
-            again = lane(op for op in forward if op.name in dropped)
-        layer = attrs.evolve(layer, forward=lane(forward), backward=again + lane(backward), again=again,
-                             backward_input=again + lane(op for op in backward if not in_weight_pass(op)),
-                             weight=lane(op for op in backward if in_weight_pass(op)))
+    layer = layer_costs(program, cost, None, work=_lane_bound) if layers else costs.layer
     pair = layer.again + Work(max(cost.lane_work(program.forward.ops + si_backward(program).ops)))
     return attrs.evolve(costs, layer=attrs.evolve(layer, pair=pair))
+
+
+def _lane_bound(cost: PairCost, ops) -> Work:
+    """The busiest lane's work of ``ops``: a lower bound of running them, in any pieces."""
+    ops = tuple(ops)
+    return Work(max(cost.lane_work(ops))) if ops else NOTHING
 
 
 @attrs.define

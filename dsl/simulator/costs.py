@@ -164,21 +164,23 @@ def plan_work(plan: Plan) -> Work:
     return Work(plan.total, plan.comm_time, plan.comm_exposed)
 
 
-def layer_costs(program: Program, cost: PairCost, plan: Plan | None) -> LayerCosts:
-    """Per-layer Works of ``program``'s layer; ``plan`` prices SI layer pairs."""
+def layer_costs(program: Program, cost: PairCost, plan: Plan | None, work=None) -> LayerCosts:
+    """Per-layer Works of ``program``'s layer; ``plan`` prices SI layer pairs; ``work(cost,
+    ops)`` prices a run of ops (default :func:`solo_work`; a search passes a lower bound)."""
+    work = work or solo_work
     forward, backward = program.forward, program.backward
-    fwd = solo_work(cost, forward.ops)
+    fwd = work(cost, forward.ops)
     # Full recomputation runs the layer's forward again, alone, before its backward (in an SI
     # pair too: the backward strand's first op needs what it rebuilds).
     recompute = program.train.recompute if program.train is not None else "none"
     again = fwd if recompute == "full" else NOTHING
     if recompute == "selective":
         dropped = set(selective_drops(forward.ops, backward.ops))
-        again = solo_work(cost, [op for op in forward.ops if op.name in dropped])
+        again = work(cost, [op for op in forward.ops if op.name in dropped])
     return LayerCosts(
-        forward=fwd, backward=again + solo_work(cost, backward.ops),
-        backward_input=again + solo_work(cost, (op for op in backward.ops if not in_weight_pass(op))),
-        weight=solo_work(cost, (op for op in backward.ops if in_weight_pass(op))),
+        forward=fwd, backward=again + work(cost, backward.ops),
+        backward_input=again + work(cost, (op for op in backward.ops if not in_weight_pass(op))),
+        weight=work(cost, (op for op in backward.ops if in_weight_pass(op))),
         pair=again + plan_work(plan) if plan is not None else None, again=again)
 
 
