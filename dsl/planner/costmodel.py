@@ -198,10 +198,17 @@ def comm_bytes(op, dtype: str) -> float:
     kind = _collective_kind(op)
     if kind is None or (op.group_size <= 1 and kind != "p2p"):
         return 0.0
-    size, group = _full_bytes(op, dtype), op.group_size
+    return wire_bytes(kind, _full_bytes(op, dtype), op.group_size)
+
+
+def wire_bytes(kind: str, size_bytes: float, group: int) -> float:
+    """Bytes one GPU sends for collective ``kind`` (NOTES §3.6) of full tensor ``size_bytes``
+    over ``group`` GPUs: ``S`` for p2p, ``2S(g-1)/g`` for all_reduce, ``S(g-1)/g`` for the rest."""
     if kind == "p2p":
-        return size
-    share = size * (group - 1) / group
+        return size_bytes
+    if group <= 1:
+        return 0.0
+    share = size_bytes * (group - 1) / group
     return 2 * share if kind == "all_reduce" else share
 
 

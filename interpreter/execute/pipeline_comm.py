@@ -3,7 +3,7 @@
 The lowered schedule puts SENDs right after the action producing the data and RECVs right
 before the action consuming it (:mod:`dhelix.dsl.core.schedule`). The executor queues the
 transfers of a run of consecutive SEND/RECV actions here and :meth:`PipelineComm.flush` posts
-them as one ``batch_isend_irecv``, so a rank that both sends and receives never blocks on the
+them as one batch (the communicator's ``post_p2p``: ``batch_isend_irecv``), so a rank that both sends and receives never blocks on the
 order of the two. Sends stay in flight (their tensors alive) until :meth:`PipelineComm.drain`;
 a receive is a :class:`~.comm.Pending` that the consuming action waits for.
 
@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 from dhelix.dsl.core.schedule import Lowered, Transfer
 from dhelix.dsl.passes.validate import transfer_key
@@ -92,7 +91,7 @@ class PipelineComm:
     def send(self, tensor: torch.Tensor, transfer: Transfer, key: tuple) -> None:
         """Queue sending ``tensor`` for ``transfer`` (a SEND whose key is ``key``)."""
         peer = self.pp_ranks[transfer.peer]
-        self._ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, tag=self._tag(key)))
+        self._ops.append(("send", tensor.contiguous(), peer, self._tag(key)))
         self._slots.append(None)
 
     def recv(self, shape, dtype: torch.dtype, device, transfer: Transfer, key: tuple) -> Pending:
@@ -101,7 +100,7 @@ class PipelineComm:
         buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
         peer = self.pp_ranks[transfer.peer]
         slot = _Slot()
-        self._ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=self._tag(key)))
+        self._ops.append(("recv", buffer, peer, self._tag(key)))
         self._slots.append(slot)
         return self.timed(Pending(slot, buffer), str(transfer))
 
@@ -109,12 +108,10 @@ class PipelineComm:
         """Post the queued transfers as one batch (nothing to do when none are queued)."""
         if not self._ops:
             return
-        works = dist.batch_isend_irecv(self._ops)
-        if len(works) != len(self._ops):  # one work per op on every backend we run
-            works = [works[0]] * len(self._ops) if works else [None] * len(self._ops)
-        for op, slot, work in zip(self._ops, self._slots, works, strict=True):
+        works = self.comm.post_p2p(self._ops)
+        for (_, tensor, _, _), slot, work in zip(self._ops, self._slots, works, strict=True):
             if slot is None:
-                self._in_flight.append((work, op.tensor))
+                self._in_flight.append((work, tensor))
             else:
                 slot.work = work if work is not None else _Done()
         self._ops, self._slots = [], []

@@ -152,3 +152,6 @@ class TimedComm(Communicator):
 
     def recv(self, shape, dtype, src, async_op=False):
         return self._run("recv", "pp", async_op, lambda: self.inner.recv(shape, dtype, src, async_op))
+
+    def post_p2p(self, transfers) -> list:
+        return self.inner.post_p2p(transfers)

@@ -590,3 +590,26 @@ def _blame_stalled(exc: DhelixError, address: tuple[str, int], world: int) -> Dh
     rank, what = stalled
     return RankFailure(f"rank {rank} {what}", rank=rank, notes=[f"seen from this rank: {exc.message}"],
                        secondary=True)
+
+
+def run_as_rank(options: "RunOptions", work: Work):
+    """Run rank ``options.as_rank`` of the program's world alone in this process, in a stand-in
+    world of the program's size (:mod:`dhelix.interpreter.ops.standin`): on this machine's GPU
+    under ``nccl``, else on the CPU; returns what ``work`` returns (the rank's RunResult)."""
+    import torch
+    import torch.distributed as dist
+
+    from dhelix.interpreter.ops.standin import join_standin_world
+
+    world = options.compiled.program.mesh.world
+    if options.backend == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    torch.manual_seed(options.seed)
+    join_standin_world(options.as_rank, world)
+    try:
+        return work(options, device, None)
+    finally:
+        dist.destroy_process_group()

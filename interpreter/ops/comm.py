@@ -225,6 +225,12 @@ class Communicator:
             raise ValueError(f"rank {self.rank} cannot receive from itself")
         return self._recv(tuple(shape), dtype, src, async_op)
 
+    def post_p2p(self, transfers) -> list:
+        """Post pipeline transfers ``(kind, tensor, peer, tag)`` — kind ``send`` or ``recv``,
+        peer a global rank, tag matching messages where the backend uses tags — as one batch;
+        returns one work per transfer (its ``wait()`` blocks until done; None: done already)."""
+        raise TypeError(f"{type(self).__name__} has no peers to send to")
+
     def _all_gather(self, x, axis, async_op):
         # Only a group of more than one rank gets here, and only DistComm has those.
         raise TypeError(f"{type(self).__name__} has no process groups to communicate over")
@@ -347,6 +353,14 @@ class DistComm(Communicator):
             return Pending(dist.irecv(out, src), out)
         dist.recv(out, src)
         return out
+
+    def post_p2p(self, transfers) -> list:
+        ops = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer, tag=tag)
+               for kind, tensor, peer, tag in transfers]
+        works = dist.batch_isend_irecv(ops)
+        if len(works) != len(ops):  # one work per op on every backend we run
+            works = [works[0]] * len(ops) if works else [None] * len(ops)
+        return works
 
 
 def _device_mesh(mesh: Mesh, device_type: str, timeout: timedelta | None):

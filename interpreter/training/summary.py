@@ -52,6 +52,10 @@ class RankRecord:
     events: tuple[TraceEvent, ...] = ()
     device: str = "cpu"
     host: str = ""
+    #: In a stand-in world (``--as-rank``): per step, the exposed seconds per lane; and every
+    #: transfer issued, ``(kind, axis, shape)`` in issue order.
+    lanes: tuple = ()
+    issued: tuple = ()
 
 
 @attrs.frozen(kw_only=True)

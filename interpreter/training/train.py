@@ -44,6 +44,10 @@ FAULT_EXIT = 13
 DEFAULT_STEPS = 10
 #: How many of the newest checkpoints a run keeps (``dhelix run --keep``).
 DEFAULT_KEEP = 2
+#: What a stand-in transfer of a rank run alone costs (``--emulate-links``,
+#: :mod:`dhelix.interpreter.ops.standin`): its bytes copied on its lane, the profile's time slept
+#: there, or nothing.
+EMULATIONS = ("copy", "sleep", "none")
 
 
 class NonFiniteError(DhelixError):
@@ -97,6 +101,11 @@ class RunOptions:
     #: ``declared``: the cluster block's gpus_per_node, checked under torchrun; ``measured``:
     #: the nodes the ranks report decide (the command compiles ``compiled`` again for them).
     topology: str = "declared"
+    #: ``dhelix run --as-rank R``: this process is rank R of the program's world, alone, every
+    #: transfer a stand-in on its lane (:mod:`dhelix.interpreter.ops.standin`); None: a real rank.
+    as_rank: int | None = None
+    #: What a stand-in transfer costs (``--emulate-links``): copy, sleep or none.
+    emulate: str = "copy"
 
     @property
     def si(self) -> bool:
@@ -151,7 +160,12 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
 
     compiled = options.compiled
     program = compiled.program
-    comm = DistComm(program.mesh, device, timeout_s=options.timeout)
+    if options.as_rank is not None:
+        from dhelix.interpreter.ops.standin import EmulatedComm
+
+        comm = EmulatedComm(program.mesh, device, program.profile, options.emulate, timeout_s=options.timeout)
+    else:
+        comm = DistComm(program.mesh, device, timeout_s=options.timeout)
     recorder = Recorder(trace=options.trace is not None, cuda=device.type == "cuda")
     # Every rank must run the same plan (collectives are issued in plan order); under
     # torchrun each process planned on its own, so rank 0's plan wins.
@@ -191,6 +205,8 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     saving = save_group() if options.save or options.export else None
     losses, times, evals, skipped = _steps(options, executor, optimizer, device, source, start, saving)
     optimizer.settle()  # the last step's weight gathers, when they run under the next forward
+    if options.as_rank is not None:
+        comm.lanes.close()
     if options.export is not None:
         from .checkpoint import export_weights
 
@@ -251,7 +267,7 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
     tqdm.set_lock(threading.RLock())
     rank = executor.comm.rank
     tokens = source.global_sequences * executor.program.model.get("seq")
-    losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": [], "core_wait": []}, [], []
+    losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": [], "core_wait": [], "lanes": []}, [], []
     log = StepLog(options.log if rank == 0 else None, tokens, resumed=start if options.resume else None)
     schedule = options.lr_schedule(start)
     bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
@@ -351,6 +367,9 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
         times["core_wait"].append(run_queue_seconds() - queued)
     for kind in ("collective", "p2p"):
         times[kind].append(waited[kind] - before[kind])
+    lanes = getattr(comm.inner, "lanes", None)  # a stand-in world's lanes time their exposure
+    if lanes is not None:
+        times["lanes"].append(lanes.take_exposed())
     losses.append(loss.item())
     return None if applied else _nonfinite_grads(grads, comm.rank)
 
@@ -413,6 +432,7 @@ def _gather(executor, losses: list, times: dict, evals: list, optimizer) -> RunR
                       model_states=model_state_bytes(executor, optimizer),
                       optimizer_scratch=_storage_bytes(optimizer.scratch_tensors()),
                       device=str(executor.device), host=socket.gethostname(),
+                      lanes=tuple(times["lanes"]), issued=tuple(getattr(executor.comm.inner, "issued", ())),
                       events=tuple(TraceEvent(rank, lane, name, start, duration)
                                    for name, lane, start, duration in recorder.events))
     ranks = gather_to_first(mine)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dhelix.dsl.core.program import Program
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, collective_device
+from dhelix.interpreter.ops.standin import standin_world
 from .reference import Batch, ReferenceModel, make_batch
 from dhelix.interpreter.ops.weights import EMBEDDING, LM_HEAD, WeightPlan
 
@@ -72,12 +73,14 @@ def gather_to_first(obj) -> list | None:
     Collective over the world; ``torch.distributed.gather_object`` without NumPy (which
     the CPU build of torch may lack), on the device the backend needs."""
     gathered = gather_to_all(obj)
-    return gathered if dist.get_rank() == 0 else None
+    return gathered if dist.get_rank() == 0 or standin_world() else None
 
 
 def gather_to_all(obj) -> list:
     """Every rank's picklable ``obj``, in rank order, on every rank (collective over the
-    world), on the device the backend needs."""
+    world), on the device the backend needs; in a stand-in world (one rank, no peers) its own."""
+    if standin_world():
+        return [obj]
     device = collective_device()
     data = pickle.dumps(obj)
     world = dist.get_world_size()
@@ -95,7 +98,10 @@ def gather_to_all(obj) -> list:
 
 
 def broadcast_from_first(obj):
-    """Global rank 0's picklable ``obj`` on every rank (collective over the world)."""
+    """Global rank 0's picklable ``obj`` on every rank (collective over the world); in a
+    stand-in world (one rank, no peers) ``obj`` itself."""
+    if standin_world():
+        return obj
     device = collective_device()
     data = pickle.dumps(obj) if dist.get_rank() == 0 else b""
     size = torch.tensor([len(data)], dtype=torch.long, device=device)

@@ -1,0 +1,160 @@
+"""`dhelix run --as-rank R`: one rank of a program's whole mesh alone in this process.
+
+The recorded-actions check: a rank run alone issues exactly what the lowered schedule says for
+its pipeline rank — every action of its row, in order, each step — and, where the real world
+fits this machine, the same collectives (kind, mesh axis, shape, in issue order) and pipeline
+transfers as that rank of a real gloo run of the same program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dhelix.dsl.core.schedule import Transfer
+from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.simulator.runplan import build_run_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny_llama_cpu.dhx"
+
+
+def _program(mesh: str, *, layer: str = "llama", layers: int = 8, nodes: int = 8, gpus: int = 8,
+             extra: str = "", heads: int = 8, schedule: str = "fold u\npipeline w_helix") -> str:
+    return f"""import "stdlib/layers.dhx"
+import "stdlib/pipelines.dhx"
+model big_tiny {{
+  layers = {layers}  hidden = 64  ffn = 128  heads = {heads}  kv_heads = {heads}  seq = 32  vocab = 256
+  dtype = fp32  layer = {layer}
+{extra}}}
+cluster {{ nodes = {nodes}  gpus_per_node = {gpus}  profile = "a40" }}
+mesh {{ {mesh} }}
+train {{ micro_batch = 1  microbatches = 8  seed = 3 }}
+{schedule}
+strands {{ overlap tp  comm_with_comm on  movable wgrad }}
+"""
+
+
+#: Large-mesh versions of the tiny example: every axis the issue names, worlds up to 128.
+LARGE = {
+    "tp8_pp4_dp2": _program("tp = 8  pp = 4  dp = 2"),
+    "tp8_cp2_pp4_dp2": _program("tp = 8  cp = 2  pp = 4  dp = 2", nodes=16, layer="llama_rope",
+                                extra="  rope_theta = 10000  norm_inv_eps = 100000\n"),
+    "tp2_pp2_dp8_ep4": _program("tp = 2  pp = 2  dp = 8  ep = 4", layer="moe", layers=4, nodes=4,
+                                extra="  experts = 8  top_k = 2\n", schedule="fold none\npipeline one_f_one_b"),
+}
+
+
+def _as_rank(path, rank: int, *args, steps: int = 2):
+    """Run ``path``'s rank alone in this process (the API the command uses) and return the run
+    options and its result (the rank's record: what it issued)."""
+    from dhelix.interpreter.launch import spawn
+    from dhelix.interpreter.training import train
+
+    compiled = build_run_plan(read_source(str(path)), str(path))
+    options = train.RunOptions(path=str(path), compiled=compiled, steps=steps, as_rank=rank, emulate="none",
+                               seed=compiled.program.train.seed or 0)
+    return compiled.program, spawn.run_as_rank(options, train.train)
+
+
+def _actions_seen(monkeypatch) -> list:
+    """Patch the executor's action hook to record ``(step, index)`` of every action run."""
+    from dhelix.interpreter.training import train
+
+    seen: list = []
+    real = train._action_hook
+
+    def hook(comm, program, heartbeat):
+        inner = real(comm, program, heartbeat)
+
+        def record(step, index):
+            seen.append((step, index))
+            if inner is not None:
+                inner(step, index)
+        return record
+
+    monkeypatch.setattr(train, "_action_hook", hook)
+    return seen
+
+
+def _expected_transfers(program, rank: int) -> Counter:
+    """The pipeline transfers (send/recv) the lowered schedule gives ``rank``'s row per step."""
+    row = program.lowered.actions[program.mesh.position(rank, "pp")]
+    return Counter(action.kind.lower() for action in row if isinstance(action, Transfer))
+
+
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_large_mesh_first_and_last_rank_issue_their_rows(name, tmp_path, monkeypatch):
+    path = tmp_path / f"{name}.dhx"
+    path.write_text(LARGE[name])
+    world = build_run_plan(path.read_text(), str(path)).program.mesh.world
+    for rank in (0, world - 1):
+        seen = _actions_seen(monkeypatch)
+        program, result = _as_rank(path, rank)
+        [record] = result.ranks
+        assert record.rank == rank and len(record.step) == 2
+        row = program.lowered.actions[program.mesh.position(rank, "pp")]
+        assert seen == [(step, index) for step in range(2) for index in range(len(row))]
+        issued = Counter(kind for kind, axis, _ in record.issued if axis == "pp" and kind in ("send", "recv"))
+        assert issued == Counter({kind: 2 * n for kind, n in _expected_transfers(program, rank).items()})
+        axes = {axis for _, axis, _ in record.issued}
+        assert "tp" in axes  # the layer's collectives ran over the real tp group
+        monkeypatch.undo()
+
+
+def _comm_events(trace: Path, rank: int) -> Counter:
+    """The communication events (name, lane) of ``rank`` in a run's Chrome trace: every
+    collective the rank issued and every pipeline receive it waited for."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    return Counter((e["name"], e["cat"]) for e in events
+                   if e.get("ph") == "X" and e.get("pid") == rank and e.get("cat") not in ("compute", None))
+
+
+def test_same_communication_as_the_real_rank(tmp_path):
+    """Rank 3 of the tiny example alone issues the collectives and receives that rank 3 of a
+    real 4-rank gloo run issues (as both runs' traces record them: op and lane); the command
+    prints its figures beside the simulator's."""
+    real, alone, metrics = tmp_path / "real.json", tmp_path / "alone.json", tmp_path / "m.json"
+    done = _cli(TINY, "--steps", 2, "--trace", real)
+    assert done.returncode == 0, done.stderr
+    done = _cli(TINY, "--steps", 2, "--trace", alone, "--as-rank", 3, "--emulate-links", "sleep",
+                "--metrics", metrics)
+    assert done.returncode == 0, done.stderr
+    expected, got = _comm_events(real, 3), _comm_events(alone, 3)
+    assert expected and got == expected, (got - expected, expected - got)
+    assert "rank 3 of 4 alone" in done.stdout and "step (this rank alone)" in done.stdout
+    assert "not the reference's" in done.stdout
+    figures = json.loads(metrics.read_text())
+    assert figures["rank"] == 3 and figures["stage"] == 1 and figures["emulate"] == "sleep"
+    assert figures["step_s"] > 0 and figures["predicted"]["alone_s"] > 0
+    assert set(figures["lanes_exposed_s"]) <= {"local", "cross"}
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "dhelix", "run", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_cli_as_rank_large_mesh(tmp_path):
+    path = tmp_path / "big.dhx"
+    path.write_text(LARGE["tp8_pp4_dp2"])
+    done = _cli(path, "--as-rank", 0, "--steps", 2)
+    assert done.returncode == 0, done.stderr
+    assert "rank 0 of 64 alone" in done.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--as-rank", 4), "ranks 0 to 3"),
+    (("--as-rank", 0, "--check"), "--check needs the other ranks"),
+    (("--emulate-links", "sleep"), "--emulate-links goes with --as-rank"),
+])
+def test_cli_as_rank_usage_errors(args, words):
+    done = _cli(TINY, *args, timeout=120)
+    assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
