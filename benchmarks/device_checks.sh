@@ -4,12 +4,16 @@
 # `dhelix profile` then simulated against measured step times. Outputs go to $OUT (default
 # out/device), each step's kept when a later one fails. Needs dhelix importable by $PY (default
 # python3): `pip install -e .`, or PYTHONPATH pointing at an install of it and of lark,
-# interegular and graphviz. ONLY=013 runs steps 0, 1 and 3; BIG= another one-rank program.
-# Results of its runs: benchmarks/results/h200_*.
+# interegular and graphviz (then set PYTHONSAFEPATH=1 so that the checkout's dhelix/ folder does
+# not shadow it). ONLY=013 runs steps 0, 1 and 3; BIG= another one-rank program. Steps 4-6 run one
+# rank of a bigger world alone (`dhelix run --as-rank`): communication hiding with emulated links,
+# and the peak memory of a paper example's rank 0. Results: benchmarks/results/h200_*, gpu_*.
 set -u
 OUT=${OUT:-out/device}
 BIG=${BIG:-benchmarks/one_gpu_llama.dhx}  # the one-device model of steps 2 and 3
-ONLY=${ONLY:-0123}  # the steps to run
+ONLY=${ONLY:-0123456}  # the steps to run
+PAIR=${PAIR:-benchmarks/llama70b_tp8_pair.dhx}  # steps 4 and 6: rank 0 of Llama-70B layers at TP-8
+ROUNDS_AS_RANK=${ROUNDS_AS_RANK:-2}
 PY=${PY:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -31,3 +35,16 @@ step() { echo "== $*" | tee -a "$OUT/steps.log"; }
 [[ $ONLY == *3* ]] && $PY benchmarks/predict_vs_run.py --program $BIG --rounds ${PREDICT_ROUNDS:-2} \
   --steps ${STEPS:-5} --repeats 5 --output "$OUT/predict_vs_run.txt" --keep-profile "$OUT/profile.yaml" 2>&1 | tail -20
 [[ $ONLY == *3* ]] && $PY -m dhelix simulate $BIG --profile "$OUT/profile.yaml" 2>&1 | tee "$OUT/simulate.txt" | tail -15
+
+[[ $ONLY == *4* ]] && step "4. rank 0 of Llama-70B layers at TP-8 alone, links emulated by copy: SI planned, op_by_op, off; torch.profiler"
+[[ $ONLY == *4* ]] && timeout ${T4:-300} $PY benchmarks/as_rank_overlap.py --program $PAIR --emulate copy --steps 21 \
+  --rounds $ROUNDS_AS_RANK --traces "$OUT/traces" --output "$OUT/as_rank_copy.txt" 2>&1 | tail -30
+
+[[ $ONLY == *5* ]] && step "5. rank 0 of examples/llama8b_a40.dhx alone: measured peak memory beside the simulator's"
+[[ $ONLY == *5* ]] && timeout ${T5:-150} $PY -m dhelix run examples/llama8b_a40.dhx --as-rank 0 --steps 3 \
+  --emulate-links sleep --force --metrics "$OUT/llama8b_rank0.json" 2>&1 | tee "$OUT/llama8b_rank0.txt" | tail -20
+
+[[ $ONLY == *6* ]] && step "6. as step 4, links emulated by sleep (the profile's predicted times)"
+[[ $ONLY == *6* ]] && timeout ${T6:-200} $PY benchmarks/as_rank_overlap.py --program $PAIR --emulate sleep --steps 21 \
+  --rounds $ROUNDS_AS_RANK --output "$OUT/as_rank_sleep.txt" 2>&1 | tail -12
+exit 0

@@ -20,7 +20,8 @@ choice (``--emulate-links``, one of :data:`~dhelix.interpreter.training.train.EM
   on CPU;
 * ``none`` costs nothing but the stand-in's own writes.
 
-Exposed communication is measured per lane at each wait: on CPU the seconds the thread
+Each lane's busy time is measured around every transfer (CUDA events on its stream, the
+clock on its thread); its exposed communication at each wait: on CPU the seconds the thread
 blocked; on CUDA the seconds the compute stream stalled (an event recorded before and after
 the stream's wait for the lane: the compute stream reaches the first once its earlier work is
 done, the second once the lane has finished).
@@ -68,6 +69,14 @@ class _Lanes:
         self._lanes: dict[str, object] = {}
         self.exposed: dict[str, float] = {}
         self._stalls: list[tuple[str, object, object]] = []  # CUDA: (lane, before, after) events
+        self.busy: dict[str, float] = {}
+        self._spans: list[tuple[str, object, object]] = []  # CUDA: (lane, start, done) of each transfer
+
+    def _timed(self, name: str, work) -> None:
+        """Run ``work`` on this CPU lane's thread, adding its seconds to the lane's busy time."""
+        start = time.perf_counter()
+        work()
+        self.busy[name] = self.busy.get(name, 0.0) + time.perf_counter() - start
 
     def _lane(self, name: str):
         if name not in self._lanes:
@@ -81,12 +90,14 @@ class _Lanes:
         what the compute has issued so far; ``tensors``: those the lane reads or writes."""
         lane = self._lane(name)
         if not self.cuda:
-            return _Work(self, name, future=lane.submit(work))
+            return _Work(self, name, future=lane.submit(self._timed, name, work))
         lane.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(lane):
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(lane)
             work()
-            done = torch.cuda.Event()
             done.record(lane)
+        self._spans.append((name, start, done))
         for tensor in tensors:  # the caching allocator must not reuse them before the lane is done
             tensor.record_stream(lane)
         return _Work(self, name, event=done)
@@ -106,14 +117,18 @@ class _Lanes:
         after.record(stream)
         self._stalls.append((name, before, after))
 
-    def take_exposed(self) -> dict[str, float]:
-        """The exposed seconds per lane since the last call (CUDA: after a synchronisation)."""
+    def take(self) -> dict[str, tuple[float, float]]:
+        """Per lane, the seconds it was exposed and busy since the last call (CUDA: after a
+        synchronisation; CPU: the transfers finished by now)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
             for name, before, after in self._stalls:
                 self.exposed[name] += before.elapsed_time(after) / 1e3
-            self._stalls = []
-        taken, self.exposed = dict(self.exposed), {name: 0.0 for name in self.exposed}
+            for name, start, done in self._spans:
+                self.busy[name] = self.busy.get(name, 0.0) + start.elapsed_time(done) / 1e3
+            self._stalls, self._spans = [], []
+        taken = {name: (self.exposed[name], self.busy.get(name, 0.0)) for name in self.exposed}
+        self.exposed, self.busy = {name: 0.0 for name in self.exposed}, {}
         return taken
 
     def close(self) -> None:

@@ -38,8 +38,9 @@ class RankAlone:
     emulate: str
     losses: tuple[float, ...]
     step: float
-    #: Exposed seconds per lane (local, cross) measured.
+    #: Per lane (local, cross): the seconds measured exposed, and busy with transfers.
     lanes: dict
+    busy: dict
     peak_memory: int
     predicted_alone: float | None = None
     predicted_step: float | None = None
@@ -52,12 +53,13 @@ def summarize_rank(program, options: "RunOptions", result: RunResult) -> RankAlo
     """The figures of ``result``, rank ``options.as_rank`` of ``program`` run alone."""
     [record] = result.ranks
     lanes = sorted({lane for step in record.lanes for lane in step})
-    measured_lanes = {lane: steady([step.get(lane, 0.0) for step in record.lanes]) for lane in lanes}
+    measured_lanes = {lane: steady([step.get(lane, (0.0, 0.0))[0] for step in record.lanes]) for lane in lanes}
+    busy = {lane: steady([step.get(lane, (0.0, 0.0))[1] for step in record.lanes]) for lane in lanes}
     peak = record.cuda_peak if record.cuda_peak is not None else record.model_states + record.peak_activations
     stage = program.mesh.position(record.rank, "pp")
     figures = RankAlone(rank=record.rank, stage=stage, world=program.mesh.world, device=record.device,
                         emulate=options.emulate, losses=result.losses, step=steady(record.step),
-                        lanes=measured_lanes, peak_memory=peak)
+                        lanes=measured_lanes, busy=busy, peak_memory=peak)
     return _predicted(figures, options, stage)
 
 
@@ -92,7 +94,11 @@ def format_rank(figures: RankAlone, path: str, pipeline: str, mesh) -> str:
              f"{'step (this rank alone)':>28} {ms(figures.step):>12} {ms(figures.predicted_alone):>12}",
              f"{'exposed comm':>28} {ms(exposed):>12} {ms(figures.predicted_exposed):>12}"]
     for lane in sorted(figures.lanes):
-        lines.append(f"{'  on the ' + lane + ' lane':>28} {ms(figures.lanes[lane]):>12}")
+        busy = figures.busy.get(lane, 0.0)
+        exposed_here = figures.lanes[lane]
+        hidden = ("" if not busy else f"; hidden {100 * (1 - exposed_here / busy):.1f}% of its {ms(busy)} busy"
+                  if exposed_here <= busy else f"; more than its {ms(busy)} busy (waits for the lane's thread)")
+        lines.append(f"{'  on the ' + lane + ' lane':>28} {ms(figures.lanes[lane]):>12}{hidden}")
     lines.append(f"{'peak memory':>28} {gib(figures.peak_memory):>12} {gib(figures.predicted_memory):>12}")
     if figures.predicted_step is not None:
         lines.append(f"the whole step with the pipeline's waits is simulated at {ms(figures.predicted_step)} "
@@ -110,6 +116,7 @@ def rank_metrics(figures: RankAlone) -> dict:
     return {"rank": figures.rank, "stage": figures.stage, "world": figures.world, "device": figures.device,
             "emulate": figures.emulate, "losses": list(figures.losses), "step_s": figures.step,
             "exposed_comm_s": sum(figures.lanes.values()), "lanes_exposed_s": dict(figures.lanes),
+            "lanes_busy_s": dict(figures.busy),
             "peak_memory_bytes": figures.peak_memory,
             "predicted": {"alone_s": figures.predicted_alone, "step_s": figures.predicted_step,
                           "exposed_comm_s": figures.predicted_exposed,

@@ -52,7 +52,7 @@ class RankRecord:
     events: tuple[TraceEvent, ...] = ()
     device: str = "cpu"
     host: str = ""
-    #: In a stand-in world (``--as-rank``): per step, the exposed seconds per lane; and every
+    #: In a stand-in world (``--as-rank``): per step, per lane, the seconds exposed and busy; and every
     #: transfer issued, ``(kind, axis, shape)`` in issue order.
     lanes: tuple = ()
     issued: tuple = ()

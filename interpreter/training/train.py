@@ -369,7 +369,7 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
         times[kind].append(waited[kind] - before[kind])
     lanes = getattr(comm.inner, "lanes", None)  # a stand-in world's lanes time their exposure
     if lanes is not None:
-        times["lanes"].append(lanes.take_exposed())
+        times["lanes"].append(lanes.take())
     losses.append(loss.item())
     return None if applied else _nonfinite_grads(grads, comm.rank)
 
