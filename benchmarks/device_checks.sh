@@ -46,5 +46,6 @@ step() { echo "== $*" | tee -a "$OUT/steps.log"; }
 
 [[ $ONLY == *6* ]] && step "6. as step 4, links emulated by sleep (the profile's predicted times)"
 [[ $ONLY == *6* ]] && timeout ${T6:-200} $PY benchmarks/as_rank_overlap.py --program $PAIR --emulate sleep --steps 21 \
-  --rounds $ROUNDS_AS_RANK --output "$OUT/as_rank_sleep.txt" 2>&1 | tail -12
+  --rounds $ROUNDS_AS_RANK --traces "$OUT/traces" --profile-variants "SI planned" "SI off" \
+  --output "$OUT/as_rank_sleep.txt" 2>&1 | tail -30
 exit 0

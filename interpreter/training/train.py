@@ -275,7 +275,8 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
     with _cuda_profile(options, device, rank), log:
         for step in bar:
             lr = schedule.lr
-            bad = _one_step(executor, optimizer, device, source.batch(step), lr, times, losses)
+            bad = _one_step(executor, optimizer, device, source.batch(step), lr, times, losses,
+                            finite=options.as_rank is None)
             schedule.advance()
             record = log.step(step, losses[-1], lr, optimizer.last_norm, times, _peak_bytes(executor),
                               skipped=bad is not None)
@@ -342,7 +343,7 @@ def _evaluate(executor, source) -> float:
     return executor.step(batch, hand_over=False).item()  # nothing to reduce
 
 
-def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses: list):
+def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses: list, finite: bool = True):
     """One training step on the global ``batch`` with learning rate ``lr``; appends its loss
     and its times (step, blocked on collectives, blocked on pipeline receives) to
     ``losses`` and ``times``. A loss or gradient norm that is not finite (the same verdict
@@ -358,7 +359,8 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
     loss = executor.step(batch)
     grads = executor.grads()
     # The loss is read once the norm has been (that waits for the device already).
-    applied = optimizer.step(grads, lr, accept=lambda norm: (norm is None or math.isfinite(norm))
+    # A rank alone (--as-rank) computes stand-in numbers: every update is applied, finite or not.
+    applied = optimizer.step(grads, lr, accept=lambda norm: not finite or (norm is None or math.isfinite(norm))
                              and math.isfinite(loss.item()))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
