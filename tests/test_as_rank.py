@@ -158,3 +158,56 @@ def test_cli_as_rank_large_mesh(tmp_path):
 def test_cli_as_rank_usage_errors(args, words):
     done = _cli(TINY, *args, timeout=120)
     assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr
+
+
+def test_stand_in_collectives_shapes_and_lanes():
+    """The stand-ins have the real results' shapes and dtypes; ``sleep`` keeps the lane busy for
+    the profile's time of the transfer while the compute goes on; each lane's exposure is what
+    the thread waited."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from dhelix.dsl.core.mesh import Mesh
+    from dhelix.dsl.frontend.profiles import load_profile
+    from dhelix.dsl.planner.costmodel import collective_time
+    from dhelix.interpreter.ops.standin import EmulatedComm, join_standin_world, standin_world
+
+    program = build_run_plan(LARGE["tp8_pp4_dp2"], "big.dhx").program
+    mesh: Mesh = program.mesh
+    join_standin_world(5, mesh.world)
+    try:
+        assert standin_world() and dist.get_world_size() == 64
+        comm = EmulatedComm(mesh, "cpu", load_profile("a40"), "sleep")
+        x = torch.arange(24.0).reshape(4, 6)
+        gathered = comm.all_gather(x, "tp")
+        assert gathered.shape == (32, 6) and torch.equal(gathered[:4], x)
+        scattered = comm.reduce_scatter(torch.ones(16, 6), "tp")
+        assert scattered.shape == (2, 6)
+        moved = comm.all_to_all(x, "tp", in_splits=[1, 1, 0, 0, 1, 1, 0, 0], out_splits=[2] * 8)
+        assert moved.shape == (16, 6) and moved.dtype == x.dtype
+        big = torch.zeros(1 << 20)  # 4 MiB over tp (local lane) and over dp (across nodes)
+        seconds = collective_time("all_reduce", big.numel() * 4, 2, "cross", comm.profile, 1)
+        comm.lanes.take()
+        started = time.perf_counter()
+        pending = comm.all_reduce(big, "dp", async_op=True)
+        issued = time.perf_counter() - started
+        pending.wait()
+        exposed, busy = comm.lanes.take()["cross"]
+        assert issued < seconds and busy >= 0.9 * seconds and exposed <= busy + 0.05
+        comm.lanes.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cli_profile_as_rank_then_run_with_it(tmp_path):
+    profile = tmp_path / "alone.yaml"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "dhelix", "profile", str(TINY), "--as-rank", "3", "--repeats", "1",
+                           "-o", str(profile)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "rank 3 of 4 alone" in done.stdout and "links are the emulation's" in done.stdout
+    done = _cli(TINY, "--as-rank", 3, "--steps", 2, "--profile", profile, "--json")
+    assert done.returncode == 0, done.stderr
+    assert "measured on this machine" in json.loads(done.stdout)["predicted"]["note"]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
+from dhelix.cli.run import add_as_rank_arguments, check_as_rank
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.passes.overrides import for_measuring, require_model
@@ -46,6 +47,7 @@ def register(subparsers) -> None:
     prof.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
                       help=f"timed repetitions of each measurement, after one warm-up (default {DEFAULT_REPEATS})")
     add_launch_arguments(prof, what="measure")
+    add_as_rank_arguments(prof)
     prof.set_defaults(func=cmd_profile)
 
 
@@ -64,17 +66,23 @@ def cmd_profile(args) -> int:
     out = _output(args, program, profile_launch.host_name())
     from dhelix.interpreter.training import train
 
+    check_as_rank(args, program)
     compiled = measuring_plan(program, args.file)
     train.preflight(program, compiled.reference)
-    placed = spawn.torchrun_rank(program)
-    nproc = local_ranks(args, program, torchrun=placed is not None)
+    alone = args.as_rank is not None
+    placed = None if alone else spawn.torchrun_rank(program)
+    nproc = 1 if alone else local_ranks(args, program, torchrun=placed is not None)
     backend = choose_backend(args.backend, nproc)
     command = shlex.join(["dhelix", "profile", args.file, "-o", str(out), "--backend", backend,
-                          "--repeats", str(args.repeats)])
+                          "--repeats", str(args.repeats)]
+                         + (["--as-rank", str(args.as_rank), "--emulate-links", args.emulate_links] if alone else []))
     options = profile_launch.ProfileOptions(path=args.file, compiled=compiled, backend=backend,
                                             repeats=args.repeats, timeout=args.timeout,
-                                            seed=program.train.seed)
-    if placed is not None:
+                                            seed=program.train.seed, as_rank=args.as_rank,
+                                            emulate=args.emulate_links)
+    if alone:
+        samples = spawn.run_as_rank(options, profile_launch.measure_layer)
+    elif placed is not None:
         samples = spawn.run_rank(options, *placed, profile_launch.measure_layer,
                                  gpus_per_node=program.mesh.gpus_per_node)
     else:
@@ -129,9 +137,13 @@ def summary(path: str, out: Path, program, options, samples, profile) -> str:
                       for lane, link in profile.links.items())
     classes = ", ".join(f"{cls} {value:g}" for cls, value in profile.oef_classes.items())
     relative = os.path.relpath(out.resolve(), Path(path).resolve().parent)
+    where = (f"rank {options.as_rank} of {program.mesh.world} alone ({describe_mesh(program.mesh)}), links emulated "
+             f"by {options.emulate}" if options.as_rank is not None
+             else f"{samples.world} {options.backend} rank(s) ({describe_mesh(program.mesh)})")
     return "\n".join([
-        f"dhelix profile: {path} on {samples.world} {options.backend} rank(s) ({describe_mesh(program.mesh)}), "
-        f"{options.repeats} timed repeat(s) after {options.warmup} warm-up",
+        f"dhelix profile: {path} on {where}, {options.repeats} timed repeat(s) after {options.warmup} warm-up",
+        *([f"  note     the links are the emulation's ({_EMULATED[options.emulate]}); the compute and the overlap "
+           "with it are this device's at the real shard shapes"] if options.as_rank is not None else []),
         f"timed {counts['ops']} layer ops alone, {counts.get('ends', 0)} embedding and LM-head passes, "
         f"{counts.get('optimizer', 0)} optimizer step, "
         f"{counts['pairs']} op pairs, {counts['sweep']} link sizes; wrote {out}",
@@ -142,6 +154,12 @@ def summary(path: str, out: Path, program, options, samples, profile) -> str:
         f"  overlap  OEF {classes}; slowdown {profile.slowdown:g}; launch gap {profile.launch_gap.fixed_us:g} µs",
         *_noise_lines(samples.timings, profile),
         f'use it: cluster {{ profile = "{relative}" }}  (a path relative to the program file)'])
+
+
+#: What the link figures of a profile measured by a rank alone are.
+_EMULATED = {"copy": "the rate of copying the wire bytes to pinned host memory",
+             "sleep": "the program's own profile's link times, slept",
+             "none": "no cost at all: take the links from another profile"}
 
 
 def _noise_lines(timings, profile) -> list[str]:

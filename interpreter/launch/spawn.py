@@ -595,7 +595,7 @@ def _blame_stalled(exc: DhelixError, address: tuple[str, int], world: int) -> Dh
 def run_as_rank(options: "RunOptions", work: Work):
     """Run rank ``options.as_rank`` of the program's world alone in this process, in a stand-in
     world of the program's size (:mod:`dhelix.interpreter.ops.standin`): on this machine's GPU
-    under ``nccl``, else on the CPU; returns what ``work`` returns (the rank's RunResult)."""
+    under ``nccl``, else on the CPU; returns what ``work`` returns (a run's result, a profile's samples)."""
     import torch
     import torch.distributed as dist
 

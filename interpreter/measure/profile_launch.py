@@ -39,6 +39,10 @@ class ProfileOptions:
     warmup: int = 1
     timeout: float = 60.0
     seed: int = 0
+    #: ``dhelix profile --as-rank R``: rank R alone, every transfer a stand-in costing what
+    #: ``emulate`` says (:mod:`dhelix.interpreter.ops.standin`); None: a real rank.
+    as_rank: int | None = None
+    emulate: str = "copy"
 
 
 @attrs.frozen
@@ -74,7 +78,12 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
     from .profiler import Clock, EndsBench, LayerBench, OptimizerBench, barrier, measure, measurements
 
     program, reference = options.compiled.program, options.compiled.reference
-    comm = DistComm(program.mesh, device, timeout_s=options.timeout)
+    if options.as_rank is not None:
+        from dhelix.interpreter.ops.standin import EmulatedComm
+
+        comm = EmulatedComm(program.mesh, device, program.profile, options.emulate, timeout_s=options.timeout)
+    else:
+        comm = DistComm(program.mesh, device, timeout_s=options.timeout)
     bench = LayerBench(program, comm, device, seed=options.seed, reference=reference)
     ends = EndsBench(program, comm, device, seed=options.seed, reference=reference) \
         if program.model.get("vocab") else None
@@ -93,6 +102,8 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
 
     samples = measure(items, options.repeats, options.warmup, meet, done)
     bar.close()
+    if options.as_rank is not None:
+        comm.lanes.close()
     ranks = gather_to_first(samples)
     if ranks is None:
         return None
@@ -117,8 +128,11 @@ def device_memory_gb(device) -> float | None:
         return None
     import torch.distributed as dist
 
-    # Spawned local ranks share this machine; under torchrun, LOCAL_WORLD_SIZE ranks do.
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    from dhelix.interpreter.ops.standin import standin_world
+
+    # Spawned local ranks share this machine; under torchrun, LOCAL_WORLD_SIZE ranks do; a rank
+    # alone (--as-rank) has it to itself.
+    local = 1 if standin_world() else int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return round(total / max(1, local) / 1e9, 2)
 
 
