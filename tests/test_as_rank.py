@@ -211,3 +211,19 @@ def test_cli_profile_as_rank_then_run_with_it(tmp_path):
     done = _cli(TINY, "--as-rank", 3, "--steps", 2, "--profile", profile, "--json")
     assert done.returncode == 0, done.stderr
     assert "measured on this machine" in json.loads(done.stdout)["predicted"]["note"]
+
+
+def test_stand_in_weights_are_drawn_per_shard():
+    """A rank alone draws each shard at its shape from the full tensor's distribution, without
+    the full tensor; the real run's shards stay slices of the seeded full tensor."""
+    from dhelix.interpreter.ops.weights import WeightPlan
+
+    program = build_run_plan(LARGE["tp8_pp4_dp2"], "big.dhx").program
+    real, alone = WeightPlan(program, 3), WeightPlan(program, 3, stand_in=True)
+    index = {"tp": 5}
+    for name in real.names(layers=[0]):
+        a, b = real.shard(name, index), alone.shard(name, index)
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if a.numel() > 256:
+            assert abs(float(a.std()) - float(b.std())) < 0.25 * float(a.std()) + 0.02
+    assert not all(bool((real.shard(n, index) == alone.shard(n, index)).all()) for n in real.names(layers=[0]))

@@ -126,7 +126,8 @@ class Executor:
                  recorder: Recorder | None = None, on_action: Callable | None = None,
                  pair_barrier: bool | None = None, block_orders: dict | None = None,
                  reference: tuple | None = None, init: str | None = None,
-                 optimizer: Callable[["Executor"], object] | None = None, issue_order: BlockOrder | None = None):
+                 optimizer: Callable[["Executor"], object] | None = None, issue_order: BlockOrder | None = None,
+                 stand_in_weights: bool = False):
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
@@ -134,7 +135,8 @@ class Executor:
         self.comm = TimedComm(comm, self.recorder)
         self.pp = comm.index("pp")
         self.actions = self.lowered.actions[self.pp]
-        self.weights = WeightPlan(program, seed, reference, hf=init)  # init: a Hugging Face checkpoint folder
+        # init: a Hugging Face checkpoint folder; stand_in_weights: each shard drawn alone (--as-rank)
+        self.weights = WeightPlan(program, seed, reference, hf=init, stand_in=stand_in_weights)
         self.index = {axis: comm.index(axis) for axis in AXES}
         self.layer_plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
         self.b_ops = backward_ops(program.backward, self.lowered.split)

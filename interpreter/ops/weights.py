@@ -257,23 +257,25 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def init_full(spec: ShardSpec, seed: int) -> torch.Tensor:
+def init_full(spec: ShardSpec, seed: int, shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """The full fp32 value of a parameter with ``spec``: matrices ~ N(0, 1/in), the
     embedding ~ N(0, 1), norm scales 1 + N(0, 0.1²) and biases N(0, 0.1²) (not exactly
-    1 and 0, so tests exercise the norm weights)."""
+    1 and 0, so tests exercise the norm weights). ``shape``: draw a tensor of that shape
+    (one shard's) from the same distribution instead."""
     gen = torch.Generator().manual_seed(seed)
+    shape = tuple(shape or spec.full)
 
-    def normal(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+    def normal(*dims):
+        return torch.randn(*dims, generator=gen, dtype=torch.float32)
 
     if spec.kind == "matrix":
-        return normal(*spec.full) * spec.full[-2] ** -0.5
+        return normal(*shape) * spec.full[-2] ** -0.5
     if spec.kind == "embedding":
-        return normal(*spec.full)
+        return normal(*shape)
     if spec.kind == "rmsnorm":
-        return 1 + 0.1 * normal(*spec.full)
+        return 1 + 0.1 * normal(*shape)
     if spec.kind == "layernorm":
-        return torch.stack((1 + 0.1 * normal(spec.full[1]), 0.1 * normal(spec.full[1])))
+        return torch.stack((1 + 0.1 * normal(shape[1]), 0.1 * normal(shape[1])))
     raise ShardingError(f"no initialiser for weights of kind {spec.kind}")
 
 
@@ -296,7 +298,7 @@ class WeightPlan:
     """
 
     def __init__(self, program: Program, seed: int = 0, reference: tuple[LayerDag, LayerDag] | None = None,
-                 hf: str | None = None):
+                 hf: str | None = None, stand_in: bool = False):
         if program.forward is None:
             raise ShardingError("the program has no model, so it has no weights")
         if reference is None:
@@ -304,6 +306,10 @@ class WeightPlan:
 
             reference = reference_dags(program)
         self.program, self.seed = program, seed
+        #: A rank run alone (``--as-rank``): each shard drawn on its own, at its shape, from the
+        #: full tensor's distribution (not a slice of it: the numbers are stand-ins there, and
+        #: drawing a 70B model's full tensors to keep an eighth would dominate the start).
+        self.stand_in = stand_in
         #: Whether the LM head is the embedding's transpose (:func:`tied_embeddings`).
         self.tied = tied_embeddings(program)
         self.full_forward, self.full_backward = reference
@@ -355,6 +361,9 @@ class WeightPlan:
         parts = self.program.mesh.size(spec.axis)
         if self.source is not None:
             return self.source.shard(name, index.get(spec.axis, 0), parts).to(dtype)
+        if self.stand_in:
+            seed = param_seed(self.seed, f"{name}/{index.get(spec.axis, 0)}")
+            return init_full(spec, seed, spec.shard_shape(parts)).to(dtype)
         return spec.take(self.full(name, dtype), index.get(spec.axis, 0), parts)
 
     def layer_weights(self, layer: int, index: Mapping[str, int], dtype=torch.float32,

@@ -177,7 +177,8 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat),
                         reference=compiled.reference, init=options.init,
                         issue_order=si.issue_order(device.type == "cuda"),
-                        optimizer=functools.partial(for_executor, zero1=options.zero1, config=config))
+                        optimizer=functools.partial(for_executor, zero1=options.zero1, config=config),
+                        stand_in_weights=options.as_rank is not None)
     optimizer = executor.optimizer
     corpus = None if options.data is None else load_corpus(options.data, program.model.get("vocab"),
                                                            program.model.get("seq"), options.eval_data)
