@@ -532,8 +532,10 @@ def _embedding_dgrad(grad, saved, weight):
 
 
 def _embedding_wgrad(grad, saved):
+    # Ids outside the shard point at row 0 (masked in the forward) with a zero gradient: no
+    # boolean indexing, whose nonzero would wait for the device on every micro-batch.
     local, inside, rows = saved
-    return grad.new_zeros((rows, grad.shape[1])).index_add_(0, local[inside], grad[inside])
+    return grad.new_zeros((rows, grad.shape[1])).index_add_(0, local, grad * inside[:, None].to(grad.dtype))
 
 
 def _lm_head_forward(inputs, weight, ctx):
@@ -558,9 +560,9 @@ def _lm_head_forward(inputs, weight, ctx):
 def _lm_head_grad_logits(grad, saved):
     _, softmax, local, inside = saved
     grad_logits = softmax * grad[:, None]
-    rows = torch.arange(grad.shape[0], device=grad.device)[inside]
-    grad_logits[rows, local[inside]] -= grad[inside]
-    return grad_logits
+    # Minus the gradient at each token's target logit; a target outside the shard points at
+    # column 0 with nothing to take (no boolean indexing: its nonzero waits for the device).
+    return grad_logits.scatter_add_(1, local[:, None], -(grad * inside.to(grad.dtype))[:, None])
 
 
 def _lm_head_dgrad(grad, saved, weight):

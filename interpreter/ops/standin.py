@@ -18,7 +18,8 @@ choice (``--emulate-links``, one of :data:`~dhelix.interpreter.training.train.EM
 * ``sleep`` keeps the lane busy for the profile's predicted time of the transfer
   (:func:`~dhelix.dsl.planner.costmodel.collective_time`): a spinning kernel on CUDA, a sleep
   on CPU;
-* ``none`` costs nothing but the stand-in's own writes.
+* ``none`` costs nothing but the stand-in's own writes (on CPU done at once on the calling
+  thread: a lane's thread would only add its hand-offs).
 
 Each lane's busy time is measured around every transfer (CUDA events on its stream, the
 clock on its thread); its exposed communication at each wait: on CPU the seconds the thread
@@ -63,9 +64,12 @@ class _Lanes:
     stream (a transfer waits for the compute stream's work issued before it), or one worker
     thread on CPU. Tracks the exposed seconds per lane (see the module docstring)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, inline: bool = False):
         self.device = device
         self.cuda = device.type == "cuda"
+        #: On CPU, run each transfer's work at once on the calling thread (``none``: a lane's
+        #: thread would only add its hand-offs to the step).
+        self.inline = inline and not self.cuda
         self._lanes: dict[str, object] = {}
         self.exposed: dict[str, float] = {}
         self._stalls: list[tuple[str, object, object]] = []  # CUDA: (lane, before, after) events
@@ -89,6 +93,10 @@ class _Lanes:
         """Run ``work()`` (the stand-in's writes and the link's cost) on lane ``name`` after
         what the compute has issued so far; ``tensors``: those the lane reads or writes."""
         lane = self._lane(name)
+        if self.inline:
+            done = concurrent.futures.Future()
+            done.set_result(self._timed(name, work))
+            return _Work(self, name, future=done)
         if not self.cuda:
             return _Work(self, name, future=lane.submit(self._timed, name, work))
         lane.wait_stream(torch.cuda.current_stream(self.device))
@@ -166,7 +174,7 @@ class EmulatedComm(DistComm):
     def __init__(self, mesh, device, profile, emulate: str = "copy", timeout_s: float | None = None):
         super().__init__(mesh, device, timeout_s)
         self.profile, self.emulate = profile, emulate
-        self.lanes = _Lanes(self.device)
+        self.lanes = _Lanes(self.device, inline=emulate == "none")
         self.issued: list[tuple[str, str, tuple[int, ...]]] = []
         self._host = self._source = None  # ``copy``: the pinned host buffer, the device one copied
         self._lock = threading.Lock()
