@@ -319,6 +319,28 @@ def test_a_resume_with_another_seed_or_schedule_is_warned():
                               "(lr 0.001 → 0.003; steps 4 → 8)")
     same = {"seed": 2, "schedule": options.schedule()}
     assert resume_differences(same, options) == []
+    mark = {"windows": 40, "sha256": "0123456789abcdef"}
+    with_data = {**same, "data": {"fingerprint": mark}}
+    assert resume_differences(with_data, options, dict(mark)) == []
+    [changed] = resume_differences(with_data, options, {"windows": 41, "sha256": "fedcba9876543210"})
+    assert changed.message == ("--resume ck: the training data differs from the saved run's (40 windows, "
+                               "fingerprint 0123456789abcdef; now 41 windows, fingerprint fedcba9876543210)")
+    [gone] = resume_differences(with_data, options, None)
+    assert "now seeded random tokens" in gone.message
+
+
+def test_the_data_fingerprint_reads_the_windows_not_their_type():
+    import torch
+
+    from dhelix.interpreter.training.data import Corpus, fingerprint
+
+    windows = torch.arange(600).reshape(100, 6)
+    wide, narrow = Corpus(windows, windows[:2]), Corpus(windows.to(torch.int32), windows[:2])
+    assert fingerprint(wide) == fingerprint(narrow) and fingerprint(wide)["windows"] == 100
+    changed = windows.clone()
+    changed[0, 0] = 7
+    assert fingerprint(Corpus(changed, windows[:2])) != fingerprint(wide)
+    assert fingerprint(None) is None
 
 
 def test_a_resumed_log_continues_rather_than_repeats(tmp_path):

@@ -431,6 +431,7 @@ def _preflight_data(options, verified: list | None = None) -> None:
     if options.init is not None:  # every tensor's presence and shape
         WeightPlan(program, options.seed, options.compiled.reference, hf=options.init)
     sequences = program.train.micro_batch * program.train.microbatches * program.mesh.size("dp")
+    corpus = None
     if options.data is not None:
         corpus = data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"),
                                   options.eval_data)
@@ -443,15 +444,25 @@ def _preflight_data(options, verified: list | None = None) -> None:
         if meta["step"] >= options.steps:
             raise UsageError(f"--resume {options.resume}: the checkpoint is at step {meta['step']}, and this run "
                              f"has {options.steps} steps in all; give --steps above {meta['step']}")
-        _warn(resume_differences(meta, options))
+        _warn(resume_differences(meta, options, data.fingerprint(corpus)))
 
 
-def resume_differences(meta: dict, options) -> list:
+def resume_differences(meta: dict, options, fingerprint: dict | None = None) -> list:
     """Warnings (DhelixWarning) for what a resumed run changes from the saved one: the seed
-    (the data order) and each setting of the learning-rate schedule the checkpoint stored."""
+    (the data order), the training data (``fingerprint``, this run's
+    :func:`~dhelix.interpreter.training.data.fingerprint`, against the saved one) and each
+    setting of the learning-rate schedule the checkpoint stored."""
     from dhelix.dsl.core.errors import DhelixWarning
 
     found = []
+    saved = (meta.get("data") or {}).get("fingerprint")
+    if saved is not None and saved != fingerprint:
+        now = "seeded random tokens" if fingerprint is None else f"{fingerprint['windows']} windows"
+        found.append(DhelixWarning(
+            f"--resume {options.resume}: the training data differs from the saved run's ({saved['windows']} "
+            f"windows, fingerprint {saved['sha256']}; now {now}"
+            + ("" if fingerprint is None else f", fingerprint {fingerprint['sha256']}") + ")",
+            notes=["the steps continue by number over other data; give the saved run's --data to continue it"]))
     if meta.get("seed") is not None and meta["seed"] != options.seed:
         found.append(DhelixWarning(f"--resume {options.resume}: the run was saved with seed {meta['seed']}, this one "
                                    f"has {options.seed}; the data order changes from here",

@@ -419,13 +419,37 @@ class DataSource:
         return Batch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous())
 
 
-def saved_data(spec, source: DataSource) -> dict | None:
-    """What a checkpoint stores about the data of ``spec``: a blend's sources, weights and
-    position (``source``'s); None for one source or none (the position is the step)."""
-    position = source.position()
-    if position is None or not isinstance(spec, Blend):
+#: How many evenly spaced windows of a corpus its fingerprint reads (bounded: a corpus of
+#: any size is fingerprinted in the same small time).
+FINGERPRINT_SAMPLES = 64
+
+
+def fingerprint(corpus: Corpus | BlendedCorpus | None) -> dict | None:
+    """What identifies the training data a run reads: its window count and the SHA-256 of
+    up to :data:`FINGERPRINT_SAMPLES` evenly spaced training windows (every source's, for a
+    blend); None for seeded random tokens."""
+    if corpus is None:
         return None
-    return {"blend": spec.describe(), "position": position}
+    parts = corpus.parts if isinstance(corpus, BlendedCorpus) else (corpus,)
+    digest = hashlib.sha256()
+    for part in parts:
+        windows = part.train
+        n = windows.shape[0]
+        for row in sorted({i * n // FINGERPRINT_SAMPLES for i in range(min(n, FINGERPRINT_SAMPLES))}):
+            digest.update(repr(windows[row].tolist()).encode())  # ids, whatever the file's integer type
+    return {"windows": training_sequences(corpus), "sha256": digest.hexdigest()[:16]}
+
+
+def saved_data(spec, source: DataSource) -> dict | None:
+    """What a checkpoint stores about the data of ``spec``: its :func:`fingerprint`, and a
+    blend's sources, weights and position (``source``'s); None for seeded random tokens."""
+    saved = {}
+    if (found := fingerprint(source.corpus)) is not None:
+        saved["fingerprint"] = found
+    position = source.position()
+    if position is not None and isinstance(spec, Blend):
+        saved.update(blend=spec.describe(), position=position)
+    return saved or None
 
 
 def resume_data(spec, saved: dict | None, source: DataSource) -> bool:
