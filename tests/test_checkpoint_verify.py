@@ -127,3 +127,19 @@ def test_a_save_slower_than_the_timeout_completes_every_rank_writing_its_shards(
     assert sorted(p.name for p in (saves / "step-000002").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert main(["checkpoint", "verify", str(saves)]) == 0
     assert (tmp_path / "w.pt").is_file()
+
+
+def test_keeping_counts_intact_saves_only(tmp_path):
+    """--keep K keeps the K newest intact saves: a damaged save (a truncated file) is not
+    counted, so an intact older one stays; what is older than the K-th intact one goes."""
+    from dhelix.interpreter.training.manifest import beyond_kept, write_manifest
+
+    for step in (2, 4, 6, 8):
+        folder = tmp_path / f"step-{step:06d}"
+        folder.mkdir()
+        (folder / "shard.distcp").write_bytes(bytes(range(100)))
+        write_manifest(folder)
+    assert [p.name for p in beyond_kept(tmp_path, 2)] == ["step-000002", "step-000004"]
+    (tmp_path / "step-000006" / "shard.distcp").write_bytes(b"cut")  # damaged after its save
+    assert [p.name for p in beyond_kept(tmp_path, 2)] == ["step-000002"]
+    assert beyond_kept(tmp_path, 5) == []

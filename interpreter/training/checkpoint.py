@@ -3,7 +3,8 @@
 A checkpoint folder ``DIR`` holds one sub-folder per save (``step-000010``) and a file
 ``latest`` naming the last complete one. A save is written to a temporary folder, renamed
 into place once complete, and only then does ``latest`` (replaced atomically with
-``os.replace``) point at it, after which all but the ``keep`` newest saves are removed: a save
+``os.replace``) point at it, after which all but the ``keep`` newest intact saves are removed
+(:func:`~.manifest.beyond_kept`: a damaged one never pushes out an intact one): a save
 interrupted midway leaves the last good checkpoint as it was, and the next save removes what
 it left (``.partial-*`` of a process that is gone). A save that cannot be written (a full
 disk) removes its partial folder and raises OutputError naming the save that is kept.
@@ -46,8 +47,8 @@ import torch
 from dhelix.dsl.core.errors import OutputError
 
 from dhelix.interpreter.verify.harness import gather_full
-from .manifest import (META, CheckpointDamaged, CheckpointError, intact_saves, saves_in,  # noqa: F401 (API)
-                       verify, write_manifest)
+from .manifest import (META, CheckpointDamaged, CheckpointError, beyond_kept,  # noqa: F401 (API)
+                       intact_saves, saves_in, verify, write_manifest)
 
 LATEST = "latest"
 FORMAT = 1
@@ -136,7 +137,7 @@ def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequenc
     dist.barrier(group=group)  # rank 0 has renamed the save into place: it is complete
     if not first:
         return None
-    for old in saves_in(root_path)[:-keep]:
+    for old in beyond_kept(root_path, keep):
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -67,10 +67,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify(folder: Path) -> list[DhelixWarning]:
+def verify(folder: Path, hashes: bool = True) -> list[DhelixWarning]:
     """Check the save ``folder`` against its manifest: CheckpointDamaged naming the first
-    file that is missing or whose size or SHA-256 differs; returns a warning (and checks
-    nothing) for a save without a manifest, an older dhelix's."""
+    file that is missing or whose size or SHA-256 differs (``hashes`` False: its size only,
+    without reading the files); returns a warning (and checks nothing) for a save without a
+    manifest, an older dhelix's."""
     folder = Path(folder)
     listing = folder / MANIFEST
     if not listing.is_file():
@@ -91,7 +92,7 @@ def verify(folder: Path) -> list[DhelixWarning]:
             problem = "is missing"
         elif path.stat().st_size != size:
             problem = f"has {path.stat().st_size} bytes where the manifest says {size}"
-        elif _sha256(path) != digest:
+        elif hashes and _sha256(path) != digest:
             problem = "differs from the manifest's SHA-256 (its bytes changed after the save)"
         else:
             continue
@@ -131,3 +132,21 @@ def describe(folder: Path, *, verified: bool) -> str:
     size = sum(p.stat().st_size for p in files)
     how = "intact (size and SHA-256 of each file checked)" if verified else "not verified (no manifest)"
     return f"{how}, {len(files)} files, {size / 1e6:.2f} MB"
+
+
+def beyond_kept(root: Path, keep: int) -> list[Path]:
+    """The saves of ``root`` that keeping the ``keep`` newest intact ones removes: those older
+    than the ``keep``-th newest save whose files are all there at their sizes (hashes are not
+    read: this runs after every save). A damaged save is not counted, so it never pushes out
+    an intact one; one newer than the kept intact saves stays for its owner to look at."""
+    intact, removed = 0, []
+    for folder in reversed(saves_in(root)):
+        if intact >= keep:
+            removed.append(folder)
+            continue
+        try:
+            verify(folder, hashes=False)
+        except CheckpointDamaged:
+            continue
+        intact += 1
+    return removed[::-1]
