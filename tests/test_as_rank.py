@@ -51,6 +51,18 @@ LARGE = {
 }
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread for the ranks run in this process: with the machine's other jobs on
+    both cores, torch's spinning OpenMP threads made a 3 s run take 25 s."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _as_rank(path, rank: int, *args, steps: int = 2):
     """Run ``path``'s rank alone in this process (the API the command uses) and return the run
     options and its result (the rank's record: what it issued)."""
@@ -137,7 +149,7 @@ def test_same_communication_as_the_real_rank(tmp_path):
 
 
 def _cli(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "dhelix", "run", *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
@@ -203,7 +215,7 @@ def test_stand_in_collectives_shapes_and_lanes():
 
 def test_cli_profile_as_rank_then_run_with_it(tmp_path):
     profile = tmp_path / "alone.yaml"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "dhelix", "profile", str(TINY), "--as-rank", "3", "--repeats", "1",
                            "-o", str(profile)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
