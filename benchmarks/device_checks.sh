@@ -11,7 +11,7 @@
 set -u
 OUT=${OUT:-out/device}
 BIG=${BIG:-benchmarks/one_gpu_llama.dhx}  # the one-device model of steps 2 and 3
-ONLY=${ONLY:-0123456}  # the steps to run
+ONLY=${ONLY:-01234567}  # the steps to run (7 runs before 6)
 PAIR=${PAIR:-benchmarks/llama70b_tp8_pair.dhx}  # steps 4 and 6: rank 0 of Llama-70B layers at TP-8
 ROUNDS_AS_RANK=${ROUNDS_AS_RANK:-2}
 PY=${PY:-python3}
@@ -41,8 +41,14 @@ step() { echo "== $*" | tee -a "$OUT/steps.log"; }
   --rounds $ROUNDS_AS_RANK --traces "$OUT/traces" --output "$OUT/as_rank_copy.txt" 2>&1 | tail -30
 
 [[ $ONLY == *5* ]] && step "5. rank 0 of examples/llama8b_a40.dhx alone: measured peak memory beside the simulator's"
-[[ $ONLY == *5* ]] && timeout ${T5:-150} $PY -m dhelix run examples/llama8b_a40.dhx --as-rank 0 --steps 3 \
+[[ $ONLY == *5* ]] && timeout ${T5:-240} $PY -m dhelix run examples/llama8b_a40.dhx --as-rank 0 --steps 3 \
   --emulate-links sleep --force --metrics "$OUT/llama8b_rank0.json" 2>&1 | tee "$OUT/llama8b_rank0.txt" | tail -20
+
+[[ $ONLY == *7* ]] && step "7. dhelix profile --as-rank 0 of the TP-8 pair (links slept at the h100 profile's times), then run with that profile"
+[[ $ONLY == *7* ]] && timeout ${T7:-240} $PY -m dhelix profile $PAIR --as-rank 0 --emulate-links sleep --repeats 3 \
+  -o "$OUT/pair_profile.yaml" 2>&1 | tee "$OUT/pair_profile.txt" | tail -12
+[[ $ONLY == *7* ]] && timeout ${T7:-240} $PY -m dhelix run $PAIR --as-rank 0 --emulate-links sleep --steps 21 \
+  --profile "$OUT/pair_profile.yaml" --force --metrics "$OUT/pair_with_profile.json" 2>&1 | tee "$OUT/pair_with_profile.txt" | tail -14
 
 [[ $ONLY == *6* ]] && step "6. as step 4, links emulated by sleep (the profile's predicted times)"
 [[ $ONLY == *6* ]] && timeout ${T6:-200} $PY benchmarks/as_rank_overlap.py --program $PAIR --emulate sleep --steps 21 \
