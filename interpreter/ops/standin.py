@@ -75,12 +75,14 @@ class _Lanes:
         self._stalls: list[tuple[str, object, object]] = []  # CUDA: (lane, before, after) events
         self.busy: dict[str, float] = {}
         self._spans: list[tuple[str, object, object]] = []  # CUDA: (lane, start, done) of each transfer
+        self._lock = threading.Lock()
 
     def _timed(self, name: str, work) -> None:
         """Run ``work`` on this CPU lane's thread, adding its seconds to the lane's busy time."""
         start = time.perf_counter()
         work()
-        self.busy[name] = self.busy.get(name, 0.0) + time.perf_counter() - start
+        with self._lock:  # the lanes' threads and :meth:`take` share the tally
+            self.busy[name] = self.busy.get(name, 0.0) + time.perf_counter() - start
 
     def _lane(self, name: str):
         if name not in self._lanes:
@@ -135,8 +137,9 @@ class _Lanes:
             for name, start, done in self._spans:
                 self.busy[name] = self.busy.get(name, 0.0) + start.elapsed_time(done) / 1e3
             self._stalls, self._spans = [], []
-        taken = {name: (self.exposed[name], self.busy.get(name, 0.0)) for name in self.exposed}
-        self.exposed, self.busy = {name: 0.0 for name in self.exposed}, {}
+        with self._lock:
+            taken = {name: (self.exposed[name], self.busy.get(name, 0.0)) for name in self.exposed}
+            self.exposed, self.busy = {name: 0.0 for name in self.exposed}, {}
         return taken
 
     def close(self) -> None:
