@@ -173,11 +173,9 @@ def test_cli_as_rank_usage_errors(args, words):
 
 
 def test_stand_in_collectives_shapes_and_lanes():
-    """The stand-ins have the real results' shapes and dtypes; ``sleep`` keeps the lane busy for
-    the profile's time of the transfer while the compute goes on; each lane's exposure is what
-    the thread waited."""
-    import time
-
+    """The stand-ins have the real results' shapes and dtypes; ``sleep`` keeps the transfer's lane
+    (cross, for dp across nodes) busy for at least the profile's time of the transfer, and the
+    other lane not at all."""
     import torch
     import torch.distributed as dist
 
@@ -202,12 +200,11 @@ def test_stand_in_collectives_shapes_and_lanes():
         big = torch.zeros(1 << 20)  # 4 MiB over tp (local lane) and over dp (across nodes)
         seconds = collective_time("all_reduce", big.numel() * 4, 2, "cross", comm.profile, 1)
         comm.lanes.take()
-        started = time.perf_counter()
-        pending = comm.all_reduce(big, "dp", async_op=True)
-        issued = time.perf_counter() - started
-        pending.wait()
-        exposed, busy = comm.lanes.take()["cross"]
-        assert issued < seconds and busy >= 0.9 * seconds and exposed <= busy + 0.05
+        comm.all_reduce(big, "dp", async_op=True).wait()
+        lanes = comm.lanes.take()
+        exposed, busy = lanes["cross"]
+        # A sleep lasts at least its time (what a loaded machine adds only lengthens it).
+        assert busy >= seconds and exposed >= 0 and lanes["local"] == (0.0, 0.0)
         comm.lanes.close()
     finally:
         dist.destroy_process_group()
