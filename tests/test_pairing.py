@@ -313,6 +313,14 @@ def test_pruning_by_bounds_returns_the_plan_pricing_everything_returns(problem, 
     assert pruned.stats.pair_evaluations <= unpruned.stats.pair_evaluations
 
 
+def test_the_default_bound_is_unbounded_exactly_when_the_search_is_small():
+    program = _partitioned("chunk ag + fc by 2", "on")
+    fwd, bwd, strands = program.forward, program.backward, program.strands
+    assert plan_layers(fwd, bwd, strands, LaneCost()).stats.max_segment is None
+    assert plan_layers(fwd, bwd, strands, LaneCost(), exact_pairs=10).stats.max_segment == DEFAULT_MAX_SEGMENT
+    assert llama_plan()[3].stats.max_segment == DEFAULT_MAX_SEGMENT  # 105 x 2500+ segments
+
+
 class Unbounded:
     """A cost without bounds: the search must price every pair it might use."""
 
