@@ -218,3 +218,22 @@ def pc_tasks(pc, op):
     from dhelix.dsl.planner.costmodel import op_tasks
 
     return op_tasks(op, pc.profile, pc.dtype, seq=pc.seq)
+
+
+@settings(max_examples=150, deadline=None)
+@given(segment_pairs(), profiles())
+def test_segment_bounds_never_exceed_the_times_they_bound(case, drawn):
+    prog, fwd, bwd = resolve(case)
+    pc = cost(build(drawn), prog)
+    bf, bb = pc.segment_bound(fwd), pc.segment_bound(bwd)
+    eps = 1e-9 * (pc.solo(fwd) + pc.solo(bwd))
+    assert pc.solo(fwd) >= bf.solo() - eps and pc.solo(bwd) >= bb.solo() - eps
+    assert pc.pair(fwd, bwd) >= bf.pair(bb) - eps
+    assert bf.lanes == pc.lane_work(fwd) and bf.comm + bb.comm == pytest.approx(
+        sum(bf.lanes[1:]) + sum(bb.lanes[1:]))
+
+
+def test_a_measured_profile_offers_no_bounds():
+    measured = Measured("bf16", pairs=(MeasuredPair(("ln1",), ("h2.bwd",), 1.0),))
+    assert cost(attrs.evolve(H100, measured=measured)).segment_bound(ops(TP8, "ln1")) is None
+    assert cost().segment_bound(ops(TP8, "ln1")) is not None

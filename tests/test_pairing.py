@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import assume, example, given, settings
@@ -12,7 +13,10 @@ from hypothesis import strategies as st
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import DhelixError
-from dhelix.dsl.planner.pairing import pair_sequences, plan_layers, plan_program, restriction, rules_of
+from dhelix.dsl.frontend.profiles import LaunchGap
+from dhelix.dsl.planner.paircost import PairCost, SegmentBound
+from dhelix.dsl.planner.pairing import (DEFAULT_MAX_SEGMENT, pair_sequences, plan_layers, plan_program, restriction,
+                                        rules_of)
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.core.plan import format_plan, plan_from_json, plan_to_json
 from dhelix.dsl.core.program import Strands
@@ -21,6 +25,7 @@ from dhelix.dsl.passes.strands import select
 from test_sequences import PROPERTY, checked, dags, legal_by_permutation
 
 INF = float("inf")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def unit(*key) -> int:
@@ -250,6 +255,87 @@ def test_bounding_segments_never_helps_and_a_loose_bound_changes_nothing(problem
     exact = plan_layers(fwd, bwd, strands, SetCost(salt), max_segment=None).total
     assert plan_layers(fwd, bwd, strands, SetCost(salt), max_segment=2).total >= exact
     assert plan_layers(fwd, bwd, strands, SetCost(salt), max_segment=5).total == exact
+
+
+class BoundedCost(SetCost):
+    """SetCost with lower bounds the search may prune by: every op has random work on the
+    three lanes, a segment's time is its bound (busiest lane, plus a launch gap for a pair)
+    plus a random non-negative extra, so the bounds hold and are sometimes tight."""
+
+    GAP = LaunchGap(4.0e6, 0.5)  # 4 time units at least, half the comm: halves and ints add exactly
+
+    def work(self, op) -> tuple[int, int, int]:
+        lane = 0 if op.kind == "compute" else 1 + (op.lane == "cross")
+        return tuple(unit(self.salt, "work", op.name) if k == lane else 0 for k in range(3))
+
+    def segment_bound(self, ops):
+        lanes = tuple(sum(self.work(op)[k] for op in ops) for k in range(3))
+        return SegmentBound(lanes, 0.0, float(lanes[1] + lanes[2]), self.GAP)
+
+    def solo(self, ops):
+        return self.segment_bound(ops).solo() + super().solo(ops) % 7
+
+    def pair(self, fwd, bwd):
+        return self.segment_bound(fwd).pair(self.segment_bound(bwd)) + super().pair(fwd, bwd) % 11
+
+
+def best_over_orders(fwd, bwd, strands, cost) -> float:
+    """Brute force: the best Eq. (2) total over every pair of legal orders (each pairing of
+    segmentations of two fixed orders is itself checked against enumeration above)."""
+    forders, borders = order_pairs(fwd, bwd, strands)
+    rules = rules_of(strands, fwd, bwd)
+    fops, bops = {op.name: op for op in fwd.ops}, {op.name: op for op in bwd.ops}
+    return min(pair_sequences([fops[n] for n in fo], [bops[n] for n in bo], cost, rules)[0]
+               for fo in forders for bo in borders)
+
+
+@settings(PROPERTY, max_examples=250)
+@given(problems(), st.booleans())
+def test_the_default_search_equals_brute_force(problem, bounded):
+    """At its default bounds the planner is exact on random layers (the old default of four
+    ops per segment lost on 12 of 250 such draws), whether or not the cost offers bounds."""
+    fwd, bwd, strands, salt = problem
+    forders, borders = order_pairs(fwd, bwd, strands)
+    assume(len(forders) * len(borders) <= 40)
+    cost = (BoundedCost if bounded else SetCost)(salt)
+    plan = plan_layers(fwd, bwd, strands, cost)
+    assert plan.stats.max_segment is None
+    assert plan.total == best_over_orders(fwd, bwd, strands, cost)
+
+
+@PROPERTY
+@given(problems(), st.sampled_from([None, 2]))
+def test_pruning_by_bounds_returns_the_plan_pricing_everything_returns(problem, max_segment):
+    fwd, bwd, strands, salt = problem
+    pruned = plan_layers(fwd, bwd, strands, BoundedCost(salt), max_segment=max_segment)
+    unpruned = plan_layers(fwd, bwd, strands, Unbounded(BoundedCost(salt)), max_segment=max_segment)
+    assert pruned.pairs == unpruned.pairs and pruned.total == unpruned.total
+    assert pruned.stats.pair_evaluations <= unpruned.stats.pair_evaluations
+
+
+def test_the_default_bound_is_unbounded_exactly_when_the_search_is_small():
+    program = _partitioned("chunk ag + fc by 2", "on")
+    fwd, bwd, strands = program.forward, program.backward, program.strands
+    assert plan_layers(fwd, bwd, strands, LaneCost()).stats.max_segment is None
+    assert plan_layers(fwd, bwd, strands, LaneCost(), exact_pairs=10).stats.max_segment == DEFAULT_MAX_SEGMENT
+    assert llama_plan()[3].stats.max_segment == DEFAULT_MAX_SEGMENT  # 105 x 2500+ segments
+
+
+class Unbounded:
+    """A cost without bounds: the search must price every pair it might use."""
+
+    def __init__(self, cost):
+        self.solo, self.pair = cost.solo, cost.pair
+
+
+@pytest.mark.parametrize("max_segment", [2, DEFAULT_MAX_SEGMENT])
+def test_pruning_keeps_the_plan_of_the_real_pair_cost(max_segment):
+    program = check_text((ROOT / "examples" / "llama39b_a40.dhx").read_text(), "llama39b_a40.dhx")
+    fwd, bwd, strands = program.forward, program.backward, program.strands
+    pruned = plan_layers(fwd, bwd, strands, PairCost.for_program(program), max_segment=max_segment)
+    full = plan_layers(fwd, bwd, strands, Unbounded(PairCost.for_program(program)), max_segment=max_segment)
+    assert pruned.pairs == full.pairs and pruned.total == full.total
+    assert pruned.stats.pair_evaluations < full.stats.pair_evaluations / 2
 
 
 @PROPERTY

@@ -18,7 +18,7 @@ import sys
 
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
-from dhelix.dsl.planner.pairing import DEFAULT_MAX_SEGMENT
+from dhelix.dsl.planner.pairing import AUTO, DEFAULT_EXACT_PAIRS, DEFAULT_MAX_SEGMENT
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.simulator.launch import priced_program
@@ -38,20 +38,22 @@ def register(subparsers) -> None:
                     "communication.")
     plan.add_argument("file", metavar="FILE")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
-    plan.add_argument("--max-segment", type=int, metavar="N", default=DEFAULT_MAX_SEGMENT,
-                      help=f"at most N ops per segment (default {DEFAULT_MAX_SEGMENT}; 0: no bound)")
+    plan.add_argument("--max-segment", type=int, metavar="N", default=None,
+                      help=f"at most N ops per segment (0: no bound; default: no bound, so the plan is exact, "
+                           f"when the strands have at most {DEFAULT_EXACT_PAIRS} pairs of segments, else "
+                           f"{DEFAULT_MAX_SEGMENT})")
     add_profile_argument(plan)
     plan.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args) -> int:
     """`dhelix plan FILE [--json] [--max-segment N]`; returns the exit code."""
-    if args.max_segment < 0:
+    if args.max_segment is not None and args.max_segment < 0:
         raise UsageError(f"--max-segment must be 0 (no bound) or more, got {args.max_segment}")
     program, chunks = priced_program(read_source(args.file), args.file, args.profile)
     require_model(program, args.file)
     require_profile(program)
-    plan = schedule_plan(program, max_segment=args.max_segment or None)
+    plan = schedule_plan(program, max_segment=AUTO if args.max_segment is None else args.max_segment or None)
     usage = plan_usage(program)
     if args.json:
         data = {"file": args.file, "model": program.model.name, "layer": program.model.layer,

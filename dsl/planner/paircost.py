@@ -200,6 +200,16 @@ class PairCost:
                 work[lane] += seconds
         return tuple(work)
 
+    def segment_bound(self, ops: Sequence) -> SegmentBound | None:
+        """What a lower bound of any step holding ``ops`` needs (:class:`SegmentBound`), or
+        None when the profile's ``measured:`` section may price a step in place of the
+        model (a measured time obeys no model bound)."""
+        if self._measured is not None:
+            return None
+        segment = self._segment(ops) if ops else None
+        return SegmentBound(self.lane_work(ops), max(segment.tail, default=0.0) if segment else 0.0,
+                            segment.comm if segment else 0.0, self.profile.launch_gap)
+
     def gap(self, fwd: Sequence, bwd: Sequence) -> float:
         """The launch gap a pair of these two non-empty segments pays."""
         comm = self._segment(fwd).comm + self._segment(bwd).comm
@@ -289,6 +299,32 @@ class PairCost:
 
 
 _CLASS_ORDER = ("comp", "intra", "inter")
+
+
+@attrs.frozen
+class SegmentBound:
+    """Lower-bound terms of one segment: seconds of work per lane (compute, local, cross),
+    its longest in-segment dependency path and its communication seconds.
+
+    A lane runs one task at a time and a running task never goes faster than alone (every
+    OEF is clamped to at most 1), so a solo step takes at least its busiest lane's work and
+    its longest path; a pair at least the two segments' busiest summed lane and either
+    segment's path (whether interleaved or run back to back), plus its launch gap."""
+
+    lanes: tuple[float, ...]
+    path: float
+    comm: float
+    launch_gap: object  # the profile's LaunchGap
+
+    def solo(self) -> float:
+        """A lower bound of this segment's solo time."""
+        return max(*self.lanes, self.path)
+
+    def pair(self, other: "SegmentBound") -> float:
+        """A lower bound of this segment's pair time with ``other`` (both non-empty)."""
+        a, b = self.lanes, other.lanes
+        return (max(a[0] + b[0], a[1] + b[1], a[2] + b[2], self.path, other.path)
+                + self.launch_gap.seconds(self.comm + other.comm))
 
 
 @attrs.define

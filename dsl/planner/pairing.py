@@ -16,7 +16,14 @@ order (:func:`dsl.planner.sequences.canonical`), which is also the order the pla
 
 Bounds, both recorded in the plan: ``max_segment`` caps the ops per segment (None: any), and
 a strand with more than ``max_prefixes`` prefixes gets a narrower window for its moving ops
-(:func:`dsl.planner.sequences.strand_within`). Ties go to the first path found, deterministically.
+(:func:`dsl.planner.sequences.strand_within`). By default (``AUTO``) segments are unbounded, so
+the plan is the exact optimum, whenever the two strands have at most ``DEFAULT_EXACT_PAIRS``
+pairs of segments; a larger search keeps segments of at most ``DEFAULT_MAX_SEGMENT`` ops. Ties
+go to the first path found, deterministically.
+
+The search prices a step only when it might matter (:func:`_shortest`): a cost that offers
+lower bounds (``segment_bound``, as :class:`~dhelix.dsl.planner.paircost.PairCost` does) lets it
+skip most pairs without simulating them, and the answer is the same as pricing every one.
 
 Constraints (a restricted pair may still run each segment alone, one after the other):
 
@@ -48,10 +55,20 @@ from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, availabl
                         prefixes, selector_names, strand_within)
 
 INF = float("inf")
-#: Ops per segment by default. The reference code's segments never exceed its atomic groups
-#: (at most 4 ops), and on every shipped example the plan with 4 equals the unbounded one
-#: while costing a quarter of the pair evaluations (benchmarks/planner_speed.py).
+#: ``max_segment``'s default: unbounded segments when the search is small enough to be exact
+#: (at most DEFAULT_EXACT_PAIRS pairs of segments), else DEFAULT_MAX_SEGMENT.
+AUTO = "auto"
+#: Pairs of (forward, backward) segments up to which the default search is exact: about a
+#: second of pricing at most. Random layers of a few ops are far below it; a Llama TP+SP
+#: layer pair (105 x ~2700 segments) is above it.
+DEFAULT_EXACT_PAIRS = 20_000
+#: Ops per segment when the exact search is too big. The reference code's segments never
+#: exceed its atomic groups (at most 4 ops), and on the Llama examples the plan with 4 is as
+#: fast as the unbounded one (benchmarks/planner_speed.py --unbounded); on that benchmark's
+#: MoE layer pair it is 0.75 % slower than segments of any length (both within a 6-op window).
 DEFAULT_MAX_SEGMENT = 4
+#: The segment bound of the quick first search that gives the exact one its ceiling.
+_CEILING_SEGMENT = 2
 
 
 class SegmentCost(Protocol):
@@ -152,6 +169,23 @@ class _Table:
             self.succ.append(steps)
         self.segments = sorted(ids, key=ids.__getitem__)
         self.ops = [tuple(strand.ops[i] for i in canonical(strand, seg)) for seg in self.segments]
+        self.sizes = [len(ops) for ops in self.ops]
+
+
+def _segment_pairs_within(sides: tuple[Strand, Strand], limit: int) -> bool:
+    """Whether the two strands have at most ``limit`` pairs of segments of any length (a
+    segment: the difference of a prefix and a larger one); stops counting past the limit."""
+    counts = []
+    for side in sides:
+        table = prefixes(side)
+        budget = limit // max(counts[0], 1) if counts else limit
+        count = 0
+        for k, prefix in enumerate(table):
+            count += sum(1 for grown in table[k + 1:] if grown & prefix == prefix)
+            if count > budget:
+                return False
+        counts.append(count)
+    return counts[0] * counts[1] <= limit
 
 
 def _grown(strand: Strand, prefix: int, max_segment: int | None) -> list[int]:
@@ -167,21 +201,29 @@ def _grown(strand: Strand, prefix: int, max_segment: int | None) -> list[int]:
 
 
 def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost, *,
-                max_segment: int | None = DEFAULT_MAX_SEGMENT, max_prefixes: int = DEFAULT_MAX_PREFIXES) -> Plan:
+                max_segment: int | None | str = AUTO, max_prefixes: int = DEFAULT_MAX_PREFIXES,
+                exact_pairs: int = DEFAULT_EXACT_PAIRS) -> Plan:
     """The best plan co-executing ``forward`` (one strand's layer) with ``backward`` (the
     other strand's), under the strands block's constraints and ``cost``.
 
     Assumes both DAGs come from a checked program (ops in topological order, selectors that
-    resolve). ``max_segment`` bounds the ops per segment; ``max_prefixes`` bounds each
-    strand's prefixes by narrowing its moving ops' window. Returns the Plan with the chosen
-    orders, the segment pairs, their predicted times and the totals.
+    resolve). ``max_segment`` bounds the ops per segment (None: any; AUTO: any when the
+    strands have at most ``exact_pairs`` pairs of segments, else DEFAULT_MAX_SEGMENT);
+    ``max_prefixes`` bounds each strand's prefixes by narrowing its moving ops' window.
+    Returns the Plan with the chosen orders, the segment pairs, their predicted times and
+    the totals; its stats record the bounds used.
     """
     moving = moving_ops(strands, forward, backward)
     rules = rules_of(strands, forward, backward)
-    tables = (_Table(strand_within(forward, moving, max_prefixes), max_segment),
-              _Table(strand_within(backward, moving, max_prefixes), max_segment))
+    sides = (strand_within(forward, moving, max_prefixes), strand_within(backward, moving, max_prefixes))
+    if max_segment == AUTO:
+        max_segment = None if _segment_pairs_within(sides, exact_pairs) else DEFAULT_MAX_SEGMENT
+    tables = (_Table(sides[0], max_segment), _Table(sides[1], max_segment))
     matrix = _PairMatrix(tables, cost, rules)
-    steps, total = _shortest(tables, matrix)
+    ceiling = INF
+    if max_segment is None and matrix.bounds is not None:  # a quick plan's total prunes the exact search
+        ceiling = _shortest(tables, matrix, longest=_CEILING_SEGMENT)[1]
+    steps, total = _shortest(tables, matrix, ceiling)
     pairs = tuple(SegmentPair(tuple(op.name for op in tables[0].ops[f]),
                               tuple(op.name for op in tables[1].ops[b]), time,
                               matrix.solo[0][f] + matrix.solo[1][b]) for f, b, time in steps)
@@ -210,64 +252,130 @@ def plan_program(program: Program, cost: SegmentCost, **bounds) -> Plan:
 
 
 class _PairMatrix:
-    """Solo times per segment and pair costs per (forward, backward) segment, filled one
-    forward segment at a time; ``rows[f][b]`` is INF for a restricted pair and for ∅ × ∅."""
+    """Solo times per segment and pair costs per (forward, backward) segment, each asked of
+    the cost once and only when the search needs it: ``cell(f, b)`` is the step's time, INF
+    for a restricted pair and for ∅ × ∅. With the cost's bounds (``segment_bound``, see
+    :class:`~dhelix.dsl.planner.paircost.SegmentBound`), ``lower(f, b)`` bounds a cell from
+    below without pricing it, and ``work`` holds each segment's per-lane work."""
 
     def __init__(self, tables: tuple[_Table, _Table], cost: SegmentCost, rules: PairingRules):
         self.tables, self.cost, self.rules = tables, cost, rules
         self.solo = [[0.0] + [cost.solo(ops) for ops in table.ops[1:]] for table in tables]
         axis_bits: dict[str, int] = {}
         self.traits = [[_traits(ops, rules, axis_bits) for ops in table.ops] for table in tables]
-        self.rows: list[list[float] | None] = [None] * len(tables[0].ops)
-        self.rows[0] = [INF] + self.solo[1][1:]
+        self.cells: list[dict[int, float]] = [{} for _ in tables[0].ops]
         self.evaluations = 0
+        bound = getattr(cost, "segment_bound", None)
+        self.bounds = None if bound is None else [[bound(ops) for ops in table.ops] for table in tables]
+        if self.bounds is not None and any(b is None for side in self.bounds for b in side[1:]):
+            self.bounds = None
 
-    def row(self, f: int) -> list[float]:
-        """The costs of forward segment ``f`` beside every backward segment (id 0: alone)."""
-        if self.rows[f] is None:
-            self.rows[f] = self._fill(f)
-        return self.rows[f]
-
-    def _fill(self, f: int) -> list[float]:
-        fwd_ops, fwd_traits = self.tables[0].ops[f], self.traits[0][f]
-        row = [self.solo[0][f]]
-        for b in range(1, len(self.tables[1].ops)):
-            if fwd_traits.allows(self.traits[1][b], self.rules.comm_with_comm):
+    def cell(self, f: int, b: int) -> float:
+        """The time of the step running forward segment ``f`` beside backward segment ``b``."""
+        if not f:
+            return self.solo[1][b] if b else INF
+        if not b:
+            return self.solo[0][f]
+        row = self.cells[f]
+        value = row.get(b)
+        if value is None:
+            if self.traits[0][f].allows(self.traits[1][b], self.rules.comm_with_comm):
                 self.evaluations += 1
-                row.append(self.cost.pair(fwd_ops, self.tables[1].ops[b]))
+                value = self.cost.pair(self.tables[0].ops[f], self.tables[1].ops[b])
             else:
-                row.append(INF)
-        return row
+                value = INF
+            row[b] = value
+        return value
+
+    def lower(self, f: int, b: int) -> float:
+        """A lower bound of ``cell(f, b)`` (0 without the cost's bounds); exact once priced."""
+        value = self.cells[f].get(b) if f and b else None
+        if value is not None:
+            return value
+        if not f or not b:
+            return self.solo[0][f] + self.solo[1][b] if f or b else INF
+        if not self.traits[0][f].allows(self.traits[1][b], self.rules.comm_with_comm):
+            return INF
+        if self.bounds is None:
+            return 0.0
+        return self.bounds[0][f].pair(self.bounds[1][b]) * _SAFE
+
+    def remaining(self, side: int) -> list[tuple[float, ...]] | None:
+        """Per prefix of strand ``side``, the per-lane work of the ops not yet run (None
+        without the cost's bounds): any plan of the rest takes at least its busiest lane."""
+        if self.bounds is None:
+            return None
+        table = self.tables[side]
+        op_work = {1 << i: self.cost.segment_bound((op,)).lanes for i, op in enumerate(table.strand.ops)}
+        total = [sum(w[lane] for w in op_work.values()) for lane in range(3)]
+        out = []
+        for prefix in table.prefixes:
+            done = [0.0, 0.0, 0.0]
+            for bit, w in op_work.items():
+                if prefix & bit:
+                    done = [d + x for d, x in zip(done, w)]
+            out.append(tuple(t - d for t, d in zip(total, done)))
+        return out
 
 
-def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix) -> tuple[list[tuple[int, int, float]], float]:
+#: Bounds are scaled by this before pruning, so that float rounding in a simulated time can
+#: never make a bound exceed the time it bounds.
+_SAFE = 1.0 - 1e-9
+
+
+def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float = INF,
+              longest: int | None = None) -> tuple[list[tuple[int, int, float]], float]:
     """The cheapest path from (∅, ∅) to (all, all): its steps (forward segment id, backward
     segment id, step time) and its total. States are visited forward prefix by forward
     prefix, then backward prefix by backward prefix, each by size, so a state's value is
-    final before it is extended."""
+    final before it is extended; ties go to the first path found.
+
+    Pruning never changes the answer (nor which of several equal paths is returned): a step
+    is priced only if its lower bound could improve the state it reaches, if a pair's bound
+    is not above running its two segments one after the other (the path through the
+    intermediate state is then strictly cheaper), and if its bound plus the rest's busiest
+    lane stays within ``ceiling``, a total some plan reaches (INF: none known). ``longest``
+    skips segments of more ops (the quick search that finds a ceiling)."""
     fwd, bwd = tables
     width = len(bwd.prefixes)
     best = [INF] * (len(fwd.prefixes) * width)
     back: list[tuple[int, int, int] | None] = [None] * len(best)
     best[0] = 0.0
-    for i, fwd_steps in enumerate(fwd.succ):
-        for k, bwd_steps in enumerate(bwd.succ):
+    rem_f, rem_b = matrix.remaining(0), matrix.remaining(1)
+    solo_f, solo_b = matrix.solo
+    limit = ceiling * (1.0 + 1e-9)
+    fwd_succ, bwd_succ = fwd.succ, bwd.succ
+    if longest is not None:
+        fwd_succ = [[(f, j) for f, j in steps if fwd.sizes[f] <= longest] for steps in fwd_succ]
+        bwd_succ = [[(b, l) for b, l in steps if bwd.sizes[b] <= longest] for steps in bwd_succ]
+    for i, fwd_steps in enumerate(fwd_succ):
+        for k, bwd_steps in enumerate(bwd_succ):
             here = i * width + k
             start = best[here]
-            if start == INF:
+            if start == INF or (rem_f is not None and start + _rest(rem_f[i], rem_b[k]) * _SAFE > limit):
                 continue
             for f, j in fwd_steps:
-                row, base = matrix.row(f), j * width
+                base = j * width
                 for b, l in bwd_steps:
-                    value = start + row[b]
-                    if value < best[base + l]:
+                    target = best[base + l]
+                    low = matrix.lower(f, b)
+                    if start + low >= target or (f and b and low > solo_f[f] + solo_b[b]):
+                        continue
+                    if rem_f is not None and start + low + _rest(rem_f[j], rem_b[l]) * _SAFE > limit:
+                        continue
+                    value = start + matrix.cell(f, b)
+                    if value < target:
                         best[base + l] = value
                         back[base + l] = (here, f, b)
     steps, state = [], len(best) - 1
     while back[state] is not None:
         state, f, b = back[state]
-        steps.append((f, b, matrix.row(f)[b]))
+        steps.append((f, b, matrix.cell(f, b)))
     return steps[::-1], best[-1]
+
+
+def _rest(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    return max(a[0] + b[0], a[1] + b[1], a[2] + b[2])
 
 
 def pair_sequences(fwd_ops: Sequence[Op], bwd_ops: Sequence[Op], cost: SegmentCost, rules: PairingRules, *,
