@@ -50,8 +50,10 @@ measurements:
 from __future__ import annotations
 
 import argparse
+import datetime
 import platform
 import sys
+from pathlib import Path
 
 from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.passes.pipeline import check_text
@@ -60,6 +62,8 @@ from dhelix.dsl.simulator.launch import choose_launch
 from dhelix.dsl.simulator.events import has_si, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.simulator.report import unfolded_1f1b, unpartitioned
+
+HERE = Path(__file__).resolve().parent
 
 #: Centauri's Table 4 (hidden, heads, layers); Big lists 8, 10 and 30 layers.
 SIZES = {"Small": (4096, 32, 18), "Medium": (5120, 40, 15), "Big": (6656, 52, 30), "Large": (8192, 64, 8)}
@@ -70,7 +74,7 @@ import "stdlib/layers.dhx"
 import "stdlib/pipelines.dhx"
 model llama {{ layers = {layers}  hidden = {hidden}  ffn = {ffn}  heads = {heads}  kv_heads = {heads}  seq = 2048
   vocab = 32000  dtype = bf16  layer = llama }}
-cluster {{ nodes = {nodes}  gpus_per_node = 8  profile = "a100" }}
+cluster {{ nodes = {nodes}  gpus_per_node = 8  profile = "{profile}" }}
 mesh {{ {mesh} }}
 train {{ micro_batch = {batch}  microbatches = {microbatches}  zero = {zero}  {train} }}
 fold {fold}
@@ -84,13 +88,32 @@ def ffn_of(hidden: int) -> int:
     return -(-(8 * hidden // 3) // 256) * 256
 
 
-def program(size: str, *, mesh: str, nodes: int, batch: int, microbatches: int, zero: int, partition: str = "",
-            train: str = "", fold: str = "u", pipeline: str = "w_helix"):
+def pipeline_ranks(mesh: str) -> int:
+    """The ``pp`` of a mesh block's text (``"tp = 4  dp = 4  pp = 3"`` gives 3; 1 when unset)."""
+    words = mesh.replace("=", " = ").split()
+    return next((int(words[i + 2]) for i, word in enumerate(words[:-2]) if word == "pp" and words[i + 1] == "="), 1)
+
+
+def program_text(size: str, *, mesh: str, nodes: int, batch: int, microbatches: int, zero: int, partition: str = "",
+                 train: str = "", fold: str = "u", pipeline: str = "w_helix", profile: str = "a100") -> str:
+    """The text of the program of Table 4's ``size`` on ``nodes`` nodes of 8 GPUs with the given mesh,
+    train settings and partition block. Fold u whose layers do not split into 2 stages per pipeline
+    rank (Medium's 15) falls back to fold none with 1F1B, which has no SI blocks (as ``dhelix new``)."""
     hidden, heads, layers = SIZES[size]
-    text = TEMPLATE.format(layers=layers, hidden=hidden, ffn=ffn_of(hidden), heads=heads, nodes=nodes, mesh=mesh,
+    if fold == "u" and layers % (2 * pipeline_ranks(mesh)):
+        fold, pipeline = "none", "one_f_one_b"
+    return TEMPLATE.format(layers=layers, hidden=hidden, ffn=ffn_of(hidden), heads=heads, nodes=nodes, mesh=mesh,
                            batch=batch, microbatches=microbatches, zero=zero, train=train, fold=fold,
-                           pipeline=pipeline, partition=f"partition {{\n  {partition.strip()}\n}}" if partition else "")
-    return choose_launch(choose_all(check_text(text, f"{size}.dhx"))[0])[0]  # the choices, where there are any
+                           pipeline=pipeline, profile=profile,
+                           partition=f"partition {{\n  {partition.strip()}\n}}" if partition else "")
+
+
+def program(size: str, **settings):
+    """The checked program of :func:`program_text` (same settings) with the planner's choices made
+    (chunk counts, orders, backward priority, launch counts, where the program leaves them to it).
+    A profile given by path is read relative to this folder."""
+    text = program_text(size, **settings)
+    return choose_launch(choose_all(check_text(text, str(HERE / f"{size}.dhx")))[0])[0]
 
 
 #: Centauri's workload partition of FSDP's weight gathers: every GEMM over blocks of its
@@ -103,14 +126,22 @@ INTERLEAVED = dict(fold="loop(2)", pipeline="interleaved_1f1b")
 
 
 def _si(prog):
+    """The simulation of ``prog`` with its SI plan; None when its schedule has no SI block (fold none)."""
+    if not has_si(prog):
+        return None
     cost = cost_of(prog)
-    return simulate(prog, schedule_plan(prog, cost) if has_si(prog) else None, cost=cost)
+    return simulate(prog, schedule_plan(prog, cost), cost=cost)
 
 
 def four(centauri, plain):
-    """Step seconds of baseline, Centauri only, SI only, Centauri + SI (and peak memory GB of each)."""
-    sims = (simulate(unfolded_1f1b(plain)), simulate(unfolded_1f1b(centauri)), _si(plain), _si(centauri))
-    return [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims]
+    """Step seconds of baseline, Centauri only, SI only, Centauri + SI (and peak memory GB of each);
+    None for the SI variants of a program without SI blocks."""
+    return figures((simulate(unfolded_1f1b(plain)), simulate(unfolded_1f1b(centauri)), _si(plain), _si(centauri)))
+
+
+def figures(sims):
+    """The step seconds and peak memory GB of each simulation (None for None)."""
+    return [s and s.step_time for s in sims], [s and s.peak_rank.memory / 1e9 for s in sims]
 
 
 #: A100-80G: a predicted peak above it is marked (the run would not fit).
@@ -118,9 +149,12 @@ MEMORY_GB = 80
 
 
 def row(label: str, times, memory, paper: str) -> str:
+    """One line of the table: each variant's step time and speedup over the first ('!': its peak memory
+    is above the device's; 'no SI (fold none)' for a variant that was not simulated), the peaks, the paper's figure."""
     base = times[0]
-    cells = "  ".join(f"{t:8.3f} s {base / t:5.2f}x{'!' if m > MEMORY_GB else ' '}" for t, m in zip(times, memory))
-    peaks = "/".join(f"{m:.0f}" for m in memory)
+    cells = "  ".join(f"{'no SI (fold none)':>18}" if t is None else
+                      f"{t:8.3f} s {base / t:5.2f}x{'!' if m > MEMORY_GB else ' '}" for t, m in zip(times, memory))
+    peaks = "/".join("-" if m is None else f"{m:.0f}" for m in memory)
     return f"{label:47} {cells}   {peaks:>11}   {paper}"
 
 
@@ -152,19 +186,17 @@ def dp16_rows(size: str) -> None:
                                  ("ZeRO-1, gather after step", "")):
                 zero1 = program(size, zero=1, train=train, **kw)
                 sims = (simulate(unfolded_1f1b(zero0)), simulate(unfolded_1f1b(zero1)), _si(zero0), _si(zero1))
-                print(row(f"DP16, 2 nodes, b={batch} ({label})", [s.step_time for s in sims],
-                          [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
+                print(row(f"DP16, 2 nodes, b={batch} ({label})", *figures(sims), PAPER["single"]))
             # The paper's ZeRO-1 baseline (Megatron's distributed optimizer of 2023): the
             # gradients reduce-scattered after the backward, the weights gathered after the step.
             late = program(size, zero=1, train="grad_reduce = step", **kw)
             zero1 = program(size, zero=1, train="param_gather = forward", **kw)
             sims = (simulate(unfolded_1f1b(late)), simulate(unfolded_1f1b(zero1)), _si(late), _si(zero1))
-            print(row(f"DP16, 2 nodes, b={batch} (vs ZeRO-1 without overlap)", [s.step_time for s in sims],
-                      [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
+            print(row(f"DP16, 2 nodes, b={batch} (vs ZeRO-1 without overlap)", *figures(sims), PAPER["single"]))
             launched = program(size, zero=1, train="param_gather = forward  launch = auto", **kw, **INTERLEAVED)
             sims = (simulate(unfolded_1f1b(zero0)), simulate(launched), _si(zero0), simulate(launched))
             print(row(f"DP16, 2 nodes, b={batch} (+ launch {launched.launch}, interl.)",
-                      [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["single"]))
+                      *figures(sims), PAPER["single"]))
         except DhelixError as exc:
             print(f"{'DP16, 2 nodes, b=' + str(batch):47} not run: {first_message(exc)}")
 
@@ -182,12 +214,12 @@ def hybrid_rows(size: str) -> None:
                            train="param_gather = forward  launch = auto", **kw, **INTERLEAVED)
         sims = (simulate(unfolded_1f1b(plain)), simulate(launched), _si(plain), simulate(launched))
         print(row(f"TP4+PP3+DP4, 6 nodes, m=6 (+ launch {launched.launch}, interl.)",
-                  [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["hybrid"]))
+                  *figures(sims), PAPER["hybrid"]))
         # Megatron's baseline of 2023: the gradients reduced after the pipeline.
         late = program(size, train="grad_reduce = step", **kw)
         sims = (simulate(unfolded_1f1b(late)), simulate(launched), _si(late), simulate(launched))
         print(row(f"TP4+PP3+DP4, m=6 (+ launch {launched.launch}) vs no overlap",
-                  [s.step_time for s in sims], [s.peak_rank.memory / 1e9 for s in sims], PAPER["hybrid"]))
+                  *figures(sims), PAPER["hybrid"]))
     except DhelixError as exc:
         print(f"{'TP4+PP3+DP4, 6 nodes, m=6':47} not run: {first_message(exc)}")
 
@@ -212,7 +244,7 @@ def main(argv=None) -> int:
     given = sys.argv[1:] if argv is None else argv
     print(f"$ .venv/bin/python benchmarks/centauri_table4.py{''.join(' ' + a for a in given)}")
     print(f"machine: {platform.platform()}, Python {platform.python_version()} (predictions: the figures do not "
-          f"depend on it)")
+          f"depend on it); date: {datetime.date.today()}")
     print("profile a100 (Centauri's Cluster A), bf16, seq 2048; step time and speedup over the baseline")
     print(f"peak GB: the four variants' predicted peak memory per GPU; '!': above the A100's {MEMORY_GB} GB")
     head = "  ".join(f"{name:>18}" for name in ("baseline", "Centauri only", "SI only", "Centauri + SI"))

@@ -30,10 +30,17 @@ def test_group_weights_predicts_faster_fsdp_across_two_nodes_bounded_by_the_volu
     assert 1.3 < speedup < 15 / 16 / (1 / 2), times
 
 
-def test_a_layer_count_that_does_not_fold_is_reported_not_raised(capsys):
+def test_medium_runs_with_fold_none_and_a_layer_count_that_does_not_interleave_is_reported(capsys):
+    # Medium's 15 layers do not fold into a U on one pipeline rank: 1F1B without folding, no SI
+    # columns; nor into loop(2): those rows say so instead of raising.
+    prog = bench.program("Medium", mesh="dp = 16", nodes=2, batch=1, microbatches=4, zero=3)
+    assert (prog.fold.kind, prog.pipeline.name) == ("none", "one_f_one_b")
     assert bench.main(["--sizes", "Medium"]) == 0
     out = capsys.readouterr().out
-    assert "not run: 15 layers do not split" in out and "DP6+FSDP8 (HSDP), 6 nodes, b=1" in out
+    fsdp = next(line for line in out.splitlines() if line.startswith("FSDP16, 2 nodes, b=1 "))
+    assert fsdp.count("no SI (fold none)") == 2 and "not run" not in fsdp
+    assert "not run: 15 layers do not split into 2 stages (2 per rank) for fold loop(2)" in out
+    assert "DP6+FSDP8 (HSDP), 6 nodes, b=1" in out
 
 
 def test_the_fsdp_plus_dp_rows_shard_inside_the_node_and_replicate_across():
