@@ -91,14 +91,16 @@ def make_choices(program: Program, step: Callable[[Program], float] | None = Non
     return program, choices + launch + backward
 
 
-#: How many of the counts a layer prices best the whole step then decides among.
+#: How many of the counts a layer prices best the whole step then decides among (the chain
+#: whole, count :data:`WHOLE`, always among them).
 STEP_CANDIDATES = 3
+WHOLE = 1
 
 
 def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Program], float] | None = None,
                           rerun: Callable[[Program], Program] | None = None) -> tuple[Program, tuple]:
     """``program`` with each ``by auto`` count chosen among the :data:`STEP_CANDIDATES` that
-    price the layer best, by simulating the whole step with each (a count that wins the layer
+    price the layer best and the chain whole, by simulating the whole step with each (a count that wins the layer
     can lose the step: SI pairs the chunks with the other strand, the pipeline carries them),
     one statement after the other; ties to the layer's choice. ``choices`` are those of
     :func:`~dhelix.dsl.planner.chunking.choose_all`; returned with the chunk choices updated.
@@ -119,6 +121,8 @@ def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Prog
         index = autos.pop(0)
         priced = sorted((c for c in choice.candidates if c.seconds is not None), key=lambda c: c.seconds)
         values = [choice.chosen] + [c.value for c in priced if c.value != choice.chosen][:STEP_CANDIDATES - 1]
+        if WHOLE not in values and any(c.value == WHOLE for c in priced):
+            values.append(WHOLE)  # Algorithm 1 leaves a collective whole where chunks do not pay
         steps = []
         for value in values:
             tried = attrs.evolve(program, chunk_counts=tuple(sorted({**counts, index: value}.items())))
