@@ -30,8 +30,11 @@ from dhelix.dsl.simulator.launch import priced_program
 CLUSTERS = {"A": ("a100", "25 Gb/s per GPU across nodes"),
             "B": ("centauri_cluster_b.yaml", "100 Gb/s per GPU across nodes")}
 
-ONE_F_ONE_B = "fold = none, pipeline = one_f_one_b"
+#: 1F1B without folding: the schedule of every baseline without pipeline parallelism.
+ONE_F_ONE_B = dict(fold="none", pipeline="one_f_one_b")
 INTERLEAVED = "fold = loop(2), pipeline = interleaved_1f1b"
+#: Table 2's substitution of the HSDP replicas' all-reduce (ZeRO-1/2 across the replicas).
+SUBSTITUTED = "substitute weights as reduce_scatter + all_gather"
 
 #: The paper's baselines (sec. 5, "Baseline"; Fig. 6a for OOO) and the dhelix settings that realise them.
 BASELINES = {
@@ -48,7 +51,7 @@ BASELINES = {
               "reduce-scattered per micro-batch; no partition block",
     "HSDP": "zero = 3, shard = K: ZeRO-3 in groups of K, the pieces' gradients all-reduced across the "
             "replicas under the backward",
-    "ZeRO-1+2+3": "zero = 3, shard = K, partition { substitute weights as reduce_scatter + all_gather }: "
+    "ZeRO-1+2+3": f"zero = 3, shard = K, partition {{ {SUBSTITUTED} }}: "
                   "ZeRO-3 in the shard group, ZeRO-1/2 across the replicas, overlapped directly",
     "Megatron-LM": f"zero = 1, grad_reduce = backward, param_gather = forward, {INTERLEAVED} with g = p: "
                    "Megatron's --overlap-grad-reduce and --overlap-param-gather (its TP/SP collectives "
@@ -85,7 +88,7 @@ def pipeline_for(size: str, pp: int, interleaved: bool) -> dict:
     """Interleaved 1F1B on two model chunks per rank where the layers split so, else 1F1B."""
     if interleaved and SIZES[size][2] % (2 * pp) == 0:
         return dict(fold="loop(2)", pipeline="interleaved_1f1b")
-    return dict(fold="none", pipeline="one_f_one_b")
+    return ONE_F_ONE_B
 
 
 #: Width of a table's label column and of each figure's.
@@ -138,8 +141,7 @@ def emit(label: str, variants: dict, size: str, profile: str, paper: str) -> Non
 def fsdp16(size: str, profile: str) -> None:
     """Fig. 8: FSDP 16 on 2 nodes, 4 micro-batches of 1, 2 and 4 sequences per device."""
     for batch in (1, 2, 4):
-        base = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4, zero=3, fold="none",
-                    pipeline="one_f_one_b")
+        base = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4, zero=3, **ONE_F_ONE_B)
         variants = {"ZeRO-3": base, "OOO": dict(base, partition="backward dgrad first"),
                     "Centauri": dict(base, partition="\n".join(["group weights", *WEIGHT_CHUNKS]))}
         emit(f"{size:6} {batch}  FSDP16", variants, size, profile, "over 1.4x at larger b and model; " + PAPER_SINGLE)
@@ -148,7 +150,7 @@ def fsdp16(size: str, profile: str) -> None:
 def dp16(size: str, profile: str) -> None:
     """Fig. 9: DP 16 on 2 nodes, 4 micro-batches of 1, 2 and 4 sequences per device."""
     for batch in (1, 2, 4):
-        base = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4, fold="none", pipeline="one_f_one_b")
+        base = dict(mesh="dp = 16", nodes=2, batch=batch, microbatches=4, **ONE_F_ONE_B)
         centauri = dict(base, zero=1, train="param_gather = forward  launch = auto  launch_backward = auto",
                         **pipeline_for(size, 1, interleaved=True))
         if centauri["fold"] == "none":  # no launch count without interleaving
@@ -164,12 +166,11 @@ def hsdp(size: str, profile: str) -> None:
     """Fig. 10: FSDP + DP on 6 nodes (48 GPUs), DP3+FSDP16, DP6+FSDP8, DP12+FSDP4, micro-batch 1."""
     for shard in (16, 8, 4):
         base = dict(mesh="dp = 48", nodes=6, batch=1, microbatches=4, zero=3, train=f"shard = {shard}",
-                    fold="none", pipeline="one_f_one_b")
-        substituted = "substitute weights as reduce_scatter + all_gather"
+                    **ONE_F_ONE_B)
         chunks = "\n".join((["group weights"] if shard > 8 else []) + WEIGHT_CHUNKS)
-        variants = {"HSDP": base, "ZeRO-1+2+3": dict(base, partition=substituted),
-                    "OOO": dict(base, partition="backward dgrad first"),
-                    "Centauri": dict(base, partition=chunks), "C. subst.": dict(base, partition=chunks + "\n" + substituted)}
+        variants = {"HSDP": base, "ZeRO-1+2+3": dict(base, partition=SUBSTITUTED),
+                    "OOO": dict(base, partition="backward dgrad first"), "Centauri": dict(base, partition=chunks),
+                    "C. subst.": dict(base, partition=chunks + "\n" + SUBSTITUTED)}
         emit_best_of(f"{size:6} 1  DP{48 // shard}+FSDP{shard}", variants, size, profile, PAPER_HYBRID)
 
 
@@ -232,16 +233,15 @@ def scaling(profile: str, shard: int | None, paper: str) -> None:
         if shard and gpus <= shard:
             continue
         base = dict(mesh=f"dp = {gpus}", nodes=gpus // 8, batch=SCALE_BATCH, microbatches=4, zero=3,
-                    train=f"shard = {shard}" if shard else "", fold="none", pipeline="one_f_one_b")
+                    train=f"shard = {shard}" if shard else "", **ONE_F_ONE_B)
         chunks = "\n".join(["group weights", *WEIGHT_CHUNKS])
         label, row = f"{SCALE_SIZE:6} {SCALE_BATCH}  {gpus} GPUs", paper if gpus == SCALE_GPUS[-1] else ""
         if not shard:
             emit(label, {"ZeRO-3": base, "Centauri": dict(base, partition=chunks)}, SCALE_SIZE, profile, row)
             continue
-        substituted = "substitute weights as reduce_scatter + all_gather"
-        emit_best_of(label, {"HSDP": base, "ZeRO-1+2+3": dict(base, partition=substituted),
+        emit_best_of(label, {"HSDP": base, "ZeRO-1+2+3": dict(base, partition=SUBSTITUTED),
                              "Centauri": dict(base, partition=chunks),
-                             "C. subst.": dict(base, partition=chunks + "\n" + substituted)}, SCALE_SIZE, profile, row)
+                             "C. subst.": dict(base, partition=chunks + "\n" + SUBSTITUTED)}, SCALE_SIZE, profile, row)
 
 
 #: Figs. 13-14: the paper's words per cluster (its text gives a number for Cluster B's FSDP only).
