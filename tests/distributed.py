@@ -4,6 +4,7 @@ op, and comparing with the single-process reference."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import socket
 import time
@@ -28,12 +29,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _forked_rank(rank: int, environment: dict, fn, *args) -> None:
+    """A rank forked from the forkserver: this test's environment (not the one of when the
+    server started), then ``fn(rank, *args)``."""
+    os.environ.clear()
+    os.environ.update(environment)
+    fn(rank, *args)
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 60.0) -> None:
-    """Spawn ``world`` processes running ``fn(rank, world, port, *args)``; fail the test
-    (after killing them) if they have not finished within ``timeout`` seconds."""
+    """Start ``world`` processes running ``fn(rank, world, port, *args)``; fail the test
+    (after killing them) if they have not finished within ``timeout`` seconds. The ranks are
+    forked from the forkserver `dhelix run` uses (:func:`spawn.rank_context`: torch imported
+    once for the session, not once per rank), spawned where there is none."""
+    from dhelix.interpreter.launch.spawn import rank_context
+
     port = free_port()
-    context = mp.start_processes(fn, args=(world, port, *args), nprocs=world, join=False,
-                                 start_method="spawn")
+    method = rank_context().get_start_method()
+    context = mp.start_processes(_forked_rank, args=(dict(os.environ), fn, world, port, *args), nprocs=world,
+                                 join=False, start_method=method)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -116,12 +116,12 @@ def test_verify_refuses_what_is_not_a_checkpoint(tmp_path, capsys):
 
 
 def test_a_save_slower_than_the_timeout_completes_every_rank_writing_its_shards(tmp_path):
-    # Rank 0 takes 12 s to start writing; the collectives time out after 6 s, which the save
+    # Rank 0 takes 9 s to start writing; the collectives time out after 6 s, which the save
     # does not wait under: the run finishes and the save is intact, each rank's shard in it.
     program = write_program(tmp_path, "dp2")
     saves = tmp_path / "ck"
     result = dhelix("run", program, "--steps", "2", "--save", str(saves), "--timeout", "6",
-                    "--export-weights", str(tmp_path / "w.pt"), env={SLOW_SAVE_ENV: "12"})
+                    "--export-weights", str(tmp_path / "w.pt"), env={SLOW_SAVE_ENV: "9"})
     assert result.returncode == 0, result.stderr
     assert (saves / "latest").read_text() == "step-000002\n"
     assert sorted(p.name for p in (saves / "step-000002").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

@@ -40,9 +40,17 @@ def dhelix(*args: str, env: dict | None = None, timeout: float = 90) -> subproce
                           env=full_env, timeout=timeout, cwd=ROOT)
 
 
-def test_run_prints_the_summary_and_writes_a_trace(tmp_path):
-    trace = tmp_path / "trace.json"
-    result = dhelix("run", EXAMPLE, "--steps", "2", "--trace", str(trace))
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """One 2-step run of the example with a trace and metrics: (the process, trace, metrics),
+    read by the summary and trace test and, as the plain run, by the recomputation tests."""
+    folder = tmp_path_factory.mktemp("example_run")
+    trace, metrics = folder / "trace.json", folder / "metrics.json"
+    return dhelix("run", EXAMPLE, "--steps", "2", "--trace", str(trace), "--metrics", str(metrics)), trace, metrics
+
+
+def test_run_prints_the_summary_and_writes_a_trace(example_run):
+    result, trace, _ = example_run
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "w_helix, tp 2 × pp 2 on 4 gloo rank(s), SI on" in out
@@ -201,19 +209,26 @@ def test_the_run_trace_is_the_simulators_format(tmp_path):
     assert trace["otherData"]["schedule"] == "w_helix" and trace["otherData"]["backend"] == "gloo"
 
 
-def _peak_activations(tmp_path, **programs) -> dict[str, tuple[float, float]]:
-    """Per named program: (measured, predicted) peak activation bytes of a 2-step run."""
-    peaks = {}
+def _peaks(metrics: Path) -> tuple[float, float]:
+    data = json.loads(metrics.read_text())
+    return data["peak_activations_bytes"], data["predicted"]["peak_activations_bytes"]
+
+
+def _peak_activations(tmp_path, example_run, **programs) -> dict[str, tuple[float, float]]:
+    """Per named program: (measured, predicted) peak activation bytes of a 2-step run; "plain"
+    is the example's (the ``example_run`` fixture's)."""
+    result, _, metrics = example_run
+    assert result.returncode == 0, result.stderr
+    peaks = {"plain": _peaks(metrics)}
     for name, path in programs.items():
         metrics = tmp_path / f"{name}.json"
         result = dhelix("run", str(path), "--steps", "2", "--metrics", str(metrics))
         assert result.returncode == 0, result.stderr
-        data = json.loads(metrics.read_text())
-        peaks[name] = (data["peak_activations_bytes"], data["predicted"]["peak_activations_bytes"])
+        peaks[name] = _peaks(metrics)
     return peaks
 
 
-def test_full_recomputation_runs_exactly_and_keeps_fewer_activations(tmp_path):
+def test_full_recomputation_runs_exactly_and_keeps_fewer_activations(tmp_path, example_run):
     program = tmp_path / "recompute.dhx"
     text = tiny_example_text()  # a copy elsewhere
     program.write_text(text.replace("  seed = 1234", "  seed = 1234\n  recompute = full"))
@@ -223,19 +238,19 @@ def test_full_recomputation_runs_exactly_and_keeps_fewer_activations(tmp_path):
     lines = checked.stdout.splitlines()
     assert lines[1].startswith("step 1: loss") and lines[2].startswith("step 2: loss")
     assert lines[-1].startswith("check: passed: 2 step(s) match the single-process reference")
-    peaks = _peak_activations(tmp_path, recompute=program, plain=Path(EXAMPLE))
+    peaks = _peak_activations(tmp_path, example_run, recompute=program)
     assert peaks["recompute"][0] < 0.5 * peaks["plain"][0]  # measured
     assert peaks["recompute"][1] < 0.5 * peaks["plain"][1]  # simulated
 
 
-def test_selective_recomputation_runs_exactly_and_drops_what_the_model_says(tmp_path):
+def test_selective_recomputation_runs_exactly_and_drops_what_the_model_says(tmp_path, example_run):
     # The tiny example's layer (sequence parallel) drops the SwiGLU output between its forward
     # and its backward; the run's measured peak and the simulator's fall by the same bytes.
     program = tmp_path / "selective.dhx"
     program.write_text(tiny_example_text().replace("  seed = 1234", "  seed = 1234\n  recompute = selective"))
     checked = dhelix("run", str(program), "--steps", "2", "--check")
     assert checked.returncode == 0, checked.stderr
-    peaks = _peak_activations(tmp_path, selective=program, plain=Path(EXAMPLE))
+    peaks = _peak_activations(tmp_path, example_run, selective=program)
     measured, simulated = (peaks["plain"][i] - peaks["selective"][i] for i in (0, 1))
     assert measured > 0 and simulated > 0
     assert measured == pytest.approx(simulated, rel=0.25)

@@ -200,16 +200,46 @@ def _log(path: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r}
 
 
-def test_a_resumed_run_continues_the_uninterrupted_one_on_any_layout(tmp_path, capsys):
-    programs = {layout: write_program(tmp_path, layout) for layout in ("tp2_pp2", "one", "dp2")}
-    whole = tmp_path / "whole.jsonl"
-    assert dhelix("run", programs["one"], "--steps", "4", "--log", str(whole)).returncode == 0
-    # Saved every 2 steps on tp 2 x pp 2, then rank 0 dies before step 3: the save of step 2 survives.
-    saves = tmp_path / "ck"
-    died = dhelix("run", programs["tp2_pp2"], "--steps", "4", "--save", str(saves), "--save-every", "2",
+def _died_after_a_save(program: str, saves: Path) -> None:
+    """Run ``program`` for 4 steps saving every 2, rank 0 dying before step 3: the save of
+    step 2 survives."""
+    died = dhelix("run", program, "--steps", "4", "--save", str(saves), "--save-every", "2",
                   env={FAULT_ENV: "0:2:0"})
     assert died.returncode == 1 and (saves / "latest").read_text().strip() == "step-000002"
-    expected = _log(whole)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, dict]:
+    """The log of 4 uninterrupted steps on one rank, by step: what every resumed run continues."""
+    folder = tmp_path_factory.mktemp("whole")
+    whole = folder / "whole.jsonl"
+    assert dhelix("run", write_program(folder, "one"), "--steps", "4", "--log", str(whole)).returncode == 0
+    return _log(whole)
+
+
+@pytest.fixture(scope="module")
+def saved_on_tp2_pp2(tmp_path_factory) -> Path:
+    """A checkpoint folder saved at step 2 on tp 2 x pp 2 by a run whose rank 0 then died.
+    Tests that damage it take a copy (:func:`_copy`)."""
+    folder = tmp_path_factory.mktemp("tp2_pp2_saves")
+    saves = folder / "ck"
+    _died_after_a_save(write_program(folder, "tp2_pp2"), saves)
+    return saves
+
+
+def _copy(saves: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(saves, to)
+    return to
+
+
+def test_a_resumed_run_continues_the_uninterrupted_one_on_any_layout(tmp_path, capsys, uninterrupted,
+                                                                      saved_on_tp2_pp2):
+    programs = {layout: write_program(tmp_path, layout) for layout in ("tp2_pp2", "one", "dp2")}
+    # Saved every 2 steps on tp 2 x pp 2, then rank 0 died before step 3: the save of step 2 survived.
+    saves = _copy(saved_on_tp2_pp2, tmp_path / "ck")
+    expected = uninterrupted
     for layout, extra in (("tp2_pp2", ()), ("one", ()), ("dp2", ("--export-weights", str(tmp_path / "w.pt")))):
         log = tmp_path / f"{layout}.jsonl"
         result = dhelix("run", programs[layout], "--steps", "4", "--resume", str(saves), "--log", str(log), *extra)
@@ -243,10 +273,11 @@ def _check_refusals(tmp_path: Path, saves: Path, capsys) -> None:
     assert "was trained with 16 sequences a step, this run has 8" in capsys.readouterr().err
     for data in (saves / "step-000002").glob("*.distcp"):
         data.write_bytes(data.read_bytes()[:100])
-    broken = dhelix("run", str(tmp_path / "one.dhx"), "--steps", "4", "--resume", str(saves))
-    assert broken.returncode == 1
-    assert f"the checkpoint '{saves / 'step-000002'}' is damaged: its file '__0_0.distcp' has 100 bytes" in broken.stderr
-    assert "Traceback" not in broken.stderr
+    # Found before any rank starts: the command reports it (in this process).
+    assert main(["run", str(tmp_path / "one.dhx"), "--steps", "4", "--resume", str(saves)]) == 1
+    err = capsys.readouterr().err
+    assert f"the checkpoint '{saves / 'step-000002'}' is damaged: its file '__0_0.distcp' has 100 bytes" in err
+    assert "Traceback" not in err
 
 
 def _check_export(path: Path, program_path: str):
@@ -261,22 +292,22 @@ def _check_export(path: Path, program_path: str):
 
 # --- bad checkpoints (no rank starts) ---------------------------------------------------------
 
-def test_a_zero_3_run_with_weight_chunks_resumes_on_another_layout_and_back(tmp_path):
+def test_a_zero_3_run_with_weight_chunks_resumes_on_another_layout_and_back(tmp_path, uninterrupted,
+                                                                           saved_on_tp2_pp2):
     # The ZeRO-3 pieces of a gemm chunked along its outputs are cut per block of columns; a
     # checkpoint holds the full weights, so either layout resumes the other's save.
     chunked = tmp_path / "chunked.dhx"
     chunked.write_text(program_text("dp2").replace("seed = 1234", "seed = 1234\n  zero = 3")
                        + "\npartition {\n  chunk qkv along outputs by 2\n  chunk fc2 along outputs by 4\n}\n")
     plain = write_program(tmp_path, "one")
-    whole = tmp_path / "whole.jsonl"
-    assert dhelix("run", plain, "--steps", "4", "--log", str(whole)).returncode == 0
-    expected = _log(whole)
-    for saved_by, resumed_by in ((str(chunked), plain), (plain, str(chunked))):
-        saves, log = tmp_path / f"ck-{Path(saved_by).stem}", tmp_path / f"from-{Path(saved_by).stem}.jsonl"
-        # As in the test above: saved at step 2 of 4, then rank 0 dies before step 3.
-        died = dhelix("run", saved_by, "--steps", "4", "--save", str(saves), "--save-every", "2",
-                      env={FAULT_ENV: "0:2:0"})
-        assert died.returncode == 1 and (saves / "latest").read_text().strip() == "step-000002"
+    expected = uninterrupted
+    # The other layout's save: tp 2 x pp 2's (the fixture's, as in the test above); the chunked
+    # run's own save, resumed on one rank.
+    own = tmp_path / "ck-chunked"
+    _died_after_a_save(str(chunked), own)
+    for saves, resumed_by in ((own, plain), (saved_on_tp2_pp2, str(chunked))):
+        log = tmp_path / f"from-{saves.name}.jsonl"
+        saved_by = saves.name
         result = dhelix("run", resumed_by, "--steps", "4", "--resume", str(saves), "--log", str(log))
         assert result.returncode == 0, result.stderr
         resumed = _log(log)

@@ -21,6 +21,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import NoReturn
 
 from dhelix import __version__
 from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
@@ -116,6 +117,23 @@ def main(argv: list[str] | None = None) -> int:
         _end_progress_line()
         print(f"dhelix: stopped by {stopped.name}; stopped every rank", file=sys.stderr)
         return 128 + stopped.value
+
+
+def leave(code: int) -> NoReturn:
+    """End this process with ``code`` (``python -m dhelix``). A rank of a torchrun world
+    (``RANK`` and ``WORLD_SIZE`` set, torch.distributed loaded) leaves without the interpreter's
+    clean-up, as a local rank does (interpreter/launch/spawn.py): torch's C++ destructors at exit
+    sometimes abort ("terminate called without an active exception", SIGABRT) on a thread still
+    running, and torchrun takes the finished rank for a failed one: its node's agent stops the
+    node, and the other node's agent waits out torchrun's exit barrier (300 s) for it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "torch.distributed" in sys.modules:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more can be said
+                pass
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def _launcher_signal(exc: Exception):

@@ -144,8 +144,26 @@ def cmd_run(args) -> int:
         return _run(args, started)
     except DhelixError as exc:
         if _reported_elsewhere(exc, bool(started)):
+            _await_the_reporter(exc)
             return 2 if isinstance(exc, UsageError) else 1  # the reporter's exit code
         raise
+
+
+#: How long a torchrun rank whose error its node's reporter prints waits to be stopped.
+REPORTER_GRACE_S = 10.0
+
+
+def _await_the_reporter(exc: DhelixError) -> None:
+    """Under torchrun the first rank of a node to fail makes the node's agent stop the others
+    (SIGTERM): a rank that left its error to a reporter on its node (:func:`_reported_elsewhere`)
+    waits up to :data:`REPORTER_GRACE_S` for that, so that the reporter is never stopped before
+    it has printed the error. The reporter of an error every rank meets alike is global rank 0
+    (node 0): the other nodes' ranks leave at once."""
+    if getattr(exc, "reported_by_rank_0", False) and os.environ.get("GROUP_RANK", "0") != "0":
+        return
+    import time
+
+    time.sleep(REPORTER_GRACE_S)
 
 
 def _reported_elsewhere(exc: DhelixError, started: bool) -> bool:
