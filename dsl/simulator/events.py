@@ -39,6 +39,8 @@ the bubble ratio ``1 - Σ busy / (p · pipeline make-span)``.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Callable
 
 import attrs
@@ -370,27 +372,54 @@ class _Lane:
     so in-order bookings never have to look for gaps)."""
 
     def __init__(self) -> None:
+        #: The busy intervals (begin, end), sorted once :meth:`fit` needs them so.
         self.busy: list[tuple[float, float]] = []
         self.fifo = 0.0
+        #: The ends of ``busy`` in its order while it is sorted and its intervals do not
+        #: overlap (then the ends are sorted too); None otherwise.
+        self._ends: list[float] | None = None
 
     def in_order(self, ready: float, seconds: float) -> float:
         """Book ``seconds`` after ``ready`` and after the previous in-order booking; the start."""
         start = max(ready, self.fifo)
         self.fifo = start + seconds
         self.busy.append((start, self.fifo))
+        self._ends = None
         return start
 
     def fit(self, ready: float, seconds: float) -> float:
         """Book ``seconds`` in the first idle gap at or after ``ready``; the start."""
+        if self._ends is None:
+            self._sort()
+        busy, ends = self.busy, self._ends
+        # The intervals that end by ``ready`` leave it as it is: skipped at once where the
+        # ends are sorted (a gradient bucket per layer and micro-batch books thousands).
+        first = bisect.bisect_right(ends, ready) if ends is not None else 0
         start = ready
-        for begin, end in sorted(self.busy):
+        for begin, end in itertools.islice(busy, first, None):
             if end <= start:
                 continue
             if begin >= start + seconds:
                 break
             start = max(start, end)
-        self.busy.append((start, start + seconds))
+        booked = (start, start + seconds)
+        at = bisect.bisect_right(busy, booked)
+        busy.insert(at, booked)
+        if ends is not None:
+            # A booking in a gap keeps the intervals apart (and the ends sorted).
+            if (at and busy[at - 1][1] > booked[0]) or (at + 1 < len(busy) and busy[at + 1][0] < booked[1]):
+                self._ends = None
+            else:
+                ends.insert(at, booked[1])
         return start
+
+    def _sort(self) -> None:
+        """Sort ``busy``; keep its ends when no two intervals overlap."""
+        self.busy.sort()
+        busy = self.busy
+        apart = all(begin <= end for begin, end in busy) and all(
+            busy[i][1] <= busy[i + 1][0] for i in range(len(busy) - 1))
+        self._ends = [end for _, end in busy] if apart else None
 
 
 @attrs.define
