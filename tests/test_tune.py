@@ -92,6 +92,56 @@ def test_memory_cap_refuses_what_does_not_fit(tmp_path):
     assert outcome.top == () and outcome.too_big > 0
 
 
+def test_the_peak_computed_without_a_simulation_is_the_simulated_one(tiny):
+    # What the search holds to the device memory before simulating (peak_memory) is, to the
+    # last bit, the peak of every rank the simulation reports: with and without SI blocks,
+    # recomputation, ZeRO stages, and generated partitions after the planner's choices.
+    from dhelix.dsl.search.tune import _memory_costs
+    from dhelix.dsl.simulator.events import has_si, peak_memory
+
+    pricer, space = tiny
+    kinds = set()
+    for choice in list(space.choices())[::9]:
+        result = pricer.price(choice)
+        if not isinstance(result, Priced):
+            continue
+        program = pricer.checked(choice)
+        if program.partition is not None:
+            program = pricer.chosen(program, choice.layout)
+        si = has_si(program)
+        peaks = peak_memory(program, _memory_costs(program, pricer.cost, si))
+        assert peaks == tuple(r.memory for r in result.sim.ranks), choice.describe()
+        kinds.add((si, choice.layout.recompute, choice.layout.zero))
+    assert len(kinds) > 12
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_search_equals_exhaustive_where_the_memory_cap_binds(seed):
+    # A device just too small for the fastest choice: it and every choice over the device
+    # are settled by their peak alone in the search, by a whole simulation in the
+    # exhaustive pricing.
+    pricer, full = _pricer()
+    rng = random.Random(100 + seed)
+    smaller = []
+    while not smaller:  # a space where some choice needs less memory than the fastest
+        space = attrs.evolve(full, tp=_sub(rng, full.tp), micro_batch=_sub(rng, full.micro_batch),
+                             recompute=_sub(rng, full.recompute), schedules=_sub(rng, full.schedules), cp=(1,),
+                             partition=_sub(rng, full.partition))
+        peaks = {p.choice: max(r.memory for r in p.sim.ranks) for p in map(pricer.price, space.choices())
+                 if isinstance(p, Priced)}
+        if peaks:
+            fastest = peaks[exhaustive(pricer, space, top=1)[0].choice]
+            smaller = [peak for peak in peaks.values() if peak < fastest]
+    pricer.memory_gb = max(smaller) / 1e9
+    top = rng.choice((1, 3, 5))
+    expected = exhaustive(pricer, space, top=top)
+    found = search(pricer, space, top=top)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    assert found.too_big > 0 and found.fit > 0
+    assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
+
+
 def test_cli_writes_a_program_that_checks(tmp_path):
     out = tmp_path / "t.dhx"
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "-o", str(out), "--top", "2"],

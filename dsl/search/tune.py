@@ -34,7 +34,7 @@ from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, for_schedule, gen
 from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.search.variant import apply_choice
 from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, layer_costs, si_backward, step_costs
-from dhelix.dsl.simulator.events import Simulation, has_si, simulate
+from dhelix.dsl.simulator.events import Simulation, has_si, peak_memory, simulate
 from dhelix.dsl.simulator.launch import make_choices
 from dhelix.dsl.simulator.memory import GB
 
@@ -63,6 +63,15 @@ class Refused:
 
 
 @attrs.frozen
+class TooBig:
+    """A choice whose peak memory (bytes on its busiest GPU, computed without simulating its
+    step) exceeds the device's."""
+
+    choice: Choice
+    memory: float
+
+
+@attrs.frozen
 class Pruned:
     """A choice whose lower bound (seconds) showed it cannot enter the top."""
 
@@ -74,7 +83,8 @@ class Pruned:
 class Outcome:
     """What a search found: the best ``top`` choices that fit, fastest first, and counts of
     what it looked at: choices simulated, and each choice once among those that fit, were
-    refused, ruled out by a bound or over the device memory (by its bound or simulated).
+    refused, ruled out by a bound or over the device memory (by its bound, its peak computed
+    without a simulation, or simulated).
     ``same`` counts the choices that are others again (a generated partition with nothing
     to partition). ``complete`` is False when the time budget ran out first (then ``bound`` is the least
     lower bound among the layouts not visited, None when some were not even bounded)."""
@@ -271,13 +281,17 @@ class Pricer:
                 self._bounds[layout] = first_message(exc)
         return self._bounds[layout]
 
-    def price(self, choice: Choice, cutoff: float | None = None) -> Priced | Refused | Pruned:
+    def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False
+              ) -> Priced | Refused | Pruned | TooBig:
         """``choice`` checked, given the planner's choices, simulated and held to the memory.
 
-        A schedule with SI blocks whose layer pair is not planned yet is first simulated with
-        each layer pair at its lower bound (:func:`relaxed_costs`): its memory is the real
-        one (a rank's allocations follow its actions' order, not their durations), so one
-        that does not fit is returned as such without planning; and with a ``cutoff``
+        With ``memory_first`` (the search), a choice's peak memory is computed first, without
+        timing its step (:func:`~dhelix.dsl.simulator.events.peak_memory`: the peak the
+        simulation would report), and one over the device memory is returned as TooBig,
+        unsimulated. A schedule with SI blocks whose layer pair is not planned yet is first
+        simulated with each layer pair at its lower bound (:func:`relaxed_costs`): its memory
+        is the real one (a rank's allocations follow its actions' order, not their durations),
+        so one that does not fit is returned as such without planning; and with a ``cutoff``
         (seconds), when even that step exceeds the cutoff the choice is Pruned."""
         try:
             program = self.checked(choice)
@@ -291,15 +305,18 @@ class Pricer:
                     if relaxed.step_time > cutoff:
                         return Pruned(choice, relaxed.step_time)
                 program = self.chosen(program, choice.layout)
-            if has_si(program) and not self.plans.has(program):
+            si = has_si(program)
+            if memory_first and self.memory_gb is not None:
+                peak = max(peak_memory(program, _memory_costs(program, self.cost, si)))
+                if peak > self.memory_gb * GB:
+                    return TooBig(choice, peak)
+            if si and not self.plans.has(program) and (cutoff is not None or not memory_first):
                 relaxed = simulate(program, costs=relaxed_costs(program, self.cost), label=choice.describe(), trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
                 if cutoff is not None and relaxed.step_time > cutoff:
                     return Pruned(choice, relaxed.step_time)
-            plan = None
-            if has_si(program):
-                plan = self.plans.plan(program)
+            plan = self.plans.plan(program) if si else None
             sim = simulate(program, plan, cost=self.cost, label=choice.describe(), trace=False)
         except DhelixError as exc:
             return Refused(choice, first_message(exc))
@@ -307,6 +324,13 @@ class Pricer:
 
     def _fits(self, sim: Simulation) -> bool:
         return self.memory_gb is None or max(r.memory for r in sim.ranks) <= self.memory_gb * GB
+
+
+def _memory_costs(program: Program, cost: PairCost, si: bool) -> StepCosts:
+    """Step costs whose pieces allocate and free what the simulation of ``program`` books:
+    any SI layer pair priced (the pair's price changes the times, not the memory)."""
+    costs = step_costs(program, None, cost)
+    return attrs.evolve(costs, layer=attrs.evolve(costs.layer, pair=NOTHING)) if si else costs
 
 
 #: The Program fields the planner's layer-level choices set (chunking.choose_all).
@@ -415,8 +439,11 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
             if ruled == "bigger":
                 tally.too_big += 1
                 continue
-            result = pricer.price(choice, cutoff)
-            if isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
+            result = pricer.price(choice, cutoff, memory_first=True)
+            if isinstance(result, TooBig):
+                tally.too_big += 1
+                dominance.saw(result)
+            elif isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
                 tally.same += 1
             elif isinstance(result, Refused):
                 tally.refuse(result.why)
@@ -449,10 +476,13 @@ class _Dominance:
         self._fits: dict[Choice, float] = {}
         self._too_big: set[Choice] = set()
 
-    def saw(self, result: Priced) -> None:
+    def saw(self, result: Priced | TooBig) -> None:
         """Remember what ``result`` settles."""
         choice = result.choice
-        if result.fits and choice.layout.recompute == "none":
+        if isinstance(result, TooBig):
+            if choice.layout.zero == 1:
+                self._too_big.add(choice)
+        elif result.fits and choice.layout.recompute == "none":
             self._fits[choice] = result.seconds
         elif not result.fits and choice.layout.zero == 1:
             self._too_big.add(choice)

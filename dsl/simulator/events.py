@@ -647,12 +647,32 @@ class _Run:
                     self.events.append(TraceEvent(rank, group.lane, "all_gather weights", begin, seconds,
                                                   {"kind": "DP", "bytes": size, "group": group.size}))
                     end, dp_comm = begin + seconds, dp_comm + seconds
-        states = model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
-                              expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
-                              fsdp_group=costs.shard_group.size if costs.shard_group else 0)
+        states = self.states(rank)
         exposed = min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)) + self.gather_exposed[rank]
         return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,
                        dp_exposed=exposed)
+
+    def states(self, rank: int) -> ModelStates:
+        """The model states ``rank`` holds (its parameters, gradients and optimizer states)."""
+        costs = self.costs
+        dense, expert = self._local_params(rank)
+        layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
+        return model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
+                            expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
+                            fsdp_group=costs.shard_group.size if costs.shard_group else 0)
+
+    def book_memory(self) -> None:
+        """Book every rank's activation changes in its actions' order without timing them:
+        the peak (not its time) is what :meth:`run` books, since a rank's allocations and
+        frees follow its actions' order whatever their durations."""
+        for rank, row in enumerate(self.lowered.actions):
+            change = self.memory[rank].change
+            for action in row:
+                if isinstance(action, Transfer):
+                    continue
+                for piece in self.expander.pieces(*self._stages(rank, action)):
+                    change(0.0, piece.alloc)
+                    change(0.0, -piece.free)
 
     def _reductions(self, rank: int) -> list:
         """((stage, slot), (ready, dense, expert)) of each gradient reduction of ``rank``, by
@@ -730,6 +750,18 @@ def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
 
 
 # ---------------------------------------------------------------- the entry points
+
+def peak_memory(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool = False) -> tuple[float, ...]:
+    """Each pipeline rank's peak memory (model states and the peak of live activations, in
+    bytes) exactly as :func:`simulate` with ``costs`` reports it (``RankStats.memory``), without
+    timing the step: what a search needs to rule out a choice over the device memory. The SI
+    blocks' pieces follow ``costs`` as in the simulation (``layer.pair`` set: layer pairs)."""
+    require_profile(program)
+    zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
+    run = _Run(program, costs, si, zero1, trace=False)
+    run.book_memory()
+    return tuple(run.states(rank).total + run.memory[rank].peak()[0] for rank in range(program.lowered.ranks))
+
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
              cost: PairCost | None = None, costs: StepCosts | None = None, label: str = "",
