@@ -34,7 +34,7 @@ from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, for_schedule, gen
 from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.search.variant import apply_choice
 from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, layer_costs, si_backward, step_costs
-from dhelix.dsl.simulator.events import Simulation, has_si, peak_memory, simulate
+from dhelix.dsl.simulator.events import Simulation, has_si, simulate, untimed
 from dhelix.dsl.simulator.launch import make_choices
 from dhelix.dsl.simulator.memory import GB
 
@@ -285,10 +285,10 @@ class Pricer:
               ) -> Priced | Refused | Pruned | TooBig:
         """``choice`` checked, given the planner's choices, simulated and held to the memory.
 
-        With ``memory_first`` (the search), a choice's peak memory is computed first, without
-        timing its step (:func:`~dhelix.dsl.simulator.events.peak_memory`: the peak the
-        simulation would report), and one over the device memory is returned as TooBig,
-        unsimulated. A schedule with SI blocks whose layer pair is not planned yet is first
+        With ``memory_first`` (the search), a choice's peak memory and a floor of its step are
+        computed first, without timing its step (:func:`~dhelix.dsl.simulator.events.untimed`:
+        the peak the simulation would report), and one over the device memory is returned as
+        TooBig, one whose floor exceeds the ``cutoff`` as Pruned, both unsimulated. A schedule with SI blocks whose layer pair is not planned yet is first
         simulated with each layer pair at its lower bound (:func:`relaxed_costs`): its memory
         is the real one (a rank's allocations follow its actions' order, not their durations),
         so one that does not fit is returned as such without planning; and with a ``cutoff``
@@ -306,18 +306,27 @@ class Pricer:
                         return Pruned(choice, relaxed.step_time)
                 program = self.chosen(program, choice.layout)
             si = has_si(program)
-            if memory_first and self.memory_gb is not None:
-                peak = max(peak_memory(program, _memory_costs(program, self.cost, si)))
-                if peak > self.memory_gb * GB:
-                    return TooBig(choice, peak)
-            if si and not self.plans.has(program) and (cutoff is not None or not memory_first):
+            planned = not si or self.plans.has(program)
+            costs = None
+            if memory_first:
+                # Untimed: the exact peak, and a floor of the step (the SI pairs at their
+                # lane bound until the layer pair is planned).
+                plan = self.plans.plan(program) if si and planned else None
+                costs = step_costs(program, plan, self.cost) if planned else relaxed_costs(program, self.cost)
+                seen = untimed(program, costs)
+                if self.memory_gb is not None and max(seen.memory) > self.memory_gb * GB:
+                    return TooBig(choice, max(seen.memory))
+                if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
+                    return Pruned(choice, seen.floor)
+            if not planned and (cutoff is not None or not memory_first):
                 relaxed = simulate(program, costs=relaxed_costs(program, self.cost), label=choice.describe(), trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
                 if cutoff is not None and relaxed.step_time > cutoff:
                     return Pruned(choice, relaxed.step_time)
             plan = self.plans.plan(program) if si else None
-            sim = simulate(program, plan, cost=self.cost, label=choice.describe(), trace=False)
+            sim = simulate(program, plan, cost=self.cost, costs=costs if planned else None,
+                           label=choice.describe(), trace=False)
         except DhelixError as exc:
             return Refused(choice, first_message(exc))
         return Priced(choice, sim, self._fits(sim))
@@ -326,11 +335,10 @@ class Pricer:
         return self.memory_gb is None or max(r.memory for r in sim.ranks) <= self.memory_gb * GB
 
 
-def _memory_costs(program: Program, cost: PairCost, si: bool) -> StepCosts:
-    """Step costs whose pieces allocate and free what the simulation of ``program`` books:
-    any SI layer pair priced (the pair's price changes the times, not the memory)."""
-    costs = step_costs(program, None, cost)
-    return attrs.evolve(costs, layer=attrs.evolve(costs.layer, pair=NOTHING)) if si else costs
+#: The relative margin by which an untimed floor must exceed the K-th best step to rule a
+#: choice out: far above the rounding of summing its work in another order, and above the
+#: 12 digits :func:`_rank` calls a tie.
+FLOOR_MARGIN = 1e-9
 
 
 #: The Program fields the planner's layer-level choices set (chunking.choose_all).

@@ -39,8 +39,6 @@ the bubble ratio ``1 - Σ busy / (p · pipeline make-span)``.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from typing import Callable
 
 import attrs
@@ -58,6 +56,7 @@ from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
 from dhelix.dsl.simulator.costs import StepCosts, Work, cost_of, si_backward, step_costs
+from dhelix.dsl.simulator.lane import Lane
 from dhelix.dsl.simulator.pairtrace import pair_events
 from dhelix.dsl.core.timeline import CounterSample, TraceEvent
 from dhelix.dsl.passes.validate import dry_run, transfer_key
@@ -366,62 +365,6 @@ class _Expander:
                 + self._embed_b(bstage))
 
 
-class _Lane:
-    """One communication lane of one rank: busy intervals, pipeline traffic in program order
-    and gradient buckets fitted into the gaps (they are booked after all pipeline traffic,
-    so in-order bookings never have to look for gaps)."""
-
-    def __init__(self) -> None:
-        #: The busy intervals (begin, end), sorted once :meth:`fit` needs them so.
-        self.busy: list[tuple[float, float]] = []
-        self.fifo = 0.0
-        #: The ends of ``busy`` in its order while it is sorted and its intervals do not
-        #: overlap (then the ends are sorted too); None otherwise.
-        self._ends: list[float] | None = None
-
-    def in_order(self, ready: float, seconds: float) -> float:
-        """Book ``seconds`` after ``ready`` and after the previous in-order booking; the start."""
-        start = max(ready, self.fifo)
-        self.fifo = start + seconds
-        self.busy.append((start, self.fifo))
-        self._ends = None
-        return start
-
-    def fit(self, ready: float, seconds: float) -> float:
-        """Book ``seconds`` in the first idle gap at or after ``ready``; the start."""
-        if self._ends is None:
-            self._sort()
-        busy, ends = self.busy, self._ends
-        # The intervals that end by ``ready`` leave it as it is: skipped at once where the
-        # ends are sorted (a gradient bucket per layer and micro-batch books thousands).
-        first = bisect.bisect_right(ends, ready) if ends is not None else 0
-        start = ready
-        for begin, end in itertools.islice(busy, first, None):
-            if end <= start:
-                continue
-            if begin >= start + seconds:
-                break
-            start = max(start, end)
-        booked = (start, start + seconds)
-        at = bisect.bisect_right(busy, booked)
-        busy.insert(at, booked)
-        if ends is not None:
-            # A booking in a gap keeps the intervals apart (and the ends sorted).
-            if (at and busy[at - 1][1] > booked[0]) or (at + 1 < len(busy) and busy[at + 1][0] < booked[1]):
-                self._ends = None
-            else:
-                ends.insert(at, booked[1])
-        return start
-
-    def _sort(self) -> None:
-        """Sort ``busy``; keep its ends when no two intervals overlap."""
-        self.busy.sort()
-        busy = self.busy
-        apart = all(begin <= end for begin, end in busy) and all(
-            busy[i][1] <= busy[i + 1][0] for i in range(len(busy) - 1))
-        self._ends = [end for _, end in busy] if apart else None
-
-
 @attrs.define
 class _Tally:
     """What one rank has added up so far in the step (seconds, bytes)."""
@@ -461,7 +404,7 @@ class _Run:
         p = self.lowered.ranks
         self.expander = _Expander(program, costs, si)
         self.free_at = [0.0] * p  # when each compute lane is next free
-        self.lanes = [{"local": _Lane(), "cross": _Lane()} for _ in range(p)]
+        self.lanes = [{"local": Lane(), "cross": Lane()} for _ in range(p)]
         self.last_end = [0.0] * p  # end of the rank's latest compute action
         self.pending: list[list] = [[] for _ in range(p)]  # transfers the next action waits for
         self.arrivals: dict = {}  # transfer key -> (arrival, produced)
@@ -628,29 +571,64 @@ class _Run:
                 ready_after, dp_comm = start + seconds, dp_comm + seconds
                 self.events.append(TraceEvent(rank, group.lane, f"{collective} {names(stage, slot)}", start, seconds,
                                               {"kind": "DP", "bytes": size, "group": group.size}))
-        dense, expert = self._local_params(rank)
-        layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
-        shard_dense = dense / costs.dense_group.size if self.zero1 else dense
-        shard_expert = expert / costs.expert_group.size if self.zero1 else expert
-        optimizer = optimizer_time(shard_dense + shard_expert, costs.dtype, profile)
+        shard, optimizer = self._optimizer(rank)
         start = max(self.free_at[rank], ready_after)
         self.events.append(TraceEvent(rank, "compute", "optimizer", start, optimizer,
-                                      {"kind": "optimizer", "params": shard_dense + shard_expert}))
+                                      {"kind": "optimizer", "params": shard}))
         end = start + optimizer
-        if self.zero1 and not self.overlap_gather:
-            pieces = ((layer_dense / costs.shard_group.size, costs.replicate_group),) if self.replicas_sliced else ()
-            for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group), *pieces):
-                if elements and group.size > 1:
-                    size = elements * costs.grad_bytes
-                    seconds = collective_time("all_gather", size, group.size, group.lane, profile, group.per_node)
-                    begin = self.lanes[rank][group.lane].fit(end, seconds)
-                    self.events.append(TraceEvent(rank, group.lane, "all_gather weights", begin, seconds,
-                                                  {"kind": "DP", "bytes": size, "group": group.size}))
-                    end, dp_comm = begin + seconds, dp_comm + seconds
+        for size, seconds, group in self._weight_gathers(rank):
+            begin = self.lanes[rank][group.lane].fit(end, seconds)
+            self.events.append(TraceEvent(rank, group.lane, "all_gather weights", begin, seconds,
+                                          {"kind": "DP", "bytes": size, "group": group.size}))
+            end, dp_comm = begin + seconds, dp_comm + seconds
         states = self.states(rank)
         exposed = min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)) + self.gather_exposed[rank]
         return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,
                        dp_exposed=exposed)
+
+    def _optimizer(self, rank: int) -> tuple[float, float]:
+        """(parameters, seconds) of ``rank``'s optimizer step (a shard of its parameters
+        under ZeRO-1)."""
+        costs = self.costs
+        dense, expert = self._local_params(rank)
+        shard_dense = dense / costs.dense_group.size if self.zero1 else dense
+        shard_expert = expert / costs.expert_group.size if self.zero1 else expert
+        return shard_dense + shard_expert, optimizer_time(shard_dense + shard_expert, costs.dtype,
+                                                          self.program.profile)
+
+    def _weight_gathers(self, rank: int) -> list[tuple[float, float, object]]:
+        """(bytes, seconds, group) of each all-gather of ``rank``'s updated weights after its
+        optimizer, in order (ZeRO-1 with param_gather = step; none otherwise)."""
+        if not self.zero1 or self.overlap_gather:
+            return []
+        costs, profile = self.costs, self.program.profile
+        dense, expert = self._local_params(rank)
+        layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
+        pieces = ((layer_dense / costs.shard_group.size, costs.replicate_group),) if self.replicas_sliced else ()
+        gathers = []
+        for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group), *pieces):
+            if elements and group.size > 1:
+                size = elements * costs.grad_bytes
+                gathers.append((size, collective_time("all_gather", size, group.size, group.lane, profile,
+                                                      group.per_node), group))
+        return gathers
+
+    def floor(self, rank: int, work: float) -> float:
+        """A lower bound of ``rank``'s end (:meth:`finish`) when its actions compute for
+        ``work`` seconds: its last action ends no earlier; the embedding's gradients sync
+        after it, then the optimizer runs, then (ZeRO-1, param_gather = step) the weights
+        are gathered, each after the one before."""
+        costs, group = self.costs, self.costs.dense_group
+        end = work
+        if costs.params.embedding and group.size > 1 and self._holds_stage(rank, 0):
+            size = costs.params.embedding * costs.grad_bytes
+            end += collective_time("reduce_scatter" if self.zero1 else "all_reduce", size, group.size, group.lane,
+                                   self.program.profile, group.per_node)
+        end += self._optimizer(rank)[1]
+        return end + sum(seconds for _, seconds, _ in self._weight_gathers(rank))
+
+    def _holds_stage(self, rank: int, index: int) -> bool:
+        return any(self.lowered.stage_of(rank, chunk) == index for chunk in range(self.lowered.chunks))
 
     def states(self, rank: int) -> ModelStates:
         """The model states ``rank`` holds (its parameters, gradients and optimizer states)."""
@@ -661,18 +639,29 @@ class _Run:
                             expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
                             fsdp_group=costs.shard_group.size if costs.shard_group else 0)
 
-    def book_memory(self) -> None:
-        """Book every rank's activation changes in its actions' order without timing them:
-        the peak (not its time) is what :meth:`run` books, since a rank's allocations and
-        frees follow its actions' order whatever their durations."""
+    def book_untimed(self) -> list[float]:
+        """Book every rank's activation changes in its actions' order without timing them
+        (the peak, not its time, is what :meth:`run` books: a rank's allocations and frees
+        follow its actions' order whatever their durations); each rank's compute seconds."""
+        changes: dict[tuple, tuple] = {}
+        works: dict[tuple, float] = {}
+        busy = []
         for rank, row in enumerate(self.lowered.actions):
-            change = self.memory[rank].change
+            steps, work = self.memory[rank].steps, 0.0
             for action in row:
                 if isinstance(action, Transfer):
                     continue
-                for piece in self.expander.pieces(*self._stages(rank, action)):
-                    change(0.0, piece.alloc)
-                    change(0.0, -piece.free)
+                key = self._stages(rank, action)
+                if key not in changes:
+                    pieces = self.expander.pieces(*key)
+                    # What MemoryTimeline.change books of each piece, in order (no zero steps).
+                    deltas = (d for piece in pieces for d in (piece.alloc, -piece.free))
+                    changes[key] = tuple((0.0, d) for d in deltas if d)
+                    works[key] = sum(piece.work.seconds for piece in pieces)
+                steps.extend(changes[key])
+                work += works[key]
+            busy.append(work)
+        return busy
 
     def _reductions(self, rank: int) -> list:
         """((stage, slot), (ready, dense, expert)) of each gradient reduction of ``rank``, by
@@ -751,16 +740,29 @@ def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
 
 # ---------------------------------------------------------------- the entry points
 
-def peak_memory(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool = False) -> tuple[float, ...]:
-    """Each pipeline rank's peak memory (model states and the peak of live activations, in
-    bytes) exactly as :func:`simulate` with ``costs`` reports it (``RankStats.memory``), without
-    timing the step: what a search needs to rule out a choice over the device memory. The SI
-    blocks' pieces follow ``costs`` as in the simulation (``layer.pair`` set: layer pairs)."""
+@attrs.frozen
+class Untimed:
+    """What :func:`untimed` tells of a step without simulating it: each pipeline rank's peak
+    memory (bytes), exactly as :func:`simulate` reports it (``RankStats.memory``), and a lower
+    bound of its step time (seconds; the simulation's step is never shorter, up to rounding)."""
+
+    memory: tuple[float, ...]
+    floor: float
+
+
+def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool = False) -> Untimed:
+    """The :class:`Untimed` figures of ``program`` priced by ``costs`` (as :func:`simulate`
+    with ``costs``): what a search needs to rule out a choice over the device memory, or
+    slower than its best, before simulating it. The peak follows the actions' order (the SI
+    blocks' pieces as ``costs`` has them: ``layer.pair`` set, layer pairs); the bound is the
+    slowest rank's compute work, then what must follow its last action (:meth:`_Run.floor`)."""
     require_profile(program)
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
     run = _Run(program, costs, si, zero1, trace=False)
-    run.book_memory()
-    return tuple(run.states(rank).total + run.memory[rank].peak()[0] for rank in range(program.lowered.ranks))
+    busy = run.book_untimed()
+    ranks = range(program.lowered.ranks)
+    return Untimed(tuple(run.states(rank).total + run.memory[rank].peak()[0] for rank in ranks),
+                   max(run.floor(rank, busy[rank]) for rank in ranks))
 
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
