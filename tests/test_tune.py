@@ -92,7 +92,8 @@ def test_memory_cap_refuses_what_does_not_fit(tmp_path):
     assert outcome.top == () and outcome.too_big > 0
 
 
-def test_the_untimed_peak_is_the_simulated_one_and_its_floor_a_bound(tiny):
+@pytest.mark.parametrize("whole", [True, False])
+def test_the_untimed_peak_is_the_simulated_one_and_its_floor_a_bound(tiny, whole, monkeypatch):
     # What the search holds to the device memory before simulating (untimed) is, to the
     # last bit, the peak of every rank the simulation reports, and its floor never exceeds
     # the simulated step: with and without SI blocks (their pairs planned, or at their lane
@@ -102,6 +103,12 @@ def test_the_untimed_peak_is_the_simulated_one_and_its_floor_a_bound(tiny):
     from dhelix.dsl.simulator.costs import step_costs
     from dhelix.dsl.simulator.events import has_si, untimed
 
+    from dhelix.dsl.simulator import events
+
+    if not whole:  # every change added step by step, as if some were not whole bytes
+        made = events._Changes.of
+        monkeypatch.setattr(events._Changes, "of", classmethod(lambda cls, pieces: attrs.evolve(
+            made(pieces), whole=False)))
     pricer, space = tiny
     kinds = set()
     for choice in list(space.choices())[::9]:

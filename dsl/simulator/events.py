@@ -534,11 +534,7 @@ class _Run:
             self.events.append(TraceEvent(rank, "compute", str(action), start, now - start, args))
 
     def _stages(self, rank: int, action):
-        stage = self.lowered.stage_of
-        if isinstance(action, Interleaved):
-            return "SI", stage(rank, action.fwd.chunk), stage(rank, action.bwd.chunk)
-        index = stage(rank, action.chunk)
-        return action.kind, index, index
+        return self.lowered.stages_run(rank, action)
 
     # ------------------------------------------------------------ after the pipeline
 
@@ -639,29 +635,30 @@ class _Run:
                             expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
                             fsdp_group=costs.shard_group.size if costs.shard_group else 0)
 
-    def book_untimed(self) -> list[float]:
-        """Book every rank's activation changes in its actions' order without timing them
-        (the peak, not its time, is what :meth:`run` books: a rank's allocations and frees
-        follow its actions' order whatever their durations); each rank's compute seconds."""
-        changes: dict[tuple, tuple] = {}
-        works: dict[tuple, float] = {}
-        busy = []
-        for rank, row in enumerate(self.lowered.actions):
-            steps, work = self.memory[rank].steps, 0.0
-            for action in row:
-                if isinstance(action, Transfer):
+    def untimed(self) -> list[tuple[float, float]]:
+        """(compute seconds, peak of live activations) of every rank, without timing its
+        actions: the peak is what :meth:`run` books (MemoryTimeline.peak's value), since a
+        rank's allocations and frees follow its actions' order whatever their durations."""
+        known: dict[tuple, _Changes] = {}
+        out = []
+        for row in self.lowered.computations:
+            work = live = best = 0.0
+            for key in row:
+                changes = known.get(key)
+                if changes is None:
+                    changes = known[key] = _Changes.of(self.expander.pieces(*key))
+                work += changes.work
+                if changes.whole and live == int(live) and live < 2.0 ** 52:
+                    # Whole bytes add exactly in any order, so the running peak is the max.
+                    best = max(best, live + changes.rise)
+                    live += changes.net
                     continue
-                key = self._stages(rank, action)
-                if key not in changes:
-                    pieces = self.expander.pieces(*key)
-                    # What MemoryTimeline.change books of each piece, in order (no zero steps).
-                    deltas = (d for piece in pieces for d in (piece.alloc, -piece.free))
-                    changes[key] = tuple((0.0, d) for d in deltas if d)
-                    works[key] = sum(piece.work.seconds for piece in pieces)
-                steps.extend(changes[key])
-                work += works[key]
-            busy.append(work)
-        return busy
+                for delta in changes.deltas:  # MemoryTimeline.peak's rule, step by step
+                    live += delta
+                    if live > best + 1e-6:
+                        best = live
+            out.append((work, best))
+        return out
 
     def _reductions(self, rank: int) -> list:
         """((stage, slot), (ready, dense, expert)) of each gradient reduction of ``rank``, by
@@ -741,6 +738,29 @@ def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
 # ---------------------------------------------------------------- the entry points
 
 @attrs.frozen
+class _Changes:
+    """What the pieces of one action do, untimed: their compute seconds, the nonzero changes
+    of live bytes in order (what MemoryTimeline.change books), their sum and the highest
+    running sum; ``whole`` when every change is a whole number of bytes (below 2**52)."""
+
+    work: float
+    deltas: tuple[float, ...]
+    net: float
+    rise: float
+    whole: bool
+
+    @classmethod
+    def of(cls, pieces: tuple[Piece, ...]) -> "_Changes":
+        deltas = tuple(d for piece in pieces for d in (piece.alloc, -piece.free) if d)
+        running = rise = 0.0
+        for delta in deltas:
+            running += delta
+            rise = max(rise, running)
+        whole = all(d == int(d) and abs(d) < 2.0 ** 52 for d in deltas)
+        return cls(sum(piece.work.seconds for piece in pieces), deltas, running, rise, whole)
+
+
+@attrs.frozen
 class Untimed:
     """What :func:`untimed` tells of a step without simulating it: each pipeline rank's peak
     memory (bytes), exactly as :func:`simulate` reports it (``RankStats.memory``), and a lower
@@ -759,10 +779,10 @@ def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool 
     require_profile(program)
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
     run = _Run(program, costs, si, zero1, trace=False)
-    busy = run.book_untimed()
+    figures = run.untimed()
     ranks = range(program.lowered.ranks)
-    return Untimed(tuple(run.states(rank).total + run.memory[rank].peak()[0] for rank in ranks),
-                   max(run.floor(rank, busy[rank]) for rank in ranks))
+    return Untimed(tuple(run.states(rank).total + figures[rank][1] for rank in ranks),
+                   max(run.floor(rank, figures[rank][0]) for rank in ranks))
 
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
