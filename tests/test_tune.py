@@ -55,6 +55,37 @@ def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
     assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_search_that_defers_planning_equals_exhaustive(seed):
+    # A fresh pricer, so no SI layer pair is planned before the search: choices that need
+    # one wait with their relaxed step as bound and are planned best first.
+    from dhelix.dsl.search.tune import Deferred
+
+    rng = random.Random(200 + seed)
+    deferred: list = []
+    while not deferred:  # a space where some choice waits for its plan
+        pricer, full = _pricer()
+        space = attrs.evolve(full, tp=_sub(rng, full.tp), zero=_sub(rng, full.zero),
+                             recompute=_sub(rng, full.recompute), cp=(1,), micro_batch=(1,),
+                             partition=_sub(rng, full.partition),
+                             schedules=tuple(s for s in full.schedules if s[1] in ("w_helix", "dualpipe_v")))
+        price = pricer.price
+
+        def counted(*args, price=price, **kwargs):
+            result = price(*args, **kwargs)
+            deferred.extend([result] if isinstance(result, Deferred) else [])
+            return result
+
+        pricer.price = counted
+        top = rng.choice((1, 3, 5))
+        found = search(pricer, space, top=top)
+    expected = exhaustive(pricer, space, top=top)
+    assert deferred
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
+
+
 def test_the_bound_never_exceeds_a_priced_step(tiny):
     pricer, space = tiny
     schedule = next(s for s in space.schedules if s[0] == "none")

@@ -15,6 +15,8 @@ strands block and the profile only, so it is computed once per distinct pair
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from typing import Callable
 
@@ -60,6 +62,15 @@ class Refused:
 
     choice: Choice | Layout
     why: str
+
+
+@attrs.frozen
+class Deferred:
+    """A choice whose SI layer pair is not planned yet, left to plan later (``defer``): its
+    step simulated with the pairs at their lane bound, a lower bound of its step (seconds)."""
+
+    choice: Choice
+    bound: float
 
 
 @attrs.frozen
@@ -281,14 +292,16 @@ class Pricer:
                 self._bounds[layout] = first_message(exc)
         return self._bounds[layout]
 
-    def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False
-              ) -> Priced | Refused | Pruned | TooBig:
+    def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False, defer: bool = False
+              ) -> Priced | Refused | Pruned | TooBig | Deferred:
         """``choice`` checked, given the planner's choices, simulated and held to the memory.
 
         With ``memory_first`` (the search), a choice's peak memory and a floor of its step are
         computed first, without timing its step (:func:`~dhelix.dsl.simulator.events.untimed`:
         the peak the simulation would report), and one over the device memory is returned as
-        TooBig, one whose floor exceeds the ``cutoff`` as Pruned, both unsimulated. A schedule with SI blocks whose layer pair is not planned yet is first
+        TooBig, one whose floor exceeds the ``cutoff`` as Pruned, both unsimulated. With
+        ``defer``, a choice that would need its SI layer pair planned first is returned as
+        Deferred, with its relaxed step. A schedule with SI blocks whose layer pair is not planned yet is first
         simulated with each layer pair at its lower bound (:func:`relaxed_costs`): its memory
         is the real one (a rank's allocations follow its actions' order, not their durations),
         so one that does not fit is returned as such without planning; and with a ``cutoff``
@@ -318,12 +331,14 @@ class Pricer:
                     return TooBig(choice, max(seen.memory))
                 if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
                     return Pruned(choice, seen.floor)
-            if not planned and (cutoff is not None or not memory_first):
+            if not planned and (cutoff is not None or not memory_first or defer):
                 relaxed = simulate(program, costs=relaxed_costs(program, self.cost), label=choice.describe(), trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
                 if cutoff is not None and relaxed.step_time > cutoff:
                     return Pruned(choice, relaxed.step_time)
+                if defer:
+                    return Deferred(choice, relaxed.step_time)
             plan = self.plans.plan(program) if si else None
             sim = simulate(program, plan, cost=self.cost, costs=costs if planned else None,
                            label=choice.describe(), trace=False)
@@ -428,15 +443,34 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
             deadline: float | None, progress) -> tuple[list[Priced], float | None]:
     """The ``top`` best choices of the ``bounded`` layouts, visited in order until the next
     bound exceeds the K-th best step; and the bound where ``deadline`` stopped the visit
-    (None: not stopped)."""
+    (None: not stopped).
+
+    A choice whose SI layer pair is not planned yet waits (:class:`Deferred`) with its relaxed
+    step as its bound, and is planned and simulated only when no layout or waiting choice
+    has a lower bound left (best first): most never are, once the K-th best is below it."""
     best: list[Priced] = []
     dominance = _Dominance()
+    waiting: list[tuple[float, int, Choice]] = []  # (bound, arrival, choice)
+    order = itertools.count()
+
+    def settle(limit: float) -> None:
+        # Price the waiting choices whose bound is at most ``limit``, lowest first.
+        nonlocal best
+        while waiting and waiting[0][0] <= limit:
+            bound, _, choice = heapq.heappop(waiting)
+            cutoff = best[top - 1].seconds if len(best) >= top else None
+            if cutoff is not None and bound > cutoff:
+                tally.pruned += 1
+                continue
+            best = _count(pricer.price(choice, cutoff, memory_first=True), tally, dominance, best, top)
+
     for visited, (seconds, layout) in enumerate(bounded):
+        settle(seconds)
         if len(best) >= top and seconds > best[top - 1].seconds:
             tally.pruned += (len(bounded) - visited) * len(space.schedules)
             break
         if deadline is not None and time.perf_counter() > deadline:
-            return best, seconds
+            return best, min([seconds] + [w[0] for w in waiting])
         for fold, pipeline in space.schedules:
             choice = Choice(layout, fold, pipeline)
             cutoff = best[top - 1].seconds if len(best) >= top else None
@@ -447,27 +481,37 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
             if ruled == "bigger":
                 tally.too_big += 1
                 continue
-            result = pricer.price(choice, cutoff, memory_first=True)
-            if isinstance(result, TooBig):
-                tally.too_big += 1
-                dominance.saw(result)
-            elif isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
-                tally.same += 1
-            elif isinstance(result, Refused):
-                tally.refuse(result.why)
-            elif isinstance(result, Pruned):
-                tally.pruned += 1
-            else:
-                tally.simulated += 1
-                dominance.saw(result)
-                if result.fits:
-                    tally.fit += 1
-                    best = _insert(best, result, top)
-                else:
-                    tally.too_big += 1
+            result = pricer.price(choice, cutoff, memory_first=True, defer=True)
+            if isinstance(result, Deferred):
+                heapq.heappush(waiting, (result.bound, next(order), choice))
+                continue
+            best = _count(result, tally, dominance, best, top)
         if progress:
             progress(visited + 1, len(bounded))
+    settle(float("inf"))
     return best, None
+
+
+def _count(result, tally: _Tally, dominance: "_Dominance", best: list[Priced], top: int) -> list[Priced]:
+    """Count ``result`` (of :meth:`Pricer.price`) in ``tally``; ``best`` with it in its place."""
+    if isinstance(result, TooBig):
+        tally.too_big += 1
+        dominance.saw(result)
+    elif isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
+        tally.same += 1
+    elif isinstance(result, Refused):
+        tally.refuse(result.why)
+    elif isinstance(result, Pruned):
+        tally.pruned += 1
+    else:
+        tally.simulated += 1
+        dominance.saw(result)
+        if result.fits:
+            tally.fit += 1
+            best = _insert(best, result, top)
+        else:
+            tally.too_big += 1
+    return best
 
 
 class _Dominance:
