@@ -5,7 +5,10 @@ given the planner's choices as `simulate` gives them (``by auto`` chunk counts, 
 ``launch = auto``), priced by the step simulator and capped by the profile's device memory.
 Layouts are visited in order of their lower bound (:mod:`bound`); once the K-th best step
 priced is no longer than the next layout's bound, no unvisited choice can enter the top K,
-and the search stops. The result equals an exhaustive pricing of every choice
+and the search stops. Inside a layout, each choice's peak memory and a floor of its step are
+computed before any simulation (:func:`~dhelix.dsl.simulator.events.untimed`), and a choice
+that needs its SI layer pair planned waits, bound by its relaxed step, until nothing with a
+lower bound is left. The result equals an exhaustive pricing of every choice
 (:func:`exhaustive`; a test holds the two to each other).
 
 Work is shared across choices: the SI plan of a layer pair depends on the two layer DAGs, the
