@@ -58,7 +58,7 @@ def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_a_search_that_defers_planning_equals_exhaustive(seed):
     # A fresh pricer, so no SI layer pair is planned before the search: choices that need
-    # one wait with their relaxed step as bound and are planned best first.
+    # one wait with their floor as bound and are planned best first.
     from dhelix.dsl.search.tune import Deferred
 
     rng = random.Random(200 + seed)

@@ -7,8 +7,8 @@ Layouts are visited in order of their lower bound (:mod:`bound`); once the K-th 
 priced is no longer than the next layout's bound, no unvisited choice can enter the top K,
 and the search stops. Inside a layout, each choice's peak memory and a floor of its step are
 computed before any simulation (:func:`~dhelix.dsl.simulator.events.untimed`), and a choice
-that needs its SI layer pair planned waits, bound by its relaxed step, until nothing with a
-lower bound is left. The result equals an exhaustive pricing of every choice
+that needs its SI layer pair planned waits, bound by its floor, until nothing with a lower
+bound is left (then a simulation with the pairs at their lower bound may still rule it out). The result equals an exhaustive pricing of every choice
 (:func:`exhaustive`; a test holds the two to each other).
 
 Work is shared across choices: the SI plan of a layer pair depends on the two layer DAGs, the
@@ -69,8 +69,8 @@ class Refused:
 
 @attrs.frozen
 class Deferred:
-    """A choice whose SI layer pair is not planned yet, left to plan later (``defer``): its
-    step simulated with the pairs at their lane bound, a lower bound of its step (seconds)."""
+    """A choice whose SI layer pair is not planned yet, left to plan later (``defer``), and
+    a lower bound of its step (seconds: its untimed floor, less the rounding margin)."""
 
     choice: Choice
     bound: float
@@ -303,8 +303,8 @@ class Pricer:
         computed first, without timing its step (:func:`~dhelix.dsl.simulator.events.untimed`:
         the peak the simulation would report), and one over the device memory is returned as
         TooBig, one whose floor exceeds the ``cutoff`` as Pruned, both unsimulated. With
-        ``defer``, a choice that would need its SI layer pair planned first is returned as
-        Deferred, with its relaxed step. A schedule with SI blocks whose layer pair is not planned yet is first
+        ``defer`` too, a choice that would need its SI layer pair planned first is returned
+        as Deferred, with its floor. A schedule with SI blocks whose layer pair is not planned yet is first
         simulated with each layer pair at its lower bound (:func:`relaxed_costs`): its memory
         is the real one (a rank's allocations follow its actions' order, not their durations),
         so one that does not fit is returned as such without planning; and with a ``cutoff``
@@ -334,14 +334,14 @@ class Pricer:
                     return TooBig(choice, max(seen.memory))
                 if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
                     return Pruned(choice, seen.floor)
-            if not planned and (cutoff is not None or not memory_first or defer):
+                if defer and not planned:
+                    return Deferred(choice, seen.floor * (1 - FLOOR_MARGIN))
+            if not planned and (cutoff is not None or not memory_first):
                 relaxed = simulate(program, costs=relaxed_costs(program, self.cost), label=choice.describe(), trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
                 if cutoff is not None and relaxed.step_time > cutoff:
                     return Pruned(choice, relaxed.step_time)
-                if defer:
-                    return Deferred(choice, relaxed.step_time)
             plan = self.plans.plan(program) if si else None
             sim = simulate(program, plan, cost=self.cost, costs=costs if planned else None,
                            label=choice.describe(), trace=False)
@@ -448,8 +448,8 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
     bound exceeds the K-th best step; and the bound where ``deadline`` stopped the visit
     (None: not stopped).
 
-    A choice whose SI layer pair is not planned yet waits (:class:`Deferred`) with its relaxed
-    step as its bound, and is planned and simulated only when no layout or waiting choice
+    A choice whose SI layer pair is not planned yet waits (:class:`Deferred`) with its floor
+    as its bound, and is planned and simulated only when no layout or waiting choice
     has a lower bound left (best first): most never are, once the K-th best is below it."""
     best: list[Priced] = []
     dominance = _Dominance()
