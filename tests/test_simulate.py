@@ -459,3 +459,49 @@ def test_compare_has_no_si_column_where_no_si_runs_and_removes_the_model_level_o
     assert labels[-1] == "without model-level overlap"
     flat = check_text(open(path).read().replace("fold u", "fold none").replace("w_helix", "one_f_one_b"), path)
     assert [sim.label for sim in compare(flat)] == ["as written", "without model-level overlap"]
+
+
+def _first_gap(busy: list[tuple[float, float]], ready: float, seconds: float) -> float:
+    """The first idle gap of ``seconds`` at or after ``ready``, by a plain scan of every interval."""
+    start = ready
+    for begin, end in sorted(busy):
+        if end <= start:
+            continue
+        if begin >= start + seconds:
+            break
+        start = max(start, end)
+    return start
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_lane_books_a_bucket_in_the_first_gap_a_plain_scan_finds(seed):
+    # The lane skips what ends before the bucket is ready by bisection, and runs of gaps too
+    # short by their block's largest: the same starts as scanning every interval. First as
+    # the simulator books (pipeline traffic, then buckets each ready after the last one's
+    # end), then in any order, with overlapping in-order traffic (param_gather = forward
+    # books before the sends) and zero-length bookings mixed in.
+    import random
+
+    from dhelix.dsl.simulator.lane import Lane
+
+    rng = random.Random(seed)
+    lane, busy = Lane(), []
+    for _ in range(300):
+        busy.append((lane.in_order(rng.uniform(0, 100), rng.choice((0.0, 0.01, rng.uniform(0, 0.5)))), 0.0))
+        busy[-1] = (busy[-1][0], lane.fifo)
+    ready = 0.0
+    for _ in range(300):
+        seconds = rng.choice((0.0, 0.05, 0.2, rng.uniform(0, 2)))
+        start = lane.fit(ready, seconds)
+        assert start == _first_gap(busy, ready, seconds)
+        busy.append((start, start + seconds))
+        ready = start + seconds + rng.choice((0.0, rng.uniform(0, 1)))
+    for _ in range(300):
+        ready, seconds = rng.choice((0.0, 1.0, rng.uniform(0, 150))), rng.choice((0.0, 0.5, rng.uniform(0, 3)))
+        if rng.random() < 0.3:
+            start = lane.in_order(ready, seconds)
+        else:
+            start = lane.fit(ready, seconds)
+            assert start == _first_gap(busy, ready, seconds)
+        busy.append((start, start + seconds))
+    assert sorted(lane.busy) == sorted(busy)

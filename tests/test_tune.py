@@ -55,6 +55,37 @@ def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
     assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_search_that_defers_planning_equals_exhaustive(seed):
+    # A fresh pricer, so no SI layer pair is planned before the search: choices that need
+    # one wait with their floor as bound and are planned best first.
+    from dhelix.dsl.search.tune import Deferred
+
+    rng = random.Random(200 + seed)
+    deferred: list = []
+    while not deferred:  # a space where some choice waits for its plan
+        pricer, full = _pricer()
+        space = attrs.evolve(full, tp=_sub(rng, full.tp), zero=_sub(rng, full.zero),
+                             recompute=_sub(rng, full.recompute), cp=(1,), micro_batch=(1,),
+                             partition=_sub(rng, full.partition),
+                             schedules=tuple(s for s in full.schedules if s[1] in ("w_helix", "dualpipe_v")))
+        price = pricer.price
+
+        def counted(*args, price=price, **kwargs):
+            result = price(*args, **kwargs)
+            deferred.extend([result] if isinstance(result, Deferred) else [])
+            return result
+
+        pricer.price = counted
+        top = rng.choice((1, 3, 5))
+        found = search(pricer, space, top=top)
+    expected = exhaustive(pricer, space, top=top)
+    assert deferred
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
+
+
 def test_the_bound_never_exceeds_a_priced_step(tiny):
     pricer, space = tiny
     schedule = next(s for s in space.schedules if s[0] == "none")
@@ -90,6 +121,69 @@ def test_memory_cap_refuses_what_does_not_fit(tmp_path):
     pricer, space = _pricer(path)
     outcome = search(pricer, space, top=1)
     assert outcome.top == () and outcome.too_big > 0
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_the_untimed_peak_is_the_simulated_one_and_its_floor_a_bound(tiny, whole, monkeypatch):
+    # What the search holds to the device memory before simulating (untimed) is, to the
+    # last bit, the peak of every rank the simulation reports, and its floor never exceeds
+    # the simulated step: with and without SI blocks (their pairs planned, or at their lane
+    # bound), recomputation, ZeRO stages, param_gather, and generated partitions after the
+    # planner's choices.
+    from dhelix.dsl.search.tune import relaxed_costs
+    from dhelix.dsl.simulator.costs import step_costs
+    from dhelix.dsl.simulator.events import has_si, untimed
+
+    from dhelix.dsl.simulator import events
+
+    if not whole:  # every change added step by step, as if some were not whole bytes
+        made = events._Changes.of
+        monkeypatch.setattr(events._Changes, "of", classmethod(lambda cls, pieces: attrs.evolve(
+            made(pieces), whole=False)))
+    pricer, space = tiny
+    kinds = set()
+    for choice in list(space.choices())[::9]:
+        result = pricer.price(choice)
+        if not isinstance(result, Priced):
+            continue
+        program = pricer.checked(choice)
+        if program.partition is not None:
+            program = pricer.chosen(program, choice.layout)
+        si = has_si(program)
+        priced = [step_costs(program, pricer.plans.plan(program) if si else None, pricer.cost)]
+        for costs in priced + ([relaxed_costs(program, pricer.cost)] if si else []):
+            seen = untimed(program, costs)
+            assert seen.memory == tuple(r.memory for r in result.sim.ranks), choice.describe()
+            assert seen.floor <= result.seconds * (1 + 1e-12), choice.describe()
+        kinds.add((si, choice.layout.recompute, choice.layout.zero, choice.layout.param_gather))
+    assert len(kinds) > 12
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_search_equals_exhaustive_where_the_memory_cap_binds(seed):
+    # A device just too small for the fastest choice: it and every choice over the device
+    # are settled by their peak alone in the search, by a whole simulation in the
+    # exhaustive pricing.
+    pricer, full = _pricer()
+    rng = random.Random(100 + seed)
+    smaller = []
+    while not smaller:  # a space where some choice needs less memory than the fastest
+        space = attrs.evolve(full, tp=_sub(rng, full.tp), micro_batch=_sub(rng, full.micro_batch),
+                             recompute=_sub(rng, full.recompute), schedules=_sub(rng, full.schedules), cp=(1,),
+                             partition=_sub(rng, full.partition))
+        peaks = {p.choice: max(r.memory for r in p.sim.ranks) for p in map(pricer.price, space.choices())
+                 if isinstance(p, Priced)}
+        if peaks:
+            fastest = peaks[exhaustive(pricer, space, top=1)[0].choice]
+            smaller = [peak for peak in peaks.values() if peak < fastest]
+    pricer.memory_gb = max(smaller) / 1e9
+    top = rng.choice((1, 3, 5))
+    expected = exhaustive(pricer, space, top=top)
+    found = search(pricer, space, top=top)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    assert found.too_big > 0 and found.fit > 0
+    assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
 
 
 def test_cli_writes_a_program_that_checks(tmp_path):

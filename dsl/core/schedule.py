@@ -112,6 +112,21 @@ class Lowered:
         """The stage index held by ``rank`` as ``chunk``, or None for a slot outside the placement."""
         return self._stage_index.get((rank, chunk))
 
+    def stages_run(self, rank: int, action: Action) -> tuple[str, int | None, int | None]:
+        """(kind, forward stage, backward stage) of a computation of ``rank``: ``SI`` with
+        its two stages for an SI block, else F, B or W with its stage twice."""
+        if isinstance(action, Interleaved):
+            return "SI", self.stage_of(rank, action.fwd.chunk), self.stage_of(rank, action.bwd.chunk)
+        index = self.stage_of(rank, action.chunk)
+        return action.kind, index, index
+
+    @functools.cached_property
+    def computations(self) -> tuple[tuple[tuple[str, int | None, int | None], ...], ...]:
+        """:meth:`stages_run` of each rank's computations (its transfers left out), in order.
+        Cached: a search prices one lowered schedule for many layouts."""
+        return tuple(tuple(self.stages_run(rank, a) for a in row if not isinstance(a, Transfer))
+                     for rank, row in enumerate(self.actions))
+
     @functools.cached_property
     def _stage_index(self) -> dict[tuple[int, int], int]:
         return {slot: index for index, slot in enumerate(self.stages)}

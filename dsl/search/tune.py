@@ -5,7 +5,10 @@ given the planner's choices as `simulate` gives them (``by auto`` chunk counts, 
 ``launch = auto``), priced by the step simulator and capped by the profile's device memory.
 Layouts are visited in order of their lower bound (:mod:`bound`); once the K-th best step
 priced is no longer than the next layout's bound, no unvisited choice can enter the top K,
-and the search stops. The result equals an exhaustive pricing of every choice
+and the search stops. Inside a layout, each choice's peak memory and a floor of its step are
+computed before any simulation (:func:`~dhelix.dsl.simulator.events.untimed`), and a choice
+that needs its SI layer pair planned waits, bound by its floor, until nothing with a lower
+bound is left (then a simulation with the pairs at their lower bound may still rule it out). The result equals an exhaustive pricing of every choice
 (:func:`exhaustive`; a test holds the two to each other).
 
 Work is shared across choices: the SI plan of a layer pair depends on the two layer DAGs, the
@@ -15,6 +18,8 @@ strands block and the profile only, so it is computed once per distinct pair
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from typing import Callable
 
@@ -34,7 +39,7 @@ from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, for_schedule, gen
 from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.search.variant import apply_choice
 from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, layer_costs, si_backward, step_costs
-from dhelix.dsl.simulator.events import Simulation, has_si, simulate
+from dhelix.dsl.simulator.events import Simulation, has_si, simulate, untimed
 from dhelix.dsl.simulator.launch import make_choices
 from dhelix.dsl.simulator.memory import GB
 
@@ -63,6 +68,24 @@ class Refused:
 
 
 @attrs.frozen
+class Deferred:
+    """A choice whose SI layer pair is not planned yet, left to plan later (``defer``), and
+    a lower bound of its step (seconds: its untimed floor, less the rounding margin)."""
+
+    choice: Choice
+    bound: float
+
+
+@attrs.frozen
+class TooBig:
+    """A choice whose peak memory (bytes on its busiest GPU, computed without simulating its
+    step) exceeds the device's."""
+
+    choice: Choice
+    memory: float
+
+
+@attrs.frozen
 class Pruned:
     """A choice whose lower bound (seconds) showed it cannot enter the top."""
 
@@ -74,7 +97,8 @@ class Pruned:
 class Outcome:
     """What a search found: the best ``top`` choices that fit, fastest first, and counts of
     what it looked at: choices simulated, and each choice once among those that fit, were
-    refused, ruled out by a bound or over the device memory (by its bound or simulated).
+    refused, ruled out by a bound or over the device memory (by its bound, its peak computed
+    without a simulation, or simulated).
     ``same`` counts the choices that are others again (a generated partition with nothing
     to partition). ``complete`` is False when the time budget ran out first (then ``bound`` is the least
     lower bound among the layouts not visited, None when some were not even bounded)."""
@@ -271,13 +295,19 @@ class Pricer:
                 self._bounds[layout] = first_message(exc)
         return self._bounds[layout]
 
-    def price(self, choice: Choice, cutoff: float | None = None) -> Priced | Refused | Pruned:
+    def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False, defer: bool = False
+              ) -> Priced | Refused | Pruned | TooBig | Deferred:
         """``choice`` checked, given the planner's choices, simulated and held to the memory.
 
-        A schedule with SI blocks whose layer pair is not planned yet is first simulated with
-        each layer pair at its lower bound (:func:`relaxed_costs`): its memory is the real
-        one (a rank's allocations follow its actions' order, not their durations), so one
-        that does not fit is returned as such without planning; and with a ``cutoff``
+        With ``memory_first`` (the search), a choice's peak memory and a floor of its step are
+        computed first, without timing its step (:func:`~dhelix.dsl.simulator.events.untimed`:
+        the peak the simulation would report), and one over the device memory is returned as
+        TooBig, one whose floor exceeds the ``cutoff`` as Pruned, both unsimulated. With
+        ``defer`` too, a choice that would need its SI layer pair planned first is returned
+        as Deferred, with its floor. A schedule with SI blocks whose layer pair is not planned yet is first
+        simulated with each layer pair at its lower bound (:func:`relaxed_costs`): its memory
+        is the real one (a rank's allocations follow its actions' order, not their durations),
+        so one that does not fit is returned as such without planning; and with a ``cutoff``
         (seconds), when even that step exceeds the cutoff the choice is Pruned."""
         try:
             program = self.checked(choice)
@@ -291,22 +321,42 @@ class Pricer:
                     if relaxed.step_time > cutoff:
                         return Pruned(choice, relaxed.step_time)
                 program = self.chosen(program, choice.layout)
-            if has_si(program) and not self.plans.has(program):
+            si = has_si(program)
+            planned = not si or self.plans.has(program)
+            costs = None
+            if memory_first:
+                # Untimed: the exact peak, and a floor of the step (the SI pairs at their
+                # lane bound until the layer pair is planned).
+                plan = self.plans.plan(program) if si and planned else None
+                costs = step_costs(program, plan, self.cost) if planned else relaxed_costs(program, self.cost)
+                seen = untimed(program, costs)
+                if self.memory_gb is not None and max(seen.memory) > self.memory_gb * GB:
+                    return TooBig(choice, max(seen.memory))
+                if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
+                    return Pruned(choice, seen.floor)
+                if defer and not planned:
+                    return Deferred(choice, seen.floor * (1 - FLOOR_MARGIN))
+            if not planned and (cutoff is not None or not memory_first):
                 relaxed = simulate(program, costs=relaxed_costs(program, self.cost), label=choice.describe(), trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
                 if cutoff is not None and relaxed.step_time > cutoff:
                     return Pruned(choice, relaxed.step_time)
-            plan = None
-            if has_si(program):
-                plan = self.plans.plan(program)
-            sim = simulate(program, plan, cost=self.cost, label=choice.describe(), trace=False)
+            plan = self.plans.plan(program) if si else None
+            sim = simulate(program, plan, cost=self.cost, costs=costs if planned else None,
+                           label=choice.describe(), trace=False)
         except DhelixError as exc:
             return Refused(choice, first_message(exc))
         return Priced(choice, sim, self._fits(sim))
 
     def _fits(self, sim: Simulation) -> bool:
         return self.memory_gb is None or max(r.memory for r in sim.ranks) <= self.memory_gb * GB
+
+
+#: The relative margin by which an untimed floor must exceed the K-th best step to rule a
+#: choice out: far above the rounding of summing its work in another order, and above the
+#: 12 digits :func:`_rank` calls a tie.
+FLOOR_MARGIN = 1e-9
 
 
 #: The Program fields the planner's layer-level choices set (chunking.choose_all).
@@ -396,15 +446,34 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
             deadline: float | None, progress) -> tuple[list[Priced], float | None]:
     """The ``top`` best choices of the ``bounded`` layouts, visited in order until the next
     bound exceeds the K-th best step; and the bound where ``deadline`` stopped the visit
-    (None: not stopped)."""
+    (None: not stopped).
+
+    A choice whose SI layer pair is not planned yet waits (:class:`Deferred`) with its floor
+    as its bound, and is planned and simulated only when no layout or waiting choice
+    has a lower bound left (best first): most never are, once the K-th best is below it."""
     best: list[Priced] = []
     dominance = _Dominance()
+    waiting: list[tuple[float, int, Choice]] = []  # (bound, arrival, choice)
+    order = itertools.count()
+
+    def settle(limit: float) -> None:
+        # Price the waiting choices whose bound is at most ``limit``, lowest first.
+        nonlocal best
+        while waiting and waiting[0][0] <= limit:
+            bound, _, choice = heapq.heappop(waiting)
+            cutoff = best[top - 1].seconds if len(best) >= top else None
+            if cutoff is not None and bound > cutoff:
+                tally.pruned += 1
+                continue
+            best = _count(pricer.price(choice, cutoff, memory_first=True), tally, dominance, best, top)
+
     for visited, (seconds, layout) in enumerate(bounded):
+        settle(seconds)
         if len(best) >= top and seconds > best[top - 1].seconds:
             tally.pruned += (len(bounded) - visited) * len(space.schedules)
             break
         if deadline is not None and time.perf_counter() > deadline:
-            return best, seconds
+            return best, min([seconds] + [w[0] for w in waiting])
         for fold, pipeline in space.schedules:
             choice = Choice(layout, fold, pipeline)
             cutoff = best[top - 1].seconds if len(best) >= top else None
@@ -415,24 +484,37 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
             if ruled == "bigger":
                 tally.too_big += 1
                 continue
-            result = pricer.price(choice, cutoff)
-            if isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
-                tally.same += 1
-            elif isinstance(result, Refused):
-                tally.refuse(result.why)
-            elif isinstance(result, Pruned):
-                tally.pruned += 1
-            else:
-                tally.simulated += 1
-                dominance.saw(result)
-                if result.fits:
-                    tally.fit += 1
-                    best = _insert(best, result, top)
-                else:
-                    tally.too_big += 1
+            result = pricer.price(choice, cutoff, memory_first=True, defer=True)
+            if isinstance(result, Deferred):
+                heapq.heappush(waiting, (result.bound, next(order), choice))
+                continue
+            best = _count(result, tally, dominance, best, top)
         if progress:
             progress(visited + 1, len(bounded))
+    settle(float("inf"))
     return best, None
+
+
+def _count(result, tally: _Tally, dominance: "_Dominance", best: list[Priced], top: int) -> list[Priced]:
+    """Count ``result`` (of :meth:`Pricer.price`) in ``tally``; ``best`` with it in its place."""
+    if isinstance(result, TooBig):
+        tally.too_big += 1
+        dominance.saw(result)
+    elif isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
+        tally.same += 1
+    elif isinstance(result, Refused):
+        tally.refuse(result.why)
+    elif isinstance(result, Pruned):
+        tally.pruned += 1
+    else:
+        tally.simulated += 1
+        dominance.saw(result)
+        if result.fits:
+            tally.fit += 1
+            best = _insert(best, result, top)
+        else:
+            tally.too_big += 1
+    return best
 
 
 class _Dominance:
@@ -449,10 +531,13 @@ class _Dominance:
         self._fits: dict[Choice, float] = {}
         self._too_big: set[Choice] = set()
 
-    def saw(self, result: Priced) -> None:
+    def saw(self, result: Priced | TooBig) -> None:
         """Remember what ``result`` settles."""
         choice = result.choice
-        if result.fits and choice.layout.recompute == "none":
+        if isinstance(result, TooBig):
+            if choice.layout.zero == 1:
+                self._too_big.add(choice)
+        elif result.fits and choice.layout.recompute == "none":
             self._fits[choice] = result.seconds
         elif not result.fits and choice.layout.zero == 1:
             self._too_big.add(choice)

@@ -56,6 +56,7 @@ from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
 from dhelix.dsl.simulator.costs import StepCosts, Work, cost_of, si_backward, step_costs
+from dhelix.dsl.simulator.lane import Lane
 from dhelix.dsl.simulator.pairtrace import pair_events
 from dhelix.dsl.core.timeline import CounterSample, TraceEvent
 from dhelix.dsl.passes.validate import dry_run, transfer_key
@@ -364,35 +365,6 @@ class _Expander:
                 + self._embed_b(bstage))
 
 
-class _Lane:
-    """One communication lane of one rank: busy intervals, pipeline traffic in program order
-    and gradient buckets fitted into the gaps (they are booked after all pipeline traffic,
-    so in-order bookings never have to look for gaps)."""
-
-    def __init__(self) -> None:
-        self.busy: list[tuple[float, float]] = []
-        self.fifo = 0.0
-
-    def in_order(self, ready: float, seconds: float) -> float:
-        """Book ``seconds`` after ``ready`` and after the previous in-order booking; the start."""
-        start = max(ready, self.fifo)
-        self.fifo = start + seconds
-        self.busy.append((start, self.fifo))
-        return start
-
-    def fit(self, ready: float, seconds: float) -> float:
-        """Book ``seconds`` in the first idle gap at or after ``ready``; the start."""
-        start = ready
-        for begin, end in sorted(self.busy):
-            if end <= start:
-                continue
-            if begin >= start + seconds:
-                break
-            start = max(start, end)
-        self.busy.append((start, start + seconds))
-        return start
-
-
 @attrs.define
 class _Tally:
     """What one rank has added up so far in the step (seconds, bytes)."""
@@ -432,7 +404,7 @@ class _Run:
         p = self.lowered.ranks
         self.expander = _Expander(program, costs, si)
         self.free_at = [0.0] * p  # when each compute lane is next free
-        self.lanes = [{"local": _Lane(), "cross": _Lane()} for _ in range(p)]
+        self.lanes = [{"local": Lane(), "cross": Lane()} for _ in range(p)]
         self.last_end = [0.0] * p  # end of the rank's latest compute action
         self.pending: list[list] = [[] for _ in range(p)]  # transfers the next action waits for
         self.arrivals: dict = {}  # transfer key -> (arrival, produced)
@@ -562,11 +534,7 @@ class _Run:
             self.events.append(TraceEvent(rank, "compute", str(action), start, now - start, args))
 
     def _stages(self, rank: int, action):
-        stage = self.lowered.stage_of
-        if isinstance(action, Interleaved):
-            return "SI", stage(rank, action.fwd.chunk), stage(rank, action.bwd.chunk)
-        index = stage(rank, action.chunk)
-        return action.kind, index, index
+        return self.lowered.stages_run(rank, action)
 
     # ------------------------------------------------------------ after the pipeline
 
@@ -599,31 +567,98 @@ class _Run:
                 ready_after, dp_comm = start + seconds, dp_comm + seconds
                 self.events.append(TraceEvent(rank, group.lane, f"{collective} {names(stage, slot)}", start, seconds,
                                               {"kind": "DP", "bytes": size, "group": group.size}))
-        dense, expert = self._local_params(rank)
-        layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
-        shard_dense = dense / costs.dense_group.size if self.zero1 else dense
-        shard_expert = expert / costs.expert_group.size if self.zero1 else expert
-        optimizer = optimizer_time(shard_dense + shard_expert, costs.dtype, profile)
+        shard, optimizer = self._optimizer(rank)
         start = max(self.free_at[rank], ready_after)
         self.events.append(TraceEvent(rank, "compute", "optimizer", start, optimizer,
-                                      {"kind": "optimizer", "params": shard_dense + shard_expert}))
+                                      {"kind": "optimizer", "params": shard}))
         end = start + optimizer
-        if self.zero1 and not self.overlap_gather:
-            pieces = ((layer_dense / costs.shard_group.size, costs.replicate_group),) if self.replicas_sliced else ()
-            for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group), *pieces):
-                if elements and group.size > 1:
-                    size = elements * costs.grad_bytes
-                    seconds = collective_time("all_gather", size, group.size, group.lane, profile, group.per_node)
-                    begin = self.lanes[rank][group.lane].fit(end, seconds)
-                    self.events.append(TraceEvent(rank, group.lane, "all_gather weights", begin, seconds,
-                                                  {"kind": "DP", "bytes": size, "group": group.size}))
-                    end, dp_comm = begin + seconds, dp_comm + seconds
-        states = model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
-                              expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
-                              fsdp_group=costs.shard_group.size if costs.shard_group else 0)
+        for size, seconds, group in self._weight_gathers(rank):
+            begin = self.lanes[rank][group.lane].fit(end, seconds)
+            self.events.append(TraceEvent(rank, group.lane, "all_gather weights", begin, seconds,
+                                          {"kind": "DP", "bytes": size, "group": group.size}))
+            end, dp_comm = begin + seconds, dp_comm + seconds
+        states = self.states(rank)
         exposed = min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)) + self.gather_exposed[rank]
         return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,
                        dp_exposed=exposed)
+
+    def _optimizer(self, rank: int) -> tuple[float, float]:
+        """(parameters, seconds) of ``rank``'s optimizer step (a shard of its parameters
+        under ZeRO-1)."""
+        costs = self.costs
+        dense, expert = self._local_params(rank)
+        shard_dense = dense / costs.dense_group.size if self.zero1 else dense
+        shard_expert = expert / costs.expert_group.size if self.zero1 else expert
+        return shard_dense + shard_expert, optimizer_time(shard_dense + shard_expert, costs.dtype,
+                                                          self.program.profile)
+
+    def _weight_gathers(self, rank: int) -> list[tuple[float, float, object]]:
+        """(bytes, seconds, group) of each all-gather of ``rank``'s updated weights after its
+        optimizer, in order (ZeRO-1 with param_gather = step; none otherwise)."""
+        if not self.zero1 or self.overlap_gather:
+            return []
+        costs, profile = self.costs, self.program.profile
+        dense, expert = self._local_params(rank)
+        layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
+        pieces = ((layer_dense / costs.shard_group.size, costs.replicate_group),) if self.replicas_sliced else ()
+        gathers = []
+        for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group), *pieces):
+            if elements and group.size > 1:
+                size = elements * costs.grad_bytes
+                gathers.append((size, collective_time("all_gather", size, group.size, group.lane, profile,
+                                                      group.per_node), group))
+        return gathers
+
+    def floor(self, rank: int, work: float) -> float:
+        """A lower bound of ``rank``'s end (:meth:`finish`) when its actions compute for
+        ``work`` seconds: its last action ends no earlier; the embedding's gradients sync
+        after it, then the optimizer runs, then (ZeRO-1, param_gather = step) the weights
+        are gathered, each after the one before."""
+        costs, group = self.costs, self.costs.dense_group
+        end = work
+        if costs.params.embedding and group.size > 1 and self._holds_stage(rank, 0):
+            size = costs.params.embedding * costs.grad_bytes
+            end += collective_time("reduce_scatter" if self.zero1 else "all_reduce", size, group.size, group.lane,
+                                   self.program.profile, group.per_node)
+        end += self._optimizer(rank)[1]
+        return end + sum(seconds for _, seconds, _ in self._weight_gathers(rank))
+
+    def _holds_stage(self, rank: int, index: int) -> bool:
+        return any(self.lowered.stage_of(rank, chunk) == index for chunk in range(self.lowered.chunks))
+
+    def states(self, rank: int) -> ModelStates:
+        """The model states ``rank`` holds (its parameters, gradients and optimizer states)."""
+        costs = self.costs
+        dense, expert = self._local_params(rank)
+        layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
+        return model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
+                            expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
+                            fsdp_group=costs.shard_group.size if costs.shard_group else 0)
+
+    def untimed(self) -> list[tuple[float, float]]:
+        """(compute seconds, peak of live activations) of every rank, without timing its
+        actions: the peak is what :meth:`run` books (MemoryTimeline.peak's value), since a
+        rank's allocations and frees follow its actions' order whatever their durations."""
+        known: dict[tuple, _Changes] = {}
+        out = []
+        for row in self.lowered.computations:
+            work = live = best = 0.0
+            for key in row:
+                changes = known.get(key)
+                if changes is None:
+                    changes = known[key] = _Changes.of(self.expander.pieces(*key))
+                work += changes.work
+                if changes.whole and live == int(live) and live < 2.0 ** 52:
+                    # Whole bytes add exactly in any order, so the running peak is the max.
+                    best = max(best, live + changes.rise)
+                    live += changes.net
+                    continue
+                for delta in changes.deltas:  # MemoryTimeline.peak's rule, step by step
+                    live += delta
+                    if live > best + 1e-6:
+                        best = live
+            out.append((work, best))
+        return out
 
     def _reductions(self, rank: int) -> list:
         """((stage, slot), (ready, dense, expert)) of each gradient reduction of ``rank``, by
@@ -701,6 +736,54 @@ def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
 
 
 # ---------------------------------------------------------------- the entry points
+
+@attrs.frozen
+class _Changes:
+    """What the pieces of one action do, untimed: their compute seconds, the nonzero changes
+    of live bytes in order (what MemoryTimeline.change books), their sum and the highest
+    running sum; ``whole`` when every change is a whole number of bytes (below 2**52)."""
+
+    work: float
+    deltas: tuple[float, ...]
+    net: float
+    rise: float
+    whole: bool
+
+    @classmethod
+    def of(cls, pieces: tuple[Piece, ...]) -> "_Changes":
+        deltas = tuple(d for piece in pieces for d in (piece.alloc, -piece.free) if d)
+        running = rise = 0.0
+        for delta in deltas:
+            running += delta
+            rise = max(rise, running)
+        whole = all(d == int(d) and abs(d) < 2.0 ** 52 for d in deltas)
+        return cls(sum(piece.work.seconds for piece in pieces), deltas, running, rise, whole)
+
+
+@attrs.frozen
+class Untimed:
+    """What :func:`untimed` tells of a step without simulating it: each pipeline rank's peak
+    memory (bytes), exactly as :func:`simulate` reports it (``RankStats.memory``), and a lower
+    bound of its step time (seconds; the simulation's step is never shorter, up to rounding)."""
+
+    memory: tuple[float, ...]
+    floor: float
+
+
+def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool = False) -> Untimed:
+    """The :class:`Untimed` figures of ``program`` priced by ``costs`` (as :func:`simulate`
+    with ``costs``): what a search needs to rule out a choice over the device memory, or
+    slower than its best, before simulating it. The peak follows the actions' order (the SI
+    blocks' pieces as ``costs`` has them: ``layer.pair`` set, layer pairs); the bound is the
+    slowest rank's compute work, then what must follow its last action (:meth:`_Run.floor`)."""
+    require_profile(program)
+    zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
+    run = _Run(program, costs, si, zero1, trace=False)
+    figures = run.untimed()
+    ranks = range(program.lowered.ranks)
+    return Untimed(tuple(run.states(rank).total + figures[rank][1] for rank in ranks),
+                   max(run.floor(rank, figures[rank][0]) for rank in ranks))
+
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
              cost: PairCost | None = None, costs: StepCosts | None = None, label: str = "",
