@@ -238,6 +238,11 @@ class DistributedAdamW:
         #: (each reduce-scattered on its own, the slices summed), not once per step.
         self.per_microbatch = per_microbatch
         self._landed: dict[int, torch.Tensor] = {}
+        #: ZeRO-2: per bucket, the sum of the slices landed so far this step (each earlier
+        #: micro-batch's full buffer freed once its slice is added), and the averaged parts
+        #: of the last step (the gradient state ZeRO-2 keeps: 1/dp of each bucket).
+        self._summed: dict[int, torch.Tensor] = {}
+        self.grad_parts: list[torch.Tensor] = []
         #: The global gradient norm of the last step (None without ``weights``: see
         #: :func:`norm_weights`; clipping needs them).
         self.last_norm: float | None = None
@@ -304,6 +309,8 @@ class DistributedAdamW:
                 continue
             if index not in self._reducing:
                 self._landed.pop(index, None)  # a previous step's, had it not been used
+            elif self.per_microbatch:
+                self._fold(index)
             # ZeRO-2 leaves one micro-batch's reduction in flight while the next fills: a buffer each.
             flat = bucket.fill(torch.zeros_like(bucket.grads) if self.per_microbatch else bucket.grads, grads)
             self._reducing.setdefault(index, []).append(
@@ -320,10 +327,9 @@ class DistributedAdamW:
         bucket = self.buckets[index]
         if index not in self._reducing:
             return self._average(bucket, grads)
-        first, *rest = self._reducing.pop(index)
-        flat = first.wait()
-        for pending in rest:  # ZeRO-2: the micro-batches' slices, in the same order on every rank
-            flat.add_(pending.wait())
+        self._fold(index)
+        self._reducing.pop(index)
+        flat = self._summed.pop(index)
         for axis, spans in bucket.partial_spans.items():  # sums commute: dp first, then these
             joined = torch.cat([flat[lo:hi] for lo, hi in spans])
             self.comm.all_reduce(joined, axis)
@@ -333,6 +339,16 @@ class DistributedAdamW:
                 at += hi - lo
         self._landed[index] = flat.div_(self.dp)
         return flat
+
+    def _fold(self, index: int) -> None:
+        # Wait for bucket ``index``'s reductions in flight and add their results to its sum
+        # (ZeRO-2: the micro-batches' slices, in the same order on every rank), which drops
+        # the full buffers they were reduced from.
+        for pending in self._reducing[index]:
+            landed = pending.wait()
+            summed = self._summed.get(index)
+            self._summed[index] = landed if summed is None else summed.add_(landed)
+        self._reducing[index] = []
 
     def _average(self, bucket: _Bucket, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
         # A sum over the bucket's axis divided by dp, for edp too (module docstring). The
@@ -388,8 +404,11 @@ class DistributedAdamW:
         self.settle()
         self.steps += 1
         lr = self.config.lr if lr is None else lr
+        early = set(self._reducing) | set(self._landed)
         averaged = [self._averaged(index, grads) for index in range(len(self.buckets))]
         self._landed = {}
+        if self.per_microbatch:  # kept until the next step's: ZeRO-2's sharded gradients
+            self.grad_parts = [averaged[index] for index in sorted(early) if self.buckets[index].sliced]
         if self.norm_weights is not None:
             self.last_norm = self.global_norm(averaged)
         if accept is not None and not accept(self.last_norm):
