@@ -10,10 +10,11 @@ over the ``dp`` axis:
   average of its 1/dp slice of the buffer; it keeps the AdamW moments of that slice only,
   updates those parameters, and an all-gather gives every replica all parameters again;
 * ZeRO-2 (``train { zero = 2 }``, stage 2 as DeepSpeed runs it): the same, but the executor
-  hands each layer's gradients over after every micro-batch's backward (``per_microbatch``),
-  each is reduce-scattered from a buffer of its own and the slices are summed in
-  :meth:`DistributedAdamW.step` (in the same order on every replica), so no full gradient
-  is kept across micro-batches.
+  hands each layer's gradients over after every micro-batch's backward (``per_microbatch``)
+  and drops them; each is reduce-scattered from a buffer of its own, which lands into a
+  running sum of the bucket's slices at the next hand-over (in the same order on every
+  replica: one full buffer in flight at a time), so what a rank keeps of those gradients is
+  its 1/dp slice (:attr:`DistributedAdamW.grad_parts` after :meth:`DistributedAdamW.step`).
 
 Under hybrid sharding the pieces' buckets are summed across the replicas (``dp.replicate``)
 by an all-reduce, or, where the program substitutes it (``replicas_sliced``: ``substitute
@@ -238,8 +239,8 @@ class DistributedAdamW:
         #: (each reduce-scattered on its own, the slices summed), not once per step.
         self.per_microbatch = per_microbatch
         self._landed: dict[int, torch.Tensor] = {}
-        #: ZeRO-2: per bucket, the sum of the slices landed so far this step (each earlier
-        #: micro-batch's full buffer freed once its slice is added), and the averaged parts
+        #: ZeRO-2: per bucket, the sum of the slices landed so far this step (each full
+        #: buffer freed once its slice is added, at the next :meth:`reduce`), and the averaged parts
         #: of the last step (the gradient state ZeRO-2 keeps: 1/dp of each bucket).
         self._summed: dict[int, torch.Tensor] = {}
         self.grad_parts: list[torch.Tensor] = []
@@ -301,6 +302,11 @@ class DistributedAdamW:
         taken: set[str] = set()
         if not self.early:
             return taken
+        if self.per_microbatch:
+            # ZeRO-2: the reductions issued before (a layer's backward ago) land into their
+            # slices now, so one full flat buffer at a time is in flight, not one per layer.
+            for index in [index for index, pending in self._reducing.items() if pending]:
+                self._fold(index)
         for index, bucket in enumerate(self.buckets):
             # ZeRO-3 pieces come summed over dp by their layers' reduce-scatters (the executor
             # hands hybrid sharding's over once those have landed, for the all-reduce across).
@@ -309,9 +315,7 @@ class DistributedAdamW:
                 continue
             if index not in self._reducing:
                 self._landed.pop(index, None)  # a previous step's, had it not been used
-            elif self.per_microbatch:
-                self._fold(index)
-            # ZeRO-2 leaves one micro-batch's reduction in flight while the next fills: a buffer each.
+            # ZeRO-2 leaves one layer's reduction in flight while the next fills: a buffer each.
             flat = bucket.fill(torch.zeros_like(bucket.grads) if self.per_microbatch else bucket.grads, grads)
             self._reducing.setdefault(index, []).append(
                 self.comm.reduce_scatter(flat, bucket.axis, async_op=True) if bucket.sliced
