@@ -127,3 +127,16 @@ def test_model_states_count_zero2_layer_gradients_over_dp():
     two = model_states(1000, 0, "fp32", zero1=True, dense_group=4, expert_group=1, grads_sharded=800)
     assert (one.params, one.optimizer) == (two.params, two.optimizer)
     assert two.grads == (200 + 800 / 4) * 4
+
+
+def test_search_bound_counts_zero2_gradients_sharded_and_stays_below_the_simulated_peak():
+    from dhelix.dsl.search.bound import layout_bound
+    from dhelix.dsl.planner.paircost import PairCost
+
+    bounds = {}
+    for zero in (1, 2):
+        prog = program(zero)
+        bounds[zero] = layout_bound(prog, PairCost(prog.profile, prog.model.dtype, seq=prog.model.get("seq"))).memory
+        sim = simulate(prog)
+        assert bounds[zero] <= max(r.states.total + r.activations for r in sim.ranks)
+    assert bounds[2] < bounds[1]
