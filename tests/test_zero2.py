@@ -63,7 +63,23 @@ def _runs(rank: int, world: int) -> dict:
         executor = Executor(prog, DistComm(prog.mesh, timeout_s=60), seed=7, optimizer=observed)
         optimizer = executor.optimizer
         results[name] = (check_steps(executor, optimizer, 2, 3), len(calls))
+        if name == "1f1b":
+            results["states"] = {2: _held(executor, optimizer)}
+    prog = program(1)
+    executor = Executor(prog, DistComm(prog.mesh, timeout_s=60), seed=7,
+                        optimizer=lambda executor: for_executor(executor, zero1=True))
+    check_steps(executor, executor.optimizer, 2, 3)
+    results["states"][1] = _held(executor, executor.optimizer)
+    results["pp"] = executor.comm.index("pp")
     return results
+
+
+def _held(executor, optimizer) -> tuple[int, int]:
+    """(model-state bytes the rank counts after its steps, full gradient bytes it holds)."""
+    from dhelix.interpreter.training.train import model_state_bytes
+
+    full = sum(g.untyped_storage().nbytes() for g in executor.grads().values())
+    return model_state_bytes(executor, optimizer), full
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +92,7 @@ def world(tmp_path_factory):
 
 # Rank 0 holds 2 layers: each handed over after each of the 4 micro-batches' backwards, in
 # both steps; folded into a U it holds the last stage too, whose final norm and LM head
-# (ZeRO-1's, as the model's ends stay) are handed over once per step.
+# are handed over once per step (then dropped, as the layers' are).
 @pytest.mark.parametrize(("name", "calls_expected"), [("1f1b", 2 * 2 * 4), ("zb_h1", 2 * 2 * 4),
                                                       ("w_helix_si", 2 * (2 * 4 + 1))])
 def test_zero2_runs_exactly_reducing_after_every_micro_batch(world, name, calls_expected):
@@ -85,3 +101,42 @@ def test_zero2_runs_exactly_reducing_after_every_micro_batch(world, name, calls_
     checks, calls = world[0][name]
     assert_steps_match(checks, 2, TOL)
     assert calls == calls_expected
+
+
+def test_zero2_drops_the_layers_full_gradients_and_holds_less_than_zero1(world):
+    # ZeRO-1 keeps every full gradient of the step; ZeRO-2 only the model ends' (handed
+    # over at the step's end) besides the optimizer's 1/dp slices of the layers'.
+    for rank in world:
+        (states1, full1), (states2, full2) = rank["states"][1], rank["states"][2]
+        assert full2 < full1 / 2
+        assert states2 < states1
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_predicted_model_states_within_ten_percent_of_what_the_ranks_count(world, zero):
+    predicted = simulate(program(zero)).ranks
+    for rank in world:
+        counted = rank["states"][zero][0]
+        assert abs(predicted[rank["pp"]].states.total / counted - 1) < 0.10, (zero, rank["pp"], counted)
+
+
+def test_model_states_count_zero2_layer_gradients_over_dp():
+    from dhelix.dsl.simulator.memory import model_states
+
+    one = model_states(1000, 0, "fp32", zero1=True, dense_group=4, expert_group=1)
+    two = model_states(1000, 0, "fp32", zero1=True, dense_group=4, expert_group=1, grads_sharded=800)
+    assert (one.params, one.optimizer) == (two.params, two.optimizer)
+    assert two.grads == (200 + 800 / 4) * 4
+
+
+def test_search_bound_counts_zero2_gradients_sharded_and_stays_below_the_simulated_peak():
+    from dhelix.dsl.search.bound import layout_bound
+    from dhelix.dsl.planner.paircost import PairCost
+
+    bounds = {}
+    for zero in (1, 2):
+        prog = program(zero)
+        bounds[zero] = layout_bound(prog, PairCost(prog.profile, prog.model.dtype, seq=prog.model.get("seq"))).memory
+        sim = simulate(prog)
+        assert bounds[zero] <= max(r.states.total + r.activations for r in sim.ranks)
+    assert bounds[2] < bounds[1]

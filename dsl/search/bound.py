@@ -96,5 +96,6 @@ def _states(program: Program, costs: StepCosts) -> float:
     states = model_states(dense, expert, costs.dtype, zero1=train.zero >= 1, dense_group=costs.dense_group.size,
                           expert_group=costs.expert_group.size,
                           fsdp_dense=layers * params.layer_dense / pp if fsdp else 0.0,
-                          fsdp_group=costs.shard_group.size if fsdp and costs.shard_group else 0)
+                          fsdp_group=costs.shard_group.size if fsdp and costs.shard_group else 0,
+                          grads_sharded=(layers * params.layer_dense + params.head) / pp if train.zero == 2 else 0.0)
     return states.total

@@ -633,7 +633,9 @@ class _Run:
         layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
         return model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
                             expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
-                            fsdp_group=costs.shard_group.size if costs.shard_group else 0)
+                            fsdp_group=costs.shard_group.size if costs.shard_group else 0,
+                            grads_sharded=dense - self._end_params(rank, head=False)
+                            if self.program.train.zero == 2 else 0.0)
 
     def untimed(self) -> list[tuple[float, float]]:
         """(compute seconds, peak of live activations) of every rank, without timing its
@@ -671,11 +673,12 @@ class _Run:
             items += [((stage, slot), (at, dense, expert)) for at in readies]
         return sorted(items, key=_by_ready)
 
-    def _end_params(self, rank: int) -> float:
-        """Parameters of the model's ends (embedding, LM head and final norm) on ``rank``."""
+    def _end_params(self, rank: int, head: bool = True) -> float:
+        """Parameters of the model's ends (embedding, LM head and final norm) on ``rank``;
+        the embedding's only without ``head``."""
         params, last = self.costs.params, len(self.lowered.stages) - 1
         stages = [self.lowered.stage_of(rank, chunk) for chunk in range(self.lowered.chunks)]
-        return (params.embedding if 0 in stages else 0) + (params.head if last in stages else 0)
+        return (params.embedding if 0 in stages else 0) + (params.head if head and last in stages else 0)
 
     def _local_params(self, rank: int) -> tuple[float, float]:
         pairs = [self._chunk_params(rank, chunk) for chunk in range(self.lowered.chunks)]

@@ -7,7 +7,8 @@ master copy is the weight). With ZeRO-1 (Megatron's distributed optimizer) the o
 states are divided over the gradient-sync group: DP×CP for dense weights, DP×CP/EP for
 expert weights. With ZeRO-3 (FSDP) the layers' weights and gradients are divided over DP
 too (:func:`model_states`); the weights gathered at a time live while a layer runs
-(:func:`gathered_bytes`).
+(:func:`gathered_bytes`). With ZeRO-2 the layers' gradients are divided over DP (each
+micro-batch's reduce-scattered after its backward and dropped).
 
 **Activations** are counted from the layer DAGs: each backward op's ``saved`` list names the
 forward tensors it reads; a layer keeps each named tensor once (its forward shape, the model
@@ -57,7 +58,8 @@ class ModelStates:
 
 
 def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_group: int,
-                 expert_group: int, fsdp_dense: float = 0.0, fsdp_group: int = 0) -> ModelStates:
+                 expert_group: int, fsdp_dense: float = 0.0, fsdp_group: int = 0,
+                 grads_sharded: float = 0.0) -> ModelStates:
     """Model states of ``dense`` + ``expert`` parameters in ``dtype``; with ``zero1`` the
     optimizer states are sharded over the groups (sizes ``dense_group``, ``expert_group``).
 
@@ -65,7 +67,11 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
     gradients and optimizer states sharded over ``fsdp_group`` (0: ``dense_group``; hybrid
     sharding's shard group). The weights a ZeRO-3 gather brings in whole, and a full
     gradient before its reduce-scatter, live only while a layer runs: the timeline counts
-    them (:func:`gathered_bytes`), not the states."""
+    them (:func:`gathered_bytes`), not the states.
+
+    ZeRO-2: ``grads_sharded`` of the dense parameters (the layers' and the LM head's, whose
+    gradients are reduce-scattered once their backward has finished and then dropped) keep only their 1/``dense_group``
+    gradient slice; their full gradient lives while a backward runs (:func:`gathered_bytes`)."""
     size = dtype_bytes(dtype)
     per_param = _OPTIMIZER_BYTES.get(dtype, _MIXED_OPTIMIZER_BYTES)
     shards = max(1, fsdp_group or dense_group)
@@ -75,7 +81,8 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
     else:
         optimizer = per_param * (dense + expert)
     held = dense + expert - fsdp_dense + fsdp_dense / shards
-    return ModelStates(held * size, held * size, optimizer)
+    grads = held - grads_sharded + grads_sharded / max(1, dense_group)
+    return ModelStates(held * size, grads * size, optimizer)
 
 
 def largest_gathered(forward: LayerDag) -> int:

@@ -112,7 +112,7 @@ class Executor:
     gathers under the forward wait there (:meth:`~.optim.DistributedAdamW.ready`).
     ``grad_ready(grads)``, when set, is given a layer's final gradients of the step (by
     parameter name, partial sums over tp and cp) once the step's last backward of that layer
-    has finished (under ZeRO-2 after each backward of it, those it takes then zeroed), at a point of the action list that is the same on every rank (see
+    has finished (under ZeRO-2 after each backward of it, those it takes then dropped), at a point of the action list that is the same on every rank (see
     :meth:`_layer_done`), and returns the names it takes: the data-parallel reduction under
     the backward (:meth:`~.optim.DistributedAdamW.reduce`), which then also sums them over
     tp and cp. ``reference`` is the reference model's DAGs (a run's
@@ -192,6 +192,8 @@ class Executor:
         #: ... the backwards finished per (stage, layer) and the gradients grad_ready took, ...
         self.done_counts: dict[tuple[int, int], int] = {}
         self.reduced_early: set[str] = set()
+        #: ZeRO-2: the parameters whose full gradients were dropped once handed over.
+        self.dropped: set[str] = set()
         #: ... the backward wgrads SI blocks hold to run where the thread would wait (one CPU
         #: thread; the last layer pair's carried from one block into the next), and the loss.
         self.filler = Filler(self.recorder)
@@ -277,11 +279,12 @@ class Executor:
         self.reduced_early |= taken
         if self.program.train.zero == 2:
             # ZeRO-2: this micro-batch's gradients are being reduce-scattered (the optimizer
-            # copied them); the next micro-batch's accumulate from zero, so no full gradient
-            # is kept across micro-batches.
-            for op, grad in grads.items():
-                if param_name(index, op) in taken:
-                    grad.zero_()
+            # copied them into its flat buffer): the full tensors are dropped, the next
+            # micro-batch's backward allocates its own, so no full gradient outlives a layer's
+            # backward; the optimizer keeps the reduced 1/dp slices (its gradient parts).
+            for op in [op for op in grads if param_name(index, op) in taken]:
+                del grads[op]
+            self.dropped |= taken
             if not last:
                 return
         if self.flat.enabled:
@@ -292,7 +295,12 @@ class Executor:
             # (A tied LM head's gradient is summed with the embedding's at the step's end first.)
             # Every backward chain here has read its head gradient in this layer, which ran
             # the final norm's backward: the LM head's and the norm's are final too.
-            self.reduced_early |= self.grad_ready({name: self.end_grads[name] for name in (FINAL_NORM, LM_HEAD)})
+            ends = self.grad_ready({name: self.end_grads[name] for name in (FINAL_NORM, LM_HEAD)})
+            self.reduced_early |= ends
+            if self.program.train.zero == 2:  # ZeRO-2: dropped as the layers' are
+                for name in ends:
+                    del self.end_grads[name]
+                self.dropped |= ends
 
     def _ready(self, *names: str) -> None:
         if self.param_ready is not None:
@@ -407,7 +415,7 @@ class Executor:
         self.mailbox, self.end_grads = {}, {}
         self.deferred, self.issued, self.settled, self.pieces_done = [], 0, 0, []
         self.postponed, self.prefetched, self.index_now = [], {}, 0
-        self.done_counts, self.reduced_early = {}, set()
+        self.done_counts, self.reduced_early, self.dropped = {}, set(), set()
         self.filler = Filler(self.recorder)
         tokens = batch.inputs[0].numel()
         self.scale = 1.0 / (self.lowered.microbatches * tokens)
@@ -437,8 +445,10 @@ class Executor:
 
     def grads(self) -> dict[str, torch.Tensor]:
         """This rank's gradient of every parameter in :attr:`params` after :meth:`step`
-        (zeros for a weight no token reached)."""
-        return {name: self._grads.get(name, torch.zeros_like(p)) for name, p in self.params.items()}
+        (zeros for a weight no token reached), but for those ZeRO-2 dropped (:attr:`dropped`:
+        handed to the optimizer after each backward, which holds their reduced slices)."""
+        return {name: self._grads.get(name, torch.zeros_like(p)) for name, p in self.params.items()
+                if name not in self.dropped}
 
     def _global_loss(self) -> torch.Tensor:
         # Only the last stage has a loss; tp ranks hold the same value, cp ranks the losses

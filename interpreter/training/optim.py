@@ -10,10 +10,11 @@ over the ``dp`` axis:
   average of its 1/dp slice of the buffer; it keeps the AdamW moments of that slice only,
   updates those parameters, and an all-gather gives every replica all parameters again;
 * ZeRO-2 (``train { zero = 2 }``, stage 2 as DeepSpeed runs it): the same, but the executor
-  hands each layer's gradients over after every micro-batch's backward (``per_microbatch``),
-  each is reduce-scattered from a buffer of its own and the slices are summed in
-  :meth:`DistributedAdamW.step` (in the same order on every replica), so no full gradient
-  is kept across micro-batches.
+  hands each layer's gradients over after every micro-batch's backward (``per_microbatch``)
+  and drops them; each is reduce-scattered from a buffer of its own, which lands into a
+  running sum of the bucket's slices at the next hand-over (in the same order on every
+  replica: one full buffer in flight at a time), so what a rank keeps of those gradients is
+  its 1/dp slice (:attr:`DistributedAdamW.grad_parts` after :meth:`DistributedAdamW.step`).
 
 Under hybrid sharding the pieces' buckets are summed across the replicas (``dp.replicate``)
 by an all-reduce, or, where the program substitutes it (``replicas_sliced``: ``substitute
@@ -238,6 +239,11 @@ class DistributedAdamW:
         #: (each reduce-scattered on its own, the slices summed), not once per step.
         self.per_microbatch = per_microbatch
         self._landed: dict[int, torch.Tensor] = {}
+        #: ZeRO-2: per bucket, the sum of the slices landed so far this step (each full
+        #: buffer freed once its slice is added, at the next :meth:`reduce`), and the averaged parts
+        #: of the last step (the gradient state ZeRO-2 keeps: 1/dp of each bucket).
+        self._summed: dict[int, torch.Tensor] = {}
+        self.grad_parts: list[torch.Tensor] = []
         #: The global gradient norm of the last step (None without ``weights``: see
         #: :func:`norm_weights`; clipping needs them).
         self.last_norm: float | None = None
@@ -296,6 +302,11 @@ class DistributedAdamW:
         taken: set[str] = set()
         if not self.early:
             return taken
+        if self.per_microbatch:
+            # ZeRO-2: the reductions issued before (a layer's backward ago) land into their
+            # slices now, so one full flat buffer at a time is in flight, not one per layer.
+            for index in [index for index, pending in self._reducing.items() if pending]:
+                self._fold(index)
         for index, bucket in enumerate(self.buckets):
             # ZeRO-3 pieces come summed over dp by their layers' reduce-scatters (the executor
             # hands hybrid sharding's over once those have landed, for the all-reduce across).
@@ -304,7 +315,7 @@ class DistributedAdamW:
                 continue
             if index not in self._reducing:
                 self._landed.pop(index, None)  # a previous step's, had it not been used
-            # ZeRO-2 leaves one micro-batch's reduction in flight while the next fills: a buffer each.
+            # ZeRO-2 leaves one layer's reduction in flight while the next fills: a buffer each.
             flat = bucket.fill(torch.zeros_like(bucket.grads) if self.per_microbatch else bucket.grads, grads)
             self._reducing.setdefault(index, []).append(
                 self.comm.reduce_scatter(flat, bucket.axis, async_op=True) if bucket.sliced
@@ -320,10 +331,9 @@ class DistributedAdamW:
         bucket = self.buckets[index]
         if index not in self._reducing:
             return self._average(bucket, grads)
-        first, *rest = self._reducing.pop(index)
-        flat = first.wait()
-        for pending in rest:  # ZeRO-2: the micro-batches' slices, in the same order on every rank
-            flat.add_(pending.wait())
+        self._fold(index)
+        self._reducing.pop(index)
+        flat = self._summed.pop(index)
         for axis, spans in bucket.partial_spans.items():  # sums commute: dp first, then these
             joined = torch.cat([flat[lo:hi] for lo, hi in spans])
             self.comm.all_reduce(joined, axis)
@@ -333,6 +343,16 @@ class DistributedAdamW:
                 at += hi - lo
         self._landed[index] = flat.div_(self.dp)
         return flat
+
+    def _fold(self, index: int) -> None:
+        # Wait for bucket ``index``'s reductions in flight and add their results to its sum
+        # (ZeRO-2: the micro-batches' slices, in the same order on every rank), which drops
+        # the full buffers they were reduced from.
+        for pending in self._reducing[index]:
+            landed = pending.wait()
+            summed = self._summed.get(index)
+            self._summed[index] = landed if summed is None else summed.add_(landed)
+        self._reducing[index] = []
 
     def _average(self, bucket: _Bucket, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
         # A sum over the bucket's axis divided by dp, for edp too (module docstring). The
@@ -388,8 +408,11 @@ class DistributedAdamW:
         self.settle()
         self.steps += 1
         lr = self.config.lr if lr is None else lr
+        early = set(self._reducing) | set(self._landed)
         averaged = [self._averaged(index, grads) for index in range(len(self.buckets))]
         self._landed = {}
+        if self.per_microbatch:  # kept until the next step's: ZeRO-2's sharded gradients
+            self.grad_parts = [averaged[index] for index in sorted(early) if self.buckets[index].sliced]
         if self.norm_weights is not None:
             self.last_norm = self.global_norm(averaged)
         if accept is not None and not accept(self.last_norm):

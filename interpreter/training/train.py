@@ -323,9 +323,11 @@ def run_queue_seconds() -> float | None:
 
 def model_state_bytes(executor, optimizer) -> int:
     """Bytes of the model states this rank holds after a step, each storage once: its
-    weights (ZeRO-3: its pieces), the gradients of the last step and the optimizer's moments
-    and fp32 masters (:meth:`~.optim.DistributedAdamW.state_tensors`)."""
-    return _storage_bytes([executor.params, executor.grads(), optimizer.state_tensors()])
+    weights (ZeRO-3: its pieces), the gradients of the last step (ZeRO-2: the full ones it
+    did not drop and the optimizer's reduced 1/dp parts of those it did,
+    :attr:`~.optim.DistributedAdamW.grad_parts`) and the optimizer's moments and fp32 masters
+    (:meth:`~.optim.DistributedAdamW.state_tensors`)."""
+    return _storage_bytes([executor.params, executor.grads(), optimizer.grad_parts, optimizer.state_tensors()])
 
 
 def _storage_bytes(values) -> int:
