@@ -462,15 +462,11 @@ def test_compare_has_no_si_column_where_no_si_runs_and_removes_the_model_level_o
 
 
 def _first_gap(busy: list[tuple[float, float]], ready: float, seconds: float) -> float:
-    """The first idle gap of ``seconds`` at or after ``ready``, by a plain scan of every interval."""
-    start = ready
-    for begin, end in sorted(busy):
-        if end <= start:
-            continue
-        if begin >= start + seconds:
-            break
-        start = max(start, end)
-    return start
+    """The first idle gap of ``seconds`` at or after ``ready``, by the plain scan of every
+    interval (the lane's bisection and block skips must find the same)."""
+    from dhelix.dsl.simulator.lane import Lane
+
+    return Lane.scan(sorted(busy), ready, seconds)
 
 
 @pytest.mark.parametrize("seed", range(4))
