@@ -25,7 +25,7 @@ from pathlib import Path
 
 from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
-from dhelix.cli.run import add_as_rank_arguments, check_as_rank
+from dhelix.cli.as_rank import add_as_rank_arguments, check_as_rank
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.passes.overrides import for_measuring, require_model
