@@ -31,6 +31,7 @@ done, the second once the lane has finished).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 import time
 
@@ -221,13 +222,12 @@ class EmulatedComm(DistComm):
             n = min(host.numel(), size - start)
             host[:n].copy_(source[:n], non_blocking=True)
 
-    def _emulated(self, kind: str, axis: str, x: torch.Tensor, out: torch.Tensor, fill, async_op: bool,
-                  full_bytes: float | None = None):
+    def _emulated(self, kind: str, axis: str, x: torch.Tensor, out: torch.Tensor, fill, async_op: bool):
         """Issue the stand-in of collective ``kind`` over ``axis``: ``fill()`` writes ``out``
         from ``x`` on the lane, then the link's cost runs there."""
         self.issued.append((kind, axis, tuple(x.shape)))
         group = self.size(axis)
-        full = full_bytes if full_bytes is not None else max(x.numel(), out.numel()) * x.element_size()
+        full = max(x.numel(), out.numel()) * x.element_size()  # S: the gathered / unscattered tensor
         cost = self._cost(kind, full, axis, group)
 
         def work() -> None:
@@ -319,14 +319,13 @@ class EmulatedComm(DistComm):
         return works
 
 
-def _cycles_per_second(device: torch.device, cache: dict = {}) -> float:
+@functools.cache
+def _cycles_per_second(device: torch.device) -> float:
     """The GPU clock as ``torch.cuda._sleep`` counts it, measured once per device."""
-    if device not in cache:
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # warm-up
-        start.record()
-        torch.cuda._sleep(10_000_000)
-        stop.record()
-        stop.synchronize()
-        cache[device] = 10_000_000 / (start.elapsed_time(stop) / 1e3)
-    return cache[device]
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm-up
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    stop.record()
+    stop.synchronize()
+    return 10_000_000 / (start.elapsed_time(stop) / 1e3)
