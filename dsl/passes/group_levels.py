@@ -104,9 +104,14 @@ def checked_level(st, mesh: Mesh, errors) -> bool:
     """Whether the ``first`` of group statement ``st`` names a level of ``mesh``'s declared
     topology; else records the error, located at it."""
     levels = [level for level, _ in mesh.levels]
+    if st.first in levels and "weights" in st.ops:
+        errors.add(CheckError(f"'first {st.first}' with 'weights'", st.span_of("first"),
+                              ["ZeRO-3's gathers split at the node whatever the levels (first inter or intra): "
+                               "write 'group weights' in a statement of its own"]))
+        return False
     if st.first in levels:
         return True
-    notes = [f"hint: inter and intra name the two stages without declared levels; here the stages are "
+    notes = [f"inter and intra name the two stages without declared levels; here the stages are "
              f"the levels: {', '.join(levels)}"] if st.first in ("inter", "intra") else did_you_mean(st.first, levels)
     errors.add(CheckError(f"unknown level '{st.first}' to run first", st.span_of("first"),
                           notes + [f"the cluster's levels: {', '.join(levels)}; leave 'first' out to let the "

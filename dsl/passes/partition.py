@@ -175,7 +175,7 @@ def fewest_cross_bytes(op: str) -> str:
 
 
 def _checked_first(st: s.Group, mesh: Mesh, errors: ErrorCollector) -> bool:
-    if mesh.levels:
+    if mesh.levels and st.ops != (WEIGHTS,):  # ZeRO-3's gathers split at the node: inter, intra
         return st.first is None or checked_level(st, mesh, errors)
     if st.first is None or st.first in ORDERS:
         return True
