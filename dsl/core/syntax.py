@@ -260,7 +260,8 @@ class Move(Node):
 class Group(Node):
     """``group ag1 + rs1 [first inter]``: run each collective as sub-collectives over the
     node-local and the cross-node part of its group, the sub-group ``first`` names (``inter``
-    or ``intra``; None: chosen by cost) first. Spans: ``ops.i`` and ``first``."""
+    or ``intra``; a level when the cluster declares levels; None: chosen by cost) first.
+    Spans: ``ops.i`` and ``first``."""
 
     ops: tuple[str, ...]
     first: str | None = None

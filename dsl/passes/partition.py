@@ -55,7 +55,8 @@ interpreter see ordinary operators:
   node's sums, not each rank's). Those orders see the rank blocks grouped by place on the node,
   so their node-local stage regroups them (:data:`~dhelix.dsl.core.oplib.REGROUP`). Chunks of
   the collective are split too. A group inside one node, or one with unequal ranks on its
-  nodes, is refused.
+  nodes, is refused. When the cluster declares levels, the collective runs one stage per
+  level instead (:mod:`dhelix.dsl.passes.group_levels`).
 
 Chunks of a weighted operator share its weight: their ``Op.origin`` names the written op
 (along outputs each holds its own columns of it). The chunk statements' rewrites live in

@@ -54,7 +54,7 @@ from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.core.oplib import DGRAD, PARTITION_DIMS
 from dhelix.dsl.core.mesh import base_axis
-from dhelix.dsl.passes.group_levels import default_order, every_order, order_text, stages_of
+from dhelix.dsl.passes.group_levels import ORDER_JOIN, default_order, every_order, order_text, stages_of
 from dhelix.dsl.passes.partition import ORDERS, WEIGHTS, fewest_cross_bytes, is_auto_substitution, scalable_form
 from dhelix.dsl.passes.workload import STAGES, chunk_statements, is_auto
 from dhelix.dsl.passes.priority import PRIORITIES, backward_statement
@@ -107,8 +107,10 @@ class OrderChoice:
     block = "partition"  # the block whose statement it chose for
 
     def describe(self) -> str:
-        """``group ag1: inter first (inter: 1.234 ms, intra: 1.456 ms; …)``."""
-        return _described(f"{self.what}: {self.chosen} first", self.candidates)
+        """``group ag1: inter first (inter: 1.234 ms, intra: 1.456 ms; …)``; over declared
+        levels ``group ag1: cluster>node>island (island>node>cluster: 1.234 ms, …)``."""
+        first = "" if ORDER_JOIN in self.chosen else " first"
+        return _described(f"{self.what}: {self.chosen}{first}", self.candidates)
 
 
 @attrs.frozen
@@ -272,7 +274,7 @@ def _staged(program: Program, gather: str) -> tuple[float | None, str]:
     cheaper of both orders when no ``first`` fixes it (Algorithm 1 weighs the chunks with the
     order: the fast node-local stage first brings intra_size blocks to compute on while the
     slow one runs; the inter-node stage first brings inter_size)."""
-    if gather not in dict(_unordered(program)):
+    if gather not in dict(_unordered(program)) or program.mesh.levels:  # over levels: refused by the pass
         return _price(program)
     orders = dict(program.group_orders)
     priced = [_price(attrs.evolve(program, group_orders=tuple(sorted({**orders, gather: order}.items()))))
