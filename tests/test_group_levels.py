@@ -205,22 +205,44 @@ def _staged_scatter(mesh, ops, inputs):
     return held
 
 
-@pytest.mark.parametrize("order", list(itertools.permutations(("island", "node", "cluster"))),
-                         ids=">".join)
-def test_every_order_of_the_stages_composes_to_the_whole_collective(order):
+def _compose_cases():
+    """(mesh, axis, order): every order of the stages of tp over three levels on 8 ranks and
+    of dp (strided: tp = 2 inside) on 16, and some of tp over four levels on 16."""
+    three = (("island", 2), ("node", 4), ("cluster", 8))
+    four = (("pair", 2), ("node", 4), ("rack", 8), ("cluster", 16))
+    meshes = [("tp8", Mesh(("tp",), (8,), gpus_per_node=4, levels=three), "tp"),
+              ("tp2_dp8", Mesh(("tp", "dp"), (2, 8), gpus_per_node=4, levels=three[:2] + (("cluster", 16),)), "dp"),
+              ("tp16_four_levels", Mesh(("tp",), (16,), gpus_per_node=4, levels=four), "tp")]
+    cases = []
+    for name, mesh, axis in meshes:
+        stages = tuple(level for level, _, _ in mesh.level_stages(axis))
+        orders = list(itertools.permutations(stages))
+        step = 1 if len(orders) <= 6 else 5  # four levels: 5 of the 24 orders
+        cases += [pytest.param(mesh, axis, order, id=f"{name}:{'>'.join(order)}") for order in orders[::step]]
+    return cases
+
+
+@pytest.mark.parametrize(("mesh", "axis", "order"), _compose_cases())
+def test_every_order_of_the_stages_composes_to_the_whole_collective(mesh, axis, order):
     torch = pytest.importorskip("torch")
-    program = run_until(text(""), "t.dhx", "partition")  # the collectives whole
-    mesh, ops = program.mesh, comms(program)
+    from dhelix.dsl.core.program import Op
+
+    n, rows = mesh.size(axis), 2
+    gather = Op("ag", "all_gather", "comm", "all_gather", ("x",), ((rows, 3),), (rows * n, 3), axis=axis,
+                group_size=n)
+    scatter = Op("rs", "reduce_scatter", "comm", "reduce_scatter", ("y",), ((rows * n, 3),), (rows, 3), axis=axis,
+                 group_size=n)
     gen = torch.Generator().manual_seed(3)
-    blocks = {rank: torch.randn(2, 3, generator=gen) for rank in range(8)}
-    gathered = _staged_gather(mesh, split_over_levels(ops["ag1"], mesh, order), blocks)
-    whole = torch.cat([blocks[rank] for rank in range(8)])
-    assert all(torch.equal(x, whole) for x in gathered.values())
-    inputs = {rank: torch.randn(16, 3, generator=gen) for rank in range(8)}
-    scattered = _staged_scatter(mesh, split_over_levels(ops["rs1"], mesh, order), inputs)
-    total = sum(inputs.values())
-    for rank, x in scattered.items():
-        assert torch.allclose(x, total[2 * rank: 2 * rank + 2], atol=1e-6), rank
+    blocks = {rank: torch.randn(rows, 3, generator=gen) for rank in range(mesh.world)}
+    gathered = _staged_gather(mesh, split_over_levels(gather, mesh, order), blocks)
+    inputs = {rank: torch.randn(rows * n, 3, generator=gen) for rank in range(mesh.world)}
+    scattered = _staged_scatter(mesh, split_over_levels(scatter, mesh, order), inputs)
+    for group in mesh.groups(axis):
+        whole = torch.cat([blocks[rank] for rank in group])
+        total = sum(inputs[rank] for rank in group)
+        for place, rank in enumerate(group):
+            assert torch.equal(gathered[rank], whole), rank
+            assert torch.allclose(scattered[rank], total[rows * place: rows * (place + 1)], atol=1e-6), rank
 
 
 # -- the planner, the cost model and the simulator -----------------------------------------------
