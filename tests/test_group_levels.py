@@ -345,3 +345,22 @@ def test_all_reduces_over_three_levels_run_exactly(tmp_path):
     assert [op.name for op in program.forward.ops if op.kind == "comm"] == ["ar.cluster", "ar.island", "ar"]
     for rank, (out_diff, grad_diff) in enumerate(gloo_results(_all_reduce_runs, 8, tmp_path)):
         assert out_diff <= 1e-5 and grad_diff <= 1e-5, (rank, out_diff, grad_diff)
+
+
+def test_nodes_of_another_size_than_the_levels_declare_are_an_error():
+    from dhelix.dsl.passes.overrides import with_nodes
+
+    program = run_until(text(), "t.dhx", "check")
+    assert with_nodes(program, 4).mesh.levels == program.mesh.levels
+    with pytest.raises(DhelixError, match="levels are declared for nodes of 4 GPUs, but the nodes hold 8"):
+        with_nodes(program, 8)
+
+
+def test_check_dump_shows_the_levels_and_each_stages_link(capsys):
+    from dhelix.cli import main
+
+    assert main(["check", str(EXAMPLE), "--dump", "check"]) == 0
+    assert "levels island 2 < node 4 < cluster 8" in capsys.readouterr().out
+    assert main(["check", str(EXAMPLE), "--dump", "partition"]) == 0
+    dumped = capsys.readouterr().out
+    assert "all_gather(tp.cluster=2) comm/cross" in dumped and "link=island" in dumped
