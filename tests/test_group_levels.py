@@ -150,7 +150,8 @@ def test_a_group_inside_one_node_splits_over_its_islands():
     # tp = 4 inside a node spans the island and the node, not the cluster.
     ("group ag1 first cluster", "tp = 4  dp = 2",
      "t.dhx:11:9: cannot run 'ag1' over level 'cluster' first: its tp group spans island and node"),
-    ("group ag1", "tp = 2  dp = 4", "t.dhx:11:9: cannot group-partition 'ag1': its tp group [0, 1] lies inside one island"),
+    ("group ag1", "tp = 2  dp = 4",
+     "t.dhx:11:9: cannot group-partition 'ag1': its tp group [0, 1] lies inside one island"),
     ("group ag1;chunk ag1 + qkv by stages", "tp = 8",
      "t.dhx:12:9: 'by stages' computes on what the first stage of a group-partitioned all_gather brought, and ag1 "
      "has no stages: its group partition runs over the cluster's levels"),
@@ -283,7 +284,8 @@ def test_each_stage_is_priced_with_its_levels_link_and_the_simulator_sees_it(tmp
 
 def test_a_profile_link_must_be_a_plain_name(tmp_path):
     shipped = (ROOT / "stdlib_schedules" / "a40.yaml").read_text()
-    (tmp_path / "bad.yaml").write_text(shipped.replace("\nlinks:\n", "\nlinks:\n  Island-1: {bw_gbps: 3, latency_us: 1}\n"))
+    bad = shipped.replace("\nlinks:\n", "\nlinks:\n  Island-1: {bw_gbps: 3, latency_us: 1}\n")
+    (tmp_path / "bad.yaml").write_text(bad)
     path = tmp_path / "p.dhx"
     path.write_text(text(profile="bad.yaml"))
     with pytest.raises(DhelixError, match="'Island-1' cannot name a level's link"):

@@ -315,7 +315,8 @@ def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollec
                               ["expert-parallel groups are carved out of the data-parallel groups"]))
         return None, block
     per_node = cluster.gpus_per_node if cluster else 1
-    mesh = Mesh(order, sizes, ep, per_node, levels=cluster.levels if cluster else (), spans={axis: block.span(axis) for axis in block.values})
+    mesh = Mesh(order, sizes, ep, per_node, levels=cluster.levels if cluster else (),
+                spans={axis: block.span(axis) for axis in block.values})
     if cluster is not None and mesh.world != cluster.nodes * cluster.gpus_per_node:
         product = " x ".join(f"{a} {n}" for a, n in zip(order, sizes) if n > 1) or "1"
         errors.add(CheckError(f"the mesh has {mesh.world} ranks ({product}) but the cluster has "

@@ -9,6 +9,8 @@ runs one stage per level a group spans (:meth:`dhelix.dsl.core.mesh.Mesh.level_s
 
 from __future__ import annotations
 
+import itertools
+
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.mesh import CLUSTER_LEVEL, INTER, INTRA, NODE_LEVEL, REPLICATE, SHARD
 
@@ -18,12 +20,12 @@ RESERVED = (CLUSTER_LEVEL, INTRA, INTER, SHARD, REPLICATE, "rest", "rs", "ag", "
 
 
 def build_levels(block, nodes: int, gpus_per_node: int, errors: ErrorCollector) -> tuple[tuple[str, int], ...]:
-    """The full topology of a levels block (its evaluated settings, ``BlockValues``), ``((level, GPUs per unit), …)`` smallest first,
-    with the node (``gpus_per_node``) and the whole cluster added where not written; () after
-    recording located errors: a value that is not a whole number of at least 2, a reserved or
-    generated-looking name, levels out of order or not dividing the next, a ``node`` that is
-    not ``gpus_per_node``, a level of ``gpus_per_node`` GPUs named otherwise, a level that
-    does not divide the cluster."""
+    """The full topology of a levels block (its evaluated settings, ``BlockValues``),
+    ``((level, GPUs per unit), …)`` smallest first, with the node (``gpus_per_node``) and the
+    whole cluster added where not written; () after recording located errors: a value that is
+    not a whole number of at least 2, a reserved or generated-looking name, levels out of
+    order or not dividing the next, a ``node`` that is not ``gpus_per_node``, a level of
+    ``gpus_per_node`` GPUs named otherwise, a level that does not divide the cluster."""
     found = len(errors.errors)
     world = nodes * gpus_per_node
     written = []
@@ -58,7 +60,7 @@ def build_levels(block, nodes: int, gpus_per_node: int, errors: ErrorCollector) 
     if world not in [g for _, g in levels]:
         levels.append((CLUSTER_LEVEL, world))
     levels.sort(key=lambda level: level[1])
-    for (below, small), (name, large) in zip(levels, levels[1:]):
+    for (below, small), (name, large) in itertools.pairwise(levels):
         if large % small:  # only against the implicit node: the written ones are checked above
             span = next(sp for n, _, sp in written if n in (below, name))
             errors.add(CheckError(f"level '{name}' = {large} is not a multiple of '{below}' = {small}", span,
@@ -69,7 +71,7 @@ def build_levels(block, nodes: int, gpus_per_node: int, errors: ErrorCollector) 
 
 def _check_order(written, errors: ErrorCollector) -> None:
     """Errors for written levels that do not grow, or do not divide the next."""
-    for (below, small, _), (name, large, span) in zip(written, written[1:]):
+    for (below, small, _), (name, large, span) in itertools.pairwise(written):
         if large <= small:
             errors.add(CheckError(f"level '{name}' = {large} follows '{below}' = {small}", span,
                                   ["list the levels smallest first, each larger than the one before"]))
