@@ -112,8 +112,13 @@ def test_a_group_over_three_levels_is_a_2x2x2_mesh_of_sub_groups():
 
 
 def test_a_group_with_unequal_ranks_in_a_level_has_no_stages():
-    mesh = Mesh(("tp",), (6,), gpus_per_node=4, levels=(("island", 2), ("node", 4), ("cluster", 8)))
-    assert mesh.level_stages("tp") == "the tp group [0, 1, 2, 3, 4, 5] has 4 in node 0, 2 in node 1"
+    from dhelix.dsl.passes.group_levels import stages_of
+
+    mesh = Mesh(("tp", "dp"), (3, 4), gpus_per_node=4, levels=(("island", 2), ("node", 4), ("cluster", 12)))
+    assert mesh.level_stages("tp") == "the tp group [0, 1, 2] has 2 in island 0, 1 in island 1"
+    error = stages_of("ag1", "tp", mesh, None)
+    assert error.message == "cannot group-partition 'ag1': its sub-groups are unbalanced"
+    assert error.notes[0] == mesh.level_stages("tp")
 
 
 # -- the partition ------------------------------------------------------------------------------
