@@ -371,3 +371,12 @@ def test_check_dump_shows_the_levels_and_each_stages_link(capsys):
     assert main(["check", str(EXAMPLE), "--dump", "partition"]) == 0
     dumped = capsys.readouterr().out
     assert "all_gather(tp.cluster=2) comm/cross" in dumped and "link=island" in dumped
+
+
+def test_a_levels_link_survives_the_profile_writer(tmp_path):
+    from dhelix.dsl.frontend.profile_writer import render_profile
+    from dhelix.dsl.frontend.profiles import load_profile
+
+    profile = load_profile(str(tmp_path / _with_island_link(tmp_path, 300.0)))
+    (tmp_path / "written.yaml").write_text(render_profile(profile))
+    assert load_profile(str(tmp_path / "written.yaml")).links == profile.links
