@@ -35,6 +35,9 @@ INTRA, INTER = "intra", "inter"
 #: the weights) and the ranks at the same place in every such group (``dp.replicate``, over
 #: which the shards' gradients are all-reduced). A dp position is ``replicate * K + shard``.
 SHARD, REPLICATE = "shard", "replicate"
+#: The level of a declared topology (``cluster { levels { … } }``) whose units are the nodes,
+#: and the one whose unit is the whole cluster, added when the levels stop below it.
+NODE_LEVEL, CLUSTER_LEVEL = "node", "cluster"
 
 
 def base_axis(axis: str) -> str:
@@ -57,6 +60,11 @@ class Mesh:
     gpus_per_node: int = 1
     #: The size of the FSDP shard groups under hybrid sharding (0: none; see SHARD).
     dp_shard: int = 0
+    #: The cluster's declared topology, ``((level, GPUs per unit), …)`` smallest first, the
+    #: node and the whole cluster included; () for two levels (node and cluster) undeclared.
+    #: A group partition over it splits a group into one stage per level (sub-axis
+    #: ``tp.island``: the group's ranks in one island), :meth:`level_stages`.
+    levels: tuple[tuple[str, int], ...] = ()
     #: Where each written axis is set in the mesh block (axis → span), for located warnings.
     spans: dict = spans_field()
 
@@ -122,12 +130,37 @@ class Mesh:
         hybrid = (f"dp.{SHARD}", f"dp.{REPLICATE}") if 1 < self.dp_shard < self.size("dp") else ()
         return tuple(f"{axis}.{part}" for axis in self.order + hybrid[:1]
                      if isinstance(split := self.hierarchy(axis), tuple) and split[0] > 1
-                     for part in (INTRA, INTER)) + hybrid
+                     for part in (INTRA, INTER)) + hybrid + self._level_axes()
+
+    def _level_axes(self) -> tuple[str, ...]:
+        """The level sub-axes (``tp.island``) of every listed axis split over two levels or more."""
+        out = []
+        for axis in self.order:
+            stages = self.level_stages(axis)
+            if not isinstance(stages, str) and len(stages) > 1:
+                out += [f"{axis}.{level}" for level, _, _ in stages]
+        return tuple(out)
+
+    def level_stages(self, axis: str) -> tuple[tuple[str, int, int], ...] | str:
+        """The stages of a group partition of mesh axis ``axis`` over the declared levels
+        (Centauri §3.1.2's d-dimensional mesh [N1 … Nd]): ``(level, size, stride)`` for each
+        level that splits its groups, smallest level first — the group's ranks in one unit of
+        the level at the same place in the units of the level below; () without declared
+        levels or for groups inside one unit of the smallest; else a sentence saying how a
+        group is unbalanced (unequal ranks in the units of a level)."""
+        return _level_stages(self, axis)
 
     def _sub(self, axis: str) -> tuple[int, int]:
         """(size, stride) of sub-axis ``axis``: a mesh axis's (``tp.intra``, ``dp.shard``) or a
         sub-axis's group partition (``dp.shard.inter``)."""
         base, _, part = axis.rpartition(".")
+        if part in dict(self.levels) and "." not in base:
+            stages = self.level_stages(base)
+            found = [(size, stride) for level, size, stride in stages if level == part] \
+                if not isinstance(stages, str) else []
+            if not found:
+                raise ValueError(f"{axis}: {base} has no {part} stage on this mesh")
+            return found[0]
         if part in (SHARD, REPLICATE):
             if base != "dp" or not 1 < self.dp_shard < self.size("dp"):
                 raise ValueError(f"{axis}: the mesh has no hybrid sharding of dp")
@@ -169,6 +202,26 @@ def _groups(mesh: Mesh, axis: str) -> tuple[tuple[int, ...], ...]:
         seen.update(group)
         out.append(group)
     return tuple(sorted(out))
+
+
+@functools.cache
+def _level_stages(mesh: Mesh, axis: str) -> tuple[tuple[str, int, int], ...] | str:
+    if not mesh.levels or mesh.size(axis) <= 1:
+        return ()
+    group, stride = mesh.groups(axis)[0], mesh.stride(axis)
+    stages, below = [], 1  # ranks of the group in one unit of the level below
+    for level, gpus in mesh.levels:
+        counts = collections.Counter(rank // gpus for rank in group)
+        if len(set(counts.values())) > 1:
+            spread = ", ".join(f"{n} in {level} {unit}" for unit, n in sorted(counts.items()))
+            return f"the {axis} group {list(group)} has {spread}"
+        inside = next(iter(counts.values()))
+        if inside % below:
+            return f"the {axis} group {list(group)} has {inside} ranks in each {level}, not a multiple of {below}"
+        if inside > below:
+            stages.append((level, inside // below, stride * below))
+        below = inside
+    return tuple(stages)
 
 
 @functools.cache

@@ -56,6 +56,8 @@ class Cluster:
     nodes: int
     gpus_per_node: int
     profile: str | None
+    #: The topology of its levels block (:attr:`dhelix.dsl.core.mesh.Mesh.levels`); ().
+    levels: tuple[tuple[str, int], ...] = ()
     span: object = span_field()
     profile_span: object = span_field()
 

@@ -84,9 +84,19 @@ class ModelDef(Node):
 
 
 @attrs.frozen
+class Levels(Node):
+    """``levels { island = 2  node = 4 }`` inside a cluster block: the GPUs in one unit of
+    each level of the topology, smallest first."""
+
+    settings: tuple[Setting, ...]
+    #: What code that reads a block's settings by key sees (it sets no value of the block).
+    key = "levels"
+
+
+@attrs.frozen
 class ConfigBlock(Node):
     kind: str  # cluster | mesh | train
-    settings: tuple[Setting, ...]
+    settings: tuple[Setting | Levels, ...]  # a Levels block only in a cluster block
 
 
 @attrs.frozen
@@ -250,7 +260,8 @@ class Move(Node):
 class Group(Node):
     """``group ag1 + rs1 [first inter]``: run each collective as sub-collectives over the
     node-local and the cross-node part of its group, the sub-group ``first`` names (``inter``
-    or ``intra``; None: chosen by cost) first. Spans: ``ops.i`` and ``first``."""
+    or ``intra``; a level when the cluster declares levels; None: chosen by cost) first.
+    Spans: ``ops.i`` and ``first``."""
 
     ops: tuple[str, ...]
     first: str | None = None

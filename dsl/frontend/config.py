@@ -12,6 +12,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.dtypes import DTYPES
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.frontend.exprs import UnknownName, evaluate
+from dhelix.dsl.frontend.levels import build_levels
 from dhelix.dsl.frontend.limits import MAX_CHUNKS, range_error
 from dhelix.dsl.core.mesh import DIMENSIONS, MESH_AXES, Mesh
 from dhelix.dsl.core.program import (AUTO, FOLD_KINDS, OVERLAP_KINDS, Cluster, FoldSpec, Model, Strands, Train,
@@ -206,16 +207,24 @@ def _check_positive(kind: str, block: BlockValues, keys, errors: ErrorCollector,
 
 
 def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None:
-    """The Cluster of a cluster block (nodes and gpus_per_node are required)."""
-    block = evaluate_block(node.settings, errors, CLUSTER_KEYS, strings=("profile",))
+    """The Cluster of a cluster block (nodes and gpus_per_node are required), with the
+    topology of its levels block when it has one (:mod:`dhelix.dsl.frontend.levels`)."""
+    levels = [item for item in node.settings if isinstance(item, s.Levels)]
+    block = evaluate_block([item for item in node.settings if not isinstance(item, s.Levels)], errors, CLUSTER_KEYS,
+                           strings=("profile",))
     positive = _check_positive("cluster", block, [k for k in ("nodes", "gpus_per_node") if k in block.values], errors)
     if not _require(node, block, ("nodes", "gpus_per_node"), "cluster { nodes = 1  gpus_per_node = 4 }", errors):
         return None
     if not positive:
         return None
     v = block.values
+    for extra in levels[1:]:
+        errors.add(CheckError("a second levels block", extra.span, [f"the first is at line {levels[0].span.line}"]))
+    topology = build_levels(evaluate_block(levels[0].settings, errors), v["nodes"], v["gpus_per_node"], errors) \
+        if levels else ()
     profile_span = block.nodes["profile"].value.span if "profile" in block.nodes else None
-    return Cluster(v["nodes"], v["gpus_per_node"], v.get("profile"), span=node.span, profile_span=profile_span)
+    return Cluster(v["nodes"], v["gpus_per_node"], v.get("profile"), topology, span=node.span,
+                   profile_span=profile_span)
 
 
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
@@ -306,7 +315,8 @@ def build_mesh(node: s.ConfigBlock, cluster: Cluster | None, errors: ErrorCollec
                               ["expert-parallel groups are carved out of the data-parallel groups"]))
         return None, block
     per_node = cluster.gpus_per_node if cluster else 1
-    mesh = Mesh(order, sizes, ep, per_node, spans={axis: block.span(axis) for axis in block.values})
+    mesh = Mesh(order, sizes, ep, per_node, levels=cluster.levels if cluster else (),
+                spans={axis: block.span(axis) for axis in block.values})
     if cluster is not None and mesh.world != cluster.nodes * cluster.gpus_per_node:
         product = " x ".join(f"{a} {n}" for a, n in zip(order, sizes) if n > 1) or "1"
         errors.add(CheckError(f"the mesh has {mesh.world} ranks ({product}) but the cluster has "

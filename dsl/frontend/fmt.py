@@ -138,6 +138,7 @@ _LEAVES: dict[type, Callable[..., str]] = {
 _BLOCKS: dict[type, Callable[..., tuple[str, tuple]]] = {
     s.ModelDef: lambda n: (f"model {n.name}", n.settings),
     s.ConfigBlock: lambda n: (n.kind, n.settings),
+    s.Levels: lambda n: ("levels", n.settings),
     s.PipelineDef: lambda n: (f"pipeline {n.name}" + (f" for {n.fold}" if n.fold else ""), n.body),
     s.Repeat: lambda n: (f"repeat {format_expr(n.count)}", n.body),
     s.LayerDef: lambda n: (f"layer {n.name}", n.body),

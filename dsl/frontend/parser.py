@@ -370,6 +370,9 @@ class _Builder(Transformer):
     def cluster_def(self, meta, children):
         return self._block("cluster", meta, children)
 
+    def levels_def(self, meta, children):
+        return s.Levels(tuple(children), span=self._span(meta))
+
     def mesh_def(self, meta, children):
         return self._block("mesh", meta, children)
 

@@ -52,7 +52,7 @@ def render_profile(profile: Profile, notes: Mapping[str, str] | None = None, hea
         out.value(cls, _num(profile.achieved[cls]), f"achieved.{cls}", 1)
     out.blank()
     out.section("links", "links")
-    for lane in COMM_LANES:
+    for lane in [*COMM_LANES, *(name for name in profile.links if name not in COMM_LANES)]:  # levels' after
         link = profile.links[lane]
         out.value(lane, _flow({"bw_gbps": _num(link.bw_gbps), "latency_us": _num(link.latency_us)}),
                   f"links.{lane}", 1)

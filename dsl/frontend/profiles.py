@@ -20,6 +20,8 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
     links*:
       local*: {bw_gbps*, latency_us*} # node-local collectives: NCCL bus bandwidth
       cross*: {bw_gbps*, latency_us*} # cross-node: bandwidth per GPU
+      island: {bw_gbps*, latency_us*} # a level of a cluster's levels block: its stages'
+                                      #   link (absent: local inside a node, else cross)
     collectives:                      # optional; each {model, efficiency (0, 1]}
       all_gather, reduce_scatter, all_reduce, all_to_all, p2p, reduce, broadcast
                                       # model: ring | ring_allreduce | pairwise | p2p | rooted
@@ -92,6 +94,7 @@ MAX_YAML_DEPTH = 16
 #: in its unit (TFLOP/s, GB/s, µs, fractions): outside it a cost would underflow to 0 or
 #: overflow to inf, and no hardware is that fast or slow.
 MIN_MAGNITUDE, MAX_MAGNITUDE = 1e-6, 1e9
+_LEVEL = re.compile(r"[a-z_][a-z0-9_]*")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*(@[A-Za-z_]+)?")
 
 
@@ -288,12 +291,17 @@ def _build(reader: "_Reader", top: dict, path: str) -> Profile | None:
 
 
 def _links(reader: "_Reader", node) -> dict | None:
-    lanes = reader.mapping(node, "links", COMM_LANES, COMM_LANES)
+    # Besides the two lanes, a link per level of a declared topology (``island``, ``rack``).
+    lanes = reader.mapping(node, "links", None, COMM_LANES)
     if lanes is None:
         return None
     out = {}
-    for lane in COMM_LANES:
+    for lane in lanes:
         where = f"links.{lane}"
+        if lane not in COMM_LANES and not _LEVEL.fullmatch(lane):
+            reader.error(reader.key_nodes[id(lanes[lane])], f"'{lane}' cannot name a level's link",
+                         ["links: local, cross, and one per level of a cluster's levels block (a plain name)"])
+            continue
         keys = reader.mapping(lanes.get(lane), where, ("bw_gbps", "latency_us"), ("bw_gbps", "latency_us"))
         if keys is None:
             continue
@@ -301,7 +309,7 @@ def _links(reader: "_Reader", node) -> dict | None:
         latency = reader.number(keys.get("latency_us"), f"{where}.latency_us", nonneg=True)
         if bw is not None and latency is not None:
             out[lane] = Link(bw, latency)
-    return out if len(out) == len(COMM_LANES) else None
+    return out if all(lane in out for lane in COMM_LANES) else None
 
 
 def _peak(reader: "_Reader", node) -> dict | None:

@@ -64,7 +64,8 @@ def dump_config(program: Program) -> str:
     lines.append(f"model {m.name}: layer {m.layer}, dtype {m.dtype}")
     lines += [f"  {k} = {v}" for k, v in m.settings]
     c = program.cluster
-    lines.append(f"cluster: {c.nodes} nodes x {c.gpus_per_node} GPUs, profile {c.profile or '-'}")
+    lines.append(f"cluster: {c.nodes} nodes x {c.gpus_per_node} GPUs, profile {c.profile or '-'}"
+                 + (", levels " + " < ".join(f"{level} {gpus}" for level, gpus in c.levels) if c.levels else ""))
     mesh = program.mesh
     lines.append(f"mesh: {mesh.world} ranks, order {' '.join(mesh.order)}"
                  + (f", ep {mesh.ep} inside dp" if mesh.ep > 1 else ""))

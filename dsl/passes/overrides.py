@@ -23,7 +23,7 @@ from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.frontend.limits import limit_of
 from dhelix.dsl.frontend.profiles import load_profile
-from dhelix.dsl.core.errors import DhelixError, ErrorGroup, UsageError
+from dhelix.dsl.core.errors import CheckError, DhelixError, ErrorGroup, UsageError
 from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.core.program import FOLD_KINDS, FoldSpec, LayerDag, Program, fold_kinds_text
 from dhelix.dsl.core.wording import did_you_mean
@@ -103,6 +103,10 @@ def with_nodes(program: Program, gpus_per_node: int) -> Program:
     partitions follow them. The passes after check are not run."""
     if program.cluster is None:
         return program
+    if program.cluster.levels and gpus_per_node != program.cluster.gpus_per_node:
+        raise CheckError(f"the cluster's levels are declared for nodes of {program.cluster.gpus_per_node} GPUs, "
+                         f"but the nodes hold {gpus_per_node}", program.cluster.span,
+                         ["declare the levels of the nodes the program runs on, or run with --topology declared"])
     cluster = attrs.evolve(program.cluster, nodes=program.mesh.world // gpus_per_node, gpus_per_node=gpus_per_node)
     return attrs.evolve(program, cluster=cluster, mesh=attrs.evolve(program.mesh, gpus_per_node=gpus_per_node))
 

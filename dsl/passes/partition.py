@@ -55,7 +55,8 @@ interpreter see ordinary operators:
   node's sums, not each rank's). Those orders see the rank blocks grouped by place on the node,
   so their node-local stage regroups them (:data:`~dhelix.dsl.core.oplib.REGROUP`). Chunks of
   the collective are split too. A group inside one node, or one with unequal ranks on its
-  nodes, is refused.
+  nodes, is refused. When the cluster declares levels, the collective runs one stage per
+  level instead (:mod:`dhelix.dsl.passes.group_levels`).
 
 Chunks of a weighted operator share its weight: their ``Op.origin`` names the written op
 (along outputs each holds its own columns of it). The chunk statements' rewrites live in
@@ -74,6 +75,7 @@ from dhelix.dsl.core.mesh import INTER, INTRA, Mesh
 from dhelix.dsl.core.oplib import DISTINCT_ROOTS, REGROUP, ROOT
 from dhelix.dsl.core.program import AUTO, LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
+from dhelix.dsl.passes.group_levels import checked_level, split_at_levels
 from dhelix.dsl.passes.priority import PRIORITIES
 from dhelix.dsl.passes.workload import (STAGES, by_stages, checked_chain, chunk_statements, chunked, is_auto,
                                         is_stages, named_op)
@@ -128,7 +130,7 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
         if chain is not None and chain[1] > 1:
             fwd = chunked(fwd, *chain)
     for st in block.body:
-        if isinstance(st, s.Group) and _checked_first(st, errors):
+        if isinstance(st, s.Group) and _checked_first(st, mesh, errors):
             for i, name in enumerate(st.ops):
                 if name == WEIGHTS and name not in {op.name for op in fwd.ops}:
                     continue  # ZeRO-3's collectives: split by the fsdp pass
@@ -173,7 +175,9 @@ def fewest_cross_bytes(op: str) -> str:
     return _CHEAP_FIRST[op]
 
 
-def _checked_first(st: s.Group, errors: ErrorCollector) -> bool:
+def _checked_first(st: s.Group, mesh: Mesh, errors: ErrorCollector) -> bool:
+    if mesh.levels and st.ops != (WEIGHTS,):  # ZeRO-3's gathers split at the node: inter, intra
+        return st.first is None or checked_level(st, mesh, errors)
     if st.first is None or st.first in ORDERS:
         return True
     errors.add(CheckError(f"unknown sub-group '{st.first}' to run first (inter or intra)", st.span_of("first"),
@@ -199,6 +203,8 @@ def _group_partition(fwd: LayerDag, name: str, span, mesh: Mesh, errors: ErrorCo
         errors.add(CheckError(f"cannot group-partition '{name}': {op.op} has no hierarchical form here",
                               span, [f"group partition splits {join_words(list(_CHEAP_FIRST), 'or')}"]))
         return fwd
+    if mesh.levels:
+        return split_at_levels(fwd, op, targets, span, mesh, errors, first)
     problem = unsplittable(name, op.axis, mesh, span)
     if problem is not None:
         errors.add(problem)

@@ -258,8 +258,11 @@ def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollect
     first = next((o for o in fwd.ops if gather.op == "all_gather" and gather.inputs == (o.name,)
                   and o.name in (f"{name}.{INTER}", f"{name}.{INTRA}")), None)
     if first is None:
-        what = f"it is {gather.op}, not an all_gather" if gather.op != "all_gather" else "it is not group-partitioned"
-        notes = [f"add: group {name}"] if gather.op == "all_gather" else []
+        leveled = gather.op == "all_gather" and gather.inputs and gather.inputs[0].startswith(f"{name}.")
+        what = f"it is {gather.op}, not an all_gather" if gather.op != "all_gather" else \
+            "its group partition runs over the cluster's levels" if leveled else "it is not group-partitioned"
+        notes = ["'by stages' splits a chain at the two stages of a group partition without declared levels "
+                 "(inter and intra)"] if leveled else [f"add: group {name}"] if gather.op == "all_gather" else []
         errors.add(CheckError(f"{lead}: {what}", spans[name],
                               notes + ["the chain starts with the gather (Centauri Algorithm 1: the uneven "
                                        "workload partition of a hierarchical all_gather)"]))

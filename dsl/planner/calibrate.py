@@ -262,6 +262,9 @@ def _links(sweep: Sequence[SweepPoint], base: Profile, notes: dict) -> dict:
         first = points[0]
         notes[f"links.{lane}"] = (f"[measured] ring fit of {len(points)} all_gather sizes over {first.axis} "
                                   f"({first.group} ranks), {_size(points[0].full_bytes)}-{_size(points[-1].full_bytes)}")
+    for level in [name for name in base.links if name not in links]:  # a topology level's: not swept
+        links[level] = base.links[level]
+        notes[f"links.{level}"] = f"[from {base.name}] not measured: the sweep times the local and cross lanes"
     return links
 
 

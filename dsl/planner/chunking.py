@@ -53,6 +53,8 @@ from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.core.oplib import DGRAD, PARTITION_DIMS
+from dhelix.dsl.core.mesh import base_axis
+from dhelix.dsl.passes.group_levels import ORDER_JOIN, default_order, every_order, order_text, stages_of
 from dhelix.dsl.passes.partition import ORDERS, WEIGHTS, fewest_cross_bytes, is_auto_substitution, scalable_form
 from dhelix.dsl.passes.workload import STAGES, chunk_statements, is_auto
 from dhelix.dsl.passes.priority import PRIORITIES, backward_statement
@@ -105,8 +107,10 @@ class OrderChoice:
     block = "partition"  # the block whose statement it chose for
 
     def describe(self) -> str:
-        """``group ag1: inter first (inter: 1.234 ms, intra: 1.456 ms; …)``."""
-        return _described(f"{self.what}: {self.chosen} first", self.candidates)
+        """``group ag1: inter first (inter: 1.234 ms, intra: 1.456 ms; …)``; over declared
+        levels ``group ag1: cluster>node>island (island>node>cluster: 1.234 ms, …)``."""
+        first = "" if ORDER_JOIN in self.chosen else " first"
+        return _described(f"{self.what}: {self.chosen}{first}", self.candidates)
 
 
 @attrs.frozen
@@ -189,14 +193,28 @@ def choose_orders(program: Program) -> tuple[Program, tuple[OrderChoice, ...]]:
     orders = dict(program.group_orders)
     choices = []
     for name, op in names:
+        tried, default = _orders_of(program, name, op)
         candidates = tuple(Candidate(order, *_price(attrs.evolve(
-            program, group_orders=tuple(sorted({**orders, name: order}.items()))))) for order in ORDERS)
+            program, group_orders=tuple(sorted({**orders, name: order}.items()))))) for order in tried)
         # A measured profile holds the ops of one order: the other is refused, not an error.
-        best = _fastest(candidates, fewest_cross_bytes(op))
+        best = _fastest(candidates, default)
         orders[name] = best
         choices.append(OrderChoice(f"group {name}", best, candidates))
     chosen = attrs.evolve(program, group_orders=tuple(sorted(orders.items())))
     return passes.rerun(chosen, after="check"), tuple(choices)
+
+
+def _orders_of(program: Program, name: str, kind: str) -> tuple[tuple[str, ...], str]:
+    """The orders to try for collective ``name`` (of ``kind``) of a group statement, and the
+    one ties go to: inter or intra first, or over a declared topology every order of the
+    levels its group spans (:mod:`dhelix.dsl.passes.group_levels`)."""
+    if not program.mesh.levels or name == WEIGHTS:
+        return ORDERS, fewest_cross_bytes(kind)
+    axis = next(base_axis(op.axis) for op in program.forward.ops if op.kind == "comm" and name in (op.name, op.origin))
+    stages = stages_of(name, axis, program.mesh, None)
+    if not isinstance(stages, tuple):
+        return ORDERS, fewest_cross_bytes(kind)
+    return tuple(order_text(order) for order in every_order(stages)), order_text(default_order(kind, stages))
 
 
 def _unordered(program: Program) -> list[tuple[str, str]]:
@@ -256,7 +274,7 @@ def _staged(program: Program, gather: str) -> tuple[float | None, str]:
     cheaper of both orders when no ``first`` fixes it (Algorithm 1 weighs the chunks with the
     order: the fast node-local stage first brings intra_size blocks to compute on while the
     slow one runs; the inter-node stage first brings inter_size)."""
-    if gather not in dict(_unordered(program)):
+    if gather not in dict(_unordered(program)) or program.mesh.levels:  # over levels: refused by the pass
         return _price(program)
     orders = dict(program.group_orders)
     priced = [_price(attrs.evolve(program, group_orders=tuple(sorted({**orders, gather: order}.items()))))

@@ -44,7 +44,7 @@ import attrs
 
 from dhelix.dsl.core.dtypes import dtype_bytes
 from dhelix.dsl.core.errors import DhelixError
-from dhelix.dsl.core.oplib import SPLIT_OPS, base_kind
+from dhelix.dsl.core.oplib import LINK, SPLIT_OPS, base_kind
 from dhelix.dsl.frontend.profiles import COMPUTE_BOUND, Profile
 
 ATTENTION_BWD_FACTOR = 2.5  # FlashAttention-2 backward recomputes P (NOTES §3.2, B13)
@@ -213,12 +213,14 @@ def wire_bytes(kind: str, size_bytes: float, group: int) -> float:
 
 
 def collective_time(kind: str, size_bytes: float, group: int, lane: str, profile: Profile,
-                    per_node: int = 1) -> float:
+                    per_node: int = 1, level: str | None = None) -> float:
     """Seconds for collective ``kind`` of ``size_bytes`` (S of NOTES §3.6) over ``group`` GPUs
     on ``lane`` (local or cross), by the profile's model for that collective. ``per_node``:
     ranks of the group on each node when it spans nodes (a ring's bandwidth, see
-    :func:`ring_bandwidth`)."""
-    link = profile.links[lane]
+    :func:`ring_bandwidth`). ``level``: the topology level whose link a group partition's
+    stage crosses (:data:`~dhelix.dsl.core.oplib.LINK`): the profile's link of that name
+    where it has one, else the lane's."""
+    link = profile.links.get(level, profile.links[lane]) if level else profile.links[lane]
     model = profile.collectives[kind]
     bandwidth = link.bw_gbps * 1e9 * model.efficiency_on(lane)
     alpha = link.latency_us * 1e-6
@@ -280,7 +282,8 @@ def op_tasks(op, profile: Profile, dtype: str, *, seq: int | None = None) -> tup
         keys = tuple(dict.fromkeys((op.name, op.op, op.op_class)))
         tasks.append(Task("compute", _compute_seconds(op, profile, dtype, seq), keys, "comp"))
     if kind is not None:
-        seconds = collective_time(kind, _full_bytes(op, dtype), op.group_size, op.lane, profile, op.per_node)
+        seconds = collective_time(kind, _full_bytes(op, dtype), op.group_size, op.lane, profile, op.per_node,
+                                  dict(op.params).get(LINK))
         tasks.append(Task(op.lane, seconds, (op.name, f"{kind}@{op.lane}"), _LANE_CLASS[op.lane]))
     return tuple(tasks)
 

@@ -21,6 +21,9 @@ Pruned as the paper prunes (and what keeps the search's bounds valid):
 * group partitions: every collective whose groups span nodes, in the order that carries the
   fewest bytes across nodes (:func:`~dhelix.dsl.passes.partition.fewest_cross_bytes`,
   written as ``first``, so the layout's layer DAGs — and its bounds — are those it runs);
+  over a cluster's declared levels every collective whose groups span two levels or more, its
+  default order's first level written as ``first``
+  (:func:`~dhelix.dsl.passes.group_levels.default_order`);
   under ZeRO-3, ``group weights`` when the data-parallel groups span nodes.
 
 With a pipeline that writes SI blocks the chains are left out (:func:`for_schedule`): SI
@@ -41,6 +44,7 @@ from __future__ import annotations
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import ErrorCollector
 from dhelix.dsl.core.program import AUTO, LayerDag, Op, Program
+from dhelix.dsl.passes.group_levels import default_order, stages_of
 from dhelix.dsl.passes.partition import WEIGHTS, fewest_cross_bytes, unsplittable
 from dhelix.dsl.passes.workload import checked_chain
 
@@ -65,11 +69,15 @@ def generated_partition(program: Program) -> s.PartitionDef | None:
             chain = _chain(fwd, op, dict(program.env), claimed, substituted)
             if chain is not None:
                 body.append(chain)
-    grouped = [op.name for op in fwd.ops if op.kind == "comm" and op.group_size > 1 and op.axis
-               and op.name not in substituted and op.op in ("all_gather", "reduce_scatter", "all_reduce")
-               and unsplittable(op.name, op.axis, mesh, None) is None]
-    for name in grouped:
-        body.append(s.Group((name,), fewest_cross_bytes(fwd.op(name).op)))
+    grouped = [op for op in fwd.ops if op.kind == "comm" and op.group_size > 1 and op.axis
+               and op.name not in substituted and op.op in ("all_gather", "reduce_scatter", "all_reduce")]
+    for op in grouped:
+        if mesh.levels:  # over declared levels: the default order's first level
+            stages = stages_of(op.name, op.axis, mesh, None)
+            if isinstance(stages, tuple):
+                body.append(s.Group((op.name,), default_order(op.op, stages)[0]))
+        elif unsplittable(op.name, op.axis, mesh, None) is None:
+            body.append(s.Group((op.name,), fewest_cross_bytes(op.op)))
     if program.train.zero == 3 and unsplittable(WEIGHTS, "dp", mesh, None) is None:
         body.append(s.Group((WEIGHTS,), None))
     return s.PartitionDef(tuple(body)) if body else None

@@ -93,18 +93,35 @@ class Pending:
         return self._result
 
 
-def regrouped(x: torch.Tensor, comm: "Communicator", axis: str, gathered: bool) -> torch.Tensor:
+def regrouped(x: torch.Tensor, comm: "Communicator", axis: str, gathered: bool, layout=True) -> torch.Tensor:
     """``x``'s rank blocks (equal slices along dim 0, one per rank of ``axis``'s whole group)
     reordered for the node-local stage ``axis`` (``tp.intra``) of a group-partitioned
     collective (:data:`~dhelix.dsl.core.oplib.REGROUP`). A rank's position in the group is
     ``inter · intra_size + intra``. After a gather across nodes then inside the node
     (``gathered``) the blocks come intra-major and go back to that order; before a
     reduce-scatter inside the node then across, they go intra-major, so that each intra
-    position receives the blocks of its place on every node."""
+    position receives the blocks of its place on every node. Over declared levels
+    ``layout`` names the stages' sub-axes in the order the blocks lie (outermost first):
+    :func:`levels_regrouped`."""
+    if layout is not True:
+        return levels_regrouped(x, comm, tuple(layout), gathered)
     base = axis.rpartition(".")[0]
     intra, inter = comm.size(f"{base}.{INTRA}"), comm.size(f"{base}.{INTER}")
     outer, inner = (intra, inter) if gathered else (inter, intra)
     return x.reshape(outer, inner, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
+def levels_regrouped(x: torch.Tensor, comm: "Communicator", layout: tuple[str, ...], gathered: bool) -> torch.Tensor:
+    """``x``'s rank blocks moved from ``layout`` (sub-axes, outermost first: how a
+    group-partitioned all_gather's stages left them) to the group's order (the sub-axis of
+    the largest stride outermost), or (not ``gathered``) from the group's order to
+    ``layout``, as a reduce_scatter's stages take them."""
+    sizes = {axis: comm.size(axis) for axis in layout}
+    group = sorted(layout, key=lambda axis: -(comm.mesh.stride(axis) if comm.mesh is not None else 0))
+    source, target = (layout, group) if gathered else (group, layout)
+    blocks = x.reshape(*(sizes[axis] for axis in source), -1, *x.shape[1:])
+    moved = blocks.permute(*(source.index(axis) for axis in target), *range(len(source), blocks.dim()))
+    return moved.reshape(x.shape)
 
 
 def stage_blocks(comm: "Communicator", axis: str, stage: str) -> list[int]:

@@ -592,13 +592,13 @@ def _all_gather(x, ctx):
         return gathered
 
     def finish(y):
-        return regrouped(y, ctx.comm, ctx.axis, gathered=True)
+        return regrouped(y, ctx.comm, ctx.axis, gathered=True, layout=ctx.params[REGROUP])
     return gathered.then(finish) if isinstance(gathered, Pending) else finish(gathered)
 
 
 def _reduce_scatter(x, ctx):
     if ctx.params.get(REGROUP):
-        x = regrouped(x, ctx.comm, ctx.axis, gathered=False)
+        x = regrouped(x, ctx.comm, ctx.axis, gathered=False, layout=ctx.params[REGROUP])
     return ctx.comm.reduce_scatter(x, ctx.axis, async_op=ctx.async_op)
 
 
