@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.core.oplib import LINK, REGROUP
@@ -301,7 +301,7 @@ def test_a_profile_link_must_be_a_plain_name(tmp_path):
 
 def _run_check(path) -> str:
     done = subprocess.run([sys.executable, "-m", "dhelix", "run", str(path), "--check", "--steps", "1"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+                          capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 

@@ -47,6 +47,20 @@ def _ranks(launcher: int, mark: str) -> list[int]:
     return [pid for pid in _marked(mark) if pid != launcher]
 
 
+def _described(pids) -> list[str]:
+    """Each process as ``pid name state: command line`` (what a failure shows of a survivor)."""
+    out = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+            out.append(f"{pid} {name} {state}: {cmd}")
+        except (OSError, ValueError):
+            out.append(f"{pid} (gone)")
+    return out
+
+
 def _named_ranks(pids) -> int:
     count = 0
     for pid in pids:
@@ -100,7 +114,8 @@ def test_a_launcher_killed_during_startup_leaves_no_rank(moment, cpu_load, tmp_p
         launcher.send_signal(signal.SIGKILL)
         launcher.wait(10)
         time.sleep(5.0)
-        assert _ranks(launcher.pid, mark) == [], f"ranks alive 5 s after the launcher was killed ({moment})"
+        survivors = _described(_ranks(launcher.pid, mark))
+        assert survivors == [], f"ranks alive 5 s after the launcher was killed ({moment})"
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from dhelix.cli import main
 from dhelix.dsl.render.report import SECTIONS
 
@@ -111,7 +111,7 @@ def _chromium(page: Path, tmp_path: Path) -> tuple[str, str]:
     result = subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--enable-logging=stderr",
          "--v=0", f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.resolve().as_uri()],
-        capture_output=True, text=True, timeout=120, check=False)
+        capture_output=True, text=True, timeout=HANG_S, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout, result.stderr
 

@@ -31,6 +31,7 @@ from dhelix.dsl.planner.si_plan import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.ops.weights import WeightPlan, param_name  # noqa: E402
 
 from distributed import TOL, assert_close, drive_layer, gloo_results  # noqa: E402
+from conftest import HANG_S  # noqa: E402
 
 SEED, DATA_SEED = 13, 4
 MB, SEQ, HEADS, KV_HEADS, D = 2, 16, 4, 2, 8
@@ -255,6 +256,6 @@ def test_dhelix_run_checks_a_cp_run_against_the_reference(tmp_path):
     path.write_text(text)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = subprocess.run([sys.executable, "-m", "dhelix", "run", str(path), "--steps", "1", "--check"],
-                            capture_output=True, text=True, env=env, timeout=90, cwd=root)
+                            capture_output=True, text=True, env=env, timeout=HANG_S, cwd=root)
     assert result.returncode == 0, result.stderr
     assert "step 1: loss" in result.stdout

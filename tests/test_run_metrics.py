@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import HANG_S  # noqa: E402
 
 pytest.importorskip("torch")
 pytest.importorskip("tqdm")
@@ -34,7 +35,7 @@ def test_metrics_hold_the_summary_figures_and_every_rank_s_steps(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     result = subprocess.run([sys.executable, "-m", "dhelix", "run", str(program), "--steps", "3",
                              "--no-si", "--metrics", str(metrics), "--json", "--eval-every", "2"],
-                            capture_output=True, text=True, env=env, timeout=90, cwd=ROOT)
+                            capture_output=True, text=True, env=env, timeout=HANG_S, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     data = json.loads(metrics.read_text())
     assert (data["si"], data["steps"], len(data["losses"])) == (False, 3, 3)

@@ -24,7 +24,7 @@ from dhelix.interpreter.verify.harness import replica_batch  # noqa: E402
 from dhelix.interpreter.training.schedule import MIN_LR_RATIO, LRSchedule  # noqa: E402
 from dhelix.interpreter.training.train import FAULT_ENV  # noqa: E402
 
-from conftest import docs_corpus, tiny_example_text  # noqa: E402
+from conftest import HANG_S, docs_corpus, tiny_example_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text()
@@ -58,7 +58,7 @@ def dhelix(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         full_env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "dhelix", *args], capture_output=True, text=True,
-                          env=full_env, timeout=120, cwd=ROOT)
+                          env=full_env, timeout=HANG_S, cwd=ROOT)
 
 
 # --- data ---------------------------------------------------------------------------------------

@@ -167,34 +167,44 @@ def run_local(options: "RunOptions", nproc: int, work: Work):
 
 
 #: What the forkserver imports once, so that ranks forked from it start with torch and the
-#: training loop loaded instead of importing them each (seconds per rank).
-PRELOAD = ["torch", "torch.distributed", "dhelix.interpreter.training.train"]
+#: training loop loaded instead of importing them each (seconds per rank); first the guard
+#: that makes it die with its launcher, before the long imports.
+PRELOAD = ["dhelix.interpreter.launch.forkserver_guard", "torch", "torch.distributed",
+           "dhelix.interpreter.training.train"]
 
 
 def rank_context():
     """The multiprocessing context local ranks start in: a forkserver that has imported
     :data:`PRELOAD` once (each rank is a fork of it: no re-import of torch per rank) where the
     platform has one (Linux, macOS), else spawn. Either way a rank starts from a fresh
-    interpreter's state, never a fork of the launcher (its threads, the store)."""
+    interpreter's state, never a fork of the launcher (its threads, the store). The server is
+    started here, named the launcher in its environment alone, so that it dies with this
+    process (:mod:`~dhelix.interpreter.launch.forkserver_guard`; only from the main thread,
+    whose end the kernel's parent-death signal follows)."""
     import multiprocessing
+    import threading
+    from multiprocessing import forkserver
+
+    from dhelix.interpreter.launch.forkserver_guard import LAUNCHER_PID
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
+    os.environ.pop(LAUNCHER_PID, None)
+    if threading.current_thread() is threading.main_thread():
+        os.environ[LAUNCHER_PID] = str(os.getpid())
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop(LAUNCHER_PID, None)
     return context
 
 
 def warm_up_ranks() -> None:
     """Start the forkserver of :func:`rank_context` now, so that its imports run while the
     command still compiles the program (a no-op where ranks are spawned, or when it runs)."""
-    import multiprocessing
-
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        rank_context()
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
+    rank_context()
 
 
 def _launcher_store(timeout: float):
