@@ -264,6 +264,7 @@ class _PairMatrix:
         axis_bits: dict[str, int] = {}
         self.traits = [[_traits(ops, rules, axis_bits) for ops in table.ops] for table in tables]
         self.cells: list[dict[int, float]] = [{} for _ in tables[0].ops]
+        self.lows: list[dict[int, float]] = [{} for _ in tables[0].ops]  # lower(f, b) by f, then b
         self.evaluations = 0
         bound = getattr(cost, "segment_bound", None)
         self.bounds = None if bound is None else [[bound(ops) for ops in table.ops] for table in tables]
@@ -284,16 +285,24 @@ class _PairMatrix:
                 value = self.cost.pair(self.tables[0].ops[f], self.tables[1].ops[b])
             else:
                 value = INF
-            row[b] = value
+            row[b] = self.lows[f][b] = value
         return value
 
     def lower(self, f: int, b: int) -> float:
-        """A lower bound of ``cell(f, b)`` (0 without the cost's bounds); exact once priced."""
-        value = self.cells[f].get(b) if f and b else None
-        if value is not None:
-            return value
+        """A lower bound of ``cell(f, b)`` (0 without the cost's bounds); exact once priced.
+        Each pair's bound is worked out once (the search asks for it from many states)."""
         if not f or not b:
             return self.solo[0][f] + self.solo[1][b] if f or b else INF
+        row = self.lows[f]
+        value = row.get(b)
+        if value is None:
+            value = row[b] = self._bound(f, b)
+        return value
+
+    def _bound(self, f: int, b: int) -> float:
+        value = self.cells[f].get(b)
+        if value is not None:
+            return value
         if not self.traits[0][f].allows(self.traits[1][b], self.rules.comm_with_comm):
             return INF
         if self.bounds is None:
