@@ -186,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked", action="store_true",
                         help="also plan a Llama-70B-shaped pair with three chunk chains (4 and 8 chunks)")
     args = parser.parse_args(argv)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}")
+          f"Python {platform.python_version()}; date: {time.strftime('%Y-%m-%d')}; load average {load}")
     segment = AUTO if args.max_segment is None else args.max_segment or None
     bounds = dict(max_segment=segment, max_prefixes=args.max_prefixes)
     llama_path = ROOT / "examples" / "llama39b_a40.dhx"

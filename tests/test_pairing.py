@@ -308,7 +308,7 @@ def test_the_default_search_equals_brute_force(problem, bounded):
 
 
 @PROPERTY
-@given(problems(), st.sampled_from([None, 2]))
+@given(problems(), st.sampled_from([None, 2, 3]))
 def test_pruning_by_bounds_returns_the_plan_pricing_everything_returns(problem, max_segment):
     fwd, bwd, strands, salt = problem
     pruned = plan_layers(fwd, bwd, strands, BoundedCost(salt), max_segment=max_segment)
