@@ -2,13 +2,16 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/planner_speed.py [--max-segment N] [--repeat R] [--unbounded]
+    .venv/bin/python benchmarks/planner_speed.py [--max-segment N] [--repeat R] [--unbounded] [--chunked]
 
 The pair cost is ``dsl.planner.paircost.PairCost`` with each program's profile (the shipped "a40")
 when that module is installed, else a synthetic three-lane cost defined below (the numbers
 then only show the search's own speed). Every timed run gets a fresh cost object, since
 PairCost caches its results. ``--unbounded`` also plans the Llama pair with segments of any
-length and says whether the default bound found the same plan.
+length and says whether the default bound found the same plan. ``--chunked`` also plans the SI
+pair of a Llama-70B-shaped layer (TP8 on 64 A40s) whose three Centauri chains (``ag1 + qkv``,
+``prj + rs1``, ``ag2 + fc1 + act + fc2 + rs2``) run in 4 and in 8 chunks, as a ``partition``
+block written by hand (or by ``dhelix tune`` without SI) makes them.
 """
 
 from __future__ import annotations
@@ -76,6 +79,28 @@ strands {
   movable wgrad, router
 }
 """
+
+# A Llama-70B-shaped layer pair with Centauri chunk chains (docs/language.md, "Partition").
+CHUNKED_PROGRAM = """
+import "stdlib/layers.dhx"
+import "stdlib/pipelines.dhx"
+model llama70b {{
+  layers = 80  hidden = 8192  ffn = 28672  heads = 64  kv_heads = 8  seq = 8192  vocab = 128256
+  dtype = bf16  layer = llama
+}}
+cluster {{ nodes = 8  gpus_per_node = 8  profile = "a40" }}
+mesh {{ tp = 8  pp = 2  dp = 4 }}
+train {{ micro_batch = 1  microbatches = 16  zero = 1 }}
+fold u
+pipeline w_helix
+strands {{ overlap tp  comm_with_comm on  movable wgrad }}
+partition {{
+  chunk ag1 + qkv by {k}
+  chunk prj + rs1 by {k}
+  chunk ag2 + fc1 + act + fc2 + rs2 by {k}
+}}
+"""
+CHUNKS = (4, 8)
 
 
 class SyntheticCost:
@@ -158,9 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prefixes", type=int, default=DEFAULT_MAX_PREFIXES)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--unbounded", action="store_true", help="also plan Llama with segments of any length")
+    parser.add_argument("--chunked", action="store_true",
+                        help="also plan a Llama-70B-shaped pair with three chunk chains (4 and 8 chunks)")
     args = parser.parse_args(argv)
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}")
+          f"Python {platform.python_version()}; date: {time.strftime('%Y-%m-%d')}; load average {load}")
     segment = AUTO if args.max_segment is None else args.max_segment or None
     bounds = dict(max_segment=segment, max_prefixes=args.max_prefixes)
     llama_path = ROOT / "examples" / "llama39b_a40.dhx"
@@ -172,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  same total as with segments <= {plan.stats.max_segment}: {free.total == plan.total}")
     moe = check_text(MOE_PROGRAM, str(ROOT / "benchmarks" / "moe_big.dhx"))
     bench("moe_big (TP2 EP4, 4 expert groups)", moe, 1, **bounds)
+    if args.chunked:
+        for k in CHUNKS:
+            chunked = check_text(CHUNKED_PROGRAM.format(k=k), str(ROOT / "benchmarks" / f"llama70b_chunk{k}.dhx"))
+            bench(f"llama70b TP8, three chains by {k}", chunked, 1, **bounds)
     return 0
 
 

@@ -31,7 +31,12 @@ This is the pair cost of the DHelix DP (the paper's Eq. 2). The model, in order 
    profile's launch gap (``max(fixed_us, comm_fraction · solo comm time)``), which is paid
    whenever both sides are non-empty. ``P(f, ∅)`` is the same simulation with one strand.
 
-:class:`PairCost` caches results by op identity (the planner reuses the same Op objects).
+:class:`PairCost` caches results by op identity (the planner reuses the same Op objects), and
+behind that by what the model reads of a segment pair (:meth:`PairCost.shape`): two pairs of
+the same shape — the same tasks in the same order with the same in-segment dependencies, the
+same OEF-override keys and the same order of names across the strands (the issue tie-break) —
+are simulated once. The expert groups of a MoE layer and the chunks of a Centauri chain
+repeat one shape under different names.
 """
 
 from __future__ import annotations
@@ -127,7 +132,10 @@ class PairCost:
         self.profile, self.dtype, self.seq = profile, dtype, seq
         self._tasks: list[Task] = []  # task uid -> Task
         self._ops: dict[int, tuple] = {}  # id(op) -> (name, inputs, ((lane, s, uid), ...)), op
-        self._segments: dict[tuple, tuple[_Segment, tuple]] = {}
+        self._segments: dict[tuple, tuple[_Segment, tuple, tuple]] = {}
+        # Results by shape (see the module docstring); unused with a measured section.
+        self._by_shape: dict[tuple, float] = {}
+        self._override_keys = frozenset(key for pair in profile.oef_pairs for key in pair)
         # Result caches keyed by op ids; each entry holds its ops so that no id is reused.
         self._solo: dict[tuple, tuple[float, tuple]] = {}
         self._pair: dict[tuple, tuple[float, tuple]] = {}
@@ -158,9 +166,13 @@ class PairCost:
         hit = self._solo.get(key)
         if hit is not None:
             return hit[0]
-        value = self._measured_time(ops, ()) if self._measured else None
-        if value is None:
-            value = _simulate(self, (self._segment(ops),), 0, False)[0] if ops else 0.0
+        if self._measured:
+            value = self._measured_time(ops, ())
+            if value is None:
+                value = _simulate(self, (self._segment(ops),), 0, False)[0] if ops else 0.0
+        else:
+            value = self._shared(("solo", self.shape(ops)),
+                                 lambda: _simulate(self, (self._segment(ops),), 0, False)[0] if ops else 0.0)
         self._solo[key] = (value, tuple(ops))
         return value
 
@@ -173,9 +185,13 @@ class PairCost:
         hit = self._pair.get(key)
         if hit is not None:
             return hit[0]
-        value = self._measured_time(fwd, bwd) if self._measured else None
-        if value is None:
-            value = self._modelled_pair(fwd, bwd, False)[0]
+        if self._measured:
+            value = self._measured_time(fwd, bwd)
+            if value is None:
+                value = self._modelled_pair(fwd, bwd, False)[0]
+        else:
+            value = self._shared(("pair", self.shape(fwd), self.shape(bwd), _name_order(fwd, bwd)),
+                                 lambda: self._modelled_pair(fwd, bwd, False)[0])
         self._pair[key] = (value, (tuple(fwd), tuple(bwd)))
         return value
 
@@ -243,13 +259,39 @@ class PairCost:
                 slots = f_slots + [attrs.evolve(s, start=s.start + first, end=s.end + first) for s in b_slots]
         return span + self.gap(fwd, bwd), slots
 
+    def shape(self, ops: Sequence) -> tuple:
+        """What the lane model reads of a segment, names aside: per op in order, its tasks
+        (lane, seconds, OEF class, the keys the profile's OEF overrides name) and the
+        positions of its inputs inside the segment. Segments of one shape cost the same."""
+        return self._segment_entry(ops)[2]
+
+    def _shared(self, key: tuple, compute) -> float:
+        value = self._by_shape.get(key)
+        if value is None:
+            value = self._by_shape[key] = compute()
+        return value
+
     def _segment(self, ops: Sequence) -> _Segment:
+        return self._segment_entry(ops)[0]
+
+    def _segment_entry(self, ops: Sequence) -> tuple[_Segment, tuple, tuple]:
         key = tuple(map(id, ops))
         hit = self._segments.get(key)
         if hit is None:
-            hit = (_Segment([self._prepare(op) for op in ops]), tuple(ops))
+            preps = [self._prepare(op) for op in ops]
+            hit = (_Segment(preps), tuple(ops), self._shape_of(preps))
             self._segments[key] = hit  # holding the ops keeps their ids unique
-        return hit[0]
+        return hit
+
+    def _shape_of(self, preps: list[tuple]) -> tuple:
+        index = {name: i for i, (name, _, _) in enumerate(preps)}
+        shape = []
+        for name, inputs, lanes in preps:
+            tasks = tuple((lane, seconds, self._tasks[uid].cls,
+                           tuple(k for k in self._tasks[uid].keys if k in self._override_keys))
+                          for lane, seconds, uid in lanes)
+            shape.append((tasks, tuple(sorted({index[x] for x in inputs if x in index}))))
+        return tuple(shape)
 
     def _prepare(self, op) -> tuple:
         hit = self._ops.get(id(op))
@@ -299,6 +341,12 @@ class PairCost:
 
 
 _CLASS_ORDER = ("comp", "intra", "inter")
+
+
+def _name_order(fwd: Sequence, bwd: Sequence) -> tuple[int, ...]:
+    """How each forward op's name compares with each backward op's (-1, 0, 1): the only use
+    the simulation makes of names is to break ties between the strands' ready heads."""
+    return tuple((f.name > b.name) - (f.name < b.name) for f in fwd for b in bwd)
 
 
 @attrs.frozen

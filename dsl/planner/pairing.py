@@ -221,7 +221,8 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
     tables = (_Table(sides[0], max_segment), _Table(sides[1], max_segment))
     matrix = _PairMatrix(tables, cost, rules)
     ceiling = INF
-    if max_segment is None and matrix.bounds is not None:  # a quick plan's total prunes the exact search
+    # A quick plan's total prunes the search (its steps are the search's own cells).
+    if matrix.bounds is not None and (max_segment is None or max_segment > _CEILING_SEGMENT):
         ceiling = _shortest(tables, matrix, longest=_CEILING_SEGMENT)[1]
     steps, total = _shortest(tables, matrix, ceiling)
     pairs = tuple(SegmentPair(tuple(op.name for op in tables[0].ops[f]),
@@ -264,6 +265,7 @@ class _PairMatrix:
         axis_bits: dict[str, int] = {}
         self.traits = [[_traits(ops, rules, axis_bits) for ops in table.ops] for table in tables]
         self.cells: list[dict[int, float]] = [{} for _ in tables[0].ops]
+        self.lows: list[dict[int, float]] = [{} for _ in tables[0].ops]  # lower(f, b) by f, then b
         self.evaluations = 0
         bound = getattr(cost, "segment_bound", None)
         self.bounds = None if bound is None else [[bound(ops) for ops in table.ops] for table in tables]
@@ -284,16 +286,24 @@ class _PairMatrix:
                 value = self.cost.pair(self.tables[0].ops[f], self.tables[1].ops[b])
             else:
                 value = INF
-            row[b] = value
+            row[b] = self.lows[f][b] = value
         return value
 
     def lower(self, f: int, b: int) -> float:
-        """A lower bound of ``cell(f, b)`` (0 without the cost's bounds); exact once priced."""
-        value = self.cells[f].get(b) if f and b else None
-        if value is not None:
-            return value
+        """A lower bound of ``cell(f, b)`` (0 without the cost's bounds); exact once priced.
+        Each pair's bound is worked out once (the search asks for it from many states)."""
         if not f or not b:
             return self.solo[0][f] + self.solo[1][b] if f or b else INF
+        row = self.lows[f]
+        value = row.get(b)
+        if value is None:
+            value = row[b] = self._bound(f, b)
+        return value
+
+    def _bound(self, f: int, b: int) -> float:
+        value = self.cells[f].get(b)
+        if value is not None:
+            return value
         if not self.traits[0][f].allows(self.traits[1][b], self.rules.comm_with_comm):
             return INF
         if self.bounds is None:
@@ -301,20 +311,32 @@ class _PairMatrix:
         return self.bounds[0][f].pair(self.bounds[1][b]) * _SAFE
 
     def remaining(self, side: int) -> list[tuple[float, ...]] | None:
-        """Per prefix of strand ``side``, the per-lane work of the ops not yet run (None
-        without the cost's bounds): any plan of the rest takes at least its busiest lane."""
+        """Per prefix of strand ``side``, the per-lane work of the ops not yet run and their
+        longest dependency path (None without the cost's bounds): any plan of the rest takes
+        at least its busiest lane, and at least that path (a step lasts at least the part of
+        the path inside it, and steps run one after the other)."""
         if self.bounds is None:
             return None
         table = self.tables[side]
-        op_work = {1 << i: self.cost.segment_bound((op,)).lanes for i, op in enumerate(table.strand.ops)}
-        total = [sum(w[lane] for w in op_work.values()) for lane in range(3)]
+        ops = table.strand.ops
+        bounds = [self.cost.segment_bound((op,)) for op in ops]
+        total = [sum(b.lanes[lane] for b in bounds) for lane in range(3)]
+        readers: list[list[int]] = [[] for _ in ops]
+        index = {op.name: i for i, op in enumerate(ops)}
+        for i, op in enumerate(ops):
+            for name in dict.fromkeys(op.deps):
+                if name in index:
+                    readers[index[name]].append(i)
         out = []
         for prefix in table.prefixes:
             done = [0.0, 0.0, 0.0]
-            for bit, w in op_work.items():
-                if prefix & bit:
-                    done = [d + x for d, x in zip(done, w)]
-            out.append(tuple(t - d for t, d in zip(total, done)))
+            path = [0.0] * len(ops)
+            for i in range(len(ops) - 1, -1, -1):  # the given order is topological
+                if prefix >> i & 1:
+                    done = [d + x for d, x in zip(done, bounds[i].lanes)]
+                else:
+                    path[i] = bounds[i].path + max((path[r] for r in readers[i]), default=0.0)
+            out.append((*(t - d for t, d in zip(total, done)), max(path, default=0.0)))
         return out
 
 
@@ -333,8 +355,9 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
     Pruning never changes the answer (nor which of several equal paths is returned): a step
     is priced only if its lower bound could improve the state it reaches, if a pair's bound
     is not above running its two segments one after the other (the path through the
-    intermediate state is then strictly cheaper), and if its bound plus the rest's busiest
-    lane stays within ``ceiling``, a total some plan reaches (INF: none known). ``longest``
+    intermediate state is then strictly cheaper), and if its bound plus a bound of the rest
+    (its busiest lane, or either strand's longest remaining dependency path) stays within
+    ``ceiling``, a total some plan reaches (INF: none known). ``longest``
     skips segments of more ops (the quick search that finds a ceiling)."""
     fwd, bwd = tables
     width = len(bwd.prefixes)
@@ -375,7 +398,7 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
 
 
 def _rest(a: tuple[float, ...], b: tuple[float, ...]) -> float:
-    return max(a[0] + b[0], a[1] + b[1], a[2] + b[2])
+    return max(a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3], b[3])
 
 
 def pair_sequences(fwd_ops: Sequence[Op], bwd_ops: Sequence[Op], cost: SegmentCost, rules: PairingRules, *,
