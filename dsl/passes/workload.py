@@ -14,7 +14,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.mesh import INTER, INTRA
 from dhelix.dsl.core.oplib import CD, OD, OUTPUTS, PARTITION_DIMS, dimension_split
-from dhelix.dsl.core.program import AUTO, COLUMNS, LayerDag, Op
+from dhelix.dsl.core.program import AUTO, COLUMNS, STAGED, LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.frontend.exprs import evaluate
 
@@ -233,6 +233,51 @@ def by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector)
     gather, first, chain, tail = found
     claimed.update({op.name: st for op in [gather, *chain, *tail]})
     return _split_at_stages(fwd, gather, first, chain)
+
+
+def by_weight_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector, axis: str,
+                     first: str, pieces: int, near: int) -> LayerDag:
+    """``fwd`` with the gemm of ``st`` (``chunk fc1 along outputs by stages``) split at the
+    stages of its ZeRO-3 weight gather under ``group weights`` (Algorithm 1's uneven split
+    for FSDP): its weight is cut into ``pieces`` column blocks, one per rank of ``axis``
+    (``dp`` or ``dp.shard``), and the gather's first stage (over ``axis.<first>``) brings
+    ``near`` of them; ``fc1.c0`` computes on those columns while the second stage runs,
+    ``fc1.c1`` on the others, and a ``merge`` along the features named ``fc1`` puts the
+    columns back in order. ``fwd`` unchanged after recording errors."""
+    name, span = st.ops[0], st.span_of("ops.0")
+    if len(st.ops) > 1:
+        errors.add(CheckError(f"'along {OUTPUTS}' chunks one gemm, not a chain of {len(st.ops)} operators",
+                              st.span_of("ops.1"), [f"write one statement per gemm: chunk {name} along {OUTPUTS} "
+                                                    f"by {STAGES}"]))
+        return fwd
+    op = named_op(fwd, name, span, errors)
+    if op is None:
+        return fwd
+    split, why = dimension_split(op.op, OUTPUTS)
+    if split != OD or not op.weight:
+        errors.add(CheckError(f"cannot chunk {name} ({op.op}) along {OUTPUTS} by {STAGES}", span,
+                              [why or f"{name} has no weight"]))
+        return fwd
+    if name in claimed:
+        errors.add(CheckError(f"'{name}' is already chunked", span,
+                              [f"by the chunk statement at {claimed[name].span}"]))
+        return fwd
+    rows, cols = op.shape
+    if cols % pieces:
+        errors.add(CheckError(f"the {cols} output features of {name} do not split into {pieces} column blocks, one "
+                              f"per rank of {axis}", st.parts.span,
+                              [f"'by {STAGES}' along {OUTPUTS} shards {name}'s weight by column blocks, so that the "
+                               "first stage of its gather brings whole columns to compute on"]))
+        return fwd
+    claimed[name] = st
+    width = cols // pieces
+    counts = (near * width, cols - near * width)
+    chunks = [attrs.evolve(op, name=f"{name}.c{i}", origin=op.origin or name, shape=(rows, n),
+                           weight=(*op.weight[:-1], n), params=op.params + ((STAGED, (i, first, cols)),))
+              for i, n in enumerate(counts)]
+    join = Op(name, "merge", "compute", "layout", tuple(c.name for c in chunks), tuple(c.shape for c in chunks),
+              op.shape, params=(("axis", axis), ("first", first), ("blocks", pieces), ("dim", 1)), span=op.span)
+    return _replaced(fwd, {name}, name, [*chunks, join])
 
 
 def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector):

@@ -398,11 +398,11 @@ def _first_blocks(ctx) -> list[int]:
     return stage_blocks(ctx.comm, ctx.params["axis"], ctx.params["first"])
 
 
-def _split_blocks(x, near: list[int], blocks: int):
-    """(the rows of blocks ``near``, the rows of the others), each in block order."""
-    pieces = x.chunk(blocks)
-    return (torch.cat([pieces[b] for b in near]),
-            torch.cat([pieces[b] for b in range(blocks) if b not in near]))
+def _split_blocks(x, near: list[int], blocks: int, dim: int = 0):
+    """(the blocks ``near`` of ``x`` along ``dim``, the others), each in block order."""
+    pieces = x.chunk(blocks, dim)
+    return (torch.cat([pieces[b] for b in near], dim),
+            torch.cat([pieces[b] for b in range(blocks) if b not in near], dim))
 
 
 def _rest_forward(inputs, weight, ctx):
@@ -424,16 +424,18 @@ def _rest_dgrad(grad, saved, weight):
 
 
 def _merge_forward(inputs, weight, ctx):
+    # Rows of rank blocks (an activation gather's stages), or along the features (``dim`` 1)
+    # the column blocks of a weight split at its ZeRO-3 gather's stages.
     first, rest = inputs
-    near, blocks = _first_blocks(ctx), ctx.params["blocks"]
-    rows = first.shape[0] // len(near)
-    mine, others = iter(first.split(rows)), iter(rest.split(rows))
-    return torch.cat([next(mine) if b in near else next(others) for b in range(blocks)]), (near, blocks)
+    near, blocks, dim = _first_blocks(ctx), ctx.params["blocks"], ctx.params.get("dim", 0)
+    size = first.shape[dim] // len(near)
+    mine, others = iter(first.split(size, dim)), iter(rest.split(size, dim))
+    return torch.cat([next(mine) if b in near else next(others) for b in range(blocks)], dim), (near, blocks, dim)
 
 
 def _merge_dgrad(grad, saved, weight):
-    near, blocks = saved
-    return tuple(part.contiguous() for part in _split_blocks(grad, near, blocks))
+    near, blocks, dim = saved
+    return tuple(part.contiguous() for part in _split_blocks(grad, near, blocks, dim))
 
 
 def _pick_forward(inputs, weight, ctx):
