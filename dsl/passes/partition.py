@@ -47,6 +47,9 @@ interpreter see ordinary operators:
   ``group weights``: fc1's weight is cut into one column block per dp rank, ``fc1.c0``
   computes on the columns the gather's first stage brought, ``fc1.c1`` on the others, and a
   ``merge`` along the features puts them back in order (:func:`~dhelix.dsl.passes.workload.by_weight_stages`).
+  ``chunk ag1 + qkv by stages3`` (Algorithm 1's finer split, the gather inside the node
+  first) cuts the cross-node stage in two and the chain in three: the node's blocks, this
+  place's blocks of the other nodes, the rest.
 
 * ``group ag1 + rs1 [first inter|intra]`` (group partition, §3.1.2): a collective over a
   group that spans nodes runs as two sub-collectives, with the same result: one over the
@@ -82,8 +85,8 @@ from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.passes.group_levels import checked_level, split_at_levels
 from dhelix.dsl.passes.priority import PRIORITIES
 from dhelix.dsl.core.oplib import OUTPUTS
-from dhelix.dsl.passes.workload import (STAGES, by_stages, by_weight_stages, checked_chain, chunk_statements, chunked,
-                                        is_auto, is_stages, named_op)
+from dhelix.dsl.passes.workload import (STAGES, STAGES3, by_stages, by_weight_stages, checked_chain,
+                                        chunk_statements, chunked, is_auto, is_fine, is_stages, named_op)
 
 
 #: ``group weights``: the ZeRO-3 weight all-gathers and gradient reduce-scatters
@@ -127,25 +130,31 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     staged = []
     for index, st in enumerate(chunk_statements(block)):
         auto = (counts or {}).get(index, 1) if is_auto(st) else None
-        if is_stages(st) or auto == STAGES:
-            staged.append(st)  # after the group partitions, whose stages they split at
+        if is_stages(st) or auto in (STAGES, STAGES3):
+            staged.append((st, is_fine(st, auto)))  # after the group partitions, whose stages they split at
             continue
         # An auto chain is checked even while whole (count 1): its mistakes show at once.
         chain = checked_chain(fwd, st, env, claimed, errors, auto)
         if chain is not None and chain[1] > 1:
             fwd = chunked(fwd, *chain)
+    # A gather split three ways runs inside the node first unless told otherwise.
+    fine = {st.ops[0] for st, three in staged if three}
     for st in block.body:
         if isinstance(st, s.Group) and _checked_first(st, mesh, errors):
             for i, name in enumerate(st.ops):
                 if name == WEIGHTS and name not in {op.name for op in fwd.ops}:
                     continue  # ZeRO-3's collectives: split by the fsdp pass
                 fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors,
-                                       st.first or (orders or {}).get(name))
-    for st in staged:
-        if st.dim == OUTPUTS:
+                                       st.first or (orders or {}).get(name) or (INTRA if name in fine else None))
+    for st, three in staged:
+        if st.dim == OUTPUTS and three:
+            errors.add(CheckError(f"'by {STAGES3}' splits an activation all_gather three ways, not a weight's gather",
+                                  st.parts.span, [f"a gemm splits at its weight gather's two stages: chunk {st.ops[0]} "
+                                                  f"along {OUTPUTS} by {STAGES}"]))
+        elif st.dim == OUTPUTS:
             fwd = _at_weight_stages(fwd, st, block, mesh, claimed, errors, orders)
         else:
-            fwd = by_stages(fwd, st, claimed, errors)
+            fwd = by_stages(fwd, st, claimed, errors, three)
     errors.raise_if_any()
     return fwd
 

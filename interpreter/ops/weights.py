@@ -192,7 +192,7 @@ def _op_spec(op: Op, full_op: Op, fwd: LayerDag, full_fwd: LayerDag, mesh: Mesh)
 
 def _is_tp_collective(fwd: LayerDag, name: str, kind: str) -> bool:
     op = next((o for o in fwd.ops if o.name == name), None)
-    if op is not None and op.op in ("slice", "rest"):  # a chunk of a partitioned chain's input
+    if op is not None and op.op in ("slice", "rest", "others"):  # a chunk of a partitioned chain's input
         return _is_tp_collective(fwd, op.inputs[0], kind)
     if op is not None and op.op in ("concat", "merge", "pick"):  # the joined chunks or rooted parts of it
         return all(_is_tp_collective(fwd, part, kind) for part in op.inputs)
@@ -208,7 +208,7 @@ def _readers(fwd: LayerDag, name: str) -> list[Op]:
     readers = []
     for op in fwd.ops:
         if name in op.inputs:
-            readers += _readers(fwd, op.name) if op.op in ("concat", "merge", "slice", "rest") else [op]
+            readers += _readers(fwd, op.name) if op.op in ("concat", "merge", "slice", "rest", "others") else [op]
     return readers
 
 
