@@ -169,6 +169,22 @@ def test_a_gemm_split_at_its_weight_gathers_stages_computes_first_on_what_the_fi
     assert largest_gathered(prog.forward) == largest_gathered(whole.forward)
 
 
+def test_by_auto_along_outputs_tries_the_weight_gathers_stages_under_group_weights():
+    import attrs
+
+    from dhelix.dsl.passes import pipeline as passes
+    from dhelix.dsl.planner.chunking import choose_chunks
+
+    prog = program(mesh="dp = 4", partition="group weights;chunk fc1 along outputs by auto")
+    _, (choice,) = choose_chunks(prog)
+    assert "stages" in {c.value for c in choice.candidates} and "stages3" not in {c.value for c in choice.candidates}
+    staged = passes.rerun(attrs.evolve(prog, chunk_counts=((0, "stages"),)), after="check", stop="autodiff")
+    assert staged.forward.op("fc1.c0").staged == (0, "inter", staged.forward.op("fc1.c0").staged[2])
+    # Without group weights the gather has no stages: not a candidate.
+    _, (plain,) = choose_chunks(program(mesh="dp = 4", partition="chunk fc1 along outputs by auto"))
+    assert "stages" not in {c.value for c in plain.candidates}
+
+
 def test_a_weight_cut_into_column_pieces_gathers_back_whole_and_by_stage():
     torch = pytest.importorskip("torch")
     from dhelix.interpreter.ops.fsdp import FlatShards, column_piece, from_column_pieces
