@@ -137,8 +137,9 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
         chain = checked_chain(fwd, st, env, claimed, errors, auto)
         if chain is not None and chain[1] > 1:
             fwd = chunked(fwd, *chain)
-    # A gather split three ways runs inside the node first unless told otherwise.
-    fine = {st.ops[0] for st, three in staged if three}
+    # A gather split three ways runs inside the node first unless told otherwise (a cluster
+    # with declared levels orders its own stages).
+    fine = {st.ops[0] for st, three in staged if three and not mesh.levels}
     for st in block.body:
         if isinstance(st, s.Group) and _checked_first(st, mesh, errors):
             for i, name in enumerate(st.ops):
