@@ -112,7 +112,7 @@ def _partition(pick: Pick, mesh: dict) -> str:
             start = pick(range(len(LLAMA_OPS)))
             ops = LLAMA_OPS[start:start + pick((1, 2, 3, 5))]
             along = pick(("", " along tokens", " along features", " along outputs"))
-            statements.append(f"chunk {' + '.join(ops)}{along} by {pick(('2', '4', 'auto', 'stages'))}")
+            statements.append(f"chunk {' + '.join(ops)}{along} by {pick(('2', '4', 'auto', 'stages', 'stages3'))}")
         elif kind == "group":
             statements.append(f"group {pick(('ag1', 'rs1', 'ag2', 'rs2', 'weights'))}"
                               f"{pick(('', ' first inter', ' first intra'))}")

@@ -133,11 +133,14 @@ def test_an_auto_chain_from_a_split_gather_also_tries_its_stages_with_either_sta
     staged = attrs.evolve(program, chunk_counts=((0, "stages"),))
     both = [orders_seconds(staged, {"ag2": order}) for order in ("inter", "intra")]
     assert priced["stages"] == pytest.approx(min(both))
+    # Algorithm 1's finer split beside it, its gather inside the node first (the other order refused).
+    fine = attrs.evolve(program, chunk_counts=((0, "stages3"),))
+    assert priced["stages3"] == pytest.approx(orders_seconds(fine, {"ag2": "intra"}))
     assert priced[1] == pytest.approx(orders_seconds(program, {}))
     assert choice.chosen == chosen and priced[chosen] == min(priced.values())
     # Without a group statement the gather has no stages: not a candidate, nothing reported.
     _, (plain,) = choose_chunks(group_program(statement="chunk ag2 + fc1 + act + fc2 by auto"))
-    assert "stages" not in {c.value for c in plain.candidates}
+    assert not {"stages", "stages3"} & {c.value for c in plain.candidates}
 
 
 # -- layer level: dgrad or wgrad first (Eq. 1) ------------------------------------------------

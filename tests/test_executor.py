@@ -132,6 +132,8 @@ CASES = {
     "pp2_dp2_w_helix_zero1_reduce_after_step": ("pp = 2  dp = 2", "w_helix", "u", True, True, 2),
     # Four micro-batches launched together per chunk (g = 4 > p), the gathers under them.
     "pp2_dp2_interleaved_launch4": ("pp = 2  dp = 2", "interleaved_1f1b", "loop(2)", True, "forward", 2, 8, 8),
+    # GPipe on fold u, each chunk 4 micro-batches in a row (g = 4, not p = 2).
+    "pp2_dp2_gpipe_u_launch4": ("pp = 2  dp = 2", "gpipe_u", "u", False, False, 1, 4, 8),
     "pp2_dualpipe_v_planned": ("tp = 2  pp = 2", "dualpipe_v", "u", "planned", False, 1),
     "pp2_w_helix_planned": ("tp = 2  pp = 2", "w_helix", "u", "planned", False, 1),
     "pp2_w_helix_pair_barrier": ("tp = 2  pp = 2", "w_helix", "u", "barrier", False, 1),

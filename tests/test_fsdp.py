@@ -136,6 +136,74 @@ def test_a_piece_of_a_weight_chunked_along_outputs_holds_each_block_and_gathers_
     assert torch.equal(flat.gather(Gather(), {"layers.0.fc1": mine})["layers.0.fc1"], weight)
 
 
+@pytest.mark.parametrize("first", ["inter", "intra"])
+def test_a_gemm_split_at_its_weight_gathers_stages_computes_first_on_what_the_first_stage_brought(first):
+    # Algorithm 1's uneven split for FSDP: dp 4 on 2 nodes of 2, each rank's piece of fc1 a
+    # block of its columns; the first stage brings 2 of the 4 blocks (this rank's place on
+    # both nodes, or its node's), fc1.c0 computes on them while the second stage runs.
+    order = "" if first == "inter" else " first intra"
+    prog = program(mesh="dp = 4", partition=f"group weights{order};chunk fc1 along outputs by stages")
+    whole = program(mesh="dp = 4", partition=f"group weights{order}")
+    fwd, bwd = {op.name: op for op in prog.forward.ops}, {op.name: op for op in prog.backward.ops}
+    fc1 = whole.forward.op("fc1")
+    (rows, cols), (inner, outer) = fc1.shape, fc1.weight
+    for i in range(2):
+        chunk = fwd[f"fc1.c{i}"]
+        assert (chunk.inputs, chunk.shape, chunk.weight, chunk.staged) == (
+            fc1.inputs, (rows, cols // 2), (inner, outer // 2), (i, first, outer))
+        assert (chunk.weight_name, chunk.weight_unit, chunk.unit_weight) == ("fc1", "fc1", (inner, outer))
+    # One gather of the whole weight, cut by columns; chunk 0 waits for its first stage only.
+    assert fwd["fc1.c0"].waits == (f"fc1.gather_w.{first}",) and fwd["fc1.c1"].waits == ("fc1.gather_w",)
+    gather = dict(fwd["fc1.gather_w"].params)
+    assert (gather["shape"], gather["column_pieces"], fwd["fc1.gather_w"].shape) == ((inner, outer), True,
+                                                                                      (inner * outer, 1))
+    merge = fwd["fc1"]
+    assert (merge.op, merge.inputs, fwd["act"].inputs) == ("merge", ("fc1.c0", "fc1.c1"), ("fc1",))
+    assert dict(merge.params) == {"axis": "dp", "first": first, "blocks": 4, "dim": 1}
+    # The backward re-gathers the whole weight for both dgrads and reduce-scatters one gradient.
+    assert bwd["fc1.c0.dgrad"].waits == bwd["fc1.c1.dgrad"].waits == ("fc1.regather_w",)
+    scatter = bwd["fc1.scatter_dw.intra" if first == "inter" else "fc1.scatter_dw.inter"]
+    assert set(scatter.waits) == {"fc1.c0.wgrad", "fc1.c1.wgrad"}
+    assert prog.forward.weight_elements() == whole.forward.weight_elements()
+    assert simulate(prog).ranks[0].states == simulate(whole).ranks[0].states
+    assert largest_gathered(prog.forward) == largest_gathered(whole.forward)
+
+
+def test_by_auto_along_outputs_tries_the_weight_gathers_stages_under_group_weights():
+    import attrs
+
+    from dhelix.dsl.passes import pipeline as passes
+    from dhelix.dsl.planner.chunking import choose_chunks
+
+    prog = program(mesh="dp = 4", partition="group weights;chunk fc1 along outputs by auto")
+    _, (choice,) = choose_chunks(prog)
+    assert "stages" in {c.value for c in choice.candidates} and "stages3" not in {c.value for c in choice.candidates}
+    staged = passes.rerun(attrs.evolve(prog, chunk_counts=((0, "stages"),)), after="check", stop="autodiff")
+    assert staged.forward.op("fc1.c0").staged == (0, "inter", staged.forward.op("fc1.c0").staged[2])
+    # Without group weights the gather has no stages: not a candidate.
+    _, (plain,) = choose_chunks(program(mesh="dp = 4", partition="chunk fc1 along outputs by auto"))
+    assert "stages" not in {c.value for c in plain.candidates}
+
+
+def test_a_weight_cut_into_column_pieces_gathers_back_whole_and_by_stage():
+    torch = pytest.importorskip("torch")
+    from dhelix.interpreter.ops.fsdp import FlatShards, column_piece, from_column_pieces
+
+    weight = torch.arange(3 * 8, dtype=torch.float32).reshape(3, 8)
+
+    class Gather:
+        def all_gather(self, mine, axis):
+            return torch.cat([column_piece(weight, 4, r) for r in range(4)])
+
+    flat = FlatShards(True, 4, 2, by_columns={"fc1"})
+    mine = flat.add("layers.0.fc1", weight)
+    assert torch.equal(mine, weight[:, 4:6].reshape(-1))
+    assert torch.equal(flat.gather(Gather(), {"layers.0.fc1": mine})["layers.0.fc1"], weight)
+    # A first stage's pieces (blocks 1 and 3) side by side: those columns, in block order.
+    stage = torch.cat([column_piece(weight, 4, 1), column_piece(weight, 4, 3)])
+    assert torch.equal(from_column_pieces(stage, (3, 8), 4), weight[:, [2, 3, 6, 7]])
+
+
 def test_group_weights_gathers_across_nodes_first_and_reduces_inside_the_node_first():
     prog = program(mesh="dp = 4", partition="group weights")  # 2 nodes of 2: dp.intra 2, dp.inter 2
     fwd = {op.name: op for op in prog.forward.ops}
@@ -273,6 +341,13 @@ RUNS = {
     "dp4_outputs_group_padded": ("dp = 4", "one_f_one_b", "none",
                                  "chunk fc1 along outputs by 2;chunk fc2 along outputs by 3;group weights", "", None,
                                  {"hidden": 42, "ffn": 66, "heads": 6, "kv": 3}),
+    # Algorithm 1's uneven split of a gemm at its weight gather's stages (fc1: the first
+    # stage's columns, then the rest), in both orders of the stages.
+    "dp4_outputs_stages_planned": ("dp = 4", "w_helix", "u", "group weights;chunk fc1 along outputs by stages", "",
+                                   "planned", {}),
+    "dp4_outputs_stages_intra_first": ("dp = 4", "one_f_one_b", "none",
+                                       "group weights first intra;chunk qkv along outputs by stages;"
+                                       "chunk fc2 along outputs by stages", "", None, {}),
     "dp4_outputs_hsdp_planned": ("dp = 4", "w_helix", "u", "chunk prj along outputs by 2", "shard = 2", "planned", {}),
     # The block scheduler's order: each layer's weights waited for as the layer starts, the
     # forward strand running ahead of the backward; with recomputation and with weight chunks.

@@ -369,6 +369,25 @@ def test_orders_match_torch_pipelining(ranks):
                 _torch_orders(schedules.ScheduleDualPipeV, ranks, microbatches, 2, vee, True)
 
 
+@pytest.mark.parametrize(("launch", "backward"), [(1, 1), (3, 2), (8, 8)])
+def test_gpipe_u_runs_each_chunk_g_micro_batches_in_a_row(launch, backward):
+    # Forwards: chunk 0 then chunk 1, g micro-batches at a time (the last m % g as a smaller
+    # group); backwards chunk 1 then chunk 0, gb at a time. Valid (validate ran) on 2 ranks.
+    from dhelix.dsl.passes.pipeline import check_text
+
+    text = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text()
+    text = text.replace("microbatches = 8", f"microbatches = 8  launch = {launch}  launch_backward = {backward}") \
+        .replace("pipeline w_helix", "pipeline gpipe_u")
+    lowered = check_text(text, str(ROOT / "examples" / "t.dhx")).lowered
+    for rank in range(2):
+        order = [(a.kind, a.chunk) for a in lowered.actions[rank] if getattr(a, "kind", None) in ("F", "B")]
+        expected = []
+        for kind, size, chunks in (("F", launch, (0, 1)), ("B", backward, (1, 0))):
+            for start in range(0, 8, size):
+                expected += [(kind, c) for c in chunks for _ in range(min(size, 8 - start))]
+        assert order == expected
+
+
 def test_interleaved_1f1b_runs_each_chunk_g_micro_batches_in_a_row():
     # launch = 4 on p = 2: rank 0 runs 4 forwards of chunk 0, then of chunk 1, as Megatron's
     # microbatch_group_size_per_vp_stage = 4; the warm-up grows by (v - 1)·(g - p).

@@ -238,6 +238,11 @@ RUNS = {
     "stages_intra_first_tp4_1f1b": (f"group ag1 + ag2 + rs2 first intra;{QKV_BY_STAGES};"
                                     "chunk ag2 + fc1 + act + fc2 + rs2 by stages", "tp = 4", "one_f_one_b", "none",
                                     False),
+    # Algorithm 1's finer split (lines 19-20): the node's blocks, this place's on the other
+    # node (a cross-node gather of one block each), then the rest.
+    "stages3_tp4_w_helix_planned_si": ("group ag1 + ag2;chunk ag1 + qkv by stages3;"
+                                       "chunk ag2 + fc1 + act + fc2 + rs2 by stages3", "tp = 4", "w_helix", "u",
+                                       "planned"),
     # Tensor parallelism without SP, substituted and moved into SP (the llama_tp layer), with
     # the MLP chunked after the move and SI on the W.
     "tp_to_sp_mlp2_w_helix_planned_si": (f"{TP_TO_SP};chunk ln2.ag + fc1 + act + fc2 + ar2.rs by 2",
@@ -374,6 +379,33 @@ def test_rest_and_merge_take_the_blocks_the_first_stage_did_not_bring_and_put_th
     for b in near:
         expected[3 * b:3 * b + 3] = 0
     assert torch.equal(whole, expected)
+
+
+@pytest.mark.parametrize(("node", "place"), [(0, 0), (1, 1), (2, 0)])
+def test_three_way_stages_take_the_node_then_this_place_elsewhere_then_the_rest(node, place):
+    # 3 nodes of 2: 6 rank blocks; the node's 2, this place's on the 2 other nodes, the last 2.
+    torch = pytest.importorskip("torch")
+    from dhelix.interpreter.ops.kernels import KERNELS, KernelCtx
+
+    comm = _Place(node, place, nodes=3, per_node=2)
+    x = torch.arange(6 * 3 * 2, dtype=torch.float32).reshape(18, 2)  # 6 rank blocks of 3 rows
+    block = lambda b: x[3 * b:3 * b + 3]  # noqa: E731
+    # What the stages bring: AG.place (this place on every node), AG (the node-mates' blocks of every node).
+    placed = torch.cat([block(n * 2 + place) for n in range(3)])
+    near, saved = KERNELS["others"].forward((placed,), None, KernelCtx(comm=comm, params={"axis": "tp.inter",
+                                                                                        "groups": 3}))
+    across = [n * 2 + place for n in range(3) if n != node]
+    assert torch.equal(near, torch.cat([block(b) for b in across]))
+    (back,) = KERNELS["others"].dgrad(near, saved, None)
+    assert torch.equal(back[3 * node:3 * node + 3], torch.zeros(3, 2)) and torch.equal(back.sum(), near.sum())
+    mates = torch.cat([block(n * 2 + (1 - place)) for n in range(3)])
+    rest, _ = KERNELS["others"].forward((mates,), None, KernelCtx(comm=comm, params={"axis": "tp.inter", "groups": 3}))
+    own = torch.cat([block(node * 2 + p) for p in range(2)])
+    ctx = KernelCtx(comm=comm, params={"axis": "tp", "first": "intra", "blocks": 6})
+    merged, merge_saved = KERNELS["merge"].forward((own, near, rest), None, ctx)
+    assert torch.equal(merged, x)
+    parts = KERNELS["merge"].dgrad(x, merge_saved, None)
+    assert all(torch.equal(a, b) for a, b in zip(parts, (own, near, rest), strict=True))
 
 
 SINGLE = ["chunk ag1 + qkv by 2", "chunk ln2 + ag2 + fc1 + act by 4", "chunk fc1 + act + fc2 + rs2 + h2 by 2",

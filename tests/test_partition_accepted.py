@@ -158,7 +158,7 @@ def chunk_statements(draw) -> str:
     start = draw(st.integers(0, len(LLAMA_OPS) - 1))
     ops = LLAMA_OPS[start:start + draw(st.integers(1, 5))]
     along = draw(st.sampled_from(["", " along tokens", " along features", " along outputs"]))
-    return f"chunk {' + '.join(ops)}{along} by {draw(st.sampled_from(['2', '4', 'auto', 'stages']))}"
+    return f"chunk {' + '.join(ops)}{along} by {draw(st.sampled_from(['2', '4', 'auto', 'stages', 'stages3']))}"
 
 
 @st.composite

@@ -44,6 +44,9 @@ FORMULAS = {
     "dualpipe_v": (None, lambda p, m: m >= 2 * p, lambda p, m: 6 * m + p - 1,
                    lambda p, m: Fraction(p - 1, 6 * m + p - 1),
                    lambda p, m, r: 2 * p + (r == p - 1)),
+    # With g = p (the default), each group of p micro-batches fills and drains the 2p stages.
+    "gpipe_u": (None, lambda p, m: m % p == 0, lambda p, m: 6 * m * (2 * p - 1) // p,
+                lambda p, m: Fraction(p - 1, 2 * p - 1), lambda p, m, r: 2 * m),
     "w_helix": (None, lambda p, m: m > p, lambda p, m: 6 * (m + p - 1),
                 lambda p, m: Fraction(p - 1, m + p - 1), lambda p, m, r: min(2 * p, m + r + 1)),
     "w_helix m=p": (None, lambda p, m: m == p, lambda p, m: 10 * p - 4,

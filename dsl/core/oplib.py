@@ -249,6 +249,7 @@ OPS: dict[str, OpSpec] = {op.name: op for op in [
 LAYOUT_OPS = {"slice": "chunk index of parts along dim", "concat": "parts chunks joined along dim",
               "rest": "the rank blocks a group-partitioned gather's first stage did not bring",
               "merge": "the first stage's blocks and the rest put back in rank order",
+              "others": "the blocks of every rank group but this rank's (by stages3)",
               "pick": "the input whose root is this rank (after reduces of distinct roots)"}
 
 #: Table 2's scalable substitutions of a reduce_scatter and an all_gather (``substitute rs1

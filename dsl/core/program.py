@@ -32,6 +32,11 @@ OVERLAP_KINDS = ("tp", "cp", "ep", "dp")
 AUTO = "auto"
 #: The parameter of a GEMM chunked along its outputs: (index, parts) of its weight's columns.
 COLUMNS = "columns"
+#: The parameter of a GEMM chunked along its outputs at the stages of its ZeRO-3 weight
+#: gather (``chunk fc1 along outputs by stages``): (part, first, columns) — part 0 computes
+#: on the columns the gather's first stage (over ``dp.<first>``) brought, part 1 on the rest,
+#: of the whole weight's ``columns`` (its pieces are column blocks: :attr:`Op.column_pieces`).
+STAGED = "staged"
 
 @attrs.frozen
 class Model:
@@ -224,6 +229,20 @@ class Op:
         return dict(self.params).get(COLUMNS)
 
     @property
+    def staged(self) -> tuple[int, str, int] | None:
+        """(part, first stage, whole columns) of a GEMM chunked along its outputs at its
+        weight gather's stages (:data:`STAGED`); else None."""
+        return dict(self.params).get(STAGED)
+
+    @property
+    def unit_weight(self) -> tuple[int, ...] | None:
+        """The shape of what ZeRO-3 gathers as one for this op (:attr:`weight_unit`): its
+        ``weight``, or the whole weight of a chunk at its gather's stages (:attr:`staged`)."""
+        if self.weight is None or self.staged is None:
+            return self.weight
+        return (*self.weight[:-1], self.staged[2])
+
+    @property
     def weight_unit(self) -> str:
         """What ZeRO-3 gathers and reduce-scatters as one for this forward op: a chunk along
         outputs' block of columns (``fc1.c0``), else the whole weight (:attr:`weight_name`)."""
@@ -258,7 +277,7 @@ class LayerDag:
         weights are the grouped GEMMs'."""
         weighted = {op.weight_unit: op for op in self.ops if op.weight}
         expert = sum(math.prod(op.weight) for op in weighted.values() if op.op == "grouped_gemm")
-        return sum(math.prod(op.weight) for op in weighted.values()) - expert, expert
+        return sum(math.prod(op.unit_weight) for op in weighted.values()) - expert, expert
 
 
 @attrs.frozen

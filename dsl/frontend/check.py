@@ -141,15 +141,22 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
         errors.add(CheckError(f"launch = {train.launch} sets g, which pipeline {pipeline.name} does not read",
                               train.launch_span or train.span,
                               ["launch is how many micro-batches run each model chunk in a row (g) in a pipeline "
-                               "that reads it: interleaved_1f1b, with fold loop(v)", "remove launch, or pick such "
+                               f"that reads it: {_readers_of('g', pipelines)}", "remove launch, or pick such "
                                "a pipeline"]))
     if train.launch_backward is not None and pipeline is not None and not reads_name(pipeline, "gb"):
         errors.add(CheckError(f"launch_backward = {train.launch_backward} sets gb, which pipeline {pipeline.name} "
                               "does not read", train.launch_backward_span or train.span,
                               ["launch_backward is how many micro-batches run each model chunk's backward in a row "
-                               "(gb, Eq. 2's L2) in a pipeline that reads it: interleaved_1f1b, with fold loop(v)",
+                               f"(gb, Eq. 2's L2) in a pipeline that reads it: {_readers_of('gb', pipelines)}",
                                "remove launch_backward, or pick such a pipeline"]))
     return program
+
+
+def _readers_of(name: str, pipelines: dict) -> str:
+    """The pipelines the program has (its own and imported) that read builtin ``name``, each
+    with its fold (``interleaved_1f1b for loop``), or a word saying none does."""
+    found = [p.name + (f" (fold {p.fold})" if p.fold else "") for p in pipelines.values() if reads_name(p, name)]
+    return join_words(found) if found else "none of the pipelines this program imports or defines does"
 
 
 def _check_shard(train, mesh, errors: ErrorCollector) -> bool:

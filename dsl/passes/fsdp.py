@@ -26,7 +26,11 @@ partition of FSDP's collectives) has one of each per column block of its weight
 (``fc1.c0.gather_w``, ``fc1.c0.regather_w``, ``fc1.c0.scatter_dw``, …: the unit of
 :attr:`Op.weight_unit`), so a chunk computes on its columns while the next block's arrive;
 each block is flattened, padded and cut over dp on its own (:mod:`dhelix.interpreter.ops.fsdp`).
-Without ZeRO-3 such a chunk is a located error: there is no gather to split.
+Without ZeRO-3 such a chunk is a located error: there is no gather to split. A gemm chunked
+along its outputs at its gather's stages (``chunk fc1 along outputs by stages``, under
+``group weights``) keeps one unit, its weight, whose pieces are blocks of columns
+(:data:`COLUMN_PIECES`): ``fc1.c0`` waits for the gather's first stage only, whose pieces are
+whole columns to compute on, ``fc1.c1`` for the whole gather.
 
 These operators read no activation: their dependencies are ``Op.waits``. Their shapes are
 the flattened weight ``[elements, 1]`` (padded), so the cost model prices them as the
@@ -85,6 +89,10 @@ PIECES = "pieces"
 #: The parameter naming what a collective gathers or reduce-scatters when it is not the whole
 #: weight: under a chunk along outputs, one chunk's columns of it (:attr:`Op.weight_unit`).
 UNIT = "unit"
+#: The parameter (set True) of the collectives of a weight cut into column blocks, one per
+#: rank (``chunk G along outputs by stages``): a rank's piece is its block of columns, not a
+#: slice of the flattened weight, so the first stage of a gather brings whole columns.
+COLUMN_PIECES = "column_pieces"
 
 
 def unit_of(params) -> str:
@@ -156,8 +164,9 @@ def shard_weights(program: Program) -> Program:
                    waits: tuple[str, ...] = (), weight_pass: bool = False) -> list[Op]:
         """The op (or, under ``group weights``, the two ops, the second named ``name``) of
         ``weight``'s unit (:attr:`Op.weight_unit`: its columns when chunked along outputs)."""
-        part = ((UNIT, weight.weight_unit), (COLUMNS, weight.columns)) if weight.columns else ()
-        full = padded_elements(weight.weight, dp)
+        part = ((UNIT, weight.weight_unit), (COLUMNS, weight.columns)) if weight.columns else \
+            ((COLUMN_PIECES, True),) if weight.staged else ()
+        full = padded_elements(weight.unit_weight, dp)
         gathered = kind == GATHER
         # The reduce-scatter is the gather's transpose: its stages run in reverse.
         stages = ((sharded_over, dp),) if hierarchy is None else \
@@ -173,7 +182,7 @@ def shard_weights(program: Program) -> Program:
                           "all_gather" if gathered else "reduce_scatter", previous, ((size, 1),), (out, 1),
                           axis=axis, group_size=group, lane=mesh.lane(axis), per_node=mesh.per_node(axis),
                           forward=forward_op, waits=() if previous else waits, span=weight.span,
-                          params=(("weight", weight.weight_name), ("shape", tuple(weight.weight)), (PIECES, dp))
+                          params=(("weight", weight.weight_name), ("shape", tuple(weight.unit_weight)), (PIECES, dp))
                           + part
                           + (((WEIGHT_PASS, True),) if weight_pass else ())
                           + (((REGROUP, True),) if regroup else ()) + (((FIRST_STAGE, True),) if not last else ()),
@@ -184,8 +193,10 @@ def shard_weights(program: Program) -> Program:
     weights = _weights_in_order(forward.ops)
     gather_ops = {name: collective(name + FORWARD_GATHER, GATHER, op) for name, op in weights.items()}
     gathers = {name: ops[-1] for name, ops in gather_ops.items()}
+    # A chunk at the gather's stages computes on the columns its first stage brought.
     fwd_ops = [op for ops in gather_ops.values() for op in ops] + [
-        attrs.evolve(op, waits=op.waits + (gathers[op.weight_unit].name,)) if op.weight else op
+        attrs.evolve(op, waits=op.waits + (gather_ops[op.weight_unit][0 if op.staged and op.staged[0] == 0 else -1]
+                                           .name,)) if op.weight else op
         for op in forward.ops]
     owner = {op.name: op.weight_unit for op in forward.ops if op.weight}
     bwd_ops = _backward(backward.ops, weights, gathers, owner, collective)

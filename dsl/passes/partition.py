@@ -43,6 +43,13 @@ interpreter see ordinary operators:
   chunk 1 on the others (``ag1.rest``, a ``rest`` of the whole gather), and a ``merge``
   named like the chain's last compute op puts the rows back in rank order;
   collectives that end the chain (``rs2`` after the MLP) run whole on the merged rows.
+  ``chunk fc1 along outputs by stages`` does the same for ZeRO-3's weight gather under
+  ``group weights``: fc1's weight is cut into one column block per dp rank, ``fc1.c0``
+  computes on the columns the gather's first stage brought, ``fc1.c1`` on the others, and a
+  ``merge`` along the features puts them back in order (:func:`~dhelix.dsl.passes.workload.by_weight_stages`).
+  ``chunk ag1 + qkv by stages3`` (Algorithm 1's finer split, the gather inside the node
+  first) cuts the cross-node stage in two and the chain in three: the node's blocks, this
+  place's blocks of the other nodes, the rest.
 
 * ``group ag1 + rs1 [first inter|intra]`` (group partition, §3.1.2): a collective over a
   group that spans nodes runs as two sub-collectives, with the same result: one over the
@@ -71,14 +78,15 @@ import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
-from dhelix.dsl.core.mesh import INTER, INTRA, Mesh
+from dhelix.dsl.core.mesh import INTER, INTRA, SHARD, Mesh
 from dhelix.dsl.core.oplib import DISTINCT_ROOTS, REGROUP, ROOT
 from dhelix.dsl.core.program import AUTO, LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.passes.group_levels import checked_level, split_at_levels
 from dhelix.dsl.passes.priority import PRIORITIES
-from dhelix.dsl.passes.workload import (STAGES, by_stages, checked_chain, chunk_statements, chunked, is_auto,
-                                        is_stages, named_op)
+from dhelix.dsl.core.oplib import OUTPUTS
+from dhelix.dsl.passes.workload import (STAGES, STAGES3, by_stages, by_weight_stages, checked_chain,
+                                        chunk_statements, chunked, is_auto, is_fine, is_stages, named_op)
 
 
 #: ``group weights``: the ZeRO-3 weight all-gathers and gradient reduce-scatters
@@ -122,24 +130,61 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     staged = []
     for index, st in enumerate(chunk_statements(block)):
         auto = (counts or {}).get(index, 1) if is_auto(st) else None
-        if is_stages(st) or auto == STAGES:
-            staged.append(st)  # after the group partitions, whose stages they split at
+        if is_stages(st) or auto in (STAGES, STAGES3):
+            staged.append((st, is_fine(st, auto)))  # after the group partitions, whose stages they split at
             continue
         # An auto chain is checked even while whole (count 1): its mistakes show at once.
         chain = checked_chain(fwd, st, env, claimed, errors, auto)
         if chain is not None and chain[1] > 1:
             fwd = chunked(fwd, *chain)
+    # A gather split three ways runs inside the node first unless told otherwise (a cluster
+    # with declared levels orders its own stages).
+    fine = {st.ops[0] for st, three in staged if three and not mesh.levels}
     for st in block.body:
         if isinstance(st, s.Group) and _checked_first(st, mesh, errors):
             for i, name in enumerate(st.ops):
                 if name == WEIGHTS and name not in {op.name for op in fwd.ops}:
                     continue  # ZeRO-3's collectives: split by the fsdp pass
                 fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors,
-                                       st.first or (orders or {}).get(name))
-    for st in staged:
-        fwd = by_stages(fwd, st, claimed, errors)
+                                       st.first or (orders or {}).get(name) or (INTRA if name in fine else None))
+    for st, three in staged:
+        if st.dim == OUTPUTS and three:
+            errors.add(CheckError(f"'by {STAGES3}' splits an activation all_gather three ways, not a weight's gather",
+                                  st.parts.span, [f"a gemm splits at its weight gather's two stages: chunk {st.ops[0]} "
+                                                  f"along {OUTPUTS} by {STAGES}"]))
+        elif st.dim == OUTPUTS:
+            fwd = _at_weight_stages(fwd, st, block, mesh, claimed, errors, orders)
+        else:
+            fwd = by_stages(fwd, st, claimed, errors, three)
     errors.raise_if_any()
     return fwd
+
+
+def weights_first(block: s.PartitionDef | None, orders: Mapping[str, str] | None) -> str | None:
+    """The sub-group ZeRO-3's weight gathers run over first under ``group weights`` (the
+    statement's ``first``, else the planner's choice, else :func:`fewest_cross_bytes`), or
+    None when no group statement names ``weights``."""
+    for st in block.body if block is not None else ():
+        if isinstance(st, s.Group) and WEIGHTS in st.ops:
+            return st.first or (orders or {}).get(WEIGHTS) or fewest_cross_bytes("all_gather")
+    return None
+
+
+def _at_weight_stages(fwd: LayerDag, st: s.Chunk, block: s.PartitionDef, mesh: Mesh, claimed: dict,
+                      errors: ErrorCollector, orders: Mapping[str, str] | None) -> LayerDag:
+    """``chunk G along outputs by stages``: G split at the stages of its ZeRO-3 weight gather
+    (:func:`~dhelix.dsl.passes.workload.by_weight_stages`), which ``group weights`` must split."""
+    first = weights_first(block, orders)
+    if first is None:
+        errors.add(CheckError(f"'by {STAGES}' along {OUTPUTS} computes on what the first stage of {st.ops[0]}'s "
+                              "weight gather brought, and that gather has no stages", st.parts.span,
+                              ["add: group weights (ZeRO-3's gathers then run across nodes and inside the node "
+                               "one after the other)"]))
+        return fwd
+    axis = f"dp.{SHARD}" if mesh.dp_shard and 1 < mesh.dp_shard < mesh.size("dp") else "dp"
+    if first not in ORDERS or unsplittable(WEIGHTS, axis, mesh, st.span) is not None:
+        return fwd  # the group statement's own error (or the fsdp pass's) says why
+    return by_weight_stages(fwd, st, claimed, errors, axis, first, mesh.size(axis), mesh.size(f"{axis}.{first}"))
 
 
 def _check_backward(block: s.PartitionDef, errors: ErrorCollector) -> None:

@@ -14,7 +14,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.mesh import INTER, INTRA
 from dhelix.dsl.core.oplib import CD, OD, OUTPUTS, PARTITION_DIMS, dimension_split
-from dhelix.dsl.core.program import AUTO, COLUMNS, LayerDag, Op
+from dhelix.dsl.core.program import AUTO, COLUMNS, STAGED, LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.frontend.exprs import evaluate
 
@@ -30,9 +30,22 @@ def is_auto(st: s.Chunk) -> bool:
 STAGES = "stages"
 
 
+#: ``chunk ag1 + qkv by stages3``: Algorithm 1's finer three-way split (lines 19-20) of a
+#: gather whose node-local stage runs first: the node's blocks, then the blocks of this rank's
+#: place on the other nodes (a cross-node gather of one block each), then the rest.
+STAGES3 = "stages3"
+
+
 def is_stages(st: s.Chunk) -> bool:
-    """Whether chunk statement ``st`` splits its chain at its gather's stages (``by stages``)."""
-    return isinstance(st.parts, s.Name) and st.parts.id == STAGES
+    """Whether chunk statement ``st`` splits its chain at its gather's stages (``by stages``
+    or ``by stages3``)."""
+    return isinstance(st.parts, s.Name) and st.parts.id in (STAGES, STAGES3)
+
+
+def is_fine(st: s.Chunk, auto: int | str | None = None) -> bool:
+    """Whether ``st`` splits its chain three ways (``by stages3``, or the planner's choice
+    ``auto`` for a ``by auto`` statement)."""
+    return (isinstance(st.parts, s.Name) and st.parts.id == STAGES3) or auto == STAGES3
 
 
 def chunk_statements(block: s.PartitionDef | None) -> list[s.Chunk]:
@@ -220,19 +233,72 @@ def _by_columns(fwd: LayerDag, op: Op, parts: int) -> LayerDag:
     return _replaced(fwd, {op.name}, op.name, [*chunks, join])
 
 
-def by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector) -> LayerDag:
+def by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector, fine: bool = False) -> LayerDag:
     """``fwd`` with the chain of ``st`` (a group-partitioned all_gather, token-wise compute,
     then maybe collectives) split unevenly: chunk 0 computes on the rank blocks the gather's
     first stage brought (``ag.inter`` or ``ag.intra``), chunk 1 on the others (``ag.rest``,
     taken from the whole gather), and a ``merge`` named like the chain's last compute op puts
     the rows back in rank order, where the collectives that end the chain (the MLP's
-    reduce_scatter) read it whole. ``fwd`` unchanged after recording errors."""
+    reduce_scatter) read it whole. ``fine``: three ways (:func:`_split_in_three`), which needs
+    the node-local stage first. ``fwd`` unchanged after recording errors."""
     found = _stage_chain(fwd, st, claimed, errors)
     if found is None:
         return fwd
     gather, first, chain, tail = found
+    if fine and not first.name.endswith(f".{INTRA}"):
+        errors.add(CheckError(f"'by {STAGES3}' splits a gather whose node-local stage runs first, and {gather.name} "
+                              "runs across nodes first", st.parts.span,
+                              [f"write: group {gather.name} first intra (Centauri Algorithm 1, lines 14-20: the "
+                               "finer split of the cross-node stage follows the intra-node one)",
+                               f"or 'by {STAGES}' for the two-way split in this order"]))
+        return fwd
     claimed.update({op.name: st for op in [gather, *chain, *tail]})
-    return _split_at_stages(fwd, gather, first, chain)
+    return (_split_in_three if fine else _split_at_stages)(fwd, gather, first, chain)
+
+
+def by_weight_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector, axis: str,
+                     first: str, pieces: int, near: int) -> LayerDag:
+    """``fwd`` with the gemm of ``st`` (``chunk fc1 along outputs by stages``) split at the
+    stages of its ZeRO-3 weight gather under ``group weights`` (Algorithm 1's uneven split
+    for FSDP): its weight is cut into ``pieces`` column blocks, one per rank of ``axis``
+    (``dp`` or ``dp.shard``), and the gather's first stage (over ``axis.<first>``) brings
+    ``near`` of them; ``fc1.c0`` computes on those columns while the second stage runs,
+    ``fc1.c1`` on the others, and a ``merge`` along the features named ``fc1`` puts the
+    columns back in order. ``fwd`` unchanged after recording errors."""
+    name, span = st.ops[0], st.span_of("ops.0")
+    if len(st.ops) > 1:
+        errors.add(CheckError(f"'along {OUTPUTS}' chunks one gemm, not a chain of {len(st.ops)} operators",
+                              st.span_of("ops.1"), [f"write one statement per gemm: chunk {name} along {OUTPUTS} "
+                                                    f"by {STAGES}"]))
+        return fwd
+    op = named_op(fwd, name, span, errors)
+    if op is None:
+        return fwd
+    split, why = dimension_split(op.op, OUTPUTS)
+    if split != OD or not op.weight:
+        errors.add(CheckError(f"cannot chunk {name} ({op.op}) along {OUTPUTS} by {STAGES}", span,
+                              [why or f"{name} has no weight"]))
+        return fwd
+    if name in claimed:
+        errors.add(CheckError(f"'{name}' is already chunked", span,
+                              [f"by the chunk statement at {claimed[name].span}"]))
+        return fwd
+    rows, cols = op.shape
+    if cols % pieces:
+        errors.add(CheckError(f"the {cols} output features of {name} do not split into {pieces} column blocks, one "
+                              f"per rank of {axis}", st.parts.span,
+                              [f"'by {STAGES}' along {OUTPUTS} shards {name}'s weight by column blocks, so that the "
+                               "first stage of its gather brings whole columns to compute on"]))
+        return fwd
+    claimed[name] = st
+    width = cols // pieces
+    counts = (near * width, cols - near * width)
+    chunks = [attrs.evolve(op, name=f"{name}.c{i}", origin=op.origin or name, shape=(rows, n),
+                           weight=(*op.weight[:-1], n), params=op.params + ((STAGED, (i, first, cols)),))
+              for i, n in enumerate(counts)]
+    join = Op(name, "merge", "compute", "layout", tuple(c.name for c in chunks), tuple(c.shape for c in chunks),
+              op.shape, params=(("axis", axis), ("first", first), ("blocks", pieces), ("dim", 1)), span=op.span)
+    return _replaced(fwd, {name}, name, [*chunks, join])
 
 
 def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector):
@@ -324,6 +390,50 @@ def _split_at_stages(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> L
            Op(last.name, "merge", "compute", "layout", (f"{last.name}.c0", f"{last.name}.c1"),
               ((near, last.shape[1]), (far, last.shape[1])), last.shape, params=params, span=last.span)]
     return _replaced(fwd, {op.name for op in chain}, last.name, new)
+
+
+def _split_in_three(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> LayerDag:
+    """The rewrite of :func:`by_stages` three ways (Algorithm 1, lines 19-20: granularity
+    [intra/world, (inter-1)/world, the rest]) for a checked chain whose gather runs inside the
+    node first (``first``, ``AG.intra``). The cross-node stage is cut in two: ``AG.place``
+    gathers this rank's own block from its place on every node (one block each across), and
+    ``AG`` gathers the node-mates' blocks (``AG.mates``, the first stage's others) from every
+    node. Chunk 0 computes on the node's blocks, chunk 1 on the other nodes' blocks of this
+    place (``AG.near``), chunk 2 on the rest (``AG.rest``); a ``merge`` of the three puts the
+    rows back in rank order. The cross-node bytes are those of the two-way split."""
+    (rows, cols), intra, inter = first.in_shapes[0], first.group_size, gather.group_size
+    base = first.axis.rpartition(".")[0]
+
+    def others(name: str, source: Op, axis: str, groups: int) -> Op:
+        # ``source``'s blocks without the group at this rank's index on ``axis``.
+        return Op(name, "others", "compute", "layout", (source.name,), (source.shape,),
+                  (source.shape[0] // groups * (groups - 1), cols), params=(("axis", axis), ("groups", groups)),
+                  span=gather.span)
+    place = attrs.evolve(gather, name=f"{gather.name}.place", inputs=first.inputs, in_shapes=first.in_shapes,
+                         shape=(rows * inter, cols))
+    near = others(f"{gather.name}.near", place, gather.axis, inter)
+    mates = others(f"{gather.name}.mates", first, first.axis, intra)
+    second = attrs.evolve(gather, inputs=(mates.name,), in_shapes=(mates.shape,), shape=(mates.shape[0] * inter, cols))
+    rest = others(f"{gather.name}.rest", second, gather.axis, inter)
+
+    def part(index: int, source: Op) -> list[Op]:
+        count = source.shape[0]
+        return [attrs.evolve(op, name=f"{op.name}.c{index}", origin=op.origin or op.name,
+                             inputs=tuple(source.name if v == gather.name else f"{v}.c{index}" for v in op.inputs),
+                             in_shapes=tuple((count, shape[1]) for shape in op.in_shapes), shape=(count, op.shape[1]))
+                for op in chain]
+    last = chain[-1]
+    sources = (first, near, rest)
+    merge = Op(last.name, "merge", "compute", "layout", tuple(f"{last.name}.c{i}" for i in range(3)),
+               tuple((s.shape[0], last.shape[1]) for s in sources), last.shape,
+               params=(("axis", base), ("first", INTRA), ("blocks", intra * inter)), span=last.span)
+    new = [place, *part(0, first), near, mates, second, *part(1, near), rest, *part(2, rest), merge]
+    ops = []
+    for op in fwd.ops:
+        if op.name == gather.name:
+            continue  # its place: the second cross-node stage, with the chunks
+        ops += new if op.name == last.name else [] if op in chain else [op]
+    return attrs.evolve(fwd, ops=tuple(ops))
 
 
 def _reads(fwd: LayerDag, op: Op, value: str) -> bool:

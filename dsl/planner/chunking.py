@@ -20,6 +20,10 @@ Besides the counts, a chain that starts with a gather a ``group`` statement spli
 brought while the second runs, then on the rest; :func:`~dhelix.dsl.passes.workload.is_stages`),
 priced the same way with either stage first where no ``first`` fixes the order (the order
 itself is chosen after the counts, below); a chain whose gather has no stages does not list it.
+A gemm chunked along its outputs under ZeRO-3 with ``group weights`` tries ``stages`` too
+(its columns split at its weight gather's stages, either order where none is fixed).
+Beside ``stages``, ``stages3`` (Algorithm 1's finer split, lines 19-20: the node's blocks, this
+place's on the other nodes, the rest), which runs the node-local stage first.
 
 Orders come after the counts (Algorithm 1 partitions the workload, then orders the group's
 stages): each such collective, in block order, is priced both ways the same way, the others
@@ -52,11 +56,11 @@ from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
-from dhelix.dsl.core.oplib import DGRAD, PARTITION_DIMS
+from dhelix.dsl.core.oplib import DGRAD, OUTPUTS, PARTITION_DIMS
 from dhelix.dsl.core.mesh import base_axis
 from dhelix.dsl.passes.group_levels import ORDER_JOIN, default_order, every_order, order_text, stages_of
 from dhelix.dsl.passes.partition import ORDERS, WEIGHTS, fewest_cross_bytes, is_auto_substitution, scalable_form
-from dhelix.dsl.passes.workload import STAGES, chunk_statements, is_auto
+from dhelix.dsl.passes.workload import STAGES, STAGES3, chunk_statements, is_auto
 from dhelix.dsl.passes.priority import PRIORITIES, backward_statement
 from dhelix.dsl.planner.paircost import PairCost
 
@@ -248,12 +252,14 @@ def choose_chunks(program: Program) -> tuple[Program, tuple[ChunkChoice, ...]]:
     choices = []
     for index in autos:
         candidates = []
-        # Stages split the tokens a gather brings: not a candidate along other dimensions.
-        along_tokens = statements[index].dim in (None, PARTITION_DIMS[0])
-        for count in [*range(1, MAX_CHUNKS + 1), *([STAGES] if along_tokens else [])]:
+        # Stages split the tokens a gather brings, or a gemm's columns at its weight gather's
+        # stages (ZeRO-3 under group weights): not a candidate along features.
+        dim = statements[index].dim
+        staged = [STAGES, STAGES3] if dim in (None, PARTITION_DIMS[0]) else [STAGES] if dim == OUTPUTS else []
+        for count in [*range(1, MAX_CHUNKS + 1), *staged]:
             tried = attrs.evolve(program, chunk_counts=tuple(sorted({**counts, index: count}.items())))
-            if count == STAGES:  # with either stage first where the order is still open
-                seconds, why = _staged(tried, statements[index].ops[0])
+            if count in (STAGES, STAGES3):  # with either stage first where the order is still open
+                seconds, why = _staged(tried, WEIGHTS if dim == OUTPUTS else statements[index].ops[0])
             else:
                 seconds, why = _price(tried)
             # Counts the dimension does not divide, and the stages of a gather no group
@@ -347,5 +353,6 @@ _EXPECTED = ("the chain's dimension", "the chain's gather")
 
 
 def _cheapest(candidate: Candidate) -> tuple:
-    # Fastest first; ties to fewer chunks, the stages' uneven two after two even ones.
-    return candidate.seconds, 2.5 if candidate.value == STAGES else candidate.value
+    # Fastest first; ties to fewer chunks, the stages' uneven two after two even ones, their
+    # three after three.
+    return candidate.seconds, {STAGES: 2.5, STAGES3: 3.5}.get(candidate.value, candidate.value)

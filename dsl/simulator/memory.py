@@ -88,7 +88,7 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
 def largest_gathered(forward: LayerDag) -> int:
     """Elements of the largest dense weight unit of a layer (a weight, or a column block of
     one chunked along its outputs): what one ZeRO-3 gather brings in whole."""
-    units = {op.weight_unit: math.prod(op.weight) for op in forward.ops if op.weight and op.op != "grouped_gemm"}
+    units = {op.weight_unit: math.prod(op.unit_weight) for op in forward.ops if op.weight and op.op != "grouped_gemm"}
     return max(units.values(), default=0)
 
 

@@ -38,10 +38,10 @@ import torch
 
 from dhelix.dsl.core.oplib import REGROUP
 from dhelix.dsl.core.program import COLUMNS, LayerDag, Op, Program
-from dhelix.dsl.passes.fsdp import FIRST_STAGE, GATHER as FSDP_GATHER, PIECES, unit_of
+from dhelix.dsl.passes.fsdp import COLUMN_PIECES, FIRST_STAGE, GATHER as FSDP_GATHER, PIECES, unit_of
 
-from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
-from dhelix.interpreter.ops.fsdp import block_of, gather_weight, scatter_grad
+from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve, stage_blocks
+from dhelix.interpreter.ops.fsdp import block_of, from_column_pieces, gather_weight, scatter_grad
 from dhelix.interpreter.ops.kernels import (BWD, COMM, DGRAD, FORWARD, GATHER_W, KERNELS, SCATTER_DW, WGRAD, KernelCtx, handler,
                       lm_head_backward)
 from dhelix.interpreter.ops.moe import ROLE, a2a_roles
@@ -301,7 +301,7 @@ class LayerRun:
         with self.comm.op_named(op.name):
             return gather_weight(source, self.comm,
                                  params["shape"], async_op, op.axis, bool(params.get(FIRST_STAGE)),
-                                 bool(params.get(REGROUP)))
+                                 bool(params.get(REGROUP)), params[PIECES] if params.get(COLUMN_PIECES) else 0)
 
     def _weight(self, op: Op, name: str) -> torch.Tensor | None:
         """The weight ``op`` computes with: its ZeRO-3 gather's output (an activation in the
@@ -309,11 +309,34 @@ class LayerRun:
         source = self.plan.gathered_by.get(op.name)
         if source is None:
             return self.weights.get(name)
+        forward = self.plan.fwd_ops.get(op.name) or self.plan.fwd_ops[op.forward]
         if op.name in self.plan.fwd_ops:
-            return self._act(source)
-        gathered = self.bgrads[source]
-        gathered[GATHERED] = resolve(gathered[GATHERED])
-        return gathered[GATHERED]
+            weight = self._act(source)
+        else:
+            gathered = self.bgrads[source]
+            gathered[GATHERED] = weight = resolve(gathered[GATHERED])
+        return weight if forward.staged is None else self._staged_weight(forward, weight)
+
+    def _staged_columns(self, forward: Op) -> torch.Tensor:
+        """The columns of its whole weight that a gemm chunked at its gather's stages
+        computes on (:attr:`Op.staged`): part 0 those of the column blocks the first stage
+        brings this rank, part 1 the others, each in block order; the ``merge`` named like
+        the gemm says over which axis and into how many blocks."""
+        part, first, columns = forward.staged
+        merge = dict(self.plan.fwd_ops[forward.weight_name].params)
+        near, blocks = stage_blocks(self.comm, merge["axis"], first), merge["blocks"]
+        width = columns // blocks
+        chosen = near if part == 0 else [b for b in range(blocks) if b not in near]
+        return torch.cat([torch.arange(b * width, (b + 1) * width) for b in chosen])
+
+    def _staged_weight(self, forward: Op, weight: torch.Tensor) -> torch.Tensor:
+        # The first stage's pieces (flat: the forward's part 0) side by side, or the part's
+        # columns of the whole weight.
+        whole = (*forward.weight[:-1], forward.staged[2])
+        if weight.dim() == 1:
+            blocks = dict(self.plan.fwd_ops[forward.weight_name].params)["blocks"]
+            return from_column_pieces(weight, whole, blocks)
+        return weight.index_select(-1, self._staged_columns(forward).to(weight.device))
 
     def _fsdp_backward(self, op: Op, step: "Step", async_op: bool) -> None:
         """A backward re-gather (its weight stays among the backward values until its last
@@ -327,7 +350,8 @@ class LayerRun:
         else:
             with self.comm.op_named(op.name):
                 sent = scatter_grad(self._full_grad(unit) if source is None else source, self.comm, async_op,
-                                    op.axis, source is None, bool(params.get(REGROUP)), params.get(PIECES))
+                                    op.axis, source is None, bool(params.get(REGROUP)), params.get(PIECES),
+                                    bool(params.get(COLUMN_PIECES)))
             if params.get(FIRST_STAGE):  # the second stage reduce-scatters it on
                 self.bgrads[op.name] = {GATHERED: sent}
             elif isinstance(sent, Pending):
@@ -407,7 +431,13 @@ class LayerRun:
         # A ZeRO-3 weight's full gradient is this micro-batch's only, until its reduce-scatter
         # (a chunk along outputs computes its own columns' block: its unit's gradient).
         grads = self.full_grads if name in self.plan.sharded else self.grads
-        if name not in grads:
+        forward = self.plan.fwd_ops[op_name]
+        if forward.staged is not None:  # its columns of the whole weight's gradient
+            part = kernel.wgrad(grad, saved)
+            if name not in grads:
+                grads[name] = part.new_zeros((*part.shape[:-1], forward.staged[2]))
+            grads[name].index_add_(-1, self._staged_columns(forward).to(part.device), part)
+        elif name not in grads:
             grads[name] = kernel.wgrad(grad, saved)
         elif kernel.wgrad_into is not None:
             kernel.wgrad_into(grads[name], grad, saved)

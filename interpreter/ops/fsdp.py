@@ -45,26 +45,34 @@ class FlatShards:
     the (tensor-parallel) shard it is a piece of, as :meth:`add` records them."""
 
     def __init__(self, enabled: bool, pieces: int, index: int, axis: str = "dp",
-                 columns: Mapping[str, int] | None = None):
+                 columns: Mapping[str, int] | None = None, by_columns: frozenset = frozenset()):
         self.enabled, self.pieces, self.index, self.axis = enabled, pieces, index, axis
         self.shapes: dict[str, tuple[int, ...]] = {}
         #: Weights (by op name) chunked along their outputs, and into how many column blocks:
         #: each block is flattened, padded and cut on its own, and a piece is the blocks'
         #: pieces one after the other, so a chunk's gather moves its columns only.
         self.columns = dict(columns or {})
+        #: Weights (by op name) chunked along their outputs at their gather's stages: a
+        #: piece is a block of columns (:func:`column_piece`).
+        self.by_columns = frozenset(by_columns)
 
     @classmethod
     def of(cls, program: Program, comm: Communicator) -> "FlatShards":
         """The (still empty) layout of ``program`` on this rank."""
         axis = shard_axis(program)
-        columns = {op.weight_name: op.columns[1] for op in program.forward.ops if op.weight and op.columns} \
-            if program.forward is not None else {}
-        return cls(is_fsdp(program), comm.size(axis), comm.index(axis), axis, columns)
+        ops = program.forward.ops if program.forward is not None else ()
+        columns = {op.weight_name: op.columns[1] for op in ops if op.weight and op.columns}
+        staged = frozenset(op.weight_name for op in ops if op.weight and op.staged)
+        return cls(is_fsdp(program), comm.size(axis), comm.index(axis), axis, columns, staged)
 
     def blocks(self, name: str) -> int:
         """How many column blocks parameter (or layer op) ``name``'s pieces are made of."""
-        op = name.split(".", 2)[2] if name.startswith("layers.") else name
-        return self.columns.get(op, 1)
+        return self.columns.get(_op_of(name), 1)
+
+    def _piece(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if _op_of(name) in self.by_columns:
+            return column_piece(tensor, self.pieces, self.index)
+        return piece(tensor, self.pieces, self.index, self.blocks(name))
 
     @property
     def replicated_over(self) -> str | None:
@@ -79,11 +87,11 @@ class FlatShards:
         """Record parameter ``name`` (this rank's tensor-parallel shard ``tensor``) as sharded
         and return this rank's piece of it (a new contiguous tensor)."""
         self.shapes[name] = tuple(tensor.shape)
-        return piece(tensor, self.pieces, self.index, self.blocks(name))
+        return self._piece(name, tensor)
 
     def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece of ``tensor`` if ``name`` is sharded, else ``tensor``."""
-        return piece(tensor, self.pieces, self.index, self.blocks(name)) if name in self.shapes else tensor
+        return self._piece(name, tensor) if name in self.shapes else tensor
 
     def gather(self, comm: Communicator, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` by name with every sharded one gathered over :attr:`axis` and shaped
@@ -92,6 +100,9 @@ class FlatShards:
         for name in sorted(set(tensors) & set(self.shapes)):
             flat, shape, blocks = comm.all_gather(tensors[name].contiguous(), self.axis), self.shapes[name], \
                 self.blocks(name)
+            if _op_of(name) in self.by_columns:
+                out[name] = from_column_pieces(flat, shape, self.pieces)
+                continue
             if blocks == 1:
                 out[name] = unflatten(flat, shape)
                 continue
@@ -100,6 +111,30 @@ class FlatShards:
             block_shape = (*shape[:-1], shape[-1] // blocks)
             out[name] = torch.cat([unflatten(b.reshape(-1), block_shape) for b in by_block], dim=-1)
         return out
+
+
+def _op_of(name: str) -> str:
+    """The layer op of parameter ``name`` (``layers.3.fc1`` → ``fc1``), or ``name``."""
+    return name.split(".", 2)[2] if name.startswith("layers.") else name
+
+
+def column_piece(tensor: torch.Tensor, dp: int, index: int) -> torch.Tensor:
+    """Piece ``index`` of ``dp`` of a weight cut into column blocks (``chunk G along outputs
+    by stages``): its block ``index`` of columns, flattened (the columns must divide)."""
+    return tensor.chunk(dp, dim=-1)[index].contiguous().reshape(-1)
+
+
+def column_pieces(tensor: torch.Tensor, dp: int) -> torch.Tensor:
+    """Every :func:`column_piece` of ``tensor`` one after the other (what a gather gives)."""
+    return torch.cat([block.reshape(-1) for block in tensor.chunk(dp, dim=-1)])
+
+
+def from_column_pieces(flat: torch.Tensor, shape: tuple[int, ...], dp: int) -> torch.Tensor:
+    """The columns that ``flat``, :func:`column_piece` pieces of a weight of ``shape`` cut
+    into ``dp`` blocks one after the other, hold, side by side (all ``dp`` of them: the weight)."""
+    rows, width = math.prod(shape[:-1]), shape[-1] // dp
+    count = flat.numel() // (rows * width)
+    return flat.view(count, rows, width).permute(1, 0, 2).reshape(*shape[:-1], count * width)
 
 
 def padded_flat(tensor: torch.Tensor, dp: int) -> torch.Tensor:
@@ -135,30 +170,35 @@ def unflatten(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def gather_weight(shard: torch.Tensor, comm: Communicator, shape: tuple[int, ...], async_op: bool,
-                  axis: str = "dp", first_stage: bool = False, regroup: bool = False):
+                  axis: str = "dp", first_stage: bool = False, regroup: bool = False, pieces: int = 0):
     """The weight of ``shape`` from every dp rank's piece (a Pending of it with ``async_op``),
     gathered over ``axis``: ``dp``, or a stage of ``group weights`` (``dp.inter``,
     ``dp.intra``). The first of two stages (``first_stage``; ``shard`` is this rank's piece)
     gives its sub-group's pieces, flat; the second (``shard`` is that) gives the weight, its
     pieces put back in dp order when they came grouped by place on the node (``regroup``,
-    :func:`~.comm.regrouped`)."""
+    :func:`~.comm.regrouped`). ``pieces`` > 0: the weight is cut into that many column
+    blocks (:func:`column_piece`), put side by side."""
     gathered = comm.all_gather(shard, axis, async_op=async_op)
 
     def finish(flat: torch.Tensor) -> torch.Tensor:
         if regroup:
             flat = regrouped(flat, comm, axis, gathered=True)
-        return flat if first_stage else unflatten(flat, shape)
+        if first_stage:
+            return flat
+        return from_column_pieces(flat, shape, pieces) if pieces else unflatten(flat, shape)
     return gathered.then(finish) if isinstance(gathered, Pending) else finish(gathered)
 
 
 def scatter_grad(grad: torch.Tensor, comm: Communicator, async_op: bool, axis: str = "dp",
-                 whole: bool = True, regroup: bool = False, pieces: int | None = None):
+                 whole: bool = True, regroup: bool = False, pieces: int | None = None, by_columns: bool = False):
     """This rank's piece of ``grad`` summed over dp (a Pending of it with ``async_op``),
     reduce-scattered over ``axis``: ``dp``, or a stage of ``group weights`` (``dp.intra``,
     ``dp.inter``; or ``dp.shard``). ``whole``: ``grad`` is the full gradient (flattened and
     padded here to a multiple of ``pieces``, default dp), not the first stage's output; ``regroup``: the pieces go grouped by place on the node first
-    (:func:`~.comm.regrouped`), as a reduce-scatter inside the node before the nodes must."""
-    flat = padded_flat(grad, pieces or comm.size("dp")) if whole else grad
+    (:func:`~.comm.regrouped`), as a reduce-scatter inside the node before the nodes must;
+    ``by_columns``: the pieces are column blocks (:func:`column_piece`)."""
+    count = pieces or comm.size("dp")
+    flat = grad if not whole else column_pieces(grad, count) if by_columns else padded_flat(grad, count)
     if regroup:
         flat = regrouped(flat, comm, axis, gathered=False)
     return comm.reduce_scatter(flat, axis, async_op=async_op)

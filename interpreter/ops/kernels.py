@@ -29,6 +29,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from dhelix.dsl.core.mesh import INTRA
 from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_parts, derived_kind
 
 from . import gpu_kernels as gpu
@@ -398,11 +399,11 @@ def _first_blocks(ctx) -> list[int]:
     return stage_blocks(ctx.comm, ctx.params["axis"], ctx.params["first"])
 
 
-def _split_blocks(x, near: list[int], blocks: int):
-    """(the rows of blocks ``near``, the rows of the others), each in block order."""
-    pieces = x.chunk(blocks)
-    return (torch.cat([pieces[b] for b in near]),
-            torch.cat([pieces[b] for b in range(blocks) if b not in near]))
+def _split_blocks(x, near: list[int], blocks: int, dim: int = 0):
+    """(the blocks ``near`` of ``x`` along ``dim``, the others), each in block order."""
+    pieces = x.chunk(blocks, dim)
+    return (torch.cat([pieces[b] for b in near], dim),
+            torch.cat([pieces[b] for b in range(blocks) if b not in near], dim))
 
 
 def _rest_forward(inputs, weight, ctx):
@@ -423,17 +424,51 @@ def _rest_dgrad(grad, saved, weight):
     return (full,)
 
 
-def _merge_forward(inputs, weight, ctx):
-    first, rest = inputs
+def _part_blocks(ctx, parts: int) -> list[list[int]]:
+    """The blocks each of a merge's ``parts`` inputs holds, in block order: the first stage's
+    and the others; three ways (``by stages3``, node-local stage first) the node's, this
+    place's on the other nodes, and the rest."""
     near, blocks = _first_blocks(ctx), ctx.params["blocks"]
-    rows = first.shape[0] // len(near)
-    mine, others = iter(first.split(rows)), iter(rest.split(rows))
-    return torch.cat([next(mine) if b in near else next(others) for b in range(blocks)]), (near, blocks)
+    if parts == 2:
+        return [near, [b for b in range(blocks) if b not in near]]
+    axis = ctx.params["axis"]
+    intra, place = ctx.comm.size(f"{axis}.{INTRA}"), ctx.comm.index(f"{axis}.{INTRA}")
+    across = [b for b in range(blocks) if b % intra == place and b not in near]
+    return [near, across, [b for b in range(blocks) if b not in near and b not in across]]
+
+
+def _merge_forward(inputs, weight, ctx):
+    # Rows of rank blocks (an activation gather's stages), or along the features (``dim`` 1)
+    # the column blocks of a weight split at its ZeRO-3 gather's stages.
+    owners, blocks, dim = _part_blocks(ctx, len(inputs)), ctx.params["blocks"], ctx.params.get("dim", 0)
+    size = inputs[0].shape[dim] // len(owners[0])
+    where = {b: (part, i) for part, owned in enumerate(owners) for i, b in enumerate(owned)}
+    pieces = [x.split(size, dim) for x in inputs]
+    return torch.cat([pieces[where[b][0]][where[b][1]] for b in range(blocks)], dim), (owners, blocks, dim)
 
 
 def _merge_dgrad(grad, saved, weight):
-    near, blocks = saved
-    return tuple(part.contiguous() for part in _split_blocks(grad, near, blocks))
+    owners, blocks, dim = saved
+    pieces = grad.chunk(blocks, dim)
+    return tuple(torch.cat([pieces[b] for b in owned], dim).contiguous() for owned in owners)
+
+
+# -- others: a tensor's blocks without those of this rank's group (``by stages3``) ----------
+
+def _others_forward(inputs, weight, ctx):
+    (x,) = inputs
+    groups, mine = ctx.params["groups"], ctx.comm.index(ctx.params["axis"])
+    kept = [p for i, p in enumerate(x.chunk(groups)) if i != mine]
+    return torch.cat(kept).contiguous(), (groups, mine)
+
+
+def _others_dgrad(grad, saved, weight):
+    groups, mine = saved
+    size = grad.shape[0] // (groups - 1)
+    full = grad.new_zeros((size * groups, *grad.shape[1:]))
+    for i, b in enumerate(g for g in range(groups) if g != mine):
+        full.narrow(0, b * size, size).copy_(grad.narrow(0, i * size, size))
+    return (full,)
 
 
 def _pick_forward(inputs, weight, ctx):
@@ -649,6 +684,7 @@ KERNELS: dict[str, Kernel] = {
     "concat": Kernel(_concat_forward, _concat_dgrad),
     "rest": Kernel(_rest_forward, _rest_dgrad),
     "merge": Kernel(_merge_forward, _merge_dgrad),
+    "others": Kernel(_others_forward, _others_dgrad),
     "pick": Kernel(_pick_forward, _pick_dgrad),
     "permute": Kernel(_permute_forward, _permute_dgrad),
     "unpermute": Kernel(_unpermute_forward, _unpermute_dgrad),

@@ -150,7 +150,7 @@ def layer_specs(program: Program, full_fwd: LayerDag) -> dict[str, ShardSpec]:
             continue
         full_op = full_fwd.op(op.weight_name)
         spec = _op_spec(op, full_op, fwd, full_fwd, program.mesh)
-        weight = tuple(op.weight) if op.columns is None else (*op.weight[:-1], op.weight[-1] * op.columns[1])
+        weight = tuple(op.unit_weight) if op.columns is None else (*op.weight[:-1], op.weight[-1] * op.columns[1])
         if spec.shard_shape(program.mesh.size(spec.axis) if spec.axis else 1) != weight:
             raise ShardingError(f"op {op.name}: weight {list(weight)} is not a {spec.kind} shard of "
                                 f"the full {list(spec.full)} over {spec.axis}")
@@ -180,7 +180,7 @@ def _op_spec(op: Op, full_op: Op, fwd: LayerDag, full_fwd: LayerDag, mesh: Mesh)
         return ShardSpec(full, init, 0, "tp", (full[0],))
     if column:
         return ShardSpec(full, init, 1, "tp", _column_blocks(op, full[1], fwd, full_fwd))
-    if tuple(op.weight) != full and op.columns is None:
+    if tuple(op.unit_weight) != full and op.columns is None:
         raise ShardingError(f"gemm {op.name} holds a {list(op.weight)} slice of its {list(full)} weight over tp, but "
                             "neither reads an all_gather over tp (column-parallel) nor feeds a reduce_scatter "
                             "over tp (row-parallel): the interpreter runs tensor parallelism in its "
@@ -192,7 +192,7 @@ def _op_spec(op: Op, full_op: Op, fwd: LayerDag, full_fwd: LayerDag, mesh: Mesh)
 
 def _is_tp_collective(fwd: LayerDag, name: str, kind: str) -> bool:
     op = next((o for o in fwd.ops if o.name == name), None)
-    if op is not None and op.op in ("slice", "rest"):  # a chunk of a partitioned chain's input
+    if op is not None and op.op in ("slice", "rest", "others"):  # a chunk of a partitioned chain's input
         return _is_tp_collective(fwd, op.inputs[0], kind)
     if op is not None and op.op in ("concat", "merge", "pick"):  # the joined chunks or rooted parts of it
         return all(_is_tp_collective(fwd, part, kind) for part in op.inputs)
@@ -208,7 +208,7 @@ def _readers(fwd: LayerDag, name: str) -> list[Op]:
     readers = []
     for op in fwd.ops:
         if name in op.inputs:
-            readers += _readers(fwd, op.name) if op.op in ("concat", "merge", "slice", "rest") else [op]
+            readers += _readers(fwd, op.name) if op.op in ("concat", "merge", "slice", "rest", "others") else [op]
     return readers
 
 
