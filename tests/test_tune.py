@@ -89,7 +89,7 @@ def test_a_search_that_defers_planning_equals_exhaustive(seed):
 def test_the_bound_never_exceeds_a_priced_step(tiny):
     pricer, space = tiny
     schedule = next(s for s in space.schedules if s[0] == "none")
-    checked = 0
+    checked, si_off = 0, 0
     for choice in list(space.choices())[::7]:
         result = pricer.price(choice)
         if not isinstance(result, Priced):
@@ -98,7 +98,52 @@ def test_the_bound_never_exceeds_a_priced_step(tiny):
         assert bound.seconds <= result.seconds * (1 + 1e-9), choice.describe()
         assert bound.memory <= max(r.memory for r in result.sim.ranks) * (1 + 1e-9), choice.describe()
         checked += 1
-    assert checked > 20
+        si_off += choice.si == "off"
+    assert checked > 20 and si_off > 5
+
+
+def _si_space(full: Space, rng: random.Random) -> Space:
+    """A random space of the SI pipelines where SI off is faster (ZeRO-3 on dp 4, m > 1)."""
+    return attrs.evolve(full, tp=(1,), cp=(1,), pp=(1,), micro_batch=_sub(rng, (1, 2)), zero=(3,),
+                        recompute=_sub(rng, full.recompute), partition=_sub(rng, full.partition),
+                        schedules=tuple(s for s in full.schedules if s[1] in ("w_helix", "dualpipe_v")))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_si_off_is_searched_and_its_choice_exact(tiny, seed):
+    # SI on and off are both priced for each schedule with SI blocks; where SI off is
+    # faster (its step is the "without SI" of simulate --compare) the search finds it, as
+    # the exhaustive pricing does.
+    from dhelix.dsl.simulator.report import compare
+
+    pricer, full = tiny
+    rng = random.Random(300 + seed)
+    space = _si_space(full, rng)
+    assert {s[2] for s in space.schedules} == {"on", "off"}
+    top = rng.choice((3, 5))
+    expected = exhaustive(pricer, space, top=top)
+    found = search(pricer, space, top=top)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    off = found.top[0]
+    assert off.choice.si == "off"
+    on = pricer.price(attrs.evolve(off.choice, si="on"))
+    assert off.seconds < on.seconds
+    without = next(s for s in compare(pricer.checked(on.choice)) if s.label == "without SI")
+    assert off.seconds == pytest.approx(without.step_time, rel=1e-12)
+    assert not off.sim.si and on.sim.si
+
+
+def test_written_si_is_kept(tiny, tmp_path):
+    path = tmp_path / "off.dhx"
+    path.write_text(TINY.read_text().replace("warmup = 5", "warmup = 5\n  si = off").replace(
+        '"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
+    pricer, space = _pricer(path)
+    assert {s[2] for s in space.schedules} == {"off"}
+    outcome = search(pricer, space, top=3)
+    assert outcome.top and all(p.choice.si == "off" and not p.sim.si for p in outcome.top)
+    base = passes.rerun(check_program(tiny[0].modules), after="check")
+    assert {s[2] for s in space_of(base, keep=("si",)).schedules} == {"on"}
 
 
 def test_kept_settings_stay_as_written(tiny):
@@ -199,6 +244,23 @@ def test_cli_writes_a_program_that_checks(tmp_path):
     run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_cli_writes_si_off_when_the_file_pins_it(tmp_path):
+    # A file that says si = off keeps it: the best is written with it, checks and runs.
+    pinned = tmp_path / "pinned.dhx"
+    pinned.write_text(TINY.read_text().replace("warmup = 5", "warmup = 5\n  si = off").replace(
+        '"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
+    out = tmp_path / "t.dhx"
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(pinned), "-o", str(out), "--top", "2",
+                           "--keep", "mesh,pipeline,micro_batch"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "w_helix  SI off" in proc.stdout
+    assert "si = off" in out.read_text()
+    run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "SI off (the train block's si = off)" in run.stdout
 
 
 def test_cli_json(tmp_path):

@@ -174,7 +174,7 @@ class Pricer:
         self.memory_gb = base.profile.memory_gb
         self._bounds: dict[Layout, Bound | str] = {}
         self._dags: dict[Layout, Program] = {}
-        self._schedules: dict[tuple, tuple | DhelixError] = {}
+        self._lowered: dict[tuple, tuple | DhelixError] = {}
         self._partitions: dict[Layout, s.PartitionDef | None | DhelixError] = {}
         self._layer_choices: dict[tuple, tuple[dict, tuple]] = {}
         self._rechecked_dags: dict[tuple, Program] = {}
@@ -201,18 +201,18 @@ class Pricer:
         only, so each is lowered and validated once; a refusal is kept and raised again."""
         key = (program.fold.text, program.pipeline.name, program.mesh.size("pp"), program.train.microbatches,
                passes.launch_of(program), program.model.get("layers"))
-        if key not in self._schedules:
+        if key not in self._lowered:
             try:
                 done = passes.rerun(program, after="strands")
-                self._schedules[key] = (done.placement, done.lowered)
+                self._lowered[key] = (done.placement, done.lowered)
             except DhelixError as exc:
-                self._schedules[key] = exc
-        found = self._schedules[key]
+                self._lowered[key] = exc
+        found = self._lowered[key]
         if isinstance(found, DhelixError):
             raise found
         return found
 
-    def layer_dags(self, layout: Layout, schedule: tuple[str, str]) -> Program:
+    def layer_dags(self, layout: Layout, schedule: tuple[str, str, str]) -> Program:
         """The program of ``layout`` (with ``schedule``) up to its layer DAGs, once per layout."""
         if layout not in self._dags:
             self._dags[layout] = self.checked(Choice(layout, *schedule), stop="autodiff")
@@ -230,8 +230,8 @@ class Pricer:
         """The partition block generated for the layout of ``choice``
         (:func:`~dhelix.dsl.search.partitions.generated_partition` of its layer before any
         partition), once per layout's mesh, micro-batch and sharding, without its chunk
-        chains when the choice's pipeline writes SI blocks (:func:`for_schedule`) unless
-        ``whole``; CheckError when nothing applies (then the choice is the same as its twin
+        chains when the choice's pipeline writes SI blocks and SI is on (:func:`for_schedule`)
+        unless ``whole``; CheckError when nothing applies (then the choice is the same as its twin
         without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
@@ -245,7 +245,7 @@ class Pricer:
         found = self._partitions[key]
         if isinstance(found, DhelixError):
             raise found
-        found = for_schedule(found, not whole and writes_si(self.pipelines[choice.pipeline]))
+        found = for_schedule(found, not whole and choice.si == "on" and writes_si(self.pipelines[choice.pipeline]))
         if found is None:
             raise CheckError(NOTHING_TO_PARTITION)
         return found
@@ -285,7 +285,7 @@ class Pricer:
         plan = self.plans.plan(program) if has_si(program) else None
         return simulate(program, plan, cost=self.cost, trace=False).step_time
 
-    def bound(self, layout: Layout, schedule: tuple[str, str]) -> Bound | str:
+    def bound(self, layout: Layout, schedule: tuple[str, str, str]) -> Bound | str:
         """The lower bounds of ``layout`` (checked with the schedule ``schedule`` up to the
         layer DAGs), or why the passes refuse it."""
         if layout not in self._bounds:
@@ -474,8 +474,8 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
             break
         if deadline is not None and time.perf_counter() > deadline:
             return best, min([seconds] + [w[0] for w in waiting])
-        for fold, pipeline in space.schedules:
-            choice = Choice(layout, fold, pipeline)
+        for schedule in space.schedules:
+            choice = Choice(layout, *schedule)
             cutoff = best[top - 1].seconds if len(best) >= top else None
             ruled = dominance.rules_out(choice, cutoff)
             if ruled == "slower":
@@ -571,11 +571,12 @@ def _insert(best: list[Priced], result: Priced, top: int) -> list[Priced]:
 
 
 def _rank(p: Priced) -> tuple:
-    # Steps equal to the last rounding digits are ties, settled by the choice's order.
-    return (round(p.seconds, 12), p.choice)
+    # Steps equal to the last rounding digits are ties, settled by SI on first (SI off
+    # gains nothing then), then the choice's order.
+    return (round(p.seconds, 12), p.choice.si != "on", p.choice)
 
 
-def _bound_schedule(space: Space) -> tuple[str, str]:
+def _bound_schedule(space: Space) -> tuple[str, str, str]:
     """The schedule the layouts' DAGs are checked with: the first with fold none (every
     fold's stage split divides a fold-none one), else the first."""
     return next((sched for sched in space.schedules if sched[0] == "none"), space.schedules[0])

@@ -51,7 +51,7 @@ from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, gathered_b
 from dhelix.dsl.planner.blockorder import BlockScheduler
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
-from dhelix.dsl.planner.si_plan import SegmentPlan
+from dhelix.dsl.planner.si_plan import SegmentPlan, has_si_blocks
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
@@ -76,8 +76,15 @@ def require_profile(program: Program) -> None:
 
 
 def has_si(program: Program) -> bool:
-    """Whether the lowered schedule has strand-interleaved blocks."""
-    return any(isinstance(a, Interleaved) for row in program.lowered.actions for a in row)
+    """Whether the step co-executes strand-interleaved blocks: the lowered schedule has
+    some and the train block does not turn them off (``si = off``: each runs its F, then
+    its B)."""
+    return interleaves(program) and has_si_blocks(program.lowered)
+
+
+def interleaves(program: Program) -> bool:
+    """Whether ``program`` lets its SI blocks co-execute (its train block's ``si``)."""
+    return program.train is None or program.train.interleaves
 
 
 def schedule_plan(program: Program, cost: PairCost | None = None, **bounds) -> Plan:
@@ -781,7 +788,7 @@ def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool 
     slowest rank's compute work, then what must follow its last action (:meth:`_Run.floor`)."""
     require_profile(program)
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
-    run = _Run(program, costs, si, zero1, trace=False)
+    run = _Run(program, costs, si and interleaves(program), zero1, trace=False)
     figures = run.untimed()
     ranks = range(program.lowered.ranks)
     return Untimed(tuple(run.states(rank).total + figures[rank][1] for rank in ranks),
@@ -795,7 +802,8 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     """Simulate one training step of a validated ``program`` (with a profile).
 
     ``plan`` prices the SI blocks (planned with :func:`schedule_plan` when the schedule has
-    SI blocks and none is given); ``si=False`` runs every SI block as its F then its B;
+    SI blocks and none is given); ``si=False`` runs every SI block as its F then its B, as
+    does the program's ``train { si = off }`` (``si`` can only turn SI off);
     ``zero1`` shards the optimizer states over the gradient-sync group, as does the program's
     ``train { zero = 1 }`` (``zero1`` can only add the sharding). ``scheduled`` prices
     every SI block whole by the block scheduler (what ``dhelix run --si-plan scheduled``
@@ -813,6 +821,7 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     for a program without a profile.
     """
     require_profile(program)
+    si = si and interleaves(program)
     if costs is None:
         cost = cost or cost_of(program)
         if si and plan is None and has_si(program):
