@@ -11,10 +11,11 @@ from pathlib import Path
 import attrs
 import pytest
 
+from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.frontend.imports import load_modules, read_source
 from dhelix.dsl.passes import pipeline as passes
-from dhelix.dsl.search.space import Space, space_of
+from dhelix.dsl.search.space import Choice, Space, space_of
 from dhelix.dsl.search.tune import Pricer, Priced, exhaustive, search
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -349,3 +350,51 @@ def test_generated_partitions_follow_the_layer(tiny):
     modules = load_modules(read_source(str(tp_to_sp)), str(tp_to_sp))
     megatron = passes.rerun(check_program(modules), after="check", stop="shapes")
     assert [st.op for st in generated_partition(megatron).body if isinstance(st, s.Substitute)] == ["ar1", "ar2"]
+
+
+def test_an_si_off_choice_is_its_own_variant_checked(tiny):
+    # The search checks an SI-off choice as its SI-on twin with si = off: the same program
+    # as checking the variant it writes (refused alike).
+    pricer, space = tiny
+    offs = [c for c in space.choices() if c.si == "off" and c.layout.partition == "written"][::11]
+    refused = accepted = 0
+    for choice in offs:
+        try:
+            shared = pricer.checked(choice)
+        except DhelixError as exc:
+            with pytest.raises(DhelixError) as own:
+                pricer.checked(choice, share=False)
+            assert first_message(own.value) == first_message(exc)
+            refused += 1
+            continue
+        own = pricer.checked(choice, share=False)
+        assert own.train.si == shared.train.si == "off"
+        assert attrs.evolve(own, env=None, placement=None, lowered=None) == attrs.evolve(
+            shared, env=None, placement=None, lowered=None)
+        assert own.lowered == shared.lowered and own.placement == shared.placement
+        accepted += 1
+    assert refused > 3 and accepted > 3
+
+
+def test_layouts_share_only_equal_layer_dags(tiny):
+    # Layouts that differ in ZeRO 0-2, param_gather or recomputation share their derived
+    # layer DAGs (and refusals): each equals what the passes derive for it alone.
+    pricer, space = tiny
+    schedule = next(s for s in space.schedules if s[0] == "none")
+    layouts = list(space.layouts())[::3]
+    compared = refused = 0
+    for layout in layouts:
+        try:
+            alone = check_program(pricer.variant(Choice(layout, *schedule), whole=True))
+            own = passes.rerun(attrs.evolve(alone, profile=pricer.profile), after="check", stop="autodiff")
+        except DhelixError as exc:
+            with pytest.raises(DhelixError) as shared:
+                pricer.layer_dags(layout, schedule)
+            assert first_message(shared.value) == first_message(exc)
+            refused += 1
+            continue
+        shared = pricer.layer_dags(layout, schedule)
+        assert (shared.env, shared.forward, shared.backward, shared.train) == (own.env, own.forward, own.backward,
+                                                                               own.train), layout
+        compared += 1
+    assert compared > 20 and refused > 5

@@ -178,18 +178,74 @@ class Pricer:
         self._partitions: dict[Layout, s.PartitionDef | None | DhelixError] = {}
         self._layer_choices: dict[tuple, tuple[dict, tuple]] = {}
         self._rechecked_dags: dict[tuple, Program] = {}
+        self._costs: dict[tuple, tuple] = {}
+        self._derivations: dict[Layout, tuple | DhelixError] = {}
+        #: The choice checked last (up to validate), and its program or why it was refused.
+        self._last: tuple[Choice | None, Program | DhelixError | None] = (None, None)
 
-    def checked(self, choice: Choice, stop: str = "validate") -> Program:
-        """The variant of ``choice`` through the passes up to ``stop`` (DhelixError if refused).
+    def checked(self, choice: Choice, stop: str = "validate", share: bool = True) -> Program:
+        """The variant of ``choice`` through the passes up to ``stop`` (DhelixError if refused);
+        ``share``: an SI-off choice as its SI-on twin checked (:meth:`_si_off`).
 
         The layer DAGs (the passes up to autodiff) depend on the layout only — the model,
         mesh, train and partition blocks — not on the fold or pipeline, so they are derived
         once per layout and shared by its schedules."""
+        if share and stop == "validate" and choice.si == "off" and choice.layout.partition == "written":
+            return self._si_off(choice)
         # Up to the layer DAGs a generated partition is written whole: its chains are checked
         # whole (count 1), so the DAGs are those of the schedule's block, chains or none.
-        program = attrs.evolve(check_program(self.variant(choice, whole=stop != "validate")), profile=self.profile)
         if stop != "validate":
-            return self.plans.intern(passes.rerun(program, after="check", stop=stop))
+            program = attrs.evolve(check_program(self.variant(choice, whole=True)), profile=self.profile)
+            if stop != "autodiff":
+                return self.plans.intern(passes.rerun(program, after="check", stop=stop))
+            return self._derived(program, choice.layout)
+        try:
+            program = self._validated(attrs.evolve(check_program(self.variant(choice)), profile=self.profile), choice)
+        except DhelixError as exc:
+            self._last = (choice, exc)
+            raise
+        self._last = (choice, program)
+        return program
+
+    def _derived(self, program: Program, layout: Layout) -> Program:
+        """``program`` (``layout`` checked) through the passes up to autodiff. What they
+        derive (the layer names' values, the forward and backward DAGs) reads the model, the
+        mesh, the micro-batches and the partition, and the train block's ZeRO stage only for
+        ZeRO-3 (FSDP's ops, and its refusal of selective recomputation): layouts that differ
+        in ZeRO 0, 1 or 2, ``param_gather`` or recomputation (below ZeRO-3) share them."""
+        key = attrs.evolve(layout, zero=3 if layout.zero == 3 else 0, param_gather="step",
+                           recompute=layout.recompute if layout.zero == 3 else "none")
+        if key not in self._derivations:
+            try:
+                done = self.plans.intern(passes.rerun(program, after="check", stop="autodiff"))
+                self._derivations[key] = (done.env, done.forward, done.backward)
+            except DhelixError as exc:
+                self._derivations[key] = exc
+        found = self._derivations[key]
+        if isinstance(found, DhelixError):
+            raise found
+        env, forward, backward = found
+        return attrs.evolve(program, env=env, forward=forward, backward=backward)
+
+    def _si_off(self, choice: Choice) -> Program:
+        """``choice`` (SI off, the file's partition) checked: its SI-on twin as checked (the
+        choice before it in a search: kept), with the train block's ``si = off`` — the one
+        setting that tells their variants apart, which no check reads (tests/test_tune.py
+        holds the two to each other)."""
+        twin = attrs.evolve(choice, si="on")
+        if self._last[0] != twin:
+            try:
+                self.checked(twin)
+            except DhelixError:
+                pass
+        found = self._last[1]
+        if isinstance(found, DhelixError):
+            raise found
+        return attrs.evolve(found, train=attrs.evolve(found.train, si="off"))
+
+    def _validated(self, program: Program, choice: Choice) -> Program:
+        """``program`` (``choice`` checked) through the passes after check, its layer DAGs
+        shared by its layout and its schedule lowered once."""
         dags = self.layer_dags(choice.layout, (choice.fold, choice.pipeline))
         program = passes.strands(attrs.evolve(program, env=dags.env, forward=dags.forward, backward=dags.backward))
         placement, lowered = self.lowered(program)
@@ -328,7 +384,8 @@ class Pricer:
                 # Untimed: the exact peak, and a floor of the step (the SI pairs at their
                 # lane bound until the layer pair is planned).
                 plan = self.plans.plan(program) if si and planned else None
-                costs = step_costs(program, plan, self.cost) if planned else relaxed_costs(program, self.cost)
+                costs = self.costs(program, choice.layout, plan) if planned else relaxed_costs(
+                    program, self.cost, costs=self.costs(program, choice.layout, None))
                 seen = untimed(program, costs)
                 if self.memory_gb is not None and max(seen.memory) > self.memory_gb * GB:
                     return TooBig(choice, max(seen.memory))
@@ -337,17 +394,32 @@ class Pricer:
                 if defer and not planned:
                     return Deferred(choice, seen.floor * (1 - FLOOR_MARGIN))
             if not planned and (cutoff is not None or not memory_first):
-                relaxed = simulate(program, costs=relaxed_costs(program, self.cost), label=choice.describe(), trace=False)
+                relaxed = simulate(program, costs=relaxed_costs(program, self.cost,
+                                                                costs=self.costs(program, choice.layout, None)),
+                                   label=choice.describe(), trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
                 if cutoff is not None and relaxed.step_time > cutoff:
                     return Pruned(choice, relaxed.step_time)
             plan = self.plans.plan(program) if si else None
-            sim = simulate(program, plan, cost=self.cost, costs=costs if planned else None,
+            sim = simulate(program, plan, cost=self.cost, costs=self.costs(program, choice.layout, plan),
                            label=choice.describe(), trace=False)
         except DhelixError as exc:
             return Refused(choice, first_message(exc))
         return Priced(choice, sim, self._fits(sim))
+
+    def costs(self, program: Program, layout: Layout, plan: Plan | None) -> StepCosts:
+        """:func:`~dhelix.dsl.simulator.costs.step_costs` of ``program`` (a checked choice of
+        ``layout``, its layer DAGs interned) with ``plan``: they depend on the layout (mesh,
+        recomputation), the layer DAGs and the plan only, not on the schedule, so they are
+        computed once for the schedules that share them."""
+        key = (layout, id(program.forward), id(program.backward), id(plan))
+        found = self._costs.get(key)
+        if found is None:
+            # The objects are kept with their costs, so their ids are not reused.
+            found = self._costs[key] = (program.forward, program.backward, plan,
+                                        step_costs(program, plan, self.cost))
+        return found[3]
 
     def _fits(self, sim: Simulation) -> bool:
         return self.memory_gb is None or max(r.memory for r in sim.ranks) <= self.memory_gb * GB
@@ -363,15 +435,17 @@ FLOOR_MARGIN = 1e-9
 _LAYER_CHOICES = ("substituted", "chunk_counts", "group_orders", "backward_first")
 
 
-def relaxed_costs(program: Program, cost: PairCost, layers: bool = False) -> StepCosts:
+def relaxed_costs(program: Program, cost: PairCost, layers: bool = False, costs: StepCosts | None = None
+                  ) -> StepCosts:
     """The program's step costs with every SI layer pair at a lower bound of its plan: the
     busiest lane's work of the two layers (:meth:`PairCost.lane_work`), after what the
     backward runs again. Simulated, they give a lower bound of the step with any plan (the
     simulator only delays an action for a longer one before it). With ``layers``, every
     layer pass alone and what it runs again is at its busiest lane's work too: a lower bound
     of the step whatever chunk counts and substitutions the planner then chooses, none of
-    which lessens a lane's work (:mod:`dhelix.dsl.search.partitions`)."""
-    costs = step_costs(program, None, cost)
+    which lessens a lane's work (:mod:`dhelix.dsl.search.partitions`). ``costs``: the
+    program's step costs without a plan, when already computed."""
+    costs = costs or step_costs(program, None, cost)
     layer = layer_costs(program, cost, None, work=_lane_bound) if layers else costs.layer
     pair = layer.again + Work(max(cost.lane_work(program.forward.ops + si_backward(program).ops)))
     return attrs.evolve(costs, layer=attrs.evolve(layer, pair=pair))

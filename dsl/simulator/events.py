@@ -39,6 +39,9 @@ the bubble ratio ``1 - Σ busy / (p · pipeline make-span)``.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import operator
 from typing import Callable
 
 import attrs
@@ -547,33 +550,24 @@ class _Run:
 
     def finish(self, rank: int) -> _Finish:
         """Gradient sync, optimizer and (ZeRO-1) weight gather of ``rank``; its figures."""
-        costs, profile = self.costs, self.program.profile
-        kind = "reduce_scatter" if self.zero1 else "all_reduce"
         ready_after, dp_comm = 0.0, 0.0
         names = self._slot_names()
         early = self.program.train is None or self.program.train.grad_reduce == "backward"
+        lanes, last_end = self.lanes[rank], self.last_end[rank]
+        syncs: dict[tuple, list] = {}  # (stage, slot) -> its collectives (ZeRO-2: one per micro-batch)
         for (stage, slot), (ready, dense, expert) in self._reductions(rank):
             # After the rank's last action: everything with grad_reduce = step, and the embedding's.
             if not early or slot == "embedding":
-                ready = max(ready, self.last_end[rank])
-            syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
-            if self.fsdp and isinstance(slot, int):
-                # A layer's: reduce-scattered by its scatter_dw ops; under hybrid sharding its
-                # piece is then all-reduced across the shard groups (or, substituted,
-                # reduce-scattered there and its updated part all-gathered after the optimizer).
-                if costs.replicate_group is None:
-                    continue
-                across = "reduce_scatter" if self.replicas_sliced else "all_reduce"
-                syncs = ((dense / costs.shard_group.size, costs.replicate_group, across),)
-            for elements, group, collective in syncs:
-                if not elements or group.size <= 1:
-                    continue
-                size = elements * costs.grad_bytes
-                seconds = collective_time(collective, size, group.size, group.lane, profile, group.per_node)
-                start = self.lanes[rank][group.lane].fit(max(ready, ready_after), seconds)
+                ready = max(ready, last_end)
+            todo = syncs.get((stage, slot))
+            if todo is None:
+                todo = syncs[stage, slot] = self._syncs(slot, dense, expert)
+            for collective, size, group, seconds in todo:
+                start = lanes[group.lane].fit(max(ready, ready_after), seconds)
                 ready_after, dp_comm = start + seconds, dp_comm + seconds
-                self.events.append(TraceEvent(rank, group.lane, f"{collective} {names(stage, slot)}", start, seconds,
-                                              {"kind": "DP", "bytes": size, "group": group.size}))
+                if self.trace:
+                    self.events.append(TraceEvent(rank, group.lane, f"{collective} {names(stage, slot)}", start,
+                                                  seconds, {"kind": "DP", "bytes": size, "group": group.size}))
         shard, optimizer = self._optimizer(rank)
         start = max(self.free_at[rank], ready_after)
         self.events.append(TraceEvent(rank, "compute", "optimizer", start, optimizer,
@@ -588,6 +582,29 @@ class _Run:
         exposed = min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)) + self.gather_exposed[rank]
         return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,
                        dp_exposed=exposed)
+
+    def _syncs(self, slot, dense: float, expert: float) -> list[tuple[str, float, object, float]]:
+        """(collective, bytes, group, seconds) of each data-parallel sync of the gradients of
+        ``slot`` (``dense`` and ``expert`` parameters), in order."""
+        costs, profile = self.costs, self.program.profile
+        kind = "reduce_scatter" if self.zero1 else "all_reduce"
+        syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
+        if self.fsdp and isinstance(slot, int):
+            # A layer's: reduce-scattered by its scatter_dw ops; under hybrid sharding its
+            # piece is then all-reduced across the shard groups (or, substituted,
+            # reduce-scattered there and its updated part all-gathered after the optimizer).
+            if costs.replicate_group is None:
+                return []
+            across = "reduce_scatter" if self.replicas_sliced else "all_reduce"
+            syncs = ((dense / costs.shard_group.size, costs.replicate_group, across),)
+        out = []
+        for elements, group, collective in syncs:
+            if not elements or group.size <= 1:
+                continue
+            size = elements * costs.grad_bytes
+            out.append((collective, size, group,
+                        collective_time(collective, size, group.size, group.lane, profile, group.per_node)))
+        return out
 
     def _optimizer(self, rank: int) -> tuple[float, float]:
         """(parameters, seconds) of ``rank``'s optimizer step (a shard of its parameters
@@ -648,26 +665,41 @@ class _Run:
         """(compute seconds, peak of live activations) of every rank, without timing its
         actions: the peak is what :meth:`run` books (MemoryTimeline.peak's value), since a
         rank's allocations and frees follow its actions' order whatever their durations."""
-        known: dict[tuple, _Changes] = {}
-        out = []
-        for row in self.lowered.computations:
-            work = live = best = 0.0
-            for key in row:
-                changes = known.get(key)
-                if changes is None:
-                    changes = known[key] = _Changes.of(self.expander.pieces(*key))
-                work += changes.work
-                if changes.whole and live == int(live) and live < 2.0 ** 52:
-                    # Whole bytes add exactly in any order, so the running peak is the max.
-                    best = max(best, live + changes.rise)
-                    live += changes.net
-                    continue
-                for delta in changes.deltas:  # MemoryTimeline.peak's rule, step by step
-                    live += delta
-                    if live > best + 1e-6:
-                        best = live
-            out.append((work, best))
-        return out
+        keys, rows = self.lowered.computation_indices
+        known = [_Changes.of(self.expander.pieces(*key)) for key in keys]
+        if all(changes.whole for changes in known):
+            return [self._untimed_whole(row, known) or self._untimed_row(row, known) for row in rows]
+        return [self._untimed_row(row, known) for row in rows]
+
+    @staticmethod
+    def _untimed_whole(row: tuple[int, ...], known: list[_Changes]) -> tuple[float, float] | None:
+        """:meth:`_untimed_row` of a rank whose every change is whole bytes, in C loops: the
+        work summed in order, the running peak the highest live bytes before an action plus
+        its rise; None when the live bytes leave the range where whole numbers add exactly."""
+        work = functools.reduce(operator.add, [known[i].work for i in row], 0.0)
+        before = list(itertools.accumulate([known[i].net for i in row], initial=0.0))
+        if max(before) >= 2.0 ** 52 or min(before) <= -(2.0 ** 52):
+            return None
+        return work, max(itertools.chain((0.0,), map(operator.add, before, [known[i].rise for i in row])))
+
+    @staticmethod
+    def _untimed_row(row: tuple[int, ...], known: list[_Changes]) -> tuple[float, float]:
+        """(compute seconds, peak of live activations) of a rank's computations ``row``
+        (indices into ``known``, their changes), step by step."""
+        work = live = best = 0.0
+        for index in row:
+            changes = known[index]
+            work += changes.work
+            if changes.whole and live == int(live) and live < 2.0 ** 52:
+                # Whole bytes add exactly in any order, so the running peak is the max.
+                best = max(best, live + changes.rise)
+                live += changes.net
+                continue
+            for delta in changes.deltas:  # MemoryTimeline.peak's rule, step by step
+                live += delta
+                if live > best + 1e-6:
+                    best = live
+        return work, best
 
     def _reductions(self, rank: int) -> list:
         """((stage, slot), (ready, dense, expert)) of each gradient reduction of ``rank``, by
@@ -677,8 +709,10 @@ class _Run:
         items = []
         for (stage, slot), (ready, dense, expert) in self.grads[rank].items():
             readies = self.micro_ready[rank][(stage, slot)] if per_microbatch and isinstance(slot, int) else [ready]
-            items += [((stage, slot), (at, dense, expert)) for at in readies]
-        return sorted(items, key=_by_ready)
+            name = str(slot)
+            items += [((at, stage, name), (stage, slot), (at, dense, expert)) for at in readies]
+        items.sort()  # by ready time, then stage and slot's name
+        return [item[1:] for item in items]
 
     def _end_params(self, rank: int, head: bool = True) -> float:
         """Parameters of the model's ends (embedding, LM head and final norm) on ``rank``;
@@ -723,11 +757,6 @@ class _Run:
                          send_bytes=tally.send_bytes, dp_comm=done.dp_comm, dp_exposed=done.dp_exposed,
                          optimizer=done.optimizer, states=done.states, activations=peak,
                          activations_at=when)
-
-
-def _by_ready(item) -> tuple:
-    (stage, slot), (ready, _, _) = item
-    return (ready, stage, str(slot))
 
 
 def _forward_chunk(action) -> int | None:
