@@ -180,6 +180,9 @@ class Pricer:
         self._rechecked_dags: dict[tuple, Program] = {}
         self._costs: dict[tuple, tuple] = {}
         self._derivations: dict[Layout, tuple | DhelixError] = {}
+        #: What each action does, shared by the untimed walks of programs with the same costs
+        #: and placement (both kept alive here: by self._costs and self._lowered).
+        self._untimed: dict = {}
         #: The choice checked last (up to validate), and its program or why it was refused.
         self._last: tuple[Choice | None, Program | DhelixError | None] = (None, None)
 
@@ -384,9 +387,8 @@ class Pricer:
                 # Untimed: the exact peak, and a floor of the step (the SI pairs at their
                 # lane bound until the layer pair is planned).
                 plan = self.plans.plan(program) if si and planned else None
-                costs = self.costs(program, choice.layout, plan) if planned else relaxed_costs(
-                    program, self.cost, costs=self.costs(program, choice.layout, None))
-                seen = untimed(program, costs)
+                costs = self.costs(program, choice.layout, plan) if planned else self.relaxed(program, choice.layout)
+                seen = untimed(program, costs, memo=self._untimed)
                 if self.memory_gb is not None and max(seen.memory) > self.memory_gb * GB:
                     return TooBig(choice, max(seen.memory))
                 if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
@@ -394,9 +396,8 @@ class Pricer:
                 if defer and not planned:
                     return Deferred(choice, seen.floor * (1 - FLOOR_MARGIN))
             if not planned and (cutoff is not None or not memory_first):
-                relaxed = simulate(program, costs=relaxed_costs(program, self.cost,
-                                                                costs=self.costs(program, choice.layout, None)),
-                                   label=choice.describe(), trace=False)
+                relaxed = simulate(program, costs=self.relaxed(program, choice.layout), label=choice.describe(),
+                                   trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
                 if cutoff is not None and relaxed.step_time > cutoff:
@@ -419,6 +420,16 @@ class Pricer:
             # The objects are kept with their costs, so their ids are not reused.
             found = self._costs[key] = (program.forward, program.backward, plan,
                                         step_costs(program, plan, self.cost))
+        return found[3]
+
+    def relaxed(self, program: Program, layout: Layout) -> StepCosts:
+        """:func:`relaxed_costs` of ``program`` (a checked choice of ``layout``), once per
+        layout, layer DAGs and whether the schedule splits W off (what the pairs' bound reads)."""
+        key = (layout, id(program.forward), id(program.backward), program.lowered.split, "relaxed")
+        found = self._costs.get(key)
+        if found is None:
+            found = self._costs[key] = (program.forward, program.backward, None,
+                                        relaxed_costs(program, self.cost, costs=self.costs(program, layout, None)))
         return found[3]
 
     def _fits(self, sim: Simulation) -> bool:

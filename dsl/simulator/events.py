@@ -39,6 +39,7 @@ the bubble ratio ``1 - Σ busy / (p · pipeline make-span)``.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import operator
@@ -375,6 +376,30 @@ class _Expander:
                 + self._embed_b(bstage))
 
 
+#: The run orders of the schedules simulated last, by id (each kept with its schedule, so
+#: that an id is not reused while it is here): a search simulates each many times.
+_ORDERS: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+_ORDERS_KEPT = 256
+
+
+def _run_order(lowered) -> list[tuple[int, object, bool, tuple | None]]:
+    """(rank, action, whether it is a transfer, its transfer key) of every action of
+    ``lowered`` in its dry run's order (:func:`~dhelix.dsl.passes.validate.dry_run`)."""
+    found = _ORDERS.get(id(lowered))
+    if found is not None and found[0] is lowered:
+        _ORDERS.move_to_end(id(lowered))
+        return found[1]
+    order = []
+    for rank, step in dry_run(lowered):
+        action = lowered.actions[rank][step]
+        transfer = isinstance(action, Transfer)
+        order.append((rank, action, transfer, transfer_key(lowered, rank, action) if transfer else None))
+    _ORDERS[id(lowered)] = (lowered, order)
+    if len(_ORDERS) > _ORDERS_KEPT:
+        _ORDERS.popitem(last=False)
+    return order
+
+
 @attrs.define
 class _Tally:
     """What one rank has added up so far in the step (seconds, bytes)."""
@@ -438,15 +463,13 @@ class _Run:
         if self.overlap_gather:
             for rank in range(self.lowered.ranks):
                 self._book_gathers(rank)
-        for rank, step in dry_run(self.lowered):
-            action = self.lowered.actions[rank][step]
-            if isinstance(action, Transfer):
-                self._transfer(rank, action)
+        for rank, action, transfer, key in _run_order(self.lowered):
+            if transfer:
+                self._transfer(rank, action, key)
             else:
                 self._compute(rank, action)
 
-    def _transfer(self, rank: int, action: Transfer) -> None:
-        key = transfer_key(self.lowered, rank, action)
+    def _transfer(self, rank: int, action: Transfer, key: tuple | None) -> None:
         if action.kind == "RECV":
             self.pending[rank].append(key)
             return
@@ -661,12 +684,19 @@ class _Run:
                             grads_sharded=dense - self._end_params(rank, head=False)
                             if self.program.train.zero == 2 else 0.0)
 
-    def untimed(self) -> list[tuple[float, float]]:
+    def untimed(self, shared: dict | None = None) -> list[tuple[float, float]]:
         """(compute seconds, peak of live activations) of every rank, without timing its
         actions: the peak is what :meth:`run` books (MemoryTimeline.peak's value), since a
-        rank's allocations and frees follow its actions' order whatever their durations."""
+        rank's allocations and frees follow its actions' order whatever their durations.
+        ``shared``: what each action does (its _Changes) by action, from runs like this one."""
         keys, rows = self.lowered.computation_indices
-        known = [_Changes.of(self.expander.pieces(*key)) for key in keys]
+        shared = {} if shared is None else shared
+        known = []
+        for key in keys:
+            changes = shared.get(key)
+            if changes is None:
+                changes = shared[key] = _Changes.of(self.expander.pieces(*key))
+            known.append(changes)
         if all(changes.whole for changes in known):
             return [self._untimed_whole(row, known) or self._untimed_row(row, known) for row in rows]
         return [self._untimed_row(row, known) for row in rows]
@@ -809,16 +839,24 @@ class Untimed:
     floor: float
 
 
-def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool = False) -> Untimed:
+def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool = False,
+            memo: dict | None = None) -> Untimed:
     """The :class:`Untimed` figures of ``program`` priced by ``costs`` (as :func:`simulate`
     with ``costs``): what a search needs to rule out a choice over the device memory, or
     slower than its best, before simulating it. The peak follows the actions' order (the SI
     blocks' pieces as ``costs`` has them: ``layer.pair`` set, layer pairs); the bound is the
-    slowest rank's compute work, then what must follow its last action (:meth:`_Run.floor`)."""
+    slowest rank's compute work, then what must follow its last action (:meth:`_Run.floor`).
+    ``memo``: a dict kept across calls to share what each action does between programs of
+    the same ``costs`` and placement (it holds them by id: the caller keeps both alive, and
+    gives it only programs whose layer DAGs and train block ``costs`` determine, as a
+    search's shared costs do)."""
     require_profile(program)
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
-    run = _Run(program, costs, si and interleaves(program), zero1, trace=False)
-    figures = run.untimed()
+    si = si and interleaves(program)
+    run = _Run(program, costs, si, zero1, trace=False)
+    shared = None if memo is None else memo.setdefault((id(costs), id(program.placement), program.lowered.split, si),
+                                                        {})
+    figures = run.untimed(shared)
     ranks = range(program.lowered.ranks)
     return Untimed(tuple(run.states(rank).total + figures[rank][1] for rank in ranks),
                    max(run.floor(rank, figures[rank][0]) for rank in ranks))
