@@ -349,7 +349,8 @@ class Pricer:
         layer DAGs), or why the passes refuse it."""
         if layout not in self._bounds:
             try:
-                self._bounds[layout] = layout_bound(self.layer_dags(layout, schedule), self.cost)
+                program = self.layer_dags(layout, schedule)
+                self._bounds[layout] = layout_bound(program, self.cost, self.costs(program, layout, None))
             except DhelixError as exc:
                 self._bounds[layout] = first_message(exc)
         return self._bounds[layout]
