@@ -41,7 +41,7 @@ def shipped_choice(program) -> Choice:
     return Choice(Layout(mesh.size("tp"), mesh.size("cp"), mesh.size("pp"), mesh.size("dp"), mesh.size("ep"),
                          train.micro_batch, train.microbatches, train.zero, train.shard or 0, train.recompute,
                          "written", train.param_gather),
-                  program.fold.text, program.pipeline.name)
+                  program.fold.text, program.pipeline.name, program.train.si or "on")
 
 
 def run_example(name: str, partitions: bool = False) -> None:

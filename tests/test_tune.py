@@ -11,10 +11,11 @@ from pathlib import Path
 import attrs
 import pytest
 
+from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.frontend.imports import load_modules, read_source
 from dhelix.dsl.passes import pipeline as passes
-from dhelix.dsl.search.space import Space, space_of
+from dhelix.dsl.search.space import Choice, Space, space_of
 from dhelix.dsl.search.tune import Pricer, Priced, exhaustive, search
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +90,7 @@ def test_a_search_that_defers_planning_equals_exhaustive(seed):
 def test_the_bound_never_exceeds_a_priced_step(tiny):
     pricer, space = tiny
     schedule = next(s for s in space.schedules if s[0] == "none")
-    checked = 0
+    checked, si_off = 0, 0
     for choice in list(space.choices())[::7]:
         result = pricer.price(choice)
         if not isinstance(result, Priced):
@@ -98,7 +99,52 @@ def test_the_bound_never_exceeds_a_priced_step(tiny):
         assert bound.seconds <= result.seconds * (1 + 1e-9), choice.describe()
         assert bound.memory <= max(r.memory for r in result.sim.ranks) * (1 + 1e-9), choice.describe()
         checked += 1
-    assert checked > 20
+        si_off += choice.si == "off"
+    assert checked > 20 and si_off > 5
+
+
+def _si_space(full: Space, rng: random.Random) -> Space:
+    """A random space of the SI pipelines where SI off is faster (ZeRO-3 on dp 4, m > 1)."""
+    return attrs.evolve(full, tp=(1,), cp=(1,), pp=(1,), micro_batch=_sub(rng, (1, 2)), zero=(3,),
+                        recompute=_sub(rng, full.recompute), partition=_sub(rng, full.partition),
+                        schedules=tuple(s for s in full.schedules if s[1] in ("w_helix", "dualpipe_v")))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_si_off_is_searched_and_its_choice_exact(tiny, seed):
+    # SI on and off are both priced for each schedule with SI blocks; where SI off is
+    # faster (its step is the "without SI" of simulate --compare) the search finds it, as
+    # the exhaustive pricing does.
+    from dhelix.dsl.simulator.report import compare
+
+    pricer, full = tiny
+    rng = random.Random(300 + seed)
+    space = _si_space(full, rng)
+    assert {s[2] for s in space.schedules} == {"on", "off"}
+    top = rng.choice((3, 5))
+    expected = exhaustive(pricer, space, top=top)
+    found = search(pricer, space, top=top)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    off = found.top[0]
+    assert off.choice.si == "off"
+    on = pricer.price(attrs.evolve(off.choice, si="on"))
+    assert off.seconds < on.seconds
+    without = next(s for s in compare(pricer.checked(on.choice)) if s.label == "without SI")
+    assert off.seconds == pytest.approx(without.step_time, rel=1e-12)
+    assert not off.sim.si and on.sim.si
+
+
+def test_written_si_is_kept(tiny, tmp_path):
+    path = tmp_path / "off.dhx"
+    path.write_text(TINY.read_text().replace("warmup = 5", "warmup = 5\n  si = off").replace(
+        '"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
+    pricer, space = _pricer(path)
+    assert {s[2] for s in space.schedules} == {"off"}
+    outcome = search(pricer, space, top=3)
+    assert outcome.top and all(p.choice.si == "off" and not p.sim.si for p in outcome.top)
+    base = passes.rerun(check_program(tiny[0].modules), after="check")
+    assert {s[2] for s in space_of(base, keep=("si",)).schedules} == {"on"}
 
 
 def test_kept_settings_stay_as_written(tiny):
@@ -201,6 +247,23 @@ def test_cli_writes_a_program_that_checks(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
+def test_cli_writes_si_off_when_the_file_pins_it(tmp_path):
+    # A file that says si = off keeps it: the best is written with it, checks and runs.
+    pinned = tmp_path / "pinned.dhx"
+    pinned.write_text(TINY.read_text().replace("warmup = 5", "warmup = 5\n  si = off").replace(
+        '"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
+    out = tmp_path / "t.dhx"
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(pinned), "-o", str(out), "--top", "2",
+                           "--keep", "mesh,pipeline,micro_batch"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "w_helix  SI off" in proc.stdout
+    assert "si = off" in out.read_text()
+    run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "SI off (the train block's si = off)" in run.stdout
+
+
 def test_cli_json(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--json", "--top", "2",
                            "--keep", "mesh", "--partitions"], capture_output=True, text=True)
@@ -287,3 +350,51 @@ def test_generated_partitions_follow_the_layer(tiny):
     modules = load_modules(read_source(str(tp_to_sp)), str(tp_to_sp))
     megatron = passes.rerun(check_program(modules), after="check", stop="shapes")
     assert [st.op for st in generated_partition(megatron).body if isinstance(st, s.Substitute)] == ["ar1", "ar2"]
+
+
+def test_an_si_off_choice_is_its_own_variant_checked(tiny):
+    # The search checks an SI-off choice as its SI-on twin with si = off: the same program
+    # as checking the variant it writes (refused alike).
+    pricer, space = tiny
+    offs = [c for c in space.choices() if c.si == "off" and c.layout.partition == "written"][::11]
+    refused = accepted = 0
+    for choice in offs:
+        try:
+            shared = pricer.checked(choice)
+        except DhelixError as exc:
+            with pytest.raises(DhelixError) as own:
+                pricer.checked(choice, share=False)
+            assert first_message(own.value) == first_message(exc)
+            refused += 1
+            continue
+        own = pricer.checked(choice, share=False)
+        assert own.train.si == shared.train.si == "off"
+        assert attrs.evolve(own, env=None, placement=None, lowered=None) == attrs.evolve(
+            shared, env=None, placement=None, lowered=None)
+        assert own.lowered == shared.lowered and own.placement == shared.placement
+        accepted += 1
+    assert refused > 3 and accepted > 3
+
+
+def test_layouts_share_only_equal_layer_dags(tiny):
+    # Layouts that differ in ZeRO 0-2, param_gather or recomputation share their derived
+    # layer DAGs (and refusals): each equals what the passes derive for it alone.
+    pricer, space = tiny
+    schedule = next(s for s in space.schedules if s[0] == "none")
+    layouts = list(space.layouts())[::3]
+    compared = refused = 0
+    for layout in layouts:
+        try:
+            alone = check_program(pricer.variant(Choice(layout, *schedule), whole=True))
+            own = passes.rerun(attrs.evolve(alone, profile=pricer.profile), after="check", stop="autodiff")
+        except DhelixError as exc:
+            with pytest.raises(DhelixError) as shared:
+                pricer.layer_dags(layout, schedule)
+            assert first_message(shared.value) == first_message(exc)
+            refused += 1
+            continue
+        shared = pricer.layer_dags(layout, schedule)
+        assert (shared.env, shared.forward, shared.backward, shared.train) == (own.env, own.forward, own.backward,
+                                                                               own.train), layout
+        compared += 1
+    assert compared > 20 and refused > 5

@@ -3,7 +3,8 @@
 
 FILE gives the model, the cluster and the global batch (its dp × micro_batch × microbatches
 sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
-``param_gather``, with ``--partitions`` Centauri's partition, fold and pipeline
+``param_gather``, with ``--partitions`` Centauri's partition, fold, pipeline and SI on or off
+(``train { si }``, for the pipelines that write SI blocks; a file that writes it keeps it)
 (:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
 top K that fit the device's memory with one line on why the best wins; ``-o`` writes the best
 as a formatted program that `check` and `run` take; ``--json`` prints the result as JSON.
@@ -35,9 +36,9 @@ from dhelix.dsl.simulator.report import simulation_metrics
 def register(subparsers) -> None:
     """Add the ``tune`` command to the CLI's sub-command parsers."""
     tune = subparsers.add_parser(
-        "tune", help="search the fastest schedule that fits: mesh, micro-batches, ZeRO, recomputation, fold, pipeline",
+        "tune", help="search the fastest schedule that fits: mesh, micro-batches, ZeRO, recomputation, fold, pipeline, SI",
         description="Search the mesh factorization, micro-batch size and count (at the file's global batch), "
-                    "ZeRO stage, recomputation, fold and pipeline for FILE's model on its cluster; price every "
+                    "ZeRO stage, recomputation, fold, pipeline and SI on/off for FILE's model on its cluster; price every "
                     "candidate with the step simulator under the device's memory (branch and bound: exact) and "
                     "print the fastest.")
     tune.add_argument("file", metavar="FILE")

@@ -103,12 +103,20 @@ class Train:
     #: Micro-batches launched together per model chunk in the backward (the pipelines'
     #: ``gb``, Eq. 2's L2 where ``launch`` is L1): a number, "auto" or None (``launch``'s).
     launch_backward: int | str | None = None
+    #: Whether the SI blocks of the schedule co-execute their strands: "on", "off" (each
+    #: runs its F, then its B) or None (not written: on).
+    si: str | None = None
     span: object = span_field()
     data_span: object = span_field()
     zero_span: object = span_field()
     shard_span: object = span_field()
     launch_span: object = span_field()
     launch_backward_span: object = span_field()
+
+    @property
+    def interleaves(self) -> bool:
+        """Whether SI blocks co-execute their strands (``si`` is not ``off``)."""
+        return self.si != "off"
 
 
 @attrs.frozen

@@ -121,11 +121,25 @@ class Lowered:
         return action.kind, index, index
 
     @functools.cached_property
+    def interleaved(self) -> bool:
+        """Whether any action is an SI block. Cached: a search asks for every candidate."""
+        return any(isinstance(a, Interleaved) for row in self.actions for a in row)
+
+    @functools.cached_property
     def computations(self) -> tuple[tuple[tuple[str, int | None, int | None], ...], ...]:
         """:meth:`stages_run` of each rank's computations (its transfers left out), in order.
         Cached: a search prices one lowered schedule for many layouts."""
         return tuple(tuple(self.stages_run(rank, a) for a in row if not isinstance(a, Transfer))
                      for rank, row in enumerate(self.actions))
+
+    @functools.cached_property
+    def computation_indices(self) -> tuple[tuple[tuple[str, int | None, int | None], ...],
+                                           tuple[tuple[int, ...], ...]]:
+        """(the distinct :attr:`computations`, in order of first appearance; each rank's
+        computations as indices into them). Cached, for the same reason."""
+        index: dict = {}
+        rows = tuple(tuple(index.setdefault(key, len(index)) for key in row) for row in self.computations)
+        return tuple(index), rows
 
     @functools.cached_property
     def _stage_index(self) -> dict[tuple[int, int], int]:

@@ -23,7 +23,7 @@ MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
 TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute",
-              "param_gather", "grad_reduce", "shard", "launch", "launch_backward")
+              "param_gather", "grad_reduce", "shard", "launch", "launch_backward", "si")
 TRAIN_STRINGS = ("data",)  # a path, relative to the program file
 #: What ``train { recompute = … }`` accepts: keep every saved activation (``none``), drop the
 #: outputs of the cheap operators and compute them again when the layer's backward starts
@@ -41,6 +41,10 @@ PARAM_GATHER = ("step", "forward")
 #: ``--overlap-grad-reduce``, Centauri's model-level overlap of the reduce-scatter, §3.2.3),
 #: or all of it after the step's last backward (``step``).
 GRAD_REDUCE = ("backward", "step")
+#: What ``train { si = … }`` accepts: the schedule's SI blocks co-execute their strands
+#: (``on``, the default) or each runs its forward, then its backward (``off``: the schedule
+#: as written without SI, what `dhelix simulate --compare` calls "without SI").
+SI_SETTINGS = ("on", "off")
 #: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states), 1 (optimizer
 #: states sharded over data parallelism, Megatron's distributed optimizer) and 3 (FSDP: the
 #: layers' weights and gradients sharded too, gathered and reduce-scattered per layer).
@@ -229,7 +233,7 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
-    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute", "param_gather", "grad_reduce"),
+    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute", "param_gather", "grad_reduce", "si"),
                            strings=TRAIN_STRINGS, autos=("launch", "launch_backward"))
     _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every", "shard")
                                      + tuple(k for k in ("launch", "launch_backward")
@@ -284,6 +288,13 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                "no full gradient across micro-batches): remove grad_reduce, or use zero = 1 to "
                                "reduce once per step"]))
         return None
+    si = v.get("si")
+    if si is not None and si not in SI_SETTINGS:
+        errors.add(CheckError(f"unknown si '{si}' (on or off)", block.span("si"),
+                              did_you_mean(si, SI_SETTINGS)
+                              + ["on co-executes the strands of each SI block (the default); off runs each SI "
+                                 "block's forward, then its backward"]))
+        return None
     if "shard" in v and zero != 3:
         errors.add(CheckError(f"shard = {v['shard']} needs zero = 3, not zero = {zero}", block.span("shard"),
                               ["shard is the size of the groups ZeRO-3 shards the weights over (hybrid sharding, "
@@ -292,7 +303,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
     return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
                  v.get("eval_every"), v.get("warmup", 0), zero, recompute, param_gather, v.get("shard"),
-                 v.get("launch"), grad_reduce, v.get("launch_backward"), span=node.span,
+                 v.get("launch"), grad_reduce, v.get("launch_backward"), si, span=node.span,
                  launch_span=block.span("launch") if "launch" in block.nodes else None,
                  launch_backward_span=block.span("launch_backward") if "launch_backward" in block.nodes else None,
                  data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,

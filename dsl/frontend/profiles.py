@@ -232,14 +232,23 @@ def load_profile(name_or_path: str, search_dir: str | Path | None = None, span: 
             raise ProfileError(f"cannot read profile file '{name_or_path}': {exc.reason}", span,
                                ["save it as UTF-8 text"] if exc.not_utf8 else []) from None
         return parse_profile(text, str(path))
-    shipped = resources.files("dhelix.stdlib_schedules") / f"{name_or_path}.yaml"
-    if not shipped.is_file():
+    shipped = _shipped_text(name_or_path)
+    if shipped is None:
         names = profile_names()
         notes = did_you_mean(name_or_path, names) + [f"shipped profiles: {', '.join(names)}"]
         if search_dir is not None and _is_file(base / f"{name_or_path}.yaml"):
             notes.append(f'a profile file is named by its path: profile = "{name_or_path}.yaml"')
         raise ProfileError(f"unknown profile '{name_or_path}'", span, notes)
-    return parse_profile(shipped.read_text(), f"stdlib/{name_or_path}.yaml")
+    return parse_profile(shipped, f"stdlib/{name_or_path}.yaml")
+
+
+@functools.lru_cache(maxsize=32)
+def _shipped_text(name: str) -> str | None:
+    """The text of the shipped profile ``name`` (None when there is none). Cached: the
+    package's files do not change while it runs, and `dhelix tune` checks thousands of
+    variants that name one."""
+    shipped = resources.files("dhelix.stdlib_schedules") / f"{name}.yaml"
+    return shipped.read_text() if shipped.is_file() else None
 
 
 def _is_file(path: Path) -> bool:

@@ -158,6 +158,8 @@ class _RankProgram:
         self.defs: dict[str, s.Expr] = {}  # the expression each let was last bound to
         self.counters: dict[tuple[str, int], int] = defaultdict(int)
         self.actions: list = []
+        #: (RECV or SEND, F or B, chunk) -> the rank on the other end (None: this rank).
+        self.peers: dict[tuple, int | None] = {}
         self.computes = 0
         # A correct schedule runs one F, one B and at most one W per micro-batch and chunk.
         self.limit = 3 * placement.chunks * microbatches
@@ -254,15 +256,19 @@ class _RankProgram:
         """The RECV before or SEND after ``part`` when its neighbour stage is on another rank."""
         if part.kind == "W":
             return []
-        stages = self.placement.stages
-        here = self.placement.stage_at(self.rank, part.chunk).index
-        # Activations flow to the next stage, gradients to the previous one.
-        step = 1 if part.kind == "F" else -1
-        neighbour = here - step if kind == "RECV" else here + step
-        if not 0 <= neighbour < len(stages) or stages[neighbour].rank == self.rank:
+        peer = self.peers.get((kind, part.kind, part.chunk), -1)
+        if peer == -1:
+            stages = self.placement.stages
+            here = self.placement.stage_at(self.rank, part.chunk).index
+            # Activations flow to the next stage, gradients to the previous one.
+            step = 1 if part.kind == "F" else -1
+            neighbour = here - step if kind == "RECV" else here + step
+            peer = None if not 0 <= neighbour < len(stages) or stages[neighbour].rank == self.rank \
+                else stages[neighbour].rank
+            self.peers[kind, part.kind, part.chunk] = peer
+        if peer is None:
             return []
-        return [Transfer(kind, part.kind, part.microbatch, part.chunk, stages[neighbour].rank,
-                         span=span)]
+        return [Transfer(kind, part.kind, part.microbatch, part.chunk, peer, span=span)]
 
 
 def _act_text(act: s.Act) -> str:

@@ -54,9 +54,7 @@ PLANS: dict[SIMode, PlanFn] = {SIMode.SEQUENTIAL: sequential_plan, SIMode.OP_BY_
 
 def has_si_blocks(lowered) -> bool:
     """Whether a lowered schedule has SI blocks (else no plan is needed)."""
-    from dhelix.dsl.core.schedule import Interleaved
-
-    return any(isinstance(action, Interleaved) for row in lowered.actions for action in row)
+    return lowered.interleaved
 
 
 def fixed_plan(pairs: SegmentPlan) -> PlanFn:

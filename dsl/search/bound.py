@@ -44,10 +44,11 @@ class Bound:
     memory: float
 
 
-def layout_bound(program: Program, cost: PairCost) -> Bound:
+def layout_bound(program: Program, cost: PairCost, costs: StepCosts | None = None) -> Bound:
     """The bounds of the layout of ``program`` (checked up to autodiff: its layer DAGs, mesh
-    and train block) priced by ``cost``."""
-    costs = step_costs(program, None, cost)
+    and train block) priced by ``cost``; ``costs``: its step costs without a plan, when
+    already computed."""
+    costs = costs or step_costs(program, None, cost)
     train, mesh = program.train, program.mesh
     layers, m, pp = program.model.get("layers"), train.microbatches, mesh.size("pp")
     layer = max(cost.lane_work(program.forward.ops + program.backward.ops)) + costs.layer.again.seconds

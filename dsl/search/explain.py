@@ -11,12 +11,12 @@ from dhelix.dsl.simulator.memory import GB
 
 
 def differences(choice: Choice, best: Choice) -> str:
-    """The settings of ``choice`` that differ from ``best``'s, ``pp 4 (2), b 2 (1)``; "best"
+    """The settings of ``choice`` that differ from ``best``'s, ``pp 4 (2), b 2 (1), SI off (on)``; "best"
     for the best itself."""
     if choice == best:
         return "best"
     mine, theirs = choice.settings(), best.settings()
-    names = {"micro_batch": "b", "microbatches": "m"}
+    names = {"micro_batch": "b", "microbatches": "m", "si": "SI"}
     return ", ".join(f"{names.get(key, key)} {value} ({theirs[key]})" for key, value in mine.items()
                      if value != theirs[key])
 
@@ -59,7 +59,7 @@ def format_outcome(outcome: Outcome, title: str) -> str:
         sim = p.sim
         exposed = sim.mean("layer_exposed") + sim.mean("pp_exposed") + sim.mean("dp_exposed")
         peak = sim.peak_rank
-        rows.append([str(rank), p.choice.layout.describe(), f"{p.choice.fold} {p.choice.pipeline}",
+        rows.append([str(rank), p.choice.layout.describe(), p.choice.schedule().removeprefix("fold "),
                      _ms(sim.step_time), f"{sim.tokens_per_second:,.0f}", f"{sim.mfu:.1%}",
                      f"{peak.memory / GB:.2f} (r{peak.rank})", _ms(exposed), differences(p.choice, best)])
     header = ["#", "layout", "schedule", "step", "tokens/s", "MFU", "peak GB", "exposed comm", "differs from #1"]

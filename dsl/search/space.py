@@ -5,13 +5,17 @@ for expert layers, ep), the micro-batch size and count at the program's global b
 ZeRO stage (with hybrid sharding's shard group under ZeRO-3), the recomputation, Centauri's
 partition (the file's own block, or the one :mod:`~dhelix.dsl.search.partitions` generates for
 the layout, its counts, substitutions and priority left to the planner), when ZeRO-1's
-all-gather runs (``param_gather``: after the optimizer or under the next forward), the fold
-and the pipeline. Its :attr:`~Choice.layout` is everything but the schedule (fold and pipeline):
-what fixes the layer DAGs, the model states and the work per micro-batch.
+all-gather runs (``param_gather``: after the optimizer or under the next forward), the fold,
+the pipeline and, for a pipeline that writes SI blocks, whether they co-execute their strands
+(``si`` on, or off: each runs its forward, then its backward — ``train { si = off }``, the
+"without SI" of `dhelix simulate --compare`). Its :attr:`~Choice.layout` is everything but the
+schedule (fold, pipeline and SI): what fixes the layer DAGs, the model states and the work per
+micro-batch.
 
 :class:`Space` holds the domain of each setting, built from the checked program
 (:func:`space_of`): the global batch, the model and the cluster stay as written; a setting
-named in ``keep`` stays as written too (`dhelix tune --keep`). The domains are generous —
+named in ``keep`` stays as written too (`dhelix tune --keep`), and so does ``si`` when the
+train block writes it (a file that says SI on or off pins it). The domains are generous —
 every divisor, but tensor parallelism beyond two nodes and context parallelism beyond 16,
 which no published recipe uses (keep a written value to search around it) — and the checker
 decides what is valid (a choice the passes refuse is reported with their reason).
@@ -27,14 +31,15 @@ import attrs
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.core.program import FOLD_KINDS, Program
 from dhelix.dsl.core.wording import did_you_mean
-from dhelix.dsl.frontend.config import PARAM_GATHER, RECOMPUTE, ZERO_STAGES
+from dhelix.dsl.frontend.config import PARAM_GATHER, RECOMPUTE, SI_SETTINGS, ZERO_STAGES
+from dhelix.dsl.search.partitions import writes_si
 
 #: The mesh axes a choice sets, in the order a mesh block lists them when the file does not.
 MESH_AXES = ("tp", "cp", "pp", "dp", "ep")
-#: What ``--keep`` can name: a mesh axis, ``mesh`` (all of them), a train setting, the fold
-#: or the pipeline.
+#: What ``--keep`` can name: a mesh axis, ``mesh`` (all of them), a train setting, the fold,
+#: the pipeline or SI (on or off).
 KEEPABLE = MESH_AXES + ("mesh", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather", "fold",
-                        "pipeline")
+                        "pipeline", "si")
 #: The partitions a layout may take: the file's partition block (none when it has none), or
 #: the one generated for the layout (:func:`~dhelix.dsl.search.partitions.generated_partition`).
 PARTITIONS = ("written", "auto")
@@ -86,25 +91,31 @@ class Layout:
 
 @attrs.frozen(order=True)
 class Choice:
-    """One point of the space: a layout and a schedule (fold text and pipeline name)."""
+    """One point of the space: a layout and a schedule (fold text, pipeline name and
+    whether its SI blocks co-execute: ``si`` on or off; on for a pipeline without any)."""
 
     layout: Layout
     fold: str
     pipeline: str
+    si: str = "on"
 
     def describe(self) -> str:
-        """The layout's description, then ``fold u  w_helix``."""
-        return f"{self.layout.describe()}  fold {self.fold}  {self.pipeline}"
+        """The layout's description, then ``fold u  w_helix`` (and ``SI off`` where it is)."""
+        return f"{self.layout.describe()}  {self.schedule()}"
+
+    def schedule(self) -> str:
+        """``fold u  w_helix``, then ``SI off`` when the SI blocks do not co-execute."""
+        return f"fold {self.fold}  {self.pipeline}" + ("  SI off" if self.si == "off" else "")
 
     def settings(self) -> dict[str, object]:
-        """Every setting by name (``tp``, …, ``fold``, ``pipeline``): what tables compare."""
-        return {**attrs.asdict(self.layout), "fold": self.fold, "pipeline": self.pipeline}
+        """Every setting by name (``tp``, …, ``fold``, ``pipeline``, ``si``): what tables compare."""
+        return {**attrs.asdict(self.layout), "fold": self.fold, "pipeline": self.pipeline, "si": self.si}
 
 
 @attrs.frozen
 class Space:
     """The domain of each searched setting; ``sequences`` is the global batch (sequences per
-    step), ``world`` the GPUs, ``schedules`` the (fold, pipeline) pairs to try."""
+    step), ``world`` the GPUs, ``schedules`` the (fold, pipeline, si) to try."""
 
     world: int
     sequences: int
@@ -116,7 +127,7 @@ class Space:
     zero: tuple[int, ...]
     shard: tuple[int, ...]
     recompute: tuple[str, ...]
-    schedules: tuple[tuple[str, str], ...]
+    schedules: tuple[tuple[str, str, str], ...]
     kept: dict = attrs.field(factory=dict, eq=False)
     partition: tuple[str, ...] = ("written",)
     param_gather: tuple[str, ...] = ("step",)
@@ -152,8 +163,8 @@ class Space:
     def choices(self) -> Iterator[Choice]:
         """Every choice: each layout with each schedule."""
         for layout in self.layouts():
-            for fold, pipeline in self.schedules:
-                yield Choice(layout, fold, pipeline)
+            for schedule in self.schedules:
+                yield Choice(layout, *schedule)
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -205,18 +216,23 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
     written = {axis: mesh.size(axis) for axis in MESH_AXES}
     written.update(micro_batch=train.micro_batch, zero=train.zero, recompute=train.recompute,
                    shard=train.shard or 0, fold=program.fold.text, pipeline=program.pipeline.name,
-                   partition="written", param_gather=train.param_gather)
+                   partition="written", param_gather=train.param_gather, si=train.si or SI_SETTINGS[0])
+    if train.si is not None:  # written: the file pins it
+        names.add("si")
     return {name: written[name] for name in sorted(names - {"mesh"})}
 
 
-def _schedules(program: Program, kept: dict) -> tuple[tuple[str, str], ...]:
-    """(fold, pipeline) for every pipeline the program can name, each with the fold it is
-    written for (every fold for one written for any; loop with each of LOOP_CHUNKS)."""
+def _schedules(program: Program, kept: dict) -> tuple[tuple[str, str, str], ...]:
+    """(fold, pipeline, si) for every pipeline the program can name, each with the fold it
+    is written for (every fold for one written for any; loop with each of LOOP_CHUNKS), and
+    SI on and off for one that writes SI blocks (SI as kept when it is; a pipeline without
+    any takes the kept value, else on: it changes nothing there)."""
     out = []
     for pipeline in sorted(program.pipelines, key=lambda p: p.name):
         kinds = (pipeline.fold,) if pipeline.fold else tuple(FOLD_KINDS)
+        si = SI_SETTINGS if writes_si(pipeline) and "si" not in kept else (kept.get("si", SI_SETTINGS[0]),)
         for kind in kinds:
             folds = [kind] if FOLD_KINDS[kind] is not None else [f"{kind}({v})" for v in LOOP_CHUNKS]
-            out += [(fold, pipeline.name) for fold in folds]
-    return tuple((fold, name) for fold, name in out
+            out += [(fold, pipeline.name, on) for fold in folds for on in si]
+    return tuple((fold, name, on) for fold, name, on in out
                  if kept.get("fold", fold) == fold and kept.get("pipeline", name) == name)

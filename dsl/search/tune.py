@@ -174,22 +174,81 @@ class Pricer:
         self.memory_gb = base.profile.memory_gb
         self._bounds: dict[Layout, Bound | str] = {}
         self._dags: dict[Layout, Program] = {}
-        self._schedules: dict[tuple, tuple | DhelixError] = {}
+        self._lowered: dict[tuple, tuple | DhelixError] = {}
         self._partitions: dict[Layout, s.PartitionDef | None | DhelixError] = {}
         self._layer_choices: dict[tuple, tuple[dict, tuple]] = {}
         self._rechecked_dags: dict[tuple, Program] = {}
+        self._costs: dict[tuple, tuple] = {}
+        self._derivations: dict[Layout, tuple | DhelixError] = {}
+        #: What each action does, shared by the untimed walks of programs with the same costs
+        #: and placement (both kept alive here: by self._costs and self._lowered).
+        self._untimed: dict = {}
+        #: The choice checked last (up to validate), and its program or why it was refused.
+        self._last: tuple[Choice | None, Program | DhelixError | None] = (None, None)
 
-    def checked(self, choice: Choice, stop: str = "validate") -> Program:
-        """The variant of ``choice`` through the passes up to ``stop`` (DhelixError if refused).
+    def checked(self, choice: Choice, stop: str = "validate", share: bool = True) -> Program:
+        """The variant of ``choice`` through the passes up to ``stop`` (DhelixError if refused);
+        ``share``: an SI-off choice as its SI-on twin checked (:meth:`_si_off`).
 
         The layer DAGs (the passes up to autodiff) depend on the layout only — the model,
         mesh, train and partition blocks — not on the fold or pipeline, so they are derived
         once per layout and shared by its schedules."""
+        if share and stop == "validate" and choice.si == "off" and choice.layout.partition == "written":
+            return self._si_off(choice)
         # Up to the layer DAGs a generated partition is written whole: its chains are checked
         # whole (count 1), so the DAGs are those of the schedule's block, chains or none.
-        program = attrs.evolve(check_program(self.variant(choice, whole=stop != "validate")), profile=self.profile)
         if stop != "validate":
-            return self.plans.intern(passes.rerun(program, after="check", stop=stop))
+            program = attrs.evolve(check_program(self.variant(choice, whole=True)), profile=self.profile)
+            if stop != "autodiff":
+                return self.plans.intern(passes.rerun(program, after="check", stop=stop))
+            return self._derived(program, choice.layout)
+        try:
+            program = self._validated(attrs.evolve(check_program(self.variant(choice)), profile=self.profile), choice)
+        except DhelixError as exc:
+            self._last = (choice, exc)
+            raise
+        self._last = (choice, program)
+        return program
+
+    def _derived(self, program: Program, layout: Layout) -> Program:
+        """``program`` (``layout`` checked) through the passes up to autodiff. What they
+        derive (the layer names' values, the forward and backward DAGs) reads the model, the
+        mesh, the micro-batches and the partition, and the train block's ZeRO stage only for
+        ZeRO-3 (FSDP's ops, and its refusal of selective recomputation): layouts that differ
+        in ZeRO 0, 1 or 2, ``param_gather`` or recomputation (below ZeRO-3) share them."""
+        key = attrs.evolve(layout, zero=3 if layout.zero == 3 else 0, param_gather="step",
+                           recompute=layout.recompute if layout.zero == 3 else "none")
+        if key not in self._derivations:
+            try:
+                done = self.plans.intern(passes.rerun(program, after="check", stop="autodiff"))
+                self._derivations[key] = (done.env, done.forward, done.backward)
+            except DhelixError as exc:
+                self._derivations[key] = exc
+        found = self._derivations[key]
+        if isinstance(found, DhelixError):
+            raise found
+        env, forward, backward = found
+        return attrs.evolve(program, env=env, forward=forward, backward=backward)
+
+    def _si_off(self, choice: Choice) -> Program:
+        """``choice`` (SI off, the file's partition) checked: its SI-on twin as checked (the
+        choice before it in a search: kept), with the train block's ``si = off`` — the one
+        setting that tells their variants apart, which no check reads (tests/test_tune.py
+        holds the two to each other)."""
+        twin = attrs.evolve(choice, si="on")
+        if self._last[0] != twin:
+            try:
+                self.checked(twin)
+            except DhelixError:
+                pass
+        found = self._last[1]
+        if isinstance(found, DhelixError):
+            raise found
+        return attrs.evolve(found, train=attrs.evolve(found.train, si="off"))
+
+    def _validated(self, program: Program, choice: Choice) -> Program:
+        """``program`` (``choice`` checked) through the passes after check, its layer DAGs
+        shared by its layout and its schedule lowered once."""
         dags = self.layer_dags(choice.layout, (choice.fold, choice.pipeline))
         program = passes.strands(attrs.evolve(program, env=dags.env, forward=dags.forward, backward=dags.backward))
         placement, lowered = self.lowered(program)
@@ -201,18 +260,18 @@ class Pricer:
         only, so each is lowered and validated once; a refusal is kept and raised again."""
         key = (program.fold.text, program.pipeline.name, program.mesh.size("pp"), program.train.microbatches,
                passes.launch_of(program), program.model.get("layers"))
-        if key not in self._schedules:
+        if key not in self._lowered:
             try:
                 done = passes.rerun(program, after="strands")
-                self._schedules[key] = (done.placement, done.lowered)
+                self._lowered[key] = (done.placement, done.lowered)
             except DhelixError as exc:
-                self._schedules[key] = exc
-        found = self._schedules[key]
+                self._lowered[key] = exc
+        found = self._lowered[key]
         if isinstance(found, DhelixError):
             raise found
         return found
 
-    def layer_dags(self, layout: Layout, schedule: tuple[str, str]) -> Program:
+    def layer_dags(self, layout: Layout, schedule: tuple[str, str, str]) -> Program:
         """The program of ``layout`` (with ``schedule``) up to its layer DAGs, once per layout."""
         if layout not in self._dags:
             self._dags[layout] = self.checked(Choice(layout, *schedule), stop="autodiff")
@@ -230,8 +289,8 @@ class Pricer:
         """The partition block generated for the layout of ``choice``
         (:func:`~dhelix.dsl.search.partitions.generated_partition` of its layer before any
         partition), once per layout's mesh, micro-batch and sharding, without its chunk
-        chains when the choice's pipeline writes SI blocks (:func:`for_schedule`) unless
-        ``whole``; CheckError when nothing applies (then the choice is the same as its twin
+        chains when the choice's pipeline writes SI blocks and SI is on (:func:`for_schedule`)
+        unless ``whole``; CheckError when nothing applies (then the choice is the same as its twin
         without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
@@ -245,7 +304,7 @@ class Pricer:
         found = self._partitions[key]
         if isinstance(found, DhelixError):
             raise found
-        found = for_schedule(found, not whole and writes_si(self.pipelines[choice.pipeline]))
+        found = for_schedule(found, not whole and choice.si == "on" and writes_si(self.pipelines[choice.pipeline]))
         if found is None:
             raise CheckError(NOTHING_TO_PARTITION)
         return found
@@ -285,12 +344,13 @@ class Pricer:
         plan = self.plans.plan(program) if has_si(program) else None
         return simulate(program, plan, cost=self.cost, trace=False).step_time
 
-    def bound(self, layout: Layout, schedule: tuple[str, str]) -> Bound | str:
+    def bound(self, layout: Layout, schedule: tuple[str, str, str]) -> Bound | str:
         """The lower bounds of ``layout`` (checked with the schedule ``schedule`` up to the
         layer DAGs), or why the passes refuse it."""
         if layout not in self._bounds:
             try:
-                self._bounds[layout] = layout_bound(self.layer_dags(layout, schedule), self.cost)
+                program = self.layer_dags(layout, schedule)
+                self._bounds[layout] = layout_bound(program, self.cost, self.costs(program, layout, None))
             except DhelixError as exc:
                 self._bounds[layout] = first_message(exc)
         return self._bounds[layout]
@@ -328,8 +388,8 @@ class Pricer:
                 # Untimed: the exact peak, and a floor of the step (the SI pairs at their
                 # lane bound until the layer pair is planned).
                 plan = self.plans.plan(program) if si and planned else None
-                costs = step_costs(program, plan, self.cost) if planned else relaxed_costs(program, self.cost)
-                seen = untimed(program, costs)
+                costs = self.costs(program, choice.layout, plan) if planned else self.relaxed(program, choice.layout)
+                seen = untimed(program, costs, memo=self._untimed)
                 if self.memory_gb is not None and max(seen.memory) > self.memory_gb * GB:
                     return TooBig(choice, max(seen.memory))
                 if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
@@ -337,17 +397,41 @@ class Pricer:
                 if defer and not planned:
                     return Deferred(choice, seen.floor * (1 - FLOOR_MARGIN))
             if not planned and (cutoff is not None or not memory_first):
-                relaxed = simulate(program, costs=relaxed_costs(program, self.cost), label=choice.describe(), trace=False)
+                relaxed = simulate(program, costs=self.relaxed(program, choice.layout), label=choice.describe(),
+                                   trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
                 if cutoff is not None and relaxed.step_time > cutoff:
                     return Pruned(choice, relaxed.step_time)
             plan = self.plans.plan(program) if si else None
-            sim = simulate(program, plan, cost=self.cost, costs=costs if planned else None,
+            sim = simulate(program, plan, cost=self.cost, costs=self.costs(program, choice.layout, plan),
                            label=choice.describe(), trace=False)
         except DhelixError as exc:
             return Refused(choice, first_message(exc))
         return Priced(choice, sim, self._fits(sim))
+
+    def costs(self, program: Program, layout: Layout, plan: Plan | None) -> StepCosts:
+        """:func:`~dhelix.dsl.simulator.costs.step_costs` of ``program`` (a checked choice of
+        ``layout``, its layer DAGs interned) with ``plan``: they depend on the layout (mesh,
+        recomputation), the layer DAGs and the plan only, not on the schedule, so they are
+        computed once for the schedules that share them."""
+        key = (layout, id(program.forward), id(program.backward), id(plan))
+        found = self._costs.get(key)
+        if found is None:
+            # The objects are kept with their costs, so their ids are not reused.
+            found = self._costs[key] = (program.forward, program.backward, plan,
+                                        step_costs(program, plan, self.cost))
+        return found[3]
+
+    def relaxed(self, program: Program, layout: Layout) -> StepCosts:
+        """:func:`relaxed_costs` of ``program`` (a checked choice of ``layout``), once per
+        layout, layer DAGs and whether the schedule splits W off (what the pairs' bound reads)."""
+        key = (layout, id(program.forward), id(program.backward), program.lowered.split, "relaxed")
+        found = self._costs.get(key)
+        if found is None:
+            found = self._costs[key] = (program.forward, program.backward, None,
+                                        relaxed_costs(program, self.cost, costs=self.costs(program, layout, None)))
+        return found[3]
 
     def _fits(self, sim: Simulation) -> bool:
         return self.memory_gb is None or max(r.memory for r in sim.ranks) <= self.memory_gb * GB
@@ -363,15 +447,17 @@ FLOOR_MARGIN = 1e-9
 _LAYER_CHOICES = ("substituted", "chunk_counts", "group_orders", "backward_first")
 
 
-def relaxed_costs(program: Program, cost: PairCost, layers: bool = False) -> StepCosts:
+def relaxed_costs(program: Program, cost: PairCost, layers: bool = False, costs: StepCosts | None = None
+                  ) -> StepCosts:
     """The program's step costs with every SI layer pair at a lower bound of its plan: the
     busiest lane's work of the two layers (:meth:`PairCost.lane_work`), after what the
     backward runs again. Simulated, they give a lower bound of the step with any plan (the
     simulator only delays an action for a longer one before it). With ``layers``, every
     layer pass alone and what it runs again is at its busiest lane's work too: a lower bound
     of the step whatever chunk counts and substitutions the planner then chooses, none of
-    which lessens a lane's work (:mod:`dhelix.dsl.search.partitions`)."""
-    costs = step_costs(program, None, cost)
+    which lessens a lane's work (:mod:`dhelix.dsl.search.partitions`). ``costs``: the
+    program's step costs without a plan, when already computed."""
+    costs = costs or step_costs(program, None, cost)
     layer = layer_costs(program, cost, None, work=_lane_bound) if layers else costs.layer
     pair = layer.again + Work(max(cost.lane_work(program.forward.ops + si_backward(program).ops)))
     return attrs.evolve(costs, layer=attrs.evolve(layer, pair=pair))
@@ -474,8 +560,8 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
             break
         if deadline is not None and time.perf_counter() > deadline:
             return best, min([seconds] + [w[0] for w in waiting])
-        for fold, pipeline in space.schedules:
-            choice = Choice(layout, fold, pipeline)
+        for schedule in space.schedules:
+            choice = Choice(layout, *schedule)
             cutoff = best[top - 1].seconds if len(best) >= top else None
             ruled = dominance.rules_out(choice, cutoff)
             if ruled == "slower":
@@ -571,11 +657,12 @@ def _insert(best: list[Priced], result: Priced, top: int) -> list[Priced]:
 
 
 def _rank(p: Priced) -> tuple:
-    # Steps equal to the last rounding digits are ties, settled by the choice's order.
-    return (round(p.seconds, 12), p.choice)
+    # Steps equal to the last rounding digits are ties, settled by SI on first (SI off
+    # gains nothing then), then the choice's order.
+    return (round(p.seconds, 12), p.choice.si != "on", p.choice)
 
 
-def _bound_schedule(space: Space) -> tuple[str, str]:
+def _bound_schedule(space: Space) -> tuple[str, str, str]:
     """The schedule the layouts' DAGs are checked with: the first with fold none (every
     fold's stage split divides a fold-none one), else the first."""
     return next((sched for sched in space.schedules if sched[0] == "none"), space.schedules[0])

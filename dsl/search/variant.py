@@ -23,8 +23,8 @@ from dhelix.dsl.frontend.pipelinecheck import reads_name
 from dhelix.dsl.search.space import MESH_AXES, Choice
 
 #: The train settings a choice writes (the others stay as written).
-_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "shard", "param_gather")
-_DEFAULTS = {"zero": 0, "recompute": "none", "shard": 0, "param_gather": "step"}
+_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "shard", "param_gather", "si")
+_DEFAULTS = {"zero": 0, "recompute": "none", "shard": 0, "param_gather": "step", "si": "on"}
 
 
 def require_main_blocks(modules: list[s.Module], path: str) -> None:
@@ -125,11 +125,11 @@ def _mesh_settings(settings: tuple[s.Setting, ...], choice: Choice) -> tuple[s.S
 
 
 def _train_settings(settings: tuple[s.Setting, ...], choice: Choice, reads: set[str]) -> tuple[s.Setting, ...]:
-    """The train block of ``choice``: a setting at its default that the file does not write
-    stays out; ``launch`` (``launch_backward``) goes when the pipeline does not read ``g``
+    """The train block of ``choice`` (``si = off`` written for a choice with SI off): a
+    setting at its default that the file does not write stays out; ``launch`` (``launch_backward``) goes when the pipeline does not read ``g``
     (``gb``), the names in ``reads``."""
     written = {setting.key for setting in settings}
-    layout = attrs.asdict(choice.layout)
+    layout = {**attrs.asdict(choice.layout), "si": choice.si}
     values = {key: None if layout[key] == _DEFAULTS.get(key) and key not in written else layout[key]
               for key in _TRAIN_SET}
     if values["shard"] == 0:

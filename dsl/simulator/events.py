@@ -39,6 +39,10 @@ the bubble ratio ``1 - Σ busy / (p · pipeline make-span)``.
 
 from __future__ import annotations
 
+import collections
+import functools
+import itertools
+import operator
 from typing import Callable
 
 import attrs
@@ -51,7 +55,7 @@ from dhelix.dsl.simulator.memory import (MemoryTimeline, ModelStates, gathered_b
 from dhelix.dsl.planner.blockorder import BlockScheduler
 from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
-from dhelix.dsl.planner.si_plan import SegmentPlan
+from dhelix.dsl.planner.si_plan import SegmentPlan, has_si_blocks
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
@@ -76,8 +80,15 @@ def require_profile(program: Program) -> None:
 
 
 def has_si(program: Program) -> bool:
-    """Whether the lowered schedule has strand-interleaved blocks."""
-    return any(isinstance(a, Interleaved) for row in program.lowered.actions for a in row)
+    """Whether the step co-executes strand-interleaved blocks: the lowered schedule has
+    some and the train block does not turn them off (``si = off``: each runs its F, then
+    its B)."""
+    return interleaves(program) and has_si_blocks(program.lowered)
+
+
+def interleaves(program: Program) -> bool:
+    """Whether ``program`` lets its SI blocks co-execute (its train block's ``si``)."""
+    return program.train is None or program.train.interleaves
 
 
 def schedule_plan(program: Program, cost: PairCost | None = None, **bounds) -> Plan:
@@ -365,6 +376,30 @@ class _Expander:
                 + self._embed_b(bstage))
 
 
+#: The run orders of the schedules simulated last, by id (each kept with its schedule, so
+#: that an id is not reused while it is here): a search simulates each many times.
+_ORDERS: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+_ORDERS_KEPT = 256
+
+
+def _run_order(lowered) -> list[tuple[int, object, bool, tuple | None]]:
+    """(rank, action, whether it is a transfer, its transfer key) of every action of
+    ``lowered`` in its dry run's order (:func:`~dhelix.dsl.passes.validate.dry_run`)."""
+    found = _ORDERS.get(id(lowered))
+    if found is not None and found[0] is lowered:
+        _ORDERS.move_to_end(id(lowered))
+        return found[1]
+    order = []
+    for rank, step in dry_run(lowered):
+        action = lowered.actions[rank][step]
+        transfer = isinstance(action, Transfer)
+        order.append((rank, action, transfer, transfer_key(lowered, rank, action) if transfer else None))
+    _ORDERS[id(lowered)] = (lowered, order)
+    if len(_ORDERS) > _ORDERS_KEPT:
+        _ORDERS.popitem(last=False)
+    return order
+
+
 @attrs.define
 class _Tally:
     """What one rank has added up so far in the step (seconds, bytes)."""
@@ -428,15 +463,13 @@ class _Run:
         if self.overlap_gather:
             for rank in range(self.lowered.ranks):
                 self._book_gathers(rank)
-        for rank, step in dry_run(self.lowered):
-            action = self.lowered.actions[rank][step]
-            if isinstance(action, Transfer):
-                self._transfer(rank, action)
+        for rank, action, transfer, key in _run_order(self.lowered):
+            if transfer:
+                self._transfer(rank, action, key)
             else:
                 self._compute(rank, action)
 
-    def _transfer(self, rank: int, action: Transfer) -> None:
-        key = transfer_key(self.lowered, rank, action)
+    def _transfer(self, rank: int, action: Transfer, key: tuple | None) -> None:
         if action.kind == "RECV":
             self.pending[rank].append(key)
             return
@@ -540,33 +573,24 @@ class _Run:
 
     def finish(self, rank: int) -> _Finish:
         """Gradient sync, optimizer and (ZeRO-1) weight gather of ``rank``; its figures."""
-        costs, profile = self.costs, self.program.profile
-        kind = "reduce_scatter" if self.zero1 else "all_reduce"
         ready_after, dp_comm = 0.0, 0.0
         names = self._slot_names()
         early = self.program.train is None or self.program.train.grad_reduce == "backward"
+        lanes, last_end = self.lanes[rank], self.last_end[rank]
+        syncs: dict[tuple, list] = {}  # (stage, slot) -> its collectives (ZeRO-2: one per micro-batch)
         for (stage, slot), (ready, dense, expert) in self._reductions(rank):
             # After the rank's last action: everything with grad_reduce = step, and the embedding's.
             if not early or slot == "embedding":
-                ready = max(ready, self.last_end[rank])
-            syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
-            if self.fsdp and isinstance(slot, int):
-                # A layer's: reduce-scattered by its scatter_dw ops; under hybrid sharding its
-                # piece is then all-reduced across the shard groups (or, substituted,
-                # reduce-scattered there and its updated part all-gathered after the optimizer).
-                if costs.replicate_group is None:
-                    continue
-                across = "reduce_scatter" if self.replicas_sliced else "all_reduce"
-                syncs = ((dense / costs.shard_group.size, costs.replicate_group, across),)
-            for elements, group, collective in syncs:
-                if not elements or group.size <= 1:
-                    continue
-                size = elements * costs.grad_bytes
-                seconds = collective_time(collective, size, group.size, group.lane, profile, group.per_node)
-                start = self.lanes[rank][group.lane].fit(max(ready, ready_after), seconds)
+                ready = max(ready, last_end)
+            todo = syncs.get((stage, slot))
+            if todo is None:
+                todo = syncs[stage, slot] = self._syncs(slot, dense, expert)
+            for collective, size, group, seconds in todo:
+                start = lanes[group.lane].fit(max(ready, ready_after), seconds)
                 ready_after, dp_comm = start + seconds, dp_comm + seconds
-                self.events.append(TraceEvent(rank, group.lane, f"{collective} {names(stage, slot)}", start, seconds,
-                                              {"kind": "DP", "bytes": size, "group": group.size}))
+                if self.trace:
+                    self.events.append(TraceEvent(rank, group.lane, f"{collective} {names(stage, slot)}", start,
+                                                  seconds, {"kind": "DP", "bytes": size, "group": group.size}))
         shard, optimizer = self._optimizer(rank)
         start = max(self.free_at[rank], ready_after)
         self.events.append(TraceEvent(rank, "compute", "optimizer", start, optimizer,
@@ -581,6 +605,29 @@ class _Run:
         exposed = min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)) + self.gather_exposed[rank]
         return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,
                        dp_exposed=exposed)
+
+    def _syncs(self, slot, dense: float, expert: float) -> list[tuple[str, float, object, float]]:
+        """(collective, bytes, group, seconds) of each data-parallel sync of the gradients of
+        ``slot`` (``dense`` and ``expert`` parameters), in order."""
+        costs, profile = self.costs, self.program.profile
+        kind = "reduce_scatter" if self.zero1 else "all_reduce"
+        syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
+        if self.fsdp and isinstance(slot, int):
+            # A layer's: reduce-scattered by its scatter_dw ops; under hybrid sharding its
+            # piece is then all-reduced across the shard groups (or, substituted,
+            # reduce-scattered there and its updated part all-gathered after the optimizer).
+            if costs.replicate_group is None:
+                return []
+            across = "reduce_scatter" if self.replicas_sliced else "all_reduce"
+            syncs = ((dense / costs.shard_group.size, costs.replicate_group, across),)
+        out = []
+        for elements, group, collective in syncs:
+            if not elements or group.size <= 1:
+                continue
+            size = elements * costs.grad_bytes
+            out.append((collective, size, group,
+                        collective_time(collective, size, group.size, group.lane, profile, group.per_node)))
+        return out
 
     def _optimizer(self, rank: int) -> tuple[float, float]:
         """(parameters, seconds) of ``rank``'s optimizer step (a shard of its parameters
@@ -637,30 +684,52 @@ class _Run:
                             grads_sharded=dense - self._end_params(rank, head=False)
                             if self.program.train.zero == 2 else 0.0)
 
-    def untimed(self) -> list[tuple[float, float]]:
+    def untimed(self, shared: dict | None = None) -> list[tuple[float, float]]:
         """(compute seconds, peak of live activations) of every rank, without timing its
         actions: the peak is what :meth:`run` books (MemoryTimeline.peak's value), since a
-        rank's allocations and frees follow its actions' order whatever their durations."""
-        known: dict[tuple, _Changes] = {}
-        out = []
-        for row in self.lowered.computations:
-            work = live = best = 0.0
-            for key in row:
-                changes = known.get(key)
-                if changes is None:
-                    changes = known[key] = _Changes.of(self.expander.pieces(*key))
-                work += changes.work
-                if changes.whole and live == int(live) and live < 2.0 ** 52:
-                    # Whole bytes add exactly in any order, so the running peak is the max.
-                    best = max(best, live + changes.rise)
-                    live += changes.net
-                    continue
-                for delta in changes.deltas:  # MemoryTimeline.peak's rule, step by step
-                    live += delta
-                    if live > best + 1e-6:
-                        best = live
-            out.append((work, best))
-        return out
+        rank's allocations and frees follow its actions' order whatever their durations.
+        ``shared``: what each action does (its _Changes) by action, from runs like this one."""
+        keys, rows = self.lowered.computation_indices
+        shared = {} if shared is None else shared
+        known = []
+        for key in keys:
+            changes = shared.get(key)
+            if changes is None:
+                changes = shared[key] = _Changes.of(self.expander.pieces(*key))
+            known.append(changes)
+        if all(changes.whole for changes in known):
+            return [self._untimed_whole(row, known) or self._untimed_row(row, known) for row in rows]
+        return [self._untimed_row(row, known) for row in rows]
+
+    @staticmethod
+    def _untimed_whole(row: tuple[int, ...], known: list[_Changes]) -> tuple[float, float] | None:
+        """:meth:`_untimed_row` of a rank whose every change is whole bytes, in C loops: the
+        work summed in order, the running peak the highest live bytes before an action plus
+        its rise; None when the live bytes leave the range where whole numbers add exactly."""
+        work = functools.reduce(operator.add, [known[i].work for i in row], 0.0)
+        before = list(itertools.accumulate([known[i].net for i in row], initial=0.0))
+        if max(before) >= 2.0 ** 52 or min(before) <= -(2.0 ** 52):
+            return None
+        return work, max(itertools.chain((0.0,), map(operator.add, before, [known[i].rise for i in row])))
+
+    @staticmethod
+    def _untimed_row(row: tuple[int, ...], known: list[_Changes]) -> tuple[float, float]:
+        """(compute seconds, peak of live activations) of a rank's computations ``row``
+        (indices into ``known``, their changes), step by step."""
+        work = live = best = 0.0
+        for index in row:
+            changes = known[index]
+            work += changes.work
+            if changes.whole and live == int(live) and live < 2.0 ** 52:
+                # Whole bytes add exactly in any order, so the running peak is the max.
+                best = max(best, live + changes.rise)
+                live += changes.net
+                continue
+            for delta in changes.deltas:  # MemoryTimeline.peak's rule, step by step
+                live += delta
+                if live > best + 1e-6:
+                    best = live
+        return work, best
 
     def _reductions(self, rank: int) -> list:
         """((stage, slot), (ready, dense, expert)) of each gradient reduction of ``rank``, by
@@ -670,8 +739,10 @@ class _Run:
         items = []
         for (stage, slot), (ready, dense, expert) in self.grads[rank].items():
             readies = self.micro_ready[rank][(stage, slot)] if per_microbatch and isinstance(slot, int) else [ready]
-            items += [((stage, slot), (at, dense, expert)) for at in readies]
-        return sorted(items, key=_by_ready)
+            name = str(slot)
+            items += [((at, stage, name), (stage, slot), (at, dense, expert)) for at in readies]
+        items.sort()  # by ready time, then stage and slot's name
+        return [item[1:] for item in items]
 
     def _end_params(self, rank: int, head: bool = True) -> float:
         """Parameters of the model's ends (embedding, LM head and final norm) on ``rank``;
@@ -716,11 +787,6 @@ class _Run:
                          send_bytes=tally.send_bytes, dp_comm=done.dp_comm, dp_exposed=done.dp_exposed,
                          optimizer=done.optimizer, states=done.states, activations=peak,
                          activations_at=when)
-
-
-def _by_ready(item) -> tuple:
-    (stage, slot), (ready, _, _) = item
-    return (ready, stage, str(slot))
 
 
 def _forward_chunk(action) -> int | None:
@@ -773,16 +839,24 @@ class Untimed:
     floor: float
 
 
-def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool = False) -> Untimed:
+def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool = False,
+            memo: dict | None = None) -> Untimed:
     """The :class:`Untimed` figures of ``program`` priced by ``costs`` (as :func:`simulate`
     with ``costs``): what a search needs to rule out a choice over the device memory, or
     slower than its best, before simulating it. The peak follows the actions' order (the SI
     blocks' pieces as ``costs`` has them: ``layer.pair`` set, layer pairs); the bound is the
-    slowest rank's compute work, then what must follow its last action (:meth:`_Run.floor`)."""
+    slowest rank's compute work, then what must follow its last action (:meth:`_Run.floor`).
+    ``memo``: a dict kept across calls to share what each action does between programs of
+    the same ``costs`` and placement (it holds them by id: the caller keeps both alive, and
+    gives it only programs whose layer DAGs and train block ``costs`` determine, as a
+    search's shared costs do)."""
     require_profile(program)
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
+    si = si and interleaves(program)
     run = _Run(program, costs, si, zero1, trace=False)
-    figures = run.untimed()
+    shared = None if memo is None else memo.setdefault((id(costs), id(program.placement), program.lowered.split, si),
+                                                        {})
+    figures = run.untimed(shared)
     ranks = range(program.lowered.ranks)
     return Untimed(tuple(run.states(rank).total + figures[rank][1] for rank in ranks),
                    max(run.floor(rank, figures[rank][0]) for rank in ranks))
@@ -795,7 +869,8 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     """Simulate one training step of a validated ``program`` (with a profile).
 
     ``plan`` prices the SI blocks (planned with :func:`schedule_plan` when the schedule has
-    SI blocks and none is given); ``si=False`` runs every SI block as its F then its B;
+    SI blocks and none is given); ``si=False`` runs every SI block as its F then its B, as
+    does the program's ``train { si = off }`` (``si`` can only turn SI off);
     ``zero1`` shards the optimizer states over the gradient-sync group, as does the program's
     ``train { zero = 1 }`` (``zero1`` can only add the sharding). ``scheduled`` prices
     every SI block whole by the block scheduler (what ``dhelix run --si-plan scheduled``
@@ -813,6 +888,7 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     for a program without a profile.
     """
     require_profile(program)
+    si = si and interleaves(program)
     if costs is None:
         cost = cost or cost_of(program)
         if si and plan is None and has_si(program):

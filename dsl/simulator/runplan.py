@@ -127,8 +127,10 @@ def plan_run(program: Program, path: str, choices: tuple = (), *, mode: SIMode =
              interleave: bool = True, text: str = "") -> RunPlan:
     """The RunPlan of ``program`` (priced: :func:`~dhelix.dsl.simulator.launch.priced_program`,
     which made ``choices``; with a model), the file ``path``: its reference DAGs and its SI
-    blocks run as ``mode`` says (:func:`choose_si`), interleaved or not; ``text`` is its source."""
+    blocks run as ``mode`` says (:func:`choose_si`), interleaved unless ``interleave`` is
+    False or the train block says ``si = off``; ``text`` is its source."""
     mode = SIMode(mode)
+    interleave = interleave and program.train.interleaves  # `--no-si` or the train block's si = off
     return RunPlan(path=path, program=program, reference=reference_dags(program),
                    si=choose_si(program, mode, interleave), interleave=interleave, choices=choices, text=text)
 

@@ -144,11 +144,13 @@ def describe_devices(ranks) -> str:
 def describe_si(program, options: "RunOptions") -> str:
     """What the run does with SI blocks: ``on (planned plan)``, ``off``, or, for a schedule
     that has none, says so (SI then changes nothing)."""
-    from dhelix.dsl.simulator.events import has_si
+    from dhelix.dsl.planner.si_plan import has_si_blocks
 
-    if not has_si(program):
+    if not has_si_blocks(program.lowered):
         return "none (the schedule has no SI blocks)"
-    return f"on ({options.plan} plan)" if options.si else "off"
+    if options.si:
+        return f"on ({options.plan} plan)"
+    return "off (the train block's si = off)" if not program.train.interleaves else "off"
 
 
 def run_header(path: str, pipeline: str, mesh: str, ranks: int, backend: str, si: str) -> str:
