@@ -122,3 +122,40 @@ def test_a_launcher_killed_during_startup_leaves_no_rank(moment, cpu_load, tmp_p
             launcher.wait(10)
         for pid in _ranks(launcher.pid, mark):
             os.kill(pid, signal.SIGKILL)
+
+
+LAUNCHER = """
+import os, signal
+from multiprocessing import forkserver
+from dhelix.interpreter.launch import spawn
+spawn.PRELOAD = [spawn.PRELOAD[0], "slow_import"]  # the guard, then an import of 60 s
+spawn.rank_context()
+print(forkserver._forkserver._forkserver_pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_forkserver_dies_with_its_launcher_in_the_middle_of_its_imports(tmp_path):
+    # A forkserver reads its launcher's pipe only between fork requests: without the guard it
+    # would import on for the full minute after the launcher's death.
+    (tmp_path / "slow_import.py").write_text("import time\ntime.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}  # the server's path (it is not given the launcher's)
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+    server = int(launcher.stdout.readline())  # not read to the end: the server holds the pipe too
+    launcher.wait(60)
+    launcher.stdout.close()
+    deadline = time.monotonic() + 20
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(server)
+    if alive:
+        os.kill(server, signal.SIGKILL)
+    assert not alive, "the forkserver outlived its launcher"

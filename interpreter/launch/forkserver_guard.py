@@ -22,10 +22,24 @@ LAUNCHER_PID = "DHELIX_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1
 
 
+def _preloading() -> bool:
+    """Whether this import runs inside multiprocessing's forkserver ``main`` (its preload), the
+    one place the guard acts: anywhere else (the launcher reading :data:`LAUNCHER_PID`, a rank)
+    importing this module does nothing."""
+    frame = sys._getframe()
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "main" and code.co_filename.endswith(os.path.join("multiprocessing", "forkserver.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def die_with_launcher() -> None:
-    """Arm the parent-death signal of this process (the forkserver) when its launcher asked
-    for it, and end it now if that launcher is already gone (Linux; a no-op elsewhere)."""
-    launcher = os.environ.get(LAUNCHER_PID)
+    """In the forkserver's preload, arm its parent-death signal when its launcher asked for it
+    (and drop the request from the environment its ranks inherit), and end it now if that
+    launcher is already gone (Linux; a no-op elsewhere)."""
+    launcher = os.environ.pop(LAUNCHER_PID, None)
     if launcher is None or not launcher.isdigit() or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -35,4 +49,5 @@ def die_with_launcher() -> None:
         os._exit(1)
 
 
-die_with_launcher()
+if _preloading():
+    die_with_launcher()
