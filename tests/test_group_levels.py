@@ -380,3 +380,13 @@ def test_a_levels_link_survives_the_profile_writer(tmp_path):
     profile = load_profile(str(tmp_path / _with_island_link(tmp_path, 300.0)))
     (tmp_path / "written.yaml").write_text(render_profile(profile))
     assert load_profile(str(tmp_path / "written.yaml")).links == profile.links
+
+
+def test_levels_is_a_name_not_a_keyword_outside_the_cluster_block():
+    # A model setting may be called `levels` (a layer reads any integer setting it likes).
+    from dhelix.dsl.passes.pipeline import check_text
+
+    text = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text().replace("  layer = llama\n",
+                                                                          "  layer = llama\n  levels = 3\n", 1)
+    assert "levels = 3" in text
+    assert dict(check_text(text, str(ROOT / "examples" / "t.dhx")).env)["levels"] == 3

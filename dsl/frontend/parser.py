@@ -371,7 +371,12 @@ class _Builder(Transformer):
         return self._block("cluster", meta, children)
 
     def levels_def(self, meta, children):
-        return s.Levels(tuple(children), span=self._span(meta))
+        name, *settings = children
+        if str(name) != s.Levels.key:
+            raise ParseError(f"unknown block '{name} {{ … }}' in the cluster block", self._tok(name),
+                             did_you_mean(str(name), [s.Levels.key]) +
+                             ["the cluster block takes settings and a `levels { island = 2 … }` block"])
+        return s.Levels(tuple(settings), span=self._span(meta))
 
     def mesh_def(self, meta, children):
         return self._block("mesh", meta, children)
