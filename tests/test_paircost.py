@@ -285,9 +285,8 @@ def test_the_expert_groups_have_one_shape():
     group = [op for op in MOE.backward.ops if op.name.endswith(("0.bwd", "0.dgrad", "0.wgrad")) and op.name[0] != "m"]
     other = [op for op in MOE.backward.ops if op.name.endswith(("1.bwd", "1.dgrad", "1.wgrad")) and op.name[0] != "m"]
     assert len(group) == len(other) > 5 and pc.shape(group) == pc.shape(other)
-    # the pair's name order (the issue tie-break) is part of the key, not the names
-    forward = [op for op in MOE.forward.ops if op.name[-1] == "0"]
-    assert pc.shape(forward) != pc.shape(group)
+    # (that the key holds all a pair's price depends on, its name order included, is the
+    # property test below: a shared price equals a fresh simulation)
 
 
 @st.composite

@@ -397,12 +397,11 @@ WEIGHT_PASS = "weight_pass"
 #: rather than in the group's order (:mod:`dhelix.dsl.passes.partition`): a gather across
 #: nodes first leaves the blocks intra-major and the node-local gather puts them back in
 #: order after it; a reduce-scatter inside the node first reorders them before it (the
-#: adjoint: a collective's transpose keeps the parameter).
+#: adjoint: a collective's transpose keeps the parameter). Over a declared topology
+#: (``cluster { levels { … } }``) it names the stages' sub-axes in the order the blocks lie,
+#: outermost first, instead of True: after an all_gather's last stage the blocks go from that
+#: order to the group's, before a reduce_scatter's first stage from the group's to that order.
 REGROUP = "regroup"
-#: Over a declared topology (``cluster { levels { … } }``) a group partition's regroup names
-#: the stages' sub-axes in the order the blocks lie, outermost first, instead of True: after
-#: an all_gather's last stage the blocks go from that order to the group's, before a
-#: reduce_scatter's first stage from the group's to that order.
 
 #: The parameter naming the level (``island``) whose link a stage of a group partition over
 #: a declared topology crosses: the profile's ``links.<level>`` prices it where it has one.

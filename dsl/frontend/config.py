@@ -52,7 +52,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 
 #: The example a name-valued setting's message shows.
-NAME_EXAMPLES = {"dtype": "bf16", "layer": "llama"}
+NAME_EXAMPLES = {"dtype": "bf16", "layer": "llama", "si": "off"}
 
 
 @attrs.define

@@ -79,12 +79,11 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.mesh import INTER, INTRA, SHARD, Mesh
-from dhelix.dsl.core.oplib import DISTINCT_ROOTS, REGROUP, ROOT
+from dhelix.dsl.core.oplib import DISTINCT_ROOTS, OUTPUTS, REGROUP, ROOT
 from dhelix.dsl.core.program import AUTO, LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
 from dhelix.dsl.passes.group_levels import checked_level, split_at_levels
 from dhelix.dsl.passes.priority import PRIORITIES
-from dhelix.dsl.core.oplib import OUTPUTS
 from dhelix.dsl.passes.workload import (STAGES, STAGES3, by_stages, by_weight_stages, checked_chain,
                                         chunk_statements, chunked, is_auto, is_fine, is_stages, named_op)
 

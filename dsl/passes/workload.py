@@ -274,14 +274,14 @@ def by_weight_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCol
     op = named_op(fwd, name, span, errors)
     if op is None:
         return fwd
+    if name in claimed:
+        errors.add(CheckError(f"'{name}' is already chunked", span,
+                              [f"by the chunk statement at {claimed[name].span}"]))
+        return fwd
     split, why = dimension_split(op.op, OUTPUTS)
     if split != OD or not op.weight:
         errors.add(CheckError(f"cannot chunk {name} ({op.op}) along {OUTPUTS} by {STAGES}", span,
                               [why or f"{name} has no weight"]))
-        return fwd
-    if name in claimed:
-        errors.add(CheckError(f"'{name}' is already chunked", span,
-                              [f"by the chunk statement at {claimed[name].span}"]))
         return fwd
     rows, cols = op.shape
     if cols % pieces:
@@ -306,12 +306,13 @@ def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollect
     chain) of ``st``, or None after recording errors located at the statement's words;
     those of a gather without stages say it "has no stages" (``by auto`` leaves it out)."""
     spans = {name: st.span_of(f"ops.{i}") for i, name in enumerate(st.ops)}
+    word = st.parts.id if is_stages(st) else STAGES  # stages or stages3, as written
     if st.dim not in (None, PARTITION_DIMS[0]):
-        errors.add(CheckError(f"'by {STAGES}' splits the tokens a gather brings, not its {st.dim}",
+        errors.add(CheckError(f"'by {word}' splits the tokens a gather brings, not its {st.dim}",
                               st.span_of("dim"), ["leave 'along' out, or chunk by a count"]))
         return None
     name = st.ops[0]
-    lead = f"'by {STAGES}' computes on what the first stage of a group-partitioned all_gather brought, and " \
+    lead = f"'by {word}' computes on what the first stage of a group-partitioned all_gather brought, and " \
         f"{name} has no stages"
     if name in fwd.elided:
         errors.add(CheckError(f"{lead}: it runs over an axis of size 1", spans[name],
@@ -339,8 +340,8 @@ def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollect
     while chain and chain[-1].kind == "comm":
         tail.insert(0, chain.pop())
     if not chain:
-        errors.add(CheckError(f"'by {STAGES}' needs the compute after {name}", spans[name],
-                              [f"name the operators that read it: chunk {name} + … by {STAGES}"]))
+        errors.add(CheckError(f"'by {word}' needs the compute after {name}", spans[name],
+                              [f"name the operators that read it: chunk {name} + … by {word}"]))
         return None
     found = len(errors.errors)
     for op in [gather, *chain, *tail]:
@@ -350,7 +351,7 @@ def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollect
     for op in chain:
         split, why = dimension_split(op.op, "tokens")
         if op.kind != "compute" or split != OD:
-            errors.add(CheckError(f"cannot split {op.name} ({op.op}) by {STAGES}: it is not token-wise compute",
+            errors.add(CheckError(f"cannot split {op.name} ({op.op}) by {word}: it is not token-wise compute",
                                   spans[op.name], ([why] if why else []) + [
                                       "the stages' chunks are rows of the gathered tokens: each operator between "
                                       "the gather and the collectives that may end the chain must compute row by "
@@ -359,12 +360,12 @@ def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollect
     for before, op in zip([chain[-1], *tail], tail):
         if not _reads(fwd, op, before.name):
             errors.add(CheckError(f"{op.name} does not read {before.name}", spans[op.name],
-                                  [f"the collectives that end a chain split by {STAGES} read what comes before them"]))
+                                  [f"the collectives that end a chain split by {word} read what comes before them"]))
     for op in chain:
         outside = [v for v in op.inputs if v not in inside]
         if outside:
             errors.add(CheckError(f"{op.name} reads {outside[0]} from outside the chain", spans[op.name],
-                                  [f"'by {STAGES}' splits the rows of {name} only; end the chain before "
+                                  [f"'by {word}' splits the rows of {name} only; end the chain before "
                                    f"{op.name}"]))
     if len(errors.errors) > found or not _connected(fwd, [gather, *chain], st, errors):
         return None

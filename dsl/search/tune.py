@@ -249,7 +249,7 @@ class Pricer:
     def _validated(self, program: Program, choice: Choice) -> Program:
         """``program`` (``choice`` checked) through the passes after check, its layer DAGs
         shared by its layout and its schedule lowered once."""
-        dags = self.layer_dags(choice.layout, (choice.fold, choice.pipeline))
+        dags = self.layer_dags(choice.layout, (choice.fold, choice.pipeline))  # SI on: the cache holds its train block
         program = passes.strands(attrs.evolve(program, env=dags.env, forward=dags.forward, backward=dags.backward))
         placement, lowered = self.lowered(program)
         return attrs.evolve(program, placement=placement, lowered=lowered)
