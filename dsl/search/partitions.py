@@ -26,11 +26,12 @@ Pruned as the paper prunes (and what keeps the search's bounds valid):
   (:func:`~dhelix.dsl.passes.group_levels.default_order`);
   under ZeRO-3, ``group weights`` when the data-parallel groups span nodes.
 
-With a pipeline that writes SI blocks the chains are left out (:func:`for_schedule`): SI
-already hides a strand's collectives behind the other strand's compute, and the pairing
-search over two chunked layers (three chains of up to 8 chunks each) is beyond what a search
-can afford per candidate (a Llama-70B-shaped pair did not plan in 10 minutes on 2 cores); the
-language still takes both together when written by hand.
+With SI on the chains are left out (:func:`for_schedule`): SI already hides a strand's
+collectives behind the other strand's compute, and though one Llama-70B-shaped SI pair with
+three chains now plans in 2-3 s (benchmarks/results/cpu_planner_speed.txt, ``--chunked``),
+settling a candidate's chunk counts plans several such pairs for every SI layout priced, more
+than a search can afford per candidate; SI-off choices take them, and the language takes both
+together when written by hand.
 
 Chunks, substitutions and the priority never lessen a lane's work (chunk GEMMs read their
 weight once per chunk, collectives pay their latency per chunk, a substituted all_reduce
