@@ -13,6 +13,7 @@ SIGKILL leaves them behind: ``two_nodes.py --cleanup`` removes exactly those).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -129,11 +130,30 @@ class TwoNodeLink:
         """Node ``index``'s namespace, veth device and address."""
         return {"namespace": NAMESPACES[index], "device": DEVICES[index], "address": ADDRESSES[index]}
 
+    def counters(self) -> dict[str, int]:
+        """What the two ends' tbf qdiscs have counted since the link was made, summed: bytes
+        and packets sent, packets dropped (the queue held more than ``latency`` of data: TCP
+        backs off) and overlimits (packets the rate held back)."""
+        totals = {"bytes": 0, "packets": 0, "dropped": 0, "overlimits": 0}
+        for name, device in zip(NAMESPACES, DEVICES, strict=True):
+            text = _run("ip", "netns", "exec", name, "tc", "-s", "qdisc", "show", "dev", device)
+            found = QDISC_COUNTERS.search(text)
+            if found is None:
+                raise LinkError(f"`tc -s qdisc show dev {device}` in {name}: no counters in {text.strip()!r}")
+            for key in totals:
+                totals[key] += int(found.group(key))
+        return totals
+
     def describe(self) -> str:
         """One line saying what the link is."""
         return (f"veth {DEVICES[0]} ({ADDRESSES[0]}/{PREFIX_LEN}, netns {NAMESPACES[0]}) <-> "
                 f"{DEVICES[1]} ({ADDRESSES[1]}/{PREFIX_LEN}, netns {NAMESPACES[1]}), "
                 f"{self.shaping.describe()} on both ends")
+
+
+#: The counters line of ``tc -s qdisc show``: "Sent 123 bytes 4 pkt (dropped 0, overlimits 5 requeues 0)".
+QDISC_COUNTERS = re.compile(r"Sent (?P<bytes>\d+) bytes (?P<packets>\d+) pkt \(dropped (?P<dropped>\d+), "
+                            r"overlimits (?P<overlimits>\d+)")
 
 
 def _raise_interrupt(signum, frame):

@@ -143,20 +143,20 @@ def has_profile_command() -> bool:
     return result.returncode == 0
 
 
-def profile_link(world: World, program: Path, args, report: Report) -> str | None:
+def profile_link(world: World, program: Path, args, report: Report, name: str = "link.yaml") -> str | None:
     """Run ``dhelix profile`` on the two nodes; the name of the profile written beside the
-    program, or None when this dhelix has no profile command."""
+    program (``name``), or None when this dhelix has no profile command."""
     if not has_profile_command():
         report("profile: skipped: this dhelix has no `dhelix profile` command")
         return None
-    out = program.parent / "link.yaml"
+    out = program.parent / name
     command = ["-m", "dhelix", "profile", str(program), "-o", str(out), "--repeats", str(args.profile_repeats)]
     start = time.monotonic()
     ok, where = world.run(command, "profile")
     if not ok:
         raise BenchError(f"dhelix profile failed: {where}")
-    report(f"profile: `dhelix profile FILE -o link.yaml --repeats {args.profile_repeats}` over the link "
-           f"({time.monotonic() - start:.0f} s); the program's cluster profile is now link.yaml")
+    report(f"profile: `dhelix profile {program.name} -o {name} --repeats {args.profile_repeats}` over the link "
+           f"({time.monotonic() - start:.0f} s); {program.name}'s cluster profile is now {name}")
     return out.name
 
 

@@ -65,6 +65,10 @@ from dhelix.dsl.passes.pipeline import check_text
 HERE = Path(__file__).resolve().parent
 REPLAY = HERE / "collective_replay.py"
 SI_GOAL, HIDDEN_GOAL = 0.70, 0.80
+#: Issue 32's goal for Centauri + SI: its step at most this share of the no-SI step, and no
+#: slower than SI alone.
+CENTAURI_SI_GOAL = 0.65
+CENTAURI_FILE = "two_nodes_centauri.dhx"
 PROFILE_SETTING = re.compile(r'\bprofile\s*=\s*"[^"\n]*"')
 
 
@@ -73,7 +77,7 @@ class Mode:
     """One way of running the program: a name and the command after ``python``."""
 
     name: str
-    args: tuple[str, ...]  # {file} stands for the program
+    args: tuple[str, ...]  # {file} stands for the program ({centauri}: with --centauri's block)
 
 
 MODES = (
@@ -82,6 +86,11 @@ MODES = (
     Mode("SI op_by_op", ("-m", "dhelix", "run", "{file}", "--si-plan", "op_by_op")),
     Mode("no SI", ("-m", "dhelix", "run", "{file}", "--no-si")),
     Mode("comm only", (str(REPLAY), "{file}")),
+)
+#: With ``--centauri``: the program with that partition block, SI on (planned) and off.
+CENTAURI_MODES = (
+    Mode("Centauri+SI", ("-m", "dhelix", "run", "{centauri}", "--si-plan", "planned")),
+    Mode("Centauri", ("-m", "dhelix", "run", "{centauri}", "--no-si")),
 )
 
 
@@ -170,11 +179,13 @@ def run_rounds(world: World, program: Path, args, report: Report) -> dict[str, l
         shift = round_index % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             metrics = world.workdir / f"round{round_index + 1}-{mode.name.replace(' ', '_')}.json"
-            command = [arg.format(file=program) for arg in mode.args]
+            command = [arg.format(file=program, centauri=program.with_name(CENTAURI_FILE)) for arg in mode.args]
             command += ["--steps", str(args.steps), "--metrics", str(metrics)]
             if args.trace and round_index == args.rounds - 1 and "dhelix" in mode.args:
                 command += ["--trace", str(trace_file(args.trace, mode).resolve())]
+            before = world.link.counters()
             ok, where = world.run(command, mode.name)
+            after = world.link.counters()
             label = f"round {round_index + 1}/{args.rounds}  {mode.name:<13}"
             if not ok:
                 report(f"{label} FAILED: {where}")
@@ -182,8 +193,10 @@ def run_rounds(world: World, program: Path, args, report: Report) -> dict[str, l
                     raise BenchError(f"{mode.name} failed (--keep-going goes on after a failed run)")
                 continue
             data = json.loads(metrics.read_text())
+            data["link"] = {key: after[key] - before[key] for key in after}
             results[mode.name].append(data)
             report(f"{label} step {data['step_s']:7.3f} s   exposed comm {data['exposed_comm_s']:7.3f} s   "
+                   f"link drops {data['link']['dropped']:5d} of {data['link']['packets']} packets   "
                    f"(load average {os.getloadavg()[0]:.1f})")
     return results
 
@@ -192,11 +205,12 @@ def selected_modes(args) -> tuple[Mode, ...]:
     """The modes ``--skip`` leaves, in MODES' order (no SI and the replay always run: the
     ratios need them)."""
     skip = {name.strip() for name in (args.skip or "").split(",") if name.strip()}
-    unknown = skip - {mode.name for mode in MODES}
+    modes = MODES + (CENTAURI_MODES if args.centauri else ())
+    unknown = skip - {mode.name for mode in modes}
     if unknown or skip & {"no SI", "comm only"}:
-        raise BenchError(f"--skip {args.skip}: give SI modes among "
-                         + ", ".join(m.name for m in MODES if m.name.startswith("SI")))
-    return tuple(mode for mode in MODES if mode.name not in skip)
+        raise BenchError(f"--skip {args.skip}: give modes among "
+                         + ", ".join(m.name for m in modes if m.name not in ("no SI", "comm only")))
+    return tuple(mode for mode in modes if mode.name not in skip)
 
 
 def summarise(results: dict[str, list[dict]], report: Report) -> None:
@@ -231,13 +245,22 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
     report(f"communication = the comm-only replay's step (the same layer collectives, no compute) = {seconds_text(comm)}")
     report("SI ÷ no-SI    = SI step / no-SI step (goal ≤ 0.70)")
     report("hidden        = (no-SI step - SI step) / min(compute, communication) (goal ≥ 80 %)")
-    for mode in (m for m in results if m.startswith("SI")):
+    if "Centauri+SI" in results:
+        report("Centauri+SI   = the program with --centauri's partition block, SI planned (goals: ≤ "
+               f"{CENTAURI_SI_GOAL:.2f} of no SI, and ≤ SI planned's step)")
+    for mode in (m for m in results if m not in ("no SI", "comm only")):
         ratio = None if step[mode] is None or not no_si else step[mode] / no_si
         hidden = None
         if None not in (step[mode], no_si, compute, comm) and min(compute, comm) > 0:
             hidden = (no_si - step[mode]) / min(compute, comm)
         met = [f"SI ÷ no-SI {'met' if ratio <= SI_GOAL else 'not met'}" if ratio is not None else "",
                f"hidden {'met' if hidden >= HIDDEN_GOAL else 'not met'}" if hidden is not None else ""]
+        if mode == "Centauri+SI" and ratio is not None:
+            alone = step.get("SI planned")
+            met = [f"≤ {CENTAURI_SI_GOAL:.2f} of no SI {'met' if ratio <= CENTAURI_SI_GOAL else 'not met'}"]
+            if alone:
+                met.append(f"÷ SI planned {ratio_text(step[mode] / alone)} "
+                           f"({'met' if step[mode] <= alone else 'not met'})")
         report(f"{mode:<13}  SI ÷ no-SI {ratio_text(ratio)}   hidden {percent_text(hidden)}   goals: "
                + (", ".join(m for m in met if m) or "—"))
         if hidden is not None and hidden > 1:
@@ -256,6 +279,8 @@ def load_program(args, workdir: Path) -> tuple[str, object]:
     program = check_text(text, str(workdir / "two_nodes.dhx"))
     if program.model is None or program.cluster is None:
         raise BenchError("the program needs a model and a cluster block")
+    if args.centauri and program.partition is not None:
+        raise BenchError("--centauri adds a partition block: give a --program without one")
     nodes, per_node = program.cluster.nodes, program.cluster.gpus_per_node
     if nodes != 2 or program.mesh.world != 2 * per_node:
         raise BenchError(f"the program must run on 2 nodes of gpus_per_node ranks: its cluster has {nodes} "
@@ -288,6 +313,14 @@ def bench(args, report: Report, workdir: Path) -> int:
     with TwoNodeLink(Shaping(rate=args.rate, burst=args.burst, latency=args.latency)) as link:
         report(f"link: {link.describe()}")
         world = World(link, program.mesh.world, program.cluster.gpus_per_node, workdir, args.run_timeout)
+        if args.centauri:  # its own profile: its layer's ops are the chunks
+            centauri = path.with_name(CENTAURI_FILE)
+            centauri.write_text(f"{text.rstrip()}\n\npartition {{\n  {args.centauri}\n}}\n")
+            report(f"Centauri: the program with `partition {{ {args.centauri} }}` ({CENTAURI_FILE})")
+            measured = None if args.no_profile else profile_link(world, centauri, args, report, "link_centauri.yaml")
+            if measured is not None:
+                centauri.write_text(with_profile(check_text(centauri.read_text(), str(centauri)), measured))
+            check_text(centauri.read_text(), str(centauri))
         profile = None if args.no_profile else profile_link(world, path, args, report)
         if profile is not None:
             path.write_text(with_profile(program, profile))
@@ -295,10 +328,11 @@ def bench(args, report: Report, workdir: Path) -> int:
         report(f"SI planned: planned for the {program.cluster.profile or 'no'} profile"
                + ("" if program.cluster.profile else " (dhelix run falls back to op_by_op)"))
         if args.show_plan and program.cluster.profile:
-            plan = subprocess.run([sys.executable, "-m", "dhelix", "plan", path.name], capture_output=True,
-                                  text=True, cwd=workdir)
-            for line in (plan.stdout or plan.stderr).rstrip().split("\n"):
-                report(f"  {line}")
+            for shown in [path.name] + ([CENTAURI_FILE] if args.centauri else []):
+                plan = subprocess.run([sys.executable, "-m", "dhelix", "plan", shown], capture_output=True,
+                                      text=True, cwd=workdir)
+                for line in (plan.stdout or plan.stderr).rstrip().split("\n"):
+                    report(f"  {line}")
         results = run_rounds(world, path, args, report)
     summarise(results, report)
     report(f"load average at the end: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
@@ -320,6 +354,9 @@ def parse_args(argv=None):
     parser.add_argument("--seq", type=int, default=256, help="built-in program: sequence length")
     parser.add_argument("--layers", type=int, default=2, help="built-in program: layers (even: fold u)")
     parser.add_argument("--microbatches", type=int, default=8, help="built-in program: micro-batches per step")
+    parser.add_argument("--centauri", metavar="STATEMENTS",
+                        help='also run the program with `partition { STATEMENTS }` added, SI on and off '
+                             '(modes "Centauri+SI" and "Centauri"), e.g. "chunk ag2 + fc1 + act + fc2 + rs2 by 2"')
     parser.add_argument("--no-profile", action="store_true", help="do not run `dhelix profile` even if it exists")
     parser.add_argument("--profile-repeats", type=int, default=5, help="--repeats of `dhelix profile`")
     parser.add_argument("--show-plan", action="store_true", help="print `dhelix plan` of the program")
@@ -335,7 +372,7 @@ def parse_args(argv=None):
     if args.rounds < 1 or args.steps < 2:
         parser.error("--rounds must be at least 1 and --steps at least 2 (the first step is left out)")
     if args.trace:
-        kept = [str(trace_file(args.trace, m)) for m in MODES if trace_file(args.trace, m).exists()]
+        kept = [str(trace_file(args.trace, m)) for m in MODES + CENTAURI_MODES if trace_file(args.trace, m).exists()]
         if kept:
             parser.error(f"--trace {args.trace} already holds {', '.join(kept)}: "
                          "name an empty or new folder (nothing is overwritten)")

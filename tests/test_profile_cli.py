@@ -119,3 +119,58 @@ def test_check_says_how_to_re_measure_a_stale_profile(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "was measured on another program" in err
     assert err.rstrip().endswith(f"note: to re-measure it: dhelix profile {tmp_path / 'stale_profile.dhx'}")
+
+
+class _Counting:
+    """A stand-in for the profiler's layer bench and communicator: records what runs."""
+
+    def __init__(self):
+        self.calls = []
+
+    def issue(self, op, async_op):
+        self.calls.append(("issue", op.name, async_op))
+
+    def wait(self, op):
+        self.calls.append(("wait", op.name))
+
+    def all_gather(self, x, axis):
+        self.calls.append(("all_gather", axis))
+
+
+class _Ticks:
+    """A clock whose marks are the number of calls the bench saw so far."""
+
+    def __init__(self, bench):
+        self.bench = bench
+
+    def mark(self):
+        return len(self.bench.calls)
+
+    def us(self, start, stop):
+        return float(stop - start)
+
+
+def test_every_timed_collective_follows_an_untimed_run_of_itself():
+    """The profile times collectives on a busy link (a link lending credit after idling, as
+    tc tbf's burst, would otherwise price them faster than an SI block sees them): each timed
+    collective, alone, issued, in a pair and in the sweep, comes right after an untimed run."""
+    from types import SimpleNamespace
+
+    from dhelix.interpreter.measure import profiler
+
+    comm, compute = SimpleNamespace(name="ag1", kind="comm"), SimpleNamespace(name="qkv", kind="compute")
+    for async_op in (False, True):
+        bench = _Counting()
+        out = profiler._solo(bench, _Ticks(bench), comm, async_op)()
+        assert bench.calls[:2] == [("issue", "ag1", False), ("wait", "ag1")]  # the untimed run
+        assert bench.calls[2:] == [("issue", "ag1", async_op), ("wait", "ag1")] and out["us"] == 2.0
+    bench = _Counting()
+    profiler._solo(bench, _Ticks(bench), compute, False)()
+    assert bench.calls == [("issue", "qkv", False), ("wait", "qkv")]  # compute: no untimed run
+    bench = _Counting()
+    out = profiler._pair(bench, _Ticks(bench), compute, comm)()
+    assert bench.calls[:2] == [("issue", "ag1", False), ("wait", "ag1")]
+    assert out["us"] == 4.0  # the timed pair: the collective issued, the compute op, both waited
+    bench = _Counting()
+    out = profiler._gather(bench, _Ticks(bench), None, "tp")()
+    assert bench.calls == [("all_gather", "tp")] * 2 and out["us"] == 1.0

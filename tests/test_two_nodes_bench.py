@@ -136,8 +136,28 @@ def test_skip_leaves_the_other_modes_and_refuses_the_baselines():
     names = [mode.name for mode in two_nodes.selected_modes(two_nodes.parse_args(["--skip", "SI op_by_op"]))]
     assert names == ["SI planned", "SI scheduled", "no SI", "comm only"]
     for bad in ("no SI", "SI nothing"):
-        with pytest.raises(two_nodes.BenchError, match="give SI modes among"):
+        with pytest.raises(two_nodes.BenchError, match="give modes among"):
             two_nodes.selected_modes(two_nodes.parse_args(["--skip", bad]))
+    centauri = two_nodes.parse_args(["--centauri", "chunk ag2 + fc1 by 2", "--skip", "SI scheduled,Centauri"])
+    assert [mode.name for mode in two_nodes.selected_modes(centauri)] == [
+        "SI planned", "SI op_by_op", "no SI", "comm only", "Centauri+SI"]
+
+
+def test_centauri_is_judged_against_no_si_and_si_alone():
+    report = QuietReport()
+    two_nodes.summarise({"SI planned": runs(7.0), "no SI": runs(10.0, exposed=6.0), "comm only": runs(5.0),
+                         "Centauri+SI": runs(6.4), "Centauri": runs(9.0)}, report)
+    text = "\n".join(report.lines)
+    assert "Centauri+SI    SI ÷ no-SI 0.640   hidden 90 %   goals: ≤ 0.65 of no SI met, ÷ SI planned 0.914 (met)" in text
+    assert "Centauri       SI ÷ no-SI 0.900" in text
+
+
+def test_centauri_needs_a_program_without_a_partition_block(tmp_path):
+    program = tmp_path / "p.dhx"
+    program.write_text((ROOT / "benchmarks" / "two_nodes_si_bound.dhx").read_text())
+    args = two_nodes.parse_args(["--program", str(program), "--centauri", "chunk ag2 + fc1 by 2"])
+    with pytest.raises(two_nodes.BenchError, match="without one"):
+        two_nodes.load_program(args, tmp_path)
 
 
 def test_a_trace_folder_holding_an_earlier_trace_is_refused(tmp_path, capsys):
