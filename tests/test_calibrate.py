@@ -155,3 +155,25 @@ def test_noise_is_said_when_repeats_disagree_or_an_oef_is_negative():
     said = noise(pool([shaky]), {"comp_comm": -0.956, "local_cross": 0.5})
     assert said[0].startswith("repeated ops timings disagree by ") and "pairs" not in said[0]
     assert said[1] == "OEF below 0 (comp_comm -0.956): pairs ran slower than their ops one after the other"
+
+
+def test_compare_of_a_partitioned_program_measured_on_itself_keeps_the_profile_s_rates(tmp_path):
+    """`simulate --compare` of a program whose profile was measured on it with a partition
+    block: the column without the partition cannot use the measured chunks (no op of the
+    whole layer), so it prices the whole layer with the profile's derived rates, and says so."""
+    from dhelix.dsl.simulator.report import compare
+
+    text = EXAMPLE.read_text() + "\npartition {\n  chunk ag2 + fc1 + act + fc2 + rs2 by 2\n}\n"
+    chunked = check_text(text, str(EXAMPLE))
+    ops = chunked.forward.ops + chunked.backward.ops
+    timings = Timings(ops={op.name: 100.0 if op.kind == "comm" else 50.0 for op in ops},
+                      sweep=tuple(SweepPoint("local", "tp", 2, size, 30.0 + size / 2 / 2e9 * 1e6)
+                                  for size in (8e3, 128e3, 2e6, 16e6)))
+    profile, notes = derive_profile(chunked, timings, STAMP, load_profile("a40"), name="box")
+    (tmp_path / "measured.yaml").write_text(render_profile(profile, notes, ["synthetic"]))
+    program_file = tmp_path / "tiny.dhx"
+    program_file.write_text(text.replace('profile = "a40"', 'profile = "measured.yaml"'))
+    program = check_text(program_file.read_text(), str(program_file))
+    sims = compare(program)
+    assert [s.label for s in sims][-1] == "without partition (profile's rates)"
+    assert sims[0].step_time > 0 and sims[-1].step_time > 0
