@@ -117,7 +117,7 @@ def test_a_group_with_unequal_ranks_in_a_level_has_no_stages():
     mesh = Mesh(("tp", "dp"), (3, 4), gpus_per_node=4, levels=(("island", 2), ("node", 4), ("cluster", 12)))
     assert mesh.level_stages("tp") == "the tp group [0, 1, 2] has 2 in island 0, 1 in island 1"
     error = stages_of("ag1", "tp", mesh, None)
-    assert error.message == "cannot group-partition 'ag1': its sub-groups are unbalanced"
+    assert error.message == "cannot group-partition 'ag1': its tp groups do not split evenly over the levels"
     assert error.notes[0] == mesh.level_stages("tp")
 
 
@@ -156,13 +156,29 @@ def test_a_group_inside_one_node_splits_over_its_islands():
     ("group ag1 first cluster", "tp = 4  dp = 2",
      "t.dhx:11:9: cannot run 'ag1' over level 'cluster' first: its tp group spans island and node"),
     ("group ag1", "tp = 2  dp = 4",
-     "t.dhx:11:9: cannot group-partition 'ag1': its tp group [0, 1] lies inside one island"),
+     "t.dhx:11:9: cannot group-partition 'ag1': its tp group [0, 1] lies inside one island: it spans one level "
+     "only"),
+    # tp's ranks 4 apart: one on each node, nothing inside a node to split off.
+    ("group ag1", "dp = 4  tp = 2",
+     "t.dhx:11:9: cannot group-partition 'ag1': its tp group [0, 4] has one rank in each of 2 nodes of one cluster: "
+     "it spans one level only"),
     ("group ag1;chunk ag1 + qkv by stages", "tp = 8",
      "t.dhx:12:9: 'by stages' computes on what the first stage of a group-partitioned all_gather brought, and ag1 "
      "has no stages: its group partition runs over the cluster's levels"),
 ])
 def test_group_mistakes_over_levels_are_located_errors(partition, mesh, message):
     assert first_error(text(partition, mesh=mesh)) == message
+
+
+def test_every_group_of_the_axis_must_span_the_levels_alike():
+    # dp groups [0, 3] (both in rack 0) and [1, 4] (racks 0 and 1) on 6 nodes x 2, racks of 4.
+    from dhelix.dsl.passes.group_levels import stages_of
+    mesh = Mesh(("tp", "cp", "dp", "pp"), (3, 1, 2, 2), gpus_per_node=2,
+                levels=(("node", 2), ("rack", 4), ("cluster", 12)))
+    error = stages_of("weights", "dp", mesh, None)
+    assert isinstance(error, DhelixError)
+    assert "its dp groups do not split evenly over the levels" in error.message
+    assert any("[0, 3] splits at the rack (2), [1, 4] splits at the cluster (2)" in note for note in error.notes)
 
 
 # -- the blocks' layout: every order composes to the whole collective ----------------------------
@@ -295,6 +311,24 @@ def test_a_profile_link_must_be_a_plain_name(tmp_path):
     path.write_text(text(profile="bad.yaml"))
     with pytest.raises(DhelixError, match="'Island-1' cannot name a level's link"):
         check_text(path.read_text(), str(path))
+
+
+def test_a_profile_link_for_an_undeclared_level_is_a_located_warning(tmp_path):
+    from dhelix.dsl.frontend.profilecheck import undeclared_links
+    shipped = (ROOT / "stdlib_schedules" / "a40.yaml").read_text()
+    (tmp_path / "typo.yaml").write_text(shipped.replace(
+        "\nlinks:\n", "\nlinks:\n  island: {bw_gbps: 300, latency_us: 1}\n  rakc: {bw_gbps: 50, latency_us: 5}\n"))
+    path = tmp_path / "p.dhx"
+    path.write_text(text(levels="island = 2  rack = 8", nodes=4, mesh="tp = 8  dp = 2", profile="typo.yaml"))
+    warnings = undeclared_links(check_text(path.read_text(), str(path)))
+    assert [w.render().splitlines()[0] for w in warnings] == [
+        f"{path}:5:84: warning: profile 'typo.yaml' has a link for level 'rakc', which the cluster does not "
+        "declare: it is not used"]
+    assert "did you mean 'rack'?" in warnings[0].render() and "typo.yaml" in warnings[0].notes[-1]
+    # check prints it and goes on (exit 0)
+    done = subprocess.run([sys.executable, "-m", "dhelix", "check", str(path)], capture_output=True, text=True,
+                          timeout=HANG_S)
+    assert done.returncode == 0 and "link for level 'rakc'" in done.stderr
 
 
 # -- exact runs on 8 gloo ranks, three levels ----------------------------------------------------

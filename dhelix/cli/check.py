@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.frontend.profilecheck import undeclared_links
 from dhelix.dsl.passes.axisuse import unused_axes
 from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.passes.pipeline import STAGES, STAGE_NAMES, check_text, dump_stage, run_until
@@ -35,7 +36,7 @@ def cmd_check(args) -> int:
         sys.stdout.write(dump_stage(args.dump, run_until(text, args.file, args.dump)))
         return 0
     program = check_text(text, args.file)
-    for warning in [*unused_axes(program), *unrunnable(program)]:
+    for warning in [*unused_axes(program), *undeclared_links(program), *unrunnable(program)]:
         print(warning.render(), file=sys.stderr)
     print(f"{args.file}: ok ({summary(program)})")
     return 0

@@ -38,6 +38,7 @@ from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
 from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.cli.overrides import add_profile_argument
+from dhelix.dsl.frontend.profilecheck import undeclared_links
 from dhelix.dsl.passes.axisuse import unused_axes
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.simulator.launch import priced_program
@@ -216,7 +217,7 @@ def _run(args, started: list) -> int:
     check_as_rank(args, program)
     for flag, path in outputs.items():
         refuse_inputs(path, flag, program_inputs(program))
-    _warn(unused_axes(program))
+    _warn([*unused_axes(program), *undeclared_links(program)])
     for problem in unrunnable(program):  # check warns; a run cannot go on
         raise DhelixError(problem.message, problem.span, problem.notes)
     if args.as_rank is not None:

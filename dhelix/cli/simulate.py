@@ -24,6 +24,7 @@ from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.simulator.launch import priced_program
 from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.frontend.profilecheck import undeclared_links
 from dhelix.dsl.simulator.report import (compare, format_comparison, format_simulation,
                                          memory_warnings, simulation_metrics)
 from dhelix.dsl.simulator.events import Simulation, has_si, require_profile, schedule_plan, simulate
@@ -103,7 +104,7 @@ def memory_verdict(program, sim: Simulation, strict: bool) -> int:
         errors = [DhelixError(w.message, w.span, w.notes) for w in warnings]
         raise errors[0] if len(errors) == 1 else ErrorGroup(errors)
     sys.stdout.flush()  # the table first, then what it means
-    for warning in warnings:
+    for warning in [*undeclared_links(program), *warnings]:
         print(warning.render(), file=sys.stderr)
     return 0
 

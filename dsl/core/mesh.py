@@ -205,10 +205,29 @@ def _groups(mesh: Mesh, axis: str) -> tuple[tuple[int, ...], ...]:
 
 
 @functools.cache
+@functools.cache
 def _level_stages(mesh: Mesh, axis: str) -> tuple[tuple[str, int, int], ...] | str:
     if not mesh.levels or mesh.size(axis) <= 1:
         return ()
-    group, stride = mesh.groups(axis)[0], mesh.stride(axis)
+    groups, stride = mesh.groups(axis), mesh.stride(axis)
+    first = _group_stages(mesh, axis, groups[0], stride)
+    for group in groups[1:] if not isinstance(first, str) else ():  # every group must split the same way (the stages are per axis)
+        other = _group_stages(mesh, axis, group, stride)
+        if other != first:
+            return (other if isinstance(other, str) else
+                    f"the {axis} groups span the levels differently: {list(groups[0])} "
+                    f"{_spread(first)}, {list(group)} {_spread(other)}")
+    return first
+
+
+def _spread(stages) -> str:
+    """How a group's :func:`_group_stages` span the levels, in words."""
+    return "splits at the " + " and the ".join(f"{level} ({size})" for level, size, _ in stages) if stages else \
+        "lies inside one unit of the smallest level"
+
+
+def _group_stages(mesh: Mesh, axis: str, group, stride: int) -> tuple[tuple[str, int, int], ...] | str:
+    """:meth:`Mesh.level_stages` of one group of ``axis``."""
     stages, below = [], 1  # ranks of the group in one unit of the level below
     for level, gpus in mesh.levels:
         counts = collections.Counter(rank // gpus for rank in group)

@@ -16,9 +16,11 @@ derived from one (``qkv.dgrad`` from ``qkv``) belongs to another layer.
 
 from __future__ import annotations
 
-from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.errors import DhelixWarning
+from dhelix.dsl.core.mesh import COMM_LANES, Mesh
 from dhelix.dsl.core.oplib import END_OPS
 from dhelix.dsl.core.program import LayerDag, Op
+from dhelix.dsl.core.wording import did_you_mean
 from dhelix.dsl.frontend.profiles import Measured, ProfileError
 
 #: Mismatching ops listed in the notes of a stale-profile error at most.
@@ -106,6 +108,28 @@ def check_measured(program) -> None:
             notes + ["re-measure it on this program, or delete its measured: section to keep only the derived "
                      "rates (peak, links, OEF, slowdown, launch gap)"],
             program=program.files[-1] if program.files else "")
+
+
+def undeclared_links(program) -> list[DhelixWarning]:
+    """A warning per link of the program's profile (``links.<level>``) for a level its cluster
+    does not declare (``cluster { levels { … } }``), located at the program's ``profile``
+    setting and naming the profile file: such a link prices nothing (the level's stages would
+    take it), which a misspelt level name or a profile written for another topology would
+    otherwise leave unseen. A warning, not an error: a profile describes the machine, which a
+    program may use without declaring every level of it."""
+    profile, cluster = program.profile, program.cluster
+    if profile is None or cluster is None:
+        return []
+    declared = [level for level, _ in program.mesh.levels] if program.mesh is not None else []
+    warnings = []
+    for level in [name for name in profile.links if name not in COMM_LANES and name not in declared]:
+        notes = did_you_mean(level, declared) + [
+            f"the program's levels: {', '.join(declared)}" if declared else
+            "the program declares no levels: cluster { levels { " + f"{level} = N" + " } } would use it",
+            f"profile file: {profile.path or cluster.profile}"]
+        warnings.append(DhelixWarning(f"profile '{cluster.profile}' has a link for level '{level}', which the "
+                                      "cluster does not declare: it is not used", cluster.profile_span, notes))
+    return warnings
 
 
 class StaleProfileError(ProfileError):

@@ -43,14 +43,30 @@ def stages_of(name: str, axis: str, mesh: Mesh, span) -> tuple[str, ...] | Check
     levels."""
     stages = mesh.level_stages(axis)
     if isinstance(stages, str):
-        return CheckError(f"cannot group-partition '{name}': its sub-groups are unbalanced", span,
-                          [stages, "every unit of a level must hold as many ranks of the group"])
+        return CheckError(f"cannot group-partition '{name}': its {axis} groups do not split evenly over the levels",
+                          span, [stages, "every unit of a level must hold as many ranks of each group, and every "
+                                 f"group of {axis} span the levels alike",
+                                 f"change the mesh's sizes or order, or leave '{name}' out of the group statement"])
     if len(stages) < 2:
-        where = f"lies inside one {stages[0][0]}" if stages else "has one rank"
-        levels = ", ".join(f"{level} = {gpus}" for level, gpus in mesh.levels)
-        return CheckError(f"cannot group-partition '{name}': its {axis} group {list(mesh.groups(axis)[0])} {where}",
-                          span, [f"group partition splits a group over two levels or more (levels: {levels})"])
+        return CheckError(f"cannot group-partition '{name}': its {axis} group {list(mesh.groups(axis)[0])} "
+                          f"{_one_level(stages, mesh)}", span,
+                          ["a group partition runs one sub-collective per level a group spans: it needs two "
+                           f"levels or more (levels: {', '.join(f'{lv} = {g}' for lv, g in mesh.levels)})",
+                           f"give {axis} more ranks, or order the mesh so that its groups span two levels, or "
+                           f"leave '{name}' out of the group statement"])
     return tuple(level for level, _, _ in stages)
+
+
+def _one_level(stages, mesh: Mesh) -> str:
+    """Where a group whose ranks differ at one level only lies, in words."""
+    if not stages:
+        return "has one rank"
+    level, size, _ = stages[0]
+    names = [name for name, _ in mesh.levels]
+    below = names[names.index(level) - 1] if names.index(level) else "GPU"
+    where = f"lies inside one {level}" if below == "GPU" else \
+        f"has one rank in each of {size} {below}s of one {level}"
+    return f"{where}: it spans one level only"
 
 
 def default_order(kind: str, stages: tuple[str, ...]) -> tuple[str, ...]:
