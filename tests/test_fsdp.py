@@ -169,6 +169,34 @@ def test_a_gemm_split_at_its_weight_gathers_stages_computes_first_on_what_the_fi
     assert largest_gathered(prog.forward) == largest_gathered(whole.forward)
 
 
+def test_a_gemm_split_three_ways_at_its_weight_gathers_stages_computes_on_each_stages_columns():
+    # Algorithm 1, lines 19-20, for FSDP: dp 4 on 2 nodes of 2, the node-local stage first
+    # (the default under stages3); the cross-node stage cut into this place's piece of the
+    # other node (fc1.gather_w.place) and the node-mates' pieces (fc1.gather_w).
+    prog = program(mesh="dp = 4", partition="group weights;chunk fc1 along outputs by stages3")
+    two = program(mesh="dp = 4", partition="group weights first intra;chunk fc1 along outputs by stages")
+    fwd = {op.name: op for op in prog.forward.ops}
+    (rows, cols), (inner, outer) = fwd["fc1"].shape, (32, 128)
+    piece = inner * outer // 4
+    assert [(fwd[f"fc1.c{i}"].shape, fwd[f"fc1.c{i}"].waits, fwd[f"fc1.c{i}"].staged) for i in range(3)] == [
+        ((rows, cols // 2), ("fc1.gather_w.intra",), (0, "intra", outer)),
+        ((rows, cols // 4), ("fc1.gather_w.place",), (1, "intra", outer)),
+        ((rows, cols // 4), ("fc1.gather_w",), (2, "intra", outer))]
+    gathers = [fwd[name] for name in ("fc1.gather_w.intra", "fc1.gather_w.place", "fc1.gather_w")]
+    assert [(g.axis, g.inputs, g.in_shapes[0][0], g.shape[0], dict(g.params).get("part")) for g in gathers] == [
+        ("dp.intra", (), piece, 2 * piece, None), ("dp.inter", (), piece, 2 * piece, "place"),
+        ("dp.inter", ("fc1.gather_w.intra",), piece, 2 * piece, "mates")]
+    merge = fwd["fc1"]
+    assert (merge.op, merge.inputs, dict(merge.params)) == ("merge", ("fc1.c0", "fc1.c1", "fc1.c2"),
+                                                           {"axis": "dp", "first": "intra", "blocks": 4, "dim": 1})
+    # Across nodes, the bytes of the two-stage gather; the backward re-gathers in two stages.
+    across = [op.in_shapes[0][0] for op in prog.forward.ops if op.lane == "cross"]
+    assert sum(across) == sum(op.in_shapes[0][0] for op in two.forward.ops if op.lane == "cross")
+    assert {op.name for op in prog.backward.ops} == {op.name for op in two.backward.ops} | {"fc1.c2.dgrad",
+                                                                                           "fc1.c2.wgrad"}
+    assert simulate(prog).ranks[0].states == simulate(two).ranks[0].states
+
+
 def test_by_auto_along_outputs_tries_the_weight_gathers_stages_under_group_weights():
     import attrs
 
@@ -177,9 +205,19 @@ def test_by_auto_along_outputs_tries_the_weight_gathers_stages_under_group_weigh
 
     prog = program(mesh="dp = 4", partition="group weights;chunk fc1 along outputs by auto")
     _, (choice,) = choose_chunks(prog)
-    assert "stages" in {c.value for c in choice.candidates} and "stages3" not in {c.value for c in choice.candidates}
+    priced = {c.value: c.seconds for c in choice.candidates}
+    assert priced["stages"] is not None and priced["stages3"] is not None
     staged = passes.rerun(attrs.evolve(prog, chunk_counts=((0, "stages"),)), after="check", stop="autodiff")
     assert staged.forward.op("fc1.c0").staged == (0, "inter", staged.forward.op("fc1.c0").staged[2])
+    # stages3 is priced with the node-local stage first, the only order it runs in.
+    fine = passes.rerun(attrs.evolve(prog, chunk_counts=((0, "stages3"),), group_orders=(("weights", "intra"),)),
+                        after="check", stop="autodiff")
+    assert fine.forward.op("fc1.c2").staged[0] == 2
+    from dhelix.dsl.planner.chunking import issue_order
+    from dhelix.dsl.planner.paircost import PairCost
+    cost = PairCost(fine.profile, fine.model.dtype, seq=fine.model.get("seq"))
+    assert priced["stages3"] == pytest.approx(cost.solo(issue_order(fine.forward.ops))
+                                              + cost.solo(issue_order(fine.backward.ops)))
     # Without group weights the gather has no stages: not a candidate.
     _, (plain,) = choose_chunks(program(mesh="dp = 4", partition="chunk fc1 along outputs by auto"))
     assert "stages" not in {c.value for c in plain.candidates}
@@ -348,6 +386,10 @@ RUNS = {
     "dp4_outputs_stages_intra_first": ("dp = 4", "one_f_one_b", "none",
                                        "group weights first intra;chunk qkv along outputs by stages;"
                                        "chunk fc2 along outputs by stages", "", None, {}),
+    # ... and three ways (Algorithm 1, lines 19-20), the node-local stage first.
+    "dp4_outputs_stages3_planned": ("dp = 4", "w_helix", "u",
+                                    "group weights;chunk fc1 along outputs by stages3;chunk qkv along outputs by stages3",
+                                    "", "planned", {}),
     "dp4_outputs_hsdp_planned": ("dp = 4", "w_helix", "u", "chunk prj along outputs by 2", "shard = 2", "planned", {}),
     # The block scheduler's order: each layer's weights waited for as the layer starts, the
     # forward strand running ahead of the backward; with recomputation and with weight chunks.

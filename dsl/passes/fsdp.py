@@ -75,7 +75,7 @@ from dhelix.dsl.core.errors import CheckError
 from dhelix.dsl.core.mesh import INTER, INTRA, SHARD
 from dhelix.dsl.core.oplib import OUTPUTS, REGROUP, WEIGHT_PASS, is_wgrad
 from dhelix.dsl.core.program import COLUMNS, GradFlow, Op, Program
-from dhelix.dsl.passes.partition import WEIGHTS, fewest_cross_bytes, unsplittable
+from dhelix.dsl.passes.partition import WEIGHTS, unsplittable, weights_first
 from dhelix.dsl.passes.workload import chunk_statements
 
 GATHER, SCATTER = "param_gather", "grad_scatter"
@@ -84,6 +84,10 @@ FORWARD_GATHER, BACKWARD_GATHER, GRAD_SCATTER = ".gather_w", ".regather_w", ".sc
 #: The parameter (set True) of the first of a ``group weights`` collective's two stages,
 #: whose output the second stage reads.
 FIRST_STAGE = "first_stage"
+#: The parameter naming what an op of a three-way forward gather (``by stages3`` along
+#: outputs) gathers across nodes: this rank's own piece (:data:`PLACE`), or the pieces the
+#: node-local stage brought without this rank's own (:data:`MATES`); both give them flat.
+PART, PLACE, MATES = "part", "place", "mates"
 #: The parameter holding how many pieces a weight is cut into (dp, or the shard size).
 PIECES = "pieces"
 #: The parameter naming what a collective gathers or reduce-scatters when it is not the whole
@@ -157,13 +161,14 @@ def shard_weights(program: Program) -> Program:
     dp = mesh.size(sharded_over)  # the pieces each weight is cut into
     forward, backward = program.forward, program.backward
     if statement is not None:
-        first = statement.first or dict(program.group_orders).get(WEIGHTS) or fewest_cross_bytes("all_gather")
+        first = weights_first(program.partition, dict(program.group_orders), dict(program.chunk_counts))
         parts = (first, INTRA if first == INTER else INTER)
 
     def collective(name: str, kind: str, weight: Op, forward_op: str | None = None,
-                   waits: tuple[str, ...] = (), weight_pass: bool = False) -> list[Op]:
+                   waits: tuple[str, ...] = (), weight_pass: bool = False, three: bool = False) -> list[Op]:
         """The op (or, under ``group weights``, the two ops, the second named ``name``) of
-        ``weight``'s unit (:attr:`Op.weight_unit`: its columns when chunked along outputs)."""
+        ``weight``'s unit (:attr:`Op.weight_unit`: its columns when chunked along outputs);
+        ``three``: the forward gather of a gemm split three ways (:func:`_three_way`)."""
         part = ((UNIT, weight.weight_unit), (COLUMNS, weight.columns)) if weight.columns else \
             ((COLUMN_PIECES, True),) if weight.staged else ()
         full = padded_elements(weight.unit_weight, dp)
@@ -188,20 +193,40 @@ def shard_weights(program: Program) -> Program:
                           + (((REGROUP, True),) if regroup else ()) + (((FIRST_STAGE, True),) if not last else ()),
                           grad=None if forward_op is None else GradFlow(upstream=None)))
             size, previous = out, (ops[-1].name,)
-        return ops
+        return _three_way(ops, mesh) if three else ops
 
     weights = _weights_in_order(forward.ops)
-    gather_ops = {name: collective(name + FORWARD_GATHER, GATHER, op) for name, op in weights.items()}
+    three = {op.weight_unit for op in forward.ops if op.staged and op.staged[0] == 2}
+    gather_ops = {name: collective(name + FORWARD_GATHER, GATHER, op, three=name in three)
+                  for name, op in weights.items()}
+    # The backward re-gathers the whole weight (two stages at most).
     gathers = {name: ops[-1] for name, ops in gather_ops.items()}
-    # A chunk at the gather's stages computes on the columns its first stage brought.
+    # A chunk at the gather's stages computes on the columns its stage brought (the first's,
+    # then, three ways, the place gather's, then the last's).
     fwd_ops = [op for ops in gather_ops.values() for op in ops] + [
-        attrs.evolve(op, waits=op.waits + (gather_ops[op.weight_unit][0 if op.staged and op.staged[0] == 0 else -1]
-                                           .name,)) if op.weight else op
-        for op in forward.ops]
+        attrs.evolve(op, waits=op.waits + (gather_ops[op.weight_unit][op.staged[0] if op.staged else -1].name,))
+        if op.weight else op for op in forward.ops]
     owner = {op.name: op.weight_unit for op in forward.ops if op.weight}
     bwd_ops = _backward(backward.ops, weights, gathers, owner, collective)
     return attrs.evolve(program, forward=attrs.evolve(forward, ops=tuple(fwd_ops)),
                         backward=attrs.evolve(backward, ops=tuple(bwd_ops)))
+
+
+def _three_way(ops: list[Op], mesh) -> list[Op]:
+    """The two stages of a ``group weights first intra`` gather of column pieces as three ops
+    (Algorithm 1, lines 19-20: ``by stages3`` along outputs): the node-local stage
+    (``W.gather_w.intra``: the node's pieces), ``W.gather_w.place`` (this rank's own piece from
+    its place on every node, across: one piece each) and the cross-node stage ``W.gather_w``
+    over the node-mates' pieces only (:data:`PART`); both give their pieces flat. Across
+    nodes they carry the bytes of the two-stage gather."""
+    first, last = ops
+    piece = first.in_shapes[0]
+    nodes, intra = last.group_size, first.group_size
+    place = attrs.evolve(last, name=f"{last.name}.place", inputs=(), in_shapes=(piece,), shape=(piece[0] * nodes, 1),
+                         waits=first.waits, params=last.params + ((PART, PLACE),))
+    mates = (piece[0] * (intra - 1), 1)
+    second = attrs.evolve(last, in_shapes=(mates,), shape=(mates[0] * nodes, 1), params=last.params + ((PART, MATES),))
+    return [first, place, second]
 
 
 def _weights_in_order(ops) -> dict[str, Op]:

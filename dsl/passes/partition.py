@@ -147,35 +147,45 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
                 fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors,
                                        st.first or (orders or {}).get(name) or (INTRA if name in fine else None))
     for st, three in staged:
-        if st.dim == OUTPUTS and three:
-            errors.add(CheckError(f"'by {STAGES3}' splits an activation all_gather three ways, not a weight's gather",
-                                  st.parts.span, [f"a gemm splits at its weight gather's two stages: chunk {st.ops[0]} "
-                                                  f"along {OUTPUTS} by {STAGES}"]))
-        elif st.dim == OUTPUTS:
-            fwd = _at_weight_stages(fwd, st, block, mesh, claimed, errors, orders)
+        if st.dim == OUTPUTS:
+            fwd = _at_weight_stages(fwd, st, block, mesh, claimed, errors, orders, counts, three)
         else:
             fwd = by_stages(fwd, st, claimed, errors, three)
     errors.raise_if_any()
     return fwd
 
 
-def weights_first(block: s.PartitionDef | None, orders: Mapping[str, str] | None) -> str | None:
+def weights_first(block: s.PartitionDef | None, orders: Mapping[str, str] | None,
+                  counts: Mapping[int, int | str] | None = None) -> str | None:
     """The sub-group ZeRO-3's weight gathers run over first under ``group weights`` (the
-    statement's ``first``, else the planner's choice, else :func:`fewest_cross_bytes`), or
-    None when no group statement names ``weights``."""
+    statement's ``first``, else the planner's choice, else ``intra`` where a gemm splits at
+    its gather's stages three ways (``by stages3``, chosen or written: ``counts`` as for
+    :func:`partition_forward`), else :func:`fewest_cross_bytes`), or None when no group
+    statement names ``weights``."""
     for st in block.body if block is not None else ():
         if isinstance(st, s.Group) and WEIGHTS in st.ops:
-            return st.first or (orders or {}).get(WEIGHTS) or fewest_cross_bytes("all_gather")
+            return st.first or (orders or {}).get(WEIGHTS) or (INTRA if three_way_weights(block, counts) else None) \
+                or fewest_cross_bytes("all_gather")
     return None
 
 
+def three_way_weights(block: s.PartitionDef | None, counts: Mapping[int, int | str] | None) -> bool:
+    """Whether a chunk statement of ``block`` splits a gemm at its weight gather's stages
+    three ways (``chunk G along outputs by stages3``, or ``by auto`` with the planner's
+    ``stages3`` in ``counts``)."""
+    return any(st.dim == OUTPUTS and is_fine(st, (counts or {}).get(index) if is_auto(st) else None)
+               for index, st in enumerate(chunk_statements(block)))
+
+
 def _at_weight_stages(fwd: LayerDag, st: s.Chunk, block: s.PartitionDef, mesh: Mesh, claimed: dict,
-                      errors: ErrorCollector, orders: Mapping[str, str] | None) -> LayerDag:
-    """``chunk G along outputs by stages``: G split at the stages of its ZeRO-3 weight gather
-    (:func:`~dhelix.dsl.passes.workload.by_weight_stages`), which ``group weights`` must split."""
-    first = weights_first(block, orders)
+                      errors: ErrorCollector, orders: Mapping[str, str] | None, counts, three: bool) -> LayerDag:
+    """``chunk G along outputs by stages`` (``three``: ``by stages3``): G split at the stages
+    of its ZeRO-3 weight gather (:func:`~dhelix.dsl.passes.workload.by_weight_stages`), which
+    ``group weights`` must split (node-local stage first for three ways)."""
+    word = STAGES3 if three else STAGES
+    first = weights_first(block, orders, counts)
     if first is None:
-        errors.add(CheckError(f"'by {STAGES}' along {OUTPUTS} computes on what the first stage of {st.ops[0]}'s "
+        errors.add(CheckError(f"'by {word}' along {OUTPUTS} computes on what the first stage of {st.ops[0]}'s "
                               "weight gather brought, and that gather has no stages", st.parts.span,
                               ["add: group weights (ZeRO-3's gathers then run across nodes and inside the node "
                                "one after the other)"]))
@@ -183,7 +193,15 @@ def _at_weight_stages(fwd: LayerDag, st: s.Chunk, block: s.PartitionDef, mesh: M
     axis = f"dp.{SHARD}" if mesh.dp_shard and 1 < mesh.dp_shard < mesh.size("dp") else "dp"
     if first not in ORDERS or unsplittable(WEIGHTS, axis, mesh, st.span) is not None:
         return fwd  # the group statement's own error (or the fsdp pass's) says why
-    return by_weight_stages(fwd, st, claimed, errors, axis, first, mesh.size(axis), mesh.size(f"{axis}.{first}"))
+    if three and first != INTRA:
+        errors.add(CheckError(f"'by {STAGES3}' splits a weight gather whose node-local stage runs first, and "
+                              "ZeRO-3's gathers run across nodes first", st.parts.span,
+                              ["write: group weights first intra (Centauri Algorithm 1, lines 14-20: the finer "
+                               "split of the cross-node stage follows the intra-node one)",
+                               f"or 'by {STAGES}' for the two-way split in this order"]))
+        return fwd
+    return by_weight_stages(fwd, st, claimed, errors, axis, first, mesh.size(axis), mesh.size(f"{axis}.{first}"),
+                            mesh.size(f"{axis}.{INTER}") if three else 0)
 
 
 def _check_backward(block: s.PartitionDef, errors: ErrorCollector) -> None:

@@ -257,19 +257,24 @@ def by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector,
 
 
 def by_weight_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector, axis: str,
-                     first: str, pieces: int, near: int) -> LayerDag:
+                     first: str, pieces: int, near: int, nodes: int = 0) -> LayerDag:
     """``fwd`` with the gemm of ``st`` (``chunk fc1 along outputs by stages``) split at the
     stages of its ZeRO-3 weight gather under ``group weights`` (Algorithm 1's uneven split
     for FSDP): its weight is cut into ``pieces`` column blocks, one per rank of ``axis``
     (``dp`` or ``dp.shard``), and the gather's first stage (over ``axis.<first>``) brings
     ``near`` of them; ``fc1.c0`` computes on those columns while the second stage runs,
     ``fc1.c1`` on the others, and a ``merge`` along the features named ``fc1`` puts the
-    columns back in order. ``fwd`` unchanged after recording errors."""
+    columns back in order. ``nodes`` > 0 (``by stages3``, the node-local stage first, over
+    ``nodes`` nodes): three ways (Algorithm 1, lines 19-20), ``fc1.c0`` on the node's blocks,
+    ``fc1.c1`` on this rank's place's blocks of the other nodes (a cross-node gather of one
+    piece each, :mod:`dhelix.dsl.passes.fsdp`), ``fc1.c2`` on the rest. ``fwd`` unchanged
+    after recording errors."""
     name, span = st.ops[0], st.span_of("ops.0")
+    word = STAGES3 if nodes else STAGES
     if len(st.ops) > 1:
         errors.add(CheckError(f"'along {OUTPUTS}' chunks one gemm, not a chain of {len(st.ops)} operators",
                               st.span_of("ops.1"), [f"write one statement per gemm: chunk {name} along {OUTPUTS} "
-                                                    f"by {STAGES}"]))
+                                                    f"by {word}"]))
         return fwd
     op = named_op(fwd, name, span, errors)
     if op is None:
@@ -280,19 +285,20 @@ def by_weight_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCol
         return fwd
     split, why = dimension_split(op.op, OUTPUTS)
     if split != OD or not op.weight:
-        errors.add(CheckError(f"cannot chunk {name} ({op.op}) along {OUTPUTS} by {STAGES}", span,
+        errors.add(CheckError(f"cannot chunk {name} ({op.op}) along {OUTPUTS} by {word}", span,
                               [why or f"{name} has no weight"]))
         return fwd
     rows, cols = op.shape
     if cols % pieces:
         errors.add(CheckError(f"the {cols} output features of {name} do not split into {pieces} column blocks, one "
                               f"per rank of {axis}", st.parts.span,
-                              [f"'by {STAGES}' along {OUTPUTS} shards {name}'s weight by column blocks, so that the "
+                              [f"'by {word}' along {OUTPUTS} shards {name}'s weight by column blocks, so that the "
                                "first stage of its gather brings whole columns to compute on"]))
         return fwd
     claimed[name] = st
     width = cols // pieces
-    counts = (near * width, cols - near * width)
+    counts = (near * width, (nodes - 1) * width, cols - (near + nodes - 1) * width) if nodes else \
+        (near * width, cols - near * width)
     chunks = [attrs.evolve(op, name=f"{name}.c{i}", origin=op.origin or name, shape=(rows, n),
                            weight=(*op.weight[:-1], n), params=op.params + ((STAGED, (i, first, cols)),))
               for i, n in enumerate(counts)]

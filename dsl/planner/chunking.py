@@ -23,7 +23,8 @@ itself is chosen after the counts, below); a chain whose gather has no stages do
 A gemm chunked along its outputs under ZeRO-3 with ``group weights`` tries ``stages`` too
 (its columns split at its weight gather's stages, either order where none is fixed).
 Beside ``stages``, ``stages3`` (Algorithm 1's finer split, lines 19-20: the node's blocks, this
-place's on the other nodes, the rest), which runs the node-local stage first.
+place's on the other nodes, the rest), which runs the node-local stage first; for a gemm's
+weight gather, each stage's columns (:mod:`dhelix.dsl.passes.fsdp`).
 
 Orders come after the counts (Algorithm 1 partitions the workload, then orders the group's
 stages): each such collective, in block order, is priced both ways the same way, the others
@@ -255,7 +256,7 @@ def choose_chunks(program: Program) -> tuple[Program, tuple[ChunkChoice, ...]]:
         # Stages split the tokens a gather brings, or a gemm's columns at its weight gather's
         # stages (ZeRO-3 under group weights): not a candidate along features.
         dim = statements[index].dim
-        staged = [STAGES, STAGES3] if dim in (None, PARTITION_DIMS[0]) else [STAGES] if dim == OUTPUTS else []
+        staged = [STAGES, STAGES3] if dim in (None, PARTITION_DIMS[0], OUTPUTS) else []
         for count in [*range(1, MAX_CHUNKS + 1), *staged]:
             tried = attrs.evolve(program, chunk_counts=tuple(sorted({**counts, index: count}.items())))
             if count in (STAGES, STAGES3):  # with either stage first where the order is still open

@@ -36,11 +36,12 @@ from typing import Callable, Collection, Mapping
 import attrs
 import torch
 
+from dhelix.dsl.core.mesh import INTER, INTRA
 from dhelix.dsl.core.oplib import REGROUP
 from dhelix.dsl.core.program import COLUMNS, LayerDag, Op, Program
-from dhelix.dsl.passes.fsdp import COLUMN_PIECES, FIRST_STAGE, GATHER as FSDP_GATHER, PIECES, unit_of
+from dhelix.dsl.passes.fsdp import COLUMN_PIECES, FIRST_STAGE, GATHER as FSDP_GATHER, MATES, PART, PIECES, unit_of
 
-from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve, stage_blocks
+from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, part_blocks, resolve, without_group
 from dhelix.interpreter.ops.fsdp import block_of, from_column_pieces, gather_weight, scatter_grad
 from dhelix.interpreter.ops.kernels import (BWD, COMM, DGRAD, FORWARD, GATHER_W, KERNELS, SCATTER_DW, WGRAD, KernelCtx, handler,
                       lm_head_backward)
@@ -298,9 +299,12 @@ class LayerRun:
         params = dict(op.params)
         if source is None:  # this rank's piece of the weight, or of its columns' block
             source = block_of(self.weights[params["weight"]], params.get(COLUMNS))
+        elif params.get(PART) == MATES:  # three ways: the node's pieces but this rank's own go across
+            base = op.axis.rpartition(".")[0]
+            source = without_group(source, self.comm.size(f"{base}.{INTRA}"), self.comm.index(f"{base}.{INTRA}"))
         with self.comm.op_named(op.name):
             return gather_weight(source, self.comm,
-                                 params["shape"], async_op, op.axis, bool(params.get(FIRST_STAGE)),
+                                 params["shape"], async_op, op.axis, bool(params.get(FIRST_STAGE) or params.get(PART)),
                                  bool(params.get(REGROUP)), params[PIECES] if params.get(COLUMN_PIECES) else 0)
 
     def _weight(self, op: Op, name: str) -> torch.Tensor | None:
@@ -323,19 +327,25 @@ class LayerRun:
         brings this rank, part 1 the others, each in block order; the ``merge`` named like
         the gemm says over which axis and into how many blocks."""
         part, first, columns = forward.staged
-        merge = dict(self.plan.fwd_ops[forward.weight_name].params)
-        near, blocks = stage_blocks(self.comm, merge["axis"], first), merge["blocks"]
+        merge = self.plan.fwd_ops[forward.weight_name]
+        params = dict(merge.params)
+        blocks = params["blocks"]
         width = columns // blocks
-        chosen = near if part == 0 else [b for b in range(blocks) if b not in near]
+        chosen = part_blocks(self.comm, params["axis"], first, blocks, len(merge.inputs))[part]
         return torch.cat([torch.arange(b * width, (b + 1) * width) for b in chosen])
 
     def _staged_weight(self, forward: Op, weight: torch.Tensor) -> torch.Tensor:
-        # The first stage's pieces (flat: the forward's part 0) side by side, or the part's
-        # columns of the whole weight.
+        # A stage's pieces (flat: in the forward) side by side, or the part's columns of the
+        # whole weight (re-gathered for the backward). Three ways, the cross-node stages'
+        # pieces hold this rank's node's too (its own place's, its mates'): left out.
         whole = (*forward.weight[:-1], forward.staged[2])
         if weight.dim() == 1:
-            blocks = dict(self.plan.fwd_ops[forward.weight_name].params)["blocks"]
-            return from_column_pieces(weight, whole, blocks)
+            merge = self.plan.fwd_ops[forward.weight_name]
+            params = dict(merge.params)
+            if len(merge.inputs) == 3 and forward.staged[0] > 0:
+                inter = f"{params['axis']}.{INTER}"
+                weight = without_group(weight, self.comm.size(inter), self.comm.index(inter))
+            return from_column_pieces(weight, whole, params["blocks"])
         return weight.index_select(-1, self._staged_columns(forward).to(weight.device))
 
     def _fsdp_backward(self, op: Op, step: "Step", async_op: bool) -> None:

@@ -137,6 +137,24 @@ def stage_blocks(comm: "Communicator", axis: str, stage: str) -> list[int]:
     return [node * intra + place for node in range(inter)]
 
 
+def part_blocks(comm: "Communicator", axis: str, first: str, blocks: int, parts: int) -> list[list[int]]:
+    """The rank blocks (positions in ``axis``'s group) each of the ``parts`` chunks of a split
+    at a gather's stages computes on, each in block order: the first stage's
+    (:func:`stage_blocks`) and the others; three ways (``by stages3``, node-local stage first)
+    the node's, this place's on the other nodes, and the rest."""
+    near = stage_blocks(comm, axis, first)
+    if parts == 2:
+        return [near, [b for b in range(blocks) if b not in near]]
+    intra, place = comm.size(f"{axis}.{INTRA}"), comm.index(f"{axis}.{INTRA}")
+    across = [b for b in range(blocks) if b % intra == place and b not in near]
+    return [near, across, [b for b in range(blocks) if b not in near and b not in across]]
+
+
+def without_group(x, groups: int, mine: int):
+    """``x`` (cut into ``groups`` equal slices along dim 0) without slice ``mine``."""
+    return torch.cat([p for i, p in enumerate(x.chunk(groups)) if i != mine]).contiguous()
+
+
 def resolve(value):
     """``value`` itself, or its result if it is a :class:`Pending`."""
     return value.wait() if isinstance(value, Pending) else value

@@ -29,11 +29,10 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from dhelix.dsl.core.mesh import INTRA
 from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_parts, derived_kind
 
 from . import gpu_kernels as gpu
-from .comm import Communicator, Pending, SingleRankComm, regrouped, stage_blocks
+from .comm import Communicator, Pending, SingleRankComm, part_blocks, regrouped, stage_blocks
 from .moe import exchange
 from .rope import rope_of, rope_tables, rotate
 
@@ -425,16 +424,8 @@ def _rest_dgrad(grad, saved, weight):
 
 
 def _part_blocks(ctx, parts: int) -> list[list[int]]:
-    """The blocks each of a merge's ``parts`` inputs holds, in block order: the first stage's
-    and the others; three ways (``by stages3``, node-local stage first) the node's, this
-    place's on the other nodes, and the rest."""
-    near, blocks = _first_blocks(ctx), ctx.params["blocks"]
-    if parts == 2:
-        return [near, [b for b in range(blocks) if b not in near]]
-    axis = ctx.params["axis"]
-    intra, place = ctx.comm.size(f"{axis}.{INTRA}"), ctx.comm.index(f"{axis}.{INTRA}")
-    across = [b for b in range(blocks) if b % intra == place and b not in near]
-    return [near, across, [b for b in range(blocks) if b not in near and b not in across]]
+    """The blocks each of a merge's ``parts`` inputs holds (:func:`~.comm.part_blocks`)."""
+    return part_blocks(ctx.comm, ctx.params["axis"], ctx.params["first"], ctx.params["blocks"], parts)
 
 
 def _merge_forward(inputs, weight, ctx):
