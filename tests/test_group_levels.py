@@ -162,12 +162,66 @@ def test_a_group_inside_one_node_splits_over_its_islands():
     ("group ag1", "dp = 4  tp = 2",
      "t.dhx:11:9: cannot group-partition 'ag1': its tp group [0, 4] has one rank in each of 2 nodes of one cluster: "
      "it spans one level only"),
-    ("group ag1;chunk ag1 + qkv by stages", "tp = 8",
-     "t.dhx:12:9: 'by stages' computes on what the first stage of a group-partitioned all_gather brought, and ag1 "
-     "has no stages: its group partition runs over the cluster's levels"),
+    ("group ag1 first node;chunk ag1 + qkv by stages3", "tp = 8",
+     "t.dhx:12:22: 'by stages3' splits a gather whose stages run smallest level first, and ag1 runs node, cluster "
+     "and island in that order"),
+    ("group ag1;chunk ag1 + qkv by stages", "tp = 2  dp = 4",
+     "t.dhx:11:9: cannot group-partition 'ag1': its tp group [0, 1] lies inside one island: it spans one level "
+     "only"),
 ])
 def test_group_mistakes_over_levels_are_located_errors(partition, mesh, message):
     assert first_error(text(partition, mesh=mesh)) == message
+
+
+# -- Algorithm 1's uneven split over the levels: one chunk per stage ---------------------------
+
+def test_by_stages_over_levels_computes_one_chunk_per_stage_on_the_blocks_it_brought():
+    # tp = 8 as 2 x 2 x 2, ag1 over the node, then the cluster, then the island.
+    fwd = run_until(text("group ag1 first node;chunk ag1 + qkv by stages"), "t.dhx", "partition").forward
+    ops = {op.name: op for op in fwd.ops}
+    assert [(ops[f"qkv.c{i}"].inputs[0], ops[f"qkv.c{i}"].shape[0]) for i in range(3)] == [
+        ("ag1.node", 4), ("ag1.cluster.new", 4), ("ag1.rest", 8)]  # 2, 2 then 4 of 8 blocks of 2 rows
+    new, rest, merge = ops["ag1.cluster.new"], ops["ag1.rest"], ops["qkv"]
+    assert (new.op, new.inputs, dict(new.params)) == ("others", ("ag1.cluster",), {"axis": "tp.cluster", "groups": 2})
+    assert (rest.op, rest.inputs) == ("rest", ("ag1",))
+    assert (merge.op, merge.inputs, dict(merge.params)) == ("merge", ("qkv.c0", "qkv.c1", "qkv.c2"), {
+        "axis": "tp", "order": ("node", "cluster", "island"), "blocks": 8})
+    assert ops["att"].inputs == ("qkv",)
+
+
+def test_by_stages3_over_levels_cuts_the_largest_levels_stage_in_two_with_the_same_bytes_across():
+    program = run_until(text("group ag1;chunk ag1 + qkv by stages3"), "t.dhx", "partition")
+    ops = {op.name: op for op in program.forward.ops}
+    # smallest level first where nothing fixes the order
+    assert [ops[n].inputs[0] for n in ("ag1.island", "ag1.node", "ag1.place", "ag1.mates", "ag1")] == [
+        "ln1", "ag1.island", "ln1", "ag1.node", "ag1.mates"]
+    assert [(ops[f"qkv.c{i}"].inputs[0], ops[f"qkv.c{i}"].shape[0]) for i in range(4)] == [
+        ("ag1.island", 4), ("ag1.node.new", 4), ("ag1.near", 2), ("ag1.rest", 6)]
+    assert dict(ops["ag1.mates"].params) == {"axis": ("tp.island", "tp.node"), "groups": 4}
+    assert REGROUP not in dict(ops["ag1"].params)  # smallest first: the blocks lie in the group's order
+
+    # Across nodes: this rank's block and its 3 node-mates', what the cluster stage of the
+    # unsplit island>node>cluster gather sends (the node stage's output).
+    across = [(op.name, op.in_shapes[0][0]) for op in program.forward.ops if op.lane == "cross" and op.name < "ag2"]
+    assert across == [("ag1.place", 2), ("ag1", 6)] and ops["ag1.node"].shape[0] == 2 + 6
+
+
+def test_by_stages_and_stages3_over_three_levels_run_exactly():
+    out = _run_check(ROOT / "examples" / "tiny_llama_levels_stages_cpu.dhx")
+    assert "tp 8 on 8 gloo rank(s)" in out and "check: passed" in out
+
+
+def test_weight_gathers_split_at_the_node_over_levels_and_run_exactly_three_ways(tmp_path):
+    # group weights splits ZeRO-3's gathers at the node whatever the levels: dp = 8 over
+    # 2 nodes of 4 (islands of 2) gathers inside the node (4 pieces) then across, three ways.
+    example = (ROOT / "examples" / "tiny_llama_fsdp_stages3_cpu.dhx").read_text()
+    source = example.replace("gpus_per_node = 2", "gpus_per_node = 4\n  levels { island = 2 }").replace(
+        "dp = 4", "dp = 8")
+    path = tmp_path / "w.dhx"
+    path.write_text(source)
+    fwd = {op.name: op for op in check_text(source, str(path)).forward.ops}
+    assert [fwd[f"fc1.c{i}"].shape[1] for i in range(3)] == [128, 32, 96]  # 4, 1 and 3 of 8 column blocks
+    assert "check: passed" in _run_check(path)
 
 
 def test_every_group_of_the_axis_must_span_the_levels_alike():

@@ -35,6 +35,9 @@ from dhelix.dsl.core.wording import did_you_mean, join_words
 
 #: How an order of stages is written in ``Program.group_orders`` (the planner's choice).
 ORDER_JOIN = ">"
+#: The order a gather split three ways (``by stages3``) runs its stages in where nothing
+#: fixes it: smallest level first (the node-local stage first, over levels).
+SMALLEST_FIRST = "smallest first"
 
 
 def stages_of(name: str, axis: str, mesh: Mesh, span) -> tuple[str, ...] | CheckError:
@@ -146,6 +149,8 @@ def split_at_levels(fwd: LayerDag, op: Op, targets: list[Op], span, mesh: Mesh, 
         return fwd
     if first is not None and ORDER_JOIN in first:
         order = tuple(first.split(ORDER_JOIN))
+    elif first == SMALLEST_FIRST:
+        order = stages
     elif first is not None and first not in stages:
         errors.add(CheckError(f"cannot run '{op.origin or op.name}' over level '{first}' first: its {op.axis} "
                               f"group spans {join_words(list(stages))}", span,

@@ -49,7 +49,10 @@ interpreter see ordinary operators:
   ``merge`` along the features puts them back in order (:func:`~dhelix.dsl.passes.workload.by_weight_stages`).
   ``chunk ag1 + qkv by stages3`` (Algorithm 1's finer split, the gather inside the node
   first) cuts the cross-node stage in two and the chain in three: the node's blocks, this
-  place's blocks of the other nodes, the rest.
+  place's blocks of the other nodes, the rest; ``chunk fc1 along outputs by stages3`` does the
+  same for ZeRO-3's weight gather under ``group weights`` (inside the node first). Over
+  declared levels ``by stages`` makes one chunk per stage and ``by stages3`` one more
+  (:func:`~dhelix.dsl.passes.workload.by_stages`).
 
 * ``group ag1 + rs1 [first inter|intra]`` (group partition, §3.1.2): a collective over a
   group that spans nodes runs as two sub-collectives, with the same result: one over the
@@ -82,7 +85,7 @@ from dhelix.dsl.core.mesh import INTER, INTRA, SHARD, Mesh
 from dhelix.dsl.core.oplib import DISTINCT_ROOTS, OUTPUTS, REGROUP, ROOT
 from dhelix.dsl.core.program import AUTO, LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
-from dhelix.dsl.passes.group_levels import checked_level, split_at_levels
+from dhelix.dsl.passes.group_levels import SMALLEST_FIRST, checked_level, split_at_levels
 from dhelix.dsl.passes.priority import PRIORITIES
 from dhelix.dsl.passes.workload import (STAGES, STAGES3, by_stages, by_weight_stages, checked_chain,
                                         chunk_statements, chunked, is_auto, is_fine, is_stages, named_op)
@@ -138,19 +141,21 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
             fwd = chunked(fwd, *chain)
     # A gather split three ways runs inside the node first unless told otherwise (a cluster
     # with declared levels orders its own stages).
-    fine = {st.ops[0] for st, three in staged if three and not mesh.levels}
+    # (over declared levels: smallest level first).
+    fine = {st.ops[0] for st, three in staged if three}
     for st in block.body:
         if isinstance(st, s.Group) and _checked_first(st, mesh, errors):
             for i, name in enumerate(st.ops):
                 if name == WEIGHTS and name not in {op.name for op in fwd.ops}:
                     continue  # ZeRO-3's collectives: split by the fsdp pass
                 fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors,
-                                       st.first or (orders or {}).get(name) or (INTRA if name in fine else None))
+                                       st.first or (orders or {}).get(name)
+                                       or ((SMALLEST_FIRST if mesh.levels else INTRA) if name in fine else None))
     for st, three in staged:
         if st.dim == OUTPUTS:
             fwd = _at_weight_stages(fwd, st, block, mesh, claimed, errors, orders, counts, three)
         else:
-            fwd = by_stages(fwd, st, claimed, errors, three)
+            fwd = by_stages(fwd, st, claimed, errors, three, mesh)
     errors.raise_if_any()
     return fwd
 

@@ -233,18 +233,36 @@ def _by_columns(fwd: LayerDag, op: Op, parts: int) -> LayerDag:
     return _replaced(fwd, {op.name}, op.name, [*chunks, join])
 
 
-def by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector, fine: bool = False) -> LayerDag:
+def by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector, fine: bool = False,
+              mesh=None) -> LayerDag:
     """``fwd`` with the chain of ``st`` (a group-partitioned all_gather, token-wise compute,
     then maybe collectives) split unevenly: chunk 0 computes on the rank blocks the gather's
     first stage brought (``ag.inter`` or ``ag.intra``), chunk 1 on the others (``ag.rest``,
     taken from the whole gather), and a ``merge`` named like the chain's last compute op puts
     the rows back in rank order, where the collectives that end the chain (the MLP's
     reduce_scatter) read it whole. ``fine``: three ways (:func:`_split_in_three`), which needs
-    the node-local stage first. ``fwd`` unchanged after recording errors."""
+    the node-local stage first. Over declared levels (``mesh``'s) one chunk per stage
+    (:func:`_split_at_level_stages`). ``fwd`` unchanged after recording errors."""
     found = _stage_chain(fwd, st, claimed, errors)
     if found is None:
         return fwd
-    gather, first, chain, tail = found
+    gather, stages, chain, tail = found
+    first = stages[0]
+    leveled = first.name.rpartition(".")[2] not in (INTER, INTRA)
+    if leveled:
+        axes = [stage.axis for stage in stages] + [gather.axis]
+        if fine and [mesh.stride(axis) for axis in axes] != sorted(mesh.stride(axis) for axis in axes):
+            levels = sorted(axes, key=mesh.stride)
+            errors.add(CheckError(f"'by {STAGES3}' splits a gather whose stages run smallest level first, and "
+                                  f"{gather.name} runs {join_words([a.rpartition('.')[2] for a in axes])} in that "
+                                  "order", st.parts.span,
+                                  [f"write: group {gather.name} first {levels[0].rpartition('.')[2]}, or leave the "
+                                   "group's order to the planner (Centauri Algorithm 1, lines 14-20: the finer "
+                                   "split of the slowest stage follows the faster ones)",
+                                   f"or 'by {STAGES}' for one chunk per stage in this order"]))
+            return fwd
+        claimed.update({op.name: st for op in [gather, *chain, *tail]})
+        return _split_at_level_stages(fwd, gather, stages, chain, fine)
     if fine and not first.name.endswith(f".{INTRA}"):
         errors.add(CheckError(f"'by {STAGES3}' splits a gather whose node-local stage runs first, and {gather.name} "
                               "runs across nodes first", st.parts.span,
@@ -328,14 +346,10 @@ def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollect
     chain = [op for other in st.ops[1:] if (op := named_op(fwd, other, spans[other], errors)) is not None]
     if gather is None or len(chain) < len(st.ops) - 1:
         return None
-    first = next((o for o in fwd.ops if gather.op == "all_gather" and gather.inputs == (o.name,)
-                  and o.name in (f"{name}.{INTER}", f"{name}.{INTRA}")), None)
-    if first is None:
-        leveled = gather.op == "all_gather" and gather.inputs and gather.inputs[0].startswith(f"{name}.")
-        what = f"it is {gather.op}, not an all_gather" if gather.op != "all_gather" else \
-            "its group partition runs over the cluster's levels" if leveled else "it is not group-partitioned"
-        notes = ["'by stages' splits a chain at the two stages of a group partition without declared levels "
-                 "(inter and intra)"] if leveled else [f"add: group {name}"] if gather.op == "all_gather" else []
+    stages = _earlier_stages(fwd, gather) if gather.op == "all_gather" else []
+    if not stages:
+        what = f"it is {gather.op}, not an all_gather" if gather.op != "all_gather" else "it is not group-partitioned"
+        notes = [f"add: group {name}"] if gather.op == "all_gather" else []
         errors.add(CheckError(f"{lead}: {what}", spans[name],
                               notes + ["the chain starts with the gather (Centauri Algorithm 1: the uneven "
                                        "workload partition of a hierarchical all_gather)"]))
@@ -375,7 +389,20 @@ def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollect
                                    f"{op.name}"]))
     if len(errors.errors) > found or not _connected(fwd, [gather, *chain], st, errors):
         return None
-    return gather, first, chain, tail
+    return gather, stages, chain, tail
+
+
+def _earlier_stages(fwd: LayerDag, gather: Op) -> list[Op]:
+    """The stages of group-partitioned all_gather ``gather`` before its last (which keeps its
+    name), in the order they run: ``[AG.inter]`` or ``[AG.intra]``, or over declared levels
+    one per level but the last (``AG.cluster``, ``AG.node``); [] when it is not split."""
+    ops = {op.name: op for op in fwd.ops}
+    stages, source = [], gather
+    while source.inputs and source.inputs[0].startswith(f"{gather.name}.") and \
+            ops.get(source.inputs[0]) is not None and ops[source.inputs[0]].op == "all_gather":
+        source = ops[source.inputs[0]]
+        stages.insert(0, source)
+    return stages
 
 
 def _split_at_stages(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> LayerDag:
@@ -443,10 +470,75 @@ def _split_in_three(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> La
     return attrs.evolve(fwd, ops=tuple(ops))
 
 
+def _split_at_level_stages(fwd: LayerDag, gather: Op, stages: list[Op], chain: list[Op], fine: bool) -> LayerDag:
+    """The rewrite of :func:`by_stages` over declared levels (Centauri §3.1.2's d-dimensional
+    group, Algorithm 1's uneven split generalised): one chunk per stage, each on the rank
+    blocks its stage brought that the stages before had not — chunk 0 on the first stage's
+    (``AG.<level>``), chunk k on ``AG.<level>.new`` (an ``others`` of stage k: its blocks
+    without the copy of what this rank held), the last on ``AG.rest`` (the whole gather's
+    blocks the earlier stages did not bring). ``fine`` (the stages run smallest level first):
+    the last stage is cut in two as in :func:`_split_in_three` — ``AG.place`` (this rank's own
+    block from its place in every unit of the largest level), ``AG`` over the mates (the
+    earlier stages' blocks without its own) — and its chunk in two (``AG.near``, ``AG.rest``).
+    A ``merge`` named like the chain's last compute op puts the rows back in rank order."""
+    cols, base = gather.shape[1], gather.axis.rpartition(".")[0]
+    order = tuple(op.axis.rpartition(".")[2] for op in [*stages, gather])
+    whole = 1
+    for op in [*stages, gather]:
+        whole *= op.group_size
+
+    def others(name: str, source: Op, axis, groups: int) -> Op:
+        # ``source``'s blocks without the group at this rank's index on ``axis``.
+        return Op(name, "others", "compute", "layout", (source.name,), (source.shape,),
+                  (source.shape[0] // groups * (groups - 1), cols), params=(("axis", axis), ("groups", groups)),
+                  span=gather.span)
+    sources = [stages[0], *(others(f"{op.name}.new", op, op.axis, op.group_size) for op in stages[1:])]
+    extra: list[Op] = []  # the ops the last chunks read that are not sources themselves
+    params = (("axis", base), ("order", order), ("blocks", whole))
+    if fine:
+        rows = stages[0].in_shapes[0][0]
+        place = attrs.evolve(gather, name=f"{gather.name}.place", inputs=stages[0].inputs,
+                             in_shapes=stages[0].in_shapes, shape=(rows * gather.group_size, cols))
+        mates = others(f"{gather.name}.mates", stages[-1], tuple(op.axis for op in stages),
+                       stages[-1].shape[0] // rows)
+        second = attrs.evolve(gather, inputs=(mates.name,), in_shapes=(mates.shape,),
+                              shape=(mates.shape[0] * gather.group_size, cols))
+        extra = [place, mates, second]
+        sources += [others(f"{gather.name}.near", place, gather.axis, gather.group_size),
+                    others(f"{gather.name}.rest", second, gather.axis, gather.group_size)]
+    else:
+        far = gather.shape[0] - stages[-1].shape[0]
+        sources.append(Op(f"{gather.name}.rest", "rest", "compute", "layout", (gather.name,), (gather.shape,),
+                          (far, cols), params=params, span=gather.span))
+
+    def part(index: int, source: Op) -> list[Op]:
+        count = source.shape[0]
+        return [attrs.evolve(op, name=f"{op.name}.c{index}", origin=op.origin or op.name,
+                             inputs=tuple(source.name if v == gather.name else f"{v}.c{index}" for v in op.inputs),
+                             in_shapes=tuple((count, shape[1]) for shape in op.in_shapes), shape=(count, op.shape[1]))
+                for op in chain]
+    last = chain[-1]
+    merge = Op(last.name, "merge", "compute", "layout", tuple(f"{last.name}.c{i}" for i in range(len(sources))),
+               tuple((source.shape[0], last.shape[1]) for source in sources), last.shape, params=params,
+               span=last.span)
+    new = [*extra, *(op for index, source in enumerate(sources)
+                     for op in ([] if source is stages[0] else [source]) + part(index, source)), merge]
+    ops = []
+    for op in fwd.ops:
+        if fine and op.name == gather.name:
+            continue  # its place: the second stage over the mates, with the chunks
+        ops += new if op.name == last.name else [] if op in chain else [op]
+    return attrs.evolve(fwd, ops=tuple(ops))
+
+
 def _reads(fwd: LayerDag, op: Op, value: str) -> bool:
-    """Whether ``op`` reads ``value``, itself or through the first stage of its group partition."""
-    stages = {f"{op.name}.{INTER}", f"{op.name}.{INTRA}"}
-    return value in op.inputs or any(value in o.inputs for o in fwd.ops if o.name in stages & set(op.inputs))
+    """Whether ``op`` reads ``value``, itself or through the earlier stages of its group
+    partition (``rs2.intra``; over levels ``rs2.island``, ``rs2.node``)."""
+    ops = {o.name: o for o in fwd.ops}
+    while value not in op.inputs and op.inputs and op.inputs[0].startswith(f"{op.name.partition('.')[0]}.") \
+            and op.inputs[0] in ops:
+        op = ops[op.inputs[0]]
+    return value in op.inputs
 
 
 def _slices(chain: list[Op], value: str, shape, parts: int, dim: int, taken: set, span) -> list[Op]:

@@ -281,7 +281,8 @@ def _staged(program: Program, gather: str) -> tuple[float | None, str]:
     cheaper of both orders when no ``first`` fixes it (Algorithm 1 weighs the chunks with the
     order: the fast node-local stage first brings intra_size blocks to compute on while the
     slow one runs; the inter-node stage first brings inter_size)."""
-    if gather not in dict(_unordered(program)) or program.mesh.levels:  # over levels: refused by the pass
+    # Over declared levels the order is chosen after the counts, among every order of the stages.
+    if gather not in dict(_unordered(program)) or program.mesh.levels:
         return _price(program)
     orders = dict(program.group_orders)
     priced = [_price(attrs.evolve(program, group_orders=tuple(sorted({**orders, gather: order}.items()))))

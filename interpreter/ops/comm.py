@@ -150,6 +150,52 @@ def part_blocks(comm: "Communicator", axis: str, first: str, blocks: int, parts:
     return [near, across, [b for b in range(blocks) if b not in near and b not in across]]
 
 
+def level_part_blocks(comm: "Communicator", axis: str, order: tuple[str, ...], fine: bool) -> list[list[int]]:
+    """The rank blocks (positions in ``axis``'s group) each chunk of a split at the stages of
+    a gather over declared levels computes on, the stages running over the levels ``order``:
+    the first stage's, then each later stage's new ones (its blocks without the copy of what
+    the stages before brought) in the order that stage lays them out (its level outermost),
+    the last stage's in block order (taken from the whole, regrouped gather); ``fine`` (the
+    levels smallest first) the last stage's cut in two, this rank's place in every unit of the
+    largest level, then the rest."""
+    sizes = {level: comm.size(f"{axis}.{level}") for level in order}
+    own = {level: comm.index(f"{axis}.{level}") for level in order}
+    weights, weight = {}, 1
+    for level in sorted(order, key=lambda level: comm.mesh.stride(f"{axis}.{level}")):
+        weights[level], weight = weight, weight * sizes[level]
+
+    def position(digits: dict) -> int:
+        return sum(digits[level] * weights[level] for level in order)
+    layout, parts = [dict(own)], []
+    for index, level in enumerate(order):
+        grown = [{**digits, level: j} for j in range(sizes[level]) for digits in layout]
+        parts.append([position(d) for d in grown if index == 0 or d[level] != own[level]])
+        layout = grown
+    parts[-1].sort()
+    if fine:
+        last = order[-1]
+        across = [b for b in parts[-1] if all(d == own[level] for level, d in _digits(b, weights, sizes).items()
+                                              if level != last)]
+        parts[-1:] = [across, [b for b in parts[-1] if b not in across]]
+    return parts
+
+
+def _digits(position: int, weights: dict, sizes: dict) -> dict:
+    """A group position's digit on each level (the inverse of ``level_part_blocks``' position)."""
+    return {level: position // weight % sizes[level] for level, weight in weights.items()}
+
+
+def within_index(comm: "Communicator", axes) -> tuple[int, int]:
+    """(this rank's index, the size) in the group of the sub-axes ``axes`` taken together,
+    the first innermost (one axis: its own index and size)."""
+    if isinstance(axes, str):
+        return comm.index(axes), comm.size(axes)
+    index, size = 0, 1
+    for axis in axes:
+        index, size = index + comm.index(axis) * size, size * comm.size(axis)
+    return index, size
+
+
 def without_group(x, groups: int, mine: int):
     """``x`` (cut into ``groups`` equal slices along dim 0) without slice ``mine``."""
     return torch.cat([p for i, p in enumerate(x.chunk(groups)) if i != mine]).contiguous()

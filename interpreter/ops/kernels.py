@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_parts, derived_kind
 
 from . import gpu_kernels as gpu
-from .comm import Communicator, Pending, SingleRankComm, part_blocks, regrouped, stage_blocks
+from .comm import (Communicator, Pending, SingleRankComm, level_part_blocks, part_blocks, regrouped, stage_blocks,
+                   within_index)
 from .moe import exchange
 from .rope import rope_of, rope_tables, rotate
 
@@ -395,6 +396,10 @@ def _concat_dgrad(grad, saved, weight):
 # back in rank order (:func:`~.comm.stage_blocks` says which blocks are whose).
 
 def _first_blocks(ctx) -> list[int]:
+    # Over declared levels: every block the stages before the last brought.
+    if "order" in ctx.params:
+        last = level_part_blocks(ctx.comm, ctx.params["axis"], ctx.params["order"], False)[-1]
+        return [b for b in range(ctx.params["blocks"]) if b not in last]
     return stage_blocks(ctx.comm, ctx.params["axis"], ctx.params["first"])
 
 
@@ -424,7 +429,11 @@ def _rest_dgrad(grad, saved, weight):
 
 
 def _part_blocks(ctx, parts: int) -> list[list[int]]:
-    """The blocks each of a merge's ``parts`` inputs holds (:func:`~.comm.part_blocks`)."""
+    """The blocks each of a merge's ``parts`` inputs holds (:func:`~.comm.part_blocks`, over
+    declared levels :func:`~.comm.level_part_blocks`)."""
+    if "order" in ctx.params:
+        order = ctx.params["order"]
+        return level_part_blocks(ctx.comm, ctx.params["axis"], order, parts > len(order))
     return part_blocks(ctx.comm, ctx.params["axis"], ctx.params["first"], ctx.params["blocks"], parts)
 
 
@@ -448,7 +457,7 @@ def _merge_dgrad(grad, saved, weight):
 
 def _others_forward(inputs, weight, ctx):
     (x,) = inputs
-    groups, mine = ctx.params["groups"], ctx.comm.index(ctx.params["axis"])
+    groups, (mine, _) = ctx.params["groups"], within_index(ctx.comm, ctx.params["axis"])
     kept = [p for i, p in enumerate(x.chunk(groups)) if i != mine]
     return torch.cat(kept).contiguous(), (groups, mine)
 
