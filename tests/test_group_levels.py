@@ -84,6 +84,8 @@ def test_the_topology_adds_the_node_and_the_whole_cluster():
     ("island = 2  half = 4", "t.dhx:5:62: level 'half' = 4 is the node (gpus_per_node = 4)"),
     ("cluster = 8", "t.dhx:5:50: 'cluster' cannot name a level"),
     ("c0 = 2", "t.dhx:5:50: 'c0' cannot name a level"),
+    ("place = 2", "t.dhx:5:50: 'place' cannot name a level"),  # by stages3 names ag2.place
+    ("mates = 2", "t.dhx:5:50: 'mates' cannot name a level"),
     ("island = 2  island = 2", "t.dhx:5:62: 'island' is set twice"),
 ])
 def test_bad_levels_are_located_errors(levels, message):
@@ -173,6 +175,18 @@ def test_group_mistakes_over_levels_are_located_errors(partition, mesh, message)
     assert first_error(text(partition, mesh=mesh)) == message
 
 
+def test_stages3_after_first_the_smallest_level_says_to_leave_first_out():
+    # Named first, the smallest level is followed by the others largest first: stages3 needs
+    # them smallest first, which only leaving 'first' out gives.
+    with pytest.raises(DhelixError) as caught:
+        run_until(text("group ag1 first island;chunk ag1 + qkv by stages3", mesh="tp = 8"), "t.dhx", "partition")
+    lines = caught.value.render().splitlines()
+    assert lines[0] == ("t.dhx:12:22: 'by stages3' splits a gather whose stages run smallest level first, and ag1 "
+                        "runs island, cluster and node in that order")
+    assert any("leave 'first' out of group ag1: under 'by stages3' it then runs island, node and cluster" in line
+               for line in lines)
+
+
 # -- Algorithm 1's uneven split over the levels: one chunk per stage ---------------------------
 
 def test_by_stages_over_levels_computes_one_chunk_per_stage_on_the_blocks_it_brought():
@@ -202,7 +216,8 @@ def test_by_stages3_over_levels_cuts_the_largest_levels_stage_in_two_with_the_sa
 
     # Across nodes: this rank's block and its 3 node-mates', what the cluster stage of the
     # unsplit island>node>cluster gather sends (the node stage's output).
-    across = [(op.name, op.in_shapes[0][0]) for op in program.forward.ops if op.lane == "cross" and op.name < "ag2"]
+    across = [(op.name, op.in_shapes[0][0]) for op in program.forward.ops
+              if op.lane == "cross" and op.name.startswith("ag1")]
     assert across == [("ag1.place", 2), ("ag1", 6)] and ops["ag1.node"].shape[0] == 2 + 6
 
 

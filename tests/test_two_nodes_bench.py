@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import collective_replay  # noqa: E402
 import two_node_link  # noqa: E402
 import two_nodes  # noqa: E402
+from dhelix.dsl.core.errors import DhelixError  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 
 
@@ -149,7 +150,18 @@ def test_centauri_is_judged_against_no_si_and_si_alone():
                          "Centauri+SI": runs(6.4), "Centauri": runs(9.0)}, report)
     text = "\n".join(report.lines)
     assert "Centauri+SI    SI ÷ no-SI 0.640   hidden 90 %   goals: ≤ 0.65 of no SI met, ÷ SI planned 0.914 (met)" in text
-    assert "Centauri       SI ÷ no-SI 0.900" in text
+    assert "Centauri       ÷ no-SI 0.900   hidden 25 %   (Centauri's partition alone, no SI)" in text
+
+
+def test_the_link_counters_read_tc_s_statistics(monkeypatch):
+    shown = ("qdisc tbf 8001: root refcnt 2 rate 250Mbit burst 256Kb lat 50ms\n"
+             " Sent 1234567 bytes 890 pkt (dropped 3, overlimits 45 requeues 0)\n backlog 0b 0p requeues 0\n")
+    monkeypatch.setattr(two_node_link, "_run", lambda *command: shown)
+    assert two_node_link.TwoNodeLink(None).counters() == {"bytes": 2 * 1234567, "packets": 2 * 890, "dropped": 6,
+                                                           "overlimits": 90}
+    monkeypatch.setattr(two_node_link, "_run", lambda *command: "qdisc noqueue 0: root\n")
+    with pytest.raises(two_node_link.LinkError, match="no counters"):
+        two_node_link.TwoNodeLink(None).counters()
 
 
 def test_centauri_needs_a_program_without_a_partition_block(tmp_path):
@@ -157,6 +169,10 @@ def test_centauri_needs_a_program_without_a_partition_block(tmp_path):
     program.write_text((ROOT / "benchmarks" / "two_nodes_si_bound.dhx").read_text())
     args = two_nodes.parse_args(["--program", str(program), "--centauri", "chunk ag2 + fc1 by 2"])
     with pytest.raises(two_nodes.BenchError, match="without one"):
+        two_nodes.load_program(args, tmp_path)
+    # A mistake in the statements is found before the link is made and the program profiled.
+    args = two_nodes.parse_args(["--centauri", "chunk ag2 + fc9 by 2"])
+    with pytest.raises(DhelixError, match="fc9"):
         two_nodes.load_program(args, tmp_path)
 
 

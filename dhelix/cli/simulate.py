@@ -98,13 +98,17 @@ def cmd_simulate(args) -> int:
 
 def memory_verdict(program, sim: Simulation, strict: bool) -> int:
     """Print a warning per rank whose predicted peak exceeds the device memory (standard
-    error), or with ``strict`` raise them as errors; returns the exit code otherwise."""
+    error), or with ``strict`` raise them as errors; returns the exit code otherwise. The
+    profile's links for levels the program does not declare are warned of either way (they
+    say nothing about the prediction)."""
+    sys.stdout.flush()  # the table first, then what it means
+    for warning in undeclared_links(program):
+        print(warning.render(), file=sys.stderr)
     warnings = memory_warnings(program, sim)
     if strict and warnings:
         errors = [DhelixError(w.message, w.span, w.notes) for w in warnings]
         raise errors[0] if len(errors) == 1 else ErrorGroup(errors)
-    sys.stdout.flush()  # the table first, then what it means
-    for warning in [*undeclared_links(program), *warnings]:
+    for warning in warnings:
         print(warning.render(), file=sys.stderr)
     return 0
 

@@ -146,8 +146,9 @@ class Mesh:
         (Centauri §3.1.2's d-dimensional mesh [N1 … Nd]): ``(level, size, stride)`` for each
         level that splits its groups, smallest level first — the group's ranks in one unit of
         the level at the same place in the units of the level below; () without declared
-        levels or for groups inside one unit of the smallest; else a sentence saying how a
-        group is unbalanced (unequal ranks in the units of a level)."""
+        levels or for groups inside one unit of the smallest; else a sentence saying what is
+        wrong: a group unbalanced (unequal ranks in the units of a level), or two groups that
+        span the levels differently."""
         return _level_stages(self, axis)
 
     def _sub(self, axis: str) -> tuple[int, int]:
@@ -205,13 +206,13 @@ def _groups(mesh: Mesh, axis: str) -> tuple[tuple[int, ...], ...]:
 
 
 @functools.cache
-@functools.cache
 def _level_stages(mesh: Mesh, axis: str) -> tuple[tuple[str, int, int], ...] | str:
     if not mesh.levels or mesh.size(axis) <= 1:
         return ()
     groups, stride = mesh.groups(axis), mesh.stride(axis)
     first = _group_stages(mesh, axis, groups[0], stride)
-    for group in groups[1:] if not isinstance(first, str) else ():  # every group must split the same way (the stages are per axis)
+    # The stages are the axis's, not a group's: every group must span the levels alike.
+    for group in groups[1:] if not isinstance(first, str) else ():
         other = _group_stages(mesh, axis, group, stride)
         if other != first:
             return (other if isinstance(other, str) else

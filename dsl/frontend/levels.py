@@ -15,8 +15,11 @@ from dhelix.dsl.core.errors import CheckError, ErrorCollector
 from dhelix.dsl.core.mesh import CLUSTER_LEVEL, INTER, INTRA, NODE_LEVEL, REPLICATE, SHARD
 
 #: Names a level may not take: the whole cluster's (implicit) and the sub-axes and generated
-#: op names of the other partitions (``tp.intra``, ``dp.shard``, ``ag1.rest``, ``ar.rs``…).
-RESERVED = (CLUSTER_LEVEL, INTRA, INTER, SHARD, REPLICATE, "rest", "rs", "ag", "weights")
+#: op names of the other partitions (``tp.intra``, ``dp.shard``, ``ag1.rest``, ``ar.rs``…),
+#: the three-way split's among them (``ag1.place``, ``ag1.mates``, ``ag1.near``,
+#: ``fc1.gather_w.part``): a level's stage op is named ``AG.<level>``, and must not be one.
+RESERVED = (CLUSTER_LEVEL, INTRA, INTER, SHARD, REPLICATE, "rest", "rs", "ag", "weights",
+            "place", "mates", "near", "part")
 
 
 def build_levels(block, nodes: int, gpus_per_node: int, errors: ErrorCollector) -> tuple[tuple[str, int], ...]:

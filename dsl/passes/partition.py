@@ -110,7 +110,9 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     count from ``counts`` (keyed by its index among the chunk statements; the planner
     chooses it, :mod:`dhelix.dsl.planner.chunking`); without one, or with 1, its chain stays
     whole. A group statement without ``first`` takes each collective's first sub-group from
-    ``orders`` (by name; the planner's choice), else :func:`fewest_cross_bytes`. A
+    ``orders`` (by name; the planner's choice), else — when a ``by stages3`` chain splits
+    it — its smallest stage first (inside the node; over declared levels the smallest
+    level), else :func:`fewest_cross_bytes`. A
     ``substitute X as auto`` statement substitutes X (Table 2's scalable form for its kind)
     when X is in ``substituted`` (the planner's choice), else leaves it whole. Raises
     CheckError or ErrorGroup with every problem found, each located at the statement's word
@@ -139,9 +141,8 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
         chain = checked_chain(fwd, st, env, claimed, errors, auto)
         if chain is not None and chain[1] > 1:
             fwd = chunked(fwd, *chain)
-    # A gather split three ways runs inside the node first unless told otherwise (a cluster
-    # with declared levels orders its own stages).
-    # (over declared levels: smallest level first).
+    # A gather split three ways runs its smallest stage first unless told otherwise: inside the
+    # node, or over declared levels the smallest level.
     fine = {st.ops[0] for st, three in staged if three}
     for st in block.body:
         if isinstance(st, s.Group) and _checked_first(st, mesh, errors):

@@ -233,8 +233,8 @@ def _by_columns(fwd: LayerDag, op: Op, parts: int) -> LayerDag:
     return _replaced(fwd, {op.name}, op.name, [*chunks, join])
 
 
-def by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector, fine: bool = False,
-              mesh=None) -> LayerDag:
+def by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector, fine: bool,
+              mesh) -> LayerDag:
     """``fwd`` with the chain of ``st`` (a group-partitioned all_gather, token-wise compute,
     then maybe collectives) split unevenly: chunk 0 computes on the rank blocks the gather's
     first stage brought (``ag.inter`` or ``ag.intra``), chunk 1 on the others (``ag.rest``,
@@ -256,9 +256,9 @@ def by_stages(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollector,
             errors.add(CheckError(f"'by {STAGES3}' splits a gather whose stages run smallest level first, and "
                                   f"{gather.name} runs {join_words([a.rpartition('.')[2] for a in axes])} in that "
                                   "order", st.parts.span,
-                                  [f"write: group {gather.name} first {levels[0].rpartition('.')[2]}, or leave the "
-                                   "group's order to the planner (Centauri Algorithm 1, lines 14-20: the finer "
-                                   "split of the slowest stage follows the faster ones)",
+                                  [f"leave 'first' out of group {gather.name}: under 'by {STAGES3}' it then runs "
+                                   f"{join_words([a.rpartition('.')[2] for a in levels])} (Centauri Algorithm 1, "
+                                   "lines 14-20: the finer split of the slowest stage follows the faster ones)",
                                    f"or 'by {STAGES}' for one chunk per stage in this order"]))
             return fwd
         claimed.update({op.name: st for op in [gather, *chain, *tail]})
@@ -405,6 +405,24 @@ def _earlier_stages(fwd: LayerDag, gather: Op) -> list[Op]:
     return stages
 
 
+def _others(name: str, source: Op, axis, groups: int, span) -> Op:
+    """An ``others`` op: ``source``'s rank blocks without the group at this rank's index on
+    ``axis`` (a sub-axis, or a tuple of them), one of ``groups`` groups."""
+    cols = source.shape[1]
+    return Op(name, "others", "compute", "layout", (source.name,), (source.shape,),
+              (source.shape[0] // groups * (groups - 1), cols), params=(("axis", axis), ("groups", groups)),
+              span=span)
+
+
+def _chunk_of(chain: list[Op], gather: str, index: int, source: str, rows: int) -> list[Op]:
+    """Chunk ``index`` of ``chain`` (token-wise ops after all_gather ``gather``): each op on
+    ``rows`` rows, the gather's output read from ``source`` instead."""
+    return [attrs.evolve(op, name=f"{op.name}.c{index}", origin=op.origin or op.name,
+                         inputs=tuple(source if v == gather else f"{v}.c{index}" for v in op.inputs),
+                         in_shapes=tuple((rows, shape[1]) for shape in op.in_shapes), shape=(rows, op.shape[1]))
+            for op in chain]
+
+
 def _split_at_stages(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> LayerDag:
     """The rewrite of :func:`by_stages` for a checked chain."""
     rows, whole = first.in_shapes[0][0], first.group_size * gather.group_size
@@ -413,14 +431,8 @@ def _split_at_stages(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> L
               ("blocks", whole))
     rest = Op(f"{gather.name}.rest", "rest", "compute", "layout", (gather.name,), (gather.shape,),
               (far, gather.shape[1]), params=params, span=gather.span)
-
-    def part(index: int, source: str, count: int) -> list[Op]:
-        return [attrs.evolve(op, name=f"{op.name}.c{index}", origin=op.origin or op.name,
-                             inputs=tuple(source if v == gather.name else f"{v}.c{index}" for v in op.inputs),
-                             in_shapes=tuple((count, shape[1]) for shape in op.in_shapes), shape=(count, op.shape[1]))
-                for op in chain]
     last = chain[-1]
-    new = [*part(0, first.name, near), rest, *part(1, rest.name, far),
+    new = [*_chunk_of(chain, gather.name, 0, first.name, near), rest, *_chunk_of(chain, gather.name, 1, rest.name, far),
            Op(last.name, "merge", "compute", "layout", (f"{last.name}.c0", f"{last.name}.c1"),
               ((near, last.shape[1]), (far, last.shape[1])), last.shape, params=params, span=last.span)]
     return _replaced(fwd, {op.name for op in chain}, last.name, new)
@@ -437,25 +449,15 @@ def _split_in_three(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> La
     rows back in rank order. The cross-node bytes are those of the two-way split."""
     (rows, cols), intra, inter = first.in_shapes[0], first.group_size, gather.group_size
     base = first.axis.rpartition(".")[0]
-
-    def others(name: str, source: Op, axis: str, groups: int) -> Op:
-        # ``source``'s blocks without the group at this rank's index on ``axis``.
-        return Op(name, "others", "compute", "layout", (source.name,), (source.shape,),
-                  (source.shape[0] // groups * (groups - 1), cols), params=(("axis", axis), ("groups", groups)),
-                  span=gather.span)
     place = attrs.evolve(gather, name=f"{gather.name}.place", inputs=first.inputs, in_shapes=first.in_shapes,
                          shape=(rows * inter, cols))
-    near = others(f"{gather.name}.near", place, gather.axis, inter)
-    mates = others(f"{gather.name}.mates", first, first.axis, intra)
+    near = _others(f"{gather.name}.near", place, gather.axis, inter, gather.span)
+    mates = _others(f"{gather.name}.mates", first, first.axis, intra, gather.span)
     second = attrs.evolve(gather, inputs=(mates.name,), in_shapes=(mates.shape,), shape=(mates.shape[0] * inter, cols))
-    rest = others(f"{gather.name}.rest", second, gather.axis, inter)
+    rest = _others(f"{gather.name}.rest", second, gather.axis, inter, gather.span)
 
     def part(index: int, source: Op) -> list[Op]:
-        count = source.shape[0]
-        return [attrs.evolve(op, name=f"{op.name}.c{index}", origin=op.origin or op.name,
-                             inputs=tuple(source.name if v == gather.name else f"{v}.c{index}" for v in op.inputs),
-                             in_shapes=tuple((count, shape[1]) for shape in op.in_shapes), shape=(count, op.shape[1]))
-                for op in chain]
+        return _chunk_of(chain, gather.name, index, source.name, source.shape[0])
     last = chain[-1]
     sources = (first, near, rest)
     merge = Op(last.name, "merge", "compute", "layout", tuple(f"{last.name}.c{i}" for i in range(3)),
@@ -488,10 +490,7 @@ def _split_at_level_stages(fwd: LayerDag, gather: Op, stages: list[Op], chain: l
         whole *= op.group_size
 
     def others(name: str, source: Op, axis, groups: int) -> Op:
-        # ``source``'s blocks without the group at this rank's index on ``axis``.
-        return Op(name, "others", "compute", "layout", (source.name,), (source.shape,),
-                  (source.shape[0] // groups * (groups - 1), cols), params=(("axis", axis), ("groups", groups)),
-                  span=gather.span)
+        return _others(name, source, axis, groups, gather.span)
     sources = [stages[0], *(others(f"{op.name}.new", op, op.axis, op.group_size) for op in stages[1:])]
     extra: list[Op] = []  # the ops the last chunks read that are not sources themselves
     params = (("axis", base), ("order", order), ("blocks", whole))
@@ -510,19 +509,13 @@ def _split_at_level_stages(fwd: LayerDag, gather: Op, stages: list[Op], chain: l
         far = gather.shape[0] - stages[-1].shape[0]
         sources.append(Op(f"{gather.name}.rest", "rest", "compute", "layout", (gather.name,), (gather.shape,),
                           (far, cols), params=params, span=gather.span))
-
-    def part(index: int, source: Op) -> list[Op]:
-        count = source.shape[0]
-        return [attrs.evolve(op, name=f"{op.name}.c{index}", origin=op.origin or op.name,
-                             inputs=tuple(source.name if v == gather.name else f"{v}.c{index}" for v in op.inputs),
-                             in_shapes=tuple((count, shape[1]) for shape in op.in_shapes), shape=(count, op.shape[1]))
-                for op in chain]
     last = chain[-1]
     merge = Op(last.name, "merge", "compute", "layout", tuple(f"{last.name}.c{i}" for i in range(len(sources))),
                tuple((source.shape[0], last.shape[1]) for source in sources), last.shape, params=params,
                span=last.span)
     new = [*extra, *(op for index, source in enumerate(sources)
-                     for op in ([] if source is stages[0] else [source]) + part(index, source)), merge]
+                     for op in ([] if source is stages[0] else [source])
+                     + _chunk_of(chain, gather.name, index, source.name, source.shape[0])), merge]
     ops = []
     for op in fwd.ops:
         if fine and op.name == gather.name:

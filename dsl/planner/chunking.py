@@ -8,8 +8,9 @@ The partition pass leaves an auto chain whole until it is given a count
 count — 1 and each count up to :data:`MAX_CHUNKS` the pass accepts (the chain's dimension
 must divide) — with the counts chosen before it kept, and prices the layer's forward and
 backward DAGs alone (:meth:`~.paircost.PairCost.solo`, in the order the interpreter issues
-one strand: :func:`issue_order`): a chunk's collective overlaps the compute of the chunk before it, and every chunk pays its collective's latency and launch
-gap, so the best count trades the two. The smallest total wins, ties to the fewer chunks.
+one strand: :func:`issue_order`): a chunk's collective overlaps the compute of the chunk
+before it, and every chunk pays its collective's latency and launch gap, so the best count
+trades the two. The smallest total wins, ties to the fewer chunks.
 Centauri's Algorithm 1 searches one collective's partitions the same way with its own cost
 model; pricing the whole layer also counts what a chain does to the ops around it. A
 candidate the passes refuse (a count that does not divide, a measured profile taken on
@@ -281,8 +282,9 @@ def _staged(program: Program, gather: str) -> tuple[float | None, str]:
     cheaper of both orders when no ``first`` fixes it (Algorithm 1 weighs the chunks with the
     order: the fast node-local stage first brings intra_size blocks to compute on while the
     slow one runs; the inter-node stage first brings inter_size)."""
-    # Over declared levels the order is chosen after the counts, among every order of the stages.
-    if gather not in dict(_unordered(program)) or program.mesh.levels:
+    # Over declared levels an activation gather's order is chosen after the counts, among every
+    # order of its stages; ZeRO-3's weight gather splits at the node whatever the levels.
+    if gather not in dict(_unordered(program)) or (program.mesh.levels and gather != WEIGHTS):
         return _price(program)
     orders = dict(program.group_orders)
     priced = [_price(attrs.evolve(program, group_orders=tuple(sorted({**orders, gather: order}.items()))))

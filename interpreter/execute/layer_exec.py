@@ -324,8 +324,9 @@ class LayerRun:
     def _staged_columns(self, forward: Op) -> torch.Tensor:
         """The columns of its whole weight that a gemm chunked at its gather's stages
         computes on (:attr:`Op.staged`): part 0 those of the column blocks the first stage
-        brings this rank, part 1 the others, each in block order; the ``merge`` named like
-        the gemm says over which axis and into how many blocks."""
+        brings this rank, the later parts the blocks each later stage brings (two parts, or
+        three under ``by stages3``), each in block order; the ``merge`` named like the gemm
+        says over which axis and into how many blocks."""
         part, first, columns = forward.staged
         merge = self.plan.fwd_ops[forward.weight_name]
         params = dict(merge.params)

@@ -7,8 +7,9 @@ interpreter's own kernels and communicators:
   program's shard shapes: compute kernels on the compute lane, each collective on its real
   process group (tp, cp, ep …) and so on its lane. A collective is timed synchronously and,
   separately, issued asynchronously and waited for at once (what the SI lanes do; the
-  difference is the launch gap). Every timed collective (here, in the pairs and in the
-  sweep) comes right after an untimed run of itself: it is timed on a busy link, as SI
+  difference is the launch gap). Every timed collective of the layer (here and in the
+  pairs) and of the sweep comes right after an untimed run of itself (the end ops' are timed
+  within their op, as they run): it is timed on a busy link, as SI
   keeps its lanes busy (a link that lends credit after idling would otherwise look faster
   than it runs in a block; see :func:`_prime`).
 * **Pairs.** Every forward op beside every backward op where one of them communicates

@@ -185,15 +185,15 @@ def _digits(position: int, weights: dict, sizes: dict) -> dict:
     return {level: position // weight % sizes[level] for level, weight in weights.items()}
 
 
-def within_index(comm: "Communicator", axes) -> tuple[int, int]:
-    """(this rank's index, the size) in the group of the sub-axes ``axes`` taken together,
-    the first innermost (one axis: its own index and size)."""
+def within_index(comm: "Communicator", axes) -> int:
+    """This rank's index in the group of the sub-axes ``axes`` taken together, the first
+    innermost (one axis: its own index)."""
     if isinstance(axes, str):
-        return comm.index(axes), comm.size(axes)
+        return comm.index(axes)
     index, size = 0, 1
     for axis in axes:
         index, size = index + comm.index(axis) * size, size * comm.size(axis)
-    return index, size
+    return index
 
 
 def without_group(x, groups: int, mine: int):

@@ -33,7 +33,7 @@ from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_par
 
 from . import gpu_kernels as gpu
 from .comm import (Communicator, Pending, SingleRankComm, level_part_blocks, part_blocks, regrouped, stage_blocks,
-                   within_index)
+                   within_index, without_group)
 from .moe import exchange
 from .rope import rope_of, rope_tables, rotate
 
@@ -457,9 +457,8 @@ def _merge_dgrad(grad, saved, weight):
 
 def _others_forward(inputs, weight, ctx):
     (x,) = inputs
-    groups, (mine, _) = ctx.params["groups"], within_index(ctx.comm, ctx.params["axis"])
-    kept = [p for i, p in enumerate(x.chunk(groups)) if i != mine]
-    return torch.cat(kept).contiguous(), (groups, mine)
+    groups, mine = ctx.params["groups"], within_index(ctx.comm, ctx.params["axis"])
+    return without_group(x, groups, mine), (groups, mine)
 
 
 def _others_dgrad(grad, saved, weight):
