@@ -31,7 +31,7 @@ import attrs
 
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.planner.costmodel import optimizer_time
-from dhelix.dsl.simulator.costs import StepCosts, step_costs
+from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, layer_costs, si_backward, step_costs
 from dhelix.dsl.simulator.memory import layer_activations, model_states, recomputed, selectively_recomputed
 from dhelix.dsl.planner.paircost import PairCost
 
@@ -100,3 +100,25 @@ def _states(program: Program, costs: StepCosts) -> float:
                           fsdp_group=costs.shard_group.size if fsdp and costs.shard_group else 0,
                           grads_sharded=(layers * params.layer_dense + params.head) / pp if train.zero == 2 else 0.0)
     return states.total
+
+
+def relaxed_costs(program: Program, cost: PairCost, layers: bool = False, costs: StepCosts | None = None
+                  ) -> StepCosts:
+    """The program's step costs with every SI layer pair at a lower bound of its plan: the
+    busiest lane's work of the two layers (:meth:`PairCost.lane_work`), after what the
+    backward runs again. Simulated, they give a lower bound of the step with any plan (the
+    simulator only delays an action for a longer one before it). With ``layers``, every
+    layer pass alone and what it runs again is at its busiest lane's work too: a lower bound
+    of the step whatever chunk counts and substitutions the planner then chooses, none of
+    which lessens a lane's work (:mod:`dhelix.dsl.search.partitions`). ``costs``: the
+    program's step costs without a plan, when already computed."""
+    costs = costs or step_costs(program, None, cost)
+    layer = layer_costs(program, cost, None, work=_lane_bound) if layers else costs.layer
+    pair = layer.again + Work(max(cost.lane_work(program.forward.ops + si_backward(program).ops)))
+    return attrs.evolve(costs, layer=attrs.evolve(layer, pair=pair))
+
+
+def _lane_bound(cost: PairCost, ops) -> Work:
+    """The busiest lane's work of ``ops``: a lower bound of running them, in any pieces."""
+    ops = tuple(ops)
+    return Work(max(cost.lane_work(ops))) if ops else NOTHING

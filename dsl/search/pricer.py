@@ -1,0 +1,368 @@
+"""The pricing of one choice of `dhelix tune` (:class:`Pricer`) and what it returns: a
+choice priced, refused, deferred, over the memory or ruled out by a bound.
+
+Every choice is a program variant (:mod:`variant`) checked by the passes of `dhelix check`,
+given the planner's choices as `simulate` gives them, priced by the step simulator and held
+to the profile's device memory; what the choices share (layer DAGs, lowered schedules, step
+costs, SI plans) is computed once."""
+
+from __future__ import annotations
+
+import attrs
+
+from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.errors import CheckError, DhelixError, first_message
+from dhelix.dsl.core.plan import Plan
+from dhelix.dsl.core.program import Program
+from dhelix.dsl.frontend.check import check_program
+from dhelix.dsl.passes import pipeline as passes
+from dhelix.dsl.planner.chunking import choose_all
+from dhelix.dsl.planner.paircost import PairCost
+from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_costs
+from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, for_schedule, generated_partition, writes_si
+from dhelix.dsl.search.plan_cache import PlanCache
+from dhelix.dsl.search.space import Choice, Layout
+from dhelix.dsl.search.variant import apply_choice
+from dhelix.dsl.simulator.costs import StepCosts, step_costs
+from dhelix.dsl.simulator.events import Simulation, has_si, simulate, untimed
+from dhelix.dsl.simulator.launch import make_choices
+from dhelix.dsl.simulator.memory import GB
+
+
+@attrs.frozen
+class Priced:
+    """A choice the passes accepted and the simulator priced; ``fits`` under the device's
+    memory (always True when the profile gives none)."""
+
+    choice: Choice
+    sim: Simulation = attrs.field(eq=False, repr=False)
+    fits: bool
+
+    @property
+    def seconds(self) -> float:
+        """The simulated step."""
+        return self.sim.step_time
+
+
+@attrs.frozen
+class Refused:
+    """A choice the passes refused (or a layout whose bound ruled it out), and why."""
+
+    choice: Choice | Layout
+    why: str
+
+
+@attrs.frozen
+class Deferred:
+    """A choice whose SI layer pair is not planned yet, left to plan later (``defer``), and
+    a lower bound of its step (seconds: its untimed floor, less the rounding margin)."""
+
+    choice: Choice
+    bound: float
+
+
+@attrs.frozen
+class TooBig:
+    """A choice whose peak memory (bytes on its busiest GPU, computed without simulating its
+    step) exceeds the device's."""
+
+    choice: Choice
+    memory: float
+
+
+@attrs.frozen
+class Pruned:
+    """A choice whose lower bound (seconds) showed it cannot enter the top."""
+
+    choice: Choice
+    bound: float
+
+
+
+class Pricer:
+    """Prices choices of one program: the parsed files, the pipelines they define, the
+    cluster's node size and the world searched."""
+
+    def __init__(self, modules: list[s.Module], base: Program, world: int):
+        self.modules, self.world = modules, world
+        self.pipelines = {p.name: p for p in base.pipelines}
+        self.gpus_per_node = base.cluster.gpus_per_node
+        # A profile's measured op times belong to one mesh and shape (dsl.frontend.profilecheck):
+        # every variant is priced by its derived rates alone, so all are priced alike.
+        self.profile = attrs.evolve(base.profile, measured=None)
+        self.cost = PairCost(self.profile, base.model.dtype, seq=base.model.get("seq"))
+        self.plans = PlanCache(self.cost)
+        self.memory_gb = base.profile.memory_gb
+        self._bounds: dict[Layout, Bound | str] = {}
+        self._dags: dict[Layout, Program] = {}
+        self._lowered: dict[tuple, tuple | DhelixError] = {}
+        self._partitions: dict[Layout, s.PartitionDef | None | DhelixError] = {}
+        self._layer_choices: dict[tuple, tuple[dict, tuple]] = {}
+        self._rechecked_dags: dict[tuple, Program] = {}
+        self._costs: dict[tuple, tuple] = {}
+        self._derivations: dict[Layout, tuple | DhelixError] = {}
+        #: What each action does, shared by the untimed walks of programs with the same costs
+        #: and placement (both kept alive here: by self._costs and self._lowered).
+        self._untimed: dict = {}
+        #: The choice checked last (up to validate), and its program or why it was refused.
+        self._last: tuple[Choice | None, Program | DhelixError | None] = (None, None)
+
+    def checked(self, choice: Choice, stop: str = "validate", share: bool = True) -> Program:
+        """The variant of ``choice`` through the passes up to ``stop`` (DhelixError if refused);
+        ``share``: an SI-off choice as its SI-on twin checked (:meth:`_si_off`).
+
+        The layer DAGs (the passes up to autodiff) depend on the layout only — the model,
+        mesh, train and partition blocks — not on the fold or pipeline, so they are derived
+        once per layout and shared by its schedules."""
+        if share and stop == "validate" and choice.si == "off" and choice.layout.partition == "written":
+            return self._si_off(choice)
+        # Up to the layer DAGs a generated partition is written whole: its chains are checked
+        # whole (count 1), so the DAGs are those of the schedule's block, chains or none.
+        if stop != "validate":
+            program = attrs.evolve(check_program(self.variant(choice, whole=True)), profile=self.profile)
+            if stop != "autodiff":
+                return self.plans.intern(passes.rerun(program, after="check", stop=stop))
+            return self._derived(program, choice.layout)
+        try:
+            program = self._validated(attrs.evolve(check_program(self.variant(choice)), profile=self.profile), choice)
+        except DhelixError as exc:
+            self._last = (choice, exc)
+            raise
+        self._last = (choice, program)
+        return program
+
+    def _derived(self, program: Program, layout: Layout) -> Program:
+        """``program`` (``layout`` checked) through the passes up to autodiff. What they
+        derive (the layer names' values, the forward and backward DAGs) reads the model, the
+        mesh, the micro-batches and the partition, and the train block's ZeRO stage only for
+        ZeRO-3 (FSDP's ops, and its refusal of selective recomputation): layouts that differ
+        in ZeRO 0, 1 or 2, ``param_gather`` or recomputation (below ZeRO-3) share them."""
+        key = attrs.evolve(layout, zero=3 if layout.zero == 3 else 0, param_gather="step",
+                           recompute=layout.recompute if layout.zero == 3 else "none")
+        if key not in self._derivations:
+            try:
+                done = self.plans.intern(passes.rerun(program, after="check", stop="autodiff"))
+                self._derivations[key] = (done.env, done.forward, done.backward)
+            except DhelixError as exc:
+                self._derivations[key] = exc
+        found = self._derivations[key]
+        if isinstance(found, DhelixError):
+            raise found
+        env, forward, backward = found
+        return attrs.evolve(program, env=env, forward=forward, backward=backward)
+
+    def _si_off(self, choice: Choice) -> Program:
+        """``choice`` (SI off, the file's partition) checked: its SI-on twin as checked (the
+        choice before it in a search: kept), with the train block's ``si = off`` — the one
+        setting that tells their variants apart, which no check reads (tests/test_tune.py
+        holds the two to each other)."""
+        twin = attrs.evolve(choice, si="on")
+        if self._last[0] != twin:
+            try:
+                self.checked(twin)
+            except DhelixError:
+                pass
+        found = self._last[1]
+        if isinstance(found, DhelixError):
+            raise found
+        return attrs.evolve(found, train=attrs.evolve(found.train, si="off"))
+
+    def _validated(self, program: Program, choice: Choice) -> Program:
+        """``program`` (``choice`` checked) through the passes after check, its layer DAGs
+        shared by its layout and its schedule lowered once."""
+        dags = self.layer_dags(choice.layout, (choice.fold, choice.pipeline))  # SI on: the cache holds its train block
+        program = passes.strands(attrs.evolve(program, env=dags.env, forward=dags.forward, backward=dags.backward))
+        placement, lowered = self.lowered(program)
+        return attrs.evolve(program, placement=placement, lowered=lowered)
+
+    def lowered(self, program: Program) -> tuple[object, object]:
+        """(placement, validated lowered schedule) of ``program`` (checked up to strands):
+        they depend on the fold, the pipeline, its sizes (p, m, g) and the layer count
+        only, so each is lowered and validated once; a refusal is kept and raised again."""
+        key = (program.fold.text, program.pipeline.name, program.mesh.size("pp"), program.train.microbatches,
+               passes.launch_of(program), program.model.get("layers"))
+        if key not in self._lowered:
+            try:
+                done = passes.rerun(program, after="strands")
+                self._lowered[key] = (done.placement, done.lowered)
+            except DhelixError as exc:
+                self._lowered[key] = exc
+        found = self._lowered[key]
+        if isinstance(found, DhelixError):
+            raise found
+        return found
+
+    def layer_dags(self, layout: Layout, schedule: tuple[str, str, str]) -> Program:
+        """The program of ``layout`` (with ``schedule``) up to its layer DAGs, once per layout."""
+        if layout not in self._dags:
+            self._dags[layout] = self.checked(Choice(layout, *schedule), stop="autodiff")
+        return self._dags[layout]
+
+    def variant(self, choice: Choice, modules: list[s.Module] | None = None, whole: bool = False
+                ) -> list[s.Module]:
+        """The parsed files (``modules``, default the priced ones) with ``choice`` written in
+        (its generated partition block too, when its partition is ``auto``; ``whole``: the
+        block as generated, whatever the schedule)."""
+        partition = self.generated(choice, whole) if choice.layout.partition == "auto" else None
+        return apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition)
+
+    def generated(self, choice: Choice, whole: bool = False) -> s.PartitionDef:
+        """The partition block generated for the layout of ``choice``
+        (:func:`~dhelix.dsl.search.partitions.generated_partition` of its layer before any
+        partition), once per layout's mesh, micro-batch and sharding, without its chunk
+        chains when the choice's pipeline writes SI blocks and SI is on (:func:`for_schedule`)
+        unless ``whole``; CheckError when nothing applies (then the choice is the same as its twin
+        without one)."""
+        layout = choice.layout
+        key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
+        if key not in self._partitions:
+            twin = attrs.evolve(choice, layout=attrs.evolve(layout, partition="written"))
+            try:
+                program = passes.rerun(check_program(self.variant(twin)), after="check", stop="shapes")
+                self._partitions[key] = generated_partition(program)
+            except DhelixError as exc:
+                self._partitions[key] = exc
+        found = self._partitions[key]
+        if isinstance(found, DhelixError):
+            raise found
+        found = for_schedule(found, not whole and choice.si == "on" and writes_si(self.pipelines[choice.pipeline]))
+        if found is None:
+            raise CheckError(NOTHING_TO_PARTITION)
+        return found
+
+    def chosen(self, program: Program, layout: Layout) -> Program:
+        """``program`` (a choice of ``layout``, checked) with the choices the tools make
+        before pricing (:func:`~dhelix.dsl.simulator.launch.make_choices`). The planner's
+        layer-level choices depend on the layer alone: made once per layer DAGs, partition
+        block and mesh, whatever the schedule; the counts settled by the step are not."""
+        def rerun(p: Program) -> Program:
+            return self._rechecked(p, layout)
+
+        def layer(p: Program) -> tuple[Program, tuple]:
+            key = (p.forward, p.backward, p.partition, p.mesh)
+            if key not in self._layer_choices:
+                made, choices = choose_all(p)
+                self._layer_choices[key] = ({name: getattr(made, name) for name in _LAYER_CHOICES}, choices)
+            fields, choices = self._layer_choices[key]
+            return rerun(attrs.evolve(p, **fields)), choices
+
+        return make_choices(program, self.step_seconds, rerun, layer)[0]
+
+    def _rechecked(self, program: Program, layout: Layout) -> Program:
+        """``program`` (checked, its planner choices set) through the passes after check
+        again: the layer DAGs once per layout and choices, the schedule from the cache."""
+        key = (layout, program.substituted, program.chunk_counts, program.group_orders, program.backward_first)
+        if key not in self._rechecked_dags:
+            self._rechecked_dags[key] = self.plans.intern(passes.rerun(program, after="check", stop="autodiff"))
+        dags = self._rechecked_dags[key]
+        program = passes.strands(attrs.evolve(program, env=dags.env, forward=dags.forward, backward=dags.backward))
+        placement, lowered = self.lowered(program)
+        return attrs.evolve(program, placement=placement, lowered=lowered)
+
+    def step_seconds(self, program: Program) -> float:
+        """The simulated step of a checked ``program``, its SI plan from the cache."""
+        program = self.plans.intern(program)
+        plan = self.plans.plan(program) if has_si(program) else None
+        return simulate(program, plan, cost=self.cost, trace=False).step_time
+
+    def bound(self, layout: Layout, schedule: tuple[str, str, str]) -> Bound | str:
+        """The lower bounds of ``layout`` (checked with the schedule ``schedule`` up to the
+        layer DAGs), or why the passes refuse it."""
+        if layout not in self._bounds:
+            try:
+                program = self.layer_dags(layout, schedule)
+                self._bounds[layout] = layout_bound(program, self.cost, self.costs(program, layout, None))
+            except DhelixError as exc:
+                self._bounds[layout] = first_message(exc)
+        return self._bounds[layout]
+
+    def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False, defer: bool = False
+              ) -> Priced | Refused | Pruned | TooBig | Deferred:
+        """``choice`` checked, given the planner's choices, simulated and held to the memory.
+
+        With ``memory_first`` (the search), a choice's peak memory and a floor of its step are
+        computed first, without timing its step (:func:`~dhelix.dsl.simulator.events.untimed`:
+        the peak the simulation would report), and one over the device memory is returned as
+        TooBig, one whose floor exceeds the ``cutoff`` as Pruned, both unsimulated. With
+        ``defer`` too, a choice that would need its SI layer pair planned first is returned
+        as Deferred, with its floor. A schedule with SI blocks whose layer pair is not planned yet is first
+        simulated with each layer pair at its lower bound (:func:`~dhelix.dsl.search.bound.relaxed_costs`): its memory
+        is the real one (a rank's allocations follow its actions' order, not their durations),
+        so one that does not fit is returned as such without planning; and with a ``cutoff``
+        (seconds), when even that step exceeds the cutoff the choice is Pruned."""
+        try:
+            program = self.checked(choice)
+            launch = program.train.launch is not None or program.train.launch_backward is not None
+            if program.partition is not None or launch:
+                if cutoff is not None and not launch:
+                    # Chains whole, substitutions undone, every layer pass at its busiest
+                    # lane: a bound of the step of any choice the planner makes, before it
+                    # makes them (the counts settled by the step simulate it several times).
+                    relaxed = simulate(program, costs=relaxed_costs(program, self.cost, layers=True), trace=False)
+                    if relaxed.step_time > cutoff:
+                        return Pruned(choice, relaxed.step_time)
+                program = self.chosen(program, choice.layout)
+            si = has_si(program)
+            planned = not si or self.plans.has(program)
+            costs = None
+            if memory_first:
+                # Untimed: the exact peak, and a floor of the step (the SI pairs at their
+                # lane bound until the layer pair is planned).
+                plan = self.plans.plan(program) if si and planned else None
+                costs = self.costs(program, choice.layout, plan) if planned else self.relaxed(program, choice.layout)
+                seen = untimed(program, costs, memo=self._untimed)
+                if self.memory_gb is not None and max(seen.memory) > self.memory_gb * GB:
+                    return TooBig(choice, max(seen.memory))
+                if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
+                    return Pruned(choice, seen.floor)
+                if defer and not planned:
+                    return Deferred(choice, seen.floor * (1 - FLOOR_MARGIN))
+            if not planned and (cutoff is not None or not memory_first):
+                relaxed = simulate(program, costs=self.relaxed(program, choice.layout), label=choice.describe(),
+                                   trace=False)
+                if not self._fits(relaxed):
+                    return Priced(choice, relaxed, False)
+                if cutoff is not None and relaxed.step_time > cutoff:
+                    return Pruned(choice, relaxed.step_time)
+            plan = self.plans.plan(program) if si else None
+            sim = simulate(program, plan, cost=self.cost, costs=self.costs(program, choice.layout, plan),
+                           label=choice.describe(), trace=False)
+        except DhelixError as exc:
+            return Refused(choice, first_message(exc))
+        return Priced(choice, sim, self._fits(sim))
+
+    def costs(self, program: Program, layout: Layout, plan: Plan | None) -> StepCosts:
+        """:func:`~dhelix.dsl.simulator.costs.step_costs` of ``program`` (a checked choice of
+        ``layout``, its layer DAGs interned) with ``plan``: they depend on the layout (mesh,
+        recomputation), the layer DAGs and the plan only, not on the schedule, so they are
+        computed once for the schedules that share them."""
+        key = (layout, id(program.forward), id(program.backward), id(plan))
+        found = self._costs.get(key)
+        if found is None:
+            # The objects are kept with their costs, so their ids are not reused.
+            found = self._costs[key] = (program.forward, program.backward, plan,
+                                        step_costs(program, plan, self.cost))
+        return found[3]
+
+    def relaxed(self, program: Program, layout: Layout) -> StepCosts:
+        """:func:`~dhelix.dsl.search.bound.relaxed_costs` of ``program`` (a checked choice of ``layout``), once per
+        layout, layer DAGs and whether the schedule splits W off (what the pairs' bound reads)."""
+        key = (layout, id(program.forward), id(program.backward), program.lowered.split, "relaxed")
+        found = self._costs.get(key)
+        if found is None:
+            found = self._costs[key] = (program.forward, program.backward, None,
+                                        relaxed_costs(program, self.cost, costs=self.costs(program, layout, None)))
+        return found[3]
+
+    def _fits(self, sim: Simulation) -> bool:
+        return self.memory_gb is None or max(r.memory for r in sim.ranks) <= self.memory_gb * GB
+
+
+#: The relative margin by which an untimed floor must exceed the K-th best step to rule a
+#: choice out: far above the rounding of summing its work in another order, and above the
+#: 12 digits :func:`~dhelix.dsl.search.tune._rank` calls a tie.
+FLOOR_MARGIN = 1e-9
+
+
+#: The Program fields the planner's layer-level choices set (chunking.choose_all).
+_LAYER_CHOICES = ("substituted", "chunk_counts", "group_orders", "backward_first")

@@ -1,0 +1,163 @@
+"""The layer-sized steps an action of a rank is made of (:class:`Piece`): their work, the
+activation bytes each allocates and frees, the gradients it completes; :class:`Expander`
+turns an action into them for the step simulator (:mod:`dsl.simulator.events`)."""
+
+from __future__ import annotations
+
+import attrs
+
+from dhelix.dsl.passes.fsdp import is_fsdp
+from dhelix.dsl.simulator.memory import (gathered_bytes, head_activations, interleaved, layer_activations, recomputed,
+                                         selectively_recomputed)
+from dhelix.dsl.core.program import Program
+from dhelix.dsl.simulator.costs import StepCosts, Work
+
+
+@attrs.frozen
+class Piece:
+    """A layer-sized step of an action: its work, the activation bytes allocated at its start
+    and freed at its end, the gradient slot (``stage``-relative) it completes and the weights
+    whose forward it runs (a layer index, ``embedding`` or ``head``; what an overlapped
+    ZeRO-1 weight gather must have delivered before it starts)."""
+
+    work: Work
+    alloc: float = 0.0
+    free: float = 0.0
+    grads: tuple | None = None  # (slot name, dense elements, expert elements)
+    weights: int | str | None = None
+    #: An SI layer pair priced by the plan (its ``again`` recomputation first): what
+    #: :mod:`pairtrace` draws as segment pairs.
+    paired: bool = False
+
+
+
+class Expander:
+    """Turns an action of a rank into its Pieces (cached: they depend only on the stages)."""
+
+    def __init__(self, program: Program, costs: StepCosts, si: bool):
+        self.costs, self.si = costs, si
+        self.split = program.lowered.split
+        self.stages = program.placement.stages
+        self.acts = layer_activations(program.forward, program.backward, program.model.dtype, self.split)
+        # What a forward allocates per layer, and what its backward allocates again first.
+        self.kept, self.rebuilt = self.acts, 0.0
+        recompute = program.train.recompute if program.train is not None else "none"
+        if recompute == "full":
+            self.kept, self.rebuilt = recomputed(self.acts, program.forward, program.model.dtype)
+        elif recompute == "selective":
+            self.kept, self.rebuilt = selectively_recomputed(self.acts, program.forward, program.backward,
+                                                             program.model.dtype, self.split)
+        self.head = head_activations(program, self.split)
+        # ZeRO-3: a running layer's gathered weight (and, backward, its full gradient).
+        self.gathered = gathered_bytes(program.forward, program.model.dtype, is_fsdp(program))
+        self.cache: dict[tuple, tuple[Piece, ...]] = {}
+
+    def pieces(self, kind: str, fstage: int | None, bstage: int | None) -> tuple[Piece, ...]:
+        """Pieces of F/B/W on one stage (``fstage`` for F, ``bstage`` for B and W) or of an SI
+        block (both); ``kind`` is F, B, W or SI."""
+        key = (kind, fstage, bstage)
+        hit = self.cache.get(key)
+        if hit is None:
+            if kind == "SI":
+                hit = self._interleaved(fstage, bstage)
+            else:
+                hit = {"F": self._forward, "B": self._backward, "W": self._weight}[kind](
+                    fstage if kind == "F" else bstage)
+            self.cache[key] = hit = tuple(p for p in hit if p.work.seconds or p.alloc or p.free or p.grads)
+        return hit
+
+    def _count(self, stage: int) -> int:
+        return len(self.stages[stage].layers)
+
+    def _embed_f(self, stage):
+        return [Piece(self.costs.heads.embed_forward, weights="embedding")] if stage == 0 else []
+
+    def _head_f(self, stage):
+        last = stage == len(self.stages) - 1
+        return [Piece(self.costs.heads.head_forward, alloc=self.head.total, weights="head")] if last else []
+
+    def _head_b(self, stage):
+        if stage != len(self.stages) - 1:
+            return []
+        heads, params = self.costs.heads, self.costs.params
+        if self.split:
+            return [Piece(heads.head_backward, free=self.head.at_backward)]
+        return [Piece(heads.head_backward + heads.head_weight, free=self.head.at_backward,
+                      grads=("head", params.head, 0))]
+
+    def _embed_b(self, stage):
+        if stage != 0:
+            return []
+        return [Piece(self.costs.heads.embed_backward, grads=("embedding", self.costs.params.embedding, 0))]
+
+    def _layer_b(self, index: int) -> Piece:
+        layer, params = self.costs.layer, self.costs.params
+        held = 2 * self.gathered
+        if self.split:
+            return Piece(layer.backward_input, alloc=self.rebuilt + held, free=self.acts.at_backward + held)
+        return Piece(layer.backward, alloc=self.rebuilt + held, free=self.acts.at_backward + held,
+                     grads=(index, params.layer_dense, params.layer_expert))
+
+    def _layer_f(self, index: int, work: Work) -> Piece:
+        return Piece(work, alloc=self.kept.total + self.gathered, free=self.gathered, weights=index)
+
+    def _paired(self, b: Piece, alloc: float, work: Work, weights) -> Piece:
+        # A forward layer allocating ``alloc`` beside backward layer ``b`` (memory.interleaved),
+        # both strands' gathered weights and the backward's full gradient held meanwhile.
+        up, down = interleaved(alloc + self.rebuilt, b.free - 2 * self.gathered)
+        held = 3 * self.gathered
+        return attrs.evolve(b, work=work, alloc=up + held, free=down + held, weights=weights,
+                            paired=self.costs.layer.block is None)
+
+    def _forward(self, stage: int) -> list[Piece]:
+        count = self._count(stage)
+        layers = [self._layer_f(i, self.costs.layer.forward) for i in range(count)]
+        return self._embed_f(stage) + layers + self._head_f(stage)
+
+    def _backward(self, stage: int) -> list[Piece]:
+        count = self._count(stage)
+        return self._head_b(stage) + [self._layer_b(i) for i in reversed(range(count))] + self._embed_b(stage)
+
+    def _weight(self, stage: int) -> list[Piece]:
+        count, params = self._count(stage), self.costs.params
+        head = []
+        if stage == len(self.stages) - 1:
+            head = [Piece(self.costs.heads.head_weight, free=self.head.at_weight, grads=("head", params.head, 0))]
+        return head + [Piece(self.costs.layer.weight, alloc=self.gathered, free=self.acts.at_weight + self.gathered,
+                             grads=(i, params.layer_dense, params.layer_expert)) for i in reversed(range(count))]
+
+    def _interleaved(self, fstage: int, bstage: int) -> list[Piece]:
+        pair = self.costs.layer.pair
+        if self.si and self.costs.layer.block is not None:
+            return self._scheduled(fstage, bstage)
+        if not self.si or pair is None:
+            return self._forward(fstage) + self._backward(bstage)
+        nf, nb = self._count(fstage), self._count(bstage)
+        paired = min(nf, nb)
+        # In a pair the β forward grows as the α backward shrinks (memory.interleaved).
+        body = [self._paired(self._layer_b(nb - 1 - k), self.kept.total, pair, k) for k in range(paired)]
+        body += [self._layer_f(k, self.costs.layer.forward) for k in range(paired, nf)]
+        body += [self._layer_b(i) for i in reversed(range(nb - paired))]
+        return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)
+                + self._embed_b(bstage))
+
+    def _scheduled(self, fstage: int, bstage: int) -> list[Piece]:
+        # The block scheduler's make-span for the whole block, cut into max(nf, nb) equal
+        # layer-sized pieces that allocate, free and complete gradients as the pairs of
+        # _interleaved do. The order may run a layer's wgrads, and the forward's next layers,
+        # up to blockorder.LAG layers off those points: memory and the dp reductions' start
+        # are booked at the pairs' points, not the order's.
+        nf, nb = self._count(fstage), self._count(bstage)
+        block = self.costs.layer.block(nf, nb)
+        steps = max(nf, nb, 1)
+        share = Work(block.makespan / steps, block.comm / steps, block.comm_exposed / steps)
+        body = []
+        for k in range(steps):
+            alloc = self.kept.total if k < nf else 0.0
+            if k < nb:
+                body.append(self._paired(self._layer_b(nb - 1 - k), alloc, share + self.costs.layer.again,
+                                         k if k < nf else None))
+            else:
+                body.append(self._layer_f(k, share))
+        return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)
+                + self._embed_b(bstage))
