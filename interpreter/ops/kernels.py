@@ -403,17 +403,18 @@ def _first_blocks(ctx) -> list[int]:
     return stage_blocks(ctx.comm, ctx.params["axis"], ctx.params["first"])
 
 
-def _split_blocks(x, near: list[int], blocks: int, dim: int = 0):
-    """(the blocks ``near`` of ``x`` along ``dim``, the others), each in block order."""
+def _take_blocks(x, groups: list[list[int]], blocks: int, dim: int = 0) -> tuple:
+    """For each list of block indices in ``groups``, those blocks of ``x`` (cut into
+    ``blocks`` equal pieces along ``dim``) joined along ``dim`` in the list's order."""
     pieces = x.chunk(blocks, dim)
-    return (torch.cat([pieces[b] for b in near], dim),
-            torch.cat([pieces[b] for b in range(blocks) if b not in near], dim))
+    return tuple(torch.cat([pieces[b] for b in group], dim) for group in groups)
 
 
 def _rest_forward(inputs, weight, ctx):
     (x,) = inputs
     near, blocks = _first_blocks(ctx), ctx.params["blocks"]
-    return _split_blocks(x, near, blocks)[1].contiguous(), (near, blocks)
+    far = [b for b in range(blocks) if b not in near]
+    return _take_blocks(x, [far], blocks)[0].contiguous(), (near, blocks)
 
 
 def _rest_dgrad(grad, saved, weight):
@@ -449,8 +450,7 @@ def _merge_forward(inputs, weight, ctx):
 
 def _merge_dgrad(grad, saved, weight):
     owners, blocks, dim = saved
-    pieces = grad.chunk(blocks, dim)
-    return tuple(torch.cat([pieces[b] for b in owned], dim).contiguous() for owned in owners)
+    return tuple(piece.contiguous() for piece in _take_blocks(grad, owners, blocks, dim))
 
 
 # -- others: a tensor's blocks without those of this rank's group (``by stages3``) ----------
