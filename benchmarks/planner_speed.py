@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/planner_speed.py [--max-segment N] [--repeat R] [--unbounded] [--chunked]
+    .venv/bin/python benchmarks/planner_speed.py [--max-segment N] [--repeat R] [--unbounded] [--chunked] [--exact]
 
 The pair cost is ``dsl.planner.paircost.PairCost`` with each program's profile (the shipped "a40")
 when that module is installed, else a synthetic three-lane cost defined below (the numbers
@@ -11,7 +11,10 @@ PairCost caches its results. ``--unbounded`` also plans the Llama pair with segm
 length and says whether the default bound found the same plan. ``--chunked`` also plans the SI
 pair of a Llama-70B-shaped layer (TP8 on 64 A40s) whose three Centauri chains (``ag1 + qkv``,
 ``prj + rs1``, ``ag2 + fc1 + act + fc2 + rs2``) run in 4 and in 8 chunks, as a ``partition``
-block written by hand (or by ``dhelix tune`` without SI) makes them.
+block written by hand (or by ``dhelix tune`` without SI) makes them. ``--exact`` also plans the
+MoE pair with segments of any length (exact over every order within the moving ops' window and
+every segmentation) and prints the relaxation's lower bound (``relaxed_total``: no window, no
+segment bound), which no plan over any order can beat.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from dhelix.dsl.planner.pairing import AUTO, plan_layers
+from dhelix.dsl.planner.pairing import AUTO, plan_layers, relaxed_total
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.planner.sequences import DEFAULT_MAX_PREFIXES
 
@@ -176,6 +179,20 @@ def bench(title: str, program, repeat: int, **bounds) -> object:
     return plan
 
 
+def exact_moe(moe, default, max_prefixes: int) -> None:
+    """Plan the MoE pair with segments of any length; print it beside the lower bound of
+    every plan over every order (no window) and every segmentation."""
+    make, _ = cost_factory(moe)
+    start = time.perf_counter()
+    bound = relaxed_total(moe.forward, moe.backward, moe.strands, make())
+    took = time.perf_counter() - start
+    if bound is not None:
+        print(f"  lower bound of every plan (every order, no window, any segments): {bound * 1e3:.3f} ms "
+              f"({took:.3f} s)")
+    exact = bench("moe_big, segments unbounded", moe, 1, max_segment=None, max_prefixes=max_prefixes)
+    print(f"  vs the default bounds: {exact.total * 1e3:.3f} vs {default.total * 1e3:.3f} ms")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-segment", type=int, default=None,
@@ -183,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prefixes", type=int, default=DEFAULT_MAX_PREFIXES)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--unbounded", action="store_true", help="also plan Llama with segments of any length")
+    parser.add_argument("--exact", action="store_true",
+                        help="also plan the MoE pair with segments of any length, and print its lower bound")
     parser.add_argument("--chunked", action="store_true",
                         help="also plan a Llama-70B-shaped pair with three chunk chains (4 and 8 chunks)")
     args = parser.parse_args(argv)
@@ -199,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                      max_prefixes=args.max_prefixes)
         print(f"  same total as with segments <= {plan.stats.max_segment}: {free.total == plan.total}")
     moe = check_text(MOE_PROGRAM, str(ROOT / "benchmarks" / "moe_big.dhx"))
-    bench("moe_big (TP2 EP4, 4 expert groups)", moe, 1, **bounds)
+    default = bench("moe_big (TP2 EP4, 4 expert groups)", moe, 1, **bounds)
+    if args.exact:
+        exact_moe(moe, default, args.max_prefixes)
     if args.chunked:
         for k in CHUNKS:
             chunked = check_text(CHUNKED_PROGRAM.format(k=k), str(ROOT / "benchmarks" / f"llama70b_chunk{k}.dhx"))

@@ -233,6 +233,24 @@ def test_segment_bounds_never_exceed_the_times_they_bound(case, drawn):
         sum(bf.lanes[1:]) + sum(bb.lanes[1:]))
 
 
+@settings(max_examples=150, deadline=None)
+@given(segment_pairs(), profiles(), st.data())
+def test_segment_bounds_never_grow_when_ops_leave_or_oef_classes_join(case, drawn, data):
+    """What the exact search's rest bound (dsl.planner.restbound) rests on: dropping ops from
+    either segment, while keeping the dropped ops' OEF classes, never raises a bound."""
+    prog, fwd, bwd = resolve(case)
+    pc = cost(build(drawn), prog)
+    keep_f = [op for op in fwd if data.draw(st.booleans())]
+    keep_b = [op for op in bwd if data.draw(st.booleans())] or bwd[:1]
+    bf, bb = pc.segment_bound(fwd), pc.segment_bound(bwd)
+    sf = attrs.evolve(pc.segment_bound(keep_f), kinds=bf.kinds)
+    sb = attrs.evolve(pc.segment_bound(keep_b), kinds=bb.kinds)
+    eps = 1e-12 * (bf.solo() + bb.solo())
+    assert sb.solo() <= bb.solo() + eps
+    if keep_f:
+        assert sf.solo() <= bf.solo() + eps and sf.pair(sb) <= bf.pair(bb) + eps
+
+
 def test_a_measured_profile_offers_no_bounds():
     measured = Measured("bf16", pairs=(MeasuredPair(("ln1",), ("h2.bwd",), 1.0),))
     assert cost(attrs.evolve(H100, measured=measured)).segment_bound(ops(TP8, "ln1")) is None

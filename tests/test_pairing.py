@@ -7,6 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -15,7 +16,9 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.frontend.profiles import LaunchGap
 from dhelix.dsl.planner.paircost import PairCost, SegmentBound
-from dhelix.dsl.planner.pairing import (DEFAULT_MAX_SEGMENT, pair_sequences, plan_layers, plan_program, restriction,
+from dhelix.dsl.planner import pairing
+from dhelix.dsl.planner.pairing import (DEFAULT_MAX_SEGMENT, pair_sequences, plan_layers, plan_program, relaxed_total,
+                                        restriction,
                                         rules_of)
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.core.plan import format_plan, plan_from_json, plan_to_json
@@ -520,3 +523,65 @@ def test_search_over_partitioned_dags_equals_the_best_over_all_legal_orders(chun
     best = min(pair_sequences([fops[n] for n in fo], [bops[n] for n in bo], cost, rules)[0]
                for fo in forders for bo in borders)
     assert plan_layers(fwd, bwd, strands, cost, max_segment=None).total == best
+
+
+# -- the exact search's rest bound (dsl.planner.restbound) --------------------------------
+
+@settings(PROPERTY, max_examples=150)
+@given(problems())
+def test_the_relaxed_total_never_exceeds_the_best_plan(problem):
+    """The fixed-chain relaxation is a lower bound of every plan, brute force on random layers."""
+    fwd, bwd, strands, salt = problem
+    forders, borders = order_pairs(fwd, bwd, strands)
+    assume(len(forders) * len(borders) <= 40)
+    cost = BoundedCost(salt)
+    assert relaxed_total(fwd, bwd, strands, cost) <= best_over_orders(fwd, bwd, strands, cost) * (1 + 1e-12)
+    assert relaxed_total(fwd, bwd, strands, SetCost(salt)) is None  # no bounds, no relaxation
+
+
+def _lane_model(program, oef: float, slowdown: float, fraction: float) -> PairCost:
+    """The program's PairCost on its profile with every OEF class, σ and the launch gap's
+    share of comm time replaced."""
+    base = PairCost.for_program(program).profile
+    profile = attrs.evolve(base, oef_classes={key: oef for key in base.oef_classes}, slowdown=slowdown,
+                           launch_gap=LaunchGap(20, fraction))
+    return PairCost.for_program(program, profile)
+
+
+def _best_over_orders_of(chunk: str, program, cost) -> float:
+    forders, borders = _partitioned_orders(chunk)
+    fwd, bwd = program.forward, program.backward
+    fops, bops = {op.name: op for op in fwd.ops}, {op.name: op for op in bwd.ops}
+    rules = rules_of(program.strands, fwd, bwd)
+    return min(pair_sequences([fops[n] for n in fo], [bops[n] for n in bo], cost, rules)[0]
+               for fo in forders for bo in borders)
+
+
+PARTITIONS = ["chunk ag + fc by 2", "chunk fc + rs by 2", MOVED]
+
+
+@settings(PROPERTY, max_examples=12)
+@given(st.sampled_from(PARTITIONS), st.sampled_from(["on", "off"]), st.floats(0, 1), st.floats(0, 0.5),
+       st.floats(0, 0.3))
+def test_with_the_lane_model_the_exact_search_and_its_bounds_hold_against_brute_force(
+        chunk, comm_with_comm, oef, slowdown, fraction):
+    """PairCost's bounds (lanes, chains, OEF savings) and the relaxation built on them: the
+    relaxed total is below the best plan, and the exact search that prunes by them finds it."""
+    program = _partitioned(chunk, comm_with_comm)
+    cost = _lane_model(program, oef, slowdown, fraction)
+    best = _best_over_orders_of(chunk, program, cost)
+    fwd, bwd, strands = program.forward, program.backward, program.strands
+    assert relaxed_total(fwd, bwd, strands, cost) <= best * (1 + 1e-12)
+    plan = plan_layers(fwd, bwd, strands, _lane_model(program, oef, slowdown, fraction), max_segment=None)
+    assert plan.total == pytest.approx(best, rel=1e-12)
+
+
+def test_a_rest_bound_that_over_estimates_loses_the_optimum(monkeypatch):
+    """The test above can fail: doubled, the rest bound prunes the best plan away."""
+    program = _partitioned(PARTITIONS[0], "on")
+    fwd, bwd, strands = program.forward, program.backward, program.strands
+    best = _best_over_orders_of(PARTITIONS[0], program, PairCost.for_program(program))
+    exact = pairing.fixed_chain_rest
+    monkeypatch.setattr(pairing, "fixed_chain_rest", lambda *args: [[2 * x for x in row] for row in exact(*args)])
+    assert plan_layers(fwd, bwd, strands, PairCost.for_program(program), max_segment=None).total != \
+        pytest.approx(best, rel=1e-12)

@@ -64,6 +64,24 @@ class Slot:
     end: float
 
 
+def lane_chain(inputs: Sequence[Sequence[str]], tasks: Sequence[Sequence[tuple]], names: Sequence[str]) -> float:
+    """The longest chain of one strand's segment through its data dependencies *and* each
+    lane's order (a strand's tasks on one lane run one after the other in segment order, as
+    on a CUDA stream): each task at full speed, an op done when its longest task is. Any
+    simulation of the segment, alone or beside another, lasts at least this long.
+    ``tasks[i]``: op i's (lane, seconds, …) tuples; ``inputs[i]``: its input names."""
+    done: dict[str, float] = {}
+    free = [0.0, 0.0, 0.0]  # when each lane's last task of this strand is done, at the earliest
+    for name, needs, work in zip(names, inputs, tasks, strict=True):
+        ready = max((done[x] for x in needs if x in done), default=0.0)
+        end = ready
+        for lane, seconds, *_ in work:
+            free[lane] = max(ready, free[lane]) + seconds
+            end = max(end, free[lane])
+        done[name] = end
+    return max(free)
+
+
 class _Segment:
     """One segment prepared for simulation (cached per segment): ops, in-segment
     dependencies, remaining-path lengths and per-lane task queues in segment order."""
@@ -143,6 +161,8 @@ class PairCost:
         self._rates: dict[tuple, tuple[float, ...]] = {}
         measured = profile.measured
         self._measured = measured if measured is not None and measured.dtype == dtype else None
+        self._kinds: dict[tuple, int] = {}  # OEF class of a task -> a representative task id
+        self._overlap = OverlapBound(self)
 
     @classmethod
     def for_program(cls, program, profile: Profile | None = None) -> "PairCost":
@@ -222,9 +242,22 @@ class PairCost:
         model (a measured time obeys no model bound)."""
         if self._measured is not None:
             return None
-        segment = self._segment(ops) if ops else None
-        return SegmentBound(self.lane_work(ops), max(segment.tail, default=0.0) if segment else 0.0,
-                            segment.comm if segment else 0.0, self.profile.launch_gap)
+        preps = [self._prepare(op) for op in ops]
+        work = self.lane_work(ops)
+        chain = lane_chain([inputs for _, inputs, _ in preps], [tasks for _, _, tasks in preps],
+                           [name for name, _, _ in preps]) if ops else 0.0
+        return SegmentBound(work, chain, work[1] + work[2], self.profile.launch_gap, self.task_kinds(ops), self._overlap)
+
+    def task_kinds(self, ops: Sequence) -> tuple[frozenset, ...]:
+        """Per lane, one task id for each OEF class its ops' tasks fall in (the class and
+        the keys the profile's overrides name): what :class:`OverlapBound` reads."""
+        kinds: list[set[int]] = [set(), set(), set()]
+        for op in ops:
+            for lane, _, uid in self._prepare(op)[2]:
+                task = self._tasks[uid]
+                sig = (task.cls, tuple(k for k in task.keys if k in self._override_keys))
+                kinds[lane].add(self._kinds.setdefault(sig, uid))
+        return tuple(frozenset(k) for k in kinds)
 
     def gap(self, fwd: Sequence, bwd: Sequence) -> float:
         """The launch gap a pair of these two non-empty segments pays."""
@@ -352,27 +385,119 @@ def _name_order(fwd: Sequence, bwd: Sequence) -> tuple[int, ...]:
 @attrs.frozen
 class SegmentBound:
     """Lower-bound terms of one segment: seconds of work per lane (compute, local, cross),
-    its longest in-segment dependency path and its communication seconds.
+    its longest chain through its dependencies and each lane's order (:func:`lane_chain`)
+    and its communication seconds; with ``overlap``,
+    also the OEF classes of its tasks per lane (``kinds``: one representative task per class).
 
     A lane runs one task at a time and a running task never goes faster than alone (every
     OEF is clamped to at most 1), so a solo step takes at least its busiest lane's work and
     its longest path; a pair at least the two segments' busiest summed lane and either
-    segment's path (whether interleaved or run back to back), plus its launch gap."""
+    segment's path (whether interleaved or run back to back), plus its launch gap. With
+    ``overlap`` (:class:`OverlapBound`), two lanes running together cost at least their work
+    less what their tasks' OEFs can save."""
 
     lanes: tuple[float, ...]
     path: float
     comm: float
     launch_gap: object  # the profile's LaunchGap
+    kinds: tuple[frozenset, ...] = (frozenset(), frozenset(), frozenset())
+    overlap: "OverlapBound | None" = attrs.field(default=None, eq=False)
 
     def solo(self) -> float:
         """A lower bound of this segment's solo time."""
-        return max(*self.lanes, self.path)
+        value = max(*self.lanes, self.path)
+        if self.overlap is not None:
+            value = max(value, self.overlap.solo(self))
+        return value
 
     def pair(self, other: "SegmentBound") -> float:
         """A lower bound of this segment's pair time with ``other`` (both non-empty)."""
         a, b = self.lanes, other.lanes
-        return (max(a[0] + b[0], a[1] + b[1], a[2] + b[2], self.path, other.path)
-                + self.launch_gap.seconds(self.comm + other.comm))
+        value = max(a[0] + b[0], a[1] + b[1], a[2] + b[2], self.path, other.path)
+        if self.overlap is not None and other.overlap is not None:
+            value = max(value, self.overlap.pair(self, other))
+        return value + self.launch_gap.seconds(self.comm + other.comm)
+
+
+_LANE_PAIRS = ((0, 1), (0, 2), (1, 2))
+
+
+class OverlapBound:
+    """What running two lanes together can save, from the OEFs of the tasks on them.
+
+    While a task on lane i and one on lane j run together, each runs at most at
+    ``1 / (2 - e)`` of its solo speed (``e``: their OEF, at most 1; a third running task only
+    slows them more). Doing ``z`` seconds of work on each lane side by side then takes
+    ``(2 - e) z``: the two lanes' work ``W_i + W_j`` less at most ``e⁺ z``. With ``e_s`` the
+    largest OEF of two tasks of one strand and ``e_x`` of two tasks of different strands, and
+    ``z_s``, ``z_x`` the work so overlapped (``z_s + z_x <= min(W_i, W_j)``; ``z_x`` at most
+    ``min(W_i^f, W_j^b) + min(W_i^b, W_j^f)``, ``z_s`` at most ``min(W_i^f, W_j^f) +
+    min(W_i^b, W_j^b)``), the step lasts at least ``W_i + W_j - e_s z_s - e_x z_x`` at the
+    worst such z (a small linear programme, solved greedily: the larger OEF's class first).
+    This is never above running the two segments one after the other, and never grows when
+    an OEF grows or work is removed, which :mod:`dsl.planner.restbound` relies on.
+    """
+
+    def __init__(self, cost: "PairCost"):
+        self._cost = cost
+        self._memo: dict[tuple, float] = {}
+        self._pairs: dict[tuple, tuple[tuple[float, float], ...]] = {}
+
+    def _oef(self, kinds_a: frozenset, kinds_b: frozenset, same: bool) -> float:
+        key = (kinds_a, kinds_b, same)
+        value = self._memo.get(key)
+        if value is None:
+            value = max((self._cost.oef(a, b, same) for a in kinds_a for b in kinds_b), default=0.0)
+            value = self._memo[key] = min(1.0, max(0.0, value))
+        return value
+
+    def _same(self, kinds: tuple[frozenset, ...], i: int, j: int) -> float:
+        return max(self._oef(kinds[i], kinds[j], True), self._oef(kinds[j], kinds[i], True))
+
+    def solo(self, seg: SegmentBound) -> float:
+        """A lower bound of one segment run alone: every two of its lanes."""
+        value, w = 0.0, seg.lanes
+        for i, j in _LANE_PAIRS:
+            m = min(w[i], w[j])
+            if m > 0.0:
+                value = max(value, w[i] + w[j] - self._same(seg.kinds, i, j) * m)
+        return value
+
+    def _classes(self, f: SegmentBound, b: SegmentBound) -> tuple[tuple[float, float], ...]:
+        """Per lane pair, (e_s, e_x) of the two segments' tasks (cached by their classes)."""
+        key = (f.kinds, b.kinds)
+        found = self._pairs.get(key)
+        if found is None:
+            found = self._pairs[key] = tuple(
+                (max(self._same(f.kinds, i, j), self._same(b.kinds, i, j)),
+                 max(self._oef(f.kinds[i], b.kinds[j], False), self._oef(f.kinds[j], b.kinds[i], False)))
+                for i, j in _LANE_PAIRS)
+        return found
+
+    def pair(self, f: SegmentBound, b: SegmentBound) -> float:
+        """A lower bound of the two segments interleaved (without the launch gap)."""
+        value, wf, wb = 0.0, f.lanes, b.lanes
+        classes = None
+        for k, (i, j) in enumerate(_LANE_PAIRS):
+            wi, wj = wf[i] + wb[i], wf[j] + wb[j]
+            m = wi if wi < wj else wj
+            if m <= 0.0:
+                continue
+            if classes is None:
+                classes = self._classes(f, b)
+            e_s, e_x = classes[k]
+            cap_x = min(wf[i], wb[j]) + min(wb[i], wf[j])
+            cap_s = min(wf[i], wf[j]) + min(wb[i], wb[j])
+            # The most the OEFs can save: overlap the class with the larger OEF first.
+            if e_x >= e_s:
+                z = cap_x if cap_x < m else m
+                saved = e_x * z + e_s * min(cap_s, m - z)
+            else:
+                z = cap_s if cap_s < m else m
+                saved = e_s * z + e_x * min(cap_x, m - z)
+            if wi + wj - saved > value:
+                value = wi + wj - saved
+        return value
 
 
 @attrs.define

@@ -23,7 +23,9 @@ go to the first path found, deterministically.
 
 The search prices a step only when it might matter (:func:`_shortest`): a cost that offers
 lower bounds (``segment_bound``, as :class:`~dhelix.dsl.planner.paircost.PairCost` does) lets it
-skip most pairs without simulating them, and the answer is the same as pricing every one.
+skip most pairs without simulating them, and the answer is the same as pricing every one. With
+segments of any length it also bounds the rest of a plan by :mod:`dsl.planner.restbound`
+(:func:`relaxed_total` is that bound from the start: no plan over any order beats it).
 
 Constraints (a restricted pair may still run each segment alone, one after the other):
 
@@ -51,8 +53,9 @@ from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.mesh import base_axis
 from dhelix.dsl.core.plan import Plan, PlanOp, SearchStats, SegmentPair
 from dhelix.dsl.core.program import OVERLAP_KINDS, LayerDag, Op, Program, Strands
+from dhelix.dsl.planner.restbound import fixed_chain_rest
 from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, available, canonical, count_orders, moving_ops,
-                        prefixes, selector_names, strand_within)
+                        prefixes, selector_names, strand_of, strand_within)
 
 INF = float("inf")
 #: ``max_segment``'s default: unbounded segments when the search is small enough to be exact
@@ -224,7 +227,7 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
     # A quick plan's total prunes the search (its steps are the search's own cells).
     if matrix.bounds is not None and (max_segment is None or max_segment > _CEILING_SEGMENT):
         ceiling = _shortest(tables, matrix, longest=_CEILING_SEGMENT)[1]
-    steps, total = _shortest(tables, matrix, ceiling)
+    steps, total = _shortest(tables, matrix, ceiling, chains=matrix.chain_rest() if max_segment is None else None)
     pairs = tuple(SegmentPair(tuple(op.name for op in tables[0].ops[f]),
                               tuple(op.name for op in tables[1].ops[b]), time,
                               matrix.solo[0][f] + matrix.solo[1][b]) for f, b, time in steps)
@@ -242,6 +245,17 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
         rules=_rules_text(strands, rules, moving), stats=stats, unit=getattr(cost, "unit", "s"))
 
 
+def relaxed_total(forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost) -> float | None:
+    """A lower bound of every plan's total (:mod:`dsl.planner.restbound`: the least total
+    with the moving ops dropped and every step at its cost's bound), or None when the cost
+    offers no bounds (e.g. a measured profile). What the exact search's pruning rests on."""
+    if getattr(cost, "segment_bound", None) is None or cost.segment_bound(tuple(forward.ops[:1])) is None:
+        return None
+    moving = moving_ops(strands, forward, backward)
+    sides = (strand_of(forward, moving), strand_of(backward, moving))
+    return _fixed_chain_table(sides, cost, rules_of(strands, forward, backward))[0][0]
+
+
 def plan_program(program: Program, cost: SegmentCost, **bounds) -> Plan:
     """:func:`plan_layers` for a checked program's layer (forward of one strand with the
     backward of the other); ``bounds`` are plan_layers' keyword arguments. Raises
@@ -250,6 +264,16 @@ def plan_program(program: Program, cost: SegmentCost, **bounds) -> Plan:
         raise DhelixError("there is no layer to plan: the file has no model block",
                           notes=["plan a file with a model, cluster and mesh (e.g. examples/llama8b_a40.dhx)"])
     return plan_layers(program.forward, program.backward, program.strands, cost, **bounds)
+
+
+def _fixed_chain_table(sides: tuple[Strand, Strand], cost: SegmentCost, rules: PairingRules) -> list[list[float]]:
+    """:func:`~dhelix.dsl.planner.restbound.fixed_chain_rest` for the two strands."""
+    fixed = [[op for op, rank in zip(side.ops, side.fixed_rank, strict=True) if rank >= 0] for side in sides]
+    moving = tuple([op for op, rank in zip(side.ops, side.fixed_rank, strict=True) if rank < 0] for side in sides)
+    axis_bits: dict[str, int] = {}
+    return fixed_chain_rest(fixed[0], fixed[1], moving, cost.segment_bound,
+                            lambda ops: _traits(ops, rules, axis_bits),
+                            lambda a, b: a.allows(b, rules.comm_with_comm))
 
 
 class _PairMatrix:
@@ -310,6 +334,18 @@ class _PairMatrix:
             return 0.0
         return self.bounds[0][f].pair(self.bounds[1][b]) * _SAFE
 
+    def chain_rest(self) -> tuple[list[list[float]], list[int], list[int]] | None:
+        """The rest bound of :mod:`dsl.planner.restbound` (None without the cost's bounds):
+        the table by fixed ops done, and per prefix of each strand its count of fixed ops."""
+        if self.bounds is None:
+            return None
+        rest = _fixed_chain_table((self.tables[0].strand, self.tables[1].strand), self.cost, self.rules)
+        counts = []
+        for table in self.tables:
+            mask = sum(1 << i for i, rank in enumerate(table.strand.fixed_rank) if rank >= 0)
+            counts.append([(prefix & mask).bit_count() for prefix in table.prefixes])
+        return rest, counts[0], counts[1]
+
     def remaining(self, side: int) -> list[tuple[float, ...]] | None:
         """Per prefix of strand ``side``, the per-lane work of the ops not yet run and their
         longest dependency path (None without the cost's bounds): any plan of the rest takes
@@ -346,7 +382,7 @@ _SAFE = 1.0 - 1e-9
 
 
 def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float = INF,
-              longest: int | None = None) -> tuple[list[tuple[int, int, float]], float]:
+              longest: int | None = None, chains: tuple | None = None) -> tuple[list[tuple[int, int, float]], float]:
     """The cheapest path from (∅, ∅) to (all, all): its steps (forward segment id, backward
     segment id, step time) and its total. States are visited forward prefix by forward
     prefix, then backward prefix by backward prefix, each by size, so a state's value is
@@ -356,7 +392,8 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
     is priced only if its lower bound could improve the state it reaches, if a pair's bound
     is not above running its two segments one after the other (the path through the
     intermediate state is then strictly cheaper), and if its bound plus a bound of the rest
-    (its busiest lane, or either strand's longest remaining dependency path) stays within
+    (its busiest lane, or either strand's longest remaining dependency path, or with
+    ``chains`` (:meth:`_PairMatrix.chain_rest`) the fixed-op relaxation's) stays within
     ``ceiling``, a total some plan reaches (INF: none known). ``longest``
     skips segments of more ops (the quick search that finds a ceiling)."""
     fwd, bwd = tables
@@ -367,6 +404,7 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
     rem_f, rem_b = matrix.remaining(0), matrix.remaining(1)
     solo_f, solo_b = matrix.solo
     limit = ceiling * (1.0 + 1e-9)
+    chain, fixed_f, fixed_b = chains if chains is not None else (None, None, None)
     fwd_succ, bwd_succ = fwd.succ, bwd.succ
     if longest is not None:
         fwd_succ = [[(f, j) for f, j in steps if fwd.sizes[f] <= longest] for steps in fwd_succ]
@@ -377,6 +415,8 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
             start = best[here]
             if start == INF or (rem_f is not None and start + _rest(rem_f[i], rem_b[k]) * _SAFE > limit):
                 continue
+            if chain is not None and start + chain[fixed_f[i]][fixed_b[k]] * _SAFE > limit:
+                continue
             for f, j in fwd_steps:
                 base = j * width
                 for b, l in bwd_steps:
@@ -385,6 +425,8 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
                     if start + low >= target or (f and b and low > solo_f[f] + solo_b[b]):
                         continue
                     if rem_f is not None and start + low + _rest(rem_f[j], rem_b[l]) * _SAFE > limit:
+                        continue
+                    if chain is not None and start + low + chain[fixed_f[j]][fixed_b[l]] * _SAFE > limit:
                         continue
                     value = start + matrix.cell(f, b)
                     if value < target:
