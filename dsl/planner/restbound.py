@@ -13,8 +13,10 @@ pair's bound with both intervals non-empty, where the pairing rules allow them t
 solo bound with one empty). Every plan of the real search maps onto a path of the
 relaxation that costs no more, because
 
-* a step's bound never grows when ops leave it (lane work, longest path and communication,
-  hence the launch gap, only shrink), and it is at most the step's cost;
+* a step's bound never grows when ops leave it, so long as their OEF classes stay (lane work,
+  the chain through dependencies and lane order, communication and hence the launch gap only
+  shrink; what overlap can save grows with the OEFs, never with the work): each interval here
+  keeps the OEF classes of all its strand's moving ops, and the bound is at most the step's cost;
 * a pair that the rules allow stays allowed without some of its ops (every rule asks for an
   op on each side);
 * a pair whose one side holds only moving ops becomes a solo step, whose bound is at most
