@@ -87,6 +87,40 @@ def test_a_search_that_defers_planning_equals_exhaustive(seed):
     assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_a_search_with_chains_under_si_equals_exhaustive(seed):
+    # Generated partitions keep their chunk chains under SI: such a choice waits with the
+    # bound of its step before the planner settles its counts (which plans several SI
+    # pairs), and the search still equals the exhaustive pricing.
+    from dhelix.dsl.search.pricer import _has_chains
+    from dhelix.dsl.search.tune import Deferred
+    from dhelix.dsl.simulator.events import has_si
+
+    rng = random.Random(300 + seed)
+    pricer, full = _pricer()
+    space = attrs.evolve(full, tp=(2,), zero=_sub(rng, full.zero), recompute=_sub(rng, full.recompute), cp=(1,),
+                         micro_batch=(1,), partition=("auto",),
+                         schedules=tuple(s for s in full.schedules if s[1] in ("w_helix", "dualpipe_v")))
+    chained: list = []
+    price = pricer.price
+
+    def counted(choice, *args, price=price, **kwargs):
+        result = price(choice, *args, **kwargs)
+        if isinstance(result, Deferred) and choice.si == "on":
+            program = pricer.checked(choice)
+            chained.extend([choice] if has_si(program) and _has_chains(program.partition) else [])
+        return result
+
+    pricer.price = counted
+    top = rng.choice((1, 3))
+    found = search(pricer, space, top=top)
+    expected = exhaustive(pricer, space, top=top)
+    assert chained
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    assert any(p.choice.si == "on" and p.choice.layout.partition == "auto" for p in expected)
+
+
 def test_the_bound_never_exceeds_a_priced_step(tiny):
     pricer, space = tiny
     schedule = next(s for s in space.schedules if s[0] == "none")
@@ -313,6 +347,7 @@ def test_a_relaxed_simulation_bounds_the_step_and_has_its_memory(tiny):
 
 
 def test_a_generated_partition_prints_checks_and_runs_exactly(tiny, tmp_path):
+    from dhelix.dsl.core import syntax as s
     from dhelix.dsl.search.space import Choice, Layout
     from dhelix.dsl.search.variant import relocate, variant_text
 
@@ -325,10 +360,11 @@ def test_a_generated_partition_prints_checks_and_runs_exactly(tiny, tmp_path):
     out.write_text(variant_text(relocate(pricer.variant(choice), str(TINY), str(out)), text, "generated"))
     written = out.read_text()
     assert "chunk ag2 + fc1 + act + fc2 + rs2 by auto" in written and "chunk ag1 + qkv by auto" in written
-    # With SI blocks the chains are left out, and on one node nothing else applies; the
-    # layout's bounds still come from the whole block, whichever schedule checks it.
+    # With SI blocks the chains are kept (the planner settles their counts under SI too);
+    # the layout's bounds still come from the whole block, whichever schedule checks it.
     si = pricer.price(attrs.evolve(choice, fold="u", pipeline="w_helix"))
-    assert not isinstance(si, Priced) and "nothing to partition" in si.why
+    assert isinstance(si, Priced) and si.sim.si, si
+    assert any(isinstance(st, s.Chunk) for st in pricer.checked(si.choice).partition.body)
     assert not isinstance(pricer.bound(attrs.evolve(choice.layout, microbatches=4, micro_batch=4),
                                        ("u", "w_helix")), str)
     run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
@@ -385,7 +421,7 @@ def test_layouts_share_only_equal_layer_dags(tiny):
     compared = refused = 0
     for layout in layouts:
         try:
-            alone = check_program(pricer.variant(Choice(layout, *schedule), whole=True))
+            alone = check_program(pricer.variant(Choice(layout, *schedule)))
             own = passes.rerun(attrs.evolve(alone, profile=pricer.profile), after="check", stop="autodiff")
         except DhelixError as exc:
             with pytest.raises(DhelixError) as shared:

@@ -26,12 +26,12 @@ Pruned as the paper prunes (and what keeps the search's bounds valid):
   (:func:`~dhelix.dsl.passes.group_levels.default_order`);
   under ZeRO-3, ``group weights`` when the data-parallel groups span nodes.
 
-With SI on the chains are left out (:func:`for_schedule`): SI already hides a strand's
-collectives behind the other strand's compute, and though one Llama-70B-shaped SI pair with
-three chains now plans in 2-3 s (benchmarks/results/cpu_planner_speed.txt, ``--chunked``),
-settling a candidate's chunk counts plans several such pairs for every SI layout priced, more
-than a search can afford per candidate; SI-off choices take them, and the language takes both
-together when written by hand.
+Chains are searched with SI on and off. Under SI, settling a candidate's chunk counts plans
+several SI layer pairs (one Llama-70B-shaped SI pair with three chains plans in 2-3 s,
+benchmarks/results/cpu_planner_speed.txt, ``--chunked``), so the search first bounds such a
+candidate by its step with every chain whole and every layer pass at its busiest lane, and
+settles its counts only when that bound can still enter the top
+(:meth:`~dhelix.dsl.search.pricer.Pricer.price`, ``defer``).
 
 Chunks, substitutions and the priority never lessen a lane's work (chunk GEMMs read their
 weight once per chunk, collectives pay their latency per chunk, a substituted all_reduce
@@ -113,15 +113,6 @@ def _chain(fwd: LayerDag, op: Op, env, claimed: dict, substituted: list[str]) ->
             return statement
         names.pop()
     return None
-
-
-def for_schedule(block: s.PartitionDef | None, si: bool) -> s.PartitionDef | None:
-    """``block`` for a pipeline with SI blocks (``si``: its chunk statements left out) or
-    without (as it is); None when nothing is left."""
-    if block is None or not si:
-        return block
-    body = tuple(st for st in block.body if not isinstance(st, s.Chunk))
-    return s.PartitionDef(body) if body else None
 
 
 def writes_si(pipeline: s.PipelineDef) -> bool:

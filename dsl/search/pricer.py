@@ -19,7 +19,7 @@ from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.planner.chunking import choose_all
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_costs
-from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, for_schedule, generated_partition, writes_si
+from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
 from dhelix.dsl.search.plan_cache import PlanCache
 from dhelix.dsl.search.space import Choice, Layout
 from dhelix.dsl.search.variant import apply_choice
@@ -116,10 +116,9 @@ class Pricer:
         once per layout and shared by its schedules."""
         if share and stop == "validate" and choice.si == "off" and choice.layout.partition == "written":
             return self._si_off(choice)
-        # Up to the layer DAGs a generated partition is written whole: its chains are checked
-        # whole (count 1), so the DAGs are those of the schedule's block, chains or none.
+        # Up to the layer DAGs a generated partition's chains are checked whole (count 1).
         if stop != "validate":
-            program = attrs.evolve(check_program(self.variant(choice, whole=True)), profile=self.profile)
+            program = attrs.evolve(check_program(self.variant(choice)), profile=self.profile)
             if stop != "autodiff":
                 return self.plans.intern(passes.rerun(program, after="check", stop=stop))
             return self._derived(program, choice.layout)
@@ -198,20 +197,18 @@ class Pricer:
             self._dags[layout] = self.checked(Choice(layout, *schedule), stop="autodiff")
         return self._dags[layout]
 
-    def variant(self, choice: Choice, modules: list[s.Module] | None = None, whole: bool = False
-                ) -> list[s.Module]:
+    def variant(self, choice: Choice, modules: list[s.Module] | None = None) -> list[s.Module]:
         """The parsed files (``modules``, default the priced ones) with ``choice`` written in
-        (its generated partition block too, when its partition is ``auto``; ``whole``: the
-        block as generated, whatever the schedule)."""
-        partition = self.generated(choice, whole) if choice.layout.partition == "auto" else None
+        (its generated partition block too, when its partition is ``auto``)."""
+        partition = self.generated(choice) if choice.layout.partition == "auto" else None
         return apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition)
 
-    def generated(self, choice: Choice, whole: bool = False) -> s.PartitionDef:
+    def generated(self, choice: Choice) -> s.PartitionDef:
         """The partition block generated for the layout of ``choice``
         (:func:`~dhelix.dsl.search.partitions.generated_partition` of its layer before any
-        partition), once per layout's mesh, micro-batch and sharding, without its chunk
-        chains when the choice's pipeline writes SI blocks and SI is on (:func:`for_schedule`)
-        unless ``whole``; CheckError when nothing applies (then the choice is the same as its twin
+        partition), once per layout's mesh, micro-batch and sharding, its chunk chains
+        included whether SI is on or off (under SI, :meth:`price` defers such a choice by its
+        bound); CheckError when nothing applies (then the choice is the same as its twin
         without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
@@ -225,7 +222,6 @@ class Pricer:
         found = self._partitions[key]
         if isinstance(found, DhelixError):
             raise found
-        found = for_schedule(found, not whole and choice.si == "on" and writes_si(self.pipelines[choice.pipeline]))
         if found is None:
             raise CheckError(NOTHING_TO_PARTITION)
         return found
@@ -285,7 +281,8 @@ class Pricer:
         the peak the simulation would report), and one over the device memory is returned as
         TooBig, one whose floor exceeds the ``cutoff`` as Pruned, both unsimulated. With
         ``defer`` too, a choice that would need its SI layer pair planned first is returned
-        as Deferred, with its floor. A schedule with SI blocks whose layer pair is not planned yet is first
+        as Deferred, with its floor (one whose partition has chunk chains under SI, before
+        the planner settles their counts, with the step at every pass's busiest lane). A schedule with SI blocks whose layer pair is not planned yet is first
         simulated with each layer pair at its lower bound (:func:`~dhelix.dsl.search.bound.relaxed_costs`): its memory
         is the real one (a rank's allocations follow its actions' order, not their durations),
         so one that does not fit is returned as such without planning; and with a ``cutoff``
@@ -294,13 +291,17 @@ class Pricer:
             program = self.checked(choice)
             launch = program.train.launch is not None or program.train.launch_backward is not None
             if program.partition is not None or launch:
-                if cutoff is not None and not launch:
+                # Under SI, settling chains' counts plans several SI layer pairs: deferred.
+                chained = defer and not launch and has_si(program) and _has_chains(program.partition)
+                if (cutoff is not None or chained) and not launch:
                     # Chains whole, substitutions undone, every layer pass at its busiest
                     # lane: a bound of the step of any choice the planner makes, before it
                     # makes them (the counts settled by the step simulate it several times).
                     relaxed = simulate(program, costs=relaxed_costs(program, self.cost, layers=True), trace=False)
-                    if relaxed.step_time > cutoff:
+                    if cutoff is not None and relaxed.step_time > cutoff:
                         return Pruned(choice, relaxed.step_time)
+                    if chained:
+                        return Deferred(choice, relaxed.step_time * (1 - FLOOR_MARGIN))
                 program = self.chosen(program, choice.layout)
             si = has_si(program)
             planned = not si or self.plans.has(program)
@@ -366,3 +367,8 @@ FLOOR_MARGIN = 1e-9
 
 #: The Program fields the planner's layer-level choices set (chunking.choose_all).
 _LAYER_CHOICES = ("substituted", "chunk_counts", "group_orders", "backward_first")
+
+
+def _has_chains(block: s.PartitionDef | None) -> bool:
+    """Whether the partition ``block`` has chunk statements (whose counts the planner settles)."""
+    return block is not None and any(isinstance(st, s.Chunk) for st in block.body)
