@@ -175,6 +175,17 @@ def test_group_mistakes_over_levels_are_located_errors(partition, mesh, message)
     assert first_error(text(partition, mesh=mesh)) == message
 
 
+@pytest.mark.parametrize("chunk", ["chunk ag1 + qkv by stages", "chunk ag1 + qkv by stages3"])
+def test_a_wrong_group_statement_is_the_only_error_of_its_staged_chain(chunk):
+    # The chain's gather is not split because its group statement is wrong: one error, at that
+    # statement, not a second one telling the user to add the group they wrote.
+    with pytest.raises(DhelixError) as caught:
+        run_until(text(f"group ag1 first inter;{chunk}"), "t.dhx", "partition")
+    rendered = caught.value.render()
+    assert rendered.splitlines()[0] == "t.dhx:11:19: unknown level 'inter' to run first"
+    assert "add: group ag1" not in rendered and "has no stages" not in rendered
+
+
 def test_stages3_after_first_the_smallest_level_says_to_leave_first_out():
     # Named first, the smallest level is followed by the others largest first: stages3 needs
     # them smallest first, which only leaving 'first' out gives.

@@ -144,15 +144,25 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     # A gather split three ways runs its smallest stage first unless told otherwise: inside the
     # node, or over declared levels the smallest level.
     fine = {st.ops[0] for st, three in staged if three}
+    failed: set[str] = set()  # collectives whose group statement has an error already
     for st in block.body:
-        if isinstance(st, s.Group) and _checked_first(st, mesh, errors):
-            for i, name in enumerate(st.ops):
-                if name == WEIGHTS and name not in {op.name for op in fwd.ops}:
-                    continue  # ZeRO-3's collectives: split by the fsdp pass
-                fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors,
-                                       st.first or (orders or {}).get(name)
-                                       or ((SMALLEST_FIRST if mesh.levels else INTRA) if name in fine else None))
+        if not isinstance(st, s.Group):
+            continue
+        if not _checked_first(st, mesh, errors):
+            failed.update(st.ops)
+            continue
+        for i, name in enumerate(st.ops):
+            if name == WEIGHTS and name not in {op.name for op in fwd.ops}:
+                continue  # ZeRO-3's collectives: split by the fsdp pass
+            found = len(errors.errors)
+            fwd = _group_partition(fwd, name, st.span_of(f"ops.{i}"), mesh, errors,
+                                   st.first or (orders or {}).get(name)
+                                   or ((SMALLEST_FIRST if mesh.levels else INTRA) if name in fine else None))
+            if len(errors.errors) > found:
+                failed.add(name)
     for st, three in staged:
+        if (WEIGHTS if st.dim == OUTPUTS else st.ops[0]) in failed:
+            continue  # its gather's group statement is wrong: that error says what to fix
         if st.dim == OUTPUTS:
             fwd = _at_weight_stages(fwd, st, block, mesh, claimed, errors, orders, counts, three)
         else:
