@@ -188,6 +188,13 @@ def test_the_summary_says_plainly_when_ranks_share_fewer_cores():
     assert shared_cores(ranks, cores=2, host="b") == ""  # ranks on another host
 
 
+def test_the_header_names_every_mesh_axis_expert_parallelism_too():
+    from dhelix.dsl.core.mesh import Mesh
+    from dhelix.interpreter.training.summary import describe_mesh
+    assert describe_mesh(Mesh(("tp", "dp", "pp"), (2, 4, 1), ep=2)) == "tp 2 × dp 4 (ep 2)"
+    assert describe_mesh(Mesh(("tp", "dp"), (1, 1))) == "1 rank"
+
+
 def test_the_summary_says_which_device_each_rank_used():
     from dhelix.interpreter.training.summary import describe_devices
 

@@ -160,8 +160,10 @@ def run_header(path: str, pipeline: str, mesh: str, ranks: int, backend: str, si
 
 
 def describe_mesh(mesh) -> str:
-    """``tp 2 × pp 2`` (the axes larger than 1, innermost first)."""
-    parts = [f"{axis} {size}" for axis, size in zip(mesh.order, mesh.sizes, strict=True) if size > 1]
+    """``tp 2 × pp 2`` (the axes larger than 1, innermost first); ``dp 4 (ep 2)`` where the
+    experts are split over part of dp."""
+    parts = [f"{axis} {size}" + (f" (ep {mesh.ep})" if axis == "dp" and mesh.ep > 1 else "")
+             for axis, size in zip(mesh.order, mesh.sizes, strict=True) if size > 1]
     return " × ".join(parts) or "1 rank"
 
 
