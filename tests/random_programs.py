@@ -43,15 +43,19 @@ def program(pick: Pick, *, max_world: int = 8) -> str:
     fold = pick(("none", "u", "loop"))
     chunks = {"none": 1, "u": 2}.get(fold, 2)
     layers = pick((2, 4, 8)) * mesh.get("pp", 1) * chunks // 2 or 1
+    # A declared topology of three levels (islands of 2 GPUs inside each node) where a node has
+    # room for one; its level names are what `group … first` then takes.
+    levels = per_node >= 4 and pick((False, False, True))
     parts = [HEADER, _model(layer, layers),
-             f'cluster {{\n  nodes = {world // per_node}\n  gpus_per_node = {per_node}\n  profile = "a40"\n}}\n',
+             f'cluster {{\n  nodes = {world // per_node}\n  gpus_per_node = {per_node}\n'
+             + ("  levels {\n    island = 2\n  }\n" if levels else "") + '  profile = "a40"\n}\n',
              "mesh {\n" + "".join(f"  {axis} = {size}\n" for axis, size in mesh.items() if size > 1) + "}\n",
              _train(pick, mesh), f"fold {'loop(2)' if fold == 'loop' else fold}\n",
              f"pipeline {pick(PIPELINES[fold])}\n", _strands(pick, mesh)]
     if layer == "random":
         parts.append(_random_layer(pick))
     elif layer in ("llama", "llama_rope", "gpt") and pick((False, True)):
-        parts.append(_partition(pick, mesh))
+        parts.append(_partition(pick, mesh, levels))
     elif layer == "llama_tp" and mesh["tp"] > 1:  # as written, run refuses it (documented)
         parts.append(TP_TO_SP)
     return "\n".join(part for part in parts if part)
@@ -104,7 +108,7 @@ def _strands(pick: Pick, mesh: dict) -> str:
     return "strands {\n" + "".join(f"  {line}\n" for line in lines) + "}\n" if lines else ""
 
 
-def _partition(pick: Pick, mesh: dict) -> str:
+def _partition(pick: Pick, mesh: dict, levels: bool = False) -> str:
     statements = []
     for _ in range(pick((1, 2))):
         kind = pick(("chunk", "chunk", "group", "substitute", "backward"))
@@ -114,8 +118,9 @@ def _partition(pick: Pick, mesh: dict) -> str:
             along = pick(("", " along tokens", " along features", " along outputs"))
             statements.append(f"chunk {' + '.join(ops)}{along} by {pick(('2', '4', 'auto', 'stages', 'stages3'))}")
         elif kind == "group":
-            statements.append(f"group {pick(('ag1', 'rs1', 'ag2', 'rs2', 'weights'))}"
-                              f"{pick(('', ' first inter', ' first intra'))}")
+            firsts = ('', ' first island', ' first node', ' first cluster') if levels else \
+                ('', ' first inter', ' first intra')
+            statements.append(f"group {pick(('ag1', 'rs1', 'ag2', 'rs2', 'weights'))}{pick(firsts)}")
         elif kind == "substitute":
             statements.append(pick(SUBSTITUTIONS))
         else:
@@ -159,12 +164,20 @@ def world_of(text: str) -> int:
     return world
 
 
-def differential(text: str, folder, *, simulate_si_plan: str = "planned", run_si_plan: str | None = None) -> tuple:
+#: What ``dhelix tune`` may be told to keep in the fuzzer (None: nothing, search it all).
+TUNE_KEEPS = (None, "mesh", "pipeline,fold", "partition", "zero,recompute", "si")
+
+
+def differential(text: str, folder, *, simulate_si_plan: str = "planned", run_si_plan: str | None = None,
+                 tune: tuple[str | None, bool] | None = None) -> tuple:
     """The fuzzer's properties on one program, written to ``folder``: ``check`` refuses it
     with a located error (("rejected", message)), or else ``fmt`` round-trips it, ``plan``
     and ``simulate --si-plan simulate_si_plan`` finish with no other error than a
     DhelixError and, with ``run_si_plan``, ``run --check --si-plan run_si_plan`` matches the
-    reference: ("passed", "") or ("failed", what went wrong)."""
+    reference; with ``tune`` = (what to ``--keep`` or None, whether ``--partitions``),
+    ``tune -o`` exits 0 or with a located error, and what it writes checks and, where
+    ``run_si_plan`` is given, runs one step of ``run --check`` too (it may differ in its
+    ranks): ("passed", "") or ("failed", what went wrong)."""
     import contextlib
     import io
     import traceback
@@ -192,8 +205,12 @@ def differential(text: str, folder, *, simulate_si_plan: str = "planned", run_si
         return "failed", "fmt: " + traceback.format_exc(limit=-3)
     commands = [["plan", str(path)], ["simulate", str(path), "--si-plan", simulate_si_plan]]
     if run_si_plan is not None:
-        commands.append(["run", str(path), "--check", "--steps", "1", "--si-plan", run_si_plan, "--force",
-                         "--timeout", "120"])
+        commands.append(_run_check(path, run_si_plan))
+    tuned = Path(folder) / "tuned.dhx"
+    if tune is not None:
+        keep, partitions = tune
+        commands.append(["tune", str(path), "-o", str(tuned), "--top", "2"] + (["--keep", keep] if keep else [])
+                        + (["--partitions"] if partitions else []))
     for argv in commands:
         out = io.StringIO()
         try:
@@ -202,5 +219,19 @@ def differential(text: str, folder, *, simulate_si_plan: str = "planned", run_si
         except BaseException:  # noqa: BLE001 - a traceback is the finding (SystemExit included)
             return "failed", f"{' '.join(argv[:1] + argv[2:])}: " + traceback.format_exc(limit=-3)
         if argv[0] == "run" and code != 0:
-            return "failed", f"run --check --si-plan {run_si_plan} (exit {code}):\n{out.getvalue()[-1500:]}"
+            return "failed", f"{' '.join(argv[2:])} (exit {code}):\n{out.getvalue()[-1500:]}"
+        if argv[0] == "tune" and (code not in (0, 1) or code == 1 and ": " not in out.getvalue()):
+            return "failed", f"{' '.join(argv[:1] + argv[2:])} (exit {code}):\n{out.getvalue()[-1500:]}"
+        if argv[0] == "tune" and code == 0:
+            written = tuned.read_text()
+            try:
+                check_text(written, str(tuned))
+            except Exception:  # noqa: BLE001 - tune's output must check
+                return "failed", f"tune's output does not check:\n{traceback.format_exc(limit=-3)}\n{written}"
+            if run_si_plan is not None and world_of(written) <= 4:
+                commands.append(_run_check(tuned, run_si_plan))
     return "passed", ""
+
+
+def _run_check(path, si_plan: str) -> list[str]:
+    return ["run", str(path), "--check", "--steps", "1", "--si-plan", si_plan, "--force", "--timeout", "120"]

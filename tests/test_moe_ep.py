@@ -35,7 +35,7 @@ SEED, DATA_SEED, MICRO_BATCH = 13, 4, 2
 
 
 def program(mesh: str, pipeline: str = "one_f_one_b", fold: str = "none", layers: int = 2,
-            microbatches: int = 2, nodes: int = 1, per_node: int = 2, zero: int = 0):
+            microbatches: int = 2, nodes: int = 1, per_node: int = 2, zero: int = 0, recompute: str = "none"):
     """A tiny MoE model (4 experts, top-2) on ``mesh``."""
     return check_text(f"""
 import "stdlib/layers.dhx"
@@ -44,7 +44,7 @@ model m {{ layers = {layers}  hidden = 32  ffn = 64  heads = 4  kv_heads = 2  se
   experts = 4  top_k = 2  dtype = fp32  layer = moe }}
 cluster {{ nodes = {nodes}  gpus_per_node = {per_node}  profile = "a40" }}
 mesh {{ {mesh} }}
-train {{ micro_batch = {MICRO_BATCH}  microbatches = {microbatches}  zero = {zero} }}
+train {{ micro_batch = {MICRO_BATCH}  microbatches = {microbatches}  zero = {zero}  recompute = {recompute} }}
 fold {fold}
 pipeline {pipeline}
 """, "t.dhx")
@@ -165,23 +165,26 @@ def test_ep2_layer_matches_reference(layer_results, skewed, async_comm):
 
 # -- four ranks: executor steps with the optimizer ---------------------------------------------
 
-#: name → (mesh, pipeline, fold, si, zero level, steps)
+#: name → (mesh, pipeline, fold, si, zero level, steps, recompute)
 CASES = {
     # Two EP groups on two pipeline stages, strand-interleaved (the ep all_to_alls of two
     # micro-batches interleave); edp groups of one rank.
-    "dp2_ep2_pp2_w_helix": ("dp = 2  ep = 2  pp = 2", "w_helix", "u", True, 0, 2),
+    "dp2_ep2_pp2_w_helix": ("dp = 2  ep = 2  pp = 2", "w_helix", "u", True, 0, 2, "none"),
     # Two EP blocks: the expert gradients are summed over edp groups of two ranks.
-    "dp4_ep2": ("dp = 4  ep = 2", "one_f_one_b", "none", False, 0, 2),
-    "dp4_ep2_zero1": ("dp = 4  ep = 2", "one_f_one_b", "none", False, 1, 2),
+    "dp4_ep2": ("dp = 4  ep = 2", "one_f_one_b", "none", False, 0, 2, "none"),
+    "dp4_ep2_zero1": ("dp = 4  ep = 2", "one_f_one_b", "none", False, 1, 2, "none"),
     # ZeRO-2: each micro-batch's layer gradients reduce-scattered, the expert ones over edp.
-    "dp4_ep2_zero2": ("dp = 4  ep = 2", "one_f_one_b", "none", False, 2, 2),
+    "dp4_ep2_zero2": ("dp = 4  ep = 2", "one_f_one_b", "none", False, 2, 2, "none"),
+    # Full recomputation: the forward's replay routes again and reuses the first run's layout.
+    "dp4_ep2_recompute_full": ("dp = 4  ep = 2", "one_f_one_b", "none", False, 0, 2, "full"),
 }
 
 
 def _case(name: str):
-    mesh, pipeline, fold, si, zero, steps = CASES[name]
+    mesh, pipeline, fold, si, zero, steps, recompute = CASES[name]
     layers, microbatches = (4, 4) if "pp" in mesh else (2, 2)
-    prog = program(mesh, pipeline, fold, layers, microbatches, nodes=2, per_node=2, zero=zero)
+    prog = program(mesh, pipeline, fold, layers, microbatches, nodes=2, per_node=2, zero=zero,
+                   recompute=recompute)
     comm = DistComm(prog.mesh, timeout_s=60)
     # As `dhelix run` builds it: dense and expert buckets per layer, reduced under the backward.
     executor = Executor(prog, comm, seed=SEED, si=si, plan_for=op_by_op_plan,

@@ -4,7 +4,8 @@ Every layer of a model has the same DAG, so one plan (the forward of one strand'
 the backward of the other strand's) is what every layer pair of every SI block runs. The
 command prints where the plan is used (how many layer pairs per step), then the plan table of
 :func:`dsl.core.plan.format_plan`: per segment pair its ops by lane, predicted time and time
-alone, then the sequential time, the speedup and the communication hidden. ``--json`` prints
+alone, then the sequential time, the speedup and the communication hidden, and how far the plan
+can be from the fastest (exact, or within a percentage of a proven lower bound). ``--json`` prints
 the same as JSON (:func:`dsl.core.plan.plan_to_json` under ``"plan"``), keys in a fixed order.
 
 A file without a hardware profile is an error located at its cluster block (the cost model
@@ -26,6 +27,7 @@ from dhelix.dsl.core.plan import format_plan, plan_to_json
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Interleaved
 from dhelix.dsl.simulator.events import require_profile, schedule_plan
+from dhelix.dsl.simulator.si_pairs import plan_optimality
 
 
 def register(subparsers) -> None:
@@ -55,15 +57,17 @@ def cmd_plan(args) -> int:
     require_profile(program)
     plan = schedule_plan(program, max_segment=AUTO if args.max_segment is None else args.max_segment or None)
     usage = plan_usage(program)
+    known = plan_optimality(program, plan)
     if args.json:
         data = {"file": args.file, "model": program.model.name, "layer": program.model.layer,
                 "profile": program.profile.name, **usage, "plan": plan_to_json(plan),
+                "optimality": {"exact": known.exact, "fastest": known.fastest, "lower_bound": known.floor},
                 "chunks": [{"ops": list(c.ops), "chosen": c.chosen,
                             "candidates": {c2.count: c2.seconds for c2 in c.candidates}} for c in chunks]}
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
     sys.stdout.write(plan_header(args.file, program, usage) + "\n"
-                     + "".join(f"{choice.block} {choice.describe()}\n" for choice in chunks) + format_plan(plan))
+                     + "".join(f"{choice.block} {choice.describe()}\n" for choice in chunks) + format_plan(plan, known))
     return 0
 
 

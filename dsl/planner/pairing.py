@@ -256,6 +256,42 @@ def relaxed_total(forward: LayerDag, backward: LayerDag, strands: Strands, cost:
     return _fixed_chain_table(sides, cost, rules_of(strands, forward, backward))[0][0]
 
 
+#: Pairs of segments up to which :func:`optimality` checks a bounded plan by the search with
+#: segments of any length (a Llama TP+SP pair, ~280,000, takes about half a second).
+CERTIFY_PAIRS = 2_000_000
+
+
+@attrs.frozen
+class Optimality:
+    """How far a plan can be from the fastest plan of its layer pair, under the cost model.
+
+    ``exact``: no plan over any legal order and segmentation is faster (the search was
+    exhaustive, or the search with segments of any length found the same total);
+    ``fastest``: that search's total where it was run; ``floor``: a proven lower bound of
+    every plan (:func:`relaxed_total`) where neither applies (None under a measured profile)."""
+
+    exact: bool
+    fastest: float | None = None
+    floor: float | None = None
+
+
+def optimality(plan: Plan, forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost) -> Optimality:
+    """What is known of ``plan``'s distance from the fastest (see :class:`Optimality`): the
+    plan's own search when it was exhaustive; else, when the moving ops had no window and the
+    strands have at most CERTIFY_PAIRS pairs of segments, the search with segments of any
+    length (exact then); else the relaxation's lower bound."""
+    stats = plan.stats
+    if stats.max_segment is None and stats.forward_window is None and stats.backward_window is None:
+        return Optimality(True, plan.total)
+    if stats.forward_window is None and stats.backward_window is None:
+        moving = moving_ops(strands, forward, backward)
+        sides = (strand_of(forward, moving), strand_of(backward, moving))
+        if _segment_pairs_within(sides, CERTIFY_PAIRS):
+            fastest = plan_layers(forward, backward, strands, cost, max_segment=None).total
+            return Optimality(True, fastest)
+    return Optimality(False, floor=relaxed_total(forward, backward, strands, cost))
+
+
 def plan_program(program: Program, cost: SegmentCost, **bounds) -> Plan:
     """:func:`plan_layers` for a checked program's layer (forward of one strand with the
     backward of the other); ``bounds`` are plan_layers' keyword arguments. Raises

@@ -94,9 +94,24 @@ def exchange(x: torch.Tensor, ctx):
             raise RuntimeError("MoE combine before any dispatch in this layer run")
         layout = ctx.routing["ep"] = plan_layout(ctx.routing["counts"], ctx.comm, ctx.axis, x.device)
         ctx.routing["counts"] = layout.local_counts  # what grouped_gemm reads
+    elif role == DISPATCH and ctx.routing["counts"] is not layout.local_counts:
+        # The forward again (full recomputation): permute has routed the same tokens the same
+        # way and set their global counts; the first run's layout holds, no counts to exchange.
+        _same_routing(ctx.routing["counts"], layout)
+        ctx.routing["counts"] = layout.local_counts
     if role == DISPATCH:
         return dispatch(x, layout, ctx.comm, ctx.axis, ctx.async_op)
     return combine(x, layout, ctx.comm, ctx.axis, ctx.async_op)
+
+
+def _same_routing(counts: list[int], layout: EpLayout) -> None:
+    """Raise unless ``counts`` (rows per global expert) send what ``layout`` sends."""
+    local = len(counts) // len(layout.send)
+    send = [sum(counts[j * local:(j + 1) * local]) for j in range(len(layout.send))]
+    if send != layout.send:
+        raise RuntimeError(f"the recomputed forward routed the tokens differently ({send} rows to the ep ranks, "
+                           f"first {layout.send}): the router's inputs or weights changed between the forward "
+                           "and its recomputation")
 
 
 def plan_layout(counts: list[int], comm, axis: str, device) -> EpLayout:
