@@ -9,10 +9,13 @@ import pytest
 
 from dhelix.cli import main
 from dhelix.dsl.passes.pipeline import check_text
-from dhelix.dsl.core.plan import plan_from_json
+from dhelix.dsl.core.plan import optimality_line, plan_from_json
+from dhelix.dsl.planner.paircost import PairCost
+from dhelix.dsl.planner.pairing import Optimality, optimality, plan_layers
 from dhelix.dsl.render.ladder import ladder_dot
 from dhelix.dsl.simulator.events import schedule_plan
 from conftest import ROOT
+from test_pairing import Unbounded
 
 EXAMPLE = "examples/llama39b_a40.dhx"
 
@@ -85,3 +88,41 @@ def test_plan_prints_the_choices_of_every_level(capsys):
     assert "partition group ag1: inter first (inter: " in out and "partition backward: " in out
     assert main(["plan", "examples/tiny_llama_launch_cpu.dhx"]) == 0
     assert "train launch = auto: " in capsys.readouterr().out
+
+
+# -- how far a plan can be from the fastest (plan --certify) ---------------------------------
+
+def _example(name: str):
+    program = check_text((ROOT / "examples" / name).read_text(), name)
+    return program, PairCost.for_program(program)
+
+
+def test_certify_finds_a_faster_plan_where_the_default_segment_bound_loses_one(capsys):
+    # Megatron's TP layer with its all_reduces substituted: the 4-op segments lose 0.9 %.
+    program, cost = _example("megatron_tp_substitute_a40.dhx")
+    fastest = plan_layers(program.forward, program.backward, program.strands, cost, max_segment=None)
+    assert main(["plan", "examples/megatron_tp_substitute_a40.dhx", "--certify"]) == 0
+    default = schedule_plan(program)
+    assert fastest.total < default.total
+    percent = 100 * (1 - fastest.total / default.total)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"not optimal: segments of any length give {fastest.total * 1e3:.3f} ms ({percent:.1f}% faster); "
+        "plan --max-segment 0 shows that plan")
+
+
+def test_certify_proves_the_default_plan_optimal_or_bounds_it():
+    program, cost = _example("llama39b_a40.dhx")
+    fwd, bwd, strands = program.forward, program.backward, program.strands
+    plan = plan_layers(fwd, bwd, strands, cost)
+    assert optimality(plan, fwd, bwd, strands, cost) == Optimality(True, plan.total)  # the same total, searched
+    assert "optimal: a search over every" in optimality_line(plan, optimality(plan, fwd, bwd, strands, cost))
+    # A window on the moving ops: no exact search to compare with, the relaxation's bound instead.
+    windowed = plan_layers(fwd, bwd, strands, cost, max_prefixes=40)
+    assert windowed.stats.backward_window is not None
+    known = optimality(windowed, fwd, bwd, strands, cost)
+    assert not known.exact and known.floor <= plan.total <= windowed.total
+    assert optimality_line(windowed, known).startswith("optimality: no plan over any order and segmentation beats")
+    # Without bounds (a measured profile's cost) nothing is searched again and nothing is proven.
+    unbounded = optimality(plan, fwd, bwd, strands, Unbounded(cost))
+    assert unbounded == Optimality(False) and "not proven" in optimality_line(plan, unbounded)
+    assert optimality_line(plan).startswith("optimality: not checked (a bounded search: segments of at most 4 ops)")

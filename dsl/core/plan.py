@@ -129,12 +129,10 @@ def _scale(unit: str) -> tuple[float, str]:
     return (1e3, "ms") if unit == "s" else (1.0, unit)
 
 
-def format_plan(plan: Plan, known: "Optimality | None" = None) -> str:
+def format_plan(plan: Plan) -> str:
     """The plan as text: a header with the layers, rules and search size, one row per
     segment pair (its ops by lane, predicted time, time alone) and a summary with the
-    sequential time, the speedup and the communication hidden; with ``known``
-    (:class:`~dhelix.dsl.planner.pairing.Optimality`), a line on how far it can be from the
-    fastest plan."""
+    sequential time, the speedup and the communication hidden."""
     factor, unit = _scale(plan.unit)
     columns = ("fwd compute", "bwd compute", *COMM_LANES)  # the keys of lanes_of
     header = ["#", *columns, f"time {unit}", f"alone {unit}"]
@@ -161,26 +159,32 @@ def format_plan(plan: Plan, known: "Optimality | None" = None) -> str:
         f"speedup {plan.speedup:.3f}x",
         f"communication {plan.comm_time * factor:.3f} {unit}: hidden {plan.comm_hidden * factor:.3f} {unit} "
         f"({100 * plan.comm_hidden_fraction:.1f}%), exposed {plan.comm_exposed * factor:.3f} {unit}",
-        *([] if known is None else [optimality_line(plan, known)]),
     ]
     return "\n".join(lines) + "\n"
 
 
-def optimality_line(plan: Plan, known) -> str:
-    """One line on how far the plan can be from the fastest (``known``: an Optimality)."""
+def optimality_line(plan: Plan, known=None) -> str:
+    """One line on how far the plan can be from the fastest: ``known`` (an
+    :class:`~dhelix.dsl.planner.pairing.Optimality`) where it was worked out, else what the
+    plan's own search says."""
     factor, unit = _scale(plan.unit)
-    if known.exact and known.fastest is not None and plan.total <= known.fastest * (1 + 1e-9):
-        if plan.stats.max_segment is None:
-            return "optimal: the search covered every legal order and segmentation"
+    stats = plan.stats
+    exhaustive = stats.max_segment is None and stats.forward_window is None and stats.backward_window is None
+    if exhaustive:
+        return "optimal: the search covered every legal order and segmentation"
+    if known is None:
+        bounds = ([f"segments of at most {stats.max_segment} ops"] if stats.max_segment else []) + \
+            [f"the moving ops within {w} fixed ops" for w in {stats.forward_window, stats.backward_window} if w is not None]
+        return f"optimality: not checked (a bounded search: {', '.join(bounds)})"
+    if known.exact and plan.total <= known.fastest * (1 + 1e-9):
         return "optimal: a search over every legal order and segmentation (segments of any length) finds no faster plan"
     if known.exact:
         return (f"not optimal: segments of any length give {known.fastest * factor:.3f} {unit} "
-                f"({100 * (1 - known.fastest / plan.total):.1f}% faster; plan --max-segment 0 shows it)")
+                f"({100 * (1 - known.fastest / plan.total):.1f}% faster)")
     if known.floor is None:
-        return "optimality: not proven (a bounded search, and a measured profile's times give no lower bound)"
-    return (f"optimality: a bounded search; no plan over any order and segmentation beats {known.floor * factor:.3f} "
-            f"{unit} (a relaxation's bound), so this one is within {100 * (plan.total / known.floor - 1):.1f}% "
-            "of the fastest")
+        return "optimality: not proven (a measured profile's times give no lower bound to prove it by)"
+    return (f"optimality: no plan over any order and segmentation beats {known.floor * factor:.3f} {unit} "
+            f"(a relaxation's bound), so this one is within {100 * (plan.total / known.floor - 1):.1f}% of the fastest")
 
 
 def _window(window: int | None) -> str:

@@ -277,13 +277,15 @@ class Optimality:
 
 def optimality(plan: Plan, forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost) -> Optimality:
     """What is known of ``plan``'s distance from the fastest (see :class:`Optimality`): the
-    plan's own search when it was exhaustive; else, when the moving ops had no window and the
-    strands have at most CERTIFY_PAIRS pairs of segments, the search with segments of any
-    length (exact then); else the relaxation's lower bound."""
+    plan's own search when it was exhaustive; else, when the moving ops had no window, the
+    strands have at most CERTIFY_PAIRS pairs of segments and the cost offers bounds (without
+    them every pair is simulated: a measured profile), the search with segments of any length
+    (exact then); else the relaxation's lower bound."""
     stats = plan.stats
     if stats.max_segment is None and stats.forward_window is None and stats.backward_window is None:
         return Optimality(True, plan.total)
-    if stats.forward_window is None and stats.backward_window is None:
+    bounded = getattr(cost, "segment_bound", None) is not None and cost.segment_bound(tuple(forward.ops[:1])) is not None
+    if bounded and stats.forward_window is None and stats.backward_window is None:
         moving = moving_ops(strands, forward, backward)
         sides = (strand_of(forward, moving), strand_of(backward, moving))
         if _segment_pairs_within(sides, CERTIFY_PAIRS):
