@@ -81,7 +81,7 @@ def _next_step(plan, known) -> str:
     faster plan's command where one was found."""
     if known is None and optimality_line(plan).startswith("optimality: not checked"):
         return "; plan --certify compares it with every order and segmentation"
-    if known is not None and known.exact and known.fastest < plan.total * (1 - 1e-9):
+    if known is not None and known.faster(plan):
         return "; plan --max-segment 0 shows that plan"
     return ""
 

@@ -68,6 +68,12 @@ class SearchStats:
     max_segment: int | None
     pair_evaluations: int
 
+    @property
+    def exhaustive(self) -> bool:
+        """Whether the search covered every legal order and segmentation: segments of any
+        length and no window on the moving ops (no faster plan exists then)."""
+        return self.max_segment is None and self.forward_window is None and self.backward_window is None
+
 
 @attrs.frozen(kw_only=True)
 class Plan:
@@ -169,14 +175,13 @@ def optimality_line(plan: Plan, known=None) -> str:
     plan's own search says."""
     factor, unit = _scale(plan.unit)
     stats = plan.stats
-    exhaustive = stats.max_segment is None and stats.forward_window is None and stats.backward_window is None
-    if exhaustive:
+    if stats.exhaustive:
         return "optimal: the search covered every legal order and segmentation"
     if known is None:
         bounds = ([f"segments of at most {stats.max_segment} ops"] if stats.max_segment else []) + \
             [f"the moving ops within {w} fixed ops" for w in {stats.forward_window, stats.backward_window} if w is not None]
         return f"optimality: not checked (a bounded search: {', '.join(bounds)})"
-    if known.exact and plan.total <= known.fastest * (1 + 1e-9):
+    if known.exact and not known.faster(plan):
         return "optimal: a search over every legal order and segmentation (segments of any length) finds no faster plan"
     if known.exact:
         return (f"not optimal: segments of any length give {known.fastest * factor:.3f} {unit} "

@@ -249,11 +249,17 @@ def relaxed_total(forward: LayerDag, backward: LayerDag, strands: Strands, cost:
     """A lower bound of every plan's total (:mod:`dsl.planner.restbound`: the least total
     with the moving ops dropped and every step at its cost's bound), or None when the cost
     offers no bounds (e.g. a measured profile). What the exact search's pruning rests on."""
-    if getattr(cost, "segment_bound", None) is None or cost.segment_bound(tuple(forward.ops[:1])) is None:
+    if not _has_bounds(cost, forward):
         return None
     moving = moving_ops(strands, forward, backward)
     sides = (strand_of(forward, moving), strand_of(backward, moving))
     return _fixed_chain_table(sides, cost, rules_of(strands, forward, backward))[0][0]
+
+
+def _has_bounds(cost: SegmentCost, forward: LayerDag) -> bool:
+    """Whether ``cost`` bounds its steps from below (PairCost does, but not under a measured
+    profile: a measured time obeys no model bound)."""
+    return getattr(cost, "segment_bound", None) is not None and cost.segment_bound(tuple(forward.ops[:1])) is not None
 
 
 #: Pairs of segments up to which :func:`optimality` checks a bounded plan by the search with
@@ -274,6 +280,10 @@ class Optimality:
     fastest: float | None = None
     floor: float | None = None
 
+    def faster(self, plan: Plan) -> bool:
+        """Whether the search with segments of any length found a plan faster than ``plan``."""
+        return self.fastest is not None and self.fastest < plan.total * (1 - 1e-9)
+
 
 def optimality(plan: Plan, forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost) -> Optimality:
     """What is known of ``plan``'s distance from the fastest (see :class:`Optimality`): the
@@ -282,10 +292,9 @@ def optimality(plan: Plan, forward: LayerDag, backward: LayerDag, strands: Stran
     them every pair is simulated: a measured profile), the search with segments of any length
     (exact then); else the relaxation's lower bound."""
     stats = plan.stats
-    if stats.max_segment is None and stats.forward_window is None and stats.backward_window is None:
+    if stats.exhaustive:
         return Optimality(True, plan.total)
-    bounded = getattr(cost, "segment_bound", None) is not None and cost.segment_bound(tuple(forward.ops[:1])) is not None
-    if bounded and stats.forward_window is None and stats.backward_window is None:
+    if _has_bounds(cost, forward) and stats.forward_window is None and stats.backward_window is None:
         moving = moving_ops(strands, forward, backward)
         sides = (strand_of(forward, moving), strand_of(backward, moving))
         if _segment_pairs_within(sides, CERTIFY_PAIRS):
