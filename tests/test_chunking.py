@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.frontend.profiles import Link
 from dhelix.dsl.passes import pipeline as passes
-from dhelix.dsl.planner.chunking import MAX_CHUNKS, choose_chunks, choose_orders, choose_priority, issue_order
+from dhelix.dsl.planner.chunking import (MAX_CHUNKS, Candidate, OrderChoice, choose_chunks, choose_orders, choose_priority,
+                                         issue_order)
 from dhelix.dsl.planner.paircost import PairCost
 
 from conftest import ROOT
@@ -141,6 +142,15 @@ def test_an_auto_chain_from_a_split_gather_also_tries_its_stages_with_either_sta
     # Without a group statement the gather has no stages: not a candidate, nothing reported.
     _, (plain,) = choose_chunks(group_program(statement="chunk ag2 + fc1 + act + fc2 by auto"))
     assert not {"stages", "stages3"} & {c.value for c in plain.candidates}
+
+
+def test_refused_candidates_with_one_reason_are_said_once():
+    why = "'by stages3' splits a gather whose stages run smallest level first, and ag2 runs {} in that order"
+    candidates = (Candidate("a>b>c", 1e-3), Candidate("b>a>c", None, why.format("b, a and c")),
+                  Candidate("c>b>a", None, why.format("c, b and a")), Candidate("c>a>b", None, "another reason"))
+    assert OrderChoice("group ag2", "a>b>c", candidates).describe() == (
+        "group ag2: a>b>c (a>b>c: 1.000 ms, b>a>c and c>b>a: refused ('by stages3' splits a gather whose stages "
+        "run smallest level first), c>a>b: refused (another reason); forward + backward of a layer alone)")
 
 
 # -- layer level: dgrad or wgrad first (Eq. 1) ------------------------------------------------

@@ -337,9 +337,16 @@ def _fastest(candidates, default):
 
 
 def _described(head: str, candidates) -> str:
-    tried = ", ".join(f"{c.value}: {c.seconds * 1e3:.3f} ms" if c.seconds is not None
-                      else f"{c.value}: refused ({c.why})" for c in candidates)
-    return f"{head} ({tried}; forward + backward of a layer alone)"
+    # Refused candidates are grouped by their reason (its words up to the candidate's own
+    # particulars: "…, and ag2 runs island, cluster and node in that order").
+    refused: dict[str, list[str]] = {}
+    for c in candidates:
+        if c.seconds is None:
+            refused.setdefault(c.why.split(", and ")[0], []).append(str(c.value))
+    tried = [f"{c.value}: {c.seconds * 1e3:.3f} ms" for c in candidates if c.seconds is not None]
+    tried += [f"{' and '.join(values) if len(values) < 3 else ', '.join(values)}: refused ({why})"
+              for why, values in refused.items()]
+    return f"{head} ({', '.join(tried)}; forward + backward of a layer alone)"
 
 
 def _why(message: str) -> str:
