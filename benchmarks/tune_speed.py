@@ -3,7 +3,7 @@ models on 64 A40s and on 1024 H100s.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/tune_speed.py [--only NAME] [--partitions]
+    .venv/bin/python benchmarks/tune_speed.py [--only NAME] [--partitions] [--top]
 
 Each search runs to the end (no budget) with the top 5 kept. Printed per search: wall-clock
 and CPU seconds (CPU seconds tell the search's own cost on a machine shared with other work;
@@ -34,8 +34,8 @@ CASES = {
 }
 
 
-def run_case(name: str, path: Path, partitions: bool = False) -> None:
-    """Search the file ``path`` and print what it took."""
+def run_case(name: str, path: Path, partitions: bool = False, top_list: bool = False) -> None:
+    """Search the file ``path`` and print what it took (and the top 5 found, with ``top_list``)."""
     load = os.getloadavg()[0]
     wall, cpu = time.perf_counter(), time.process_time()
     text = read_source(str(path))
@@ -56,18 +56,23 @@ def run_case(name: str, path: Path, partitions: bool = False) -> None:
         best = outcome.top[0]
         print(f"  best: {best.choice.describe()}: {best.seconds * 1e3:,.3f} ms, MFU {best.sim.mfu:.1%}, "
               f"peak {best.sim.peak_rank.memory / 1e9:.2f} GB")
+    if top_list:
+        for rank, found in enumerate(outcome.top, 1):
+            print(f"  top {rank}: {found.choice.describe()}: {found.seconds * 1e3:,.6f} ms, "
+                  f"peak {found.sim.peak_rank.memory / 1e9:.4f} GB")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(CASES), help="run one search")
     parser.add_argument("--partitions", action="store_true", help="search Centauri's partition too (tune --partitions)")
+    parser.add_argument("--top", action="store_true", help="print the top 5 found too (to compare two searches)")
     args = parser.parse_args()
     print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}")
     for name, path in CASES.items():
         if args.only in (None, name):
-            run_case(name, path, args.partitions)
+            run_case(name, path, args.partitions, args.top)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,53 @@ def test_a_search_with_chains_under_si_equals_exhaustive(seed):
     assert any(p.choice.si == "on" and p.choice.layout.partition == "auto" for p in expected)
 
 
+def _held_back_search(space: Space, top: int, scale: float = 1.0) -> tuple[Pricer, object, list[Choice]]:
+    """A search of ``space`` by a fresh pricer, and the choices it held back (Deferred) until
+    their chunk counts were settled; ``scale`` multiplies the bound they wait with."""
+    from dhelix.dsl.search.tune import Deferred
+
+    pricer, _ = _pricer()
+    held: list[Choice] = []
+    price, unsettled = pricer.price, pricer.unsettled_bound
+
+    def counted(choice, *args, **kwargs):
+        result = price(choice, *args, **kwargs)
+        held.extend([choice] if isinstance(result, Deferred) and kwargs.get("defer") else [])
+        return result
+
+    pricer.price = counted
+    pricer.unsettled_bound = lambda choice, program: (unsettled(choice, program)[0] * scale,
+                                                      unsettled(choice, program)[1])
+    found = search(pricer, space, top=top)
+    pricer.price, pricer.unsettled_bound = price, unsettled
+    return pricer, found, held
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_partitions_held_back_for_their_counts_enter_the_top_exactly(seed):
+    # A choice whose generated partition has chunk chains, SI on or off, waits with the
+    # bound of its step (chains whole, layer passes at their busiest lane) and has its
+    # counts settled only when that bound can still enter the top: some held back enter
+    # the top, some do not, and the search equals the exhaustive pricing. The test holds
+    # the bound to being a bound: doubled, it cuts a choice of the top.
+    rng = random.Random(seed)
+    full = _pricer()[1]
+    space = attrs.evolve(full, tp=(2,), cp=(1,), micro_batch=_sub(rng, full.micro_batch), zero=_sub(rng, full.zero),
+                         recompute=_sub(rng, full.recompute), partition=("written", "auto"),
+                         schedules=tuple(s for s in full.schedules
+                                         if s[1] in ("w_helix", "dualpipe_v", "one_f_one_b", "zb_h1")))
+    top = rng.choice((1, 3, 5))
+    pricer, found, held = _held_back_search(space, top)
+    expected = exhaustive(pricer, space, top=top)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    best = {p.choice for p in expected}
+    assert any(c in best for c in held) and any(c not in best for c in held)
+    assert any(c.si == "off" for c in held) and any(c.si == "on" for c in held)
+    doubled = _held_back_search(space, top, scale=2.0)[1]
+    assert [p.choice for p in doubled.top] != [p.choice for p in expected]
+
+
 def test_the_bound_never_exceeds_a_priced_step(tiny):
     pricer, space = tiny
     schedule = next(s for s in space.schedules if s[0] == "none")

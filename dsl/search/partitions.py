@@ -26,11 +26,12 @@ Pruned as the paper prunes (and what keeps the search's bounds valid):
   (:func:`~dhelix.dsl.passes.group_levels.default_order`);
   under ZeRO-3, ``group weights`` when the data-parallel groups span nodes.
 
-Chains are searched with SI on and off. Under SI, settling a candidate's chunk counts plans
-several SI layer pairs (one Llama-70B-shaped SI pair with three chains plans in 2-3 s,
-benchmarks/results/cpu_planner_speed.txt, ``--chunked``), so the search first bounds such a
-candidate by its step with every chain whole and every layer pass at its busiest lane, and
-settles its counts only when that bound can still enter the top
+Chains are searched with SI on and off. Settling a candidate's chunk counts simulates its
+whole step for several counts (and under SI plans several SI layer pairs: one
+Llama-70B-shaped SI pair with three chains plans in 2-3 s,
+benchmarks/results/cpu_planner_speed.txt, ``--chunked``), so the search first bounds every
+such candidate by its step with every chain whole and every layer pass at its busiest lane,
+and settles its counts only when that bound can still enter the top, best bound first
 (:meth:`~dhelix.dsl.search.pricer.Pricer.price`, ``defer``).
 
 Chunks, substitutions and the priority never lessen a lane's work (chunk GEMMs read their

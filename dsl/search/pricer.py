@@ -54,8 +54,9 @@ class Refused:
 
 @attrs.frozen
 class Deferred:
-    """A choice whose SI layer pair is not planned yet, left to plan later (``defer``), and
-    a lower bound of its step (seconds: its untimed floor, less the rounding margin)."""
+    """A choice left to price later (``defer``): its SI layer pair not planned yet, or its
+    chunk counts not settled yet; and a lower bound of its step (seconds: its untimed floor,
+    or its step before the planner's choices, less the rounding margin)."""
 
     choice: Choice
     bound: float
@@ -101,6 +102,9 @@ class Pricer:
         self._rechecked_dags: dict[tuple, Program] = {}
         self._costs: dict[tuple, tuple] = {}
         self._derivations: dict[Layout, tuple | DhelixError] = {}
+        self._unsettled: dict[Choice, tuple[float, float]] = {}
+        #: The steps the last :meth:`chosen` simulated, by what its choices set (:func:`_settled`).
+        self._stepped: dict[tuple, Simulation] = {}
         #: What each action does, shared by the untimed walks of programs with the same costs
         #: and placement (both kept alive here: by self._costs and self._lowered).
         self._untimed: dict = {}
@@ -207,8 +211,8 @@ class Pricer:
         """The partition block generated for the layout of ``choice``
         (:func:`~dhelix.dsl.search.partitions.generated_partition` of its layer before any
         partition), once per layout's mesh, micro-batch and sharding, its chunk chains
-        included whether SI is on or off (under SI, :meth:`price` defers such a choice by its
-        bound); CheckError when nothing applies (then the choice is the same as its twin
+        included whether SI is on or off (:meth:`price` defers such a choice by its bound
+        until it can still enter the top); CheckError when nothing applies (then the choice is the same as its twin
         without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
@@ -242,6 +246,7 @@ class Pricer:
             fields, choices = self._layer_choices[key]
             return rerun(attrs.evolve(p, **fields)), choices
 
+        self._stepped.clear()
         return make_choices(program, self.step_seconds, rerun, layer)[0]
 
     def _rechecked(self, program: Program, layout: Layout) -> Program:
@@ -256,10 +261,13 @@ class Pricer:
         return attrs.evolve(program, placement=placement, lowered=lowered)
 
     def step_seconds(self, program: Program) -> float:
-        """The simulated step of a checked ``program``, its SI plan from the cache."""
+        """The simulated step of a checked ``program``, its SI plan from the cache; its
+        simulation kept until the next :meth:`chosen` (the counts the step settles on were
+        simulated so: :meth:`price` does not simulate them again)."""
         program = self.plans.intern(program)
         plan = self.plans.plan(program) if has_si(program) else None
-        return simulate(program, plan, cost=self.cost, trace=False).step_time
+        sim = self._stepped[_settled(program)] = simulate(program, plan, cost=self.cost, trace=False)
+        return sim.step_time
 
     def bound(self, layout: Layout, schedule: tuple[str, str, str]) -> Bound | str:
         """The lower bounds of ``layout`` (checked with the schedule ``schedule`` up to the
@@ -281,8 +289,9 @@ class Pricer:
         the peak the simulation would report), and one over the device memory is returned as
         TooBig, one whose floor exceeds the ``cutoff`` as Pruned, both unsimulated. With
         ``defer`` too, a choice that would need its SI layer pair planned first is returned
-        as Deferred, with its floor (one whose partition has chunk chains under SI, before
-        the planner settles their counts, with the step at every pass's busiest lane). A schedule with SI blocks whose layer pair is not planned yet is first
+        as Deferred, with its floor; so is one whose partition has chunk chains, SI on or
+        off, before the planner settles their counts (which simulates the step several
+        times), with :meth:`unsettled_bound`. A schedule with SI blocks whose layer pair is not planned yet is first
         simulated with each layer pair at its lower bound (:func:`~dhelix.dsl.search.bound.relaxed_costs`): its memory
         is the real one (a rank's allocations follow its actions' order, not their durations),
         so one that does not fit is returned as such without planning; and with a ``cutoff``
@@ -291,18 +300,25 @@ class Pricer:
             program = self.checked(choice)
             launch = program.train.launch is not None or program.train.launch_backward is not None
             if program.partition is not None or launch:
-                # Under SI, settling chains' counts plans several SI layer pairs: deferred.
-                chained = defer and not launch and has_si(program) and _has_chains(program.partition)
+                # Settling chains' counts simulates the step several times (and plans
+                # several SI layer pairs under SI): deferred.
+                chained = defer and not launch and _has_chains(program.partition)
                 if (cutoff is not None or chained) and not launch:
-                    # Chains whole, substitutions undone, every layer pass at its busiest
-                    # lane: a bound of the step of any choice the planner makes, before it
-                    # makes them (the counts settled by the step simulate it several times).
-                    relaxed = simulate(program, costs=relaxed_costs(program, self.cost, layers=True), trace=False)
-                    if cutoff is not None and relaxed.step_time > cutoff:
-                        return Pruned(choice, relaxed.step_time)
+                    unsettled, peak = self.unsettled_bound(choice, program)
+                    if memory_first and self.memory_gb is not None and peak > self.memory_gb * GB:
+                        return TooBig(choice, peak)
+                    if cutoff is not None and unsettled > cutoff:
+                        return Pruned(choice, unsettled)
                     if chained:
-                        return Deferred(choice, relaxed.step_time * (1 - FLOOR_MARGIN))
+                        return Deferred(choice, unsettled * (1 - FLOOR_MARGIN))
                 program = self.chosen(program, choice.layout)
+                settled = self._stepped.get(_settled(program))
+                if settled is not None:  # simulated as the step settled the counts
+                    sim = attrs.evolve(settled, label=choice.describe())
+                    peak = max(r.memory for r in sim.ranks)
+                    if memory_first and self.memory_gb is not None and peak > self.memory_gb * GB:
+                        return TooBig(choice, peak)
+                    return Priced(choice, sim, self._fits(sim))
             si = has_si(program)
             planned = not si or self.plans.has(program)
             costs = None
@@ -331,6 +347,24 @@ class Pricer:
         except DhelixError as exc:
             return Refused(choice, first_message(exc))
         return Priced(choice, sim, self._fits(sim))
+
+    def unsettled_bound(self, choice: Choice, program: Program) -> tuple[float, float]:
+        """Lower bounds of the step (seconds) and of the peak memory (bytes, the busiest
+        rank) of ``choice`` (``program``: it checked, with a partition block) whatever the
+        planner then chooses, computed before it chooses: ``program`` simulated with every
+        chain whole, substitutions undone and every layer pass at its busiest lane
+        (:func:`~dhelix.dsl.search.bound.relaxed_costs` with ``layers``). Its peak is the
+        real one of that program (a rank's allocations follow its actions' order, not their
+        durations), and chunks and substitutions never lessen what a layer keeps for its
+        backward (each chunk keeps its piece of what the whole chain keeps; a substituted
+        all_reduce keeps what it kept: :mod:`dhelix.dsl.search.partitions`). Once per
+        choice: a deferred choice reads it again when it is settled."""
+        found = self._unsettled.get(choice)
+        if found is None:
+            costs = relaxed_costs(program, self.cost, layers=True)
+            sim = simulate(program, costs=costs, trace=False)
+            found = self._unsettled[choice] = (sim.step_time, max(r.memory for r in sim.ranks))
+        return found
 
     def costs(self, program: Program, layout: Layout, plan: Plan | None) -> StepCosts:
         """:func:`~dhelix.dsl.simulator.costs.step_costs` of ``program`` (a checked choice of
@@ -372,3 +406,9 @@ _LAYER_CHOICES = ("substituted", "chunk_counts", "group_orders", "backward_first
 def _has_chains(block: s.PartitionDef | None) -> bool:
     """Whether the partition ``block`` has chunk statements (whose counts the planner settles)."""
     return block is not None and any(isinstance(st, s.Chunk) for st in block.body)
+
+
+def _settled(program: Program) -> tuple:
+    """What the choices made by :meth:`Pricer.chosen` set in ``program`` (of one choice):
+    the planner's layer-level choices and the train block (the launch counts)."""
+    return program.chunk_counts, program.substituted, program.group_orders, program.backward_first, program.train

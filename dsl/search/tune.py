@@ -8,7 +8,10 @@ priced is no longer than the next layout's bound, no unvisited choice can enter 
 and the search stops. Inside a layout, each choice's peak memory and a floor of its step are
 computed before any simulation (:func:`~dhelix.dsl.simulator.events.untimed`), and a choice
 that needs its SI layer pair planned waits, bound by its floor, until nothing with a lower
-bound is left (then a simulation with the pairs at their lower bound may still rule it out). The result equals an exhaustive pricing of every choice
+bound is left (then a simulation with the pairs at their lower bound may still rule it out);
+so does a choice whose partition has chunk chains, bound by its step before the planner
+settles their counts (which simulates the step several times per choice). The result
+equals an exhaustive pricing of every choice
 (:func:`exhaustive`; a test holds the two to each other).
 
 Work is shared across choices: the SI plan of a layer pair depends on the two layer DAGs, the
@@ -127,8 +130,9 @@ def _branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], t
     bound exceeds the K-th best step; and the bound where ``deadline`` stopped the visit
     (None: not stopped).
 
-    A choice whose SI layer pair is not planned yet waits (:class:`Deferred`) with its floor
-    as its bound, and is planned and simulated only when no layout or waiting choice
+    A choice whose SI layer pair is not planned yet, or whose chunk counts are not settled
+    yet, waits (:class:`Deferred`) with its bound, and is planned, settled and simulated
+    only when no layout or waiting choice
     has a lower bound left (best first): most never are, once the K-th best is below it."""
     best: list[Priced] = []
     dominance = _Dominance()

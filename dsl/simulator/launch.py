@@ -114,6 +114,9 @@ def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Prog
     autos = [index for index, st in enumerate(chunk_statements(program.partition)) if is_auto(st)]
     counts = dict(program.chunk_counts)
     updated = []
+    # Each statement's first try (the layer's choice) is the previous statement's winner:
+    # each set of counts is stepped once.
+    stepped: dict[tuple, float | None] = {}
     for choice in choices:
         if not isinstance(choice, ChunkChoice) or not autos:
             updated.append(choice)
@@ -125,11 +128,14 @@ def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Prog
             values.append(WHOLE)  # Algorithm 1 leaves a collective whole where chunks do not pay
         steps = []
         for value in values:
-            tried = attrs.evolve(program, chunk_counts=tuple(sorted({**counts, index: value}.items())))
-            try:
-                steps.append((value, step(rerun(tried))))
-            except DhelixError:
-                continue
+            key = tuple(sorted({**counts, index: value}.items()))
+            if key not in stepped:
+                try:
+                    stepped[key] = step(rerun(attrs.evolve(program, chunk_counts=key)))
+                except DhelixError:
+                    stepped[key] = None
+            if stepped[key] is not None:
+                steps.append((value, stepped[key]))
         best = min(steps, key=lambda vt: vt[1])[0] if steps else choice.chosen
         counts[index] = best
         updated.append(attrs.evolve(choice, chosen=best, steps=tuple(steps)))
