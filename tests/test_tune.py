@@ -136,8 +136,7 @@ def _held_back_search(space: Space, top: int, scale: float = 1.0) -> tuple[Price
         return result
 
     pricer.price = counted
-    pricer.unsettled_bound = lambda choice, program: (unsettled(choice, program)[0] * scale,
-                                                      unsettled(choice, program)[1])
+    pricer.unsettled_bound = lambda choice, program: unsettled(choice, program) * scale
     found = search(pricer, space, top=top)
     pricer.price, pricer.unsettled_bound = price, unsettled
     return pricer, found, held
@@ -166,6 +165,33 @@ def test_partitions_held_back_for_their_counts_enter_the_top_exactly(seed):
     assert any(c.si == "off" for c in held) and any(c.si == "on" for c in held)
     doubled = _held_back_search(space, top, scale=2.0)[1]
     assert [p.choice for p in doubled.top] != [p.choice for p in expected]
+
+
+def test_the_unsettled_bounds_hold_for_the_settled_choice(tiny):
+    # Before the planner settles a chained choice's counts (chains whole, substitutions
+    # undone, layer passes at their busiest lane), its simulated step and untimed floor are
+    # at most the settled step, and its untimed peak at most the settled peak: what rules it
+    # out over the device memory without settling it.
+    from dhelix.dsl.search.pricer import _has_chains
+    from dhelix.dsl.simulator.events import untimed
+
+    pricer, space = tiny
+    checked, si = 0, set()
+    for choice in [c for c in space.choices() if c.layout.partition == "auto" and c.layout.tp == 2][::61]:
+        try:
+            program = pricer.checked(choice)
+        except DhelixError:
+            continue
+        result = pricer.price(choice)
+        if not _has_chains(program.partition) or not isinstance(result, Priced):
+            continue
+        seen = untimed(program, pricer.unsettled_costs(program, choice.layout))
+        step = pricer.unsettled_bound(choice, program)
+        assert seen.floor <= step * (1 + 1e-12) and step <= result.seconds * (1 + 1e-12), choice.describe()
+        assert max(seen.memory) <= max(r.memory for r in result.sim.ranks) * (1 + 1e-12), choice.describe()
+        checked += 1
+        si.add(choice.si)
+    assert checked > 10 and si == {"on", "off"}
 
 
 def test_the_bound_never_exceeds_a_priced_step(tiny):

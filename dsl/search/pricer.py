@@ -102,7 +102,7 @@ class Pricer:
         self._rechecked_dags: dict[tuple, Program] = {}
         self._costs: dict[tuple, tuple] = {}
         self._derivations: dict[Layout, tuple | DhelixError] = {}
-        self._unsettled: dict[Choice, tuple[float, float]] = {}
+        self._unsettled: dict[Choice, float] = {}
         #: The steps the last :meth:`chosen` simulated, by what its choices set (:func:`_settled`).
         self._stepped: dict[tuple, Simulation] = {}
         #: What each action does, shared by the untimed walks of programs with the same costs
@@ -304,9 +304,13 @@ class Pricer:
                 # several SI layer pairs under SI): deferred.
                 chained = defer and not launch and _has_chains(program.partition)
                 if (cutoff is not None or chained) and not launch:
-                    unsettled, peak = self.unsettled_bound(choice, program)
-                    if memory_first and self.memory_gb is not None and peak > self.memory_gb * GB:
-                        return TooBig(choice, peak)
+                    if memory_first:  # untimed first: the peak, and a floor of the bound below
+                        seen = untimed(program, self.unsettled_costs(program, choice.layout), memo=self._untimed)
+                        if self.memory_gb is not None and max(seen.memory) > self.memory_gb * GB:
+                            return TooBig(choice, max(seen.memory))
+                        if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
+                            return Pruned(choice, seen.floor)
+                    unsettled = self.unsettled_bound(choice, program)
                     if cutoff is not None and unsettled > cutoff:
                         return Pruned(choice, unsettled)
                     if chained:
@@ -348,23 +352,36 @@ class Pricer:
             return Refused(choice, first_message(exc))
         return Priced(choice, sim, self._fits(sim))
 
-    def unsettled_bound(self, choice: Choice, program: Program) -> tuple[float, float]:
-        """Lower bounds of the step (seconds) and of the peak memory (bytes, the busiest
-        rank) of ``choice`` (``program``: it checked, with a partition block) whatever the
-        planner then chooses, computed before it chooses: ``program`` simulated with every
-        chain whole, substitutions undone and every layer pass at its busiest lane
-        (:func:`~dhelix.dsl.search.bound.relaxed_costs` with ``layers``). Its peak is the
-        real one of that program (a rank's allocations follow its actions' order, not their
-        durations), and chunks and substitutions never lessen what a layer keeps for its
-        backward (each chunk keeps its piece of what the whole chain keeps; a substituted
-        all_reduce keeps what it kept: :mod:`dhelix.dsl.search.partitions`). Once per
-        choice: a deferred choice reads it again when it is settled."""
+    def unsettled_bound(self, choice: Choice, program: Program) -> float:
+        """A lower bound of the step (seconds) of ``choice`` (``program``: it checked, with a
+        partition block) whatever the planner then chooses, computed before it chooses:
+        ``program`` simulated with :meth:`unsettled_costs`. Once per choice: a deferred
+        choice reads it again when it is settled."""
         found = self._unsettled.get(choice)
         if found is None:
-            costs = relaxed_costs(program, self.cost, layers=True)
-            sim = simulate(program, costs=costs, trace=False)
-            found = self._unsettled[choice] = (sim.step_time, max(r.memory for r in sim.ranks))
+            costs = self.unsettled_costs(program, choice.layout)
+            found = self._unsettled[choice] = simulate(program, costs=costs, trace=False).step_time
         return found
+
+    def unsettled_costs(self, program: Program, layout: Layout) -> StepCosts:
+        """The step costs of ``program`` (a checked choice of ``layout`` with a partition
+        block, before the planner's choices) with every chain whole, substitutions undone
+        and every layer pass at its busiest lane
+        (:func:`~dhelix.dsl.search.bound.relaxed_costs` with ``layers``): simulated, a lower
+        bound of its step whatever the planner chooses. Their untimed peak
+        (:func:`~dhelix.dsl.simulator.events.untimed`) is the real one of ``program`` (a
+        rank's allocations follow its actions' order, not their durations), and a lower
+        bound of the chosen program's: chunks and substitutions never lessen what a layer
+        keeps for its backward (each chunk keeps its piece of what the whole chain keeps; a
+        substituted all_reduce's readers keep what they kept). Once per layout, layer DAGs
+        and whether the schedule splits W off, as :meth:`relaxed`."""
+        key = (layout, id(program.forward), id(program.backward), program.lowered.split, "unsettled")
+        found = self._costs.get(key)
+        if found is None:
+            found = self._costs[key] = (program.forward, program.backward, None,
+                                        relaxed_costs(program, self.cost, layers=True,
+                                                      costs=self.costs(program, layout, None)))
+        return found[3]
 
     def costs(self, program: Program, layout: Layout, plan: Plan | None) -> StepCosts:
         """:func:`~dhelix.dsl.simulator.costs.step_costs` of ``program`` (a checked choice of
