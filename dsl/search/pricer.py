@@ -212,8 +212,8 @@ class Pricer:
         (:func:`~dhelix.dsl.search.partitions.generated_partition` of its layer before any
         partition), once per layout's mesh, micro-batch and sharding, its chunk chains
         included whether SI is on or off (:meth:`price` defers such a choice by its bound
-        until it can still enter the top); CheckError when nothing applies (then the choice is the same as its twin
-        without one)."""
+        until it can still enter the top); CheckError when nothing applies (then the choice
+        is the same as its twin without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
         if key not in self._partitions:
@@ -291,8 +291,10 @@ class Pricer:
         ``defer`` too, a choice that would need its SI layer pair planned first is returned
         as Deferred, with its floor; so is one whose partition has chunk chains, SI on or
         off, before the planner settles their counts (which simulates the step several
-        times), with :meth:`unsettled_bound`. A schedule with SI blocks whose layer pair is not planned yet is first
-        simulated with each layer pair at its lower bound (:func:`~dhelix.dsl.search.bound.relaxed_costs`): its memory
+        times), with :meth:`unsettled_bound` (a peak over the device memory or a floor above
+        the ``cutoff`` of its program before the choices rules it out first, unsimulated:
+        :meth:`unsettled_costs`). A schedule with SI blocks whose layer pair is not planned
+        yet is first simulated with each layer pair at its lower bound (:func:`~dhelix.dsl.search.bound.relaxed_costs`): its memory
         is the real one (a rank's allocations follow its actions' order, not their durations),
         so one that does not fit is returned as such without planning; and with a ``cutoff``
         (seconds), when even that step exceeds the cutoff the choice is Pruned."""
