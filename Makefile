@@ -40,8 +40,11 @@ demo: setup
 	# One page with every picture, the prediction and the run beside it (open it in a browser).
 	$(BIN)/dhelix report $(EXAMPLE) -o out/report.html --profile out/this-machine.yaml --run out/metrics.json
 
+# Two pytest workers (pytest-xdist): a lone process leaves the second core idle while it waits
+# on its gloo ranks and `dhelix` subprocesses. Each test file stays on one worker (loadfile),
+# so that a module's shared fixture (a world run many tests read) runs once.
 test: setup
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
