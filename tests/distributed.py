@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -22,11 +21,12 @@ from dhelix.interpreter.execute.layer_exec import LayerRun
 TOL = 1e-5
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def join(rank: int, world: int, port: int, timeout: float = 60.0) -> None:
+    """Join, as ``rank``, the gloo world whose TCP store :func:`run_ranks` hosts at ``port``
+    (the test process holds the port from before the ranks start to after they end: two worlds
+    starting at once, on two test workers, never race for one port)."""
+    store = dist.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
 
 
 def _forked_rank(rank: int, environment: dict, fn, *args) -> None:
@@ -38,15 +38,16 @@ def _forked_rank(rank: int, environment: dict, fn, *args) -> None:
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 60.0) -> None:
-    """Start ``world`` processes running ``fn(rank, world, port, *args)``; fail the test
+    """Start ``world`` processes running ``fn(rank, world, port, *args)`` (``port``: the TCP
+    store they :func:`join` by, hosted here until they end); fail the test
     (after killing them) if they have not finished within ``timeout`` seconds. The ranks are
     forked from the forkserver `dhelix run` uses (:func:`spawn.rank_context`: torch imported
     once for the session, not once per rank), spawned where there is none."""
     from dhelix.interpreter.launch.spawn import rank_context
 
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     method = rank_context().get_start_method()
-    context = mp.start_processes(_forked_rank, args=(dict(os.environ), fn, world, port, *args), nprocs=world,
+    context = mp.start_processes(_forked_rank, args=(dict(os.environ), fn, world, store.port, *args), nprocs=world,
                                  join=False, start_method=method)
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
@@ -59,8 +60,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 60.0) -> None:
 def _gloo_rank(rank: int, world: int, port: int, compute, out_dir: str) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)  # ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    join(rank, world, port)
     try:
         results = compute(rank, world)
         with open(f"{out_dir}/rank{rank}.pkl", "wb") as out:

@@ -9,7 +9,6 @@ Every stdlib pipeline is exported in both forms (compute_only, compute_comms); t
 from __future__ import annotations
 
 import copy
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,7 +23,7 @@ from dhelix.dsl.core.schedule import Compute, Interleaved
 torch = pytest.importorskip("torch")
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
-from distributed import run_ranks  # noqa: E402
+from distributed import join, run_ranks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")  # 4 layers, pp 2, fold u, w_helix
@@ -211,8 +210,7 @@ def _worker(rank: int, world: int, port: int, jobs: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=30))
+    join(rank, world, port, timeout=30.0)
     try:
         results = {name: _run_schedule(rank, job) for name, job in sorted(jobs.items())}
         torch.save(results, f"{out_dir}/rank{rank}.pt")

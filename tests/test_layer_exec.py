@@ -3,8 +3,6 @@ and two gloo ranks at tp = 2 with sequence parallelism (fp32, max abs diff <= 1e
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import attrs
 import pytest
 
@@ -12,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from distributed import assert_close, drive_layer, run_ranks  # noqa: E402
+from distributed import assert_close, drive_layer, join, run_ranks  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.interpreter.ops.comm import AXES, DistComm, SingleRankComm  # noqa: E402
 from dhelix.interpreter.execute.layer_exec import (  # noqa: E402
@@ -137,8 +135,7 @@ def test_whole_model_step_matches_reference_step(layer):
 
 def _tp2_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    join(rank, world, port)
     try:
         results = {}
         for layer in LAYERS:

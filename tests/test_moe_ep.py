@@ -8,8 +8,6 @@ Two gloo worlds: 2 ranks (dp = ep = 2) for one layer, 4 ranks for executor steps
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import functools
 
 import pytest
@@ -29,7 +27,7 @@ from dhelix.interpreter.verify.reference import reference_layer  # noqa: E402
 from dhelix.dsl.planner.si_plan import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.ops.weights import WeightPlan, param_name  # noqa: E402
 
-from distributed import TOL, assert_steps_match, gloo_results, run_ranks  # noqa: E402
+from distributed import TOL, assert_steps_match, gloo_results, join, run_ranks  # noqa: E402
 
 SEED, DATA_SEED, MICRO_BATCH = 13, 4, 2
 
@@ -96,8 +94,7 @@ def layer_case(plan: WeightPlan, skewed: bool):
 
 def _layer_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
+    join(rank, world, port)
     try:
         prog = program("dp = 2  ep = 2")
         comm, plan = DistComm(prog.mesh), WeightPlan(prog, SEED)
