@@ -507,3 +507,26 @@ def test_layouts_share_only_equal_layer_dags(tiny):
                                                                                own.train), layout
         compared += 1
     assert compared > 20 and refused > 5
+
+
+@pytest.mark.parametrize(("shard", "grouped"), [(4, True), (2, False)])
+def test_a_generated_group_weights_splits_as_a_written_one_and_only_where_it_can(shard, grouped):
+    # Hybrid sharding on four nodes of 2: shard groups of 4 span two nodes (split), of 2 lie
+    # inside one (nothing to split: a generated `group weights` there failed `check` once
+    # written, while the search had priced it as if absent).
+    from dhelix.dsl.core import syntax as s
+    from dhelix.dsl.passes.partition import WEIGHTS
+    from dhelix.dsl.search.partitions import generated_partition
+
+    path = ROOT / "examples" / "tiny_llama_hsdp_group_cpu.dhx"
+    text = read_source(str(path)).replace("shard = 4", f"shard = {shard}")
+    written = check_program(load_modules(text, str(path)))
+    base = passes.rerun(attrs.evolve(written, partition=None), after="check", stop="shapes")
+    block = generated_partition(base)  # None: nothing to partition
+    assert (s.Group((WEIGHTS,), None) in (block.body if block else ())) == grouped
+    if grouped:  # the generated statement (no spans) splits ZeRO-3's collectives as the written one does
+        generated = passes.rerun(attrs.evolve(written, partition=s.PartitionDef((s.Group((WEIGHTS,), None),))),
+                                 after="check", stop="autodiff")
+        parsed = passes.rerun(written, after="check", stop="autodiff")
+        assert [op.name for op in generated.forward.ops] == [op.name for op in parsed.forward.ops]
+        assert any(op.axis == "dp.shard.inter" for op in generated.forward.ops)

@@ -128,7 +128,10 @@ def shard_weights(program: Program) -> Program:
     mesh this does not support."""
     _check_replica_statement(program)
     statement = _weights_statement(program)
-    hierarchy = statement.span_of(f"ops.{statement.ops.index(WEIGHTS)}") if statement is not None else None
+    # Whether `group weights` splits the collectives, and where it is written (None for a
+    # statement that `tune --partitions` generated: it splits them all the same).
+    hierarchy = statement is not None
+    where = statement.span_of(f"ops.{statement.ops.index(WEIGHTS)}") if hierarchy else None
     columns = _output_chunks(program)
     if columns is not None and not is_fsdp(program):
         raise CheckError(f"chunking along {OUTPUTS} splits the ZeRO-3 gather of a gemm's weight, which this "
@@ -137,16 +140,16 @@ def shard_weights(program: Program) -> Program:
                           "of the weight and computes on them while the next chunk's columns arrive",
                           "without ZeRO-3 a gemm's weight is not gathered; a layer collective and the compute "
                           "after it chunk along tokens (chunk ag2 + fc1 by 2, under tensor parallelism)"])
-    if hierarchy is not None and not is_fsdp(program):
+    if hierarchy and not is_fsdp(program):
         raise CheckError("'group weights' splits the collectives of ZeRO-3, which this program does not run",
-                         hierarchy, ["ZeRO-3 is train { zero = 3 } with dp > 1: its weight all-gathers and "
+                         where, ["ZeRO-3 is train { zero = 3 } with dp > 1: its weight all-gathers and "
                                      "gradient reduce-scatters are what 'weights' names",
                                      "to split a collective of the layer, name it: group ag1 + rs1"])
     if not is_fsdp(program) or program.forward is None:
         return program
     mesh, train = program.mesh, program.train
     sharded_over = shard_axis(program)
-    if hierarchy is not None and (problem := unsplittable(WEIGHTS, sharded_over, mesh, hierarchy)) is not None:
+    if hierarchy and (problem := unsplittable(WEIGHTS, sharded_over, mesh, where)) is not None:
         raise problem
     for axis, why in (("cp", "a weight shared over cp has its gradient summed over cp too"),
                       ("ep", "an expert weight's gradient is summed over the expert-data-parallel group")):
@@ -174,7 +177,7 @@ def shard_weights(program: Program) -> Program:
         full = padded_elements(weight.unit_weight, dp)
         gathered = kind == GATHER
         # The reduce-scatter is the gather's transpose: its stages run in reverse.
-        stages = ((sharded_over, dp),) if hierarchy is None else \
+        stages = ((sharded_over, dp),) if not hierarchy else \
             tuple((f"{sharded_over}.{part}", mesh.size(f"{sharded_over}.{part}"))
                   for part in (parts if gathered else parts[::-1]))
         ops, size, previous = [], full // dp if gathered else full, ()
@@ -182,7 +185,7 @@ def shard_weights(program: Program) -> Program:
             out = size * group if gathered else size // group
             last = index == len(stages) - 1
             # Inter-first gathers see the pieces grouped by place on the node (partition pass).
-            regroup = hierarchy is not None and parts[0] == INTER and axis.endswith(INTRA)
+            regroup = hierarchy and parts[0] == INTER and axis.endswith(INTRA)
             ops.append(Op(name if last else f"{name}.{axis.rpartition('.')[2]}", kind, "comm",
                           "all_gather" if gathered else "reduce_scatter", previous, ((size, 1),), (out, 1),
                           axis=axis, group_size=group, lane=mesh.lane(axis), per_node=mesh.per_node(axis),

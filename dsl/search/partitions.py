@@ -47,6 +47,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import ErrorCollector
 from dhelix.dsl.core.program import AUTO, LayerDag, Op, Program
 from dhelix.dsl.passes.group_levels import default_order, stages_of
+from dhelix.dsl.passes.fsdp import shard_axis
 from dhelix.dsl.passes.partition import WEIGHTS, fewest_cross_bytes, unsplittable
 from dhelix.dsl.passes.workload import checked_chain
 
@@ -80,7 +81,7 @@ def generated_partition(program: Program) -> s.PartitionDef | None:
                 body.append(s.Group((op.name,), default_order(op.op, stages)[0]))
         elif unsplittable(op.name, op.axis, mesh, None) is None:
             body.append(s.Group((op.name,), fewest_cross_bytes(op.op)))
-    if program.train.zero == 3 and unsplittable(WEIGHTS, "dp", mesh, None) is None:
+    if program.train.zero == 3 and unsplittable(WEIGHTS, shard_axis(program), mesh, None) is None:
         body.append(s.Group((WEIGHTS,), None))
     return s.PartitionDef(tuple(body)) if body else None
 
