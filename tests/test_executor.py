@@ -146,6 +146,9 @@ CASES = {
     "pp2_w_helix_scheduled_two_layer_chunks": ("tp = 2  pp = 2", "w_helix", "u", "scheduled", False, 1, 8, 4),
     "pp2_dp2_dualpipe_v_scheduled": ("pp = 2  dp = 2", "dualpipe_v", "u", "scheduled", True, 2),
     "pp2_dp2_w_helix_scheduled": ("pp = 2  dp = 2", "w_helix", "u", "scheduled", True, 2, 8, 4),
+    # Tensor and context parallelism under SI: the filler runs wgrads when a rank would wait,
+    # in an order that differs by rank; the step's partial-gradient sums must not follow it.
+    "tp2_cp2_w_helix_planned": ("tp = 2  cp = 2", "w_helix", "u", "planned", False, 1),
     # Lowered in FIFO order (a gradient no longer overtakes an activation between ranks 0
     # and 1), so it runs without message tags, as on NCCL.
     "pp4_dualpipe_v_untagged": ("pp = 4", "dualpipe_v", "u", "untagged", False, 1, 8, 8),

@@ -638,7 +638,10 @@ def sequential_step(program: Program, batch: Batch, comm: Communicator, plan: We
 def sum_partial_grads(plan: WeightPlan, grads: dict[str, torch.Tensor], comm: Communicator) -> None:
     """All-reduce, in place, the gradients that are partial sums over tp (replicated
     weights applied to sequence-parallel tokens: norms, router, experts) or over cp (every
-    weight: each cp rank sees its own part of the sequences)."""
-    for name, grad in grads.items():
+    weight: each cp rank sees its own part of the sequences), by name: every rank issues
+    them in the same order whatever order its gradients were made in (an SI block's filler
+    runs weight-gradient ops when a rank would otherwise wait, which differs by rank)."""
+    for name in sorted(grads):
+        grad = grads[name]
         for axis in plan.spec(name).grad_sum:
             comm.all_reduce(grad, axis)
