@@ -530,3 +530,61 @@ def test_a_generated_group_weights_splits_as_a_written_one_and_only_where_it_can
         parsed = passes.rerun(written, after="check", stop="autodiff")
         assert [op.name for op in generated.forward.ops] == [op.name for op in parsed.forward.ops]
         assert any(op.axis == "dp.shard.inter" for op in generated.forward.ops)
+
+
+#: Examples whose partition blocks chain collectives ``by auto`` (group stages, FSDP gathers,
+#: declared levels among them).
+CHAINED = ("tiny_llama_centauri_cpu.dhx", "tiny_llama_stages_cpu.dhx", "tiny_llama_fsdp_chunk_cpu.dhx",
+           "tiny_llama_fsdp_stages_cpu.dhx", "tiny_llama_levels_stages_cpu.dhx", "llama8b_centauri_a40.dhx")
+
+
+@pytest.mark.parametrize("name", CHAINED)
+def test_the_chain_bounds_hold_for_every_count(name):
+    # A layer pass's bound with its chains whole (the busiest lane, two lanes less what their
+    # OEFs save, the longest path through chains that may run in pieces) is at most the pass
+    # run alone, and the SI pair's at most its plan, with the chains cut in any count.
+    from dhelix.dsl.core import syntax
+    from dhelix.dsl.core.program import AUTO
+    from dhelix.dsl.passes.workload import STAGES, STAGES3, chunk_statements, is_auto
+    from dhelix.dsl.search.bound import chain_groups, chained_path, relaxed_costs
+    from dhelix.dsl.simulator.costs import cost_of, layer_costs
+    from dhelix.dsl.simulator.si_pairs import schedule_plan
+
+    path = ROOT / "examples" / name
+    checked = check_program(load_modules(read_source(str(path)), str(path)))
+    block = checked.partition  # every chain's count left to choose
+    checked = attrs.evolve(checked, partition=attrs.evolve(block, body=tuple(
+        attrs.evolve(st, parts=syntax.Name(AUTO)) if isinstance(st, syntax.Chunk) else st for st in block.body)))
+    autos = [i for i, st in enumerate(chunk_statements(checked.partition)) if is_auto(st)]
+    assert autos
+
+    def at(counts: dict) -> object:
+        return passes.rerun(attrs.evolve(checked, chunk_counts=tuple(sorted(counts.items()))), after="check")
+    whole = at({i: 1 for i in autos})
+    cost, chains = cost_of(whole), chain_groups(whole)
+    bound = relaxed_costs(whole, cost, layers=True).layer
+    rng = random.Random(name)
+    values = (2, 3, 4, 8, STAGES, STAGES3)
+    tried = [{i: 1 for i in autos}] + [{**{j: 1 for j in autos}, i: v} for i in autos for v in values] \
+        + [{i: rng.choice(values) for i in autos} for _ in range(4)]
+    priced = 0
+    for counts in tried:
+        try:
+            cut = at(counts)
+        except DhelixError:
+            continue  # a count the chain does not take (stages without a staged collective)
+        real = layer_costs(cut, cost, None)
+        for part in ("forward", "backward", "backward_input", "weight", "again"):
+            assert getattr(bound, part).seconds <= getattr(real, part).seconds * (1 + 1e-9), (counts, part)
+        for dag, part in ((whole.forward, "forward"), (whole.backward, "backward")):  # the path alone
+            assert chained_path(cost, dag.ops, chains) <= getattr(real, part).seconds * (1 + 1e-9), (counts, part)
+        if _has_si_blocks(cut):
+            plan = schedule_plan(cut, cost)
+            assert bound.pair.seconds <= bound.again.seconds + plan.total * (1 + 1e-9), counts
+        priced += 1
+    assert priced >= len(autos) * 3
+
+
+def _has_si_blocks(program) -> bool:
+    from dhelix.dsl.simulator.events import has_si
+    return has_si(program)

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import attrs
 
+from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.planner.costmodel import optimizer_time
 from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, layer_costs, si_backward, step_costs
 from dhelix.dsl.simulator.memory import layer_activations, model_states, recomputed, selectively_recomputed
-from dhelix.dsl.planner.paircost import PairCost
+from dhelix.dsl.planner.paircost import PairCost, SegmentBound
 
 
 @attrs.frozen
@@ -105,20 +106,113 @@ def _states(program: Program, costs: StepCosts) -> float:
 def relaxed_costs(program: Program, cost: PairCost, layers: bool = False, costs: StepCosts | None = None
                   ) -> StepCosts:
     """The program's step costs with every SI layer pair at a lower bound of its plan: the
-    busiest lane's work of the two layers (:meth:`PairCost.lane_work`), after what the
-    backward runs again. Simulated, they give a lower bound of the step with any plan (the
-    simulator only delays an action for a longer one before it). With ``layers``, every
-    layer pass alone and what it runs again is at its busiest lane's work too: a lower bound
-    of the step whatever chunk counts and substitutions the planner then chooses, none of
-    which lessens a lane's work (:mod:`dhelix.dsl.search.partitions`). ``costs``: the
-    program's step costs without a plan, when already computed."""
+    two layers' busiest lane, every two lanes' work less what their tasks' OEFs let them
+    save side by side (:class:`~dhelix.dsl.planner.paircost.OverlapBound`), and either
+    strand's longest path (:func:`chained_path`), after what the backward runs again.
+    Simulated, they give a lower bound of the step with any plan (the simulator only delays
+    an action for a longer one before it). With ``layers``, every layer pass alone and what
+    it runs again is at such a bound too (:func:`pass_bound`): a lower bound of the step
+    whatever chunk counts and substitutions the planner then chooses, none of which lessens
+    a lane's work (:mod:`dhelix.dsl.search.partitions`); the pair's OEF term is left out
+    then where a substitution is still to choose. ``costs``: the program's step costs
+    without a plan, when already computed."""
     costs = costs or step_costs(program, None, cost)
-    layer = layer_costs(program, cost, None, work=_lane_bound) if layers else costs.layer
-    pair = layer.again + Work(max(cost.lane_work(program.forward.ops + si_backward(program).ops)))
-    return attrs.evolve(costs, layer=attrs.evolve(layer, pair=pair))
+    chains = chain_groups(program)
+
+    def bound(cost: PairCost, ops) -> Work:
+        return pass_bound(cost, ops, chains)
+    layer = layer_costs(program, cost, None, work=bound) if layers else costs.layer
+    forward, backward = program.forward.ops, si_backward(program).ops
+    pair = max(cost.lane_work(forward + backward))
+    fwd, bwd = _lanes_bound(cost, forward), _lanes_bound(cost, backward)
+    # Two strands' tasks overlap by OEFs the profile may set per collective: a substitution
+    # still to choose could bring a collective whose OEF is higher (one strand's tasks
+    # overlap by their lanes' classes alone, which a substitution keeps).
+    if fwd is not None and bwd is not None and not (layers and _substitutes(program)):
+        pair = max(pair, fwd.pair(bwd) - fwd.launch_gap.seconds(fwd.comm + bwd.comm))
+    pair = max(pair, chained_path(cost, forward, chains), chained_path(cost, backward, chains))
+    return attrs.evolve(costs, layer=attrs.evolve(layer, pair=layer.again + Work(pair)))
 
 
-def _lane_bound(cost: PairCost, ops) -> Work:
-    """The busiest lane's work of ``ops``: a lower bound of running them, in any pieces."""
+def _substitutes(program: Program) -> bool:
+    """Whether ``program``'s partition block substitutes a collective."""
+    block = program.partition
+    return block is not None and any(isinstance(st, s.Substitute) for st in block.body)
+
+
+def chain_groups(program: Program) -> dict[str, int]:
+    """The chunk chains of ``program``'s partition block: each chained forward op's name →
+    its chain's index (the ops a backward op derives from say its chain)."""
+    block = program.partition
+    statements = [st for st in block.body if isinstance(st, s.Chunk)] if block is not None else []
+    return {name: index for index, st in enumerate(statements) for name in st.ops}
+
+
+def pass_bound(cost: PairCost, ops, chains: dict[str, int]) -> Work:
+    """A lower bound of running ``ops`` (one layer pass, alone) whatever chunk counts its
+    chains (:func:`chain_groups`) take: the busiest lane's work, every two lanes' work less
+    what their tasks' OEFs let them save run side by side (:class:`OverlapBound`), and the
+    longest path through the ops' dependencies (:func:`chained_path`)."""
     ops = tuple(ops)
-    return Work(max(cost.lane_work(ops))) if ops else NOTHING
+    if not ops:
+        return NOTHING
+    return Work(max(_alone(cost, ops), chained_path(cost, ops, chains)))
+
+
+def _alone(cost: PairCost, ops: tuple) -> float:
+    """A lower bound of running ``ops`` in any order and pieces: :func:`_lanes_bound`'s."""
+    lanes = _lanes_bound(cost, ops)
+    return lanes.solo() if lanes is not None else max(cost.lane_work(ops))
+
+
+def _lanes_bound(cost: PairCost, ops) -> SegmentBound | None:
+    """The segment bound of ``ops`` without its path (:meth:`PairCost.segment_bound` takes
+    it in the ops' issue order, which chunks and the planner's priority change): their lanes'
+    work, less what the OEFs of its tasks let two lanes save (:class:`OverlapBound`)."""
+    found = cost.segment_bound(tuple(ops))
+    return None if found is None else attrs.evolve(found, path=0.0)
+
+
+def chained_path(cost: PairCost, ops, chains: dict[str, int]) -> float:
+    """The longest path through the dependencies of ``ops`` (in topological order), each op
+    at what running it alone takes at least (:func:`_alone`), whatever chunk counts the ``chains`` take (their ops are
+    checked whole here): a lower bound of any run of them, alone or beside another strand.
+
+    An op outside the chains starts once every op it reads is done. A chain's op runs in
+    pieces (the chunks), each reading a piece of the chain's op before it (or the whole of
+    an op outside it) and none shorter in sum than the whole op (a GEMM reads its weight
+    once per chunk, a collective pays its latency per chunk). So no piece of a chain's op
+    ``g`` starts before ``entry(g)`` — every op outside the chain it reads done (or, for an
+    op of another chain, started) — nor does any piece of the chain's ops that ``g``
+    reaches through the chain; a chain's op ``o`` is done at the earliest ``entry(g)`` plus
+    what running the chain's ops on the way from ``g`` to ``o`` alone takes at least (their
+    busiest lane, less than two lanes' work only by what their OEFs save: other tasks
+    running beside them only slow them more), for every ``g`` before it. A backward op
+    belongs to the chain of the forward op it derives from."""
+    ops = tuple(ops)
+    index = {op.name: i for i, op in enumerate(ops)}
+    # A chunk already cut (``origin`` set) is an op of its own; a group partition's stage of
+    # a chained collective (``ag1.inter``), or its backward, is cut with the chain.
+    group = {op.name: None if op.origin else chains.get((op.forward or op.name).split(".")[0]) for op in ops}
+    start: dict[str, float] = {}  # no piece of the op starts earlier
+    finish: dict[str, float] = {}  # every piece of the op is done no earlier
+    entry: dict[str, float] = {}
+    reach: dict[str, set[str]] = {}  # a chain's op: the chain's ops before it that reach it, itself too
+    for op in ops:
+        name, chain = op.name, group[op.name]
+        preds = [p for p in dict.fromkeys(op.deps) if p in index]
+        if chain is None:
+            start[name] = max((finish[p] for p in preds), default=0.0)
+            finish[name] = start[name] + _alone(cost, (op,))
+            continue
+        inner = [p for p in preds if group[p] == chain]
+        entry[name] = max((finish[p] if group[p] is None else start[p] for p in preds if group[p] != chain),
+                          default=0.0)
+        start[name] = max([entry[name]] + [start[p] for p in inner])
+        reach[name] = {name}.union(*(reach[p] for p in inner))
+        done = max((finish[p] for p in inner), default=0.0)
+        for source in reach[name]:
+            between = tuple(ops[i] for i in sorted(index[other] for other in reach[name] if source in reach[other]))
+            done = max(done, entry[source] + _alone(cost, between))
+        finish[name] = done
+    return max(finish.values(), default=0.0)

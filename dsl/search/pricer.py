@@ -368,7 +368,7 @@ class Pricer:
     def unsettled_costs(self, program: Program, layout: Layout) -> StepCosts:
         """The step costs of ``program`` (a checked choice of ``layout`` with a partition
         block, before the planner's choices) with every chain whole, substitutions undone
-        and every layer pass at its busiest lane
+        and every layer pass at a lower bound of it in any pieces
         (:func:`~dhelix.dsl.search.bound.relaxed_costs` with ``layers``): simulated, a lower
         bound of its step whatever the planner chooses. Their untimed peak
         (:func:`~dhelix.dsl.simulator.events.untimed`) is the real one of ``program`` (a
