@@ -84,6 +84,8 @@ def test_a_killed_rank_ends_the_run_naming_it_as_the_one_cause(tmp_path):
     assert result.returncode == 1
     err = result.stderr
     assert err.startswith("error: rank 1 was killed by signal 9 (SIGKILL); stopped the other 3 rank(s)\n"), err
+    # Where it was: its last heartbeat's action (the fault kills it a moment into action 3 of step 1).
+    assert "its last heartbeat," in err and "(action 3 of its list) of training step 1" in err, err
     # The peers' "connection reset by peer" follows from it: not shown, not as a schedule error.
     assert err.count("error:") == 1 and "Connection reset" not in err and "Traceback" not in err
     assert err.endswith("\n")

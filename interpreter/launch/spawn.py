@@ -315,6 +315,20 @@ def _await_own_cause(procs, store) -> None:
         wait(alive, timeout=0.1)
 
 
+def _last_position(store, world: int, rank: int) -> list[str]:
+    """A note on where ``rank`` (killed, or crashed outside Python) was: its last heartbeat,
+    published at most a heartbeat interval before it died (none before its first action)."""
+    from .heartbeat import read_beats
+
+    try:
+        beat = read_beats(store, world).get(rank)
+    except (RuntimeError, OSError, ValueError):  # the store cannot say: the report goes without it
+        return []
+    if beat is None or beat.index < 0:
+        return []
+    return [f"its last heartbeat, {max(0.0, time.time() - beat.alive):.1f} s before this report, had it {beat.where()}"]
+
+
 def failure_cause(procs, first: tuple[int, int], store, timeout: float) -> RankFailure:
     """The RankFailure to report for a failed local run: a rank killed by a signal, else one
     that crashed (exit code other than 1), else the first error a rank reported of its own
@@ -326,13 +340,14 @@ def failure_cause(procs, first: tuple[int, int], store, timeout: float) -> RankF
     others = f"stopped the other {len(procs) - 1} rank(s)"
     followers = ["the other ranks' errors (connection reset by peer, timeouts) follow from it and are not shown"]
     for rank, code in sorted(codes.items(), key=lambda item: (item[1] >= 0, item[1] == 1, item[0])):
+        notes = _last_position(store, len(procs), rank) + (followers if len(codes) > 1 else [])
         if code < 0:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
             return RankFailure(f"rank {rank} was killed by signal {-code} ({name}); {others}", rank=rank,
-                               exitcode=code, notes=followers if len(codes) > 1 else ())
+                               exitcode=code, notes=notes)
         if code != 1:
             return RankFailure(f"rank {rank} exited with code {code}; {others}", rank=rank, exitcode=code,
-                               notes=followers if len(codes) > 1 else ())
+                               notes=notes)
     causes = _causes(store, len(procs))
     own = sorted((when, rank) for rank, (kind, when, _) in causes.items() if kind == "own")
     stalled = None if own else stalled_rank(read_beats(store, len(procs)), len(procs))

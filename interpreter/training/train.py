@@ -246,7 +246,8 @@ def _fault_hook(rank: int):
         if how == ["stop"]:  # a hang inside the action: it runs a moment, then no longer runs
             time.sleep(1.0)  # (long enough for the heartbeat to publish where it is)
             os.kill(os.getpid(), signal.SIGSTOP)
-        elif how == ["kill"]:  # killed from outside
+        elif how == ["kill"]:  # killed from outside, a moment into the action
+            time.sleep(1.0)  # (long enough for the heartbeat to publish where it is)
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(FAULT_EXIT)  # a crash: no clean-up, no goodbye to the peers
 
