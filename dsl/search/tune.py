@@ -255,8 +255,9 @@ def _insert(best: list[Priced], result: Priced, top: int) -> list[Priced]:
 
 def _rank(p: Priced) -> tuple:
     # Steps equal to the last rounding digits are ties, settled by SI on first (SI off
-    # gains nothing then), then the choice's order.
-    return (round(p.seconds, 12), p.choice.si != "on", p.choice)
+    # gains nothing then), then the file's partition before a generated one (a generated
+    # block that gains nothing only adds statements), then the choice's order.
+    return (round(p.seconds, 12), p.choice.si != "on", p.choice.layout.partition != "written", p.choice)
 
 
 def _bound_schedule(space: Space) -> tuple[str, str, str]:
