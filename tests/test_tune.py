@@ -548,6 +548,7 @@ def test_the_chain_bounds_hold_for_every_count(name):
     from dhelix.dsl.passes.workload import STAGES, STAGES3, chunk_statements, is_auto
     from dhelix.dsl.search.bound import chain_groups, chained_path, relaxed_costs
     from dhelix.dsl.simulator.costs import cost_of, layer_costs
+    from dhelix.dsl.simulator.events import has_si
     from dhelix.dsl.simulator.si_pairs import schedule_plan
 
     path = ROOT / "examples" / name
@@ -578,16 +579,11 @@ def test_the_chain_bounds_hold_for_every_count(name):
             assert getattr(bound, part).seconds <= getattr(real, part).seconds * (1 + 1e-9), (counts, part)
         for dag, part in ((whole.forward, "forward"), (whole.backward, "backward")):  # the path alone
             assert chained_path(cost, dag.ops, chains) <= getattr(real, part).seconds * (1 + 1e-9), (counts, part)
-        if _has_si_blocks(cut):
+        if has_si(cut):
             plan = schedule_plan(cut, cost)
             assert bound.pair.seconds <= bound.again.seconds + plan.total * (1 + 1e-9), counts
         priced += 1
     assert priced >= len(autos) * 3
-
-
-def _has_si_blocks(program) -> bool:
-    from dhelix.dsl.simulator.events import has_si
-    return has_si(program)
 
 
 def test_a_generated_partition_that_gains_nothing_loses_the_tie(tiny):
@@ -595,7 +591,7 @@ def test_a_generated_partition_that_gains_nothing_loses_the_tie(tiny):
     # none) comes first, as the simpler program (the choice order alone would put "auto" first).
     from dhelix.dsl.search.tune import _insert
 
-    pricer, space = tiny
+    pricer, _ = tiny
     layout = Layout(2, 1, 2, 1, 1, 2, 8, 0, 0, "none", "written")
     written = pricer.price(Choice(layout, "none", "one_f_one_b"))
     auto = attrs.evolve(written, choice=attrs.evolve(written.choice, layout=attrs.evolve(layout, partition="auto")))

@@ -175,8 +175,9 @@ def _lanes_bound(cost: PairCost, ops) -> SegmentBound | None:
 
 def chained_path(cost: PairCost, ops, chains: dict[str, int]) -> float:
     """The longest path through the dependencies of ``ops`` (in topological order), each op
-    at what running it alone takes at least (:func:`_alone`), whatever chunk counts the ``chains`` take (their ops are
-    checked whole here): a lower bound of any run of them, alone or beside another strand.
+    at what running it alone takes at least (:func:`_alone`), whatever chunk counts the
+    ``chains`` take (their ops are checked whole here): a lower bound of any run of them,
+    alone or beside another strand.
 
     An op outside the chains starts once every op it reads is done. A chain's op runs in
     pieces (the chunks), each reading a piece of the chain's op before it (or the whole of

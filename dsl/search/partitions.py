@@ -32,7 +32,8 @@ Llama-70B-shaped SI pair with three chains plans in 2-3 s,
 benchmarks/results/cpu_planner_speed.txt, ``--chunked``), so the search first bounds every
 such candidate by its step with every chain whole and every layer pass at a lower bound of
 it in any pieces (:func:`~dhelix.dsl.search.bound.pass_bound`: its lanes' work and OEFs,
-and its longest path with the chains run in pieces), and settles its counts only when that bound can still enter the top, best bound first
+and its longest path with the chains run in pieces), and settles its counts only when that
+bound can still enter the top, best bound first
 (:meth:`~dhelix.dsl.search.pricer.Pricer.price`, ``defer``).
 
 Chunks, substitutions and the priority never lessen a lane's work (chunk GEMMs read their
