@@ -437,9 +437,8 @@ def test_a_generated_partition_prints_checks_and_runs_exactly(tiny, tmp_path):
     si = pricer.price(attrs.evolve(choice, fold="u", pipeline="w_helix"))
     assert isinstance(si, Priced) and si.sim.si, si
     assert any(isinstance(st, s.Chunk) for st in pricer.checked(si.choice).partition.body)
-    # (A pricer of its own: bounds are kept per layout, whichever schedule checked it first.)
-    assert not isinstance(_pricer()[0].bound(attrs.evolve(choice.layout, microbatches=4, micro_batch=4),
-                                             ("u", "w_helix")), str)
+    assert not isinstance(pricer.bound(attrs.evolve(choice.layout, microbatches=4, micro_batch=4),
+                                       ("u", "w_helix")), str)
     run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

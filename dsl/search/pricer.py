@@ -94,7 +94,7 @@ class Pricer:
         self.cost = PairCost(self.profile, base.model.dtype, seq=base.model.get("seq"))
         self.plans = PlanCache(self.cost)
         self.memory_gb = base.profile.memory_gb
-        self._bounds: dict[Layout, Bound | str] = {}
+        self._bounds: dict[tuple, Bound | str] = {}
         self._dags: dict[Layout, Program] = {}
         self._lowered: dict[tuple, tuple | DhelixError] = {}
         self._partitions: dict[Layout, s.PartitionDef | None | DhelixError] = {}
@@ -272,13 +272,14 @@ class Pricer:
     def bound(self, layout: Layout, schedule: tuple[str, str, str]) -> Bound | str:
         """The lower bounds of ``layout`` (checked with the schedule ``schedule`` up to the
         layer DAGs), or why the passes refuse it."""
-        if layout not in self._bounds:
+        key = (layout, schedule)  # a refusal may be the schedule's (a fold's stage split)
+        if key not in self._bounds:
             try:
                 program = self.layer_dags(layout, schedule)
-                self._bounds[layout] = layout_bound(program, self.cost, self.costs(program, layout, None))
+                self._bounds[key] = layout_bound(program, self.cost, self.costs(program, layout, None))
             except DhelixError as exc:
-                self._bounds[layout] = first_message(exc)
-        return self._bounds[layout]
+                self._bounds[key] = first_message(exc)
+        return self._bounds[key]
 
     def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False, defer: bool = False
               ) -> Priced | Refused | Pruned | TooBig | Deferred:
