@@ -8,14 +8,9 @@ small method per rule builds the frozen syntax nodes.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import os
 import re
-import sys
 from importlib import resources
-from pathlib import Path
 
 import lark
 from lark import Token, Transformer, Tree, v_args
@@ -25,6 +20,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import BIDI_CONTROLS, ParseError, visible
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.wording import did_you_mean, join_words
+from dhelix.dsl.frontend import grammar_cache
 
 ACTIONS = ("F", "B", "W")
 
@@ -56,74 +52,12 @@ def grammar_text() -> str:
 
 @functools.cache
 def _lark() -> lark.Lark:
-    cache = _cache_file()
-    if cache is not None:
-        _drop_unsealed(cache)
+    cache = grammar_cache.usable_file(f"lark{lark.__version__}")
     parser = lark.Lark(grammar_text(), parser="lalr", strict=True, propagate_positions=True,
                        maybe_placeholders=False, start=list(START_RULES), cache=cache or False)
     if cache is not None:
-        _seal(cache)
+        grammar_cache.seal(cache)
     return parser
-
-
-def _drop_unsealed(cache: str) -> None:
-    """Remove the cache file unless its seal (``<file>.sha256``, written once lark had written
-    it) holds its digest: lark unpickles part of a cache file before checking it, and a
-    corrupt one can make the unpickler print to stderr (or worse) before lark falls back."""
-    try:
-        data = Path(cache).read_bytes()
-    except OSError:
-        return  # none yet
-    try:
-        sealed = Path(cache + SEAL).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        sealed = None
-    if sealed != hashlib.sha256(data).hexdigest():
-        with contextlib.suppress(OSError):
-            os.remove(cache)
-
-
-def _seal(cache: str) -> None:
-    """Write the digest of the cache file lark left (if any) next to it, atomically."""
-    try:
-        digest = hashlib.sha256(Path(cache).read_bytes()).hexdigest()
-        temporary = f"{cache}{SEAL}.{os.getpid()}"
-        Path(temporary).write_text(digest + "\n")
-        os.replace(temporary, cache + SEAL)
-    except OSError:
-        pass  # no seal: the next command rebuilds the cache
-
-
-#: The suffix of the file that holds the digest of the cached parser.
-SEAL = ".sha256"
-
-
-def cache_dir() -> Path:
-    """Where the built parser is cached: ``$DHELIX_CACHE_DIR``, else ``$XDG_CACHE_HOME/dhelix``,
-    else ``~/.cache/dhelix``."""
-    if os.environ.get("DHELIX_CACHE_DIR"):
-        return Path(os.environ["DHELIX_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dhelix"
-
-
-def _cache_file() -> str | None:
-    """The file lark caches the analysed grammar in, or None when no cache can be kept.
-
-    Building the LALR tables is most of a short command's time. Lark keys the cache on the
-    grammar text and the options (a changed grammar rebuilds) and falls back to building
-    when the file is unreadable; a file whose digest is not the one sealed when it was
-    written (corrupt, cut short) is removed first (:func:`_drop_unsealed`); lark's own version and Python's are in the name
-    because its pickled tables are not portable across them. A cache folder that cannot be
-    created (read-only home, no home) means no cache, not an error.
-    """
-    folder = cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    version = f"lark{lark.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-    return str(folder / f"dhelix-grammar-{version}.lark-cache")
 
 
 def parse(text: str, path: str = "<string>", start: str = "start"):
