@@ -3,11 +3,12 @@ models on 64 A40s and on 1024 H100s.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/tune_speed.py [--only NAME] [--partitions] [--top]
+    .venv/bin/python benchmarks/tune_speed.py [--only NAME] [--partitions] [--top] [--jobs N]
 
-Each search runs to the end (no budget) with the top 5 kept. Printed per search: wall-clock
-and CPU seconds (CPU seconds tell the search's own cost on a machine shared with other work;
-the load average is printed too), the space (choices, layouts), what the branch and bound
+Each search runs to the end (no budget) with the top 5 kept, in one process or ``--jobs N``
+side by side (as `dhelix tune --jobs N`). Printed per search: wall-clock and CPU seconds (the
+search processes' together; CPU seconds tell the search's own cost on a machine shared with
+other work; the load average is printed too), the space (choices, layouts), what the branch and bound
 did with it (simulated, ruled out by a bound, over the device memory, refused by the checks),
 the SI plans computed, and the best choice with its predicted step.
 """
@@ -34,17 +35,25 @@ CASES = {
 }
 
 
-def run_case(name: str, path: Path, partitions: bool = False, top_list: bool = False) -> None:
-    """Search the file ``path`` and print what it took (and the top 5 found, with ``top_list``)."""
+def _cpu() -> float:
+    """CPU seconds of this process and its ended children (the search processes)."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+def run_case(name: str, path: Path, partitions: bool = False, top_list: bool = False, jobs: int = 1) -> None:
+    """Search the file ``path`` with ``jobs`` processes and print what it took (and the top 5
+    found, with ``top_list``)."""
     load = os.getloadavg()[0]
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu = time.perf_counter(), _cpu()
     text = read_source(str(path))
     modules = load_modules(text, str(path))
     base = passes.rerun(check_program(modules), after="check")
     space = space_of(base, partitions=partitions)
-    outcome = search(Pricer(modules, base, base.mesh.world), space, top=5)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    print(f"{name}{' --partitions' if partitions else ''}: {path.relative_to(ROOT)}, {base.mesh.world} GPUs, "
+    outcome = search(Pricer(modules, base, base.mesh.world), space, top=5, jobs=jobs)
+    wall, cpu = time.perf_counter() - wall, _cpu() - cpu
+    print(f"{name}{' --partitions' if partitions else ''}{f' --jobs {jobs}' if jobs > 1 else ''}: "
+          f"{path.relative_to(ROOT)}, {base.mesh.world} GPUs, "
           f"profile {base.profile.name}, "
           f"global batch {space.sequences} x {base.model.get('seq')}")
     print(f"  {wall:.1f} s wall, {cpu:.1f} s CPU (load average {load:.1f} at the start); "
@@ -67,12 +76,13 @@ def main() -> None:
     parser.add_argument("--only", choices=sorted(CASES), help="run one search")
     parser.add_argument("--partitions", action="store_true", help="search Centauri's partition too (tune --partitions)")
     parser.add_argument("--top", action="store_true", help="print the top 5 found too (to compare two searches)")
+    parser.add_argument("--jobs", type=int, default=1, help="search processes side by side (tune --jobs)")
     args = parser.parse_args()
     print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}")
     for name, path in CASES.items():
         if args.only in (None, name):
-            run_case(name, path, args.partitions, args.top)
+            run_case(name, path, args.partitions, args.top, args.jobs)
 
 
 if __name__ == "__main__":

@@ -388,6 +388,7 @@ def test_cli_json(tmp_path):
     (["--keep", "tq"], "--keep: unknown setting 'tq' to keep (did you mean 'tp'?)"),
     (["--gpus", "3"], "--gpus 3: give a positive multiple of the cluster's gpus_per_node (2)"),
     (["--top", "0"], "--top must be between 1 and 100, got 0"),
+    (["--jobs", "0"], "--jobs must be at least 1, got 0"),
 ])
 def test_cli_usage_errors(argv, message):
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), *argv], capture_output=True, text=True)
@@ -588,7 +589,7 @@ def test_the_chain_bounds_hold_for_every_count(name):
 def test_a_generated_partition_that_gains_nothing_loses_the_tie(tiny):
     # The same predicted step with and without a generated partition: the file's own (here
     # none) comes first, as the simpler program (the choice order alone would put "auto" first).
-    from dhelix.dsl.search.tune import _insert
+    from dhelix.dsl.search.branch import insert as _insert
 
     pricer, _ = tiny
     layout = Layout(2, 1, 2, 1, 1, 2, 8, 0, 0, "none", "written")
@@ -596,3 +597,58 @@ def test_a_generated_partition_that_gains_nothing_loses_the_tie(tiny):
     auto = attrs.evolve(written, choice=attrs.evolve(written.choice, layout=attrs.evolve(layout, partition="auto")))
     assert auto.choice < written.choice and auto.seconds == written.seconds
     assert [p.choice.layout.partition for p in _insert([auto], written, 2)] == ["written", "auto"]
+
+
+def test_a_schedules_refusal_of_a_generated_partition_stays_its_own():
+    # A layout whose generated partition was first asked with a fold its layers do not split
+    # into is refused for that fold only (the refusal was kept for every schedule, so a
+    # search process that met the fold first refused the layout's every schedule).
+    pricer, _ = _pricer()
+    layout = Layout(2, 1, 2, 1, 1, 4, 4, 0, 0, "none", "auto")
+    refused = pricer.price(Choice(layout, "loop(4)", "interleaved_1f1b"))
+    assert "do not split into 8 stages" in refused.why
+    assert not isinstance(pricer.bound(layout, ("u", "w_helix")), str)
+    assert isinstance(pricer.price(Choice(layout, "u", "w_helix")), Priced)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_search_across_processes_equals_exhaustive(seed):
+    # --jobs 2: the layouts bounded in two processes, the choices that wait (SI pairs to
+    # plan, chunk counts to settle) priced there with the plans of their family handed
+    # along; the top is the exhaustive pricing's, the counts add up, every plan comes back.
+    rng = random.Random(400 + seed)
+    pricer, full = _pricer()
+    space = attrs.evolve(full, tp=(2,), zero=_sub(rng, full.zero), recompute=_sub(rng, full.recompute),
+                         cp=(1,), micro_batch=(1,), partition=("written", "auto"),
+                         schedules=tuple(s for s in full.schedules if s[1] in ("w_helix", "dualpipe_v", "one_f_one_b")))
+    top = rng.choice((3, 5))
+    found = search(pricer, space, top=top, jobs=2)
+    assert found.jobs == 2 and found.complete
+    assert found.plans == len(pricer.plans) > 0  # computed there, merged here
+    expected = exhaustive(pricer, space, top=top)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
+
+
+def test_a_search_process_that_dies_is_reported():
+    import os
+    import signal
+
+    pricer, space = _pricer()
+    parent, bound = os.getpid(), pricer.bound
+
+    def dying(*args, **kwargs):
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return bound(*args, **kwargs)
+
+    pricer.bound = dying
+    with pytest.raises(DhelixError, match="a search process .of --jobs 2. died"):
+        search(pricer, attrs.evolve(space, tp=(2,), cp=(1,)), top=1, jobs=2)
+
+
+def test_a_search_across_processes_keeps_its_budget():
+    pricer, space = _pricer()
+    found = search(pricer, space, top=3, budget=1e-6, jobs=2)
+    assert not found.complete and found.top == ()

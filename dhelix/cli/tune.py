@@ -53,6 +53,9 @@ def register(subparsers) -> None:
                            "generated for each layout, the planner choosing its chunk counts, substitutions and "
                            "orders (slower: a candidate's chunk counts are settled by simulating its step)")
     tune.add_argument("--top", type=int, default=5, metavar="K", help="how many to show (default 5)")
+    tune.add_argument("-j", "--jobs", type=int, metavar="N", default=None,
+                      help=f"search with N processes side by side (default: this machine's cores, at most "
+                           f"{MAX_DEFAULT_JOBS}); the result is the same as with 1")
     tune.add_argument("-o", "--output", metavar="OUT.dhx", help="write the best as a program file")
     tune.add_argument("--json", action="store_true", help="print the result as JSON")
     add_profile_argument(tune)
@@ -63,6 +66,9 @@ def cmd_tune(args) -> int:
     """`dhelix tune FILE …`; returns the exit code."""
     if not 1 <= args.top <= 100:
         raise UsageError(f"--top must be between 1 and 100, got {args.top}")
+    jobs = default_jobs() if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise UsageError(f"--jobs must be at least 1, got {jobs}")
     if args.budget is not None and not args.budget > 0:
         raise UsageError(f"--budget must be a positive number of seconds, got {args.budget}")
     text = read_source(args.file)
@@ -84,7 +90,7 @@ def cmd_tune(args) -> int:
     except UsageError as exc:
         raise UsageError(f"--keep: {exc.message}") from None
     pricer = Pricer(modules, base, world)
-    outcome = search(pricer, space, top=args.top, budget=args.budget, progress=_progress_bar(args.json))
+    outcome = search(pricer, space, top=args.top, budget=args.budget, progress=_progress_bar(args.json), jobs=jobs)
     title = (f"{args.file}: model {base.model.name} on {world} GPUs ({world // base.cluster.gpus_per_node} x "
              f"{base.cluster.gpus_per_node}), profile {base.profile.name}, global batch {space.sequences} "
              f"sequences of {base.model.get('seq')}")
@@ -109,6 +115,16 @@ def cmd_tune(args) -> int:
         print("no choice fits: " + _reasons(outcome), file=sys.stderr)
         return 1
     return 0
+
+
+#: The most processes `tune` starts unless told (``--jobs``): each keeps its own caches.
+MAX_DEFAULT_JOBS = 8
+
+
+def default_jobs() -> int:
+    """The processes `tune` searches with by default: the cores this process may run on, at
+    most :data:`MAX_DEFAULT_JOBS`."""
+    return max(1, min(MAX_DEFAULT_JOBS, len(os.sched_getaffinity(0))))
 
 
 def _world(gpus: int | None, base) -> int:
@@ -161,7 +177,7 @@ def _json(outcome: Outcome, path: str, world: int, sequences: int) -> dict:
         "searched": {"choices": outcome.choices, "layouts": outcome.layouts, "simulated": outcome.simulated,
                      "fit": outcome.fit,
                      "pruned": outcome.pruned, "over_memory": outcome.too_big, "refused": outcome.refused,
-                     "same": outcome.same, "plans": outcome.plans, "seconds": outcome.seconds},
+                     "same": outcome.same, "plans": outcome.plans, "seconds": outcome.seconds, "jobs": outcome.jobs},
         "memory_gb": outcome.memory_gb,
         "top": [{"choice": p.choice.settings(), "differs": differences(p.choice, best), "parts_s": step_parts(p.sim),
                  **simulation_metrics(p.sim)} for p in outcome.top],

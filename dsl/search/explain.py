@@ -71,7 +71,8 @@ def format_outcome(outcome: Outcome, title: str) -> str:
 
 def _summary(outcome: Outcome) -> str:
     cap = f"device memory {outcome.memory_gb:g} GB" if outcome.memory_gb is not None else "no device memory in the profile"
-    text = (f"searched {outcome.choices:,} choices ({outcome.layouts:,} layouts) in {outcome.seconds:.1f} s: "
+    processes = f" by {outcome.jobs} processes" if outcome.jobs > 1 else ""
+    text = (f"searched {outcome.choices:,} choices ({outcome.layouts:,} layouts) in {outcome.seconds:.1f} s{processes}: "
             f"{outcome.simulated:,} simulated, {outcome.fit:,} of them fit; {outcome.pruned:,} ruled out by "
             f"their lower bound, {outcome.too_big:,} over the {cap}, {outcome.refused:,} refused by the checks, "
             f"{outcome.same:,} the same as another (nothing to partition); "

@@ -46,5 +46,15 @@ class PlanCache:
         """Whether the plan of ``program``'s layer pair is computed already."""
         return self._key(program) in self._plans
 
+    def since(self, count: int) -> list[tuple[tuple, Plan]]:
+        """(key, plan) of the plans computed or merged after the first ``count`` (to hand to
+        another process: :mod:`~dhelix.dsl.search.workers`)."""
+        return list(self._plans.items())[count:]
+
+    def merge(self, plans: list[tuple[tuple, Plan]]) -> None:
+        """Take ``plans`` (:meth:`since` of another process's cache) as computed here."""
+        for key, plan in plans:
+            self._plans.setdefault(key, plan)
+
     def __len__(self) -> int:
         return len(self._plans)

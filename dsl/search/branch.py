@@ -1,0 +1,294 @@
+"""The branch and bound of `dhelix tune` over the layouts of a :class:`Space`, in one process.
+
+Layouts are visited in order of their lower bound (:mod:`bound`); once the K-th best step
+priced is no longer than the next layout's bound, no unvisited choice can enter the top K.
+Inside a layout, each choice's peak memory and a floor of its step are computed before any
+simulation (:func:`~dhelix.dsl.simulator.events.untimed`), and a choice that needs its SI
+layer pair planned, or its chunk counts settled, waits (:class:`~dhelix.dsl.search.pricer.Deferred`)
+bound by its floor until nothing with a lower bound is left. The K best so far are an
+:class:`Incumbent`; the work (a layout's choices visited, a waiting choice priced) runs here
+(:class:`Inline`) or in other processes (:mod:`workers`), whose results may come back in
+another order: the cutoff is always the K-th best step priced so far, never below the final
+one, so the top is the same.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from typing import Callable
+import attrs
+
+from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION
+from dhelix.dsl.search.pricer import Deferred, Priced, Pricer, Pruned, Refused, TooBig
+from dhelix.dsl.search.space import Choice, Layout, Space
+from dhelix.dsl.search.bound import Bound
+from dhelix.dsl.simulator.memory import GB
+
+
+@attrs.define
+class Tally:
+    """Counts of a search as it goes (choices, except ``unbounded``: layouts)."""
+
+    simulated: int = 0
+    fit: int = 0
+    refused: int = 0
+    pruned: int = 0
+    too_big: int = 0
+    same: int = 0
+    unbounded: int = 0
+    reasons: dict = attrs.field(factory=dict)
+
+    def refuse(self, why: str, count: int = 1) -> None:
+        """Count ``count`` choices refused for ``why``."""
+        self.refused += count
+        self.reasons[why] = self.reasons.get(why, 0) + count
+
+
+class Incumbent:
+    """The ``top`` best choices priced so far that fit, fastest first (:func:`rank`), and the
+    cutoff they set."""
+
+    def __init__(self, top: int):
+        self.top = top
+        self.best: list[Priced] = []
+
+    def cutoff(self) -> float | None:
+        """The step (seconds) a choice must not exceed to enter the top (the K-th best so
+        far); None while fewer than ``top`` are known."""
+        return self.best[self.top - 1].seconds if len(self.best) >= self.top else None
+
+    def add(self, priced: Priced) -> None:
+        """Take ``priced`` (fits) into the top if it belongs there."""
+        self.best = insert(self.best, priced, self.top)
+
+
+def bound_of(pricer: Pricer, space: Space, layouts: list[Layout], tally: Tally, deadline: float | None,
+             progress=None) -> list[tuple[float, Layout]]:
+    """(time bound, layout) of every layout of ``layouts`` that may hold a choice that fits,
+    fastest bound first; the others counted in ``tally``. Stops at ``deadline`` (the rest
+    counted unbounded)."""
+    schedule = bound_schedule(space)
+    found: list[tuple[Layout, Bound | str]] = []
+    for index, layout in enumerate(layouts):
+        if deadline is not None and time.perf_counter() > deadline:
+            tally.unbounded += len(layouts) - index
+            break
+        found.append((layout, pricer.bound(layout, schedule)))
+        if progress and index % 64 == 0:
+            progress(index, len(layouts))
+    return keep_bounded(found, space, pricer.memory_gb, tally)
+
+
+def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, memory_gb: float | None,
+                 tally: Tally) -> list[tuple[float, Layout]]:
+    """(time bound, layout) of the layouts whose bound (``found``) leaves a choice that may
+    fit, fastest bound first; the refused, the over-the-memory and the same-as-another
+    counted in ``tally`` (each for every schedule of ``space``)."""
+    bounded = []
+    for layout, bound in found:
+        if bound == NOTHING_TO_PARTITION:
+            tally.same += len(space.schedules)
+        elif isinstance(bound, str):
+            tally.refuse(bound, len(space.schedules))
+        elif memory_gb is not None and bound.memory > memory_gb * GB:
+            tally.too_big += len(space.schedules)
+        else:
+            bounded.append((bound.seconds, layout))
+    return sorted(bounded)
+
+
+class Inline:
+    """Runs the search's work here, one task at a time: a layout's choices visited (priced,
+    or deferred with their bound), a deferred choice priced (its SI pair planned, its chunk
+    counts settled). Each result goes to ``handle`` as it is made, each price reads the
+    ``cutoff`` as it is then; :class:`~dhelix.dsl.search.workers.Across` runs the same in
+    other processes."""
+
+    in_flight = 0
+
+    def __init__(self, pricer: Pricer, cutoff: Callable[[], float | None], handle: Callable):
+        self.pricer, self.cutoff, self.handle = pricer, cutoff, handle
+        self._visited = 0
+
+    def free(self) -> bool:
+        """Whether a task may be handed in now."""
+        return True
+
+    def takes(self, choice: Choice) -> bool:
+        """Whether the deferred ``choice`` may be handed in now."""
+        return True
+
+    def visit(self, layout: Layout, schedules, skip: Callable[[Choice], bool]) -> None:
+        """Price the choices of ``layout`` with ``schedules`` but those ``skip`` rules out."""
+        for schedule in schedules:
+            choice = Choice(layout, *schedule)
+            if not skip(choice):
+                self.handle(self.pricer.price(choice, self.cutoff(), memory_first=True, defer=True))
+        self._visited += 1
+
+    def settle(self, choice: Choice) -> None:
+        """Price the deferred ``choice``."""
+        self.handle(self.pricer.price(choice, self.cutoff(), memory_first=True))
+
+    def collect(self, block: bool = False) -> int:
+        """The layouts visited since the last call, their results handled (``block``: wait
+        for a task to end when none has)."""
+        done, self._visited = self._visited, 0
+        return done
+
+
+def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], incumbent: Incumbent, tally: Tally,
+           deadline: float | None, progress=None, runner: Callable | None = None) -> float | None:
+    """Price the choices of the ``bounded`` layouts into ``incumbent``, visited in order
+    until the next bound exceeds the K-th best step; returns the bound where ``deadline``
+    stopped the visit (None: not stopped). ``runner(pricer, cutoff, handle)`` makes what
+    runs the work (default :class:`Inline`).
+
+    A choice whose SI layer pair is not planned yet, or whose chunk counts are not settled
+    yet, waits (:class:`Deferred`) with its bound, and is planned, settled and simulated
+    only when no layout or waiting choice has a lower bound left (best first; with a runner
+    of several processes, the lowest it takes): most never are, once the K-th best is below it."""
+    dominance = _Dominance()
+    waiting: list[tuple[float, int, Choice]] = []  # (bound, arrival, choice)
+    order = itertools.count()
+
+    def handle(result) -> None:
+        if isinstance(result, Deferred):
+            heapq.heappush(waiting, (result.bound, next(order), result.choice))
+        else:
+            _count(result, tally, dominance, incumbent)
+
+    def skip(choice: Choice) -> bool:
+        ruled = dominance.rules_out(choice, incumbent.cutoff())
+        tally.pruned += ruled == "slower"
+        tally.too_big += ruled == "bigger"
+        return ruled is not None
+
+    work = (runner or Inline)(pricer, incumbent.cutoff, handle)
+    visited = following = 0  # layouts visited, the next to visit
+    while True:
+        done = work.collect()
+        visited += done
+        if progress and done:
+            progress(visited, len(bounded))
+        cutoff = incumbent.cutoff()
+        while waiting and cutoff is not None and waiting[0][0] > cutoff:
+            heapq.heappop(waiting)
+            tally.pruned += 1
+        if following < len(bounded) and cutoff is not None and bounded[following][0] > cutoff:
+            tally.pruned += (len(bounded) - following) * len(space.schedules)
+            following = len(bounded)
+        limit = bounded[following][0] if following < len(bounded) else math.inf
+        if following < len(bounded) and deadline is not None and time.perf_counter() > deadline:
+            while work.in_flight:
+                work.collect(block=True)
+            return min([limit] + [w[0] for w in waiting])
+        picked = _lowest_taken(waiting, limit, work)
+        if picked is not None:
+            if cutoff is not None and picked[0] > cutoff:
+                tally.pruned += 1
+            else:
+                work.settle(picked[1])
+        elif following < len(bounded) and work.free():
+            work.visit(bounded[following][1], space.schedules, skip)
+            following += 1
+        elif work.in_flight:
+            visited += work.collect(block=True)
+        else:  # nothing in flight: every waiting choice would have been taken
+            return None
+
+
+def _lowest_taken(waiting: list[tuple[float, int, Choice]], limit: float, work: Inline
+                  ) -> tuple[float, Choice] | None:
+    """(bound, choice) of the waiting choice of lowest bound at most ``limit`` that ``work``
+    takes now, taken off the heap ``waiting``; None when there is none."""
+    if not waiting or waiting[0][0] > limit:
+        return None
+    if work.takes(waiting[0][2]):
+        bound, _, choice = heapq.heappop(waiting)
+        return bound, choice
+    for entry in sorted(entry for entry in waiting if entry[0] <= limit):
+        if work.takes(entry[2]):
+            waiting.remove(entry)
+            heapq.heapify(waiting)
+            return entry[0], entry[2]
+    return None
+
+
+def _count(result, tally: Tally, dominance: "_Dominance", incumbent: Incumbent) -> None:
+    """Count ``result`` (of :meth:`Pricer.price`) in ``tally``; into ``incumbent`` when it fits."""
+    if isinstance(result, TooBig):
+        tally.too_big += 1
+        dominance.saw(result)
+    elif isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
+        tally.same += 1
+    elif isinstance(result, Refused):
+        tally.refuse(result.why)
+    elif isinstance(result, Pruned):
+        tally.pruned += 1
+    else:
+        tally.simulated += 1
+        dominance.saw(result)
+        if result.fits:
+            tally.fit += 1
+            incumbent.add(result)
+        else:
+            tally.too_big += 1
+
+
+class _Dominance:
+    """Choices another priced one settles without a simulation of their own.
+
+    Recomputation only adds work to a schedule, so a choice recomputing (selective or full)
+    is never faster than the same choice without recomputation (visited first: its time
+    bound is lower); when that one fits and is already slower than the K-th best, so is the
+    recomputing one. ZeRO-1 only shrinks the model states of ZeRO-0 (the activations follow the same actions
+    in the same order), so when a ZeRO-1 choice does not fit, its ZeRO-0 twin does not either.
+    Both rest, as the bounds do, on the simulator never shortening a step for more work."""
+
+    def __init__(self) -> None:
+        self._fits: dict[Choice, float] = {}
+        self._too_big: set[Choice] = set()
+
+    def saw(self, result: Priced | TooBig) -> None:
+        """Remember what ``result`` settles."""
+        choice = result.choice
+        if isinstance(result, TooBig):
+            if choice.layout.zero == 1:
+                self._too_big.add(choice)
+        elif result.fits and choice.layout.recompute == "none":
+            self._fits[choice] = result.seconds
+        elif not result.fits and choice.layout.zero == 1:
+            self._too_big.add(choice)
+
+    def rules_out(self, choice: Choice, cutoff: float | None) -> str | None:
+        """"slower" (than ``cutoff``, the K-th best step) or "bigger" (than the device) when
+        a priced choice settles ``choice``, else None."""
+        layout = choice.layout
+        twin = attrs.evolve(choice, layout=attrs.evolve(layout, recompute="none"))
+        if layout.recompute != "none" and cutoff is not None and self._fits.get(twin, 0.0) > cutoff:
+            return "slower"
+        if layout.zero == 0 and attrs.evolve(choice, layout=attrs.evolve(layout, zero=1)) in self._too_big:
+            return "bigger"
+        return None
+
+
+def insert(best: list[Priced], result: Priced, top: int) -> list[Priced]:
+    """``best`` with ``result`` in its place (fastest first; ties in choice order) cut to ``top``."""
+    return sorted(best + [result], key=rank)[:top]
+
+
+def rank(p: Priced) -> tuple:
+    """The order of the top: steps equal to the last rounding digits are ties, settled by
+    SI on first (SI off gains nothing then), then the file's partition before a generated
+    one (a generated block that gains nothing only adds statements), then the choice's order."""
+    return (round(p.seconds, 12), p.choice.si != "on", p.choice.layout.partition != "written", p.choice)
+
+
+def bound_schedule(space: Space) -> tuple[str, str, str]:
+    """The schedule the layouts' DAGs are checked with: the first with fold none (every
+    fold's stage split divides a fold-none one), else the first."""
+    return next((sched for sched in space.schedules if sched[0] == "none"), space.schedules[0])
