@@ -652,3 +652,45 @@ def test_a_search_across_processes_keeps_its_budget():
     pricer, space = _pricer()
     found = search(pricer, space, top=3, budget=1e-6, jobs=2)
     assert not found.complete and found.top == ()
+
+
+_ORPHAN_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+from test_tune import _pricer
+from dhelix.dsl.search.tune import search
+pricer, space = _pricer()
+bound = pricer.bound
+def slow(*args, **kwargs):
+    print(os.getpid(), flush=True)
+    time.sleep(120)
+pricer.bound = slow
+search(pricer, space, top=1, jobs=2)
+"""
+
+
+def test_search_processes_die_with_a_command_killed_outright(tmp_path):
+    # A `tune --jobs` killed by SIGKILL leaves no search process computing (nor holding
+    # its output pipes): they die with it.
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "orphans.py"
+    script.write_text(_ORPHAN_SCRIPT.format(tests=str(Path(__file__).parent)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    children = {int(proc.stdout.readline()), int(proc.stdout.readline())}
+    assert all(os.path.exists(f"/proc/{pid}") for pid in children)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+    def alive(pid: int) -> bool:
+        try:
+            return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in children)

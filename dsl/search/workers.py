@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import signal
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -30,6 +31,7 @@ from concurrent.futures.process import BrokenProcessPool
 import attrs
 
 from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.lifetime import die_with_parent
 from dhelix.dsl.search.branch import Incumbent, Tally, bound_schedule, branch, keep_bounded
 from dhelix.dsl.search.pricer import Priced, Pricer
 from dhelix.dsl.search.space import Choice, Layout, Space
@@ -76,7 +78,8 @@ def search_across(pricer: Pricer, space: Space, layouts: list[Layout], top: int,
     context = multiprocessing.get_context("fork")
     cutoff = context.Value("d", math.inf, lock=False)  # one writer (here), a double: read whole
     _WORK = _Work(pricer, space, bounding_ends, cutoff)
-    pool = _Pool(ProcessPoolExecutor(jobs, mp_context=context, initializer=_ignore_interrupts), jobs, cutoff)
+    executor = ProcessPoolExecutor(jobs, mp_context=context, initializer=_start, initargs=(os.getpid(),))
+    pool = _Pool(executor, jobs, cutoff)
     finished = False
     try:
         tally, incumbent = Tally(), Incumbent(top)
@@ -208,9 +211,11 @@ def _settle(choice: Choice, plans: list) -> tuple[list, list]:
     return [result], cache.since(known)
 
 
-def _ignore_interrupts() -> None:
-    """A search process leaves Ctrl-C to the parent, which stops it (:func:`_stop`)."""
+def _start(parent: int) -> None:
+    """A search process leaves Ctrl-C to its parent, which stops it (:func:`_stop`), and dies
+    with it (a parent killed outright leaves nothing computing)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
 
 
 def _stop(executor: ProcessPoolExecutor, finished: bool) -> None:

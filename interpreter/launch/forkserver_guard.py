@@ -13,13 +13,12 @@ name nothing is armed. Ranks forked later die through their own lifeline
 from __future__ import annotations
 
 import os
-import signal
 import sys
+
+from dhelix.dsl.core.lifetime import die_with_parent
 
 #: The environment variable in which the launcher gives its pid to the forkserver it starts.
 LAUNCHER_PID = "DHELIX_LAUNCHER_PID"
-#: prctl(2)'s option (linux/prctl.h).
-PR_SET_PDEATHSIG = 1
 
 
 def _preloading() -> bool:
@@ -38,15 +37,10 @@ def _preloading() -> bool:
 def die_with_launcher() -> None:
     """In the forkserver's preload, arm its parent-death signal when its launcher asked for it
     (and drop the request from the environment its ranks inherit), and end it now if that
-    launcher is already gone (Linux; a no-op elsewhere)."""
+    launcher is already gone."""
     launcher = os.environ.pop(LAUNCHER_PID, None)
-    if launcher is None or not launcher.isdigit() or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != int(launcher):
-        os._exit(1)
+    if launcher is not None and launcher.isdigit():
+        die_with_parent(int(launcher))
 
 
 if _preloading():

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Callable
 import attrs
 
 from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.lifetime import die_with_parent
 
 from dhelix.interpreter.training.summary import describe_mesh
 
@@ -116,8 +117,8 @@ PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pi
 #: After a rank fails with an error of its own, how long to wait for a peer's death to show
 #: up (a rank killed by a signal makes its peers fail too, a few milliseconds later).
 SETTLE_S = 0.5
-#: prctl(2) options (linux/prctl.h).
-PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+#: prctl(2)'s option naming a thread (linux/prctl.h).
+PR_SET_NAME = 15
 
 
 def run_local(options: "RunOptions", nproc: int, work: Work):
@@ -380,28 +381,6 @@ def stop(procs, grace: float = 3.0, signum: int | None = None) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
-
-
-def die_with_parent(parent: int, *, prctl: bool) -> None:
-    """Make this process end when ``parent`` (the launcher) is gone, even killed outright:
-    with ``prctl`` on Linux the kernel sends SIGKILL at its death (PR_SET_PDEATHSIG; only
-    safe when the parent's main thread started this process), else a daemon thread checks
-    every half second whether the parent changed."""
-    if prctl and sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    else:
-        import threading
-
-        def orphaned() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=orphaned, name="dhelix-parent-watch", daemon=True).start()
-    if os.getppid() != parent:  # it died before we asked
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def die_with_launcher(lifeline) -> None:
