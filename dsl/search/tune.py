@@ -33,7 +33,7 @@ from dhelix.dsl.search.bound import relaxed_costs  # noqa: F401
 from dhelix.dsl.search.branch import Incumbent, Tally, bound_of, branch, insert
 from dhelix.dsl.search.pricer import Deferred, Priced, Pricer, Pruned, Refused, TooBig  # noqa: F401
 from dhelix.dsl.search.space import Space
-from dhelix.dsl.search.workers import search_across
+from dhelix.dsl.search.workers import FORKS, search_across
 
 
 @attrs.frozen
@@ -71,11 +71,13 @@ def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None =
     """The ``top`` fastest choices of ``space`` that fit, by branch and bound (see the module
     docstring); ``budget`` caps the seconds spent (None: none; half of it at most goes to
     the bounds); ``progress(done, total)`` is called as layouts are bounded and visited;
-    ``jobs`` processes search side by side (the same top, sooner on as many cores)."""
+    ``jobs`` processes search side by side (the same top, sooner on as many cores; one
+    where processes cannot be forked)."""
     start = time.perf_counter()
     layouts = list(space.layouts())
     bounding_ends = None if budget is None else start + budget / 2
     deadline = None if budget is None else start + budget
+    jobs = jobs if FORKS else 1
     if jobs > 1:
         best, tally, left, plans = search_across(pricer, space, layouts, top, jobs, (bounding_ends, deadline),
                                                  progress)

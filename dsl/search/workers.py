@@ -37,6 +37,10 @@ from dhelix.dsl.search.pricer import Priced, Pricer
 from dhelix.dsl.search.space import Choice, Layout, Space
 
 
+#: Whether this platform forks processes (the search processes start as forks of the searching one).
+FORKS = "fork" in multiprocessing.get_all_start_methods()
+
+
 def family(layout: Layout) -> tuple:
     """The settings a layout's layer DAGs read besides the pipeline and data-parallel sizes:
     tensor, context and expert parallelism, micro-batch size, partition, and ZeRO-3 with its
@@ -99,7 +103,8 @@ def search_across(pricer: Pricer, space: Space, layouts: list[Layout], top: int,
 
 def _bounds(executor, layouts: list[Layout], jobs: int, tally: Tally, progress) -> list:
     """(layout, bound or why refused) of every layout bounded before the bounds' deadline,
-    in slices of one family at a time; the rest counted unbounded in ``tally``."""
+    in slices of the layouts in family order (a process checks a family's layer DAGs once);
+    the rest counted unbounded in ``tally``."""
     ordered = sorted(layouts, key=family)
     size = max(8, len(ordered) // (jobs * 16))
     futures = [executor.submit(_bound_slice, ordered[i:i + size]) for i in range(0, len(ordered), size)]
