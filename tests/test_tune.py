@@ -644,7 +644,7 @@ def test_a_search_process_that_dies_is_reported():
         return bound(*args, **kwargs)
 
     pricer.bound = dying
-    with pytest.raises(DhelixError, match="a search process .of --jobs 2. died"):
+    with pytest.raises(DhelixError, match="a search process .of --jobs 2. was killed"):
         search(pricer, attrs.evolve(space, tp=(2,), cp=(1,)), top=1, jobs=2)
 
 
@@ -662,7 +662,7 @@ from dhelix.dsl.search.tune import search
 pricer, space = _pricer()
 bound = pricer.bound
 def slow(*args, **kwargs):
-    print(os.getpid(), flush=True)
+    os.write(1, f"{{os.getpid()}}\\n".encode())  # one write: the two processes' lines stay whole
     time.sleep(120)
 pricer.bound = slow
 search(pricer, space, top=1, jobs=2)

@@ -55,7 +55,8 @@ def register(subparsers) -> None:
     tune.add_argument("--top", type=int, default=5, metavar="K", help="how many to show (default 5)")
     tune.add_argument("-j", "--jobs", type=int, metavar="N", default=None,
                       help=f"search with N processes side by side (default: this machine's cores, at most "
-                           f"{MAX_DEFAULT_JOBS}); the result is the same as with 1")
+                           f"{MAX_DEFAULT_JOBS}; one where processes cannot be forked); without --budget the result is the "
+                           "same as with 1, the counts may differ")
     tune.add_argument("-o", "--output", metavar="OUT.dhx", help="write the best as a program file")
     tune.add_argument("--json", action="store_true", help="print the result as JSON")
     add_profile_argument(tune)
@@ -124,7 +125,8 @@ MAX_DEFAULT_JOBS = 8
 def default_jobs() -> int:
     """The processes `tune` searches with by default: the cores this process may run on, at
     most :data:`MAX_DEFAULT_JOBS`."""
-    return max(1, min(MAX_DEFAULT_JOBS, len(os.sched_getaffinity(0))))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_DEFAULT_JOBS, cores))
 
 
 def _world(gpus: int | None, base) -> int:

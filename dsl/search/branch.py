@@ -1,4 +1,4 @@
-"""The branch and bound of `dhelix tune` over the layouts of a :class:`Space`, in one process.
+"""The branch and bound of `dhelix tune` over the layouts of a :class:`Space`.
 
 Layouts are visited in order of their lower bound (:mod:`bound`); once the K-th best step
 priced is no longer than the next layout's bound, no unvisited choice can enter the top K.
@@ -18,7 +18,7 @@ import heapq
 import itertools
 import math
 import time
-from typing import Callable
+from typing import Callable, Protocol
 import attrs
 
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION
@@ -70,16 +70,24 @@ def bound_of(pricer: Pricer, space: Space, layouts: list[Layout], tally: Tally, 
     """(time bound, layout) of every layout of ``layouts`` that may hold a choice that fits,
     fastest bound first; the others counted in ``tally``. Stops at ``deadline`` (the rest
     counted unbounded)."""
+    found, unbounded = bounds(pricer, space, layouts, deadline, progress)
+    tally.unbounded += unbounded
+    return keep_bounded(found, space, pricer.memory_gb, tally)
+
+
+def bounds(pricer: Pricer, space: Space, layouts: list[Layout], deadline: float | None, progress=None
+           ) -> tuple[list[tuple[Layout, Bound | str]], int]:
+    """(layout, bound or why the passes refuse it) of ``layouts`` until ``deadline``, and how
+    many were left unbounded; ``progress(done, total)`` every 64."""
     schedule = bound_schedule(space)
     found: list[tuple[Layout, Bound | str]] = []
     for index, layout in enumerate(layouts):
         if deadline is not None and time.perf_counter() > deadline:
-            tally.unbounded += len(layouts) - index
-            break
+            return found, len(layouts) - index
         found.append((layout, pricer.bound(layout, schedule)))
         if progress and index % 64 == 0:
             progress(index, len(layouts))
-    return keep_bounded(found, space, pricer.memory_gb, tally)
+    return found, 0
 
 
 def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, memory_gb: float | None,
@@ -100,12 +108,40 @@ def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, memory_g
     return sorted(bounded)
 
 
+def visit_price(pricer: Pricer, choice: Choice, cutoff: float | None):
+    """``choice`` priced as a layout's visit prices it: its memory and floor first, deferred
+    when its SI pair is not planned or its chunk counts not settled."""
+    return pricer.price(choice, cutoff, memory_first=True, defer=True)
+
+
+def settle_price(pricer: Pricer, choice: Choice, cutoff: float | None):
+    """The deferred ``choice`` priced: its SI pair planned, its chunk counts settled."""
+    return pricer.price(choice, cutoff, memory_first=True)
+
+
+class Runner(Protocol):
+    """What runs the search's work (:class:`Inline`, or
+    :class:`~dhelix.dsl.search.workers.Across` in other processes), made with the pricer,
+    the cutoff (a callable) and where each result goes."""
+
+    in_flight: int
+
+    def free(self) -> bool: ...
+
+    def takes(self, choice: Choice) -> bool: ...
+
+    def visit(self, layout: Layout, schedules, skip: Callable[[Choice], bool]) -> None: ...
+
+    def settle(self, choice: Choice) -> None: ...
+
+    def collect(self, block: bool = False) -> int: ...
+
+
 class Inline:
     """Runs the search's work here, one task at a time: a layout's choices visited (priced,
     or deferred with their bound), a deferred choice priced (its SI pair planned, its chunk
     counts settled). Each result goes to ``handle`` as it is made, each price reads the
-    ``cutoff`` as it is then; :class:`~dhelix.dsl.search.workers.Across` runs the same in
-    other processes."""
+    ``cutoff`` as it is then."""
 
     in_flight = 0
 
@@ -126,12 +162,12 @@ class Inline:
         for schedule in schedules:
             choice = Choice(layout, *schedule)
             if not skip(choice):
-                self.handle(self.pricer.price(choice, self.cutoff(), memory_first=True, defer=True))
+                self.handle(visit_price(self.pricer, choice, self.cutoff()))
         self._visited += 1
 
     def settle(self, choice: Choice) -> None:
         """Price the deferred ``choice``."""
-        self.handle(self.pricer.price(choice, self.cutoff(), memory_first=True))
+        self.handle(settle_price(self.pricer, choice, self.cutoff()))
 
     def collect(self, block: bool = False) -> int:
         """The layouts visited since the last call, their results handled (``block``: wait
@@ -141,7 +177,7 @@ class Inline:
 
 
 def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], incumbent: Incumbent, tally: Tally,
-           deadline: float | None, progress=None, runner: Callable | None = None) -> float | None:
+           deadline: float | None, progress=None, runner: Callable[..., Runner] | None = None) -> float | None:
     """Price the choices of the ``bounded`` layouts into ``incumbent``, visited in order
     until the next bound exceeds the K-th best step; returns the bound where ``deadline``
     stopped the visit (None: not stopped). ``runner(pricer, cutoff, handle)`` makes what
@@ -169,11 +205,13 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
 
     work = (runner or Inline)(pricer, incumbent.cutoff, handle)
     visited = following = 0  # layouts visited, the next to visit
+    block = False
     while True:
-        done = work.collect()
+        done = work.collect(block)
         visited += done
         if progress and done:
             progress(visited, len(bounded))
+        block = False
         cutoff = incumbent.cutoff()
         while waiting and cutoff is not None and waiting[0][0] > cutoff:
             heapq.heappop(waiting)
@@ -196,16 +234,16 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
             work.visit(bounded[following][1], space.schedules, skip)
             following += 1
         elif work.in_flight:
-            visited += work.collect(block=True)
+            block = True  # nothing to hand in: wait for a result
         else:  # nothing in flight: every waiting choice would have been taken
             return None
 
 
-def _lowest_taken(waiting: list[tuple[float, int, Choice]], limit: float, work: Inline
+def _lowest_taken(waiting: list[tuple[float, int, Choice]], limit: float, work: Runner
                   ) -> tuple[float, Choice] | None:
     """(bound, choice) of the waiting choice of lowest bound at most ``limit`` that ``work``
     takes now, taken off the heap ``waiting``; None when there is none."""
-    if not waiting or waiting[0][0] > limit:
+    if not waiting or waiting[0][0] > limit or not work.free():
         return None
     if work.takes(waiting[0][2]):
         bound, _, choice = heapq.heappop(waiting)

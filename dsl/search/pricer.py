@@ -97,7 +97,8 @@ class Pricer:
         self._bounds: dict[tuple, Bound | str] = {}
         self._dags: dict[Layout, Program] = {}
         self._lowered: dict[tuple, tuple | DhelixError] = {}
-        self._partitions: dict[Layout | tuple, s.PartitionDef | None | DhelixError] = {}
+        self._partitions: dict[Layout, s.PartitionDef | None] = {}
+        self._partition_refusals: dict[tuple, DhelixError] = {}  # by (layout key, fold, pipeline)
         self._layer_choices: dict[tuple, tuple[dict, tuple]] = {}
         self._rechecked_dags: dict[tuple, Program] = {}
         self._costs: dict[tuple, tuple] = {}
@@ -216,18 +217,18 @@ class Pricer:
         is the same as its twin without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
-        # A refusal may be the schedule's (a fold's stage split): kept per schedule too.
+        # A refusal may be the schedule's (a fold's stage split): kept per schedule.
         refusal = (key, choice.fold, choice.pipeline)
-        if key not in self._partitions and refusal not in self._partitions:
+        if key not in self._partitions and refusal not in self._partition_refusals:
             twin = attrs.evolve(choice, layout=attrs.evolve(layout, partition="written"))
             try:
                 program = passes.rerun(check_program(self.variant(twin)), after="check", stop="shapes")
                 self._partitions[key] = generated_partition(program)
             except DhelixError as exc:
-                self._partitions[refusal] = exc
-        found = self._partitions.get(key, self._partitions.get(refusal))
-        if isinstance(found, DhelixError):
-            raise found
+                self._partition_refusals[refusal] = exc
+        if key not in self._partitions:
+            raise self._partition_refusals[refusal]
+        found = self._partitions[key]
         if found is None:
             raise CheckError(NOTHING_TO_PARTITION)
         return found

@@ -45,7 +45,7 @@ class Outcome:
     ``same`` counts the choices that are others again (a generated partition with nothing
     to partition). ``complete`` is False when the time budget ran out first (then ``bound`` is the least
     lower bound among the layouts not visited, None when some were not even bounded).
-    ``jobs``: the processes that searched (``plans`` then counts each one's own plans)."""
+    ``jobs``: the processes that searched."""
 
     top: tuple[Priced, ...]
     simulated: int
@@ -65,7 +65,6 @@ class Outcome:
     jobs: int = 1
 
 
-
 def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None = None,
            progress: Callable[[int, int], None] | None = None, jobs: int = 1) -> Outcome:
     """The ``top`` fastest choices of ``space`` that fit, by branch and bound (see the module
@@ -78,17 +77,16 @@ def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None =
     bounding_ends = None if budget is None else start + budget / 2
     deadline = None if budget is None else start + budget
     jobs = jobs if FORKS else 1
-    if jobs > 1:
-        best, tally, left, plans = search_across(pricer, space, layouts, top, jobs, (bounding_ends, deadline),
-                                                 progress)
+    if jobs > 1:  # the plans computed there are merged into the pricer's
+        best, tally, left = search_across(pricer, space, layouts, top, jobs, (bounding_ends, deadline), progress)
     else:
         tally, incumbent = Tally(), Incumbent(top)
         bounded = bound_of(pricer, space, layouts, tally, bounding_ends, progress)
         left = branch(pricer, space, bounded, incumbent, tally, deadline, progress)
-        best, plans = incumbent.best, len(pricer.plans)
+        best = incumbent.best
     return Outcome(tuple(best), tally.simulated, tally.fit, tally.refused, tally.pruned, tally.too_big,
                    len(layouts), len(layouts) * len(space.schedules), time.perf_counter() - start,
-                   left is None and not tally.unbounded, left, plans, pricer.memory_gb,
+                   left is None and not tally.unbounded, left, len(pricer.plans), pricer.memory_gb,
                    tuple(sorted(tally.reasons.items(), key=lambda kv: (-kv[1], kv[0]))), tally.same, jobs)
 
 

@@ -12,8 +12,8 @@ time, and the SI plans a process computes come back with its result and go out w
 later choice of the family, so a layer pair is planned once.
 
 The cutoff is always the K-th best step priced so far, never below the final one, whatever
-order the results come back in: the top is the one a search in one process finds
-(tests/test_tune.py holds both to the exhaustive pricing). The counts differ: a task handed
+order the results come back in: without a time budget the top is the one a search in one
+process finds (tests/test_tune.py holds both to the exhaustive pricing). The counts differ: a task handed
 out beside another may price what that one's result would have ruled out, and a process
 checks again a choice another one visited.
 """
@@ -24,7 +24,7 @@ import math
 import multiprocessing
 import os
 import signal
-import time
+import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
@@ -32,13 +32,14 @@ import attrs
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.lifetime import die_with_parent
-from dhelix.dsl.search.branch import Incumbent, Tally, bound_schedule, branch, keep_bounded
+from dhelix.dsl.search.branch import Incumbent, Tally, bounds, branch, keep_bounded, settle_price, visit_price
 from dhelix.dsl.search.pricer import Priced, Pricer
 from dhelix.dsl.search.space import Choice, Layout, Space
 
 
-#: Whether this platform forks processes (the search processes start as forks of the searching one).
-FORKS = "fork" in multiprocessing.get_all_start_methods()
+#: Whether the search processes can start as forks of the searching one (Linux: elsewhere a
+#: fork is either missing or, on macOS, unsafe with the system's libraries).
+FORKS = sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
 def family(layout: Layout) -> tuple:
@@ -50,55 +51,44 @@ def family(layout: Layout) -> tuple:
 
 @attrs.frozen
 class _Work:
-    """What every process reads: set before they fork (``cutoff``: shared memory)."""
+    """What a search process reads: the pricer and space (its own copies, forked), the
+    bounds' deadline and the cutoff in shared memory (the K-th best step so far, inf while
+    fewer are known; one writer, the searching process, and a double: read whole)."""
 
     pricer: Pricer
     space: Space
     bounding_ends: float | None
-    cutoff: object
+    shared_cutoff: object
 
 
-@attrs.frozen
-class _Pool:
-    """The processes (``jobs`` of them) and the cutoff they read."""
-
-    executor: ProcessPoolExecutor
-    jobs: int
-    cutoff: object
-
-
-#: The search the forked processes serve (set in the parent just before they fork).
+#: The search a search process serves (set by :func:`_start` in the process).
 _WORK: _Work | None = None
 
 
 def search_across(pricer: Pricer, space: Space, layouts: list[Layout], top: int, jobs: int,
                   deadlines: tuple[float | None, float | None], progress=None
-                  ) -> tuple[list[Priced], Tally, float | None, int]:
-    """The ``top`` best of ``layouts`` searched with ``jobs`` processes, the counts, the
+                  ) -> tuple[list[Priced], Tally, float | None]:
+    """The ``top`` best of ``layouts`` searched with ``jobs`` processes, the counts and the
     bound where the ``deadlines`` (of the bounds, of the search) stopped it (None: not
-    stopped) and how many SI plans were computed."""
-    global _WORK
+    stopped); the SI plans the processes computed are merged into ``pricer``'s."""
     bounding_ends, deadline = deadlines
     context = multiprocessing.get_context("fork")
-    cutoff = context.Value("d", math.inf, lock=False)  # one writer (here), a double: read whole
-    _WORK = _Work(pricer, space, bounding_ends, cutoff)
-    executor = ProcessPoolExecutor(jobs, mp_context=context, initializer=_start, initargs=(os.getpid(),))
-    pool = _Pool(executor, jobs, cutoff)
+    work = _Work(pricer, space, bounding_ends, context.Value("d", math.inf, lock=False))
+    executor = ProcessPoolExecutor(jobs, mp_context=context, initializer=_start, initargs=(work, os.getpid()))
     finished = False
     try:
         tally, incumbent = Tally(), Incumbent(top)
-        found = _bounds(pool.executor, layouts, jobs, tally, progress)
+        found = _bounds(executor, layouts, jobs, tally, progress)
         bounded = keep_bounded(found, space, pricer.memory_gb, tally)
         left = branch(pricer, space, bounded, incumbent, tally, deadline, progress,
-                      lambda pricer, cutoff, handle: Across(pool, pricer, cutoff, handle))
+                      lambda pricer, cutoff, handle: Across(executor, jobs, work.shared_cutoff, pricer, cutoff, handle))
         finished = True
-        return incumbent.best, tally, left, len(pricer.plans)
+        return incumbent.best, tally, left
     except BrokenProcessPool:
-        raise DhelixError(f"tune: a search process (of --jobs {jobs}) died, likely out of memory",
+        raise DhelixError(f"tune: a search process (of --jobs {jobs}) was killed (for instance out of memory)",
                           notes=["run again with fewer --jobs (each process keeps what it computes)"]) from None
     finally:
-        _stop(pool.executor, finished)
-        _WORK = None
+        _stop(executor, finished)
 
 
 def _bounds(executor, layouts: list[Layout], jobs: int, tally: Tally, progress) -> list:
@@ -107,9 +97,8 @@ def _bounds(executor, layouts: list[Layout], jobs: int, tally: Tally, progress) 
     the rest counted unbounded in ``tally``."""
     ordered = sorted(layouts, key=family)
     size = max(8, len(ordered) // (jobs * 16))
-    futures = [executor.submit(_bound_slice, ordered[i:i + size]) for i in range(0, len(ordered), size)]
+    pending = {executor.submit(_bound_slice, ordered[i:i + size]) for i in range(0, len(ordered), size)}
     found, done = [], 0
-    pending = set(futures)
     while pending:
         ready, pending = wait(pending, return_when=FIRST_COMPLETED)
         for future in ready:
@@ -117,21 +106,23 @@ def _bounds(executor, layouts: list[Layout], jobs: int, tally: Tally, progress) 
             found += bounds
             tally.unbounded += unbounded
             done += len(bounds) + unbounded
-        if progress:
+        if progress and done < len(layouts):  # (at the total a progress bar would close)
             progress(done, len(layouts))
     return found
 
 
 class Across:
     """Runs the search's work (:class:`~dhelix.dsl.search.branch.Inline`'s tasks) in the
-    processes of an executor, one task per process at a time and one deferred choice of a
-    family at a time. A deferred choice goes out with the SI plans of its family known here
+    ``jobs`` processes of ``executor``, one task per process at a time and one deferred
+    choice of a family at a time. A task goes out with the SI plans of its family known here
     and comes back with those its process computed (merged into ``pricer``'s cache); every
-    result goes to ``handle``, and the K-th best step so far (``cutoff``) to the processes."""
+    result goes to ``handle``, and the K-th best step so far (``cutoff()``) to the processes
+    (``shared_cutoff``)."""
 
-    def __init__(self, pool: _Pool, pricer: Pricer, cutoff, handle):
-        self.pool, self.pricer, self.cutoff, self.handle = pool, pricer, cutoff, handle
-        self._futures: dict = {}  # future: the family of the choice it settles, or None
+    def __init__(self, executor: ProcessPoolExecutor, jobs: int, shared_cutoff, pricer: Pricer, cutoff, handle):
+        self.executor, self.jobs, self.shared_cutoff = executor, jobs, shared_cutoff
+        self.pricer, self.cutoff, self.handle = pricer, cutoff, handle
+        self._futures: dict = {}  # future: (whether it settles a deferred choice, its family)
         self._plans: dict[tuple, dict] = {}
 
     @property
@@ -141,23 +132,26 @@ class Across:
 
     def free(self) -> bool:
         """Whether a process is free."""
-        return len(self._futures) < self.pool.jobs
+        return len(self._futures) < self.jobs
 
     def takes(self, choice: Choice) -> bool:
         """Whether a process is free for the deferred ``choice`` and none is pricing one of
         its family (whose plans it would compute again)."""
-        return self.free() and family(choice.layout) not in self._futures.values()
+        return self.free() and (True, family(choice.layout)) not in self._futures.values()
 
     def visit(self, layout: Layout, schedules, skip) -> None:
         """Hand out the choices of ``layout`` with ``schedules`` but those ``skip`` rules out."""
         kept = [schedule for schedule in schedules if not skip(Choice(layout, *schedule))]
-        self._futures[self.pool.executor.submit(_visit, layout, kept)] = None
+        self._submit(False, layout, _visit, (layout, kept))
 
     def settle(self, choice: Choice) -> None:
         """Hand out the deferred ``choice``."""
-        kin = family(choice.layout)
+        self._submit(True, choice.layout, _settle, choice)
+
+    def _submit(self, settles: bool, layout: Layout, task, argument) -> None:
+        kin = family(layout)
         plans = list(self._plans.get(kin, {}).items())
-        self._futures[self.pool.executor.submit(_settle, choice, plans)] = kin
+        self._futures[self.executor.submit(task, argument, plans)] = (settles, kin)
 
     def collect(self, block: bool = False) -> int:
         """The layouts visited since the last call, their results handled (``block``: wait
@@ -167,58 +161,58 @@ class Across:
         ready, _ = wait(self._futures, timeout=None if block else 0, return_when=FIRST_COMPLETED)
         visited = 0
         for future in ready:
-            kin = self._futures.pop(future)
+            settles, kin = self._futures.pop(future)
             results, plans = future.result()
             if plans:
                 self.pricer.plans.merge(plans)
                 self._plans.setdefault(kin, {}).update(plans)
             for result in results:
                 self.handle(result)
-            visited += kin is None
+            visited += not settles
         cutoff = self.cutoff()
-        self.pool.cutoff.value = math.inf if cutoff is None else cutoff
+        self.shared_cutoff.value = math.inf if cutoff is None else cutoff
         return visited
 
 
 def _bound_slice(layouts: list[Layout]) -> tuple[list, int]:
     """(layout, bound or why refused) of ``layouts`` until the bounds' deadline, and how many
     were left unbounded."""
-    work = _WORK
-    schedule = bound_schedule(work.space)
-    found = []
-    for index, layout in enumerate(layouts):
-        if work.bounding_ends is not None and time.perf_counter() > work.bounding_ends:
-            return found, len(layouts) - index
-        found.append((layout, work.pricer.bound(layout, schedule)))
-    return found, 0
+    return bounds(_WORK.pricer, _WORK.space, layouts, _WORK.bounding_ends)
 
 
 def _cutoff() -> float | None:
     """The K-th best step the searching process knows (None: fewer known)."""
-    value = _WORK.cutoff.value
+    value = _WORK.shared_cutoff.value
     return None if value == math.inf else value
 
 
-def _visit(layout: Layout, schedules: list) -> tuple[list, list]:
-    """The results of the choices of ``layout`` with ``schedules`` (priced, or deferred)."""
-    pricer = _WORK.pricer
-    return [pricer.price(Choice(layout, *schedule), _cutoff(), memory_first=True, defer=True)
-            for schedule in schedules], []
+def _visit(visit: tuple[Layout, list], plans: list) -> tuple[list, list]:
+    """The results of a layout's choices (priced, or deferred), ``visit`` being the layout
+    and the schedules to price; and the SI plans computed for them."""
+    layout, schedules = visit
+    return _with_plans(plans, lambda pricer: [visit_price(pricer, Choice(layout, *schedule), _cutoff())
+                                              for schedule in schedules])
 
 
 def _settle(choice: Choice, plans: list) -> tuple[list, list]:
-    """The deferred ``choice`` priced (its SI pair planned, its counts settled) with
-    ``plans`` known too; and the plans computed for it."""
+    """The deferred ``choice`` priced; and the SI plans computed for it."""
+    return _with_plans(plans, lambda pricer: [settle_price(pricer, choice, _cutoff())])
+
+
+def _with_plans(plans: list, task) -> tuple[list, list]:
+    """``task(pricer)``'s results with ``plans`` (of the task's family, computed elsewhere)
+    known first, and the plans it computed."""
     cache = _WORK.pricer.plans
     cache.merge(plans)
     known = len(cache)
-    result = _WORK.pricer.price(choice, _cutoff(), memory_first=True)
-    return [result], cache.since(known)
+    return task(_WORK.pricer), cache.since(known)
 
 
-def _start(parent: int) -> None:
-    """A search process leaves Ctrl-C to its parent, which stops it (:func:`_stop`), and dies
-    with it (a parent killed outright leaves nothing computing)."""
+def _start(work: _Work, parent: int) -> None:
+    """A search process: serves ``work``, leaves Ctrl-C to its parent, which stops it
+    (:func:`_stop`), and dies with it (a parent killed outright leaves nothing computing)."""
+    global _WORK
+    _WORK = work
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent(parent)
 

@@ -37,9 +37,10 @@ def _preloading() -> bool:
 def die_with_launcher() -> None:
     """In the forkserver's preload, arm its parent-death signal when its launcher asked for it
     (and drop the request from the environment its ranks inherit), and end it now if that
-    launcher is already gone."""
+    launcher is already gone (Linux; a no-op elsewhere, where a watching thread would run
+    beside the forks)."""
     launcher = os.environ.pop(LAUNCHER_PID, None)
-    if launcher is not None and launcher.isdigit():
+    if launcher is not None and launcher.isdigit() and sys.platform.startswith("linux"):
         die_with_parent(int(launcher))
 
 
