@@ -644,7 +644,7 @@ def test_a_search_process_that_dies_is_reported():
         return bound(*args, **kwargs)
 
     pricer.bound = dying
-    with pytest.raises(DhelixError, match="a search process .of --jobs 2. was killed"):
+    with pytest.raises(DhelixError, match="a search process .one of 2. was killed"):
         search(pricer, attrs.evolve(space, tp=(2,), cp=(1,)), top=1, jobs=2)
 
 

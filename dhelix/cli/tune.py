@@ -20,7 +20,7 @@ import attrs
 
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.cli.paths import output_path, program_inputs, write_output
-from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.frontend.imports import load_modules, read_source
 from dhelix.dsl.passes import pipeline as passes
@@ -91,7 +91,12 @@ def cmd_tune(args) -> int:
     except UsageError as exc:
         raise UsageError(f"--keep: {exc.message}") from None
     pricer = Pricer(modules, base, world)
-    outcome = search(pricer, space, top=args.top, budget=args.budget, progress=_progress_bar(args.json), jobs=jobs)
+    try:
+        outcome = search(pricer, space, top=args.top, budget=args.budget, progress=_progress_bar(args.json), jobs=jobs)
+    except DhelixError as exc:
+        if jobs > 1:
+            exc.add_note(f"it searched with --jobs {jobs}: -j 1 searches in this process alone")
+        raise
     title = (f"{args.file}: model {base.model.name} on {world} GPUs ({world // base.cluster.gpus_per_node} x "
              f"{base.cluster.gpus_per_node}), profile {base.profile.name}, global batch {space.sequences} "
              f"sequences of {base.model.get('seq')}")

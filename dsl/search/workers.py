@@ -85,8 +85,8 @@ def search_across(pricer: Pricer, space: Space, layouts: list[Layout], top: int,
         finished = True
         return incumbent.best, tally, left
     except BrokenProcessPool:
-        raise DhelixError(f"tune: a search process (of --jobs {jobs}) was killed (for instance out of memory)",
-                          notes=["run again with fewer --jobs (each process keeps what it computes)"]) from None
+        raise DhelixError(f"a search process (one of {jobs}) was killed (for instance out of memory)",
+                          notes=["search with fewer processes (each keeps what it computes)"]) from None
     finally:
         _stop(executor, finished)
 
