@@ -114,8 +114,8 @@ def _bounds(executor, layouts: list[Layout], jobs: int, tally: Tally, progress) 
 class Across:
     """Runs the search's work (:class:`~dhelix.dsl.search.branch.Inline`'s tasks) in the
     ``jobs`` processes of ``executor``, one task per process at a time and one deferred
-    choice of a family at a time. A task goes out with the SI plans of its family known here
-    and comes back with those its process computed (merged into ``pricer``'s cache); every
+    choice of a family at a time. A deferred choice goes out with the SI plans of its family
+    known here, and every task comes back with those its process computed (merged into ``pricer``'s cache); every
     result goes to ``handle``, and the K-th best step so far (``cutoff()``) to the processes
     (``shared_cutoff``)."""
 
@@ -149,8 +149,10 @@ class Across:
         self._submit(True, choice.layout, _settle, choice)
 
     def _submit(self, settles: bool, layout: Layout, task, argument) -> None:
+        # A visit plans only what it prices whole (a launch = auto program's pair), seldom:
+        # it goes out without its family's plans, which would be sent with every layout.
         kin = family(layout)
-        plans = list(self._plans.get(kin, {}).items())
+        plans = list(self._plans.get(kin, {}).items()) if settles else []
         self._futures[self.executor.submit(task, argument, plans)] = (settles, kin)
 
     def collect(self, block: bool = False) -> int:
