@@ -93,7 +93,7 @@ def search_across(pricer: Pricer, space: Space, layouts: list[Layout], top: int,
 
 def _bounds(executor, layouts: list[Layout], jobs: int, tally: Tally, progress) -> list:
     """(layout, bound or why refused) of every layout bounded before the bounds' deadline,
-    in slices of the layouts in family order (a process checks a family's layer DAGs once);
+    in slices of the layouts in family order (one process's caches serve alike layouts);
     the rest counted unbounded in ``tally``."""
     ordered = sorted(layouts, key=family)
     size = max(8, len(ordered) // (jobs * 16))
