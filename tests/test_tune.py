@@ -694,3 +694,31 @@ def test_search_processes_die_with_a_command_killed_outright(tmp_path):
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(pid) for pid in children)
+
+
+def test_a_budget_also_stops_the_waiting_choices(monkeypatch):
+    # The budget ends after the last layout was visited but before the choices that wait for
+    # their SI plan are planned: the search stops there (it used to plan them all, past the
+    # budget), incomplete, with the least bound of those left as what it did not reach.
+    from dhelix.dsl.search import branch as branch_module
+    from dhelix.dsl.search.branch import Incumbent, Inline, Tally, bound_of, branch
+
+    pricer, full = _pricer()
+    space = attrs.evolve(full, tp=(2,), cp=(1,), micro_batch=(1,), partition=("written",),
+                         schedules=tuple(s for s in full.schedules if s[1] in ("w_helix", "dualpipe_v") and s[2] == "on"))
+    first = bound_of(pricer, space, list(space.layouts()), Tally(), None)[:1]
+    visited, settled = [], []
+
+    class Counting(Inline):
+        def visit(self, layout, schedules, skip):
+            visited.append(layout)
+            super().visit(layout, schedules, skip)
+
+        def settle(self, choice):
+            settled.append(choice)
+            super().settle(choice)
+
+    monkeypatch.setattr(branch_module.time, "perf_counter", lambda: 2.0 if visited else 0.0)
+    left = branch(pricer, space, first, Incumbent(3), Tally(), 1.0, runner=Counting)
+    assert len(visited) == 1 and not settled and len(pricer.plans) == 0
+    assert left is not None and left >= first[0][0]

@@ -179,8 +179,8 @@ class Inline:
 def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], incumbent: Incumbent, tally: Tally,
            deadline: float | None, progress=None, runner: Callable[..., Runner] | None = None) -> float | None:
     """Price the choices of the ``bounded`` layouts into ``incumbent``, visited in order
-    until the next bound exceeds the K-th best step; returns the bound where ``deadline``
-    stopped the visit (None: not stopped). ``runner(pricer, cutoff, handle)`` makes what
+    until the next bound exceeds the K-th best step; returns the least bound of what
+    ``deadline`` left unvisited or waiting (None: not stopped). ``runner(pricer, cutoff, handle)`` makes what
     runs the work (default :class:`Inline`).
 
     A choice whose SI layer pair is not planned yet, or whose chunk counts are not settled
@@ -220,7 +220,8 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
             tally.pruned += (len(bounded) - following) * len(space.schedules)
             following = len(bounded)
         limit = bounded[following][0] if following < len(bounded) else math.inf
-        if following < len(bounded) and deadline is not None and time.perf_counter() > deadline:
+        left = (following < len(bounded) or waiting) and deadline is not None
+        if left and time.perf_counter() > deadline:  # layouts or waiting choices left
             while work.in_flight:
                 work.collect(block=True)
             return min([limit] + [w[0] for w in waiting])
