@@ -19,12 +19,13 @@ import itertools
 import math
 import time
 from typing import Callable, Protocol
+
 import attrs
 
+from dhelix.dsl.search.bound import Bound
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION
 from dhelix.dsl.search.pricer import Deferred, Priced, Pricer, Pruned, Refused, TooBig
 from dhelix.dsl.search.space import Choice, Layout, Space
-from dhelix.dsl.search.bound import Bound
 from dhelix.dsl.simulator.memory import GB
 
 
@@ -108,13 +109,17 @@ def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, memory_g
     return sorted(bounded)
 
 
-def visit_price(pricer: Pricer, choice: Choice, cutoff: float | None):
+#: What pricing a choice returns (:meth:`~dhelix.dsl.search.pricer.Pricer.price`).
+Result = Priced | Refused | Pruned | TooBig | Deferred
+
+
+def visit_price(pricer: Pricer, choice: Choice, cutoff: float | None) -> Result:
     """``choice`` priced as a layout's visit prices it: its memory and floor first, deferred
     when its SI pair is not planned or its chunk counts not settled."""
     return pricer.price(choice, cutoff, memory_first=True, defer=True)
 
 
-def settle_price(pricer: Pricer, choice: Choice, cutoff: float | None):
+def settle_price(pricer: Pricer, choice: Choice, cutoff: float | None) -> Result:
     """The deferred ``choice`` priced: its SI pair planned, its chunk counts settled."""
     return pricer.price(choice, cutoff, memory_first=True)
 
@@ -180,8 +185,8 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
            deadline: float | None, progress=None, runner: Callable[..., Runner] | None = None) -> float | None:
     """Price the choices of the ``bounded`` layouts into ``incumbent``, visited in order
     until the next bound exceeds the K-th best step; returns the least bound of what
-    ``deadline`` left unvisited or waiting (None: not stopped). ``runner(pricer, cutoff, handle)`` makes what
-    runs the work (default :class:`Inline`).
+    ``deadline`` left unvisited or waiting (None: not stopped). ``runner(pricer, cutoff,
+    handle)`` makes what runs the work (default :class:`Inline`).
 
     A choice whose SI layer pair is not planned yet, or whose chunk counts are not settled
     yet, waits (:class:`Deferred`) with its bound, and is planned, settled and simulated
@@ -191,7 +196,7 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
     waiting: list[tuple[float, int, Choice]] = []  # (bound, arrival, choice)
     order = itertools.count()
 
-    def handle(result) -> None:
+    def handle(result: Result) -> None:
         if isinstance(result, Deferred):
             heapq.heappush(waiting, (result.bound, next(order), result.choice))
         else:
@@ -220,8 +225,8 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
             tally.pruned += (len(bounded) - following) * len(space.schedules)
             following = len(bounded)
         limit = bounded[following][0] if following < len(bounded) else math.inf
-        left = (following < len(bounded) or waiting) and deadline is not None
-        if left and time.perf_counter() > deadline:  # layouts or waiting choices left
+        unfinished = following < len(bounded) or bool(waiting)  # layouts or waiting choices left
+        if unfinished and deadline is not None and time.perf_counter() > deadline:
             while work.in_flight:
                 work.collect(block=True)
             return min([limit] + [w[0] for w in waiting])
