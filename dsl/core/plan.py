@@ -67,6 +67,9 @@ class SearchStats:
     backward_window: int | None
     max_segment: int | None
     pair_evaluations: int
+    #: Moves of the local search (:mod:`~dhelix.dsl.planner.refine`) that improved the
+    #: bounded search's plan (its steps may then exceed ``max_segment``).
+    local_moves: int = 0
 
     @property
     def exhaustive(self) -> bool:
@@ -156,7 +159,8 @@ def format_plan(plan: Plan) -> str:
         f"search: {stats.forward_orders} x {stats.backward_orders} legal orders "
         f"({stats.forward_prefixes} x {stats.backward_prefixes} prefixes, "
         f"moving window {_window(stats.forward_window)} / {_window(stats.backward_window)}), "
-        f"segments of at most {stats.max_segment or 'any number of'} ops, "
+        f"segments of at most {stats.max_segment or 'any number of'} ops"
+        f"{f', then {stats.local_moves} local moves' if stats.local_moves else ''}, "
         f"{stats.pair_evaluations} pair costs",
         "",
         *format_table(header, rows, right=numeric),
@@ -180,7 +184,8 @@ def optimality_line(plan: Plan, known=None) -> str:
     if known is None:
         bounds = ([f"segments of at most {stats.max_segment} ops"] if stats.max_segment else []) + \
             [f"the moving ops within {w} fixed ops" for w in {stats.forward_window, stats.backward_window} if w is not None]
-        return f"optimality: not checked (a bounded search: {', '.join(bounds)})"
+        local = f", then {stats.local_moves} local moves" if stats.local_moves else ""
+        return f"optimality: not checked (a bounded search: {', '.join(bounds)}{local})"
     if known.exact and not known.faster(plan):
         return "optimal: a search over every legal order and segmentation (segments of any length) finds no faster plan"
     if known.exact:

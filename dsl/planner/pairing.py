@@ -53,6 +53,7 @@ from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.mesh import base_axis
 from dhelix.dsl.core.plan import Plan, PlanOp, SearchStats, SegmentPair
 from dhelix.dsl.core.program import OVERLAP_KINDS, LayerDag, Op, Program, Strands
+from dhelix.dsl.planner.refine import refine
 from dhelix.dsl.planner.restbound import fixed_chain_rest
 from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, available, canonical, count_orders, moving_ops,
                         prefixes, selector_names, strand_of, strand_within)
@@ -219,6 +220,7 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
     moving = moving_ops(strands, forward, backward)
     rules = rules_of(strands, forward, backward)
     sides = (strand_within(forward, moving, max_prefixes), strand_within(backward, moving, max_prefixes))
+    refined = max_segment == AUTO
     if max_segment == AUTO:
         max_segment = None if _segment_pairs_within(sides, exact_pairs) else DEFAULT_MAX_SEGMENT
     tables = (_Table(sides[0], max_segment), _Table(sides[1], max_segment))
@@ -231,9 +233,13 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
     pairs = tuple(SegmentPair(tuple(op.name for op in tables[0].ops[f]),
                               tuple(op.name for op in tables[1].ops[b]), time,
                               matrix.solo[0][f] + matrix.solo[1][b]) for f, b, time in steps)
+    moves = 0
+    if refined and (max_segment is not None or any(side.window is not None for side in sides)):
+        pairs, moves = _refined(steps, tables, cost, rules)
+        total = sum((pair.time for pair in pairs), 0.0) if moves else total
     stats = SearchStats(count_orders(tables[0].strand), count_orders(tables[1].strand),
                         len(tables[0].prefixes), len(tables[1].prefixes), tables[0].strand.window,
-                        tables[1].strand.window, max_segment, matrix.evaluations)
+                        tables[1].strand.window, max_segment, matrix.evaluations, moves)
     return Plan(
         forward_layer=forward.name, backward_layer=backward.name,
         forward_order=tuple(name for pair in pairs for name in pair.forward),
@@ -243,6 +249,68 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
         compute_time=sum(_solo(cost, [op for op in dag.ops if op.kind == "compute"]) for dag in (forward, backward)),
         comm_time=sum(_solo(cost, [op]) for dag in (forward, backward) for op in dag.ops if op.kind == "comm"),
         rules=_rules_text(strands, rules, moving), stats=stats, unit=getattr(cost, "unit", "s"))
+
+
+def _refined(steps: list[tuple[int, int, float]], tables: tuple["_Table", "_Table"], cost: SegmentCost,
+             rules: PairingRules) -> tuple[tuple[SegmentPair, ...], int]:
+    """The segment pairs of the search's ``steps`` (segment ids of ``tables``, and times)
+    after the local search of :mod:`~dhelix.dsl.planner.refine`, and its moves made."""
+    price = _StepPrice((tables[0].strand, tables[1].strand), cost, rules)
+    start = [(tables[0].segments[f], tables[1].segments[b]) for f, b, _ in steps]
+    better, moves = refine(start, price.sides, price)
+    pairs = []
+    for f, b in better:
+        fwd, bwd = price.ops(0, f), price.ops(1, b)
+        pairs.append(SegmentPair(tuple(op.name for op in fwd), tuple(op.name for op in bwd), price(f, b),
+                                 _solo(cost, fwd) + _solo(cost, bwd)))
+    return tuple(pairs), moves
+
+
+class _StepPrice:
+    """The steps of the local search (:class:`~dhelix.dsl.planner.refine.Pricing`): a step's
+    segments as bitmasks over the two strands' ops, issued in canonical order, priced by the
+    cost under the pairing rules, each once; bounded below by the cost's segment bounds."""
+
+    def __init__(self, sides: tuple[Strand, Strand], cost: SegmentCost, rules: PairingRules):
+        self.sides, self.cost, self.rules = sides, cost, rules
+        self._times: dict[tuple[int, int], float] = {}
+        self._bounds: dict[tuple[int, int], float] = {}
+        self._segment_bounds: dict[tuple[int, int], object] = {}
+        self._has_bounds = _has_bounds(cost, sides[0].dag)
+
+    def ops(self, side: int, mask: int) -> tuple[Op, ...]:
+        """The ops of segment ``mask`` of strand ``side``, in canonical issue order."""
+        strand = self.sides[side]
+        return tuple(strand.ops[i] for i in canonical(strand, mask))
+
+    def __call__(self, f: int, b: int) -> float:
+        value = self._times.get((f, b))
+        if value is None:
+            value = self._times[f, b] = _step_cost(self.cost, self.rules, self.ops(0, f), self.ops(1, b))
+        return value
+
+    def bound(self, f: int, b: int) -> float:
+        value = self._bounds.get((f, b))
+        if value is None:
+            value = self._bounds[f, b] = self._bound(f, b)
+        return value
+
+    def _bound(self, f: int, b: int) -> float:
+        if not self._has_bounds or not (f or b):
+            return 0.0
+        if f and b:
+            fwd, bwd = self.ops(0, f), self.ops(1, b)
+            if restriction(fwd, bwd, self.rules):
+                return INF
+            return self._segment(0, f).pair(self._segment(1, b)) * _SAFE
+        side, mask = (0, f) if f else (1, b)
+        return self._segment(side, mask).solo() * _SAFE
+
+    def _segment(self, side: int, mask: int):
+        found = self._segment_bounds.get((side, mask))
+        if found is None:
+            found = self._segment_bounds[side, mask] = self.cost.segment_bound(self.ops(side, mask))
+        return found
 
 
 def relaxed_total(forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost) -> float | None:
@@ -336,7 +404,12 @@ class _PairMatrix:
         axis_bits: dict[str, int] = {}
         self.traits = [[_traits(ops, rules, axis_bits) for ops in table.ops] for table in tables]
         self.cells: list[dict[int, float]] = [{} for _ in tables[0].ops]
-        self.lows: list[dict[int, float]] = [{} for _ in tables[0].ops]  # lower(f, b) by f, then b
+        # lower(f, b) by f, then b; a step with one segment empty costs its solo time.
+        self.lows: list[dict[int, float]] = [{} for _ in tables[0].ops]
+        self.lows[0] = {b: time for b, time in enumerate(self.solo[1]) if b}
+        self.lows[0][0] = INF
+        for f in range(1, len(tables[0].ops)):
+            self.lows[f][0] = self.solo[0][f]
         self.evaluations = 0
         bound = getattr(cost, "segment_bound", None)
         self.bounds = None if bound is None else [[bound(ops) for ops in table.ops] for table in tables]
@@ -357,21 +430,30 @@ class _PairMatrix:
                 value = self.cost.pair(self.tables[0].ops[f], self.tables[1].ops[b])
             else:
                 value = INF
-            row[b] = self.lows[f][b] = value
+            row[b] = value
+            self.lows[f][b] = self._useful(f, b, value)
         return value
 
     def lower(self, f: int, b: int) -> float:
-        """A lower bound of ``cell(f, b)`` (0 without the cost's bounds); exact once priced.
-        Each pair's bound is worked out once (the search asks for it from many states)."""
-        if not f or not b:
-            return self.solo[0][f] + self.solo[1][b] if f or b else INF
+        """A lower bound of ``cell(f, b)`` (0 without the cost's bounds); exact once priced;
+        INF where the step can never be on a cheapest path: a restricted pair, and a pair
+        whose bound exceeds running its two segments one after the other (the path through
+        the intermediate state is then strictly cheaper). Each pair's bound is worked out
+        once (the search asks for it from many states)."""
         row = self.lows[f]
         value = row.get(b)
         if value is None:
-            value = row[b] = self._bound(f, b)
+            value = row[b] = self._useful(f, b, self._bound(f, b))
         return value
 
+    def _useful(self, f: int, b: int, value: float) -> float:
+        """``value`` (a bound or the time of the pair step f, b), or INF where it exceeds the
+        two segments run one after the other."""
+        return INF if f and b and value > self.solo[0][f] + self.solo[1][b] else value
+
     def _bound(self, f: int, b: int) -> float:
+        if not f or not b:
+            return self.solo[0][f] + self.solo[1][b] if f or b else INF
         value = self.cells[f].get(b)
         if value is not None:
             return value
@@ -449,7 +531,6 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
     back: list[tuple[int, int, int] | None] = [None] * len(best)
     best[0] = 0.0
     rem_f, rem_b = matrix.remaining(0), matrix.remaining(1)
-    solo_f, solo_b = matrix.solo
     limit = ceiling * (1.0 + 1e-9)
     chain, fixed_f, fixed_b = chains if chains is not None else (None, None, None)
     fwd_succ, bwd_succ = fwd.succ, bwd.succ
@@ -466,14 +547,22 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
                 continue
             for f, j in fwd_steps:
                 base = j * width
+                lows, rest_f, fixed_j = matrix.lows[f], rem_f[j] if rem_f is not None else None, \
+                    chain[fixed_f[j]] if chain is not None else None
                 for b, l in bwd_steps:
                     target = best[base + l]
-                    low = matrix.lower(f, b)
-                    if start + low >= target or (f and b and low > solo_f[f] + solo_b[b]):
+                    low = lows.get(b)
+                    if low is None:
+                        low = matrix.lower(f, b)
+                    if start + low >= target:
                         continue
-                    if rem_f is not None and start + low + _rest(rem_f[j], rem_b[l]) * _SAFE > limit:
-                        continue
-                    if chain is not None and start + low + chain[fixed_f[j]][fixed_b[l]] * _SAFE > limit:
+                    if rest_f is not None:
+                        rest_b = rem_b[l]
+                        rest = max(rest_f[0] + rest_b[0], rest_f[1] + rest_b[1], rest_f[2] + rest_b[2], rest_f[3],
+                                   rest_b[3])
+                        if start + low + rest * _SAFE > limit:
+                            continue
+                    if fixed_j is not None and start + low + fixed_j[fixed_b[l]] * _SAFE > limit:
                         continue
                     value = start + matrix.cell(f, b)
                     if value < target:
