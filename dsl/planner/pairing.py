@@ -18,8 +18,10 @@ Bounds, both recorded in the plan: ``max_segment`` caps the ops per segment (Non
 a strand with more than ``max_prefixes`` prefixes gets a narrower window for its moving ops
 (:func:`dsl.planner.sequences.strand_within`). By default (``AUTO``) segments are unbounded, so
 the plan is the exact optimum, whenever the two strands have at most ``DEFAULT_EXACT_PAIRS``
-pairs of segments; a larger search keeps segments of at most ``DEFAULT_MAX_SEGMENT`` ops. Ties
-go to the first path found, deterministically.
+pairs of segments; a larger search keeps segments of at most ``DEFAULT_MAX_SEGMENT`` ops, and
+its plan (or one a window bounded) is then improved by a local search
+(:mod:`dsl.planner.refine`: steps merged, ops moved across steps, two steps cut anew; its moves
+recorded in the plan's stats). Ties go to the first path found, deterministically.
 
 The search prices a step only when it might matter (:func:`_shortest`): a cost that offers
 lower bounds (``segment_bound``, as :class:`~dhelix.dsl.planner.paircost.PairCost` does) lets it
@@ -69,7 +71,8 @@ DEFAULT_EXACT_PAIRS = 20_000
 #: Ops per segment when the exact search is too big. The reference code's segments never
 #: exceed its atomic groups (at most 4 ops), and on the Llama examples the plan with 4 is as
 #: fast as the unbounded one (benchmarks/planner_speed.py --unbounded); on that benchmark's
-#: MoE layer pair it is 0.75 % slower than segments of any length (both within a 6-op window).
+#: MoE layer pair it is 0.75 % slower than segments of any length (both within a 6-op window),
+#: before the local search that follows it (dsl.planner.refine).
 DEFAULT_MAX_SEGMENT = 4
 #: The segment bound of the quick first search that gives the exact one its ceiling.
 _CEILING_SEGMENT = 2
