@@ -160,7 +160,7 @@ def format_plan(plan: Plan) -> str:
         f"({stats.forward_prefixes} x {stats.backward_prefixes} prefixes, "
         f"moving window {_window(stats.forward_window)} / {_window(stats.backward_window)}), "
         f"segments of at most {stats.max_segment or 'any number of'} ops"
-        f"{f', then {stats.local_moves} local moves' if stats.local_moves else ''}, "
+        f"{_local_moves(stats)}, "
         f"{stats.pair_evaluations} pair costs",
         "",
         *format_table(header, rows, right=numeric),
@@ -184,8 +184,7 @@ def optimality_line(plan: Plan, known=None) -> str:
     if known is None:
         bounds = ([f"segments of at most {stats.max_segment} ops"] if stats.max_segment else []) + \
             [f"the moving ops within {w} fixed ops" for w in {stats.forward_window, stats.backward_window} if w is not None]
-        local = f", then {stats.local_moves} local moves" if stats.local_moves else ""
-        return f"optimality: not checked (a bounded search: {', '.join(bounds)}{local})"
+        return f"optimality: not checked (a bounded search: {', '.join(bounds)}{_local_moves(stats)})"
     if known.exact and not known.faster(plan):
         return "optimal: a search over every legal order and segmentation (segments of any length) finds no faster plan"
     if known.exact:
@@ -195,6 +194,12 @@ def optimality_line(plan: Plan, known=None) -> str:
         return "optimality: not proven (a measured profile's times give no lower bound to prove it by)"
     return (f"optimality: no plan over any order and segmentation beats {known.floor * factor:.3f} {unit} "
             f"(a relaxation's bound), so this one is within {100 * (plan.total / known.floor - 1):.1f}% of the fastest")
+
+
+def _local_moves(stats: SearchStats) -> str:
+    """", then N local moves" where the local search improved the plan, else ""."""
+    moves = stats.local_moves
+    return f", then {moves} local move{'s' if moves != 1 else ''}" if moves else ""
 
 
 def _window(window: int | None) -> str:
