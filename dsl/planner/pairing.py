@@ -279,17 +279,37 @@ class _StepPrice:
         self._times: dict[tuple[int, int], float] = {}
         self._bounds: dict[tuple[int, int], float] = {}
         self._segment_bounds: dict[tuple[int, int], object] = {}
+        self._ops: dict[tuple[int, int], tuple[Op, ...]] = {}
+        self._traits: dict[tuple[int, int], _Traits] = {}
+        self._axis_bits: dict[str, int] = {}
         self._has_bounds = _has_bounds(cost, sides[0].dag)
 
     def ops(self, side: int, mask: int) -> tuple[Op, ...]:
         """The ops of segment ``mask`` of strand ``side``, in canonical issue order."""
-        strand = self.sides[side]
-        return tuple(strand.ops[i] for i in canonical(strand, mask))
+        found = self._ops.get((side, mask))
+        if found is None:
+            strand = self.sides[side]
+            found = self._ops[side, mask] = tuple(strand.ops[i] for i in canonical(strand, mask))
+        return found
+
+    def _allowed(self, f: int, b: int) -> bool:
+        """Whether the pairing rules let the two (non-empty) segments run side by side."""
+        traits = []
+        for side, mask in ((0, f), (1, b)):
+            found = self._traits.get((side, mask))
+            if found is None:
+                found = self._traits[side, mask] = _traits(self.ops(side, mask), self.rules, self._axis_bits)
+            traits.append(found)
+        return traits[0].allows(traits[1], self.rules.comm_with_comm)
 
     def __call__(self, f: int, b: int) -> float:
         value = self._times.get((f, b))
         if value is None:
-            value = self._times[f, b] = _step_cost(self.cost, self.rules, self.ops(0, f), self.ops(1, b))
+            if f and b and not self._allowed(f, b):
+                value = INF
+            else:
+                value = _step_cost(self.cost, self.rules, self.ops(0, f), self.ops(1, b))
+            self._times[f, b] = value
         return value
 
     def bound(self, f: int, b: int) -> float:
@@ -302,8 +322,7 @@ class _StepPrice:
         if not self._has_bounds or not (f or b):
             return 0.0
         if f and b:
-            fwd, bwd = self.ops(0, f), self.ops(1, b)
-            if restriction(fwd, bwd, self.rules):
+            if not self._allowed(f, b):
                 return INF
             return self._segment(0, f).pair(self._segment(1, b)) * _SAFE
         side, mask = (0, f) if f else (1, b)

@@ -5,19 +5,21 @@ exact, its segments hold at most a few ops, and a step that should pair a long r
 strand with the other strand's (a ring attention's steps beside a backward GEMM chain, a
 chunk chain's pieces) is cut into several: on the chunked Llama-70B layer pairs `dhelix
 tune` prices, the 4-op plans are 1.4-5.8 % slower than the optimum inside the same windows.
-This search starts from such a plan and repeats two moves while either makes the plan
+This search starts from such a plan and repeats three moves while any makes the plan
 strictly faster:
 
 * **merge** ``2 … MERGE_WIDTH`` consecutive steps into one (each strand's segments joined);
 * **move one op across a step boundary**, either strand, either way: an op of a step whose
   inputs are all done by the end of the step before joins it, and an op of a step that no
   other op of that step reads joins the step after;
+* **relocate a moving op** (a wgrad, the router) to whichever step, near or far, gains most
+  (after its inputs, before its readers);
 
-and when neither helps, a third:
+and when none helps, a fourth:
 
-* **cut two consecutive steps anew**: their forward ops and their backward ops, each in
-  canonical order, split at every pair of points (the cuts whose step bounds leave no room
-  for a gain are not priced).
+* **cut two, then three, consecutive steps anew into two**: their forward ops and their
+  backward ops, each in canonical order, split at every pair of points (the cuts whose step
+  bounds leave no room for a gain are not priced).
 
 Every step stays the difference of two prefixes of its strand (a legal segment, issued in
 its canonical order, :func:`~dhelix.dsl.planner.sequences.canonical`), so the plan stays
@@ -65,9 +67,12 @@ def refine(steps: list[Step], sides: tuple[Strand, Strand], price: Pricing
     times = [price(*step) for step in steps]
     moves = 0
     for _ in range(MAX_ROUNDS):
-        made = _merges(steps, times, price) + _shifts(steps, times, sides, price)
+        made = _merges(steps, times, price) + _shifts(steps, times, sides, price) + \
+            _relocations(steps, times, sides, price)
         if not made:
-            made = _resplits(steps, times, sides, price)
+            made = _resplits(steps, times, sides, price, 2)
+        if not made:
+            made = _resplits(steps, times, sides, price, 3)
         if not made:
             break
         moves += made
@@ -106,26 +111,67 @@ def _shifts(steps: list[Step], times: list[float], sides: tuple[Strand, Strand],
         for side, strand in enumerate(sides):
             done = _union(step[side] for step in steps[:k + 1])  # run by the end of step k
             for i in members(steps[k + 1][side]):  # pull: op i of step k+1 into step k
-                if strand.needs[i] & ~done == 0 and _try(steps, times, k, side, i, k + 1, k, price):
+                if strand.needs[i] & ~done == 0 and _try(steps, times, side, i, k + 1, k, price):
                     done |= 1 << i
                     made += 1
             for i in members(steps[k][side]):  # push: op i of step k into step k+1
                 readers = any(strand.needs[j] >> i & 1 for j in members(steps[k][side]))
-                if not readers and _try(steps, times, k, side, i, k, k + 1, price):
+                if not readers and _try(steps, times, side, i, k, k + 1, price):
                     made += 1
     return made
 
 
-def _resplits(steps: list[Step], times: list[float], sides: tuple[Strand, Strand], price: "Pricing") -> int:
-    """Cut the ops of each two consecutive steps anew where two steps are faster: the
-    first step takes the first ``a`` of their forward ops and the first ``c`` of their
-    backward ops (each strand's in canonical order, so each cut is a prefix), for every
-    ``a`` and ``c`` whose step bounds leave room for a gain (in place); the cuts made."""
+def _relocations(steps: list[Step], times: list[float], sides: tuple[Strand, Strand], price: Pricing) -> int:
+    """Move each moving op (a wgrad, the router: free to run anywhere after its inputs and
+    before its readers) to the step, near or far, where the two steps it leaves and joins
+    gain the most (in place); the moves made."""
     made = 0
-    for k in range(len(steps) - 1):
-        unions = (steps[k][0] | steps[k + 1][0], steps[k][1] | steps[k + 1][1])
+    for side, strand in enumerate(sides):
+        for i in (i for i, moving in enumerate(strand.moving) if moving):
+            source = next((k for k, step in enumerate(steps) if step[side] >> i & 1), None)
+            if source is None:
+                continue
+            best, found = 0.0, None
+            for target in _reachable(steps, side, strand, i, source):
+                left, right = _moved(steps, side, i, source, target)
+                gain = times[source] + times[target] - price(*left) - price(*right)
+                if gain > best and _better(times[source] + times[target] - gain, times[source] + times[target]):
+                    best, found = gain, target
+            if found is not None and _try(steps, times, side, i, source, found, price):
+                made += 1
+    return made
+
+
+def _reachable(steps: list[Step], side: int, strand: Strand, i: int, source: int) -> list[int]:
+    """The steps other than ``source`` that op ``i`` of strand ``side`` may move to: an
+    earlier one by whose end its inputs are done (inside it too: a step issues its ops in
+    dependency order), a later one before which nothing reads it."""
+    out = []
+    done = _union(step[side] for step in steps[:source])
+    for target in range(source - 1, -1, -1):
+        if strand.needs[i] & ~done:
+            break
+        out.append(target)
+        done &= ~steps[target][side]
+    for target in range(source + 1, len(steps)):
+        between = _union(step[side] for step in steps[source:target]) & ~(1 << i)
+        if any(strand.needs[j] >> i & 1 for j in members(between)):
+            break
+        out.append(target)
+    return out
+
+
+def _resplits(steps: list[Step], times: list[float], sides: tuple[Strand, Strand], price: Pricing, width: int) -> int:
+    """Cut the ops of ``width`` consecutive steps (2 or 3) anew into two steps where that is
+    faster: the first takes the first ``a`` of their forward ops and the first ``c`` of
+    their backward ops (each strand's in canonical order, so each cut is a prefix), for
+    every ``a`` and ``c`` whose step bounds leave room for a gain (in place); the cuts made."""
+    made, k = 0, 0
+    while k + width <= len(steps):
+        run = steps[k:k + width]
+        unions = (_union(f for f, _ in run), _union(b for _, b in run))
         cuts = [_cuts(strand, union) for strand, union in zip(sides, unions)]
-        best, found = times[k] + times[k + 1], None
+        best, found = sum(times[k:k + width]), None
         for f in cuts[0]:
             for b in cuts[1]:
                 first, second = (f, b), (unions[0] & ~f, unions[1] & ~b)
@@ -136,10 +182,11 @@ def _resplits(steps: list[Step], times: list[float], sides: tuple[Strand, Strand
                     continue
                 time_second = price(*second)
                 if _better(time_first + time_second, best):
-                    best, found = time_first + time_second, (first, second, time_first, time_second)
+                    best, found = time_first + time_second, ((first, second), (time_first, time_second))
         if found is not None:
-            steps[k], steps[k + 1], times[k], times[k + 1] = found
+            steps[k:k + width], times[k:k + width] = list(found[0]), list(found[1])
             made += 1
+        k += 1
     return made
 
 
@@ -153,19 +200,27 @@ def _cuts(strand: Strand, union: int) -> list[int]:
     return out
 
 
-def _try(steps: list[Step], times: list[float], k: int, side: int, i: int, source: int, target: int,
+def _moved(steps: list[Step], side: int, i: int, source: int, target: int) -> tuple[Step, Step]:
+    """Steps ``source`` and ``target`` with op ``i`` of strand ``side`` moved from the one
+    to the other."""
+    out = []
+    for k, change in ((source, lambda m: m & ~(1 << i)), (target, lambda m: m | 1 << i)):
+        step = list(steps[k])
+        step[side] = change(step[side])
+        out.append(tuple(step))
+    return out[0], out[1]
+
+
+def _try(steps: list[Step], times: list[float], side: int, i: int, source: int, target: int,
          price: Pricing) -> bool:
-    """Move op ``i`` of strand ``side`` from step ``source`` to step ``target`` (steps k
-    and k+1) if the two get faster; whether it moved."""
-    moved = [list(steps[k]), list(steps[k + 1])]
-    moved[source - k][side] &= ~(1 << i)
-    moved[target - k][side] |= 1 << i
-    first, second = tuple(moved[0]), tuple(moved[1])
-    time_first, time_second = price(*first), price(*second)
-    if not _better(time_first + time_second, times[k] + times[k + 1]):
+    """Move op ``i`` of strand ``side`` from step ``source`` to step ``target`` if the two
+    get faster; whether it moved."""
+    left, right = _moved(steps, side, i, source, target)
+    time_left, time_right = price(*left), price(*right)
+    if not _better(time_left + time_right, times[source] + times[target]):
         return False
-    steps[k], steps[k + 1] = first, second
-    times[k], times[k + 1] = time_first, time_second
+    steps[source], steps[target] = left, right
+    times[source], times[target] = time_left, time_right
     return True
 
 
