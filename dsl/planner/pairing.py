@@ -20,8 +20,8 @@ a strand with more than ``max_prefixes`` prefixes gets a narrower window for its
 the plan is the exact optimum, whenever the two strands have at most ``DEFAULT_EXACT_PAIRS``
 pairs of segments; a larger search keeps segments of at most ``DEFAULT_MAX_SEGMENT`` ops, and
 its plan (or one a window bounded) is then improved by a local search
-(:mod:`dsl.planner.refine`: steps merged, ops moved across steps, two steps cut anew; its moves
-recorded in the plan's stats). Ties go to the first path found, deterministically.
+(:mod:`dsl.planner.refine`: steps merged, ops moved across steps, consecutive steps cut anew;
+its moves recorded in the plan's stats). Ties go to the first path found, deterministically.
 
 The search prices a step only when it might matter (:func:`_shortest`): a cost that offers
 lower bounds (``segment_bound``, as :class:`~dhelix.dsl.planner.paircost.PairCost` does) lets it
@@ -238,8 +238,9 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
                               matrix.solo[0][f] + matrix.solo[1][b]) for f, b, time in steps)
     moves = 0
     if refined and (max_segment is not None or any(side.window is not None for side in sides)):
-        pairs, moves = _refined(steps, tables, cost, rules)
-        total = sum((pair.time for pair in pairs), 0.0) if moves else total
+        better, moves = _refined(steps, tables, cost, rules)
+        if moves:
+            pairs, total = better, sum((pair.time for pair in better), 0.0)
     stats = SearchStats(count_orders(tables[0].strand), count_orders(tables[1].strand),
                         len(tables[0].prefixes), len(tables[1].prefixes), tables[0].strand.window,
                         tables[1].strand.window, max_segment, matrix.evaluations, moves)

@@ -134,9 +134,9 @@ def _relocations(steps: list[Step], times: list[float], sides: tuple[Strand, Str
             best, found = 0.0, None
             for target in _reachable(steps, side, strand, i, source):
                 left, right = _moved(steps, side, i, source, target)
-                gain = times[source] + times[target] - price(*left) - price(*right)
-                if gain > best and _better(times[source] + times[target] - gain, times[source] + times[target]):
-                    best, found = gain, target
+                old, new = times[source] + times[target], price(*left) + price(*right)
+                if _better(new, old) and old - new > best:
+                    best, found = old - new, target
             if found is not None and _try(steps, times, side, i, source, found, price):
                 made += 1
     return made
