@@ -237,6 +237,36 @@ def test_a_substitution_is_kept_only_where_it_makes_the_layer_faster(slow, expec
     assert choices[0].describe().startswith(f"substitute rs1 as auto: {expected[0]} (whole: ")
 
 
+def test_by_auto_counts_are_passed_over_again_while_a_count_changes():
+    """Two auto chains, a step whose counts interact: the first statement keeps the layer's
+    count, the second then changes, and only a second pass finds that the first statement's
+    other count is now faster (a single pass ends at 9, the passes at 5)."""
+    from dhelix.dsl.planner.chunking import ChunkChoice, choose_all
+    from dhelix.dsl.simulator.launch import choose_counts_by_step
+
+    program = auto_program(statement="chunk ag1 + qkv by auto\n  chunk ag2 + fc1 + act + fc2 + rs2 by auto")
+    program, choices = choose_all(program)
+    chunks = [c for c in choices if isinstance(c, ChunkChoice)]
+    assert len(chunks) == 2
+
+    def other(choice):
+        priced = sorted((c for c in choice.candidates if c.seconds is not None), key=lambda c: c.seconds)
+        return next(c.value for c in priced if c.value != choice.chosen)
+    (v0, u0), (w, u) = (chunks[0].chosen, chunks[1].chosen), (other(chunks[0]), other(chunks[1]))
+    table = {(v0, u0): 10.0, (w, u0): 11.0, (v0, u): 9.0, (w, u): 5.0}
+    stepped = []
+
+    def step(p):
+        counts = dict(p.chunk_counts)
+        stepped.append((counts[0], counts[1]))
+        return table.get((counts[0], counts[1]), 20.0)
+    chosen, updated = choose_counts_by_step(program, choices, step, rerun=lambda p: p)
+    assert dict(chosen.chunk_counts) == {0: w, 1: u}
+    assert [c.chosen for c in updated if isinstance(c, ChunkChoice)] == [w, u]
+    assert len(stepped) == len(set(stepped))  # each set of counts stepped once
+    assert stepped[:2] == [(v0, u0), (w, u0)]  # the first pass starts from the layer's counts
+
+
 def test_by_auto_counts_are_settled_by_the_whole_step():
     from dhelix.dsl.planner.chunking import ChunkChoice
     from dhelix.dsl.simulator.events import simulate

@@ -95,6 +95,9 @@ def make_choices(program: Program, step: Callable[[Program], float] | None = Non
 #: whole, count :data:`WHOLE`, always among them).
 STEP_CANDIDATES = 3
 WHOLE = 1
+#: Passes over the statements at most (each pass tries every statement's candidates with the
+#: others at their counts so far; the next pass runs only when one changed).
+STEP_PASSES = 3
 
 
 def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Program], float] | None = None,
@@ -102,45 +105,57 @@ def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Prog
     """``program`` with each ``by auto`` count chosen among the :data:`STEP_CANDIDATES` that
     price the layer best and the chain whole, by simulating the whole step with each (a count that wins the layer
     can lose the step: SI pairs the chunks with the other strand, the pipeline carries them),
-    one statement after the other; ties to the layer's choice. ``choices`` are those of
-    :func:`~dhelix.dsl.planner.chunking.choose_all`; returned with the chunk choices updated.
-    ``rerun(program)`` runs the passes after check again with the counts set (default
-    :func:`~dhelix.dsl.passes.pipeline.rerun`), ``step(program)`` gives the step seconds of
-    what it returns (default: :func:`simulate` it)."""
+    one statement after the other, the others at their counts so far; ties to the count
+    held so far (first: the layer's choice). The statements are passed over again while a
+    pass changes a count (at most :data:`STEP_PASSES`): a count chosen later can make
+    another statement's first choice lose, and a single pass would then end on whichever
+    path the layer's choices set it on. ``choices`` are those of
+    :func:`~dhelix.dsl.planner.chunking.choose_all`; returned with the chunk choices updated
+    (each with the steps of its last pass). ``rerun(program)`` runs the passes after check
+    again with the counts set (default :func:`~dhelix.dsl.passes.pipeline.rerun`),
+    ``step(program)`` gives the step seconds of what it returns (default: :func:`simulate` it)."""
     step = step or (lambda p: simulate(p, trace=False).step_time)
     rerun = rerun or (lambda p: passes.rerun(p, after="check"))
     if program.profile is None or not any(isinstance(c, ChunkChoice) for c in choices):
         return program, choices
     autos = [index for index, st in enumerate(chunk_statements(program.partition)) if is_auto(st)]
     counts = dict(program.chunk_counts)
-    updated = []
-    # Each statement's first try (the layer's choice) is the previous statement's winner:
-    # each set of counts is stepped once.
+    # Per auto statement (by its position among the choices): its index and the counts tried.
+    tried: dict[int, tuple[int, list]] = {}
+    for position, choice in enumerate(choices):
+        if isinstance(choice, ChunkChoice) and len(tried) < len(autos):
+            priced = sorted((c for c in choice.candidates if c.seconds is not None), key=lambda c: c.seconds)
+            values = [choice.chosen] + [c.value for c in priced if c.value != choice.chosen][:STEP_CANDIDATES - 1]
+            if WHOLE not in values and any(c.value == WHOLE for c in priced):
+                values.append(WHOLE)  # Algorithm 1 leaves a collective whole where chunks do not pay
+            tried[position] = (autos[len(tried)], values)
+    # Each statement's first try is the counts so far, stepped already: each set is stepped once.
     stepped: dict[tuple, float | None] = {}
-    for choice in choices:
-        if not isinstance(choice, ChunkChoice) or not autos:
-            updated.append(choice)
-            continue
-        index = autos.pop(0)
-        priced = sorted((c for c in choice.candidates if c.seconds is not None), key=lambda c: c.seconds)
-        values = [choice.chosen] + [c.value for c in priced if c.value != choice.chosen][:STEP_CANDIDATES - 1]
-        if WHOLE not in values and any(c.value == WHOLE for c in priced):
-            values.append(WHOLE)  # Algorithm 1 leaves a collective whole where chunks do not pay
-        steps = []
-        for value in values:
-            key = tuple(sorted({**counts, index: value}.items()))
-            if key not in stepped:
-                try:
-                    stepped[key] = step(rerun(attrs.evolve(program, chunk_counts=key)))
-                except DhelixError:
-                    stepped[key] = None
-            if stepped[key] is not None:
-                steps.append((value, stepped[key]))
-        best = min(steps, key=lambda vt: vt[1])[0] if steps else choice.chosen
-        counts[index] = best
-        updated.append(attrs.evolve(choice, chosen=best, steps=tuple(steps)))
+    steps_of: dict[int, tuple] = {}
+    for _ in range(STEP_PASSES):
+        changed = False
+        for position, (index, values) in tried.items():
+            held = counts[index]
+            steps = []
+            for value in [held] + [v for v in values if v != held]:
+                key = tuple(sorted({**counts, index: value}.items()))
+                if key not in stepped:
+                    try:
+                        stepped[key] = step(rerun(attrs.evolve(program, chunk_counts=key)))
+                    except DhelixError:
+                        stepped[key] = None
+                if stepped[key] is not None:
+                    steps.append((value, stepped[key]))
+            best = min(steps, key=lambda vt: vt[1])[0] if steps else held
+            changed = changed or best != held
+            counts[index] = best
+            steps_of[position] = tuple(steps)
+        if not changed:
+            break
+    updated = tuple(attrs.evolve(choice, chosen=counts[tried[k][0]], steps=steps_of[k]) if k in tried else choice
+                    for k, choice in enumerate(choices))
     chosen = rerun(attrs.evolve(program, chunk_counts=tuple(sorted(counts.items()))))
-    return chosen, tuple(updated)
+    return chosen, updated
 
 
 #: ``train { launch_backward }``: the backward's micro-batches launched together (``gb``).
