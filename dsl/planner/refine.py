@@ -26,7 +26,7 @@ its canonical order, :func:`~dhelix.dsl.planner.sequences.canonical`), so the pl
 inside the pairing search's own space of plans, only without its segment cap and window: it
 is never faster than the search with segments of any length and no window, and never
 slower than the plan it started from. Moves are tried in a fixed order, so the result is
-deterministic; at most :data:`MAX_ROUNDS` rounds run. On those 70B pairs it adds 10-30 % to
+deterministic; at most :data:`MAX_ROUNDS` rounds run. On those 70B pairs it adds 10-16 % to
 the search's time and leaves them 0.1-1.8 % above that optimum (from 1.4-5.8 %;
 benchmarks/results/cpu_plan_local_search.txt).
 """
