@@ -17,9 +17,8 @@ from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.frontend.profiles import LaunchGap
 from dhelix.dsl.planner.paircost import PairCost, SegmentBound
 from dhelix.dsl.planner import pairing
-from dhelix.dsl.planner.pairing import (DEFAULT_MAX_SEGMENT, pair_sequences, plan_layers, plan_program, relaxed_total,
-                                        restriction,
-                                        rules_of)
+from dhelix.dsl.planner.pairing import DEFAULT_MAX_SEGMENT, pair_sequences, plan_layers, plan_program, relaxed_total
+from dhelix.dsl.planner.pairing_rules import restriction, rules_of
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.core.plan import format_plan, plan_from_json, plan_to_json
 from dhelix.dsl.core.program import Strands

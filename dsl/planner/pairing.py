@@ -29,20 +29,7 @@ skip most pairs without simulating them, and the answer is the same as pricing e
 segments of any length it also bounds the rest of a plan by :mod:`dsl.planner.restbound`
 (:func:`relaxed_total` is that bound from the start: no plan over any order beats it).
 
-Constraints (a restricted pair may still run each segment alone, one after the other):
-
-* ``overlap K…``: communication over an axis not listed cannot be hidden — a segment holding
-  such a comm op never pairs with a non-empty segment of the other strand. So the paper's
-  Fig. 15 ablation reads ``overlap tp`` → ``overlap tp, cp`` → ``comm_with_comm on`` →
-  ``movable wgrad``: ring steps run alone until cp is listed.
-* ``comm_with_comm off``: a segment holding comm never pairs with a segment holding comm;
-  ``on`` leaves it to the cost model (a local and a cross-node transfer overlap, two transfers
-  on one lane do not).
-* ``forbid A with B``: no op matching A in one segment beside an op matching B in the other,
-  whichever strand each is in.
-* Always: never two comm ops over the same axis — TP collective with TP collective, ring
-  step with ring step (the reference code's rules), and likewise EP all-to-all with EP
-  all-to-all: both strands would share one communicator, which serialises them.
+Constraints: the strands block's pairing rules (:mod:`dsl.planner.pairing_rules`).
 """
 
 from __future__ import annotations
@@ -52,13 +39,13 @@ from typing import Protocol, Sequence
 import attrs
 
 from dhelix.dsl.core.errors import DhelixError
-from dhelix.dsl.core.mesh import base_axis
 from dhelix.dsl.core.plan import Plan, PlanOp, SearchStats, SegmentPair
-from dhelix.dsl.core.program import OVERLAP_KINDS, LayerDag, Op, Program, Strands
+from dhelix.dsl.core.program import LayerDag, Op, Program, Strands
+from dhelix.dsl.planner.pairing_rules import PairingRules, Traits, restriction, rules_of, traits_of
 from dhelix.dsl.planner.refine import refine
 from dhelix.dsl.planner.restbound import fixed_chain_rest
 from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, available, canonical, count_orders, moving_ops,
-                        prefixes, selector_names, strand_of, strand_within)
+                        prefixes, strand_of, strand_within)
 
 INF = float("inf")
 #: ``max_segment``'s default: unbounded segments when the search is small enough to be exact
@@ -90,73 +77,6 @@ class SegmentCost(Protocol):
     def solo(self, ops: Sequence[Op]) -> float: ...
 
     def pair(self, fwd_ops: Sequence[Op], bwd_ops: Sequence[Op]) -> float: ...
-
-
-@attrs.frozen
-class PairingRules:
-    """The strands block's pairing constraints, with selectors resolved to op names."""
-
-    overlap: frozenset[str] = frozenset(OVERLAP_KINDS)
-    comm_with_comm: bool = True
-    forbid: tuple[tuple[frozenset[str], frozenset[str]], ...] = ()
-    forbid_text: tuple[str, ...] = ()
-
-
-def rules_of(strands: Strands, forward: LayerDag, backward: LayerDag) -> PairingRules:
-    """The PairingRules of a checked strands block for the two DAGs."""
-    forbid = tuple((selector_names(a, forward, backward), selector_names(b, forward, backward))
-                   for a, b in strands.forbid)
-    text = tuple(f"{a} with {b}" for a, b in strands.forbid)
-    return PairingRules(frozenset(strands.overlap), strands.comm_with_comm, forbid, text)
-
-
-def restriction(fwd_ops: Sequence[Op], bwd_ops: Sequence[Op], rules: PairingRules) -> str | None:
-    """Why the two segments may not be co-executed, or None when they may (always when
-    either is empty)."""
-    if not fwd_ops or not bwd_ops:
-        return None
-    for op in [*fwd_ops, *bwd_ops]:
-        if op.kind == "comm" and base_axis(op.axis) not in rules.overlap:
-            return f"{op.name} communicates over {op.axis}, which `overlap` does not list"
-    fwd_comm = {op.axis: op.name for op in fwd_ops if op.kind == "comm"}
-    for op in bwd_ops:
-        if op.kind == "comm" and op.axis in fwd_comm:
-            return f"{fwd_comm[op.axis]} and {op.name} both communicate over {op.axis}"
-    if not rules.comm_with_comm and fwd_comm and any(op.kind == "comm" for op in bwd_ops):
-        return "comm_with_comm is off and both segments communicate"
-    fwd_names, bwd_names = {op.name for op in fwd_ops}, {op.name for op in bwd_ops}
-    for (a, b), text in zip(rules.forbid, rules.forbid_text, strict=True):
-        if (fwd_names & a and bwd_names & b) or (fwd_names & b and bwd_names & a):
-            return f"forbid {text}"
-    return None
-
-
-@attrs.frozen
-class _Traits:
-    """A segment's constraint-relevant facts as bits, so a pair check is a few ANDs."""
-
-    pinned: bool  # holds comm that `overlap` does not list
-    comm: bool
-    axes: int  # one bit per communication axis
-    first: int  # bit r: matches the first selector of forbid rule r
-    second: int  # bit r: matches the second selector
-
-    def allows(self, other: _Traits, comm_with_comm: bool) -> bool:
-        """Whether this segment may be co-executed with ``other`` (of the other strand)."""
-        return not (self.pinned or other.pinned or self.axes & other.axes
-                    or (not comm_with_comm and self.comm and other.comm)
-                    or self.first & other.second or self.second & other.first)
-
-
-def _traits(ops: Sequence[Op], rules: PairingRules, axis_bits: dict[str, int]) -> _Traits:
-    comm = [op for op in ops if op.kind == "comm"]
-    names = {op.name for op in ops}
-    axes = 0
-    for op in comm:
-        axes |= axis_bits.setdefault(str(op.axis), 1 << len(axis_bits))
-    first = sum(1 << r for r, (a, _) in enumerate(rules.forbid) if names & a)
-    second = sum(1 << r for r, (_, b) in enumerate(rules.forbid) if names & b)
-    return _Traits(any(base_axis(op.axis) not in rules.overlap for op in comm), bool(comm), axes, first, second)
 
 
 class _Table:
@@ -281,7 +201,7 @@ class _StepPrice:
         self._bounds: dict[tuple[int, int], float] = {}
         self._segment_bounds: dict[tuple[int, int], object] = {}
         self._ops: dict[tuple[int, int], tuple[Op, ...]] = {}
-        self._traits: dict[tuple[int, int], _Traits] = {}
+        self._traits: dict[tuple[int, int], Traits] = {}
         self._axis_bits: dict[str, int] = {}
         self._has_bounds = _has_bounds(cost, sides[0].dag)
 
@@ -299,7 +219,7 @@ class _StepPrice:
         for side, mask in ((0, f), (1, b)):
             found = self._traits.get((side, mask))
             if found is None:
-                found = self._traits[side, mask] = _traits(self.ops(side, mask), self.rules, self._axis_bits)
+                found = self._traits[side, mask] = traits_of(self.ops(side, mask), self.rules, self._axis_bits)
             traits.append(found)
         return traits[0].allows(traits[1], self.rules.comm_with_comm)
 
@@ -410,7 +330,7 @@ def _fixed_chain_table(sides: tuple[Strand, Strand], cost: SegmentCost, rules: P
     moving = tuple([op for op, rank in zip(side.ops, side.fixed_rank, strict=True) if rank < 0] for side in sides)
     axis_bits: dict[str, int] = {}
     return fixed_chain_rest(fixed[0], fixed[1], moving, cost.segment_bound,
-                            lambda ops: _traits(ops, rules, axis_bits),
+                            lambda ops: traits_of(ops, rules, axis_bits),
                             lambda a, b: a.allows(b, rules.comm_with_comm))
 
 
@@ -425,7 +345,7 @@ class _PairMatrix:
         self.tables, self.cost, self.rules = tables, cost, rules
         self.solo = [[0.0] + [cost.solo(ops) for ops in table.ops[1:]] for table in tables]
         axis_bits: dict[str, int] = {}
-        self.traits = [[_traits(ops, rules, axis_bits) for ops in table.ops] for table in tables]
+        self.traits = [[traits_of(ops, rules, axis_bits) for ops in table.ops] for table in tables]
         self.cells: list[dict[int, float]] = [{} for _ in tables[0].ops]
         # lower(f, b) by f, then b; a step with one segment empty costs its solo time.
         self.lows: list[dict[int, float]] = [{} for _ in tables[0].ops]
