@@ -86,7 +86,7 @@ class _Segment:
     """One segment prepared for simulation (cached per segment): ops, in-segment
     dependencies, remaining-path lengths and per-lane task queues in segment order."""
 
-    __slots__ = ("names", "waiting", "dependents", "ntasks", "tail", "queues", "comm", "johnson")
+    __slots__ = ("names", "waiting", "dependents", "ntasks", "tail", "queues", "comm", "johnson", "ranked")
 
     def __init__(self, preps: list[tuple[str, tuple[str, ...], tuple]]):
         index = {name: i for i, (name, _, _) in enumerate(preps)}
@@ -114,6 +114,10 @@ class _Segment:
                 self.queues[lane].append((i, seconds, uid))
         self.comm = sum(seconds for lane in (1, 2) for _, seconds, _ in self.queues[lane])
         self.johnson = self._johnson_keys(preps)
+        # Per policy of _simulate (0: Johnson's rule, 1: longest path), per lane: the queue's
+        # (op index, seconds, task uid, issue key); the key ends with the op's name.
+        self.ranked = tuple(tuple([(i, seconds, uid, (keys[i], self.names[i])) for i, seconds, uid in queue]
+                                  for queue in self.queues) for keys in (self.johnson, self.tail))
 
     def _johnson_keys(self, preps) -> list[tuple]:
         """Issue keys after Johnson's two-machine rule: a compute op gating a comm op later in
@@ -150,9 +154,10 @@ class PairCost:
         self.profile, self.dtype, self.seq = profile, dtype, seq
         self._tasks: list[Task] = []  # task uid -> Task
         self._ops: dict[int, tuple] = {}  # id(op) -> (name, inputs, ((lane, s, uid), ...)), op
-        self._segments: dict[tuple, tuple[_Segment, tuple, tuple]] = {}
+        self._segments: dict[tuple, tuple[_Segment, tuple, tuple, int]] = {}
         # Results by shape (see the module docstring); unused with a measured section.
         self._by_shape: dict[tuple, float] = {}
+        self._shape_numbers: dict[tuple, int] = {}  # a segment's shape -> a number naming it in _by_shape
         self._override_keys = frozenset(key for pair in profile.oef_pairs for key in pair)
         # Result caches keyed by op ids; each entry holds its ops so that no id is reused.
         self._solo: dict[tuple, tuple[float, tuple]] = {}
@@ -182,18 +187,23 @@ class PairCost:
     def solo(self, ops: Sequence) -> float:
         """P(seg, ∅): seconds for one segment alone (its own comm overlaps its own compute
         only where they are independent)."""
-        key = tuple(map(id, ops))
-        hit = self._solo.get(key)
-        if hit is not None:
-            return hit[0]
+        if not ops:
+            return 0.0
+        entry = self._segment_entry(ops)
         if self._measured:
+            key = tuple(map(id, ops))
+            hit = self._solo.get(key)
+            if hit is not None:
+                return hit[0]
             value = self._measured_time(ops, ())
             if value is None:
-                value = _simulate(self, (self._segment(ops),), 0, False)[0] if ops else 0.0
-        else:
-            value = self._shared(("solo", self.shape(ops)),
-                                 lambda: _simulate(self, (self._segment(ops),), 0, False)[0] if ops else 0.0)
-        self._solo[key] = (value, tuple(ops))
+                value = _simulate(self, (entry[0],), 0, False)[0]
+            self._solo[key] = (value, tuple(ops))
+            return value
+        key = ("solo", entry[3])
+        value = self._by_shape.get(key)
+        if value is None:
+            value = self._by_shape[key] = _simulate(self, (entry[0],), 0, False)[0]
         return value
 
     def pair(self, fwd: Sequence, bwd: Sequence) -> float:
@@ -201,18 +211,21 @@ class PairCost:
         together; with one side empty, the other's solo time."""
         if not fwd or not bwd:
             return self.solo(fwd or bwd)
-        key = (tuple(map(id, fwd)), tuple(map(id, bwd)))
-        hit = self._pair.get(key)
-        if hit is not None:
-            return hit[0]
         if self._measured:
+            key = (tuple(map(id, fwd)), tuple(map(id, bwd)))
+            hit = self._pair.get(key)
+            if hit is not None:
+                return hit[0]
             value = self._measured_time(fwd, bwd)
             if value is None:
                 value = self._modelled_pair(fwd, bwd, False)[0]
-        else:
-            value = self._shared(("pair", self.shape(fwd), self.shape(bwd), _name_order(fwd, bwd)),
-                                 lambda: self._modelled_pair(fwd, bwd, False)[0])
-        self._pair[key] = (value, (tuple(fwd), tuple(bwd)))
+            self._pair[key] = (value, (tuple(fwd), tuple(bwd)))
+            return value
+        first, second = self._segment_entry(fwd), self._segment_entry(bwd)
+        key = (first[3], second[3], _name_order(first[0].names, second[0].names))
+        value = self._by_shape.get(key)
+        if value is None:
+            value = self._by_shape[key] = self._modelled_pair(fwd, bwd, False)[0]
         return value
 
     def schedule(self, fwd: Sequence, bwd: Sequence = ()) -> tuple[float, list[Slot]]:
@@ -298,21 +311,18 @@ class PairCost:
         positions of its inputs inside the segment. Segments of one shape cost the same."""
         return self._segment_entry(ops)[2]
 
-    def _shared(self, key: tuple, compute) -> float:
-        value = self._by_shape.get(key)
-        if value is None:
-            value = self._by_shape[key] = compute()
-        return value
-
     def _segment(self, ops: Sequence) -> _Segment:
         return self._segment_entry(ops)[0]
 
-    def _segment_entry(self, ops: Sequence) -> tuple[_Segment, tuple, tuple]:
+    def _segment_entry(self, ops: Sequence) -> tuple[_Segment, tuple, tuple, int]:
+        """(prepared segment, its ops, its shape, the shape's number): once per op list."""
         key = tuple(map(id, ops))
         hit = self._segments.get(key)
         if hit is None:
             preps = [self._prepare(op) for op in ops]
-            hit = (_Segment(preps), tuple(ops), self._shape_of(preps))
+            shape = self._shape_of(preps)
+            number = self._shape_numbers.setdefault(shape, len(self._shape_numbers))
+            hit = (_Segment(preps), tuple(ops), shape, number)
             self._segments[key] = hit  # holding the ops keeps their ids unique
         return hit
 
@@ -376,10 +386,10 @@ class PairCost:
 _CLASS_ORDER = ("comp", "intra", "inter")
 
 
-def _name_order(fwd: Sequence, bwd: Sequence) -> tuple[int, ...]:
+def _name_order(fwd: Sequence[str], bwd: Sequence[str]) -> tuple[int, ...]:
     """How each forward op's name compares with each backward op's (-1, 0, 1): the only use
     the simulation makes of names is to break ties between the strands' ready heads."""
-    return tuple((f.name > b.name) - (f.name < b.name) for f in fwd for b in bwd)
+    return tuple((f > b) - (f < b) for f in fwd for b in bwd)
 
 
 @attrs.frozen
@@ -415,8 +425,11 @@ class SegmentBound:
         a, b = self.lanes, other.lanes
         value = max(a[0] + b[0], a[1] + b[1], a[2] + b[2], self.path, other.path)
         if self.overlap is not None and other.overlap is not None:
-            value = max(value, self.overlap.pair(self, other))
-        return value + self.launch_gap.seconds(self.comm + other.comm)
+            saved = self.overlap.pair(self, other)
+            if saved > value:
+                value = saved
+        gap = self.launch_gap  # its seconds(), written out: the planner asks for millions of these
+        return value + max(gap.fixed_us * 1e-6, gap.comm_fraction * (self.comm + other.comm))
 
 
 _LANE_PAIRS = ((0, 1), (0, 2), (1, 2))
@@ -475,41 +488,63 @@ class OverlapBound:
         return found
 
     def pair(self, f: SegmentBound, b: SegmentBound) -> float:
-        """A lower bound of the two segments interleaved (without the launch gap)."""
-        value, wf, wb = 0.0, f.lanes, b.lanes
-        classes = None
-        for k, (i, j) in enumerate(_LANE_PAIRS):
-            wi, wj = wf[i] + wb[i], wf[j] + wb[j]
-            m = wi if wi < wj else wj
-            if m <= 0.0:
-                continue
-            if classes is None:
-                classes = self._classes(f, b)
-            e_s, e_x = classes[k]
-            cap_x = min(wf[i], wb[j]) + min(wb[i], wf[j])
-            cap_s = min(wf[i], wf[j]) + min(wb[i], wb[j])
-            # The most the OEFs can save: overlap the class with the larger OEF first.
-            if e_x >= e_s:
-                z = cap_x if cap_x < m else m
-                saved = e_x * z + e_s * min(cap_s, m - z)
-            else:
-                z = cap_s if cap_s < m else m
-                saved = e_s * z + e_x * min(cap_x, m - z)
-            if wi + wj - saved > value:
-                value = wi + wj - saved
+        """A lower bound of the two segments interleaved (without the launch gap); the
+        three lane pairs written out (the planner asks for millions of these)."""
+        f0, f1, f2 = f.lanes
+        b0, b1, b2 = b.lanes
+        w0, w1, w2 = f0 + b0, f1 + b1, f2 + b2
+        busy0, busy1, busy2 = w0 > 0.0, w1 > 0.0, w2 > 0.0
+        if busy0 + busy1 + busy2 < 2:
+            return 0.0
+        classes = self._classes(f, b)
+        value = 0.0
+        if busy0 and busy1:
+            cross = (f0 if f0 < b1 else b1) + (b0 if b0 < f1 else f1)  # min(f_i, b_j) + min(b_i, f_j)
+            same = (f0 if f0 < f1 else f1) + (b0 if b0 < b1 else b1)  # min(f_i, f_j) + min(b_i, b_j)
+            value = _unsaved(w0, w1, cross, same, classes[0])
+        if busy0 and busy2:
+            cross = (f0 if f0 < b2 else b2) + (b0 if b0 < f2 else f2)  # min(f_i, b_j) + min(b_i, f_j)
+            same = (f0 if f0 < f2 else f2) + (b0 if b0 < b2 else b2)  # min(f_i, f_j) + min(b_i, b_j)
+            other = _unsaved(w0, w2, cross, same, classes[1])
+            if other > value:
+                value = other
+        if busy1 and busy2:
+            cross = (f1 if f1 < b2 else b2) + (b1 if b1 < f2 else f2)  # min(f_i, b_j) + min(b_i, f_j)
+            same = (f1 if f1 < f2 else f2) + (b1 if b1 < b2 else b2)  # min(f_i, f_j) + min(b_i, b_j)
+            other = _unsaved(w1, w2, cross, same, classes[2])
+            if other > value:
+                value = other
         return value
+
+
+def _unsaved(wi: float, wj: float, cap_x: float, cap_s: float, classes: tuple[float, float]) -> float:
+    """Two busy lanes' work ``wi + wj`` less the most their OEFs can save
+    (:class:`OverlapBound`): the class with the larger OEF overlapped first."""
+    e_s, e_x = classes
+    m = wi if wi < wj else wj
+    if e_x >= e_s:
+        z = cap_x if cap_x < m else m
+        rest = m - z
+        saved = e_x * z + e_s * (cap_s if cap_s < rest else rest)
+    else:
+        z = cap_s if cap_s < m else m
+        rest = m - z
+        saved = e_s * z + e_x * (cap_x if cap_x < rest else rest)
+    return wi + wj - saved
 
 
 @attrs.define
 class _Running:
     """A task on a lane: its strand, op and task id, the work it has left (seconds at full
-    rate) and when it started. Mutable (a slots class): the hot loop updates ``remaining``."""
+    rate), when it started, and (strand, task id), what its rate is looked up by. Mutable (a
+    slots class): the hot loop updates ``remaining``."""
 
     strand: int
     op: int
     uid: int
     remaining: float
     start: float
+    key: tuple[int, int]
 
 
 def _simulate(cost: PairCost, segs: tuple[_Segment, ...], policy: int, record: bool):
@@ -523,26 +558,31 @@ def _simulate(cost: PairCost, segs: tuple[_Segment, ...], policy: int, record: b
     waiting = [list(seg.waiting) for seg in segs]
     left = [list(seg.ntasks) for seg in segs]
     heads = [[0] * len(segs) for _ in range(3)]
-    keys = [seg.johnson if policy == 0 else seg.tail for seg in segs]
+    ranked = [seg.ranked[policy] for seg in segs]
+    strands = range(len(segs))
     running: list[_Running | None] = [None, None, None]  # per lane
     now, slots, contested, busy = 0.0, [], False, 0
     while True:
         for lane in range(3):
             if running[lane] is not None:
                 continue
-            best = best_key = None
-            for strand, seg in enumerate(segs):
-                queue, head = seg.queues[lane], heads[lane][strand]
-                if head < len(queue) and waiting[strand][queue[head][0]] == 0:
-                    # Keys end with the op name, so the choice never depends on strand order.
-                    key = (keys[strand][queue[head][0]], seg.names[queue[head][0]])
-                    contested = contested or best is not None
-                    if best is None or key > best_key:
-                        best, best_key = strand, key
+            best = chosen = None
+            for strand in strands:
+                queue, head = ranked[strand][lane], heads[lane][strand]
+                if head < len(queue):
+                    item = queue[head]
+                    if waiting[strand][item[0]] == 0:
+                        # Keys end with the op name, so the choice never depends on strand order.
+                        if best is None:
+                            best, chosen = strand, item
+                        else:
+                            contested = True
+                            if item[3] > chosen[3]:
+                                best, chosen = strand, item
             if best is not None:
-                op, seconds, uid = segs[best].queues[lane][heads[lane][best]]
+                op, seconds, uid, _ = chosen
                 heads[lane][best] += 1
-                running[lane] = _Running(best, op, uid, seconds, now)
+                running[lane] = _Running(best, op, uid, seconds, now, (best, uid))
                 busy += 1
         if not busy:
             break
@@ -572,9 +612,9 @@ def _advance(cost: PairCost, active: list[_Running]) -> float:
     if len(active) == 1:
         step, active[0].remaining = active[0].remaining, 0.0
         return step
-    rates = cost.rates(tuple((r.strand, r.uid) for r in active))
-    times = [r.remaining / rate for r, rate in zip(active, rates, strict=True)]
+    rates = cost.rates(tuple([r.key for r in active]))
+    times = [r.remaining / rate for r, rate in zip(active, rates)]
     step = min(times)
-    for r, rate, time in zip(active, rates, times, strict=True):
+    for r, rate, time in zip(active, rates, times):
         r.remaining = 0.0 if time <= step * (1.0 + 1e-12) else r.remaining - rate * step
     return step

@@ -385,8 +385,22 @@ class _PairMatrix:
         once (the search asks for it from many states)."""
         row = self.lows[f]
         value = row.get(b)
-        if value is None:
-            value = row[b] = self._useful(f, b, self._bound(f, b))
+        if value is not None:
+            return value
+        if not f or not b:
+            value = self._bound(f, b)
+        else:  # _bound and _useful written out: the search asks for millions of these
+            value = self.cells[f].get(b)
+            if value is None:
+                if not self.traits[0][f].allows(self.traits[1][b], self.rules.comm_with_comm):
+                    value = INF
+                elif self.bounds is None:
+                    value = 0.0
+                else:
+                    value = self.bounds[0][f].pair(self.bounds[1][b]) * _SAFE
+            if value > self.solo[0][f] + self.solo[1][b]:
+                value = INF
+        row[b] = value
         return value
 
     def _useful(self, f: int, b: int, value: float) -> float:
