@@ -5,7 +5,9 @@ priced is no longer than the next layout's bound, no unvisited choice can enter 
 Inside a layout, each choice's peak memory and a floor of its step are computed before any
 simulation (:func:`~dhelix.dsl.simulator.events.untimed`), and a choice that needs its SI
 layer pair planned, or its chunk counts settled, waits (:class:`~dhelix.dsl.search.pricer.Deferred`)
-bound by its floor until nothing with a lower bound is left. The K best so far are an
+bound by its floor until nothing with a lower bound is left; one waiting for its counts is then
+bound anew by a simulation of its step before the planner's choices, and waits again with that
+bound (most never get so far). The K best so far are an
 :class:`Incumbent`; the work (a layout's choices visited, a waiting choice priced) runs here
 (:class:`Inline`) or in other processes (:mod:`workers`), whose results may come back in
 another order: the cutoff is always the K-th best step priced so far, never below the final
@@ -124,6 +126,12 @@ def settle_price(pricer: Pricer, choice: Choice, cutoff: float | None) -> Result
     return pricer.price(choice, cutoff, memory_first=True)
 
 
+def tighten_price(pricer: Pricer, choice: Choice, cutoff: float | None) -> Result:
+    """The deferred ``choice`` (``loose``: bound by its floor) deferred again with the bound
+    of its step before the planner's choices, or ruled out by it."""
+    return pricer.price(choice, cutoff, memory_first=True, defer=True, tighten=True)
+
+
 class Runner(Protocol):
     """What runs the search's work (:class:`Inline`, or
     :class:`~dhelix.dsl.search.workers.Across` in other processes), made with the pricer,
@@ -138,6 +146,8 @@ class Runner(Protocol):
     def visit(self, layout: Layout, schedules, skip: Callable[[Choice], bool]) -> None: ...
 
     def settle(self, choice: Choice) -> None: ...
+
+    def tighten(self, choice: Choice) -> None: ...
 
     def collect(self, block: bool = False) -> int: ...
 
@@ -174,6 +184,10 @@ class Inline:
         """Price the deferred ``choice``."""
         self.handle(settle_price(self.pricer, choice, self.cutoff()))
 
+    def tighten(self, choice: Choice) -> None:
+        """Bound the loosely deferred ``choice`` anew."""
+        self.handle(tighten_price(self.pricer, choice, self.cutoff()))
+
     def collect(self, block: bool = False) -> int:
         """The layouts visited since the last call, their results handled (``block``: wait
         for a task to end when none has)."""
@@ -194,11 +208,13 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
     of several processes, the lowest it takes): most never are, once the K-th best is below it."""
     dominance = _Dominance()
     waiting: list[tuple[float, int, Choice]] = []  # (bound, arrival, choice)
+    loose: set[Choice] = set()  # waiting with their floor: bound anew (tighten) before settled
     order = itertools.count()
 
     def handle(result: Result) -> None:
         if isinstance(result, Deferred):
             heapq.heappush(waiting, (result.bound, next(order), result.choice))
+            (loose.add if result.loose else loose.discard)(result.choice)
         else:
             _count(result, tally, dominance, incumbent)
 
@@ -230,10 +246,13 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
             while work.in_flight:
                 work.collect(block=True)
             return min([limit] + [w[0] for w in waiting])
-        picked = _lowest_taken(waiting, limit, work)
+        picked = _lowest_taken(waiting, limit, work, loose)
         if picked is not None:
             if cutoff is not None and picked[0] > cutoff:
                 tally.pruned += 1
+            elif picked[1] in loose:
+                loose.discard(picked[1])
+                work.tighten(picked[1])
             else:
                 work.settle(picked[1])
         elif following < len(bounded) and work.free():
@@ -245,17 +264,18 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
             return None
 
 
-def _lowest_taken(waiting: list[tuple[float, int, Choice]], limit: float, work: Runner
+def _lowest_taken(waiting: list[tuple[float, int, Choice]], limit: float, work: Runner, loose: set[Choice]
                   ) -> tuple[float, Choice] | None:
     """(bound, choice) of the waiting choice of lowest bound at most ``limit`` that ``work``
-    takes now, taken off the heap ``waiting``; None when there is none."""
+    takes now (any free process bounds a ``loose`` one anew), taken off the heap
+    ``waiting``; None when there is none."""
     if not waiting or waiting[0][0] > limit or not work.free():
         return None
-    if work.takes(waiting[0][2]):
+    if waiting[0][2] in loose or work.takes(waiting[0][2]):
         bound, _, choice = heapq.heappop(waiting)
         return bound, choice
     for entry in sorted(entry for entry in waiting if entry[0] <= limit):
-        if work.takes(entry[2]):
+        if entry[2] in loose or work.takes(entry[2]):
             waiting.remove(entry)
             heapq.heapify(waiting)
             return entry[0], entry[2]

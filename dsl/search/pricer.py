@@ -56,10 +56,13 @@ class Refused:
 class Deferred:
     """A choice left to price later (``defer``): its SI layer pair not planned yet, or its
     chunk counts not settled yet; and a lower bound of its step (seconds: its untimed floor,
-    or its step before the planner's choices, less the rounding margin)."""
+    or its step before the planner's choices, less the rounding margin). ``loose``: a choice
+    whose counts wait, bound by its untimed floor only so far (:meth:`Pricer.price` with
+    ``tighten`` gives the bound of its step before the planner's choices)."""
 
     choice: Choice
     bound: float
+    loose: bool = False
 
 
 @attrs.frozen
@@ -284,8 +287,8 @@ class Pricer:
                 self._bounds[key] = first_message(exc)
         return self._bounds[key]
 
-    def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False, defer: bool = False
-              ) -> Priced | Refused | Pruned | TooBig | Deferred:
+    def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False, defer: bool = False,
+              tighten: bool = False) -> Priced | Refused | Pruned | TooBig | Deferred:
         """``choice`` checked, given the planner's choices, simulated and held to the memory.
 
         With ``memory_first`` (the search), a choice's peak memory and a floor of its step are
@@ -295,11 +298,13 @@ class Pricer:
         ``defer`` too, a choice that would need its SI layer pair planned first is returned
         as Deferred, with its floor; so is one whose partition has chunk chains, SI on or
         off, before the planner settles their counts (which simulates the step several
-        times), with :meth:`unsettled_bound` (a peak over the device memory or a floor above
-        the ``cutoff`` of its program before the choices rules it out first, unsimulated:
-        :meth:`unsettled_costs`). A schedule with SI blocks whose layer pair is not planned
-        yet is first simulated with each layer pair at its lower bound (:func:`~dhelix.dsl.search.bound.relaxed_costs`): its memory
-        is the real one (a rank's allocations follow its actions' order, not their durations),
+        times): with the floor of its program before the choices (:meth:`unsettled_costs`;
+        a peak over the device memory or a floor above the ``cutoff`` rules it out first),
+        ``loose``; with ``tighten`` too, with :meth:`unsettled_bound` (a simulation: most
+        such choices never need it, their floor above the final cutoff). A schedule with SI
+        blocks whose layer pair is not planned yet is first simulated with each layer pair at
+        its lower bound (:func:`~dhelix.dsl.search.bound.relaxed_costs`): its memory is the
+        real one (a rank's allocations follow its actions' order, not their durations),
         so one that does not fit is returned as such without planning; and with a ``cutoff``
         (seconds), when even that step exceeds the cutoff the choice is Pruned."""
         try:
@@ -316,6 +321,8 @@ class Pricer:
                             return TooBig(choice, max(seen.memory))
                         if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
                             return Pruned(choice, seen.floor)
+                        if chained and not tighten:
+                            return Deferred(choice, seen.floor * (1 - FLOOR_MARGIN), loose=True)
                     unsettled = self.unsettled_bound(choice, program)
                     if cutoff is not None and unsettled > cutoff:
                         return Pruned(choice, unsettled)

@@ -32,7 +32,8 @@ import attrs
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.lifetime import die_with_parent
-from dhelix.dsl.search.branch import Incumbent, Tally, bounds, branch, keep_bounded, settle_price, visit_price
+from dhelix.dsl.search.branch import (Incumbent, Tally, bounds, branch, keep_bounded, settle_price, tighten_price,
+                                      visit_price)
 from dhelix.dsl.search.pricer import Priced, Pricer
 from dhelix.dsl.search.space import Choice, Layout, Space
 
@@ -122,7 +123,7 @@ class Across:
     def __init__(self, executor: ProcessPoolExecutor, jobs: int, shared_cutoff, pricer: Pricer, cutoff, handle):
         self.executor, self.jobs, self.shared_cutoff = executor, jobs, shared_cutoff
         self.pricer, self.cutoff, self.handle = pricer, cutoff, handle
-        self._futures: dict = {}  # future: (whether it settles a deferred choice, its family)
+        self._futures: dict = {}  # future: (what it does: visit, settle or tighten, its family)
         self._plans: dict[tuple, dict] = {}
 
     @property
@@ -137,23 +138,28 @@ class Across:
     def takes(self, choice: Choice) -> bool:
         """Whether a process is free for the deferred ``choice`` and none is pricing one of
         its family (whose plans it would compute again)."""
-        return self.free() and (True, family(choice.layout)) not in self._futures.values()
+        return self.free() and ("settle", family(choice.layout)) not in self._futures.values()
 
     def visit(self, layout: Layout, schedules, skip) -> None:
         """Hand out the choices of ``layout`` with ``schedules`` but those ``skip`` rules out."""
         kept = [schedule for schedule in schedules if not skip(Choice(layout, *schedule))]
-        self._submit(False, layout, _visit, (layout, kept))
+        self._submit("visit", layout, _visit, (layout, kept))
 
     def settle(self, choice: Choice) -> None:
         """Hand out the deferred ``choice``."""
-        self._submit(True, choice.layout, _settle, choice)
+        self._submit("settle", choice.layout, _settle, choice)
 
-    def _submit(self, settles: bool, layout: Layout, task, argument) -> None:
-        # A visit plans only what it prices whole (a launch = auto program's pair), seldom:
-        # it goes out without its family's plans, which would be sent with every layout.
+    def tighten(self, choice: Choice) -> None:
+        """Hand out the loosely deferred ``choice``, to be bound anew."""
+        self._submit("tighten", choice.layout, _tighten, choice)
+
+    def _submit(self, kind: str, layout: Layout, task, argument) -> None:
+        # A visit plans only what it prices whole (a launch = auto program's pair), seldom,
+        # and a new bound none: they go out without their family's plans, which would be sent
+        # with every layout.
         kin = family(layout)
-        plans = list(self._plans.get(kin, {}).items()) if settles else []
-        self._futures[self.executor.submit(task, argument, plans)] = (settles, kin)
+        plans = list(self._plans.get(kin, {}).items()) if kind == "settle" else []
+        self._futures[self.executor.submit(task, argument, plans)] = (kind, kin)
 
     def collect(self, block: bool = False) -> int:
         """The layouts visited since the last call, their results handled (``block``: wait
@@ -163,14 +169,14 @@ class Across:
         ready, _ = wait(self._futures, timeout=None if block else 0, return_when=FIRST_COMPLETED)
         visited = 0
         for future in ready:
-            settles, kin = self._futures.pop(future)
+            kind, kin = self._futures.pop(future)
             results, plans = future.result()
             if plans:
                 self.pricer.plans.merge(plans)
                 self._plans.setdefault(kin, {}).update(plans)
             for result in results:
                 self.handle(result)
-            visited += not settles
+            visited += kind == "visit"
         cutoff = self.cutoff()
         self.shared_cutoff.value = math.inf if cutoff is None else cutoff
         return visited
@@ -199,6 +205,11 @@ def _visit(visit: tuple[Layout, list], plans: list) -> tuple[list, list]:
 def _settle(choice: Choice, plans: list) -> tuple[list, list]:
     """The deferred ``choice`` priced; and the SI plans computed for it."""
     return _with_plans(plans, lambda pricer: [settle_price(pricer, choice, _cutoff())])
+
+
+def _tighten(choice: Choice, plans: list) -> tuple[list, list]:
+    """The loosely deferred ``choice`` bound anew (or ruled out); no SI plans."""
+    return _with_plans(plans, lambda pricer: [tighten_price(pricer, choice, _cutoff())])
 
 
 def _with_plans(plans: list, task) -> tuple[list, list]:
