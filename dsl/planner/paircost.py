@@ -305,6 +305,11 @@ class PairCost:
                 slots = f_slots + [attrs.evolve(s, start=s.start + first, end=s.end + first) for s in b_slots]
         return span + self.gap(fwd, bwd), slots
 
+    def shape_number(self, ops: Sequence) -> int:
+        """A number naming the shape of the segment ``ops`` (:meth:`shape`), one per shape
+        for this cost's life."""
+        return self._segment_entry(ops)[3]
+
     def shape(self, ops: Sequence) -> tuple:
         """What the lane model reads of a segment, names aside: per op in order, its tasks
         (lane, seconds, OEF class, the keys the profile's OEF overrides name) and the

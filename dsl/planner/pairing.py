@@ -358,6 +358,12 @@ class _PairMatrix:
         self.bounds = None if bound is None else [[bound(ops) for ops in table.ops] for table in tables]
         if self.bounds is not None and any(b is None for side in self.bounds for b in side[1:]):
             self.bounds = None
+        # A pair's bound reads its two segments' shapes only (numbered by the cost, where it
+        # numbers them): worked out once per two shapes, most segments sharing theirs.
+        number = getattr(cost, "shape_number", None)
+        self.numbers = [[number(ops) if ops else 0 for ops in table.ops] for table in tables] \
+            if self.bounds is not None and number is not None else None
+        self._shape_bounds: dict[int, float] = {}
 
     def cell(self, f: int, b: int) -> float:
         """The time of the step running forward segment ``f`` beside backward segment ``b``."""
@@ -396,8 +402,13 @@ class _PairMatrix:
                     value = INF
                 elif self.bounds is None:
                     value = 0.0
-                else:
+                elif self.numbers is None:
                     value = self.bounds[0][f].pair(self.bounds[1][b]) * _SAFE
+                else:
+                    shapes = self.numbers[0][f] << 32 | self.numbers[1][b]
+                    value = self._shape_bounds.get(shapes)
+                    if value is None:
+                        value = self._shape_bounds[shapes] = self.bounds[0][f].pair(self.bounds[1][b]) * _SAFE
             if value > self.solo[0][f] + self.solo[1][b]:
                 value = INF
         row[b] = value
