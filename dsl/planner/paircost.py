@@ -222,7 +222,14 @@ class PairCost:
             self._pair[key] = (value, (tuple(fwd), tuple(bwd)))
             return value
         first, second = self._segment_entry(fwd), self._segment_entry(bwd)
-        key = (first[3], second[3], _name_order(first[0].names, second[0].names))
+        return self.pair_of_shapes(fwd, bwd, (first[3], first[0].names), (second[3], second[0].names))
+
+    def pair_of_shapes(self, fwd: Sequence, bwd: Sequence, first: tuple[int, Sequence[str]],
+                       second: tuple[int, Sequence[str]]) -> float:
+        """:meth:`pair` of two non-empty segments (no measured section), given each one's
+        (:meth:`shape_number`, op names): what a caller asking for many pairs of the same
+        segments (the planner) works out once per segment."""
+        key = (first[0], second[0], _name_order(first[1], second[1]))
         value = self._by_shape.get(key)
         if value is None:
             value = self._by_shape[key] = self._modelled_pair(fwd, bwd, False)[0]
@@ -394,7 +401,7 @@ _CLASS_ORDER = ("comp", "intra", "inter")
 def _name_order(fwd: Sequence[str], bwd: Sequence[str]) -> tuple[int, ...]:
     """How each forward op's name compares with each backward op's (-1, 0, 1): the only use
     the simulation makes of names is to break ties between the strands' ready heads."""
-    return tuple((f > b) - (f < b) for f in fwd for b in bwd)
+    return tuple([(f > b) - (f < b) for f in fwd for b in bwd])
 
 
 @attrs.frozen

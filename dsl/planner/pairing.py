@@ -363,6 +363,9 @@ class _PairMatrix:
         number = getattr(cost, "shape_number", None)
         self.numbers = [[number(ops) if ops else 0 for ops in table.ops] for table in tables] \
             if self.bounds is not None and number is not None else None
+        # Likewise a pair's time (the cost's pair_of_shapes): each segment's (shape, names).
+        self.shapes = [[(n, tuple(op.name for op in ops)) for n, ops in zip(numbers, table.ops)]
+                       for numbers, table in zip(self.numbers, tables)] if self.numbers is not None else None
         self._shape_bounds: dict[int, float] = {}
 
     def cell(self, f: int, b: int) -> float:
@@ -376,7 +379,11 @@ class _PairMatrix:
         if value is None:
             if self.traits[0][f].allows(self.traits[1][b], self.rules.comm_with_comm):
                 self.evaluations += 1
-                value = self.cost.pair(self.tables[0].ops[f], self.tables[1].ops[b])
+                if self.shapes is None:
+                    value = self.cost.pair(self.tables[0].ops[f], self.tables[1].ops[b])
+                else:
+                    value = self.cost.pair_of_shapes(self.tables[0].ops[f], self.tables[1].ops[b], self.shapes[0][f],
+                                                     self.shapes[1][b])
             else:
                 value = INF
             row[b] = value
