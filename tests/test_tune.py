@@ -167,6 +167,43 @@ def test_partitions_held_back_for_their_counts_enter_the_top_exactly(seed):
     assert [p.choice for p in doubled.top] != [p.choice for p in expected]
 
 
+def test_a_chained_choice_is_simulated_for_its_bound_only_when_it_comes_up():
+    # A choice waiting for its chunk counts waits by its untimed floor (loose); its step
+    # before the planner's choices is simulated only when it comes up, before it is settled,
+    # and many choices never come up: fewer simulations than such choices.
+    from dhelix.dsl.search.pricer import _has_chains
+    from dhelix.dsl.search.tune import Deferred
+
+    full = _pricer()[1]
+    space = attrs.evolve(full, tp=(2,), cp=(1,), partition=("written", "auto"),
+                         schedules=tuple(s for s in full.schedules if s[1] in ("w_helix", "one_f_one_b")))
+    pricer = _pricer()[0]
+    loose, bound, settled = set(), [], []
+    price, unsettled, chosen = pricer.price, pricer.unsettled_bound, pricer.chosen
+
+    def counted(choice, *args, **kwargs):
+        result = price(choice, *args, **kwargs)
+        if isinstance(result, Deferred) and result.loose:
+            loose.add(choice)
+        return result
+
+    def simulated(choice, program):
+        bound.append(choice)
+        return unsettled(choice, program)
+
+    def settles(program, layout):
+        if _has_chains(program.partition):
+            settled.append(next(c for c in bound if c.layout == layout))
+        return chosen(program, layout)
+
+    pricer.price, pricer.unsettled_bound, pricer.chosen = counted, simulated, settles
+    found = search(pricer, space, top=1)
+    pricer.price, pricer.unsettled_bound, pricer.chosen = price, unsettled, chosen
+    assert settled and set(settled) <= set(bound) <= loose
+    assert len(set(bound)) < len(loose)
+    assert found.top and found.complete  # the top equals the exhaustive pricing: the tests above
+
+
 def test_the_unsettled_bounds_hold_for_the_settled_choice(tiny):
     # Before the planner settles a chained choice's counts (chains whole, substitutions
     # undone, layer passes at their busiest lane), its simulated step and untimed floor are
