@@ -147,7 +147,8 @@ class PairCost:
 
     ``seq`` is the full sequence length attention attends over (see costmodel). Use
     :meth:`for_program` to take the profile, dtype and sequence from a checked program.
-    Results are cached by the identity of the Op objects; the cache holds them alive.
+    Results are cached by segment shape (a segment's ops looked up by their identity: the cache
+    holds them alive).
     """
 
     def __init__(self, profile: Profile, dtype: str, *, seq: int | None = None):
@@ -159,7 +160,7 @@ class PairCost:
         self._by_shape: dict[tuple, float] = {}
         self._shape_numbers: dict[tuple, int] = {}  # a segment's shape -> a number naming it in _by_shape
         self._override_keys = frozenset(key for pair in profile.oef_pairs for key in pair)
-        # Result caches keyed by op ids; each entry holds its ops so that no id is reused.
+        # A measured section's results, keyed by op ids; each entry holds its ops so that no id is reused.
         self._solo: dict[tuple, tuple[float, tuple]] = {}
         self._pair: dict[tuple, tuple[float, tuple]] = {}
         self._oef: dict[tuple[int, int, bool], float] = {}
