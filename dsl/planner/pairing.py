@@ -512,6 +512,7 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
     if longest is not None:
         fwd_succ = [[(f, j) for f, j in steps if fwd.sizes[f] <= longest] for steps in fwd_succ]
         bwd_succ = [[(b, l) for b, l in steps if bwd.sizes[b] <= longest] for steps in bwd_succ]
+    lower, cell, lows_of = matrix.lower, matrix.cell, matrix.lows
     for i, fwd_steps in enumerate(fwd_succ):
         for k, bwd_steps in enumerate(bwd_succ):
             here = i * width + k
@@ -522,13 +523,13 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
                 continue
             for f, j in fwd_steps:
                 base = j * width
-                lows, rest_f, fixed_j = matrix.lows[f], rem_f[j] if rem_f is not None else None, \
+                known, rest_f, fixed_j = lows_of[f].get, rem_f[j] if rem_f is not None else None, \
                     chain[fixed_f[j]] if chain is not None else None
                 for b, l in bwd_steps:
                     target = best[base + l]
-                    low = lows.get(b)
+                    low = known(b)
                     if low is None:
-                        low = matrix.lower(f, b)
+                        low = lower(f, b)
                     if start + low >= target:
                         continue
                     if rest_f is not None:
@@ -539,7 +540,7 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
                             continue
                     if fixed_j is not None and start + low + fixed_j[fixed_b[l]] * _SAFE > limit:
                         continue
-                    value = start + matrix.cell(f, b)
+                    value = start + cell(f, b)
                     if value < target:
                         best[base + l] = value
                         back[base + l] = (here, f, b)
