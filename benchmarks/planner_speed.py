@@ -26,7 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-from dhelix.dsl.planner.pairing import AUTO, plan_layers, relaxed_total
+from dhelix.dsl.planner.certify import relaxed_total
+from dhelix.dsl.planner.pairing import AUTO, plan_layers
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.planner.sequences import DEFAULT_MAX_PREFIXES
 

@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.frontend.profiles import LaunchGap
-from dhelix.dsl.planner.paircost import PairCost, SegmentBound
+from dhelix.dsl.planner.paircost import PairCost
+from dhelix.dsl.planner.segment_bound import SegmentBound
 from dhelix.dsl.planner import pairing
-from dhelix.dsl.planner.pairing import DEFAULT_MAX_SEGMENT, pair_sequences, plan_layers, plan_program, relaxed_total
+from dhelix.dsl.planner.certify import relaxed_total
+from dhelix.dsl.planner.pairing import DEFAULT_MAX_SEGMENT, pair_sequences, plan_layers, plan_program
 from dhelix.dsl.planner.pairing_rules import restriction, rules_of
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.core.plan import format_plan, plan_from_json, plan_to_json

@@ -11,7 +11,8 @@ from dhelix.cli import main
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.core.plan import optimality_line, plan_from_json
 from dhelix.dsl.planner.paircost import PairCost
-from dhelix.dsl.planner.pairing import Optimality, optimality, plan_layers
+from dhelix.dsl.planner.certify import Optimality, optimality
+from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.render.ladder import ladder_dot
 from dhelix.dsl.simulator.events import schedule_plan
 from conftest import ROOT

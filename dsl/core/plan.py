@@ -175,7 +175,7 @@ def format_plan(plan: Plan) -> str:
 
 def optimality_line(plan: Plan, known=None) -> str:
     """One line on how far the plan can be from the fastest: ``known`` (an
-    :class:`~dhelix.dsl.planner.pairing.Optimality`) where it was worked out, else what the
+    :class:`~dhelix.dsl.planner.certify.Optimality`) where it was worked out, else what the
     plan's own search says."""
     factor, unit = _scale(plan.unit)
     stats = plan.stats

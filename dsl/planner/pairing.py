@@ -27,7 +27,8 @@ The search prices a step only when it might matter (:func:`_shortest`): a cost t
 lower bounds (``segment_bound``, as :class:`~dhelix.dsl.planner.paircost.PairCost` does) lets it
 skip most pairs without simulating them, and the answer is the same as pricing every one. With
 segments of any length it also bounds the rest of a plan by :mod:`dsl.planner.restbound`
-(:func:`relaxed_total` is that bound from the start: no plan over any order beats it).
+(:func:`~dhelix.dsl.planner.certify.relaxed_total` is that bound from the start: no plan over
+any order beats it).
 
 Constraints: the strands block's pairing rules (:mod:`dsl.planner.pairing_rules`).
 """
@@ -36,8 +37,6 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-import attrs
-
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.plan import Plan, PlanOp, SearchStats, SegmentPair
 from dhelix.dsl.core.program import LayerDag, Op, Program, Strands
@@ -45,7 +44,7 @@ from dhelix.dsl.planner.pairing_rules import PairingRules, Traits, restriction, 
 from dhelix.dsl.planner.refine import refine
 from dhelix.dsl.planner.restbound import fixed_chain_rest
 from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, available, canonical, count_orders, moving_ops,
-                        prefixes, strand_of, strand_within)
+                        prefixes, strand_within)
 
 INF = float("inf")
 #: ``max_segment``'s default: unbounded segments when the search is small enough to be exact
@@ -99,7 +98,7 @@ class _Table:
         self.sizes = [len(ops) for ops in self.ops]
 
 
-def _segment_pairs_within(sides: tuple[Strand, Strand], limit: int) -> bool:
+def segment_pairs_within(sides: tuple[Strand, Strand], limit: int) -> bool:
     """Whether the two strands have at most ``limit`` pairs of segments of any length (a
     segment: the difference of a prefix and a larger one); stops counting past the limit."""
     counts = []
@@ -145,7 +144,7 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
     sides = (strand_within(forward, moving, max_prefixes), strand_within(backward, moving, max_prefixes))
     refined = max_segment == AUTO
     if max_segment == AUTO:
-        max_segment = None if _segment_pairs_within(sides, exact_pairs) else DEFAULT_MAX_SEGMENT
+        max_segment = None if segment_pairs_within(sides, exact_pairs) else DEFAULT_MAX_SEGMENT
     tables = (_Table(sides[0], max_segment), _Table(sides[1], max_segment))
     matrix = _PairMatrix(tables, cost, rules)
     ceiling = INF
@@ -203,7 +202,7 @@ class _StepPrice:
         self._ops: dict[tuple[int, int], tuple[Op, ...]] = {}
         self._traits: dict[tuple[int, int], Traits] = {}
         self._axis_bits: dict[str, int] = {}
-        self._has_bounds = _has_bounds(cost, sides[0].dag)
+        self._bounded = has_bounds(cost, sides[0].dag)
 
     def ops(self, side: int, mask: int) -> tuple[Op, ...]:
         """The ops of segment ``mask`` of strand ``side``, in canonical issue order."""
@@ -240,7 +239,7 @@ class _StepPrice:
         return value
 
     def _bound(self, f: int, b: int) -> float:
-        if not self._has_bounds or not (f or b):
+        if not self._bounded or not (f or b):
             return 0.0
         if f and b:
             if not self._allowed(f, b):
@@ -256,62 +255,10 @@ class _StepPrice:
         return found
 
 
-def relaxed_total(forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost) -> float | None:
-    """A lower bound of every plan's total (:mod:`dsl.planner.restbound`: the least total
-    with the moving ops dropped and every step at its cost's bound), or None when the cost
-    offers no bounds (e.g. a measured profile). What the exact search's pruning rests on."""
-    if not _has_bounds(cost, forward):
-        return None
-    moving = moving_ops(strands, forward, backward)
-    sides = (strand_of(forward, moving), strand_of(backward, moving))
-    return _fixed_chain_table(sides, cost, rules_of(strands, forward, backward))[0][0]
-
-
-def _has_bounds(cost: SegmentCost, forward: LayerDag) -> bool:
+def has_bounds(cost: SegmentCost, forward: LayerDag) -> bool:
     """Whether ``cost`` bounds its steps from below (PairCost does, but not under a measured
     profile: a measured time obeys no model bound)."""
     return getattr(cost, "segment_bound", None) is not None and cost.segment_bound(tuple(forward.ops[:1])) is not None
-
-
-#: Pairs of segments up to which :func:`optimality` checks a bounded plan by the search with
-#: segments of any length (a Llama TP+SP pair, ~280,000, takes about half a second).
-CERTIFY_PAIRS = 2_000_000
-
-
-@attrs.frozen
-class Optimality:
-    """How far a plan can be from the fastest plan of its layer pair, under the cost model.
-
-    ``exact``: no plan over any legal order and segmentation is faster (the search was
-    exhaustive, or the search with segments of any length found the same total);
-    ``fastest``: that search's total where it was run; ``floor``: a proven lower bound of
-    every plan (:func:`relaxed_total`) where neither applies (None under a measured profile)."""
-
-    exact: bool
-    fastest: float | None = None
-    floor: float | None = None
-
-    def faster(self, plan: Plan) -> bool:
-        """Whether the search with segments of any length found a plan faster than ``plan``."""
-        return self.fastest is not None and self.fastest < plan.total * (1 - 1e-9)
-
-
-def optimality(plan: Plan, forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost) -> Optimality:
-    """What is known of ``plan``'s distance from the fastest (see :class:`Optimality`): the
-    plan's own search when it was exhaustive; else, when the moving ops had no window, the
-    strands have at most CERTIFY_PAIRS pairs of segments and the cost offers bounds (without
-    them every pair is simulated: a measured profile), the search with segments of any length
-    (exact then); else the relaxation's lower bound."""
-    stats = plan.stats
-    if stats.exhaustive:
-        return Optimality(True, plan.total)
-    if _has_bounds(cost, forward) and stats.forward_window is None and stats.backward_window is None:
-        moving = moving_ops(strands, forward, backward)
-        sides = (strand_of(forward, moving), strand_of(backward, moving))
-        if _segment_pairs_within(sides, CERTIFY_PAIRS):
-            fastest = plan_layers(forward, backward, strands, cost, max_segment=None).total
-            return Optimality(True, fastest)
-    return Optimality(False, floor=relaxed_total(forward, backward, strands, cost))
 
 
 def plan_program(program: Program, cost: SegmentCost, **bounds) -> Plan:
@@ -324,7 +271,7 @@ def plan_program(program: Program, cost: SegmentCost, **bounds) -> Plan:
     return plan_layers(program.forward, program.backward, program.strands, cost, **bounds)
 
 
-def _fixed_chain_table(sides: tuple[Strand, Strand], cost: SegmentCost, rules: PairingRules) -> list[list[float]]:
+def fixed_chain_table(sides: tuple[Strand, Strand], cost: SegmentCost, rules: PairingRules) -> list[list[float]]:
     """:func:`~dhelix.dsl.planner.restbound.fixed_chain_rest` for the two strands."""
     fixed = [[op for op, rank in zip(side.ops, side.fixed_rank, strict=True) if rank >= 0] for side in sides]
     moving = tuple([op for op, rank in zip(side.ops, side.fixed_rank, strict=True) if rank < 0] for side in sides)
@@ -338,7 +285,7 @@ class _PairMatrix:
     """Solo times per segment and pair costs per (forward, backward) segment, each asked of
     the cost once and only when the search needs it: ``cell(f, b)`` is the step's time, INF
     for a restricted pair and for ∅ × ∅. With the cost's bounds (``segment_bound``, see
-    :class:`~dhelix.dsl.planner.paircost.SegmentBound`), ``lower(f, b)`` bounds a cell from
+    :class:`~dhelix.dsl.planner.segment_bound.SegmentBound`), ``lower(f, b)`` bounds a cell from
     below without pricing it, and ``work`` holds each segment's per-lane work."""
 
     def __init__(self, tables: tuple[_Table, _Table], cost: SegmentCost, rules: PairingRules):
@@ -443,7 +390,7 @@ class _PairMatrix:
         the table by fixed ops done, and per prefix of each strand its count of fixed ops."""
         if self.bounds is None:
             return None
-        rest = _fixed_chain_table((self.tables[0].strand, self.tables[1].strand), self.cost, self.rules)
+        rest = fixed_chain_table((self.tables[0].strand, self.tables[1].strand), self.cost, self.rules)
         counts = []
         for table in self.tables:
             mask = sum(1 << i for i, rank in enumerate(table.strand.fixed_rank) if rank >= 0)

@@ -34,7 +34,8 @@ from dhelix.dsl.core.program import Program
 from dhelix.dsl.planner.costmodel import optimizer_time
 from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, layer_costs, si_backward, step_costs
 from dhelix.dsl.simulator.memory import layer_activations, model_states, recomputed, selectively_recomputed
-from dhelix.dsl.planner.paircost import PairCost, SegmentBound
+from dhelix.dsl.planner.paircost import PairCost
+from dhelix.dsl.planner.segment_bound import SegmentBound
 
 
 @attrs.frozen
@@ -107,7 +108,7 @@ def relaxed_costs(program: Program, cost: PairCost, layers: bool = False, costs:
                   ) -> StepCosts:
     """The program's step costs with every SI layer pair at a lower bound of its plan: the
     two layers' busiest lane, every two lanes' work less what their tasks' OEFs let them
-    save side by side (:class:`~dhelix.dsl.planner.paircost.OverlapBound`), and either
+    save side by side (:class:`~dhelix.dsl.planner.segment_bound.OverlapBound`), and either
     strand's longest path (:func:`chained_path`), after what the backward runs again.
     Simulated, they give a lower bound of the step with any plan (the simulator only delays
     an action for a longer one before it). With ``layers``, every layer pass alone and what

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dhelix.dsl.core.errors import CheckError, DhelixError
 from dhelix.dsl.planner.blockorder import BlockScheduler
-from dhelix.dsl.planner.pairing import Optimality, optimality, plan_layers
+from dhelix.dsl.planner.certify import Optimality, optimality
+from dhelix.dsl.planner.pairing import plan_layers
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.planner.si_plan import SegmentPlan, has_si_blocks
 from dhelix.dsl.core.plan import Plan
@@ -50,7 +51,7 @@ def schedule_plan(program: Program, cost: PairCost | None = None, **bounds) -> P
 
 def plan_optimality(program: Program, plan: Plan, cost: PairCost | None = None) -> Optimality:
     """How far ``plan`` (:func:`schedule_plan`'s) can be from the fastest SI plan of the
-    program's layer pair as its schedule runs it (:func:`pairing.optimality`)."""
+    program's layer pair as its schedule runs it (:func:`~dhelix.dsl.planner.certify.optimality`)."""
     cost, backward = _priced_backward(program, cost)
     return optimality(plan, program.forward, backward, program.strands, cost)
 
