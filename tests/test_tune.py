@@ -202,6 +202,7 @@ def test_a_chained_choice_is_simulated_for_its_bound_only_when_it_comes_up():
     assert settled and set(settled) <= set(bound) <= loose
     assert len(set(bound)) < len(loose)
     assert found.top and found.complete  # the top equals the exhaustive pricing: the tests above
+    assert 0 < found.found <= found.seconds  # when the best was priced
 
 
 def test_the_unsettled_bounds_hold_for_the_settled_choice(tiny):
@@ -417,6 +418,7 @@ def test_cli_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert len(data["top"]) == 2 and data["complete"]
+    assert 0 < data["searched"]["best_found_s"] <= data["searched"]["seconds"]
     # --partitions doubles the layouts: the file's partition (none) and a generated one.
     base = passes.rerun(check_program(load_modules(read_source(str(TINY)), str(TINY))), after="check")
     assert data["searched"]["choices"] == 2 * len(list(space_of(base, keep=("mesh",)).choices()))
@@ -663,7 +665,7 @@ def test_a_search_across_processes_equals_exhaustive(seed):
                          schedules=tuple(s for s in full.schedules if s[1] in ("w_helix", "dualpipe_v", "one_f_one_b")))
     top = rng.choice((3, 5))
     found = search(pricer, space, top=top, jobs=2)
-    assert found.jobs == 2 and found.complete
+    assert found.jobs == 2 and found.complete and 0 < found.found <= found.seconds
     assert found.plans == len(pricer.plans) > 0  # computed there, merged here
     expected = exhaustive(pricer, space, top=top)
     assert [p.choice for p in found.top] == [p.choice for p in expected]

@@ -51,12 +51,14 @@ class Tally:
 
 
 class Incumbent:
-    """The ``top`` best choices priced so far that fit, fastest first (:func:`rank`), and the
-    cutoff they set."""
+    """The ``top`` best choices priced so far that fit, fastest first (:func:`rank`), the
+    cutoff they set, and when (``time.perf_counter()``) the first of them became the one it
+    is (``found``; None while none is known)."""
 
     def __init__(self, top: int):
         self.top = top
         self.best: list[Priced] = []
+        self.found: float | None = None
 
     def cutoff(self) -> float | None:
         """The step (seconds) a choice must not exceed to enter the top (the K-th best so
@@ -65,7 +67,10 @@ class Incumbent:
 
     def add(self, priced: Priced) -> None:
         """Take ``priced`` (fits) into the top if it belongs there."""
+        leader = self.best[0].choice if self.best else None
         self.best = insert(self.best, priced, self.top)
+        if self.best[0].choice != leader:
+            self.found = time.perf_counter()
 
 
 def bound_of(pricer: Pricer, space: Space, layouts: list[Layout], tally: Tally, deadline: float | None,

@@ -77,6 +77,9 @@ def _summary(outcome: Outcome) -> str:
             f"their lower bound, {outcome.too_big:,} over the {cap}, {outcome.refused:,} refused by the checks, "
             f"{outcome.same:,} the same as another (nothing to partition); "
             f"{outcome.plans} SI plan{'s' if outcome.plans != 1 else ''} computed")
+    if outcome.found is not None:
+        text += (f"; the best was found after {outcome.found:.1f} s"
+                 + (" (the rest: proving that nothing beats it)" if outcome.complete else ""))
     if not outcome.complete:
         text += "\nstopped by the time budget: " + (
             f"the choices not visited take at least {_ms(outcome.bound)} per step" if outcome.bound is not None

@@ -45,7 +45,9 @@ class Outcome:
     ``same`` counts the choices that are others again (a generated partition with nothing
     to partition). ``complete`` is False when the time budget ran out first (then ``bound`` is the least
     lower bound among the layouts not visited, None when some were not even bounded).
-    ``jobs``: the processes that searched."""
+    ``jobs``: the processes that searched. ``found``: seconds into the search when the best
+    (the first of ``top``) was priced; the rest went to proving that nothing beats it (None:
+    nothing fits)."""
 
     top: tuple[Priced, ...]
     simulated: int
@@ -63,6 +65,7 @@ class Outcome:
     reasons: tuple[tuple[str, int], ...] = ()
     same: int = 0
     jobs: int = 1
+    found: float | None = None
 
 
 def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None = None,
@@ -78,16 +81,17 @@ def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None =
     deadline = None if budget is None else start + budget
     jobs = jobs if FORKS else 1
     if jobs > 1:  # the plans computed there are merged into the pricer's
-        best, tally, left = search_across(pricer, space, layouts, top, jobs, (bounding_ends, deadline), progress)
+        incumbent, tally, left = search_across(pricer, space, layouts, top, jobs, (bounding_ends, deadline),
+                                               progress)
     else:
         tally, incumbent = Tally(), Incumbent(top)
         bounded = bound_of(pricer, space, layouts, tally, bounding_ends, progress)
         left = branch(pricer, space, bounded, incumbent, tally, deadline, progress)
-        best = incumbent.best
-    return Outcome(tuple(best), tally.simulated, tally.fit, tally.refused, tally.pruned, tally.too_big,
+    found = None if incumbent.found is None else incumbent.found - start
+    return Outcome(tuple(incumbent.best), tally.simulated, tally.fit, tally.refused, tally.pruned, tally.too_big,
                    len(layouts), len(layouts) * len(space.schedules), time.perf_counter() - start,
                    left is None and not tally.unbounded, left, len(pricer.plans), pricer.memory_gb,
-                   tuple(sorted(tally.reasons.items(), key=lambda kv: (-kv[1], kv[0]))), tally.same, jobs)
+                   tuple(sorted(tally.reasons.items(), key=lambda kv: (-kv[1], kv[0]))), tally.same, jobs, found)
 
 
 def exhaustive(pricer: Pricer, space: Space, top: int = 5) -> tuple[Priced, ...]:

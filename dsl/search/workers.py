@@ -34,7 +34,7 @@ from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.lifetime import die_with_parent
 from dhelix.dsl.search.branch import (Incumbent, Tally, bounds, branch, keep_bounded, settle_price, tighten_price,
                                       visit_price)
-from dhelix.dsl.search.pricer import Priced, Pricer
+from dhelix.dsl.search.pricer import Pricer
 from dhelix.dsl.search.space import Choice, Layout, Space
 
 
@@ -68,10 +68,11 @@ _WORK: _Work | None = None
 
 def search_across(pricer: Pricer, space: Space, layouts: list[Layout], top: int, jobs: int,
                   deadlines: tuple[float | None, float | None], progress=None
-                  ) -> tuple[list[Priced], Tally, float | None]:
-    """The ``top`` best of ``layouts`` searched with ``jobs`` processes, the counts and the
-    bound where the ``deadlines`` (of the bounds, of the search) stopped it (None: not
-    stopped); the SI plans the processes computed are merged into ``pricer``'s."""
+                  ) -> tuple[Incumbent, Tally, float | None]:
+    """The ``top`` best of ``layouts`` searched with ``jobs`` processes (an
+    :class:`~dhelix.dsl.search.branch.Incumbent`), the counts and the bound where the
+    ``deadlines`` (of the bounds, of the search) stopped it (None: not stopped); the SI
+    plans the processes computed are merged into ``pricer``'s."""
     bounding_ends, deadline = deadlines
     context = multiprocessing.get_context("fork")
     work = _Work(pricer, space, bounding_ends, context.Value("d", math.inf, lock=False))
@@ -84,7 +85,7 @@ def search_across(pricer: Pricer, space: Space, layouts: list[Layout], top: int,
         left = branch(pricer, space, bounded, incumbent, tally, deadline, progress,
                       lambda pricer, cutoff, handle: Across(executor, jobs, work.shared_cutoff, pricer, cutoff, handle))
         finished = True
-        return incumbent.best, tally, left
+        return incumbent, tally, left
     except BrokenProcessPool:
         raise DhelixError(f"a search process (one of {jobs}) was killed (for instance out of memory)",
                           notes=["search with fewer processes (each keeps what it computes)"]) from None
