@@ -60,8 +60,8 @@ def run_case(name: str, path: Path, partitions: bool = False, top_list: bool = F
           f"{outcome.choices:,} choices in {outcome.layouts:,} layouts: {outcome.simulated:,} simulated "
           f"({outcome.fit:,} fit), {outcome.pruned:,} ruled out by a bound, {outcome.too_big:,} over "
           f"{outcome.memory_gb:g} GB, {outcome.refused:,} refused by the checks, "
-          f"{outcome.same:,} the same as another; {outcome.plans} SI plans; the best found after "
-          f"{outcome.found:.1f} s")
+          f"{outcome.same:,} the same as another; {outcome.plans} SI plans"
+          + (f"; the best found after {outcome.found:.1f} s" if outcome.found is not None else ""))
     if outcome.top:
         best = outcome.top[0]
         print(f"  best: {best.choice.describe()}: {best.seconds * 1e3:,.3f} ms, MFU {best.sim.mfu:.1%}, "
