@@ -12,7 +12,9 @@ set -u
 OUT=${OUT:-out/device}
 BIG=${BIG:-benchmarks/one_gpu_llama.dhx}  # the one-device model of steps 2 and 3
 ONLY=${ONLY:-01234567}  # the steps to run (7 runs before 6)
-PAIR=${PAIR:-benchmarks/llama70b_tp8_pair.dhx}  # steps 4 and 6: rank 0 of Llama-70B layers at TP-8
+PAIR=${PAIR:-benchmarks/llama70b_tp8_pair.dhx}  # steps 4, 6, 7: rank 0 of Llama-70B layers at TP-8
+MEM=${MEM:-examples/llama8b_a40.dhx}  # step 5: a paper example whose rank 0 fits the GPU
+LINKS5=${LINKS5:-none}  # step 5: memory does not depend on the links' speed
 ROUNDS_AS_RANK=${ROUNDS_AS_RANK:-2}
 PY=${PY:-python3}
 mkdir -p "$OUT"
@@ -40,9 +42,9 @@ step() { echo "== $*" | tee -a "$OUT/steps.log"; }
 [[ $ONLY == *4* ]] && timeout ${T4:-300} $PY benchmarks/as_rank_overlap.py --program $PAIR --emulate copy --steps 21 \
   --rounds $ROUNDS_AS_RANK --traces "$OUT/traces" --output "$OUT/as_rank_copy.txt" 2>&1 | tail -30
 
-[[ $ONLY == *5* ]] && step "5. rank 0 of examples/llama8b_a40.dhx alone: measured peak memory beside the simulator's"
-[[ $ONLY == *5* ]] && timeout ${T5:-240} $PY -m dhelix run examples/llama8b_a40.dhx --as-rank 0 --steps 3 \
-  --emulate-links sleep --force --metrics "$OUT/llama8b_rank0.json" 2>&1 | tee "$OUT/llama8b_rank0.txt" | tail -20
+[[ $ONLY == *5* ]] && step "5. rank 0 of $MEM alone: measured peak memory beside the simulator's"
+[[ $ONLY == *5* ]] && timeout ${T5:-240} $PY -m dhelix run $MEM --as-rank 0 --steps ${STEPS5:-2} \
+  --emulate-links $LINKS5 --force --metrics "$OUT/mem_rank0.json" 2>&1 | tee "$OUT/mem_rank0.txt" | tail -20
 
 [[ $ONLY == *7* ]] && step "7. dhelix profile --as-rank 0 of the TP-8 pair (links slept at the h100 profile's times), then run with that profile"
 [[ $ONLY == *7* ]] && timeout ${T7:-240} $PY -m dhelix profile $PAIR --as-rank 0 --emulate-links sleep --repeats 3 \
