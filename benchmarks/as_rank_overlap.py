@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from dhelix.interpreter.training.train import STEP_MARK
+
 VARIANTS = {"SI planned": [], "SI op_by_op": ["--si-plan", "op_by_op"], "SI off": ["--no-si"]}
 
 
@@ -40,21 +42,27 @@ def run(program: str, rank: int, emulate: str, steps: int, extra: list, trace: P
     return json.loads(done.stdout)
 
 
-def kernels(trace: Path) -> tuple[float, list[float], int]:
+def kernels(trace: Path) -> tuple[float, list[float], int, int]:
     """From a torch.profiler trace: the compute stream's kernel seconds, the gaps (seconds)
-    between its consecutive kernels, and how many kernels it ran."""
+    between its consecutive kernels and how many kernels it ran, over the steps after the
+    first (which compiles and warms up), and how many steps that is."""
     events = json.loads(trace.read_text())["traceEvents"]
+    marks = sorted((event["ts"], event["ts"] + event["dur"]) for event in events
+                   if event.get("ph") == "X" and event.get("name", "").startswith(STEP_MARK))
+    if len(marks) < 2:
+        raise SystemExit(f"{trace}: fewer than two '{STEP_MARK}N' spans; profile at least two steps")
+    after_first = marks[0][1]  # a step ends with the host reading its loss: its kernels are done
     by_stream: dict = {}
     for event in events:
-        if event.get("cat") == "kernel" and event.get("ph") == "X":
+        if event.get("cat") == "kernel" and event.get("ph") == "X" and event["ts"] >= after_first:
             by_stream.setdefault(event["args"].get("stream"), []).append((event["ts"], event["dur"]))
     if not by_stream:
-        return 0.0, [], 0
+        return 0.0, [], 0, len(marks) - 1
     # The compute stream: the one with the most kernel time (the lanes' streams run copies, sleeps).
     stream = max(by_stream, key=lambda s: sum(d for _, d in by_stream[s]))
     spans = sorted(by_stream[stream])
     gaps = [max(0.0, b[0] - (a[0] + a[1])) / 1e6 for a, b in zip(spans, spans[1:])]
-    return sum(d for _, d in spans) / 1e6, gaps, len(spans)
+    return sum(d for _, d in spans) / 1e6, gaps, len(spans), len(marks) - 1
 
 
 def main() -> None:
@@ -115,7 +123,7 @@ def _one_emulation(args, emulate: str) -> list[str]:
 def _kernels(args, emulate: str) -> list[str]:
     folder = Path(args.traces)
     folder.mkdir(parents=True, exist_ok=True)
-    lines = [f"torch.profiler, {args.profile_steps} steps per variant (per step):",
+    lines = [f"torch.profiler, {args.profile_steps} steps per variant (per step, the first excluded):",
              f"{'variant':<14} {'kernels':>8} {'kernel time':>12} {'÷ base':>9} {'gaps':>10} {'median gap':>11}"
              f" {'p90 gap':>9} {'gaps > 20us':>12}"]
     figures = {}
@@ -130,8 +138,7 @@ def _kernels(args, emulate: str) -> list[str]:
                 out.write(profiled.read_bytes())
         profiled.unlink()
     base = figures["SI off"][0] if "SI off" in figures else next(iter(figures.values()))[0]
-    for name, (seconds, gaps, count) in figures.items():
-        steps = args.profile_steps
+    for name, (seconds, gaps, count, steps) in figures.items():
         ordered = sorted(gaps) or [0.0]
         lines.append(f"{name:<14} {count // steps:>8} {1e3 * seconds / steps:>10.2f}ms {seconds / base:>9.3f}"
                      f" {1e3 * sum(gaps) / steps:>8.2f}ms {1e6 * ordered[len(ordered) // 2]:>9.1f}us"

@@ -274,11 +274,13 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
     schedule = options.lr_schedule(start)
     bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
                file=sys.stderr)
-    with _cuda_profile(options, device, rank), log:
+    profiling = _cuda_profile(options, device, rank)
+    with profiling, log:
         for step in bar:
             lr = schedule.lr
-            bad = _one_step(executor, optimizer, device, source.batch(step), lr, times, losses,
-                            finite=options.as_rank is None)
+            with _step_mark(step, profiling):
+                bad = _one_step(executor, optimizer, device, source.batch(step), lr, times, losses,
+                                finite=options.as_rank is None)
             schedule.advance()
             record = log.step(step, losses[-1], lr, optimizer.last_norm, times, _peak_bytes(executor),
                               skipped=bad is not None)
@@ -403,6 +405,20 @@ def _nonfinite_error(step: int, loss: float, norm: float | None, found: list, ra
     notes += ["the update was not applied; the last checkpoint (if any) was saved before it"]
     return NonFiniteError(f"rank {rank}: training step {step + 1} is not finite ({', '.join(what)}); the run "
                           "stopped", notes=notes)
+
+
+def _step_mark(step: int, profiling):
+    """Under torch.profiler, the span of training ``step`` named ``dhelix step N`` (1-based) in
+    the trace, so that a reader can take the steps apart (the first holds the compilation)."""
+    if isinstance(profiling, contextlib.nullcontext):
+        return contextlib.nullcontext()
+    from torch.profiler import record_function
+
+    return record_function(f"{STEP_MARK}{step + 1}")
+
+
+#: The name of a training step's span in a torch.profiler trace, before its 1-based number.
+STEP_MARK = "dhelix step "
 
 
 def _cuda_profile(options: RunOptions, device, rank: int):
