@@ -1,9 +1,12 @@
 """The memory model of the step simulator: model states and live activations per rank.
 
-**Model states** (per GPU, for the parameters it holds), mixed-precision training as in the
-ZeRO paper's accounting: weights and gradients in the model dtype, and for AdamW an fp32
-master copy plus the two fp32 moments (12 bytes per parameter; 8 for fp32 training, whose
-master copy is the weight). With ZeRO-1 (Megatron's distributed optimizer) the optimizer
+**Model states** (per GPU, for the parameters it holds), mixed-precision training as
+Megatron-LM runs it: weights in the model dtype, gradients in fp32 (the backward adds each
+micro-batch's weight gradient into an fp32 "main gradient", which the data-parallel
+reduction and the optimizer read: 18 bytes per bf16 parameter in all, where the ZeRO paper
+counts 16 with gradients in the model dtype), and for AdamW an fp32 master copy plus the two
+fp32 moments (12 bytes per parameter; 8 for fp32 training, whose master copy is the weight).
+ZeRO-3 pieces and ZeRO-2 keep their gradients in the model dtype. With ZeRO-1 (Megatron's distributed optimizer) the optimizer
 states are divided over the gradient-sync group: DP×CP for dense weights, DP×CP/EP for
 expert weights. With ZeRO-3 (FSDP) the layers' weights and gradients are divided over DP
 too (:func:`model_states`); the weights gathered at a time live while a layer runs
@@ -40,6 +43,8 @@ from dhelix.dsl.core.program import LayerDag, Program
 #: or just the moments when the weights are fp32 already.
 _OPTIMIZER_BYTES = {"fp32": 8}
 _MIXED_OPTIMIZER_BYTES = 12
+#: Bytes per element of a main gradient (fp32, whatever the model dtype).
+MAIN_GRAD_BYTES = 4
 GB = 1e9
 
 
@@ -81,8 +86,12 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
     else:
         optimizer = per_param * (dense + expert)
     held = dense + expert - fsdp_dense + fsdp_dense / shards
-    grads = held - grads_sharded + grads_sharded / max(1, dense_group)
-    return ModelStates(held * size, grads * size, optimizer)
+    # Main gradients: the backward adds into fp32 gradients (Megatron-LM's main_grad, the
+    # optimizer's flat buffers), but for ZeRO-3 pieces and under ZeRO-2, which keep their own.
+    main = MAIN_GRAD_BYTES if not grads_sharded else size
+    grads = (dense + expert - fsdp_dense - grads_sharded) * main + (fsdp_dense / shards) * size \
+        + grads_sharded / max(1, dense_group) * size
+    return ModelStates(held * size, grads, optimizer)
 
 
 def largest_gathered(forward: LayerDag) -> int:

@@ -41,7 +41,7 @@ from dhelix.dsl.passes.validate import transfer_key
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
 from dhelix.interpreter.ops.fsdp import FlatShards
-from .layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads
+from .layer_exec import EmbedRun, GradStore, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads
 from dhelix.dsl.planner.pair_order import BlockOrder
 from .pipeline_comm import PipelineComm, check_fifo
 from dhelix.interpreter.verify.reference import Batch
@@ -81,10 +81,14 @@ class StepHooks:
     """What the executor calls during a step, given by its optimizer
     (:meth:`~dhelix.interpreter.training.optim.DistributedAdamW.hooks`): ``param_ready(names)``
     before a forward reads parameters ``names``, ``grad_ready(grads)`` with a layer's final
-    gradients (returns the names it takes); None: not called."""
+    gradients (returns the names it takes), ``main_grads()`` when a step starts; None: not
+    called."""
 
     param_ready: Callable[[tuple[str, ...]], None] | None = None
     grad_ready: Callable[[dict[str, torch.Tensor]], set[str]] | None = None
+    #: ``main_grads()`` at the start of a step that hands its gradients over: zeroed
+    #: gradients to add into, by parameter name (those it names are never allocated anew).
+    main_grads: Callable[[], dict[str, torch.Tensor]] | None = None
 
 
 def action_kind(action) -> str:
@@ -205,7 +209,7 @@ class Executor:
         #: executor's parameters and groups; its hooks are the executor's.
         self.optimizer = optimizer(self) if optimizer is not None else None
         hooks = self.optimizer.hooks() if self.optimizer is not None else StepHooks()
-        self.param_ready, self.grad_ready = hooks.param_ready, hooks.grad_ready
+        self.param_ready, self.grad_ready, self.main_grads = hooks.param_ready, hooks.grad_ready, hooks.main_grads
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -412,7 +416,8 @@ class Executor:
     def _reset(self, batch: Batch, hand_over: bool = True) -> None:
         """Start a step on ``batch``: every per-step attribute (declared in ``__init__``) fresh."""
         self.batch, self.handing = batch, hand_over
-        self.mailbox, self.end_grads = {}, {}
+        main = self.main_grads() if hand_over and self.main_grads is not None else {}
+        self.mailbox, self.end_grads = {}, GradStore.seeded(main, (EMBEDDING, FINAL_NORM, LM_HEAD))
         self.deferred, self.issued, self.settled, self.pieces_done = [], 0, 0, []
         self.postponed, self.prefetched, self.index_now = [], {}, 0
         self.done_counts, self.reduced_early, self.dropped = {}, set(), set()
@@ -421,7 +426,8 @@ class Executor:
         self.scale = 1.0 / (self.lowered.microbatches * tokens)
         self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
         for stage in self.stages.values():
-            stage.grads = [{} for _ in stage.layers]
+            stage.grads = [GradStore.seeded(main, stage.weights[i], prefix=param_name(layer, ""))
+                           for i, layer in enumerate(stage.layers)]
             stage.runs, stage.embeds, stage.heads, stage.head_grads = {}, {}, {}, {}
 
     def _finish(self) -> None:

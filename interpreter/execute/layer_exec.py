@@ -126,6 +126,33 @@ class Step:
 GATHERED = "weight"
 
 
+class GradStore(dict):
+    """A layer's or the model ends' weight gradients by key (a layer's op name, or a
+    parameter name), as the backward makes and adds them. Those in :attr:`main` are main
+    gradients (:meth:`~dhelix.interpreter.training.optim.DistributedAdamW.main_grads`): views
+    of the optimizer's fp32 buffers, added into in place and never replaced."""
+
+    def __init__(self, values=(), main: frozenset = frozenset()):
+        super().__init__(values)
+        self.main = main
+
+    @classmethod
+    def seeded(cls, main_grads: dict, keys, prefix: str = "") -> "GradStore":
+        """The store of ``keys`` whose parameter (``prefix + key``) has a main gradient in
+        ``main_grads``, seeded with them."""
+        held = {key: main_grads[prefix + key] for key in keys if prefix + key in main_grads}
+        return cls(held, frozenset(held))
+
+
+def add_grad(store: dict, key: str, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``store[key]``: in place into a main gradient; else the first
+    gradient is kept as it is and a later one summed into a new tensor."""
+    if key in getattr(store, "main", ()):
+        store[key].add_(grad)
+    else:
+        store[key] = store[key] + grad if key in store else grad
+
+
 class LayerRun:
     """One layer's forward and backward for one micro-batch.
 
@@ -447,10 +474,10 @@ class LayerRun:
             part = kernel.wgrad(grad, saved)
             if name not in grads:
                 grads[name] = part.new_zeros((*part.shape[:-1], forward.staged[2]))
-            grads[name].index_add_(-1, self._staged_columns(forward).to(part.device), part)
+            grads[name].index_add_(-1, self._staged_columns(forward).to(part.device), part.to(grads[name].dtype))
         elif name not in grads:
             grads[name] = kernel.wgrad(grad, saved)
-        elif kernel.wgrad_into is not None:
+        elif kernel.wgrad_into is not None and grads[name].dtype == grad.dtype:
             kernel.wgrad_into(grads[name], grad, saved)
         else:
             grads[name] += kernel.wgrad(grad, saved)
@@ -539,8 +566,7 @@ class EmbedRun:
         return None
 
     def _add_grad(self, grad: torch.Tensor) -> None:
-        weight_grad = KERNELS["embedding"].wgrad(grad, self.saved)
-        self.grads[self.name] = self.grads[self.name] + weight_grad if self.name in self.grads else weight_grad
+        add_grad(self.grads, self.name, KERNELS["embedding"].wgrad(grad, self.saved))
         self.saved = None
 
 
@@ -580,17 +606,14 @@ class HeadRun:
         grad_h, head_wgrad = lm_head_backward(grad_losses, saved, self.head)
         grad_h = self.comm.reduce_scatter(grad_h, "tp", async_op=async_op) if self.sequence_parallel \
             else self.comm.all_reduce(grad_h, "tp", async_op=async_op)
-        self._add_grad(self.names[1], head_wgrad())
+        add_grad(self.grads, self.names[1], head_wgrad())
         return grad_h.then(self._norm_backward) if async_op else self._norm_backward(grad_h)
 
     def _norm_backward(self, grad_h: torch.Tensor) -> torch.Tensor:
         (grad_x,) = self.norm_kernel.dgrad(grad_h, self._norm_saved, self.norm)
-        self._add_grad(self.names[0], self.norm_kernel.wgrad(grad_h, self._norm_saved))
+        add_grad(self.grads, self.names[0], self.norm_kernel.wgrad(grad_h, self._norm_saved))
         self._norm_saved = self._head_saved = None
         return grad_x
-
-    def _add_grad(self, name: str, grad: torch.Tensor) -> None:
-        self.grads[name] = self.grads[name] + grad if name in self.grads else grad
 
 
 def sequential_step(program: Program, batch: Batch, comm: Communicator, plan: WeightPlan | None = None,

@@ -85,7 +85,8 @@ def tie_grads(grads: dict) -> None:
     keyed by parameter name; nothing when it does not hold both)."""
     if EMBEDDING in grads and LM_HEAD in grads:
         total = grads[EMBEDDING] + grads[LM_HEAD].t()
-        grads[EMBEDDING], grads[LM_HEAD] = total, total.t().contiguous()
+        grads[EMBEDDING].copy_(total)
+        grads[LM_HEAD].copy_(total.t())
 
 
 def torch_dtype(program: Program) -> torch.dtype:

@@ -182,9 +182,13 @@ class _Bucket:
         self.master = self.flat(params)[self.offset:self.offset + self.width].clone()
 
     def fill(self, out: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Copy ``tensors`` of :attr:`names` into the padded fp32 buffer ``out``; returns it."""
+        """Copy ``tensors`` of :attr:`names` into the padded fp32 buffer ``out``; returns it
+        (a tensor that is already its place in ``out``, a main gradient, stays)."""
         for name, start, shape in zip(self.names, self.starts, self.shapes, strict=True):
-            out[start:start + shape.numel()].view(shape).copy_(tensors[name])
+            place = out[start:start + shape.numel()].view(shape)
+            value = tensors[name]
+            if value.data_ptr() != place.data_ptr() or value.dtype != place.dtype:
+                place.copy_(value)
         return out
 
     def flat(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -239,6 +243,9 @@ class DistributedAdamW:
         #: (each reduce-scattered on its own, the slices summed), not once per step.
         self.per_microbatch = per_microbatch
         self._landed: dict[int, torch.Tensor] = {}
+        #: Whether the executor adds its gradients into :meth:`main_grads`: a bucket's buffer
+        #: is then its gradients, averaged in place once a step (kept in ``_landed``).
+        self._main = False
         #: ZeRO-2: per bucket, the sum of the slices landed so far this step (each full
         #: buffer freed once its slice is added, at the next :meth:`reduce`), and the averaged parts
         #: of the last step (the gradient state ZeRO-2 keeps: 1/dp of each bucket).
@@ -330,7 +337,10 @@ class DistributedAdamW:
             return self._landed[index]
         bucket = self.buckets[index]
         if index not in self._reducing:
-            return self._average(bucket, grads)
+            flat = self._average(bucket, grads)
+            if self._main:  # its buffer holds the gradients: averaged in place, once a step
+                self._landed[index] = flat
+            return flat
         self._fold(index)
         self._reducing.pop(index)
         flat = self._summed.pop(index)
@@ -471,9 +481,29 @@ class DistributedAdamW:
         """The executor's hooks into this optimizer: :meth:`ready` before a forward reads
         parameters when ZeRO-1's gathers run under it (:attr:`deferred`), :meth:`reduce`
         with each layer's final gradients when they are reduced under the backward
-        (:attr:`early`)."""
+        (:attr:`early`), :meth:`main_grads` at the start of a step whose gradients it takes."""
         return StepHooks(param_ready=self.ready if self.deferred else None,
-                         grad_ready=self.reduce if self.early else None)
+                         grad_ready=self.reduce if self.early else None, main_grads=self.main_grads)
+
+    def main_grads(self) -> dict[str, torch.Tensor]:
+        """Zeroed fp32 gradients of the parameters, by name, each a view of its place in its
+        bucket's flat buffer (Megatron-LM's ``main_grad``): the backward adds every
+        micro-batch's weight gradient into them, so no gradient is held twice (in the model
+        dtype and again flat in fp32) and the sum over micro-batches is kept in fp32 whatever
+        the model dtype. Not for ZeRO-3 pieces (their layers reduce-scatter each
+        micro-batch's gradient, :mod:`.fsdp`) nor ZeRO-2 (it drops each micro-batch's
+        gradients once handed over): those keep their own."""
+        if self.per_microbatch:
+            return {}
+        self._main = True
+        out: dict[str, torch.Tensor] = {}
+        for index, bucket in enumerate(self.buckets):
+            if bucket.summed or not bucket.names:
+                continue
+            self._landed.pop(index, None)
+            bucket.grads.zero_()
+            out.update(bucket.unflatten(bucket.grads))
+        return out
 
     def settle(self) -> None:
         """Wait for every in-flight weight gather (before the parameters are read elsewhere)."""
