@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     say(f"machine: {machine()}; {time.strftime('%Y-%m-%d %H:%M %Z')}")
     say("per pipeline rank, MiB: activations (peak of live bytes), model states (weights, gradients, optimizer "
         "moments and masters), peak = both; pred = simulator, run = interpreter's count; scratch = optimizer's "
-        "flat buffers (not modelled)")
+        "flat buffers besides the gradients (not modelled)")
     say(f"{'example':<28} {'pp':>2} {'act pred':>9} {'act run':>9} {'ratio':>6} {'st pred':>9} {'st run':>9} "
         f"{'ratio':>6} {'peak pred':>9} {'peak run':>9} {'ratio':>6} {'scratch':>8}  goal (±{100 * GOAL:.0f} %)")
     ratios = []

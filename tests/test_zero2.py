@@ -74,12 +74,13 @@ def _runs(rank: int, world: int) -> dict:
     return results
 
 
-def _held(executor, optimizer) -> tuple[int, int]:
-    """(model-state bytes the rank counts after its steps, full gradient bytes it holds)."""
-    from dhelix.interpreter.training.train import model_state_bytes
+def _held(executor, optimizer) -> tuple[int, int, int]:
+    """(model-state bytes the rank counts after its steps, full gradient bytes it holds, the
+    optimizer's scratch bytes), each storage once."""
+    from dhelix.interpreter.training.train import _storage_bytes, model_state_bytes
 
-    full = sum(g.untyped_storage().nbytes() for g in executor.grads().values())
-    return model_state_bytes(executor, optimizer), full
+    full = _storage_bytes(list(executor.grads().values()))
+    return model_state_bytes(executor, optimizer), full, _storage_bytes(optimizer.scratch_tensors())
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +108,13 @@ def test_zero2_drops_the_layers_full_gradients_and_holds_less_than_zero1(world):
     # ZeRO-1 keeps every full gradient of the step; ZeRO-2 only the model ends' (handed
     # over at the step's end) besides the optimizer's 1/dp slices of the layers'.
     for rank in world:
-        (states1, full1), (states2, full2) = rank["states"][1], rank["states"][2]
+        (states1, full1, scratch1), (states2, full2, scratch2) = rank["states"][1], rank["states"][2]
         assert full2 < full1 / 2
         assert states2 < states1
+        # ... and never makes the flat fp32 buffer of the layers' gradients (each micro-batch
+        # is reduce-scattered from a buffer of its own): besides the flat parameters both
+        # update, only the model ends' gradient buffer is scratch.
+        assert scratch2 - scratch1 < full1 / 2
 
 
 @pytest.mark.parametrize("zero", [1, 2])

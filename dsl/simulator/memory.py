@@ -6,7 +6,8 @@ micro-batch's weight gradient into an fp32 "main gradient", which the data-paral
 reduction and the optimizer read: 18 bytes per bf16 parameter in all, where the ZeRO paper
 counts 16 with gradients in the model dtype), and for AdamW an fp32 master copy plus the two
 fp32 moments (12 bytes per parameter; 8 for fp32 training, whose master copy is the weight).
-ZeRO-3 pieces and ZeRO-2 keep their gradients in the model dtype. With ZeRO-1 (Megatron's distributed optimizer) the optimizer
+ZeRO-3 pieces and ZeRO-2 keep their gradients in the model dtype (ZeRO-2's reduced 1/dp
+slices in fp32). With ZeRO-1 (Megatron's distributed optimizer) the optimizer
 states are divided over the gradient-sync group: DP×CP for dense weights, DP×CP/EP for
 expert weights. With ZeRO-3 (FSDP) the layers' weights and gradients are divided over DP
 too (:func:`model_states`); the weights gathered at a time live while a layer runs
@@ -87,10 +88,11 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
         optimizer = per_param * (dense + expert)
     held = dense + expert - fsdp_dense + fsdp_dense / shards
     # Main gradients: the backward adds into fp32 gradients (Megatron-LM's main_grad, the
-    # optimizer's flat buffers), but for ZeRO-3 pieces and under ZeRO-2, which keep their own.
+    # optimizer's flat buffers), but for ZeRO-3 pieces and under ZeRO-2, which keep their own;
+    # ZeRO-2's reduced slices are fp32 (reduce-scattered from an fp32 buffer).
     main = MAIN_GRAD_BYTES if not grads_sharded else size
     grads = (dense + expert - fsdp_dense - grads_sharded) * main + (fsdp_dense / shards) * size \
-        + grads_sharded / max(1, dense_group) * size
+        + grads_sharded / max(1, dense_group) * MAIN_GRAD_BYTES
     return ModelStates(held * size, grads, optimizer)
 
 

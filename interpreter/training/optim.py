@@ -162,8 +162,7 @@ class _Bucket:
         self.width = width
         self.exp_avg = torch.zeros(width, dtype=torch.float32, device=device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
-        #: The flat gradients (the padding stays zero).
-        self.grads = torch.zeros(self.padded, dtype=torch.float32, device=device)
+        self._grads: torch.Tensor | None = None
         #: The flat fp32 parameters an update without masters reads when it cannot update
         #: the parameters in place (ZeRO-1 slices, parameters not in fp32); made when needed.
         self.flat_params: torch.Tensor | None = None
@@ -176,6 +175,15 @@ class _Bucket:
             for part_axis in partial.get(name, ()):
                 if comm.size(part_axis) > 1:
                     self.partial_spans.setdefault(part_axis, []).append((lo, hi))
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """The flat fp32 gradients (the padding stays zero), made on first use: ZeRO-2's
+        buckets, whose gradients are reduced a micro-batch at a time from buffers of their
+        own, never make it."""
+        if self._grads is None:
+            self._grads = torch.zeros(self.padded, dtype=torch.float32, device=self.exp_avg.device)
+        return self._grads
 
     def keep_master(self, params: Mapping[str, torch.Tensor]) -> None:
         """Start the fp32 masters of this rank's part from ``params``."""
@@ -323,7 +331,8 @@ class DistributedAdamW:
             if index not in self._reducing:
                 self._landed.pop(index, None)  # a previous step's, had it not been used
             # ZeRO-2 leaves one layer's reduction in flight while the next fills: a buffer each.
-            flat = bucket.fill(torch.zeros_like(bucket.grads) if self.per_microbatch else bucket.grads, grads)
+            fresh = torch.zeros(bucket.padded, dtype=torch.float32, device=bucket.exp_avg.device)
+            flat = bucket.fill(fresh if self.per_microbatch else bucket.grads, grads)
             self._reducing.setdefault(index, []).append(
                 self.comm.reduce_scatter(flat, bucket.axis, async_op=True) if bucket.sliced
                 else self.comm.all_reduce(flat, bucket.axis, async_op=True))
@@ -445,7 +454,7 @@ class DistributedAdamW:
                 mine = bucket.master
             else:
                 if bucket.flat_params is None:
-                    bucket.flat_params = torch.zeros_like(bucket.grads)
+                    bucket.flat_params = torch.zeros(bucket.padded, dtype=torch.float32, device=bucket.exp_avg.device)
                 mine = bucket.fill(bucket.flat_params, self.params)[bucket.offset:bucket.offset + grad.numel()]
             self._adamw([mine], [grad], [bucket.exp_avg], [bucket.exp_avg_sq], lr)
             self._publish(bucket, mine)
@@ -513,14 +522,18 @@ class DistributedAdamW:
 
     def state_tensors(self) -> list[torch.Tensor]:
         """The tensors the optimizer keeps between steps: this rank's AdamW moments and fp32
-        masters (what the simulator's model states count as the optimizer's; the flat
-        gradient buffers are scratch, see :meth:`scratch_tensors`)."""
+        masters (what the simulator's model states count as the optimizer's; a flat
+        gradient buffer is the gradients where the executor adds into :meth:`main_grads`,
+        else scratch, see :meth:`scratch_tensors`)."""
         return [t for b in self.buckets for t in (b.exp_avg, b.exp_avg_sq, b.master) if t is not None]
 
     def scratch_tensors(self) -> list[torch.Tensor]:
-        """The optimizer's work buffers: the padded flat fp32 gradients and the flat fp32
-        parameters (made when needed)."""
-        return [t for b in self.buckets for t in (b.grads, b.flat_params) if t is not None]
+        """The optimizer's work buffers: the padded flat fp32 gradients of the buckets whose
+        gradients the executor keeps apart (ZeRO-2, ZeRO-3 pieces: not :meth:`main_grads`)
+        and the flat fp32 parameters (made when needed)."""
+        main = self._main and not self.per_microbatch
+        return [t for b in self.buckets for t in (None if main and not b.summed and b.names else b._grads,
+                                                  b.flat_params) if t is not None]
 
     def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """This rank's AdamW moments (exp_avg, exp_avg_sq) of each of its parameters, shaped
