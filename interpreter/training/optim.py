@@ -2,7 +2,10 @@
 
 The gradients of a rank's parameters are flattened into one buffer (in sorted name order,
 the same on every DP replica since replicas hold the same stages and shards) and averaged
-over the ``dp`` axis:
+over the ``dp`` axis. The buffers are fp32 and are the gradients themselves: the executor
+adds every micro-batch's weight gradient into views of them (:meth:`DistributedAdamW.main_grads`,
+Megatron-LM's ``main_grad``), so a rank holds no second copy in the model dtype; ZeRO-2 and
+ZeRO-3 pieces, whose gradients are reduced a micro-batch at a time, keep their own:
 
 * plain data parallelism: one all-reduce of the buffer, then every replica runs AdamW on
   all of it;
