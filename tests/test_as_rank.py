@@ -236,3 +236,42 @@ def test_stand_in_weights_are_drawn_per_shard():
         if a.numel() > 256:
             assert abs(float(a.std()) - float(b.std())) < 0.25 * float(a.std()) + 0.02
     assert not all(bool((real.shard(n, index) == alone.shard(n, index)).all()) for n in real.names(layers=[0]))
+
+
+def test_zero1_gathers_bf16_weights_not_fp32_masters():
+    """ZeRO-1's all-gather of the updated weights sends them in the parameters' dtype (bf16: the
+    bytes the simulator prices, as Megatron-LM's distributed optimizer sends), not the fp32
+    masters; this rank's own part of every weight is its master rounded to bf16."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from dhelix.dsl.frontend.profiles import load_profile
+    from dhelix.interpreter.execute.executor import Executor
+    from dhelix.interpreter.ops.standin import EmulatedComm, join_standin_world
+    from dhelix.interpreter.training.optim import for_executor
+    from dhelix.interpreter.verify.reference import make_batch
+
+    text = _program("dp = 2", layers=2, nodes=1, gpus=2, schedule="fold none\npipeline one_f_one_b")
+    program = build_run_plan(text.replace("dtype = fp32", "dtype = bf16").replace("seed = 3 }", "seed = 3  zero = 1 }"),
+                             "z.dhx").program
+    join_standin_world(0, program.mesh.world)
+    try:
+        comm = EmulatedComm(program.mesh, "cpu", load_profile("a40"), "none")
+        executor = Executor(program, comm, seed=3, optimizer=functools.partial(for_executor, zero1=True),
+                            stand_in_weights=True)
+        optimizer = executor.optimizer
+        executor.step(make_batch(program, 1))
+        sent = []
+        gather = comm.all_gather
+        comm.all_gather = lambda x, axis, async_op=False: (sent.append((x.dtype, axis)), gather(x, axis, async_op))[1]
+        optimizer.step(executor.grads(), 1e-3)
+        assert sent and all(dtype == torch.bfloat16 and axis == "dp" for dtype, axis in sent)
+        for bucket in optimizer.buckets:
+            if bucket.sliced and bucket.master is not None:
+                flat = bucket.flat({n: executor.params[n] for n in bucket.names})
+                mine = flat[bucket.offset:bucket.offset + bucket.width][:max(0, bucket.total - bucket.offset)]
+                assert torch.equal(mine, bucket.master[:mine.numel()].to(torch.bfloat16).float())
+    finally:
+        dist.destroy_process_group()

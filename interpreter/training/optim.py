@@ -156,6 +156,9 @@ class _Bucket:
         #: Whether this rank keeps only its 1/size slice of the buffer (ZeRO-1).
         self.sliced = zero1
         self.shapes = [params[n].shape for n in self.names]
+        #: The parameters' dtype (fp32 where they differ): what a ZeRO-1 gather sends.
+        dtypes = {params[n].dtype for n in self.names}
+        self.dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self.starts = list(itertools.accumulate((s.numel() for s in self.shapes), initial=0))[:-1]
         self.total = sum(params[n].numel() for n in self.names)
         size = comm.size(axis)
@@ -464,7 +467,12 @@ class DistributedAdamW:
         return True
 
     def _publish(self, bucket: _Bucket, mine: torch.Tensor) -> None:
-        # Every replica's parameters from the updated part (a copy rounds fp32 masters to bf16).
+        # Every replica's parameters from the updated part. A ZeRO-1 gather sends them in
+        # their own dtype, as Megatron-LM's distributed optimizer does (bf16 weights: half the
+        # bytes of the fp32 masters, and what the simulator prices); rounding before the
+        # gather gives the same weights as rounding after it.
+        if bucket.sliced:
+            mine = mine.to(bucket.dtype)
         if bucket.sliced and self.deferred:
             mine = mine.contiguous()  # nothing writes it before the next step settles
             self._inflight.append((bucket, mine, self.comm.all_gather(mine, bucket.axis, async_op=True)))
