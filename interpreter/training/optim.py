@@ -188,8 +188,12 @@ class _Bucket:
         buckets, whose gradients are reduced a micro-batch at a time from buffers of their
         own, never make it."""
         if self._grads is None:
-            self._grads = torch.zeros(self.padded, dtype=torch.float32, device=self.exp_avg.device)
+            self._grads = self.zeros()
         return self._grads
+
+    def zeros(self) -> torch.Tensor:
+        """A new padded flat fp32 buffer of zeros on the bucket's device."""
+        return torch.zeros(self.padded, dtype=torch.float32, device=self.exp_avg.device)
 
     def keep_master(self, params: Mapping[str, torch.Tensor]) -> None:
         """Start the fp32 masters of this rank's part from ``params``."""
@@ -207,7 +211,7 @@ class _Bucket:
 
     def flat(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``tensors`` of :attr:`names` as a new padded fp32 buffer."""
-        return self.fill(torch.zeros(self.padded, dtype=torch.float32, device=self.exp_avg.device), tensors)
+        return self.fill(self.zeros(), tensors)
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of ``flat`` shaped like the parameters, by name."""
@@ -337,8 +341,7 @@ class DistributedAdamW:
             if index not in self._reducing:
                 self._landed.pop(index, None)  # a previous step's, had it not been used
             # ZeRO-2 leaves one layer's reduction in flight while the next fills: a buffer each.
-            fresh = torch.zeros(bucket.padded, dtype=torch.float32, device=bucket.exp_avg.device)
-            flat = bucket.fill(fresh if self.per_microbatch else bucket.grads, grads)
+            flat = bucket.fill(bucket.zeros() if self.per_microbatch else bucket.grads, grads)
             self._reducing.setdefault(index, []).append(
                 self.comm.reduce_scatter(flat, bucket.axis, async_op=True) if bucket.sliced
                 else self.comm.all_reduce(flat, bucket.axis, async_op=True))
@@ -460,7 +463,7 @@ class DistributedAdamW:
                 mine = bucket.master
             else:
                 if bucket.flat_params is None:
-                    bucket.flat_params = torch.zeros(bucket.padded, dtype=torch.float32, device=bucket.exp_avg.device)
+                    bucket.flat_params = bucket.zeros()
                 mine = bucket.fill(bucket.flat_params, self.params)[bucket.offset:bucket.offset + grad.numel()]
             self._adamw([mine], [grad], [bucket.exp_avg], [bucket.exp_avg_sq], lr)
             self._publish(bucket, mine)

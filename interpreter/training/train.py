@@ -274,11 +274,10 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
     schedule = options.lr_schedule(start)
     bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
                file=sys.stderr)
-    profiling = _cuda_profile(options, device, rank)
-    with profiling, log:
+    with _cuda_profile(options, device, rank), log:
         for step in bar:
             lr = schedule.lr
-            with _step_mark(step, profiling):
+            with _step_mark(step, _profiled(options, device)):
                 bad = _one_step(executor, optimizer, device, source.batch(step), lr, times, losses,
                                 finite=options.as_rank is None)
             schedule.advance()
@@ -407,10 +406,11 @@ def _nonfinite_error(step: int, loss: float, norm: float | None, found: list, ra
                           "stopped", notes=notes)
 
 
-def _step_mark(step: int, profiling):
-    """Under torch.profiler, the span of training ``step`` named ``dhelix step N`` (1-based) in
-    the trace, so that a reader can take the steps apart (the first holds the compilation)."""
-    if isinstance(profiling, contextlib.nullcontext):
+def _step_mark(step: int, profiled: bool):
+    """Under torch.profiler (``profiled``), the span of training ``step`` named ``dhelix step N``
+    (1-based) in the trace, so that a reader can take the steps apart (the first holds the
+    compilation)."""
+    if not profiled:
         return contextlib.nullcontext()
     from torch.profiler import record_function
 
@@ -421,11 +421,16 @@ def _step_mark(step: int, profiling):
 STEP_MARK = "dhelix step "
 
 
+def _profiled(options: RunOptions, device) -> bool:
+    """Whether torch.profiler records the run: on CUDA with a trace."""
+    return device.type == "cuda" and options.trace is not None
+
+
 def _cuda_profile(options: RunOptions, device, rank: int):
     """On CUDA with a trace, torch.profiler over the steps, written per rank beside the
     trace (``OUT.rank3.json``): the host timestamps of our own trace say when work was
     launched, the profiler's when the compute and NCCL streams ran it."""
-    if device.type != "cuda" or options.trace is None:
+    if not _profiled(options, device):
         return contextlib.nullcontext()
     from torch.profiler import ProfilerActivity, profile
 
