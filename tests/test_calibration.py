@@ -48,9 +48,10 @@ def test_calibrated_a40_matches_the_published_breakdown():
     bench = calibration_module()
     runs, steps = breakdowns(True)
     residuals = {run.name: bench.residual(step, run.published["shares"]) for run, step in zip(runs, steps)}
-    # Phi-31B's is the largest (0.060): its DP ring (8 ranks on each of 2 nodes) gets the node's
-    # cross bandwidth, and the published "others" (22.7 %) is above every prediction.
-    assert max(residuals.values()) < 0.065, residuals
+    # GPT-6.7B's is the largest (0.055), then Phi-31B's (0.045: its DP ring, 8 ranks on each of
+    # 2 nodes, gets the node's cross bandwidth, and the published "others", 22.7 %, is above
+    # every prediction; 0.060 while the gradients were priced in bf16, not fp32).
+    assert max(residuals.values()) < 0.06, residuals
     for run, step in zip(runs, steps, strict=True):
         for key in ("tp", "cp", "ep"):
             assert step.shares[key] == pytest.approx(run.published["shares"][key], abs=0.1), (run.name, key)

@@ -42,6 +42,23 @@ def test_zero2_reduce_scatters_each_micro_batch_s_layer_gradients_where_zero1_do
     assert two.step_time > one.step_time
 
 
+def test_gradients_are_reduced_in_fp32_and_weights_gathered_in_the_model_dtype():
+    # The interpreter reduces the fp32 main gradients (as Megatron-LM does for bf16) and
+    # gathers ZeRO-1's updated weights in their own dtype: the simulator sends what it sends.
+    from dhelix.dsl.simulator.costs import step_costs
+    from dhelix.dsl.simulator.events import schedule_plan
+
+    for zero in (1, 2):
+        prog = check_text(TEXT.format(zero=zero, pipeline="one_f_one_b", fold="none").replace("fp32", "bf16"), "t.dhx")
+        sim = simulate(prog)
+        params = step_costs(prog, schedule_plan(prog)).params
+        reductions = _layer_reductions(sim, 0)
+        assert reductions and all(e.args["bytes"] == params.layer_dense * 4 for e in reductions)
+        # Rank 0 holds the first stage: the embedding and two layers, gathered after the update.
+        gathers = [e for e in sim.events if e.rank == 0 and e.name == "all_gather weights"]
+        assert sum(e.args["bytes"] for e in gathers) == (params.embedding + 2 * params.layer_dense) * 2
+
+
 def _runs(rank: int, world: int) -> dict:
     from dhelix.interpreter.ops.comm import DistComm
     from dhelix.interpreter.execute.executor import Executor

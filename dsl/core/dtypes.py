@@ -19,6 +19,13 @@ DTYPES = tuple(DTYPE_BYTES)
 #: The dtypes the interpreter executes (fp8 is priced by the planner, not run).
 RUNNABLE_DTYPES = ("fp32", "bf16", "fp16")
 
+#: The dtype of main gradients, whatever the model's: the backward adds each micro-batch's
+#: weight gradients into fp32 buffers, and data parallelism reduces those (Megatron-LM's
+#: ``main_grad``, accumulated and all-reduced in fp32 for bf16 models), so the memory model
+#: holds and the simulator sends this many bytes per gradient element. ZeRO-3 pieces keep
+#: their gradients in the model dtype.
+MAIN_GRAD_DTYPE = "fp32"
+
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of ``dtype`` (one of :data:`DTYPES`); raises DhelixError naming

@@ -198,7 +198,7 @@ class _Run:
                 ready = 0.0
                 for elements, group in ((dense, costs.dense_group), (expert, costs.expert_group)):
                     if elements and group.size > 1:
-                        size = elements * costs.grad_bytes
+                        size = elements * costs.weight_bytes
                         seconds = collective_time("all_gather", size, group.size, group.lane, profile, group.per_node)
                         begin = self.lanes[rank][group.lane].in_order(0.0, seconds)
                         ready = max(ready, begin + seconds)
@@ -342,7 +342,7 @@ class _Run:
         gathers = []
         for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group), *pieces):
             if elements and group.size > 1:
-                size = elements * costs.grad_bytes
+                size = elements * costs.weight_bytes
                 gathers.append((size, collective_time("all_gather", size, group.size, group.lane, profile,
                                                       group.per_node), group))
         return gathers

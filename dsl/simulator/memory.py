@@ -36,7 +36,7 @@ from typing import Collection
 
 import attrs
 
-from dhelix.dsl.core.dtypes import dtype_bytes
+from dhelix.dsl.core.dtypes import MAIN_GRAD_DTYPE, dtype_bytes
 from dhelix.dsl.core.oplib import is_wgrad, selective_drops
 from dhelix.dsl.core.program import LayerDag, Program
 
@@ -44,8 +44,8 @@ from dhelix.dsl.core.program import LayerDag, Program
 #: or just the moments when the weights are fp32 already.
 _OPTIMIZER_BYTES = {"fp32": 8}
 _MIXED_OPTIMIZER_BYTES = 12
-#: Bytes per element of a main gradient (fp32, whatever the model dtype).
-MAIN_GRAD_BYTES = 4
+#: Bytes per element of a main gradient (:data:`~dhelix.dsl.core.dtypes.MAIN_GRAD_DTYPE`).
+MAIN_GRAD_BYTES = dtype_bytes(MAIN_GRAD_DTYPE)
 GB = 1e9
 
 
