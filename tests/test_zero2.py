@@ -59,6 +59,22 @@ def test_gradients_are_reduced_in_fp32_and_weights_gathered_in_the_model_dtype()
         assert sum(e.args["bytes"] for e in gathers) == (params.embedding + 2 * params.layer_dense) * 2
 
 
+def test_the_search_s_floor_counts_the_gradient_reductions_one_after_another():
+    # A rank's reductions run one after another before its optimizer: the untimed floor a
+    # search prunes with is at least their sum (here far above the compute), never above the step.
+    from dhelix.dsl.simulator.costs import step_costs
+    from dhelix.dsl.simulator.events import untimed
+
+    for zero in (1, 2):
+        prog = check_text(TEXT.format(zero=zero, pipeline="one_f_one_b", fold="none").replace("fp32", "bf16"), "t.dhx")
+        sim = simulate(prog)
+        floor = untimed(prog, step_costs(prog, None)).floor
+        reductions = max(sum(e.duration for e in sim.events if e.rank == rank and e.args.get("kind") == "DP"
+                             and not e.name.startswith("all_gather")) for rank in range(2))
+        assert reductions > 10 * max(rank.busy for rank in sim.ranks)
+        assert reductions < floor <= sim.step_time * (1 + 1e-9)
+
+
 def _runs(rank: int, world: int) -> dict:
     from dhelix.interpreter.ops.comm import DistComm
     from dhelix.interpreter.execute.executor import Executor

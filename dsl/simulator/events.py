@@ -347,17 +347,20 @@ class _Run:
                                                       group.per_node), group))
         return gathers
 
-    def floor(self, rank: int, work: float) -> float:
+    def floor(self, rank: int, work: float, reductions: float = 0.0) -> float:
         """A lower bound of ``rank``'s end (:meth:`finish`) when its actions compute for
-        ``work`` seconds: its last action ends no earlier; the embedding's gradients sync
-        after it, then the optimizer runs, then (ZeRO-1, param_gather = step) the weights
-        are gathered, each after the one before."""
+        ``work`` seconds and its gradient reductions take ``reductions`` seconds: its last
+        action ends no earlier, and the embedding's gradients sync after it; the reductions
+        run one after another (each starts once the one before has ended), so they end no
+        earlier than their sum; then the optimizer runs, then (ZeRO-1, param_gather = step)
+        the weights are gathered, each after the one before."""
         costs, group = self.costs, self.costs.dense_group
         end = work
         if costs.params.embedding and group.size > 1 and self._holds_stage(rank, 0):
             size = costs.params.embedding * costs.grad_bytes
             end += collective_time("reduce_scatter" if self.zero1 else "all_reduce", size, group.size, group.lane,
                                    self.program.profile, group.per_node)
+        end = max(end, reductions)
         end += self._optimizer(rank)[1]
         return end + sum(seconds for _, seconds, _ in self._weight_gathers(rank))
 
@@ -375,11 +378,13 @@ class _Run:
                             grads_sharded=dense - self._end_params(rank, head=False)
                             if self.program.train.zero == 2 else 0.0)
 
-    def untimed(self, shared: dict | None = None) -> list[tuple[float, float]]:
-        """(compute seconds, peak of live activations) of every rank, without timing its
-        actions: the peak is what :meth:`run` books (MemoryTimeline.peak's value), since a
-        rank's allocations and frees follow its actions' order whatever their durations.
-        ``shared``: what each action does (its _Changes) by action, from runs like this one."""
+    def untimed(self, shared: dict | None = None) -> list[tuple[float, float, float]]:
+        """(compute seconds, peak of live activations, seconds of gradient reductions) of
+        every rank, without timing its actions: the peak is what :meth:`run` books
+        (MemoryTimeline.peak's value), since a rank's allocations and frees follow its
+        actions' order whatever their durations; the reductions are :meth:`finish`'s
+        (:meth:`_reduction_seconds`). ``shared``: what each action does (its _Changes) by
+        action, from runs like this one."""
         keys, rows = self.lowered.computation_indices
         shared = {} if shared is None else shared
         known = []
@@ -388,9 +393,27 @@ class _Run:
             if changes is None:
                 changes = shared[key] = _Changes.of(self.expander.pieces(*key))
             known.append(changes)
-        if all(changes.whole for changes in known):
-            return [self._untimed_whole(row, known) or self._untimed_row(row, known) for row in rows]
-        return [self._untimed_row(row, known) for row in rows]
+        whole = all(changes.whole for changes in known)
+        figures = [(whole and self._untimed_whole(row, known)) or self._untimed_row(row, known) for row in rows]
+        return [(work, peak, self._reduction_seconds(row, keys, known))
+                for (work, peak), row in zip(figures, rows, strict=True)]
+
+    def _reduction_seconds(self, row: tuple[int, ...], keys, known: list[_Changes]) -> float:
+        """Seconds of the gradient reductions :meth:`finish` books for a rank whose
+        computations are ``row`` (indices into ``keys`` and ``known``): one per layer slot
+        of each backward stage, or under ZeRO-2 one per backward of it, each :meth:`_syncs`."""
+        per_microbatch = self.program.train is not None and self.program.train.zero == 2
+        counts: dict[tuple, list] = {}
+        for index in row:
+            bstage = keys[index][2]
+            for slot, dense, expert in known[index].grads:
+                entry = counts.setdefault((bstage, slot), [0, dense, expert])
+                entry[0] += 1
+        total = 0.0
+        for (_, slot), (count, dense, expert) in counts.items():
+            times = count if per_microbatch and isinstance(slot, int) else 1
+            total += times * sum(sync[3] for sync in self._syncs(slot, dense, expert))
+        return total
 
     @staticmethod
     def _untimed_whole(row: tuple[int, ...], known: list[_Changes]) -> tuple[float, float] | None:
@@ -501,13 +524,15 @@ def _action_args(action, kind: str, fstage: int, bstage: int) -> dict:
 class _Changes:
     """What the pieces of one action do, untimed: their compute seconds, the nonzero changes
     of live bytes in order (what MemoryTimeline.change books), their sum and the highest
-    running sum; ``whole`` when every change is a whole number of bytes (below 2**52)."""
+    running sum; ``whole`` when every change is a whole number of bytes (below 2**52); the
+    gradients they finish (each piece's ``grads``)."""
 
     work: float
     deltas: tuple[float, ...]
     net: float
     rise: float
     whole: bool
+    grads: tuple[tuple, ...] = ()
 
     @classmethod
     def of(cls, pieces: tuple[Piece, ...]) -> "_Changes":
@@ -517,7 +542,8 @@ class _Changes:
             running += delta
             rise = max(rise, running)
         whole = all(d == int(d) and abs(d) < 2.0 ** 52 for d in deltas)
-        return cls(sum(piece.work.seconds for piece in pieces), deltas, running, rise, whole)
+        return cls(sum(piece.work.seconds for piece in pieces), deltas, running, rise, whole,
+                   tuple(piece.grads for piece in pieces if piece.grads is not None))
 
 
 @attrs.frozen
@@ -550,7 +576,7 @@ def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool 
     figures = run.untimed(shared)
     ranks = range(program.lowered.ranks)
     return Untimed(tuple(run.states(rank).total + figures[rank][1] for rank in ranks),
-                   max(run.floor(rank, figures[rank][0]) for rank in ranks))
+                   max(run.floor(rank, figures[rank][0], figures[rank][2]) for rank in ranks))
 
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
