@@ -148,6 +148,8 @@ class _Run:
         self.replicas_sliced = replicas_substituted(program)
         self.gathered: list[dict[int, dict]] = [{} for _ in range(p)]
         self.gather_comm, self.gather_exposed = [0.0] * p, [0.0] * p
+        #: (slot, dense, expert) -> seconds of its gradient syncs (:meth:`_reduction_seconds`).
+        self._sync_seconds: dict[tuple, float] = {}
 
     def run(self) -> None:
         """Step every action in an order where each RECV follows its SEND."""
@@ -404,15 +406,18 @@ class _Run:
         of each backward stage, or under ZeRO-2 one per backward of it, each :meth:`_syncs`."""
         per_microbatch = self.program.train is not None and self.program.train.zero == 2
         counts: dict[tuple, list] = {}
-        for index in row:
+        for index, repeats in collections.Counter(row).items():  # a rank repeats few computations
             bstage = keys[index][2]
             for slot, dense, expert in known[index].grads:
                 entry = counts.setdefault((bstage, slot), [0, dense, expert])
-                entry[0] += 1
+                entry[0] += repeats
         total = 0.0
         for (_, slot), (count, dense, expert) in counts.items():
-            times = count if per_microbatch and isinstance(slot, int) else 1
-            total += times * sum(sync[3] for sync in self._syncs(slot, dense, expert))
+            seconds = self._sync_seconds.get((slot, dense, expert))
+            if seconds is None:
+                seconds = self._sync_seconds[slot, dense, expert] = sum(
+                    sync[3] for sync in self._syncs(slot, dense, expert))
+            total += (count if per_microbatch and isinstance(slot, int) else 1) * seconds
         return total
 
     @staticmethod
