@@ -57,8 +57,7 @@ from pathlib import Path
 
 from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.passes.pipeline import check_text
-from dhelix.dsl.planner.chunking import choose_all
-from dhelix.dsl.simulator.launch import choose_launch
+from dhelix.dsl.simulator.launch import make_choices
 from dhelix.dsl.simulator.events import has_si, schedule_plan, simulate
 from dhelix.dsl.simulator.costs import cost_of
 from dhelix.dsl.simulator.report import unfolded_1f1b, unpartitioned
@@ -109,11 +108,13 @@ def program_text(size: str, *, mesh: str, nodes: int, batch: int, microbatches: 
 
 
 def program(size: str, **settings):
-    """The checked program of :func:`program_text` (same settings) with the planner's choices made
-    (chunk counts, orders, backward priority, launch counts, where the program leaves them to it).
-    A profile given by path is read relative to this folder."""
+    """The checked program of :func:`program_text` (same settings) with the choices ``plan``,
+    ``simulate`` and ``run`` make where the program leaves them to the tools
+    (:func:`~dhelix.dsl.simulator.launch.make_choices`: the planner's orders, backward priority
+    and chunk counts, the counts then settled by the whole step, the launch counts). A profile
+    given by path is read relative to this folder."""
     text = program_text(size, **settings)
-    return choose_launch(choose_all(check_text(text, str(HERE / f"{size}.dhx")))[0])[0]
+    return make_choices(check_text(text, str(HERE / f"{size}.dhx")))[0]
 
 
 #: Centauri's workload partition of FSDP's weight gathers: every GEMM over blocks of its
