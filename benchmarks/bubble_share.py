@@ -31,5 +31,6 @@ def main() -> None:
             name = path.stem if index == 0 else ""
             print(f"{name:28} {sim.label:30} {sim.bubble_ratio * 100:6.1f}% {idle * 1e3:10.3f} ms")
 
+
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@ Run from the repository root::
 
 For each example with a model and a profile (default: every ``examples/*.dhx``), the SI plan
 that ``plan``, ``simulate`` and ``run`` use (the default bounds: segments of any length when
-the two strands have at most 250,000 pairs of segments, 20,000 under a measured profile, else at most 4 ops and then the local
+the two strands have at most 20,000 pairs of segments, else at most 4 ops and then the local
 search of dsl/planner/refine.py; a moving-op window past 300 prefixes) beside what
 ``plan --certify`` works out: the search with segments of any length where the moving ops had
 no window, else the relaxation's lower bound of every plan.

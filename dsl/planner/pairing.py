@@ -17,9 +17,8 @@ order (:func:`dsl.planner.sequences.canonical`), which is also the order the pla
 Bounds, both recorded in the plan: ``max_segment`` caps the ops per segment (None: any), and
 a strand with more than ``max_prefixes`` prefixes gets a narrower window for its moving ops
 (:func:`dsl.planner.sequences.strand_within`). By default (``AUTO``) segments are unbounded, so
-the plan is the exact optimum, whenever the two strands have at most ``BOUNDED_EXACT_PAIRS``
-pairs of segments (``DEFAULT_EXACT_PAIRS`` under a cost without bounds: a measured profile,
-whose search prices every pair); a larger search keeps segments of at most ``DEFAULT_MAX_SEGMENT`` ops, and
+the plan is the exact optimum, whenever the two strands have at most ``DEFAULT_EXACT_PAIRS``
+pairs of segments; a larger search keeps segments of at most ``DEFAULT_MAX_SEGMENT`` ops, and
 its plan (or one a window bounded) is then improved by a local search
 (:mod:`dsl.planner.refine`: steps merged, ops moved across steps, consecutive steps cut anew;
 its moves recorded in the plan's stats). Ties go to the first path found, deterministically.
@@ -51,15 +50,10 @@ INF = float("inf")
 #: ``max_segment``'s default: unbounded segments when the search is small enough to be exact
 #: (at most DEFAULT_EXACT_PAIRS pairs of segments), else DEFAULT_MAX_SEGMENT.
 AUTO = "auto"
-#: Pairs of (forward, backward) segments up to which the default search is exact under a
-#: cost without bounds (every pair priced): about a second of pricing at most. Random layers of a few ops are far below it; a Llama TP+SP
+#: Pairs of (forward, backward) segments up to which the default search is exact: about a
+#: second of pricing at most. Random layers of a few ops are far below it; a Llama TP+SP
 #: layer pair (105 x ~2700 segments) is above it.
 DEFAULT_EXACT_PAIRS = 20_000
-#: The same where the cost bounds its steps from below (the lane model; not a measured
-#: profile): the search then prices few of the pairs (a TP-substituted Llama pair, 229,530
-#: pairs, plans exactly in 0.4 s; the tiny FSDP examples' pairs up to 227,447 in under 0.8 s,
-#: benchmarks/results/cpu_plan_optimality.txt); a Llama TP+SP pair (291,060) is above it.
-BOUNDED_EXACT_PAIRS = 250_000
 #: Ops per segment when the exact search is too big. The reference code's segments never
 #: exceed its atomic groups (at most 4 ops), and on the Llama examples the plan with 4 is as
 #: fast as the unbounded one (benchmarks/planner_speed.py --unbounded); on that benchmark's
@@ -134,14 +128,13 @@ def _grown(strand: Strand, prefix: int, max_segment: int | None) -> list[int]:
 
 def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost, *,
                 max_segment: int | None | str = AUTO, max_prefixes: int = DEFAULT_MAX_PREFIXES,
-                exact_pairs: int | None = None) -> Plan:
+                exact_pairs: int = DEFAULT_EXACT_PAIRS) -> Plan:
     """The best plan co-executing ``forward`` (one strand's layer) with ``backward`` (the
     other strand's), under the strands block's constraints and ``cost``.
 
     Assumes both DAGs come from a checked program (ops in topological order, selectors that
     resolve). ``max_segment`` bounds the ops per segment (None: any; AUTO: any when the
-    strands have at most ``exact_pairs`` pairs of segments, else DEFAULT_MAX_SEGMENT; None:
-    DEFAULT_EXACT_PAIRS, or BOUNDED_EXACT_PAIRS when ``cost`` bounds its steps);
+    strands have at most ``exact_pairs`` pairs of segments, else DEFAULT_MAX_SEGMENT);
     ``max_prefixes`` bounds each strand's prefixes by narrowing its moving ops' window.
     Returns the Plan with the chosen orders, the segment pairs, their predicted times and
     the totals; its stats record the bounds used.
@@ -151,8 +144,6 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
     sides = (strand_within(forward, moving, max_prefixes), strand_within(backward, moving, max_prefixes))
     refined = max_segment == AUTO
     if max_segment == AUTO:
-        if exact_pairs is None:
-            exact_pairs = BOUNDED_EXACT_PAIRS if has_bounds(cost, forward) else DEFAULT_EXACT_PAIRS
         max_segment = None if segment_pairs_within(sides, exact_pairs) else DEFAULT_MAX_SEGMENT
     tables = (_Table(sides[0], max_segment), _Table(sides[1], max_segment))
     matrix = _PairMatrix(tables, cost, rules)
