@@ -386,7 +386,8 @@ class _Run:
         (MemoryTimeline.peak's value), since a rank's allocations and frees follow its
         actions' order whatever their durations; the reductions are :meth:`finish`'s
         (:meth:`_reduction_seconds`). ``shared``: what each action does (its _Changes) by
-        action, from runs like this one."""
+        action, and the ranks' work and peaks by schedule, from runs whose expanders have
+        this one's :meth:`~dhelix.dsl.simulator.pieces.Expander.key`."""
         keys, rows = self.lowered.computation_indices
         shared = {} if shared is None else shared
         known = []
@@ -395,8 +396,15 @@ class _Run:
             if changes is None:
                 changes = shared[key] = _Changes.of(self.expander.pieces(*key))
             known.append(changes)
-        whole = all(changes.whole for changes in known)
-        figures = [(whole and self._untimed_whole(row, known)) or self._untimed_row(row, known) for row in rows]
+        # The ranks' work and peaks follow from the changes and the schedule alone: a
+        # schedule walked before with these changes (kept with them, so its id stays its
+        # own) is not walked again.
+        walked = shared.get(("walked", id(self.lowered)))
+        if walked is None or walked[0] is not self.lowered:
+            whole = all(changes.whole for changes in known)
+            walked = shared["walked", id(self.lowered)] = (self.lowered, [
+                (whole and self._untimed_whole(row, known)) or self._untimed_row(row, known) for row in rows])
+        figures = walked[1]
         return [(work, peak, self._reduction_seconds(row, keys, known))
                 for (work, peak), row in zip(figures, rows, strict=True)]
 
@@ -568,16 +576,15 @@ def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool 
     slower than its best, before simulating it. The peak follows the actions' order (the SI
     blocks' pieces as ``costs`` has them: ``layer.pair`` set, layer pairs); the bound is the
     slowest rank's compute work, then what must follow its last action (:meth:`_Run.floor`).
-    ``memo``: a dict kept across calls to share what each action does between programs of
-    the same ``costs`` and placement (it holds them by id: the caller keeps both alive, and
-    gives it only programs whose layer DAGs and train block ``costs`` determine, as a
-    search's shared costs do)."""
+    ``memo``: a dict kept across calls to share, between programs whose actions expand
+    alike (:meth:`~dhelix.dsl.simulator.pieces.Expander.key`: the layer costs, stage sizes
+    and activation bytes, by value), what each action does and each schedule's walk (it
+    keeps the schedules it walked)."""
     require_profile(program)
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
     si = si and interleaves(program)
     run = _Run(program, costs, si, zero1, trace=False)
-    shared = None if memo is None else memo.setdefault((id(costs), id(program.placement), program.lowered.split, si),
-                                                        {})
+    shared = None if memo is None else memo.setdefault(run.expander.key(), {})
     figures = run.untimed(shared)
     ranks = range(program.lowered.ranks)
     return Untimed(tuple(run.states(rank).total + figures[rank][1] for rank in ranks),

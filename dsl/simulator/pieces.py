@@ -52,6 +52,14 @@ class Expander:
         self.gathered = gathered_bytes(program.forward, program.model.dtype, is_fsdp(program))
         self.cache: dict[tuple, tuple[Piece, ...]] = {}
 
+    def key(self) -> tuple:
+        """What every piece depends on, by value: expanders with equal keys expand every
+        action alike (a search's layouts that differ in ZeRO 0-2, ``param_gather``, data
+        parallelism or micro-batch count share them)."""
+        return (self.costs.layer, self.costs.heads, self.costs.params, self.si, self.split,
+                tuple(len(stage.layers) for stage in self.stages), self.acts, self.kept, self.rebuilt, self.head,
+                self.gathered)
+
     def pieces(self, kind: str, fstage: int | None, bstage: int | None) -> tuple[Piece, ...]:
         """Pieces of F/B/W on one stage (``fstage`` for F, ``bstage`` for B and W) or of an SI
         block (both); ``kind`` is F, B, W or SI."""
