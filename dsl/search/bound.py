@@ -15,7 +15,9 @@ forward and backward take at least the busiest lane's work, whether paired or al
 backward; the embedding and the LM head run alone, once per micro-batch. So the busiest
 pipeline rank is busy at least the average over the ``pp`` ranks of all this work, and the
 step (which ends after the busiest rank's last action) is at least that, plus the average
-rank's optimizer step, which runs after its last action.
+rank's optimizer step, which runs after its last action. A rank's gradient reductions too
+run one after another before its optimizer (every layer's once a step, under ZeRO-2 once per
+micro-batch): the step is at least the average rank's reductions, plus its optimizer.
 
 **Memory.** Each rank holds the model states of its layers (and the model's ends); the
 busiest rank holds at least the average over the pipeline ranks (the states are linear in
@@ -32,7 +34,8 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.planner.costmodel import optimizer_time
-from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, layer_costs, si_backward, step_costs
+from dhelix.dsl.passes.fsdp import is_fsdp, replicas_substituted
+from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, gradient_syncs, layer_costs, si_backward, step_costs
 from dhelix.dsl.simulator.memory import layer_activations, model_states, recomputed, selectively_recomputed
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.planner.segment_bound import SegmentBound
@@ -57,8 +60,22 @@ def layout_bound(program: Program, cost: PairCost, costs: StepCosts | None = Non
     heads = costs.heads
     ends = sum(w.seconds for w in (heads.embed_forward, heads.embed_backward, heads.head_forward,
                                    heads.head_backward, heads.head_weight))
-    return Bound((layers * m * layer + m * ends) / pp + _optimizer(program, costs),
+    compute = (layers * m * layer + m * ends) / pp
+    return Bound(max(compute, _reductions(program, costs)) + _optimizer(program, costs),
                  _states(program, costs) + layers / pp * _kept(program))
+
+
+def _reductions(program: Program, costs: StepCosts) -> float:
+    """Seconds of the average pipeline rank's layer gradient reductions (every layer's once a
+    step, under ZeRO-2 once per micro-batch), which run one after another before its
+    optimizer whatever the schedule (:meth:`~dhelix.dsl.simulator.events._Run.floor`)."""
+    train, params = program.train, costs.params
+    seconds = sum(sync[3] for sync in gradient_syncs(costs, program.profile, 0, params.layer_dense,
+                                                     params.layer_expert, zero1=train.zero >= 1,
+                                                     fsdp=is_fsdp(program),
+                                                     replicas_sliced=replicas_substituted(program)))
+    per_step = train.microbatches if train.zero == 2 else 1
+    return program.model.get("layers") * per_step * seconds / program.mesh.size("pp")
 
 
 def _kept(program: Program) -> float:

@@ -281,6 +281,32 @@ def head_costs(program: Program) -> HeadCosts:
     return _measured_ends(modelled, profile, dtype)
 
 
+def gradient_syncs(costs: StepCosts, profile, slot, dense: float, expert: float, *, zero1: bool, fsdp: bool,
+                   replicas_sliced: bool) -> list[tuple[str, float, Group, float]]:
+    """(collective, bytes, group, seconds) of each data-parallel sync of the gradients of
+    gradient ``slot`` (a layer's index, ``embedding`` or ``head``; ``dense`` and ``expert``
+    parameters), in order: reduce-scattered under ZeRO-1 and 2 (``zero1``), else all-reduced,
+    in the main gradients' dtype. ZeRO-3 (``fsdp``): a layer's are reduce-scattered by its
+    scatter_dw ops; under hybrid sharding its piece is then all-reduced across the shard
+    groups (``replicas_sliced``: reduce-scattered there, its updated part all-gathered after
+    the optimizer)."""
+    kind = "reduce_scatter" if zero1 else "all_reduce"
+    syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
+    if fsdp and isinstance(slot, int):
+        if costs.replicate_group is None:
+            return []
+        across = "reduce_scatter" if replicas_sliced else "all_reduce"
+        syncs = ((dense / costs.shard_group.size, costs.replicate_group, across),)
+    out = []
+    for elements, group, collective in syncs:
+        if not elements or group.size <= 1:
+            continue
+        size = elements * costs.grad_bytes
+        out.append((collective, size, group,
+                    collective_time(collective, size, group.size, group.lane, profile, group.per_node)))
+    return out
+
+
 def _measured_ends(modelled: HeadCosts, profile, dtype: str) -> HeadCosts:
     """``modelled`` with the times a measured profile has for the model's end ops
     (:data:`END_OPS`, timed by `dhelix profile` with their collectives). The communication

@@ -54,7 +54,7 @@ from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
-from dhelix.dsl.simulator.costs import StepCosts, cost_of, step_costs
+from dhelix.dsl.simulator.costs import StepCosts, cost_of, gradient_syncs, step_costs
 from dhelix.dsl.simulator.lane import Lane
 from dhelix.dsl.simulator.pairtrace import pair_events
 from dhelix.dsl.simulator.pieces import Expander, Piece
@@ -301,26 +301,9 @@ class _Run:
 
     def _syncs(self, slot, dense: float, expert: float) -> list[tuple[str, float, object, float]]:
         """(collective, bytes, group, seconds) of each data-parallel sync of the gradients of
-        ``slot`` (``dense`` and ``expert`` parameters), in order."""
-        costs, profile = self.costs, self.program.profile
-        kind = "reduce_scatter" if self.zero1 else "all_reduce"
-        syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
-        if self.fsdp and isinstance(slot, int):
-            # A layer's: reduce-scattered by its scatter_dw ops; under hybrid sharding its
-            # piece is then all-reduced across the shard groups (or, substituted,
-            # reduce-scattered there and its updated part all-gathered after the optimizer).
-            if costs.replicate_group is None:
-                return []
-            across = "reduce_scatter" if self.replicas_sliced else "all_reduce"
-            syncs = ((dense / costs.shard_group.size, costs.replicate_group, across),)
-        out = []
-        for elements, group, collective in syncs:
-            if not elements or group.size <= 1:
-                continue
-            size = elements * costs.grad_bytes
-            out.append((collective, size, group,
-                        collective_time(collective, size, group.size, group.lane, profile, group.per_node)))
-        return out
+        ``slot`` (``dense`` and ``expert`` parameters), in order (:func:`gradient_syncs`)."""
+        return gradient_syncs(self.costs, self.program.profile, slot, dense, expert, zero1=self.zero1,
+                              fsdp=self.fsdp, replicas_sliced=self.replicas_sliced)
 
     def _optimizer(self, rank: int) -> tuple[float, float]:
         """(parameters, seconds) of ``rank``'s optimizer step (a shard of its parameters
