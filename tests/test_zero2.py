@@ -75,6 +75,26 @@ def test_the_search_s_floor_counts_the_gradient_reductions_one_after_another():
         assert reductions < floor <= sim.step_time * (1 + 1e-9)
 
 
+
+def test_a_layout_s_bound_counts_the_average_rank_s_layer_reductions():
+    # The search's layout bound (before any schedule is lowered) takes the average rank's
+    # layer reductions too: here far above the compute, so the bound is too, never above
+    # the step of any schedule of the layout.
+    from dhelix.dsl.passes import pipeline as passes
+    from dhelix.dsl.planner.paircost import PairCost
+    from dhelix.dsl.search.bound import layout_bound
+
+    for zero in (0, 1, 2):
+        steps = []
+        for pipeline, fold in (("one_f_one_b", "none"), ("zb_h1", "none"), ("w_helix", "u")):
+            prog = check_text(TEXT.format(zero=zero, pipeline=pipeline, fold=fold).replace("fp32", "bf16"), "t.dhx")
+            steps.append(simulate(prog))
+        dags = passes.rerun(prog, after="check", stop="autodiff")
+        bound = layout_bound(dags, PairCost.for_program(dags)).seconds
+        compute = max(rank.busy for sim in steps for rank in sim.ranks)
+        assert 5 * compute < bound <= min(sim.step_time for sim in steps) * (1 + 1e-9), zero
+
+
 def _runs(rank: int, world: int) -> dict:
     from dhelix.interpreter.ops.comm import DistComm
     from dhelix.interpreter.execute.executor import Executor
