@@ -4,6 +4,7 @@ models on 64 A40s and on 1024 H100s.
 Run from the repository root::
 
     .venv/bin/python benchmarks/tune_speed.py [--only NAME] [--partitions] [--top] [--jobs N]
+    .venv/bin/python benchmarks/tune_speed.py --against DIR [--rounds R] [--only NAME] [--partitions] [--jobs N]
 
 Each search runs to the end (no budget) with the top 5 kept, in one process or ``--jobs N``
 side by side (as `dhelix tune --jobs N`). Printed per search: wall-clock and CPU seconds (the
@@ -11,6 +12,12 @@ search processes' together; CPU seconds tell the search's own cost on a machine 
 other work; the load average is printed too), the space (choices, layouts), what the branch and bound
 did with it (simulated, ruled out by a bound, over the device memory, refused by the checks),
 the SI plans computed, and the best choice with its predicted step.
+
+``--against DIR`` times another checkout of the project (DIR, e.g. a ``git worktree`` of an
+earlier commit) side by side with this one: each search runs in a fresh process of this
+interpreter, the two alternated for ``--rounds`` rounds (the other first in odd rounds); the
+wall-clock seconds of each run, their medians and the ratio (this one over the other) are
+printed, and whether both found the same best step.
 """
 
 from __future__ import annotations
@@ -18,6 +25,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -72,15 +84,80 @@ def run_case(name: str, path: Path, partitions: bool = False, top_list: bool = F
                   f"peak {found.sim.peak_rank.memory / 1e9:.4f} GB")
 
 
+#: Run in a fresh interpreter: the checkout given first on the command line imported as
+#: ``dhelix`` (a view of its folders as the package's, made by :func:`_package_view`) in
+#: place of the installed one, then its benchmark run with the arguments after it.
+_BOOT = """
+import runpy, sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
+view, script = sys.argv[1], sys.argv[2]
+sys.path.insert(0, view)
+sys.argv = sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def _package_view(checkout: Path, into: Path) -> Path:
+    """A folder in ``into`` holding ``checkout``'s packages laid out as the installed
+    ``dhelix`` (pyproject's package-dir: dsl/ as dhelix.dsl, ...), by symbolic links."""
+    package = into / "dhelix"
+    package.mkdir(parents=True)
+    for entry in (checkout / "dhelix").iterdir():
+        (package / entry.name).symlink_to(entry)
+    for folder, name in (("dsl", "dsl"), ("interpreter", "interpreter"), ("grammar", "grammar"),
+                         ("stdlib_schedules", "stdlib_schedules")):
+        (package / name).symlink_to(checkout / folder)
+    return into
+
+
+def _timed(checkout: Path, view: Path, name: str, partitions: bool, jobs: int) -> tuple[float, str]:
+    """(wall seconds, best choice and step) of one search of case ``name`` run by
+    ``checkout``'s own benchmark, as it prints them."""
+    command = [sys.executable, "-c", _BOOT, str(view), str(checkout / "benchmarks" / "tune_speed.py"), "--only", name,
+               "--jobs", str(jobs)] + (["--partitions"] if partitions else [])
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=checkout).stdout
+    wall = float(re.search(r"^  ([0-9.]+) s wall", out, re.M).group(1))
+    return wall, re.search(r"^  best: (.*)$", out, re.M).group(1)
+
+
+def against(other: Path, rounds: int, names: list[str], partitions: bool, jobs: int) -> None:
+    """Time each case of ``names`` here and in the checkout ``other``, alternated for
+    ``rounds`` rounds; print each run, the medians and their ratio."""
+    with tempfile.TemporaryDirectory() as scratch:
+        views = {"this": _package_view(ROOT, Path(scratch) / "this"), "other": _package_view(other, Path(scratch) / "other")}
+        trees = {"this": ROOT, "other": other}
+        for name in names:
+            walls: dict[str, list[float]] = {"this": [], "other": []}
+            bests: dict[str, set[str]] = {"this": set(), "other": set()}
+            for round_ in range(rounds):
+                for side in (("other", "this") if round_ % 2 == 0 else ("this", "other")):
+                    wall, best = _timed(trees[side], views[side], name, partitions, jobs)
+                    walls[side].append(wall)
+                    bests[side].add(best)
+                    print(f"{name}{' --partitions' if partitions else ''} --jobs {jobs}, round {round_ + 1}, "
+                          f"{side} ({trees[side]}): {wall:.1f} s wall (load average {os.getloadavg()[0]:.1f} after)",
+                          flush=True)
+            here, there = statistics.median(walls["this"]), statistics.median(walls["other"])
+            print(f"{name}: median {here:.1f} s here against {there:.1f} s there over {rounds} rounds: "
+                  f"{here / there:.3f}x; the same best: {bests['this'] == bests['other'] and len(bests['this']) == 1}"
+                  f" ({'; '.join(sorted(bests['this']))})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(CASES), help="run one search")
     parser.add_argument("--partitions", action="store_true", help="search Centauri's partition too (tune --partitions)")
     parser.add_argument("--top", action="store_true", help="print the top 5 found too (to compare two searches)")
     parser.add_argument("--jobs", type=int, default=1, help="search processes side by side (tune --jobs)")
+    parser.add_argument("--against", type=Path, help="another checkout to time side by side with this one")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds with --against")
     args = parser.parse_args()
     print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}")
+    if args.against is not None:
+        against(args.against.resolve(), args.rounds, [n for n in CASES if args.only in (None, n)], args.partitions,
+                args.jobs)
+        return
     for name, path in CASES.items():
         if args.only in (None, name):
             run_case(name, path, args.partitions, args.top, args.jobs)
