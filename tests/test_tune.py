@@ -233,9 +233,13 @@ def test_the_unsettled_bounds_hold_for_the_settled_choice(tiny):
 
 
 def test_the_bound_never_exceeds_a_priced_step(tiny):
+    # A schedule that pairs no layers (no SI block, or SI off) is held to its own, higher
+    # bound too (each layer pass at its time alone).
+    from dhelix.dsl.search.partitions import writes_si
+
     pricer, space = tiny
     schedule = next(s for s in space.schedules if s[0] == "none")
-    checked, si_off = 0, 0
+    checked, si_off, alone, above = 0, 0, 0, 0
     for choice in list(space.choices())[::7]:
         result = pricer.price(choice)
         if not isinstance(result, Priced):
@@ -243,9 +247,13 @@ def test_the_bound_never_exceeds_a_priced_step(tiny):
         bound = pricer.bound(choice.layout, schedule)
         assert bound.seconds <= result.seconds * (1 + 1e-9), choice.describe()
         assert bound.memory <= max(r.memory for r in result.sim.ranks) * (1 + 1e-9), choice.describe()
+        if choice.si == "off" or not writes_si(pricer.pipelines[choice.pipeline]):
+            assert bound.alone <= result.seconds * (1 + 1e-9), choice.describe()
+            alone += 1
+            above += bound.alone > bound.seconds * 1.05
         checked += 1
         si_off += choice.si == "off"
-    assert checked > 20 and si_off > 5
+    assert checked > 20 and si_off > 5 and alone > 10 and above > 5
 
 
 def _si_space(full: Space, rng: random.Random) -> Space:

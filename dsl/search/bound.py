@@ -18,6 +18,11 @@ step (which ends after the busiest rank's last action) is at least that, plus th
 rank's optimizer step, which runs after its last action. A rank's gradient reductions too
 run one after another before its optimizer (every layer's once a step, under ZeRO-2 once per
 micro-batch): the step is at least the average rank's reductions, plus its optimizer.
+A schedule that pairs no layers (no SI block, or SI off) runs every layer pass alone, as the
+simulator prices it (its ops' make-span run alone; a split backward's two passes no less than
+the whole one, or than their sum): its bound takes those times instead of the busiest lane's
+work (not where a partition block leaves chunk counts or substitutions to choose, which can
+make a pass alone faster).
 
 **Memory.** Each rank holds the model states of its layers (and the model's ends); the
 busiest rank holds at least the average over the pipeline ranks (the states are linear in
@@ -47,6 +52,8 @@ class Bound:
 
     seconds: float
     memory: float
+    #: A lower bound of the schedules that pair no layers (no SI block, or SI off): seconds.
+    alone: float = 0.0
 
 
 def layout_bound(program: Program, cost: PairCost, costs: StepCosts | None = None) -> Bound:
@@ -61,8 +68,14 @@ def layout_bound(program: Program, cost: PairCost, costs: StepCosts | None = Non
     ends = sum(w.seconds for w in (heads.embed_forward, heads.embed_backward, heads.head_forward,
                                    heads.head_backward, heads.head_weight))
     compute = (layers * m * layer + m * ends) / pp
-    return Bound(max(compute, _reductions(program, costs)) + _optimizer(program, costs),
-                 _states(program, costs) + layers / pp * _kept(program))
+    reductions, optimizer = _reductions(program, costs), _optimizer(program, costs)
+    seconds = max(compute, reductions) + optimizer
+    alone = seconds
+    if program.partition is None:  # (chunks the planner chooses may make a pass alone faster)
+        passes = costs.layer.forward.seconds + min(costs.layer.backward.seconds,
+                                                   costs.layer.backward_input.seconds + costs.layer.weight.seconds)
+        alone = max(seconds, max((layers * m * passes + m * ends) / pp, reductions) + optimizer)
+    return Bound(seconds, _states(program, costs) + layers / pp * _kept(program), alone)
 
 
 def _reductions(program: Program, costs: StepCosts) -> float:

@@ -25,8 +25,8 @@ from typing import Callable, Protocol
 import attrs
 
 from dhelix.dsl.search.bound import Bound
-from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION
-from dhelix.dsl.search.pricer import Deferred, Priced, Pricer, Pruned, Refused, TooBig
+from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, writes_si
+from dhelix.dsl.search.pricer import FLOOR_MARGIN, Deferred, Priced, Pricer, Pruned, Refused, TooBig
 from dhelix.dsl.search.space import Choice, Layout, Space
 from dhelix.dsl.simulator.memory import GB
 
@@ -74,8 +74,8 @@ class Incumbent:
 
 
 def bound_of(pricer: Pricer, space: Space, layouts: list[Layout], tally: Tally, deadline: float | None,
-             progress=None) -> list[tuple[float, Layout]]:
-    """(time bound, layout) of every layout of ``layouts`` that may hold a choice that fits,
+             progress=None) -> list[tuple[float, Layout, float]]:
+    """(time bound, layout, bound without SI pairs) of every layout of ``layouts`` that may hold a choice that fits,
     fastest bound first; the others counted in ``tally``. Stops at ``deadline`` (the rest
     counted unbounded)."""
     found, unbounded = bounds(pricer, space, layouts, deadline, progress)
@@ -99,10 +99,11 @@ def bounds(pricer: Pricer, space: Space, layouts: list[Layout], deadline: float 
 
 
 def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, memory_gb: float | None,
-                 tally: Tally) -> list[tuple[float, Layout]]:
-    """(time bound, layout) of the layouts whose bound (``found``) leaves a choice that may
-    fit, fastest bound first; the refused, the over-the-memory and the same-as-another
-    counted in ``tally`` (each for every schedule of ``space``)."""
+                 tally: Tally) -> list[tuple[float, Layout, float]]:
+    """(time bound, layout, time bound of its schedules that pair no layers) of the layouts
+    whose bound (``found``) leaves a choice that may fit, fastest bound first; the refused,
+    the over-the-memory and the same-as-another counted in ``tally`` (each for every
+    schedule of ``space``)."""
     bounded = []
     for layout, bound in found:
         if bound == NOTHING_TO_PARTITION:
@@ -112,7 +113,7 @@ def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, memory_g
         elif memory_gb is not None and bound.memory > memory_gb * GB:
             tally.too_big += len(space.schedules)
         else:
-            bounded.append((bound.seconds, layout))
+            bounded.append((bound.seconds, layout, bound.alone))
     return sorted(bounded)
 
 
@@ -200,7 +201,7 @@ class Inline:
         return done
 
 
-def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], incumbent: Incumbent, tally: Tally,
+def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout, float]], incumbent: Incumbent, tally: Tally,
            deadline: float | None, progress=None, runner: Callable[..., Runner] | None = None) -> float | None:
     """Price the choices of the ``bounded`` layouts into ``incumbent``, visited in order
     until the next bound exceeds the K-th best step; returns the least bound of what
@@ -210,7 +211,9 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
     A choice whose SI layer pair is not planned yet, or whose chunk counts are not settled
     yet, waits (:class:`Deferred`) with its bound, and is planned, settled and simulated
     only when no layout or waiting choice has a lower bound left (best first; with a runner
-    of several processes, the lowest it takes): most never are, once the K-th best is below it."""
+    of several processes, the lowest it takes): most never are, once the K-th best is below it.
+    A choice whose schedule pairs no layers (no SI block, or SI off) is not visited when the
+    layout's bound of such schedules exceeds the K-th best."""
     dominance = _Dominance()
     waiting: list[tuple[float, int, Choice]] = []  # (bound, arrival, choice)
     loose: set[Choice] = set()  # waiting with their floor: bound anew (tighten) before settled
@@ -223,8 +226,15 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
         else:
             _count(result, tally, dominance, incumbent)
 
-    def skip(choice: Choice) -> bool:
-        ruled = dominance.rules_out(choice, incumbent.cutoff())
+    pairs = {name: writes_si(pipeline) for name, pipeline in pricer.pipelines.items()}
+
+    def skip(choice: Choice, alone: float) -> bool:
+        cutoff = incumbent.cutoff()
+        if cutoff is not None and not (pairs.get(choice.pipeline, True) and choice.si == "on") \
+                and alone * (1 - FLOOR_MARGIN) > cutoff:  # its layers run alone: bound by that
+            tally.pruned += 1
+            return True
+        ruled = dominance.rules_out(choice, cutoff)
         tally.pruned += ruled == "slower"
         tally.too_big += ruled == "bigger"
         return ruled is not None
@@ -261,7 +271,8 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout]], in
             else:
                 work.settle(picked[1])
         elif following < len(bounded) and work.free():
-            work.visit(bounded[following][1], space.schedules, skip)
+            alone = bounded[following][2]
+            work.visit(bounded[following][1], space.schedules, lambda choice: skip(choice, alone))
             following += 1
         elif work.in_flight:
             block = True  # nothing to hand in: wait for a result
