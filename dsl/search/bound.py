@@ -19,9 +19,9 @@ rank's optimizer step, which runs after its last action. A rank's gradient reduc
 run one after another before its optimizer (every layer's once a step, under ZeRO-2 once per
 micro-batch): the step is at least the average rank's reductions, plus its optimizer.
 A schedule that pairs no layers (no SI block, or SI off) runs every layer pass alone, as the
-simulator prices it (its ops' make-span run alone; a split backward's two passes no less than
-the whole one, or than their sum): its bound takes those times instead of the busiest lane's
-work (not where a partition block leaves chunk counts or substitutions to choose, which can
+simulator prices it (its ops' make-span run alone; a backward split in two, at least the
+lesser of the whole one's time and the two's sum): its bound takes those times instead of the
+busiest lane's work (not where a partition block leaves chunk counts or substitutions to choose, which can
 make a pass alone faster).
 
 **Memory.** Each rank holds the model states of its layers (and the model's ends); the

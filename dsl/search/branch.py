@@ -75,9 +75,9 @@ class Incumbent:
 
 def bound_of(pricer: Pricer, space: Space, layouts: list[Layout], tally: Tally, deadline: float | None,
              progress=None) -> list[tuple[float, Layout, float]]:
-    """(time bound, layout, bound without SI pairs) of every layout of ``layouts`` that may hold a choice that fits,
-    fastest bound first; the others counted in ``tally``. Stops at ``deadline`` (the rest
-    counted unbounded)."""
+    """(time bound, layout, time bound of its schedules that pair no layers) of every layout
+    of ``layouts`` that may hold a choice that fits, fastest bound first; the others counted
+    in ``tally``. Stops at ``deadline`` (the rest counted unbounded)."""
     found, unbounded = bounds(pricer, space, layouts, deadline, progress)
     tally.unbounded += unbounded
     return keep_bounded(found, space, pricer.memory_gb, tally)
