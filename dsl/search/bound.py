@@ -53,7 +53,7 @@ class Bound:
     seconds: float
     memory: float
     #: A lower bound of the schedules that pair no layers (no SI block, or SI off): seconds.
-    alone: float = 0.0
+    alone: float
 
 
 def layout_bound(program: Program, cost: PairCost, costs: StepCosts | None = None) -> Bound:
