@@ -169,9 +169,12 @@ def run_local(options: "RunOptions", nproc: int, work: Work):
 
 #: What the forkserver imports once, so that ranks forked from it start with torch and the
 #: training loop loaded instead of importing them each (seconds per rank); first the guard
-#: that makes it die with its launcher, before the long imports.
-PRELOAD = ["dhelix.interpreter.launch.forkserver_guard", "torch", "torch.distributed",
-           "dhelix.interpreter.training.train"]
+#: that makes it die with its launcher, before the long imports. ``torch._dynamo`` is what
+#: torch's optimizers import when the first one is made (1.4 s a rank on a 2-core machine,
+#: more than half of a tiny run's rank time); the rest are what :func:`train` imports.
+PRELOAD = ["dhelix.interpreter.launch.forkserver_guard", "torch", "torch.distributed", "torch._dynamo",
+           "dhelix.interpreter.training.train", "dhelix.interpreter.execute.executor",
+           "dhelix.interpreter.verify.harness", "dhelix.interpreter.training.checkpoint"]
 
 
 def rank_context():
