@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from commands import dhelix_here
 from conftest import HANG_S, ROOT
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.mesh import Mesh
@@ -414,8 +415,7 @@ def test_a_profile_link_for_an_undeclared_level_is_a_located_warning(tmp_path):
 # -- exact runs on 8 gloo ranks, three levels ----------------------------------------------------
 
 def _run_check(path) -> str:
-    done = subprocess.run([sys.executable, "-m", "dhelix", "run", str(path), "--check", "--steps", "1"],
-                          capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
+    done = dhelix_here("run", str(path), "--check", "--steps", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 

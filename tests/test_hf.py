@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from commands import dhelix_here
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -154,7 +153,7 @@ def test_new_refuses_other_rope_scaling(tmp_path, capsys):
 
 
 def run(*args):
-    done = subprocess.run([sys.executable, "-m", "dhelix", "run", *args], capture_output=True, text=True, timeout=300)
+    done = dhelix_here("run", *args, cwd=None, timeout=300)
     assert done.returncode == 0, done.stderr
     return done
 

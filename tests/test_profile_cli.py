@@ -3,12 +3,11 @@ and `simulate` accept, and the command-line mistakes refused before any rank sta
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from commands import dhelix_here
 from conftest import tiny_example_text
 
 pytest.importorskip("torch")
@@ -23,10 +22,8 @@ EXAMPLE = ROOT / "examples" / "tiny_llama_cpu.dhx"
 
 
 def dhelix(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """Run ``python -m dhelix ARGS`` in a fresh process (spawned ranks need a real main)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, "-m", "dhelix", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
+    """``dhelix ARGS`` in this process (:func:`commands.dhelix_here`)."""
+    return dhelix_here(*args, timeout=timeout)
 
 
 def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_run(tmp_path, capsys):

@@ -6,9 +6,6 @@ one world of 4 gloo ranks (spawning a world costs more than the checks)."""
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +28,7 @@ from dhelix.dsl.planner.si_plan import op_by_op_plan  # noqa: E402
 from dhelix.interpreter.ops.weights import WeightPlan, param_name  # noqa: E402
 
 from distributed import TOL, assert_close, drive_layer, gloo_results  # noqa: E402
-from conftest import HANG_S  # noqa: E402
+from commands import dhelix_here  # noqa: E402
 
 SEED, DATA_SEED = 13, 4
 MB, SEQ, HEADS, KV_HEADS, D = 2, 16, 4, 2, 8
@@ -254,8 +251,6 @@ def test_dhelix_run_checks_a_cp_run_against_the_reference(tmp_path):
     text = text.replace('"../docs/*.md"', f'"{root / "docs" / "*.md"}"')  # the copy lives elsewhere
     path = tmp_path / "cp.dhx"
     path.write_text(text)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run([sys.executable, "-m", "dhelix", "run", str(path), "--steps", "1", "--check"],
-                            capture_output=True, text=True, env=env, timeout=HANG_S, cwd=root)
+    result = dhelix_here("run", str(path), "--steps", "1", "--check", cwd=root)
     assert result.returncode == 0, result.stderr
     assert "step 1: loss" in result.stdout

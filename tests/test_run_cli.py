@@ -4,14 +4,13 @@ mid-step (the job ends non-zero naming it, no hang), and the clean messages of b
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from commands import dhelix_here
 from conftest import tiny_example_text
 
 pytest.importorskip("torch")
@@ -31,13 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")
 
 
-def dhelix(*args: str, env: dict | None = None, timeout: float = 90) -> subprocess.CompletedProcess:
-    """Run ``python -m dhelix ARGS`` in a fresh process (spawned ranks need a real main)."""
-    full_env = {**os.environ, **(env or {})}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        full_env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "dhelix", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=ROOT)
+def dhelix(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``dhelix ARGS`` in this process (:func:`commands.dhelix_here`)."""
+    return dhelix_here(*args, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import HANG_S  # noqa: E402
+from commands import dhelix_here  # noqa: E402
 
 pytest.importorskip("torch")
 pytest.importorskip("tqdm")
@@ -32,10 +29,8 @@ pipeline w_helix
 def test_metrics_hold_the_summary_figures_and_every_rank_s_steps(tmp_path):
     program, metrics = tmp_path / "tiny.dhx", tmp_path / "metrics.json"
     program.write_text(PROGRAM)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run([sys.executable, "-m", "dhelix", "run", str(program), "--steps", "3",
-                             "--no-si", "--metrics", str(metrics), "--json", "--eval-every", "2"],
-                            capture_output=True, text=True, env=env, timeout=HANG_S, cwd=ROOT)
+    result = dhelix_here("run", str(program), "--steps", "3", "--no-si", "--metrics", str(metrics), "--json",
+                         "--eval-every", "2")
     assert result.returncode == 0, result.stderr
     data = json.loads(metrics.read_text())
     assert (data["si"], data["steps"], len(data["losses"])) == (False, 3, 3)

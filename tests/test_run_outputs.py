@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("tqdm")
 
 from dhelix.cli import main  # noqa: E402
-from conftest import HANG_S  # noqa: E402
+from commands import dhelix_here  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")
@@ -30,9 +28,8 @@ OUTPUTS = ("--save", "--log", "--metrics", "--trace", "--export-weights")
 
 
 def dhelix(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.run([sys.executable, "-m", "dhelix", *args], capture_output=True, text=True, env=env,
-                          timeout=HANG_S, cwd=cwd)
+    """``dhelix ARGS`` in this process (:func:`commands.dhelix_here`)."""
+    return dhelix_here(*args, cwd=cwd)
 
 
 # --- before any rank starts (in process: nothing is spawned) --------------------------------

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from dhelix.cli import main  # noqa: E402
 from dhelix.interpreter.training.data import DataSpec, load_corpus  # noqa: E402
 from dhelix.interpreter.training.tokenfiles import read_token_file  # noqa: E402
-from conftest import HANG_S  # noqa: E402
+from commands import dhelix_here  # noqa: E402
 
 FORMATS = {"<u2": "<H", "<u4": "<I", "<i4": "<i", "<i8": "<q", "|u1": "<B", "<f4": "<f"}
 
@@ -44,14 +44,11 @@ def test_a_npy_token_array_is_mapped_and_read_as_its_ids(descr, tmp_path):
 
 
 def test_a_run_trains_on_a_npy_file(tmp_path):
-    import subprocess
-    import sys
 
     from test_training import write_program
 
     path = write_npy(tmp_path / "tokens.npy", "<u2", [(5 * i) % 256 for i in range(2000)])
-    result = subprocess.run([sys.executable, "-m", "dhelix", "run", write_program(tmp_path, "one"), "--steps", "1",
-                             "--data", str(path)], capture_output=True, text=True, timeout=HANG_S)
+    result = dhelix_here("run", write_program(tmp_path, "one"), "--steps", "1", "--data", str(path), cwd=None)
     assert result.returncode == 0, result.stderr
     assert "loss: " in result.stdout
 

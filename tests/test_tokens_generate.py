@@ -4,6 +4,7 @@ end-of-text id), byte-level text, and generation through `dhelix.api`."""
 from __future__ import annotations
 
 import pytest
+from commands import dhelix_here
 
 torch = pytest.importorskip("torch")
 tokenizers = pytest.importorskip("tokenizers")
@@ -117,8 +118,6 @@ def test_eval_data_is_held_out_whole_and_the_training_data_trained_on_whole(tmp_
 
 def test_run_trains_on_tokenized_text_and_evaluates_on_eval_data(tokenizer_file, tmp_path, capsys):
     import json
-    import subprocess
-    import sys
 
     path = tmp_path / "m.dhx"
     path.write_text(PROGRAM.replace("vocab = 256", "vocab = 512"))
@@ -127,9 +126,9 @@ def test_run_trains_on_tokenized_text_and_evaluates_on_eval_data(tokenizer_file,
         (tmp_path / "train" / f"{i}.txt").write_text(line * 4)
     (tmp_path / "eval.txt").write_text(" ".join(LINES))
     log = tmp_path / "log.jsonl"
-    done = subprocess.run([sys.executable, "-m", "dhelix", "run", str(path), "--data", str(tmp_path / "train"),
-                           "--eval-data", str(tmp_path / "eval.txt"), "--tokenizer", tokenizer_file, "--steps", "2",
-                           "--eval-every", "1", "--log", str(log)], capture_output=True, text=True, timeout=300)
+    done = dhelix_here("run", str(path), "--data", str(tmp_path / "train"), "--eval-data", str(tmp_path / "eval.txt"),
+                       "--tokenizer", tokenizer_file, "--steps", "2", "--eval-every", "1", "--log", str(log),
+                       cwd=None, timeout=300)
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert sum("eval_loss" in r for r in records) == 2 and sum("loss" in r for r in records) == 2

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,8 @@ from dhelix.interpreter.verify.harness import replica_batch  # noqa: E402
 from dhelix.interpreter.training.schedule import MIN_LR_RATIO, LRSchedule  # noqa: E402
 from dhelix.interpreter.training.train import FAULT_ENV  # noqa: E402
 
-from conftest import HANG_S, docs_corpus, tiny_example_text  # noqa: E402
+from commands import dhelix_here  # noqa: E402
+from conftest import docs_corpus, tiny_example_text  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text()
@@ -54,11 +53,8 @@ def write_program(tmp_path: Path, layout: str, data: str = DOCS) -> str:
 
 
 def dhelix(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        full_env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "dhelix", *args], capture_output=True, text=True,
-                          env=full_env, timeout=HANG_S, cwd=ROOT)
+    """``dhelix ARGS`` in this process (:func:`commands.dhelix_here`)."""
+    return dhelix_here(*args, env=env)
 
 
 # --- data ---------------------------------------------------------------------------------------

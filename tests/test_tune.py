@@ -10,6 +10,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from commands import dhelix_here
 
 from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.frontend.check import check_program
@@ -40,6 +41,27 @@ def tiny():
     return _pricer()
 
 
+class _Memo:
+    """A pricer of its own that prices each choice once: the exhaustive side of the tests
+    whose search runs on a fresh pricer (pricing depends on the choice alone, not on what a
+    pricer priced before; these tests hold that too)."""
+
+    def __init__(self):
+        self.pricer = _pricer()[0]
+        self.prices: dict[Choice, object] = {}
+
+    def price(self, choice: Choice):
+        found = self.prices.get(choice)
+        if found is None:
+            found = self.prices[choice] = self.pricer.price(choice)
+        return found
+
+
+@pytest.fixture(scope="module")
+def memo():
+    return _Memo()
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
     pricer, full = tiny
@@ -57,7 +79,7 @@ def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_a_search_that_defers_planning_equals_exhaustive(seed):
+def test_a_search_that_defers_planning_equals_exhaustive(seed, memo):
     # A fresh pricer, so no SI layer pair is planned before the search: choices that need
     # one wait with their floor as bound and are planned best first.
     from dhelix.dsl.search.tune import Deferred
@@ -80,7 +102,7 @@ def test_a_search_that_defers_planning_equals_exhaustive(seed):
         pricer.price = counted
         top = rng.choice((1, 3, 5))
         found = search(pricer, space, top=top)
-    expected = exhaustive(pricer, space, top=top)
+    expected = exhaustive(memo, space, top=top)
     assert deferred
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert [p.seconds for p in found.top] == [p.seconds for p in expected]
@@ -88,7 +110,7 @@ def test_a_search_that_defers_planning_equals_exhaustive(seed):
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_a_search_with_chains_under_si_equals_exhaustive(seed):
+def test_a_search_with_chains_under_si_equals_exhaustive(seed, memo):
     # Generated partitions keep their chunk chains under SI: such a choice waits with the
     # bound of its step before the planner settles its counts (which plans several SI
     # pairs), and the search still equals the exhaustive pricing.
@@ -114,7 +136,7 @@ def test_a_search_with_chains_under_si_equals_exhaustive(seed):
     pricer.price = counted
     top = rng.choice((1, 3))
     found = search(pricer, space, top=top)
-    expected = exhaustive(pricer, space, top=top)
+    expected = exhaustive(memo, space, top=top)
     assert chained
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert [p.seconds for p in found.top] == [p.seconds for p in expected]
@@ -143,7 +165,7 @@ def _held_back_search(space: Space, top: int, scale: float = 1.0) -> tuple[Price
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_partitions_held_back_for_their_counts_enter_the_top_exactly(seed):
+def test_partitions_held_back_for_their_counts_enter_the_top_exactly(seed, memo):
     # A choice whose generated partition has chunk chains, SI on or off, waits with the
     # bound of its step (chains whole, layer passes at their busiest lane) and has its
     # counts settled only when that bound can still enter the top: some held back enter
@@ -157,7 +179,7 @@ def test_partitions_held_back_for_their_counts_enter_the_top_exactly(seed):
                                          if s[1] in ("w_helix", "dualpipe_v", "one_f_one_b", "zb_h1")))
     top = rng.choice((1, 3, 5))
     pricer, found, held = _held_back_search(space, top)
-    expected = exhaustive(pricer, space, top=top)
+    expected = exhaustive(memo, space, top=top)
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert [p.seconds for p in found.top] == [p.seconds for p in expected]
     best = {p.choice for p in expected}
@@ -394,12 +416,11 @@ def test_cli_writes_a_program_that_checks(tmp_path):
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "the best is" in proc.stdout and f"wrote {out}" in proc.stdout
-    check = subprocess.run([sys.executable, "-m", "dhelix", "check", str(out)], capture_output=True, text=True)
+    check = dhelix_here("check", str(out))
     assert check.returncode == 0, check.stdout + check.stderr
     assert "Predicted step" in out.read_text()
     # The written file names its data relative to itself: it trains, and matches the reference.
-    run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    run = dhelix_here("run", str(out), "--steps", "2", "--check", cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
@@ -414,8 +435,7 @@ def test_cli_writes_si_off_when_the_file_pins_it(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "w_helix  SI off" in proc.stdout
     assert "si = off" in out.read_text()
-    run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    run = dhelix_here("run", str(out), "--steps", "2", "--check", cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "SI off (the train block's si = off)" in run.stdout
 
@@ -490,8 +510,7 @@ def test_a_generated_partition_prints_checks_and_runs_exactly(tiny, tmp_path):
     assert any(isinstance(st, s.Chunk) for st in pricer.checked(si.choice).partition.body)
     assert not isinstance(pricer.bound(attrs.evolve(choice.layout, microbatches=4, micro_batch=4),
                                        ("u", "w_helix")), str)
-    run = subprocess.run([sys.executable, "-m", "dhelix", "run", str(out), "--steps", "2", "--check"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    run = dhelix_here("run", str(out), "--steps", "2", "--check", cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
 
 
@@ -662,7 +681,7 @@ def test_a_schedules_refusal_of_a_generated_partition_stays_its_own():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_a_search_across_processes_equals_exhaustive(seed):
+def test_a_search_across_processes_equals_exhaustive(seed, memo):
     # --jobs 2: the layouts bounded in two processes, the choices that wait (SI pairs to
     # plan, chunk counts to settle) priced there with the plans of their family handed
     # along; the top is the exhaustive pricing's, the counts add up, every plan comes back.
@@ -675,7 +694,7 @@ def test_a_search_across_processes_equals_exhaustive(seed):
     found = search(pricer, space, top=top, jobs=2)
     assert found.jobs == 2 and found.complete and 0 < found.found <= found.seconds
     assert found.plans == len(pricer.plans) > 0  # computed there, merged here
-    expected = exhaustive(pricer, space, top=top)
+    expected = exhaustive(memo, space, top=top)
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert [p.seconds for p in found.top] == [p.seconds for p in expected]
     assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
