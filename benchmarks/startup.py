@@ -3,8 +3,10 @@
     python benchmarks/startup.py [--repeats N] [FILE]
 
 Runs ``dhelix run FILE --steps 1`` (default the tiny CPU example) N times each way — ranks
-forked from a forkserver that imported torch once (what `dhelix run` does), and ranks spawned,
-each importing torch itself (what it did before) — and prints, per run, the seconds until the
+forked from a forkserver that imported torch, ``torch._dynamo`` and the training loop's modules
+once (what `dhelix run` does), forked from one that imported torch and the loop's entry only
+(before: each rank then imports ``torch._dynamo`` when it makes its optimizer), and ranks
+spawned, each importing torch itself (before that) — and prints, per run, the seconds until the
 run's header (the command has checked, compiled and priced the program and is about to start
 the ranks) and until the process exits, with the parts measured alone for scale: ``python -c
 "import torch"``, ``dhelix --version`` and ``dhelix check FILE``. The load average is printed
@@ -32,6 +34,14 @@ SPAWNED = ("import sys\n"
            "spawn.warm_up_ranks = lambda: None\n"
            "from dhelix.cli.main import main\n"
            "sys.exit(main(sys.argv[1:]))\n")
+
+
+#: ``dhelix run`` with the forkserver preloading torch and the training loop's entry alone.
+TORCH_ONLY = ("import sys\n"
+              "from dhelix.interpreter.launch import spawn\n"
+              "spawn.PRELOAD = [spawn.PRELOAD[0], 'torch', 'torch.distributed', 'dhelix.interpreter.training.train']\n"
+              "from dhelix.cli.main import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
 
 
 def timed(command: list[str]) -> tuple[float | None, float]:
@@ -68,7 +78,8 @@ def main() -> None:
               f"{load()})")
     print()
     ways = {"forked (forkserver)": [python, "-m", "dhelix", "run", args.file, "--steps", "1"],
-            "spawned (before)": [python, "-c", SPAWNED, "run", args.file, "--steps", "1"]}
+            "forked, torch only": [python, "-c", TORCH_ONLY, "run", args.file, "--steps", "1"],
+            "spawned": [python, "-c", SPAWNED, "run", args.file, "--steps", "1"]}
     results: dict[str, list] = {name: [] for name in ways}
     for _ in range(args.repeats):
         for name, command in ways.items():
