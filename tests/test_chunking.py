@@ -267,6 +267,55 @@ def test_by_auto_counts_are_passed_over_again_while_a_count_changes():
     assert stepped[:2] == [(v0, u0), (w, u0)]  # the first pass starts from the layer's counts
 
 
+def test_by_auto_counts_that_do_not_fit_the_device_are_neither_stepped_nor_chosen():
+    """The step's fastest count does not fit: the fastest that fits is chosen, the other
+    never stepped (nor planned); with none fitting, the count held stays, nothing stepped."""
+    from dhelix.dsl.planner.chunking import ChunkChoice, choose_all
+    from dhelix.dsl.simulator.launch import choose_counts_by_step
+
+    program, choices = choose_all(auto_program())
+    (chunk,) = [c for c in choices if isinstance(c, ChunkChoice)]
+    priced = sorted((c for c in chunk.candidates if c.seconds is not None), key=lambda c: c.seconds)
+    held, other = chunk.chosen, next(c.value for c in priced if c.value != chunk.chosen)
+    table = {held: 2.0, other: 3.0}  # the layer's count is the step's fastest too, unless over
+
+    def run(fits):
+        stepped = []
+
+        def step(p):
+            stepped.append(dict(p.chunk_counts)[0])
+            return table.get(stepped[-1], 5.0)
+        chosen, updated = choose_counts_by_step(program, choices, step, rerun=lambda p: p, fits=fits)
+        (choice,) = [c for c in updated if isinstance(c, ChunkChoice)]
+        return dict(chosen.chunk_counts)[0], choice, stepped
+    count, choice, stepped = run(lambda p: True)
+    assert count == held and choice.over == () and held in stepped and other in stepped
+    count, choice, stepped = run(lambda p: dict(p.chunk_counts)[0] != held)
+    assert count == other and held not in stepped and choice.over == (held,)
+    assert choice.describe().endswith(f"; over the device memory: {held}")
+    count, choice, stepped = run(lambda p: False)
+    assert count == held and stepped == [] and choice.steps == () and held in choice.over
+
+
+def test_peak_memory_is_the_simulated_peak_without_a_plan():
+    """:func:`peak_memory` (untimed, SI pairs unplanned) equals the simulation's peak, on a
+    program with SI blocks and with its counts chunked or whole; and ``fits_device`` reads
+    the profile's memory figure: a device just below the peak refuses the program."""
+    from dhelix.dsl.simulator.events import has_si, peak_memory, simulate
+    from dhelix.dsl.simulator.launch import fits_device
+
+    program = auto_program()
+    assert has_si(program)
+    for count in (1, 2, 4):
+        counted = passes.rerun(attrs.evolve(program, chunk_counts=((0, count),)), after="check")
+        peak = max(rank.memory for rank in simulate(counted, trace=False).ranks)
+        assert peak_memory(counted) == pytest.approx(peak, rel=1e-12)
+        assert fits_device(counted) == (peak <= counted.profile.memory_gb * 1e9)
+        smaller = attrs.evolve(counted, profile=attrs.evolve(counted.profile, memory_gb=peak / 1e9 * 0.999))
+        assert not fits_device(smaller)
+        assert fits_device(attrs.evolve(counted, profile=attrs.evolve(counted.profile, memory_gb=None)))
+
+
 def test_by_auto_counts_are_settled_by_the_whole_step():
     from dhelix.dsl.planner.chunking import ChunkChoice
     from dhelix.dsl.simulator.events import simulate

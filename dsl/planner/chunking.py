@@ -90,14 +90,19 @@ class ChunkChoice:
     #: The whole step's seconds of the counts the layer priced best, when the step chose
     #: among them (:func:`dhelix.dsl.simulator.launch.choose_counts_by_step`); () otherwise.
     steps: tuple[tuple[int | str, float], ...] = ()
+    #: The counts of those whose program does not fit the device memory (not stepped).
+    over: tuple[int | str, ...] = ()
     block = "partition"  # the block whose statement it chose for
 
     def describe(self) -> str:
         """``chunk ag2 + fc1 by auto: 4 (1: 12.3 ms, 2: 10.1 ms, 4: 9.8 ms, 8: 10.4 ms)``, then
-        ``; by the step: 4: 330.1 ms, 2: 329.8 ms`` when the step chose."""
+        ``; by the step: 4: 330.1 ms, 2: 329.8 ms`` when the step chose, then ``; over the
+        device memory: 8`` for counts that do not fit."""
         text = _described(f"chunk {' + '.join(self.ops)} by auto: {self.chosen}", self.candidates)
         if self.steps:
             text += "; by the whole step: " + ", ".join(f"{v}: {t * 1e3:.3f} ms" for v, t in self.steps)
+        if self.over:
+            text += f"; over the device memory: {', '.join(str(v) for v in self.over)}"
         return text
 
 

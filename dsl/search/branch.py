@@ -324,8 +324,9 @@ class _Dominance:
 
     Recomputation only adds work to a schedule, so a choice recomputing (selective or full)
     is never faster than the same choice without recomputation (visited first: its time
-    bound is lower); when that one fits and is already slower than the K-th best, so is the
-    recomputing one. ZeRO-1 only shrinks the model states of ZeRO-0 (the activations follow the same actions
+    bound is lower); when that one fits, had no ``by auto`` count left out for the memory
+    (which the recomputing one might fit) and is already slower than the K-th best, so is
+    the recomputing one. ZeRO-1 only shrinks the model states of ZeRO-0 (the activations follow the same actions
     in the same order), so when a ZeRO-1 choice does not fit, its ZeRO-0 twin does not either.
     Both rest, as the bounds do, on the simulator never shortening a step for more work."""
 
@@ -339,7 +340,7 @@ class _Dominance:
         if isinstance(result, TooBig):
             if choice.layout.zero == 1:
                 self._too_big.add(choice)
-        elif result.fits and choice.layout.recompute == "none":
+        elif result.fits and choice.layout.recompute == "none" and not result.squeezed:
             self._fits[choice] = result.seconds
         elif not result.fits and choice.layout.zero == 1:
             self._too_big.add(choice)

@@ -16,7 +16,7 @@ from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.passes import pipeline as passes
-from dhelix.dsl.planner.chunking import choose_all
+from dhelix.dsl.planner.chunking import ChunkChoice, choose_all
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_costs
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
@@ -37,6 +37,10 @@ class Priced:
     choice: Choice
     sim: Simulation = attrs.field(eq=False, repr=False)
     fits: bool
+    #: Whether the planner left out ``by auto`` counts that do not fit the device memory
+    #: (:func:`~dhelix.dsl.simulator.launch.choose_counts_by_step`): a choice needing less
+    #: memory may then take a faster count.
+    squeezed: bool = False
 
     @property
     def seconds(self) -> float:
@@ -112,6 +116,8 @@ class Pricer:
         #: What each action does, shared by the untimed walks of programs with the same costs
         #: and placement (both kept alive here: by self._costs and self._lowered).
         self._untimed: dict = {}
+        #: Whether the last :meth:`chosen` left out counts over the device memory.
+        self.squeezed = False
         #: The choice checked last (up to validate), and its program or why it was refused.
         self._last: tuple[Choice | None, Program | DhelixError | None] = (None, None)
 
@@ -252,8 +258,16 @@ class Pricer:
             fields, choices = self._layer_choices[key]
             return rerun(attrs.evolve(p, **fields)), choices
 
+        def fits(p: Program) -> bool:  # the pairs at their lane bound: the peak is the real one
+            if self.memory_gb is None:
+                return True
+            p = self.plans.intern(p)
+            return max(untimed(p, self.relaxed(p, layout), memo=self._untimed).memory) <= self.memory_gb * GB
+
         self._stepped.clear()
-        return make_choices(program, self.step_seconds, rerun, layer)[0]
+        program, choices = make_choices(program, self.step_seconds, rerun, layer, fits)
+        self.squeezed = any(isinstance(c, ChunkChoice) and c.over for c in choices)
+        return program
 
     def _rechecked(self, program: Program, layout: Layout) -> Program:
         """``program`` (checked, its planner choices set) through the passes after check
@@ -307,6 +321,7 @@ class Pricer:
         real one (a rank's allocations follow its actions' order, not their durations),
         so one that does not fit is returned as such without planning; and with a ``cutoff``
         (seconds), when even that step exceeds the cutoff the choice is Pruned."""
+        self.squeezed = False
         try:
             program = self.checked(choice)
             launch = program.train.launch is not None or program.train.launch_backward is not None
@@ -335,7 +350,7 @@ class Pricer:
                     peak = max(r.memory for r in sim.ranks)
                     if memory_first and self.memory_gb is not None and peak > self.memory_gb * GB:
                         return TooBig(choice, peak)
-                    return Priced(choice, sim, self._fits(sim))
+                    return Priced(choice, sim, self._fits(sim), self.squeezed)
             si = has_si(program)
             planned = not si or self.plans.has(program)
             costs = None
@@ -363,7 +378,7 @@ class Pricer:
                            label=choice.describe(), trace=False)
         except DhelixError as exc:
             return Refused(choice, first_message(exc))
-        return Priced(choice, sim, self._fits(sim))
+        return Priced(choice, sim, self._fits(sim), self.squeezed)
 
     def unsettled_bound(self, choice: Choice, program: Program) -> float:
         """A lower bound of the step (seconds) of ``choice`` (``program``: it checked, with a

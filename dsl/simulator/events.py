@@ -54,7 +54,7 @@ from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Interleaved, Transfer
-from dhelix.dsl.simulator.costs import StepCosts, cost_of, gradient_syncs, step_costs
+from dhelix.dsl.simulator.costs import NOTHING, StepCosts, cost_of, gradient_syncs, step_costs
 from dhelix.dsl.simulator.lane import Lane
 from dhelix.dsl.simulator.pairtrace import pair_events
 from dhelix.dsl.simulator.pieces import Expander, Piece
@@ -572,6 +572,16 @@ def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool 
     ranks = range(program.lowered.ranks)
     return Untimed(tuple(run.states(rank).total + figures[rank][1] for rank in ranks),
                    max(run.floor(rank, figures[rank][0], figures[rank][2]) for rank in ranks))
+
+
+def peak_memory(program: Program, cost: PairCost | None = None) -> float:
+    """The peak memory (bytes) of ``program``'s busiest rank, as :func:`simulate` reports
+    it, without planning its SI layer pairs or timing its step: :func:`untimed` with the
+    pairs at no time (a rank's allocations follow its actions' order, not their durations)."""
+    costs = step_costs(program, None, cost or cost_of(program))
+    if interleaves(program) and has_si(program):
+        costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, pair=costs.layer.again + NOTHING))
+    return max(untimed(program, costs).memory)
 
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,

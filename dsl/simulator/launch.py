@@ -29,7 +29,8 @@ from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.overrides import checked_program
 from dhelix.dsl.passes.workload import chunk_statements, is_auto
 from dhelix.dsl.planner.chunking import ChunkChoice, OrderChoice, SubstitutionChoice, choose_all
-from dhelix.dsl.simulator.events import simulate
+from dhelix.dsl.simulator.events import peak_memory, simulate
+from dhelix.dsl.simulator.memory import GB
 
 
 @attrs.frozen
@@ -76,16 +77,17 @@ def priced_program(text: str, path: str, profile: str | None = None, gpus_per_no
 
 
 def make_choices(program: Program, step: Callable[[Program], float] | None = None,
-                 rerun: Callable[[Program], Program] | None = None, layer: Callable | None = None
+                 rerun: Callable[[Program], Program] | None = None, layer: Callable | None = None,
+                 fits: Callable[[Program], bool] | None = None
                  ) -> tuple[Program, tuple[ChunkChoice | OrderChoice | LaunchChoice, ...]]:
     """``program`` (checked, any stage from check on) with every choice the tools make before
     they price or run it, in order: the planner's (``layer``, default
     :func:`~dhelix.dsl.planner.chunking.choose_all`), the ``by auto`` counts settled by the
-    whole step (:func:`choose_counts_by_step`, with ``step`` and ``rerun``), the launch counts
-    (:func:`choose_launch`, forward then backward); and the choices. A search passes hooks
-    that reuse what it has computed for other choices."""
+    whole step (:func:`choose_counts_by_step`, with ``step``, ``rerun`` and ``fits``), the
+    launch counts (:func:`choose_launch`, forward then backward); and the choices. A search
+    passes hooks that reuse what it has computed for other choices."""
     program, choices = (layer or choose_all)(program)
-    program, choices = choose_counts_by_step(program, choices, step, rerun)
+    program, choices = choose_counts_by_step(program, choices, step, rerun, fits)
     program, launch = choose_launch(program)
     program, backward = choose_launch(program, BACKWARD)
     return program, choices + launch + backward
@@ -95,13 +97,24 @@ def make_choices(program: Program, step: Callable[[Program], float] | None = Non
 #: whole, count :data:`WHOLE`, always among them).
 STEP_CANDIDATES = 3
 WHOLE = 1
+#: What :func:`choose_counts_by_step` keeps for counts whose program does not fit the device.
+_OVER = "over the device memory"
 #: Passes over the statements at most (each pass tries every statement's candidates with the
 #: others at their counts so far; the next pass runs only when one changed).
 STEP_PASSES = 3
 
 
+def fits_device(program: Program) -> bool:
+    """Whether the peak memory of ``program``'s busiest rank fits its profile's device
+    memory (:func:`~dhelix.dsl.simulator.events.peak_memory`, without planning or timing
+    its step); True when the profile gives no memory figure."""
+    memory_gb = program.profile.memory_gb if program.profile is not None else None
+    return memory_gb is None or peak_memory(program) <= memory_gb * GB
+
+
 def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Program], float] | None = None,
-                          rerun: Callable[[Program], Program] | None = None) -> tuple[Program, tuple]:
+                          rerun: Callable[[Program], Program] | None = None,
+                          fits: Callable[[Program], bool] | None = None) -> tuple[Program, tuple]:
     """``program`` with each ``by auto`` count chosen among the :data:`STEP_CANDIDATES` that
     price the layer best and the chain whole, by simulating the whole step with each (a count that wins the layer
     can lose the step: SI pairs the chunks with the other strand, the pipeline carries them),
@@ -109,13 +122,18 @@ def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Prog
     held so far (first: the layer's choice). The statements are passed over again while a
     pass changes a count (at most :data:`STEP_PASSES`): a count chosen later can make
     another statement's first choice lose, and a single pass would then end on whichever
-    path the layer's choices set it on. ``choices`` are those of
+    path the layer's choices set it on. Counts whose program does not fit the device
+    memory are not stepped (chunks keep more for the backward than the chain whole: the
+    fastest count may not fit) and never chosen over one that fits; a statement none of
+    whose counts fits keeps the count held. ``choices`` are those of
     :func:`~dhelix.dsl.planner.chunking.choose_all`; returned with the chunk choices updated
-    (each with the steps of its last pass). ``rerun(program)`` runs the passes after check
+    (each with the steps of its last pass, and the counts over the memory). ``rerun(program)`` runs the passes after check
     again with the counts set (default :func:`~dhelix.dsl.passes.pipeline.rerun`),
-    ``step(program)`` gives the step seconds of what it returns (default: :func:`simulate` it)."""
+    ``step(program)`` gives the step seconds of what it returns (default: :func:`simulate` it),
+    ``fits(program)`` whether its peak fits the device (default: :func:`fits_device`)."""
     step = step or (lambda p: simulate(p, trace=False).step_time)
     rerun = rerun or (lambda p: passes.rerun(p, after="check"))
+    fits = fits or fits_device
     if program.profile is None or not any(isinstance(c, ChunkChoice) for c in choices):
         return program, choices
     autos = [index for index, st in enumerate(chunk_statements(program.partition)) if is_auto(st)]
@@ -130,30 +148,34 @@ def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Prog
                 values.append(WHOLE)  # Algorithm 1 leaves a collective whole where chunks do not pay
             tried[position] = (autos[len(tried)], values)
     # Each statement's first try is the counts so far, stepped already: each set is stepped once.
-    stepped: dict[tuple, float | None] = {}
+    stepped: dict[tuple, float | str | None] = {}  # a step, _OVER (does not fit) or None (refused)
     steps_of: dict[int, tuple] = {}
+    over_of: dict[int, tuple] = {}
     for _ in range(STEP_PASSES):
         changed = False
         for position, (index, values) in tried.items():
             held = counts[index]
-            steps = []
+            steps, over = [], []
             for value in [held] + [v for v in values if v != held]:
                 key = tuple(sorted({**counts, index: value}.items()))
                 if key not in stepped:
                     try:
-                        stepped[key] = step(rerun(attrs.evolve(program, chunk_counts=key)))
+                        counted = rerun(attrs.evolve(program, chunk_counts=key))
+                        stepped[key] = step(counted) if fits(counted) else _OVER
                     except DhelixError:
                         stepped[key] = None
-                if stepped[key] is not None:
+                if stepped[key] == _OVER:
+                    over.append(value)
+                elif stepped[key] is not None:
                     steps.append((value, stepped[key]))
             best = min(steps, key=lambda vt: vt[1])[0] if steps else held
             changed = changed or best != held
             counts[index] = best
-            steps_of[position] = tuple(steps)
+            steps_of[position], over_of[position] = tuple(steps), tuple(over)
         if not changed:
             break
-    updated = tuple(attrs.evolve(choice, chosen=counts[tried[k][0]], steps=steps_of[k]) if k in tried else choice
-                    for k, choice in enumerate(choices))
+    updated = tuple(attrs.evolve(choice, chosen=counts[tried[k][0]], steps=steps_of[k], over=over_of[k])
+                    if k in tried else choice for k, choice in enumerate(choices))
     chosen = rerun(attrs.evolve(program, chunk_counts=tuple(sorted(counts.items()))))
     return chosen, updated
 
