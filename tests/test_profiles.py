@@ -82,6 +82,18 @@ def test_every_shipped_number_names_its_source(name):
         assert "[" in comment, f"{name}.yaml:{node.start_mark.line + 1}: number without a source"
 
 
+def test_no_shipped_file_cites_an_absolute_path_of_one_machine():
+    # The profiles cite the reference notes; a path of the machine that wrote them is nowhere else.
+    from conftest import ROOT
+
+    folders = ("stdlib_schedules", "tests/errors", "examples", "docs", "benchmarks")
+    files = [p for folder in folders for p in (ROOT / folder).rglob("*")
+             if p.is_file() and "results" not in p.relative_to(ROOT).parts]
+    files += [ROOT / "README.md", ROOT / "Makefile"]
+    absolute = sorted(str(p.relative_to(ROOT)) for p in files if b"/work/" in p.read_bytes())
+    assert absolute == []
+
+
 def test_minimal_profile_parses_with_default_collectives():
     profile = parse_profile(MINIMAL, "lab.yaml")
     assert profile.collectives["all_to_all"].model == "pairwise"
