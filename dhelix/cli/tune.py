@@ -1,5 +1,5 @@
-"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--budget SECONDS] [--top K] [-o best.dhx] [--json]
-[--profile P]`: search the fastest schedule that fits.
+"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--budget SECONDS] [--top K] [--measure K
+[--measure-steps N]] [-o best.dhx] [--json] [--profile P]`: search the fastest schedule that fits.
 
 FILE gives the model, the cluster and the global batch (its dp × micro_batch × microbatches
 sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
@@ -8,6 +8,8 @@ sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
 (:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
 top K that fit the device's memory with one line on why the best wins; ``-o`` writes the best
 as a formatted program that `check` and `run` take; ``--json`` prints the result as JSON.
+``--measure K`` then runs the K fastest for a few steps where the program runs and chooses the
+measured fastest instead (:mod:`dhelix.cli.tune_measure`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import attrs
 
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.cli.paths import output_path, program_inputs, write_output
+from dhelix.cli.tune_measure import (add_measure_arguments, check_launchable, check_measure_numbers, format_measurement,
+                                     measure_top, measurement_json, torchrun_world)
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.frontend.imports import load_modules, read_source
@@ -57,7 +61,9 @@ def register(subparsers) -> None:
                       help=f"search with N processes side by side (default: this machine's cores, at most "
                            f"{MAX_DEFAULT_JOBS}; one where processes cannot be forked); without --budget the result is the "
                            "same as with 1, the counts may differ")
-    tune.add_argument("-o", "--output", metavar="OUT.dhx", help="write the best as a program file")
+    add_measure_arguments(tune)
+    tune.add_argument("-o", "--output", metavar="OUT.dhx",
+                      help="write the best (with --measure: the measured fastest) as a program file")
     tune.add_argument("--json", action="store_true", help="print the result as JSON")
     add_profile_argument(tune)
     tune.set_defaults(func=cmd_tune)
@@ -72,6 +78,7 @@ def cmd_tune(args) -> int:
         raise UsageError(f"--jobs must be at least 1, got {jobs}")
     if args.budget is not None and not args.budget > 0:
         raise UsageError(f"--budget must be a positive number of seconds, got {args.budget}")
+    check_measure_numbers(args)
     text = read_source(args.file)
     modules = load_modules(text, args.file)
     if args.profile is not None:
@@ -90,6 +97,8 @@ def cmd_tune(args) -> int:
         space = space_of(base, world, keep, partitions=args.partitions)
     except UsageError as exc:
         raise UsageError(f"--keep: {exc.message}") from None
+    if args.measure is not None:
+        check_launchable(world, args.budget)
     pricer = Pricer(modules, base, world)
     try:
         outcome = search(pricer, space, top=args.top, budget=args.budget, progress=_progress_bar(args.json), jobs=jobs)
@@ -103,24 +112,64 @@ def cmd_tune(args) -> int:
     if measured:
         title += ("\nthe profile's measured op times belong to one mesh and shape: every candidate is priced "
                   "with its derived rates (peak, links, overlap) instead")
+    measurement = None
+    if args.measure is not None and outcome.top:
+        if not args.json:  # the search's table first: the measuring takes a while
+            sys.stdout.write(format_outcome(outcome, title) + "\n")
+            sys.stdout.flush()
+        measurement = measure_top(outcome.top[:args.measure], pricer, text, args.file, args.measure_steps)
+        placed = torchrun_world()
+        if placed is not None and placed[0] != 0:
+            return 0  # global rank 0 reports and writes
     if args.json:
-        print(json.dumps(_json(outcome, args.file, world, space.sequences), indent=1))
+        print(json.dumps(_json(outcome, args.file, world, space.sequences, measurement), indent=1))
+    elif measurement is not None:
+        sys.stdout.write(format_measurement(measurement, _prediction_note(checked)))
     else:
         sys.stdout.write(format_outcome(outcome, title))
+    if measurement is not None and measurement.best is None:
+        print("dhelix tune: no candidate could be measured, nothing chosen" + (f" ({output} not written)"
+                                                                              if output is not None else ""),
+              file=sys.stderr)
+        return 1
     if output is not None and outcome.top:
-        best = outcome.top[0]
-        variant = pricer.variant(best.choice, load_modules(text, args.file))  # the file's own profile
-        header = (f"Written by `dhelix tune {args.file}` on {world} GPUs, profile {base.profile.name}: the fastest of "
-                  f"{outcome.choices:,} choices that fit.\nPredicted step {best.seconds * 1e3:,.3f} ms, "
-                  f"{best.sim.tokens_per_second:,.0f} tokens/s, MFU {best.sim.mfu:.1%}, peak "
-                  f"{best.sim.peak_rank.memory / 1e9:.2f} GB.")
-        write_output(output, variant_text(relocate(variant, args.file, str(output)), text, header))
-        if not args.json:
-            print(f"wrote {output}")
+        _write_best(output, outcome, measurement, pricer, text, args.file, world, base.profile.name, args.json)
     if not outcome.top:
         print("no choice fits: " + _reasons(outcome), file=sys.stderr)
         return 1
     return 0
+
+
+def _write_best(output, outcome: Outcome, measurement, pricer: Pricer, text: str, path: str, world: int,
+                profile: str, quiet: bool) -> None:
+    """Write the chosen program to ``output``: the search's best, or with a ``measurement``
+    its measured fastest, with a header saying what it is."""
+    best = outcome.top[0] if measurement is None else measurement.best.priced
+    variant = pricer.variant(best.choice, load_modules(text, path))  # the file's own profile
+    why = (f"the fastest of {outcome.choices:,} choices that fit" if measurement is None else
+           f"the measured fastest of the {len(measurement.rows)} fastest predicted (predicted "
+           f"#{measurement.best.predicted_rank} of {outcome.choices:,} choices that fit)")
+    header = (f"Written by `dhelix tune {path}` on {world} GPUs, profile {profile}: {why}.\nPredicted step "
+              f"{best.seconds * 1e3:,.3f} ms, {best.sim.tokens_per_second:,.0f} tokens/s, MFU {best.sim.mfu:.1%}, "
+              f"peak {best.sim.peak_rank.memory / 1e9:.2f} GB.")
+    if measurement is not None:
+        header += (f"\nMeasured step {measurement.best.seconds * 1e3:,.3f} ms (median of steps 2-{measurement.steps}, "
+                   f"{measurement.best.ranks} {measurement.best.backend} ranks).")
+    write_output(output, variant_text(relocate(variant, path, str(output)), text, header))
+    if not quiet:
+        print(f"wrote {output}")
+
+
+def _prediction_note(checked) -> str:
+    """What the predictions beside the measurements are for: this machine's measured profile,
+    or another machine's (then the ratio compares two machines, and says how to price this one)."""
+    from dhelix.interpreter.training.summary import profile_provenance
+
+    note = "predicted " + profile_provenance(checked.profile, checked.cluster.profile)
+    if checked.profile.measured is None or "not on this machine" in note:
+        note += (": measured/predicted compares two machines, so read the orders, not the times "
+                 "(`dhelix profile FILE -o here.yaml`, then `tune --profile here.yaml` prices this one)")
+    return note
 
 
 #: The most processes `tune` starts unless told (``--jobs``): each keeps its own caches.
@@ -177,9 +226,9 @@ def _progress_bar(quiet: bool):
     return update
 
 
-def _json(outcome: Outcome, path: str, world: int, sequences: int) -> dict:
+def _json(outcome: Outcome, path: str, world: int, sequences: int, measurement=None) -> dict:
     best = outcome.top[0].choice if outcome.top else None
-    return {
+    found = {
         "file": path, "gpus": world, "sequences": sequences, "complete": outcome.complete,
         "searched": {"choices": outcome.choices, "layouts": outcome.layouts, "simulated": outcome.simulated,
                      "fit": outcome.fit,
@@ -191,3 +240,8 @@ def _json(outcome: Outcome, path: str, world: int, sequences: int) -> dict:
                  **simulation_metrics(p.sim)} for p in outcome.top],
         "why": why_best(outcome.top[0], outcome.top[1]) if len(outcome.top) > 1 else None,
     }
+    if measurement is not None:
+        found["measured"] = measurement_json(measurement)
+    chosen = best if measurement is None else measurement.best.priced.choice if measurement.best else None
+    found["chosen"] = None if chosen is None else chosen.settings()
+    return found
