@@ -24,12 +24,6 @@ from dhelix.dsl.planner.si_plan import SIMode
 if TYPE_CHECKING:
     from .train import RunOptions
 
-#: Largest absolute difference from the reference that ``--check`` accepts, by the model's
-#: dtype: fp32 must agree to rounding; the reference computes in fp32, so a bf16 or fp16
-#: run differs from it by its own rounding (8 or 11 mantissa bits).
-CHECK_TOLERANCES = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 5e-2}
-
-
 @attrs.frozen(kw_only=True)
 class RankRecord:
     """What one rank measured: per step the time, the seconds blocked on collectives
@@ -173,11 +167,6 @@ def steady(values) -> float:
     ordered = sorted(values[1:] or values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def worst_difference(checks) -> float:
-    """The largest loss, gradient or update difference from the reference over ``checks``."""
-    return max((max(c.loss_diff, c.grad_diff, c.update_diff, c.norm_diff) for c in checks), default=0.0)
 
 
 def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:

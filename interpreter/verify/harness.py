@@ -14,6 +14,7 @@ micro-batches ``[d·m, (d+1)·m)`` (:func:`replica_batch`).
 from __future__ import annotations
 
 import ctypes
+import math
 import pickle
 from typing import Mapping
 
@@ -21,6 +22,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from dhelix.dsl.core.dtypes import MAIN_GRAD_DTYPE
 from dhelix.dsl.core.program import Program
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, collective_device
@@ -43,11 +45,25 @@ class StepCheck:
     update_diff: float = 0.0
     #: |global gradient norm − the reference's| (clip_grad_norm_ on the full gradients).
     norm_diff: float = 0.0
+    #: The largest reference gradient element (the magnitude its differences are held to).
+    grad_scale: float = 0.0
+    #: What each difference may be (:func:`tolerances`); None: the step is not judged.
+    allowed: "Tolerances | None" = None
 
     @property
     def loss_diff(self) -> float:
         """Absolute difference of the losses."""
         return abs(self.loss - self.reference_loss)
+
+    def excess(self) -> tuple[float, str, float, float]:
+        """(difference / allowed, quantity, difference, allowed) of the quantity that comes
+        nearest its tolerance (past it when the ratio is above 1); (0, "", 0, 0) unjudged."""
+        if self.allowed is None:
+            return 0.0, "", 0.0, 0.0
+        found = [(self.loss_diff, "loss", self.allowed.loss), (self.grad_diff, "gradient", self.allowed.grad),
+                 (self.update_diff, "update", self.allowed.update), (self.norm_diff, "grad norm", self.allowed.norm)]
+        diff, quantity, allowed = max(found, key=lambda item: item[0] / item[2])
+        return diff / allowed, quantity, diff, allowed
 
     def __str__(self) -> str:
         # ``step`` is 0-based; printed from 1, as the run's summary and log count steps.
@@ -55,6 +71,51 @@ class StepCheck:
                 f"diff {self.loss_diff:.2e}); max grad diff {self.grad_diff:.2e} over "
                 f"{self.params} parameters (worst {self.worst}); max update diff "
                 f"{self.update_diff:.2e}; grad norm diff {self.norm_diff:.2e}")
+
+
+#: The largest absolute difference that a quantity of magnitude 0 may show, by the model's
+#: dtype: fp32 must agree to rounding; the reference computes in fp32, so a bf16 or fp16
+#: run differs from it by its own rounding (8 or 11 mantissa bits).
+FLOORS = {"fp32": 1e-5, "fp16": 5e-3, "bf16": 5e-2}
+#: Machine epsilon of each dtype the interpreter runs.
+EPSILON = {"fp32": 2.0 ** -23, "fp16": 2.0 ** -10, "bf16": 2.0 ** -7}
+
+
+@attrs.frozen(kw_only=True)
+class Tolerances:
+    """The largest difference from the reference that each quantity of one step may show."""
+
+    loss: float
+    grad: float
+    update: float
+    norm: float
+
+
+def allowed_difference(dtype: str, magnitude: float, terms: int, floor: str | None = None) -> float:
+    """How far a quantity of ``magnitude`` computed in ``dtype`` by a reduction of ``terms``
+    terms may lie from the same reduction summed in another order: the dtype's floor plus
+    eps·√terms·magnitude (rounding errors of a sum add as a random walk). ``floor``: the
+    dtype whose floor applies, when the reduction runs in another dtype than the model's."""
+    return FLOORS[floor or dtype] + EPSILON[dtype] * math.sqrt(max(terms, 1)) * abs(magnitude)
+
+
+def tolerances(dtype: str, *, loss: float, tokens: int, vocab: int, grad_scale: float, weight_scale: float,
+               norm: float, elements: int) -> Tolerances:
+    """The tolerances of one step of a ``dtype`` model: the loss (a cross entropy over
+    ``vocab`` logits, averaged over ``tokens``), every gradient element (a sum over the
+    ``tokens``, at most ``grad_scale``), the updated weights (at most ``weight_scale``) and
+    the global gradient norm (over ``elements`` fp32 main gradients, of value ``norm``)."""
+    return Tolerances(loss=allowed_difference(dtype, loss, tokens * vocab),
+                      grad=allowed_difference(dtype, grad_scale, tokens),
+                      update=allowed_difference(dtype, weight_scale, 1),
+                      norm=allowed_difference(MAIN_GRAD_DTYPE, norm, elements, floor=dtype))
+
+
+def worst_excess(checks) -> tuple[float, str, float, float, int]:
+    """The :meth:`StepCheck.excess` of the step of ``checks`` nearest its tolerance, and that
+    step (1-based); (0, "", 0, 0, 0) for none."""
+    found = [(*check.excess(), check.step + 1) for check in checks]
+    return max(found, default=(0.0, "", 0.0, 0.0, 0))
 
 
 def replica_batch(batch: Batch, replica: int, microbatches: int) -> Batch:
@@ -192,7 +253,8 @@ def compare(step: int, loss: float, grads: Mapping[str, torch.Tensor], reference
         raise ValueError(f"gradients of {sorted(set(ref_grads) ^ set(grads))} are missing on one side")
     diffs = {name: (grads[name] - ref_grads[name]).abs().max().item() for name in ref_grads}
     worst = max(diffs, key=diffs.get)
-    return StepCheck(step, float(loss), float(ref_loss), diffs[worst], worst, len(diffs))
+    scale = max(ref_grads[name].abs().max().item() for name in ref_grads)
+    return StepCheck(step, float(loss), float(ref_loss), diffs[worst], worst, len(diffs), grad_scale=scale)
 
 
 def check_steps(executor, optimizer, steps: int, data=0, lrs=None) -> list[StepCheck]:
@@ -216,9 +278,13 @@ def check_steps(executor, optimizer, steps: int, data=0, lrs=None) -> list[StepC
         step, loss, params, grads, lr, batch, last_norm = unchecked
         if comm.rank == 0:
             found = compare(step, loss, grads, reference_with(program, params, batch, plan.seed, plan))
-            update_diff, norm = shadow.diff(params, grads, updated, lr)
+            update_diff, norm, weight_scale = shadow.diff(params, grads, updated, lr)
             norm_diff = abs(norm - last_norm) if last_norm is not None else 0.0
-            checks.append(attrs.evolve(found, update_diff=update_diff, norm_diff=norm_diff))
+            allowed = tolerances(program.model.dtype, loss=found.reference_loss, tokens=batch.targets.numel(),
+                                 vocab=program.model.get("vocab"), grad_scale=found.grad_scale,
+                                 weight_scale=weight_scale, norm=norm,
+                                 elements=sum(grad.numel() for grad in grads.values()))
+            checks.append(attrs.evolve(found, update_diff=update_diff, norm_diff=norm_diff, allowed=allowed))
 
     params = gather_full(plan, comm, executor.params, flat)
     for step in range(steps):
@@ -246,9 +312,10 @@ class _ShadowAdamW:
         # clip_grad_norm_ on the one tied parameter does.
         self.config, self.params, self.optimizer, self.tied = config, None, None, tied
 
-    def diff(self, params, grads, updated, lr: float) -> tuple[float, float]:
+    def diff(self, params, grads, updated, lr: float) -> tuple[float, float, float]:
         """Largest difference between ``updated`` and AdamW with learning rate ``lr`` applied
-        to ``params`` with ``grads`` (clipped as the config says), and the gradients' norm.
+        to ``params`` with ``grads`` (clipped as the config says), the gradients' norm and
+        the largest updated weight.
         The shadow works in fp32 whatever the run's dtype (a bf16 run updates fp32 masters:
         its update differs from this one by the rounding of its weights to bf16)."""
         if self.params is None:
@@ -268,4 +335,5 @@ class _ShadowAdamW:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
-        return max((self.params[name] - updated[name].float()).abs().max().item() for name in updated), norm
+        diff = max((self.params[name] - updated[name].float()).abs().max().item() for name in updated)
+        return diff, norm, max(self.params[name].detach().abs().max().item() for name in updated)
