@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 import yaml
 
 from dhelix.dsl.core.mesh import COMM_LANES
+from dhelix.dsl.frontend.kernel_terms import NONE as NO_KERNEL_TERMS, Kernels
 from dhelix.dsl.frontend.profiles import (COLLECTIVES, COMPUTE_BOUND, DTYPES, MEMORY_BOUND, OEF_CLASSES,
                                           STAMP_KEYS, Measured, Profile)
 
@@ -72,10 +73,22 @@ def render_profile(profile: Profile, notes: Mapping[str, str] | None = None, hea
     out.section("launch_gap", "launch_gap")
     out.value("fixed_us", _num(profile.launch_gap.fixed_us), "launch_gap.fixed_us", 1)
     out.value("comm_fraction", _num(profile.launch_gap.comm_fraction), "launch_gap.comm_fraction", 1)
+    if profile.kernels != NO_KERNEL_TERMS:
+        out.blank()
+        _kernels(out, profile.kernels)
     if profile.measured is not None:
         out.blank()
         _measured(out, profile.measured)
     return out.text()
+
+
+def _kernels(out: "_Lines", kernels: Kernels) -> None:
+    out.section("kernels", "kernels")
+    out.value("overhead_us", _num(kernels.overhead_us), "kernels.overhead_us", 1)
+    if kernels.sms is not None:
+        out.value("sms", str(kernels.sms), "kernels.sms", 1)
+    out.value("gemm_tile", f"[{kernels.gemm_tile[0]}, {kernels.gemm_tile[1]}]", "kernels.gemm_tile", 1)
+    out.value("attention", kernels.attention, "kernels.attention", 1)
 
 
 def _oef(out: "_Lines", profile: Profile) -> None:

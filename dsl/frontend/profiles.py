@@ -36,6 +36,11 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
     slowdown*:
       compute_with_comm*: 0.25        # σ in [0, 1]: own comm overlapping own compute
     launch_gap*: {fixed_us*, comm_fraction*}   # per paired segment, both >= 0
+    kernels:                          # optional per-kernel terms (frontend.kernel_terms):
+      overhead_us: 4                  #   fixed time per kernel launched, >= 0
+      sms: 108                        #   streaming multiprocessors (GEMM tile waves)
+      gemm_tile: [128, 256]           #   a GEMM's output tile
+      attention: flash                #   flash | materialized (the scores in HBM)
     measured:                         # filled by `dhelix profile`; optional
       dtype*: bf16
       source: what was profiled       # the program file
@@ -72,6 +77,7 @@ from dhelix.dsl.core.mesh import COMM_LANES, DIMENSIONS
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.textfile import FileProblem, name_problem, read_text_file
 from dhelix.dsl.core.wording import did_you_mean
+from dhelix.dsl.frontend.kernel_terms import NONE as NO_KERNEL_TERMS, Kernels, read_kernels
 
 COMPUTE_BOUND = ("gemm", "attention", "router")
 MEMORY_BOUND = ("norm", "add", "activation", "permute")
@@ -82,7 +88,7 @@ DEFAULT_MODELS = {"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": 
 OEF_CLASSES = ("comp_comp", "comp_intra", "comp_inter", "intra_intra", "inter_inter", "intra_inter")
 OEF_LOW, OEF_HIGH = -1.0, 2.0
 TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "memory_gb", "optimizer_gbps", "achieved", "links",
-            "collectives", "oef", "slowdown", "launch_gap", "measured")
+            "collectives", "oef", "slowdown", "launch_gap", "kernels", "measured")
 TOP_REQUIRED = ("name", "peak_tflops", "hbm_gbps", "achieved", "links", "oef", "slowdown", "launch_gap")
 STAMP_KEYS = ("machine", "torch", "backend", "date", "command")
 MEASURED_KEYS = ("dtype", "source", *STAMP_KEYS, "repeats", "mesh", "shapes", "ops", "pairs")
@@ -182,6 +188,7 @@ class Profile:
     description: str = ""
     memory_gb: float | None = None  # device memory per rank; None: not known
     optimizer_gbps: float | None = None  # an AdamW step's streaming rate; None: from hbm_gbps
+    kernels: Kernels = NO_KERNEL_TERMS  # per-kernel terms; the default changes no op's time
     path: str = attrs.field(default="", eq=False)
 
     def peak_flops(self, dtype: str) -> float:
@@ -292,6 +299,7 @@ def _build(reader: "_Reader", top: dict, path: str) -> Profile | None:
         memory_gb=reader.number(top["memory_gb"], "memory_gb", positive=True) if "memory_gb" in top else None,
         optimizer_gbps=(reader.number(top["optimizer_gbps"], "optimizer_gbps", positive=True)
                         if "optimizer_gbps" in top else None),
+        kernels=read_kernels(reader, top["kernels"]) if "kernels" in top else NO_KERNEL_TERMS,
     )
     fields["oef_classes"], fields["oef_pairs"] = _oef(reader, top.get("oef"))
     if reader.errors.errors or any(v is None for k, v in fields.items() if k not in ("measured", "memory_gb", "optimizer_gbps")):

@@ -45,6 +45,7 @@ import attrs
 from dhelix.dsl.core.dtypes import dtype_bytes
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.oplib import LINK, SPLIT_OPS, base_kind
+from dhelix.dsl.frontend.kernel_terms import ATTENTION_KERNELS, SCORE_PASSES_BACKWARD, SCORE_PASSES_FORWARD
 from dhelix.dsl.frontend.profiles import COMPUTE_BOUND, Profile
 
 ATTENTION_BWD_FACTOR = 2.5  # FlashAttention-2 backward recomputes P (NOTES §3.2, B13)
@@ -268,9 +269,52 @@ def _compute_seconds(op, profile: Profile, dtype: str, seq: int | None) -> float
     op_class = achieved_class(op, profile)
     hbm = profile.hbm_gbps * 1e9
     achieved = profile.achieved[op_class]
+    terms = profile.kernels
+    if _is_attention(op) and terms.attention == "materialized":
+        return _materialized_attention_seconds(op, profile, dtype, seq)
     if op_class in COMPUTE_BOUND:
-        return max(flops / (profile.peak_flops(dtype) * achieved), moved / hbm)
-    return moved / (hbm * achieved)
+        if base_kind(op.op) in SPLIT_OPS:
+            achieved *= terms.gemm_fill(*_gemm_output(op))
+        seconds = max(flops / (profile.peak_flops(dtype) * achieved), moved / hbm)
+    else:
+        seconds = moved / (hbm * achieved)
+    return seconds + terms.overhead()
+
+
+def _gemm_output(op) -> tuple[float, float, int]:
+    """(rows, columns, batch) of the output a GEMM-family op writes: ``[M, N]`` forward,
+    ``[M, K]`` dgrad, ``[K, N]`` wgrad (per expert for a grouped GEMM, ``batch`` experts)."""
+    m, k, n, experts = _gemm_dims(op)
+    rows = m / experts
+    if op.op.endswith("_dgrad"):
+        return rows, k, experts
+    if op.op.endswith("_wgrad"):
+        return k, n, experts
+    return rows, n, experts
+
+
+def _materialized_attention_seconds(op, profile: Profile, dtype: str, seq: int | None) -> float:
+    """Attention without a fused kernel (the profile's ``kernels.attention``): its two batched
+    GEMMs (the backward's four) over the whole score matrix — a causal mask saves no FLOPs —
+    at the GEMM fraction, and the score-sized passes of softmax, mask and dropout at the
+    streaming fraction (:mod:`~dhelix.dsl.frontend.kernel_terms`), one after the other."""
+    flops, elements, _ = _attention(op, seq)
+    params = _params(op)
+    if params.get("mask") == "causal":
+        flops /= CAUSAL_FRACTION
+    backward = op.op == "attention_bwd"
+    if backward:  # four GEMMs of the forward's two sizes: twice, not FlashAttention's 2.5
+        flops *= 2.0 / ATTENTION_BWD_FACTOR
+    tokens, ring = op.shape[0], op.group_size
+    context = params.get("seq") or seq or tokens * ring
+    steps = ring + 1 if backward and ring > 1 else ring
+    scores = params["heads"] * tokens * context / steps
+    passes = SCORE_PASSES_BACKWARD if backward else SCORE_PASSES_FORWARD
+    hbm = profile.hbm_gbps * 1e9
+    gemm = flops / (profile.peak_flops(dtype) * profile.achieved["gemm"])
+    streams = (scores * passes + elements) * dtype_bytes(dtype) / (hbm * profile.achieved.get("activation", 1.0))
+    kernels = ATTENTION_KERNELS[("materialized", backward)]
+    return gemm + streams + profile.kernels.overhead(kernels)
 
 
 def op_tasks(op, profile: Profile, dtype: str, *, seq: int | None = None) -> tuple[Task, ...]:
