@@ -143,3 +143,48 @@ def test_run_says_what_runs_before_the_ranks_start(pipeline, si, tmp_path, capsy
     out = capsys.readouterr().out
     assert f"dhelix run: {path}: {pipeline.split()[-1]}, tp 2 × pp 2 on 4 gloo rank(s), {si}; training, 3 step(s)" \
         in out
+
+
+TP_TO_SP = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama_tp_to_sp_cpu.dhx"
+
+
+@pytest.mark.parametrize("partition, fix", [
+    ("", "`substitute ar1 as reduce_scatter + all_gather`; `substitute ar2 as reduce_scatter + all_gather`; "
+         "`move ar1 + ar2 later`"),
+    ("substitute ar1 as reduce_scatter + all_gather\n  substitute ar2 as reduce_scatter + all_gather",
+     "`move ar1 + ar2 later`"),
+    ("substitute ar1 as auto\n  substitute ar2 as auto", "`move ar1 + ar2 later`"),
+])
+def test_tensor_parallelism_without_its_sequence_parallel_form_is_a_warning_of_check(tmp_path, capsys, monkeypatch,
+                                                                                      partition, fix):
+    # Megatron's all_reduce blocks (stdlib llama_tp) pass check but run refuses them (issue 53):
+    # check says so, naming the statements that make them runnable; run refuses before any rank.
+    text = TP_TO_SP.read_text()
+    text = text[:text.index("partition {")] + (f"partition {{\n  {partition}\n}}\n" if partition else "")
+    path = tmp_path / "tp.dhx"
+    path.write_text(text.replace('import "stdlib', 'import "stdlib'))
+    assert main(["check", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert f"{path}:13:1: warning: model tiny_llama: layer llama_tp can be checked, planned and simulated, but " \
+           "not run: gemm" in err, err
+    assert fix in err, err
+    pytest.importorskip("torch")
+    _no_ranks(monkeypatch)
+    assert main(["run", str(path)]) == 1
+    assert "layer llama_tp can be checked, planned and simulated, but not run" in capsys.readouterr().err
+
+
+def test_the_runnable_tp_to_sp_example_has_no_such_warning(capsys):
+    assert main(["check", str(TP_TO_SP)]) == 0
+    assert "not run" not in capsys.readouterr().err
+
+
+def test_run_says_what_the_planner_chose_for_auto_settings_in_its_header(capsys, monkeypatch):
+    pytest.importorskip("torch")
+    _no_ranks(monkeypatch)
+    example = Path(__file__).resolve().parent.parent / "examples" / "tiny_llama_launch_cpu.dhx"
+    with pytest.raises(SystemExit):
+        main(["run", str(example), "--steps", "1"])
+    header = capsys.readouterr().out.splitlines()
+    assert header[0].startswith(f"dhelix run: {example}:")
+    assert header[1].startswith("  chosen by the planner: train launch = auto: "), header

@@ -245,7 +245,7 @@ def _run(args, started: list) -> int:
         if given is not None:
             _refuse_data(outputs, given)
     _preflight_data(options, verified)
-    _print_header(program, options, args, placed, nproc)
+    _print_header(program, options, args, placed, nproc, choices)
     started.append(True)
     if placed is not None:
         def replan(options, gpus_per_node: int):
@@ -277,9 +277,11 @@ def _outputs(args) -> dict:
     return outputs
 
 
-def _print_header(program, options, args, placed, nproc: int) -> None:
-    """Say what runs before the ranks start (training takes a while): standard output, or
-    standard error with ``--json`` (whose output is the JSON alone); once per node."""
+def _print_header(program, options, args, placed, nproc: int, choices=()) -> None:
+    """Say what runs before the ranks start (training takes a while) and what the planner
+    chose for the program's ``auto`` settings (``choices``, :func:`priced_program`'s):
+    standard output, or standard error with ``--json`` (whose output is the JSON alone);
+    once per node."""
     from dhelix.interpreter.training import summary
 
     if not _reporter():
@@ -288,8 +290,11 @@ def _print_header(program, options, args, placed, nproc: int) -> None:
     line = summary.run_header(args.file, program.pipeline.name, summary.describe_mesh(program.mesh), ranks,
                               options.backend, summary.describe_si(program, options))
     what = "checking every step against the single-process reference" if options.check else "training"
-    print(f"dhelix run: {line}; {what}, {options.steps} step(s)", file=sys.stderr if args.json else sys.stdout,
-          flush=True)
+    out = sys.stderr if args.json else sys.stdout
+    print(f"dhelix run: {line}; {what}, {options.steps} step(s)", file=out, flush=True)
+    if choices:  # each choice's head: what was chosen, not every candidate's time (dhelix plan lists those)
+        chosen = "; ".join(f"{choice.block} {choice.describe().split(' (')[0]}" for choice in choices)
+        print(f"  chosen by the planner: {chosen}", file=out, flush=True)
 
 
 def _check_numbers(args) -> None:

@@ -119,6 +119,7 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     at fault."""
     errors = ErrorCollector()
     _check_backward(block, errors)
+    _check_chunked_auto_substitutions(fwd, block, errors)
     seen: dict[str, s.Substitute] = {}
     for st in block.body:
         if isinstance(st, s.Substitute) and st.op in seen:
@@ -145,6 +146,7 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
     # node, or over declared levels the smallest level.
     fine = {st.ops[0] for st, three in staged if three}
     failed: set[str] = set()  # collectives whose group statement has an error already
+    grouped: dict[str, s.Group] = {}
     for st in block.body:
         if not isinstance(st, s.Group):
             continue
@@ -152,6 +154,12 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
             failed.update(st.ops)
             continue
         for i, name in enumerate(st.ops):
+            if name in grouped:  # a second statement would be ignored (or split a split collective)
+                errors.add(CheckError(f"'{name}' is already group-partitioned", st.span_of(f"ops.{i}"),
+                                      [f"by the statement at {grouped[name].span}; keep one group statement "
+                                       "per collective"]))
+                continue
+            grouped[name] = st
             if name == WEIGHTS and name not in {op.name for op in fwd.ops}:
                 continue  # ZeRO-3's collectives: split by the fsdp pass
             found = len(errors.errors)
@@ -218,6 +226,24 @@ def _at_weight_stages(fwd: LayerDag, st: s.Chunk, block: s.PartitionDef, mesh: M
         return fwd
     return by_weight_stages(fwd, st, claimed, errors, axis, first, mesh.size(axis), mesh.size(f"{axis}.{first}"),
                             mesh.size(f"{axis}.{INTER}") if three else 0)
+
+
+def _check_chunked_auto_substitutions(fwd: LayerDag, block: s.PartitionDef, errors: ErrorCollector) -> None:
+    """Errors for a chunk statement naming a collective that ``substitute X as auto`` leaves
+    to the planner: a chunked collective has no one op left to substitute."""
+    auto = {st.op: st for st in block.body if isinstance(st, s.Substitute) and is_auto_substitution(st)}
+    for st in chunk_statements(block):
+        for i, name in enumerate(st.ops):
+            if name not in auto:
+                continue
+            op = next((o for o in fwd.ops if o.name == name), None)
+            form = scalable_form(op.op) if op is not None else None
+            written = f"substitute {name} as {' + '.join(form)}" if form else f"substitute {name} as …"
+            errors.add(CheckError(f"cannot chunk '{name}': 'substitute {name} as auto' leaves its substitution to "
+                                  "the planner, which cannot substitute a chunked collective",
+                                  st.span_of(f"ops.{i}"),
+                                  [f"the substitution is at {auto[name].span}; leave one of the two statements "
+                                   f"out, or write the substitution out ('{written}') and chunk the ops it leaves"]))
 
 
 def _check_backward(block: s.PartitionDef, errors: ErrorCollector) -> None:

@@ -54,9 +54,9 @@ from typing import Mapping
 import attrs
 import torch
 
-from dhelix.dsl.core.mesh import Mesh, base_axis
-from dhelix.dsl.core.oplib import ROOTED_PART_OF
+from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.core.program import LayerDag, Op, Program
+from dhelix.dsl.passes.runcheck import reads_tp_collective, tp_readers
 from dhelix.dsl.frontend.modelcheck import TIE_SETTING
 
 EMBEDDING, FINAL_NORM, LM_HEAD = "embedding", "final_norm", "lm_head"
@@ -169,8 +169,8 @@ def _op_spec(op: Op, full_op: Op, fwd: LayerDag, full_fwd: LayerDag, mesh: Mesh)
         return ShardSpec(full, init, 0, "ep", (full[0],), partial)
     if op.op != "gemm" or mesh.size("tp") == 1:
         return ShardSpec(full, init, grad_sum=partial)
-    column = _is_tp_collective(fwd, op.inputs[0], "all_gather")
-    row = any(_is_tp_collective(fwd, reader.name, "reduce_scatter") for reader in _readers(fwd, op.name))
+    column = reads_tp_collective(fwd, op.inputs[0], "all_gather")
+    row = any(reads_tp_collective(fwd, reader.name, "reduce_scatter") for reader in tp_readers(fwd, op.name))
     if column and row:
         raise ShardingError(f"gemm {op.name} both reads an all_gather and feeds a reduce_scatter over "
                             "tp: it cannot be both column- and row-parallel")
@@ -191,31 +191,9 @@ def _op_spec(op: Op, full_op: Op, fwd: LayerDag, full_fwd: LayerDag, mesh: Mesh)
     return ShardSpec(full, init, grad_sum=partial)
 
 
-def _is_tp_collective(fwd: LayerDag, name: str, kind: str) -> bool:
-    op = next((o for o in fwd.ops if o.name == name), None)
-    if op is not None and op.op in ("slice", "rest", "others"):  # a chunk of a partitioned chain's input
-        return _is_tp_collective(fwd, op.inputs[0], kind)
-    if op is not None and op.op in ("concat", "merge", "pick"):  # the joined chunks or rooted parts of it
-        return all(_is_tp_collective(fwd, part, kind) for part in op.inputs)
-    # A group-partitioned collective's last stage (over tp.inter or tp.intra) completes it,
-    # as do its reduces or broadcasts of distinct roots together.
-    return op is not None and kind in (op.op, ROOTED_PART_OF.get(op.op)) and op.axis is not None \
-        and base_axis(op.axis) == "tp"
-
-
-def _readers(fwd: LayerDag, name: str) -> list[Op]:
-    # A partitioned op's chunks are read through the concat that joins them, and the chunks
-    # of a chain that starts after it through the slices that cut its output.
-    readers = []
-    for op in fwd.ops:
-        if name in op.inputs:
-            readers += _readers(fwd, op.name) if op.op in ("concat", "merge", "slice", "rest", "others") else [op]
-    return readers
-
-
 def _column_blocks(op: Op, width: int, fwd: LayerDag, full_fwd: LayerDag) -> tuple[int, ...]:
     layouts = set()
-    for reader in _readers(fwd, op.name):
+    for reader in tp_readers(fwd, op.name):
         if reader.op == "attention":
             # A ring's first step reads qkv; the full layer has the unsplit attention op.
             params = dict(full_fwd.op(reader.weight_name.split(".step")[0]).params)
