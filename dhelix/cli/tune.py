@@ -23,7 +23,7 @@ import attrs
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.cli.paths import output_path, program_inputs, write_output
 from dhelix.cli.tune_measure import (add_measure_arguments, check_launchable, check_measure_numbers, format_measurement,
-                                     measure_top, measurement_json, torchrun_world)
+                                     kept_steps, measure_top, measurement_json, torchrun_world)
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.frontend.imports import load_modules, read_source
@@ -98,7 +98,7 @@ def cmd_tune(args) -> int:
     except UsageError as exc:
         raise UsageError(f"--keep: {exc.message}") from None
     if args.measure is not None:
-        check_launchable(world, args.budget)
+        check_launchable(base, world, args.budget)
     pricer = Pricer(modules, base, world)
     try:
         outcome = search(pricer, space, top=args.top, budget=args.budget, progress=_progress_bar(args.json), jobs=jobs)
@@ -114,13 +114,13 @@ def cmd_tune(args) -> int:
                   "with its derived rates (peak, links, overlap) instead")
     measurement = None
     if args.measure is not None and outcome.top:
-        if not args.json:  # the search's table first: the measuring takes a while
+        reporter = torchrun_world() in (None, (0, world))  # under torchrun, global rank 0 reports and writes
+        if reporter and not args.json:  # the search's table first: the measuring takes a while
             sys.stdout.write(format_outcome(outcome, title) + "\n")
             sys.stdout.flush()
         measurement = measure_top(outcome.top[:args.measure], pricer, text, args.file, args.measure_steps)
-        placed = torchrun_world()
-        if placed is not None and placed[0] != 0:
-            return 0  # global rank 0 reports and writes
+        if not reporter:
+            return 0
     if args.json:
         print(json.dumps(_json(outcome, args.file, world, space.sequences, measurement), indent=1))
     elif measurement is not None:
@@ -153,7 +153,7 @@ def _write_best(output, outcome: Outcome, measurement, pricer: Pricer, text: str
               f"{best.seconds * 1e3:,.3f} ms, {best.sim.tokens_per_second:,.0f} tokens/s, MFU {best.sim.mfu:.1%}, "
               f"peak {best.sim.peak_rank.memory / 1e9:.2f} GB.")
     if measurement is not None:
-        header += (f"\nMeasured step {measurement.best.seconds * 1e3:,.3f} ms (median of steps 2-{measurement.steps}, "
+        header += (f"\nMeasured step {measurement.best.seconds * 1e3:,.3f} ms (median of {kept_steps(measurement.steps)}, "
                    f"{measurement.best.ranks} {measurement.best.backend} ranks).")
     write_output(output, variant_text(relocate(variant, path, str(output)), text, header))
     if not quiet:

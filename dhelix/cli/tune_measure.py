@@ -79,11 +79,18 @@ def torchrun_world() -> tuple[int, int] | None:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def check_launchable(world: int, budget: float | None) -> None:
-    """Before the search: UsageError when the candidates (each of ``world`` ranks) cannot be
-    measured from here — more local ranks than :data:`MAX_LOCAL_RANKS`, a torchrun world of
-    another size, or a time ``budget`` under torchrun (each rank searches; a budget could stop
-    them at different choices). Starts the local ranks' forkserver (torch loads meanwhile)."""
+def check_launchable(program, world: int, budget: float | None) -> None:
+    """Before the search: DhelixError (located) when ``program`` (the file, checked) cannot be
+    run whatever the search chooses (a dtype the interpreter has no kernels for); UsageError
+    when its candidates (each of ``world`` ranks) cannot be measured from here — more local
+    ranks than :data:`MAX_LOCAL_RANKS`, a torchrun world of another size, or a time ``budget``
+    under torchrun (each rank searches; a budget could stop them at different choices).
+    Starts the local ranks' forkserver (torch loads meanwhile)."""
+    from dhelix.dsl.passes.runcheck import unrunnable
+
+    for problem in unrunnable(program):
+        raise DhelixError(problem.message, problem.span,
+                          [*problem.notes, "--measure runs the candidates: tune without it to search only"])
     placed = torchrun_world()
     if placed is None:
         if world > MAX_LOCAL_RANKS:
@@ -205,7 +212,8 @@ def _run_candidate(index: int, priced: Priced, pricer: Pricer, text: str, path: 
     if placed is None:
         result = spawn.run_local(options, nproc, train.train)
     else:
-        result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node)
+        result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node,
+                                prefix=f"dhelix/tune-measure-{index}/")
     if result is None:  # another rank of a torchrun world: global rank 0 measures
         return Measured(predicted_rank=index, priced=priced, failure="measured by global rank 0")
     per_step = tuple(max(times) for times in zip(*(r.step for r in result.ranks), strict=True))
@@ -221,8 +229,7 @@ def format_measurement(measurement: Measurement, note: str = "") -> str:
     """The measured candidates, fastest measured first (then those that did not run), each
     with its predicted and measured step and their ratio; a line naming the measured best
     and whether it is the predicted best. ``note``: a line on what the prediction is for."""
-    steps = measurement.steps
-    kept = f"step {steps}" if steps == 2 else f"steps 2-{steps}"
+    kept = kept_steps(measurement.steps)
     where = "on this machine" if measurement.local else "on torchrun's world"
     lines = [f"measured {where}, one candidate after another: the median of {kept} (step 1 warms up) of the "
              "slowest rank's step time"]
@@ -246,6 +253,11 @@ def format_measurement(measurement: Measurement, note: str = "") -> str:
               "differs from predicted #1"]
     lines += [""] + format_table(header, rows, right=(0, 1, 4, 5, 6)) + ["", final_line(measurement)]
     return "\n".join(lines) + "\n"
+
+
+def kept_steps(steps: int) -> str:
+    """The steps a measured step is the median of, in words: ``step 2``, ``steps 2-5``."""
+    return "step 2" if steps == 2 else f"steps 2-{steps}"
 
 
 def final_line(measurement: Measurement) -> str:

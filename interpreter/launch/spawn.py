@@ -452,23 +452,25 @@ def _rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int
     os._exit(0)
 
 
-def _client(address: tuple[str, int], timeout: float):
-    """A client of the TCP store at ``address`` (host, port). Under torchrun the store
-    outlives a restart (``--max-restarts``): each attempt's keys get a prefix of their own, so
-    that an attempt never reads the addresses and heartbeats of the ranks of one before it."""
+def _client(address: tuple[str, int], timeout: float, prefix: str = ""):
+    """A client of the TCP store at ``address`` (host, port), its keys under ``prefix``. Under
+    torchrun the store outlives a restart (``--max-restarts``): each attempt's keys get a prefix
+    of their own, so that an attempt never reads the addresses and heartbeats of the ranks of
+    one before it."""
     from datetime import timedelta
 
     from torch.distributed import PrefixStore, TCPStore
 
     store = TCPStore(address[0], address[1], None, False, timedelta(seconds=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return store if attempt == "0" else PrefixStore(f"dhelix/attempt-{attempt}/", store)
+    store = store if attempt == "0" else PrefixStore(f"dhelix/attempt-{attempt}/", store)
+    return PrefixStore(prefix, store) if prefix else store
 
 
 # -- one rank ---------------------------------------------------------------------------------
 
 def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, address: tuple[str, int] | None = None,
-             gpus_per_node: int | None = None, replan: Callable | None = None):
+             gpus_per_node: int | None = None, replan: Callable | None = None, prefix: str = ""):
     """Join the world as ``rank`` through the TCP store at ``address`` (the local launcher's)
     or, without one, torchrun's ``env://`` (``MASTER_ADDR``/``MASTER_PORT``); run ``work``
     with a heartbeat (:mod:`.heartbeat`), leave; returns its result (on global rank 0; None
@@ -476,7 +478,9 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
     torchrun with ``gpus_per_node`` (the cluster block's), the nodes the ranks run on are
     checked against it first (:mod:`.topology`), or with ``options.topology`` measured they
     decide: ``replan(options, measured gpus_per_node)`` (the command's, which compiles the
-    run for them) gives the options to run. Raises
+    run for them) gives the options to run. ``prefix``: the store keys of this world's, for a
+    process that joins several worlds one after another on the same store (`tune --measure`
+    under torchrun: one per candidate). Raises
     what ``work`` raises (the executor's DhelixError: rank, action, schedule grid) and
     RankFailure when a collective fails because a peer did."""
     from datetime import timedelta
@@ -496,13 +500,13 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
         address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         host = _env_store_host(address, rank, options.timeout)
     # Beating before joining: a rank that hangs while the world forms is named too.
-    heartbeat = Heartbeat(_client(address, options.timeout), rank).start()
+    heartbeat = Heartbeat(_client(address, options.timeout, prefix), rank).start()
     try:
         measured, emulated = None, ""
         if torchrun and gpus_per_node is not None:
             from .topology import check_placement, emulated_nodes, exchange, measured_per_node
 
-            places = exchange(_client(address, options.timeout), rank, world)
+            places = exchange(_client(address, options.timeout, prefix), rank, world)
             if getattr(options, "topology", "declared") == "measured":
                 measured = measured_per_node(places)
                 options = replan(options, measured)
@@ -510,7 +514,7 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
                 emulated = emulated_nodes(places, gpus_per_node)
                 if not emulated:
                     check_placement(places, gpus_per_node)
-        dist.init_process_group(options.backend, store=_client(address, options.timeout), rank=rank,
+        dist.init_process_group(options.backend, store=_client(address, options.timeout, prefix), rank=rank,
                                 world_size=world, timeout=timeout)
         try:
             result = work(options, device, heartbeat)
@@ -526,11 +530,11 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
         return result
     except (RuntimeError, ValueError) as exc:  # a peer's failure seen through a collective
         raise _blame_stalled(RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}", rank=rank,
-                                         secondary=lost_a_peer(exc)), address, world) from None
+                                         secondary=lost_a_peer(exc)), address, world, prefix) from None
     except DhelixError as exc:
         if lost_a_peer(exc):
             exc.secondary = True
-        raise _blame_stalled(exc, address, world) from None
+        raise _blame_stalled(exc, address, world, prefix) from None
     finally:
         heartbeat.stop()
         del host
@@ -583,13 +587,13 @@ def _rank_device(options: "RunOptions", rank: int, world: int):
     return torch.device("cpu")
 
 
-def _blame_stalled(exc: DhelixError, address: tuple[str, int], world: int) -> DhelixError:
+def _blame_stalled(exc: DhelixError, address: tuple[str, int], world: int, prefix: str = "") -> DhelixError:
     """``exc``, or — when a rank's heartbeat stopped — a RankFailure naming that rank (a
     timeout here is its consequence). Under torchrun this rank is its own reporter."""
     from .heartbeat import read_beats, stalled_rank
 
     try:
-        stalled = stalled_rank(read_beats(_client(address, timeout=2.0), world), world)
+        stalled = stalled_rank(read_beats(_client(address, 2.0, prefix), world), world)
     except Exception:  # the store went with its host: keep the error we have
         return exc
     if stalled is None:
