@@ -162,14 +162,14 @@ class Measurement:
 
 
 def measure_top(top: tuple[Priced, ...], pricer: Pricer, text: str, path: str, steps: int,
-                progress: TextIO | None = sys.stderr) -> Measurement:
+                quiet: bool = False) -> Measurement:
     """Run each of ``top`` (the search's fastest, in order) for ``steps`` steps, one after
     another: its program (``pricer``'s variant of the file ``path`` whose source is ``text``)
     compiled here as `dhelix run` compiles it, its ranks started by `run`'s launcher (local,
-    or this process's rank under torchrun); ``progress`` gets a line per candidate (None:
-    no lines; under torchrun, only global rank 0 writes). A candidate's failure is kept in its row."""
+    or this process's rank under torchrun); standard error gets a line per candidate unless
+    ``quiet`` (under torchrun, from global rank 0 alone). A candidate's failure is kept in its row."""
     placed = torchrun_world()
-    say = progress if placed is None or placed[0] == 0 else None
+    say = sys.stderr if not quiet and (placed is None or placed[0] == 0) else None
     rows = []
     for index, priced in enumerate(top, start=1):
         what = f"{priced.choice.layout.describe()}, {priced.choice.schedule()}"
