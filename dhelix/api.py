@@ -19,18 +19,19 @@ for bad input; nothing prints.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from dhelix.dsl.core.program import Program
-from dhelix.dsl.frontend.hfconfig import hf_config_of
+from dhelix.dsl.frontend.hfconfig import generation_config_of, hf_config_of
 from dhelix.dsl.frontend.imports import read_source
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.interpreter.training.checkpoint import read_weights
-from dhelix.interpreter.ops.hf_weights import check_llama, hf_state, write_hf
+from dhelix.interpreter.ops.hf_weights import TOKENIZER_FILES, check_llama, hf_state, write_hf
 from dhelix.interpreter.verify.reference import ReferenceModel
 from dhelix.interpreter.ops.weights import WeightPlan, torch_dtype
 
@@ -104,14 +105,23 @@ def _pick(scores: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
     return int(order[torch.multinomial(ordered / ordered.sum(), 1, generator=gen)])
 
 
-def export_hf(program: Program, checkpoint: str, folder: str, shard_bytes: int = SHARD_BYTES) -> list[Path]:
-    """Write the last save under ``checkpoint`` as a Hugging Face ``LlamaForCausalLM`` folder
-    (``config.json``, ``model.safetensors`` or its shards above ``shard_bytes`` with their
-    index) in the program's dtype; returns the files written. HFWeightsError when the
-    program's layer is not Llama's."""
+def export_hf(program: Program, checkpoint: str, folder: str, shard_bytes: int = SHARD_BYTES, *,
+              tokenizer: str | None = None) -> list[Path]:
+    """Write the last save under ``checkpoint`` as a Hugging Face folder (``config.json`` of a
+    ``LlamaForCausalLM``, or a ``Qwen2ForCausalLM`` for layer ``qwen2_rope``;
+    ``generation_config.json``; ``model.safetensors`` or its shards above ``shard_bytes``
+    with their index) in the program's dtype, with the ``tokenizer`` (a ``tokenizer.json``)
+    and the tokenizer files beside it; returns the files written (``config.json`` among
+    them). HFWeightsError when the program's layer is not Llama's."""
     plan = WeightPlan(program)
     numerics = check_llama(plan)
     weights, _ = read_weights(checkpoint, plan)
     config = hf_config_of(program.model, numerics["norm_inv_eps"], numerics["rope_theta"], numerics["scaling"],
                           qkv_bias=numerics["qkv_bias"])
-    return write_hf(Path(folder), config, hf_state(plan, weights, torch_dtype(program)), shard_bytes)
+    extra: dict[str, str | Path] = {"generation_config.json": json.dumps(generation_config_of(program.model),
+                                                                          indent=2) + "\n"}
+    if tokenizer is not None:
+        beside = Path(tokenizer).parent
+        extra.update({name: beside / name for name in TOKENIZER_FILES if (beside / name).is_file()})
+        extra["tokenizer.json"] = Path(tokenizer)
+    return write_hf(Path(folder), config, hf_state(plan, weights, torch_dtype(program)), shard_bytes, extra)

@@ -334,3 +334,183 @@ def _adamw_losses(theirs, source, steps: int) -> list[float]:
         loss.backward()
         optimizer.step()
     return losses
+
+
+# --- Hugging Face in: what must not load silently (issue 53, items 8 and 9) -------------------
+
+def _saved(folder, **config_changes):
+    """A tiny random Llama (seed 0) saved in ``folder`` in one model.safetensors, its config.json
+    changed by ``config_changes``."""
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(tiny_config()).save_pretrained(folder)
+    if config_changes:
+        config = json.loads((folder / "config.json").read_text())
+        config.update(config_changes)
+        rope = config.get("rope_parameters") or {}  # transformers 5 keeps rope_theta there
+        rope.update({key: value for key, value in config_changes.items() if key in rope})
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def single_dir(tmp_path_factory):
+    """A tiny Llama in one model.safetensors, and the program made from it."""
+    folder = _saved(tmp_path_factory.mktemp("single"))
+    return folder, new_program(folder, folder.parent / "single.dhx")
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage"])
+def test_a_broken_single_safetensors_is_a_located_error_not_a_traceback(single_dir, tmp_path, capsys, damage):
+    import shutil
+
+    from dhelix.interpreter.ops.hf_weights import HFWeightsError
+
+    folder, path = single_dir
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    weights = broken / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"empty": b"", "truncated": data[: len(data) // 2], "garbage": b"\x07" * 64}[damage])
+    with pytest.raises(HFWeightsError, match=f"cannot read '{weights}'"):
+        api.reference_model(api.load_program(path), hf=str(broken))
+    assert main(["generate", path, "--init", str(broken), "--max-new", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: cannot read '{weights}'" in err and "Traceback" not in err
+    if damage == "truncated":  # `run --init` says so before any rank starts
+        assert main(["run", path, "--init", str(broken), "--steps", "1"]) == 1
+        assert f"error: cannot read '{weights}'" in capsys.readouterr().err
+
+
+def test_quantized_weights_are_refused_naming_the_tensor_and_its_dtype(single_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from dhelix.interpreter.ops.hf_weights import HFWeightsError
+
+    folder, path = single_dir
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.0.mlp.down_proj.weight"] = state["model.layers.0.mlp.down_proj.weight"].to(torch.float8_e4m3fn)
+    state["lm_head.weight"] = (state["lm_head.weight"] * 100).to(torch.int8)
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(HFWeightsError) as info:
+        WeightPlan(api.load_program(path), hf=str(tmp_path))
+    text = info.value.render()
+    assert "model.layers.0.mlp.down_proj.weight: the checkpoint stores it as F8_E4M3" in text
+    assert "lm_head.weight: the checkpoint stores it as I8" in text
+
+
+def test_new_refuses_a_quantization_config_at_the_field(tmp_path, capsys):
+    config = tiny_config().to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config, indent=2))
+    assert main(["new", "--hf", str(tmp_path / "config.json"), "-o", str(tmp_path / "m.dhx")]) == 1
+    line = next(i for i, row in enumerate((tmp_path / "config.json").read_text().splitlines(), 1)
+                if '"quantization_config"' in row)
+    assert f"config.json:{line}:3: quantization_config (fp8): quantized weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("field", "value", "shown"), [
+    ("rope_theta", 500000.0, "rope_theta: the checkpoint's configuration has 500000, the program 10000 (rope_theta)"),
+    ("num_hidden_layers", 4, "num_hidden_layers: the checkpoint's configuration has 4, the program 2 (layers)"),
+    ("rms_norm_eps", 1e-5, "rms_norm_eps: the checkpoint's configuration has 1e-05, the program 1e-06 (norm_inv_eps)"),
+])
+def test_the_checkpoints_config_is_compared_with_the_program(single_dir, tmp_path, field, value, shown):
+    from dhelix.dsl.core.errors import DhelixError
+
+    folder, path = single_dir
+    other = _saved(tmp_path / "other", **{field: value})
+    with pytest.raises(DhelixError) as info:
+        WeightPlan(api.load_program(path), hf=str(other))
+    text = (other / "config.json").read_text()
+    line, column = next((i, row.index(f'"{field}"') + 1) for i, row in enumerate(text.splitlines(), 1)
+                        if f'"{field}"' in row)
+    assert f"config.json:{line}:{column}: {shown}" in info.value.render()
+
+
+def test_a_tied_program_refuses_a_checkpoint_with_its_own_lm_head(single_dir, tmp_path):
+    from dhelix.dsl.core.errors import DhelixError
+
+    folder, _ = single_dir
+    tied = _saved(tmp_path / "tied", tie_word_embeddings=True)
+    path = new_program(tied, tmp_path / "tied.dhx")
+    untied = _saved(tmp_path / "untied")
+    with pytest.raises(DhelixError, match=r"tie_word_embeddings: the checkpoint's configuration has an LM head of "
+                                          r"its own \(lm_head.weight\), the program a tied LM head"):
+        WeightPlan(api.load_program(path), hf=str(untied))
+    (untied / "config.json").unlink()  # no configuration to compare: the tensor itself says so
+    with pytest.raises(DhelixError, match=r"have an LM head of their own \(lm_head.weight\), which the program's "
+                                          r"tied LM head \(tie_embeddings = 1\) would ignore"):
+        WeightPlan(api.load_program(path), hf=str(untied))
+
+
+def test_mistral_past_its_sliding_window_is_refused_or_warned(single_dir, tmp_path, capsys):
+    from dhelix.dsl.core.errors import DhelixError
+
+    folder, path = single_dir
+    narrow = _saved(tmp_path / "narrow", model_type="mistral", sliding_window=SEQ // 2)
+    with pytest.raises(DhelixError, match=f"sliding_window = {SEQ // 2} is shorter than the sequence"):
+        WeightPlan(api.load_program(path), hf=str(narrow))
+    window = _saved(tmp_path / "window", model_type="mistral", sliding_window=SEQ)
+    assert main(["generate", path, "--init", str(window), "--prompt", "abc", "--max-new", str(SEQ)]) == 0
+    assert f"warning: sliding_window = {SEQ} in '{window / 'config.json'}'" in capsys.readouterr().err
+
+
+# --- Hugging Face out (issue 53, items 8 and 10) ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen2_save(tmp_path_factory):
+    """A one-step `dhelix run --save` of a tiny Qwen2 (bos 5, eos 7, 256 positions) made by
+    `dhelix new --hf` from a folder with a tokenizer."""
+    folder = tmp_path_factory.mktemp("qwen2")
+    transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=2, vocab_size=256, max_position_embeddings=256, bos_token_id=5,
+                             eos_token_id=7).save_pretrained(folder)
+    (folder / "tokenizer.json").write_text('{"model": {}}')
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "<7>"}')
+    path = new_program(folder, folder / "m.dhx")
+    run(path, "--steps", "1", "--save", str(folder / "ck"))
+    return folder, path
+
+
+def test_export_keeps_the_sources_tokens_and_positions_and_its_tokenizer(qwen2_save, tmp_path, capsys):
+    folder, path = qwen2_save
+    out = tmp_path / "out"
+    assert main(["export", path, "--checkpoint", str(folder / "ck"), "--hf", str(out),
+                 "--tokenizer", str(folder / "tokenizer.json")]) == 0
+    assert "Qwen2ForCausalLM; load with from_pretrained" in capsys.readouterr().err
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["max_position_embeddings"]) == (5, 7, 256)
+    assert json.loads((out / "generation_config.json").read_text()) == {"bos_token_id": 5, "eos_token_id": 7}
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == 7
+    assert (out / "tokenizer_config.json").read_text() == '{"eos_token": "<7>"}'
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_a_program_not_from_hugging_face_exports_its_sequence_at_least(qwen2_save, tmp_path):
+    from dhelix.dsl.frontend.hfconfig import hf_config_of
+
+    program = api.load_program(qwen2_save[1])
+    get = program.model.get
+    assert hf_config_of(program.model, None, None)["max_position_embeddings"] == 256
+    settings = tuple((k, v) for k, v in program.model.settings if k not in ("max_positions", "bos_token", "eos_token"))
+    plain = hf_config_of(type(program.model)(program.model.name, settings, program.model.dtype, program.model.layer),
+                         None, None)
+    assert plain["max_position_embeddings"] == get("seq") and "eos_token_id" not in plain
+
+
+def test_an_export_whose_write_fails_is_an_error_and_leaves_nothing(qwen2_save, tmp_path, capsys, monkeypatch):
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    folder, path = qwen2_save
+
+    def full(tensors, filename, metadata=None):  # what safetensors raises on a full disk
+        raise SafetensorError(f'Error while serializing: I/O error: No space left on device (os error 28) at path '
+                              f'"{filename}"')
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    out = tmp_path / "out"
+    assert main(["export", path, "--checkpoint", str(folder / "ck"), "--hf", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: cannot write '{out / 'model.safetensors'}': No space left on device" in err
+    assert "Traceback" not in err and not out.exists()

@@ -1,6 +1,7 @@
 """`dhelix export FILE --torch-csv OUT [--torch-format FORM] [overrides]`: write the lowered
-schedule for torch.distributed.pipelining; `dhelix export FILE --checkpoint CK --hf OUT_DIR`:
-write a checkpoint's weights as a Hugging Face Llama folder (:func:`dhelix.api.export_hf`).
+schedule for torch.distributed.pipelining; `dhelix export FILE --checkpoint CK --hf OUT_DIR
+[--tokenizer TOKENIZER.json]`: write a checkpoint's weights as a Hugging Face Llama or Qwen2
+folder (:func:`dhelix.api.export_hf`).
 
 The CSV and its two forms are :mod:`dhelix.dsl.render.torch_csv`'s; this module reads the
 command line, checks the output path (:mod:`dhelix.cli.paths`), writes the file and says on
@@ -10,6 +11,7 @@ standard error what it wrote. The overrides (``--ranks``, ``--microbatches``, ``
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -34,9 +36,12 @@ def register(subparsers) -> None:
                              "(dhelix's own SEND/RECV; load with format=\"compute_comms\")")
     export.add_argument("--checkpoint", metavar="CK", help="with --hf: the `dhelix run --save` folder to export")
     export.add_argument("--hf", metavar="OUT_DIR",
-                        help="write CK's weights as a Hugging Face LlamaForCausalLM folder (config.json and "
-                             "model.safetensors, sharded above --max-shard-size, with its index); OUT_DIR must be "
-                             "new or empty")
+                        help="write CK's weights as a Hugging Face folder (LlamaForCausalLM, or Qwen2ForCausalLM for "
+                             "layer qwen2_rope: config.json, generation_config.json and model.safetensors, sharded "
+                             "above --max-shard-size, with its index); OUT_DIR must be new or empty")
+    export.add_argument("--tokenizer", metavar="TOKENIZER.json",
+                        help="with --hf: copy this tokenizer into OUT_DIR, with the tokenizer files beside it "
+                             "(tokenizer_config.json, special_tokens_map.json, tokenizer.model)")
     export.add_argument("--max-shard-size", type=float, default=5000, metavar="MB",
                         help="with --hf: the largest safetensors file in MB before sharding (default 5000)")
     add_override_arguments(export)
@@ -49,7 +54,7 @@ def cmd_export(args) -> int:
     if args.torch_format not in TORCH_FORMATS:
         raise UsageError(f"--torch-format: unknown form '{args.torch_format}'; "
                          f"forms: {', '.join(TORCH_FORMATS)}")
-    if args.hf or args.checkpoint:
+    if args.hf or args.checkpoint or args.tokenizer:
         return _export_hf(args)
     if not args.torch_csv:
         raise UsageError("nothing to export: give --torch-csv OUT.csv, or --checkpoint CK --hf OUT_DIR")
@@ -71,6 +76,8 @@ def _export_hf(args) -> int:
         raise UsageError("--torch-csv and --hf write different things; give one of them")
     if args.max_shard_size <= 0:
         raise UsageError("--max-shard-size must be positive")
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        raise UsageError(f"--tokenizer {args.tokenizer}: no such file; give a tokenizer.json")
     out = Path(args.hf)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"--hf {args.hf}: that exists and is not an empty folder; give a new folder")
@@ -82,6 +89,8 @@ def _export_hf(args) -> int:
     from dhelix import api
 
     program = api.load_program(args.file)
-    written = api.export_hf(program, args.checkpoint, str(out), int(args.max_shard_size * 10**6))
-    print(f"{out}: {len(written)} files (LlamaForCausalLM; load with from_pretrained)", file=sys.stderr)
+    written = api.export_hf(program, args.checkpoint, str(out), int(args.max_shard_size * 10**6),
+                            tokenizer=args.tokenizer)
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"{out}: {len(written)} files ({architecture}; load with from_pretrained)", file=sys.stderr)
     return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.core.errors import DhelixWarning, UsageError
 
 
 def register(subparsers) -> None:
@@ -66,6 +66,13 @@ def cmd_generate(args) -> int:
     if not prompt:
         raise UsageError("--prompt is empty: give at least one character to continue")
     model = api.reference_model(program, seed=args.seed, hf=args.init, checkpoint=checkpoint)
+    window = getattr(model.plan.source, "sliding_window", None)
+    if window is not None and len(prompt) + args.max_new > window:
+        print(DhelixWarning(f"sliding_window = {window} in '{Path(args.init) / 'config.json'}': the prompt and "
+                            f"--max-new reach {len(prompt) + args.max_new} tokens, and this attention is full over "
+                            f"all of them, so tokens past {window} are not the model's own",
+                            notes=[f"give a prompt and --max-new of {window} tokens or less"]).render(),
+              file=sys.stderr)
     ids = api.generate(model, prompt, args.max_new, temperature=args.temperature, top_p=args.top_p,
                        seed=args.seed, stop=text.end_of_text)
     sys.stdout.write(text.decode(ids) + "\n")

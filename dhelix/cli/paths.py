@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable
 
-from dhelix.dsl.core.errors import OutputError, UsageError
+from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.core.outputfile import write_text_atomically
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.frontend.imports import STDLIB_PREFIX, stdlib_root
 
@@ -96,25 +97,11 @@ def _probe(path: Path) -> None:
 
 
 def write_output(path: Path, text: str) -> None:
-    """Write ``text`` to the output ``path``: a regular file through a temporary file beside
-    it renamed into place (a failed write leaves neither a partial file nor a truncated old
-    one), a device or a pipe directly. OutputError (exit 1: the command line was right) when
-    the system refuses anyway (a disk that filled up since the probe, a file made read-only
-    meanwhile), with nothing left behind."""
-    if path.exists() and not path.is_file():
-        try:
-            path.write_text(text)
-        except OSError as exc:
-            raise OutputError(f"cannot write '{path}': {exc.strerror or exc}") from None
-        return
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        partial.write_text(text)
-        os.replace(partial, path)
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise OutputError(f"cannot write '{path}': {exc.strerror or exc}",
-                          notes=["nothing was written there (the partial file was removed)"]) from None
+    """Write ``text`` to the output ``path`` (:func:`~dhelix.dsl.core.outputfile.write_text_atomically`:
+    a failed write leaves neither a partial file nor a truncated old one). OutputError (exit 1:
+    the command line was right) when the system refuses anyway (a disk that filled up since the
+    probe, a file made read-only meanwhile), with nothing left behind."""
+    write_text_atomically(path, text)
 
 
 def output_folder(text: str, flag: str) -> Path:

@@ -19,13 +19,13 @@ extension, unwritable path) exit 2; mistakes in the file exit 1 with the usual l
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
 
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
-from dhelix.dsl.core.errors import OutputError, UsageError
+from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.core.outputfile import write_atomically
 from dhelix.cli.overrides import add_override_arguments, overrides_from_args
 from dhelix.dsl.passes.overrides import load_file
 from dhelix.dsl.render.diagrams import DIAGRAMS, diagram_source
@@ -103,14 +103,5 @@ def write_diagram(source: str, output: Path) -> int:
               f"`dot -T{output.suffix[1:].lower()} {fallback} -o {output}`", file=sys.stderr)
         return 1
     picture = run_dot(dot, source, output.suffix[1:].lower(), str(output))
-    if output.exists() and not output.is_file():
-        output.write_bytes(picture)  # a device or a pipe
-    else:
-        partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
-        try:
-            partial.write_bytes(picture)
-            os.replace(partial, output)
-        except OSError as exc:
-            partial.unlink(missing_ok=True)
-            raise OutputError(f"cannot write '{output}': {exc.strerror or exc}") from None
+    write_atomically(output, lambda target: target.write_bytes(picture))
     return 0

@@ -19,6 +19,9 @@ import os
 import sys
 from pathlib import Path
 
+from dhelix.dsl.core.errors import OutputError
+from dhelix.dsl.core.outputfile import write_text_atomically
+
 #: The suffix of the file that holds the digest of a cached grammar.
 SEAL = ".sha256"
 
@@ -50,10 +53,8 @@ def seal(cache: str) -> None:
     """Write the digest of the cache file the parser left (if any) next to it, atomically."""
     try:
         digest = hashlib.sha256(Path(cache).read_bytes()).hexdigest()
-        temporary = f"{cache}{SEAL}.{os.getpid()}"
-        Path(temporary).write_text(digest + "\n")
-        os.replace(temporary, cache + SEAL)
-    except OSError:
+        write_text_atomically(cache + SEAL, digest + "\n")
+    except (OSError, OutputError):
         pass  # no seal: the next command rebuilds the cache
 
 

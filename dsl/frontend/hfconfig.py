@@ -39,6 +39,14 @@ QWEN2_LAYER = "qwen2_rope"
 LLAMA3_LAYER = "llama3_rope"
 LLAMA3_SCALING = (("rope_factor", "factor"), ("rope_low_freq", "low_freq_factor"),
                   ("rope_high_freq", "high_freq_factor"), ("rope_original", "original_max_position_embeddings"))
+#: The model settings of the special token ids a configuration gives, with its names for them.
+SPECIAL_TOKENS = (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"))
+#: The model settings a Hugging Face checkpoint's configuration must agree on with the program
+#: it is loaded into, with the configuration's fields (:func:`compare_hf_config`).
+COMPARED = (("layers", "num_hidden_layers"), ("hidden", "hidden_size"), ("ffn", "intermediate_size"),
+            ("heads", "num_attention_heads"), ("kv_heads", "num_key_value_heads"), ("vocab", "vocab_size"),
+            ("rope_theta", "rope_theta"), ("norm_inv_eps", "rms_norm_eps"), (TIE_SETTING, "tie_word_embeddings"),
+            *((ours, "rope_scaling") for ours, _ in LLAMA3_SCALING))
 #: Hugging Face's ``torch_dtype`` / ``dtype`` names → dhelix dtypes.
 HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 #: Defaults of the fields a configuration may leave out (LlamaConfig's).
@@ -95,6 +103,7 @@ def read_hf_config(text: str, path: str, seq: int | None = None) -> HFModel:
     scaling = reader.rope_scaling()
     settings += [("seq", seq), ("rope_theta", reader.rope_theta()), *scaling, ("norm_inv_eps", reader.inv_eps())]
     settings += [(TIE_SETTING, 1)] if reader.value("tie_word_embeddings") is True else []
+    settings += [(ours, value) for ours, value in (("max_positions", max_seq), *reader.special_tokens()) if value]
     settings += [("dtype", reader.dtype())]
     if model_type == "qwen2" and scaling:
         reader.fail("rope_scaling" if config.get("rope_scaling") else "rope_parameters",
@@ -102,6 +111,35 @@ def read_hf_config(text: str, path: str, seq: int | None = None) -> HFModel:
     errors.raise_if_any()
     layer = QWEN2_LAYER if model_type == "qwen2" else LLAMA3_LAYER if scaling else LAYER
     return HFModel(tuple(settings), model_type, max_seq or seq, layer)
+
+
+def compare_hf_config(text: str, path: str, program: dict[str, int | None], seq: int) -> None:
+    """Check that the configuration ``text`` (the file ``path``, a Hugging Face checkpoint's)
+    is the model of ``program``, a program's settings of :data:`COMPARED` (``tie_embeddings``
+    0 or 1; ``rope_factor`` … None without Llama 3's scaling) training sequences of ``seq``
+    tokens. Raises CheckError (an ErrorGroup for several) located at each field the layers
+    cannot compute (:func:`read_hf_config`: a sliding window shorter than ``seq``, quantized
+    weights) or whose value differs from the program's."""
+    theirs = dict(read_hf_config(text, path, seq).settings)
+    source, errors = Source(path, text), ErrorCollector()
+    for ours, field in COMPARED:
+        mine, found = program.get(ours), theirs.get(ours, 0 if ours == TIE_SETTING else None)
+        if mine != found:
+            errors.add(CheckError(f"{field}: the checkpoint's configuration has {_shown(ours, found)}, the program "
+                                  f"{_shown(ours, mine)} ({ours})", key_span(source, field),
+                                  ["the weights would load into another model; give the program made from this "
+                                   "configuration (dhelix new --hf)"]))
+    errors.raise_if_any()
+
+
+def _shown(setting: str, value) -> str:
+    if value is None:
+        return "none"
+    if setting == "norm_inv_eps":
+        return f"{1 / value:g}"
+    if setting == TIE_SETTING:
+        return "a tied LM head" if value else "an LM head of its own (lm_head.weight)"
+    return str(value)
 
 
 @attrs.define
@@ -177,6 +215,23 @@ class _Reader:
                       f"give sequences of {window} tokens or less")
         if self.config.get("attention_dropout", 0.0):
             self.fail("attention_dropout", "attention_dropout is not computed; set it to 0.0")
+        if self.config.get("quantization_config") is not None:
+            method = self.config["quantization_config"]
+            method = method.get("quant_method", "") if isinstance(method, dict) else ""
+            self.fail("quantization_config", f"quantization_config{f' ({method})' if method else ''}: quantized "
+                      "weights (fp8, int8, int4) are not read; the layers compute with unquantized ones",
+                      "give the configuration of the model's unquantized (bf16, fp16 or fp32) release")
+
+    def special_tokens(self) -> list[tuple[str, int | None]]:
+        """``bos_token`` and ``eos_token``: the configuration's ids (the first of a list), None
+        where it gives none; kept in the program so that ``export --hf`` writes them back."""
+        tokens = []
+        for ours, theirs in SPECIAL_TOKENS:
+            value = self.config.get(theirs)
+            value = value[0] if isinstance(value, list) and value else value
+            tokens.append((ours, value if isinstance(value, int) and not isinstance(value, bool) and value >= 0
+                           else None))
+        return tokens
 
     def rope_scaling(self) -> list[tuple[str, int]]:
         """The settings of Llama 3's RoPE scaling (none without scaling); other kinds are errors."""
@@ -253,11 +308,20 @@ def hf_config_of(model, norm_inv_eps: int | None, rope_theta: int | None, scalin
         **kind,
         "hidden_size": get("hidden"), "intermediate_size": get("ffn"), "num_attention_heads": get("heads"),
         "num_key_value_heads": get("kv_heads"), "num_hidden_layers": get("layers"), "vocab_size": get("vocab"),
-        "head_dim": get("hidden") // get("heads"), "max_position_embeddings": get("seq"),
+        "head_dim": get("hidden") // get("heads"),
+        # The source's context (dhelix new --hf keeps it), never less than the sequences trained on.
+        "max_position_embeddings": max(get("seq"), get("max_positions") or 0),
+        **{theirs: get(ours) for ours, theirs in SPECIAL_TOKENS if get(ours) is not None},
         "rms_norm_eps": 1 / (norm_inv_eps or 100000), "rope_theta": float(rope_theta or 10000),
         "rope_scaling": rope_scaling, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": get(TIE_SETTING) == 1, "torch_dtype": dtypes.get(model.dtype, "float32"),
     }
+
+
+def generation_config_of(model) -> dict:
+    """The ``generation_config.json`` of the dhelix ``model``: its special token ids (none
+    known: an empty configuration, greedy by transformers' defaults)."""
+    return {theirs: model.get(ours) for ours, theirs in SPECIAL_TOKENS if model.get(ours) is not None}
 
 
 @attrs.frozen

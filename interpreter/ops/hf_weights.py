@@ -26,14 +26,21 @@ writes full weights as ``config.json`` + ``model.safetensors`` (sharded above a 
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
+import re
+import shutil
 from pathlib import Path
 
 import torch
 
-from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.errors import DhelixError, OutputError
+from dhelix.dsl.core.outputfile import write_atomically, write_text_atomically
+from dhelix.dsl.core.textfile import FileProblem, read_text_file
+from dhelix.dsl.frontend.hfconfig import COMPARED, LLAMA3_SCALING, compare_hf_config
+from dhelix.dsl.frontend.modelcheck import TIE_SETTING
 
+from .kernels import EPS
 from .rope import rope_of
 from .weights import EMBEDDING, FINAL_NORM, LM_HEAD
 
@@ -48,7 +55,12 @@ LAYER_PARTS = {
     "fc2": ("gemm", ("mlp.down_proj.weight",)),
 }
 MODEL_PARTS = {EMBEDDING: "model.embed_tokens.weight", FINAL_NORM: "model.norm.weight", LM_HEAD: "lm_head.weight"}
-SINGLE_FILE, INDEX = "model.safetensors", "model.safetensors.index.json"
+SINGLE_FILE, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json", "config.json"
+#: The safetensors element types read (converted to fp32); anything else (fp8, int8, uint8: a
+#: quantized checkpoint's) would load as raw integers.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+#: A tokenizer's files beside its ``tokenizer.json``, copied with it by ``export --hf``.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
 class HFWeightsError(DhelixError):
@@ -124,44 +136,56 @@ def _in_features(plan, name: str) -> int:
 
 class HFWeights:
     """A Hugging Face checkpoint folder (``model.safetensors`` or the shards its index names)
-    read into ``plan``'s parameters. Construction checks every tensor's presence and shape."""
+    read into ``plan``'s parameters. Construction checks every tensor's presence, shape and
+    element type (floating point: quantized weights are refused), then the folder's
+    ``config.json`` against the program (:func:`_compare_config`) and a tied program against
+    an LM head of the checkpoint's own."""
 
     def __init__(self, folder: str, plan):
         from safetensors import safe_open
 
         self.folder, self.plan, self._open = Path(folder), plan, safe_open
         self.files = _weight_map(self.folder)
-        check_llama(plan)
+        numerics = check_llama(plan)
         problems = []
         for name in plan.names():
             wanted = [(tensor, shape) for tensor, shape, _ in hf_parts(plan, name)]
             for tensor, shape in wanted + [(bias, (length,)) for bias, length in bias_parts(plan, name)]:
-                found = self._shape(tensor)
+                found, dtype = self._header(tensor)
                 if found != shape:
                     problems.append(f"{tensor}: the checkpoint has {list(found) if found else 'no such tensor'}, "
                                     f"the program's {name} needs {list(shape)}")
+                elif dtype not in FLOAT_DTYPES:
+                    problems.append(f"{tensor}: the checkpoint stores it as {dtype}, which would load as raw "
+                                    "integers (a quantized checkpoint: its scales are not applied)")
         if problems:
             raise HFWeightsError(f"the Hugging Face weights in '{folder}' do not fit this program: {problems[0]}"
                                  + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""),
                                  notes=problems[1:4] + ["give the checkpoint of the configuration the program "
                                                         "was made from"])
+        #: The configuration's ``sliding_window`` (None: none, or no configuration).
+        self.sliding_window = _compare_config(self.folder, plan, numerics)
+        if plan.tied and MODEL_PARTS[LM_HEAD] in self.files and not (self.folder / CONFIG).is_file():
+            raise HFWeightsError(f"the Hugging Face weights in '{folder}' have an LM head of their own "
+                                 f"({MODEL_PARTS[LM_HEAD]}), which the program's tied LM head (tie_embeddings = 1) "
+                                 "would ignore", notes=["give a program with an LM head of its own (no tie_embeddings)"])
 
-    def _shape(self, tensor: str) -> tuple[int, ...] | None:
+    def _header(self, tensor: str) -> tuple[tuple[int, ...] | None, str | None]:
+        """The shape and safetensors element type of ``tensor`` (None, None: absent)."""
         file = self.files.get(tensor)
         if file is None:
-            return None
-        try:
+            return None, None
+        with _reading(file, tensor):
             with self._open(file, framework="pt") as handle:
-                return tuple(handle.get_slice(tensor).get_shape())
-        except Exception as exc:  # a missing shard, a broken header (safetensors' own error types)
-            raise HFWeightsError(f"cannot read {tensor} from '{file}': {str(exc).splitlines()[0][:200]}",
-                                 notes=["the folder's files are incomplete or corrupt"]) from None
+                piece = handle.get_slice(tensor)
+                return tuple(piece.get_shape()), piece.get_dtype()
 
     def _rows(self, tensor: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (``dim`` 0) or columns (1) ``start … stop-1`` of ``tensor``, as fp32."""
-        with self._open(self.files[tensor], framework="pt") as handle:
-            piece = handle.get_slice(tensor)
-            piece = piece[start:stop] if dim == 0 else piece[:, start:stop]
+        with _reading(self.files[tensor], tensor):
+            with self._open(self.files[tensor], framework="pt") as handle:
+                piece = handle.get_slice(tensor)
+                piece = piece[start:stop] if dim == 0 else piece[:, start:stop]
         return piece.float()
 
     def _range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -213,6 +237,18 @@ class HFWeights:
         return torch.cat(pieces, dim=spec.dim).contiguous()
 
 
+@contextlib.contextmanager
+def _reading(file: Path, tensor: str | None = None):
+    """Reads of the safetensors ``file`` (of ``tensor``), their failures (a missing shard, a
+    truncated, empty or garbage file: safetensors' own error types) as HFWeightsError."""
+    try:
+        yield
+    except Exception as exc:
+        what = f"{tensor} from '{file}'" if tensor else f"'{file}'"
+        raise HFWeightsError(f"cannot read {what}: {(str(exc).splitlines() or [type(exc).__name__])[0][:200]}",
+                             notes=["the folder's files are incomplete or corrupt"]) from None
+
+
 def _weight_map(folder: Path) -> dict[str, Path]:
     """Tensor name → the safetensors file holding it, from the index or the single file."""
     from safetensors import safe_open
@@ -222,13 +258,36 @@ def _weight_map(folder: Path) -> dict[str, Path]:
         if index.is_file():
             names = json.loads(index.read_text())["weight_map"]
             return {tensor: folder / file for tensor, file in names.items()}
-        if single.is_file():
-            with safe_open(single, framework="pt") as handle:
-                return {tensor: single for tensor in handle.keys()}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise HFWeightsError(f"cannot read the Hugging Face weights in '{folder}': {exc}") from None
+    if single.is_file():
+        with _reading(single), safe_open(single, framework="pt") as handle:
+            return {tensor: single for tensor in handle.keys()}
     raise HFWeightsError(f"'{folder}' has neither {SINGLE_FILE} nor {INDEX}",
                          notes=["give the folder a Hugging Face model was saved in (save_pretrained)"])
+
+
+def _compare_config(folder: Path, plan, numerics: dict) -> int | None:
+    """Check the folder's ``config.json`` (when it has one) against ``plan``'s program
+    (:func:`~dhelix.dsl.frontend.hfconfig.compare_hf_config`: errors located at its fields);
+    returns its ``sliding_window`` (None: none)."""
+    path = folder / CONFIG
+    if not path.is_file():
+        return None
+    try:
+        text = read_text_file(str(path))
+    except FileProblem as exc:
+        raise HFWeightsError(f"cannot read '{path}': {exc.reason}") from None
+    get = plan.program.model.get
+    ours = {key: get(key) for key, _ in COMPARED[:6]}
+    scaling = numerics["scaling"] or (None,) * len(LLAMA3_SCALING)
+    ours.update({"rope_theta": numerics["rope_theta"], "norm_inv_eps": numerics["norm_inv_eps"] or round(1 / EPS),
+                 TIE_SETTING: int(plan.tied)}, **{key: value for (key, _), value in zip(LLAMA3_SCALING, scaling,
+                                                                                       strict=True)})
+    compare_hf_config(text, str(path), ours, get("seq"))
+    config = json.loads(text)
+    window = config.get("sliding_window")
+    return window if isinstance(window, int) and config.get("use_sliding_window", True) else None
 
 
 def hf_state(plan, full: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -252,13 +311,14 @@ def hf_state(plan, full: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[st
     return state
 
 
-def write_hf(folder: Path, config: dict, state: dict[str, torch.Tensor], shard_bytes: int) -> list[Path]:
-    """Write ``config.json`` and ``state`` into ``folder`` (created; files written beside
-    and renamed into place): one ``model.safetensors``, or above ``shard_bytes`` shards named
-    like Hugging Face's with their index. Returns the files written."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
+def write_hf(folder: Path, config: dict, state: dict[str, torch.Tensor], shard_bytes: int,
+             extra: dict[str, str | Path] | None = None) -> list[Path]:
+    """Write ``config.json`` and ``state`` into ``folder`` (created): one ``model.safetensors``,
+    or above ``shard_bytes`` shards named like Hugging Face's with their index; and each of
+    ``extra``, a file name → its text or the file to copy (``generation_config.json``, a
+    tokenizer's files). Every file is written beside and renamed into place. Returns the
+    files written; OutputError when one cannot be written, after removing those written (and
+    the folder, when this made it)."""
     groups, size = [[]], 0
     for tensor, value in state.items():
         nbytes = value.numel() * value.element_size()
@@ -269,21 +329,47 @@ def write_hf(folder: Path, config: dict, state: dict[str, torch.Tensor], shard_b
         size += nbytes
     names = [SINGLE_FILE] if len(groups) == 1 else \
         [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    written = []
-    for file, group in zip(names, groups, strict=True):
-        _replace(folder / file, lambda path, g=group: save_file({t: state[t] for t in g}, str(path),
-                                                                metadata={"format": "pt"}))
-        written.append(folder / file)
-    if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
-                 "weight_map": {t: file for file, group in zip(names, groups, strict=True) for t in group}}
-        _replace(folder / INDEX, lambda path: path.write_text(json.dumps(index, indent=2) + "\n"))
-        written.append(folder / INDEX)
-    _replace(folder / "config.json", lambda path: path.write_text(json.dumps(config, indent=2) + "\n"))
-    return written + [folder / "config.json"]
+    made, written = not folder.exists(), []
+    try:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot make the folder '{folder}': {exc.strerror or exc}") from None
+        for file, group in zip(names, groups, strict=True):
+            write_atomically(folder / file, lambda path, g=group: _save_safetensors({t: state[t] for t in g}, path))
+            written.append(folder / file)
+        texts = {CONFIG: config}
+        if len(groups) > 1:
+            texts[INDEX] = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in state.values())},
+                            "weight_map": {t: file for file, group in zip(names, groups, strict=True) for t in group}}
+        for file, value in [*((f, json.dumps(v, indent=2) + "\n") for f, v in texts.items()), *(extra or {}).items()]:
+            if isinstance(value, Path):
+                write_atomically(folder / file, lambda path, source=value: shutil.copyfile(source, path))
+            else:
+                write_text_atomically(folder / file, value)
+            written.append(folder / file)
+    except OutputError as exc:
+        for path in written:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            if made:
+                folder.rmdir()
+        exc.add_note("the files written before were removed" if written else "nothing was written")
+        raise
+    return written
 
 
-def _replace(path: Path, write) -> None:
-    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    write(partial)
-    os.replace(partial, path)
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors.torch.save_file`` with the format Hugging Face's loaders expect, raising
+    OSError when the system refuses the write (safetensors raises its own error)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as exc:
+        found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(exc))
+        if found is None:
+            raise
+        raise OSError(int(found[2]), found[1]) from None

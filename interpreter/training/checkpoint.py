@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from dhelix.dsl.core.errors import OutputError
+from dhelix.dsl.core.outputfile import write_atomically, write_text_atomically
 
 from dhelix.interpreter.verify.harness import gather_full
 from .manifest import (META, CheckpointDamaged, CheckpointError, beyond_kept,  # noqa: F401 (API)
@@ -125,6 +126,8 @@ def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequenc
             _finish_save(meta, partial, final, root_path)
     except (Exception, _checkpoint_exception()) as exc:  # DCP wraps the writer's OSError
         cause = _first_failure(exc)
+        if isinstance(cause, OutputError) and isinstance(cause.__cause__, OSError):  # the manifest's, latest's
+            cause = cause.__cause__
         if not isinstance(cause, OSError):
             raise
         if "partial" in locals():
@@ -177,12 +180,7 @@ def _finish_save(meta: dict, partial: Path, final: Path, root: Path) -> None:
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)
-    pointer = root / f".{LATEST}-{os.getpid()}"
-    try:
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, root / LATEST)
-    finally:
-        pointer.unlink(missing_ok=True)
+    write_text_atomically(root / LATEST, final.name + "\n")
 
 
 def _checkpoint_exception():
@@ -194,7 +192,7 @@ def _checkpoint_exception():
 def _remove_stale(root: Path) -> None:
     """Remove what interrupted saves left in ``root`` (``.partial-*`` folders, ``.latest-*``
     files) whose writing process is gone."""
-    for leftover in [*root.glob(".partial-step-*"), *root.glob(f".{LATEST}-*")]:
+    for leftover in [*root.glob(".partial-step-*"), *root.glob(f".{LATEST}.partial-*")]:
         pid = leftover.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _alive(int(pid)):
             if leftover.is_dir():
@@ -341,24 +339,19 @@ def export_weights(path: str, executor, optimizer) -> None:
     if full is None:
         return
     weights = {name.replace(".", "__"): t.float().contiguous() for name, t in full.items()}
-    target = Path(path)
-    direct = target.exists() and not target.is_file()
-    partial = target if direct else target.with_name(f".{target.name}.partial-{os.getpid()}")
-    writer = None
-    try:
-        with open(partial, "wb") as file:
-            writer = _Writer(file)
-            torch.save(weights, writer)
-        if not direct:
-            os.replace(partial, target)
-    except (OSError, RuntimeError) as exc:
-        cause = writer.error if writer is not None and writer.error is not None else exc
-        if not isinstance(cause, OSError):
-            raise
-        if not direct:
-            partial.unlink(missing_ok=True)
-        raise OutputError(f"cannot write the weights to '{path}': {cause.strerror or cause}",
-                          notes=[] if direct else ["nothing was written there (the partial file was removed)"]) from None
+    write_atomically(path, lambda target: _torch_save(weights, target), what="the weights")
+
+
+def _torch_save(state: dict, path: Path) -> None:
+    """``torch.save`` of ``state`` to ``path``, raising the OSError of a failed write."""
+    with open(path, "wb") as file:
+        writer = _Writer(file)
+        try:
+            torch.save(state, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
 
 
 class _Writer:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from dhelix.dsl.core.errors import DhelixError, DhelixWarning
+from dhelix.dsl.core.outputfile import write_text_atomically
 
 MANIFEST = "manifest.json"
 #: The save's own metadata (step, seed, shapes), written by :mod:`.checkpoint`.
@@ -48,15 +48,8 @@ def write_manifest(folder: Path) -> None:
         if path.name == MANIFEST or path.name.startswith(f".{MANIFEST}"):
             continue
         files[path.relative_to(folder).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-    temporary = folder / f".{MANIFEST}.partial-{os.getpid()}"
-    try:
-        with open(temporary, "w") as out:
-            out.write(json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1, sort_keys=True) + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temporary, folder / MANIFEST)
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_text_atomically(folder / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "files": files}, indent=1,
+                                                        sort_keys=True) + "\n", durable=True)
 
 
 def _sha256(path: Path) -> str:

@@ -28,6 +28,7 @@ import math
 from pathlib import Path
 
 from dhelix.dsl.core.errors import OutputError
+from dhelix.dsl.core.outputfile import write_text_atomically
 
 
 def strict(record: dict) -> dict:
@@ -80,9 +81,7 @@ class StepLog:
             return
         kept = [line for line in path.read_text(encoding="utf-8").splitlines(keepends=True)
                 if _step_of(line) is None or _step_of(line) <= step]
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text("".join(kept), encoding="utf-8")
-        partial.replace(path)
+        write_text_atomically(path, "".join(kept), what="the log")
 
     def _failure(self, exc: OSError) -> OutputError:
         return OutputError(f"cannot write the log '{self.path}': {exc.strerror or exc}",
