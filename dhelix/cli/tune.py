@@ -148,7 +148,7 @@ def _write_best(output, outcome: Outcome, measurement, pricer: Pricer, text: str
     variant = pricer.variant(best.choice, load_modules(text, path))  # the file's own profile
     why = (f"the fastest of {outcome.choices:,} choices that fit" if measurement is None else
            f"the measured fastest of the {len(measurement.rows)} fastest predicted (predicted "
-           f"#{measurement.best.predicted_rank} of {outcome.choices:,} choices that fit)")
+           f"#{measurement.best.predicted_rank} of the {outcome.choices:,} choices searched)")
     header = (f"Written by `dhelix tune {path}` on {world} GPUs, profile {profile}: {why}.\nPredicted step "
               f"{best.seconds * 1e3:,.3f} ms, {best.sim.tokens_per_second:,.0f} tokens/s, MFU {best.sim.mfu:.1%}, "
               f"peak {best.sim.peak_rank.memory / 1e9:.2f} GB.")
