@@ -114,13 +114,9 @@ def cmd_tune(args) -> int:
                   "with its derived rates (peak, links, overlap) instead")
     measurement = None
     if args.measure is not None and outcome.top:
-        reporter = torchrun_world() in (None, (0, world))  # under torchrun, global rank 0 reports and writes
-        if reporter and not args.json:  # the search's table first: the measuring takes a while
-            sys.stdout.write(format_outcome(outcome, title) + "\n")
-            sys.stdout.flush()
-        measurement = measure_top(outcome.top[:args.measure], pricer, text, args.file, args.measure_steps)
-        if not reporter:
-            return 0
+        measurement = _measure(args, outcome, title, pricer, text, world)
+        if measurement is None:
+            return 0  # another rank of a torchrun world: global rank 0 reports and writes
     if args.json:
         print(json.dumps(_json(outcome, args.file, world, space.sequences, measurement), indent=1))
     elif measurement is not None:
@@ -138,6 +134,18 @@ def cmd_tune(args) -> int:
         print("no choice fits: " + _reasons(outcome), file=sys.stderr)
         return 1
     return 0
+
+
+def _measure(args, outcome: Outcome, title: str, pricer: Pricer, text: str, world: int):
+    """``--measure``: the search's table first (the measuring takes a while), then its
+    fastest run (:func:`~dhelix.cli.tune_measure.measure_top`); their Measurement, or None
+    on a torchrun rank other than global rank 0 (which alone prints)."""
+    reporter = torchrun_world() in (None, (0, world))
+    if reporter and not args.json:
+        sys.stdout.write(format_outcome(outcome, title) + "\n")
+        sys.stdout.flush()
+    measurement = measure_top(outcome.top[:args.measure], pricer, text, args.file, args.measure_steps)
+    return measurement if reporter else None
 
 
 def _write_best(output, outcome: Outcome, measurement, pricer: Pricer, text: str, path: str, world: int,
