@@ -143,3 +143,23 @@ def test_keeping_counts_intact_saves_only(tmp_path):
     (tmp_path / "step-000006" / "shard.distcp").write_bytes(b"cut")  # damaged after its save
     assert [p.name for p in beyond_kept(tmp_path, 2)] == ["step-000002"]
     assert beyond_kept(tmp_path, 5) == []
+
+
+def test_keeping_reads_the_manifest_not_the_sizes(tmp_path):
+    """A save whose bytes changed at the same size (a flipped byte, which --resume auto skips)
+    is not counted either: the good save a run resumed from is never removed in its favour,
+    and the run's own new save counts first."""
+    from dhelix.interpreter.training.manifest import beyond_kept, write_manifest
+
+    for step in (2, 4):
+        folder = tmp_path / f"step-{step:06d}"
+        folder.mkdir()
+        (folder / "shard.distcp").write_bytes(bytes(range(100)))
+        write_manifest(folder)
+    _flip_middle_byte(tmp_path / "step-000004" / "shard.distcp")
+    assert beyond_kept(tmp_path, 1) == []  # step 4 is damaged: step 2 is the one intact save
+    (tmp_path / "step-000003").mkdir()  # the resumed run's save (from step 2, step 4 skipped)
+    write_manifest(tmp_path / "step-000003")
+    written, resumed = tmp_path / "step-000003", tmp_path / "step-000002"
+    assert beyond_kept(tmp_path, 1, written=written, protected=[resumed]) == []
+    assert [p.name for p in beyond_kept(tmp_path, 1, written=written)] == ["step-000002"]

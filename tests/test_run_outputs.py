@@ -250,9 +250,181 @@ def test_a_full_disk_during_a_save_removes_it_and_names_the_save_kept(one_rank, 
     monkeypatch.setattr(dcp, "save", full)
     with pytest.raises(OutputError) as info:
         save(str(root), executor, optimizer, step=4, seed=1, global_sequences=2)
-    assert info.value.message == f"cannot save the checkpoint of step 4 to '{root}': No space left on device"
+    assert info.value.message == f"cannot save the checkpoint of step 4 to '{root}': No space left on device (rank 0)"
     assert info.value.notes == ("the partial save was removed", "the last good save, step-000002, is kept")
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002"]
+
+
+@pytest.mark.parametrize(("free", "reason"), [
+    (0, "No space left on device (ranks 1 and 2); Permission denied (rank 3)"),
+    (10 << 30, "a write failed (torch: unexpected pos 64 vs 0) (ranks 1 and 2); Permission denied (rank 3)"),
+])
+def test_every_rank_that_failed_to_save_is_named_with_its_cause(one_rank, tmp_path, monkeypatch, free, reason):
+    # torch.save on a full disk raises RuntimeError "unexpected pos" (no OSError); DCP hands
+    # every rank each rank's failure: all of them are named, a full disk by its free space.
+    import collections
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dhelix.dsl.core.errors import OutputError
+    from dhelix.interpreter.training.checkpoint import save, verify
+
+    executor, optimizer = one_rank
+    root = tmp_path / "ck"
+    save(str(root), executor, optimizer, step=2, seed=1, global_sequences=2)
+    torn = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    def full(state, checkpoint_id, **kwargs):
+        Path(checkpoint_id).mkdir()
+        (Path(checkpoint_id) / "__1_0.distcp").write_bytes(b"x" * 100)
+        raise CheckpointException("write", {1: (torn, None), 2: (torn, None),
+                                             3: (OSError(errno.EACCES, "Permission denied"), None)})
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(dcp, "save", full)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, (1 << 40) - free, free))
+    with pytest.raises(OutputError) as info:
+        save(str(root), executor, optimizer, step=4, seed=1, global_sequences=2)
+    assert info.value.message == f"cannot save the checkpoint of step 4 to '{root}': {reason}"
+    assert info.value.notes == ("the partial save was removed", "the last good save, step-000002, is kept")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002"]
+    assert verify(root / "step-000002") == []
+
+
+def test_a_save_that_fails_on_some_ranks_is_one_clean_error_naming_them(tmp_path):
+    from dhelix.interpreter.training.checkpoint import FULL_DISK_ENV
+    from test_training import write_program
+
+    saves = tmp_path / "ck"
+    result = dhelix_here("run", write_program(tmp_path, "dp2"), "--steps", "2", "--save", str(saves),
+                         "--save-every", "1", env={FULL_DISK_ENV: "1"}, cwd=tmp_path)
+    err = result.stderr
+    assert result.returncode == 1, err
+    assert err.startswith(f"error: cannot save the checkpoint of step 1 to '{saves}': a write failed (torch: "
+                          "unexpected pos 64 vs 0) (rank 1)\n"), err
+    assert err.count("error:") == 1 and "Traceback" not in err and "exited with code" not in err
+    assert "  note: the partial save was removed\n" in err
+    assert [p.name for p in saves.iterdir() if p.name.startswith(".partial")] == []
+
+
+def test_older_saves_are_removed_off_the_critical_path(one_rank, tmp_path, monkeypatch):
+    # Rank 0 removes what --keep drops in a thread of its own: the save returns (and the
+    # ranks go on to the next step's collectives) while a slow removal still runs.
+    import shutil
+    import threading
+
+    from dhelix.interpreter.training import checkpoint
+
+    executor, optimizer = one_rank
+    root = tmp_path / "ck"
+    for step in (1, 2):
+        checkpoint.save(str(root), executor, optimizer, step=step, seed=1, global_sequences=2, keep=2)
+    removing, done, where = threading.Event(), threading.Event(), []
+    real = shutil.rmtree
+
+    def slow(path, *args, **kwargs):
+        if Path(path).name.startswith("step-"):
+            where.append(threading.current_thread() is threading.main_thread())
+            removing.set()
+            done.wait(10)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", slow)
+    rotation = checkpoint.Rotation()
+    checkpoint.save(str(root), executor, optimizer, step=3, seed=1, global_sequences=2, keep=1, rotation=rotation)
+    assert removing.wait(10) and (root / "step-000001").is_dir()  # the save returned mid-removal
+    done.set()
+    rotation.join()
+    assert where == [False, False]
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["latest", "step-000003"]
+
+
+def test_a_branch_resume_with_keep_1_keeps_what_it_wrote_and_resumed_from(one_rank, tmp_path):
+    # A run resumed from step-000001 of a folder that also holds steps 2 and 3 (another
+    # branch) writes step 2 again: neither that save nor step 1 goes, and latest names it.
+    from dhelix.interpreter.training import checkpoint
+
+    executor, optimizer = one_rank
+    root = tmp_path / "ck"
+    for step in (1, 2, 3):
+        checkpoint.save(str(root), executor, optimizer, step=step, seed=1, global_sequences=2, keep=3)
+    rotation = checkpoint.Rotation(checkpoint.resolve(str(root / "step-000001")), background=False)
+    checkpoint.save(str(root), executor, optimizer, step=2, seed=1, global_sequences=2, keep=1, rotation=rotation)
+    assert [p.name for p in checkpoint.saves_in(root)] == ["step-000001", "step-000002", "step-000003"]
+    assert checkpoint.resolve(str(root)) == root / "step-000002" and checkpoint.verify(root / "step-000002") == []
+
+
+def test_two_runs_on_one_save_folder_the_second_is_refused(tmp_path, capsys):
+    from dhelix.interpreter.training.manifest import FolderLock
+
+    saves = tmp_path / "ck"
+    with FolderLock(saves):  # the first run, still saving
+        assert main(["run", EXAMPLE, "--save", str(saves)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --save {saves}: another run is saving to this folder (process ") and (
+            f"holds its lock '{saves / '.lock'}')" in err), err
+    # A run lets the lock go when it ends, however it ends (here: data that is not there).
+    assert main(["run", EXAMPLE, "--save", str(saves), "--data", str(tmp_path / "none")]) != 0
+    capsys.readouterr()
+    FolderLock(saves).acquire().release()
+
+
+def test_a_latest_pointer_holding_garbage_is_a_clean_error(one_rank, tmp_path):
+    from dhelix.interpreter.training.checkpoint import CheckpointError, latest, resolve, save
+
+    executor, optimizer = one_rank
+    root = tmp_path / "ck"
+    save(str(root), executor, optimizer, step=1, seed=1, global_sequences=2)
+    for garbage, shown in ((b"x" * 5000, repr("x" * 40) + "…"), (b"\xff\xfe", "<unreadable: UnicodeDecodeError>"),
+                           (b"step-000009\n", "step-000009")):
+        (root / "latest").write_bytes(garbage)
+        for read in (resolve, latest):
+            with pytest.raises(CheckpointError) as info:
+                read(str(root))
+            assert info.value.message == (f"the checkpoint '{root}' is damaged: its 'latest' file names no save of "
+                                          f"it ({shown})")
+            assert info.value.notes == (f"resume from one of its saves: --resume {root / 'step-000001'} "
+                                        "(--resume auto finds the newest intact one)",)
+
+
+# --- the step log: never an earlier run's, never in a checkpoint -----------------------------
+
+def test_an_earlier_runs_log_is_refused_not_truncated(tmp_path, capsys):
+    log = tmp_path / "train.jsonl"
+    log.write_text('{"step": 1, "loss": 5.0}\n')
+    assert main(["run", EXAMPLE, "--steps", "1", "--log", str(log)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dhelix: --log {log}: the file holds an earlier run's log (25 bytes), which this run "
+                          "would replace; it is refused, not overwritten nor appended to"), err
+    assert log.read_text() == '{"step": 1, "loss": 5.0}\n'
+
+
+@pytest.mark.parametrize("inside", ["latest", "step-000001/x.jsonl", "new.jsonl"])
+def test_an_output_inside_a_checkpoint_folder_is_refused(inside, tmp_path, capsys):
+    saves = tmp_path / "ck"
+    (saves / "step-000001").mkdir(parents=True)
+    (saves / "step-000001" / "dhelix.json").write_text("{}")
+    (saves / "latest").write_text("step-000001\n")
+    flag = "--log" if inside != "new.jsonl" else "--metrics"
+    assert main(["run", EXAMPLE, "--resume", str(saves), "--save", str(saves), flag, str(saves / inside)]) == 2
+    folder = saves / "step-000001" if inside.startswith("step-") else saves
+    assert (f"dhelix: {flag} {saves / inside}: that is inside the checkpoint folder '{folder}', whose files are "
+            "the checkpoint's; give a path outside it") in capsys.readouterr().err
+    assert (saves / "latest").read_text() == "step-000001\n"
+
+
+def test_the_step_log_has_a_name_torchrun_does_not_claim():
+    from torch.distributed.run import get_args_parser
+
+    from dhelix.cli.main import build_parser
+
+    torchrun = get_args_parser().parse_args(["--standalone", "--nproc-per-node", "2", "-m", "dhelix", "run",
+                                             "p.dhx", "--step-log", "out.jsonl"])
+    assert torchrun.training_script_args == ["run", "p.dhx", "--step-log", "out.jsonl"]
+    for flag in ("--step-log", "--log"):  # --log: the same option outside torchrun
+        assert build_parser().parse_args(["run", "p.dhx", flag, "out.jsonl"]).log == "out.jsonl"
 
 
 # --- non-finite steps and the strict log ------------------------------------------------------
@@ -339,6 +511,32 @@ def test_the_data_fingerprint_reads_the_windows_not_their_type():
     changed[0, 0] = 7
     assert fingerprint(Corpus(changed, windows[:2])) != fingerprint(wide)
     assert fingerprint(None) is None
+
+
+def test_the_data_fingerprint_reads_every_window():
+    # A change in a window that none of the 64 evenly spaced ones of the older fingerprint
+    # reads (row 1 of 1000) is seen; a resume says what it compared.
+    import torch
+
+    from dhelix.cli.run import resume_differences
+    from dhelix.interpreter.training.data import Corpus, fingerprint
+    from dhelix.interpreter.training.train import RunOptions
+
+    windows = torch.arange(9000).reshape(1000, 9)
+    changed = windows.clone()
+    changed[1, 3] = 7
+    before, after = fingerprint(Corpus(windows, windows[:2])), fingerprint(Corpus(changed, windows[:2]))
+    assert before["hashed"] == "all" and before != after
+    assert fingerprint(Corpus(windows, windows[:2]), sampled=True)["sha256"] == (
+        fingerprint(Corpus(changed, windows[:2]), sampled=True)["sha256"])
+    options = RunOptions(path="p.dhx", compiled=None, steps=8, seed=2, resume="ck")
+    same = {"seed": 2, "schedule": options.schedule()}
+    [warning] = resume_differences({**same, "data": {"fingerprint": before}}, options, after)
+    assert warning.notes[0] == "compared: the window count and a SHA-256 of every training token"
+    old = {k: v for k, v in before.items() if k != "hashed"}  # an older dhelix's save
+    [warning] = resume_differences({**same, "data": {"fingerprint": old}}, options, after)
+    assert warning.notes[0] == ("compared: the window count and a SHA-256 of 64 sampled windows (the saved run's "
+                                "dhelix fingerprinted no more)")
 
 
 def test_a_resumed_log_continues_rather_than_repeats(tmp_path):

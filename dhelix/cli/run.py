@@ -24,6 +24,7 @@ imported only when the command runs, so registering it keeps ``dhelix check`` to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -45,6 +46,7 @@ from dhelix.dsl.simulator.launch import priced_program
 from dhelix.dsl.planner.si_plan import SIMode
 from dhelix.dsl.simulator.runplan import build_run_plan, plan_run
 from dhelix.dsl.render.trace import trace_json
+from dhelix.interpreter.training.steplog import refuse_earlier_log
 from dhelix.interpreter.training.train import DEFAULT_KEEP  # torch-free at import
 
 
@@ -118,9 +120,11 @@ def _add_training_arguments(run) -> None:
                            "its shards; each rank reads only its slices) instead of seeded ones")
     data.add_argument("--export-weights", metavar="OUT.pt",
                       help="write the trained full weights as one torch.save state_dict of the reference model")
-    data.add_argument("--log", metavar="OUT.jsonl",
+    data.add_argument("--step-log", "--log", dest="log", metavar="OUT.jsonl",
                       help="write one JSON line per step (loss, lr, grad norm, step time, tokens/s, exposed "
-                           "communication, peak memory) and per evaluation")
+                           "communication, peak memory) and per evaluation; an existing log is continued by "
+                           "--resume and refused otherwise (--log is the same option outside torchrun, whose "
+                           "own options claim it)")
     data.add_argument("--warmup", type=int, metavar="N", help="linear learning-rate warm-up steps "
                                                               "(default: the train block's warmup, else 0)")
     data.add_argument("--lr-decay", choices=("cosine", "constant"), default="cosine",
@@ -143,7 +147,8 @@ def cmd_run(args) -> int:
     error every rank meets alike is reported once (:func:`_reported_elsewhere`)."""
     started = []
     try:
-        return _run(args, started)
+        with contextlib.ExitStack() as held:  # the --save folder's lock, let go when the command ends
+            return _run(args, started, held)
     except DhelixError as exc:
         if _reported_elsewhere(exc, bool(started)):
             _await_the_reporter(exc)
@@ -195,12 +200,14 @@ def _warn(warnings) -> None:
             print(warning if isinstance(warning, str) else warning.render(), file=sys.stderr)
 
 
-def _run(args, started: list) -> int:
-    """The body of :func:`cmd_run`; appends to ``started`` once the ranks begin to join."""
+def _run(args, started: list, held: contextlib.ExitStack) -> int:
+    """The body of :func:`cmd_run`; appends to ``started`` once the ranks begin to join; the
+    locks it takes go into ``held``."""
     _check_numbers(args)
     check_launch_numbers(args)
+    continuing = args.resume is not None  # --resume auto too: the same run, started again
     args.resume, verified = _resume_auto(args.save) if args.resume == "auto" else (args.resume, None)
-    outputs = _outputs(args)
+    outputs = _outputs(args, held)
     if args.check and args.json:
         raise UsageError("--check prints every step's comparison with the reference; it has no --json")
     if args.check and (outputs or args.resume):
@@ -244,6 +251,8 @@ def _run(args, started: list) -> int:
     for given in (options.data, options.eval_data):
         if given is not None:
             _refuse_data(outputs, given)
+    if "--log" in outputs:  # an earlier run's log only when continuing that run
+        refuse_earlier_log(outputs["--log"], continuing)
     _preflight_data(options, verified)
     _print_header(program, options, args, placed, nproc, choices)
     started.append(True)
@@ -267,13 +276,20 @@ def _run(args, started: list) -> int:
                   as_json=args.json)
 
 
-def _outputs(args) -> dict:
-    """The run's output files and folder by option, each checked (:mod:`dhelix.cli.paths`)."""
+def _outputs(args, held: contextlib.ExitStack) -> dict:
+    """The run's output files and folder by option, each checked (:mod:`dhelix.cli.paths`),
+    none inside a checkpoint folder; the --save folder's lock goes into ``held``."""
+    from dhelix.interpreter.training.manifest import inside_checkpoint
+
     outputs = {flag: output_path(value, flag, inputs=(args.file,))
                for flag, value in (("--trace", args.trace), ("--metrics", args.metrics), ("--log", args.log),
                                    ("--export-weights", args.export_weights)) if value}
+    for flag, path in outputs.items():
+        if (folder := inside_checkpoint(path, args.save)) is not None:
+            raise UsageError(f"{flag} {path}: that is inside the checkpoint folder '{folder}', whose files are the "
+                             "checkpoint's; give a path outside it")
     if args.save:
-        outputs["--save"] = _save_folder(args.save, args.resume)
+        outputs["--save"] = _save_folder(args.save, args.resume, held)
     return outputs
 
 
@@ -327,12 +343,17 @@ def _check_numbers(args) -> None:
             raise UsageError(f"{flag} needs --save DIR (where to save)")
 
 
-def _save_folder(text: str, resume: str | None) -> Path:
-    """``--save DIR`` as a folder the run may create or add saves to (probed), refused when it
-    holds another run's checkpoint: only a run resumed from that folder may save over it."""
+def _save_folder(text: str, resume: str | None, held: contextlib.ExitStack) -> Path:
+    """``--save DIR`` as a folder the run may create or add saves to (probed), locked for this
+    run (:class:`~dhelix.interpreter.training.manifest.FolderLock`, by global rank 0 under
+    torchrun; into ``held``: another run saving there is refused), refused when it holds
+    another run's checkpoint: only a run resumed from that folder may save over it."""
     from dhelix.interpreter.training.checkpoint import saves_in
+    from dhelix.interpreter.training.manifest import FolderLock
 
     path = output_folder(text, "--save")
+    if os.environ.get("RANK", "0") == "0" or "WORLD_SIZE" not in os.environ:
+        held.enter_context(FolderLock(path))
     saves = saves_in(path) if path.is_dir() else []
     # The same run: resumed from this folder or from one of its saves.
     same = resume is not None and os.path.realpath(path) in (
@@ -406,7 +427,8 @@ def _preflight_data(options, verified: list | None = None) -> None:
         if meta["step"] >= options.steps:
             raise UsageError(f"--resume {options.resume}: the checkpoint is at step {meta['step']}, and this run "
                              f"has {options.steps} steps in all; give --steps above {meta['step']}")
-        _warn(resume_differences(meta, options, data.fingerprint(corpus)))
+        saved = (meta.get("data") or {}).get("fingerprint") or {}
+        _warn(resume_differences(meta, options, data.fingerprint(corpus, sampled="hashed" not in saved)))
 
 
 def resume_differences(meta: dict, options, fingerprint: dict | None = None) -> list:
@@ -415,16 +437,23 @@ def resume_differences(meta: dict, options, fingerprint: dict | None = None) -> 
     :func:`~dhelix.interpreter.training.data.fingerprint`, against the saved one) and each
     setting of the learning-rate schedule the checkpoint stored."""
     from dhelix.dsl.core.errors import DhelixWarning
+    from dhelix.interpreter.training.data import FINGERPRINT_SAMPLES
 
     found = []
     saved = (meta.get("data") or {}).get("fingerprint")
-    if saved is not None and saved != fingerprint:
+    same = fingerprint is not None and saved is not None and all(
+        saved.get(key) == fingerprint.get(key) for key in ("windows", "sha256"))
+    if saved is not None and not same:
         now = "seeded random tokens" if fingerprint is None else f"{fingerprint['windows']} windows"
+        hashed = saved.get("hashed", f"{FINGERPRINT_SAMPLES} sampled windows")
+        compared = ("the window count and a SHA-256 of every training token" if hashed == "all" else
+                    f"the window count and a SHA-256 of {hashed} (the saved run's dhelix fingerprinted no more)")
         found.append(DhelixWarning(
             f"--resume {options.resume}: the training data differs from the saved run's ({saved['windows']} "
             f"windows, fingerprint {saved['sha256']}; now {now}"
             + ("" if fingerprint is None else f", fingerprint {fingerprint['sha256']}") + ")",
-            notes=["the steps continue by number over other data; give the saved run's --data to continue it"]))
+            notes=[f"compared: {compared}",
+                   "the steps continue by number over other data; give the saved run's --data to continue it"]))
     if meta.get("seed") is not None and meta["seed"] != options.seed:
         found.append(DhelixWarning(f"--resume {options.resume}: the run was saved with seed {meta['seed']}, this one "
                                    f"has {options.seed}; the data order changes from here",

@@ -4,10 +4,14 @@ A checkpoint folder ``DIR`` holds one sub-folder per save (``step-000010``) and 
 ``latest`` naming the last complete one. A save is written to a temporary folder, renamed
 into place once complete, and only then does ``latest`` (replaced atomically with
 ``os.replace``) point at it, after which all but the ``keep`` newest intact saves are removed
-(:func:`~.manifest.beyond_kept`: a damaged one never pushes out an intact one): a save
+(:func:`~.manifest.beyond_kept`: the manifest decides, and a damaged one never pushes out an
+intact one; neither the save just written nor the one the run resumed from is removed), by
+global rank 0 in a thread of its own (:class:`Rotation`) while the ranks train on: a save
 interrupted midway leaves the last good checkpoint as it was, and the next save removes what
 it left (``.partial-*`` of a process that is gone). A save that cannot be written (a full
-disk) removes its partial folder and raises OutputError naming the save that is kept.
+disk) removes its partial folder and raises OutputError naming every rank that failed and why
+(DCP gathers every rank's failure; ``torch.save`` on a full disk says only "unexpected pos",
+so a disk left with under a MiB is named full) and the save that is kept.
 
 Each save ends with a manifest (``manifest.json``: every file's size and SHA-256), written
 last and atomically before the folder is renamed into place; :func:`verify` checks a save
@@ -34,9 +38,11 @@ neither DTensor's placements nor a single DCP chunk describe.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -45,13 +51,13 @@ from pathlib import Path
 import torch
 
 from dhelix.dsl.core.errors import OutputError
+from dhelix.dsl.core.wording import join_words
 from dhelix.dsl.core.outputfile import write_atomically, write_text_atomically
 
 from dhelix.interpreter.verify.harness import gather_full
-from .manifest import (META, CheckpointDamaged, CheckpointError, beyond_kept,  # noqa: F401 (API)
-                       intact_saves, saves_in, verify, write_manifest)
+from .manifest import (LATEST, META, CheckpointDamaged, CheckpointError, beyond_kept,  # noqa: F401 (API)
+                       intact_saves, saves_in, verified_intact, verify, write_manifest)
 
-LATEST = "latest"
 FORMAT = 1
 #: The timeout of the process group that saves go through (a day): a save is never cut short
 #: by the collectives' ``--timeout``; a rank that dies meanwhile ends the run through its
@@ -59,6 +65,9 @@ FORMAT = 1
 SAVE_TIMEOUT_S = 24 * 3600.0
 #: Test-only: seconds global rank 0 waits before it writes its share of a save (a slow disk).
 SLOW_SAVE_ENV = "DHELIX_TEST_SLOW_SAVE"
+#: Test-only: the global ranks (``1,3``) whose writes of a save fail as on a full disk
+#: (torch.save's "unexpected pos", inside DCP).
+FULL_DISK_ENV = "DHELIX_TEST_FULL_DISK"
 
 
 @contextlib.contextmanager
@@ -91,7 +100,7 @@ def _owned_state(executor, optimizer) -> dict:
 
 def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequences: int, group=None,
          schedule: dict | None = None, keep: int = 1, program: dict | None = None,
-         data: dict | None = None) -> Path | None:
+         data: dict | None = None, rotation: Rotation | None = None) -> Path | None:
     """Save the run after ``step`` steps under ``root``, keeping the ``keep`` newest saves;
     returns the new save's folder on global rank 0 (None elsewhere). Every rank writes its
     share of the tensors, waiting for the others only in ``group`` (:func:`save_group`; None:
@@ -99,8 +108,9 @@ def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequenc
     ``schedule`` (the learning-rate schedule's settings) is stored beside the seed, for a
     resume to compare; ``program`` (its ``path`` and ``text``), so that ``dhelix generate CK``
     needs nothing else; ``data``, a data blend's sources and position (:func:`.data.saved_data`;
-    None: the step is the data position). Collective over the world. OutputError when it cannot be written (the
-    partial save is removed; the last good one is kept and named)."""
+    None: the step is the data position). ``rotation`` removes the older saves afterwards on global rank 0
+    (:class:`Rotation`; None: at once). Collective over the world. OutputError when it cannot be written,
+    naming every rank that failed and why (the partial save is removed; the last good one is kept and named)."""
     import torch.distributed as dist
 
     state = _owned_state(executor, optimizer)
@@ -109,6 +119,8 @@ def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequenc
     final = root_path / f"step-{step:06d}"
     if first:
         state["rng"] = torch.get_rng_state()
+    if first and rotation is not None:
+        rotation.join()  # the last save's removals are done before this one begins
     try:
         partial = _begin_save(root_path, final, group)
         if first and os.environ.get(SLOW_SAVE_ENV):
@@ -124,25 +136,115 @@ def save(root: str, executor, optimizer, *, step: int, seed: int, global_sequenc
             if data is not None:
                 meta["data"] = data
             _finish_save(meta, partial, final, root_path)
-    except (Exception, _checkpoint_exception()) as exc:  # DCP wraps the writer's OSError
-        cause = _first_failure(exc)
-        if isinstance(cause, OutputError) and isinstance(cause.__cause__, OSError):  # the manifest's, latest's
-            cause = cause.__cause__
-        if not isinstance(cause, OSError):
+    except (Exception, _checkpoint_exception()) as exc:  # DCP wraps each rank's failure
+        failed = _write_failures(exc, dist.get_rank(), root_path)
+        if not failed:
             raise
         if "partial" in locals():
             shutil.rmtree(partial, ignore_errors=True)
         kept = saves_in(root_path) if root_path.is_dir() else []
-        raise OutputError(f"cannot save the checkpoint of step {step} to '{root}': {cause.strerror or cause}",
+        raise OutputError(f"cannot save the checkpoint of step {step} to '{root}': {_by_reason(failed)}",
                           notes=["the partial save was removed",
                                  f"the last good save, {kept[-1].name}, is kept" if kept
                                  else "there is no earlier save"]) from None
     dist.barrier(group=group)  # rank 0 has renamed the save into place: it is complete
     if not first:
         return None
-    for old in beyond_kept(root_path, keep):
-        shutil.rmtree(old, ignore_errors=True)
+    (rotation or Rotation(background=False)).start(root_path, final, keep)
     return final
+
+
+class Rotation:
+    """Removes the saves that ``--keep`` drops (:func:`~.manifest.beyond_kept`) after each save,
+    on global rank 0, in a thread of its own (``background``): the other ranks are in the next
+    step's collectives meanwhile, and a slow delete (a save of many files) must never hold them
+    up nor be what their timeout blames. A new save and the end of the run :meth:`join` it.
+    Never removed: the save just written and ``resumed``, the save the run resumed from. Saves
+    verified once (their hashes read: the manifest decides) are remembered for the run."""
+
+    def __init__(self, resumed: Path | None = None, *, background: bool = True):
+        self.resumed, self.background = resumed, background
+        self._thread: threading.Thread | None = None
+        self._intact: dict[Path, bool] = {}
+
+    def start(self, root: Path, written: Path, keep: int) -> None:
+        """Remove what keeping the ``keep`` newest intact saves of ``root`` drops, ``written``
+        (just saved, intact) counted first; in the background unless made otherwise."""
+        self.join()
+        self._intact[written] = True
+        if not self.background:
+            self._remove(root, written, keep)
+            return
+        self._thread = threading.Thread(target=self._remove, args=(root, written, keep), name="dhelix-keep",
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        """Wait until the removal under way (if any) is done."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _remove(self, root: Path, written: Path, keep: int) -> None:
+        protected = [self.resumed] if self.resumed is not None else []
+        for old in beyond_kept(root, keep, written=written, protected=protected, intact=self._checked):
+            shutil.rmtree(old, ignore_errors=True)
+            self._intact.pop(old, None)
+
+    def _checked(self, folder: Path) -> bool:
+        if folder not in self._intact:
+            self._intact[folder] = verified_intact(folder)
+        return self._intact[folder]
+
+
+#: What torch's zip writer says when a write of ``torch.save`` failed (a full disk): the
+#: system's reason is not in it.
+_WRITE_FAILED = ("unexpected pos", "failed writing", "write failed")
+#: Free bytes under which a disk whose write failed is taken to be full.
+_FULL_DISK_BYTES = 1 << 20
+
+
+def _write_failures(exc: BaseException, rank: int, root: Path) -> dict[int, str]:
+    """Each failed rank's reason (rank → the system's words) when every failure in ``exc``
+    (DCP's CheckpointException holds every rank's; another error is this ``rank``'s own) is
+    one of writing the save; {} when one is not (a bug, raised as it is). A failure of
+    ``torch.save``'s writer carries no reason: a disk left with under a MiB is full."""
+    failures = getattr(exc, "failures", None) or {rank: exc}
+    reasons = {}
+    for failed, error in sorted(failures.items()):
+        error = error[0] if isinstance(error, tuple) else error
+        reason = _write_reason(error, root)
+        if reason is None:
+            return {}
+        reasons[failed] = reason
+    return reasons
+
+
+def _write_reason(error: BaseException, root: Path) -> str | None:
+    seen = error
+    while seen is not None:  # an OSError anywhere in the chain (OutputError from a file write)
+        if isinstance(seen, OSError):
+            return seen.strerror or str(seen)
+        seen = seen.__cause__ or seen.__context__
+    text = str(error)
+    found = [text.find(words) for words in _WRITE_FAILED if words in text]
+    if not isinstance(error, RuntimeError) or not found:
+        return None
+    try:
+        if shutil.disk_usage(root).free < _FULL_DISK_BYTES:
+            return os.strerror(errno.ENOSPC)
+    except OSError:
+        pass
+    return f"a write failed (torch: {text[min(found):].splitlines()[0][:200]})"
+
+
+def _by_reason(failed: dict[int, str]) -> str:
+    """``failed`` (rank → reason) in words: "No space left on device (ranks 1, 2 and 3)"."""
+    ranks: dict[str, list[int]] = {}
+    for rank, reason in failed.items():
+        ranks.setdefault(reason, []).append(rank)
+    return "; ".join(f"{reason} ({'rank' if len(of) == 1 else 'ranks'} {join_words(map(str, of))})"
+                     for reason, of in ranks.items())
 
 
 def _begin_save(root: Path, final: Path, group) -> Path:
@@ -167,9 +269,25 @@ def _begin_save(root: Path, final: Path, group) -> Path:
 def _write_shards(state: dict, partial: Path, group) -> None:
     """Every rank writes its ``state`` into ``partial`` through DCP over ``group`` (global
     rank 0 also writes DCP's metadata)."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(state, checkpoint_id=str(partial), process_group=group)
+    writer = None
+    if str(dist.get_rank()) in os.environ.get(FULL_DISK_ENV, "").split(","):
+        writer = _full_disk_writer(partial)
+    dcp.save(state, checkpoint_id=str(partial), process_group=group, storage_writer=writer)
+
+
+def _full_disk_writer(partial: Path):
+    """Test-only (:data:`FULL_DISK_ENV`): DCP's file writer whose writing fails as
+    ``torch.save`` fails on a full disk."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class FullDisk(FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    return FullDisk(str(partial))
 
 
 def _finish_save(meta: dict, partial: Path, final: Path, root: Path) -> None:
@@ -215,7 +333,8 @@ def _alive(pid: int) -> bool:
 
 def resolve(root: str) -> Path:
     """The save that ``root`` means: the one its ``latest`` names, or ``root`` itself when it
-    is one save of a checkpoint folder (``DIR/step-000010``); CheckpointError when neither."""
+    is one save of a checkpoint folder (``DIR/step-000010``); CheckpointError when neither, or when
+    ``latest`` does not name one of its saves (garbage, a folder that is gone)."""
     root_path = Path(root)
     pointer = root_path / LATEST
     if not pointer.is_file() and (root_path / META).is_file():
@@ -223,7 +342,17 @@ def resolve(root: str) -> Path:
     if not pointer.is_file():
         raise CheckpointError(f"'{root}' is not a dhelix checkpoint: it has no '{LATEST}' file",
                               notes=["give a folder that a run saved its checkpoints in"])
-    return root_path / pointer.read_text().strip()
+    try:
+        name = pointer.read_bytes()[:256].decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        name = f"<unreadable: {getattr(exc, 'strerror', None) or type(exc).__name__}>"
+    saves = saves_in(root_path)
+    if name not in {save.name for save in saves}:
+        shown = name if len(name) <= 40 and name.isprintable() else f"{name[:40]!r}…"
+        raise CheckpointError(f"the checkpoint '{root}' is damaged: its '{LATEST}' file names no save of it ({shown})",
+                              notes=[f"resume from one of its saves: --resume {saves[-1]} (--resume auto finds the "
+                                     "newest intact one)" if saves else "it holds no save (step-*)"])
+    return root_path / name
 
 
 def latest(root: str) -> tuple[Path, dict]:

@@ -36,6 +36,8 @@ torch only (no NumPy, which the CPU build of torch may lack).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import math
 from pathlib import Path
@@ -318,6 +320,11 @@ class DataSource:
         #: A blend's epoch orders: source → (epoch, order).
         self._source_orders: dict[int, tuple[int, torch.Tensor]] = {}
 
+    @functools.cached_property
+    def fingerprint(self) -> dict | None:
+        """The corpus's :func:`fingerprint`, read once (every token of it) and kept."""
+        return fingerprint(self.corpus)
+
     @property
     def global_sequences(self) -> int:
         """Sequences in one step's global batch (dp · microbatches · micro_batch)."""
@@ -419,15 +426,19 @@ class DataSource:
         return Batch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous())
 
 
-#: How many evenly spaced windows of a corpus its fingerprint reads (bounded: a corpus of
-#: any size is fingerprinted in the same small time).
+#: How many evenly spaced windows the fingerprint of an older dhelix read (its saves carry no
+#: ``hashed``; a resume from one compares those windows only, and says so).
 FINGERPRINT_SAMPLES = 64
+#: The token ids a fingerprint hashes at a time (as int32: the same ids hash alike whatever
+#: integer type their file stores).
+FINGERPRINT_BLOCK = 1 << 22
 
 
-def fingerprint(corpus: Corpus | BlendedCorpus | None) -> dict | None:
+def fingerprint(corpus: Corpus | BlendedCorpus | None, *, sampled: bool = False) -> dict | None:
     """What identifies the training data a run reads: its window count and the SHA-256 of
-    up to :data:`FINGERPRINT_SAMPLES` evenly spaced training windows (every source's, for a
-    blend); None for seeded random tokens."""
+    every training window (every source's, for a blend), read in blocks; ``sampled``: of
+    :data:`FINGERPRINT_SAMPLES` evenly spaced windows only, as an older dhelix's saves have it.
+    ``hashed`` says which ("all" or "64 sampled windows"). None for seeded random tokens."""
     if corpus is None:
         return None
     parts = corpus.parts if isinstance(corpus, BlendedCorpus) else (corpus,)
@@ -435,16 +446,29 @@ def fingerprint(corpus: Corpus | BlendedCorpus | None) -> dict | None:
     for part in parts:
         windows = part.train
         n = windows.shape[0]
-        for row in sorted({i * n // FINGERPRINT_SAMPLES for i in range(min(n, FINGERPRINT_SAMPLES))}):
-            digest.update(repr(windows[row].tolist()).encode())  # ids, whatever the file's integer type
-    return {"windows": training_sequences(corpus), "sha256": digest.hexdigest()[:16]}
+        if sampled:
+            for row in sorted({i * n // FINGERPRINT_SAMPLES for i in range(min(n, FINGERPRINT_SAMPLES))}):
+                digest.update(repr(windows[row].tolist()).encode())  # ids, whatever the file's integer type
+            continue
+        rows = max(1, FINGERPRINT_BLOCK // max(1, windows[0].numel() if n else 1))
+        for first in range(0, n, rows):
+            block = windows[first:first + rows].to(torch.int32).contiguous()
+            digest.update(_raw_bytes(block))
+    found = {"windows": training_sequences(corpus), "sha256": digest.hexdigest()[:16]}
+    return {**found, "hashed": f"{FINGERPRINT_SAMPLES} sampled windows" if sampled else "all"}
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU ``tensor``, not copied (without NumPy, which this module
+    does without); valid while ``tensor`` lives."""
+    return memoryview((ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr()))
 
 
 def saved_data(spec, source: DataSource) -> dict | None:
     """What a checkpoint stores about the data of ``spec``: its :func:`fingerprint`, and a
     blend's sources, weights and position (``source``'s); None for seeded random tokens."""
     saved = {}
-    if (found := fingerprint(source.corpus)) is not None:
+    if (found := source.fingerprint) is not None:
         saved["fingerprint"] = found
     position = source.position()
     if position is not None and isinstance(spec, Blend):

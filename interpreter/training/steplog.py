@@ -18,6 +18,9 @@ Every line is a step or an evaluation: no metadata rows (a table reader such as
 ``pandas.read_json(lines=True)`` gets one column per figure). When ``tensorboard`` is
 installed the same scalars also go to a TensorBoard event folder beside the log
 (``OUT.tb/``); without it ``dhelix run``'s last lines say so.
+
+A log that already holds lines is continued by a resumed run and refused otherwise
+(:func:`refuse_earlier_log`): an earlier run's log is never truncated nor mixed with another's.
 """
 
 from __future__ import annotations
@@ -48,6 +51,22 @@ def _step_of(line: str) -> int | None:
     except (ValueError, AttributeError):
         return None
     return step if isinstance(step, int) else None
+
+
+def refuse_earlier_log(path: str | Path, continuing: bool) -> None:
+    """UsageError when the log ``path`` already holds lines and the run does not continue
+    (``continuing``: ``--resume``, ``auto`` included) the run that wrote them: an earlier
+    run's log is never truncated (nor appended to, which would mix two runs' steps). An empty
+    file, a device or a pipe is written as it is."""
+    from dhelix.dsl.core.errors import UsageError
+
+    target = Path(path)
+    if continuing or not target.is_file() or target.stat().st_size == 0:
+        return
+    raise UsageError(f"--log {path}: the file holds an earlier run's log ({target.stat().st_size} bytes), which this "
+                     "run would replace; it is refused, not overwritten nor appended to",
+                     notes=["give another file, remove this one, or continue that run with --resume (its log is "
+                            "then continued)"])
 
 
 class StepLog:

@@ -271,6 +271,11 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
     tokens = source.global_sequences * executor.program.model.get("seq")
     losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": [], "core_wait": [], "lanes": []}, [], []
     log = StepLog(options.log if rank == 0 else None, tokens, resumed=start if options.resume else None)
+    rotation = None
+    if options.save and rank == 0:  # the older saves are removed off the training's critical path
+        from .checkpoint import Rotation, resolve
+
+        rotation = Rotation(resolve(options.resume) if options.resume else None)
     schedule = options.lr_schedule(start)
     bar = tqdm(range(start, options.steps), desc="training", unit="step", disable=None if rank == 0 else True,
                file=sys.stderr)
@@ -298,10 +303,16 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
                 save(options.save, executor, optimizer, step=step + 1, seed=options.seed,
                      global_sequences=source.global_sequences, group=saving, schedule=options.schedule(),
                      keep=options.keep, program={"path": os.path.abspath(options.path), "text": options.compiled.text},
-                     data=saved_data(options.data, source))
+                     data=saved_data(options.data, source) if rank == 0 else None, rotation=rotation)
             bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
                             step_ms=f"{1e3 * times['step'][-1]:.1f}")
     bar.close()
+    if options.save:  # the last removals: the others wait for them here, not in a collective under --timeout
+        import torch.distributed as dist
+
+        if rotation is not None:
+            rotation.join()
+        dist.barrier(group=saving)
     return losses, times, evals, tuple(skipped)
 
 
