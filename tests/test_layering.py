@@ -1,7 +1,7 @@
 """The architecture as a test: each stage package of dsl/ imports only the stages before it, and
 each room of interpreter/ only the rooms below it.
 
-dsl order: core → frontend → passes → planner → simulator → render → search. ``core`` imports nothing of
+dsl order: core → frontend → passes → planner → simulator → fidelity → render → search. ``core`` imports nothing of
 dhelix; ``dsl`` never imports torch, the interpreter or the command line.
 
 interpreter rooms, top to bottom: launch and measure → training → execute → verify → ops. A room
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-STAGES = ("core", "frontend", "passes", "planner", "simulator", "render", "search")
+STAGES = ("core", "frontend", "passes", "planner", "simulator", "fidelity", "render", "search")
 #: The interpreter's rooms by level, top first; a room may import the rooms of later levels.
 ROOMS = (("launch", "measure"), ("training",), ("execute",), ("verify",), ("ops",))
 DYNAMIC = ("import_module", "__import__")

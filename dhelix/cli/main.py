@@ -39,6 +39,7 @@ COMMANDS = (
     "tune",
     "run",
     "profile",
+    "calibrate",
     "generate",
     "checkpoint",
 )

@@ -26,6 +26,17 @@ RUNNABLE_DTYPES = ("fp32", "bf16", "fp16")
 #: their gradients in the model dtype.
 MAIN_GRAD_DTYPE = "fp32"
 
+#: FP8 training (Transformer Engine's and torchao's float8 recipes) runs its GEMMs in fp8 and
+#: keeps every other tensor — activations between ops, attention, norms, the collectives that
+#: move them, the weights' master copies — in bf16: the dtype of all but the GEMMs.
+FP8_REST = "bf16"
+
+
+def tensor_dtype(dtype: str, gemm: bool) -> str:
+    """The dtype a model trained in ``dtype`` computes and moves an op's tensors in: the
+    model's, but under fp8 only for a GEMM's (``gemm``) and :data:`FP8_REST` elsewhere."""
+    return FP8_REST if dtype == "fp8" and not gemm else dtype
+
 
 def dtype_bytes(dtype: str) -> int:
     """Bytes per element of ``dtype`` (one of :data:`DTYPES`); raises DhelixError naming

@@ -22,7 +22,7 @@ import yaml
 
 from dhelix.dsl.core.mesh import COMM_LANES
 from dhelix.dsl.frontend.kernel_terms import NONE as NO_KERNEL_TERMS, Kernels
-from dhelix.dsl.frontend.profiles import (COLLECTIVES, COMPUTE_BOUND, DTYPES, MEMORY_BOUND, OEF_CLASSES,
+from dhelix.dsl.frontend.profiles import (COLLECTIVES, COMPUTE_BOUND, DTYPES, MEMORY_BOUND, OEF_CLASSES, OPTIONAL_ACHIEVED,
                                           STAMP_KEYS, Measured, Profile)
 
 _PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.@-]*")
@@ -49,7 +49,7 @@ def render_profile(profile: Profile, notes: Mapping[str, str] | None = None, hea
         out.value("optimizer_gbps", _num(profile.optimizer_gbps), "optimizer_gbps")
     out.blank()
     out.section("achieved", "achieved")
-    for cls in COMPUTE_BOUND + MEMORY_BOUND:
+    for cls in (c for c in COMPUTE_BOUND + MEMORY_BOUND + OPTIONAL_ACHIEVED if c in profile.achieved):
         out.value(cls, _num(profile.achieved[cls]), f"achieved.{cls}", 1)
     out.blank()
     out.section("links", "links")

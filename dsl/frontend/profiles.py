@@ -17,6 +17,7 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
     achieved*:                        # fraction (0, 1] of the peak an op class reaches:
       gemm, attention, router         #   of peak_tflops (compute-bound classes)
       norm, add, activation, permute  #   of hbm_gbps (memory-bound classes)
+      gemm_fp8                        #   optional: of the fp8 peak, an fp8 GEMM (absent: gemm's)
     links*:
       local*: {bw_gbps*, latency_us*} # node-local collectives: NCCL bus bandwidth
       cross*: {bw_gbps*, latency_us*} # cross-node: bandwidth per GPU
@@ -81,6 +82,9 @@ from dhelix.dsl.frontend.kernel_terms import NONE as NO_KERNEL_TERMS, Kernels, r
 
 COMPUTE_BOUND = ("gemm", "attention", "router")
 MEMORY_BOUND = ("norm", "add", "activation", "permute")
+#: Fractions a profile may add: ``gemm_fp8``, of the fp8 peak an fp8 GEMM reaches (absent:
+#: ``gemm``'s; an fp8 GEMM's casts and scaling keep it further from its doubled peak).
+OPTIONAL_ACHIEVED = ("gemm_fp8",)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p", "reduce", "broadcast")
 COLLECTIVE_MODELS = ("ring", "ring_allreduce", "pairwise", "p2p", "rooted")
 DEFAULT_MODELS = {"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": "ring_allreduce",
@@ -288,7 +292,7 @@ def _build(reader: "_Reader", top: dict, path: str) -> Profile | None:
         description=reader.string(top["description"], "description") if "description" in top else "",
         peak_tflops=_peak(reader, top.get("peak_tflops")),
         hbm_gbps=reader.number(top.get("hbm_gbps"), "hbm_gbps", positive=True),
-        achieved=reader.number_map(top.get("achieved"), "achieved", COMPUTE_BOUND + MEMORY_BOUND,
+        achieved=reader.number_map(top.get("achieved"), "achieved", COMPUTE_BOUND + MEMORY_BOUND + OPTIONAL_ACHIEVED,
                                    COMPUTE_BOUND + MEMORY_BOUND, positive=True, high=1.0),
         links=_links(reader, top.get("links")),
         collectives=_collectives(reader, top.get("collectives")),

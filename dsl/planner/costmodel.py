@@ -28,6 +28,9 @@ Modelling choices, with their reasons:
   writes the rounded weight; fp32 training has no separate master: the weight is it),
   streamed at the profile's ``optimizer_gbps`` when `dhelix profile` measured one, else at
   ``hbm_gbps × achieved.activation``.
+* **FP8** models run their GEMMs in fp8 and every other op, and every collective, in bf16
+  (:func:`~dhelix.dsl.core.dtypes.tensor_dtype`): attention at the bf16 peak, a norm moving
+  2-byte elements.
 * **Collectives** (NOTES §3.6, NCCL ring conventions), with ``S`` the full tensor bytes, ``g``
   the group size, ``α`` the lane's latency and ``B`` its bandwidth times the profile's
   efficiency for that collective on that lane: ring ``α(g-1) + S(g-1)/g/B`` (all_gather,
@@ -42,7 +45,7 @@ import math
 
 import attrs
 
-from dhelix.dsl.core.dtypes import dtype_bytes
+from dhelix.dsl.core.dtypes import dtype_bytes, tensor_dtype
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.oplib import LINK, SPLIT_OPS, base_kind
 from dhelix.dsl.frontend.kernel_terms import ATTENTION_KERNELS, SCORE_PASSES_BACKWARD, SCORE_PASSES_FORWARD
@@ -274,6 +277,8 @@ def _compute_seconds(op, profile: Profile, dtype: str, seq: int | None) -> float
         return _materialized_attention_seconds(op, profile, dtype, seq)
     if op_class in COMPUTE_BOUND:
         if base_kind(op.op) in SPLIT_OPS:
+            if dtype == "fp8":
+                achieved = profile.achieved.get("gemm_fp8", achieved)
             achieved *= terms.gemm_fill(*_gemm_output(op))
         seconds = max(flops / (profile.peak_flops(dtype) * achieved), moved / hbm)
     else:
@@ -321,6 +326,7 @@ def op_tasks(op, profile: Profile, dtype: str, *, seq: int | None = None) -> tup
     """The lane work of ``op``: one task, or two for a carrying ring-attention step (its
     compute on the compute lane and its P2P on the ring's lane, running together)."""
     kind = _collective_kind(op)
+    dtype = tensor_dtype(dtype, kind is None and base_kind(op.op) in SPLIT_OPS)
     tasks = []
     if kind is None or op.op_class == "ring_attention":
         keys = tuple(dict.fromkeys((op.name, op.op, op.op_class)))

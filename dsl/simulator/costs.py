@@ -39,7 +39,7 @@ from typing import Callable
 
 import attrs
 
-from dhelix.dsl.core.dtypes import MAIN_GRAD_DTYPE, dtype_bytes
+from dhelix.dsl.core.dtypes import MAIN_GRAD_DTYPE, dtype_bytes, tensor_dtype
 from dhelix.dsl.core.mesh import REPLICATE, SHARD, ranks_per_node
 from dhelix.dsl.core.oplib import END_OPS, in_weight_pass, selective_drops
 from dhelix.dsl.planner.costmodel import collective_time, op_time
@@ -191,7 +191,7 @@ def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None
     cost = cost or cost_of(program)
     mesh, model = program.mesh, program.model
     dtype = model.dtype
-    p2p_bytes = float(math.prod(program.forward.input_shape) * dtype_bytes(dtype))
+    p2p_bytes = float(math.prod(program.forward.input_shape) * dtype_bytes(tensor_dtype(dtype, gemm=False)))
     pp_lane = mesh.lane("pp") if mesh.size("pp") > 1 else "local"
     p2p_seconds = collective_time("p2p", p2p_bytes, 2, pp_lane, program.profile)
     return StepCosts(
@@ -245,7 +245,7 @@ def head_costs(program: Program) -> HeadCosts:
     tp_lane = mesh.lane("tp") if tp > 1 else "local"
     tokens = program.forward.input_shape[0] * tp  # micro_batch · seq / cp, gathered over tp
     local, full, logits = (tokens // tp, hidden), (tokens, hidden), (tokens, vocab / tp)
-    size = dtype_bytes(dtype)
+    size = dtype_bytes(tensor_dtype(dtype, gemm=False))
     streaming = profile.hbm_gbps * 1e9 * profile.achieved.get("activation", 1.0)
 
     def run(op: Op) -> Work:
