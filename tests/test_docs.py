@@ -55,3 +55,16 @@ def test_the_readme_lists_the_commands_that_draw_its_pictures():
     for command in _figures().PICTURES:
         assert command in text
         assert (ROOT / command.split(" -o ")[1]).is_file()
+
+
+def test_the_readme_promises_the_compare_columns_that_simulate_prints():
+    # Issue 53: it promised a plain 1F1B baseline column that --compare never printed.
+    from dhelix.dsl.passes.pipeline import check_text
+    from dhelix.dsl.simulator.report import compare
+
+    text = (ROOT / "README.md").read_text()
+    entry = next(line for line in text.splitlines() if line.startswith("| `dhelix simulate FILE"))
+    path = ROOT / "examples" / "tiny_llama_centauri_cpu.dhx"
+    labels = [sim.label for sim in compare(check_text(path.read_text(), str(path)))[1:]]
+    assert labels and all(f'"{label}"' in entry for label in labels), labels
+    assert "baseline" not in entry

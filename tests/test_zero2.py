@@ -42,6 +42,13 @@ def test_zero2_reduce_scatters_each_micro_batch_s_layer_gradients_where_zero1_do
     assert two.step_time > one.step_time
 
 
+def test_the_simulation_names_zero2_not_zero1():
+    from dhelix.dsl.simulator.report import describe
+
+    assert describe(simulate(program(2))).endswith("ZeRO-2 (optimizer states and gradients sharded)")
+    assert describe(simulate(program(1))).endswith("ZeRO-1 optimizer")
+
+
 def test_gradients_are_reduced_in_fp32_and_weights_gathered_in_the_model_dtype():
     # The interpreter reduces the fp32 main gradients (as Megatron-LM does for bf16) and
     # gathers ZeRO-1's updated weights in their own dtype: the simulator sends what it sends.

@@ -160,6 +160,11 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
         better, moves = _refined(steps, tables, cost, rules)
         if moves:
             pairs, total = better, sum((pair.time for pair in better), 0.0)
+    # Never slower than the strands one after the other (a bounded search can end there): then
+    # run them so, each whole whatever the search's segment bound (a bound of the search only).
+    alone = _one_after_the_other(sides, cost)
+    if sum(pair.time for pair in alone) < total:
+        pairs, total = alone, sum((pair.time for pair in alone), 0.0)
     stats = SearchStats(count_orders(tables[0].strand), count_orders(tables[1].strand),
                         len(tables[0].prefixes), len(tables[1].prefixes), tables[0].strand.window,
                         tables[1].strand.window, max_segment, matrix.evaluations, moves)
@@ -534,6 +539,19 @@ def _step_cost(cost: SegmentCost, rules: PairingRules, fseg: tuple[Op, ...], bse
     if not fseg or not bseg:
         return cost.solo(fseg or bseg)
     return INF if restriction(fseg, bseg, rules) else cost.pair(fseg, bseg)
+
+
+def _one_after_the_other(sides: tuple[Strand, Strand], cost: SegmentCost) -> tuple[SegmentPair, ...]:
+    """The sequential plan's segment pairs (:func:`~dhelix.dsl.planner.si_plan.sequential_plan`):
+    the whole forward strand alone, then the whole backward strand alone, each issued in its
+    canonical order, at its solo time."""
+    pairs = []
+    for side, strand in enumerate(sides):
+        ops = tuple(strand.ops[i] for i in canonical(strand, (1 << len(strand.ops)) - 1))
+        if ops:
+            names, time = tuple(op.name for op in ops), _solo(cost, ops)
+            pairs.append(SegmentPair(*((names, ()) if side == 0 else ((), names)), time, time))
+    return tuple(pairs)
 
 
 def _solo(cost: SegmentCost, ops: Sequence[Op]) -> float:

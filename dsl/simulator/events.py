@@ -635,4 +635,5 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         ranks=ranks, tokens=float(sequences * model.get("seq")),
         flops=megatron_flops_per_iteration(model, sequences), world=mesh.world,
         peak_flops=program.profile.peak_flops(model.dtype), events=tuple(run.events), counters=counters,
-        fsdp=run.fsdp, gather_under_forward=run.overlap_gather, shard=mesh.dp_shard if run.fsdp else 0)
+        fsdp=run.fsdp, gather_under_forward=run.overlap_gather, shard=mesh.dp_shard if run.fsdp else 0,
+        zero=max(train.zero, int(zero1)))

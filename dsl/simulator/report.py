@@ -104,7 +104,8 @@ def describe(sim: Simulation) -> str:
     optimizer = (f"ZeRO-3 (HSDP: layer weights and gradients sharded over groups of {sim.shard} dp ranks, "
                  "replicated across them)" if sim.shard else
                  "ZeRO-3 (FSDP: layer weights and gradients sharded)" if sim.fsdp else
-                 "ZeRO-1 optimizer" + (", weight gather under the next forward" if sim.gather_under_forward else "")
+                 ("ZeRO-2 (optimizer states and gradients sharded)" if sim.zero == 2 else "ZeRO-1 optimizer")
+                 + (", weight gather under the next forward" if sim.gather_under_forward else "")
                  if sim.zero1 else "replicated optimizer")
     return f"{sim.program}: {sim.pipeline}, fold {sim.fold}, p={p} m={m} v={v}, {si}, {optimizer}"
 

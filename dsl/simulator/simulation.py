@@ -59,6 +59,8 @@ class Simulation:
     gather_under_forward: bool = False
     #: Hybrid sharding: the size of ZeRO-3's shard groups (0: none).
     shard: int = 0
+    #: The ZeRO stage (the train block's ``zero``, at least 1 with ``zero1``).
+    zero: int = 0
 
     @property
     def step_time(self) -> float:
