@@ -45,12 +45,13 @@ TORCH_ONLY = ("import sys\n"
 
 
 def timed(command: list[str]) -> tuple[float | None, float]:
-    """(seconds until a line starting ``dhelix run:`` appeared, seconds until exit) of ``command``."""
+    """(seconds until the header ``dhelix run: FILE: … rank(s) …`` appeared — not the line the
+    command prints at once, before compiling — and seconds until exit) of ``command``."""
     start = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     header = None
     for line in proc.stdout:
-        if header is None and line.startswith("dhelix run:"):
+        if header is None and line.startswith("dhelix run:") and " rank(s), " in line:
             header = time.monotonic() - start
     if proc.wait() != 0:
         raise SystemExit(f"{' '.join(command)} failed")

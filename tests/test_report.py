@@ -106,6 +106,31 @@ def test_the_output_must_be_html_and_not_the_run_file(tmp_path, capsys):
     assert json.loads(metrics.read_text()) == METRICS
 
 
+def test_the_metrics_of_another_program_are_refused_and_unfingerprinted_ones_warned(tmp_path, capsys):
+    # Issue 53, item 14: another program's metrics.json was taken silently.
+    from dhelix.cli.report import same_program
+    from dhelix.dsl.frontend.imports import sources_digest
+    from dhelix.dsl.passes.pipeline import check_text
+
+    text = EXAMPLE.read_text()
+    digest = sources_digest(check_text(text, str(EXAMPLE)).files, text)
+    metrics = tmp_path / "m.json"
+    metrics.write_text(json.dumps({**METRICS, "program": {"sources_sha256": "0123456789abcdef"}}))
+    assert main(["report", str(EXAMPLE), "-o", str(tmp_path / "r.html"), "--run", str(metrics)]) == 2
+    assert capsys.readouterr().err == (
+        f"dhelix: --run {metrics}: those are the metrics of a run of another program ('examples/tiny_llama_cpu.dhx', "
+        f"sources 0123456789abcdef), not of {EXAMPLE} as it is now (sources {digest}); give the metrics "
+        f"`dhelix run {EXAMPLE} --metrics OUT.json` writes\n")
+    assert not (tmp_path / "r.html").exists()
+    same_program({**METRICS, "program": {"sources_sha256": digest}}, "m.json", "t.dhx", digest)
+    assert capsys.readouterr().err == ""  # its own program's: nothing said
+    same_program(METRICS, "m.json", "t.dhx", digest)  # an older dhelix's, without the fingerprint
+    assert capsys.readouterr().err.startswith("warning: --run m.json: these metrics name no fingerprint of their "
+                                              "program (an older dhelix wrote them): nothing tells they are a run "
+                                              "of t.dhx")
+    assert sources_digest(check_text(text, str(EXAMPLE)).files, text + "# edited\n") != digest
+
+
 def _chromium(page: Path, tmp_path: Path) -> tuple[str, str]:
     """The DOM Chromium renders from ``page`` and what it logged (console messages included)."""
     result = subprocess.run(

@@ -50,6 +50,24 @@ def test_run_prints_the_summary_and_writes_a_trace(example_run):
     out = result.stdout
     assert "w_helix, tp 2 × pp 2 on 4 gloo rank(s), SI on" in out
     assert f"devices: cpu on every rank ({socket.gethostname()})" in out  # never CPU without saying so
+    # Issue 53, items 14 and 10: the first line at once; what data trains; how much of the
+    # held-out data the evaluation covers.
+    assert out.startswith(f"dhelix run: {EXAMPLE}: compiling, then checking that it fits this machine's memory "
+                          "before any rank starts\n")
+    docs = ROOT / "docs" / "*.md"
+    assert (f"\n  data: {docs} (the train block's data; text as byte-level tokens, token files as stored; held out: "
+            "the last 10% of its tokens)\n") in out
+    metrics = json.loads(example_run[2].read_text())
+    evaluated, total = metrics["held_out_windows"]["evaluated"], metrics["held_out_windows"]["of"]
+    assert evaluated == 16 < total  # one global batch: micro_batch 2 × 8 micro-batches
+    assert (f"after step 2, over 16 of the {total} held-out windows of seq + 1 tokens (one global batch: the first 16; "
+            f"the other {total - 16} are not evaluated)") in out
+    assert metrics["data"] in out
+    # The fingerprint `dhelix report --run` compares: the program's sources as it ran.
+    from dhelix.dsl.frontend.imports import sources_digest
+
+    text = Path(EXAMPLE).read_text()
+    assert metrics["program"] == {"sources_sha256": sources_digest(check_text(text, EXAMPLE).files, text)}
     for row in ("step time", "exposed comm", "peak act.", "simulator:"):
         assert row in out
     loaded = json.loads(trace.read_text())
@@ -173,6 +191,35 @@ def test_the_summary_is_medians_without_the_first_step_beside_the_simulator():
     assert "     step time     350.00ms" in text and "     peak act.     3.000MiB" in text
 
 
+def test_the_header_says_what_data_trains_and_random_tokens_when_none_is_given():
+    from dhelix.interpreter.training.data import Blend, DataSpec
+    from dhelix.interpreter.training.summary import describe_data, held_out_extent
+
+    assert describe_data(None) == "seeded random tokens (no data given: --data, or the train block's data)"
+    assert describe_data(DataSpec("/d/a.npy", flag="--data"), DataSpec("/d/e.txt", flag="--eval-data")) == (
+        "/d/a.npy (given by --data; text as byte-level tokens, token files as stored; held out: /d/e.txt (--eval-data))")
+    blend = Blend((DataSpec("/w", flag="--data", tokenizer="/t.json"), DataSpec("/c", flag="--data")), (0.7, 0.3))
+    assert describe_data(blend) == ("a blend of /w (0.7), /c (0.3) (given by --data; text through the tokenizer "
+                                    "/t.json, token files as stored; held out: the last 10% of its tokens (of each "
+                                    "source))")
+    assert held_out_extent((12, 12)) == "all 12 held-out window(s) of seq + 1 tokens"
+    assert held_out_extent(None) == "one global batch of seeded random tokens"
+
+
+def test_the_held_out_coverage_counts_the_distinct_windows_one_evaluation_reads():
+    import torch
+
+    from dhelix.interpreter.training.data import BlendedCorpus, Corpus, DataSource
+
+    program = check_text(Path(EXAMPLE).read_text(), EXAMPLE)  # a global batch of 16 sequences
+    windows = lambda n: torch.zeros(n, 33, dtype=torch.long)  # noqa: E731
+    assert DataSource(program, 1, 0, Corpus(windows(40), windows(57))).held_out_coverage() == (16, 57)
+    assert DataSource(program, 1, 0, Corpus(windows(40), windows(5))).held_out_coverage() == (5, 5)  # repeated
+    blend = BlendedCorpus((Corpus(windows(40), windows(3)), Corpus(windows(40), windows(50))), (0.5, 0.5))
+    assert DataSource(program, 1, 0, blend).held_out_coverage() == (3 + 8, 53)
+    assert DataSource(program, 1, 0, None).held_out_coverage() is None
+
+
 def test_the_summary_says_plainly_when_ranks_share_fewer_cores():
     from dhelix.interpreter.training.summary import shared_cores
 
@@ -240,7 +287,8 @@ def test_full_recomputation_runs_exactly_and_keeps_fewer_activations(tmp_path, e
     assert checked.returncode == 0, checked.stderr  # loss and every gradient equal to the reference
     # Steps counted from 1, as the summary and the log count them; a verdict at the end.
     lines = checked.stdout.splitlines()
-    assert lines[1].startswith("step 1: loss") and lines[2].startswith("step 2: loss")
+    steps = [line for line in lines if line.startswith("step ")]
+    assert steps[0].startswith("step 1: loss") and steps[1].startswith("step 2: loss")
     assert lines[-1].startswith("check: passed: 2 step(s) match the single-process reference")
     peaks = _peak_activations(tmp_path, example_run, recompute=program)
     assert peaks["recompute"][0] < 0.5 * peaks["plain"][0]  # measured

@@ -186,5 +186,44 @@ def test_run_says_what_the_planner_chose_for_auto_settings_in_its_header(capsys,
     with pytest.raises(SystemExit):
         main(["run", str(example), "--steps", "1"])
     header = capsys.readouterr().out.splitlines()
-    assert header[0].startswith(f"dhelix run: {example}:")
-    assert header[1].startswith("  chosen by the planner: train launch = auto: "), header
+    assert header[0].startswith(f"dhelix run: {example}: compiling")  # at once (issue 53, item 14)
+    assert header[1].startswith(f"dhelix run: {example}:")
+    assert header[2].startswith("  chosen by the planner: train launch = auto: "), header
+
+
+def test_a_paper_scale_run_is_refused_at_once_before_torch_is_imported_or_the_si_blocks_planned():
+    # Issue 53, item 14: `run` said nothing for 15-25 s and refused llama39b on local ranks only
+    # after importing torch and planning twice; `simulate` needs ~3 s. Its first line now comes
+    # at once and the memory check before torch (gloo: known without it) and before plan_run.
+    import subprocess
+    import sys
+
+    example = "examples/llama39b_a40.dhx"  # 39 GB a rank, 64 local ranks: no machine has 2.5 TB
+    script = ("import sys\nimport dhelix.cli.run as run\n"
+              "def planned(*a, **k):\n    raise AssertionError('planned before the memory check')\n"
+              "run.plan_run = planned\n"
+              "from dhelix.cli.main import main\n"
+              f"code = main(['run', {example!r}, '--backend', 'gloo'])\n"
+              "print('exit', code, 'torch imported' if 'torch' in sys.modules else 'no torch')\n")
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, env=env,
+                          timeout=120)
+    lines = done.stdout.splitlines()
+    assert lines[0] == (f"dhelix run: {example}: compiling, then checking that it fits this machine's memory "
+                        "before any rank starts"), done.stdout
+    assert lines[-1] == "exit 1 no torch", done.stdout + done.stderr
+    assert done.stderr.startswith(f"{example}:6:1: the simulator predicts 39.10 GB per rank"), done.stderr
+
+
+def test_the_backend_is_known_without_torch_only_where_no_gpu_can_be_seen(monkeypatch):
+    import dhelix.cli.launch as launch
+
+    assert launch.backend_without_torch("nccl") == "nccl"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert launch.backend_without_torch(None) == "gloo"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(launch, "GPU_DEVICE_FILES", ("/dev/null",))  # a GPU driver's file present: torch tells
+    assert launch.backend_without_torch(None) is None
+    monkeypatch.setattr(launch, "GPU_DEVICE_FILES", ("/nonexistent/nvidiactl",))
+    assert launch.backend_without_torch(None) == "gloo"

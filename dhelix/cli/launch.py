@@ -82,6 +82,21 @@ def choose_backend(requested: str | None, local: int) -> str:
     return "nccl" if 0 < local <= gpus else "gloo"
 
 
+#: Device files one of which exists where a GPU driver is loaded (NVIDIA, ROCm, WSL's).
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def backend_without_torch(requested: str | None) -> str | None:
+    """The backend :func:`choose_backend` will pick, where it is known without importing
+    torch: ``requested``, or gloo where no GPU can be visible (no GPU driver's device file,
+    or ``CUDA_VISIBLE_DEVICES`` empty); None where only torch can tell."""
+    if requested is not None:
+        return requested
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return "gloo"
+    return None if any(os.path.exists(path) for path in GPU_DEVICE_FILES) else "gloo"
+
+
 def available_memory() -> tuple[float, str] | None:
     """The bytes of memory this machine can give a run now (Linux: ``MemAvailable`` of
     /proc/meminfo, else the physical memory) and which figure that is; None when unknown."""
@@ -106,11 +121,11 @@ def check_memory(program, local: int, backend: str, *, force: bool = False) -> s
     the way out, unless ``force``; then returns the line saying so (None when it fits or
     there is no profile to predict with)."""
     from dhelix.dsl.core.errors import DhelixError
-    from dhelix.dsl.simulator.events import simulate
+    from dhelix.dsl.simulator.events import peak_memory
 
     if program.profile is None:
         return None
-    peak = max(rank.memory for rank in simulate(program).ranks)
+    peak = peak_memory(program)  # simulate's peak, without planning the SI blocks or timing the step
     if backend == "nccl":
         import torch
 

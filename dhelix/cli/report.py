@@ -7,19 +7,22 @@ against the device, the ``simulate --compare`` table and, with ``--run`` (the JS
 ``dhelix run --metrics``), measured beside predicted. Diagrams are Graphviz's SVG inlined
 when ``dot`` is installed, their text form otherwise (said on the page and here). The page
 names no network address and runs no script. ``-o`` never overwrites an input (the program,
-its imports, its profile, the ``--run`` file).
+its imports, its profile, the ``--run`` file). ``--run`` metrics written for another
+program (their fingerprint of its sources differs) are refused; metrics without one (an
+older dhelix's) are taken with a warning.
 """
 
 from __future__ import annotations
 
 import shlex
 import shutil
+import sys
 
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
-from dhelix.dsl.core.errors import DhelixError, UsageError
+from dhelix.dsl.core.errors import DhelixError, DhelixWarning, UsageError
 from dhelix.dsl.core.textfile import FileProblem, read_text_file
-from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.frontend.imports import read_source, sources_digest
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.render.dot import inline_svg, run_dot
 from dhelix.dsl.render.report import parse_metrics, report_html
@@ -49,8 +52,11 @@ def cmd_report(args) -> int:
     inputs = (args.file, *((args.run,) if args.run else ()))
     output = output_path(args.output, "-o", inputs=inputs)
     metrics = read_metrics(args.run) if args.run else None
-    program, _ = priced_program(read_source(args.file), args.file, args.profile)
+    text = read_source(args.file)
+    program, _ = priced_program(text, args.file, args.profile)
     require_model(program, args.file)
+    if metrics is not None:
+        same_program(metrics, args.run, args.file, sources_digest(program.files, text))
     refuse_inputs(output, "-o", (*program_inputs(program), *inputs))
     if output.suffix.lower() not in (".html", ".htm"):
         raise UsageError(f"-o {args.output}: the report is an .html file")
@@ -80,6 +86,25 @@ def read_metrics(path: str) -> dict:
     except DhelixError as exc:
         exc.add_note("--run takes the file `dhelix run FILE --metrics OUT.json` wrote")
         raise
+
+
+def same_program(metrics: dict, path: str, file: str, digest: str) -> None:
+    """Refuse the metrics at ``path`` (``--run``) when they were written for another program
+    than ``file`` (whose sources' digest is ``digest``: a UsageError, for the page would show
+    one program's run beside another's prediction); warn when they carry no fingerprint
+    (an older dhelix wrote them: nothing to compare)."""
+    written = metrics.get("program")
+    found = written.get("sources_sha256") if isinstance(written, dict) else None
+    if found is None:
+        print(DhelixWarning(f"--run {path}: these metrics name no fingerprint of their program (an older dhelix "
+                            f"wrote them): nothing tells they are a run of {file}",
+                            notes=[f"`dhelix run {file} --metrics {path}` writes one"]).render(), file=sys.stderr)
+    elif found != digest:
+        ran = metrics.get("file")
+        ran = f"'{ran}', " if isinstance(ran, str) else ""
+        raise UsageError(f"--run {path}: those are the metrics of a run of another program ({ran}sources {found}), "
+                         f"not of {file} as it is now (sources {digest}); give the metrics `dhelix run {file} "
+                         "--metrics OUT.json` writes")
 
 
 def commands(args) -> list[str]:

@@ -33,7 +33,8 @@ from pathlib import Path
 import attrs
 
 from dhelix.cli.as_rank import add_as_rank_arguments, check_as_rank, run_as_rank
-from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, check_memory, choose_backend, local_ranks
+from dhelix.cli.launch import (add_launch_arguments, backend_without_torch, check_launch_numbers, check_memory,
+                               choose_backend, local_ranks)
 from dhelix.cli.paths import output_folder, output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
 from dhelix.dsl.passes.runcheck import unrunnable
@@ -218,6 +219,7 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
                          "starts from its own (give one of them)")
     if len({os.path.realpath(path) for path in outputs.values()}) < len(outputs):
         raise UsageError(f"{' and '.join(outputs)} name the same file; give each its own")
+    _say_first(args)
     text = read_source(args.file)
     program, choices = priced_program(text, args.file, args.profile)
     require_model(program, args.file)
@@ -229,6 +231,7 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
         raise DhelixError(problem.message, problem.span, problem.notes)
     if args.as_rank is not None:
         return run_as_rank(args, text, program, choices, outputs)
+    fits = _check_memory_early(args, program)  # before torch is imported and the SI blocks planned
     from dhelix.interpreter.launch import spawn
 
     if "WORLD_SIZE" not in os.environ:  # local ranks: their process server loads torch meanwhile
@@ -247,7 +250,8 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
     if (args.tokenizer or args.eval_data) and options.data is None:
         raise UsageError(f"{'--tokenizer' if args.tokenizer else '--eval-data'} goes with training data: give --data, "
                          "or a train block's data")
-    _warn(filter(None, [check_memory(program, nproc, options.backend, force=args.force)]))
+    if not fits:  # the backend needed torch to tell
+        _warn(filter(None, [check_memory(program, nproc, options.backend, force=args.force)]))
     for given in (options.data, options.eval_data):
         if given is not None:
             _refuse_data(outputs, given)
@@ -276,6 +280,26 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
                   as_json=args.json)
 
 
+def _say_first(args) -> None:
+    """The command's first line, at once: what it does before any rank starts (compiling a
+    paper-scale program takes seconds); standard error with ``--json``; once per node."""
+    if _reporter():
+        print(f"dhelix run: {args.file}: compiling, then checking that it fits this machine's memory before any "
+              "rank starts", file=sys.stderr if args.json else sys.stdout, flush=True)
+
+
+def _check_memory_early(args, program) -> bool:
+    """:func:`~dhelix.cli.launch.check_memory` before torch is imported, when the backend is
+    known without it (:func:`~dhelix.cli.launch.backend_without_torch`: gloo); returns
+    whether it checked (raising DhelixError when the run does not fit, unless ``--force``)."""
+    if backend_without_torch(args.backend) != "gloo":
+        return False
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun else local_ranks(args, program, torchrun=False)
+    _warn(filter(None, [check_memory(program, local, "gloo", force=args.force)]))
+    return True
+
+
 def _outputs(args, held: contextlib.ExitStack) -> dict:
     """The run's output files and folder by option, each checked (:mod:`dhelix.cli.paths`),
     none inside a checkpoint folder; the --save folder's lock goes into ``held``."""
@@ -294,8 +318,9 @@ def _outputs(args, held: contextlib.ExitStack) -> dict:
 
 
 def _print_header(program, options, args, placed, nproc: int, choices=()) -> None:
-    """Say what runs before the ranks start (training takes a while) and what the planner
-    chose for the program's ``auto`` settings (``choices``, :func:`priced_program`'s):
+    """Say what runs before the ranks start (training takes a while), what the planner
+    chose for the program's ``auto`` settings (``choices``, :func:`priced_program`'s) and
+    what data trains (or that none was given: seeded random tokens):
     standard output, or standard error with ``--json`` (whose output is the JSON alone);
     once per node."""
     from dhelix.interpreter.training import summary
@@ -311,6 +336,7 @@ def _print_header(program, options, args, placed, nproc: int, choices=()) -> Non
     if choices:  # each choice's head: what was chosen, not every candidate's time (dhelix plan lists those)
         chosen = "; ".join(f"{choice.block} {choice.describe().split(' (')[0]}" for choice in choices)
         print(f"  chosen by the planner: {chosen}", file=out, flush=True)
+    print(f"  data: {summary.describe_data(options.data, options.eval_data)}", file=out, flush=True)
 
 
 def _check_numbers(args) -> None:
@@ -561,13 +587,15 @@ def _report_training(options, result, out) -> None:
     printed to ``out``."""
     import math
 
+    from dhelix.interpreter.training import summary
+
     if result.losses:
         print(f"loss: {result.losses[0]:.4f} at the first step run, {result.losses[-1]:.4f} at step {options.steps}",
               file=out)
     if result.evals:
         step, loss = result.evals[-1]
-        print(f"held-out: loss {loss:.4f}, perplexity {math.exp(min(loss, 80.0)):.2f} after step {step + 1}",
-              file=out)
+        print(f"held-out: loss {loss:.4f}, perplexity {math.exp(min(loss, 80.0)):.2f} after step {step + 1}, over "
+              f"{summary.held_out_extent(result.held_out)}", file=out)
     if result.skipped:
         shown = ", ".join(map(str, result.skipped[:10])) + (" …" if len(result.skipped) > 10 else "")
         print(f"skipped: {len(result.skipped)} step(s) whose loss or gradient norm was not finite ({shown})",

@@ -36,6 +36,25 @@ def read_source(path: str) -> str:
         raise UsageError(f"cannot read '{path}': {exc.reason}") from None
 
 
+def sources_digest(files: tuple[str, ...], text: str) -> str:
+    """What identifies a program whatever profile prices it: the SHA-256 (16 hex digits) of
+    its sources, ``files`` as a checked Program names them (its imports, then its own
+    file, whose ``text`` is given: the text as compiled); an import is read now (``stdlib/…``
+    from the installed library), and one that cannot be read counts as its name."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in files[:-1]:
+        path = stdlib_root() / name[len(STDLIB_PREFIX):] if name.startswith(STDLIB_PREFIX) else Path(name)
+        try:
+            body = read_text_file(str(path))
+        except FileProblem:
+            body = f"unreadable: {name}"
+        digest.update(f"{len(body)}:".encode() + body.encode())
+    digest.update(f"{len(text)}:".encode() + text.encode())
+    return digest.hexdigest()[:16]
+
+
 def load_modules(text: str, path: str) -> list[s.Module]:
     """Parse ``text`` (the file at ``path``) and its imports, transitively.
 

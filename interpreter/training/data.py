@@ -421,6 +421,21 @@ class DataSource:
         index = torch.arange(size) % windows.shape[0]
         return self._shaped(windows[index])
 
+    def held_out_coverage(self) -> tuple[int, int] | None:
+        """How much of the held-out data :meth:`held_out` evaluates: (distinct windows in its
+        one global batch, held-out windows in all); None for seeded random tokens."""
+        if self.corpus is None:
+            return None
+        size = self.global_sequences
+        if isinstance(self.corpus, BlendedCorpus) and self.corpus.evaluation is None:
+            counts = [0] * len(self.corpus.parts)
+            for sample in range(size):
+                counts[pick(self.corpus.weights, sample, counts)] += 1
+            held = [part.held_out.shape[0] for part in self.corpus.parts]
+            return sum(min(c, n) for c, n in zip(counts, held, strict=True)), sum(held)
+        windows = self.corpus.evaluation if isinstance(self.corpus, BlendedCorpus) else self.corpus.held_out
+        return min(size, windows.shape[0]), windows.shape[0]
+
     def _shaped(self, windows: torch.Tensor) -> Batch:
         tokens = windows.long().reshape(*self.shape[:2], -1)
         return Batch(tokens[..., :-1].contiguous(), tokens[..., 1:].contiguous())

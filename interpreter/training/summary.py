@@ -70,6 +70,9 @@ class RunResult:
     #: The steps (1-based) skipped because their loss or gradient norm was not finite
     #: (``--skip-nonfinite``).
     skipped: tuple[int, ...] = ()
+    #: With evaluations on data: (distinct held-out windows each evaluation covers, held-out
+    #: windows in all); None otherwise.
+    held_out: tuple[int, int] | None = None
 
     @property
     def events(self) -> tuple[TraceEvent, ...]:
@@ -145,6 +148,28 @@ def describe_si(program, options: "RunOptions") -> str:
     if options.si:
         return f"on ({options.plan} plan)"
     return "off (the train block's si = off)" if not program.train.interleaves else "off"
+
+
+def describe_data(data, eval_data=None) -> str:
+    """What the run trains on, plainly: the data's path (``data``: a DataSpec or a Blend of
+    them; None: seeded random tokens), its tokenizer and where the held-out part comes
+    from (``eval_data``: the ``--eval-data`` DataSpec; None: the data's tail)."""
+    if data is None:
+        return "seeded random tokens (no data given: --data, or the train block's data)"
+    sources = getattr(data, "sources", (data,))
+    weights = getattr(data, "weights", None)
+    if len(sources) == 1:
+        what = sources[0].path
+    else:
+        shares = weights or ("by size",) * len(sources)
+        what = "a blend of " + ", ".join(f"{source.path} ({share if isinstance(share, str) else f'{share:g}'})"
+                                         for source, share in zip(sources, shares, strict=True))
+    given = f"given by {sources[0].flag}" if sources[0].flag else "the train block's data"
+    tokens = (f"text through the tokenizer {sources[0].tokenizer}" if sources[0].tokenizer
+              else "text as byte-level tokens")
+    held = (f"held out: {eval_data.path} (--eval-data)" if eval_data is not None
+            else "held out: the last 10% of its tokens" + (" (of each source)" if len(sources) > 1 else ""))
+    return f"{what} ({given}; {tokens}, token files as stored; {held})"
 
 
 def run_header(path: str, pipeline: str, mesh: str, ranks: int, backend: str, si: str) -> str:
@@ -234,15 +259,26 @@ def shared_cores(ranks, cores: int | None = None, host: str | None = None, core_
 def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> dict:
     """The summary's figures and every rank's per-step times as plain values (what
     ``dhelix run --metrics`` writes as JSON for scripts such as benchmarks/two_nodes.py):
-    seconds and bytes; ``held_out`` the held-out losses (step numbered from 1, as the summary
-    counts); ``exposed_comm_s`` is None on CUDA, predicted figures None when the
+    seconds and bytes; ``program`` the fingerprint of the program's sources
+    (:func:`~dhelix.dsl.frontend.imports.sources_digest`); ``held_out`` the held-out losses
+    (step numbered from 1, as the summary counts) and ``held_out_windows`` how much of the
+    held-out data each covered; ``data`` what trained; ``exposed_comm_s`` is None on CUDA, predicted figures None when the
     program cannot be simulated."""
+    from dhelix.dsl.frontend.imports import sources_digest
+
     measured, predicted = summary.measured, summary.predicted
+    compiled = options.compiled
     return {
-        "file": options.path, "backend": options.backend, "si": options.si, "plan": options.plan,
+        "file": options.path,
+        # What `dhelix report --run` checks it is given the metrics of its program by.
+        "program": {"sources_sha256": sources_digest(compiled.program.files, compiled.text)},
+        "backend": options.backend, "si": options.si, "plan": options.plan,
         "topology": summary.topology or "declared",
         "steps": len(result.losses), "losses": list(result.losses),
         "held_out": [{"step": step + 1, "loss": loss} for step, loss in result.evals],
+        "held_out_windows": None if result.held_out is None else dict(zip(("evaluated", "of"), result.held_out,
+                                                                          strict=True)),
+        "data": describe_data(options.data, options.eval_data),
         "step_s": measured.step_time, "exposed_comm_s": measured.exposed_comm,
         "peak_activations_bytes": measured.peak_activations,
         "predicted": {"step_s": predicted.step_time, "exposed_comm_s": predicted.exposed_comm,
@@ -269,6 +305,19 @@ def profile_provenance(profile, named: str) -> str:
     if host == platform.node():
         return f"with the profile {named} measured on this machine ({when})"
     return f"with the profile {named} measured on {host or 'another machine'} ({when}), not on this machine"
+
+
+def held_out_extent(coverage: tuple[int, int] | None) -> str:
+    """What an evaluation covered, exactly (``coverage``: RunResult.held_out): ``all 12
+    held-out windows`` or ``16 of the 57 held-out windows (one global batch, the first)``;
+    seeded random tokens where None."""
+    if coverage is None:
+        return "one global batch of seeded random tokens"
+    evaluated, total = coverage
+    if evaluated >= total:
+        return f"all {total} held-out window(s) of seq + 1 tokens"
+    return (f"{evaluated} of the {total} held-out windows of seq + 1 tokens (one global batch: the first "
+            f"{evaluated}; the other {total - evaluated} are not evaluated)")
 
 
 def format_summary(summary: RunSummary) -> str:

@@ -214,7 +214,8 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
         export_weights(options.export, executor, optimizer)
         dist.barrier(group=saving)  # rank 0 wrote the file: the others waited here, not in a collective
     result = _gather(executor, losses, times, evals, optimizer)
-    return None if result is None else attrs.evolve(result, skipped=skipped)
+    return None if result is None else attrs.evolve(result, skipped=skipped,
+                                                    held_out=source.held_out_coverage() if evals else None)
 
 
 def _action_hook(comm, program, heartbeat):
@@ -352,7 +353,9 @@ def _storage_bytes(values) -> int:
 
 
 def _evaluate(executor, source) -> float:
-    """The loss of the held-out batch with the current weights (its gradients are dropped)."""
+    """The loss of the held-out batch with the current weights (its gradients are dropped):
+    one global batch, the first windows of the held-out data (how many of them:
+    :meth:`~.data.DataSource.held_out_coverage`, which the summary states)."""
     from dhelix.interpreter.verify.harness import replica_batch
 
     batch = replica_batch(source.held_out(), executor.comm.index("dp"), executor.program.train.microbatches)
