@@ -157,6 +157,23 @@ def test_noise_is_said_when_repeats_disagree_or_an_oef_is_negative():
     assert said[1] == "OEF below 0 (comp_comm -0.956): pairs ran slower than their ops one after the other"
 
 
+def test_noise_judges_only_the_figures_measured_not_those_copied_from_the_base(derived):
+    # Issue 53, item 13: `dhelix profile` on one node called its overlap figures noise because
+    # inter_inter (-0.09) is the a40 profile's, copied: no pair of the program measured it.
+    from dhelix.cli.profile import _noise_lines
+    from dhelix.dsl.planner.calibrate import measured_classes, noise
+
+    profile, notes = derived
+    assert profile.oef_classes["inter_inter"] == -0.09 and "[from a40]" in notes["oef.classes.inter_inter"]
+    assert measured_classes(OPS, synthetic()) == {"comp_intra", "intra_intra"}  # tp's collectives only
+    assert _noise_lines(synthetic(), profile, PROGRAM) == []
+    assert noise(synthetic(), profile.oef_classes) != []  # what it said before: judged by the copy
+    negative = attrs.evolve(profile, oef_classes={**profile.oef_classes, "comp_intra": -0.2})
+    assert _noise_lines(synthetic(), negative, PROGRAM)[0] == (
+        "  noise    these overlap figures are noise: OEF below 0 (comp_intra -0.2): pairs ran slower than their ops "
+        "one after the other")
+
+
 def test_compare_of_a_partitioned_program_measured_on_itself_keeps_the_profile_s_rates(tmp_path):
     """`simulate --compare` of a program whose profile was measured on it with a partition
     block: the column without the partition cannot use the measured chunks (no op of the

@@ -152,7 +152,7 @@ def summary(path: str, out: Path, program, options, samples, profile) -> str:
         + (f", optimizer {profile.optimizer_gbps:g} GB/s" if profile.optimizer_gbps is not None else ""),
         f"  links    {links}",
         f"  overlap  OEF {classes}; slowdown {profile.slowdown:g}; launch gap {profile.launch_gap.fixed_us:g} µs",
-        *_noise_lines(samples.timings, profile),
+        *_noise_lines(samples.timings, profile, program),
         f'use it: cluster {{ profile = "{relative}" }}  (a path relative to the program file)'])
 
 
@@ -162,12 +162,14 @@ _EMULATED = {"copy": "the rate of copying the wire bytes to pinned host memory",
              "none": "no cost at all: take the links from another profile"}
 
 
-def _noise_lines(timings, profile) -> list[str]:
+def _noise_lines(timings, profile, program) -> list[str]:
     """The lines that say the overlap figures are noise, with the way to better ones; none
-    when the timings agree."""
-    from dhelix.dsl.planner.calibrate import noise
+    when the timings agree. Only the figures measured here are judged: an OEF class no pair
+    of ``program`` measured is its base profile's (a one-node program times no inter pair)."""
+    from dhelix.dsl.planner.calibrate import measured_classes, noise
 
-    reasons = noise(timings, profile.oef_classes)
+    measured = measured_classes(program.forward.ops + program.backward.ops, timings)
+    reasons = noise(timings, profile.oef_classes, measured)
     if not reasons:
         return []
     return ["  noise    these overlap figures are noise: " + "; ".join(reasons),

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import statistics
 from math import ceil, floor, log10
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import attrs
 
@@ -125,17 +125,28 @@ def _relative_iqr(values: Sequence[float]) -> float:
 NOISY_SPREAD = 0.2
 
 
-def noise(timings: Timings, classes: Mapping[str, float]) -> list[str]:
+def noise(timings: Timings, classes: Mapping[str, float], measured: Collection[str] | None = None) -> list[str]:
     """Why the figures derived from ``timings`` (OEF ``classes`` among them) are noise, one
     line per reason, or [] when nothing says so: repeats of the ops or pairs that disagree by
     more than :data:`NOISY_SPREAD`, and OEF classes below 0 (a pair slower than its two ops
-    one after the other: contention for the cores, or noise)."""
+    one after the other: contention for the cores, or noise). Only the classes in
+    ``measured`` (:func:`measured_classes`; None: all) are judged: a class copied from the
+    base profile says nothing about these timings."""
     found = [f"repeated {kind} timings disagree by {100 * spread:.0f}% (interquartile range over median)"
              for kind, spread in sorted(timings.spread.items()) if kind in ("ops", "pairs") and spread > NOISY_SPREAD]
-    negative = [f"{cls} {value:g}" for cls, value in classes.items() if value < 0]
+    negative = [f"{cls} {value:g}" for cls, value in classes.items()
+                if value < 0 and (measured is None or cls in measured)]
     if negative:
         found.append(f"OEF below 0 ({', '.join(negative)}): pairs ran slower than their ops one after the other")
     return found
+
+
+def measured_classes(ops: Sequence[Op], timings: Timings) -> set[str]:
+    """The OEF classes ``timings`` measure (a pair of ``ops`` timed, both its ops timed
+    above 0): what :func:`derive_profile` takes from the timings and not from its base."""
+    by_name = {op.name: op for op in ops}
+    return {_pair_class(by_name[f], by_name[b]) for f, b in timings.pairs
+            if f in by_name and b in by_name and min(timings.ops.get(f, 0.0), timings.ops.get(b, 0.0)) > 0}
 
 
 def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profile,
@@ -319,8 +330,7 @@ def _overlap(ops: Sequence[Op], timings: Timings, gap_us: float, base: Profile,
         oef = _round((tf + tb - (pair_us - gap_us)) / min(tf, tb), 3)
         overrides[(f, b)] = min(OEF_HIGH, max(OEF_LOW, oef))
         clamped += overrides[(f, b)] != oef
-        kinds = sorted((_CLASS[_lane(by_name[f])], _CLASS[_lane(by_name[b])]), key=_ORDER.index)
-        per_class.setdefault("_".join(kinds), []).append(overrides[(f, b)])
+        per_class.setdefault(_pair_class(by_name[f], by_name[b]), []).append(overrides[(f, b)])
         compute = f if by_name[f].kind == "compute" else b if by_name[b].kind == "compute" else None
         if compute is not None and (f, b) in timings.stretched:
             stretch.append(timings.stretched[(f, b)] / timings.ops[compute] - 1.0)
@@ -344,6 +354,11 @@ def _overlap(ops: Sequence[Op], timings: Timings, gap_us: float, base: Profile,
     else:
         slowdown = _base_value(base.slowdown, base, "slowdown.compute_with_comm", "no compute x comm pair", notes)
     return classes, overrides, slowdown
+
+
+def _pair_class(forward: Op, backward: Op) -> str:
+    """The OEF class of a forward op beside a backward op, by their lanes (``comp_inter``)."""
+    return "_".join(sorted((_CLASS[_lane(forward)], _CLASS[_lane(backward)]), key=_ORDER.index))
 
 
 def _lane(op: Op) -> str:
