@@ -34,8 +34,9 @@ demo: setup
 	# prediction for it.
 	$(BIN)/dhelix profile $(EXAMPLE) -o out/this-machine.yaml --repeats 10
 	$(BIN)/dhelix plan $(EXAMPLE) --profile out/this-machine.yaml
-	# A fresh run: an earlier demo's checkpoint goes (dhelix run never saves over another run's).
-	rm -rf out/checkpoint
+	# A fresh run: an earlier demo's checkpoint and step log go (dhelix run never saves over another
+	# run's checkpoint nor replaces another run's log).
+	rm -rf out/checkpoint out/train.jsonl out/train.tb
 	$(BIN)/dhelix run $(EXAMPLE) --steps 50 --lr 3e-3 --log out/train.jsonl --save out/checkpoint --profile out/this-machine.yaml --metrics out/metrics.json
 	# One page with every picture, the prediction and the run beside it (open it in a browser).
 	$(BIN)/dhelix report $(EXAMPLE) -o out/report.html --profile out/this-machine.yaml --run out/metrics.json

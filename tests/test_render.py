@@ -66,6 +66,30 @@ def test_w_helix_strands_alternate_every_p_microbatches_as_in_figure_8():
     assert strands_of(lowered_at(4, 12, "one_f_one_b")) == {}
 
 
+def test_the_glossary_says_of_the_strands_what_the_pictures_draw():
+    # Issue 53, item 14: the glossary called the forward strand β while the pipeline diagram
+    # draws α forwards over β backwards too (DESIGN: the forward of one strand is co-executed
+    # with the backward of the other). Every block it cites is checked against the renderer.
+    from dhelix.dsl.core.schedule import Interleaved
+    from dhelix.dsl.passes.pipeline import check_text
+    from dhelix.dsl.render.ladder import ladder_dot
+    from dhelix.dsl.simulator.events import schedule_plan
+
+    glossary = (ROOT / "docs" / "glossary.md").read_text()
+    entry = " ".join(glossary[glossary.index("**Strand, α and β.**"):glossary.index("**SI block")].split())
+    program = check_text(Path(EXAMPLE).read_text(), EXAMPLE)
+    strands = strands_of(program.lowered)
+    blocks = {str(a) for row in program.lowered.actions for a in row if isinstance(a, Interleaved)}
+    cited = re.findall(r"`(SI\(F(\d+)\.\d+,B(\d+)\.\d+\))` (?:is )?(α|β)'s forward over (α|β)'s backward", entry)
+    assert {(f, b) for _, _, _, f, b in cited} == {("β", "α"), ("α", "β")}, entry  # both roles, as drawn
+    for block, fwd, bwd, f, b in cited:
+        assert block in blocks and (strands[int(fwd)], strands[int(bwd)]) == (f, b), block
+    dot = ladder_dot(schedule_plan(program))
+    for label in ("forward strand (β)", "backward strand (α)"):
+        assert label in dot and f"`{label}`" in entry
+    assert "the forward's strand β" not in entry
+
+
 @pytest.mark.parametrize("pipeline", ["w_helix", "one_f_one_b", "zb_h1", "dualpipe_v"])
 def test_every_rank_row_spans_the_make_span(pipeline):
     lowered = lowered_at(4, 8, pipeline)

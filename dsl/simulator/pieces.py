@@ -142,7 +142,7 @@ class Expander:
             return self._forward(fstage) + self._backward(bstage)
         nf, nb = self._count(fstage), self._count(bstage)
         paired = min(nf, nb)
-        # In a pair the β forward grows as the α backward shrinks (memory.interleaved).
+        # In a pair one strand's forward grows as the other's backward shrinks (memory.interleaved).
         body = [self._paired(self._layer_b(nb - 1 - k), self.kept.total, pair, k) for k in range(paired)]
         body += [self._layer_f(k, self.costs.layer.forward) for k in range(paired, nf)]
         body += [self._layer_b(i) for i in reversed(range(nb - paired))]

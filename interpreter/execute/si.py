@@ -1,7 +1,8 @@
 """Strand-interleaved (SI) blocks: running the layer chains of one or two strands.
 
-An SI block co-executes the forward layer chain of one micro-batch (strand β) with the
-backward layer chain of another (strand α) on one rank. Layer k of the forward chain is
+An SI block co-executes the forward layer chain of one micro-batch with the backward layer
+chain of another, of the other strand (β's forward beside α's backward, or α's beside β's:
+the roles alternate), on one rank. Layer k of the forward chain is
 paired with layer k of the backward chain (the backward chain runs the model in reverse, so
 with fold u both travel the same way through the ranks); each layer pair runs the
 :data:`~.si_plan.SegmentPlan` of its DAGs (:mod:`.si_plan`) segment pair by segment pair,
