@@ -504,6 +504,8 @@ class Executor:
 
         def end(x):
             x = resolve(x)
+            if runs:  # the value goes on from here, not from the run
+                runs[-1].hand_on_output()
             if stage.last:
                 self._ready(FINAL_NORM, LM_HEAD)
                 head = HeadRun(self.params[FINAL_NORM], self.params[LM_HEAD], self.comm, start, sp, self.end_grads,

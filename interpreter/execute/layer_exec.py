@@ -243,6 +243,14 @@ class LayerRun:
         """The layer output (waits for it if a collective produces it)."""
         return self._act(self.plan.fwd.output)
 
+    def hand_on_output(self) -> None:
+        """Let go of the layer output once the chain has handed it on (to the next stage's
+        mailbox or the LM head): no backward op of this layer reads it (a kernel that saves
+        its own output keeps it in :attr:`saved`), and a chain's last layer kept it alive,
+        uncounted by the memory model, while its micro-batch was in flight."""
+        if self.acts.pop(self.plan.fwd.output, None) is not None:
+            self.version += 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Run the whole forward DAG on ``x`` in its listed order; returns the output."""
         self.start(x)
