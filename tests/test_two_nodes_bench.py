@@ -200,3 +200,32 @@ def test_the_dp_overlap_programs_put_the_gradient_reduction_across_the_two_nodes
         assert program.mesh.lane(crossing) == "cross"
         if shard:
             assert program.mesh.lane("dp.shard") == "local"
+
+
+def test_kendall_tau_b_and_ranks_of_the_two_node_ranking():
+    import two_node_ranking as ranking
+
+    assert ranking.kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert ranking.kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    # one swapped pair of 6: (5 - 1) / 6
+    assert ranking.kendall_tau([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    # τ-b with a tie in x: 5 concordant, 0 discordant, 1 pair tied in x only -> 5 / sqrt(5 * 6)
+    assert ranking.kendall_tau([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(5 / (5 * 6) ** 0.5)
+    assert ranking.kendall_tau([1, 1], [2, 2]) is None
+    with pytest.raises(ValueError):
+        ranking.kendall_tau([1, 2], [1])
+    assert ranking.ranks([0.3, 0.1, 0.2, 0.1]) == [4, 1.5, 3, 1.5]
+
+
+def test_the_two_node_ranking_variants_are_programs_at_one_global_batch():
+    import two_node_ranking as ranking
+
+    args = ranking.parse_args([])
+    names = set()
+    for variant in ranking.VARIANTS:
+        program = check_text(ranking.program_text(variant, args, "a40"), str(ROOT / f"{variant.name}.dhx"))
+        assert (program.cluster.nodes, program.cluster.gpus_per_node, program.mesh.world) == (2, 2, 4)
+        assert program.train.micro_batch * program.train.microbatches * program.mesh.size("dp") == 16
+        assert program.train.interleaves == variant.si and (program.partition is not None) == bool(variant.partition)
+        names.add(variant.name)
+    assert len(names) == len(ranking.VARIANTS) >= 8
