@@ -195,7 +195,7 @@ def test_the_header_says_what_data_trains_and_random_tokens_when_none_is_given()
     from dhelix.interpreter.training.data import Blend, DataSpec
     from dhelix.interpreter.training.summary import describe_data, held_out_extent
 
-    assert describe_data(None) == "seeded random tokens (no data given: --data, or the train block's data)"
+    assert describe_data(None) == "seeded random tokens (no data given)"
     assert describe_data(DataSpec("/d/a.npy", flag="--data"), DataSpec("/d/e.txt", flag="--eval-data")) == (
         "/d/a.npy (given by --data; text as byte-level tokens, token files as stored; held out: /d/e.txt (--eval-data))")
     blend = Blend((DataSpec("/w", flag="--data", tokenizer="/t.json"), DataSpec("/c", flag="--data")), (0.7, 0.3))

@@ -211,8 +211,9 @@ def test_torchrun_standalone_runs_the_two_node_demo_emulating_its_nodes(tmp_path
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
     assert done.returncode == 0, done.stderr
     assert "topology: emulated, the cluster block's 2 node(s) of 2 rank(s) on one host" in done.stdout
-    # Said once, not per rank: what runs (before the ranks start), then the summary.
-    assert done.stdout.count("dhelix run: ") == 2 and done.stdout.count("; training, 2 step(s)") == 1
+    # Said once, not per rank: the first line, what runs (before the ranks start), then the summary.
+    assert done.stdout.count("dhelix run: ") == 3 and done.stdout.count("; training, 2 step(s)") == 1
+    assert done.stdout.count(": compiling, then checking that it fits") == 1
 
 
 def test_torchrun_of_the_wrong_world_size_says_so_once(tmp_path):

@@ -256,7 +256,10 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
         if given is not None:
             _refuse_data(outputs, given)
     if "--log" in outputs:  # an earlier run's log only when continuing that run
-        refuse_earlier_log(outputs["--log"], continuing)
+        try:
+            refuse_earlier_log(outputs["--log"], continuing)
+        except UsageError as exc:
+            raise UsageError(f"--log {exc.message}", notes=[*exc.notes, "--resume continues that run and its log"]) from None
     _preflight_data(options, verified)
     _print_header(program, options, args, placed, nproc, choices)
     started.append(True)

@@ -128,7 +128,7 @@ def compare_hf_config(text: str, path: str, program: dict[str, int | None], seq:
             errors.add(CheckError(f"{field}: the checkpoint's configuration has {_shown(ours, found)}, the program "
                                   f"{_shown(ours, mine)} ({ours})", key_span(source, field),
                                   ["the weights would load into another model; give the program made from this "
-                                   "configuration (dhelix new --hf)"]))
+                                   "configuration"]))
     errors.raise_if_any()
 
 

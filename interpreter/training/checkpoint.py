@@ -350,8 +350,8 @@ def resolve(root: str) -> Path:
     if name not in {save.name for save in saves}:
         shown = name if len(name) <= 40 and name.isprintable() else f"{name[:40]!r}…"
         raise CheckpointError(f"the checkpoint '{root}' is damaged: its '{LATEST}' file names no save of it ({shown})",
-                              notes=[f"resume from one of its saves: --resume {saves[-1]} (--resume auto finds the "
-                                     "newest intact one)" if saves else "it holds no save (step-*)"])
+                              notes=[f"resume from one of its saves, such as {saves[-1]}, or from the newest intact "
+                                     "one" if saves else "it holds no save (step-*)"])
     return root_path / name
 
 

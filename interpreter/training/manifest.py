@@ -213,7 +213,7 @@ class FolderLock:
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise CheckpointError(f"--save {self.root}: another run is saving to this folder ({holder} holds its lock "
+            raise CheckpointError(f"{self.root}: another run is saving to this folder ({holder} holds its lock "
                                   f"'{self.root / LOCK}')",
                                   notes=["wait until it ends, or give another folder"]) from None
         os.ftruncate(fd, 0)

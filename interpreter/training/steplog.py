@@ -63,10 +63,9 @@ def refuse_earlier_log(path: str | Path, continuing: bool) -> None:
     target = Path(path)
     if continuing or not target.is_file() or target.stat().st_size == 0:
         return
-    raise UsageError(f"--log {path}: the file holds an earlier run's log ({target.stat().st_size} bytes), which this "
+    raise UsageError(f"{path}: the file holds an earlier run's log ({target.stat().st_size} bytes), which this "
                      "run would replace; it is refused, not overwritten nor appended to",
-                     notes=["give another file, remove this one, or continue that run with --resume (its log is "
-                            "then continued)"])
+                     notes=["give another file, remove this one, or resume that run (its log is then continued)"])
 
 
 class StepLog:

@@ -155,7 +155,7 @@ def describe_data(data, eval_data=None) -> str:
     them; None: seeded random tokens), its tokenizer and where the held-out part comes
     from (``eval_data``: the ``--eval-data`` DataSpec; None: the data's tail)."""
     if data is None:
-        return "seeded random tokens (no data given: --data, or the train block's data)"
+        return "seeded random tokens (no data given)"
     sources = getattr(data, "sources", (data,))
     weights = getattr(data, "weights", None)
     if len(sources) == 1:
@@ -167,7 +167,7 @@ def describe_data(data, eval_data=None) -> str:
     given = f"given by {sources[0].flag}" if sources[0].flag else "the train block's data"
     tokens = (f"text through the tokenizer {sources[0].tokenizer}" if sources[0].tokenizer
               else "text as byte-level tokens")
-    held = (f"held out: {eval_data.path} (--eval-data)" if eval_data is not None
+    held = (f"held out: {eval_data.path} ({eval_data.flag or 'given apart'})" if eval_data is not None
             else "held out: the last 10% of its tokens" + (" (of each source)" if len(sources) > 1 else ""))
     return f"{what} ({given}; {tokens}, token files as stored; {held})"
 
