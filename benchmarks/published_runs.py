@@ -12,7 +12,8 @@ run, the source, the model, the layout, the measured and predicted iteration sec
 error (``predicted / measured - 1``: negative is too fast), the runs a program cannot express
 with the reason, then the mean and max |error| overall, per source and per GPU.
 
-``--fit`` also fits each GPU's profile to that GPU's runs (``dhelix calibrate``'s fit:
+``--fit`` also fits each platform's profile to that platform's runs (a GPU as its sources name
+it: torchtitan's power-capped H100 apart from the SXM5 parts) (``dhelix calibrate``'s fit:
 :mod:`~dhelix.dsl.fidelity.fit`) and prints, per run, the fitted error and the leave-one-out
 error, and, per source, the error of a profile fitted on the *other* sources alone
 (leave-one-source-out: a source the fit never saw, the honest figure for a new cluster).
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+
+import attrs
 import os
 import platform
 import sys
@@ -32,17 +35,28 @@ import time
 from pathlib import Path
 
 from dhelix.dsl.core.errors import DhelixError
-from dhelix.dsl.fidelity.fit import fit_profile
+from dhelix.dsl.fidelity.fit import fit_profile, identifiable
 from dhelix.dsl.fidelity.predict import GPU_PROFILES, predict, run_case
 from dhelix.dsl.fidelity.runs import load_runs
 from dhelix.dsl.frontend.profiles import load_profile
+from dhelix.dsl.simulator.events import simulate
 
 RUNS = Path(__file__).resolve().parent / "published_runs.yaml"
 KNOBS = ("gemm", "gemm_fp8", "attention", "overhead", "local", "cross")
 
 
 def family(run) -> str:
+    """The shipped profile of the run's GPU (``a100``, ``h100``, …)."""
     return GPU_PROFILES.get(run.gpu.lower().split("-")[0], run.gpu)
+
+
+def platform_of(run) -> str:
+    """The platform a profile is fitted to: the GPU as the source names it, less the default
+    form factor and memory (``h100-sxm``, ``h100-sxm-80gb`` -> ``h100``); a variant the source
+    names apart stays apart (torchtitan's ``h100-96gb-hbm2e-500w``: power-capped to 500 W,
+    slower memory — not the SXM5 part at 700 W the others ran)."""
+    parts = [p for p in run.gpu.lower().split("-") if p not in ("sxm", "80gb")]
+    return "-".join(parts)
 
 
 def stats(errors) -> str:
@@ -62,7 +76,7 @@ def print_groups(title: str, rows) -> None:
     """``rows``: (run, error) pairs; the stats overall, per source, per GPU."""
     print(f"\n{title}")
     print(f"  {'all':<24} {stats([e for _, e in rows])}")
-    for key, label in (("source", lambda r: r.source.key), ("gpu", family)):
+    for key, label in (("source", lambda r: r.source.key), ("platform", platform_of)):
         groups = collections.defaultdict(list)
         for run, error in rows:
             groups[label(run)].append(error)
@@ -75,41 +89,94 @@ def main() -> int:
     parser.add_argument("--runs", default=str(RUNS), help="the runs file (default: published_runs.yaml)")
     parser.add_argument("--fit", action="store_true", help="also fit each GPU's profile: fitted, leave-one-out "
                         "and leave-one-source-out errors")
+    parser.add_argument("--ablate", action="store_true", help="also each cost term's share: the error of the "
+                        "shipped profiles with one term taken out at a time")
     parser.add_argument("--source", action="append", default=[], help="only this source (repeatable)")
+    parser.add_argument("--gpu", action="append", default=[], help="only this GPU's runs (a100, h100, …; repeatable)")
     args = parser.parse_args()
-    runs = [r for r in load_runs(args.runs) if not args.source or r.source.key in args.source]
+    runs = [r for r in load_runs(args.runs) if (not args.source or r.source.key in args.source)
+            and (not args.gpu or family(r) in args.gpu)]
     print(f"machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs), python {platform.python_version()}")
     print(f"runs: {args.runs}, {len(runs)} rows; profiles: the shipped ones with each source's cluster facts")
     print(f"\n{'source':<22} {'run':<34} {'model':<24} {'layout':<32} {'measured':>9} {'predicted':>9} {'error':>7}")
     started = time.perf_counter()
-    rows, skipped = [], []
+    rows, skipped, memory = [], [], []
     for run in runs:
         p = predict(run)
         if p.error is None:
             skipped.append((run, p.problem))
             continue
         rows.append((run, p.error))
+        if run.memory_gib is not None:
+            memory.append((run, p.predicted_peak_gib))
         print(f"{run.source.key:<22} {run.id[:34]:<34} {model_name(run)[:24]:<24} {run.layout()[:32]:<32} "
               f"{p.measured_s:>8.3f}s {p.predicted_s:>8.3f}s {100 * p.error:>+6.1f}%", flush=True)
     for run, why in skipped:
         print(f"{run.source.key:<22} {run.id[:34]:<34} not predicted: {why}")
     print_groups(f"shipped profiles ({time.perf_counter() - started:.0f} s):", rows)
+    print_memory(memory)
+    if args.ablate:
+        ablate([run for run, _ in rows])
     if args.fit:
         fit_each_gpu([run for run, _ in rows])
     return 0
 
 
+#: Each term of the cost model the set exercises, and how to take it out of a run's profile
+#: (after the run's cluster facts are applied).
+TERMS = {
+    "GEMM tile and wave quantization": lambda run, p: attrs.evolve(p, kernels=attrs.evolve(p.kernels, sms=None)),
+    "fixed time per kernel": lambda run, p: attrs.evolve(p, kernels=attrs.evolve(p.kernels, overhead_us=0.0)),
+    "materialized attention (runs without flash)": lambda run, p: attrs.evolve(
+        p, kernels=attrs.evolve(p.kernels, attention="flash")),
+    "the source's cross-node bandwidth": lambda run, p: attrs.evolve(
+        p, links={**p.links, "cross": load_profile(family(run)).links["cross"]}),
+}
+
+
+def ablate(runs) -> None:
+    """The mean |error| with every term, then with each term taken out (a term whose removal
+    does not raise the error on the runs that exercise it does not earn its place)."""
+    cases = [(run, run_case(run)) for run in runs]
+    full = [case.predicted_s(load_profile(family(run))) / case.measured_s - 1 for run, case in cases]
+    print(f"\nablation (shipped profiles): every term: {stats(full)}")
+    for term, remove in TERMS.items():
+        errors = []
+        for (run, case), with_term in zip(cases, full, strict=True):
+            profile = remove(run, case.on(load_profile(family(run))))
+            seconds = simulate(attrs.evolve(case.program, profile=profile), trace=False).step_time
+            errors.append((with_term, seconds / case.measured_s - 1))
+        moved = [(a, b) for a, b in errors if abs(a - b) > 1e-9]
+        print(f"  without {term}: {stats([b for _, b in errors])}; on the {len(moved)} runs it changes: "
+              f"{stats([a for a, _ in moved])} with it, {stats([b for _, b in moved])} without")
+
+
+def print_memory(rows) -> None:
+    """Published peak memory per GPU beside the simulator's peak (model states and live
+    activations of the fullest pipeline rank)."""
+    if not rows:
+        return
+    print(f"\npeak memory per GPU, published beside predicted (GiB):")
+    print(f"  {'run':<34} {'layout':<32} {'published':>9} {'predicted':>9} {'ratio':>6}")
+    for run, predicted in rows:
+        print(f"  {run.id[:34]:<34} {run.layout()[:32]:<32} {run.memory_gib:>9.1f} {predicted:>9.1f} "
+              f"{predicted / run.memory_gib:>6.2f}")
+    errors = [predicted / run.memory_gib - 1 for run, predicted in rows]
+    print(f"  predicted / published - 1: {stats(errors)}")
+
+
 def fit_each_gpu(runs) -> None:
-    by_gpu = collections.defaultdict(list)
+    by_gpu, apart = collections.defaultdict(list), collections.defaultdict(list)
     for run in runs:
-        by_gpu[family(run)].append(run)
-    fitted_rows, loo_rows, loso_rows = [], [], []
+        (apart if run.system else by_gpu)[platform_of(run)].append(run)
+    fitted_rows, loo_rows, loso_rows, apart_rows = [], [], [], []
     for gpu in sorted(by_gpu):
         gpu_runs = by_gpu[gpu]
-        base = load_profile(gpu)
+        base = load_profile(family(gpu_runs[0]))
         cases = [run_case(run, base) for run in gpu_runs]
         started = time.perf_counter()
-        fit = fit_profile(cases, base, KNOBS)
+        knobs = identifiable(KNOBS, cases)
+        fit = fit_profile(cases, base, knobs, iterations=15, progress=lambda line: print(f"  {gpu}: {line}", file=sys.stderr))
         print(f"\nfit of the {gpu} profile on its {len(cases)} runs ({fit.evaluations} evaluations, "
               f"{time.perf_counter() - started:.0f} s): " + ", ".join(
                   f"{k} {fit.start[k]:.4g} -> {fit.values[k]:.4g}" for k in fit.knobs))
@@ -118,15 +185,22 @@ def fit_each_gpu(runs) -> None:
             print(f"  {run.id[:34]:<34} {100 * before:>+6.1f}% {100 * after:>+6.1f}% {100 * loo:>+6.1f}%")
             fitted_rows.append((run, after))
             loo_rows.append((run, loo))
+        for run in apart.get(gpu, ()):
+            error = run_case(run, base).predicted_s(fit.profile) / run_case(run, base).measured_s - 1
+            print(f"  {run.id[:34]:<34} {'':>7} {100 * error:>+6.1f}%  (another system, {run.system}: "
+                  "not fitted on, priced with the fit)")
+            apart_rows.append((run, error))
         sources = sorted({run.source.key for run in gpu_runs})
         for source in sources if len(sources) > 1 else ():
             train = [c for c, r in zip(cases, gpu_runs, strict=True) if r.source.key != source]
             held = [c for c, r in zip(cases, gpu_runs, strict=True) if r.source.key == source]
-            other = fit_profile(train, base, KNOBS)
+            other = fit_profile(train, base, identifiable(KNOBS, train), iterations=15)
             errors = [c.predicted_s(other.profile) / c.measured_s - 1 for c in held]
             loso_rows += [(r, e) for r, e in zip([r for r in gpu_runs if r.source.key == source], errors, strict=True)]
             print(f"  {source} left out (fitted on {len(train)} runs of the others): {stats(errors)}")
-    print_groups("fitted per GPU (in sample):", fitted_rows)
+    print_groups("fitted per platform (in sample):", fitted_rows)
+    if apart_rows:
+        print_groups("runs of another system than their platform's (not fitted on):", apart_rows)
     print_groups("leave-one-out:", loo_rows)
     if loso_rows:
         print_groups("leave-one-source-out (GPUs with runs of two or more sources):", loso_rows)

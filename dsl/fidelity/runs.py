@@ -55,7 +55,8 @@ INFORMATIVE = ("pct_of_peak",)
 CONVENTIONS = ("hardware", "model", "none")  # none: the source prints no FLOP figure
 RUN_KEYS = ("id", "source", "where", "quote", "gpu", "gpus", "model", "dtype", "tp", "pp", "dp", "cp", "ep",
             "vp", "micro_batch", "global_batch", "recompute", "zero", "flash_attention", "grad_overlap",
-            "measured", "memory_gib", "assumed", "schedule", "notes", "sequence_parallel", "doubt")
+            "measured", "memory_gib", "assumed", "schedule", "notes", "sequence_parallel", "doubt", "cp_kind",
+            "system")
 RUN_REQUIRED = ("id", "source", "where", "quote", "gpu", "gpus", "model", "tp", "pp", "global_batch", "measured")
 MODEL_KEYS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab", "experts", "top_k",
               "moe_every", "name", "head_dim",
@@ -108,6 +109,10 @@ class MeasuredRun:
     grad_overlap: bool
     measured: dict = attrs.field(hash=False)  # figure -> value
     memory_gib: float | None = None
+    cp_kind: str = "ring"  # ring (dhelix's context parallelism) | all_gather (Llama 3's)
+    #: The software that ran it where it is not its source's own (a baseline measured by the
+    #: source: Narayanan et al.'s DeepSpeed ZeRO-3 rows); "" for the source's system.
+    system: str = ""
     span: Span | None = attrs.field(default=None, eq=False, kw_only=True)
 
     @property
@@ -146,8 +151,7 @@ def load_runs(path: str | Path, sources_from: str | Path | None = None) -> tuple
     text, source = _read(path)
     if str(path).endswith(".csv"):
         if sources_from is None:
-            raise RunSetError(f"{path}: a CSV of runs needs a YAML file of their sources",
-                              notes=["give it with --sources FILE.yaml (its 'sources' section)"])
+            raise RunSetError(f"{path}: a CSV of runs needs a YAML file of their sources (its 'sources' section)")
         sources_text, sources_source = _read(sources_from)
         data = _yaml(sources_text, sources_source)
         runs = _csv_rows(text)
@@ -316,4 +320,5 @@ def _run(row, index: int, sources: dict, source: Source, errors: ErrorCollector)
         flash_attention=bool(row.get("flash_attention", origin.flash_attention)),
         grad_overlap=bool(row.get("grad_overlap", origin.grad_overlap)),
         measured={k: float(v) for k, v in figures.items()}, memory_gib=_positive(row.get("memory_gib")),
+        cp_kind=str(row.get("cp_kind") or "ring"), system=str(row.get("system") or ""),
         span=span, **sizes)
