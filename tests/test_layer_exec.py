@@ -22,11 +22,11 @@ LAYERS = ("llama", "gpt", "moe")
 SEED, DATA_SEED, MICRO_BATCH = 11, 5, 2
 
 
-def program(layer: str, tp: int = 1):
+def program(layer: str, tp: int = 1, extra: str = ""):
     return check_text(f"""
 import "stdlib/layers.dhx"
 model m {{ layers = 2  hidden = 32  ffn = 64  heads = 4  kv_heads = 2  seq = 8  vocab = 64
-  experts = 4  top_k = 2  dtype = fp32  layer = {layer} }}
+  experts = 4  top_k = 2  dtype = fp32  layer = {layer} {extra} }}
 cluster {{ nodes = 1  gpus_per_node = {tp} }}
 mesh {{ tp = {tp} }}
 train {{ micro_batch = {MICRO_BATCH}  microbatches = 2 }}
@@ -74,6 +74,23 @@ def test_layer_matches_autograd_reference(layer):
         assert_close(grad, want_grads[op], f"gradient of {op}")
     # Everything the backward needed has been released.
     assert not run.saved and set(run.bgrads) == {layer_plan.bwd.output}
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_heads_narrower_or_wider_than_hidden_over_heads_match_the_reference(layer):
+    # head_dim set apart from hidden / heads (8 here), as Qwen3 and GPT-OSS do: q, k, v and the
+    # attention output are heads * head_dim wide, the projection takes them back to hidden.
+    for head_dim in (4, 16):
+        plan = WeightPlan(program(layer, extra=f"head_dim = {head_dim}"), SEED)
+        qkv = next(op for op in plan.program.forward.ops if op.name == "qkv")
+        assert qkv.shape[1] == (4 + 2 * (2 if layer != "gpt" else 4)) * head_dim
+        layer_plan = LayerPlan.build(plan.program.forward, plan.program.backward, MICRO_BATCH)
+        out, dx, grads, _ = run_layer(plan, layer_plan, SingleRankComm(), {"tp": 0})
+        want_out, want_dx, want_grads = reference_layer_grads(plan)
+        assert_close(out, want_out, "output")
+        assert_close(dx, want_dx, "input gradient")
+        for op, grad in grads.items():
+            assert_close(grad, want_grads[op], f"gradient of {op}")
 
 
 @pytest.mark.parametrize("layer", ["llama", "moe"])

@@ -10,18 +10,22 @@ from dhelix.dsl.core.program import Model, Train
 from dhelix.dsl.core.wording import join_words
 
 #: Names derived from the settings, available in layer expressions (and reserved).
-DERIVED = ("tokens", "head_dim")
+DERIVED = ("tokens",)
+#: Names derived from the settings unless the model sets them (``head_dim``: Qwen3, Gemma and
+#: GPT-OSS attend with heads narrower or wider than ``hidden / heads``).
+DEFAULTED = ("head_dim",)
 
 
 def layer_env(model: Model, mesh: Mesh, train: Train) -> dict[str, int]:
     """The integer names a layer's expressions may use: model settings, mesh axis sizes,
     ``micro_batch``/``microbatches``, ``tokens`` (micro_batch * seq / cp, the tokens of one
-    context-parallel rank) and ``head_dim`` (hidden / heads). Assumes check_divisibility passed."""
+    context-parallel rank) and ``head_dim`` (the model's, else hidden / heads). Assumes
+    check_divisibility passed."""
     env = dict(model.settings)
     env.update({axis: mesh.size(axis) for axis in MESH_AXES})
     env.update(micro_batch=train.micro_batch, microbatches=train.microbatches)
     env["tokens"] = train.micro_batch * model.get("seq") // mesh.size("cp")
-    env["head_dim"] = model.get("hidden") // model.get("heads")
+    env["head_dim"] = model.get("head_dim") or model.get("hidden") // model.get("heads")
     return env
 
 
@@ -42,9 +46,10 @@ def check_divisibility(model: Model, model_block, mesh: Mesh, mesh_block) -> lis
                                   _where(model_block, key, value),
                                   f"{axis} sizes that divide {value}: {', '.join(map(str, ok[:12]))}"]))
 
-    if get("hidden") % get("heads"):
+    if get("head_dim") is None and get("hidden") % get("heads"):
         errors.append(CheckError(f"hidden = {get('hidden')} is not divisible by heads = {get('heads')}",
-                                 model_block.span("hidden"), ["head_dim = hidden / heads must be whole"]))
+                                 model_block.span("hidden"), ["head_dim = hidden / heads must be whole, or set "
+                                                              "head_dim in the model"]))
     need("heads", "tp", why="each tp rank computes heads/tp attention heads")
     need("kv_heads", "tp", why="each tp rank holds kv_heads/tp key-value heads")
     need("ffn", "tp", why="each tp rank holds ffn/tp of the MLP's hidden features")
