@@ -47,7 +47,7 @@ from .pipeline_comm import PipelineComm, check_fifo
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
-from .si import Filler, LayerChain, check_orders, run_alone, run_interleaved, run_scheduled
+from .si import Filler, LayerChain, alone_order, check_orders, run_alone, run_interleaved, run_scheduled
 from dhelix.dsl.planner.si_plan import PlanFn, backward_ops, check_plan, sequential_plan
 from dhelix.interpreter.ops.weights import (EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, tie_grads,
                                              torch_dtype)
@@ -148,6 +148,8 @@ class Executor:
         self.selective = selective_drops(program.forward.ops, program.backward.ops) \
             if program.train.recompute == "selective" else ()
         self.w_ops = tuple(op for op in program.backward.ops if in_weight_pass(op))
+        #: The issue orders of a forward and of a backward layer run alone (F, B), made once.
+        self.alone = (alone_order(program.forward.ops, True), alone_order(self.b_ops, False))
         self.plan = plan_for(program.forward, program.backward)
         optional = {op.name for op in self.w_ops} if self.lowered.split else set()
         check_plan(self.plan, program.forward, program.backward, optional)
@@ -351,7 +353,7 @@ class Executor:
             HANDLERS[kind](self, action)
             return
         earlier = self.issued
-        with self.recorder.span(str(action)):
+        with self.recorder.span(str(action) if self.recorder.naming else kind):
             if kind != "SI":  # what an SI block carried or postponed waits only for the next SI block
                 self.filler.flush()
                 self._issue_postponed()
@@ -518,7 +520,7 @@ class Executor:
 
         names = [tuple(param_name(layer, op) for op in w) for layer, w in zip(stage.layers, stage.weights, strict=True)]
         before = None if self.param_ready is None else (lambda k: self.param_ready(names[k]))
-        return LayerChain(runs, self.layer_plan.fwd.ops, begin, end, forward=True, before=before)
+        return LayerChain(runs, self.layer_plan.fwd.ops, begin, end, forward=True, before=before, alone=self.alone[0])
 
     def backward_chain(self, action: Compute) -> LayerChain:
         """The backward chain of B ``action``: loss gradient or received gradient, the
@@ -541,17 +543,18 @@ class Executor:
 
         # A split B leaves the wgrads to the W (run_weight reports the layers done).
         done = None if self.lowered.split else (lambda position: self._layer_done(stage, len(runs) - 1 - position))
-        return LayerChain(list(reversed(runs)), self.b_ops, begin, end, forward=False, done=done)
+        return LayerChain(list(reversed(runs)), self.b_ops, begin, end, forward=False, done=done,
+                          alone=self.alone[1])
 
     # -- handlers ----------------------------------------------------------------------
 
     def run_forward(self, action: Compute) -> None:
         """F: the forward chain alone."""
-        run_alone(self.forward_chain(action), self.recorder, str(action))
+        run_alone(self.forward_chain(action), self.recorder, self._label(action))
 
     def run_backward(self, action: Compute) -> None:
         """B: the backward chain alone (without the wgrads when they are split off)."""
-        run_alone(self.backward_chain(action), self.recorder, str(action))
+        run_alone(self.backward_chain(action), self.recorder, self._label(action))
 
     def run_weight(self, action: Compute) -> None:
         """W: every weight-gradient op of the stage's layers; frees the micro-batch."""
@@ -570,10 +573,14 @@ class Executor:
         fwd, bwd = self.forward_chain(action.fwd), self.backward_chain(action.bwd)
         if self.block_orders is not None:
             order = self.block_orders[(len(fwd.runs), len(bwd.runs))]
-            run_scheduled(fwd, bwd, order, self.recorder, str(action),
+            run_scheduled(fwd, bwd, order, self.recorder, self._label(action),
                           (self.program.forward.output, self.program.backward.output), self._opened)
             return
-        run_interleaved(fwd, bwd, self.si_order, self.recorder, str(action), self.filler, self._opened)
+        run_interleaved(fwd, bwd, self.si_order, self.recorder, self._label(action), self.filler, self._opened)
+
+    def _label(self, action) -> str:
+        # The action's text form names its spans, built only when something reads them.
+        return str(action) if self.recorder.naming else ""
 
     def run_send(self, action: Transfer) -> None:
         """SEND: queue the value the previous action left in the mailbox."""

@@ -36,6 +36,12 @@ class Recorder:
         #: Returns the live activation bytes; sampled after every layer (set by the executor).
         self.probe: Callable[[], int] | None = None
 
+    @property
+    def naming(self) -> bool:
+        """Whether spans' names are read (tracing, or a torch.profiler running): callers
+        build a detailed name only then."""
+        return self.trace or _profiler_enabled()
+
     @contextlib.contextmanager
     def span(self, name: str, lane: str = "compute"):
         """Time the body as ``name`` on ``lane`` (and mark it for torch.profiler)."""

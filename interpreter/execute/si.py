@@ -207,8 +207,12 @@ class LayerChain:
     split B)."""
 
     def __init__(self, runs: list, ops: Sequence[Op], begin: Callable, end: Callable, forward: bool,
-                 before: Callable[[int], None] | None = None, done: Callable[[int], None] | None = None):
+                 before: Callable[[int], None] | None = None, done: Callable[[int], None] | None = None,
+                 alone: tuple[Issue, ...] | None = None):
         self.runs, self.ops, self.begin, self.end, self.forward = runs, tuple(ops), begin, end, forward
+        #: The order of :attr:`ops` when the chain runs alone (:func:`alone_order`), computed
+        #: once by whoever makes chains of these ops; None: ordered by :func:`run_alone`.
+        self.alone = alone
         #: Called with a layer's position in :attr:`runs` before it starts (the executor
         #: waits there for the layer's weights when their gather runs under the forward).
         self.before = before
@@ -233,22 +237,30 @@ class LayerChain:
         return run.output() if self.forward else run.input_grad()
 
 
+def alone_order(ops: Sequence[Op], forward: bool) -> tuple[Issue, ...]:
+    """The issue order of one layer's ``ops`` (forward or backward) run without a partner
+    strand: :func:`~.pair_order.order_pair` of one strand."""
+    return order_pair(*((ops, ()) if forward else ((), ops)), InFlight())
+
+
 def run_alone(chain: LayerChain, recorder: Recorder, label: str) -> None:
     """Run a chain without a partner strand. Each layer's ops go in the order
-    :func:`~.pair_order.order_pair` gives one strand: every collective issued asynchronously
-    as soon as its inputs exist and waited for only by the op that reads it, so the strand's
-    own compute that does not depend on it (a backward's wgrads) runs beside it — the
-    single-strand overlap the simulator's solo times assume. Nothing is left in flight at a
-    layer's end."""
-    strand = (chain.ops, ()) if chain.forward else ((), chain.ops)
-    issues = order_pair(*strand, InFlight())
+    :func:`alone_order` gives (the chain's :attr:`~LayerChain.alone` when it has one): every
+    collective issued asynchronously as soon as its inputs exist and waited for only by the
+    op that reads it, so the strand's own compute that does not depend on it (a backward's
+    wgrads) runs beside it — the single-strand overlap the simulator's solo times assume.
+    Nothing is left in flight at a layer's end. ``label`` names the layers' spans (only
+    built when something records them)."""
+    issues = chain.alone if chain.alone is not None else alone_order(chain.ops, chain.forward)
+    steps = tuple((issue.op, issue.comm) for issue in issues)
     value = chain.begin()
+    named = recorder.naming
     for k, run in enumerate(chain.runs):
         chain.start(run, value)
-        with recorder.span(f"{label}.layer{k}"):
+        with recorder.span(f"{label}.layer{k}" if named else label):
             step = run.forward_op if chain.forward else run.backward_op
-            for issue in issues:
-                step(issue.op, async_op=issue.comm)
+            for op, comm in steps:
+                step(op, comm)
             settle(run)
         chain.finished((k,))
         recorder.memory()
@@ -275,6 +287,7 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
     chains = {"F": fwd, "B": bwd}
     started = {"F": set(), "B": set()}  # runs started ahead of their layer pair (their lead issued)
     reported = 0  # the backward layers reported done (their held wgrads run by then)
+    named = recorder.naming
     for k in range(max(len(fwd.runs), len(bwd.runs))):
         frun = fwd.runs[k] if k < len(fwd.runs) else None
         brun = bwd.runs[k] if k < len(bwd.runs) else None
@@ -295,8 +308,8 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
                                          lead_next=frun is not None and k + 1 < len(fwd.runs),
                                          back_led=k in started["B"],
                                          back_lead_next=brun is not None and k + 1 < len(bwd.runs)):
-            run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}", order.barrier, filler, k,
-                     ahead)
+            run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}" if named else label,
+                     order.barrier, filler, k, ahead)
         if filler is not None:
             filler.flush(before_layer=k)  # the layer pairs before this one have run whole
         done = min(k + (filler is None), len(bwd.runs))

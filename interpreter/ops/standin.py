@@ -182,14 +182,19 @@ class EmulatedComm(DistComm):
         self.issued: list[tuple[str, str, tuple[int, ...]]] = []
         self._host = self._source = None  # ``copy``: the pinned host buffer, the device one copied
         self._lock = threading.Lock()
+        self._lane_of: dict[str, tuple[str, int]] = {}
 
     # -- what a transfer costs --------------------------------------------------------------
 
     def lane_and_nodes(self, axis: str) -> tuple[str, int]:
-        """The lane of ``axis``'s group holding this rank and its ranks per node."""
-        ranks = self.group_ranks(axis)
-        per_node = self.mesh.gpus_per_node
-        return ("cross" if len({r // per_node for r in ranks}) > 1 else "local"), ranks_per_node(ranks, per_node)
+        """The lane of ``axis``'s group holding this rank and its ranks per node (found once per axis)."""
+        found = self._lane_of.get(axis)
+        if found is None:
+            ranks = self.group_ranks(axis)
+            per_node = self.mesh.gpus_per_node
+            found = self._lane_of[axis] = (("cross" if len({r // per_node for r in ranks}) > 1 else "local"),
+                                           ranks_per_node(ranks, per_node))
+        return found
 
     def _cost(self, kind: str, full_bytes: float, axis: str, group: int):
         """The link's cost of one transfer, to run on its lane (None: none)."""
