@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 
 import attrs
 import os
@@ -36,13 +37,15 @@ from pathlib import Path
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.fidelity.fit import fit_profile, identifiable
-from dhelix.dsl.fidelity.predict import GPU_PROFILES, predict, run_case
+from dhelix.dsl.fidelity.predict import GPU_PROFILES, predict, run_case, run_profile
 from dhelix.dsl.fidelity.runs import load_runs
 from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.simulator.events import simulate
 
 RUNS = Path(__file__).resolve().parent / "published_runs.yaml"
 KNOBS = ("gemm", "gemm_fp8", "attention", "overhead", "local", "cross")
+#: A platform is fitted (and ablated) with at least this many runs of its own system.
+MIN_FIT_RUNS = 8
 
 
 def family(run) -> str:
@@ -122,33 +125,53 @@ def main() -> int:
     return 0
 
 
-#: Each term of the cost model the set exercises, and how to take it out of a run's profile
-#: (after the run's cluster facts are applied).
+#: The streaming multiprocessors of each shipped GPU (the datasheets), for the tile-and-wave term.
+SMS = {"a100": 108, "h100": 132, "a40": 84, "a800": 108}
+
+#: Each term of the cost model the set exercises: how a run's profile (its cluster facts applied)
+#: has it and lacks it.
 TERMS = {
-    "GEMM tile and wave quantization": lambda run, p: attrs.evolve(p, kernels=attrs.evolve(p.kernels, sms=None)),
-    "fixed time per kernel": lambda run, p: attrs.evolve(p, kernels=attrs.evolve(p.kernels, overhead_us=0.0)),
-    "materialized attention (runs without flash)": lambda run, p: attrs.evolve(
-        p, kernels=attrs.evolve(p.kernels, attention="flash")),
-    "the source's cross-node bandwidth": lambda run, p: attrs.evolve(
-        p, links={**p.links, "cross": load_profile(family(run)).links["cross"]}),
+    "GEMM tile and wave quantization": (
+        lambda run, p: attrs.evolve(p, kernels=attrs.evolve(p.kernels, sms=SMS[family(run)])),
+        lambda run, p: attrs.evolve(p, kernels=attrs.evolve(p.kernels, sms=None))),
+    "materialized attention (runs without flash)": (
+        lambda run, p: p,
+        lambda run, p: attrs.evolve(p, kernels=attrs.evolve(p.kernels, attention="flash"))),
+    "the source's cross-node bandwidth": (
+        lambda run, p: p,
+        lambda run, p: attrs.evolve(p, links={**p.links, "cross": load_profile(family(run)).links["cross"]})),
 }
 
 
 def ablate(runs) -> None:
-    """The mean |error| with every term, then with each term taken out (a term whose removal
-    does not raise the error on the runs that exercise it does not earn its place)."""
-    cases = [(run, run_case(run)) for run in runs]
-    full = [case.predicted_s(load_profile(family(run))) / case.measured_s - 1 for run, case in cases]
-    print(f"\nablation (shipped profiles): every term: {stats(full)}")
-    for term, remove in TERMS.items():
-        errors = []
-        for (run, case), with_term in zip(cases, full, strict=True):
-            profile = remove(run, case.on(load_profile(family(run))))
-            seconds = simulate(attrs.evolve(case.program, profile=profile), trace=False).step_time
-            errors.append((with_term, seconds / case.measured_s - 1))
-        moved = [(a, b) for a, b in errors if abs(a - b) > 1e-9]
-        print(f"  without {term}: {stats([b for _, b in errors])}; on the {len(moved)} runs it changes: "
-              f"{stats([a for a, _ in moved])} with it, {stats([b for _, b in moved])} without")
+    """Each term's share, fairly: each platform's profile fitted again with the term and
+    without it (a term that a fit without it matches as well — by the leave-one-out error —
+    does not earn its place; a term the runs do not exercise changes nothing)."""
+    print("\nablation: each platform fitted with each term and without it (runs of their platform's own system)")
+    by_platform = collections.defaultdict(list)
+    for run in runs:
+        if not run.system:
+            by_platform[platform_of(run)].append(run)
+    for platform in sorted(by_platform):
+        group = by_platform[platform]
+        if len(group) < MIN_FIT_RUNS:
+            continue
+        base = load_profile(family(group[0]))
+        for term, ways in TERMS.items():
+            line = []
+            for label, way in zip(("with", "without"), ways, strict=True):
+                cases = [attrs.evolve(run_case(run, base), on=functools.partial(_composed, way, run)) for run in group]
+                fit = fit_profile(cases, base, identifiable(KNOBS, cases), iterations=15)
+                line.append(f"{label}: fitted {mean_abs(fit.after):4.1f} %, left out {mean_abs(fit.loo):4.1f} %")
+            print(f"  {platform:<24} {term:<44} " + "; ".join(line), flush=True)
+
+
+def _composed(way, run, profile):
+    return way(run, run_profile(run, profile))
+
+
+def mean_abs(errors) -> float:
+    return 100 * sum(abs(e) for e in errors) / len(errors)
 
 
 def print_memory(rows) -> None:
@@ -173,10 +196,13 @@ def fit_each_gpu(runs) -> None:
     for gpu in sorted(by_gpu):
         gpu_runs = by_gpu[gpu]
         base = load_profile(family(gpu_runs[0]))
+        if len(gpu_runs) < MIN_FIT_RUNS:
+            print(f"\n{gpu}: {len(gpu_runs)} run(s), fewer than {MIN_FIT_RUNS}: not fitted")
+            continue
         cases = [run_case(run, base) for run in gpu_runs]
         started = time.perf_counter()
         knobs = identifiable(KNOBS, cases)
-        fit = fit_profile(cases, base, knobs, iterations=15, progress=lambda line: print(f"  {gpu}: {line}", file=sys.stderr))
+        fit = fit_profile(cases, base, knobs, iterations=25, progress=lambda line: print(f"  {gpu}: {line}", file=sys.stderr))
         print(f"\nfit of the {gpu} profile on its {len(cases)} runs ({fit.evaluations} evaluations, "
               f"{time.perf_counter() - started:.0f} s): " + ", ".join(
                   f"{k} {fit.start[k]:.4g} -> {fit.values[k]:.4g}" for k in fit.knobs))
