@@ -100,7 +100,7 @@ def main() -> int:
     runs = [r for r in load_runs(args.runs) if (not args.source or r.source.key in args.source)
             and (not args.gpu or family(r) in args.gpu)]
     print(f"machine: {platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs), python {platform.python_version()}")
-    print(f"runs: {args.runs}, {len(runs)} rows; profiles: the shipped ones with each source's cluster facts")
+    print(f"runs: {os.path.relpath(args.runs)}, {len(runs)} rows; profiles: the shipped ones with each source's cluster facts")
     print(f"\n{'source':<22} {'run':<34} {'model':<24} {'layout':<32} {'measured':>9} {'predicted':>9} {'error':>7}")
     started = time.perf_counter()
     rows, skipped, memory = [], [], []
@@ -202,7 +202,7 @@ def fit_each_gpu(runs) -> None:
         cases = [run_case(run, base) for run in gpu_runs]
         started = time.perf_counter()
         knobs = identifiable(KNOBS, cases)
-        fit = fit_profile(cases, base, knobs, iterations=25, progress=lambda line: print(f"  {gpu}: {line}", file=sys.stderr))
+        fit = fit_profile(cases, base, knobs, iterations=15, progress=lambda line: print(f"  {gpu}: {line}", file=sys.stderr))
         print(f"\nfit of the {gpu} profile on its {len(cases)} runs ({fit.evaluations} evaluations, "
               f"{time.perf_counter() - started:.0f} s): " + ", ".join(
                   f"{k} {fit.start[k]:.4g} -> {fit.values[k]:.4g}" for k in fit.knobs))
@@ -220,7 +220,7 @@ def fit_each_gpu(runs) -> None:
         for source in sources if len(sources) > 1 else ():
             train = [c for c, r in zip(cases, gpu_runs, strict=True) if r.source.key != source]
             held = [c for c, r in zip(cases, gpu_runs, strict=True) if r.source.key == source]
-            other = fit_profile(train, base, identifiable(KNOBS, train), iterations=15)
+            other = fit_profile(train, base, identifiable(KNOBS, train), iterations=10)
             errors = [c.predicted_s(other.profile) / c.measured_s - 1 for c in held]
             loso_rows += [(r, e) for r, e in zip([r for r in gpu_runs if r.source.key == source], errors, strict=True)]
             print(f"  {source} left out (fitted on {len(train)} runs of the others): {stats(errors)}")
