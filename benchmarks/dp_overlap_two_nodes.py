@@ -36,18 +36,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 # Beside this file (the script's folder is the first on sys.path): the link and what the
 # two-node benchmarks share.
-from two_node_link import LinkError, Shaping, TwoNodeLink, check_can_run
-from two_node_runs import (BenchError, Report, World, add_link_arguments, command_line, machine, median, profile_link,
+from two_node_link import Shaping, TwoNodeLink
+from two_node_runs import (run_main, BenchError, Report, World, add_link_arguments, command_line, machine, median, profile_link,
                            ratio_text, seconds_text)
 
-from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.passes.pipeline import check_text
 
 MODES = ("backward", "step")
@@ -194,27 +191,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     """Check that the link can be made, run the benchmark, always remove what it created."""
-    args = parse_args(argv)
-    try:
-        check_can_run()
-    except LinkError as exc:
-        print(f"dp_overlap_two_nodes.py: {exc}", file=sys.stderr)
-        return 2
-    report, workdir = Report(), Path(tempfile.mkdtemp(prefix="dhxdp-"))
-    try:
-        code = bench(args, report, workdir)
-        if args.output:  # only a complete run replaces the results file
-            report.write(args.output)
-        return code
-    except DhelixError as exc:
-        print(exc.render(), file=sys.stderr)
-    except (LinkError, BenchError, OSError) as exc:
-        print(f"dp_overlap_two_nodes.py: {exc}", file=sys.stderr)
-    except KeyboardInterrupt:
-        print("dp_overlap_two_nodes.py: interrupted; the namespaces are removed", file=sys.stderr)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    return 1
+    return run_main("dp_overlap_two_nodes.py", parse_args(argv), bench, "dhxdp-")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.fidelity.fit import fit_profile, identifiable
-from dhelix.dsl.fidelity.predict import GPU_PROFILES, predict, run_case, run_profile
+from dhelix.dsl.fidelity.predict import predict, profile_name, run_case, run_profile
 from dhelix.dsl.fidelity.runs import load_runs
 from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.simulator.events import simulate
@@ -50,7 +50,7 @@ MIN_FIT_RUNS = 8
 
 def family(run) -> str:
     """The shipped profile of the run's GPU (``a100``, ``h100``, …)."""
-    return GPU_PROFILES.get(run.gpu.lower().split("-")[0], run.gpu)
+    return profile_name(run) or run.gpu
 
 
 def platform_of(run) -> str:

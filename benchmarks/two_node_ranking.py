@@ -39,10 +39,8 @@ import argparse
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import attrs
@@ -50,10 +48,9 @@ import yaml
 
 # Beside this file (the script's folder is the first on sys.path): the link and what the
 # two-node benchmarks share.
-from two_node_link import LinkError, Shaping, TwoNodeLink, check_can_run, remove_namespaces
-from two_node_runs import BenchError, Report, World, add_link_arguments, command_line, machine, median, profile_link
+from two_node_link import Shaping, TwoNodeLink
+from two_node_runs import run_main, BenchError, Report, World, add_link_arguments, command_line, machine, median, profile_link
 
-from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.passes.pipeline import check_text
 
 TAU_GOAL, TUNE_GOAL = 0.8, 0.03
@@ -409,34 +406,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     """Check that the link can be made, run the benchmark, always remove what it created."""
-    args = parse_args(argv)
-    try:
-        check_can_run()
-        if args.cleanup:
-            removed = remove_namespaces()
-            print(f"removed: {', '.join(removed)}" if removed else "nothing to remove")
-            return 0
-    except LinkError as exc:
-        print(f"two_node_ranking.py: {exc}", file=sys.stderr)
-        return 2
-    report, workdir = Report(), Path(tempfile.mkdtemp(prefix="dhx2n-rank-"))
-    try:
-        code = bench(args, report, workdir)
-        if args.output:  # only a complete run replaces the results file
-            report.write(args.output)
-        return code
-    except DhelixError as exc:
-        print(exc.render(), file=sys.stderr)
-    except (LinkError, BenchError, OSError, subprocess.TimeoutExpired) as exc:
-        print(f"two_node_ranking.py: {exc}", file=sys.stderr)
-    except KeyboardInterrupt:
-        print("two_node_ranking.py: interrupted; the namespaces are removed", file=sys.stderr)
-    finally:
-        if args.keep_files:
-            print(f"files kept in {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return 1
+    return run_main("two_node_ranking.py", parse_args(argv), bench, "dhx2n-rank-", (subprocess.TimeoutExpired,))
 
 
 if __name__ == "__main__":

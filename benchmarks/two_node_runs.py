@@ -1,8 +1,9 @@
 """What the benchmarks over the emulated two-node link share: running one world of ranks
 over the two network namespaces (:class:`World`), profiling the link with ``dhelix profile``,
 the report printed and kept for ``--output``, the command-line options of the link and the
-figures' formatting. Used by ``two_nodes.py`` and ``dp_overlap_two_nodes.py``; prints only
-through the :class:`Report` it is given.
+figures' formatting, and the scripts' entry point (:func:`run_main`, which prints their
+failures). Used by ``two_nodes.py``, ``two_node_ranking.py`` and ``dp_overlap_two_nodes.py``;
+everything else prints only through the :class:`Report` it is given.
 """
 
 from __future__ import annotations
@@ -188,3 +189,48 @@ def ratio_text(value) -> str:
 def percent_text(value) -> str:
     """``81 %``, or a dash for None."""
     return "—" if value is None else f"{100 * value:.0f} %"
+
+
+# -- the scripts' entry point --------------------------------------------------------------------
+
+def run_main(script: str, args, bench, prefix: str, errors: tuple = ()) -> int:
+    """What each two-node script's ``main`` does around its ``bench(args, report, workdir)``:
+    check that the link can be made (``--cleanup``, where the script has it, removes the
+    namespaces a killed run left behind instead), run it in a fresh working folder, write the
+    report to ``--output`` only after a complete run, turn every failure (``errors`` adds the
+    script's own) into one line naming the script, and always remove what it made (the
+    folder kept with ``--keep-files``). Returns the exit code."""
+    import shutil
+    import tempfile
+
+    from two_node_link import LinkError, check_can_run, remove_namespaces
+
+    from dhelix.dsl.core.errors import DhelixError
+
+    try:
+        check_can_run()
+        if getattr(args, "cleanup", False):
+            removed = remove_namespaces()
+            print(f"removed: {', '.join(removed)}" if removed else "nothing to remove")
+            return 0
+    except LinkError as exc:
+        print(f"{script}: {exc}", file=sys.stderr)
+        return 2
+    report, workdir = Report(), Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        code = bench(args, report, workdir)
+        if args.output:  # only a complete run replaces the results file
+            report.write(args.output)
+        return code
+    except DhelixError as exc:
+        print(exc.render(), file=sys.stderr)
+    except (LinkError, BenchError, OSError, *errors) as exc:
+        print(f"{script}: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"{script}: interrupted; the namespaces are removed", file=sys.stderr)
+    finally:
+        if getattr(args, "keep_files", False):
+            print(f"files kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 1

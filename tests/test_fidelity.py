@@ -82,6 +82,17 @@ def test_layouts_and_figures_are_checked(tmp_path):
     assert "run id 'twice' appears twice" in message
 
 
+def test_sizes_that_are_not_whole_numbers_are_refused_not_a_traceback(tmp_path):
+    text = SOURCES + row("words", gb="many") + row("half").replace("layers: 4", "layers: 4.5").replace(
+        "micro_batch: 1", "micro_batch: two")
+    with pytest.raises(DhelixError) as info:
+        load_runs(write(tmp_path, text))
+    message = str(info.value)
+    assert "run 'words': global_batch must be a whole number ≥ 1" in message
+    assert "micro_batch must be a whole number ≥ 1 or null" in message
+    assert "model: layers must be a whole number ≥ 1" in message
+
+
 def test_a_figure_becomes_seconds_by_the_sources_flop_count(tmp_path):
     (run,) = load_runs(write(tmp_path, SOURCES + row(figure="tflops_per_gpu: 100", gb=16)))
     program = check_text(program_text(run), "r.dhx")
@@ -182,6 +193,10 @@ def test_calibrate_refuses_bad_knobs_and_mixed_gpus(tmp_path):
     text = SOURCES + row("a") + row("b").replace("gpu: a100-80gb", "gpu: h100-sxm")
     result = dhelix_here("calibrate", str(write(tmp_path, text)))
     assert result.returncode == 2 and "one profile fits one GPU; choose one with --gpu" in result.stderr
+    unknown = SOURCES + row("a") + row("b").replace("gpu: a100-80gb", "gpu: h200")
+    result = dhelix_here("calibrate", str(write(tmp_path, unknown)), "--profile", "a100", "--knobs", "gemm")
+    assert result.returncode == 0, result.stderr
+    assert "b" in result.stdout and "skipped: run 'b': no shipped profile for GPU 'h200'" in result.stdout
     missing = dhelix_here("calibrate", str(tmp_path / "none.yaml"))
     assert missing.returncode == 1 and "cannot read" in missing.stderr and "Traceback" not in missing.stderr
 

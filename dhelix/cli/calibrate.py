@@ -75,8 +75,9 @@ def cmd_calibrate(args) -> int:
 
 
 def _cases(args):
-    from dhelix.dsl.fidelity.predict import GPU_PROFILES, metrics_case, run_case
+    from dhelix.dsl.fidelity.predict import base_profile, metrics_case, profile_name, run_case
     from dhelix.dsl.fidelity.runs import load_runs
+    from dhelix.dsl.frontend.profiles import load_profile
 
     cases, skipped, gpus = [], [], set()
     for path in args.runs:
@@ -84,27 +85,15 @@ def _cases(args):
             cases.append(metrics_case(path))
             continue
         for run in load_runs(path, args.sources):
-            family = run.gpu.lower().split("-")[0]
-            if args.gpu and family != args.gpu.lower():
+            if args.gpu and profile_name(run) != args.gpu.lower():
                 continue
             try:
-                profile = load_profile_for(args.profile, family, GPU_PROFILES)
+                profile = load_profile(args.profile) if args.profile else base_profile(run)
                 cases.append(run_case(run, profile))
-                gpus.add(GPU_PROFILES.get(family, family))
+                gpus.add(profile_name(run))
             except DhelixError as exc:
                 skipped.append((run.id, exc.message.splitlines()[0]))
     return cases, skipped, gpus
-
-
-def load_profile_for(named: str | None, family: str, profiles: dict):
-    """The profile a run starts from: ``named`` if given, else its GPU's shipped one."""
-    from dhelix.dsl.frontend.profiles import load_profile
-
-    if named:
-        return load_profile(named)
-    if family not in profiles:
-        raise DhelixError(f"no shipped profile for GPU '{family}'", notes=[f"GPUs: {', '.join(sorted(profiles))}"])
-    return load_profile(profiles[family])
 
 
 def _pct(value: float) -> str:

@@ -56,13 +56,15 @@ class Prediction:
         return self.predicted_s / self.measured_s - 1.0
 
 
+def profile_name(run: MeasuredRun) -> str | None:
+    """The shipped profile of the run's GPU (``a100-80gb`` -> ``a100``); None without one."""
+    return GPU_PROFILES.get(run.gpu.lower().split("-")[0])
+
+
 def base_profile(run: MeasuredRun) -> Profile:
-    """The shipped profile of the run's GPU (``a100-80gb`` -> ``a100``)."""
-    family = run.gpu.lower().split("-")[0]
-    if family not in GPU_PROFILES:
-        raise DhelixError(f"run '{run.id}': no shipped profile for GPU '{run.gpu}'", run.span,
-                          [f"GPUs: {', '.join(sorted(GPU_PROFILES))}"])
-    return load_profile(GPU_PROFILES[family])
+    """The shipped profile of the run's GPU, loaded; DhelixError for a GPU without one."""
+    program_text(run)  # a run on a GPU without a shipped profile is refused there
+    return load_profile(profile_name(run))
 
 
 def run_profile(run: MeasuredRun, profile: Profile) -> Profile:
@@ -82,6 +84,10 @@ def run_profile(run: MeasuredRun, profile: Profile) -> Profile:
 
 def program_text(run: MeasuredRun) -> str:
     """The dhelix program of ``run`` (module docstring)."""
+    shipped = profile_name(run)
+    if shipped is None:
+        raise DhelixError(f"run '{run.id}': no shipped profile for GPU '{run.gpu}'", run.span,
+                          [f"GPUs: {', '.join(sorted(GPU_PROFILES))}"])
     if run.cp > 1 and run.cp_kind != "ring":
         raise DhelixError(f"run '{run.id}': {run.cp_kind} context parallelism is not modelled "
                           "(dhelix's cp is ring attention)", run.span)
@@ -116,7 +122,7 @@ model run {{
   {settings}
   dtype = {run.dtype}  layer = {_LAYERS[family]}
 }}
-cluster {{ nodes = {run.gpus // gpn}  gpus_per_node = {gpn}  profile = "{GPU_PROFILES[run.gpu.lower().split('-')[0]]}" }}
+cluster {{ nodes = {run.gpus // gpn}  gpus_per_node = {gpn}  profile = "{shipped}" }}
 mesh {{ {"  ".join(mesh)} }}
 train {{ micro_batch = {micro}  microbatches = {microbatches}  recompute = {recompute}  zero = {zero}  grad_reduce = {grad}  si = off }}
 fold {fold}

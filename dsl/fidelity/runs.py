@@ -62,6 +62,8 @@ MODEL_KEYS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq", "
               "moe_every", "name", "head_dim",
               # what the stdlib's layers do not model, kept as the source says it
               "activation", "norm", "pos", "sliding_window", "swa_pattern", "capacity_factor")
+#: The model's settings that are sizes (whole numbers ≥ 1).
+MODEL_NUMBERS = ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab", "experts", "top_k", "head_dim")
 SOURCE_KEYS = ("cite", "system", "url_hint", "flops_convention", "cross_gbps_per_gpu", "gpus_per_node",
                "flash_attention", "grad_overlap", "notes", "quote", "cluster")
 
@@ -247,10 +249,18 @@ def _sources(data, source: Source, errors: ErrorCollector) -> dict[str, RunSourc
         if convention not in CONVENTIONS:
             errors.add(RunSetError(f"source '{key}': flops_convention must be one of {', '.join(CONVENTIONS)}", span))
             continue
+        if not _whole(entry.get("gpus_per_node", 8), 1):
+            errors.add(RunSetError(f"source '{key}': gpus_per_node must be a whole number ≥ 1", span))
+            continue
         out[key] = RunSource(key, str(entry["cite"]), convention, _positive(entry.get("cross_gbps_per_gpu")),
                              _positive(entry.get("hbm_gbps")), int(entry.get("gpus_per_node", 8)), bool(entry.get("flash_attention", True)),
                              bool(entry.get("grad_overlap", True)))
     return out
+
+
+def _whole(value, low: int) -> bool:
+    """Whether ``value`` is an integer (not a bool) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 def _positive(value) -> float | None:
@@ -302,6 +312,12 @@ def _run(row, index: int, sources: dict, source: Source, errors: ErrorCollector)
     sizes["vp"] = row.get("vp", 1) if row.get("vp", 1) is not None else _stated_interleaving(row, model)
     sizes["dp"] = row.get("dp")
     gpus = row.get("gpus")
+    problems += [f"{key} must be a whole number ≥ {low}" for key, low in (("gpus", 1), ("global_batch", 1))
+                 if row.get(key) is not None and not _whole(row[key], low)]
+    problems += [f"{key} must be a whole number ≥ {low} or null" for key, low in (("micro_batch", 1), ("zero", 0))
+                 if row.get(key) is not None and not _whole(row[key], low)]
+    problems += [f"model: {key} must be a whole number ≥ 1" for key in MODEL_NUMBERS
+                 if model.get(key) is not None and not _whole(model[key], 1)]
     if isinstance(gpus, int) and sizes["dp"] is None and all(isinstance(v, int) for k, v in sizes.items() if k != "dp"):
         sizes["dp"] = gpus // (sizes["tp"] * sizes["pp"] * sizes["cp"]) if sizes["tp"] * sizes["pp"] * sizes["cp"] else None
     if not all(isinstance(v, int) and v >= 1 for v in sizes.values()):
