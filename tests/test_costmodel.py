@@ -127,9 +127,8 @@ def test_a_ring_across_nodes_gets_the_share_of_its_ranks_on_each_node():
         15 * alpha + size * 15 / 16 / (2 * cross))
     assert collective_time("all_reduce", size, 4, "cross", h100, per_node=1) == pytest.approx(
         2 * (3 * alpha + size * 3 / 4 / cross))
-    # Not for all-to-all (every rank sends across nodes at once) or P2P, nor on a local lane.
-    for kind, group in (("all_to_all", 4), ("p2p", 2)):
-        assert collective_time(kind, size, group, "cross", h100, per_node=2) == collective_time(kind, size, group, "cross", h100)
+    # Not for P2P (one pair), nor on a local lane.
+    assert collective_time("p2p", size, 2, "cross", h100, per_node=2) == collective_time("p2p", size, 2, "cross", h100)
     assert collective_time("all_gather", size, 8, "local", h100, per_node=8) == collective_time("all_gather", size, 8, "local", h100)
     # The hierarchy of a 16-rank gather on 2 nodes: 8 inter-node gathers of S/8 over 2 ranks carry
     # S/2 per node, the flat ring 15/16 of S (both at the node's cross bandwidth).
@@ -268,3 +267,20 @@ def test_the_optimizer_streams_at_the_measured_rate_when_the_profile_has_one():
     assert modelled == pytest.approx(28e9 / (a40.hbm_gbps * 1e9 * a40.achieved["activation"]))
     measured = attrs.evolve(a40, optimizer_gbps=7.0)
     assert optimizer_time(1e9, "bf16", measured) == pytest.approx(4.0)
+
+
+def test_an_all_to_all_across_nodes_sends_only_its_remote_peers_bytes_over_the_nic():
+    # A GPU sends S/g to each peer: the g - k peers on other nodes over its own NIC share
+    # (every GPU of the node sends at once, so no ring-style pooling of the node's NICs), the
+    # k - 1 on its node over NVLink at the same time; the slower set bounds the time.
+    h100, size = load_profile("h100"), 2 * N * H
+    alpha, cross, local = 10e-6, 50e9, 450e9
+    assert collective_time("all_to_all", size, 16, "cross", h100, per_node=8) == pytest.approx(
+        15 * alpha + max(size * 8 / 16 / cross, size * 7 / 16 / local))
+    # One rank per node: every peer is remote, the flat pairwise model.
+    assert collective_time("all_to_all", size, 4, "cross", h100, per_node=1) == pytest.approx(
+        3 * alpha + size * 3 / 4 / cross)
+    # A slow local link (PCIe) can be the bound.
+    slow = attrs.evolve(h100, links={**h100.links, "local": attrs.evolve(h100.links["local"], bw_gbps=5.0)})
+    assert collective_time("all_to_all", size, 16, "cross", slow, per_node=8) == pytest.approx(
+        15 * alpha + size * 7 / 16 / 5e9)

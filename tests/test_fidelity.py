@@ -115,6 +115,27 @@ def test_uneven_stages_are_padded_and_an_unstated_interleaving_is_the_fewest_chu
     assert program.model.get("layers") == 32 and program.fold.kind == "loop"
 
 
+def test_a_tuned_source_s_unstated_interleaving_is_the_fastest_count(tmp_path):
+    # Llama 3 (sec. 3.3.2) tunes an interleaved schedule whose V it does not state: the
+    # prediction keeps the count that simulates fastest, equal to trying each one by hand.
+    tuned = SOURCES.replace("    flash_attention: false\n", "    flash_attention: false\n    interleaving: tuned\n")
+    text = tuned + row(gpus=32, tp=8, pp=4, layers=32, gb=8).replace(
+        "    recompute: full\n", "    recompute: full\n    vp: null\n")
+    (run,) = load_runs(write(tmp_path, text))
+    assert not run.vp_stated and run.vp == 2
+    by_hand = {vp: predict(attrs.evolve(run, vp=vp, vp_stated=True)).predicted_s for vp in (2, 4, 8)}
+    assert len(set(by_hand.values())) == 3  # the counts price differently: the choice matters
+    chosen = predict(run)
+    assert chosen.run.vp == min(by_hand, key=by_hand.get)
+    assert chosen.predicted_s == by_hand[chosen.run.vp]
+    # Stated, or from a source that does not tune: the run's own count.
+    assert predict(attrs.evolve(run, vp_stated=True)).run.vp == 2
+    bad = write(tmp_path, tuned.replace("interleaving: tuned", "interleaving: best") + row(), "bad.yaml")
+    with pytest.raises(DhelixError) as info:
+        load_runs(bad)
+    assert "bad.yaml:3:1: source 'lab': interleaving must be one of fewest, tuned" in str(info.value)
+
+
 def test_the_cluster_facts_reach_the_profile(tmp_path):
     (run,) = load_runs(write(tmp_path, SOURCES + row()))
     profile = run_profile(run, load_profile("a100"))

@@ -27,7 +27,7 @@ from typing import Callable
 import attrs
 
 from dhelix.dsl.core.errors import DhelixError
-from dhelix.dsl.fidelity.runs import MeasuredRun
+from dhelix.dsl.fidelity.runs import MeasuredRun, interleavings
 from dhelix.dsl.frontend.profiles import Profile, load_profile
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.planner.costmodel import megatron_flops_per_iteration
@@ -204,6 +204,9 @@ class Case:
     measured_s: float
     on: Callable[[Profile], Profile] = attrs.field(eq=False, default=lambda profile: profile)
     shorter: tuple = attrs.field(eq=False, default=())
+    #: The published run the case holds, as predicted (its interleaving chosen where the source
+    #: tuned an unstated one); None for a user's own run.
+    run: MeasuredRun | None = attrs.field(eq=False, default=None)
 
     def predicted_s(self, profile: Profile, fast: bool = False) -> float:
         """The simulated step seconds on ``profile`` (the case's facts applied). ``fast``:
@@ -234,6 +237,7 @@ def run_case(run: MeasuredRun, profile: Profile | None = None) -> Case:
     """The :class:`Case` of a published ``run`` (its profile by default the GPU's shipped
     one). Raises DhelixError for a run the program cannot express."""
     chosen = run_profile(run, profile if profile is not None else base_profile(run))
+    run = _interleaved(run, chosen)
     program = attrs.evolve(check_text(program_text(run), f"{run.id}.dhx"), profile=chosen)
     shorter = ()
     micro = run.micro_batch or 1
@@ -242,7 +246,24 @@ def run_case(run: MeasuredRun, profile: Profile | None = None) -> Case:
             attrs.evolve(run, global_batch=k * run.pp * run.dp * micro)), f"{run.id}.dhx"), profile=chosen))
             for k in (1, 2))
     return Case(run.id, run.layout(), program, measured_seconds(run, program, chosen),
-                functools.partial(run_profile, run), shorter)
+                functools.partial(run_profile, run), shorter, run)
+
+
+def _interleaved(run: MeasuredRun, profile: Profile) -> MeasuredRun:
+    """``run`` with the chunks per rank its prediction uses: the one count it has, or, for a
+    tuned schedule of unstated interleaving (:func:`~dhelix.dsl.fidelity.runs.interleavings`),
+    the count that simulates fastest on ``profile`` (ties to the fewer chunks) — what the
+    source's tuning would have kept. Chosen once, on the profile the case is built with: a
+    fit then varies the profile, not the schedule."""
+    counts = interleavings(run)
+    if len(counts) == 1:
+        return attrs.evolve(run, vp=counts[0]) if counts[0] != run.vp else run
+    timed = []
+    for vp in counts:
+        candidate = attrs.evolve(run, vp=vp)
+        program = attrs.evolve(check_text(program_text(candidate), f"{run.id}.dhx"), profile=profile)
+        timed.append((_step(program, profile), vp, candidate))
+    return min(timed, key=lambda item: item[:2])[2]
 
 
 def predict(run: MeasuredRun, profile: Profile | None = None) -> Prediction:
@@ -255,7 +276,7 @@ def predict(run: MeasuredRun, profile: Profile | None = None) -> Prediction:
     except DhelixError as exc:
         return Prediction(run, None, None, exc.message.splitlines()[0])
     peak = max(rank.memory for rank in sim.ranks) / 2 ** 30
-    return Prediction(run, case.measured_s, sim.step_time, predicted_peak_gib=peak)
+    return Prediction(case.run, case.measured_s, sim.step_time, predicted_peak_gib=peak)
 
 
 def summary(predictions) -> dict:

@@ -11,6 +11,7 @@ ones) with two sections::
         gpus_per_node: 8
         flash_attention: false       # the default of its runs
         grad_overlap: false          # DP gradient reduction overlapped with the backward
+        interleaving: fewest         # a run's unstated vp: fewest chunks (default), or tuned
     runs:
       - id: narayanan2021-1.7b       # unique
         source: narayanan2021        # required: a key of ``sources``
@@ -65,7 +66,11 @@ MODEL_KEYS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq", "
 #: The model's settings that are sizes (whole numbers ≥ 1).
 MODEL_NUMBERS = ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab", "experts", "top_k", "head_dim")
 SOURCE_KEYS = ("cite", "system", "url_hint", "flops_convention", "cross_gbps_per_gpu", "gpus_per_node",
-               "flash_attention", "grad_overlap", "notes", "quote", "cluster")
+               "flash_attention", "grad_overlap", "notes", "quote", "cluster", "interleaving")
+#: How a run whose source does not say its chunks per rank (``vp: null``) is interleaved:
+#: ``fewest`` (:func:`_stated_interleaving`) or ``tuned`` — the source says it tunes its
+#: schedule, and the prediction takes the count dhelix prices fastest (:func:`interleavings`).
+INTERLEAVINGS = ("fewest", "tuned")
 
 
 class RunSetError(DhelixError):
@@ -84,6 +89,7 @@ class RunSource:
     gpus_per_node: int = 8
     flash_attention: bool = True
     grad_overlap: bool = True
+    interleaving: str = "fewest"  # INTERLEAVINGS
 
 
 @attrs.frozen
@@ -115,6 +121,8 @@ class MeasuredRun:
     #: The software that ran it where it is not its source's own (a baseline measured by the
     #: source: Narayanan et al.'s DeepSpeed ZeRO-3 rows); "" for the source's system.
     system: str = ""
+    #: Whether the source states ``vp`` (False: ``vp`` is the stand-in of :func:`_stated_interleaving`).
+    vp_stated: bool = True
     span: Span | None = attrs.field(default=None, eq=False, kw_only=True)
 
     @property
@@ -249,12 +257,15 @@ def _sources(data, source: Source, errors: ErrorCollector) -> dict[str, RunSourc
         if convention not in CONVENTIONS:
             errors.add(RunSetError(f"source '{key}': flops_convention must be one of {', '.join(CONVENTIONS)}", span))
             continue
+        if entry.get("interleaving", "fewest") not in INTERLEAVINGS:
+            errors.add(RunSetError(f"source '{key}': interleaving must be one of {', '.join(INTERLEAVINGS)}", span))
+            continue
         if not _whole(entry.get("gpus_per_node", 8), 1):
             errors.add(RunSetError(f"source '{key}': gpus_per_node must be a whole number ≥ 1", span))
             continue
         out[key] = RunSource(key, str(entry["cite"]), convention, _positive(entry.get("cross_gbps_per_gpu")),
                              _positive(entry.get("hbm_gbps")), int(entry.get("gpus_per_node", 8)), bool(entry.get("flash_attention", True)),
-                             bool(entry.get("grad_overlap", True)))
+                             bool(entry.get("grad_overlap", True)), str(entry.get("interleaving", "fewest")))
     return out
 
 
@@ -276,6 +287,16 @@ def _stated_interleaving(row: dict, model: dict) -> int:
         return 1
     per_stage = -(-layers // pp)  # an uneven split is simulated padded (predict.padded_layers)
     return next((v for v in range(2, per_stage + 1) if per_stage % v == 0), 1)
+
+
+def interleavings(run: "MeasuredRun") -> tuple[int, ...]:
+    """The chunks per rank a prediction of ``run`` tries: its own count, unless its source
+    does not state it and tunes its schedule (``interleaving: tuned``), then every count from
+    2 that divides a stage's (padded) layers."""
+    if run.vp_stated or run.source.interleaving != "tuned" or run.pp <= 1:
+        return (run.vp,)
+    per_stage = -(-run.model["layers"] // run.pp)
+    return tuple(v for v in range(2, per_stage + 1) if per_stage % v == 0) or (run.vp,)
 
 
 def _run(row, index: int, sources: dict, source: Source, errors: ErrorCollector) -> MeasuredRun | None:
@@ -337,4 +358,4 @@ def _run(row, index: int, sources: dict, source: Source, errors: ErrorCollector)
         grad_overlap=bool(row.get("grad_overlap", origin.grad_overlap)),
         measured={k: float(v) for k, v in figures.items()}, memory_gib=_positive(row.get("memory_gib")),
         cp_kind=str(row.get("cp_kind") or "ring"), system=str(row.get("system") or ""),
-        span=span, **sizes)
+        vp_stated=row.get("vp", 1) is not None, span=span, **sizes)

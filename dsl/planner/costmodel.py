@@ -36,7 +36,8 @@ Modelling choices, with their reasons:
   efficiency for that collective on that lane: ring ``α(g-1) + S(g-1)/g/B`` (all_gather,
   reduce_scatter), ring_allreduce twice that, rooted ``α(g-1) + S/B`` (a reduce or broadcast
   of distinct roots: a pipelined chain to or from the root, every byte over every hop), pairwise ``α(g-1) + S_send(g-1)/g/B``
-  (all_to_all), p2p ``α + S/B``.
+  (all_to_all; across nodes the peers on the GPU's own node take their share over the local link
+  while the others' crosses the NICs, :func:`pairwise_split_seconds`), p2p ``α + S/B``.
 """
 
 from __future__ import annotations
@@ -235,10 +236,25 @@ def collective_time(kind: str, size_bytes: float, group: int, lane: str, profile
     if lane == "cross" and model.model in ("ring", "ring_allreduce", "rooted"):
         bandwidth = ring_bandwidth(bandwidth, per_node, profile.links["local"].bw_gbps * 1e9)
     steps = group - 1
+    if model.model == "pairwise" and lane == "cross" and 1 < per_node < group:
+        local = profile.links["local"].bw_gbps * 1e9 * model.efficiency_on("local")
+        return alpha * steps + pairwise_split_seconds(size_bytes, group, per_node, bandwidth, local)
     if model.model == "rooted":  # a pipelined chain to or from the root: every byte crosses each hop
         return alpha * steps + size_bytes / bandwidth
     one = alpha * steps + size_bytes * steps / group / bandwidth
     return 2 * one if model.model == "ring_allreduce" else one
+
+
+def pairwise_split_seconds(size_bytes: float, group: int, per_node: int, cross: float, local: float) -> float:
+    """Wire seconds of a pairwise all-to-all over ``group`` GPUs, ``per_node`` of them on each
+    node: a GPU sends ``S/g`` to every peer; the ``g - per_node`` peers on other nodes take
+    theirs through its share of the node's NICs (``cross`` bytes/s), the ``per_node - 1`` on
+    its own node through NVLink (``local``) at the same time, so the slower of the two sets the
+    time. (A flat pairwise model prices every peer's bytes at the cross link: EP 16 over 2
+    nodes, 15/16 of S over the NIC where 8/16 cross it.)"""
+    remote = size_bytes * (group - per_node) / group / cross
+    near = size_bytes * (per_node - 1) / group / local
+    return max(remote, near)
 
 
 def ring_bandwidth(per_gpu: float, per_node: int, local: float) -> float:
