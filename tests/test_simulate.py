@@ -501,3 +501,23 @@ def test_a_lane_books_a_bucket_in_the_first_gap_a_plain_scan_finds(seed):
             assert start == _first_gap(busy, ready, seconds)
         busy.append((start, start + seconds))
     assert sorted(lane.busy) == sorted(busy)
+
+
+def test_ranks_sharing_cores_take_at_least_their_computation_over_the_cores():
+    # The demo's 4 CPU ranks on a 2-core machine: a step cannot end before the cores have
+    # done every rank's computation. Communication waits are not core work: links 100× slower
+    # lengthen the step, not the computation (without SI, whose plan would change with them).
+    program = check_text((ROOT / "examples" / "tiny_llama_cpu.dhx").read_text(),
+                         str(ROOT / "examples" / "tiny_llama_cpu.dhx"))
+    sim = simulate(program, si=False)
+    compute = sim.compute_seconds()
+    assert 0 < compute <= sim.world * sim.step_time
+    assert sim.on_shared_cores(4, 4) == sim.step_time  # a core each
+    assert sim.on_shared_cores(4, 1) == pytest.approx(max(sim.step_time, compute))
+    assert sim.on_shared_cores(2, 1) == pytest.approx(max(sim.step_time, compute / 2))
+    profile = program.profile
+    slow = attrs.evolve(profile, links={lane: attrs.evolve(link, bw_gbps=link.bw_gbps / 100)
+                                        for lane, link in profile.links.items()})
+    slower = simulate(attrs.evolve(program, profile=slow), si=False)
+    assert slower.step_time > 1.5 * sim.step_time
+    assert slower.compute_seconds() == pytest.approx(compute, rel=1e-9)

@@ -67,6 +67,23 @@ class Simulation:
         """Seconds from the first forward to the last rank's optimizer step."""
         return max(r.end for r in self.ranks)
 
+    def compute_seconds(self) -> float:
+        """Seconds of computation in the step, summed over every rank of the world: each
+        pipeline rank's busy time less the layer communication it waited for, plus its
+        optimizer step, times the ranks that run its timeline (its TP, CP and DP replicas)."""
+        replicas = self.world / len(self.ranks) if self.ranks else 0.0
+        return replicas * sum(r.busy - r.layer_exposed + r.optimizer for r in self.ranks)
+
+    def on_shared_cores(self, ranks: int, cores: int) -> float:
+        """The step time when ``ranks`` of the world's ranks share ``cores`` processor cores
+        (local CPU ranks, more than the machine's cores): at least their computation over the
+        cores — a step cannot finish before the cores have done the work of every rank on them
+        — and at least :attr:`step_time`. A lower bound: ranks that want a core at the same
+        moment wait longer than the average says."""
+        if ranks <= cores or not self.world:
+            return self.step_time
+        return max(self.step_time, self.compute_seconds() * ranks / self.world / cores)
+
     @property
     def pipeline_time(self) -> float:
         """Seconds until the last pipeline action ends (before DP sync and optimizer)."""

@@ -201,7 +201,7 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
     # On CUDA, waits only order streams: host time says nothing about exposed communication.
     exposed = None if options.backend == "nccl" else max(steady(r.collective) for r in ranks)
     cuda = [r.cuda_peak for r in ranks if r.cuda_peak is not None]
-    predicted, note = simulated(program, options)
+    predicted, note = simulated(program, options, local_cpu_ranks(ranks))
     shared = shared_cores(ranks, core_wait=max((steady(r.core_wait) for r in ranks if r.core_wait), default=None))
     note = "; ".join(filter(None, [note, shared]))
     return RunSummary(
@@ -217,11 +217,13 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
         pipeline_ranks=tuple(program.mesh.position(r.rank, "pp") for r in ranks))
 
 
-def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
+def simulated(program, options: "RunOptions", local_cpu: int = 0, cores: int | None = None) -> tuple[Figures, str]:
     """The simulator's step time, exposed communication (layer and DP collectives, the worst
     rank's) and activation peak of the run ``options.compiled`` (of ``program``) as the
     ranks ran it (:func:`~dhelix.dsl.simulator.runplan.price`), with a note saying
-    what they are a prediction of; empty figures and the reason when it cannot simulate."""
+    what they are a prediction of; empty figures and the reason when it cannot simulate.
+    ``local_cpu`` CPU ranks on this machine's ``cores`` (default: its count), when more: the
+    step is at least their computation over the cores (:meth:`Simulation.on_shared_cores`)."""
     from dhelix.dsl.simulator.runplan import price
 
     try:
@@ -231,11 +233,22 @@ def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
     note = "predicted " + profile_provenance(program.profile, program.cluster.profile)
     if options.si and options.plan not in (SIMode.PLANNED, SIMode.SCHEDULED):
         note += "; it prices SI blocks with the planner's plan, this run used " + options.plan
-    return Figures(step_time=result.step_time,
+    cores = cores or os.cpu_count() or 1
+    step = result.on_shared_cores(local_cpu, cores)
+    if step > result.step_time:
+        note += (f"; {local_cpu} ranks share {cores} cores: the step is at least their computation over the cores, "
+                 f"{1e3 * step:.1f} ms ({1e3 * result.step_time:.1f} ms on a core each)")
+    return Figures(step_time=step,
                    exposed_comm=max(r.layer_exposed + r.dp_exposed for r in result.ranks),
                    peak_activations=max(r.activations for r in result.ranks),
                    rank_activations=tuple(r.activations for r in result.ranks),
                    rank_states=tuple(r.states.total for r in result.ranks)), note
+
+
+def local_cpu_ranks(ranks, host: str | None = None) -> int:
+    """How many of ``ranks`` ran on this machine's (``host``'s) CPU."""
+    host = host if host is not None else socket.gethostname()
+    return sum(1 for r in ranks if r.device == "cpu" and r.host in (host, ""))
 
 
 def shared_cores(ranks, cores: int | None = None, host: str | None = None, core_wait: float | None = None) -> str:
@@ -244,16 +257,16 @@ def shared_cores(ranks, cores: int | None = None, host: str | None = None, core_
     the slowest-waiting rank was runnable but waiting for a core (median, None: not known).
     ``cores`` and ``host`` default to this machine's."""
     cores = cores or os.cpu_count() or 1
-    host = host if host is not None else socket.gethostname()
-    local = sum(1 for r in ranks if r.device == "cpu" and r.host in (host, ""))
+    local = local_cpu_ranks(ranks, host)
     if local <= cores:
         return ""
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     waited = "" if core_wait is None else f" (measured: a rank waited {1e3 * core_wait:.2f}ms per step for a core)"
     return (f"{local} ranks share {cores} CPU cores here{load}: the profile times each op in bursts "
             f"shorter than a scheduler slice (a core's speed), while in the run a rank waits for a core{waited} "
-            f"and each collective also for its peer to be scheduled; the simulator does not model that wait, "
-            f"so the step measured here is longer than the prediction")
+            f"and each collective also for its peer to be scheduled; the prediction counts the cores' total "
+            f"work (the step is at least every rank's computation over the cores), not when the ranks want a "
+            f"core at the same moment, nor other processes' load, so the step measured here can be longer")
 
 
 def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> dict:
