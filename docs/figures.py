@@ -1,13 +1,14 @@
-"""Regenerate README.md's example outputs and the pictures in docs/ from the commands that make them.
+"""Regenerate the example outputs of README.md and docs/ and the pictures in docs/ from their commands.
 
-    python docs/figures.py            # rewrite README.md's example blocks and the docs/ pictures
-    python docs/figures.py --check    # exit 1 if a README block is not what its command prints now
+    python docs/figures.py            # rewrite the pages' example blocks and the docs/ pictures
+    python docs/figures.py --check    # exit 1 if a block is not what its command prints now
 
-A README example block sits between ``<!-- figures: NAME -->`` and ``<!-- /figures -->``; its
-text is the command's output cut to the lines :data:`BLOCKS` keeps (the README shows excerpts).
-The pictures are drawn by the ``dhelix render`` commands of :data:`PICTURES`, which README.md
-lists too (Graphviz's ``dot`` is needed for them). ``tests/test_docs.py`` holds the README's
-blocks to this script's output, so figures cannot go stale silently.
+An example block sits in one of :data:`PAGES`, between ``<!-- figures: NAME -->`` and
+``<!-- /figures -->``; its text is the command's output cut to the lines :data:`BLOCKS` keeps
+(the pages show excerpts). The pictures are drawn by the ``dhelix render`` commands of
+:data:`PICTURES`: README.md lists the one it shows, docs/diagrams.md all of them (Graphviz's
+``dot`` is needed for them). ``tests/test_docs.py`` holds the pages' blocks to this script's
+output, so figures cannot go stale silently.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+#: The pages that may hold example blocks: a block may sit in any of them, or in several.
+PAGES = (README, ROOT / "docs" / "commands.md")
 
 
 def _plan_lines(lines: list[str]) -> list[str]:
@@ -36,7 +39,7 @@ def _compare_lines(lines: list[str]) -> list[str]:
     return header + [line for line in lines if line.startswith(rows)]
 
 
-#: README block name → (the command line, what of its output the block shows).
+#: Block name → (the command line, what of its output the block shows).
 BLOCKS = {
     "plan": ("dhelix plan examples/llama39b_a40.dhx", _plan_lines),
     "compare": ("dhelix simulate examples/llama39b_a40.dhx --compare", _compare_lines),
@@ -79,7 +82,7 @@ def _in_root():
 
 
 def block(name: str) -> str:
-    """The README block ``name`` as the command prints it now: ``$ command`` and the lines kept."""
+    """The block ``name`` as the command prints it now: ``$ command`` and the lines kept."""
     command, keep = BLOCKS[name]
     return "\n".join([f"$ {command}", *keep(run(command).splitlines())]) + "\n"
 
@@ -88,21 +91,26 @@ def _pattern(name: str) -> re.Pattern:
     return re.compile(rf"(<!-- figures: {name} -->\n```\n)(.*?)(```\n<!-- /figures -->)", re.DOTALL)
 
 
-def readme_block(name: str, text: str | None = None) -> str:
-    """The block ``name`` as README.md (or ``text``) has it now; ValueError when it has none."""
-    found = _pattern(name).search(text if text is not None else README.read_text())
+def shown(name: str) -> list[tuple[str, str]]:
+    """Each copy of the block ``name`` the pages hold now, as (the page, relative to the root,
+    its text); ValueError when no page holds it."""
+    found = [(str(page.relative_to(ROOT)), match.group(2)) for page in PAGES
+             for match in _pattern(name).finditer(page.read_text())]
     if not found:
-        raise ValueError(f"README.md has no block <!-- figures: {name} -->")
-    return found.group(2)
+        pages = ", ".join(str(page.relative_to(ROOT)) for page in PAGES)
+        raise ValueError(f"none of {pages} holds <!-- figures: {name} -->")
+    return found
 
 
-def update_readme() -> None:
-    """Rewrite README.md's blocks with what their commands print now."""
-    text = README.read_text()
+def update_pages() -> None:
+    """Rewrite every page's blocks with what their commands print now."""
     for name in BLOCKS:
-        readme_block(name, text)  # each block must be there
-        text = _pattern(name).sub(lambda m, name=name: m.group(1) + block(name) + m.group(3), text)
-    README.write_text(text)
+        shown(name)  # each block must be somewhere
+    for page in PAGES:
+        text = page.read_text()
+        for name in BLOCKS:
+            text = _pattern(name).sub(lambda m, name=name: m.group(1) + block(name) + m.group(3), text)
+        page.write_text(text)
 
 
 def draw_pictures() -> None:
@@ -113,13 +121,13 @@ def draw_pictures() -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``--check``: 1 when a README block is stale; otherwise regenerate everything."""
+    """``--check``: 1 when a page's block is stale; otherwise regenerate everything."""
     if "--check" in argv:
-        stale = [name for name in BLOCKS if readme_block(name) != block(name)]
-        for name in stale:
-            print(f"README.md's block '{name}' is stale: run python docs/figures.py", file=sys.stderr)
+        stale = [(page, name) for name in BLOCKS for page, text in shown(name) if text != block(name)]
+        for page, name in stale:
+            print(f"{page}'s block '{name}' is stale: run python docs/figures.py", file=sys.stderr)
         return 1 if stale else 0
-    update_readme()
+    update_pages()
     draw_pictures()
     return 0
 

@@ -50,7 +50,8 @@ REPORTING = ("check", "fmt")
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-command per module of :data:`COMMANDS`."""
     parser = argparse.ArgumentParser(prog="dhelix", description=(
-        "Declare, check, plan, draw, simulate and run DHelix strand-interleaved training schedules."))
+        "Declare, check, plan, draw, simulate and run DHelix strand-interleaved training schedules."),
+        epilog="`dhelix COMMAND --help` lists a command's options; docs/commands.md describes each command in full.")
     parser.add_argument("--version", action="version", version=f"dhelix {__version__}",
                         help="print dhelix's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
