@@ -78,15 +78,14 @@ class Train:
     before its backward). ZeRO stage 3 (FSDP) shards the layers' weights and gradients over
     data parallelism too: the autodiff stage adds their all-gathers and reduce-scatters to
     the layer DAGs (:mod:`dhelix.dsl.passes.fsdp`). ``data_span`` is where an error about
-    the data points, ``zero_span`` where one about the ZeRO stage does."""
+    the data points, ``zero_span`` where one about the ZeRO stage does. ``run`` holds the
+    values the block writes for the run's options (seed, steps, …, the train keys of
+    :data:`~dhelix.dsl.core.options.OPTIONS` that the ranks read), which `run`'s command
+    line overrides; the compiler never reads them."""
 
     micro_batch: int
     microbatches: int
-    seed: int = 0
-    steps: int | None = None
     data: str | None = None
-    eval_every: int | None = None
-    warmup: int = 0
     zero: int = 0
     recompute: str = "none"
     #: When ZeRO-1's weight all-gather runs: "step" (after the optimizer) or "forward" (under
@@ -106,12 +105,37 @@ class Train:
     #: Whether the SI blocks of the schedule co-execute their strands: "on", "off" (each
     #: runs its F, then its B) or None (not written: on).
     si: str | None = None
+    run: tuple[tuple[str, object], ...] = ()
     span: object = span_field()
     data_span: object = span_field()
     zero_span: object = span_field()
     shard_span: object = span_field()
     launch_span: object = span_field()
     launch_backward_span: object = span_field()
+
+    def setting(self, key: str):
+        """The value the block writes for the run option of train key ``key``; None when
+        it does not write it."""
+        return dict(self.run).get(key)
+
+    @property
+    def seed(self) -> int:
+        """The seed of the weights and the data (0 when not written)."""
+        seed = self.setting("seed")
+        return 0 if seed is None else seed
+
+    @property
+    def steps(self) -> int | None:
+        return self.setting("steps")
+
+    @property
+    def eval_every(self) -> int | None:
+        return self.setting("eval_every")
+
+    @property
+    def warmup(self) -> int:
+        warmup = self.setting("warmup")
+        return 0 if warmup is None else warmup
 
     @property
     def interleaves(self) -> bool:

@@ -15,6 +15,7 @@ from dhelix.dsl.frontend.exprs import UnknownName, evaluate
 from dhelix.dsl.frontend.levels import build_levels
 from dhelix.dsl.frontend.limits import MAX_CHUNKS, range_error
 from dhelix.dsl.core.mesh import DIMENSIONS, MESH_AXES, Mesh
+from dhelix.dsl.core.options import option, train_keys, train_options
 from dhelix.dsl.core.program import (AUTO, FOLD_KINDS, OVERLAP_KINDS, Cluster, FoldSpec, Model, Strands, Train,
                                      unknown_fold)
 from dhelix.dsl.core.wording import close_matches, did_you_mean, join_words
@@ -22,33 +23,32 @@ from dhelix.dsl.core.wording import close_matches, did_you_mean, join_words
 MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
-TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute",
-              "param_gather", "grad_reduce", "shard", "launch", "launch_backward", "si")
-TRAIN_STRINGS = ("data",)  # a path, relative to the program file
+#: The train block's keys, as :mod:`dhelix.dsl.core.options` declares them.
+TRAIN_KEYS = train_keys()
 #: What ``train { recompute = … }`` accepts: keep every saved activation (``none``), drop the
 #: outputs of the cheap operators and compute them again when the layer's backward starts
 #: (``selective``, :data:`~dhelix.dsl.core.oplib.SELECTIVE_RECOMPUTE`), or keep only each
 #: layer's input, running the layer's forward again before its backward (``full``).
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = option("recompute").choices
 #: When ZeRO-1's all-gather of the updated weights runs (``train { param_gather = … }``):
 #: right after the optimizer (``step``), or under the next step's forward, each model chunk's
 #: weights waited for before its first forward (``forward``: Megatron's
 #: ``--overlap-param-gather``, Centauri's model-level overlap of the all-gather, §3.2.3).
-PARAM_GATHER = ("step", "forward")
+PARAM_GATHER = option("param_gather").choices
 #: When the data-parallel gradient reduction runs (``train { grad_reduce = … }``): each
 #: layer's as soon as the step's last backward of that layer has finished, beside the rest of
 #: the backward (``backward``, the default: PyTorch DDP's bucketed overlap, Megatron's
 #: ``--overlap-grad-reduce``, Centauri's model-level overlap of the reduce-scatter, §3.2.3),
 #: or all of it after the step's last backward (``step``).
-GRAD_REDUCE = ("backward", "step")
+GRAD_REDUCE = option("grad_reduce").choices
 #: What ``train { si = … }`` accepts: the schedule's SI blocks co-execute their strands
 #: (``on``, the default) or each runs its forward, then its backward (``off``: the schedule
 #: as written without SI, what `dhelix simulate --compare` calls "without SI").
-SI_SETTINGS = ("on", "off")
+SI_SETTINGS = option("si").choices
 #: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states), 1 (optimizer
 #: states sharded over data parallelism, Megatron's distributed optimizer) and 3 (FSDP: the
 #: layers' weights and gradients sharded too, gathered and reduce-scattered per layer).
-ZERO_STAGES = (0, 1, 2, 3)
+ZERO_STAGES = option("zero").choices
 
 
 #: The example a name-valued setting's message shows.
@@ -233,13 +233,13 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
-    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute", "param_gather", "grad_reduce", "si"),
-                           strings=TRAIN_STRINGS, autos=("launch", "launch_backward"))
-    _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every", "shard")
-                                     + tuple(k for k in ("launch", "launch_backward")
-                                             if k in block.values and block.values[k] != AUTO)
-                                     if k in block.values], errors)
-    _check_positive("train", block, [k for k in ("seed", "warmup") if k in block.values], errors, lowest=0)
+    declared = train_options()
+    block = evaluate_block(node.settings, errors, train_keys(), names=[o.train for o in declared if o.kind is str
+                                                                       and not o.path],
+                           strings=[o.train for o in declared if o.path], autos=[o.train for o in declared if o.auto])
+    for lowest in sorted({o.lowest for o in declared if o.lowest is not None}, reverse=True):
+        _check_positive("train", block, [o.train for o in declared if o.lowest == lowest and o.train in block.values
+                                         and block.values[o.train] != AUTO], errors, lowest=lowest)
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
         return None
     v = block.values
@@ -301,9 +301,9 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                "HSDP: replicated across the groups); add zero = 3, or remove shard"]))
         return None
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
-    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
-                 v.get("eval_every"), v.get("warmup", 0), zero, recompute, param_gather, v.get("shard"),
-                 v.get("launch"), grad_reduce, v.get("launch_backward"), si, span=node.span,
+    run = tuple((o.train, v[o.train]) for o in declared if o.field and o.train in v)
+    return Train(v["micro_batch"], v["microbatches"], v.get("data"), zero, recompute, param_gather, v.get("shard"),
+                 v.get("launch"), grad_reduce, v.get("launch_backward"), si, run, span=node.span,
                  launch_span=block.span("launch") if "launch" in block.nodes else None,
                  launch_backward_span=block.span("launch_backward") if "launch_backward" in block.nodes else None,
                  data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,

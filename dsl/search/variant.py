@@ -20,7 +20,8 @@ from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.fmt import find_comments, format_module
 from dhelix.dsl.frontend.imports import STDLIB_PREFIX, resolve_import
 from dhelix.dsl.frontend.pipelinecheck import reads_name
-from dhelix.dsl.search.space import MESH_AXES, Choice
+from dhelix.dsl.core.mesh import MESH_AXES
+from dhelix.dsl.search.space import Choice
 
 #: The train settings a choice writes (the others stay as written).
 _TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "shard", "param_gather", "si")
