@@ -21,7 +21,7 @@ import pytest
 
 from dhelix.cli.options import check_options, run_values, value_of
 from dhelix.dsl.core.errors import DhelixError, UsageError
-from dhelix.dsl.core.options import OPTIONS, RunSettings, option, run_fields, train_keys, train_options
+from dhelix.dsl.core.options import KINDS, OPTIONS, RunSettings, option, run_fields, train_keys, train_options
 from dhelix.dsl.frontend.limits import limit_of
 from dhelix.dsl.passes.pipeline import check_text
 
@@ -47,6 +47,7 @@ def test_the_declaration_is_well_formed():
     flags = [o.spelled for o in OPTIONS if o.on_command_line] + [a for o in OPTIONS for a in o.aliases]
     assert len(flags) == len(set(flags))
     for o in OPTIONS:
+        assert o.kind in KINDS, o
         assert o.default is None or o.kind is float and isinstance(o.default, (int, float)) \
             or isinstance(o.default, o.kind), o
         assert not o.choices or o.default is None or o.default in o.choices, o
@@ -205,3 +206,22 @@ def test_a_new_option_is_one_declaration(tmp_path):
     result = subprocess.run([sys.executable, "-c", CHECKS, str(tmp_path)], input=PROGRAM, capture_output=True,
                             text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0 and result.stdout == "picked up\n", result.stderr[-3000:]
+
+
+# --- one mesh-axes tuple ----------------------------------------------------------------------------
+
+def test_the_mesh_axes_are_listed_once():
+    import ast
+
+    from dhelix.dsl.core import mesh
+    from dhelix.dsl.search import space
+
+    assert space.MESH_AXES is mesh.MESH_AXES
+    axes = set(mesh.MESH_AXES)
+    listed = [f"{path.relative_to(ROOT)}:{node.lineno}"
+              for folder in ("dsl", "interpreter", "dhelix") for path in sorted((ROOT / folder).rglob("*.py"))
+              if path != ROOT / "dsl" / "core" / "mesh.py"
+              for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, (ast.Tuple, ast.List)) and len(node.elts) >= 4
+              and all(isinstance(e, ast.Constant) and e.value in axes for e in node.elts)]
+    assert listed == [], "mesh axes listed outside dsl/core/mesh.py (import MESH_AXES or DIMENSIONS)"

@@ -67,9 +67,6 @@ class Option:
     #: (`run`'s and `profile`'s, beside the number of ranks and the backend).
     group: str = "run"
 
-    def __attrs_post_init__(self):
-        assert self.kind in KINDS, self.kind  # a declaration mistake, caught by any import
-
     @property
     def on_command_line(self) -> bool:
         return self.flag != ""

@@ -12,7 +12,8 @@ import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, DhelixError
-from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.mesh import MESH_AXES, Mesh
+from dhelix.dsl.core.options import option
 from dhelix.dsl.core.span import span_field
 from dhelix.dsl.core.wording import did_you_mean
 
@@ -24,7 +25,7 @@ Shape = tuple[int, int]
 FOLD_KINDS: dict[str, int | None] = {"none": 1, "u": 2, "loop": None}
 
 #: The communication kinds whose collectives SI may hide (a strands block's ``overlap``).
-OVERLAP_KINDS = ("tp", "cp", "ep", "dp")
+OVERLAP_KINDS = tuple(axis for axis in MESH_AXES if axis != "pp")  # pp's transfers are the pipeline's
 
 
 
@@ -86,11 +87,11 @@ class Train:
     micro_batch: int
     microbatches: int
     data: str | None = None
-    zero: int = 0
-    recompute: str = "none"
+    zero: int = option("zero").default
+    recompute: str = option("recompute").default
     #: When ZeRO-1's weight all-gather runs: "step" (after the optimizer) or "forward" (under
     #: the next step's forward, each chunk's weights waited for before its first forward).
-    param_gather: str = "step"
+    param_gather: str = option("param_gather").default
     #: ZeRO-3's shard group size under hybrid sharding (HSDP); None: the whole dp group.
     shard: int | None = None
     #: Micro-batches launched together per model chunk (the pipelines' ``g``): a number,
@@ -98,7 +99,7 @@ class Train:
     launch: int | str | None = None
     #: When the data-parallel gradient reduction runs: "backward" (each layer's as soon as
     #: the step's last backward of it has finished) or "step" (all after the last backward).
-    grad_reduce: str = "backward"
+    grad_reduce: str = option("grad_reduce").default
     #: Micro-batches launched together per model chunk in the backward (the pipelines'
     #: ``gb``, Eq. 2's L2 where ``launch`` is L1): a number, "auto" or None (``launch``'s).
     launch_backward: int | str | None = None

@@ -243,14 +243,14 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
         return None
     v = block.values
-    zero = v.get("zero", 0)
+    zero = v.get("zero", option("zero").default)
     if zero not in ZERO_STAGES:
         errors.add(CheckError(f"'zero' must be 0, 1, 2 or 3, got {zero}", block.span("zero"),
                               ["zero = 1 shards the optimizer states over data parallelism (ZeRO-1); "
                                "zero = 2 the gradients too, each micro-batch's reduce-scattered after its "
                                "backward (ZeRO-2); zero = 3 the layers' weights too (FSDP)"]))
         return None
-    recompute = v.get("recompute", "none")
+    recompute = v.get("recompute", option("recompute").default)
     if recompute not in RECOMPUTE:
         notes = did_you_mean(recompute, RECOMPUTE) + ["none keeps every activation the backward reads; selective "
                                                       "drops the norms', activations' and adds' outputs and computes "
@@ -259,14 +259,14 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
         errors.add(CheckError(f"unknown recompute '{recompute}' (none, selective or full)", block.span("recompute"),
                               notes))
         return None
-    param_gather = v.get("param_gather", PARAM_GATHER[0])
+    param_gather = v.get("param_gather", option("param_gather").default)
     if param_gather not in PARAM_GATHER:
         errors.add(CheckError(f"unknown param_gather '{param_gather}' (step or forward)", block.span("param_gather"),
                               did_you_mean(param_gather, PARAM_GATHER)
                               + ["step all-gathers ZeRO-1's updated weights right after the optimizer; forward "
                                  "overlaps it with the next step's forward, layer by layer"]))
         return None
-    if param_gather != PARAM_GATHER[0] and zero not in (1, 2):
+    if param_gather != option("param_gather").default and zero not in (1, 2):
         errors.add(CheckError(f"param_gather = {param_gather} needs zero = 1 or 2, not zero = {zero}",
                               block.span("param_gather"),
                               ["it moves ZeRO-1's all-gather of the updated weights under the next forward; "
@@ -274,7 +274,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                   "no such all-gather" if zero == 0 else
                                   "ZeRO-3 gathers each layer's weights before use already")]))
         return None
-    grad_reduce = v.get("grad_reduce", GRAD_REDUCE[0])
+    grad_reduce = v.get("grad_reduce", option("grad_reduce").default)
     if grad_reduce not in GRAD_REDUCE:
         errors.add(CheckError(f"unknown grad_reduce '{grad_reduce}' (backward or step)", block.span("grad_reduce"),
                               did_you_mean(grad_reduce, GRAD_REDUCE)
@@ -282,7 +282,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                  "last backward of the step has finished; step reduces them all after the "
                                  "step's last backward"]))
         return None
-    if grad_reduce != GRAD_REDUCE[0] and zero == 2:
+    if grad_reduce != option("grad_reduce").default and zero == 2:
         errors.add(CheckError(f"grad_reduce = {grad_reduce} with zero = 2", block.span("grad_reduce"),
                               ["ZeRO-2 reduce-scatters each micro-batch's gradients after its backward (it keeps "
                                "no full gradient across micro-batches): remove grad_reduce, or use zero = 1 to "
