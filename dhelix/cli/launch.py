@@ -23,22 +23,16 @@ from dhelix.cli.options import add_options, check_options
 from dhelix.dsl.core.errors import UsageError
 
 
-def add_launch_arguments(parser, *, what: str) -> None:
-    """Add ``--nproc``, ``--backend`` and ``--timeout`` to ``parser`` (``what``: the verb in
-    their help, e.g. "train")."""
-    parser.add_argument("--nproc", type=int, metavar="N", help="local ranks to spawn (must equal the mesh size)")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                        help=f"collective backend to {what} with (default: nccl when every local rank can have "
-                             "a GPU of its own, else gloo; nccl needs one GPU per local rank)")
+def add_launch_arguments(parser) -> None:
+    """Add ``--nproc``, ``--backend`` and ``--timeout`` (the declared options of the "launch"
+    group) to ``parser``."""
     add_options(parser, group="launch")
 
 
 def check_launch_numbers(args) -> None:
     """Raise UsageError for a ``--timeout`` outside its declared range or an ``--nproc`` below
     1; cheap, so commands call it before reading the program."""
-    check_options(args, ["timeout"])
-    if args.nproc is not None and args.nproc < 1:
-        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    check_options(args, ["timeout", "nproc"])
 
 
 def local_ranks(args, program, torchrun: bool) -> int:

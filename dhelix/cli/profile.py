@@ -47,7 +47,7 @@ def register(subparsers) -> None:
                       help="where to write the profile (default: <program>-<host>.yaml beside the program)")
     prof.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
                       help=f"timed repetitions of each measurement, after one warm-up (default {DEFAULT_REPEATS})")
-    add_launch_arguments(prof, what="measure")
+    add_launch_arguments(prof)
     add_as_rank_arguments(prof)
     prof.set_defaults(func=cmd_profile)
 

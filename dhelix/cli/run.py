@@ -66,15 +66,7 @@ def register(subparsers) -> None:
                           "(default), one order of the whole block from the block scheduler, both "
                           "from the profile (op_by_op when the cluster names none), op i beside op "
                           "i, or no interleaving")
-    run.add_argument("--metrics", metavar="OUT.json",
-                     help="write the summary's figures as JSON: step time and exposed communication "
-                          "(medians without the first step), the simulator's prediction of both, and "
-                          "every rank's per-step times, in seconds")
-    run.add_argument("--json", action="store_true",
-                     help="print the summary's figures as JSON (what --metrics writes) instead of the table")
-    add_launch_arguments(run, what="train")
-    run.add_argument("--force", action="store_true",
-                     help="start even when the simulator predicts more memory than this machine has")
+    add_launch_arguments(run)
     add_profile_argument(run)
     add_as_rank_arguments(run)
     _add_training_arguments(run)

@@ -120,9 +120,21 @@ OPTIONS: tuple[Option, ...] = (
            help="shard the optimizer state over dp (ZeRO-1), as `train { zero = 1 }` does"),
     Option(name="check", kind=bool, default=False,
            help="compare every step's loss and gradients with the single-process reference"),
+    Option(name="nproc", kind=int, lowest=1, metavar="N", field=False, group="launch",
+           help="local ranks to spawn (must equal the mesh size)"),
+    Option(name="backend", kind=str, choices=("gloo", "nccl"), field=False, group="launch",
+           help="collective backend (default: nccl when every local rank can have a GPU of its own, else "
+                "gloo; nccl needs one GPU per local rank)"),
     Option(name="timeout", kind=float, default=60.0, positive=True, highest=MAX_TIMEOUT_S, unit="seconds", metavar="S",
            group="launch",
            help="collective timeout in seconds: a dead or hung peer ends the run after this (default {default})"),
+    Option(name="metrics", kind=str, metavar="OUT.json", field=False,
+           help="write the summary's figures as JSON: step time and exposed communication (medians without the "
+                "first step), the simulator's prediction of both, and every rank's per-step times, in seconds"),
+    Option(name="json", kind=bool, default=False, field=False,
+           help="print the summary's figures as JSON (what {metrics} writes) instead of the table"),
+    Option(name="force", kind=bool, default=False, field=False,
+           help="start even when the simulator predicts more memory than this machine has"),
     Option(name="topology", kind=str, default="declared", choices=("declared", "measured"),
            help="under torchrun: check the nodes the ranks run on against the cluster block "
                 "(declared, the default: a mismatch is an error), or let them decide which groups "
