@@ -119,8 +119,8 @@ def test_nproc_must_match_the_mesh(capsys):
 
 @pytest.mark.parametrize("command", ["run", "profile"])
 @pytest.mark.parametrize("args, message", [
-    (["--timeout", "0"], "--timeout must be a positive number of seconds up to 604800 (a week), got 0"),
-    (["--timeout", "-5"], "--timeout must be a positive number of seconds up to 604800 (a week), got -5"),
+    (["--timeout", "0"], "--timeout must be a finite number of seconds, positive, at most 604800; got 0"),
+    (["--timeout", "-5"], "--timeout must be a finite number of seconds, positive, at most 604800; got -5"),
     (["--nproc", "0"], "--nproc must be at least 1, got 0"),
     (["--nproc", "-2"], "--nproc must be at least 1, got -2"),
     (["--backend", "nccl"], "--backend nccl needs CUDA GPUs, and this torch sees none"),

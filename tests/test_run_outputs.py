@@ -75,8 +75,8 @@ def test_a_checkpoint_folder_holding_the_data_is_refused(tmp_path, capsys):
 @pytest.mark.parametrize(("args", "message"), [
     (["--seed", "18446744073709551616"], "--seed must be between 0 and 9223372036854775807"),
     (["--seed", "-1"], "--seed must be between 0"),
-    (["--timeout", "inf"], "--timeout must be a positive number of seconds up to 604800"),
-    (["--timeout", "nan"], "--timeout must be a positive number of seconds"),
+    (["--timeout", "inf"], "--timeout must be a finite number of seconds, positive, at most 604800; got inf"),
+    (["--timeout", "nan"], "--timeout must be a finite number of seconds, positive, at most 604800; got nan"),
     (["--lr", "nan"], "--lr must be a finite number, positive; got nan"),
     (["--lr", "inf"], "--lr must be a finite number, positive; got inf"),
     (["--lr", "-1"], "--lr must be a finite number, positive; got -1"),

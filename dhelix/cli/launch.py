@@ -19,33 +19,20 @@ from __future__ import annotations
 
 import os
 
+from dhelix.cli.options import add_options, check_options
 from dhelix.dsl.core.errors import UsageError
 
-#: The longest ``--timeout``: a week, far past any collective, and a finite one (torch's
-#: stores take milliseconds as a 64-bit integer; infinity is a launcher traceback).
-MAX_TIMEOUT_S = 7 * 24 * 3600
 
-
-def add_launch_arguments(parser, *, what: str) -> None:
-    """Add ``--nproc``, ``--backend`` and ``--timeout`` to ``parser`` (``what``: the verb in
-    their help, e.g. "train")."""
-    parser.add_argument("--nproc", type=int, metavar="N", help="local ranks to spawn (must equal the mesh size)")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                        help=f"collective backend to {what} with (default: nccl when every local rank can have "
-                             "a GPU of its own, else gloo; nccl needs one GPU per local rank)")
-    parser.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                        help="collective timeout in seconds: a dead or hung peer ends the run after this "
-                             "(default 60)")
+def add_launch_arguments(parser) -> None:
+    """Add ``--nproc``, ``--backend`` and ``--timeout`` (the declared options of the "launch"
+    group) to ``parser``."""
+    add_options(parser, group="launch")
 
 
 def check_launch_numbers(args) -> None:
-    """Raise UsageError for a ``--timeout`` that is not positive or an ``--nproc`` below 1;
-    cheap, so commands call it before reading the program."""
-    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # also refuses NaN and infinity
-        raise UsageError(f"--timeout must be a positive number of seconds up to {MAX_TIMEOUT_S} (a week), "
-                         f"got {args.timeout:g}")
-    if args.nproc is not None and args.nproc < 1:
-        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    """Raise UsageError for a ``--timeout`` outside its declared range or an ``--nproc`` below
+    1; cheap, so commands call it before reading the program."""
+    check_options(args, ["timeout", "nproc"])
 
 
 def local_ranks(args, program, torchrun: bool) -> int:

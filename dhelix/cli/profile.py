@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks
+from dhelix.cli.options import value_of
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.cli.as_rank import add_as_rank_arguments, check_as_rank
 from dhelix.dsl.core.errors import UsageError
@@ -46,7 +47,7 @@ def register(subparsers) -> None:
                       help="where to write the profile (default: <program>-<host>.yaml beside the program)")
     prof.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
                       help=f"timed repetitions of each measurement, after one warm-up (default {DEFAULT_REPEATS})")
-    add_launch_arguments(prof, what="measure")
+    add_launch_arguments(prof)
     add_as_rank_arguments(prof)
     prof.set_defaults(func=cmd_profile)
 
@@ -77,7 +78,7 @@ def cmd_profile(args) -> int:
                           "--repeats", str(args.repeats)]
                          + (["--as-rank", str(args.as_rank), "--emulate-links", args.emulate_links] if alone else []))
     options = profile_launch.ProfileOptions(path=args.file, compiled=compiled, backend=backend,
-                                            repeats=args.repeats, timeout=args.timeout,
+                                            repeats=args.repeats, timeout=value_of(args, "timeout"),
                                             seed=program.train.seed, as_rank=args.as_rank,
                                             emulate=args.emulate_links)
     if alone:

@@ -39,6 +39,7 @@ from dhelix.cli.paths import output_folder, output_path, program_inputs, refuse_
 from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
 from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.frontend.imports import read_source
+from dhelix.cli.options import add_options, check_options, run_values
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.frontend.profilecheck import undeclared_links
 from dhelix.dsl.passes.axisuse import unused_axes
@@ -48,7 +49,6 @@ from dhelix.dsl.planner.si_plan import SIMode
 from dhelix.dsl.simulator.runplan import build_run_plan, plan_run
 from dhelix.dsl.render.trace import trace_json
 from dhelix.interpreter.training.steplog import refuse_earlier_log
-from dhelix.interpreter.training.train import DEFAULT_KEEP  # torch-free at import
 
 
 def register(subparsers) -> None:
@@ -58,8 +58,7 @@ def register(subparsers) -> None:
         description="Run FILE's schedule with torch.distributed: by default on N local gloo "
                     "processes (N = the mesh's world size); under torchrun on its world.")
     run.add_argument("file", metavar="FILE")
-    run.add_argument("--steps", type=int, metavar="K",
-                     help="training steps (default: the train block's steps, else 10)")
+    add_options(run, group="run")  # steps, seed, lr, … as dhelix.dsl.core.options declares them
     run.add_argument("--no-si", dest="si", action="store_false",
                      help="run SI blocks as a forward then a backward (same numbers, no overlap)")
     run.add_argument("--si-plan", choices=[mode.value for mode in SIMode], default=SIMode.PLANNED.value,
@@ -67,27 +66,7 @@ def register(subparsers) -> None:
                           "(default), one order of the whole block from the block scheduler, both "
                           "from the profile (op_by_op when the cluster names none), op i beside op "
                           "i, or no interleaving")
-    run.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace of what ran")
-    run.add_argument("--metrics", metavar="OUT.json",
-                     help="write the summary's figures as JSON: step time and exposed communication "
-                          "(medians without the first step), the simulator's prediction of both, and "
-                          "every rank's per-step times, in seconds")
-    run.add_argument("--seed", type=int,
-                     help="seed of the weights and the data (default: the train block's seed, else 0)")
-    run.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    run.add_argument("--zero1", action="store_true",
-                     help="shard the optimizer state over dp (ZeRO-1), as `train { zero = 1 }` does")
-    run.add_argument("--check", action="store_true",
-                     help="compare every step's loss and gradients with the single-process reference")
-    run.add_argument("--json", action="store_true",
-                     help="print the summary's figures as JSON (what --metrics writes) instead of the table")
-    add_launch_arguments(run, what="train")
-    run.add_argument("--force", action="store_true",
-                     help="start even when the simulator predicts more memory than this machine has")
-    run.add_argument("--topology", choices=("declared", "measured"), default="declared",
-                     help="under torchrun: check the nodes the ranks run on against the cluster block "
-                          "(declared, the default: a mismatch is an error), or let them decide which groups "
-                          "are node-local (measured; the summary says so)")
+    add_launch_arguments(run)
     add_profile_argument(run)
     add_as_rank_arguments(run)
     _add_training_arguments(run)
@@ -96,50 +75,7 @@ def register(subparsers) -> None:
 
 def _add_training_arguments(run) -> None:
     data = run.add_argument_group("data, checkpoints and the training loop")
-    data.add_argument("--data", metavar="[WEIGHT:]PATH", nargs="+",
-                      help="train on a text file or a folder of them (byte-level tokens), or on token files "
-                           "(raw .uint16/.uint32 ids, or a 1-D integer .npy array); overrides the train block's "
-                           "data. Several sources make a blend, drawn by weight: 0.7:web/ 0.3:code.npy (without "
-                           "weights, by size)")
-    data.add_argument("--eval-data", metavar="PATH",
-                      help="evaluate on this held-out data (text or token files, as --data) instead of the last "
-                           "10 %% of the training data, which is then all trained on")
-    data.add_argument("--tokenizer", metavar="TOKENIZER.json",
-                      help="tokenize text data with this Hugging Face fast tokenizer (documents separated by its "
-                           "end-of-text token) instead of byte-level")
-    data.add_argument("--save", metavar="DIR", help="save a checkpoint to DIR at the end (and every --save-every)")
-    data.add_argument("--save-every", type=int, metavar="N", help="also save every N steps")
-    data.add_argument("--keep", type=int, metavar="K",
-                      help=f"keep the K newest saves in --save DIR, removing older ones (default {DEFAULT_KEEP})")
-    data.add_argument("--resume", metavar="DIR|auto",
-                      help="continue the run saved in DIR (a --save folder, or one save of it: DIR/step-000010), on "
-                           "this program's layout (--steps counts all steps); auto: from the newest intact save in "
-                           "--save DIR if there is one, else from the start (for restarts, torchrun's "
-                           "--max-restarts included)")
-    data.add_argument("--init", metavar="HF_DIR",
-                      help="start from the weights of a Hugging Face Llama checkpoint folder (model.safetensors or "
-                           "its shards; each rank reads only its slices) instead of seeded ones")
-    data.add_argument("--export-weights", metavar="OUT.pt",
-                      help="write the trained full weights as one torch.save state_dict of the reference model")
-    data.add_argument("--step-log", "--log", dest="log", metavar="OUT.jsonl",
-                      help="write one JSON line per step (loss, lr, grad norm, step time, tokens/s, exposed "
-                           "communication, peak memory) and per evaluation; an existing log is continued by "
-                           "--resume and refused otherwise (--log is the same option outside torchrun, whose "
-                           "own options claim it)")
-    data.add_argument("--warmup", type=int, metavar="N", help="linear learning-rate warm-up steps "
-                                                              "(default: the train block's warmup, else 0)")
-    data.add_argument("--lr-decay", choices=("cosine", "constant"), default="cosine",
-                      help="after the warm-up: cosine decay to 0.1 · lr at the last step (default), or constant")
-    data.add_argument("--weight-decay", type=float, default=0.0, metavar="W", help="AdamW weight decay (default 0)")
-    data.add_argument("--clip", type=float, metavar="NORM", help="clip gradients to this global norm")
-    data.add_argument("--skip-nonfinite", action="store_true",
-                      help="skip a step whose loss or gradient norm is NaN or infinite (its update is not "
-                           "applied; the log marks it) instead of stopping the run there")
-    data.add_argument("--no-fp32-master", dest="master", action="store_false",
-                      help="with dtype bf16 or fp16, update the parameters in that dtype (\"pure\" bf16) "
-                           "instead of keeping fp32 master weights")
-    data.add_argument("--eval-every", type=int, metavar="N",
-                      help="evaluate on the held-out data every N steps (default: the train block's eval_every)")
+    add_options(data, group="training")
 
 
 def cmd_run(args) -> int:
@@ -343,26 +279,9 @@ def _print_header(program, options, args, placed, nproc: int, choices=()) -> Non
 
 
 def _check_numbers(args) -> None:
-    """UsageError for an option out of its range: counts below 1 (or past the train block's
-    limit of steps), a seed outside the train block's range, and a learning rate, weight
-    decay or clipping norm that is not a finite number of the right sign."""
-    import math
-
-    from dhelix.dsl.frontend.limits import limit_of
-
-    for flag, value in (("--steps", args.steps), ("--save-every", args.save_every),
-                        ("--eval-every", args.eval_every), ("--keep", args.keep)):
-        if value is not None and not 1 <= value <= limit_of("train", "steps"):
-            raise UsageError(f"{flag} must be between 1 and {limit_of('train', 'steps')}, got {value}")
-    if args.warmup is not None and not 0 <= args.warmup <= limit_of("train", "steps"):
-        raise UsageError(f"--warmup must be between 0 and {limit_of('train', 'steps')}, got {args.warmup}")
-    if args.seed is not None and not 0 <= args.seed <= limit_of("train", "seed"):
-        raise UsageError(f"--seed must be between 0 and {limit_of('train', 'seed')} (2**63 - 1), got {args.seed}")
-    for flag, value, lowest in (("--lr", args.lr, "positive"), ("--weight-decay", args.weight_decay, "at least 0"),
-                                ("--clip", args.clip, "positive")):
-        bad = value is not None and (not math.isfinite(value) or value < 0 or value == 0 and lowest == "positive")
-        if bad:
-            raise UsageError(f"{flag} must be a finite number, {lowest}; got {value:g}")
+    """UsageError for an option out of its declared range (:func:`~dhelix.cli.options.check_options`),
+    a blend's weights that do not parse, or a save option without --save."""
+    check_options(args)
     if args.data:  # the blend's weights, before anything is compiled
         from dhelix.interpreter.training.blend import parse_items
 
@@ -515,35 +434,21 @@ def _blend_differences(meta: dict, options) -> list:
 
 def run_options(args, compiled, backend: str):
     """The interpreter's RunOptions from the command line, the program's train block and
-    the run ``compiled`` once (a :class:`~dhelix.dsl.simulator.runplan.RunPlan`)."""
+    the run ``compiled`` once (a :class:`~dhelix.dsl.simulator.runplan.RunPlan`): every
+    declared run option by :func:`~dhelix.cli.options.value_of`, then what the command computes
+    (the data's specs, absolute paths, ZeRO-1 from the train block's ``zero``)."""
     from dhelix.interpreter.training import data, train
 
     program = compiled.program
-    return train.RunOptions(
-        path=args.file, compiled=compiled,
-        steps=flag_or_train(args.steps, program.train.steps, train.DEFAULT_STEPS),
-        backend=backend, trace=args.trace,
-        seed=flag_or_train(args.seed, program.train.seed), lr=args.lr,
-        zero1=args.zero1 or program.train.zero >= 1, timeout=args.timeout, check=args.check,
+    values = run_values(args, program.train)
+    values.update(
+        zero1=values["zero1"] or program.train.zero >= 1,
+        init=str(Path(args.init).resolve()) if args.init else None,
         data=data.data_spec(program, args.file, args.data, "--data", args.tokenizer),
         eval_data=data.DataSpec(str(Path(args.eval_data).resolve()), flag="--eval-data",
                                 tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
-        if args.eval_data else None,
-        warmup=flag_or_train(args.warmup, program.train.warmup),
-        decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip, master=args.master,
-        eval_every=flag_or_train(args.eval_every, program.train.eval_every),
-        save=args.save, save_every=args.save_every, resume=args.resume, log=args.log,
-        init=str(Path(args.init).resolve()) if args.init else None,
-        export=args.export_weights, topology=args.topology, skip_nonfinite=args.skip_nonfinite,
-        keep=args.keep if args.keep is not None else DEFAULT_KEEP)
-
-
-def flag_or_train(flag, setting, default=None):
-    """The command line's ``flag`` when it was given, else the train block's ``setting`` when
-    the block sets it, else ``default``: the one rule of every option the train block can set."""
-    if flag is not None:
-        return flag
-    return setting if setting is not None else default
+        if args.eval_data else None)
+    return train.RunOptions(**values, path=args.file, compiled=compiled, backend=backend)
 
 
 def report(program, options, result, trace: Path | None, metrics: Path | None = None, *,
@@ -608,8 +513,8 @@ def _report_training(options, result, out) -> None:
     if options.save:
         print(f"checkpoint: {options.save} (step {options.steps}, the {options.keep} newest saves kept; resume "
               f"with --resume {options.save})", file=out)
-    if options.export:
-        print(f"weights: {options.export} (torch.load it into the reference model's load_state_dict)",
+    if options.export_weights:
+        print(f"weights: {options.export_weights} (torch.load it into the reference model's load_state_dict)",
               file=out)
     if options.log:
         board = Path(options.log).with_suffix(".tb")

@@ -12,7 +12,8 @@ import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, DhelixError
-from dhelix.dsl.core.mesh import Mesh
+from dhelix.dsl.core.mesh import MESH_AXES, Mesh
+from dhelix.dsl.core.options import option
 from dhelix.dsl.core.span import span_field
 from dhelix.dsl.core.wording import did_you_mean
 
@@ -24,7 +25,7 @@ Shape = tuple[int, int]
 FOLD_KINDS: dict[str, int | None] = {"none": 1, "u": 2, "loop": None}
 
 #: The communication kinds whose collectives SI may hide (a strands block's ``overlap``).
-OVERLAP_KINDS = ("tp", "cp", "ep", "dp")
+OVERLAP_KINDS = tuple(axis for axis in MESH_AXES if axis != "pp")  # pp's transfers are the pipeline's
 
 
 
@@ -78,20 +79,19 @@ class Train:
     before its backward). ZeRO stage 3 (FSDP) shards the layers' weights and gradients over
     data parallelism too: the autodiff stage adds their all-gathers and reduce-scatters to
     the layer DAGs (:mod:`dhelix.dsl.passes.fsdp`). ``data_span`` is where an error about
-    the data points, ``zero_span`` where one about the ZeRO stage does."""
+    the data points, ``zero_span`` where one about the ZeRO stage does. ``run`` holds the
+    values the block writes for the run's options (seed, steps, …, the train keys of
+    :data:`~dhelix.dsl.core.options.OPTIONS` that the ranks read), which `run`'s command
+    line overrides; the compiler never reads them."""
 
     micro_batch: int
     microbatches: int
-    seed: int = 0
-    steps: int | None = None
     data: str | None = None
-    eval_every: int | None = None
-    warmup: int = 0
-    zero: int = 0
-    recompute: str = "none"
+    zero: int = option("zero").default
+    recompute: str = option("recompute").default
     #: When ZeRO-1's weight all-gather runs: "step" (after the optimizer) or "forward" (under
     #: the next step's forward, each chunk's weights waited for before its first forward).
-    param_gather: str = "step"
+    param_gather: str = option("param_gather").default
     #: ZeRO-3's shard group size under hybrid sharding (HSDP); None: the whole dp group.
     shard: int | None = None
     #: Micro-batches launched together per model chunk (the pipelines' ``g``): a number,
@@ -99,19 +99,44 @@ class Train:
     launch: int | str | None = None
     #: When the data-parallel gradient reduction runs: "backward" (each layer's as soon as
     #: the step's last backward of it has finished) or "step" (all after the last backward).
-    grad_reduce: str = "backward"
+    grad_reduce: str = option("grad_reduce").default
     #: Micro-batches launched together per model chunk in the backward (the pipelines'
     #: ``gb``, Eq. 2's L2 where ``launch`` is L1): a number, "auto" or None (``launch``'s).
     launch_backward: int | str | None = None
     #: Whether the SI blocks of the schedule co-execute their strands: "on", "off" (each
     #: runs its F, then its B) or None (not written: on).
     si: str | None = None
+    run: tuple[tuple[str, object], ...] = ()
     span: object = span_field()
     data_span: object = span_field()
     zero_span: object = span_field()
     shard_span: object = span_field()
     launch_span: object = span_field()
     launch_backward_span: object = span_field()
+
+    def setting(self, key: str):
+        """The value the block writes for the run option of train key ``key``; None when
+        it does not write it."""
+        return dict(self.run).get(key)
+
+    @property
+    def seed(self) -> int:
+        """The seed of the weights and the data (0 when not written)."""
+        seed = self.setting("seed")
+        return 0 if seed is None else seed
+
+    @property
+    def steps(self) -> int | None:
+        return self.setting("steps")
+
+    @property
+    def eval_every(self) -> int | None:
+        return self.setting("eval_every")
+
+    @property
+    def warmup(self) -> int:
+        warmup = self.setting("warmup")
+        return 0 if warmup is None else warmup
 
     @property
     def interleaves(self) -> bool:

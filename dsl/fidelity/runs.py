@@ -45,6 +45,7 @@ import attrs
 import yaml
 
 from dhelix.dsl.core.errors import DhelixError, ErrorCollector
+from dhelix.dsl.core.mesh import MESH_AXES
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.textfile import FileProblem, read_text_file
 
@@ -329,7 +330,7 @@ def _run(row, index: int, sources: dict, source: Source, errors: ErrorCollector)
     recompute = row.get("recompute") or "none"
     if recompute not in RECOMPUTE:
         problems.append(f"recompute must be one of {', '.join(RECOMPUTE)} (got '{recompute}')")
-    sizes = {axis: row.get(axis, 1) for axis in ("tp", "pp", "cp", "ep")}
+    sizes = {axis: row.get(axis, 1) for axis in MESH_AXES if axis != "dp"}  # dp may follow from gpus
     sizes["vp"] = row.get("vp", 1) if row.get("vp", 1) is not None else _stated_interleaving(row, model)
     sizes["dp"] = row.get("dp")
     gpus = row.get("gpus")

@@ -15,6 +15,7 @@ from dhelix.dsl.frontend.exprs import UnknownName, evaluate
 from dhelix.dsl.frontend.levels import build_levels
 from dhelix.dsl.frontend.limits import MAX_CHUNKS, range_error
 from dhelix.dsl.core.mesh import DIMENSIONS, MESH_AXES, Mesh
+from dhelix.dsl.core.options import option, train_keys, train_options
 from dhelix.dsl.core.program import (AUTO, FOLD_KINDS, OVERLAP_KINDS, Cluster, FoldSpec, Model, Strands, Train,
                                      unknown_fold)
 from dhelix.dsl.core.wording import close_matches, did_you_mean, join_words
@@ -22,33 +23,32 @@ from dhelix.dsl.core.wording import close_matches, did_you_mean, join_words
 MODEL_REQUIRED = ("layers", "hidden", "heads", "seq", "vocab")
 MODEL_NAMES = ("dtype", "layer")  # settings whose value is a name, not a number
 CLUSTER_KEYS = ("nodes", "gpus_per_node", "profile")
-TRAIN_KEYS = ("micro_batch", "microbatches", "seed", "steps", "data", "eval_every", "warmup", "zero", "recompute",
-              "param_gather", "grad_reduce", "shard", "launch", "launch_backward", "si")
-TRAIN_STRINGS = ("data",)  # a path, relative to the program file
+#: The train block's keys, as :mod:`dhelix.dsl.core.options` declares them.
+TRAIN_KEYS = train_keys()
 #: What ``train { recompute = … }`` accepts: keep every saved activation (``none``), drop the
 #: outputs of the cheap operators and compute them again when the layer's backward starts
 #: (``selective``, :data:`~dhelix.dsl.core.oplib.SELECTIVE_RECOMPUTE`), or keep only each
 #: layer's input, running the layer's forward again before its backward (``full``).
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = option("recompute").choices
 #: When ZeRO-1's all-gather of the updated weights runs (``train { param_gather = … }``):
 #: right after the optimizer (``step``), or under the next step's forward, each model chunk's
 #: weights waited for before its first forward (``forward``: Megatron's
 #: ``--overlap-param-gather``, Centauri's model-level overlap of the all-gather, §3.2.3).
-PARAM_GATHER = ("step", "forward")
+PARAM_GATHER = option("param_gather").choices
 #: When the data-parallel gradient reduction runs (``train { grad_reduce = … }``): each
 #: layer's as soon as the step's last backward of that layer has finished, beside the rest of
 #: the backward (``backward``, the default: PyTorch DDP's bucketed overlap, Megatron's
 #: ``--overlap-grad-reduce``, Centauri's model-level overlap of the reduce-scatter, §3.2.3),
 #: or all of it after the step's last backward (``step``).
-GRAD_REDUCE = ("backward", "step")
+GRAD_REDUCE = option("grad_reduce").choices
 #: What ``train { si = … }`` accepts: the schedule's SI blocks co-execute their strands
 #: (``on``, the default) or each runs its forward, then its backward (``off``: the schedule
 #: as written without SI, what `dhelix simulate --compare` calls "without SI").
-SI_SETTINGS = ("on", "off")
+SI_SETTINGS = option("si").choices
 #: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states), 1 (optimizer
 #: states sharded over data parallelism, Megatron's distributed optimizer) and 3 (FSDP: the
 #: layers' weights and gradients sharded too, gathered and reduce-scattered per layer).
-ZERO_STAGES = (0, 1, 2, 3)
+ZERO_STAGES = option("zero").choices
 
 
 #: The example a name-valued setting's message shows.
@@ -233,24 +233,24 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
 
 def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     """The Train of a train block (micro_batch and microbatches are required)."""
-    block = evaluate_block(node.settings, errors, TRAIN_KEYS, names=("recompute", "param_gather", "grad_reduce", "si"),
-                           strings=TRAIN_STRINGS, autos=("launch", "launch_backward"))
-    _check_positive("train", block, [k for k in ("micro_batch", "microbatches", "steps", "eval_every", "shard")
-                                     + tuple(k for k in ("launch", "launch_backward")
-                                             if k in block.values and block.values[k] != AUTO)
-                                     if k in block.values], errors)
-    _check_positive("train", block, [k for k in ("seed", "warmup") if k in block.values], errors, lowest=0)
+    declared = train_options()
+    block = evaluate_block(node.settings, errors, train_keys(), names=[o.train for o in declared if o.kind is str
+                                                                       and not o.path],
+                           strings=[o.train for o in declared if o.path], autos=[o.train for o in declared if o.auto])
+    for lowest in sorted({o.lowest for o in declared if o.lowest is not None}, reverse=True):
+        _check_positive("train", block, [o.train for o in declared if o.lowest == lowest and o.train in block.values
+                                         and block.values[o.train] != AUTO], errors, lowest=lowest)
     if not _require(node, block, ("micro_batch", "microbatches"), "train { micro_batch = 1  microbatches = 8 }", errors):
         return None
     v = block.values
-    zero = v.get("zero", 0)
+    zero = v.get("zero", option("zero").default)
     if zero not in ZERO_STAGES:
         errors.add(CheckError(f"'zero' must be 0, 1, 2 or 3, got {zero}", block.span("zero"),
                               ["zero = 1 shards the optimizer states over data parallelism (ZeRO-1); "
                                "zero = 2 the gradients too, each micro-batch's reduce-scattered after its "
                                "backward (ZeRO-2); zero = 3 the layers' weights too (FSDP)"]))
         return None
-    recompute = v.get("recompute", "none")
+    recompute = v.get("recompute", option("recompute").default)
     if recompute not in RECOMPUTE:
         notes = did_you_mean(recompute, RECOMPUTE) + ["none keeps every activation the backward reads; selective "
                                                       "drops the norms', activations' and adds' outputs and computes "
@@ -259,14 +259,14 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
         errors.add(CheckError(f"unknown recompute '{recompute}' (none, selective or full)", block.span("recompute"),
                               notes))
         return None
-    param_gather = v.get("param_gather", PARAM_GATHER[0])
+    param_gather = v.get("param_gather", option("param_gather").default)
     if param_gather not in PARAM_GATHER:
         errors.add(CheckError(f"unknown param_gather '{param_gather}' (step or forward)", block.span("param_gather"),
                               did_you_mean(param_gather, PARAM_GATHER)
                               + ["step all-gathers ZeRO-1's updated weights right after the optimizer; forward "
                                  "overlaps it with the next step's forward, layer by layer"]))
         return None
-    if param_gather != PARAM_GATHER[0] and zero not in (1, 2):
+    if param_gather != option("param_gather").default and zero not in (1, 2):
         errors.add(CheckError(f"param_gather = {param_gather} needs zero = 1 or 2, not zero = {zero}",
                               block.span("param_gather"),
                               ["it moves ZeRO-1's all-gather of the updated weights under the next forward; "
@@ -274,7 +274,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                   "no such all-gather" if zero == 0 else
                                   "ZeRO-3 gathers each layer's weights before use already")]))
         return None
-    grad_reduce = v.get("grad_reduce", GRAD_REDUCE[0])
+    grad_reduce = v.get("grad_reduce", option("grad_reduce").default)
     if grad_reduce not in GRAD_REDUCE:
         errors.add(CheckError(f"unknown grad_reduce '{grad_reduce}' (backward or step)", block.span("grad_reduce"),
                               did_you_mean(grad_reduce, GRAD_REDUCE)
@@ -282,7 +282,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                  "last backward of the step has finished; step reduces them all after the "
                                  "step's last backward"]))
         return None
-    if grad_reduce != GRAD_REDUCE[0] and zero == 2:
+    if grad_reduce != option("grad_reduce").default and zero == 2:
         errors.add(CheckError(f"grad_reduce = {grad_reduce} with zero = 2", block.span("grad_reduce"),
                               ["ZeRO-2 reduce-scatters each micro-batch's gradients after its backward (it keeps "
                                "no full gradient across micro-batches): remove grad_reduce, or use zero = 1 to "
@@ -301,9 +301,9 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                "HSDP: replicated across the groups); add zero = 3, or remove shard"]))
         return None
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
-    return Train(v["micro_batch"], v["microbatches"], v.get("seed", 0), v.get("steps"), v.get("data"),
-                 v.get("eval_every"), v.get("warmup", 0), zero, recompute, param_gather, v.get("shard"),
-                 v.get("launch"), grad_reduce, v.get("launch_backward"), si, span=node.span,
+    run = tuple((o.train, v[o.train]) for o in declared if o.field and o.train in v)
+    return Train(v["micro_batch"], v["microbatches"], v.get("data"), zero, recompute, param_gather, v.get("shard"),
+                 v.get("launch"), grad_reduce, v.get("launch_backward"), si, run, span=node.span,
                  launch_span=block.span("launch") if "launch" in block.nodes else None,
                  launch_backward_span=block.span("launch_backward") if "launch_backward" in block.nodes else None,
                  data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,

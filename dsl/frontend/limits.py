@@ -8,6 +8,7 @@ memory grow). docs/language.md lists them; a value past one is a located error n
 from __future__ import annotations
 
 from dhelix.dsl.core.errors import CheckError
+from dhelix.dsl.core.options import train_options
 
 #: The most each setting may be, by block. Settings not named (integers a layer uses, such as
 #: `head_dim2 = 128`) get :data:`OTHER_LIMIT`.
@@ -16,7 +17,8 @@ LIMITS = {
               "seq": 2**24, "vocab": 2**24, "experts": 4096, "top_k": 4096},
     "cluster": {"nodes": 16_384, "gpus_per_node": 1024},
     "mesh": {"tp": 65_536, "cp": 65_536, "ep": 65_536, "dp": 65_536, "pp": 1024},
-    "train": {"micro_batch": 65_536, "microbatches": 65_536, "steps": 1_000_000, "seed": 2**63 - 1},
+    # the train block's, as dhelix.dsl.core.options declares them
+    "train": {o.train: o.highest for o in train_options() if o.train and o.highest is not None},
 }
 OTHER_LIMIT = 2**40
 #: The most chunks per rank of `fold loop(V)`.

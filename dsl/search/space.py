@@ -29,13 +29,12 @@ from typing import Iterator
 import attrs
 
 from dhelix.dsl.core.errors import UsageError
+from dhelix.dsl.core.mesh import MESH_AXES
 from dhelix.dsl.core.program import FOLD_KINDS, Program
 from dhelix.dsl.core.wording import did_you_mean
 from dhelix.dsl.frontend.config import PARAM_GATHER, RECOMPUTE, SI_SETTINGS, ZERO_STAGES
 from dhelix.dsl.search.partitions import writes_si
 
-#: The mesh axes a choice sets, in the order a mesh block lists them when the file does not.
-MESH_AXES = ("tp", "cp", "pp", "dp", "ep")
 #: What ``--keep`` can name: a mesh axis, ``mesh`` (all of them), a train setting, the fold,
 #: the pipeline or SI (on or off).
 KEEPABLE = MESH_AXES + ("mesh", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather", "fold",

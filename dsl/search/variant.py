@@ -20,11 +20,14 @@ from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.fmt import find_comments, format_module
 from dhelix.dsl.frontend.imports import STDLIB_PREFIX, resolve_import
 from dhelix.dsl.frontend.pipelinecheck import reads_name
-from dhelix.dsl.search.space import MESH_AXES, Choice
+from dhelix.dsl.core.mesh import MESH_AXES
+from dhelix.dsl.core.options import option
+from dhelix.dsl.search.space import Choice
 
 #: The train settings a choice writes (the others stay as written).
 _TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "shard", "param_gather", "si")
-_DEFAULTS = {"zero": 0, "recompute": "none", "shard": 0, "param_gather": "step", "si": "on"}
+#: The train settings' declared defaults (a layout's shard 0: none), left out of a written block.
+_DEFAULTS = {**{key: option(key).default for key in _TRAIN_SET if option(key).default is not None}, "shard": 0}
 
 
 def require_main_blocks(modules: list[s.Module], path: str) -> None:

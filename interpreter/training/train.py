@@ -30,6 +30,7 @@ from pathlib import Path
 import attrs
 
 from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.options import RunSettings, option
 from dhelix.dsl.core.timeline import TraceEvent
 from dhelix.dsl.planner.si_plan import SIMode
 from dhelix.dsl.simulator.runplan import RunPlan
@@ -41,9 +42,9 @@ from .summary import RankRecord, RunResult
 FAULT_ENV = "DHELIX_TEST_FAULT"
 FAULT_EXIT = 13
 #: Steps of a run when neither the caller nor the train block says.
-DEFAULT_STEPS = 10
+DEFAULT_STEPS = option("steps").default
 #: How many of the newest checkpoints a run keeps (``dhelix run --keep``).
-DEFAULT_KEEP = 2
+DEFAULT_KEEP = option("keep").default
 #: What a stand-in transfer of a rank run alone costs (``--emulate-links``,
 #: :mod:`dhelix.interpreter.ops.standin`): its bytes copied on its lane, the profile's time slept
 #: there, or nothing.
@@ -58,54 +59,32 @@ class NonFiniteError(DhelixError):
 
 
 @attrs.frozen(kw_only=True)
-class RunOptions:
-    """Everything a rank needs to run (picklable: spawned ranks receive it). ``compiled`` is
-    the run compiled once by the command (:class:`~dhelix.dsl.simulator.runplan.RunPlan`:
-    the priced program, the reference DAGs, the SI plan), which ranks run and never compile
-    again; ``trace`` is where the trace goes (events are recorded only with one)."""
+class RunOptions(RunSettings):
+    """Everything a rank needs to run (picklable: spawned ranks receive it): the declared run
+    options (:class:`~dhelix.dsl.core.options.RunSettings`, one field per option of
+    :data:`~dhelix.dsl.core.options.OPTIONS`: steps, seed, lr, …) and what the command
+    computes. ``compiled`` is the run compiled once by the command
+    (:class:`~dhelix.dsl.simulator.runplan.RunPlan`: the priced program, the reference DAGs,
+    the SI plan), which ranks run and never compile again; ``trace`` is where the trace goes
+    (events are recorded only with one)."""
 
     path: str
     compiled: RunPlan
-    steps: int = DEFAULT_STEPS
     backend: str = "gloo"
-    trace: str | None = None
-    seed: int = 0
-    lr: float = 1e-3
-    zero1: bool = False
-    timeout: float = 60.0
-    check: bool = False
     #: The training data (:class:`~.data.DataSpec`; None: seeded random tokens).
     data: object = None
     #: The held-out data (a DataSpec, ``--eval-data``); None: the tail of ``data``.
     eval_data: object = None
-    warmup: int = 0
-    #: Cosine decay of the learning rate over the run's steps (else constant after warm-up).
-    decay: bool = True
-    weight_decay: float = 0.0
-    clip: float | None = None
-    #: fp32 master weights under a bf16/fp16 model (False: "pure" low-precision updates).
-    master: bool = True
-    eval_every: int | None = None
-    save: str | None = None
-    save_every: int | None = None
-    resume: str | None = None
-    #: A Hugging Face checkpoint folder the weights start from (:mod:`dhelix.interpreter.ops.hf_weights`); None: seeded.
-    init: str | None = None
-    log: str | None = None
-    export: str | None = None
-    #: How many of the newest checkpoints ``save`` keeps.
-    keep: int = DEFAULT_KEEP
-    #: A step with a non-finite loss or gradient norm is skipped (not applied) instead of
-    #: stopping the run.
-    skip_nonfinite: bool = False
-    #: ``declared``: the cluster block's gpus_per_node, checked under torchrun; ``measured``:
-    #: the nodes the ranks report decide (the command compiles ``compiled`` again for them).
-    topology: str = "declared"
     #: ``dhelix run --as-rank R``: this process is rank R of the program's world, alone, every
     #: transfer a stand-in on its lane (:mod:`dhelix.interpreter.ops.standin`); None: a real rank.
     as_rank: int | None = None
     #: What a stand-in transfer costs (``--emulate-links``): copy, sleep or none.
     emulate: str = "copy"
+
+    @property
+    def decay(self) -> bool:
+        """Cosine decay of the learning rate over the run's steps (else constant after warm-up)."""
+        return self.lr_decay == "cosine"
 
     @property
     def si(self) -> bool:
@@ -203,15 +182,15 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     from .checkpoint import save_group
 
     # Saves and the export wait in a group of their own, without the collectives' timeout.
-    saving = save_group() if options.save or options.export else None
+    saving = save_group() if options.save or options.export_weights else None
     losses, times, evals, skipped = _steps(options, executor, optimizer, device, source, start, saving)
     optimizer.settle()  # the last step's weight gathers, when they run under the next forward
     if options.as_rank is not None:
         comm.lanes.close()
-    if options.export is not None:
+    if options.export_weights is not None:
         from .checkpoint import export_weights
 
-        export_weights(options.export, executor, optimizer)
+        export_weights(options.export_weights, executor, optimizer)
         dist.barrier(group=saving)  # rank 0 wrote the file: the others waited here, not in a collective
     result = _gather(executor, losses, times, evals, optimizer)
     return None if result is None else attrs.evolve(result, skipped=skipped,
