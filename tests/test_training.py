@@ -339,7 +339,7 @@ def _losses(dtype: str, master: bool, steps: int = 2) -> list[float]:
                                  weights=norm_weights(executor.weights, comm, executor.params))
     source = DataSource(program, 1, 1, load_corpus(DataSpec(DOCS), 256, 32))
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         # One batch again and again: its loss must fall whatever text the docs (the corpus) hold.
         losses.append(executor.step(source.batch(0)).item())
         optimizer.step(executor.grads())

@@ -423,7 +423,7 @@ def _gathers_to_move(fwd: LayerDag, statements: list[s.Move], errors: ErrorColle
     order), or {} after recording why they cannot move: not an all_gather, gathers over
     different axes, a layer whose tokens are split already or do not divide."""
     found, gathers = len(errors.errors), {}
-    for st, i, name in [(st, i, name) for st in statements for i, name in enumerate(st.ops)]:
+    for st, i, name in [(statement, i, name) for statement in statements for i, name in enumerate(statement.ops)]:
         span = st.span_of(f"ops.{i}")
         if name in fwd.elided:
             continue  # over a size-1 axis: the identity, nothing to move

@@ -113,7 +113,7 @@ class _Segment:
             for j in self.dependents[i]:
                 ancestors[j] |= ancestors[i] | {i}
         keys = []
-        for i, (_, _, tasks) in enumerate(preps):
+        for i in range(n):
             gate = next((k for k in range(i + 1, n) if i in ancestors[k] and any(t[0] for t in preps[k][2])), None)
             if gate is None:
                 keys.append((0, self.tail[i]))
@@ -325,7 +325,7 @@ class PairCost:
     def _shape_of(self, preps: list[tuple]) -> tuple:
         index = {name: i for i, (name, _, _) in enumerate(preps)}
         shape = []
-        for name, inputs, lanes in preps:
+        for _, inputs, lanes in preps:
             tasks = tuple((lane, seconds, self._tasks[uid].cls,
                            tuple(k for k in self._tasks[uid].keys if k in self._override_keys))
                           for lane, seconds, uid in lanes)

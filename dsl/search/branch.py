@@ -272,7 +272,7 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout, floa
                 work.settle(picked[1])
         elif following < len(bounded) and work.free():
             alone = bounded[following][2]
-            work.visit(bounded[following][1], space.schedules, lambda choice: skip(choice, alone))
+            work.visit(bounded[following][1], space.schedules, lambda choice, alone=alone: skip(choice, alone))
             following += 1
         elif work.in_flight:
             block = True  # nothing to hand in: wait for a result
