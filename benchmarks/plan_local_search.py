@@ -89,7 +89,8 @@ def main() -> None:
         default, default_s = timed(partial(plan_layers, forward, backward, strands, cost))
         line = (f"  {len(forward.ops)} + {len(backward.ops)} ops, windows {default.stats.forward_window}/"
                 f"{default.stats.backward_window}: 4-op search {capped.total * 1e3:.4f} ms ({capped_s:.2f} s); "
-                f"default {default.total * 1e3:.4f} ms ({default_s:.2f} s, {default.stats.local_moves} local move{'s' if default.stats.local_moves != 1 else ''})")
+                f"default {default.total * 1e3:.4f} ms ({default_s:.2f} s, {default.stats.local_moves} local "
+                f"move{'s' if default.stats.local_moves != 1 else ''})")
         if not args.no_exact:
             cost = fresh()
             exact, exact_s = timed(partial(plan_layers, forward, backward, strands, cost, max_segment=None))

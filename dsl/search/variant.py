@@ -126,8 +126,9 @@ def _mesh_settings(settings: tuple[s.Setting, ...], choice: Choice) -> tuple[s.S
 
 def _train_settings(settings: tuple[s.Setting, ...], choice: Choice, reads: set[str]) -> tuple[s.Setting, ...]:
     """The train block of ``choice`` (``si = off`` written for a choice with SI off): a
-    setting at its default that the file does not write stays out; ``launch`` (``launch_backward``) goes when the pipeline does not read ``g``
-    (``gb``), the names in ``reads``."""
+    setting at its default that the file does not write stays out; ``launch``
+    (``launch_backward``) goes when the pipeline does not read ``g`` (``gb``), the names in
+    ``reads``."""
     written = {setting.key for setting in settings}
     layout = {**attrs.asdict(choice.layout), "si": choice.si}
     values = {key: None if layout[key] == _DEFAULTS.get(key) and key not in written else layout[key]
