@@ -54,6 +54,11 @@ class Model:
         """The integer setting ``key`` or ``default``."""
         return dict(self.settings).get(key, default)
 
+    def setting(self, key: str) -> int:
+        """The integer setting ``key``, which the model has: a required one (the checker
+        refuses a model without it) or one looked up after checking; KeyError otherwise."""
+        return dict(self.settings)[key]
+
 
 @attrs.frozen
 class Cluster:
