@@ -7,7 +7,7 @@ objects with :func:`attrs.evolve` instead of mutating.
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import Any, cast
 
 import attrs
 
@@ -313,7 +313,8 @@ class Program:
     train: Train | None = None
     fold: FoldSpec | None = None
     pipeline: s.PipelineDef | None = None
-    profile: object = None  # profiles.Profile named by the cluster block
+    #: profiles.Profile named by the cluster block (typed Any: frontend is a floor above core).
+    profile: Any = None
     strands: Strands = Strands()
     partition: s.PartitionDef | None = None  # the partition block, applied by the partition pass
     #: The counts the planner chose for the partition block's ``by auto`` chunk statements
@@ -335,7 +336,7 @@ class Program:
     env: tuple[tuple[str, int], ...] = ()  # the names layer expressions see, set by the shapes pass
     forward: LayerDag | None = None  # set by the shapes pass
     backward: LayerDag | None = None  # set by the autodiff pass
-    placement: object = None  # fold.Placement, set by the fold pass
+    placement: Any = None  # fold.Placement (passes: a floor above core), set by the fold pass
     lowered: Lowered | None = None  # set by the lower pass
 
     def layer(self, name: str) -> s.LayerDef | None:
