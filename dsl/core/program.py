@@ -18,7 +18,7 @@ from dhelix.dsl.core.schedule import Lowered
 from dhelix.dsl.core.span import Span, span_field
 from dhelix.dsl.core.wording import did_you_mean
 
-Shape = tuple[int, int]
+Shape = tuple[int, ...]  # (rows, features); a weight of grouped GEMMs has three
 
 #: The fold kinds of the language and the chunks per rank (v) each gives; ``loop`` takes v as
 #: its argument (None here). The one definition: the checker of fold statements and of a

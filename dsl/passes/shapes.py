@@ -32,7 +32,7 @@ def instantiate(layer: s.LayerDef, env: Mapping[str, int], mesh: Mesh) -> LayerD
     inp = next(st for st in layer.body if isinstance(st, s.LayerIn))
     out = next(st for st in layer.body if isinstance(st, s.LayerOut))
     input_shape = _input_shape(inp, env)
-    shapes = {inp.name: input_shape}
+    shapes: dict[str, Shape] = {inp.name: input_shape}
     alias: dict[str, str] = {}
     ops: list[Op] = []
     elided: list[str] = []
