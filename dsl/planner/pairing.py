@@ -84,7 +84,9 @@ class _Table:
 
     def __init__(self, strand: Strand, max_segment: int | None):
         self.strand = strand
-        self.prefixes = prefixes(strand)
+        table = prefixes(strand)
+        assert table is not None, "no limit: every prefix"
+        self.prefixes = table
         position = {p: k for k, p in enumerate(self.prefixes)}
         ids: dict[int, int] = {0: 0}
         self.succ: list[list[tuple[int, int]]] = []
@@ -143,7 +145,7 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
     rules = rules_of(strands, forward, backward)
     sides = (strand_within(forward, moving, max_prefixes), strand_within(backward, moving, max_prefixes))
     refined = max_segment == AUTO
-    if max_segment == AUTO:
+    if isinstance(max_segment, str):  # AUTO
         max_segment = None if segment_pairs_within(sides, exact_pairs) else DEFAULT_MAX_SEGMENT
     tables = (_Table(sides[0], max_segment), _Table(sides[1], max_segment))
     matrix = _PairMatrix(tables, cost, rules)
@@ -550,7 +552,8 @@ def _one_after_the_other(sides: tuple[Strand, Strand], cost: SegmentCost) -> tup
         ops = tuple(strand.ops[i] for i in canonical(strand, (1 << len(strand.ops)) - 1))
         if ops:
             names, time = tuple(op.name for op in ops), _solo(cost, ops)
-            pairs.append(SegmentPair(*((names, ()) if side == 0 else ((), names)), time, time))
+            forward, backward = (names, ()) if side == 0 else ((), names)
+            pairs.append(SegmentPair(forward, backward, time, time))
     return tuple(pairs)
 
 
