@@ -44,7 +44,7 @@ demo: setup
 # Two pytest workers (pytest-xdist): a lone process leaves the second core idle while it waits
 # on its gloo ranks and `dhelix` subprocesses. Each test file stays on one worker (loadfile),
 # so that a module's shared fixture (a world run many tests read) runs once.
-test: lint
+test: lint typecheck
 	$(BIN)/pytest -n 2 --dist loadfile
 
 # The static checks `make test` runs first (a few seconds; configured in pyproject.toml).

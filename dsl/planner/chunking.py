@@ -51,11 +51,13 @@ commands that price or run a program (plan, simulate, run) apply it through
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import DhelixError, first_message
-from dhelix.dsl.core.program import Program
+from dhelix.dsl.core.program import Op, Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.core.oplib import DGRAD, OUTPUTS, PARTITION_DIMS
@@ -312,14 +314,15 @@ def _price(program: Program) -> tuple[float | None, str]:
     return cost.solo(issue_order(tried.forward.ops)) + cost.solo(issue_order(tried.backward.ops)), ""
 
 
-def issue_order(ops):
+def issue_order(ops: Sequence[Op]) -> list[Op]:
     """``ops`` (a DAG in a topological order) in the order the interpreter issues one strand:
     a collective as soon as its inputs exist, else the first ready compute op. Chunks come
     chunk-major from the partition pass; this lets chunk i + 1's collective go before chunk
     i's compute, as it runs."""
     names = {op.name for op in ops}
     done: set[str] = set()
-    left, order = list(ops), []
+    left = list(ops)
+    order: list[Op] = []
     while left:
         ready = [op for op in left if all(name in done or name not in names for name in op.deps)]
         op = next((o for o in ready if o.kind == "comm"), ready[0])
