@@ -104,12 +104,13 @@ def plan_usage(program: Program) -> dict:
     """Where the plan runs: SI blocks and layer pairs per step (summed over pipeline ranks),
     and whether the backward it pairs lacks the wgrads (a schedule that splits W off)."""
     lowered, stages = program.lowered, program.placement.stages
+    assert lowered is not None, "a validated model"
     blocks = pairs = 0
     for rank, row in enumerate(lowered.actions):
         for action in row:
             if isinstance(action, Interleaved):
                 blocks += 1
-                fwd = stages[lowered.stage_of(rank, action.fwd.chunk)]
+                fwd = stages[lowered.stage_of(rank, action.fwd.chunk)]  # (validated: on the placement)
                 bwd = stages[lowered.stage_of(rank, action.bwd.chunk)]
                 pairs += min(len(fwd.layers), len(bwd.layers))
     return {"pipeline": lowered.name, "fold": program.placement.kind, "ranks": lowered.ranks,
@@ -119,6 +120,7 @@ def plan_usage(program: Program) -> dict:
 
 def plan_header(path: str, program: Program, usage: dict) -> str:
     """The lines above the plan table: file, model, profile, schedule and where the plan runs."""
+    assert program.model is not None, "a model file"
     lines = [f"{path}: model {program.model.name}, layer {program.model.layer}, profile {program.profile.name}; "
              f"{usage['pipeline']} on fold {usage['fold']} (p={usage['ranks']}, m={usage['microbatches']}, "
              f"v={usage['chunks']})"]
