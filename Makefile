@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 EXAMPLE ?= examples/tiny_llama_cpu.dhx
 
-.PHONY: setup demo test graphviz clean
+.PHONY: setup demo test lint typecheck graphviz clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,8 +44,21 @@ demo: setup
 # Two pytest workers (pytest-xdist): a lone process leaves the second core idle while it waits
 # on its gloo ranks and `dhelix` subprocesses. Each test file stays on one worker (loadfile),
 # so that a module's shared fixture (a world run many tests read) runs once.
-test: setup
+test: lint typecheck
 	$(BIN)/pytest -n 2 --dist loadfile
 
+# The static checks `make test` runs first (a few seconds; configured in pyproject.toml).
+lint: setup
+	$(BIN)/ruff check .
+
+# mypy reads the packages by their import names (dhelix.dsl, ...), which name folders of this
+# tree mapped in pyproject.toml: build/typecheck/dhelix links them so that mypy finds them.
+TYPECHECK := build/typecheck/dhelix
+typecheck: setup
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)
+	for f in __init__.py api.py cli; do ln -s ../../../dhelix/$$f $(TYPECHECK)/$$f; done
+	for d in dsl interpreter grammar stdlib_schedules; do ln -s ../../../$$d $(TYPECHECK)/$$d; done
+	$(BIN)/mypy
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis build

@@ -129,8 +129,10 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
         simulated[mode] = median([d["predicted"]["step_s"] for d in runs
                                    if (d.get("predicted") or {}).get("step_s") is not None])
         ratio = None if simulated[mode] is None else simulated[mode] / step[mode]
-        report(f"{mode:<12} {len(runs):>4} {seconds_text(step[mode]):>10} {seconds_text(min(steps)):>8} {seconds_text(max(steps)):>8} "
-               f"{seconds_text(median([d['exposed_comm_s'] for d in runs])):>23} {seconds_text(simulated[mode]):>10} {ratio_text(ratio):>9}")
+        exposed = median([d['exposed_comm_s'] for d in runs])
+        report(f"{mode:<12} {len(runs):>4} {seconds_text(step[mode]):>10} {seconds_text(min(steps)):>8} "
+               f"{seconds_text(max(steps)):>8} {seconds_text(exposed):>23} {seconds_text(simulated[mode]):>10} "
+               f"{ratio_text(ratio):>9}")
     notes = {d["predicted"].get("note") for runs in results.values() for d in runs if d.get("predicted")}
     for note in sorted(n for n in notes if n):
         report(f"simulated: {note}")

@@ -22,6 +22,7 @@ import gc
 import os
 import platform
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -83,15 +84,16 @@ def main() -> None:
     gaps = []
     for forward, backward, strands in pairs:
         cost = fresh()  # a fresh cache per search: each pays its own pricing
-        capped, capped_s = timed(lambda: plan_layers(forward, backward, strands, cost, max_segment=DEFAULT_MAX_SEGMENT))
+        capped, capped_s = timed(partial(plan_layers, forward, backward, strands, cost, max_segment=DEFAULT_MAX_SEGMENT))
         cost = fresh()
-        default, default_s = timed(lambda: plan_layers(forward, backward, strands, cost))
+        default, default_s = timed(partial(plan_layers, forward, backward, strands, cost))
         line = (f"  {len(forward.ops)} + {len(backward.ops)} ops, windows {default.stats.forward_window}/"
                 f"{default.stats.backward_window}: 4-op search {capped.total * 1e3:.4f} ms ({capped_s:.2f} s); "
-                f"default {default.total * 1e3:.4f} ms ({default_s:.2f} s, {default.stats.local_moves} local move{'s' if default.stats.local_moves != 1 else ''})")
+                f"default {default.total * 1e3:.4f} ms ({default_s:.2f} s, {default.stats.local_moves} local "
+                f"move{'s' if default.stats.local_moves != 1 else ''})")
         if not args.no_exact:
             cost = fresh()
-            exact, exact_s = timed(lambda: plan_layers(forward, backward, strands, cost, max_segment=None))
+            exact, exact_s = timed(partial(plan_layers, forward, backward, strands, cost, max_segment=None))
             line += (f"; any length {exact.total * 1e3:.4f} ms ({exact_s:.1f} s): 4-op "
                      f"{100 * (capped.total / exact.total - 1):.2f} % above it, default "
                      f"{100 * (default.total / exact.total - 1):.2f} %")

@@ -40,7 +40,6 @@ from dhelix.dsl.fidelity.fit import fit_profile, identifiable
 from dhelix.dsl.fidelity.predict import predict, profile_name, run_case, run_profile
 from dhelix.dsl.fidelity.runs import load_runs
 from dhelix.dsl.frontend.profiles import load_profile
-from dhelix.dsl.simulator.events import simulate
 
 RUNS = Path(__file__).resolve().parent / "published_runs.yaml"
 KNOBS = ("gemm", "gemm_fp8", "attention", "overhead", "local", "cross")
@@ -153,8 +152,8 @@ def ablate(runs) -> None:
     for run in runs:
         if not run.system:
             by_platform[platform_of(run)].append(run)
-    for platform in sorted(by_platform):
-        group = by_platform[platform]
+    for name in sorted(by_platform):
+        group = by_platform[name]
         if len(group) < MIN_FIT_RUNS:
             continue
         base = load_profile(family(group[0]))
@@ -164,7 +163,7 @@ def ablate(runs) -> None:
                 cases = [attrs.evolve(run_case(run, base), on=functools.partial(_composed, way, run)) for run in group]
                 fit = fit_profile(cases, base, identifiable(KNOBS, cases), iterations=15)
                 line.append(f"{label}: fitted {mean_abs(fit.after):4.1f} %, left out {mean_abs(fit.loo):4.1f} %")
-            print(f"  {platform:<24} {term:<44} " + "; ".join(line), flush=True)
+            print(f"  {name:<24} {term:<44} " + "; ".join(line), flush=True)
 
 
 def _composed(way, run, profile):
@@ -180,7 +179,7 @@ def print_memory(rows) -> None:
     activations of the fullest pipeline rank)."""
     if not rows:
         return
-    print(f"\npeak memory per GPU, published beside predicted (GiB):")
+    print("\npeak memory per GPU, published beside predicted (GiB):")
     print(f"  {'run':<34} {'layout':<32} {'published':>9} {'predicted':>9} {'ratio':>6}")
     for run, predicted in rows:
         print(f"  {run.id[:34]:<34} {run.layout()[:32]:<32} {run.memory_gib:>9.1f} {predicted:>9.1f} "
@@ -203,7 +202,7 @@ def fit_each_gpu(runs) -> None:
         cases = [run_case(run, base) for run in gpu_runs]
         started = time.perf_counter()
         knobs = identifiable(KNOBS, cases)
-        fit = fit_profile(cases, base, knobs, iterations=15, progress=lambda line: print(f"  {gpu}: {line}", file=sys.stderr))
+        fit = fit_profile(cases, base, knobs, iterations=15, progress=lambda line, gpu=gpu: print(f"  {gpu}: {line}", file=sys.stderr))
         print(f"\nfit of the {gpu} profile on its {len(cases)} runs ({fit.evaluations} evaluations, "
               f"{time.perf_counter() - started:.0f} s): " + ", ".join(
                   f"{k} {fit.start[k]:.4g} -> {fit.values[k]:.4g}" for k in fit.knobs))

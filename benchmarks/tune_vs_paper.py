@@ -58,7 +58,8 @@ def run_example(name: str, partitions: bool = False) -> None:
     start = time.process_time()
     outcome = search(pricer, space, top=1)
     seconds = time.process_time() - start
-    print(f"{name}{' --partitions' if partitions else ''}: {base.mesh.world} GPUs, profile {base.profile.name}, global batch {space.sequences} x "
+    print(f"{name}{' --partitions' if partitions else ''}: {base.mesh.world} GPUs, profile {base.profile.name}, "
+          f"global batch {space.sequences} x "
           f"{base.model.get('seq')} ({seconds:.0f} s CPU to tune)")
     if isinstance(as_shipped, Priced):
         fits = "fits" if as_shipped.fits else "does NOT fit"

@@ -225,7 +225,8 @@ def summarise(results: dict[str, list[dict]], report: Report) -> None:
                              if (d.get("predicted") or {}).get("step_s") is not None])
         ratio = None if predicted is None or not step[mode] else predicted / step[mode]
         report(f"{mode:<13} {len(runs):>4} {seconds_text(step[mode]):>10} {seconds_text(min(steps, default=None)):>8} "
-               f"{seconds_text(max(steps, default=None)):>8} {seconds_text(exposed[mode]):>13} {seconds_text(predicted):>10} {ratio_text(ratio):>9}")
+               f"{seconds_text(max(steps, default=None)):>8} {seconds_text(exposed[mode]):>13} "
+               f"{seconds_text(predicted):>10} {ratio_text(ratio):>9}")
     notes = {d["predicted"].get("note") for runs in results.values() for d in runs if d.get("predicted")}
     for note in sorted(n for n in notes if n):
         report(f"simulated: {note} (the goal: within 15 % of the measured step)")

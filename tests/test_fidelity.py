@@ -4,7 +4,6 @@ profiles fitted to them (fit.py) and `dhelix calibrate`."""
 from __future__ import annotations
 
 import json
-import math
 
 import attrs
 import pytest

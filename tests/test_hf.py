@@ -14,7 +14,6 @@ transformers = pytest.importorskip("transformers")
 from dhelix import api  # noqa: E402
 from dhelix.cli.main import main  # noqa: E402
 from dhelix.interpreter.training.data import DataSource  # noqa: E402
-from dhelix.interpreter.ops.hf_weights import HFWeights  # noqa: E402
 from dhelix.interpreter.ops.weights import WeightPlan  # noqa: E402
 
 TOL = 1e-5
@@ -218,7 +217,7 @@ def test_tied_embeddings_train_as_transformers_does_and_go_back_out_tied(tmp_pat
 
 def test_tied_embeddings_on_pipeline_ranks_apart_are_refused_at_the_setting(tmp_path, capsys):
     tiny_config(tie_word_embeddings=True).save_pretrained(tmp_path)
-    path = new_program(tmp_path, tmp_path / "m.dhx")
+    new_program(tmp_path, tmp_path / "m.dhx")
     text = (tmp_path / "m.dhx").read_text().replace("mesh {\n  tp = 1\n}", "mesh {\n  pp = 2\n}")
     text = text.replace("gpus_per_node = 1", "gpus_per_node = 2").replace("fold u", "fold none")
     (tmp_path / "pp2.dhx").write_text(text)

@@ -13,7 +13,7 @@ from dhelix.dsl.frontend.kernel_terms import (
     ATTENTION_KERNELS, SCORE_PASSES_BACKWARD, SCORE_PASSES_FORWARD, Kernels,
 )
 from dhelix.dsl.frontend.profile_writer import render_profile
-from dhelix.dsl.frontend.profiles import ProfileError, load_profile, parse_profile
+from dhelix.dsl.frontend.profiles import load_profile, parse_profile
 from dhelix.dsl.planner.costmodel import op_bytes, op_flops, op_time
 from test_costmodel import ops_of, program
 

@@ -106,7 +106,7 @@ def test_a_launcher_killed_during_startup_leaves_no_rank(moment, cpu_load, tmp_p
             ranks = _ranks(launcher.pid, mark)
             if ranks and first_seen is None:
                 first_seen = time.monotonic()
-            if reached(ranks, lambda: time.monotonic() - first_seen):
+            if reached(ranks, lambda since=first_seen: time.monotonic() - since):
                 break
             time.sleep(0.02)
         else:

@@ -327,7 +327,7 @@ def _torch_orders(schedule_class, ranks, microbatches, local_stages, chunk_of, s
                                  microbatches_per_round=microbatches // max(1, microbatches // ranks))
     orders = []
     for rank in range(ranks):
-        def token(action, kind):
+        def token(action, kind, rank=rank):
             return f"{kind}{action.microbatch_index}.{chunk_of(rank, action.stage_index)}"
 
         out = []

@@ -37,6 +37,18 @@ def test_plan_json_round_trips(capsys):
     assert plan.comm_hidden + plan.comm_exposed == pytest.approx(plan.comm_time)
 
 
+@pytest.mark.parametrize("example, kind", [("examples/tiny_llama_stages_cpu.dhx", "chunks"),
+                                           ("examples/tiny_llama_group_cpu.dhx", "choices"),
+                                           ("examples/tiny_llama_launch_cpu.dhx", "choices")])
+def test_plan_json_holds_every_kind_of_planner_choice(example, kind, capsys):
+    # A `by auto` count, a group order and a launch count (each once a traceback).
+    assert main(["plan", example, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data[kind], data
+    for chunk in data["chunks"]:
+        assert chunk["chosen"] in [int(v) if v.isdigit() else v for v in chunk["candidates"]]
+
+
 def test_a_split_schedule_plans_the_backward_without_wgrads(capsys):
     text = (ROOT / EXAMPLE).read_text().replace("layers = 12", "layers = 16").replace("w_helix", "dualpipe_v")
     program = check_text(text, "dualpipe.dhx")

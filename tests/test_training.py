@@ -330,8 +330,8 @@ def _losses(dtype: str, master: bool, steps: int = 2) -> list[float]:
     from dhelix.interpreter.execute.executor import Executor
     from dhelix.interpreter.training.optim import AdamWConfig, DistributedAdamW, norm_weights
 
-    text = program_text("one").replace("dtype = fp32", f"dtype = {dtype}").replace("microbatches = 8",
-                                                                                 "microbatches = 2").replace("micro_batch = 2", "micro_batch = 1")
+    text = program_text("one").replace("dtype = fp32", f"dtype = {dtype}")
+    text = text.replace("microbatches = 8", "microbatches = 2").replace("micro_batch = 2", "micro_batch = 1")
     program = check_text(text, "one.dhx")
     comm = SingleRankComm()
     executor = Executor(program, comm, seed=1)
@@ -339,7 +339,7 @@ def _losses(dtype: str, master: bool, steps: int = 2) -> list[float]:
                                  weights=norm_weights(executor.weights, comm, executor.params))
     source = DataSource(program, 1, 1, load_corpus(DataSpec(DOCS), 256, 32))
     losses = []
-    for step in range(steps):
+    for _ in range(steps):
         # One batch again and again: its loss must fall whatever text the docs (the corpus) hold.
         losses.append(executor.step(source.batch(0)).item())
         optimizer.step(executor.grads())

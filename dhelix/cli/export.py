@@ -61,8 +61,9 @@ def cmd_export(args) -> int:
     output = output_path(args.torch_csv, "--torch-csv", inputs=(args.file,))
     program = load_file(args.file, overrides_from_args(args))
     refuse_inputs(output, "--torch-csv", program_inputs(program))
-    write_output(output, torch_csv(program.lowered, args.torch_format))
     lowered = program.lowered
+    assert lowered is not None  # load_file: a validated model
+    write_output(output, torch_csv(lowered, args.torch_format))
     print(f"{output}: {lowered.name}, p = {lowered.ranks}, m = {lowered.microbatches}, "
           f"{len(lowered.stages)} stages, {args.torch_format}", file=sys.stderr)
     return 0

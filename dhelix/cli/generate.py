@@ -61,6 +61,7 @@ def cmd_generate(args) -> int:
         if args.checkpoint and args.init:
             raise UsageError("--checkpoint and --init both give the weights; give one")
         program = api.load_program(args.target)
+    assert program.model is not None  # load_program: a model file
     text = codec(args.tokenizer, program.model.get("vocab"))
     prompt = text.encode(args.prompt)
     if not prompt:

@@ -116,7 +116,7 @@ def check_memory(program, local: int, backend: str, *, force: bool = False) -> s
     if backend == "nccl":
         import torch
 
-        have = min(torch.cuda.get_device_properties(i).total_memory for i in range(local))
+        have: float = min(torch.cuda.get_device_properties(i).total_memory for i in range(local))
         need, where = peak, f"the smallest of this machine's {local} GPU(s) has {have / 1e9:.2f} GB"
     else:
         found = available_memory()

@@ -79,8 +79,10 @@ def _add_remedies(exc: DhelixError) -> None:
     for error in exc.errors if isinstance(exc, ErrorGroup) else (exc,):
         if isinstance(error, StaleProfileError) and error.program:
             error.add_note(f"to re-measure it: dhelix profile {error.program}")
-        if type(error).__name__ == "CheckpointDamaged" and error.earlier is not None:
-            error.add_note(f"resume from it: --resume {error.earlier} (--resume auto skips damaged saves)")
+        # (by name: the command line imports the interpreter only for the commands that run it)
+        earlier = getattr(error, "earlier", None) if type(error).__name__ == "CheckpointDamaged" else None
+        if earlier is not None:
+            error.add_note(f"resume from it: --resume {earlier} (--resume auto skips damaged saves)")
         remedy = RUN_REMEDIES.get(getattr(error, "cause", "") or type(error).__name__)
         if remedy is not None:
             error.add_note(remedy)

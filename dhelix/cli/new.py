@@ -69,6 +69,7 @@ def cmd_new(args) -> int:
     text = format_source(program_text(model, name, layout, Path(args.hf).name), str(output))
     program = check_text(text, str(output))  # every pass of `dhelix check`; nothing is written on an error
     write_output(output, text)
+    assert program.mesh is not None  # a model file
     mesh = " × ".join(f"{axis} {program.mesh.size(axis)}" for axis in ("tp", "pp", "dp"))
     print(f"{output}: model {name} ({model.model_type}, {model.get('layers')} layers, hidden {model.get('hidden')}) "
           f"on {layout.gpus} GPU{'s' * (layout.gpus != 1)}: {mesh}", file=sys.stderr)

@@ -19,6 +19,7 @@ import sys
 
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import read_source
+from dhelix.dsl.planner.chunking import ChunkChoice
 from dhelix.dsl.planner.pairing import AUTO, DEFAULT_EXACT_PAIRS, DEFAULT_MAX_SEGMENT
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.passes.overrides import require_model
@@ -63,11 +64,16 @@ def cmd_plan(args) -> int:
     usage = plan_usage(program)
     known = plan_optimality(program, plan) if args.certify else None
     if args.json:
+        assert program.model is not None  # require_model
+        # The planner's choices: a `by auto` count with the layer's time at each count tried;
+        # the others (group orders, substitutions, launch counts) as their one-line description.
         data = {"file": args.file, "model": program.model.name, "layer": program.model.layer,
                 "profile": program.profile.name, **usage, "plan": plan_to_json(plan),
                 "optimality": optimality_json(plan, known),
                 "chunks": [{"ops": list(c.ops), "chosen": c.chosen,
-                            "candidates": {c2.count: c2.seconds for c2 in c.candidates}} for c in chunks]}
+                            "candidates": {c2.value: c2.seconds for c2 in c.candidates}}
+                           for c in chunks if isinstance(c, ChunkChoice)],
+                "choices": [c.describe() for c in chunks if not isinstance(c, ChunkChoice)]}
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return 0
     sys.stdout.write(plan_header(args.file, program, usage) + "\n"
@@ -98,12 +104,13 @@ def plan_usage(program: Program) -> dict:
     """Where the plan runs: SI blocks and layer pairs per step (summed over pipeline ranks),
     and whether the backward it pairs lacks the wgrads (a schedule that splits W off)."""
     lowered, stages = program.lowered, program.placement.stages
+    assert lowered is not None, "a validated model"
     blocks = pairs = 0
     for rank, row in enumerate(lowered.actions):
         for action in row:
             if isinstance(action, Interleaved):
                 blocks += 1
-                fwd = stages[lowered.stage_of(rank, action.fwd.chunk)]
+                fwd = stages[lowered.stage_of(rank, action.fwd.chunk)]  # (validated: on the placement)
                 bwd = stages[lowered.stage_of(rank, action.bwd.chunk)]
                 pairs += min(len(fwd.layers), len(bwd.layers))
     return {"pipeline": lowered.name, "fold": program.placement.kind, "ranks": lowered.ranks,
@@ -113,6 +120,7 @@ def plan_usage(program: Program) -> dict:
 
 def plan_header(path: str, program: Program, usage: dict) -> str:
     """The lines above the plan table: file, model, profile, schedule and where the plan runs."""
+    assert program.model is not None, "a model file"
     lines = [f"{path}: model {program.model.name}, layer {program.model.layer}, profile {program.profile.name}; "
              f"{usage['pipeline']} on fold {usage['fold']} (p={usage['ranks']}, m={usage['microbatches']}, "
              f"v={usage['chunks']})"]

@@ -77,6 +77,7 @@ def cmd_profile(args) -> int:
     command = shlex.join(["dhelix", "profile", args.file, "-o", str(out), "--backend", backend,
                           "--repeats", str(args.repeats)]
                          + (["--as-rank", str(args.as_rank), "--emulate-links", args.emulate_links] if alone else []))
+    assert program.train is not None and program.mesh is not None  # a model file
     options = profile_launch.ProfileOptions(path=args.file, compiled=compiled, backend=backend,
                                             repeats=args.repeats, timeout=value_of(args, "timeout"),
                                             seed=program.train.seed, as_rank=args.as_rank,

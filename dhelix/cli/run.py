@@ -82,7 +82,7 @@ def cmd_run(args) -> int:
     """`dhelix run FILE …`: check the program and the output, then run it on a spawned or
     torchrun world and print what rank 0 brings back; returns the exit code. Under torchrun an
     error every rank meets alike is reported once (:func:`_reported_elsewhere`)."""
-    started = []
+    started: list[bool] = []
     try:
         with contextlib.ExitStack() as held:  # the --save folder's lock, let go when the command ends
             return _run(args, started, held)
@@ -207,6 +207,7 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
                 text, args.file, profile=args.profile, gpus_per_node=gpus_per_node, mode=args.si_plan,
                 interleave=args.si))
 
+        assert program.mesh is not None  # a model file
         result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node,
                                 replan=replan)
     else:

@@ -70,6 +70,7 @@ def cmd_simulate(args) -> int:
     require_profile(program)
     cost = cost_of(program)
     plan = schedule_plan(program, cost) if has_si(program) else None
+    assert program.mesh is not None  # require_profile: a model file
     title = f"{args.file}: profile {program.profile.name}, mesh " + " ".join(
         f"{axis}{size}" for axis, size in zip(program.mesh.order, program.mesh.sizes, strict=True) if size > 1)
     if plan is not None:

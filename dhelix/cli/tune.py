@@ -106,6 +106,7 @@ def cmd_tune(args) -> int:
         if jobs > 1:
             exc.add_note(f"it searched with --jobs {jobs}: -j 1 searches in this process alone")
         raise
+    assert base.model is not None and base.cluster is not None  # check_launchable's and the space's checks
     title = (f"{args.file}: model {base.model.name} on {world} GPUs ({world // base.cluster.gpus_per_node} x "
              f"{base.cluster.gpus_per_node}), profile {base.profile.name}, global batch {space.sequences} "
              f"sequences of {base.model.get('seq')}")
@@ -244,7 +245,8 @@ def _json(outcome: Outcome, path: str, world: int, sequences: int, measurement=N
                      "same": outcome.same, "plans": outcome.plans, "seconds": outcome.seconds, "jobs": outcome.jobs,
                      "best_found_s": outcome.found},
         "memory_gb": outcome.memory_gb,
-        "top": [{"choice": p.choice.settings(), "differs": differences(p.choice, best), "parts_s": step_parts(p.sim),
+        "top": [{"choice": p.choice.settings(), "differs": differences(p.choice, outcome.top[0].choice),
+                 "parts_s": step_parts(p.sim),
                  **simulation_metrics(p.sim)} for p in outcome.top],
         "why": why_best(outcome.top[0], outcome.top[1]) if len(outcome.top) > 1 else None,
     }

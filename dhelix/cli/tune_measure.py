@@ -181,6 +181,7 @@ def measure_top(top: tuple[Priced, ...], pricer: Pricer, text: str, path: str, s
         if row.failure:
             _say(say, f"  not measured: {row.failure}")
         else:
+            assert row.seconds is not None, "a measured row"
             kept = ", ".join(_ms(s) for s in row.steps)
             _say(say, f"  {_ms(row.seconds)} on {row.ranks} {row.backend} rank(s) (every step: {kept})")
         rows.append(row)
@@ -204,6 +205,7 @@ def _run_candidate(index: int, priced: Priced, pricer: Pricer, text: str, path: 
         raise DhelixError(problem.message, problem.span, problem.notes)
     compiled = plan_run(program, path, choices, text=source)
     train.preflight(program, compiled.reference)
+    assert program.mesh is not None and program.train is not None, "a checked model"
     nproc = program.mesh.world if placed is None else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     backend = choose_backend(None, nproc)
     check_memory(program, nproc, backend)
@@ -241,8 +243,8 @@ def format_measurement(measurement: Measurement, note: str = "") -> str:
     rows = []
     for row in order:
         measured_rank = str(ranked.index(row) + 1) if row in ranked else "-"
-        kept = row.steps[1:]
-        spread = "" if len(kept) < 2 else f" ({min(kept) * 1e3:,.3f}-{max(kept) * 1e3:,.3f})"
+        later = row.steps[1:]
+        spread = "" if len(later) < 2 else f" ({min(later) * 1e3:,.3f}-{max(later) * 1e3:,.3f})"
         rows.append([measured_rank, str(row.predicted_rank), row.priced.choice.layout.describe(),
                      row.priced.choice.schedule().removeprefix("fold "), _ms(row.priced.seconds),
                      "-" if row.seconds is None else _ms(row.seconds) + spread,
@@ -267,6 +269,7 @@ def final_line(measurement: Measurement) -> str:
         return ("no candidate could be measured here (see each row): measure where the program runs (torchrun on the "
                 "cluster), or search a world this machine can start with --gpus")
     first = measurement.rows[0]
+    assert best.seconds is not None, "the ranked rows were measured"
     if best.predicted_rank == 1:
         return f"measured best: predicted #1, {_ms(best.seconds)}: the same as the predicted best"
     versus = ("the predicted best did not run" if first.seconds is None else

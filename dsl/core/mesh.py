@@ -194,7 +194,8 @@ def ranks_per_node(ranks, gpus_per_node: int) -> int:
 @functools.cache
 def _groups(mesh: Mesh, axis: str) -> tuple[tuple[int, ...], ...]:
     size, stride = mesh.size(axis), mesh.stride(axis)
-    seen, out = set(), []
+    seen: set[int] = set()
+    out: list[tuple[int, ...]] = []
     for rank in range(mesh.world):
         if rank in seen:
             continue

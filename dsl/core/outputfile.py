@@ -19,7 +19,7 @@ from typing import Callable
 from .errors import OutputError
 
 
-def write_atomically(path: str | Path, write: Callable[[Path], None], *, what: str | None = None,
+def write_atomically(path: str | Path, write: Callable[[Path], object], *, what: str | None = None,
                      durable: bool = False) -> None:
     """Make the file ``path`` by calling ``write`` with the path to write (a temporary beside
     ``path``, renamed over it afterwards; ``path`` itself when it is a device or a pipe).

@@ -7,6 +7,7 @@ objects with :func:`attrs.evolve` instead of mutating.
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import attrs
 
@@ -14,10 +15,11 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, DhelixError
 from dhelix.dsl.core.mesh import MESH_AXES, Mesh
 from dhelix.dsl.core.options import option
-from dhelix.dsl.core.span import span_field
+from dhelix.dsl.core.schedule import Lowered
+from dhelix.dsl.core.span import Span, span_field
 from dhelix.dsl.core.wording import did_you_mean
 
-Shape = tuple[int, int]
+Shape = tuple[int, ...]  # (rows, features); a weight of grouped GEMMs has three
 
 #: The fold kinds of the language and the chunks per rank (v) each gives; ``loop`` takes v as
 #: its argument (None here). The one definition: the checker of fold statements and of a
@@ -47,11 +49,16 @@ class Model:
     settings: tuple[tuple[str, int], ...]
     dtype: str
     layer: str
-    span: object = span_field()
+    span: Span | None = span_field()
 
     def get(self, key: str, default: int | None = None) -> int | None:
         """The integer setting ``key`` or ``default``."""
         return dict(self.settings).get(key, default)
+
+    def setting(self, key: str) -> int:
+        """The integer setting ``key``, which the model has: a required one (the checker
+        refuses a model without it) or one looked up after checking; KeyError otherwise."""
+        return dict(self.settings)[key]
 
 
 @attrs.frozen
@@ -64,8 +71,8 @@ class Cluster:
     profile: str | None
     #: The topology of its levels block (:attr:`dhelix.dsl.core.mesh.Mesh.levels`); ().
     levels: tuple[tuple[str, int], ...] = ()
-    span: object = span_field()
-    profile_span: object = span_field()
+    span: Span | None = span_field()
+    profile_span: Span | None = span_field()
 
 
 @attrs.frozen
@@ -107,12 +114,12 @@ class Train:
     #: runs its F, then its B) or None (not written: on).
     si: str | None = None
     run: tuple[tuple[str, object], ...] = ()
-    span: object = span_field()
-    data_span: object = span_field()
-    zero_span: object = span_field()
-    shard_span: object = span_field()
-    launch_span: object = span_field()
-    launch_backward_span: object = span_field()
+    span: Span | None = span_field()
+    data_span: Span | None = span_field()
+    zero_span: Span | None = span_field()
+    shard_span: Span | None = span_field()
+    launch_span: Span | None = span_field()
+    launch_backward_span: Span | None = span_field()
 
     def setting(self, key: str):
         """The value the block writes for the run option of train key ``key``; None when
@@ -150,15 +157,16 @@ class FoldSpec:
 
     kind: str
     v: int
-    span: object = span_field()
+    span: Span | None = span_field()
 
     @classmethod
     def of(cls, kind: str, v: int | None = None, *, span=None) -> "FoldSpec":
         """The spec of the known fold ``kind``; ``v`` is loop's chunk count, None for the
         others (which fix theirs). A caller checks the kind first: ValueError otherwise."""
-        if kind not in FOLD_KINDS or (FOLD_KINDS[kind] is None) != (v is not None):
+        count = FOLD_KINDS.get(kind) if v is None else v
+        if kind not in FOLD_KINDS or (FOLD_KINDS[kind] is None) != (v is not None) or count is None:
             raise ValueError(f"no fold {kind} with v = {v}")
-        return cls(kind, FOLD_KINDS[kind] if v is None else v, span=span)
+        return cls(kind, count, span=span)
 
     @property
     def text(self) -> str:
@@ -187,7 +195,7 @@ class Strands:
     comm_with_comm: bool = True
     movable: tuple[s.Selector, ...] = (s.Selector(("wgrad",)),)
     forbid: tuple[tuple[s.Selector, s.Selector], ...] = ()
-    span: object = span_field()
+    span: Span | None = span_field()
 
 
 @attrs.frozen(kw_only=True)
@@ -248,7 +256,7 @@ class Op:
     #: under ZeRO-3 the all-gather of its weight, or the gradients a weight's reduce-scatter
     #: sends (:mod:`dhelix.dsl.passes.fsdp`).
     waits: tuple[str, ...] = ()
-    span: object = span_field()
+    span: Span | None = span_field()
 
     @property
     def weight_name(self) -> str:
@@ -259,13 +267,13 @@ class Op:
     def columns(self) -> tuple[int, int] | None:
         """(index, parts) of a GEMM chunked along its outputs: it holds columns ``index`` of
         ``parts`` of its origin's weight (``weight`` is those columns' shape); else None."""
-        return dict(self.params).get(COLUMNS)
+        return cast("tuple[int, int] | None", dict(self.params).get(COLUMNS))
 
     @property
     def staged(self) -> tuple[int, str, int] | None:
         """(part, first stage, whole columns) of a GEMM chunked along its outputs at its
         weight gather's stages (:data:`STAGED`); else None."""
-        return dict(self.params).get(STAGED)
+        return cast("tuple[int, str, int] | None", dict(self.params).get(STAGED))
 
     @property
     def unit_weight(self) -> tuple[int, ...] | None:
@@ -309,8 +317,8 @@ class LayerDag:
         each holds its own columns, counted each); expert
         weights are the grouped GEMMs'."""
         weighted = {op.weight_unit: op for op in self.ops if op.weight}
-        expert = sum(math.prod(op.weight) for op in weighted.values() if op.op == "grouped_gemm")
-        return sum(math.prod(op.unit_weight) for op in weighted.values()) - expert, expert
+        expert = sum(math.prod(op.weight or ()) for op in weighted.values() if op.op == "grouped_gemm")
+        return sum(math.prod(op.unit_weight or ()) for op in weighted.values()) - expert, expert
 
 
 @attrs.frozen
@@ -330,7 +338,8 @@ class Program:
     train: Train | None = None
     fold: FoldSpec | None = None
     pipeline: s.PipelineDef | None = None
-    profile: object = None  # profiles.Profile named by the cluster block
+    #: profiles.Profile named by the cluster block (typed Any: frontend is a floor above core).
+    profile: Any = None
     strands: Strands = Strands()
     partition: s.PartitionDef | None = None  # the partition block, applied by the partition pass
     #: The counts the planner chose for the partition block's ``by auto`` chunk statements
@@ -352,8 +361,8 @@ class Program:
     env: tuple[tuple[str, int], ...] = ()  # the names layer expressions see, set by the shapes pass
     forward: LayerDag | None = None  # set by the shapes pass
     backward: LayerDag | None = None  # set by the autodiff pass
-    placement: object = None  # fold.Placement, set by the fold pass
-    lowered: object = None  # schedule.Lowered, set by the lower pass
+    placement: Any = None  # fold.Placement (passes: a floor above core), set by the fold pass
+    lowered: Lowered | None = None  # set by the lower pass
 
     def layer(self, name: str) -> s.LayerDef | None:
         """The layer definition called ``name``, if any."""

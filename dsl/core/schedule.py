@@ -236,7 +236,7 @@ def _parse_stages(source: Source, number: int, ranks: int, chunks: int):
 
 
 def _parse_rank_lines(source: Source, lines, ranks: int, last_number: int):
-    rows = []
+    rows: list[tuple[Action, ...]] = []
     for number, _ in lines:
         line = source.line(number)
         match = _RANK.match(line.lstrip())

@@ -11,15 +11,17 @@ from typing import Union
 
 import attrs
 
-from dhelix.dsl.core.span import Span, span_field, spans_field
+from dhelix.dsl.core.span import Span
 
 
 @attrs.frozen
 class Node:
     """Base of all syntax nodes: a span and the spans of named fields."""
 
-    span: Span | None = span_field()
-    spans: dict = spans_field()
+    # attrs.field written out (span_field and spans_field's settings): mypy's attrs plugin sees
+    # keyword-only only there, and the subclasses' fields come after these defaults.
+    span: Span | None = attrs.field(default=None, kw_only=True, eq=False, repr=False)
+    spans: dict = attrs.field(factory=dict, kw_only=True, eq=False, repr=False)
 
     def span_of(self, field: str) -> Span | None:
         """The span of the token that wrote ``field`` (falls back to the node's span)."""

@@ -9,10 +9,10 @@ from typing import Iterable
 def join_words(words: Iterable[object], last: str = "and") -> str:
     """``words`` as a sentence lists them: 'a', 'a and b', 'a, b and c' (with ``last`` "or":
     'a, b or c'); "" for no words. Each word is written with ``str``."""
-    words = [str(word) for word in words]
-    if len(words) <= 1:
-        return "".join(words)
-    return ", ".join(words[:-1]) + f" {last} " + words[-1]
+    texts = [str(word) for word in words]
+    if len(texts) <= 1:
+        return "".join(texts)
+    return ", ".join(texts[:-1]) + f" {last} " + texts[-1]
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> list[str]:

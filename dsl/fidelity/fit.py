@@ -64,7 +64,7 @@ def _achieved(classes: Sequence[str]):
     return put
 
 
-def _efficiency(lane: str):
+def _efficiency(lane: str) -> tuple[Callable[[Profile], float], Callable[[Profile, float], Profile]]:
     def get(profile: Profile) -> float:
         return profile.collectives["all_gather"].efficiency_on(lane)
 
@@ -107,6 +107,7 @@ def identifiable(knobs: Sequence[str], cases: Sequence[Case]) -> tuple[str, ...]
     what every run has."""
     def uses(knob: str, case: Case) -> bool:
         program = case.program
+        assert program.model is not None, "a checked model"
         fp8 = program.model.dtype == "fp8"
         if knob == "gemm":
             return not fp8

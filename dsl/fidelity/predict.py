@@ -27,6 +27,7 @@ from typing import Callable
 import attrs
 
 from dhelix.dsl.core.errors import DhelixError
+from dhelix.dsl.core.program import Program
 from dhelix.dsl.fidelity.runs import MeasuredRun, interleavings
 from dhelix.dsl.frontend.profiles import Profile, load_profile
 from dhelix.dsl.passes.pipeline import check_text
@@ -64,7 +65,9 @@ def profile_name(run: MeasuredRun) -> str | None:
 def base_profile(run: MeasuredRun) -> Profile:
     """The shipped profile of the run's GPU, loaded; DhelixError for a GPU without one."""
     program_text(run)  # a run on a GPU without a shipped profile is refused there
-    return load_profile(profile_name(run))
+    name = profile_name(run)
+    assert name is not None, "refused by program_text"
+    return load_profile(name)
 
 
 def run_profile(run: MeasuredRun, profile: Profile) -> Profile:
@@ -200,7 +203,7 @@ class Case:
 
     id: str
     label: str
-    program: object = attrs.field(eq=False)  # a validated Program
+    program: Program = attrs.field(eq=False)  # validated
     measured_s: float
     on: Callable[[Profile], Profile] = attrs.field(eq=False, default=lambda profile: profile)
     shorter: tuple = attrs.field(eq=False, default=())
@@ -218,6 +221,7 @@ class Case:
             return _step(self.program, chosen)
         (m1, short1), (m2, short2) = self.shorter
         t1, t2 = _step(short1, chosen), _step(short2, chosen)
+        assert self.program.train is not None, "a checked model"
         m = self.program.train.microbatches
         return t1 + (t2 - t1) * (m - m1) / (m2 - m1)
 
@@ -239,8 +243,9 @@ def run_case(run: MeasuredRun, profile: Profile | None = None) -> Case:
     chosen = run_profile(run, profile if profile is not None else base_profile(run))
     run = _interleaved(run, chosen)
     program = attrs.evolve(check_text(program_text(run), f"{run.id}.dhx"), profile=chosen)
-    shorter = ()
+    shorter: tuple[tuple[int, Program], ...] = ()
     micro = run.micro_batch or 1
+    assert program.train is not None, "a checked model"
     if run.pp > 1 and program.train.microbatches > SHORTER_ABOVE * run.pp:
         shorter = tuple((k * run.pp, attrs.evolve(check_text(program_text(
             attrs.evolve(run, global_batch=k * run.pp * run.dp * micro)), f"{run.id}.dhx"), profile=chosen))
@@ -302,6 +307,7 @@ def metrics_case(path: str | Path) -> Case:
     if not isinstance(data, dict) or not isinstance(data.get("file"), str) or not isinstance(data.get("step_s"), (int, float)):
         raise RunSetError(f"{path}: not a run's metrics file (no 'file' and 'step_s')")
     program, _ = priced_program(read_source(data["file"]), data["file"], None)
+    assert program.mesh is not None and program.train is not None, "a checked model"
     mesh = " ".join(f"{axis}{size}" for axis, size in zip(program.mesh.order, program.mesh.sizes, strict=True)
                     if size > 1)
     return Case(str(path), f"{data['file']} {mesh} m{program.train.microbatches}", program, float(data["step_s"]))

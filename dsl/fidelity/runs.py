@@ -165,7 +165,7 @@ def load_runs(path: str | Path, sources_from: str | Path | None = None) -> tuple
             raise RunSetError(f"{path}: a CSV of runs needs a YAML file of their sources (its 'sources' section)")
         sources_text, sources_source = _read(sources_from)
         data = _yaml(sources_text, sources_source)
-        runs = _csv_rows(text)
+        runs: object = _csv_rows(text)
     else:
         data = _yaml(text, source)
         runs = data.get("runs")
@@ -175,6 +175,7 @@ def load_runs(path: str | Path, sources_from: str | Path | None = None) -> tuple
     if not isinstance(runs, list) or not runs:
         errors.add(RunSetError(f"{path}: no runs (a 'runs' list of mappings)"))
         errors.raise_if_any()
+    assert isinstance(runs, list), "refused above"
     out, seen = [], set()
     for index, row in enumerate(runs):
         run = _run(row, index, sources, source, errors)
@@ -310,8 +311,9 @@ def _run(row, index: int, sources: dict, source: Source, errors: ErrorCollector)
     problems += [f"unknown key '{key}'" for key in row if key not in RUN_KEYS and key != "__line__"]
     if row.get("source") not in (None, "") and row["source"] not in sources:
         problems.append(f"source '{row['source']}' is not in the 'sources' section")
-    model = row.get("model") if isinstance(row.get("model"), dict) else {}
-    if row.get("model") is not None and not model:
+    given = row.get("model")
+    model = given if isinstance(given, dict) else {}
+    if given is not None and not model:
         problems.append("'model' must be a mapping")
     problems += [f"model: unknown key '{key}'" for key in model if key not in MODEL_KEYS and key != "__line__"]
     problems += [f"model: no '{key}'" for key in ("family", "layers", "hidden", "heads", "seq", "vocab")
@@ -320,7 +322,8 @@ def _run(row, index: int, sources: dict, source: Source, errors: ErrorCollector)
         problems.append(f"model: family must be one of {', '.join(FAMILIES)}")
     if model.get("family") == "moe" and not (model.get("experts") and model.get("top_k")):
         problems.append("model: a moe model needs experts and top_k")
-    measured = row.get("measured") if isinstance(row.get("measured"), dict) else {}
+    given = row.get("measured")
+    measured = given if isinstance(given, dict) else {}
     figures = {k: v for k, v in measured.items() if k not in ("__line__", *INFORMATIVE)}
     if row.get("measured") is not None and not any(k in FIGURES for k in figures):
         problems.append(f"measured: none of {', '.join(FIGURES)}")
@@ -350,6 +353,7 @@ def _run(row, index: int, sources: dict, source: Source, errors: ErrorCollector)
         errors.add(RunSetError(f"run '{name}': " + "; ".join(problems), span))
         return None
     origin = sources[row["source"]]
+    assert gpus is not None, "a required key"
     return MeasuredRun(
         id=str(row["id"]), source=origin, where=str(row["where"]), gpu=str(row["gpu"]), gpus=int(gpus),
         model={k: v for k, v in model.items() if k != "__line__"}, dtype=str(row.get("dtype") or "bf16"),

@@ -128,7 +128,7 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
     program = attrs.evolve(program, model=model, cluster=cluster, mesh=mesh, train=train, fold=fold,
                            pipeline=pipeline, profile=profile, strands=strands,
                            partition=singles.get("partition"))
-    if None in (model, mesh, train, fold):
+    if model is None or mesh is None or train is None or fold is None:
         return program
     for error in check_divisibility(model, model_block, mesh, mesh_block):
         errors.add(error)
@@ -189,9 +189,9 @@ def _check_stages(model, model_block, mesh, fold, errors: ErrorCollector) -> Non
 
 def _profile(node: s.ConfigBlock | None, cluster, errors: ErrorCollector):
     """The hardware profile the cluster names, loaded (and validated) next to the program."""
-    if cluster is None or cluster.profile is None:
+    if node is None or cluster is None or cluster.profile is None:
         return None
-    setting = next(st for st in node.settings if st.key == "profile")
+    setting = next(st for st in node.settings if isinstance(st, s.Setting) and st.key == "profile")
     folder = Path(setting.span.source.path).parent if setting.span else Path.cwd()
     try:
         return load_profile(cluster.profile, search_dir=folder, span=setting.value.span)

@@ -223,7 +223,8 @@ def build_cluster(node: s.ConfigBlock, errors: ErrorCollector) -> Cluster | None
         return None
     v = block.values
     for extra in levels[1:]:
-        errors.add(CheckError("a second levels block", extra.span, [f"the first is at line {levels[0].span.line}"]))
+        first = levels[0].span.line if levels[0].span else "?"
+        errors.add(CheckError("a second levels block", extra.span, [f"the first is at line {first}"]))
     topology = build_levels(evaluate_block(levels[0].settings, errors), v["nodes"], v["gpus_per_node"], errors) \
         if levels else ()
     profile_span = block.nodes["profile"].value.span if "profile" in block.nodes else None
@@ -347,7 +348,7 @@ def build_fold(node: s.Fold, errors: ErrorCollector) -> FoldSpec | None:
         need = f"needs its chunk count, e.g. fold {node.kind}(2)" if takes_count else "takes no argument"
         errors.add(CheckError(f"fold {node.kind} {need}", node.span))
         return None
-    if not takes_count:
+    if not takes_count or node.arg is None:  # (a count where none is taken was refused above)
         return FoldSpec.of(node.kind, span=node.span)
     try:
         v = evaluate(node.arg, {}, "name")
@@ -371,7 +372,10 @@ def build_strands(node: s.StrandsDef | None, errors: ErrorCollector) -> Strands:
     operator of the layer is the strands pass's check (it needs the layer's DAGs)."""
     if node is None:
         return Strands()
-    overlap, comm_with_comm, movable, forbid = [], True, [], []
+    overlap: list[str] = []
+    comm_with_comm = True
+    movable: list[s.Selector] = []
+    forbid: list[tuple[s.Selector, s.Selector]] = []
     for st in node.body:
         if isinstance(st, s.Overlap):
             overlap += _overlap_kinds(st, errors)

@@ -46,6 +46,7 @@ from typing import Callable
 import attrs
 
 from dhelix.dsl.core import syntax as s
+from dhelix.dsl.core.span import Span
 from dhelix.dsl.frontend.exprs import format_expr
 from dhelix.dsl.frontend.parser import parse
 
@@ -199,17 +200,23 @@ def _attach_comments(module: s.Module, comments: list[Comment]) -> _Attached:
     return attached
 
 
+def _span(node: s.Node) -> Span:
+    """The span of a node of the parsed text (every such node has one)."""
+    assert node.span is not None, f"{type(node).__name__} without a span"
+    return node.span
+
+
 def _is_one_line_block(node: s.Node) -> bool:
-    return type(node) in _BLOCKS and node.span.line == node.span.end_line \
+    return type(node) in _BLOCKS and _span(node).line == _span(node).end_line \
         and bool(_BLOCKS[type(node)](node)[1])
 
 
 def _attach(comment: Comment, anchors: list[_Anchor], attached: _Attached) -> None:
     # Rule 1: trailing — the statement ending last on this line (comments run to the line end,
     # so anything ending on the line ends before the comment).
-    ending = [a.node for a in anchors if not a.closing and a.node.span.end_line == comment.line]
+    ending = [a.node for a in anchors if not a.closing and _span(a.node).end_line == comment.line]
     if ending:
-        node = max(ending, key=lambda n: n.span.end_column)
+        node = max(ending, key=lambda n: _span(n).end_column)
         if _is_one_line_block(node):
             attached.header[id(node)] = comment.text  # it describes the whole block
         else:
@@ -217,13 +224,13 @@ def _attach(comment: Comment, anchors: list[_Anchor], attached: _Attached) -> No
         return
     # Rule 2: inside a one-line statement written over several lines.
     for anchor in anchors:
-        span = anchor.node.span
+        span = _span(anchor.node)
         if type(anchor.node) in _LEAVES and span.line <= comment.line < span.end_line:
             attached.leading.setdefault(id(anchor.node), []).append(comment)
             return
     # Rule 3: after the `{` of the innermost block starting on this line.
     opening = [a.node for a in anchors if not a.closing and type(a.node) in _BLOCKS
-               and a.node.span.line == comment.line]
+               and _span(a.node).line == comment.line]
     if opening:
         attached.header[id(opening[-1])] = comment.text
         return

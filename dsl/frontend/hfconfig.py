@@ -96,7 +96,7 @@ def read_hf_config(text: str, path: str, seq: int | None = None) -> HFModel:
     errors = ErrorCollector()
     reader = _Reader(config, source, errors)
     model_type = reader.model_type()
-    settings = reader.shape_settings()
+    settings: list[tuple[str, object]] = [*reader.shape_settings()]
     max_seq = reader.integer("max_position_embeddings")
     seq = seq or min(max_seq or 4096, 4096)
     reader.refuse_unsupported(model_type, seq, settings)
@@ -175,7 +175,7 @@ class _Reader:
                       f"the configurations read are {', '.join(MODEL_TYPES)}'s (layer {LAYER})")
         return str(kind)
 
-    def shape_settings(self) -> list[tuple[str, object]]:
+    def shape_settings(self) -> list[tuple[str, int | None]]:
         names = (("layers", "num_hidden_layers"), ("hidden", "hidden_size"), ("ffn", "intermediate_size"),
                  ("heads", "num_attention_heads"))
         settings = [(ours, self.integer(theirs, required=True)) for ours, theirs in names]

@@ -12,10 +12,10 @@ import graphlib
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, DhelixError
-from dhelix.dsl.core.oplib import AXIS, FLAG, INT, MESH_AXES, OPS, TENSOR, OpSpec
+from dhelix.dsl.core.oplib import AXIS, FLAG, INT, MESH_AXES, OPS, TENSOR, OpSpec, Param
 from dhelix.dsl.core.wording import did_you_mean
 
-Binding = list[tuple[object, s.Arg | None]]  # (Param, Arg or None) in signature order
+Binding = list[tuple[Param, s.Arg | None]]  # (Param, Arg or None) in signature order
 
 
 def bind_args(apply: s.OpApply, spec: OpSpec, values: set[str]) -> tuple[Binding, list[DhelixError]]:
@@ -48,13 +48,13 @@ def bind_args(apply: s.OpApply, spec: OpSpec, values: set[str]) -> tuple[Binding
     rejected = bool(errors)  # a misplaced argument explains the missing ones: say it once
     binding: Binding = []
     for param in spec.params:
-        arg = slots.get(param.name)
-        if arg is None and not param.optional and not rejected:
+        given = slots.get(param.name)
+        if given is None and not param.optional and not rejected:
             errors.append(CheckError(f"{spec.name}() is missing its '{param.name}' argument",
                                      apply.span_of("op"), [f"usage: {spec.usage()}"]))
-        elif arg is not None:
-            errors.extend(_check_arg_kind(spec, param, arg, values))
-        binding.append((param, arg))
+        elif given is not None:
+            errors.extend(_check_arg_kind(spec, param, given, values))
+        binding.append((param, given))
     return binding, errors
 
 

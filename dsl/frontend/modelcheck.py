@@ -24,8 +24,8 @@ def layer_env(model: Model, mesh: Mesh, train: Train) -> dict[str, int]:
     env = dict(model.settings)
     env.update({axis: mesh.size(axis) for axis in MESH_AXES})
     env.update(micro_batch=train.micro_batch, microbatches=train.microbatches)
-    env["tokens"] = train.micro_batch * model.get("seq") // mesh.size("cp")
-    env["head_dim"] = model.get("head_dim") or model.get("hidden") // model.get("heads")
+    env["tokens"] = train.micro_batch * model.setting("seq") // mesh.size("cp")
+    env["head_dim"] = model.get("head_dim") or model.setting("hidden") // model.setting("heads")
     return env
 
 
@@ -46,7 +46,7 @@ def check_divisibility(model: Model, model_block, mesh: Mesh, mesh_block) -> lis
                                   _where(model_block, key, value),
                                   f"{axis} sizes that divide {value}: {', '.join(map(str, ok[:12]))}"]))
 
-    if get("head_dim") is None and get("hidden") % get("heads"):
+    if get("head_dim") is None and model.setting("hidden") % model.setting("heads"):
         errors.append(CheckError(f"hidden = {get('hidden')} is not divisible by heads = {get('heads')}",
                                  model_block.span("hidden"), ["head_dim = hidden / heads must be whole, or set "
                                                               "head_dim in the model"]))

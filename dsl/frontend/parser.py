@@ -150,7 +150,8 @@ def _translate(exc: UnexpectedInput, source: Source) -> ParseError:
 
 def _bad_character(exc: UnexpectedCharacters, source: Source) -> ParseError:
     line, column = max(exc.line, 1), max(exc.column, 1)
-    text, pos = source.text, exc.pos_in_stream
+    text = source.text
+    pos = exc.pos_in_stream if exc.pos_in_stream is not None else len(text)  # None: no offset known
     char = text[pos] if pos < len(text) else "?"
     span = Span(source, line, column, line, column + 1)
     # The lexer's allowed set can be a union over parser states: only show a short one.
@@ -201,8 +202,9 @@ def _missing_brace(source: Source, token: Token) -> ParseError | None:
     """A statement keyword starting a line while a '{' of an earlier line is still open:
     the block before it lacks its '}' (lark only notices a token or two later)."""
     text = source.text
-    opened = _open_brackets(text, token.start_pos)
-    line_start = text.rfind("\n", 0, token.start_pos) + 1
+    start = token.start_pos or 0  # a lexed token always has its offset
+    opened = _open_brackets(text, start)
+    line_start = text.rfind("\n", 0, start) + 1
     if not opened or opened[-1][0] != "{" or opened[-1][1] >= line_start:
         return None
     match = re.match(r"[ \t]*([A-Za-z_]\w*)[ \t]*(=?)", text[line_start:])
@@ -234,7 +236,7 @@ def _token_hints(token: Token, expected: set[str], source: Source) -> list[str]:
     text, before = str(token), source.text[:token.start_pos].rstrip()
     keywords = [word.strip("'") for word in map(_describe, expected) if word.strip("'").isalpha()]
     hints = did_you_mean(text, keywords) if token.type == "NAME" else []
-    opened = _open_brackets(source.text, token.start_pos)
+    opened = _open_brackets(source.text, token.start_pos or 0)
     if opened and opened[-1][0] in "([" and _CLOSER_TERMINALS[opened[-1][0]] in expected:
         hints.append(f"the '{opened[-1][0]}' at {_offset_span(source, opened[-1][1])} is still open")
     if text == "}" and not opened:
@@ -541,7 +543,8 @@ class _Builder(Transformer):
     def neg(self, meta, children):
         return s.Neg(children[0], span=self._span(meta))
 
-    def _binop(op):  # noqa: N805 - a small factory for the five binary rules
+    @staticmethod
+    def _binop(op: str):  # a small factory for the five binary rules
         def method(self, meta, children):
             left, right = children
             return s.BinOp(op, left, right, span=self._span(meta))

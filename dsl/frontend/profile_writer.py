@@ -138,7 +138,8 @@ class _Lines:
     """The output lines, with the notes as trailing comments."""
 
     def __init__(self, notes: Mapping[str, str]):
-        self.notes, self.lines = notes, []
+        self.notes = notes
+        self.lines: list[str] = []
 
     def line(self, text: str) -> None:
         self.lines.append(text)

@@ -65,9 +65,9 @@ def stale_notes(measured: Measured, forward: LayerDag, mesh: Mesh, dtype: str, e
     notes = []
     if measured.dtype != dtype:
         notes.append(f"measured in {measured.dtype}, the program trains in {dtype}")
-    here = mesh_sizes(mesh)
-    if measured.mesh and measured.mesh != here:
-        notes.append(f"measured on mesh {_mesh(measured.mesh)}, the program's mesh is {_mesh(here)}")
+    sizes = mesh_sizes(mesh)
+    if measured.mesh and measured.mesh != sizes:
+        notes.append(f"measured on mesh {_mesh(measured.mesh)}, the program's mesh is {_mesh(sizes)}")
     ops = {op.name: op for op in forward.ops}
     here = {name: op_signature(op) for name, op in ops.items()}
     here.update({name: ends for name in END_OPS if ends is not None})

@@ -67,7 +67,7 @@ import math
 import re
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import yaml
@@ -283,11 +283,12 @@ def parse_profile(text: str, path: str) -> Profile:
     top = reader.mapping(root, "", TOP_KEYS, TOP_REQUIRED)
     profile = None if top is None else _build(reader, top, path)
     reader.errors.raise_if_any()
+    assert profile is not None, "no profile, yet no error recorded"  # compose refuses an empty text
     return profile
 
 
 def _build(reader: "_Reader", top: dict, path: str) -> Profile | None:
-    fields = dict(
+    fields: dict[str, Any] = dict(  # each None where an error was recorded
         name=reader.string(top.get("name"), "name"),
         description=reader.string(top["description"], "description") if "description" in top else "",
         peak_tflops=_peak(reader, top.get("peak_tflops")),
@@ -406,7 +407,7 @@ def _measured(reader: "_Reader", node) -> Measured | None:
     keys = reader.mapping(node, "measured", MEASURED_KEYS, ("dtype",))
     if keys is None:
         return None
-    fields = dict(
+    fields: dict[str, Any] = dict(  # each None where an error was recorded
         dtype=reader.choice(keys.get("dtype"), "measured.dtype", DTYPES),
         source=reader.string(keys["source"], "measured.source") if "source" in keys else "",
         ops=reader.number_map(keys["ops"], "measured.ops", None, (), nonneg=True) if "ops" in keys else {},
@@ -454,7 +455,7 @@ def _measured_pairs(reader: "_Reader", node) -> tuple[MeasuredPair, ...]:
         us = reader.number(entry.get("us"), f"{where}.us", nonneg=True)
         if fwd == () and bwd == ():
             reader.error(item, f"{where} pairs two empty segments", ["name the ops of at least one side"])
-        elif None not in (fwd, bwd, us):
+        elif fwd is not None and bwd is not None and us is not None:
             pairs.append(MeasuredPair(fwd, bwd, us))
     return tuple(pairs)
 
@@ -465,7 +466,7 @@ class _Reader:
     def __init__(self, source: Source):
         self.source = source
         self.errors = ErrorCollector()
-        self._loader = None  # made by compose, once the text is known to be safe to compose
+        self._loader: Any = None  # a yaml.SafeLoader (untyped), made by compose, once the text is known to be safe to compose
         self.key_nodes: dict[int, yaml.Node] = {}  # id(value node) -> its key node
 
     def compose(self):
@@ -658,7 +659,7 @@ class _Reader:
             self.error(node, f"'{where}' must be a list of op names, got {self._what(node)}")
             return None
         names = [self.string(item, where) for item in node.value]
-        return None if None in names else tuple(names)
+        return tuple(name for name in names if name is not None) if None not in names else None
 
     def pair_key(self, key: str, value_node, where: str) -> bool:
         """Check an oef.pairs key (an op name or kind, or ``<collective>@<lane>``); errors

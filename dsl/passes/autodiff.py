@@ -25,6 +25,8 @@ The interpreter runs the DAG from these records.
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from dhelix.dsl.core.oplib import BWD, DGRAD, SPLIT_OPS, WGRAD, derived_kind
@@ -50,6 +52,7 @@ def derive_backward(fwd: LayerDag) -> LayerDag:
         upstream = _grad_source(op.name, fwd.output, grad_in, contributions)
         for new in _backward_of(op, upstream, fwd):
             ops.append(new)
+            assert new.grad is not None, "a backward op has its gradient flow"
             for value in new.grad.produces:
                 contributions.setdefault(value, []).append(new.name)
     ops = _fuse_accumulations(ops, contributions)
@@ -85,7 +88,7 @@ def _ring_input(op: Op, fwd: LayerDag) -> str:
 def _backward_of(op: Op, upstream: str | None, fwd: LayerDag) -> list[Op]:
     grad_shape = op.shape
     in_shape = op.in_shapes[0] if op.in_shapes else op.shape
-    base = dict(inputs=(upstream,) if upstream else (), in_shapes=(grad_shape,), forward=op.name,
+    base: dict[str, Any] = dict(inputs=(upstream,) if upstream else (), in_shapes=(grad_shape,), forward=op.name,
                 span=op.span, axis=op.axis, group_size=op.group_size, per_node=op.per_node, params=op.params)
     flow = GradFlow(upstream=upstream, produces=_differentiable_inputs(op, fwd))
     if op.op in SPLIT_OPS:
@@ -142,6 +145,7 @@ def _fuse_accumulations(ops: list[Op], contributions: dict[str, list[str]]) -> l
             continue
         others = [p for _, producers in sums[op.name] for p in producers]
         more = tuple(p for p in dict.fromkeys(others) if p not in op.inputs)
+        assert op.grad is not None, "a backward op has its gradient flow"
         out.append(attrs.evolve(op, inputs=op.inputs + more,
                                 grad=attrs.evolve(op.grad, accumulates=tuple(sums[op.name]))))
     return out

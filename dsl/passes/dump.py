@@ -60,13 +60,12 @@ def dump_config(program: Program) -> str:
              f"pipelines: {', '.join(p.name for p in program.pipelines) or '-'}"]
     if program.model is None:
         return "\n".join(lines + ["(a library file: no model)"]) + "\n"
-    m = program.model
+    m, c, mesh, train, fold = program.model, program.cluster, program.mesh, program.train, program.fold
+    assert c is not None and mesh is not None and train is not None and fold is not None, "a checked model"
     lines.append(f"model {m.name}: layer {m.layer}, dtype {m.dtype}")
     lines += [f"  {k} = {v}" for k, v in m.settings]
-    c = program.cluster
     lines.append(f"cluster: {c.nodes} nodes x {c.gpus_per_node} GPUs, profile {c.profile or '-'}"
                  + (", levels " + " < ".join(f"{level} {gpus}" for level, gpus in c.levels) if c.levels else ""))
-    mesh = program.mesh
     lines.append(f"mesh: {mesh.world} ranks, order {' '.join(mesh.order)}"
                  + (f", ep {mesh.ep} inside dp" if mesh.ep > 1 else ""))
     shown = [a for a in mesh.order if mesh.size(a) > 1] or ["tp"]
@@ -74,7 +73,6 @@ def dump_config(program: Program) -> str:
         groups = mesh.groups(axis)
         lines.append(f"  {axis} = {mesh.size(axis)}: stride {mesh.stride(axis)}, {len(groups)} groups, "
                      f"lane {mesh.lane(axis)}, first {list(groups[0])}")
-    train = program.train
     lines.append(f"train: micro_batch {train.micro_batch}, microbatches {train.microbatches}, seed {train.seed}"
                  + (f", steps {train.steps}" if train.steps else "")
                  + (f", zero {train.zero}" if train.zero else "")
@@ -84,7 +82,7 @@ def dump_config(program: Program) -> str:
                  + (f", param_gather {train.param_gather}" if train.param_gather != "step" else "")
                  + (f", grad_reduce {train.grad_reduce}" if train.grad_reduce != "backward" else "")
                  + (f", recompute {train.recompute}" if train.recompute != "none" else ""))
-    lines.append(f"fold: {program.fold.kind} ({program.fold.v} chunk{'s' if program.fold.v > 1 else ''} per rank)")
+    lines.append(f"fold: {fold.kind} ({fold.v} chunk{'s' if fold.v > 1 else ''} per rank)")
     lines.append(f"pipeline: {program.pipeline.name if program.pipeline else '-'}")
     st = program.strands
     lines.append(f"strands: overlap {', '.join(st.overlap) or '-'}; comm_with_comm "
@@ -109,12 +107,14 @@ def _needs(field: str):
 @_needs("forward")
 def dump_forward(program: Program) -> str:
     """The forward DAG."""
+    assert program.forward is not None, "the stage made it"
     return dump_dag(program.forward)
 
 
 @_needs("backward")
 def dump_dags(program: Program) -> str:
     """The forward and backward DAGs."""
+    assert program.forward is not None and program.backward is not None, "the stage made them"
     return dump_dag(program.forward) + "\n" + dump_dag(program.backward)
 
 
@@ -150,10 +150,11 @@ def _op_line(op: Op) -> str:
 @_needs("backward")
 def dump_strands(program: Program) -> str:
     """The strands constraints with the operators each selector names in the layer's DAGs."""
-    st = program.strands
+    st, forward, backward = program.strands, program.forward, program.backward
+    assert forward is not None and backward is not None, "the stage made them"
 
     def named(selector) -> str:
-        return ", ".join(op.name for op in select(selector, program.forward, program.backward)) or "-"
+        return ", ".join(op.name for op in select(selector, forward, backward)) or "-"
 
     source = "" if st.span else " (defaults: the program has no strands block)"
     lines = [f"strands{source}: overlap {', '.join(st.overlap) or '-'}; comm_with_comm "
@@ -167,6 +168,7 @@ def dump_strands(program: Program) -> str:
 def dump_placement(program: Program) -> str:
     """Each pipeline rank's chunks and their layers (the fold)."""
     placement = program.placement
+    assert program.fold is not None, "a checked model"
     lines = [f"fold {program.fold.kind}: {len(placement.stages)} stages on {placement.ranks} ranks"]
     for stage in placement.stages:
         last = stage.stop_layer - 1
@@ -178,10 +180,12 @@ def dump_placement(program: Program) -> str:
 @_needs("lowered")
 def dump_lowered(program: Program) -> str:
     """The lowered schedule in its text form."""
+    assert program.lowered is not None, "the stage made it"
     return format_lowered(program.lowered)
 
 
 @_needs("lowered")
 def dump_validated(program: Program) -> str:
     """The lowered schedule and its unit-time make-span and bubble ratio."""
+    assert program.lowered is not None, "the stage made it"
     return format_lowered(program.lowered) + f"# valid; {describe(unit_time(program.lowered))}\n"

@@ -71,7 +71,7 @@ class Placement:
 
 def fold_none(layers: int, ranks: int, *, span: Span | None = None) -> Placement:
     """Contiguous layers: stage g is rank g, chunk 0. Raises CheckError unless ``ranks`` divides ``layers``."""
-    return _place("none", layers, ranks, FOLD_KINDS["none"], lambda s: (s, 0), span)
+    return _place("none", layers, ranks, FoldSpec.of("none").v, lambda s: (s, 0), span)
 
 
 def fold_u(layers: int, ranks: int, *, span: Span | None = None) -> Placement:
@@ -80,7 +80,7 @@ def fold_u(layers: int, ranks: int, *, span: Span | None = None) -> Placement:
     Needs ``layers`` divisible by ``2·ranks`` (CheckError otherwise). With 32 layers on 4 ranks,
     rank 0 holds layers 0–3 and 28–31, rank 3 holds 12–15 and 16–19.
     """
-    return _place("u", layers, ranks, FOLD_KINDS["u"],
+    return _place("u", layers, ranks, FoldSpec.of("u").v,
                   lambda s: (s, 0) if s < ranks else (2 * ranks - 1 - s, 1), span)
 
 

@@ -131,7 +131,7 @@ def shard_weights(program: Program) -> Program:
     # Whether `group weights` splits the collectives, and where it is written (None for a
     # statement that `tune --partitions` generated: it splits them all the same).
     hierarchy = statement is not None
-    where = statement.span_of(f"ops.{statement.ops.index(WEIGHTS)}") if hierarchy else None
+    where = statement.span_of(f"ops.{statement.ops.index(WEIGHTS)}") if statement is not None else None
     columns = _output_chunks(program)
     if columns is not None and not is_fsdp(program):
         raise CheckError(f"chunking along {OUTPUTS} splits the ZeRO-3 gather of a gemm's weight, which this "
@@ -147,7 +147,8 @@ def shard_weights(program: Program) -> Program:
                                      "to split a collective of the layer, name it: group ag1 + rs1"])
     if not is_fsdp(program) or program.forward is None:
         return program
-    mesh, train = program.mesh, program.train
+    mesh, train, forward, backward = program.mesh, program.train, program.forward, program.backward
+    assert mesh is not None and train is not None and backward is not None, "ZeRO-3 runs on a checked model"
     sharded_over = shard_axis(program)
     if hierarchy and (problem := unsplittable(WEIGHTS, sharded_over, mesh, where)) is not None:
         raise problem
@@ -162,7 +163,6 @@ def shard_weights(program: Program) -> Program:
                          ["selective recomputation computes the dropped norms again when the backward starts, "
                           "before ZeRO-3 has gathered their weights again", "use recompute = full, or zero = 1"])
     dp = mesh.size(sharded_over)  # the pieces each weight is cut into
-    forward, backward = program.forward, program.backward
     if statement is not None:
         first = weights_first(program.partition, dict(program.group_orders), dict(program.chunk_counts))
         parts = (first, INTRA if first == INTER else INTER)
@@ -174,13 +174,16 @@ def shard_weights(program: Program) -> Program:
         ``three``: the forward gather of a gemm split three ways (:func:`_three_way`)."""
         part = ((UNIT, weight.weight_unit), (COLUMNS, weight.columns)) if weight.columns else \
             ((COLUMN_PIECES, True),) if weight.staged else ()
+        assert weight.unit_weight is not None, "a weighted op"
         full = padded_elements(weight.unit_weight, dp)
         gathered = kind == GATHER
         # The reduce-scatter is the gather's transpose: its stages run in reverse.
         stages = ((sharded_over, dp),) if not hierarchy else \
             tuple((f"{sharded_over}.{part}", mesh.size(f"{sharded_over}.{part}"))
                   for part in (parts if gathered else parts[::-1]))
-        ops, size, previous = [], full // dp if gathered else full, ()
+        ops: list[Op] = []
+        size = full // dp if gathered else full
+        previous: tuple[str, ...] = ()
         for index, (axis, group) in enumerate(stages):
             out = size * group if gathered else size // group
             last = index == len(stages) - 1
@@ -284,7 +287,8 @@ def replicas_substituted(program: Program) -> bool:
     gradients across the replicas (``substitute weights as reduce_scatter + all_gather``):
     each replica then reduce-scatters them over ``dp.replicate``, updates its part of its
     piece and all-gathers the updated part (ZeRO-1 across the replicas)."""
-    return _replica_statement(program) is not None and is_fsdp(program) and bool(program.mesh.dp_shard)
+    return _replica_statement(program) is not None and is_fsdp(program) and program.mesh is not None \
+        and bool(program.mesh.dp_shard)
 
 
 def _replica_statement(program: Program) -> s.Substitute | None:
@@ -298,7 +302,7 @@ def _replica_statement(program: Program) -> s.Substitute | None:
 def _check_replica_statement(program: Program) -> None:
     """CheckError, located at the name, for ``substitute weights …`` without hybrid sharding."""
     statement = _replica_statement(program)
-    if statement is None or (is_fsdp(program) and program.mesh.dp_shard):
+    if statement is None or (is_fsdp(program) and program.mesh is not None and program.mesh.dp_shard):
         return
     zero = program.train.zero if program.train is not None else 0
     notes = ["under hybrid sharding (train { zero = 3  shard = K }) each weight's pieces are all-reduced across "

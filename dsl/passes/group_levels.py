@@ -143,6 +143,7 @@ def split_at_levels(fwd: LayerDag, op: Op, targets: list[Op], span, mesh: Mesh, 
     """``fwd`` with collective ``op`` and its chunks (``targets``) split at the levels they span
     (:func:`split_over_levels`); ``first`` is a level (the statement's: the others follow in the
     default order), a whole order (the planner's, :func:`order_text`) or None (the default)."""
+    assert op.axis is not None, "a collective has its axis"
     stages = stages_of(op.name if op.origin is None else op.origin, op.axis, mesh, span)
     if isinstance(stages, CheckError):
         errors.add(stages)

@@ -249,7 +249,7 @@ class _RankProgram:
         """Append ``parts`` (one action, or the two of an SI block) with their transfers."""
         receives = [t for part in parts for t in self.transfers(part, "RECV", span)]
         sends = [t for part in parts for t in self.transfers(part, "SEND", span)]
-        main = parts[0] if len(parts) == 1 else Interleaved(*parts, span=span)
+        main = parts[0] if len(parts) == 1 else Interleaved(parts[0], parts[1], span=span)
         self.actions.extend(receives + [main] + sends)
 
     def transfers(self, part: Compute, kind: str, span) -> list[Transfer]:

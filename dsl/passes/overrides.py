@@ -16,6 +16,7 @@ cluster's, which only the checker looks at.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import attrs
 
@@ -107,6 +108,7 @@ def with_nodes(program: Program, gpus_per_node: int) -> Program:
         raise CheckError(f"the cluster's levels are declared for nodes of {program.cluster.gpus_per_node} GPUs, "
                          f"but the nodes hold {gpus_per_node}", program.cluster.span,
                          ["declare the levels of the nodes the program runs on, or run with --topology declared"])
+    assert program.mesh is not None, "a checked cluster has its mesh"
     cluster = attrs.evolve(program.cluster, nodes=program.mesh.world // gpus_per_node, gpus_per_node=gpus_per_node)
     return attrs.evolve(program, cluster=cluster, mesh=attrs.evolve(program.mesh, gpus_per_node=gpus_per_node))
 
@@ -131,9 +133,11 @@ def reference_dags(program: Program) -> tuple[LayerDag, LayerDag]:
     # measured profile fits the program's own shapes. Nor partitioned: chunks are a
     # schedule of the same layer, which the reference checks.
     mesh = program.mesh
+    assert mesh is not None, "a checked model"
     single = Mesh(mesh.order, (1,) * len(mesh.sizes), 1, mesh.gpus_per_node)
     full = passes.rerun(attrs.evolve(program, mesh=single, profile=None, partition=None), after="check",
                         stop="autodiff")
+    assert full.forward is not None and full.backward is not None, "shapes and autodiff made them"
     return full.forward, full.backward
 
 
@@ -157,7 +161,9 @@ def _apply(program: Program, overrides: Overrides) -> Program:
                                     ("--layers", "model", "layers", overrides.layers)):
         if value is not None and not 1 <= value <= limit_of(block, key):
             raise UsageError(f"{flag} must be between 1 and {limit_of(block, key):,}, got {value}")
-    changes = {}
+    assert program.mesh is not None and program.train is not None and program.model is not None \
+        and program.fold is not None, "a checked model"
+    changes: dict[str, Any] = {}  # Program fields of their own types
     if overrides.ranks is not None:
         mesh = program.mesh
         sizes = tuple(overrides.ranks if axis == "pp" else size

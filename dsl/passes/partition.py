@@ -75,7 +75,7 @@ Chunks of a weighted operator share its weight: their ``Op.origin`` names the wr
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import attrs
 
@@ -139,6 +139,7 @@ def partition_forward(fwd: LayerDag, block: s.PartitionDef, env: Mapping[str, in
             staged.append((st, is_fine(st, auto)))  # after the group partitions, whose stages they split at
             continue
         # An auto chain is checked even while whole (count 1): its mistakes show at once.
+        assert not isinstance(auto, str), f"an auto count {auto!r} past the stages"
         chain = checked_chain(fwd, st, env, claimed, errors, auto)
         if chain is not None and chain[1] > 1:
             fwd = chunked(fwd, *chain)
@@ -256,9 +257,10 @@ def _check_backward(block: s.PartitionDef, errors: ErrorCollector) -> None:
                                   + ["dgrad: each GEMM's activation gradient first (Megatron's order); wgrad: "
                                      "its weight gradient first (FSDP's reduce-scatter starts earlier); leave "
                                      "the statement out to let the planner choose"]))
+    first_line = statements[0].span.line if statements and statements[0].span else "?"
     for st in statements[1:]:
         errors.add(CheckError("a second 'backward … first' statement", st.span,
-                              [f"the first is at line {statements[0].span.line}: one priority holds for the layer"]))
+                              [f"the first is at line {first_line}: one priority holds for the layer"]))
 
 
 # -- group partition ----------------------------------------------------------------------
@@ -309,6 +311,7 @@ def _group_partition(fwd: LayerDag, name: str, span, mesh: Mesh, errors: ErrorCo
         return fwd
     if mesh.levels:
         return split_at_levels(fwd, op, targets, span, mesh, errors, first)
+    assert op.axis is not None, "a collective has its axis"
     problem = unsplittable(name, op.axis, mesh, span)
     if problem is not None:
         errors.add(problem)
@@ -423,7 +426,7 @@ def _gathers_to_move(fwd: LayerDag, statements: list[s.Move], errors: ErrorColle
     order), or {} after recording why they cannot move: not an all_gather, gathers over
     different axes, a layer whose tokens are split already or do not divide."""
     found, gathers = len(errors.errors), {}
-    for st, i, name in [(st, i, name) for st in statements for i, name in enumerate(st.ops)]:
+    for st, i, name in [(statement, i, name) for statement in statements for i, name in enumerate(statement.ops)]:
         span = st.span_of(f"ops.{i}")
         if name in fwd.elided:
             continue  # over a size-1 axis: the identity, nothing to move
@@ -528,7 +531,7 @@ def _distinct_roots(fwd: LayerDag, op: Op, st: s.Substitute, errors: ErrorCollec
         errors.add(_bad_rooted_target(st, op, rooted))
         return fwd
     size, (rows, cols) = op.group_size, op.in_shapes[0]
-    common = dict(op=rooted, op_class=rooted, origin=op.name)
+    common: dict[str, Any] = dict(op=rooted, op_class=rooted, origin=op.name)
     if op.op == "all_gather":
         parts = [attrs.evolve(op, name=f"{op.name}.b{j}", shape=(rows, cols), params=op.params + ((ROOT, j),),
                               **common) for j in range(size)]

@@ -9,7 +9,7 @@ the command-line overrides and the simulator's unfolded 1F1B variant reuse the p
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 
@@ -41,7 +41,7 @@ class Stage:
 
     name: str
     doc: str
-    dumper: Callable[[object], str]
+    dumper: Callable[[Any], str]  # of what the stage made: a syntax tree, modules or a Program
     run: Callable[[Program], Program] | None = None
     produces: tuple[str, ...] = ()
 
@@ -51,8 +51,10 @@ def shapes(program: Program) -> Program:
     layer DAG with per-GPU shapes (unchanged for a library file)."""
     if program.model is None:
         return program
+    layer = program.layer(program.model.layer)
+    assert program.mesh is not None and program.train is not None and layer is not None, "a checked model"
     env = layer_env(program.model, program.mesh, program.train)
-    forward = instantiate(program.layer(program.model.layer), env, program.mesh)
+    forward = instantiate(layer, env, program.mesh)
     return attrs.evolve(program, env=tuple(env.items()), forward=forward)
 
 
@@ -62,6 +64,7 @@ def partition(program: Program) -> Program:
     profile's measured section was taken on another program (other ops, shapes, mesh or
     dtype), checked here because the measured ops are those of the rewritten DAG."""
     if program.forward is not None and program.partition is not None:
+        assert program.mesh is not None, "a checked model"
         program = attrs.evolve(program, forward=partition_forward(program.forward, program.partition,
                                                                   dict(program.env), program.mesh,
                                                                   dict(program.chunk_counts), dict(program.group_orders),
@@ -82,7 +85,7 @@ def autodiff(program: Program) -> Program:
 def strands(program: Program) -> Program:
     """The program unchanged, once every selector of its strands block names operators of
     its forward or backward DAG."""
-    if program.backward is not None:
+    if program.forward is not None and program.backward is not None:
         check_selectors(program.strands, program.forward, program.backward)
     return program
 
@@ -92,7 +95,8 @@ def fold(program: Program) -> Program:
     chunk holds (unchanged for a library file)."""
     if program.model is None:
         return program
-    placement = placement_of(program.fold, program.model.get("layers"), program.mesh.size("pp"))
+    assert program.fold is not None and program.mesh is not None, "a checked model"
+    placement = placement_of(program.fold, program.model.setting("layers"), program.mesh.size("pp"))
     if (error := tie_placement_error(program.model, program.fold, placement)) is not None:
         raise error
     return attrs.evolve(program, placement=placement)
@@ -102,10 +106,12 @@ def lower(program: Program) -> Program:
     """The program with its pipeline lowered to per-rank action lists (unvalidated)."""
     if program.model is None:
         return program
+    assert program.pipeline is not None and program.fold is not None and program.mesh is not None \
+        and program.train is not None, "a checked model"
     try:
         check_fold(program.pipeline, program.placement.kind, program.fold.span)
         too_large = schedule_size_error(program.mesh.size("pp"), program.train.microbatches,
-                                        program.placement.chunks, program.model.get("layers"),
+                                        program.placement.chunks, program.model.setting("layers"),
                                         program.train.span)
         if too_large:
             raise too_large
@@ -141,6 +147,7 @@ def _note_sizes(error: DhelixError, program: Program) -> None:
     """Say where the program sets the sizes a pipeline failed on: the error usually points
     into the pipeline's definition, often in the standard library, not at the user's file."""
     last = error.errors[-1] if isinstance(error, ErrorGroup) else error
+    assert program.train is not None and program.mesh is not None and program.fold is not None, "a checked model"
     where = [f"m = microbatches = {program.train.microbatches} (train block at {program.train.span})"
              if program.train.span else None,
              f"p = pp = {program.mesh.size('pp')} and v = {program.placement.chunks} "
@@ -211,9 +218,10 @@ def rerun(program: Program, after: str, stop: str = STAGE_NAMES[-1]) -> Program:
     rewritten = {field for stage in STAGES[first:] for field in stage.produces}
     first = next((i for i, stage in enumerate(STAGES[:first]) if set(stage.produces) & rewritten), first)
     defaults = attrs.fields_dict(Program)
-    program = attrs.evolve(program, **{field: defaults[field].default
-                                       for stage in STAGES[first:] for field in stage.produces})
+    cleared: dict[str, Any] = {field: defaults[field].default for stage in STAGES[first:] for field in stage.produces}
+    program = attrs.evolve(program, **cleared)
     for stage in STAGES[first:STAGE_NAMES.index(stop) + 1]:
+        assert stage.run is not None, "the stages after check are passes"
         program = stage.run(program)
     return program
 

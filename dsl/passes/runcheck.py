@@ -29,6 +29,7 @@ def unrunnable(program: Program) -> list[DhelixWarning]:
 
 def _unrunnable_dtype(program: Program) -> list[DhelixWarning]:
     model = program.model
+    assert model is not None, "a model file"
     if model.dtype in RUNNABLE_DTYPES:
         return []
     return [DhelixWarning(
@@ -41,13 +42,13 @@ def _tp_without_sequence_parallelism(program: Program) -> list[DhelixWarning]:
     """A warning when a gemm holds a tp slice of its weight but is neither column-parallel
     (reads an all_gather over tp) nor row-parallel (feeds a reduce_scatter over tp): Megatron's
     all_reduce blocks (stdlib ``llama_tp``), whose substitution is not moved later."""
-    if program.mesh.size("tp") == 1 or program.forward is None:
+    if program.mesh is None or program.model is None or program.mesh.size("tp") == 1 or program.forward is None:
         return []
     from dhelix.dsl.passes.overrides import reference_dags  # the pass pipeline imports this module
 
     fwd, full_fwd = program.forward, reference_dags(program)[0]
     sliced = [op for op in fwd.ops if op.op == "gemm" and op.weight is not None and op.columns is None
-              and tuple(op.unit_weight) != tuple(full_fwd.op(op.weight_name).weight)
+              and op.unit_weight != full_fwd.op(op.weight_name).weight
               and not reads_tp_collective(fwd, op.inputs[0], "all_gather")
               and not any(reads_tp_collective(fwd, r.name, "reduce_scatter") for r in tp_readers(fwd, op.name))]
     if not sliced:

@@ -18,7 +18,7 @@ from dhelix.dsl.frontend.exprs import evaluate
 from dhelix.dsl.frontend.layercheck import bind_args, topological_applies
 from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.core.oplib import AXIS, FLAG, INT, OPS, TENSOR, ShapeMismatch
-from dhelix.dsl.core.program import LayerDag, Op
+from dhelix.dsl.core.program import LayerDag, Op, Shape
 
 WHAT = "model, mesh or train setting"
 
@@ -32,7 +32,7 @@ def instantiate(layer: s.LayerDef, env: Mapping[str, int], mesh: Mesh) -> LayerD
     inp = next(st for st in layer.body if isinstance(st, s.LayerIn))
     out = next(st for st in layer.body if isinstance(st, s.LayerOut))
     input_shape = _input_shape(inp, env)
-    shapes = {inp.name: input_shape}
+    shapes: dict[str, Shape] = {inp.name: input_shape}
     alias: dict[str, str] = {}
     ops: list[Op] = []
     elided: list[str] = []
@@ -86,37 +86,44 @@ def _attention_off_cp(apply, op: Op, mesh: Mesh) -> CheckError:
 def _instantiate_op(apply, env, mesh: Mesh, shapes, alias) -> Op:
     spec = OPS[apply.op]
     binding, _ = bind_args(apply, spec, set(shapes))
-    values, inputs, in_shapes, params = [], [], [], []
-    axis, size = None, 1
+    values: list[object] = []
+    inputs: list[str] = []
+    in_shapes: list[Shape] = []
+    params: list[tuple[str, object]] = []
+    axis: str | None = None
+    size = 1
     for param, arg in binding:
         if arg is None:
             values.append(None)
             continue
+        if param.kind == INT:
+            values.append(evaluate(arg.value, env, WHAT))
+            params.append((param.name, values[-1]))
+            continue
+        assert isinstance(arg.value, s.Name), "the layer checker lets only names be tensors, axes or flags"
+        word = arg.value.id
         if param.kind == TENSOR:
-            name = alias.get(arg.value.id, arg.value.id)
-            inputs.append(name)
-            in_shapes.append(shapes[arg.value.id])
-            values.append(shapes[arg.value.id])
+            inputs.append(alias.get(word, word))
+            in_shapes.append(shapes[word])
+            values.append(shapes[word])
         elif param.kind == AXIS:
-            axis, size = arg.value.id, mesh.size(arg.value.id)
+            axis, size = word, mesh.size(word)
             values.append((axis, size))
             params.append((param.name, axis))
         elif param.kind == FLAG:
-            values.append(arg.value.id)
-            params.append((param.name, arg.value.id))
-        elif param.kind == INT:
-            values.append(evaluate(arg.value, env, WHAT))
-            params.append((param.name, values[-1]))
+            values.append(word)
+            params.append((param.name, word))
     try:
         shape = spec.infer(values)
     except ShapeMismatch as exc:
         bad = binding[exc.arg][1]
         raise CheckError(f"shape mismatch in {apply.name} = {spec.name}(…): {exc.message}",
                          bad.span if bad is not None else apply.span, list(exc.notes)) from None
-    lane = "compute" if spec.kind == "compute" else mesh.lane(axis)
+    # (every communication op has an axis parameter: oplib)
+    lane = "compute" if spec.kind == "compute" or axis is None else mesh.lane(axis)
     if spec.op_class == "attention":
         params.append(("seq", env["seq"]))  # attention cost grows with the full sequence
-        if size > 1:
+        if size > 1 and axis is not None:
             lane = mesh.lane(axis)  # the lane of the ring's P2P steps (see ring_steps)
     return Op(apply.name, spec.name, spec.kind, spec.op_class, tuple(inputs), tuple(in_shapes), shape,
               weight=spec.weight(values), axis=axis, group_size=size, lane=lane,

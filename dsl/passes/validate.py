@@ -99,11 +99,13 @@ def _deadlock(lowered: Lowered, position: list[int]) -> ScheduleError:
                if isinstance(action, Transfer) and action.kind == "SEND"}
     rank = min(stuck)
     recv = rows[rank][stuck[rank]]
+    assert isinstance(recv, Transfer), "only a RECV blocks"
     message = (f"deadlock: rank {rank}, step {stuck[rank]} waits in {recv} (micro-batch "
                f"{recv.microbatch}, chunk {recv.chunk}) and never gets it")
     notes, seen = [], [rank]
     while True:
         recv = rows[rank][stuck[rank]]
+        assert isinstance(recv, Transfer), "only a RECV blocks"
         sender = senders.get(transfer_key(lowered, rank, recv))
         if sender is None:
             notes.append(f"no rank sends what rank {rank} waits for in {recv}")
@@ -134,12 +136,13 @@ class _Checker:
         self.errors: list[ScheduleError] = []
         self.bad: set[tuple[int, int]] = set()  # (rank, step) of actions failing check 1
         # (kind, micro-batch, chunk) → steps, per rank: where each computation runs.
-        self.steps = [defaultdict(list) for _ in range(lowered.ranks)]
+        self.steps: list[defaultdict[tuple[str, int, int], list[int]]] = [
+            defaultdict(list) for _ in range(lowered.ranks)]
 
     def error(self, message: str, rank: int | None, step: int | None, notes=(),
               span=None) -> None:
         marks = {} if rank is None or step is None else {rank: step}
-        if span is None and marks:
+        if span is None and rank is not None and step is not None:
             span = self.lowered.actions[rank][step].span
         if span is None:  # a whole-schedule problem: point at the pipeline's name
             span = self.lowered.span
@@ -240,6 +243,7 @@ class _Checker:
         low = self.lowered
         mb, chunk = part.microbatch, part.chunk
         stage = low.stage_of(rank, chunk)
+        assert stage is not None, "check 1 set aside the actions off the placement"
         own = {"B": "F", "W": "B"}.get(part.kind)
         if own and (own, mb, chunk) not in done:
             self.order_problem(rank, step, action, part, Compute(own, mb, chunk))
@@ -290,6 +294,7 @@ class _Checker:
                            f"{later[0]}), which produces what it sends", rank, step,
                            [f"move {action} right after {producer}"])
         stage = low.stage_of(rank, chunk)
+        assert stage is not None, "check 1 set aside the actions off the placement"
         forward = action.data == "F"
         other = stage + (1 if forward == (action.kind == "SEND") else -1)
         if not 0 <= other < len(low.stages):
@@ -310,7 +315,8 @@ class _Checker:
     def check_matching(self) -> None:
         """Each SEND has exactly one RECV with the same key, and vice versa."""
         low = self.lowered
-        places = {"SEND": defaultdict(list), "RECV": defaultdict(list)}
+        places: dict[str, defaultdict[tuple | None, list[tuple[int, int]]]] = {
+            "SEND": defaultdict(list), "RECV": defaultdict(list)}
         for rank, row in enumerate(low.actions):
             for step, action in enumerate(row):
                 if isinstance(action, Transfer) and (rank, step) not in self.bad:
@@ -327,7 +333,10 @@ class _Checker:
     def unmatched(self, rank: int, step: int) -> None:
         low = self.lowered
         action = low.actions[rank][step]
-        data, mb, producer = transfer_key(low, rank, action)
+        assert isinstance(action, Transfer), "only transfers match"
+        key = transfer_key(low, rank, action)
+        assert key is not None, "check 1 set aside the transfers off the placement"
+        data, mb, producer = key
         consumer = producer + (1 if data == "F" else -1)
         if action.kind == "SEND":
             peer_chunk = low.stages[consumer][1]

@@ -187,6 +187,7 @@ def chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int | str) -> LayerDa
     (along ``OUTPUTS``: the gemm's chunks, each on the whole input with its own columns)."""
     if dim == OUTPUTS:
         return _by_columns(fwd, ops[0], parts)
+    assert isinstance(dim, int), f"no partition dimension {dim!r}"
     names = {op.name for op in ops}
     taken = {op.name for op in fwd.ops} | {fwd.input}
     slices: dict[str, list[Op]] = {}
@@ -225,6 +226,7 @@ def _by_columns(fwd: LayerDag, op: Op, parts: int) -> LayerDag:
     """``fwd`` with gemm ``op`` split into ``parts`` gemms over its weight's column blocks
     (``op.c0`` …, :attr:`Op.columns`), joined by a concat along the features that keeps its name."""
     rows, cols = op.shape
+    assert op.weight is not None, "a gemm split by columns has a weight"
     chunks = [attrs.evolve(op, name=f"{op.name}.c{i}", origin=op.origin or op.name, shape=(rows, cols // parts),
                            weight=(op.weight[0], op.weight[1] // parts), params=op.params + ((COLUMNS, (i, parts)),))
               for i in range(parts)]
@@ -330,7 +332,7 @@ def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollect
     chain) of ``st``, or None after recording errors located at the statement's words;
     those of a gather without stages say it "has no stages" (``by auto`` leaves it out)."""
     spans = {name: st.span_of(f"ops.{i}") for i, name in enumerate(st.ops)}
-    word = st.parts.id if is_stages(st) else STAGES  # stages or stages3, as written
+    word = st.parts.id if isinstance(st.parts, s.Name) and is_stages(st) else STAGES  # stages or stages3, as written
     if st.dim not in (None, PARTITION_DIMS[0]):
         errors.add(CheckError(f"'by {word}' splits the tokens a gather brings, not its {st.dim}",
                               st.span_of("dim"), ["leave 'along' out, or chunk by a count"]))
@@ -356,7 +358,7 @@ def _stage_chain(fwd: LayerDag, st: s.Chunk, claimed: dict, errors: ErrorCollect
         return None
     order = [o.name for o in fwd.ops]
     chain.sort(key=lambda o: order.index(o.name))
-    tail = []  # the collectives that end the chain: they run whole on the merged rows
+    tail: list[Op] = []  # the collectives that end the chain: they run whole on the merged rows
     while chain and chain[-1].kind == "comm":
         tail.insert(0, chain.pop())
     if not chain:
@@ -397,7 +399,8 @@ def _earlier_stages(fwd: LayerDag, gather: Op) -> list[Op]:
     name), in the order they run: ``[AG.inter]`` or ``[AG.intra]``, or over declared levels
     one per level but the last (``AG.cluster``, ``AG.node``); [] when it is not split."""
     ops = {op.name: op for op in fwd.ops}
-    stages, source = [], gather
+    stages: list[Op] = []
+    source = gather
     while source.inputs and source.inputs[0].startswith(f"{gather.name}.") and \
             ops.get(source.inputs[0]) is not None and ops[source.inputs[0]].op == "all_gather":
         source = ops[source.inputs[0]]
@@ -427,6 +430,7 @@ def _split_at_stages(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> L
     """The rewrite of :func:`by_stages` for a checked chain."""
     rows, whole = first.in_shapes[0][0], first.group_size * gather.group_size
     near, far = rows * first.group_size, rows * (whole - first.group_size)
+    assert first.axis is not None, "a gather's stage has its axis"
     params = (("axis", first.axis.rpartition(".")[0]), ("first", first.name.rpartition(".")[2]),
               ("blocks", whole))
     rest = Op(f"{gather.name}.rest", "rest", "compute", "layout", (gather.name,), (gather.shape,),
@@ -448,6 +452,7 @@ def _split_in_three(fwd: LayerDag, gather: Op, first: Op, chain: list[Op]) -> La
     place (``AG.near``), chunk 2 on the rest (``AG.rest``); a ``merge`` of the three puts the
     rows back in rank order. The cross-node bytes are those of the two-way split."""
     (rows, cols), intra, inter = first.in_shapes[0], first.group_size, gather.group_size
+    assert first.axis is not None, "a gather's stage has its axis"
     base = first.axis.rpartition(".")[0]
     place = attrs.evolve(gather, name=f"{gather.name}.place", inputs=first.inputs, in_shapes=first.in_shapes,
                          shape=(rows * inter, cols))
@@ -483,8 +488,9 @@ def _split_at_level_stages(fwd: LayerDag, gather: Op, stages: list[Op], chain: l
     block from its place in every unit of the largest level), ``AG`` over the mates (the
     earlier stages' blocks without its own) — and its chunk in two (``AG.near``, ``AG.rest``).
     A ``merge`` named like the chain's last compute op puts the rows back in rank order."""
+    assert gather.axis is not None and all(op.axis is not None for op in stages), "gathers have their axes"
     cols, base = gather.shape[1], gather.axis.rpartition(".")[0]
-    order = tuple(op.axis.rpartition(".")[2] for op in [*stages, gather])
+    order = tuple(str(op.axis).rpartition(".")[2] for op in [*stages, gather])
     whole = 1
     for op in [*stages, gather]:
         whole *= op.group_size

@@ -124,7 +124,7 @@ def schedule_block(fwd: Sequence[Op], bwd: Sequence[Op], outputs: tuple[str, str
     and its modelled times (the best of the module's two priorities)."""
     ops = {("F", op.name): op for op in fwd}
     ops.update({("B", op.name): op for op in bwd})
-    nodes = block_nodes(fwd, bwd, outputs, tuple(layers))
+    nodes = block_nodes(fwd, bwd, outputs, (layers[0], layers[1]))
     duration = {node: seconds(ops[(node[0], node[2])]) for node in nodes}
     succ: dict[BlockIssue, list[BlockIssue]] = {node: [] for node in nodes}
     for node, deps in nodes.items():
@@ -141,6 +141,7 @@ def schedule_block(fwd: Sequence[Op], bwd: Sequence[Op], outputs: tuple[str, str
         schedule = _list_schedule(nodes, succ, ops, duration, priority, slowdown, tuple(layers))
         if best is None or schedule.makespan < best.makespan:
             best = schedule
+    assert best is not None, "two priorities"
     return best
 
 

@@ -155,6 +155,8 @@ def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profi
     (dotted key path -> source comment) for :func:`~dhelix.dsl.frontend.profile_writer.render_profile`.
     ``base`` supplies what the program cannot measure. Assumes ``timings.ops`` times every
     op of the program's forward and backward DAGs."""
+    assert program.forward is not None and program.backward is not None and program.model is not None \
+        and program.mesh is not None, "a checked model"
     ops = program.forward.ops + program.backward.ops
     dtype, seq = program.model.dtype, program.model.get("seq")
     notes: dict[str, str] = {}
@@ -191,6 +193,7 @@ def _optimizer_rate(program: Program, timings: Timings, notes: dict) -> float | 
     """The optimizer's streaming rate (GB/s) from the timed AdamW step over one layer's
     weights, or None when it was not timed (the simulator then uses the memory rate)."""
     us = timings.ops.get(OPTIMIZER_STEP)
+    assert program.forward is not None and program.model is not None, "a checked model"
     params = sum(program.forward.weight_elements())
     if not us or not params:
         return None

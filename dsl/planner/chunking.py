@@ -51,11 +51,13 @@ commands that price or run a program (plan, simulate, run) apply it through
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import DhelixError, first_message
-from dhelix.dsl.core.program import Program
+from dhelix.dsl.core.program import Op, Program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.core.oplib import DGRAD, OUTPUTS, PARTITION_DIMS
@@ -172,7 +174,7 @@ def choose_substitutions(program: Program) -> tuple[Program, tuple[SubstitutionC
         return program, ()
     chosen, choices = set(program.substituted), []
     for name in names:
-        form = " + ".join(scalable_form(kinds[name]))
+        form = " + ".join(scalable_form(kinds[name]) or ())
         candidates = tuple(Candidate(value, *_price(attrs.evolve(program, substituted=tuple(sorted(names_with)))))
                            for value, names_with in ((WHOLE, chosen - {name}), (form, chosen | {name})))
         best = _fastest(candidates, WHOLE)
@@ -219,9 +221,10 @@ def _orders_of(program: Program, name: str, kind: str) -> tuple[tuple[str, ...],
     """The orders to try for collective ``name`` (of ``kind``) of a group statement, and the
     one ties go to: inter or intra first, or over a declared topology every order of the
     levels its group spans (:mod:`dhelix.dsl.passes.group_levels`)."""
+    assert program.mesh is not None and program.forward is not None, "a checked model"
     if not program.mesh.levels or name == WEIGHTS:
         return ORDERS, fewest_cross_bytes(kind)
-    axis = next(base_axis(op.axis) for op in program.forward.ops if op.kind == "comm" and name in (op.name, op.origin))
+    axis = next(base_axis(str(op.axis)) for op in program.forward.ops if op.kind == "comm" and name in (op.name, op.origin))
     stages = stages_of(name, axis, program.mesh, None)
     if not isinstance(stages, tuple):
         return ORDERS, fewest_cross_bytes(kind)
@@ -289,7 +292,8 @@ def _staged(program: Program, gather: str) -> tuple[float | None, str]:
     slow one runs; the inter-node stage first brings inter_size)."""
     # Over declared levels an activation gather's order is chosen after the counts, among every
     # order of its stages; ZeRO-3's weight gather splits at the node whatever the levels.
-    if gather not in dict(_unordered(program)) or (program.mesh.levels and gather != WEIGHTS):
+    if gather not in dict(_unordered(program)) or (program.mesh is not None and program.mesh.levels
+                                                   and gather != WEIGHTS):
         return _price(program)
     orders = dict(program.group_orders)
     priced = [_price(attrs.evolve(program, group_orders=tuple(sorted({**orders, gather: order}.items()))))
@@ -305,18 +309,20 @@ def _price(program: Program) -> tuple[float | None, str]:
         tried = passes.rerun(program, after="check", stop="autodiff")
     except DhelixError as exc:
         return None, _why(first_message(exc))
+    assert tried.model is not None and tried.forward is not None and tried.backward is not None, "a checked model"
     cost = PairCost(tried.profile, tried.model.dtype, seq=tried.model.get("seq"))
     return cost.solo(issue_order(tried.forward.ops)) + cost.solo(issue_order(tried.backward.ops)), ""
 
 
-def issue_order(ops):
+def issue_order(ops: Sequence[Op]) -> list[Op]:
     """``ops`` (a DAG in a topological order) in the order the interpreter issues one strand:
     a collective as soon as its inputs exist, else the first ready compute op. Chunks come
     chunk-major from the partition pass; this lets chunk i + 1's collective go before chunk
     i's compute, as it runs."""
     names = {op.name for op in ops}
     done: set[str] = set()
-    left, order = list(ops), []
+    left = list(ops)
+    order: list[Op] = []
     while left:
         ready = [op for op in left if all(name in done or name not in names for name in op.deps)]
         op = next((o for o in ready if o.kind == "comm"), ready[0])
@@ -371,4 +377,5 @@ _EXPECTED = ("the chain's dimension", "the chain's gather")
 def _cheapest(candidate: Candidate) -> tuple:
     # Fastest first; ties to fewer chunks, the stages' uneven two after two even ones, their
     # three after three.
-    return candidate.seconds, {STAGES: 2.5, STAGES3: 3.5}.get(candidate.value, candidate.value)
+    value = candidate.value
+    return candidate.seconds, value if isinstance(value, int) else {STAGES: 2.5, STAGES3: 3.5}[value]

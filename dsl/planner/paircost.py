@@ -108,12 +108,12 @@ class _Segment:
         first the ones with c < m (shortest c first), then the others (longest m first),
         then ops that gate no comm (longest remaining path first)."""
         n = len(preps)
-        ancestors = [set() for _ in range(n)]
+        ancestors: list[set[int]] = [set() for _ in range(n)]
         for i in range(n):
             for j in self.dependents[i]:
                 ancestors[j] |= ancestors[i] | {i}
         keys = []
-        for i, (_, _, tasks) in enumerate(preps):
+        for i in range(n):
             gate = next((k for k in range(i + 1, n) if i in ancestors[k] and any(t[0] for t in preps[k][2])), None)
             if gate is None:
                 keys.append((0, self.tail[i]))
@@ -184,10 +184,10 @@ class PairCost:
                 value = _simulate(self, (entry[0],), 0, False)[0]
             self._solo[key] = (value, tuple(ops))
             return value
-        key = ("solo", entry[3])
-        value = self._by_shape.get(key)
+        shape_key = ("solo", entry[3])
+        value = self._by_shape.get(shape_key)
         if value is None:
-            value = self._by_shape[key] = _simulate(self, (entry[0],), 0, False)[0]
+            value = self._by_shape[shape_key] = _simulate(self, (entry[0],), 0, False)[0]
         return value
 
     def pair(self, fwd: Sequence, bwd: Sequence) -> float:
@@ -272,6 +272,8 @@ class PairCost:
 
     def _measured_time(self, fwd: Sequence, bwd: Sequence) -> float | None:
         names_f, names_b = tuple(o.name for o in fwd), tuple(o.name for o in bwd)
+        if self._measured is None:
+            return None
         found = self._measured.pair_us(names_f, names_b)
         if found is None and not bwd:  # solo() does not know the side of its segment
             found = self._measured.pair_us((), names_f)
@@ -325,7 +327,7 @@ class PairCost:
     def _shape_of(self, preps: list[tuple]) -> tuple:
         index = {name: i for i, (name, _, _) in enumerate(preps)}
         shape = []
-        for name, inputs, lanes in preps:
+        for _, inputs, lanes in preps:
             tasks = tuple((lane, seconds, self._tasks[uid].cls,
                            tuple(k for k in self._tasks[uid].keys if k in self._override_keys))
                           for lane, seconds, uid in lanes)
@@ -432,9 +434,9 @@ def _simulate(cost: PairCost, segs: tuple[_Segment, ...], policy: int, record: b
                             best, chosen = strand, item
                         else:
                             contested = True
-                            if item[3] > chosen[3]:
+                            if chosen is None or item[3] > chosen[3]:
                                 best, chosen = strand, item
-            if best is not None:
+            if best is not None and chosen is not None:
                 op, seconds, uid, _ = chosen
                 heads[lane][best] += 1
                 running[lane] = _Running(best, op, uid, seconds, now, (best, uid))

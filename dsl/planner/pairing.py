@@ -35,7 +35,7 @@ Constraints: the strands block's pairing rules (:mod:`dsl.planner.pairing_rules`
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, TypeGuard, cast
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.plan import Plan, PlanOp, SearchStats, SegmentPair
@@ -43,6 +43,7 @@ from dhelix.dsl.core.program import LayerDag, Op, Program, Strands
 from dhelix.dsl.planner.pairing_rules import PairingRules, Traits, restriction, rules_of, traits_of
 from dhelix.dsl.planner.refine import refine
 from dhelix.dsl.planner.restbound import fixed_chain_rest
+from dhelix.dsl.planner.segment_bound import SegmentBound
 from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, available, canonical, count_orders, moving_ops,
                         prefixes, strand_within)
 
@@ -78,13 +79,28 @@ class SegmentCost(Protocol):
     def pair(self, fwd_ops: Sequence[Op], bwd_ops: Sequence[Op]) -> float: ...
 
 
+class BoundedCost(SegmentCost, Protocol):
+    """A SegmentCost that also bounds a step from below and prices a pair by its segments'
+    shapes, as PairCost does (the search finds out which: :func:`has_bounds`, and the
+    ``shape_number`` attribute); ``segment_bound`` is None under a measured profile."""
+
+    def segment_bound(self, ops: Sequence[Op]) -> SegmentBound | None: ...
+
+    def shape_number(self, ops: Sequence[Op]) -> int: ...
+
+    def pair_of_shapes(self, fwd: Sequence[Op], bwd: Sequence[Op], first: tuple[int, Sequence[str]],
+                       second: tuple[int, Sequence[str]]) -> float: ...
+
+
 class _Table:
     """One strand's prefixes, its distinct segments (id 0: the empty one) and, per prefix,
     the steps out of it: (segment id, index of the grown prefix), the empty step first."""
 
     def __init__(self, strand: Strand, max_segment: int | None):
         self.strand = strand
-        self.prefixes = prefixes(strand)
+        table = prefixes(strand)
+        assert table is not None, "no limit: every prefix"
+        self.prefixes = table
         position = {p: k for k, p in enumerate(self.prefixes)}
         ids: dict[int, int] = {0: 0}
         self.succ: list[list[tuple[int, int]]] = []
@@ -101,9 +117,10 @@ class _Table:
 def segment_pairs_within(sides: tuple[Strand, Strand], limit: int) -> bool:
     """Whether the two strands have at most ``limit`` pairs of segments of any length (a
     segment: the difference of a prefix and a larger one); stops counting past the limit."""
-    counts = []
+    counts: list[int] = []
     for side in sides:
         table = prefixes(side)
+        assert table is not None, "no limit: every prefix"
         budget = limit // max(counts[0], 1) if counts else limit
         count = 0
         for k, prefix in enumerate(table):
@@ -143,7 +160,7 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
     rules = rules_of(strands, forward, backward)
     sides = (strand_within(forward, moving, max_prefixes), strand_within(backward, moving, max_prefixes))
     refined = max_segment == AUTO
-    if max_segment == AUTO:
+    if isinstance(max_segment, str):  # AUTO
         max_segment = None if segment_pairs_within(sides, exact_pairs) else DEFAULT_MAX_SEGMENT
     tables = (_Table(sides[0], max_segment), _Table(sides[1], max_segment))
     matrix = _PairMatrix(tables, cost, rules)
@@ -256,14 +273,16 @@ class _StepPrice:
     def _segment(self, side: int, mask: int):
         found = self._segment_bounds.get((side, mask))
         if found is None:
-            found = self._segment_bounds[side, mask] = self.cost.segment_bound(self.ops(side, mask))
+            bounded = cast(BoundedCost, self.cost)  # only called where has_bounds held
+            found = self._segment_bounds[side, mask] = bounded.segment_bound(self.ops(side, mask))
         return found
 
 
-def has_bounds(cost: SegmentCost, forward: LayerDag) -> bool:
+def has_bounds(cost: SegmentCost, forward: LayerDag) -> TypeGuard[BoundedCost]:
     """Whether ``cost`` bounds its steps from below (PairCost does, but not under a measured
     profile: a measured time obeys no model bound)."""
-    return getattr(cost, "segment_bound", None) is not None and cost.segment_bound(tuple(forward.ops[:1])) is not None
+    bound = getattr(cost, "segment_bound", None)
+    return bound is not None and bound(tuple(forward.ops[:1])) is not None
 
 
 def plan_program(program: Program, cost: SegmentCost, **bounds) -> Plan:
@@ -276,12 +295,12 @@ def plan_program(program: Program, cost: SegmentCost, **bounds) -> Plan:
     return plan_layers(program.forward, program.backward, program.strands, cost, **bounds)
 
 
-def fixed_chain_table(sides: tuple[Strand, Strand], cost: SegmentCost, rules: PairingRules) -> list[list[float]]:
+def fixed_chain_table(sides: tuple[Strand, Strand], cost: BoundedCost, rules: PairingRules) -> list[list[float]]:
     """:func:`~dhelix.dsl.planner.restbound.fixed_chain_rest` for the two strands."""
     fixed = [[op for op, rank in zip(side.ops, side.fixed_rank, strict=True) if rank >= 0] for side in sides]
-    moving = tuple([op for op, rank in zip(side.ops, side.fixed_rank, strict=True) if rank < 0] for side in sides)
+    moving = [[op for op, rank in zip(side.ops, side.fixed_rank, strict=True) if rank < 0] for side in sides]
     axis_bits: dict[str, int] = {}
-    return fixed_chain_rest(fixed[0], fixed[1], moving, cost.segment_bound,
+    return fixed_chain_rest(fixed[0], fixed[1], (moving[0], moving[1]), cost.segment_bound,
                             lambda ops: traits_of(ops, rules, axis_bits),
                             lambda a, b: a.allows(b, rules.comm_with_comm))
 
@@ -334,8 +353,9 @@ class _PairMatrix:
                 if self.shapes is None:
                     value = self.cost.pair(self.tables[0].ops[f], self.tables[1].ops[b])
                 else:
-                    value = self.cost.pair_of_shapes(self.tables[0].ops[f], self.tables[1].ops[b], self.shapes[0][f],
-                                                     self.shapes[1][b])
+                    shaped = cast(BoundedCost, self.cost)  # shapes: the cost numbers them
+                    value = shaped.pair_of_shapes(self.tables[0].ops[f], self.tables[1].ops[b], self.shapes[0][f],
+                                                  self.shapes[1][b])
             else:
                 value = INF
             row[b] = value
@@ -395,7 +415,8 @@ class _PairMatrix:
         the table by fixed ops done, and per prefix of each strand its count of fixed ops."""
         if self.bounds is None:
             return None
-        rest = fixed_chain_table((self.tables[0].strand, self.tables[1].strand), self.cost, self.rules)
+        rest = fixed_chain_table((self.tables[0].strand, self.tables[1].strand), cast(BoundedCost, self.cost),
+                                 self.rules)  # (bounds: the cost has them)
         counts = []
         for table in self.tables:
             mask = sum(1 << i for i, rank in enumerate(table.strand.fixed_rank) if rank >= 0)
@@ -411,7 +432,8 @@ class _PairMatrix:
             return None
         table = self.tables[side]
         ops = table.strand.ops
-        bounds = [self.cost.segment_bound((op,)) for op in ops]
+        bounded = cast(BoundedCost, self.cost)  # with self.bounds the cost bounds every segment
+        bounds = [cast(SegmentBound, bounded.segment_bound((op,))) for op in ops]
         total = [sum(b.lanes[lane] for b in bounds) for lane in range(3)]
         readers: list[list[int]] = [[] for _ in ops]
         index = {op.name: i for i, op in enumerate(ops)}
@@ -469,7 +491,8 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
         for k, bwd_steps in enumerate(bwd_succ):
             here = i * width + k
             start = best[here]
-            if start == INF or (rem_f is not None and start + _rest(rem_f[i], rem_b[k]) * _SAFE > limit):
+            if start == INF or (rem_f is not None and rem_b is not None
+                                and start + _rest(rem_f[i], rem_b[k]) * _SAFE > limit):
                 continue
             if chain is not None and start + chain[fixed_f[i]][fixed_b[k]] * _SAFE > limit:
                 continue
@@ -484,7 +507,7 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
                         low = lower(f, b)
                     if start + low >= target:
                         continue
-                    if rest_f is not None:
+                    if rest_f is not None and rem_b is not None:
                         rest_b = rem_b[l]
                         rest = max(rest_f[0] + rest_b[0], rest_f[1] + rest_b[1], rest_f[2] + rest_b[2], rest_f[3],
                                    rest_b[3])
@@ -497,8 +520,8 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
                         best[base + l] = value
                         back[base + l] = (here, f, b)
     steps, state = [], len(best) - 1
-    while back[state] is not None:
-        state, f, b = back[state]
+    while (step := back[state]) is not None:
+        state, f, b = step
         steps.append((f, b, matrix.cell(f, b)))
     return steps[::-1], best[-1]
 
@@ -515,7 +538,8 @@ def pair_sequences(fwd_ops: Sequence[Op], bwd_ops: Sequence[Op], cost: SegmentCo
     (forward slice, backward slice, time), either slice possibly empty."""
     n, m = len(fwd_ops), len(bwd_ops)
     limit = max_segment or max(n, m, 1)
-    best = {(0, 0): (0.0, None)}
+    best: dict[tuple[int, int], tuple[float, tuple[int, int, tuple[Op, ...], tuple[Op, ...], float] | None]] = {
+        (0, 0): (0.0, None)}
     for a in range(n + 1):
         for b in range(m + 1):
             for a0 in range(max(0, a - limit), a + 1):
@@ -528,8 +552,8 @@ def pair_sequences(fwd_ops: Sequence[Op], bwd_ops: Sequence[Op], cost: SegmentCo
                     if value < best.get((a, b), (INF, None))[0]:
                         best[a, b] = (value, (a0, b0, fseg, bseg, time))
     steps, state = [], (n, m)
-    while best[state][1] is not None:
-        a0, b0, fseg, bseg, time = best[state][1]
+    while (came := best[state][1]) is not None:
+        a0, b0, fseg, bseg, time = came
         steps.append((fseg, bseg, time))
         state = (a0, b0)
     return best[n, m][0], steps[::-1]
@@ -550,7 +574,8 @@ def _one_after_the_other(sides: tuple[Strand, Strand], cost: SegmentCost) -> tup
         ops = tuple(strand.ops[i] for i in canonical(strand, (1 << len(strand.ops)) - 1))
         if ops:
             names, time = tuple(op.name for op in ops), _solo(cost, ops)
-            pairs.append(SegmentPair(*((names, ()) if side == 0 else ((), names)), time, time))
+            forward, backward = (names, ()) if side == 0 else ((), names)
+            pairs.append(SegmentPair(forward, backward, time, time))
     return tuple(pairs)
 
 

@@ -52,7 +52,7 @@ def restriction(fwd_ops: Sequence[Op], bwd_ops: Sequence[Op], rules: PairingRule
     if not fwd_ops or not bwd_ops:
         return None
     for op in [*fwd_ops, *bwd_ops]:
-        if op.kind == "comm" and base_axis(op.axis) not in rules.overlap:
+        if op.kind == "comm" and base_axis(str(op.axis)) not in rules.overlap:
             return f"{op.name} communicates over {op.axis}, which `overlap` does not list"
     fwd_comm = {op.axis: op.name for op in fwd_ops if op.kind == "comm"}
     for op in bwd_ops:
@@ -92,4 +92,4 @@ def traits_of(ops: Sequence[Op], rules: PairingRules, axis_bits: dict[str, int])
         axes |= axis_bits.setdefault(str(op.axis), 1 << len(axis_bits))
     first = sum(1 << r for r, (a, _) in enumerate(rules.forbid) if names & a)
     second = sum(1 << r for r, (_, b) in enumerate(rules.forbid) if names & b)
-    return Traits(any(base_axis(op.axis) not in rules.overlap for op in comm), bool(comm), axes, first, second)
+    return Traits(any(base_axis(str(op.axis)) not in rules.overlap for op in comm), bool(comm), axes, first, second)

@@ -208,7 +208,7 @@ def _moved(steps: list[Step], side: int, i: int, source: int, target: int) -> tu
     for k, change in ((source, lambda m: m & ~(1 << i)), (target, lambda m: m | 1 << i)):
         step = list(steps[k])
         step[side] = change(step[side])
-        out.append(tuple(step))
+        out.append((step[0], step[1]))
     return out[0], out[1]
 
 

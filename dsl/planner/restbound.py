@@ -29,7 +29,7 @@ any completion of a real state with a and c fixed ops done.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 
@@ -47,7 +47,7 @@ class _Chain:
     def __init__(self, ops: Sequence[Op], moving: Sequence[Op], bound_of: Callable, traits_of: Callable):
         n = len(ops)
         extra = bound_of(tuple(moving)).kinds if moving else None
-        self.bound = [[None] * (n + 1) for _ in range(n + 1)]
+        self.bound: list[list[Any]] = [[None] * (n + 1) for _ in range(n + 1)]  # SegmentBound above the diagonal
         self.plain = [[0.0] * (n + 1) for _ in range(n + 1)]
         self.solo = [[0.0] * (n + 1) for _ in range(n + 1)]
         self.traits = [[None] * (n + 1) for _ in range(n + 1)]

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import attrs
 
+from dhelix.dsl.frontend.profiles import LaunchGap
+
 if TYPE_CHECKING:
     from dhelix.dsl.planner.paircost import PairCost
 
@@ -51,7 +53,7 @@ class SegmentBound:
     lanes: tuple[float, ...]
     path: float
     comm: float
-    launch_gap: object  # the profile's LaunchGap
+    launch_gap: LaunchGap  # the profile's
     kinds: tuple[frozenset, ...] = (frozenset(), frozenset(), frozenset())
     overlap: "OverlapBound | None" = attrs.field(default=None, eq=False)
 

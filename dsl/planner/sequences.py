@@ -176,6 +176,7 @@ def strand_within(dag: LayerDag, moving: frozenset[str], max_prefixes: int = DEF
 def count_orders(strand: Strand) -> int:
     """The number of legal orders (linear extensions under the window), counted on prefixes."""
     table = prefixes(strand)
+    assert table is not None, "no limit: every prefix"
     ways = {strand.full: 1}
     for prefix in reversed(table):
         if prefix != strand.full:
@@ -196,7 +197,7 @@ class Orders:
 def legal_orders(strand: Strand, cap: int = DEFAULT_ORDER_CAP) -> Orders:
     """The legal orders of ``strand``, lexicographic in the given order's indices (so the
     given order comes first), at most ``cap`` of them (the first ``cap``; ``truncated`` then)."""
-    found = []
+    found: list[tuple[str, ...]] = []
     for order in _extensions(strand, 0, []):
         if len(found) == cap:
             return Orders(tuple(found), count_orders(strand), True)

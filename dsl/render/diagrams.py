@@ -26,11 +26,14 @@ def diagram_source(program: Program, what: str, overridden: str = "", plan: Plan
     ``overridden`` names the command-line overrides, shown in the placement's title; ``plan``
     is the SI plan the ladder draws (planned here when None)."""
     if what == "pipeline":
+        assert program.lowered is not None, "run through lower"
         fold = program.placement.kind
         return pipeline_dot(program.lowered, pipeline_title(program.lowered, fold))
     if what == "placement":
+        assert program.model is not None, "a model file"
         name = program.model.name + (f" ({overridden})" if overridden else "")
-        return placement_dot(program.placement, name, program.model.get("layers"))
+        return placement_dot(program.placement, name, program.model.setting("layers"))
     if what == "pairing":
         return ladder_dot(plan or schedule_plan(program))
+    assert program.forward is not None and program.backward is not None, "run through autodiff"
     return dag_dot(program.forward, program.backward)

@@ -81,7 +81,7 @@ def _rank_band(rank: int, events, top: float, scale: float) -> str:
     out = [f'<text x="4" y="{top + 13}" font-weight="bold">pipeline rank {rank}</text>',
            f'<text x="70" y="{top + ROW + STRIP + 10}" fill="#606060">local</text>',
            f'<text x="70" y="{top + ROW + STRIP + 10 + 2 * SUB}" fill="#606060">cross</text>']
-    for name, y in (("local layer", rows["local layer"]), ("cross layer", rows["cross layer"])):
+    for y in (rows["local layer"], rows["cross layer"]):
         out.append(f'<rect x="{LEFT}" y="{y}" width="{WIDTH - LEFT - 10}" height="{2 * SUB}" fill="#fafafa"/>')
     for event in events:
         x, w = LEFT + event.start * scale, max(event.duration * scale, 0.5)

@@ -72,7 +72,9 @@ def torch_actions(lowered: Lowered, *, with_comms: bool) -> tuple[tuple[str, ...
 
 
 def _stage(lowered: Lowered, rank: int, chunk: int) -> int:
-    return lowered.stage_of(rank, chunk)
+    stage = lowered.stage_of(rank, chunk)
+    assert stage is not None, "a validated schedule runs on its placement"
+    return stage
 
 
 def _compute(lowered: Lowered, rank: int, part: Compute) -> str:
@@ -107,7 +109,8 @@ def _reduce_grads(lowered: Lowered, rank: int, action, counts: dict[int, int]) -
 def check_p2p_order(lowered: Lowered) -> None:
     """Raise ScheduleError unless, for every pair of ranks, the receiving rank posts its
     receives in the order the sending rank sends (torch pairs untagged P2P messages in order)."""
-    sends, receives = defaultdict(list), defaultdict(list)
+    sends: defaultdict[tuple, list] = defaultdict(list)
+    receives: defaultdict[tuple, list] = defaultdict(list)
     places = {}
     for rank, row in enumerate(lowered.actions):
         for step, action in enumerate(row):

@@ -62,7 +62,9 @@ def layout_bound(program: Program, cost: PairCost, costs: StepCosts | None = Non
     already computed."""
     costs = costs or step_costs(program, None, cost)
     train, mesh = program.train, program.mesh
-    layers, m, pp = program.model.get("layers"), train.microbatches, mesh.size("pp")
+    assert program.model is not None and mesh is not None and train is not None and program.forward is not None \
+        and program.backward is not None, "a checked model"
+    layers, m, pp = program.model.setting("layers"), train.microbatches, mesh.size("pp")
     layer = max(cost.lane_work(program.forward.ops + program.backward.ops)) + costs.layer.again.seconds
     heads = costs.heads
     ends = sum(w.seconds for w in (heads.embed_forward, heads.embed_backward, heads.head_forward,
@@ -82,18 +84,21 @@ def _reductions(program: Program, costs: StepCosts) -> float:
     """Seconds of the average pipeline rank's layer gradient reductions (every layer's once a
     step, under ZeRO-2 once per micro-batch), which run one after another before its
     optimizer whatever the schedule (:meth:`~dhelix.dsl.simulator.events._Run.floor`)."""
+    assert program.model is not None and program.mesh is not None and program.train is not None, "a checked model"
     train, params = program.train, costs.params
     seconds = sum(sync[3] for sync in gradient_syncs(costs, program.profile, 0, params.layer_dense,
                                                      params.layer_expert, zero1=train.zero >= 1,
                                                      fsdp=is_fsdp(program),
                                                      replicas_sliced=replicas_substituted(program)))
     per_step = train.microbatches if train.zero == 2 else 1
-    return program.model.get("layers") * per_step * seconds / program.mesh.size("pp")
+    return program.model.setting("layers") * per_step * seconds / program.mesh.size("pp")
 
 
 def _kept(program: Program) -> float:
     """Bytes one layer keeps for one micro-batch from its forward to its backward (after
     recomputation's drops), as the simulator counts them."""
+    assert program.model is not None and program.mesh is not None and program.train is not None, "a checked model"
+    assert program.forward is not None and program.backward is not None, "a checked model"
     forward, backward, dtype = program.forward, program.backward, program.model.dtype
     acts = layer_activations(forward, backward, dtype, split=False)
     recompute = program.train.recompute
@@ -106,14 +111,16 @@ def _kept(program: Program) -> float:
 
 def _held(program: Program, costs: StepCosts) -> tuple[float, float]:
     """(dense, expert) parameters the average pipeline rank holds."""
+    assert program.model is not None and program.mesh is not None and program.train is not None, "a checked model"
     params, pp = costs.params, program.mesh.size("pp")
-    layers = program.model.get("layers")
+    layers = program.model.setting("layers")
     return (layers * params.layer_dense + params.embedding + params.head) / pp, layers * params.layer_expert / pp
 
 
 def _optimizer(program: Program, costs: StepCosts) -> float:
     """Seconds of the average rank's optimizer step, which runs after its last action."""
     dense, expert = _held(program, costs)
+    assert program.train is not None, "a checked model"
     if program.train.zero >= 1:
         dense, expert = dense / costs.dense_group.size, expert / costs.expert_group.size
     return optimizer_time(dense + expert, costs.dtype, program.profile)
@@ -121,8 +128,9 @@ def _optimizer(program: Program, costs: StepCosts) -> float:
 
 def _states(program: Program, costs: StepCosts) -> float:
     """Model-state bytes of the average pipeline rank (a lower bound of the busiest one's)."""
+    assert program.model is not None and program.mesh is not None and program.train is not None, "a checked model"
     params, pp = costs.params, program.mesh.size("pp")
-    layers = program.model.get("layers")
+    layers = program.model.setting("layers")
     dense, expert = _held(program, costs)
     train = program.train
     fsdp = train.zero == 3
@@ -153,6 +161,7 @@ def relaxed_costs(program: Program, cost: PairCost, layers: bool = False, costs:
     def bound(cost: PairCost, ops) -> Work:
         return pass_bound(cost, ops, chains)
     layer = layer_costs(program, cost, None, work=bound) if layers else costs.layer
+    assert program.forward is not None, "a checked model"
     forward, backward = program.forward.ops, si_backward(program).ops
     pair = max(cost.lane_work(forward + backward))
     fwd, bwd = _lanes_bound(cost, forward), _lanes_bound(cost, backward)

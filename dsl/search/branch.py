@@ -16,6 +16,7 @@ one, so the top is the same.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -143,7 +144,8 @@ class Runner(Protocol):
     :class:`~dhelix.dsl.search.workers.Across` in other processes), made with the pricer,
     the cutoff (a callable) and where each result goes."""
 
-    in_flight: int
+    @property
+    def in_flight(self) -> int: ...
 
     def free(self) -> bool: ...
 
@@ -272,7 +274,7 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout, floa
                 work.settle(picked[1])
         elif following < len(bounded) and work.free():
             alone = bounded[following][2]
-            work.visit(bounded[following][1], space.schedules, lambda choice: skip(choice, alone))
+            work.visit(bounded[following][1], space.schedules, functools.partial(skip, alone=alone))
             following += 1
         elif work.in_flight:
             block = True  # nothing to hand in: wait for a result

@@ -66,6 +66,7 @@ def generated_partition(program: Program) -> s.PartitionDef | None:
     before any partition), or None when no statement applies (no collective over an axis of
     size above 1)."""
     fwd, mesh = program.forward, program.mesh
+    assert fwd is not None and mesh is not None and program.train is not None, "a checked model"
     substituted = [op.name for op in fwd.ops if op.op == "all_reduce" and op.group_size > 1]
     body: list[s.XStmt] = [s.Substitute(name, (AUTO,)) for name in substituted]
     claimed: dict = {}
@@ -78,10 +79,10 @@ def generated_partition(program: Program) -> s.PartitionDef | None:
                and op.name not in substituted and op.op in ("all_gather", "reduce_scatter", "all_reduce")]
     for op in grouped:
         if mesh.levels:  # over declared levels: the default order's first level
-            stages = stages_of(op.name, op.axis, mesh, None)
+            stages = stages_of(op.name, str(op.axis), mesh, None)
             if isinstance(stages, tuple):
                 body.append(s.Group((op.name,), default_order(op.op, stages)[0]))
-        elif unsplittable(op.name, op.axis, mesh, None) is None:
+        elif unsplittable(op.name, str(op.axis), mesh, None) is None:
             body.append(s.Group((op.name,), fewest_cross_bytes(op.op)))
     if program.train.zero == 3 and unsplittable(WEIGHTS, shard_axis(program), mesh, None) is None:
         body.append(s.Group((WEIGHTS,), None))

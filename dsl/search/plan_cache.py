@@ -35,6 +35,7 @@ class PlanCache:
         """The plan :func:`~dhelix.dsl.simulator.events.schedule_plan` would compute."""
         key = self._key(program)
         if key not in self._plans:
+            assert program.forward is not None, "a checked model"
             self._plans[key] = plan_layers(program.forward, key[1], program.strands, self.cost)
         return self._plans[key]
 

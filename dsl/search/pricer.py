@@ -8,12 +8,15 @@ costs, SI plans) is computed once."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, DhelixError, first_message
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import Program
+from dhelix.dsl.core.schedule import Lowered
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.planner.chunking import ChunkChoice, choose_all
@@ -94,6 +97,7 @@ class Pricer:
     def __init__(self, modules: list[s.Module], base: Program, world: int):
         self.modules, self.world = modules, world
         self.pipelines = {p.name: p for p in base.pipelines}
+        assert base.cluster is not None and base.model is not None, "a checked model"
         self.gpus_per_node = base.cluster.gpus_per_node
         # A profile's measured op times belong to one mesh and shape (dsl.frontend.profilecheck):
         # every variant is priced by its derived rates alone, so all are priced alike.
@@ -103,7 +107,7 @@ class Pricer:
         self.memory_gb = base.profile.memory_gb
         self._bounds: dict[tuple, Bound | str] = {}
         self._dags: dict[Layout, Program] = {}
-        self._lowered: dict[tuple, tuple | DhelixError] = {}
+        self._lowered: dict[tuple, tuple[Any, Lowered] | DhelixError] = {}
         self._partitions: dict[Layout, s.PartitionDef | None] = {}
         self._partition_refusals: dict[tuple, DhelixError] = {}  # by (layout key, fold, pipeline)
         self._layer_choices: dict[tuple, tuple[dict, tuple]] = {}
@@ -178,6 +182,7 @@ class Pricer:
         found = self._last[1]
         if isinstance(found, DhelixError):
             raise found
+        assert found is not None and found.train is not None, "the twin was checked just now"
         return attrs.evolve(found, train=attrs.evolve(found.train, si="off"))
 
     def _validated(self, program: Program, choice: Choice) -> Program:
@@ -188,15 +193,18 @@ class Pricer:
         placement, lowered = self.lowered(program)
         return attrs.evolve(program, placement=placement, lowered=lowered)
 
-    def lowered(self, program: Program) -> tuple[object, object]:
+    def lowered(self, program: Program) -> tuple[Any, Lowered]:
         """(placement, validated lowered schedule) of ``program`` (checked up to strands):
         they depend on the fold, the pipeline, its sizes (p, m, g) and the layer count
         only, so each is lowered and validated once; a refusal is kept and raised again."""
+        assert program.fold is not None and program.pipeline is not None and program.mesh is not None \
+            and program.train is not None and program.model is not None, "a checked model"
         key = (program.fold.text, program.pipeline.name, program.mesh.size("pp"), program.train.microbatches,
-               passes.launch_of(program), program.model.get("layers"))
+               passes.launch_of(program), program.model.setting("layers"))
         if key not in self._lowered:
             try:
                 done = passes.rerun(program, after="strands")
+                assert done.lowered is not None, "the lower pass ran"
                 self._lowered[key] = (done.placement, done.lowered)
             except DhelixError as exc:
                 self._lowered[key] = exc
@@ -205,8 +213,9 @@ class Pricer:
             raise found
         return found
 
-    def layer_dags(self, layout: Layout, schedule: tuple[str, str, str]) -> Program:
-        """The program of ``layout`` (with ``schedule``) up to its layer DAGs, once per layout."""
+    def layer_dags(self, layout: Layout, schedule: tuple[str, ...]) -> Program:
+        """The program of ``layout`` (with ``schedule``: fold, pipeline and, if not on, si)
+        up to its layer DAGs, once per layout."""
         if layout not in self._dags:
             self._dags[layout] = self.checked(Choice(layout, *schedule), stop="autodiff")
         return self._dags[layout]
@@ -324,6 +333,7 @@ class Pricer:
         self.squeezed = False
         try:
             program = self.checked(choice)
+            assert program.train is not None, "a checked model"
             launch = program.train.launch is not None or program.train.launch_backward is not None
             if program.partition is not None or launch:
                 # Settling chains' counts simulates the step several times (and plans
@@ -403,6 +413,7 @@ class Pricer:
         keeps for its backward (each chunk keeps its piece of what the whole chain keeps; a
         substituted all_reduce's readers keep what they kept). Once per layout, layer DAGs
         and whether the schedule splits W off, as :meth:`relaxed`."""
+        assert program.lowered is not None, "a validated model"
         key = (layout, id(program.forward), id(program.backward), program.lowered.split, "unsettled")
         found = self._costs.get(key)
         if found is None:
@@ -427,6 +438,7 @@ class Pricer:
     def relaxed(self, program: Program, layout: Layout) -> StepCosts:
         """:func:`~dhelix.dsl.search.bound.relaxed_costs` of ``program`` (a checked choice of ``layout``), once per
         layout, layer DAGs and whether the schedule splits W off (what the pairs' bound reads)."""
+        assert program.lowered is not None, "a validated model"
         key = (layout, id(program.forward), id(program.backward), program.lowered.split, "relaxed")
         found = self._costs.get(key)
         if found is None:

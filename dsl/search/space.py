@@ -185,6 +185,8 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
             raise UsageError(f"unknown setting '{name}' to keep" + (f" ({notes[0]})" if notes else "")
                              + f"; settings: {', '.join(KEEPABLE)}")
     mesh, train, model = program.mesh, program.train, program.model
+    assert mesh is not None and train is not None and model is not None and program.cluster is not None, \
+        "a checked model"
     world = world or mesh.world
     kept = _kept(program, keep)
     sequences = mesh.size("dp") * train.micro_batch * train.microbatches
@@ -193,7 +195,7 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         return (kept[name],) if name in kept else tuple(values)
 
     experts = model.get("experts")
-    layers = model.get("layers")
+    layers = model.setting("layers")
     return Space(
         world=world, sequences=sequences,
         tp=domain("tp", (d for d in divisors(world) if d <= MAX_TP_NODES * program.cluster.gpus_per_node)),
@@ -211,8 +213,10 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
 def _kept(program: Program, keep: tuple[str, ...]) -> dict:
     """The written value of each kept setting (``mesh`` stands for every mesh axis)."""
     mesh, train = program.mesh, program.train
+    assert mesh is not None and train is not None and program.fold is not None and program.pipeline is not None, \
+        "a checked model"
     names = set(keep) | (set(MESH_AXES) if "mesh" in keep else set())
-    written = {axis: mesh.size(axis) for axis in MESH_AXES}
+    written: dict[str, int | str] = {axis: mesh.size(axis) for axis in MESH_AXES}
     written.update(micro_batch=train.micro_batch, zero=train.zero, recompute=train.recompute,
                    shard=train.shard or 0, fold=program.fold.text, pipeline=program.pipeline.name,
                    partition="written", param_gather=train.param_gather, si=train.si or SI_SETTINGS[0])

@@ -30,6 +30,10 @@ _TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "shard", "para
 _DEFAULTS = {**{key: option(key).default for key in _TRAIN_SET if option(key).default is not None}, "shard": 0}
 
 
+#: A config block's settings (a cluster block's may hold its levels block).
+_Settings = tuple[s.Setting | s.Levels, ...]
+
+
 def require_main_blocks(modules: list[s.Module], path: str) -> None:
     """UsageError unless the main file (the last module) writes the mesh, train, pipeline
     and cluster statements that a choice rewrites."""
@@ -52,7 +56,8 @@ def apply_choice(modules: list[s.Module], choice: Choice, pipelines: dict[str, s
     choice's partition is ``auto``, ``partition`` in place of the main file's partition block
     (at the end when it has none)."""
     main = modules[-1]
-    items, has_fold = [], False
+    items: list[s.Item] = []
+    has_fold = False
     generated = choice.layout.partition == "auto"
     reads = {name for name in ("g", "gb") if reads_name(pipelines[choice.pipeline], name)}
     for item in main.items:
@@ -94,19 +99,20 @@ def variant_text(modules: list[s.Module], source: str, header: str) -> str:
     return "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines()) + "\n" + body
 
 
-def _value(value) -> s.Node:
+def _value(value) -> s.Expr | s.Str:
     """A setting's value node: a node as it is, a name for a string, else a number."""
-    if isinstance(value, s.Node):
+    if isinstance(value, (s.Int, s.Name, s.BinOp, s.Neg, s.Call, s.Str)):
         return value
     return s.Name(value) if isinstance(value, str) else s.Int(value)
 
 
-def _replace(settings: tuple[s.Setting, ...], values: dict) -> tuple[s.Setting, ...]:
+def _replace(settings: _Settings, values: dict) -> _Settings:
     """``settings`` with the keys of ``values`` set (in place where written, else appended;
     a None value removes the setting)."""
-    out, done = [], set()
+    out: list[s.Setting | s.Levels] = []
+    done = set()
     for setting in settings:
-        if setting.key in values:
+        if isinstance(setting, s.Setting) and setting.key in values:
             done.add(setting.key)
             if values[setting.key] is None:
                 continue
@@ -116,7 +122,7 @@ def _replace(settings: tuple[s.Setting, ...], values: dict) -> tuple[s.Setting, 
     return tuple(out)
 
 
-def _mesh_settings(settings: tuple[s.Setting, ...], choice: Choice) -> tuple[s.Setting, ...]:
+def _mesh_settings(settings: _Settings, choice: Choice) -> _Settings:
     """The mesh block of ``choice``: the axes the file writes keep their place; an axis of
     size 1 it does not write stays out."""
     written = {setting.key for setting in settings}
@@ -127,10 +133,11 @@ def _mesh_settings(settings: tuple[s.Setting, ...], choice: Choice) -> tuple[s.S
     return _replace(settings, {axis: values[axis] for axis in MESH_AXES})
 
 
-def _train_settings(settings: tuple[s.Setting, ...], choice: Choice, reads: set[str]) -> tuple[s.Setting, ...]:
+def _train_settings(settings: _Settings, choice: Choice, reads: set[str]) -> _Settings:
     """The train block of ``choice`` (``si = off`` written for a choice with SI off): a
-    setting at its default that the file does not write stays out; ``launch`` (``launch_backward``) goes when the pipeline does not read ``g``
-    (``gb``), the names in ``reads``."""
+    setting at its default that the file does not write stays out; ``launch``
+    (``launch_backward``) goes when the pipeline does not read ``g`` (``gb``), the names in
+    ``reads``."""
     written = {setting.key for setting in settings}
     layout = {**attrs.asdict(choice.layout), "si": choice.si}
     values = {key: None if layout[key] == _DEFAULTS.get(key) and key not in written else layout[key]
@@ -172,7 +179,8 @@ def relocate(modules: list[s.Module], source: str, output: str) -> list[s.Module
             key = "data" if item.kind == "train" else "profile"
             item = attrs.evolve(item, settings=tuple(
                 attrs.evolve(st, value=s.Str(moved(st.value.value)))
-                if st.key == key and isinstance(st.value, s.Str) and _is_path(st.value.value, key) else st
+                if isinstance(st, s.Setting) and st.key == key and isinstance(st.value, s.Str)
+                and _is_path(st.value.value, key) else st
                 for st in item.settings))
         items.append(item)
     return modules[:-1] + [attrs.evolve(modules[-1], items=tuple(items))]

@@ -27,6 +27,7 @@ import signal
 import sys
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
+from typing import Any
 
 import attrs
 
@@ -59,7 +60,7 @@ class _Work:
     pricer: Pricer
     space: Space
     bounding_ends: float | None
-    shared_cutoff: object
+    shared_cutoff: Any  # a multiprocessing Value: its ``value`` is the cutoff
 
 
 #: The search a search process serves (set by :func:`_start` in the process).
@@ -186,12 +187,13 @@ class Across:
 def _bound_slice(layouts: list[Layout]) -> tuple[list, int]:
     """(layout, bound or why refused) of ``layouts`` until the bounds' deadline, and how many
     were left unbounded."""
-    return bounds(_WORK.pricer, _WORK.space, layouts, _WORK.bounding_ends)
+    work = _work()
+    return bounds(work.pricer, work.space, layouts, work.bounding_ends)
 
 
 def _cutoff() -> float | None:
     """The K-th best step the searching process knows (None: fewer known)."""
-    value = _WORK.shared_cutoff.value
+    value = _work().shared_cutoff.value
     return None if value == math.inf else value
 
 
@@ -216,10 +218,17 @@ def _tighten(choice: Choice, plans: list) -> tuple[list, list]:
 def _with_plans(plans: list, task) -> tuple[list, list]:
     """``task(pricer)``'s results with ``plans`` (of the task's family, computed elsewhere)
     known first, and the plans it computed."""
-    cache = _WORK.pricer.plans
+    pricer = _work().pricer
+    cache = pricer.plans
     cache.merge(plans)
     known = len(cache)
-    return task(_WORK.pricer), cache.since(known)
+    return task(pricer), cache.since(known)
+
+
+def _work() -> _Work:
+    """The search this process serves (set when it started)."""
+    assert _WORK is not None, "a search process, started by _start"
+    return _WORK
 
 
 def _start(work: _Work, parent: int) -> None:

@@ -138,6 +138,7 @@ def input_backward(backward: LayerDag) -> LayerDag:
 def si_backward(program: Program) -> LayerDag:
     """The backward DAG an SI block of ``program`` runs: without its wgrads when the schedule
     splits W off (then W runs them on its own)."""
+    assert program.backward is not None, "a checked model"
     if program.lowered is not None and program.lowered.split:
         return input_backward(program.backward)
     return program.backward
@@ -145,6 +146,7 @@ def si_backward(program: Program) -> LayerDag:
 
 def cost_of(program: Program) -> PairCost:
     """The PairCost of a checked program with a profile (the caller checks that it has one)."""
+    assert program.model is not None, "a checked model"
     return PairCost(program.profile, program.model.dtype, seq=program.model.get("seq"))
 
 
@@ -170,6 +172,7 @@ def layer_costs(program: Program, cost: PairCost, plan: Plan | None, work=None) 
     ops)`` prices a run of ops (default :func:`solo_work`; a search passes a lower bound)."""
     work = work or solo_work
     forward, backward = program.forward, program.backward
+    assert forward is not None and backward is not None, "a checked model"
     fwd = work(cost, forward.ops)
     # Full recomputation runs the layer's forward again, alone, before its backward (in an SI
     # pair too: the backward strand's first op needs what it rebuilds).
@@ -190,6 +193,7 @@ def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None
     blocks (None when it has none, or to run them one after the other)."""
     cost = cost or cost_of(program)
     mesh, model = program.mesh, program.model
+    assert mesh is not None and model is not None and program.forward is not None, "a checked model"
     dtype = model.dtype
     p2p_bytes = float(math.prod(program.forward.input_shape) * dtype_bytes(tensor_dtype(dtype, gemm=False)))
     pp_lane = mesh.lane("pp") if mesh.size("pp") > 1 else "local"
@@ -207,6 +211,7 @@ def layer_params(program: Program) -> Params:
     """Parameters per GPU: each layer's dense and expert (grouped GEMM) weights from the
     forward DAG's ``weight`` shapes, the embedding and the LM head (``V·h/tp`` each, untied)
     and the final norm (``h``)."""
+    assert program.forward is not None and program.model is not None and program.mesh is not None, "a checked model"
     dense, expert = program.forward.weight_elements()
     vocab, hidden = program.model.get("vocab") or 0, program.model.get("hidden") or 0
     shard = vocab * hidden // program.mesh.size("tp")
@@ -238,13 +243,14 @@ def head_costs(program: Program) -> HeadCosts:
     """Embedding and LM-head Works of one micro-batch (see the module docstring); nothing
     when the model has no vocab."""
     model, mesh, profile = program.model, program.mesh, program.profile
+    assert model is not None and mesh is not None and program.forward is not None, "a checked model"
     vocab, hidden = model.get("vocab"), model.get("hidden")
     if not vocab or not hidden:
         return HeadCosts()
     tp, dtype = mesh.size("tp"), model.dtype
     tp_lane = mesh.lane("tp") if tp > 1 else "local"
     tokens = program.forward.input_shape[0] * tp  # micro_batch · seq / cp, gathered over tp
-    local, full, logits = (tokens // tp, hidden), (tokens, hidden), (tokens, vocab / tp)
+    local, full, logits = (tokens // tp, hidden), (tokens, hidden), (tokens, vocab // tp)  # tp divides vocab
     size = dtype_bytes(tensor_dtype(dtype, gemm=False))
     streaming = profile.hbm_gbps * 1e9 * profile.achieved.get("activation", 1.0)
 
@@ -291,11 +297,12 @@ def gradient_syncs(costs: StepCosts, profile, slot, dense: float, expert: float,
     groups (``replicas_sliced``: reduce-scattered there, its updated part all-gathered after
     the optimizer)."""
     kind = "reduce_scatter" if zero1 else "all_reduce"
-    syncs = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
+    syncs: tuple[tuple[float, Group, str], ...] = ((dense, costs.dense_group, kind), (expert, costs.expert_group, kind))
     if fsdp and isinstance(slot, int):
         if costs.replicate_group is None:
             return []
         across = "reduce_scatter" if replicas_sliced else "all_reduce"
+        assert costs.shard_group is not None, "hybrid sharding has both groups"
         syncs = ((dense / costs.shard_group.size, costs.replicate_group, across),)
     out = []
     for elements, group, collective in syncs:

@@ -53,8 +53,8 @@ from dhelix.dsl.simulator.memory import MemoryTimeline, ModelStates, model_state
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import Program
-from dhelix.dsl.core.schedule import Interleaved, Transfer
-from dhelix.dsl.simulator.costs import NOTHING, StepCosts, cost_of, gradient_syncs, step_costs
+from dhelix.dsl.core.schedule import Action, Interleaved, Transfer
+from dhelix.dsl.simulator.costs import NOTHING, Group, StepCosts, cost_of, gradient_syncs, step_costs
 from dhelix.dsl.simulator.lane import Lane
 from dhelix.dsl.simulator.pairtrace import pair_events
 from dhelix.dsl.simulator.pieces import Expander, Piece
@@ -73,7 +73,7 @@ _ORDERS: collections.OrderedDict[int, tuple] = collections.OrderedDict()
 _ORDERS_KEPT = 256
 
 
-def _run_order(lowered) -> list[tuple[int, object, bool, tuple | None]]:
+def _run_order(lowered) -> list[tuple[int, Action, bool, tuple | None]]:
     """(rank, action, whether it is a transfer, its transfer key) of every action of
     ``lowered`` in its dry run's order (:func:`~dhelix.dsl.passes.validate.dry_run`)."""
     found = _ORDERS.get(id(lowered))
@@ -126,6 +126,7 @@ class _Run:
         #: ZeRO-3: the layers' gradients are reduce-scattered inside the layer DAGs (their
         #: cost is in the layer pieces), only the model's ends sync after the pipeline.
         self.fsdp = is_fsdp(program)
+        assert program.lowered is not None, "a validated model"
         self.lowered = program.lowered
         p = self.lowered.ranks
         self.expander = Expander(program, costs, si)
@@ -156,8 +157,8 @@ class _Run:
         if self.overlap_gather:
             for rank in range(self.lowered.ranks):
                 self._book_gathers(rank)
-        for rank, action, transfer, key in _run_order(self.lowered):
-            if transfer:
+        for rank, action, _, key in _run_order(self.lowered):
+            if isinstance(action, Transfer):
                 self._transfer(rank, action, key)
             else:
                 self._compute(rank, action)
@@ -217,7 +218,8 @@ class _Run:
         free = self.free_at[rank]
         start = free
         # A chunk's first forward waits for each layer's weights (param_gather = forward).
-        gates, waited = self.gathered[rank].pop(_forward_chunk(action), {}), 0.0
+        chunk = _forward_chunk(action)
+        gates, waited = (self.gathered[rank].pop(chunk, {}) if chunk is not None else {}), 0.0
         if self.pending[rank]:
             arrived = [self.arrivals[key] for key in self.pending[rank]]
             ready = max(start, max(a for a, _ in arrived))
@@ -299,7 +301,7 @@ class _Run:
         return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,
                        dp_exposed=exposed)
 
-    def _syncs(self, slot, dense: float, expert: float) -> list[tuple[str, float, object, float]]:
+    def _syncs(self, slot, dense: float, expert: float) -> list[tuple[str, float, Group, float]]:
         """(collective, bytes, group, seconds) of each data-parallel sync of the gradients of
         ``slot`` (``dense`` and ``expert`` parameters), in order (:func:`gradient_syncs`)."""
         return gradient_syncs(self.costs, self.program.profile, slot, dense, expert, zero1=self.zero1,
@@ -315,7 +317,7 @@ class _Run:
         return shard_dense + shard_expert, optimizer_time(shard_dense + shard_expert, costs.dtype,
                                                           self.program.profile)
 
-    def _weight_gathers(self, rank: int) -> list[tuple[float, float, object]]:
+    def _weight_gathers(self, rank: int) -> list[tuple[float, float, Group]]:
         """(bytes, seconds, group) of each all-gather of ``rank``'s updated weights after its
         optimizer, in order (ZeRO-1 with param_gather = step; none otherwise)."""
         if not self.zero1 or self.overlap_gather:
@@ -323,7 +325,8 @@ class _Run:
         costs, profile = self.costs, self.program.profile
         dense, expert = self._local_params(rank)
         layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
-        pieces = ((layer_dense / costs.shard_group.size, costs.replicate_group),) if self.replicas_sliced else ()
+        pieces = ((layer_dense / costs.shard_group.size, costs.replicate_group),) \
+            if self.replicas_sliced and costs.shard_group is not None else ()
         gathers = []
         for elements, group in ((dense - layer_dense, costs.dense_group), (expert, costs.expert_group), *pieces):
             if elements and group.size > 1:
@@ -361,7 +364,7 @@ class _Run:
                             expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
                             fsdp_group=costs.shard_group.size if costs.shard_group else 0,
                             grads_sharded=dense - self._end_params(rank, head=False)
-                            if self.program.train.zero == 2 else 0.0)
+                            if self.program.train is not None and self.program.train.zero == 2 else 0.0)
 
     def untimed(self, shared: dict | None = None) -> list[tuple[float, float, float]]:
         """(compute seconds, peak of live activations, seconds of gradient reductions) of
@@ -569,7 +572,7 @@ def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool 
     run = _Run(program, costs, si, zero1, trace=False)
     shared = None if memo is None else memo.setdefault(run.expander.key(), {})
     figures = run.untimed(shared)
-    ranks = range(program.lowered.ranks)
+    ranks = range(run.lowered.ranks)
     return Untimed(tuple(run.states(rank).total + figures[rank][1] for rank in ranks),
                    max(run.floor(rank, figures[rank][0], figures[rank][2]) for rank in ranks))
 
@@ -623,16 +626,16 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     priced_by_plan = si and plan is not None and costs.layer.block is None and costs.layer.pair is not None
     run = _Run(program, costs, si, zero1, trace, detail=plan if detail and priced_by_plan else None)
     run.run()
-    ranks = tuple(run.rank_stats(rank) for rank in range(program.lowered.ranks))
-    model, mesh, train = program.model, program.mesh, program.train
+    ranks = tuple(run.rank_stats(rank) for rank in range(run.lowered.ranks))
+    model, mesh, train, lowered = program.model, program.mesh, program.train, run.lowered
+    assert model is not None and mesh is not None and train is not None, "a validated model"
     sequences = mesh.size("dp") * train.microbatches * train.micro_batch
     counters = tuple(CounterSample(rank, "activations", time, {"GB": live / 1e9})
                      for rank in range(len(ranks)) for time, live in run.memory[rank].samples()) if trace else ()
-    lowered = program.lowered
     return Simulation(
         label=label, program=model.name, pipeline=lowered.name, fold=program.placement.kind,
         shape=(lowered.ranks, lowered.microbatches, lowered.chunks), si=si and has_si(program), zero1=zero1,
-        ranks=ranks, tokens=float(sequences * model.get("seq")),
+        ranks=ranks, tokens=float(sequences * model.setting("seq")),
         flops=megatron_flops_per_iteration(model, sequences), world=mesh.world,
         peak_flops=program.profile.peak_flops(model.dtype), events=tuple(run.events), counters=counters,
         fsdp=run.fsdp, gather_under_forward=run.overlap_gather, shard=mesh.dp_shard if run.fsdp else 0,

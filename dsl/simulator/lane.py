@@ -91,6 +91,7 @@ class Lane:
         sorted: past the first one ending after ``ready``, the scan's start is the previous
         interval's end), skipping the blocks whose largest gap is clearly too short."""
         static, ends, gaps, blocks = self._static, self._static_ends, self._gaps, self._blocks
+        assert static is not None, "called after a sort found the intervals apart"
         n = len(static)
         first = bisect.bisect_right(ends, ready)
         if first == n or static[first][0] >= ready + seconds:
@@ -118,6 +119,6 @@ class Lane:
         self._ends = [end for _, end in busy] if apart else None
         self._static, self._fitted_end = None, float("-inf")
         if apart and busy:
-            self._static, self._static_ends = list(busy), list(self._ends)
+            self._static, self._static_ends = list(busy), [end for _, end in busy]
             self._gaps = [float("-inf")] + [busy[i][0] - busy[i - 1][1] for i in range(1, len(busy))]
             self._blocks = [max(self._gaps[k:k + BLOCK]) for k in range(0, len(busy), BLOCK)]

@@ -19,7 +19,7 @@ every ``g`` fits.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, cast
 
 import attrs
 
@@ -57,7 +57,7 @@ class LaunchChoice:
     def describe(self) -> str:
         """``launch = auto: 4 (2: 1234.567 ms 40.1 GB, 4: …)``."""
         def one(t: LaunchTry) -> str:
-            if t.seconds is None:
+            if t.seconds is None or t.peak is None:  # (priced tries have both)
                 return f"{t.launch}: refused ({t.why})"
             over = self.memory_gb is not None and t.peak / 1e9 > self.memory_gb
             return f"{t.launch}: {t.seconds * 1e3:.3f} ms {t.peak / 1e9:.3g} GB{' (does not fit)' if over else ''}"
@@ -79,7 +79,7 @@ def priced_program(text: str, path: str, profile: str | None = None, gpus_per_no
 def make_choices(program: Program, step: Callable[[Program], float] | None = None,
                  rerun: Callable[[Program], Program] | None = None, layer: Callable | None = None,
                  fits: Callable[[Program], bool] | None = None
-                 ) -> tuple[Program, tuple[ChunkChoice | OrderChoice | LaunchChoice, ...]]:
+                 ) -> tuple[Program, tuple[ChunkChoice | OrderChoice | SubstitutionChoice | LaunchChoice, ...]]:
     """``program`` (checked, any stage from check on) with every choice the tools make before
     they price or run it, in order: the planner's (``layer``, default
     :func:`~dhelix.dsl.planner.chunking.choose_all`), the ``by auto`` counts settled by the
@@ -142,7 +142,7 @@ def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Prog
     tried: dict[int, tuple[int, list]] = {}
     for position, choice in enumerate(choices):
         if isinstance(choice, ChunkChoice) and len(tried) < len(autos):
-            priced = sorted((c for c in choice.candidates if c.seconds is not None), key=lambda c: c.seconds)
+            priced = sorted((c for c in choice.candidates if c.seconds is not None), key=lambda c: cast(float, c.seconds))
             values = [choice.chosen] + [c.value for c in priced if c.value != choice.chosen][:STEP_CANDIDATES - 1]
             if WHOLE not in values and any(c.value == WHOLE for c in priced):
                 values.append(WHOLE)  # Algorithm 1 leaves a collective whole where chunks do not pay
@@ -155,7 +155,8 @@ def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Prog
         changed = False
         for position, (index, values) in tried.items():
             held = counts[index]
-            steps, over = [], []
+            steps: list[tuple[int | str, float]] = []
+            over = []
             for value in [held] + [v for v in values if v != held]:
                 key = tuple(sorted({**counts, index: value}.items()))
                 if key not in stepped:
@@ -164,10 +165,11 @@ def choose_counts_by_step(program: Program, choices: tuple, step: Callable[[Prog
                         stepped[key] = step(counted) if fits(counted) else _OVER
                     except DhelixError:
                         stepped[key] = None
-                if stepped[key] == _OVER:
+                result = stepped[key]
+                if result == _OVER:
                     over.append(value)
-                elif stepped[key] is not None:
-                    steps.append((value, stepped[key]))
+                elif isinstance(result, (int, float)):
+                    steps.append((value, result))
             best = min(steps, key=lambda vt: vt[1])[0] if steps else held
             changed = changed or best != held
             counts[index] = best
@@ -195,22 +197,28 @@ def choose_launch(program: Program, setting: str = "launch") -> tuple[Program, t
         return program, ()
     p, m = program.mesh.size("pp"), train.microbatches
     memory_gb = program.profile.memory_gb
+    assert program.pipeline is not None, "a checked model"
     tries = []
     for g in (k for k in range(max(1, p), m + 1) if m % k == 0):
         try:
-            tried = passes.rerun(attrs.evolve(program, **{setting: g}), after="check")
+            tried = passes.rerun(attrs.evolve(program, **_set(setting, g)), after="check")
             sim = simulate(tried)
         except DhelixError as exc:
             tries.append(LaunchTry(g, None, why=first_message(exc)))
             continue
         tries.append(LaunchTry(g, sim.step_time, sim.peak_rank.memory))
     priced = [t for t in tries if t.seconds is not None]
-    fits = [t for t in priced if memory_gb is None or t.peak / 1e9 <= memory_gb]
+    fits = [t for t in priced if memory_gb is None or (t.peak is not None and t.peak / 1e9 <= memory_gb)]
     pool = fits or priced
     if not pool:
         raise DhelixError(f"{setting} = auto: no micro-batch count fits pipeline {program.pipeline.name}",
                           getattr(train, f"{setting}_span") or train.span, [t.why for t in tries][:1])
     best = min(pool, key=lambda t: (t.seconds, t.launch)).launch
-    return passes.rerun(attrs.evolve(program, **{setting: best}), after="check"), \
+    return passes.rerun(attrs.evolve(program, **_set(setting, best)), after="check"), \
         (LaunchChoice(best, tuple(tries), memory_gb, setting),)
 
+
+def _set(setting: str, value: int) -> dict[str, Any]:
+    """The Program field ``setting`` (``launch`` or ``launch_backward``) set to ``value``, as
+    keyword arguments of :func:`attrs.evolve`."""
+    return {setting: value}

@@ -99,7 +99,8 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
 def largest_gathered(forward: LayerDag) -> int:
     """Elements of the largest dense weight unit of a layer (a weight, or a column block of
     one chunked along its outputs): what one ZeRO-3 gather brings in whole."""
-    units = {op.weight_unit: math.prod(op.unit_weight) for op in forward.ops if op.weight and op.op != "grouped_gemm"}
+    units = {op.weight_unit: math.prod(op.unit_weight or ()) for op in forward.ops
+             if op.weight and op.op != "grouped_gemm"}
     return max(units.values(), default=0)
 
 
@@ -153,6 +154,7 @@ def head_activations(program: Program, split: bool) -> Activations:
     """The LM head's bytes per micro-batch on the last stage: the final norm's input and the
     fp32 softmax go with B; the gathered LM-head input goes with W when ``split``."""
     model = program.model
+    assert model is not None and program.mesh is not None and program.forward is not None, "a checked model"
     vocab, hidden = model.get("vocab"), model.get("hidden")
     if not vocab or not hidden:
         return Activations(0.0)

@@ -36,6 +36,8 @@ class Expander:
 
     def __init__(self, program: Program, costs: StepCosts, si: bool):
         self.costs, self.si = costs, si
+        assert program.lowered is not None and program.forward is not None and program.backward is not None \
+            and program.model is not None, "a validated model"
         self.split = program.lowered.split
         self.stages = program.placement.stages
         self.acts = layer_activations(program.forward, program.backward, program.model.dtype, self.split)
@@ -67,11 +69,13 @@ class Expander:
         hit = self.cache.get(key)
         if hit is None:
             if kind == "SI":
-                hit = self._interleaved(fstage, bstage)
+                assert fstage is not None and bstage is not None, "an SI block runs both stages"
+                made = self._interleaved(fstage, bstage)
             else:
-                hit = {"F": self._forward, "B": self._backward, "W": self._weight}[kind](
-                    fstage if kind == "F" else bstage)
-            self.cache[key] = hit = tuple(p for p in hit if p.work.seconds or p.alloc or p.free or p.grads)
+                stage = fstage if kind == "F" else bstage
+                assert stage is not None, f"{kind} runs on a stage"
+                made = {"F": self._forward, "B": self._backward, "W": self._weight}[kind](stage)
+            self.cache[key] = hit = tuple(p for p in made if p.work.seconds or p.alloc or p.free or p.grads)
         return hit
 
     def _count(self, stage: int) -> int:
@@ -156,6 +160,7 @@ class Expander:
         # up to blockorder.LAG layers off those points: memory and the dp reductions' start
         # are booked at the pairs' points, not the order's.
         nf, nb = self._count(fstage), self._count(bstage)
+        assert self.costs.layer.block is not None, "scheduled SI blocks have their block scheduler"
         block = self.costs.layer.block(nf, nb)
         steps = max(nf, nb, 1)
         share = Work(block.makespan / steps, block.comm / steps, block.comm_exposed / steps)

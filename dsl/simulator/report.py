@@ -35,7 +35,8 @@ def unfolded_1f1b(program: Program) -> Program:
     """
     pipeline = next((p for p in program.pipelines if p.name == BASELINE_PIPELINE), None)
     pipeline = pipeline or stdlib_pipelines()[BASELINE_PIPELINE]
-    changed = attrs.evolve(program, fold=FoldSpec.of("none", span=program.fold.span), pipeline=pipeline)
+    changed = attrs.evolve(program, fold=FoldSpec.of("none", span=program.fold.span if program.fold else None),
+                           pipeline=pipeline)
     # Only the fold and the pipeline change: the layer DAGs and strands stay, and the passes
     # from the fold on run again.
     return passes.rerun(changed, after="strands")
@@ -58,6 +59,7 @@ def without_model_level(program: Program) -> Program:
     """``program`` without Centauri's model-level overlaps that it turns on: ZeRO-1's weight
     gather after the optimizer again (``param_gather = step``) and the pipeline's default
     micro-batches per chunk (no ``launch``); every pass after check run again."""
+    assert program.train is not None, "a checked model"
     train = attrs.evolve(program.train, param_gather="step", launch=None)
     return passes.rerun(attrs.evolve(program, train=train, launch=None), after="check")
 
@@ -83,6 +85,7 @@ def compare(program: Program, plan: Plan | None = None, *, zero1: bool = False,
     sims = [simulate(program, plan, zero1=zero1, cost=cost, label="as written", scheduled=scheduled)]
     if has_si(program):
         sims.append(simulate(program, plan, si=False, zero1=zero1, cost=cost, label="without SI"))
+    assert program.fold is not None and program.pipeline is not None, "a checked model"
     if program.fold.kind != "none" or program.pipeline.name != BASELINE_PIPELINE:
         sims.append(simulate(unfolded_1f1b(program), zero1=zero1, cost=cost, label="1F1B, fold none"))
     variants = ((unpartitioned, "without partition") if program.partition is not None else None,
@@ -151,7 +154,7 @@ def memory_warnings(program: Program, sim: Simulation) -> list[DhelixWarning]:
         warnings.append(DhelixWarning(
             f"pipeline rank {r.rank} needs {r.memory / GB:.2f} GB at its predicted peak ({sim.label}), more "
             f"than the {capacity:g} GB of one {program.profile.name} device",
-            program.cluster.profile_span,
+            program.cluster.profile_span if program.cluster is not None else None,
             [f"model states {states.total / GB:.2f} GB (weights {states.params / GB:.2f}, gradients "
              f"{states.grads / GB:.2f}, optimizer {states.optimizer / GB:.2f}) and live activations "
              f"{r.activations / GB:.2f} GB",

@@ -36,6 +36,7 @@ from dhelix.dsl.planner.si_plan import (PLANS, PlanFn, SegmentPlan, SIMode, back
                                         sequential_plan)
 from dhelix.dsl.simulator.events import Simulation, block_scheduler, schedule_plan, simulate
 from dhelix.dsl.simulator.launch import priced_program
+from dhelix.dsl.simulator.si_pairs import interleaves
 
 
 @attrs.frozen
@@ -130,7 +131,7 @@ def plan_run(program: Program, path: str, choices: tuple = (), *, mode: SIMode =
     blocks run as ``mode`` says (:func:`choose_si`), interleaved unless ``interleave`` is
     False or the train block says ``si = off``; ``text`` is its source."""
     mode = SIMode(mode)
-    interleave = interleave and program.train.interleaves  # `--no-si` or the train block's si = off
+    interleave = interleave and interleaves(program)  # `--no-si` or the train block's si = off
     return RunPlan(path=path, program=program, reference=reference_dags(program),
                    si=choose_si(program, mode, interleave), interleave=interleave, choices=choices, text=text)
 
@@ -165,7 +166,7 @@ def choose_si(program: Program, mode: SIMode, interleave: bool = True) -> SIPlan
 def _unplanned(program: Program, mode: SIMode) -> SegmentPairs:
     """``mode`` with the pairs of the plans built without costs (no interleaving for
     ``planned`` and ``scheduled``, which have none)."""
-    if program.forward is None:
+    if program.forward is None or program.backward is None:
         return SegmentPairs(mode, ())
     pairs = PLANS.get(mode, sequential_plan)(program.forward, program.backward)
     return SegmentPairs(mode, pairs, issues=issue_orders(program, pairs))
@@ -175,9 +176,12 @@ def issue_orders(program: Program, pairs: SegmentPlan) -> tuple[BlockOrder, Bloc
     """The issue orders of ``pairs`` over ``program``'s layer pair as an SI block's B action
     runs it (without the wgrads a split schedule moves to W), every case computed: without
     the pair barrier (gloo) and with it (CUDA's streams)."""
+    assert program.forward is not None and program.backward is not None and program.lowered is not None, \
+        "a validated model"
     fwd_ops, bwd_ops = program.forward.ops, backward_ops(program.backward, program.lowered.split)
     outputs = (program.forward.output, program.backward.output)
-    return tuple(BlockOrder.build(pairs, fwd_ops, bwd_ops, barrier, outputs).complete() for barrier in (False, True))
+    gloo, cuda = (BlockOrder.build(pairs, fwd_ops, bwd_ops, barrier, outputs).complete() for barrier in (False, True))
+    return gloo, cuda
 
 
 def price(run: RunPlan, *, zero1: bool = False) -> Simulation:

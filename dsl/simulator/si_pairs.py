@@ -23,7 +23,7 @@ def require_profile(program: Program) -> None:
                           notes=["give a file with a model, cluster and mesh (e.g. examples/llama8b_a40.dhx)"])
     if program.profile is None:
         raise CheckError("the cost model needs a hardware profile, and the cluster block names none",
-                         program.cluster.span,
+                         program.cluster.span if program.cluster is not None else None,
                          ['set one in the cluster block: cluster { profile = "a40" } (or a800, h100, '
                           'or the path of a profile file)'])
 
@@ -46,6 +46,7 @@ def schedule_plan(program: Program, cost: PairCost | None = None, **bounds) -> P
     ``bounds`` go to :func:`pairing.plan_layers`; without ``cost`` the program's profile prices
     the segments (:func:`require_profile`'s error when there is none)."""
     cost, backward = _priced_backward(program, cost)
+    assert program.forward is not None, "a checked model"
     return plan_layers(program.forward, backward, program.strands, cost, **bounds)
 
 
@@ -53,6 +54,7 @@ def plan_optimality(program: Program, plan: Plan, cost: PairCost | None = None) 
     """How far ``plan`` (:func:`schedule_plan`'s) can be from the fastest SI plan of the
     program's layer pair as its schedule runs it (:func:`~dhelix.dsl.planner.certify.optimality`)."""
     cost, backward = _priced_backward(program, cost)
+    assert program.forward is not None, "a checked model"
     return optimality(plan, program.forward, backward, program.strands, cost)
 
 
@@ -61,6 +63,7 @@ def block_scheduler(program: Program, cost: PairCost | None = None) -> BlockSche
     the forward DAG beside the backward as the schedule runs it, priced by ``cost`` (the
     program's profile when None: :func:`require_profile`'s error when there is none)."""
     cost, backward = _priced_backward(program, cost)
+    assert program.forward is not None and program.backward is not None, "a checked model"
     return BlockScheduler(program.forward.ops, backward.ops, (program.forward.output, program.backward.output),
                           lambda op: cost.solo((op,)), program.profile.slowdown)
 

@@ -116,7 +116,8 @@ class Executor:
     gathers under the forward wait there (:meth:`~.optim.DistributedAdamW.ready`).
     ``grad_ready(grads)``, when set, is given a layer's final gradients of the step (by
     parameter name, partial sums over tp and cp) once the step's last backward of that layer
-    has finished (under ZeRO-2 after each backward of it, those it takes then dropped), at a point of the action list that is the same on every rank (see
+    has finished (under ZeRO-2 after each backward of it, those it takes then dropped), at a
+    point of the action list that is the same on every rank (see
     :meth:`_layer_done`), and returns the names it takes: the data-parallel reduction under
     the backward (:meth:`~.optim.DistributedAdamW.reduce`), which then also sums them over
     tp and cp. ``reference`` is the reference model's DAGs (a run's

@@ -323,7 +323,8 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
             grad = bwd.result(brun)
         recorder.memory()
     if filler is not None:  # the last layer's held wgrads, and its report, go to the next block
-        filler.carry(lambda rest=range(reported, len(bwd.runs)): bwd.finished(rest))
+        rest = range(reported, len(bwd.runs))
+        filler.carry(lambda: bwd.finished(rest))
     fwd.end(x)  # before the barrier: the collectives the end issues (the head's) fly beside it
     for run in fwd.runs + bwd.runs:
         settle(run)

@@ -1,7 +1,8 @@
 """Starting the ranks of a run: local processes joined in one world, or torchrun's.
 
 :func:`run_local` starts one process per rank on this machine (the embedded default: no
-cluster needed; forked from a forkserver that imported torch once, :func:`rank_context`) and hosts the world's TCP store itself, so that whatever happens to a rank it
+cluster needed; forked from a forkserver that imported torch once, :func:`rank_context`) and
+hosts the world's TCP store itself, so that whatever happens to a rank it
 can read what the ranks left there. It watches them and stops the rest as soon as one fails,
 so a bad run ends with one :class:`RankFailure` naming the rank that caused it, never a hang:
 

@@ -194,7 +194,8 @@ def scatter_grad(grad: torch.Tensor, comm: Communicator, async_op: bool, axis: s
     """This rank's piece of ``grad`` summed over dp (a Pending of it with ``async_op``),
     reduce-scattered over ``axis``: ``dp``, or a stage of ``group weights`` (``dp.intra``,
     ``dp.inter``; or ``dp.shard``). ``whole``: ``grad`` is the full gradient (flattened and
-    padded here to a multiple of ``pieces``, default dp), not the first stage's output; ``regroup``: the pieces go grouped by place on the node first
+    padded here to a multiple of ``pieces``, default dp), not the first stage's output;
+    ``regroup``: the pieces go grouped by place on the node first
     (:func:`~.comm.regrouped`), as a reduce-scatter inside the node before the nodes must;
     ``by_columns``: the pieces are column blocks (:func:`column_piece`)."""
     count = pieces or comm.size("dp")

@@ -61,6 +61,8 @@ SINGLE_FILE, INDEX, CONFIG = "model.safetensors", "model.safetensors.index.json"
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 #: A tokenizer's files beside its ``tokenizer.json``, copied with it by ``export --hf``.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+#: The fix a layer that is not Hugging Face's Llama is told.
+LLAMA_ROPE_NOTE = "use the stdlib layer llama_rope, which a Hugging Face configuration becomes"
 
 
 class HFWeightsError(DhelixError):
@@ -76,12 +78,12 @@ def check_llama(plan) -> dict:
     wanted = {name: kind for name, (kind, _) in LAYER_PARTS.items()}
     if kinds != wanted:
         raise HFWeightsError(f"layer {plan.program.model.layer} has the weights {_listing(kinds)}; Hugging Face's "
-                             f"Llama maps onto {_listing(wanted)}", notes=["use the stdlib layer llama_rope, which a Hugging Face configuration becomes"])
+                             f"Llama maps onto {_listing(wanted)}", notes=[LLAMA_ROPE_NOTE])
     attention = [dict(op.params) for op in fwd.ops if op.op == "attention"]
     swiglu = any(op.op == "swiglu" for op in fwd.ops)
     if len(attention) != 1 or attention[0].get("rope") is None or not swiglu:
         raise HFWeightsError(f"layer {plan.program.model.layer} has no rotary attention with a SwiGLU MLP, which "
-                             "Hugging Face's Llama computes", notes=["use the stdlib layer llama_rope, which a Hugging Face configuration becomes"])
+                             "Hugging Face's Llama computes", notes=[LLAMA_ROPE_NOTE])
     _, scaling = rope_of(attention[0])
     biased = sorted(op.name for op in fwd.ops if op.op == "gemm" and dict(op.params).get("bias"))
     if biased not in ([], ["qkv"]):

@@ -319,7 +319,8 @@ class EmulatedComm(DistComm):
                     seconds = collective_time("p2p", tensor.numel() * tensor.element_size(), 2, lane, self.profile)
                     work = lambda s=seconds: self._sleep(s)  # noqa: E731
                 elif self.emulate == "copy":
-                    work = lambda n=tensor.numel() * tensor.element_size(): self._copy(n)  # noqa: E731
+                    nbytes = tensor.numel() * tensor.element_size()
+                    work = lambda n=nbytes: self._copy(n)  # noqa: E731
             works.append(self.lanes.submit(lane, work, (tensor,)))
         return works
 

@@ -190,7 +190,8 @@ def _file_tokens(path: Path, spec: DataSpec, vocab: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).long() if raw else torch.zeros(0, dtype=torch.long)
 
 
-def short_data(spec: DataSpec, corpus: "Corpus", global_sequences: int) -> DhelixWarning | None:
+def short_data(spec: DataSpec | Blend, corpus: "Corpus | BlendedCorpus", global_sequences: int
+               ) -> DhelixWarning | None:
     """A warning when the training part of the data holds fewer sequences than one step's
     global batch (every step then repeats the same few), located like the data's errors;
     None otherwise."""
