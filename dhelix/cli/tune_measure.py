@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 import attrs
 
@@ -209,8 +209,9 @@ def _run_candidate(index: int, priced: Priced, pricer: Pricer, text: str, path: 
     nproc = program.mesh.world if placed is None else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     backend = choose_backend(None, nproc)
     check_memory(program, nproc, backend)
-    options = train.RunOptions(path=path, compiled=compiled, steps=steps, backend=backend,
-                               seed=program.train.seed or 0, zero1=program.train.zero >= 1, timeout=TIMEOUT_S)
+    # the declared run options by name (RunSettings' fields are made from OPTIONS), as run's are
+    declared: dict[str, Any] = {"steps": steps, "seed": program.train.seed or 0, "zero1": program.train.zero >= 1, "timeout": TIMEOUT_S}
+    options = train.RunOptions(**declared, path=path, compiled=compiled, backend=backend)
     if placed is None:
         result = spawn.run_local(options, nproc, train.train)
     else:

@@ -21,6 +21,8 @@ change goes*).
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 #: The kinds of value an option takes.
@@ -47,7 +49,8 @@ class Option:
 
     name: str
     kind: type
-    default: object = None
+    #: Its value where nothing sets it (Any: an int, float, str, bool or None, as ``kind`` says).
+    default: Any = None
     help: str = ""
     train: str | None = None
     flag: str | None = None
@@ -207,8 +210,10 @@ def run_fields() -> tuple[Option, ...]:
 def run_settings_class(options: tuple[Option, ...] | None = None) -> type:
     """A frozen attrs class with one keyword field per run option of ``options`` (default:
     :func:`run_fields`), at its default: the base of the ranks' ``RunOptions``."""
-    fields = {o.name: attrs.field(default=o.default, type=o.kind if o.default is not None else o.kind | None)
-              for o in (options if options is not None else run_fields())}
+    def kind(o: Option) -> Any:
+        return o.kind if o.default is not None else o.kind | None
+
+    fields = {o.name: attrs.field(default=o.default, type=kind(o)) for o in (options if options is not None else run_fields())}
     cls = attrs.make_class("RunSettings", fields, frozen=True, kw_only=True)
     cls.__module__ = __name__
     cls.__doc__ = "The run options' fields, made from :data:`OPTIONS` (one per run option, at its default)."
@@ -217,7 +222,7 @@ def run_settings_class(options: tuple[Option, ...] | None = None) -> type:
 
 #: The run options as fields (``RunOptions`` adds what the command computes: the compiled run,
 #: the backend, the data's specs).
-RunSettings = run_settings_class()
+RunSettings: Any = run_settings_class()
 
 
 def range_words(o: Option) -> str | None:

@@ -281,6 +281,7 @@ def predict(run: MeasuredRun, profile: Profile | None = None) -> Prediction:
     except DhelixError as exc:
         return Prediction(run, None, None, exc.message.splitlines()[0])
     peak = max(rank.memory for rank in sim.ranks) / 2 ** 30
+    assert case.run is not None, "a published run's case holds it"
     return Prediction(case.run, case.measured_s, sim.step_time, predicted_peak_gib=peak)
 
 

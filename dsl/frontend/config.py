@@ -201,7 +201,7 @@ def _model_example(missing: list[str]) -> str:
     return "  ".join(example[k] for k in missing)
 
 
-def _check_positive(kind: str, block: BlockValues, keys, errors: ErrorCollector, lowest: int = 1) -> bool:
+def _check_positive(kind: str, block: BlockValues, keys, errors: ErrorCollector, lowest: int | float = 1) -> bool:
     """Record an error for each of ``keys`` whose value is below ``lowest`` or past its limit
     (frontend.limits); True if all are within."""
     found = [error for key in keys if (error := range_error(kind, key, block.values[key], block.span(key), lowest))]
@@ -302,7 +302,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                "HSDP: replicated across the groups); add zero = 3, or remove shard"]))
         return None
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
-    run = tuple((o.train, v[o.train]) for o in declared if o.field and o.train in v)
+    run = tuple((o.train, v[o.train]) for o in declared if o.field and o.train is not None and o.train in v)
     return Train(v["micro_batch"], v["microbatches"], v.get("data"), zero, recompute, param_gather, v.get("shard"),
                  v.get("launch"), grad_reduce, v.get("launch_backward"), si, run, span=node.span,
                  launch_span=block.span("launch") if "launch" in block.nodes else None,

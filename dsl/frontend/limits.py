@@ -12,7 +12,7 @@ from dhelix.dsl.core.options import train_options
 
 #: The most each setting may be, by block. Settings not named (integers a layer uses, such as
 #: `head_dim2 = 128`) get :data:`OTHER_LIMIT`.
-LIMITS = {
+LIMITS: dict[str, dict[str, int | float]] = {
     "model": {"layers": 10_000, "hidden": 2**20, "ffn": 2**22, "heads": 4096, "kv_heads": 4096,
               "seq": 2**24, "vocab": 2**24, "experts": 4096, "top_k": 4096},
     "cluster": {"nodes": 16_384, "gpus_per_node": 1024},
@@ -32,12 +32,12 @@ MAX_SCHEDULE_PASSES = 2**17
 MAX_LAYER_PASSES = 2**20
 
 
-def limit_of(block: str, key: str) -> int:
+def limit_of(block: str, key: str) -> int | float:
     """The largest value setting ``key`` of ``block`` may take."""
     return LIMITS.get(block, {}).get(key, OTHER_LIMIT)
 
 
-def range_error(block: str, key: str, value: int, span, lowest: int = 1) -> CheckError | None:
+def range_error(block: str, key: str, value: int, span, lowest: int | float = 1) -> CheckError | None:
     """The error for ``key = value`` in ``block`` outside [lowest, its limit], or None."""
     if value < lowest:
         bound = "positive" if lowest == 1 else f"at least {lowest}"
