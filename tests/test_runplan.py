@@ -129,3 +129,48 @@ def test_ranks_take_the_pair_issue_orders_from_the_plan(monkeypatch, capsys):
     monkeypatch.setattr(train, "train", issue_guarded_train)
     assert main(["run", EXAMPLE, "--steps", "1", "--check", "--si-plan", "planned", "--timeout", "60"]) == 0
     assert "step " in capsys.readouterr().out
+
+
+# -- under torchrun: one compile for the world ------------------------------------------------
+
+#: A torchrun rank's entry point whose parser, checker and pass pipeline fail outside global
+#: rank 0 (their code replaced, so every name bound to them fails alike): rank 0 compiles for
+#: the whole world, the others run what it hands them.
+TORCHRUN_RANK = '''
+import os, sys
+from dhelix.dsl.frontend import check, imports, parser
+from dhelix.dsl.passes import pipeline
+
+if os.environ["RANK"] != "0":
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank other than 0 parsed or ran a pass: rank 0 compiles for the world")
+    for module, name in ((parser, "parse"), (imports, "load_modules"), (check, "check_program"),
+                         (pipeline, "run_until"), (pipeline, "rerun")):
+        getattr(module, name).__code__ = refuse.__code__
+    try:
+        parser.parse("model m {}", "m.dhx")
+    except AssertionError:
+        print(f"rank {os.environ['RANK']} cannot parse", file=sys.stderr, flush=True)
+from dhelix.cli.main import leave, main
+leave(main(sys.argv[1:]))
+'''
+
+
+def test_under_torchrun_rank_0_compiles_once_for_the_world(tmp_path):
+    pytest.importorskip("torch")
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(TORCHRUN_RANK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(script), "run", EXAMPLE, "--steps", "2", "--timeout", "30"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert sorted(line for line in done.stderr.splitlines() if line.endswith("cannot parse")) == \
+        [f"rank {rank} cannot parse" for rank in (1, 2, 3)], done.stderr  # the guard bites
+    assert "a rank other than 0 parsed" not in done.stderr
+    assert done.stdout.count("; training, 2 step(s)") == 1, done.stdout

@@ -25,6 +25,7 @@ imported only when the command runs, so registering it keeps ``dhelix check`` to
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -34,7 +35,7 @@ import attrs
 
 from dhelix.cli.as_rank import add_as_rank_arguments, check_as_rank, run_as_rank
 from dhelix.cli.launch import (add_launch_arguments, backend_without_torch, check_launch_numbers, check_memory,
-                               choose_backend, local_ranks)
+                               choose_backend, local_ranks, torchrun_world)
 from dhelix.cli.paths import output_folder, output_path, program_inputs, refuse_inputs, write_output
 from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
 from dhelix.dsl.passes.runcheck import unrunnable
@@ -221,26 +222,29 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
         raise UsageError(f"{' and '.join(outputs)} name the same file; give each its own")
     _say_first(args)
     text = read_source(args.file)
-    program, choices = priced_program(text, args.file, args.profile)
-    require_model(program, args.file)
-    check_as_rank(args, program)
-    for flag, path in outputs.items():
-        refuse_inputs(path, flag, program_inputs(program))
-    _warn([*unused_axes(program), *undeclared_links(program)])
-    for problem in unrunnable(program):  # check warns; a run cannot go on
-        raise DhelixError(problem.message, problem.span, problem.notes)
-    if args.as_rank is not None:
-        return run_as_rank(args, text, program, choices, outputs)
-    fits = _check_memory_early(args, program)  # before torch is imported and the SI blocks planned
-    from dhelix.interpreter.launch import spawn
+    world = torchrun_world()
+    hosted = None  # the env:// store, when this process hosts it for the compile handed over
+    if world is not None and args.as_rank is None:
+        # One compile for the whole world: global rank 0's, handed to the others (store.py).
+        from dhelix.interpreter.launch import store
 
-    if "WORLD_SIZE" not in os.environ:  # local ranks: their process server loads torch meanwhile
-        spawn.warm_up_ranks()
+        build = functools.partial(_compile, args, text, outputs)
+        compiled, hosted = store.compiled_once(build, world, "run", args.timeout)
+        program = compiled.program
+        fits = _check_memory_early(args, program)  # this node's memory, on every node
+        from dhelix.interpreter.launch import spawn
+        from dhelix.interpreter.training import train
+    else:
+        program, choices = _checked_program(args, text, outputs)
+        if args.as_rank is not None:
+            return run_as_rank(args, text, program, choices, outputs)
+        fits = _check_memory_early(args, program)  # before torch is imported and the SI blocks planned
+        from dhelix.interpreter.launch import spawn
 
-    from dhelix.interpreter.training import train
+        spawn.warm_up_ranks()  # local ranks: their process server loads torch meanwhile
+        from dhelix.interpreter.training import train
 
-    compiled = plan_run(program, args.file, choices, mode=args.si_plan, interleave=args.si, text=text)
-    train.preflight(program, compiled.reference)
+        compiled = _planned(args, text, program, choices)
     placed = spawn.torchrun_rank(program)
     if args.topology == "measured" and placed is None:
         raise UsageError("--topology measured applies under torchrun: the local launcher's ranks share this "
@@ -261,18 +265,25 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
         except UsageError as exc:
             raise UsageError(f"--log {exc.message}", notes=[*exc.notes, "--resume continues that run and its log"]) from None
     _preflight_data(options, verified)
-    _print_header(program, options, args, placed, nproc, choices)
+    _print_header(program, options, args, placed, nproc, compiled.choices)
     started.append(True)
     if placed is not None:
+        replanned = {}
+
         def replan(options, gpus_per_node: int):
-            # The measured nodes decide the lanes: compiled again here, in the command (under
-            # torchrun this process is the rank), before the rank runs anything.
-            return attrs.evolve(options, compiled=build_run_plan(
-                text, args.file, profile=args.profile, gpus_per_node=gpus_per_node, mode=args.si_plan,
-                interleave=args.si))
+            # The measured nodes decide the lanes: compiled again, once for the world (rank 0's,
+            # handed over), before the rank runs anything.
+            if gpus_per_node not in replanned:
+                from dhelix.interpreter.launch import store
+
+                build = functools.partial(build_run_plan, text, args.file, profile=args.profile,
+                                          gpus_per_node=gpus_per_node, mode=args.si_plan, interleave=args.si)
+                replanned[gpus_per_node] = store.from_rank_0(build, *placed, f"run-{gpus_per_node}-per-node",
+                                                             store.env_address())
+            return attrs.evolve(options, compiled=replanned[gpus_per_node])
 
         result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node,
-                                replan=replan)
+                                replan=replan, host=hosted)
     else:
         result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run
@@ -281,6 +292,38 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
         options = replan(options, result.gpus_per_node)
     return report(options.compiled.program, options, result, outputs.get("--trace"), outputs.get("--metrics"),
                   as_json=args.json)
+
+
+def _checked_program(args, text: str, outputs: dict) -> tuple:
+    """The priced program of ``text`` and the choices made (:func:`priced_program`), checked
+    for a run: a model, ``--as-rank``, outputs that are no input, what the interpreter cannot
+    run (raised), warnings printed."""
+    program, choices = priced_program(text, args.file, args.profile)
+    require_model(program, args.file)
+    check_as_rank(args, program)
+    for flag, path in outputs.items():
+        refuse_inputs(path, flag, program_inputs(program))
+    _warn([*unused_axes(program), *undeclared_links(program)])
+    for problem in unrunnable(program):  # check warns; a run cannot go on
+        raise DhelixError(problem.message, problem.span, problem.notes)
+    return program, choices
+
+
+def _planned(args, text: str, program, choices: tuple):
+    """The RunPlan of the checked ``program`` (its SI blocks planned), which the interpreter
+    can run (:func:`~dhelix.interpreter.training.train.preflight`)."""
+    from dhelix.interpreter.training import train
+
+    compiled = plan_run(program, args.file, choices, mode=args.si_plan, interleave=args.si, text=text)
+    train.preflight(program, compiled.reference)
+    return compiled
+
+
+def _compile(args, text: str, outputs: dict):
+    """The run compiled: :func:`_checked_program`, then :func:`_planned` (under torchrun,
+    global rank 0's command runs this for the whole world)."""
+    program, choices = _checked_program(args, text, outputs)
+    return _planned(args, text, program, choices)
 
 
 def _say_first(args) -> None:
