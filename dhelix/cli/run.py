@@ -37,6 +37,7 @@ from dhelix.cli.as_rank import add_as_rank_arguments, check_as_rank, run_as_rank
 from dhelix.cli.launch import (add_launch_arguments, backend_without_torch, check_launch_numbers, check_memory,
                                choose_backend, local_ranks, torchrun_world)
 from dhelix.cli.paths import output_folder, output_path, program_inputs, refuse_inputs, write_output
+from dhelix.cli.run_options import preflight_data, refuse_data, reporter, run_options, warn, write_trace
 from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
 from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.frontend.imports import read_source
@@ -47,7 +48,6 @@ from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.simulator.launch import priced_program
 from dhelix.dsl.planner.si_plan import SIMode
 from dhelix.dsl.simulator.runplan import build_run_plan, plan_run
-from dhelix.dsl.render.trace import trace_json
 from dhelix.interpreter.training.steplog import refuse_earlier_log
 from dhelix.interpreter.training.train import DEFAULT_KEEP  # torch-free at import
 
@@ -185,21 +185,7 @@ def _reported_elsewhere(exc: DhelixError, started: bool) -> bool:
         return False
     if getattr(exc, "reported_by_rank_0", False):  # the placement, a non-finite step
         return rank != "0"
-    return not started and not _reporter()
-
-
-def _reporter() -> bool:
-    """Whether this process prints what every process meets before the ranks join (errors,
-    warnings): outside torchrun, or as a node's local rank 0 under it."""
-    rank = os.environ.get("RANK")
-    return rank is None or "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", rank) == "0"
-
-
-def _warn(warnings) -> None:
-    """Print ``warnings`` (DhelixWarning, or lines) on standard error, once per node."""
-    if _reporter():
-        for warning in warnings:
-            print(warning if isinstance(warning, str) else warning.render(), file=sys.stderr)
+    return not started and not reporter()
 
 
 def _run(args, started: list, held: contextlib.ExitStack) -> int:
@@ -255,16 +241,16 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
         raise UsageError(f"{'--tokenizer' if args.tokenizer else '--eval-data'} goes with training data: give --data, "
                          "or a train block's data")
     if not fits:  # the backend needed torch to tell
-        _warn(filter(None, [check_memory(program, nproc, options.backend, force=args.force)]))
+        warn(filter(None, [check_memory(program, nproc, options.backend, force=args.force)]))
     for given in (options.data, options.eval_data):
         if given is not None:
-            _refuse_data(outputs, given)
+            refuse_data(outputs, given)
     if "--log" in outputs:  # an earlier run's log only when continuing that run
         try:
             refuse_earlier_log(outputs["--log"], continuing)
         except UsageError as exc:
             raise UsageError(f"--log {exc.message}", notes=[*exc.notes, "--resume continues that run and its log"]) from None
-    _preflight_data(options, verified)
+    preflight_data(options, verified)
     _print_header(program, options, args, placed, nproc, compiled.choices)
     started.append(True)
     if placed is not None:
@@ -303,7 +289,7 @@ def _checked_program(args, text: str, outputs: dict) -> tuple:
     check_as_rank(args, program)
     for flag, path in outputs.items():
         refuse_inputs(path, flag, program_inputs(program))
-    _warn([*unused_axes(program), *undeclared_links(program)])
+    warn([*unused_axes(program), *undeclared_links(program)])
     for problem in unrunnable(program):  # check warns; a run cannot go on
         raise DhelixError(problem.message, problem.span, problem.notes)
     return program, choices
@@ -329,7 +315,7 @@ def _compile(args, text: str, outputs: dict):
 def _say_first(args) -> None:
     """The command's first line, at once: what it does before any rank starts (compiling a
     paper-scale program takes seconds); standard error with ``--json``; once per node."""
-    if _reporter():
+    if reporter():
         print(f"dhelix run: {args.file}: compiling, then checking that it fits this machine's memory before any "
               "rank starts", file=sys.stderr if args.json else sys.stdout, flush=True)
 
@@ -342,7 +328,7 @@ def _check_memory_early(args, program) -> bool:
         return False
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun else local_ranks(args, program, torchrun=False)
-    _warn(filter(None, [check_memory(program, local, "gloo", force=args.force)]))
+    warn(filter(None, [check_memory(program, local, "gloo", force=args.force)]))
     return True
 
 
@@ -371,7 +357,7 @@ def _print_header(program, options, args, placed, nproc: int, choices=()) -> Non
     once per node."""
     from dhelix.interpreter.training import summary
 
-    if not _reporter():
+    if not reporter():
         return
     ranks = program.mesh.world if placed is not None else nproc
     line = summary.run_header(args.file, program.pipeline.name, summary.describe_mesh(program.mesh), ranks,
@@ -437,23 +423,6 @@ def _save_folder(text: str, resume: str | None, held: contextlib.ExitStack) -> P
     return path
 
 
-def _refuse_data(outputs: dict, data) -> None:
-    """UsageError when an output would overwrite the training data: a file output that is a
-    data file, or a checkpoint folder that holds data files."""
-    from dhelix.interpreter.training.data import data_files
-
-    files = data_files(data)
-    for flag, path in outputs.items():
-        if flag != "--save":
-            refuse_inputs(path, flag, files)
-            continue
-        folder = os.path.realpath(path)
-        inside = [f for f in files if os.path.realpath(f).startswith(folder + os.sep) or os.path.realpath(f) == folder]
-        if inside:
-            raise UsageError(f"--save {path}: the folder holds the training data ('{inside[0]}'); the checkpoints "
-                             "would be mixed with it; give another folder")
-
-
 def _resume_auto(save: str | None) -> tuple[str | None, list]:
     """``--resume auto``: the newest intact save in ``--save DIR`` (damaged saves skipped,
     each with a warning) and what verifying it said, or (None, []) to start afresh; says
@@ -467,126 +436,12 @@ def _resume_auto(save: str | None) -> tuple[str | None, list]:
     root = Path(save)
     for folder, warnings, damage in intact_saves(root) if root.is_dir() else ():
         if damage is not None:
-            _warn([DhelixWarning(f"--resume auto: {damage.message}; this save is skipped", notes=damage.notes)])
+            warn([DhelixWarning(f"--resume auto: {damage.message}; this save is skipped", notes=damage.notes)])
             continue
-        _warn([f"dhelix run: --resume auto: continuing from {folder}"])
+        warn([f"dhelix run: --resume auto: continuing from {folder}"])
         return str(folder), warnings
-    _warn([f"dhelix run: --resume auto: no save in {save} yet; starting from the first step"])
+    warn([f"dhelix run: --resume auto: no save in {save} yet; starting from the first step"])
     return None, []
-
-
-def _preflight_data(options, verified: list | None = None) -> None:
-    """Read the data and the checkpoint to resume before any rank starts, so that their
-    errors come once, located, and not from every rank; the save resumed from is checked
-    against its manifest unless ``verified`` (what checking it already said) is given."""
-    from dhelix.interpreter.training import checkpoint, data
-    from dhelix.interpreter.ops.weights import WeightPlan
-
-    program = options.compiled.program
-    if options.init is not None:  # every tensor's presence and shape
-        WeightPlan(program, options.seed, options.compiled.reference, hf=options.init)
-    sequences = program.train.micro_batch * program.train.microbatches * program.mesh.size("dp")
-    corpus = None
-    if options.data is not None:
-        corpus = data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"),
-                                  options.eval_data)
-        _warn(filter(None, [data.short_data(options.data, corpus, sequences)]))
-    if options.resume is not None:
-        _warn(checkpoint.verify(checkpoint.resolve(options.resume)) if verified is None else verified)
-        _, meta = checkpoint.latest(options.resume)
-        plan = WeightPlan(program, options.seed, options.compiled.reference)
-        checkpoint.check_fits(options.resume, meta, plan, sequences)
-        if meta["step"] >= options.steps:
-            raise UsageError(f"--resume {options.resume}: the checkpoint is at step {meta['step']}, and this run "
-                             f"has {options.steps} steps in all; give --steps above {meta['step']}")
-        saved = (meta.get("data") or {}).get("fingerprint") or {}
-        _warn(resume_differences(meta, options, data.fingerprint(corpus, sampled="hashed" not in saved)))
-
-
-def resume_differences(meta: dict, options, fingerprint: dict | None = None) -> list:
-    """Warnings (DhelixWarning) for what a resumed run changes from the saved one: the seed
-    (the data order), the training data (``fingerprint``, this run's
-    :func:`~dhelix.interpreter.training.data.fingerprint`, against the saved one) and each
-    setting of the learning-rate schedule the checkpoint stored."""
-    from dhelix.dsl.core.errors import DhelixWarning
-    from dhelix.interpreter.training.data import FINGERPRINT_SAMPLES
-
-    found = []
-    saved = (meta.get("data") or {}).get("fingerprint")
-    same = fingerprint is not None and saved is not None and all(
-        saved.get(key) == fingerprint.get(key) for key in ("windows", "sha256"))
-    if saved is not None and not same:
-        now = "seeded random tokens" if fingerprint is None else f"{fingerprint['windows']} windows"
-        hashed = saved.get("hashed", f"{FINGERPRINT_SAMPLES} sampled windows")
-        compared = ("the window count and a SHA-256 of every training token" if hashed == "all" else
-                    f"the window count and a SHA-256 of {hashed} (the saved run's dhelix fingerprinted no more)")
-        found.append(DhelixWarning(
-            f"--resume {options.resume}: the training data differs from the saved run's ({saved['windows']} "
-            f"windows, fingerprint {saved['sha256']}; now {now}"
-            + ("" if fingerprint is None else f", fingerprint {fingerprint['sha256']}") + ")",
-            notes=[f"compared: {compared}",
-                   "the steps continue by number over other data; give the saved run's --data to continue it"]))
-    if meta.get("seed") is not None and meta["seed"] != options.seed:
-        found.append(DhelixWarning(f"--resume {options.resume}: the run was saved with seed {meta['seed']}, this one "
-                                   f"has {options.seed}; the data order changes from here",
-                                   notes=[f"give --seed {meta['seed']} to continue the same run"]))
-    found += _blend_differences(meta, options)
-    saved, now = meta.get("schedule") or {}, options.schedule()
-    changed = [f"{key} {saved[key]} → {now[key]}" for key in now if key in saved and saved[key] != now[key]]
-    if changed:
-        found.append(DhelixWarning(f"--resume {options.resume}: the learning-rate schedule differs from the saved "
-                                   f"run's ({'; '.join(changed)})",
-                                   notes=["the resumed steps follow this run's options; give the saved ones to "
-                                          "continue the same trajectory"]))
-    return found
-
-
-def _blend_differences(meta: dict, options) -> list:
-    """A warning (DhelixWarning) when the resumed run's data blend is not the saved one's."""
-    from dhelix.dsl.core.errors import DhelixWarning
-    from dhelix.interpreter.training.data import Blend
-
-    saved = (meta.get("data") or {}).get("blend")
-    now = options.data.describe() if isinstance(options.data, Blend) else None
-    if saved is None or now is None or saved == now:
-        return []
-    return [DhelixWarning(f"--resume {options.resume}: the data blend differs from the saved run's (sources "
-                          f"{' '.join(saved['sources'])}, weights {saved['weights'] or 'by size'}); its order is "
-                          "drawn again from the first step with this run's sources and weights",
-                          notes=["give the saved blend to continue where each source stood"])]
-
-
-def run_options(args, compiled, backend: str):
-    """The interpreter's RunOptions from the command line, the program's train block and
-    the run ``compiled`` once (a :class:`~dhelix.dsl.simulator.runplan.RunPlan`)."""
-    from dhelix.interpreter.training import data, train
-
-    program = compiled.program
-    return train.RunOptions(
-        path=args.file, compiled=compiled,
-        steps=flag_or_train(args.steps, program.train.steps, train.DEFAULT_STEPS),
-        backend=backend, trace=args.trace,
-        seed=flag_or_train(args.seed, program.train.seed), lr=args.lr,
-        zero1=args.zero1 or program.train.zero >= 1, timeout=args.timeout, check=args.check,
-        data=data.data_spec(program, args.file, args.data, "--data", args.tokenizer),
-        eval_data=data.DataSpec(str(Path(args.eval_data).resolve()), flag="--eval-data",
-                                tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
-        if args.eval_data else None,
-        warmup=flag_or_train(args.warmup, program.train.warmup),
-        decay=args.lr_decay == "cosine", weight_decay=args.weight_decay, clip=args.clip, master=args.master,
-        eval_every=flag_or_train(args.eval_every, program.train.eval_every),
-        save=args.save, save_every=args.save_every, resume=args.resume, log=args.log,
-        init=str(Path(args.init).resolve()) if args.init else None,
-        export=args.export_weights, topology=args.topology, skip_nonfinite=args.skip_nonfinite,
-        keep=args.keep if args.keep is not None else DEFAULT_KEEP)
-
-
-def flag_or_train(flag, setting, default=None):
-    """The command line's ``flag`` when it was given, else the train block's ``setting`` when
-    the block sets it, else ``default``: the one rule of every option the train block can set."""
-    if flag is not None:
-        return flag
-    return setting if setting is not None else default
 
 
 def report(program, options, result, trace: Path | None, metrics: Path | None = None, *,
@@ -661,10 +516,3 @@ def _report_training(options, result, out) -> None:
         print(f"log: {options.log} (one JSON line per step and per evaluation; {scalars})", file=out)
 
 
-def write_trace(path: Path, program, options, result) -> None:
-    """Write the Chrome trace of a run's ``result`` (every rank's events, measured) to
-    ``path``; UsageError if it cannot be written."""
-    metadata = {"source": options.path, "program": program.model.name, "schedule": program.pipeline.name,
-                "backend": options.backend, "si": options.si, "si_plan": options.plan, "zero1": options.zero1,
-                "steps": options.steps, "measured": "dhelix run: a process per rank, a thread per lane"}
-    write_output(path, trace_json(result.events, metadata=metadata))
