@@ -178,6 +178,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat),
                         reference=compiled.reference, init=options.init,
                         issue_order=si.issue_order(device.type == "cuda"),
+                        facts=compiled.facts if si == compiled.si else None,
                         optimizer=functools.partial(for_executor, zero1=options.zero1, config=config),
                         stand_in_weights=options.as_rank is not None)
     optimizer = executor.optimizer
