@@ -185,3 +185,25 @@ def test_under_torchrun_rank_0_compiles_once_for_the_world(tmp_path):
         [f"rank {rank} cannot parse" for rank in (1, 2, 3)], done.stderr  # the guard bites
     assert "a rank other than 0 parsed" not in done.stderr
     assert done.stdout.count("; training, 2 step(s)") == 1, done.stdout
+
+
+def test_under_torchrun_an_error_of_rank_0s_compile_reaches_every_rank_and_is_said_once(tmp_path):
+    # The other ranks wait for rank 0's RunPlan: its error must reach them, not leave them waiting.
+    pytest.importorskip("torch")
+    import os
+    import subprocess
+    import sys
+
+    from conftest import tiny_example_text
+
+    program = tmp_path / "typo.dhx"
+    program.write_text(tiny_example_text().replace("pipeline w_helix", "pipeline w_helx"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           "-m", "dhelix", "run", str(program), "--steps", "1", "--timeout", "30"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
+    assert done.returncode != 0
+    assert done.stderr.count("w_helx") >= 1 and done.stderr.count("unknown pipeline") == 1, done.stderr
+    # No rank's traceback (torchrun's own report of the failed ranks is torch's code).
+    assert not [line for line in done.stderr.splitlines() if line.lstrip().startswith('File "')
+                and "torch" not in line and "runpy" not in line], done.stderr
