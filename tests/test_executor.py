@@ -18,7 +18,7 @@ from dhelix.dsl.simulator.events import block_orders  # noqa: E402
 from dhelix.interpreter.ops.comm import DistComm, SingleRankComm  # noqa: E402
 from dhelix.interpreter.execute.executor import ExecutionError, Executor  # noqa: E402
 from dhelix.interpreter.verify.harness import broadcast_from_first, check_steps, compare, reference_with  # noqa: E402
-from dhelix.interpreter.execute.pipeline_comm import check_fifo  # noqa: E402
+from dhelix.dsl.passes.validate import check_fifo  # noqa: E402
 from dhelix.interpreter.training.optim import AdamWConfig, DistributedAdamW, for_executor  # noqa: E402
 from dhelix.interpreter.verify.reference import Batch, make_batch  # noqa: E402
 from dhelix.dsl.planner.si_plan import check_plan, fixed_plan, op_by_op_plan, sequential_plan  # noqa: E402

@@ -118,7 +118,7 @@ def test_dualpipe_v_is_lowered_in_fifo_order_and_exports_with_comms(ranks, micro
     # DualPipeV at p >= 3 has a gradient overtake an activation between two ranks; lowering
     # hoists the receive of what was sent first, so untagged P2P (NCCL, torch's runtime) pairs
     # every message right.
-    from dhelix.interpreter.execute.pipeline_comm import check_fifo
+    from dhelix.dsl.passes.validate import check_fifo
 
     lowered = exported("dualpipe_v", None, ranks=ranks, microbatches=microbatches).lowered
     assert check_fifo(lowered) == []

@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("tqdm")
 
 from dhelix.cli import main  # noqa: E402
-from dhelix.cli.run import write_trace  # noqa: E402
+from dhelix.cli.run_options import write_trace  # noqa: E402
 from dhelix.dsl.core.timeline import TraceEvent  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.dsl.render.trace import LANES, trace_json  # noqa: E402
@@ -306,3 +306,25 @@ def test_selective_recomputation_runs_exactly_and_drops_what_the_model_says(tmp_
     measured, simulated = (peaks["plain"][i] - peaks["selective"][i] for i in (0, 1))
     assert measured > 0 and simulated > 0
     assert measured == pytest.approx(simulated, rel=0.25)
+
+
+def test_the_command_modules_import_no_circle_and_no_private_names():
+    # run.py and as_rank.py imported each other, as_rank.py took run.py's private helpers
+    # (issue 57): what both use is dhelix/cli/run_options.py's, public.
+    import ast
+
+    from test_layering import ROOT as TREE, imported_modules
+
+    folder = TREE / "dhelix" / "cli"
+    graph = {path.stem: {module.rpartition(".")[2] for _, module in imported_modules(path)
+                         if module.startswith("dhelix.cli.")} for path in folder.glob("*.py")}
+    private = [f"{path.name}: {node.module}.{alias.name}" for path in folder.glob("*.py")
+               for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+               and (node.module or "").startswith("dhelix.cli.") for alias in node.names if alias.name.startswith("_")]
+    assert private == []
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        return any(nxt == goal or (nxt not in seen and not seen.add(nxt) and reaches(nxt, goal, seen))
+                   for nxt in graph.get(start, ()))
+
+    assert [name for name in sorted(graph) if reaches(name, name, set())] == []

@@ -477,7 +477,7 @@ def test_skip_nonfinite_trains_on_past_such_steps(tmp_path):
 
 
 def test_a_resume_with_another_seed_or_schedule_is_warned():
-    from dhelix.cli.run import resume_differences
+    from dhelix.cli.run_options import resume_differences
     from dhelix.interpreter.training.train import RunOptions
 
     options = RunOptions(path="p.dhx", compiled=None, steps=8, seed=2, lr=3e-3, warmup=2, resume="ck")
@@ -518,7 +518,7 @@ def test_the_data_fingerprint_reads_every_window():
     # reads (row 1 of 1000) is seen; a resume says what it compared.
     import torch
 
-    from dhelix.cli.run import resume_differences
+    from dhelix.cli.run_options import resume_differences
     from dhelix.interpreter.training.data import Corpus, fingerprint
     from dhelix.interpreter.training.train import RunOptions
 

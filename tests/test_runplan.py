@@ -61,24 +61,35 @@ def _refuse(*args, **kwargs):
 
 def guarded_train(options, device, heartbeat=None):
     """:func:`train` in a rank whose parser, checker and pass pipeline fail when called
-    (their code replaced, so every name bound to them fails alike)."""
+    (their code replaced, so every name bound to them fails alike), and so do the
+    derivations the executor reads from the RunPlan's facts (the B action's ops, selective
+    recomputation's drops, the SI plan's check, the transfers' keys and order)."""
+    from dhelix.dsl.core import oplib
     from dhelix.dsl.frontend import check, imports, parser
-    from dhelix.dsl.passes import pipeline
+    from dhelix.dsl.passes import pipeline, validate
+    from dhelix.dsl.planner import si_plan
     from dhelix.interpreter.training import train
 
     for module, name in ((parser, "parse"), (imports, "load_modules"), (check, "check_program"),
-                         (pipeline, "run_until"), (pipeline, "rerun")):
+                         (pipeline, "run_until"), (pipeline, "rerun"), (oplib, "selective_drops"),
+                         (si_plan, "backward_ops"), (si_plan, "check_plan"), (validate, "transfer_key"),
+                         (validate, "check_fifo")):
         getattr(module, name).__code__ = _refuse.__code__
     return train.train(options, device, heartbeat)
 
 
-def test_ranks_run_the_commands_plan_and_never_parse_or_run_a_pass(monkeypatch, capsys):
+@pytest.mark.parametrize("mode, recompute", [("scheduled", ""), ("planned", "  recompute = selective\n")])
+def test_ranks_run_the_commands_plan_and_never_parse_or_run_a_pass(monkeypatch, capsys, tmp_path, mode, recompute):
     pytest.importorskip("torch")
+    from conftest import tiny_example_text
+
     from dhelix.cli.main import main
     from dhelix.interpreter.training import train
 
+    program = tmp_path / "tiny.dhx"
+    program.write_text(tiny_example_text().replace("train {\n", "train {\n" + recompute))
     monkeypatch.setattr(train, "train", guarded_train)  # what cmd_run hands to the spawner
-    assert main(["run", EXAMPLE, "--steps", "2", "--check", "--si-plan", "scheduled", "--timeout", "60"]) == 0
+    assert main(["run", str(program), "--steps", "2", "--check", "--si-plan", mode, "--timeout", "60"]) == 0
     out = capsys.readouterr().out
     assert out.count("step ") >= 2, out
 
@@ -129,3 +140,70 @@ def test_ranks_take_the_pair_issue_orders_from_the_plan(monkeypatch, capsys):
     monkeypatch.setattr(train, "train", issue_guarded_train)
     assert main(["run", EXAMPLE, "--steps", "1", "--check", "--si-plan", "planned", "--timeout", "60"]) == 0
     assert "step " in capsys.readouterr().out
+
+
+# -- under torchrun: one compile for the world ------------------------------------------------
+
+#: A torchrun rank's entry point whose parser, checker and pass pipeline fail outside global
+#: rank 0 (their code replaced, so every name bound to them fails alike): rank 0 compiles for
+#: the whole world, the others run what it hands them.
+TORCHRUN_RANK = '''
+import os, sys
+from dhelix.dsl.frontend import check, imports, parser
+from dhelix.dsl.passes import pipeline
+
+if os.environ["RANK"] != "0":
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank other than 0 parsed or ran a pass: rank 0 compiles for the world")
+    for module, name in ((parser, "parse"), (imports, "load_modules"), (check, "check_program"),
+                         (pipeline, "run_until"), (pipeline, "rerun")):
+        getattr(module, name).__code__ = refuse.__code__
+    try:
+        parser.parse("model m {}", "m.dhx")
+    except AssertionError:
+        print(f"rank {os.environ['RANK']} cannot parse", file=sys.stderr, flush=True)
+from dhelix.cli.main import leave, main
+leave(main(sys.argv[1:]))
+'''
+
+
+def test_under_torchrun_rank_0_compiles_once_for_the_world(tmp_path):
+    pytest.importorskip("torch")
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(TORCHRUN_RANK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           str(script), "run", EXAMPLE, "--steps", "2", "--timeout", "30"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert sorted(line for line in done.stderr.splitlines() if line.endswith("cannot parse")) == \
+        [f"rank {rank} cannot parse" for rank in (1, 2, 3)], done.stderr  # the guard bites
+    assert "a rank other than 0 parsed" not in done.stderr
+    assert done.stdout.count("; training, 2 step(s)") == 1, done.stdout
+
+
+def test_under_torchrun_an_error_of_rank_0s_compile_reaches_every_rank_and_is_said_once(tmp_path):
+    # The other ranks wait for rank 0's RunPlan: its error must reach them, not leave them waiting.
+    pytest.importorskip("torch")
+    import os
+    import subprocess
+    import sys
+
+    from conftest import tiny_example_text
+
+    program = tmp_path / "typo.dhx"
+    program.write_text(tiny_example_text().replace("pipeline w_helix", "pipeline w_helx"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                           "-m", "dhelix", "run", str(program), "--steps", "1", "--timeout", "30"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
+    assert done.returncode != 0
+    assert done.stderr.count("w_helx") >= 1 and done.stderr.count("unknown pipeline") == 1, done.stderr
+    # No rank's traceback (torchrun's own report of the failed ranks is torch's code).
+    assert not [line for line in done.stderr.splitlines() if line.lstrip().startswith('File "')
+                and "torch" not in line and "runpy" not in line], done.stderr

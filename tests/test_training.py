@@ -154,7 +154,7 @@ def test_data_on_the_command_line_names_the_flag(tmp_path, capsys):
 # --- the learning rate ----------------------------------------------------------------------
 
 def formula_lr(step: int, peak: float, warmup: int, total: int | None) -> float:
-    """The schedule in closed form (what the run computed before torch's schedulers did):
+    """The schedule written out here, apart from schedule.py:
     linear warm-up, then cosine decay reaching the floor AT the last update (issue 31)."""
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -168,7 +168,7 @@ def formula_lr(step: int, peak: float, warmup: int, total: int | None) -> float:
 
 @pytest.mark.parametrize("warmup, total", [(3, 11), (0, 11), (1, 2), (4, 5), (3, 3), (2, None), (0, None),
                                            (0, 1), (5, 400)])
-def test_the_schedule_is_torch_s_linear_warm_up_then_cosine(warmup, total):
+def test_the_schedule_is_a_linear_warm_up_then_cosine(warmup, total):
     peak = 0.01
     rates = LRSchedule(peak, warmup, total).rates(total or 8)
     for step, rate in enumerate(rates):
@@ -180,6 +180,24 @@ def test_the_schedule_is_torch_s_linear_warm_up_then_cosine(warmup, total):
     # A resumed run's schedule continues the uninterrupted one, to the bit.
     for start in range(len(rates)):
         assert LRSchedule.at(start, peak, warmup, total).lr == rates[start], start
+
+
+def _no_replay(self):
+    raise AssertionError("a resumed schedule stepped through the past updates")
+
+
+def test_a_resume_at_a_large_step_is_positioned_at_once_and_continues_the_schedule(monkeypatch):
+    peak, warmup, total = 3e-4, 2_000, 1_000_000
+    with monkeypatch.context() as patched:
+        patched.setattr(LRSchedule, "advance", _no_replay)  # positioning never steps (a replay took 82 s)
+        last = LRSchedule.at(total - 1, peak, warmup, total)
+        early = LRSchedule.at(total - 1_000, peak, warmup, total)
+    assert last.step == total - 1 and last.lr == pytest.approx(MIN_LR_RATIO * peak, rel=1e-12)
+    assert early.lr == pytest.approx(formula_lr(total - 1_000, peak, warmup, total), rel=1e-12)
+    # Stepped on from there, the schedule meets every later resume point to the bit.
+    rates = early.rates(1_000)
+    assert rates == [LRSchedule.at(step, peak, warmup, total).lr for step in range(total - 1_000, total)]
+    assert rates[-1] == last.lr and early.lr == last.lr  # the floor is held past the last update
 
 
 # --- the loop against the reference, checkpoints, export, log (ranks) ---------------------

@@ -12,6 +12,7 @@ import attrs
 
 from dhelix.cli.launch import check_memory, choose_backend
 from dhelix.cli.paths import write_output
+from dhelix.cli.run_options import preflight_data, refuse_data, run_options, warn, write_trace
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.simulator.runplan import plan_run
 from dhelix.interpreter.training.train import EMULATIONS  # torch-free at import
@@ -52,7 +53,6 @@ def check_as_rank(args, program) -> None:
 def run_as_rank(args, text: str, program, choices, outputs: dict) -> int:
     """``dhelix run --as-rank R``: rank R alone in this process (:func:`~dhelix.interpreter.launch.spawn.run_as_rank`),
     then its figures beside the simulator's for its stage."""
-    from dhelix.cli.run import _preflight_data, _refuse_data, _warn, run_options, write_trace
     from dhelix.interpreter.launch import spawn
     from dhelix.interpreter.training import rank_summary, train
 
@@ -60,10 +60,10 @@ def run_as_rank(args, text: str, program, choices, outputs: dict) -> int:
     train.preflight(program, compiled.reference)
     options = attrs.evolve(run_options(args, compiled, choose_backend(args.backend, 1)), as_rank=args.as_rank,
                            emulate=args.emulate_links)
-    _warn(filter(None, [check_memory(program, 1, options.backend, force=args.force)]))
+    warn(filter(None, [check_memory(program, 1, options.backend, force=args.force)]))
     if options.data is not None:
-        _refuse_data(outputs, options.data)
-    _preflight_data(options)
+        refuse_data(outputs, options.data)
+    preflight_data(options)
     print(f"dhelix run: {args.file}: rank {args.as_rank} of {program.mesh.world} alone on "
           f"{'the GPU' if options.backend == 'nccl' else 'the CPU'}, links emulated by {args.emulate_links}; "
           f"{options.steps} step(s)", file=sys.stderr if args.json else sys.stdout, flush=True)

@@ -35,6 +35,13 @@ def check_launch_numbers(args) -> None:
     check_options(args, ["timeout", "nproc"])
 
 
+def torchrun_world() -> tuple[int, int] | None:
+    """(rank, world size) when this process is a rank of a torchrun world, else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
 def local_ranks(args, program, torchrun: bool) -> int:
     """How many ranks this machine runs: torchrun's ``LOCAL_WORLD_SIZE`` under torchrun, else
     ``--nproc`` (which must equal the mesh's world size) or the world size."""

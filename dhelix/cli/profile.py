@@ -18,12 +18,13 @@ profile it names, and must be a ``.yaml`` file that can be written (exit code 2)
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks
+from dhelix.cli.launch import add_launch_arguments, check_launch_numbers, choose_backend, local_ranks, torchrun_world
 from dhelix.cli.options import value_of
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs, write_output
 from dhelix.cli.as_rank import add_as_rank_arguments, check_as_rank
@@ -59,17 +60,21 @@ def cmd_profile(args) -> int:
         raise UsageError("--repeats must be at least 1")
     check_launch_numbers(args)
     text = read_source(args.file)
-    program = for_measuring(text, args.file)  # a stale measured profile is what this replaces
-    require_model(program, args.file)
+    world = torchrun_world()
+    hosted = None  # the env:// store, when this process hosts it for the compile handed over
+    if world is not None and args.as_rank is None:
+        # One compile for the whole world: global rank 0's, handed to the others (store.py).
+        from dhelix.interpreter.launch import store
+
+        build = functools.partial(_compile, args, text)
+        compiled, hosted = store.compiled_once(build, world, "profile", args.timeout)
+    else:
+        compiled = _compile(args, text)
+    program = compiled.program
     from dhelix.interpreter.measure import profile_launch
     from dhelix.interpreter.launch import spawn
 
     out = _output(args, program, profile_launch.host_name())
-    from dhelix.interpreter.training import train
-
-    check_as_rank(args, program)
-    compiled = measuring_plan(program, args.file)
-    train.preflight(program, compiled.reference)
     alone = args.as_rank is not None
     placed = None if alone else spawn.torchrun_rank(program)
     nproc = 1 if alone else local_ranks(args, program, torchrun=placed is not None)
@@ -86,7 +91,7 @@ def cmd_profile(args) -> int:
         samples = spawn.run_as_rank(options, profile_launch.measure_layer)
     elif placed is not None:
         samples = spawn.run_rank(options, *placed, profile_launch.measure_layer,
-                                 gpus_per_node=program.mesh.gpus_per_node)
+                                 gpus_per_node=program.mesh.gpus_per_node, host=hosted)
     else:
         samples = spawn.run_local(options, nproc, profile_launch.measure_layer)
     if samples is None:  # not global rank 0: rank 0 writes the profile
@@ -94,6 +99,20 @@ def cmd_profile(args) -> int:
     profile = write_profile(out, program, options, samples, command, profile_launch.host_name())
     print(summary(args.file, out, program, options, samples, profile))
     return 0
+
+
+def _compile(args, text: str):
+    """The RunPlan ``dhelix profile`` measures (:func:`measuring_plan`), checked: a model,
+    ``--as-rank``, a program the interpreter can run (under torchrun, global rank 0's command
+    runs this for the whole world)."""
+    from dhelix.interpreter.training import train
+
+    program = for_measuring(text, args.file)  # a stale measured profile is what this replaces
+    require_model(program, args.file)
+    check_as_rank(args, program)
+    compiled = measuring_plan(program, args.file)
+    train.preflight(program, compiled.reference)
+    return compiled
 
 
 def _output(args, program, host: str) -> Path:

@@ -25,6 +25,7 @@ imported only when the command runs, so registering it keeps ``dhelix check`` to
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -34,12 +35,13 @@ import attrs
 
 from dhelix.cli.as_rank import add_as_rank_arguments, check_as_rank, run_as_rank
 from dhelix.cli.launch import (add_launch_arguments, backend_without_torch, check_launch_numbers, check_memory,
-                               choose_backend, local_ranks)
+                               choose_backend, local_ranks, torchrun_world)
 from dhelix.cli.paths import output_folder, output_path, program_inputs, refuse_inputs, write_output
+from dhelix.cli.run_options import preflight_data, refuse_data, reporter, run_options, warn, write_trace
 from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
 from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.frontend.imports import read_source
-from dhelix.cli.options import add_options, check_options, run_values
+from dhelix.cli.options import add_options, check_options
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.frontend.profilecheck import undeclared_links
 from dhelix.dsl.passes.axisuse import unused_axes
@@ -47,7 +49,6 @@ from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.simulator.launch import priced_program
 from dhelix.dsl.planner.si_plan import SIMode
 from dhelix.dsl.simulator.runplan import build_run_plan, plan_run
-from dhelix.dsl.render.trace import trace_json
 from dhelix.interpreter.training.steplog import refuse_earlier_log
 
 
@@ -120,21 +121,7 @@ def _reported_elsewhere(exc: DhelixError, started: bool) -> bool:
         return False
     if getattr(exc, "reported_by_rank_0", False):  # the placement, a non-finite step
         return rank != "0"
-    return not started and not _reporter()
-
-
-def _reporter() -> bool:
-    """Whether this process prints what every process meets before the ranks join (errors,
-    warnings): outside torchrun, or as a node's local rank 0 under it."""
-    rank = os.environ.get("RANK")
-    return rank is None or "WORLD_SIZE" not in os.environ or os.environ.get("LOCAL_RANK", rank) == "0"
-
-
-def _warn(warnings) -> None:
-    """Print ``warnings`` (DhelixWarning, or lines) on standard error, once per node."""
-    if _reporter():
-        for warning in warnings:
-            print(warning if isinstance(warning, str) else warning.render(), file=sys.stderr)
+    return not started and not reporter()
 
 
 def _run(args, started: list, held: contextlib.ExitStack) -> int:
@@ -157,26 +144,29 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
         raise UsageError(f"{' and '.join(outputs)} name the same file; give each its own")
     _say_first(args)
     text = read_source(args.file)
-    program, choices = priced_program(text, args.file, args.profile)
-    require_model(program, args.file)
-    check_as_rank(args, program)
-    for flag, path in outputs.items():
-        refuse_inputs(path, flag, program_inputs(program))
-    _warn([*unused_axes(program), *undeclared_links(program)])
-    for problem in unrunnable(program):  # check warns; a run cannot go on
-        raise DhelixError(problem.message, problem.span, problem.notes)
-    if args.as_rank is not None:
-        return run_as_rank(args, text, program, choices, outputs)
-    fits = _check_memory_early(args, program)  # before torch is imported and the SI blocks planned
-    from dhelix.interpreter.launch import spawn
+    world = torchrun_world()
+    hosted = None  # the env:// store, when this process hosts it for the compile handed over
+    if world is not None and args.as_rank is None:
+        # One compile for the whole world: global rank 0's, handed to the others (store.py).
+        from dhelix.interpreter.launch import store
 
-    if "WORLD_SIZE" not in os.environ:  # local ranks: their process server loads torch meanwhile
-        spawn.warm_up_ranks()
+        build = functools.partial(_compile, args, text, outputs)
+        compiled, hosted = store.compiled_once(build, world, "run", args.timeout)
+        program = compiled.program
+        fits = _check_memory_early(args, program)  # this node's memory, on every node
+        from dhelix.interpreter.launch import spawn
+        from dhelix.interpreter.training import train
+    else:
+        program, choices = _checked_program(args, text, outputs)
+        if args.as_rank is not None:
+            return run_as_rank(args, text, program, choices, outputs)
+        fits = _check_memory_early(args, program)  # before torch is imported and the SI blocks planned
+        from dhelix.interpreter.launch import spawn
 
-    from dhelix.interpreter.training import train
+        spawn.warm_up_ranks()  # local ranks: their process server loads torch meanwhile
+        from dhelix.interpreter.training import train
 
-    compiled = plan_run(program, args.file, choices, mode=args.si_plan, interleave=args.si, text=text)
-    train.preflight(program, compiled.reference)
+        compiled = _planned(args, text, program, choices)
     placed = spawn.torchrun_rank(program)
     if args.topology == "measured" and placed is None:
         raise UsageError("--topology measured applies under torchrun: the local launcher's ranks share this "
@@ -187,29 +177,36 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
         raise UsageError(f"{'--tokenizer' if args.tokenizer else '--eval-data'} goes with training data: give --data, "
                          "or a train block's data")
     if not fits:  # the backend needed torch to tell
-        _warn(filter(None, [check_memory(program, nproc, options.backend, force=args.force)]))
+        warn(filter(None, [check_memory(program, nproc, options.backend, force=args.force)]))
     for given in (options.data, options.eval_data):
         if given is not None:
-            _refuse_data(outputs, given)
+            refuse_data(outputs, given)
     if "--log" in outputs:  # an earlier run's log only when continuing that run
         try:
             refuse_earlier_log(outputs["--log"], continuing)
         except UsageError as exc:
             raise UsageError(f"--log {exc.message}", notes=[*exc.notes, "--resume continues that run and its log"]) from None
-    _preflight_data(options, verified)
-    _print_header(program, options, args, placed, nproc, choices)
+    preflight_data(options, verified)
+    _print_header(program, options, args, placed, nproc, compiled.choices)
     started.append(True)
     if placed is not None:
+        replanned = {}
+
         def replan(options, gpus_per_node: int):
-            # The measured nodes decide the lanes: compiled again here, in the command (under
-            # torchrun this process is the rank), before the rank runs anything.
-            return attrs.evolve(options, compiled=build_run_plan(
-                text, args.file, profile=args.profile, gpus_per_node=gpus_per_node, mode=args.si_plan,
-                interleave=args.si))
+            # The measured nodes decide the lanes: compiled again, once for the world (rank 0's,
+            # handed over), before the rank runs anything.
+            if gpus_per_node not in replanned:
+                from dhelix.interpreter.launch import store
+
+                build = functools.partial(build_run_plan, text, args.file, profile=args.profile,
+                                          gpus_per_node=gpus_per_node, mode=args.si_plan, interleave=args.si)
+                replanned[gpus_per_node] = store.from_rank_0(build, *placed, f"run-{gpus_per_node}-per-node",
+                                                             store.env_address())
+            return attrs.evolve(options, compiled=replanned[gpus_per_node])
 
         assert program.mesh is not None  # a model file
         result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node,
-                                replan=replan)
+                                replan=replan, host=hosted)
     else:
         result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run
@@ -220,10 +217,42 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
                   as_json=args.json)
 
 
+def _checked_program(args, text: str, outputs: dict) -> tuple:
+    """The priced program of ``text`` and the choices made (:func:`priced_program`), checked
+    for a run: a model, ``--as-rank``, outputs that are no input, what the interpreter cannot
+    run (raised), warnings printed."""
+    program, choices = priced_program(text, args.file, args.profile)
+    require_model(program, args.file)
+    check_as_rank(args, program)
+    for flag, path in outputs.items():
+        refuse_inputs(path, flag, program_inputs(program))
+    warn([*unused_axes(program), *undeclared_links(program)])
+    for problem in unrunnable(program):  # check warns; a run cannot go on
+        raise DhelixError(problem.message, problem.span, problem.notes)
+    return program, choices
+
+
+def _planned(args, text: str, program, choices: tuple):
+    """The RunPlan of the checked ``program`` (its SI blocks planned), which the interpreter
+    can run (:func:`~dhelix.interpreter.training.train.preflight`)."""
+    from dhelix.interpreter.training import train
+
+    compiled = plan_run(program, args.file, choices, mode=args.si_plan, interleave=args.si, text=text)
+    train.preflight(program, compiled.reference)
+    return compiled
+
+
+def _compile(args, text: str, outputs: dict):
+    """The run compiled: :func:`_checked_program`, then :func:`_planned` (under torchrun,
+    global rank 0's command runs this for the whole world)."""
+    program, choices = _checked_program(args, text, outputs)
+    return _planned(args, text, program, choices)
+
+
 def _say_first(args) -> None:
     """The command's first line, at once: what it does before any rank starts (compiling a
     paper-scale program takes seconds); standard error with ``--json``; once per node."""
-    if _reporter():
+    if reporter():
         print(f"dhelix run: {args.file}: compiling, then checking that it fits this machine's memory before any "
               "rank starts", file=sys.stderr if args.json else sys.stdout, flush=True)
 
@@ -236,7 +265,7 @@ def _check_memory_early(args, program) -> bool:
         return False
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun else local_ranks(args, program, torchrun=False)
-    _warn(filter(None, [check_memory(program, local, "gloo", force=args.force)]))
+    warn(filter(None, [check_memory(program, local, "gloo", force=args.force)]))
     return True
 
 
@@ -265,7 +294,7 @@ def _print_header(program, options, args, placed, nproc: int, choices=()) -> Non
     once per node."""
     from dhelix.interpreter.training import summary
 
-    if not _reporter():
+    if not reporter():
         return
     ranks = program.mesh.world if placed is not None else nproc
     line = summary.run_header(args.file, program.pipeline.name, summary.describe_mesh(program.mesh), ranks,
@@ -314,23 +343,6 @@ def _save_folder(text: str, resume: str | None, held: contextlib.ExitStack) -> P
     return path
 
 
-def _refuse_data(outputs: dict, data) -> None:
-    """UsageError when an output would overwrite the training data: a file output that is a
-    data file, or a checkpoint folder that holds data files."""
-    from dhelix.interpreter.training.data import data_files
-
-    files = data_files(data)
-    for flag, path in outputs.items():
-        if flag != "--save":
-            refuse_inputs(path, flag, files)
-            continue
-        folder = os.path.realpath(path)
-        inside = [f for f in files if os.path.realpath(f).startswith(folder + os.sep) or os.path.realpath(f) == folder]
-        if inside:
-            raise UsageError(f"--save {path}: the folder holds the training data ('{inside[0]}'); the checkpoints "
-                             "would be mixed with it; give another folder")
-
-
 def _resume_auto(save: str | None) -> tuple[str | None, list]:
     """``--resume auto``: the newest intact save in ``--save DIR`` (damaged saves skipped,
     each with a warning) and what verifying it said, or (None, []) to start afresh; says
@@ -344,112 +356,12 @@ def _resume_auto(save: str | None) -> tuple[str | None, list]:
     root = Path(save)
     for folder, warnings, damage in intact_saves(root) if root.is_dir() else ():
         if damage is not None:
-            _warn([DhelixWarning(f"--resume auto: {damage.message}; this save is skipped", notes=damage.notes)])
+            warn([DhelixWarning(f"--resume auto: {damage.message}; this save is skipped", notes=damage.notes)])
             continue
-        _warn([f"dhelix run: --resume auto: continuing from {folder}"])
+        warn([f"dhelix run: --resume auto: continuing from {folder}"])
         return str(folder), warnings
-    _warn([f"dhelix run: --resume auto: no save in {save} yet; starting from the first step"])
+    warn([f"dhelix run: --resume auto: no save in {save} yet; starting from the first step"])
     return None, []
-
-
-def _preflight_data(options, verified: list | None = None) -> None:
-    """Read the data and the checkpoint to resume before any rank starts, so that their
-    errors come once, located, and not from every rank; the save resumed from is checked
-    against its manifest unless ``verified`` (what checking it already said) is given."""
-    from dhelix.interpreter.training import checkpoint, data
-    from dhelix.interpreter.ops.weights import WeightPlan
-
-    program = options.compiled.program
-    if options.init is not None:  # every tensor's presence and shape
-        WeightPlan(program, options.seed, options.compiled.reference, hf=options.init)
-    sequences = program.train.micro_batch * program.train.microbatches * program.mesh.size("dp")
-    corpus = None
-    if options.data is not None:
-        corpus = data.load_corpus(options.data, program.model.get("vocab"), program.model.get("seq"),
-                                  options.eval_data)
-        _warn(filter(None, [data.short_data(options.data, corpus, sequences)]))
-    if options.resume is not None:
-        _warn(checkpoint.verify(checkpoint.resolve(options.resume)) if verified is None else verified)
-        _, meta = checkpoint.latest(options.resume)
-        plan = WeightPlan(program, options.seed, options.compiled.reference)
-        checkpoint.check_fits(options.resume, meta, plan, sequences)
-        if meta["step"] >= options.steps:
-            raise UsageError(f"--resume {options.resume}: the checkpoint is at step {meta['step']}, and this run "
-                             f"has {options.steps} steps in all; give --steps above {meta['step']}")
-        saved = (meta.get("data") or {}).get("fingerprint") or {}
-        _warn(resume_differences(meta, options, data.fingerprint(corpus, sampled="hashed" not in saved)))
-
-
-def resume_differences(meta: dict, options, fingerprint: dict | None = None) -> list:
-    """Warnings (DhelixWarning) for what a resumed run changes from the saved one: the seed
-    (the data order), the training data (``fingerprint``, this run's
-    :func:`~dhelix.interpreter.training.data.fingerprint`, against the saved one) and each
-    setting of the learning-rate schedule the checkpoint stored."""
-    from dhelix.dsl.core.errors import DhelixWarning
-    from dhelix.interpreter.training.data import FINGERPRINT_SAMPLES
-
-    found = []
-    saved = (meta.get("data") or {}).get("fingerprint")
-    same = fingerprint is not None and saved is not None and all(
-        saved.get(key) == fingerprint.get(key) for key in ("windows", "sha256"))
-    if saved is not None and not same:
-        now = "seeded random tokens" if fingerprint is None else f"{fingerprint['windows']} windows"
-        hashed = saved.get("hashed", f"{FINGERPRINT_SAMPLES} sampled windows")
-        compared = ("the window count and a SHA-256 of every training token" if hashed == "all" else
-                    f"the window count and a SHA-256 of {hashed} (the saved run's dhelix fingerprinted no more)")
-        found.append(DhelixWarning(
-            f"--resume {options.resume}: the training data differs from the saved run's ({saved['windows']} "
-            f"windows, fingerprint {saved['sha256']}; now {now}"
-            + ("" if fingerprint is None else f", fingerprint {fingerprint['sha256']}") + ")",
-            notes=[f"compared: {compared}",
-                   "the steps continue by number over other data; give the saved run's --data to continue it"]))
-    if meta.get("seed") is not None and meta["seed"] != options.seed:
-        found.append(DhelixWarning(f"--resume {options.resume}: the run was saved with seed {meta['seed']}, this one "
-                                   f"has {options.seed}; the data order changes from here",
-                                   notes=[f"give --seed {meta['seed']} to continue the same run"]))
-    found += _blend_differences(meta, options)
-    saved, now = meta.get("schedule") or {}, options.schedule()
-    changed = [f"{key} {saved[key]} → {now[key]}" for key in now if key in saved and saved[key] != now[key]]
-    if changed:
-        found.append(DhelixWarning(f"--resume {options.resume}: the learning-rate schedule differs from the saved "
-                                   f"run's ({'; '.join(changed)})",
-                                   notes=["the resumed steps follow this run's options; give the saved ones to "
-                                          "continue the same trajectory"]))
-    return found
-
-
-def _blend_differences(meta: dict, options) -> list:
-    """A warning (DhelixWarning) when the resumed run's data blend is not the saved one's."""
-    from dhelix.dsl.core.errors import DhelixWarning
-    from dhelix.interpreter.training.data import Blend
-
-    saved = (meta.get("data") or {}).get("blend")
-    now = options.data.describe() if isinstance(options.data, Blend) else None
-    if saved is None or now is None or saved == now:
-        return []
-    return [DhelixWarning(f"--resume {options.resume}: the data blend differs from the saved run's (sources "
-                          f"{' '.join(saved['sources'])}, weights {saved['weights'] or 'by size'}); its order is "
-                          "drawn again from the first step with this run's sources and weights",
-                          notes=["give the saved blend to continue where each source stood"])]
-
-
-def run_options(args, compiled, backend: str):
-    """The interpreter's RunOptions from the command line, the program's train block and
-    the run ``compiled`` once (a :class:`~dhelix.dsl.simulator.runplan.RunPlan`): every
-    declared run option by :func:`~dhelix.cli.options.value_of`, then what the command computes
-    (the data's specs, absolute paths, ZeRO-1 from the train block's ``zero``)."""
-    from dhelix.interpreter.training import data, train
-
-    program = compiled.program
-    values = run_values(args, program.train)
-    values.update(
-        zero1=values["zero1"] or program.train.zero >= 1,
-        init=str(Path(args.init).resolve()) if args.init else None,
-        data=data.data_spec(program, args.file, args.data, "--data", args.tokenizer),
-        eval_data=data.DataSpec(str(Path(args.eval_data).resolve()), flag="--eval-data",
-                                tokenizer=str(Path(args.tokenizer).resolve()) if args.tokenizer else None)
-        if args.eval_data else None)
-    return train.RunOptions(**values, path=args.file, compiled=compiled, backend=backend)
 
 
 def report(program, options, result, trace: Path | None, metrics: Path | None = None, *,
@@ -524,10 +436,3 @@ def _report_training(options, result, out) -> None:
         print(f"log: {options.log} (one JSON line per step and per evaluation; {scalars})", file=out)
 
 
-def write_trace(path: Path, program, options, result) -> None:
-    """Write the Chrome trace of a run's ``result`` (every rank's events, measured) to
-    ``path``; UsageError if it cannot be written."""
-    metadata = {"source": options.path, "program": program.model.name, "schedule": program.pipeline.name,
-                "backend": options.backend, "si": options.si, "si_plan": options.plan, "zero1": options.zero1,
-                "steps": options.steps, "measured": "dhelix run: a process per rank, a thread per lane"}
-    write_output(path, trace_json(result.events, metadata=metadata))

@@ -20,10 +20,11 @@ import sys
 
 import attrs
 
+from dhelix.cli.launch import torchrun_world
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.cli.paths import output_path, program_inputs, write_output
 from dhelix.cli.tune_measure import (add_measure_arguments, check_launchable, check_measure_numbers, format_measurement,
-                                     kept_steps, measure_top, measurement_json, torchrun_world)
+                                     kept_steps, measure_top, measurement_json)
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.frontend.imports import load_modules, read_source

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 
 import attrs
 
+from dhelix.cli.launch import torchrun_world
 from dhelix.dsl.core.errors import DhelixError, UsageError, first_message
 from dhelix.dsl.core.table import format_table
 from dhelix.dsl.search.explain import differences
@@ -70,13 +71,6 @@ def check_measure_numbers(args) -> None:
         raise UsageError(f"--measure-steps must be between 2 and {MAX_STEPS} (the first warms up), got {steps}")
     args.measure_steps = steps
     args.top = max(args.top, args.measure)
-
-
-def torchrun_world() -> tuple[int, int] | None:
-    """(rank, world size) when this process is a rank of a torchrun world, else None."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def check_launchable(program, world: int, budget: float | None) -> None:

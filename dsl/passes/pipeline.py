@@ -210,13 +210,19 @@ def rerun(program: Program, after: str, stop: str = STAGE_NAMES[-1]) -> Program:
     survives, not even past ``stop``. A field that a pass after ``after`` rewrites (the
     forward DAG: partition, autodiff under ZeRO-3) no longer holds what the stage that made
     it left, so the passes run again from that stage. ``after`` is ``check`` or a later stage
-    (ValueError otherwise: a caller bug). Raises the passes' located errors.
+    (ValueError otherwise: a caller bug). When the names the layer's expressions see
+    (``env``: the model's sizes, the mesh, the micro-batches) are no longer what the shapes
+    pass made of the program, the passes run again from shapes, so that the result equals a
+    fresh run of the changed program, whole. Raises the passes' located errors.
     """
     first = STAGE_NAMES.index(after) + 1
     if first < _FIRST_PASS:
         raise ValueError(f"rerun after '{after}': the passes start after '{STAGE_NAMES[_FIRST_PASS - 1]}'")
     rewritten = {field for stage in STAGES[first:] for field in stage.produces}
     first = next((i for i, stage in enumerate(STAGES[:first]) if set(stage.produces) & rewritten), first)
+    shaped = STAGE_NAMES.index("shapes")
+    if first > shaped and program.model is not None and program.env != _layer_names(program):
+        first = shaped  # the names the layer sees changed (micro-batches, sizes): its DAGs are derived again
     defaults = attrs.fields_dict(Program)
     cleared: dict[str, Any] = {field: defaults[field].default for stage in STAGES[first:] for field in stage.produces}
     program = attrs.evolve(program, **cleared)
@@ -224,6 +230,11 @@ def rerun(program: Program, after: str, stop: str = STAGE_NAMES[-1]) -> Program:
         assert stage.run is not None, "the stages after check are passes"
         program = stage.run(program)
     return program
+
+
+def _layer_names(program: Program) -> tuple[tuple[str, int], ...]:
+    """The ``env`` the shapes pass gives ``program`` now (its model, mesh and train block)."""
+    return tuple(layer_env(program.model, program.mesh, program.train).items())
 
 
 def check_text(text: str, path: str) -> Program:

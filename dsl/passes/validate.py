@@ -57,6 +57,31 @@ def transfer_key(lowered: Lowered, rank: int, transfer: Transfer) -> tuple | Non
     return (transfer.data, transfer.microbatch, stage)
 
 
+def check_fifo(lowered: Lowered) -> list[str]:
+    """The pairs of ranks whose sends and receives come in different orders (empty: none).
+
+    Each problem names the sender, the receiver and the first position that differs. A
+    backend that matches point-to-point messages in posting order needs an empty list.
+    """
+    sent: dict[tuple[int, int], list] = defaultdict(list)
+    received: dict[tuple[int, int], list] = defaultdict(list)
+    for rank, row in enumerate(lowered.actions):
+        for action in row:
+            if isinstance(action, Transfer):
+                pair = (rank, action.peer) if action.kind == "SEND" else (action.peer, rank)
+                book = sent if action.kind == "SEND" else received
+                book[pair].append((transfer_key(lowered, rank, action), str(action)))
+    problems = []
+    for pair in sorted(set(sent) | set(received)):
+        sends, recvs = sent.get(pair, []), received.get(pair, [])
+        for position, (send, recv) in enumerate(zip(sends, recvs)):
+            if send[0] != recv[0]:
+                problems.append(f"rank {pair[0]} sends {send[1]} as message {position} to rank "
+                                f"{pair[1]}, which receives {recv[1]} there")
+                break
+    return problems
+
+
 def dry_run(lowered: Lowered) -> list[tuple[int, int]]:
     """Step every rank with eager sends and blocking receives; return the (rank, step) order.
 

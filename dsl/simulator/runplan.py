@@ -17,6 +17,10 @@ typed form per mode:
   every (forward layers, backward layers) the program's blocks can have; the ranks run its
   issue order, the simulator prices its make-span.
 
+It also holds :class:`ExecFacts`, what each rank's executor reads of the program (the B and
+W actions' ops, selective recomputation's drops, the SI pairs checked, the transfers' keys
+and order), derived here once rather than by every rank.
+
 :func:`price` simulates the run from that same object, so what was priced is what the ranks
 run. A RunPlan is frozen and picklable (spawned ranks receive it).
 """
@@ -27,13 +31,16 @@ from typing import ClassVar
 
 import attrs
 
+from dhelix.dsl.core.oplib import in_weight_pass, selective_drops
 from dhelix.dsl.core.plan import Plan
-from dhelix.dsl.core.program import LayerDag, Program
+from dhelix.dsl.core.program import LayerDag, Op, Program
+from dhelix.dsl.core.schedule import Transfer
 from dhelix.dsl.passes.overrides import reference_dags
+from dhelix.dsl.passes.validate import check_fifo, transfer_key
 from dhelix.dsl.planner.blockorder import BlockIssue, BlockSchedule
 from dhelix.dsl.planner.pair_order import BlockOrder
-from dhelix.dsl.planner.si_plan import (PLANS, PlanFn, SegmentPlan, SIMode, backward_ops, fixed_plan, has_si_blocks,
-                                        sequential_plan)
+from dhelix.dsl.planner.si_plan import (PLANS, PlanFn, SegmentPlan, SIMode, backward_ops, check_plan, fixed_plan,
+                                        has_si_blocks, sequential_plan)
 from dhelix.dsl.simulator.events import Simulation, block_scheduler, schedule_plan, simulate
 from dhelix.dsl.simulator.launch import priced_program
 from dhelix.dsl.simulator.si_pairs import interleaves
@@ -92,6 +99,40 @@ class BlockOrders:
 SIPlan = SegmentPairs | BlockOrders
 
 
+@attrs.frozen
+class ExecFacts:
+    """What each rank's executor reads of the program, derived once: the ops a B action runs
+    (without the wgrads a split schedule moves to W) and those a W action runs, the forward
+    ops whose outputs selective recomputation drops (none without it) and the SI plan's
+    segment pairs, checked to run every op of both DAGs once, each after what it reads; per
+    pipeline rank, what each of its SEND and RECV actions carries (``transfer_keys``: the
+    action and its :func:`~dhelix.dsl.passes.validate.transfer_key`); and where the
+    schedule's sends and receives between two ranks come in different orders (``fifo``:
+    :func:`~dhelix.dsl.passes.validate.check_fifo`, which a backend without tags refuses)."""
+
+    backward_ops: tuple[Op, ...]
+    weight_ops: tuple[Op, ...]
+    selective: tuple[str, ...]
+    pairs: SegmentPlan
+    transfer_keys: tuple[tuple[tuple[Transfer, tuple | None], ...], ...] = ()
+    fifo: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, program: Program, plan_for: PlanFn = sequential_plan) -> "ExecFacts":
+        """The facts of ``program`` (through every pass, with a model) whose SI blocks pair
+        as ``plan_for`` says. Raises ValueError for a plan that does not cover both DAGs once
+        in an order they allow (a bug of the planner, not the user's)."""
+        forward, backward, split = program.forward, program.backward, program.lowered.split
+        weight = tuple(op for op in backward.ops if in_weight_pass(op))
+        pairs = plan_for(forward, backward)
+        check_plan(pairs, forward, backward, {op.name for op in weight} if split else set())
+        selective = selective_drops(forward.ops, backward.ops) if program.train.recompute == "selective" else ()
+        lowered = program.lowered
+        keys = tuple(tuple((action, transfer_key(lowered, rank, action)) for action in row
+                           if isinstance(action, Transfer)) for rank, row in enumerate(lowered.actions))
+        return cls(backward_ops(backward, split), weight, selective, pairs, keys, tuple(check_fifo(lowered)))
+
+
 @attrs.frozen(kw_only=True)
 class RunPlan:
     """A run compiled once: the source ``path``, the priced ``program`` (every pass run),
@@ -107,6 +148,8 @@ class RunPlan:
     interleave: bool = True
     choices: tuple = ()
     text: str = ""
+    #: What the ranks' executors read of the program (:class:`ExecFacts`), derived here.
+    facts: ExecFacts | None = None
 
     @property
     def mode(self) -> SIMode:
@@ -132,16 +175,18 @@ def plan_run(program: Program, path: str, choices: tuple = (), *, mode: SIMode =
     False or the train block says ``si = off``; ``text`` is its source."""
     mode = SIMode(mode)
     interleave = interleave and interleaves(program)  # `--no-si` or the train block's si = off
-    return RunPlan(path=path, program=program, reference=reference_dags(program),
-                   si=choose_si(program, mode, interleave), interleave=interleave, choices=choices, text=text)
+    si = choose_si(program, mode, interleave)
+    return RunPlan(path=path, program=program, reference=reference_dags(program), si=si, interleave=interleave,
+                   choices=choices, text=text, facts=ExecFacts.of(program, si.plan_for()))
 
 
 def measuring_plan(program: Program, path: str) -> RunPlan:
     """The RunPlan ``dhelix profile`` measures: ``program`` (the file ``path``, with a model)
     as :func:`~dhelix.dsl.passes.overrides.for_measuring` checked it, its profile's measured
     section set aside; nothing planned, no interleaving."""
-    return RunPlan(path=path, program=program, reference=reference_dags(program),
-                   si=_unplanned(program, SIMode.SEQUENTIAL), interleave=False)
+    si = _unplanned(program, SIMode.SEQUENTIAL)
+    return RunPlan(path=path, program=program, reference=reference_dags(program), si=si, interleave=False,
+                   facts=ExecFacts.of(program, si.plan_for()))
 
 
 def choose_si(program: Program, mode: SIMode, interleave: bool = True) -> SIPlan:

@@ -34,21 +34,20 @@ import attrs
 import torch
 
 from dhelix.dsl.core.errors import ScheduleError
-from dhelix.dsl.core.oplib import in_weight_pass, selective_drops
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
-from dhelix.dsl.passes.validate import transfer_key
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
 from dhelix.interpreter.ops.fsdp import FlatShards
 from .layer_exec import EmbedRun, GradStore, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads
 from dhelix.dsl.planner.pair_order import BlockOrder
-from .pipeline_comm import PipelineComm, check_fifo
+from .pipeline_comm import PipelineComm
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
 from .si import Filler, LayerChain, alone_order, check_orders, run_alone, run_interleaved, run_scheduled
-from dhelix.dsl.planner.si_plan import PlanFn, backward_ops, check_plan, sequential_plan
+from dhelix.dsl.planner.si_plan import PlanFn, sequential_plan
+from dhelix.dsl.simulator.runplan import ExecFacts
 from dhelix.interpreter.ops.weights import (EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, tie_grads,
                                              torch_dtype)
 
@@ -124,6 +123,10 @@ class Executor:
     :attr:`~dhelix.dsl.simulator.runplan.RunPlan.reference`; see :class:`~.weights.WeightPlan`).
     ``issue_order`` is the issue orders of ``plan_for``'s pairs the RunPlan computed
     (:meth:`~dhelix.dsl.simulator.runplan.SegmentPairs.issue_order`; None: ordered here).
+    ``facts`` is what the executor reads of the program — the B and W actions' ops, selective
+    recomputation's drops, ``plan_for``'s pairs checked, the transfers' keys and their
+    order between ranks — as the RunPlan derived it in the
+    command (:class:`~dhelix.dsl.simulator.runplan.ExecFacts`); None: derived here.
     """
 
     def __init__(self, program: Program, comm: Communicator, *, seed: int = 0, device="cpu",
@@ -132,7 +135,7 @@ class Executor:
                  pair_barrier: bool | None = None, block_orders: dict | None = None,
                  reference: tuple | None = None, init: str | None = None,
                  optimizer: Callable[["Executor"], object] | None = None, issue_order: BlockOrder | None = None,
-                 stand_in_weights: bool = False):
+                 stand_in_weights: bool = False, facts: ExecFacts | None = None):
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
@@ -144,16 +147,14 @@ class Executor:
         self.weights = WeightPlan(program, seed, reference, hf=init, stand_in=stand_in_weights)
         self.index = {axis: comm.index(axis) for axis in AXES}
         self.layer_plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
-        self.b_ops = backward_ops(program.backward, self.lowered.split)
+        # The RunPlan's facts (derived once, in the command), else derived here from plan_for.
+        facts = facts if facts is not None else ExecFacts.of(program, plan_for)
+        self.b_ops, self.w_ops = facts.backward_ops, facts.weight_ops
         #: Selective recomputation: the forward ops whose outputs each layer drops until its backward.
-        self.selective = selective_drops(program.forward.ops, program.backward.ops) \
-            if program.train.recompute == "selective" else ()
-        self.w_ops = tuple(op for op in program.backward.ops if in_weight_pass(op))
+        self.selective = facts.selective
         #: The issue orders of a forward and of a backward layer run alone (F, B), made once.
         self.alone = (alone_order(program.forward.ops, True), alone_order(self.b_ops, False))
-        self.plan = plan_for(program.forward, program.backward)
-        optional = {op.name for op in self.w_ops} if self.lowered.split else set()
-        check_plan(self.plan, program.forward, program.backward, optional)
+        self.plan = facts.pairs
         barrier = self.device.type == "cuda" if pair_barrier is None else pair_barrier
         #: The block scheduler's orders by (forward layers, backward layers): SI blocks run
         #: whole in that order (:func:`.si.run_scheduled`) instead of pair by pair; None.
@@ -167,9 +168,11 @@ class Executor:
             self.plan, program.forward.ops, self.b_ops, barrier, (program.forward.output, program.backward.output))
         if issue_order is not None and (issue_order.plan != self.plan or issue_order.barrier != barrier):
             raise ValueError("the issue orders given are of another SI plan or pair barrier than this executor's")
-        if not use_tags and check_fifo(self.lowered):
+        if not use_tags and facts.fifo:
             raise ValueError("this backend matches messages in order, but the schedule's transfers "
-                             f"are not in the same order on both sides: {check_fifo(self.lowered)[0]}")
+                             f"are not in the same order on both sides: {facts.fifo[0]}")
+        #: What each SEND and RECV of this rank carries (data, micro-batch, producing stage).
+        self.transfer_keys = dict(facts.transfer_keys[self.pp])
         self.p2p = PipelineComm(self.comm, self.lowered, use_tags,
                                 lambda pending, name: self._timed_recv(pending, name))
         self.params: dict[str, torch.Tensor] = {}
@@ -585,12 +588,12 @@ class Executor:
 
     def run_send(self, action: Transfer) -> None:
         """SEND: queue the value the previous action left in the mailbox."""
-        key = transfer_key(self.lowered, self.pp, action)
+        key = self.transfer_keys[action]
         self.p2p.send(resolve(self.mailbox.pop(key)), action, key)
 
     def run_recv(self, action: Transfer) -> None:
         """RECV: queue a receive; the consuming action finds it in the mailbox."""
-        key = transfer_key(self.lowered, self.pp, action)
+        key = self.transfer_keys[action]
         shape = self.program.forward.input_shape
         self.mailbox[key] = self.p2p.recv(shape, self.dtype, self.device, action, key)
 

@@ -10,18 +10,15 @@ a receive is a :class:`~.comm.Pending` that the consuming action waits for.
 Matching: gloo takes a tag per message, so each transfer gets a tag derived from what it
 carries (data, micro-batch, producing stage) and messages match whatever their order. NCCL
 ignores tags inside a batch and matches messages between two ranks in the order they were
-posted; :func:`check_fifo` verifies that every sender's order equals its receiver's, which
+posted; :func:`~dhelix.dsl.passes.validate.check_fifo` verifies that every sender's order equals its receiver's, which
 the executor requires before running a schedule on a backend without tags.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from dhelix.dsl.core.schedule import Lowered, Transfer
-from dhelix.dsl.passes.validate import transfer_key
 
 from dhelix.interpreter.ops.comm import Communicator, Pending
 
@@ -42,31 +39,6 @@ def transfer_tag(lowered: Lowered, key: tuple) -> int:
     """A tag unique within a step for a transfer's key (data, micro-batch, producing stage)."""
     data, microbatch, stage = key
     return (stage * lowered.microbatches + microbatch) * 2 + (data == "B")
-
-
-def check_fifo(lowered: Lowered) -> list[str]:
-    """The pairs of ranks whose sends and receives come in different orders (empty: none).
-
-    Each problem names the sender, the receiver and the first position that differs. A
-    backend that matches point-to-point messages in posting order needs an empty list.
-    """
-    sent: dict[tuple[int, int], list] = defaultdict(list)
-    received: dict[tuple[int, int], list] = defaultdict(list)
-    for rank, row in enumerate(lowered.actions):
-        for action in row:
-            if isinstance(action, Transfer):
-                pair = (rank, action.peer) if action.kind == "SEND" else (action.peer, rank)
-                book = sent if action.kind == "SEND" else received
-                book[pair].append((transfer_key(lowered, rank, action), str(action)))
-    problems = []
-    for pair in sorted(set(sent) | set(received)):
-        sends, recvs = sent.get(pair, []), received.get(pair, [])
-        for position, (send, recv) in enumerate(zip(sends, recvs)):
-            if send[0] != recv[0]:
-                problems.append(f"rank {pair[0]} sends {send[1]} as message {position} to rank "
-                                f"{pair[1]}, which receives {recv[1]} there")
-                break
-    return problems
 
 
 class PipelineComm:

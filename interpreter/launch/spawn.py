@@ -47,6 +47,8 @@ from dhelix.dsl.core.lifetime import die_with_parent
 
 from dhelix.interpreter.training.summary import describe_mesh
 
+from .store import client, env_address, host_env_store
+
 if TYPE_CHECKING:
     from dhelix.interpreter.training.train import RunOptions
 
@@ -432,10 +434,10 @@ def _rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int
         result = run_rank(options, rank, world, work, address=address)
     except DhelixError as exc:
         try:
-            client = _client(address, timeout=5.0)
-            client.set(f"{FAILURE_PREFIX}{rank}", exc.render())
+            store = client(address, timeout=5.0)
+            store.set(f"{FAILURE_PREFIX}{rank}", exc.render())
             kind = "peer" if secondary(exc, rank) else "own"
-            client.set(f"{CAUSE_PREFIX}{rank}", f"{kind} {time.time()!r} {type(exc).__name__}")
+            store.set(f"{CAUSE_PREFIX}{rank}", f"{kind} {time.time()!r} {type(exc).__name__}")
         except Exception:  # the launcher's store is gone: our own stderr is all that is left
             print(exc.render(), file=sys.stderr)
         sys.stderr.flush()
@@ -453,25 +455,10 @@ def _rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int
     os._exit(0)
 
 
-def _client(address: tuple[str, int], timeout: float, prefix: str = ""):
-    """A client of the TCP store at ``address`` (host, port), its keys under ``prefix``. Under
-    torchrun the store outlives a restart (``--max-restarts``): each attempt's keys get a prefix
-    of their own, so that an attempt never reads the addresses and heartbeats of the ranks of
-    one before it."""
-    from datetime import timedelta
-
-    from torch.distributed import PrefixStore, TCPStore
-
-    store = TCPStore(address[0], address[1], None, False, timedelta(seconds=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = store if attempt == "0" else PrefixStore(f"dhelix/attempt-{attempt}/", store)
-    return PrefixStore(prefix, store) if prefix else store
-
-
 # -- one rank ---------------------------------------------------------------------------------
 
 def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, address: tuple[str, int] | None = None,
-             gpus_per_node: int | None = None, replan: Callable | None = None, prefix: str = ""):
+             gpus_per_node: int | None = None, replan: Callable | None = None, prefix: str = "", host=None):
     """Join the world as ``rank`` through the TCP store at ``address`` (the local launcher's)
     or, without one, torchrun's ``env://`` (``MASTER_ADDR``/``MASTER_PORT``); run ``work``
     with a heartbeat (:mod:`.heartbeat`), leave; returns its result (on global rank 0; None
@@ -481,7 +468,9 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
     decide: ``replan(options, measured gpus_per_node)`` (the command's, which compiles the
     run for them) gives the options to run. ``prefix``: the store keys of this world's, for a
     process that joins several worlds one after another on the same store (`tune --measure`
-    under torchrun: one per candidate). Raises
+    under torchrun: one per candidate). ``host``: the ``env://`` store this process hosts
+    already (:func:`.store.host_env_store`, hosted for the compile handed over by rank 0);
+    None: hosted here when this rank must host it. Raises
     what ``work`` raises (the executor's DhelixError: rank, action, schedule grid) and
     RankFailure when a collective fails because a peer did."""
     from datetime import timedelta
@@ -495,19 +484,19 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
     torch.manual_seed(options.seed)
     timeout = timedelta(seconds=options.timeout)
     torchrun = address is None
-    host = None
     if torchrun:
         die_with_parent(os.getppid(), prctl=False)  # torchrun's agent may start us from any thread
-        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-        host = _env_store_host(address, rank, options.timeout)
+        address = env_address()
+        if host is None:
+            host = host_env_store(address, rank, options.timeout)
     # Beating before joining: a rank that hangs while the world forms is named too.
-    heartbeat = Heartbeat(_client(address, options.timeout, prefix), rank).start()
+    heartbeat = Heartbeat(client(address, options.timeout, prefix), rank).start()
     try:
         measured, emulated = None, ""
         if torchrun and gpus_per_node is not None:
             from .topology import check_placement, emulated_nodes, exchange, measured_per_node
 
-            places = exchange(_client(address, options.timeout, prefix), rank, world)
+            places = exchange(client(address, options.timeout, prefix), rank, world)
             if getattr(options, "topology", "declared") == "measured":
                 measured = measured_per_node(places)
                 options = replan(options, measured)
@@ -515,7 +504,7 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
                 emulated = emulated_nodes(places, gpus_per_node)
                 if not emulated:
                     check_placement(places, gpus_per_node)
-        dist.init_process_group(options.backend, store=_client(address, options.timeout, prefix), rank=rank,
+        dist.init_process_group(options.backend, store=client(address, options.timeout, prefix), rank=rank,
                                 world_size=world, timeout=timeout)
         try:
             result = work(options, device, heartbeat)
@@ -560,20 +549,6 @@ def lost_a_peer(exc: BaseException) -> bool:
     return False
 
 
-def _env_store_host(address: tuple[str, int], rank: int, timeout: float):
-    """The TCP store of an ``env://`` world, hosted here when this rank must host it: torchrun's
-    agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``); ranks started some other way with
-    ``MASTER_ADDR``/``MASTER_PORT`` (a script, another launcher) find it on global rank 0, as
-    torch's own env:// rendezvous does. None on the ranks that only connect to it."""
-    if rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    return TCPStore(address[0], address[1], None, True, timedelta(seconds=timeout), wait_for_workers=False)
-
-
 def _rank_device(options: "RunOptions", rank: int, world: int):
     """This rank's device: its local GPU under NCCL, else the CPU with its share of the
     cores."""
@@ -594,7 +569,7 @@ def _blame_stalled(exc: DhelixError, address: tuple[str, int], world: int, prefi
     from .heartbeat import read_beats, stalled_rank
 
     try:
-        stalled = stalled_rank(read_beats(_client(address, 2.0, prefix), world), world)
+        stalled = stalled_rank(read_beats(client(address, 2.0, prefix), world), world)
     except Exception:  # the store went with its host: keep the error we have
         return exc
     if stalled is None:

@@ -146,8 +146,9 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     else:
         comm = DistComm(program.mesh, device, timeout_s=options.timeout)
     recorder = Recorder(trace=options.trace is not None, cuda=device.type == "cuda")
-    # Every rank must run the same plan (collectives are issued in plan order); under
-    # torchrun each process planned on its own, so rank 0's plan wins.
+    # Every rank must run the same plan (collectives are issued in plan order). `run` and
+    # `profile` hand rank 0's RunPlan to every rank; `tune --measure` under torchrun plans each
+    # candidate on every process, so rank 0's plan wins.
     si = broadcast_from_first(compiled.si)
     config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
                          master=options.master)
@@ -156,6 +157,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat),
                         reference=compiled.reference, init=options.init,
                         issue_order=si.issue_order(device.type == "cuda"),
+                        facts=compiled.facts if si == compiled.si else None,
                         optimizer=functools.partial(for_executor, zero1=options.zero1, config=config),
                         stand_in_weights=options.as_rank is not None)
     optimizer = executor.optimizer
