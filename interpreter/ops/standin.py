@@ -95,11 +95,14 @@ class _Lanes:
     def submit(self, name: str, work, tensors=()) -> "_Work":
         """Run ``work()`` (the stand-in's writes and the link's cost) on lane ``name`` after
         what the compute has issued so far; ``tensors``: those the lane reads or writes."""
+        if self.inline:  # no lane thread: nothing shares the tally, no future to hand over
+            start = time.perf_counter()
+            work()
+            self.busy[name] = self.busy.get(name, 0.0) + time.perf_counter() - start
+            if name not in self.exposed:
+                self.exposed[name] = 0.0
+            return _Work(self, name)
         lane = self._lane(name)
-        if self.inline:
-            done = concurrent.futures.Future()
-            done.set_result(self._timed(name, work))
-            return _Work(self, name, future=done)
         if not self.cuda:
             return _Work(self, name, future=lane.submit(self._timed, name, work))
         lane.wait_stream(torch.cuda.current_stream(self.device))
@@ -116,6 +119,8 @@ class _Lanes:
     def waited(self, name: str, work: "_Work") -> None:
         """Block the compute (the thread on CPU, the stream on CUDA) until ``work`` is done,
         counting the exposed time on lane ``name``."""
+        if work.future is None and work.event is None:  # done at its issue (inline)
+            return
         if not self.cuda:
             start = time.perf_counter()
             work.future.result()
@@ -153,7 +158,8 @@ class _Lanes:
 
 
 class _Work:
-    """An emulated transfer in flight: waited once through :class:`_Lanes`."""
+    """An emulated transfer in flight: waited once through :class:`_Lanes` (neither a
+    future nor an event: done when issued, on the calling thread)."""
 
     def __init__(self, lanes: _Lanes, lane: str, *, future=None, event=None):
         self.lanes, self.lane, self.future, self.event = lanes, lane, future, event
@@ -165,7 +171,9 @@ class _Work:
             self.lanes.waited(self.lane, self)
 
     def is_completed(self) -> bool:
-        return self.future.done() if self.future is not None else self.event.query()
+        if self.future is not None:
+            return self.future.done()
+        return self.event is None or self.event.query()
 
 
 class EmulatedComm(DistComm):
@@ -231,16 +239,18 @@ class EmulatedComm(DistComm):
         """Issue the stand-in of collective ``kind`` over ``axis``: ``fill()`` writes ``out``
         from ``x`` on the lane, then the link's cost runs there."""
         self.issued.append((kind, axis, tuple(x.shape)))
-        group = self.size(axis)
+        lane = self.lane_and_nodes(axis)[0]
+        if self.emulate == "none":  # the stand-in's writes alone
+            pending = Pending(self.lanes.submit(lane, fill, (x, out)), out)
+            return pending if async_op else pending.wait()
         full = max(x.numel(), out.numel()) * x.element_size()  # S: the gathered / unscattered tensor
-        cost = self._cost(kind, full, axis, group)
+        cost = self._cost(kind, full, axis, self.size(axis))
 
         def work() -> None:
             fill()
             if cost is not None:
                 cost()
 
-        lane, _ = self.lane_and_nodes(axis)
         pending = Pending(self.lanes.submit(lane, work, (x, out)), out)
         return pending if async_op else pending.wait()
 
