@@ -47,7 +47,7 @@ from .pipeline_comm import PipelineComm, check_fifo
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
-from .si import Filler, LayerChain, alone_order, check_orders, run_alone, run_interleaved, run_scheduled
+from .si import Filler, FlatOrder, LayerChain, alone_order, check_orders, run_alone, run_interleaved, run_scheduled
 from dhelix.dsl.planner.si_plan import PlanFn, backward_ops, check_plan, sequential_plan
 from dhelix.interpreter.ops.weights import (EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, tie_grads,
                                              torch_dtype)
@@ -166,6 +166,8 @@ class Executor:
             self.plan, program.forward.ops, self.b_ops, barrier, (program.forward.output, program.backward.output))
         if issue_order is not None and (issue_order.plan != self.plan or issue_order.barrier != barrier):
             raise ValueError("the issue orders given are of another SI plan or pair barrier than this executor's")
+        #: :attr:`si_order` with its segment pairs resolved once for the hot path.
+        self.si_flat = FlatOrder(self.si_order)
         if not use_tags and check_fifo(self.lowered):
             raise ValueError("this backend matches messages in order, but the schedule's transfers "
                              f"are not in the same order on both sides: {check_fifo(self.lowered)[0]}")
@@ -576,7 +578,7 @@ class Executor:
             run_scheduled(fwd, bwd, order, self.recorder, self._label(action),
                           (self.program.forward.output, self.program.backward.output), self._opened)
             return
-        run_interleaved(fwd, bwd, self.si_order, self.recorder, self._label(action), self.filler, self._opened)
+        run_interleaved(fwd, bwd, self.si_flat, self.recorder, self._label(action), self.filler, self._opened)
 
     def _label(self, action) -> str:
         # The action's text form names its spans, built only when something reads them.

@@ -698,6 +698,10 @@ COLLECTIVES: dict[str, Callable] = {
     "send": _send, "recv": _recv,
 }
 
+#: The op kinds whose kernels read or write their run's MoE routing (``KernelCtx.routing``):
+#: the others' contexts hold nothing of a run and are shared by every run of a layer.
+ROUTED = frozenset({"permute", "unpermute", "grouped_gemm", "all_to_all"})
+
 #: Roles an ``Op.op`` resolves to (:func:`handler`); a derived backward kind's role is its
 #: part as the op library names it (DGRAD, WGRAD or BWD).
 FORWARD, COMM = "forward", "comm"
