@@ -34,7 +34,7 @@ from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_par
 from . import gpu_kernels as gpu
 from .comm import (Communicator, Pending, SingleRankComm, level_part_blocks, part_blocks, regrouped, stage_blocks,
                    within_index, without_group)
-from .moe import exchange
+from .moe import exchange, to_host
 from .rope import rope_of, rope_tables, rotate
 
 #: Epsilon of RMSNorm and LayerNorm when the op gives none (the reference model uses the same).
@@ -196,7 +196,11 @@ def _grouped_gemm_forward(inputs, weight, ctx):
 
 
 def _counts(ctx, experts: int, rows: int) -> list[int]:
+    # Without an ep exchange (which leaves host counts per local expert) the rows per expert
+    # are permute's, on the device: read back once (the layer's one sync, :func:`.moe.to_host`).
     counts = ctx.routing.get("counts")
+    if isinstance(counts, torch.Tensor):
+        counts = ctx.routing["counts"] = to_host(counts)
     if counts is None or len(counts) != experts or sum(counts) != rows:
         raise RuntimeError(f"grouped_gemm over {rows} rows and {experts} local experts has no "
                            f"matching routing (got {counts}); a permute must run first")
@@ -488,12 +492,12 @@ def _pick_dgrad(grad, saved, weight):
 @attrs.frozen
 class Routing:
     """Top-k routing of ``tokens`` tokens: chosen experts and probabilities ``[tokens, k]``
-    and ``order``, the (token, slot) pairs ``t * k + s`` sorted stably by expert."""
+    and ``order``, the (token, slot) pairs ``t * k + s`` sorted stably by expert; all on the
+    device (nothing read back)."""
 
     experts: torch.Tensor
     probs: torch.Tensor
     order: torch.Tensor
-    counts: list[int]
 
     @property
     def rows(self) -> torch.Tensor:
@@ -505,17 +509,23 @@ def route(scores: torch.Tensor, top_k: int) -> Routing:
     """The top-k routing that ``scores`` ``[tokens, experts]`` choose (deterministic, so
     permute and unpermute derive the same order independently)."""
     probs, experts = scores.topk(top_k, dim=-1)
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=scores.shape[1]).tolist()
-    return Routing(experts, probs, order, counts)
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    return Routing(experts, probs, order)
+
+
+def expert_counts(routing: Routing, experts: int) -> torch.Tensor:
+    """The routed rows per expert, int64 on the device (a scatter-add: CUDA's bincount reads
+    its input's maximum back to size its output)."""
+    flat = routing.experts.reshape(-1)
+    return flat.new_zeros(experts).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def _permute_forward(inputs, weight, ctx):
-    """Replicate each token top_k times, rows grouped by expert; records the counts."""
+    """Replicate each token top_k times, rows grouped by expert; records the rows per expert
+    (on the device: the dispatch or the grouped GEMM reads them back, :func:`.moe.to_host`)."""
     x, scores = inputs
     routing = route(scores, int(ctx.params["top_k"]))
-    ctx.routing["counts"] = routing.counts
+    ctx.routing["counts"] = expert_counts(routing, scores.shape[1])
     rows = routing.rows
     return x[rows], (rows, x.shape[0])
 
