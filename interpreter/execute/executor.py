@@ -520,8 +520,11 @@ class Executor:
             else:
                 self.mailbox[("F", mb, stage.index)] = x
 
-        names = [tuple(param_name(layer, op) for op in w) for layer, w in zip(stage.layers, stage.weights, strict=True)]
-        before = None if self.param_ready is None else (lambda k: self.param_ready(names[k]))
+        before = None
+        if self.param_ready is not None:
+            names = [tuple(param_name(layer, op) for op in w) for layer, w in zip(stage.layers, stage.weights,
+                                                                                  strict=True)]
+            before = lambda k: self.param_ready(names[k])  # noqa: E731
         return LayerChain(runs, self.layer_plan.fwd.ops, begin, end, forward=True, before=before, alone=self.alone[0])
 
     def backward_chain(self, action: Compute) -> LayerChain:

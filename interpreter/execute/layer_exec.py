@@ -49,7 +49,7 @@ from dhelix.interpreter.ops.moe import ROLE, a2a_roles
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_step
 from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
-from .recompute import keeping
+from .recompute import KeepAll, keeping
 
 
 @attrs.frozen(kw_only=True)
@@ -194,10 +194,15 @@ def add_grad(store: dict, key: str, grad: torch.Tensor) -> None:
 class LayerRun:
     """One layer's forward and backward for one micro-batch.
 
+    ``releases``: whether a value goes once its last reader has run (:meth:`_release`; a
+    subclass that keeps every tensor sets it False and overrides that method).
+
     ``weights`` are this rank's shards keyed by op name; ``grads`` (shared across the runs
     of the same layer so micro-batches accumulate) receives the weight gradients. The
     communicator does the collectives of the DAG's comm ops.
     """
+
+    releases = True
 
     def __init__(self, plan: LayerPlan, weights: Mapping[str, torch.Tensor], comm: Communicator,
                  grads: dict[str, torch.Tensor] | None = None, recompute: bool = False,
@@ -214,6 +219,8 @@ class LayerRun:
         #: everything, only its input (``recompute``: full recomputation) or all but the
         #: outputs of the ``selective`` ops (selective recomputation).
         self.keeping = keeping(recompute, selective)
+        #: Whether the policy keeps everything (its hooks do nothing: not called).
+        self._keeps_all = type(self.keeping) is KeepAll
         self._forward_done = 0
         self.grads = grads if grads is not None else {}
         self.routing: dict = {}  # MoE routing shared by permute and grouped_gemm
@@ -240,8 +247,17 @@ class LayerRun:
         step = self.plan.steps[op.name]
         if step.run is None or step.forward is not None:
             raise ValueError(f"{op.name} ({op.op}) is not a forward op")
-        step.run(self, op, step, [self._act(name) for name in op.inputs], async_op)
-        self._release(step.inputs, self._fwd_left, self.acts, keep=self.plan.fwd.output)
+        acts = self.acts
+        step.run(self, op, step, [self._act(name) if isinstance(value := acts[name], Pending) else value
+                                  for name in op.inputs], async_op)
+        if self.releases:  # :meth:`_release`, inline
+            left, keep = self._fwd_left, self.plan.fwd.output
+            for name in step.inputs:
+                left[name] -= 1
+                if left[name] == 0 and name != keep:
+                    acts.pop(name, None)
+        else:
+            self._release(step.inputs, self._fwd_left, acts, keep=self.plan.fwd.output)
         self.version += 1
         self._forward_done += 1
         if self._forward_done == len(self.plan.fwd.ops):
@@ -249,6 +265,9 @@ class LayerRun:
 
     def _forward_comm(self, op: Op, step: "Step", args: list, async_op: bool) -> None:
         # A collective of the forward (left in flight with ``async_op``).
+        if not self.comm.names_ops:
+            self.acts[op.name] = step.kernel(args[0], self._ctx(op, step, async_op))
+            return
         with self.comm.op_named(op.name):
             self.acts[op.name] = step.kernel(args[0], self._ctx(op, step, async_op))
 
@@ -259,11 +278,14 @@ class LayerRun:
     def _forward_kernel(self, op: Op, step: "Step", args: list, async_op: bool) -> None:
         # A compute kernel (a ring attention's forward steps included); its saved tensors
         # are kept while a backward op reads them.
-        out, saved = step.kernel.forward(args, self._weight(op, step), self._ctx(op, step, async_op))
+        weight = self.weights.get(step.weight_name) if step.gathered is None else self._weight(op, step)
+        ctx = self._contexts[op.name][async_op] if not step.routed else self._ctx(op, step, async_op)
+        out, saved = step.kernel.forward(args, weight, ctx)
         self.acts[op.name] = out
         if self._saved_left[op.name]:
             self.saved[op.name] = saved
-        self.keeping.forwarded(self, op, out, args)
+        if not self._keeps_all:
+            self.keeping.forwarded(self, op, out, args)
 
     def remake(self, op: Op, args: list) -> torch.Tensor:
         """The output of forward kernel ``op`` computed again from ``args`` (selective
@@ -305,7 +327,8 @@ class LayerRun:
 
     def backward_op(self, op: Op, async_op: bool = False) -> None:
         """Run backward op ``op`` (a dgrad, a wgrad, an op's whole backward or a collective)."""
-        self.keeping.before_backward(self)
+        if not self._keeps_all:
+            self.keeping.before_backward(self)
         step = self.plan.steps[op.name]
         handler, forward = step.run, step.forward
         if handler is None or forward is None:
@@ -314,7 +337,12 @@ class LayerRun:
             handler(self, op, step, async_op)
             return
         flow = op.grad
-        grad = self._upstream(flow.upstream, forward)
+        if flow.upstream is None:
+            grad = self._upstream(None, forward)
+        else:  # :meth:`_upstream`, inline
+            grad = self.bgrads[flow.upstream][forward.name]
+            if isinstance(grad, Pending):
+                grad = grad.wait()
         out = handler(self, op, step, forward, grad, async_op)
         if flow.weight is not None:
             self._add_weight_grad(flow.weight, step.kernel, grad)
@@ -322,7 +350,14 @@ class LayerRun:
             out[value] = self._accumulated(out[value], value, producers)
         if out:  # a wgrad's result lives in grads, not in the flow of gradients
             self.bgrads[op.name] = out
-        self._release(step.inputs, self._bwd_left, self.bgrads, keep=self.plan.bwd.output)
+        if self.releases:  # :meth:`_release`, inline
+            left, keep, bgrads = self._bwd_left, self.plan.bwd.output, self.bgrads
+            for name in step.inputs:
+                left[name] -= 1
+                if left[name] == 0 and name != keep:
+                    bgrads.pop(name, None)
+        else:
+            self._release(step.inputs, self._bwd_left, self.bgrads, keep=self.plan.bwd.output)
         self._saved_left[forward.name] -= 1
         if self._saved_left[forward.name] == 0:
             self.saved.pop(forward.name, None)
@@ -331,12 +366,15 @@ class LayerRun:
     def _backward_comm(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
         # A collective of the backward: the gradient of the one value it produces.
         (value,) = op.grad.produces
+        if not self.comm.names_ops:
+            return {value: step.kernel(grad, self._ctx(op, step, async_op))}
         with self.comm.op_named(op.name):
             return {value: step.kernel(grad, self._ctx(op, step, async_op))}
 
     def _backward_dgrad(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
         # A data gradient (or an op's whole backward): the gradients of its forward inputs.
-        grads = step.kernel.dgrad(grad, self.saved[forward.name], self._weight(op, step))
+        weight = self.weights.get(step.weight_name) if step.gathered is None else self._weight(op, step)
+        grads = step.kernel.dgrad(grad, self.saved[forward.name], weight)
         return _by_value(forward.inputs, grads, op.grad.produces)
 
     def _backward_ring(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
@@ -556,15 +594,21 @@ def _wait_now(pending: Pending) -> None:
 
 def count_storages(values, seen: dict[int, int]) -> None:
     """Add to ``seen`` the storages of the tensors in ``values`` (nested tuples, lists and
-    dicts; anything else, a Pending included, holds nothing countable yet)."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
+    dicts; anything else, a Pending included, holds nothing countable yet). A walk with a
+    stack, the common types tested by identity first: it runs after every layer."""
+    stack = list(values)
+    tensor = torch.Tensor
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind is tensor or (kind is not tuple and kind is not list and kind is not dict
+                              and isinstance(value, tensor)):
             storage = value.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(value, (tuple, list)):
-            count_storages(value, seen)
-        elif isinstance(value, dict):
-            count_storages(value.values(), seen)
+        elif kind is tuple or kind is list or isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif kind is dict or isinstance(value, dict):
+            stack.extend(value.values())
 
 
 def _by_value(inputs: tuple[str, ...], grads, produces: tuple[str, ...]) -> dict[str, torch.Tensor]:

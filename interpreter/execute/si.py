@@ -90,7 +90,9 @@ class Flat:
 
 
 def flat(issues: Sequence[Issue]) -> tuple[Flat, ...]:
-    """``issues`` resolved (:class:`Flat`), once."""
+    """``issues`` resolved (:class:`Flat`), once (resolved already: as they are)."""
+    if isinstance(issues, tuple) and (not issues or isinstance(issues[0], Flat)):
+        return issues
     return tuple(issue if isinstance(issue, Flat) else Flat(issue) for issue in issues)
 
 
@@ -177,8 +179,12 @@ class Filler:
         nothing, nothing to run: the op goes at once)."""
         if not self.held:
             return
-        mine = [h for h in self.held if h[1] is run]
-        last = max((i for i, h in enumerate(mine) if h[2].op.name in issue.op.deps), default=-1)
+        mine, last, deps = [], -1, issue.deps
+        for held in self.held:
+            if held[1] is run:
+                if held[2].op.name in deps:
+                    last = len(mine)
+                mine.append(held)
         for held in mine[:last + 1]:
             self._run(held)
         while _unfinished_inputs(run, issue):
@@ -223,17 +229,25 @@ def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, labe
     layer's run (started) for the ops ``issues`` issues ahead of it (its lead). When tracing,
     each op is an event on the compute lane, recorded when it runs."""
     led = {}  # the next layers' runs, by strand, when this pair issues their leads
+    trace = recorder.trace
     with recorder.span(label):
         for issue in flat(issues):
             if issue.ahead:
                 run = led[issue.strand] = ahead(issue.strand)
             else:
                 run = fwd_run if issue.forward else bwd_run
-            if filler is not None:
-                if filler.take(layer, run, issue):
+            if filler is not None:  # Filler.take and Filler.before, their cheap cases inline
+                if issue.wgrad and run.backward_started:
+                    filler.held.append((layer, run, issue))
                     continue
-                filler.before(run, issue)
-            _run(run, issue, recorder)
+                if filler.held:
+                    filler.before(run, issue)
+            if trace:
+                _run(run, issue, recorder)
+            elif issue.forward:
+                run.forward_op(issue.op, issue.comm)
+            else:
+                run.backward_op(issue.op, issue.comm)
         if barrier:
             for layer_run in (fwd_run, bwd_run, *led.values()):
                 if layer_run is not None:

@@ -215,11 +215,13 @@ class Communicator:
     """The interface; subclasses implement the ``_``-prefixed primitives.
 
     ``rank`` is the global rank and ``mesh`` the program's mesh (None for the single-rank
-    communicator, where every axis has size 1).
+    communicator, where every axis has size 1). ``names_ops``: whether :meth:`op_named`
+    does anything (callers skip it otherwise).
     """
 
     rank: int = 0
     mesh: Mesh | None = None
+    names_ops: bool = False
 
     def op_named(self, name: str):
         """Within the block, the collectives issued are the program's op ``name`` (``rs1``):
@@ -237,6 +239,11 @@ class Communicator:
 
     def size(self, axis: str) -> int:
         """Number of ranks in this rank's group of ``axis``."""
+        cached = self.__dict__.get("_found_for")  # the common case without a call
+        if cached is not None and cached[0] is self.mesh and cached[1] == self.rank:
+            found = cached[2].get(axis)
+            if found is not None:
+                return found
         sizes = self._found()[0]
         found = sizes.get(axis)
         if found is None:
