@@ -47,7 +47,8 @@ from .pipeline_comm import PipelineComm, check_fifo
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
-from .si import Filler, FlatOrder, LayerChain, alone_order, check_orders, run_alone, run_interleaved, run_scheduled
+from .si import (Filler, FlatOrder, LayerChain, alone_order, check_orders, flat, run_alone, run_interleaved,
+                 run_scheduled)
 from dhelix.dsl.planner.si_plan import PlanFn, backward_ops, check_plan, sequential_plan
 from dhelix.interpreter.ops.weights import (EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, tie_grads,
                                              torch_dtype)
@@ -149,7 +150,7 @@ class Executor:
             if program.train.recompute == "selective" else ()
         self.w_ops = tuple(op for op in program.backward.ops if in_weight_pass(op))
         #: The issue orders of a forward and of a backward layer run alone (F, B), made once.
-        self.alone = (alone_order(program.forward.ops, True), alone_order(self.b_ops, False))
+        self.alone = (flat(alone_order(program.forward.ops, True)), flat(alone_order(self.b_ops, False)))
         self.plan = plan_for(program.forward, program.backward)
         optional = {op.name for op in self.w_ops} if self.lowered.split else set()
         check_plan(self.plan, program.forward, program.backward, optional)

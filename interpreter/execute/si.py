@@ -306,16 +306,15 @@ def run_alone(chain: LayerChain, recorder: Recorder, label: str) -> None:
     wgrads) runs beside it — the single-strand overlap the simulator's solo times assume.
     Nothing is left in flight at a layer's end. ``label`` names the layers' spans (only
     built when something records them)."""
-    issues = chain.alone if chain.alone is not None else alone_order(chain.ops, chain.forward)
-    steps = tuple((issue.op, issue.comm) for issue in issues)
+    issues = flat(chain.alone if chain.alone is not None else alone_order(chain.ops, chain.forward))
     value = chain.begin()
     named = recorder.naming
     for k, run in enumerate(chain.runs):
         chain.start(run, value)
         with recorder.span(f"{label}.layer{k}" if named else label):
             step = run.forward_op if chain.forward else run.backward_op
-            for op, comm in steps:
-                step(op, comm)
+            for issue in issues:
+                step(issue.op, issue.comm)
             settle(run)
         chain.finished((k,))
         recorder.memory()

@@ -191,7 +191,7 @@ def _grouped_gemm_forward(inputs, weight, ctx):
     and ``ctx.routing["counts"]`` the rows per local expert, in order."""
     (x,) = inputs
     counts = _counts(ctx, weight.shape[0], x.shape[0])
-    out = torch.cat([rows @ w for rows, w in zip(x.split(counts), weight, strict=True)])
+    out = torch.cat([rows @ w for rows, w in zip(x.split_with_sizes(counts), weight, strict=True)])
     return out, (x, counts)
 
 
@@ -209,12 +209,13 @@ def _counts(ctx, experts: int, rows: int) -> list[int]:
 
 def _grouped_gemm_dgrad(grad, saved, weight):
     _, counts = saved
-    return (torch.cat([g @ w.t() for g, w in zip(grad.split(counts), weight, strict=True)]),)
+    return (torch.cat([g @ w.t() for g, w in zip(grad.split_with_sizes(counts), weight, strict=True)]),)
 
 
 def _grouped_gemm_wgrad(grad, saved):
     x, counts = saved
-    return torch.stack([rows.t() @ g for rows, g in zip(x.split(counts), grad.split(counts), strict=True)])
+    return torch.stack([rows.t() @ g for rows, g in zip(x.split_with_sizes(counts), grad.split_with_sizes(counts),
+                                                          strict=True)])
 
 
 # -- attention ---------------------------------------------------------------------------

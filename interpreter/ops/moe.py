@@ -151,7 +151,7 @@ def plan_layout(counts: torch.Tensor, comm, axis: str, device) -> EpLayout:
     host = to_host(torch.cat((mine, table)))
     send = [sum(row) for row in host[:size]]
     recv = [sum(row) for row in host[size:]]
-    local_counts = [sum(row[e] for row in host[size:]) for e in range(local)]
+    local_counts = [sum(column) for column in zip(*host[size:])]
     sort = _expert_major(table, sum(recv))
     unsort = torch.empty_like(sort).scatter_(0, sort, torch.arange(sort.numel(), device=sort.device))
     return EpLayout(send, recv, sort, unsort, local_counts)

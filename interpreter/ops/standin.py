@@ -85,12 +85,23 @@ class _Lanes:
         with self._lock:  # the lanes' threads and :meth:`take` share the tally
             self.busy[name] = self.busy.get(name, 0.0) + time.perf_counter() - start
 
-    def _lane(self, name: str):
+    def prepare(self, names) -> None:
+        """Make the lanes ``names`` now (their streams or threads), before the first block: a
+        transfer then only queues its work (inline: nothing to make). A lane's tallies start
+        with its first transfer."""
+        if not self.inline:
+            for name in names:
+                self._made(name)
+
+    def _made(self, name: str):
         if name not in self._lanes:
             self._lanes[name] = (torch.cuda.Stream(self.device) if self.cuda
                                  else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"lane-{name}"))
-            self.exposed.setdefault(name, 0.0)
         return self._lanes[name]
+
+    def _lane(self, name: str):
+        self.exposed.setdefault(name, 0.0)
+        return self._made(name)
 
     def submit(self, name: str, work, tensors=()) -> "_Work":
         """Run ``work()`` (the stand-in's writes and the link's cost) on lane ``name`` after
@@ -191,6 +202,8 @@ class EmulatedComm(DistComm):
         self._host = self._source = None  # ``copy``: the pinned host buffer, the device one copied
         self._lock = threading.Lock()
         self._lane_of: dict[str, tuple[str, int]] = {}
+        # Every group's lane found, and made, ahead of the first block.
+        self.lanes.prepare(sorted({self.lane_and_nodes(axis)[0] for axis in self._groups}))
 
     # -- what a transfer costs --------------------------------------------------------------
 
@@ -241,7 +254,10 @@ class EmulatedComm(DistComm):
         self.issued.append((kind, axis, tuple(x.shape)))
         lane = self.lane_and_nodes(axis)[0]
         if self.emulate == "none":  # the stand-in's writes alone
-            pending = Pending(self.lanes.submit(lane, fill, (x, out)), out)
+            work = self.lanes.submit(lane, fill, (x, out))
+            if work.future is None and work.event is None:  # written already (inline): nothing to wait for
+                return Pending(None, out) if async_op else out
+            pending = Pending(work, out)
             return pending if async_op else pending.wait()
         full = max(x.numel(), out.numel()) * x.element_size()  # S: the gathered / unscattered tensor
         cost = self._cost(kind, full, axis, self.size(axis))
