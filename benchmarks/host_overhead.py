@@ -220,7 +220,8 @@ def _profile(rank: Rank, steps: int = 3) -> list[str]:
     stats = pstats.Stats(profiler, stream=out)
     total = stats.total_tt
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:15]
-    lines = [f"  cProfile, {steps} steps ({total / steps * 1e3:.1f} ms a step under the profiler), top own time:"]
+    lines = [f"  cProfile, {steps} steps ({total / steps * 1e3:.1f} ms a step under the profiler, "
+             f"{stats.total_calls // steps} function calls a step), top own time:"]
     for (file, line, func), (_, calls, own, cumulative, _) in rows:
         where = f"{Path(file).name}:{line}" if line else file
         lines.append(f"    {100 * own / total:5.1f}%  {own / steps * 1e3:7.2f} ms  {calls // steps:>7} calls  "
