@@ -187,6 +187,13 @@ class Filler:
                 mine.append(held)
         for held in mine[:last + 1]:
             self._run(held)
+        store, flying = run.acts if issue.forward else run.bgrads, False
+        for name in deps:  # the common case, no input a Pending: nothing would block
+            value = store.get(name)
+            for item in value.values() if isinstance(value, dict) else (value,):
+                flying = flying or isinstance(item, Pending)
+        if not flying:
+            return
         while _unfinished_inputs(run, issue):
             firsts = {}  # each run's first held op, oldest first
             for held in self.held:

@@ -107,11 +107,7 @@ class _Lanes:
         """Run ``work()`` (the stand-in's writes and the link's cost) on lane ``name`` after
         what the compute has issued so far; ``tensors``: those the lane reads or writes."""
         if self.inline:  # no lane thread: nothing shares the tally, no future to hand over
-            start = time.perf_counter()
-            work()
-            self.busy[name] = self.busy.get(name, 0.0) + time.perf_counter() - start
-            if name not in self.exposed:
-                self.exposed[name] = 0.0
+            self.run_inline(name, work)
             return _Work(self, name)
         lane = self._lane(name)
         if not self.cuda:
@@ -126,6 +122,15 @@ class _Lanes:
         for tensor in tensors:  # the caching allocator must not reuse them before the lane is done
             tensor.record_stream(lane)
         return _Work(self, name, event=done)
+
+    def run_inline(self, name: str, work) -> None:
+        """Run ``work()`` at once on the calling thread as lane ``name``'s (an inline lane's
+        transfer: done when this returns), adding its seconds to the lane's busy time."""
+        start = time.perf_counter()
+        work()
+        self.busy[name] = self.busy.get(name, 0.0) + time.perf_counter() - start
+        if name not in self.exposed:
+            self.exposed[name] = 0.0
 
     def waited(self, name: str, work: "_Work") -> None:
         """Block the compute (the thread on CPU, the stream on CUDA) until ``work`` is done,
@@ -252,12 +257,13 @@ class EmulatedComm(DistComm):
         """Issue the stand-in of collective ``kind`` over ``axis``: ``fill()`` writes ``out``
         from ``x`` on the lane, then the link's cost runs there."""
         self.issued.append((kind, axis, tuple(x.shape)))
-        lane = self.lane_and_nodes(axis)[0]
+        found = self._lane_of.get(axis)
+        lane = (found or self.lane_and_nodes(axis))[0]
         if self.emulate == "none":  # the stand-in's writes alone
-            work = self.lanes.submit(lane, fill, (x, out))
-            if work.future is None and work.event is None:  # written already (inline): nothing to wait for
+            if self.lanes.inline:  # written at once: nothing to wait for
+                self.lanes.run_inline(lane, fill)
                 return Pending(None, out) if async_op else out
-            pending = Pending(work, out)
+            pending = Pending(self.lanes.submit(lane, fill, (x, out)), out)
             return pending if async_op else pending.wait()
         full = max(x.numel(), out.numel()) * x.element_size()  # S: the gathered / unscattered tensor
         cost = self._cost(kind, full, axis, self.size(axis))
