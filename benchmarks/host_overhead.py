@@ -2,7 +2,7 @@
 same operators: one rank's real action list (``--as-rank``, links emulated by ``none``) with tensors
 so small that compute is negligible.
 
-    python benchmarks/host_overhead.py --rounds 7 --output benchmarks/results/cpu_host_overhead.txt
+    python benchmarks/host_overhead.py --rounds 21 --profile --output benchmarks/results/cpu_host_overhead.txt
 
 For each program (the Llama-70B TP-8 pair, the 64-rank tp8 x pp4 x dp2 Llama-70B, the Phi-3.5-MoE
 64-rank program), a variant with the same mesh, schedule, layer and strands but small sizes (and,
