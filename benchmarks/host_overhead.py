@@ -2,7 +2,7 @@
 same operators: one rank's real action list (``--as-rank``, links emulated by ``none``) with tensors
 so small that compute is negligible.
 
-    python benchmarks/host_overhead.py --rounds 7 --output benchmarks/results/cpu_host_overhead.txt
+    python benchmarks/host_overhead.py --rounds 21 --profile --output benchmarks/results/cpu_host_overhead.txt
 
 For each program (the Llama-70B TP-8 pair, the 64-rank tp8 x pp4 x dp2 Llama-70B, the Phi-3.5-MoE
 64-rank program), a variant with the same mesh, schedule, layer and strands but small sizes (and,
@@ -18,7 +18,10 @@ step makes (function or tensor method, its arguments as they were: the same tens
 loop calls them again in that order — the same operators on the same shapes, nothing else: no
 names looked up, no dicts, no Python between them but the loop. Calls returning no tensor (shape
 and storage queries) are left out of it. Interpreter steps and plain loops alternate, one of each
-per round; medians over the rounds. ``--profile`` adds a cProfile of a few interpreter steps per
+per round; medians over the rounds, of wall time and of the calling thread's CPU time
+(``time.thread_time``: on a machine shared with other work, the time the thread ran, not the
+time it waited for a core; with links emulated by ``none`` and one intra-op thread, every
+transfer and kernel runs on this thread). ``--profile`` adds a cProfile of a few interpreter steps per
 program, its top functions by own time.
 """
 
@@ -170,15 +173,18 @@ def measure(name: str, path: str, sizes: dict, rank_index: int, rounds: int, pro
             rank.step()
         calls = recording.calls
         plain_loop(calls)  # warm-up
-        ours, floor = [], []
+        ours, floor, ours_cpu, floor_cpu = [], [], [], []
         for _ in range(rounds):  # alternated: one interpreter step, one plain loop
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             rank.step()
             ours.append(time.perf_counter() - start)
-            start = time.perf_counter()
+            ours_cpu.append(time.thread_time() - start_cpu)
+            start, start_cpu = time.perf_counter(), time.thread_time()
             plain_loop(calls)
             floor.append(time.perf_counter() - start)
+            floor_cpu.append(time.thread_time() - start_cpu)
         step, plain = statistics.median(ours), statistics.median(floor)
+        step_cpu, plain_cpu = statistics.median(ours_cpu), statistics.median(floor_cpu)
         program = rank.program
         mesh = " x ".join(f"{axis}{size}" for axis, size in zip(program.mesh.order, program.mesh.sizes, strict=True)
                           if size > 1) + (f" (ep{program.mesh.ep} inside dp)" if program.mesh.ep > 1 else "")
@@ -191,6 +197,8 @@ def measure(name: str, path: str, sizes: dict, rank_index: int, rounds: int, pro
                  f"  interpreter step {1e3 * step:9.2f} ms  (min {1e3 * min(ours):.2f})   "
                  f"plain-torch loop {1e3 * plain:9.2f} ms  (min {1e3 * min(floor):.2f})   "
                  f"ratio {step / plain:.2f}x",
+                 f"  this thread's CPU time: interpreter step {1e3 * step_cpu:6.2f} ms   plain-torch loop "
+                 f"{1e3 * plain_cpu:6.2f} ms   ratio {step_cpu / plain_cpu:.2f}x",
                  f"  host per action {1e6 * step / seen['actions']:9.1f} us   per layer op "
                  f"{1e6 * step / seen['layer_ops']:6.1f} us   per torch call {1e6 * step / len(calls):5.2f} us "
                  f"(plain loop {1e6 * plain / len(calls):5.2f} us)",
@@ -212,7 +220,8 @@ def _profile(rank: Rank, steps: int = 3) -> list[str]:
     stats = pstats.Stats(profiler, stream=out)
     total = stats.total_tt
     rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:15]
-    lines = [f"  cProfile, {steps} steps ({total / steps * 1e3:.1f} ms a step under the profiler), top own time:"]
+    lines = [f"  cProfile, {steps} steps ({total / steps * 1e3:.1f} ms a step under the profiler, "
+             f"{stats.total_calls // steps} function calls a step), top own time:"]
     for (file, line, func), (_, calls, own, _, _) in rows:
         where = f"{Path(file).name}:{line}" if line else file
         lines.append(f"    {100 * own / total:5.1f}%  {own / steps * 1e3:7.2f} ms  {calls // steps:>7} calls  "
@@ -241,7 +250,7 @@ def main() -> None:
     for name in args.programs:
         path, sizes, rank = PROGRAMS[name]
         lines += measure(name, path, sizes, rank, args.rounds, args.profile)
-        print("\n".join(lines[-6:]), file=sys.stderr, flush=True)
+        print("\n".join(lines[-7:]), file=sys.stderr, flush=True)
     lines.append(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     text = "\n".join(lines) + "\n"
     print(text, end="")

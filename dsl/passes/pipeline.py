@@ -234,6 +234,7 @@ def rerun(program: Program, after: str, stop: str = STAGE_NAMES[-1]) -> Program:
 
 def _layer_names(program: Program) -> tuple[tuple[str, int], ...]:
     """The ``env`` the shapes pass gives ``program`` now (its model, mesh and train block)."""
+    assert program.model is not None and program.mesh is not None and program.train is not None, "a checked model"
     return tuple(layer_env(program.model, program.mesh, program.train).items())
 
 

@@ -122,12 +122,14 @@ class ExecFacts:
         """The facts of ``program`` (through every pass, with a model) whose SI blocks pair
         as ``plan_for`` says. Raises ValueError for a plan that does not cover both DAGs once
         in an order they allow (a bug of the planner, not the user's)."""
-        forward, backward, split = program.forward, program.backward, program.lowered.split
+        forward, backward, lowered = program.forward, program.backward, program.lowered
+        assert forward is not None and backward is not None and lowered is not None and program.train is not None, \
+            "a program through every pass, with a model"
+        split = lowered.split
         weight = tuple(op for op in backward.ops if in_weight_pass(op))
         pairs = plan_for(forward, backward)
         check_plan(pairs, forward, backward, {op.name for op in weight} if split else set())
         selective = selective_drops(forward.ops, backward.ops) if program.train.recompute == "selective" else ()
-        lowered = program.lowered
         keys = tuple(tuple((action, transfer_key(lowered, rank, action)) for action in row
                            if isinstance(action, Transfer)) for rank, row in enumerate(lowered.actions))
         return cls(backward_ops(backward, split), weight, selective, pairs, keys, tuple(check_fifo(lowered)))

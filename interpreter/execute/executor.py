@@ -45,7 +45,8 @@ from .pipeline_comm import PipelineComm
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
-from .si import Filler, LayerChain, alone_order, check_orders, run_alone, run_interleaved, run_scheduled
+from .si import (Filler, FlatOrder, LayerChain, alone_order, check_orders, flat, run_alone, run_interleaved,
+                 run_scheduled)
 from dhelix.dsl.planner.si_plan import PlanFn, sequential_plan
 from dhelix.dsl.simulator.runplan import ExecFacts
 from dhelix.interpreter.ops.weights import (EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, tie_grads,
@@ -153,7 +154,7 @@ class Executor:
         #: Selective recomputation: the forward ops whose outputs each layer drops until its backward.
         self.selective = facts.selective
         #: The issue orders of a forward and of a backward layer run alone (F, B), made once.
-        self.alone = (alone_order(program.forward.ops, True), alone_order(self.b_ops, False))
+        self.alone = (flat(alone_order(program.forward.ops, True)), flat(alone_order(self.b_ops, False)))
         self.plan = facts.pairs
         barrier = self.device.type == "cuda" if pair_barrier is None else pair_barrier
         #: The block scheduler's orders by (forward layers, backward layers): SI blocks run
@@ -168,6 +169,8 @@ class Executor:
             self.plan, program.forward.ops, self.b_ops, barrier, (program.forward.output, program.backward.output))
         if issue_order is not None and (issue_order.plan != self.plan or issue_order.barrier != barrier):
             raise ValueError("the issue orders given are of another SI plan or pair barrier than this executor's")
+        #: :attr:`si_order` with its segment pairs resolved once for the hot path.
+        self.si_flat = FlatOrder(self.si_order)
         if not use_tags and facts.fifo:
             raise ValueError("this backend matches messages in order, but the schedule's transfers "
                              f"are not in the same order on both sides: {facts.fifo[0]}")
@@ -522,8 +525,11 @@ class Executor:
             else:
                 self.mailbox[("F", mb, stage.index)] = x
 
-        names = [tuple(param_name(layer, op) for op in w) for layer, w in zip(stage.layers, stage.weights, strict=True)]
-        before = None if self.param_ready is None else (lambda k: self.param_ready(names[k]))
+        before = None
+        if self.param_ready is not None:
+            names = [tuple(param_name(layer, op) for op in w) for layer, w in zip(stage.layers, stage.weights,
+                                                                                  strict=True)]
+            before = lambda k: self.param_ready(names[k])  # noqa: E731
         return LayerChain(runs, self.layer_plan.fwd.ops, begin, end, forward=True, before=before, alone=self.alone[0])
 
     def backward_chain(self, action: Compute) -> LayerChain:
@@ -580,7 +586,7 @@ class Executor:
             run_scheduled(fwd, bwd, order, self.recorder, self._label(action),
                           (self.program.forward.output, self.program.backward.output), self._opened)
             return
-        run_interleaved(fwd, bwd, self.si_order, self.recorder, self._label(action), self.filler, self._opened)
+        run_interleaved(fwd, bwd, self.si_flat, self.recorder, self._label(action), self.filler, self._opened)
 
     def _label(self, action) -> str:
         # The action's text form names its spans, built only when something reads them.

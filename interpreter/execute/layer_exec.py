@@ -43,13 +43,13 @@ from dhelix.dsl.passes.fsdp import COLUMN_PIECES, FIRST_STAGE, GATHER as FSDP_GA
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, part_blocks, resolve, without_group
 from dhelix.interpreter.ops.fsdp import block_of, from_column_pieces, gather_weight, scatter_grad
-from dhelix.interpreter.ops.kernels import (BWD, COMM, DGRAD, FORWARD, GATHER_W, KERNELS, SCATTER_DW, WGRAD, KernelCtx, handler,
-                      lm_head_backward)
+from dhelix.interpreter.ops.kernels import (BWD, COMM, DGRAD, FORWARD, GATHER_W, KERNELS, ROUTED, SCATTER_DW, WGRAD,
+                                            KernelCtx, handler, lm_head_backward)
 from dhelix.interpreter.ops.moe import ROLE, a2a_roles
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_step
 from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
-from .recompute import keeping
+from .recompute import KeepAll, keeping
 
 
 @attrs.frozen(kw_only=True)
@@ -75,6 +75,12 @@ class LayerPlan:
     #: or their column blocks under a chunk along outputs).
     gathered_by: Mapping[str, str] = attrs.field(factory=dict)
     sharded: frozenset = frozenset()
+    #: The kernel contexts of the steps that need nothing of a run's own (no MoE routing),
+    #: made once per communicator (:meth:`contexts`): op name → (synchronous, asynchronous).
+    shared_contexts: dict = attrs.field(factory=dict, eq=False)
+    #: Each forward op's weight unit and :attr:`Op.staged` by name (properties that
+    #: rebuild the op's parameter dict on every read), resolved once.
+    units: Mapping[str, tuple[str, object]] = attrs.field(factory=dict)
 
     @classmethod
     def build(cls, fwd: LayerDag, bwd: LayerDag, micro_batch: int) -> "LayerPlan":
@@ -89,37 +95,69 @@ class LayerPlan:
                                  f"{fwd.name}: the backward DAG was not derived from this forward")
         roles = a2a_roles(fwd, bwd)  # MoE dispatch / combine direction of each ep all_to_all
         gathers = {op.name for op in fwd.ops + bwd.ops if op.op == FSDP_GATHER}
+        gathered_by = {op.name: name for op in fwd.ops + bwd.ops for name in op.waits if name in gathers}
+        steps = {op.name: Step.of(op, roles.get(op.name), None, gathered_by.get(op.name)) for op in fwd.ops}
+        steps |= {op.name: Step.of(op, roles.get(op.name), fwd_ops[op.forward], gathered_by.get(op.name))
+                  for op in bwd.ops}
         return cls(fwd=fwd, bwd=bwd, micro_batch=micro_batch,
                    fwd_readers=Counter(name for op in fwd.ops for name in dict.fromkeys(op.deps)),
                    bwd_readers=Counter(name for op in bwd.ops for name in dict.fromkeys(op.deps)),
                    saved_users=Counter(op.forward for op in bwd.ops),
-                   steps={op.name: Step.of(op, roles.get(op.name)) for op in fwd.ops + bwd.ops},
-                   fwd_ops=fwd_ops,
-                   gathered_by={op.name: name for op in fwd.ops + bwd.ops for name in op.waits if name in gathers},
-                   sharded=frozenset(unit_of(op.params) for op in fwd.ops if op.op == FSDP_GATHER))
+                   steps=steps, fwd_ops=fwd_ops, gathered_by=gathered_by,
+                   sharded=frozenset(unit_of(op.params) for op in fwd.ops if op.op == FSDP_GATHER),
+                   units={op.name: (op.weight_unit, op.staged) for op in fwd.ops})
+
+    def contexts(self, comm: Communicator) -> dict[str, tuple[KernelCtx, KernelCtx]]:
+        """The shared kernel contexts of the steps that need none of their own (every step
+        but those of :data:`~dhelix.interpreter.ops.kernels.ROUTED` kinds), for ``comm``:
+        op name → (synchronous, asynchronous), made once (a kernel reads its context, never
+        sets it)."""
+        found = self.shared_contexts.get(id(comm))
+        if found is None or found[0] is not comm:
+            made = {name: tuple(KernelCtx(comm, step.op.axis, self.micro_batch, step.params, {}, async_op=flag)
+                                for flag in (False, True))
+                    for name, step in self.steps.items() if not step.routed}
+            found = self.shared_contexts[id(comm)] = (comm, made)
+        return found[1]
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class Step:
-    """What running an op needs besides tensors: its role and kernel (:func:`handler`),
-    its parameters (shared read-only by every KernelCtx) and the distinct ops it runs after
-    (its inputs and what it waits for: when the last reader has run, a value is released)."""
+    """What running an op needs besides tensors, resolved once per program so that running
+    it looks nothing up by name: its role and kernel (:func:`handler`), its parameters
+    (shared read-only by every KernelCtx), the distinct ops it runs after (its inputs and
+    what it waits for: when the last reader has run, a value is released), the op itself,
+    the LayerRun method that runs it (``run``: by role, for a forward or a backward op;
+    None: it has no such role there), a backward op's forward op, the weight it computes
+    with (its name, and the ZeRO-3 gather whose output it is instead) and whether its
+    kernel reads a run's own MoE routing (``routed``: no shared context)."""
 
     role: str
     kernel: object
     params: Mapping[str, object]
     inputs: tuple[str, ...]
+    op: Op | None = None
+    run: Callable | None = None
+    forward: Op | None = None
+    weight_name: str | None = None
+    gathered: str | None = None
+    routed: bool = False
 
     @classmethod
-    def of(cls, op: Op, ep_role: str | None = None) -> "Step":
-        """The step of ``op``; ``ep_role`` is an ep all_to_all's direction (:mod:`.moe`)."""
+    def of(cls, op: Op, ep_role: str | None = None, forward: Op | None = None,
+           gathered: str | None = None) -> "Step":
+        """The step of ``op``; ``ep_role`` is an ep all_to_all's direction (:mod:`.moe`);
+        ``forward`` a backward op's forward op (None: ``op`` is a forward op); ``gathered``
+        the ZeRO-3 gather whose output is its weight."""
         role, kernel = handler(op.op)
         params = dict(op.params) | ({ROLE: ep_role} if ep_role else {})
         position = ring_step(op)
         if position is not None:  # forward ring steps run as forward kernels, backward as RING
             role = FORWARD if op.op == "attention" else RING
             kernel, params[STEP] = RING_KERNEL, position
-        return cls(role, kernel, params, tuple(dict.fromkeys(op.deps)))
+        run = (_FORWARD_BY_ROLE if forward is None else _BACKWARD_BY_ROLE).get(role)
+        return cls(role, kernel, params, tuple(dict.fromkeys(op.deps)), op, run, forward,
+                   (op if forward is None else forward).weight_name, gathered, op.op in ROUTED)
 
 
 #: The key of a backward re-gather's weight among the backward values.
@@ -156,15 +194,21 @@ def add_grad(store: dict, key: str, grad: torch.Tensor) -> None:
 class LayerRun:
     """One layer's forward and backward for one micro-batch.
 
+    ``releases``: whether a value goes once its last reader has run (:meth:`_release`; a
+    subclass that keeps every tensor sets it False and overrides that method).
+
     ``weights`` are this rank's shards keyed by op name; ``grads`` (shared across the runs
     of the same layer so micro-batches accumulate) receives the weight gradients. The
     communicator does the collectives of the DAG's comm ops.
     """
 
+    releases = True
+
     def __init__(self, plan: LayerPlan, weights: Mapping[str, torch.Tensor], comm: Communicator,
                  grads: dict[str, torch.Tensor] | None = None, recompute: bool = False,
                  defer: Callable[[Pending], None] | None = None, selective: Collection[str] = ()):
         self.plan, self.weights, self.comm = plan, weights, comm
+        self._contexts = plan.contexts(comm)
         #: Takes a ZeRO-3 gradient reduce-scatter left in flight (nothing in the layer reads
         #: it; the caller waits for it before the optimizer); without one, waited for at once.
         self.defer = defer if defer is not None else _wait_now
@@ -175,6 +219,8 @@ class LayerRun:
         #: everything, only its input (``recompute``: full recomputation) or all but the
         #: outputs of the ``selective`` ops (selective recomputation).
         self.keeping = keeping(recompute, selective)
+        #: Whether the policy keeps everything (its hooks do nothing: not called).
+        self._keeps_all = type(self.keeping) is KeepAll
         self._forward_done = 0
         self.grads = grads if grads is not None else {}
         self.routing: dict = {}  # MoE routing shared by permute and grouped_gemm
@@ -199,11 +245,19 @@ class LayerRun:
     def forward_op(self, op: Op, async_op: bool = False) -> None:
         """Run forward op ``op``; a collective with ``async_op`` is left in flight."""
         step = self.plan.steps[op.name]
-        handler = _FORWARD_BY_ROLE.get(step.role)
-        if handler is None:
+        if step.run is None or step.forward is not None:
             raise ValueError(f"{op.name} ({op.op}) is not a forward op")
-        handler(self, op, step, [self._act(name) for name in op.inputs], async_op)
-        self._release(step.inputs, self._fwd_left, self.acts, keep=self.plan.fwd.output)
+        acts = self.acts
+        step.run(self, op, step, [self._act(name) if isinstance(value := acts[name], Pending) else value
+                                  for name in op.inputs], async_op)
+        if self.releases:  # :meth:`_release`, inline
+            left, keep = self._fwd_left, self.plan.fwd.output
+            for name in step.inputs:
+                left[name] -= 1
+                if left[name] == 0 and name != keep:
+                    acts.pop(name, None)
+        else:
+            self._release(step.inputs, self._fwd_left, acts, keep=self.plan.fwd.output)
         self.version += 1
         self._forward_done += 1
         if self._forward_done == len(self.plan.fwd.ops):
@@ -211,6 +265,9 @@ class LayerRun:
 
     def _forward_comm(self, op: Op, step: "Step", args: list, async_op: bool) -> None:
         # A collective of the forward (left in flight with ``async_op``).
+        if not self.comm.names_ops:
+            self.acts[op.name] = step.kernel(args[0], self._ctx(op, step, async_op))
+            return
         with self.comm.op_named(op.name):
             self.acts[op.name] = step.kernel(args[0], self._ctx(op, step, async_op))
 
@@ -221,17 +278,20 @@ class LayerRun:
     def _forward_kernel(self, op: Op, step: "Step", args: list, async_op: bool) -> None:
         # A compute kernel (a ring attention's forward steps included); its saved tensors
         # are kept while a backward op reads them.
-        out, saved = step.kernel.forward(args, self._weight(op, op.weight_name), self._ctx(op, step, async_op))
+        weight = self.weights.get(step.weight_name) if step.gathered is None else self._weight(op, step)
+        ctx = self._contexts[op.name][async_op] if not step.routed else self._ctx(op, step, async_op)
+        out, saved = step.kernel.forward(args, weight, ctx)
         self.acts[op.name] = out
         if self._saved_left[op.name]:
             self.saved[op.name] = saved
-        self.keeping.forwarded(self, op, out, args)
+        if not self._keeps_all:
+            self.keeping.forwarded(self, op, out, args)
 
     def remake(self, op: Op, args: list) -> torch.Tensor:
         """The output of forward kernel ``op`` computed again from ``args`` (selective
         recomputation; nothing saved, nothing left in flight)."""
         step = self.plan.steps[op.name]
-        out, _ = step.kernel.forward(args, self._weight(op, op.weight_name), self._ctx(op, step, False))
+        out, _ = step.kernel.forward(args, self._weight(op, step), self._ctx(op, step, False))
         return out
 
     def restart_forward(self) -> None:
@@ -267,16 +327,22 @@ class LayerRun:
 
     def backward_op(self, op: Op, async_op: bool = False) -> None:
         """Run backward op ``op`` (a dgrad, a wgrad, an op's whole backward or a collective)."""
-        self.keeping.before_backward(self)
+        if not self._keeps_all:
+            self.keeping.before_backward(self)
         step = self.plan.steps[op.name]
-        handler = _BACKWARD_BY_ROLE.get(step.role)
-        if handler is None:
+        handler, forward = step.run, step.forward
+        if handler is None or forward is None:
             raise ValueError(f"{op.name} ({op.op}) is not a backward op")
         if step.role in _FSDP_ROLES:
             handler(self, op, step, async_op)
             return
-        flow, forward = op.grad, self.plan.fwd_ops[op.forward]
-        grad = self._upstream(flow.upstream, forward)
+        flow = op.grad
+        if flow.upstream is None:
+            grad = self._upstream(None, forward)
+        else:  # :meth:`_upstream`, inline
+            grad = self.bgrads[flow.upstream][forward.name]
+            if isinstance(grad, Pending):
+                grad = grad.wait()
         out = handler(self, op, step, forward, grad, async_op)
         if flow.weight is not None:
             self._add_weight_grad(flow.weight, step.kernel, grad)
@@ -284,7 +350,14 @@ class LayerRun:
             out[value] = self._accumulated(out[value], value, producers)
         if out:  # a wgrad's result lives in grads, not in the flow of gradients
             self.bgrads[op.name] = out
-        self._release(step.inputs, self._bwd_left, self.bgrads, keep=self.plan.bwd.output)
+        if self.releases:  # :meth:`_release`, inline
+            left, keep, bgrads = self._bwd_left, self.plan.bwd.output, self.bgrads
+            for name in step.inputs:
+                left[name] -= 1
+                if left[name] == 0 and name != keep:
+                    bgrads.pop(name, None)
+        else:
+            self._release(step.inputs, self._bwd_left, self.bgrads, keep=self.plan.bwd.output)
         self._saved_left[forward.name] -= 1
         if self._saved_left[forward.name] == 0:
             self.saved.pop(forward.name, None)
@@ -293,12 +366,15 @@ class LayerRun:
     def _backward_comm(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
         # A collective of the backward: the gradient of the one value it produces.
         (value,) = op.grad.produces
+        if not self.comm.names_ops:
+            return {value: step.kernel(grad, self._ctx(op, step, async_op))}
         with self.comm.op_named(op.name):
             return {value: step.kernel(grad, self._ctx(op, step, async_op))}
 
     def _backward_dgrad(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
         # A data gradient (or an op's whole backward): the gradients of its forward inputs.
-        grads = step.kernel.dgrad(grad, self.saved[forward.name], self._weight(op, forward.weight_name))
+        weight = self.weights.get(step.weight_name) if step.gathered is None else self._weight(op, step)
+        grads = step.kernel.dgrad(grad, self.saved[forward.name], weight)
         return _by_value(forward.inputs, grads, op.grad.produces)
 
     def _backward_ring(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
@@ -342,12 +418,13 @@ class LayerRun:
                                  params["shape"], async_op, op.axis, bool(params.get(FIRST_STAGE) or params.get(PART)),
                                  bool(params.get(REGROUP)), params[PIECES] if params.get(COLUMN_PIECES) else 0)
 
-    def _weight(self, op: Op, name: str) -> torch.Tensor | None:
+    def _weight(self, op: Op, step: "Step") -> torch.Tensor | None:
         """The weight ``op`` computes with: its ZeRO-3 gather's output (an activation in the
-        forward, a backward value in the backward), else this rank's kept weight ``name``."""
-        source = self.plan.gathered_by.get(op.name)
+        forward, a backward value in the backward), else this rank's kept weight (its
+        forward op's :attr:`Op.weight_name`)."""
+        source = step.gathered
         if source is None:
-            return self.weights.get(name)
+            return self.weights.get(step.weight_name)
         forward = self.plan.fwd_ops.get(op.name) or self.plan.fwd_ops[op.forward]
         if op.name in self.plan.fwd_ops:
             weight = self._act(source)
@@ -428,6 +505,8 @@ class LayerRun:
     # -- helpers -------------------------------------------------------------------------
 
     def _ctx(self, op: Op, step: "Step", async_op: bool) -> KernelCtx:
+        if not step.routed:
+            return self._contexts[op.name][async_op]
         return KernelCtx(self.comm, op.axis, self.plan.micro_batch, step.params, self.routing,
                          async_op=async_op)
 
@@ -473,15 +552,15 @@ class LayerRun:
         # Later micro-batches (and the other chunks of a partitioned op, which share its
         # weight) add into the gradient in place (a GEMM's wgrad as one addmm) instead of
         # materialising their own and adding it.
-        saved, name = self.saved[op_name], self.plan.fwd_ops[op_name].weight_unit
+        saved, (name, staged) = self.saved[op_name], self.plan.units[op_name]
         # A ZeRO-3 weight's full gradient is this micro-batch's only, until its reduce-scatter
         # (a chunk along outputs computes its own columns' block: its unit's gradient).
         grads = self.full_grads if name in self.plan.sharded else self.grads
-        forward = self.plan.fwd_ops[op_name]
-        if forward.staged is not None:  # its columns of the whole weight's gradient
+        if staged is not None:  # its columns of the whole weight's gradient
+            forward = self.plan.fwd_ops[op_name]
             part = kernel.wgrad(grad, saved)
             if name not in grads:
-                grads[name] = part.new_zeros((*part.shape[:-1], forward.staged[2]))
+                grads[name] = part.new_zeros((*part.shape[:-1], staged[2]))
             grads[name].index_add_(-1, self._staged_columns(forward).to(part.device), part.to(grads[name].dtype))
         elif name not in grads:
             grads[name] = kernel.wgrad(grad, saved)
@@ -515,15 +594,21 @@ def _wait_now(pending: Pending) -> None:
 
 def count_storages(values, seen: dict[int, int]) -> None:
     """Add to ``seen`` the storages of the tensors in ``values`` (nested tuples, lists and
-    dicts; anything else, a Pending included, holds nothing countable yet)."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
+    dicts; anything else, a Pending included, holds nothing countable yet). A walk with a
+    stack, the common types tested by identity first: it runs after every layer."""
+    stack = list(values)
+    tensor = torch.Tensor
+    while stack:
+        value = stack.pop()
+        kind = type(value)
+        if kind is tensor or (kind is not tuple and kind is not list and kind is not dict
+                              and isinstance(value, tensor)):
             storage = value.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(value, (tuple, list)):
-            count_storages(value, seen)
-        elif isinstance(value, dict):
-            count_storages(value.values(), seen)
+        elif kind is tuple or kind is list or isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif kind is dict or isinstance(value, dict):
+            stack.extend(value.values())
 
 
 def _by_value(inputs: tuple[str, ...], grads, produces: tuple[str, ...]) -> dict[str, torch.Tensor]:

@@ -16,7 +16,7 @@ import torch
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
-from dhelix.interpreter.ops.comm import Communicator, Pending
+from dhelix.interpreter.ops.comm import UNNAMED, Communicator, Pending
 
 
 class Recorder:
@@ -42,12 +42,19 @@ class Recorder:
         build a detailed name only then."""
         return self.trace or _profiler_enabled()
 
-    @contextlib.contextmanager
     def span(self, name: str, lane: str = "compute"):
         """Time the body as ``name`` on ``lane`` (and mark it for torch.profiler)."""
         # record_function costs tens of microseconds even with no profiler to see it, and
-        # spans open per layer and per segment pair: only mark when one is running.
-        marker = record_function(name) if _profiler_enabled() else contextlib.nullcontext()
+        # spans open per layer and per segment pair: only mark when one is running, and with
+        # neither a trace nor a profiler the body runs in an empty context.
+        profiled = _profiler_enabled()
+        if not (self.trace or profiled):
+            return UNNAMED
+        return self._span(name, lane, profiled)
+
+    @contextlib.contextmanager
+    def _span(self, name: str, lane: str, profiled: bool):
+        marker = record_function(name) if profiled else UNNAMED
         with marker:
             start = time.perf_counter()
             try:
@@ -107,11 +114,21 @@ class TimedComm(Communicator):
         self.inner, self.recorder = inner, recorder
         self.rank, self.mesh = inner.rank, inner.mesh
         self._op: str | None = None
+        self._lanes: dict[str, str] = {}
 
-    @contextlib.contextmanager
+    @property
+    def names_ops(self) -> bool:
+        """Whether :meth:`op_named` names anything: only when tracing."""
+        return self.recorder.trace
+
     def op_named(self, name: str):
         """Name the events of the collectives issued in the block after the program's op
-        ``name`` (``rs1``, as in the plan), instead of the collective's kind and axis."""
+        ``name`` (``rs1``, as in the plan), instead of the collective's kind and axis (only
+        when tracing: nothing else reads the names)."""
+        return self._named(name) if self.recorder.trace else UNNAMED
+
+    @contextlib.contextmanager
+    def _named(self, name: str):
         outer, self._op = self._op, name
         try:
             yield
@@ -119,16 +136,23 @@ class TimedComm(Communicator):
             self._op = outer
 
     def lane_of(self, axis: str) -> str:
-        """The lane (local or cross) of ``axis``'s process groups."""
-        return "local" if self.mesh is None else self.mesh.lane(axis)
+        """The lane (local or cross) of ``axis``'s process groups (found once per axis)."""
+        lane = self._lanes.get(axis)
+        if lane is None:
+            lane = self._lanes[axis] = "local" if self.mesh is None else self.mesh.lane(axis)
+        return lane
 
     def _run(self, name: str, axis: str, async_op: bool, call):
         if self.size(axis) == 1:
             return call()
         issued = time.perf_counter()
         out = call()
-        label = self._op or f"{name}.{axis}"
+        # The event's name is read only by a trace: not built otherwise.
+        trace = self.recorder.trace
+        label = (self._op or f"{name}.{axis}") if trace else name
         if async_op:
+            if not trace and out.done():  # complete at its issue (a stand-in's inline lane): no wait to time
+                return out
             return _TimedPending(out, self.recorder, label, self.lane_of(axis), issued)
         self.recorder.blocked(label, self.lane_of(axis), issued, issued, time.perf_counter())
         return out

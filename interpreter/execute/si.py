@@ -74,23 +74,64 @@ def settle(run) -> None:
                 grads[name] = value.wait()
 
 
-def _run(run, issue: Issue, recorder: Recorder) -> None:
+class Flat:
+    """An :class:`~.pair_order.Issue` resolved once, for the hot path: its strand, op,
+    whether it is a lead (``ahead``), a collective (``comm``) or a wgrad the :class:`Filler`
+    may hold, its op's distinct dependencies and its name (``F.op``), all plain attributes."""
+
+    __slots__ = ("strand", "forward", "op", "ahead", "comm", "wgrad", "deps", "name")
+
+    def __init__(self, issue: Issue):
+        self.strand, self.op, self.ahead, self.comm = issue.strand, issue.op, issue.ahead, issue.comm
+        self.forward = issue.strand == "F"
+        self.wgrad = issue.strand == "B" and not issue.comm and is_wgrad(issue.op)
+        self.deps = tuple(dict.fromkeys(issue.op.deps))
+        self.name = issue.name
+
+
+def flat(issues: Sequence[Issue]) -> tuple[Flat, ...]:
+    """``issues`` resolved (:class:`Flat`), once (resolved already: as they are)."""
+    if isinstance(issues, tuple) and (not issues or isinstance(issues[0], Flat)):
+        return issues
+    return tuple(issue if isinstance(issue, Flat) else Flat(issue) for issue in issues)
+
+
+class FlatOrder:
+    """A :class:`~.pair_order.BlockOrder` whose segment pairs are resolved into
+    :class:`Flat` issues once per kind of layer pair (the flags of
+    :meth:`~.pair_order.BlockOrder.pairs`), not on every layer of every block."""
+
+    def __init__(self, order: BlockOrder):
+        self.order, self.barrier = order, order.barrier
+        self._pairs: dict[tuple, tuple] = {}
+
+    def pairs(self, *flags, **named) -> tuple[tuple[int, tuple[Flat, ...]], ...]:
+        """:meth:`BlockOrder.pairs <.pair_order.BlockOrder.pairs>`, resolved."""
+        key = flags + tuple(sorted(named.items()))
+        found = self._pairs.get(key)
+        if found is None:
+            found = self._pairs[key] = tuple((index, flat(issues))
+                                             for index, issues in self.order.pairs(*flags, **named))
+        return found
+
+
+def _run(run, issue: Flat, recorder: Recorder) -> None:
     # One op of ``issue``'s strand on ``run``; when tracing, an event on the compute lane
     # named ``F.op``/``B.op`` (for a collective: its issue).
-    step = run.forward_op if issue.strand == "F" else run.backward_op
+    step = run.forward_op if issue.forward else run.backward_op
     if recorder.trace:
         start = time.perf_counter()
-        step(issue.op, async_op=issue.comm)
+        step(issue.op, issue.comm)
         recorder.event(issue.name, "compute", start, time.perf_counter())
     else:
-        step(issue.op, async_op=issue.comm)
+        step(issue.op, issue.comm)
 
 
-def _unfinished_inputs(run, issue: Issue) -> bool:
+def _unfinished_inputs(run, issue: Flat) -> bool:
     """Whether an input of ``issue``'s op on ``run`` is a collective still in flight (running
     the op now would block the thread on it)."""
-    store = run.acts if issue.strand == "F" else run.bgrads
-    for name in issue.op.deps:
+    store = run.acts if issue.forward else run.bgrads
+    for name in issue.deps:
         value = store.get(name)
         for item in value.values() if isinstance(value, dict) else (value,):
             if isinstance(item, Pending) and not item.done():
@@ -123,22 +164,36 @@ class Filler:
         #: What :meth:`carry` was told to call once the carried ops have run.
         self.carried: list[Callable[[], None]] = []
 
-    def take(self, layer: int, run, issue: Issue) -> bool:
+    def take(self, layer: int, run, issue: Flat) -> bool:
         """Hold ``issue`` (an op of layer pair ``layer`` on ``run``) instead of running it in
         place, when it is a wgrad this filler may move; whether it did."""
-        if issue.strand == "B" and not issue.comm and is_wgrad(issue.op) and run.backward_started:
+        if issue.wgrad and run.backward_started:
             self.held.append((layer, run, issue))
             return True
         return False
 
-    def before(self, run, issue: Issue) -> None:
+    def before(self, run, issue: Flat) -> None:
         """Run what must or can run before ``issue`` on ``run``: the held ops it reads (with
         those of the run held before them), then, while it would block on a collective,
-        each run's first held op whose own inputs have arrived, the oldest first."""
-        mine = [h for h in self.held if h[1] is run]
-        last = max((i for i, h in enumerate(mine) if h[2].op.name in issue.op.deps), default=-1)
+        each run's first held op whose own inputs have arrived, the oldest first (holding
+        nothing, nothing to run: the op goes at once)."""
+        if not self.held:
+            return
+        mine, last, deps = [], -1, issue.deps
+        for held in self.held:
+            if held[1] is run:
+                if held[2].op.name in deps:
+                    last = len(mine)
+                mine.append(held)
         for held in mine[:last + 1]:
             self._run(held)
+        store, flying = run.acts if issue.forward else run.bgrads, False
+        for name in deps:  # the common case, no input a Pending: nothing would block
+            value = store.get(name)
+            for item in value.values() if isinstance(value, dict) else (value,):
+                flying = flying or isinstance(item, Pending)
+        if not flying:
+            return
         while _unfinished_inputs(run, issue):
             firsts = {}  # each run's first held op, oldest first
             for held in self.held:
@@ -180,19 +235,26 @@ def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, labe
     and it runs held ones where an op would block. ``ahead(strand)`` gives the strand's next
     layer's run (started) for the ops ``issues`` issues ahead of it (its lead). When tracing,
     each op is an event on the compute lane, recorded when it runs."""
-    runs = {"F": fwd_run, "B": bwd_run}
     led = {}  # the next layers' runs, by strand, when this pair issues their leads
+    trace = recorder.trace
     with recorder.span(label):
-        for issue in issues:
+        for issue in flat(issues):
             if issue.ahead:
                 run = led[issue.strand] = ahead(issue.strand)
             else:
-                run = runs[issue.strand]
-            if filler is not None:
-                if filler.take(layer, run, issue):
+                run = fwd_run if issue.forward else bwd_run
+            if filler is not None:  # Filler.take and Filler.before, their cheap cases inline
+                if issue.wgrad and run.backward_started:
+                    filler.held.append((layer, run, issue))
                     continue
-                filler.before(run, issue)
-            _run(run, issue, recorder)
+                if filler.held:
+                    filler.before(run, issue)
+            if trace:
+                _run(run, issue, recorder)
+            elif issue.forward:
+                run.forward_op(issue.op, issue.comm)
+            else:
+                run.backward_op(issue.op, issue.comm)
         if barrier:
             for layer_run in (fwd_run, bwd_run, *led.values()):
                 if layer_run is not None:
@@ -251,16 +313,15 @@ def run_alone(chain: LayerChain, recorder: Recorder, label: str) -> None:
     wgrads) runs beside it — the single-strand overlap the simulator's solo times assume.
     Nothing is left in flight at a layer's end. ``label`` names the layers' spans (only
     built when something records them)."""
-    issues = chain.alone if chain.alone is not None else alone_order(chain.ops, chain.forward)
-    steps = tuple((issue.op, issue.comm) for issue in issues)
+    issues = flat(chain.alone if chain.alone is not None else alone_order(chain.ops, chain.forward))
     value = chain.begin()
     named = recorder.naming
     for k, run in enumerate(chain.runs):
         chain.start(run, value)
         with recorder.span(f"{label}.layer{k}" if named else label):
             step = run.forward_op if chain.forward else run.backward_op
-            for op, comm in steps:
-                step(op, comm)
+            for issue in issues:
+                step(issue.op, issue.comm)
             settle(run)
         chain.finished((k,))
         recorder.memory()
@@ -279,6 +340,8 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
     holding what earlier blocks carried; a fresh one when None), which carries the last
     layer pair's into the next block. ``opened`` is called once the first layer pair has run
     (what the executor issues there flies beside the rest of the block)."""
+    if not isinstance(order, FlatOrder):
+        order = FlatOrder(order)
     x, grad = fwd.begin(), bwd.begin()
     if order.barrier:
         filler = None
@@ -344,7 +407,8 @@ def run_scheduled(fwd: LayerChain, bwd: LayerChain, order: Sequence[tuple[str, i
     gradient; ``opened`` is called once both strands' first layers have run them (their
     openings' collectives have arrived)."""
     chains = {"F": fwd, "B": bwd}
-    by_name = {strand: {op.name: op for op in chain.ops} for strand, chain in chains.items()}
+    by_name = {strand: {op.name: Flat(Issue(strand=strand, op=op)) for op in chain.ops}
+               for strand, chain in chains.items()}
     value = {"F": fwd.begin(), "B": bwd.begin()}
     left = {(strand, layer): 0 for strand, layer, _ in order}
     for strand, layer, _ in order:
@@ -358,7 +422,7 @@ def run_scheduled(fwd: LayerChain, bwd: LayerChain, order: Sequence[tuple[str, i
             if key not in started:
                 started.add(key)
                 chain.start(run, value[strand] if layer == 0 else chain.result(chain.runs[layer - 1]))
-            _run(run, Issue(strand=strand, op=by_name[strand][name]), recorder)
+            _run(run, by_name[strand][name], recorder)
             if (strand, layer, name) in firsts:
                 firsts.discard((strand, layer, name))
                 if not firsts and opened is not None:

@@ -96,6 +96,8 @@ class KeptRun(LayerRun):
     def _full_grad(self, name: str) -> torch.Tensor:
         return self.full_grads[name]  # kept too: a ZeRO-3 reduce-scatter runs again
 
+    releases = False
+
     def _release(self, names, left, store, keep) -> None:
         """Keep every tensor (LayerRun drops one when its last reader has run): the profiler
         runs ops again and again on the same inputs."""

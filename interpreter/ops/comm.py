@@ -53,6 +53,11 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+#: An empty context, entered as often as wanted (what :meth:`Communicator.op_named` gives
+#: where nothing reads the name).
+UNNAMED = contextlib.nullcontext()
+
+
 class Pending:
     """An issued asynchronous operation; :meth:`wait` blocks once and returns its result.
 
@@ -210,33 +215,60 @@ class Communicator:
     """The interface; subclasses implement the ``_``-prefixed primitives.
 
     ``rank`` is the global rank and ``mesh`` the program's mesh (None for the single-rank
-    communicator, where every axis has size 1).
+    communicator, where every axis has size 1). ``names_ops``: whether :meth:`op_named`
+    does anything (callers skip it otherwise).
     """
 
     rank: int = 0
     mesh: Mesh | None = None
+    names_ops: bool = False
 
-    @contextlib.contextmanager
     def op_named(self, name: str):
         """Within the block, the collectives issued are the program's op ``name`` (``rs1``):
-        a recording communicator names its events so; the others ignore it."""
-        yield
+        a recording communicator names its events so; the others ignore it (one reusable
+        empty context: every collective of a layer enters it)."""
+        return UNNAMED
+
+    def _found(self) -> tuple[dict[str, int], dict[str, int]]:
+        # Sizes and indices by axis, found once each (every collective asks), for the mesh
+        # and rank as they are now (a test may set them after construction).
+        cached = self.__dict__.get("_found_for")
+        if cached is None or cached[0] is not self.mesh or cached[1] != self.rank:
+            cached = self.__dict__["_found_for"] = (self.mesh, self.rank, {}, {})
+        return cached[2], cached[3]
 
     def size(self, axis: str) -> int:
         """Number of ranks in this rank's group of ``axis``."""
-        if self.mesh is None:
-            return 1
-        return self.mesh.size("dp") // self.mesh.ep if axis == EDP else self.mesh.size(axis)
+        cached = self.__dict__.get("_found_for")  # the common case without a call
+        if cached is not None and cached[0] is self.mesh and cached[1] == self.rank:
+            found = cached[2].get(axis)
+            if found is not None:
+                return found
+        sizes = self._found()[0]
+        found = sizes.get(axis)
+        if found is None:
+            if self.mesh is None:
+                found = 1
+            else:
+                found = self.mesh.size("dp") // self.mesh.ep if axis == EDP else self.mesh.size(axis)
+            sizes[axis] = found
+        return found
 
     def index(self, axis: str) -> int:
         """This rank's position inside its group of ``axis`` (0 … size-1)."""
-        if self.mesh is None:
-            return 0
-        if axis == "ep":  # EP groups are blocks of consecutive DP coordinates (see dsl.core.mesh)
-            return self.mesh.coords(self.rank).get("dp", 0) % self.mesh.ep
-        if axis == EDP:
-            return self.mesh.coords(self.rank).get("dp", 0) // self.mesh.ep
-        return self.mesh.position(self.rank, axis)
+        indices = self._found()[1]
+        found = indices.get(axis)
+        if found is None:
+            if self.mesh is None:
+                found = 0
+            elif axis == "ep":  # EP groups are blocks of consecutive DP coordinates (see dsl.core.mesh)
+                found = self.mesh.coords(self.rank).get("dp", 0) % self.mesh.ep
+            elif axis == EDP:
+                found = self.mesh.coords(self.rank).get("dp", 0) // self.mesh.ep
+            else:
+                found = self.mesh.position(self.rank, axis)
+            indices[axis] = found
+        return found
 
     def peer(self, axis: str, offset: int) -> int:
         """The global rank ``offset`` steps along ``axis`` from this one, cyclically."""

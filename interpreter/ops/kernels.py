@@ -34,7 +34,7 @@ from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_par
 from . import gpu_kernels as gpu
 from .comm import (Communicator, Pending, SingleRankComm, level_part_blocks, part_blocks, regrouped, stage_blocks,
                    within_index, without_group)
-from .moe import exchange
+from .moe import exchange, to_host
 from .rope import rope_of, rope_tables, rotate
 
 #: Epsilon of RMSNorm and LayerNorm when the op gives none (the reference model uses the same).
@@ -191,12 +191,16 @@ def _grouped_gemm_forward(inputs, weight, ctx):
     and ``ctx.routing["counts"]`` the rows per local expert, in order."""
     (x,) = inputs
     counts = _counts(ctx, weight.shape[0], x.shape[0])
-    out = torch.cat([rows @ w for rows, w in zip(x.split(counts), weight, strict=True)])
+    out = torch.cat([rows @ w for rows, w in zip(x.split_with_sizes(counts), weight, strict=True)])
     return out, (x, counts)
 
 
 def _counts(ctx, experts: int, rows: int) -> list[int]:
+    # Without an ep exchange (which leaves host counts per local expert) the rows per expert
+    # are permute's, on the device: read back once (the layer's one sync, :func:`.moe.to_host`).
     counts = ctx.routing.get("counts")
+    if isinstance(counts, torch.Tensor):
+        counts = ctx.routing["counts"] = to_host(counts)
     if counts is None or len(counts) != experts or sum(counts) != rows:
         raise RuntimeError(f"grouped_gemm over {rows} rows and {experts} local experts has no "
                            f"matching routing (got {counts}); a permute must run first")
@@ -205,12 +209,13 @@ def _counts(ctx, experts: int, rows: int) -> list[int]:
 
 def _grouped_gemm_dgrad(grad, saved, weight):
     _, counts = saved
-    return (torch.cat([g @ w.t() for g, w in zip(grad.split(counts), weight, strict=True)]),)
+    return (torch.cat([g @ w.t() for g, w in zip(grad.split_with_sizes(counts), weight, strict=True)]),)
 
 
 def _grouped_gemm_wgrad(grad, saved):
     x, counts = saved
-    return torch.stack([rows.t() @ g for rows, g in zip(x.split(counts), grad.split(counts), strict=True)])
+    return torch.stack([rows.t() @ g for rows, g in zip(x.split_with_sizes(counts), grad.split_with_sizes(counts),
+                                                          strict=True)])
 
 
 # -- attention ---------------------------------------------------------------------------
@@ -488,12 +493,12 @@ def _pick_dgrad(grad, saved, weight):
 @attrs.frozen
 class Routing:
     """Top-k routing of ``tokens`` tokens: chosen experts and probabilities ``[tokens, k]``
-    and ``order``, the (token, slot) pairs ``t * k + s`` sorted stably by expert."""
+    and ``order``, the (token, slot) pairs ``t * k + s`` sorted stably by expert; all on the
+    device (nothing read back)."""
 
     experts: torch.Tensor
     probs: torch.Tensor
     order: torch.Tensor
-    counts: list[int]
 
     @property
     def rows(self) -> torch.Tensor:
@@ -505,17 +510,23 @@ def route(scores: torch.Tensor, top_k: int) -> Routing:
     """The top-k routing that ``scores`` ``[tokens, experts]`` choose (deterministic, so
     permute and unpermute derive the same order independently)."""
     probs, experts = scores.topk(top_k, dim=-1)
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=scores.shape[1]).tolist()
-    return Routing(experts, probs, order, counts)
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    return Routing(experts, probs, order)
+
+
+def expert_counts(routing: Routing, experts: int) -> torch.Tensor:
+    """The routed rows per expert, int64 on the device (a scatter-add: CUDA's bincount reads
+    its input's maximum back to size its output)."""
+    flat = routing.experts.reshape(-1)
+    return flat.new_zeros(experts).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def _permute_forward(inputs, weight, ctx):
-    """Replicate each token top_k times, rows grouped by expert; records the counts."""
+    """Replicate each token top_k times, rows grouped by expert; records the rows per expert
+    (on the device: the dispatch or the grouped GEMM reads them back, :func:`.moe.to_host`)."""
     x, scores = inputs
     routing = route(scores, int(ctx.params["top_k"]))
-    ctx.routing["counts"] = routing.counts
+    ctx.routing["counts"] = expert_counts(routing, scores.shape[1])
     rows = routing.rows
     return x[rows], (rows, x.shape[0])
 
@@ -697,6 +708,10 @@ COLLECTIVES: dict[str, Callable] = {
     "all_to_all": _all_to_all, "reduce": _reduce, "broadcast": _broadcast,
     "send": _send, "recv": _recv,
 }
+
+#: The op kinds whose kernels read or write their run's MoE routing (``KernelCtx.routing``):
+#: the others' contexts hold nothing of a run and are shared by every run of a layer.
+ROUTED = frozenset({"permute", "unpermute", "grouped_gemm", "all_to_all"})
 
 #: Roles an ``Op.op`` resolves to (:func:`handler`); a derived backward kind's role is its
 #: part as the op library names it (DGRAD, WGRAD or BWD).

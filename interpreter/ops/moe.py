@@ -23,6 +23,21 @@ same :class:`EpLayout` (a permutation's transpose is its inverse, an all_to_all'
 all_to_all with swapped splits): the gradient of combine is dispatched, the gradient of
 dispatch is combined. Routing is exact — no capacity factor, no dropped or padded tokens —
 so the splits really vary with the router's choices.
+
+Host-device synchronisation. The rows per expert are known on the device, where the router
+ran; the token all_to_all's split sizes and the grouped GEMM's row blocks are shapes, which
+the host must know before it can issue them (NCCL's variable all_to_all takes its splits as
+host integers, a GEMM per expert its rows). With routing exact there is no static bound to
+use instead short of padding every expert's block to every routed row (ep times the
+all_to_all's bytes and the experts' GEMM rows): so a MoE layer's forward reads its counts
+back once — :func:`to_host`, the only place that does — and nothing else in a layer waits
+for the device. With ep > 1 that one read takes the exchanged count table and this rank's
+own counts together, after the counts' all_to_all is queued (:func:`plan_layout`); the row
+order the dispatch gathers by is computed on the device from that table, the host reading
+only its sums. With ep = 1 the grouped GEMM reads this rank's counts. A full recomputation's
+replay of the forward reads them once more, to check it routed as the first run did. The
+backward reads nothing back: it reuses the forward's layout. The read cannot move out of an
+SI block: the counts are the output of the router that block's forward runs.
 """
 
 from __future__ import annotations
@@ -51,6 +66,13 @@ class EpLayout:
     sort: torch.Tensor
     unsort: torch.Tensor
     local_counts: list[int]
+
+
+def to_host(counts: torch.Tensor) -> list:
+    """``counts`` (integers on the device) as Python ints: the one host-device
+    synchronisation of a MoE layer's forward (see the module docstring); nothing else here
+    reads a tensor back."""
+    return counts.tolist()
 
 
 def a2a_roles(fwd: LayerDag, bwd: LayerDag) -> dict[str, str]:
@@ -97,7 +119,7 @@ def exchange(x: torch.Tensor, ctx):
     elif role == DISPATCH and ctx.routing["counts"] is not layout.local_counts:
         # The forward again (full recomputation): permute has routed the same tokens the same
         # way and set their global counts; the first run's layout holds, no counts to exchange.
-        _same_routing(ctx.routing["counts"], layout)
+        _same_routing(to_host(ctx.routing["counts"]), layout)
         ctx.routing["counts"] = layout.local_counts
     if role == DISPATCH:
         return dispatch(x, layout, ctx.comm, ctx.axis, ctx.async_op)
@@ -114,27 +136,39 @@ def _same_routing(counts: list[int], layout: EpLayout) -> None:
                            "and its recomputation")
 
 
-def plan_layout(counts: list[int], comm, axis: str, device) -> EpLayout:
+def plan_layout(counts: torch.Tensor, comm, axis: str, device) -> EpLayout:
     """The EpLayout of rows sorted by global expert with ``counts`` rows per expert (all
-    ``E`` of them): exchanges the counts over ``axis`` (a small synchronous all_to_all,
-    as Megatron's dispatcher does before the token all_to_all)."""
+    ``E`` of them, int64 on the device): exchanges the counts over ``axis`` (a small
+    synchronous all_to_all, as Megatron's dispatcher does before the token all_to_all), then
+    reads both tables back at once (:func:`to_host`)."""
     size = comm.size(axis)
-    if len(counts) % size:
-        raise ValueError(f"{len(counts)} experts do not split over {axis} = {size}")
-    local = len(counts) // size
-    mine = torch.tensor(counts, dtype=torch.int64, device=device)
+    if counts.numel() % size:
+        raise ValueError(f"{counts.numel()} experts do not split over {axis} = {size}")
+    local = counts.numel() // size
+    mine = counts.to(device=device, dtype=torch.int64).view(size, local)
     # Row j of the received table: the rows member j sends for each of my local experts.
-    table = comm.all_to_all(mine, axis).view(size, local).cpu()
-    send = mine.view(size, local).sum(1).tolist()
-    recv = table.sum(1).tolist()
-    # Received row offsets are source-major; gather them local-expert-major.
-    starts = (table.reshape(-1).cumsum(0) - table.reshape(-1)).view(size, local)
-    sort = torch.cat([torch.arange(int(starts[j, e]), int(starts[j, e] + table[j, e]))
-                      for e in range(local) for j in range(size)] or [torch.zeros(0, dtype=torch.int64)])
-    sort = sort.to(device)
-    unsort = torch.empty_like(sort)
-    unsort[sort] = torch.arange(sort.numel(), device=device)
-    return EpLayout(send, recv, sort, unsort, table.sum(0).tolist())
+    table = comm.all_to_all(mine.reshape(-1), axis).view(size, local)
+    host = to_host(torch.cat((mine, table)))
+    send = [sum(row) for row in host[:size]]
+    recv = [sum(row) for row in host[size:]]
+    local_counts = [sum(column) for column in zip(*host[size:])]
+    sort = _expert_major(table, sum(recv))
+    unsort = torch.empty_like(sort).scatter_(0, sort, torch.arange(sort.numel(), device=sort.device))
+    return EpLayout(send, recv, sort, unsort, local_counts)
+
+
+def _expert_major(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """The received row of each position when the ``rows`` rows received (source-major:
+    member j's block, inside it by local expert e, ``table[j, e]`` rows each) are gathered
+    local-expert-major (expert e's rows from every member in member order), computed on the
+    device: ``rows``, known on the host, sizes the result without reading anything back."""
+    size, local = table.shape
+    blocks = table.reshape(-1)
+    first = (blocks.cumsum(0) - blocks).view(size, local).t().reshape(-1)  # each (e, j) block's first row received
+    lengths = table.t().reshape(-1)  # the blocks in the order gathered
+    block = torch.repeat_interleave(torch.arange(size * local, device=table.device), lengths, output_size=rows)
+    placed = lengths.cumsum(0) - lengths  # each block's first position in the gathered order
+    return first[block] + torch.arange(rows, device=table.device) - placed[block]
 
 
 def dispatch(x: torch.Tensor, layout: EpLayout, comm, axis: str, async_op: bool = False):

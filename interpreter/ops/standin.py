@@ -85,21 +85,31 @@ class _Lanes:
         with self._lock:  # the lanes' threads and :meth:`take` share the tally
             self.busy[name] = self.busy.get(name, 0.0) + time.perf_counter() - start
 
-    def _lane(self, name: str):
+    def prepare(self, names) -> None:
+        """Make the lanes ``names`` now (their streams or threads), before the first block: a
+        transfer then only queues its work (inline: nothing to make). A lane's tallies start
+        with its first transfer."""
+        if not self.inline:
+            for name in names:
+                self._made(name)
+
+    def _made(self, name: str):
         if name not in self._lanes:
             self._lanes[name] = (torch.cuda.Stream(self.device) if self.cuda
                                  else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"lane-{name}"))
-            self.exposed.setdefault(name, 0.0)
         return self._lanes[name]
+
+    def _lane(self, name: str):
+        self.exposed.setdefault(name, 0.0)
+        return self._made(name)
 
     def submit(self, name: str, work, tensors=()) -> "_Work":
         """Run ``work()`` (the stand-in's writes and the link's cost) on lane ``name`` after
         what the compute has issued so far; ``tensors``: those the lane reads or writes."""
+        if self.inline:  # no lane thread: nothing shares the tally, no future to hand over
+            self.run_inline(name, work)
+            return _Work(self, name)
         lane = self._lane(name)
-        if self.inline:
-            done = concurrent.futures.Future()
-            done.set_result(self._timed(name, work))
-            return _Work(self, name, future=done)
         if not self.cuda:
             return _Work(self, name, future=lane.submit(self._timed, name, work))
         lane.wait_stream(torch.cuda.current_stream(self.device))
@@ -113,9 +123,20 @@ class _Lanes:
             tensor.record_stream(lane)
         return _Work(self, name, event=done)
 
+    def run_inline(self, name: str, work) -> None:
+        """Run ``work()`` at once on the calling thread as lane ``name``'s (an inline lane's
+        transfer: done when this returns), adding its seconds to the lane's busy time."""
+        start = time.perf_counter()
+        work()
+        self.busy[name] = self.busy.get(name, 0.0) + time.perf_counter() - start
+        if name not in self.exposed:
+            self.exposed[name] = 0.0
+
     def waited(self, name: str, work: "_Work") -> None:
         """Block the compute (the thread on CPU, the stream on CUDA) until ``work`` is done,
         counting the exposed time on lane ``name``."""
+        if work.future is None and work.event is None:  # done at its issue (inline)
+            return
         if not self.cuda:
             start = time.perf_counter()
             work.future.result()
@@ -153,7 +174,8 @@ class _Lanes:
 
 
 class _Work:
-    """An emulated transfer in flight: waited once through :class:`_Lanes`."""
+    """An emulated transfer in flight: waited once through :class:`_Lanes` (neither a
+    future nor an event: done when issued, on the calling thread)."""
 
     def __init__(self, lanes: _Lanes, lane: str, *, future=None, event=None):
         self.lanes, self.lane, self.future, self.event = lanes, lane, future, event
@@ -165,7 +187,9 @@ class _Work:
             self.lanes.waited(self.lane, self)
 
     def is_completed(self) -> bool:
-        return self.future.done() if self.future is not None else self.event.query()
+        if self.future is not None:
+            return self.future.done()
+        return self.event is None or self.event.query()
 
 
 class EmulatedComm(DistComm):
@@ -183,6 +207,8 @@ class EmulatedComm(DistComm):
         self._host = self._source = None  # ``copy``: the pinned host buffer, the device one copied
         self._lock = threading.Lock()
         self._lane_of: dict[str, tuple[str, int]] = {}
+        # Every group's lane found, and made, ahead of the first block.
+        self.lanes.prepare(sorted({self.lane_and_nodes(axis)[0] for axis in self._groups}))
 
     # -- what a transfer costs --------------------------------------------------------------
 
@@ -231,16 +257,22 @@ class EmulatedComm(DistComm):
         """Issue the stand-in of collective ``kind`` over ``axis``: ``fill()`` writes ``out``
         from ``x`` on the lane, then the link's cost runs there."""
         self.issued.append((kind, axis, tuple(x.shape)))
-        group = self.size(axis)
+        found = self._lane_of.get(axis)
+        lane = (found or self.lane_and_nodes(axis))[0]
+        if self.emulate == "none":  # the stand-in's writes alone
+            if self.lanes.inline:  # written at once: nothing to wait for
+                self.lanes.run_inline(lane, fill)
+                return Pending(None, out) if async_op else out
+            pending = Pending(self.lanes.submit(lane, fill, (x, out)), out)
+            return pending if async_op else pending.wait()
         full = max(x.numel(), out.numel()) * x.element_size()  # S: the gathered / unscattered tensor
-        cost = self._cost(kind, full, axis, group)
+        cost = self._cost(kind, full, axis, self.size(axis))
 
         def work() -> None:
             fill()
             if cost is not None:
                 cost()
 
-        lane, _ = self.lane_and_nodes(axis)
         pending = Pending(self.lanes.submit(lane, work, (x, out)), out)
         return pending if async_op else pending.wait()
 
