@@ -302,6 +302,22 @@ def test_lets_rebind_so_a_counter_counts():
     assert [str(a) for a in lowered.actions[0]] == ["F0.0", "F0.1", "F1.0", "F1.1"]
 
 
+def test_a_named_micro_batch_runs_that_one_and_leaves_the_counter():
+    text = """
+        pipeline x {
+          repeat m { F }
+          B[0, m - 1]
+          B
+          B[0, 2]
+          B
+        }
+    """
+    lowered = lower_text(text, 1, 4)
+    assert [str(a) for a in lowered.actions[0]][4:] == ["B3.0", "B0.0", "B2.0", "B1.0"]
+    assert error_text(lambda: lower_text(text.replace("m - 1", "m"), 1, 4)).splitlines()[0] == (
+        "test.dhx:3:8: micro-batch 4 of B[0, m] is out of range: m = 4, so micro-batches are 0..3 (m = 4)")
+
+
 def test_counts_are_per_kind_and_chunk():
     lowered = lower_stdlib("dualpipe_v", 3, 6)
     for row in lowered.actions:

@@ -12,7 +12,9 @@ launch_backward }``, default g). Semantics, statement by statement:
 - ``require a CMP b`` stops with an error naming the values when it does not hold.
 - ``F[c]``, ``B[c]``, ``W[c]`` (chunk 0 unless given) and ``SI(F[c], B[c'])`` emit actions.
   Micro-batch numbers are implicit: the k-th ``F[1]`` a rank runs is micro-batch k of chunk 1,
-  counted separately per (action kind, chunk).
+  counted separately per (action kind, chunk); ``B[1, k]`` names micro-batch k itself and
+  leaves the counter as it is (a schedule that runs micro-batches out of order: LoopedBFS's
+  backwards, last first).
 
 Around each computation the lowering inserts the transfers the placement implies: a RECV
 right before an action whose input comes from another rank, a SEND right after an action whose
@@ -240,6 +242,15 @@ class _RankProgram:
                            f"{{where}} (3·v·m with v = {chunks}, m = {self.env['m']})",
                            act.span, ("each micro-batch runs one F, one B and at most one W "
                                       "per chunk; check the repeat counts",))
+        if act.microbatch is not None:  # B[c, k]: this micro-batch; the counters stay
+            microbatch = self.eval(act.microbatch)
+            if not 0 <= microbatch < self.env["m"]:
+                raise _Failure(f"micro-batch {microbatch} of {_act_text(act)} is out of range{{where}}: "
+                               f"m = {self.env['m']}, so micro-batches are 0..{self.env['m'] - 1}"
+                               f"{self.values(act.microbatch)}", act.microbatch.span,
+                               ("B[c, k] runs micro-batch k of chunk c; F, B or W without k runs the "
+                                "next one of its (kind, chunk) counter",))
+            return Compute(act.kind, microbatch, chunk, span=act.span)
         key = (act.kind, chunk)
         microbatch = self.counters[key]
         self.counters[key] += 1
@@ -272,6 +283,8 @@ class _RankProgram:
 
 
 def _act_text(act: s.Act) -> str:
+    if act.microbatch is not None:
+        return f"{act.kind}[{format_expr(act.chunk)}, {format_expr(act.microbatch)}]"
     return act.kind if act.chunk is None else f"{act.kind}[{format_expr(act.chunk)}]"
 
 
