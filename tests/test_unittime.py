@@ -49,6 +49,12 @@ FORMULAS = {
                 lambda p, m: Fraction(p - 1, 2 * p - 1), lambda p, m, r: 2 * m),
     "w_helix": (None, lambda p, m: m > p, lambda p, m: 6 * (m + p - 1),
                 lambda p, m: Fraction(p - 1, m + p - 1), lambda p, m, r: min(2 * p, m + r + 1)),
+    # LoopedBFS: GPipe over the chunks, breadth first; each chunk's forwards keep rank 0 busy
+    # until the first micro-batch comes back round once m >= p.
+    "looped_bfs": (("loop", 2), lambda p, m: m >= p, lambda p, m: 3 * (2 * m + p - 1),
+                   lambda p, m: Fraction(p - 1, 2 * m + p - 1), lambda p, m, r: 2 * m),
+    "looped_bfs v=3": (("loop", 3), lambda p, m: m >= p, lambda p, m: 3 * (3 * m + p - 1),
+                       lambda p, m: Fraction(p - 1, 3 * m + p - 1), lambda p, m, r: 3 * m),
     "w_helix m=p": (None, lambda p, m: m == p, lambda p, m: 10 * p - 4,
                     lambda p, m: Fraction(2 * p - 2, 5 * p - 2),
                     lambda p, m, r: min(2 * p, m + r + 1)),
