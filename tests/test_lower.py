@@ -108,7 +108,7 @@ def test_single_rank_has_no_transfers():
 @pytest.mark.parametrize("name", sorted(FOLDS))
 def test_text_form_parses_back_exactly(name):
     for ranks, microbatches in ((1, 2), (3, 6), (4, 9)):
-        if name in ("interleaved_1f1b",) and microbatches % ranks:
+        if name in ("interleaved_1f1b", "interleaved_zb") and microbatches % ranks:
             continue
         lowered = lower_stdlib(name, ranks, microbatches)
         assert parse_lowered(format_lowered(lowered)) == lowered

@@ -20,6 +20,8 @@ pytest.importorskip("torch")
 RUNS = {
     # LoopedBFS: each chunk's backwards last micro-batch first (B[c, k]), beside tp = 2.
     "looped_bfs": ("loop(2)", "tp = 2\n  pp = 2", 4),
+    # Interleaved zero bubble on loop(2) at m = 2p, beside dp = 2.
+    "interleaved_zb": ("loop(2)", "dp = 2\n  pp = 2", 4),
 }
 
 

@@ -37,6 +37,8 @@ def dot_text(capsys, *argv: str) -> str:
     ("pipeline_one_f_one_b_p2_m4.dot", ["--microbatches", "4", "--pipeline", "one_f_one_b"]),
     ("pipeline_zb_h1_p2_m4.dot", ["--microbatches", "4", "--pipeline", "zb_h1"]),
     ("pipeline_looped_bfs_p2_m4.dot", ["--microbatches", "4", "--pipeline", "looped_bfs", "--fold", "loop(2)"]),
+    ("pipeline_interleaved_zb_p2_m4.dot", ["--microbatches", "4", "--pipeline", "interleaved_zb", "--fold",
+                                           "loop(2)"]),
     ("placement_u_p2.dot", ["--what", "placement"]),
     ("placement_none_p2.dot", ["--what", "placement", "--fold", "none"]),
     ("dag_tiny_llama.dot", ["--what", "dag"]),
@@ -96,7 +98,7 @@ def test_the_glossary_says_of_the_strands_what_the_pictures_draw():
     assert "the forward's strand β" not in entry
 
 
-@pytest.mark.parametrize("pipeline", ["w_helix", "one_f_one_b", "zb_h1", "dualpipe_v", "looped_bfs"])
+@pytest.mark.parametrize("pipeline", ["w_helix", "one_f_one_b", "zb_h1", "dualpipe_v", "interleaved_zb", "looped_bfs"])
 def test_every_rank_row_spans_the_make_span(pipeline):
     lowered = lowered_at(4, 8, pipeline)
     text = pipeline_dot(lowered)
