@@ -18,10 +18,12 @@ pytest.importorskip("torch")
 
 #: pipeline → (fold, mesh, micro-batches): 4 layers over 2 pipeline ranks of 2 chunks.
 RUNS = {
-    # LoopedBFS: each chunk's backwards last micro-batch first (B[c, k]), beside tp = 2.
-    "looped_bfs": ("loop(2)", "tp = 2\n  pp = 2", 4),
+    # The V over 2 ranks at m = 2p (ZB-V's steady phase runs), beside dp = 2.
+    "zbv": ("u", "dp = 2\n  pp = 2", 4),
     # Interleaved zero bubble on loop(2) at m = 2p, beside dp = 2.
     "interleaved_zb": ("loop(2)", "dp = 2\n  pp = 2", 4),
+    # LoopedBFS: each chunk's backwards last micro-batch first (B[c, k]), beside tp = 2.
+    "looped_bfs": ("loop(2)", "tp = 2\n  pp = 2", 4),
 }
 
 

@@ -36,6 +36,7 @@ def dot_text(capsys, *argv: str) -> str:
     ("pipeline_w_helix_p2_m4.dot", ["--microbatches", "4"]),
     ("pipeline_one_f_one_b_p2_m4.dot", ["--microbatches", "4", "--pipeline", "one_f_one_b"]),
     ("pipeline_zb_h1_p2_m4.dot", ["--microbatches", "4", "--pipeline", "zb_h1"]),
+    ("pipeline_zbv_p2_m4.dot", ["--microbatches", "4", "--pipeline", "zbv"]),
     ("pipeline_looped_bfs_p2_m4.dot", ["--microbatches", "4", "--pipeline", "looped_bfs", "--fold", "loop(2)"]),
     ("pipeline_interleaved_zb_p2_m4.dot", ["--microbatches", "4", "--pipeline", "interleaved_zb", "--fold",
                                            "loop(2)"]),
@@ -98,7 +99,8 @@ def test_the_glossary_says_of_the_strands_what_the_pictures_draw():
     assert "the forward's strand β" not in entry
 
 
-@pytest.mark.parametrize("pipeline", ["w_helix", "one_f_one_b", "zb_h1", "dualpipe_v", "interleaved_zb", "looped_bfs"])
+@pytest.mark.parametrize("pipeline", ["w_helix", "one_f_one_b", "zb_h1", "dualpipe_v", "zbv", "looped_bfs",
+                                      "interleaved_zb"])
 def test_every_rank_row_spans_the_make_span(pipeline):
     lowered = lowered_at(4, 8, pipeline)
     text = pipeline_dot(lowered)

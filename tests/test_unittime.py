@@ -61,6 +61,8 @@ FORMULAS = {
     "interleaved_zb v=3": (("loop", 3), lambda p, m: m % p == 0, lambda p, m: 3 * 3 * m + p - 1,
                            lambda p, m: Fraction(p - 1, 3 * 3 * m + p - 1),
                            lambda p, m, r: min(p - r + 2 * p, 3 * m)),
+    "zbv": (None, lambda p, m: m >= 2 * p - 1, lambda p, m: 6 * m + p - 1,
+            lambda p, m: Fraction(p - 1, 6 * m + p - 1), lambda p, m, r: min(2 * p, m + r + 1)),
     "w_helix m=p": (None, lambda p, m: m == p, lambda p, m: 10 * p - 4,
                     lambda p, m: Fraction(2 * p - 2, 5 * p - 2),
                     lambda p, m, r: min(2 * p, m + r + 1)),
