@@ -332,57 +332,7 @@ def test_lowering_errors_are_schedule_errors():
         lower_stdlib("w_helix", 4, 3)
 
 
-# --- the same orders as torch.distributed.pipelining ------------------------------------
-
-def _torch_orders(schedule_class, ranks, microbatches, local_stages, chunk_of, split):
-    """Compute actions per rank from torch's private rank-order generator, in our notation."""
-    import types
-    fake = types.SimpleNamespace(pp_group_size=ranks, _n_microbatches=microbatches,
-                                 n_local_stages=local_stages, num_stages=ranks * local_stages,
-                                 _num_stages=ranks * local_stages,
-                                 microbatches_per_round=microbatches // max(1, microbatches // ranks))
-    orders = []
-    for rank in range(ranks):
-        def token(action, kind):
-            return f"{kind}{action.microbatch_index}.{chunk_of(rank, action.stage_index)}"
-
-        out = []
-        for action in schedule_class._calculate_single_rank_operations(fake, rank):
-            if action is None:
-                continue
-            kind = action.computation_type.value
-            if kind == "OVERLAP_F_B":
-                fwd, action = action.sub_actions
-                out.append(f"SI({token(fwd, 'F')},{token(action, 'B')})")
-            else:
-                out.append(token(action, {"I": "B"}.get(kind, kind)))
-            # torch's full backward (B) is our B followed at once by W in a split schedule.
-            if split and action.computation_type.value == "B":
-                out.append(token(action, "W"))
-        orders.append(out)
-    return orders
-
-
-def _our_orders(lowered):
-    return [[str(a) for a in row if not isinstance(a, Transfer)] for row in lowered.actions]
-
-
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 6, 8])
-def test_orders_match_torch_pipelining(ranks):
-    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    loop = lambda rank, stage: stage // ranks  # noqa: E731
-    vee = lambda rank, stage: 0 if stage == rank else 1  # noqa: E731
-    for microbatches in range(ranks, 4 * ranks + 2):
-        if microbatches % ranks == 0:
-            assert _our_orders(lower_stdlib("interleaved_1f1b", ranks, microbatches)) == \
-                _torch_orders(schedules.ScheduleInterleaved1F1B, ranks, microbatches, 2, loop,
-                              False)
-            assert _our_orders(lower_stdlib("zb_h1", ranks, microbatches)) == \
-                _torch_orders(schedules.ScheduleInterleavedZeroBubble, ranks, microbatches, 1,
-                              loop, True)
-        if microbatches >= 2 * ranks:
-            assert _our_orders(lower_stdlib("dualpipe_v", ranks, microbatches)) == \
-                _torch_orders(schedules.ScheduleDualPipeV, ranks, microbatches, 2, vee, True)
+# --- the same orders as torch.distributed.pipelining: tests/test_torch_orders.py ------------
 
 
 @pytest.mark.parametrize(("launch", "backward"), [(1, 1), (3, 2), (8, 8)])

@@ -10,7 +10,6 @@ put data parallelism beside the pipeline so that the split gradients are reduced
 from __future__ import annotations
 
 import pytest
-
 from commands import dhelix_here
 from conftest import tiny_example_text
 
