@@ -32,6 +32,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector, ScheduleError
 from dhelix.dsl.core.program import FOLD_KINDS
 from dhelix.dsl.frontend.exprs import evaluate, format_expr
+from dhelix.dsl.frontend.fmt import format_statement
 from dhelix.dsl.frontend.pipelinecheck import check_pipeline
 from dhelix.dsl.passes.fold import Placement
 from dhelix.dsl.core.wording import join_words
@@ -233,7 +234,7 @@ class _RankProgram:
         chunks = self.placement.chunks
         if not 0 <= chunk < chunks:
             allowed = "the only chunk is 0" if chunks == 1 else f"chunks are 0..{chunks - 1}"
-            raise _Failure(f"chunk {chunk} of {_act_text(act)} is out of range{{where}}: "
+            raise _Failure(f"chunk {chunk} of {format_statement(act)} is out of range{{where}}: "
                            f"v = {chunks}, so {allowed}", act.span,
                            ("fold none gives v = 1 chunk per rank, fold u 2, fold loop(v) v",))
         self.computes += 1
@@ -245,7 +246,7 @@ class _RankProgram:
         if act.microbatch is not None:  # B[c, k]: this micro-batch; the counters stay
             microbatch = self.eval(act.microbatch)
             if not 0 <= microbatch < self.env["m"]:
-                raise _Failure(f"micro-batch {microbatch} of {_act_text(act)} is out of range{{where}}: "
+                raise _Failure(f"micro-batch {microbatch} of {format_statement(act)} is out of range{{where}}: "
                                f"m = {self.env['m']}, so micro-batches are 0..{self.env['m'] - 1}"
                                f"{self.values(act.microbatch)}", act.microbatch.span,
                                ("B[c, k] runs micro-batch k of chunk c; F, B or W without k runs the "
@@ -280,12 +281,6 @@ class _RankProgram:
         if peer is None:
             return []
         return [Transfer(kind, part.kind, part.microbatch, part.chunk, peer, span=span)]
-
-
-def _act_text(act: s.Act) -> str:
-    if act.microbatch is not None:
-        return f"{act.kind}[{format_expr(act.chunk)}, {format_expr(act.microbatch)}]"
-    return act.kind if act.chunk is None else f"{act.kind}[{format_expr(act.chunk)}]"
 
 
 def _names(expr: s.Expr):
