@@ -93,8 +93,10 @@ def config_items() -> st.SearchStrategy:
 # --- pipelines -----------------------------------------------------------------------------
 
 def acts(kinds=("F", "B", "W")) -> st.SearchStrategy[s.Act]:
-    """``F``, ``B[1]``, ...: an action with an optional chunk."""
-    return st.builds(s.Act, st.sampled_from(kinds), st.none() | exprs(3))
+    """``F``, ``B[1]``, ``W[1, k]``, ...: an action with an optional chunk and, after a chunk,
+    an optional micro-batch."""
+    plain = st.builds(s.Act, st.sampled_from(kinds), st.none() | exprs(3))
+    return plain | st.builds(s.Act, st.sampled_from(kinds), exprs(3), exprs(3))
 
 
 def pipeline_statements(depth: int = 2) -> st.SearchStrategy:

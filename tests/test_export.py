@@ -30,7 +30,8 @@ EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")  # 4 layers, pp 2, fold 
 
 #: (pipeline, fold override) of every stdlib schedule; the fold follows the pipeline otherwise.
 PIPELINES = [("gpipe", None), ("one_f_one_b", None), ("zb_h1", None),
-             ("interleaved_1f1b", "loop(2)"), ("w_helix", None), ("dualpipe_v", None)]
+             ("interleaved_1f1b", "loop(2)"), ("w_helix", None), ("dualpipe_v", None),
+             ("looped_bfs", "loop(2)"), ("interleaved_zb", "loop(2)"), ("zbv", None)]
 FORMS = ("compute_only", "compute_comms")
 
 

@@ -14,6 +14,9 @@ from dhelix.cli import main
 from dhelix.dsl.passes.overrides import Overrides, load_file
 from dhelix.dsl.render.pipeline import MAX_WIDTH_PX, bands, pipeline_dot, strands_of
 from dhelix.dsl.passes.unittime import unit_time
+from dhelix.dsl.frontend.stdlib import fold_of, stdlib_pipelines
+
+FOLDS = {name: fold_of(pipeline) for name, pipeline in stdlib_pipelines().items()}
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "tiny_llama_cpu.dhx")  # 4 layers, pp 2, fold u, w_helix, m 8
@@ -33,6 +36,10 @@ def dot_text(capsys, *argv: str) -> str:
     ("pipeline_w_helix_p2_m4.dot", ["--microbatches", "4"]),
     ("pipeline_one_f_one_b_p2_m4.dot", ["--microbatches", "4", "--pipeline", "one_f_one_b"]),
     ("pipeline_zb_h1_p2_m4.dot", ["--microbatches", "4", "--pipeline", "zb_h1"]),
+    ("pipeline_zbv_p2_m4.dot", ["--microbatches", "4", "--pipeline", "zbv"]),
+    ("pipeline_looped_bfs_p2_m4.dot", ["--microbatches", "4", "--pipeline", "looped_bfs", "--fold", "loop(2)"]),
+    ("pipeline_interleaved_zb_p2_m4.dot", ["--microbatches", "4", "--pipeline", "interleaved_zb", "--fold",
+                                           "loop(2)"]),
     ("placement_u_p2.dot", ["--what", "placement"]),
     ("placement_none_p2.dot", ["--what", "placement", "--fold", "none"]),
     ("dag_tiny_llama.dot", ["--what", "dag"]),
@@ -54,10 +61,12 @@ def test_dot_files_are_byte_identical_run_to_run(tmp_path):
 # --- the pipeline grid ----------------------------------------------------------------------------
 
 def lowered_at(ranks: int, microbatches: int, pipeline: str = "w_helix"):
-    """The tiny example's schedule lowered with ``pipeline`` at p = ranks, m = microbatches."""
+    """The tiny example's schedule lowered with ``pipeline`` at p = ranks, m = microbatches
+    (a pipeline written for fold loop on loop(2))."""
     layers = 4 if ranks == 2 else 8
+    fold = "loop(2)" if FOLDS.get(pipeline, (None,))[0] == "loop" else None
     return load_file(EXAMPLE, Overrides(ranks=ranks, microbatches=microbatches, layers=layers,
-                                        pipeline=pipeline)).lowered
+                                        pipeline=pipeline, fold=fold)).lowered
 
 
 def test_w_helix_strands_alternate_every_p_microbatches_as_in_figure_8():
@@ -90,7 +99,8 @@ def test_the_glossary_says_of_the_strands_what_the_pictures_draw():
     assert "the forward's strand β" not in entry
 
 
-@pytest.mark.parametrize("pipeline", ["w_helix", "one_f_one_b", "zb_h1", "dualpipe_v"])
+@pytest.mark.parametrize("pipeline", ["w_helix", "one_f_one_b", "zb_h1", "dualpipe_v", "zbv", "looped_bfs",
+                                      "interleaved_zb"])
 def test_every_rank_row_spans_the_make_span(pipeline):
     lowered = lowered_at(4, 8, pipeline)
     text = pipeline_dot(lowered)

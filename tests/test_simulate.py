@@ -171,7 +171,8 @@ def unit_costs(program):
 
 
 SCHEDULES = [("gpipe", "none"), ("one_f_one_b", "none"), ("zb_h1", "none"), ("interleaved_1f1b", "loop(2)"),
-             ("w_helix", "u"), ("dualpipe_v", "u")]
+             ("w_helix", "u"), ("dualpipe_v", "u"), ("looped_bfs", "loop(2)"), ("interleaved_zb", "loop(2)"),
+             ("zbv", "u")]
 
 
 @pytest.mark.parametrize("pipeline, fold", SCHEDULES)
@@ -244,7 +245,8 @@ def test_step_figures_follow_megatrons_count():
 
 
 @pytest.mark.parametrize("pipeline, fold", [("one_f_one_b", "none"), ("zb_h1", "none"), ("w_helix", "u"),
-                                            ("dualpipe_v", "u")])
+                                            ("dualpipe_v", "u"), ("looped_bfs", "loop(2)"),
+                                            ("interleaved_zb", "loop(2)"), ("zbv", "u")])
 def test_every_gradient_is_synchronised_once(pipeline, fold):
     program = tiny_program(pipeline, fold, 2, 4, dp=2)
     sim = simulate(program, zero1=True)

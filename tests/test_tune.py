@@ -791,3 +791,23 @@ def test_a_budget_also_stops_the_waiting_choices(monkeypatch):
     left = branch(pricer, space, first, Incumbent(3), Tally(), 1.0, runner=Counting)
     assert len(visited) == 1 and not settled and len(pricer.plans) == 0
     assert left is not None and left >= first[0][0]
+
+
+def test_the_torch_schedules_are_searched_and_priced(tiny):
+    # ZB-V, interleaved zero bubble and LoopedBFS enter the space with the folds they are
+    # written for (loop with each chunk count tried), as every stdlib pipeline does; on
+    # pp 2 the search prices each and finds the top that pricing every choice does.
+    pricer, full = tiny
+    names = ("zbv", "interleaved_zb", "looped_bfs")
+    assert {(fold, name) for fold, name, _ in full.schedules if name in names} == {
+        ("u", "zbv"), ("loop(2)", "interleaved_zb"), ("loop(4)", "interleaved_zb"),
+        ("loop(2)", "looped_bfs"), ("loop(4)", "looped_bfs")}
+    space = attrs.evolve(full, tp=(2,), cp=(1,), pp=(2,), micro_batch=full.micro_batch[:2],
+                         zero=full.zero[:1], recompute=full.recompute[:1], partition=full.partition[:1],
+                         param_gather=full.param_gather[:1],
+                         schedules=tuple(s for s in full.schedules if s[1] in names + ("one_f_one_b",)))
+    top = len(list(space.choices()))
+    expected = exhaustive(pricer, space, top=top)
+    found = search(pricer, space, top=top)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert set(names) <= {p.choice.pipeline for p in expected}

@@ -131,6 +131,7 @@ class Require(Node):
 class Act(Node):
     kind: str  # F | B | W
     chunk: Expr | None
+    microbatch: Expr | None = None  # B[c, k]: micro-batch k, not the (kind, chunk) counter's next
 
 
 @attrs.frozen

@@ -91,6 +91,9 @@ def _value(value) -> str:
 
 
 def _act(act: s.Act) -> str:
+    if act.microbatch is not None:
+        assert act.chunk is not None, "the parser gives a chunk whenever there is a micro-batch"
+        return f"{act.kind}[{format_expr(act.chunk)}, {format_expr(act.microbatch)}]"
     return act.kind if act.chunk is None else f"{act.kind}[{format_expr(act.chunk)}]"
 
 

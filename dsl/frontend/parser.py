@@ -411,11 +411,11 @@ class _Builder(Transformer):
                              did_you_mean(str(kind), ACTIONS) +
                              ["a pipeline statement is `name = expr`, `repeat N { … }`, `require a >= b`, "
                               "an action F, B, W (F[1] for chunk 1) or SI(F, B)"])
-        return s.Act(str(kind), chunk[0] if chunk else None, span=self._span(meta),
-                     spans={"kind": self._tok(kind)})
+        index, microbatch = chunk[0] if chunk else (None, None)
+        return s.Act(str(kind), index, microbatch, span=self._span(meta), spans={"kind": self._tok(kind)})
 
     def chunk(self, meta, children):
-        return children[0]
+        return children[0], children[1] if len(children) > 1 else None
 
     def si_block(self, meta, children):
         name, fwd, bwd = children

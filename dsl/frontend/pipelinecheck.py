@@ -56,7 +56,7 @@ def reads_name(pipeline: s.PipelineDef, name: str) -> bool:
         if isinstance(stmt, s.Repeat):
             return [stmt.count]
         acts = [stmt.fwd, stmt.bwd] if isinstance(stmt, s.SIBlock) else [stmt]
-        return [act.chunk for act in acts if act.chunk is not None]
+        return [expr for act in acts for expr in (act.chunk, act.microbatch) if expr is not None]
 
     def reads(expr) -> bool:
         if isinstance(expr, s.Name):

@@ -12,7 +12,9 @@ launch_backward }``, default g). Semantics, statement by statement:
 - ``require a CMP b`` stops with an error naming the values when it does not hold.
 - ``F[c]``, ``B[c]``, ``W[c]`` (chunk 0 unless given) and ``SI(F[c], B[c'])`` emit actions.
   Micro-batch numbers are implicit: the k-th ``F[1]`` a rank runs is micro-batch k of chunk 1,
-  counted separately per (action kind, chunk).
+  counted separately per (action kind, chunk); ``B[1, k]`` names micro-batch k itself and
+  leaves the counter as it is (a schedule that runs micro-batches out of order: LoopedBFS's
+  backwards, last first).
 
 Around each computation the lowering inserts the transfers the placement implies: a RECV
 right before an action whose input comes from another rank, a SEND right after an action whose
@@ -30,6 +32,7 @@ from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector, ScheduleError
 from dhelix.dsl.core.program import FOLD_KINDS
 from dhelix.dsl.frontend.exprs import evaluate, format_expr
+from dhelix.dsl.frontend.fmt import format_statement
 from dhelix.dsl.frontend.pipelinecheck import check_pipeline
 from dhelix.dsl.passes.fold import Placement
 from dhelix.dsl.core.wording import join_words
@@ -231,7 +234,7 @@ class _RankProgram:
         chunks = self.placement.chunks
         if not 0 <= chunk < chunks:
             allowed = "the only chunk is 0" if chunks == 1 else f"chunks are 0..{chunks - 1}"
-            raise _Failure(f"chunk {chunk} of {_act_text(act)} is out of range{{where}}: "
+            raise _Failure(f"chunk {chunk} of {format_statement(act)} is out of range{{where}}: "
                            f"v = {chunks}, so {allowed}", act.span,
                            ("fold none gives v = 1 chunk per rank, fold u 2, fold loop(v) v",))
         self.computes += 1
@@ -240,6 +243,15 @@ class _RankProgram:
                            f"{{where}} (3·v·m with v = {chunks}, m = {self.env['m']})",
                            act.span, ("each micro-batch runs one F, one B and at most one W "
                                       "per chunk; check the repeat counts",))
+        if act.microbatch is not None:  # B[c, k]: this micro-batch; the counters stay
+            microbatch = self.eval(act.microbatch)
+            if not 0 <= microbatch < self.env["m"]:
+                raise _Failure(f"micro-batch {microbatch} of {format_statement(act)} is out of range{{where}}: "
+                               f"m = {self.env['m']}, so micro-batches are 0..{self.env['m'] - 1}"
+                               f"{self.values(act.microbatch)}", act.microbatch.span,
+                               ("B[c, k] runs micro-batch k of chunk c; F, B or W without k runs the "
+                                "next one of its (kind, chunk) counter",))
+            return Compute(act.kind, microbatch, chunk, span=act.span)
         key = (act.kind, chunk)
         microbatch = self.counters[key]
         self.counters[key] += 1
@@ -269,10 +281,6 @@ class _RankProgram:
         if peer is None:
             return []
         return [Transfer(kind, part.kind, part.microbatch, part.chunk, peer, span=span)]
-
-
-def _act_text(act: s.Act) -> str:
-    return act.kind if act.chunk is None else f"{act.kind}[{format_expr(act.chunk)}]"
 
 
 def _names(expr: s.Expr):
