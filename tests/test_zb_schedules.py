@@ -1,4 +1,4 @@
-"""The zero-bubble family's schedules torch does not ship — zb_h2 — held to
+"""The zero-bubble family's schedules torch does not ship — zb_h2, v_min — held to
 what their comments in stdlib_schedules/pipelines.dhx say: unit-time make-span, bubble and
 in-flight activations, against 1F1B and ZB-H1; simulated, drawn and searched by `dhelix tune`
 as every stdlib pipeline; and run on gloo ranks with `dhelix run --check` (each exact against
@@ -44,7 +44,34 @@ def test_zb_h2_hides_a_transfer_that_zb_h1_waits_for():
                 timed_run(lower_stdlib("zb_h1", p, m), half).makespan, (p, m)
 
 
-NEW = [("zb_h2", "none")]
+#: name → (make-span / v and in flight at p = 4, m = 8, as the comments say; bound of the
+#: in-flight whole-rank micro-batches in p).
+V_SCHEDULES = {"v_min": (Fraction(59, 2), (4, 4, 3, 4), lambda p: Fraction(p, 3) + 1)}
+
+
+@pytest.mark.parametrize("name", sorted(V_SCHEDULES))
+def test_v_schedules_save_memory_and_beat_one_f_one_b(name):
+    span, in_flight, bound = V_SCHEDULES[name]
+    lowered = lower_stdlib(name, 4, 8)
+    assert (unit_time(lowered).normalized_makespan, peak_in_flight(lowered)) == (span, in_flight)
+    for p, m in SIZES:
+        lowered = lower_stdlib(name, p, m)
+        timing = unit_time(lowered)
+        # Whole-rank micro-batches held: divide the chunk activations by v = 2.
+        assert max(peak_in_flight(lowered)) <= 2 * bound(p), (p, m)
+        assert max(peak_in_flight(lower_stdlib("one_f_one_b", p, m))) == min(p, m)
+        if p > 1 and m >= 2 * p:
+            assert timing.normalized_makespan < 3 * (m + p - 1), (p, m)  # 1F1B's
+
+
+def test_v_min_holds_a_third_of_one_f_one_b():
+    p, m = 8, 32
+    whole = {name: Fraction(max(peak_in_flight(lower_stdlib(name, p, m))), 2) for name in V_SCHEDULES}
+    assert whole == {"v_min": 3}  # 1F1B: 8
+    assert unit_time(lower_stdlib("v_min", p, m)).normalized_makespan == Fraction(219, 2)
+
+
+NEW = [("zb_h2", "none"), ("v_min", "u")]
 
 
 @pytest.mark.parametrize("pipeline, fold", NEW)
@@ -90,7 +117,8 @@ def test_dhelix_check_names_each_new_schedule(tmp_path):
 
 @pytest.mark.parametrize("pipeline, fold", NEW)
 def test_run_check_is_exact_on_gloo_ranks(pipeline, fold, tmp_path):
-    # 4 pipeline ranks, 8 micro-batches: every phase of the schedule runs; none pairs a forward with a backward, so there is no SI to check.
+    # 4 pipeline ranks (the V schedules' rank 3 turns the V), 8 micro-batches: every phase of
+    # each schedule runs; none pairs a forward with a backward, so there is no SI to check.
     path = tmp_path / f"{pipeline}.dhx"
     path.write_text(program_text(pipeline, fold, 4, 8))
     result = dhelix_here("run", str(path), "--steps", "1", "--check")
