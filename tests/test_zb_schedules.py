@@ -1,4 +1,4 @@
-"""The zero-bubble family's schedules torch does not ship — zb_h2, v_min — held to
+"""The zero-bubble family's schedules torch does not ship — zb_h2, v_min, v_half — held to
 what their comments in stdlib_schedules/pipelines.dhx say: unit-time make-span, bubble and
 in-flight activations, against 1F1B and ZB-H1; simulated, drawn and searched by `dhelix tune`
 as every stdlib pipeline; and run on gloo ranks with `dhelix run --check` (each exact against
@@ -46,7 +46,8 @@ def test_zb_h2_hides_a_transfer_that_zb_h1_waits_for():
 
 #: name → (make-span / v and in flight at p = 4, m = 8, as the comments say; bound of the
 #: in-flight whole-rank micro-batches in p).
-V_SCHEDULES = {"v_min": (Fraction(59, 2), (4, 4, 3, 4), lambda p: Fraction(p, 3) + 1)}
+V_SCHEDULES = {"v_min": (Fraction(59, 2), (4, 4, 3, 4), lambda p: Fraction(p, 3) + 1),
+               "v_half": (30, (6, 6, 6, 6), lambda p: Fraction(p, 2) + 1)}
 
 
 @pytest.mark.parametrize("name", sorted(V_SCHEDULES))
@@ -64,14 +65,15 @@ def test_v_schedules_save_memory_and_beat_one_f_one_b(name):
             assert timing.normalized_makespan < 3 * (m + p - 1), (p, m)  # 1F1B's
 
 
-def test_v_min_holds_a_third_of_one_f_one_b():
+def test_v_min_holds_a_third_and_v_half_half_of_one_f_one_b():
     p, m = 8, 32
     whole = {name: Fraction(max(peak_in_flight(lower_stdlib(name, p, m))), 2) for name in V_SCHEDULES}
-    assert whole == {"v_min": 3}  # 1F1B: 8
+    assert whole == {"v_min": 3, "v_half": 5}  # 1F1B: 8
     assert unit_time(lower_stdlib("v_min", p, m)).normalized_makespan == Fraction(219, 2)
+    assert unit_time(lower_stdlib("v_half", p, m)).normalized_makespan == 109  # 1F1B 117, ZB-H1 103
 
 
-NEW = [("zb_h2", "none"), ("v_min", "u")]
+NEW = [("zb_h2", "none"), ("v_min", "u"), ("v_half", "u")]
 
 
 @pytest.mark.parametrize("pipeline, fold", NEW)
