@@ -141,3 +141,61 @@ def test_the_cli_refuses_what_it_cannot_use(tmp_path):
         assert result.returncode != 0 and message in result.stderr, result.stderr
     result = dhelix_here("generate", str(program), "--memory", "3")
     assert result.returncode != 0 and "go with --pipeline" in result.stderr
+
+
+# -- offered to `dhelix tune` -------------------------------------------------------------------
+
+def _tune_inputs(tmp_path):
+    from dhelix.dsl.frontend.check import check_program
+    from dhelix.dsl.frontend.imports import load_modules
+    from dhelix.dsl.passes import pipeline as passes
+    from dhelix.dsl.search.tune import Pricer
+
+    path = tmp_path / "tiny.dhx"
+    text = program_text("zb_h1", "none", 4, 8)
+    path.write_text(text)
+    modules = load_modules(text, str(path))
+    base = passes.rerun(check_program(modules), after="check")
+    return path, text, modules, Pricer(modules, base, base.mesh.world), space_of(base, generated=True)
+
+
+def test_tune_writes_the_generated_pipelines_for_each_layout(tmp_path):
+    from dhelix.dsl.search.tune import Priced, exhaustive, search
+    from dhelix.dsl.search.variant import variant_text
+
+    path, text, modules, pricer, space = _tune_inputs(tmp_path)
+    assert {s for s in space.schedules if s[1].startswith("zb_")} >= {("none", "zb_1p", "on"), ("none", "zb_2p", "on")}
+    assert ("none", "zb_1p", "on") not in space_of(_base(tmp_path)).schedules  # only when asked
+    for name, limit in (("zb_1p", 4), ("zb_2p", 7)):
+        choice = next(c for c in space.choices() if c.pipeline == name and c.layout.pp == 4 and c.layout.tp == 1
+                      and c.layout.zero == 0 and c.layout.recompute == "none" and c.layout.micro_batch == 1)
+        priced = pricer.price(choice)
+        assert isinstance(priced, Priced), priced
+        program = pricer.checked(choice)
+        assert max(peak_in_flight(program.lowered)) <= limit
+        # The winner's file holds its pipeline, and checks as it is.
+        written = variant_text(pricer.variant(choice, modules), text, "tuned")
+        assert f"pipeline {name} for none {{" in written and "require p == 4" in written
+        assert check_text(written, str(path)).lowered == program.lowered
+    # At other sizes the scheduler writes another schedule: the layout with pp 2 gets its own.
+    other = next(c for c in space.choices() if c.pipeline == "zb_2p" and c.layout.pp == 2)
+    assert "require p == 2" in variant_text(pricer.variant(other, modules), text, "tuned")
+    small = _small_space(space)
+    assert [p.choice for p in search(pricer, small, top=3, jobs=1).top] == [p.choice for p in exhaustive(pricer, small, 3)]
+
+
+def _base(tmp_path):
+    from dhelix.dsl.frontend.check import check_program
+    from dhelix.dsl.frontend.imports import load_modules
+    from dhelix.dsl.passes import pipeline as passes
+
+    text = program_text("zb_h1", "none", 4, 8)
+    return passes.rerun(check_program(load_modules(text, str(tmp_path / "tiny.dhx"))), after="check")
+
+
+def _small_space(space):
+    """``space`` cut to pp 4 and 2, no ZeRO, no recomputation, micro-batch 1, fold none."""
+    import attrs
+
+    return attrs.evolve(space, tp=(1,), cp=(1,), pp=(2, 4), micro_batch=(1,), zero=(0,), recompute=("none",),
+                        schedules=tuple(s for s in space.schedules if s[0] == "none"))

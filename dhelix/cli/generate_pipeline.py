@@ -1,8 +1,8 @@
 """`dhelix generate FILE --pipeline zb`: the zero-bubble scheduler's pipeline for FILE's sizes.
 
 The times of one pipeline stage come from FILE's profile through the simulator's cost model
-(per layer: forward, input gradient, weight gradient; times the layers of a stage; the
-pipeline transfer), or from ``--times``. The scheduler is
+(:func:`dhelix.dsl.search.generated.stage_costs`: per layer forward, input gradient and weight
+gradient, times the layers of a stage, and the pipeline transfer), or from ``--times``. The scheduler is
 :func:`dhelix.dsl.planner.zero_bubble.generate`; the file written checks as a library and
 imports into FILE (``import "OUT.dhx"``, ``pipeline zb_auto``, ``fold none``).
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.passes.unittime import Costs, timed_run
 from dhelix.dsl.planner.zero_bubble import generate, pipeline_text
+from dhelix.dsl.search.generated import stage_costs
 
 #: The generated pipeline's name.
 NAME = "zb_auto"
@@ -62,22 +63,6 @@ def write_pipeline(args) -> int:
     else:
         sys.stdout.write(text)
     return 0
-
-
-def stage_costs(program) -> Costs:
-    """One pipeline stage's F, B and W times (seconds, as exact fractions) and the transfer
-    time of ``program`` (fold none: its layers over its pipeline ranks), from its profile."""
-    from dhelix.dsl.simulator.costs import cost_of, step_costs
-
-    costs = step_costs(program, None, cost_of(program))
-    per_stage = program.model.get("layers") // program.mesh.size("pp")
-
-    def exact(seconds: float) -> Fraction:
-        return Fraction(seconds * per_stage).limit_denominator(10 ** 9)
-
-    layer = costs.layer
-    return Costs(exact(layer.forward.seconds), exact(layer.backward_input.seconds), exact(layer.weight.seconds),
-                 Fraction(costs.p2p_seconds).limit_denominator(10 ** 9))
 
 
 def _parse_times(text: str) -> Costs:
