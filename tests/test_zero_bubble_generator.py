@@ -11,10 +11,12 @@ from fractions import Fraction
 import pytest
 
 from commands import dhelix_here
+from dhelix.dsl.core.schedule import Transfer
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.passes.unittime import Costs, peak_in_flight, timed_run
 from dhelix.dsl.passes.validate import validate_lowered
-from dhelix.dsl.planner.zero_bubble import generate, pipeline_text
+from dhelix.dsl.planner.zero_bubble import generate, held, pipeline_text
+from dhelix.dsl.search.generated import w_share
 from dhelix.dsl.search.space import space_of
 from dhelix.dsl.simulator.events import simulate
 from test_lower import lower_stdlib, lower_text
@@ -30,6 +32,9 @@ COSTS = [Costs(), Costs(transfer=Fraction(1, 2)), Costs(1, 2, 1), Costs(1, 1, Fr
 def test_generated_holds_its_limit_and_beats_zb_h1_with_generous_memory(costs):
     for p, m in ((2, 4), (3, 7), (4, 8), (4, 16), (8, 16)):
         for limit in (1, p, 2 * p - 1):
+            for share in (Fraction(0), Fraction(1, 2)):  # what a W keeps from its B on
+                generated = generate(p, m, costs, limit, share)
+                assert all(held(order, share) <= limit for order in generated.orders), (p, m, limit, share)
             generated = generate(p, m, costs, limit)
             lowered = lower_text(pipeline_text(generated, "zb_auto"), p, m)
             validate_lowered(lowered)
@@ -173,6 +178,10 @@ def test_tune_writes_the_generated_pipelines_for_each_layout(tmp_path):
         assert isinstance(priced, Priced), priced
         program = pricer.checked(choice)
         assert max(peak_in_flight(program.lowered)) <= limit
+        share = w_share(program)
+        assert 0 < share < 1
+        orders = [tuple(a.kind for a in row if not isinstance(a, Transfer)) for row in program.lowered.actions]
+        assert max(held(order, share) for order in orders) <= limit
         # The winner's file holds its pipeline, and checks as it is.
         written = variant_text(pricer.variant(choice, modules), text, "tuned")
         assert f"pipeline {name} for none {{" in written and "require p == 4" in written

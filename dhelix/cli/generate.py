@@ -5,7 +5,8 @@
 With ``--pipeline zb`` it writes a schedule instead: the zero-bubble scheduler
 (:mod:`dhelix.dsl.planner.zero_bubble`) for FILE's pipeline ranks and micro-batches, from the
 F, B and W times of one pipeline stage that FILE's profile gives (or ``--times``, with the
-transfer C) and at most ``--memory`` micro-batches' activations per rank (default p, 1F1B's),
+transfer C) and at most ``--memory`` micro-batches' activations per rank (default p, 1F1B's;
+the inputs only a W reads count from its B to it),
 as a `.dhx` library file with one pipeline, ``zb_auto`` for fold none.
 
 CK is a `dhelix run --save` folder (its program is kept in the save); FILE a program, with the

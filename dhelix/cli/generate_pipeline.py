@@ -16,7 +16,7 @@ from pathlib import Path
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.passes.unittime import Costs, timed_run
 from dhelix.dsl.planner.zero_bubble import generate, pipeline_text
-from dhelix.dsl.search.generated import stage_costs
+from dhelix.dsl.search.generated import stage_costs, w_share
 
 #: The generated pipeline's name.
 NAME = "zb_auto"
@@ -36,7 +36,8 @@ def write_pipeline(args) -> int:
         raise UsageError("--memory must be at least 1 (micro-batches of activations a rank may hold)")
     costs, source = (_parse_times(args.times), "--times") if args.times else (stage_costs(program), "the profile")
     unit = "" if args.times else " ms"
-    generated = generate(ranks, microbatches, costs, limit)
+    share = w_share(program)
+    generated = generate(ranks, microbatches, costs, limit, share)
     placement = placement_for("none", None, program.model.get("layers"), ranks)
 
     def span(pipeline) -> Fraction:
@@ -49,8 +50,8 @@ def write_pipeline(args) -> int:
         if any(p.name == "zb_h1" for p in program.pipelines) else None
     header = (f"Written by `dhelix generate {args.target} --pipeline zb`: the zero-bubble heuristic "
               f"(W policy '{generated.policy}')\n"
-              f"for p = {ranks}, m = {microbatches}, at most {limit} micro-batches in flight per rank, with the "
-              f"times of {source}:\n"
+              f"for p = {ranks}, m = {microbatches}, at most {limit} micro-batches of activations per rank (a W "
+              f"keeping {float(share):.2g} of one), with the times of {source}:\n"
               f"F {_number(costs.f, unit)}, B {_number(costs.b, unit)}, W {_number(costs.w, unit)}, transfer {_number(costs.transfer, unit)}; "
               f"make-span {_number(ours, unit)}" + (f" (zb_h1: {_number(zb_h1, unit)})" if zb_h1 is not None else "") + ".\n"
               f"Use it with `import \"{Path(args.output).name if args.output else 'THIS.dhx'}\"`, "

@@ -5,10 +5,14 @@ per rank from their times (T_F, T_B, T_W, and the transfer time T_comm) and a pe
 the activations held: warm up with as many forwards as the limit allows before the first
 backward comes back, then keep the critical path busy — a backward as soon as it can run, a
 forward while the limit allows — and fill each gap at least T_W long with a waiting weight
-gradient (W never delays a B); the weight gradients left run at the end. The paper refines
-the result with an ILP; this module does not, and instead runs the greedy with a few W
-policies (fill gaps of at least T_W; of any size; only at the end) and keeps the shortest,
-priced by :func:`~dhelix.dsl.passes.unittime.timed_run` (ties to the earlier policy). The
+gradient (W never delays a B); the weight gradients left run at the end. Memory is counted as
+the paper counts it: a micro-batch holds 1 (its forward's activations) from F to B and
+``w_share`` of that (M_W / (M_B + M_W): the inputs only its weight gradient reads) from B to
+W; a forward runs only while that stays within the limit, and a rank the limit holds back runs
+a waiting W to free memory. The paper refines the result with an ILP; this module does not,
+and instead runs the greedy with a few W policies (fill gaps of at least T_W; of any size;
+only at the end) and keeps the shortest, timed as
+:func:`~dhelix.dsl.passes.unittime.timed_run` times it (ties to the earlier policy). The
 heuristic, not an exact search: it scales to any p and m within the language's limits, an
 exact search does not past a handful of micro-batches; tests compare it with a brute force
 over every order for small p and m.
@@ -34,8 +38,9 @@ W_POLICIES = ("fit", "any", "end")
 
 @attrs.frozen
 class Generated:
-    """A generated schedule: the sizes, the in-flight limit, the costs it was made for, the
-    W policy that won, and per rank the order of its actions (``"F"``, ``"B"``, ``"W"``)."""
+    """A generated schedule: the sizes, the memory limit and the share a W keeps, the costs
+    it was made for, the W policy that won, and per rank the order of its actions (``"F"``,
+    ``"B"``, ``"W"``)."""
 
     ranks: int
     microbatches: int
@@ -43,23 +48,39 @@ class Generated:
     costs: Costs
     policy: str
     orders: tuple[tuple[str, ...], ...]
+    w_share: Fraction = Fraction(0)
 
 
-def generate(ranks: int, microbatches: int, costs: Costs, limit: int) -> Generated:
+def generate(ranks: int, microbatches: int, costs: Costs, limit: int, w_share: Fraction = Fraction(0)) -> Generated:
     """The heuristic's schedule for ``ranks`` pipeline ranks (fold none) and ``microbatches``,
-    holding at most ``limit`` micro-batches' activations per rank (``limit`` >= 1; a caller
+    holding at most ``limit`` micro-batches' activations per rank (``limit`` >= 1), a
+    micro-batch between its B and its W counting ``w_share`` (0 <= ``w_share`` < 1; a caller
     bug otherwise: ValueError). The shortest of the W policies under ``costs``."""
-    if ranks < 1 or microbatches < 1 or limit < 1:
-        raise ValueError(f"ranks {ranks}, micro-batches {microbatches} and limit {limit} must be >= 1")
+    w_share = Fraction(w_share)
+    if ranks < 1 or microbatches < 1 or limit < 1 or not 0 <= w_share < 1:
+        raise ValueError(f"ranks {ranks}, micro-batches {microbatches} and limit {limit} must be >= 1, "
+                         f"and the W share {w_share} in [0, 1)")
     best = None
     for policy in W_POLICIES:
-        orders, span = _greedy(ranks, microbatches, costs, limit, policy)
+        orders, span = _greedy(ranks, microbatches, costs, limit, policy, w_share)
         if best is None or span < best[1]:
-            best = (Generated(ranks, microbatches, limit, costs, policy, orders), span)
+            best = (Generated(ranks, microbatches, limit, costs, policy, orders, w_share), span)
     return best[0]
 
 
-def _greedy(p: int, m: int, costs: Costs, limit: int, policy: str) -> tuple[tuple[tuple[str, ...], ...], Fraction]:
+def held(order: tuple[str, ...], w_share: Fraction = Fraction(0)) -> Fraction:
+    """The most activations a rank running ``order`` holds, in micro-batches: 1 from each F to
+    its B, ``w_share`` from the B to its W."""
+    nf = nb = nw = 0
+    peak = Fraction(0)
+    for kind in order:
+        nf, nb, nw = nf + (kind == "F"), nb + (kind == "B"), nw + (kind == "W")
+        peak = max(peak, (nf - nb) + w_share * (nb - nw))
+    return peak
+
+
+def _greedy(p: int, m: int, costs: Costs, limit: int, policy: str,
+            w_share: Fraction) -> tuple[tuple[tuple[str, ...], ...], Fraction]:
     """One run of the list scheduler: (per-rank orders, make-span)."""
     f_end = [[None] * m for _ in range(p)]  # when F of micro-batch j ends on rank r
     b_end = [[None] * m for _ in range(p)]
@@ -79,15 +100,18 @@ def _greedy(p: int, m: int, costs: Costs, limit: int, policy: str) -> tuple[tupl
         b_at = None
         if nb < nf:
             b_at = f_end[r][nb] if r == p - 1 else _plus(b_end[r + 1][nb], c)
+        fits = (nf - nb) + w_share * (nb - nw) + 1 <= limit  # room for one more forward
         kind = None
         if b_at is not None and b_at <= now:
             kind = "B"
-        elif f_at is not None and f_at <= now and nf - nb < limit:
+        elif f_at is not None and f_at <= now and fits:
             kind = "F"
         elif nw < nb:
-            upcoming = [t for t in (b_at, f_at if nf - nb < limit else None) if t is not None]
+            upcoming = [t for t in (b_at, f_at if fits else None) if t is not None]
             gap = min(upcoming) - now if upcoming else None
-            if (nf == nb == m or policy == "any" or (policy == "fit" and (gap is None or gap >= costs.w))):
+            stuck = w_share > 0 and f_at is not None and f_at <= now  # a W frees what the limit holds back
+            if (nf == nb == m or stuck or policy == "any"
+                    or (policy == "fit" and (gap is None or gap >= costs.w))):
                 kind = "W"
         if kind is None:  # wait for the next thing this rank needs, or for another rank to move
             later = [t for t in (b_at, f_at) if t is not None and t > now]
@@ -122,7 +146,8 @@ def pipeline_text(generated: Generated, name: str, header: str = "") -> str:
               f"  require p == {generated.ranks}",
               f"  require m == {generated.microbatches}"]
     for rank, order in enumerate(generated.orders):
-        lines.append(f"  # rank {rank}: {order.count('F')} F, in flight at most {_in_flight(order)}")
+        lines.append(f"  # rank {rank}: in flight at most {_in_flight(order)}"
+                     + (f", {float(held(order, generated.w_share)):.3g} with what its Ws keep" if generated.w_share else ""))
         lines.append(f"  repeat 1 - min(1, (r - {rank}) * (r - {rank})) {{")
         lines += [f"    {part}" for part in _runs(order)]
         lines.append("  }")
