@@ -1,5 +1,13 @@
 """`dhelix generate CK | FILE [--checkpoint CK | --init HF_DIR] [--prompt TEXT] [--max-new N]
-[--temperature T --top-p P] [--tokenizer tokenizer.json]`: text from a model, on one process.
+[--temperature T --top-p P] [--tokenizer tokenizer.json]`: text from a model, on one process;
+`dhelix generate FILE --pipeline zb [--memory N] [--times F,B,W[,C]] [-o OUT.dhx]`: a pipeline.
+
+With ``--pipeline zb`` it writes a schedule instead: the zero-bubble scheduler
+(:mod:`dhelix.dsl.planner.zero_bubble`) for FILE's pipeline ranks and micro-batches, from the
+F, B and W times of one pipeline stage that FILE's profile gives (or ``--times``, with the
+transfer C) and at most ``--memory`` micro-batches' activations per rank (default p, 1F1B's;
+the inputs only a W reads count from its B to it),
+as a `.dhx` library file with one pipeline, ``zb_auto`` for fold none.
 
 CK is a `dhelix run --save` folder (its program is kept in the save); FILE a program, with the
 weights of ``--checkpoint``, of a Hugging Face folder (``--init``) or seeded ones. Text is
@@ -33,11 +41,24 @@ def register(subparsers) -> None:
                      help="with --temperature: sample among the most likely tokens whose probability reaches P")
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampling (and of seeded weights)")
     gen.add_argument("--tokenizer", metavar="TOKENIZER.json", help="a Hugging Face fast tokenizer (default: bytes)")
+    gen.add_argument("--pipeline", choices=("zb",),
+                     help="write a pipeline instead of text: zb, the zero-bubble scheduler's for FILE's sizes")
+    gen.add_argument("--memory", type=int, metavar="N",
+                     help="with --pipeline: micro-batches of activations a rank may hold (default: pipeline ranks)")
+    gen.add_argument("--times", metavar="F,B,W[,C]",
+                     help="with --pipeline: a stage's forward, input-gradient and weight-gradient times and the "
+                          "transfer (default: from FILE's profile)")
+    gen.add_argument("-o", "--output", metavar="OUT.dhx", help="with --pipeline: write it here (default: print it)")
     gen.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args) -> int:
     """`dhelix generate …`; prints the text and returns the exit code."""
+    if args.pipeline:
+        from dhelix.cli.generate_pipeline import write_pipeline
+        return write_pipeline(args)
+    if args.memory is not None or args.times or args.output:
+        raise UsageError("--memory, --times and -o go with --pipeline")
     if args.max_new < 1:
         raise UsageError("--max-new must be at least 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:

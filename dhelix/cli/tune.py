@@ -1,9 +1,10 @@
-"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--budget SECONDS] [--top K] [--measure K
+"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--generated] [--budget SECONDS] [--top K] [--measure K
 [--measure-steps N]] [-o best.dhx] [--json] [--profile P]`: search the fastest schedule that fits.
 
 FILE gives the model, the cluster and the global batch (its dp × micro_batch × microbatches
 sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
-``param_gather``, with ``--partitions`` Centauri's partition, fold, pipeline and SI on or off
+``param_gather``, with ``--partitions`` Centauri's partition, fold, pipeline (with
+``--generated`` the zero-bubble scheduler's too, :mod:`dhelix.dsl.search.generated`) and SI on or off
 (``train { si }``, for the pipelines that write SI blocks; a file that writes it keeps it)
 (:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
 top K that fit the device's memory with one line on why the best wins; ``-o`` writes the best
@@ -57,6 +58,10 @@ def register(subparsers) -> None:
                       help="search Centauri's partition too: the file's own partition block (or none) against one "
                            "generated for each layout, the planner choosing its chunk counts, substitutions and "
                            "orders (slower: a candidate's chunk counts are settled by simulating its step)")
+    tune.add_argument("--generated", action="store_true",
+                      help="search the zero-bubble scheduler's pipelines too (zb_1p and zb_2p, fold none: at most p "
+                           "and 2p-1 micro-batches in flight per rank), written for each layout from its F, B and W "
+                           "times; the winner's file holds the one it picked")
     tune.add_argument("--top", type=int, default=5, metavar="K", help="how many to show (default 5)")
     tune.add_argument("-j", "--jobs", type=int, metavar="N", default=None,
                       help=f"search with N processes side by side (default: this machine's cores, at most "
@@ -95,7 +100,7 @@ def cmd_tune(args) -> int:
     world = _world(args.gpus, base)
     keep = tuple(name.strip() for name in args.keep.split(",") if name.strip())
     try:
-        space = space_of(base, world, keep, partitions=args.partitions)
+        space = space_of(base, world, keep, partitions=args.partitions, generated=args.generated)
     except UsageError as exc:
         raise UsageError(f"--keep: {exc.message}") from None
     if args.measure is not None:

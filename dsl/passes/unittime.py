@@ -11,6 +11,11 @@ compare make-spans across folds after dividing by v (``Timing.normalized_makespa
 
 The bubble ratio is idle / (p × make-span), idle being p × make-span minus the busy time of all
 ranks. For 1F1B it is exactly (p − 1) / (m + p − 1): make-span 3(m + p − 1), busy 3m per rank.
+
+:func:`timed_run` is the same dry run with other costs (:class:`Costs`: F, B and W times and a
+transfer latency, exact fractions): the zero-bubble papers' T_F, T_B, T_W, which tell apart
+schedules that unit time prices alike (ZB-H1 and ZB-H2 both reach 3m + p − 1 in unit time),
+and what :mod:`dhelix.dsl.passes.zbgen` schedules with.
 """
 
 from __future__ import annotations
@@ -24,20 +29,36 @@ from dhelix.dsl.passes.validate import dry_run, transfer_key
 
 
 @attrs.frozen
+class Costs:
+    """Per chunk action: the forward ``f``, the input-gradient backward ``b`` and the weight
+    gradient ``w`` (a full backward costs b + w), and ``transfer``, the latency between a SEND
+    and the RECV it lets finish. Exact numbers (int or Fraction) keep timings comparable."""
+
+    f: Fraction = attrs.field(default=Fraction(1), converter=Fraction)
+    b: Fraction = attrs.field(default=Fraction(1), converter=Fraction)
+    w: Fraction = attrs.field(default=Fraction(1), converter=Fraction)
+    transfer: Fraction = attrs.field(default=Fraction(0), converter=Fraction)
+
+
+#: The unit-time costs: F = B = W = 1 (a full backward 2), free transfers.
+UNIT = Costs()
+
+
+@attrs.frozen
 class Timing:
     """The result of a unit-time run: per-rank (start, end) of every action, and totals."""
 
     lowered: Lowered
-    starts: tuple[tuple[int, ...], ...]
-    ends: tuple[tuple[int, ...], ...]
+    starts: tuple[tuple, ...]
+    ends: tuple[tuple, ...]
 
     @property
-    def makespan(self) -> int:
+    def makespan(self):
         """When the last rank finishes."""
         return max((row[-1] for row in self.ends if row), default=0)
 
     @property
-    def busy(self) -> int:
+    def busy(self):
         """Total compute time summed over ranks."""
         return sum(end - start for s_row, e_row in zip(self.starts, self.ends, strict=True)
                    for start, end in zip(s_row, e_row, strict=True))
@@ -54,13 +75,15 @@ class Timing:
         return Fraction(self.makespan, self.lowered.chunks)
 
 
-def action_cost(action, split: bool) -> int:
-    """Unit cost of one action: F 1, B 2 (1 when ``split``), W 1, SI its pair, transfers 0."""
+def action_cost(action, split: bool, costs: Costs = UNIT):
+    """Cost of one action: F, B (B + W when not ``split``), W, SI its pair, transfers 0
+    (their latency is the RECV's wait); in unit time F 1, B 2 (1 when split), W 1."""
     if isinstance(action, Transfer):
         return 0
     if isinstance(action, Interleaved):
-        return sum(action_cost(part, split) for part in action.parts)
-    return {"F": 1, "B": 1 if split else 2, "W": 1}[action.kind]
+        return sum(action_cost(part, split, costs) for part in action.parts)
+    cost = {"F": costs.f, "B": costs.b if split else costs.b + costs.w, "W": costs.w}[action.kind]
+    return int(cost) if cost.denominator == 1 else cost
 
 
 def unit_time(lowered: Lowered) -> Timing:
@@ -68,7 +91,15 @@ def unit_time(lowered: Lowered) -> Timing:
 
     Assumes ``validate.validate_lowered`` passed; raises ScheduleError if the ranks deadlock.
     """
+    return timed_run(lowered, UNIT)
+
+
+def timed_run(lowered: Lowered, costs: Costs) -> Timing:
+    """Run ``lowered`` with ``costs`` (each action as soon as its rank is free and, for a
+    RECV, ``costs.transfer`` after its SEND) and return its :class:`Timing`; as
+    :func:`unit_time` otherwise."""
     split = lowered.split
+    latency = int(costs.transfer) if costs.transfer.denominator == 1 else costs.transfer
     starts = [[0] * len(row) for row in lowered.actions]
     ends = [[0] * len(row) for row in lowered.actions]
     free = [0] * lowered.ranks
@@ -82,8 +113,8 @@ def unit_time(lowered: Lowered) -> Timing:
             if action.kind == "SEND":
                 sent[key] = start
             else:
-                start = max(start, sent[key])
-        end = start + action_cost(action, split)
+                start = max(start, sent[key] + latency)
+        end = start + action_cost(action, split, costs)
         starts[rank][step], ends[rank][step] = start, end
         free[rank] = end
     return Timing(lowered, tuple(map(tuple, starts)), tuple(map(tuple, ends)))

@@ -22,6 +22,7 @@ from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.planner.chunking import ChunkChoice, choose_all
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_costs
+from dhelix.dsl.search.generated import GENERATED, generated_pipeline, placeholder
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
 from dhelix.dsl.search.plan_cache import PlanCache
 from dhelix.dsl.search.space import Choice, Layout
@@ -98,6 +99,11 @@ class Pricer:
         self.modules, self.world = modules, world
         self.pipelines = {p.name: p for p in base.pipelines}
         assert base.cluster is not None and base.model is not None, "a checked model"
+        #: The generated pipelines the program does not define (dhelix.dsl.search.generated):
+        #: their stand-ins here, each layout's own written into its variant.
+        self.generated_names = tuple(name for name in GENERATED if name not in self.pipelines)
+        self.pipelines.update({name: placeholder(name) for name in self.generated_names})
+        self._generated: dict[tuple, s.PipelineDef] = {}
         self.gpus_per_node = base.cluster.gpus_per_node
         # A profile's measured op times belong to one mesh and shape (dsl.frontend.profilecheck):
         # every variant is priced by its derived rates alone, so all are priced alike.
@@ -200,7 +206,8 @@ class Pricer:
         assert program.fold is not None and program.pipeline is not None and program.mesh is not None \
             and program.train is not None and program.model is not None, "a checked model"
         key = (program.fold.text, program.pipeline.name, program.mesh.size("pp"), program.train.microbatches,
-               passes.launch_of(program), program.model.setting("layers"))
+               passes.launch_of(program), program.model.setting("layers"),
+               program.pipeline if program.pipeline.name in self.generated_names else None)
         if key not in self._lowered:
             try:
                 done = passes.rerun(program, after="strands")
@@ -224,7 +231,22 @@ class Pricer:
         """The parsed files (``modules``, default the priced ones) with ``choice`` written in
         (its generated partition block too, when its partition is ``auto``)."""
         partition = self.generated(choice) if choice.layout.partition == "auto" else None
-        return apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition)
+        modules = apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition)
+        if choice.pipeline in self.generated_names:
+            modules = self._with_generated(modules, choice)
+        return modules
+
+    def _with_generated(self, modules: list[s.Module], choice: Choice) -> list[s.Module]:
+        """``modules`` (``choice`` written in) with the definition of its generated pipeline
+        for its layout in the main file: the scheduler's, from the layout's stage costs
+        (the program with a stand-in through its fold pass), once per layout and name."""
+        key = (choice.layout, choice.pipeline)
+        if key not in self._generated:
+            stand_in = attrs.evolve(check_program(_with_pipeline(modules, placeholder(choice.pipeline))),
+                                    profile=self.profile)
+            self._generated[key] = generated_pipeline(choice.pipeline, passes.rerun(stand_in, after="check",
+                                                                                     stop="fold"))
+        return _with_pipeline(modules, self._generated[key])
 
     def generated(self, choice: Choice) -> s.PartitionDef:
         """The partition block generated for the layout of ``choice``
@@ -458,6 +480,12 @@ FLOOR_MARGIN = 1e-9
 
 #: The Program fields the planner's layer-level choices set (chunking.choose_all).
 _LAYER_CHOICES = ("substituted", "chunk_counts", "group_orders", "backward_first")
+
+
+def _with_pipeline(modules: list[s.Module], pipeline: s.PipelineDef) -> list[s.Module]:
+    """``modules`` with ``pipeline`` defined at the end of the main file (the last module)."""
+    main = modules[-1]
+    return modules[:-1] + [attrs.evolve(main, items=main.items + (pipeline,))]
 
 
 def _has_chains(block: s.PartitionDef | None) -> bool:

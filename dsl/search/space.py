@@ -33,6 +33,7 @@ from dhelix.dsl.core.mesh import MESH_AXES
 from dhelix.dsl.core.program import FOLD_KINDS, Program
 from dhelix.dsl.core.wording import did_you_mean
 from dhelix.dsl.frontend.config import PARAM_GATHER, RECOMPUTE, SI_SETTINGS, ZERO_STAGES
+from dhelix.dsl.search.generated import GENERATED
 from dhelix.dsl.search.partitions import writes_si
 
 #: What ``--keep`` can name: a mesh axis, ``mesh`` (all of them), a train setting, the fold,
@@ -172,13 +173,15 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = (),
-             partitions: bool = False) -> Space:
+             partitions: bool = False, generated: bool = False) -> Space:
     """The search space of a checked ``program`` (a model, mesh and train block) on ``world``
     GPUs (None: its cluster's); ``keep`` names settings that stay as written (KEEPABLE);
     ``partitions`` adds the generated partition against the file's own (`dhelix tune
     --partitions`: each such candidate's chunk counts are settled by simulating its step
-    several times, so the search takes longer). Raises UsageError for an unknown name in
-    ``keep`` or a world the nodes cannot hold."""
+    several times, so the search takes longer); ``generated`` adds the zero-bubble
+    scheduler's pipelines, written for each layout (:data:`~dhelix.dsl.search.generated.GENERATED`,
+    fold none). Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
+    hold."""
     for name in keep:
         if name not in KEEPABLE:
             notes = did_you_mean(name, KEEPABLE)
@@ -205,7 +208,7 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         micro_batch=domain("micro_batch", (b for b in MICRO_BATCHES if sequences % b == 0)),
         zero=domain("zero", ZERO_STAGES), shard=domain("shard", (0,) + divisors(world)[1:]),
         recompute=domain("recompute", RECOMPUTE),
-        schedules=_schedules(program, kept), kept=kept,
+        schedules=_schedules(program, kept, generated), kept=kept,
         partition=domain("partition", PARTITIONS if partitions else PARTITIONS[:1]),
         param_gather=domain("param_gather", PARAM_GATHER))
 
@@ -225,12 +228,16 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
     return {name: written[name] for name in sorted(names - {"mesh"})}
 
 
-def _schedules(program: Program, kept: dict) -> tuple[tuple[str, str, str], ...]:
+def _schedules(program: Program, kept: dict, generated: bool = False) -> tuple[tuple[str, str, str], ...]:
     """(fold, pipeline, si) for every pipeline the program can name, each with the fold it
     is written for (every fold for one written for any; loop with each of LOOP_CHUNKS), and
     SI on and off for one that writes SI blocks (SI as kept when it is; a pipeline without
-    any takes the kept value, else on: it changes nothing there)."""
+    any takes the kept value, else on: it changes nothing there); with ``generated``, the
+    generated pipelines the program does not define itself, on fold none."""
     out = []
+    if generated:
+        defined = {pipeline.name for pipeline in program.pipelines}
+        out += [("none", name, kept.get("si", SI_SETTINGS[0])) for name in GENERATED if name not in defined]
     for pipeline in sorted(program.pipelines, key=lambda p: p.name):
         kinds = (pipeline.fold,) if pipeline.fold else tuple(FOLD_KINDS)
         si = SI_SETTINGS if writes_si(pipeline) and "si" not in kept else (kept.get("si", SI_SETTINGS[0]),)
