@@ -296,7 +296,8 @@ def gradient_syncs(costs: StepCosts, profile, slot, dense: float, expert: float,
         if costs.replicate_group is None:
             return []
         across = "reduce_scatter" if replicas_sliced else "all_reduce"
-        syncs = ((dense / costs.shard_group.size, costs.replicate_group, across),)
+        # ZeRO-3 runs with ep = 1: a layer's experts are pieces as its other weights.
+        syncs = (((dense + expert) / costs.shard_group.size, costs.replicate_group, across),)
     out = []
     for elements, group, collective in syncs:
         if not elements or group.size <= 1:
