@@ -410,6 +410,53 @@ def test_search_equals_exhaustive_where_the_memory_cap_binds(seed):
     assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
 
 
+def test_the_memory_reserve_is_held_free_by_the_search_and_the_planner():
+    # A reserve that leaves less than the fastest choice's peak: the search's best is the
+    # exhaustive best under the device less the reserve, and every choice in its top fits there.
+    from dhelix.dsl.search.headroom import Reserve
+
+    pricer, full = _pricer()
+    space = attrs.evolve(full, tp=(1, 2), micro_batch=(1, 4), recompute=("none", "full"), partition=full.partition[:1])
+    fastest = exhaustive(pricer, space, top=1)[0]
+    peak = max(r.memory for r in fastest.sim.ranks)
+    reserve = Reserve(gb=pricer.memory_gb - peak * 0.999 / 1e9)
+    held = Pricer(pricer.modules, passes.rerun(check_program(pricer.modules), after="check"), pricer.world, reserve)
+    assert held.capacity == pytest.approx(peak * 0.999)
+    assert held.profile.memory_gb == pytest.approx(peak * 0.999 / 1e9)  # what the planner's own checks read
+    expected = exhaustive(held, space, top=3)
+    found = search(held, space, top=3)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert fastest.choice not in [p.choice for p in found.top] and found.too_big > 0
+    assert all(max(r.memory for r in p.sim.ranks) <= held.capacity for p in found.top)
+    assert found.reserve_gb == pytest.approx(reserve.gb) and found.usable_gb == pytest.approx(peak * 0.999 / 1e9)
+
+
+@pytest.mark.parametrize("text, gb, percent", [("2.5", 2.5, 0), ("4GB", 4, 0), (" 4 gb ", 4, 0), ("8%", 0, 8),
+                                               ("0", 0, 0)])
+def test_memory_reserves_parse_as_gigabytes_or_a_part_of_the_device(text, gb, percent):
+    from dhelix.dsl.search.headroom import DEFAULT, Reserve, parse_reserve
+
+    reserve = parse_reserve(text)
+    assert reserve == Reserve(gb, percent)
+    assert reserve.bytes_of(80) == pytest.approx((gb + 0.8 * percent) * 1e9)
+    assert DEFAULT.bytes_of(48) == pytest.approx(3.4e9) and DEFAULT.describe() == "1 GB + 5 %"
+
+
+def test_cli_shows_the_reserve_and_holds_choices_to_what_it_leaves():
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--top", "2", "-j", "1", "--keep", "mesh",
+                           "--memory-margin", "10%"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "kept free on each device: 4.80 GB (--memory-margin 10 %" in proc.stdout
+    assert "over the 43.20 GB usable (device 48 GB less a 4.80 GB reserve)" in proc.stdout
+    assert "of usable" in proc.stdout
+    # The whole device reserved but a sliver: nothing fits, and the message says what it was held to.
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--top", "2", "-j", "1", "--keep", "mesh",
+                           "--memory-margin", "47.99999", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout)["reserve_gb"] == pytest.approx(47.99999)
+    assert "no choice fits" in proc.stderr and "GB usable (device 48 GB less a 48.00 GB reserve)" in proc.stderr
+
+
 def test_cli_writes_a_program_that_checks(tmp_path):
     out = tmp_path / "t.dhx"
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "-o", str(out), "--top", "2"],
@@ -459,6 +506,9 @@ def test_cli_json(tmp_path):
     (["--gpus", "3"], "--gpus 3: give a positive multiple of the cluster's gpus_per_node (2)"),
     (["--top", "0"], "--top must be between 1 and 100, got 0"),
     (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+    (["--memory-margin", "5 MB"], "--memory-margin: '5 MB' is not a memory reserve: give gigabytes"),
+    (["--memory-margin", "120%"], "--memory-margin: a reserve of 120 % leaves nothing of the device's memory"),
+    (["--memory-margin", "48"], "--memory-margin 48 GB: it leaves nothing of the device's 48 GB"),
 ])
 def test_cli_usage_errors(argv, message):
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), *argv], capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--budget SECONDS] [--top K] [--measure K
+"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--budget SECONDS] [--memory-margin GB|%] [--top K] [--measure K
 [--measure-steps N]] [-o best.dhx] [--json] [--profile P]`: search the fastest schedule that fits.
 
 FILE gives the model, the cluster and the global batch (its dp × micro_batch × microbatches
@@ -6,7 +6,8 @@ sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
 ``param_gather``, with ``--partitions`` Centauri's partition, fold, pipeline and SI on or off
 (``train { si }``, for the pipelines that write SI blocks; a file that writes it keeps it)
 (:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
-top K that fit the device's memory with one line on why the best wins; ``-o`` writes the best
+top K that fit the device's memory, less a reserve kept free (``--memory-margin``,
+:mod:`dhelix.dsl.search.headroom`), with one line on why the best wins; ``-o`` writes the best
 as a formatted program that `check` and `run` take; ``--json`` prints the result as JSON.
 ``--measure K`` then runs the K fastest for a few steps where the program runs and chooses the
 measured fastest instead (:mod:`dhelix.cli.tune_measure`).
@@ -29,7 +30,8 @@ from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.frontend.imports import load_modules, read_source
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.overrides import require_model
-from dhelix.dsl.search.explain import differences, format_outcome, step_parts, why_best
+from dhelix.dsl.search import headroom
+from dhelix.dsl.search.explain import differences, format_outcome, memory_cap, step_parts, why_best
 from dhelix.dsl.search.space import KEEPABLE, space_of
 from dhelix.dsl.search.tune import Outcome, Pricer, search
 from dhelix.dsl.search.variant import relocate, require_main_blocks, variant_text, with_profile_setting
@@ -56,6 +58,10 @@ def register(subparsers) -> None:
                       help="search Centauri's partition too: the file's own partition block (or none) against one "
                            "generated for each layout, the planner choosing its chunk counts, substitutions and "
                            "orders (slower: a candidate's chunk counts are settled by simulating its step)")
+    tune.add_argument("--memory-margin", metavar="GB|%", default=None,
+                      help="memory kept free on every device for the CUDA context, the collectives' buffers and "
+                           "fragmentation: gigabytes (2.5) or a part of the device (8%%); a choice fits when its "
+                           f"peak fits in the rest (default {headroom.DEFAULT.describe()})")
     tune.add_argument("--top", type=int, default=5, metavar="K", help="how many to show (default 5)")
     tune.add_argument("-j", "--jobs", type=int, metavar="N", default=None,
                       help=f"search with N processes side by side (default: this machine's cores, at most "
@@ -79,6 +85,7 @@ def cmd_tune(args) -> int:
     if args.budget is not None and not args.budget > 0:
         raise UsageError(f"--budget must be a positive number of seconds, got {args.budget}")
     check_measure_numbers(args)
+    reserve = _reserve(args.memory_margin)
     text = read_source(args.file)
     modules = load_modules(text, args.file)
     if args.profile is not None:
@@ -99,7 +106,10 @@ def cmd_tune(args) -> int:
         raise UsageError(f"--keep: {exc.message}") from None
     if args.measure is not None:
         check_launchable(base, world, args.budget)
-    pricer = Pricer(modules, base, world)
+    pricer = Pricer(modules, base, world, reserve)
+    if pricer.capacity is not None and pricer.capacity <= 0:
+        raise UsageError(f"--memory-margin {reserve.describe()}: it leaves nothing of the device's "
+                         f"{pricer.memory_gb:g} GB")
     try:
         outcome = search(pricer, space, top=args.top, budget=args.budget, progress=_progress_bar(args.json), jobs=jobs)
     except DhelixError as exc:
@@ -109,6 +119,9 @@ def cmd_tune(args) -> int:
     title = (f"{args.file}: model {base.model.name} on {world} GPUs ({world // base.cluster.gpus_per_node} x "
              f"{base.cluster.gpus_per_node}), profile {base.profile.name}, global batch {space.sequences} "
              f"sequences of {base.model.get('seq')}")
+    if outcome.memory_gb is not None:
+        title += (f"\nkept free on each device: {outcome.reserve_gb:.2f} GB (--memory-margin {reserve.describe()}: "
+                  "CUDA context, collective buffers, fragmentation)")
     if measured:
         title += ("\nthe profile's measured op times belong to one mesh and shape: every candidate is priced "
                   "with its derived rates (peak, links, overlap) instead")
@@ -200,13 +213,23 @@ def _world(gpus: int | None, base) -> int:
     return gpus
 
 
+def _reserve(text: str | None) -> headroom.Reserve:
+    """``--memory-margin``'s reserve (the default without it)."""
+    if text is None:
+        return headroom.DEFAULT
+    try:
+        return headroom.parse_reserve(text)
+    except UsageError as exc:
+        raise UsageError(f"--memory-margin: {exc.message}") from None
+
+
 def _is_file(name: str) -> bool:
     return name.endswith((".yaml", ".yml")) or "/" in name
 
 
 def _reasons(outcome: Outcome) -> str:
     if outcome.too_big and not outcome.reasons:
-        return f"every candidate needs more than the {outcome.memory_gb:g} GB of the device"
+        return f"every candidate needs more than the {memory_cap(outcome)}"
     shown = "; ".join(f"{why} ({n})" for why, n in outcome.reasons[:3])
     return shown or "the space is empty (see --keep)"
 
@@ -243,7 +266,7 @@ def _json(outcome: Outcome, path: str, world: int, sequences: int, measurement=N
                      "pruned": outcome.pruned, "over_memory": outcome.too_big, "refused": outcome.refused,
                      "same": outcome.same, "plans": outcome.plans, "seconds": outcome.seconds, "jobs": outcome.jobs,
                      "best_found_s": outcome.found},
-        "memory_gb": outcome.memory_gb,
+        "memory_gb": outcome.memory_gb, "reserve_gb": outcome.reserve_gb,
         "top": [{"choice": p.choice.settings(), "differs": differences(p.choice, best), "parts_s": step_parts(p.sim),
                  **simulation_metrics(p.sim)} for p in outcome.top],
         "why": why_best(outcome.top[0], outcome.top[1]) if len(outcome.top) > 1 else None,

@@ -28,7 +28,6 @@ from dhelix.dsl.search.bound import Bound
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, writes_si
 from dhelix.dsl.search.pricer import FLOOR_MARGIN, Deferred, Priced, Pricer, Pruned, Refused, TooBig
 from dhelix.dsl.search.space import Choice, Layout, Space
-from dhelix.dsl.simulator.memory import GB
 
 
 @attrs.define
@@ -80,7 +79,7 @@ def bound_of(pricer: Pricer, space: Space, layouts: list[Layout], tally: Tally, 
     in ``tally``. Stops at ``deadline`` (the rest counted unbounded)."""
     found, unbounded = bounds(pricer, space, layouts, deadline, progress)
     tally.unbounded += unbounded
-    return keep_bounded(found, space, pricer.memory_gb, tally)
+    return keep_bounded(found, space, pricer.capacity, tally)
 
 
 def bounds(pricer: Pricer, space: Space, layouts: list[Layout], deadline: float | None, progress=None
@@ -98,10 +97,11 @@ def bounds(pricer: Pricer, space: Space, layouts: list[Layout], deadline: float 
     return found, 0
 
 
-def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, memory_gb: float | None,
+def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, capacity: float | None,
                  tally: Tally) -> list[tuple[float, Layout, float]]:
     """(time bound, layout, time bound of its schedules that pair no layers) of the layouts
-    whose bound (``found``) leaves a choice that may fit, fastest bound first; the refused,
+    whose bound (``found``) leaves a choice that may fit in ``capacity`` bytes (None: any),
+    fastest bound first; the refused,
     the over-the-memory and the same-as-another counted in ``tally`` (each for every
     schedule of ``space``)."""
     bounded = []
@@ -110,7 +110,7 @@ def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, memory_g
             tally.same += len(space.schedules)
         elif isinstance(bound, str):
             tally.refuse(bound, len(space.schedules))
-        elif memory_gb is not None and bound.memory > memory_gb * GB:
+        elif capacity is not None and bound.memory > capacity:
             tally.too_big += len(space.schedules)
         else:
             bounded.append((bound.seconds, layout, bound.alone))

@@ -59,18 +59,21 @@ def format_outcome(outcome: Outcome, title: str) -> str:
         sim = p.sim
         exposed = sim.mean("layer_exposed") + sim.mean("pp_exposed") + sim.mean("dp_exposed")
         peak = sim.peak_rank
+        usable = outcome.usable_gb
         rows.append([str(rank), p.choice.layout.describe(), p.choice.schedule().removeprefix("fold "),
                      _ms(sim.step_time), f"{sim.tokens_per_second:,.0f}", f"{sim.mfu:.1%}",
-                     f"{peak.memory / GB:.2f} (r{peak.rank})", _ms(exposed), differences(p.choice, best)])
-    header = ["#", "layout", "schedule", "step", "tokens/s", "MFU", "peak GB", "exposed comm", "differs from #1"]
-    lines += [""] + format_table(header, rows, right=(0, 3, 4, 5, 6, 7))
+                     f"{peak.memory / GB:.2f} (r{peak.rank})",
+                     f"{peak.memory / GB / usable:.0%}" if usable else "—", _ms(exposed), differences(p.choice, best)])
+    header = ["#", "layout", "schedule", "step", "tokens/s", "MFU", "peak GB", "of usable", "exposed comm",
+              "differs from #1"]
+    lines += [""] + format_table(header, rows, right=(0, 3, 4, 5, 6, 7, 8))
     if len(outcome.top) > 1:
         lines += ["", why_best(outcome.top[0], outcome.top[1])]
     return "\n".join(lines) + "\n"
 
 
 def _summary(outcome: Outcome) -> str:
-    cap = f"device memory {outcome.memory_gb:g} GB" if outcome.memory_gb is not None else "no device memory in the profile"
+    cap = "no device memory in the profile" if outcome.memory_gb is None else memory_cap(outcome)
     processes = f" by {outcome.jobs} processes" if outcome.jobs > 1 else ""
     text = (f"searched {outcome.choices:,} choices ({outcome.layouts:,} layouts) in {outcome.seconds:.1f} s{processes}: "
             f"{outcome.simulated:,} simulated, {outcome.fit:,} of them fit; {outcome.pruned:,} ruled out by "
@@ -85,6 +88,15 @@ def _summary(outcome: Outcome) -> str:
             f"the choices not visited take at least {_ms(outcome.bound)} per step" if outcome.bound is not None
             else "some layouts were not even bounded") + " (more time may find a faster one)"
     return text
+
+
+def memory_cap(outcome: Outcome) -> str:
+    """What a choice's peak is held to, in words: ``44.60 GB usable (device 48 GB less a 3.40 GB
+    reserve)``, or ``device memory 48 GB`` without a reserve."""
+    if not outcome.reserve_gb:
+        return f"device memory {outcome.memory_gb:g} GB"
+    return (f"{outcome.usable_gb:.2f} GB usable (device {outcome.memory_gb:g} GB less a {outcome.reserve_gb:.2f} GB "
+            "reserve)")
 
 
 def _ms(seconds: float) -> str:
