@@ -429,6 +429,8 @@ def test_the_memory_reserve_is_held_free_by_the_search_and_the_planner():
     assert fastest.choice not in [p.choice for p in found.top] and found.too_big > 0
     assert all(max(r.memory for r in p.sim.ranks) <= held.capacity for p in found.top)
     assert found.reserve_gb == pytest.approx(reserve.gb) and found.usable_gb == pytest.approx(peak * 0.999 / 1e9)
+    # The nearest choice over the memory needs no more than the fastest (which is over), and more than what is left.
+    assert held.capacity < found.nearest_gb * 1e9 <= peak
 
 
 @pytest.mark.parametrize("text, gb, percent", [("2.5", 2.5, 0), ("4GB", 4, 0), (" 4 gb ", 4, 0), ("8%", 0, 8),
@@ -454,7 +456,47 @@ def test_cli_shows_the_reserve_and_holds_choices_to_what_it_leaves():
                            "--memory-margin", "47.99999", "--json"], capture_output=True, text=True)
     assert proc.returncode == 1
     assert json.loads(proc.stdout)["reserve_gb"] == pytest.approx(47.99999)
-    assert "no choice fits" in proc.stderr and "GB usable (device 48 GB less a 48.00 GB reserve)" in proc.stderr
+    assert "no choice fits" in proc.stderr
+    assert "over the memory: the nearest needs at least " in proc.stderr  # a layout's bound: all were cut by theirs
+    assert "against the 10.00 kB usable (device 48 GB less a 48.00 GB reserve)" in proc.stderr
+
+
+def test_cli_says_the_budget_ran_out_before_anything_was_priced():
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--top", "2", "-j", "1",
+                           "--budget", "0.0001"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "no choice fits: --budget 0.0001 s ran out before any choice that fits was priced" in proc.stderr
+    assert "refused by the checks" not in proc.stderr.splitlines()[0]
+
+
+def test_divisors_up_to_the_square_root():
+    from dhelix.dsl.search.space import divisors
+
+    for n in (1, 2, 12, 36, 49, 97, 1024, 720720):
+        assert divisors(n) == tuple(d for d in range(1, n + 1) if n % d == 0)
+    assert len(divisors(10**9)) == 100  # instant: a scan to n took minutes
+
+
+def test_one_program_under_two_names_takes_one_row(tmp_path):
+    # On one pipeline stage gpipe (fold none) and gpipe_u (fold u) run the same layer passes:
+    # the top keeps the first; orders that differ (1F1B, interleaved chunks) stay apart.
+    from dhelix.dsl.search.duplicates import layer_passes
+
+    one = tmp_path / "one.dhx"
+    one.write_text(TINY.read_text().replace("tp = 2\n  pp = 2", "tp = 2\n  dp = 2").replace(
+        '"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
+    pricer, space = _pricer(one)
+    space = attrs.evolve(space, tp=(2,), pp=(1,), cp=(1,), micro_batch=(8,), zero=(1,), recompute=("none",),
+                         param_gather=("forward",), partition=space.partition[:1])
+    priced = {c.schedule(): pricer.price(c) for c in space.choices()}
+    assert priced["fold none  gpipe"].program == priced["fold u  gpipe_u"].program
+    assert priced["fold none  one_f_one_b"].program != priced["fold loop(2)  interleaved_1f1b"].program
+    gpipe = pricer.checked(next(c for c in space.choices() if c.pipeline == "gpipe"))
+    assert layer_passes(gpipe) == ((("F", 0, 0, 3), ("F", 1, 0, 3), ("B", 0, 0, 3), ("B", 1, 0, 3)),)
+    found = search(pricer, space, top=len(priced))
+    assert [p.choice for p in found.top] == [p.choice for p in exhaustive(pricer, space, top=len(priced))]
+    assert len({p.program for p in found.top}) == len(found.top) < len(priced)
+    assert {"fold none  gpipe", "fold u  gpipe_u"} & {p.choice.schedule() for p in found.top} == {"fold none  gpipe"}
 
 
 def test_cli_writes_a_program_that_checks(tmp_path):
@@ -509,6 +551,7 @@ def test_cli_json(tmp_path):
     (["--memory-margin", "5 MB"], "--memory-margin: '5 MB' is not a memory reserve: give gigabytes"),
     (["--memory-margin", "120%"], "--memory-margin: a reserve of 120 % leaves nothing of the device's memory"),
     (["--memory-margin", "48"], "--memory-margin 48 GB: it leaves nothing of the device's 48 GB"),
+    (["--gpus", "10000000"], "--gpus 10000000: at most 16,384 nodes of 2 (32,768 GPUs), the cluster block's limit"),
 ])
 def test_cli_usage_errors(argv, message):
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), *argv], capture_output=True, text=True)

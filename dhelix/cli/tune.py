@@ -28,10 +28,11 @@ from dhelix.cli.tune_measure import (add_measure_arguments, check_launchable, ch
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.frontend.imports import load_modules, read_source
+from dhelix.dsl.frontend.limits import limit_of
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.overrides import require_model
 from dhelix.dsl.search import headroom
-from dhelix.dsl.search.explain import differences, format_outcome, memory_cap, step_parts, why_best
+from dhelix.dsl.search.explain import differences, format_outcome, memory_cap, size_text, step_parts, why_best
 from dhelix.dsl.search.space import KEEPABLE, space_of
 from dhelix.dsl.search.tune import Outcome, Pricer, search
 from dhelix.dsl.search.variant import relocate, require_main_blocks, variant_text, with_profile_setting
@@ -144,7 +145,7 @@ def cmd_tune(args) -> int:
     if output is not None and outcome.top:
         _write_best(output, outcome, measurement, pricer, text, args.file, world, base.profile.name, args.json)
     if not outcome.top:
-        print("no choice fits: " + _reasons(outcome), file=sys.stderr)
+        print(_nothing_fits(outcome, args.budget), file=sys.stderr)
         return 1
     return 0
 
@@ -210,6 +211,10 @@ def _world(gpus: int | None, base) -> int:
         return base.cluster.nodes * per_node
     if gpus < 1 or gpus % per_node:
         raise UsageError(f"--gpus {gpus}: give a positive multiple of the cluster's gpus_per_node ({per_node})")
+    nodes = limit_of("cluster", "nodes")
+    if gpus > nodes * per_node:
+        raise UsageError(f"--gpus {gpus}: at most {nodes:,} nodes of {per_node} ({nodes * per_node:,} GPUs), the "
+                         "cluster block's limit")
     return gpus
 
 
@@ -227,11 +232,25 @@ def _is_file(name: str) -> bool:
     return name.endswith((".yaml", ".yml")) or "/" in name
 
 
-def _reasons(outcome: Outcome) -> str:
-    if outcome.too_big and not outcome.reasons:
-        return f"every candidate needs more than the {memory_cap(outcome)}"
-    shown = "; ".join(f"{why} ({n})" for why, n in outcome.reasons[:3])
-    return shown or "the space is empty (see --keep)"
+def _nothing_fits(outcome: Outcome, budget: float | None) -> str:
+    """Why the search found no choice: the time budget, the memory (the nearest choice's
+    need against what a device leaves), the checks' refusals — each that ruled some out."""
+    why = []
+    if not outcome.complete:
+        why.append(f"--budget {budget:g} s ran out before any choice that fits was priced ({outcome.simulated:,} "
+                   f"simulated of {outcome.choices:,}): give it more time")
+    if outcome.too_big:
+        need = "" if outcome.nearest_gb is None else (
+            f": the nearest needs {'' if outcome.nearest_exact else 'at least '}{size_text(outcome.nearest_gb * 1e9)} "
+            f"against the {memory_cap(outcome)}")
+        why.append(f"{outcome.too_big:,} over the memory{need}; --memory-margin sets the reserve, and ZeRO, "
+                   "recomputation and more pipeline stages need less")
+    if outcome.refused:
+        shown = "; ".join(f"{reason} ({n:,})" for reason, n in outcome.reasons[:3])
+        why.append(f"{outcome.refused:,} refused by the checks: {shown}")
+    if not why:
+        why.append("the space is empty (see --keep)")
+    return "no choice fits: " + "\n  ".join(why)
 
 
 def _progress_bar(quiet: bool):

@@ -42,11 +42,21 @@ class Tally:
     same: int = 0
     unbounded: int = 0
     reasons: dict = attrs.field(factory=dict)
+    #: The least memory (bytes) a choice over the memory was found to need, and whether that
+    #: is its peak (else a lower bound of it: its layout's); None while none is over.
+    nearest: tuple[float, bool] | None = None
 
     def refuse(self, why: str, count: int = 1) -> None:
         """Count ``count`` choices refused for ``why``."""
         self.refused += count
         self.reasons[why] = self.reasons.get(why, 0) + count
+
+    def over(self, memory: float, count: int = 1, exact: bool = True) -> None:
+        """Count ``count`` choices over the memory, needing ``memory`` bytes (at least, unless
+        ``exact``)."""
+        self.too_big += count
+        if self.nearest is None or (memory, not exact) < (self.nearest[0], not self.nearest[1]):
+            self.nearest = (memory, exact)
 
 
 class Incumbent:
@@ -111,7 +121,7 @@ def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, capacity
         elif isinstance(bound, str):
             tally.refuse(bound, len(space.schedules))
         elif capacity is not None and bound.memory > capacity:
-            tally.too_big += len(space.schedules)
+            tally.over(bound.memory, len(space.schedules), exact=False)
         else:
             bounded.append((bound.seconds, layout, bound.alone))
     return sorted(bounded)
@@ -301,7 +311,7 @@ def _lowest_taken(waiting: list[tuple[float, int, Choice]], limit: float, work: 
 def _count(result, tally: Tally, dominance: "_Dominance", incumbent: Incumbent) -> None:
     """Count ``result`` (of :meth:`Pricer.price`) in ``tally``; into ``incumbent`` when it fits."""
     if isinstance(result, TooBig):
-        tally.too_big += 1
+        tally.over(result.memory)
         dominance.saw(result)
     elif isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
         tally.same += 1
@@ -316,7 +326,7 @@ def _count(result, tally: Tally, dominance: "_Dominance", incumbent: Incumbent) 
             tally.fit += 1
             incumbent.add(result)
         else:
-            tally.too_big += 1
+            tally.over(max(r.memory for r in result.sim.ranks))
 
 
 class _Dominance:
@@ -358,8 +368,16 @@ class _Dominance:
 
 
 def insert(best: list[Priced], result: Priced, top: int) -> list[Priced]:
-    """``best`` with ``result`` in its place (fastest first; ties in choice order) cut to ``top``."""
-    return sorted(best + [result], key=rank)[:top]
+    """``best`` with ``result`` in its place (fastest first; ties in choice order) cut to
+    ``top``; of the choices that are one program (:attr:`Priced.program`,
+    :mod:`~dhelix.dsl.search.duplicates`) only the first stays."""
+    kept, seen = [], set()
+    for priced in sorted(best + [result], key=rank):
+        if priced.program is not None and priced.program in seen:
+            continue
+        seen.add(priced.program)
+        kept.append(priced)
+    return kept[:top]
 
 
 def rank(p: Priced) -> tuple:

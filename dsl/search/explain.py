@@ -95,8 +95,17 @@ def memory_cap(outcome: Outcome) -> str:
     reserve)``, or ``device memory 48 GB`` without a reserve."""
     if not outcome.reserve_gb:
         return f"device memory {outcome.memory_gb:g} GB"
-    return (f"{outcome.usable_gb:.2f} GB usable (device {outcome.memory_gb:g} GB less a {outcome.reserve_gb:.2f} GB "
-            "reserve)")
+    return (f"{size_text(outcome.usable_gb * GB)} usable (device {outcome.memory_gb:g} GB less a "
+            f"{size_text(outcome.reserve_gb * GB)} reserve)")
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in the largest unit (GB, MB, kB) they make at least one of, two decimals: ``3.40 GB``,
+    ``14.30 kB``."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def _ms(seconds: float) -> str:

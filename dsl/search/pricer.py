@@ -19,6 +19,7 @@ from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.planner.chunking import ChunkChoice, choose_all
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_costs
+from dhelix.dsl.search.duplicates import program_key
 from dhelix.dsl.search.headroom import Reserve
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
 from dhelix.dsl.search.plan_cache import PlanCache
@@ -42,6 +43,9 @@ class Priced:
     #: (:func:`~dhelix.dsl.simulator.launch.choose_counts_by_step`): a choice needing less
     #: memory may then take a faster count.
     squeezed: bool = False
+    #: What makes it the program it is (:func:`~dhelix.dsl.search.duplicates.program_key`):
+    #: the top keeps one of the choices with equal keys (None: never merged).
+    program: tuple | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def seconds(self) -> float:
@@ -366,7 +370,7 @@ class Pricer:
                     peak = max(r.memory for r in sim.ranks)
                     if memory_first and self._over(peak):
                         return TooBig(choice, peak)
-                    return Priced(choice, sim, self._fits(sim), self.squeezed)
+                    return Priced(choice, sim, self._fits(sim), self.squeezed, program_key(program, choice, sim))
             si = has_si(program)
             planned = not si or self.plans.has(program)
             costs = None
@@ -394,7 +398,7 @@ class Pricer:
                            label=choice.describe(), trace=False)
         except DhelixError as exc:
             return Refused(choice, first_message(exc))
-        return Priced(choice, sim, self._fits(sim), self.squeezed)
+        return Priced(choice, sim, self._fits(sim), self.squeezed, program_key(program, choice, sim))
 
     def unsettled_bound(self, choice: Choice, program: Program) -> float:
         """A lower bound of the step (seconds) of ``choice`` (``program``: it checked, with a

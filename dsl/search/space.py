@@ -23,6 +23,8 @@ decides what is valid (a choice the passes refuse is reported with their reason)
 
 from __future__ import annotations
 
+import math
+
 import itertools
 from typing import Iterator
 
@@ -168,8 +170,9 @@ class Space:
 
 
 def divisors(n: int) -> tuple[int, ...]:
-    """The divisors of ``n`` in increasing order."""
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+    """The divisors of ``n`` in increasing order (found up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
 def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = (),

@@ -69,6 +69,10 @@ class Outcome:
     jobs: int = 1
     found: float | None = None
     reserve_gb: float = 0.0
+    #: The least memory (GB) a choice over the memory needs, and whether that is its peak
+    #: (else a lower bound of it); None when no choice was over.
+    nearest_gb: float | None = None
+    nearest_exact: bool = True
 
     @property
     def usable_gb(self) -> float | None:
@@ -100,7 +104,9 @@ def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None =
                    len(layouts), len(layouts) * len(space.schedules), time.perf_counter() - start,
                    left is None and not tally.unbounded, left, len(pricer.plans), pricer.memory_gb,
                    tuple(sorted(tally.reasons.items(), key=lambda kv: (-kv[1], kv[0]))), tally.same, jobs, found,
-                   pricer.reserve.bytes_of(pricer.memory_gb) / GB if pricer.memory_gb is not None else 0.0)
+                   pricer.reserve.bytes_of(pricer.memory_gb) / GB if pricer.memory_gb is not None else 0.0,
+                   None if tally.nearest is None else tally.nearest[0] / GB,
+                   tally.nearest is None or tally.nearest[1])
 
 
 def exhaustive(pricer: Pricer, space: Space, top: int = 5) -> tuple[Priced, ...]:
