@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import subprocess
@@ -76,6 +77,10 @@ def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert [p.seconds for p in found.top] == [p.seconds for p in expected]
     assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
+    # The placements are searched as any setting: two axes of 2 on nodes of 2 sit two ways.
+    two_axes = [layout for layout in space.layouts() if len(layout.axes()) == 2]
+    assert not two_axes or {layout.order for layout in two_axes} >= {("tp", "pp"), ("pp", "tp")} & {
+        layout.order for layout in two_axes} and len({layout.order for layout in two_axes}) > 1
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -325,6 +330,67 @@ def test_written_si_is_kept(tiny, tmp_path):
     assert {s[2] for s in space_of(base, keep=("si",)).schedules} == {"on"}
 
 
+def test_placements_one_per_class_the_written_first():
+    from dhelix.dsl.search.placement import placement_key, placement_text, placements
+
+    sizes = {"tp": 8, "pp": 4, "dp": 2}
+    found = placements(sizes, ("tp", "pp", "dp"), (8,))
+    assert found[0] == ("tp", "pp", "dp") and len(found) == 4
+    keys = [placement_key(order, sizes, (8,)) for order in found]
+    assert len(set(keys)) == len(found)
+    assert all(placement_key(order, sizes, (8,)) in keys for order in itertools.permutations(sizes))
+    assert [placement_text(order, sizes, 8) for order in found] == [
+        "tp8 | pp4 dp2", "pp4 tp2|4 dp2", "pp4 dp2 | tp8", "dp2 tp4|2 pp4"]
+    # A level inside the node (islands of 4) tells apart what the node alone does not.
+    assert len(placements(sizes, ("tp", "pp", "dp"), (4, 8))) > len(found)
+    # Groups that do not align with the nodes (tp 3 inside nodes of 8): no two such orders are
+    # taken to agree; with tp outermost (across, aligned) cp dp and dp cp are one placement.
+    assert len(placements({"tp": 3, "cp": 2, "dp": 4}, ("tp", "cp", "dp"), (8,))) == 5
+    # One node, or the file's order kept: the written order alone.
+    assert placements(sizes, ("dp", "tp"), ()) == (("dp", "tp", "pp"),)
+
+
+def test_orders_of_one_placement_price_alike_and_others_do_not(tmp_path):
+    # tp 2, pp 2, dp 2 on four nodes of 2: orders with tp inside a node are one placement
+    # (the same step and peak); orders with pp or dp inside are others.
+    from dhelix.dsl.search.placement import placement_key
+
+    path = tmp_path / "eight.dhx"
+    path.write_text(TINY.read_text().replace("nodes = 2", "nodes = 4").replace("pp = 2", "pp = 2\n  dp = 2")
+                    .replace("microbatches = 8", "microbatches = 4").replace('"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
+    pricer, space = _pricer(path)
+    layout = next(layout for layout in space.layouts() if (layout.tp, layout.pp, layout.dp) == (2, 2, 2)
+                  and layout.zero == 1 and layout.recompute == "none" and layout.partition == "written")
+    priced = {}
+    for order in itertools.permutations(("tp", "pp", "dp")):
+        result = pricer.price(Choice(attrs.evolve(layout, order=order), "u", "w_helix"))
+        priced[order] = (result.seconds, max(r.memory for r in result.sim.ranks))
+    sizes = {"tp": 2, "pp": 2, "dp": 2}
+    for a, b in itertools.combinations(priced, 2):
+        if placement_key(a, sizes, (2,)) == placement_key(b, sizes, (2,)):
+            assert priced[a] == priced[b], (a, b)
+    assert len(set(priced.values())) > 1
+    assert {layout.order for layout in space.layouts() if (layout.tp, layout.pp, layout.dp) == (2, 2, 2)} == {
+        ("tp", "pp", "dp"), ("pp", "tp", "dp"), ("dp", "tp", "pp")}
+
+
+def test_a_file_written_in_two_orders_gives_one_best(tmp_path):
+    from dhelix.dsl.search.placement import placement_key
+
+    bests = []
+    for mesh in ("tp = 2\n  pp = 2", "pp = 2\n  tp = 2"):
+        path = tmp_path / "order.dhx"
+        path.write_text(TINY.read_text().replace("tp = 2\n  pp = 2", mesh).replace(
+            '"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
+        pricer, space = _pricer(path)
+        space = attrs.evolve(space, micro_batch=(2, 4), recompute=("none",), partition=("written",))
+        best = search(pricer, space, top=1).top[0]
+        layout = best.choice.layout
+        bests.append((best.seconds, placement_key(layout.order, layout.mesh(), (2,)),
+                      attrs.evolve(layout, order=()), best.choice.schedule()))
+    assert bests[0] == bests[1]
+
+
 def test_kept_settings_stay_as_written(tiny):
     pricer, _ = tiny
     base = passes.rerun(check_program(pricer.modules), after="check")
@@ -333,6 +399,7 @@ def test_kept_settings_stay_as_written(tiny):
     assert outcome.top
     for p in outcome.top:
         assert (p.choice.layout.tp, p.choice.layout.pp, p.choice.layout.dp) == (2, 2, 1)
+        assert p.choice.layout.order == ("tp", "pp")  # the file's order
         assert p.choice.pipeline == "w_helix"
 
 
@@ -504,10 +571,15 @@ def test_cli_writes_a_program_that_checks(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "-o", str(out), "--top", "2"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "the best is" in proc.stdout and f"wrote {out}" in proc.stdout
+    assert ("the best is" in proc.stdout or "the best ties" in proc.stdout) and f"wrote {out}" in proc.stdout
     check = dhelix_here("check", str(out))
     assert check.returncode == 0, check.stdout + check.stderr
     assert "Predicted step" in out.read_text()
+    # The mesh is written in the best's order (innermost first), which the table shows.
+    written = passes.rerun(check_program(load_modules(read_source(str(out)), str(out))), after="check").mesh
+    shown = next(line for line in proc.stdout.splitlines() if line.startswith("1 ")).split("  ")[1]
+    assert shown.replace(" |", "").split() == [f"{axis}{written.size(axis)}" for axis in written.order
+                                               if written.size(axis) > 1]
     # The written file names its data relative to itself: it trains, and matches the reference.
     run = dhelix_here("run", str(out), "--steps", "2", "--check", cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

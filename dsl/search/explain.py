@@ -17,7 +17,11 @@ def differences(choice: Choice, best: Choice) -> str:
         return "best"
     mine, theirs = choice.settings(), best.settings()
     names = {"micro_batch": "b", "microbatches": "m", "si": "SI"}
-    return ", ".join(f"{names.get(key, key)} {value} ({theirs[key]})" for key, value in mine.items()
+
+    def text(value) -> str:  # an order of mesh axes: innermost first
+        return " ".join(value) if isinstance(value, tuple) else str(value)
+
+    return ", ".join(f"{names.get(key, key)} {text(value)} ({text(theirs[key])})" for key, value in mine.items()
                      if value != theirs[key])
 
 
@@ -60,15 +64,18 @@ def format_outcome(outcome: Outcome, title: str) -> str:
         exposed = sim.mean("layer_exposed") + sim.mean("pp_exposed") + sim.mean("dp_exposed")
         peak = sim.peak_rank
         usable = outcome.usable_gb
-        rows.append([str(rank), p.choice.layout.describe(), p.choice.schedule().removeprefix("fold "),
+        rows.append([str(rank), p.choice.layout.describe(outcome.gpus_per_node or None),
+                     p.choice.schedule().removeprefix("fold "),
                      _ms(sim.step_time), f"{sim.tokens_per_second:,.0f}", f"{sim.mfu:.1%}",
                      f"{peak.memory / GB:.2f} (r{peak.rank})",
                      f"{peak.memory / GB / usable:.0%}" if usable else "—", _ms(exposed), differences(p.choice, best)])
     header = ["#", "layout", "schedule", "step", "tokens/s", "MFU", "peak GB", "of usable", "exposed comm",
               "differs from #1"]
     lines += [""] + format_table(header, rows, right=(0, 3, 4, 5, 6, 7, 8))
+    lines += ["", "layout: the mesh innermost first, '|' where a node ends (tp4|2: each tp group on 2 nodes, 4 "
+                  "ranks on each)"]
     if len(outcome.top) > 1:
-        lines += ["", why_best(outcome.top[0], outcome.top[1])]
+        lines += [why_best(outcome.top[0], outcome.top[1])]
     return "\n".join(lines) + "\n"
 
 

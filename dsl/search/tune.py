@@ -73,6 +73,8 @@ class Outcome:
     #: (else a lower bound of it); None when no choice was over.
     nearest_gb: float | None = None
     nearest_exact: bool = True
+    #: The GPUs of a node: where the table marks a node's end in each layout's mesh.
+    gpus_per_node: int = 0
 
     @property
     def usable_gb(self) -> float | None:
@@ -106,7 +108,7 @@ def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None =
                    tuple(sorted(tally.reasons.items(), key=lambda kv: (-kv[1], kv[0]))), tally.same, jobs, found,
                    pricer.reserve.bytes_of(pricer.memory_gb) / GB if pricer.memory_gb is not None else 0.0,
                    None if tally.nearest is None else tally.nearest[0] / GB,
-                   tally.nearest is None or tally.nearest[1])
+                   tally.nearest is None or tally.nearest[1], pricer.gpus_per_node)
 
 
 def exhaustive(pricer: Pricer, space: Space, top: int = 5) -> tuple[Priced, ...]:
