@@ -1,5 +1,6 @@
-"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--budget SECONDS] [--memory-margin GB|%] [--top K] [--measure K
-[--measure-steps N]] [-o best.dhx] [--json] [--profile P]`: search the fastest schedule that fits.
+"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--budget SECONDS] [--memory-margin GB|%] [--top K]
+[--uncertainty [--robust]] [--measure K [--measure-steps N]] [-o best.dhx] [--json] [--profile P]`: search the
+fastest schedule that fits.
 
 FILE gives the model, the cluster and the global batch (its dp × micro_batch × microbatches
 sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
@@ -9,6 +10,8 @@ sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
 top K that fit the device's memory, less a reserve kept free (``--memory-margin``,
 :mod:`dhelix.dsl.search.headroom`), with one line on why the best wins; ``-o`` writes the best
 as a formatted program that `check` and `run` take; ``--json`` prints the result as JSON.
+``--uncertainty`` prices the top K again within what the profile does not know
+(:mod:`dhelix.dsl.search.uncertainty`), ``--robust`` chooses the best worst case of them.
 ``--measure K`` then runs the K fastest for a few steps where the program runs and chooses the
 measured fastest instead (:mod:`dhelix.cli.tune_measure`).
 """
@@ -31,8 +34,9 @@ from dhelix.dsl.frontend.imports import load_modules, read_source
 from dhelix.dsl.frontend.limits import limit_of
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.overrides import require_model
-from dhelix.dsl.search import headroom
-from dhelix.dsl.search.explain import differences, format_outcome, memory_cap, size_text, step_parts, why_best
+from dhelix.dsl.search import headroom, uncertainty
+from dhelix.dsl.search.explain import (differences, format_outcome, format_spreads, memory_cap, size_text, step_parts,
+                                       why_best)
 from dhelix.dsl.search.space import KEEPABLE, space_of
 from dhelix.dsl.search.tune import Outcome, Pricer, search
 from dhelix.dsl.search.variant import relocate, require_main_blocks, variant_text, with_profile_setting
@@ -68,6 +72,12 @@ def register(subparsers) -> None:
                       help=f"search with N processes side by side (default: this machine's cores, at most "
                            f"{MAX_DEFAULT_JOBS}; one where processes cannot be forked); without --budget the result is the "
                            "same as with 1, the counts may differ")
+    tune.add_argument("--uncertainty", action="store_true",
+                      help="price the top K again within the profile's uncertainty (collective efficiency, GEMM "
+                           "efficiency, link latency: every corner of their ranges) and show each one's median and "
+                           "worst step, marking a choice whose rank changes")
+    tune.add_argument("--robust", action="store_true",
+                      help="with --uncertainty: choose the best worst case of the top K (for -o and --json too)")
     add_measure_arguments(tune)
     tune.add_argument("-o", "--output", metavar="OUT.dhx",
                       help="write the best (with --measure: the measured fastest) as a program file")
@@ -126,17 +136,30 @@ def cmd_tune(args) -> int:
     if measured:
         title += ("\nthe profile's measured op times belong to one mesh and shape: every candidate is priced "
                   "with its derived rates (peak, links, overlap) instead")
+    spread = None
+    if (args.uncertainty or args.robust) and outcome.top:
+        spread = _spreads(outcome, modules, base, world, reserve, args.robust)
+        if args.robust:
+            outcome = attrs.evolve(outcome, top=tuple(s.priced for s in spread))
     measurement = None
     if args.measure is not None and outcome.top:
         measurement = _measure(args, outcome, title, pricer, text, world)
         if measurement is None:
             return 0  # another rank of a torchrun world: global rank 0 reports and writes
     if args.json:
-        print(json.dumps(_json(outcome, args.file, world, space.sequences, measurement), indent=1))
+        found = _json(outcome, args.file, world, space.sequences, measurement)
+        if spread is not None:
+            found["uncertainty"] = {"knobs": [attrs.asdict(k) for k in uncertainty.KNOBS], "robust": args.robust,
+                                    "top": [{"choice": s.priced.choice.settings(), "steps_s": list(s.steps),
+                                             "median_s": s.median, "worst_s": s.worst, "ranks": list(s.ranks),
+                                             "rank_changes": s.flips} for s in spread]}
+        print(json.dumps(found, indent=1, default=list))
     elif measurement is not None:
         sys.stdout.write(format_measurement(measurement, _prediction_note(checked)))
     else:
         sys.stdout.write(format_outcome(outcome, title))
+        if spread is not None:
+            sys.stdout.write("\n" + format_spreads(spread, uncertainty.KNOBS, args.robust, outcome.gpus_per_node))
     if measurement is not None and measurement.best is None:
         print("dhelix tune: no candidate could be measured, nothing chosen" + (f" ({output} not written)"
                                                                               if output is not None else ""),
@@ -148,6 +171,22 @@ def cmd_tune(args) -> int:
         print(_nothing_fits(outcome, args.budget), file=sys.stderr)
         return 1
     return 0
+
+
+def _spreads(outcome: Outcome, modules, base, world: int, reserve, robust: bool):
+    """``--uncertainty``: the top choices priced at every corner of the profile's uncertainty
+    (:mod:`dhelix.dsl.search.uncertainty`), by worst step with ``robust``."""
+    def price_at(factors):
+        profile = uncertainty.perturbed(base.profile, factors)
+        pricer = Pricer(modules, attrs.evolve(base, profile=profile), world, reserve)
+
+        def price(priced) -> float:
+            result = pricer.price(priced.choice)
+            return result.seconds if hasattr(result, "sim") else float("inf")
+        return price
+
+    found = uncertainty.spreads(outcome.top, price_at)
+    return uncertainty.most_robust(found) if robust else found
 
 
 def _measure(args, outcome: Outcome, title: str, pricer: Pricer, text: str, world: int):

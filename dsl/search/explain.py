@@ -117,3 +117,28 @@ def size_text(nbytes: float) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.3f} ms"
+
+
+def format_spreads(found, knobs, robust: bool = False, gpus_per_node: int | None = None) -> str:
+    """The top choices priced within the profile's uncertainty (:mod:`~dhelix.dsl.search.uncertainty`:
+    ``found`` Spreads over ``knobs``): each one's step at the profile's values, median and
+    worst over the corners, and the ranks it takes among them, ``*`` where its rank changes;
+    ``robust``: ``found`` is ordered by worst step, the first chosen; ``gpus_per_node`` marks
+    where a node ends in each mesh."""
+    rows = []
+    for number, spread in enumerate(found, start=1):
+        ranks = sorted(set(spread.ranks))
+        choice = spread.priced.choice
+        rows.append([str(number), choice.layout.describe(gpus_per_node), choice.schedule().removeprefix("fold "),
+                     _ms(spread.steps[0]), _ms(spread.median), _ms(spread.worst),
+                     f"{ranks[0]}-{ranks[-1]} *" if spread.flips else str(ranks[0])])
+    header = ["#", "layout", "schedule", "step", "median", "worst", "ranks"]
+    lines = [f"within the profile's uncertainty ({', '.join(k.describe() for k in knobs)}; every corner of that box "
+             f"and the profile's own values, {2 ** len(knobs) + 1} steps each):"]
+    lines += format_table(header, rows, right=(0, 3, 4, 5, 6))
+    flips = [spread for spread in found if spread.flips]
+    lines.append("* its rank among these changes within the uncertainty" if flips else
+                 "the order of these holds at every corner")
+    if robust:
+        lines.append(f"chosen: the best worst case, {_ms(found[0].worst)} ({found[0].priced.choice.describe()})")
+    return "\n".join(lines) + "\n"
