@@ -554,7 +554,7 @@ def test_one_program_under_two_names_takes_one_row(tmp_path):
         '"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
     pricer, space = _pricer(one)
     space = attrs.evolve(space, tp=(2,), pp=(1,), cp=(1,), micro_batch=(8,), zero=(1,), recompute=("none",),
-                         param_gather=("forward",), partition=space.partition[:1])
+                         param_gather=("forward",), partition=space.partition[:1], boundaries=())
     priced = {c.schedule(): pricer.price(c) for c in space.choices()}
     assert priced["fold none  gpipe"].program == priced["fold u  gpipe_u"].program
     assert priced["fold none  one_f_one_b"].program != priced["fold loop(2)  interleaved_1f1b"].program
@@ -828,7 +828,8 @@ def test_a_generated_partition_that_gains_nothing_loses_the_tie(tiny):
     pricer, _ = tiny
     layout = Layout(2, 1, 2, 1, 1, 2, 8, 0, 0, "none", "written")
     written = pricer.price(Choice(layout, "none", "one_f_one_b"))
-    auto = attrs.evolve(written, choice=attrs.evolve(written.choice, layout=attrs.evolve(layout, partition="auto")))
+    auto = attrs.evolve(written, choice=attrs.evolve(written.choice, layout=attrs.evolve(layout, partition="auto")),
+                        program=None)  # another program (its partition block), the same step
     assert auto.choice < written.choice and auto.seconds == written.seconds
     assert [p.choice.layout.partition for p in _insert([auto], written, 2)] == ["written", "auto"]
 

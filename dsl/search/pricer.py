@@ -359,7 +359,7 @@ class Pricer:
                         if chained and not tighten:
                             return Deferred(choice, seen.floor * (1 - FLOOR_MARGIN), loose=True)
                     unsettled = self.unsettled_bound(choice, program)
-                    if cutoff is not None and unsettled > cutoff:
+                    if cutoff is not None and unsettled * (1 - FLOOR_MARGIN) > cutoff:
                         return Pruned(choice, unsettled)
                     if chained:
                         return Deferred(choice, unsettled * (1 - FLOOR_MARGIN))
@@ -391,7 +391,7 @@ class Pricer:
                                    trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
-                if cutoff is not None and relaxed.step_time > cutoff:
+                if cutoff is not None and relaxed.step_time * (1 - FLOOR_MARGIN) > cutoff:
                     return Pruned(choice, relaxed.step_time)
             plan = self.plans.plan(program) if si else None
             sim = simulate(program, plan, cost=self.cost, costs=self.costs(program, choice.layout, plan),
