@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import subprocess
@@ -76,6 +77,10 @@ def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert [p.seconds for p in found.top] == [p.seconds for p in expected]
     assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
+    # The placements are searched as any setting: two axes of 2 on nodes of 2 sit two ways.
+    two_axes = [layout for layout in space.layouts() if len(layout.axes()) == 2]
+    assert not two_axes or {layout.order for layout in two_axes} >= {("tp", "pp"), ("pp", "tp")} & {
+        layout.order for layout in two_axes} and len({layout.order for layout in two_axes}) > 1
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -325,6 +330,67 @@ def test_written_si_is_kept(tiny, tmp_path):
     assert {s[2] for s in space_of(base, keep=("si",)).schedules} == {"on"}
 
 
+def test_placements_one_per_class_the_written_first():
+    from dhelix.dsl.search.placement import placement_key, placement_text, placements
+
+    sizes = {"tp": 8, "pp": 4, "dp": 2}
+    found = placements(sizes, ("tp", "pp", "dp"), (8,))
+    assert found[0] == ("tp", "pp", "dp") and len(found) == 4
+    keys = [placement_key(order, sizes, (8,)) for order in found]
+    assert len(set(keys)) == len(found)
+    assert all(placement_key(order, sizes, (8,)) in keys for order in itertools.permutations(sizes))
+    assert [placement_text(order, sizes, 8) for order in found] == [
+        "tp8 | pp4 dp2", "pp4 tp2|4 dp2", "pp4 dp2 | tp8", "dp2 tp4|2 pp4"]
+    # A level inside the node (islands of 4) tells apart what the node alone does not.
+    assert len(placements(sizes, ("tp", "pp", "dp"), (4, 8))) > len(found)
+    # Groups that do not align with the nodes (tp 3 inside nodes of 8): no two such orders are
+    # taken to agree; with tp outermost (across, aligned) cp dp and dp cp are one placement.
+    assert len(placements({"tp": 3, "cp": 2, "dp": 4}, ("tp", "cp", "dp"), (8,))) == 5
+    # One node, or the file's order kept: the written order alone.
+    assert placements(sizes, ("dp", "tp"), ()) == (("dp", "tp", "pp"),)
+
+
+def test_orders_of_one_placement_price_alike_and_others_do_not(tmp_path):
+    # tp 2, pp 2, dp 2 on four nodes of 2: orders with tp inside a node are one placement
+    # (the same step and peak); orders with pp or dp inside are others.
+    from dhelix.dsl.search.placement import placement_key
+
+    path = tmp_path / "eight.dhx"
+    path.write_text(TINY.read_text().replace("nodes = 2", "nodes = 4").replace("pp = 2", "pp = 2\n  dp = 2")
+                    .replace("microbatches = 8", "microbatches = 4").replace('"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
+    pricer, space = _pricer(path)
+    layout = next(layout for layout in space.layouts() if (layout.tp, layout.pp, layout.dp) == (2, 2, 2)
+                  and layout.zero == 1 and layout.recompute == "none" and layout.partition == "written")
+    priced = {}
+    for order in itertools.permutations(("tp", "pp", "dp")):
+        result = pricer.price(Choice(attrs.evolve(layout, order=order), "u", "w_helix"))
+        priced[order] = (result.seconds, max(r.memory for r in result.sim.ranks))
+    sizes = {"tp": 2, "pp": 2, "dp": 2}
+    for a, b in itertools.combinations(priced, 2):
+        if placement_key(a, sizes, (2,)) == placement_key(b, sizes, (2,)):
+            assert priced[a] == priced[b], (a, b)
+    assert len(set(priced.values())) > 1
+    assert {layout.order for layout in space.layouts() if (layout.tp, layout.pp, layout.dp) == (2, 2, 2)} == {
+        ("tp", "pp", "dp"), ("pp", "tp", "dp"), ("dp", "tp", "pp")}
+
+
+def test_a_file_written_in_two_orders_gives_one_best(tmp_path):
+    from dhelix.dsl.search.placement import placement_key
+
+    bests = []
+    for mesh in ("tp = 2\n  pp = 2", "pp = 2\n  tp = 2"):
+        path = tmp_path / "order.dhx"
+        path.write_text(TINY.read_text().replace("tp = 2\n  pp = 2", mesh).replace(
+            '"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
+        pricer, space = _pricer(path)
+        space = attrs.evolve(space, micro_batch=(2, 4), recompute=("none",), partition=("written",))
+        best = search(pricer, space, top=1).top[0]
+        layout = best.choice.layout
+        bests.append((best.seconds, placement_key(layout.order, layout.mesh(), (2,)),
+                      attrs.evolve(layout, order=()), best.choice.schedule()))
+    assert bests[0] == bests[1]
+
+
 def test_kept_settings_stay_as_written(tiny):
     pricer, _ = tiny
     base = passes.rerun(check_program(pricer.modules), after="check")
@@ -333,6 +399,7 @@ def test_kept_settings_stay_as_written(tiny):
     assert outcome.top
     for p in outcome.top:
         assert (p.choice.layout.tp, p.choice.layout.pp, p.choice.layout.dp) == (2, 2, 1)
+        assert p.choice.layout.order == ("tp", "pp")  # the file's order
         assert p.choice.pipeline == "w_helix"
 
 
@@ -410,15 +477,109 @@ def test_search_equals_exhaustive_where_the_memory_cap_binds(seed):
     assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
 
 
+def test_the_memory_reserve_is_held_free_by_the_search_and_the_planner():
+    # A reserve that leaves less than the fastest choice's peak: the search's best is the
+    # exhaustive best under the device less the reserve, and every choice in its top fits there.
+    from dhelix.dsl.search.headroom import Reserve
+
+    pricer, full = _pricer()
+    space = attrs.evolve(full, tp=(1, 2), micro_batch=(1, 4), recompute=("none", "full"), partition=full.partition[:1])
+    fastest = exhaustive(pricer, space, top=1)[0]
+    peak = max(r.memory for r in fastest.sim.ranks)
+    reserve = Reserve(gb=pricer.memory_gb - peak * 0.999 / 1e9)
+    held = Pricer(pricer.modules, passes.rerun(check_program(pricer.modules), after="check"), pricer.world, reserve)
+    assert held.capacity == pytest.approx(peak * 0.999)
+    assert held.profile.memory_gb == pytest.approx(peak * 0.999 / 1e9)  # what the planner's own checks read
+    expected = exhaustive(held, space, top=3)
+    found = search(held, space, top=3)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert fastest.choice not in [p.choice for p in found.top] and found.too_big > 0
+    assert all(max(r.memory for r in p.sim.ranks) <= held.capacity for p in found.top)
+    assert found.reserve_gb == pytest.approx(reserve.gb) and found.usable_gb == pytest.approx(peak * 0.999 / 1e9)
+    # The nearest choice over the memory needs no more than the fastest (which is over), and more than what is left.
+    assert held.capacity < found.nearest_gb * 1e9 <= peak
+
+
+@pytest.mark.parametrize("text, gb, percent", [("2.5", 2.5, 0), ("4GB", 4, 0), (" 4 gb ", 4, 0), ("8%", 0, 8),
+                                               ("0", 0, 0)])
+def test_memory_reserves_parse_as_gigabytes_or_a_part_of_the_device(text, gb, percent):
+    from dhelix.dsl.search.headroom import DEFAULT, Reserve, parse_reserve
+
+    reserve = parse_reserve(text)
+    assert reserve == Reserve(gb, percent)
+    assert reserve.bytes_of(80) == pytest.approx((gb + 0.8 * percent) * 1e9)
+    assert DEFAULT.bytes_of(48) == pytest.approx(3.4e9) and DEFAULT.describe() == "1 GB + 5 %"
+
+
+def test_cli_shows_the_reserve_and_holds_choices_to_what_it_leaves():
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--top", "2", "-j", "1", "--keep", "mesh",
+                           "--memory-margin", "10%"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "kept free on each device: 4.80 GB (--memory-margin 10 %" in proc.stdout
+    assert "over the 43.20 GB usable (device 48 GB less a 4.80 GB reserve)" in proc.stdout
+    assert "of usable" in proc.stdout
+    # The whole device reserved but a sliver: nothing fits, and the message says what it was held to.
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--top", "2", "-j", "1", "--keep", "mesh",
+                           "--memory-margin", "47.99999", "--json"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout)["reserve_gb"] == pytest.approx(47.99999)
+    assert "no choice fits" in proc.stderr
+    assert "over the memory: the nearest needs at least " in proc.stderr  # a layout's bound: all were cut by theirs
+    assert "against the 10.00 kB usable (device 48 GB less a 48.00 GB reserve)" in proc.stderr
+
+
+def test_cli_says_the_budget_ran_out_before_anything_was_priced():
+    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--top", "2", "-j", "1",
+                           "--budget", "0.0001"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "no choice fits: --budget 0.0001 s ran out before any choice that fits was priced" in proc.stderr
+    assert "refused by the checks" not in proc.stderr.splitlines()[0]
+
+
+def test_divisors_up_to_the_square_root():
+    from dhelix.dsl.search.space import divisors
+
+    for n in (1, 2, 12, 36, 49, 97, 1024, 720720):
+        assert divisors(n) == tuple(d for d in range(1, n + 1) if n % d == 0)
+    assert len(divisors(10**9)) == 100  # instant: a scan to n took minutes
+
+
+def test_one_program_under_two_names_takes_one_row(tmp_path):
+    # On one pipeline stage gpipe (fold none) and gpipe_u (fold u) run the same layer passes:
+    # the top keeps the first; orders that differ (1F1B, interleaved chunks) stay apart.
+    from dhelix.dsl.search.duplicates import layer_passes
+
+    one = tmp_path / "one.dhx"
+    one.write_text(TINY.read_text().replace("tp = 2\n  pp = 2", "tp = 2\n  dp = 2").replace(
+        '"../docs/*.md"', f'"{ROOT / "docs"}/*.md"'))
+    pricer, space = _pricer(one)
+    space = attrs.evolve(space, tp=(2,), pp=(1,), cp=(1,), micro_batch=(8,), zero=(1,), recompute=("none",),
+                         param_gather=("forward",), partition=space.partition[:1], boundaries=())
+    priced = {c.schedule(): pricer.price(c) for c in space.choices()}
+    assert priced["fold none  gpipe"].program == priced["fold u  gpipe_u"].program
+    assert priced["fold none  one_f_one_b"].program != priced["fold loop(2)  interleaved_1f1b"].program
+    gpipe = pricer.checked(next(c for c in space.choices() if c.pipeline == "gpipe"))
+    assert layer_passes(gpipe) == ((("F", 0, 0, 3), ("F", 1, 0, 3), ("B", 0, 0, 3), ("B", 1, 0, 3)),)
+    found = search(pricer, space, top=len(priced))
+    assert [p.choice for p in found.top] == [p.choice for p in exhaustive(pricer, space, top=len(priced))]
+    assert len({p.program for p in found.top}) == len(found.top) < len(priced)
+    assert {"fold none  gpipe", "fold u  gpipe_u"} & {p.choice.schedule() for p in found.top} == {"fold none  gpipe"}
+
+
 def test_cli_writes_a_program_that_checks(tmp_path):
     out = tmp_path / "t.dhx"
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "-o", str(out), "--top", "2"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "the best is" in proc.stdout and f"wrote {out}" in proc.stdout
+    assert ("the best is" in proc.stdout or "the best ties" in proc.stdout) and f"wrote {out}" in proc.stdout
     check = dhelix_here("check", str(out))
     assert check.returncode == 0, check.stdout + check.stderr
     assert "Predicted step" in out.read_text()
+    # The mesh is written in the best's order (innermost first), which the table shows.
+    written = passes.rerun(check_program(load_modules(read_source(str(out)), str(out))), after="check").mesh
+    shown = next(line for line in proc.stdout.splitlines() if line.startswith("1 ")).split("  ")[1]
+    assert shown.replace(" |", "").split() == [f"{axis}{written.size(axis)}" for axis in written.order
+                                               if written.size(axis) > 1]
     # The written file names its data relative to itself: it trains, and matches the reference.
     run = dhelix_here("run", str(out), "--steps", "2", "--check", cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
@@ -459,6 +620,10 @@ def test_cli_json(tmp_path):
     (["--gpus", "3"], "--gpus 3: give a positive multiple of the cluster's gpus_per_node (2)"),
     (["--top", "0"], "--top must be between 1 and 100, got 0"),
     (["--jobs", "0"], "--jobs must be at least 1, got 0"),
+    (["--memory-margin", "5 MB"], "--memory-margin: '5 MB' is not a memory reserve: give gigabytes"),
+    (["--memory-margin", "120%"], "--memory-margin: a reserve of 120 % leaves nothing of the device's memory"),
+    (["--memory-margin", "48"], "--memory-margin 48 GB: it leaves nothing of the device's 48 GB"),
+    (["--gpus", "10000000"], "--gpus 10000000: at most 16,384 nodes of 2 (32,768 GPUs), the cluster block's limit"),
 ])
 def test_cli_usage_errors(argv, message):
     proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), *argv], capture_output=True, text=True)
@@ -663,7 +828,8 @@ def test_a_generated_partition_that_gains_nothing_loses_the_tie(tiny):
     pricer, _ = tiny
     layout = Layout(2, 1, 2, 1, 1, 2, 8, 0, 0, "none", "written")
     written = pricer.price(Choice(layout, "none", "one_f_one_b"))
-    auto = attrs.evolve(written, choice=attrs.evolve(written.choice, layout=attrs.evolve(layout, partition="auto")))
+    auto = attrs.evolve(written, choice=attrs.evolve(written.choice, layout=attrs.evolve(layout, partition="auto")),
+                        program=None)  # another program (its partition block), the same step
     assert auto.choice < written.choice and auto.seconds == written.seconds
     assert [p.choice.layout.partition for p in _insert([auto], written, 2)] == ["written", "auto"]
 

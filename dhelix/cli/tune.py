@@ -1,5 +1,6 @@
-"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--generated] [--budget SECONDS] [--top K] [--measure K
-[--measure-steps N]] [-o best.dhx] [--json] [--profile P]`: search the fastest schedule that fits.
+"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--generated] [--budget SECONDS] [--memory-margin GB|%]
+[--top K] [--uncertainty [--robust]] [--measure K [--measure-steps N]] [-o best.dhx] [--json] [--profile P]`: search
+the fastest schedule that fits.
 
 FILE gives the model, the cluster and the global batch (its dp × micro_batch × microbatches
 sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
@@ -7,8 +8,11 @@ sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
 ``--generated`` the zero-bubble scheduler's too, :mod:`dhelix.dsl.search.generated`) and SI on or off
 (``train { si }``, for the pipelines that write SI blocks; a file that writes it keeps it)
 (:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
-top K that fit the device's memory with one line on why the best wins; ``-o`` writes the best
+top K that fit the device's memory, less a reserve kept free (``--memory-margin``,
+:mod:`dhelix.dsl.search.headroom`), with one line on why the best wins; ``-o`` writes the best
 as a formatted program that `check` and `run` take; ``--json`` prints the result as JSON.
+``--uncertainty`` prices the top K again within what the profile does not know
+(:mod:`dhelix.dsl.search.uncertainty`), ``--robust`` chooses the best worst case of them.
 ``--measure K`` then runs the K fastest for a few steps where the program runs and chooses the
 measured fastest instead (:mod:`dhelix.cli.tune_measure`).
 """
@@ -29,10 +33,14 @@ from dhelix.cli.tune_measure import (add_measure_arguments, check_launchable, ch
 from dhelix.dsl.core.errors import DhelixError, UsageError
 from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.frontend.imports import load_modules, read_source
+from dhelix.dsl.frontend.limits import limit_of
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.passes.overrides import require_model
-from dhelix.dsl.search.explain import differences, format_outcome, step_parts, why_best
+from dhelix.dsl.search import headroom, uncertainty
+from dhelix.dsl.search.explain import (differences, format_outcome, format_spreads, memory_cap, size_text, step_parts,
+                                       why_best)
 from dhelix.dsl.search.space import KEEPABLE, space_of
+from dhelix.dsl.search.pricer import Priced
 from dhelix.dsl.search.tune import Outcome, Pricer, search
 from dhelix.dsl.search.variant import relocate, require_main_blocks, variant_text, with_profile_setting
 from dhelix.dsl.simulator.events import require_profile
@@ -62,11 +70,21 @@ def register(subparsers) -> None:
                       help="search the zero-bubble scheduler's pipelines too (zb_1p and zb_2p, fold none: at most p "
                            "and 2p-1 micro-batches in flight per rank), written for each layout from its F, B and W "
                            "times; the winner's file holds the one it picked")
+    tune.add_argument("--memory-margin", metavar="GB|%", default=None,
+                      help="memory kept free on every device for the CUDA context, the collectives' buffers and "
+                           "fragmentation: gigabytes (2.5) or a part of the device (8%%); a choice fits when its "
+                           f"peak fits in the rest (default {headroom.DEFAULT.describe()})")
     tune.add_argument("--top", type=int, default=5, metavar="K", help="how many to show (default 5)")
     tune.add_argument("-j", "--jobs", type=int, metavar="N", default=None,
                       help=f"search with N processes side by side (default: this machine's cores, at most "
                            f"{MAX_DEFAULT_JOBS}; one where processes cannot be forked); without --budget the result is the "
                            "same as with 1, the counts may differ")
+    tune.add_argument("--uncertainty", action="store_true",
+                      help="price the top K again within the profile's uncertainty (collective efficiency, GEMM "
+                           "efficiency, link latency: every corner of their ranges) and show each one's median and "
+                           "worst step, marking a choice whose rank changes")
+    tune.add_argument("--robust", action="store_true",
+                      help="with --uncertainty: choose the best worst case of the top K (for -o and --json too)")
     add_measure_arguments(tune)
     tune.add_argument("-o", "--output", metavar="OUT.dhx",
                       help="write the best (with --measure: the measured fastest) as a program file")
@@ -85,6 +103,7 @@ def cmd_tune(args) -> int:
     if args.budget is not None and not args.budget > 0:
         raise UsageError(f"--budget must be a positive number of seconds, got {args.budget}")
     check_measure_numbers(args)
+    reserve = _reserve(args.memory_margin)
     text = read_source(args.file)
     modules = load_modules(text, args.file)
     if args.profile is not None:
@@ -105,7 +124,10 @@ def cmd_tune(args) -> int:
         raise UsageError(f"--keep: {exc.message}") from None
     if args.measure is not None:
         check_launchable(base, world, args.budget)
-    pricer = Pricer(modules, base, world)
+    pricer = Pricer(modules, base, world, reserve)
+    if pricer.capacity is not None and pricer.capacity <= 0:
+        raise UsageError(f"--memory-margin {reserve.describe()}: it leaves nothing of the device's "
+                         f"{pricer.memory_gb:g} GB")
     try:
         outcome = search(pricer, space, top=args.top, budget=args.budget, progress=_progress_bar(args.json), jobs=jobs)
     except DhelixError as exc:
@@ -116,20 +138,36 @@ def cmd_tune(args) -> int:
     title = (f"{args.file}: model {base.model.name} on {world} GPUs ({world // base.cluster.gpus_per_node} x "
              f"{base.cluster.gpus_per_node}), profile {base.profile.name}, global batch {space.sequences} "
              f"sequences of {base.model.get('seq')}")
+    if outcome.memory_gb is not None:
+        title += (f"\nkept free on each device: {outcome.reserve_gb:.2f} GB (--memory-margin {reserve.describe()}: "
+                  "CUDA context, collective buffers, fragmentation)")
     if measured:
         title += ("\nthe profile's measured op times belong to one mesh and shape: every candidate is priced "
                   "with its derived rates (peak, links, overlap) instead")
+    spread = None
+    if (args.uncertainty or args.robust) and outcome.top:
+        spread = _spreads(outcome, modules, base, world, reserve, args.robust)
+        if args.robust:
+            outcome = attrs.evolve(outcome, top=tuple(s.priced for s in spread))
     measurement = None
     if args.measure is not None and outcome.top:
         measurement = _measure(args, outcome, title, pricer, text, world)
         if measurement is None:
             return 0  # another rank of a torchrun world: global rank 0 reports and writes
     if args.json:
-        print(json.dumps(_json(outcome, args.file, world, space.sequences, measurement), indent=1))
+        found = _json(outcome, args.file, world, space.sequences, measurement)
+        if spread is not None:
+            found["uncertainty"] = {"knobs": [attrs.asdict(k) for k in uncertainty.KNOBS], "robust": args.robust,
+                                    "top": [{"choice": s.priced.choice.settings(), "steps_s": list(s.steps),
+                                             "median_s": s.median, "worst_s": s.worst, "ranks": list(s.ranks),
+                                             "rank_changes": s.flips} for s in spread]}
+        print(json.dumps(found, indent=1, default=list))
     elif measurement is not None:
         sys.stdout.write(format_measurement(measurement, _prediction_note(checked)))
     else:
         sys.stdout.write(format_outcome(outcome, title))
+        if spread is not None:
+            sys.stdout.write("\n" + format_spreads(spread, uncertainty.KNOBS, args.robust, outcome.gpus_per_node))
     if measurement is not None and measurement.best is None:
         print("dhelix tune: no candidate could be measured, nothing chosen" + (f" ({output} not written)"
                                                                               if output is not None else ""),
@@ -138,9 +176,25 @@ def cmd_tune(args) -> int:
     if output is not None and outcome.top:
         _write_best(output, outcome, measurement, pricer, text, args.file, world, base.profile.name, args.json)
     if not outcome.top:
-        print("no choice fits: " + _reasons(outcome), file=sys.stderr)
+        print(_nothing_fits(outcome, args.budget), file=sys.stderr)
         return 1
     return 0
+
+
+def _spreads(outcome: Outcome, modules, base, world: int, reserve, robust: bool):
+    """``--uncertainty``: the top choices priced at every corner of the profile's uncertainty
+    (:mod:`dhelix.dsl.search.uncertainty`), by worst step with ``robust``."""
+    def price_at(factors):
+        profile = uncertainty.perturbed(base.profile, factors)
+        pricer = Pricer(modules, attrs.evolve(base, profile=profile), world, reserve)
+
+        def price(priced) -> float:
+            result = pricer.price(priced.choice)
+            return result.seconds if isinstance(result, Priced) else float("inf")
+        return price
+
+    found = uncertainty.spreads(outcome.top, price_at)
+    return uncertainty.most_robust(found) if robust else found
 
 
 def _measure(args, outcome: Outcome, title: str, pricer: Pricer, text: str, world: int):
@@ -204,18 +258,46 @@ def _world(gpus: int | None, base) -> int:
         return base.cluster.nodes * per_node
     if gpus < 1 or gpus % per_node:
         raise UsageError(f"--gpus {gpus}: give a positive multiple of the cluster's gpus_per_node ({per_node})")
+    nodes = limit_of("cluster", "nodes")
+    if gpus > nodes * per_node:
+        raise UsageError(f"--gpus {gpus}: at most {nodes:,} nodes of {per_node} ({nodes * per_node:,} GPUs), the "
+                         "cluster block's limit")
     return gpus
+
+
+def _reserve(text: str | None) -> headroom.Reserve:
+    """``--memory-margin``'s reserve (the default without it)."""
+    if text is None:
+        return headroom.DEFAULT
+    try:
+        return headroom.parse_reserve(text)
+    except UsageError as exc:
+        raise UsageError(f"--memory-margin: {exc.message}") from None
 
 
 def _is_file(name: str) -> bool:
     return name.endswith((".yaml", ".yml")) or "/" in name
 
 
-def _reasons(outcome: Outcome) -> str:
-    if outcome.too_big and not outcome.reasons:
-        return f"every candidate needs more than the {outcome.memory_gb:g} GB of the device"
-    shown = "; ".join(f"{why} ({n})" for why, n in outcome.reasons[:3])
-    return shown or "the space is empty (see --keep)"
+def _nothing_fits(outcome: Outcome, budget: float | None) -> str:
+    """Why the search found no choice: the time budget, the memory (the nearest choice's
+    need against what a device leaves), the checks' refusals — each that ruled some out."""
+    why = []
+    if not outcome.complete:
+        why.append(f"--budget {budget:g} s ran out before any choice that fits was priced ({outcome.simulated:,} "
+                   f"simulated of {outcome.choices:,}): give it more time")
+    if outcome.too_big:
+        need = "" if outcome.nearest_gb is None else (
+            f": the nearest needs {'' if outcome.nearest_exact else 'at least '}{size_text(outcome.nearest_gb * 1e9)} "
+            f"against the {memory_cap(outcome)}")
+        why.append(f"{outcome.too_big:,} over the memory{need}; --memory-margin sets the reserve, and ZeRO, "
+                   "recomputation and more pipeline stages need less")
+    if outcome.refused:
+        shown = "; ".join(f"{reason} ({n:,})" for reason, n in outcome.reasons[:3])
+        why.append(f"{outcome.refused:,} refused by the checks: {shown}")
+    if not why:
+        why.append("the space is empty (see --keep)")
+    return "no choice fits: " + "\n  ".join(why)
 
 
 def _progress_bar(quiet: bool):
@@ -250,9 +332,8 @@ def _json(outcome: Outcome, path: str, world: int, sequences: int, measurement=N
                      "pruned": outcome.pruned, "over_memory": outcome.too_big, "refused": outcome.refused,
                      "same": outcome.same, "plans": outcome.plans, "seconds": outcome.seconds, "jobs": outcome.jobs,
                      "best_found_s": outcome.found},
-        "memory_gb": outcome.memory_gb,
-        "top": [{"choice": p.choice.settings(), "differs": differences(p.choice, outcome.top[0].choice),
-                 "parts_s": step_parts(p.sim),
+        "memory_gb": outcome.memory_gb, "reserve_gb": outcome.reserve_gb,
+        "top": [{"choice": p.choice.settings(), "differs": differences(p.choice, outcome.top[0].choice), "parts_s": step_parts(p.sim),
                  **simulation_metrics(p.sim)} for p in outcome.top],
         "why": why_best(outcome.top[0], outcome.top[1]) if len(outcome.top) > 1 else None,
     }

@@ -22,6 +22,10 @@ DIMENSIONS = ("tp", "cp", "dp", "pp")
 #: Every axis a mesh block may size, in the order the language lists them: the dimensions and
 #: ``ep``, which splits the experts over a part of dp.
 MESH_AXES = ("tp", "cp", "ep", "dp", "pp")
+#: The dimensions in the order `dhelix tune` places them where the file's mesh block does not
+#: say (``ep`` lives inside ``dp``: it has no place of its own). The search tries every
+#: placement; this order only names where a new axis goes and which of equal orders is shown.
+TUNE_ORDER = ("tp", "cp", "pp", "dp")
 
 #: The communication lanes: collectives of node-local groups and of cross-node groups.
 COMM_LANES = ("local", "cross")

@@ -134,11 +134,14 @@ def _states(program: Program, costs: StepCosts) -> float:
     dense, expert = _held(program, costs)
     train = program.train
     fsdp = train.zero == 3
+    if fsdp:  # ZeRO-3 runs with ep = 1: the experts are sharded as the layers' other weights
+        dense, expert = dense + expert, 0.0
     states = model_states(dense, expert, costs.dtype, zero1=train.zero >= 1, dense_group=costs.dense_group.size,
                           expert_group=costs.expert_group.size,
-                          fsdp_dense=layers * params.layer_dense / pp if fsdp else 0.0,
+                          fsdp_dense=layers * (params.layer_dense + params.layer_expert) / pp if fsdp else 0.0,
                           fsdp_group=costs.shard_group.size if fsdp and costs.shard_group else 0,
-                          grads_sharded=(layers * params.layer_dense + params.head) / pp if train.zero == 2 else 0.0)
+                          grads_sharded=(layers * params.layer_dense + params.head) / pp if train.zero == 2 else 0.0,
+                          expert_grads_sharded=train.zero == 2)
     return states.total
 
 

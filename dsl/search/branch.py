@@ -29,7 +29,6 @@ from dhelix.dsl.search.bound import Bound
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, writes_si
 from dhelix.dsl.search.pricer import FLOOR_MARGIN, Deferred, Priced, Pricer, Pruned, Refused, TooBig
 from dhelix.dsl.search.space import Choice, Layout, Space
-from dhelix.dsl.simulator.memory import GB
 
 
 @attrs.define
@@ -44,11 +43,21 @@ class Tally:
     same: int = 0
     unbounded: int = 0
     reasons: dict = attrs.field(factory=dict)
+    #: The least memory (bytes) a choice over the memory was found to need, and whether that
+    #: is its peak (else a lower bound of it: its layout's); None while none is over.
+    nearest: tuple[float, bool] | None = None
 
     def refuse(self, why: str, count: int = 1) -> None:
         """Count ``count`` choices refused for ``why``."""
         self.refused += count
         self.reasons[why] = self.reasons.get(why, 0) + count
+
+    def over(self, memory: float, count: int = 1, exact: bool = True) -> None:
+        """Count ``count`` choices over the memory, needing ``memory`` bytes (at least, unless
+        ``exact``)."""
+        self.too_big += count
+        if self.nearest is None or (memory, not exact) < (self.nearest[0], not self.nearest[1]):
+            self.nearest = (memory, exact)
 
 
 class Incumbent:
@@ -81,7 +90,7 @@ def bound_of(pricer: Pricer, space: Space, layouts: list[Layout], tally: Tally, 
     in ``tally``. Stops at ``deadline`` (the rest counted unbounded)."""
     found, unbounded = bounds(pricer, space, layouts, deadline, progress)
     tally.unbounded += unbounded
-    return keep_bounded(found, space, pricer.memory_gb, tally)
+    return keep_bounded(found, space, pricer.capacity, tally)
 
 
 def bounds(pricer: Pricer, space: Space, layouts: list[Layout], deadline: float | None, progress=None
@@ -99,10 +108,11 @@ def bounds(pricer: Pricer, space: Space, layouts: list[Layout], deadline: float 
     return found, 0
 
 
-def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, memory_gb: float | None,
+def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, capacity: float | None,
                  tally: Tally) -> list[tuple[float, Layout, float]]:
     """(time bound, layout, time bound of its schedules that pair no layers) of the layouts
-    whose bound (``found``) leaves a choice that may fit, fastest bound first; the refused,
+    whose bound (``found``) leaves a choice that may fit in ``capacity`` bytes (None: any),
+    fastest bound first; the refused,
     the over-the-memory and the same-as-another counted in ``tally`` (each for every
     schedule of ``space``)."""
     bounded = []
@@ -111,8 +121,8 @@ def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, memory_g
             tally.same += len(space.schedules)
         elif isinstance(bound, str):
             tally.refuse(bound, len(space.schedules))
-        elif memory_gb is not None and bound.memory > memory_gb * GB:
-            tally.too_big += len(space.schedules)
+        elif capacity is not None and bound.memory > capacity:
+            tally.over(bound.memory, len(space.schedules), exact=False)
         else:
             bounded.append((bound.seconds, layout, bound.alone))
     return sorted(bounded)
@@ -303,7 +313,7 @@ def _lowest_taken(waiting: list[tuple[float, int, Choice]], limit: float, work: 
 def _count(result, tally: Tally, dominance: "_Dominance", incumbent: Incumbent) -> None:
     """Count ``result`` (of :meth:`Pricer.price`) in ``tally``; into ``incumbent`` when it fits."""
     if isinstance(result, TooBig):
-        tally.too_big += 1
+        tally.over(result.memory)
         dominance.saw(result)
     elif isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
         tally.same += 1
@@ -318,7 +328,7 @@ def _count(result, tally: Tally, dominance: "_Dominance", incumbent: Incumbent) 
             tally.fit += 1
             incumbent.add(result)
         else:
-            tally.too_big += 1
+            tally.over(max(r.memory for r in result.sim.ranks))
 
 
 class _Dominance:
@@ -360,8 +370,16 @@ class _Dominance:
 
 
 def insert(best: list[Priced], result: Priced, top: int) -> list[Priced]:
-    """``best`` with ``result`` in its place (fastest first; ties in choice order) cut to ``top``."""
-    return sorted(best + [result], key=rank)[:top]
+    """``best`` with ``result`` in its place (fastest first; ties in choice order) cut to
+    ``top``; of the choices that are one program (:attr:`Priced.program`,
+    :mod:`~dhelix.dsl.search.duplicates`) only the first stays."""
+    kept, seen = [], set()
+    for priced in sorted(best + [result], key=rank):
+        if priced.program is not None and priced.program in seen:
+            continue
+        seen.add(priced.program)
+        kept.append(priced)
+    return kept[:top]
 
 
 def rank(p: Priced) -> tuple:

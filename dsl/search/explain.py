@@ -17,7 +17,11 @@ def differences(choice: Choice, best: Choice) -> str:
         return "best"
     mine, theirs = choice.settings(), best.settings()
     names = {"micro_batch": "b", "microbatches": "m", "si": "SI"}
-    return ", ".join(f"{names.get(key, key)} {value} ({theirs[key]})" for key, value in mine.items()
+
+    def text(value) -> str:  # an order of mesh axes: innermost first
+        return " ".join(value) if isinstance(value, tuple) else str(value)
+
+    return ", ".join(f"{names.get(key, key)} {text(value)} ({text(theirs[key])})" for key, value in mine.items()
                      if value != theirs[key])
 
 
@@ -59,18 +63,24 @@ def format_outcome(outcome: Outcome, title: str) -> str:
         sim = p.sim
         exposed = sim.mean("layer_exposed") + sim.mean("pp_exposed") + sim.mean("dp_exposed")
         peak = sim.peak_rank
-        rows.append([str(rank), p.choice.layout.describe(), p.choice.schedule().removeprefix("fold "),
+        usable = outcome.usable_gb
+        rows.append([str(rank), p.choice.layout.describe(outcome.gpus_per_node or None),
+                     p.choice.schedule().removeprefix("fold "),
                      _ms(sim.step_time), f"{sim.tokens_per_second:,.0f}", f"{sim.mfu:.1%}",
-                     f"{peak.memory / GB:.2f} (r{peak.rank})", _ms(exposed), differences(p.choice, best)])
-    header = ["#", "layout", "schedule", "step", "tokens/s", "MFU", "peak GB", "exposed comm", "differs from #1"]
-    lines += [""] + format_table(header, rows, right=(0, 3, 4, 5, 6, 7))
+                     f"{peak.memory / GB:.2f} (r{peak.rank})",
+                     f"{peak.memory / GB / usable:.0%}" if usable else "—", _ms(exposed), differences(p.choice, best)])
+    header = ["#", "layout", "schedule", "step", "tokens/s", "MFU", "peak GB", "of usable", "exposed comm",
+              "differs from #1"]
+    lines += [""] + format_table(header, rows, right=(0, 3, 4, 5, 6, 7, 8))
+    lines += ["", "layout: the mesh innermost first, '|' where a node ends (tp4|2: each tp group on 2 nodes, 4 "
+                  "ranks on each)"]
     if len(outcome.top) > 1:
-        lines += ["", why_best(outcome.top[0], outcome.top[1])]
+        lines += [why_best(outcome.top[0], outcome.top[1])]
     return "\n".join(lines) + "\n"
 
 
 def _summary(outcome: Outcome) -> str:
-    cap = f"device memory {outcome.memory_gb:g} GB" if outcome.memory_gb is not None else "no device memory in the profile"
+    cap = "no device memory in the profile" if outcome.memory_gb is None else memory_cap(outcome)
     processes = f" by {outcome.jobs} processes" if outcome.jobs > 1 else ""
     text = (f"searched {outcome.choices:,} choices ({outcome.layouts:,} layouts) in {outcome.seconds:.1f} s{processes}: "
             f"{outcome.simulated:,} simulated, {outcome.fit:,} of them fit; {outcome.pruned:,} ruled out by "
@@ -87,5 +97,49 @@ def _summary(outcome: Outcome) -> str:
     return text
 
 
+def memory_cap(outcome: Outcome) -> str:
+    """What a choice's peak is held to, in words: ``44.60 GB usable (device 48 GB less a 3.40 GB
+    reserve)``, or ``device memory 48 GB`` without a reserve."""
+    usable = outcome.usable_gb
+    if not outcome.reserve_gb or usable is None:
+        return f"device memory {outcome.memory_gb:g} GB"
+    return (f"{size_text(usable * GB)} usable (device {outcome.memory_gb:g} GB less a "
+            f"{size_text(outcome.reserve_gb * GB)} reserve)")
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes in the largest unit (GB, MB, kB) they make at least one of, two decimals: ``3.40 GB``,
+    ``14.30 kB``."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.3f} ms"
+
+
+def format_spreads(found, knobs, robust: bool = False, gpus_per_node: int | None = None) -> str:
+    """The top choices priced within the profile's uncertainty (:mod:`~dhelix.dsl.search.uncertainty`:
+    ``found`` Spreads over ``knobs``): each one's step at the profile's values, median and
+    worst over the corners, and the ranks it takes among them, ``*`` where its rank changes;
+    ``robust``: ``found`` is ordered by worst step, the first chosen; ``gpus_per_node`` marks
+    where a node ends in each mesh."""
+    rows = []
+    for number, spread in enumerate(found, start=1):
+        ranks = sorted(set(spread.ranks))
+        choice = spread.priced.choice
+        rows.append([str(number), choice.layout.describe(gpus_per_node), choice.schedule().removeprefix("fold "),
+                     _ms(spread.steps[0]), _ms(spread.median), _ms(spread.worst),
+                     f"{ranks[0]}-{ranks[-1]} *" if spread.flips else str(ranks[0])])
+    header = ["#", "layout", "schedule", "step", "median", "worst", "ranks"]
+    lines = [f"within the profile's uncertainty ({', '.join(k.describe() for k in knobs)}; every corner of that box "
+             f"and the profile's own values, {2 ** len(knobs) + 1} steps each):"]
+    lines += format_table(header, rows, right=(0, 3, 4, 5, 6))
+    flips = [spread for spread in found if spread.flips]
+    lines.append("* its rank among these changes within the uncertainty" if flips else
+                 "the order of these holds at every corner")
+    if robust:
+        lines.append(f"chosen: the best worst case, {_ms(found[0].worst)} ({found[0].priced.choice.describe()})")
+    return "\n".join(lines) + "\n"

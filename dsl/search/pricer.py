@@ -23,6 +23,8 @@ from dhelix.dsl.planner.chunking import ChunkChoice, choose_all
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_costs
 from dhelix.dsl.search.generated import GENERATED, generated_pipeline, placeholder
+from dhelix.dsl.search.duplicates import program_key
+from dhelix.dsl.search.headroom import Reserve
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
 from dhelix.dsl.search.plan_cache import PlanCache
 from dhelix.dsl.search.space import Choice, Layout
@@ -45,6 +47,9 @@ class Priced:
     #: (:func:`~dhelix.dsl.simulator.launch.choose_counts_by_step`): a choice needing less
     #: memory may then take a faster count.
     squeezed: bool = False
+    #: What makes it the program it is (:func:`~dhelix.dsl.search.duplicates.program_key`):
+    #: the top keeps one of the choices with equal keys (None: never merged).
+    program: tuple | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def seconds(self) -> float:
@@ -93,9 +98,11 @@ class Pruned:
 
 class Pricer:
     """Prices choices of one program: the parsed files, the pipelines they define, the
-    cluster's node size and the world searched."""
+    cluster's node size and the world searched. ``reserve`` (a
+    :class:`~dhelix.dsl.search.headroom.Reserve`) is kept free on every device: a choice
+    fits when its peak fits in the device's memory less the reserve (:attr:`capacity`)."""
 
-    def __init__(self, modules: list[s.Module], base: Program, world: int):
+    def __init__(self, modules: list[s.Module], base: Program, world: int, reserve: Reserve | None = None):
         self.modules, self.world = modules, world
         self.pipelines = {p.name: p for p in base.pipelines}
         assert base.cluster is not None and base.model is not None, "a checked model"
@@ -105,12 +112,18 @@ class Pricer:
         self.pipelines.update({name: placeholder(name) for name in self.generated_names})
         self._generated: dict[tuple, s.PipelineDef] = {}
         self.gpus_per_node = base.cluster.gpus_per_node
+        #: The device's memory (GB, None: not known) and the bytes kept free on it.
+        self.memory_gb = base.profile.memory_gb
+        self.reserve = reserve if reserve is not None else Reserve()
         # A profile's measured op times belong to one mesh and shape (dsl.frontend.profilecheck):
-        # every variant is priced by its derived rates alone, so all are priced alike.
-        self.profile = attrs.evolve(base.profile, measured=None)
+        # every variant is priced by its derived rates alone, so all are priced alike. The
+        # planner's own memory checks (``by auto`` counts, ``launch = auto``) read the
+        # profile's memory: what the reserve leaves.
+        capacity = self.capacity
+        usable = None if capacity is None else capacity / GB
+        self.profile = attrs.evolve(base.profile, measured=None, memory_gb=usable)
         self.cost = PairCost(self.profile, base.model.dtype, seq=base.model.get("seq"))
         self.plans = PlanCache(self.cost)
-        self.memory_gb = base.profile.memory_gb
         self._bounds: dict[tuple, Bound | str] = {}
         self._dags: dict[Layout, Program] = {}
         self._lowered: dict[tuple, tuple[Any, Lowered] | DhelixError] = {}
@@ -130,6 +143,14 @@ class Pricer:
         self.squeezed = False
         #: The choice checked last (up to validate), and its program or why it was refused.
         self._last: tuple[Choice | None, Program | DhelixError | None] = (None, None)
+
+    @property
+    def capacity(self) -> float | None:
+        """The bytes a choice's peak may take on a device: its memory less the reserve
+        (None: the profile gives no memory)."""
+        if self.memory_gb is None:
+            return None
+        return self.memory_gb * GB - self.reserve.bytes_of(self.memory_gb)
 
     def checked(self, choice: Choice, stop: str = "validate", share: bool = True) -> Program:
         """The variant of ``choice`` through the passes up to ``stop`` (DhelixError if refused);
@@ -290,10 +311,10 @@ class Pricer:
             return rerun(attrs.evolve(p, **fields)), choices
 
         def fits(p: Program) -> bool:  # the pairs at their lane bound: the peak is the real one
-            if self.memory_gb is None:
+            if self.capacity is None:
                 return True
             p = self.plans.intern(p)
-            return max(untimed(p, self.relaxed(p, layout), memo=self._untimed).memory) <= self.memory_gb * GB
+            return max(untimed(p, self.relaxed(p, layout), memo=self._untimed).memory) <= self.capacity
 
         self._stepped.clear()
         program, choices = make_choices(program, self.step_seconds, rerun, layer, fits)
@@ -364,14 +385,14 @@ class Pricer:
                 if (cutoff is not None or chained) and not launch:
                     if memory_first:  # untimed first: the peak, and a floor of the bound below
                         seen = untimed(program, self.unsettled_costs(program, choice.layout), memo=self._untimed)
-                        if self.memory_gb is not None and max(seen.memory) > self.memory_gb * GB:
+                        if self._over(max(seen.memory)):
                             return TooBig(choice, max(seen.memory))
                         if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
                             return Pruned(choice, seen.floor)
                         if chained and not tighten:
                             return Deferred(choice, seen.floor * (1 - FLOOR_MARGIN), loose=True)
                     unsettled = self.unsettled_bound(choice, program)
-                    if cutoff is not None and unsettled > cutoff:
+                    if cutoff is not None and unsettled * (1 - FLOOR_MARGIN) > cutoff:
                         return Pruned(choice, unsettled)
                     if chained:
                         return Deferred(choice, unsettled * (1 - FLOOR_MARGIN))
@@ -380,9 +401,9 @@ class Pricer:
                 if settled is not None:  # simulated as the step settled the counts
                     sim = attrs.evolve(settled, label=choice.describe())
                     peak = max(r.memory for r in sim.ranks)
-                    if memory_first and self.memory_gb is not None and peak > self.memory_gb * GB:
+                    if memory_first and self._over(peak):
                         return TooBig(choice, peak)
-                    return Priced(choice, sim, self._fits(sim), self.squeezed)
+                    return Priced(choice, sim, self._fits(sim), self.squeezed, program_key(program, choice, sim))
             si = has_si(program)
             planned = not si or self.plans.has(program)
             costs = None
@@ -392,7 +413,7 @@ class Pricer:
                 plan = self.plans.plan(program) if si and planned else None
                 costs = self.costs(program, choice.layout, plan) if planned else self.relaxed(program, choice.layout)
                 seen = untimed(program, costs, memo=self._untimed)
-                if self.memory_gb is not None and max(seen.memory) > self.memory_gb * GB:
+                if self._over(max(seen.memory)):
                     return TooBig(choice, max(seen.memory))
                 if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
                     return Pruned(choice, seen.floor)
@@ -403,14 +424,14 @@ class Pricer:
                                    trace=False)
                 if not self._fits(relaxed):
                     return Priced(choice, relaxed, False)
-                if cutoff is not None and relaxed.step_time > cutoff:
+                if cutoff is not None and relaxed.step_time * (1 - FLOOR_MARGIN) > cutoff:
                     return Pruned(choice, relaxed.step_time)
             plan = self.plans.plan(program) if si else None
             sim = simulate(program, plan, cost=self.cost, costs=self.costs(program, choice.layout, plan),
                            label=choice.describe(), trace=False)
         except DhelixError as exc:
             return Refused(choice, first_message(exc))
-        return Priced(choice, sim, self._fits(sim), self.squeezed)
+        return Priced(choice, sim, self._fits(sim), self.squeezed, program_key(program, choice, sim))
 
     def unsettled_bound(self, choice: Choice, program: Program) -> float:
         """A lower bound of the step (seconds) of ``choice`` (``program``: it checked, with a
@@ -469,7 +490,11 @@ class Pricer:
         return found[3]
 
     def _fits(self, sim: Simulation) -> bool:
-        return self.memory_gb is None or max(r.memory for r in sim.ranks) <= self.memory_gb * GB
+        return not self._over(max(r.memory for r in sim.ranks))
+
+    def _over(self, peak: float) -> bool:
+        capacity = self.capacity
+        return capacity is not None and peak > capacity
 
 
 #: The relative margin by which an untimed floor must exceed the K-th best step to rule a

@@ -23,6 +23,8 @@ decides what is valid (a choice the passes refuse is reported with their reason)
 
 from __future__ import annotations
 
+import math
+
 import itertools
 from typing import Iterator
 
@@ -35,10 +37,11 @@ from dhelix.dsl.core.wording import did_you_mean
 from dhelix.dsl.frontend.config import PARAM_GATHER, RECOMPUTE, SI_SETTINGS, ZERO_STAGES
 from dhelix.dsl.search.generated import GENERATED
 from dhelix.dsl.search.partitions import writes_si
+from dhelix.dsl.search.placement import PLACED_AXES, placement_text, placements
 
-#: What ``--keep`` can name: a mesh axis, ``mesh`` (all of them), a train setting, the fold,
-#: the pipeline or SI (on or off).
-KEEPABLE = MESH_AXES + ("mesh", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather", "fold",
+#: What ``--keep`` can name: a mesh axis, ``mesh`` (all of them and their order), ``order``
+#: (the mesh axes' order: where they sit), a train setting, the fold, the pipeline or SI (on or off).
+KEEPABLE = MESH_AXES + ("mesh", "order", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather", "fold",
                         "pipeline", "si")
 #: The partitions a layout may take: the file's partition block (none when it has none), or
 #: the one generated for the layout (:func:`~dhelix.dsl.search.partitions.generated_partition`).
@@ -74,15 +77,29 @@ class Layout:
     recompute: str
     partition: str = "written"
     param_gather: str = "step"
+    #: The order of the mesh axes larger than 1 (but ep, which lives inside dp), innermost
+    #: first (:mod:`~dhelix.dsl.search.placement`); () for the file's order.
+    order: tuple[str, ...] = ()
 
     def mesh(self) -> dict[str, int]:
         """The mesh sizes by axis."""
         return {axis: getattr(self, axis) for axis in MESH_AXES}
 
-    def describe(self) -> str:
-        """``tp8 pp2 dp4  b1 m16  zero1  recompute none`` (axes of size 1 left out), then
+    def axes(self) -> tuple[str, ...]:
+        """The axes larger than 1 in their order (innermost first), then ep."""
+        sizes = self.mesh()
+        placed = self.order or tuple(a for a in PLACED_AXES if sizes[a] > 1)
+        return placed + (("ep",) if self.ep > 1 else ())
+
+    def describe(self, gpus_per_node: int | None = None) -> str:
+        """``tp8 pp2 dp4  b1 m16  zero1  recompute none`` (the axes larger than 1 innermost
+        first; with ``gpus_per_node``, ``|`` where a node ends: ``tp8 | pp2 dp4``), then
         ``gather forward`` and ``partition auto`` where they are set."""
-        axes = " ".join(f"{a}{n}" for a, n in self.mesh().items() if n > 1) or "1 rank"
+        sizes = self.mesh()
+        placed = self.axes()[:len(self.axes()) - (self.ep > 1)]
+        axes = placement_text(placed, sizes, gpus_per_node) if gpus_per_node else " ".join(
+            f"{a}{sizes[a]}" for a in placed)
+        axes = " ".join(part for part in (axes, f"ep{self.ep}" if self.ep > 1 else "") if part) or "1 rank"
         zero = f"zero{self.zero}" + (f" shard{self.shard}" if self.shard else "")
         zero += " gather forward" if self.param_gather == "forward" else ""
         partition = "  partition auto" if self.partition == "auto" else ""
@@ -131,6 +148,11 @@ class Space:
     kept: dict = attrs.field(factory=dict, eq=False)
     partition: tuple[str, ...] = ("written",)
     param_gather: tuple[str, ...] = ("step",)
+    #: The file's order of the mesh axes, and the GPUs of a node and of each declared level:
+    #: where the placements of a layout's axes differ (:func:`~dhelix.dsl.search.placement.placements`;
+    #: none: the file's order only).
+    written_order: tuple[str, ...] = ()
+    boundaries: tuple[int, ...] = ()
 
     def layouts(self) -> Iterator[Layout]:
         """Every layout of the space whose sizes multiply to the world and divide the batch."""
@@ -146,10 +168,12 @@ class Space:
                 for zero, recompute in itertools.product(self.zero, self.recompute):
                     if zero and dp == 1 and "zero" not in self.kept:
                         continue  # nothing to shard over: the same as zero = 0
-                    for shard, partition, gather in itertools.product(
-                            self._shards(zero, dp), self.partition, self._gathers(zero)):
+                    for shard, partition, gather, order in itertools.product(
+                            self._shards(zero, dp), self.partition, self._gathers(zero),
+                            placements({"tp": tp, "cp": cp, "pp": pp, "dp": dp}, self.written_order,
+                                       () if "order" in self.kept else self.boundaries)):
                         yield Layout(tp, cp, pp, dp, ep, b, self.sequences // (dp * b), zero, shard, recompute,
-                                     partition, gather)
+                                     partition, gather, order)
 
     def _shards(self, zero: int, dp: int) -> tuple[int, ...]:
         if zero != 3:
@@ -168,8 +192,9 @@ class Space:
 
 
 def divisors(n: int) -> tuple[int, ...]:
-    """The divisors of ``n`` in increasing order."""
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+    """The divisors of ``n`` in increasing order (found up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
 def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = (),
@@ -210,7 +235,10 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         recompute=domain("recompute", RECOMPUTE),
         schedules=_schedules(program, kept, generated), kept=kept,
         partition=domain("partition", PARTITIONS if partitions else PARTITIONS[:1]),
-        param_gather=domain("param_gather", PARAM_GATHER))
+        param_gather=domain("param_gather", PARAM_GATHER),
+        written_order=tuple(axis for axis in mesh.order if axis in PLACED_AXES),
+        boundaries=tuple(sorted({program.cluster.gpus_per_node} | {gpus for _, gpus in mesh.levels
+                                                                    if gpus < world})))
 
 
 def _kept(program: Program, keep: tuple[str, ...]) -> dict:
@@ -218,9 +246,10 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
     mesh, train = program.mesh, program.train
     assert mesh is not None and train is not None and program.fold is not None and program.pipeline is not None, \
         "a checked model"
-    names = set(keep) | (set(MESH_AXES) if "mesh" in keep else set())
-    written: dict[str, int | str] = {axis: mesh.size(axis) for axis in MESH_AXES}
-    written.update(micro_batch=train.micro_batch, zero=train.zero, recompute=train.recompute,
+    names = set(keep) | (set(MESH_AXES) | {"order"} if "mesh" in keep else set())
+    written: dict[str, object] = {axis: mesh.size(axis) for axis in MESH_AXES}
+    written.update(order=tuple(axis for axis in mesh.order if axis in PLACED_AXES), micro_batch=train.micro_batch,
+                   zero=train.zero, recompute=train.recompute,
                    shard=train.shard or 0, fold=program.fold.text, pipeline=program.pipeline.name,
                    partition="written", param_gather=train.param_gather, si=train.si or SI_SETTINGS[0])
     if train.si is not None:  # written: the file pins it

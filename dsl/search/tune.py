@@ -34,6 +34,7 @@ from dhelix.dsl.search.branch import Incumbent, Tally, bound_of, branch, insert
 from dhelix.dsl.search.pricer import Deferred, Priced, Pricer, Pruned, Refused, TooBig  # noqa: F401
 from dhelix.dsl.search.space import Space
 from dhelix.dsl.search.workers import FORKS, search_across
+from dhelix.dsl.simulator.memory import GB
 
 
 @attrs.frozen
@@ -47,7 +48,8 @@ class Outcome:
     lower bound among the layouts not visited, None when some were not even bounded).
     ``jobs``: the processes that searched. ``found``: seconds into the search when the best
     (the first of ``top``) was priced; the rest went to proving that nothing beats it (None:
-    nothing fits)."""
+    nothing fits). ``memory_gb``: the device's memory; ``reserve_gb`` of it was kept free
+    (:mod:`~dhelix.dsl.search.headroom`)."""
 
     top: tuple[Priced, ...]
     simulated: int
@@ -66,6 +68,18 @@ class Outcome:
     same: int = 0
     jobs: int = 1
     found: float | None = None
+    reserve_gb: float = 0.0
+    #: The least memory (GB) a choice over the memory needs, and whether that is its peak
+    #: (else a lower bound of it); None when no choice was over.
+    nearest_gb: float | None = None
+    nearest_exact: bool = True
+    #: The GPUs of a node: where the table marks a node's end in each layout's mesh.
+    gpus_per_node: int = 0
+
+    @property
+    def usable_gb(self) -> float | None:
+        """What a choice's peak may take (GB): the device's memory less the reserve."""
+        return None if self.memory_gb is None else self.memory_gb - self.reserve_gb
 
 
 def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None = None,
@@ -91,7 +105,10 @@ def search(pricer: Pricer, space: Space, *, top: int = 5, budget: float | None =
     return Outcome(tuple(incumbent.best), tally.simulated, tally.fit, tally.refused, tally.pruned, tally.too_big,
                    len(layouts), len(layouts) * len(space.schedules), time.perf_counter() - start,
                    left is None and not tally.unbounded, left, len(pricer.plans), pricer.memory_gb,
-                   tuple(sorted(tally.reasons.items(), key=lambda kv: (-kv[1], kv[0]))), tally.same, jobs, found)
+                   tuple(sorted(tally.reasons.items(), key=lambda kv: (-kv[1], kv[0]))), tally.same, jobs, found,
+                   pricer.reserve.bytes_of(pricer.memory_gb) / GB if pricer.memory_gb is not None else 0.0,
+                   None if tally.nearest is None else tally.nearest[0] / GB,
+                   tally.nearest is None or tally.nearest[1], pricer.gpus_per_node)
 
 
 def exhaustive(pricer: Pricer, space: Space, top: int = 5) -> tuple[Priced, ...]:

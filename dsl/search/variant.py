@@ -123,14 +123,20 @@ def _replace(settings: _Settings, values: dict) -> _Settings:
 
 
 def _mesh_settings(settings: _Settings, choice: Choice) -> _Settings:
-    """The mesh block of ``choice``: the axes the file writes keep their place; an axis of
-    size 1 it does not write stays out."""
+    """The mesh block of ``choice``: its axes larger than 1 in the layout's order (innermost
+    first; the file's order when it has none: the axes the file writes keep their place),
+    then the others the file writes; an axis of size 1 it does not write stays out."""
     written = {setting.key for setting in settings}
     sizes = choice.layout.mesh()
     values = {axis: size if size > 1 or axis in written else None for axis, size in sizes.items()}
     if not any(values.values()):
         values["dp"] = 1  # a mesh block names at least one axis
-    return _replace(settings, {axis: values[axis] for axis in MESH_AXES})
+    settings = _replace(settings, {axis: values[axis] for axis in MESH_AXES})
+    order = choice.layout.order
+    if not order:
+        return settings
+    placed = sorted((st for st in settings if st.key in order), key=lambda st: order.index(st.key))
+    return tuple(placed) + tuple(st for st in settings if st.key not in order)
 
 
 def _train_settings(settings: _Settings, choice: Choice, reads: set[str]) -> _Settings:

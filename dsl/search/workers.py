@@ -82,7 +82,7 @@ def search_across(pricer: Pricer, space: Space, layouts: list[Layout], top: int,
     try:
         tally, incumbent = Tally(), Incumbent(top)
         found = _bounds(executor, layouts, jobs, tally, progress)
-        bounded = keep_bounded(found, space, pricer.memory_gb, tally)
+        bounded = keep_bounded(found, space, pricer.capacity, tally)
         left = branch(pricer, space, bounded, incumbent, tally, deadline, progress,
                       lambda pricer, cutoff, handle: Across(executor, jobs, work.shared_cutoff, pricer, cutoff, handle))
         finished = True

@@ -302,8 +302,9 @@ def gradient_syncs(costs: StepCosts, profile, slot, dense: float, expert: float,
         if costs.replicate_group is None:
             return []
         across = "reduce_scatter" if replicas_sliced else "all_reduce"
+        # ZeRO-3 runs with ep = 1: a layer's experts are pieces as its other weights.
         assert costs.shard_group is not None, "hybrid sharding has both groups"
-        syncs = ((dense / costs.shard_group.size, costs.replicate_group, across),)
+        syncs = (((dense + expert) / costs.shard_group.size, costs.replicate_group, across),)
     out = []
     for elements, group, collective in syncs:
         if not elements or group.size <= 1:

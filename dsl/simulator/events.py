@@ -359,12 +359,15 @@ class _Run:
         """The model states ``rank`` holds (its parameters, gradients and optimizer states)."""
         costs = self.costs
         dense, expert = self._local_params(rank)
+        if self.fsdp:  # ZeRO-3 runs with ep = 1: the experts are sharded as the layers' other weights
+            dense, expert = dense + expert, 0.0
         layer_dense = dense - self._end_params(rank) if self.fsdp else 0.0
+        zero2 = self.program.train is not None and self.program.train.zero == 2
         return model_states(dense, expert, costs.dtype, zero1=self.zero1, dense_group=costs.dense_group.size,
                             expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
                             fsdp_group=costs.shard_group.size if costs.shard_group else 0,
-                            grads_sharded=dense - self._end_params(rank, head=False)
-                            if self.program.train is not None and self.program.train.zero == 2 else 0.0)
+                            grads_sharded=dense - self._end_params(rank, head=False) if zero2 else 0.0,
+                            expert_grads_sharded=zero2)
 
     def untimed(self, shared: dict | None = None) -> list[tuple[float, float, float]]:
         """(compute seconds, peak of live activations, seconds of gradient reductions) of

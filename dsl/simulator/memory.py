@@ -7,12 +7,14 @@ reduction and the optimizer read: 18 bytes per bf16 parameter in all, where the 
 counts 16 with gradients in the model dtype), and for AdamW an fp32 master copy plus the two
 fp32 moments (12 bytes per parameter; 8 for fp32 training, whose master copy is the weight).
 ZeRO-3 pieces and ZeRO-2 keep their gradients in the model dtype (ZeRO-2's reduced 1/dp
-slices in fp32). With ZeRO-1 (Megatron's distributed optimizer) the optimizer
+slices in fp32, the experts' 1/(DP×CP/EP) ones too). With ZeRO-1 (Megatron's distributed optimizer) the optimizer
 states are divided over the gradient-sync group: DP×CP for dense weights, DP×CP/EP for
 expert weights. With ZeRO-3 (FSDP) the layers' weights and gradients are divided over DP
-too (:func:`model_states`); the weights gathered at a time live while a layer runs
-(:func:`gathered_bytes`). With ZeRO-2 the layers' gradients are divided over DP (each
-micro-batch's reduce-scattered after its backward and dropped).
+too (:func:`model_states`; ZeRO-3 runs with EP = 1 only, so the experts are layer
+weights sharded like the rest); the weights gathered at a time live while a layer runs
+(:func:`gathered_bytes`). With ZeRO-2 the layers' gradients are divided over their sync
+group, DP×CP or DP×CP/EP for experts (each micro-batch's reduce-scattered after its
+backward and dropped).
 
 **Activations** are counted from the layer DAGs: each backward op's ``saved`` list names the
 forward tensors it reads; a layer keeps each named tensor once (its forward shape, the model
@@ -65,7 +67,7 @@ class ModelStates:
 
 def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_group: int,
                  expert_group: int, fsdp_dense: float = 0.0, fsdp_group: int = 0,
-                 grads_sharded: float = 0.0) -> ModelStates:
+                 grads_sharded: float = 0.0, expert_grads_sharded: bool = False) -> ModelStates:
     """Model states of ``dense`` + ``expert`` parameters in ``dtype``; with ``zero1`` the
     optimizer states are sharded over the groups (sizes ``dense_group``, ``expert_group``).
 
@@ -77,7 +79,12 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
 
     ZeRO-2: ``grads_sharded`` of the dense parameters (the layers' and the LM head's, whose
     gradients are reduce-scattered once their backward has finished and then dropped) keep only their 1/``dense_group``
-    gradient slice; their full gradient lives while a backward runs (:func:`gathered_bytes`)."""
+    gradient slice; their full gradient lives while a backward runs (:func:`gathered_bytes`).
+    ``expert_grads_sharded`` (ZeRO-2: experts are layer weights, handed over alike): the
+    expert gradients are 1/``expert_group`` slices, fp32 as the dense ones.
+
+    ZeRO-3 with experts (EP = 1): give them as ``dense`` (and in ``fsdp_dense``), 0 as
+    ``expert``: each layer's gathers and reduce-scatters shard them over DP as the rest."""
     size = dtype_bytes(dtype)
     per_param = _OPTIMIZER_BYTES.get(dtype, _MIXED_OPTIMIZER_BYTES)
     shards = max(1, fsdp_group or dense_group)
@@ -90,9 +97,10 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
     # Main gradients: the backward adds into fp32 gradients (Megatron-LM's main_grad, the
     # optimizer's flat buffers), but for ZeRO-3 pieces and under ZeRO-2, which keep their own;
     # ZeRO-2's reduced slices are fp32 (reduce-scattered from an fp32 buffer).
-    main = MAIN_GRAD_BYTES if not grads_sharded else size
-    grads = (dense + expert - fsdp_dense - grads_sharded) * main + (fsdp_dense / shards) * size \
-        + grads_sharded / max(1, dense_group) * MAIN_GRAD_BYTES
+    main = MAIN_GRAD_BYTES if not (grads_sharded or expert_grads_sharded) else size
+    whole_expert = 0.0 if expert_grads_sharded else expert
+    grads = (dense + whole_expert - fsdp_dense - grads_sharded) * main + (fsdp_dense / shards) * size \
+        + (grads_sharded / max(1, dense_group) + (expert - whole_expert) / max(1, expert_group)) * MAIN_GRAD_BYTES
     return ModelStates(held * size, grads, optimizer)
 
 
