@@ -19,6 +19,7 @@ import pytest
 
 from conftest import ROOT
 from dhelix.cli import main
+from dhelix.cli.main import COMMANDS
 from dhelix.cli.paths import output_path, program_inputs, refuse_inputs
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.frontend.imports import stdlib_root
@@ -28,6 +29,18 @@ EXAMPLE = ROOT / "examples" / "tiny_llama_cpu.dhx"
 PROC = Path("/proc")
 needs_proc = pytest.mark.skipif(not PROC.is_dir(), reason="needs Linux's /proc")
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+# --- every command's help ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_prints_its_help(command, capsys):
+    # argparse formats each option's help with %: a literal one must be doubled (tune's
+    # --memory-margin default, "1 GB + 5 %", once made `dhelix tune --help` raise ValueError).
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: dhelix {command}")
 
 
 # --- library code stays inside -----------------------------------------------------------------

@@ -73,7 +73,7 @@ def register(subparsers) -> None:
     tune.add_argument("--memory-margin", metavar="GB|%", default=None,
                       help="memory kept free on every device for the CUDA context, the collectives' buffers and "
                            "fragmentation: gigabytes (2.5) or a part of the device (8%%); a choice fits when its "
-                           f"peak fits in the rest (default {headroom.DEFAULT.describe()})")
+                           f"peak fits in the rest (default {headroom.DEFAULT.describe().replace('%', '%%')})")
     tune.add_argument("--top", type=int, default=5, metavar="K", help="how many to show (default 5)")
     tune.add_argument("-j", "--jobs", type=int, metavar="N", default=None,
                       help=f"search with N processes side by side (default: this machine's cores, at most "
