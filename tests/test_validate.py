@@ -52,7 +52,7 @@ def test_stdlib_pipeline_validates_with_the_right_counts(name, fold, ranks, micr
     lowered = lower_or_skip(name, fold, ranks, microbatches)
     validate_lowered(lowered)
     assert actual_counts(lowered) == expected_counts(lowered)
-    assert lowered.split == (name in ("zb_h1", "dualpipe_v", "interleaved_zb", "zbv"))
+    assert lowered.split == (name in ("zb_h1", "dualpipe_v", "interleaved_zb", "zbv", "zb_h2", "v_min", "v_half"))
     sends = Counter(transfer_key(lowered, rank, action) for rank, row in enumerate(lowered.actions)
                     for action in row if isinstance(action, Transfer) and action.kind == "SEND")
     receives = Counter(transfer_key(lowered, rank, action)
