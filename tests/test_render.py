@@ -37,6 +37,7 @@ def dot_text(capsys, *argv: str) -> str:
     ("pipeline_one_f_one_b_p2_m4.dot", ["--microbatches", "4", "--pipeline", "one_f_one_b"]),
     ("pipeline_zb_h1_p2_m4.dot", ["--microbatches", "4", "--pipeline", "zb_h1"]),
     ("pipeline_zbv_p2_m4.dot", ["--microbatches", "4", "--pipeline", "zbv"]),
+    ("pipeline_one_f_one_b_overlap_p2_m4.dot", ["--microbatches", "4", "--pipeline", "one_f_one_b_overlap"]),
     ("pipeline_looped_bfs_p2_m4.dot", ["--microbatches", "4", "--pipeline", "looped_bfs", "--fold", "loop(2)"]),
     ("pipeline_interleaved_zb_p2_m4.dot", ["--microbatches", "4", "--pipeline", "interleaved_zb", "--fold",
                                            "loop(2)"]),
@@ -100,7 +101,7 @@ def test_the_glossary_says_of_the_strands_what_the_pictures_draw():
 
 
 @pytest.mark.parametrize("pipeline", ["w_helix", "one_f_one_b", "zb_h1", "dualpipe_v", "zbv", "looped_bfs",
-                                      "interleaved_zb"])
+                                      "interleaved_zb", "one_f_one_b_overlap"])
 def test_every_rank_row_spans_the_make_span(pipeline):
     lowered = lowered_at(4, 8, pipeline)
     text = pipeline_dot(lowered)

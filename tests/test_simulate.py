@@ -172,7 +172,7 @@ def unit_costs(program):
 
 SCHEDULES = [("gpipe", "none"), ("one_f_one_b", "none"), ("zb_h1", "none"), ("interleaved_1f1b", "loop(2)"),
              ("w_helix", "u"), ("dualpipe_v", "u"), ("looped_bfs", "loop(2)"), ("interleaved_zb", "loop(2)"),
-             ("zbv", "u")]
+             ("zbv", "u"), ("one_f_one_b_overlap", "none")]
 
 
 @pytest.mark.parametrize("pipeline, fold", SCHEDULES)

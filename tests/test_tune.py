@@ -977,3 +977,21 @@ def test_the_torch_schedules_are_searched_and_priced(tiny):
     found = search(pricer, space, top=top)
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert set(names) <= {p.choice.pipeline for p in expected}
+
+
+def test_the_combined_1f1b_is_searched_with_si_on_and_off_and_priced(tiny):
+    # Megatron-Core's combined 1F1B (one_f_one_b_overlap) writes SI blocks: the space holds it
+    # with them co-executed and without, on fold none; the search prices it and finds the top
+    # that pricing every choice does.
+    pricer, full = tiny
+    name = "one_f_one_b_overlap"
+    assert {s for s in full.schedules if s[1] == name} == {("none", name, "on"), ("none", name, "off")}
+    space = attrs.evolve(full, tp=(2,), cp=(1,), pp=(2,), micro_batch=full.micro_batch[:2],
+                         zero=full.zero[:1], recompute=full.recompute[:1], partition=full.partition[:1],
+                         param_gather=full.param_gather[:1],
+                         schedules=tuple(s for s in full.schedules if s[1] in (name, "one_f_one_b")))
+    top = len(list(space.choices()))
+    expected = exhaustive(pricer, space, top=top)
+    found = search(pricer, space, top=top)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert {(p.choice.pipeline, p.choice.si) for p in expected} >= {(name, "on"), (name, "off")}

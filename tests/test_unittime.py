@@ -63,6 +63,11 @@ FORMULAS = {
                            lambda p, m, r: min(p - r + 2 * p, 3 * m)),
     "zbv": (None, lambda p, m: m >= 2 * p - 1, lambda p, m: 6 * m + p - 1,
             lambda p, m: Fraction(p - 1, 6 * m + p - 1), lambda p, m, r: min(2 * p, m + r + 1)),
+    # Megatron-Core's combined 1F1B: 1F1B's make-span, 2(p - r) - 1 warm-up forwards held
+    # between actions (one more inside an SI block: tests/test_one_f_one_b_overlap.py).
+    "one_f_one_b_overlap": (None, lambda p, m: True, lambda p, m: 3 * (m + p - 1),
+                            lambda p, m: Fraction(p - 1, m + p - 1),
+                            lambda p, m, r: min(2 * (p - r) - 1, m)),
     "w_helix m=p": (None, lambda p, m: m == p, lambda p, m: 10 * p - 4,
                     lambda p, m: Fraction(2 * p - 2, 5 * p - 2),
                     lambda p, m, r: min(2 * p, m + r + 1)),
