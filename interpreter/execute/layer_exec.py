@@ -20,7 +20,7 @@ whose ``grad.accumulates`` names it adds the others' to its own. An op with a
 Collectives may run asynchronously: the value stored is a :class:`~.comm.Pending` that the
 first reader waits for. Tensors are released as soon as their last reader has run.
 
-An op's role (:func:`~dhelix.interpreter.ops.kernels.handler`) picks the method that runs it
+An op's role (:func:`~dhelix.interpreter.ops.handlers.handler`) picks the method that runs it
 (``_FORWARD_BY_ROLE``, ``_BACKWARD_BY_ROLE``: a kernel, a collective, a ring attention step,
 ZeRO-3's weight gathers and gradient reduce-scatters); what a layer keeps between its forward
 and its backward is its recomputation policy (:mod:`.recompute`), chosen when the run is
@@ -37,14 +37,14 @@ import attrs
 import torch
 
 from dhelix.dsl.core.mesh import INTER, INTRA
-from dhelix.dsl.core.oplib import REGROUP
+from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, WGRAD
 from dhelix.dsl.core.program import COLUMNS, LayerDag, Op, Program
 from dhelix.dsl.passes.fsdp import COLUMN_PIECES, FIRST_STAGE, GATHER as FSDP_GATHER, MATES, PART, PIECES, unit_of
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, part_blocks, resolve, without_group
 from dhelix.interpreter.ops.fsdp import block_of, from_column_pieces, gather_weight, scatter_grad
-from dhelix.interpreter.ops.kernels import (BWD, COMM, DGRAD, FORWARD, GATHER_W, KERNELS, ROUTED, SCATTER_DW, WGRAD,
-                                            KernelCtx, handler, lm_head_backward)
+from dhelix.interpreter.ops.handlers import COMM, FORWARD, GATHER_W, KERNELS, ROUTED, SCATTER_DW, handler
+from dhelix.interpreter.ops.kernels import KernelCtx, lm_head_backward
 from dhelix.interpreter.ops.moe import ROLE, a2a_roles
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_step
@@ -109,7 +109,7 @@ class LayerPlan:
 
     def contexts(self, comm: Communicator) -> dict[str, tuple[KernelCtx, KernelCtx]]:
         """The shared kernel contexts of the steps that need none of their own (every step
-        but those of :data:`~dhelix.interpreter.ops.kernels.ROUTED` kinds), for ``comm``:
+        but those of :data:`~dhelix.interpreter.ops.handlers.ROUTED` kinds), for ``comm``:
         op name → (synchronous, asynchronous), made once (a kernel reads its context, never
         sets it)."""
         found = self.shared_contexts.get(id(comm))
@@ -576,7 +576,7 @@ class LayerRun:
                 store.pop(name, None)
 
 
-#: What runs a forward op of each role (:func:`~.kernels.handler`; ring steps run as kernels).
+#: What runs a forward op of each role (:func:`~dhelix.interpreter.ops.handlers.handler`; ring steps run as kernels).
 _FORWARD_BY_ROLE = {COMM: LayerRun._forward_comm, GATHER_W: LayerRun._forward_gather,
                     FORWARD: LayerRun._forward_kernel}
 #: What runs a backward op of each role; ZeRO-3's re-gathers and reduce-scatters
