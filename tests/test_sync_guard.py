@@ -100,12 +100,12 @@ def guarded(monkeypatch):
 
 
 def _run_rank(steps: int = 1, path: Path = TINY):
-    from dhelix.interpreter.launch import spawn
+    from dhelix.interpreter.launch import join
     from dhelix.interpreter.training import train
 
     compiled = build_run_plan(read_source(str(path)), str(path))
     options = train.RunOptions(path=str(path), compiled=compiled, steps=steps, as_rank=0, emulate="none", seed=1)
-    return spawn.run_as_rank(options, train.train)
+    return join.run_as_rank(options, train.train)
 
 
 #: A MoE program small enough for a test, with SI blocks on rank 0 and ep = 2 (the dispatch
