@@ -39,7 +39,9 @@ from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
 from dhelix.interpreter.ops.fsdp import FlatShards
-from .layer_exec import EmbedRun, GradStore, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads
+from .layer_exec import GradStore, LayerPlan, LayerRun, count_storages
+from .model_ends import EmbedRun, HeadRun
+from .sequential import sum_partial_grads
 from dhelix.dsl.planner.pair_order import BlockOrder
 from .pipeline_comm import PipelineComm
 from dhelix.interpreter.verify.reference import Batch
