@@ -46,7 +46,8 @@ from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, WGRAD
 from dhelix.dsl.core.program import COLUMNS, LayerDag, Op
 from dhelix.dsl.passes.fsdp import COLUMN_PIECES, FIRST_STAGE, GATHER as FSDP_GATHER, MATES, PART, PIECES, unit_of
 
-from dhelix.interpreter.ops.comm import Communicator, Pending, part_blocks, resolve, without_group
+from dhelix.interpreter.ops.blocks import part_blocks, without_group
+from dhelix.interpreter.ops.comm import Communicator, Pending, resolve
 from dhelix.interpreter.ops.fsdp import block_of, from_column_pieces, gather_weight, scatter_grad
 from dhelix.interpreter.ops.handlers import COMM, FORWARD, GATHER_W, ROUTED, SCATTER_DW, handler
 from dhelix.interpreter.ops.kernels import KernelCtx

@@ -9,7 +9,8 @@ from typing import Callable
 
 from dhelix.dsl.core.oplib import REGROUP, ROOT
 
-from .comm import Pending, regrouped
+from .blocks import regrouped
+from .comm import Pending
 from .moe import exchange
 
 def _all_gather(x, ctx):

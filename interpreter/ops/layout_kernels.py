@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import level_part_blocks, part_blocks, stage_blocks, within_index, without_group
+from .blocks import level_part_blocks, part_blocks, stage_blocks, within_index, without_group
 from .kernels import Kernel
 
 # -- the slices and concats of a partitioned chain ------------------------------------------
@@ -68,7 +68,7 @@ def _concat_dgrad(grad, saved, weight):
 # The first stage brought the rank blocks of this rank's node (``first`` intra) or of its
 # place on every node (inter), in rank order; ``rest`` takes the other blocks of the whole
 # gather, ``merge`` puts chunk 0's rows (the first stage's blocks) and chunk 1's (the rest)
-# back in rank order (:func:`~.comm.stage_blocks` says which blocks are whose).
+# back in rank order (:func:`~.blocks.stage_blocks` says which blocks are whose).
 
 def _first_blocks(ctx) -> list[int]:
     # Over declared levels: every block the stages before the last brought.
@@ -105,8 +105,8 @@ def _rest_dgrad(grad, saved, weight):
 
 
 def _part_blocks(ctx, parts: int) -> list[list[int]]:
-    """The blocks each of a merge's ``parts`` inputs holds (:func:`~.comm.part_blocks`, over
-    declared levels :func:`~.comm.level_part_blocks`)."""
+    """The blocks each of a merge's ``parts`` inputs holds (:func:`~.blocks.part_blocks`, over
+    declared levels :func:`~.blocks.level_part_blocks`)."""
     if "order" in ctx.params:
         order = ctx.params["order"]
         return level_part_blocks(ctx.comm, ctx.params["axis"], order, parts > len(order))
