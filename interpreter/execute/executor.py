@@ -24,6 +24,10 @@ flies while the rest of that action, and whatever comes before the backward, run
 
 A failure in any action raises :class:`ExecutionError` naming the rank, the action in its
 text form and the schedule grid with that action marked.
+
+One module, though over 500 lines, because it is one class: the :class:`Executor` and the
+handler table its actions dispatch through; what it drives lives beside it (:mod:`.layer_exec`,
+:mod:`.si`, :mod:`.pipeline_comm`, :mod:`.recording`).
 """
 
 from __future__ import annotations
