@@ -341,6 +341,7 @@ class LayerRun:
             handler(self, op, step, async_op)
             return
         flow = op.grad
+        assert flow is not None, "LayerPlan.build checked that every backward op has its GradFlow"
         if flow.upstream is None:
             grad = self._upstream(None, forward)
         else:  # :meth:`_upstream`, inline

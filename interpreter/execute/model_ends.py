@@ -26,7 +26,7 @@ class EmbedRun:
         self.ctx = KernelCtx(comm, "tp", vocab_start=vocab_start)
         self.sequence_parallel = sequence_parallel
         self.grads = grads if grads is not None else {}
-        self.saved = None
+        self.saved: tuple | None = None
 
     def forward(self, ids: torch.Tensor, async_op: bool = False):
         """The layer-0 input for token ``ids`` ``[tokens]`` (all tokens of the micro-batch);
@@ -50,7 +50,9 @@ class EmbedRun:
         return None
 
     def _add_grad(self, grad: torch.Tensor) -> None:
-        add_grad(self.grads, self.name, KERNELS["embedding"].wgrad(grad, self.saved))
+        wgrad = KERNELS["embedding"].wgrad
+        assert wgrad is not None, "the embedding has a weight"
+        add_grad(self.grads, self.name, wgrad(grad, self.saved))
         self.saved = None
 
 
@@ -68,7 +70,8 @@ class HeadRun:
         self.norm_ctx = KernelCtx(comm, "tp", params=dict(norm_params or {}))
         self.sequence_parallel = sequence_parallel
         self.grads = grads if grads is not None else {}
-        self._norm_saved = self._head_saved = None
+        self._norm_saved: tuple | None = None
+        self._head_saved: tuple | None = None
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of the micro-batch (a scalar, the same on every tp rank)
@@ -86,6 +89,7 @@ class HeadRun:
         runs when the gradient is first read. The head's weight gradient is computed after
         that reduction is issued, beside it."""
         saved = self._head_saved
+        assert saved is not None, "a head's backward follows its forward"
         grad_losses = torch.full((saved[0].shape[0],), scale, dtype=saved[0].dtype, device=saved[0].device)
         grad_h, head_wgrad = lm_head_backward(grad_losses, saved, self.head)
         grad_h = self.comm.reduce_scatter(grad_h, "tp", async_op=async_op) if self.sequence_parallel \
@@ -95,6 +99,8 @@ class HeadRun:
 
     def _norm_backward(self, grad_h: torch.Tensor) -> torch.Tensor:
         (grad_x,) = self.norm_kernel.dgrad(grad_h, self._norm_saved, self.norm)
-        add_grad(self.grads, self.names[0], self.norm_kernel.wgrad(grad_h, self._norm_saved))
+        wgrad = self.norm_kernel.wgrad
+        assert wgrad is not None, "a norm has a weight"
+        add_grad(self.grads, self.names[0], wgrad(grad_h, self._norm_saved))
         self._norm_saved = self._head_saved = None
         return grad_x

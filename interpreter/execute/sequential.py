@@ -26,6 +26,8 @@ def sequential_step(program: Program, batch: Batch, comm: Communicator, plan: We
     and this rank's gradients by parameter name — partial over tp for the parameters whose
     ShardSpec says so (:func:`sum_partial_grads` completes them). The executor's baseline.
     """
+    assert program.mesh is not None and program.train is not None, "a checked model"
+    assert program.forward is not None and program.backward is not None, "a program through autodiff"
     if program.mesh.size("pp") > 1:
         raise ValueError("sequential_step runs the whole model on one stage; the mesh has pp > 1")
     plan = plan or WeightPlan(program, seed)

@@ -167,7 +167,7 @@ def secondary(exc: DhelixError, rank: int) -> bool:
     return getattr(exc, "secondary", False) or getattr(exc, "reported_by_rank_0", False) and rank != 0
 
 
-def lost_a_peer(exc: BaseException) -> bool:
+def lost_a_peer(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an error it was raised from) is torch.distributed saying that a
     peer went away or did not answer in time: a consequence of another rank's failure."""
     seen = set()

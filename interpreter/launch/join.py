@@ -70,7 +70,7 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
     torch.manual_seed(options.seed)
     timeout = timedelta(seconds=options.timeout)
     torchrun = address is None
-    if torchrun:
+    if address is None:
         die_with_parent(os.getppid(), prctl=False)  # torchrun's agent may start us from any thread
         address = env_address()
         if host is None:
@@ -84,6 +84,7 @@ def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, addres
 
             places = exchange(client(address, options.timeout, prefix), rank, world)
             if getattr(options, "topology", "declared") == "measured":
+                assert replan is not None, "a measured topology comes with its replan"
                 measured = measured_per_node(places)
                 options = replan(options, measured)
             else:
@@ -139,14 +140,16 @@ def run_as_rank(options: "RunOptions", work: Work):
 
     from dhelix.interpreter.ops.standin import join_standin_world
 
-    world = options.compiled.program.mesh.world
+    mesh, rank = options.compiled.program.mesh, options.as_rank
+    assert mesh is not None and rank is not None, "a model's program, one rank of it"
+    world = mesh.world
     if options.backend == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     torch.manual_seed(options.seed)
-    join_standin_world(options.as_rank, world)
+    join_standin_world(rank, world)
     try:
         return work(options, device, None)
     finally:

@@ -85,8 +85,10 @@ def level_part_blocks(comm: "Communicator", axis: str, order: tuple[str, ...], f
     largest level, then the rest."""
     sizes = {level: comm.size(f"{axis}.{level}") for level in order}
     own = {level: comm.index(f"{axis}.{level}") for level in order}
+    mesh = comm.mesh
+    assert mesh is not None, "declared levels are sub-axes of the mesh"
     weights, weight = {}, 1
-    for level in sorted(order, key=lambda level: comm.mesh.stride(f"{axis}.{level}")):
+    for level in sorted(order, key=lambda level: mesh.stride(f"{axis}.{level}")):
         weights[level], weight = weight, weight * sizes[level]
 
     def position(digits: dict) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -237,8 +237,9 @@ class Communicator:
         returns one work per transfer (its ``wait()`` blocks until done; None: done already)."""
         raise TypeError(f"{type(self).__name__} has no peers to send to")
 
-    def _all_gather(self, x, axis, async_op):
-        # Only a group of more than one rank gets here, and only DistComm has those.
+    def _all_gather(self, *args: Any, **kwargs: Any) -> Any:
+        # Only a group of more than one rank gets here, and only DistComm has those (each
+        # of its methods with its own arguments: any, here).
         raise TypeError(f"{type(self).__name__} has no process groups to communicate over")
 
     _reduce_scatter = _all_reduce = _all_to_all = _send = _recv = _reduce = _broadcast = _all_gather
@@ -272,7 +273,7 @@ class DistComm(Communicator):
         #: The mesh's dimensions (tp, cp, dp, pp larger than 1) as a torch DeviceMesh with
         #: named dims, for DTensor and distributed checkpointing; None on one rank.
         self.device_mesh = _device_mesh(mesh, self.device.type, timeout)
-        self._groups: dict[str, object] = {}
+        self._groups: dict[str, dist.ProcessGroup] = {}
         if self.device_mesh is not None:
             self._groups = {axis: self.device_mesh.get_group(axis) for axis in self.device_mesh.mesh_dim_names}
         # ep groups (blocks of dp coordinates), the expert-dp groups and the sub-axes of group
