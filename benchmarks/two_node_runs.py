@@ -77,7 +77,7 @@ class World:
         # GROUP_RANK, the node's number, as torchrun sets it: dhelix checks it against the cluster block.
         return {"RANK": rank, "WORLD_SIZE": self.world, "LOCAL_RANK": rank % self.per_node,
                 "GROUP_RANK": rank // self.per_node,
-                # spawn.run_rank divides the CPUs by LOCAL_WORLD_SIZE: both "nodes" share this machine's.
+                # join.run_rank divides the CPUs by LOCAL_WORLD_SIZE: both "nodes" share this machine's.
                 "LOCAL_WORLD_SIZE": self.world, "MASTER_ADDR": self.link.node(0)["address"],
                 "MASTER_PORT": self.port, "GLOO_SOCKET_IFNAME": node["device"]}
 

@@ -66,13 +66,13 @@ def one_thread():
 def _as_rank(path, rank: int, *args, steps: int = 2):
     """Run ``path``'s rank alone in this process (the API the command uses) and return the run
     options and its result (the rank's record: what it issued)."""
-    from dhelix.interpreter.launch import spawn
+    from dhelix.interpreter.launch import join
     from dhelix.interpreter.training import train
 
     compiled = build_run_plan(read_source(str(path)), str(path))
     options = train.RunOptions(path=str(path), compiled=compiled, steps=steps, as_rank=rank, emulate="none",
                                seed=compiled.program.train.seed or 0)
-    return compiled.program, spawn.run_as_rank(options, train.train)
+    return compiled.program, join.run_as_rank(options, train.train)
 
 
 def _actions_seen(monkeypatch) -> list:

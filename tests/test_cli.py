@@ -232,13 +232,13 @@ WRITERS = [("render", "-o", ".svg"), ("export", "--torch-csv", ".csv"), ("simula
 @pytest.fixture
 def no_training(monkeypatch):
     """Fail the test if `dhelix run` starts a rank: its output is refused before training."""
-    from dhelix.interpreter.launch import spawn
+    from dhelix.interpreter.launch import join, spawn
 
     def started(*args, **kwargs):
         raise AssertionError("a rank was started")
 
     monkeypatch.setattr(spawn, "run_local", started)
-    monkeypatch.setattr(spawn, "run_rank", started)
+    monkeypatch.setattr(join, "run_rank", started)
 
 
 @pytest.mark.parametrize("command, flag, suffix", WRITERS)

@@ -314,7 +314,7 @@ def test_the_model_ends_leave_their_reductions_in_flight_and_finish_on_the_wait(
     # backward's gather may stay in flight (an SI block issues them asynchronously): the
     # results on the wait equal the synchronous ones, and nothing is added before it.
     from dhelix.interpreter.ops.comm import Pending
-    from dhelix.interpreter.execute.layer_exec import EmbedRun, HeadRun
+    from dhelix.interpreter.execute.model_ends import EmbedRun, HeadRun
 
     gen = torch.Generator().manual_seed(0)
     comm = SingleRankComm()

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from dhelix.interpreter.ops import kernels as k  # noqa: E402
+from dhelix.interpreter.ops import handlers as h, kernels as k  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -33,7 +33,7 @@ def case(name: str):
 
 def run(name, inputs, weight, ctx, grad):
     """Forward, data gradients and weight gradient (or None) of kernel ``name``."""
-    kernel = k.KERNELS[name]
+    kernel = h.KERNELS[name]
     out, saved = kernel.forward(inputs, weight, ctx)
     dgrads = kernel.dgrad(grad, saved, weight)
     return [out, *dgrads, kernel.wgrad(grad, saved) if kernel.wgrad else None]
@@ -43,7 +43,7 @@ def run(name, inputs, weight, ctx, grad):
 @pytest.mark.parametrize("name", ["rmsnorm", "swiglu", "attention"])
 def test_the_gpu_kernel_agrees_with_the_cpu_kernel_in_float64(name, dtype, tolerance):
     inputs, weight, ctx = case(name)
-    out, _ = k.KERNELS[name].forward(inputs, weight, ctx)
+    out, _ = h.KERNELS[name].forward(inputs, weight, ctx)
     grad = randn(*out.shape, seed=9)
     expected = run(name, inputs, weight, ctx, grad)
     cuda = lambda t: None if t is None else t.to("cuda", dtype)  # noqa: E731

@@ -278,7 +278,7 @@ def _staged_gather(mesh, ops, blocks):
     """Each rank's result of the gather stages ``ops`` over the rank blocks ``blocks``."""
     import torch
 
-    from dhelix.interpreter.ops.comm import regrouped
+    from dhelix.interpreter.ops.blocks import regrouped
 
     held = {rank: blocks[rank] for rank in range(mesh.world)}
     for op in ops:
@@ -292,7 +292,7 @@ def _staged_gather(mesh, ops, blocks):
 
 def _staged_scatter(mesh, ops, inputs):
     """Each rank's result of the reduce-scatter stages ``ops`` of the inputs ``inputs``."""
-    from dhelix.interpreter.ops.comm import regrouped
+    from dhelix.interpreter.ops.blocks import regrouped
 
     held = dict(inputs)
     for op in ops:

@@ -12,7 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 from dhelix.dsl.core.dtypes import DTYPES as DSL_DTYPES  # noqa: E402
 from dhelix.dsl.core.oplib import OPS, SPLIT_OPS, base_kind, part_of  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
-from dhelix.interpreter.ops import kernels as k  # noqa: E402
+from dhelix.interpreter.ops import handlers as h, kernels as k  # noqa: E402
 from dhelix.interpreter.ops.comm import Pending, SingleRankComm, resolve  # noqa: E402
 from dhelix.interpreter.ops.weights import (  # noqa: E402
     DTYPES, EMBEDDING, LM_HEAD, ShardSpec, ShardingError, WeightPlan, param_name, param_seed, torch_dtype)
@@ -39,7 +39,7 @@ def randn(*shape, seed=0):
 
 def check_against_autograd(name, inputs, weight, ctx, differentiable, seed=99):
     """Compare a kernel's dgrad/wgrad with autograd through its own forward."""
-    kernel = k.KERNELS[name]
+    kernel = h.KERNELS[name]
     out, saved = kernel.forward(inputs, weight, ctx)
     grad = randn(*out.shape, seed=seed)
     leaves = [x.clone().requires_grad_(i in differentiable) for i, x in enumerate(inputs)]
@@ -77,7 +77,7 @@ def test_add_fans_the_gradient_out_to_both_operands():
 
 def test_rmsnorm_forward_is_torchs():
     x, w = randn(5, 16), randn(16, seed=1)
-    out, _ = k.KERNELS["rmsnorm"].forward([x], w, k.KernelCtx())
+    out, _ = h.KERNELS["rmsnorm"].forward([x], w, k.KernelCtx())
     assert (out - F.rms_norm(x, (16,), w, eps=k.EPS)).abs().max() < TOL
 
 
@@ -107,7 +107,7 @@ def test_rotary_attention_matches_the_reference_and_autograd(heads, kv_heads, sc
     out = check_against_autograd("attention", [qkv], None, k.KernelCtx(micro_batch=micro_batch, params=params), [0])
     # The kernel's cos/sin tables are fp32 (as Hugging Face computes them), the reference's fp64.
     assert (out - _attention(qkv, params, micro_batch)).abs().max() < 1e-6
-    plain = k.KERNELS["attention"].forward([qkv], None, k.KernelCtx(micro_batch=micro_batch, params={
+    plain = h.KERNELS["attention"].forward([qkv], None, k.KernelCtx(micro_batch=micro_batch, params={
         **params, "rope": None}))[0]
     # Position 0 is not turned, so each sequence's first token attends as without RoPE; later ones differ.
     assert (out[::seq] - plain[::seq]).abs().max() < TOL
@@ -116,7 +116,7 @@ def test_rotary_attention_matches_the_reference_and_autograd(heads, kv_heads, sc
 
 def test_norm_epsilon_comes_from_inv_eps():
     x, w = randn(6, 16) * 1e-3, 1 + 0.1 * randn(16, seed=1)
-    out, _ = k.KERNELS["rmsnorm"].forward([x], w, k.KernelCtx(params={"inv_eps": 1000000}))
+    out, _ = h.KERNELS["rmsnorm"].forward([x], w, k.KernelCtx(params={"inv_eps": 1000000}))
     assert (out - F.rms_norm(x, (16,), w, eps=1e-6)).abs().max() < TOL
     assert (out - F.rms_norm(x, (16,), w, eps=1e-5)).abs().max() > 1e-3
 
@@ -127,7 +127,7 @@ def test_grouped_gemm_uses_the_routing_counts():
     out = check_against_autograd("grouped_gemm", [x], w, ctx, [0])
     assert (out[4:] - x[4:] @ w[2]).abs().max() < TOL
     with pytest.raises(RuntimeError, match="a permute must run first"):
-        k.KERNELS["grouped_gemm"].forward([x], w, k.KernelCtx())
+        h.KERNELS["grouped_gemm"].forward([x], w, k.KernelCtx())
 
 
 def test_permute_and_unpermute_route_by_top_k_and_differentiate_the_scores():
@@ -150,13 +150,13 @@ def test_vocab_parallel_embedding_shard_zeroes_foreign_ids():
     weight = randn(8, 4)
     ids = torch.tensor([3, 9, 12, 15, 0])
     ctx = k.KernelCtx(vocab_start=8)  # this shard holds ids 8..15
-    out, saved = k.KERNELS["embedding"].forward((ids,), weight, ctx)
+    out, saved = h.KERNELS["embedding"].forward((ids,), weight, ctx)
     assert (out[0] == 0).all() and (out[4] == 0).all()
     assert (out[1] - weight[1]).abs().max() == 0
     grad = randn(5, 4, seed=3)
-    wgrad = k.KERNELS["embedding"].wgrad(grad, saved)
+    wgrad = h.KERNELS["embedding"].wgrad(grad, saved)
     assert (wgrad[1] - grad[1]).abs().max() == 0 and (wgrad[0] == 0).all()
-    assert k.KERNELS["embedding"].dgrad(grad, saved, weight) == (None,)
+    assert h.KERNELS["embedding"].dgrad(grad, saved, weight) == (None,)
 
 
 def test_lm_head_cross_entropy_matches_torch_on_one_rank():
@@ -168,21 +168,21 @@ def test_lm_head_cross_entropy_matches_torch_on_one_rank():
 
 def test_every_library_op_and_derived_kind_has_a_handler():
     for op in OPS:
-        assert k.handler(op)[0] in (k.FORWARD, k.COMM)
+        assert h.handler(op)[0] in (h.FORWARD, h.COMM)
     for layer in ("llama", "gpt", "moe"):
         program = check_text(program_text(layer, tp=2), "t.dhx")
         for op in program.forward.ops + program.backward.ops:
-            k.handler(op.op)
-    assert k.handler("gemm_wgrad")[0] == k.WGRAD and k.handler("rmsnorm_bwd")[0] == k.BWD
+            h.handler(op.op)
+    assert h.handler("gemm_wgrad")[0] == h.WGRAD and h.handler("rmsnorm_bwd")[0] == h.BWD
     with pytest.raises(KeyError, match="no kernel for op 'conv'"):
-        k.handler("conv")
+        h.handler("conv")
 
 
 def test_derived_kinds_resolve_to_the_part_the_op_library_names():
-    for kind, (role, _) in k.HANDLERS.items():
-        assert role in k.ROLES and role == (part_of(kind) or role), kind
-        assert part_of(kind) is None or base_kind(kind) in k.KERNELS
-    split = {base_kind(kind) for kind, (role, _) in k.HANDLERS.items() if role == k.WGRAD}
+    for kind, (role, _) in h.HANDLERS.items():
+        assert role in h.ROLES and role == (part_of(kind) or role), kind
+        assert part_of(kind) is None or base_kind(kind) in h.KERNELS
+    split = {base_kind(kind) for kind, (role, _) in h.HANDLERS.items() if role == h.WGRAD}
     assert split == SPLIT_OPS
 
 

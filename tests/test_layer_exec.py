@@ -13,8 +13,8 @@ import torch.distributed as dist  # noqa: E402
 from distributed import assert_close, drive_layer, join, run_ranks  # noqa: E402
 from dhelix.dsl.passes.pipeline import check_text  # noqa: E402
 from dhelix.interpreter.ops.comm import AXES, DistComm, SingleRankComm  # noqa: E402
-from dhelix.interpreter.execute.layer_exec import (  # noqa: E402
-    LayerPlan, LayerRun, sequential_step, sum_partial_grads)
+from dhelix.interpreter.execute.layer_exec import LayerPlan, LayerRun  # noqa: E402
+from dhelix.interpreter.execute.sequential import sequential_step, sum_partial_grads  # noqa: E402
 from dhelix.interpreter.verify.reference import make_batch, reference_layer, reference_step  # noqa: E402
 from dhelix.interpreter.ops.weights import WeightPlan, param_name  # noqa: E402
 

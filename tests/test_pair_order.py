@@ -422,7 +422,7 @@ LLAMA_KINDS = {op.name: op.kind for op in LLAMA.forward.ops + LLAMA.backward.ops
 def test_a_block_s_end_sends_the_model_ends_collectives_off_the_next_block_s_opening(monkeypatch):
     # One rank (every group of size 1: the same calls, nothing on a wire), w_helix over fold u:
     # consecutive SI blocks. Recorded: in which action each model-end call happens.
-    from dhelix.interpreter.execute import layer_exec
+    from dhelix.interpreter.execute import model_ends
     from dhelix.interpreter.ops.comm import SingleRankComm
 
     prog = program(mesh="tp = 1")
@@ -439,10 +439,10 @@ def test_a_block_s_end_sends_the_model_ends_collectives_off_the_next_block_s_ope
 
         monkeypatch.setattr(cls, name, record)
 
-    spy(layer_exec.EmbedRun, "forward", "embed")
-    spy(layer_exec.EmbedRun, "backward", "embed.bwd")
-    spy(layer_exec.HeadRun, "forward", "head")
-    spy(layer_exec.HeadRun, "backward", "head.bwd")
+    spy(model_ends.EmbedRun, "forward", "embed")
+    spy(model_ends.EmbedRun, "backward", "embed.bwd")
+    spy(model_ends.HeadRun, "forward", "head")
+    spy(model_ends.HeadRun, "backward", "head.bwd")
     executor.step(make_batch(prog, 2))
     actions, stages = executor.actions, executor.stages
     where, index = [], None

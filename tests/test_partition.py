@@ -329,7 +329,8 @@ def test_the_example_runs_chunks_it_declares():
 @pytest.mark.parametrize(("parts", "blocks"), [(2, 1), (4, 1), (2, 2), (2, 4), (4, 2)])
 def test_slices_and_their_concat_are_inverse_and_so_are_their_gradients(parts, blocks):
     torch = pytest.importorskip("torch")
-    from dhelix.interpreter.ops.kernels import KERNELS, KernelCtx
+    from dhelix.interpreter.ops.handlers import KERNELS
+    from dhelix.interpreter.ops.kernels import KernelCtx
 
     x = torch.randn(blocks * parts * 3, 5)
     ctx = lambda **more: KernelCtx(params={"parts": parts, "dim": 0, "blocks": blocks, **more})  # noqa: E731
@@ -362,7 +363,8 @@ class _Place:
     ("inter", 0, 1, [1, 3]), ("inter", 1, 0, [0, 2]), ("intra", 1, 1, [2, 3]), ("intra", 0, 0, [0, 1])])
 def test_rest_and_merge_take_the_blocks_the_first_stage_did_not_bring_and_put_them_back(first, node, place, near):
     torch = pytest.importorskip("torch")
-    from dhelix.interpreter.ops.kernels import KERNELS, KernelCtx
+    from dhelix.interpreter.ops.handlers import KERNELS
+    from dhelix.interpreter.ops.kernels import KernelCtx
 
     ctx = KernelCtx(comm=_Place(node, place), params={"axis": "tp", "first": first, "blocks": 4})
     x = torch.arange(4 * 3 * 2, dtype=torch.float32).reshape(12, 2)  # 4 rank blocks of 3 rows
@@ -385,7 +387,8 @@ def test_rest_and_merge_take_the_blocks_the_first_stage_did_not_bring_and_put_th
 def test_three_way_stages_take_the_node_then_this_place_elsewhere_then_the_rest(node, place):
     # 3 nodes of 2: 6 rank blocks; the node's 2, this place's on the 2 other nodes, the last 2.
     torch = pytest.importorskip("torch")
-    from dhelix.interpreter.ops.kernels import KERNELS, KernelCtx
+    from dhelix.interpreter.ops.handlers import KERNELS
+    from dhelix.interpreter.ops.kernels import KernelCtx
 
     comm = _Place(node, place, nodes=3, per_node=2)
     x = torch.arange(6 * 3 * 2, dtype=torch.float32).reshape(18, 2)  # 6 rank blocks of 3 rows

@@ -9,7 +9,8 @@ import yaml
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.frontend.profile_writer import render_profile
-from dhelix.dsl.frontend.profiles import ProfileError, load_profile, parse_profile, profile_names
+from dhelix.dsl.frontend.profile_reader import ProfileError
+from dhelix.dsl.frontend.profiles import load_profile, parse_profile, profile_names
 
 MINIMAL = """\
 name: lab

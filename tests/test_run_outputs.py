@@ -172,7 +172,7 @@ class _Proc:
 
 
 def test_the_launcher_reports_a_ranks_own_error_over_the_peers_it_cut_off():
-    from dhelix.interpreter.launch.spawn import CAUSE_PREFIX, FAILURE_PREFIX, failure_cause
+    from dhelix.interpreter.launch.failure import CAUSE_PREFIX, FAILURE_PREFIX, failure_cause
 
     # Rank 2 exited first, with gloo's "Connection closed by peer"; rank 0's own error came later.
     store = _Store({f"{FAILURE_PREFIX}2": "error: rank 2: Connection closed by peer", f"{CAUSE_PREFIX}2": "peer 1.0",
@@ -182,7 +182,7 @@ def test_the_launcher_reports_a_ranks_own_error_over_the_peers_it_cut_off():
 
 
 def test_gloos_lost_connections_are_a_peers_failure():
-    from dhelix.interpreter.launch.spawn import lost_a_peer
+    from dhelix.interpreter.launch.failure import lost_a_peer
 
     try:
         try:

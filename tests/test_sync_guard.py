@@ -100,12 +100,12 @@ def guarded(monkeypatch):
 
 
 def _run_rank(steps: int = 1, path: Path = TINY):
-    from dhelix.interpreter.launch import spawn
+    from dhelix.interpreter.launch import join
     from dhelix.interpreter.training import train
 
     compiled = build_run_plan(read_source(str(path)), str(path))
     options = train.RunOptions(path=str(path), compiled=compiled, steps=steps, as_rank=0, emulate="none", seed=1)
-    return spawn.run_as_rank(options, train.train)
+    return join.run_as_rank(options, train.train)
 
 
 #: A MoE program small enough for a test, with SI blocks on rank 0 and ep = 2 (the dispatch
@@ -133,17 +133,17 @@ def test_si_blocks_never_wait_for_the_device(guarded):
 
 def _count_calls(monkeypatch, kind: str) -> list:
     # Count the forward calls of kernel ``kind`` (made while the guard is on or not).
-    from dhelix.interpreter.ops import kernels
+    from dhelix.interpreter.ops import handlers, kernels
 
-    role, kernel = kernels.HANDLERS[kind]
+    role, kernel = handlers.HANDLERS[kind]
     calls = []
 
     def forward(inputs, weight, ctx):
         calls.append(isinstance(torch.overrides._get_current_function_mode(), SyncGuard))
         return kernel.forward(inputs, weight, ctx)
 
-    monkeypatch.setitem(kernels.HANDLERS, kind, (role, kernels.Kernel(forward, kernel.dgrad, kernel.wgrad,
-                                                                      kernel.wgrad_into)))
+    monkeypatch.setitem(handlers.HANDLERS, kind, (role, kernels.Kernel(forward, kernel.dgrad, kernel.wgrad,
+                                                                       kernel.wgrad_into)))
     return calls
 
 
@@ -162,16 +162,16 @@ def test_a_moe_layer_reads_its_counts_back_once_per_forward(guarded, monkeypatch
 
 def test_the_guard_catches_an_item_in_a_kernel(guarded, monkeypatch):
     # The mutant: a GEMM that reads a value back, as a debugging line left in would.
-    from dhelix.interpreter.ops import kernels
+    from dhelix.interpreter.ops import handlers, kernels
 
-    role, gemm = kernels.HANDLERS["gemm"]
+    role, gemm = handlers.HANDLERS["gemm"]
 
     def forward(inputs, weight, ctx):
         inputs[0].sum().item()
         return gemm.forward(inputs, weight, ctx)
 
     mutant = kernels.Kernel(forward, gemm.dgrad, gemm.wgrad, gemm.wgrad_into)
-    monkeypatch.setitem(kernels.HANDLERS, "gemm", (role, mutant))
+    monkeypatch.setitem(handlers.HANDLERS, "gemm", (role, mutant))
     with pytest.raises(Exception, match="item inside an SI block") as caught:
         _run_rank()
     assert any(isinstance(exc, HostSync) for exc in _chain(caught.value))
@@ -181,11 +181,11 @@ def test_the_guard_catches_an_item_in_a_kernel(guarded, monkeypatch):
 def test_the_guard_catches_an_item_in_a_moe_layer(guarded, monkeypatch, tmp_path, where):
     # The mutants: a grouped GEMM that reads a value back, and a permute that reads its counts
     # back itself (as it did with a bincount's tolist) instead of through moe.to_host.
-    from dhelix.interpreter.ops import kernels
+    from dhelix.interpreter.ops import handlers, kernels
 
     path = tmp_path / "moe_tiny.dhx"
     path.write_text(MOE)
-    role, kernel = kernels.HANDLERS[where]
+    role, kernel = handlers.HANDLERS[where]
 
     def forward(inputs, weight, ctx):
         out = kernel.forward(inputs, weight, ctx)
@@ -195,8 +195,8 @@ def test_the_guard_catches_an_item_in_a_moe_layer(guarded, monkeypatch, tmp_path
             inputs[0].sum().item()
         return out
 
-    monkeypatch.setitem(kernels.HANDLERS, where, (role, kernels.Kernel(forward, kernel.dgrad, kernel.wgrad,
-                                                                       kernel.wgrad_into)))
+    monkeypatch.setitem(handlers.HANDLERS, where, (role, kernels.Kernel(forward, kernel.dgrad, kernel.wgrad,
+                                                                        kernel.wgrad_into)))
     with pytest.raises(Exception, match="inside an SI block") as caught:
         _run_rank(path=path)
     assert any(isinstance(exc, HostSync) for exc in _chain(caught.value))

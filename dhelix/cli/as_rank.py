@@ -51,9 +51,9 @@ def check_as_rank(args, program) -> None:
 
 
 def run_as_rank(args, text: str, program, choices, outputs: dict) -> int:
-    """``dhelix run --as-rank R``: rank R alone in this process (:func:`~dhelix.interpreter.launch.spawn.run_as_rank`),
+    """``dhelix run --as-rank R``: rank R alone in this process (:func:`~dhelix.interpreter.launch.join.run_as_rank`),
     then its figures beside the simulator's for its stage."""
-    from dhelix.interpreter.launch import spawn
+    from dhelix.interpreter.launch import join
     from dhelix.interpreter.training import rank_summary, train
 
     compiled = plan_run(program, args.file, choices, mode=args.si_plan, interleave=args.si, text=text)
@@ -67,7 +67,7 @@ def run_as_rank(args, text: str, program, choices, outputs: dict) -> int:
     print(f"dhelix run: {args.file}: rank {args.as_rank} of {program.mesh.world} alone on "
           f"{'the GPU' if options.backend == 'nccl' else 'the CPU'}, links emulated by {args.emulate_links}; "
           f"{options.steps} step(s)", file=sys.stderr if args.json else sys.stdout, flush=True)
-    result = spawn.run_as_rank(options, train.train)
+    result = join.run_as_rank(options, train.train)
     figures = rank_summary.summarize_rank(program, options, result)
     numbers = json.dumps(rank_summary.rank_metrics(figures), indent=1) + "\n"
     print(numbers if args.json else "dhelix run: " + rank_summary.format_rank(

@@ -72,11 +72,11 @@ def cmd_profile(args) -> int:
         compiled = _compile(args, text)
     program = compiled.program
     from dhelix.interpreter.measure import profile_launch
-    from dhelix.interpreter.launch import spawn
+    from dhelix.interpreter.launch import join, spawn
 
     out = _output(args, program, profile_launch.host_name())
     alone = args.as_rank is not None
-    placed = None if alone else spawn.torchrun_rank(program)
+    placed = None if alone else join.torchrun_rank(program)
     nproc = 1 if alone else local_ranks(args, program, torchrun=placed is not None)
     backend = choose_backend(args.backend, nproc)
     command = shlex.join(["dhelix", "profile", args.file, "-o", str(out), "--backend", backend,
@@ -88,10 +88,10 @@ def cmd_profile(args) -> int:
                                             seed=program.train.seed, as_rank=args.as_rank,
                                             emulate=args.emulate_links)
     if alone:
-        samples = spawn.run_as_rank(options, profile_launch.measure_layer)
+        samples = join.run_as_rank(options, profile_launch.measure_layer)
     elif placed is not None:
-        samples = spawn.run_rank(options, *placed, profile_launch.measure_layer,
-                                 gpus_per_node=program.mesh.gpus_per_node, host=hosted)
+        samples = join.run_rank(options, *placed, profile_launch.measure_layer,
+                                gpus_per_node=program.mesh.gpus_per_node, host=hosted)
     else:
         samples = spawn.run_local(options, nproc, profile_launch.measure_layer)
     if samples is None:  # not global rank 0: rank 0 writes the profile

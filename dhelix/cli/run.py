@@ -154,20 +154,20 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
         compiled, hosted = store.compiled_once(build, world, "run", args.timeout)
         program = compiled.program
         fits = _check_memory_early(args, program)  # this node's memory, on every node
-        from dhelix.interpreter.launch import spawn
+        from dhelix.interpreter.launch import join, spawn
         from dhelix.interpreter.training import train
     else:
         program, choices = _checked_program(args, text, outputs)
         if args.as_rank is not None:
             return run_as_rank(args, text, program, choices, outputs)
         fits = _check_memory_early(args, program)  # before torch is imported and the SI blocks planned
-        from dhelix.interpreter.launch import spawn
+        from dhelix.interpreter.launch import join, spawn
 
         spawn.warm_up_ranks()  # local ranks: their process server loads torch meanwhile
         from dhelix.interpreter.training import train
 
         compiled = _planned(args, text, program, choices)
-    placed = spawn.torchrun_rank(program)
+    placed = join.torchrun_rank(program)
     if args.topology == "measured" and placed is None:
         raise UsageError("--topology measured applies under torchrun: the local launcher's ranks share this "
                          "machine on purpose (the cluster block's nodes are emulated); run without it")
@@ -205,8 +205,8 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
             return attrs.evolve(options, compiled=replanned[gpus_per_node])
 
         assert program.mesh is not None  # a model file
-        result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node,
-                                replan=replan, host=hosted)
+        result = join.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node,
+                               replan=replan, host=hosted)
     else:
         result = spawn.run_local(options, nproc, train.train)
     if result is None:  # not global rank 0: rank 0 reports for the run

@@ -190,7 +190,7 @@ def _run_candidate(index: int, priced: Priced, pricer: Pricer, text: str, path: 
     from dhelix.dsl.passes.runcheck import unrunnable
     from dhelix.dsl.simulator.launch import priced_program
     from dhelix.dsl.simulator.runplan import plan_run
-    from dhelix.interpreter.launch import spawn
+    from dhelix.interpreter.launch import join, spawn
     from dhelix.interpreter.training import train
 
     source = variant_text(pricer.variant(priced.choice), text, "")
@@ -209,8 +209,8 @@ def _run_candidate(index: int, priced: Priced, pricer: Pricer, text: str, path: 
     if placed is None:
         result = spawn.run_local(options, nproc, train.train)
     else:
-        result = spawn.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node,
-                                prefix=f"dhelix/tune-measure-{index}/")
+        result = join.run_rank(options, *placed, train.train, gpus_per_node=program.mesh.gpus_per_node,
+                               prefix=f"dhelix/tune-measure-{index}/")
     if result is None:  # another rank of a torchrun world: global rank 0 measures
         return Measured(predicted_rank=index, priced=priced, failure="measured by global rank 0")
     per_step = tuple(max(times) for times in zip(*(r.step for r in result.ranks), strict=True))

@@ -21,7 +21,8 @@ from dhelix.dsl.core.mesh import COMM_LANES, Mesh
 from dhelix.dsl.core.oplib import END_OPS
 from dhelix.dsl.core.program import LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean
-from dhelix.dsl.frontend.profiles import Measured, ProfileError
+from dhelix.dsl.frontend.profile_reader import ProfileError
+from dhelix.dsl.frontend.profiles import Measured
 
 #: Mismatching ops listed in the notes of a stale-profile error at most.
 SHOWN = 4

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import functools
 
-import math
 import re
 from importlib import resources
 from pathlib import Path
@@ -73,12 +72,12 @@ import attrs
 import yaml
 
 from dhelix.dsl.core.dtypes import DTYPES
-from dhelix.dsl.core.errors import DhelixError, ErrorCollector, visible
 from dhelix.dsl.core.mesh import COMM_LANES, DIMENSIONS
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.textfile import FileProblem, name_problem, read_text_file
 from dhelix.dsl.core.wording import did_you_mean
 from dhelix.dsl.frontend.kernel_terms import NONE as NO_KERNEL_TERMS, Kernels, read_kernels
+from dhelix.dsl.frontend.profile_reader import ProfileError, ProfileReader
 
 COMPUTE_BOUND = ("gemm", "attention", "router")
 MEMORY_BOUND = ("norm", "add", "activation", "permute")
@@ -90,7 +89,6 @@ COLLECTIVE_MODELS = ("ring", "ring_allreduce", "pairwise", "p2p", "rooted")
 DEFAULT_MODELS = {"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": "ring_allreduce",
                   "all_to_all": "pairwise", "p2p": "p2p", "reduce": "rooted", "broadcast": "rooted"}
 OEF_CLASSES = ("comp_comp", "comp_intra", "comp_inter", "intra_intra", "inter_inter", "intra_inter")
-OEF_LOW, OEF_HIGH = -1.0, 2.0
 TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "memory_gb", "optimizer_gbps", "achieved", "links",
             "collectives", "oef", "slowdown", "launch_gap", "kernels", "measured")
 TOP_REQUIRED = ("name", "peak_tflops", "hbm_gbps", "achieved", "links", "oef", "slowdown", "launch_gap")
@@ -98,18 +96,8 @@ STAMP_KEYS = ("machine", "torch", "backend", "date", "command")
 MEASURED_KEYS = ("dtype", "source", *STAMP_KEYS, "repeats", "mesh", "shapes", "ops", "pairs")
 #: The keys a measured mesh may have (the dimensions, then ep), as its error lists them.
 MEASURED_AXES = DIMENSIONS + ("ep",)
-#: How deeply a profile's YAML may nest (the schema needs 4 levels).
-MAX_YAML_DEPTH = 16
-#: Every number of a profile other than an OEF is 0 or within [MIN_MAGNITUDE, MAX_MAGNITUDE]
-#: in its unit (TFLOP/s, GB/s, µs, fractions): outside it a cost would underflow to 0 or
-#: overflow to inf, and no hardware is that fast or slow.
-MIN_MAGNITUDE, MAX_MAGNITUDE = 1e-6, 1e9
 _LEVEL = re.compile(r"[a-z_][a-z0-9_]*")
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*(@[A-Za-z_]+)?")
-
-
-class ProfileError(DhelixError):
-    """A hardware profile that cannot be read, or one that does not follow the schema."""
 
 
 @attrs.frozen
@@ -278,7 +266,7 @@ def parse_profile(text: str, path: str) -> Profile:
     thousands of variants of one program, each naming the same profile (errors are not
     cached: each call raises them afresh).
     """
-    reader = _Reader(Source(path, text))
+    reader = ProfileReader(Source(path, text))
     root = reader.compose()
     top = reader.mapping(root, "", TOP_KEYS, TOP_REQUIRED)
     profile = None if top is None else _build(reader, top, path)
@@ -287,7 +275,7 @@ def parse_profile(text: str, path: str) -> Profile:
     return profile
 
 
-def _build(reader: "_Reader", top: dict, path: str) -> Profile | None:
+def _build(reader: ProfileReader, top: dict, path: str) -> Profile | None:
     fields: dict[str, Any] = dict(  # each None where an error was recorded
         name=reader.string(top.get("name"), "name"),
         description=reader.string(top["description"], "description") if "description" in top else "",
@@ -312,7 +300,7 @@ def _build(reader: "_Reader", top: dict, path: str) -> Profile | None:
     return Profile(**fields, path=path)
 
 
-def _links(reader: "_Reader", node) -> dict | None:
+def _links(reader: ProfileReader, node) -> dict | None:
     # Besides the two lanes, a link per level of a declared topology (``island``, ``rack``).
     lanes = reader.mapping(node, "links", None, COMM_LANES)
     if lanes is None:
@@ -334,7 +322,7 @@ def _links(reader: "_Reader", node) -> dict | None:
     return out if all(lane in out for lane in COMM_LANES) else None
 
 
-def _peak(reader: "_Reader", node) -> dict | None:
+def _peak(reader: ProfileReader, node) -> dict | None:
     values = reader.number_map(node, "peak_tflops", DTYPES, (), positive=True)
     if values == {}:
         reader.error(node, "peak_tflops lists no dtype", [f"dtypes: {', '.join(DTYPES)}"])
@@ -342,7 +330,7 @@ def _peak(reader: "_Reader", node) -> dict | None:
     return values
 
 
-def _collectives(reader: "_Reader", node) -> dict | None:
+def _collectives(reader: ProfileReader, node) -> dict | None:
     out = {name: Collective(model) for name, model in DEFAULT_MODELS.items()}
     if node is None:
         return out
@@ -361,7 +349,7 @@ def _collectives(reader: "_Reader", node) -> dict | None:
     return out
 
 
-def _efficiency(reader: "_Reader", node, where: str) -> tuple[float | None, dict]:
+def _efficiency(reader: ProfileReader, node, where: str) -> tuple[float | None, dict]:
     """(efficiency on both lanes, per-lane efficiencies) of a collective: a number, or a
     mapping of lanes to numbers (a lane left out runs at 1.0); (None, {}) after an error."""
     if node is None:
@@ -372,7 +360,7 @@ def _efficiency(reader: "_Reader", node, where: str) -> tuple[float | None, dict
     return reader.number(node, where, positive=True, high=1.0), {}
 
 
-def _oef(reader: "_Reader", node) -> tuple[dict | None, dict | None]:
+def _oef(reader: ProfileReader, node) -> tuple[dict | None, dict | None]:
     parts = reader.mapping(node, "oef", ("classes", "pairs"), ("classes",))
     if parts is None:
         return None, None
@@ -380,30 +368,30 @@ def _oef(reader: "_Reader", node) -> tuple[dict | None, dict | None]:
     pairs: dict = {}
     rows = reader.mapping(parts["pairs"], "oef.pairs", None, ()) if "pairs" in parts else {}
     for fkey, row in (rows or {}).items():
-        if not reader.pair_key(fkey, row, "oef.pairs"):
+        if not _pair_key(reader, fkey, row, "oef.pairs"):
             continue
         for bkey, value in (reader.mapping(row, f"oef.pairs.{fkey}", None, ()) or {}).items():
             where = f"oef.pairs.{fkey}"
-            if reader.pair_key(bkey, value, where):
+            if _pair_key(reader, bkey, value, where):
                 oef = reader.number(value, f"{where}.{bkey}", oef=True)
                 if oef is not None:
                     pairs[(fkey, bkey)] = oef
     return classes, pairs
 
 
-def _slowdown(reader: "_Reader", node) -> float | None:
+def _slowdown(reader: ProfileReader, node) -> float | None:
     values = reader.number_map(node, "slowdown", ("compute_with_comm",), ("compute_with_comm",),
                                nonneg=True, high=1.0)
     return None if values is None else values["compute_with_comm"]
 
 
-def _launch_gap(reader: "_Reader", node) -> LaunchGap | None:
+def _launch_gap(reader: ProfileReader, node) -> LaunchGap | None:
     keys = ("fixed_us", "comm_fraction")
     values = reader.number_map(node, "launch_gap", keys, keys, nonneg=True)
     return None if values is None else LaunchGap(values["fixed_us"], values["comm_fraction"])
 
 
-def _measured(reader: "_Reader", node) -> Measured | None:
+def _measured(reader: ProfileReader, node) -> Measured | None:
     keys = reader.mapping(node, "measured", MEASURED_KEYS, ("dtype",))
     if keys is None:
         return None
@@ -422,12 +410,12 @@ def _measured(reader: "_Reader", node) -> Measured | None:
     return Measured(**fields | {"repeats": fields["repeats"] or None})
 
 
-def _stamp(reader: "_Reader", keys: dict) -> dict | None:
+def _stamp(reader: ProfileReader, keys: dict) -> dict | None:
     stamp = {key: reader.string(keys[key], f"measured.{key}") for key in STAMP_KEYS if key in keys}
     return None if None in stamp.values() else stamp
 
 
-def _measured_mesh(reader: "_Reader", node) -> dict | None:
+def _measured_mesh(reader: ProfileReader, node) -> dict | None:
     entries = reader.mapping(node, "measured.mesh", MEASURED_AXES, ())
     if entries is None:
         return None
@@ -435,7 +423,7 @@ def _measured_mesh(reader: "_Reader", node) -> dict | None:
     return None if None in sizes.values() else sizes
 
 
-def _measured_shapes(reader: "_Reader", node) -> dict | None:
+def _measured_shapes(reader: ProfileReader, node) -> dict | None:
     entries = reader.mapping(node, "measured.shapes", None, ())
     if entries is None:
         return None
@@ -443,7 +431,7 @@ def _measured_shapes(reader: "_Reader", node) -> dict | None:
     return None if None in shapes.values() else shapes
 
 
-def _measured_pairs(reader: "_Reader", node) -> tuple[MeasuredPair, ...]:
+def _measured_pairs(reader: ProfileReader, node) -> tuple[MeasuredPair, ...]:
     pairs = []
     for index, item in enumerate(reader.sequence(node, "measured.pairs")):
         where = f"measured.pairs[{index}]"
@@ -460,220 +448,14 @@ def _measured_pairs(reader: "_Reader", node) -> tuple[MeasuredPair, ...]:
     return tuple(pairs)
 
 
-class _Reader:
-    """Walks a composed YAML node tree, converting scalars and recording located errors."""
-
-    def __init__(self, source: Source):
-        self.source = source
-        self.errors = ErrorCollector()
-        self._loader: Any = None  # a yaml.SafeLoader (untyped), made by compose, once the text is known to be safe to compose
-        self.key_nodes: dict[int, yaml.Node] = {}  # id(value node) -> its key node
-
-    def compose(self):
-        """The root node of the text; a located ProfileError for a YAML syntax error, a
-        character YAML does not allow, nesting past :data:`MAX_YAML_DEPTH` or an alias."""
-        try:
-            self._check_structure()
-            self._loader = yaml.SafeLoader(self.source.text)
-            node = self._loader.get_single_node()
-        except yaml.reader.ReaderError as exc:  # a character YAML does not allow: no mark
-            char = visible(chr(exc.character)) if isinstance(exc.character, int) else "?"
-            raise ProfileError(f"character '{char}' is not allowed in YAML", self._position_span(exc.position),
-                               ["YAML allows tabs, newlines and printable characters, even in comments"]) from None
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            span = Span(self.source, mark.line + 1, mark.column + 1, mark.line + 1, mark.column + 2)
-            notes = [f"{exc.context}" + (f" (line {exc.context_mark.line + 1})" if exc.context_mark else "")] \
-                if exc.context else []
-            raise ProfileError(f"YAML syntax error: {exc.problem}", span, notes) from None
-        finally:
-            if self._loader is not None:
-                self._loader.dispose()
-        if node is None:
-            raise ProfileError("the profile is empty", Span(self.source, 1, 1, 1, 2),
-                               ["a profile is a YAML mapping; see the shipped stdlib/h100.yaml"])
-        return node
-
-    def _check_structure(self) -> None:
-        """Refuse, before composing, what would make composing slow or deep: the composer
-        recurses once per nesting level, and an alias repeats a whole subtree (a small file
-        of aliases of aliases expands without bound)."""
-        depth = 0
-        for event in yaml.parse(self.source.text, Loader=yaml.SafeLoader):
-            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                raise ProfileError("YAML anchors and aliases are not allowed in a profile", self._mark_span(event),
-                                   ["write the values out: a profile is read by people, and aliases "
-                                    "can make a small file expand without bound"])
-            if isinstance(event, yaml.CollectionStartEvent):
-                depth += 1
-                if depth > MAX_YAML_DEPTH:
-                    raise ProfileError(f"nested more than {MAX_YAML_DEPTH} levels deep", self._mark_span(event),
-                                       ["a profile's deepest part (measured.pairs) is 4 levels deep"])
-            elif isinstance(event, yaml.CollectionEndEvent):
-                depth -= 1
-
-    def _mark_span(self, event) -> Span:
-        mark = event.start_mark
-        return Span(self.source, mark.line + 1, mark.column + 1, mark.line + 1, mark.column + 2)
-
-    def _position_span(self, position: int) -> Span:
-        text = self.source.text
-        line = text.count("\n", 0, position) + 1
-        column = position - (text.rfind("\n", 0, position) + 1) + 1
-        return Span(self.source, line, column, line, column + 1)
-
-    def span(self, node) -> Span:
-        """The 1-based span of ``node`` (its first line only, for a block collection)."""
-        start, end = node.start_mark, node.end_mark
-        if end.line != start.line:  # a block collection ends on a later line: underline its first line
-            return Span(self.source, start.line + 1, start.column + 1, start.line + 1,
-                        len(self.source.line(start.line + 1)) + 1)
-        return Span(self.source, start.line + 1, start.column + 1, end.line + 1, end.column + 1)
-
-    def error(self, node, message: str, notes: Sequence[str] = ()) -> None:
-        """Record a ProfileError located at ``node``."""
-        self.errors.add(ProfileError(message, self.span(node), notes))
-
-    def _what(self, node) -> str:
-        if isinstance(node, yaml.MappingNode):
-            return "a mapping"
-        if isinstance(node, yaml.SequenceNode):
-            return "a list"
-        kind = node.tag.rsplit(":", 1)[-1]
-        names = {"str": "a string", "int": "an integer", "float": "a number", "bool": "a boolean", "null": "null"}
-        return f"{names.get(kind, kind)} '{node.value}'" if kind != "null" else "nothing (null)"
-
-    def mapping(self, node, where: str, allowed: Sequence[str] | None, required: Sequence[str]) -> dict | None:
-        """The key -> value-node dict of a mapping's well-formed keys (errors are recorded for
-        the others and for missing ``required`` keys); None if ``node`` is not a mapping."""
-        label = where or "the profile"
-        if node is None:
-            return None
-        if not isinstance(node, yaml.MappingNode):
-            self.error(node, f"{label} must be a mapping, got {self._what(node)}")
-            return None
-        out = {}
-        for key_node, value in node.value:
-            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-            if key is None:
-                self.error(key_node, f"keys of {label} must be plain names")
-            elif key in out:
-                self.error(key_node, f"'{key}' is set twice in {label}")
-            elif allowed is not None and key not in allowed:
-                self.error(key_node, f"unknown key '{key}' in {label}",
-                           did_you_mean(key, allowed) + [f"keys here: {', '.join(allowed)}"])
-            else:
-                out[key] = value
-                self.key_nodes[id(value)] = key_node
-        missing = [key for key in required if key not in out]
-        if missing:
-            self.error(node, f"{label} is missing {', '.join(repr(k) for k in missing)}")
-        # Keep going with the keys that are fine, so one run reports every mistake.
-        return out
-
-    def number(self, node, where: str, positive=False, nonneg=False, high=None, oef=False) -> float | None:
-        """A real number within the given bounds, else None with a located error."""
-        if node is None:
-            return None
-        if not isinstance(node, yaml.ScalarNode) or node.tag.rsplit(":", 1)[-1] not in ("int", "float"):
-            self.error(node, f"'{where}' must be a number, got {self._what(node)}")
-            return None
-        try:
-            value = float(self._loader.construct_object(node))
-        except OverflowError:  # an integer of hundreds of digits
-            value = math.inf
-        if oef and not OEF_LOW <= value <= OEF_HIGH:
-            self.error(node, f"OEF {node.value} of '{where}' is outside [-1, 2]",
-                       ["OEF = (T_i + T_j - P) / min(T_i, T_j): 0 is no overlap, 1 hides the shorter op",
-                        "measured values beyond the range are noise: clamp them and say so in a comment"])
-            return None
-        if not math.isfinite(value):
-            self.error(node, f"'{where}' must be a finite number, got {_short(node.value)}")
-            return None
-        if (positive and value <= 0) or (nonneg and value < 0):
-            bound = "positive" if positive else "zero or positive"
-            self.error(node, f"'{where}' must be {bound}, got {node.value}")
-            return None
-        if high is not None and value > high:
-            self.error(node, f"'{where}' must be at most {high:g}, got {node.value}")
-            return None
-        if not oef and value != 0 and not MIN_MAGNITUDE <= abs(value) <= MAX_MAGNITUDE:
-            self.error(node, f"'{where}' must be {'' if positive else '0 or '}between {MIN_MAGNITUDE:g} and {MAX_MAGNITUDE:g}, "
-                       f"got {_short(node.value)}", ["a profile's numbers are in TFLOP/s, GB/s, µs or fractions"])
-            return None
-        return value
-
-    def number_map(self, node, where: str, allowed, required, **bounds) -> dict | None:
-        """A mapping of names to numbers (see :meth:`number` for the bounds)."""
-        entries = self.mapping(node, where, allowed, required)
-        if entries is None:
-            return None
-        out = {key: self.number(value, f"{where}.{key}", **bounds) for key, value in entries.items()}
-        # A required key left out (or misspelt) has its error from mapping().
-        return None if None in out.values() or any(key not in out for key in required) else out
-
-    def integer(self, node, where: str) -> int | None:
-        """A positive integer, else None with a located error."""
-        if node is None:
-            return None
-        if not isinstance(node, yaml.ScalarNode) or node.tag.rsplit(":", 1)[-1] != "int":
-            self.error(node, f"'{where}' must be a whole number, got {self._what(node)}")
-            return None
-        value = int(self._loader.construct_object(node))
-        if not 1 <= value <= MAX_MAGNITUDE:
-            bound = "at least 1" if value < 1 else f"at most {MAX_MAGNITUDE:.0f}"
-            self.error(node, f"'{where}' must be {bound}, got {_short(node.value)}")
-            return None
-        return value
-
-    def string(self, node, where: str) -> str | None:
-        """A string scalar, else None with a located error (None for a missing node)."""
-        if node is None:
-            return None
-        if not isinstance(node, yaml.ScalarNode) or node.tag.rsplit(":", 1)[-1] != "str":
-            self.error(node, f"'{where}' must be a string, got {self._what(node)}")
-            return None
-        return node.value
-
-    def choice(self, node, where: str, choices: Sequence[str]) -> str | None:
-        """One of ``choices``, else None with a located error and a "did you mean"."""
-        value = self.string(node, where)
-        if value is not None and value not in choices:
-            self.error(node, f"'{where}' must be one of {', '.join(choices)}, got '{value}'",
-                       did_you_mean(value, choices))
-            return None
-        return value
-
-    def sequence(self, node, where: str) -> list:
-        """The items of a YAML list, else [] with a located error."""
-        if not isinstance(node, yaml.SequenceNode):
-            self.error(node, f"'{where}' must be a list, got {self._what(node)}")
-            return []
-        return list(node.value)
-
-    def string_list(self, node, where: str) -> tuple[str, ...] | None:
-        """A list of strings (op names), else None with a located error."""
-        if node is None:
-            return None
-        if not isinstance(node, yaml.SequenceNode):
-            self.error(node, f"'{where}' must be a list of op names, got {self._what(node)}")
-            return None
-        names = [self.string(item, where) for item in node.value]
-        return tuple(name for name in names if name is not None) if None not in names else None
-
-    def pair_key(self, key: str, value_node, where: str) -> bool:
-        """Check an oef.pairs key (an op name or kind, or ``<collective>@<lane>``); errors
-        point at the key."""
-        problem, notes = _pair_key_problem(key)
-        if problem:
-            self.error(self.key_nodes.get(id(value_node), value_node), f"{problem} in {where}", notes)
-            return False
-        return True
-
-
-def _short(text: str) -> str:
-    """A scalar as messages quote it: a 400-digit number is cut to its first digits."""
-    return text if len(text) <= 24 else f"{text[:12]}… ({len(text)} characters)"
+def _pair_key(reader: ProfileReader, key: str, value_node, where: str) -> bool:
+    """Check an oef.pairs key (an op name or kind, or ``<collective>@<lane>``); errors
+    point at the key."""
+    problem, notes = _pair_key_problem(key)
+    if problem:
+        reader.error(reader.key_nodes.get(id(value_node), value_node), f"{problem} in {where}", notes)
+        return False
+    return True
 
 
 def _pair_key_problem(key: str) -> tuple[str, list[str]]:

@@ -71,6 +71,11 @@ interpreter see ordinary operators:
 Chunks of a weighted operator share its weight: their ``Op.origin`` names the written op
 (along outputs each holds its own columns of it). The chunk statements' rewrites live in
 :mod:`dhelix.dsl.passes.workload`; this module applies every statement in order.
+
+One module, though over 500 lines, because it is one thing: the partition block's rewrite of the
+forward DAG, its statements applied in order (the chunk statements' rewrites are in
+:mod:`~dhelix.dsl.passes.workload`, a group partition over declared levels in
+:mod:`~dhelix.dsl.passes.group_levels`).
 """
 
 from __future__ import annotations

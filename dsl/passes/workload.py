@@ -4,6 +4,10 @@ applies them to the forward layer DAG — a chain of a collective and the comput
 it cut into chunks along tokens or features, a gemm cut over its weight's column blocks (``along
 outputs``, ZeRO-3's gathers), or a chain split at the stages of a group-partitioned all_gather
 (``by stages``). The statements' meaning is described in that module's docstring.
+
+One module, though over 500 lines, because it is one thing: the chunk statements' rewrites, each
+cutting one chain (along tokens, features or outputs, or at a gather's stages), sharing the
+chain's checks and the chunks' naming.
 """
 
 from __future__ import annotations

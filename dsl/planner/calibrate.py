@@ -45,8 +45,9 @@ import attrs
 from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
 from dhelix.dsl.core.program import Op, Program
 from dhelix.dsl.frontend.profilecheck import ends_signature, mesh_sizes, op_signature
-from dhelix.dsl.frontend.profiles import (COMPUTE_BOUND, MEMORY_BOUND, OEF_CLASSES, OEF_HIGH, OEF_LOW, Collective,
-                                          LaunchGap, Link, Measured, MeasuredPair, Profile)
+from dhelix.dsl.frontend.profile_reader import OEF_HIGH, OEF_LOW
+from dhelix.dsl.frontend.profiles import (COMPUTE_BOUND, MEMORY_BOUND, OEF_CLASSES, Collective, LaunchGap, Link, Measured,
+                                          MeasuredPair, Profile)
 from dhelix.dsl.planner.costmodel import achieved_class, op_bytes, op_flops, optimizer_bytes_per_param
 
 _CLASS = {"compute": "comp", "local": "intra", "cross": "inter"}

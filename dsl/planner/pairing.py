@@ -31,6 +31,9 @@ segments of any length it also bounds the rest of a plan by :mod:`dsl.planner.re
 any order beats it).
 
 Constraints: the strands block's pairing rules (:mod:`dsl.planner.pairing_rules`).
+
+One module, though over 500 lines, because it is one thing: the DP search and the tables it
+fills (segment costs, bounds and the fixed chains' table are the search's own state).
 """
 
 from __future__ import annotations

@@ -4,7 +4,11 @@ choice priced, refused, deferred, over the memory or ruled out by a bound.
 Every choice is a program variant (:mod:`variant`) checked by the passes of `dhelix check`,
 given the planner's choices as `simulate` gives them, priced by the step simulator and held
 to the profile's device memory; what the choices share (layer DAGs, lowered schedules, step
-costs, SI plans) is computed once."""
+costs, SI plans) is computed once.
+
+One module, though over 500 lines, because it is one thing: the :class:`Pricer` and the outcomes
+of one priced choice it returns.
+"""
 
 from __future__ import annotations
 

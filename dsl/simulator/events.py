@@ -35,6 +35,10 @@ Memory follows :mod:`dsl.simulator.memory` at layer granularity. Reported per ra
 pipeline / data-parallel communication with the part exposed, model states and the peak of
 live activations; per step: time, tokens/s, TFLOPS/GPU and MFU (Megatron's FLOP count), and
 the bubble ratio ``1 - Σ busy / (p · pipeline make-span)``.
+
+One module, though over 500 lines, because it is one thing: the discrete-event run of one step
+over every rank and the figures it tallies (what each piece costs is :mod:`dsl.simulator.costs`;
+the result, :mod:`dsl.simulator.simulation`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ flies while the rest of that action, and whatever comes before the backward, run
 
 A failure in any action raises :class:`ExecutionError` naming the rank, the action in its
 text form and the schedule grid with that action marked.
+
+One module, though over 500 lines, because it is one class: the :class:`Executor` and the
+handler table its actions dispatch through; what it drives lives beside it (:mod:`.layer_exec`,
+:mod:`.si`, :mod:`.pipeline_comm`, :mod:`.recording`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
 from dhelix.interpreter.ops.fsdp import FlatShards
-from .layer_exec import EmbedRun, GradStore, HeadRun, LayerPlan, LayerRun, count_storages, sum_partial_grads
+from .layer_exec import GradStore, LayerPlan, LayerRun, count_storages
+from .model_ends import EmbedRun, HeadRun
+from .sequential import sum_partial_grads
 from dhelix.dsl.planner.pair_order import BlockOrder
 from .pipeline_comm import PipelineComm
 from dhelix.interpreter.verify.reference import Batch

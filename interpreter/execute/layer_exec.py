@@ -1,4 +1,4 @@
-"""Execute one layer's forward DAG and derived backward DAG op by op, and the model's ends.
+"""Execute one layer's forward DAG and derived backward DAG op by op.
 
 A :class:`LayerRun` is the live state of one layer for one micro-batch: activations keyed
 by op name, what each forward kernel saved for its backward, and the gradients flowing
@@ -20,12 +20,17 @@ whose ``grad.accumulates`` names it adds the others' to its own. An op with a
 Collectives may run asynchronously: the value stored is a :class:`~.comm.Pending` that the
 first reader waits for. Tensors are released as soon as their last reader has run.
 
-An op's role (:func:`~dhelix.interpreter.ops.kernels.handler`) picks the method that runs it
+An op's role (:func:`~dhelix.interpreter.ops.handlers.handler`) picks the method that runs it
 (``_FORWARD_BY_ROLE``, ``_BACKWARD_BY_ROLE``: a kernel, a collective, a ring attention step,
 ZeRO-3's weight gathers and gradient reduce-scatters); what a layer keeps between its forward
 and its backward is its recomputation policy (:mod:`.recompute`), chosen when the run is
 made. Neither :meth:`LayerRun.forward_op` nor :meth:`LayerRun.backward_op` asks which mode
 the run is in.
+
+One module because it is one thing, a layer's run: :class:`LayerPlan` (what every run of a
+DAG pair shares) and :class:`LayerRun` (the run itself, its op steps, gradient accumulation
+and releases). The model's ends are :mod:`.model_ends`; one step without pipelining,
+:mod:`.sequential`.
 """
 
 from __future__ import annotations
@@ -37,18 +42,17 @@ import attrs
 import torch
 
 from dhelix.dsl.core.mesh import INTER, INTRA
-from dhelix.dsl.core.oplib import REGROUP
-from dhelix.dsl.core.program import COLUMNS, LayerDag, Op, Program
+from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, WGRAD
+from dhelix.dsl.core.program import COLUMNS, LayerDag, Op
 from dhelix.dsl.passes.fsdp import COLUMN_PIECES, FIRST_STAGE, GATHER as FSDP_GATHER, MATES, PART, PIECES, unit_of
 
-from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, part_blocks, resolve, without_group
+from dhelix.interpreter.ops.blocks import part_blocks, without_group
+from dhelix.interpreter.ops.comm import Communicator, Pending, resolve
 from dhelix.interpreter.ops.fsdp import block_of, from_column_pieces, gather_weight, scatter_grad
-from dhelix.interpreter.ops.kernels import (BWD, COMM, DGRAD, FORWARD, GATHER_W, KERNELS, ROUTED, SCATTER_DW, WGRAD,
-                                            KernelCtx, handler, lm_head_backward)
+from dhelix.interpreter.ops.handlers import COMM, FORWARD, GATHER_W, ROUTED, SCATTER_DW, handler
+from dhelix.interpreter.ops.kernels import KernelCtx
 from dhelix.interpreter.ops.moe import ROLE, a2a_roles
-from dhelix.interpreter.verify.reference import Batch
-from dhelix.interpreter.ops.ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, local_micro, ring_step
-from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, param_name, torch_dtype
+from dhelix.interpreter.ops.ring_attention import KERNEL as RING_KERNEL, RING, STEP, check_ring, ring_step
 from .recompute import KeepAll, keeping
 
 
@@ -109,7 +113,7 @@ class LayerPlan:
 
     def contexts(self, comm: Communicator) -> dict[str, tuple[KernelCtx, KernelCtx]]:
         """The shared kernel contexts of the steps that need none of their own (every step
-        but those of :data:`~dhelix.interpreter.ops.kernels.ROUTED` kinds), for ``comm``:
+        but those of :data:`~dhelix.interpreter.ops.handlers.ROUTED` kinds), for ``comm``:
         op name → (synchronous, asynchronous), made once (a kernel reads its context, never
         sets it)."""
         found = self.shared_contexts.get(id(comm))
@@ -337,6 +341,7 @@ class LayerRun:
             handler(self, op, step, async_op)
             return
         flow = op.grad
+        assert flow is not None, "LayerPlan.build checked that every backward op has its GradFlow"
         if flow.upstream is None:
             grad = self._upstream(None, forward)
         else:  # :meth:`_upstream`, inline
@@ -576,7 +581,7 @@ class LayerRun:
                 store.pop(name, None)
 
 
-#: What runs a forward op of each role (:func:`~.kernels.handler`; ring steps run as kernels).
+#: What runs a forward op of each role (:func:`~dhelix.interpreter.ops.handlers.handler`; ring steps run as kernels).
 _FORWARD_BY_ROLE = {COMM: LayerRun._forward_comm, GATHER_W: LayerRun._forward_gather,
                     FORWARD: LayerRun._forward_kernel}
 #: What runs a backward op of each role; ZeRO-3's re-gathers and reduce-scatters
@@ -622,142 +627,3 @@ def _by_value(inputs: tuple[str, ...], grads, produces: tuple[str, ...]) -> dict
             raise ValueError(f"the kernel gave no gradient for {name}, which autodiff says it produces")
         out[name] = out[name] + grad if name in out else grad
     return out
-
-
-class EmbedRun:
-    """The vocabulary-parallel embedding of one micro-batch: every tp rank looks up all
-    tokens in its vocabulary shard, then the partial rows are reduce-scattered over tp
-    (sequence parallelism) or all-reduced (without it)."""
-
-    def __init__(self, weight: torch.Tensor, comm: Communicator, vocab_start: int,
-                 sequence_parallel: bool = True, grads: dict | None = None, name: str = "embedding"):
-        self.weight, self.comm, self.name = weight, comm, name
-        self.ctx = KernelCtx(comm, "tp", vocab_start=vocab_start)
-        self.sequence_parallel = sequence_parallel
-        self.grads = grads if grads is not None else {}
-        self.saved = None
-
-    def forward(self, ids: torch.Tensor, async_op: bool = False):
-        """The layer-0 input for token ``ids`` ``[tokens]`` (all tokens of the micro-batch);
-        with ``async_op`` a Pending of it, its tp reduction in flight."""
-        partial, self.saved = KERNELS["embedding"].forward((ids,), self.weight, self.ctx)
-        if self.sequence_parallel:
-            return self.comm.reduce_scatter(partial, "tp", async_op=async_op)
-        return self.comm.all_reduce(partial, "tp", async_op=async_op)
-
-    def backward(self, grad: torch.Tensor, async_op: bool = False):
-        """Add the embedding gradient for ``grad``, the gradient of the forward output. With
-        ``async_op`` the gather of ``grad`` over tp is left in flight and a Pending is
-        returned whose wait adds the gradient (nothing reads it before the optimizer)."""
-        if self.sequence_parallel:
-            gathered = self.comm.all_gather(grad, "tp", async_op=async_op)
-        else:
-            gathered = Pending.ready(grad) if async_op else grad
-        if async_op:
-            return Pending(gathered, None, lambda _: self._add_grad(gathered.wait()))
-        self._add_grad(gathered)
-        return None
-
-    def _add_grad(self, grad: torch.Tensor) -> None:
-        add_grad(self.grads, self.name, KERNELS["embedding"].wgrad(grad, self.saved))
-        self.saved = None
-
-
-class HeadRun:
-    """The final norm, the vocabulary-parallel LM head and the cross-entropy of one
-    micro-batch. ``norm`` is an rmsnorm ``[hidden]`` or layernorm ``[2, hidden]`` weight."""
-
-    def __init__(self, norm: torch.Tensor, head: torch.Tensor, comm: Communicator, vocab_start: int,
-                 sequence_parallel: bool = True, grads: dict | None = None,
-                 names: tuple[str, str] = ("final_norm", "lm_head"), norm_params: Mapping | None = None):
-        self.norm_kernel = KERNELS["rmsnorm" if norm.dim() == 1 else "layernorm"]
-        self.norm, self.head, self.comm, self.names = norm, head, comm, names
-        self.ctx = KernelCtx(comm, "tp", vocab_start=vocab_start)
-        #: The final norm's parameters (its epsilon: the layer's norms', WeightPlan.norm_params).
-        self.norm_ctx = KernelCtx(comm, "tp", params=dict(norm_params or {}))
-        self.sequence_parallel = sequence_parallel
-        self.grads = grads if grads is not None else {}
-        self._norm_saved = self._head_saved = None
-
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The summed cross-entropy of the micro-batch (a scalar, the same on every tp rank)
-        for the last layer's output ``x`` and the ``targets`` of all its tokens."""
-        h, self._norm_saved = self.norm_kernel.forward((x,), self.norm, self.norm_ctx)
-        if self.sequence_parallel:
-            h = self.comm.all_gather(h, "tp")
-        losses, self._head_saved = KERNELS["lm_head"].forward((h, targets), self.head, self.ctx)
-        return losses.sum()
-
-    def backward(self, scale: float, async_op: bool = False):
-        """The gradient of ``scale * loss_sum`` with respect to ``x``; adds the LM-head and
-        norm weight gradients to :attr:`grads`. With ``async_op`` a Pending of it: the tp
-        reduction of the head's input gradient stays in flight, and the final norm's backward
-        runs when the gradient is first read. The head's weight gradient is computed after
-        that reduction is issued, beside it."""
-        saved = self._head_saved
-        grad_losses = torch.full((saved[0].shape[0],), scale, dtype=saved[0].dtype, device=saved[0].device)
-        grad_h, head_wgrad = lm_head_backward(grad_losses, saved, self.head)
-        grad_h = self.comm.reduce_scatter(grad_h, "tp", async_op=async_op) if self.sequence_parallel \
-            else self.comm.all_reduce(grad_h, "tp", async_op=async_op)
-        add_grad(self.grads, self.names[1], head_wgrad())
-        return grad_h.then(self._norm_backward) if async_op else self._norm_backward(grad_h)
-
-    def _norm_backward(self, grad_h: torch.Tensor) -> torch.Tensor:
-        (grad_x,) = self.norm_kernel.dgrad(grad_h, self._norm_saved, self.norm)
-        add_grad(self.grads, self.names[0], self.norm_kernel.wgrad(grad_h, self._norm_saved))
-        self._norm_saved = self._head_saved = None
-        return grad_x
-
-
-def sequential_step(program: Program, batch: Batch, comm: Communicator, plan: WeightPlan | None = None,
-                    seed: int = 0, device="cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One step without pipelining or strand interleaving (pp = 1): each micro-batch of
-    ``batch`` runs forward through the embedding, every layer and the head, then backward.
-
-    Returns the loss (the mean over all tokens of ``batch``, the same on every tp and cp rank)
-    and this rank's gradients by parameter name — partial over tp for the parameters whose
-    ShardSpec says so (:func:`sum_partial_grads` completes them). The executor's baseline.
-    """
-    if program.mesh.size("pp") > 1:
-        raise ValueError("sequential_step runs the whole model on one stage; the mesh has pp > 1")
-    plan = plan or WeightPlan(program, seed)
-    index = {axis: comm.index(axis) for axis in AXES}
-    dtype, micro_batch = torch_dtype(program), program.train.micro_batch
-    layer_plan = LayerPlan.build(program.forward, program.backward, micro_batch)
-    weights = [plan.layer_weights(i, index, dtype, device) for i in range(plan.layers)]
-    layer_grads: list[dict] = [{} for _ in range(plan.layers)]
-    grads: dict[str, torch.Tensor] = {}
-    start = plan.vocab_start(index)
-    ends = [plan.shard(name, index, dtype).to(device) for name in (EMBEDDING, FINAL_NORM, LM_HEAD)]
-    count = batch.inputs.shape[0]
-    scale = 1.0 / (count * batch.inputs[0].numel())
-    total = torch.zeros((), dtype=dtype, device=device)
-    for m in range(count):
-        ids, targets = (t.to(device) for t in local_micro(batch, m, comm.size("cp"), comm.index("cp")))
-        embed = EmbedRun(ends[0], comm, start, plan.sequence_parallel, grads)
-        x = embed.forward(ids)
-        runs = [LayerRun(layer_plan, weights[i], comm, layer_grads[i]) for i in range(plan.layers)]
-        for run in runs:
-            x = run.forward(x)
-        head = HeadRun(ends[1], ends[2], comm, start, plan.sequence_parallel, grads, norm_params=plan.norm_params)
-        total = total + head.forward(x, targets)
-        grad = head.backward(scale)
-        for run in reversed(runs):
-            grad = run.backward(grad)
-        embed.backward(grad)
-    for i, layer in enumerate(layer_grads):
-        grads.update({param_name(i, op): grad for op, grad in layer.items()})
-    # Each cp rank summed the losses of its own tokens.
-    return comm.all_reduce(total * scale, "cp"), grads
-
-
-def sum_partial_grads(plan: WeightPlan, grads: dict[str, torch.Tensor], comm: Communicator) -> None:
-    """All-reduce, in place, the gradients that are partial sums over tp (replicated
-    weights applied to sequence-parallel tokens: norms, router, experts) or over cp (every
-    weight: each cp rank sees its own part of the sequences), by name: every rank issues
-    them in the same order whatever order its gradients were made in (an SI block's filler
-    runs weight-gradient ops when a rank would otherwise wait, which differs by rank)."""
-    for name in sorted(grads):
-        grad = grads[name]
-        for axis in plan.spec(name).grad_sum:
-            comm.all_reduce(grad, axis)

@@ -1,29 +1,19 @@
-"""Starting the ranks of a run: local processes joined in one world, or torchrun's.
+"""Starting the local ranks of a run: processes joined in one world, watched by the launcher.
 
 :func:`run_local` starts one process per rank on this machine (the embedded default: no
 cluster needed; forked from a forkserver that imported torch once, :func:`rank_context`) and
 hosts the world's TCP store itself, so that whatever happens to a rank it
 can read what the ranks left there. It watches them and stops the rest as soon as one fails,
-so a bad run ends with one :class:`RankFailure` naming the rank that caused it, never a hang:
-
-- a rank killed by a signal, or one that crashed, is the cause; its peers' "connection reset
-  by peer" that follows is not reported;
-- then the first error a rank met of its own (rank, action, schedule grid; a full disk under
-  an output), which it leaves in the store, rather than a peer's "connection closed by peer"
-  that followed from it (:func:`lost_a_peer`): the launcher waits a moment for that report
-  when the first rank to exit only lost a peer;
-- else a rank that stopped making progress (stopped, hung) is named from the heartbeats every
-  rank publishes in the store (:mod:`.heartbeat`), with the action it was in, once the others'
-  collectives time out (``RunOptions.timeout``);
-- else the first failing rank's error.
+so a bad run ends with one :class:`~.failure.RankFailure` naming the rank that caused it,
+never a hang (which rank is the cause: :mod:`.failure`).
 
 SIGTERM and SIGHUP to the launcher are forwarded to the ranks, which are stopped; the launcher
 then raises :class:`LauncherStopped` (the command exits 128 + the signal). A rank dies with
 its launcher even if that is killed outright (:func:`die_with_launcher`). Rank 0's result comes
 back through a pipe. What a rank does is the ``work`` function given (``work(options, device,
-heartbeat)``, e.g. :func:`.train.train`), run inside the joined world; it returns a picklable
-result on global rank 0 and None elsewhere. Under torchrun (``RANK`` and ``WORLD_SIZE`` set,
-:func:`torchrun_rank`) the calling process is one rank and :func:`run_rank` runs it in place.
+heartbeat)``, e.g. :func:`.train.train`; :data:`.join.Work`), run inside the joined world by
+:func:`.join.run_rank`; it returns a picklable result on global rank 0 and None elsewhere.
+Under torchrun the calling process is one rank (:mod:`.join`).
 
 The one place where the interpreter prints is :func:`_rank_process`, the top of a spawned
 rank, and only when the launcher's store cannot take its error (the launcher is gone). This
@@ -38,48 +28,16 @@ import pickle
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
-
-import attrs
+from typing import TYPE_CHECKING
 
 from dhelix.dsl.core.errors import DhelixError
-from dhelix.dsl.core.lifetime import die_with_parent
 
-from dhelix.interpreter.training.summary import describe_mesh
-
-from .store import client, env_address, host_env_store
+from .failure import CAUSE_PREFIX, FAILURE_PREFIX, await_own_cause, failure_cause, secondary, settle
+from .join import Work, run_rank
+from .store import client
 
 if TYPE_CHECKING:
     from dhelix.interpreter.training.train import RunOptions
-
-#: What a rank runs in the joined world: ``work(options, device, heartbeat)`` → its result on
-#: global rank 0 (picklable: it travels to the parent), None elsewhere; it calls
-#: ``heartbeat.beat(step, index, action)`` as it moves on (:class:`.heartbeat.Heartbeat`).
-#: Module-level, so that a spawned rank can unpickle it.
-Work = Callable[["RunOptions", object, object], object]
-
-
-class RankFailure(DhelixError):
-    """A rank of a run failed: it died (``exitcode``, negative for a signal), stopped making
-    progress, or raised an error; ``report`` is that rank's own rendered error, shown instead
-    of ``message`` when there is one (it has the file location and the schedule grid)."""
-
-    def __init__(self, message: str, *, rank: int = -1, exitcode: int | None = None, report: str = "",
-                 notes=(), secondary: bool = False, cause: str = ""):
-        super().__init__(message, notes=notes)
-        self.rank, self.exitcode, self.report = rank, exitcode, report
-        #: The class name of the rank's own error behind ``report`` (NonFiniteError, …), so
-        #: that the command line can add its remedy; "" when unknown.
-        self.cause = cause
-        #: True when another rank reports this failure: this rank failed only because a peer
-        #: did (a closed connection, a timeout).
-        self.secondary = secondary
-
-    def render(self) -> str:
-        if not self.report:
-            return super().render()
-        return "\n".join([self.report, *(f"  note: {note}" for note in self.notes)])
-
 
 class LauncherStopped(Exception):
     """The launcher received ``signum`` (SIGTERM, SIGHUP): its ranks were stopped; the
@@ -90,36 +48,8 @@ class LauncherStopped(Exception):
         self.signum = signum
 
 
-def torchrun_rank(program) -> tuple[int, int] | None:
-    """(rank, world size) when this process was started by torchrun, else None. Raises
-    DhelixError when torchrun's world is not the size of ``program``'s mesh."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    world = program.mesh.world
-    if int(os.environ["WORLD_SIZE"]) != world:
-        raise DhelixError(f"the mesh has {world} ranks ({describe_mesh(program.mesh)}) but torchrun "
-                          f"started {os.environ['WORLD_SIZE']}",
-                          notes=["start torchrun with nnodes × nproc-per-node equal to the mesh size"])
-    return int(os.environ["RANK"]), world
-
-
-# -- the local world -------------------------------------------------------------------------
-
 #: Signals that stop the launcher; forwarded to its ranks, which are then stopped.
 STOP_SIGNALS = ("SIGTERM", "SIGHUP")
-FAILURE_PREFIX = "dhelix/failure/"
-#: Beside a rank's failure: ``own <time>`` for an error of its own, ``peer <time>`` for one it
-#: met only because a peer failed (the launcher reports the first own error).
-CAUSE_PREFIX = "dhelix/cause/"
-#: How long the launcher waits for an error of a rank's own once the first rank to fail only
-#: lost a peer (the rank that failed first may still be cleaning up and reporting).
-OWN_CAUSE_WAIT_S = 5.0
-#: What torch.distributed's errors say when a peer went away or did not answer in time.
-PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
-             "timeout", "connection refused", "socket closed", "end of file")
-#: After a rank fails with an error of its own, how long to wait for a peer's death to show
-#: up (a rank killed by a signal makes its peers fail too, a few milliseconds later).
-SETTLE_S = 0.5
 #: prctl(2)'s option naming a thread (linux/prctl.h).
 PR_SET_NAME = 15
 
@@ -162,8 +92,8 @@ def run_local(options: "RunOptions", nproc: int, work: Work):
         alive.close()
         return result
     try:
-        _settle(procs, failure)
-        _await_own_cause(procs, store)
+        settle(procs, failure)
+        await_own_cause(procs, store)
         raise failure_cause(procs, failure, store, options.timeout)
     finally:
         stop(procs)
@@ -276,103 +206,6 @@ def _receive(receiver):
         return None
 
 
-def _settle(procs, failure: tuple[int, int]) -> None:
-    """After a rank failed with its own error (exit code 1), give a peer that was killed the
-    moment to show it: its death, not the error it caused, is the cause to report."""
-    from multiprocessing.connection import wait
-
-    if failure[1] != 1:
-        return
-    deadline = time.monotonic() + SETTLE_S
-    while time.monotonic() < deadline:
-        alive = [proc.sentinel for proc in procs if proc.exitcode is None]
-        if not alive or any(proc.exitcode not in (None, 0, 1) for proc in procs):
-            return
-        wait(alive, timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _causes(store, world: int) -> dict[int, tuple[str, float, str]]:
-    """The failures the ranks reported: rank → (``own`` or ``peer``, when, the error's class)."""
-    found = {}
-    for rank in range(world):
-        key = f"{CAUSE_PREFIX}{rank}"
-        if store.check([key]):
-            kind, when, *name = store.get(key).decode().split()
-            found[rank] = (kind, float(when), name[0] if name else "")
-    return found
-
-
-def _await_own_cause(procs, store) -> None:
-    """While every reported failure is a lost peer and some rank still runs (and none of those
-    is hung: its heartbeat stale), wait (up to :data:`OWN_CAUSE_WAIT_S`) for the rank that
-    failed of its own to report: it may have closed its connections before its report
-    reached the store."""
-    from multiprocessing.connection import wait
-
-    from .heartbeat import read_beats, stalled_rank
-
-    deadline = time.monotonic() + OWN_CAUSE_WAIT_S
-    while time.monotonic() < deadline:
-        if any(kind == "own" for kind, *_ in _causes(store, len(procs)).values()):
-            return
-        alive = [proc.sentinel for proc in procs if proc.exitcode is None]
-        stalled = stalled_rank(read_beats(store, len(procs)), len(procs))
-        if not alive or stalled is not None and procs[stalled[0]].exitcode is None:
-            return  # nothing left to report, or a hung rank: the cause is known
-        wait(alive, timeout=0.1)
-
-
-def _last_position(store, world: int, rank: int) -> list[str]:
-    """A note on where ``rank`` (killed, or crashed outside Python) was: its last heartbeat,
-    published at most a heartbeat interval before it died (none before its first action)."""
-    from .heartbeat import read_beats
-
-    try:
-        beat = read_beats(store, world).get(rank)
-    except (RuntimeError, OSError, ValueError):  # the store cannot say: the report goes without it
-        return []
-    if beat is None or beat.index < 0:
-        return []
-    return [f"its last heartbeat, {max(0.0, time.time() - beat.alive):.1f} s before this report, had it {beat.where()}"]
-
-
-def failure_cause(procs, first: tuple[int, int], store, timeout: float) -> RankFailure:
-    """The RankFailure to report for a failed local run: a rank killed by a signal, else one
-    that crashed (exit code other than 1), else the first error a rank reported of its own
-    (not a lost peer), else one whose heartbeat stopped (a hung rank the others timed out
-    waiting for), else the first rank's error, read from ``store``."""
-    from .heartbeat import read_beats, stalled_rank
-
-    codes = {rank: proc.exitcode for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)}
-    others = f"stopped the other {len(procs) - 1} rank(s)"
-    followers = ["the other ranks' errors (connection reset by peer, timeouts) follow from it and are not shown"]
-    for rank, code in sorted(codes.items(), key=lambda item: (item[1] >= 0, item[1] == 1, item[0])):
-        notes = _last_position(store, len(procs), rank) + (followers if len(codes) > 1 else [])
-        if code < 0:
-            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
-            return RankFailure(f"rank {rank} was killed by signal {-code} ({name}); {others}", rank=rank,
-                               exitcode=code, notes=notes)
-        if code != 1:
-            return RankFailure(f"rank {rank} exited with code {code}; {others}", rank=rank, exitcode=code,
-                               notes=notes)
-    causes = _causes(store, len(procs))
-    own = sorted((when, rank) for rank, (kind, when, _) in causes.items() if kind == "own")
-    stalled = None if own else stalled_rank(read_beats(store, len(procs)), len(procs))
-    if stalled is not None:
-        rank, what = stalled
-        return RankFailure(f"rank {rank} {what}; the others waited for it until their collective timeout of "
-                           f"{timeout:g} s; {others}", rank=rank)
-    rank = own[0][1] if own else first[0]
-    key = f"{FAILURE_PREFIX}{rank}"
-    report = store.get(key).decode() if store.check([key]) else ""
-    code = codes.get(rank, first[1])
-    notes = [others] if report and len(procs) > 1 else []
-    if own and len(causes) > 1:
-        notes.append(followers[0])
-    return RankFailure(f"rank {rank} exited with code {code}; {others}", rank=rank, exitcode=code,
-                       report=report, notes=notes, cause=causes[rank][2] if rank in causes else "")
-
-
 def stop(procs, grace: float = 3.0, signum: int | None = None) -> None:
     """Stop the processes still running: send ``signum`` (default SIGTERM), kill those that
     outlive ``grace`` seconds (a stopped process only dies of SIGKILL)."""
@@ -453,150 +286,3 @@ def _rank_process(payload: bytes, rank: int, world: int, address: tuple[str, int
     # whose C++ static destructors sometimes abort ("terminate called without an active
     # exception", SIGABRT) on a torch.distributed thread still running, failing a finished run.
     os._exit(0)
-
-
-# -- one rank ---------------------------------------------------------------------------------
-
-def run_rank(options: "RunOptions", rank: int, world: int, work: Work, *, address: tuple[str, int] | None = None,
-             gpus_per_node: int | None = None, replan: Callable | None = None, prefix: str = "", host=None):
-    """Join the world as ``rank`` through the TCP store at ``address`` (the local launcher's)
-    or, without one, torchrun's ``env://`` (``MASTER_ADDR``/``MASTER_PORT``); run ``work``
-    with a heartbeat (:mod:`.heartbeat`), leave; returns its result (on global rank 0; None
-    elsewhere). ``options`` gives the backend, the seed and the collective timeout. Under
-    torchrun with ``gpus_per_node`` (the cluster block's), the nodes the ranks run on are
-    checked against it first (:mod:`.topology`), or with ``options.topology`` measured they
-    decide: ``replan(options, measured gpus_per_node)`` (the command's, which compiles the
-    run for them) gives the options to run. ``prefix``: the store keys of this world's, for a
-    process that joins several worlds one after another on the same store (`tune --measure`
-    under torchrun: one per candidate). ``host``: the ``env://`` store this process hosts
-    already (:func:`.store.host_env_store`, hosted for the compile handed over by rank 0);
-    None: hosted here when this rank must host it. Raises
-    what ``work`` raises (the executor's DhelixError: rank, action, schedule grid) and
-    RankFailure when a collective fails because a peer did."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from .heartbeat import Heartbeat
-
-    device = _rank_device(options, rank, world)
-    torch.manual_seed(options.seed)
-    timeout = timedelta(seconds=options.timeout)
-    torchrun = address is None
-    if torchrun:
-        die_with_parent(os.getppid(), prctl=False)  # torchrun's agent may start us from any thread
-        address = env_address()
-        if host is None:
-            host = host_env_store(address, rank, options.timeout)
-    # Beating before joining: a rank that hangs while the world forms is named too.
-    heartbeat = Heartbeat(client(address, options.timeout, prefix), rank).start()
-    try:
-        measured, emulated = None, ""
-        if torchrun and gpus_per_node is not None:
-            from .topology import check_placement, emulated_nodes, exchange, measured_per_node
-
-            places = exchange(client(address, options.timeout, prefix), rank, world)
-            if getattr(options, "topology", "declared") == "measured":
-                measured = measured_per_node(places)
-                options = replan(options, measured)
-            else:
-                emulated = emulated_nodes(places, gpus_per_node)
-                if not emulated:
-                    check_placement(places, gpus_per_node)
-        dist.init_process_group(options.backend, store=client(address, options.timeout, prefix), rank=rank,
-                                world_size=world, timeout=timeout)
-        try:
-            result = work(options, device, heartbeat)
-        finally:
-            dist.destroy_process_group()
-        if result is not None and measured is not None:
-            from .topology import describe_measured
-
-            result = attrs.evolve(result, gpus_per_node=measured,
-                                  topology=describe_measured(measured, world, gpus_per_node))
-        elif result is not None and emulated:
-            result = attrs.evolve(result, topology=emulated)
-        return result
-    except (RuntimeError, ValueError) as exc:  # a peer's failure seen through a collective
-        raise _blame_stalled(RankFailure(f"rank {rank}: {type(exc).__name__}: {exc}", rank=rank,
-                                         secondary=lost_a_peer(exc)), address, world, prefix) from None
-    except DhelixError as exc:
-        if lost_a_peer(exc):
-            exc.secondary = True
-        raise _blame_stalled(exc, address, world, prefix) from None
-    finally:
-        heartbeat.stop()
-        del host
-
-
-def secondary(exc: DhelixError, rank: int) -> bool:
-    """Whether another rank reports ``exc``, met on ``rank``: a lost peer (``secondary``), or
-    an error every rank meets alike (``reported_by_rank_0``, e.g. a non-finite loss) away from
-    global rank 0."""
-    return getattr(exc, "secondary", False) or getattr(exc, "reported_by_rank_0", False) and rank != 0
-
-
-def lost_a_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an error it was raised from) is torch.distributed saying that a
-    peer went away or did not answer in time: a consequence of another rank's failure."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, RuntimeError) and any(words in str(exc).lower() for words in PEER_LOST):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _rank_device(options: "RunOptions", rank: int, world: int):
-    """This rank's device: its local GPU under NCCL, else the CPU with its share of the
-    cores."""
-    import torch
-
-    if options.backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-        torch.cuda.set_device(device)
-        return device
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
-    return torch.device("cpu")
-
-
-def _blame_stalled(exc: DhelixError, address: tuple[str, int], world: int, prefix: str = "") -> DhelixError:
-    """``exc``, or — when a rank's heartbeat stopped — a RankFailure naming that rank (a
-    timeout here is its consequence). Under torchrun this rank is its own reporter."""
-    from .heartbeat import read_beats, stalled_rank
-
-    try:
-        stalled = stalled_rank(read_beats(client(address, 2.0, prefix), world), world)
-    except Exception:  # the store went with its host: keep the error we have
-        return exc
-    if stalled is None:
-        return exc
-    rank, what = stalled
-    return RankFailure(f"rank {rank} {what}", rank=rank, notes=[f"seen from this rank: {exc.message}"],
-                       secondary=True)
-
-
-def run_as_rank(options: "RunOptions", work: Work):
-    """Run rank ``options.as_rank`` of the program's world alone in this process, in a stand-in
-    world of the program's size (:mod:`dhelix.interpreter.ops.standin`): on this machine's GPU
-    under ``nccl``, else on the CPU; returns what ``work`` returns (a run's result, a profile's samples)."""
-    import torch
-    import torch.distributed as dist
-
-    from dhelix.interpreter.ops.standin import join_standin_world
-
-    world = options.compiled.program.mesh.world
-    if options.backend == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    torch.manual_seed(options.seed)
-    join_standin_world(options.as_rank, world)
-    try:
-        return work(options, device, None)
-    finally:
-        dist.destroy_process_group()

@@ -78,7 +78,7 @@ def compiled_once(build: Callable[[], T], world: tuple[int, int], key: str, time
     ``world[0]`` of ``world[1]`` in an ``env://`` world: global rank 0 builds, the others
     receive (:func:`from_rank_0`); the store is hosted here first when this rank must host it
     (:func:`host_env_store`, ``timeout`` its server's), and the caller passes it on to
-    :func:`~.spawn.run_rank`. Without ``MASTER_ADDR``/``MASTER_PORT`` there is no store to
+    :func:`~.join.run_rank`. Without ``MASTER_ADDR``/``MASTER_PORT`` there is no store to
     meet at: every process builds its own."""
     if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
         return build(), None

@@ -64,7 +64,7 @@ def host_name() -> str:
 
 
 def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSamples | None:
-    """Time the program's layer on this rank (a :data:`.spawn.Work`), telling ``heartbeat``
+    """Time the program's layer on this rank (a :data:`~dhelix.interpreter.launch.join.Work`), telling ``heartbeat``
     (optional) each timing done; the pooled samples of every rank on global rank 0, None
     elsewhere. Rank 0 shows a progress bar on a terminal."""
     import torch

@@ -53,7 +53,8 @@ from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending
 from dhelix.interpreter.ops.fsdp import FlatShards
-from dhelix.interpreter.execute.layer_exec import EmbedRun, HeadRun, LayerPlan, LayerRun
+from dhelix.interpreter.execute.layer_exec import LayerPlan, LayerRun
+from dhelix.interpreter.execute.model_ends import EmbedRun, HeadRun
 from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, torch_dtype
 
 #: Bytes per rank of the link sweep's all_gathers.

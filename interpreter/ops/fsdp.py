@@ -33,7 +33,8 @@ from dhelix.dsl.core.mesh import REPLICATE, SHARD
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes.fsdp import is_fsdp, padded_elements, shard_axis
 
-from .comm import Communicator, Pending, regrouped
+from .blocks import regrouped
+from .comm import Communicator, Pending
 
 
 class FlatShards:
@@ -176,7 +177,7 @@ def gather_weight(shard: torch.Tensor, comm: Communicator, shape: tuple[int, ...
     ``dp.intra``). The first of two stages (``first_stage``; ``shard`` is this rank's piece)
     gives its sub-group's pieces, flat; the second (``shard`` is that) gives the weight, its
     pieces put back in dp order when they came grouped by place on the node (``regroup``,
-    :func:`~.comm.regrouped`). ``pieces`` > 0: the weight is cut into that many column
+    :func:`~.blocks.regrouped`). ``pieces`` > 0: the weight is cut into that many column
     blocks (:func:`column_piece`), put side by side."""
     gathered = comm.all_gather(shard, axis, async_op=async_op)
 
@@ -196,7 +197,7 @@ def scatter_grad(grad: torch.Tensor, comm: Communicator, async_op: bool, axis: s
     ``dp.inter``; or ``dp.shard``). ``whole``: ``grad`` is the full gradient (flattened and
     padded here to a multiple of ``pieces``, default dp), not the first stage's output;
     ``regroup``: the pieces go grouped by place on the node first
-    (:func:`~.comm.regrouped`), as a reduce-scatter inside the node before the nodes must;
+    (:func:`~.blocks.regrouped`), as a reduce-scatter inside the node before the nodes must;
     ``by_columns``: the pieces are column blocks (:func:`column_piece`)."""
     count = pieces or comm.size("dp")
     flat = grad if not whole else column_pieces(grad, count) if by_columns else padded_flat(grad, count)

@@ -15,9 +15,14 @@ SwiGLU run fused (:mod:`.gpu_kernels`).
 
 Tensors are 2-D ``[tokens, features]``; a micro-batch's tokens are rows in (batch, seq)
 order, so attention reshapes them with the micro-batch size from ``ctx``. Collectives go
-through ``ctx.comm`` (:mod:`.comm`). :func:`handler` is the dispatch table from an
-``Op.op`` — a library op or a derived kind such as ``_gemm_dgrad`` or ``rmsnorm_bwd`` — to
-its role and kernel.
+through ``ctx.comm`` (:mod:`.comm`).
+
+This module holds the model's operators (norms, GEMMs, the MoE router and grouped GEMM,
+attention, activations, add, the vocabulary-parallel embedding and LM head) and the
+:class:`Kernel` and :class:`KernelCtx` every kernel module shares. The partitioned chains'
+layout ops are in :mod:`.layout_kernels`, the MoE permutes in :mod:`.routing`, the
+collectives in :mod:`.collective_kernels`; :mod:`.handlers` is the dispatch table from an
+``Op.op`` to its role and kernel.
 """
 
 from __future__ import annotations
@@ -29,12 +34,9 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, ROOT, WGRAD, backward_parts, derived_kind
-
 from . import gpu_kernels as gpu
-from .comm import (Communicator, Pending, SingleRankComm, level_part_blocks, part_blocks, regrouped, stage_blocks,
-                   within_index, without_group)
-from .moe import exchange, to_host
+from .comm import Communicator, SingleRankComm
+from .moe import to_host
 from .rope import rope_of, rope_tables, rotate
 
 #: Epsilon of RMSNorm and LayerNorm when the op gives none (the reference model uses the same).
@@ -342,222 +344,6 @@ def _add_dgrad(grad, saved, weight):
     return (grad, grad)
 
 
-# -- layout: the slices and concats of a partitioned chain -----------------------------------
-# Along tokens a gathered tensor holds ``blocks`` rank blocks; chunk ``index`` of ``parts``
-# is that share of every block, in block order (:mod:`dhelix.dsl.passes.partition`).
-
-def _piece(x, index: int, parts: int, dim: int, blocks: int):
-    if blocks == 1:
-        step = x.shape[dim] // parts
-        return x.narrow(dim, index * step, step)
-    rows = x.shape[0] // blocks
-    step = rows // parts
-    return torch.cat([x.narrow(0, b * rows + index * step, step) for b in range(blocks)])
-
-
-def _layout(ctx) -> tuple[int, int, int]:
-    return ctx.params["parts"], ctx.params["dim"], ctx.params["blocks"]
-
-
-def _slice_forward(inputs, weight, ctx):
-    (x,) = inputs
-    parts, dim, blocks = _layout(ctx)
-    index = ctx.params["index"]
-    return _piece(x, index, parts, dim, blocks).contiguous(), (tuple(x.shape), index, parts, dim, blocks)
-
-
-def _slice_dgrad(grad, saved, weight):
-    # The chunk's gradient in place in a zero tensor of the sliced value's shape; the
-    # accumulation of the value's gradients adds the other chunks'.
-    shape, index, parts, dim, blocks = saved
-    full = grad.new_zeros(shape)
-    if blocks == 1:
-        full.narrow(dim, index * grad.shape[dim], grad.shape[dim]).copy_(grad)
-        return (full,)
-    rows, step = shape[0] // blocks, grad.shape[0] // blocks
-    for b in range(blocks):
-        full.narrow(0, b * rows + index * step, step).copy_(grad.narrow(0, b * step, step))
-    return (full,)
-
-
-def _concat_forward(inputs, weight, ctx):
-    parts, dim, blocks = _layout(ctx)
-    if blocks == 1:
-        return torch.cat(inputs, dim), (parts, dim, blocks)
-    step = inputs[0].shape[0] // blocks  # rows of one chunk in one rank block
-    order = [x.narrow(0, b * step, step) for b in range(blocks) for x in inputs]
-    return torch.cat(order), (parts, dim, blocks)
-
-
-def _concat_dgrad(grad, saved, weight):
-    parts, dim, blocks = saved
-    return tuple(_piece(grad, i, parts, dim, blocks).contiguous() for i in range(parts))
-
-
-# -- rest and merge: a chain split at the stages of a group-partitioned all_gather ----------
-# The first stage brought the rank blocks of this rank's node (``first`` intra) or of its
-# place on every node (inter), in rank order; ``rest`` takes the other blocks of the whole
-# gather, ``merge`` puts chunk 0's rows (the first stage's blocks) and chunk 1's (the rest)
-# back in rank order (:func:`~.comm.stage_blocks` says which blocks are whose).
-
-def _first_blocks(ctx) -> list[int]:
-    # Over declared levels: every block the stages before the last brought.
-    if "order" in ctx.params:
-        last = level_part_blocks(ctx.comm, ctx.params["axis"], ctx.params["order"], False)[-1]
-        return [b for b in range(ctx.params["blocks"]) if b not in last]
-    return stage_blocks(ctx.comm, ctx.params["axis"], ctx.params["first"])
-
-
-def _take_blocks(x, groups: list[list[int]], blocks: int, dim: int = 0) -> tuple:
-    """For each list of block indices in ``groups``, those blocks of ``x`` (cut into
-    ``blocks`` equal pieces along ``dim``) joined along ``dim`` in the list's order."""
-    pieces = x.chunk(blocks, dim)
-    return tuple(torch.cat([pieces[b] for b in group], dim) for group in groups)
-
-
-def _rest_forward(inputs, weight, ctx):
-    (x,) = inputs
-    near, blocks = _first_blocks(ctx), ctx.params["blocks"]
-    far = [b for b in range(blocks) if b not in near]
-    return _take_blocks(x, [far], blocks)[0].contiguous(), (near, blocks)
-
-
-def _rest_dgrad(grad, saved, weight):
-    # The others' gradient in place in a zero tensor of the whole gather; the first stage's
-    # blocks get theirs through chunk 0 (the gradients of the gather's stages add up).
-    near, blocks = saved
-    rows = grad.shape[0] // (blocks - len(near))
-    full = grad.new_zeros((rows * blocks, *grad.shape[1:]))
-    far = [b for b in range(blocks) if b not in near]
-    for i, b in enumerate(far):
-        full.narrow(0, b * rows, rows).copy_(grad.narrow(0, i * rows, rows))
-    return (full,)
-
-
-def _part_blocks(ctx, parts: int) -> list[list[int]]:
-    """The blocks each of a merge's ``parts`` inputs holds (:func:`~.comm.part_blocks`, over
-    declared levels :func:`~.comm.level_part_blocks`)."""
-    if "order" in ctx.params:
-        order = ctx.params["order"]
-        return level_part_blocks(ctx.comm, ctx.params["axis"], order, parts > len(order))
-    return part_blocks(ctx.comm, ctx.params["axis"], ctx.params["first"], ctx.params["blocks"], parts)
-
-
-def _merge_forward(inputs, weight, ctx):
-    # Rows of rank blocks (an activation gather's stages), or along the features (``dim`` 1)
-    # the column blocks of a weight split at its ZeRO-3 gather's stages.
-    owners, blocks, dim = _part_blocks(ctx, len(inputs)), ctx.params["blocks"], ctx.params.get("dim", 0)
-    size = inputs[0].shape[dim] // len(owners[0])
-    where = {b: (part, i) for part, owned in enumerate(owners) for i, b in enumerate(owned)}
-    pieces = [x.split(size, dim) for x in inputs]
-    return torch.cat([pieces[where[b][0]][where[b][1]] for b in range(blocks)], dim), (owners, blocks, dim)
-
-
-def _merge_dgrad(grad, saved, weight):
-    owners, blocks, dim = saved
-    return tuple(piece.contiguous() for piece in _take_blocks(grad, owners, blocks, dim))
-
-
-# -- others: a tensor's blocks without those of this rank's group (``by stages3``) ----------
-
-def _others_forward(inputs, weight, ctx):
-    (x,) = inputs
-    groups, mine = ctx.params["groups"], within_index(ctx.comm, ctx.params["axis"])
-    return without_group(x, groups, mine), (groups, mine)
-
-
-def _others_dgrad(grad, saved, weight):
-    groups, mine = saved
-    size = grad.shape[0] // (groups - 1)
-    full = grad.new_zeros((size * groups, *grad.shape[1:]))
-    for i, b in enumerate(g for g in range(groups) if g != mine):
-        full.narrow(0, b * size, size).copy_(grad.narrow(0, i * size, size))
-    return (full,)
-
-
-def _pick_forward(inputs, weight, ctx):
-    # After reduces of distinct roots: the one whose root is this rank holds its block's sum.
-    mine = ctx.comm.index(ctx.params["axis"])
-    return inputs[mine], (mine, len(inputs))
-
-
-def _pick_dgrad(grad, saved, weight):
-    # Only this rank's reduce gets a gradient: a reduce's transpose is a broadcast from its
-    # root, which reads nothing from the other members.
-    mine, parts = saved
-    return tuple(grad if i == mine else grad.new_zeros(grad.shape) for i in range(parts))
-
-
-# -- MoE permutes ------------------------------------------------------------------------
-
-@attrs.frozen
-class Routing:
-    """Top-k routing of ``tokens`` tokens: chosen experts and probabilities ``[tokens, k]``
-    and ``order``, the (token, slot) pairs ``t * k + s`` sorted stably by expert; all on the
-    device (nothing read back)."""
-
-    experts: torch.Tensor
-    probs: torch.Tensor
-    order: torch.Tensor
-
-    @property
-    def rows(self) -> torch.Tensor:
-        """The source token of each routed row."""
-        return self.order // self.experts.shape[1]
-
-
-def route(scores: torch.Tensor, top_k: int) -> Routing:
-    """The top-k routing that ``scores`` ``[tokens, experts]`` choose (deterministic, so
-    permute and unpermute derive the same order independently)."""
-    probs, experts = scores.topk(top_k, dim=-1)
-    order = torch.argsort(experts.reshape(-1), stable=True)
-    return Routing(experts, probs, order)
-
-
-def expert_counts(routing: Routing, experts: int) -> torch.Tensor:
-    """The routed rows per expert, int64 on the device (a scatter-add: CUDA's bincount reads
-    its input's maximum back to size its output)."""
-    flat = routing.experts.reshape(-1)
-    return flat.new_zeros(experts).scatter_add_(0, flat, torch.ones_like(flat))
-
-
-def _permute_forward(inputs, weight, ctx):
-    """Replicate each token top_k times, rows grouped by expert; records the rows per expert
-    (on the device: the dispatch or the grouped GEMM reads them back, :func:`.moe.to_host`)."""
-    x, scores = inputs
-    routing = route(scores, int(ctx.params["top_k"]))
-    ctx.routing["counts"] = expert_counts(routing, scores.shape[1])
-    rows = routing.rows
-    return x[rows], (rows, x.shape[0])
-
-
-def _permute_dgrad(grad, saved, weight):
-    rows, tokens = saved
-    dx = grad.new_zeros((tokens, grad.shape[1])).index_add_(0, rows, grad)
-    return (dx, None)  # the scores only choose rows: no gradient
-
-
-def _unpermute_forward(inputs, weight, ctx):
-    """Each token's sum of its top_k expert outputs, weighted by their probabilities."""
-    y, scores = inputs
-    routing = route(scores, int(ctx.params["top_k"]))
-    weights = routing.probs.reshape(-1)[routing.order]
-    rows = routing.rows
-    out = y.new_zeros((scores.shape[0], y.shape[1])).index_add_(0, rows, y * weights[:, None])
-    return out, (y, routing, weights, scores.shape)
-
-
-def _unpermute_dgrad(grad, saved, weight):
-    y, routing, weights, scores_shape = saved
-    tokens, experts = scores_shape
-    picked = grad[routing.rows]
-    dy = picked * weights[:, None]
-    dweights = (picked * y).sum(-1)
-    slot = routing.rows * experts + routing.experts.reshape(-1)[routing.order]
-    dscores = grad.new_zeros(tokens * experts).index_add_(0, slot, dweights)
-    return (dy, dscores.view(tokens, experts))
-
-
 # -- vocabulary-parallel embedding and LM head with cross-entropy --------------------------
 
 def _embedding_forward(inputs, weight, ctx):
@@ -629,58 +415,8 @@ def lm_head_backward(grad, saved, weight) -> tuple[torch.Tensor, Callable[[], to
     return grad_logits @ weight.t(), lambda: saved[0].t() @ grad_logits
 
 
-# -- collectives (their backward is the transposed collective, a DAG op of its own) --------
-
-def _all_gather(x, ctx):
-    gathered = ctx.comm.all_gather(x, ctx.axis, async_op=ctx.async_op)
-    if not ctx.params.get(REGROUP):
-        return gathered
-
-    def finish(y):
-        return regrouped(y, ctx.comm, ctx.axis, gathered=True, layout=ctx.params[REGROUP])
-    return gathered.then(finish) if isinstance(gathered, Pending) else finish(gathered)
-
-
-def _reduce_scatter(x, ctx):
-    if ctx.params.get(REGROUP):
-        x = regrouped(x, ctx.comm, ctx.axis, gathered=False, layout=ctx.params[REGROUP])
-    return ctx.comm.reduce_scatter(x, ctx.axis, async_op=ctx.async_op)
-
-
-def _all_reduce(x, ctx):
-    # The communicator reduces in place; the input may be saved or read again.
-    return ctx.comm.all_reduce(x.clone(), ctx.axis, async_op=ctx.async_op)
-
-
-def _reduce(x, ctx):
-    # Reduces of distinct roots (a substituted reduce_scatter): the communicator sums in place.
-    return ctx.comm.reduce(x.clone(), ctx.axis, ctx.params[ROOT], async_op=ctx.async_op)
-
-
-def _broadcast(x, ctx):
-    # Broadcasts of distinct roots (a substituted all_gather): the communicator writes in place.
-    return ctx.comm.broadcast(x.clone(), ctx.axis, ctx.params[ROOT], async_op=ctx.async_op)
-
-
-def _all_to_all(x, ctx):
-    """MoE dispatch or combine: the identity on one rank, else :func:`.moe.exchange`
-    (counts first, then the tokens with variable splits)."""
-    if ctx.comm.size(ctx.axis) > 1:
-        return exchange(x, ctx)
-    return ctx.comm.all_to_all(x, ctx.axis, async_op=ctx.async_op)
-
-
-def _send(x, ctx):
-    """Send to the next rank of the axis ring; the op's value is what it sent."""
-    return ctx.comm.send(x, ctx.comm.peer(ctx.axis, 1), async_op=ctx.async_op)
-
-
-def _recv(x, ctx):
-    """Receive a tensor shaped like ``x`` from the previous rank of the axis ring."""
-    return ctx.comm.recv(x.shape, x.dtype, ctx.comm.peer(ctx.axis, -1), async_op=ctx.async_op)
-
-
-KERNELS: dict[str, Kernel] = {
+#: The model's operators by library name (:data:`.handlers.KERNELS` adds the other kernel modules').
+OPERATOR_KERNELS: dict[str, Kernel] = {
     "rmsnorm": Kernel(_rmsnorm_forward, _rmsnorm_dgrad, _rmsnorm_wgrad),
     "layernorm": Kernel(_layernorm_forward, _layernorm_dgrad, _layernorm_wgrad),
     "gemm": Kernel(_gemm_forward, _gemm_dgrad, _gemm_wgrad, _gemm_wgrad_into),
@@ -690,56 +426,6 @@ KERNELS: dict[str, Kernel] = {
     "swiglu": Kernel(_swiglu_forward, _swiglu_dgrad),
     "gelu": Kernel(_gelu_forward, _gelu_dgrad),
     "add": Kernel(_add_forward, _add_dgrad),
-    "slice": Kernel(_slice_forward, _slice_dgrad),
-    "concat": Kernel(_concat_forward, _concat_dgrad),
-    "rest": Kernel(_rest_forward, _rest_dgrad),
-    "merge": Kernel(_merge_forward, _merge_dgrad),
-    "others": Kernel(_others_forward, _others_dgrad),
-    "pick": Kernel(_pick_forward, _pick_dgrad),
-    "permute": Kernel(_permute_forward, _permute_dgrad),
-    "unpermute": Kernel(_unpermute_forward, _unpermute_dgrad),
     "embedding": Kernel(_embedding_forward, _embedding_dgrad, _embedding_wgrad),
     "lm_head": Kernel(_lm_head_forward, _lm_head_dgrad, _lm_head_wgrad),
 }
-
-#: Collectives: ``fn(x, ctx) -> Tensor | Pending`` (a Pending when ``ctx.async_op``).
-COLLECTIVES: dict[str, Callable] = {
-    "all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_reduce": _all_reduce,
-    "all_to_all": _all_to_all, "reduce": _reduce, "broadcast": _broadcast,
-    "send": _send, "recv": _recv,
-}
-
-#: The op kinds whose kernels read or write their run's MoE routing (``KernelCtx.routing``):
-#: the others' contexts hold nothing of a run and are shared by every run of a layer.
-ROUTED = frozenset({"permute", "unpermute", "grouped_gemm", "all_to_all"})
-
-#: Roles an ``Op.op`` resolves to (:func:`handler`); a derived backward kind's role is its
-#: part as the op library names it (DGRAD, WGRAD or BWD).
-FORWARD, COMM = "forward", "comm"
-#: ZeRO-3's weight all-gather and gradient reduce-scatter (:mod:`.fsdp`; run by LayerRun).
-GATHER_W, SCATTER_DW = "gather_w", "scatter_dw"
-ROLES = (FORWARD, DGRAD, WGRAD, BWD, COMM, GATHER_W, SCATTER_DW)
-
-
-def _handlers() -> dict[str, tuple[str, object]]:
-    # The backward kinds are those autodiff derives (the op library says which ops split).
-    table: dict[str, tuple[str, object]] = {}
-    for name, kernel in KERNELS.items():
-        table[name] = (FORWARD, kernel)
-        for part in backward_parts(name):
-            table[derived_kind(name, part)] = (part, kernel)
-    table.update({name: (COMM, fn) for name, fn in COLLECTIVES.items()})
-    table.update({"param_gather": (GATHER_W, None), "grad_scatter": (SCATTER_DW, None)})
-    return table
-
-
-HANDLERS = _handlers()
-
-
-def handler(op_kind: str) -> tuple[str, object]:
-    """The role (one of :data:`ROLES`) and the Kernel (or collective function) of
-    ``op_kind``, an ``Op.op``. Raises KeyError naming the known kinds."""
-    try:
-        return HANDLERS[op_kind]
-    except KeyError:
-        raise KeyError(f"no kernel for op '{op_kind}'; known: {', '.join(sorted(HANDLERS))}") from None

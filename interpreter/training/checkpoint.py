@@ -33,6 +33,10 @@ neither DTensor's placements nor a single DCP chunk describe.
 
 :func:`export_weights` writes the full weights as one ``torch.save`` file whose keys are
 :class:`~.reference.ReferenceModel`'s ``state_dict`` keys.
+
+One module, though over 500 lines, because it is one thing: a DCP checkpoint's save and load
+(the rotation of old saves and a failed save's report are parts of the save; the manifests are
+:mod:`.manifest`).
 """
 
 from __future__ import annotations

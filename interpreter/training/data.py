@@ -32,6 +32,10 @@ on ``--resume`` (:meth:`DataSource.position`, :meth:`DataSource.restore`); the h
 mixes the sources' held-out windows by the same weights.
 
 torch only (no NumPy, which the CPU build of torch may lack).
+
+One module, though over 500 lines, because it is one thing: a run's training data from its paths
+to each step's samples (the sources read, the stream packed, the seeded order and the position a
+checkpoint keeps); token files, tokenizers and blends have modules of their own.
 """
 
 from __future__ import annotations

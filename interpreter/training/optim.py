@@ -72,6 +72,10 @@ tokens once, and dividing it by dp (not dp / ep) gives the same average as the d
 weights. Dense weights (attention, norms, router, the model's ends) stay in the buffer over
 ``dp``. Each buffer is padded to a multiple of its axis size and, under ZeRO-1, sliced
 over that axis.
+
+One module, though over 500 lines, because it is one thing: the data-parallel optimizer step,
+from the gradient buckets' reductions to the updated weights (:class:`DistributedAdamW`; its
+buckets and the norm's weights are parts of it).
 """
 
 from __future__ import annotations
