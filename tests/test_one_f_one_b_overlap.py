@@ -18,7 +18,7 @@ import pytest
 
 from commands import dhelix_here
 from dhelix.cli import main
-from dhelix.dsl.core.schedule import Interleaved, computes
+from dhelix.dsl.core.schedule import Interleaved
 from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.passes.unittime import peak_in_flight, unit_time
 from dhelix.dsl.search.space import space_of
@@ -30,20 +30,6 @@ NAME = "one_f_one_b_overlap"
 SIZES = [(p, m) for p in range(1, 9) for m in sorted({1, 2, p, p + 1, 2 * p - 1, 2 * p, 3 * p + 1, 5 * p})]
 
 
-def held_inside_blocks(lowered) -> tuple[int, ...]:
-    """Per rank, the most activations held at once counting an SI block's forward before its
-    backward frees one (what the block holds when it runs its forward first, as SI off does)."""
-    peaks = []
-    for row in lowered.actions:
-        live = peak = 0
-        for action in row:
-            for part in computes(action):
-                live += {"F": 1, "B": -1}.get(part.kind, 0)
-                peak = max(peak, live)
-        peaks.append(peak)
-    return tuple(peaks)
-
-
 def test_unit_time_is_one_f_one_b_s_and_the_first_rank_holds_2p_minus_1():
     for p, m in SIZES:
         lowered = lower_stdlib(NAME, p, m)
@@ -52,8 +38,8 @@ def test_unit_time_is_one_f_one_b_s_and_the_first_rank_holds_2p_minus_1():
         assert timing.bubble_ratio == Fraction(p - 1, m + p - 1)
         assert peak_in_flight(lowered) == tuple(min(2 * (p - r) - 1, m) for r in range(p)), (p, m)
         # Inside a block both of its micro-batches are held: one more (1F1B: p - r during its F).
-        assert held_inside_blocks(lowered) == tuple(min(2 * (p - r), m) for r in range(p)), (p, m)
-        assert held_inside_blocks(lower_stdlib("one_f_one_b", p, m)) == tuple(min(p - r, m) for r in range(p))
+        assert peak_in_flight(lowered, inside_blocks=True) == tuple(min(2 * (p - r), m) for r in range(p)), (p, m)
+        assert peak_in_flight(lower_stdlib("one_f_one_b", p, m), inside_blocks=True) == tuple(min(p - r, m) for r in range(p))
 
 
 def test_the_steady_phase_is_all_si_blocks_of_two_micro_batches():

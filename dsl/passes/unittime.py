@@ -120,11 +120,13 @@ def timed_run(lowered: Lowered, costs: Costs) -> Timing:
     return Timing(lowered, tuple(map(tuple, starts)), tuple(map(tuple, ends)))
 
 
-def peak_in_flight(lowered: Lowered) -> tuple[int, ...]:
+def peak_in_flight(lowered: Lowered, inside_blocks: bool = False) -> tuple[int, ...]:
     """Per rank, the most (micro-batch, chunk) activations held at once, in program order.
 
     A forward adds one; its backward B frees it (W keeps only weight-gradient inputs, which
-    this count ignores). A memory proxy: divide by v for whole-rank activations.
+    this count ignores). A memory proxy: divide by v for whole-rank activations. With
+    ``inside_blocks``, an SI block's forward counts before its backward frees one (what the
+    block holds when it runs its forward first, as SI off does); else a block counts whole.
     """
     peaks = []
     for row in lowered.actions:
@@ -132,6 +134,8 @@ def peak_in_flight(lowered: Lowered) -> tuple[int, ...]:
         for action in row:
             for part in computes(action):
                 live += {"F": 1, "B": -1}.get(part.kind, 0)
+                if inside_blocks:
+                    peak = max(peak, live)
             peak = max(peak, live)
         peaks.append(peak)
     return tuple(peaks)
