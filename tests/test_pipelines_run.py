@@ -26,6 +26,19 @@ RUNS = {
 }
 
 
+def test_interleaved_1f1b_on_five_chunks_per_rank_is_exact(tmp_path):
+    # Virtual stages beyond 4 (tune tries v up to 8): 10 layers over 2 pipeline ranks of 5
+    # chunks, one layer a chunk, beside tp = 2.
+    text = tiny_example_text().replace("layers = 4", "layers = 10").replace("fold u", "fold loop(5)") \
+        .replace("pipeline w_helix", "pipeline interleaved_1f1b")
+    assert "layers = 10" in text and "fold loop(5)" in text
+    path = tmp_path / "loop5.dhx"
+    path.write_text(text)
+    result = dhelix_here("run", str(path), "--steps", "2", "--check", "--timeout", "120", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "check: passed: 2 step(s) match the single-process reference" in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("pipeline", list(RUNS))
 def test_run_check_is_exact_on_gloo_ranks(tmp_path, pipeline):
     fold, mesh, microbatches = RUNS[pipeline]

@@ -995,3 +995,30 @@ def test_the_combined_1f1b_is_searched_with_si_on_and_off_and_priced(tiny):
     found = search(pricer, space, top=top)
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert {(p.choice.pipeline, p.choice.si) for p in expected} >= {(name, "on"), (name, "off")}
+
+
+def test_virtual_stages_beyond_four_where_the_layers_split_evenly(tmp_path):
+    # Chunks per rank (Megatron's virtual stages) up to 8, each where some pipeline size of
+    # the space gives p·v stages of equal layers: 80 layers on 64 GPUs take v 2, 4, 5 and 8
+    # (5 on pp 4 or 16, 8 on pp 2), never 3, 6 or 7; the tiny 4 layers keep 2 and 4; a kept
+    # loop(10), past the most tried, stays searched.
+    from dhelix.dsl.search.space import loop_chunks
+
+    assert loop_chunks(80, (1, 2, 4, 8, 16, 32, 64)) == (2, 4, 5, 8)
+    assert loop_chunks(4, (1, 2, 4)) == (2, 4)
+    assert loop_chunks(126, (8,)) == ()
+    text = TINY.read_text().replace("layers = 4", "layers = 20").replace('"../', f'"{ROOT}/')
+    assert "layers = 20" in text
+    twenty = tmp_path / "twenty.dhx"
+    twenty.write_text(text)
+    modules = load_modules(text, str(twenty))
+    base = passes.rerun(check_program(modules), after="check")
+    folds = {fold for fold, name, _ in space_of(base).schedules if name == "interleaved_1f1b"}
+    assert folds == {"loop(2)", "loop(4)", "loop(5)"}  # pp 1, 2, 4 on 4 GPUs: 20 = 2·2·5 = 4·5
+    kept = space_of(base, keep=("fold", "pipeline"))
+    assert {fold for fold, _, _ in kept.schedules} == {base.fold.text}
+    ten = text.replace("fold u", "fold loop(10)").replace("pipeline w_helix", "pipeline interleaved_1f1b")
+    (tmp_path / "ten.dhx").write_text(ten)
+    modules = load_modules(ten, str(tmp_path / "ten.dhx"))
+    base = passes.rerun(check_program(modules), after="check")
+    assert {fold for fold, _, _ in space_of(base, keep=("fold",)).schedules} == {"loop(10)"}

@@ -55,8 +55,16 @@ MAX_CP = 16
 #: cross-node TP that SI hides; beyond, the all-gathers of every layer cross a node per
 #: rank pair and no published recipe goes).
 MAX_TP_NODES = 2
-#: Chunks per rank tried for ``fold loop(v)``.
-LOOP_CHUNKS = (2, 4)
+#: The most chunks per rank tried for ``fold loop(v)`` (Megatron's virtual pipeline stages:
+#: published recipes go to 8 for dense models, e.g. Llama 3.1 405B on Megatron-Bridge, PP 8 VP 8).
+MAX_LOOP_CHUNKS = 8
+
+
+def loop_chunks(layers: int, pipeline_sizes) -> tuple[int, ...]:
+    """The chunk counts v (2 to :data:`MAX_LOOP_CHUNKS`) tried for ``fold loop(v)``: those
+    that split ``layers`` evenly over some p of ``pipeline_sizes`` (p·v stages of equal
+    layers, as the fold needs); a v no p divides would only be refused."""
+    return tuple(v for v in range(2, MAX_LOOP_CHUNKS + 1) if any(layers % (p * v) == 0 for p in pipeline_sizes))
 
 
 @attrs.frozen(order=True)
@@ -224,16 +232,17 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
 
     experts = model.get("experts")
     layers = model.setting("layers")
+    pp = domain("pp", (d for d in divisors(world) if d <= layers))
     return Space(
         world=world, sequences=sequences,
         tp=domain("tp", (d for d in divisors(world) if d <= MAX_TP_NODES * program.cluster.gpus_per_node)),
         cp=domain("cp", (d for d in divisors(world) if d <= MAX_CP)),
-        pp=domain("pp", (d for d in divisors(world) if d <= layers)),
+        pp=pp,
         ep=domain("ep", (d for d in divisors(world) if experts and experts % d == 0) if experts else (1,)),
         micro_batch=domain("micro_batch", (b for b in MICRO_BATCHES if sequences % b == 0)),
         zero=domain("zero", ZERO_STAGES), shard=domain("shard", (0,) + divisors(world)[1:]),
         recompute=domain("recompute", RECOMPUTE),
-        schedules=_schedules(program, kept, generated), kept=kept,
+        schedules=_schedules(program, kept, loop_chunks(layers, pp), generated), kept=kept,
         partition=domain("partition", PARTITIONS if partitions else PARTITIONS[:1]),
         param_gather=domain("param_gather", PARAM_GATHER),
         written_order=tuple(axis for axis in mesh.order if axis in PLACED_AXES),
@@ -257,9 +266,10 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
     return {name: written[name] for name in sorted(names - {"mesh"})}
 
 
-def _schedules(program: Program, kept: dict, generated: bool = False) -> tuple[tuple[str, str, str], ...]:
+def _schedules(program: Program, kept: dict, chunks: tuple[int, ...],
+               generated: bool = False) -> tuple[tuple[str, str, str], ...]:
     """(fold, pipeline, si) for every pipeline the program can name, each with the fold it
-    is written for (every fold for one written for any; loop with each of LOOP_CHUNKS), and
+    is written for (every fold for one written for any; loop with each of ``chunks``), and
     SI on and off for one that writes SI blocks (SI as kept when it is; a pipeline without
     any takes the kept value, else on: it changes nothing there); with ``generated``, the
     generated pipelines the program does not define itself, on fold none."""
@@ -271,7 +281,9 @@ def _schedules(program: Program, kept: dict, generated: bool = False) -> tuple[t
         kinds = (pipeline.fold,) if pipeline.fold else tuple(FOLD_KINDS)
         si = SI_SETTINGS if writes_si(pipeline) and "si" not in kept else (kept.get("si", SI_SETTINGS[0]),)
         for kind in kinds:
-            folds = [kind] if FOLD_KINDS[kind] is not None else [f"{kind}({v})" for v in LOOP_CHUNKS]
+            folds = [kind] if FOLD_KINDS[kind] is not None else [f"{kind}({v})" for v in chunks]
+            if FOLD_KINDS[kind] is None and kept.get("fold", "").startswith(f"{kind}(") and kept["fold"] not in folds:
+                folds.append(kept["fold"])  # a kept loop(v) the tried counts do not hold
             out += [(fold, pipeline.name, on) for fold in folds for on in si]
     return tuple((fold, name, on) for fold, name, on in out
                  if kept.get("fold", fold) == fold and kept.get("pipeline", name) == name)
