@@ -456,7 +456,8 @@ class DistributedAdamW:
         and is rolled back — the moments, masters and parameters it wrote restored from
         copies taken before it — then redone clipped, or left undone, where the global norm
         says so (:attr:`rollbacks`); a rank whose share already clips or is not finite waits
-        as the synchronous step does. Nothing reaches another rank (ZeRO-1's weight gathers)
+        as the synchronous step does, and so does a world of one rank (nothing to hide).
+        Nothing reaches another rank (ZeRO-1's weight gathers)
         before the norm has been checked, so the numbers are the synchronous step's, bit for
         bit."""
         self.settle()
@@ -467,7 +468,7 @@ class DistributedAdamW:
         self._landed = {}
         if self.per_microbatch:  # kept until the next step's: ZeRO-2's sharded gradients
             self.grad_parts = [averaged[index] for index in sorted(early) if self.buckets[index].sliced]
-        if self.config.post and self.norm_weights is not None:
+        if self.config.post and self.norm_weights is not None and _world_size() > 1:
             return self._post_validated(averaged, lr, accept)
         if self.norm_weights is not None:
             self.last_norm = self.global_norm(averaged)
@@ -711,6 +712,13 @@ class DistributedAdamW:
         kernel = {"fused": True} if device.type in _FUSED_DEVICES else {"foreach": True}
         adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, beta1=cfg.betas[0],
               beta2=cfg.betas[1], lr=lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False, **kernel)
+
+
+def _world_size() -> int:
+    """Ranks in the world (1 outside one): post-validation has nothing to hide on one."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _all_reduce(total: torch.Tensor):

@@ -236,7 +236,7 @@ def simulated(program, options: "RunOptions", local_cpu: int = 0, cores: int | N
     from dhelix.dsl.simulator.runplan import price
 
     try:
-        result = price(options.compiled, zero1=options.zero1)
+        result = price(options.compiled, zero1=options.zero1, optimizer_check=options.optimizer_check)
     except DhelixError as exc:
         return Figures(), f"cannot simulate this program: {exc.message}"
     note = "predicted " + profile_provenance(program.profile, program.cluster.profile)
