@@ -48,6 +48,8 @@ def test_post_validation_hides_the_norm_behind_the_optimizer(zero):
     assert copied > optimizer and hidden > 0
     assert sync.step_time - post.step_time == pytest.approx(hidden, rel=1e-9, abs=1e-15)
     assert sync.pipeline_time == post.pipeline_time  # nothing before the step's end moves
+    # The copy a rollback restores: the rank's optimizer states twice.
+    assert post.ranks[0].states.optimizer == 2 * sync.ranks[0].states.optimizer > 0
     names = [event.name for event in post.events if event.rank == 0]
     assert "optimizer state copy" in names and "all_reduce grad norm" in names
     assert "optimizer state copy" not in [event.name for event in sync.events]

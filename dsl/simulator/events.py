@@ -397,7 +397,14 @@ class _Run:
         return any(self.lowered.stage_of(rank, chunk) == index for chunk in range(self.lowered.chunks))
 
     def states(self, rank: int) -> ModelStates:
-        """The model states ``rank`` holds (its parameters, gradients and optimizer states)."""
+        """The model states ``rank`` holds (its parameters, gradients and optimizer states;
+        post-validated, its optimizer states twice: the copy a rollback restores)."""
+        states = self._states(rank)
+        if self.post and self.norm_seconds:
+            return attrs.evolve(states, optimizer=2 * states.optimizer)
+        return states
+
+    def _states(self, rank: int) -> ModelStates:
         costs = self.costs
         dense, expert = self._local_params(rank)
         if self.fsdp:  # ZeRO-3 runs with ep = 1: the experts are sharded as the layers' other weights
