@@ -479,7 +479,7 @@ class DistributedAdamW:
             scale = self._coefficient(self.last_norm)  # type: ignore[arg-type]
             for grad in averaged:
                 grad.mul_(scale)
-        self._publish_all(self._update(averaged, lr))
+        self._update(averaged, lr, publish=True)
         return True
 
     def _post_validated(self, averaged: list[torch.Tensor], lr: float,
@@ -493,7 +493,7 @@ class DistributedAdamW:
         parts = None
         if hopeful:
             self._keep_copies()
-            parts = self._update(averaged, lr)
+            parts = self._update(averaged, lr, publish=False)
         if pending is not None:
             pending.wait()
         self.last_norm = norm = math.sqrt(float(reduced))
@@ -512,14 +512,18 @@ class DistributedAdamW:
             if scale != 1.0:  # (× 1.0 is exact: the synchronous step's numbers either way)
                 for grad in averaged:
                     grad.mul_(scale)
-            parts = self._update(averaged, lr)
-        self._publish_all(parts)
+            self._update(averaged, lr, publish=True)
+            return True
+        for bucket, mine in parts:  # the update stands: now the other ranks may have it
+            self._publish(bucket, mine)
         return True
 
-    def _update(self, averaged: list[torch.Tensor], lr: float) -> list[tuple[_Bucket, torch.Tensor]]:
-        # One AdamW update of every bucket's part from its averaged (clipped) gradients; returns
-        # the (bucket, updated part) to publish to the parameters (fp32 parameters without
-        # masters, not sliced, are updated where they are: nothing to publish).
+    def _update(self, averaged: list[torch.Tensor], lr: float, publish: bool) -> list[tuple[_Bucket, torch.Tensor]]:
+        # One AdamW update of every bucket's part from its averaged (clipped) gradients, each
+        # published to the parameters as soon as it is updated (``publish``: a ZeRO-1 gather
+        # left in flight runs under the next buckets' updates), else returned as (bucket,
+        # updated part) to publish later (fp32 parameters without masters, not sliced, are
+        # updated where they are: nothing to publish).
         parts = []
         for bucket, grad in zip(self.buckets, averaged, strict=True):
             if self._in_place(bucket):
@@ -534,17 +538,16 @@ class DistributedAdamW:
                     bucket.flat_params = bucket.zeros()
                 mine = bucket.fill(bucket.flat_params, self.params)[bucket.offset:bucket.offset + grad.numel()]
             self._adamw([mine], [grad], [bucket.exp_avg], [bucket.exp_avg_sq], lr)
-            parts.append((bucket, mine))
+            if publish:
+                self._publish(bucket, mine)
+            else:
+                parts.append((bucket, mine))
         return parts
 
     def _in_place(self, bucket: _Bucket) -> bool:
         # fp32 parameters are their own masters: updated where they are.
         return bucket.master is None and not bucket.sliced and all(
             self.params[n].dtype == torch.float32 for n in bucket.names)
-
-    def _publish_all(self, parts: list[tuple[_Bucket, torch.Tensor]]) -> None:
-        for bucket, mine in parts:
-            self._publish(bucket, mine)
 
     def _kept(self, bucket: _Bucket) -> list[torch.Tensor]:
         # What an update writes that outlives it: the moments, and the masters or the
