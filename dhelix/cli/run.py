@@ -421,6 +421,8 @@ def _report_training(options, result, out) -> None:
         shown = ", ".join(map(str, result.skipped[:10])) + (" …" if len(result.skipped) > 10 else "")
         print(f"skipped: {len(result.skipped)} step(s) whose loss or gradient norm was not finite ({shown})",
               file=out)
+    if result.rollbacks:
+        print(summary.rollback_line(result.rollbacks), file=out)
     if options.resume:
         print(f"resumed: from {options.resume}", file=out)
     if options.save:

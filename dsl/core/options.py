@@ -116,6 +116,13 @@ OPTIONS: tuple[Option, ...] = (
     Option(name="recompute", kind=str, flag="", train="recompute", default="none",
            choices=("none", "selective", "full"), field=False),
     Option(name="si", kind=str, flag="", train="si", default="on", choices=("on", "off"), field=False),
+    Option(name="optimizer_check", kind=str, train="optimizer_check", default="sync", choices=("sync", "post"),
+           group="training",
+           help="when the step's global checks (the gradient norm that {clip} clips to, the non-finite check "
+                "of {skip_nonfinite}) hold the optimizer back: sync (default) waits for the norm's all-reduce "
+                "before updating; post updates at once, unclipped, while the norm is reduced, and rolls the "
+                "update back (then redoes it clipped, or skips it) where the norm says so: the zero-bubble "
+                "paper's post-validation, the same numbers"),
     # --- run's own ------------------------------------------------------------------------------
     Option(name="trace", kind=str, metavar="OUT.json", help="write a Chrome trace of what ran"),
     Option(name="lr", kind=float, default=1e-3, positive=True, help="AdamW learning rate (default {default})"),

@@ -302,6 +302,11 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                "HSDP: replicated across the groups); add zero = 3, or remove shard"]))
         return None
     data_span = block.nodes["data"].value.span if "data" in block.nodes else None
+    for o in declared:  # a run option's name outside its declared choices (the compiler's own are checked above)
+        if o.field and o.choices and o.train is not None and o.train in v and v[o.train] not in o.choices:
+            errors.add(CheckError(f"unknown {o.train} '{v[o.train]}' ({join_words(o.choices, 'or')})",
+                                  block.span(o.train), did_you_mean(str(v[o.train]), o.choices)))
+            return None
     run = tuple((o.train, v[o.train]) for o in declared if o.field and o.train is not None and o.train in v)
     return Train(v["micro_batch"], v["microbatches"], v.get("data"), zero, recompute, param_gather, v.get("shard"),
                  v.get("launch"), grad_reduce, v.get("launch_backward"), si, run, span=node.span,

@@ -22,8 +22,11 @@ lowered action list in order:
   norm's when its last backward has (``train { grad_reduce = backward }``, the default; with
   ``step``, and for the embedding always, when the rank's last action has finished: what the
   interpreter does); buckets reduce-scatter (ZeRO-1) or all-reduce over the gradient
-  group's lane in ready order, fitting into the lane's idle gaps between pipeline sends. Then the optimizer
-  runs on the compute lane, and with ZeRO-1 the updated weights are all-gathered. Nothing of
+  group's lane in ready order, fitting into the lane's idle gaps between pipeline sends. Then the
+  gradient norm is all-reduced over the world, which no rank leaves before the last rank's gradients
+  are averaged, then the optimizer runs on the compute lane (with ``train { optimizer_check = post }``
+  it copies its states and runs at once, the norm in flight, :mod:`.optimizer_check`), and with
+  ZeRO-1 the updated weights are all-gathered once both have ended. Nothing of
   the next step overlaps these, except with ``train { param_gather = forward }``: then one
   all-gather per layer and model end (Megatron's ``--overlap-param-gather``, Centauri's
   model level) is booked at the start of the step, on the group's lane (the pipeline's sends
@@ -54,6 +57,7 @@ import attrs
 from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration, optimizer_time
 from dhelix.dsl.passes.fsdp import is_fsdp, replicas_substituted
 from dhelix.dsl.simulator.memory import MemoryTimeline, ModelStates, model_states
+from dhelix.dsl.simulator.optimizer_check import copy_seconds, norm_sync_seconds, post_validated
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import Program
@@ -123,8 +127,14 @@ class _Run:
     """The state of one simulation while it steps through the ranks' actions."""
 
     def __init__(self, program: Program, costs: StepCosts, si: bool, zero1: bool, trace: bool = True,
-                 detail: Plan | None = None):
+                 detail: Plan | None = None, post: bool = False):
         self.program, self.costs, self.zero1, self.trace = program, costs, zero1, trace
+        #: Post-validation: the optimizer does not wait for the gradient norm's all-reduce.
+        self.post = post
+        self.norm_seconds = norm_sync_seconds(program)
+        #: Per rank, when its gradients are averaged and the seconds of its gradient syncs
+        #: (:meth:`_synced`, once per rank: it books the lanes).
+        self._sync_done: dict[int, tuple[float, float]] = {}
         #: The plan whose segment pairs the trace draws inside SI blocks (None: not drawn).
         self.detail = detail
         #: ZeRO-3: the layers' gradients are reduce-scattered inside the layer DAGs (their
@@ -271,7 +281,46 @@ class _Run:
     # ------------------------------------------------------------ after the pipeline
 
     def finish(self, rank: int) -> _Finish:
-        """Gradient sync, optimizer and (ZeRO-1) weight gather of ``rank``; its figures."""
+        """Gradient sync, norm, optimizer and (ZeRO-1) weight gather of ``rank``; its figures."""
+        ready, dp_comm = self._synced(rank)
+        # The norm is known once every rank has joined its all-reduce (every rank's gradients averaged).
+        known = max(self._synced(r)[0] for r in range(self.lowered.ranks)) + self.norm_seconds
+        if self.trace and self.norm_seconds:
+            lane = "cross" if self.program.mesh is not None and self.program.mesh.world > \
+                self.program.mesh.gpus_per_node else "local"
+            self.events.append(TraceEvent(rank, lane, "all_reduce grad norm", known - self.norm_seconds,
+                                          self.norm_seconds, {"kind": "norm", "bytes": 8}))
+        shard, optimizer = self._optimizer(rank)
+        copy = copy_seconds(shard, self.program) if self.post else 0.0
+        start = ready if self.post else max(ready, known)
+        if copy:
+            self.events.append(TraceEvent(rank, "compute", "optimizer state copy", start, copy,
+                                          {"kind": "optimizer", "params": shard}))
+        self.events.append(TraceEvent(rank, "compute", "optimizer", start + copy, optimizer,
+                                      {"kind": "optimizer", "params": shard}))
+        end = max(start + copy + optimizer, known)  # (post: published once the norm has said so)
+        for size, seconds, group in self._weight_gathers(rank):
+            begin = self.lanes[rank][group.lane].fit(end, seconds)
+            self.events.append(TraceEvent(rank, group.lane, "all_gather weights", begin, seconds,
+                                          {"kind": "DP", "bytes": size, "group": group.size}))
+            end, dp_comm = begin + seconds, dp_comm + seconds
+        states = self.states(rank)
+        # The tail past the last action less the optimizer and the wait for the norm: the syncs' exposed part.
+        waited = max(0.0, known - (ready + copy + optimizer)) if self.post else max(0.0, known - ready)
+        tail = end - self.last_end[rank] - optimizer - copy - waited
+        exposed = min(dp_comm, max(0.0, tail)) + self.gather_exposed[rank]
+        return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer + copy, states=states,
+                       dp_exposed=exposed)
+
+    def _synced(self, rank: int) -> tuple[float, float]:
+        """(when ``rank``'s gradients are averaged and its compute lane free, seconds of its
+        gradient syncs), its syncs booked on its lanes the first time."""
+        done = self._sync_done.get(rank)
+        if done is None:
+            done = self._sync_done[rank] = self._book_syncs(rank)
+        return done
+
+    def _book_syncs(self, rank: int) -> tuple[float, float]:
         ready_after, dp_comm = 0.0, 0.0
         names = self._slot_names()
         early = self.program.train is None or self.program.train.grad_reduce == "backward"
@@ -290,20 +339,7 @@ class _Run:
                 if self.trace:
                     self.events.append(TraceEvent(rank, group.lane, f"{collective} {names(stage, slot)}", start,
                                                   seconds, {"kind": "DP", "bytes": size, "group": group.size}))
-        shard, optimizer = self._optimizer(rank)
-        start = max(self.free_at[rank], ready_after)
-        self.events.append(TraceEvent(rank, "compute", "optimizer", start, optimizer,
-                                      {"kind": "optimizer", "params": shard}))
-        end = start + optimizer
-        for size, seconds, group in self._weight_gathers(rank):
-            begin = self.lanes[rank][group.lane].fit(end, seconds)
-            self.events.append(TraceEvent(rank, group.lane, "all_gather weights", begin, seconds,
-                                          {"kind": "DP", "bytes": size, "group": group.size}))
-            end, dp_comm = begin + seconds, dp_comm + seconds
-        states = self.states(rank)
-        exposed = min(dp_comm, max(0.0, end - self.last_end[rank] - optimizer)) + self.gather_exposed[rank]
-        return _Finish(end=end, dp_comm=dp_comm + self.gather_comm[rank], optimizer=optimizer, states=states,
-                       dp_exposed=exposed)
+        return max(self.free_at[rank], ready_after), dp_comm
 
     def _syncs(self, slot, dense: float, expert: float) -> list[tuple[str, float, Group, float]]:
         """(collective, bytes, group, seconds) of each data-parallel sync of the gradients of
@@ -344,8 +380,9 @@ class _Run:
         ``work`` seconds and its gradient reductions take ``reductions`` seconds: its last
         action ends no earlier, and the embedding's gradients sync after it; the reductions
         run one after another (each starts once the one before has ended), so they end no
-        earlier than their sum; then the optimizer runs, then (ZeRO-1, param_gather = step)
-        the weights are gathered, each after the one before."""
+        earlier than their sum; then the gradient norm is all-reduced and the optimizer runs
+        (post-validated: the copy and the optimizer beside the norm), then (ZeRO-1,
+        param_gather = step) the weights are gathered, each after the one before."""
         costs, group = self.costs, self.costs.dense_group
         end = work
         if costs.params.embedding and group.size > 1 and self._holds_stage(rank, 0):
@@ -353,14 +390,25 @@ class _Run:
             end += collective_time("reduce_scatter" if self.zero1 else "all_reduce", size, group.size, group.lane,
                                    self.program.profile, group.per_node)
         end = max(end, reductions)
-        end += self._optimizer(rank)[1]
+        shard, optimizer = self._optimizer(rank)
+        if self.post:
+            end += max(copy_seconds(shard, self.program) + optimizer, self.norm_seconds)
+        else:
+            end += self.norm_seconds + optimizer
         return end + sum(seconds for _, seconds, _ in self._weight_gathers(rank))
 
     def _holds_stage(self, rank: int, index: int) -> bool:
         return any(self.lowered.stage_of(rank, chunk) == index for chunk in range(self.lowered.chunks))
 
     def states(self, rank: int) -> ModelStates:
-        """The model states ``rank`` holds (its parameters, gradients and optimizer states)."""
+        """The model states ``rank`` holds (its parameters, gradients and optimizer states;
+        post-validated, its optimizer states twice: the copy a rollback restores)."""
+        states = self._states(rank)
+        if self.post and self.norm_seconds:
+            return attrs.evolve(states, optimizer=2 * states.optimizer)
+        return states
+
+    def _states(self, rank: int) -> ModelStates:
         costs = self.costs
         dense, expert = self._local_params(rank)
         if self.fsdp:  # ZeRO-3 runs with ep = 1: the experts are sharded as the layers' other weights
@@ -563,7 +611,7 @@ class Untimed:
 
 
 def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool = False,
-            memo: dict | None = None) -> Untimed:
+            memo: dict | None = None, optimizer_check: str | None = None) -> Untimed:
     """The :class:`Untimed` figures of ``program`` priced by ``costs`` (as :func:`simulate`
     with ``costs``): what a search needs to rule out a choice over the device memory, or
     slower than its best, before simulating it. The peak follows the actions' order (the SI
@@ -572,11 +620,11 @@ def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool 
     ``memo``: a dict kept across calls to share, between programs whose actions expand
     alike (:meth:`~dhelix.dsl.simulator.pieces.Expander.key`: the layer costs, stage sizes
     and activation bytes, by value), what each action does and each schedule's walk (it
-    keeps the schedules it walked)."""
+    keeps the schedules it walked); ``optimizer_check`` as :func:`simulate`."""
     require_profile(program)
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
     si = si and interleaves(program)
-    run = _Run(program, costs, si, zero1, trace=False)
+    run = _Run(program, costs, si, zero1, trace=False, post=post_validated(program, optimizer_check))
     shared = None if memo is None else memo.setdefault(run.expander.key(), {})
     figures = run.untimed(shared)
     ranks = range(run.lowered.ranks)
@@ -597,7 +645,7 @@ def peak_memory(program: Program, cost: PairCost | None = None) -> float:
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
              cost: PairCost | None = None, costs: StepCosts | None = None, label: str = "",
              scheduled: bool = False, blocks: Callable | None = None, trace: bool = True,
-             detail: bool = False) -> Simulation:
+             detail: bool = False, optimizer_check: str | None = None) -> Simulation:
     """Simulate one training step of a validated ``program`` (with a profile).
 
     ``plan`` prices the SI blocks (planned with :func:`schedule_plan` when the schedule has
@@ -616,6 +664,8 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     programs needs the figures only); ``detail=True`` adds the SI blocks' segment pairs and
     the collectives they hide (:mod:`pairtrace`; with the plan, not ``scheduled``) and each
     action's layer communication (``layer_comm_s``, ``layer_comm_exposed_s``) to the trace.
+    ``optimizer_check`` (sync or post, a run's ``--optimizer-check``; None: the train
+    block's) says whether the optimizer waits for the gradient norm (:mod:`.optimizer_check`).
     Returns the :class:`Simulation`; raises DhelixError
     for a program without a profile.
     """
@@ -631,7 +681,8 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
             costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, block=blocks))
     zero1 = zero1 or (program.train is not None and program.train.zero >= 1)
     priced_by_plan = si and plan is not None and costs.layer.block is None and costs.layer.pair is not None
-    run = _Run(program, costs, si, zero1, trace, detail=plan if detail and priced_by_plan else None)
+    run = _Run(program, costs, si, zero1, trace, detail=plan if detail and priced_by_plan else None,
+               post=post_validated(program, optimizer_check))
     run.run()
     ranks = tuple(run.rank_stats(rank) for rank in range(run.lowered.ranks))
     model, mesh, train, lowered = program.model, program.mesh, program.train, run.lowered

@@ -231,13 +231,15 @@ def issue_orders(program: Program, pairs: SegmentPlan) -> tuple[BlockOrder, Bloc
     return gloo, cuda
 
 
-def price(run: RunPlan, *, zero1: bool = False) -> Simulation:
+def price(run: RunPlan, *, zero1: bool = False, optimizer_check: str | None = None) -> Simulation:
     """The simulated step of ``run`` as its ranks run it: its SI blocks priced with its own
     plan (the planner's pairs, the block scheduler's schedules; ``op_by_op`` and
     ``sequential`` with the planner's plan, as the summary notes), or as F then B without
-    interleaving; ``zero1`` as :func:`~dhelix.dsl.simulator.events.simulate`. Raises
-    DhelixError for a program without a profile."""
+    interleaving; ``zero1`` and ``optimizer_check`` as
+    :func:`~dhelix.dsl.simulator.events.simulate`. Raises DhelixError for a program without
+    a profile."""
     si = run.si
     if isinstance(si, BlockOrders):
-        return simulate(run.program, si=run.interleave, zero1=zero1, blocks=si.schedule)
-    return simulate(run.program, si.planned, si=run.interleave, zero1=zero1)
+        return simulate(run.program, si=run.interleave, zero1=zero1, blocks=si.schedule,
+                        optimizer_check=optimizer_check)
+    return simulate(run.program, si.planned, si=run.interleave, zero1=zero1, optimizer_check=optimizer_check)

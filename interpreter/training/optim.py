@@ -107,6 +107,9 @@ class AdamWConfig:
     #: Keep fp32 master weights (Megatron's mixed precision: bf16 parameters are copies of
     #: them); False updates the parameters in their own dtype ("pure" bf16).
     master: bool = True
+    #: Post-validation (``train { optimizer_check = post }``): update before the global
+    #: norm is known, roll back where it says otherwise (:meth:`DistributedAdamW.step`).
+    post: bool = False
 
 
 def norm_weights(plan, comm: Communicator, names, flat=None) -> dict[str, float]:
@@ -321,6 +324,10 @@ class DistributedAdamW:
             self.norm_weights = [[(weights[name] * (comm.size(bucket.axis) if bucket.sliced else 1), lo, hi)
                                   for name, lo, hi in bucket.part_spans()] for bucket in self.buckets]
         self.steps = 0
+        #: Post-validation: (step, "clipped" or "skipped") of every update this rank rolled
+        #: back (1-based optimizer steps), and the copies a rollback restores, by bucket.
+        self.rollbacks: list[tuple[int, str]] = []
+        self._copies: dict[int, list[torch.Tensor]] = {}
 
     def reduce(self, grads: Mapping[str, torch.Tensor]) -> set[str]:
         """Start reducing, in flight, the buckets all of whose parameters are in ``grads`` (a
@@ -414,8 +421,15 @@ class DistributedAdamW:
         of each parameter's part, as ``clip_grad_norm_`` takes a norm per tensor."""
         import torch.distributed as dist
 
-        # One fp32 norm per parameter part, weighed and summed in fp64 on the device (no
-        # host round trip per parameter on CUDA).
+        total = self._norm_squares(averaged)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total)
+        return math.sqrt(float(total))
+
+    def _norm_squares(self, averaged: list[torch.Tensor]) -> torch.Tensor:
+        # This rank's share of the squared global norm: one fp32 norm per parameter part,
+        # weighed and summed in fp64 on the device (no host round trip per parameter on CUDA).
+        assert self.norm_weights is not None, "norm weights"
         norms, weights = [], []
         for spans, grad in zip(self.norm_weights, averaged, strict=True):
             for weight, lo, hi in spans:
@@ -426,9 +440,11 @@ class DistributedAdamW:
         if norms:
             squares = torch.stack(norms).double() ** 2
             total = (torch.tensor(weights, dtype=torch.float64, device=device) * squares).sum()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(total)
-        return math.sqrt(float(total))
+        return total
+
+    def _coefficient(self, norm: float) -> float:
+        # torch.nn.utils.clip_grad_norm_'s coefficient, so the reference agrees (1.0: unclipped).
+        return 1.0 if self.config.clip is None else min(1.0, self.config.clip / (norm + 1e-6))
 
     def step(self, grads: Mapping[str, torch.Tensor], lr: float | None = None,
              accept: Callable[[float | None], bool] | None = None) -> bool:
@@ -436,7 +452,18 @@ class DistributedAdamW:
         ``config.clip`` and apply one AdamW update with learning rate ``lr`` (default
         ``config.lr``) to :attr:`params`; the norm before clipping is :attr:`last_norm`.
         ``accept(norm)`` False (the same on every rank: the norm is global) leaves the
-        parameters and the moments as they were. Returns whether the update was applied."""
+        parameters and the moments as they were. Returns whether the update was applied.
+
+        With ``config.post`` (post-validation, Qi et al., ICLR'24 §4) the update does not wait
+        for the norm's all-reduce: it runs unclipped while the norm is reduced, where this
+        rank's own share of the norm (a lower bound of it) neither clips nor is non-finite,
+        and is rolled back — the moments, masters and parameters it wrote restored from
+        copies taken before it — then redone clipped, or left undone, where the global norm
+        says so (:attr:`rollbacks`); a rank whose share already clips or is not finite waits
+        as the synchronous step does, and so does a world of one rank (nothing to hide).
+        Nothing reaches another rank (ZeRO-1's weight gathers)
+        before the norm has been checked, so the numbers are the synchronous step's, bit for
+        bit."""
         self.settle()
         self.steps += 1
         lr = self.config.lr if lr is None else lr
@@ -445,20 +472,65 @@ class DistributedAdamW:
         self._landed = {}
         if self.per_microbatch:  # kept until the next step's: ZeRO-2's sharded gradients
             self.grad_parts = [averaged[index] for index in sorted(early) if self.buckets[index].sliced]
+        if self.config.post and self.norm_weights is not None and _world_size() > 1:
+            return self._post_validated(averaged, lr, accept)
         if self.norm_weights is not None:
             self.last_norm = self.global_norm(averaged)
         if accept is not None and not accept(self.last_norm):
             self.steps -= 1
             return False
         if self.norm_weights is not None and self.config.clip is not None:
-            # torch.nn.utils.clip_grad_norm_'s coefficient, so the reference agrees.
-            scale = min(1.0, self.config.clip / (self.last_norm + 1e-6))
+            scale = self._coefficient(self.last_norm)  # type: ignore[arg-type]
             for grad in averaged:
                 grad.mul_(scale)
+        self._update(averaged, lr, publish=True)
+        return True
+
+    def _post_validated(self, averaged: list[torch.Tensor], lr: float,
+                        accept: Callable[[float | None], bool] | None) -> bool:
+        # The step of config.post (see step): the norm's all-reduce in flight under the update.
+        total = self._norm_squares(averaged)
+        reduced = total.clone()
+        pending = _all_reduce(reduced)
+        share = float(total)  # read while the reduction runs
+        hopeful = math.isfinite(share) and self._coefficient(math.sqrt(share)) == 1.0
+        parts = None
+        if hopeful:
+            self._keep_copies()
+            parts = self._update(averaged, lr, publish=False)
+        if pending is not None:
+            pending.wait()
+        self.last_norm = norm = math.sqrt(float(reduced))
+        if accept is not None and not accept(norm):
+            if parts is not None:
+                self._restore_copies()
+                self.rollbacks.append((self.steps, "skipped"))
+            self.steps -= 1
+            return False
+        scale = self._coefficient(norm)
+        if parts is not None and scale != 1.0:
+            self._restore_copies()
+            self.rollbacks.append((self.steps, "clipped"))
+            parts = None
+        if parts is None:
+            if scale != 1.0:  # (× 1.0 is exact: the synchronous step's numbers either way)
+                for grad in averaged:
+                    grad.mul_(scale)
+            self._update(averaged, lr, publish=True)
+            return True
+        for bucket, mine in parts:  # the update stands: now the other ranks may have it
+            self._publish(bucket, mine)
+        return True
+
+    def _update(self, averaged: list[torch.Tensor], lr: float, publish: bool) -> list[tuple[_Bucket, torch.Tensor]]:
+        # One AdamW update of every bucket's part from its averaged (clipped) gradients, each
+        # published to the parameters as soon as it is updated (``publish``: a ZeRO-1 gather
+        # left in flight runs under the next buckets' updates), else returned as (bucket,
+        # updated part) to publish later (fp32 parameters without masters, not sliced, are
+        # updated where they are: nothing to publish).
+        parts = []
         for bucket, grad in zip(self.buckets, averaged, strict=True):
-            if bucket.master is None and not bucket.sliced and all(
-                    self.params[n].dtype == torch.float32 for n in bucket.names):
-                # fp32 parameters are their own masters: update them where they are.
+            if self._in_place(bucket):
                 views = bucket.unflatten
                 self._adamw([self.params[n] for n in bucket.names], list(views(grad).values()),
                             list(views(bucket.exp_avg).values()), list(views(bucket.exp_avg_sq).values()), lr)
@@ -470,8 +542,47 @@ class DistributedAdamW:
                     bucket.flat_params = bucket.zeros()
                 mine = bucket.fill(bucket.flat_params, self.params)[bucket.offset:bucket.offset + grad.numel()]
             self._adamw([mine], [grad], [bucket.exp_avg], [bucket.exp_avg_sq], lr)
-            self._publish(bucket, mine)
-        return True
+            if publish:
+                self._publish(bucket, mine)
+            else:
+                parts.append((bucket, mine))
+        return parts
+
+    def _in_place(self, bucket: _Bucket) -> bool:
+        # fp32 parameters are their own masters: updated where they are.
+        return bucket.master is None and not bucket.sliced and all(
+            self.params[n].dtype == torch.float32 for n in bucket.names)
+
+    def _kept(self, bucket: _Bucket) -> list[torch.Tensor]:
+        # What an update writes that outlives it: the moments, and the masters or the
+        # parameters updated in place (a part made from the parameters is made again).
+        return [bucket.exp_avg, bucket.exp_avg_sq] + ([bucket.master] if bucket.master is not None else [])
+
+    def _keep_copies(self) -> None:
+        # Post-validation's copies of what the update writes, taken before it (one set per
+        # bucket, made once and reused: scratch_tensors counts them).
+        for index, bucket in enumerate(self.buckets):
+            kept = self._kept(bucket)
+            copies = self._copies.get(index)
+            if copies is None:
+                copies = self._copies[index] = [t.clone() for t in kept]
+                if self._in_place(bucket):
+                    copies.append(bucket.flat(self.params))
+                continue
+            for copy, tensor in zip(copies, kept):
+                copy.copy_(tensor)
+            if self._in_place(bucket):
+                bucket.fill(copies[-1], self.params)
+
+    def _restore_copies(self) -> None:
+        # The rollback: every bucket as _keep_copies found it.
+        for index, bucket in enumerate(self.buckets):
+            copies = self._copies[index]
+            for copy, tensor in zip(copies, self._kept(bucket)):
+                tensor.copy_(copy)
+            if self._in_place(bucket):
+                for name, value in bucket.unflatten(copies[-1]).items():
+                    self.params[name].copy_(value)
 
     def _publish(self, bucket: _Bucket, mine: torch.Tensor) -> None:
         # Every replica's parameters from the updated part. A ZeRO-1 gather sends them in
@@ -551,7 +662,8 @@ class DistributedAdamW:
         and the flat fp32 parameters (made when needed)."""
         main = self._main and not self.per_microbatch
         return [t for b in self.buckets for t in (None if main and not b.summed and b.names else b._grads,
-                                                  b.flat_params) if t is not None]
+                                                  b.flat_params) if t is not None] + \
+            [t for copies in self._copies.values() for t in copies]
 
     def moments(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """This rank's AdamW moments (exp_avg, exp_avg_sq) of each of its parameters, shaped
@@ -607,6 +719,23 @@ class DistributedAdamW:
         kernel = {"fused": True} if device.type in _FUSED_DEVICES else {"foreach": True}
         adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, beta1=cfg.betas[0],
               beta2=cfg.betas[1], lr=lr, weight_decay=cfg.weight_decay, eps=cfg.eps, maximize=False, **kernel)
+
+
+def _world_size() -> int:
+    """Ranks in the world (1 outside one): post-validation has nothing to hide on one."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_reduce(total: torch.Tensor):
+    """Sum ``total`` over the world in place, in flight: its work handle (``wait()``), or
+    None without a world to sum over."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.all_reduce(total, async_op=True)
 
 
 #: Devices torch has a fused AdamW kernel for.

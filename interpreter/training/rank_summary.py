@@ -67,7 +67,7 @@ def _predicted(figures: RankAlone, options: "RunOptions", stage: int) -> RankAlo
     from dhelix.dsl.simulator.runplan import price
 
     try:
-        simulation = price(options.compiled, zero1=options.zero1)
+        simulation = price(options.compiled, zero1=options.zero1, optimizer_check=options.optimizer_check)
     except DhelixError as exc:
         return attrs.evolve(figures, note=f"cannot simulate this program: {exc.message}")
     stats = simulation.ranks[stage]

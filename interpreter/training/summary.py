@@ -50,6 +50,9 @@ class RankRecord:
     #: transfer issued, ``(kind, axis, shape)`` in issue order.
     lanes: tuple = ()
     issued: tuple = ()
+    #: ``train { optimizer_check = post }``: (step, "clipped" or "skipped") of every update
+    #: this rank made before the global gradient norm was known and rolled back (1-based).
+    rollbacks: tuple[tuple[int, str], ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -73,6 +76,12 @@ class RunResult:
     #: With evaluations on data: (distinct held-out windows each evaluation covers, held-out
     #: windows in all); None otherwise.
     held_out: tuple[int, int] | None = None
+
+    @property
+    def rollbacks(self) -> tuple[tuple[int, int, str], ...]:
+        """(step, rank, "clipped" or "skipped") of every update a rank rolled back
+        (``optimizer_check = post``), by step then rank."""
+        return tuple(sorted((step, r.rank, why) for r in self.ranks for step, why in r.rollbacks))
 
     @property
     def events(self) -> tuple[TraceEvent, ...]:
@@ -227,7 +236,7 @@ def simulated(program, options: "RunOptions", local_cpu: int = 0, cores: int | N
     from dhelix.dsl.simulator.runplan import price
 
     try:
-        result = price(options.compiled, zero1=options.zero1)
+        result = price(options.compiled, zero1=options.zero1, optimizer_check=options.optimizer_check)
     except DhelixError as exc:
         return Figures(), f"cannot simulate this program: {exc.message}"
     note = "predicted " + profile_provenance(program.profile, program.cluster.profile)
@@ -304,7 +313,20 @@ def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> di
                    "peak_activations_bytes": r.peak_activations, "model_states_bytes": r.model_states,
                    "optimizer_scratch_bytes": r.optimizer_scratch}
                   for i, r in enumerate(result.ranks)],
+        "optimizer_check": options.optimizer_check,
+        "rollbacks": [{"step": step, "rank": rank, "redone": why} for step, rank, why in result.rollbacks],
     }
+
+
+def rollback_line(rollbacks: tuple[tuple[int, int, str], ...]) -> str:
+    """The summary's line naming the updates post-validation rolled back (``rollbacks``:
+    :attr:`RunResult.rollbacks`): at which step, on which rank, and whether the update was
+    redone clipped or skipped."""
+    shown = "; ".join(f"step {step} on rank {rank} ({'redone clipped' if why == 'clipped' else 'not applied'})"
+                      for step, rank, why in rollbacks[:8])
+    more = f"; … {len(rollbacks) - 8} more" if len(rollbacks) > 8 else ""
+    return (f"rolled back: {len(rollbacks)} update(s) made before the global gradient norm was known "
+            f"(optimizer_check = post): {shown}{more}")
 
 
 def profile_provenance(profile, named: str) -> str:

@@ -151,7 +151,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     # candidate on every process, so rank 0's plan wins.
     si = broadcast_from_first(compiled.si)
     config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
-                         master=options.master)
+                         master=options.master, post=options.optimizer_check == "post")
     executor = Executor(program, comm, seed=options.seed, device=device, si=compiled.interleave,
                         plan_for=si.plan_for(), use_tags=options.backend == "gloo", block_orders=si.orders(),
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat),
@@ -185,7 +185,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
 
     # Saves and the export wait in a group of their own, without the collectives' timeout.
     saving = save_group() if options.save or options.export_weights else None
-    losses, times, evals, skipped = _steps(options, executor, optimizer, device, source, start, saving)
+    losses, times, evals, skipped, rolled = _steps(options, executor, optimizer, device, source, start, saving)
     optimizer.settle()  # the last step's weight gathers, when they run under the next forward
     if options.as_rank is not None:
         comm.lanes.close()
@@ -194,7 +194,7 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
 
         export_weights(options.export_weights, executor, optimizer)
         dist.barrier(group=saving)  # rank 0 wrote the file: the others waited here, not in a collective
-    result = _gather(executor, losses, times, evals, optimizer)
+    result = _gather(executor, losses, times, evals, optimizer, rolled)
     return None if result is None else attrs.evolve(result, skipped=skipped,
                                                     held_out=source.held_out_coverage() if evals else None)
 
@@ -240,7 +240,9 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
     """Run steps ``start`` … ``options.steps - 1`` with a progress bar on rank 0, evaluating,
     saving (through the process group ``saving``) and logging as the options say; returns
     the losses, the per-step times (step, blocked on collectives, blocked on pipeline
-    receives), the evaluations (step, loss) and the steps skipped as non-finite (1-based). A non-finite step stops the run
+    receives), the evaluations (step, loss), the steps skipped as non-finite (1-based) and
+    the (step, why) of each update this rank rolled back (``optimizer_check = post``: why is
+    "clipped" or "skipped", :attr:`~.optim.DistributedAdamW.rollbacks`). A non-finite step stops the run
     (NonFiniteError) unless ``options.skip_nonfinite``."""
     from tqdm import tqdm
 
@@ -252,6 +254,7 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
     rank = executor.comm.rank
     tokens = source.global_sequences * executor.program.model.get("seq")
     losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": [], "core_wait": [], "lanes": []}, [], []
+    rolled: list[tuple[int, str]] = []
     log = StepLog(options.log if rank == 0 else None, tokens, resumed=start if options.resume else None)
     rotation = None
     if options.save and rank == 0:  # the older saves are removed off the training's critical path
@@ -263,11 +266,12 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
                file=sys.stderr)
     with _cuda_profile(options, device, rank), log:
         for step in bar:
-            lr = schedule.lr
+            lr, before = schedule.lr, len(optimizer.rollbacks)
             with _step_mark(step, _profiled(options, device)):
                 bad = _one_step(executor, optimizer, device, source.batch(step), lr, times, losses,
                                 finite=options.as_rank is None)
             schedule.advance()
+            rolled += [(step + 1, why) for _, why in optimizer.rollbacks[before:]]
             record = log.step(step, losses[-1], lr, optimizer.last_norm, times, _peak_bytes(executor),
                               skipped=bad is not None)
             if bad is not None:
@@ -295,7 +299,7 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
         if rotation is not None:
             rotation.join()
         dist.barrier(group=saving)
-    return losses, times, evals, tuple(skipped)
+    return losses, times, evals, tuple(skipped), tuple(rolled)
 
 
 def _peak_bytes(executor) -> int:
@@ -438,8 +442,9 @@ def _cuda_profile(options: RunOptions, device, rank: int):
     return profiled()
 
 
-def _gather(executor, losses: list, times: dict, evals: list, optimizer) -> RunResult | None:
-    """Every rank's record gathered on global rank 0 as the run's result (None elsewhere)."""
+def _gather(executor, losses: list, times: dict, evals: list, optimizer, rolled: tuple = ()) -> RunResult | None:
+    """Every rank's record gathered on global rank 0 as the run's result (None elsewhere);
+    ``rolled``: the (step, why) of the updates this rank rolled back."""
     import torch
 
     from dhelix.interpreter.verify.harness import gather_to_first
@@ -454,7 +459,7 @@ def _gather(executor, losses: list, times: dict, evals: list, optimizer) -> RunR
                       model_states=model_state_bytes(executor, optimizer),
                       optimizer_scratch=_storage_bytes(optimizer.scratch_tensors()),
                       device=str(executor.device), host=socket.gethostname(),
-                      lanes=tuple(times["lanes"]), issued=tuple(getattr(executor.comm.inner, "issued", ())),
+                      lanes=tuple(times["lanes"]), rollbacks=tuple(rolled), issued=tuple(getattr(executor.comm.inner, "issued", ())),
                       events=tuple(TraceEvent(rank, lane, name, start, duration)
                                    for name, lane, start, duration in recorder.events))
     ranks = gather_to_first(mine)
