@@ -63,31 +63,37 @@ def guarded_train(options, device, heartbeat=None):
     """:func:`train` in a rank whose parser, checker and pass pipeline fail when called
     (their code replaced, so every name bound to them fails alike), and so do the
     derivations the executor reads from the RunPlan's facts (the B action's ops, selective
-    recomputation's drops, the SI plan's check, the transfers' keys and order)."""
+    recomputation's drops, the SI plan's check, the transfers' keys and order, a layer's
+    issue order run alone, ZeRO-3's facts)."""
     from dhelix.dsl.core import oplib
     from dhelix.dsl.frontend import check, imports, parser
-    from dhelix.dsl.passes import pipeline, validate
-    from dhelix.dsl.planner import si_plan
+    from dhelix.dsl.passes import fsdp, pipeline, validate
+    from dhelix.dsl.planner import pair_order, si_plan
     from dhelix.interpreter.training import train
 
     for module, name in ((parser, "parse"), (imports, "load_modules"), (check, "check_program"),
                          (pipeline, "run_until"), (pipeline, "rerun"), (oplib, "selective_drops"),
                          (si_plan, "backward_ops"), (si_plan, "check_plan"), (validate, "transfer_key"),
-                         (validate, "check_fifo")):
+                         (validate, "check_fifo"), (pair_order, "order_pair"), (fsdp, "is_fsdp"),
+                         (fsdp, "shard_axis"), (fsdp, "replicas_substituted")):
         getattr(module, name).__code__ = _refuse.__code__
     return train.train(options, device, heartbeat)
 
 
-@pytest.mark.parametrize("mode, recompute", [("scheduled", ""), ("planned", "  recompute = selective\n")])
-def test_ranks_run_the_commands_plan_and_never_parse_or_run_a_pass(monkeypatch, capsys, tmp_path, mode, recompute):
+@pytest.mark.parametrize("mode, recompute, example", [("scheduled", "", None),
+                                                      ("planned", "  recompute = selective\n", None),
+                                                      ("planned", "", "tiny_llama_fsdp_cpu.dhx")])
+def test_ranks_run_the_commands_plan_and_never_parse_or_run_a_pass(monkeypatch, capsys, tmp_path, mode, recompute,
+                                                                    example):
     pytest.importorskip("torch")
-    from conftest import tiny_example_text
+    from conftest import ROOT, tiny_example_text
 
     from dhelix.cli.main import main
     from dhelix.interpreter.training import train
 
     program = tmp_path / "tiny.dhx"
-    program.write_text(tiny_example_text().replace("train {\n", "train {\n" + recompute))
+    text = tiny_example_text() if example is None else (ROOT / "examples" / example).read_text()
+    program.write_text(text.replace("train {\n", "train {\n" + recompute).replace('"../', f'"{ROOT}/'))
     monkeypatch.setattr(train, "train", guarded_train)  # what cmd_run hands to the spawner
     assert main(["run", str(program), "--steps", "2", "--check", "--si-plan", mode, "--timeout", "60"]) == 0
     out = capsys.readouterr().out

@@ -35,10 +35,11 @@ from dhelix.dsl.core.oplib import in_weight_pass, selective_drops
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Op, Program
 from dhelix.dsl.core.schedule import Transfer
+from dhelix.dsl.passes.fsdp import is_fsdp, replicas_substituted, shard_axis
 from dhelix.dsl.passes.overrides import reference_dags
 from dhelix.dsl.passes.validate import check_fifo, transfer_key
 from dhelix.dsl.planner.blockorder import BlockIssue, BlockSchedule
-from dhelix.dsl.planner.pair_order import BlockOrder
+from dhelix.dsl.planner.pair_order import BlockOrder, InFlight, Issue, order_pair
 from dhelix.dsl.planner.si_plan import (PLANS, PlanFn, SegmentPlan, SIMode, backward_ops, check_plan, fixed_plan,
                                         has_si_blocks, sequential_plan)
 from dhelix.dsl.simulator.events import Simulation, block_scheduler, schedule_plan, simulate
@@ -108,7 +109,12 @@ class ExecFacts:
     pipeline rank, what each of its SEND and RECV actions carries (``transfer_keys``: the
     action and its :func:`~dhelix.dsl.passes.validate.transfer_key`); and where the
     schedule's sends and receives between two ranks come in different orders (``fifo``:
-    :func:`~dhelix.dsl.passes.validate.check_fifo`, which a backend without tags refuses)."""
+    :func:`~dhelix.dsl.passes.validate.check_fifo`, which a backend without tags refuses);
+    the issue orders of a forward and of a backward layer run without a partner strand
+    (``alone``: :func:`~dhelix.dsl.planner.pair_order.order_pair` of one strand); and what
+    ZeRO-3 needs (``fsdp``: whether the layer weights are dp pieces, ``shard_axis`` the axis
+    they are pieces over, ``replicas_sliced``: whether a substitution left replicated weights
+    sliced, :mod:`dhelix.dsl.passes.fsdp`)."""
 
     backward_ops: tuple[Op, ...]
     weight_ops: tuple[Op, ...]
@@ -116,6 +122,10 @@ class ExecFacts:
     pairs: SegmentPlan
     transfer_keys: tuple[tuple[tuple[Transfer, tuple | None], ...], ...] = ()
     fifo: tuple[str, ...] = ()
+    alone: tuple[tuple[Issue, ...], tuple[Issue, ...]] = ((), ())
+    fsdp: bool = False
+    shard_axis: str = "dp"
+    replicas_sliced: bool = False
 
     @classmethod
     def of(cls, program: Program, plan_for: PlanFn = sequential_plan) -> "ExecFacts":
@@ -132,7 +142,10 @@ class ExecFacts:
         selective = selective_drops(forward.ops, backward.ops) if program.train.recompute == "selective" else ()
         keys = tuple(tuple((action, transfer_key(lowered, rank, action)) for action in row
                            if isinstance(action, Transfer)) for rank, row in enumerate(lowered.actions))
-        return cls(backward_ops(backward, split), weight, selective, pairs, keys, tuple(check_fifo(lowered)))
+        b_ops = backward_ops(backward, split)
+        alone = (order_pair(forward.ops, (), InFlight()), order_pair((), b_ops, InFlight()))
+        return cls(b_ops, weight, selective, pairs, keys, tuple(check_fifo(lowered)), alone, is_fsdp(program),
+                   shard_axis(program), replicas_substituted(program))
 
 
 @attrs.frozen(kw_only=True)

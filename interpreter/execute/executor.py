@@ -51,7 +51,7 @@ from .pipeline_comm import PipelineComm
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
-from .si import (Filler, FlatOrder, LayerChain, alone_order, check_orders, flat, run_alone, run_interleaved,
+from .si import (Filler, FlatOrder, LayerChain, check_orders, flat, run_alone, run_interleaved,
                  run_scheduled)
 from dhelix.dsl.planner.si_plan import PlanFn, sequential_plan
 from dhelix.dsl.simulator.runplan import ExecFacts
@@ -160,7 +160,9 @@ class Executor:
         #: Selective recomputation: the forward ops whose outputs each layer drops until its backward.
         self.selective = facts.selective
         #: The issue orders of a forward and of a backward layer run alone (F, B), made once.
-        self.alone = (flat(alone_order(program.forward.ops, True)), flat(alone_order(self.b_ops, False)))
+        self.alone = (flat(facts.alone[0]), flat(facts.alone[1]))
+        #: The RunPlan's facts (what ZeRO-3 and the optimizer read of the program too).
+        self.facts = facts
         self.plan = facts.pairs
         barrier = self.device.type == "cuda" if pair_barrier is None else pair_barrier
         #: The block scheduler's orders by (forward layers, backward layers): SI blocks run
@@ -186,7 +188,7 @@ class Executor:
                                 lambda pending, name: self._timed_recv(pending, name))
         self.params: dict[str, torch.Tensor] = {}
         #: ZeRO-3: which parameters are dp pieces (:mod:`.fsdp`).
-        self.flat = FlatShards.of(program, comm)
+        self.flat = FlatShards.of(program, comm, facts.fsdp, facts.shard_axis)
         self.stages = {chunk: self._stage(chunk) for chunk in range(self.lowered.chunks)
                        if self.lowered.stage_of(self.pp, chunk) is not None}
         self.on_action = on_action

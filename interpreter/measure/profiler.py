@@ -50,6 +50,7 @@ import torch.distributed as dist
 from dhelix.dsl.core.program import Op, Program
 
 from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
+from dhelix.dsl.passes.fsdp import is_fsdp, shard_axis
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending
 from dhelix.interpreter.ops.fsdp import FlatShards
@@ -147,7 +148,7 @@ class LayerBench:
         plan = LayerPlan.build(program.forward, program.backward, program.train.micro_batch)
         index = {axis: comm.index(axis) for axis in AXES}
         weights = WeightPlan(program, seed, reference).layer_weights(0, index, dtype, device)
-        flat = FlatShards.of(program, comm)
+        flat = FlatShards.of(program, comm, is_fsdp(program), shard_axis(program))
         if flat.enabled:  # ZeRO-3: the layer keeps dp pieces, gathered by its ops
             weights = {name: flat.add(name, w) for name, w in weights.items()}
         generator = torch.Generator().manual_seed(seed + comm.rank)

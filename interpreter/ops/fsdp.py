@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from dhelix.dsl.core.mesh import REPLICATE, SHARD
 from dhelix.dsl.core.program import Program
-from dhelix.dsl.passes.fsdp import is_fsdp, padded_elements, shard_axis
+from dhelix.dsl.passes.fsdp import padded_elements
 
 from .blocks import regrouped
 from .comm import Communicator, Pending
@@ -58,13 +58,13 @@ class FlatShards:
         self.by_columns = frozenset(by_columns)
 
     @classmethod
-    def of(cls, program: Program, comm: Communicator) -> "FlatShards":
-        """The (still empty) layout of ``program`` on this rank."""
-        axis = shard_axis(program)
+    def of(cls, program: Program, comm: Communicator, enabled: bool, axis: str) -> "FlatShards":
+        """The (still empty) layout of ``program`` on this rank: its layer weights dp pieces
+        over ``axis`` where ``enabled`` (the RunPlan's ExecFacts say: ZeRO-3 with dp > 1)."""
         ops = program.forward.ops if program.forward is not None else ()
         columns = {op.weight_name: op.columns[1] for op in ops if op.weight and op.columns}
         staged = frozenset(op.weight_name for op in ops if op.weight and op.staged)
-        return cls(is_fsdp(program), comm.size(axis), comm.index(axis), axis, columns, staged)
+        return cls(enabled, comm.size(axis), comm.index(axis), axis, columns, staged)
 
     def blocks(self, name: str) -> int:
         """How many column blocks parameter (or layer op) ``name``'s pieces are made of."""

@@ -88,7 +88,6 @@ import attrs
 import torch
 from torch.optim.adamw import adamw
 
-from dhelix.dsl.passes.fsdp import replicas_substituted
 from dhelix.interpreter.execute.executor import StepHooks
 from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device
 from dhelix.interpreter.ops.weights import LM_HEAD
@@ -763,5 +762,5 @@ def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWCo
         pieces=executor.flat.shapes, replicated_over=executor.flat.replicated_over,
         groups=executor.param_groups() if gather or reduce else None, gather_forward=gather,
         reduce_backward=reduce, partial=executor.partial_sums(), per_microbatch=per_microbatch,
-        replicas_sliced=replicas_substituted(executor.program))
+        replicas_sliced=executor.facts.replicas_sliced)
     return optimizer
