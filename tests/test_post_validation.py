@@ -147,8 +147,13 @@ def test_a_run_names_the_step_and_rank_of_each_rollback_and_trains_alike(tmp_pat
     (_, sync, sync_weights), (stdout, post, post_weights) = outputs["sync"], outputs["post"]
     assert sync["losses"] == post["losses"] and _same(sync_weights, post_weights)
     assert (sync["optimizer_check"], sync["rollbacks"]) == ("sync", [])
-    # tp2_pp2's norm is about 2.4 and each rank's share about half of it: all four redo each step.
-    assert post["rollbacks"] == [{"step": step, "rank": rank, "redone": "clipped"}
-                                 for step in (1, 2) for rank in range(4)]
-    assert ("rolled back: 8 update(s) made before the global gradient norm was known (optimizer_check = post): "
-            "step 1 on rank 0 (redone clipped); step 1 on rank 1 (redone clipped);") in stdout
+    # tp2_pp2's first norm is about 2.4 and each rank's share about half of it: all four redo
+    # step 1. A rank whose own share already clips waits instead of rolling back: at step 2 a
+    # share can come near the clip, so which ranks redo it is not pinned, only that some do.
+    rollbacks = post["rollbacks"]
+    assert [r for r in rollbacks if r["step"] == 1] == [{"step": 1, "rank": rank, "redone": "clipped"}
+                                                        for rank in range(4)]
+    assert any(r["step"] == 2 for r in rollbacks)
+    assert all(r["step"] in (1, 2) and r["rank"] in range(4) and r["redone"] == "clipped" for r in rollbacks)
+    assert (f"rolled back: {len(rollbacks)} update(s) made before the global gradient norm was known "
+            "(optimizer_check = post): step 1 on rank 0 (redone clipped); step 1 on rank 1 (redone clipped);") in stdout
