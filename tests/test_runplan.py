@@ -4,6 +4,7 @@ simulator prices it, the ranks run it and never parse or run a pass again."""
 from __future__ import annotations
 
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -187,8 +188,8 @@ def test_under_torchrun_rank_0_compiles_once_for_the_world(tmp_path):
                            str(script), "run", EXAMPLE, "--steps", "2", "--timeout", "30"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
     assert done.returncode == 0, done.stderr
-    assert sorted(line for line in done.stderr.splitlines() if line.endswith("cannot parse")) == \
-        [f"rank {rank} cannot parse" for rank in (1, 2, 3)], done.stderr  # the guard bites
+    # The guard bites on ranks 1-3 (their lines may interleave: four processes share stderr).
+    assert sorted(re.findall(r"rank (\d+) cannot parse", done.stderr)) == ["1", "2", "3"], done.stderr
     assert "a rank other than 0 parsed" not in done.stderr
     assert done.stdout.count("; training, 2 step(s)") == 1, done.stdout
 
