@@ -30,8 +30,8 @@ def write_pipeline(args) -> int:
     from dhelix.dsl.frontend.parser import parse
 
     program = api.load_program(args.target)
-    if program.mesh is None or program.train is None or program.model is None:
-        raise UsageError(f"{args.target}: --pipeline zb needs a program with a model, a mesh and a train block")
+    assert program.mesh is not None and program.train is not None and program.model is not None, \
+        "load_program refuses a file without a model"
     ranks, microbatches = program.mesh.size("pp"), program.train.microbatches
     limit = ranks if args.memory is None else args.memory
     if limit < 1:
