@@ -93,11 +93,27 @@ def test_materialized_attention_prices_the_whole_score_matrix_in_hbm(demo):
         qkv = heads * 3 * head_dim
         elements = tokens * (2 * qkv + 2 * heads * head_dim) if backward else \
             tokens * (qkv + heads * head_dim) + 2 * tokens * heads
-        expected = (flops / (peak * profile.achieved["gemm"])
-                    + (scores * passes + elements) * dtype_bytes("bf16") / (hbm * profile.achieved["activation"])
+        # Each score GEMM is its own roofline: its FLOPs or the one score pass it moves.
+        gemms = 4 if backward else 2
+        stream = hbm * profile.achieved["activation"]
+        one_gemm = max(flops / gemms / (peak * profile.achieved["gemm"]), scores * dtype_bytes("bf16") / stream)
+        expected = (gemms * one_gemm
+                    + (scores * (passes - gemms) + elements) * dtype_bytes("bf16") / stream
                     + 2e-6 * ATTENTION_KERNELS[("materialized", backward)])
         assert op_time(op, profile, "bf16") == pytest.approx(expected, rel=1e-9)
         assert op_time(op, profile, "bf16") > op_time(op, plain, "bf16")
+
+
+def test_a_score_gemm_waits_for_the_larger_of_its_flops_and_its_score_pass(demo):
+    """With a head dimension of 128 the score GEMMs are bound by their pass over the scores on
+    the demo's profile, and by their FLOPs once the GEMM fraction is cut tenfold: the op's time
+    moves with the GEMM fraction only in the second case (a sum of the two would move in both)."""
+    profile = with_kernels(demo, attention="materialized")
+    op = next(o for o in ops_of(demo).values() if o.op == "attention")
+    slower = attrs.evolve(profile, achieved={**profile.achieved, "gemm": profile.achieved["gemm"] * 0.9})
+    assert op_time(op, slower, "bf16") == pytest.approx(op_time(op, profile, "bf16"), rel=1e-12)
+    starved = attrs.evolve(profile, achieved={**profile.achieved, "gemm": profile.achieved["gemm"] * 0.1})
+    assert op_time(op, starved, "bf16") > op_time(op, profile, "bf16") * 1.01
 
 
 def test_a_profile_reads_and_writes_its_kernel_terms():

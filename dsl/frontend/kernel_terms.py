@@ -40,6 +40,10 @@ KERNEL_KEYS = ("overhead_us", "sms", "gemm_tile", "attention")
 #: score gradient, the dQ and dK GEMMs read it, the dV GEMM reads the probabilities (10).
 SCORE_PASSES_FORWARD = 6.5
 SCORE_PASSES_BACKWARD = 10.0
+#: The score GEMMs of materialized attention, each one of the passes above (forward: QK^T
+#: writes the scores, PV reads them; backward: dO·V^T writes the probability gradient, dQ and
+#: dK read the score gradient, dV reads the probabilities): each is priced as its own roofline.
+SCORE_GEMMS = {False: 2, True: 4}
 #: Kernels of materialized attention: forward QK^T, softmax, dropout, PV; backward dV, dP,
 #: dropout, softmax, dQ, dK.
 ATTENTION_KERNELS = {("materialized", False): 4, ("materialized", True): 6,

@@ -49,7 +49,7 @@ import attrs
 from dhelix.dsl.core.dtypes import dtype_bytes, tensor_dtype
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.oplib import LINK, SPLIT_OPS, base_kind
-from dhelix.dsl.frontend.kernel_terms import ATTENTION_KERNELS, SCORE_PASSES_BACKWARD, SCORE_PASSES_FORWARD
+from dhelix.dsl.frontend.kernel_terms import ATTENTION_KERNELS, SCORE_GEMMS, SCORE_PASSES_BACKWARD, SCORE_PASSES_FORWARD
 from dhelix.dsl.frontend.profiles import COMPUTE_BOUND, Profile
 
 ATTENTION_BWD_FACTOR = 2.5  # FlashAttention-2 backward recomputes P (NOTES §3.2, B13)
@@ -317,8 +317,12 @@ def _gemm_output(op) -> tuple[float, float, int]:
 def _materialized_attention_seconds(op, profile: Profile, dtype: str, seq: int | None) -> float:
     """Attention without a fused kernel (the profile's ``kernels.attention``): its two batched
     GEMMs (the backward's four) over the whole score matrix — a causal mask saves no FLOPs —
-    at the GEMM fraction, and the score-sized passes of softmax, mask and dropout at the
-    streaming fraction (:mod:`~dhelix.dsl.frontend.kernel_terms`), one after the other."""
+    and the score-sized passes of softmax, mask and dropout at the streaming fraction
+    (:mod:`~dhelix.dsl.frontend.kernel_terms`), one kernel after the other. Each GEMM is its
+    own roofline, as every other op here: the larger of its FLOPs at the GEMM fraction and
+    the one score-sized pass it writes or reads (with a head dimension of 64-128 a score GEMM
+    does about that many FLOPs per byte of scores, below the A100's and H100's balance point,
+    so its HBM traffic is what it waits for and its FLOPs run under it)."""
     flops, elements, _ = _attention(op, seq)
     params = _params(op)
     if params.get("mask") == "causal":
@@ -331,11 +335,13 @@ def _materialized_attention_seconds(op, profile: Profile, dtype: str, seq: int |
     steps = ring + 1 if backward and ring > 1 else ring
     scores = params["heads"] * tokens * context / steps
     passes = SCORE_PASSES_BACKWARD if backward else SCORE_PASSES_FORWARD
-    hbm = profile.hbm_gbps * 1e9
-    gemm = flops / (profile.peak_flops(dtype) * profile.achieved["gemm"])
-    streams = (scores * passes + elements) * dtype_bytes(dtype) / (hbm * profile.achieved.get("activation", 1.0))
+    gemms = SCORE_GEMMS[backward]
+    stream = profile.hbm_gbps * 1e9 * profile.achieved.get("activation", 1.0)
+    pass_seconds = scores * dtype_bytes(dtype) / stream
+    one_gemm = max(flops / gemms / (profile.peak_flops(dtype) * profile.achieved["gemm"]), pass_seconds)
+    streams = (scores * (passes - gemms) + elements) * dtype_bytes(dtype) / stream
     kernels = ATTENTION_KERNELS[("materialized", backward)]
-    return gemm + streams + profile.kernels.overhead(kernels)
+    return gemms * one_gemm + streams + profile.kernels.overhead(kernels)
 
 
 def op_tasks(op, profile: Profile, dtype: str, *, seq: int | None = None) -> tuple[Task, ...]:
