@@ -145,6 +145,22 @@ def test_the_cluster_facts_reach_the_profile(tmp_path):
     assert prediction.measured_s == 1.5 and prediction.predicted_s > 0 and prediction.problem == ""
 
 
+
+def test_a_source_s_gradient_reduce_dtype_reaches_the_program(tmp_path):
+    # Megatron-LM of 2021 all-reduced fp16 models' gradients in fp16: half the bytes of fp32.
+    fp16 = SOURCES.replace("    flash_attention: false\n", "    flash_attention: false\n    grad_reduce_dtype: fp16\n")
+    text = row(gpus=32, tp=8, gb=32)
+    (plain,) = load_runs(write(tmp_path, SOURCES + text))
+    (halved,) = load_runs(write(tmp_path, fp16 + text, "fp16.yaml"))
+    assert "grad_reduce_dtype = fp16" in program_text(halved) and "grad_reduce_dtype" not in program_text(plain)
+    assert predict(halved).predicted_s < predict(plain).predicted_s
+    # ZeRO-3's layers reduce in the model's dtype already: the setting stays out of the program.
+    assert "grad_reduce_dtype" not in program_text(attrs.evolve(halved, zero=3))
+    bad = write(tmp_path, fp16.replace("grad_reduce_dtype: fp16", "grad_reduce_dtype: fp12") + row(), "bad.yaml")
+    with pytest.raises(DhelixError) as info:
+        load_runs(bad)
+    assert "bad.yaml:3:1: source 'lab': grad_reduce_dtype must be one of fp32, bf16, fp16" in str(info.value)
+
 TRUE = {"gemm": 0.6, "overhead": 6.0, "local": 0.7}
 
 

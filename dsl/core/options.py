@@ -25,6 +25,8 @@ from typing import Any
 
 import attrs
 
+from dhelix.dsl.core.dtypes import MAIN_GRAD_DTYPE
+
 #: The kinds of value an option takes.
 KINDS = (int, float, str, bool)
 #: The longest collective timeout: a week, far past any collective, and a finite one (torch's
@@ -123,6 +125,12 @@ OPTIONS: tuple[Option, ...] = (
                 "before updating; post updates at once, unclipped, while the norm is reduced, and rolls the "
                 "update back (then redoes it clipped, or skips it) where the norm says so: the zero-bubble "
                 "paper's post-validation, the same numbers"),
+    Option(name="grad_reduce_dtype", kind=str, flag="", train="grad_reduce_dtype", default=MAIN_GRAD_DTYPE,
+           choices=("fp32", "bf16", "fp16"), group="training",
+           help="the dtype data parallelism reduces the gradients in: fp32 (default: the main gradients as "
+                "accumulated, as Megatron-LM does for bf16 models) or a 16-bit one (each bucket cast before its "
+                "all-reduce or reduce-scatter and back after: half the bytes on the wire; Megatron-LM's "
+                "--grad-reduce-in-bf16, FSDP's reduce_dtype, and Megatron-LM's fp16 default)"),
     # --- run's own ------------------------------------------------------------------------------
     Option(name="trace", kind=str, metavar="OUT.json", help="write a Chrome trace of what ran"),
     Option(name="lr", kind=float, default=1e-3, positive=True, help="AdamW learning rate (default {default})"),

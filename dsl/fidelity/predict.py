@@ -5,7 +5,8 @@ Each :class:`~dhelix.dsl.fidelity.runs.MeasuredRun` becomes a program of the std
 queries; ``moe``: ``llama``'s attention and a routed SwiGLU expert MLP), its mesh in
 Megatron-LM's order (tp, cp, dp, pp innermost first; ep carved out of dp), ``one_f_one_b``
 without folding or ``interleaved_1f1b`` over ``fold loop(v)``, SI off — what Megatron-LM,
-NeMo and torchtitan run. The profile is the GPU's shipped one with the source's cluster facts
+NeMo and torchtitan run, with the gradients reduced in the dtype the source's system reduced them
+in where it is not fp32 (``grad_reduce_dtype``). The profile is the GPU's shipped one with the source's cluster facts
 (cross-node bandwidth per GPU, flash attention or not) and the device memory of the run's
 GPU; :func:`predict` simulates one step of it.
 
@@ -119,6 +120,10 @@ def program_text(run: MeasuredRun) -> str:
         fold, pipeline = "none", "one_f_one_b"
     grad = "backward" if run.grad_overlap else "step"
     recompute, zero = approximations(run)
+    # ZeRO-3's layers reduce-scatter their pieces in the model's dtype already (the setting is refused there).
+    reduce_dtype = run.source.grad_reduce_dtype
+    reduce = f"  grad_reduce_dtype = {reduce_dtype}" if reduce_dtype is not None and zero != 3 else ""
+    train = f"micro_batch = {micro}  microbatches = {microbatches}  recompute = {recompute}  zero = {zero}"
     return f"""import "stdlib/layers.dhx"
 import "stdlib/pipelines.dhx"
 model run {{
@@ -127,7 +132,7 @@ model run {{
 }}
 cluster {{ nodes = {run.gpus // gpn}  gpus_per_node = {gpn}  profile = "{shipped}" }}
 mesh {{ {"  ".join(mesh)} }}
-train {{ micro_batch = {micro}  microbatches = {microbatches}  recompute = {recompute}  zero = {zero}  grad_reduce = {grad}  si = off }}
+train {{ {train}  grad_reduce = {grad}{reduce}  si = off }}
 fold {fold}
 pipeline {pipeline}
 """

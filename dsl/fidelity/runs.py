@@ -11,6 +11,7 @@ ones) with two sections::
         gpus_per_node: 8
         flash_attention: false       # the default of its runs
         grad_overlap: false          # DP gradient reduction overlapped with the backward
+        grad_reduce_dtype: fp16      # the dtype DP reduces the gradients in (default: fp32)
         interleaving: fewest         # a run's unstated vp: fewest chunks (default), or tuned
     runs:
       - id: narayanan2021-1.7b       # unique
@@ -46,6 +47,7 @@ import yaml
 
 from dhelix.dsl.core.errors import DhelixError, ErrorCollector
 from dhelix.dsl.core.mesh import MESH_AXES
+from dhelix.dsl.core.options import option
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.textfile import FileProblem, read_text_file
 
@@ -67,7 +69,7 @@ MODEL_KEYS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq", "
 #: The model's settings that are sizes (whole numbers ≥ 1).
 MODEL_NUMBERS = ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab", "experts", "top_k", "head_dim")
 SOURCE_KEYS = ("cite", "system", "url_hint", "flops_convention", "cross_gbps_per_gpu", "gpus_per_node",
-               "flash_attention", "grad_overlap", "notes", "quote", "cluster", "interleaving")
+               "flash_attention", "grad_overlap", "grad_reduce_dtype", "notes", "quote", "cluster", "interleaving")
 #: How a run whose source does not say its chunks per rank (``vp: null``) is interleaved:
 #: ``fewest`` (:func:`_stated_interleaving`) or ``tuned`` — the source says it tunes its
 #: schedule, and the prediction takes the count dhelix prices fastest (:func:`interleavings`).
@@ -91,6 +93,9 @@ class RunSource:
     flash_attention: bool = True
     grad_overlap: bool = True
     interleaving: str = "fewest"  # INTERLEAVINGS
+    #: The dtype its data parallelism reduced the gradients in (``train { grad_reduce_dtype }``);
+    #: None: not stated, the program's default.
+    grad_reduce_dtype: str | None = None
 
 
 @attrs.frozen
@@ -262,12 +267,18 @@ def _sources(data, source: Source, errors: ErrorCollector) -> dict[str, RunSourc
         if entry.get("interleaving", "fewest") not in INTERLEAVINGS:
             errors.add(RunSetError(f"source '{key}': interleaving must be one of {', '.join(INTERLEAVINGS)}", span))
             continue
+        reduce_dtype = entry.get("grad_reduce_dtype")
+        if reduce_dtype is not None and reduce_dtype not in option("grad_reduce_dtype").choices:
+            errors.add(RunSetError(f"source '{key}': grad_reduce_dtype must be one of "
+                                   f"{', '.join(option('grad_reduce_dtype').choices)}", span))
+            continue
         if not _whole(entry.get("gpus_per_node", 8), 1):
             errors.add(RunSetError(f"source '{key}': gpus_per_node must be a whole number ≥ 1", span))
             continue
         out[key] = RunSource(key, str(entry["cite"]), convention, _positive(entry.get("cross_gbps_per_gpu")),
                              _positive(entry.get("hbm_gbps")), int(entry.get("gpus_per_node", 8)), bool(entry.get("flash_attention", True)),
-                             bool(entry.get("grad_overlap", True)), str(entry.get("interleaving", "fewest")))
+                             bool(entry.get("grad_overlap", True)), str(entry.get("interleaving", "fewest")),
+                             reduce_dtype)
     return out
 
 

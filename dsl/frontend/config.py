@@ -289,6 +289,13 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                "no full gradient across micro-batches): remove grad_reduce, or use zero = 1 to "
                                "reduce once per step"]))
         return None
+    reduce_dtype = v.get("grad_reduce_dtype", option("grad_reduce_dtype").default)
+    if reduce_dtype != option("grad_reduce_dtype").default and zero == 3:
+        errors.add(CheckError(f"grad_reduce_dtype = {reduce_dtype} with zero = 3", block.span("grad_reduce_dtype"),
+                              ["ZeRO-3 reduce-scatters each layer's gradient pieces in the model's dtype already "
+                               "(the option sets the dtype of the fp32 main gradients' reductions, which ZeRO-3's "
+                               "layers do not have): remove grad_reduce_dtype, or use zero = 0, 1 or 2"]))
+        return None
     si = v.get("si")
     if si is not None and si not in SI_SETTINGS:
         errors.add(CheckError(f"unknown si '{si}' (on or off)", block.span("si"),

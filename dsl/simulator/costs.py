@@ -39,7 +39,8 @@ from typing import Callable
 
 import attrs
 
-from dhelix.dsl.core.dtypes import MAIN_GRAD_DTYPE, dtype_bytes, tensor_dtype
+from dhelix.dsl.core.dtypes import dtype_bytes, tensor_dtype
+from dhelix.dsl.core.options import option
 from dhelix.dsl.core.mesh import REPLICATE, SHARD, ranks_per_node
 from dhelix.dsl.core.oplib import END_OPS, in_weight_pass, selective_drops
 from dhelix.dsl.planner.costmodel import collective_time, op_time
@@ -121,7 +122,7 @@ class StepCosts:
     pp_lane: str
     dense_group: Group  # gradient sync of dense weights (DP x CP)
     expert_group: Group  # gradient sync of expert weights (DP x CP / EP)
-    grad_bytes: int  # bytes per element of a gradient data parallelism reduces (fp32 main gradients)
+    grad_bytes: int  # bytes per element of a gradient data parallelism reduces (train { grad_reduce_dtype })
     weight_bytes: int  # bytes per element of a weight (the model dtype): what a gather sends
     dtype: str
     #: Hybrid sharding (HSDP): the ZeRO-3 shard group of the layers' weights and the group
@@ -202,9 +203,16 @@ def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None
         layer=layer_costs(program, cost, plan), heads=head_costs(program),
         params=layer_params(program), p2p_seconds=p2p_seconds, p2p_bytes=p2p_bytes, pp_lane=pp_lane,
         dense_group=_sync_group(mesh, expert=1), expert_group=_sync_group(mesh, expert=mesh.size("ep")),
-        grad_bytes=dtype_bytes(MAIN_GRAD_DTYPE), weight_bytes=dtype_bytes(dtype), dtype=dtype,
+        grad_bytes=dtype_bytes(grad_reduce_dtype(program)), weight_bytes=dtype_bytes(dtype), dtype=dtype,
         shard_group=_sub_group(mesh, f"dp.{SHARD}") if mesh.dp_shard else None,
         replicate_group=_sub_group(mesh, f"dp.{REPLICATE}") if mesh.dp_shard else None)
+
+
+def grad_reduce_dtype(program: Program) -> str:
+    """The dtype data parallelism reduces ``program``'s gradients in: the train block's
+    ``grad_reduce_dtype``, else its default (the fp32 main gradients as accumulated)."""
+    written = program.train.setting("grad_reduce_dtype") if program.train is not None else None
+    return written if written is not None else option("grad_reduce_dtype").default
 
 
 def layer_params(program: Program) -> Params:

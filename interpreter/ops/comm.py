@@ -249,6 +249,25 @@ def _done(x: torch.Tensor, async_op: bool):
     return Pending.ready(x) if async_op else x
 
 
+def reduce_in(dtype: torch.dtype | None, comm: Communicator, flat: torch.Tensor, axis: str, scatter: bool,
+              async_op: bool = False):
+    """Sum ``flat`` (fp32 gradients) over ``axis`` with the wire in ``dtype``: an all-reduce,
+    in place as :meth:`Communicator.all_reduce`, or with ``scatter`` a reduce-scatter (this
+    rank's block, a new tensor). ``dtype`` None or ``flat``'s own: as the plain collective.
+    Otherwise ``flat`` is cast to ``dtype`` (``train { grad_reduce_dtype }``), reduced, and
+    the result cast back into ``flat``'s dtype (written into ``flat`` for the all-reduce), so
+    a caller sees the plain collective's types and aliasing; a Pending of it with ``async_op``."""
+    collective = comm.reduce_scatter if scatter else comm.all_reduce
+    if dtype is None or dtype == flat.dtype or comm.size(axis) == 1:
+        return collective(flat, axis, async_op=async_op)
+    sent = collective(flat.to(dtype), axis, async_op=async_op)
+
+    def back(landed: torch.Tensor) -> torch.Tensor:
+        return landed.to(flat.dtype) if scatter else flat.copy_(landed)
+
+    return sent.then(back) if isinstance(sent, Pending) else back(sent)
+
+
 class SingleRankComm(Communicator):
     """One process holding the whole mesh position: every group has size 1."""
 

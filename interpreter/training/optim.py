@@ -88,9 +88,10 @@ import attrs
 import torch
 from torch.optim.adamw import adamw
 
+from dhelix.dsl.core.options import option
 from dhelix.interpreter.execute.executor import StepHooks
-from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device
-from dhelix.interpreter.ops.weights import LM_HEAD
+from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device, reduce_in
+from dhelix.interpreter.ops.weights import DTYPES, LM_HEAD
 
 
 @attrs.frozen
@@ -109,6 +110,8 @@ class AdamWConfig:
     #: Post-validation (``train { optimizer_check = post }``): update before the global
     #: norm is known, roll back where it says otherwise (:meth:`DistributedAdamW.step`).
     post: bool = False
+    #: The dtype data parallelism reduces the fp32 gradients in (``train { grad_reduce_dtype }``).
+    grad_reduce_dtype: str = option("grad_reduce_dtype").default
 
 
 def norm_weights(plan, comm: Communicator, names, flat=None) -> dict[str, float]:
@@ -255,6 +258,8 @@ class DistributedAdamW:
                  reduce_backward: bool = False, partial: Mapping[str, tuple[str, ...]] = {},
                  replicated_over: str | None = None, per_microbatch: bool = False, replicas_sliced: bool = False):
         self.params, self.comm, self.zero1, self.config = dict(params), comm, zero1, config
+        #: The wire dtype of the gradients' reductions over dp (fp32: as accumulated).
+        self.reduce_dtype = DTYPES[config.grad_reduce_dtype]
         #: ZeRO-1 gathers left in flight by :meth:`step` (module docstring): (bucket, its
         #: updated part, the pending all-gather), in issue order.
         self.deferred = zero1 and gather_forward and groups is not None and comm.size("dp") > 1
@@ -353,8 +358,7 @@ class DistributedAdamW:
             # ZeRO-2 leaves one layer's reduction in flight while the next fills: a buffer each.
             flat = bucket.fill(bucket.zeros() if self.per_microbatch else bucket.grads, grads)
             self._reducing.setdefault(index, []).append(
-                self.comm.reduce_scatter(flat, bucket.axis, async_op=True) if bucket.sliced
-                else self.comm.all_reduce(flat, bucket.axis, async_op=True))
+                reduce_in(self.reduce_dtype, self.comm, flat, bucket.axis, bucket.sliced, async_op=True))
             taken |= bucket.name_set
         return taken
 
@@ -396,10 +400,8 @@ class DistributedAdamW:
         # A sum over the bucket's axis divided by dp, for edp too (module docstring). The
         # result is this rank's part: the bucket's gradient buffer, or a new ZeRO-1 slice.
         flat = bucket.fill(bucket.grads, grads)
-        if bucket.sliced:
-            flat = self.comm.reduce_scatter(flat, bucket.axis)
-        elif not bucket.summed:
-            self.comm.all_reduce(flat, bucket.axis)
+        if bucket.sliced or not bucket.summed:
+            flat = reduce_in(self.reduce_dtype, self.comm, flat, bucket.axis, bucket.sliced)
         return flat.div_(self.dp)
 
     def averaged_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

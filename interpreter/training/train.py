@@ -151,7 +151,8 @@ def train(options: RunOptions, device, heartbeat=None) -> RunResult | None:
     # candidate on every process, so rank 0's plan wins.
     si = broadcast_from_first(compiled.si)
     config = AdamWConfig(lr=options.lr, weight_decay=options.weight_decay, clip=options.clip,
-                         master=options.master, post=options.optimizer_check == "post")
+                         master=options.master, post=options.optimizer_check == "post",
+                         grad_reduce_dtype=options.grad_reduce_dtype)
     executor = Executor(program, comm, seed=options.seed, device=device, si=compiled.interleave,
                         plan_for=si.plan_for(), use_tags=options.backend == "gloo", block_orders=si.orders(),
                         recorder=recorder, on_action=_action_hook(comm, program, heartbeat),
