@@ -44,6 +44,7 @@ from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
 from dhelix.interpreter.ops.fsdp import FlatShards
 from .layer_exec import GradStore, LayerPlan, LayerRun, count_storages
+from .live_memory import LiveTally
 from .model_ends import EmbedRun, HeadRun
 from .sequential import sum_partial_grads
 from dhelix.dsl.planner.pair_order import BlockOrder
@@ -147,6 +148,8 @@ class Executor:
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
         self.recorder.probe = self.live_bytes
+        #: The live bytes as the probe last counted them (:meth:`live_bytes`).
+        self.tally = LiveTally()
         self.comm = TimedComm(comm, self.recorder)
         self.pp = comm.index("pp")
         self.actions = self.lowered.actions[self.pp]
@@ -616,18 +619,25 @@ class Executor:
     def live_bytes(self) -> int:
         """Bytes of the activations, saved tensors and gradients alive for micro-batches in
         flight (each storage counted once; weights and weight gradients excluded)."""
-        # Sampled after every layer: each run keeps its own count until it changes, since
-        # walking every tensor in flight each time cost a tenth of a step.
-        seen: dict[int, int] = {}
-        values: list = list(self.mailbox.values())
+        # Sampled after every layer: each run keeps its own count until it changes, and the
+        # tally recounts only the runs that changed since the last sample (summing every
+        # run's storages afresh each time cost a tenth of a step: :mod:`.live_memory`).
+        holders: dict[object, dict[int, int]] = {}
         for stage in self.stages.values():
             for runs in stage.runs.values():
                 for run in runs:
-                    seen.update(run.storages())
-            values += [e.saved for e in stage.embeds.values()]
-            values += [(h._norm_saved, h._head_saved) for h in stage.heads.values()]
-        count_storages(values, seen)
-        return sum(seen.values())
+                    holders[id(run)] = run.storages()
+            for end in (*stage.embeds.values(), *stage.heads.values()):
+                holders[id(end)] = end.storages()
+        if self.mailbox:
+            mailbox: dict[int, int] = {}
+            count_storages(self.mailbox.values(), mailbox)
+            holders[_MAILBOX] = mailbox
+        return self.tally.update(holders)
+
+
+#: The memory tally's key of what the mailbox holds (a run's or a model end's is its id).
+_MAILBOX = "mailbox"
 
 
 #: Action kind → handler(executor, action).

@@ -139,6 +139,25 @@ def _unfinished_inputs(run, issue: Flat) -> bool:
     return False
 
 
+def _pending_input(run, issue: Flat) -> bool:
+    """Whether an input of ``issue``'s op on ``run`` is a Pending (a collective's result,
+    arrived or not): a forward op's inputs are values, a backward op's maps of them."""
+    if issue.forward:
+        acts = run.acts
+        for name in issue.deps:
+            if isinstance(acts.get(name), Pending):
+                return True
+        return False
+    bgrads = run.bgrads
+    for name in issue.deps:
+        value = bgrads.get(name)
+        if value:
+            for item in value.values():
+                if isinstance(item, Pending):
+                    return True
+    return False
+
+
 class Filler:
     """The backward strand's weight-gradient ops of an SI block, held back from their place
     in the plan and run while the thread would otherwise block on a collective — on one CPU
@@ -179,20 +198,17 @@ class Filler:
         nothing, nothing to run: the op goes at once)."""
         if not self.held:
             return
-        mine, last, deps = [], -1, issue.deps
-        for held in self.held:
-            if held[1] is run:
-                if held[2].op.name in deps:
-                    last = len(mine)
-                mine.append(held)
-        for held in mine[:last + 1]:
-            self._run(held)
-        store, flying = run.acts if issue.forward else run.bgrads, False
-        for name in deps:  # the common case, no input a Pending: nothing would block
-            value = store.get(name)
-            for item in value.values() if isinstance(value, dict) else (value,):
-                flying = flying or isinstance(item, Pending)
-        if not flying:
+        deps = issue.deps
+        if not issue.forward:  # (held ops are wgrads of backward runs: a forward op reads none)
+            mine, last = [], -1
+            for held in self.held:
+                if held[1] is run:
+                    if held[2].op.name in deps:
+                        last = len(mine)
+                    mine.append(held)
+            for held in mine[:last + 1]:
+                self._run(held)
+        if not _pending_input(run, issue):  # the common case: nothing would block
             return
         while _unfinished_inputs(run, issue):
             firsts = {}  # each run's first held op, oldest first
