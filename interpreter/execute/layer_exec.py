@@ -600,20 +600,24 @@ def _wait_now(pending: Pending) -> None:
 def count_storages(values, seen: dict[int, int]) -> None:
     """Add to ``seen`` the storages of the tensors in ``values`` (nested tuples, lists and
     dicts; anything else, a Pending included, holds nothing countable yet). A walk with a
-    stack, the common types tested by identity first: it runs after every layer."""
-    stack = list(values)
+    stack of containers, each one's items handled in place and the common types tested by
+    identity first: it runs after every layer."""
     tensor = torch.Tensor
+    stack = [values]
     while stack:
-        value = stack.pop()
-        kind = type(value)
-        if kind is tensor or (kind is not tuple and kind is not list and kind is not dict
-                              and isinstance(value, tensor)):
-            storage = value.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        elif kind is tuple or kind is list or isinstance(value, (tuple, list)):
-            stack.extend(value)
-        elif kind is dict or isinstance(value, dict):
-            stack.extend(value.values())
+        container = stack.pop()
+        for value in container.values() if isinstance(container, dict) else container:
+            kind = type(value)
+            if kind is tensor:
+                storage = value.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            elif kind is tuple or kind is dict or kind is list:
+                stack.append(value)
+            elif isinstance(value, tensor):
+                storage = value.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            elif isinstance(value, (tuple, list, dict)):
+                stack.append(value)
 
 
 def _by_value(inputs: tuple[str, ...], grads, produces: tuple[str, ...]) -> dict[str, torch.Tensor]:

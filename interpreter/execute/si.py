@@ -64,14 +64,19 @@ from .recording import Recorder
 
 def settle(run) -> None:
     """The cross-strand barrier for one LayerRun: wait for every collective it left in flight."""
-    run.version += 1  # its live tensors change (the memory probe recounts them)
-    for name, value in list(run.acts.items()):
+    landed = False
+    acts = run.acts
+    for name, value in list(acts.items()):
         if isinstance(value, Pending):
-            run.acts[name] = value.wait()
+            acts[name] = value.wait()
+            landed = True
     for grads in run.bgrads.values():
         for name, value in list(grads.items()):
             if isinstance(value, Pending):
                 grads[name] = value.wait()
+                landed = True
+    if landed:  # its live tensors changed (the memory probe recounts them; else it need not)
+        run.version += 1
 
 
 class Flat:
