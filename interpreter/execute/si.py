@@ -134,23 +134,13 @@ def _run(run, issue: Flat, recorder: Recorder) -> None:
 
 def _unfinished_inputs(run, issue: Flat) -> bool:
     """Whether an input of ``issue``'s op on ``run`` is a collective still in flight (running
-    the op now would block the thread on it)."""
-    store = run.acts if issue.forward else run.bgrads
-    for name in issue.deps:
-        value = store.get(name)
-        for item in value.values() if isinstance(value, dict) else (value,):
-            if isinstance(item, Pending) and not item.done():
-                return True
-    return False
-
-
-def _pending_input(run, issue: Flat) -> bool:
-    """Whether an input of ``issue``'s op on ``run`` is a Pending (a collective's result,
-    arrived or not): a forward op's inputs are values, a backward op's maps of them."""
+    the op now would block the thread on it): a forward op's inputs are values, a backward
+    op's maps of them."""
     if issue.forward:
         acts = run.acts
         for name in issue.deps:
-            if isinstance(acts.get(name), Pending):
+            value = acts.get(name)
+            if isinstance(value, Pending) and not value.done():
                 return True
         return False
     bgrads = run.bgrads
@@ -158,7 +148,7 @@ def _pending_input(run, issue: Flat) -> bool:
         value = bgrads.get(name)
         if value:
             for item in value.values():
-                if isinstance(item, Pending):
+                if isinstance(item, Pending) and not item.done():
                     return True
     return False
 
@@ -213,9 +203,7 @@ class Filler:
                     mine.append(held)
             for held in mine[:last + 1]:
                 self._run(held)
-        if not _pending_input(run, issue):  # the common case: nothing would block
-            return
-        while _unfinished_inputs(run, issue):
+        while _unfinished_inputs(run, issue):  # (the common case: nothing would block)
             firsts = {}  # each run's first held op, oldest first
             for held in self.held:
                 firsts.setdefault(id(held[1]), held)
