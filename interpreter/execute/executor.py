@@ -44,7 +44,6 @@ from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
 from dhelix.interpreter.ops.fsdp import FlatShards
 from .layer_exec import GradStore, LayerPlan, LayerRun, count_storages
-from .live_memory import LiveTally
 from .model_ends import EmbedRun, HeadRun
 from .sequential import sum_partial_grads
 from dhelix.dsl.planner.pair_order import BlockOrder
@@ -148,8 +147,6 @@ class Executor:
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
         self.recorder.probe = self.live_bytes
-        #: The live bytes as the probe last counted them (:meth:`live_bytes`).
-        self.tally = LiveTally()
         self.comm = TimedComm(comm, self.recorder)
         self.pp = comm.index("pp")
         self.actions = self.lowered.actions[self.pp]
@@ -619,25 +616,20 @@ class Executor:
     def live_bytes(self) -> int:
         """Bytes of the activations, saved tensors and gradients alive for micro-batches in
         flight (each storage counted once; weights and weight gradients excluded)."""
-        # Sampled after every layer: each run keeps its own count until it changes, and the
-        # tally recounts only the runs that changed since the last sample (summing every
-        # run's storages afresh each time cost a tenth of a step: :mod:`.live_memory`).
-        holders: dict[object, dict[int, int]] = {}
+        # Sampled after every layer: each run, embedding and head keeps its own count until
+        # it changes (a tenth of a step went to walking every tensor in flight each time).
+        seen: dict[int, int] = {}
         for stage in self.stages.values():
             for runs in stage.runs.values():
                 for run in runs:
-                    holders[id(run)] = run.storages()
-            for end in (*stage.embeds.values(), *stage.heads.values()):
-                holders[id(end)] = end.storages()
+                    seen.update(run.storages())
+            for end in stage.embeds.values():
+                seen.update(end.storages())
+            for end in stage.heads.values():
+                seen.update(end.storages())
         if self.mailbox:
-            mailbox: dict[int, int] = {}
-            count_storages(self.mailbox.values(), mailbox)
-            holders[_MAILBOX] = mailbox
-        return self.tally.update(holders)
-
-
-#: The memory tally's key of what the mailbox holds (a run's or a model end's is its id).
-_MAILBOX = "mailbox"
+            count_storages(self.mailbox.values(), seen)
+        return sum(seen.values())
 
 
 #: Action kind → handler(executor, action).
