@@ -21,7 +21,9 @@ and storage queries) are left out of it. Interpreter steps and plain loops alter
 per round; medians over the rounds, of wall time and of the calling thread's CPU time
 (``time.thread_time``: on a machine shared with other work, the time the thread ran, not the
 time it waited for a core; with links emulated by ``none`` and one intra-op thread, every
-transfer and kernel runs on this thread). ``--profile`` adds a cProfile of a few interpreter steps per
+transfer and kernel runs on this thread), and the minima of the CPU times (what other work on
+a shared machine adds to a thread's CPU time — caches and a core's other hyperthread taken —
+only ever adds: the least is the nearest to the step's own cost). ``--profile`` adds a cProfile of a few interpreter steps per
 program, its top functions by own time.
 """
 
@@ -198,7 +200,8 @@ def measure(name: str, path: str, sizes: dict, rank_index: int, rounds: int, pro
                  f"plain-torch loop {1e3 * plain:9.2f} ms  (min {1e3 * min(floor):.2f})   "
                  f"ratio {step / plain:.2f}x",
                  f"  this thread's CPU time: interpreter step {1e3 * step_cpu:6.2f} ms   plain-torch loop "
-                 f"{1e3 * plain_cpu:6.2f} ms   ratio {step_cpu / plain_cpu:.2f}x",
+                 f"{1e3 * plain_cpu:6.2f} ms   ratio {step_cpu / plain_cpu:.2f}x   (minima {1e3 * min(ours_cpu):.2f} "
+                 f"and {1e3 * min(floor_cpu):.2f} ms: ratio {min(ours_cpu) / min(floor_cpu):.2f}x)",
                  f"  host per action {1e6 * step / seen['actions']:9.1f} us   per layer op "
                  f"{1e6 * step / seen['layer_ops']:6.1f} us   per torch call {1e6 * step / len(calls):5.2f} us "
                  f"(plain loop {1e6 * plain / len(calls):5.2f} us)",

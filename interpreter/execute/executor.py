@@ -616,17 +616,19 @@ class Executor:
     def live_bytes(self) -> int:
         """Bytes of the activations, saved tensors and gradients alive for micro-batches in
         flight (each storage counted once; weights and weight gradients excluded)."""
-        # Sampled after every layer: each run keeps its own count until it changes, since
-        # walking every tensor in flight each time cost a tenth of a step.
+        # Sampled after every layer: each run, embedding and head keeps its own count until
+        # it changes (a tenth of a step went to walking every tensor in flight each time).
         seen: dict[int, int] = {}
-        values: list = list(self.mailbox.values())
         for stage in self.stages.values():
             for runs in stage.runs.values():
                 for run in runs:
                     seen.update(run.storages())
-            values += [e.saved for e in stage.embeds.values()]
-            values += [(h._norm_saved, h._head_saved) for h in stage.heads.values()]
-        count_storages(values, seen)
+            for end in stage.embeds.values():
+                seen.update(end.storages())
+            for end in stage.heads.values():
+                seen.update(end.storages())
+        if self.mailbox:
+            count_storages(self.mailbox.values(), seen)
         return sum(seen.values())
 
 

@@ -213,6 +213,8 @@ class LayerRun:
                  defer: Callable[[Pending], None] | None = None, selective: Collection[str] = ()):
         self.plan, self.weights, self.comm = plan, weights, comm
         self._contexts = plan.contexts(comm)
+        #: Whether the communicator names collectives by op (tracing), read once per run.
+        self._names_ops = comm.names_ops
         #: Takes a ZeRO-3 gradient reduce-scatter left in flight (nothing in the layer reads
         #: it; the caller waits for it before the optimizer); without one, waited for at once.
         self.defer = defer if defer is not None else _wait_now
@@ -252,8 +254,11 @@ class LayerRun:
         if step.run is None or step.forward is not None:
             raise ValueError(f"{op.name} ({op.op}) is not a forward op")
         acts = self.acts
-        step.run(self, op, step, [self._act(name) if isinstance(value := acts[name], Pending) else value
-                                  for name in op.inputs], async_op)
+        args = []  # a loop: a comprehension's own frame cost more than its one or two inputs
+        for name in op.inputs:
+            value = acts[name]
+            args.append(self._act(name) if isinstance(value, Pending) else value)
+        step.run(self, op, step, args, async_op)
         if self.releases:  # :meth:`_release`, inline
             left, keep = self._fwd_left, self.plan.fwd.output
             for name in step.inputs:
@@ -269,11 +274,12 @@ class LayerRun:
 
     def _forward_comm(self, op: Op, step: "Step", args: list, async_op: bool) -> None:
         # A collective of the forward (left in flight with ``async_op``).
-        if not self.comm.names_ops:
-            self.acts[op.name] = step.kernel(args[0], self._ctx(op, step, async_op))
+        ctx = self._contexts[op.name][async_op] if not step.routed else self._ctx(op, step, async_op)
+        if not self._names_ops:
+            self.acts[op.name] = step.kernel(args[0], ctx)
             return
         with self.comm.op_named(op.name):
-            self.acts[op.name] = step.kernel(args[0], self._ctx(op, step, async_op))
+            self.acts[op.name] = step.kernel(args[0], ctx)
 
     def _forward_gather(self, op: Op, step: "Step", args: list, async_op: bool) -> None:
         # ZeRO-3: the all-gather of a weight (the second stage of a grouped one reads the first's).
@@ -371,10 +377,11 @@ class LayerRun:
     def _backward_comm(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
         # A collective of the backward: the gradient of the one value it produces.
         (value,) = op.grad.produces
-        if not self.comm.names_ops:
-            return {value: step.kernel(grad, self._ctx(op, step, async_op))}
+        ctx = self._contexts[op.name][async_op] if not step.routed else self._ctx(op, step, async_op)
+        if not self._names_ops:
+            return {value: step.kernel(grad, ctx)}
         with self.comm.op_named(op.name):
-            return {value: step.kernel(grad, self._ctx(op, step, async_op))}
+            return {value: step.kernel(grad, ctx)}
 
     def _backward_dgrad(self, op: Op, step: "Step", forward: Op, grad, async_op: bool) -> dict:
         # A data gradient (or an op's whole backward): the gradients of its forward inputs.
@@ -600,20 +607,26 @@ def _wait_now(pending: Pending) -> None:
 def count_storages(values, seen: dict[int, int]) -> None:
     """Add to ``seen`` the storages of the tensors in ``values`` (nested tuples, lists and
     dicts; anything else, a Pending included, holds nothing countable yet). A walk with a
-    stack, the common types tested by identity first: it runs after every layer."""
-    stack = list(values)
+    stack of containers, each one's items handled in place and the common types tested by
+    identity first: it runs after every layer."""
     tensor = torch.Tensor
+    stack = [values]
     while stack:
-        value = stack.pop()
-        kind = type(value)
-        if kind is tensor or (kind is not tuple and kind is not list and kind is not dict
-                              and isinstance(value, tensor)):
-            storage = value.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-        elif kind is tuple or kind is list or isinstance(value, (tuple, list)):
-            stack.extend(value)
-        elif kind is dict or isinstance(value, dict):
-            stack.extend(value.values())
+        container = stack.pop()
+        for value in container.values() if isinstance(container, dict) else container:
+            kind = type(value)
+            if kind is tensor:
+                storage = value.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            elif kind is tuple or kind is dict or kind is list:
+                stack.append(value)
+            elif value is None or kind is int or kind is bool or kind is str:  # a kernel's meta
+                continue
+            elif isinstance(value, tensor):
+                storage = value.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+            elif isinstance(value, (tuple, list, dict)):
+                stack.append(value)
 
 
 def _by_value(inputs: tuple[str, ...], grads, produces: tuple[str, ...]) -> dict[str, torch.Tensor]:

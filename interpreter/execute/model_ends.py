@@ -12,7 +12,7 @@ import torch
 from dhelix.interpreter.ops.comm import Communicator, Pending
 from dhelix.interpreter.ops.handlers import KERNELS
 from dhelix.interpreter.ops.kernels import KernelCtx, lm_head_backward
-from .layer_exec import add_grad
+from .layer_exec import add_grad, count_storages
 
 
 class EmbedRun:
@@ -27,11 +27,13 @@ class EmbedRun:
         self.sequence_parallel = sequence_parallel
         self.grads = grads if grads is not None else {}
         self.saved: tuple | None = None
+        self._storages: dict[int, int] | None = None  # of :attr:`saved`, counted once (storages())
 
     def forward(self, ids: torch.Tensor, async_op: bool = False):
         """The layer-0 input for token ``ids`` ``[tokens]`` (all tokens of the micro-batch);
         with ``async_op`` a Pending of it, its tp reduction in flight."""
         partial, self.saved = KERNELS["embedding"].forward((ids,), self.weight, self.ctx)
+        self._storages = None
         if self.sequence_parallel:
             return self.comm.reduce_scatter(partial, "tp", async_op=async_op)
         return self.comm.all_reduce(partial, "tp", async_op=async_op)
@@ -53,7 +55,15 @@ class EmbedRun:
         wgrad = KERNELS["embedding"].wgrad
         assert wgrad is not None, "the embedding has a weight"
         add_grad(self.grads, self.name, wgrad(grad, self.saved))
-        self.saved = None
+        self.saved = self._storages = None
+
+    def storages(self) -> dict[int, int]:
+        """The storages (data pointer → bytes) of what the forward saved for the backward,
+        counted once per change (the memory probe asks after every layer)."""
+        if self._storages is None:
+            self._storages = {}
+            count_storages((self.saved,), self._storages)
+        return self._storages
 
 
 class HeadRun:
@@ -72,6 +82,7 @@ class HeadRun:
         self.grads = grads if grads is not None else {}
         self._norm_saved: tuple | None = None
         self._head_saved: tuple | None = None
+        self._storages: dict[int, int] | None = None  # of both, counted once (storages())
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The summed cross-entropy of the micro-batch (a scalar, the same on every tp rank)
@@ -80,6 +91,7 @@ class HeadRun:
         if self.sequence_parallel:
             h = self.comm.all_gather(h, "tp")
         losses, self._head_saved = KERNELS["lm_head"].forward((h, targets), self.head, self.ctx)
+        self._storages = None
         return losses.sum()
 
     def backward(self, scale: float, async_op: bool = False):
@@ -102,5 +114,13 @@ class HeadRun:
         wgrad = self.norm_kernel.wgrad
         assert wgrad is not None, "a norm has a weight"
         add_grad(self.grads, self.names[0], wgrad(grad_h, self._norm_saved))
-        self._norm_saved = self._head_saved = None
+        self._norm_saved = self._head_saved = self._storages = None
         return grad_x
+
+    def storages(self) -> dict[int, int]:
+        """The storages (data pointer → bytes) of what the forwards saved for the backward,
+        counted once per change (the memory probe asks after every layer)."""
+        if self._storages is None:
+            self._storages = {}
+            count_storages((self._norm_saved, self._head_saved), self._storages)
+        return self._storages

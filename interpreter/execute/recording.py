@@ -142,46 +142,54 @@ class TimedComm(Communicator):
             lane = self._lanes[axis] = "local" if self.mesh is None else self.mesh.lane(axis)
         return lane
 
-    def _run(self, name: str, axis: str, async_op: bool, call):
+    def _run(self, name: str, axis: str, async_op: bool, method, *args):
+        # ``method(*args)``: the inner communicator's collective, called here (no closure
+        # made per collective: one runs per layer op or so).
+        if async_op and not self.recorder.trace:
+            # Without a trace nothing reads an asynchronous collective's issue time, only
+            # how long its wait blocks: no clock read at its issue.
+            out = method(*args)
+            if out.done():  # complete at its issue (a size-1 group, a stand-in's inline lane)
+                return out
+            return _TimedPending(out, self.recorder, name, self.lane_of(axis), 0.0)
         if self.size(axis) == 1:
-            return call()
+            return method(*args)
         issued = time.perf_counter()
-        out = call()
+        out = method(*args)
         # The event's name is read only by a trace: not built otherwise.
         trace = self.recorder.trace
         label = (self._op or f"{name}.{axis}") if trace else name
         if async_op:
-            if not trace and out.done():  # complete at its issue (a stand-in's inline lane): no wait to time
+            if not trace and out.done():  # complete at its issue: no wait to time
                 return out
             return _TimedPending(out, self.recorder, label, self.lane_of(axis), issued)
         self.recorder.blocked(label, self.lane_of(axis), issued, issued, time.perf_counter())
         return out
 
     def all_gather(self, x, axis, async_op=False):
-        return self._run("all_gather", axis, async_op, lambda: self.inner.all_gather(x, axis, async_op))
+        return self._run("all_gather", axis, async_op, self.inner.all_gather, x, axis, async_op)
 
     def reduce_scatter(self, x, axis, async_op=False):
-        return self._run("reduce_scatter", axis, async_op,
-                         lambda: self.inner.reduce_scatter(x, axis, async_op))
+        return self._run("reduce_scatter", axis, async_op, self.inner.reduce_scatter, x, axis, async_op)
 
     def all_reduce(self, x, axis, op="sum", async_op=False):
-        return self._run("all_reduce", axis, async_op, lambda: self.inner.all_reduce(x, axis, op, async_op))
+        return self._run("all_reduce", axis, async_op, self.inner.all_reduce, x, axis, op, async_op)
 
     def reduce(self, x, axis, root, async_op=False):
-        return self._run("reduce", axis, async_op, lambda: self.inner.reduce(x, axis, root, async_op))
+        return self._run("reduce", axis, async_op, self.inner.reduce, x, axis, root, async_op)
 
     def broadcast(self, x, axis, root, async_op=False):
-        return self._run("broadcast", axis, async_op, lambda: self.inner.broadcast(x, axis, root, async_op))
+        return self._run("broadcast", axis, async_op, self.inner.broadcast, x, axis, root, async_op)
 
     def all_to_all(self, x, axis, in_splits=None, out_splits=None, async_op=False):
-        return self._run("all_to_all", axis, async_op,
-                         lambda: self.inner.all_to_all(x, axis, in_splits, out_splits, async_op))
+        return self._run("all_to_all", axis, async_op, self.inner.all_to_all, x, axis, in_splits, out_splits,
+                         async_op)
 
     def send(self, x, dst, async_op=False):
-        return self._run("send", "pp", async_op, lambda: self.inner.send(x, dst, async_op))
+        return self._run("send", "pp", async_op, self.inner.send, x, dst, async_op)
 
     def recv(self, shape, dtype, src, async_op=False):
-        return self._run("recv", "pp", async_op, lambda: self.inner.recv(shape, dtype, src, async_op))
+        return self._run("recv", "pp", async_op, self.inner.recv, shape, dtype, src, async_op)
 
     def post_p2p(self, transfers) -> list:
         return self.inner.post_p2p(transfers)

@@ -64,14 +64,19 @@ from .recording import Recorder
 
 def settle(run) -> None:
     """The cross-strand barrier for one LayerRun: wait for every collective it left in flight."""
-    run.version += 1  # its live tensors change (the memory probe recounts them)
-    for name, value in list(run.acts.items()):
+    landed = False
+    acts = run.acts
+    for name, value in list(acts.items()):
         if isinstance(value, Pending):
-            run.acts[name] = value.wait()
+            acts[name] = value.wait()
+            landed = True
     for grads in run.bgrads.values():
         for name, value in list(grads.items()):
             if isinstance(value, Pending):
                 grads[name] = value.wait()
+                landed = True
+    if landed:  # its live tensors changed (the memory probe recounts them; else it need not)
+        run.version += 1
 
 
 class Flat:
@@ -129,13 +134,22 @@ def _run(run, issue: Flat, recorder: Recorder) -> None:
 
 def _unfinished_inputs(run, issue: Flat) -> bool:
     """Whether an input of ``issue``'s op on ``run`` is a collective still in flight (running
-    the op now would block the thread on it)."""
-    store = run.acts if issue.forward else run.bgrads
-    for name in issue.deps:
-        value = store.get(name)
-        for item in value.values() if isinstance(value, dict) else (value,):
-            if isinstance(item, Pending) and not item.done():
+    the op now would block the thread on it): a forward op's inputs are values, a backward
+    op's maps of them."""
+    if issue.forward:
+        acts = run.acts
+        for name in issue.deps:
+            value = acts.get(name)
+            if isinstance(value, Pending) and not value.done():
                 return True
+        return False
+    bgrads = run.bgrads
+    for name in issue.deps:
+        value = bgrads.get(name)
+        if value:
+            for item in value.values():
+                if isinstance(item, Pending) and not item.done():
+                    return True
     return False
 
 
@@ -179,22 +193,17 @@ class Filler:
         nothing, nothing to run: the op goes at once)."""
         if not self.held:
             return
-        mine, last, deps = [], -1, issue.deps
-        for held in self.held:
-            if held[1] is run:
-                if held[2].op.name in deps:
-                    last = len(mine)
-                mine.append(held)
-        for held in mine[:last + 1]:
-            self._run(held)
-        store, flying = run.acts if issue.forward else run.bgrads, False
-        for name in deps:  # the common case, no input a Pending: nothing would block
-            value = store.get(name)
-            for item in value.values() if isinstance(value, dict) else (value,):
-                flying = flying or isinstance(item, Pending)
-        if not flying:
-            return
-        while _unfinished_inputs(run, issue):
+        deps = issue.deps
+        if not issue.forward:  # (held ops are wgrads of backward runs: a forward op reads none)
+            mine, last = [], -1
+            for held in self.held:
+                if held[1] is run:
+                    if held[2].op.name in deps:
+                        last = len(mine)
+                    mine.append(held)
+            for held in mine[:last + 1]:
+                self._run(held)
+        while _unfinished_inputs(run, issue):  # (the common case: nothing would block)
             firsts = {}  # each run's first held op, oldest first
             for held in self.held:
                 firsts.setdefault(id(held[1]), held)

@@ -230,8 +230,9 @@ def _heads(qkv: torch.Tensor, heads: int, kv_heads: int, micro_batch: int, rope:
     d = width // (heads + 2 * kv_heads)
     seq = tokens // micro_batch
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
-    q, k, v = (t.reshape(micro_batch, seq, n, d).transpose(1, 2)
-               for t, n in ((q, heads), (k, kv_heads), (v, kv_heads)))
+    q = q.reshape(micro_batch, seq, heads, d).transpose(1, 2)
+    k = k.reshape(micro_batch, seq, kv_heads, d).transpose(1, 2)
+    v = v.reshape(micro_batch, seq, kv_heads, d).transpose(1, 2)
     if rope is not None:
         cos, sin = rope_tables(seq, d, rope, qkv.device, qkv.dtype)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
