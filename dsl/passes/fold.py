@@ -66,6 +66,14 @@ class Placement:
         the copy's ends."""
         return neighbour_stage(index, step, len(self.stages), self.copies)
 
+    def is_first(self, index: int) -> bool:
+        """Whether stage ``index`` is the first of its model copy (it holds the embedding)."""
+        return self.neighbour(index, -1) is None
+
+    def is_last(self, index: int) -> bool:
+        """Whether stage ``index`` is the last of its model copy (it holds the LM head)."""
+        return self.neighbour(index, 1) is None
+
     def stage_at(self, rank: int, chunk: int) -> Stage:
         """The stage held by ``rank`` as ``chunk`` (both assumed in range)."""
         return self._by_slot[(rank, chunk)]

@@ -4,7 +4,7 @@ The planner and the simulator price every dtype of :data:`~dhelix.dsl.core.dtype
 the interpreter has kernels for :data:`~dhelix.dsl.core.dtypes.RUNNABLE_DTYPES` only, and runs
 tensor parallelism in its sequence-parallel form only (a tp-sliced gemm reads an all_gather or
 feeds a reduce_scatter: :func:`reads_tp_collective`, which the interpreter's weight sharding
-reads too). ``check`` prints these as located warnings; ``run`` raises them as errors before
+reads too); and it holds one model copy (fold bidir places two). ``check`` prints these as located warnings; ``run`` raises them as errors before
 any rank starts.
 """
 
@@ -24,7 +24,22 @@ def unrunnable(program: Program) -> list[DhelixWarning]:
     model = program.model
     if model is None:
         return []
-    return [*_unrunnable_dtype(program), *_tp_without_sequence_parallelism(program)]
+    return [*_unrunnable_dtype(program), *_tp_without_sequence_parallelism(program), *_two_model_copies(program)]
+
+
+def _two_model_copies(program: Program) -> list[DhelixWarning]:
+    """A warning at the fold statement for a fold that places two model copies (fold bidir):
+    the interpreter runs one copy of each stage; summing the gradients of a stage's two copies
+    (on pipeline ranks r and p - 1 - r) is not built."""
+    fold = program.fold
+    if fold is None or fold.copies == 1:
+        return []
+    return [DhelixWarning(
+        f"fold {fold.text} can be checked, lowered, drawn, simulated and tuned, but not run: the interpreter does not "
+        f"yet hold {fold.copies} model copies (it would have to sum each stage's gradients between its two holders, "
+        "pipeline ranks r and p - 1 - r, as a data-parallel pair, and feed each copy its half of the micro-batches)",
+        fold.span or (program.model.span if program.model else None),
+        ["to train now, use fold u with pipeline dualpipe_v (DualPipe's one-copy V) or fold none with zb_h1"])]
 
 
 def _unrunnable_dtype(program: Program) -> list[DhelixWarning]:

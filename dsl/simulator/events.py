@@ -203,13 +203,12 @@ class _Run:
             chunk = _forward_chunk(action)
             if chunk is not None and chunk not in first_use:
                 first_use.append(chunk)
-        last = len(self.lowered.stages) - 1
         for chunk in first_use:
             index = self.lowered.stage_of(rank, chunk)
             layers = len(self.program.placement.stages[index].layers)
-            slots = ([("embedding", params.embedding, 0.0)] if index == 0 else []) + \
+            slots = ([("embedding", params.embedding, 0.0)] if self.lowered.is_first(index) else []) + \
                 [(i, params.layer_dense, params.layer_expert) for i in range(layers)] + \
-                ([("head", params.head, 0.0)] if index == last else [])
+                ([("head", params.head, 0.0)] if self.lowered.is_last(index) else [])
             arrivals = {}
             for slot, dense, expert in slots:
                 ready = 0.0
@@ -515,9 +514,10 @@ class _Run:
     def _end_params(self, rank: int, head: bool = True) -> float:
         """Parameters of the model's ends (embedding, LM head and final norm) on ``rank``;
         the embedding's only without ``head``."""
-        params, last = self.costs.params, len(self.lowered.stages) - 1
-        stages = [self.lowered.stage_of(rank, chunk) for chunk in range(self.lowered.chunks)]
-        return (params.embedding if 0 in stages else 0) + (params.head if head and last in stages else 0)
+        params, low = self.costs.params, self.lowered
+        stages = [index for chunk in range(low.chunks) if (index := low.stage_of(rank, chunk)) is not None]
+        return (params.embedding if any(low.is_first(s) for s in stages) else 0) \
+            + (params.head if head and any(low.is_last(s) for s in stages) else 0)
 
     def _local_params(self, rank: int) -> tuple[float, float]:
         pairs = [self._chunk_params(rank, chunk) for chunk in range(self.lowered.chunks)]
@@ -530,8 +530,8 @@ class _Run:
         if index is None:
             return 0.0, 0.0
         layers = len(self.program.placement.stages[index].layers)
-        dense = layers * params.layer_dense + (params.embedding if index == 0 else 0) \
-            + (params.head if index == len(self.lowered.stages) - 1 else 0)
+        dense = layers * params.layer_dense + (params.embedding if self.lowered.is_first(index) else 0) \
+            + (params.head if self.lowered.is_last(index) else 0)
         return dense, layers * params.layer_expert
 
     def _slot_names(self):
