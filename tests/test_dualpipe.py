@@ -3,8 +3,8 @@ from both ends. Held to DualPipe's own order (its step()'s eight phases replayed
 WeightGradStore as a queue), to what its comment in stdlib_schedules/pipelines.dhx says
 (unit-time make-span and in-flight activations), to fold bidir's placement (rank r holds stage
 r of copy 0 and stage p - 1 - r of copy 1: 2× the parameters), and simulated, drawn and
-searched by `dhelix tune` as every stdlib pipeline. `dhelix run` refuses it, by name, before
-any rank starts: the interpreter holds one model copy."""
+searched by `dhelix tune` as every stdlib pipeline, and run on gloo ranks with `dhelix run
+--check` (exact against the single-process reference, both copies' gradients summed)."""
 
 from __future__ import annotations
 
@@ -213,12 +213,23 @@ def test_drawn_and_searched(tmp_path, capsys):
     assert not any(fold == "bidir" and name != "dualpipe" for fold, name, _ in schedules)
 
 
-def test_run_is_refused_by_name_before_any_rank_starts(tmp_path):
-    program = check_text(program_text(4, 8), "dp.dhx")
-    [warning] = unrunnable(program)
-    assert warning.message.startswith("fold bidir can be checked, lowered, drawn, simulated and tuned, but not run")
-    path = tmp_path / "dp.dhx"
+def test_run_check_is_exact_on_gloo_ranks_with_si(tmp_path):
+    # 4 pipeline ranks (two middle ranks with their unoverlapped first pair, two end ranks),
+    # 8 micro-batches: every phase runs, and the SI blocks co-execute a forward of one copy
+    # with a backward of the other. Two steps: the second runs on the updated weights, which
+    # equal the reference's only if both copies of every stage took the same summed gradient
+    # (without the sum: a gradient diff of 9e-2 at step 2).
+    path = tmp_path / "dualpipe.dhx"
     path.write_text(program_text(4, 8))
-    result = dhelix_here("run", str(path), "--steps", "1", "--check")
-    assert result.returncode == 1
-    assert "fold bidir can be checked" in result.stderr and "Traceback" not in result.stderr
+    result = dhelix_here("run", str(path), "--steps", "2", "--check")
+    assert result.returncode == 0, result.stderr
+    assert "SI on" in result.stderr + result.stdout
+    assert result.stdout.splitlines()[-1].startswith("check: passed: 2 step(s) match the single-process reference")
+
+
+def test_zero_2_and_3_are_refused_by_name_before_any_rank_starts():
+    assert unrunnable(check_text(program_text(4, 8), "dp.dhx")) == []
+    text = program_text(4, 8).replace("seed = 7", "seed = 7  zero = 2")
+    [warning] = unrunnable(check_text(text, "dp.dhx"))
+    assert warning.message.startswith("fold bidir with zero = 2 can be checked, lowered, drawn, simulated and tuned, "
+                                      "but not run")

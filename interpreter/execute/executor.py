@@ -243,7 +243,7 @@ class Executor:
                 shards = {op: self.flat.add(param_name(layer, op), w) for op, w in shards.items()}
             self.params.update({param_name(layer, op): w for op, w in shards.items()})
             weights.append(shards)
-        state = StageState(index, stage.layers, index == 0, index == len(self.lowered.stages) - 1, weights)
+        state = StageState(index, stage.layers, self.lowered.is_first(index), self.lowered.is_last(index), weights)
         ends = ((EMBEDDING,) if state.first else ()) + ((FINAL_NORM, LM_HEAD) if state.last else ())
         for name in ends:
             self.params[name] = self.weights.shard(name, self.index, self.dtype).to(self.device)
@@ -281,14 +281,14 @@ class Executor:
         holds its wgrads (:class:`~.si.Filler`, which may run them earlier, at a moment that
         differs between ranks), the flush of what a block carried, a W — so that the
         reductions ``grad_ready`` starts are issued in the same order on every rank."""
-        if self.grad_ready is None or not self.handing:
-            return
+        if self.grad_ready is None or not self.handing or self.lowered.copies > 1:
+            return  # (two model copies: handed over at the step's end, once the copies' sum is taken)
         if self.pieces_done:  # the pieces of the layers done before this one: their last
             # reduce-scatters have had this layer's backward beside them
             self._settle_deferred(max(after for after, _ in self.pieces_done))
         key = (stage.index, layer)
         self.done_counts[key] = self.done_counts.get(key, 0) + 1
-        last = self.done_counts[key] >= self.lowered.microbatches
+        last = self.done_counts[key] >= len(self.lowered.microbatches_of(stage.index))
         if not last and not self.program.train.zero == 2:
             return
         index, grads = stage.layers[layer], stage.grads[layer]
@@ -455,8 +455,35 @@ class Executor:
         grads = self._collect_grads()
         sum_partial_grads(self.weights, {name: g for name, g in grads.items() if name not in self.reduced_early},
                           self.comm)
+        if self.lowered.copies > 1:
+            self._sum_copies(grads)
         if self.weights.tied:  # both copies take the sum, before the optimizer reduces them over dp
             tie_grads(grads)
+
+    def _sum_copies(self, grads: dict[str, torch.Tensor]) -> None:
+        """Fold bidir: add the gradients of the twin pipeline rank p - 1 - r into ``grads`` (in
+        place; a parameter without a gradient gets the twin's), so that both copies of every
+        stage take the same sum, as a data-parallel pair's. Rank r holds stage r of copy 0 and
+        stage p - 1 - r of copy 1, its twin the same stages of the other copies: the same
+        parameters, so one exchange per dtype carries them all. Both add the same two
+        numbers (mine + twin's on one, twin's + mine on the other: equal), so the copies stay
+        bit for bit identical through the optimizer's update."""
+        twin = self.comm.group_ranks("pp")[self.lowered.ranks - 1 - self.pp]
+        if twin == self.comm.rank:
+            raise ValueError("fold bidir pairs pipeline rank r with p - 1 - r: p must be even")
+        for name, param in self.params.items():
+            if name not in grads:
+                grads[name] = torch.zeros_like(param)
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name in sorted(self.params):
+            by_dtype.setdefault(grads[name].dtype, []).append(name)
+        for dtype, names in sorted(by_dtype.items(), key=lambda item: str(item[0])):
+            flat = torch.cat([grads[name].reshape(-1) for name in names])
+            sent = self.comm.send(flat, twin, async_op=True)
+            theirs = self.comm.recv(flat.shape, dtype, twin, async_op=True).wait().to(flat.device)
+            sent.wait()
+            for name, part in zip(names, theirs.split([grads[name].numel() for name in names]), strict=True):
+                grads[name].add_(part.view_as(grads[name]))
 
     def _collect_grads(self) -> dict[str, torch.Tensor]:
         grads = dict(self.end_grads)
