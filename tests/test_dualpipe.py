@@ -195,6 +195,15 @@ def test_simulated_with_twice_the_parameters_and_unit_time_reproduced():
     assert bidir.ranks[1].states.params == pytest.approx(2 * plain.ranks[1].states.params)
     assert bidir.ranks[0].states.params == bidir.ranks[3].states.params == pytest.approx(
         plain.ranks[0].states.params + plain.ranks[3].states.params)
+    # The copies' gradient sum: each rank exchanges its gradients with its twin after its last
+    # action, on the pipeline lane, before the optimizer.
+    exchanges = [e for e in bidir.events if e.name == "exchange gradients with the twin copy"]
+    assert sorted(e.rank for e in exchanges) == [0, 1, 2, 3]
+    for e in exchanges:
+        assert e.start >= bidir.ranks[e.rank].pipeline_end and e.args["bytes"] == pytest.approx(
+            bidir.ranks[e.rank].states.grads)  # (fp32 main gradients, as the grads column)
+        assert bidir.ranks[e.rank].end >= e.start + e.duration
+    assert not [e for e in plain.events if e.name == "exchange gradients with the twin copy"]
 
 
 def test_drawn_and_searched(tmp_path, capsys):

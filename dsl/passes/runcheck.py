@@ -4,8 +4,8 @@ The planner and the simulator price every dtype of :data:`~dhelix.dsl.core.dtype
 the interpreter has kernels for :data:`~dhelix.dsl.core.dtypes.RUNNABLE_DTYPES` only, and runs
 tensor parallelism in its sequence-parallel form only (a tp-sliced gemm reads an all_gather or
 feeds a reduce_scatter: :func:`reads_tp_collective`, which the interpreter's weight sharding
-reads too); and it sums fold bidir's two model copies' gradients only under ZeRO 0 and 1. ``check`` prints these as located warnings; ``run`` raises them as errors before
-any rank starts.
+reads too); and it sums fold bidir's two model copies' gradients only under ZeRO 0 and 1.
+``check`` prints these as located warnings; ``run`` raises them as errors before any rank starts.
 """
 
 from __future__ import annotations

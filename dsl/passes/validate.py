@@ -3,7 +3,8 @@
 Checks, in order (the dry run only when the others pass, since a broken schedule would just
 look stuck):
 
-1. ranges: micro-batches in ``0..m-1`` (under fold bidir in the stage's model copy's share), chunks in ``0..v-1``, transfer peers are other ranks;
+1. ranges: micro-batches in ``0..m-1`` (under fold bidir in the stage's model copy's share),
+   chunks in ``0..v-1``, transfer peers are other ranks;
 2. counts: every micro-batch runs exactly one F and one B on every stage, and one W when the
    schedule splits its backward (has any W);
 3. order and inputs, per rank: B after its own F, W after its B; an F whose previous stage is
@@ -216,7 +217,7 @@ class _Checker:
                     "fold none gives v = 1 chunk per rank, fold u and fold bidir 2, fold loop(v) v")
         stage = low.stage_of(rank, part.chunk)
         share = low.microbatches_of(stage) if stage is not None else range(low.microbatches)
-        if not isinstance(part, Transfer) and part.microbatch not in share:
+        if stage is not None and not isinstance(part, Transfer) and part.microbatch not in share:
             return (f"runs micro-batch {part.microbatch} on stage {stage} of model copy "
                     f"{stage // (len(low.stages) // low.copies)}, which runs micro-batches "
                     f"{share.start}..{share.stop - 1}",

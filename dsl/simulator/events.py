@@ -205,6 +205,7 @@ class _Run:
                 first_use.append(chunk)
         for chunk in first_use:
             index = self.lowered.stage_of(rank, chunk)
+            assert index is not None, "a validated schedule runs forwards on its placement's slots"
             layers = len(self.program.placement.stages[index].layers)
             slots = ([("embedding", params.embedding, 0.0)] if self.lowered.is_first(index) else []) + \
                 [(i, params.layer_dense, params.layer_expert) for i in range(layers)] + \
@@ -324,6 +325,11 @@ class _Run:
         names = self._slot_names()
         early = self.program.train is None or self.program.train.grad_reduce == "backward"
         lanes, last_end = self.lanes[rank], self.last_end[rank]
+        if self.lowered.copies > 1:
+            # Fold bidir: the twin rank's gradients are added after the last action, before
+            # any data-parallel sync (the interpreter's Executor._sum_copies).
+            early = False
+            last_end = ready_after = self._book_copy_sum(rank)
         syncs: dict[tuple, list] = {}  # (stage, slot) -> its collectives (ZeRO-2: one per micro-batch)
         for (stage, slot), (ready, dense, expert) in self._reductions(rank):
             # After the rank's last action: everything with grad_reduce = step, and the embedding's.
@@ -339,6 +345,21 @@ class _Run:
                     self.events.append(TraceEvent(rank, group.lane, f"{collective} {names(stage, slot)}", start,
                                                   seconds, {"kind": "DP", "bytes": size, "group": group.size}))
         return max(self.free_at[rank], ready_after), dp_comm
+
+    def _book_copy_sum(self, rank: int) -> float:
+        """Fold bidir: book the exchange of ``rank``'s gradients with its twin (pipeline rank
+        p - 1 - r, the other holder of its stages), both ways at once on the pipeline lane
+        after its last action; returns when it ends. Counted as pipeline communication."""
+        dense, expert = self._local_params(rank)
+        size = (dense + expert) * self.costs.grad_bytes
+        seconds = collective_time("p2p", size, 2, self.costs.pp_lane, self.program.profile)
+        start = self.lanes[rank][self.costs.pp_lane].fit(self.last_end[rank], seconds)
+        self.tally[rank].pp_comm += seconds
+        self.tally[rank].pp_exposed += seconds  # (after the last action: nothing to hide behind)
+        if self.trace:
+            self.events.append(TraceEvent(rank, self.costs.pp_lane, "exchange gradients with the twin copy", start,
+                                          seconds, {"kind": "copies", "bytes": size, "group": 2}))
+        return start + seconds
 
     def _syncs(self, slot, dense: float, expert: float) -> list[tuple[str, float, Group, float]]:
         """(collective, bytes, group, seconds) of each data-parallel sync of the gradients of

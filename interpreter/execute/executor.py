@@ -22,6 +22,11 @@ backward needs nothing but that scale and its forward, so it runs right after th
 (its tp reduction left in flight until the micro-batch's backward reads it): the reduction
 flies while the rest of that action, and whatever comes before the backward, runs.
 
+Under fold bidir (two model copies, rank r holding stage r of one and p - 1 - r of the other)
+each copy's first stage embeds and its last computes the loss, and at the step's end every
+rank adds its twin's gradients (pipeline rank p - 1 - r, the other holder of its stages) into
+its own before the optimizer takes them (:meth:`Executor._sum_copies`).
+
 A failure in any action raises :class:`ExecutionError` naming the rank, the action in its
 text form and the schedule grid with that action marked.
 
