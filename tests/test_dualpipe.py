@@ -22,6 +22,7 @@ from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.passes.unittime import peak_in_flight, unit_time
 from dhelix.dsl.passes.validate import validate_lowered
+from dhelix.dsl.render.torch_csv import torch_csv
 from dhelix.dsl.search.space import space_of
 from dhelix.dsl.simulator.events import simulate
 from test_lower import lower_stdlib
@@ -234,6 +235,11 @@ def test_run_check_is_exact_on_gloo_ranks_with_si(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "SI on" in result.stderr + result.stdout
     assert result.stdout.splitlines()[-1].startswith("check: passed: 2 step(s) match the single-process reference")
+
+
+def test_torch_csv_export_is_refused_by_name():
+    with pytest.raises(ScheduleError, match="runs 2 model copies .fold bidir.: torch's pipeline stages form one"):
+        torch_csv(lower_stdlib("dualpipe", 4, 8))
 
 
 def test_zero_2_and_3_are_refused_by_name_before_any_rank_starts():
