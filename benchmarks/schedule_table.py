@@ -63,7 +63,7 @@ PROGRAMS = (("gpt18b_a40", "examples/gpt18b_a40.dhx", ""), ("llama39b_a40", "exa
 #: What `dhelix tune --keep` keeps so that only the fold, the pipeline and SI vary.
 KEEP = ("mesh", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather")
 #: The schedules issue 55 added, in the summary table (the zero-bubble scheduler's two last).
-NEW = ("looped_bfs", "interleaved_zb", "zbv", "zb_h2", "v_min", "v_half", "one_f_one_b_overlap") + tuple(GENERATED)
+NEW = ("looped_bfs", "interleaved_zb", "zbv", "zb_h2", "v_min", "v_half", "one_f_one_b_overlap", "dualpipe") + tuple(GENERATED)
 
 
 # --- unit time ---------------------------------------------------------------------------------
