@@ -122,11 +122,14 @@ class Lowered:
         """Whether stage ``index`` is the last of its model copy (it computes the loss)."""
         return self.neighbour(index, 1) is None
 
+    def copy_of(self, index: int) -> int:
+        """The model copy stage ``index`` belongs to (0 but under fold bidir)."""
+        return index // (len(self.stages) // self.copies)
+
     def microbatches_of(self, index: int) -> range:
         """The micro-batches stage ``index`` runs: all m, or its copy's share of them."""
         share = self.microbatches // self.copies
-        copy = index // (len(self.stages) // self.copies)
-        return range(copy * share, (copy + 1) * share)
+        return range(self.copy_of(index) * share, (self.copy_of(index) + 1) * share)
 
     @functools.cached_property
     def split(self) -> bool:

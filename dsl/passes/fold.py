@@ -66,6 +66,10 @@ class Placement:
         the copy's ends."""
         return neighbour_stage(index, step, len(self.stages), self.copies)
 
+    def copy_of(self, index: int) -> int:
+        """The model copy stage ``index`` belongs to (0 but under fold bidir)."""
+        return index // (len(self.stages) // self.copies)
+
     def is_first(self, index: int) -> bool:
         """Whether stage ``index`` is the first of its model copy (it holds the embedding)."""
         return self.neighbour(index, -1) is None

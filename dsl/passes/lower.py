@@ -271,7 +271,7 @@ class _RankProgram:
             return 0
         index = placement.stage_at(self.rank, chunk).index
         share = self.env["m"] // placement.copies
-        return index // (len(placement.stages) // placement.copies) * share
+        return placement.copy_of(index) * share
 
     def emit(self, parts: list[Compute], span) -> None:
         """Append ``parts`` (one action, or the two of an SI block) with their transfers."""

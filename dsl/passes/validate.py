@@ -219,7 +219,7 @@ class _Checker:
         share = low.microbatches_of(stage) if stage is not None else range(low.microbatches)
         if stage is not None and not isinstance(part, Transfer) and part.microbatch not in share:
             return (f"runs micro-batch {part.microbatch} on stage {stage} of model copy "
-                    f"{stage // (len(low.stages) // low.copies)}, which runs micro-batches "
+                    f"{low.copy_of(stage)}, which runs micro-batches "
                     f"{share.start}..{share.stop - 1}",
                     f"the {low.copies} model copies share the m micro-batches: copy c runs "
                     f"c·m/{low.copies} .. (c+1)·m/{low.copies} - 1")

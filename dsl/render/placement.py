@@ -85,7 +85,7 @@ def _copy_ends(placement: Placement) -> list[str]:
     plain = {"shape": "plaintext", "style": "", "fontsize": "11", "constraint": "false"}
     lines = []
     for stage in placement.stages:
-        copy = stage.index * placement.copies // len(placement.stages)
+        copy = placement.copy_of(stage.index)
         for end, is_end, edge in (("input", placement.is_first, "{end} -> {node}"),
                                   ("loss", placement.is_last, "{node} -> {end}")):
             if is_end(stage.index):
