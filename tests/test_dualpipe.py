@@ -223,14 +223,23 @@ def test_drawn_and_searched(tmp_path, capsys):
     assert not any(fold == "bidir" and name != "dualpipe" for fold, name, _ in schedules)
 
 
-def test_run_check_is_exact_on_gloo_ranks_with_si(tmp_path):
-    # 4 pipeline ranks (two middle ranks with their unoverlapped first pair, two end ranks),
-    # 8 micro-batches: every phase runs, and the SI blocks co-execute a forward of one copy
-    # with a backward of the other. Two steps: the second runs on the updated weights, which
-    # equal the reference's only if both copies of every stage took the same summed gradient
+#: (pp, mesh, train extra): 4 pipeline ranks; 2 pipeline ranks × dp 2 under ZeRO-1 (the
+#: copies' sum, then the optimizer's reduction and slices over dp).
+GLOO_RUNS = {"pp4": (4, "pp = 4", ""), "pp2_dp2_zero1": (2, "dp = 2  pp = 2", "  zero = 1")}
+
+
+@pytest.mark.parametrize("name", sorted(GLOO_RUNS))
+def test_run_check_is_exact_on_gloo_ranks_with_si(name, tmp_path):
+    # pp4: two middle ranks with their unoverlapped first pair and two end ranks, 8
+    # micro-batches, so every phase runs; the SI blocks co-execute a forward of one copy with
+    # a backward of the other. Two steps: the second runs on the updated weights, which equal
+    # the reference's only if both copies of every stage took the same summed gradient
     # (without the sum: a gradient diff of 9e-2 at step 2).
+    p, mesh, extra = GLOO_RUNS[name]
+    text = program_text(p, 2 * p).replace(f"mesh {{ pp = {p} }}", f"mesh {{ {mesh} }}")
+    text = text.replace(f"gpus_per_node = {p}", "gpus_per_node = 4").replace("seed = 7", "seed = 7" + extra)
     path = tmp_path / "dualpipe.dhx"
-    path.write_text(program_text(4, 8))
+    path.write_text(text)
     result = dhelix_here("run", str(path), "--steps", "2", "--check")
     assert result.returncode == 0, result.stderr
     assert "SI on" in result.stderr + result.stdout
