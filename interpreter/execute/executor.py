@@ -470,25 +470,24 @@ class Executor:
         place; a parameter without a gradient gets the twin's), so that both copies of every
         stage take the same sum, as a data-parallel pair's. Rank r holds stage r of copy 0 and
         stage p - 1 - r of copy 1, its twin the same stages of the other copies: the same
-        parameters, so one exchange per dtype carries them all. Both add the same two
+        parameters, so one fp32 message each way carries them all (fp32 whatever each
+        gradient's dtype, so that the two sides' messages agree even where one side has no
+        gradient yet; a bf16 value survives the round trip exactly). Both add the same two
         numbers (mine + twin's on one, twin's + mine on the other: equal), so the copies stay
         bit for bit identical through the optimizer's update."""
         twin = self.comm.group_ranks("pp")[self.lowered.ranks - 1 - self.pp]
         if twin == self.comm.rank:
             raise ValueError("fold bidir pairs pipeline rank r with p - 1 - r: p must be even")
-        for name, param in self.params.items():
+        names = sorted(self.params)
+        for name in names:
             if name not in grads:
-                grads[name] = torch.zeros_like(param)
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for name in sorted(self.params):
-            by_dtype.setdefault(grads[name].dtype, []).append(name)
-        for dtype, names in sorted(by_dtype.items(), key=lambda item: str(item[0])):
-            flat = torch.cat([grads[name].reshape(-1) for name in names])
-            sent = self.comm.send(flat, twin, async_op=True)
-            theirs = self.comm.recv(flat.shape, dtype, twin, async_op=True).wait().to(flat.device)
-            sent.wait()
-            for name, part in zip(names, theirs.split([grads[name].numel() for name in names]), strict=True):
-                grads[name].add_(part.view_as(grads[name]))
+                grads[name] = torch.zeros_like(self.params[name])
+        flat = torch.cat([grads[name].reshape(-1).float() for name in names])
+        sent = self.comm.send(flat, twin, async_op=True)
+        theirs = self.comm.recv(flat.shape, flat.dtype, twin, async_op=True).wait().to(flat.device)
+        sent.wait()
+        for name, part in zip(names, theirs.split([grads[name].numel() for name in names]), strict=True):
+            grads[name].add_(part.view_as(grads[name]).to(grads[name].dtype))
 
     def _collect_grads(self) -> dict[str, torch.Tensor]:
         grads = dict(self.end_grads)
