@@ -18,7 +18,7 @@ from dhelix.cli import main
 from dhelix.dsl.core.errors import DhelixError, ParseError, ScheduleError
 from dhelix.dsl.core.schedule import Interleaved, computes, format_lowered, parse_lowered
 from dhelix.dsl.passes.fold import fold_bidir, placement_for
-from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.passes.pipeline import check_text, dump_stage
 from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.passes.unittime import peak_in_flight, unit_time
 from dhelix.dsl.passes.validate import validate_lowered
@@ -179,6 +179,15 @@ train {{ micro_batch = 1  microbatches = {m}  seed = 7 }}
 fold {fold}
 pipeline {pipeline}
 """
+
+
+def test_check_dumps_the_two_copies():
+    program = check_text(program_text(2, 4), "dp.dhx")
+    assert dump_stage("fold", program) == (
+        "fold bidir: 4 stages (2 model copies) on 2 ranks\n"
+        "  stage 0: rank 0 chunk 0  L0  copy 0\n  stage 1: rank 1 chunk 0  L1  copy 0\n"
+        "  stage 2: rank 1 chunk 1  L0  copy 1\n  stage 3: rank 0 chunk 1  L1  copy 1\n")
+    assert dump_stage("lower", program).startswith("lowered dualpipe p=2 m=4 v=2 copies=2\n")
 
 
 def test_simulated_with_twice_the_parameters_and_unit_time_reproduced():
