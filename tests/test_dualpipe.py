@@ -21,7 +21,7 @@ from dhelix.dsl.passes.fold import fold_bidir, placement_for
 from dhelix.dsl.passes.pipeline import check_text, dump_stage
 from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.passes.unittime import peak_in_flight, unit_time
-from dhelix.dsl.passes.validate import validate_lowered
+from dhelix.dsl.passes.validate import check_fifo, validate_lowered
 from dhelix.dsl.render.torch_csv import torch_csv
 from dhelix.dsl.search.space import space_of
 from dhelix.dsl.simulator.events import simulate
@@ -104,6 +104,7 @@ def _order(lowered, rank: int) -> list[tuple]:
 def test_dualpipe_runs_dualpipes_order_on_every_rank(p, m):
     lowered = lower_stdlib("dualpipe", p, m)
     validate_lowered(lowered)
+    assert check_fifo(lowered) == []  # untagged backends (NCCL) pair every message right
     for rank in range(p):
         assert _order(lowered, rank) == dualpipe_order(p, m, rank), (p, m, rank)
     # Copy 0 (chunk 0) runs the first m/2 micro-batches, copy 1 the rest, each in order.
