@@ -121,8 +121,10 @@ def test_unit_time_and_in_flight_are_the_comments():
         == (33, 27)
     assert unit_time(lowered).bubble_ratio == Fraction(1, 25)
     assert peak_in_flight(lowered) == (4, 5, 5, 4)
-    for p, m in SIZES:
+    for p, m in SIZES + [(p, m) for p in (10, 12, 16) for m in (2 * p, 3 * p + 2)]:
         lowered = lower_stdlib("dualpipe", p, m)
+        assert unit_time(lowered).makespan == 3 * m + p // 2 - 1, (p, m)  # half of ZB-H1's p - 1 idle steps
+        assert unit_time(lowered).bubble_ratio == Fraction(p // 2 - 1, 3 * m + p // 2 - 1), (p, m)
         # p + 1 on the two middle ranks, p on the others: the paper's PP + 1.
         assert peak_in_flight(lowered) == tuple(p + 1 if min(r, p - 1 - r) == p // 2 - 1 else p
                                                 for r in range(p)), (p, m)
