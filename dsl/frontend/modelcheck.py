@@ -140,8 +140,8 @@ def _copies_split_error(fold: str, layers: int, ranks: int, copies: int, span) -
     ``ranks`` stages of which rank r holds stage r of copy 0 and stage p - 1 - r of copy 1."""
     if ranks < 2 or ranks % 2:
         return CheckError(f"fold {fold} needs an even number of pipeline ranks, got pp = {ranks}", span,
-                          [f"fold {fold} pairs rank r with rank p - 1 - r, each holding the other's stage of "
-                           "the second model copy; with odd pp the middle rank would hold one stage twice",
+                          [f"fold {fold} puts stage r of model copy 0 and stage p - 1 - r of copy 1 on rank r; "
+                           "with odd pp the middle rank would hold the same stage of both copies",
                            "set mesh pp to 2, 4, 6, …"])
     if layers < 1:
         return CheckError(f"a model needs at least 1 layer, got {layers}", span)
