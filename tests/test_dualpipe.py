@@ -269,3 +269,11 @@ def test_zero_2_and_3_are_refused_by_name_before_any_rank_starts():
     [warning] = unrunnable(check_text(text, "dp.dhx"))
     assert warning.message.startswith("fold bidir with zero = 2 can be checked, lowered, drawn, simulated and tuned, "
                                       "but not run")
+
+
+def test_a_tied_lm_head_is_refused_at_the_fold():
+    # Each copy's embedding (its first stage) and LM head (its last) sit on ranks 0 and p - 1.
+    with pytest.raises(DhelixError) as info:
+        check_text(program_text(4, 8).replace("layer = llama }", "layer = llama  tie_embeddings = 1 }"), "dp.dhx")
+    assert info.value.message.startswith("tie_embeddings = 1 with fold bidir on 4 pipeline ranks: the embedding "
+                                         "(first stage, rank 0) and the LM head (last stage, rank 3)")
