@@ -30,6 +30,8 @@ from test_simulate import unit_costs
 
 #: Even p with m from DualPipe's least (2p) up.
 SIZES = [(p, m) for p in (2, 4, 6, 8) for m in (2 * p, 2 * p + 2, 4 * p)]
+#: Larger pipelines for the unit-time closed form.
+LARGER = [(p, m) for p in (10, 12, 16) for m in (2 * p, 3 * p + 2)]
 
 
 def dualpipe_order(p: int, m: int, rank: int) -> list[tuple]:
@@ -121,7 +123,7 @@ def test_unit_time_and_in_flight_are_the_comments():
         == (33, 27)
     assert unit_time(lowered).bubble_ratio == Fraction(1, 25)
     assert peak_in_flight(lowered) == (4, 5, 5, 4)
-    for p, m in SIZES + [(p, m) for p in (10, 12, 16) for m in (2 * p, 3 * p + 2)]:
+    for p, m in SIZES + LARGER:
         lowered = lower_stdlib("dualpipe", p, m)
         assert unit_time(lowered).makespan == 3 * m + p // 2 - 1, (p, m)  # half of ZB-H1's p - 1 idle steps
         assert unit_time(lowered).bubble_ratio == Fraction(p // 2 - 1, 3 * m + p // 2 - 1), (p, m)
