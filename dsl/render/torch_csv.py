@@ -48,8 +48,7 @@ def torch_csv(lowered: Lowered, form: str = "compute_only") -> str:
         raise ScheduleError(f"pipeline {lowered.name} runs {lowered.copies} model copies (fold bidir): torch's "
                             "pipeline stages form one chain with each stage on one rank, so its CSV cannot say "
                             "two copies of each stage", lowered.span,
-                            ["export a one-copy schedule (dualpipe_v on fold u is DualPipe's V), or read the "
-                             "lowered text form: dhelix check --dump lower"])
+                            ["a one-copy schedule exports: dualpipe_v on fold u is DualPipe's V"])
     rows = torch_actions(lowered, with_comms=form == "compute_comms")
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
