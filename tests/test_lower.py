@@ -137,7 +137,10 @@ def lowered_schedules(draw):
     rows = draw(st.lists(st.lists(_actions, max_size=8).map(tuple),
                          min_size=ranks, max_size=ranks).map(tuple))
     name = draw(st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True))
-    return Lowered(name, ranks, draw(st.integers(1, 40)), chunks, tuple(slots), rows)
+    # Two model copies (fold bidir) where they divide the stages; the micro-batches then even.
+    copies = draw(st.sampled_from([1, 2] if ranks * chunks % 2 == 0 else [1]))
+    microbatches = draw(st.integers(1, 20)) * copies
+    return Lowered(name, ranks, microbatches, chunks, tuple(slots), rows, copies=copies)
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)
