@@ -63,7 +63,7 @@ PROGRAMS = (("gpt18b_a40", "examples/gpt18b_a40.dhx", ""), ("llama39b_a40", "exa
 #: What `dhelix tune --keep` keeps so that only the fold, the pipeline and SI vary.
 KEEP = ("mesh", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather")
 #: The schedules issue 55 added, in the summary table (the zero-bubble scheduler's two last).
-NEW = ("looped_bfs", "interleaved_zb", "zbv", "zb_h2", "v_min", "v_half", "one_f_one_b_overlap") + tuple(GENERATED)
+NEW = ("looped_bfs", "interleaved_zb", "zbv", "zb_h2", "v_min", "v_half", "one_f_one_b_overlap", "dualpipe") + tuple(GENERATED)
 
 
 # --- unit time ---------------------------------------------------------------------------------
@@ -85,7 +85,7 @@ def table_rows(ranks: int, microbatches: list[int]) -> list[list[str]]:
                          _number(timing.normalized_makespan),
                          f"{float(timing.normalized_makespan / baseline):.3f}",
                          f"{timing.bubble_ratio} = {float(timing.bubble_ratio):.3f}",
-                         _number(Fraction(max(peak_in_flight(lowered)), lowered.chunks)), ""])
+                         _number(Fraction(max(peak_in_flight(lowered)) * lowered.copies, lowered.chunks)), ""])
     return rows
 
 
@@ -238,7 +238,8 @@ def main(argv=None) -> int:
     print(f"p = {args.ranks}, m = {', '.join(map(str, args.microbatches))}; "
           f"make-span in chunk actions (F = 1), make-span / v in whole-rank forwards; "
           f"'vs 1F1B' = (make-span / v) / 1F1B's at the same m; in flight / v = the most "
-          f"activations a rank holds, in whole-rank micro-batches\n")
+          f"activations a rank holds, in whole-rank micro-batches (fold bidir: v / 2, each chunk a whole "
+          f"rank's stage of one model copy)\n")
     print(markdown(table_rows(args.ranks, args.microbatches)))
     if args.unit_only:
         return 0

@@ -87,7 +87,7 @@ def test_bad_counts_are_errors():
 
 def test_placement_for_checks_kind_and_argument():
     assert _message(lambda: placement_for("uu", None, 8, 2)) == (
-        "error: unknown fold 'uu'\n  note: did you mean 'u'?\n  note: folds are: none, u, loop(v)")
+        "error: unknown fold 'uu'\n  note: did you mean 'u'?\n  note: folds are: none, u, loop(v), bidir")
     assert _message(lambda: placement_for("loop", None, 8, 2)) == (
         "error: fold loop needs the number of chunks per rank\n  note: write fold loop(2)")
     assert _message(lambda: placement_for("u", 2, 8, 2)) == (

@@ -106,9 +106,9 @@ def test_overrides_rerun_every_pass_after_check():
 
 
 @pytest.mark.parametrize("fold, message", [
-    ("uu", "--fold: unknown fold 'uu' (did you mean 'u'?); folds: none, u, loop(V) (e.g. loop(2))"),
-    ("u(2)", "--fold: unknown fold 'u(2)'; folds: none, u, loop(V) (e.g. loop(2))"),
-    ("loop", "--fold: unknown fold 'loop'; folds: none, u, loop(V) (e.g. loop(2))"),
+    ("uu", "--fold: unknown fold 'uu' (did you mean 'u'?); folds: none, u, loop(V), bidir (e.g. loop(2))"),
+    ("u(2)", "--fold: unknown fold 'u(2)'; folds: none, u, loop(V), bidir (e.g. loop(2))"),
+    ("loop", "--fold: unknown fold 'loop'; folds: none, u, loop(V), bidir (e.g. loop(2))"),
 ])
 def test_a_fold_override_names_a_fold(fold, message):
     with pytest.raises(UsageError) as caught:

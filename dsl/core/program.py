@@ -24,7 +24,11 @@ Shape = tuple[int, ...]  # (rows, features); a weight of grouped GEMMs has three
 #: The fold kinds of the language and the chunks per rank (v) each gives; ``loop`` takes v as
 #: its argument (None here). The one definition: the checker of fold statements and of a
 #: pipeline's ``for`` clause, the fold pass and the command-line overrides read it.
-FOLD_KINDS: dict[str, int | None] = {"none": 1, "u": 2, "loop": None}
+FOLD_KINDS: dict[str, int | None] = {"none": 1, "u": 2, "loop": None, "bidir": 2}
+
+#: The folds that place more than one copy of the model, and how many: ``bidir`` (DualPipe)
+#: places two, one running down the ranks and one back up; every other fold places one.
+FOLD_COPIES: dict[str, int] = {"bidir": 2}
 
 #: The communication kinds whose collectives SI may hide (a strands block's ``overlap``).
 OVERLAP_KINDS = tuple(axis for axis in MESH_AXES if axis != "pp")  # pp's transfers are the pipeline's
@@ -153,7 +157,8 @@ class Train:
 
 @attrs.frozen
 class FoldSpec:
-    """``fold none`` (v = 1), ``fold u`` (v = 2) or ``fold loop(v)``."""
+    """``fold none`` (v = 1), ``fold u`` (v = 2), ``fold loop(v)`` or ``fold bidir`` (v = 2,
+    two model copies)."""
 
     kind: str
     v: int
@@ -167,6 +172,11 @@ class FoldSpec:
         if kind not in FOLD_KINDS or (FOLD_KINDS[kind] is None) != (v is not None) or count is None:
             raise ValueError(f"no fold {kind} with v = {v}")
         return cls(kind, count, span=span)
+
+    @property
+    def copies(self) -> int:
+        """How many copies of the model the fold places (2 for bidir, else 1)."""
+        return FOLD_COPIES.get(self.kind, 1)
 
     @property
     def text(self) -> str:

@@ -3,7 +3,11 @@
 Every action names its micro-batch and its chunk (the chunk of *this* rank). Stages are
 numbered in model order; ``Lowered.stages[s]`` is the (rank, chunk) slot holding stage s.
 
-Text form (one header, one stage line, one line per rank; ``#`` starts a comment)::
+Stages are one chain in model order, or (fold bidir) ``copies`` chains of equal length, each a
+whole model copy running its own share of the micro-batches (:meth:`Lowered.microbatches_of`).
+
+Text form (one header, one stage line, one line per rank; ``#`` starts a comment; a header
+ends in `` copies=2`` for two model copies)::
 
     lowered one_f_one_b p=2 m=2 v=1
     stages: r0.0 r1.0
@@ -101,6 +105,31 @@ class Lowered:
     stages: tuple[tuple[int, int], ...]
     actions: tuple[tuple[Action, ...], ...]
     span: Span | None = span_field()  # the pipeline definition (or the text) it came from
+    #: The model copies (fold bidir: 2): copy c is the ``len(stages) // copies`` stages from
+    #: ``c · len(stages) // copies`` on and runs micro-batches ``c · m/copies`` .. ``(c+1) · m/copies - 1``.
+    copies: int = 1
+
+    def neighbour(self, index: int, step: int) -> int | None:
+        """The stage ``step`` (±1) from stage ``index`` in its copy; None past the copy's ends
+        (the first stage reads the batch, the last one computes the loss)."""
+        return neighbour_stage(index, step, len(self.stages), self.copies)
+
+    def is_first(self, index: int) -> bool:
+        """Whether stage ``index`` is the first of its model copy (it embeds the tokens)."""
+        return self.neighbour(index, -1) is None
+
+    def is_last(self, index: int) -> bool:
+        """Whether stage ``index`` is the last of its model copy (it computes the loss)."""
+        return self.neighbour(index, 1) is None
+
+    def copy_of(self, index: int) -> int:
+        """The model copy stage ``index`` belongs to (0 but under fold bidir)."""
+        return index // (len(self.stages) // self.copies)
+
+    def microbatches_of(self, index: int) -> range:
+        """The micro-batches stage ``index`` runs: all m, or its copy's share of them."""
+        share = self.microbatches // self.copies
+        return range(self.copy_of(index) * share, (self.copy_of(index) + 1) * share)
 
     @functools.cached_property
     def split(self) -> bool:
@@ -146,6 +175,14 @@ class Lowered:
         return {slot: index for index, slot in enumerate(self.stages)}
 
 
+def neighbour_stage(index: int, step: int, count: int, copies: int) -> int | None:
+    """The stage ``step`` (±1) from stage ``index`` of ``count`` stages that make ``copies``
+    equal model copies in turn; None when it would leave ``index``'s copy."""
+    per_copy = count // copies
+    other = index + step
+    return other if 0 <= other < count and other // per_copy == index // per_copy else None
+
+
 def computes(action: Action) -> tuple[Compute, ...]:
     """The computations an action runs: one, two for an SI block, none for a transfer."""
     if isinstance(action, Interleaved):
@@ -159,15 +196,16 @@ def computes(action: Action) -> tuple[Compute, ...]:
 
 def format_lowered(lowered: Lowered) -> str:
     """The text form of ``lowered`` (see the module docstring), ending in a newline."""
+    copies = f" copies={lowered.copies}" if lowered.copies != 1 else ""
     lines = [f"lowered {lowered.name} p={lowered.ranks} m={lowered.microbatches} "
-             f"v={lowered.chunks}",
+             f"v={lowered.chunks}{copies}",
              "stages: " + " ".join(f"r{rank}.{chunk}" for rank, chunk in lowered.stages)]
     for rank, row in enumerate(lowered.actions):
         lines.append(" ".join([f"r{rank}:"] + [str(action) for action in row]))
     return "\n".join(lines) + "\n"
 
 
-_HEADER = re.compile(r"lowered ([A-Za-z_][A-Za-z0-9_]*) p=(\d+) m=(\d+) v=(\d+)$")
+_HEADER = re.compile(r"lowered ([A-Za-z_][A-Za-z0-9_]*) p=(\d+) m=(\d+) v=(\d+)(?: copies=(\d+))?$")
 _SLOT = re.compile(r"r(\d+)\.(\d+)$")
 _RANK = re.compile(r"r(\d+):")
 _COMPUTE = re.compile(r"([FBW])(\d+)\.(\d+)$")
@@ -190,7 +228,7 @@ def parse_lowered(text: str, path: str = "<lowered>") -> Lowered:
     if not lines:
         raise ParseError("empty schedule text", Span(source, 1, 1, 1, 2),
                          [_HEADER_HINT])
-    name, ranks, microbatches, chunks = _parse_header(source, *lines[0])
+    name, ranks, microbatches, chunks, copies = _parse_header(source, *lines[0])
     if len(lines) < 2 or not lines[1][1].startswith("stages:"):
         number = lines[1][0] if len(lines) > 1 else lines[0][0]
         raise ParseError("expected the stage line after the header", _line_span(source, number),
@@ -198,7 +236,8 @@ def parse_lowered(text: str, path: str = "<lowered>") -> Lowered:
                           "model order"])
     stages = _parse_stages(source, lines[1][0], ranks, chunks)
     rows = _parse_rank_lines(source, lines[2:], ranks, lines[1][0])
-    return Lowered(name, ranks, microbatches, chunks, stages, rows, span=_line_span(source, lines[0][0]))
+    return Lowered(name, ranks, microbatches, chunks, stages, rows, span=_line_span(source, lines[0][0]),
+                   copies=copies)
 
 
 _HEADER_HINT = "a schedule starts with `lowered NAME p=4 m=8 v=1`"
@@ -209,10 +248,15 @@ def _parse_header(source: Source, number: int, line: str):
     if not match:
         raise ParseError("malformed header", _line_span(source, number), [_HEADER_HINT])
     name, *sizes = match.groups()
-    ranks, microbatches, chunks = (int(size) for size in sizes)
-    if min(ranks, microbatches, chunks) < 1:
-        raise ParseError("p, m and v must be at least 1", _line_span(source, number))
-    return name, ranks, microbatches, chunks
+    ranks, microbatches, chunks = (int(size) for size in sizes[:3])
+    copies = int(sizes[3]) if sizes[3] is not None else 1
+    if min(ranks, microbatches, chunks, copies) < 1:
+        raise ParseError("p, m, v and copies must be at least 1", _line_span(source, number))
+    if (ranks * chunks) % copies or microbatches % copies:
+        raise ParseError(f"copies={copies} must divide the p·v = {ranks * chunks} stages and the m = "
+                         f"{microbatches} micro-batches", _line_span(source, number),
+                         ["each model copy has as many stages and micro-batches as the others"])
+    return name, ranks, microbatches, chunks, copies
 
 
 def _parse_stages(source: Source, number: int, ranks: int, chunks: int):

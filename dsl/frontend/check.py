@@ -181,7 +181,8 @@ def _check_stages(model, model_block, mesh, fold, errors: ErrorCollector) -> Non
     """Record an error when the layers do not split into the fold's pipeline stages (the fold
     pass places them; the check is here so that it is reported with the other sizes')."""
     layers = model.get("layers")
-    error = stage_split_error(fold.text, layers, mesh.size("pp"), fold.v, fold.span or model_block.span("layers"))
+    error = stage_split_error(fold.text, layers, mesh.size("pp"), fold.v, fold.span or model_block.span("layers"),
+                              fold.copies)
     if error is not None:
         error.notes += (f"layers = {layers} is set at {model_block.span('layers')}",)
         errors.add(error)

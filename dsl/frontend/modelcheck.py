@@ -101,12 +101,16 @@ def _check_experts(model, model_block, mesh, mesh_block) -> list[DhelixError]:
     return []
 
 
-def stage_split_error(fold: str, layers: int, ranks: int, chunks: int, span) -> CheckError | None:
-    """Why ``layers`` layers do not split into ``ranks * chunks`` equal pipeline stages for
-    fold ``fold`` (its text, e.g. ``loop(3)``), saying which sizes work; None when they do.
+def stage_split_error(fold: str, layers: int, ranks: int, chunks: int, span, copies: int = 1) -> CheckError | None:
+    """Why ``layers`` layers do not split into ``ranks * chunks / copies`` equal pipeline
+    stages for fold ``fold`` (its text, e.g. ``loop(3)``), saying which sizes work; None when
+    they do. ``copies`` is the model copies the fold places (2 for bidir: each copy runs all
+    the layers over the ranks, one stage per rank, and the ranks must pair up, so pp is even).
 
     The checker reports it with the program's other errors; the fold pass raises it for
     sizes changed after checking (command-line overrides)."""
+    if copies > 1:
+        return _copies_split_error(fold, layers, ranks, copies, span)
     if chunks < 1:
         return CheckError(f"fold {fold} needs at least 1 chunk per rank", span,
                           ["write loop(2) or more for Megatron's interleaved schedule; "
@@ -129,6 +133,26 @@ def stage_split_error(fold: str, layers: int, ranks: int, chunks: int, span) -> 
         f"on {on_ranks}", span,
         [works, f"on {on_ranks}, fold {fold} needs a multiple of {count} layers "
                 f"({multiples}, …)"])
+
+
+def _copies_split_error(fold: str, layers: int, ranks: int, copies: int, span) -> CheckError | None:
+    """:func:`stage_split_error` for a fold placing ``copies`` model copies, each split into
+    ``ranks`` stages of which rank r holds stage r of copy 0 and stage p - 1 - r of copy 1."""
+    if ranks < 2 or ranks % 2:
+        return CheckError(f"fold {fold} needs an even number of pipeline ranks, got pp = {ranks}", span,
+                          [f"fold {fold} puts stage r of model copy 0 and stage p - 1 - r of copy 1 on rank r; "
+                           "with odd pp the middle rank would hold the same stage of both copies",
+                           "set mesh pp to 2, 4, 6, …"])
+    if layers < 1:
+        return CheckError(f"a model needs at least 1 layer, got {layers}", span)
+    if layers % ranks == 0:
+        return None
+    working = [d for d in _divisors(layers) if d % 2 == 0]
+    return CheckError(f"{layers} layers do not split into {ranks} stages for fold {fold} on {ranks} ranks", span,
+                      [f"each of fold {fold}'s {copies} model copies runs all layers, one stage per rank: "
+                       f"on {ranks} ranks it needs a multiple of {ranks} layers",
+                       f"with {layers} layers, fold {fold} works on {_listing(working)} ranks" if working
+                       else f"with {layers} layers no even number of ranks works"])
 
 
 def _divisors(n: int) -> list[int]:

@@ -169,11 +169,13 @@ def dump_placement(program: Program) -> str:
     """Each pipeline rank's chunks and their layers (the fold)."""
     placement = program.placement
     assert program.fold is not None, "a checked model"
-    lines = [f"fold {program.fold.kind}: {len(placement.stages)} stages on {placement.ranks} ranks"]
+    copies = f" ({placement.copies} model copies)" if placement.copies > 1 else ""
+    lines = [f"fold {program.fold.kind}: {len(placement.stages)} stages{copies} on {placement.ranks} ranks"]
     for stage in placement.stages:
         last = stage.stop_layer - 1
         layers = f"L{stage.first_layer}" + (f"-L{last}" if last > stage.first_layer else "")
-        lines.append(f"  stage {stage.index}: rank {stage.rank} chunk {stage.chunk}  {layers}")
+        copy = f"  copy {placement.copy_of(stage.index)}" if placement.copies > 1 else ""
+        lines.append(f"  stage {stage.index}: rank {stage.rank} chunk {stage.chunk}  {layers}{copy}")
     return "\n".join(lines) + "\n"
 
 

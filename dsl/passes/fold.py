@@ -8,6 +8,13 @@ A *stage* is a contiguous run of layers in model order; stage ``s`` of ``S = p·
   chunk 1 = ``[L−(g+1)·L/2p, L−g·L/2p)``. Stages 0..p−1 are chunk 0 on ranks 0..p−1 ("down"),
   stages p..2p−1 are chunk 1 on ranks p−1..0 ("up"), so the model doubles back like a U.
 - ``fold loop(v)`` (Megatron's interleaved schedule): stage s on rank ``s mod p``, chunk ``s // p``.
+- ``fold bidir`` (DualPipe, DeepSeek-V3 §3.2.1): two copies of the model, each split into p
+  stages of ``L/p`` layers. Stages 0..p−1 are copy 0's on ranks 0..p−1 as chunk 0 (fed at rank
+  0, running down); stages p..2p−1 are copy 1's stages 0..p−1 on ranks p−1..0 as chunk 1 (fed at
+  rank p−1, running up). Rank r holds stage r of copy 0 and stage p−1−r of copy 1: twice the
+  parameters of fold none, and every stage twice, on ranks r and p−1−r, whose gradients are
+  summed like a data-parallel pair's. Stage ``s + 1`` follows stage s only within a copy
+  (:func:`~dhelix.dsl.core.schedule.neighbour_stage`).
 
 All functions are pure; invalid sizes raise :class:`CheckError` saying which sizes work (the
 checker reports the same error, :func:`~dhelix.dsl.frontend.modelcheck.stage_split_error`, with
@@ -21,7 +28,8 @@ import functools
 import attrs
 
 from dhelix.dsl.core.errors import CheckError
-from dhelix.dsl.core.program import FOLD_KINDS, FoldSpec, unknown_fold
+from dhelix.dsl.core.program import FOLD_COPIES, FOLD_KINDS, FoldSpec, unknown_fold
+from dhelix.dsl.core.schedule import neighbour_stage
 from dhelix.dsl.core.span import Span
 from dhelix.dsl.frontend.modelcheck import TIE_SETTING, stage_split_error
 
@@ -44,12 +52,31 @@ class Stage:
 
 @attrs.frozen
 class Placement:
-    """Where every stage lives: ``stages[s]`` is stage s; ``chunks`` is v (chunks per rank)."""
+    """Where every stage lives: ``stages[s]`` is stage s; ``chunks`` is v (chunks per rank);
+    ``copies`` the model copies, each ``len(stages) // copies`` consecutive stages."""
 
     kind: str
     ranks: int
     chunks: int
     stages: tuple[Stage, ...]
+    copies: int = 1
+
+    def neighbour(self, index: int, step: int) -> int | None:
+        """The stage ``step`` (±1) from stage ``index`` in its copy's model order; None past
+        the copy's ends."""
+        return neighbour_stage(index, step, len(self.stages), self.copies)
+
+    def copy_of(self, index: int) -> int:
+        """The model copy stage ``index`` belongs to (0 but under fold bidir)."""
+        return index // (len(self.stages) // self.copies)
+
+    def is_first(self, index: int) -> bool:
+        """Whether stage ``index`` is the first of its model copy (it holds the embedding)."""
+        return self.neighbour(index, -1) is None
+
+    def is_last(self, index: int) -> bool:
+        """Whether stage ``index`` is the last of its model copy (it holds the LM head)."""
+        return self.neighbour(index, 1) is None
 
     def stage_at(self, rank: int, chunk: int) -> Stage:
         """The stage held by ``rank`` as ``chunk`` (both assumed in range)."""
@@ -92,9 +119,23 @@ def fold_loop(layers: int, ranks: int, chunks: int, *, span: Span | None = None)
     return _place(f"loop({chunks})", layers, ranks, chunks, lambda s: (s % ranks, s // ranks), span)
 
 
+def fold_bidir(layers: int, ranks: int, *, span: Span | None = None) -> Placement:
+    """DualPipe's two copies: copy 0's stage j on rank j as chunk 0, copy 1's stage j on rank
+    p−1−j as chunk 1. Needs an even ``ranks`` dividing ``layers`` (CheckError otherwise). With 8
+    layers on 4 ranks, rank 0 holds layers 0–1 (copy 0) and 6–7 (copy 1), rank 3 holds 6–7 and 0–1.
+    """
+    error = stage_split_error("bidir", layers, ranks, FoldSpec.of("bidir").v, span, FOLD_COPIES["bidir"])
+    if error is not None:
+        raise error
+    width = layers // ranks
+    stages = [Stage(copy * ranks + j, j if copy == 0 else ranks - 1 - j, copy, j * width, (j + 1) * width)
+              for copy in (0, 1) for j in range(ranks)]
+    return Placement("bidir", ranks, 2, tuple(stages), copies=2)
+
+
 def placement_for(kind: str, arg: int | None, layers: int, ranks: int, *,
                   span: Span | None = None) -> Placement:
-    """The placement of fold ``kind`` (``none``, ``u`` or ``loop`` with ``arg`` = v).
+    """The placement of fold ``kind`` (``none``, ``u``, ``bidir`` or ``loop`` with ``arg`` = v).
 
     ``span`` locates the fold statement in messages. Raises CheckError for an unknown kind,
     a missing or unexpected argument, and sizes that do not divide.
@@ -116,6 +157,8 @@ def placement_of(fold: FoldSpec, layers: int, ranks: int) -> Placement:
         return fold_none(layers, ranks, span=fold.span)
     if fold.kind == "u":
         return fold_u(layers, ranks, span=fold.span)
+    if fold.kind == "bidir":
+        return fold_bidir(layers, ranks, span=fold.span)
     return fold_loop(layers, ranks, fold.v, span=fold.span)
 
 
@@ -135,8 +178,8 @@ def _place(kind: str, layers: int, ranks: int, chunks: int, slot_of, span) -> Pl
 def tie_placement_error(model, fold, placement: Placement) -> CheckError | None:
     """An error at the fold statement (else the model block) when ``model`` ties its LM head
     to its embedding (``tie_embeddings = 1``) and ``placement`` puts the first stage (the
-    embedding) and the last (the LM head) on different pipeline ranks; None otherwise."""
-    first, last = placement.stages[0].rank, placement.stages[-1].rank
+    embedding) and the last (the LM head) of a model copy on different pipeline ranks; None otherwise."""
+    first, last = placement.stages[0].rank, placement.stages[len(placement.stages) // placement.copies - 1].rank
     if model.get(TIE_SETTING) != 1 or first == last:
         return None
     return CheckError(f"tie_embeddings = 1 with fold {fold.text} on {placement.ranks} pipeline ranks: the embedding "

@@ -12,7 +12,8 @@ launch_backward }``, default g). Semantics, statement by statement:
 - ``require a CMP b`` stops with an error naming the values when it does not hold.
 - ``F[c]``, ``B[c]``, ``W[c]`` (chunk 0 unless given) and ``SI(F[c], B[c'])`` emit actions.
   Micro-batch numbers are implicit: the k-th ``F[1]`` a rank runs is micro-batch k of chunk 1,
-  counted separately per (action kind, chunk); ``B[1, k]`` names micro-batch k itself and
+  counted separately per (action kind, chunk) (under fold bidir from the first micro-batch of
+  the chunk's model copy: copy 1 runs micro-batches m/2 .. m-1); ``B[1, k]`` names micro-batch k itself and
   leaves the counter as it is (a schedule that runs micro-batches out of order: LoopedBFS's
   backwards, last first).
 
@@ -77,15 +78,20 @@ def lower_pipeline(pipeline: s.PipelineDef, *, ranks: int, microbatches: int,
             failures.append((rank, failure))
         rows.append(tuple(program.actions))
     _raise_failures(failures, ranks)
+    if microbatches % placement.copies:  # (after the ranks ran: a pipeline's own `require` says it first)
+        raise ScheduleError(f"pipeline {pipeline.name} runs {placement.copies} model copies (fold {placement.kind}), "
+                            f"which share the m = {microbatches} micro-batches equally, but {placement.copies} "
+                            f"does not divide {microbatches}", pipeline.span_of("name"),
+                            [f"choose a multiple of {placement.copies} micro-batches"])
     return Lowered(pipeline.name, ranks, microbatches, placement.chunks, placement.slots(),
-                   fifo_order(rows, placement), span=pipeline.span_of("name"))
+                   fifo_order(rows, placement), span=pipeline.span_of("name"), copies=placement.copies)
 
 
 def _message(rank: int, transfer: Transfer, placement: Placement) -> tuple:
     """What a transfer carries, the same on both sides: (data, micro-batch, producing stage)."""
     stage = placement.stage_at(rank, transfer.chunk).index
     if transfer.kind == "RECV":  # activations come from the stage before, gradients from the one after
-        stage += -1 if transfer.data == "F" else 1
+        stage += -1 if transfer.data == "F" else 1  # (a RECV's peer stage is in its copy: lowering added it)
     return transfer.data, transfer.microbatch, stage
 
 
@@ -236,7 +242,7 @@ class _RankProgram:
             allowed = "the only chunk is 0" if chunks == 1 else f"chunks are 0..{chunks - 1}"
             raise _Failure(f"chunk {chunk} of {format_statement(act)} is out of range{{where}}: "
                            f"v = {chunks}, so {allowed}", act.span,
-                           ("fold none gives v = 1 chunk per rank, fold u 2, fold loop(v) v",))
+                           ("fold none gives v = 1 chunk per rank, fold u and fold bidir 2, fold loop(v) v",))
         self.computes += 1
         if self.computes > self.limit:
             raise _Failure(f"pipeline {self.name} runs more than {self.limit} F/B/W actions"
@@ -253,9 +259,19 @@ class _RankProgram:
                                 "next one of its (kind, chunk) counter",))
             return Compute(act.kind, microbatch, chunk, span=act.span)
         key = (act.kind, chunk)
-        microbatch = self.counters[key]
+        microbatch = self.counters[key] + self.first_microbatch(chunk)
         self.counters[key] += 1
         return Compute(act.kind, microbatch, chunk, span=act.span)
+
+    def first_microbatch(self, chunk: int) -> int:
+        """The micro-batch a (kind, chunk) counter starts at: 0, or under fold bidir the first
+        of the share of the copy whose stage this chunk holds."""
+        placement = self.placement
+        if placement.copies == 1:
+            return 0
+        index = placement.stage_at(self.rank, chunk).index
+        share = self.env["m"] // placement.copies
+        return placement.copy_of(index) * share
 
     def emit(self, parts: list[Compute], span) -> None:
         """Append ``parts`` (one action, or the two of an SI block) with their transfers."""
@@ -274,9 +290,8 @@ class _RankProgram:
             here = self.placement.stage_at(self.rank, part.chunk).index
             # Activations flow to the next stage, gradients to the previous one.
             step = 1 if part.kind == "F" else -1
-            neighbour = here - step if kind == "RECV" else here + step
-            peer = None if not 0 <= neighbour < len(stages) or stages[neighbour].rank == self.rank \
-                else stages[neighbour].rank
+            neighbour = self.placement.neighbour(here, -step if kind == "RECV" else step)
+            peer = None if neighbour is None or stages[neighbour].rank == self.rank else stages[neighbour].rank
             self.peers[kind, part.kind, part.chunk] = peer
         if peer is None:
             return []

@@ -4,8 +4,8 @@ The planner and the simulator price every dtype of :data:`~dhelix.dsl.core.dtype
 the interpreter has kernels for :data:`~dhelix.dsl.core.dtypes.RUNNABLE_DTYPES` only, and runs
 tensor parallelism in its sequence-parallel form only (a tp-sliced gemm reads an all_gather or
 feeds a reduce_scatter: :func:`reads_tp_collective`, which the interpreter's weight sharding
-reads too). ``check`` prints these as located warnings; ``run`` raises them as errors before
-any rank starts.
+reads too); and it sums fold bidir's two model copies' gradients only under ZeRO 0 and 1.
+``check`` prints these as located warnings; ``run`` raises them as errors before any rank starts.
 """
 
 from __future__ import annotations
@@ -24,7 +24,23 @@ def unrunnable(program: Program) -> list[DhelixWarning]:
     model = program.model
     if model is None:
         return []
-    return [*_unrunnable_dtype(program), *_tp_without_sequence_parallelism(program)]
+    return [*_unrunnable_dtype(program), *_tp_without_sequence_parallelism(program), *_two_model_copies(program)]
+
+
+def _two_model_copies(program: Program) -> list[DhelixWarning]:
+    """A warning at the fold statement for a fold that places two model copies (fold bidir)
+    under ZeRO-2 or ZeRO-3: the interpreter sums a stage's two copies' gradients (ranks r and
+    p - 1 - r) at the step's end, and those stages hand each micro-batch's gradients over (or
+    keep dp pieces of them) during the backward."""
+    fold, train = program.fold, program.train
+    if fold is None or fold.copies == 1 or train is None or train.zero < 2:
+        return []
+    return [DhelixWarning(
+        f"fold {fold.text} with zero = {train.zero} can be checked, lowered, drawn, simulated and tuned, but not run: "
+        f"the interpreter sums the {fold.copies} model copies' gradients (pipeline ranks r and p - 1 - r) at the "
+        f"step's end, and ZeRO-{train.zero} hands them over during the backward",
+        fold.span or (program.model.span if program.model else None),
+        ["to train it, set zero = 0 or zero = 1"])]
 
 
 def _unrunnable_dtype(program: Program) -> list[DhelixWarning]:

@@ -71,8 +71,10 @@ class Timing:
 
     @property
     def normalized_makespan(self) -> Fraction:
-        """Make-span / v: in units of a forward over all the layers of one rank."""
-        return Fraction(self.makespan, self.lowered.chunks)
+        """Make-span / v: in units of a forward over all the layers of one rank's model copy
+        (fold bidir's v = 2 chunks are two copies' stages, each a whole rank's L/p layers:
+        make-span · copies / v)."""
+        return Fraction(self.makespan * self.lowered.copies, self.lowered.chunks)
 
 
 def action_cost(action, split: bool, costs: Costs = UNIT):

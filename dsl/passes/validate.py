@@ -3,7 +3,8 @@
 Checks, in order (the dry run only when the others pass, since a broken schedule would just
 look stuck):
 
-1. ranges: micro-batches in ``0..m-1``, chunks in ``0..v-1``, transfer peers are other ranks;
+1. ranges: micro-batches in ``0..m-1`` (under fold bidir in the stage's model copy's share),
+   chunks in ``0..v-1``, transfer peers are other ranks;
 2. counts: every micro-batch runs exactly one F and one B on every stage, and one W when the
    schedule splits its backward (has any W);
 3. order and inputs, per rank: B after its own F, W after its B; an F whose previous stage is
@@ -213,7 +214,15 @@ class _Checker:
         if part.chunk >= low.chunks:
             return (f"uses chunk {part.chunk}, but v = {low.chunks} "
                     f"({_allowed(low.chunks, 'chunk', 'chunks')})",
-                    "fold none gives v = 1 chunk per rank, fold u 2, fold loop(v) v")
+                    "fold none gives v = 1 chunk per rank, fold u and fold bidir 2, fold loop(v) v")
+        stage = low.stage_of(rank, part.chunk)
+        share = low.microbatches_of(stage) if stage is not None else range(low.microbatches)
+        if stage is not None and not isinstance(part, Transfer) and part.microbatch not in share:
+            return (f"runs micro-batch {part.microbatch} on stage {stage} of model copy "
+                    f"{low.copy_of(stage)}, which runs micro-batches "
+                    f"{share.start}..{share.stop - 1}",
+                    f"the {low.copies} model copies share the m micro-batches: copy c runs "
+                    f"c·m/{low.copies} .. (c+1)·m/{low.copies} - 1")
         if isinstance(part, Transfer) and (part.peer >= low.ranks or part.peer == rank):
             return (f"names rank {part.peer}, which is not another rank of the pipeline "
                     f"(p = {low.ranks})", "a transfer goes to another rank 0..p-1")
@@ -227,13 +236,13 @@ class _Checker:
         for stage, (rank, chunk) in enumerate(low.stages):
             steps = self.steps[rank]
             for kind in kinds:
-                missing = [mb for mb in range(low.microbatches)
+                missing = [mb for mb in low.microbatches_of(stage)
                            if not steps.get((kind, mb, chunk))]
                 if missing:
                     self.error(f"{_microbatches(missing)} never run{'s' if len(missing) == 1 else ''}"
                                f" {kind} on stage {stage} (rank {rank}, chunk {chunk})",
                                None, None, [self.count_note(kind)])
-                for mb in range(low.microbatches):
+                for mb in low.microbatches_of(stage):
                     for again in steps.get((kind, mb, chunk), [])[1:]:
                         first = steps[(kind, mb, chunk)][0]
                         self.error(f"rank {rank}, step {again}: {kind}{mb}.{chunk} (micro-batch "
@@ -275,8 +284,8 @@ class _Checker:
             return
         if part.kind == "W":
             return
-        source = stage - 1 if part.kind == "F" else stage + 1
-        if not 0 <= source < len(low.stages):
+        source = low.neighbour(stage, -1 if part.kind == "F" else 1)
+        if source is None:
             return  # the first forward reads the batch; the last backward starts at the loss
         peer, peer_chunk = low.stages[source]
         if peer == rank:
@@ -321,10 +330,11 @@ class _Checker:
         stage = low.stage_of(rank, chunk)
         assert stage is not None, "check 1 set aside the actions off the placement"
         forward = action.data == "F"
-        other = stage + (1 if forward == (action.kind == "SEND") else -1)
-        if not 0 <= other < len(low.stages):
+        step_to = 1 if forward == (action.kind == "SEND") else -1
+        other = low.neighbour(stage, step_to)
+        if other is None:
             self.bad.add((rank, step))
-            end = "last" if other > stage else "first"
+            end = "last" if step_to > 0 else "first"
             self.error(f"rank {rank}, step {step}: {action} has no peer stage: stage {stage} is "
                        f"the {end} stage", rank, step, [f"remove {action}"])
         elif low.stages[other][0] != action.peer:

@@ -4,7 +4,8 @@ Ranks are rows (rank 0 on top), chunks are columns (chunk 0 on the left), one bo
 with its layers. Arrows join consecutive stages in model order: solid between ranks (a
 SEND/RECV), dashed inside a rank (a local hand-off). For ``fold u`` the arrows draw the paper's
 U (Fig. 7, right): chunk 0 runs down the ranks, turns on the last rank and chunk 1 comes back
-up, so the model's input and its loss are both on rank 0.
+up, so the model's input and its loss are both on rank 0. For ``fold bidir`` the two model
+copies run in opposite directions, each with its own input and loss.
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def _layers(stage: Stage) -> str:
 
 
 def _ends(placement: Placement) -> list[str]:
-    """The model's input above the first stage, its loss beside (or below) the last one."""
+    """The model's input above the first stage, its loss beside (or below) the last one; for
+    two model copies (fold bidir) each copy's, named by its copy."""
+    if placement.copies > 1:
+        return _copy_ends(placement)
     first, last = placement.stages[0], placement.stages[-1]
     plain = {"shape": "plaintext", "style": "", "fontsize": "11"}
     lines = [f"  {quote('input')} {attributes(label='input', **plain)};",
@@ -75,9 +79,28 @@ def _ends(placement: Placement) -> list[str]:
     return lines
 
 
+def _copy_ends(placement: Placement) -> list[str]:
+    """Fold bidir's ends: each copy's input beside its first stage, its loss beside its last
+    (copy 0 is fed at rank 0 and ends at rank p - 1, copy 1 the other way)."""
+    plain = {"shape": "plaintext", "style": "", "fontsize": "11", "constraint": "false"}
+    lines = []
+    for stage in placement.stages:
+        copy = placement.copy_of(stage.index)
+        for end, is_end, edge in (("input", placement.is_first, "{end} -> {node}"),
+                                  ("loss", placement.is_last, "{node} -> {end}")):
+            if is_end(stage.index):
+                name = quote(f"{end}{copy}")
+                lines.append(f"  {name} {attributes(label=f'{end} (copy {copy})', **plain)};")
+                lines.append("  " + edge.format(end=name, node=_node(stage))
+                             + ' [color="#404040", constraint=false];')
+    return lines
+
+
 def _stage_edges(placement: Placement) -> list[str]:
     lines = []
     for stage, after in zip(placement.stages, placement.stages[1:]):
+        if placement.neighbour(stage.index, 1) != after.index:
+            continue  # the next model copy starts: no hand-off between copies
         style = {"penwidth": "1.6", "color": "#2171b5"}
         if after.rank == stage.rank:
             style.update(style="dashed", label=" local", fontsize="9")

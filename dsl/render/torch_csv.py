@@ -41,8 +41,14 @@ def torch_csv(lowered: Lowered, form: str = "compute_only") -> str:
     """The CSV text of ``lowered`` in torch's ``form`` (see the module docstring).
 
     Raises ScheduleError for ``compute_comms`` when receives and sends between two ranks are
-    in different orders.
+    in different orders, and for a schedule of two model copies (fold bidir), which torch's
+    stages (one chain, each stage on one rank) cannot say.
     """
+    if lowered.copies > 1:
+        raise ScheduleError(f"pipeline {lowered.name} runs {lowered.copies} model copies (fold bidir): torch's "
+                            "pipeline stages form one chain with each stage on one rank, so its CSV cannot say "
+                            "two copies of each stage", lowered.span,
+                            ["a one-copy schedule exports: dualpipe_v on fold u is DualPipe's V"])
     rows = torch_actions(lowered, with_comms=form == "compute_comms")
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")

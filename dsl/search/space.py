@@ -32,7 +32,7 @@ import attrs
 
 from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.core.mesh import MESH_AXES
-from dhelix.dsl.core.program import FOLD_KINDS, Program
+from dhelix.dsl.core.program import FOLD_COPIES, FOLD_KINDS, Program
 from dhelix.dsl.core.wording import did_you_mean
 from dhelix.dsl.frontend.config import PARAM_GATHER, RECOMPUTE, SI_SETTINGS, ZERO_STAGES
 from dhelix.dsl.search.generated import GENERATED
@@ -278,7 +278,8 @@ def _schedules(program: Program, kept: dict, chunks: tuple[int, ...],
         defined = {pipeline.name for pipeline in program.pipelines}
         out += [("none", name, kept.get("si", SI_SETTINGS[0])) for name in GENERATED if name not in defined]
     for pipeline in sorted(program.pipelines, key=lambda p: p.name):
-        kinds = (pipeline.fold,) if pipeline.fold else tuple(FOLD_KINDS)
+        # (a pipeline written for any fold runs one model copy: fold bidir's two need their own)
+        kinds = (pipeline.fold,) if pipeline.fold else tuple(k for k in FOLD_KINDS if k not in FOLD_COPIES)
         si = SI_SETTINGS if writes_si(pipeline) and "si" not in kept else (kept.get("si", SI_SETTINGS[0]),)
         for kind in kinds:
             folds = [kind] if FOLD_KINDS[kind] is not None else [f"{kind}({v})" for v in chunks]

@@ -203,13 +203,13 @@ class _Run:
             chunk = _forward_chunk(action)
             if chunk is not None and chunk not in first_use:
                 first_use.append(chunk)
-        last = len(self.lowered.stages) - 1
         for chunk in first_use:
             index = self.lowered.stage_of(rank, chunk)
+            assert index is not None, "a validated schedule runs forwards on its placement's slots"
             layers = len(self.program.placement.stages[index].layers)
-            slots = ([("embedding", params.embedding, 0.0)] if index == 0 else []) + \
+            slots = ([("embedding", params.embedding, 0.0)] if self.lowered.is_first(index) else []) + \
                 [(i, params.layer_dense, params.layer_expert) for i in range(layers)] + \
-                ([("head", params.head, 0.0)] if index == last else [])
+                ([("head", params.head, 0.0)] if self.lowered.is_last(index) else [])
             arrivals = {}
             for slot, dense, expert in slots:
                 ready = 0.0
@@ -325,6 +325,11 @@ class _Run:
         names = self._slot_names()
         early = self.program.train is None or self.program.train.grad_reduce == "backward"
         lanes, last_end = self.lanes[rank], self.last_end[rank]
+        if self.lowered.copies > 1:
+            # Fold bidir: the twin rank's gradients are added after the last action, before
+            # any data-parallel sync (the interpreter's Executor._sum_copies).
+            early = False
+            last_end = ready_after = self._book_copy_sum(rank)
         syncs: dict[tuple, list] = {}  # (stage, slot) -> its collectives (ZeRO-2: one per micro-batch)
         for (stage, slot), (ready, dense, expert) in self._reductions(rank):
             # After the rank's last action: everything with grad_reduce = step, and the embedding's.
@@ -340,6 +345,21 @@ class _Run:
                     self.events.append(TraceEvent(rank, group.lane, f"{collective} {names(stage, slot)}", start,
                                                   seconds, {"kind": "DP", "bytes": size, "group": group.size}))
         return max(self.free_at[rank], ready_after), dp_comm
+
+    def _book_copy_sum(self, rank: int) -> float:
+        """Fold bidir: book the exchange of ``rank``'s gradients with its twin (pipeline rank
+        p - 1 - r, the other holder of its stages), both ways at once on the pipeline lane
+        after its last action; returns when it ends. Counted as pipeline communication."""
+        dense, expert = self._local_params(rank)
+        size = (dense + expert) * self.costs.grad_bytes
+        seconds = collective_time("p2p", size, 2, self.costs.pp_lane, self.program.profile)
+        start = self.lanes[rank][self.costs.pp_lane].fit(self.last_end[rank], seconds)
+        self.tally[rank].pp_comm += seconds
+        self.tally[rank].pp_exposed += seconds  # (after the last action: nothing to hide behind)
+        if self.trace:
+            self.events.append(TraceEvent(rank, self.costs.pp_lane, "exchange gradients with the twin copy", start,
+                                          seconds, {"kind": "copies", "bytes": size, "group": 2}))
+        return start + seconds
 
     def _syncs(self, slot, dense: float, expert: float) -> list[tuple[str, float, Group, float]]:
         """(collective, bytes, group, seconds) of each data-parallel sync of the gradients of
@@ -515,9 +535,10 @@ class _Run:
     def _end_params(self, rank: int, head: bool = True) -> float:
         """Parameters of the model's ends (embedding, LM head and final norm) on ``rank``;
         the embedding's only without ``head``."""
-        params, last = self.costs.params, len(self.lowered.stages) - 1
-        stages = [self.lowered.stage_of(rank, chunk) for chunk in range(self.lowered.chunks)]
-        return (params.embedding if 0 in stages else 0) + (params.head if head and last in stages else 0)
+        params, low = self.costs.params, self.lowered
+        stages = [index for chunk in range(low.chunks) if (index := low.stage_of(rank, chunk)) is not None]
+        return (params.embedding if any(low.is_first(s) for s in stages) else 0) \
+            + (params.head if head and any(low.is_last(s) for s in stages) else 0)
 
     def _local_params(self, rank: int) -> tuple[float, float]:
         pairs = [self._chunk_params(rank, chunk) for chunk in range(self.lowered.chunks)]
@@ -530,8 +551,8 @@ class _Run:
         if index is None:
             return 0.0, 0.0
         layers = len(self.program.placement.stages[index].layers)
-        dense = layers * params.layer_dense + (params.embedding if index == 0 else 0) \
-            + (params.head if index == len(self.lowered.stages) - 1 else 0)
+        dense = layers * params.layer_dense + (params.embedding if self.lowered.is_first(index) else 0) \
+            + (params.head if self.lowered.is_last(index) else 0)
         return dense, layers * params.layer_expert
 
     def _slot_names(self):

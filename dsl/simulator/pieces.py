@@ -40,6 +40,7 @@ class Expander:
             and program.model is not None, "a validated model"
         self.split = program.lowered.split
         self.stages = program.placement.stages
+        self.placement = program.placement
         self.acts = layer_activations(program.forward, program.backward, program.model.dtype, self.split)
         # What a forward allocates per layer, and what its backward allocates again first.
         self.kept, self.rebuilt = self.acts, 0.0
@@ -82,14 +83,14 @@ class Expander:
         return len(self.stages[stage].layers)
 
     def _embed_f(self, stage):
-        return [Piece(self.costs.heads.embed_forward, weights="embedding")] if stage == 0 else []
+        return [Piece(self.costs.heads.embed_forward, weights="embedding")] if self.placement.is_first(stage) else []
 
     def _head_f(self, stage):
-        last = stage == len(self.stages) - 1
+        last = self.placement.is_last(stage)
         return [Piece(self.costs.heads.head_forward, alloc=self.head.total, weights="head")] if last else []
 
     def _head_b(self, stage):
-        if stage != len(self.stages) - 1:
+        if not self.placement.is_last(stage):
             return []
         heads, params = self.costs.heads, self.costs.params
         if self.split:
@@ -98,7 +99,7 @@ class Expander:
                       grads=("head", params.head, 0))]
 
     def _embed_b(self, stage):
-        if stage != 0:
+        if not self.placement.is_first(stage):
             return []
         return [Piece(self.costs.heads.embed_backward, grads=("embedding", self.costs.params.embedding, 0))]
 
@@ -133,7 +134,7 @@ class Expander:
     def _weight(self, stage: int) -> list[Piece]:
         count, params = self._count(stage), self.costs.params
         head = []
-        if stage == len(self.stages) - 1:
+        if self.placement.is_last(stage):
             head = [Piece(self.costs.heads.head_weight, free=self.head.at_weight, grads=("head", params.head, 0))]
         return head + [Piece(self.costs.layer.weight, alloc=self.gathered, free=self.acts.at_weight + self.gathered,
                              grads=(i, params.layer_dense, params.layer_expert)) for i in reversed(range(count))]

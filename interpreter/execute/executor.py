@@ -22,6 +22,11 @@ backward needs nothing but that scale and its forward, so it runs right after th
 (its tp reduction left in flight until the micro-batch's backward reads it): the reduction
 flies while the rest of that action, and whatever comes before the backward, runs.
 
+Under fold bidir (two model copies, rank r holding stage r of one and p - 1 - r of the other)
+each copy's first stage embeds and its last computes the loss, and at the step's end every
+rank adds its twin's gradients (pipeline rank p - 1 - r, the other holder of its stages) into
+its own before the optimizer takes them (:meth:`Executor._sum_copies`).
+
 A failure in any action raises :class:`ExecutionError` naming the rank, the action in its
 text form and the schedule grid with that action marked.
 
@@ -243,7 +248,7 @@ class Executor:
                 shards = {op: self.flat.add(param_name(layer, op), w) for op, w in shards.items()}
             self.params.update({param_name(layer, op): w for op, w in shards.items()})
             weights.append(shards)
-        state = StageState(index, stage.layers, index == 0, index == len(self.lowered.stages) - 1, weights)
+        state = StageState(index, stage.layers, self.lowered.is_first(index), self.lowered.is_last(index), weights)
         ends = ((EMBEDDING,) if state.first else ()) + ((FINAL_NORM, LM_HEAD) if state.last else ())
         for name in ends:
             self.params[name] = self.weights.shard(name, self.index, self.dtype).to(self.device)
@@ -281,14 +286,14 @@ class Executor:
         holds its wgrads (:class:`~.si.Filler`, which may run them earlier, at a moment that
         differs between ranks), the flush of what a block carried, a W — so that the
         reductions ``grad_ready`` starts are issued in the same order on every rank."""
-        if self.grad_ready is None or not self.handing:
-            return
+        if self.grad_ready is None or not self.handing or self.lowered.copies > 1:
+            return  # (two model copies: handed over at the step's end, once the copies' sum is taken)
         if self.pieces_done:  # the pieces of the layers done before this one: their last
             # reduce-scatters have had this layer's backward beside them
             self._settle_deferred(max(after for after, _ in self.pieces_done))
         key = (stage.index, layer)
         self.done_counts[key] = self.done_counts.get(key, 0) + 1
-        last = self.done_counts[key] >= self.lowered.microbatches
+        last = self.done_counts[key] >= len(self.lowered.microbatches_of(stage.index))
         if not last and not self.program.train.zero == 2:
             return
         index, grads = stage.layers[layer], stage.grads[layer]
@@ -455,8 +460,34 @@ class Executor:
         grads = self._collect_grads()
         sum_partial_grads(self.weights, {name: g for name, g in grads.items() if name not in self.reduced_early},
                           self.comm)
+        if self.lowered.copies > 1:
+            self._sum_copies(grads)
         if self.weights.tied:  # both copies take the sum, before the optimizer reduces them over dp
             tie_grads(grads)
+
+    def _sum_copies(self, grads: dict[str, torch.Tensor]) -> None:
+        """Fold bidir: add the gradients of the twin pipeline rank p - 1 - r into ``grads`` (in
+        place; a parameter without a gradient gets the twin's), so that both copies of every
+        stage take the same sum, as a data-parallel pair's. Rank r holds stage r of copy 0 and
+        stage p - 1 - r of copy 1, its twin the same stages of the other copies: the same
+        parameters, so one fp32 message each way carries them all (fp32 whatever each
+        gradient's dtype, so that the two sides' messages agree even where one side has no
+        gradient yet; a bf16 value survives the round trip exactly). Both add the same two
+        numbers (mine + twin's on one, twin's + mine on the other: equal), so the copies stay
+        bit for bit identical through the optimizer's update."""
+        twin = self.comm.group_ranks("pp")[self.lowered.ranks - 1 - self.pp]
+        if twin == self.comm.rank:
+            raise ValueError("fold bidir pairs pipeline rank r with p - 1 - r: p must be even")
+        names = sorted(self.params)
+        for name in names:
+            if name not in grads:
+                grads[name] = torch.zeros_like(self.params[name])
+        flat = torch.cat([grads[name].reshape(-1).float() for name in names])
+        sent = self.comm.send(flat, twin, async_op=True)
+        theirs = self.comm.recv(flat.shape, flat.dtype, twin, async_op=True).wait().to(flat.device)
+        sent.wait()
+        for name, part in zip(names, theirs.split([grads[name].numel() for name in names]), strict=True):
+            grads[name].add_(part.view_as(grads[name]).to(grads[name].dtype))
 
     def _collect_grads(self) -> dict[str, torch.Tensor]:
         grads = dict(self.end_grads)
