@@ -130,7 +130,7 @@ OPTIONS: tuple[Option, ...] = (
            help="the dtype data parallelism reduces the gradients in: fp32 (default: the main gradients as "
                 "accumulated, as Megatron-LM does for bf16 models) or a 16-bit one (each bucket cast before its "
                 "all-reduce or reduce-scatter and back after: half the bytes on the wire; Megatron-LM's "
-                "--grad-reduce-in-bf16, FSDP's reduce_dtype, and Megatron-LM's fp16 default)"),
+                "bf16 gradient reduction setting, FSDP's reduce_dtype, and Megatron-LM's fp16 default)"),
     # --- run's own ------------------------------------------------------------------------------
     Option(name="trace", kind=str, metavar="OUT.json", help="write a Chrome trace of what ran"),
     Option(name="lr", kind=float, default=1e-3, positive=True, help="AdamW learning rate (default {default})"),
