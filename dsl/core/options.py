@@ -115,6 +115,8 @@ OPTIONS: tuple[Option, ...] = (
            choices=("backward", "step"), field=False),
     Option(name="recompute", kind=str, flag="", train="recompute", default="none",
            choices=("none", "selective", "full"), field=False),
+    Option(name="recompute_layers", kind=int, flag="", train="recompute_layers", lowest=1, highest=10_000,
+           field=False),
     Option(name="si", kind=str, flag="", train="si", default="on", choices=("on", "off"), field=False),
     Option(name="optimizer_check", kind=str, train="optimizer_check", default="sync", choices=("sync", "post"),
            group="training",

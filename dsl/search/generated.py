@@ -31,14 +31,17 @@ def stage_costs(program: Program) -> Costs:
     time of ``program`` (through its fold pass, with a profile; its layers split evenly over
     its pipeline ranks), from the cost model; no SI plan (the scheduler writes no SI)."""
     assert program.model is not None and program.mesh is not None, "a checked model"
+    assert program.train is not None, "a checked model"
     costs = step_costs(program, None, cost_of(program))
-    per_stage = Fraction(program.model.setting("layers"), program.mesh.size("pp"))
+    per_stage = program.model.setting("layers") // program.mesh.size("pp")
+    again = program.train.recomputed_of(per_stage)  # the stage's layers that recompute first
 
-    def exact(seconds: float) -> Fraction:
-        return (Fraction(seconds).limit_denominator(10 ** 12) * per_stage).limit_denominator(10 ** 12)
+    def exact(seconds: float, layers: int = per_stage) -> Fraction:
+        return (Fraction(seconds).limit_denominator(10 ** 12) * layers).limit_denominator(10 ** 12)
 
     layer = costs.layer
-    return Costs(exact(layer.forward.seconds), exact(layer.backward_input.seconds), exact(layer.weight.seconds),
+    b = exact(layer.backward_input_of(True).seconds, again) + exact(layer.backward_input.seconds, per_stage - again)
+    return Costs(exact(layer.forward.seconds), b, exact(layer.weight.seconds),
                  Fraction(costs.p2p_seconds).limit_denominator(10 ** 12))
 
 

@@ -186,7 +186,7 @@ class Pricer:
         ZeRO-3 (FSDP's ops, and its refusal of selective recomputation): layouts that differ
         in ZeRO 0, 1 or 2, ``param_gather`` or recomputation (below ZeRO-3) share them."""
         key = attrs.evolve(layout, zero=3 if layout.zero == 3 else 0, param_gather="step",
-                           recompute=layout.recompute if layout.zero == 3 else "none")
+                           recompute=layout.recompute if layout.zero == 3 else "none", recompute_layers=0)
         if key not in self._derivations:
             try:
                 done = self.plans.intern(passes.rerun(program, after="check", stop="autodiff"))
@@ -281,7 +281,8 @@ class Pricer:
         until it can still enter the top); CheckError when nothing applies (then the choice
         is the same as its twin without one)."""
         layout = choice.layout
-        key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
+        key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", recompute_layers=0,
+                           param_gather="step")
         # A refusal may be the schedule's (a fold's stage split): kept per schedule.
         refusal = (key, choice.fold, choice.pipeline)
         if key not in self._partitions and refusal not in self._partition_refusals:
