@@ -264,7 +264,7 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
         errors.add(CheckError(f"recompute_layers = {v['recompute_layers']} needs recompute = full, not recompute = "
                               f"{recompute}", block.span("recompute_layers"),
                               ["recompute_layers = N recomputes the first N layers of each model chunk in full "
-                               "(Megatron's --recompute-num-layers with --recompute-method block) and lets the "
+                               "(Megatron's recompute_num_layers with recompute_method block) and lets the "
                                "others keep their activations: add recompute = full, or remove recompute_layers"]))
         return None
     param_gather = v.get("param_gather", option("param_gather").default)
