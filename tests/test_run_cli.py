@@ -331,6 +331,21 @@ def test_recomputing_the_first_layers_of_each_chunk_runs_exactly_between_none_an
     assert peaks["partial"][0] == pytest.approx(peaks["partial"][1], rel=0.1)
 
 
+def test_uneven_stages_run_exactly_and_alone_as_one_rank(tmp_path):
+    # 10 layers on fold u over 2 ranks: 2 in the embedding's chunk and in the LM head's (both
+    # on rank 0), 3 in rank 1's two; its SI blocks pair chunks of unequal layers. The run
+    # matches the reference; rank 1 runs alone (--as-rank) with the layers it owns.
+    program = tmp_path / "uneven.dhx"
+    program.write_text(tiny_example_text().replace("layers = 4", "layers = 10").replace(
+        "  seed = 1234", "  seed = 1234\n  first_stage_layers = 2  last_stage_layers = 2"))
+    checked = dhelix("run", str(program), "--steps", "2", "--check")
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.splitlines()[-1].startswith("check: passed: 2 step(s) match")
+    alone = dhelix("run", str(program), "--steps", "2", "--as-rank", "1")
+    assert alone.returncode == 0, alone.stderr
+    assert "rank 1 of 4 alone" in alone.stdout
+
+
 def test_the_command_modules_import_no_circle_and_no_private_names():
     # run.py and as_rank.py imported each other, as_rank.py took run.py's private helpers
     # (issue 57): what both use is dhelix/cli/run_options.py's, public.

@@ -418,6 +418,25 @@ def test_recomputing_the_first_layers_of_each_chunk_costs_their_share_of_full_re
     assert (every.step_time, [r.memory for r in every.ranks]) == (full.step_time, [r.memory for r in full.ranks])
 
 
+def test_lighter_first_and_last_stages_move_their_layers_onto_the_middle_ranks():
+    # 12 layers on 4 ranks: 3 each, or 2 on the embedding's and the LM head's ranks and 4 on
+    # the others; each rank's busy time follows its layers, one layer's forward and backward
+    # per micro-batch for each layer moved.
+    text = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text().replace("layers = 4", "layers = 12").replace(
+        "tp = 2", "tp = 1").replace("pp = 2", "pp = 4").replace("fold u", "fold none").replace(
+        "pipeline w_helix", "pipeline one_f_one_b")
+    even = check_text(text, "even.dhx")
+    ends = check_text(text.replace("  seed = 1234", "  seed = 1234\n  first_stage_layers = 2  last_stage_layers = 2"),
+                      "ends.dhx")
+    assert [len(s.layers) for s in ends.placement.stages] == [2, 4, 4, 2]
+    layer = step_costs(even, None).layer
+    moved = 8 * (layer.forward.seconds + layer.backward.seconds)  # 8 micro-batches, one layer each
+    a, b = simulate(even), simulate(ends)
+    for rank, sign in zip(range(4), (-1, 1, 1, -1), strict=True):
+        assert b.ranks[rank].busy - a.ranks[rank].busy == pytest.approx(sign * moved, rel=1e-9)
+        assert (b.ranks[rank].states.params > a.ranks[rank].states.params) == (sign > 0)
+
+
 @pytest.mark.parametrize("name", ["tiny_llama_cpu", "llama39b_a40"])
 def test_selective_recomputation_drops_the_cheap_outputs_and_pays_their_forward_again(name):
     from dhelix.dsl.core.oplib import selective_drops

@@ -1061,3 +1061,32 @@ def test_partial_recomputation_is_searched_and_wins_where_only_it_fits_fast(tmp_
     assert "recompute = full" in out.read_text() and "recompute_layers = 2" in out.read_text()
     run = dhelix_here("run", str(out), "--steps", "2", "--check", cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_uneven_stages_are_searched_with_stages_and_written_as_set():
+    # tune --stages: on 2 pipeline ranks of fold none the tiny model's 4 layers split 2 + 2,
+    # or 3 + 1 (the LM head's stage lighter). Both are priced; the search equals the
+    # exhaustive pricing; the uneven choice's file writes last_stage_layers and checks.
+    from dhelix.dsl.search.variant import variant_text
+
+    pricer, _ = _pricer()
+    base = passes.rerun(check_program(pricer.modules), after="check")
+    assert {layout.stage_ends for layout in space_of(base).layouts()} == {(0, 0)}  # not without --stages
+    full = space_of(base, stages=True)
+    space = attrs.evolve(full, tp=(1, 2), pp=(2,), cp=(1,), micro_batch=(2,), zero=(0,), recompute=("none",),
+                         partition=("written",), param_gather=("step",), boundaries=(),
+                         schedules=tuple(s for s in full.schedules if s[0] == "none" and s[1] in ("gpipe", "one_f_one_b")))
+    assert {layout.stage_ends for layout in space.layouts()} == {(0, 0), (0, 1)}
+    expected = exhaustive(pricer, space, top=5)
+    found = search(pricer, space, top=5)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    uneven = next(p for p in found.top if p.choice.layout.stage_ends == (0, 1))
+    even = pricer.price(attrs.evolve(uneven.choice, layout=attrs.evolve(uneven.choice.layout, stage_ends=(0, 0))))
+    assert isinstance(even, Priced) and even.seconds != uneven.seconds
+    assert "stages =..1" in uneven.choice.describe()
+    assert [len(s.layers) for s in pricer.checked(uneven.choice).placement.stages] == [3, 1]
+    text = variant_text(pricer.variant(uneven.choice), read_source(str(TINY)), "tuned")
+    assert "last_stage_layers = 1" in text and "first_stage_layers" not in text
+    checked = passes.check_text(text, str(TINY))
+    assert [len(s.layers) for s in checked.placement.stages] == [3, 1]

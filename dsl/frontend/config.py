@@ -317,7 +317,10 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     run = tuple((o.train, v[o.train]) for o in declared if o.field and o.train is not None and o.train in v)
     return Train(v["micro_batch"], v["microbatches"], v.get("data"), zero, recompute, param_gather, v.get("shard"),
                  v.get("launch"), grad_reduce, v.get("launch_backward"), si, run,
-                 recompute_layers=v.get("recompute_layers"), span=node.span,
+                 recompute_layers=v.get("recompute_layers"), first_stage_layers=v.get("first_stage_layers"),
+                 last_stage_layers=v.get("last_stage_layers"), span=node.span,
+                 stages_span=next((block.span(k) for k in ("first_stage_layers", "last_stage_layers")
+                                   if k in block.nodes), None),
                  launch_span=block.span("launch") if "launch" in block.nodes else None,
                  launch_backward_span=block.span("launch_backward") if "launch_backward" in block.nodes else None,
                  data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,

@@ -88,13 +88,16 @@ def _recomputing(program: Program) -> tuple[int, int]:
     """The fewest and the most of the model's layers that recompute before their backward,
     whatever the fold: all of them as ``recompute`` says (none for none); with
     ``recompute_layers = N`` the first N of each of the p·v model chunks, at least
-    ``min(p·N, layers)`` (one chunk per rank, the fewest: ``min(p·v·N, layers)`` grows with v)
-    and at most every layer (a fold of more chunks recomputes more)."""
+    ``min(p·N, layers)`` (one chunk per rank, the fewest: ``min(p·v·N, layers)`` grows with v;
+    0 where the train block sets the first or last stage's layers) and at most every layer (a
+    fold of more chunks recomputes more)."""
     assert program.model is not None and program.mesh is not None and program.train is not None, "a checked model"
     train, layers = program.train, program.model.setting("layers")
     if train.recompute_layers is None or train.recompute == "none":
         every = train.recomputed_of(layers)
         return every, every
+    if train.stage_ends != (None, None):  # an end stage may hold fewer than N: none counted
+        return 0, layers
     return min(program.mesh.size("pp") * train.recompute_layers, layers), layers
 
 

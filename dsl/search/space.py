@@ -40,9 +40,10 @@ from dhelix.dsl.search.partitions import writes_si
 from dhelix.dsl.search.placement import PLACED_AXES, placement_text, placements
 
 #: What ``--keep`` can name: a mesh axis, ``mesh`` (all of them and their order), ``order``
-#: (the mesh axes' order: where they sit), a train setting, the fold, the pipeline or SI (on or off).
+#: (the mesh axes' order: where they sit), a train setting, the fold, the pipeline, SI (on or
+#: off) or ``stages`` (the first and last stages' layers).
 KEEPABLE = MESH_AXES + ("mesh", "order", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather", "fold",
-                        "pipeline", "si")
+                        "pipeline", "si", "stages")
 #: The partitions a layout may take: the file's partition block (none when it has none), or
 #: the one generated for the layout (:func:`~dhelix.dsl.search.partitions.generated_partition`).
 PARTITIONS = ("written", "auto")
@@ -65,6 +66,23 @@ def fold_chunks(fold: str) -> int:
     kind, _, arg = fold.partition("(")
     count = FOLD_KINDS.get(kind)
     return count if count is not None else int(arg.rstrip(")"))
+
+
+def stage_ends_tried(layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """(first, last) stage layers tried for ``layers`` on ``pp`` ranks of fold none, 0 for an
+    equal share: equal stages; both ends lighter, ``e`` each and ``w > e`` on each of the
+    p − 2 others, at the least such ``w``; and the last stage alone so (``w`` on the p − 1
+    others). Megatron's recipes lighten the ends for the embedding's and the LM head's work."""
+    tried = [(0, 0)]
+    for ends in (2, 1) if pp >= 3 else (1,) if pp == 2 else ():
+        for width in range(max(1, layers // pp), layers + 1):
+            rest = layers - (pp - ends) * width
+            if rest < ends:
+                break
+            if rest % ends == 0 and rest // ends < width:
+                tried.append((rest // ends if ends == 2 else 0, rest // ends))
+                break
+    return tuple(tried)
 
 
 def loop_chunks(layers: int, pipeline_sizes) -> tuple[int, ...]:
@@ -98,6 +116,9 @@ class Layout:
     #: With ``recompute = full``: the leading layers of each model chunk that recompute
     #: (``train { recompute_layers }``); 0: every layer.
     recompute_layers: int = 0
+    #: The layers of the first and the last pipeline stage (``train { first_stage_layers
+    #: last_stage_layers }``); 0: an equal share.
+    stage_ends: tuple[int, int] = (0, 0)
 
     def mesh(self) -> dict[str, int]:
         """The mesh sizes by axis."""
@@ -123,7 +144,9 @@ class Layout:
         zero += " gather forward" if self.param_gather == "forward" else ""
         partition = "  partition auto" if self.partition == "auto" else ""
         recompute = self.recompute + (f" {self.recompute_layers}/chunk" if self.recompute_layers else "")
-        return f"{axes}  b{self.micro_batch} m{self.microbatches}  {zero}  recompute {recompute}{partition}"
+        first, last = self.stage_ends
+        ends = f"  stages {first or '='}..{last or '='}" if self.stage_ends != (0, 0) else ""
+        return f"{axes}  b{self.micro_batch} m{self.microbatches}  {zero}  recompute {recompute}{partition}{ends}"
 
 
 @attrs.frozen(order=True)
@@ -175,6 +198,8 @@ class Space:
     boundaries: tuple[int, ...] = ()
     #: The model's layers, which the partial recomputations tried follow (0: none tried).
     layers: int = 0
+    #: Whether uneven stages are tried (:func:`stage_ends_tried`; `dhelix tune --stages`).
+    stages: bool = False
 
     def layouts(self) -> Iterator[Layout]:
         """Every layout of the space whose sizes multiply to the world and divide the batch."""
@@ -190,13 +215,13 @@ class Space:
                 for zero, recompute in itertools.product(self.zero, self.recompute):
                     if zero and dp == 1 and "zero" not in self.kept:
                         continue  # nothing to shard over: the same as zero = 0
-                    for shard, partition, gather, order, again in itertools.product(
+                    for shard, partition, gather, order, again, ends in itertools.product(
                             self._shards(zero, dp), self.partition, self._gathers(zero),
                             placements({"tp": tp, "cp": cp, "pp": pp, "dp": dp}, self.written_order,
                                        () if "order" in self.kept else self.boundaries),
-                            self._recomputed(recompute, pp)):
+                            self._recomputed(recompute, pp), self._stage_ends(pp)):
                         yield Layout(tp, cp, pp, dp, ep, b, self.sequences // (dp * b), zero, shard, recompute,
-                                     partition, gather, order, again)
+                                     partition, gather, order, again, ends)
 
     def _shards(self, zero: int, dp: int) -> tuple[int, ...]:
         if zero != 3:
@@ -217,6 +242,14 @@ class Space:
         smallest = min((self.layers // n for n in chunks if self.layers % n == 0), default=0)
         return (0,) + tuple(sorted({n for n in (round(smallest * k / 4) for k in (1, 2, 3)) if 0 < n < smallest}))
 
+    def _stage_ends(self, pp: int) -> tuple[tuple[int, int], ...]:
+        """The first and last stages' layers tried on ``pp`` pipeline ranks: as written when
+        ``stages`` is kept, else :func:`stage_ends_tried` where :attr:`stages` asks (equal
+        stages otherwise)."""
+        if "stages" in self.kept:
+            return (self.kept["stages"],)
+        return stage_ends_tried(self.layers, pp) if self.stages and self.layers else ((0, 0),)
+
     def _gathers(self, zero: int) -> tuple[str, ...]:
         # Only ZeRO-1 and ZeRO-2 have an all-gather of the updated weights to place.
         return self.param_gather if zero in (1, 2) else (PARAM_GATHER[0],)
@@ -235,14 +268,15 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = (),
-             partitions: bool = False, generated: bool = False) -> Space:
+             partitions: bool = False, generated: bool = False, stages: bool = False) -> Space:
     """The search space of a checked ``program`` (a model, mesh and train block) on ``world``
     GPUs (None: its cluster's); ``keep`` names settings that stay as written (KEEPABLE);
     ``partitions`` adds the generated partition against the file's own (`dhelix tune
     --partitions`: each such candidate's chunk counts are settled by simulating its step
     several times, so the search takes longer); ``generated`` adds the zero-bubble
     scheduler's pipelines, written for each layout (:data:`~dhelix.dsl.search.generated.GENERATED`,
-    fold none). Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
+    fold none); ``stages`` adds uneven pipeline stages (:func:`stage_ends_tried`; `dhelix tune
+    --stages`: each pipeline size's layouts three times over). Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
     hold."""
     for name in keep:
         if name not in KEEPABLE:
@@ -277,7 +311,7 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         written_order=tuple(axis for axis in mesh.order if axis in PLACED_AXES),
         boundaries=tuple(sorted({program.cluster.gpus_per_node} | {gpus for _, gpus in mesh.levels
                                                                     if gpus < world})),
-        layers=layers)
+        layers=layers, stages=stages)
 
 
 def _kept(program: Program, keep: tuple[str, ...]) -> dict:
@@ -290,6 +324,7 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
     written: dict[str, object] = {axis: mesh.size(axis) for axis in MESH_AXES}
     written.update(order=tuple(axis for axis in mesh.order if axis in PLACED_AXES), micro_batch=train.micro_batch,
                    zero=train.zero, recompute=train.recompute, recompute_layers=train.recompute_layers or 0,
+                   stages=(train.first_stage_layers or 0, train.last_stage_layers or 0),
                    shard=train.shard or 0, fold=program.fold.text, pipeline=program.pipeline.name,
                    partition="written", param_gather=train.param_gather, si=train.si or SI_SETTINGS[0])
     if train.si is not None:  # written: the file pins it
