@@ -1090,3 +1090,15 @@ def test_uneven_stages_are_searched_with_stages_and_written_as_set():
     assert "last_stage_layers = 1" in text and "first_stage_layers" not in text
     checked = passes.check_text(text, str(TINY))
     assert [len(s.layers) for s in checked.placement.stages] == [3, 1]
+
+
+def test_kept_stages_keep_the_fold_they_split():
+    # 10 layers as 2 | 3 | 3 | 2 on fold u over 2 ranks: fold none's 2 stages cannot hold
+    # those ends, so keeping the stages keeps the fold (else every layout would be refused
+    # by the bound's fold none check).
+    text = read_source(str(TINY)).replace("layers = 4", "layers = 10").replace(
+        "  seed = 1234", "  seed = 1234\n  first_stage_layers = 2  last_stage_layers = 2")
+    base = passes.rerun(check_program(load_modules(text, str(TINY))), after="check")
+    space = space_of(base, keep=("stages",))
+    assert {fold for fold, _, _ in space.schedules} == {"u"}
+    assert {layout.stage_ends for layout in space.layouts()} == {(2, 2)}

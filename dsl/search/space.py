@@ -321,6 +321,8 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
         "a checked model"
     names = set(keep) | (set(MESH_AXES) | {"order"} if "mesh" in keep else set())
     names |= {"recompute_layers"} if "recompute" in names else set()  # kept with recompute
+    # The written end stages' layers split the written fold's stages, not every fold's.
+    names |= {"fold"} if "stages" in names else set()
     written: dict[str, object] = {axis: mesh.size(axis) for axis in MESH_AXES}
     written.update(order=tuple(axis for axis in mesh.order if axis in PLACED_AXES), micro_batch=train.micro_batch,
                    zero=train.zero, recompute=train.recompute, recompute_layers=train.recompute_layers or 0,
