@@ -93,3 +93,35 @@ def test_placement_for_checks_kind_and_argument():
     assert _message(lambda: placement_for("u", 2, 8, 2)) == (
         "error: fold u takes no argument\n  note: write fold u")
     assert placement_for("loop", 2, 8, 2) == fold_loop(8, 2, 2)
+
+
+def test_set_first_and_last_stages_leave_the_others_an_equal_share():
+    # Llama 3.1 405B's recipe shape: 126 layers on 16 ranks, 7 on each end, 8 on the others
+    # (Megatron's --decoder-first/last-pipeline-num-layers); 126 layers split no other way.
+    placement = fold_none(126, 16, ends=(7, 7))
+    assert [len(stage.layers) for stage in placement.stages] == [7] + [8] * 14 + [7]
+    assert [layer for stage in placement.stages for layer in stage.layers] == list(range(126))
+    # The last stage alone lighter; under fold u the ends are model chunks both on rank 0.
+    assert [len(s.layers) for s in fold_none(10, 4, ends=(None, 1)).stages] == [3, 3, 3, 1]
+    u = fold_u(10, 2, ends=(2, 2))
+    assert u.layers_of(0) == (range(0, 2), range(8, 10)) and u.layers_of(1) == (range(2, 5), range(5, 8))
+    assert fold_none(8, 4, ends=(2, 2)).stages == fold_none(8, 4).stages
+
+
+def test_stage_ends_that_leave_no_equal_share_say_what_works():
+    assert _message(lambda: fold_none(10, 4, ends=(2, 3))) == (
+        "error: first_stage_layers = 2 and last_stage_layers = 3 leave 5 layers for the other 2 stages of fold "
+        "none: not an equal share\n"
+        "  note: the stages between the ends split the rest of the 10 layers evenly")
+    assert _message(lambda: fold_none(10, 4, ends=(3, None))) == (
+        "error: first_stage_layers = 3 leaves 7 layers for the other 3 stages of fold none: not an equal share\n"
+        "  note: the stages between the ends split the rest of the 10 layers evenly; e.g. first_stage_layers = "
+        "1, 4 or 7")
+    assert _message(lambda: fold_none(10, 1, ends=(3, 3))) == (
+        "error: first_stage_layers = 3 and last_stage_layers = 3: fold none has 1 stage, and the ends' layers must "
+        "make the model's 10\n"
+        "  note: a first and a last stage need two stages or more: remove one, or add pipeline ranks")
+    assert _message(lambda: fold_none(10, 1, ends=(None, 3))).endswith(
+        "note: one stage holds every layer: remove it, or add pipeline ranks")
+    assert _message(lambda: fold_none(10, 2, ends=(3, 3))).endswith(
+        "note: with two stages, write layers that add up to 10")

@@ -394,6 +394,9 @@ RUNS = {
     # The block scheduler's order: each layer's weights waited for as the layer starts, the
     # forward strand running ahead of the backward; with recomputation and with weight chunks.
     "tp2_dp2_recompute_scheduled": ("tp = 2  dp = 2", "w_helix", "u", "", "recompute = full", "scheduled", {}),
+    # ... and recomputing only the first layer of each of fold u's two chunks of 2.
+    "tp2_dp2_recompute_layers_scheduled": ("tp = 2  dp = 2", "w_helix", "u", "",
+                                           "recompute = full  recompute_layers = 1", "scheduled", {}),
     "dp4_outputs_hsdp_scheduled": ("dp = 4", "w_helix", "u", "chunk prj along outputs by 2", "shard = 2",
                                    "scheduled", {}),
 }

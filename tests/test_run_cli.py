@@ -308,6 +308,44 @@ def test_selective_recomputation_runs_exactly_and_drops_what_the_model_says(tmp_
     assert measured == pytest.approx(simulated, rel=0.25)
 
 
+def test_recomputing_the_first_layers_of_each_chunk_runs_exactly_between_none_and_full(tmp_path):
+    # 8 layers on fold u over 2 ranks: 4 chunks of 2; recompute_layers = 1 recomputes the
+    # first of each. The run matches the reference, and its measured peak (and the
+    # simulator's) lies between keeping every activation and full recomputation, near the
+    # simulator's prediction.
+    text = tiny_example_text().replace("layers = 4", "layers = 8")
+    peaks = {}
+    for name, train in (("none", ""), ("partial", "recompute = full  recompute_layers = 1"), ("full", "recompute = full")):
+        program = tmp_path / f"{name}.dhx"
+        program.write_text(text.replace("  seed = 1234", f"  seed = 1234\n  {train}"))
+        if name == "partial":
+            checked = dhelix("run", str(program), "--steps", "2", "--check")
+            assert checked.returncode == 0, checked.stderr
+            assert checked.stdout.splitlines()[-1].startswith("check: passed: 2 step(s) match")
+        metrics = tmp_path / f"{name}.json"
+        result = dhelix("run", str(program), "--steps", "2", "--metrics", str(metrics))
+        assert result.returncode == 0, result.stderr
+        peaks[name] = _peaks(metrics)
+    for side in (0, 1):  # measured, simulated
+        assert peaks["full"][side] < peaks["partial"][side] < peaks["none"][side]
+    assert peaks["partial"][0] == pytest.approx(peaks["partial"][1], rel=0.1)
+
+
+def test_uneven_stages_run_exactly_and_alone_as_one_rank(tmp_path):
+    # 10 layers on fold u over 2 ranks: 2 in the embedding's chunk and in the LM head's (both
+    # on rank 0), 3 in rank 1's two; its SI blocks pair chunks of unequal layers. The run
+    # matches the reference; rank 1 runs alone (--as-rank) with the layers it owns.
+    program = tmp_path / "uneven.dhx"
+    program.write_text(tiny_example_text().replace("layers = 4", "layers = 10").replace(
+        "  seed = 1234", "  seed = 1234\n  first_stage_layers = 2  last_stage_layers = 2"))
+    checked = dhelix("run", str(program), "--steps", "2", "--check")
+    assert checked.returncode == 0, checked.stderr
+    assert checked.stdout.splitlines()[-1].startswith("check: passed: 2 step(s) match")
+    alone = dhelix("run", str(program), "--steps", "2", "--as-rank", "1")
+    assert alone.returncode == 0, alone.stderr
+    assert "rank 1 of 4 alone" in alone.stdout
+
+
 def test_the_command_modules_import_no_circle_and_no_private_names():
     # run.py and as_rank.py imported each other, as_rank.py took run.py's private helpers
     # (issue 57): what both use is dhelix/cli/run_options.py's, public.

@@ -388,8 +388,53 @@ def test_full_recomputation_keeps_layer_inputs_and_pays_a_forward_per_backward(n
         assert b.activations <= a.activations * kept / layer.total + 2 * layer.total + head_activations(
             program, program.lowered.split).total
     costs, plain_costs = step_costs(again, None), step_costs(program, None)
-    assert costs.layer.backward.seconds == pytest.approx(plain_costs.layer.backward.seconds
+    assert costs.layer.backward_of(True).seconds == pytest.approx(plain_costs.layer.backward.seconds
                                                          + plain_costs.layer.forward.seconds)
+
+
+def _recomputing(train: str, si: str = "on"):
+    """The tiny example with 8 layers (fold u on 2 ranks: 4 chunks of 2) and ``train`` settings."""
+    text = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text().replace("layers = 4", "layers = 8")
+    return check_text(text.replace("  seed = 1234", f"  seed = 1234\n  {train}\n  si = {si}"), "eight.dhx")
+
+
+@pytest.mark.parametrize("si", ["on", "off"])
+def test_recomputing_the_first_layers_of_each_chunk_costs_their_share_of_full_recomputation(si):
+    # recompute_layers = 1 of chunks of 2: each rank's 2 chunks recompute one layer each, half
+    # of full recomputation's extra work; the memory falls between keeping all and full.
+    none, partial, full = (simulate(_recomputing(train, si)) for train in (
+        "recompute = none", "recompute = full  recompute_layers = 1", "recompute = full"))
+    again = step_costs(_recomputing("recompute = full"), None).layer.again.seconds
+    microbatches = 8
+    for a, b, c in zip(none.ranks, partial.ranks, full.ranks, strict=True):
+        assert a.states == b.states == c.states
+        assert c.activations < b.activations < a.activations
+        if si == "off":  # each layer pass alone: the busy time adds what each recomputing layer runs again
+            assert b.busy - a.busy == pytest.approx(microbatches * 2 * again, rel=1e-9)
+            assert c.busy - a.busy == pytest.approx(microbatches * 4 * again, rel=1e-9)
+    assert none.step_time < partial.step_time < full.step_time
+    # A chunk's layers or more: every layer recomputes, the program is full recomputation's.
+    every = simulate(_recomputing("recompute = full  recompute_layers = 2", si))
+    assert (every.step_time, [r.memory for r in every.ranks]) == (full.step_time, [r.memory for r in full.ranks])
+
+
+def test_lighter_first_and_last_stages_move_their_layers_onto_the_middle_ranks():
+    # 12 layers on 4 ranks: 3 each, or 2 on the embedding's and the LM head's ranks and 4 on
+    # the others; each rank's busy time follows its layers, one layer's forward and backward
+    # per micro-batch for each layer moved.
+    text = (ROOT / "examples" / "tiny_llama_cpu.dhx").read_text().replace("layers = 4", "layers = 12").replace(
+        "tp = 2", "tp = 1").replace("pp = 2", "pp = 4").replace("fold u", "fold none").replace(
+        "pipeline w_helix", "pipeline one_f_one_b")
+    even = check_text(text, "even.dhx")
+    ends = check_text(text.replace("  seed = 1234", "  seed = 1234\n  first_stage_layers = 2  last_stage_layers = 2"),
+                      "ends.dhx")
+    assert [len(s.layers) for s in ends.placement.stages] == [2, 4, 4, 2]
+    layer = step_costs(even, None).layer
+    moved = 8 * (layer.forward.seconds + layer.backward.seconds)  # 8 micro-batches, one layer each
+    a, b = simulate(even), simulate(ends)
+    for rank, sign in zip(range(4), (-1, 1, 1, -1), strict=True):
+        assert b.ranks[rank].busy - a.ranks[rank].busy == pytest.approx(sign * moved, rel=1e-9)
+        assert (b.ranks[rank].states.params > a.ranks[rank].states.params) == (sign > 0)
 
 
 @pytest.mark.parametrize("name", ["tiny_llama_cpu", "llama39b_a40"])
@@ -404,7 +449,8 @@ def test_selective_recomputation_drops_the_cheap_outputs_and_pays_their_forward_
     assert dropped == ("act",)  # sequence parallel: the norms' outputs are gathered, not saved
     for a, b, c in zip(plain.ranks, selective.ranks, full.ranks, strict=True):
         assert c.activations < b.activations < a.activations and b.states == a.states
-    again = step_costs(modes["selective"], None).layer.backward.seconds - step_costs(program, None).layer.backward.seconds
+    again = (step_costs(modes["selective"], None).layer.backward_of(True).seconds
+             - step_costs(program, None).layer.backward.seconds)
     act = next(op for op in program.forward.ops if op.name == "act")
     assert again == pytest.approx(cost_of(program).solo((act,)))
 

@@ -35,7 +35,12 @@ LAYOUTS = {
     "one": ("mesh {\n}", 8, 1),
     "dp2": ("mesh {\n  dp = 2\n}", 4, 2),
     "dp2_tp2": ("mesh {\n  tp = 2\n  dp = 2\n}", 4, 4),
+    # Uneven stages: 1 layer on the embedding's pipeline rank, 3 on the LM head's.
+    "pp2_uneven": ("mesh {\n  pp = 2\n}", 8, 2),
 }
+#: What a layout changes besides the mesh (text → text).
+UNEVEN = {"fold u": "fold none", "pipeline w_helix": "pipeline one_f_one_b",
+          "  seed = 1234": "  seed = 1234\n  first_stage_layers = 1"}
 
 
 def program_text(layout: str, data: str = DOCS) -> str:
@@ -43,6 +48,8 @@ def program_text(layout: str, data: str = DOCS) -> str:
     text = EXAMPLE.replace("mesh {\n  tp = 2\n  pp = 2\n}", mesh).replace("nodes = 2", "nodes = 1")
     text = text.replace("gpus_per_node = 2", f"gpus_per_node = {gpus}")
     text = text.replace("microbatches = 8", f"microbatches = {microbatches}")
+    for old, new in (UNEVEN.items() if layout == "pp2_uneven" else ()):
+        text = text.replace(old, new)
     return text.replace('"../docs/*.md"', f'"{data}"')
 
 
@@ -250,11 +257,12 @@ def _copy(saves: Path, to: Path) -> Path:
 
 def test_a_resumed_run_continues_the_uninterrupted_one_on_any_layout(tmp_path, capsys, uninterrupted,
                                                                       saved_on_tp2_pp2):
-    programs = {layout: write_program(tmp_path, layout) for layout in ("tp2_pp2", "one", "dp2")}
+    programs = {layout: write_program(tmp_path, layout) for layout in ("tp2_pp2", "one", "dp2", "pp2_uneven")}
     # Saved every 2 steps on tp 2 x pp 2, then rank 0 died before step 3: the save of step 2 survived.
     saves = _copy(saved_on_tp2_pp2, tmp_path / "ck")
     expected = uninterrupted
-    for layout, extra in (("tp2_pp2", ()), ("one", ()), ("dp2", ("--export-weights", str(tmp_path / "w.pt")))):
+    for layout, extra in (("tp2_pp2", ()), ("one", ()), ("dp2", ("--export-weights", str(tmp_path / "w.pt"))),
+                          ("pp2_uneven", ())):
         log = tmp_path / f"{layout}.jsonl"
         result = dhelix("run", programs[layout], "--steps", "4", "--resume", str(saves), "--log", str(log), *extra)
         assert result.returncode == 0, result.stderr

@@ -1022,3 +1022,83 @@ def test_virtual_stages_beyond_four_where_the_layers_split_evenly(tmp_path):
     modules = load_modules(ten, str(tmp_path / "ten.dhx"))
     base = passes.rerun(check_program(modules), after="check")
     assert {fold for fold, _, _ in space_of(base, keep=("fold",)).schedules} == {"loop(10)"}
+
+
+def test_partial_recomputation_is_searched_and_wins_where_only_it_fits_fast(tmp_path):
+    # Fold none on one pipeline rank: a chunk of the tiny model's 4 layers, so full
+    # recomputation comes with recompute_layers 1, 2 and 3 besides (every layer). On a device
+    # that holds a partial recomputation but not the whole activations, the search's best
+    # recomputes some layers, faster than full; it equals the exhaustive pricing, and its
+    # file runs exactly.
+    from dhelix.dsl.search.variant import relocate, variant_text
+
+    pricer, full = _pricer()
+    space = attrs.evolve(full, tp=(2,), pp=(1,), cp=(1,), micro_batch=(4,), zero=(0,), recompute=("none", "full"),
+                         partition=("written",), param_gather=("step",), boundaries=(),  # the file's order only
+                         schedules=tuple(s for s in full.schedules if s[:2] == ("none", "one_f_one_b")))
+    layouts = list(space.layouts())
+    assert sorted(layout.recompute_layers for layout in layouts) == [0, 0, 1, 2, 3]
+    priced = {(layout.recompute, layout.recompute_layers): pricer.price(Choice(layout, *space.schedules[0]))
+              for layout in layouts}
+    peak = {key: max(r.memory for r in p.sim.ranks) for key, p in priced.items()}
+    # Each layer more that recomputes keeps less and runs longer.
+    assert peak[("full", 0)] < peak[("full", 3)] < peak[("full", 2)] < peak[("full", 1)] < peak[("none", 0)]
+    seconds = [priced[key].seconds for key in (("none", 0), ("full", 1), ("full", 2), ("full", 3), ("full", 0))]
+    assert seconds == sorted(seconds) and len(set(seconds)) == 5
+    for layout in layouts:  # the layouts' bounds hold below what they price
+        bound, result = pricer.bound(layout, space.schedules[0]), priced[(layout.recompute, layout.recompute_layers)]
+        assert bound.seconds <= result.seconds and bound.memory <= peak[(layout.recompute, layout.recompute_layers)]
+    pricer.memory_gb = (peak[("full", 2)] + peak[("full", 1)]) / 2 / 1e9
+    expected = exhaustive(pricer, space, top=3)
+    found = search(pricer, space, top=3)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    best = found.top[0].choice
+    assert (best.layout.recompute, best.layout.recompute_layers) == ("full", 2)
+    assert "recompute full 2/chunk" in best.describe()
+    out = tmp_path / "partial.dhx"
+    out.write_text(variant_text(relocate(pricer.variant(best), str(TINY), str(out)), read_source(str(TINY)), "tuned"))
+    assert "recompute = full" in out.read_text() and "recompute_layers = 2" in out.read_text()
+    run = dhelix_here("run", str(out), "--steps", "2", "--check", cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_uneven_stages_are_searched_with_stages_and_written_as_set():
+    # tune --stages: on 2 pipeline ranks of fold none the tiny model's 4 layers split 2 + 2,
+    # or 3 + 1 (the LM head's stage lighter). Both are priced; the search equals the
+    # exhaustive pricing; the uneven choice's file writes last_stage_layers and checks.
+    from dhelix.dsl.search.variant import variant_text
+
+    pricer, _ = _pricer()
+    base = passes.rerun(check_program(pricer.modules), after="check")
+    assert {layout.stage_ends for layout in space_of(base).layouts()} == {(0, 0)}  # not without --stages
+    full = space_of(base, stages=True)
+    space = attrs.evolve(full, tp=(1, 2), pp=(2,), cp=(1,), micro_batch=(2,), zero=(0,), recompute=("none",),
+                         partition=("written",), param_gather=("step",), boundaries=(),
+                         schedules=tuple(s for s in full.schedules if s[0] == "none" and s[1] in ("gpipe", "one_f_one_b")))
+    assert {layout.stage_ends for layout in space.layouts()} == {(0, 0), (0, 1)}
+    expected = exhaustive(pricer, space, top=5)
+    found = search(pricer, space, top=5)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    uneven = next(p for p in found.top if p.choice.layout.stage_ends == (0, 1))
+    even = pricer.price(attrs.evolve(uneven.choice, layout=attrs.evolve(uneven.choice.layout, stage_ends=(0, 0))))
+    assert isinstance(even, Priced) and even.seconds != uneven.seconds
+    assert "stages =..1" in uneven.choice.describe()
+    assert [len(s.layers) for s in pricer.checked(uneven.choice).placement.stages] == [3, 1]
+    text = variant_text(pricer.variant(uneven.choice), read_source(str(TINY)), "tuned")
+    assert "last_stage_layers = 1" in text and "first_stage_layers" not in text
+    checked = passes.check_text(text, str(TINY))
+    assert [len(s.layers) for s in checked.placement.stages] == [3, 1]
+
+
+def test_kept_stages_keep_the_fold_they_split():
+    # 10 layers as 2 | 3 | 3 | 2 on fold u over 2 ranks: fold none's 2 stages cannot hold
+    # those ends, so keeping the stages keeps the fold (else every layout would be refused
+    # by the bound's fold none check).
+    text = read_source(str(TINY)).replace("layers = 4", "layers = 10").replace(
+        "  seed = 1234", "  seed = 1234\n  first_stage_layers = 2  last_stage_layers = 2")
+    base = passes.rerun(check_program(load_modules(text, str(TINY))), after="check")
+    space = space_of(base, keep=("stages",))
+    assert {fold for fold, _, _ in space.schedules} == {"u"}
+    assert {layout.stage_ends for layout in space.layouts()} == {(2, 2)}

@@ -1,11 +1,12 @@
-"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--generated] [--budget SECONDS] [--memory-margin GB|%]
+"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--generated] [--stages] [--budget SECONDS] [--memory-margin GB|%]
 [--top K] [--uncertainty [--robust]] [--measure K [--measure-steps N]] [-o best.dhx] [--json] [--profile P]`: search
 the fastest schedule that fits.
 
 FILE gives the model, the cluster and the global batch (its dp × micro_batch × microbatches
 sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
 ``param_gather``, with ``--partitions`` Centauri's partition, fold, pipeline (with
-``--generated`` the zero-bubble scheduler's too, :mod:`dhelix.dsl.search.generated`) and SI on or off
+``--generated`` the zero-bubble scheduler's too, :mod:`dhelix.dsl.search.generated`), with
+``--stages`` the end stages' layers, and SI on or off
 (``train { si }``, for the pipelines that write SI blocks; a file that writes it keeps it)
 (:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
 top K that fit the device's memory, less a reserve kept free (``--memory-margin``,
@@ -70,6 +71,11 @@ def register(subparsers) -> None:
                       help="search the zero-bubble scheduler's pipelines too (zb_1p and zb_2p, fold none: at most p "
                            "and 2p-1 micro-batches in flight per rank), written for each layout from its F, B and W "
                            "times; the winner's file holds the one it picked")
+    tune.add_argument("--stages", action="store_true",
+                      help="search uneven pipeline stages too: on each pipeline size, both end stages (the "
+                           "embedding's and the LM head's) lighter by the least that leaves the others an equal "
+                           "share, and the last alone so (train { first_stage_layers last_stage_layers }); a pipeline "
+                           "size that does not divide the layers can then work")
     tune.add_argument("--memory-margin", metavar="GB|%", default=None,
                       help="memory kept free on every device for the CUDA context, the collectives' buffers and "
                            "fragmentation: gigabytes (2.5) or a part of the device (8%%); a choice fits when its "
@@ -119,7 +125,8 @@ def cmd_tune(args) -> int:
     world = _world(args.gpus, base)
     keep = tuple(name.strip() for name in args.keep.split(",") if name.strip())
     try:
-        space = space_of(base, world, keep, partitions=args.partitions, generated=args.generated)
+        space = space_of(base, world, keep, partitions=args.partitions, generated=args.generated,
+                         stages=args.stages)
     except UsageError as exc:
         raise UsageError(f"--keep: {exc.message}") from None
     if args.measure is not None:

@@ -118,12 +118,25 @@ class Train:
     #: runs its F, then its B) or None (not written: on).
     si: str | None = None
     run: tuple[tuple[str, object], ...] = ()
+    #: With ``recompute = full``: how many leading layers of each model chunk recompute
+    #: (Megatron's ``--recompute-num-layers`` with ``--recompute-method block``); the chunk's
+    #: other layers keep their activations. None: every layer.
+    recompute_layers: int | None = None
+    #: The layers of the first pipeline stage (the embedding's) and of the last (the LM
+    #: head's), the other stages splitting the rest evenly (Megatron's
+    #: ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers``);
+    #: None: an equal share.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
     span: Span | None = span_field()
     data_span: Span | None = span_field()
     zero_span: Span | None = span_field()
     shard_span: Span | None = span_field()
     launch_span: Span | None = span_field()
     launch_backward_span: Span | None = span_field()
+    #: Where an error about the stages' sizes points (the first of ``first_stage_layers``
+    #: and ``last_stage_layers`` written).
+    stages_span: Span | None = span_field()
 
     def setting(self, key: str):
         """The value the block writes for the run option of train key ``key``; None when
@@ -153,6 +166,26 @@ class Train:
     def interleaves(self) -> bool:
         """Whether SI blocks co-execute their strands (``si`` is not ``off``)."""
         return self.si != "off"
+
+    @property
+    def stage_ends(self) -> tuple[int | None, int | None]:
+        """(layers of the first pipeline stage, of the last); None where not written."""
+        return self.first_stage_layers, self.last_stage_layers
+
+    def recomputes(self, position: int) -> bool:
+        """Whether the layer at ``position`` of its model chunk (0: the chunk's first, in
+        model order) recomputes as ``recompute`` says before its backward: every layer
+        unless ``recompute_layers`` limits full recomputation to the chunk's first ones (the
+        one place that rule lives: the simulator and the ranks both ask here)."""
+        if self.recompute == "none":
+            return False
+        return self.recompute_layers is None or position < self.recompute_layers
+
+    def recomputed_of(self, count: int) -> int:
+        """How many layers of a model chunk of ``count`` layers recompute (:meth:`recomputes`)."""
+        if self.recompute == "none":
+            return 0
+        return count if self.recompute_layers is None else min(count, self.recompute_layers)
 
 
 @attrs.frozen

@@ -132,7 +132,7 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
         return program
     for error in check_divisibility(model, model_block, mesh, mesh_block):
         errors.add(error)
-    _check_stages(model, model_block, mesh, fold, errors)
+    _check_stages(model, model_block, mesh, fold, train, errors)
     if (tied := tie_error(model, model_block)) is not None:
         errors.add(tied)
     if train.shard is not None and _check_shard(train, mesh, errors):
@@ -177,12 +177,13 @@ def _check_shard(train, mesh, errors: ErrorCollector) -> bool:
     return False
 
 
-def _check_stages(model, model_block, mesh, fold, errors: ErrorCollector) -> None:
-    """Record an error when the layers do not split into the fold's pipeline stages (the fold
-    pass places them; the check is here so that it is reported with the other sizes')."""
+def _check_stages(model, model_block, mesh, fold, train, errors: ErrorCollector) -> None:
+    """Record an error when the layers do not split into the fold's pipeline stages, equal
+    ones or those the train block's first and last stage sizes leave (the fold pass places
+    them; the check is here so that it is reported with the other sizes')."""
     layers = model.get("layers")
     error = stage_split_error(fold.text, layers, mesh.size("pp"), fold.v, fold.span or model_block.span("layers"),
-                              fold.copies)
+                              train.stage_ends, train.stages_span, copies=fold.copies)
     if error is not None:
         error.notes += (f"layers = {layers} is set at {model_block.span('layers')}",)
         errors.add(error)

@@ -260,6 +260,13 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
         errors.add(CheckError(f"unknown recompute '{recompute}' (none, selective or full)", block.span("recompute"),
                               notes))
         return None
+    if "recompute_layers" in v and recompute != "full":
+        errors.add(CheckError(f"recompute_layers = {v['recompute_layers']} needs recompute = full, not recompute = "
+                              f"{recompute}", block.span("recompute_layers"),
+                              ["recompute_layers = N recomputes the first N layers of each model chunk in full "
+                               "(Megatron's recompute_num_layers with recompute_method block) and lets the "
+                               "others keep their activations: add recompute = full, or remove recompute_layers"]))
+        return None
     param_gather = v.get("param_gather", option("param_gather").default)
     if param_gather not in PARAM_GATHER:
         errors.add(CheckError(f"unknown param_gather '{param_gather}' (step or forward)", block.span("param_gather"),
@@ -316,7 +323,11 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
             return None
     run = tuple((o.train, v[o.train]) for o in declared if o.field and o.train is not None and o.train in v)
     return Train(v["micro_batch"], v["microbatches"], v.get("data"), zero, recompute, param_gather, v.get("shard"),
-                 v.get("launch"), grad_reduce, v.get("launch_backward"), si, run, span=node.span,
+                 v.get("launch"), grad_reduce, v.get("launch_backward"), si, run,
+                 recompute_layers=v.get("recompute_layers"), first_stage_layers=v.get("first_stage_layers"),
+                 last_stage_layers=v.get("last_stage_layers"), span=node.span,
+                 stages_span=next((block.span(k) for k in ("first_stage_layers", "last_stage_layers")
+                                   if k in block.nodes), None),
                  launch_span=block.span("launch") if "launch" in block.nodes else None,
                  launch_backward_span=block.span("launch_backward") if "launch_backward" in block.nodes else None,
                  data_span=data_span, zero_span=block.span("zero") if "zero" in block.nodes else None,

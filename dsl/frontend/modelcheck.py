@@ -101,16 +101,46 @@ def _check_experts(model, model_block, mesh, mesh_block) -> list[DhelixError]:
     return []
 
 
-def stage_split_error(fold: str, layers: int, ranks: int, chunks: int, span, copies: int = 1) -> CheckError | None:
-    """Why ``layers`` layers do not split into ``ranks * chunks / copies`` equal pipeline
-    stages for fold ``fold`` (its text, e.g. ``loop(3)``), saying which sizes work; None when
-    they do. ``copies`` is the model copies the fold places (2 for bidir: each copy runs all
-    the layers over the ranks, one stage per rank, and the ranks must pair up, so pp is even).
+def stage_widths(layers: int, count: int, ends: tuple[int | None, int | None] = (None, None)
+                 ) -> tuple[int, ...] | None:
+    """The layers of each of ``count`` pipeline stages in model order: ``ends`` (the first
+    stage's, the last's; None: not set) where set, the other stages an equal share of the
+    rest; None when they do not split so (a share that is not whole or not positive, ends
+    left over, or more ends than stages)."""
+    first, last = ends
+    given = [k for k in (first, last) if k is not None]
+    middle, rest = count - len(given), layers - sum(given)
+    if count < 1 or middle < 0 or (middle == 0 and rest != 0) or (middle > 0 and (rest < middle or rest % middle)):
+        return None
+    share = rest // middle if middle else 0
+    widths = [share] * count
+    if first is not None:
+        widths[0] = first
+    if last is not None:
+        widths[-1] = last
+    return tuple(widths)
+
+
+def stage_split_error(fold: str, layers: int, ranks: int, chunks: int, span,
+                      ends: tuple[int | None, int | None] = (None, None), ends_span=None, *,
+                      copies: int = 1) -> CheckError | None:
+    """Why ``layers`` layers do not split into ``ranks * chunks / copies`` pipeline stages for
+    fold ``fold`` (its text, e.g. ``loop(3)``) — equal ones, or with ``ends`` (the first and the
+    last stage's layers, :func:`stage_widths`; the error then at ``ends_span``) —, saying
+    which sizes work; None when they do. ``copies`` is the model copies the fold places (2 for
+    bidir: each copy runs all the layers over the ranks, one stage per rank, and the ranks must
+    pair up, so pp is even; its stages are equal).
 
     The checker reports it with the program's other errors; the fold pass raises it for
     sizes changed after checking (command-line overrides)."""
     if copies > 1:
+        if ends != (None, None):
+            return CheckError(f"fold {fold} with first_stage_layers or last_stage_layers", ends_span or span,
+                              [f"fold {fold}'s model copies hold equal stages (each copy's first stage sits on "
+                               "the rank of the other's last): remove the stage sizes, or use another fold"])
         return _copies_split_error(fold, layers, ranks, copies, span)
+    if ends != (None, None) and chunks >= 1 and ranks >= 1 and layers >= 1:
+        return _ends_error(fold, layers, ranks * chunks, ends, ends_span or span)
     if chunks < 1:
         return CheckError(f"fold {fold} needs at least 1 chunk per rank", span,
                           ["write loop(2) or more for Megatron's interleaved schedule; "
@@ -153,6 +183,34 @@ def _copies_split_error(fold: str, layers: int, ranks: int, copies: int, span) -
                        f"on {ranks} ranks it needs a multiple of {ranks} layers",
                        f"with {layers} layers, fold {fold} works on {_listing(working)} ranks" if working
                        else f"with {layers} layers no even number of ranks works"])
+
+
+def _ends_error(fold: str, layers: int, count: int, ends: tuple[int | None, int | None], span) -> CheckError | None:
+    """The error of :func:`stage_split_error` for stages with set ends, or None."""
+    if stage_widths(layers, count, ends) is not None:
+        return None
+    first, last = ends
+    written = " and ".join(f"{key} = {value}" for key, value in (("first_stage_layers", first),
+                                                                   ("last_stage_layers", last)) if value is not None)
+    given = sum(k is not None for k in ends)
+    middle, rest = count - given, layers - sum(k for k in ends if k is not None)
+    if middle < 0 or (middle == 0 and rest != 0):
+        return CheckError(f"{written}: fold {fold} has {count} stage{'s' * (count != 1)}, and the ends' layers "
+                          f"must make the model's {layers}", span,
+                          ["a first and a last stage need two stages or more: remove one, or add pipeline ranks"
+                           if middle < 0 else "one stage holds every layer: remove it, or add pipeline ranks"
+                           if count == 1 else f"with two stages, write layers that add up to {layers}"])
+    if rest < middle:
+        return CheckError(f"{written} leave{'s' * (given == 1)} {max(rest, 0)} of the model's {layers} layers for the "
+                          f"other {middle} stage{'s' * (middle != 1)} of fold {fold}, which need one each", span,
+                          ["write fewer layers on the ends, or use fewer pipeline stages"])
+    near = [k for k in range(1, layers) if (rest + (first or last or 0) - k) % middle == 0
+            and 0 < rest + (first or last or 0) - k][:3] if given == 1 else []
+    return CheckError(f"{written} leave{'s' * (given == 1)} {rest} layers for the other {middle} stage"
+                      f"{'s' * (middle != 1)} of fold {fold}: not an equal share", span,
+                      [f"the stages between the ends split the rest of the {layers} layers evenly"
+                       + (f"; e.g. {'first' if first is not None else 'last'}_stage_layers = "
+                          f"{join_words([str(k) for k in near], 'or')}" if near else "")])
 
 
 def _divisors(n: int) -> list[int]:

@@ -16,6 +16,12 @@ A *stage* is a contiguous run of layers in model order; stage ``s`` of ``S = p·
   summed like a data-parallel pair's. Stage ``s + 1`` follows stage s only within a copy
   (:func:`~dhelix.dsl.core.schedule.neighbour_stage`).
 
+The stages hold equal layers, or, where the train block writes ``first_stage_layers`` and/or
+``last_stage_layers``, the first stage (the embedding's) and the last (the LM head's) hold
+those and the others an equal share of the rest (Megatron's first/last pipeline stage layer
+counts; under ``loop(v)`` the first and last *model chunk*, where Megatron spreads the first
+rank's count over its v chunks).
+
 All functions are pure; invalid sizes raise :class:`CheckError` saying which sizes work (the
 checker reports the same error, :func:`~dhelix.dsl.frontend.modelcheck.stage_split_error`, with
 the program's other mistakes; this pass meets it only for sizes changed after checking).
@@ -31,7 +37,7 @@ from dhelix.dsl.core.errors import CheckError
 from dhelix.dsl.core.program import FOLD_COPIES, FOLD_KINDS, FoldSpec, unknown_fold
 from dhelix.dsl.core.schedule import neighbour_stage
 from dhelix.dsl.core.span import Span
-from dhelix.dsl.frontend.modelcheck import TIE_SETTING, stage_split_error
+from dhelix.dsl.frontend.modelcheck import TIE_SETTING, stage_split_error, stage_widths
 
 
 @attrs.frozen
@@ -96,35 +102,41 @@ class Placement:
         return {(stage.rank, stage.chunk): stage for stage in self.stages}
 
 
-def fold_none(layers: int, ranks: int, *, span: Span | None = None) -> Placement:
-    """Contiguous layers: stage g is rank g, chunk 0. Raises CheckError unless ``ranks`` divides ``layers``."""
-    return _place("none", layers, ranks, FoldSpec.of("none").v, lambda s: (s, 0), span)
+#: The first and the last stage's layers (None: an equal share), as the train block sets them.
+Ends = tuple[int | None, int | None]
+EQUAL: Ends = (None, None)
 
 
-def fold_u(layers: int, ranks: int, *, span: Span | None = None) -> Placement:
+def fold_none(layers: int, ranks: int, *, span: Span | None = None, ends: Ends = EQUAL) -> Placement:
+    """Contiguous layers: stage g is rank g, chunk 0. Raises CheckError unless the layers
+    split (``ranks`` divides ``layers``, or the rest of ``ends`` is an equal share)."""
+    return _place("none", layers, ranks, FoldSpec.of("none").v, lambda s: (s, 0), span, ends)
+
+
+def fold_u(layers: int, ranks: int, *, span: Span | None = None, ends: Ends = EQUAL) -> Placement:
     """DHelix's U fold: chunk 0 runs down ranks 0..p−1, chunk 1 back up p−1..0.
 
     Needs ``layers`` divisible by ``2·ranks`` (CheckError otherwise). With 32 layers on 4 ranks,
     rank 0 holds layers 0–3 and 28–31, rank 3 holds 12–15 and 16–19.
     """
     return _place("u", layers, ranks, FoldSpec.of("u").v,
-                  lambda s: (s, 0) if s < ranks else (2 * ranks - 1 - s, 1), span)
+                  lambda s: (s, 0) if s < ranks else (2 * ranks - 1 - s, 1), span, ends)
 
 
-def fold_loop(layers: int, ranks: int, chunks: int, *, span: Span | None = None) -> Placement:
+def fold_loop(layers: int, ranks: int, chunks: int, *, span: Span | None = None, ends: Ends = EQUAL) -> Placement:
     """Megatron's interleaved placement: stage s on rank ``s mod p`` as chunk ``s // p``.
 
     ``chunks`` is v ≥ 1; ``layers`` must be divisible by ``v·ranks`` (CheckError otherwise).
     """
-    return _place(f"loop({chunks})", layers, ranks, chunks, lambda s: (s % ranks, s // ranks), span)
+    return _place(f"loop({chunks})", layers, ranks, chunks, lambda s: (s % ranks, s // ranks), span, ends)
 
 
-def fold_bidir(layers: int, ranks: int, *, span: Span | None = None) -> Placement:
+def fold_bidir(layers: int, ranks: int, *, span: Span | None = None, ends: Ends = EQUAL) -> Placement:
     """DualPipe's two copies: copy 0's stage j on rank j as chunk 0, copy 1's stage j on rank
     p−1−j as chunk 1. Needs an even ``ranks`` dividing ``layers`` (CheckError otherwise). With 8
     layers on 4 ranks, rank 0 holds layers 0–1 (copy 0) and 6–7 (copy 1), rank 3 holds 6–7 and 0–1.
     """
-    error = stage_split_error("bidir", layers, ranks, FoldSpec.of("bidir").v, span, FOLD_COPIES["bidir"])
+    error = stage_split_error("bidir", layers, ranks, FoldSpec.of("bidir").v, span, ends, copies=FOLD_COPIES["bidir"])
     if error is not None:
         raise error
     width = layers // ranks
@@ -150,28 +162,33 @@ def placement_for(kind: str, arg: int | None, layers: int, ranks: int, *,
     return placement_of(FoldSpec.of(kind, arg, span=span), layers, ranks)
 
 
-def placement_of(fold: FoldSpec, layers: int, ranks: int) -> Placement:
+def placement_of(fold: FoldSpec, layers: int, ranks: int, ends: Ends = EQUAL, ends_span: Span | None = None
+                 ) -> Placement:
     """The placement of the checked ``fold`` for ``layers`` layers on ``ranks`` pipeline
-    ranks; a CheckError at the fold's span when the layers do not split."""
+    ranks, the first and the last stage holding ``ends`` layers where set (the train
+    block's ``first_stage_layers`` and ``last_stage_layers``); a CheckError at the fold's span
+    (at ``ends_span`` for set ends) when the layers do not split."""
+    span = ends_span if ends != EQUAL and ends_span is not None else fold.span
     if fold.kind == "none":
-        return fold_none(layers, ranks, span=fold.span)
+        return fold_none(layers, ranks, span=span, ends=ends)
     if fold.kind == "u":
-        return fold_u(layers, ranks, span=fold.span)
+        return fold_u(layers, ranks, span=span, ends=ends)
     if fold.kind == "bidir":
-        return fold_bidir(layers, ranks, span=fold.span)
-    return fold_loop(layers, ranks, fold.v, span=fold.span)
+        return fold_bidir(layers, ranks, span=span, ends=ends)
+    return fold_loop(layers, ranks, fold.v, span=span, ends=ends)
 
 
-def _place(kind: str, layers: int, ranks: int, chunks: int, slot_of, span) -> Placement:
-    error = stage_split_error(kind, layers, ranks, chunks, span)
+def _place(kind: str, layers: int, ranks: int, chunks: int, slot_of, span, ends: Ends = EQUAL) -> Placement:
+    error = stage_split_error(kind, layers, ranks, chunks, span, ends)
     if error is not None:
         raise error
-    count = ranks * chunks
-    width = layers // count
-    stages = []
-    for index in range(count):
+    widths = stage_widths(layers, ranks * chunks, ends)
+    assert widths is not None, "stage_split_error checked the split"
+    stages, first = [], 0
+    for index, width in enumerate(widths):
         rank, chunk = slot_of(index)
-        stages.append(Stage(index, rank, chunk, index * width, (index + 1) * width))
+        stages.append(Stage(index, rank, chunk, first, first + width))
+        first += width
     return Placement(kind, ranks, chunks, tuple(stages))
 
 

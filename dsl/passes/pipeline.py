@@ -95,8 +95,9 @@ def fold(program: Program) -> Program:
     chunk holds (unchanged for a library file)."""
     if program.model is None:
         return program
-    assert program.fold is not None and program.mesh is not None, "a checked model"
-    placement = placement_of(program.fold, program.model.setting("layers"), program.mesh.size("pp"))
+    assert program.fold is not None and program.mesh is not None and program.train is not None, "a checked model"
+    placement = placement_of(program.fold, program.model.setting("layers"), program.mesh.size("pp"),
+                             program.train.stage_ends, program.train.stages_span)
     if (error := tie_placement_error(program.model, program.fold, placement)) is not None:
         raise error
     return attrs.evolve(program, placement=placement)

@@ -11,11 +11,13 @@ make-span, at least the compute of both strands' layers run alone; a forward or 
 alone costs at least its compute. More generally, each of the three lanes (compute, local and
 cross-node communication) runs one task at a time, at most at full speed, so a layer's
 forward and backward take at least the busiest lane's work, whether paired or alone
-(:meth:`~dhelix.dsl.planner.paircost.PairCost.lane_work`). Recomputation adds its forward work again before each
-backward; the embedding and the LM head run alone, once per micro-batch. So the busiest
-pipeline rank is busy at least the average over the ``pp`` ranks of all this work, and the
-step (which ends after the busiest rank's last action) is at least that, plus the average
-rank's optimizer step, which runs after its last action. A rank's gradient reductions too
+(:meth:`~dhelix.dsl.planner.paircost.PairCost.lane_work`). Recomputation adds its forward
+work again before each backward that recomputes (with ``recompute_layers = N``, those of the
+first N layers of each model chunk: at least ``min(p·N, layers)`` of them, whatever the fold);
+the embedding and the LM head run alone, once per micro-batch. So the busiest pipeline rank
+is busy at least the average over the ``pp`` ranks of all this work, and the step (which ends
+after the busiest rank's last action) is at least that, plus the average rank's optimizer
+step, which runs after its last action. A rank's gradient reductions too
 run one after another before its optimizer (every layer's once a step, under ZeRO-2 once per
 micro-batch): the step is at least the average rank's reductions, plus its optimizer.
 A schedule that pairs no layers (no SI block, or SI off) runs every layer pass alone, as the
@@ -28,8 +30,9 @@ make a pass alone faster).
 busiest rank holds at least the average over the pipeline ranks (the states are linear in
 the parameters held). And whatever the schedule, a micro-batch's backward starts only once
 its forward has passed the last stage, so every rank at some moment holds what each of its
-layers keeps of one micro-batch (after recomputation's drops): its ``layers / pp`` layers'
-activations come on top of its states.
+layers keeps of one micro-batch (after recomputation's drops, in the layers that recompute:
+with ``recompute_layers`` as if every layer did: a fold of more chunks recomputes more):
+the average rank's share of the model's layers' activations comes on top of its states.
 """
 
 from __future__ import annotations
@@ -65,19 +68,37 @@ def layout_bound(program: Program, cost: PairCost, costs: StepCosts | None = Non
     assert program.model is not None and mesh is not None and train is not None and program.forward is not None \
         and program.backward is not None, "a checked model"
     layers, m, pp = program.model.setting("layers"), train.microbatches, mesh.size("pp")
-    layer = max(cost.lane_work(program.forward.ops + program.backward.ops)) + costs.layer.again.seconds
+    again = _recomputing(program)[0] * costs.layer.again.seconds  # per micro-batch, over the model
+    layer = max(cost.lane_work(program.forward.ops + program.backward.ops))
     heads = costs.heads
     ends = sum(w.seconds for w in (heads.embed_forward, heads.embed_backward, heads.head_forward,
                                    heads.head_backward, heads.head_weight))
-    compute = (layers * m * layer + m * ends) / pp
+    compute = (layers * m * layer + m * again + m * ends) / pp
     reductions, optimizer = _reductions(program, costs), _optimizer(program, costs)
     seconds = max(compute, reductions) + optimizer
     alone = seconds
     if program.partition is None:  # (chunks the planner chooses may make a pass alone faster)
         passes = costs.layer.forward.seconds + min(costs.layer.backward.seconds,
                                                    costs.layer.backward_input.seconds + costs.layer.weight.seconds)
-        alone = max(seconds, max((layers * m * passes + m * ends) / pp, reductions) + optimizer)
-    return Bound(seconds, _states(program, costs) + layers / pp * _kept(program), alone)
+        alone = max(seconds, max((layers * m * passes + m * again + m * ends) / pp, reductions) + optimizer)
+    return Bound(seconds, _states(program, costs) + _kept(program) / pp, alone)
+
+
+def _recomputing(program: Program) -> tuple[int, int]:
+    """The fewest and the most of the model's layers that recompute before their backward,
+    whatever the fold: all of them as ``recompute`` says (none for none); with
+    ``recompute_layers = N`` the first N of each of the p·v model chunks, at least
+    ``min(p·N, layers)`` (one chunk per rank, the fewest: ``min(p·v·N, layers)`` grows with v;
+    0 where the train block sets the first or last stage's layers) and at most every layer (a
+    fold of more chunks recomputes more)."""
+    assert program.model is not None and program.mesh is not None and program.train is not None, "a checked model"
+    train, layers = program.train, program.model.setting("layers")
+    if train.recompute_layers is None or train.recompute == "none":
+        every = train.recomputed_of(layers)
+        return every, every
+    if train.stage_ends != (None, None):  # an end stage may hold fewer than N: none counted
+        return 0, layers
+    return min(program.mesh.size("pp") * train.recompute_layers, layers), layers
 
 
 def _reductions(program: Program, costs: StepCosts) -> float:
@@ -95,18 +116,20 @@ def _reductions(program: Program, costs: StepCosts) -> float:
 
 
 def _kept(program: Program) -> float:
-    """Bytes one layer keeps for one micro-batch from its forward to its backward (after
-    recomputation's drops), as the simulator counts them."""
+    """Bytes the model's layers keep for one micro-batch from their forward to their
+    backward (after recomputation's drops, in the layers that recompute), as the simulator
+    counts them."""
     assert program.model is not None and program.mesh is not None and program.train is not None, "a checked model"
     assert program.forward is not None and program.backward is not None, "a checked model"
     forward, backward, dtype = program.forward, program.backward, program.model.dtype
     acts = layer_activations(forward, backward, dtype, split=False)
-    recompute = program.train.recompute
+    layers, recompute = program.model.setting("layers"), program.train.recompute
+    again = _recomputing(program)[1]  # the most: the fewest bytes kept
     if recompute == "full":
-        return recomputed(acts, forward, dtype)[0].total
+        return again * recomputed(acts, forward, dtype)[0].total + (layers - again) * acts.total
     if recompute == "selective":
-        return selectively_recomputed(acts, forward, backward, dtype, split=False)[0].total
-    return acts.total
+        return layers * selectively_recomputed(acts, forward, backward, dtype, split=False)[0].total
+    return layers * acts.total
 
 
 def _held(program: Program, costs: StepCosts) -> tuple[float, float]:
@@ -174,7 +197,7 @@ def relaxed_costs(program: Program, cost: PairCost, layers: bool = False, costs:
     if fwd is not None and bwd is not None and not (layers and _substitutes(program)):
         pair = max(pair, fwd.pair(bwd) - fwd.launch_gap.seconds(fwd.comm + bwd.comm))
     pair = max(pair, chained_path(cost, forward, chains), chained_path(cost, backward, chains))
-    return attrs.evolve(costs, layer=attrs.evolve(layer, pair=layer.again + Work(pair)))
+    return attrs.evolve(costs, layer=attrs.evolve(layer, pair=Work(pair)))
 
 
 def _substitutes(program: Program) -> bool:

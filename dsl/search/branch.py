@@ -361,7 +361,7 @@ class _Dominance:
         """"slower" (than ``cutoff``, the K-th best step) or "bigger" (than the device) when
         a priced choice settles ``choice``, else None."""
         layout = choice.layout
-        twin = attrs.evolve(choice, layout=attrs.evolve(layout, recompute="none"))
+        twin = attrs.evolve(choice, layout=attrs.evolve(layout, recompute="none", recompute_layers=0))
         if layout.recompute != "none" and cutoff is not None and self._fits.get(twin, 0.0) > cutoff:
             return "slower"
         if layout.zero == 0 and attrs.evolve(choice, layout=attrs.evolve(layout, zero=1)) in self._too_big:

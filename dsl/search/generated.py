@@ -28,17 +28,21 @@ GENERATED = {"zb_1p": lambda p: p, "zb_2p": lambda p: max(1, 2 * p - 1)}
 
 def stage_costs(program: Program) -> Costs:
     """One pipeline stage's F, B and W times (seconds, as exact fractions) and the transfer
-    time of ``program`` (through its fold pass, with a profile; its layers split evenly over
-    its pipeline ranks), from the cost model; no SI plan (the scheduler writes no SI)."""
+    time of ``program`` (through its fold pass, with a profile), from the cost model: its
+    largest stage's, where the train block sets the first and last stages' layers; no SI plan
+    (the scheduler writes no SI)."""
     assert program.model is not None and program.mesh is not None, "a checked model"
+    assert program.train is not None and program.placement is not None, "a program through its fold pass"
     costs = step_costs(program, None, cost_of(program))
-    per_stage = Fraction(program.model.setting("layers"), program.mesh.size("pp"))
+    per_stage = max(len(stage.layers) for stage in program.placement.stages)
+    again = program.train.recomputed_of(per_stage)  # the stage's layers that recompute first
 
-    def exact(seconds: float) -> Fraction:
-        return (Fraction(seconds).limit_denominator(10 ** 12) * per_stage).limit_denominator(10 ** 12)
+    def exact(seconds: float, layers: int = per_stage) -> Fraction:
+        return (Fraction(seconds).limit_denominator(10 ** 12) * layers).limit_denominator(10 ** 12)
 
     layer = costs.layer
-    return Costs(exact(layer.forward.seconds), exact(layer.backward_input.seconds), exact(layer.weight.seconds),
+    b = exact(layer.backward_input_of(True).seconds, again) + exact(layer.backward_input.seconds, per_stage - again)
+    return Costs(exact(layer.forward.seconds), b, exact(layer.weight.seconds),
                  Fraction(costs.p2p_seconds).limit_denominator(10 ** 12))
 
 

@@ -186,7 +186,8 @@ class Pricer:
         ZeRO-3 (FSDP's ops, and its refusal of selective recomputation): layouts that differ
         in ZeRO 0, 1 or 2, ``param_gather`` or recomputation (below ZeRO-3) share them."""
         key = attrs.evolve(layout, zero=3 if layout.zero == 3 else 0, param_gather="step",
-                           recompute=layout.recompute if layout.zero == 3 else "none")
+                           recompute=layout.recompute if layout.zero == 3 else "none", recompute_layers=0,
+                           stage_ends=(0, 0))
         if key not in self._derivations:
             try:
                 done = self.plans.intern(passes.rerun(program, after="check", stop="autodiff"))
@@ -226,12 +227,12 @@ class Pricer:
 
     def lowered(self, program: Program) -> tuple[Any, Lowered]:
         """(placement, validated lowered schedule) of ``program`` (checked up to strands):
-        they depend on the fold, the pipeline, its sizes (p, m, g) and the layer count
+        they depend on the fold, the pipeline, its sizes (p, m, g), the layer count and the end stages' layers
         only, so each is lowered and validated once; a refusal is kept and raised again."""
         assert program.fold is not None and program.pipeline is not None and program.mesh is not None \
             and program.train is not None and program.model is not None, "a checked model"
         key = (program.fold.text, program.pipeline.name, program.mesh.size("pp"), program.train.microbatches,
-               passes.launch_of(program), program.model.setting("layers"),
+               passes.launch_of(program), program.model.setting("layers"), program.train.stage_ends,
                program.pipeline if program.pipeline.name in self.generated_names else None)
         if key not in self._lowered:
             try:
@@ -249,7 +250,13 @@ class Pricer:
         """The program of ``layout`` (with ``schedule``: fold, pipeline and, if not on, si)
         up to its layer DAGs, once per layout."""
         if layout not in self._dags:
-            self._dags[layout] = self.checked(Choice(layout, *schedule), stop="autodiff")
+            if layout.recompute_layers:  # read by no check but its own (it needs full): the twin's, set
+                twin = self.layer_dags(attrs.evolve(layout, recompute_layers=0), schedule)
+                assert twin.train is not None, "a checked model"
+                self._dags[layout] = attrs.evolve(twin, train=attrs.evolve(
+                    twin.train, recompute_layers=layout.recompute_layers))
+            else:
+                self._dags[layout] = self.checked(Choice(layout, *schedule), stop="autodiff")
         return self._dags[layout]
 
     def variant(self, choice: Choice, modules: list[s.Module] | None = None) -> list[s.Module]:
@@ -281,7 +288,8 @@ class Pricer:
         until it can still enter the top); CheckError when nothing applies (then the choice
         is the same as its twin without one)."""
         layout = choice.layout
-        key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", param_gather="step")
+        key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", recompute_layers=0,
+                           param_gather="step", stage_ends=(0, 0))
         # A refusal may be the schedule's (a fold's stage split): kept per schedule.
         refusal = (key, choice.fold, choice.pipeline)
         if key not in self._partitions and refusal not in self._partition_refusals:

@@ -40,9 +40,10 @@ from dhelix.dsl.search.partitions import writes_si
 from dhelix.dsl.search.placement import PLACED_AXES, placement_text, placements
 
 #: What ``--keep`` can name: a mesh axis, ``mesh`` (all of them and their order), ``order``
-#: (the mesh axes' order: where they sit), a train setting, the fold, the pipeline or SI (on or off).
+#: (the mesh axes' order: where they sit), a train setting, the fold, the pipeline, SI (on or
+#: off) or ``stages`` (the first and last stages' layers).
 KEEPABLE = MESH_AXES + ("mesh", "order", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather", "fold",
-                        "pipeline", "si")
+                        "pipeline", "si", "stages")
 #: The partitions a layout may take: the file's partition block (none when it has none), or
 #: the one generated for the layout (:func:`~dhelix.dsl.search.partitions.generated_partition`).
 PARTITIONS = ("written", "auto")
@@ -58,6 +59,30 @@ MAX_TP_NODES = 2
 #: The most chunks per rank tried for ``fold loop(v)`` (Megatron's virtual pipeline stages:
 #: published recipes go to 8 for dense models, e.g. Llama 3.1 405B on Megatron-Bridge, PP 8 VP 8).
 MAX_LOOP_CHUNKS = 8
+
+
+def fold_chunks(fold: str) -> int:
+    """The chunks per rank of the fold written ``fold`` (``none``, ``u``, ``loop(3)``)."""
+    kind, _, arg = fold.partition("(")
+    count = FOLD_KINDS.get(kind)
+    return count if count is not None else int(arg.rstrip(")"))
+
+
+def stage_ends_tried(layers: int, pp: int) -> tuple[tuple[int, int], ...]:
+    """(first, last) stage layers tried for ``layers`` on ``pp`` ranks of fold none, 0 for an
+    equal share: equal stages; both ends lighter, ``e`` each and ``w > e`` on each of the
+    p − 2 others, at the least such ``w``; and the last stage alone so (``w`` on the p − 1
+    others). Megatron's recipes lighten the ends for the embedding's and the LM head's work."""
+    tried = [(0, 0)]
+    for ends in (2, 1) if pp >= 3 else (1,) if pp == 2 else ():
+        for width in range(max(1, layers // pp), layers + 1):
+            rest = layers - (pp - ends) * width
+            if rest < ends:
+                break
+            if rest % ends == 0 and rest // ends < width:
+                tried.append((rest // ends if ends == 2 else 0, rest // ends))
+                break
+    return tuple(tried)
 
 
 def loop_chunks(layers: int, pipeline_sizes) -> tuple[int, ...]:
@@ -88,6 +113,12 @@ class Layout:
     #: The order of the mesh axes larger than 1 (but ep, which lives inside dp), innermost
     #: first (:mod:`~dhelix.dsl.search.placement`); () for the file's order.
     order: tuple[str, ...] = ()
+    #: With ``recompute = full``: the leading layers of each model chunk that recompute
+    #: (``train { recompute_layers }``); 0: every layer.
+    recompute_layers: int = 0
+    #: The layers of the first and the last pipeline stage (``train { first_stage_layers
+    #: last_stage_layers }``); 0: an equal share.
+    stage_ends: tuple[int, int] = (0, 0)
 
     def mesh(self) -> dict[str, int]:
         """The mesh sizes by axis."""
@@ -101,8 +132,9 @@ class Layout:
 
     def describe(self, gpus_per_node: int | None = None) -> str:
         """``tp8 pp2 dp4  b1 m16  zero1  recompute none`` (the axes larger than 1 innermost
-        first; with ``gpus_per_node``, ``|`` where a node ends: ``tp8 | pp2 dp4``), then
-        ``gather forward`` and ``partition auto`` where they are set."""
+        first; with ``gpus_per_node``, ``|`` where a node ends: ``tp8 | pp2 dp4``; ``recompute
+        full 2/chunk`` where only each chunk's first 2 layers recompute), then ``gather
+        forward`` and ``partition auto`` where they are set."""
         sizes = self.mesh()
         placed = self.axes()[:len(self.axes()) - (self.ep > 1)]
         axes = placement_text(placed, sizes, gpus_per_node) if gpus_per_node else " ".join(
@@ -111,7 +143,10 @@ class Layout:
         zero = f"zero{self.zero}" + (f" shard{self.shard}" if self.shard else "")
         zero += " gather forward" if self.param_gather == "forward" else ""
         partition = "  partition auto" if self.partition == "auto" else ""
-        return f"{axes}  b{self.micro_batch} m{self.microbatches}  {zero}  recompute {self.recompute}{partition}"
+        recompute = self.recompute + (f" {self.recompute_layers}/chunk" if self.recompute_layers else "")
+        first, last = self.stage_ends
+        ends = f"  stages {first or '='}..{last or '='}" if self.stage_ends != (0, 0) else ""
+        return f"{axes}  b{self.micro_batch} m{self.microbatches}  {zero}  recompute {recompute}{partition}{ends}"
 
 
 @attrs.frozen(order=True)
@@ -161,6 +196,10 @@ class Space:
     #: none: the file's order only).
     written_order: tuple[str, ...] = ()
     boundaries: tuple[int, ...] = ()
+    #: The model's layers, which the partial recomputations tried follow (0: none tried).
+    layers: int = 0
+    #: Whether uneven stages are tried (:func:`stage_ends_tried`; `dhelix tune --stages`).
+    stages: bool = False
 
     def layouts(self) -> Iterator[Layout]:
         """Every layout of the space whose sizes multiply to the world and divide the batch."""
@@ -176,17 +215,40 @@ class Space:
                 for zero, recompute in itertools.product(self.zero, self.recompute):
                     if zero and dp == 1 and "zero" not in self.kept:
                         continue  # nothing to shard over: the same as zero = 0
-                    for shard, partition, gather, order in itertools.product(
+                    for shard, partition, gather, order, again, ends in itertools.product(
                             self._shards(zero, dp), self.partition, self._gathers(zero),
                             placements({"tp": tp, "cp": cp, "pp": pp, "dp": dp}, self.written_order,
-                                       () if "order" in self.kept else self.boundaries)):
+                                       () if "order" in self.kept else self.boundaries),
+                            self._recomputed(recompute, pp), self._stage_ends(pp)):
                         yield Layout(tp, cp, pp, dp, ep, b, self.sequences // (dp * b), zero, shard, recompute,
-                                     partition, gather, order)
+                                     partition, gather, order, again, ends)
 
     def _shards(self, zero: int, dp: int) -> tuple[int, ...]:
         if zero != 3:
             return (0,)
         return tuple(k for k in self.shard if k == 0 or (1 < k < dp and dp % k == 0))
+
+    def _recomputed(self, recompute: str, pp: int) -> tuple[int, ...]:
+        """The ``recompute_layers`` tried with ``recompute`` on ``pp`` pipeline ranks: the
+        written one when ``recompute`` is kept; else 0 (every layer) and, with full
+        recomputation, a quarter, a half and three quarters of the smallest model chunk that a
+        schedule of the space gives on ``pp`` ranks (those from 1 to its size less one: a
+        larger one recomputes every layer of that chunk, the same program as 0 there)."""
+        if "recompute" in self.kept:
+            return (int(self.kept["recompute_layers"]),)
+        if recompute != "full" or not self.layers:
+            return (0,)
+        chunks = [pp * fold_chunks(fold) for fold, _, _ in self.schedules]
+        smallest = min((self.layers // n for n in chunks if self.layers % n == 0), default=0)
+        return (0,) + tuple(sorted({n for n in (round(smallest * k / 4) for k in (1, 2, 3)) if 0 < n < smallest}))
+
+    def _stage_ends(self, pp: int) -> tuple[tuple[int, int], ...]:
+        """The first and last stages' layers tried on ``pp`` pipeline ranks: as written when
+        ``stages`` is kept, else :func:`stage_ends_tried` where :attr:`stages` asks (equal
+        stages otherwise)."""
+        if "stages" in self.kept:
+            return (self.kept["stages"],)
+        return stage_ends_tried(self.layers, pp) if self.stages and self.layers else ((0, 0),)
 
     def _gathers(self, zero: int) -> tuple[str, ...]:
         # Only ZeRO-1 and ZeRO-2 have an all-gather of the updated weights to place.
@@ -206,14 +268,15 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = (),
-             partitions: bool = False, generated: bool = False) -> Space:
+             partitions: bool = False, generated: bool = False, stages: bool = False) -> Space:
     """The search space of a checked ``program`` (a model, mesh and train block) on ``world``
     GPUs (None: its cluster's); ``keep`` names settings that stay as written (KEEPABLE);
     ``partitions`` adds the generated partition against the file's own (`dhelix tune
     --partitions`: each such candidate's chunk counts are settled by simulating its step
     several times, so the search takes longer); ``generated`` adds the zero-bubble
     scheduler's pipelines, written for each layout (:data:`~dhelix.dsl.search.generated.GENERATED`,
-    fold none). Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
+    fold none); ``stages`` adds uneven pipeline stages (:func:`stage_ends_tried`; `dhelix tune
+    --stages`: each pipeline size's layouts three times over). Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
     hold."""
     for name in keep:
         if name not in KEEPABLE:
@@ -247,7 +310,8 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         param_gather=domain("param_gather", PARAM_GATHER),
         written_order=tuple(axis for axis in mesh.order if axis in PLACED_AXES),
         boundaries=tuple(sorted({program.cluster.gpus_per_node} | {gpus for _, gpus in mesh.levels
-                                                                    if gpus < world})))
+                                                                    if gpus < world})),
+        layers=layers, stages=stages)
 
 
 def _kept(program: Program, keep: tuple[str, ...]) -> dict:
@@ -256,9 +320,13 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
     assert mesh is not None and train is not None and program.fold is not None and program.pipeline is not None, \
         "a checked model"
     names = set(keep) | (set(MESH_AXES) | {"order"} if "mesh" in keep else set())
+    names |= {"recompute_layers"} if "recompute" in names else set()  # kept with recompute
+    # The written end stages' layers split the written fold's stages, not every fold's.
+    names |= {"fold"} if "stages" in names else set()
     written: dict[str, object] = {axis: mesh.size(axis) for axis in MESH_AXES}
     written.update(order=tuple(axis for axis in mesh.order if axis in PLACED_AXES), micro_batch=train.micro_batch,
-                   zero=train.zero, recompute=train.recompute,
+                   zero=train.zero, recompute=train.recompute, recompute_layers=train.recompute_layers or 0,
+                   stages=(train.first_stage_layers or 0, train.last_stage_layers or 0),
                    shard=train.shard or 0, fold=program.fold.text, pipeline=program.pipeline.name,
                    partition="written", param_gather=train.param_gather, si=train.si or SI_SETTINGS[0])
     if train.si is not None:  # written: the file pins it

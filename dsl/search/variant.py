@@ -24,10 +24,13 @@ from dhelix.dsl.core.mesh import MESH_AXES
 from dhelix.dsl.core.options import option
 from dhelix.dsl.search.space import Choice
 
-#: The train settings a choice writes (the others stay as written).
-_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "shard", "param_gather", "si")
-#: The train settings' declared defaults (a layout's shard 0: none), left out of a written block.
-_DEFAULTS = {**{key: option(key).default for key in _TRAIN_SET if option(key).default is not None}, "shard": 0}
+#: The train settings a choice writes (the others stay as written; and the first and last
+#: stages' layers, from the layout's ``stage_ends``).
+_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "recompute_layers", "shard", "param_gather", "si")
+#: The train settings' declared defaults (a layout's shard and recompute_layers 0: none), left
+#: out of a written block.
+_DEFAULTS = {**{key: option(key).default for key in _TRAIN_SET if option(key).default is not None}, "shard": 0,
+             "recompute_layers": 0}
 
 
 #: A config block's settings (a cluster block's may hold its levels block).
@@ -148,8 +151,10 @@ def _train_settings(settings: _Settings, choice: Choice, reads: set[str]) -> _Se
     layout = {**attrs.asdict(choice.layout), "si": choice.si}
     values = {key: None if layout[key] == _DEFAULTS.get(key) and key not in written else layout[key]
               for key in _TRAIN_SET}
-    if values["shard"] == 0:
-        values["shard"] = None
+    values["first_stage_layers"], values["last_stage_layers"] = choice.layout.stage_ends
+    for unset in ("shard", "recompute_layers", "first_stage_layers", "last_stage_layers"):  # 0: not written
+        if values[unset] == 0:
+            values[unset] = None
     for name, setting in (("g", "launch"), ("gb", "launch_backward")):
         if name not in reads:
             values[setting] = None

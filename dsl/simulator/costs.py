@@ -24,7 +24,9 @@ timeline), in seconds of the program's hardware profile:
 * **Activation recomputation** (``train { recompute = full }``): every layer's backward, and
   every SI layer pair, first runs the layer's forward again, alone (its collectives included);
   with ``selective`` only the forward ops whose outputs it dropped
-  (:func:`~dhelix.dsl.core.oplib.selective_drops`: norms, activations, adds).
+  (:func:`~dhelix.dsl.core.oplib.selective_drops`: norms, activations, adds). With
+  ``recompute_layers = N`` only the first N layers of each model chunk do; the pieces
+  (:mod:`dsl.simulator.pieces`) add ``again`` layer by layer.
 * **Pipeline P2P**: ``micro_batch·(seq/cp)·hidden/tp`` elements of the model dtype per
   micro-batch and stage boundary (NOTES §3.5): the layer input's bytes, on the pp group's lane.
 * **Data parallel**: each stage's gradients (model dtype) are reduced over the DP×CP group
@@ -68,16 +70,31 @@ class LayerCosts:
     """The per-layer work of one micro-batch (see the module docstring)."""
 
     forward: Work
+    #: The backward, and B of a split backward, without what a recomputing layer runs first
+    #: (``again``, which :meth:`backward_of` and :meth:`backward_input_of` add).
     backward: Work
     backward_input: Work
     weight: Work
-    pair: Work | None  # one SI layer pair, from the plan (None without a plan)
-    #: What a backward layer runs again first (recomputation; NOTHING without).
+    pair: Work | None  # one SI layer pair, from the plan (None without a plan), without ``again``
+    #: What a backward layer that recomputes runs again first (NOTHING without recomputation);
+    #: which layers recompute is the train block's (:meth:`~dhelix.dsl.core.program.Train.recomputes`).
     again: Work = NOTHING
     #: SI blocks priced whole by the block scheduler, a callable of (forward layers,
     #: backward layers) giving a :class:`~dhelix.dsl.planner.blockorder.BlockSchedule`
     #: (a BlockScheduler); None: pair by pair with ``pair``.
     block: Callable | None = None
+
+    def again_of(self, recomputes: bool) -> Work:
+        """What a backward layer runs again first: ``again`` when it ``recomputes``, else nothing."""
+        return self.again if recomputes else NOTHING
+
+    def backward_of(self, recomputes: bool) -> Work:
+        """A whole layer backward (dgrad and wgrad), its recomputation first when it ``recomputes``."""
+        return self.again_of(recomputes) + self.backward
+
+    def backward_input_of(self, recomputes: bool) -> Work:
+        """B of a split layer backward, its recomputation first when it ``recomputes``."""
+        return self.again_of(recomputes) + self.backward_input
 
 
 @attrs.frozen
@@ -183,10 +200,10 @@ def layer_costs(program: Program, cost: PairCost, plan: Plan | None, work=None) 
         dropped = set(selective_drops(forward.ops, backward.ops))
         again = work(cost, [op for op in forward.ops if op.name in dropped])
     return LayerCosts(
-        forward=fwd, backward=again + work(cost, backward.ops),
-        backward_input=again + work(cost, (op for op in backward.ops if not in_weight_pass(op))),
+        forward=fwd, backward=work(cost, backward.ops),
+        backward_input=work(cost, (op for op in backward.ops if not in_weight_pass(op))),
         weight=work(cost, (op for op in backward.ops if in_weight_pass(op))),
-        pair=again + plan_work(plan) if plan is not None else None, again=again)
+        pair=plan_work(plan) if plan is not None else None, again=again)
 
 
 def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None) -> StepCosts:

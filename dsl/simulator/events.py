@@ -659,7 +659,7 @@ def peak_memory(program: Program, cost: PairCost | None = None) -> float:
     pairs at no time (a rank's allocations follow its actions' order, not their durations)."""
     costs = step_costs(program, None, cost or cost_of(program))
     if interleaves(program) and has_si(program):
-        costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, pair=costs.layer.again + NOTHING))
+        costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, pair=NOTHING))
     return max(untimed(program, costs).memory)
 
 

@@ -42,9 +42,12 @@ class Expander:
         self.stages = program.placement.stages
         self.placement = program.placement
         self.acts = layer_activations(program.forward, program.backward, program.model.dtype, self.split)
-        # What a forward allocates per layer, and what its backward allocates again first.
+        # What a recomputing layer's forward allocates, and what its backward allocates again
+        # first; a layer that does not recompute keeps ``acts`` and rebuilds nothing.
         self.kept, self.rebuilt = self.acts, 0.0
-        recompute = program.train.recompute if program.train is not None else "none"
+        assert program.train is not None, "a validated model"
+        self.train = program.train
+        recompute = program.train.recompute
         if recompute == "full":
             self.kept, self.rebuilt = recomputed(self.acts, program.forward, program.model.dtype)
         elif recompute == "selective":
@@ -61,7 +64,7 @@ class Expander:
         parallelism or micro-batch count share them)."""
         return (self.costs.layer, self.costs.heads, self.costs.params, self.si, self.split,
                 tuple(len(stage.layers) for stage in self.stages), self.acts, self.kept, self.rebuilt, self.head,
-                self.gathered)
+                self.gathered, self.train.recompute_layers)
 
     def pieces(self, kind: str, fstage: int | None, bstage: int | None) -> tuple[Piece, ...]:
         """Pieces of F/B/W on one stage (``fstage`` for F, ``bstage`` for B and W) or of an SI
@@ -103,21 +106,34 @@ class Expander:
             return []
         return [Piece(self.costs.heads.embed_backward, grads=("embedding", self.costs.params.embedding, 0))]
 
+    def _kept(self, index: int) -> float:
+        """Bytes the forward of the layer at ``index`` of its chunk keeps for its backward."""
+        return self.kept.total if self.train.recomputes(index) else self.acts.total
+
+    def _rebuilt(self, index: int) -> float:
+        """Bytes the backward of the layer at ``index`` of its chunk allocates again first."""
+        return self.rebuilt if self.train.recomputes(index) else 0.0
+
     def _layer_b(self, index: int) -> Piece:
         layer, params = self.costs.layer, self.costs.params
         held = 2 * self.gathered
+        again = self.train.recomputes(index)
+        alloc = self._rebuilt(index) + held
         if self.split:
-            return Piece(layer.backward_input, alloc=self.rebuilt + held, free=self.acts.at_backward + held)
-        return Piece(layer.backward, alloc=self.rebuilt + held, free=self.acts.at_backward + held,
+            return Piece(layer.backward_input_of(again), alloc=alloc, free=self.acts.at_backward + held)
+        return Piece(layer.backward_of(again), alloc=alloc, free=self.acts.at_backward + held,
                      grads=(index, params.layer_dense, params.layer_expert))
 
     def _layer_f(self, index: int, work: Work) -> Piece:
-        return Piece(work, alloc=self.kept.total + self.gathered, free=self.gathered, weights=index)
+        return Piece(work, alloc=self._kept(index) + self.gathered, free=self.gathered, weights=index)
 
-    def _paired(self, b: Piece, alloc: float, work: Work, weights) -> Piece:
-        # A forward layer allocating ``alloc`` beside backward layer ``b`` (memory.interleaved),
-        # both strands' gathered weights and the backward's full gradient held meanwhile.
-        up, down = interleaved(alloc + self.rebuilt, b.free - 2 * self.gathered)
+    def _paired(self, index: int, alloc: float, work: Work, weights) -> Piece:
+        # A forward layer allocating ``alloc`` beside backward layer ``index`` (memory.interleaved),
+        # which first runs ``work`` and what it recomputes; both strands' gathered weights and
+        # the backward's full gradient held meanwhile.
+        b = self._layer_b(index)
+        work = self.costs.layer.again_of(self.train.recomputes(index)) + work
+        up, down = interleaved(alloc + self._rebuilt(index), b.free - 2 * self.gathered)
         held = 3 * self.gathered
         return attrs.evolve(b, work=work, alloc=up + held, free=down + held, weights=weights,
                             paired=self.costs.layer.block is None)
@@ -148,7 +164,7 @@ class Expander:
         nf, nb = self._count(fstage), self._count(bstage)
         paired = min(nf, nb)
         # In a pair one strand's forward grows as the other's backward shrinks (memory.interleaved).
-        body = [self._paired(self._layer_b(nb - 1 - k), self.kept.total, pair, k) for k in range(paired)]
+        body = [self._paired(nb - 1 - k, self._kept(k), pair, k) for k in range(paired)]
         body += [self._layer_f(k, self.costs.layer.forward) for k in range(paired, nf)]
         body += [self._layer_b(i) for i in reversed(range(nb - paired))]
         return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)
@@ -167,10 +183,9 @@ class Expander:
         share = Work(block.makespan / steps, block.comm / steps, block.comm_exposed / steps)
         body = []
         for k in range(steps):
-            alloc = self.kept.total if k < nf else 0.0
+            alloc = self._kept(k) if k < nf else 0.0
             if k < nb:
-                body.append(self._paired(self._layer_b(nb - 1 - k), alloc, share + self.costs.layer.again,
-                                         k if k < nf else None))
+                body.append(self._paired(nb - 1 - k, alloc, share, k if k < nf else None))
             else:
                 body.append(self._layer_f(k, share))
         return (self._embed_f(fstage) + self._head_b(bstage) + body + self._head_f(fstage)

@@ -536,10 +536,12 @@ class Executor:
         stage, mb = self.stages[action.chunk], action.microbatch
         if mb in stage.runs:
             raise ValueError(f"micro-batch {mb} already runs forward on stage {stage.index}")
-        full = self.program.train.recompute == "full"
-        runs = [LayerRun(self.layer_plan, w, self.comm, g, recompute=full, defer=self._defer,
+        train = self.program.train
+        full = train.recompute == "full"
+        # The train block says which layers of the chunk recompute (recompute_layers: its first ones).
+        runs = [LayerRun(self.layer_plan, w, self.comm, g, recompute=full and train.recomputes(k), defer=self._defer,
                          selective=self.selective)
-                for w, g in zip(stage.weights, stage.grads, strict=True)]
+                for k, (w, g) in enumerate(zip(stage.weights, stage.grads, strict=True))]
         stage.runs[mb] = runs
         start = self.weights.vocab_start(self.index)
         sp = self.weights.sequence_parallel
