@@ -279,3 +279,13 @@ def test_a_tied_lm_head_is_refused_at_the_fold():
         check_text(program_text(4, 8).replace("layer = llama }", "layer = llama  tie_embeddings = 1 }"), "dp.dhx")
     assert info.value.message.startswith("tie_embeddings = 1 with fold bidir on 4 pipeline ranks: the embedding "
                                          "(first stage, rank 0) and the LM head (last stage, rank 3)")
+
+
+def test_uneven_stages_are_refused_at_the_stage_sizes():
+    # Each copy's first stage sits on the rank of the other copy's last: the stages stay equal.
+    text = program_text(4, 8).replace("layers = 4", "layers = 8").replace("seed = 7", "seed = 7  first_stage_layers = 1")
+    with pytest.raises(DhelixError) as info:
+        check_text(text, "dp.dhx")
+    rendered = info.value.render()
+    assert "fold bidir with first_stage_layers or last_stage_layers" in rendered
+    assert "dp.dhx:7:54:" in rendered  # at first_stage_layers in the train block
