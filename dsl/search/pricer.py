@@ -31,8 +31,9 @@ from dhelix.dsl.search.duplicates import program_key
 from dhelix.dsl.search.headroom import Reserve
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
 from dhelix.dsl.search.plan_cache import PlanCache
+from dhelix.dsl.search.prefilter import ScheduleChecks
 from dhelix.dsl.search.space import Choice, Layout
-from dhelix.dsl.search.variant import apply_choice
+from dhelix.dsl.search.variant import apply_choice, launch_reads
 from dhelix.dsl.simulator.costs import StepCosts, step_costs
 from dhelix.dsl.simulator.events import Simulation, has_si, simulate, untimed
 from dhelix.dsl.simulator.launch import make_choices
@@ -114,6 +115,11 @@ class Pricer:
         #: their stand-ins here, each layout's own written into its variant.
         self.generated_names = tuple(name for name in GENERATED if name not in self.pipelines)
         self.pipelines.update({name: placeholder(name) for name in self.generated_names})
+        #: What each pipeline reads of the launch builtins (walking its statements per variant
+        #: was a twentieth of a search).
+        self._reads = {name: launch_reads(pipeline) for name, pipeline in self.pipelines.items()}
+        #: What the checks refuse of a schedule on its sizes: the search leaves it unpriced.
+        self.schedule_checks = ScheduleChecks(base)
         self._generated: dict[tuple, s.PipelineDef] = {}
         self.gpus_per_node = base.cluster.gpus_per_node
         #: The device's memory (GB, None: not known) and the bytes kept free on it.
@@ -256,7 +262,8 @@ class Pricer:
         """The parsed files (``modules``, default the priced ones) with ``choice`` written in
         (its generated partition block too, when its partition is ``auto``)."""
         partition = self.generated(choice) if choice.layout.partition == "auto" else None
-        modules = apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition)
+        modules = apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition,
+                               self._reads[choice.pipeline])
         if choice.pipeline in self.generated_names:
             modules = self._with_generated(modules, choice)
         return modules
@@ -347,14 +354,20 @@ class Pricer:
 
     def bound(self, layout: Layout, schedule: tuple[str, str, str]) -> Bound | str:
         """The lower bounds of ``layout`` (checked with the schedule ``schedule`` up to the
-        layer DAGs), or why the passes refuse it."""
+        layer DAGs) and why its strands block is refused if it is, or why the passes refuse it."""
         key = (layout, schedule)  # a refusal may be the schedule's (a fold's stage split)
         if key not in self._bounds:
             try:
                 program = self.layer_dags(layout, schedule)
-                self._bounds[key] = layout_bound(program, self.cost, self.costs(program, layout, None))
+                found = layout_bound(program, self.cost, self.costs(program, layout, None))
             except DhelixError as exc:
                 self._bounds[key] = first_message(exc)
+            else:
+                try:
+                    passes.strands(program)
+                except DhelixError as exc:
+                    found = attrs.evolve(found, strands=first_message(exc))
+                self._bounds[key] = found
         return self._bounds[key]
 
     def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False, defer: bool = False,
