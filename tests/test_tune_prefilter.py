@@ -163,3 +163,39 @@ def test_a_require_some_ranks_pass_is_left_to_the_lowering():
     with pytest.raises(DhelixError) as info:
         lower_pipeline(apart, ranks=2, microbatches=2, placement=placement)
     assert found is not None and found.render() == info.value.render()
+
+
+@pytest.mark.parametrize("name", ["tiny_llama_cpu.dhx", "tiny_llama_centauri_cpu.dhx"])
+def test_a_zero3_layout_derives_from_its_zero0_twin_as_it_does_whole(name):
+    # The pricer derives a ZeRO-3 layout's layer DAGs (or finds its refusal: ZeRO-3 with cp,
+    # selective recomputation under ZeRO-3) from its ZeRO-0 twin's, running only ZeRO-3's
+    # pass again: the same DAGs and names, or the same refusal, as the passes run whole.
+    pricer, space = _pricer(ROOT / "examples" / name)
+    schedule = bound_schedule(space)
+    derived = refused = 0
+    for layout in space.layouts():
+        if layout.zero != 3 or layout.shard or layout.partition != "written":
+            continue
+        twin = attrs.evolve(layout, zero=0, param_gather="step", recompute="none")
+        try:
+            pricer.layer_dags(twin, schedule)
+        except DhelixError:
+            pass
+        program = attrs.evolve(check_program(pricer.variant(Choice(layout, *schedule))), profile=pricer.profile)
+        try:
+            whole = passes.rerun(program, after="check", stop="autodiff")
+        except DhelixError as exc:
+            whole = first_message(exc)
+        try:
+            sharded = pricer._sharded(program, layout)
+        except DhelixError as exc:
+            sharded = first_message(exc)
+        if sharded is None:
+            continue
+        if isinstance(whole, str):
+            assert sharded == whole, layout
+            refused += 1
+        else:
+            assert (sharded.env, sharded.forward, sharded.backward) == (whole.env, whole.forward, whole.backward)
+            derived += 1
+    assert derived and refused

@@ -34,6 +34,7 @@ from dhelix.dsl.search.plan_cache import PlanCache
 from dhelix.dsl.search.prefilter import ScheduleChecks
 from dhelix.dsl.search.space import Choice, Layout
 from dhelix.dsl.search.variant import apply_choice, launch_reads
+from dhelix.dsl.passes.fsdp import shard_weights
 from dhelix.dsl.simulator.costs import StepCosts, step_costs
 from dhelix.dsl.simulator.events import Simulation, has_si, simulate, untimed
 from dhelix.dsl.simulator.launch import make_choices
@@ -195,7 +196,8 @@ class Pricer:
                            recompute=layout.recompute if layout.zero == 3 else "none")
         if key not in self._derivations:
             try:
-                done = self.plans.intern(passes.rerun(program, after="check", stop="autodiff"))
+                done = self._sharded(program, layout) or passes.rerun(program, after="check", stop="autodiff")
+                done = self.plans.intern(done)
                 self._derivations[key] = (done.env, done.forward, done.backward)
             except DhelixError as exc:
                 self._derivations[key] = exc
@@ -204,6 +206,22 @@ class Pricer:
             raise found
         env, forward, backward = found
         return attrs.evolve(program, env=env, forward=forward, backward=backward)
+
+    def _sharded(self, program: Program, layout: Layout) -> Program | None:
+        """``program`` (``layout`` checked: ZeRO-3 with the file's partition and no shard
+        group) through the passes up to autodiff from the layer DAGs its ZeRO-0 twin derived
+        (the same model, mesh, micro-batches and partition: the passes before ZeRO-3's
+        :func:`~dhelix.dsl.passes.fsdp.shard_weights` read no more), only that pass run
+        again: it refuses a third of a large search's layouts (ZeRO-3 with cp or ep, or with
+        selective recomputation) after the passes before it took most of the time. None
+        (derive it whole) for another layout, or when the twin was not derived."""
+        if layout.zero != 3 or layout.shard or layout.partition != "written":
+            return None
+        found = self._derivations.get(attrs.evolve(layout, zero=0, param_gather="step", recompute="none"))
+        if found is None or isinstance(found, DhelixError):
+            return None
+        env, forward, backward = found
+        return shard_weights(attrs.evolve(program, env=env, forward=forward, backward=backward))
 
     def _si_off(self, choice: Choice) -> Program:
         """``choice`` (SI off, the file's partition) checked: its SI-on twin as checked (the
