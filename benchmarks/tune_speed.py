@@ -16,7 +16,8 @@ the SI plans computed, and the best choice with its predicted step.
 ``--against DIR`` times another checkout of the project (DIR, e.g. a ``git worktree`` of an
 earlier commit) side by side with this one: each search runs in a fresh process of this
 interpreter, the two alternated for ``--rounds`` rounds (the other first in odd rounds); the
-wall-clock seconds of each run, their medians and the ratio (this one over the other) are
+wall-clock and CPU seconds of each run, their medians and the ratios (this one over the
+other; CPU seconds tell more than wall-clock ones on a machine shared with other work) are
 printed, and whether both found the same best step.
 """
 
@@ -110,14 +111,14 @@ def _package_view(checkout: Path, into: Path) -> Path:
     return into
 
 
-def _timed(checkout: Path, view: Path, name: str, partitions: bool, jobs: int) -> tuple[float, str]:
-    """(wall seconds, best choice and step) of one search of case ``name`` run by
-    ``checkout``'s own benchmark, as it prints them."""
+def _timed(checkout: Path, view: Path, name: str, partitions: bool, jobs: int) -> tuple[float, float, str]:
+    """(wall seconds, CPU seconds, best choice and step) of one search of case ``name`` run
+    by ``checkout``'s own benchmark, as it prints them."""
     command = [sys.executable, "-c", _BOOT, str(view), str(checkout / "benchmarks" / "tune_speed.py"), "--only", name,
                "--jobs", str(jobs)] + (["--partitions"] if partitions else [])
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=checkout).stdout
-    wall = float(re.search(r"^  ([0-9.]+) s wall", out, re.M).group(1))
-    return wall, re.search(r"^  best: (.*)$", out, re.M).group(1)
+    found = re.search(r"^  ([0-9.]+) s wall, ([0-9.]+) s CPU", out, re.M)
+    return float(found.group(1)), float(found.group(2)), re.search(r"^  best: (.*)$", out, re.M).group(1)
 
 
 def against(other: Path, rounds: int, names: list[str], partitions: bool, jobs: int) -> None:
@@ -128,18 +129,23 @@ def against(other: Path, rounds: int, names: list[str], partitions: bool, jobs: 
         trees = {"this": ROOT, "other": other}
         for name in names:
             walls: dict[str, list[float]] = {"this": [], "other": []}
+            cpus: dict[str, list[float]] = {"this": [], "other": []}
             bests: dict[str, set[str]] = {"this": set(), "other": set()}
             for round_ in range(rounds):
                 for side in (("other", "this") if round_ % 2 == 0 else ("this", "other")):
-                    wall, best = _timed(trees[side], views[side], name, partitions, jobs)
+                    wall, cpu, best = _timed(trees[side], views[side], name, partitions, jobs)
                     walls[side].append(wall)
+                    cpus[side].append(cpu)
                     bests[side].add(best)
                     print(f"{name}{' --partitions' if partitions else ''} --jobs {jobs}, round {round_ + 1}, "
-                          f"{side} ({trees[side]}): {wall:.1f} s wall (load average {os.getloadavg()[0]:.1f} after)",
+                          f"{side} ({trees[side]}): {wall:.1f} s wall, {cpu:.1f} s CPU "
+                          f"(load average {os.getloadavg()[0]:.1f} after)",
                           flush=True)
             here, there = statistics.median(walls["this"]), statistics.median(walls["other"])
+            cpu_here, cpu_there = statistics.median(cpus["this"]), statistics.median(cpus["other"])
             print(f"{name}: median {here:.1f} s here against {there:.1f} s there over {rounds} rounds: "
-                  f"{here / there:.3f}x; the same best: {bests['this'] == bests['other'] and len(bests['this']) == 1}"
+                  f"{here / there:.3f}x (CPU {cpu_here:.1f} s against {cpu_there:.1f} s: {cpu_here / cpu_there:.3f}x); "
+                  f"the same best: {bests['this'] == bests['other'] and len(bests['this']) == 1}"
                   f" ({'; '.join(sorted(bests['this']))})", flush=True)
 
 

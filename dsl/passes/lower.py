@@ -30,7 +30,7 @@ import operator
 from collections import defaultdict
 
 from dhelix.dsl.core import syntax as s
-from dhelix.dsl.core.errors import CheckError, ErrorCollector, ScheduleError
+from dhelix.dsl.core.errors import CheckError, DhelixError, ErrorCollector, ScheduleError
 from dhelix.dsl.core.program import FOLD_KINDS
 from dhelix.dsl.frontend.exprs import evaluate, format_expr
 from dhelix.dsl.frontend.fmt import format_statement
@@ -85,6 +85,40 @@ def lower_pipeline(pipeline: s.PipelineDef, *, ranks: int, microbatches: int,
                             [f"choose a multiple of {placement.copies} micro-batches"])
     return Lowered(pipeline.name, ranks, microbatches, placement.chunks, placement.slots(),
                    fifo_order(rows, placement), span=pipeline.span_of("name"), copies=placement.copies)
+
+
+def leading_failure(pipeline: s.PipelineDef, *, ranks: int, microbatches: int, placement: Placement,
+                    launch: int | None = None, launch_backward: int | None = None) -> DhelixError | None:
+    """The error :func:`lower_pipeline` raises (same arguments; ``pipeline`` well formed, as
+    checked) when every rank fails in the ``let`` and ``require`` statements that open the
+    pipeline's body, before its first repeat or action; None when some rank gets past them
+    (the rest of the body may still fail). Every rank runs those statements first and
+    emits nothing in them, so when each fails there, the lowering fails just so whatever
+    follows: what `dhelix tune` needs to know of the sizes a pipeline's ``require`` refuses,
+    without lowering the schedules it accepts."""
+    if ranks != placement.ranks:
+        raise ValueError(f"ranks={ranks} but the placement is for {placement.ranks} ranks")
+    opening = []
+    for stmt in pipeline.body:
+        if not isinstance(stmt, (s.Let, s.Require)):
+            break
+        opening.append(stmt)
+    check_fold(pipeline, placement.kind)
+    failures = []
+    for rank in range(ranks):
+        program = _RankProgram(pipeline.name, rank, microbatches, placement, launch or ranks,
+                               launch_backward or launch or ranks)
+        try:
+            program.run(opening)
+        except _Failure as failure:
+            failures.append((rank, failure))
+        else:
+            return None
+    try:
+        _raise_failures(failures, ranks)
+    except DhelixError as error:  # a ScheduleError, or a group of them when the ranks fail apart
+        return error
+    raise AssertionError("every rank failed: one error at least")
 
 
 def _message(rank: int, transfer: Transfer, placement: Placement) -> tuple:

@@ -57,6 +57,10 @@ class Bound:
     memory: float
     #: A lower bound of the schedules that pair no layers (no SI block, or SI off): seconds.
     alone: float
+    #: Why the strands pass refuses the layout's programs (its strands block names no op of
+    #: their layer DAGs: every schedule that its fold's stage split leaves is refused so),
+    #: None when it does not (:mod:`~dhelix.dsl.search.prefilter`).
+    strands: str | None = None
 
 
 def layout_bound(program: Program, cost: PairCost, costs: StepCosts | None = None) -> Bound:

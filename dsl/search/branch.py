@@ -31,6 +31,11 @@ from dhelix.dsl.search.pricer import FLOOR_MARGIN, Deferred, Priced, Pricer, Pru
 from dhelix.dsl.search.space import Choice, Layout, Space
 
 
+#: A layout to visit: (its time bound, it, the time bound of its schedules that pair no
+#: layers, why its strands block is refused or None: :class:`~dhelix.dsl.search.bound.Bound`).
+Bounded = tuple[float, Layout, float, str | None]
+
+
 @attrs.define
 class Tally:
     """Counts of a search as it goes (choices, except ``unbounded``: layouts)."""
@@ -84,10 +89,11 @@ class Incumbent:
 
 
 def bound_of(pricer: Pricer, space: Space, layouts: list[Layout], tally: Tally, deadline: float | None,
-             progress=None) -> list[tuple[float, Layout, float]]:
-    """(time bound, layout, time bound of its schedules that pair no layers) of every layout
-    of ``layouts`` that may hold a choice that fits, fastest bound first; the others counted
-    in ``tally``. Stops at ``deadline`` (the rest counted unbounded)."""
+             progress=None) -> list[Bounded]:
+    """(time bound, layout, time bound of its schedules that pair no layers, why its strands
+    block is refused or None) of every layout of ``layouts`` that may hold a choice that
+    fits, fastest bound first; the others counted in ``tally``. Stops at ``deadline`` (the
+    rest counted unbounded)."""
     found, unbounded = bounds(pricer, space, layouts, deadline, progress)
     tally.unbounded += unbounded
     return keep_bounded(found, space, pricer.capacity, tally)
@@ -109,8 +115,9 @@ def bounds(pricer: Pricer, space: Space, layouts: list[Layout], deadline: float 
 
 
 def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, capacity: float | None,
-                 tally: Tally) -> list[tuple[float, Layout, float]]:
-    """(time bound, layout, time bound of its schedules that pair no layers) of the layouts
+                 tally: Tally) -> list[Bounded]:
+    """(time bound, layout, time bound of its schedules that pair no layers, why its strands
+    block is refused or None) of the layouts
     whose bound (``found``) leaves a choice that may fit in ``capacity`` bytes (None: any),
     fastest bound first; the refused,
     the over-the-memory and the same-as-another counted in ``tally`` (each for every
@@ -124,8 +131,8 @@ def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, capacity
         elif capacity is not None and bound.memory > capacity:
             tally.over(bound.memory, len(space.schedules), exact=False)
         else:
-            bounded.append((bound.seconds, layout, bound.alone))
-    return sorted(bounded)
+            bounded.append((bound.seconds, layout, bound.alone, bound.strands))
+    return sorted(bounded, key=lambda entry: entry[:2])
 
 
 #: What pricing a choice returns (:meth:`~dhelix.dsl.search.pricer.Pricer.price`).
@@ -213,7 +220,7 @@ class Inline:
         return done
 
 
-def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout, float]], incumbent: Incumbent, tally: Tally,
+def branch(pricer: Pricer, space: Space, bounded: list[Bounded], incumbent: Incumbent, tally: Tally,
            deadline: float | None, progress=None, runner: Callable[..., Runner] | None = None) -> float | None:
     """Price the choices of the ``bounded`` layouts into ``incumbent``, visited in order
     until the next bound exceeds the K-th best step; returns the least bound of what
@@ -225,7 +232,9 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout, floa
     only when no layout or waiting choice has a lower bound left (best first; with a runner
     of several processes, the lowest it takes): most never are, once the K-th best is below it.
     A choice whose schedule pairs no layers (no SI block, or SI off) is not visited when the
-    layout's bound of such schedules exceeds the K-th best."""
+    layout's bound of such schedules exceeds the K-th best. Nor is a choice the checks refuse
+    on its sizes (:mod:`~dhelix.dsl.search.prefilter`): it is counted refused, for the
+    reason pricing it would give."""
     dominance = _Dominance()
     waiting: list[tuple[float, int, Choice]] = []  # (bound, arrival, choice)
     loose: set[Choice] = set()  # waiting with their floor: bound anew (tighten) before settled
@@ -240,7 +249,7 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout, floa
 
     pairs = {name: writes_si(pipeline) for name, pipeline in pricer.pipelines.items()}
 
-    def skip(choice: Choice, alone: float) -> bool:
+    def skip(choice: Choice, alone: float, strands: str | None) -> bool:
         cutoff = incumbent.cutoff()
         if cutoff is not None and not (pairs.get(choice.pipeline, True) and choice.si == "on") \
                 and alone * (1 - FLOOR_MARGIN) > cutoff:  # its layers run alone: bound by that
@@ -249,7 +258,13 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout, floa
         ruled = dominance.rules_out(choice, cutoff)
         tally.pruned += ruled == "slower"
         tally.too_big += ruled == "bigger"
-        return ruled is not None
+        if ruled is not None:
+            return True
+        # Last, so that what a bound rules out is counted as before: pricing it would not refuse it.
+        why = pricer.schedule_checks.refusal(choice, strands)
+        if why is not None:
+            tally.refuse(why)
+        return why is not None
 
     work = (runner or Inline)(pricer, incumbent.cutoff, handle)
     visited = following = 0  # layouts visited, the next to visit
@@ -283,8 +298,8 @@ def branch(pricer: Pricer, space: Space, bounded: list[tuple[float, Layout, floa
             else:
                 work.settle(picked[1])
         elif following < len(bounded) and work.free():
-            alone = bounded[following][2]
-            work.visit(bounded[following][1], space.schedules, functools.partial(skip, alone=alone))
+            _, layout, alone, strands = bounded[following]
+            work.visit(layout, space.schedules, functools.partial(skip, alone=alone, strands=strands))
             following += 1
         elif work.in_flight:
             block = True  # nothing to hand in: wait for a result

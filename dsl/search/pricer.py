@@ -31,8 +31,10 @@ from dhelix.dsl.search.duplicates import program_key
 from dhelix.dsl.search.headroom import Reserve
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
 from dhelix.dsl.search.plan_cache import PlanCache
+from dhelix.dsl.search.prefilter import ScheduleChecks
 from dhelix.dsl.search.space import Choice, Layout
-from dhelix.dsl.search.variant import apply_choice
+from dhelix.dsl.search.variant import apply_choice, launch_reads
+from dhelix.dsl.passes.fsdp import shard_weights
 from dhelix.dsl.simulator.costs import StepCosts, step_costs
 from dhelix.dsl.simulator.events import Simulation, has_si, simulate, untimed
 from dhelix.dsl.simulator.launch import make_choices
@@ -114,6 +116,11 @@ class Pricer:
         #: their stand-ins here, each layout's own written into its variant.
         self.generated_names = tuple(name for name in GENERATED if name not in self.pipelines)
         self.pipelines.update({name: placeholder(name) for name in self.generated_names})
+        #: What each pipeline reads of the launch builtins (walking its statements per variant
+        #: was a twentieth of a search).
+        self._reads = {name: launch_reads(pipeline) for name, pipeline in self.pipelines.items()}
+        #: What the checks refuse of a schedule on its sizes: the search leaves it unpriced.
+        self.schedule_checks = ScheduleChecks(base)
         self._generated: dict[tuple, s.PipelineDef] = {}
         self.gpus_per_node = base.cluster.gpus_per_node
         #: The device's memory (GB, None: not known) and the bytes kept free on it.
@@ -190,7 +197,8 @@ class Pricer:
                            stage_ends=(0, 0))
         if key not in self._derivations:
             try:
-                done = self.plans.intern(passes.rerun(program, after="check", stop="autodiff"))
+                done = self._sharded(program, layout) or passes.rerun(program, after="check", stop="autodiff")
+                done = self.plans.intern(done)
                 self._derivations[key] = (done.env, done.forward, done.backward)
             except DhelixError as exc:
                 self._derivations[key] = exc
@@ -199,6 +207,22 @@ class Pricer:
             raise found
         env, forward, backward = found
         return attrs.evolve(program, env=env, forward=forward, backward=backward)
+
+    def _sharded(self, program: Program, layout: Layout) -> Program | None:
+        """``program`` (``layout`` checked: ZeRO-3 with the file's partition and no shard
+        group) through the passes up to autodiff from the layer DAGs its ZeRO-0 twin derived
+        (the same model, mesh, micro-batches and partition: the passes before ZeRO-3's
+        :func:`~dhelix.dsl.passes.fsdp.shard_weights` read no more), only that pass run
+        again: it refuses a third of a large search's layouts (ZeRO-3 with cp or ep, or with
+        selective recomputation) after the passes before it took most of the time. None
+        (derive it whole) for another layout, or when the twin was not derived."""
+        if layout.zero != 3 or layout.shard or layout.partition != "written":
+            return None
+        found = self._derivations.get(attrs.evolve(layout, zero=0, param_gather="step", recompute="none"))
+        if found is None or isinstance(found, DhelixError):
+            return None
+        env, forward, backward = found
+        return shard_weights(attrs.evolve(program, env=env, forward=forward, backward=backward))
 
     def _si_off(self, choice: Choice) -> Program:
         """``choice`` (SI off, the file's partition) checked: its SI-on twin as checked (the
@@ -263,7 +287,8 @@ class Pricer:
         """The parsed files (``modules``, default the priced ones) with ``choice`` written in
         (its generated partition block too, when its partition is ``auto``)."""
         partition = self.generated(choice) if choice.layout.partition == "auto" else None
-        modules = apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition)
+        modules = apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition,
+                               self._reads[choice.pipeline])
         if choice.pipeline in self.generated_names:
             modules = self._with_generated(modules, choice)
         return modules
@@ -355,14 +380,20 @@ class Pricer:
 
     def bound(self, layout: Layout, schedule: tuple[str, str, str]) -> Bound | str:
         """The lower bounds of ``layout`` (checked with the schedule ``schedule`` up to the
-        layer DAGs), or why the passes refuse it."""
+        layer DAGs) and why its strands block is refused if it is, or why the passes refuse it."""
         key = (layout, schedule)  # a refusal may be the schedule's (a fold's stage split)
         if key not in self._bounds:
             try:
                 program = self.layer_dags(layout, schedule)
-                self._bounds[key] = layout_bound(program, self.cost, self.costs(program, layout, None))
+                found = layout_bound(program, self.cost, self.costs(program, layout, None))
             except DhelixError as exc:
                 self._bounds[key] = first_message(exc)
+            else:
+                try:
+                    passes.strands(program)
+                except DhelixError as exc:
+                    found = attrs.evolve(found, strands=first_message(exc))
+                self._bounds[key] = found
         return self._bounds[key]
 
     def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False, defer: bool = False,

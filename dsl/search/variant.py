@@ -51,18 +51,21 @@ def require_main_blocks(modules: list[s.Module], path: str) -> None:
 
 
 def apply_choice(modules: list[s.Module], choice: Choice, pipelines: dict[str, s.PipelineDef],
-                 gpus_per_node: int, world: int, partition: s.PartitionDef | None = None) -> list[s.Module]:
+                 gpus_per_node: int, world: int, partition: s.PartitionDef | None = None,
+                 reads: frozenset[str] | None = None) -> list[s.Module]:
     """``modules`` with the main file's mesh, train, fold and pipeline statements set to
     ``choice`` (a fold statement added when the file has none; ``launch`` and
     ``launch_backward`` dropped from the train block when the pipeline does not read them),
     the cluster's nodes set to hold ``world`` GPUs of ``gpus_per_node``, and, when the
     choice's partition is ``auto``, ``partition`` in place of the main file's partition block
-    (at the end when it has none)."""
+    (at the end when it has none). ``reads``: :func:`launch_reads` of the choice's pipeline,
+    when the caller keeps it (a search applies thousands of choices to a few pipelines)."""
     main = modules[-1]
     items: list[s.Item] = []
     has_fold = False
     generated = choice.layout.partition == "auto"
-    reads = {name for name in ("g", "gb") if reads_name(pipelines[choice.pipeline], name)}
+    if reads is None:
+        reads = launch_reads(pipelines[choice.pipeline])
     for item in main.items:
         if isinstance(item, s.ConfigBlock) and item.kind == "mesh":
             item = attrs.evolve(item, settings=_mesh_settings(item.settings, choice))
@@ -83,6 +86,12 @@ def apply_choice(modules: list[s.Module], choice: Choice, pipelines: dict[str, s
     if generated and partition is not None:
         items.append(partition)
     return modules[:-1] + [attrs.evolve(main, items=tuple(items))]
+
+
+def launch_reads(pipeline: s.PipelineDef) -> frozenset[str]:
+    """The launch builtins (``g``, ``gb``) that ``pipeline`` reads: a train block keeps
+    ``launch`` (``launch_backward``) only for a pipeline that reads ``g`` (``gb``)."""
+    return frozenset(name for name in ("g", "gb") if reads_name(pipeline, name))
 
 
 def with_profile_setting(modules: list[s.Module], profile: str) -> list[s.Module]:
@@ -142,7 +151,7 @@ def _mesh_settings(settings: _Settings, choice: Choice) -> _Settings:
     return tuple(placed) + tuple(st for st in settings if st.key not in order)
 
 
-def _train_settings(settings: _Settings, choice: Choice, reads: set[str]) -> _Settings:
+def _train_settings(settings: _Settings, choice: Choice, reads: frozenset[str]) -> _Settings:
     """The train block of ``choice`` (``si = off`` written for a choice with SI off): a
     setting at its default that the file does not write stays out; ``launch``
     (``launch_backward``) goes when the pipeline does not read ``g`` (``gb``), the names in
