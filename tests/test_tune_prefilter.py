@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "examples" / "tiny_llama_cpu.dhx"
 
 
-def _pricer(path: Path):
+def _pricer(path: Path, stages: bool = False):
     text = read_source(str(path))
     modules = load_modules(text, str(path))
     base = passes.rerun(check_program(modules), after="check")
-    return Pricer(modules, base, base.mesh.world), space_of(base, partitions=True)
+    return Pricer(modules, base, base.mesh.world), space_of(base, partitions=True, stages=stages)
 
 
 def _strands_file(tmp_path: Path) -> Path:
@@ -52,21 +52,23 @@ def _checked(pricer: Pricer, choice: Choice) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("strands", [False, True])
-def test_the_prefilter_refuses_what_the_checks_refuse_for_the_same_reason(tmp_path, strands):
+@pytest.mark.parametrize("strands, stages", [(False, False), (True, False), (False, True)])
+def test_the_prefilter_refuses_what_the_checks_refuse_for_the_same_reason(tmp_path, strands, stages):
     # Every schedule of layouts of every pp and micro-batch count of the tiny space (two
     # layouts each, written and generated partitions, with and without a strands block the
     # passes refuse): the pre-filter refuses exactly the choices the checks refuse, with the
-    # first message pricing counts them under. (Complete here: the stdlib pipelines'
+    # first message pricing counts them under (with uneven stages tried too: their splits,
+    # and fold bidir's, which keeps equal ones). (Complete here: the stdlib pipelines'
     # requires open their bodies; a deadlock would be left to the pricer.)
-    pricer, space = _pricer(_strands_file(tmp_path) if strands else TINY)
+    pricer, space = _pricer(_strands_file(tmp_path) if strands else TINY, stages)
     picked: dict[tuple, list] = {}
     for layout in space.layouts():
         bound = pricer.bound(layout, bound_schedule(space))
         if not isinstance(bound, str):
-            picked.setdefault((layout.pp, layout.microbatches, layout.partition, bound.strands), []).append(
-                (layout, bound.strands))
+            picked.setdefault((layout.pp, layout.microbatches, layout.partition, bound.strands, layout.stage_ends),
+                              []).append((layout, bound.strands))
     assert any(key[3] is not None for key in picked) == strands
+    assert any(key[4] != (0, 0) for key in picked) == stages
     refused = passed = 0
     for entries in picked.values():
         for layout, why in (entries[0], entries[-1]):

@@ -22,7 +22,7 @@ from dhelix.dsl.core.errors import DhelixError, first_message
 from dhelix.dsl.core.program import FoldSpec, Program
 from dhelix.dsl.frontend.limits import schedule_size_error
 from dhelix.dsl.frontend.modelcheck import stage_split_error
-from dhelix.dsl.passes.fold import placement_of, tie_placement_error
+from dhelix.dsl.passes.fold import Ends, placement_of, tie_placement_error
 from dhelix.dsl.passes.lower import check_fold, leading_failure
 from dhelix.dsl.search.space import Choice
 from dhelix.dsl.search.variant import launch_reads
@@ -39,8 +39,8 @@ class ScheduleChecks:
         self.pipelines = {pipeline.name: pipeline for pipeline in program.pipelines}
         self._reads = {name: launch_reads(pipeline) for name, pipeline in self.pipelines.items()}
         self._launch, self._launch_backward = program.train.launch, program.train.launch_backward
-        self._split: dict[tuple[str, int], str | None] = {}
-        self._passes: dict[tuple[str, str, int, int], str | None] = {}
+        self._split: dict[tuple[str, int, Ends], str | None] = {}
+        self._passes: dict[tuple[str, str, int, int, Ends], str | None] = {}
 
     def refusal(self, choice: Choice, strands: str | None) -> str | None:
         """Why the checks refuse ``choice`` (of a layout whose bound the passes accepted;
@@ -50,30 +50,31 @@ class ScheduleChecks:
         if choice.pipeline not in self.pipelines:
             return None
         layout = choice.layout
-        split = self._split_refusal(choice.fold, layout.pp)
+        ends = _ends(layout.stage_ends)
+        split = self._split_refusal(choice.fold, layout.pp, ends)
         if split is not None or strands is not None:
             return split or strands
-        key = (choice.fold, choice.pipeline, layout.pp, layout.microbatches)
+        key = (choice.fold, choice.pipeline, layout.pp, layout.microbatches, ends)
         if key not in self._passes:
             self._passes[key] = self._pass_refusal(*key)
         return self._passes[key]
 
-    def _split_refusal(self, fold: str, pp: int) -> str | None:
+    def _split_refusal(self, fold: str, pp: int, ends: Ends) -> str | None:
         """The checker's refusal of fold ``fold`` (its text) on ``pp`` ranks: the layers do not
-        split into its stages."""
-        key = (fold, pp)
+        split into its stages (equal ones, or with the first and last stages' ``ends``)."""
+        key = (fold, pp, ends)
         if key not in self._split:
             spec = _fold_spec(fold)
-            error = stage_split_error(spec.text, self.layers, pp, spec.v, None)
+            error = stage_split_error(spec.text, self.layers, pp, spec.v, None, ends, copies=spec.copies)
             self._split[key] = None if error is None else error.message
         return self._split[key]
 
-    def _pass_refusal(self, fold: str, name: str, pp: int, microbatches: int) -> str | None:
+    def _pass_refusal(self, fold: str, name: str, pp: int, microbatches: int, ends: Ends) -> str | None:
         """The first refusal of the fold and lower passes (:mod:`~dhelix.dsl.passes.pipeline`)
         that the sizes decide, for fold ``fold`` (it splits the layers) and pipeline ``name``
         on ``pp`` ranks and ``microbatches``; None when there is none."""
         spec, pipeline = _fold_spec(fold), self.pipelines[name]
-        placement = placement_of(spec, self.layers, pp)
+        placement = placement_of(spec, self.layers, pp, ends)
         reads = self._reads[name]
         launch = self._launch if isinstance(self._launch, int) and "g" in reads else None
         backward = self._launch_backward if isinstance(self._launch_backward, int) and "gb" in reads else None
@@ -90,8 +91,14 @@ class ScheduleChecks:
         return None if error is None else first_message(error)
 
 
+def _ends(stage_ends: tuple[int, int]) -> Ends:
+    """A layout's first and last stages' layers (0: an equal share) as the fold pass takes them."""
+    first, last = stage_ends
+    return (first or None, last or None)
+
+
 def _fold_spec(text: str) -> FoldSpec:
-    """The fold of a choice's text: ``none``, ``u`` or ``loop(v)``."""
+    """The fold of a choice's text: ``none``, ``u``, ``bidir`` or ``loop(v)``."""
     kind, _, argument = text.partition("(")
     return FoldSpec.of(kind, int(argument.rstrip(")")) if argument else None)
 
