@@ -22,8 +22,9 @@ RUNNABLE_DTYPES = ("fp32", "bf16", "fp16")
 #: The dtype of main gradients, whatever the model's: the backward adds each micro-batch's
 #: weight gradients into fp32 buffers, and data parallelism reduces those (Megatron-LM's
 #: ``main_grad``, accumulated and all-reduced in fp32 for bf16 models), so the memory model
-#: holds and the simulator sends this many bytes per gradient element. ZeRO-3 pieces keep
-#: their gradients in the model dtype.
+#: holds this many bytes per gradient element, and data parallelism sends them unless
+#: ``train { grad_reduce_dtype }`` names a 16-bit dtype (the option's default is this). ZeRO-3
+#: pieces keep their gradients in the model dtype.
 MAIN_GRAD_DTYPE = "fp32"
 
 #: FP8 training (Transformer Engine's and torchao's float8 recipes) runs its GEMMs in fp8 and
