@@ -14,6 +14,7 @@ from fractions import Fraction
 import pytest
 
 from commands import dhelix_here
+from test_zb_schedules import program_text as zb_program_text
 from dhelix.cli import main
 from dhelix.dsl.core.errors import DhelixError, ParseError, ScheduleError
 from dhelix.dsl.core.schedule import Interleaved, computes, format_lowered, parse_lowered
@@ -173,17 +174,8 @@ def test_text_form_keeps_the_copies_and_validation_keeps_each_copy_to_its_micro_
 
 
 def program_text(p: int, m: int, fold: str = "bidir", pipeline: str = "dualpipe") -> str:
-    """A tiny Llama on p pipeline ranks, one layer per stage."""
-    return f"""import "stdlib/layers.dhx"
-import "stdlib/pipelines.dhx"
-model tiny {{ layers = {p}  hidden = 32  ffn = 64  heads = 4  kv_heads = 2  seq = 8
-  vocab = 64  dtype = fp32  layer = llama }}
-cluster {{ nodes = 1  gpus_per_node = {p}  profile = "a40" }}
-mesh {{ pp = {p} }}
-train {{ micro_batch = 1  microbatches = {m}  seed = 7 }}
-fold {fold}
-pipeline {pipeline}
-"""
+    """A tiny Llama on p pipeline ranks, one layer per stage (test_zb_schedules' program)."""
+    return zb_program_text(pipeline, fold, p, m)
 
 
 def test_check_dumps_the_two_copies():
