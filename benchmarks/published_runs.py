@@ -37,9 +37,11 @@ from pathlib import Path
 
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.fidelity.fit import fit_profile, identifiable
-from dhelix.dsl.fidelity.predict import predict, profile_name, run_case, run_profile
+from dhelix.dsl.fidelity.predict import predict, profile_name, program_text, run_case, run_profile
 from dhelix.dsl.fidelity.runs import load_runs
 from dhelix.dsl.frontend.profiles import load_profile
+from dhelix.dsl.passes.pipeline import check_text
+from dhelix.dsl.simulator.events import simulate
 
 RUNS = Path(__file__).resolve().parent / "published_runs.yaml"
 KNOBS = ("gemm", "gemm_fp8", "attention", "overhead", "local", "cross")
@@ -118,6 +120,7 @@ def main() -> int:
         print(f"{run.source.key:<22} {run.id[:34]:<34} not predicted: {why}")
     print_groups(f"shipped profiles ({time.perf_counter() - started:.0f} s):", rows)
     print_memory(memory)
+    print_tp_overlap(runs)
     if args.ablate:
         ablate([run for run, _ in rows])
     if args.fit:
@@ -186,6 +189,40 @@ def print_memory(rows) -> None:
               f"{predicted / run.memory_gib:>6.2f}")
     errors = [predicted / run.memory_gib - 1 for run, predicted in rows]
     print(f"  predicted / published - 1: {stats(errors)}")
+
+
+#: Runs a source measured twice, its tensor-parallel collectives run whole and then overlapped
+#: with their GEMMs (torchtitan's async TP: each all_gather and reduce_scatter cut into pieces
+#: that run under the pieces of the GEMM beside it): (run as is, run with TP overlap).
+TP_OVERLAP_PAIRS = (
+    ("torchtitan-t4-70b-256gpu-tp", "torchtitan-t4-70b-256gpu-asynctp"),
+    ("torchtitan-asynctp-70b-256gpu-bf16-vanilla-tp", "torchtitan-asynctp-70b-256gpu-bf16-async-tp"),
+    ("torchtitan-asynctp-8b-64gpu-bf16-vanilla-tp", "torchtitan-asynctp-8b-64gpu-bf16-async-tp"),
+)
+#: The nearest the language writes: a workload partition of each TP region into 4 chunks
+#: (Centauri), its gathers under the chunks' GEMMs and its reduce_scatters under the next chunk's.
+TP_OVERLAP_PARTITION = "chunk ag1 + qkv by 4  chunk prj + rs1 by 4  chunk ag2 + fc1 + act + fc2 + rs2 by 4"
+
+
+def print_tp_overlap(runs) -> None:
+    """The measured speed-up of overlapping TP communication beside the simulator's for the same
+    layout with :data:`TP_OVERLAP_PARTITION` (the runs' programs themselves have no partition:
+    the source's overlap is its own implementation, not dhelix's)."""
+    by_id = {run.id: run for run in runs}
+    pairs = [(by_id[a], by_id[b]) for a, b in TP_OVERLAP_PAIRS if a in by_id and b in by_id]
+    if not pairs:
+        return
+    print(f"\nTP communication overlapped, measured beside the simulator's partition {{ {TP_OVERLAP_PARTITION} }}:")
+    print(f"  {'run':<44} {'layout':<24} {'measured':>9} {'predicted':>9}")
+    for plain, overlapped in pairs:
+        case = run_case(plain)
+        profile = case.on(load_profile(family(plain)))
+        text = program_text(case.run) + f"\npartition {{ {TP_OVERLAP_PARTITION} }}\n"
+        chunked = attrs.evolve(check_text(text, f"{plain.id}.dhx"), profile=profile)
+        whole = simulate(attrs.evolve(case.program, profile=profile), trace=False).step_time
+        parts = simulate(chunked, trace=False).step_time
+        measured = case.measured_s / run_case(overlapped).measured_s
+        print(f"  {overlapped.id[:44]:<44} {plain.layout()[:24]:<24} {measured:>8.3f}x {whole / parts:>8.3f}x")
 
 
 def fit_each_gpu(runs) -> None:

@@ -330,3 +330,33 @@ def test_by_auto_counts_are_settled_by_the_whole_step():
     assert chunk.chosen == min(steps, key=steps.get)
     assert simulate(program).step_time == steps[chunk.chosen]
     assert "by the whole step:" in chunk.describe()
+
+
+def test_the_simulator_prices_a_chunked_chain_in_the_order_the_interpreter_issues_it():
+    # The step simulator prices a layer's ops in their listed order, lane by lane; the
+    # interpreter issues a collective as soon as its inputs exist (issue_order). The partition
+    # lists every chunk's head gather first, so the two agree: chunk i + 1's all_gather does
+    # not wait behind chunk i's reduce_scatter on the TP lane.
+    program = auto_program(statement="chunk ag2 + fc1 + act + fc2 + rs2 by 4")
+    program = passes.rerun(attrs.evolve(program, chunk_counts=((0, 4),)), after="check")
+    cost = PairCost(program.profile, program.model.dtype, seq=program.model.get("seq"))
+    for dag in (program.forward, program.backward):
+        assert cost.solo(dag.ops) == pytest.approx(cost.solo(issue_order(dag.ops)), rel=1e-12)
+    names = [op.name for op in program.forward.ops]
+    assert names.index("ag2.c3") < names.index("fc1.c0")
+
+
+def test_a_chunk_of_whole_rows_is_a_view_and_costs_nothing():
+    from dhelix.dsl.planner.costmodel import op_time
+
+    program = auto_program(statement="chunk ag2 + fc1 + act + fc2 + rs2 by 4")
+    program = passes.rerun(attrs.evolve(program, chunk_counts=((0, 4),)), after="check")
+    ops = {op.name: op for dag in (program.forward, program.backward) for op in dag.ops}
+    dtype = program.model.dtype
+    # ln2's rows cut in four: narrow along the first dimension, no copy (the interpreter's slice).
+    assert ops["ln2.s1"].op == "slice" and op_time(ops["ln2.s1"], program.profile, dtype) == 0.0
+    assert ops["rs2.bwd"].op == "concat_bwd" and op_time(ops["rs2.bwd"], program.profile, dtype) == 0.0
+    # The concat copies every chunk into one tensor; a gathered chunk of rank blocks is a copy too.
+    assert op_time(ops["rs2"], program.profile, dtype) > 0.0
+    blocks = attrs.evolve(ops["ln2.s1"], params=tuple((k, 2 if k == "blocks" else v) for k, v in ops["ln2.s1"].params))
+    assert op_time(blocks, program.profile, dtype) > 0.0

@@ -284,3 +284,15 @@ def test_an_all_to_all_across_nodes_sends_only_its_remote_peers_bytes_over_the_n
     slow = attrs.evolve(h100, links={**h100.links, "local": attrs.evolve(h100.links["local"], bw_gbps=5.0)})
     assert collective_time("all_to_all", size, 16, "cross", slow, per_node=8) == pytest.approx(
         15 * alpha + size * 7 / 16 / 5e9)
+
+
+def test_gpt_layer_attends_with_its_kv_heads():
+    # Nemotron-4 is a GPT layer (LayerNorm, a plain MLP) with grouped-query attention: its QKV
+    # GEMM is (heads + 2·kv_heads)·head_dim wide and its attention reads kv_heads/tp K/V heads;
+    # without kv_heads the layer is GPT-3's multi-head one (3·heads·head_dim).
+    gqa = ops_of(program(heads=64, kv_heads=8, layer="gpt"))
+    assert gqa["qkv"].weight[-1] == (64 + 2 * 8) * 128 // 8
+    assert dict(gqa["att"].params)["kv_heads"] == 1
+    mha = ops_of(program(heads=64, kv_heads=64, layer="gpt"))
+    assert mha["qkv"].weight[-1] == 3 * 64 * 128 // 8
+    assert op_flops(gqa["qkv"]) < op_flops(mha["qkv"])

@@ -59,10 +59,12 @@ def test_without_a_partition_block_the_pass_changes_nothing_and_llama_keeps_14_a
     assert program(stop="partition").forward == program(stop="shapes").forward
 
 
-def test_a_chain_becomes_slices_chunk_major_chunks_and_a_concat_that_keeps_its_name():
+def test_a_chain_becomes_slices_its_head_gathers_chunk_major_chunks_and_a_concat_that_keeps_its_name():
     fwd = program(QKV_BY_2, stop="partition").forward
     names = [op.name for op in fwd.ops]
-    assert names[:8] == ["ln1", "ln1.s0", "ln1.s1", "ag1.c0", "qkv.c0", "ag1.c1", "qkv.c1", "qkv"]
+    # Every chunk's gather first (a lane runs its ops in their listed order: chunk 1's gather
+    # under chunk 0's GEMM), then the rest chunk-major.
+    assert names[:8] == ["ln1", "ln1.s0", "ln1.s1", "ag1.c0", "ag1.c1", "qkv.c0", "qkv.c1", "qkv"]
     concat = fwd.op("qkv")
     assert concat.op == "concat" and concat.inputs == ("qkv.c0", "qkv.c1")
     # The gathered chunks hold one block per tp rank: the concat interleaves them back.

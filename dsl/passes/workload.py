@@ -187,7 +187,8 @@ def _chunk_shape(shape, parts: int, dim: int):
 
 def chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int | str) -> LayerDag:
     """``fwd`` with the chain ``ops`` replaced, at its last op's place, by slices of its
-    outside inputs, the chunk ops (chunk-major) and the concat of the last op's chunks
+    outside inputs, the chunk ops (chunk-major, the chain's head collectives first for every
+    chunk) and the concat of the last op's chunks
     (along ``OUTPUTS``: the gemm's chunks, each on the whole input with its own columns)."""
     if dim == OUTPUTS:
         return _by_columns(fwd, ops[0], parts)
@@ -201,12 +202,17 @@ def chunked(fwd: LayerDag, ops: list[Op], parts: int, dim: int | str) -> LayerDa
             if value not in names and value not in slices:
                 slices[value] = _slices(ops, value, shape, parts, dim, taken, op.span)
                 new += slices[value]
-    for i in range(parts):
-        for op in ops:
-            inputs = tuple(f"{v}.c{i}" if v in names else slices[v][i].name for v in op.inputs)
-            new.append(attrs.evolve(op, name=f"{op.name}.c{i}", inputs=inputs, origin=op.origin or op.name,
-                                    in_shapes=tuple(_chunk_shape(x, parts, dim) for x in op.in_shapes),
-                                    shape=_chunk_shape(op.shape, parts, dim)))
+    # A lane runs its ops in their listed order, so a collective that reads only the chain's
+    # slices (its head gather) goes first for every chunk: chunk i + 1's gather then runs
+    # under chunk i's compute instead of waiting behind chunk i's closing reduce_scatter.
+    heads = [op for op in ops if op.kind == "comm" and not any(v in names for v in op.inputs)]
+    order = [(i, op) for op in heads for i in range(parts)]
+    order += [(i, op) for i in range(parts) for op in ops if op not in heads]
+    for i, op in order:
+        inputs = tuple(f"{v}.c{i}" if v in names else slices[v][i].name for v in op.inputs)
+        new.append(attrs.evolve(op, name=f"{op.name}.c{i}", inputs=inputs, origin=op.origin or op.name,
+                                in_shapes=tuple(_chunk_shape(x, parts, dim) for x in op.in_shapes),
+                                shape=_chunk_shape(op.shape, parts, dim)))
     last = ops[-1]
     new.append(Op(last.name, "concat", "compute", "layout", tuple(f"{last.name}.c{i}" for i in range(parts)),
                   (_chunk_shape(last.shape, parts, dim),) * parts, last.shape,

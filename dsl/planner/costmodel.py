@@ -167,7 +167,21 @@ def _shuffle_cost(op) -> tuple[float, float]:
         return 0.0, 2.0 * max(inputs, out)
     if op.op in ("unpermute", "unpermute_bwd"):  # top-k weighted sum: read n·k rows, write n
         return 2.0 * max(inputs, out), float(inputs + out)
+    if op.op in ROW_VIEWS and _row_view(op):  # a partitioned chain's chunk of whole rows: a view
+        return 0.0, 0.0
     return 0.0, float(inputs + out)
+
+
+#: Layout ops that take a chunk of a tensor: a forward slice, a concat's backward.
+ROW_VIEWS = ("slice", "concat_bwd")
+
+
+def _row_view(op) -> bool:
+    """Whether ``op`` (one of :data:`ROW_VIEWS`) takes its chunks as consecutive whole rows of
+    one block (``dim`` 0, ``blocks`` 1): a row-major tensor's view, which the interpreter
+    returns without a copy (``narrow`` along the first dimension is already contiguous)."""
+    params = _params(op)
+    return params.get("dim") == 0 and params.get("blocks", 1) == 1
 
 
 def op_flops(op, *, seq: int | None = None) -> float:
