@@ -119,6 +119,8 @@ OPTIONS: tuple[Option, ...] = (
            choices=("none", "selective", "full"), field=False),
     Option(name="recompute_layers", kind=int, flag="", train="recompute_layers", lowest=1, highest=10_000,
            field=False),
+    Option(name="offload", kind=str, flag="", train="offload", default="none", choices=("none", "optimizer"),
+           field=False),
     Option(name="first_stage_layers", kind=int, flag="", train="first_stage_layers", lowest=1, highest=10_000,
            field=False),
     Option(name="last_stage_layers", kind=int, flag="", train="last_stage_layers", lowest=1, highest=10_000,

@@ -194,7 +194,7 @@ class Pricer:
         in ZeRO 0, 1 or 2, ``param_gather`` or recomputation (below ZeRO-3) share them."""
         key = attrs.evolve(layout, zero=3 if layout.zero == 3 else 0, param_gather="step",
                            recompute=layout.recompute if layout.zero == 3 else "none", recompute_layers=0,
-                           stage_ends=(0, 0))
+                           stage_ends=(0, 0), offload="none")
         if key not in self._derivations:
             try:
                 done = self._sharded(program, layout) or passes.rerun(program, after="check", stop="autodiff")
@@ -218,7 +218,7 @@ class Pricer:
         (derive it whole) for another layout, or when the twin was not derived."""
         if layout.zero != 3 or layout.shard or layout.partition != "written":
             return None
-        found = self._derivations.get(attrs.evolve(layout, zero=0, param_gather="step", recompute="none"))
+        found = self._derivations.get(attrs.evolve(layout, zero=0, param_gather="step", recompute="none", offload="none"))
         if found is None or isinstance(found, DhelixError):
             return None
         env, forward, backward = found
@@ -274,7 +274,11 @@ class Pricer:
         """The program of ``layout`` (with ``schedule``: fold, pipeline and, if not on, si)
         up to its layer DAGs, once per layout."""
         if layout not in self._dags:
-            if layout.recompute_layers:  # read by no check but its own (it needs full): the twin's, set
+            if layout.offload != "none":  # read by the simulator only (the profile's host was checked once): the twin's, set
+                twin = self.layer_dags(attrs.evolve(layout, offload="none"), schedule)
+                assert twin.train is not None, "a checked model"
+                self._dags[layout] = attrs.evolve(twin, train=attrs.evolve(twin.train, offload=layout.offload))
+            elif layout.recompute_layers:  # read by no check but its own (it needs full): the twin's, set
                 twin = self.layer_dags(attrs.evolve(layout, recompute_layers=0), schedule)
                 assert twin.train is not None, "a checked model"
                 self._dags[layout] = attrs.evolve(twin, train=attrs.evolve(
@@ -314,7 +318,7 @@ class Pricer:
         is the same as its twin without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", recompute_layers=0,
-                           param_gather="step", stage_ends=(0, 0))
+                           param_gather="step", stage_ends=(0, 0), offload="none")
         # A refusal may be the schedule's (a fold's stage split): kept per schedule.
         refusal = (key, choice.fold, choice.pipeline)
         if key not in self._partitions and refusal not in self._partition_refusals:

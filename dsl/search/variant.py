@@ -26,7 +26,8 @@ from dhelix.dsl.search.space import Choice
 
 #: The train settings a choice writes (the others stay as written; and the first and last
 #: stages' layers, from the layout's ``stage_ends``).
-_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "recompute_layers", "shard", "param_gather", "si")
+_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "recompute_layers", "shard", "param_gather", "si",
+              "offload")
 #: The train settings' declared defaults (a layout's shard and recompute_layers 0: none), left
 #: out of a written block.
 _DEFAULTS = {**{key: option(key).default for key in _TRAIN_SET if option(key).default is not None}, "shard": 0,
