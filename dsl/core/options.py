@@ -121,6 +121,7 @@ OPTIONS: tuple[Option, ...] = (
            field=False),
     Option(name="offload", kind=str, flag="", train="offload", default="none", choices=("none", "optimizer"),
            field=False),
+    Option(name="offload_percent", kind=int, flag="", train="offload_percent", lowest=1, highest=100, field=False),
     Option(name="first_stage_layers", kind=int, flag="", train="first_stage_layers", lowest=1, highest=10_000,
            field=False),
     Option(name="last_stage_layers", kind=int, flag="", train="last_stage_layers", lowest=1, highest=10_000,

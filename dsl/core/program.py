@@ -133,6 +133,9 @@ class Train:
     #: device -> host, AdamW runs on the host CPU, the updated weights go host -> device;
     #: ZeRO-Offload's offload_optimizer, FSDP's CPUOffload, Megatron-LM's optimizer CPU offload).
     offload: str = "none"
+    #: With ``offload = optimizer``: the percent of each of the optimizer's parts whose states
+    #: live on the host (Megatron-LM's offload fraction); None: all of them.
+    offload_percent: int | None = None
     span: Span | None = span_field()
     data_span: Span | None = span_field()
     zero_span: Span | None = span_field()
@@ -183,6 +186,14 @@ class Train:
     def offloads(self) -> bool:
         """Whether the optimizer's states live in host memory (``offload = optimizer``)."""
         return self.offload != "none"
+
+    @property
+    def offload_share(self) -> int:
+        """The percent of the optimizer's states in host memory: 0 without offload, else
+        ``offload_percent`` (100 when not written)."""
+        if not self.offloads:
+            return 0
+        return 100 if self.offload_percent is None else self.offload_percent
 
     def recomputes(self, position: int) -> bool:
         """Whether the layer at ``position`` of its model chunk (0: the chunk's first, in

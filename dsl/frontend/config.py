@@ -314,6 +314,13 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                               + ["none keeps the optimizer's fp32 master weights and AdamW moments on the device; "
                                  "optimizer keeps them in host memory and runs AdamW on the host's CPU"]))
         return None
+    if "offload_percent" in v and offload == "none":
+        errors.add(CheckError(f"offload_percent = {v['offload_percent']} needs offload = optimizer",
+                              block.span("offload_percent"),
+                              ["offload_percent = P keeps the optimizer's states of P % of each part's parameters "
+                               "in host memory and the rest on the device (Megatron-LM's optimizer offload "
+                               "fraction): add offload = optimizer, or remove offload_percent"]))
+        return None
     si = v.get("si")
     if si is not None and si not in SI_SETTINGS:
         errors.add(CheckError(f"unknown si '{si}' (on or off)", block.span("si"),
@@ -336,7 +343,8 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     return Train(v["micro_batch"], v["microbatches"], v.get("data"), zero, recompute, param_gather, v.get("shard"),
                  v.get("launch"), grad_reduce, v.get("launch_backward"), si, run,
                  recompute_layers=v.get("recompute_layers"), first_stage_layers=v.get("first_stage_layers"),
-                 last_stage_layers=v.get("last_stage_layers"), offload=offload, span=node.span,
+                 last_stage_layers=v.get("last_stage_layers"), offload=offload,
+                 offload_percent=v.get("offload_percent"), span=node.span,
                  offload_span=block.span("offload") if "offload" in block.nodes else None,
                  stages_span=next((block.span(k) for k in ("first_stage_layers", "last_stage_layers")
                                    if k in block.nodes), None),

@@ -432,6 +432,19 @@ def offload_time(params: float, dtype: str, profile: Profile, span=None) -> Offl
                        to_device=params * dtype_bytes(dtype) / link)
 
 
+def step_optimizer_time(params: float, dtype: str, profile: Profile, offload: int = 0, span=None) -> float:
+    """Seconds of the optimizer step over ``params`` local parameters with ``offload`` percent
+    of them offloaded (``train { offload = optimizer  offload_percent }``; 0: all on the
+    device, :func:`optimizer_time`): that share's :func:`offload_time`, the rest updated on the
+    device while the host computes (the ranks launch it before they wait for the gradients'
+    copy)."""
+    share = offload / 100
+    if not share:
+        return optimizer_time(params, dtype, profile)
+    host = offload_time(params * share, dtype, profile, span)
+    return host.to_host + max(host.host, optimizer_time(params * (1 - share), dtype, profile)) + host.to_device
+
+
 def megatron_flops_per_iteration(model, global_batch: int, *, swiglu: bool | None = None) -> float:
     """FLOPs of one training iteration as Megatron-LM counts them for TFLOPS and MFU (NOTES §3.8):
     ``12·B·s·L·h²·[(1 + g/a + s/h)·(a·d/h) + (f/h)·k·(3/2 if SwiGLU) + V/(2·L·h)]``.

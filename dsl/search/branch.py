@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 
 import attrs
 
-from dhelix.dsl.planner.costmodel import offload_time, optimizer_time
+from dhelix.dsl.planner.costmodel import optimizer_time, step_optimizer_time
 from dhelix.dsl.search.bound import Bound
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, writes_si
 from dhelix.dsl.search.pricer import FLOOR_MARGIN, Deferred, Priced, Pricer, Pruned, Refused, TooBig
@@ -236,7 +236,7 @@ def branch(pricer: Pricer, space: Space, bounded: list[Bounded], incumbent: Incu
     layout's bound of such schedules exceeds the K-th best. Nor is a choice the checks refuse
     on its sizes (:mod:`~dhelix.dsl.search.prefilter`): it is counted refused, for the
     reason pricing it would give."""
-    dominance = _Dominance(offload_slower(pricer.profile, pricer.cost.dtype))
+    dominance = _Dominance(offload_slower(pricer.profile, pricer.cost.dtype, pricer.offload_percent))
     waiting: list[tuple[float, int, Choice]] = []  # (bound, arrival, choice)
     loose: set[Choice] = set()  # waiting with their floor: bound anew (tighten) before settled
     order = itertools.count()
@@ -395,13 +395,13 @@ class _Dominance:
         return None
 
 
-def offload_slower(profile, dtype: str) -> bool:
-    """Whether an offloaded optimizer step is no faster than the device's on ``profile`` for
-    a model in ``dtype``, whatever the parameters (both times are linear in them); False
-    without the profile's host section (nothing offloads then)."""
+def offload_slower(profile, dtype: str, percent: int = 100) -> bool:
+    """Whether an optimizer step offloading ``percent`` % of its states is no faster than the
+    device's on ``profile`` for a model in ``dtype``, whatever the parameters (both times are
+    linear in them); False without the profile's host section (nothing offloads then)."""
     if profile.host is None:
         return False
-    return offload_time(1.0, dtype, profile).seconds >= optimizer_time(1.0, dtype, profile)
+    return step_optimizer_time(1.0, dtype, profile, percent) >= optimizer_time(1.0, dtype, profile)
 
 
 def insert(best: list[Priced], result: Priced, top: int) -> list[Priced]:

@@ -110,6 +110,9 @@ class Pricer:
 
     def __init__(self, modules: list[s.Module], base: Program, world: int, reserve: Reserve | None = None):
         self.modules, self.world = modules, world
+        #: The percent of the optimizer's states an offloading choice keeps on the host: the
+        #: file's ``offload_percent`` (all when it writes none; not searched).
+        self.offload_percent = base.train.offload_percent or 100 if base.train is not None else 100
         self.pipelines = {p.name: p for p in base.pipelines}
         assert base.cluster is not None and base.model is not None, "a checked model"
         #: The generated pipelines the program does not define (dhelix.dsl.search.generated):

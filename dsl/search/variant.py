@@ -165,6 +165,8 @@ def _train_settings(settings: _Settings, choice: Choice, reads: frozenset[str]) 
     for unset in ("shard", "recompute_layers", "first_stage_layers", "last_stage_layers"):  # 0: not written
         if values[unset] == 0:
             values[unset] = None
+    if choice.layout.offload == "none":  # (the file's share of an offload, written with it: not searched)
+        values["offload_percent"] = None
     for name, setting in (("g", "launch"), ("gb", "launch_backward")):
         if name not in reads:
             values[setting] = None

@@ -427,7 +427,7 @@ class _Run:
         if self.post and self.norm_seconds:  # (offloaded, the copy is the host's)
             shard = self._optimizer(rank)[0]
             return attrs.evolve(states, optimizer=2 * states.optimizer,
-                                host=states.host + (HOST_STATE_BYTES * shard if states.host else 0.0))
+                                host=states.host + HOST_STATE_BYTES * shard * offloads(self.program) / 100)
         return states
 
     def _states(self, rank: int) -> ModelStates:
@@ -720,4 +720,4 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         flops=megatron_flops_per_iteration(model, sequences), world=mesh.world,
         peak_flops=program.profile.peak_flops(model.dtype), events=tuple(run.events), counters=counters,
         fsdp=run.fsdp, gather_under_forward=run.overlap_gather, shard=mesh.dp_shard if run.fsdp else 0,
-        zero=max(train.zero, int(zero1)))
+        zero=max(train.zero, int(zero1)), offload=train.offload_share)

@@ -76,7 +76,7 @@ class ModelStates:
 def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_group: int,
                  expert_group: int, fsdp_dense: float = 0.0, fsdp_group: int = 0,
                  grads_sharded: float = 0.0, expert_grads_sharded: bool = False,
-                 offload: bool = False) -> ModelStates:
+                 offload: int = 0) -> ModelStates:
     """Model states of ``dense`` + ``expert`` parameters in ``dtype``; with ``zero1`` the
     optimizer states are sharded over the groups (sizes ``dense_group``, ``expert_group``).
 
@@ -95,8 +95,9 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
     ZeRO-3 with experts (EP = 1): give them as ``dense`` (and in ``fsdp_dense``), 0 as
     ``expert``: each layer's gathers and reduce-scatters shard them over DP as the rest.
 
-    ``offload`` (``train { offload = optimizer }``): the optimizer states leave the device
-    for the host (:func:`host_bytes`), fp32 masters included whatever ``dtype``."""
+    ``offload`` (``train { offload = optimizer }``, the percent of ``offload_percent``): that
+    share of the optimizer states leaves the device for the host (:func:`host_bytes`), the rest
+    stays; both keep fp32 masters whatever ``dtype`` (12 bytes a parameter)."""
     size = dtype_bytes(dtype)
     per_param = _OPTIMIZER_BYTES.get(dtype, _MIXED_OPTIMIZER_BYTES)
     shards = max(1, fsdp_group or dense_group)
@@ -114,7 +115,8 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
     grads = (dense + whole_expert - fsdp_dense - grads_sharded) * main + (fsdp_dense / shards) * size \
         + (grads_sharded / max(1, dense_group) + (expert - whole_expert) / max(1, expert_group)) * MAIN_GRAD_BYTES
     if offload:
-        return ModelStates(held * size, grads, 0.0, host_bytes(optimizer / per_param, dtype))
+        kept, share = optimizer / per_param, offload / 100
+        return ModelStates(held * size, grads, HOST_STATE_BYTES * kept * (1 - share), host_bytes(kept * share, dtype))
     return ModelStates(held * size, grads, optimizer)
 
 

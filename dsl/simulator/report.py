@@ -111,7 +111,9 @@ def describe(sim: Simulation) -> str:
                  + (", weight gather under the next forward" if sim.gather_under_forward else "")
                  if sim.zero1 else "replicated optimizer")
     host = max(r.states.host for r in sim.ranks)
-    optimizer += f", offloaded to host ({host / GB:.3g} GB of host memory per GPU at most)" if host else ""
+    share = sim.offload if sim.offload < 100 else None
+    optimizer += (f", {f'{share}% of it ' if share else ''}offloaded to host ({host / GB:.3g} GB of host memory per GPU "
+                  "at most)" if host else "")
     return f"{sim.program}: {sim.pipeline}, fold {sim.fold}, p={p} m={m} v={v}, {si}, {optimizer}"
 
 

@@ -97,7 +97,7 @@ from dhelix.dsl.core.options import option
 from dhelix.interpreter.execute.executor import StepHooks
 from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device, reduce_in
 from dhelix.interpreter.ops.weights import DTYPES, LM_HEAD
-from dhelix.interpreter.training.offload import HostStaging, host_copy, host_zeros
+from dhelix.interpreter.training.offload import DeviceTail, HostStaging, host_copy, host_zeros
 
 
 @attrs.frozen
@@ -162,7 +162,7 @@ class _Bucket:
 
     def __init__(self, names, params: Mapping[str, torch.Tensor], comm: Communicator, axis: str,
                  zero1: bool, device, summed: bool = False, partial: Mapping[str, tuple[str, ...]] = {},
-                 offload: bool = False):
+                 offload: int = 0):
         self.names, self.axis, self.device = sorted(names), axis, device
         self.name_set = frozenset(self.names)
         #: ZeRO-3 pieces: their gradients arrive summed over ``axis`` (each replica holds its
@@ -182,11 +182,16 @@ class _Bucket:
         width = self.padded // size if zero1 else self.padded
         self.offset = comm.index(axis) * width if zero1 else 0
         self.width = width
-        #: Offloaded (:mod:`.offload`): the host buffers the part's gradients land in and its
-        #: updated weights leave from; the moments and masters then live on the host too.
-        self.staging = HostStaging(width, self.dtype, device) if offload else None
+        #: Offloaded (:mod:`.offload`, ``offload`` the percent of the part's elements): the
+        #: host buffers the first :attr:`host_width` elements' gradients land in and their
+        #: updated weights leave from; the moments and masters of those elements then live on
+        #: the host (:attr:`exp_avg`, :attr:`exp_avg_sq`, :attr:`master`), the others' on the
+        #: device (:attr:`tail`).
+        self.host_width = width * offload // 100
+        self.staging = HostStaging(self.host_width, self.dtype, device) if offload else None
+        self.tail = DeviceTail(width - self.host_width, device) if offload and self.host_width < width else None
         if offload:
-            self.exp_avg, self.exp_avg_sq = (host_zeros(width, torch.float32, device) for _ in range(2))
+            self.exp_avg, self.exp_avg_sq = (host_zeros(self.host_width, torch.float32, device) for _ in range(2))
         else:
             self.exp_avg = torch.zeros(width, dtype=torch.float32, device=device)
             self.exp_avg_sq = torch.zeros_like(self.exp_avg)
@@ -225,7 +230,28 @@ class _Bucket:
     def keep_master(self, params: Mapping[str, torch.Tensor]) -> None:
         """Start the fp32 masters of this rank's part from ``params`` (on the host when offloaded)."""
         part = self.flat(params)[self.offset:self.offset + self.width]
-        self.master = host_copy(part, self.device) if self.offloaded else part.clone()
+        if not self.offloaded:
+            self.master = part.clone()
+            return
+        self.master = host_copy(part[:self.host_width], self.device)
+        if self.tail is not None:
+            self.tail.master.copy_(part[self.host_width:])
+
+    def state(self, name: str) -> torch.Tensor:
+        """This rank's whole part of ``exp_avg``, ``exp_avg_sq`` or ``master`` on the device:
+        the bucket's tensor itself, or offloaded, its host and device pieces joined (a copy)."""
+        head = getattr(self, name)
+        if not self.offloaded:
+            return head
+        head = head.to(self.device)
+        return torch.cat([head, getattr(self.tail, name)]) if self.tail is not None else head
+
+    def set_state(self, name: str, part: torch.Tensor) -> None:
+        """Write ``part`` (this rank's whole part of ``exp_avg``, ``exp_avg_sq`` or ``master``)
+        into the bucket's tensor, or offloaded, into its host and device pieces."""
+        getattr(self, name).copy_(part[:self.host_width] if self.offloaded else part)
+        if self.tail is not None:
+            getattr(self.tail, name).copy_(part[self.host_width:])
 
     def fill(self, out: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Copy ``tensors`` of :attr:`names` into the padded fp32 buffer ``out``; returns it
@@ -276,9 +302,10 @@ class DistributedAdamW:
                  groups: Sequence[Collection[str]] | None = None, gather_forward: bool = False,
                  reduce_backward: bool = False, partial: Mapping[str, tuple[str, ...]] = {},
                  replicated_over: str | None = None, per_microbatch: bool = False, replicas_sliced: bool = False,
-                 offload: bool = False):
+                 offload: int = 0):
         self.params, self.comm, self.zero1, self.config = dict(params), comm, zero1, config
-        #: Whether the buckets' masters and moments live in host memory (:mod:`.offload`).
+        #: The percent of each bucket part whose masters and moments live in host memory
+        #: (:mod:`.offload`; 0: none).
         self.offload = offload
         #: The wire dtype of the gradients' reductions over dp (fp32: as accumulated).
         self.reduce_dtype = DTYPES[config.grad_reduce_dtype]
@@ -579,15 +606,21 @@ class DistributedAdamW:
         return parts
 
     def _update_on_host(self, bucket: _Bucket, grad: torch.Tensor, lr: float) -> torch.Tensor:
-        # An offloaded bucket's update (:mod:`.offload`): its averaged part to the host, AdamW
-        # there on the host's masters and moments, the updated weights back as a new device
-        # tensor in the parameters' dtype, for _publish.
-        assert bucket.staging is not None and bucket.master is not None, "an offloaded bucket"
+        # An offloaded bucket's update (:mod:`.offload`): its averaged part's host elements to
+        # the host, the device's elements (offload_percent < 100) updated on the device
+        # meanwhile, AdamW on the host's masters and moments, the updated weights back as a
+        # new device tensor in the parameters' dtype (the two pieces joined), for _publish.
+        staging, tail, host = bucket.staging, bucket.tail, bucket.host_width
+        assert staging is not None and bucket.master is not None, "an offloaded bucket"
         if not self.config.master:  # no masters kept: the step starts from the weights, as on the device
-            bucket.master.copy_(bucket.flat(self.params)[bucket.offset:bucket.offset + bucket.width])
-        landed = bucket.staging.take(grad)
-        self._adamw([bucket.master], [landed], [bucket.exp_avg], [bucket.exp_avg_sq], lr)
-        return bucket.staging.give(bucket.master)
+            bucket.set_state("master", bucket.flat(self.params)[bucket.offset:bucket.offset + bucket.width])
+        staging.take(grad[:host])
+        if tail is not None:
+            self._adamw([tail.master], [grad[host:]], [tail.exp_avg], [tail.exp_avg_sq], lr)
+        if host:
+            self._adamw([bucket.master], [staging.landed()], [bucket.exp_avg], [bucket.exp_avg_sq], lr)
+        mine = staging.give(bucket.master)
+        return mine if tail is None else torch.cat([mine, tail.master.to(bucket.dtype)])
 
     def _in_place(self, bucket: _Bucket) -> bool:
         # fp32 parameters are their own masters: updated where they are.
@@ -597,7 +630,8 @@ class DistributedAdamW:
     def _kept(self, bucket: _Bucket) -> list[torch.Tensor]:
         # What an update writes that outlives it: the moments, and the masters or the
         # parameters updated in place (a part made from the parameters is made again).
-        return [bucket.exp_avg, bucket.exp_avg_sq] + ([bucket.master] if bucket.master is not None else [])
+        return [bucket.exp_avg, bucket.exp_avg_sq] + ([bucket.master] if bucket.master is not None else []) \
+            + (bucket.tail.tensors() if bucket.tail is not None else [])
 
     def _keep_copies(self) -> None:
         # Post-validation's copies of what the update writes, taken before it (one set per
@@ -695,8 +729,8 @@ class DistributedAdamW:
         masters (what the simulator's model states count as the optimizer's; a flat
         gradient buffer is the gradients where the executor adds into :meth:`main_grads`,
         else scratch, see :meth:`scratch_tensors`)."""
-        return [t for b in self.buckets if not b.offloaded for t in (b.exp_avg, b.exp_avg_sq, b.master)
-                if t is not None]
+        return [t for b in self.buckets for t in ((b.exp_avg, b.exp_avg_sq, b.master) if not b.offloaded else
+                                                  b.tail.tensors() if b.tail is not None else ()) if t is not None]
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Offloaded (:mod:`.offload`): what the optimizer keeps in host memory — the moments
@@ -721,9 +755,8 @@ class DistributedAdamW:
         out: dict = {}
         for bucket in self.buckets:
             # (offloaded: on the device, as the collectives here and the checkpoint's take them)
-            pair = [m.to(bucket.device) if not bucket.sliced else
-                    self.comm.all_gather(m.to(bucket.device).contiguous(), bucket.axis)
-                    for m in (bucket.exp_avg, bucket.exp_avg_sq)]
+            pair = [m if not bucket.sliced else self.comm.all_gather(m.contiguous(), bucket.axis)
+                    for m in (bucket.state("exp_avg"), bucket.state("exp_avg_sq"))]
             first, second = (bucket.unflatten(m) for m in pair)
             out.update({name: (first[name].clone(), second[name].clone()) for name in bucket.names})
         return out
@@ -737,7 +770,7 @@ class DistributedAdamW:
             if bucket.master is None:
                 out.update({name: self.params[name].float() for name in bucket.names})
                 continue
-            master = bucket.master.to(bucket.device)  # (offloaded: from the host)
+            master = bucket.state("master")  # (offloaded: from the host)
             flat = self.comm.all_gather(master.contiguous(), bucket.axis) if bucket.sliced else master
             out.update({name: value.clone() for name, value in bucket.unflatten(flat).items()})
         return out
@@ -753,9 +786,9 @@ class DistributedAdamW:
                 self.params[name].copy_(masters[name])
             if bucket.master is not None:
                 bucket.keep_master(masters)
-            for slot, moment in enumerate((bucket.exp_avg, bucket.exp_avg_sq)):
+            for slot, moment in enumerate(("exp_avg", "exp_avg_sq")):
                 flat = bucket.flat({name: moments[name][slot] for name in bucket.names})
-                moment.copy_(flat[bucket.offset:bucket.offset + moment.numel()])
+                bucket.set_state(moment, flat[bucket.offset:bucket.offset + bucket.width])
         self.steps = steps
 
     def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, lr: float) -> None:
@@ -816,5 +849,5 @@ def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWCo
         pieces=executor.flat.shapes, replicated_over=executor.flat.replicated_over,
         groups=executor.param_groups() if gather or reduce else None, gather_forward=gather,
         reduce_backward=reduce, partial=executor.partial_sums(), per_microbatch=per_microbatch,
-        replicas_sliced=executor.facts.replicas_sliced, offload=train.offloads)
+        replicas_sliced=executor.facts.replicas_sliced, offload=train.offload_share)
     return optimizer
