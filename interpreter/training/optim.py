@@ -74,9 +74,11 @@ weights. Dense weights (attention, norms, router, the model's ends) stay in the 
 over that axis.
 
 With ``train { offload = optimizer }`` every bucket's masters and moments live in host
-memory (an fp32 master copy for fp32 weights too): its averaged part goes to the host, AdamW
-runs there, and the updated weights come back as a device tensor that :meth:`DistributedAdamW._publish`
-takes as it takes a device update (:mod:`.offload`); the numbers are the same.
+memory (an fp32 master copy for fp32 weights too; with ``offload_percent = P`` those of the
+first P % of each part's elements, the rest on the device): its averaged part goes to the
+host, AdamW runs there, and the updated weights come back as a device tensor that
+:meth:`DistributedAdamW._publish` takes as it takes a device update (:mod:`.offload`); the
+numbers are the same.
 
 One module, though over 500 lines, because it is one thing: the data-parallel optimizer step,
 from the gradient buckets' reductions to the updated weights (:class:`DistributedAdamW`; its
