@@ -519,8 +519,9 @@ class Pricer:
         """:func:`~dhelix.dsl.simulator.costs.step_costs` of ``program`` (a checked choice of
         ``layout``, its layer DAGs interned) with ``plan``: they depend on the layout (mesh,
         recomputation), the layer DAGs and the plan only, not on the schedule, so they are
-        computed once for the schedules that share them."""
-        key = (layout, id(program.forward), id(program.backward), id(plan))
+        computed once for the schedules that share them (and for a layout offloading its
+        optimizer and its twin that does not: the simulator reads that from the program)."""
+        key = (attrs.evolve(layout, offload="none"), id(program.forward), id(program.backward), id(plan))
         found = self._costs.get(key)
         if found is None:
             # The objects are kept with their costs, so their ids are not reused.
@@ -532,7 +533,8 @@ class Pricer:
         """:func:`~dhelix.dsl.search.bound.relaxed_costs` of ``program`` (a checked choice of ``layout``), once per
         layout, layer DAGs and whether the schedule splits W off (what the pairs' bound reads)."""
         assert program.lowered is not None, "a validated model"
-        key = (layout, id(program.forward), id(program.backward), program.lowered.split, "relaxed")
+        key = (attrs.evolve(layout, offload="none"), id(program.forward), id(program.backward), program.lowered.split,
+               "relaxed")
         found = self._costs.get(key)
         if found is None:
             found = self._costs[key] = (program.forward, program.backward, None,
