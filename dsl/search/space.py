@@ -277,7 +277,7 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = (),
-             partitions: bool = False, generated: bool = False, stages: bool = False) -> Space:
+             partitions: bool = False, generated: bool = False, stages: bool = False, offload: bool = False) -> Space:
     """The search space of a checked ``program`` (a model, mesh and train block) on ``world``
     GPUs (None: its cluster's); ``keep`` names settings that stay as written (KEEPABLE);
     ``partitions`` adds the generated partition against the file's own (`dhelix tune
@@ -285,7 +285,9 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
     several times, so the search takes longer); ``generated`` adds the zero-bubble
     scheduler's pipelines, written for each layout (:data:`~dhelix.dsl.search.generated.GENERATED`,
     fold none); ``stages`` adds uneven pipeline stages (:func:`stage_ends_tried`; `dhelix tune
-    --stages`: each pipeline size's layouts three times over). Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
+    --stages`: each pipeline size's layouts three times over); ``offload`` adds the optimizer's states in host
+    memory where the profile has a host section (`dhelix tune --offload`: the layouts twice over; without it the
+    file's own). Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
     hold."""
     for name in keep:
         if name not in KEEPABLE:
@@ -321,8 +323,8 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         boundaries=tuple(sorted({program.cluster.gpus_per_node} | {gpus for _, gpus in mesh.levels
                                                                     if gpus < world})),
         layers=layers, stages=stages,
-        offload=domain("offload", OFFLOAD if program.profile is not None and program.profile.host is not None
-                       else OFFLOAD[:1]))
+        offload=domain("offload", OFFLOAD if offload and program.profile is not None and program.profile.host is not None
+                       else (train.offload,)))
 
 
 def _kept(program: Program, keep: tuple[str, ...]) -> dict:
