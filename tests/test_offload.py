@@ -2,13 +2,15 @@
 host memory; each step the averaged gradients go to the host, AdamW runs there and the
 updated weights come back (interpreter/training/offload.py).
 
-On 2 gloo ranks (2 micro-batches each), ZeRO 0, 1 (bf16, its gathers under the next forward), 2 and 3, clipping on: two steps with the
-states offloaded give the losses, weights and moments of the device optimizer bit for bit (one
-AdamW kernel, the same elements in the same order) — a copy-back left out keeps the old weights
-and fails it. A checkpoint of an offloaded run resumes into a run without offload. The
-simulator's formulas: the device loses the optimizer states, the host holds them and the
-staging buffers (the interpreter's counts exactly), the step adds the two copies and the host's
-AdamW in place of the device's; a profile without a host section refuses offload by name.
+On 2 gloo ranks (2 micro-batches each), ZeRO 0, 1 (bf16, its gathers under the next
+forward), 2 and 3 (37 % offloaded: ``offload_percent``), clipping on: two steps with the states
+offloaded give the losses, weights and moments of the device optimizer bit for bit (one AdamW
+kernel, the same elements in the same order; a share offloaded, to an fp32 rounding) — a
+copy-back left out keeps the old weights and fails it. An offloaded run's checkpoint resumes
+into a new offloaded run that takes the next step as the run that went on did. The simulator's
+formulas: the device loses the optimizer states (its share), the host holds them and the staging
+buffers (the interpreter's counts exactly), the step adds the two copies and the host's AdamW in
+place of the device's; a profile without a host section refuses offload by name.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from test_training import EXAMPLE  # noqa: E402
 LAYOUTS = {
     "dp2_zero0": ("dp = 2", "zero = 0", "fp32", "optimizer"),
     "dp2_zero1_bf16_gather_forward": ("dp = 2", "zero = 1  param_gather = forward", "bf16", "optimizer"),
-    "dp2_zero1_half": ("dp = 2", "zero = 1", "fp32", "optimizer  offload_percent = 50"),
     "dp2_zero2": ("dp = 2", "zero = 2", "fp32", "optimizer"),
+    # A share offloaded: ZeRO-3's pieces, and the model's ends sliced over dp as ZeRO-1's buckets are.
     "dp2_zero3_37_percent": ("dp = 2", "zero = 3", "fp32", "optimizer  offload_percent = 37"),
 }
 STEPS = 2
