@@ -3,8 +3,8 @@ models on 64 A40s and on 1024 H100s.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/tune_speed.py [--only NAME] [--partitions] [--top] [--jobs N]
-    .venv/bin/python benchmarks/tune_speed.py --against DIR [--rounds R] [--only NAME] [--partitions] [--jobs N]
+    .venv/bin/python benchmarks/tune_speed.py [--only NAME] [--partitions] [--offload] [--top] [--jobs N]
+    .venv/bin/python benchmarks/tune_speed.py --against DIR [--rounds R] [--only NAME] [--partitions] [--offload] [--jobs N]
 
 Each search runs to the end (no budget) with the top 5 kept, in one process or ``--jobs N``
 side by side (as `dhelix tune --jobs N`). Printed per search: wall-clock and CPU seconds (the
@@ -18,7 +18,9 @@ earlier commit) side by side with this one: each search runs in a fresh process 
 interpreter, the two alternated for ``--rounds`` rounds (the other first in odd rounds); the
 wall-clock and CPU seconds of each run, their medians and the ratios (this one over the
 other; CPU seconds tell more than wall-clock ones on a machine shared with other work) are
-printed, and whether both found the same best step.
+printed, and whether both found the same best step. ``--offload`` searches optimizer offload
+too (`dhelix tune --offload`); with ``--against``, here only (the other checkout searches its
+default space: what the offload dimension costs against it).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ def _cpu() -> float:
     return times.user + times.system + times.children_user + times.children_system
 
 
-def run_case(name: str, path: Path, partitions: bool = False, top_list: bool = False, jobs: int = 1) -> None:
+def run_case(name: str, path: Path, partitions: bool = False, top_list: bool = False, jobs: int = 1,
+             offload: bool = False) -> None:
     """Search the file ``path`` with ``jobs`` processes and print what it took (and the top 5
     found, with ``top_list``)."""
     load = os.getloadavg()[0]
@@ -62,10 +65,11 @@ def run_case(name: str, path: Path, partitions: bool = False, top_list: bool = F
     text = read_source(str(path))
     modules = load_modules(text, str(path))
     base = passes.rerun(check_program(modules), after="check")
-    space = space_of(base, partitions=partitions)
+    space = space_of(base, partitions=partitions, offload=offload) if offload else space_of(base, partitions=partitions)
     outcome = search(Pricer(modules, base, base.mesh.world), space, top=5, jobs=jobs)
     wall, cpu = time.perf_counter() - wall, _cpu() - cpu
-    print(f"{name}{' --partitions' if partitions else ''}{f' --jobs {jobs}' if jobs > 1 else ''}: "
+    print(f"{name}{' --partitions' if partitions else ''}{' --offload' if offload else ''}"
+          f"{f' --jobs {jobs}' if jobs > 1 else ''}: "
           f"{path.relative_to(ROOT)}, {base.mesh.world} GPUs, "
           f"profile {base.profile.name}, "
           f"global batch {space.sequences} x {base.model.get('seq')}")
@@ -111,17 +115,18 @@ def _package_view(checkout: Path, into: Path) -> Path:
     return into
 
 
-def _timed(checkout: Path, view: Path, name: str, partitions: bool, jobs: int) -> tuple[float, float, str]:
+def _timed(checkout: Path, view: Path, name: str, partitions: bool, jobs: int,
+           offload: bool = False) -> tuple[float, float, str]:
     """(wall seconds, CPU seconds, best choice and step) of one search of case ``name`` run
     by ``checkout``'s own benchmark, as it prints them."""
     command = [sys.executable, "-c", _BOOT, str(view), str(checkout / "benchmarks" / "tune_speed.py"), "--only", name,
-               "--jobs", str(jobs)] + (["--partitions"] if partitions else [])
+               "--jobs", str(jobs)] + (["--partitions"] if partitions else []) + (["--offload"] if offload else [])
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=checkout).stdout
     found = re.search(r"^  ([0-9.]+) s wall, ([0-9.]+) s CPU", out, re.M)
     return float(found.group(1)), float(found.group(2)), re.search(r"^  best: (.*)$", out, re.M).group(1)
 
 
-def against(other: Path, rounds: int, names: list[str], partitions: bool, jobs: int) -> None:
+def against(other: Path, rounds: int, names: list[str], partitions: bool, jobs: int, offload: bool = False) -> None:
     """Time each case of ``names`` here and in the checkout ``other``, alternated for
     ``rounds`` rounds; print each run, the medians and their ratio."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -133,7 +138,7 @@ def against(other: Path, rounds: int, names: list[str], partitions: bool, jobs: 
             bests: dict[str, set[str]] = {"this": set(), "other": set()}
             for round_ in range(rounds):
                 for side in (("other", "this") if round_ % 2 == 0 else ("this", "other")):
-                    wall, cpu, best = _timed(trees[side], views[side], name, partitions, jobs)
+                    wall, cpu, best = _timed(trees[side], views[side], name, partitions, jobs, offload and side == "this")
                     walls[side].append(wall)
                     cpus[side].append(cpu)
                     bests[side].add(best)
@@ -153,6 +158,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(CASES), help="run one search")
     parser.add_argument("--partitions", action="store_true", help="search Centauri's partition too (tune --partitions)")
+    parser.add_argument("--offload", action="store_true",
+                        help="search optimizer offload too (tune --offload; with --against, here only)")
     parser.add_argument("--top", action="store_true", help="print the top 5 found too (to compare two searches)")
     parser.add_argument("--jobs", type=int, default=1, help="search processes side by side (tune --jobs)")
     parser.add_argument("--against", type=Path, help="another checkout to time side by side with this one")
@@ -162,11 +169,11 @@ def main() -> None:
           f"Python {platform.python_version()}")
     if args.against is not None:
         against(args.against.resolve(), args.rounds, [n for n in CASES if args.only in (None, n)], args.partitions,
-                args.jobs)
+                args.jobs, args.offload)
         return
     for name, path in CASES.items():
         if args.only in (None, name):
-            run_case(name, path, args.partitions, args.top, args.jobs)
+            run_case(name, path, args.partitions, args.top, args.jobs, args.offload)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ lab.yaml:3:1: unknown key 'hbm_gbs' in the profile
   3 | hbm_gbs: 1000
     | ^^^^^^^
   note: did you mean 'hbm_gbps'?
-  note: keys here: name, description, peak_tflops, hbm_gbps, memory_gb, optimizer_gbps, achieved, links, collectives, oef, slowdown, launch_gap, kernels, measured
+  note: keys here: name, description, peak_tflops, hbm_gbps, memory_gb, optimizer_gbps, achieved, links, collectives, oef, slowdown, launch_gap, host, kernels, measured
 2 errors"""
 
 

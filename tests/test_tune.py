@@ -18,6 +18,7 @@ from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.frontend.imports import load_modules, read_source
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.search.space import Choice, Layout, Space, space_of
+from dhelix.dsl.frontend.config import OFFLOAD
 from dhelix.dsl.search.tune import Pricer, Priced, exhaustive, search
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +73,7 @@ def test_search_equals_exhaustive_on_random_spaces(tiny, seed):
                          schedules=_sub(rng, full.schedules), cp=(1,), partition=_sub(rng, full.partition),
                          param_gather=_sub(rng, full.param_gather))
     top = rng.choice((1, 3, 5))
+    space = attrs.evolve(space, offload=_sub(rng, OFFLOAD))
     expected = exhaustive(pricer, space, top=top)
     found = search(pricer, space, top=top)
     assert [p.choice for p in found.top] == [p.choice for p in expected]
@@ -1103,3 +1105,51 @@ def test_kept_stages_keep_the_fold_they_split():
     space = space_of(base, keep=("stages",))
     assert {fold for fold, _, _ in space.schedules} == {"u"}
     assert {layout.stage_ends for layout in space.layouts()} == {(2, 2)}
+
+
+def test_optimizer_offload_is_searched_and_wins_where_only_it_fits(tmp_path):
+    # One layout on and off the host: offloading leaves the device without the optimizer's
+    # states and makes the step longer (the gradients' copy, the host's AdamW, the weights'
+    # copy). On a device that holds the layout only offloaded, the search's best offloads
+    # and equals the exhaustive pricing; on a larger one the twin that does not offload
+    # settles it unsimulated (slower), and the top is the exhaustive one too.
+    from dhelix.dsl.search.variant import relocate, variant_text
+
+    pricer, full = _pricer()
+    space = attrs.evolve(full, tp=(2,), pp=(2,), cp=(1,), micro_batch=(2,), zero=(0,), recompute=("none",),
+                         partition=("written",), param_gather=("step",), boundaries=(), offload=OFFLOAD,
+                         schedules=tuple(s for s in full.schedules if s[:2] == ("none", "one_f_one_b")))
+    base = passes.rerun(check_program(load_modules(read_source(str(TINY)), str(TINY))), after="check")
+    # Searched when asked (tune --offload), where the profile gives the host link (a40's does).
+    assert space_of(base, offload=True).offload == OFFLOAD and space_of(base).offload == ("none",)
+    layouts = list(space.layouts())
+    assert [layout.offload for layout in layouts] == ["none", "optimizer"]
+    priced = {layout.offload: pricer.price(Choice(layout, *space.schedules[0])) for layout in layouts}
+    peak = {key: max(r.memory for r in p.sim.ranks) for key, p in priced.items()}
+    assert peak["optimizer"] < peak["none"] and priced["optimizer"].seconds > priced["none"].seconds
+    for layout in layouts:  # the bounds hold below what they price
+        bound = pricer.bound(layout, space.schedules[0])
+        assert bound.seconds <= priced[layout.offload].seconds and bound.memory <= peak[layout.offload]
+    pricer.memory_gb = (peak["optimizer"] + peak["none"]) / 2 / 1e9
+    expected = exhaustive(pricer, space, top=2)
+    found = search(pricer, space, top=2)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    best = found.top[0].choice
+    assert best.layout.offload == "optimizer" and "zero0  offload" in best.describe()
+    out = tmp_path / "offloaded.dhx"
+    out.write_text(variant_text(relocate(pricer.variant(best), str(TINY), str(out)), read_source(str(TINY)), "tuned"))
+    assert check_program(load_modules(out.read_text(), str(out))).train.offload == "optimizer"
+    pricer.memory_gb = None
+    found = search(pricer, space, top=1)
+    assert [p.choice for p in found.top] == [p.choice for p in exhaustive(pricer, space, top=1)]
+    assert found.top[0].choice.layout.offload == "none"
+    # Where the profile makes the offloaded step slower, a priced twin that fits settles it.
+    from dhelix.dsl.search.branch import _Dominance, offload_slower
+
+    assert offload_slower(pricer.profile, "fp32")
+    twin, offloaded = (Choice(layout, *space.schedules[0]) for layout in layouts)
+    for slower, ruled in ((True, "slower"), (False, None)):
+        dominance = _Dominance(slower)
+        dominance.saw(attrs.evolve(priced["none"], choice=twin))
+        assert dominance.rules_out(offloaded, cutoff=priced["none"].seconds / 2) == ruled

@@ -1,4 +1,4 @@
-"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--generated] [--stages] [--budget SECONDS] [--memory-margin GB|%]
+"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--generated] [--stages] [--offload] [--budget SECONDS] [--memory-margin GB|%]
 [--top K] [--uncertainty [--robust]] [--measure K [--measure-steps N]] [-o best.dhx] [--json] [--profile P]`: search
 the fastest schedule that fits.
 
@@ -6,7 +6,8 @@ FILE gives the model, the cluster and the global batch (its dp × micro_batch ×
 sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
 ``param_gather``, with ``--partitions`` Centauri's partition, fold, pipeline (with
 ``--generated`` the zero-bubble scheduler's too, :mod:`dhelix.dsl.search.generated`), with
-``--stages`` the end stages' layers, and SI on or off
+``--stages`` the end stages' layers, with ``--offload`` the optimizer's states in host memory,
+and SI on or off
 (``train { si }``, for the pipelines that write SI blocks; a file that writes it keeps it)
 (:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
 top K that fit the device's memory, less a reserve kept free (``--memory-margin``,
@@ -76,6 +77,9 @@ def register(subparsers) -> None:
                            "embedding's and the LM head's) lighter by the least that leaves the others an equal "
                            "share, and the last alone so (train { first_stage_layers last_stage_layers }); a pipeline "
                            "size that does not divide the layers can then work")
+    tune.add_argument("--offload", action="store_true",
+                      help="search optimizer offload too where the profile has a host section: each layout with its "
+                           "optimizer's states in host memory as well as on the device (train { offload = optimizer })")
     tune.add_argument("--memory-margin", metavar="GB|%", default=None,
                       help="memory kept free on every device for the CUDA context, the collectives' buffers and "
                            "fragmentation: gigabytes (2.5) or a part of the device (8%%); a choice fits when its "
@@ -126,7 +130,7 @@ def cmd_tune(args) -> int:
     keep = tuple(name.strip() for name in args.keep.split(",") if name.strip())
     try:
         space = space_of(base, world, keep, partitions=args.partitions, generated=args.generated,
-                         stages=args.stages)
+                         stages=args.stages, offload=args.offload)
     except UsageError as exc:
         raise UsageError(f"--keep: {exc.message}") from None
     if args.measure is not None:

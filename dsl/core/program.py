@@ -128,6 +128,14 @@ class Train:
     #: None: an equal share.
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    #: Where the optimizer's fp32 master weights and AdamW moments live: "none" (on the
+    #: device) or "optimizer" (in host memory: each step the rank's averaged gradients go
+    #: device -> host, AdamW runs on the host CPU, the updated weights go host -> device;
+    #: ZeRO-Offload's offload_optimizer, FSDP's CPUOffload, Megatron-LM's optimizer CPU offload).
+    offload: str = "none"
+    #: With ``offload = optimizer``: the percent of each of the optimizer's parts whose states
+    #: live on the host (Megatron-LM's offload fraction); None: all of them.
+    offload_percent: int | None = None
     span: Span | None = span_field()
     data_span: Span | None = span_field()
     zero_span: Span | None = span_field()
@@ -137,6 +145,8 @@ class Train:
     #: Where an error about the stages' sizes points (the first of ``first_stage_layers``
     #: and ``last_stage_layers`` written).
     stages_span: Span | None = span_field()
+    #: Where an error about ``offload`` points.
+    offload_span: Span | None = span_field()
 
     def setting(self, key: str):
         """The value the block writes for the run option of train key ``key``; None when
@@ -171,6 +181,19 @@ class Train:
     def stage_ends(self) -> tuple[int | None, int | None]:
         """(layers of the first pipeline stage, of the last); None where not written."""
         return self.first_stage_layers, self.last_stage_layers
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the optimizer's states live in host memory (``offload = optimizer``)."""
+        return self.offload != "none"
+
+    @property
+    def offload_share(self) -> int:
+        """The percent of the optimizer's states in host memory: 0 without offload, else
+        ``offload_percent`` (100 when not written)."""
+        if not self.offloads:
+            return 0
+        return 100 if self.offload_percent is None else self.offload_percent
 
     def recomputes(self, position: int) -> bool:
         """Whether the layer at ``position`` of its model chunk (0: the chunk's first, in

@@ -23,7 +23,7 @@ from dhelix.dsl.core.errors import CheckError, DhelixError, ErrorCollector
 from dhelix.dsl.frontend.layercheck import check_layer
 from dhelix.dsl.frontend.modelcheck import check_divisibility, stage_split_error, tie_error
 from dhelix.dsl.frontend.pipelinecheck import check_pipeline, reads_name
-from dhelix.dsl.frontend.profiles import load_profile
+from dhelix.dsl.frontend.profiles import ProfileError, load_profile
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.wording import did_you_mean, join_words
 
@@ -133,6 +133,11 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
     for error in check_divisibility(model, model_block, mesh, mesh_block):
         errors.add(error)
     _check_stages(model, model_block, mesh, fold, train, errors)
+    if train.offloads and profile is not None:
+        try:
+            profile.host_or_error(train.offload_span)
+        except ProfileError as error:
+            errors.add(error)
     if (tied := tie_error(model, model_block)) is not None:
         errors.add(tied)
     if train.shard is not None and _check_shard(train, mesh, errors):

@@ -45,6 +45,10 @@ GRAD_REDUCE = option("grad_reduce").choices
 #: (``on``, the default) or each runs its forward, then its backward (``off``: the schedule
 #: as written without SI, what `dhelix simulate --compare` calls "without SI").
 SI_SETTINGS = option("si").choices
+#: Where ``train { offload = … }`` keeps the optimizer's fp32 masters and AdamW moments: on
+#: the device (``none``) or in host memory (``optimizer``: the step's gradients go to the host,
+#: AdamW runs on its CPU, the updated weights come back; the profile's ``host`` link prices it).
+OFFLOAD = option("offload").choices
 #: The ZeRO stages ``train { zero = N }`` accepts: 0 (replicated optimizer states), 1 (optimizer
 #: states sharded over data parallelism, Megatron's distributed optimizer) and 3 (FSDP: the
 #: layers' weights and gradients sharded too, gathered and reduce-scattered per layer).
@@ -303,6 +307,20 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
                                "(the option sets the dtype of the fp32 main gradients' reductions, which ZeRO-3's "
                                "layers do not have): remove grad_reduce_dtype, or use zero = 0, 1 or 2"]))
         return None
+    offload = v.get("offload", option("offload").default)
+    if offload not in OFFLOAD:
+        errors.add(CheckError(f"unknown offload '{offload}' (none or optimizer)", block.span("offload"),
+                              did_you_mean(offload, OFFLOAD)
+                              + ["none keeps the optimizer's fp32 master weights and AdamW moments on the device; "
+                                 "optimizer keeps them in host memory and runs AdamW on the host's CPU"]))
+        return None
+    if "offload_percent" in v and offload == "none":
+        errors.add(CheckError(f"offload_percent = {v['offload_percent']} needs offload = optimizer",
+                              block.span("offload_percent"),
+                              ["offload_percent = P keeps the optimizer's states of P % of each part's parameters "
+                               "in host memory and the rest on the device (Megatron-LM's optimizer offload "
+                               "fraction): add offload = optimizer, or remove offload_percent"]))
+        return None
     si = v.get("si")
     if si is not None and si not in SI_SETTINGS:
         errors.add(CheckError(f"unknown si '{si}' (on or off)", block.span("si"),
@@ -325,7 +343,9 @@ def build_train(node: s.ConfigBlock, errors: ErrorCollector) -> Train | None:
     return Train(v["micro_batch"], v["microbatches"], v.get("data"), zero, recompute, param_gather, v.get("shard"),
                  v.get("launch"), grad_reduce, v.get("launch_backward"), si, run,
                  recompute_layers=v.get("recompute_layers"), first_stage_layers=v.get("first_stage_layers"),
-                 last_stage_layers=v.get("last_stage_layers"), span=node.span,
+                 last_stage_layers=v.get("last_stage_layers"), offload=offload,
+                 offload_percent=v.get("offload_percent"), span=node.span,
+                 offload_span=block.span("offload") if "offload" in block.nodes else None,
                  stages_span=next((block.span(k) for k in ("first_stage_layers", "last_stage_layers")
                                    if k in block.nodes), None),
                  launch_span=block.span("launch") if "launch" in block.nodes else None,

@@ -73,6 +73,11 @@ def render_profile(profile: Profile, notes: Mapping[str, str] | None = None, hea
     out.section("launch_gap", "launch_gap")
     out.value("fixed_us", _num(profile.launch_gap.fixed_us), "launch_gap.fixed_us", 1)
     out.value("comm_fraction", _num(profile.launch_gap.comm_fraction), "launch_gap.comm_fraction", 1)
+    if profile.host is not None:
+        out.blank()
+        out.section("host", "host")
+        out.value("link_gbps", _num(profile.host.link_gbps), "host.link_gbps", 1)
+        out.value("optimizer_gbps", _num(profile.host.optimizer_gbps), "host.optimizer_gbps", 1)
     if profile.kernels != NO_KERNEL_TERMS:
         out.blank()
         _kernels(out, profile.kernels)

@@ -37,6 +37,10 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
     slowdown*:
       compute_with_comm*: 0.25        # σ in [0, 1]: own comm overlapping own compute
     launch_gap*: {fixed_us*, comm_fraction*}   # per paired segment, both >= 0
+    host:                             # optional: the host beside each GPU, for `train { offload }`
+      link_gbps*: 64                  #   host <-> device bandwidth per GPU and direction (PCIe, C2C), > 0
+      optimizer_gbps*: 12             #   bytes/s (10^9) a host AdamW step streams, per GPU's share of the
+                                      #   host's cores and memory, > 0 (absent section: offload refused)
     kernels:                          # optional per-kernel terms (frontend.kernel_terms):
       overhead_us: 4                  #   fixed time per kernel launched, >= 0
       sms: 108                        #   streaming multiprocessors (GEMM tile waves)
@@ -90,7 +94,9 @@ DEFAULT_MODELS = {"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": 
                   "all_to_all": "pairwise", "p2p": "p2p", "reduce": "rooted", "broadcast": "rooted"}
 OEF_CLASSES = ("comp_comp", "comp_intra", "comp_inter", "intra_intra", "inter_inter", "intra_inter")
 TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "memory_gb", "optimizer_gbps", "achieved", "links",
-            "collectives", "oef", "slowdown", "launch_gap", "kernels", "measured")
+            "collectives", "oef", "slowdown", "launch_gap", "host", "kernels", "measured")
+#: The keys of the ``host`` section, both required there.
+HOST_KEYS = ("link_gbps", "optimizer_gbps")
 TOP_REQUIRED = ("name", "peak_tflops", "hbm_gbps", "achieved", "links", "oef", "slowdown", "launch_gap")
 STAMP_KEYS = ("machine", "torch", "backend", "date", "command")
 MEASURED_KEYS = ("dtype", "source", *STAMP_KEYS, "repeats", "mesh", "shapes", "ops", "pairs")
@@ -132,6 +138,16 @@ class LaunchGap:
     def seconds(self, comm_seconds: float) -> float:
         """The gap for a pair whose communication takes ``comm_seconds`` when run alone."""
         return max(self.fixed_us * 1e-6, self.comm_fraction * comm_seconds)
+
+
+@attrs.frozen
+class Host:
+    """The host beside each GPU, what optimizer offload (``train { offload = optimizer }``)
+    costs: the host link's bandwidth per GPU and direction (GB/s: PCIe, NVLink-C2C) and the
+    rate (GB/s) at which a host AdamW step streams its bytes (the GPU's share of the host)."""
+
+    link_gbps: float
+    optimizer_gbps: float
 
 
 @attrs.frozen
@@ -181,7 +197,20 @@ class Profile:
     memory_gb: float | None = None  # device memory per rank; None: not known
     optimizer_gbps: float | None = None  # an AdamW step's streaming rate; None: from hbm_gbps
     kernels: Kernels = NO_KERNEL_TERMS  # per-kernel terms; the default changes no op's time
+    host: Host | None = None  # the host link and CPU optimizer; None: not known (no offload)
     path: str = attrs.field(default="", eq=False)
+
+    def host_or_error(self, span: Span | None = None) -> Host:
+        """The profile's :class:`Host`; a ProfileError located at ``span`` (where offload is
+        asked for) naming the missing field when the profile has none."""
+        if self.host is None:
+            raise ProfileError(f"offload = optimizer needs the host link's bandwidth, and profile '{self.name}' "
+                               "has no host.link_gbps", span,
+                               ["optimizer offload moves each step's gradients to the host and the updated "
+                                "weights back over the host link, and runs AdamW on the host's CPU: add a "
+                                "host section to the profile (host: {link_gbps: ..., optimizer_gbps: ...}), "
+                                "or remove offload", f"profile file: {self.path}"])
+        return self.host
 
     def peak_flops(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype``; a ProfileError when the profile has none."""
@@ -293,11 +322,21 @@ def _build(reader: ProfileReader, top: dict, path: str) -> Profile | None:
         optimizer_gbps=(reader.number(top["optimizer_gbps"], "optimizer_gbps", positive=True)
                         if "optimizer_gbps" in top else None),
         kernels=read_kernels(reader, top["kernels"]) if "kernels" in top else NO_KERNEL_TERMS,
+        host=_host(reader, top["host"]) if "host" in top else None,
     )
     fields["oef_classes"], fields["oef_pairs"] = _oef(reader, top.get("oef"))
-    if reader.errors.errors or any(v is None for k, v in fields.items() if k not in ("measured", "memory_gb", "optimizer_gbps")):
+    if reader.errors.errors or any(v is None for k, v in fields.items() if k not in ("measured", "memory_gb", "optimizer_gbps", "host")):
         return None
     return Profile(**fields, path=path)
+
+
+def _host(reader: ProfileReader, node) -> Host | None:
+    keys = reader.mapping(node, "host", HOST_KEYS, HOST_KEYS)
+    if keys is None:
+        return None
+    link = reader.number(keys.get("link_gbps"), "host.link_gbps", positive=True)
+    rate = reader.number(keys.get("optimizer_gbps"), "host.optimizer_gbps", positive=True)
+    return Host(link, rate) if link is not None and rate is not None else None
 
 
 def _links(reader: ProfileReader, node) -> dict | None:

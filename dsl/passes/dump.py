@@ -82,7 +82,9 @@ def dump_config(program: Program) -> str:
                  + (f", param_gather {train.param_gather}" if train.param_gather != "step" else "")
                  + (f", grad_reduce {train.grad_reduce}" if train.grad_reduce != "backward" else "")
                  + (f", recompute {train.recompute}" if train.recompute != "none" else "")
-                 + (f", recompute_layers {train.recompute_layers}" if train.recompute_layers is not None else ""))
+                 + (f", recompute_layers {train.recompute_layers}" if train.recompute_layers is not None else "")
+                 + (f", offload {train.offload}" if train.offloads else "")
+                 + (f", offload_percent {train.offload_percent}" if train.offload_percent is not None else ""))
     lines.append(f"fold: {fold.kind} ({fold.v} chunk{'s' if fold.v > 1 else ''} per rank)")
     lines.append(f"pipeline: {program.pipeline.name if program.pipeline else '-'}")
     st = program.strands

@@ -27,7 +27,9 @@ Modelling choices, with their reasons:
   and writes the fp32 master weight and the two fp32 moments (with bf16/fp16 weights it also
   writes the rounded weight; fp32 training has no separate master: the weight is it),
   streamed at the profile's ``optimizer_gbps`` when `dhelix profile` measured one, else at
-  ``hbm_gbps × achieved.activation``.
+  ``hbm_gbps × achieved.activation``. Offloaded (``train { offload = optimizer }``), it runs
+  on the host instead, at the profile's ``host.optimizer_gbps``, between the gradients' copy to
+  the host and the weights' copy back over ``host.link_gbps`` (:func:`offload_time`).
 * **FP8** models run their GEMMs in fp8 and every other op, and every collective, in bf16
   (:func:`~dhelix.dsl.core.dtypes.tensor_dtype`): attention at the bf16 peak, a norm moving
   2-byte elements.
@@ -46,7 +48,7 @@ import math
 
 import attrs
 
-from dhelix.dsl.core.dtypes import dtype_bytes, tensor_dtype
+from dhelix.dsl.core.dtypes import MAIN_GRAD_DTYPE, dtype_bytes, tensor_dtype
 from dhelix.dsl.core.errors import DhelixError
 from dhelix.dsl.core.oplib import LINK, SPLIT_OPS, base_kind
 from dhelix.dsl.frontend.kernel_terms import ATTENTION_KERNELS, SCORE_GEMMS, SCORE_PASSES_BACKWARD, SCORE_PASSES_FORWARD
@@ -407,6 +409,54 @@ def optimizer_time(params: float, dtype: str, profile: Profile) -> float:
     rate = profile.optimizer_gbps if profile.optimizer_gbps is not None else (
         profile.hbm_gbps * profile.achieved.get("activation", 1.0))
     return params * optimizer_bytes_per_param(dtype) / (rate * 1e9)
+
+
+@attrs.frozen
+class OffloadTime:
+    """Seconds of an offloaded optimizer step (``train { offload = optimizer }``), one part
+    after another as the ranks run them: the averaged fp32 gradients device -> host, AdamW on
+    the host, the updated weights (rounded to the model dtype on the host) host -> device."""
+
+    to_host: float
+    host: float
+    to_device: float
+
+    @property
+    def seconds(self) -> float:
+        return self.to_host + self.host + self.to_device
+
+
+def host_optimizer_bytes_per_param(dtype: str) -> int:
+    """Bytes a host AdamW step streams per parameter of a model trained in ``dtype``: the fp32
+    gradient read, the fp32 master and moments read and written, and (but for fp32, whose
+    master is what goes back) the weight rounded to ``dtype`` written."""
+    return _ADAM_STATE_BYTES + dtype_bytes(MAIN_GRAD_DTYPE) + (dtype_bytes(dtype) if dtype != "fp32" else 0)
+
+
+def offload_time(params: float, dtype: str, profile: Profile, span=None) -> OffloadTime:
+    """An offloaded AdamW step over ``params`` local parameters on ``profile``'s host (its
+    ``host`` section; a ProfileError located at ``span`` without one): the fp32 gradients
+    and the ``dtype`` weights over the host link, the step at its host optimizer rate. The
+    three run one after another (the ranks wait for the gradients' copy before the host
+    step, and the weights' copy starts after it)."""
+    host = profile.host_or_error(span)
+    link = host.link_gbps * 1e9
+    return OffloadTime(to_host=params * dtype_bytes(MAIN_GRAD_DTYPE) / link,
+                       host=params * host_optimizer_bytes_per_param(dtype) / (host.optimizer_gbps * 1e9),
+                       to_device=params * dtype_bytes(dtype) / link)
+
+
+def step_optimizer_time(params: float, dtype: str, profile: Profile, offload: int = 0, span=None) -> float:
+    """Seconds of the optimizer step over ``params`` local parameters with ``offload`` percent
+    of them offloaded (``train { offload = optimizer  offload_percent }``; 0: all on the
+    device, :func:`optimizer_time`): that share's :func:`offload_time`, the rest updated on the
+    device while the host computes (the ranks launch it before they wait for the gradients'
+    copy)."""
+    share = offload / 100
+    if not share:
+        return optimizer_time(params, dtype, profile)
+    host = offload_time(params * share, dtype, profile, span)
+    return host.to_host + max(host.host, optimizer_time(params * (1 - share), dtype, profile)) + host.to_device
 
 
 def megatron_flops_per_iteration(model, global_batch: int, *, swiglu: bool | None = None) -> float:

@@ -17,7 +17,7 @@ first N layers of each model chunk: at least ``min(p·N, layers)`` of them, what
 the embedding and the LM head run alone, once per micro-batch. So the busiest pipeline rank
 is busy at least the average over the ``pp`` ranks of all this work, and the step (which ends
 after the busiest rank's last action) is at least that, plus the average rank's optimizer
-step, which runs after its last action. A rank's gradient reductions too
+step (on the device, or offloaded: its copies and the host's step), which runs after its last action. A rank's gradient reductions too
 run one after another before its optimizer (every layer's once a step, under ZeRO-2 once per
 micro-batch): the step is at least the average rank's reductions, plus its optimizer.
 A schedule that pairs no layers (no SI block, or SI off) runs every layer pass alone, as the
@@ -41,9 +41,9 @@ import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.program import Program
-from dhelix.dsl.planner.costmodel import optimizer_time
 from dhelix.dsl.passes.fsdp import is_fsdp, replicas_substituted
-from dhelix.dsl.simulator.costs import NOTHING, StepCosts, Work, gradient_syncs, layer_costs, si_backward, step_costs
+from dhelix.dsl.simulator.costs import (NOTHING, StepCosts, Work, gradient_syncs, layer_costs, offloads, optimizer_seconds,
+                                        si_backward, step_costs)
 from dhelix.dsl.simulator.memory import layer_activations, model_states, recomputed, selectively_recomputed
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.planner.segment_bound import SegmentBound
@@ -150,7 +150,7 @@ def _optimizer(program: Program, costs: StepCosts) -> float:
     assert program.train is not None, "a checked model"
     if program.train.zero >= 1:
         dense, expert = dense / costs.dense_group.size, expert / costs.expert_group.size
-    return optimizer_time(dense + expert, costs.dtype, program.profile)
+    return optimizer_seconds(program, dense + expert, costs.dtype)
 
 
 def _states(program: Program, costs: StepCosts) -> float:
@@ -168,7 +168,7 @@ def _states(program: Program, costs: StepCosts) -> float:
                           fsdp_dense=layers * (params.layer_dense + params.layer_expert) / pp if fsdp else 0.0,
                           fsdp_group=costs.shard_group.size if fsdp and costs.shard_group else 0,
                           grads_sharded=(layers * params.layer_dense + params.head) / pp if train.zero == 2 else 0.0,
-                          expert_grads_sharded=train.zero == 2)
+                          expert_grads_sharded=train.zero == 2, offload=offloads(program))
     return states.total
 
 

@@ -25,6 +25,7 @@ from typing import Callable, Protocol
 
 import attrs
 
+from dhelix.dsl.planner.costmodel import optimizer_time, step_optimizer_time
 from dhelix.dsl.search.bound import Bound
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, writes_si
 from dhelix.dsl.search.pricer import FLOOR_MARGIN, Deferred, Priced, Pricer, Pruned, Refused, TooBig
@@ -235,7 +236,7 @@ def branch(pricer: Pricer, space: Space, bounded: list[Bounded], incumbent: Incu
     layout's bound of such schedules exceeds the K-th best. Nor is a choice the checks refuse
     on its sizes (:mod:`~dhelix.dsl.search.prefilter`): it is counted refused, for the
     reason pricing it would give."""
-    dominance = _Dominance()
+    dominance = _Dominance(offload_slower(pricer.profile, pricer.cost.dtype, pricer.offload_percent))
     waiting: list[tuple[float, int, Choice]] = []  # (bound, arrival, choice)
     loose: set[Choice] = set()  # waiting with their floor: bound anew (tighten) before settled
     order = itertools.count()
@@ -355,11 +356,16 @@ class _Dominance:
     (which the recomputing one might fit) and is already slower than the K-th best, so is
     the recomputing one. ZeRO-1 only shrinks the model states of ZeRO-0 (the activations follow the same actions
     in the same order), so when a ZeRO-1 choice does not fit, its ZeRO-0 twin does not either.
-    Both rest, as the bounds do, on the simulator never shortening a step for more work."""
+    Offloading the optimizer's states only shrinks the device's model states and only changes
+    the optimizer step's time: where the profile makes that step slower per parameter
+    (``offload_slower``: :func:`offload_slower`), a choice offloading is settled by its twin
+    that does not, as a recomputing one is. All rest, as the bounds do, on the simulator never
+    shortening a step for more work."""
 
-    def __init__(self) -> None:
+    def __init__(self, offload_slower: bool = False) -> None:
         self._fits: dict[Choice, float] = {}
         self._too_big: set[Choice] = set()
+        self._offload_slower = offload_slower
 
     def saw(self, result: Priced | TooBig) -> None:
         """Remember what ``result`` settles."""
@@ -367,7 +373,8 @@ class _Dominance:
         if isinstance(result, TooBig):
             if choice.layout.zero == 1:
                 self._too_big.add(choice)
-        elif result.fits and choice.layout.recompute == "none" and not result.squeezed:
+        elif result.fits and (choice.layout.recompute == "none" or choice.layout.offload == "none") \
+                and not result.squeezed:
             self._fits[choice] = result.seconds
         elif not result.fits and choice.layout.zero == 1:
             self._too_big.add(choice)
@@ -379,9 +386,22 @@ class _Dominance:
         twin = attrs.evolve(choice, layout=attrs.evolve(layout, recompute="none", recompute_layers=0))
         if layout.recompute != "none" and cutoff is not None and self._fits.get(twin, 0.0) > cutoff:
             return "slower"
+        kept = attrs.evolve(choice, layout=attrs.evolve(layout, offload="none"))
+        if layout.offload != "none" and self._offload_slower and cutoff is not None \
+                and self._fits.get(kept, 0.0) > cutoff:
+            return "slower"
         if layout.zero == 0 and attrs.evolve(choice, layout=attrs.evolve(layout, zero=1)) in self._too_big:
             return "bigger"
         return None
+
+
+def offload_slower(profile, dtype: str, percent: int = 100) -> bool:
+    """Whether an optimizer step offloading ``percent`` % of its states is no faster than the
+    device's on ``profile`` for a model in ``dtype``, whatever the parameters (both times are
+    linear in them); False without the profile's host section (nothing offloads then)."""
+    if profile.host is None:
+        return False
+    return step_optimizer_time(1.0, dtype, profile, percent) >= optimizer_time(1.0, dtype, profile)
 
 
 def insert(best: list[Priced], result: Priced, top: int) -> list[Priced]:

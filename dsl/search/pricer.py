@@ -110,6 +110,9 @@ class Pricer:
 
     def __init__(self, modules: list[s.Module], base: Program, world: int, reserve: Reserve | None = None):
         self.modules, self.world = modules, world
+        #: The percent of the optimizer's states an offloading choice keeps on the host: the
+        #: file's ``offload_percent`` (all when it writes none; not searched).
+        self.offload_percent = base.train.offload_percent or 100 if base.train is not None else 100
         self.pipelines = {p.name: p for p in base.pipelines}
         assert base.cluster is not None and base.model is not None, "a checked model"
         #: The generated pipelines the program does not define (dhelix.dsl.search.generated):
@@ -194,7 +197,7 @@ class Pricer:
         in ZeRO 0, 1 or 2, ``param_gather`` or recomputation (below ZeRO-3) share them."""
         key = attrs.evolve(layout, zero=3 if layout.zero == 3 else 0, param_gather="step",
                            recompute=layout.recompute if layout.zero == 3 else "none", recompute_layers=0,
-                           stage_ends=(0, 0))
+                           stage_ends=(0, 0), offload="none")
         if key not in self._derivations:
             try:
                 done = self._sharded(program, layout) or passes.rerun(program, after="check", stop="autodiff")
@@ -218,7 +221,7 @@ class Pricer:
         (derive it whole) for another layout, or when the twin was not derived."""
         if layout.zero != 3 or layout.shard or layout.partition != "written":
             return None
-        found = self._derivations.get(attrs.evolve(layout, zero=0, param_gather="step", recompute="none"))
+        found = self._derivations.get(attrs.evolve(layout, zero=0, param_gather="step", recompute="none", offload="none"))
         if found is None or isinstance(found, DhelixError):
             return None
         env, forward, backward = found
@@ -274,7 +277,11 @@ class Pricer:
         """The program of ``layout`` (with ``schedule``: fold, pipeline and, if not on, si)
         up to its layer DAGs, once per layout."""
         if layout not in self._dags:
-            if layout.recompute_layers:  # read by no check but its own (it needs full): the twin's, set
+            if layout.offload != "none":  # read by the simulator only (the profile's host was checked once): the twin's, set
+                twin = self.layer_dags(attrs.evolve(layout, offload="none"), schedule)
+                assert twin.train is not None, "a checked model"
+                self._dags[layout] = attrs.evolve(twin, train=attrs.evolve(twin.train, offload=layout.offload))
+            elif layout.recompute_layers:  # read by no check but its own (it needs full): the twin's, set
                 twin = self.layer_dags(attrs.evolve(layout, recompute_layers=0), schedule)
                 assert twin.train is not None, "a checked model"
                 self._dags[layout] = attrs.evolve(twin, train=attrs.evolve(
@@ -314,7 +321,7 @@ class Pricer:
         is the same as its twin without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", recompute_layers=0,
-                           param_gather="step", stage_ends=(0, 0))
+                           param_gather="step", stage_ends=(0, 0), offload="none")
         # A refusal may be the schedule's (a fold's stage split): kept per schedule.
         refusal = (key, choice.fold, choice.pipeline)
         if key not in self._partitions and refusal not in self._partition_refusals:
@@ -512,8 +519,9 @@ class Pricer:
         """:func:`~dhelix.dsl.simulator.costs.step_costs` of ``program`` (a checked choice of
         ``layout``, its layer DAGs interned) with ``plan``: they depend on the layout (mesh,
         recomputation), the layer DAGs and the plan only, not on the schedule, so they are
-        computed once for the schedules that share them."""
-        key = (layout, id(program.forward), id(program.backward), id(plan))
+        computed once for the schedules that share them (and for a layout offloading its
+        optimizer and its twin that does not: the simulator reads that from the program)."""
+        key = (attrs.evolve(layout, offload="none"), id(program.forward), id(program.backward), id(plan))
         found = self._costs.get(key)
         if found is None:
             # The objects are kept with their costs, so their ids are not reused.
@@ -525,7 +533,8 @@ class Pricer:
         """:func:`~dhelix.dsl.search.bound.relaxed_costs` of ``program`` (a checked choice of ``layout``), once per
         layout, layer DAGs and whether the schedule splits W off (what the pairs' bound reads)."""
         assert program.lowered is not None, "a validated model"
-        key = (layout, id(program.forward), id(program.backward), program.lowered.split, "relaxed")
+        key = (attrs.evolve(layout, offload="none"), id(program.forward), id(program.backward), program.lowered.split,
+               "relaxed")
         found = self._costs.get(key)
         if found is None:
             found = self._costs[key] = (program.forward, program.backward, None,

@@ -5,7 +5,9 @@ for expert layers, ep), the micro-batch size and count at the program's global b
 ZeRO stage (with hybrid sharding's shard group under ZeRO-3), the recomputation, Centauri's
 partition (the file's own block, or the one :mod:`~dhelix.dsl.search.partitions` generates for
 the layout, its counts, substitutions and priority left to the planner), when ZeRO-1's
-all-gather runs (``param_gather``: after the optimizer or under the next forward), the fold,
+all-gather runs (``param_gather``: after the optimizer or under the next forward), where the optimizer's
+states live (``offload``: on the device, or in host memory where the profile gives the host
+link), the fold,
 the pipeline and, for a pipeline that writes SI blocks, whether they co-execute their strands
 (``si`` on, or off: each runs its forward, then its backward — ``train { si = off }``, the
 "without SI" of `dhelix simulate --compare`). Its :attr:`~Choice.layout` is everything but the
@@ -34,7 +36,7 @@ from dhelix.dsl.core.errors import UsageError
 from dhelix.dsl.core.mesh import MESH_AXES
 from dhelix.dsl.core.program import FOLD_COPIES, FOLD_KINDS, Program
 from dhelix.dsl.core.wording import did_you_mean
-from dhelix.dsl.frontend.config import PARAM_GATHER, RECOMPUTE, SI_SETTINGS, ZERO_STAGES
+from dhelix.dsl.frontend.config import OFFLOAD, PARAM_GATHER, RECOMPUTE, SI_SETTINGS, ZERO_STAGES
 from dhelix.dsl.search.generated import GENERATED
 from dhelix.dsl.search.partitions import writes_si
 from dhelix.dsl.search.placement import PLACED_AXES, placement_text, placements
@@ -43,7 +45,7 @@ from dhelix.dsl.search.placement import PLACED_AXES, placement_text, placements
 #: (the mesh axes' order: where they sit), a train setting, the fold, the pipeline, SI (on or
 #: off) or ``stages`` (the first and last stages' layers).
 KEEPABLE = MESH_AXES + ("mesh", "order", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather", "fold",
-                        "pipeline", "si", "stages")
+                        "pipeline", "si", "stages", "offload")
 #: The partitions a layout may take: the file's partition block (none when it has none), or
 #: the one generated for the layout (:func:`~dhelix.dsl.search.partitions.generated_partition`).
 PARTITIONS = ("written", "auto")
@@ -119,6 +121,9 @@ class Layout:
     #: The layers of the first and the last pipeline stage (``train { first_stage_layers
     #: last_stage_layers }``); 0: an equal share.
     stage_ends: tuple[int, int] = (0, 0)
+    #: Where the optimizer's states live (``train { offload }``): ``none`` (the device) or
+    #: ``optimizer`` (host memory).
+    offload: str = "none"
 
     def mesh(self) -> dict[str, int]:
         """The mesh sizes by axis."""
@@ -146,7 +151,8 @@ class Layout:
         recompute = self.recompute + (f" {self.recompute_layers}/chunk" if self.recompute_layers else "")
         first, last = self.stage_ends
         ends = f"  stages {first or '='}..{last or '='}" if self.stage_ends != (0, 0) else ""
-        return f"{axes}  b{self.micro_batch} m{self.microbatches}  {zero}  recompute {recompute}{partition}{ends}"
+        offload = "  offload" if self.offload != "none" else ""
+        return f"{axes}  b{self.micro_batch} m{self.microbatches}  {zero}{offload}  recompute {recompute}{partition}{ends}"
 
 
 @attrs.frozen(order=True)
@@ -200,6 +206,9 @@ class Space:
     layers: int = 0
     #: Whether uneven stages are tried (:func:`stage_ends_tried`; `dhelix tune --stages`).
     stages: bool = False
+    #: Where the optimizer's states may live: on the device, and in host memory where the
+    #: profile gives the host link (``train { offload = optimizer }``).
+    offload: tuple[str, ...] = ("none",)
 
     def layouts(self) -> Iterator[Layout]:
         """Every layout of the space whose sizes multiply to the world and divide the batch."""
@@ -215,13 +224,13 @@ class Space:
                 for zero, recompute in itertools.product(self.zero, self.recompute):
                     if zero and dp == 1 and "zero" not in self.kept:
                         continue  # nothing to shard over: the same as zero = 0
-                    for shard, partition, gather, order, again, ends in itertools.product(
+                    for shard, partition, gather, order, again, ends, offload in itertools.product(
                             self._shards(zero, dp), self.partition, self._gathers(zero),
                             placements({"tp": tp, "cp": cp, "pp": pp, "dp": dp}, self.written_order,
                                        () if "order" in self.kept else self.boundaries),
-                            self._recomputed(recompute, pp), self._stage_ends(pp)):
+                            self._recomputed(recompute, pp), self._stage_ends(pp), self.offload):
                         yield Layout(tp, cp, pp, dp, ep, b, self.sequences // (dp * b), zero, shard, recompute,
-                                     partition, gather, order, again, ends)
+                                     partition, gather, order, again, ends, offload)
 
     def _shards(self, zero: int, dp: int) -> tuple[int, ...]:
         if zero != 3:
@@ -268,7 +277,7 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = (),
-             partitions: bool = False, generated: bool = False, stages: bool = False) -> Space:
+             partitions: bool = False, generated: bool = False, stages: bool = False, offload: bool = False) -> Space:
     """The search space of a checked ``program`` (a model, mesh and train block) on ``world``
     GPUs (None: its cluster's); ``keep`` names settings that stay as written (KEEPABLE);
     ``partitions`` adds the generated partition against the file's own (`dhelix tune
@@ -276,7 +285,9 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
     several times, so the search takes longer); ``generated`` adds the zero-bubble
     scheduler's pipelines, written for each layout (:data:`~dhelix.dsl.search.generated.GENERATED`,
     fold none); ``stages`` adds uneven pipeline stages (:func:`stage_ends_tried`; `dhelix tune
-    --stages`: each pipeline size's layouts three times over). Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
+    --stages`: each pipeline size's layouts three times over); ``offload`` adds the optimizer's states in host
+    memory where the profile has a host section (`dhelix tune --offload`: the layouts twice over; without it the
+    file's own). Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
     hold."""
     for name in keep:
         if name not in KEEPABLE:
@@ -311,7 +322,9 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         written_order=tuple(axis for axis in mesh.order if axis in PLACED_AXES),
         boundaries=tuple(sorted({program.cluster.gpus_per_node} | {gpus for _, gpus in mesh.levels
                                                                     if gpus < world})),
-        layers=layers, stages=stages)
+        layers=layers, stages=stages,
+        offload=domain("offload", OFFLOAD if offload and program.profile is not None and program.profile.host is not None
+                       else (train.offload,)))
 
 
 def _kept(program: Program, keep: tuple[str, ...]) -> dict:
@@ -328,7 +341,8 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
                    zero=train.zero, recompute=train.recompute, recompute_layers=train.recompute_layers or 0,
                    stages=(train.first_stage_layers or 0, train.last_stage_layers or 0),
                    shard=train.shard or 0, fold=program.fold.text, pipeline=program.pipeline.name,
-                   partition="written", param_gather=train.param_gather, si=train.si or SI_SETTINGS[0])
+                   partition="written", param_gather=train.param_gather, si=train.si or SI_SETTINGS[0],
+                   offload=train.offload)
     if train.si is not None:  # written: the file pins it
         names.add("si")
     return {name: written[name] for name in sorted(names - {"mesh"})}

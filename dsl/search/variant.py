@@ -26,7 +26,8 @@ from dhelix.dsl.search.space import Choice
 
 #: The train settings a choice writes (the others stay as written; and the first and last
 #: stages' layers, from the layout's ``stage_ends``).
-_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "recompute_layers", "shard", "param_gather", "si")
+_TRAIN_SET = ("micro_batch", "microbatches", "zero", "recompute", "recompute_layers", "shard", "param_gather", "si",
+              "offload")
 #: The train settings' declared defaults (a layout's shard and recompute_layers 0: none), left
 #: out of a written block.
 _DEFAULTS = {**{key: option(key).default for key in _TRAIN_SET if option(key).default is not None}, "shard": 0,
@@ -164,6 +165,8 @@ def _train_settings(settings: _Settings, choice: Choice, reads: frozenset[str]) 
     for unset in ("shard", "recompute_layers", "first_stage_layers", "last_stage_layers"):  # 0: not written
         if values[unset] == 0:
             values[unset] = None
+    if choice.layout.offload == "none":  # (the file's share of an offload, written with it: not searched)
+        values["offload_percent"] = None
     for name, setting in (("g", "launch"), ("gb", "launch_backward")):
         if name not in reads:
             values[setting] = None

@@ -45,7 +45,7 @@ from dhelix.dsl.core.dtypes import dtype_bytes, tensor_dtype
 from dhelix.dsl.core.options import option
 from dhelix.dsl.core.mesh import REPLICATE, SHARD, ranks_per_node
 from dhelix.dsl.core.oplib import END_OPS, in_weight_pass, selective_drops
-from dhelix.dsl.planner.costmodel import collective_time, op_time
+from dhelix.dsl.planner.costmodel import collective_time, op_time, step_optimizer_time
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Op, Program
@@ -223,6 +223,23 @@ def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None
         grad_bytes=dtype_bytes(grad_reduce_dtype(program)), weight_bytes=dtype_bytes(dtype), dtype=dtype,
         shard_group=_sub_group(mesh, f"dp.{SHARD}") if mesh.dp_shard else None,
         replicate_group=_sub_group(mesh, f"dp.{REPLICATE}") if mesh.dp_shard else None)
+
+
+def offloads(program: Program) -> int:
+    """The percent of ``program``'s optimizer states in host memory (``train { offload =
+    optimizer  offload_percent = P }``; 0: none)."""
+    return program.train.offload_share if program.train is not None else 0
+
+
+def optimizer_seconds(program: Program, params: float, dtype: str) -> float:
+    """Seconds of the optimizer step over ``params`` local parameters of ``program``: AdamW on
+    the device, or offloaded, the gradients' copy to the host, AdamW there and the weights'
+    copy back (:func:`~dhelix.dsl.planner.costmodel.offload_time`; a profile without a host
+    section is an error located at the train block's ``offload``). With ``offload_percent``
+    below 100 the rest of the parameters are updated on the device while the host computes
+    (the ranks launch that update before they wait for the gradients' copy)."""
+    span = program.train.offload_span if program.train is not None else None
+    return step_optimizer_time(params, dtype, program.profile, offloads(program), span)
 
 
 def grad_reduce_dtype(program: Program) -> str:

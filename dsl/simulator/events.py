@@ -54,15 +54,16 @@ from typing import Callable
 
 import attrs
 
-from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration, optimizer_time
+from dhelix.dsl.planner.costmodel import collective_time, megatron_flops_per_iteration
 from dhelix.dsl.passes.fsdp import is_fsdp, replicas_substituted
-from dhelix.dsl.simulator.memory import MemoryTimeline, ModelStates, model_states
+from dhelix.dsl.simulator.memory import HOST_STATE_BYTES, MemoryTimeline, ModelStates, model_states
 from dhelix.dsl.simulator.optimizer_check import copy_seconds, norm_sync_seconds, post_validated
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Action, Interleaved, Transfer
-from dhelix.dsl.simulator.costs import NOTHING, Group, StepCosts, cost_of, gradient_syncs, step_costs
+from dhelix.dsl.simulator.costs import (NOTHING, Group, StepCosts, cost_of, gradient_syncs, offloads,
+                                        optimizer_seconds, step_costs)
 from dhelix.dsl.simulator.lane import Lane
 from dhelix.dsl.simulator.pairtrace import pair_events
 from dhelix.dsl.simulator.pieces import Expander, Piece
@@ -296,8 +297,8 @@ class _Run:
         if copy:
             self.events.append(TraceEvent(rank, "compute", "optimizer state copy", start, copy,
                                           {"kind": "optimizer", "params": shard}))
-        self.events.append(TraceEvent(rank, "compute", "optimizer", start + copy, optimizer,
-                                      {"kind": "optimizer", "params": shard}))
+        self.events.append(TraceEvent(rank, "compute", "optimizer" + (" (host)" if offloads(self.program) else ""),
+                                      start + copy, optimizer, {"kind": "optimizer", "params": shard}))
         end = max(start + copy + optimizer, known)  # (post: published once the norm has said so)
         for size, seconds, group in self._weight_gathers(rank):
             begin = self.lanes[rank][group.lane].fit(end, seconds)
@@ -374,8 +375,7 @@ class _Run:
         dense, expert = self._local_params(rank)
         shard_dense = dense / costs.dense_group.size if self.zero1 else dense
         shard_expert = expert / costs.expert_group.size if self.zero1 else expert
-        return shard_dense + shard_expert, optimizer_time(shard_dense + shard_expert, costs.dtype,
-                                                          self.program.profile)
+        return shard_dense + shard_expert, optimizer_seconds(self.program, shard_dense + shard_expert, costs.dtype)
 
     def _weight_gathers(self, rank: int) -> list[tuple[float, float, Group]]:
         """(bytes, seconds, group) of each all-gather of ``rank``'s updated weights after its
@@ -424,8 +424,10 @@ class _Run:
         """The model states ``rank`` holds (its parameters, gradients and optimizer states;
         post-validated, its optimizer states twice: the copy a rollback restores)."""
         states = self._states(rank)
-        if self.post and self.norm_seconds:
-            return attrs.evolve(states, optimizer=2 * states.optimizer)
+        if self.post and self.norm_seconds:  # (offloaded, the copy is the host's)
+            shard = self._optimizer(rank)[0]
+            return attrs.evolve(states, optimizer=2 * states.optimizer,
+                                host=states.host + HOST_STATE_BYTES * shard * offloads(self.program) / 100)
         return states
 
     def _states(self, rank: int) -> ModelStates:
@@ -439,7 +441,7 @@ class _Run:
                             expert_group=costs.expert_group.size, fsdp_dense=layer_dense,
                             fsdp_group=costs.shard_group.size if costs.shard_group else 0,
                             grads_sharded=dense - self._end_params(rank, head=False) if zero2 else 0.0,
-                            expert_grads_sharded=zero2)
+                            expert_grads_sharded=zero2, offload=offloads(self.program))
 
     def untimed(self, shared: dict | None = None) -> list[tuple[float, float, float]]:
         """(compute seconds, peak of live activations, seconds of gradient reductions) of
@@ -718,4 +720,4 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         flops=megatron_flops_per_iteration(model, sequences), world=mesh.world,
         peak_flops=program.profile.peak_flops(model.dtype), events=tuple(run.events), counters=counters,
         fsdp=run.fsdp, gather_under_forward=run.overlap_gather, shard=mesh.dp_shard if run.fsdp else 0,
-        zero=max(train.zero, int(zero1)))
+        zero=max(train.zero, int(zero1)), offload=train.offload_share)

@@ -5,7 +5,9 @@ Megatron-LM runs it: weights in the model dtype, gradients in fp32 (the backward
 micro-batch's weight gradient into an fp32 "main gradient", which the data-parallel
 reduction and the optimizer read: 18 bytes per bf16 parameter in all, where the ZeRO paper
 counts 16 with gradients in the model dtype), and for AdamW an fp32 master copy plus the two
-fp32 moments (12 bytes per parameter; 8 for fp32 training, whose master copy is the weight).
+fp32 moments (12 bytes per parameter; 8 for fp32 training, whose master copy is the weight);
+offloaded (``train { offload = optimizer }``), none of it on the device: 12 bytes per
+parameter in host memory, fp32 training too, and the host's staging buffers.
 ZeRO-3 pieces and ZeRO-2 keep their gradients in the model dtype (ZeRO-2's reduced 1/dp
 slices in fp32, the experts' 1/(DP×CP/EP) ones too). With ZeRO-1 (Megatron's distributed optimizer) the optimizer
 states are divided over the gradient-sync group: DP×CP for dense weights, DP×CP/EP for
@@ -46,6 +48,8 @@ from dhelix.dsl.core.program import LayerDag, Program
 #: or just the moments when the weights are fp32 already.
 _OPTIMIZER_BYTES = {"fp32": 8}
 _MIXED_OPTIMIZER_BYTES = 12
+#: Host bytes per parameter of an offloaded optimizer's states: an fp32 master and two moments.
+HOST_STATE_BYTES = _MIXED_OPTIMIZER_BYTES
 #: Bytes per element of a main gradient (:data:`~dhelix.dsl.core.dtypes.MAIN_GRAD_DTYPE`).
 MAIN_GRAD_BYTES = dtype_bytes(MAIN_GRAD_DTYPE)
 GB = 1e9
@@ -58,16 +62,21 @@ class ModelStates:
     params: float
     grads: float
     optimizer: float
+    #: Offloaded (``train { offload = optimizer }``): bytes of host memory the optimizer
+    #: keeps for this GPU — its fp32 masters and moments, and the staging buffers the
+    #: gradients land in and the weights leave from (not in :attr:`total`, device bytes).
+    host: float = 0.0
 
     @property
     def total(self) -> float:
-        """All model-state bytes."""
+        """All model-state bytes on the device."""
         return self.params + self.grads + self.optimizer
 
 
 def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_group: int,
                  expert_group: int, fsdp_dense: float = 0.0, fsdp_group: int = 0,
-                 grads_sharded: float = 0.0, expert_grads_sharded: bool = False) -> ModelStates:
+                 grads_sharded: float = 0.0, expert_grads_sharded: bool = False,
+                 offload: int = 0) -> ModelStates:
     """Model states of ``dense`` + ``expert`` parameters in ``dtype``; with ``zero1`` the
     optimizer states are sharded over the groups (sizes ``dense_group``, ``expert_group``).
 
@@ -84,7 +93,11 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
     expert gradients are 1/``expert_group`` slices, fp32 as the dense ones.
 
     ZeRO-3 with experts (EP = 1): give them as ``dense`` (and in ``fsdp_dense``), 0 as
-    ``expert``: each layer's gathers and reduce-scatters shard them over DP as the rest."""
+    ``expert``: each layer's gathers and reduce-scatters shard them over DP as the rest.
+
+    ``offload`` (``train { offload = optimizer }``, the percent of ``offload_percent``): that
+    share of the optimizer states leaves the device for the host (:func:`host_bytes`), the rest
+    stays; both keep fp32 masters whatever ``dtype`` (12 bytes a parameter)."""
     size = dtype_bytes(dtype)
     per_param = _OPTIMIZER_BYTES.get(dtype, _MIXED_OPTIMIZER_BYTES)
     shards = max(1, fsdp_group or dense_group)
@@ -101,7 +114,19 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
     whole_expert = 0.0 if expert_grads_sharded else expert
     grads = (dense + whole_expert - fsdp_dense - grads_sharded) * main + (fsdp_dense / shards) * size \
         + (grads_sharded / max(1, dense_group) + (expert - whole_expert) / max(1, expert_group)) * MAIN_GRAD_BYTES
+    if offload:
+        kept, share = optimizer / per_param, offload / 100
+        return ModelStates(held * size, grads, HOST_STATE_BYTES * kept * (1 - share), host_bytes(kept * share, dtype))
     return ModelStates(held * size, grads, optimizer)
+
+
+def host_bytes(params: float, dtype: str) -> float:
+    """Host bytes of an offloaded optimizer over ``params`` (this GPU's share of the
+    parameters' optimizer states): an fp32 master and two fp32 moments each, the fp32
+    buffer the averaged gradients land in and, but for fp32 (whose master goes back as it
+    is), the buffer of the weights rounded to ``dtype`` for their copy to the device."""
+    staging = MAIN_GRAD_BYTES + (dtype_bytes(dtype) if dtype != "fp32" else 0)
+    return params * (HOST_STATE_BYTES + staging)
 
 
 def largest_gathered(forward: LayerDag) -> int:

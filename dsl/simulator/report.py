@@ -110,6 +110,10 @@ def describe(sim: Simulation) -> str:
                  ("ZeRO-2 (optimizer states and gradients sharded)" if sim.zero == 2 else "ZeRO-1 optimizer")
                  + (", weight gather under the next forward" if sim.gather_under_forward else "")
                  if sim.zero1 else "replicated optimizer")
+    host = max(r.states.host for r in sim.ranks)
+    share = sim.offload if sim.offload < 100 else None
+    optimizer += (f", {f'{share}% of it ' if share else ''}offloaded to host ({host / GB:.3g} GB of host memory per GPU "
+                  "at most)" if host else "")
     return f"{sim.program}: {sim.pipeline}, fold {sim.fold}, p={p} m={m} v={v}, {si}, {optimizer}"
 
 
@@ -260,6 +264,7 @@ def simulation_metrics(sim: Simulation) -> dict:
         "peak_memory_bytes": sim.peak_rank.memory, "peak_memory_rank": sim.peak_rank.rank,
         "ranks": [{"rank": r.rank, "busy_s": r.busy, "end_s": r.end, "sends": r.sends, "sent_bytes": r.send_bytes,
                    "params_bytes": r.states.params, "grads_bytes": r.states.grads,
-                   "optimizer_bytes": r.states.optimizer, "activations_bytes": r.activations,
+                   "optimizer_bytes": r.states.optimizer, "host_bytes": r.states.host,
+                   "activations_bytes": r.activations,
                    "activations_at_s": r.activations_at, "memory_bytes": r.memory} for r in sim.ranks],
     }

@@ -61,6 +61,8 @@ class Simulation:
     shard: int = 0
     #: The ZeRO stage (the train block's ``zero``, at least 1 with ``zero1``).
     zero: int = 0
+    #: The percent of the optimizer's states in host memory (``train { offload }``; 0: none).
+    offload: int = 0
 
     @property
     def step_time(self) -> float:

@@ -73,6 +73,13 @@ weights. Dense weights (attention, norms, router, the model's ends) stay in the 
 ``dp``. Each buffer is padded to a multiple of its axis size and, under ZeRO-1, sliced
 over that axis.
 
+With ``train { offload = optimizer }`` every bucket's masters and moments live in host
+memory (an fp32 master copy for fp32 weights too; with ``offload_percent = P`` those of the
+first P % of each part's elements, the rest on the device): its averaged part goes to the
+host, AdamW runs there, and the updated weights come back as a device tensor that
+:meth:`DistributedAdamW._publish` takes as it takes a device update (:mod:`.offload`); the
+numbers are the same.
+
 One module, though over 500 lines, because it is one thing: the data-parallel optimizer step,
 from the gradient buckets' reductions to the updated weights (:class:`DistributedAdamW`; its
 buckets and the norm's weights are parts of it).
@@ -92,6 +99,7 @@ from dhelix.dsl.core.options import option
 from dhelix.interpreter.execute.executor import StepHooks
 from dhelix.interpreter.ops.comm import EDP, Communicator, Pending, collective_device, reduce_in
 from dhelix.interpreter.ops.weights import DTYPES, LM_HEAD
+from dhelix.interpreter.training.offload import DeviceTail, HostStaging, host_copy, host_zeros
 
 
 @attrs.frozen
@@ -155,8 +163,9 @@ class _Bucket:
     itself."""
 
     def __init__(self, names, params: Mapping[str, torch.Tensor], comm: Communicator, axis: str,
-                 zero1: bool, device, summed: bool = False, partial: Mapping[str, tuple[str, ...]] = {}):
-        self.names, self.axis = sorted(names), axis
+                 zero1: bool, device, summed: bool = False, partial: Mapping[str, tuple[str, ...]] = {},
+                 offload: int = 0):
+        self.names, self.axis, self.device = sorted(names), axis, device
         self.name_set = frozenset(self.names)
         #: ZeRO-3 pieces: their gradients arrive summed over ``axis`` (each replica holds its
         #: own piece, so nothing is reduced or sliced here).
@@ -175,8 +184,19 @@ class _Bucket:
         width = self.padded // size if zero1 else self.padded
         self.offset = comm.index(axis) * width if zero1 else 0
         self.width = width
-        self.exp_avg = torch.zeros(width, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        #: Offloaded (:mod:`.offload`, ``offload`` the percent of the part's elements): the
+        #: host buffers the first :attr:`host_width` elements' gradients land in and their
+        #: updated weights leave from; the moments and masters of those elements then live on
+        #: the host (:attr:`exp_avg`, :attr:`exp_avg_sq`, :attr:`master`), the others' on the
+        #: device (:attr:`tail`).
+        self.host_width = width * offload // 100
+        self.staging = HostStaging(self.host_width, self.dtype, device) if offload else None
+        self.tail = DeviceTail(width - self.host_width, device) if offload and self.host_width < width else None
+        if offload:
+            self.exp_avg, self.exp_avg_sq = (host_zeros(self.host_width, torch.float32, device) for _ in range(2))
+        else:
+            self.exp_avg = torch.zeros(width, dtype=torch.float32, device=device)
+            self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self._grads: torch.Tensor | None = None
         #: The flat fp32 parameters an update without masters reads when it cannot update
         #: the parameters in place (ZeRO-1 slices, parameters not in fp32); made when needed.
@@ -202,11 +222,38 @@ class _Bucket:
 
     def zeros(self) -> torch.Tensor:
         """A new padded flat fp32 buffer of zeros on the bucket's device."""
-        return torch.zeros(self.padded, dtype=torch.float32, device=self.exp_avg.device)
+        return torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the part's masters and moments live in host memory (:mod:`.offload`)."""
+        return self.staging is not None
 
     def keep_master(self, params: Mapping[str, torch.Tensor]) -> None:
-        """Start the fp32 masters of this rank's part from ``params``."""
-        self.master = self.flat(params)[self.offset:self.offset + self.width].clone()
+        """Start the fp32 masters of this rank's part from ``params`` (on the host when offloaded)."""
+        part = self.flat(params)[self.offset:self.offset + self.width]
+        if not self.offloaded:
+            self.master = part.clone()
+            return
+        self.master = host_copy(part[:self.host_width], self.device)
+        if self.tail is not None:
+            self.tail.master.copy_(part[self.host_width:])
+
+    def state(self, name: str) -> torch.Tensor:
+        """This rank's whole part of ``exp_avg``, ``exp_avg_sq`` or ``master`` on the device:
+        the bucket's tensor itself, or offloaded, its host and device pieces joined (a copy)."""
+        head = getattr(self, name)
+        if not self.offloaded:
+            return head
+        head = head.to(self.device)
+        return torch.cat([head, getattr(self.tail, name)]) if self.tail is not None else head
+
+    def set_state(self, name: str, part: torch.Tensor) -> None:
+        """Write ``part`` (this rank's whole part of ``exp_avg``, ``exp_avg_sq`` or ``master``)
+        into the bucket's tensor, or offloaded, into its host and device pieces."""
+        getattr(self, name).copy_(part[:self.host_width] if self.offloaded else part)
+        if self.tail is not None:
+            getattr(self.tail, name).copy_(part[self.host_width:])
 
     def fill(self, out: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Copy ``tensors`` of :attr:`names` into the padded fp32 buffer ``out``; returns it
@@ -256,8 +303,12 @@ class DistributedAdamW:
                  weights: Mapping[str, float] | None = None, pieces: Collection[str] = (),
                  groups: Sequence[Collection[str]] | None = None, gather_forward: bool = False,
                  reduce_backward: bool = False, partial: Mapping[str, tuple[str, ...]] = {},
-                 replicated_over: str | None = None, per_microbatch: bool = False, replicas_sliced: bool = False):
+                 replicated_over: str | None = None, per_microbatch: bool = False, replicas_sliced: bool = False,
+                 offload: int = 0):
         self.params, self.comm, self.zero1, self.config = dict(params), comm, zero1, config
+        #: The percent of each bucket part whose masters and moments live in host memory
+        #: (:mod:`.offload`; 0: none).
+        self.offload = offload
         #: The wire dtype of the gradients' reductions over dp (fp32: as accumulated).
         self.reduce_dtype = DTYPES[config.grad_reduce_dtype]
         #: ZeRO-1 gathers left in flight by :meth:`step` (module docstring): (bucket, its
@@ -302,7 +353,7 @@ class DistributedAdamW:
             # substitutes their all-reduce (replicas_sliced); ZeRO-1's buckets everywhere else.
             sliced = zero1 and not summed and (axis != replicated_over or replicas_sliced)
             return _Bucket(names, self.params, comm, axis, sliced,
-                           like.device, summed=summed, partial=partial)
+                           like.device, summed=summed, partial=partial, offload=offload)
 
         self.buckets = [bucket(group & dense, "dp") for group in per_group if group & dense]
         if rest or not self.buckets:
@@ -316,9 +367,9 @@ class DistributedAdamW:
                 self.buckets.append(bucket(pieces - set().union(*per_group), replicated_over))
         elif pieces:
             self.buckets.append(bucket(pieces, "dp", summed=True))
-        if config.master:  # fp32 parameters are their own masters: no copy of them
+        if config.master or offload:  # fp32 parameters are their own masters on the device: no copy of them
             for bucket in self.buckets:
-                if any(self.params[name].dtype != torch.float32 for name in bucket.names):
+                if offload or any(self.params[name].dtype != torch.float32 for name in bucket.names):
                     bucket.keep_master(self.params)
         #: Per bucket, (weight, start, end) of each parameter inside this rank's part, the
         #: weight being one over the ranks that hold those elements (None: no norm).
@@ -531,6 +582,13 @@ class DistributedAdamW:
         # updated where they are: nothing to publish).
         parts = []
         for bucket, grad in zip(self.buckets, averaged, strict=True):
+            if bucket.offloaded:
+                mine = self._update_on_host(bucket, grad, lr)
+                if publish:
+                    self._publish(bucket, mine)
+                else:
+                    parts.append((bucket, mine))
+                continue
             if self._in_place(bucket):
                 views = bucket.unflatten
                 self._adamw([self.params[n] for n in bucket.names], list(views(grad).values()),
@@ -549,6 +607,23 @@ class DistributedAdamW:
                 parts.append((bucket, mine))
         return parts
 
+    def _update_on_host(self, bucket: _Bucket, grad: torch.Tensor, lr: float) -> torch.Tensor:
+        # An offloaded bucket's update (:mod:`.offload`): its averaged part's host elements to
+        # the host, the device's elements (offload_percent < 100) updated on the device
+        # meanwhile, AdamW on the host's masters and moments, the updated weights back as a
+        # new device tensor in the parameters' dtype (the two pieces joined), for _publish.
+        staging, tail, host = bucket.staging, bucket.tail, bucket.host_width
+        assert staging is not None and bucket.master is not None, "an offloaded bucket"
+        if not self.config.master:  # no masters kept: the step starts from the weights, as on the device
+            bucket.set_state("master", bucket.flat(self.params)[bucket.offset:bucket.offset + bucket.width])
+        staging.take(grad[:host])
+        if tail is not None:
+            self._adamw([tail.master], [grad[host:]], [tail.exp_avg], [tail.exp_avg_sq], lr)
+        if host:
+            self._adamw([bucket.master], [staging.landed()], [bucket.exp_avg], [bucket.exp_avg_sq], lr)
+        mine = staging.give(bucket.master)
+        return mine if tail is None else torch.cat([mine, tail.master.to(bucket.dtype)])
+
     def _in_place(self, bucket: _Bucket) -> bool:
         # fp32 parameters are their own masters: updated where they are.
         return bucket.master is None and not bucket.sliced and all(
@@ -557,7 +632,8 @@ class DistributedAdamW:
     def _kept(self, bucket: _Bucket) -> list[torch.Tensor]:
         # What an update writes that outlives it: the moments, and the masters or the
         # parameters updated in place (a part made from the parameters is made again).
-        return [bucket.exp_avg, bucket.exp_avg_sq] + ([bucket.master] if bucket.master is not None else [])
+        return [bucket.exp_avg, bucket.exp_avg_sq] + ([bucket.master] if bucket.master is not None else []) \
+            + (bucket.tail.tensors() if bucket.tail is not None else [])
 
     def _keep_copies(self) -> None:
         # Post-validation's copies of what the update writes, taken before it (one set per
@@ -655,7 +731,15 @@ class DistributedAdamW:
         masters (what the simulator's model states count as the optimizer's; a flat
         gradient buffer is the gradients where the executor adds into :meth:`main_grads`,
         else scratch, see :meth:`scratch_tensors`)."""
-        return [t for b in self.buckets for t in (b.exp_avg, b.exp_avg_sq, b.master) if t is not None]
+        return [t for b in self.buckets for t in ((b.exp_avg, b.exp_avg_sq, b.master) if not b.offloaded else
+                                                  b.tail.tensors() if b.tail is not None else ()) if t is not None]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Offloaded (:mod:`.offload`): what the optimizer keeps in host memory — the moments
+        and fp32 masters of this rank's parts and the staging buffers of their copies (what
+        the simulator's ``ModelStates.host`` counts); [] otherwise."""
+        return [t for b in self.buckets if b.staging is not None
+                for t in [b.exp_avg, b.exp_avg_sq, b.master, *b.staging.tensors()] if t is not None]
 
     def scratch_tensors(self) -> list[torch.Tensor]:
         """The optimizer's work buffers: the padded flat fp32 gradients of the buckets whose
@@ -672,8 +756,9 @@ class DistributedAdamW:
         self.settle()
         out: dict = {}
         for bucket in self.buckets:
+            # (offloaded: on the device, as the collectives here and the checkpoint's take them)
             pair = [m if not bucket.sliced else self.comm.all_gather(m.contiguous(), bucket.axis)
-                    for m in (bucket.exp_avg, bucket.exp_avg_sq)]
+                    for m in (bucket.state("exp_avg"), bucket.state("exp_avg_sq"))]
             first, second = (bucket.unflatten(m) for m in pair)
             out.update({name: (first[name].clone(), second[name].clone()) for name in bucket.names})
         return out
@@ -687,7 +772,8 @@ class DistributedAdamW:
             if bucket.master is None:
                 out.update({name: self.params[name].float() for name in bucket.names})
                 continue
-            flat = self.comm.all_gather(bucket.master.contiguous(), bucket.axis) if bucket.sliced else bucket.master
+            master = bucket.state("master")  # (offloaded: from the host)
+            flat = self.comm.all_gather(master.contiguous(), bucket.axis) if bucket.sliced else master
             out.update({name: value.clone() for name, value in bucket.unflatten(flat).items()})
         return out
 
@@ -702,9 +788,9 @@ class DistributedAdamW:
                 self.params[name].copy_(masters[name])
             if bucket.master is not None:
                 bucket.keep_master(masters)
-            for slot, moment in enumerate((bucket.exp_avg, bucket.exp_avg_sq)):
+            for slot, moment in enumerate(("exp_avg", "exp_avg_sq")):
                 flat = bucket.flat({name: moments[name][slot] for name in bucket.names})
-                moment.copy_(flat[bucket.offset:bucket.offset + moment.numel()])
+                bucket.set_state(moment, flat[bucket.offset:bucket.offset + bucket.width])
         self.steps = steps
 
     def _adamw(self, params, grads, exp_avgs, exp_avg_sqs, lr: float) -> None:
@@ -749,7 +835,8 @@ def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWCo
     buckets and hooks as the program's train block says: the gradients reduced during the
     backward (``grad_reduce = backward``: :meth:`DistributedAdamW.reduce` becomes the
     executor's ``grad_ready``), ZeRO-1's gathers under the next forward (``param_gather =
-    forward`` with ``zero1``: :meth:`DistributedAdamW.ready` its ``param_ready``). The
+    forward`` with ``zero1``: :meth:`DistributedAdamW.ready` its ``param_ready``), the states
+    in host memory with ``offload = optimizer`` (:mod:`.offload`). The
     executor takes those hooks when it builds the optimizer itself: pass
     ``functools.partial(for_executor, …)`` as its ``optimizer`` argument. ``norms``
     computes the norm weights (collective over the world; clipping needs them)."""
@@ -764,5 +851,5 @@ def for_executor(executor, *, zero1: bool = False, config: AdamWConfig = AdamWCo
         pieces=executor.flat.shapes, replicated_over=executor.flat.replicated_over,
         groups=executor.param_groups() if gather or reduce else None, gather_forward=gather,
         reduce_backward=reduce, partial=executor.partial_sums(), per_microbatch=per_microbatch,
-        replicas_sliced=executor.facts.replicas_sliced)
+        replicas_sliced=executor.facts.replicas_sliced, offload=train.offload_share)
     return optimizer

@@ -43,6 +43,9 @@ class RankRecord:
     #: the optimizer's flat work buffers beside them.
     model_states: int = 0
     optimizer_scratch: int = 0
+    #: Offloaded (``train { offload = optimizer }``): bytes of host memory the optimizer keeps
+    #: (its share of masters and moments, the copies' staging buffers); 0 otherwise.
+    host_states: int = 0
     events: tuple[TraceEvent, ...] = ()
     device: str = "cpu"
     host: str = ""
@@ -311,7 +314,7 @@ def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> di
         "ranks": [{"rank": r.rank, "pp": summary.pipeline_ranks[i] if summary.pipeline_ranks else 0, "device": r.device, "host": r.host,
                    "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p), "core_wait_s": list(r.core_wait),
                    "peak_activations_bytes": r.peak_activations, "model_states_bytes": r.model_states,
-                   "optimizer_scratch_bytes": r.optimizer_scratch}
+                   "optimizer_scratch_bytes": r.optimizer_scratch, "host_states_bytes": r.host_states}
                   for i, r in enumerate(result.ranks)],
         "optimizer_check": options.optimizer_check,
         "rollbacks": [{"step": step, "rank": rank, "redone": why} for step, rank, why in result.rollbacks],

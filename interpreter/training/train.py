@@ -459,6 +459,7 @@ def _gather(executor, losses: list, times: dict, evals: list, optimizer, rolled:
                       peak_activations=recorder.peak_bytes, cuda_peak=cuda_peak,
                       model_states=model_state_bytes(executor, optimizer),
                       optimizer_scratch=_storage_bytes(optimizer.scratch_tensors()),
+                      host_states=_storage_bytes(optimizer.host_tensors()),
                       device=str(executor.device), host=socket.gethostname(),
                       lanes=tuple(times["lanes"]), rollbacks=tuple(rolled), issued=tuple(getattr(executor.comm.inner, "issued", ())),
                       events=tuple(TraceEvent(rank, lane, name, start, duration)
