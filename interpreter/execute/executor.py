@@ -48,6 +48,7 @@ from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
 from dhelix.interpreter.ops.fsdp import FlatShards
+from .layer_calls import LayerCalls
 from .layer_exec import GradStore, LayerPlan, LayerRun, count_storages
 from .model_ends import EmbedRun, HeadRun
 from .sequential import sum_partial_grads
@@ -151,7 +152,8 @@ class Executor:
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
-        self.recorder.probe = self.live_bytes
+        #: The memory probe, sampled after every layer (off when the recorder says so).
+        self.recorder.probe = self.live_bytes if self.recorder.memory_probe else None
         self.comm = TimedComm(comm, self.recorder)
         self.pp = comm.index("pp")
         self.actions = self.lowered.actions[self.pp]
@@ -164,8 +166,13 @@ class Executor:
         self.b_ops, self.w_ops = facts.backward_ops, facts.weight_ops
         #: Selective recomputation: the forward ops whose outputs each layer drops until its backward.
         self.selective = facts.selective
+        #: Every layer op compiled once into a call (:mod:`.layer_calls`); None when tracing
+        #: (the runs' methods name each op's events). Without the memory probe a collective
+        #: complete at its issue leaves its result itself, not a Pending.
+        self.calls = None if self.recorder.trace else LayerCalls(self.layer_plan, self.comm,
+                                                                 bare=self.recorder.probe is None)
         #: The issue orders of a forward and of a backward layer run alone (F, B), made once.
-        self.alone = (flat(facts.alone[0]), flat(facts.alone[1]))
+        self.alone = (flat(facts.alone[0], self.calls), flat(facts.alone[1], self.calls))
         #: The RunPlan's facts (what ZeRO-3 and the optimizer read of the program too).
         self.facts = facts
         self.plan = facts.pairs
@@ -183,7 +190,7 @@ class Executor:
         if issue_order is not None and (issue_order.plan != self.plan or issue_order.barrier != barrier):
             raise ValueError("the issue orders given are of another SI plan or pair barrier than this executor's")
         #: :attr:`si_order` with its segment pairs resolved once for the hot path.
-        self.si_flat = FlatOrder(self.si_order)
+        self.si_flat = FlatOrder(self.si_order, self.calls)
         if not use_tags and facts.fifo:
             raise ValueError("this backend matches messages in order, but the schedule's transfers "
                              f"are not in the same order on both sides: {facts.fifo[0]}")
@@ -222,7 +229,7 @@ class Executor:
         self.dropped: set[str] = set()
         #: ... the backward wgrads SI blocks hold to run where the thread would wait (one CPU
         #: thread; the last layer pair's carried from one block into the next), and the loss.
-        self.filler = Filler(self.recorder)
+        self.filler = Filler(self.recorder, not self.comm.completes_at_issue)
         self.scale = 0.0
         self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
         #: ... and whether this step hands its gradients to ``grad_ready`` (not an evaluation's).
@@ -443,7 +450,7 @@ class Executor:
         self.deferred, self.issued, self.settled, self.pieces_done = [], 0, 0, []
         self.postponed, self.prefetched, self.index_now = [], {}, 0
         self.done_counts, self.reduced_early, self.dropped = {}, set(), set()
-        self.filler = Filler(self.recorder)
+        self.filler = Filler(self.recorder, not self.comm.completes_at_issue)
         tokens = batch.inputs[0].numel()
         self.scale = 1.0 / (self.lowered.microbatches * tokens)
         self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
@@ -625,7 +632,7 @@ class Executor:
         if self.block_orders is not None:
             order = self.block_orders[(len(fwd.runs), len(bwd.runs))]
             run_scheduled(fwd, bwd, order, self.recorder, self._label(action),
-                          (self.program.forward.output, self.program.backward.output), self._opened)
+                          (self.program.forward.output, self.program.backward.output), self._opened, self.calls)
             return
         run_interleaved(fwd, bwd, self.si_flat, self.recorder, self._label(action), self.filler, self._opened)
 

@@ -227,6 +227,9 @@ class LayerRun:
         self.keeping = keeping(recompute, selective)
         #: Whether the policy keeps everything (its hooks do nothing: not called).
         self._keeps_all = type(self.keeping) is KeepAll
+        #: Whether the compiled calls (:mod:`.layer_calls`) may run this run's ops: a plain
+        #: run (no subclass's methods) that keeps everything (else its methods run them).
+        self.fast = self._keeps_all and type(self) is LayerRun
         self._forward_done = 0
         self.grads = grads if grads is not None else {}
         self.routing: dict = {}  # MoE routing shared by permute and grouped_gemm
