@@ -95,6 +95,27 @@ def _forward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) 
         return collective
 
     kernel, weight, saves = step.kernel.forward, step.weight_name, bool(plan.saved_users.get(name))
+    if len(releases) == 1 and inputs == (releases[0][0],):  # most ops: one input, no other dependency
+        (source,), ((_, goes),) = inputs, releases
+
+        def compute_one(run) -> None:
+            if not run.fast:
+                return method(run)
+            acts = run.acts
+            x = acts[source]
+            if isinstance(x, Pending):
+                x = run._act(source)
+            out, saved = kernel([x], run.weights.get(weight), ctx)
+            acts[name] = out
+            if saves:
+                run.saved[name] = saved
+            left = run._fwd_left
+            count = left[source] - 1
+            left[source] = count
+            if not count and goes:
+                del acts[source]
+            run.version += 1
+        return compute_one
 
     def compute(run) -> None:
         if not run.fast:

@@ -236,9 +236,9 @@ class LayerRun:
         self.acts: dict[str, object] = {}
         self.saved: dict[str, object] = {}
         self.bgrads: dict[str, dict[str, object]] = {}
-        self._fwd_left = Counter(plan.fwd_readers)
-        self._bwd_left = Counter(plan.bwd_readers)
-        self._saved_left = Counter(plan.saved_users)
+        self._fwd_left = _counts(plan.fwd_readers)
+        self._bwd_left = _counts(plan.bwd_readers)
+        self._saved_left = _counts(plan.saved_users)
         #: Bumped whenever the live tensors may have changed (see :meth:`storages`).
         self.version = 0
         self._memo: tuple[int, dict[int, int]] = (-1, {})
@@ -295,7 +295,7 @@ class LayerRun:
         ctx = self._contexts[op.name][async_op] if not step.routed else self._ctx(op, step, async_op)
         out, saved = step.kernel.forward(args, weight, ctx)
         self.acts[op.name] = out
-        if self._saved_left[op.name]:
+        if self._saved_left.get(op.name):
             self.saved[op.name] = saved
         if not self._keeps_all:
             self.keeping.forwarded(self, op, out, args)
@@ -584,7 +584,7 @@ class LayerRun:
         else:
             grads[name] += kernel.wgrad(grad, saved)
 
-    def _release(self, names, left: Counter, store: dict, keep: str) -> None:
+    def _release(self, names, left: dict, store: dict, keep: str) -> None:
         for name in names:
             left[name] -= 1
             if left[name] == 0 and name != keep:
@@ -600,6 +600,13 @@ _BACKWARD_BY_ROLE = {COMM: LayerRun._backward_comm, DGRAD: LayerRun._backward_dg
                      RING: LayerRun._backward_ring, WGRAD: LayerRun._backward_wgrad,
                      GATHER_W: LayerRun._fsdp_backward, SCATTER_DW: LayerRun._fsdp_backward}
 _FSDP_ROLES = (GATHER_W, SCATTER_DW)
+
+
+def _counts(readers: Mapping[str, int]) -> dict[str, int]:
+    """A run's own count of ``readers`` (every value an op releases is counted there), a
+    plain dict: a run is made per layer and micro-batch, and a Counter's constructor runs
+    Python code."""
+    return dict(readers)
 
 
 def _wait_now(pending: Pending) -> None:

@@ -273,12 +273,13 @@ def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, labe
                 if issue.wgrad and run.backward_started:
                     filler.held.append((layer, run, issue))
                     continue
-                if filler.held:
+                if filler.held and (issue.reads_held or filler.blocking):
                     filler.before(run, issue)
-            if trace:
+            call = issue.call
+            if call is not None and not trace:
+                call(run)
+            elif trace:
                 _run(run, issue, recorder)
-            elif issue.call is not None:
-                issue.call(run)
             elif issue.forward:
                 run.forward_op(issue.op, issue.comm)
             else:
