@@ -68,6 +68,9 @@ class KernelCtx:
     routing: dict = attrs.field(factory=dict)
     vocab_start: int = 0
     async_op: bool = False
+    #: What a kernel derives from the rest once (a shared context serves every micro-batch
+    #: of its op): by kernel, its own entry.
+    derived: dict = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -256,11 +259,13 @@ def _attend(qkv: torch.Tensor, heads: int, kv_heads: int, causal: bool, micro_ba
 
 def _attention_forward(inputs, weight, ctx):
     (qkv,) = inputs
-    if ctx.axis is not None and ctx.comm.size(ctx.axis) > 1:
-        raise NotImplementedError("the attention kernel runs on one cp rank; ring attention over cp > 1 "
-                                  "runs the ring steps of .ring_attention")
-    meta = (int(ctx.params["heads"]), int(ctx.params["kv_heads"]), ctx.params.get("mask") == "causal",
-            ctx.micro_batch, rope_of(ctx.params))
+    meta = ctx.derived.get("attention")
+    if meta is None:
+        if ctx.axis is not None and ctx.comm.size(ctx.axis) > 1:
+            raise NotImplementedError("the attention kernel runs on one cp rank; ring attention over cp > 1 "
+                                      "runs the ring steps of .ring_attention")
+        meta = ctx.derived["attention"] = (int(ctx.params["heads"]), int(ctx.params["kv_heads"]),
+                                           ctx.params.get("mask") == "causal", ctx.micro_batch, rope_of(ctx.params))
     if qkv.shape[0] % ctx.micro_batch:
         raise ValueError(f"attention over {qkv.shape[0]} tokens with micro_batch {ctx.micro_batch}")
     if _flash_cpu(qkv):
