@@ -31,6 +31,7 @@ from dhelix.dsl.core.oplib import BWD, DGRAD, WGRAD, is_wgrad
 from dhelix.interpreter.ops.collective_kernels import bound
 from dhelix.interpreter.ops.comm import Communicator, Pending
 from dhelix.interpreter.ops.handlers import COMM, FORWARD
+from dhelix.interpreter.ops.kernels import KernelCtx
 from .layer_exec import LayerPlan, Step
 
 #: A compiled op: ``call(run)`` runs the op on a LayerRun.
@@ -49,7 +50,8 @@ class LayerCalls:
         for name, step in plan.steps.items():
             forward = step.forward is None
             for async_op in (False, True):
-                ctx = contexts[name][async_op] if not step.routed else None
+                # A routed op's context holds its run's routing: made once per run instead.
+                ctx = contexts[name][async_op] if not step.routed else _RoutedContext(plan, step, comm, async_op)
                 made = (_forward_call(plan, step, ctx, async_op, bare) if forward
                         else _backward_call(plan, step, ctx, async_op, bare))
                 self.calls[(forward, name, async_op)] = made
@@ -65,17 +67,37 @@ def _releases(step: Step, keep: str) -> tuple[tuple[str, bool], ...]:
     return tuple((name, name != keep) for name in step.inputs)
 
 
+class _RoutedContext:
+    """The kernel context of a routed op (:data:`~dhelix.interpreter.ops.handlers.ROUTED`)
+    on a run: made on the run's first call of it, with the run's routing, then kept by the
+    run (a context's fields are never set; the routing is the run's one dict)."""
+
+    __slots__ = ("key", "args")
+
+    def __init__(self, plan: LayerPlan, step: Step, comm: Communicator, async_op: bool):
+        self.key = (step.op.name, async_op)
+        self.args = (comm, step.op.axis, plan.micro_batch, step.params)
+
+    def of(self, run) -> KernelCtx:
+        found = run.own_contexts.get(self.key)
+        if found is None:
+            found = run.own_contexts[self.key] = KernelCtx(*self.args, run.routing, async_op=self.key[1])
+        return found
+
+
 def _forward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) -> Call | None:
     op = step.op
-    if step.routed or step.gathered is not None or step.run is None or step.role not in (FORWARD, COMM):
+    if step.gathered is not None or step.run is None or step.role not in (FORWARD, COMM):
         return None
     name, inputs, releases = op.name, op.inputs, _releases(step, plan.fwd.output)
     method = _Method(op, async_op, forward=True)
+    routed = ctx if isinstance(ctx, _RoutedContext) else None
     if step.role == COMM:
         if len(inputs) != 1:
             return None
         (source,) = inputs
-        issue = bound(op.op, step.kernel, ctx, bare)
+        kernel = step.kernel
+        issue = bound(op.op, kernel, ctx, bare) if routed is None else None
 
         def collective(run) -> None:
             if not run.fast:
@@ -84,7 +106,7 @@ def _forward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) 
             x = acts[source]
             if isinstance(x, Pending):
                 x = run._act(source)
-            acts[name] = issue(x)
+            acts[name] = issue(x) if routed is None else kernel(x, routed.of(run))
             left = run._fwd_left
             for value, goes in releases:
                 count = left[value] - 1
@@ -95,7 +117,7 @@ def _forward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) 
         return collective
 
     kernel, weight, saves = step.kernel.forward, step.weight_name, bool(plan.saved_users.get(name))
-    if len(releases) == 1 and inputs == (releases[0][0],):  # most ops: one input, no other dependency
+    if routed is None and len(releases) == 1 and inputs == (releases[0][0],):  # most ops: one input, no other dependency
         (source,), ((_, goes),) = inputs, releases
 
         def compute_one(run) -> None:
@@ -125,7 +147,7 @@ def _forward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) 
         for value in inputs:
             x = acts[value]
             args.append(run._act(value) if isinstance(x, Pending) else x)
-        out, saved = kernel(args, run.weights.get(weight), ctx)
+        out, saved = kernel(args, run.weights.get(weight), ctx if routed is None else routed.of(run))
         acts[name] = out
         if saves:
             run.saved[name] = saved
@@ -142,7 +164,7 @@ def _forward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) 
 def _backward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) -> Call | None:
     op, forward = step.op, step.forward
     flow = op.grad
-    if (step.routed or step.gathered is not None or step.run is None or flow is None or flow.upstream is None
+    if (step.gathered is not None or step.run is None or flow is None or flow.upstream is None
             or step.role not in (COMM, DGRAD, BWD, WGRAD)):
         return None
     weighted = None
@@ -155,9 +177,12 @@ def _backward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool)
     accumulates, releases = flow.accumulates, _releases(step, plan.bwd.output)
     method = _Method(op, async_op, forward=False)
     role, issue, dgrad, picks, produced = step.role, None, None, (), None
-    if role == COMM:
+    routed = ctx if isinstance(ctx, _RoutedContext) else None
+    collective = role == COMM
+    if collective:
         (produced,) = flow.produces
-        issue = bound(op.op, step.kernel, ctx, bare)
+        kernel = step.kernel
+        issue = bound(op.op, kernel, ctx, bare) if routed is None else None
     elif role in (DGRAD, BWD):
         if len(set(forward.inputs)) != len(forward.inputs):
             return None  # an input read twice gets the sum of its gradients: the method's
@@ -172,8 +197,8 @@ def _backward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool)
         grad = bgrads[upstream][source]
         if isinstance(grad, Pending):
             grad = grad.wait()
-        if issue is not None:
-            out = {produced: issue(grad)}
+        if collective:
+            out = {produced: issue(grad) if routed is None else kernel(grad, routed.of(run))}
         elif dgrad is not None:
             grads = dgrad(grad, run.saved[source], run.weights.get(weight))
             out = {}

@@ -233,6 +233,8 @@ class LayerRun:
         self._forward_done = 0
         self.grads = grads if grads is not None else {}
         self.routing: dict = {}  # MoE routing shared by permute and grouped_gemm
+        #: The kernel contexts of its routed ops, made once per run (:mod:`.layer_calls`).
+        self.own_contexts: dict = {}
         self.acts: dict[str, object] = {}
         self.saved: dict[str, object] = {}
         self.bgrads: dict[str, dict[str, object]] = {}

@@ -87,7 +87,7 @@ class Flat:
     ``call``: the op compiled (:class:`~.layer_calls.LayerCalls`), None: the run's method
     runs it."""
 
-    __slots__ = ("strand", "forward", "op", "ahead", "comm", "wgrad", "deps", "name", "call", "reads_held")
+    __slots__ = ("strand", "forward", "op", "ahead", "comm", "wgrad", "deps", "name", "call", "reads_held", "plain")
 
     def __init__(self, issue: Issue, calls: LayerCalls | None = None):
         self.strand, self.op, self.ahead, self.comm = issue.strand, issue.op, issue.ahead, issue.comm
@@ -99,6 +99,9 @@ class Flat:
         #: Whether the op may read a wgrad the :class:`Filler` holds (a ZeRO-3 gradient
         #: scatter reads its weight's); unknown without ``calls``: it may.
         self.reads_held = not self.forward and (calls is None or not calls.wgrads.isdisjoint(self.deps))
+        #: Whether :func:`run_pair` may just call it on its layer pair's run, where no op
+        #: blocks: compiled, not a lead, not a wgrad a filler holds, reading none it holds.
+        self.plain = self.call is not None and not self.ahead and not self.wgrad and not self.reads_held
 
 
 def flat(issues: Sequence[Issue], calls: LayerCalls | None = None) -> tuple[Flat, ...]:
@@ -263,8 +266,14 @@ def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, labe
     each op is an event on the compute lane, recorded when it runs."""
     led = {}  # the next layers' runs, by strand, when this pair issues their leads
     trace = recorder.trace
+    # Where no op can block (every collective complete at its issue, or no filler to run
+    # held ops in a wait) and nothing is traced, a plain op needs no check: it is called.
+    plain = not trace and (filler is None or not filler.blocking)
     with recorder.span(label):
         for issue in flat(issues):
+            if plain and issue.plain:
+                issue.call(fwd_run if issue.forward else bwd_run)
+                continue
             if issue.ahead:
                 run = led[issue.strand] = ahead(issue.strand)
             else:
