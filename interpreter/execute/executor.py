@@ -157,6 +157,8 @@ class Executor:
         self.comm = TimedComm(comm, self.recorder)
         self.pp = comm.index("pp")
         self.actions = self.lowered.actions[self.pp]
+        #: Each action's dispatch key (:func:`action_kind`), found once.
+        self.kinds = tuple(action_kind(action) for action in self.actions)
         # init: a Hugging Face checkpoint folder; stand_in_weights: each shard drawn alone (--as-rank)
         self.weights = WeightPlan(program, seed, reference, hf=init, stand_in=stand_in_weights)
         self.index = {axis: comm.index(axis) for axis in AXES}
@@ -356,12 +358,12 @@ class Executor:
                              f"the batch has {batch.inputs.shape[0]}")
         self._reset(batch, hand_over)
         with torch.no_grad():
-            for index, action in enumerate(self.actions):
+            for index, (action, kind) in enumerate(zip(self.actions, self.kinds, strict=True)):
                 self.index_now = index
                 if self.on_action is not None:
                     self.on_action(self.steps_run, index)
                 try:
-                    self._dispatch(action)
+                    self._dispatch(action, kind)
                 except Exception as exc:
                     raise self._failure(index, action, exc) from exc
             self.filler.flush()
@@ -372,13 +374,11 @@ class Executor:
         self.steps_run += 1
         return self._global_loss()
 
-    def _dispatch(self, action) -> None:
-        if not isinstance(action, Transfer):
-            self.p2p.flush()
-        kind = action_kind(action)
-        if kind in ("SEND", "RECV"):
+    def _dispatch(self, action, kind: str) -> None:
+        if kind == "SEND" or kind == "RECV":
             HANDLERS[kind](self, action)
             return
+        self.p2p.flush()
         earlier = self.issued
         with self.recorder.span(str(action) if self.recorder.naming else kind):
             if kind != "SI":  # what an SI block carried or postponed waits only for the next SI block
@@ -394,6 +394,8 @@ class Executor:
         # embedding gradients' gathers, ZeRO-3's reduce-scatters: nothing reads them before
         # the optimizer, so they overlap the action after theirs), then hand over the ZeRO-3
         # pieces of the layers done whose last reduce-scatters are among them.
+        if issued <= self.settled and not self.pieces_done:  # (most actions: nothing to do)
+            return
         count = max(0, issued - self.settled)
         done, self.deferred = self.deferred[:count], self.deferred[count:]
         for pending in done:
@@ -406,6 +408,8 @@ class Executor:
 
     def _issue_postponed(self) -> None:
         # Issue the embedding gradients' gathers an SI block's end postponed (see _opened).
+        if not self.postponed:
+            return
         postponed, self.postponed = self.postponed, []
         for issue in postponed:
             self.deferred.append(issue())

@@ -232,7 +232,8 @@ def _heads(qkv: torch.Tensor, heads: int, kv_heads: int, micro_batch: int, rope:
     tokens, width = qkv.shape
     d = width // (heads + 2 * kv_heads)
     seq = tokens // micro_batch
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    # (split_with_sizes: split's own entry point, without Tensor.split's Python wrapper)
+    q, k, v = qkv.split_with_sizes([heads * d, kv_heads * d, kv_heads * d], dim=1)
     q = q.reshape(micro_batch, seq, heads, d).transpose(1, 2)
     k = k.reshape(micro_batch, seq, kv_heads, d).transpose(1, 2)
     v = v.reshape(micro_batch, seq, kv_heads, d).transpose(1, 2)
