@@ -11,14 +11,17 @@ for the 64-rank ones, fewer layers and micro-batches) is compiled once as ``dhel
 a stand-in world (:func:`~dhelix.interpreter.ops.standin.join_standin_world`,
 :class:`~dhelix.interpreter.ops.standin.EmulatedComm` with ``none``: every collective's stand-in
 written at once on the calling thread), by the executor that ``dhelix run`` builds (no optimizer:
-the action list only).
+the action list only), and by the same executor without the memory probe (``Recorder(memory_probe=False)``:
+no walk of the live tensors after every layer, and a collective complete at its issue leaves its
+tensor, not a Pending).
 
 The floor. One step runs under a ``TorchFunctionMode`` that records every top-level torch call the
 step makes (function or tensor method, its arguments as they were: the same tensors); the plain
 loop calls them again in that order — the same operators on the same shapes, nothing else: no
 names looked up, no dicts, no Python between them but the loop. Calls returning no tensor (shape
-and storage queries) are left out of it. Interpreter steps and plain loops alternate, one of each
-per round; medians over the rounds, of wall time and of the calling thread's CPU time
+and storage queries) are left out of it. Interpreter steps (probe on), plain loops and interpreter
+steps without the probe alternate, one of each per round; medians over the rounds, of wall time
+and of the calling thread's CPU time
 (``time.thread_time``: on a machine shared with other work, the time the thread ran, not the
 time it waited for a core; with links emulated by ``none`` and one intra-op thread, every
 transfer and kernel runs on this thread), and the minima of the CPU times (what other work on
