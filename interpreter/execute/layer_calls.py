@@ -104,8 +104,9 @@ def _forward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) 
                 return method(run)
             acts = run.acts
             x = acts[source]
-            if isinstance(x, Pending):
-                x = run._act(source)
+            if isinstance(x, Pending):  # :meth:`LayerRun._act`, inline (its policy notes no arrival)
+                x = acts[source] = x.wait()
+                run.version += 1
             acts[name] = issue(x) if routed is None else kernel(x, routed.of(run))
             left = run._fwd_left
             for value, goes in releases:
@@ -125,8 +126,9 @@ def _forward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) 
                 return method(run)
             acts = run.acts
             x = acts[source]
-            if isinstance(x, Pending):
-                x = run._act(source)
+            if isinstance(x, Pending):  # :meth:`LayerRun._act`, inline (its policy notes no arrival)
+                x = acts[source] = x.wait()
+                run.version += 1
             out, saved = kernel([x], run.weights.get(weight), ctx)
             acts[name] = out
             if saves:
@@ -146,7 +148,10 @@ def _forward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) 
         args = []
         for value in inputs:
             x = acts[value]
-            args.append(run._act(value) if isinstance(x, Pending) else x)
+            if isinstance(x, Pending):  # :meth:`LayerRun._act`, inline
+                x = acts[value] = x.wait()
+                run.version += 1
+            args.append(x)
         out, saved = kernel(args, run.weights.get(weight), ctx if routed is None else routed.of(run))
         acts[name] = out
         if saves:
