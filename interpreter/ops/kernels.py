@@ -89,7 +89,9 @@ class Kernel:
 
 def _rmsnorm_forward(inputs, weight, ctx):
     (x,) = inputs
-    eps = norm_eps(ctx.params)
+    eps = ctx.derived.get("eps")
+    if eps is None:
+        eps = ctx.derived["eps"] = norm_eps(ctx.params)
     if gpu.on_gpu(x):
         out, rstd = gpu.rmsnorm_forward(x, weight, eps)
         return out, (x, rstd)
@@ -283,7 +285,7 @@ def _flash_cpu(qkv: torch.Tensor) -> bool:
     # differentiate the forward) they are differentiable as well. On a GPU, SDPA picks the
     # fastest backend (on an H200 calling aten's flash kernels directly, with GQA heads
     # expanded, measured slower: benchmarks/results/h200_one_device.txt).
-    return qkv.device.type == "cpu" and qkv.dtype in (torch.float32, torch.float64)
+    return qkv.is_cpu and qkv.dtype in (torch.float32, torch.float64)  # (is_cpu: no device object made)
 
 
 def _attention_dgrad(grad, saved, weight):
