@@ -123,9 +123,8 @@ class FlatOrder:
         self._pairs: dict[tuple, tuple] = {}
 
     def pairs(self, *flags, **named) -> tuple[tuple[int, tuple[Flat, ...]], ...]:
-        """:meth:`BlockOrder.pairs <.pair_order.BlockOrder.pairs>`, resolved (``named`` given
-        in the same order on every call: they key the cache as given)."""
-        key = (flags, tuple(named.values()))
+        """:meth:`BlockOrder.pairs <.pair_order.BlockOrder.pairs>`, resolved."""
+        key = (flags, tuple(named.items()))  # (as given: the one caller names them in one order)
         found = self._pairs.get(key)
         if found is None:
             found = self._pairs[key] = tuple((index, flat(issues, self.calls))
