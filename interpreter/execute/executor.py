@@ -199,7 +199,7 @@ class Executor:
         #: What each SEND and RECV of this rank carries (data, micro-batch, producing stage).
         self.transfer_keys = dict(facts.transfer_keys[self.pp])
         self.p2p = PipelineComm(self.comm, self.lowered, use_tags,
-                                lambda pending, name: self._timed_recv(pending, name))
+                                lambda pending, transfer: self._timed_recv(pending, transfer))
         self.params: dict[str, torch.Tensor] = {}
         #: ZeRO-3: which parameters are dp pieces (:mod:`.fsdp`).
         self.flat = FlatShards.of(program, comm, facts.fsdp, facts.shard_axis)
@@ -341,7 +341,9 @@ class Executor:
         if self.param_ready is not None:
             self.param_ready(names)
 
-    def _timed_recv(self, pending: Pending, name: str) -> Pending:
+    def _timed_recv(self, pending: Pending, transfer: Transfer) -> Pending:
+        # The receive's name (its action's text form) is read only by a trace: built only then.
+        name = str(transfer) if self.recorder.trace else "recv"
         return timed(pending, self.recorder, name, self.comm.lane_of("pp"), "p2p")
 
     # -- a step ------------------------------------------------------------------------
