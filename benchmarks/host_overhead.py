@@ -11,14 +11,17 @@ for the 64-rank ones, fewer layers and micro-batches) is compiled once as ``dhel
 a stand-in world (:func:`~dhelix.interpreter.ops.standin.join_standin_world`,
 :class:`~dhelix.interpreter.ops.standin.EmulatedComm` with ``none``: every collective's stand-in
 written at once on the calling thread), by the executor that ``dhelix run`` builds (no optimizer:
-the action list only).
+the action list only), and by the same executor without the memory probe (``Recorder(memory_probe=False)``:
+no walk of the live tensors after every layer, and a collective complete at its issue leaves its
+tensor, not a Pending).
 
 The floor. One step runs under a ``TorchFunctionMode`` that records every top-level torch call the
 step makes (function or tensor method, its arguments as they were: the same tensors); the plain
 loop calls them again in that order — the same operators on the same shapes, nothing else: no
 names looked up, no dicts, no Python between them but the loop. Calls returning no tensor (shape
-and storage queries) are left out of it. Interpreter steps and plain loops alternate, one of each
-per round; medians over the rounds, of wall time and of the calling thread's CPU time
+and storage queries) are left out of it. Interpreter steps (probe on), plain loops and interpreter
+steps without the probe alternate, one of each per round; medians over the rounds, of wall time
+and of the calling thread's CPU time
 (``time.thread_time``: on a machine shared with other work, the time the thread ran, not the
 time it waited for a core; with links emulated by ``none`` and one intra-op thread, every
 transfer and kernel runs on this thread), and the minima of the CPU times (what other work on
@@ -124,16 +127,20 @@ class Rank:
         device = torch.device("cpu")
         self.comm = EmulatedComm(program.mesh, device, program.profile, "none")
         si = self.compiled.si
-        self.executor = Executor(program, self.comm, seed=1, device=device, si=self.compiled.interleave,
-                                 plan_for=si.plan_for(), use_tags=True, block_orders=si.orders(),
-                                 recorder=Recorder(), reference=self.compiled.reference,
-                                 issue_order=si.issue_order(False), stand_in_weights=True)
+
+        def executor(recorder: Recorder) -> Executor:
+            return Executor(program, self.comm, seed=1, device=device, si=self.compiled.interleave,
+                            plan_for=si.plan_for(), use_tags=True, block_orders=si.orders(), recorder=recorder,
+                            reference=self.compiled.reference, issue_order=si.issue_order(False),
+                            stand_in_weights=True)
+        # As `dhelix run` makes it (the memory probe on), and the same without the probe.
+        self.executor, self.unprobed = executor(Recorder()), executor(Recorder(memory_probe=False))
         batch = DataSource(program, self.comm.size("dp"), 1, None).batch(0)
         self.batch = replica_batch(batch, self.comm.index("dp"), program.train.microbatches)
         self.program = program
 
-    def step(self) -> None:
-        self.executor.step(self.batch)
+    def step(self, probe: bool = True) -> None:
+        (self.executor if probe else self.unprobed).step(self.batch)
 
     def close(self) -> None:
         self.comm.lanes.close()
@@ -149,44 +156,54 @@ def counts(rank: Rank) -> dict:
         kind = "SI" if isinstance(action, Interleaved) else action.kind
         kinds[kind] = kinds.get(kind, 0) + 1
     ops = [0]
-    forward_op, backward_op = layer_exec.LayerRun.forward_op, layer_exec.LayerRun.backward_op
+    run = layer_exec.LayerRun
+    init, forward_op, backward_op = run.__init__, run.forward_op, run.backward_op
 
     def counted(method):
-        def run(self, *args, **kwargs):
+        def counting(self, *args, **kwargs):
             ops[0] += 1
             return method(self, *args, **kwargs)
-        return run
+        return counting
 
-    layer_exec.LayerRun.forward_op, layer_exec.LayerRun.backward_op = counted(forward_op), counted(backward_op)
+    def slow(self, *args, **kwargs):  # every op through the counted methods, not the compiled calls
+        init(self, *args, **kwargs)
+        self.fast = False
+
+    run.__init__, run.forward_op, run.backward_op = slow, counted(forward_op), counted(backward_op)
     try:
         rank.step()
     finally:
-        layer_exec.LayerRun.forward_op, layer_exec.LayerRun.backward_op = forward_op, backward_op
+        run.__init__, run.forward_op, run.backward_op = init, forward_op, backward_op
     return {"kinds": kinds, "actions": sum(kinds.values()), "layer_ops": ops[0]}
+
+
+def _timed(run) -> tuple[float, float]:
+    """Wall and this thread's CPU seconds of ``run()``."""
+    start, start_cpu = time.perf_counter(), time.thread_time()
+    run()
+    return time.perf_counter() - start, time.thread_time() - start_cpu
 
 
 def measure(name: str, path: str, sizes: dict, rank_index: int, rounds: int, profile: bool) -> list[str]:
     rank = Rank(path, variant(path, sizes), rank_index)
     try:
         rank.step()  # warm-up
+        rank.step(probe=False)
         seen = counts(rank)
         recording = Recording()
         with recording:
             rank.step()
         calls = recording.calls
         plain_loop(calls)  # warm-up
-        ours, floor, ours_cpu, floor_cpu = [], [], [], []
-        for _ in range(rounds):  # alternated: one interpreter step, one plain loop
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            rank.step()
-            ours.append(time.perf_counter() - start)
-            ours_cpu.append(time.thread_time() - start_cpu)
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            plain_loop(calls)
-            floor.append(time.perf_counter() - start)
-            floor_cpu.append(time.thread_time() - start_cpu)
-        step, plain = statistics.median(ours), statistics.median(floor)
-        step_cpu, plain_cpu = statistics.median(ours_cpu), statistics.median(floor_cpu)
+        times: dict[str, list[tuple[float, float]]] = {"probe": [], "plain": [], "bare": []}
+        for _ in range(rounds):  # alternated: an interpreter step, a plain loop, a step without the probe
+            times["probe"].append(_timed(rank.step))
+            times["plain"].append(_timed(lambda: plain_loop(calls)))
+            times["bare"].append(_timed(lambda: rank.step(probe=False)))
+        wall = {key: [w for w, _ in got] for key, got in times.items()}
+        cpu = {key: [c for _, c in got] for key, got in times.items()}
+        plain = statistics.median(wall["plain"])
+        plain_cpu = statistics.median(cpu["plain"])
         program = rank.program
         mesh = " x ".join(f"{axis}{size}" for axis, size in zip(program.mesh.order, program.mesh.sizes, strict=True)
                           if size > 1) + (f" (ep{program.mesh.ep} inside dp)" if program.mesh.ep > 1 else "")
@@ -196,16 +213,20 @@ def measure(name: str, path: str, sizes: dict, rank_index: int, rounds: int, pro
                  f"{program.mesh.world} ({mesh}), {program.pipeline.name}, SI {si}",
                  f"  per step: {seen['actions']} actions ({kinds}), {seen['layer_ops']} layer ops, "
                  f"{len(calls)} torch calls",
-                 f"  interpreter step {1e3 * step:9.2f} ms  (min {1e3 * min(ours):.2f})   "
-                 f"plain-torch loop {1e3 * plain:9.2f} ms  (min {1e3 * min(floor):.2f})   "
-                 f"ratio {step / plain:.2f}x",
-                 f"  this thread's CPU time: interpreter step {1e3 * step_cpu:6.2f} ms   plain-torch loop "
-                 f"{1e3 * plain_cpu:6.2f} ms   ratio {step_cpu / plain_cpu:.2f}x   (minima {1e3 * min(ours_cpu):.2f} "
-                 f"and {1e3 * min(floor_cpu):.2f} ms: ratio {min(ours_cpu) / min(floor_cpu):.2f}x)",
-                 f"  host per action {1e6 * step / seen['actions']:9.1f} us   per layer op "
-                 f"{1e6 * step / seen['layer_ops']:6.1f} us   per torch call {1e6 * step / len(calls):5.2f} us "
-                 f"(plain loop {1e6 * plain / len(calls):5.2f} us)",
-                 f"  above the floor: {1e6 * (step - plain) / seen['layer_ops']:.1f} us per layer op"]
+                 f"  plain-torch loop {1e3 * plain:9.2f} ms  (min {1e3 * min(wall['plain']):.2f})   "
+                 f"this thread's CPU time {1e3 * plain_cpu:6.2f} ms  (min {1e3 * min(cpu['plain']):.2f})"]
+        for key, what in (("probe", "interpreter step, memory probe on (as dhelix run)"),
+                          ("bare", "interpreter step, memory probe off")):
+            ours, ours_cpu = statistics.median(wall[key]), statistics.median(cpu[key])
+            lines += [f"  {what}:",
+                      f"    wall {1e3 * ours:7.2f} ms (min {1e3 * min(wall[key]):.2f})  ratio {ours / plain:.2f}x   "
+                      f"CPU time {1e3 * ours_cpu:6.2f} ms  ratio {ours_cpu / plain_cpu:.2f}x   (minima "
+                      f"{1e3 * min(cpu[key]):.2f} and {1e3 * min(cpu['plain']):.2f} ms: ratio "
+                      f"{min(cpu[key]) / min(cpu['plain']):.2f}x)",
+                      f"    host per action {1e6 * ours / seen['actions']:7.1f} us   per layer op "
+                      f"{1e6 * ours / seen['layer_ops']:5.1f} us   per torch call {1e6 * ours / len(calls):5.2f} us "
+                      f"(plain loop {1e6 * plain / len(calls):5.2f} us)   above the floor: "
+                      f"{1e6 * (ours - plain) / seen['layer_ops']:.1f} us per layer op"]
         if profile:
             lines += _profile(rank)
         return lines
@@ -249,11 +270,12 @@ def main() -> None:
     torch.set_num_threads(1)  # the floor and the interpreter alike: dispatch, not kernels
     lines = [f"$ python benchmarks/host_overhead.py {' '.join(sys.argv[1:])}", machine(),
              f"config: one rank's action list in a stand-in world, links emulated by none, no optimizer step; "
-             f"{args.rounds} alternated rounds (one interpreter step, one plain loop), medians"]
+             f"{args.rounds} alternated rounds (an interpreter step, a plain loop, an interpreter step without the "
+             f"memory probe), medians"]
     for name in args.programs:
         path, sizes, rank = PROGRAMS[name]
         lines += measure(name, path, sizes, rank, args.rounds, args.profile)
-        print("\n".join(lines[-7:]), file=sys.stderr, flush=True)
+        print("\n".join(lines[-9:]), file=sys.stderr, flush=True)
     lines.append(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     text = "\n".join(lines) + "\n"
     print(text, end="")

@@ -177,6 +177,27 @@ def test_the_guard_catches_an_item_in_a_kernel(guarded, monkeypatch):
     assert any(isinstance(exc, HostSync) for exc in _chain(caught.value))
 
 
+def test_the_guard_catches_an_item_on_the_compiled_path(guarded, monkeypatch):
+    # The mutant: the compiled layer ops' collective issue (layer_calls, the hot path SI blocks
+    # call instead of the runs' methods) reads a value back before issuing.
+    from dhelix.interpreter.execute import layer_calls
+
+    bound = layer_calls.bound
+
+    def mutant(kind, fn, ctx, bare=False):
+        issue = bound(kind, fn, ctx, bare)
+
+        def reading(x):
+            x.sum().item()
+            return issue(x)
+        return reading
+
+    monkeypatch.setattr(layer_calls, "bound", mutant)
+    with pytest.raises(Exception, match="item inside an SI block") as caught:
+        _run_rank()
+    assert any(isinstance(exc, HostSync) for exc in _chain(caught.value))
+
+
 @pytest.mark.parametrize("where", ["grouped_gemm", "permute"])
 def test_the_guard_catches_an_item_in_a_moe_layer(guarded, monkeypatch, tmp_path, where):
     # The mutants: a grouped GEMM that reads a value back, and a permute that reads its counts

@@ -48,6 +48,7 @@ from dhelix.dsl.core.schedule import Compute, Interleaved, Transfer, format_grid
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending, resolve
 from dhelix.interpreter.ops.fsdp import FlatShards
+from .layer_calls import LayerCalls
 from .layer_exec import GradStore, LayerPlan, LayerRun, count_storages
 from .model_ends import EmbedRun, HeadRun
 from .sequential import sum_partial_grads
@@ -151,10 +152,13 @@ class Executor:
         self.program, self.lowered = program, program.lowered
         self.device, self.dtype, self.si = torch.device(device), torch_dtype(program), si
         self.recorder = recorder or Recorder()
-        self.recorder.probe = self.live_bytes
+        #: The memory probe, sampled after every layer (off when the recorder says so).
+        self.recorder.probe = self.live_bytes if self.recorder.memory_probe else None
         self.comm = TimedComm(comm, self.recorder)
         self.pp = comm.index("pp")
         self.actions = self.lowered.actions[self.pp]
+        #: Each action's dispatch key (:func:`action_kind`), found once.
+        self.kinds = tuple(action_kind(action) for action in self.actions)
         # init: a Hugging Face checkpoint folder; stand_in_weights: each shard drawn alone (--as-rank)
         self.weights = WeightPlan(program, seed, reference, hf=init, stand_in=stand_in_weights)
         self.index = {axis: comm.index(axis) for axis in AXES}
@@ -164,8 +168,13 @@ class Executor:
         self.b_ops, self.w_ops = facts.backward_ops, facts.weight_ops
         #: Selective recomputation: the forward ops whose outputs each layer drops until its backward.
         self.selective = facts.selective
+        #: Every layer op compiled once into a call (:mod:`.layer_calls`); None when tracing
+        #: (the runs' methods name each op's events). Without the memory probe a collective
+        #: complete at its issue leaves its result itself, not a Pending.
+        self.calls = None if self.recorder.trace else LayerCalls(self.layer_plan, self.comm,
+                                                                 bare=self.recorder.probe is None)
         #: The issue orders of a forward and of a backward layer run alone (F, B), made once.
-        self.alone = (flat(facts.alone[0]), flat(facts.alone[1]))
+        self.alone = (flat(facts.alone[0], self.calls), flat(facts.alone[1], self.calls))
         #: The RunPlan's facts (what ZeRO-3 and the optimizer read of the program too).
         self.facts = facts
         self.plan = facts.pairs
@@ -183,14 +192,14 @@ class Executor:
         if issue_order is not None and (issue_order.plan != self.plan or issue_order.barrier != barrier):
             raise ValueError("the issue orders given are of another SI plan or pair barrier than this executor's")
         #: :attr:`si_order` with its segment pairs resolved once for the hot path.
-        self.si_flat = FlatOrder(self.si_order)
+        self.si_flat = FlatOrder(self.si_order, self.calls)
         if not use_tags and facts.fifo:
             raise ValueError("this backend matches messages in order, but the schedule's transfers "
                              f"are not in the same order on both sides: {facts.fifo[0]}")
         #: What each SEND and RECV of this rank carries (data, micro-batch, producing stage).
         self.transfer_keys = dict(facts.transfer_keys[self.pp])
         self.p2p = PipelineComm(self.comm, self.lowered, use_tags,
-                                lambda pending, name: self._timed_recv(pending, name))
+                                lambda pending, transfer: self._timed_recv(pending, transfer))
         self.params: dict[str, torch.Tensor] = {}
         #: ZeRO-3: which parameters are dp pieces (:mod:`.fsdp`).
         self.flat = FlatShards.of(program, comm, facts.fsdp, facts.shard_axis)
@@ -222,7 +231,7 @@ class Executor:
         self.dropped: set[str] = set()
         #: ... the backward wgrads SI blocks hold to run where the thread would wait (one CPU
         #: thread; the last layer pair's carried from one block into the next), and the loss.
-        self.filler = Filler(self.recorder)
+        self.filler = Filler(self.recorder, not self.comm.completes_at_issue)
         self.scale = 0.0
         self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
         #: ... and whether this step hands its gradients to ``grad_ready`` (not an evaluation's).
@@ -332,7 +341,9 @@ class Executor:
         if self.param_ready is not None:
             self.param_ready(names)
 
-    def _timed_recv(self, pending: Pending, name: str) -> Pending:
+    def _timed_recv(self, pending: Pending, transfer: Transfer) -> Pending:
+        # The receive's name (its action's text form) is read only by a trace: built only then.
+        name = str(transfer) if self.recorder.trace else "recv"
         return timed(pending, self.recorder, name, self.comm.lane_of("pp"), "p2p")
 
     # -- a step ------------------------------------------------------------------------
@@ -349,12 +360,12 @@ class Executor:
                              f"the batch has {batch.inputs.shape[0]}")
         self._reset(batch, hand_over)
         with torch.no_grad():
-            for index, action in enumerate(self.actions):
+            for index, (action, kind) in enumerate(zip(self.actions, self.kinds, strict=True)):
                 self.index_now = index
                 if self.on_action is not None:
                     self.on_action(self.steps_run, index)
                 try:
-                    self._dispatch(action)
+                    self._dispatch(action, kind)
                 except Exception as exc:
                     raise self._failure(index, action, exc) from exc
             self.filler.flush()
@@ -365,13 +376,11 @@ class Executor:
         self.steps_run += 1
         return self._global_loss()
 
-    def _dispatch(self, action) -> None:
-        if not isinstance(action, Transfer):
-            self.p2p.flush()
-        kind = action_kind(action)
-        if kind in ("SEND", "RECV"):
+    def _dispatch(self, action, kind: str) -> None:
+        if kind == "SEND" or kind == "RECV":
             HANDLERS[kind](self, action)
             return
+        self.p2p.flush()
         earlier = self.issued
         with self.recorder.span(str(action) if self.recorder.naming else kind):
             if kind != "SI":  # what an SI block carried or postponed waits only for the next SI block
@@ -387,6 +396,8 @@ class Executor:
         # embedding gradients' gathers, ZeRO-3's reduce-scatters: nothing reads them before
         # the optimizer, so they overlap the action after theirs), then hand over the ZeRO-3
         # pieces of the layers done whose last reduce-scatters are among them.
+        if issued <= self.settled and not self.pieces_done:  # (most actions: nothing to do)
+            return
         count = max(0, issued - self.settled)
         done, self.deferred = self.deferred[:count], self.deferred[count:]
         for pending in done:
@@ -399,6 +410,8 @@ class Executor:
 
     def _issue_postponed(self) -> None:
         # Issue the embedding gradients' gathers an SI block's end postponed (see _opened).
+        if not self.postponed:
+            return
         postponed, self.postponed = self.postponed, []
         for issue in postponed:
             self.deferred.append(issue())
@@ -443,7 +456,7 @@ class Executor:
         self.deferred, self.issued, self.settled, self.pieces_done = [], 0, 0, []
         self.postponed, self.prefetched, self.index_now = [], {}, 0
         self.done_counts, self.reduced_early, self.dropped = {}, set(), set()
-        self.filler = Filler(self.recorder)
+        self.filler = Filler(self.recorder, not self.comm.completes_at_issue)
         tokens = batch.inputs[0].numel()
         self.scale = 1.0 / (self.lowered.microbatches * tokens)
         self.loss_sum = torch.zeros((), dtype=self.dtype, device=self.device)
@@ -625,7 +638,7 @@ class Executor:
         if self.block_orders is not None:
             order = self.block_orders[(len(fwd.runs), len(bwd.runs))]
             run_scheduled(fwd, bwd, order, self.recorder, self._label(action),
-                          (self.program.forward.output, self.program.backward.output), self._opened)
+                          (self.program.forward.output, self.program.backward.output), self._opened, self.calls)
             return
         run_interleaved(fwd, bwd, self.si_flat, self.recorder, self._label(action), self.filler, self._opened)
 

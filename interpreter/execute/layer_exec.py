@@ -227,15 +227,20 @@ class LayerRun:
         self.keeping = keeping(recompute, selective)
         #: Whether the policy keeps everything (its hooks do nothing: not called).
         self._keeps_all = type(self.keeping) is KeepAll
+        #: Whether the compiled calls (:mod:`.layer_calls`) may run this run's ops: a plain
+        #: run (no subclass's methods) that keeps everything (else its methods run them).
+        self.fast = self._keeps_all and type(self) is LayerRun
         self._forward_done = 0
         self.grads = grads if grads is not None else {}
         self.routing: dict = {}  # MoE routing shared by permute and grouped_gemm
+        #: The kernel contexts of its routed ops, made once per run (:mod:`.layer_calls`).
+        self.own_contexts: dict = {}
         self.acts: dict[str, object] = {}
         self.saved: dict[str, object] = {}
         self.bgrads: dict[str, dict[str, object]] = {}
-        self._fwd_left = Counter(plan.fwd_readers)
-        self._bwd_left = Counter(plan.bwd_readers)
-        self._saved_left = Counter(plan.saved_users)
+        self._fwd_left = _counts(plan.fwd_readers)
+        self._bwd_left = _counts(plan.bwd_readers)
+        self._saved_left = _counts(plan.saved_users)
         #: Bumped whenever the live tensors may have changed (see :meth:`storages`).
         self.version = 0
         self._memo: tuple[int, dict[int, int]] = (-1, {})
@@ -292,7 +297,7 @@ class LayerRun:
         ctx = self._contexts[op.name][async_op] if not step.routed else self._ctx(op, step, async_op)
         out, saved = step.kernel.forward(args, weight, ctx)
         self.acts[op.name] = out
-        if self._saved_left[op.name]:
+        if self._saved_left.get(op.name):
             self.saved[op.name] = saved
         if not self._keeps_all:
             self.keeping.forwarded(self, op, out, args)
@@ -581,7 +586,7 @@ class LayerRun:
         else:
             grads[name] += kernel.wgrad(grad, saved)
 
-    def _release(self, names, left: Counter, store: dict, keep: str) -> None:
+    def _release(self, names, left: dict, store: dict, keep: str) -> None:
         for name in names:
             left[name] -= 1
             if left[name] == 0 and name != keep:
@@ -597,6 +602,13 @@ _BACKWARD_BY_ROLE = {COMM: LayerRun._backward_comm, DGRAD: LayerRun._backward_dg
                      RING: LayerRun._backward_ring, WGRAD: LayerRun._backward_wgrad,
                      GATHER_W: LayerRun._fsdp_backward, SCATTER_DW: LayerRun._fsdp_backward}
 _FSDP_ROLES = (GATHER_W, SCATTER_DW)
+
+
+def _counts(readers: Mapping[str, int]) -> dict[str, int]:
+    """A run's own count of ``readers`` (every value an op releases is counted there), a
+    plain dict: a run is made per layer and micro-batch, and a Counter's constructor runs
+    Python code."""
+    return dict(readers)
 
 
 def _wait_now(pending: Pending) -> None:

@@ -45,14 +45,14 @@ class PipelineComm:
     """Queues the SEND/RECV actions of one rank and posts them in batches.
 
     ``comm`` gives the pipeline group (lowered peer p is global rank ``group_ranks('pp')[p]``);
-    ``use_tags`` is True on gloo (see the module docstring); ``timed`` wraps a receive's
-    Pending so that waiting for it counts as exposed communication (identity by default).
+    ``use_tags`` is True on gloo (see the module docstring); ``timed(pending, transfer)`` wraps
+    a receive's Pending so that waiting for it counts as exposed communication (identity by default).
     """
 
     def __init__(self, comm: Communicator, lowered: Lowered, use_tags: bool, timed=None):
         self.comm, self.lowered, self.use_tags = comm, lowered, use_tags
         self.pp_ranks = comm.group_ranks("pp")
-        self.timed = timed or (lambda pending, name: pending)
+        self.timed = timed or (lambda pending, transfer: pending)
         self._ops: list = []
         self._slots: list[_Slot] = []
         self._in_flight: list = []  # (work, tensor) of posted sends
@@ -74,7 +74,7 @@ class PipelineComm:
         slot = _Slot()
         self._ops.append(("recv", buffer, peer, self._tag(key)))
         self._slots.append(slot)
-        return self.timed(Pending(slot, buffer), str(transfer))
+        return self.timed(Pending(slot, buffer), transfer)
 
     def flush(self) -> None:
         """Post the queued transfers as one batch (nothing to do when none are queued)."""

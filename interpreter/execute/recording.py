@@ -23,10 +23,11 @@ class Recorder:
     """What one rank ran: trace events ``(name, lane, start_s, duration_s)`` when
     ``trace`` is on, the seconds spent blocked on communication, the peak of live
     activation bytes. ``cuda``: timings need a device synchronisation to mean anything,
-    so host-side waits are not counted as exposed time there."""
+    so host-side waits are not counted as exposed time there. ``memory_probe``: whether the
+    executor samples the live activation bytes (:attr:`probe`; off, :attr:`peak_bytes` stays 0)."""
 
-    def __init__(self, trace: bool = False, cuda: bool = False):
-        self.trace, self.cuda = trace, cuda
+    def __init__(self, trace: bool = False, cuda: bool = False, memory_probe: bool = True):
+        self.trace, self.cuda, self.memory_probe = trace, cuda, memory_probe
         self.events: list[tuple[str, str, float, float]] = []
         #: Seconds blocked on collectives (TP/SP, DP, …) and on pipeline receives (which
         #: include the pipeline bubble: the peer had not sent yet).
@@ -165,6 +166,31 @@ class TimedComm(Communicator):
             return _TimedPending(out, self.recorder, label, self.lane_of(axis), issued)
         self.recorder.blocked(label, self.lane_of(axis), issued, issued, time.perf_counter())
         return out
+
+    @property
+    def completes_at_issue(self) -> bool:
+        """Whether the inner communicator's collectives are complete at their issue."""
+        return self.inner.completes_at_issue
+
+    def issuer(self, kind: str, axis: str, async_op: bool, bare: bool = False):
+        """:meth:`~dhelix.interpreter.ops.comm.Communicator.issuer`, recorded as the
+        collective methods record it: without a trace an asynchronous one is the inner
+        communicator's own (complete at its issue, or a Pending whose wait is timed); else
+        through :meth:`_run`."""
+        if self.recorder.trace or not async_op:
+            method = getattr(self, kind)
+            return lambda x: method(x, axis, async_op=async_op)
+        inner = self.inner.issuer(kind, axis, True, bare)
+        if self.inner.completes_at_issue:
+            return inner
+        recorder, lane = self.recorder, self.lane_of(axis)
+
+        def issue(x):
+            out = inner(x)
+            if not isinstance(out, Pending) or out.done():  # complete at its issue: no wait to time
+                return out
+            return _TimedPending(out, recorder, kind, lane, 0.0)
+        return issue
 
     def all_gather(self, x, axis, async_op=False):
         return self._run("all_gather", axis, async_op, self.inner.all_gather, x, axis, async_op)

@@ -59,6 +59,7 @@ from dhelix.dsl.core.program import Op
 
 from dhelix.interpreter.ops.comm import Pending
 from dhelix.dsl.planner.pair_order import BlockOrder, InFlight, Issue, order_pair
+from .layer_calls import LayerCalls
 from .recording import Recorder
 
 
@@ -82,40 +83,51 @@ def settle(run) -> None:
 class Flat:
     """An :class:`~.pair_order.Issue` resolved once, for the hot path: its strand, op,
     whether it is a lead (``ahead``), a collective (``comm``) or a wgrad the :class:`Filler`
-    may hold, its op's distinct dependencies and its name (``F.op``), all plain attributes."""
+    may hold, its op's distinct dependencies and its name (``F.op``), all plain attributes;
+    ``call``: the op compiled (:class:`~.layer_calls.LayerCalls`), None: the run's method
+    runs it."""
 
-    __slots__ = ("strand", "forward", "op", "ahead", "comm", "wgrad", "deps", "name")
+    __slots__ = ("strand", "forward", "op", "ahead", "comm", "wgrad", "deps", "name", "call", "reads_held", "plain")
 
-    def __init__(self, issue: Issue):
+    def __init__(self, issue: Issue, calls: LayerCalls | None = None):
         self.strand, self.op, self.ahead, self.comm = issue.strand, issue.op, issue.ahead, issue.comm
         self.forward = issue.strand == "F"
         self.wgrad = issue.strand == "B" and not issue.comm and is_wgrad(issue.op)
         self.deps = tuple(dict.fromkeys(issue.op.deps))
         self.name = issue.name
+        self.call = calls.of(self.forward, issue.op.name, issue.comm) if calls is not None else None
+        #: Whether the op may read a wgrad the :class:`Filler` holds (a ZeRO-3 gradient
+        #: scatter reads its weight's); unknown without ``calls``: it may.
+        self.reads_held = not self.forward and (calls is None or not calls.wgrads.isdisjoint(self.deps))
+        #: Whether :func:`run_pair` may just call it on its layer pair's run, where no op
+        #: blocks: compiled, not a lead, not a wgrad a filler holds, reading none it holds.
+        self.plain = self.call is not None and not self.ahead and not self.wgrad and not self.reads_held
 
 
-def flat(issues: Sequence[Issue]) -> tuple[Flat, ...]:
-    """``issues`` resolved (:class:`Flat`), once (resolved already: as they are)."""
-    if isinstance(issues, tuple) and (not issues or isinstance(issues[0], Flat)):
+def flat(issues: Sequence[Issue], calls: LayerCalls | None = None) -> tuple[Flat, ...]:
+    """``issues`` resolved (:class:`Flat`), once (resolved already: as they are), with
+    ``calls``' compiled ops when given (then always resolved anew)."""
+    if calls is None and isinstance(issues, tuple) and (not issues or isinstance(issues[0], Flat)):
         return issues
-    return tuple(issue if isinstance(issue, Flat) else Flat(issue) for issue in issues)
+    return tuple(issue if isinstance(issue, Flat) and calls is None else Flat(issue, calls) for issue in issues)
 
 
 class FlatOrder:
     """A :class:`~.pair_order.BlockOrder` whose segment pairs are resolved into
     :class:`Flat` issues once per kind of layer pair (the flags of
-    :meth:`~.pair_order.BlockOrder.pairs`), not on every layer of every block."""
+    :meth:`~.pair_order.BlockOrder.pairs`), not on every layer of every block; with
+    ``calls``, their ops compiled."""
 
-    def __init__(self, order: BlockOrder):
-        self.order, self.barrier = order, order.barrier
+    def __init__(self, order: BlockOrder, calls: LayerCalls | None = None):
+        self.order, self.barrier, self.calls = order, order.barrier, calls
         self._pairs: dict[tuple, tuple] = {}
 
     def pairs(self, *flags, **named) -> tuple[tuple[int, tuple[Flat, ...]], ...]:
         """:meth:`BlockOrder.pairs <.pair_order.BlockOrder.pairs>`, resolved."""
-        key = flags + tuple(sorted(named.items()))
+        key = (flags, tuple(named.items()))  # (as given: the one caller names them in one order)
         found = self._pairs.get(key)
         if found is None:
-            found = self._pairs[key] = tuple((index, flat(issues))
+            found = self._pairs[key] = tuple((index, flat(issues, self.calls))
                                              for index, issues in self.order.pairs(*flags, **named))
         return found
 
@@ -123,6 +135,9 @@ class FlatOrder:
 def _run(run, issue: Flat, recorder: Recorder) -> None:
     # One op of ``issue``'s strand on ``run``; when tracing, an event on the compute lane
     # named ``F.op``/``B.op`` (for a collective: its issue).
+    if issue.call is not None and not recorder.trace:
+        issue.call(run)
+        return
     step = run.forward_op if issue.forward else run.backward_op
     if recorder.trace:
         start = time.perf_counter()
@@ -172,8 +187,12 @@ class Filler:
     compute; they run there, at the latest after its first layer pair, and before any other
     action or the step's end (the executor's :meth:`flush`)."""
 
-    def __init__(self, recorder: Recorder):
+    def __init__(self, recorder: Recorder, blocking: bool = True):
         self.recorder = recorder
+        #: Whether an op may find a collective it reads still in flight (False: every one is
+        #: complete at its issue, :attr:`~dhelix.interpreter.ops.comm.Communicator.completes_at_issue`,
+        #: and nothing would ever run in a wait).
+        self.blocking = blocking
         self.held: list[tuple[int, object, Issue]] = []  # (layer pair, its backward run, the wgrad)
         #: What :meth:`carry` was told to call once the carried ops have run.
         self.carried: list[Callable[[], None]] = []
@@ -194,7 +213,7 @@ class Filler:
         if not self.held:
             return
         deps = issue.deps
-        if not issue.forward:  # (held ops are wgrads of backward runs: a forward op reads none)
+        if issue.reads_held:  # (held ops are wgrads of backward runs: a forward op reads none)
             mine, last = [], -1
             for held in self.held:
                 if held[1] is run:
@@ -203,7 +222,7 @@ class Filler:
                     mine.append(held)
             for held in mine[:last + 1]:
                 self._run(held)
-        while _unfinished_inputs(run, issue):  # (the common case: nothing would block)
+        while self.blocking and _unfinished_inputs(run, issue):  # (the common case: nothing would block)
             firsts = {}  # each run's first held op, oldest first
             for held in self.held:
                 firsts.setdefault(id(held[1]), held)
@@ -246,8 +265,14 @@ def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, labe
     each op is an event on the compute lane, recorded when it runs."""
     led = {}  # the next layers' runs, by strand, when this pair issues their leads
     trace = recorder.trace
+    # Where no op can block (every collective complete at its issue, or no filler to run
+    # held ops in a wait) and nothing is traced, a plain op needs no check: it is called.
+    plain = not trace and (filler is None or not filler.blocking)
     with recorder.span(label):
         for issue in flat(issues):
+            if plain and issue.plain:
+                issue.call(fwd_run if issue.forward else bwd_run)
+                continue
             if issue.ahead:
                 run = led[issue.strand] = ahead(issue.strand)
             else:
@@ -256,9 +281,12 @@ def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, labe
                 if issue.wgrad and run.backward_started:
                     filler.held.append((layer, run, issue))
                     continue
-                if filler.held:
+                if filler.held and (issue.reads_held or filler.blocking):
                     filler.before(run, issue)
-            if trace:
+            call = issue.call
+            if call is not None and not trace:
+                call(run)
+            elif trace:
                 _run(run, issue, recorder)
             elif issue.forward:
                 run.forward_op(issue.op, issue.comm)
@@ -330,7 +358,11 @@ def run_alone(chain: LayerChain, recorder: Recorder, label: str) -> None:
         with recorder.span(f"{label}.layer{k}" if named else label):
             step = run.forward_op if chain.forward else run.backward_op
             for issue in issues:
-                step(issue.op, issue.comm)
+                call = issue.call
+                if call is not None:
+                    call(run)
+                else:
+                    step(issue.op, issue.comm)
             settle(run)
         chain.finished((k,))
         recorder.memory()
@@ -404,7 +436,8 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
 
 
 def run_scheduled(fwd: LayerChain, bwd: LayerChain, order: Sequence[tuple[str, int, str]], recorder: Recorder,
-                  label: str, outputs: tuple[str, str], opened: Callable[[], None] | None = None) -> None:
+                  label: str, outputs: tuple[str, str], opened: Callable[[], None] | None = None,
+                  calls: LayerCalls | None = None) -> None:
     """Run an SI block in the block scheduler's order (:mod:`dhelix.dsl.planner.blockorder`):
     ``order`` lists every op of both chains as (strand, layer, op name), each after its
     producers, the strands free to drift apart across layers. A layer starts (its input or
@@ -414,9 +447,9 @@ def run_scheduled(fwd: LayerChain, bwd: LayerChain, order: Sequence[tuple[str, i
     is no barrier between ops on CUDA either (the order, not segment pairs, is what the
     model priced). ``outputs`` name the ops producing a layer's output and its input
     gradient; ``opened`` is called once both strands' first layers have run them (their
-    openings' collectives have arrived)."""
+    openings' collectives have arrived); ``calls``: the ops compiled (None: the runs' methods)."""
     chains = {"F": fwd, "B": bwd}
-    by_name = {strand: {op.name: Flat(Issue(strand=strand, op=op)) for op in chain.ops}
+    by_name = {strand: {op.name: Flat(Issue(strand=strand, op=op), calls) for op in chain.ops}
                for strand, chain in chains.items()}
     value = {"F": fwd.begin(), "B": bwd.begin()}
     left = {(strand, layer): 0 for strand, layer, _ in order}

@@ -62,6 +62,20 @@ def _recv(x, ctx):
     return ctx.comm.recv(x.shape, x.dtype, ctx.comm.peer(ctx.axis, -1), async_op=ctx.async_op)
 
 
+def bound(kind: str, fn: Callable, ctx, bare: bool = False) -> Callable:
+    """Collective op ``kind`` run by ``fn`` with ``ctx`` as a function of its input alone,
+    made once: a plain gather, reduce-scatter or all-reduce is the communicator's
+    :meth:`~.comm.Communicator.issuer` (``bare``: an asynchronous one complete at its issue
+    may give its result itself); any other (a regrouping one, a kernel replaced) calls ``fn``."""
+    if fn is COLLECTIVES.get(kind) and not ctx.params.get(REGROUP):
+        if kind in ("all_gather", "reduce_scatter"):
+            return ctx.comm.issuer(kind, ctx.axis, ctx.async_op, bare)
+        if kind == "all_reduce":  # reduced in place: the input may be saved or read again
+            issue = ctx.comm.issuer(kind, ctx.axis, ctx.async_op, bare)
+            return lambda x: issue(x.clone())
+    return lambda x: fn(x, ctx)
+
+
 #: Collectives: ``fn(x, ctx) -> Tensor | Pending`` (a Pending when ``ctx.async_op``).
 COLLECTIVES: dict[str, Callable] = {
     "all_gather": _all_gather, "reduce_scatter": _reduce_scatter, "all_reduce": _all_reduce,

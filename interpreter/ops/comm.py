@@ -177,6 +177,25 @@ class Communicator:
         groups = expert_dp_groups(self.mesh) if axis == EDP else self.mesh.groups(axis)
         return next(g for g in groups if self.rank in g)
 
+    #: Whether every collective is complete when its issue returns (a stand-in's inline
+    #: lanes): a caller need not ask a Pending whether it has landed.
+    completes_at_issue: bool = False
+
+    def issuer(self, kind: str, axis: str, async_op: bool, bare: bool = False) -> Callable[[torch.Tensor], Any]:
+        """Collective ``kind`` (``all_gather``, ``reduce_scatter`` or ``all_reduce``, a sum)
+        over ``axis`` bound once, for a hot path that issues it on every micro-batch: a
+        function of the input alone, as the method with these arguments, its group's size
+        looked up here and not on every call. ``bare``: an asynchronous one complete at its
+        issue may give its result itself instead of a Pending (its caller takes either, as
+        :func:`resolve` does)."""
+        if self.size(axis) == 1:
+            return _same if bare or not async_op else Pending.ready
+        if kind == "all_reduce":
+            primitive = self._all_reduce
+            return lambda x: primitive(x, axis, "sum", async_op)
+        primitive = {"all_gather": self._all_gather, "reduce_scatter": self._reduce_scatter}[kind]
+        return lambda x: primitive(x.contiguous(), axis, async_op)
+
     # -- collectives: identity on a size-1 group, else the subclass primitive --------------
 
     def all_gather(self, x: torch.Tensor, axis: str, async_op: bool = False):
@@ -243,6 +262,10 @@ class Communicator:
         raise TypeError(f"{type(self).__name__} has no process groups to communicate over")
 
     _reduce_scatter = _all_reduce = _all_to_all = _send = _recv = _reduce = _broadcast = _all_gather
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _done(x: torch.Tensor, async_op: bool):

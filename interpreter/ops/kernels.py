@@ -68,6 +68,9 @@ class KernelCtx:
     routing: dict = attrs.field(factory=dict)
     vocab_start: int = 0
     async_op: bool = False
+    #: What a kernel derives from the rest once (a shared context serves every micro-batch
+    #: of its op): by kernel, its own entry.
+    derived: dict = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -86,7 +89,9 @@ class Kernel:
 
 def _rmsnorm_forward(inputs, weight, ctx):
     (x,) = inputs
-    eps = norm_eps(ctx.params)
+    eps = ctx.derived.get("eps")
+    if eps is None:
+        eps = ctx.derived["eps"] = norm_eps(ctx.params)
     if gpu.on_gpu(x):
         out, rstd = gpu.rmsnorm_forward(x, weight, eps)
         return out, (x, rstd)
@@ -229,7 +234,8 @@ def _heads(qkv: torch.Tensor, heads: int, kv_heads: int, micro_batch: int, rope:
     tokens, width = qkv.shape
     d = width // (heads + 2 * kv_heads)
     seq = tokens // micro_batch
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=1)
+    # (split_with_sizes: split's own entry point, without Tensor.split's Python wrapper)
+    q, k, v = qkv.split_with_sizes([heads * d, kv_heads * d, kv_heads * d], dim=1)
     q = q.reshape(micro_batch, seq, heads, d).transpose(1, 2)
     k = k.reshape(micro_batch, seq, kv_heads, d).transpose(1, 2)
     v = v.reshape(micro_batch, seq, kv_heads, d).transpose(1, 2)
@@ -256,11 +262,13 @@ def _attend(qkv: torch.Tensor, heads: int, kv_heads: int, causal: bool, micro_ba
 
 def _attention_forward(inputs, weight, ctx):
     (qkv,) = inputs
-    if ctx.axis is not None and ctx.comm.size(ctx.axis) > 1:
-        raise NotImplementedError("the attention kernel runs on one cp rank; ring attention over cp > 1 "
-                                  "runs the ring steps of .ring_attention")
-    meta = (int(ctx.params["heads"]), int(ctx.params["kv_heads"]), ctx.params.get("mask") == "causal",
-            ctx.micro_batch, rope_of(ctx.params))
+    meta = ctx.derived.get("attention")
+    if meta is None:
+        if ctx.axis is not None and ctx.comm.size(ctx.axis) > 1:
+            raise NotImplementedError("the attention kernel runs on one cp rank; ring attention over cp > 1 "
+                                      "runs the ring steps of .ring_attention")
+        meta = ctx.derived["attention"] = (int(ctx.params["heads"]), int(ctx.params["kv_heads"]),
+                                           ctx.params.get("mask") == "causal", ctx.micro_batch, rope_of(ctx.params))
     if qkv.shape[0] % ctx.micro_batch:
         raise ValueError(f"attention over {qkv.shape[0]} tokens with micro_batch {ctx.micro_batch}")
     if _flash_cpu(qkv):
@@ -277,7 +285,7 @@ def _flash_cpu(qkv: torch.Tensor) -> bool:
     # differentiate the forward) they are differentiable as well. On a GPU, SDPA picks the
     # fastest backend (on an H200 calling aten's flash kernels directly, with GQA heads
     # expanded, measured slower: benchmarks/results/h200_one_device.txt).
-    return qkv.device.type == "cpu" and qkv.dtype in (torch.float32, torch.float64)
+    return qkv.is_cpu and qkv.dtype in (torch.float32, torch.float64)  # (is_cpu: no device object made)
 
 
 def _attention_dgrad(grad, saved, weight):

@@ -276,6 +276,62 @@ class EmulatedComm(DistComm):
         pending = Pending(self.lanes.submit(lane, work, (x, out)), out)
         return pending if async_op else pending.wait()
 
+    @property
+    def completes_at_issue(self) -> bool:
+        """Whether every collective is written when its issue returns (``none`` on CPU: inline lanes)."""
+        return self.lanes.inline
+
+    def issuer(self, kind: str, axis: str, async_op: bool, bare: bool = False):
+        """:meth:`~.comm.Communicator.issuer`; on inline lanes a gather's or a reduction's
+        stand-in written straight away (the record, the writes and the lane's busy time of
+        :meth:`_emulated`, without its closure and hand-offs)."""
+        if not self.lanes.inline or self.size(axis) == 1:
+            return super().issuer(kind, axis, async_op, bare)
+        size, mine, lane = self.size(axis), self.index(axis), self.lane_and_nodes(axis)[0]
+        issued, lanes, clock, wrap = self.issued, self.lanes, time.perf_counter, async_op and not bare
+        # (Each body ends as :meth:`_Lanes.run_inline` does: the writes' seconds on the lane.)
+        if kind == "all_gather":
+            def all_gather(x):
+                x = x.contiguous()
+                shape = tuple(x.shape)
+                out = torch.empty((shape[0] * size,) + shape[1:], dtype=x.dtype, device=x.device)
+                issued.append((kind, axis, shape))
+                start = clock()
+                out.view((size,) + shape).copy_(x.unsqueeze(0).expand((size,) + shape))
+                busy = lanes.busy
+                busy[lane] = busy.get(lane, 0.0) + clock() - start
+                if lane not in lanes.exposed:
+                    lanes.exposed[lane] = 0.0
+                return Pending(None, out) if wrap else out
+            return all_gather
+        if kind == "reduce_scatter":
+            def reduce_scatter(x):
+                x = x.contiguous()
+                shape = tuple(x.shape)
+                if shape[0] % size:
+                    raise ValueError(f"reduce_scatter of {shape[0]} rows over {axis} = {size} does not divide")
+                rows = shape[0] // size
+                out = torch.empty((rows,) + shape[1:], dtype=x.dtype, device=x.device)
+                issued.append((kind, axis, shape))
+                start = clock()
+                out.copy_(x[mine * rows:(mine + 1) * rows])
+                busy = lanes.busy
+                busy[lane] = busy.get(lane, 0.0) + clock() - start
+                if lane not in lanes.exposed:
+                    lanes.exposed[lane] = 0.0
+                return Pending(None, out) if wrap else out
+            return reduce_scatter
+
+        def all_reduce(x):  # this rank's own values: nothing to write
+            issued.append((kind, axis, tuple(x.shape)))
+            start = clock()
+            busy = lanes.busy
+            busy[lane] = busy.get(lane, 0.0) + clock() - start
+            if lane not in lanes.exposed:
+                lanes.exposed[lane] = 0.0
+            return Pending(None, x) if wrap else x
+        return all_reduce
+
     # -- the collectives: stand-ins of the right shape --------------------------------------
 
     def _all_gather(self, x, axis, async_op):

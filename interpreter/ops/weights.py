@@ -298,6 +298,8 @@ class WeightPlan:
             self.layer_specs = _partial_over_cp(self.layer_specs)
             self.model_specs = _partial_over_cp(self.model_specs)
         self.layers = program.model.get("layers")
+        #: The vocabulary and tp sizes (:meth:`vocab_start`, asked per micro-batch), found once.
+        self._vocab_tp = (program.model.get("vocab"), program.mesh.size("tp"))
         #: The parameters of the layer's first norm (its ``inv_eps``), which the final norm shares.
         self.norm_params = next((dict(op.params) for op in self.full_forward.ops
                                  if op.op in ("rmsnorm", "layernorm")), {})
@@ -366,4 +368,5 @@ class WeightPlan:
 
     def vocab_start(self, index: Mapping[str, int]) -> int:
         """The first vocabulary row of this rank's embedding and LM-head shards."""
-        return index.get("tp", 0) * self.program.model.get("vocab") // self.program.mesh.size("tp")
+        vocab, tp = self._vocab_tp
+        return index.get("tp", 0) * vocab // tp
