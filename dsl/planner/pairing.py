@@ -355,6 +355,7 @@ class _PairMatrix:
         self.shapes = [[(n, tuple(op.name for op in ops)) for n, ops in zip(numbers, table.ops)]
                        for numbers, table in zip(self.numbers, tables)] if self.numbers is not None else None
         self._shape_bounds: dict[int, float] = {}
+        self._remaining: dict[int, list[tuple[float, ...]] | None] = {}
 
     def cell(self, f: int, b: int) -> float:
         """The time of the step running forward segment ``f`` beside backward segment ``b``."""
@@ -444,7 +445,12 @@ class _PairMatrix:
         """Per prefix of strand ``side``, the per-lane work of the ops not yet run and their
         longest dependency path (None without the cost's bounds): any plan of the rest takes
         at least its busiest lane, and at least that path (a step lasts at least the part of
-        the path inside it, and steps run one after the other)."""
+        the path inside it, and steps run one after the other). Worked out once per side."""
+        if side not in self._remaining:
+            self._remaining[side] = self._remaining_of(side)
+        return self._remaining[side]
+
+    def _remaining_of(self, side: int) -> list[tuple[float, ...]] | None:
         if self.bounds is None:
             return None
         table = self.tables[side]
@@ -496,9 +502,9 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
     best = [INF] * (len(fwd.prefixes) * width)
     back: list[tuple[int, int, int] | None] = [None] * len(best)
     best[0] = 0.0
-    rem_f, rem_b = matrix.remaining(0), matrix.remaining(1)
     limit = ceiling * (1.0 + 1e-9)
-    chain, fixed_f, fixed_b = chains if chains is not None else (None, None, None)
+    # Without a ceiling nothing is pruned by the rest's bound: not worked out then.
+    rest = _rest_bounds(tables, matrix, chains) if limit < INF else None
     fwd_succ, bwd_succ = fwd.succ, bwd.succ
     if longest is not None:
         fwd_succ = [[(f, j) for f, j in steps if fwd.sizes[f] <= longest] for steps in fwd_succ]
@@ -508,15 +514,11 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
         for k, bwd_steps in enumerate(bwd_succ):
             here = i * width + k
             start = best[here]
-            if start == INF or (rem_f is not None and rem_b is not None
-                                and start + _rest(rem_f[i], rem_b[k]) * _SAFE > limit):
-                continue
-            if chain is not None and start + chain[fixed_f[i]][fixed_b[k]] * _SAFE > limit:
+            if start == INF or (rest is not None and start + rest[here] > limit):
                 continue
             for f, j in fwd_steps:
                 base = j * width
-                known, rest_f, fixed_j = lows_of[f].get, rem_f[j] if rem_f is not None else None, \
-                    chain[fixed_f[j]] if chain is not None else None
+                known = lows_of[f].get
                 for b, l in bwd_steps:
                     target = best[base + l]
                     low = known(b)
@@ -524,13 +526,7 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
                         low = lower(f, b)
                     if start + low >= target:
                         continue
-                    if rest_f is not None and rem_b is not None:
-                        rest_b = rem_b[l]
-                        rest = max(rest_f[0] + rest_b[0], rest_f[1] + rest_b[1], rest_f[2] + rest_b[2], rest_f[3],
-                                   rest_b[3])
-                        if start + low + rest * _SAFE > limit:
-                            continue
-                    if fixed_j is not None and start + low + fixed_j[fixed_b[l]] * _SAFE > limit:
+                    if rest is not None and start + low + rest[base + l] > limit:
                         continue
                     value = start + cell(f, b)
                     if value < target:
@@ -561,12 +557,8 @@ def _best_first(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: flo
     fwd, bwd = tables
     width = len(bwd.prefixes)
     goal = len(fwd.prefixes) * width - 1
-    rem_f, rem_b = matrix.remaining(0), matrix.remaining(1)
-    chain, fixed_f, fixed_b = chains
-    assert rem_f is not None and rem_b is not None, "chains come with the cost's bounds"
-    # A bound of the rest from each state (by index), scaled as _shortest scales it.
-    rest = [max(_rest(rem_f[j], rem_b[l]), chain[fixed_f[j]][fixed_b[l]]) * _SAFE
-            for j in range(len(fwd.prefixes)) for l in range(width)]
+    rest = _rest_bounds(tables, matrix, chains)
+    assert rest is not None, "chains come with the cost's bounds"
     limit = ceiling * (1.0 + 1e-9)
     best = [INF] * (goal + 1)
     best[0] = 0.0
@@ -611,6 +603,23 @@ def _best_first(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: flo
                 if bound <= limit:
                     push(heap, (bound, 0, target, low, here, f, b))
     return INF
+
+
+def _rest_bounds(tables: tuple[_Table, _Table], matrix: _PairMatrix, chains: tuple | None) -> list[float] | None:
+    """Per state (by index: forward prefix, then backward prefix), a lower bound of any path
+    from it to the end, scaled by _SAFE: the larger of its lanes' work left and either
+    strand's longest path left (:meth:`_PairMatrix.remaining`) and, with ``chains``
+    (:meth:`_PairMatrix.chain_rest`), the fixed-op relaxation's; None without the cost's
+    bounds. (Worked out once per state: the searches add it to millions of steps.)"""
+    rem_f, rem_b = matrix.remaining(0), matrix.remaining(1)
+    if rem_f is None or rem_b is None:
+        return None
+    width = len(tables[1].prefixes)
+    if chains is None:
+        return [_rest(rem_f[j], rem_b[l]) * _SAFE for j in range(len(tables[0].prefixes)) for l in range(width)]
+    chain, fixed_f, fixed_b = chains
+    return [max(_rest(rem_f[j], rem_b[l]) * _SAFE, chain[fixed_f[j]][fixed_b[l]] * _SAFE)
+            for j in range(len(tables[0].prefixes)) for l in range(width)]
 
 
 def _rest(a: tuple[float, ...], b: tuple[float, ...]) -> float:
