@@ -214,7 +214,9 @@ def _exact_run(checkout: Path, view: Path) -> tuple[float, float, str]:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     command = [sys.executable, "-c", _BOOT, str(view), str(checkout / "benchmarks" / "planner_speed.py"), "--exact",
                "--repeat", "1"]
-    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=checkout).stdout
+    # (PYTHONPATH left out: a site hook on it could import another checkout's package first.)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=checkout, env=env).stdout
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     lines = out.splitlines()
