@@ -3,6 +3,7 @@
 Run from the repository root::
 
     .venv/bin/python benchmarks/planner_speed.py [--max-segment N] [--repeat R] [--unbounded] [--chunked] [--exact]
+    .venv/bin/python benchmarks/planner_speed.py --against DIR [--rounds R]
 
 The pair cost is ``dsl.planner.paircost.PairCost`` with each program's profile (the shipped "a40")
 when that module is installed, else a synthetic three-lane cost defined below (the numbers
@@ -15,6 +16,13 @@ block written by hand (or by ``dhelix tune`` without SI) makes them. ``--exact``
 MoE pair with segments of any length (exact over every order within the moving ops' window and
 every segmentation) and prints the relaxation's lower bound (``relaxed_total``: no window, no
 segment bound), which no plan over any order can beat.
+
+``--against DIR`` times the MoE pair's exact plan here and in another checkout of the project
+(DIR, e.g. a ``git worktree`` of an earlier commit), each in a fresh process running that
+checkout's own benchmark (``--exact --repeat 1``), the two alternated for ``--rounds`` rounds
+(the other first in odd rounds): the wall-clock seconds it prints for the plan, the CPU
+seconds of the whole process (on a machine shared with other work they tell more), their
+medians and ratios, and whether both found the same total.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -194,6 +203,59 @@ def exact_moe(moe, default, max_prefixes: int) -> None:
     print(f"  vs the default bounds: {exact.total * 1e3:.3f} vs {default.total * 1e3:.3f} ms")
 
 
+def _exact_run(checkout: Path, view: Path) -> tuple[float, float, str]:
+    """(wall seconds of the MoE pair's exact plan as ``checkout``'s benchmark prints them, CPU
+    seconds of its whole process, the plan's total as printed) of one fresh run."""
+    import resource
+    import subprocess
+
+    from tune_speed import _BOOT
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    command = [sys.executable, "-c", _BOOT, str(view), str(checkout / "benchmarks" / "planner_speed.py"), "--exact",
+               "--repeat", "1"]
+    # (PYTHONPATH left out: a site hook on it could import another checkout's package first.)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=checkout, env=env).stdout
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("moe_big, segments unbounded"))
+    found = re.search(r"([0-9.]+) s to plan .* predicted ([0-9.]+) ms", lines[at + 1])
+    assert found is not None, lines[at + 1]
+    return float(found.group(1)), cpu, found.group(2)
+
+
+def against(other: Path, rounds: int) -> None:
+    """The MoE pair's exact plan timed here and in the checkout ``other``, alternated for
+    ``rounds`` rounds; each run, the medians and their ratios printed."""
+    import statistics
+    import tempfile
+
+    from tune_speed import _package_view
+
+    with tempfile.TemporaryDirectory() as scratch:
+        trees = {"this": ROOT, "other": other}
+        views = {side: _package_view(tree, Path(scratch) / side) for side, tree in trees.items()}
+        walls: dict[str, list[float]] = {"this": [], "other": []}
+        cpus: dict[str, list[float]] = {"this": [], "other": []}
+        totals: dict[str, set[str]] = {"this": set(), "other": set()}
+        for round_ in range(rounds):
+            for side in (("other", "this") if round_ % 2 == 0 else ("this", "other")):
+                wall, cpu, total = _exact_run(trees[side], views[side])
+                walls[side].append(wall)
+                cpus[side].append(cpu)
+                totals[side].add(total)
+                print(f"moe_big exact, round {round_ + 1}, {side} ({trees[side]}): {wall:.1f} s to plan, "
+                      f"{cpu:.1f} s CPU for the whole run, total {total} ms "
+                      f"(load average {os.getloadavg()[0]:.1f} after)", flush=True)
+        here, there = statistics.median(walls["this"]), statistics.median(walls["other"])
+        cpu_here, cpu_there = statistics.median(cpus["this"]), statistics.median(cpus["other"])
+        print(f"moe_big exact: median {here:.1f} s here against {there:.1f} s there over {rounds} rounds: "
+              f"{here / there:.3f}x (CPU {cpu_here:.1f} s against {cpu_there:.1f} s: {cpu_here / cpu_there:.3f}x); "
+              f"the same total: {totals['this'] == totals['other'] and len(totals['this']) == 1}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-segment", type=int, default=None,
@@ -205,7 +267,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="also plan the MoE pair with segments of any length, and print its lower bound")
     parser.add_argument("--chunked", action="store_true",
                         help="also plan a Llama-70B-shaped pair with three chunk chains (4 and 8 chunks)")
+    parser.add_argument("--against", type=Path, metavar="DIR",
+                        help="time the MoE pair's exact plan here and in the checkout DIR, alternated")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of --against (default 2)")
     args = parser.parse_args(argv)
+    if args.against is not None:
+        against(args.against.resolve(), args.rounds)
+        return 0
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}; date: {time.strftime('%Y-%m-%d')}; load average {load}")

@@ -672,6 +672,66 @@ def test_with_the_lane_model_the_exact_search_and_its_bounds_hold_against_brute_
     assert plan.total == pytest.approx(best, rel=1e-12)
 
 
+class _BestFirst:
+    """Within it, the search with segments of any length runs its best-first pass
+    (pairing._best_first) at every size (``on``) or at none."""
+
+    def __init__(self, on: bool):
+        self.pairs = 0 if on else 10 ** 18
+
+    def __enter__(self):
+        self.saved, pairing.BEST_FIRST_PAIRS = pairing.BEST_FIRST_PAIRS, self.pairs
+
+    def __exit__(self, *exc):
+        pairing.BEST_FIRST_PAIRS = self.saved
+
+
+@settings(PROPERTY, max_examples=150)
+@given(problems())
+def test_the_best_first_pass_keeps_the_exact_plan(problem):
+    """With the best-first pass (its total the DP's ceiling) the search with segments of any
+    length is exact against brute force and returns the very plan it returns without it."""
+    fwd, bwd, strands, salt = problem
+    forders, borders = order_pairs(fwd, bwd, strands)
+    assume(len(forders) * len(borders) <= 40)
+    with _BestFirst(True):
+        first = plan_layers(fwd, bwd, strands, BoundedCost(salt), max_segment=None)
+    with _BestFirst(False):
+        plain = plan_layers(fwd, bwd, strands, BoundedCost(salt), max_segment=None)
+    assert first.total == best_over_orders(fwd, bwd, strands, BoundedCost(salt))
+    assert first.pairs == plain.pairs and first.total == plain.total
+
+
+@settings(PROPERTY, max_examples=12)
+@given(st.sampled_from(PARTITIONS), st.sampled_from(["on", "off"]), st.floats(0, 1), st.floats(0, 0.5),
+       st.floats(0, 0.3))
+def test_with_the_lane_model_the_best_first_pass_finds_the_optimum(chunk, comm_with_comm, oef, slowdown, fraction):
+    """The best-first pass on PairCost's bounds (lanes, chains, OEF savings, the relaxation):
+    its total is the best plan's over every order, and the plan is the one found without it."""
+    program = _partitioned(chunk, comm_with_comm)
+    best = _best_over_orders_of(chunk, program, _lane_model(program, oef, slowdown, fraction))
+    fwd, bwd, strands = program.forward, program.backward, program.strands
+    with _BestFirst(True):
+        first = plan_layers(fwd, bwd, strands, _lane_model(program, oef, slowdown, fraction), max_segment=None)
+    with _BestFirst(False):
+        plain = plan_layers(fwd, bwd, strands, _lane_model(program, oef, slowdown, fraction), max_segment=None)
+    assert first.total == pytest.approx(best, rel=1e-12)
+    assert first.pairs == plain.pairs and first.total == plain.total
+
+
+def test_a_best_first_total_below_the_optimum_loses_the_plan(monkeypatch):
+    """The tests above can fail: a best-first pass answering 1 % below the optimum leaves the
+    DP a ceiling no plan reaches (it then ends on a plan above it or none)."""
+    program = _partitioned(PARTITIONS[0], "on")
+    fwd, bwd, strands = program.forward, program.backward, program.strands
+    best = _best_over_orders_of(PARTITIONS[0], program, PairCost.for_program(program))
+    monkeypatch.setattr(pairing, "BEST_FIRST_PAIRS", 0)
+    monkeypatch.setattr(pairing, "_best_first", lambda *args: best * 0.99)
+    monkeypatch.setattr(pairing, "_one_after_the_other", lambda *args: (pairing.SegmentPair((), (), INF, INF),))
+    assert plan_layers(fwd, bwd, strands, PairCost.for_program(program), max_segment=None).total != \
+        pytest.approx(best, rel=1e-12)
+
+
 def test_a_rest_bound_that_over_estimates_loses_the_optimum(monkeypatch):
     """The test above can fail: doubled, the rest bound prunes the best plan away."""
     program = _partitioned(PARTITIONS[0], "on")

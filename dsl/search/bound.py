@@ -42,8 +42,8 @@ import attrs
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.passes.fsdp import is_fsdp, replicas_substituted
-from dhelix.dsl.simulator.costs import (NOTHING, StepCosts, Work, gradient_syncs, layer_costs, offloads, optimizer_seconds,
-                                        si_backward, step_costs)
+from dhelix.dsl.simulator.costs import (NOTHING, LayerCosts, StepCosts, Work, gradient_syncs, layer_costs, offloads,
+                                        optimizer_seconds, si_backward, step_costs)
 from dhelix.dsl.simulator.memory import layer_activations, model_states, recomputed, selectively_recomputed
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.planner.segment_bound import SegmentBound
@@ -186,11 +186,19 @@ def relaxed_costs(program: Program, cost: PairCost, layers: bool = False, costs:
     then where a substitution is still to choose. ``costs``: the program's step costs
     without a plan, when already computed."""
     costs = costs or step_costs(program, None, cost)
+    return attrs.evolve(costs, layer=relaxed_layer(program, cost, costs.layer, layers))
+
+
+def relaxed_layer(program: Program, cost: PairCost, layer: LayerCosts, layers: bool = False) -> LayerCosts:
+    """The layer part of :func:`relaxed_costs` (``layer``: the program's layer costs without a
+    plan): what it reads of ``program`` is its layer DAGs, whether its schedule splits W off,
+    its recomputation and its partition block, so a search works it out once for the
+    programs that share them."""
     chains = chain_groups(program)
 
     def bound(cost: PairCost, ops) -> Work:
         return pass_bound(cost, ops, chains)
-    layer = layer_costs(program, cost, None, work=bound) if layers else costs.layer
+    layer = layer_costs(program, cost, None, work=bound) if layers else layer
     assert program.forward is not None, "a checked model"
     forward, backward = program.forward.ops, si_backward(program).ops
     pair = max(cost.lane_work(forward + backward))
@@ -201,7 +209,7 @@ def relaxed_costs(program: Program, cost: PairCost, layers: bool = False, costs:
     if fwd is not None and bwd is not None and not (layers and _substitutes(program)):
         pair = max(pair, fwd.pair(bwd) - fwd.launch_gap.seconds(fwd.comm + bwd.comm))
     pair = max(pair, chained_path(cost, forward, chains), chained_path(cost, backward, chains))
-    return attrs.evolve(costs, layer=attrs.evolve(layer, pair=Work(pair)))
+    return attrs.evolve(layer, pair=Work(pair))
 
 
 def _substitutes(program: Program) -> bool:

@@ -25,7 +25,7 @@ from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.planner.chunking import ChunkChoice, choose_all
 from dhelix.dsl.planner.paircost import PairCost
-from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_costs
+from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_layer
 from dhelix.dsl.search.generated import GENERATED, generated_pipeline, placeholder
 from dhelix.dsl.search.duplicates import program_key
 from dhelix.dsl.search.headroom import Reserve
@@ -35,7 +35,7 @@ from dhelix.dsl.search.prefilter import ScheduleChecks
 from dhelix.dsl.search.space import Choice, Layout
 from dhelix.dsl.search.variant import apply_choice, launch_reads
 from dhelix.dsl.passes.fsdp import shard_weights
-from dhelix.dsl.simulator.costs import StepCosts, step_costs
+from dhelix.dsl.simulator.costs import LayerCosts, StepCosts, layer_costs, step_costs
 from dhelix.dsl.simulator.events import Simulation, has_si, simulate, untimed
 from dhelix.dsl.simulator.launch import make_choices
 from dhelix.dsl.simulator.memory import GB
@@ -146,6 +146,8 @@ class Pricer:
         self._layer_choices: dict[tuple, tuple[dict, tuple]] = {}
         self._rechecked_dags: dict[tuple, Program] = {}
         self._costs: dict[tuple, tuple] = {}
+        #: Layer costs (plain, and relaxed: dhelix.dsl.search.bound.relaxed_layer) by what they read.
+        self._layers: dict[tuple, tuple] = {}
         self._derivations: dict[Layout, tuple | DhelixError] = {}
         self._unsettled: dict[Choice, float] = {}
         #: The steps the last :meth:`chosen` simulated, by what its choices set (:func:`_settled`).
@@ -510,9 +512,9 @@ class Pricer:
         key = (layout, id(program.forward), id(program.backward), program.lowered.split, "unsettled")
         found = self._costs.get(key)
         if found is None:
+            costs = self.costs(program, layout, None)
             found = self._costs[key] = (program.forward, program.backward, None,
-                                        relaxed_costs(program, self.cost, layers=True,
-                                                      costs=self.costs(program, layout, None)))
+                                        attrs.evolve(costs, layer=self._relaxed_layer(program, costs, True)))
         return found[3]
 
     def costs(self, program: Program, layout: Layout, plan: Plan | None) -> StepCosts:
@@ -526,7 +528,33 @@ class Pricer:
         if found is None:
             # The objects are kept with their costs, so their ids are not reused.
             found = self._costs[key] = (program.forward, program.backward, plan,
-                                        step_costs(program, plan, self.cost))
+                                        step_costs(program, plan, self.cost, self._layer_costs(program, plan)))
+        return found[3]
+
+    def _layer_costs(self, program: Program, plan: Plan | None) -> LayerCosts:
+        """:func:`~dhelix.dsl.simulator.costs.layer_costs` of ``program`` (its layer DAGs
+        interned) with ``plan``: they read the layer DAGs, the recomputation and the plan
+        only, so the layouts that share these (other meshes' data and pipeline sizes, ZeRO
+        stages, placements) share them."""
+        assert program.train is not None, "a checked model"
+        key = (id(program.forward), id(program.backward), program.train.recompute, id(plan))
+        found = self._layers.get(key)
+        if found is None:  # (kept with their objects, so that their ids are not reused)
+            found = self._layers[key] = (program.forward, program.backward, plan,
+                                         layer_costs(program, self.cost, plan))
+        return found[3]
+
+    def _relaxed_layer(self, program: Program, costs: StepCosts, layers: bool) -> LayerCosts:
+        """:func:`~dhelix.dsl.search.bound.relaxed_layer` of ``program`` (``costs``: its step
+        costs without a plan), once per what it reads: the layer DAGs, whether the schedule
+        splits W off, the recomputation and the partition block."""
+        assert program.lowered is not None and program.train is not None, "a validated model"
+        key = (id(program.forward), id(program.backward), program.lowered.split, program.train.recompute,
+               program.partition, layers)
+        found = self._layers.get(key)
+        if found is None:
+            found = self._layers[key] = (program.forward, program.backward, None,
+                                         relaxed_layer(program, self.cost, costs.layer, layers))
         return found[3]
 
     def relaxed(self, program: Program, layout: Layout) -> StepCosts:
@@ -537,8 +565,9 @@ class Pricer:
                "relaxed")
         found = self._costs.get(key)
         if found is None:
+            costs = self.costs(program, layout, None)
             found = self._costs[key] = (program.forward, program.backward, None,
-                                        relaxed_costs(program, self.cost, costs=self.costs(program, layout, None)))
+                                        attrs.evolve(costs, layer=self._relaxed_layer(program, costs, False)))
         return found[3]
 
     def _fits(self, sim: Simulation) -> bool:

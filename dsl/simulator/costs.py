@@ -206,9 +206,12 @@ def layer_costs(program: Program, cost: PairCost, plan: Plan | None, work=None) 
         pair=plan_work(plan) if plan is not None else None, again=again)
 
 
-def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None) -> StepCosts:
+def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None,
+               layer: LayerCosts | None = None) -> StepCosts:
     """The :class:`StepCosts` of a validated program with a profile; ``plan`` prices its SI
-    blocks (None when it has none, or to run them one after the other)."""
+    blocks (None when it has none, or to run them one after the other); ``layer``: its
+    :func:`layer_costs` with ``plan``, when already computed (a search shares them between
+    the programs whose layer DAGs and recomputation are one)."""
     cost = cost or cost_of(program)
     mesh, model = program.mesh, program.model
     assert mesh is not None and model is not None and program.forward is not None, "a checked model"
@@ -217,7 +220,7 @@ def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None
     pp_lane = mesh.lane("pp") if mesh.size("pp") > 1 else "local"
     p2p_seconds = collective_time("p2p", p2p_bytes, 2, pp_lane, program.profile)
     return StepCosts(
-        layer=layer_costs(program, cost, plan), heads=head_costs(program),
+        layer=layer or layer_costs(program, cost, plan), heads=head_costs(program),
         params=layer_params(program), p2p_seconds=p2p_seconds, p2p_bytes=p2p_bytes, pp_lane=pp_lane,
         dense_group=_sync_group(mesh, expert=1), expert_group=_sync_group(mesh, expert=mesh.size("ep")),
         grad_bytes=dtype_bytes(grad_reduce_dtype(program)), weight_bytes=dtype_bytes(dtype), dtype=dtype,
