@@ -83,7 +83,7 @@ def test_heads_narrower_or_wider_than_hidden_over_heads_match_the_reference(laye
     for head_dim in (4, 16):
         plan = WeightPlan(program(layer, extra=f"head_dim = {head_dim}"), SEED)
         qkv = next(op for op in plan.program.forward.ops if op.name == "qkv")
-        assert qkv.shape[1] == (4 + 2 * (2 if layer != "gpt" else 4)) * head_dim
+        assert qkv.shape[1] == (4 + 2 * 2) * head_dim  # 4 heads, 2 KV heads (gpt attends with kv_heads too)
         layer_plan = LayerPlan.build(plan.program.forward, plan.program.backward, MICRO_BATCH)
         out, dx, grads, _ = run_layer(plan, layer_plan, SingleRankComm(), {"tp": 0})
         want_out, want_dx, want_grads = reference_layer_grads(plan)
