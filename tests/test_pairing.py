@@ -602,7 +602,7 @@ def _partitioned_orders(chunk: str):
     return order_pairs(program.forward, program.backward, program.strands)
 
 
-@settings(PROPERTY, max_examples=12)
+@settings(PROPERTY, max_examples=8)
 @given(st.sampled_from(["chunk ag + fc by 2", "chunk fc + rs by 2", MOVED]), st.sampled_from(["on", "off"]),
        st.integers(0, 10**6))
 @example(MOVED, "on", 7)
@@ -656,7 +656,7 @@ def _best_over_orders_of(chunk: str, program, cost) -> float:
 PARTITIONS = ["chunk ag + fc by 2", "chunk fc + rs by 2", MOVED]
 
 
-@settings(PROPERTY, max_examples=12)
+@settings(PROPERTY, max_examples=5)
 @given(st.sampled_from(PARTITIONS), st.sampled_from(["on", "off"]), st.floats(0, 1), st.floats(0, 0.5),
        st.floats(0, 0.3))
 def test_with_the_lane_model_the_exact_search_and_its_bounds_hold_against_brute_force(
@@ -686,7 +686,7 @@ class _BestFirst:
         pairing.BEST_FIRST_PAIRS = self.saved
 
 
-@settings(PROPERTY, max_examples=150)
+@settings(PROPERTY, max_examples=60)
 @given(problems())
 def test_the_best_first_pass_keeps_the_exact_plan(problem):
     """With the best-first pass (its total the DP's ceiling) the search with segments of any
@@ -702,7 +702,7 @@ def test_the_best_first_pass_keeps_the_exact_plan(problem):
     assert first.pairs == plain.pairs and first.total == plain.total
 
 
-@settings(PROPERTY, max_examples=12)
+@settings(PROPERTY, max_examples=5)
 @given(st.sampled_from(PARTITIONS), st.sampled_from(["on", "off"]), st.floats(0, 1), st.floats(0, 0.5),
        st.floats(0, 0.3))
 def test_with_the_lane_model_the_best_first_pass_finds_the_optimum(chunk, comm_with_comm, oef, slowdown, fraction):
