@@ -29,6 +29,13 @@ What it does (issue 52, deliverable 4, the ranking part):
    ranks, Kendall's τ-b between the predicted and measured order, and where tune's choice
    lands in the measured order.
 
+``--ranks 2`` runs one rank per namespace instead (:data:`VARIANTS_TWO`: tp 2, pp 2, dp 2 and
+cp 2, every axis across the link; the pipelines of the library on pp 2, SI on and off, a
+Centauri partition): each rank has a core of its own on a 2-core machine, so the measured order
+is not the order in which 4 ranks happened to get 2 cores. ``--priority -N`` runs the ranks
+under ``nice -n -N``, ``--priority rt`` under real-time scheduling (root; see
+``two_node_runs.priority_prefix``), ahead of whatever else the machine runs.
+
 The goals of the issue (a benchmark, not a test: the machine and its load decide): τ ≥ 0.8
 over at least 8 variants; tune's choice measured best or within 3 % of the best.
 """
@@ -49,7 +56,8 @@ import yaml
 # Beside this file (the script's folder is the first on sys.path): the link and what the
 # two-node benchmarks share.
 from two_node_link import Shaping, TwoNodeLink
-from two_node_runs import run_main, BenchError, Report, World, add_link_arguments, command_line, machine, median, profile_link
+from two_node_runs import (run_main, BenchError, Report, World, add_link_arguments, command_line, machine, median,
+                           priority_prefix, profile_link)
 
 from dhelix.dsl.passes.pipeline import check_text
 
@@ -89,11 +97,33 @@ VARIANTS = (
     Variant("tp2dp2_u_whelix_m4", (("tp", 2), ("dp", 2)), 2, 4),
     Variant("dp4_none_1f1b_m2", (("dp", 4),), 2, 2, fold="none", pipeline="one_f_one_b"),
 )
-BASE = VARIANTS[0]
+#: One rank per node (``--ranks 2``): every axis crosses the link; 16 sequences per step too.
+VARIANTS_TWO = (
+    Variant("tp2_u_whelix_m8", (("tp", 2),), 2, 8),
+    Variant("tp2_u_whelix_m8_si_off", (("tp", 2),), 2, 8, si=False),
+    Variant("tp2_none_1f1b_m8", (("tp", 2),), 2, 8, fold="none", pipeline="one_f_one_b"),
+    Variant("tp2_none_1f1b_m8_centauri", (("tp", 2),), 2, 8, fold="none", pipeline="one_f_one_b",
+            partition=CENTAURI),
+    Variant("pp2_u_whelix_m8", (("pp", 2),), 2, 8),
+    Variant("pp2_u_whelix_m8_si_off", (("pp", 2),), 2, 8, si=False),
+    Variant("pp2_u_whelix_m4", (("pp", 2),), 4, 4),
+    Variant("pp2_none_1f1b_m8", (("pp", 2),), 2, 8, fold="none", pipeline="one_f_one_b"),
+    Variant("pp2_none_gpipe_m8", (("pp", 2),), 2, 8, fold="none", pipeline="gpipe"),
+    Variant("pp2_none_zbh1_m8", (("pp", 2),), 2, 8, fold="none", pipeline="zb_h1"),
+    Variant("pp2_u_dualpipev_m8", (("pp", 2),), 2, 8, pipeline="dualpipe_v"),
+    Variant("pp2_loop2_interleaved_m8", (("pp", 2),), 2, 8, fold="loop(2)", pipeline="interleaved_1f1b"),
+    Variant("dp2_none_1f1b_m4", (("dp", 2),), 2, 4, fold="none", pipeline="one_f_one_b"),
+    Variant("cp2_none_1f1b_m8", (("cp", 2),), 2, 8, fold="none", pipeline="one_f_one_b"),
+)
+
+
+def variant_set(ranks: int) -> tuple[Variant, ...]:
+    """The variants of a world of ``ranks`` (2 or 4); the first is the base tune starts from."""
+    return VARIANTS_TWO if ranks == 2 else VARIANTS
 
 
 def program_text(variant: Variant, args, profile: str) -> str:
-    """The variant's program: the tiny Llama on 2 nodes × 2 ranks."""
+    """The variant's program: the tiny Llama on 2 nodes × ``args.ranks // 2`` ranks."""
     mesh = "\n".join(f"  {axis} = {size}" for axis, size in variant.mesh)
     partition = ""
     if variant.partition:
@@ -118,7 +148,7 @@ model two_node_ranking {{
 
 cluster {{
   nodes = 2
-  gpus_per_node = 2
+  gpus_per_node = {args.ranks // 2}
   profile = "{profile}"
 }}
 
@@ -225,10 +255,10 @@ def variant_key(variant: Variant, sim: dict) -> tuple:
     return key_of(dict(variant.mesh), variant.micro_batch, variant.microbatches, sim, bool(variant.partition))
 
 
-def tune(workdir: Path, profile: str, report: Report) -> tuple[dict, dict]:
+def tune(workdir: Path, base: Variant, profile: str, report: Report) -> tuple[dict, dict]:
     """``dhelix tune`` of the base program with ``profile``: (its chosen JSON entry, its
     choice's settings); writes ``tuned.dhx``."""
-    command = ["tune", f"{BASE.name}.dhx", "--profile", profile, "--keep", TUNE_KEEP, "--top", "5", "-j", "1",
+    command = ["tune", base.filename, "--profile", profile, "--keep", TUNE_KEEP, "--top", "5", "-j", "1",
                "--json", "-o", "tuned.dhx"]
     result = dhelix(command, workdir, 1800)
     if result.returncode != 0:
@@ -293,7 +323,7 @@ def core_wait(metrics: dict) -> float | None:
 
 
 def summarise(variants: list[Variant], predicted: dict[str, float], results: dict[str, list[dict]],
-              tuned: Variant, report: Report) -> None:
+              tuned: Variant, report: Report, world: int = 4) -> None:
     """The table, τ and where tune's choice lands."""
     measured = {v.name: median([d["step_s"] for d in results[v.name]]) for v in variants}
     done = [v for v in variants if measured[v.name] is not None]
@@ -321,7 +351,7 @@ def summarise(variants: list[Variant], predicted: dict[str, float], results: dic
     waits = {v.name: median([d["core_wait"] for d in results[v.name] if d["core_wait"] is not None]) for v in done}
     if all(w is not None for w in waits.values()):
         less_wait = kendall_tau([predicted[v.name] for v in done], [measured[v.name] - waits[v.name] for v in done])
-        report(f"  against measured less the median core wait (what the simulator does not model: 4 ranks on "
+        report(f"  against measured less the median core wait (what the simulator does not model: {world} ranks on "
                f"{os.cpu_count()} cores): {'—' if less_wait is None else f'{less_wait:.3f}'}")
     within = [v for v in done if v.name != tuned.name]
     tau_without = kendall_tau([predicted[v.name] for v in within], [measured[v.name] for v in within])
@@ -348,25 +378,29 @@ def bench(args, report: Report, workdir: Path) -> int:
     report(f"$ {command_line()}")
     report(f"machine: {machine()}")
     report(f"uptime before: {uptime()}")
-    variants = list(VARIANTS)
+    variants = list(variant_set(args.ranks))
+    base = variants[0]
     for variant in variants:  # checked now, not minutes in
         text = program_text(variant, args, "a40")
         check_text(text, str(workdir / variant.filename))
         (workdir / variant.filename).write_text(text)
     report(f"model: llama × {args.layers} layers, hidden {args.hidden}, ffn {2 * args.hidden}, seq {args.seq}, fp32, "
-           "16 sequences per step; cluster 2 nodes × 2 ranks (the mesh's first axis on the local lane, "
-           f"the next on the cross lane); {args.steps} steps per run, {args.rounds} rounds")
+           f"16 sequences per step; cluster 2 nodes × {args.ranks // 2} ranks "
+           + ("(the mesh's first axis on the local lane, the next on the cross lane)" if args.ranks == 4
+              else "(every axis on the cross lane)")
+           + f"; {args.steps} steps per run, {args.rounds} rounds"
+           + (f"; ranks under {' '.join(priority_prefix(args.priority))}" if args.priority else ""))
     with TwoNodeLink(Shaping(rate=args.rate, burst=args.burst, latency=args.latency)) as link:
         report(f"link: {link.describe()}")
-        world = World(link, 4, 2, workdir, args.run_timeout)
-        measured = profile_link(world, workdir / BASE.filename, args, report)
+        world = World(link, args.ranks, args.ranks // 2, workdir, args.run_timeout, priority_prefix(args.priority))
+        measured = profile_link(world, workdir / base.filename, args, report)
         rates_only(workdir / measured, workdir / "link_rates.yaml")
         report(f"priced with link_rates.yaml: {measured} without its measured op times (they belong to "
-               f"{BASE.name}'s mesh and shapes), as `dhelix tune` prices every candidate")
+               f"{base.name}'s mesh and shapes), as `dhelix tune` prices every candidate")
         for variant in variants:
             (workdir / variant.filename).write_text(program_text(variant, args, "link_rates.yaml"))
         sims = {v.name: simulate(workdir / v.filename, "link_rates.yaml", workdir) for v in variants}
-        best, choice = tune(workdir, "link_rates.yaml", report)
+        best, choice = tune(workdir, base, "link_rates.yaml", report)
         tuned, added = tuned_variant(choice, best, variants, sims)
         if added:
             report(f"tune's choice is none of the variants: measured as tune_choice (tuned.dhx: {best['label']})")
@@ -377,7 +411,7 @@ def bench(args, report: Report, workdir: Path) -> int:
         predicted = {name: sim["step_s"] for name, sim in sims.items()}
         report(f"uptime before the rounds: {uptime()}")
         results = run_rounds(world, variants, args, report)
-    summarise(variants, predicted, results, tuned, report)
+    summarise(variants, predicted, results, tuned, report, args.ranks)
     report(f"uptime after: {uptime()}")
     return 0
 
@@ -391,6 +425,10 @@ def parse_args(argv=None):
     parser.add_argument("--hidden", type=int, default=128, help="the model's hidden size")
     parser.add_argument("--seq", type=int, default=64, help="sequence length")
     parser.add_argument("--layers", type=int, default=4, help="layers (a multiple of 4: pp 2 on fold u)")
+    parser.add_argument("--ranks", type=int, choices=(2, 4), default=4,
+                        help="ranks: 2 per namespace (4) or 1 (2, a core each on a 2-core machine)")
+    parser.add_argument("--priority", metavar="N|rt",
+                        help="run the ranks under `nice -n N` or, with rt, real-time (chrt -f; root)")
     parser.add_argument("--profile-repeats", type=int, default=3, help="--repeats of `dhelix profile`")
     parser.add_argument("--run-timeout", type=float, default=600.0, help="seconds a run may take")
     parser.add_argument("--keep-going", action="store_true", help="go on after a failed run")

@@ -65,8 +65,11 @@ class World:
     """Runs a command as every rank of a ``world``-rank job, ``per_node`` consecutive ranks in
     each namespace, in the environment torchrun would give them."""
 
-    def __init__(self, link: TwoNodeLink, world: int, per_node: int, workdir: Path, timeout: float):
+    def __init__(self, link: TwoNodeLink, world: int, per_node: int, workdir: Path, timeout: float,
+                 priority: tuple[str, ...] = ()):
         self.link, self.world, self.per_node = link, world, per_node
+        #: What each rank's command runs under (:func:`priority_prefix`): nothing, ``nice`` or ``chrt``.
+        self.priority = priority
         self.workdir, self.timeout = workdir, timeout
         self.port = FIRST_PORT
         self.runs = 0
@@ -93,6 +96,7 @@ class World:
                 env = [f"{name}={value}" for name, value in self.environment(rank).items()]
                 command = ["ip", "netns", "exec", self.link.node(rank // self.per_node)["namespace"],
                            "env", *env, sys.executable, *args]
+                command = [*self.priority, *command]
                 with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
                     procs.append(subprocess.Popen(command, stdout=out, stderr=err, cwd=self.workdir))
             return self._watch(procs, logs)
@@ -159,6 +163,22 @@ def profile_link(world: World, program: Path, args, report: Report, name: str = 
     report(f"profile: `dhelix profile {program.name} -o {name} --repeats {args.profile_repeats}` over the link "
            f"({time.monotonic() - start:.0f} s); {program.name}'s cluster profile is now {name}")
     return out.name
+
+
+def priority_prefix(priority: str | None) -> tuple[str, ...]:
+    """The command a rank runs under for ``--priority``: none (``None``), ``nice -n N`` (an
+    integer; negative puts the ranks ahead of the machine's other work) or ``chrt -f 10``
+    (``rt``: first-in first-out real-time scheduling, so that a rank with work takes a core from
+    any ordinary process; the kernel's real-time throttling still leaves 5 % of each second to
+    the rest). Root only for a negative nice and for rt."""
+    if priority is None:
+        return ()
+    if priority == "rt":
+        return ("chrt", "-f", "10")
+    try:
+        return ("nice", "-n", str(int(priority)))
+    except ValueError:
+        raise BenchError(f"--priority {priority!r}: give an integer (nice) or rt") from None
 
 
 def add_link_arguments(parser, rate: str) -> None:

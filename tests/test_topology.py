@@ -97,8 +97,9 @@ def test_ranks_started_with_master_addr_but_no_torchrun_agent_find_the_store_on_
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "RANK", "LOCAL_RANK"))}
     env.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()))
-    ranks = [subprocess.Popen([sys.executable, "-m", "dhelix", "run", str(program), "--steps", "1",
-                               "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    # No --timeout: the store hosted on rank 0 takes the declared default (it once took None).
+    ranks = [subprocess.Popen([sys.executable, "-m", "dhelix", "run", str(program), "--steps", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, cwd=ROOT)
              for rank in (1, 0)]  # rank 1 first: it waits for rank 0 to host the store
     outputs = [rank.communicate(timeout=120) for rank in ranks]

@@ -67,7 +67,7 @@ def cmd_profile(args) -> int:
         from dhelix.interpreter.launch import store
 
         build = functools.partial(_compile, args, text)
-        compiled, hosted = store.compiled_once(build, world, "profile", args.timeout)
+        compiled, hosted = store.compiled_once(build, world, "profile", value_of(args, "timeout"))
     else:
         compiled = _compile(args, text)
     program = compiled.program

@@ -41,7 +41,7 @@ from dhelix.cli.run_options import preflight_data, refuse_data, reporter, run_op
 from dhelix.dsl.core.errors import DhelixError, OutputError, UsageError
 from dhelix.dsl.passes.runcheck import unrunnable
 from dhelix.dsl.frontend.imports import read_source
-from dhelix.cli.options import add_options, check_options
+from dhelix.cli.options import add_options, check_options, value_of
 from dhelix.cli.overrides import add_profile_argument
 from dhelix.dsl.frontend.profilecheck import undeclared_links
 from dhelix.dsl.passes.axisuse import unused_axes
@@ -151,7 +151,7 @@ def _run(args, started: list, held: contextlib.ExitStack) -> int:
         from dhelix.interpreter.launch import store
 
         build = functools.partial(_compile, args, text, outputs)
-        compiled, hosted = store.compiled_once(build, world, "run", args.timeout)
+        compiled, hosted = store.compiled_once(build, world, "run", value_of(args, "timeout"))
         program = compiled.program
         fits = _check_memory_early(args, program)  # this node's memory, on every node
         from dhelix.interpreter.launch import join, spawn
