@@ -134,7 +134,8 @@ def _rank_device(options: "RunOptions", rank: int, world: int):
 def run_as_rank(options: "RunOptions", work: Work):
     """Run rank ``options.as_rank`` of the program's world alone in this process, in a stand-in
     world of the program's size (:mod:`dhelix.interpreter.ops.standin`): on this machine's GPU
-    under ``nccl``, else on the CPU; returns what ``work`` returns (a run's result, a profile's samples)."""
+    under ``nccl``, else on the CPU with the share of its cores a run gives each of a node's
+    ranks; returns what ``work`` returns (a run's result, a profile's samples)."""
     import torch
     import torch.distributed as dist
 
@@ -147,6 +148,12 @@ def run_as_rank(options: "RunOptions", work: Work):
         device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     else:
+        # The cores the rank would have here beside its node's other ranks, as a run gives each
+        # of its local ranks (_rank_device): a rank timed alone on all of them would price its
+        # ops faster than any run of the program on this machine executes them.
+        program = options.compiled.program
+        per_node = program.cluster.gpus_per_node if program.cluster is not None else world
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, min(per_node, world))))
         device = torch.device("cpu")
     torch.manual_seed(options.seed)
     join_standin_world(rank, world)
