@@ -37,8 +37,8 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_ru
     result = dhelix("profile", str(stale), "-o", str(out), "--repeats", "2")
     assert result.returncode == 0, result.stderr
     assert "on 4 gloo rank(s) (tp 2 × pp 2), 2 timed repeat(s) after 1 warm-up" in result.stdout
-    assert ("timed 32 layer ops alone, 4 embedding and LM-head passes, 1 optimizer step, 112 op pairs, "
-            "8 link sizes") in result.stdout
+    assert ("timed 32 layer ops alone, 1 pass of the whole layer, 4 embedding and LM-head passes, 1 optimizer step, "
+            "112 op pairs, 8 link sizes") in result.stdout
     assert 'use it: cluster { profile = "' in result.stdout
     assert "profiling" not in result.stderr  # the progress bar is for terminals: logs stay readable
     profile = parse_profile(out.read_text(), str(out))
@@ -53,6 +53,8 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_ru
     # The optimizer step was timed over one layer's weights (18,560 on this rank): its rate.
     assert profile.optimizer_gbps > 0 and "one AdamW step over a layer's 18,560 parameters (fp32)" in out.read_text()
     assert "[measured]" in out.read_text() and "[from lab]" in out.read_text()  # cross pairs: not in this layer
+    # The host's time between ops: the pass of the whole layer less its 32 ops alone, over the 14 + 18 - 8 compute ops.
+    assert "less its 32 ops alone" in out.read_text() and "over its 24 compute ops" in out.read_text()
 
     program = tmp_path / "tiny.dhx"
     program.write_text(EXAMPLE.read_text().replace('profile = "a40"', 'profile = "measured.yaml"'))
@@ -150,7 +152,8 @@ class _Ticks:
 def test_every_timed_collective_follows_an_untimed_run_of_itself():
     """The profile times collectives on a busy link (a link lending credit after idling, as
     tc tbf's burst, would otherwise price them faster than an SI block sees them): each timed
-    collective, alone, issued, in a pair and in the sweep, comes right after an untimed run."""
+    collective, alone, issued, in a pair and in the sweep, comes right after an untimed run.
+    A compute op alone runs warm, back to back, as a layer's ops run one after the other."""
     from types import SimpleNamespace
 
     from dhelix.interpreter.measure import profiler
@@ -162,8 +165,9 @@ def test_every_timed_collective_follows_an_untimed_run_of_itself():
         assert bench.calls[:2] == [("issue", "ag1", False), ("wait", "ag1")]  # the untimed run
         assert bench.calls[2:] == [("issue", "ag1", async_op), ("wait", "ag1")] and out["us"] == 2.0
     bench = _Counting()
-    profiler._solo(bench, _Ticks(bench), compute, False)()
-    assert bench.calls == [("issue", "qkv", False), ("wait", "qkv")]  # compute: no untimed run
+    out = profiler._solo(bench, _Ticks(bench), compute, False)()
+    # Compute: an untimed run (its inputs in the caches), then back to back, the mean of those.
+    assert bench.calls == [("issue", "qkv", False)] * (1 + profiler.BACK_TO_BACK) and out["us"] == 1.0
     bench = _Counting()
     out = profiler._pair(bench, _Ticks(bench), compute, comm)()
     assert bench.calls[:2] == [("issue", "ag1", False), ("wait", "ag1")]

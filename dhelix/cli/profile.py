@@ -165,7 +165,8 @@ def summary(path: str, out: Path, program, options, samples, profile) -> str:
         f"dhelix profile: {path} on {where}, {options.repeats} timed repeat(s) after {options.warmup} warm-up",
         *([f"  note     the links are the emulation's ({_EMULATED[options.emulate]}); the compute and the overlap "
            "with it are this device's at the real shard shapes"] if options.as_rank is not None else []),
-        f"timed {counts['ops']} layer ops alone, {counts.get('ends', 0)} embedding and LM-head passes, "
+        f"timed {counts['ops']} layer ops alone, {counts.get('layer', 0)} pass of the whole layer, "
+        f"{counts.get('ends', 0)} embedding and LM-head passes, "
         f"{counts.get('optimizer', 0)} optimizer step, "
         f"{counts['pairs']} op pairs, {counts['sweep']} link sizes; wrote {out}",
         f"  compute  peak {profile.peak_tflops[dtype] * 1e3:g} GFLOP/s {dtype} (fastest op), "

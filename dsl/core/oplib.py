@@ -333,6 +333,9 @@ END_OPS = ("embedding", "embedding.bwd", "lm_head", "lm_head.bwd")
 
 #: The name `dhelix profile` times one optimizer step under (beside the ops; not an op).
 OPTIMIZER_STEP = "optimizer"
+#: The key `dhelix profile` times one whole forward and backward of the layer under (beside its
+#: ops alone): the difference is the host's time between the ops (``kernels.overhead_us``).
+LAYER_PASS = "layer_pass"
 
 #: The parts of a backward: the input gradient, the weight gradient, or an op's whole backward.
 DGRAD, WGRAD, BWD = "dgrad", "wgrad", "bwd"

@@ -18,6 +18,9 @@ What is derived, and how (every number of the written profile says which in its 
   the fastest compute-bound op's FLOP rate and ``hbm_gbps`` the fastest memory-bound op's
   byte rate; ``achieved[class]`` is the median of the class's ops relative to those. So the
   cost model prices ops it did not measure (other shapes, other programs on the machine).
+* **Time between ops.** ``kernels.overhead_us``: the timed pass of the whole layer less its
+  ops' times alone, per compute op (:func:`_between_ops`); the written ``measured.ops`` of a
+  compute op include it, and the cost model adds it to every compute op it prices.
 * **Links.** Per lane, the ring model ``t = α(g-1) + S(g-1)/g / B`` fitted to the sweep by
   least squares on relative errors (small and large messages count alike).
 * **Launch gap.** ``fixed_us`` is the median extra time of a collective issued
@@ -42,8 +45,9 @@ from typing import Collection, Mapping, Sequence
 
 import attrs
 
-from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
+from dhelix.dsl.core.oplib import END_OPS, LAYER_PASS, OPTIMIZER_STEP
 from dhelix.dsl.core.program import Op, Program
+from dhelix.dsl.frontend.kernel_terms import Kernels
 from dhelix.dsl.frontend.profilecheck import ends_signature, mesh_sizes, op_signature
 from dhelix.dsl.frontend.profile_reader import OEF_HIGH, OEF_LOW
 from dhelix.dsl.frontend.profiles import (COMPUTE_BOUND, MEMORY_BOUND, OEF_CLASSES, Collective, LaunchGap, Link, Measured,
@@ -162,6 +166,8 @@ def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profi
     dtype, seq = program.model.dtype, program.model.get("seq")
     notes: dict[str, str] = {}
     peak, hbm, achieved = _compute_rates(ops, timings.ops, dtype, seq, base, notes)
+    between = _between_ops(ops, timings.ops, notes)
+    compute = {op.name for op in ops if op.kind == "compute"}
     links = _links(timings.sweep, base, notes)
     gap = _launch_gap(ops, timings, notes)
     classes, pairs, slowdown = _overlap(ops, timings, gap.fixed_us, base, notes)
@@ -169,25 +175,51 @@ def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profi
     notes["collectives"] = "[derived] the links are fitted with all_gather; the others follow the ring conventions"
     measured = Measured(
         dtype=dtype, source=stamp.source,
-        ops={name: _round(timings.ops[name], 3) for name in [op.name for op in ops] + list(END_OPS)
-             if name in timings.ops},
+        ops={name: _round(timings.ops[name] + (between if name in compute else 0.0), 3)
+             for name in [op.name for op in ops] + list(END_OPS) if name in timings.ops},
         pairs=tuple(MeasuredPair((f,), (b,), _round(us, 3)) for (f, b), us in timings.pairs.items()),
         stamp={"machine": stamp.machine, "torch": stamp.torch, "backend": stamp.backend, "date": stamp.date,
                "command": stamp.command},
         repeats=stamp.repeats, mesh=mesh_sizes(program.mesh),
         shapes={op.name: op_signature(op) for op in ops} | {name: ends_signature(program) for name in END_OPS
                                                             if name in timings.ops})
-    notes["measured.ops"] = "[measured] each op alone, µs (median over ranks and repeats)"
+    notes["measured.ops"] = ("[measured] each op alone, µs (median over ranks and repeats)"
+                             + (f"; a layer op's with the {between:g} µs between ops (kernels.overhead_us)" if between else ""))
     notes["measured.pairs"] = "[measured] a forward op beside a backward op, as an SI pair runs them, µs"
     description = (f"measured on {stamp.machine} ({stamp.backend}, torch {stamp.torch}) "
                    f"for {stamp.source}")
     profile = Profile(name=name, description=description, peak_tflops={dtype: peak}, hbm_gbps=hbm,
                       achieved=achieved, links=links, collectives=collectives, oef_classes=classes,
                       oef_pairs=pairs, slowdown=slowdown, launch_gap=gap, measured=measured,
-                      memory_gb=stamp.memory_gb if stamp.memory_gb is not None else base.memory_gb)
+                      memory_gb=stamp.memory_gb if stamp.memory_gb is not None else base.memory_gb,
+                      kernels=Kernels(overhead_us=between))
     notes["memory_gb"] = ("[measured] device memory per rank" if stamp.memory_gb is not None
                           else f"[from {base.name}] not measured")
     return attrs.evolve(profile, optimizer_gbps=_optimizer_rate(program, timings, notes)), notes
+
+
+def _between_ops(ops: Sequence[Op], times: Mapping[str, float], notes: dict) -> float:
+    """The host's µs between two ops of the layer (``kernels.overhead_us``): the timed pass
+    of the whole layer (:data:`~dhelix.dsl.core.oplib.LAYER_PASS`) less its ops' times
+    alone, over its compute ops (the cost model adds it to each compute op); 0 when the pass
+    was not timed or took no longer than its ops.
+
+    Each op is timed alone, back to back with itself: that is the kernel's time. A run pays
+    more per op: the framework's dispatch and the interpreter's own work between kernels
+    (looking up inputs, releasing what no later op reads, recording memory), which on a CPU
+    rank or a GPU whose kernels are short is of the order of the kernels themselves."""
+    compute = [op for op in ops if op.kind == "compute"]
+    whole = times.get(LAYER_PASS)
+    if whole is None or not compute:
+        notes["kernels.overhead_us"] = "[measured] no layer pass timed: none"
+        return 0.0
+    alone = sum(times[op.name] for op in ops)
+    between = max(0.0, (whole - alone) / len(compute))
+    notes["kernels.gemm_tile"] = "[default] unused without kernels.sms: the GEMM rates are measured"
+    notes["kernels.attention"] = "[default] one fused kernel, as the interpreter runs it"
+    notes["kernels.overhead_us"] = (f"[measured] a pass of the layer ({whole / 1e3:.3g} ms) less its {len(ops)} ops "
+                                    f"alone ({alone / 1e3:.3g} ms), over its {len(compute)} compute ops")
+    return _round(between, 2)
 
 
 def _optimizer_rate(program: Program, timings: Timings, notes: dict) -> float | None:

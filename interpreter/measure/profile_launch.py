@@ -70,7 +70,7 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
     import torch
     from tqdm import tqdm
 
-    from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
+    from dhelix.dsl.core.oplib import END_OPS, LAYER_PASS, OPTIMIZER_STEP
     from dhelix.dsl.planner.calibrate import pool
 
     from dhelix.interpreter.ops.comm import DistComm
@@ -110,7 +110,8 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
     counts = {kind: sum(1 for item in items if item.kind == kind) for kind in ("ops", "pairs", "sweep")}
     counts["ends"] = sum(1 for item in items if item.key in END_OPS)
     counts["optimizer"] = sum(1 for item in items if item.key == OPTIMIZER_STEP)
-    counts["ops"] -= counts["ends"] + counts["optimizer"]
+    counts["layer"] = sum(1 for item in items if item.key == LAYER_PASS)
+    counts["ops"] -= counts["ends"] + counts["optimizer"] + counts["layer"]
     return ProfileSamples(pool(ranks), counts, len(ranks), machine(device), torch.__version__,
                           device_memory_gb(device))
 

@@ -7,7 +7,10 @@ interpreter's own kernels and communicators:
   program's shard shapes: compute kernels on the compute lane, each collective on its real
   process group (tp, cp, ep …) and so on its lane. A collective is timed synchronously and,
   separately, issued asynchronously and waited for at once (what the SI lanes do; the
-  difference is the launch gap). Every timed collective of the layer (here and in the
+  difference is the launch gap). A compute op runs once untimed, then
+  :data:`BACK_TO_BACK` times in a row, timed together: warm, as a layer's ops run one after
+  the other (timed once after other measurements, a small op on a CPU rank came out 1.3-1.5x
+  slower than its run executes it). Every timed collective of the layer (here and in the
   pairs) and of the sweep comes right after an untimed run of itself (the end ops' are timed
   within their op, as they run): it is timed on a busy link, as SI
   keeps its lanes busy (a link that lends credit after idling would otherwise look faster
@@ -17,6 +20,8 @@ interpreter's own kernels and communicators:
   pair runs them: the collectives issued asynchronously first, the compute op on the compute
   lane (the calling thread on CPU, the current stream on CUDA), then the barrier. The compute
   op's own time inside the pair is kept too (its slowdown beside communication).
+* **The layer pass.** One whole forward and backward of the layer as a run executes it
+  (:meth:`LayerBench.layer_pass`): over its ops' times alone, the host's time between ops.
 * **The optimizer.** One AdamW step over this rank's weights of one layer, as the run's
   optimizer takes it (gradient copy, the norm for clipping, the update), without the dp
   synchronisation the simulator prices on its own lane: the streaming rate of the update.
@@ -49,7 +54,7 @@ import torch.distributed as dist
 
 from dhelix.dsl.core.program import Op, Program
 
-from dhelix.dsl.core.oplib import END_OPS, OPTIMIZER_STEP
+from dhelix.dsl.core.oplib import END_OPS, LAYER_PASS, OPTIMIZER_STEP
 from dhelix.dsl.passes.fsdp import is_fsdp, shard_axis
 
 from dhelix.interpreter.ops.comm import AXES, Communicator, Pending
@@ -60,6 +65,8 @@ from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, Weigh
 
 #: Bytes per rank of the link sweep's all_gathers.
 SWEEP_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+#: Runs of a compute op per timed sample, back to back after an untimed one (see :func:`_solo`).
+BACK_TO_BACK = 4
 #: Elements per row of the sweep's tensors.
 SWEEP_WIDTH = 256
 
@@ -156,6 +163,23 @@ class LayerBench:
         shape = program.forward.input_shape
         for run in self.runs:
             run.run_once(*(torch.randn(shape, generator=generator, dtype=dtype).to(device) for _ in range(2)))
+        self._plan, self._weights, self._comm = plan, weights, comm
+        self._inputs = tuple(torch.randn(shape, generator=generator, dtype=dtype).to(device) for _ in range(2))
+        self._grads: dict[str, torch.Tensor] = {}  # the passes' gradients accumulate, as micro-batches' do
+
+    def layer_pass(self, clock: "Clock") -> Callable[[], dict]:
+        """The timed forward and backward of the whole layer as a run executes them (a fresh
+        :class:`LayerRun` that releases what it no longer needs, collectives synchronous): its
+        time over its ops' times alone is the host's time between them (:data:`LAYER_PASS`)."""
+        def run() -> dict:
+            layer = LayerRun(self._plan, self._weights, self._comm, grads=self._grads)
+            x, grad = self._inputs
+            start = clock.mark()
+            layer.forward(x)
+            layer.backward(grad)
+            return {"us": clock.us(start, clock.mark())}
+
+        return run
 
     def issue(self, op: Op, async_op: bool) -> None:
         """Run ``op`` on its strand's state; a collective with ``async_op`` stays in flight."""
@@ -256,6 +280,7 @@ def measurements(program: Program, bench: LayerBench, comm: Communicator, clock:
     ops too when ``ends`` is given, the optimizer step when ``optimizer`` is)."""
     fwd, bwd = program.forward.ops, program.backward.ops
     items = [Measurement("ops", op.name, op.kind == "comm", _solo(bench, clock, op, False)) for op in fwd + bwd]
+    items.append(Measurement("ops", LAYER_PASS, any(op.kind == "comm" for op in fwd + bwd), bench.layer_pass(clock)))
     if ends is not None:
         items += [Measurement("ops", name, True, ends.runner(name, clock)) for name in END_OPS]
     if optimizer is not None:
@@ -303,9 +328,18 @@ def _prime(bench: LayerBench, op: Op) -> None:
 
 
 def _solo(bench: LayerBench, clock: Clock, op: Op, async_op: bool) -> Callable[[], dict]:
+    if op.kind != "comm":
+        def compute() -> dict:
+            bench.issue(op, False)  # untimed: its inputs and weights in the caches
+            start = clock.mark()
+            for _ in range(BACK_TO_BACK):
+                bench.issue(op, False)
+            return {"us": clock.us(start, clock.mark()) / BACK_TO_BACK}
+
+        return compute
+
     def run() -> dict:
-        if op.kind == "comm":
-            _prime(bench, op)
+        _prime(bench, op)
         start = clock.mark()
         bench.issue(op, async_op)
         bench.wait(op)
