@@ -24,7 +24,8 @@ timeline), in seconds of the program's hardware profile:
 * **Activation recomputation** (``train { recompute = full }``): every layer's backward, and
   every SI layer pair, first runs the layer's forward again, alone (its collectives included);
   with ``selective`` only the forward ops whose outputs it dropped
-  (:func:`~dhelix.dsl.core.oplib.selective_drops`: norms, activations, adds). With
+  (:func:`~dhelix.dsl.core.oplib.selective_drops`: norms, activations, adds), under ZeRO-3
+  after the re-gathers of the norms' weights (:func:`rebuild_ops`). With
   ``recompute_layers = N`` only the first N layers of each model chunk do; the pieces
   (:mod:`dsl.simulator.pieces`) add ``again`` layer by layer.
 * **Pipeline P2P**: ``micro_batch·(seq/cp)·hidden/tp`` elements of the model dtype per
@@ -45,6 +46,7 @@ from dhelix.dsl.core.dtypes import dtype_bytes, tensor_dtype
 from dhelix.dsl.core.options import option
 from dhelix.dsl.core.mesh import REPLICATE, SHARD, ranks_per_node
 from dhelix.dsl.core.oplib import END_OPS, in_weight_pass, selective_drops
+from dhelix.dsl.passes.fsdp import BACKWARD_GATHER, GATHER, unit_of
 from dhelix.dsl.planner.costmodel import collective_time, op_time, step_optimizer_time
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
@@ -197,13 +199,28 @@ def layer_costs(program: Program, cost: PairCost, plan: Plan | None, work=None) 
     recompute = program.train.recompute if program.train is not None else "none"
     again = fwd if recompute == "full" else NOTHING
     if recompute == "selective":
-        dropped = set(selective_drops(forward.ops, backward.ops))
-        again = work(cost, [op for op in forward.ops if op.name in dropped])
+        again = work(cost, rebuild_ops(forward, backward))
     return LayerCosts(
         forward=fwd, backward=work(cost, backward.ops),
         backward_input=work(cost, (op for op in backward.ops if not in_weight_pass(op))),
         weight=work(cost, (op for op in backward.ops if in_weight_pass(op))),
         pair=plan_work(plan) if plan is not None else None, again=again)
+
+
+def rebuild_ops(forward: LayerDag, backward: LayerDag) -> list[Op]:
+    """What selective recomputation runs before a layer's backward reads its dropped outputs
+    (:func:`~dhelix.dsl.core.oplib.selective_drops`): the dropped forward ops, and under
+    ZeRO-3 the backward's re-gathers of their weights first (the norms': the forward's
+    gathered weights are gone), each dropped op waiting for its own. Those re-gathers are
+    the backward's too, where they are counted again (a norm weight: latency-sized)."""
+    dropped = set(selective_drops(forward.ops, backward.ops))
+    ops = [op for op in forward.ops if op.name in dropped]
+    units = {op.weight_unit for op in ops if op.weight}
+    gathers = [op for op in backward.ops if op.op == GATHER and unit_of(op.params) in units]
+    if not gathers:
+        return ops
+    rebuilt = [attrs.evolve(op, waits=(op.weight_unit + BACKWARD_GATHER,)) if op.weight else op for op in ops]
+    return gathers + rebuilt
 
 
 def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None,
