@@ -149,7 +149,8 @@ class Mesh:
         sharding (:data:`SHARD`)."""
         if self.dp_shard:
             return f"dp.{SHARD}"
-        return f"dp.{JOINED}" if self.size("cp") > 1 else "dp"
+        # (cp and dp apart in the mesh order: the check refuses ZeRO-3 there)
+        return f"dp.{JOINED}" if self.size("cp") > 1 and isinstance(self.joined_cp(), tuple) else "dp"
 
     def joined_cp(self) -> tuple[int, int] | str:
         """(size, stride) of :data:`JOINED`'s groups, dp × cp ranks each, or a sentence saying

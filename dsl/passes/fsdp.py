@@ -126,8 +126,8 @@ def is_fsdp(program: Program) -> bool:
 def shard_axis(program: Program) -> str:
     """The axis ZeRO-3 shards the layer weights over: ``dp``; ``dp.cp`` with cp > 1 (the dp
     × cp group); ``dp.shard`` under hybrid sharding (``train { shard = K }``):
-    :meth:`~dhelix.dsl.core.mesh.Mesh.fsdp_axis`."""
-    return program.mesh.fsdp_axis() if program.mesh is not None else "dp"
+    :meth:`~dhelix.dsl.core.mesh.Mesh.fsdp_axis`; ``dp`` for a program that does not shard."""
+    return program.mesh.fsdp_axis() if program.mesh is not None and is_fsdp(program) else "dp"
 
 
 def padded_elements(shape: tuple[int, ...], dp: int) -> int:
