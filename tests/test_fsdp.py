@@ -310,18 +310,64 @@ def test_group_weights_splits_a_hybrid_shard_group_that_spans_nodes():
         run_until(text.replace("shard = 4", "shard = 2") + "partition {\n  group weights\n}\n", "t.dhx")
 
 
-@pytest.mark.parametrize(("mesh", "axis"), [("cp = 2  dp = 2", "cp"), ("ep = 2  dp = 4", "ep")])
-def test_zero_3_with_cp_or_ep_is_a_located_error(mesh, axis):
-    layer = "llama" if axis == "cp" else None
+def test_zero_3_with_ep_is_a_located_error():
+    text = HEADER.format(mesh="ep = 2  dp = 4", zero=3, pipeline="one_f_one_b", fold="none", train="", hidden=32,
+                         ffn=64, heads=4, kv=2, seq=8).replace("layer = llama", "layer = moe  experts = 4  top_k = 2  capacity = 2")
     with pytest.raises(CheckError) as caught:
-        if layer:
-            program(mesh=mesh)
-        else:  # ep needs a MoE layer
-            text = HEADER.format(mesh=mesh, zero=3, pipeline="one_f_one_b", fold="none", train="", hidden=32,
-                                 ffn=64, heads=4, kv=2, seq=8).replace("layer = llama", "layer = moe  experts = 4  top_k = 2  capacity = 2")
-            run_until(text, "t.dhx")
-    assert f"zero = 3 with {axis} = 2 is not supported" in caught.value.message
+        run_until(text, "t.dhx")
+    assert "zero = 3 with ep = 2 is not supported" in caught.value.message
     assert (caught.value.span.line, caught.value.span.column) == (8, 44)  # at `zero = 3`
+
+
+def test_with_cp_the_weights_are_cut_over_dp_x_cp_one_group_across_the_node_boundary():
+    # torchtitan's dp_shard_cp: a weight is replicated over cp as over dp, so its pieces,
+    # gathers and reduce-scatters span both; cp 2 x dp 2 on 2 nodes of 2.
+    prog = program(mesh="cp = 2  dp = 2")
+    fwd, bwd = {op.name: op for op in prog.forward.ops}, {op.name: op for op in prog.backward.ops}
+    gather, scatter = fwd["qkv.gather_w"], bwd["qkv.scatter_dw"]
+    assert prog.mesh.groups("dp.cp") == [(0, 1, 2, 3)]
+    assert [(op.axis, op.group_size, op.lane, op.per_node) for op in (gather, scatter)] == [("dp.cp", 4, "cross", 2)] * 2
+    assert dict(gather.params)["pieces"] == 4 and gather.in_shapes[0][0] * 4 == gather.shape[0]
+    # group weights splits the dp x cp group at the node: across first (one rank a node), then inside.
+    grouped = {op.name: op for op in program(mesh="cp = 2  dp = 2", partition="group weights").forward.ops}
+    assert [(grouped[n].axis, grouped[n].lane) for n in ("qkv.gather_w.inter", "qkv.gather_w")] == [
+        ("dp.cp.inter", "cross"), ("dp.cp.intra", "local")]
+    # cp alone (dp = 1) shards too; the simulator keeps a quarter of the layers either way.
+    alone = program(mesh="cp = 4", pipeline="one_f_one_b", fold="none")
+    assert {op.axis for op in alone.forward.ops if op.op == "param_gather"} == {"dp.cp"}
+    held = [simulate(program(mesh=m, pipeline="one_f_one_b", fold="none")).ranks[0].states.params
+            for m in ("dp = 4", "cp = 2  dp = 2", "cp = 4")]
+    assert held[1] == pytest.approx(held[0]) and held[2] == pytest.approx(held[0])
+    # Where cp and dp are not neighbours the dp x cp ranks are not one evenly spaced group.
+    text = HEADER.replace("gpus_per_node = 2", "gpus_per_node = 4").format(
+        mesh="cp = 2  tp = 2  dp = 2", zero=3, pipeline="one_f_one_b", fold="none", train="", hidden=32, ffn=64,
+        heads=4, kv=2, seq=8)
+    with pytest.raises(CheckError, match="the mesh puts tp between cp and dp"):
+        run_until(text, "t.dhx", "check")
+
+
+def test_selective_recomputation_regathers_the_norms_first_and_their_readers_wait_for_them():
+    prog = program(mesh="dp = 4", train="recompute = selective")
+    bwd = prog.backward.ops
+    # The rebuild computes ln1 and ln2 again from their re-gathered weights: those come first,
+    # and every op reading a dropped output (the wgrads of act, ln2, ln1) waits for both.
+    assert [op.name for op in bwd[:2]] == ["ln1.regather_w", "ln2.regather_w"]
+    readers = {op.name: op.waits for op in bwd if "ln1.regather_w" in op.waits}
+    assert readers == {"fc2.wgrad": ("ln1.regather_w", "ln2.regather_w"),
+                       "fc1.wgrad": ("ln1.regather_w", "ln2.regather_w"),
+                       "qkv.wgrad": ("ln1.regather_w", "ln2.regather_w"),
+                       "ln1.bwd": ("ln1.regather_w",)}
+    # The simulator's rebuilt norms wait for those re-gathers; what the rebuild adds to the
+    # backward, with the other weights still arriving, is no more than its compute.
+    from dhelix.dsl.simulator.costs import cost_of, layer_costs, rebuild_ops
+    assert [(op.name, op.waits) for op in rebuild_ops(prog.forward, prog.backward)] == [
+        ("ln1", ("ln1.regather_w",)), ("ln2", ("ln2.regather_w",)), ("act", ())]
+    plain = program(mesh="dp = 4", zero=1, train="recompute = selective")
+    assert [op.waits for op in rebuild_ops(plain.forward, plain.backward)] == [()] * 3
+    cost = cost_of(prog)
+    rebuilt = [op for op in prog.forward.ops if op.name in ("ln1", "ln2", "act")]
+    again = layer_costs(prog, cost, None).again.seconds
+    assert 0 < again <= cost.solo(tuple(rebuilt)) + 1e-12
 
 
 # -- planner and simulator --------------------------------------------------------------------
@@ -399,6 +445,14 @@ RUNS = {
                                            "recompute = full  recompute_layers = 1", "scheduled", {}),
     "dp4_outputs_hsdp_scheduled": ("dp = 4", "w_helix", "u", "chunk prj along outputs by 2", "shard = 2",
                                    "scheduled", {}),
+    # With cp > 1 the pieces are cut over dp x cp (torchtitan's dp_shard_cp), beside ring
+    # attention over cp, split at the node boundary by group weights; selective
+    # recomputation rebuilds the norms from their re-gathered weights before the first op
+    # reading a dropped output. Then cp = 4 alone (dp = 1) cutting the pieces.
+    "cp2_dp2_group_weights_selective_planned": ("cp = 2  dp = 2", "w_helix", "u", "group weights",
+                                                "recompute = selective", "planned", {}),
+    "cp4_selective_padded": ("cp = 4", "one_f_one_b", "none", "", "recompute = selective", None,
+                             {"hidden": 42, "ffn": 66, "heads": 6, "kv": 3}),
 }
 
 
@@ -437,7 +491,8 @@ def _runs(rank: int, world: int) -> dict:
         optimizer = executor.optimizer
         held = sum(p.numel() for n, p in executor.params.items() if n in executor.flat)
         full = sum(math.prod(shape) for shape in executor.flat.shapes.values())
-        results[name] = (check_steps(executor, optimizer, 2, 3), held, full, (executor.flat.pieces, comm.size("dp")),
+        results[name] = (check_steps(executor, optimizer, 2, 3), held, full,
+                         (executor.flat.pieces, comm.size("dp") * comm.size("cp")),
                          [names for names in taken if names])
     return results
 
@@ -458,7 +513,7 @@ def test_fsdp_runs_match_the_reference_and_keep_a_dp_piece_of_each_weight(world,
     assert_steps_match(checks, 2, TOL)
     for rank_results in world:
         _, held, full, (pieces, dp), taken = rank_results[name]
-        assert pieces == (dp // 2 if "hsdp" in name else dp)  # hsdp: shard = 2 of dp = 4
+        assert pieces == (dp // 2 if "hsdp" in name else dp)  # hsdp: shard = 2 of dp = 4; else dp x cp
         assert full and held == pytest.approx(full / pieces, abs=pieces * 8)  # padding: < pieces per weight
         # Hybrid sharding: each layer's pieces handed over for their all-reduce across the
         # shard groups under the backward, once per step and layer; plain ZeRO-3's none.

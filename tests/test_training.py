@@ -316,10 +316,12 @@ def _check_export(path: Path, program_path: str):
 
 def test_a_zero_3_run_with_weight_chunks_resumes_on_another_layout_and_back(tmp_path, uninterrupted,
                                                                            saved_on_tp2_pp2):
-    # The ZeRO-3 pieces of a gemm chunked along its outputs are cut per block of columns; a
-    # checkpoint holds the full weights, so either layout resumes the other's save.
+    # The ZeRO-3 pieces of a gemm chunked along its outputs are cut per block of columns, here
+    # over cp (ZeRO-3 shards over dp x cp: cp = 2 beside ring attention, dp = 1); a checkpoint
+    # holds the full weights, so either layout resumes the other's save.
     chunked = tmp_path / "chunked.dhx"
-    chunked.write_text(program_text("dp2").replace("seed = 1234", "seed = 1234\n  zero = 3")
+    chunked.write_text(program_text("dp2").replace("dp = 2", "cp = 2").replace("microbatches = 4", "microbatches = 8")
+                       .replace("seed = 1234", "seed = 1234\n  zero = 3")
                        + "\npartition {\n  chunk qkv along outputs by 2\n  chunk fc2 along outputs by 4\n}\n")
     plain = write_program(tmp_path, "one")
     expected = uninterrupted

@@ -169,12 +169,14 @@ def test_a_require_some_ranks_pass_is_left_to_the_lowering():
 
 @pytest.mark.parametrize("name", ["tiny_llama_cpu.dhx", "tiny_llama_centauri_cpu.dhx"])
 def test_a_zero3_layout_derives_from_its_zero0_twin_as_it_does_whole(name):
-    # The pricer derives a ZeRO-3 layout's layer DAGs (or finds its refusal: ZeRO-3 with cp,
-    # selective recomputation under ZeRO-3) from its ZeRO-0 twin's, running only ZeRO-3's
-    # pass again: the same DAGs and names, or the same refusal, as the passes run whole.
+    # The pricer derives a ZeRO-3 layout's layer DAGs (or finds its refusal: ZeRO-3 with ep;
+    # none in these dense spaces) from its ZeRO-0 twin's, running only ZeRO-3's pass again:
+    # the same DAGs and names, or the same refusal, as the passes run whole — with cp (the
+    # pieces over dp x cp) and with selective recomputation (the norms re-gathered first) too.
     pricer, space = _pricer(ROOT / "examples" / name)
     schedule = bound_schedule(space)
     derived = refused = 0
+    kinds = set()
     for layout in space.layouts():
         if layout.zero != 3 or layout.shard or layout.partition != "written":
             continue
@@ -200,4 +202,6 @@ def test_a_zero3_layout_derives_from_its_zero0_twin_as_it_does_whole(name):
         else:
             assert (sharded.env, sharded.forward, sharded.backward) == (whole.env, whole.forward, whole.backward)
             derived += 1
-    assert derived and refused
+            kinds.add((layout.cp > 1, layout.recompute))
+    assert derived and not refused
+    assert {(True, "none"), (False, "selective")} <= kinds, kinds

@@ -39,6 +39,12 @@ INTRA, INTER = "intra", "inter"
 #: the weights) and the ranks at the same place in every such group (``dp.replicate``, over
 #: which the shards' gradients are all-reduced). A dp position is ``replicate * K + shard``.
 SHARD, REPLICATE = "shard", "replicate"
+#: The sub-axis of ZeRO-3 with context parallelism (torchtitan's ``dp_shard_cp``): each dp
+#: group joined with every cp coordinate (``dp.cp``), one group of dp × cp ranks over which
+#: the layer weights are sharded, since a weight is replicated over cp as over dp. Its groups
+#: are runs of consecutive positions only when cp and dp are neighbours in the mesh order
+#: (:meth:`Mesh.joined_cp`); a position is ``dp · cp_size + cp`` where cp lies inside dp.
+JOINED = "cp"
 #: The level of a declared topology (``cluster { levels { … } }``) whose units are the nodes,
 #: and the one whose unit is the whole cluster, added when the levels stop below it.
 NODE_LEVEL, CLUSTER_LEVEL = "node", "cluster"
@@ -132,9 +138,35 @@ class Mesh:
         sharding's (``dp.shard``, ``dp.replicate``) when it is on, with the shard groups'
         own (``dp.shard.intra``, ``dp.shard.inter``) when they span nodes evenly."""
         hybrid = (f"dp.{SHARD}", f"dp.{REPLICATE}") if 1 < self.dp_shard < self.size("dp") else ()
-        return tuple(f"{axis}.{part}" for axis in self.order + hybrid[:1]
+        joined = (f"dp.{JOINED}",) if self.size("cp") > 1 and isinstance(self.joined_cp(), tuple) else ()
+        return tuple(f"{axis}.{part}" for axis in self.order + hybrid[:1] + joined
                      if isinstance(split := self.hierarchy(axis), tuple) and split[0] > 1
-                     for part in (INTRA, INTER)) + hybrid + self._level_axes()
+                     for part in (INTRA, INTER)) + hybrid + joined + self._level_axes()
+
+    def fsdp_axis(self) -> str:
+        """The axis ZeRO-3 shards the layer weights over: ``dp``; ``dp.cp`` (:data:`JOINED`)
+        with cp > 1, a weight being replicated over cp as over dp; ``dp.shard`` under hybrid
+        sharding (:data:`SHARD`)."""
+        if self.dp_shard:
+            return f"dp.{SHARD}"
+        # (cp and dp apart in the mesh order: the check refuses ZeRO-3 there)
+        return f"dp.{JOINED}" if self.size("cp") > 1 and isinstance(self.joined_cp(), tuple) else "dp"
+
+    def joined_cp(self) -> tuple[int, int] | str:
+        """(size, stride) of :data:`JOINED`'s groups, dp × cp ranks each, or a sentence saying
+        why they are not runs of evenly spaced ranks (cp and dp not neighbours in the mesh
+        order, another axis larger than 1 between them)."""
+        dp, cp = self.size("dp"), self.size("cp")
+        if dp == 1 or cp == 1:
+            return (dp * cp, self.stride("dp" if cp == 1 else "cp"))
+        if self.stride("cp") * cp == self.stride("dp"):
+            return dp * cp, self.stride("cp")
+        if self.stride("dp") * dp == self.stride("cp"):
+            return dp * cp, self.stride("dp")
+        between = [axis for axis in self.order if self.size(axis) > 1 and axis not in ("cp", "dp")
+                   and min(self.stride("cp"), self.stride("dp")) < self.stride(axis)
+                   < max(self.stride("cp"), self.stride("dp"))]
+        return f"the mesh puts {' and '.join(between) or 'another axis'} between cp and dp"
 
     def _level_axes(self) -> tuple[str, ...]:
         """The level sub-axes (``tp.island``) of every listed axis split over two levels or more."""
@@ -166,6 +198,11 @@ class Mesh:
             if not found:
                 raise ValueError(f"{axis}: {base} has no {part} stage on this mesh")
             return found[0]
+        if part == JOINED and base == "dp":
+            joined = self.joined_cp()
+            if isinstance(joined, str):
+                raise ValueError(f"{axis}: {joined}")
+            return joined
         if part in (SHARD, REPLICATE):
             if base != "dp" or not 1 < self.dp_shard < self.size("dp"):
                 raise ValueError(f"{axis}: the mesh has no hybrid sharding of dp")

@@ -147,16 +147,12 @@ def approximations(run: MeasuredRun) -> tuple[str, int]:
       gathered weights through the step's micro-batches under pipeline parallelism
       (torchtitan's ``reshard_after_forward`` is off with pp; Llama 3 sec. 3.3.2), so the
       weights are gathered once a step and the gradients reduce-scattered once, ZeRO-1's traffic,
-      where dhelix's ZeRO-3 gathers every layer for every micro-batch;
-    * selective recomputation under FSDP without a pipeline (dhelix refuses the pair) as none:
-      it recomputes the cheap operators only, a few per cent of a layer's time.
+      where dhelix's ZeRO-3 gathers every layer for every micro-batch.
     """
     recompute = "none" if run.recompute == "unknown" else run.recompute
     zero = run.zero
     if zero == 3 and run.pp > 1:
         zero = 1
-    if zero == 3 and recompute == "selective":
-        recompute = "none"
     return recompute, zero
 
 

@@ -142,6 +142,7 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
         errors.add(tied)
     if train.shard is not None and _check_shard(train, mesh, errors):
         program = attrs.evolve(program, mesh=attrs.evolve(mesh, dp_shard=train.shard))
+    _check_sharded_over_cp(train, mesh, errors)
     if train.launch is not None and pipeline is not None and not reads_name(pipeline, "g"):
         errors.add(CheckError(f"launch = {train.launch} sets g, which pipeline {pipeline.name} does not read",
                               train.launch_span or train.span,
@@ -180,6 +181,27 @@ def _check_shard(train, mesh, errors: ErrorCollector) -> bool:
         notes = ["remove shard to shard over the whole dp group"]
     errors.add(CheckError(why, train.shard_span or train.span, notes))
     return False
+
+
+def _check_sharded_over_cp(train, mesh, errors: ErrorCollector) -> None:
+    """Record an error when ZeRO-3 with cp > 1 cannot shard over the dp × cp group (``dp.cp``,
+    :meth:`~dhelix.dsl.core.mesh.Mesh.fsdp_axis`): cp and dp not neighbours in the mesh
+    order, or hybrid sharding, whose shard groups would be joined with cp."""
+    if train.zero != 3 or mesh.size("cp") == 1:
+        return
+    where = train.zero_span or train.span
+    if train.shard is not None:
+        errors.add(CheckError(f"zero = 3 with shard = {train.shard} and cp = {mesh.size('cp')} is not supported",
+                              train.shard_span or where,
+                              ["with cp > 1 ZeRO-3 shards each weight over dp x cp (a weight is replicated over cp "
+                               "as over dp); hybrid sharding would shard it over its shard groups joined with cp",
+                               "remove shard to shard over dp x cp, or use cp = 1 with shard"]))
+        return
+    joined = mesh.joined_cp()
+    if isinstance(joined, str):
+        errors.add(CheckError(f"zero = 3 with cp = {mesh.size('cp')} shards each weight over dp x cp, and {joined}",
+                              where, ["ZeRO-3 gathers and reduce-scatters over one group of dp x cp ranks: list cp "
+                                      "and dp next to each other in the mesh block (mesh { tp = … cp = … dp = … })"]))
 
 
 def _check_stages(model, model_block, mesh, fold, train, errors: ErrorCollector) -> None:

@@ -59,9 +59,21 @@ pipeline (by the optimizer, as DP's buckets). With ``group weights`` a shard gro
 spans nodes (``shard`` > ``gpus_per_node``, as many ranks on each) runs its collectives over
 its own sub-groups, ``dp.shard.inter`` and ``dp.shard.intra``, as above.
 
-Not offered: FSDP with cp > 1 or ep > 1 (the gradient of a weight shared over cp, or of an
-expert sharded over ep, would need the reduce-scatter over another group than dp); a
-located error says so.
+With cp > 1 (torchtitan's ``dp_shard_cp``) a weight is replicated over cp as over dp, and
+its gradient summed over both: the pieces, gathers and reduce-scatters run over the dp × cp
+group (the sub-axis ``dp.cp``, :meth:`~dhelix.dsl.core.mesh.Mesh.fsdp_axis`; with dp = 1
+too), whose lane and ranks per node are its own and which ``group weights`` splits as above
+(``dp.cp.inter``, ``dp.cp.intra``). The check refuses cp and dp apart in the mesh order and
+hybrid sharding with cp > 1.
+
+Under selective recomputation (``train { recompute = selective }``) the backward computes
+the dropped norms again from their weights, which the forward's gathers no longer hold:
+their re-gathers come first in the backward, and every op reading a dropped output waits
+for them (:func:`_rebuilt`), so the rebuild runs once they have landed (FSDP2's pre-backward
+gather under torchtitan's selective checkpointing).
+
+Not offered: FSDP with ep > 1 (the gradient of an expert sharded over ep would need the
+reduce-scatter over another group than dp); a located error says so.
 """
 
 from __future__ import annotations
@@ -72,8 +84,8 @@ import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError
-from dhelix.dsl.core.mesh import INTER, INTRA, SHARD
-from dhelix.dsl.core.oplib import OUTPUTS, REGROUP, WEIGHT_PASS, is_wgrad
+from dhelix.dsl.core.mesh import INTER, INTRA
+from dhelix.dsl.core.oplib import OUTPUTS, REGROUP, WEIGHT_PASS, is_wgrad, selective_drops
 from dhelix.dsl.core.program import COLUMNS, GradFlow, Op, Program
 from dhelix.dsl.passes.partition import WEIGHTS, unsplittable, weights_first
 from dhelix.dsl.passes.workload import chunk_statements
@@ -106,15 +118,16 @@ def unit_of(params) -> str:
 
 
 def is_fsdp(program: Program) -> bool:
-    """Whether ``program`` shards its layer weights over dp (ZeRO-3 with dp > 1)."""
+    """Whether ``program`` shards its layer weights (ZeRO-3 with dp × cp > 1)."""
     return (program.train is not None and program.train.zero == 3 and program.mesh is not None
-            and program.mesh.size("dp") > 1)
+            and program.mesh.size("dp") * program.mesh.size("cp") > 1)
 
 
 def shard_axis(program: Program) -> str:
-    """The axis ZeRO-3 shards the layer weights over: ``dp``, or ``dp.shard`` under hybrid
-    sharding (``train { shard = K }``)."""
-    return f"dp.{SHARD}" if program.mesh is not None and program.mesh.dp_shard else "dp"
+    """The axis ZeRO-3 shards the layer weights over: ``dp``; ``dp.cp`` with cp > 1 (the dp
+    × cp group); ``dp.shard`` under hybrid sharding (``train { shard = K }``):
+    :meth:`~dhelix.dsl.core.mesh.Mesh.fsdp_axis`; ``dp`` for a program that does not shard."""
+    return program.mesh.fsdp_axis() if program.mesh is not None and is_fsdp(program) else "dp"
 
 
 def padded_elements(shape: tuple[int, ...], dp: int) -> int:
@@ -152,16 +165,10 @@ def shard_weights(program: Program) -> Program:
     sharded_over = shard_axis(program)
     if hierarchy and (problem := unsplittable(WEIGHTS, sharded_over, mesh, where)) is not None:
         raise problem
-    for axis, why in (("cp", "a weight shared over cp has its gradient summed over cp too"),
-                      ("ep", "an expert weight's gradient is summed over the expert-data-parallel group")):
-        if mesh.size(axis) > 1:
-            raise CheckError(f"zero = 3 with {axis} = {mesh.size(axis)} is not supported",
-                             train.zero_span or train.span,
-                             [f"{why}, not over dp alone", f"use zero = 1 with {axis} > 1, or {axis} = 1 with zero = 3"])
-    if train.recompute == "selective":
-        raise CheckError("recompute = selective with zero = 3 is not supported", train.zero_span or train.span,
-                         ["selective recomputation computes the dropped norms again when the backward starts, "
-                          "before ZeRO-3 has gathered their weights again", "use recompute = full, or zero = 1"])
+    if mesh.size("ep") > 1:
+        raise CheckError(f"zero = 3 with ep = {mesh.size('ep')} is not supported", train.zero_span or train.span,
+                         ["an expert weight's gradient is summed over the expert-data-parallel group, not over dp "
+                          "alone", "use zero = 1 with ep > 1, or ep = 1 with zero = 3"])
     dp = mesh.size(sharded_over)  # the pieces each weight is cut into
     if statement is not None:
         first = weights_first(program.partition, dict(program.group_orders), dict(program.chunk_counts))
@@ -213,7 +220,7 @@ def shard_weights(program: Program) -> Program:
         attrs.evolve(op, waits=op.waits + (gather_ops[op.weight_unit][op.staged[0] if op.staged else -1].name,))
         if op.weight else op for op in forward.ops]
     owner = {op.name: op.weight_unit for op in forward.ops if op.weight}
-    bwd_ops = _backward(backward.ops, weights, gathers, owner, collective)
+    bwd_ops = _backward(backward.ops, weights, gathers, owner, collective, _rebuilt(program))
     return attrs.evolve(program, forward=attrs.evolve(forward, ops=tuple(fwd_ops)),
                         backward=attrs.evolve(backward, ops=tuple(bwd_ops)))
 
@@ -245,9 +252,30 @@ def _weights_in_order(ops) -> dict[str, Op]:
     return found
 
 
-def _backward(ops, weights: dict[str, Op], gathers: dict[str, Op], owner: dict[str, str], collective) -> list[Op]:
+def _rebuilt(program: Program) -> tuple[tuple[str, ...], frozenset[str]]:
+    """Under selective recomputation, the weights (units) of the dropped ops that the
+    backward's rebuild computes with (the norms': :func:`~dhelix.dsl.core.oplib.selective_drops`),
+    in forward order, and the backward ops that read a dropped output (the rebuild runs,
+    all at once, before the first of them runs); ((), ∅) otherwise."""
+    assert program.forward is not None and program.backward is not None and program.train is not None
+    if program.train.recompute != "selective":
+        return (), frozenset()
+    dropped = selective_drops(program.forward.ops, program.backward.ops)
+    weights = tuple(op.weight_unit for op in program.forward.ops if op.name in dropped and op.weight)
+    if not weights:
+        return (), frozenset()
+    return weights, frozenset(op.name for op in program.backward.ops if set(op.saved) & set(dropped))
+
+
+def _backward(ops, weights: dict[str, Op], gathers: dict[str, Op], owner: dict[str, str], collective,
+              rebuilt: tuple[tuple[str, ...], frozenset[str]] = ((), frozenset())) -> list[Op]:
     """The backward ops with the re-gathers first and a reduce-scatter after the last op
-    computing each weight's gradient. ``owner`` maps a weighted forward op to its weight."""
+    computing each weight's gradient. ``owner`` maps a weighted forward op to its weight.
+    ``rebuilt`` (:func:`_rebuilt`): the weights selective recomputation rebuilds with are
+    re-gathered first of all, and every op reading a rebuilt output waits for them too
+    (FSDP2 under torchtitan's selective checkpointing: the layer's gather lands, then its
+    dropped operators run again, then its backward)."""
+    rebuild_weights, rebuild_readers = rebuilt
     by_name = {op.name: op for op in ops}
     readers: dict[str, list[str]] = {}  # weight -> backward ops reading it (dgrads, norm .bwd)
     producers: dict[str, list[str]] = {}  # weight -> backward ops computing its gradient
@@ -261,12 +289,17 @@ def _backward(ops, weights: dict[str, Op], gathers: dict[str, Op], owner: dict[s
             readers.setdefault(name, []).append(op.name)
     # Every re-gather first, in the order of use (FSDP's backward prefetch: the dp lane runs
     # them back to back while the layer computes), each reduce-scatter after its gradient.
-    result = [op for weight in readers
+    order = [weight for weight in rebuild_weights if weight in readers] + \
+        [weight for weight in readers if weight not in rebuild_weights]
+    result = [op for weight in order
               for op in collective(weight + BACKWARD_GATHER, GATHER, weights[weight], forward_op=gathers[weight].name)]
+    rebuild_waits = tuple(weight + BACKWARD_GATHER for weight in rebuild_weights if weight in readers)
     last_producer = {names[-1]: weight for weight, names in producers.items()}
     for op in ops:
         if op.weight is not None and op.forward in owner and not is_wgrad(op):
             op = attrs.evolve(op, waits=op.waits + (owner[op.forward] + BACKWARD_GATHER,))
+        if op.name in rebuild_readers:
+            op = attrs.evolve(op, waits=op.waits + tuple(w for w in rebuild_waits if w not in op.waits))
         result.append(op)
         if op.name in last_producer:
             weight = last_producer[op.name]

@@ -86,7 +86,7 @@ import attrs
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, ErrorCollector
-from dhelix.dsl.core.mesh import INTER, INTRA, SHARD, Mesh
+from dhelix.dsl.core.mesh import INTER, INTRA, Mesh
 from dhelix.dsl.core.oplib import DISTINCT_ROOTS, OUTPUTS, REGROUP, ROOT
 from dhelix.dsl.core.program import AUTO, LayerDag, Op
 from dhelix.dsl.core.wording import did_you_mean, join_words
@@ -220,7 +220,7 @@ def _at_weight_stages(fwd: LayerDag, st: s.Chunk, block: s.PartitionDef, mesh: M
                               ["add: group weights (ZeRO-3's gathers then run across nodes and inside the node "
                                "one after the other)"]))
         return fwd
-    axis = f"dp.{SHARD}" if mesh.dp_shard and 1 < mesh.dp_shard < mesh.size("dp") else "dp"
+    axis = mesh.fsdp_axis()
     if first not in ORDERS or unsplittable(WEIGHTS, axis, mesh, st.span) is not None:
         return fwd  # the group statement's own error (or the fsdp pass's) says why
     if three and first != INTRA:

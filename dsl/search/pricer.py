@@ -195,7 +195,7 @@ class Pricer:
         """``program`` (``layout`` checked) through the passes up to autodiff. What they
         derive (the layer names' values, the forward and backward DAGs) reads the model, the
         mesh, the micro-batches and the partition, and the train block's ZeRO stage only for
-        ZeRO-3 (FSDP's ops, and its refusal of selective recomputation): layouts that differ
+        ZeRO-3 (FSDP's ops, which selective recomputation reorders): layouts that differ
         in ZeRO 0, 1 or 2, ``param_gather`` or recomputation (below ZeRO-3) share them."""
         key = attrs.evolve(layout, zero=3 if layout.zero == 3 else 0, param_gather="step",
                            recompute=layout.recompute if layout.zero == 3 else "none", recompute_layers=0,
@@ -218,8 +218,8 @@ class Pricer:
         group) through the passes up to autodiff from the layer DAGs its ZeRO-0 twin derived
         (the same model, mesh, micro-batches and partition: the passes before ZeRO-3's
         :func:`~dhelix.dsl.passes.fsdp.shard_weights` read no more), only that pass run
-        again: it refuses a third of a large search's layouts (ZeRO-3 with cp or ep, or with
-        selective recomputation) after the passes before it took most of the time. None
+        again: ZeRO-3 layouts are a third of a large search's, and the passes before it take
+        most of the time (it refuses those with ep). None
         (derive it whole) for another layout, or when the twin was not derived."""
         if layout.zero != 3 or layout.shard or layout.partition != "written":
             return None

@@ -222,18 +222,18 @@ class Space:
                 if dp % ep or self.sequences % (dp * b):
                     continue
                 for zero, recompute in itertools.product(self.zero, self.recompute):
-                    if zero and dp == 1 and "zero" not in self.kept:
-                        continue  # nothing to shard over: the same as zero = 0
+                    if zero and dp == 1 and not (zero == 3 and cp > 1) and "zero" not in self.kept:
+                        continue  # nothing to shard over (ZeRO-3 shards over dp x cp): the same as zero = 0
                     for shard, partition, gather, order, again, ends, offload in itertools.product(
-                            self._shards(zero, dp), self.partition, self._gathers(zero),
+                            self._shards(zero, dp, cp), self.partition, self._gathers(zero),
                             placements({"tp": tp, "cp": cp, "pp": pp, "dp": dp}, self.written_order,
                                        () if "order" in self.kept else self.boundaries),
                             self._recomputed(recompute, pp), self._stage_ends(pp), self.offload):
                         yield Layout(tp, cp, pp, dp, ep, b, self.sequences // (dp * b), zero, shard, recompute,
                                      partition, gather, order, again, ends, offload)
 
-    def _shards(self, zero: int, dp: int) -> tuple[int, ...]:
-        if zero != 3:
+    def _shards(self, zero: int, dp: int, cp: int) -> tuple[int, ...]:
+        if zero != 3 or cp > 1:  # (hybrid sharding with cp > 1 is refused)
             return (0,)
         return tuple(k for k in self.shard if k == 0 or (1 < k < dp and dp % k == 0))
 

@@ -24,7 +24,10 @@ timeline), in seconds of the program's hardware profile:
 * **Activation recomputation** (``train { recompute = full }``): every layer's backward, and
   every SI layer pair, first runs the layer's forward again, alone (its collectives included);
   with ``selective`` only the forward ops whose outputs it dropped
-  (:func:`~dhelix.dsl.core.oplib.selective_drops`: norms, activations, adds). With
+  (:func:`~dhelix.dsl.core.oplib.selective_drops`: norms, activations, adds); under ZeRO-3
+  the rebuilt norms wait for the backward's re-gathers of their weights, so ``again`` is what
+  the rebuild adds to the backward run with it (:func:`rebuild_ops`; a search's bound of it
+  is 0). With
   ``recompute_layers = N`` only the first N layers of each model chunk do; the pieces
   (:mod:`dsl.simulator.pieces`) add ``again`` layer by layer.
 * **Pipeline P2P**: ``micro_batch·(seq/cp)·hidden/tp`` elements of the model dtype per
@@ -45,6 +48,7 @@ from dhelix.dsl.core.dtypes import dtype_bytes, tensor_dtype
 from dhelix.dsl.core.options import option
 from dhelix.dsl.core.mesh import REPLICATE, SHARD, ranks_per_node
 from dhelix.dsl.core.oplib import END_OPS, in_weight_pass, selective_drops
+from dhelix.dsl.passes.fsdp import BACKWARD_GATHER, GATHER, unit_of
 from dhelix.dsl.planner.costmodel import collective_time, op_time, step_optimizer_time
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
@@ -188,22 +192,53 @@ def plan_work(plan: Plan) -> Work:
 def layer_costs(program: Program, cost: PairCost, plan: Plan | None, work=None) -> LayerCosts:
     """Per-layer Works of ``program``'s layer; ``plan`` prices SI layer pairs; ``work(cost,
     ops)`` prices a run of ops (default :func:`solo_work`; a search passes a lower bound)."""
+    bound = work is not None
     work = work or solo_work
     forward, backward = program.forward, program.backward
     assert forward is not None and backward is not None, "a checked model"
     fwd = work(cost, forward.ops)
+    backward_work = work(cost, backward.ops)
     # Full recomputation runs the layer's forward again, alone, before its backward (in an SI
     # pair too: the backward strand's first op needs what it rebuilds).
     recompute = program.train.recompute if program.train is not None else "none"
     again = fwd if recompute == "full" else NOTHING
     if recompute == "selective":
-        dropped = set(selective_drops(forward.ops, backward.ops))
-        again = work(cost, [op for op in forward.ops if op.name in dropped])
+        rebuilt = rebuild_ops(forward, backward)
+        if not any(op.waits for op in rebuilt):
+            again = work(cost, rebuilt)
+        elif not bound:  # (what it adds may be nothing: a bound of it is 0)
+            again = _added(backward_work, solo_work(cost, _with_rebuild(backward.ops, rebuilt)))
     return LayerCosts(
-        forward=fwd, backward=work(cost, backward.ops),
+        forward=fwd, backward=backward_work,
         backward_input=work(cost, (op for op in backward.ops if not in_weight_pass(op))),
         weight=work(cost, (op for op in backward.ops if in_weight_pass(op))),
         pair=plan_work(plan) if plan is not None else None, again=again)
+
+
+def rebuild_ops(forward: LayerDag, backward: LayerDag) -> list[Op]:
+    """The forward ops selective recomputation runs again before a layer's backward reads
+    their outputs (:func:`~dhelix.dsl.core.oplib.selective_drops`); under ZeRO-3 each
+    weighted one (a norm) waits for the backward's re-gather of its weight instead of the
+    forward's gather (:mod:`dhelix.dsl.passes.fsdp`: the forward's gathered weights are gone)."""
+    dropped = set(selective_drops(forward.ops, backward.ops))
+    regathered = {unit_of(op.params) for op in backward.ops if op.op == GATHER}
+    return [attrs.evolve(op, waits=(op.weight_unit + BACKWARD_GATHER,))
+            if op.weight and op.weight_unit in regathered else op
+            for op in forward.ops if op.name in dropped]
+
+
+def _with_rebuild(backward: list | tuple, rebuilt: list[Op]) -> list[Op]:
+    """The backward ops with ``rebuilt`` after its leading re-gathers (the norms' first):
+    under ZeRO-3 the rebuild computes while the other weights are still arriving, as FSDP
+    gathers them ahead of the compute that reads them."""
+    lead = next((i for i, op in enumerate(backward) if op.op != GATHER), len(backward))
+    return [*backward[:lead], *rebuilt, *backward[lead:]]
+
+
+def _added(before: Work, after: Work) -> Work:
+    """What ``after`` adds to ``before``, each part at least 0."""
+    return Work(max(0.0, after.seconds - before.seconds), max(0.0, after.comm - before.comm),
+                max(0.0, after.exposed - before.exposed))
 
 
 def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None,

@@ -220,12 +220,15 @@ def recomputed(acts: Activations, forward: LayerDag, dtype: str) -> tuple[Activa
 
 
 def selectively_recomputed(acts: Activations, forward: LayerDag, backward: LayerDag, dtype: str,
-                           split: bool) -> tuple[Activations, float]:
+                           split: bool, fsdp: bool = False) -> tuple[Activations, float]:
     """Selective recomputation: what a layer keeps from its forward to its backward (``acts``
     without the outputs :func:`~dhelix.dsl.core.oplib.selective_drops` names), and what its
-    backward allocates when it starts (those outputs, computed again)."""
-    kept = layer_activations(forward, backward, dtype, split, drop=selective_drops(forward.ops, backward.ops))
-    return kept, max(acts.total - kept.total, 0.0)
+    backward allocates when it starts (those outputs, computed again; under ZeRO-3, with
+    the weights they are computed with, gathered again for it)."""
+    dropped = selective_drops(forward.ops, backward.ops)
+    kept = layer_activations(forward, backward, dtype, split, drop=dropped)
+    weights = sum(math.prod(op.unit_weight or ()) for op in forward.ops if fsdp and op.name in dropped and op.weight)
+    return kept, max(acts.total - kept.total, 0.0) + float(weights * dtype_bytes(dtype))
 
 
 class MemoryTimeline:

@@ -52,7 +52,7 @@ class Expander:
             self.kept, self.rebuilt = recomputed(self.acts, program.forward, program.model.dtype)
         elif recompute == "selective":
             self.kept, self.rebuilt = selectively_recomputed(self.acts, program.forward, program.backward,
-                                                             program.model.dtype, self.split)
+                                                             program.model.dtype, self.split, is_fsdp(program))
         self.head = head_activations(program, self.split)
         # ZeRO-3: a running layer's gathered weight (and, backward, its full gradient).
         self.gathered = gathered_bytes(program.forward, program.model.dtype, is_fsdp(program))

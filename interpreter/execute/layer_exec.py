@@ -44,7 +44,8 @@ import torch
 from dhelix.dsl.core.mesh import INTER, INTRA
 from dhelix.dsl.core.oplib import BWD, DGRAD, REGROUP, WGRAD
 from dhelix.dsl.core.program import COLUMNS, LayerDag, Op
-from dhelix.dsl.passes.fsdp import COLUMN_PIECES, FIRST_STAGE, GATHER as FSDP_GATHER, MATES, PART, PIECES, unit_of
+from dhelix.dsl.passes.fsdp import (BACKWARD_GATHER, COLUMN_PIECES, FIRST_STAGE, GATHER as FSDP_GATHER, MATES, PART,
+                                    PIECES, unit_of)
 
 from dhelix.interpreter.ops.blocks import part_blocks, without_group
 from dhelix.interpreter.ops.comm import Communicator, Pending, resolve
@@ -85,6 +86,10 @@ class LayerPlan:
     #: Each forward op's weight unit and :attr:`Op.staged` by name (properties that
     #: rebuild the op's parameter dict on every read), resolved once.
     units: Mapping[str, tuple[str, object]] = attrs.field(factory=dict)
+    #: ZeRO-3 under selective recomputation: the backward ops that wait for the re-gather of
+    #: a weight not their own, the weights the rebuild computes with (:mod:`dhelix.dsl.passes.fsdp`):
+    #: the rebuild runs before the first of them, not before the first backward op.
+    rebuild_readers: frozenset = frozenset()
 
     @classmethod
     def build(cls, fwd: LayerDag, bwd: LayerDag, micro_batch: int) -> "LayerPlan":
@@ -98,8 +103,15 @@ class LayerPlan:
                 raise ValueError(f"backward op {op.name} has no gradient flow for a forward op of "
                                  f"{fwd.name}: the backward DAG was not derived from this forward")
         roles = a2a_roles(fwd, bwd)  # MoE dispatch / combine direction of each ep all_to_all
-        gathers = {op.name for op in fwd.ops + bwd.ops if op.op == FSDP_GATHER}
-        gathered_by = {op.name: name for op in fwd.ops + bwd.ops for name in op.waits if name in gathers}
+        gathers = {op.name: unit_of(op.params) for op in fwd.ops + bwd.ops if op.op == FSDP_GATHER}
+        # An op computes with the gather of its own weight unit; it may wait for others too
+        # (selective recomputation's readers wait for the weights the rebuild computes with).
+        own = {op.name: op.weight_unit for op in fwd.ops if op.weight}
+        own |= {op.name: own[op.forward] for op in bwd.ops if op.forward in own}
+        gathered_by = {op.name: name for op in fwd.ops + bwd.ops for name in op.waits
+                       if gathers.get(name) is not None and gathers[name] == own.get(op.name)}
+        rebuild_readers = frozenset(op.name for op in bwd.ops for name in op.waits
+                                    if gathers.get(name) is not None and gathers[name] != own.get(op.name))
         steps = {op.name: Step.of(op, roles.get(op.name), None, gathered_by.get(op.name)) for op in fwd.ops}
         steps |= {op.name: Step.of(op, roles.get(op.name), fwd_ops[op.forward], gathered_by.get(op.name))
                   for op in bwd.ops}
@@ -109,7 +121,7 @@ class LayerPlan:
                    saved_users=Counter(op.forward for op in bwd.ops),
                    steps=steps, fwd_ops=fwd_ops, gathered_by=gathered_by,
                    sharded=frozenset(unit_of(op.params) for op in fwd.ops if op.op == FSDP_GATHER),
-                   units={op.name: (op.weight_unit, op.staged) for op in fwd.ops})
+                   units={op.name: (op.weight_unit, op.staged) for op in fwd.ops}, rebuild_readers=rebuild_readers)
 
     def contexts(self, comm: Communicator) -> dict[str, tuple[KernelCtx, KernelCtx]]:
         """The shared kernel contexts of the steps that need none of their own (every step
@@ -306,8 +318,16 @@ class LayerRun:
         """The output of forward kernel ``op`` computed again from ``args`` (selective
         recomputation; nothing saved, nothing left in flight)."""
         step = self.plan.steps[op.name]
-        out, _ = step.kernel.forward(args, self._weight(op, step), self._ctx(op, step, False))
+        weight = self._weight(op, step) if step.gathered is None else self._regathered(op)
+        out, _ = step.kernel.forward(args, weight, self._ctx(op, step, False))
         return out
+
+    def _regathered(self, op: Op) -> torch.Tensor:
+        # Under ZeRO-3 the forward's gathered weight is gone by the backward: a rebuilt op
+        # computes with the backward's re-gather of it, which its readers waited for.
+        gathered = self.bgrads[op.weight_unit + BACKWARD_GATHER]
+        gathered[GATHERED] = weight = resolve(gathered[GATHERED])
+        return weight
 
     def restart_forward(self) -> None:
         """Count every forward value's and saved tensor's readers afresh (a replay's forward)."""
@@ -343,7 +363,7 @@ class LayerRun:
     def backward_op(self, op: Op, async_op: bool = False) -> None:
         """Run backward op ``op`` (a dgrad, a wgrad, an op's whole backward or a collective)."""
         if not self._keeps_all:
-            self.keeping.before_backward(self)
+            self.keeping.before_backward(self, op)
         step = self.plan.steps[op.name]
         handler, forward = step.run, step.forward
         if handler is None or forward is None:

@@ -36,8 +36,8 @@ class KeepAll:
     def forward_ended(self, run) -> None:
         """The forward's last op has run: nothing to drop."""
 
-    def before_backward(self, run) -> None:
-        """A backward op is about to run: nothing to rebuild."""
+    def before_backward(self, run, op=None) -> None:
+        """Backward op ``op`` is about to run: nothing to rebuild."""
 
     def arrived(self, pending, value) -> None:
         """A collective's result landed: nothing kept refers to it."""
@@ -69,7 +69,7 @@ class FullRecompute(KeepAll):
         if not self.replaying:
             run.saved.clear()
 
-    def before_backward(self, run) -> None:
+    def before_backward(self, run, op=None) -> None:
         """Run the forward again from the kept input, synchronously, to rebuild the saved
         tensors the backward reads; the layer output stays as it was."""
         if self.input is None:
@@ -132,10 +132,13 @@ class SelectiveRecompute(KeepAll):
         self.dropped.clear()
         run.version += 1
 
-    def before_backward(self, run) -> None:
+    def before_backward(self, run, op=None) -> None:
         """Run the dropped ops' forward kernels again (in forward order, from the kept
-        inputs) and put their outputs back where they were saved."""
-        if not self.recipes:
+        inputs) and put their outputs back where they were saved: before the first backward
+        op, or, under ZeRO-3 where the norms' weights are gathered again for the backward,
+        before the first op that waits for those gathers (``run.plan.rebuild_readers``)."""
+        if not self.recipes or (op is not None and run.plan.rebuild_readers
+                                and op.name not in run.plan.rebuild_readers):
             return
         made: dict[str, torch.Tensor] = {}
         for name, (op, inputs) in self.recipes.items():

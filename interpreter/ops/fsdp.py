@@ -1,6 +1,7 @@
 """ZeRO-3 / FSDP at run time: the dp shards of the layer weights and their collectives.
 
-Under ``train { zero = 3 }`` with dp > 1 (:func:`dhelix.dsl.passes.fsdp.is_fsdp`) each rank
+Under ``train { zero = 3 }`` with dp > 1 (:func:`dhelix.dsl.passes.fsdp.is_fsdp`; with cp > 1
+read dp as the dp × cp group ``dp.cp`` throughout) each rank
 keeps, of every layer weight, the tensor- and pipeline-parallel shard it would hold
 otherwise (:mod:`.weights`) flattened, zero-padded to a multiple of dp and cut into dp equal
 pieces: piece ``i`` lives on dp rank ``i`` (PyTorch FSDP's flat sharding). The layer DAGs

@@ -41,7 +41,8 @@ A replicated weight used on sequence-parallel (tp-split) tokens gets a partial g
 each tp rank; its :attr:`ShardSpec.grad_sum` names ``tp``, the axis over which the executor
 sums it (Megatron all-reduces the norm gradients the same way). With context parallelism
 every weight is replicated over cp and each cp rank sees its own tokens, so every
-``grad_sum`` also names ``cp`` (Megatron reduces over the DP × CP group). Summing over dp is the
+``grad_sum`` also names ``cp`` (Megatron reduces over the DP × CP group) — but for the layer
+weights under ZeRO-3, whose reduce-scatters run over the dp × cp group. Summing over dp is the
 optimizer's business and is not recorded here (expert weights, split over ep, are summed over
 the dp / ep replicas of their shard only: :meth:`WeightPlan.ep_sharded`).
 """
@@ -56,6 +57,7 @@ import torch
 
 from dhelix.dsl.core.mesh import Mesh
 from dhelix.dsl.core.program import LayerDag, Op, Program
+from dhelix.dsl.passes.fsdp import is_fsdp
 from dhelix.dsl.passes.runcheck import reads_tp_collective, tp_readers
 from dhelix.dsl.frontend.modelcheck import TIE_SETTING
 
@@ -295,7 +297,9 @@ class WeightPlan:
         self.layer_specs = layer_specs(program, self.full_forward)
         self.model_specs = model_specs(program)
         if program.mesh.size("cp") > 1:
-            self.layer_specs = _partial_over_cp(self.layer_specs)
+            # ZeRO-3's reduce-scatters over dp × cp sum the layer weights' pieces over cp already.
+            if not is_fsdp(program):
+                self.layer_specs = _partial_over_cp(self.layer_specs)
             self.model_specs = _partial_over_cp(self.model_specs)
         self.layers = program.model.get("layers")
         #: The vocabulary and tp sizes (:meth:`vocab_start`, asked per micro-batch), found once.
