@@ -253,11 +253,20 @@ class Filler:
     def flush(self, before_layer: int | None = None) -> None:
         """Run the held ops of layer pairs before ``before_layer`` (all of them: None), which
         include every carried one (layer -1), then call what :meth:`carry` was given."""
-        for held in [h for h in self.held if before_layer is None or h[0] < before_layer]:
-            self._run(held)
-        carried, self.carried = self.carried, []
-        for call in carried:
-            call()
+        held = self.held
+        if held:  # (taken off the list first: running a held op never touches the filler)
+            if before_layer is None:
+                due, self.held = held, []
+            else:
+                due = [h for h in held if h[0] < before_layer]
+                if due:
+                    self.held = [h for h in held if h[0] >= before_layer]
+            for _, run, issue in due:
+                _run(run, issue, self.recorder)
+        if self.carried:
+            carried, self.carried = self.carried, []
+            for call in carried:
+                call()
 
     def carry(self, then: Callable[[], None] | None = None) -> None:
         """At a block's end: keep the held ops for the next block, as ops of the layer pair
