@@ -218,7 +218,7 @@ def _forward_call(module: _Module, plan: LayerPlan, step: Step, ctx, async_op: b
                  f"acts[{name!r}] = out"]
         if plan.saved_users.get(name):
             body.append(f"{RUN}.saved[{name!r}] = saved")
-    body += [f"left = {RUN}._fwd_left", *_release_lines("left", "acts", _releases(step, plan.fwd.output)),
+    body += [f"fwd_left = {RUN}._fwd_left", *_release_lines("fwd_left", "acts", _releases(step, plan.fwd.output)),
              f"{RUN}.version += 1"]
     return hint, method, body
 
@@ -285,10 +285,17 @@ def _backward_call(module: _Module, plan: LayerPlan, step: Step, ctx, async_op: 
             body += ["elif into.dtype == grad.dtype:", f"    {into}(into, grad, saved)"]
         body += ["else:", f"    weight_grads[{unit!r}] += {wgrad}(grad, saved)"]
     for value, producers in flow.accumulates:
-        body.append(f"out[{value!r}] = {RUN}._accumulated(out[{value!r}], {value!r}, {producers!r})")
+        # :meth:`LayerRun._accumulated`, inline where the own part has landed: the other
+        # producers' parts added in their order, each waited for when still in flight.
+        body += [f"own = out[{value!r}]", "if isinstance(own, Pending):",
+                 f"    out[{value!r}] = {RUN}._accumulated(own, {value!r}, {producers!r})", "else:"]
+        for producer in producers:
+            body += [f"    part = bgrads[{producer!r}][{value!r}]",
+                     "    own = own + (part.wait() if isinstance(part, Pending) else part)"]
+        body.append(f"    out[{value!r}] = own")
     if produced:
         body.append(f"bgrads[{name!r}] = out")
-    body += [f"left = {RUN}._bwd_left", *_release_lines("left", "bgrads", _releases(step, plan.bwd.output)),
+    body += [f"bwd_left = {RUN}._bwd_left", *_release_lines("bwd_left", "bgrads", _releases(step, plan.bwd.output)),
              f"users = {RUN}._saved_left", f"count = users[{source!r}] - 1", f"users[{source!r}] = count",
              "if not count:", f"    {RUN}.saved.pop({source!r}, None)", f"{RUN}.version += 1"]
     return hint, method, body

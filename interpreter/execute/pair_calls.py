@@ -35,7 +35,7 @@ def compile_pair(issues: Sequence, calls: LayerCalls) -> Callable | None:
     compiled calls. None when ``issues`` is empty."""
     if not issues:
         return None
-    module, lines, checked = calls.module, [], []
+    module, lines, checked, fetched, bumps = calls.module, [], [], [], {}
     for issue in issues:
         key = (issue.forward, issue.op.name, issue.comm)
         run = _RUNS[issue.strand]
@@ -43,7 +43,7 @@ def compile_pair(issues: Sequence, calls: LayerCalls) -> Callable | None:
         if issue.plain:
             if run not in checked:
                 checked.append(run)
-            lines += on_run(calls.bodies[key], run)
+            lines += _inlined(on_run(calls.bodies[key], run), fetched, bumps, run)
             continue
         bound = module.bind(f"pair_{issue.strand}_{issue.op.name}", issue)
         if issue.ahead:  # the strand's next layer's run, started by ahead
@@ -55,9 +55,29 @@ def compile_pair(issues: Sequence, calls: LayerCalls) -> Callable | None:
                       f"    filler.held.append((layer, {run}, {bound}))", "else:"]
             step = ["    " + line for line in step]
         lines += step
-    head = [line for run in checked for line in (f"if not {run}.fast:", "    return False")]
-    name = module.add("pair", head + lines + ["return True"], params="frun, brun, filler, layer, ahead, led")
+    head = [line for run in checked for line in (f"if not {run}.fast:", "    return False")] + fetched
+    tail = [f"{run}.version += {count}" for run, count in bumps.items()]
+    name = module.add("pair", head + lines + tail + ["return True"], params="frun, brun, filler, layer, ahead, led")
     return module.load()[name]
+
+
+#: The first lines of an op's body that fetch a dict of its run (:func:`on_run` with ``{run}``):
+#: a fast run keeps them for its life (only a recomputing run's replay replaces its acts).
+_FETCHES = ("acts = {run}.acts", "fwd_left = {run}._fwd_left", "bgrads = {run}.bgrads",
+            "bwd_left = {run}._bwd_left", "users = {run}._saved_left")
+
+
+def _inlined(body: list[str], fetched: list[str], bumps: dict[str, int], run: str) -> list[str]:
+    """An op's ``body`` on ``run`` inlined: its fetches of the run's dicts moved to the top
+    (into ``fetched``, once each), its last line (the run's version counted up) to the end
+    (``bumps``: by run, how many)."""
+    fetches = [fetch.format(run=run) for fetch in _FETCHES]
+    assert body[-1] == f"{run}.version += 1", body[-1]
+    for line in body:
+        if line in fetches and line not in fetched:
+            fetched.append(line)
+    bumps[run] = bumps.get(run, 0) + 1
+    return [line for line in body[:-1] if line not in fetches]
 
 
 def _step(issue, bound: str, run: str, calls: LayerCalls) -> list[str]:
@@ -79,15 +99,16 @@ def compile_alone(issues: Sequence, calls: LayerCalls) -> Callable | None:
     False (nothing run) when ``run`` cannot take the compiled calls. None when no op has a call."""
     if not any(issue.call is not None for issue in issues):
         return None
-    module, lines = calls.module, ["if not run.fast:", "    return False"]
+    module, lines, fetched, bumps = calls.module, [], [], {}
     for issue in issues:
         lines.append(f"# {issue.name}")
         key = (issue.forward, issue.op.name, issue.comm)
         if issue.call is not None:
-            lines += on_run(calls.bodies[key], "run")
+            lines += _inlined(on_run(calls.bodies[key], "run"), fetched, bumps, "run")
         else:
             bound = module.bind(f"alone_{issue.strand}_{issue.op.name}", issue)
             method = "forward_op" if issue.forward else "backward_op"
             lines.append(f"run.{method}({bound}.op, {bound}.comm)")
-    name = module.add("alone", lines + ["return True"])
+    tail = [f"run.version += {count}" for count in bumps.values()]
+    name = module.add("alone", ["if not run.fast:", "    return False", *fetched, *lines, *tail, "return True"])
     return module.load()[name]
