@@ -426,6 +426,10 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
     started = {"F": set(), "B": set()}  # runs started ahead of their layer pair (their lead issued)
     reported = 0  # the backward layers reported done (their held wgrads run by then)
     named = recorder.naming
+    # Whether a compiled segment pair may run without run_pair (:mod:`.pair_calls`): nothing
+    # traced or named, no barrier, no op that can block; its issues then are Compiled.
+    whole = (not named and not order.barrier and order.calls is not None
+             and (filler is None or not filler.blocking))
     for k in range(max(len(fwd.runs), len(bwd.runs))):
         frun = fwd.runs[k] if k < len(fwd.runs) else None
         brun = bwd.runs[k] if k < len(bwd.runs) else None
@@ -446,6 +450,10 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
                                          lead_next=frun is not None and k + 1 < len(fwd.runs),
                                          back_led=k in started["B"],
                                          back_lead_next=brun is not None and k + 1 < len(bwd.runs)):
+            # run_pair's compiled case, called straight away: no span to open, no barrier after.
+            code = issues.code if whole else None
+            if code is not None and code(frun, brun, filler, k, ahead, {}):
+                continue
             run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}" if named else label,
                      order.barrier, filler, k, ahead)
         if filler is not None:
