@@ -27,9 +27,11 @@ in flight; without the probe nothing tells them apart).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import linecache
 import re
-from itertools import count
+from types import CodeType
 from typing import Callable
 
 from dhelix.dsl.core.oplib import BWD, DGRAD, WGRAD, is_wgrad
@@ -45,10 +47,6 @@ Call = Callable[[object], None]
 
 #: What an op's body (:attr:`LayerCalls.bodies`) names its run by; :func:`_on` names it.
 RUN = "@run"
-
-#: Numbers the generated modules' file names (each its own lines in :mod:`linecache`).
-_MODULES = count()
-
 
 class LayerCalls:
     """The calls of every op of ``plan`` over ``comm``, by (forward?, op name, async?);
@@ -134,11 +132,18 @@ class _Module:
         :mod:`linecache` under their own file name, so a traceback through one shows them."""
         text = "\n\n\n".join(self.functions[self.loaded:]) + "\n"
         self.loaded = len(self.functions)
-        filename = f"<dhelix layer calls {next(_MODULES)}>"
-        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        code = _compiled(text)
+        linecache.cache[code.co_filename] = (len(text), None, text.splitlines(True), code.co_filename)
         self.namespace.update((name, value) for name, value in self.globals.items() if name not in self.namespace)
-        exec(compile(text, filename, "exec"), self.namespace)  # noqa: S102 (our own generated source)
+        exec(code, self.namespace)  # noqa: S102 (our own generated source)
         return self.namespace
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(text: str) -> CodeType:
+    # Generated text compiled once per process (every executor of a program makes the same),
+    # under a file name of its own (its lines' digest).
+    return compile(text, f"<dhelix layer calls {hashlib.sha1(text.encode()).hexdigest()[:12]}>", "exec")
 
 
 def _releases(step: Step, keep: str) -> tuple[tuple[str, bool], ...]:
