@@ -260,11 +260,79 @@ def machine() -> str:
             f"thread(s); date {time.strftime('%Y-%m-%d %H:%M')}")
 
 
+#: What :func:`against` reads of a run's report: a program's name, then its plain loop's CPU
+#: time and each interpreter step's CPU-time ratio and minima ratio (probe on, then off).
+_PROGRAM = re.compile(r"^(\S[^:]*): ", re.M)
+_PLAIN = re.compile(r"this thread's CPU time +([0-9.]+) ms")
+_RATIO = re.compile(r"CPU time +([0-9.]+) ms +ratio ([0-9.]+)x .*: ratio ([0-9.]+)x\)")
+
+
+def _summary(report: str) -> dict[str, tuple[float, ...]]:
+    """By program: (plain loop ms, probe-on ms, its ratio, its minima ratio, probe-off ms,
+    its ratio, its minima ratio), CPU times, from a report this script printed."""
+    found = {}
+    names = list(_PROGRAM.finditer(report))
+    for at, match in enumerate(names):
+        part = report[match.end():names[at + 1].start() if at + 1 < len(names) else len(report)]
+        plain = _PLAIN.search(part)
+        ratios = _RATIO.findall(part)
+        if plain is None or len(ratios) != 2:
+            continue
+        found[match.group(1)] = (float(plain.group(1)),) + tuple(float(x) for r in ratios for x in r)
+    return found
+
+
+def against(other: Path, processes: int, rounds: int, programs: list[str]) -> list[str]:
+    """This checkout's benchmark and ``other``'s (an earlier tree), in alternated processes
+    (``other`` first), ``processes`` each, each run with ``rounds`` and ``programs``: the
+    lines of each process's ratios, then their medians by tree."""
+    import subprocess
+    import tempfile
+
+    from tune_speed import _BOOT, _package_view
+
+    short = {name: name.split(" (")[0] for name in programs}
+    lines = [f"\n## Before ({other}) and after (this checkout), alternated processes, {processes} each; per "
+             "program, this thread's CPU time: the plain loop, and the interpreter step with the memory probe "
+             "on and off, its ratio to the loop (in brackets, the ratio of the minima)"]
+    # (PYTHONPATH left out: a site hook on it could import another checkout's package first.)
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    runs: dict[str, list[dict]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory() as scratch:
+        trees = {"before": other, "after": ROOT}
+        views = {side: _package_view(tree, Path(scratch) / side) for side, tree in trees.items()}
+        for process in range(processes):
+            for side in ("before", "after"):
+                load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+                command = [sys.executable, "-c", _BOOT, str(views[side]), str(trees[side] / "benchmarks" /
+                           "host_overhead.py"), "--rounds", str(rounds), "--programs", *programs]
+                out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=trees[side],
+                                     env=env).stdout
+                got = _summary(out)
+                runs[side].append(got)
+                lines.append(f"-- {side}, process {process + 1}, load average {load}")
+                for name in programs:
+                    plain, on, on_r, on_min, off, off_r, off_min = got[name]
+                    lines.append(f"  {short[name]:<20} plain loop {plain:6.2f} ms   probe on {on:6.2f} ms {on_r:.2f}x "
+                                 f"({on_min:.2f}x)   probe off {off:6.2f} ms {off_r:.2f}x ({off_min:.2f}x)")
+                print("\n".join(lines[-1 - len(programs):]), file=sys.stderr, flush=True)
+    lines.append("medians over the processes (of each process's median ratio; in brackets, of its minima ratio):")
+    for side in ("before", "after"):
+        for name in programs:
+            on, on_min, off, off_min = (statistics.median(run[name][i] for run in runs[side]) for i in (2, 3, 5, 6))
+            lines.append(f"  {side:<6} {short[name]:<20} probe on {on:.2f}x ({on_min:.2f}x)   "
+                         f"probe off {off:.2f}x ({off_min:.2f}x)")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--programs", nargs="+", choices=list(PROGRAMS), default=list(PROGRAMS))
     parser.add_argument("--profile", action="store_true", help="a cProfile of 3 interpreter steps per program")
+    parser.add_argument("--against", type=Path, metavar="DIR",
+                        help="then this script of another checkout (an earlier tree) and this one, alternated")
+    parser.add_argument("--processes", type=int, default=3, help="processes per tree with --against (default 3)")
     parser.add_argument("--output", help="also write the report here")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the floor and the interpreter alike: dispatch, not kernels
@@ -276,6 +344,8 @@ def main() -> None:
         path, sizes, rank = PROGRAMS[name]
         lines += measure(name, path, sizes, rank, args.rounds, args.profile)
         print("\n".join(lines[-9:]), file=sys.stderr, flush=True)
+    if args.against is not None:
+        lines += against(args.against.resolve(), args.processes, args.rounds, args.programs)
     lines.append(f"\nload average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     text = "\n".join(lines) + "\n"
     print(text, end="")

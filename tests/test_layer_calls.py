@@ -101,12 +101,41 @@ def _same(a: tuple, b: tuple, probed: bool = True) -> None:
         assert a[2] == b[2] and len(a[2]) > 10
 
 
-def _compare(prog, make_comm) -> None:
+@contextlib.contextmanager
+def _whole(ran: list):
+    """Every segment pair and lone layer compiled inside (interpreter/execute/pair_calls.py)
+    appends to ``ran`` what each of its runs did: "pair" or "alone" (compiled whole), "loop"
+    (the loop over its issues ran it instead)."""
+    from dhelix.interpreter.execute import pair_calls, si
+
+    def counted(compile_whole, kind):
+        def compile_counted(issues, calls):
+            code = compile_whole(issues, calls)
+            if code is None:
+                return None
+
+            def run(*args):
+                done = code(*args)
+                ran.append(kind if done else "loop")
+                return done
+            return run
+        return compile_counted
+
+    made = si.compile_pair, si.compile_alone
+    si.compile_pair, si.compile_alone = counted(pair_calls.compile_pair, "pair"), counted(pair_calls.compile_alone, "alone")
+    try:
+        yield
+    finally:
+        si.compile_pair, si.compile_alone = made
+
+
+def _compare(prog, make_comm, whole: bool = False) -> None:
     methods: list = []
     with _methods_only(methods):
         by_methods = _steps(Executor(prog, make_comm(), seed=1, stand_in_weights=True), prog)
     called: list = []
-    with _counting(called):
+    ran: list = []
+    with _counting(called), _whole(ran):
         compiled = _steps(Executor(prog, make_comm(), seed=1, stand_in_weights=True), prog)
         unprobed = _steps(Executor(prog, make_comm(), seed=1, stand_in_weights=True,
                                    recorder=Recorder(memory_probe=False)), prog)
@@ -116,6 +145,10 @@ def _compare(prog, make_comm) -> None:
     # The calls ran the ops: every op of these layers (a Llama's, a MoE's routed ones
     # included) has one, and no method ran.
     assert len(methods) > 100 and called == []
+    # Segment pairs and lone layers ran compiled whole where nothing can block (every
+    # collective complete at its issue); a lone layer's ops always.
+    assert ran.count("alone") >= 8 and "loop" not in ran
+    assert not whole or ran.count("pair") > 10
 
 
 @pytest.mark.parametrize("pipeline,fold,train", [("w_helix", "u", ""), ("w_helix", "u", "recompute = full"),
@@ -146,6 +179,35 @@ def test_the_calls_match_the_methods_with_collectives(mesh, gpus, pipeline, fold
     prog = _program(pipeline, fold, mesh=mesh, gpus=gpus, model=model or "layer = llama")
     join_standin_world(0, prog.mesh.world)
     try:
-        _compare(prog, lambda: EmulatedComm(prog.mesh, "cpu", load_profile("a40"), "none"))
+        _compare(prog, lambda: EmulatedComm(prog.mesh, "cpu", load_profile("a40"), "none"),
+                 whole=pipeline == "w_helix")
     finally:
         dist.destroy_process_group()
+
+
+def test_an_error_inside_compiled_code_reads_as_the_methods_and_shows_its_line(monkeypatch):
+    # A dgrad kernel that gives no gradient: the same ExecutionError (rank, action, cause) by the
+    # runs' methods and by the generated code, whose traceback shows the generated line.
+    import traceback
+
+    from dhelix.interpreter.ops import handlers
+    from dhelix.interpreter.ops.kernels import OPERATOR_KERNELS, Kernel
+
+    swiglu = OPERATOR_KERNELS["swiglu"]
+    broken = Kernel(swiglu.forward, lambda grad, saved, weight: (None,), swiglu.wgrad)
+    for kind, (role, kernel) in list(handlers.HANDLERS.items()):
+        if kernel is swiglu and role != handlers.FORWARD:
+            monkeypatch.setitem(handlers.HANDLERS, kind, (role, broken))
+    prog = _program("w_helix", "u")
+    with _methods_only([]), pytest.raises(Exception) as by_methods:
+        Executor(prog, SingleRankComm(), seed=1).step(make_batch(prog, 0))
+    with pytest.raises(Exception) as compiled:
+        Executor(prog, SingleRankComm(), seed=1).step(make_batch(prog, 0))
+    message = str(compiled.value)
+    assert message == str(by_methods.value)
+    assert "rank 0 (pipeline rank 0) failed in" in message
+    assert "the kernel gave no gradient for fc1, which autodiff says it produces" in message
+    shown = "".join(traceback.format_exception(compiled.value.__cause__))
+    assert '<dhelix layer calls' in shown and "raise ValueError('the kernel gave no gradient for fc1" in shown
+    source = Executor(prog, SingleRankComm(), seed=1).calls.source
+    assert "def F_qkv(run):" in source and "def alone(run):" in source and "    # F.qkv\n" in source

@@ -57,7 +57,7 @@ from .pipeline_comm import PipelineComm
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
-from .si import (Filler, FlatOrder, LayerChain, check_orders, flat, run_alone, run_interleaved,
+from .si import (Filler, FlatOrder, LayerChain, check_orders, compiled, run_alone, run_interleaved,
                  run_scheduled)
 from dhelix.dsl.planner.si_plan import PlanFn, sequential_plan
 from dhelix.dsl.simulator.runplan import ExecFacts
@@ -174,7 +174,7 @@ class Executor:
         self.calls = None if self.recorder.trace else LayerCalls(self.layer_plan, self.comm,
                                                                  bare=self.recorder.probe is None)
         #: The issue orders of a forward and of a backward layer run alone (F, B), made once.
-        self.alone = (flat(facts.alone[0], self.calls), flat(facts.alone[1], self.calls))
+        self.alone = (compiled(facts.alone[0], self.calls, alone=True), compiled(facts.alone[1], self.calls, alone=True))
         #: The RunPlan's facts (what ZeRO-3 and the optimizer read of the program too).
         self.facts = facts
         self.plan = facts.pairs

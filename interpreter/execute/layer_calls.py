@@ -4,18 +4,21 @@
 :meth:`~.layer_exec.LayerRun.backward_op` find, on every call, the op's step by name, its
 role's handler, its context, its weight and its gradient flow, and go through the
 communicator's layers for a collective. A :class:`LayerCalls` does that once per op and
-issue mode: each op becomes a closure ``call(run)`` holding its kernel function, its shared
-context, its input and weight names, which values its run releases after it and, for a
-collective, the communicator's bound issue (:func:`~dhelix.interpreter.ops.collective_kernels.bound`).
-The SI blocks and the chains run alone call these (:class:`~.si.Flat`'s ``call``).
+issue mode: each op becomes a function ``call(run)`` of straight-line Python, generated from
+its step (:attr:`LayerCalls.source` is its text; a traceback shows its lines): its names as
+constants, its kernel function, its shared context and, for a collective, the communicator's
+bound issue (:func:`~dhelix.interpreter.ops.collective_kernels.bound`) as the module's
+globals, the values its run releases after it and its gradients' checks written out one by
+one (no loop over a table, no branch on the op's kind at run time). The SI blocks and the
+chains run alone call these (:class:`~.si.Flat`'s ``call``).
 
 A call does exactly what the run's method does for its op, in the same order — the same
 kernels on the same tensors, the same gradients added in place, the same values released
 — on a run whose recomputation policy keeps everything and that releases its values
 (:attr:`LayerRun.fast <.layer_exec.LayerRun.fast>`); on any other run it calls the method.
-Ops the calls do not cover go to the method too (their call is None): MoE routing's ops
-(a run's own routing), ring attention's backward steps, ZeRO-3's gathers, scatters and
-gathered or staged weights, a backward op whose forward output feeds nothing.
+Ops the calls do not cover go to the method too (their call is None): ring attention's
+backward steps, ZeRO-3's gathers, scatters and gathered or staged weights, a backward op
+whose forward output feeds nothing, a dgrad of an op reading one value twice.
 
 ``bare``: the memory probe is off, so an asynchronous collective complete at its issue may
 leave its result itself, not a Pending (a Pending is what the probe counts as a transfer
@@ -24,6 +27,11 @@ in flight; without the probe nothing tells them apart).
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import linecache
+import re
+from types import CodeType
 from typing import Callable
 
 from dhelix.dsl.core.oplib import BWD, DGRAD, WGRAD, is_wgrad
@@ -37,6 +45,8 @@ from .layer_exec import LayerPlan, Step
 #: A compiled op: ``call(run)`` runs the op on a LayerRun.
 Call = Callable[[object], None]
 
+#: What an op's body (:attr:`LayerCalls.bodies`) names its run by; :func:`_on` names it.
+RUN = "@run"
 
 class LayerCalls:
     """The calls of every op of ``plan`` over ``comm``, by (forward?, op name, async?);
@@ -46,25 +56,123 @@ class LayerCalls:
         contexts = plan.contexts(comm)
         #: The backward's weight-gradient ops by name (what an SI block's filler may hold).
         self.wgrads = frozenset(op.name for op in plan.bwd.ops if is_wgrad(op))
-        self.calls: dict[tuple[bool, str, bool], Call | None] = {}
+        #: The generated module: its text (:attr:`source`) and its globals (what pairs of
+        #: these ops compiled together call, :mod:`.pair_calls`).
+        self.module = _Module()
+        #: Each compiled op's body (:data:`RUN` for its run), by the key of :attr:`calls`.
+        self.bodies: dict[tuple[bool, str, bool], list[str]] = {}
+        #: Each compiled op's global name (its function), by the key of :attr:`calls`.
+        self.names: dict[tuple[bool, str, bool], str] = {}
         for name, step in plan.steps.items():
             forward = step.forward is None
             for async_op in (False, True):
                 # A routed op's context holds its run's routing: made once per run instead.
                 ctx = contexts[name][async_op] if not step.routed else _RoutedContext(plan, step, comm, async_op)
-                made = (_forward_call(plan, step, ctx, async_op, bare) if forward
-                        else _backward_call(plan, step, ctx, async_op, bare))
-                self.calls[(forward, name, async_op)] = made
+                made = (_forward_call(self.module, plan, step, ctx, async_op, bare) if forward
+                        else _backward_call(self.module, plan, step, ctx, async_op, bare))
+                if made is not None:
+                    key = (forward, name, async_op)
+                    self.bodies[key] = made[2]
+                    self.names[key] = self.module.add(made[0], [
+                        "if not run.fast:", f"    return {made[1]}(run)", *on_run(made[2], "run")])
+        functions = self.module.load()
+        self.calls: dict[tuple[bool, str, bool], Call | None] = {
+            key: functions[self.names[key]] if key in self.names else None
+            for key in ((step.forward is None, name, async_op) for name, step in plan.steps.items()
+                        for async_op in (False, True))}
+
+    @property
+    def source(self) -> str:
+        """The generated module's text: one function per compiled op (then each compiled
+        segment pair's)."""
+        return self.module.text()
 
     def of(self, forward: bool, name: str, async_op: bool) -> Call | None:
         """The call of op ``name`` (a forward op or a backward one) issued with ``async_op``."""
         return self.calls.get((forward, name, async_op))
 
 
+class _Module:
+    """The source of the calls being generated and the objects their globals name."""
+
+    def __init__(self):
+        self.functions: list[str] = []
+        self.globals: dict[str, object] = {"Pending": Pending}
+        self.names: set[str] = set()
+        #: The functions compiled so far, and the namespace they run in.
+        self.loaded, self.namespace = 0, {}
+
+    def bind(self, hint: str, value: object) -> str:
+        """A global of the module holding ``value``, named after ``hint``."""
+        name = self._fresh(hint)
+        self.globals[name] = value
+        return name
+
+    def add(self, hint: str, body: list[str], params: str = "run") -> str:
+        """Add a function of ``params`` (``call(run)``) running ``body``; its name."""
+        name = self._fresh(hint)
+        self.functions.append("\n".join([f"def {name}({params}):", *("    " + line for line in body)]))
+        return name
+
+    def _fresh(self, hint: str) -> str:
+        base = re.sub(r"\W", "_", hint)
+        name, n = base, 1
+        while name in self.names or name in self.globals:
+            n += 1
+            name = f"{base}_{n}"
+        self.names.add(name)
+        return name
+
+    def text(self) -> str:
+        return "\n\n\n".join(self.functions) + "\n"
+
+    def load(self) -> dict[str, object]:
+        """The functions added since the last load compiled and run in the module's
+        namespace, once: the namespace (every function by name). Their lines are kept in
+        :mod:`linecache` under their own file name, so a traceback through one shows them."""
+        text = "\n\n\n".join(self.functions[self.loaded:]) + "\n"
+        self.loaded = len(self.functions)
+        code = _compiled(text)
+        linecache.cache[code.co_filename] = (len(text), None, text.splitlines(True), code.co_filename)
+        self.namespace.update((name, value) for name, value in self.globals.items() if name not in self.namespace)
+        exec(code, self.namespace)  # noqa: S102 (our own generated source)
+        return self.namespace
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(text: str) -> CodeType:
+    # Generated text compiled once per process (every executor of a program makes the same),
+    # under a file name of its own (its lines' digest).
+    return compile(text, f"<dhelix layer calls {hashlib.sha1(text.encode()).hexdigest()[:12]}>", "exec")
+
+
 def _releases(step: Step, keep: str) -> tuple[tuple[str, bool], ...]:
     # Each distinct input or wait of the op, and whether it goes when its last reader has run
     # (the layer's result stays: the chain hands it on).
     return tuple((name, name != keep) for name in step.inputs)
+
+
+def _release_lines(left: str, store: str, releases) -> list[str]:
+    # The run's count of each released value's readers, one down; the value goes at zero.
+    lines = []
+    for value, goes in releases:
+        lines += [f"count = {left}[{value!r}] - 1", f"{left}[{value!r}] = count"]
+        if goes:
+            lines += ["if not count:", f"    {store}.pop({value!r}, None)"]
+    return lines
+
+
+def _act_lines(target: str, value: str) -> list[str]:
+    # :meth:`LayerRun._act`, inline (its policy notes no arrival).
+    return [f"{target} = acts[{value!r}]",
+            f"if isinstance({target}, Pending):",
+            f"    {target} = acts[{value!r}] = {target}.wait()",
+            f"    {RUN}.version += 1"]
+
+
+def on_run(body: list[str], run: str) -> list[str]:
+    """An op's ``body`` (:attr:`LayerCalls.bodies`) on the run named ``run`` (a Python name)."""
+    return [line.replace(RUN, run) for line in body]
 
 
 class _RoutedContext:
@@ -85,88 +193,51 @@ class _RoutedContext:
         return found
 
 
-def _forward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) -> Call | None:
+def _forward_call(module: _Module, plan: LayerPlan, step: Step, ctx, async_op: bool,
+                  bare: bool) -> tuple[str, str, list[str]] | None:
+    # The forward op's name hint, its method's global and its body; None: the method runs it.
     op = step.op
     if step.gathered is not None or step.run is None or step.role not in (FORWARD, COMM):
         return None
-    name, inputs, releases = op.name, op.inputs, _releases(step, plan.fwd.output)
-    method = _Method(op, async_op, forward=True)
-    routed = ctx if isinstance(ctx, _RoutedContext) else None
+    name, inputs = op.name, op.inputs
+    if step.role == COMM and len(inputs) != 1:
+        return None
+    hint = f"F_{name}{'_async' if async_op else ''}"
+    method = module.bind(f"{hint}_method", _Method(op, async_op, forward=True))
+    body = [f"acts = {RUN}.acts"]
     if step.role == COMM:
-        if len(inputs) != 1:
-            return None
-        (source,) = inputs
-        kernel = step.kernel
-        issue = bound(op.op, kernel, ctx, bare) if routed is None else None
-
-        def collective(run) -> None:
-            if not run.fast:
-                return method(run)
-            acts = run.acts
-            x = acts[source]
-            if isinstance(x, Pending):  # :meth:`LayerRun._act`, inline (its policy notes no arrival)
-                x = acts[source] = x.wait()
-                run.version += 1
-            acts[name] = issue(x) if routed is None else kernel(x, routed.of(run))
-            left = run._fwd_left
-            for value, goes in releases:
-                count = left[value] - 1
-                left[value] = count
-                if not count and goes:
-                    acts.pop(value, None)
-            run.version += 1
-        return collective
-
-    kernel, weight, saves = step.kernel.forward, step.weight_name, bool(plan.saved_users.get(name))
-    if routed is None and len(releases) == 1 and inputs == (releases[0][0],):  # most ops: one input, no other dependency
-        (source,), ((_, goes),) = inputs, releases
-
-        def compute_one(run) -> None:
-            if not run.fast:
-                return method(run)
-            acts = run.acts
-            x = acts[source]
-            if isinstance(x, Pending):  # :meth:`LayerRun._act`, inline (its policy notes no arrival)
-                x = acts[source] = x.wait()
-                run.version += 1
-            out, saved = kernel([x], run.weights.get(weight), ctx)
-            acts[name] = out
-            if saves:
-                run.saved[name] = saved
-            left = run._fwd_left
-            count = left[source] - 1
-            left[source] = count
-            if not count and goes:
-                del acts[source]
-            run.version += 1
-        return compute_one
-
-    def compute(run) -> None:
-        if not run.fast:
-            return method(run)
-        acts = run.acts
+        body += _act_lines("x", inputs[0])
+        if isinstance(ctx, _RoutedContext):
+            body.append(f"acts[{name!r}] = {module.bind(f'{hint}_kernel', step.kernel)}(x, {_context(module, hint, ctx)})")
+        else:
+            issue = module.bind(f"{hint}_issue", bound(op.op, step.kernel, ctx, bare))
+            body.append(f"acts[{name!r}] = {issue}(x)")
+    else:
+        kernel = module.bind(f"{hint}_kernel", step.kernel.forward)
         args = []
-        for value in inputs:
-            x = acts[value]
-            if isinstance(x, Pending):  # :meth:`LayerRun._act`, inline
-                x = acts[value] = x.wait()
-                run.version += 1
-            args.append(x)
-        out, saved = kernel(args, run.weights.get(weight), ctx if routed is None else routed.of(run))
-        acts[name] = out
-        if saves:
-            run.saved[name] = saved
-        left = run._fwd_left
-        for value, goes in releases:
-            count = left[value] - 1
-            left[value] = count
-            if not count and goes:
-                acts.pop(value, None)
-        run.version += 1
-    return compute
+        for index, value in enumerate(inputs):
+            body += _act_lines(f"x{index}", value)
+            args.append(f"x{index}")
+        body += [f"out, saved = {kernel}([{', '.join(args)}], {RUN}.weights.get({step.weight_name!r}), "
+                 f"{_context(module, hint, ctx)})",
+                 f"acts[{name!r}] = out"]
+        if plan.saved_users.get(name):
+            body.append(f"{RUN}.saved[{name!r}] = saved")
+    body += [f"fwd_left = {RUN}._fwd_left", *_release_lines("fwd_left", "acts", _releases(step, plan.fwd.output)),
+             f"{RUN}.version += 1"]
+    return hint, method, body
 
 
-def _backward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool) -> Call | None:
+def _context(module: _Module, hint: str, ctx) -> str:
+    # The expression of an op's kernel context: a routed op's is its run's (made on the run's
+    # first call of it), any other's the op's one, a global.
+    name = module.bind(f"{hint}_ctx", ctx)
+    return f"{name}.of({RUN})" if isinstance(ctx, _RoutedContext) else name
+
+
+def _backward_call(module: _Module, plan: LayerPlan, step: Step, ctx, async_op: bool,
+                   bare: bool) -> tuple[str, str, list[str]] | None:
+    # The backward op's name hint, its method's global and its body; None: the method runs it.
     op, forward = step.op, step.forward
     flow = op.grad
     if (step.gathered is not None or step.run is None or flow is None or flow.upstream is None
@@ -177,70 +248,66 @@ def _backward_call(plan: LayerPlan, step: Step, ctx, async_op: bool, bare: bool)
         unit, staged = plan.units[flow.weight]
         if staged is not None or unit in plan.sharded:
             return None
-        weighted = (flow.weight, unit, step.kernel.wgrad, step.kernel.wgrad_into)
-    name, upstream, source = op.name, flow.upstream, forward.name
-    accumulates, releases = flow.accumulates, _releases(step, plan.bwd.output)
-    method = _Method(op, async_op, forward=False)
-    role, issue, dgrad, picks, produced = step.role, None, None, (), None
-    routed = ctx if isinstance(ctx, _RoutedContext) else None
-    collective = role == COMM
-    if collective:
-        (produced,) = flow.produces
-        kernel = step.kernel
-        issue = bound(op.op, kernel, ctx, bare) if routed is None else None
+        weighted = (flow.weight, unit)
+    role = step.role
+    if role in (DGRAD, BWD) and len(set(forward.inputs)) != len(forward.inputs):
+        return None  # an input read twice gets the sum of its gradients: the method's
+    name, source = op.name, forward.name
+    hint = f"B_{name}{'_async' if async_op else ''}"
+    method = module.bind(f"{hint}_method", _Method(op, async_op, forward=False))
+    body = [f"bgrads = {RUN}.bgrads", f"grad = bgrads[{flow.upstream!r}][{source!r}]",
+            "if isinstance(grad, Pending):", "    grad = grad.wait()"]
+    produced: list[str] = []
+    if role == COMM:
+        (value,) = flow.produces
+        if isinstance(ctx, _RoutedContext):
+            kernel = module.bind(f"{hint}_kernel", step.kernel)
+            body.append(f"out = {{{value!r}: {kernel}(grad, {_context(module, hint, ctx)})}}")
+        else:
+            issue = module.bind(f"{hint}_issue", bound(op.op, step.kernel, ctx, bare))
+            body.append(f"out = {{{value!r}: {issue}(grad)}}")
+        produced.append(value)
     elif role in (DGRAD, BWD):
-        if len(set(forward.inputs)) != len(forward.inputs):
-            return None  # an input read twice gets the sum of its gradients: the method's
-        dgrad = step.kernel.dgrad
-        picks = tuple((index, value) for index, value in enumerate(forward.inputs) if value in flow.produces)
-    weight = step.weight_name
+        dgrad = module.bind(f"{hint}_dgrad", step.kernel.dgrad)
+        body.append(f"grads = {dgrad}(grad, {RUN}.saved[{source!r}], {RUN}.weights.get({step.weight_name!r}))")
+        for index, value in enumerate(forward.inputs):
+            if value in flow.produces:
+                body += [f"part{index} = grads[{index}]", f"if part{index} is None:",
+                         f"    raise ValueError({_no_gradient(value)!r})"]
+                produced.append(value)
+        picked = [f"{value!r}: part{forward.inputs.index(value)}" for value in produced]
+        body.append(f"out = {{{', '.join(picked)}}}")
+    elif flow.accumulates:  # a weight gradient: it adds into the run's grads, nothing flows on
+        body.append("out = {}")
+    if weighted is not None:
+        kept, unit = weighted
+        wgrad = module.bind(f"{hint}_wgrad", step.kernel.wgrad)
+        body += [f"weight_grads = {RUN}.grads", f"saved = {RUN}.saved[{kept!r}]",
+                 f"into = weight_grads.get({unit!r})",
+                 "if into is None:", f"    weight_grads[{unit!r}] = {wgrad}(grad, saved)"]
+        if step.kernel.wgrad_into is not None:
+            into = module.bind(f"{hint}_wgrad_into", step.kernel.wgrad_into)
+            body += ["elif into.dtype == grad.dtype:", f"    {into}(into, grad, saved)"]
+        body += ["else:", f"    weight_grads[{unit!r}] += {wgrad}(grad, saved)"]
+    for value, producers in flow.accumulates:
+        # :meth:`LayerRun._accumulated`, inline where the own part has landed: the other
+        # producers' parts added in their order, each waited for when still in flight.
+        body += [f"own = out[{value!r}]", "if isinstance(own, Pending):",
+                 f"    out[{value!r}] = {RUN}._accumulated(own, {value!r}, {producers!r})", "else:"]
+        for producer in producers:
+            body += [f"    part = bgrads[{producer!r}][{value!r}]",
+                     "    own = own + (part.wait() if isinstance(part, Pending) else part)"]
+        body.append(f"    out[{value!r}] = own")
+    if produced:
+        body.append(f"bgrads[{name!r}] = out")
+    body += [f"bwd_left = {RUN}._bwd_left", *_release_lines("bwd_left", "bgrads", _releases(step, plan.bwd.output)),
+             f"users = {RUN}._saved_left", f"count = users[{source!r}] - 1", f"users[{source!r}] = count",
+             "if not count:", f"    {RUN}.saved.pop({source!r}, None)", f"{RUN}.version += 1"]
+    return hint, method, body
 
-    def call(run) -> None:
-        if not run.fast:
-            return method(run)
-        bgrads = run.bgrads
-        grad = bgrads[upstream][source]
-        if isinstance(grad, Pending):
-            grad = grad.wait()
-        if collective:
-            out = {produced: issue(grad) if routed is None else kernel(grad, routed.of(run))}
-        elif dgrad is not None:
-            grads = dgrad(grad, run.saved[source], run.weights.get(weight))
-            out = {}
-            for index, value in picks:
-                part = grads[index]
-                if part is None:
-                    raise ValueError(f"the kernel gave no gradient for {value}, which autodiff says it produces")
-                out[value] = part
-        else:  # a weight gradient: it adds into the run's grads, nothing flows on
-            out = {}
-        if weighted is not None:
-            kept, unit, wgrad, wgrad_into = weighted
-            grads, saved = run.grads, run.saved[kept]
-            into = grads.get(unit)
-            if into is None:
-                grads[unit] = wgrad(grad, saved)
-            elif wgrad_into is not None and into.dtype == grad.dtype:
-                wgrad_into(into, grad, saved)
-            else:
-                grads[unit] += wgrad(grad, saved)
-        for value, producers in accumulates:
-            out[value] = run._accumulated(out[value], value, producers)
-        if out:
-            bgrads[name] = out
-        left = run._bwd_left
-        for value, goes in releases:
-            count = left[value] - 1
-            left[value] = count
-            if not count and goes:
-                bgrads.pop(value, None)
-        users = run._saved_left
-        count = users[source] - 1
-        users[source] = count
-        if not count:
-            run.saved.pop(source, None)
-        run.version += 1
-    return call
+
+def _no_gradient(value: str) -> str:
+    return f"the kernel gave no gradient for {value}, which autodiff says it produces"
 
 
 class _Method:

@@ -60,6 +60,7 @@ from dhelix.dsl.core.program import Op
 from dhelix.interpreter.ops.comm import Pending
 from dhelix.dsl.planner.pair_order import BlockOrder, InFlight, Issue, order_pair
 from .layer_calls import LayerCalls
+from .pair_calls import compile_alone, compile_pair
 from .recording import Recorder
 
 
@@ -112,6 +113,24 @@ def flat(issues: Sequence[Issue], calls: LayerCalls | None = None) -> tuple[Flat
     return tuple(issue if isinstance(issue, Flat) and calls is None else Flat(issue, calls) for issue in issues)
 
 
+class Compiled(tuple):
+    """Resolved issues (:class:`Flat`) of a segment pair or of a layer run alone, with
+    ``code``: them compiled into one function (:mod:`.pair_calls`; None: not compiled)."""
+
+    code: Callable | None = None
+
+
+def compiled(issues: Sequence[Issue], calls: LayerCalls | None, alone: bool = False) -> tuple[Flat, ...]:
+    """``issues`` resolved with ``calls``' compiled ops (:func:`flat`), and compiled whole: a
+    segment pair (:func:`~.pair_calls.compile_pair`) or, ``alone``, one layer's ops run alone
+    (:func:`~.pair_calls.compile_alone`); without ``calls``, only resolved."""
+    if calls is None:
+        return flat(issues)
+    made = Compiled(flat(issues, calls))
+    made.code = (compile_alone if alone else compile_pair)(made, calls)
+    return made
+
+
 class FlatOrder:
     """A :class:`~.pair_order.BlockOrder` whose segment pairs are resolved into
     :class:`Flat` issues once per kind of layer pair (the flags of
@@ -123,11 +142,11 @@ class FlatOrder:
         self._pairs: dict[tuple, tuple] = {}
 
     def pairs(self, *flags, **named) -> tuple[tuple[int, tuple[Flat, ...]], ...]:
-        """:meth:`BlockOrder.pairs <.pair_order.BlockOrder.pairs>`, resolved."""
+        """:meth:`BlockOrder.pairs <.pair_order.BlockOrder.pairs>`, resolved (and compiled)."""
         key = (flags, tuple(named.items()))  # (as given: the one caller names them in one order)
         found = self._pairs.get(key)
         if found is None:
-            found = self._pairs[key] = tuple((index, flat(issues, self.calls))
+            found = self._pairs[key] = tuple((index, compiled(issues, self.calls))
                                              for index, issues in self.order.pairs(*flags, **named))
         return found
 
@@ -234,11 +253,20 @@ class Filler:
     def flush(self, before_layer: int | None = None) -> None:
         """Run the held ops of layer pairs before ``before_layer`` (all of them: None), which
         include every carried one (layer -1), then call what :meth:`carry` was given."""
-        for held in [h for h in self.held if before_layer is None or h[0] < before_layer]:
-            self._run(held)
-        carried, self.carried = self.carried, []
-        for call in carried:
-            call()
+        held = self.held
+        if held:  # (taken off the list first: running a held op never touches the filler)
+            if before_layer is None:
+                due, self.held = held, []
+            else:
+                due = [h for h in held if h[0] < before_layer]
+                if due:
+                    self.held = [h for h in held if h[0] >= before_layer]
+            for _, run, issue in due:
+                _run(run, issue, self.recorder)
+        if self.carried:
+            carried, self.carried = self.carried, []
+            for call in carried:
+                call()
 
     def carry(self, then: Callable[[], None] | None = None) -> None:
         """At a block's end: keep the held ops for the next block, as ops of the layer pair
@@ -266,9 +294,13 @@ def run_pair(fwd_run, bwd_run, issues: Sequence[Issue], recorder: Recorder, labe
     led = {}  # the next layers' runs, by strand, when this pair issues their leads
     trace = recorder.trace
     # Where no op can block (every collective complete at its issue, or no filler to run
-    # held ops in a wait) and nothing is traced, a plain op needs no check: it is called.
+    # held ops in a wait) and nothing is traced, a plain op needs no check: it is called;
+    # the pair compiled whole (:mod:`.pair_calls`) runs as this loop would.
     plain = not trace and (filler is None or not filler.blocking)
+    code = getattr(issues, "code", None) if plain else None
     with recorder.span(label):
+        if code is not None and code(fwd_run, bwd_run, filler, layer, ahead, led):
+            issues = ()
         for issue in flat(issues):
             if plain and issue.plain:
                 issue.call(fwd_run if issue.forward else bwd_run)
@@ -351,13 +383,15 @@ def run_alone(chain: LayerChain, recorder: Recorder, label: str) -> None:
     Nothing is left in flight at a layer's end. ``label`` names the layers' spans (only
     built when something records them)."""
     issues = flat(chain.alone if chain.alone is not None else alone_order(chain.ops, chain.forward))
+    # The layer's ops compiled whole (:func:`~.pair_calls.compile_alone`), when they were.
+    code = getattr(issues, "code", None) if not recorder.trace else None
     value = chain.begin()
     named = recorder.naming
     for k, run in enumerate(chain.runs):
         chain.start(run, value)
         with recorder.span(f"{label}.layer{k}" if named else label):
             step = run.forward_op if chain.forward else run.backward_op
-            for issue in issues:
+            for issue in () if code is not None and code(run) else issues:
                 call = issue.call
                 if call is not None:
                     call(run)
@@ -392,6 +426,10 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
     started = {"F": set(), "B": set()}  # runs started ahead of their layer pair (their lead issued)
     reported = 0  # the backward layers reported done (their held wgrads run by then)
     named = recorder.naming
+    # Whether a compiled segment pair may run without run_pair (:mod:`.pair_calls`): nothing
+    # traced or named, no barrier, no op that can block; its issues then are Compiled.
+    whole = (not named and not order.barrier and order.calls is not None
+             and (filler is None or not filler.blocking))
     for k in range(max(len(fwd.runs), len(bwd.runs))):
         frun = fwd.runs[k] if k < len(fwd.runs) else None
         brun = bwd.runs[k] if k < len(bwd.runs) else None
@@ -412,6 +450,10 @@ def run_interleaved(fwd: LayerChain, bwd: LayerChain, order: BlockOrder, recorde
                                          lead_next=frun is not None and k + 1 < len(fwd.runs),
                                          back_led=k in started["B"],
                                          back_lead_next=brun is not None and k + 1 < len(bwd.runs)):
+            # run_pair's compiled case, called straight away: no span to open, no barrier after.
+            code = issues.code if whole else None
+            if code is not None and code(frun, brun, filler, k, ahead, {}):
+                continue
             run_pair(frun, brun, issues, recorder, f"{label}.layer{k}.pair{index}" if named else label,
                      order.barrier, filler, k, ahead)
         if filler is not None:
