@@ -143,7 +143,8 @@ class Layout:
         """``tp8 pp2 dp4  b1 m16  zero1  recompute none`` (the axes larger than 1 innermost
         first; with ``gpus_per_node``, ``|`` where a node ends: ``tp8 | pp2 dp4``; ``recompute
         full 2/chunk`` where only each chunk's first 2 layers recompute), then ``gather
-        forward`` and ``partition auto`` where they are set."""
+        forward``, ``offload 40%`` (the share in host memory; ``offload`` while not chosen)
+        and ``partition auto`` where they are set."""
         sizes = self.mesh()
         placed = self.axes()[:len(self.axes()) - (self.ep > 1)]
         axes = placement_text(placed, sizes, gpus_per_node) if gpus_per_node else " ".join(
