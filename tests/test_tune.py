@@ -1174,6 +1174,7 @@ def test_optimizer_offload_is_searched_and_wins_where_only_it_fits(tmp_path):
     assert on_device.seconds < steps[0] and steps == sorted(steps)
     for layout in layouts:  # the bounds hold below every share's step and peak
         bound = pricer.bound(layout, space.schedules[0])
+        loose = bound.seconds
         priced = [on_device] if layout.offload == "none" else list(shares.values())
         assert bound.seconds <= min(p.seconds for p in priced)
         assert bound.memory <= min(max(r.memory for r in p.sim.ranks) for p in priced)
@@ -1188,6 +1189,9 @@ def test_optimizer_offload_is_searched_and_wins_where_only_it_fits(tmp_path):
     fitting = [percent for percent in OFFLOAD_PERCENTS if peak[percent] <= pricer.memory_gb * 1e9]
     fastest = min(fitting, key=lambda percent: (shares[percent].seconds, percent))
     assert fastest == 40 and best.choice.layout.offload_percent == 40 and best.seconds == shares[40].seconds
+    # Its layout's time bound takes the fastest share whose memory bound fits the device: no
+    # looser than with the device's memory unknown, still below the share chosen.
+    assert loose <= pricer.bound(layouts[1], space.schedules[0]).seconds <= best.seconds
     assert "zero0  offload 40%" in best.choice.describe()
     from dhelix.dsl.search.explain import format_outcome
 

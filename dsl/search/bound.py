@@ -98,8 +98,8 @@ def with_optimizer(bound: Bound, timed: Program, held: Program, costs: StepCosts
     """``bound`` (its parts before the optimizer: :attr:`Bound.work`, …) with the optimizer's
     step of ``timed`` added to its times and the model states of ``held`` to its memory: the
     two are the layout's program, or where a choice's share offloaded is not chosen yet
-    (:mod:`~dhelix.dsl.search.offload`), that program offloading its fastest share (times)
-    and its largest (memory). ``costs``: their step costs without a plan."""
+    (:mod:`~dhelix.dsl.search.offload`), that program offloading the fastest of the shares
+    whose memory bound fits the device (times) and its largest share (memory: the least). ``costs``: their step costs without a plan."""
     optimizer = _optimizer(timed, costs)
     seconds = bound.work + optimizer
     alone = seconds if bound.alone_work is None else max(seconds, bound.alone_work + optimizer)

@@ -397,7 +397,9 @@ class Pricer:
     def bound(self, layout: Layout, schedule: tuple[str, str, str]) -> Bound | str:
         """The lower bounds of ``layout`` (checked with the schedule ``schedule`` up to the
         layer DAGs) and why its strands block is refused if it is, or why the passes refuse it."""
-        key = (layout, schedule)  # a refusal may be the schedule's (a fold's stage split)
+        # A refusal may be the schedule's (a fold's stage split); an offloading layout's time
+        # bound reads the device's capacity.
+        key: tuple = (layout, schedule) + ((self.capacity,) if layout.offload != "none" else ())
         if key not in self._bounds and layout.offload != "none":  # its twin's, with the optimizer offloaded
             twin = self.bound(_on_device(layout), schedule)
             if isinstance(twin, str):
@@ -405,8 +407,12 @@ class Pricer:
             else:
                 program = self.layer_dags(layout, schedule)
                 percents = (layout.offload_percent,) if layout.offload_percent else OFFLOAD_PERCENTS
-                fastest = fastest_percent(percents, self.profile, self.cost.dtype)
                 costs = self.costs(program, layout, None)
+                # A share that fits the device has its memory bound within it: the time bound
+                # takes the fastest of those, the memory bound the largest share's (the least).
+                fitting = [percent for percent in percents if not self._over(
+                    with_optimizer(twin, program, _offloading(program, percent), costs).memory)]
+                fastest = fastest_percent(fitting or percents, self.profile, self.cost.dtype)
                 self._bounds[key] = with_optimizer(twin, _offloading(program, fastest),
                                                    _offloading(program, max(percents)), costs)
         if key not in self._bounds:
