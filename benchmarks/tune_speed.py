@@ -3,8 +3,8 @@ models on 64 A40s and on 1024 H100s.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/tune_speed.py [--only NAME] [--partitions] [--offload] [--top] [--jobs N]
-    .venv/bin/python benchmarks/tune_speed.py --against DIR [--rounds R] [--only NAME] [--partitions] [--offload] [--jobs N]
+    .venv/bin/python benchmarks/tune_speed.py [--only NAME] [--partitions] [--keep S,…] [--top] [--jobs N]
+    .venv/bin/python benchmarks/tune_speed.py --against DIR [--rounds R] [--only NAME] [--partitions] [--keep S,…] [--jobs N]
 
 Each search runs to the end (no budget) with the top 5 kept, in one process or ``--jobs N``
 side by side (as `dhelix tune --jobs N`). Printed per search: wall-clock and CPU seconds (the
@@ -18,9 +18,9 @@ earlier commit) side by side with this one: each search runs in a fresh process 
 interpreter, the two alternated for ``--rounds`` rounds (the other first in odd rounds); the
 wall-clock and CPU seconds of each run, their medians and the ratios (this one over the
 other; CPU seconds tell more than wall-clock ones on a machine shared with other work) are
-printed, and whether both found the same best step. ``--offload`` searches optimizer offload
-too (`dhelix tune --offload`); with ``--against``, here only (the other checkout searches its
-default space: what the offload dimension costs against it).
+printed, and whether both found the same best step. ``--keep`` holds settings as written
+(`dhelix tune --keep`; ``--keep offload``: the optimizer's states where the file has them, as
+searches did before offload was searched by default); with ``--against``, here only.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _cpu() -> float:
 
 
 def run_case(name: str, path: Path, partitions: bool = False, top_list: bool = False, jobs: int = 1,
-             offload: bool = False) -> None:
+             keep: tuple[str, ...] = ()) -> None:
     """Search the file ``path`` with ``jobs`` processes and print what it took (and the top 5
     found, with ``top_list``)."""
     load = os.getloadavg()[0]
@@ -65,10 +65,11 @@ def run_case(name: str, path: Path, partitions: bool = False, top_list: bool = F
     text = read_source(str(path))
     modules = load_modules(text, str(path))
     base = passes.rerun(check_program(modules), after="check")
-    space = space_of(base, partitions=partitions, offload=offload) if offload else space_of(base, partitions=partitions)
+    space = space_of(base, keep, partitions=partitions)
     outcome = search(Pricer(modules, base, base.mesh.world), space, top=5, jobs=jobs)
     wall, cpu = time.perf_counter() - wall, _cpu() - cpu
-    print(f"{name}{' --partitions' if partitions else ''}{' --offload' if offload else ''}"
+    kept = f" --keep {','.join(keep)}" if keep else ""
+    print(f"{name}{' --partitions' if partitions else ''}{kept}"
           f"{f' --jobs {jobs}' if jobs > 1 else ''}: "
           f"{path.relative_to(ROOT)}, {base.mesh.world} GPUs, "
           f"profile {base.profile.name}, "
@@ -116,17 +117,17 @@ def _package_view(checkout: Path, into: Path) -> Path:
 
 
 def _timed(checkout: Path, view: Path, name: str, partitions: bool, jobs: int,
-           offload: bool = False) -> tuple[float, float, str]:
+           keep: tuple[str, ...] = ()) -> tuple[float, float, str]:
     """(wall seconds, CPU seconds, best choice and step) of one search of case ``name`` run
     by ``checkout``'s own benchmark, as it prints them."""
     command = [sys.executable, "-c", _BOOT, str(view), str(checkout / "benchmarks" / "tune_speed.py"), "--only", name,
-               "--jobs", str(jobs)] + (["--partitions"] if partitions else []) + (["--offload"] if offload else [])
+               "--jobs", str(jobs)] + (["--partitions"] if partitions else []) + (["--keep", ",".join(keep)] if keep else [])
     out = subprocess.run(command, capture_output=True, text=True, check=True, cwd=checkout).stdout
     found = re.search(r"^  ([0-9.]+) s wall, ([0-9.]+) s CPU", out, re.M)
     return float(found.group(1)), float(found.group(2)), re.search(r"^  best: (.*)$", out, re.M).group(1)
 
 
-def against(other: Path, rounds: int, names: list[str], partitions: bool, jobs: int, offload: bool = False) -> None:
+def against(other: Path, rounds: int, names: list[str], partitions: bool, jobs: int, keep: tuple[str, ...] = ()) -> None:
     """Time each case of ``names`` here and in the checkout ``other``, alternated for
     ``rounds`` rounds; print each run, the medians and their ratio."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -138,7 +139,7 @@ def against(other: Path, rounds: int, names: list[str], partitions: bool, jobs: 
             bests: dict[str, set[str]] = {"this": set(), "other": set()}
             for round_ in range(rounds):
                 for side in (("other", "this") if round_ % 2 == 0 else ("this", "other")):
-                    wall, cpu, best = _timed(trees[side], views[side], name, partitions, jobs, offload and side == "this")
+                    wall, cpu, best = _timed(trees[side], views[side], name, partitions, jobs, keep if side == "this" else ())
                     walls[side].append(wall)
                     cpus[side].append(cpu)
                     bests[side].add(best)
@@ -158,8 +159,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(CASES), help="run one search")
     parser.add_argument("--partitions", action="store_true", help="search Centauri's partition too (tune --partitions)")
-    parser.add_argument("--offload", action="store_true",
-                        help="search optimizer offload too (tune --offload; with --against, here only)")
+    parser.add_argument("--keep", default="", metavar="S,…",
+                        help="settings held as written (tune --keep; with --against, here only)")
     parser.add_argument("--top", action="store_true", help="print the top 5 found too (to compare two searches)")
     parser.add_argument("--jobs", type=int, default=1, help="search processes side by side (tune --jobs)")
     parser.add_argument("--against", type=Path, help="another checkout to time side by side with this one")
@@ -167,13 +168,14 @@ def main() -> None:
     args = parser.parse_args()
     print(f"machine: {platform.platform()}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}")
+    keep = tuple(name for name in args.keep.split(",") if name)
     if args.against is not None:
         against(args.against.resolve(), args.rounds, [n for n in CASES if args.only in (None, n)], args.partitions,
-                args.jobs, args.offload)
+                args.jobs, keep)
         return
     for name, path in CASES.items():
         if args.only in (None, name):
-            run_case(name, path, args.partitions, args.top, args.jobs, args.offload)
+            run_case(name, path, args.partitions, args.top, args.jobs, keep)
 
 
 if __name__ == "__main__":

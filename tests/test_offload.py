@@ -225,3 +225,34 @@ def _shipped(name: str) -> str:
     from importlib import resources
 
     return (resources.files("dhelix.stdlib_schedules") / f"{name}.yaml").read_text()
+
+
+def test_a_node_s_host_memory_refuses_what_it_cannot_hold(tmp_path):
+    # host.memory_gb is a node's: the offloaded states of its GPUs add up. Two GPUs of dp 2 on
+    # one node each hold half the states; a host just below their sum refuses the program in
+    # check, simulate and run's simulation, naming the node, the GPUs' bytes and the figure;
+    # half as many offloaded (offload_percent = 50) fit.
+    from commands import dhelix_here
+
+    from dhelix.dsl.frontend.profiles import parse_profile
+    from dhelix.dsl.simulator.host_memory import busiest_node
+
+    program = check_text(_text("dp = 2", "zero = 1", "fp32", "optimizer"), "p.dhx")
+    per_gpu = max(r.states.host for r in simulate(program, trace=False).ranks)
+    assert busiest_node(program.mesh, [per_gpu]).total == 2 * per_gpu
+    assert parse_profile(_shipped("a40"), "a40.yaml").host.memory_gb == 512
+    text = _shipped("a40")
+    cut = text.replace("memory_gb: 512 ", f"memory_gb: {1.5 * per_gpu / 1e9!r} ", 1)
+    (tmp_path / "small.yaml").write_text(cut)
+    source = _text("dp = 2", "zero = 1", "fp32", "optimizer").replace('"a40"', '"small.yaml"')
+    (tmp_path / "p.dhx").write_text(source)
+    gb = per_gpu / 1e9
+    for command in ("check", "simulate"):
+        done = dhelix_here(command, str(tmp_path / "p.dhx"))
+        assert done.returncode == 1, done
+        assert f"the offloaded optimizer states take {2 * gb:.4g} GB of host memory on node 0" in done.stderr
+        assert f"node 0: 2 GPUs x {gb:.4g} GB (pipeline rank 0)" in done.stderr
+        assert "host.memory_gb" in done.stderr and "p.dhx:" in done.stderr
+    half = source.replace("offload = optimizer", "offload = optimizer  offload_percent = 50")
+    (tmp_path / "half.dhx").write_text(half)
+    assert dhelix_here("check", str(tmp_path / "half.dhx")).returncode == 0

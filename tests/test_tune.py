@@ -29,7 +29,8 @@ def _pricer(path: Path = TINY) -> tuple[Pricer, Space]:
     text = read_source(str(path))
     modules = load_modules(text, str(path))
     base = passes.rerun(check_program(modules), after="check")
-    return Pricer(modules, base, base.mesh.world), space_of(base, partitions=True)
+    # (offload kept: the tests that search it say so, the others' spaces stay as small)
+    return Pricer(modules, base, base.mesh.world), space_of(base, keep=("offload",), partitions=True)
 
 
 def _sub(rng: random.Random, values: tuple) -> tuple:
@@ -477,6 +478,37 @@ def test_search_equals_exhaustive_where_the_memory_cap_binds(seed):
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert [p.seconds for p in found.top] == [p.seconds for p in expected]
     assert found.too_big > 0 and found.fit > 0
+    assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_search_equals_exhaustive_where_only_offloading_fits(seed):
+    # A device that holds some choices only with a share of their optimizer states on the
+    # host, and a host that holds only some shares: the search (twins settling their
+    # offloading copies, the shares chosen when priced) equals the exhaustive pricing.
+    from dhelix.dsl.search.offload import OFFLOAD_PERCENTS
+
+    pricer, full = _pricer()
+    rng = random.Random(300 + seed)
+    space = attrs.evolve(full, tp=_sub(rng, full.tp), micro_batch=(2, 4), zero=(0, 1), recompute=("none",), cp=(1,),
+                         partition=("written",), param_gather=("step",), offload=OFFLOAD,
+                         schedules=tuple(rng.sample(full.schedules, 4)))
+    device = [p for p in map(pricer.price, space.choices()) if isinstance(p, Priced)]
+    peaks = sorted(max(r.memory for r in p.sim.ranks) for p in device)
+    pricer.memory_gb = peaks[len(peaks) // 3] / 1e9  # two thirds of them over on the device alone
+    if seed:  # hosts that hold 30 % of the biggest choice's states, not all (two GPUs a node)
+        biggest = max(device, key=lambda p: max(r.memory for r in p.sim.ranks)).choice
+        whole = pricer.price(attrs.evolve(biggest, layout=attrs.evolve(biggest.layout, offload="optimizer",
+                                                                        offload_percent=100)))
+        host = 2 * 0.3 * max(r.states.host for r in whole.sim.ranks)
+        pricer.profile = attrs.evolve(pricer.profile, host=attrs.evolve(pricer.profile.host, memory_gb=host / 1e9))
+    top = rng.choice((3, 5))
+    expected = exhaustive(pricer, space, top=top)
+    found = search(pricer, space, top=top)
+    assert [p.choice for p in found.top] == [p.choice for p in expected]
+    assert [p.seconds for p in found.top] == [p.seconds for p in expected]
+    assert any(p.choice.layout.offload_percent in OFFLOAD_PERCENTS for p in found.top)
+    assert not seed or any("host memory" in why for why, _ in found.reasons)
     assert found.fit + found.refused + found.pruned + found.too_big + found.same == found.choices
 
 
@@ -1108,11 +1140,14 @@ def test_kept_stages_keep_the_fold_they_split():
 
 
 def test_optimizer_offload_is_searched_and_wins_where_only_it_fits(tmp_path):
-    # One layout on and off the host: offloading leaves the device without the optimizer's
-    # states and makes the step longer (the gradients' copy, the host's AdamW, the weights'
-    # copy). On a device that holds the layout only offloaded, the search's best offloads
-    # and equals the exhaustive pricing; on a larger one the twin that does not offload
-    # settles it unsimulated (slower), and the top is the exhaustive one too.
+    # One layout on and off the host: offloading leaves the device without (a share of) the
+    # optimizer's states and makes the step longer (the gradients' copy, the host's AdamW, the
+    # weights' copy). Where the twin on the device fits, the offloading choice is ruled out by
+    # it (slower, the same otherwise). On a device that holds the layout only offloaded, the
+    # search's best offloads the fastest share that fits -- here the least, as every share
+    # priced on its own shows -- and equals the exhaustive pricing.
+    from dhelix.dsl.search.offload import OFFLOAD_PERCENTS, offload_slower
+    from dhelix.dsl.search.tune import Pruned
     from dhelix.dsl.search.variant import relocate, variant_text
 
     pricer, full = _pricer()
@@ -1120,36 +1155,72 @@ def test_optimizer_offload_is_searched_and_wins_where_only_it_fits(tmp_path):
                          partition=("written",), param_gather=("step",), boundaries=(), offload=OFFLOAD,
                          schedules=tuple(s for s in full.schedules if s[:2] == ("none", "one_f_one_b")))
     base = passes.rerun(check_program(load_modules(read_source(str(TINY)), str(TINY))), after="check")
-    # Searched when asked (tune --offload), where the profile gives the host link (a40's does).
-    assert space_of(base, offload=True).offload == OFFLOAD and space_of(base).offload == ("none",)
+    # Searched by default where the profile gives the host link (a40's does); --keep offload: as written.
+    assert space_of(base).offload == OFFLOAD and space_of(base, keep=("offload",)).offload == ("none",)
     layouts = list(space.layouts())
-    assert [layout.offload for layout in layouts] == ["none", "optimizer"]
-    priced = {layout.offload: pricer.price(Choice(layout, *space.schedules[0])) for layout in layouts}
-    peak = {key: max(r.memory for r in p.sim.ranks) for key, p in priced.items()}
-    assert peak["optimizer"] < peak["none"] and priced["optimizer"].seconds > priced["none"].seconds
-    for layout in layouts:  # the bounds hold below what they price
+    assert [(layout.offload, layout.offload_percent) for layout in layouts] == [("none", 0), ("optimizer", 0)]
+    twin, offloaded = (Choice(layout, *space.schedules[0]) for layout in layouts)
+    assert offload_slower(pricer.profile, "fp32") and pricer.offload_slower
+    assert isinstance(pricer.price(offloaded), Pruned)  # the twin fits: offloading adds nothing
+    shares = {percent: pricer.price(attrs.evolve(offloaded, layout=attrs.evolve(offloaded.layout,
+                                                                                offload_percent=percent)))
+              for percent in OFFLOAD_PERCENTS}
+    on_device = pricer.price(twin)
+    peak = {percent: max(r.memory for r in p.sim.ranks) for percent, p in shares.items()}
+    device_peak = max(r.memory for r in on_device.sim.ranks)
+    steps = [shares[percent].seconds for percent in OFFLOAD_PERCENTS]
+    # (fp32 weights: the device keeps no master but for a share left on it, which takes one)
+    assert [peak[p] for p in OFFLOAD_PERCENTS] == sorted(peak.values(), reverse=True) and device_peak > peak[100]
+    assert on_device.seconds < steps[0] and steps == sorted(steps)
+    for layout in layouts:  # the bounds hold below every share's step and peak
         bound = pricer.bound(layout, space.schedules[0])
-        assert bound.seconds <= priced[layout.offload].seconds and bound.memory <= peak[layout.offload]
-    pricer.memory_gb = (peak["optimizer"] + peak["none"]) / 2 / 1e9
+        loose = bound.seconds
+        priced = [on_device] if layout.offload == "none" else list(shares.values())
+        assert bound.seconds <= min(p.seconds for p in priced)
+        assert bound.memory <= min(max(r.memory for r in p.sim.ranks) for p in priced)
+    # A device that holds the layout only with 40 % or more offloaded.
+    pricer.memory_gb = (peak[30] + peak[40]) / 2 / 1e9
+    assert device_peak > pricer.memory_gb * 1e9
     expected = exhaustive(pricer, space, top=2)
     found = search(pricer, space, top=2)
     assert [p.choice for p in found.top] == [p.choice for p in expected]
     assert [p.seconds for p in found.top] == [p.seconds for p in expected]
-    best = found.top[0].choice
-    assert best.layout.offload == "optimizer" and "zero0  offload" in best.describe()
+    best = found.top[0]
+    fitting = [percent for percent in OFFLOAD_PERCENTS if peak[percent] <= pricer.memory_gb * 1e9]
+    fastest = min(fitting, key=lambda percent: (shares[percent].seconds, percent))
+    assert fastest == 40 and best.choice.layout.offload_percent == 40 and best.seconds == shares[40].seconds
+    # Its layout's time bound takes the fastest share whose memory bound fits the device: no
+    # looser than with the device's memory unknown, still below the share chosen.
+    assert loose <= pricer.bound(layouts[1], space.schedules[0]).seconds <= best.seconds
+    assert "zero0  offload 40%" in best.choice.describe()
+    from dhelix.dsl.search.explain import format_outcome
+
+    table = format_outcome(found, "tiny")  # the table says which offload, and their host bytes
+    assert "offload 40%" in table and "host GB" in table and "P % of the optimizer's states" in table
     out = tmp_path / "offloaded.dhx"
-    out.write_text(variant_text(relocate(pricer.variant(best), str(TINY), str(out)), read_source(str(TINY)), "tuned"))
-    assert check_program(load_modules(out.read_text(), str(out))).train.offload == "optimizer"
+    out.write_text(variant_text(relocate(pricer.variant(best.choice), str(TINY), str(out)), read_source(str(TINY)),
+                                "tuned"))
+    train = check_program(load_modules(out.read_text(), str(out))).train
+    assert (train.offload, train.offload_share) == ("optimizer", 40)
+    # A node's host memory below what 40 % takes on the busiest node: nothing fits, and the
+    # refusal names the host memory.
+    host = max(r.states.host for r in shares[40].sim.ranks) * 2  # two GPUs a node
+    pricer.profile = attrs.evolve(pricer.profile, host=attrs.evolve(pricer.profile.host, memory_gb=host / 2 / 1e9))
+    refused = pricer.price(offloaded)
+    assert "host memory on node" in refused.why and refused.choice.layout.offload_percent == 40
+    assert not search(pricer, space, top=1).top
     pricer.memory_gb = None
     found = search(pricer, space, top=1)
     assert [p.choice for p in found.top] == [p.choice for p in exhaustive(pricer, space, top=1)]
     assert found.top[0].choice.layout.offload == "none"
-    # Where the profile makes the offloaded step slower, a priced twin that fits settles it.
-    from dhelix.dsl.search.branch import _Dominance, offload_slower
+    # Where the profile makes the offloaded step slower, a priced twin that fits settles it,
+    # and the twins' refusals are the offloading choices' own.
+    from dhelix.dsl.search.branch import _Dominance
+    from dhelix.dsl.search.tune import Refused
 
-    assert offload_slower(pricer.profile, "fp32")
-    twin, offloaded = (Choice(layout, *space.schedules[0]) for layout in layouts)
     for slower, ruled in ((True, "slower"), (False, None)):
-        dominance = _Dominance(slower)
-        dominance.saw(attrs.evolve(priced["none"], choice=twin))
-        assert dominance.rules_out(offloaded, cutoff=priced["none"].seconds / 2) == ruled
+        dominance = _Dominance(slower, offloads=True)
+        dominance.saw(attrs.evolve(on_device, choice=twin))
+        assert dominance.rules_out(offloaded, cutoff=on_device.seconds / 2) == ruled
+    dominance.saw(Refused(twin, "refused so"))
+    assert dominance.refusal(offloaded) == "refused so"

@@ -36,10 +36,25 @@ def cmd_check(args) -> int:
         sys.stdout.write(dump_stage(args.dump, run_until(text, args.file, args.dump)))
         return 0
     program = check_text(text, args.file)
+    _check_host_memory(program)
     for warning in [*unused_axes(program), *undeclared_links(program), *unrunnable(program)]:
         print(warning.render(), file=sys.stderr)
     print(f"{args.file}: ok ({summary(program)})")
     return 0
+
+
+def _check_host_memory(program) -> None:
+    """Refuse a program whose offloaded optimizer states exceed a node's host memory (the
+    profile's ``host.memory_gb``), naming the bytes (the simulator's model states, no step timed)."""
+    train, profile = program.train, program.profile
+    if train is None or not train.offloads or profile is None or profile.host is None or profile.host.memory_gb is None:
+        return
+    from dhelix.dsl.simulator.events import host_states
+    from dhelix.dsl.simulator.host_memory import host_refusal
+
+    refusal = host_refusal(program, host_states(program))
+    if refusal is not None:
+        raise refusal
 
 
 def summary(program) -> str:

@@ -1,4 +1,4 @@
-"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--generated] [--stages] [--offload] [--budget SECONDS] [--memory-margin GB|%]
+"""`dhelix tune FILE [--gpus N] [--keep S,…] [--partitions] [--generated] [--stages] [--budget SECONDS] [--memory-margin GB|%]
 [--top K] [--uncertainty [--robust]] [--measure K [--measure-steps N]] [-o best.dhx] [--json] [--profile P]`: search
 the fastest schedule that fits.
 
@@ -6,8 +6,8 @@ FILE gives the model, the cluster and the global batch (its dp × micro_batch ×
 sequences); `tune` searches the mesh, micro-batches, ZeRO stage, recomputation,
 ``param_gather``, with ``--partitions`` Centauri's partition, fold, pipeline (with
 ``--generated`` the zero-bubble scheduler's too, :mod:`dhelix.dsl.search.generated`), with
-``--stages`` the end stages' layers, with ``--offload`` the optimizer's states in host memory,
-and SI on or off
+``--stages`` the end stages' layers, where the profile has a host section the optimizer's
+states in host memory (the share offloaded too, :mod:`dhelix.dsl.search.offload`), and SI on or off
 (``train { si }``, for the pipelines that write SI blocks; a file that writes it keeps it)
 (:mod:`dhelix.dsl.search`), keeping what ``--keep`` names as written, and prints the
 top K that fit the device's memory, less a reserve kept free (``--memory-margin``,
@@ -54,8 +54,10 @@ def register(subparsers) -> None:
     tune = subparsers.add_parser(
         "tune", help="search the fastest schedule that fits: mesh, micro-batches, ZeRO, recomputation, fold, pipeline, SI",
         description="Search the mesh factorization, micro-batch size and count (at the file's global batch), "
-                    "ZeRO stage, recomputation, fold, pipeline and SI on/off for FILE's model on its cluster; price every "
-                    "candidate with the step simulator under the device's memory (branch and bound: exact) and "
+                    "ZeRO stage, recomputation, optimizer offload (where the profile has a host section: a choice "
+                    "offloads the share of its optimizer states it needs to fit, where it does not fit without), fold, "
+                    "pipeline and SI on/off for FILE's model on its cluster; price every candidate with the step "
+                    "simulator under the device's memory (branch and bound: exact) and "
                     "print the fastest.")
     tune.add_argument("file", metavar="FILE")
     tune.add_argument("--gpus", type=int, metavar="N",
@@ -77,9 +79,6 @@ def register(subparsers) -> None:
                            "embedding's and the LM head's) lighter by the least that leaves the others an equal "
                            "share, and the last alone so (train { first_stage_layers last_stage_layers }); a pipeline "
                            "size that does not divide the layers can then work")
-    tune.add_argument("--offload", action="store_true",
-                      help="search optimizer offload too where the profile has a host section: each layout with its "
-                           "optimizer's states in host memory as well as on the device (train { offload = optimizer })")
     tune.add_argument("--memory-margin", metavar="GB|%", default=None,
                       help="memory kept free on every device for the CUDA context, the collectives' buffers and "
                            "fragmentation: gigabytes (2.5) or a part of the device (8%%); a choice fits when its "
@@ -130,7 +129,7 @@ def cmd_tune(args) -> int:
     keep = tuple(name.strip() for name in args.keep.split(",") if name.strip())
     try:
         space = space_of(base, world, keep, partitions=args.partitions, generated=args.generated,
-                         stages=args.stages, offload=args.offload)
+                         stages=args.stages)
     except UsageError as exc:
         raise UsageError(f"--keep: {exc.message}") from None
     if args.measure is not None:
@@ -345,7 +344,7 @@ def _json(outcome: Outcome, path: str, world: int, sequences: int, measurement=N
                      "best_found_s": outcome.found},
         "memory_gb": outcome.memory_gb, "reserve_gb": outcome.reserve_gb,
         "top": [{"choice": p.choice.settings(), "differs": differences(p.choice, outcome.top[0].choice), "parts_s": step_parts(p.sim),
-                 **simulation_metrics(p.sim)} for p in outcome.top],
+                 "offloads": p.choice.layout.offload != "none", **simulation_metrics(p.sim)} for p in outcome.top],
         "why": why_best(outcome.top[0], outcome.top[1]) if len(outcome.top) > 1 else None,
     }
     if measurement is not None:

@@ -78,6 +78,8 @@ def render_profile(profile: Profile, notes: Mapping[str, str] | None = None, hea
         out.section("host", "host")
         out.value("link_gbps", _num(profile.host.link_gbps), "host.link_gbps", 1)
         out.value("optimizer_gbps", _num(profile.host.optimizer_gbps), "host.optimizer_gbps", 1)
+        if profile.host.memory_gb is not None:
+            out.value("memory_gb", _num(profile.host.memory_gb), "host.memory_gb", 1)
     if profile.kernels != NO_KERNEL_TERMS:
         out.blank()
         _kernels(out, profile.kernels)

@@ -41,6 +41,8 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
       link_gbps*: 64                  #   host <-> device bandwidth per GPU and direction (PCIe, C2C), > 0
       optimizer_gbps*: 12             #   bytes/s (10^9) a host AdamW step streams, per GPU's share of the
                                       #   host's cores and memory, > 0 (absent section: offload refused)
+      memory_gb: 1024                 #   host memory of one node (GB), > 0: what the offloaded optimizer
+                                      #   states of the node's GPUs may take (absent: not checked)
     kernels:                          # optional per-kernel terms (frontend.kernel_terms):
       overhead_us: 4                  #   fixed time per kernel launched, >= 0
       sms: 108                        #   streaming multiprocessors (GEMM tile waves)
@@ -95,8 +97,9 @@ DEFAULT_MODELS = {"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": 
 OEF_CLASSES = ("comp_comp", "comp_intra", "comp_inter", "intra_intra", "inter_inter", "intra_inter")
 TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "memory_gb", "optimizer_gbps", "achieved", "links",
             "collectives", "oef", "slowdown", "launch_gap", "host", "kernels", "measured")
-#: The keys of the ``host`` section, both required there.
-HOST_KEYS = ("link_gbps", "optimizer_gbps")
+#: The keys of the ``host`` section (:data:`HOST_REQUIRED` required there).
+HOST_KEYS = ("link_gbps", "optimizer_gbps", "memory_gb")
+HOST_REQUIRED = ("link_gbps", "optimizer_gbps")
 TOP_REQUIRED = ("name", "peak_tflops", "hbm_gbps", "achieved", "links", "oef", "slowdown", "launch_gap")
 STAMP_KEYS = ("machine", "torch", "backend", "date", "command")
 MEASURED_KEYS = ("dtype", "source", *STAMP_KEYS, "repeats", "mesh", "shapes", "ops", "pairs")
@@ -144,10 +147,13 @@ class LaunchGap:
 class Host:
     """The host beside each GPU, what optimizer offload (``train { offload = optimizer }``)
     costs: the host link's bandwidth per GPU and direction (GB/s: PCIe, NVLink-C2C) and the
-    rate (GB/s) at which a host AdamW step streams its bytes (the GPU's share of the host)."""
+    rate (GB/s) at which a host AdamW step streams its bytes (the GPU's share of the host);
+    the host memory of one node (GB; None: not known, not checked), which the offloaded
+    optimizer states of all its GPUs share."""
 
     link_gbps: float
     optimizer_gbps: float
+    memory_gb: float | None = None
 
 
 @attrs.frozen
@@ -331,12 +337,15 @@ def _build(reader: ProfileReader, top: dict, path: str) -> Profile | None:
 
 
 def _host(reader: ProfileReader, node) -> Host | None:
-    keys = reader.mapping(node, "host", HOST_KEYS, HOST_KEYS)
+    keys = reader.mapping(node, "host", HOST_KEYS, HOST_REQUIRED)
     if keys is None:
         return None
     link = reader.number(keys.get("link_gbps"), "host.link_gbps", positive=True)
     rate = reader.number(keys.get("optimizer_gbps"), "host.optimizer_gbps", positive=True)
-    return Host(link, rate) if link is not None and rate is not None else None
+    memory = reader.number(keys["memory_gb"], "host.memory_gb", positive=True) if "memory_gb" in keys else None
+    if link is None or rate is None or ("memory_gb" in keys and memory is None):
+        return None
+    return Host(link, rate, memory)
 
 
 def _links(reader: ProfileReader, node) -> dict | None:

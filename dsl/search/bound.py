@@ -61,6 +61,12 @@ class Bound:
     #: their layer DAGs: every schedule that its fold's stage split leaves is refused so),
     #: None when it does not (:mod:`~dhelix.dsl.search.prefilter`).
     strands: str | None = None
+    #: The parts before the optimizer's step (:func:`with_optimizer` adds it): of
+    #: :attr:`seconds` and of :attr:`alone` (None: as :attr:`seconds`), and the bytes of
+    #: activations that come on top of the model states in :attr:`memory`.
+    work: float = 0.0
+    alone_work: float | None = None
+    activations: float = 0.0
 
 
 def layout_bound(program: Program, cost: PairCost, costs: StepCosts | None = None) -> Bound:
@@ -78,14 +84,26 @@ def layout_bound(program: Program, cost: PairCost, costs: StepCosts | None = Non
     ends = sum(w.seconds for w in (heads.embed_forward, heads.embed_backward, heads.head_forward,
                                    heads.head_backward, heads.head_weight))
     compute = (layers * m * layer + m * again + m * ends) / pp
-    reductions, optimizer = _reductions(program, costs), _optimizer(program, costs)
-    seconds = max(compute, reductions) + optimizer
-    alone = seconds
+    reductions = _reductions(program, costs)
+    alone = None
     if program.partition is None:  # (chunks the planner chooses may make a pass alone faster)
         passes = costs.layer.forward.seconds + min(costs.layer.backward.seconds,
                                                    costs.layer.backward_input.seconds + costs.layer.weight.seconds)
-        alone = max(seconds, max((layers * m * passes + m * again + m * ends) / pp, reductions) + optimizer)
-    return Bound(seconds, _states(program, costs) + _kept(program) / pp, alone)
+        alone = max((layers * m * passes + m * again + m * ends) / pp, reductions)
+    parts = Bound(0.0, 0.0, 0.0, work=max(compute, reductions), alone_work=alone, activations=_kept(program) / pp)
+    return with_optimizer(parts, program, program, costs)
+
+
+def with_optimizer(bound: Bound, timed: Program, held: Program, costs: StepCosts) -> Bound:
+    """``bound`` (its parts before the optimizer: :attr:`Bound.work`, …) with the optimizer's
+    step of ``timed`` added to its times and the model states of ``held`` to its memory: the
+    two are the layout's program, or where a choice's share offloaded is not chosen yet
+    (:mod:`~dhelix.dsl.search.offload`), that program offloading the fastest of the shares
+    whose memory bound fits the device (times) and its largest share (memory: the least). ``costs``: their step costs without a plan."""
+    optimizer = _optimizer(timed, costs)
+    seconds = bound.work + optimizer
+    alone = seconds if bound.alone_work is None else max(seconds, bound.alone_work + optimizer)
+    return attrs.evolve(bound, seconds=seconds, memory=_states(held, costs) + bound.activations, alone=alone)
 
 
 def _recomputing(program: Program) -> tuple[int, int]:

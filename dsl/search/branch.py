@@ -25,7 +25,6 @@ from typing import Callable, Protocol
 
 import attrs
 
-from dhelix.dsl.planner.costmodel import optimizer_time, step_optimizer_time
 from dhelix.dsl.search.bound import Bound
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, writes_si
 from dhelix.dsl.search.pricer import FLOOR_MARGIN, Deferred, Priced, Pricer, Pruned, Refused, TooBig
@@ -236,7 +235,8 @@ def branch(pricer: Pricer, space: Space, bounded: list[Bounded], incumbent: Incu
     layout's bound of such schedules exceeds the K-th best. Nor is a choice the checks refuse
     on its sizes (:mod:`~dhelix.dsl.search.prefilter`): it is counted refused, for the
     reason pricing it would give."""
-    dominance = _Dominance(offload_slower(pricer.profile, pricer.cost.dtype, pricer.offload_percent))
+    dominance = _Dominance(pricer.offload_slower, offloads=len(space.offload) > 1,
+                           only_to_fit=pricer.offloads_only_to_fit)
     waiting: list[tuple[float, int, Choice]] = []  # (bound, arrival, choice)
     loose: set[Choice] = set()  # waiting with their floor: bound anew (tighten) before settled
     order = itertools.count()
@@ -260,6 +260,13 @@ def branch(pricer: Pricer, space: Space, bounded: list[Bounded], incumbent: Incu
         tally.pruned += ruled == "slower"
         tally.too_big += ruled == "bigger"
         if ruled is not None:
+            return True
+        why = dominance.refusal(choice)
+        if why is not None:  # its twin on the device was refused so
+            if why == NOTHING_TO_PARTITION:
+                tally.same += 1
+            else:
+                tally.refuse(why)
             return True
         # Last, so that what a bound rules out is counted as before: pricing it would not refuse it.
         why = pricer.schedule_checks.refusal(choice, strands)
@@ -333,10 +340,13 @@ def _count(result, tally: Tally, dominance: "_Dominance", incumbent: Incumbent) 
         dominance.saw(result)
     elif isinstance(result, Refused) and result.why == NOTHING_TO_PARTITION:
         tally.same += 1
+        dominance.saw(result)
     elif isinstance(result, Refused):
         tally.refuse(result.why)
+        dominance.saw(result)
     elif isinstance(result, Pruned):
         tally.pruned += 1
+        dominance.saw(result)
     else:
         tally.simulated += 1
         dominance.saw(result)
@@ -357,18 +367,34 @@ class _Dominance:
     the recomputing one. ZeRO-1 only shrinks the model states of ZeRO-0 (the activations follow the same actions
     in the same order), so when a ZeRO-1 choice does not fit, its ZeRO-0 twin does not either.
     Offloading the optimizer's states only shrinks the device's model states and only changes
-    the optimizer step's time: where the profile makes that step slower per parameter
-    (``offload_slower``: :func:`offload_slower`), a choice offloading is settled by its twin
-    that does not, as a recomputing one is. All rest, as the bounds do, on the simulator never
-    shortening a step for more work."""
+    the optimizer step's time: where the profile makes that step slower per parameter at
+    every share (``offload_slower``: :func:`~dhelix.dsl.search.offload.offload_slower`), a
+    choice offloading is settled by its twin that does not, as a recomputing one is, and by
+    a twin ruled out by its bound (a floor that only grows with the optimizer's step). The
+    passes read no offload: a choice offloading is refused as its twin is (``offloads``: the
+    space searches both, so the twins' refusals and bounds are kept). All rest, as the
+    bounds do, on the simulator never shortening a step for more work."""
 
-    def __init__(self, offload_slower: bool = False) -> None:
+    def __init__(self, offload_slower: bool = False, offloads: bool = False,
+                 only_to_fit: Callable[[Choice], bool] | None = None) -> None:
         self._fits: dict[Choice, float] = {}
         self._too_big: set[Choice] = set()
         self._offload_slower = offload_slower
+        self._offloads = offloads
+        self._only_to_fit = only_to_fit
+        self._refused: dict[Choice, str] = {}
+        self._pruned: set[Choice] = set()
 
-    def saw(self, result: Priced | TooBig) -> None:
+    def saw(self, result: Priced | TooBig | Refused | Pruned) -> None:
         """Remember what ``result`` settles."""
+        if isinstance(result, (Refused, Pruned)):
+            twin = result.choice
+            if self._offloads and isinstance(twin, Choice) and twin.layout.offload == "none":
+                if isinstance(result, Refused):
+                    self._refused[twin] = result.why
+                elif self._offload_slower:
+                    self._pruned.add(twin)
+            return
         choice = result.choice
         if isinstance(result, TooBig):
             if choice.layout.zero == 1:
@@ -385,23 +411,25 @@ class _Dominance:
         layout = choice.layout
         twin = attrs.evolve(choice, layout=attrs.evolve(layout, recompute="none", recompute_layers=0))
         if layout.recompute != "none" and cutoff is not None and self._fits.get(twin, 0.0) > cutoff:
+            if self._offloads and self._offload_slower and layout.offload == "none":
+                self._pruned.add(choice)  # (so is its offloading twin: slower still)
             return "slower"
-        kept = attrs.evolve(choice, layout=attrs.evolve(layout, offload="none"))
-        if layout.offload != "none" and self._offload_slower and cutoff is not None \
-                and self._fits.get(kept, 0.0) > cutoff:
-            return "slower"
+        if layout.offload != "none" and self._offload_slower:
+            kept = attrs.evolve(choice, layout=attrs.evolve(layout, offload="none", offload_percent=0))
+            if kept in self._pruned or (cutoff is not None and self._fits.get(kept, 0.0) > cutoff):
+                return "slower"
+            if kept in self._fits and self._only_to_fit is not None and self._only_to_fit(choice):
+                return "slower"  # offloading only where the twin does not fit: pricing rules it out so
         if layout.zero == 0 and attrs.evolve(choice, layout=attrs.evolve(layout, zero=1)) in self._too_big:
             return "bigger"
         return None
 
-
-def offload_slower(profile, dtype: str, percent: int = 100) -> bool:
-    """Whether an optimizer step offloading ``percent`` % of its states is no faster than the
-    device's on ``profile`` for a model in ``dtype``, whatever the parameters (both times are
-    linear in them); False without the profile's host section (nothing offloads then)."""
-    if profile.host is None:
-        return False
-    return step_optimizer_time(1.0, dtype, profile, percent) >= optimizer_time(1.0, dtype, profile)
+    def refusal(self, choice: Choice) -> str | None:
+        """Why the passes refused the twin on the device of ``choice`` (offloading), if they did."""
+        if choice.layout.offload == "none" or not self._refused:
+            return None
+        return self._refused.get(attrs.evolve(choice, layout=attrs.evolve(choice.layout, offload="none",
+                                                                          offload_percent=0)))
 
 
 def insert(best: list[Priced], result: Priced, top: int) -> list[Priced]:

@@ -58,6 +58,7 @@ def format_outcome(outcome: Outcome, title: str) -> str:
     if not outcome.top:
         return "\n".join(lines) + "\n"
     best = outcome.top[0].choice
+    offloads = any(p.choice.layout.offload != "none" for p in outcome.top)
     rows = []
     for rank, p in enumerate(outcome.top, start=1):
         sim = p.sim
@@ -69,11 +70,19 @@ def format_outcome(outcome: Outcome, title: str) -> str:
                      _ms(sim.step_time), f"{sim.tokens_per_second:,.0f}", f"{sim.mfu:.1%}",
                      f"{peak.memory / GB:.2f} (r{peak.rank})",
                      f"{peak.memory / GB / usable:.0%}" if usable else "—", _ms(exposed), differences(p.choice, best)])
+        if offloads:
+            host = max(r.states.host for r in sim.ranks)
+            rows[-1].insert(8, f"{host / GB:.2f}" if host else "—")
     header = ["#", "layout", "schedule", "step", "tokens/s", "MFU", "peak GB", "of usable", "exposed comm",
               "differs from #1"]
-    lines += [""] + format_table(header, rows, right=(0, 3, 4, 5, 6, 7, 8))
+    if offloads:
+        header.insert(8, "host GB")
+    lines += [""] + format_table(header, rows, right=(0, 3, 4, 5, 6, 7, 8) + ((9,) if offloads else ()))
     lines += ["", "layout: the mesh innermost first, '|' where a node ends (tp4|2: each tp group on 2 nodes, 4 "
                   "ranks on each)"]
+    if offloads:
+        lines += ["offload P%: P % of the optimizer's states (fp32 masters and moments) in host memory, stepped by "
+                  "the host's AdamW; host GB: what they take per GPU at most"]
     if len(outcome.top) > 1:
         lines += [why_best(outcome.top[0], outcome.top[1])]
     return "\n".join(lines) + "\n"

@@ -25,10 +25,11 @@ from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.planner.chunking import ChunkChoice, choose_all
 from dhelix.dsl.planner.paircost import PairCost
-from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_layer
+from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_layer, with_optimizer
 from dhelix.dsl.search.generated import GENERATED, generated_pipeline, placeholder
 from dhelix.dsl.search.duplicates import program_key
 from dhelix.dsl.search.headroom import Reserve
+from dhelix.dsl.search.offload import OFFLOAD_PERCENTS, fastest_percent, offload_slower
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
 from dhelix.dsl.search.plan_cache import PlanCache
 from dhelix.dsl.search.prefilter import ScheduleChecks
@@ -36,7 +37,8 @@ from dhelix.dsl.search.space import Choice, Layout
 from dhelix.dsl.search.variant import apply_choice, launch_reads
 from dhelix.dsl.passes.fsdp import shard_weights
 from dhelix.dsl.simulator.costs import LayerCosts, StepCosts, layer_costs, step_costs
-from dhelix.dsl.simulator.events import Simulation, has_si, simulate, untimed
+from dhelix.dsl.simulator.events import Simulation, Untimed, has_si, simulate, untimed
+from dhelix.dsl.simulator.host_memory import host_refusal
 from dhelix.dsl.simulator.launch import make_choices
 from dhelix.dsl.simulator.memory import GB
 
@@ -110,9 +112,6 @@ class Pricer:
 
     def __init__(self, modules: list[s.Module], base: Program, world: int, reserve: Reserve | None = None):
         self.modules, self.world = modules, world
-        #: The percent of the optimizer's states an offloading choice keeps on the host: the
-        #: file's ``offload_percent`` (all when it writes none; not searched).
-        self.offload_percent = base.train.offload_percent or 100 if base.train is not None else 100
         self.pipelines = {p.name: p for p in base.pipelines}
         assert base.cluster is not None and base.model is not None, "a checked model"
         #: The generated pipelines the program does not define (dhelix.dsl.search.generated):
@@ -137,6 +136,14 @@ class Pricer:
         usable = None if capacity is None else capacity / GB
         self.profile = attrs.evolve(base.profile, measured=None, memory_gb=usable)
         self.cost = PairCost(self.profile, base.model.dtype, seq=base.model.get("seq"))
+        #: Whether offloading any share is no faster than the device's optimizer step: then a
+        #: choice offloads only where its twin does not fit the device (:mod:`offload`).
+        self.offload_slower = offload_slower(self.profile, base.model.dtype)
+        assert base.train is not None, "a checked model"
+        #: Whether the file partitions its layers, and writes launch (launch_backward): a choice
+        #: keeps them where its pipeline reads g (gb).
+        self._written = (base.partition is not None, base.train.launch is not None,
+                         base.train.launch_backward is not None)
         self.plans = PlanCache(self.cost)
         self._bounds: dict[tuple, Bound | str] = {}
         self._dags: dict[Layout, Program] = {}
@@ -199,7 +206,7 @@ class Pricer:
         in ZeRO 0, 1 or 2, ``param_gather`` or recomputation (below ZeRO-3) share them."""
         key = attrs.evolve(layout, zero=3 if layout.zero == 3 else 0, param_gather="step",
                            recompute=layout.recompute if layout.zero == 3 else "none", recompute_layers=0,
-                           stage_ends=(0, 0), offload="none")
+                           stage_ends=(0, 0), offload="none", offload_percent=0)
         if key not in self._derivations:
             try:
                 done = self._sharded(program, layout) or passes.rerun(program, after="check", stop="autodiff")
@@ -223,7 +230,8 @@ class Pricer:
         (derive it whole) for another layout, or when the twin was not derived."""
         if layout.zero != 3 or layout.shard or layout.partition != "written":
             return None
-        found = self._derivations.get(attrs.evolve(layout, zero=0, param_gather="step", recompute="none", offload="none"))
+        found = self._derivations.get(attrs.evolve(layout, zero=0, param_gather="step", recompute="none", offload="none",
+                                                   offload_percent=0))
         if found is None or isinstance(found, DhelixError):
             return None
         env, forward, backward = found
@@ -280,9 +288,8 @@ class Pricer:
         up to its layer DAGs, once per layout."""
         if layout not in self._dags:
             if layout.offload != "none":  # read by the simulator only (the profile's host was checked once): the twin's, set
-                twin = self.layer_dags(attrs.evolve(layout, offload="none"), schedule)
-                assert twin.train is not None, "a checked model"
-                self._dags[layout] = attrs.evolve(twin, train=attrs.evolve(twin.train, offload=layout.offload))
+                twin = self.layer_dags(attrs.evolve(layout, offload="none", offload_percent=0), schedule)
+                self._dags[layout] = _offloading(twin, layout.offload_percent or 100)
             elif layout.recompute_layers:  # read by no check but its own (it needs full): the twin's, set
                 twin = self.layer_dags(attrs.evolve(layout, recompute_layers=0), schedule)
                 assert twin.train is not None, "a checked model"
@@ -323,7 +330,7 @@ class Pricer:
         is the same as its twin without one)."""
         layout = choice.layout
         key = attrs.evolve(layout, partition="written", microbatches=0, recompute="none", recompute_layers=0,
-                           param_gather="step", stage_ends=(0, 0), offload="none")
+                           param_gather="step", stage_ends=(0, 0), offload="none", offload_percent=0)
         # A refusal may be the schedule's (a fold's stage split): kept per schedule.
         refusal = (key, choice.fold, choice.pipeline)
         if key not in self._partitions and refusal not in self._partition_refusals:
@@ -390,7 +397,24 @@ class Pricer:
     def bound(self, layout: Layout, schedule: tuple[str, str, str]) -> Bound | str:
         """The lower bounds of ``layout`` (checked with the schedule ``schedule`` up to the
         layer DAGs) and why its strands block is refused if it is, or why the passes refuse it."""
-        key = (layout, schedule)  # a refusal may be the schedule's (a fold's stage split)
+        # A refusal may be the schedule's (a fold's stage split); an offloading layout's time
+        # bound reads the device's capacity.
+        key: tuple = (layout, schedule) + ((self.capacity,) if layout.offload != "none" else ())
+        if key not in self._bounds and layout.offload != "none":  # its twin's, with the optimizer offloaded
+            twin = self.bound(_on_device(layout), schedule)
+            if isinstance(twin, str):
+                self._bounds[key] = twin
+            else:
+                program = self.layer_dags(layout, schedule)
+                percents = (layout.offload_percent,) if layout.offload_percent else OFFLOAD_PERCENTS
+                costs = self.costs(program, layout, None)
+                # A share that fits the device has its memory bound within it: the time bound
+                # takes the fastest of those, the memory bound the largest share's (the least).
+                fitting = [percent for percent in percents if not self._over(
+                    with_optimizer(twin, program, _offloading(program, percent), costs).memory)]
+                fastest = fastest_percent(fitting or percents, self.profile, self.cost.dtype)
+                self._bounds[key] = with_optimizer(twin, _offloading(program, fastest),
+                                                   _offloading(program, max(percents)), costs)
         if key not in self._bounds:
             try:
                 program = self.layer_dags(layout, schedule)
@@ -430,6 +454,11 @@ class Pricer:
             program = self.checked(choice)
             assert program.train is not None, "a checked model"
             launch = program.train.launch is not None or program.train.launch_backward is not None
+            if choice.layout.offload != "none" and not choice.layout.offload_percent:
+                shared = self._offload_share(choice, program, launch)
+                if not isinstance(shared, tuple):
+                    return shared
+                choice, program = shared
             if program.partition is not None or launch:
                 # Settling chains' counts simulates the step several times (and plans
                 # several SI layer pairs under SI): deferred.
@@ -485,6 +514,58 @@ class Pricer:
             return Refused(choice, first_message(exc))
         return Priced(choice, sim, self._fits(sim), self.squeezed, program_key(program, choice, sim))
 
+    def offloads_only_to_fit(self, choice: Choice) -> bool:
+        """Whether :meth:`price` rules ``choice`` (offloading, its share to choose) out
+        wherever its twin on the device fits (its peak, untimed or simulated): where offloading
+        is no faster and no planner's choice of its program reads the memory (no partition
+        block, no ``launch`` its pipeline reads)."""
+        partitioned, launch, launch_backward = self._written
+        reads = self._reads[choice.pipeline]
+        return (self.offload_slower and choice.layout.offload != "none" and not choice.layout.offload_percent
+                and choice.layout.partition == "written" and not partitioned
+                and not (launch and "g" in reads) and not (launch_backward and "gb" in reads))
+
+    def _offload_share(self, choice: Choice, program: Program, launch: bool
+                       ) -> tuple[Choice, Program] | Pruned | Refused:
+        """``choice`` (offloading, its share not chosen; ``program``: it checked) with the
+        share it offloads chosen (:mod:`offload`), and its program so; or Pruned where its
+        twin on the device fits and offloading is no faster (the twin's untimed floor as
+        bound), or Refused where every share the device needs exceeds a node's host memory.
+        The fastest of the shares whose untimed peak fits the device and whose host bytes fit
+        a node's (both monotone in the share: bisected); all where the planner's choices read
+        the memory (a partition block, ``launch``), or where no share fits the device."""
+        if program.partition is not None or launch:
+            return _with_share(choice, program, 100)
+        costs = self._memory_costs(program, choice.layout)
+        seen: dict[int, Untimed] = {}
+
+        def at(percent: int) -> Untimed:
+            if percent not in seen:
+                seen[percent] = untimed(_offloading(program, percent), costs, memo=self._untimed)
+            return seen[percent]
+
+        if self.offload_slower and not self._over(max(at(0).memory)):
+            return Pruned(choice, at(0).floor)
+        least = _first(OFFLOAD_PERCENTS, lambda percent: not self._over(max(at(percent).memory)))
+        if least is None:
+            return _with_share(choice, program, 100)
+        most = _last(OFFLOAD_PERCENTS, lambda percent: host_refusal(program, at(percent).host) is None)
+        if most is None or most < least:
+            refused = host_refusal(program, at(least).host)
+            assert refused is not None, "the least share over the host memory"
+            return Refused(_with_share(choice, program, least)[0], first_message(refused))
+        shares = [percent for percent in OFFLOAD_PERCENTS if least <= percent <= most]
+        return _with_share(choice, program, fastest_percent(shares, self.profile, self.cost.dtype))
+
+    def _memory_costs(self, program: Program, layout: Layout) -> StepCosts:
+        """The step costs :meth:`price` reads the untimed peak of ``program`` (checked, of
+        ``layout``) with: planned, or with the SI pairs at their lane bound (the same peak)."""
+        if not has_si(program):
+            return self.costs(program, layout, None)
+        if self.plans.has(program):
+            return self.costs(program, layout, self.plans.plan(program))
+        return self.relaxed(program, layout)
+
     def unsettled_bound(self, choice: Choice, program: Program) -> float:
         """A lower bound of the step (seconds) of ``choice`` (``program``: it checked, with a
         partition block) whatever the planner then chooses, computed before it chooses:
@@ -523,7 +604,7 @@ class Pricer:
         recomputation), the layer DAGs and the plan only, not on the schedule, so they are
         computed once for the schedules that share them (and for a layout offloading its
         optimizer and its twin that does not: the simulator reads that from the program)."""
-        key = (attrs.evolve(layout, offload="none"), id(program.forward), id(program.backward), id(plan))
+        key = (_on_device(layout), id(program.forward), id(program.backward), id(plan))
         found = self._costs.get(key)
         if found is None:
             # The objects are kept with their costs, so their ids are not reused.
@@ -561,7 +642,7 @@ class Pricer:
         """:func:`~dhelix.dsl.search.bound.relaxed_costs` of ``program`` (a checked choice of ``layout``), once per
         layout, layer DAGs and whether the schedule splits W off (what the pairs' bound reads)."""
         assert program.lowered is not None, "a validated model"
-        key = (attrs.evolve(layout, offload="none"), id(program.forward), id(program.backward), program.lowered.split,
+        key = (_on_device(layout), id(program.forward), id(program.backward), program.lowered.split,
                "relaxed")
         found = self._costs.get(key)
         if found is None:
@@ -592,6 +673,46 @@ def _with_pipeline(modules: list[s.Module], pipeline: s.PipelineDef) -> list[s.M
     """``modules`` with ``pipeline`` defined at the end of the main file (the last module)."""
     main = modules[-1]
     return modules[:-1] + [attrs.evolve(main, items=main.items + (pipeline,))]
+
+
+def _offloading(program: Program, percent: int) -> Program:
+    """``program`` with ``percent`` % of its optimizer states offloaded (0: none; 100: all,
+    written as no ``offload_percent``)."""
+    assert program.train is not None, "a checked model"
+    return attrs.evolve(program, train=attrs.evolve(program.train, offload="optimizer" if percent else "none",
+                                                    offload_percent=percent if 0 < percent < 100 else None))
+
+
+def _on_device(layout: Layout) -> Layout:
+    """``layout`` with its optimizer states on the device (an offloading layout's twin)."""
+    return attrs.evolve(layout, offload="none", offload_percent=0)
+
+
+def _with_share(choice: Choice, program: Program, percent: int) -> tuple[Choice, Program]:
+    """``choice`` and its ``program`` offloading ``percent`` % of the optimizer states."""
+    return attrs.evolve(choice, layout=attrs.evolve(choice.layout, offload_percent=percent)), \
+        _offloading(program, percent)
+
+
+def _first(values: tuple[int, ...], holds) -> int | None:
+    """The first of ``values`` where ``holds`` (false, then true: bisected; the first tried
+    first), None where it never does."""
+    if holds(values[0]):
+        return values[0]
+    low, high = 1, len(values)  # holds(values[high]) where high < len(values)
+    while low < high:
+        middle = (low + high) // 2
+        if holds(values[middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return values[low] if low < len(values) else None
+
+
+def _last(values: tuple[int, ...], holds) -> int | None:
+    """The last of ``values`` where ``holds`` (true, then false: bisected; the last tried
+    first), None where it never does."""
+    return _first(tuple(reversed(values)), holds)
 
 
 def _has_chains(block: s.PartitionDef | None) -> bool:

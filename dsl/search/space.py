@@ -6,8 +6,8 @@ ZeRO stage (with hybrid sharding's shard group under ZeRO-3), the recomputation,
 partition (the file's own block, or the one :mod:`~dhelix.dsl.search.partitions` generates for
 the layout, its counts, substitutions and priority left to the planner), when ZeRO-1's
 all-gather runs (``param_gather``: after the optimizer or under the next forward), where the optimizer's
-states live (``offload``: on the device, or in host memory where the profile gives the host
-link), the fold,
+states live (``offload``: on the device, or a share of them in host memory where the profile
+gives the host link: :mod:`~dhelix.dsl.search.offload`), the fold,
 the pipeline and, for a pipeline that writes SI blocks, whether they co-execute their strands
 (``si`` on, or off: each runs its forward, then its backward — ``train { si = off }``, the
 "without SI" of `dhelix simulate --compare`). Its :attr:`~Choice.layout` is everything but the
@@ -124,6 +124,10 @@ class Layout:
     #: Where the optimizer's states live (``train { offload }``): ``none`` (the device) or
     #: ``optimizer`` (host memory).
     offload: str = "none"
+    #: Offloaded: the percent of the optimizer's states on the host (``train { offload_percent }``);
+    #: 0 where the pricer chooses it (:mod:`~dhelix.dsl.search.offload`: a priced choice
+    #: carries the share it chose), and for ``offload = none``.
+    offload_percent: int = 0
 
     def mesh(self) -> dict[str, int]:
         """The mesh sizes by axis."""
@@ -139,7 +143,8 @@ class Layout:
         """``tp8 pp2 dp4  b1 m16  zero1  recompute none`` (the axes larger than 1 innermost
         first; with ``gpus_per_node``, ``|`` where a node ends: ``tp8 | pp2 dp4``; ``recompute
         full 2/chunk`` where only each chunk's first 2 layers recompute), then ``gather
-        forward`` and ``partition auto`` where they are set."""
+        forward``, ``offload 40%`` (the share in host memory; ``offload`` while not chosen)
+        and ``partition auto`` where they are set."""
         sizes = self.mesh()
         placed = self.axes()[:len(self.axes()) - (self.ep > 1)]
         axes = placement_text(placed, sizes, gpus_per_node) if gpus_per_node else " ".join(
@@ -151,7 +156,8 @@ class Layout:
         recompute = self.recompute + (f" {self.recompute_layers}/chunk" if self.recompute_layers else "")
         first, last = self.stage_ends
         ends = f"  stages {first or '='}..{last or '='}" if self.stage_ends != (0, 0) else ""
-        offload = "  offload" if self.offload != "none" else ""
+        offload = "" if self.offload == "none" else f"  offload {self.offload_percent}%" if self.offload_percent \
+            else "  offload"
         return f"{axes}  b{self.micro_batch} m{self.microbatches}  {zero}{offload}  recompute {recompute}{partition}{ends}"
 
 
@@ -209,6 +215,9 @@ class Space:
     #: Where the optimizer's states may live: on the device, and in host memory where the
     #: profile gives the host link (``train { offload = optimizer }``).
     offload: tuple[str, ...] = ("none",)
+    #: The share an offloading layout keeps on the host: the written one when offload is kept
+    #: (100 where the file writes none), else 0 (the pricer chooses it).
+    offload_percent: int = 0
 
     def layouts(self) -> Iterator[Layout]:
         """Every layout of the space whose sizes multiply to the world and divide the batch."""
@@ -230,7 +239,8 @@ class Space:
                                        () if "order" in self.kept else self.boundaries),
                             self._recomputed(recompute, pp), self._stage_ends(pp), self.offload):
                         yield Layout(tp, cp, pp, dp, ep, b, self.sequences // (dp * b), zero, shard, recompute,
-                                     partition, gather, order, again, ends, offload)
+                                     partition, gather, order, again, ends, offload,
+                                     self.offload_percent if offload != "none" else 0)
 
     def _shards(self, zero: int, dp: int, cp: int) -> tuple[int, ...]:
         if zero != 3 or cp > 1:  # (hybrid sharding with cp > 1 is refused)
@@ -277,7 +287,7 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] = (),
-             partitions: bool = False, generated: bool = False, stages: bool = False, offload: bool = False) -> Space:
+             partitions: bool = False, generated: bool = False, stages: bool = False) -> Space:
     """The search space of a checked ``program`` (a model, mesh and train block) on ``world``
     GPUs (None: its cluster's); ``keep`` names settings that stay as written (KEEPABLE);
     ``partitions`` adds the generated partition against the file's own (`dhelix tune
@@ -285,9 +295,10 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
     several times, so the search takes longer); ``generated`` adds the zero-bubble
     scheduler's pipelines, written for each layout (:data:`~dhelix.dsl.search.generated.GENERATED`,
     fold none); ``stages`` adds uneven pipeline stages (:func:`stage_ends_tried`; `dhelix tune
-    --stages`: each pipeline size's layouts three times over); ``offload`` adds the optimizer's states in host
-    memory where the profile has a host section (`dhelix tune --offload`: the layouts twice over; without it the
-    file's own). Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
+    --stages`: each pipeline size's layouts three times over). Where the profile has a host
+    section, the optimizer's states are searched on the device and in host memory (each
+    layout twice; the share offloaded chosen when priced: :mod:`~dhelix.dsl.search.offload`)
+    unless ``keep`` names ``offload``. Raises UsageError for an unknown name in ``keep`` or a world the nodes cannot
     hold."""
     for name in keep:
         if name not in KEEPABLE:
@@ -323,8 +334,9 @@ def space_of(program: Program, world: int | None = None, keep: tuple[str, ...] =
         boundaries=tuple(sorted({program.cluster.gpus_per_node} | {gpus for _, gpus in mesh.levels
                                                                     if gpus < world})),
         layers=layers, stages=stages,
-        offload=domain("offload", OFFLOAD if offload and program.profile is not None and program.profile.host is not None
-                       else (train.offload,)))
+        offload=domain("offload", OFFLOAD if program.profile is not None and program.profile.host is not None
+                       else (train.offload,)),
+        offload_percent=kept.get("offload_percent", 0))
 
 
 def _kept(program: Program, keep: tuple[str, ...]) -> dict:
@@ -334,6 +346,7 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
         "a checked model"
     names = set(keep) | (set(MESH_AXES) | {"order"} if "mesh" in keep else set())
     names |= {"recompute_layers"} if "recompute" in names else set()  # kept with recompute
+    names |= {"offload_percent"} if "offload" in names else set()  # kept with offload
     # The written end stages' layers split the written fold's stages, not every fold's.
     names |= {"fold"} if "stages" in names else set()
     written: dict[str, object] = {axis: mesh.size(axis) for axis in MESH_AXES}
@@ -342,7 +355,7 @@ def _kept(program: Program, keep: tuple[str, ...]) -> dict:
                    stages=(train.first_stage_layers or 0, train.last_stage_layers or 0),
                    shard=train.shard or 0, fold=program.fold.text, pipeline=program.pipeline.name,
                    partition="written", param_gather=train.param_gather, si=train.si or SI_SETTINGS[0],
-                   offload=train.offload)
+                   offload=train.offload, offload_percent=train.offload_share)
     if train.si is not None:  # written: the file pins it
         names.add("si")
     return {name: written[name] for name in sorted(names - {"mesh"})}

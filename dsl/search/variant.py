@@ -165,8 +165,9 @@ def _train_settings(settings: _Settings, choice: Choice, reads: frozenset[str]) 
     for unset in ("shard", "recompute_layers", "first_stage_layers", "last_stage_layers"):  # 0: not written
         if values[unset] == 0:
             values[unset] = None
-    if choice.layout.offload == "none":  # (the file's share of an offload, written with it: not searched)
-        values["offload_percent"] = None
+    # The share offloaded: written unless all (or none, or not chosen yet: checked alike).
+    percent = choice.layout.offload_percent
+    values["offload_percent"] = percent if choice.layout.offload != "none" and 0 < percent < 100 else None
     for name, setting in (("g", "launch"), ("gb", "launch_backward")):
         if name not in reads:
             values[setting] = None

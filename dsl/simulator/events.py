@@ -64,6 +64,7 @@ from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Action, Interleaved, Transfer
 from dhelix.dsl.simulator.costs import (NOTHING, Group, StepCosts, cost_of, gradient_syncs, offloads,
                                         optimizer_seconds, step_costs)
+from dhelix.dsl.simulator.host_memory import host_refusal
 from dhelix.dsl.simulator.lane import Lane
 from dhelix.dsl.simulator.pairtrace import pair_events
 from dhelix.dsl.simulator.pieces import Expander, Piece
@@ -631,6 +632,8 @@ class Untimed:
 
     memory: tuple[float, ...]
     floor: float
+    #: Each pipeline rank's host bytes per GPU (an offloaded optimizer's: ``RankStats.states.host``).
+    host: tuple[float, ...] = ()
 
 
 def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool = False,
@@ -650,9 +653,10 @@ def untimed(program: Program, costs: StepCosts, *, si: bool = True, zero1: bool 
     run = _Run(program, costs, si, zero1, trace=False, post=post_validated(program, optimizer_check))
     shared = None if memo is None else memo.setdefault(run.expander.key(), {})
     figures = run.untimed(shared)
-    ranks = range(run.lowered.ranks)
-    return Untimed(tuple(run.states(rank).total + figures[rank][1] for rank in ranks),
-                   max(run.floor(rank, figures[rank][0], figures[rank][2]) for rank in ranks))
+    states = [run.states(rank) for rank in range(run.lowered.ranks)]
+    return Untimed(tuple(state.total + figures[rank][1] for rank, state in enumerate(states)),
+                   max(run.floor(rank, figures[rank][0], figures[rank][2]) for rank in range(len(states))),
+                   tuple(state.host for state in states))
 
 
 def peak_memory(program: Program, cost: PairCost | None = None) -> float:
@@ -663,6 +667,15 @@ def peak_memory(program: Program, cost: PairCost | None = None) -> float:
     if interleaves(program) and has_si(program):
         costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, pair=NOTHING))
     return max(untimed(program, costs).memory)
+
+
+def host_states(program: Program, cost: PairCost | None = None) -> tuple[float, ...]:
+    """Each pipeline rank's host bytes per GPU (an offloaded optimizer's states and staging
+    buffers, as :func:`simulate` reports them in ``RankStats.states.host``), without simulating."""
+    costs = step_costs(program, None, cost or cost_of(program))
+    if interleaves(program) and has_si(program):
+        costs = attrs.evolve(costs, layer=attrs.evolve(costs.layer, pair=NOTHING))
+    return untimed(program, costs).host
 
 
 def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zero1: bool = False,
@@ -690,7 +703,8 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
     ``optimizer_check`` (sync or post, a run's ``--optimizer-check``; None: the train
     block's) says whether the optimizer waits for the gradient norm (:mod:`.optimizer_check`).
     Returns the :class:`Simulation`; raises DhelixError
-    for a program without a profile.
+    for a program without a profile, and for one whose offloaded optimizer states exceed a
+    node's host memory (:func:`~dhelix.dsl.simulator.host_memory.host_refusal`).
     """
     require_profile(program)
     si = si and interleaves(program)
@@ -708,6 +722,9 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
                post=post_validated(program, optimizer_check))
     run.run()
     ranks = tuple(run.rank_stats(rank) for rank in range(run.lowered.ranks))
+    refusal = host_refusal(program, [r.states.host for r in ranks])
+    if refusal is not None:  # (an offloaded optimizer the nodes' host memory cannot hold)
+        raise refusal
     model, mesh, train, lowered = program.model, program.mesh, program.train, run.lowered
     assert model is not None and mesh is not None and train is not None, "a validated model"
     sequences = mesh.size("dp") * train.microbatches * train.micro_batch
