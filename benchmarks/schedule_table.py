@@ -11,7 +11,7 @@ is 1F1B at the same p and m. docs/schedules.md shows it.
 Simulated: for each program (the paper's examples with a pipeline, pp > 1, and
 benchmarks/llama70b_h100_1024.dhx), every (fold, pipeline, SI) that `dhelix tune` would try
 with the mesh, the micro-batches, ZeRO, recomputation, the partition and the gathers kept as
-written (`--keep mesh,micro_batch,zero,recompute,shard,partition,param_gather`) and the
+written (`--keep mesh,micro_batch,zero,recompute,shard,partition,param_gather,offload`) and the
 zero-bubble scheduler's zb_1p and zb_2p offered (`--generated`): the program is rewritten with
 that fold and pipeline as tune rewrites it (:mod:`dhelix.dsl.search.variant`), checked, and
 simulated on its profile (:class:`dhelix.dsl.search.pricer.Pricer`, under tune's default memory
@@ -61,7 +61,7 @@ PROGRAMS = (("gpt18b_a40", "examples/gpt18b_a40.dhx", ""), ("llama39b_a40", "exa
             ("llama70b_h100_1024", "benchmarks/llama70b_h100_1024.dhx", ""),
             ("llama70b_h100_1024 zero1", "benchmarks/llama70b_h100_1024.dhx", "zero = 1"))
 #: What `dhelix tune --keep` keeps so that only the fold, the pipeline and SI vary.
-KEEP = ("mesh", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather")
+KEEP = ("mesh", "micro_batch", "zero", "recompute", "shard", "partition", "param_gather", "offload")
 #: The schedules issue 55 added, in the summary table (the zero-bubble scheduler's two last).
 NEW = ("looped_bfs", "interleaved_zb", "zbv", "zb_h2", "v_min", "v_half", "one_f_one_b_overlap", "dualpipe") + tuple(GENERATED)
 
