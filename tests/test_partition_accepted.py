@@ -183,7 +183,7 @@ def _command(argv: list[str]) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(body=st.lists(STATEMENTS, min_size=1, max_size=3), layout=LAYOUTS)
 def test_whatever_check_accepts_plan_and_simulate_finish(tmp_path_factory, body, layout):
     mesh, train, pipeline, fold = layout

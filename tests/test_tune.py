@@ -270,7 +270,7 @@ def test_the_bound_never_exceeds_a_priced_step(tiny):
     pricer, space = tiny
     schedule = next(s for s in space.schedules if s[0] == "none")
     checked, si_off, alone, above = 0, 0, 0, 0
-    for choice in list(space.choices())[::31]:  # a prime stride: every kind of schedule is sampled
+    for choice in list(space.choices())[::53]:  # a prime stride: every kind of schedule is sampled
         result = pricer.price(choice)
         if not isinstance(result, Priced):
             continue
@@ -436,7 +436,7 @@ def test_the_untimed_peak_is_the_simulated_one_and_its_floor_a_bound(tiny, whole
             made(pieces), whole=False)))
     pricer, space = tiny
     kinds = set()
-    for choice in list(space.choices())[::29]:  # a prime stride, so that every kind below is sampled
+    for choice in list(space.choices())[::47]:  # a prime stride, so that every kind below is sampled
         result = pricer.price(choice)
         if not isinstance(result, Priced):
             continue
@@ -453,7 +453,7 @@ def test_the_untimed_peak_is_the_simulated_one_and_its_floor_a_bound(tiny, whole
     assert len(kinds) > 12
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(2))
 def test_search_equals_exhaustive_where_the_memory_cap_binds(seed):
     # A device just too small for the fastest choice: it and every choice over the device
     # are settled by their peak alone in the search, by a whole simulation in the
