@@ -71,12 +71,11 @@ def _named_ranks(pids) -> int:
     return count
 
 
-#: When the launcher is killed: as its first rank process appears, once all four exist, a
-#: moment later (importing torch, joining the world), and once every rank runs its work.
+#: When the launcher is killed: as its first rank process appears, once all four exist (still
+#: importing torch, joining the world), and once every rank runs its work.
 MOMENTS = {
     "first rank appears": lambda ranks, since: len(ranks) >= 1,
     "all four exist": lambda ranks, since: len(ranks) >= 4,
-    "0.5 s after": lambda ranks, since: len(ranks) >= 4 and since() > 0.5,
     "ranks at work": lambda ranks, since: _named_ranks(ranks) >= 4,
 }
 
