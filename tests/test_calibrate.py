@@ -77,6 +77,29 @@ def test_compute_rates_price_every_op_as_measured(derived):
             assert op_time(op, rates_only, "fp32", seq=SEQ) * 1e6 == pytest.approx(true_us(op), rel=2e-3), op.name
 
 
+def test_the_time_between_ops_is_the_layer_pass_less_its_ops_per_compute_op(derived):
+    # Without a pass of the layer nothing is added; with one taking 30 µs per compute op more
+    # than its ops alone, every compute op is priced 30 µs longer, measured or by the rates.
+    from dhelix.dsl.core.oplib import LAYER_PASS
+
+    profile, notes = derived
+    assert profile.kernels.overhead_us == 0 and notes["kernels.overhead_us"].endswith("none")
+    timings = synthetic()
+    compute = [op for op in OPS if op.kind == "compute"]
+    alone = sum(timings.ops[op.name] for op in OPS)
+    timings = attrs.evolve(timings, ops={**timings.ops, LAYER_PASS: alone + 30.0 * len(compute)})
+    passed, notes = derive_profile(PROGRAM, timings, STAMP, load_profile("a40"), name="box")
+    assert passed.kernels.overhead_us == pytest.approx(30.0)
+    assert LAYER_PASS not in passed.measured.ops
+    rates_only = attrs.evolve(passed, measured=None)
+    for op in compute:
+        assert passed.measured.ops[op.name] == pytest.approx(true_us(op) + 30.0, abs=1e-3), op.name
+        assert op_time(op, rates_only, "fp32", seq=SEQ) * 1e6 == pytest.approx(true_us(op) + 30.0, rel=2e-3), op.name
+    assert all(passed.measured.ops[op.name] == pytest.approx(100.0) for op in OPS if op.kind == "comm")
+    faster = attrs.evolve(timings, ops={**timings.ops, LAYER_PASS: alone * 0.9})  # a pass faster than its ops
+    assert derive_profile(PROGRAM, faster, STAMP, load_profile("a40"), name="box")[0].kernels.overhead_us == 0
+
+
 def test_links_are_fitted_to_the_ring_model(derived):
     profile, notes = derived
     for lane, (alpha, bandwidth, axis) in LINKS.items():
