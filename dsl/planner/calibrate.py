@@ -18,9 +18,10 @@ What is derived, and how (every number of the written profile says which in its 
   the fastest compute-bound op's FLOP rate and ``hbm_gbps`` the fastest memory-bound op's
   byte rate; ``achieved[class]`` is the median of the class's ops relative to those. So the
   cost model prices ops it did not measure (other shapes, other programs on the machine).
-* **Time between ops.** ``kernels.overhead_us``: the timed pass of the whole layer less its
-  ops' times alone, per compute op (:func:`_between_ops`); the written ``measured.ops`` of a
-  compute op include it, and the cost model adds it to every compute op it prices.
+* **Time between ops.** ``kernels.overhead_us``: the timed pass of the whole layer outside
+  its collectives less its compute ops' times alone, per compute op (:func:`_between_ops`);
+  the written ``measured.ops`` of a compute op include it, and the cost model adds it to
+  every compute op it prices.
 * **Links.** Per lane, the ring model ``t = α(g-1) + S(g-1)/g / B`` fitted to the sweep by
   least squares on relative errors (small and large messages count alike).
 * **Launch gap.** ``fixed_us`` is the median extra time of a collective issued
@@ -200,9 +201,11 @@ def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profi
 
 def _between_ops(ops: Sequence[Op], times: Mapping[str, float], notes: dict) -> float:
     """The host's µs between two ops of the layer (``kernels.overhead_us``): the timed pass
-    of the whole layer (:data:`~dhelix.dsl.core.oplib.LAYER_PASS`) less its ops' times
-    alone, over its compute ops (the cost model adds it to each compute op); 0 when the pass
-    was not timed or took no longer than its ops.
+    of the whole layer outside its collectives (:data:`~dhelix.dsl.core.oplib.LAYER_PASS`)
+    less its compute ops' times alone, over its compute ops (the cost model adds it to each
+    compute op); 0 when the pass was not timed or took no longer than its ops. (The pass
+    leaves its collectives out as they took in it: timed alone, a collective can differ from
+    the same one in the pass by more than the layer's whole host time.)
 
     Each op is timed alone, back to back with itself: that is the kernel's time. A run pays
     more per op: the framework's dispatch and the interpreter's own work between kernels
@@ -213,12 +216,12 @@ def _between_ops(ops: Sequence[Op], times: Mapping[str, float], notes: dict) -> 
     if whole is None or not compute:
         notes["kernels.overhead_us"] = "[measured] no layer pass timed: none"
         return 0.0
-    alone = sum(times[op.name] for op in ops)
+    alone = sum(times[op.name] for op in compute)
     between = max(0.0, (whole - alone) / len(compute))
     notes["kernels.gemm_tile"] = "[default] unused without kernels.sms: the GEMM rates are measured"
     notes["kernels.attention"] = "[default] one fused kernel, as the interpreter runs it"
-    notes["kernels.overhead_us"] = (f"[measured] a pass of the layer ({whole / 1e3:.3g} ms) less its {len(ops)} ops "
-                                    f"alone ({alone / 1e3:.3g} ms), over its {len(compute)} compute ops")
+    notes["kernels.overhead_us"] = (f"[measured] a pass of the layer outside its collectives ({whole / 1e3:.3g} ms) "
+                                    f"less its {len(compute)} compute ops alone ({alone / 1e3:.3g} ms), over them")
     return _round(between, 2)
 
 

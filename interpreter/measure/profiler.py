@@ -21,7 +21,8 @@ interpreter's own kernels and communicators:
   lane (the calling thread on CPU, the current stream on CUDA), then the barrier. The compute
   op's own time inside the pair is kept too (its slowdown beside communication).
 * **The layer pass.** One whole forward and backward of the layer as a run executes it
-  (:meth:`LayerBench.layer_pass`): over its ops' times alone, the host's time between ops.
+  (:meth:`LayerBench.layer_pass`), less its collectives as timed in it (:mod:`.clocked_comm`):
+  over its compute ops' times alone, the host's time between ops.
 * **The optimizer.** One AdamW step over this rank's weights of one layer, as the run's
   optimizer takes it (gradient copy, the norm for clipping, the update), without the dp
   synchronisation the simulator prices on its own lane: the streaming rate of the update.
@@ -62,6 +63,7 @@ from dhelix.interpreter.ops.fsdp import FlatShards
 from dhelix.interpreter.execute.layer_exec import LayerPlan, LayerRun
 from dhelix.interpreter.execute.model_ends import EmbedRun, HeadRun
 from dhelix.interpreter.ops.weights import EMBEDDING, FINAL_NORM, LM_HEAD, WeightPlan, torch_dtype
+from dhelix.interpreter.measure.clocked_comm import ClockedComm
 
 #: Bytes per rank of the link sweep's all_gathers.
 SWEEP_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
@@ -169,15 +171,20 @@ class LayerBench:
 
     def layer_pass(self, clock: "Clock") -> Callable[[], dict]:
         """The timed forward and backward of the whole layer as a run executes them (a fresh
-        :class:`LayerRun` that releases what it no longer needs, collectives synchronous): its
-        time over its ops' times alone is the host's time between them (:data:`LAYER_PASS`)."""
+        :class:`LayerRun` that releases what it no longer needs, collectives synchronous),
+        less its collectives as they took in the pass (:class:`ClockedComm`): its time over its
+        compute ops' times alone is the host's time between ops (:data:`LAYER_PASS`)."""
+        timed = ClockedComm(self._comm, clock.mark)
+
         def run() -> dict:
-            layer = LayerRun(self._plan, self._weights, self._comm, grads=self._grads)
+            layer = LayerRun(self._plan, self._weights, timed, grads=self._grads)
             x, grad = self._inputs
+            timed.spans.clear()
             start = clock.mark()
             layer.forward(x)
             layer.backward(grad)
-            return {"us": clock.us(start, clock.mark())}
+            whole = clock.us(start, clock.mark())
+            return {"us": whole - sum(clock.us(*span) for span in timed.spans)}
 
         return run
 
