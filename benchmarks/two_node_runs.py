@@ -181,11 +181,12 @@ def priority_prefix(priority: str | None) -> tuple[str, ...]:
         raise BenchError(f"--priority {priority!r}: give an integer (nice) or rt") from None
 
 
-def add_link_arguments(parser, rate: str) -> None:
+def add_link_arguments(parser, rate: str, burst: str = "256kb") -> None:
     """The options every benchmark over the two-node link takes: the link's shaping (``rate``
-    by default), the rounds of alternated modes and the steps of each run."""
+    and ``burst`` by default), the rounds of alternated modes and the steps of each run."""
     parser.add_argument("--rate", default=rate, help="tbf rate of each direction of the link")
-    parser.add_argument("--burst", default="256kb", help="tbf burst")
+    parser.add_argument("--burst", default=burst, help="tbf burst (bytes sent at the line's own speed after the "
+                        "link idled: a message up to this size crosses without paying the rate)")
     parser.add_argument("--latency", default="50ms", help="tbf latency (queue limit)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of every mode, alternated")
     parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is left out)")
