@@ -109,6 +109,40 @@ def test_links_are_fitted_to_the_ring_model(derived):
         assert f"all_gather sizes over {axis} (2 ranks)" in notes[f"links.{lane}"]
 
 
+def test_each_collective_s_efficiency_is_its_time_against_the_fitted_link():
+    # On the cross lane an all_reduce and a p2p move their bytes 1.5 times as fast as the model of
+    # the all_gather fit says and a reduce_scatter 0.75 times (as gloo on the emulated link):
+    # the lane's bandwidth becomes the fastest's, every efficiency relative to it, so each
+    # collective is priced at its time, the all_gather at the fit's.
+    from dhelix.dsl.planner.costmodel import collective_time
+
+    alpha, bandwidth, axis = LINKS["cross"]
+    speed = {"all_reduce": 1.5, "p2p": 1.5, "reduce_scatter": 0.75}
+    fit = attrs.evolve(load_profile("a40"), links={**load_profile("a40").links, "cross": _link(alpha, bandwidth)})
+    fit = attrs.evolve(fit, collectives={k: attrs.evolve(c, efficiency=1.0, lanes={}) for k, c in fit.collectives.items()})
+    fast = attrs.evolve(fit, collectives={k: attrs.evolve(c, efficiency=speed.get(k, 1.0)) for k, c in fit.collectives.items()})
+    kinds = tuple(SweepPoint("cross", axis, 2, size, collective_time(kind, size, 2, "cross", fast) * 1e6, kind)
+                  for kind in speed for size in (1 << 20, 8 << 20))
+    profile, notes = derive_profile(PROGRAM, attrs.evolve(synthetic(), kinds=kinds), STAMP, load_profile("a40"), name="box")
+    assert profile.links["cross"].bw_gbps == pytest.approx(1.5 * bandwidth / 1e9, rel=1e-3)
+    assert profile.links["cross"].latency_us == pytest.approx(alpha * 1e6, abs=0.01)
+    assert profile.links["local"].bw_gbps == pytest.approx(LINKS["local"][1] / 1e9, rel=1e-3)  # nothing timed there
+    for kind in ("all_gather", "all_reduce", "p2p", "reduce_scatter", "all_to_all"):
+        for size in (1 << 20, 8 << 20):
+            expected = collective_time(kind, size, 2, "cross", fast)
+            assert collective_time(kind, size, 2, "cross", profile) == pytest.approx(expected, rel=2e-3), (kind, size)
+        assert profile.collectives[kind].efficiency_on("local") == 1.0
+    assert notes["collectives"].startswith("[measured] efficiency") and "all_reduce 1.5" in notes["collectives"]
+    rendered = render_profile(profile, notes)
+    assert parse_profile(rendered, "box.yaml") == profile and "all_reduce 1.5" in rendered
+
+
+def _link(alpha: float, bandwidth: float):
+    from dhelix.dsl.frontend.profiles import Link
+
+    return Link(bandwidth / 1e9, alpha * 1e6)
+
+
 def test_overlap_slowdown_and_launch_gap_are_recovered(derived):
     profile, notes = derived
     assert profile.launch_gap.fixed_us == GAP_US and profile.launch_gap.comm_fraction == 0
@@ -158,10 +192,11 @@ def test_the_derived_profile_round_trips_and_a_program_plans_with_it(derived, tm
 def test_pool_takes_medians_over_ranks_and_repeats():
     ranks = [{"ops": {"qkv": [1.0, 9.0]}, "sweep": {("local", "tp", 2, 8.0): [3.0]}},
              {"ops": {"qkv": [2.0]}, "pairs": {("qkv", "rs2.bwd"): [4.0, 6.0]},
-              "sweep": {("local", "tp", 2, 8.0): [5.0]}}]
+              "sweep": {("local", "tp", 2, 8.0): [5.0]}, "kinds": {("local", "tp", 2, 8.0, "p2p"): [7.0]}}]
     timings = pool(ranks)
     assert timings.ops == {"qkv": 2.0} and timings.pairs == {("qkv", "rs2.bwd"): 5.0}
     assert timings.sweep == (SweepPoint("local", "tp", 2, 8.0, 4.0),)
+    assert timings.kinds == (SweepPoint("local", "tp", 2, 8.0, 7.0, "p2p"),)
 
 
 @pytest.mark.parametrize("name", profile_names())

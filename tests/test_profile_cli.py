@@ -38,7 +38,7 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_ru
     assert result.returncode == 0, result.stderr
     assert "on 4 gloo rank(s) (tp 2 × pp 2), 2 timed repeat(s) after 1 warm-up" in result.stdout
     assert ("timed 32 layer ops alone, 1 pass of the whole layer, 4 embedding and LM-head passes, 1 optimizer step, "
-            "112 op pairs, 8 link sizes") in result.stdout
+            "112 op pairs, 8 link sizes, 12 other collectives") in result.stdout
     assert 'use it: cluster { profile = "' in result.stdout
     assert "profiling" not in result.stderr  # the progress bar is for terminals: logs stay readable
     profile = parse_profile(out.read_text(), str(out))

@@ -154,7 +154,7 @@ def summary(path: str, out: Path, program, options, samples, profile) -> str:
 
     dtype = program.model.dtype
     counts = samples.counts
-    links = "; ".join(f"{lane} {link.bw_gbps:g} GB/s + {link.latency_us:g} µs per step"
+    links = "; ".join(f"{lane} {link.bw_gbps:g} GB/s + {link.latency_us:g} µs per step" + _efficiencies(profile, lane)
                       for lane, link in profile.links.items())
     classes = ", ".join(f"{cls} {value:g}" for cls, value in profile.oef_classes.items())
     relative = os.path.relpath(out.resolve(), Path(path).resolve().parent)
@@ -168,7 +168,8 @@ def summary(path: str, out: Path, program, options, samples, profile) -> str:
         f"timed {counts['ops']} layer ops alone, {counts.get('layer', 0)} pass of the whole layer, "
         f"{counts.get('ends', 0)} embedding and LM-head passes, "
         f"{counts.get('optimizer', 0)} optimizer step, "
-        f"{counts['pairs']} op pairs, {counts['sweep']} link sizes; wrote {out}",
+        f"{counts['pairs']} op pairs, {counts['sweep']} link sizes, {counts.get('kinds', 0)} other collectives; "
+        f"wrote {out}",
         f"  compute  peak {profile.peak_tflops[dtype] * 1e3:g} GFLOP/s {dtype} (fastest op), "
         f"memory {profile.hbm_gbps:g} GB/s"
         + (f", optimizer {profile.optimizer_gbps:g} GB/s" if profile.optimizer_gbps is not None else ""),
@@ -176,6 +177,16 @@ def summary(path: str, out: Path, program, options, samples, profile) -> str:
         f"  overlap  OEF {classes}; slowdown {profile.slowdown:g}; launch gap {profile.launch_gap.fixed_us:g} µs",
         *_noise_lines(samples.timings, profile, program),
         f'use it: cluster {{ profile = "{relative}" }}  (a path relative to the program file)'])
+
+
+def _efficiencies(profile, lane: str) -> str:
+    """`` (all_reduce 1, p2p 1, all_gather 0.67, …)``: the collectives' efficiencies on
+    ``lane`` where they were measured (not all 1); empty otherwise."""
+    found = {name: model.efficiency_on(lane) for name, model in profile.collectives.items()
+             if name in ("all_gather", "reduce_scatter", "all_reduce", "p2p")}
+    if all(value == 1 for value in found.values()):
+        return ""
+    return " (" + ", ".join(f"{name} {value:g}" for name, value in found.items()) + ")"
 
 
 #: What the link figures of a profile measured by a rank alone are.

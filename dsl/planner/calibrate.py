@@ -24,6 +24,9 @@ What is derived, and how (every number of the written profile says which in its 
   every compute op it prices.
 * **Links.** Per lane, the ring model ``t = α(g-1) + S(g-1)/g / B`` fitted to the sweep by
   least squares on relative errors (small and large messages count alike).
+* **Collectives.** Per lane, an all_reduce, a reduce_scatter and a p2p timed on the sweep's
+  group: each one's price by the fitted link over its time is its efficiency
+  (:func:`_efficiencies`); the link takes the fastest one's bandwidth.
 * **Launch gap.** ``fixed_us`` is the median extra time of a collective issued
   asynchronously over the same collective run synchronously; no share of the comm time is
   separated (``comm_fraction`` 0).
@@ -53,7 +56,7 @@ from dhelix.dsl.frontend.profilecheck import ends_signature, mesh_sizes, op_sign
 from dhelix.dsl.frontend.profile_reader import OEF_HIGH, OEF_LOW
 from dhelix.dsl.frontend.profiles import (COMPUTE_BOUND, MEMORY_BOUND, OEF_CLASSES, Collective, LaunchGap, Link, Measured,
                                           MeasuredPair, Profile)
-from dhelix.dsl.planner.costmodel import achieved_class, op_bytes, op_flops, optimizer_bytes_per_param
+from dhelix.dsl.planner.costmodel import achieved_class, collective_time, op_bytes, op_flops, optimizer_bytes_per_param
 
 _CLASS = {"compute": "comp", "local": "intra", "cross": "inter"}
 _ORDER = ("comp", "intra", "inter")
@@ -61,14 +64,18 @@ _ORDER = ("comp", "intra", "inter")
 
 @attrs.frozen
 class SweepPoint:
-    """One size of the link sweep: an all_gather over ``axis`` (``group`` ranks on ``lane``)
-    of ``full_bytes`` gathered bytes (S of the ring model), taking ``us``."""
+    """One size of the link sweep: a collective (an all_gather unless ``kind`` says) over
+    ``axis`` (``group`` ranks on ``lane``) of ``full_bytes`` (S of the ring model), taking ``us``."""
 
     lane: str
     axis: str
     group: int
     full_bytes: float
     us: float
+    #: The collective (the sweep's all_gather; the others at two of its sizes, for their
+    #: efficiencies): S is the gathered bytes, an all_reduce's or reduce_scatter's input, a
+    #: p2p's message.
+    kind: str = "all_gather"
 
 
 @attrs.frozen
@@ -80,6 +87,8 @@ class Timings:
     pairs: Mapping[tuple[str, str], float] = attrs.field(factory=dict)
     stretched: Mapping[tuple[str, str], float] = attrs.field(factory=dict)
     sweep: tuple[SweepPoint, ...] = ()
+    #: The other collectives on the sweep's groups (:attr:`SweepPoint.kind`).
+    kinds: tuple[SweepPoint, ...] = ()
     #: Per kind (ops, pairs, …): the median over its keys of the samples' interquartile range
     #: over their median, where a key has 4 samples or more (how much repeats disagree).
     spread: Mapping[str, float] = attrs.field(factory=dict)
@@ -101,9 +110,10 @@ class Stamp:
 
 def pool(ranks: Sequence[Mapping[str, Mapping]]) -> Timings:
     """The Timings of every rank's samples: ``ranks[i][kind][key]`` is a list of µs for
-    ``kind`` in ops, issued, pairs, stretched, and for ``sweep`` keyed by (lane, axis,
-    group, full bytes). Each value is the median over all ranks' samples of its key."""
-    merged: dict[str, dict] = {kind: {} for kind in ("ops", "issued", "pairs", "stretched", "sweep")}
+    ``kind`` in ops, issued, pairs, stretched, for ``sweep`` keyed by (lane, axis, group,
+    full bytes) and for ``kinds`` by (lane, axis, group, full bytes, collective). Each value
+    is the median over all ranks' samples of its key."""
+    merged: dict[str, dict] = {kind: {} for kind in ("ops", "issued", "pairs", "stretched", "sweep", "kinds")}
     for rank in ranks:
         for kind, samples in rank.items():
             for key, values in samples.items():
@@ -112,12 +122,14 @@ def pool(ranks: Sequence[Mapping[str, Mapping]]) -> Timings:
                for kind, samples in merged.items()}
     sweep = tuple(SweepPoint(lane, axis, group, size, us)
                   for (lane, axis, group, size), us in sorted(medians.pop("sweep").items()))
+    kinds = tuple(SweepPoint(lane, axis, group, size, us, kind)
+                  for (lane, axis, group, size, kind), us in sorted(medians.pop("kinds").items()))
     spread = {}
     for kind, samples in merged.items():
         ranges = [_relative_iqr(values) for values in samples.values() if len(values) >= 4]
         if ranges:
             spread[kind] = statistics.median(ranges)
-    return Timings(**medians, sweep=sweep, spread=spread)
+    return Timings(**medians, sweep=sweep, kinds=kinds, spread=spread)
 
 
 def _relative_iqr(values: Sequence[float]) -> float:
@@ -172,8 +184,7 @@ def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profi
     links = _links(timings.sweep, base, notes)
     gap = _launch_gap(ops, timings, notes)
     classes, pairs, slowdown = _overlap(ops, timings, gap.fixed_us, base, notes)
-    collectives = {kind: Collective(model.model, 1.0) for kind, model in base.collectives.items()}
-    notes["collectives"] = "[derived] the links are fitted with all_gather; the others follow the ring conventions"
+    links, collectives = _efficiencies(timings.kinds, links, base, notes)
     measured = Measured(
         dtype=dtype, source=stamp.source,
         ops={name: _round(timings.ops[name] + (between if name in compute else 0.0), 3)
@@ -316,6 +327,59 @@ def _links(sweep: Sequence[SweepPoint], base: Profile, notes: dict) -> dict:
         links[level] = base.links[level]
         notes[f"links.{level}"] = f"[from {base.name}] not measured: the sweep times the local and cross lanes"
     return links
+
+
+def _efficiencies(points: Sequence[SweepPoint], links: dict, base: Profile,
+                  notes: dict) -> tuple[dict, dict[str, Collective]]:
+    """The links and each collective's efficiency on them: per measured lane, each timed
+    collective's time as the fitted link prices it (efficiency 1) over its measured time,
+    both beyond the latency term (:func:`_bandwidth_ratio`), the median over its sizes. The
+    lane's bandwidth becomes the fastest collective's, so every efficiency is at most 1: the
+    all_gather the link was fitted to, and a collective not timed, keep the fit's price. A
+    lane whose link was not measured keeps 1."""
+    collectives = {kind: Collective(model.model, 1.0) for kind, model in base.collectives.items()}
+    probe = attrs.evolve(base, links=links, collectives=collectives)
+    lanes: dict[str, dict[str, float]] = {}
+    for lane in ("local", "cross"):
+        timed = [p for p in points if p.lane == lane and p.kind in collectives]
+        if not timed or not notes.get(f"links.{lane}", "").startswith("[measured]"):
+            continue
+        ratio = {}
+        for kind in sorted({p.kind for p in timed}):
+            found = [_bandwidth_ratio(p, probe) for p in timed if p.kind == kind]
+            if any(r is not None for r in found):
+                ratio[kind] = statistics.median(r for r in found if r is not None)
+        if not ratio:
+            continue
+        fastest = max(1.0, *ratio.values())
+        link = links[lane]
+        links[lane] = Link(_round(link.bw_gbps * fastest, 4, sig=True), link.latency_us)
+        lanes[lane] = {kind: max(0.001, _round(ratio.get(kind, 1.0) / fastest, 3)) for kind in collectives}
+        first = timed[0]
+        notes[f"links.{lane}"] += (f"; the bandwidth of the fastest collective timed (x{fastest:.3g} the all_gather's)"
+                                   if fastest > 1 else "")
+        notes[f"collectives.{lane}"] = (
+            f"{', '.join(f'{kind} {ratio[kind]:.3g}' for kind in ratio)} of the all_gather fit's price over "
+            f"{first.axis} ({first.group} ranks), {_size(min(p.full_bytes for p in timed))}-"
+            f"{_size(max(p.full_bytes for p in timed))}")
+    if not lanes:
+        notes["collectives"] = "[derived] the links are fitted with all_gather; the others follow the ring conventions"
+        return links, collectives
+    notes["collectives"] = ("[measured] efficiency: a collective's time as the fitted link prices it over its time "
+                            "timed; " + "; ".join(f"{lane}: {notes.pop(f'collectives.{lane}')}" for lane in lanes))
+    return links, {kind: Collective(model.model, 1.0, {lane: lanes[lane][kind] if lane in lanes else 1.0
+                                                       for lane in ("local", "cross")})
+                   for kind, model in collectives.items()}
+
+
+def _bandwidth_ratio(point: SweepPoint, probe: Profile) -> float | None:
+    """How much faster ``point``'s collective moved its bytes than ``probe`` prices it: the
+    priced time beyond the latency term over the measured time beyond it (an efficiency
+    scales the bandwidth, not the latency); None when it took no longer than the latency."""
+    latency = collective_time(point.kind, 0.0, point.group, point.lane, probe)
+    priced = collective_time(point.kind, point.full_bytes, point.group, point.lane, probe) - latency
+    spent = point.us * 1e-6 - latency
+    return priced / spent if spent > 0 and priced > 0 else None
 
 
 def _fit_ring(points: Sequence[SweepPoint]) -> tuple[float, float] | None:

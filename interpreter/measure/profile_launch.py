@@ -107,7 +107,7 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
     ranks = gather_to_first(samples)
     if ranks is None:
         return None
-    counts = {kind: sum(1 for item in items if item.kind == kind) for kind in ("ops", "pairs", "sweep")}
+    counts = {kind: sum(1 for item in items if item.kind == kind) for kind in ("ops", "pairs", "sweep", "kinds")}
     counts["ends"] = sum(1 for item in items if item.key in END_OPS)
     counts["optimizer"] = sum(1 for item in items if item.key == OPTIMIZER_STEP)
     counts["layer"] = sum(1 for item in items if item.key == LAYER_PASS)

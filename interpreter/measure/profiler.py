@@ -27,7 +27,9 @@ interpreter's own kernels and communicators:
   optimizer takes it (gradient copy, the norm for clipping, the update), without the dp
   synchronisation the simulator prices on its own lane: the streaming rate of the update.
 * **Link sweep.** all_gathers of 4 KiB to 8 MiB per rank on one group of each lane the
-  mesh has, for the link bandwidth and latency.
+  mesh has, for the link bandwidth and latency; on the same group an all_reduce, a
+  reduce_scatter and a send to the next rank at 1 and 8 MiB, for each one's efficiency
+  against the all_gather.
 
 Every measurement is repeated (``warmup`` untimed rounds, then ``repeats`` timed ones); each
 round runs all measurements in a new shuffled order, so neither a slow moment nor the state the
@@ -67,6 +69,12 @@ from dhelix.interpreter.measure.clocked_comm import ClockedComm
 
 #: Bytes per rank of the link sweep's all_gathers.
 SWEEP_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+#: The other collectives timed on each swept group, and at which of the sweep's sizes (bytes
+#: per rank): their time against the all_gather the link is fitted to is each one's
+#: efficiency. A backend need not run them alike: over gloo on the emulated two-node link an
+#: all_reduce or a send carried its bytes 1.5 times as fast as an all_gather.
+KINDS = ("all_reduce", "reduce_scatter", "p2p")
+KIND_BYTES = (1 << 20, 8 << 20)
 #: Runs of a compute op per timed sample, back to back after an untimed one (see :func:`_solo`).
 BACK_TO_BACK = 4
 #: Elements per row of the sweep's tensors.
@@ -271,7 +279,7 @@ class OptimizerBench:
 
 @attrs.frozen
 class Measurement:
-    """One thing to time: ``kind`` (ops, issued, pairs, sweep), the key its samples go
+    """One thing to time: ``kind`` (ops, issued, pairs, sweep, kinds), the key its samples go
     under, whether the world meets first, and ``run() -> {kind: µs}``."""
 
     kind: str
@@ -296,14 +304,27 @@ def measurements(program: Program, bench: LayerBench, comm: Communicator, clock:
               for op in fwd + bwd if op.kind == "comm"]
     items += [Measurement("pairs", (f.name, b.name), True, _pair(bench, clock, f, b))
               for f, b in pairs_to_time(fwd, bwd)]
+    dtype = torch_dtype(program)
     for lane, axis in sweep_axes(program):
+        group = comm.size(axis)
         for size in SWEEP_BYTES:
-            rows = max(1, size // (SWEEP_WIDTH * torch_dtype(program).itemsize))
-            x = torch.randn(rows, SWEEP_WIDTH, dtype=torch_dtype(program)).to(device)
-            group = comm.size(axis)
+            rows = max(1, size // (SWEEP_WIDTH * dtype.itemsize))
+            x = torch.randn(rows, SWEEP_WIDTH, dtype=dtype).to(device)
             key = (lane, axis, group, float(x.numel() * x.element_size() * group))
             items.append(Measurement("sweep", key, True, _gather(comm, clock, x, axis)))
+        for size in KIND_BYTES:
+            for kind in KINDS:
+                x = _sweep_tensor(size, group, dtype, device)
+                key = (lane, axis, group, float(x.numel() * x.element_size()), kind)
+                items.append(Measurement("kinds", key, True, _collective(comm, clock, x, axis, kind)))
     return items
+
+
+def _sweep_tensor(size: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """About ``size`` bytes of zeros, rows :data:`SWEEP_WIDTH` wide, whole blocks for a
+    reduce-scatter over ``group`` ranks (zeros: the repeated all_reduces sum into it)."""
+    rows = max(group, size // (SWEEP_WIDTH * dtype.itemsize) // group * group)
+    return torch.zeros(rows, SWEEP_WIDTH, dtype=dtype, device=device)
 
 
 def pairs_to_time(fwd: Sequence[Op], bwd: Sequence[Op]) -> list[tuple[Op, Op]]:
@@ -393,12 +414,40 @@ def _gather(comm: Communicator, clock: Clock, x: torch.Tensor, axis: str) -> Cal
     return run
 
 
+def _collective(comm: Communicator, clock: Clock, x: torch.Tensor, axis: str, kind: str) -> Callable[[], dict]:
+    """Collective ``kind`` of ``x`` over ``axis``, timed right after an untimed run of itself:
+    an all_reduce (``x`` the whole tensor S), a reduce_scatter (S the input), or ``p2p``: each
+    rank sends ``x`` to the next of its group and receives as much from the one before, as a
+    pipeline's stages send activations one way while gradients come the other."""
+    if kind == "p2p":
+        after, before = comm.peer(axis, 1), comm.peer(axis, -1)
+        buffer = torch.empty_like(x)
+
+        def once() -> None:
+            for work in comm.post_p2p([("send", x, after, 0), ("recv", buffer, before, 0)]):
+                if work is not None:
+                    work.wait()
+    else:
+        issue = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter}[kind]
+
+        def once() -> None:
+            issue(x, axis)
+
+    def run() -> dict:
+        once()  # untimed: the timed one starts on a busy link (see _prime)
+        start = clock.mark()
+        once()
+        return {"us": clock.us(start, clock.mark())}
+
+    return run
+
+
 def measure(items: Sequence[Measurement], repeats: int, warmup: int, meet: Callable[[], None],
             tick: Callable[[], None] = lambda: None) -> dict[str, dict]:
     """Run every measurement ``warmup + repeats`` times, round by round; returns this rank's
     samples ``{kind: {key: [µs, …]}}`` (pair compute times under ``stretched``). ``meet`` is
     the world barrier before a measurement that communicates; ``tick`` advances a progress bar."""
-    samples: dict[str, dict] = {kind: {} for kind in ("ops", "issued", "pairs", "stretched", "sweep")}
+    samples: dict[str, dict] = {kind: {} for kind in ("ops", "issued", "pairs", "stretched", "sweep", "kinds")}
     for round_ in range(warmup + repeats):
         # A new order each round, the same on every rank (collectives must match): what the
         # previous measurement left behind (idle communication threads, cold caches) then
