@@ -77,6 +77,9 @@ KINDS = ("all_reduce", "reduce_scatter", "p2p")
 KIND_BYTES = (1 << 20, 8 << 20)
 #: Runs of a compute op per timed sample, back to back after an untimed one (see :func:`_solo`).
 BACK_TO_BACK = 4
+#: Passes of the whole layer per timed sample, back to back after an untimed one: on the
+#: emulated link a single pass's time outside its collectives varied 2x between profiles.
+PASSES = 2
 #: Elements per row of the sweep's tensors.
 SWEEP_WIDTH = 256
 
@@ -181,18 +184,24 @@ class LayerBench:
         """The timed forward and backward of the whole layer as a run executes them (a fresh
         :class:`LayerRun` that releases what it no longer needs, collectives synchronous),
         less its collectives as they took in the pass (:class:`ClockedComm`): its time over its
-        compute ops' times alone is the host's time between ops (:data:`LAYER_PASS`)."""
+        compute ops' times alone is the host's time between ops (:data:`LAYER_PASS`). One
+        untimed pass, then :data:`PASSES` timed back to back, their mean."""
         timed = ClockedComm(self._comm, clock.mark)
 
-        def run() -> dict:
+        def one() -> None:
             layer = LayerRun(self._plan, self._weights, timed, grads=self._grads)
             x, grad = self._inputs
-            timed.spans.clear()
-            start = clock.mark()
             layer.forward(x)
             layer.backward(grad)
+
+        def run() -> dict:
+            one()  # untimed: warm, as the layer's ops alone are timed (see _solo)
+            timed.spans.clear()
+            start = clock.mark()
+            for _ in range(PASSES):
+                one()
             whole = clock.us(start, clock.mark())
-            return {"us": whole - sum(clock.us(*span) for span in timed.spans)}
+            return {"us": (whole - sum(clock.us(*span) for span in timed.spans)) / PASSES}
 
         return run
 
@@ -416,15 +425,16 @@ def _gather(comm: Communicator, clock: Clock, x: torch.Tensor, axis: str) -> Cal
 
 def _collective(comm: Communicator, clock: Clock, x: torch.Tensor, axis: str, kind: str) -> Callable[[], dict]:
     """Collective ``kind`` of ``x`` over ``axis``, timed right after an untimed run of itself:
-    an all_reduce (``x`` the whole tensor S), a reduce_scatter (S the input), or ``p2p``: each
-    rank sends ``x`` to the next of its group and receives as much from the one before, as a
-    pipeline's stages send activations one way while gradients come the other."""
+    an all_reduce (``x`` the whole tensor S), a reduce_scatter (S the input), or ``p2p``: the
+    group's ranks in pairs, the first of each sending ``x`` to the second (one way, as a
+    pipeline stage sends its activations on; an odd group's last rank idles)."""
     if kind == "p2p":
-        after, before = comm.peer(axis, 1), comm.peer(axis, -1)
-        buffer = torch.empty_like(x)
+        index, size = comm.index(axis), comm.size(axis)
+        transfers = ([("send", x, comm.peer(axis, 1), 0)] if index % 2 == 0 and index + 1 < size
+                     else [("recv", torch.empty_like(x), comm.peer(axis, -1), 0)] if index % 2 else [])
 
         def once() -> None:
-            for work in comm.post_p2p([("send", x, after, 0), ("recv", buffer, before, 0)]):
+            for work in comm.post_p2p(transfers) if transfers else ():
                 if work is not None:
                     work.wait()
     else:
