@@ -23,7 +23,8 @@ class ClockedComm(Communicator):
     :attr:`spans` holds (start, stop) marks, turned into time by the caller once the pass is
     done (on CUDA a mark is an event, read after it completes). A collective issued
     asynchronously is marked to its issue only: the layer pass issues them synchronously.
-    Anything else (process groups, names) is ``inner``'s."""
+    Its primitives are ``inner``'s, clocked (:func:`_clocked`, set below the class);
+    anything else (process groups, names) is ``inner``'s."""
 
     def __init__(self, inner: Communicator, mark: Callable[[], Any]):
         self.inner, self._mark = inner, mark
@@ -41,29 +42,18 @@ class ClockedComm(Communicator):
         self.spans.append((start, self._mark()))
         return out
 
-    def _all_gather(self, *args: Any) -> Any:
-        return self._timed(self.inner._all_gather, *args)
-
-    def _reduce_scatter(self, *args: Any) -> Any:
-        return self._timed(self.inner._reduce_scatter, *args)
-
-    def _all_reduce(self, *args: Any) -> Any:
-        return self._timed(self.inner._all_reduce, *args)
-
-    def _all_to_all(self, *args: Any) -> Any:
-        return self._timed(self.inner._all_to_all, *args)
-
-    def _reduce(self, *args: Any) -> Any:
-        return self._timed(self.inner._reduce, *args)
-
-    def _broadcast(self, *args: Any) -> Any:
-        return self._timed(self.inner._broadcast, *args)
-
-    def _send(self, *args: Any) -> Any:
-        return self._timed(self.inner._send, *args)
-
-    def _recv(self, *args: Any) -> Any:
-        return self._timed(self.inner._recv, *args)
-
     def post_p2p(self, transfers) -> list:
         return self.inner.post_p2p(transfers)
+
+
+def _clocked(name: str) -> Callable[..., Any]:
+    """The primitive ``name`` of the inner communicator, its span marked."""
+    def primitive(self: ClockedComm, *args: Any) -> Any:
+        return self._timed(getattr(self.inner, name), *args)
+
+    primitive.__name__ = name
+    return primitive
+
+
+for _name in ("_all_gather", "_reduce_scatter", "_all_reduce", "_all_to_all", "_reduce", "_broadcast", "_send", "_recv"):
+    setattr(ClockedComm, _name, _clocked(_name))
