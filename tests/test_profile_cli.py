@@ -10,7 +10,7 @@ import pytest
 from commands import dhelix_here
 from conftest import tiny_example_text
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("tqdm")
 
 from dhelix.cli import main  # noqa: E402
@@ -123,10 +123,27 @@ def test_check_says_how_to_re_measure_a_stale_profile(tmp_path, capsys):
 
 
 class _Counting:
-    """A stand-in for the profiler's layer bench and communicator: records what runs."""
+    """A stand-in for the profiler's layer bench and communicator (rank ``index`` of a group of
+    2): records what runs."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, index: int = 0):
+        self.calls, self._index = [], index
+
+    def index(self, axis):
+        return self._index
+
+    def size(self, axis):
+        return 2
+
+    def peer(self, axis, offset):
+        return (self._index + offset) % 2
+
+    def post_p2p(self, transfers):
+        self.calls += [(kind, peer) for kind, _, peer, _ in transfers]
+        return [None] * len(transfers)
+
+    def all_reduce(self, x, axis):
+        self.calls.append(("all_reduce", axis))
 
     def issue(self, op, async_op):
         self.calls.append(("issue", op.name, async_op))
@@ -177,6 +194,14 @@ def test_every_timed_collective_follows_an_untimed_run_of_itself():
     bench = _Counting()
     out = profiler._gather(bench, _Ticks(bench), None, "tp")()
     assert bench.calls == [("all_gather", "tp")] * 2 and out["us"] == 1.0
+    bench = _Counting()
+    out = profiler._collective(bench, _Ticks(bench), "x", "tp", "all_reduce")()
+    assert bench.calls == [("all_reduce", "tp")] * 2 and out["us"] == 1.0
+    # The send timed one way, in pairs of the group: index 0 sends to 1, 1 receives from 0.
+    for index, kind, peer in ((0, "send", 1), (1, "recv", 0)):
+        bench = _Counting(index)
+        out = profiler._collective(bench, _Ticks(bench), torch.zeros(2), "pp", "p2p")()
+        assert [call[:2] for call in bench.calls] == [(kind, peer)] * 2 and out["us"] == 1.0
 
 
 def test_the_layer_pass_leaves_out_its_collectives_as_they_took_in_it():

@@ -438,7 +438,7 @@ def _collective(comm: Communicator, clock: Clock, x: torch.Tensor, axis: str, ki
                 if work is not None:
                     work.wait()
     else:
-        issue = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter}[kind]
+        issue = getattr(comm, kind)  # all_reduce or reduce_scatter
 
         def once() -> None:
             issue(x, axis)
