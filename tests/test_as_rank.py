@@ -275,3 +275,37 @@ def test_zero1_gathers_bf16_weights_not_fp32_masters():
                 assert torch.equal(mine, bucket.master[:mine.numel()].to(torch.bfloat16).float())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tags", [True, False])
+def test_receives_are_posted_ahead_of_their_recv_where_messages_carry_tags(tags):
+    """A pipeline message crosses only once its receive is posted: with tags (gloo) each rank
+    posts its receives RECV_AHEAD RECVs before their turn, in order; without (NCCL, whose
+    transfers to a peer run in the order posted) each at its RECV. Rank 1 of pp 2, alone."""
+    import torch.distributed as dist
+
+    from dhelix.dsl.frontend.profiles import load_profile
+    from dhelix.interpreter.execute.executor import Executor
+    from dhelix.interpreter.execute.pipeline_comm import RECV_AHEAD
+    from dhelix.interpreter.ops.standin import EmulatedComm, join_standin_world
+    from dhelix.interpreter.verify.reference import make_batch
+
+    text = _program("pp = 2", layers=2, nodes=1, gpus=2, schedule="fold none\npipeline one_f_one_b")
+    program = build_run_plan(text, "p.dhx").program
+    join_standin_world(1, program.mesh.world)
+    try:
+        executor = Executor(program, EmulatedComm(program.mesh, "cpu", load_profile("a40"), "none"), seed=3,
+                            stand_in_weights=True, use_tags=tags)
+        posted = []
+        recv = executor.p2p.recv
+        executor.p2p.recv = lambda *args: (posted.append((executor.index_now, args[3])), recv(*args))[1]
+        executor.step(make_batch(program, 1))
+        receives = [(index, action) for index, (action, kind) in enumerate(zip(executor.actions, executor.kinds))
+                    if kind == "RECV"]
+        assert [action for _, action in posted] == [action for _, action in receives]  # in order, each once
+        # Where each was posted: the RECV_AHEAD-th RECV before its own (the first ones before any action).
+        expected = [0] * RECV_AHEAD + [index for index, _ in receives[:-RECV_AHEAD]] if tags else \
+            [index for index, _ in receives]
+        assert [index for index, _ in posted] == expected
+    finally:
+        dist.destroy_process_group()

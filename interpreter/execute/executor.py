@@ -53,7 +53,7 @@ from .layer_exec import GradStore, LayerPlan, LayerRun, count_storages
 from .model_ends import EmbedRun, HeadRun
 from .sequential import sum_partial_grads
 from dhelix.dsl.planner.pair_order import BlockOrder
-from .pipeline_comm import PipelineComm
+from .pipeline_comm import PipelineComm, RECV_AHEAD
 from dhelix.interpreter.verify.reference import Batch
 from dhelix.interpreter.ops.ring_attention import local_micro
 from .recording import Recorder, TimedComm, timed
@@ -200,6 +200,9 @@ class Executor:
         self.transfer_keys = dict(facts.transfer_keys[self.pp])
         self.p2p = PipelineComm(self.comm, self.lowered, use_tags,
                                 lambda pending, transfer: self._timed_recv(pending, transfer))
+        #: This rank's RECV actions in order: each is posted :data:`RECV_AHEAD` RECVs before
+        #: its turn (:meth:`_post_receives`).
+        self.receives = [action for action, kind in zip(self.actions, self.kinds, strict=True) if kind == "RECV"]
         self.params: dict[str, torch.Tensor] = {}
         #: ZeRO-3: which parameters are dp pieces (:mod:`.fsdp`).
         self.flat = FlatShards.of(program, comm, facts.fsdp, facts.shard_axis)
@@ -224,6 +227,9 @@ class Executor:
         self.postponed: list[Callable[[], Pending]] = []
         self.prefetched: dict[tuple[int, int], Pending] = {}
         self.index_now = 0
+        #: ... the receives posted ahead of their RECV, how many RECVs were posted and reached, ...
+        self.posted: dict[Transfer, Pending] = {}
+        self.receives_posted = self.receives_reached = 0
         #: ... the backwards finished per (stage, layer) and the gradients grad_ready took, ...
         self.done_counts: dict[tuple[int, int], int] = {}
         self.reduced_early: set[str] = set()
@@ -455,6 +461,8 @@ class Executor:
         self.mailbox, self.end_grads = {}, GradStore.seeded(main, (EMBEDDING, FINAL_NORM, LM_HEAD))
         self.deferred, self.issued, self.settled, self.pieces_done = [], 0, 0, []
         self.postponed, self.prefetched, self.index_now = [], {}, 0
+        self.posted, self.receives_posted, self.receives_reached = {}, 0, 0
+        self._post_receives()
         self.done_counts, self.reduced_early, self.dropped = {}, set(), set()
         self.filler = Filler(self.recorder, not self.comm.completes_at_issue)
         tokens = batch.inputs[0].numel()
@@ -652,10 +660,27 @@ class Executor:
         self.p2p.send(resolve(self.mailbox.pop(key)), action, key)
 
     def run_recv(self, action: Transfer) -> None:
-        """RECV: queue a receive; the consuming action finds it in the mailbox."""
-        key = self.transfer_keys[action]
+        """RECV: the receive, posted ahead (:meth:`_post_receives`); the consuming action
+        finds it in the mailbox."""
+        self.receives_reached += 1
+        self._post_receives()
+        self.mailbox[self.transfer_keys[action]] = self.posted.pop(action)
+
+    def _post_receives(self) -> None:
+        """Post the receives of this rank's RECVs up to the one :data:`RECV_AHEAD` past the
+        last reached, in order (sent with the next batch of transfers,
+        :meth:`PipelineComm.flush`). A point-to-point message crosses only once its receive
+        is posted: a receive posted at its RECV, right before the action that reads it, leaves
+        the whole transfer in that action's way. Only on a backend with tags (gloo, whose
+        transfers run on their own threads): NCCL runs a rank's sends and receives to a peer
+        in the order posted, on one stream, so a receive posted ahead of a send its sender
+        waits for would hang both; there each receive is posted at its RECV."""
         shape = self.program.forward.input_shape
-        self.mailbox[key] = self.p2p.recv(shape, self.dtype, self.device, action, key)
+        ahead = RECV_AHEAD if self.p2p.use_tags else 0
+        while self.receives_posted < min(len(self.receives), self.receives_reached + ahead):
+            action = self.receives[self.receives_posted]
+            self.posted[action] = self.p2p.recv(shape, self.dtype, self.device, action, self.transfer_keys[action])
+            self.receives_posted += 1
 
     # -- memory ------------------------------------------------------------------------
 

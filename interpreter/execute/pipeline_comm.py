@@ -1,7 +1,8 @@
 """Point-to-point transfers of activations and gradients between pipeline ranks.
 
 The lowered schedule puts SENDs right after the action producing the data and RECVs right
-before the action consuming it (:mod:`dhelix.dsl.core.schedule`). The executor queues the
+before the action consuming it (:mod:`dhelix.dsl.core.schedule`); on gloo the executor posts
+each receive :data:`RECV_AHEAD` RECVs earlier. The executor queues the
 transfers of a run of consecutive SEND/RECV actions here and :meth:`PipelineComm.flush` posts
 them as one batch (the communicator's ``post_p2p``: ``batch_isend_irecv``), so a rank that both sends and receives never blocks on the
 order of the two. Sends stay in flight (their tensors alive) until :meth:`PipelineComm.drain`;
@@ -21,6 +22,18 @@ import torch
 from dhelix.dsl.core.schedule import Lowered, Transfer
 
 from dhelix.interpreter.ops.comm import Communicator, Pending
+
+
+#: How many RECVs ahead of its turn a rank posts a receive, on a backend with tags (the
+#: executor's ``_post_receives``). A gloo message crosses only once its receive is posted
+#: (measured on the emulated two-node link: a 1 MiB receive posted half a second after its
+#: send still waited the 44 ms the link takes): posted at its RECV, right before the action
+#: that reads it, the whole transfer stood in that action's way, and a pipeline with two
+#: virtual stages per rank spent 60 % of its step waiting so. Two: the next receive from
+#: each neighbour while the current one is read. A posted receive holds its buffer (one layer
+#: input) from then on; the memory probe and the simulator count it from its RECV: up to
+#: RECV_AHEAD layer inputs a rank holds that they do not.
+RECV_AHEAD = 2
 
 
 class _Slot:
