@@ -73,6 +73,11 @@ def test_what_does_not_inline_is_left_to_a_call():
             return x
         return None
 
+    def unknown(x):
+        y = x + 1
+        return y + nowhere  # noqa: F821 (a name defined nowhere: its call raises NameError)
+
+    assert inline(unknown, ["a"], "b", bind) is None
     assert inline(lambda x: x + 1, ["a"], "b", bind) is None
     assert inline(closure_of(1), ["a"], "b", bind) is None
     assert inline(defaults, ["a", "b"], "c", bind) is None

@@ -60,7 +60,10 @@ def inline(fn: Callable, args: Sequence[str | list[str]], target: str | None,
             renames[param] = LOCAL + param
             head.append(f"{LOCAL}{param} = {arg}")
     resolver = _Resolver(fn.__globals__, renames, {}, bind)
-    body = [resolver.visit(stmt) for stmt in body]
+    try:
+        body = [resolver.visit(stmt) for stmt in body]
+    except NameError:  # a name the function reads that is nowhere now: its call will say so
+        return None
     result = ast.parse(f"{target} = None").body[0].targets[0] if target is not None else None  # type: ignore[attr-defined]
     body = _returns_assigned(body, result)
     if body is None:
@@ -166,7 +169,7 @@ class _Resolver(ast.NodeTransformer):
                 bound = self.seen[node.id] = self.bind(self.scope[node.id], node.id)
             return ast.copy_location(ast.Name(bound, node.ctx), node)
         if not hasattr(builtins, node.id):
-            raise NameError(node.id)  # (unreachable for a function that compiled and runs)
+            raise NameError(node.id)
         return node
 
     def visit_Call(self, node: ast.Call) -> ast.AST:

@@ -172,16 +172,17 @@ def _release_lines(left: str, fetch: str, store: str, releases) -> list[str]:
     # value this op alone reads goes now, uncounted (no other op reads its count; a run
     # whose counts start anew, a recomputing one, runs the methods); ``fetch`` first when a
     # count is kept.
-    lines = []
+    lines, counted = [], False
     for value, goes, alone in releases:
         if alone:
             if goes:
                 lines.append(f"{store}.pop({value!r}, None)")
             continue
+        counted = True
         lines += [f"count = {left}[{value!r}] - 1", f"{left}[{value!r}] = count"]
         if goes:
             lines += ["if not count:", f"    {store}.pop({value!r}, None)"]
-    return lines if len(lines) == sum(alone and goes for _, goes, alone in releases) else [fetch, *lines]
+    return [fetch, *lines] if counted else lines
 
 
 def _act_lines(target: str, value: str) -> list[str]:
@@ -257,7 +258,8 @@ def _kernel_lines(module: _Module, hint: str, fn, target: str | None, args: list
     lines = inline(fn, args, target, module.shared)
     if lines is not None:
         return [f"# {fn.__module__.rpartition('.')[2]}.{fn.__name__}, inlined", *lines]
-    call = f"{module.bind(hint, fn)}({', '.join(f'[{chr(44).join(a)}]' if isinstance(a, list) else a for a in args)})"
+    texts = [f"[{', '.join(arg)}]" if isinstance(arg, list) else arg for arg in args]
+    call = f"{module.bind(hint, fn)}({', '.join(texts)})"
     return [call if target is None else f"{target} = {call}"]
 
 
@@ -327,7 +329,7 @@ def _backward_call(module: _Module, plan: LayerPlan, step: Step, ctx, async_op: 
                      *_indented(_kernel_lines(module, f"{hint}_wgrad_into", step.kernel.wgrad_into, None,
                                               ["into", "grad", "saved"]))]
         body += ["else:", *_indented(_kernel_lines(module, f"{hint}_wgrad", wgrad, "part", ["grad", "saved"])),
-                 f"    weight_grads[{unit!r}] += part"]
+                 f"    weight_grads[{unit!r}] += part", "    part = None"]  # (the temporary goes now)
     for value, producers in flow.accumulates:
         # :meth:`LayerRun._accumulated`, inline where the own part has landed: the other
         # producers' parts added in their order, each waited for when still in flight.
