@@ -210,6 +210,39 @@ def test_stand_in_collectives_shapes_and_lanes():
         dist.destroy_process_group()
 
 
+def test_inline_stand_ins_give_what_the_lanes_threads_give():
+    """On inline lanes (``none``) the collectives' methods go straight to the bound stand-ins
+    (:meth:`~dhelix.interpreter.ops.standin.EmulatedComm.issuer`): the same tensors, the same
+    record of what was issued, a Pending where asked for one, the same error, as a lane thread."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    from dhelix.dsl.frontend.profiles import load_profile
+    from dhelix.interpreter.ops.comm import Pending
+    from dhelix.interpreter.ops.standin import EmulatedComm, join_standin_world
+
+    program = build_run_plan(LARGE["tp8_pp4_dp2"], "big.dhx").program
+    join_standin_world(5, program.mesh.world)
+    try:
+        got = []
+        for emulate in ("none", "copy"):
+            comm = EmulatedComm(program.mesh, "cpu", load_profile("a40"), emulate)
+            x = torch.arange(48.0).reshape(8, 6)
+            pending = comm.reduce_scatter(x, "tp", async_op=True)
+            assert isinstance(pending, Pending)
+            outs = [comm.all_gather(x[:2], "tp"), pending.wait(), comm.all_reduce(x.clone(), "dp", "max"),
+                    comm.all_gather(x, "pp")]
+            with pytest.raises(ValueError, match="reduce_scatter of 3 rows over tp = 8 does not divide"):
+                comm.reduce_scatter(x[:3], "tp")
+            got.append((outs, list(comm.issued)))
+            comm.lanes.close()
+        (inline, issued), (threaded, issued_threaded) = got
+        assert all(torch.equal(a, b) for a, b in zip(inline, threaded, strict=True)) and issued == issued_threaded
+    finally:
+        dist.destroy_process_group()
+
+
 def test_cli_profile_as_rank_then_run_with_it(tmp_path):
     profile = tmp_path / "alone.yaml"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

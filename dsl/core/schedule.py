@@ -68,12 +68,13 @@ class Interleaved:
         return (self.fwd, self.bwd)
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Transfer:
     """SEND or RECV of the ``data`` ('F' activation or 'B' gradient) of ``microbatch.chunk``.
 
     For a SEND, ``chunk`` is the local chunk whose action produced the data; for a RECV, the
-    local chunk whose action consumes it. ``peer`` is the other rank.
+    local chunk whose action consumes it. ``peer`` is the other rank. Its hash is computed
+    once (the executor finds each transfer's key by it on every step).
     """
 
     kind: str

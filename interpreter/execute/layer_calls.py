@@ -6,10 +6,12 @@ role's handler, its context, its weight and its gradient flow, and go through th
 communicator's layers for a collective. A :class:`LayerCalls` does that once per op and
 issue mode: each op becomes a function ``call(run)`` of straight-line Python, generated from
 its step (:attr:`LayerCalls.source` is its text; a traceback shows its lines): its names as
-constants, its kernel function, its shared context and, for a collective, the communicator's
-bound issue (:func:`~dhelix.interpreter.ops.collective_kernels.bound`) as the module's
-globals, the values its run releases after it and its gradients' checks written out one by
-one (no loop over a table, no branch on the op's kind at run time). The SI blocks and the
+constants, its kernel's body written in (:mod:`.kernel_inline`; a kernel of a shape that does
+not inline is called), its shared context and, for a collective, the communicator's bound
+issue (:func:`~dhelix.interpreter.ops.collective_kernels.bound`) as the module's globals, the
+values its run releases after it and its gradients' checks written out one by one (no loop
+over a table, no branch on the op's kind at run time; a value the op alone reads goes
+without a count). The SI blocks and the
 chains run alone call these (:class:`~.si.Flat`'s ``call``).
 
 A call does exactly what the run's method does for its op, in the same order — the same
@@ -32,7 +34,7 @@ import hashlib
 import linecache
 import re
 from types import CodeType
-from typing import Callable
+from typing import Callable, Mapping
 
 from dhelix.dsl.core.oplib import BWD, DGRAD, WGRAD, is_wgrad
 
@@ -40,6 +42,7 @@ from dhelix.interpreter.ops.collective_kernels import bound
 from dhelix.interpreter.ops.comm import Communicator, Pending
 from dhelix.interpreter.ops.handlers import COMM, FORWARD
 from dhelix.interpreter.ops.kernels import KernelCtx
+from .kernel_inline import inline
 from .layer_exec import LayerPlan, Step
 
 #: A compiled op: ``call(run)`` runs the op on a LayerRun.
@@ -99,6 +102,8 @@ class _Module:
         self.functions: list[str] = []
         self.globals: dict[str, object] = {"Pending": Pending}
         self.names: set[str] = set()
+        #: The globals inlined kernels share, by the id of their value (:meth:`shared`).
+        self._shared: dict[int, str] = {}
         #: The functions compiled so far, and the namespace they run in.
         self.loaded, self.namespace = 0, {}
 
@@ -106,6 +111,16 @@ class _Module:
         """A global of the module holding ``value``, named after ``hint``."""
         name = self._fresh(hint)
         self.globals[name] = value
+        return name
+
+    def shared(self, value: object, hint: str) -> str:
+        """The global holding ``value`` that every inlined kernel reads it by (bound on the
+        first ask, named after ``hint``)."""
+        name = self._shared.get(id(value))
+        if name is None:
+            # (a trailing underscore: no local of the generated code, an inlined kernel's
+            # ``k_`` ones included, ends in one)
+            name = self._shared[id(value)] = self.bind(f"{hint}_", value)
         return name
 
     def add(self, hint: str, body: list[str], params: str = "run") -> str:
@@ -146,20 +161,28 @@ def _compiled(text: str) -> CodeType:
     return compile(text, f"<dhelix layer calls {hashlib.sha1(text.encode()).hexdigest()[:12]}>", "exec")
 
 
-def _releases(step: Step, keep: str) -> tuple[tuple[str, bool], ...]:
-    # Each distinct input or wait of the op, and whether it goes when its last reader has run
-    # (the layer's result stays: the chain hands it on).
-    return tuple((name, name != keep) for name in step.inputs)
+def _releases(step: Step, keep: str, readers: Mapping[str, int]) -> tuple[tuple[str, bool, bool], ...]:
+    # Each distinct input or wait of the op, whether it goes when its last reader has run
+    # (the layer's result stays: the chain hands it on) and whether this op is its one reader.
+    return tuple((name, name != keep, readers.get(name) == 1) for name in step.inputs)
 
 
-def _release_lines(left: str, store: str, releases) -> list[str]:
-    # The run's count of each released value's readers, one down; the value goes at zero.
-    lines = []
-    for value, goes in releases:
+def _release_lines(left: str, fetch: str, store: str, releases) -> list[str]:
+    # The run's count of each released value's readers, one down; the value goes at zero. A
+    # value this op alone reads goes now, uncounted (no other op reads its count; a run
+    # whose counts start anew, a recomputing one, runs the methods); ``fetch`` first when a
+    # count is kept.
+    lines, counted = [], False
+    for value, goes, alone in releases:
+        if alone:
+            if goes:
+                lines.append(f"{store}.pop({value!r}, None)")
+            continue
+        counted = True
         lines += [f"count = {left}[{value!r}] - 1", f"{left}[{value!r}] = count"]
         if goes:
             lines += ["if not count:", f"    {store}.pop({value!r}, None)"]
-    return lines
+    return [fetch, *lines] if counted else lines
 
 
 def _act_lines(target: str, value: str) -> list[str]:
@@ -213,19 +236,35 @@ def _forward_call(module: _Module, plan: LayerPlan, step: Step, ctx, async_op: b
             issue = module.bind(f"{hint}_issue", bound(op.op, step.kernel, ctx, bare))
             body.append(f"acts[{name!r}] = {issue}(x)")
     else:
-        kernel = module.bind(f"{hint}_kernel", step.kernel.forward)
         args = []
         for index, value in enumerate(inputs):
             body += _act_lines(f"x{index}", value)
             args.append(f"x{index}")
-        body += [f"out, saved = {kernel}([{', '.join(args)}], {RUN}.weights.get({step.weight_name!r}), "
-                 f"{_context(module, hint, ctx)})",
-                 f"acts[{name!r}] = out"]
+        body += _kernel_lines(module, f"{hint}_kernel", step.kernel.forward, "out, saved",
+                              [args, f"{RUN}.weights.get({step.weight_name!r})", _context(module, hint, ctx)])
+        body.append(f"acts[{name!r}] = out")
         if plan.saved_users.get(name):
             body.append(f"{RUN}.saved[{name!r}] = saved")
-    body += [f"fwd_left = {RUN}._fwd_left", *_release_lines("fwd_left", "acts", _releases(step, plan.fwd.output)),
+    body += [*_release_lines("fwd_left", f"fwd_left = {RUN}._fwd_left", "acts",
+                             _releases(step, plan.fwd.output, plan.fwd_readers)),
              f"{RUN}.version += 1"]
     return hint, method, body
+
+
+def _kernel_lines(module: _Module, hint: str, fn, target: str | None, args: list) -> list[str]:
+    # ``target = fn(*args)`` (None: the result dropped): the kernel's body inlined
+    # (:func:`.kernel_inline.inline`), or a call of it where it does not inline. An arg is
+    # an expression, or a list of names (passed as a list).
+    lines = inline(fn, args, target, module.shared)
+    if lines is not None:
+        return [f"# {fn.__module__.rpartition('.')[2]}.{fn.__name__}, inlined", *lines]
+    texts = [f"[{', '.join(arg)}]" if isinstance(arg, list) else arg for arg in args]
+    call = f"{module.bind(hint, fn)}({', '.join(texts)})"
+    return [call if target is None else f"{target} = {call}"]
+
+
+def _indented(lines: list[str]) -> list[str]:
+    return ["    " + line for line in lines]
 
 
 def _context(module: _Module, hint: str, ctx) -> str:
@@ -268,8 +307,8 @@ def _backward_call(module: _Module, plan: LayerPlan, step: Step, ctx, async_op: 
             body.append(f"out = {{{value!r}: {issue}(grad)}}")
         produced.append(value)
     elif role in (DGRAD, BWD):
-        dgrad = module.bind(f"{hint}_dgrad", step.kernel.dgrad)
-        body.append(f"grads = {dgrad}(grad, {RUN}.saved[{source!r}], {RUN}.weights.get({step.weight_name!r}))")
+        body += _kernel_lines(module, f"{hint}_dgrad", step.kernel.dgrad, "grads",
+                              ["grad", f"{RUN}.saved[{source!r}]", f"{RUN}.weights.get({step.weight_name!r})"])
         for index, value in enumerate(forward.inputs):
             if value in flow.produces:
                 body += [f"part{index} = grads[{index}]", f"if part{index} is None:",
@@ -281,14 +320,16 @@ def _backward_call(module: _Module, plan: LayerPlan, step: Step, ctx, async_op: 
         body.append("out = {}")
     if weighted is not None:
         kept, unit = weighted
-        wgrad = module.bind(f"{hint}_wgrad", step.kernel.wgrad)
+        wgrad = step.kernel.wgrad
         body += [f"weight_grads = {RUN}.grads", f"saved = {RUN}.saved[{kept!r}]",
-                 f"into = weight_grads.get({unit!r})",
-                 "if into is None:", f"    weight_grads[{unit!r}] = {wgrad}(grad, saved)"]
+                 f"into = weight_grads.get({unit!r})", "if into is None:",
+                 *_indented(_kernel_lines(module, f"{hint}_wgrad", wgrad, f"weight_grads[{unit!r}]", ["grad", "saved"]))]
         if step.kernel.wgrad_into is not None:
-            into = module.bind(f"{hint}_wgrad_into", step.kernel.wgrad_into)
-            body += ["elif into.dtype == grad.dtype:", f"    {into}(into, grad, saved)"]
-        body += ["else:", f"    weight_grads[{unit!r}] += {wgrad}(grad, saved)"]
+            body += ["elif into.dtype == grad.dtype:",
+                     *_indented(_kernel_lines(module, f"{hint}_wgrad_into", step.kernel.wgrad_into, None,
+                                              ["into", "grad", "saved"]))]
+        body += ["else:", *_indented(_kernel_lines(module, f"{hint}_wgrad", wgrad, "part", ["grad", "saved"])),
+                 f"    weight_grads[{unit!r}] += part", "    part = None"]  # (the temporary goes now)
     for value, producers in flow.accumulates:
         # :meth:`LayerRun._accumulated`, inline where the own part has landed: the other
         # producers' parts added in their order, each waited for when still in flight.
@@ -300,9 +341,11 @@ def _backward_call(module: _Module, plan: LayerPlan, step: Step, ctx, async_op: 
         body.append(f"    out[{value!r}] = own")
     if produced:
         body.append(f"bgrads[{name!r}] = out")
-    body += [f"bwd_left = {RUN}._bwd_left", *_release_lines("bwd_left", "bgrads", _releases(step, plan.bwd.output)),
-             f"users = {RUN}._saved_left", f"count = users[{source!r}] - 1", f"users[{source!r}] = count",
-             "if not count:", f"    {RUN}.saved.pop({source!r}, None)", f"{RUN}.version += 1"]
+    body += [*_release_lines("bwd_left", f"bwd_left = {RUN}._bwd_left", "bgrads",
+                             _releases(step, plan.bwd.output, plan.bwd_readers)),
+             *_release_lines("users", f"users = {RUN}._saved_left", f"{RUN}.saved",
+                             ((source, True, plan.saved_users.get(source) == 1),)),
+             f"{RUN}.version += 1"]
     return hint, method, body
 
 

@@ -146,25 +146,32 @@ class TimedComm(Communicator):
     def _run(self, name: str, axis: str, async_op: bool, method, *args):
         # ``method(*args)``: the inner communicator's collective, called here (no closure
         # made per collective: one runs per layer op or so).
-        if async_op and not self.recorder.trace:
-            # Without a trace nothing reads an asynchronous collective's issue time, only
-            # how long its wait blocks: no clock read at its issue.
+        recorder = self.recorder
+        if not recorder.trace:
+            if async_op:
+                # Without a trace nothing reads an asynchronous collective's issue time, only
+                # how long its wait blocks: no clock read at its issue.
+                out = method(*args)
+                if out.done():  # complete at its issue (a size-1 group, a stand-in's inline lane)
+                    return out
+                return _TimedPending(out, recorder, name, self.lane_of(axis), 0.0)
+            if self.size(axis) == 1:
+                return method(*args)
+            # A synchronous one blocks for its whole time (Recorder.blocked without an event,
+            # which only a trace keeps: no name or lane to find).
+            issued = time.perf_counter()
             out = method(*args)
-            if out.done():  # complete at its issue (a size-1 group, a stand-in's inline lane)
-                return out
-            return _TimedPending(out, self.recorder, name, self.lane_of(axis), 0.0)
+            if not recorder.cuda:
+                recorder.waited["collective"] += time.perf_counter() - issued
+            return out
         if self.size(axis) == 1:
             return method(*args)
         issued = time.perf_counter()
         out = method(*args)
-        # The event's name is read only by a trace: not built otherwise.
-        trace = self.recorder.trace
-        label = (self._op or f"{name}.{axis}") if trace else name
+        label = self._op or f"{name}.{axis}"  # (the event's name: only a trace reads it)
         if async_op:
-            if not trace and out.done():  # complete at its issue: no wait to time
-                return out
-            return _TimedPending(out, self.recorder, label, self.lane_of(axis), issued)
-        self.recorder.blocked(label, self.lane_of(axis), issued, issued, time.perf_counter())
+            return _TimedPending(out, recorder, label, self.lane_of(axis), issued)
+        recorder.blocked(label, self.lane_of(axis), issued, issued, time.perf_counter())
         return out
 
     @property

@@ -207,6 +207,7 @@ class EmulatedComm(DistComm):
         self._host = self._source = None  # ``copy``: the pinned host buffer, the device one copied
         self._lock = threading.Lock()
         self._lane_of: dict[str, tuple[str, int]] = {}
+        self._inline_issuers: dict[tuple[str, str, bool], object] = {}
         # Every group's lane found, and made, ahead of the first block.
         self.lanes.prepare(sorted({self.lane_and_nodes(axis)[0] for axis in self._groups}))
 
@@ -333,6 +334,28 @@ class EmulatedComm(DistComm):
         return all_reduce
 
     # -- the collectives: stand-ins of the right shape --------------------------------------
+
+    def all_gather(self, x, axis, async_op=False):
+        issue = self._inline_issue("all_gather", axis, async_op)
+        return issue(x) if issue is not None else super().all_gather(x, axis, async_op)
+
+    def reduce_scatter(self, x, axis, async_op=False):
+        issue = self._inline_issue("reduce_scatter", axis, async_op)
+        return issue(x) if issue is not None else super().reduce_scatter(x, axis, async_op)
+
+    def all_reduce(self, x, axis, op="sum", async_op=False):
+        issue = self._inline_issue("all_reduce", axis, async_op)  # (a stand-in's reduction reads no op)
+        return issue(x) if issue is not None else super().all_reduce(x, axis, op, async_op)
+
+    def _inline_issue(self, kind: str, axis: str, async_op: bool):
+        """On inline lanes, the collective as :meth:`issuer` writes it (the same record,
+        writes and tally as the methods, without their layers; a group of one: the identity),
+        bound once per kind, axis and mode; None: the methods run it."""
+        key = (kind, axis, async_op)
+        found = self._inline_issuers.get(key)
+        if found is None:
+            found = self._inline_issuers[key] = self.issuer(kind, axis, async_op) if self.lanes.inline else False
+        return found or None
 
     def _all_gather(self, x, axis, async_op):
         size = self.size(axis)
