@@ -331,7 +331,9 @@ def _shortest(tables: tuple[PrefixTable, PrefixTable], matrix: StepTable, ceilin
     quiet, spare_of, cut, spares = matrix.quiet, matrix.spare_of, matrix.cut, matrix.spare[1]
     bwd_out: list[list | None] = [None] * width
     bounded = matrix.bounds is not None
-    plain_of, plains, cells = matrix.plain_of, (matrix.plain[1] if bounded else None), matrix.cells
+    # (with bounds shared by shape, a pair's bound is a lookup: no use ruling it out first)
+    plain_of, cells = matrix.plain_of, matrix.cells
+    plains = matrix.plain[1] if bounded and not matrix.share_bounds else None
     fixed, fraction = matrix.gap
     for i in range(len(fwd.prefixes)):
         fwd_kinds = _shorter(matrix.steps_out(0, i), fwd.sizes, longest)

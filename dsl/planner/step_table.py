@@ -29,7 +29,7 @@ class PrefixTable:
     A segment's ops (in canonical issue order) are listed when first asked for."""
 
     def __init__(self, strand: Strand, max_segment: int | None):
-        self.strand = strand
+        self.strand, self.max_segment = strand, max_segment
         table = prefixes(strand)
         assert table is not None, "no limit: every prefix"
         self.prefixes = table
@@ -98,6 +98,11 @@ class StepTable:
         # segments' shapes, worked out once per segment.
         self.numbered = self.bounds is not None and getattr(cost, "shape_number", None) is not None
         self.numbers: list[list[int | None]] = [[None] * len(table.segments) for table in tables]
+        # With short segments (a bounded search) shapes are cheap to number and repeat (the
+        # chunks of a chain, the expert groups): a pair's bound is then worked out once per
+        # two shapes. With segments of any length most segments are never numbered.
+        self.share_bounds = self.numbered and all(table.max_segment is not None for table in tables)
+        self._shape_bounds: dict[int, float] = {}
         self._remaining: dict[int, list[tuple[float, ...]] | None] = {}
         # Two segments that hold no communication mostly only compute, and then their pair's
         # bound (the compute lane's work of both, plus the launch gap) exceeds their solo
@@ -108,7 +113,7 @@ class StepTable:
         self.cut = 0.0
         if self.bounds is not None and first:
             gap = self.bound_of(0 if len(tables[0].segments) > 1 else 1, 1).launch_gap.fixed_us * 1e-6
-            self.cut = gap / 2 if gap > 0 else 0.0
+            self.cut = gap / 2 if gap > 0 and not self.share_bounds else 0.0
         self.quiet = quiet if self.cut > 0 else [False] * len(quiet)
         self.spare: list[list[float | None]] = [[None] * len(table.segments) for table in tables]
         # Per segment, what a pair's bound reads before what overlap saves (lanes, chain,
@@ -238,6 +243,11 @@ class StepTable:
                     value = INF
                 elif self.bounds is None:
                     value = 0.0
+                elif self.share_bounds:
+                    shapes = self.number_of(0, f) << 32 | self.number_of(1, b)
+                    value = self._shape_bounds.get(shapes)
+                    if value is None:
+                        value = self._shape_bounds[shapes] = self.bound_of(0, f).pair(self.bound_of(1, b)) * SAFE
                 else:
                     value = self.bound_of(0, f).pair(self.bound_of(1, b)) * SAFE
             solo_f, solo_b = self.solo[0][f], self.solo[1][b]
