@@ -25,7 +25,8 @@ from dhelix.dsl.passes.pipeline import check_text
 from dhelix.dsl.core.plan import format_plan, plan_from_json, plan_to_json
 from dhelix.dsl.core.program import Strands
 from dhelix.dsl.planner.refine import refine
-from dhelix.dsl.planner.sequences import canonical, is_legal, strand_of
+from dhelix.dsl.planner.sequences import canonical, is_legal, moving_ops, strand_of
+from dhelix.dsl.planner.step_table import SAFE, PrefixTable, StepTable
 from dhelix.dsl.passes.strands import select
 from test_sequences import PROPERTY, checked, dags, legal_by_permutation
 
@@ -717,6 +718,57 @@ def test_with_the_lane_model_the_best_first_pass_finds_the_optimum(chunk, comm_w
         plain = plan_layers(fwd, bwd, strands, _lane_model(program, oef, slowdown, fraction), max_segment=None)
     assert first.total == pytest.approx(best, rel=1e-12)
     assert first.pairs == plain.pairs and first.total == plain.total
+
+
+@settings(PROPERTY, max_examples=60)
+@given(problems())
+def test_the_best_first_search_finds_the_plan_of_pricing_every_step(problem):
+    """The search with segments of any length as it runs on a large pair (best first, steps
+    skipped by their segments' kinds, by their bound before what overlap saves, quiet pairs
+    cut by spare, solo times worked out late) returns the very plan of the plain DP pricing
+    every step (a cost without bounds, the search before any pruning)."""
+    fwd, bwd, strands, salt = problem
+    with _BestFirst(True):
+        fast = plan_layers(fwd, bwd, strands, BoundedCost(salt), max_segment=None)
+    slow = plan_layers(fwd, bwd, strands, Unbounded(BoundedCost(salt)), max_segment=None)
+    assert fast.pairs == slow.pairs and fast.total == slow.total
+    assert fast.stats.pair_evaluations <= slow.stats.pair_evaluations
+
+
+def _quiet_cut_pairs(fwd, bwd, strands, cost) -> tuple[int, int]:
+    """(pairs of quiet segments the spare cut drops, of them those not useless by their
+    bound): every pair of non-empty segments of two quiet kinds checked against its bound."""
+    moving = moving_ops(strands, fwd, bwd)
+    sides = (strand_of(fwd, moving), strand_of(bwd, moving))
+    tables = (PrefixTable(sides[0], None), PrefixTable(sides[1], None))
+    matrix = StepTable(tables, cost, rules_of(strands, fwd, bwd))
+    dropped = wrong = 0
+    for f in range(1, len(tables[0].segments)):
+        for b in range(1, len(tables[1].segments)):
+            kf, kb = matrix.kinds[0][f], matrix.kinds[1][b]
+            if not (matrix.quiet[kf] and matrix.quiet[kb]) or not matrix.allowed[kf][kb]:
+                continue
+            if matrix.spare_of(0, f) + matrix.spare_of(1, b) < matrix.cut:
+                dropped += 1
+                bound = matrix.bound_of(0, f).pair(matrix.bound_of(1, b)) * SAFE
+                wrong += not bound > matrix.solo_of(0, f) + matrix.solo_of(1, b)
+    return dropped, wrong
+
+
+@settings(PROPERTY, max_examples=40)
+@given(problems())
+def test_the_spare_cut_drops_only_pairs_slower_than_their_segments_one_after_the_other(problem):
+    fwd, bwd, strands, salt = problem
+    assert _quiet_cut_pairs(fwd, bwd, strands, BoundedCost(salt))[1] == 0
+
+
+def test_the_spare_cut_drops_the_compute_pairs_of_a_chunked_layer():
+    """On PairCost two compute-only segments never pay beside each other (the launch gap):
+    the cut finds such pairs, and each is slower paired than one after the other."""
+    program = _partitioned(PARTITIONS[0], "on")
+    dropped, wrong = _quiet_cut_pairs(program.forward, program.backward, program.strands,
+                                      PairCost.for_program(program))
+    assert dropped > 0 and wrong == 0
 
 
 def test_a_best_first_total_below_the_optimum_loses_the_plan(monkeypatch):

@@ -69,7 +69,7 @@ class _Segment:
     """One segment prepared for simulation (cached per segment): ops, in-segment
     dependencies, remaining-path lengths and per-lane task queues in segment order."""
 
-    __slots__ = ("names", "waiting", "dependents", "ntasks", "tail", "queues", "comm", "johnson", "ranked")
+    __slots__ = ("names", "waiting", "dependents", "ntasks", "tail", "queues", "comm", "_preps", "_ranked")
 
     def __init__(self, preps: list[tuple[str, tuple[str, ...], tuple]]):
         index = {name: i for i, (name, _, _) in enumerate(preps)}
@@ -96,11 +96,21 @@ class _Segment:
             for lane, seconds, uid in tasks:
                 self.queues[lane].append((i, seconds, uid))
         self.comm = sum(seconds for lane in (1, 2) for _, seconds, _ in self.queues[lane])
-        self.johnson = self._johnson_keys(preps)
-        # Per policy of _simulate (0: Johnson's rule, 1: longest path), per lane: the queue's
-        # (op index, seconds, task uid, issue key); the key ends with the op's name.
-        self.ranked = tuple(tuple([(i, seconds, uid, (keys[i], self.names[i])) for i, seconds, uid in queue]
-                                  for queue in self.queues) for keys in (self.johnson, self.tail))
+        self._preps = preps
+        self._ranked: list[tuple | None] = [None, None]
+
+    def ranked(self, policy: int) -> tuple:
+        """Per lane, the queue's (op index, seconds, task uid, issue key) under ``policy`` of
+        _simulate (0: Johnson's rule, 1: longest path); the key ends with the op's name.
+        Worked out when first asked for: a segment simulated only alone never needs the
+        keys (one strand never has to choose), and Johnson's cost a pass over op pairs."""
+        found = self._ranked[policy]
+        if found is None:
+            keys = self._johnson_keys(self._preps) if policy == 0 else self.tail
+            found = self._ranked[policy] = tuple(
+                tuple([(i, seconds, uid, (keys[i], self.names[i])) for i, seconds, uid in queue])
+                for queue in self.queues)
+        return found
 
     def _johnson_keys(self, preps) -> list[tuple]:
         """Issue keys after Johnson's two-machine rule: a compute op gating a comm op later in
@@ -173,6 +183,10 @@ class PairCost:
         only where they are independent)."""
         if not ops:
             return 0.0
+        if not self._measured:
+            alone = _one_lane(self, ops)
+            if alone is not None:
+                return alone
         entry = self._segment_entry(ops)
         if self._measured:
             key = tuple(map(id, ops))
@@ -181,13 +195,14 @@ class PairCost:
                 return hit[0]
             value = self._measured_time(ops, ())
             if value is None:
-                value = _simulate(self, (entry[0],), 0, False)[0]
+                value = _simulate(self, (entry[0],), 1, False)[0]
             self._solo[key] = (value, tuple(ops))
             return value
         shape_key = ("solo", entry[3])
         value = self._by_shape.get(shape_key)
         if value is None:
-            value = self._by_shape[shape_key] = _simulate(self, (entry[0],), 0, False)[0]
+            # (policy 1: with one strand the policy never has to choose, and its keys are cheaper)
+            value = self._by_shape[shape_key] = _simulate(self, (entry[0],), 1, False)[0]
         return value
 
     def pair(self, fwd: Sequence, bwd: Sequence) -> float:
@@ -226,7 +241,7 @@ class PairCost:
             return self._modelled_pair(fwd, bwd, True)
         if not fwd and not bwd:
             return 0.0, []
-        span, slots, _ = _simulate(self, (self._segment(fwd or bwd),), 0, True)
+        span, slots, _ = _simulate(self, (self._segment(fwd or bwd),), 1, True)
         strand = "fwd" if fwd else "bwd"
         return span, [attrs.evolve(slot, strand=strand) for slot in slots]
 
@@ -384,6 +399,21 @@ class PairCost:
 _CLASS_ORDER = ("comp", "intra", "inter")
 
 
+def _one_lane(cost: PairCost, ops: Sequence) -> float | None:
+    """The solo time of a segment whose tasks all run on one lane (None for any other):
+    one task at a time, each at full speed, so their seconds added in issue order, which is
+    what :func:`_simulate` adds up for it, without preparing the segment."""
+    lane, total = -1, 0.0
+    for op in ops:
+        for task_lane, seconds, _ in cost._prepare(op)[2]:
+            if task_lane != lane:
+                if lane >= 0:
+                    return None
+                lane = task_lane
+            total += seconds
+    return total
+
+
 def _name_order(fwd: Sequence[str], bwd: Sequence[str]) -> tuple[int, ...]:
     """How each forward op's name compares with each backward op's (-1, 0, 1): the only use
     the simulation makes of names is to break ties between the strands' ready heads."""
@@ -415,7 +445,7 @@ def _simulate(cost: PairCost, segs: tuple[_Segment, ...], policy: int, record: b
     waiting = [list(seg.waiting) for seg in segs]
     left = [list(seg.ntasks) for seg in segs]
     heads = [[0] * len(segs) for _ in range(3)]
-    ranked = [seg.ranked[policy] for seg in segs]
+    ranked = [seg.ranked(policy) for seg in segs]
     strands = range(len(segs))
     running: list[_Running | None] = [None, None, None]  # per lane
     now, slots, contested, busy = 0.0, [], False, 0

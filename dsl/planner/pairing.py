@@ -52,7 +52,8 @@ from dhelix.dsl.planner.pairing_rules import PairingRules, Traits, restriction, 
 from dhelix.dsl.planner.refine import refine
 from dhelix.dsl.planner.restbound import fixed_chain_rest
 from dhelix.dsl.planner.segment_bound import SegmentBound
-from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, available, canonical, count_orders, moving_ops,
+from dhelix.dsl.planner.step_table import SAFE as _SAFE, PrefixTable, StepTable, spare_enough
+from dhelix.dsl.planner.sequences import (DEFAULT_MAX_PREFIXES, Strand, canonical, count_orders, moving_ops,
                         prefixes, strand_within)
 
 INF = float("inf")
@@ -104,28 +105,6 @@ class BoundedCost(SegmentCost, Protocol):
                        second: tuple[int, Sequence[str]]) -> float: ...
 
 
-class _Table:
-    """One strand's prefixes, its distinct segments (id 0: the empty one) and, per prefix,
-    the steps out of it: (segment id, index of the grown prefix), the empty step first."""
-
-    def __init__(self, strand: Strand, max_segment: int | None):
-        self.strand = strand
-        table = prefixes(strand)
-        assert table is not None, "no limit: every prefix"
-        self.prefixes = table
-        position = {p: k for k, p in enumerate(self.prefixes)}
-        ids: dict[int, int] = {0: 0}
-        self.succ: list[list[tuple[int, int]]] = []
-        for k, prefix in enumerate(self.prefixes):
-            steps = [(0, k)]
-            for grown in _grown(strand, prefix, max_segment):
-                steps.append((ids.setdefault(grown ^ prefix, len(ids)), position[grown]))
-            self.succ.append(steps)
-        self.segments = sorted(ids, key=ids.__getitem__)
-        self.ops = [tuple(strand.ops[i] for i in canonical(strand, seg)) for seg in self.segments]
-        self.sizes = [len(ops) for ops in self.ops]
-
-
 def segment_pairs_within(sides: tuple[Strand, Strand], limit: int) -> bool:
     """Whether the two strands have at most ``limit`` pairs of segments of any length (a
     segment: the difference of a prefix and a larger one); stops counting past the limit."""
@@ -141,18 +120,6 @@ def segment_pairs_within(sides: tuple[Strand, Strand], limit: int) -> bool:
                 return False
         counts.append(count)
     return counts[0] * counts[1] <= limit
-
-
-def _grown(strand: Strand, prefix: int, max_segment: int | None) -> list[int]:
-    """Every prefix that extends ``prefix`` by 1 … ``max_segment`` ops, by size then mask."""
-    found, level = [], {prefix}
-    limit = max_segment if max_segment is not None else len(strand.ops)
-    for _ in range(limit):
-        level = {grown | 1 << i for grown in level for i in available(strand, grown)}
-        if not level:
-            break
-        found += sorted(level)
-    return found
 
 
 def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: SegmentCost, *,
@@ -174,21 +141,21 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
     refined = max_segment == AUTO
     if isinstance(max_segment, str):  # AUTO
         max_segment = None if segment_pairs_within(sides, exact_pairs) else DEFAULT_MAX_SEGMENT
-    tables = (_Table(sides[0], max_segment), _Table(sides[1], max_segment))
-    matrix = _PairMatrix(tables, cost, rules)
+    tables = (PrefixTable(sides[0], max_segment), PrefixTable(sides[1], max_segment))
+    matrix = StepTable(tables, cost, rules)
     ceiling = INF
     # A quick plan's total prunes the search (its steps are the search's own cells).
     if matrix.bounds is not None and (max_segment is None or max_segment > _CEILING_SEGMENT):
         ceiling = _shortest(tables, matrix, longest=_CEILING_SEGMENT)[1]
-    chains = matrix.chain_rest() if max_segment is None else None
+    chains = _chain_rest(matrix) if max_segment is None else None
     if chains is not None and len(tables[0].segments) * len(tables[1].segments) > BEST_FIRST_PAIRS:
         # The least total first (best first, by each step's bound): the search below then
         # prunes at it, as if it had known it, and finds its own path to it.
         ceiling = min(ceiling, _best_first(tables, matrix, ceiling, chains))
     steps, total = _shortest(tables, matrix, ceiling, chains=chains)
-    pairs = tuple(SegmentPair(tuple(op.name for op in tables[0].ops[f]),
-                              tuple(op.name for op in tables[1].ops[b]), time,
-                              matrix.solo[0][f] + matrix.solo[1][b]) for f, b, time in steps)
+    pairs = tuple(SegmentPair(tuple(op.name for op in tables[0].ops(f)),
+                              tuple(op.name for op in tables[1].ops(b)), time,
+                              matrix.solo_of(0, f) + matrix.solo_of(1, b)) for f, b, time in steps)
     moves = 0
     if refined and (max_segment is not None or any(side.window is not None for side in sides)):
         better, moves = _refined(steps, tables, cost, rules)
@@ -213,7 +180,7 @@ def plan_layers(forward: LayerDag, backward: LayerDag, strands: Strands, cost: S
         rules=_rules_text(strands, rules, moving), stats=stats, unit=getattr(cost, "unit", "s"))
 
 
-def _refined(steps: list[tuple[int, int, float]], tables: tuple["_Table", "_Table"], cost: SegmentCost,
+def _refined(steps: list[tuple[int, int, float]], tables: tuple[PrefixTable, PrefixTable], cost: SegmentCost,
              rules: PairingRules) -> tuple[tuple[SegmentPair, ...], int]:
     """The segment pairs of the search's ``steps`` (segment ids of ``tables``, and times)
     after the local search of :mod:`~dhelix.dsl.planner.refine`, and its moves made."""
@@ -322,167 +289,22 @@ def fixed_chain_table(sides: tuple[Strand, Strand], cost: BoundedCost, rules: Pa
                             lambda a, b: a.allows(b, rules.comm_with_comm))
 
 
-class _PairMatrix:
-    """Solo times per segment and pair costs per (forward, backward) segment, each asked of
-    the cost once and only when the search needs it: ``cell(f, b)`` is the step's time, INF
-    for a restricted pair and for ∅ × ∅. With the cost's bounds (``segment_bound``, see
-    :class:`~dhelix.dsl.planner.segment_bound.SegmentBound`), ``lower(f, b)`` bounds a cell from
-    below without pricing it, and ``work`` holds each segment's per-lane work."""
-
-    def __init__(self, tables: tuple[_Table, _Table], cost: SegmentCost, rules: PairingRules):
-        self.tables, self.cost, self.rules = tables, cost, rules
-        self.solo = [[0.0] + [cost.solo(ops) for ops in table.ops[1:]] for table in tables]
-        axis_bits: dict[str, int] = {}
-        self.traits = [[traits_of(ops, rules, axis_bits) for ops in table.ops] for table in tables]
-        self.cells: list[dict[int, float]] = [{} for _ in tables[0].ops]
-        # lower(f, b) by f, then b; a step with one segment empty costs its solo time.
-        self.lows: list[dict[int, float]] = [{} for _ in tables[0].ops]
-        self.lows[0] = {b: time for b, time in enumerate(self.solo[1]) if b}
-        self.lows[0][0] = INF
-        for f in range(1, len(tables[0].ops)):
-            self.lows[f][0] = self.solo[0][f]
-        self.evaluations = 0
-        bound = getattr(cost, "segment_bound", None)
-        self.bounds = None if bound is None else [[bound(ops) for ops in table.ops] for table in tables]
-        if self.bounds is not None and any(b is None for side in self.bounds for b in side[1:]):
-            self.bounds = None
-        # A pair's bound reads its two segments' shapes only (numbered by the cost, where it
-        # numbers them): worked out once per two shapes, most segments sharing theirs.
-        number = getattr(cost, "shape_number", None)
-        self.numbers = [[number(ops) if ops else 0 for ops in table.ops] for table in tables] \
-            if self.bounds is not None and number is not None else None
-        # Likewise a pair's time (the cost's pair_of_shapes): each segment's (shape, names).
-        self.shapes = [[(n, tuple(op.name for op in ops)) for n, ops in zip(numbers, table.ops)]
-                       for numbers, table in zip(self.numbers, tables)] if self.numbers is not None else None
-        self._shape_bounds: dict[int, float] = {}
-        self._remaining: dict[int, list[tuple[float, ...]] | None] = {}
-
-    def cell(self, f: int, b: int) -> float:
-        """The time of the step running forward segment ``f`` beside backward segment ``b``."""
-        if not f:
-            return self.solo[1][b] if b else INF
-        if not b:
-            return self.solo[0][f]
-        row = self.cells[f]
-        value = row.get(b)
-        if value is None:
-            if self.traits[0][f].allows(self.traits[1][b], self.rules.comm_with_comm):
-                self.evaluations += 1
-                if self.shapes is None:
-                    value = self.cost.pair(self.tables[0].ops[f], self.tables[1].ops[b])
-                else:
-                    shaped = cast(BoundedCost, self.cost)  # shapes: the cost numbers them
-                    value = shaped.pair_of_shapes(self.tables[0].ops[f], self.tables[1].ops[b], self.shapes[0][f],
-                                                  self.shapes[1][b])
-            else:
-                value = INF
-            row[b] = value
-            self.lows[f][b] = self._useful(f, b, value)
-        return value
-
-    def lower(self, f: int, b: int) -> float:
-        """A lower bound of ``cell(f, b)`` (0 without the cost's bounds); exact once priced;
-        INF where the step can never be on a cheapest path: a restricted pair, and a pair
-        whose bound exceeds running its two segments one after the other (the path through
-        the intermediate state is then strictly cheaper). Each pair's bound is worked out
-        once (the search asks for it from many states)."""
-        row = self.lows[f]
-        value = row.get(b)
-        if value is not None:
-            return value
-        if not f or not b:
-            value = self._bound(f, b)
-        else:  # _bound and _useful written out: the search asks for millions of these
-            value = self.cells[f].get(b)
-            if value is None:
-                if not self.traits[0][f].allows(self.traits[1][b], self.rules.comm_with_comm):
-                    value = INF
-                elif self.bounds is None:
-                    value = 0.0
-                elif self.numbers is None:
-                    value = self.bounds[0][f].pair(self.bounds[1][b]) * _SAFE
-                else:
-                    shapes = self.numbers[0][f] << 32 | self.numbers[1][b]
-                    value = self._shape_bounds.get(shapes)
-                    if value is None:
-                        value = self._shape_bounds[shapes] = self.bounds[0][f].pair(self.bounds[1][b]) * _SAFE
-            if value > self.solo[0][f] + self.solo[1][b]:
-                value = INF
-        row[b] = value
-        return value
-
-    def _useful(self, f: int, b: int, value: float) -> float:
-        """``value`` (a bound or the time of the pair step f, b), or INF where it exceeds the
-        two segments run one after the other."""
-        return INF if f and b and value > self.solo[0][f] + self.solo[1][b] else value
-
-    def _bound(self, f: int, b: int) -> float:
-        if not f or not b:
-            return self.solo[0][f] + self.solo[1][b] if f or b else INF
-        value = self.cells[f].get(b)
-        if value is not None:
-            return value
-        if not self.traits[0][f].allows(self.traits[1][b], self.rules.comm_with_comm):
-            return INF
-        if self.bounds is None:
-            return 0.0
-        return self.bounds[0][f].pair(self.bounds[1][b]) * _SAFE
-
-    def chain_rest(self) -> tuple[list[list[float]], list[int], list[int]] | None:
-        """The rest bound of :mod:`dsl.planner.restbound` (None without the cost's bounds):
-        the table by fixed ops done, and per prefix of each strand its count of fixed ops."""
-        if self.bounds is None:
-            return None
-        rest = fixed_chain_table((self.tables[0].strand, self.tables[1].strand), cast(BoundedCost, self.cost),
-                                 self.rules)  # (bounds: the cost has them)
-        counts = []
-        for table in self.tables:
-            mask = sum(1 << i for i, rank in enumerate(table.strand.fixed_rank) if rank >= 0)
-            counts.append([(prefix & mask).bit_count() for prefix in table.prefixes])
-        return rest, counts[0], counts[1]
-
-    def remaining(self, side: int) -> list[tuple[float, ...]] | None:
-        """Per prefix of strand ``side``, the per-lane work of the ops not yet run and their
-        longest dependency path (None without the cost's bounds): any plan of the rest takes
-        at least its busiest lane, and at least that path (a step lasts at least the part of
-        the path inside it, and steps run one after the other). Worked out once per side."""
-        if side not in self._remaining:
-            self._remaining[side] = self._remaining_of(side)
-        return self._remaining[side]
-
-    def _remaining_of(self, side: int) -> list[tuple[float, ...]] | None:
-        if self.bounds is None:
-            return None
-        table = self.tables[side]
-        ops = table.strand.ops
-        bounded = cast(BoundedCost, self.cost)  # with self.bounds the cost bounds every segment
-        bounds = [cast(SegmentBound, bounded.segment_bound((op,))) for op in ops]
-        total = [sum(b.lanes[lane] for b in bounds) for lane in range(3)]
-        readers: list[list[int]] = [[] for _ in ops]
-        index = {op.name: i for i, op in enumerate(ops)}
-        for i, op in enumerate(ops):
-            for name in dict.fromkeys(op.deps):
-                if name in index:
-                    readers[index[name]].append(i)
-        out = []
-        for prefix in table.prefixes:
-            done = [0.0, 0.0, 0.0]
-            path = [0.0] * len(ops)
-            for i in range(len(ops) - 1, -1, -1):  # the given order is topological
-                if prefix >> i & 1:
-                    done = [d + x for d, x in zip(done, bounds[i].lanes)]
-                else:
-                    path[i] = bounds[i].path + max((path[r] for r in readers[i]), default=0.0)
-            out.append((*(t - d for t, d in zip(total, done)), max(path, default=0.0)))
-        return out
+def _chain_rest(matrix: StepTable) -> tuple[list[list[float]], list[int], list[int]] | None:
+    """The rest bound of :mod:`dsl.planner.restbound` (None without the cost's bounds):
+    the table by fixed ops done, and per prefix of each strand its count of fixed ops."""
+    if matrix.bounds is None:
+        return None
+    tables = matrix.tables
+    rest = fixed_chain_table((tables[0].strand, tables[1].strand), cast(BoundedCost, matrix.cost),
+                             matrix.rules)  # (bounds: the cost has them)
+    counts = []
+    for table in tables:
+        mask = sum(1 << i for i, rank in enumerate(table.strand.fixed_rank) if rank >= 0)
+        counts.append([(prefix & mask).bit_count() for prefix in table.prefixes])
+    return rest, counts[0], counts[1]
 
 
-#: Bounds are scaled by this before pruning, so that float rounding in a simulated time can
-#: never make a bound exceed the time it bounds.
-_SAFE = 1.0 - 1e-9
-
-
-def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float = INF,
+def _shortest(tables: tuple[PrefixTable, PrefixTable], matrix: StepTable, ceiling: float = INF,
               longest: int | None = None, chains: tuple | None = None) -> tuple[list[tuple[int, int, float]], float]:
     """The cheapest path from (∅, ∅) to (all, all): its steps (forward segment id, backward
     segment id, step time) and its total. States are visited forward prefix by forward
@@ -494,7 +316,7 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
     is not above running its two segments one after the other (the path through the
     intermediate state is then strictly cheaper), and if its bound plus a bound of the rest
     (its busiest lane, or either strand's longest remaining dependency path, or with
-    ``chains`` (:meth:`_PairMatrix.chain_rest`) the fixed-op relaxation's) stays within
+    ``chains`` (:func:`_chain_rest`) the fixed-op relaxation's) stays within
     ``ceiling``, a total some plan reaches (INF: none known). ``longest``
     skips segments of more ops (the quick search that finds a ceiling)."""
     fwd, bwd = tables
@@ -505,33 +327,60 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
     limit = ceiling * (1.0 + 1e-9)
     # Without a ceiling nothing is pruned by the rest's bound: not worked out then.
     rest = _rest_bounds(tables, matrix, chains) if limit < INF else None
-    fwd_succ, bwd_succ = fwd.succ, bwd.succ
-    if longest is not None:
-        fwd_succ = [[(f, j) for f, j in steps if fwd.sizes[f] <= longest] for steps in fwd_succ]
-        bwd_succ = [[(b, l) for b, l in steps if bwd.sizes[b] <= longest] for steps in bwd_succ]
-    lower, cell, lows_of = matrix.lower, matrix.cell, matrix.lows
-    for i, fwd_steps in enumerate(fwd_succ):
-        for k, bwd_steps in enumerate(bwd_succ):
+    lower, cell, lows_of, allowed = matrix.lower, matrix.cell, matrix.lows, matrix.allowed
+    quiet, spare_of, cut, spares = matrix.quiet, matrix.spare_of, matrix.cut, matrix.spare[1]
+    bwd_out: list[list | None] = [None] * width
+    bounded = matrix.bounds is not None
+    # (with bounds shared by shape, a pair's bound is a lookup: no use ruling it out first)
+    plain_of, cells = matrix.plain_of, matrix.cells
+    plains = matrix.plain[1] if bounded and not matrix.share_bounds else None
+    fixed, fraction = matrix.gap
+    for i in range(len(fwd.prefixes)):
+        fwd_kinds = _shorter(matrix.steps_out(0, i), fwd.sizes, longest)
+        for k in range(width):
             here = i * width + k
             start = best[here]
             if start == INF or (rest is not None and start + rest[here] > limit):
                 continue
-            for f, j in fwd_steps:
-                base = j * width
-                known = lows_of[f].get
-                for b, l in bwd_steps:
-                    target = best[base + l]
-                    low = known(b)
-                    if low is None:
-                        low = lower(f, b)
-                    if start + low >= target:
+            bwd_kinds = bwd_out[k]
+            if bwd_kinds is None:
+                bwd_kinds = bwd_out[k] = _shorter(matrix.steps_out(1, k), bwd.sizes, longest)
+            for kf, fwd_steps in fwd_kinds:
+                beside = allowed[kf]
+                for kb, all_bwd_steps in bwd_kinds:
+                    if not beside[kb]:
                         continue
-                    if rest is not None and start + low + rest[base + l] > limit:
-                        continue
-                    value = start + cell(f, b)
-                    if value < target:
-                        best[base + l] = value
-                        back[base + l] = (here, f, b)
+                    both_quiet = quiet[kf] and quiet[kb]
+                    plain = plains is not None and kf and kb
+                    for f, j in fwd_steps:
+                        base = j * width
+                        known = lows_of[f].get
+                        bwd_steps = spare_enough(all_bwd_steps, spares, cut - spare_of(0, f)) if both_quiet \
+                            else all_bwd_steps
+                        if plain:
+                            f0, f1, f2, fp, fc = plain_of(0, f)
+                        for b, l in bwd_steps:
+                            target = best[base + l]
+                            low = known(b)
+                            if low is None:
+                                if plain:  # the pair's bound before what overlap saves (as in _best_first)
+                                    b0, b1, b2, bp, bc = plain_of(1, b)
+                                    low = max(f0 + b0, f1 + b1, f2 + b2, fp, bp)
+                                    gap = fraction * (fc + bc)
+                                    low = (low + (gap if gap > fixed else fixed)) * _SAFE
+                                    if start + low >= target or (rest is not None and start + low + rest[base + l] > limit):
+                                        continue
+                                low = lower(f, b)
+                            if start + low >= target:
+                                continue
+                            if rest is not None and start + low + rest[base + l] > limit:
+                                continue
+                            if f and b and b not in cells[f] and bounded and matrix.useless(f, b):
+                                continue
+                            value = start + cell(f, b)
+                            if value < target:
+                                best[base + l] = value
+                                back[base + l] = (here, f, b)
     steps, state = [], len(best) - 1
     while (step := back[state]) is not None:
         state, f, b = step
@@ -539,13 +388,13 @@ def _shortest(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float
     return steps[::-1], best[-1]
 
 
-def _best_first(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: float,
+def _best_first(tables: tuple[PrefixTable, PrefixTable], matrix: StepTable, ceiling: float,
                 chains: tuple[list[list[float]], list[int], list[int]]) -> float:
     """The least total of a path from (∅, ∅) to (all, all) (INF when none is within
     ``ceiling``, a total some plan reaches), found best first (A*): states are taken in
     order of their time so far plus a bound of the rest (the lanes' work left, either
     strand's longest path left, the fixed-op relaxation's ``chains``), and a step out of a
-    state waits, at its bound (:meth:`_PairMatrix.lower`) plus the rest's, until nothing
+    state waits, at its bound (:meth:`StepTable.lower`) plus the rest's, until nothing
     lower is left; only then is it priced. The search stops when the end comes first: every
     step it has not priced is bound at least as high. So it prices only steps whose bound
     stays below the optimum, where :func:`_shortest` with a ceiling above the optimum prices
@@ -566,7 +415,10 @@ def _best_first(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: flo
     # (bound, 0, target, its bound without the rest's, source, f, b): a step waiting;
     # (bound, 1, state, time): a state reached.
     heap: list[tuple] = [(rest[0], 1, 0, 0.0)]
-    lower, cell, lows_of = matrix.lower, matrix.cell, matrix.lows
+    lower, cell, lows_of, allowed = matrix.lower, matrix.cell, matrix.lows, matrix.allowed
+    steps_out, quiet, spare_of, cut, spares = matrix.steps_out, matrix.quiet, matrix.spare_of, matrix.cut, matrix.spare[1]
+    plain_of, plains, cells = matrix.plain_of, matrix.plain[1], matrix.cells
+    fixed, fraction = matrix.gap
     pop, push = heapq.heappop, heapq.heappush
     while heap:
         entry = pop(heap)
@@ -575,6 +427,8 @@ def _best_first(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: flo
         if entry[1] == 0:  # a step out of a taken state: priced now
             _, _, target, low, source, f, b = entry
             if low >= best[target]:  # the target was reached faster meanwhile
+                continue
+            if f and b and b not in cells[f] and matrix.useless(f, b):
                 continue
             value = best[source] + cell(f, b)
             if value < best[target]:
@@ -589,27 +443,75 @@ def _best_first(tables: tuple[_Table, _Table], matrix: _PairMatrix, ceiling: flo
             return start
         taken[here] = 1
         i, k = divmod(here, width)
-        for f, j in fwd.succ[i]:
-            base, known = j * width, lows_of[f].get
-            for b, l in bwd.succ[k]:
-                target = base + l
-                low = known(b)
-                if low is None:
-                    low = lower(f, b)
-                low += start
-                if low >= best[target]:
+        for kf, fwd_steps in steps_out(0, i):
+            beside = allowed[kf]
+            for kb, all_bwd_steps in steps_out(1, k):
+                if not beside[kb]:
                     continue
-                bound = low + rest[target]
-                if bound <= limit:
-                    push(heap, (bound, 0, target, low, here, f, b))
+                both_quiet = quiet[kf] and quiet[kb]
+                for f, j in fwd_steps:
+                    base, known = j * width, lows_of[f].get
+                    bwd_steps = spare_enough(all_bwd_steps, spares, cut - spare_of(0, f)) if both_quiet \
+                        else all_bwd_steps
+                    if not (kf and kb):  # a solo step: its bound straight away
+                        for b, l in bwd_steps:
+                            target = base + l
+                            low = known(b)
+                            if low is None:
+                                low = lower(f, b)
+                            low += start
+                            if low < best[target] and low + rest[target] <= limit:
+                                push(heap, (low + rest[target], 0, target, low, here, f, b))
+                        continue
+                    # A pair: ruled out by its bound before what overlap saves where that
+                    # suffices (SegmentBound.pair, written out), else by its whole bound.
+                    f0, f1, f2, fp, fc = plain_of(0, f)
+                    for b, l in bwd_steps:
+                        target = base + l
+                        low = known(b)
+                        if low is None:
+                            plain = plains[b]
+                            if plain is None:
+                                plain = plain_of(1, b)
+                            b0, b1, b2, bp, bc = plain
+                            low = f0 + b0
+                            if f1 + b1 > low:
+                                low = f1 + b1
+                            if f2 + b2 > low:
+                                low = f2 + b2
+                            if fp > low:
+                                low = fp
+                            if bp > low:
+                                low = bp
+                            gap = fraction * (fc + bc)
+                            low = start + (low + (gap if gap > fixed else fixed)) * _SAFE
+                            if low >= best[target] or low + rest[target] > limit:
+                                continue
+                            low = lower(f, b)
+                        low += start
+                        if low >= best[target]:
+                            continue
+                        bound = low + rest[target]
+                        if bound <= limit:
+                            push(heap, (bound, 0, target, low, here, f, b))
     return INF
 
 
-def _rest_bounds(tables: tuple[_Table, _Table], matrix: _PairMatrix, chains: tuple | None) -> list[float] | None:
+def _shorter(groups: list[tuple[int, list[tuple[int, int]]]], sizes: list[int],
+             longest: int | None) -> list[tuple[int, list[tuple[int, int]]]]:
+    """``groups`` (kind, steps) without the steps of segments of more than ``longest`` ops
+    (all of them with ``longest`` None)."""
+    if longest is None:
+        return groups
+    out = [(kind, [step for step in steps if sizes[step[0]] <= longest]) for kind, steps in groups]
+    return [(kind, steps) for kind, steps in out if steps]
+
+
+def _rest_bounds(tables: tuple[PrefixTable, PrefixTable], matrix: StepTable, chains: tuple | None) -> list[float] | None:
     """Per state (by index: forward prefix, then backward prefix), a lower bound of any path
     from it to the end, scaled by _SAFE: the larger of its lanes' work left and either
-    strand's longest path left (:meth:`_PairMatrix.remaining`) and, with ``chains``
-    (:meth:`_PairMatrix.chain_rest`), the fixed-op relaxation's; None without the cost's
+    strand's longest path left (:meth:`StepTable.remaining`) and, with ``chains``
+    (:func:`_chain_rest`), the fixed-op relaxation's; None without the cost's
     bounds. (Worked out once per state: the searches add it to millions of steps.)"""
     rem_f, rem_b = matrix.remaining(0), matrix.remaining(1)
     if rem_f is None or rem_b is None:
