@@ -103,7 +103,13 @@ def with_optimizer(bound: Bound, timed: Program, held: Program, costs: StepCosts
     optimizer = _optimizer(timed, costs)
     seconds = bound.work + optimizer
     alone = seconds if bound.alone_work is None else max(seconds, bound.alone_work + optimizer)
-    return attrs.evolve(bound, seconds=seconds, memory=_states(held, costs) + bound.activations, alone=alone)
+    return attrs.evolve(bound, seconds=seconds, memory=held_memory(bound, held, costs), alone=alone)
+
+
+def held_memory(bound: Bound, held: Program, costs: StepCosts) -> float:
+    """The memory bound of :func:`with_optimizer` (``bound``'s activations and the model
+    states of ``held``) alone."""
+    return _states(held, costs) + bound.activations
 
 
 def _recomputing(program: Program) -> tuple[int, int]:

@@ -25,12 +25,13 @@ from dhelix.dsl.frontend.check import check_program
 from dhelix.dsl.passes import pipeline as passes
 from dhelix.dsl.planner.chunking import ChunkChoice, choose_all
 from dhelix.dsl.planner.paircost import PairCost
-from dhelix.dsl.search.bound import Bound, layout_bound, relaxed_layer, with_optimizer
+from dhelix.dsl.search.bound import Bound, held_memory, layout_bound, relaxed_layer, with_optimizer
 from dhelix.dsl.search.generated import GENERATED, generated_pipeline, placeholder
 from dhelix.dsl.search.duplicates import program_key
 from dhelix.dsl.search.headroom import Reserve
 from dhelix.dsl.search.offload import OFFLOAD_PERCENTS, fastest_percent, offload_slower
 from dhelix.dsl.search.partitions import NOTHING_TO_PARTITION, generated_partition
+from dhelix.dsl.search.peaks import OverPeaks
 from dhelix.dsl.search.plan_cache import PlanCache
 from dhelix.dsl.search.prefilter import ScheduleChecks
 from dhelix.dsl.search.space import Choice, Layout
@@ -162,6 +163,10 @@ class Pricer:
         #: What each action does, shared by the untimed walks of programs with the same costs
         #: and placement (both kept alive here: by self._costs and self._lowered).
         self._untimed: dict = {}
+        #: The peaks found over the device memory, by what they read (dhelix.dsl.search.peaks).
+        self._over_peaks = OverPeaks()
+        #: The fastest share of each set of shares an offloading layout's bound took.
+        self._fastest: dict[tuple[int, ...], int] = {}
         #: Whether the last :meth:`chosen` left out counts over the device memory.
         self.squeezed = False
         #: The choice checked last (up to validate), and its program or why it was refused.
@@ -410,9 +415,11 @@ class Pricer:
                 costs = self.costs(program, layout, None)
                 # A share that fits the device has its memory bound within it: the time bound
                 # takes the fastest of those, the memory bound the largest share's (the least).
-                fitting = [percent for percent in percents if not self._over(
-                    with_optimizer(twin, program, _offloading(program, percent), costs).memory)]
-                fastest = fastest_percent(fitting or percents, self.profile, self.cost.dtype)
+                # The memory bound only falls as the share grows: those that fit are the
+                # shares from the least that does (bisected).
+                least = _first(percents, lambda percent: not self._over(
+                    held_memory(twin, _offloading(program, percent), costs)))
+                fastest = self._fastest_share(percents[percents.index(least):] if least is not None else percents)
                 self._bounds[key] = with_optimizer(twin, _offloading(program, fastest),
                                                    _offloading(program, max(percents)), costs)
         if key not in self._bounds:
@@ -428,6 +435,13 @@ class Pricer:
                     found = attrs.evolve(found, strands=first_message(exc))
                 self._bounds[key] = found
         return self._bounds[key]
+
+    def _fastest_share(self, percents: tuple[int, ...]) -> int:
+        """:func:`~dhelix.dsl.search.offload.fastest_percent` of ``percents``, once per tuple."""
+        found = self._fastest.get(percents)
+        if found is None:
+            found = self._fastest[percents] = fastest_percent(percents, self.profile, self.cost.dtype)
+        return found
 
     def price(self, choice: Choice, cutoff: float | None = None, memory_first: bool = False, defer: bool = False,
               tighten: bool = False) -> Priced | Refused | Pruned | TooBig | Deferred:
@@ -450,15 +464,23 @@ class Pricer:
         so one that does not fit is returned as such without planning; and with a ``cutoff``
         (seconds), when even that step exceeds the cutoff the choice is Pruned."""
         self.squeezed = False
+        plain = memory_first and self._walked_alone(choice)
+        if plain:  # another of its class found over the memory: so is it (dhelix.dsl.search.peaks)
+            peak = self._over_peaks.get(choice)
+            if peak is not None and self._over(peak):
+                return TooBig(_largest_share(choice), peak)
         try:
             program = self.checked(choice)
             assert program.train is not None, "a checked model"
             launch = program.train.launch is not None or program.train.launch_backward is not None
+            walked: Untimed | None = None  # the chosen share's untimed figures, where choosing it walked them
             if choice.layout.offload != "none" and not choice.layout.offload_percent:
-                shared = self._offload_share(choice, program, launch)
+                shared = self._offload_share(choice, program, launch, memory_first)
+                if plain and isinstance(shared, TooBig):
+                    self._over_peaks.add(choice, shared.memory)
                 if not isinstance(shared, tuple):
                     return shared
-                choice, program = shared
+                choice, program, walked = shared
             if program.partition is not None or launch:
                 # Settling chains' counts simulates the step several times (and plans
                 # several SI layer pairs under SI): deferred.
@@ -492,9 +514,13 @@ class Pricer:
                 # Untimed: the exact peak, and a floor of the step (the SI pairs at their
                 # lane bound until the layer pair is planned).
                 plan = self.plans.plan(program) if si and planned else None
-                costs = self.costs(program, choice.layout, plan) if planned else self.relaxed(program, choice.layout)
-                seen = untimed(program, costs, memo=self._untimed)
+                if walked is None:
+                    costs = self.costs(program, choice.layout, plan) if planned else self.relaxed(program, choice.layout)
+                    walked = untimed(program, costs, memo=self._untimed)
+                seen = walked
                 if self._over(max(seen.memory)):
+                    if plain:
+                        self._over_peaks.add(choice, max(seen.memory))
                     return TooBig(choice, max(seen.memory))
                 if cutoff is not None and seen.floor * (1 - FLOOR_MARGIN) > cutoff:
                     return Pruned(choice, seen.floor)
@@ -514,6 +540,15 @@ class Pricer:
             return Refused(choice, first_message(exc))
         return Priced(choice, sim, self._fits(sim), self.squeezed, program_key(program, choice, sim))
 
+    def _walked_alone(self, choice: Choice) -> bool:
+        """Whether :meth:`price` holds ``choice`` to the memory by its untimed walk before
+        any planner's choice (no partition block, no ``launch`` its pipeline reads, not a
+        generated pipeline): its peak is then its class's (:mod:`~dhelix.dsl.search.peaks`)."""
+        partitioned, launch, launch_backward = self._written
+        reads = self._reads[choice.pipeline]
+        return (choice.layout.partition == "written" and not partitioned and choice.pipeline not in self.generated_names
+                and not (launch and "g" in reads) and not (launch_backward and "gb" in reads))
+
     def offloads_only_to_fit(self, choice: Choice) -> bool:
         """Whether :meth:`price` rules ``choice`` (offloading, its share to choose) out
         wherever its twin on the device fits (its peak, untimed or simulated): where offloading
@@ -525,17 +560,20 @@ class Pricer:
                 and choice.layout.partition == "written" and not partitioned
                 and not (launch and "g" in reads) and not (launch_backward and "gb" in reads))
 
-    def _offload_share(self, choice: Choice, program: Program, launch: bool
-                       ) -> tuple[Choice, Program] | Pruned | Refused:
+    def _offload_share(self, choice: Choice, program: Program, launch: bool, memory_first: bool = False
+                       ) -> tuple[Choice, Program, Untimed | None] | Pruned | Refused | TooBig:
         """``choice`` (offloading, its share not chosen; ``program``: it checked) with the
-        share it offloads chosen (:mod:`offload`), and its program so; or Pruned where its
-        twin on the device fits and offloading is no faster (the twin's untimed floor as
-        bound), or Refused where every share the device needs exceeds a node's host memory.
+        share it offloads chosen (:mod:`offload`), its program so and its untimed figures
+        where they were walked (None: not); or Pruned where its twin on the device fits and
+        offloading is no faster (the twin's untimed floor as bound), or Refused where every
+        share the device needs exceeds a node's host memory.
         The fastest of the shares whose untimed peak fits the device and whose host bytes fit
         a node's (both monotone in the share: bisected); all where the planner's choices read
-        the memory (a partition block, ``launch``), or where no share fits the device."""
+        the memory (a partition block, ``launch``), or where no share fits the device: with
+        ``memory_first``, TooBig then, with the peak of all offloaded (as :meth:`price` finds
+        it next: the largest share is tried first, one walk settles such a choice)."""
         if program.partition is not None or launch:
-            return _with_share(choice, program, 100)
+            return (*_with_share(choice, program, 100), None)
         costs = self._memory_costs(program, choice.layout)
         seen: dict[int, Untimed] = {}
 
@@ -544,18 +582,25 @@ class Pricer:
                 seen[percent] = untimed(_offloading(program, percent), costs, memo=self._untimed)
             return seen[percent]
 
-        if self.offload_slower and not self._over(max(at(0).memory)):
+        def fits(percent: int) -> bool:
+            return not self._over(max(at(percent).memory))
+
+        most_offloaded = OFFLOAD_PERCENTS[-1]
+        if not fits(most_offloaded):  # nor does any other share (nor the twin): the peak only grows as fewer go
+            chosen, program = _with_share(choice, program, most_offloaded)
+            return TooBig(chosen, max(at(most_offloaded).memory)) if memory_first else (chosen, program, None)
+        if self.offload_slower and fits(0):
             return Pruned(choice, at(0).floor)
-        least = _first(OFFLOAD_PERCENTS, lambda percent: not self._over(max(at(percent).memory)))
-        if least is None:
-            return _with_share(choice, program, 100)
+        least = _first(OFFLOAD_PERCENTS, fits)
+        assert least is not None, "the largest share fits"
         most = _last(OFFLOAD_PERCENTS, lambda percent: host_refusal(program, at(percent).host) is None)
         if most is None or most < least:
             refused = host_refusal(program, at(least).host)
             assert refused is not None, "the least share over the host memory"
             return Refused(_with_share(choice, program, least)[0], first_message(refused))
         shares = [percent for percent in OFFLOAD_PERCENTS if least <= percent <= most]
-        return _with_share(choice, program, fastest_percent(shares, self.profile, self.cost.dtype))
+        percent = fastest_percent(shares, self.profile, self.cost.dtype)
+        return (*_with_share(choice, program, percent), seen.get(percent))
 
     def _memory_costs(self, program: Program, layout: Layout) -> StepCosts:
         """The step costs :meth:`price` reads the untimed peak of ``program`` (checked, of
@@ -686,6 +731,15 @@ def _offloading(program: Program, percent: int) -> Program:
 def _on_device(layout: Layout) -> Layout:
     """``layout`` with its optimizer states on the device (an offloading layout's twin)."""
     return attrs.evolve(layout, offload="none", offload_percent=0)
+
+
+def _largest_share(choice: Choice) -> Choice:
+    """``choice`` as :meth:`Pricer.price` reports it over the memory: offloading its largest
+    share where the share is to choose (no share fits then)."""
+    layout = choice.layout
+    if layout.offload == "none" or layout.offload_percent:
+        return choice
+    return attrs.evolve(choice, layout=attrs.evolve(layout, offload_percent=OFFLOAD_PERCENTS[-1]))
 
 
 def _with_share(choice: Choice, program: Program, percent: int) -> tuple[Choice, Program]:
