@@ -251,11 +251,42 @@ def _forward_call(module: _Module, plan: LayerPlan, step: Step, ctx, async_op: b
     return hint, method, body
 
 
+#: Each inlined call's lines, by (kernel, args, target), with the globals its body read: the
+#: inlining (a parse, a deep copy and an unparse of the kernel) runs once per process, not once
+#: per layer of every executor built (46 ms an executor of the tiny example without it).
+_INLINED: dict[tuple, tuple[list[str] | None, list[tuple[object, str, str]]]] = {}
+
+
+def _inlined(module: _Module, fn, args: list, target: str | None) -> list[str] | None:
+    """:func:`.kernel_inline.inline` of ``fn(*args)`` into ``module``, from :data:`_INLINED`
+    when done before: the globals it read bound in this module again, renamed where this
+    module names them otherwise."""
+    key = (fn, tuple(tuple(arg) if isinstance(arg, list) else arg for arg in args), target)
+    found = _INLINED.get(key)
+    if found is None:
+        read: list[tuple[object, str, str]] = []
+
+        def shared(value: object, hint: str) -> str:
+            name = module.shared(value, hint)
+            read.append((value, hint, name))
+            return name
+
+        found = _INLINED[key] = (inline(fn, args, target, shared), read)
+        return found[0]
+    lines, read = found
+    renamed = {name: module.shared(value, hint) for value, hint, name in read}
+    renamed = {old: new for old, new in renamed.items() if old != new}
+    if lines is None or not renamed:
+        return lines
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, renamed)) + r")\b")
+    return [pattern.sub(lambda m: renamed[m.group(1)], line) for line in lines]
+
+
 def _kernel_lines(module: _Module, hint: str, fn, target: str | None, args: list) -> list[str]:
     # ``target = fn(*args)`` (None: the result dropped): the kernel's body inlined
     # (:func:`.kernel_inline.inline`), or a call of it where it does not inline. An arg is
     # an expression, or a list of names (passed as a list).
-    lines = inline(fn, args, target, module.shared)
+    lines = _inlined(module, fn, args, target)
     if lines is not None:
         return [f"# {fn.__module__.rpartition('.')[2]}.{fn.__name__}, inlined", *lines]
     texts = [f"[{', '.join(arg)}]" if isinstance(arg, list) else arg for arg in args]
