@@ -181,10 +181,10 @@ def derive_profile(program: Program, timings: Timings, stamp: Stamp, base: Profi
     peak, hbm, achieved = _compute_rates(ops, timings.ops, dtype, seq, base, notes)
     between = _between_ops(ops, timings.ops, notes)
     compute = {op.name for op in ops if op.kind == "compute"}
-    links = _links(timings.sweep, base, notes)
+    links, fitted = _links(timings.sweep, base, notes)
     gap = _launch_gap(ops, timings, notes)
     classes, pairs, slowdown = _overlap(ops, timings, gap.fixed_us, base, notes)
-    links, collectives = _efficiencies(timings.kinds, links, base, notes)
+    links, collectives = _efficiencies(timings.kinds, links, fitted, base, notes)
     measured = Measured(
         dtype=dtype, source=stamp.source,
         ops={name: _round(timings.ops[name] + (between if name in compute else 0.0), 3)
@@ -307,9 +307,11 @@ def _base_value(value: float, base: Profile, path: str, why: str, notes: dict) -
 
 # ---------------------------------------------------------------- links and launch gap
 
-def _links(sweep: Sequence[SweepPoint], base: Profile, notes: dict) -> dict:
-    """Per lane, the link the sweep's points fit; the base's link for a lane without points."""
+def _links(sweep: Sequence[SweepPoint], base: Profile, notes: dict) -> tuple[dict, frozenset[str]]:
+    """Per lane, the link the sweep's points fit; the base's link for a lane without points.
+    Also the lanes whose link was fitted."""
     links = {}
+    fitted_lanes = set()
     for lane in ("local", "cross"):
         points = [p for p in sweep if p.lane == lane]
         fitted = _fit_ring(points) if points else None
@@ -319,6 +321,7 @@ def _links(sweep: Sequence[SweepPoint], base: Profile, notes: dict) -> dict:
             notes[f"links.{lane}"] = f"[from {base.name}] not measured: {why}"
             continue
         alpha, bandwidth = fitted
+        fitted_lanes.add(lane)
         links[lane] = Link(_round(bandwidth / 1e9, 4, sig=True), _round(alpha * 1e6, 2))
         first = points[0]
         notes[f"links.{lane}"] = (f"[measured] ring fit of {len(points)} all_gather sizes over {first.axis} "
@@ -326,23 +329,23 @@ def _links(sweep: Sequence[SweepPoint], base: Profile, notes: dict) -> dict:
     for level in [name for name in base.links if name not in links]:  # a topology level's: not swept
         links[level] = base.links[level]
         notes[f"links.{level}"] = f"[from {base.name}] not measured: the sweep times the local and cross lanes"
-    return links
+    return links, frozenset(fitted_lanes)
 
 
-def _efficiencies(points: Sequence[SweepPoint], links: dict, base: Profile,
+def _efficiencies(points: Sequence[SweepPoint], links: dict, fitted: frozenset[str], base: Profile,
                   notes: dict) -> tuple[dict, dict[str, Collective]]:
     """The links and each collective's efficiency on them: per measured lane, each timed
     collective's time as the fitted link prices it (efficiency 1) over its measured time,
     both beyond the latency term (:func:`_bandwidth_ratio`), the median over its sizes. The
     lane's bandwidth becomes the fastest collective's, so every efficiency is at most 1: the
     all_gather the link was fitted to, and a collective not timed, keep the fit's price. A
-    lane whose link was not measured keeps 1."""
+    lane whose link was not fitted (not in ``fitted``) keeps 1."""
     collectives = {kind: Collective(model.model, 1.0) for kind, model in base.collectives.items()}
     probe = attrs.evolve(base, links=links, collectives=collectives)
     lanes: dict[str, dict[str, float]] = {}
     for lane in ("local", "cross"):
         timed = [p for p in points if p.lane == lane and p.kind in collectives]
-        if not timed or not notes.get(f"links.{lane}", "").startswith("[measured]"):
+        if not timed or lane not in fitted:
             continue
         ratio = {}
         for kind in sorted({p.kind for p in timed}):
