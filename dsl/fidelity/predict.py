@@ -73,11 +73,13 @@ def base_profile(run: MeasuredRun) -> Profile:
 
 def run_profile(run: MeasuredRun, profile: Profile) -> Profile:
     """``profile`` with the run's cluster facts: its source's cross-node bandwidth per GPU,
-    its attention implementation and its GPU's memory (``-40gb``)."""
+    its attention implementation, its loss's (where the source says) and its GPU's memory
+    (``-40gb``)."""
     links = dict(profile.links)
     if run.source.cross_gbps_per_gpu is not None:
         links["cross"] = attrs.evolve(links["cross"], bw_gbps=run.source.cross_gbps_per_gpu)
-    kernels = attrs.evolve(profile.kernels, attention="flash" if run.flash_attention else "materialized")
+    kernels = attrs.evolve(profile.kernels, attention="flash" if run.flash_attention else "materialized",
+                           loss=run.source.loss or profile.kernels.loss)
     memory = profile.memory_gb
     for part in run.gpu.lower().split("-")[1:]:
         if part.endswith("gb") and part[:-2].isdigit():

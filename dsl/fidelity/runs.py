@@ -13,6 +13,7 @@ ones) with two sections::
         grad_overlap: false          # DP gradient reduction overlapped with the backward
         grad_reduce_dtype: fp16      # the dtype DP reduces the gradients in (default: fp32)
         interleaving: fewest         # a run's unstated vp: fewest chunks (default), or tuned
+        loss: upcast                 # its loss's memory: vocab_parallel (default) or upcast
     runs:
       - id: narayanan2021-1.7b       # unique
         source: narayanan2021        # required: a key of ``sources``
@@ -50,6 +51,7 @@ from dhelix.dsl.core.mesh import MESH_AXES
 from dhelix.dsl.core.options import option
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.textfile import FileProblem, read_text_file
+from dhelix.dsl.frontend.kernel_terms import LOSS_IMPLS
 
 FIGURES = ("iteration_s", "tflops_per_gpu", "mfu", "tokens_per_s_per_gpu", "tokens_per_s")
 FAMILIES = ("gpt", "llama", "moe")
@@ -69,7 +71,8 @@ MODEL_KEYS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq", "
 #: The model's settings that are sizes (whole numbers ≥ 1).
 MODEL_NUMBERS = ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab", "experts", "top_k", "head_dim")
 SOURCE_KEYS = ("cite", "system", "url_hint", "flops_convention", "cross_gbps_per_gpu", "gpus_per_node",
-               "flash_attention", "grad_overlap", "grad_reduce_dtype", "notes", "quote", "cluster", "interleaving")
+               "flash_attention", "grad_overlap", "grad_reduce_dtype", "notes", "quote", "cluster", "interleaving",
+               "loss", "loss_quote")
 #: How a run whose source does not say its chunks per rank (``vp: null``) is interleaved:
 #: ``fewest`` (:func:`_stated_interleaving`) or ``tuned`` — the source says it tunes its
 #: schedule, and the prediction takes the count dhelix prices fastest (:func:`interleavings`).
@@ -96,6 +99,8 @@ class RunSource:
     #: The dtype its data parallelism reduced the gradients in (``train { grad_reduce_dtype }``);
     #: None: not stated, the program's default.
     grad_reduce_dtype: str | None = None
+    #: How its loss holds the logits (a profile's ``kernels.loss``); None: the profile's.
+    loss: str | None = None
 
 
 @attrs.frozen
@@ -272,13 +277,17 @@ def _sources(data, source: Source, errors: ErrorCollector) -> dict[str, RunSourc
             errors.add(RunSetError(f"source '{key}': grad_reduce_dtype must be one of "
                                    f"{', '.join(option('grad_reduce_dtype').choices)}", span))
             continue
+        loss = entry.get("loss")
+        if loss is not None and loss not in LOSS_IMPLS:
+            errors.add(RunSetError(f"source '{key}': loss must be one of {', '.join(LOSS_IMPLS)}", span))
+            continue
         if not _whole(entry.get("gpus_per_node", 8), 1):
             errors.add(RunSetError(f"source '{key}': gpus_per_node must be a whole number ≥ 1", span))
             continue
         out[key] = RunSource(key, str(entry["cite"]), convention, _positive(entry.get("cross_gbps_per_gpu")),
                              _positive(entry.get("hbm_gbps")), int(entry.get("gpus_per_node", 8)), bool(entry.get("flash_attention", True)),
                              bool(entry.get("grad_overlap", True)), str(entry.get("interleaving", "fewest")),
-                             reduce_dtype)
+                             reduce_dtype, loss)
     return out
 
 

@@ -16,6 +16,13 @@ large kernels; published runs show where it does not (``benchmarks/published_run
   the scores: FlashAttention, cuDNN's fused attention) or ``materialized`` (Megatron-LM before
   flash attention: two batched GEMMs around a softmax, a mask and a dropout that each read and
   write the ``heads · T · s`` scores in HBM, and a causal mask that saves no FLOPs).
+* **Loss implementation** (``loss``), a memory term: ``vocab_parallel`` (Megatron-LM's
+  vocab-parallel cross-entropy, and the interpreter's: one fp32 softmax of the local logits,
+  computed in place, kept for the backward, which writes the gradient into it) or ``upcast``
+  (PyTorch's ``cross_entropy`` on the logits cast to fp32, as torchtitan and Hugging Face's
+  trainers call it: the cast, the log-probabilities it keeps and, in the backward, the dense
+  gradient of the loss and the log-softmax's own each take a whole fp32 copy of the logits;
+  :data:`LOSS_TRANSIENT_COPIES`).
 
 Every term is optional and absent by default: a profile without a ``kernels`` section prices
 ops as before. ``dhelix calibrate`` fits ``overhead_us`` (and the ``achieved`` fractions) to
@@ -29,7 +36,17 @@ import math
 import attrs
 
 ATTENTION_IMPLS = ("flash", "materialized")
-KERNEL_KEYS = ("overhead_us", "sms", "gemm_tile", "attention")
+LOSS_IMPLS = ("vocab_parallel", "upcast")
+KERNEL_KEYS = ("overhead_us", "sms", "gemm_tile", "attention", "loss")
+
+#: Copies of the fp32 ``[T, V/tp]`` logits a loss holds for a moment beyond the one it keeps
+#: from its forward to its backward: (in the forward, in the backward). ``upcast``
+#: (torchtitan 9dec370 train.py: ``cross_entropy(pred.flatten(0, 1).float(), labels)``, then
+#: ``del pred`` before the backward): the forward holds the 16-bit logits (half a copy), their
+#: fp32 cast and the log-softmax's output at once; the backward holds the kept output, the
+#: nll loss's dense gradient and the log-softmax's input gradient. ``vocab_parallel`` works in
+#: place: none beyond the one it keeps.
+LOSS_TRANSIENT_COPIES = {"vocab_parallel": (0.0, 0.0), "upcast": (1.5, 2.0)}
 
 #: Score-sized HBM passes of materialized attention (elements of ``heads · T · s`` read or
 #: written, the dropout mask counted as half a pass of 16-bit elements): forward — the QK^T
@@ -58,6 +75,7 @@ class Kernels:
     sms: int | None = None
     gemm_tile: tuple[int, int] = (128, 256)
     attention: str = "flash"
+    loss: str = "vocab_parallel"
 
     def overhead(self, kernels: int = 1) -> float:
         """Seconds of fixed time for ``kernels`` kernels."""
@@ -101,6 +119,8 @@ def read_kernels(reader, node) -> Kernels | None:
         fields["gemm_tile"] = tuple(sizes)
     if "attention" in keys:
         fields["attention"] = reader.choice(keys["attention"], "kernels.attention", ATTENTION_IMPLS)
+    if "loss" in keys:
+        fields["loss"] = reader.choice(keys["loss"], "kernels.loss", LOSS_IMPLS)
     if None in fields.values() or (fields.get("gemm_tile") and None in fields["gemm_tile"]):
         return None
     return Kernels(**fields)

@@ -96,6 +96,7 @@ def _kernels(out: "_Lines", kernels: Kernels) -> None:
         out.value("sms", str(kernels.sms), "kernels.sms", 1)
     out.value("gemm_tile", f"[{kernels.gemm_tile[0]}, {kernels.gemm_tile[1]}]", "kernels.gemm_tile", 1)
     out.value("attention", kernels.attention, "kernels.attention", 1)
+    out.value("loss", kernels.loss, "kernels.loss", 1)
 
 
 def _oef(out: "_Lines", profile: Profile) -> None:

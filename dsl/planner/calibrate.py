@@ -231,6 +231,7 @@ def _between_ops(ops: Sequence[Op], times: Mapping[str, float], notes: dict) -> 
     between = max(0.0, (whole - alone) / len(compute))
     notes["kernels.gemm_tile"] = "[default] unused without kernels.sms: the GEMM rates are measured"
     notes["kernels.attention"] = "[default] one fused kernel, as the interpreter runs it"
+    notes["kernels.loss"] = "[default] the interpreter's vocab-parallel cross-entropy"
     notes["kernels.overhead_us"] = (f"[measured] a pass of the layer outside its collectives ({whole / 1e3:.3g} ms) "
                                     f"less its {len(compute)} compute ops alone ({alone / 1e3:.3g} ms), over them")
     return _round(between, 2)

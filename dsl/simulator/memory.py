@@ -24,8 +24,17 @@ dtype) from the moment its forward starts until its backward has passed it. In a
 schedule the tensors that only weight-gradient ops read stay until W passes the layer; the
 others go when B does. With full recomputation a layer keeps only its input from its forward
 to its backward, which allocates the rest again when it starts. The LM head keeps its gathered input and an fp32 softmax of the local
-logits (``[T, V/tp]``, Megatron's vocab-parallel cross-entropy) until its backward. Small
+logits (``[T, V/tp]``, Megatron's vocab-parallel cross-entropy) until its backward; a loss that
+casts the logits to fp32 (the profile's ``kernels.loss``: ``upcast``) holds more copies of them
+for a moment in its forward and its backward (:func:`head_transients`). Small
 per-row statistics (norm variances, attention log-sum-exp) are left out.
+
+**FP8** training keeps every tensor in memory in bf16 (:func:`stored_bytes`): both recipes
+keep the weights in high precision and cast them for each GEMM, and torchtitan's published
+fp8 runs take the memory of its bf16 runs to 0.3 % (76.8 against 77.0 GiB, 61.8 against 62.0:
+``benchmarks/published_runs.yaml``), so their saved activations are 16-bit too. Transformer
+Engine keeps a GEMM's fp8-cast input for its weight gradient, so a Megatron-LM fp8 run may
+hold somewhat less than this model says.
 
 Time is layer-granular (the paper overlaps the strands "at the layer granularity"): a
 forward allocates a layer's activations when it starts that layer, a backward frees them
@@ -40,7 +49,8 @@ from typing import Collection
 
 import attrs
 
-from dhelix.dsl.core.dtypes import MAIN_GRAD_DTYPE, dtype_bytes
+from dhelix.dsl.core.dtypes import MAIN_GRAD_DTYPE, dtype_bytes, tensor_dtype
+from dhelix.dsl.frontend.kernel_terms import LOSS_TRANSIENT_COPIES
 from dhelix.dsl.core.oplib import is_wgrad, selective_drops
 from dhelix.dsl.core.program import LayerDag, Program
 
@@ -53,6 +63,13 @@ HOST_STATE_BYTES = _MIXED_OPTIMIZER_BYTES
 #: Bytes per element of a main gradient (:data:`~dhelix.dsl.core.dtypes.MAIN_GRAD_DTYPE`).
 MAIN_GRAD_BYTES = dtype_bytes(MAIN_GRAD_DTYPE)
 GB = 1e9
+
+
+def stored_bytes(dtype: str) -> int:
+    """Bytes per element of a weight, a 16-bit gradient or an activation kept in memory by a
+    model trained in ``dtype``: its own size, but bf16's under fp8, whose GEMMs alone run in
+    fp8 (module docstring)."""
+    return dtype_bytes(tensor_dtype(dtype, gemm=False))
 
 
 @attrs.frozen
@@ -98,7 +115,7 @@ def model_states(dense: float, expert: float, dtype: str, *, zero1: bool, dense_
     ``offload`` (``train { offload = optimizer }``, the percent of ``offload_percent``): that
     share of the optimizer states leaves the device for the host (:func:`host_bytes`), the rest
     stays; both keep fp32 masters whatever ``dtype`` (12 bytes a parameter)."""
-    size = dtype_bytes(dtype)
+    size = stored_bytes(dtype)
     per_param = _OPTIMIZER_BYTES.get(dtype, _MIXED_OPTIMIZER_BYTES)
     shards = max(1, fsdp_group or dense_group)
     if zero1:
@@ -125,7 +142,7 @@ def host_bytes(params: float, dtype: str) -> float:
     parameters' optimizer states): an fp32 master and two fp32 moments each, the fp32
     buffer the averaged gradients land in and, but for fp32 (whose master goes back as it
     is), the buffer of the weights rounded to ``dtype`` for their copy to the device."""
-    staging = MAIN_GRAD_BYTES + (dtype_bytes(dtype) if dtype != "fp32" else 0)
+    staging = MAIN_GRAD_BYTES + (stored_bytes(dtype) if dtype != "fp32" else 0)
     return params * (HOST_STATE_BYTES + staging)
 
 
@@ -143,7 +160,7 @@ def gathered_bytes(forward: LayerDag, dtype: str, fsdp: bool) -> float:
     reader); a backward also holds that weight's full gradient until its reduce-scatter.
     A forward layer books this once, a backward layer twice, an SI pair three times, each
     from its start to its end. 0 without ZeRO-3."""
-    return float(largest_gathered(forward) * dtype_bytes(dtype)) if fsdp else 0.0
+    return float(largest_gathered(forward) * stored_bytes(dtype)) if fsdp else 0.0
 
 
 @attrs.frozen
@@ -170,7 +187,7 @@ def layer_activations(forward: LayerDag, backward: LayerDag, dtype: str, split: 
     for op in backward.ops:
         for name in op.saved:
             readers.setdefault(name, []).append(is_wgrad(op))
-    size = dtype_bytes(dtype)
+    size = stored_bytes(dtype)
     at_backward = at_weight = 0.0
     for name in sorted(readers):
         if name not in shapes or name in drop:
@@ -191,14 +208,38 @@ def head_activations(program: Program, split: bool) -> Activations:
     vocab, hidden = model.get("vocab"), model.get("hidden")
     if not vocab or not hidden:
         return Activations(0.0)
-    tp, size = program.mesh.size("tp"), dtype_bytes(model.dtype)
+    tp, size = program.mesh.size("tp"), stored_bytes(model.dtype)
+    softmax = _logits_fp32(program)
     tokens = program.forward.input_shape[0] * tp
-    softmax = tokens * vocab / tp * 4.0
     norm_input = tokens / tp * hidden * size
     head_input = tokens * hidden * size
     if split:
         return Activations(softmax + norm_input, head_input)
     return Activations(softmax + norm_input + head_input)
+
+
+def _logits_fp32(program: Program) -> float:
+    """Bytes of one micro-batch's local logits ``[T, V/tp]`` in fp32 (0 without a vocabulary)."""
+    model = program.model
+    assert model is not None and program.mesh is not None and program.forward is not None, "a checked model"
+    vocab = model.get("vocab")
+    if not vocab or not model.get("hidden"):
+        return 0.0
+    tokens = program.forward.input_shape[0] * program.mesh.size("tp")
+    return tokens * vocab / program.mesh.size("tp") * 4.0
+
+
+def head_transients(program: Program) -> tuple[float, float]:
+    """Bytes the LM head's loss holds for a moment beyond what it keeps, in its forward and in
+    its backward (:data:`~dhelix.dsl.frontend.kernel_terms.LOSS_TRANSIENT_COPIES` of the fp32
+    logits, by the profile's ``kernels.loss``; none without a profile)."""
+    if program.profile is None:
+        return 0.0, 0.0
+    forward, backward = LOSS_TRANSIENT_COPIES[program.profile.kernels.loss]
+    if not forward and not backward:
+        return 0.0, 0.0
+    logits = _logits_fp32(program)
+    return forward * logits, backward * logits
 
 
 def interleaved(alloc: float, free: float) -> tuple[float, float]:
@@ -215,7 +256,7 @@ def recomputed(acts: Activations, forward: LayerDag, dtype: str) -> tuple[Activa
     """Full recomputation: what a layer keeps from its forward to its backward (its input
     only), and what its backward allocates when it starts (the rest of ``acts``, rebuilt by
     running the forward again); the backward and W free what ``acts`` says they free."""
-    kept = float(math.prod(forward.input_shape) * dtype_bytes(dtype))
+    kept = float(math.prod(forward.input_shape) * stored_bytes(dtype))
     return Activations(kept), max(acts.total - kept, 0.0)
 
 
@@ -228,7 +269,7 @@ def selectively_recomputed(acts: Activations, forward: LayerDag, backward: Layer
     dropped = selective_drops(forward.ops, backward.ops)
     kept = layer_activations(forward, backward, dtype, split, drop=dropped)
     weights = sum(math.prod(op.unit_weight or ()) for op in forward.ops if fsdp and op.name in dropped and op.weight)
-    return kept, max(acts.total - kept.total, 0.0) + float(weights * dtype_bytes(dtype))
+    return kept, max(acts.total - kept.total, 0.0) + float(weights * stored_bytes(dtype))
 
 
 class MemoryTimeline:

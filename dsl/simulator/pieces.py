@@ -7,8 +7,8 @@ from __future__ import annotations
 import attrs
 
 from dhelix.dsl.passes.fsdp import is_fsdp
-from dhelix.dsl.simulator.memory import (gathered_bytes, head_activations, interleaved, layer_activations, recomputed,
-                                         selectively_recomputed)
+from dhelix.dsl.simulator.memory import (gathered_bytes, head_activations, head_transients, interleaved,
+                                         layer_activations, recomputed, selectively_recomputed)
 from dhelix.dsl.core.program import Program
 from dhelix.dsl.simulator.costs import StepCosts, Work
 
@@ -54,6 +54,8 @@ class Expander:
             self.kept, self.rebuilt = selectively_recomputed(self.acts, program.forward, program.backward,
                                                              program.model.dtype, self.split, is_fsdp(program))
         self.head = head_activations(program, self.split)
+        # What the loss holds for a moment in the head's forward and backward (memory.head_transients).
+        self.head_moment = head_transients(program)
         # ZeRO-3: a running layer's gathered weight (and, backward, its full gradient).
         self.gathered = gathered_bytes(program.forward, program.model.dtype, is_fsdp(program))
         self.cache: dict[tuple, tuple[Piece, ...]] = {}
@@ -64,7 +66,7 @@ class Expander:
         parallelism or micro-batch count share them)."""
         return (self.costs.layer, self.costs.heads, self.costs.params, self.si, self.split,
                 tuple(len(stage.layers) for stage in self.stages), self.acts, self.kept, self.rebuilt, self.head,
-                self.gathered, self.train.recompute_layers)
+                self.head_moment, self.gathered, self.train.recompute_layers)
 
     def pieces(self, kind: str, fstage: int | None, bstage: int | None) -> tuple[Piece, ...]:
         """Pieces of F/B/W on one stage (``fstage`` for F, ``bstage`` for B and W) or of an SI
@@ -90,15 +92,18 @@ class Expander:
 
     def _head_f(self, stage):
         last = self.placement.is_last(stage)
-        return [Piece(self.costs.heads.head_forward, alloc=self.head.total, weights="head")] if last else []
+        moment = self.head_moment[0]
+        return [Piece(self.costs.heads.head_forward, alloc=self.head.total + moment, free=moment,
+                      weights="head")] if last else []
 
     def _head_b(self, stage):
         if not self.placement.is_last(stage):
             return []
         heads, params = self.costs.heads, self.costs.params
+        moment = self.head_moment[1]
         if self.split:
-            return [Piece(heads.head_backward, free=self.head.at_backward)]
-        return [Piece(heads.head_backward + heads.head_weight, free=self.head.at_backward,
+            return [Piece(heads.head_backward, alloc=moment, free=self.head.at_backward + moment)]
+        return [Piece(heads.head_backward + heads.head_weight, alloc=moment, free=self.head.at_backward + moment,
                       grads=("head", params.head, 0))]
 
     def _embed_b(self, stage):
