@@ -229,10 +229,10 @@ def test_calibrate_refuses_bad_knobs_and_mixed_gpus(tmp_path):
     text = SOURCES + row("a") + row("b").replace("gpu: a100-80gb", "gpu: h100-sxm")
     result = dhelix_here("calibrate", str(write(tmp_path, text)))
     assert result.returncode == 2 and "one profile fits one GPU; choose one with --gpu" in result.stderr
-    unknown = SOURCES + row("a") + row("b").replace("gpu: a100-80gb", "gpu: h200")
+    unknown = SOURCES + row("a") + row("b").replace("gpu: a100-80gb", "gpu: b200")
     result = dhelix_here("calibrate", str(write(tmp_path, unknown)), "--profile", "a100", "--knobs", "gemm")
     assert result.returncode == 0, result.stderr
-    assert "b" in result.stdout and "skipped: run 'b': no shipped profile for GPU 'h200'" in result.stdout
+    assert "b" in result.stdout and "skipped: run 'b': no shipped profile for GPU 'b200'" in result.stdout
     missing = dhelix_here("calibrate", str(tmp_path / "none.yaml"))
     assert missing.returncode == 1 and "cannot read" in missing.stderr and "Traceback" not in missing.stderr
 

@@ -34,10 +34,10 @@ def error_of(text: str, path: str = "lab.yaml") -> str:
 
 
 def test_profile_names_are_the_shipped_ones():
-    assert profile_names() == ["a100", "a40", "a800", "h100"]
+    assert profile_names() == ["a100", "a40", "a800", "h100", "h200"]
 
 
-@pytest.mark.parametrize("name", ["a100", "a40", "a800", "h100"])
+@pytest.mark.parametrize("name", ["a100", "a40", "a800", "h100", "h200"])
 def test_each_shipped_profile_loads(name):
     profile = load_profile(name)
     assert profile.name == name
@@ -70,7 +70,7 @@ def _numbers(node, ancestors=()):
         yield node, ancestors
 
 
-@pytest.mark.parametrize("name", ["a100", "a40", "a800", "h100"])
+@pytest.mark.parametrize("name", ["a100", "a40", "a800", "h100", "h200"])
 def test_every_shipped_number_names_its_source(name):
     from importlib import resources
 
@@ -256,7 +256,7 @@ def test_unknown_profile_name_lists_the_shipped_ones():
     assert str(info.value) == """\
 error: unknown profile 'a4O'
   note: did you mean 'a40'?
-  note: shipped profiles: a100, a40, a800, h100"""
+  note: shipped profiles: a100, a40, a800, h100, h200"""
 
 
 def test_profiles_load_by_path_relative_to_the_search_dir(tmp_path):
@@ -278,7 +278,7 @@ def test_a_bare_name_is_always_the_shipped_profile(tmp_path):
         load_profile("lab", search_dir=tmp_path)
     assert str(info.value) == """\
 error: unknown profile 'lab'
-  note: shipped profiles: a100, a40, a800, h100
+  note: shipped profiles: a100, a40, a800, h100, h200
   note: a profile file is named by its path: profile = \"lab.yaml\""""
 
 
@@ -346,7 +346,7 @@ lab.yaml:22:17: 'measured.shapes.qkv' must be a string, got a list
 5 errors"""
 
 
-@pytest.mark.parametrize("name", ["a100", "a40", "a800", "h100"])
+@pytest.mark.parametrize("name", ["a100", "a40", "a800", "h100", "h200"])
 def test_written_profiles_read_back_equal(name):
     profile = load_profile(name)
     text = render_profile(profile, {"hbm_gbps": "[spec] a note"}, ["a header"])

@@ -36,7 +36,7 @@ from dhelix.dsl.planner.costmodel import megatron_flops_per_iteration
 from dhelix.dsl.simulator.events import simulate
 
 #: The shipped profile of each GPU a run may name (the part before the first '-').
-GPU_PROFILES = {"a100": "a100", "h100": "h100", "h800": "h100", "a40": "a40", "a800": "a800"}
+GPU_PROFILES = {"a100": "a100", "h100": "h100", "h800": "h100", "h200": "h200", "a40": "a40", "a800": "a800"}
 _LAYERS = {"gpt": "gpt", "llama": "llama", "moe": "moe"}
 
 

@@ -18,11 +18,13 @@ large kernels; published runs show where it does not (``benchmarks/published_run
   write the ``heads · T · s`` scores in HBM, and a causal mask that saves no FLOPs).
 * **Loss implementation** (``loss``), a memory term: ``vocab_parallel`` (Megatron-LM's
   vocab-parallel cross-entropy, and the interpreter's: one fp32 softmax of the local logits,
-  computed in place, kept for the backward, which writes the gradient into it) or ``upcast``
+  computed in place, kept for the backward, which writes the gradient into it), ``upcast``
   (PyTorch's ``cross_entropy`` on the logits cast to fp32, as torchtitan and Hugging Face's
   trainers call it: the cast, the log-probabilities it keeps and, in the backward, the dense
-  gradient of the loss and the log-softmax's own each take a whole fp32 copy of the logits;
-  :data:`LOSS_TRANSIENT_COPIES`).
+  gradient of the loss and the log-softmax's own each take a whole fp32 copy of the logits)
+  or ``fused`` (one kernel each way that never writes the fp32 logits — that loss compiled,
+  as torchtitan compiles it with its model, or a fused cross-entropy kernel: it keeps the
+  16-bit logits and writes their 16-bit gradient) (:data:`LOSS_COPIES`).
 
 Every term is optional and absent by default: a profile without a ``kernels`` section prices
 ops as before. ``dhelix calibrate`` fits ``overhead_us`` (and the ``achieved`` fractions) to
@@ -36,17 +38,18 @@ import math
 import attrs
 
 ATTENTION_IMPLS = ("flash", "materialized")
-LOSS_IMPLS = ("vocab_parallel", "upcast")
+LOSS_IMPLS = ("vocab_parallel", "upcast", "fused")
 KERNEL_KEYS = ("overhead_us", "sms", "gemm_tile", "attention", "loss")
 
-#: Copies of the fp32 ``[T, V/tp]`` logits a loss holds for a moment beyond the one it keeps
-#: from its forward to its backward: (in the forward, in the backward). ``upcast``
-#: (torchtitan 9dec370 train.py: ``cross_entropy(pred.flatten(0, 1).float(), labels)``, then
-#: ``del pred`` before the backward): the forward holds the 16-bit logits (half a copy), their
-#: fp32 cast and the log-softmax's output at once; the backward holds the kept output, the
-#: nll loss's dense gradient and the log-softmax's input gradient. ``vocab_parallel`` works in
-#: place: none beyond the one it keeps.
-LOSS_TRANSIENT_COPIES = {"vocab_parallel": (0.0, 0.0), "upcast": (1.5, 2.0)}
+#: Copies of the fp32 ``[T, V/tp]`` logits a loss keeps from its forward to its backward, and
+#: holds for a moment beyond those in its forward and in its backward: (kept, forward,
+#: backward). ``upcast`` (torchtitan 9dec370 train.py: ``cross_entropy(pred.flatten(0,
+#: 1).float(), labels)``, then ``del pred`` before the backward) keeps the log-softmax's fp32
+#: output; its forward holds the 16-bit logits (half a copy), their fp32 cast and that output
+#: at once, its backward the kept output, the nll loss's dense gradient and the log-softmax's
+#: input gradient. ``vocab_parallel`` keeps the fp32 softmax and works in place. ``fused``
+#: keeps the 16-bit logits (half a copy) and writes their 16-bit gradient.
+LOSS_COPIES = {"vocab_parallel": (1.0, 0.0, 0.0), "upcast": (1.0, 1.5, 2.0), "fused": (0.5, 0.0, 0.5)}
 
 #: Score-sized HBM passes of materialized attention (elements of ``heads · T · s`` read or
 #: written, the dropout mask counted as half a pass of 16-bit elements): forward — the QK^T

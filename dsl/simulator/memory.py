@@ -26,7 +26,8 @@ others go when B does. With full recomputation a layer keeps only its input from
 to its backward, which allocates the rest again when it starts. The LM head keeps its gathered input and an fp32 softmax of the local
 logits (``[T, V/tp]``, Megatron's vocab-parallel cross-entropy) until its backward; a loss that
 casts the logits to fp32 (the profile's ``kernels.loss``: ``upcast``) holds more copies of them
-for a moment in its forward and its backward (:func:`head_transients`). Small
+for a moment in its forward and its backward (:func:`head_transients`), a fused one keeps the
+16-bit logits instead. Small
 per-row statistics (norm variances, attention log-sum-exp) are left out.
 
 **FP8** training keeps every tensor in memory in bf16 (:func:`stored_bytes`): both recipes
@@ -50,7 +51,7 @@ from typing import Collection
 import attrs
 
 from dhelix.dsl.core.dtypes import MAIN_GRAD_DTYPE, dtype_bytes, tensor_dtype
-from dhelix.dsl.frontend.kernel_terms import LOSS_TRANSIENT_COPIES
+from dhelix.dsl.frontend.kernel_terms import LOSS_COPIES
 from dhelix.dsl.core.oplib import is_wgrad, selective_drops
 from dhelix.dsl.core.program import LayerDag, Program
 
@@ -201,15 +202,16 @@ def layer_activations(forward: LayerDag, backward: LayerDag, dtype: str, split: 
 
 
 def head_activations(program: Program, split: bool) -> Activations:
-    """The LM head's bytes per micro-batch on the last stage: the final norm's input and the
-    fp32 softmax go with B; the gathered LM-head input goes with W when ``split``."""
+    """The LM head's bytes per micro-batch on the last stage: the final norm's input and what
+    the loss keeps of the logits (the fp32 softmax, but for a ``fused`` loss) go with B; the
+    gathered LM-head input goes with W when ``split``."""
     model = program.model
     assert model is not None and program.mesh is not None and program.forward is not None, "a checked model"
     vocab, hidden = model.get("vocab"), model.get("hidden")
     if not vocab or not hidden:
         return Activations(0.0)
     tp, size = program.mesh.size("tp"), stored_bytes(model.dtype)
-    softmax = _logits_fp32(program)
+    softmax = _loss_copies(program)[0] * _logits_fp32(program)
     tokens = program.forward.input_shape[0] * tp
     norm_input = tokens / tp * hidden * size
     head_input = tokens * hidden * size
@@ -229,13 +231,16 @@ def _logits_fp32(program: Program) -> float:
     return tokens * vocab / program.mesh.size("tp") * 4.0
 
 
+def _loss_copies(program: Program) -> tuple[float, float, float]:
+    """The profile's loss's (kept, forward, backward) copies of the fp32 logits
+    (:data:`~dhelix.dsl.frontend.kernel_terms.LOSS_COPIES`; Megatron's without a profile)."""
+    return LOSS_COPIES["vocab_parallel" if program.profile is None else program.profile.kernels.loss]
+
+
 def head_transients(program: Program) -> tuple[float, float]:
     """Bytes the LM head's loss holds for a moment beyond what it keeps, in its forward and in
-    its backward (:data:`~dhelix.dsl.frontend.kernel_terms.LOSS_TRANSIENT_COPIES` of the fp32
-    logits, by the profile's ``kernels.loss``; none without a profile)."""
-    if program.profile is None:
-        return 0.0, 0.0
-    forward, backward = LOSS_TRANSIENT_COPIES[program.profile.kernels.loss]
+    its backward (:func:`_loss_copies` of the fp32 logits)."""
+    _, forward, backward = _loss_copies(program)
     if not forward and not backward:
         return 0.0, 0.0
     logits = _logits_fp32(program)
