@@ -53,7 +53,6 @@ from dhelix.dsl.planner.costmodel import collective_time, op_time, step_optimize
 from dhelix.dsl.planner.paircost import PairCost
 from dhelix.dsl.core.plan import Plan
 from dhelix.dsl.core.program import LayerDag, Op, Program
-from dhelix.dsl.simulator.memory import stored_bytes
 
 @attrs.frozen
 class Work:
@@ -145,7 +144,8 @@ class StepCosts:
     dense_group: Group  # gradient sync of dense weights (DP x CP)
     expert_group: Group  # gradient sync of expert weights (DP x CP / EP)
     grad_bytes: int  # bytes per element of a gradient data parallelism reduces (train { grad_reduce_dtype })
-    weight_bytes: int  # bytes per element of a weight (memory.stored_bytes): what a gather sends
+    weight_bytes: int  # bytes per element of a weight as a ZeRO-1 gather sends it: the model dtype's
+    #: (fp8: in fp8, as Megatron-LM's fp8 param gather keeps and gathers them [assumed for its fp8 runs])
     dtype: str
     #: Hybrid sharding (HSDP): the ZeRO-3 shard group of the layers' weights and the group
     #: their pieces' gradients are all-reduced over (None without).
@@ -259,7 +259,7 @@ def step_costs(program: Program, plan: Plan | None, cost: PairCost | None = None
         layer=layer or layer_costs(program, cost, plan), heads=head_costs(program),
         params=layer_params(program), p2p_seconds=p2p_seconds, p2p_bytes=p2p_bytes, pp_lane=pp_lane,
         dense_group=_sync_group(mesh, expert=1), expert_group=_sync_group(mesh, expert=mesh.size("ep")),
-        grad_bytes=dtype_bytes(grad_reduce_dtype(program)), weight_bytes=stored_bytes(dtype), dtype=dtype,
+        grad_bytes=dtype_bytes(grad_reduce_dtype(program)), weight_bytes=dtype_bytes(dtype), dtype=dtype,
         shard_group=_sub_group(mesh, f"dp.{SHARD}") if mesh.dp_shard else None,
         replicate_group=_sub_group(mesh, f"dp.{REPLICATE}") if mesh.dp_shard else None)
 

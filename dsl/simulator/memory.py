@@ -30,12 +30,14 @@ for a moment in its forward and its backward (:func:`head_transients`), a fused 
 16-bit logits instead. Small
 per-row statistics (norm variances, attention log-sum-exp) are left out.
 
-**FP8** training keeps every tensor in memory in bf16 (:func:`stored_bytes`): both recipes
-keep the weights in high precision and cast them for each GEMM, and torchtitan's published
-fp8 runs take the memory of its bf16 runs to 0.3 % (76.8 against 77.0 GiB, 61.8 against 62.0:
-``benchmarks/published_runs.yaml``), so their saved activations are 16-bit too. Transformer
-Engine keeps a GEMM's fp8-cast input for its weight gradient, so a Megatron-LM fp8 run may
-hold somewhat less than this model says.
+**FP8** training keeps its tensors in memory at bf16's two bytes (:func:`stored_bytes`):
+torchtitan's (torchao's) float8 keeps the weights in high precision and casts them for each
+GEMM, and its published fp8 runs take the memory of its bf16 runs to 0.3 % (76.8 against 77.0
+GiB, 61.8 against 62.0: ``benchmarks/published_runs.yaml``), so their saved activations are
+16-bit too; Transformer Engine's fp8 weights keep an fp8 copy and its transpose (two bytes).
+Transformer Engine keeps a GEMM's fp8-cast input for its weight gradient where only that GEMM
+reads it, so a Megatron-LM fp8 run may hold somewhat fewer activation bytes than this model
+says.
 
 Time is layer-granular (the paper overlaps the strands "at the layer granularity"): a
 forward allocates a layer's activations when it starts that layer, a backward frees them
