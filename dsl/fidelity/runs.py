@@ -13,7 +13,7 @@ ones) with two sections::
         grad_overlap: false          # DP gradient reduction overlapped with the backward
         grad_reduce_dtype: fp16      # the dtype DP reduces the gradients in (default: fp32)
         interleaving: fewest         # a run's unstated vp: fewest chunks (default), or tuned
-        loss: upcast                 # its loss's memory: vocab_parallel (default) or upcast
+        loss: upcast                 # how its loss holds the logits: vocab_parallel (default), upcast, fused
     runs:
       - id: narayanan2021-1.7b       # unique
         source: narayanan2021        # required: a key of ``sources``

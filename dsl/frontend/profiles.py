@@ -48,7 +48,7 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
       sms: 108                        #   streaming multiprocessors (GEMM tile waves)
       gemm_tile: [128, 256]           #   a GEMM's output tile
       attention: flash                #   flash | materialized (the scores in HBM)
-      loss: vocab_parallel            #   vocab_parallel | upcast (the fp32 logits copies a loss holds)
+      loss: vocab_parallel            #   vocab_parallel | upcast | fused (the logits' copies a loss holds)
     measured:                         # filled by `dhelix profile`; optional
       dtype*: bf16
       source: what was profiled       # the program file

@@ -23,12 +23,12 @@ forward tensors it reads; a layer keeps each named tensor once (its forward shap
 dtype) from the moment its forward starts until its backward has passed it. In a split
 schedule the tensors that only weight-gradient ops read stay until W passes the layer; the
 others go when B does. With full recomputation a layer keeps only its input from its forward
-to its backward, which allocates the rest again when it starts. The LM head keeps its gathered input and an fp32 softmax of the local
-logits (``[T, V/tp]``, Megatron's vocab-parallel cross-entropy) until its backward; a loss that
-casts the logits to fp32 (the profile's ``kernels.loss``: ``upcast``) holds more copies of them
-for a moment in its forward and its backward (:func:`head_transients`), a fused one keeps the
-16-bit logits instead. Small
-per-row statistics (norm variances, attention log-sum-exp) are left out.
+to its backward, which allocates the rest again when it starts. The LM head keeps its gathered
+input and an fp32 softmax of the local logits (``[T, V/tp]``, Megatron's vocab-parallel
+cross-entropy) until its backward; a loss that casts the logits to fp32 (the profile's
+``kernels.loss``: ``upcast``) holds more copies of them for a moment in its forward and its
+backward (:func:`head_transients`), a fused one keeps the 16-bit logits instead. Small per-row
+statistics (norm variances, attention log-sum-exp) are left out.
 
 **FP8** training keeps its tensors in memory at bf16's two bytes (:func:`stored_bytes`):
 torchtitan's (torchao's) float8 keeps the weights in high precision and casts them for each
