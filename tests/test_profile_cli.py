@@ -3,6 +3,8 @@ and `simulate` accept, and the command-line mistakes refused before any rank sta
 
 from __future__ import annotations
 
+import os
+
 import subprocess
 from pathlib import Path
 
@@ -57,6 +59,10 @@ def test_a_profile_of_the_tiny_example_is_accepted_by_check_plan_simulate_and_ru
     # its 14 + 18 - 8 compute ops alone, over them.
     assert "a pass of the layer outside its collectives" in out.read_text()
     assert "less its 24 compute ops alone" in out.read_text()
+    # Measured on CPU ranks: the host's cores and the ranks that shared them, with the CPU
+    # share of a collective's time (the simulator's bound of shared cores).
+    assert profile.cores.usable == len(os.sched_getaffinity(0)) and profile.cores.ranks == 4
+    assert 0 < profile.cores.comm_busy <= 1
 
     program = tmp_path / "tiny.dhx"
     program.write_text(EXAMPLE.read_text().replace('profile = "a40"', 'profile = "measured.yaml"'))
@@ -158,8 +164,8 @@ class _Counting:
 class _Ticks:
     """A clock whose marks are the number of calls the bench saw so far."""
 
-    def __init__(self, bench):
-        self.bench = bench
+    def __init__(self, bench, cuda: bool = True):
+        self.bench, self.cuda = bench, cuda
 
     def mark(self):
         return len(self.bench.calls)
@@ -183,6 +189,12 @@ def test_every_timed_collective_follows_an_untimed_run_of_itself():
         out = profiler._solo(bench, _Ticks(bench), comm, async_op)()
         assert bench.calls[:2] == [("issue", "ag1", False), ("wait", "ag1")]  # the untimed run
         assert bench.calls[2:] == [("issue", "ag1", async_op), ("wait", "ag1")] and out["us"] == 2.0
+    # On CPU ranks a synchronous collective then runs back to back, for its share of CPU time:
+    # after its timed run, so that the time is not changed.
+    bench = _Counting()
+    out = profiler._solo(bench, _Ticks(bench, cuda=False), comm, False)()
+    assert bench.calls[4:] == [("issue", "ag1", False), ("wait", "ag1")] * profiler.CPU_BURST
+    assert out["us"] == 2.0 and 0.0 <= out["cpu"]
     bench = _Counting()
     out = profiler._solo(bench, _Ticks(bench), compute, False)()
     # Compute: an untimed run (its inputs in the caches), then back to back, the mean of those.

@@ -110,7 +110,7 @@ lab.yaml:3:1: unknown key 'hbm_gbs' in the profile
   3 | hbm_gbs: 1000
     | ^^^^^^^
   note: did you mean 'hbm_gbps'?
-  note: keys here: name, description, peak_tflops, hbm_gbps, memory_gb, optimizer_gbps, achieved, links, collectives, oef, slowdown, launch_gap, host, kernels, measured
+  note: keys here: name, description, peak_tflops, hbm_gbps, memory_gb, optimizer_gbps, achieved, links, collectives, oef, slowdown, launch_gap, host, kernels, cores, measured
 2 errors"""
 
 
@@ -357,3 +357,29 @@ def test_written_profiles_read_back_equal(name):
 def test_a_written_measured_section_reads_back_equal():
     profile = parse_profile(MINIMAL + STAMPED, "lab.yaml")
     assert parse_profile(render_profile(profile), "copy.yaml") == profile
+
+
+def test_a_profile_reads_and_writes_its_host_cores():
+    import attrs
+
+    from dhelix.dsl.frontend.host_cores import HostCores
+
+    # Measured on GPUs, the shipped profiles have no cores: the simulator's bound is off there.
+    assert all(load_profile(name).cores is None for name in profile_names())
+    profile = attrs.evolve(load_profile("a100"), cores=HostCores(usable=2, ranks=4, comm_busy=0.375))
+    text = render_profile(profile)
+    assert "cores:\n  usable: 2\n  ranks: 4\n  comm_busy: 0.375\n" in text
+    assert parse_profile(text, "copy.yaml") == profile
+    assert parse_profile(text, "copy.yaml").cores.ranks_on_host(2) == 2  # at most the world
+
+
+def test_wrong_host_cores_are_located_errors():
+    text = render_profile(load_profile("a100")) + "\ncores:\n  usable: 0\n  ranks: 2.5\n  comm_busy: 1.5\n  speed: 3\n"
+    with pytest.raises(DhelixError) as info:
+        parse_profile(text, "bad.yaml")
+    message = str(info.value)
+    assert "bad.yaml:" in message
+    assert "'cores.usable' must be at least 1" in message
+    assert "'cores.ranks' must be a whole number" in message
+    assert "'cores.comm_busy' must be at most 1" in message
+    assert "unknown key 'speed' in cores" in message

@@ -225,9 +225,11 @@ def test_the_summary_says_plainly_when_ranks_share_fewer_cores():
 
     ranks = [RankRecord(rank=r, step=(0.1,), collective=(0.0,), p2p=(0.0,), peak_activations=0, host="a")
              for r in range(4)]
-    note = shared_cores(ranks, cores=2, host="a", core_wait=0.0125)
+    note = shared_cores(ranks, cores=2, host="a", core_wait=0.0125, counted=True)
     assert note.startswith("4 ranks share 2 CPU cores here") and "at the same moment" in note
     assert "a rank waited 12.50ms per step for a core" in note
+    # A profile without its host's cores (a GPU's): the prediction gave each rank a core.
+    assert "gives each rank a core of its own" in shared_cores(ranks, cores=2, host="a")
     assert shared_cores(ranks, cores=4, host="a") == ""  # a core each
     assert shared_cores(ranks, cores=2, host="b") == ""  # ranks on another host
 

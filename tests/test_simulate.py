@@ -551,21 +551,46 @@ def test_a_lane_books_a_bucket_in_the_first_gap_a_plain_scan_finds(seed):
     assert sorted(lane.busy) == sorted(busy)
 
 
-def test_ranks_sharing_cores_take_at_least_their_computation_over_the_cores():
-    # The demo's 4 CPU ranks on a 2-core machine: a step cannot end before the cores have
-    # done every rank's computation. Communication waits are not core work: links 100× slower
-    # lengthen the step, not the computation (without SI, whose plan would change with them).
+def test_the_cores_bound_is_the_host_s_cpu_work_over_its_cores():
+    # Two pipeline ranks standing for a world of 8 (4 replicas each); 8 ranks on a host of 2
+    # cores. CPU work per rank: busy less exposed layer comm, plus the optimizer, plus
+    # comm_busy of its layer, pipeline (twice: sender and receiver) and DP communication.
+    from dhelix.dsl.frontend.host_cores import HostCores
+    from dhelix.dsl.simulator.host_cores import cores_bound, cpu_seconds
+    from dhelix.dsl.simulator.simulation import RankStats
+
+    def rank(busy, layer, exposed, pp, dp, opt):
+        return RankStats(rank=0, busy=busy, pipeline_end=0.0, end=0.0, layer_comm=layer, layer_exposed=exposed,
+                         pp_comm=pp, pp_exposed=0.0, sends=0, send_bytes=0.0, dp_comm=dp, dp_exposed=0.0,
+                         optimizer=opt, states=None, activations=0.0, activations_at=0.0)
+
+    ranks = (rank(10.0, 4.0, 3.0, 1.0, 2.0, 1.0), rank(6.0, 2.0, 2.0, 0.5, 0.0, 1.0))
+    cores = HostCores(usable=2, ranks=8, comm_busy=0.5)
+    work = 4 * ((10 - 3 + 1 + 0.5 * (4 + 2 * 1.0 + 2)) + (6 - 2 + 1 + 0.5 * (2 + 2 * 0.5)))
+    assert cpu_seconds(cores, ranks, 8) == pytest.approx(work)
+    assert cores_bound(cores, ranks, 8) == pytest.approx(work / 2)
+    # 4 of the 8 ranks on each host (the profile's host ran 4): half the work on each.
+    assert cores_bound(attrs.evolve(cores, ranks=4), ranks, 8) == pytest.approx(work / 2 / 2)
+    # No bound with a core per rank, or without the section (a GPU profile).
+    assert cores_bound(attrs.evolve(cores, usable=8), ranks, 8) == 0.0
+    assert cores_bound(None, ranks, 8) == 0.0
+
+
+def test_ranks_sharing_cores_take_at_least_their_cpu_work_over_the_cores():
+    # The demo's 4 CPU ranks on a 2-core host: a step cannot end before the cores have done
+    # every rank's CPU work. The a40 profile has no cores section: nothing changes.
+    from dhelix.dsl.frontend.host_cores import HostCores
+    from dhelix.dsl.simulator.host_cores import cpu_seconds
+
     program = check_text((ROOT / "examples" / "tiny_llama_cpu.dhx").read_text(),
                          str(ROOT / "examples" / "tiny_llama_cpu.dhx"))
-    sim = simulate(program, si=False)
-    compute = sim.compute_seconds()
-    assert 0 < compute <= sim.world * sim.step_time
-    assert sim.on_shared_cores(4, 4) == sim.step_time  # a core each
-    assert sim.on_shared_cores(4, 1) == pytest.approx(max(sim.step_time, compute))
-    assert sim.on_shared_cores(2, 1) == pytest.approx(max(sim.step_time, compute / 2))
-    profile = program.profile
-    slow = attrs.evolve(profile, links={lane: attrs.evolve(link, bw_gbps=link.bw_gbps / 100)
-                                        for lane, link in profile.links.items()})
-    slower = simulate(attrs.evolve(program, profile=slow), si=False)
-    assert slower.step_time > 1.5 * sim.step_time
-    assert slower.compute_seconds() == pytest.approx(compute, rel=1e-9)
+    plain = simulate(program, si=False)
+    assert plain.cores_bound == 0.0 and plain.step_time == plain.timeline_time
+    shared = HostCores(usable=1, ranks=4, comm_busy=1.0)
+    on_one = simulate(attrs.evolve(program, profile=attrs.evolve(program.profile, cores=shared)), si=False)
+    assert on_one.timeline_time == plain.timeline_time  # each rank's own timeline is unchanged
+    assert on_one.cores_bound == pytest.approx(cpu_seconds(shared, on_one.ranks, 4))
+    assert on_one.step_time == max(on_one.timeline_time, on_one.cores_bound) > plain.step_time
+    roomy = attrs.evolve(shared, usable=4)
+    assert simulate(attrs.evolve(program, profile=attrs.evolve(program.profile, cores=roomy)),
+                    si=False).step_time == plain.step_time

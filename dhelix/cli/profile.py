@@ -129,6 +129,8 @@ def _output(args, program, host: str) -> Path:
 def write_profile(out: Path, program, options, samples, command: str, host: str):
     """Derive the profile of ``samples``, write it to ``out`` and read it back through the
     schema (a profile that cannot be read back is a bug here, not the user's)."""
+    import attrs
+
     from dhelix.dsl.frontend.profile_writer import render_profile
     from dhelix.dsl.frontend.profiles import load_profile, parse_profile
     from dhelix.dsl.planner.calibrate import Stamp, derive_profile
@@ -139,6 +141,8 @@ def write_profile(out: Path, program, options, samples, command: str, host: str)
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=command,
                   repeats=options.repeats, memory_gb=samples.memory_gb)
     profile, notes = derive_profile(program, samples.timings, stamp, base, name=host)
+    if samples.cores is not None:
+        profile = attrs.evolve(profile, cores=host_cores(samples, notes))
     header = [f"Measured by `{command}`.",
               "Every number names its source: [measured] timed on this machine, [derived] computed from",
               f"the timings, [executor] how the interpreter runs, [from {base.name}] copied from that profile.",
@@ -146,6 +150,24 @@ def write_profile(out: Path, program, options, samples, command: str, host: str)
     text = render_profile(profile, notes, header)
     write_output(out, text)
     return parse_profile(text, str(out))
+
+
+def host_cores(samples, notes: dict):
+    """The :class:`~dhelix.dsl.frontend.host_cores.HostCores` of a profile measured on CPU
+    ranks (``samples``), with its notes added to ``notes``: the cores rank 0 could run on,
+    the ranks on its host, and the median share of a layer collective's time that kept a
+    core busy (each run back to back on those ranks; 1 when none was timed)."""
+    import statistics
+
+    from dhelix.dsl.frontend.host_cores import HostCores
+
+    shares = samples.comm_shares
+    busy = min(1.0, statistics.median(shares)) if shares else 1.0
+    notes["cores.usable"] = "[measured] the cores rank 0 could run on (its CPU affinity)"
+    notes["cores.ranks"] = "[measured] the ranks that ran on its host"
+    notes["cores.comm_busy"] = (f"[measured] CPU seconds over wall seconds of the layer's collectives run back to back, "
+                                f"median of {len(shares)}" if shares else "[assumed] no collective timed: all of it")
+    return HostCores(usable=samples.cores, ranks=samples.host_ranks, comm_busy=round(busy, 3))
 
 
 def summary(path: str, out: Path, program, options, samples, profile) -> str:

@@ -83,6 +83,12 @@ def render_profile(profile: Profile, notes: Mapping[str, str] | None = None, hea
     if profile.kernels != NO_KERNEL_TERMS:
         out.blank()
         _kernels(out, profile.kernels)
+    if profile.cores is not None:
+        out.blank()
+        out.section("cores", "cores")
+        out.value("usable", str(profile.cores.usable), "cores.usable", 1)
+        out.value("ranks", str(profile.cores.ranks), "cores.ranks", 1)
+        out.value("comm_busy", _num(profile.cores.comm_busy), "cores.comm_busy", 1)
     if profile.measured is not None:
         out.blank()
         _measured(out, profile.measured)

@@ -49,6 +49,8 @@ with the scale in the key's name: ``_tflops`` (10^12 FLOP/s), ``_gbps`` (10^9 by
       gemm_tile: [128, 256]           #   a GEMM's output tile
       attention: flash                #   flash | materialized (the scores in HBM)
       loss: vocab_parallel            #   vocab_parallel | upcast | fused (the logits' copies a loss holds)
+    cores: {usable*, ranks*, comm_busy*}   # optional: a CPU host's cores and the ranks sharing
+                                      #   them when measured (frontend.host_cores)
     measured:                         # filled by `dhelix profile`; optional
       dtype*: bf16
       source: what was profiled       # the program file
@@ -83,6 +85,7 @@ from dhelix.dsl.core.mesh import COMM_LANES, DIMENSIONS
 from dhelix.dsl.core.span import Source, Span
 from dhelix.dsl.core.textfile import FileProblem, name_problem, read_text_file
 from dhelix.dsl.core.wording import did_you_mean
+from dhelix.dsl.frontend.host_cores import HostCores, read_cores
 from dhelix.dsl.frontend.kernel_terms import NONE as NO_KERNEL_TERMS, Kernels, read_kernels
 from dhelix.dsl.frontend.profile_reader import ProfileError, ProfileReader
 
@@ -97,7 +100,8 @@ DEFAULT_MODELS = {"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": 
                   "all_to_all": "pairwise", "p2p": "p2p", "reduce": "rooted", "broadcast": "rooted"}
 OEF_CLASSES = ("comp_comp", "comp_intra", "comp_inter", "intra_intra", "inter_inter", "intra_inter")
 TOP_KEYS = ("name", "description", "peak_tflops", "hbm_gbps", "memory_gb", "optimizer_gbps", "achieved", "links",
-            "collectives", "oef", "slowdown", "launch_gap", "host", "kernels", "measured")
+            "collectives", "oef", "slowdown", "launch_gap", "host", "kernels", "cores",
+            "measured")
 #: The keys of the ``host`` section (:data:`HOST_REQUIRED` required there).
 HOST_KEYS = ("link_gbps", "optimizer_gbps", "memory_gb")
 HOST_REQUIRED = ("link_gbps", "optimizer_gbps")
@@ -205,6 +209,7 @@ class Profile:
     optimizer_gbps: float | None = None  # an AdamW step's streaming rate; None: from hbm_gbps
     kernels: Kernels = NO_KERNEL_TERMS  # per-kernel terms; the default changes no op's time
     host: Host | None = None  # the host link and CPU optimizer; None: not known (no offload)
+    cores: HostCores | None = None  # a CPU host's cores its ranks share; None: not a CPU host
     path: str = attrs.field(default="", eq=False)
 
     def host_or_error(self, span: Span | None = None) -> Host:
@@ -330,9 +335,11 @@ def _build(reader: ProfileReader, top: dict, path: str) -> Profile | None:
                         if "optimizer_gbps" in top else None),
         kernels=read_kernels(reader, top["kernels"]) if "kernels" in top else NO_KERNEL_TERMS,
         host=_host(reader, top["host"]) if "host" in top else None,
+        cores=read_cores(reader, top["cores"]) if "cores" in top else None,
     )
     fields["oef_classes"], fields["oef_pairs"] = _oef(reader, top.get("oef"))
-    if reader.errors.errors or any(v is None for k, v in fields.items() if k not in ("measured", "memory_gb", "optimizer_gbps", "host")):
+    optional = ("measured", "memory_gb", "optimizer_gbps", "host", "cores")
+    if reader.errors.errors or any(v is None for k, v in fields.items() if k not in optional):
         return None
     return Profile(**fields, path=path)
 

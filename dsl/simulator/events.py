@@ -64,6 +64,7 @@ from dhelix.dsl.core.program import Program
 from dhelix.dsl.core.schedule import Action, Interleaved, Transfer
 from dhelix.dsl.simulator.costs import (NOTHING, Group, StepCosts, cost_of, gradient_syncs, offloads,
                                         optimizer_seconds, step_costs)
+from dhelix.dsl.simulator.host_cores import cores_bound
 from dhelix.dsl.simulator.host_memory import host_refusal
 from dhelix.dsl.simulator.lane import Lane
 from dhelix.dsl.simulator.pairtrace import pair_events
@@ -737,4 +738,5 @@ def simulate(program: Program, plan: Plan | None = None, *, si: bool = True, zer
         flops=megatron_flops_per_iteration(model, sequences), world=mesh.world,
         peak_flops=program.profile.peak_flops(model.dtype), events=tuple(run.events), counters=counters,
         fsdp=run.fsdp, gather_under_forward=run.overlap_gather, shard=mesh.dp_shard if run.fsdp else 0,
-        zero=max(train.zero, int(zero1)), offload=train.offload_share)
+        zero=max(train.zero, int(zero1)), offload=train.offload_share,
+        cores_bound=cores_bound(program.profile.cores, ranks, mesh.world))

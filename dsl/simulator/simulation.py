@@ -63,28 +63,21 @@ class Simulation:
     zero: int = 0
     #: The percent of the optimizer's states in host memory (``train { offload }``; 0: none).
     offload: int = 0
+    #: The shortest step the cores of a CPU host shared by more ranks than it has allow
+    #: (:mod:`dhelix.dsl.simulator.host_cores`; 0: a core per rank, or not a CPU profile).
+    cores_bound: float = 0.0
+
+    @property
+    def timeline_time(self) -> float:
+        """Seconds from the first forward to the last rank's optimizer step, each rank on a core
+        of its own."""
+        return max(r.end for r in self.ranks)
 
     @property
     def step_time(self) -> float:
-        """Seconds from the first forward to the last rank's optimizer step."""
-        return max(r.end for r in self.ranks)
-
-    def compute_seconds(self) -> float:
-        """Seconds of computation in the step, summed over every rank of the world: each
-        pipeline rank's busy time less the layer communication it waited for, plus its
-        optimizer step, times the ranks that run its timeline (its TP, CP and DP replicas)."""
-        replicas = self.world / len(self.ranks) if self.ranks else 0.0
-        return replicas * sum(r.busy - r.layer_exposed + r.optimizer for r in self.ranks)
-
-    def on_shared_cores(self, ranks: int, cores: int) -> float:
-        """The step time when ``ranks`` of the world's ranks share ``cores`` processor cores
-        (local CPU ranks, more than the machine's cores): at least their computation over the
-        cores — a step cannot finish before the cores have done the work of every rank on them
-        — and at least :attr:`step_time`. A lower bound: ranks that want a core at the same
-        moment wait longer than the average says."""
-        if ranks <= cores or not self.world:
-            return self.step_time
-        return max(self.step_time, self.compute_seconds() * ranks / self.world / cores)
+        """Seconds of the step: the ranks' timelines, at least what the host's shared cores
+        allow (:attr:`cores_bound`)."""
+        return max(self.timeline_time, self.cores_bound)
 
     @property
     def pipeline_time(self) -> float:

@@ -56,6 +56,11 @@ class ProfileSamples:
     machine: str
     torch: str
     memory_gb: float | None = None
+    #: On CPU ranks: the cores rank 0 could run on, the ranks that ran on its host, and the
+    #: CPU shares of the layer's collectives those ranks measured (None on GPUs).
+    cores: int | None = None
+    host_ranks: int | None = None
+    comm_shares: tuple[float, ...] | None = None
 
 
 def host_name() -> str:
@@ -104,16 +109,25 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
     bar.close()
     if options.as_rank is not None:
         comm.lanes.close()
-    ranks = gather_to_first(samples)
-    if ranks is None:
+    shares = [share for values in samples.pop("cpu").values() for share in values]
+    gathered = gather_to_first((samples, shares, platform.node()))
+    if gathered is None:
         return None
+    ranks = [rank_samples for rank_samples, _, _ in gathered]
     counts = {kind: sum(1 for item in items if item.kind == kind) for kind in ("ops", "pairs", "sweep", "kinds")}
     counts["ends"] = sum(1 for item in items if item.key in END_OPS)
     counts["optimizer"] = sum(1 for item in items if item.key == OPTIMIZER_STEP)
     counts["layer"] = sum(1 for item in items if item.key == LAYER_PASS)
     counts["ops"] -= counts["ends"] + counts["optimizer"] + counts["layer"]
+    cores = host_ranks = comm_shares = None
+    if device.type == "cpu" and options.as_rank is None:
+        here = [rank_shares for _, rank_shares, node in gathered if node == platform.node()]
+        from dhelix.interpreter.training.summary import usable_cores
+
+        cores, host_ranks = usable_cores(), len(here)
+        comm_shares = tuple(share for rank_shares in here for share in rank_shares)
     return ProfileSamples(pool(ranks), counts, len(ranks), machine(device), torch.__version__,
-                          device_memory_gb(device))
+                          device_memory_gb(device), cores=cores, host_ranks=host_ranks, comm_shares=comm_shares)
 
 
 def device_memory_gb(device) -> float | None:

@@ -77,6 +77,9 @@ KINDS = ("all_reduce", "reduce_scatter", "p2p")
 KIND_BYTES = (1 << 20, 8 << 20)
 #: Runs of a compute op per timed sample, back to back after an untimed one (see :func:`_solo`).
 BACK_TO_BACK = 4
+#: On CPU ranks, runs of a layer collective back to back after its timed one, for the share of
+#: its time the process spends on a core (see :func:`_solo`).
+CPU_BURST = 8
 #: Passes of the whole layer per timed sample, back to back after an untimed one: on the
 #: emulated link a single pass's time outside its collectives varied 2x between profiles.
 PASSES = 2
@@ -380,9 +383,25 @@ def _solo(bench: LayerBench, clock: Clock, op: Op, async_op: bool) -> Callable[[
         start = clock.mark()
         bench.issue(op, async_op)
         bench.wait(op)
-        return {"us": clock.us(start, clock.mark())}
+        out = {"us": clock.us(start, clock.mark())}
+        if not clock.cuda and not async_op:
+            out["cpu"] = _cpu_share(bench, op)
+        return out
 
     return run
+
+
+def _cpu_share(bench: LayerBench, op: Op) -> float:
+    """The CPU seconds of this process (every thread: the collective backend's too) over the
+    wall seconds of :data:`CPU_BURST` runs of collective ``op`` back to back: on a CPU host, the
+    share of a collective's time that keeps a core busy (copies through the sockets,
+    reductions, waking threads). Back to back, so that work the backend does after a
+    collective returns is counted too."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(CPU_BURST):
+        bench.issue(op, False)
+        bench.wait(op)
+    return (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
 
 
 def _pair(bench: LayerBench, clock: Clock, f: Op, b: Op) -> Callable[[], dict]:
@@ -455,9 +474,10 @@ def _collective(comm: Communicator, clock: Clock, x: torch.Tensor, axis: str, ki
 def measure(items: Sequence[Measurement], repeats: int, warmup: int, meet: Callable[[], None],
             tick: Callable[[], None] = lambda: None) -> dict[str, dict]:
     """Run every measurement ``warmup + repeats`` times, round by round; returns this rank's
-    samples ``{kind: {key: [µs, …]}}`` (pair compute times under ``stretched``). ``meet`` is
+    samples ``{kind: {key: [µs, …]}}`` (pair compute times under ``stretched``; on CPU, a
+    layer collective's CPU share under ``cpu``: :func:`_cpu_share`). ``meet`` is
     the world barrier before a measurement that communicates; ``tick`` advances a progress bar."""
-    samples: dict[str, dict] = {kind: {} for kind in ("ops", "issued", "pairs", "stretched", "sweep", "kinds")}
+    samples: dict[str, dict] = {kind: {} for kind in ("ops", "issued", "pairs", "stretched", "sweep", "kinds", "cpu")}
     for round_ in range(warmup + repeats):
         # A new order each round, the same on every rank (collectives must match): what the
         # previous measurement left behind (idle communication threads, cold caches) then
@@ -472,6 +492,8 @@ def measure(items: Sequence[Measurement], repeats: int, warmup: int, meet: Calla
                 samples[item.kind].setdefault(item.key, []).append(result["us"])
                 if "stretched" in result:
                     samples["stretched"].setdefault(item.key, []).append(result["stretched"])
+                if "cpu" in result:
+                    samples["cpu"].setdefault(item.key, []).append(result["cpu"])
             tick()
     return samples
 

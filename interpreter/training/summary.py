@@ -39,6 +39,9 @@ class RankRecord:
     #: Per step, the seconds the rank's main thread was runnable but waiting for a CPU core
     #: (empty where the kernel does not say).
     core_wait: tuple[float, ...] = ()
+    #: Per step, the CPU seconds the rank's process used, every thread of it (the collective
+    #: backend's too): user and system time.
+    cpu: tuple[float, ...] = ()
     #: Bytes of weights, gradients and optimizer moments and masters after the last step;
     #: the optimizer's flat work buffers beside them.
     model_states: int = 0
@@ -213,8 +216,9 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
     # On CUDA, waits only order streams: host time says nothing about exposed communication.
     exposed = None if options.backend == "nccl" else max(steady(r.collective) for r in ranks)
     cuda = [r.cuda_peak for r in ranks if r.cuda_peak is not None]
-    predicted, note = simulated(program, options, local_cpu_ranks(ranks))
-    shared = shared_cores(ranks, core_wait=max((steady(r.core_wait) for r in ranks if r.core_wait), default=None))
+    predicted, note = simulated(program, options)
+    shared = shared_cores(ranks, core_wait=max((steady(r.core_wait) for r in ranks if r.core_wait), default=None),
+                          counted=program.profile is not None and program.profile.cores is not None)
     note = "; ".join(filter(None, [note, shared]))
     return RunSummary(
         path=options.path, pipeline=program.pipeline.name, mesh=describe_mesh(program.mesh),
@@ -229,13 +233,13 @@ def summarize(program, options: "RunOptions", result: RunResult) -> RunSummary:
         pipeline_ranks=tuple(program.mesh.position(r.rank, "pp") for r in ranks))
 
 
-def simulated(program, options: "RunOptions", local_cpu: int = 0, cores: int | None = None) -> tuple[Figures, str]:
+def simulated(program, options: "RunOptions") -> tuple[Figures, str]:
     """The simulator's step time, exposed communication (layer and DP collectives, the worst
     rank's) and activation peak of the run ``options.compiled`` (of ``program``) as the
     ranks ran it (:func:`~dhelix.dsl.simulator.runplan.price`), with a note saying
-    what they are a prediction of; empty figures and the reason when it cannot simulate.
-    ``local_cpu`` CPU ranks on this machine's ``cores`` (default: its count), when more: the
-    step is at least their computation over the cores (:meth:`Simulation.on_shared_cores`)."""
+    what they are a prediction of (and when the step is the bound of a CPU host's shared
+    cores, :mod:`dhelix.dsl.simulator.host_cores`); empty figures and the reason when it
+    cannot simulate."""
     from dhelix.dsl.simulator.runplan import price
 
     try:
@@ -245,16 +249,24 @@ def simulated(program, options: "RunOptions", local_cpu: int = 0, cores: int | N
     note = "predicted " + profile_provenance(program.profile, program.cluster.profile)
     if options.si and options.plan not in (SIMode.PLANNED, SIMode.SCHEDULED):
         note += "; it prices SI blocks with the planner's plan, this run used " + options.plan
-    cores = cores or os.cpu_count() or 1
-    step = result.on_shared_cores(local_cpu, cores)
-    if step > result.step_time:
-        note += (f"; {local_cpu} ranks share {cores} cores: the step is at least their computation over the cores, "
-                 f"{1e3 * step:.1f} ms ({1e3 * result.step_time:.1f} ms on a core each)")
-    return Figures(step_time=step,
+    if result.cores_bound > result.timeline_time:
+        cores = program.profile.cores
+        note += (f"; {cores.ranks_on_host(result.world)} ranks share {cores.usable} cores where the profile was "
+                 f"measured: the step is at least their CPU work over the cores, {1e3 * result.step_time:.1f} ms "
+                 f"({1e3 * result.timeline_time:.1f} ms on a core each)")
+    return Figures(step_time=result.step_time,
                    exposed_comm=max(r.layer_exposed + r.dp_exposed for r in result.ranks),
                    peak_activations=max(r.activations for r in result.ranks),
                    rank_activations=tuple(r.activations for r in result.ranks),
                    rank_states=tuple(r.states.total for r in result.ranks)), note
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or ``taskset``
+    narrows; the machine's count where the system does not say)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def local_cpu_ranks(ranks, host: str | None = None) -> int:
@@ -263,22 +275,27 @@ def local_cpu_ranks(ranks, host: str | None = None) -> int:
     return sum(1 for r in ranks if r.device == "cpu" and r.host in (host, ""))
 
 
-def shared_cores(ranks, cores: int | None = None, host: str | None = None, core_wait: float | None = None) -> str:
-    """Why a CPU run on more local ranks than this machine has cores is slower than the
+def shared_cores(ranks, cores: int | None = None, host: str | None = None, core_wait: float | None = None,
+                 counted: bool = False) -> str:
+    """Why a CPU run on more local ranks than this machine has cores can be slower than the
     prediction, plainly, or "" when it is not such a run; ``core_wait``: the seconds per step
-    the slowest-waiting rank was runnable but waiting for a core (median, None: not known).
-    ``cores`` and ``host`` default to this machine's."""
-    cores = cores or os.cpu_count() or 1
+    the slowest-waiting rank was runnable but waiting for a core (median, None: not known);
+    ``counted``: the profile states its host's cores, so that the prediction holds the
+    bound of their shared work. ``cores`` and ``host`` default to this machine's."""
+    cores = cores or usable_cores()
     local = local_cpu_ranks(ranks, host)
     if local <= cores:
         return ""
     load = f", load average {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
     waited = "" if core_wait is None else f" (measured: a rank waited {1e3 * core_wait:.2f}ms per step for a core)"
+    priced = ("the prediction counts the ranks' CPU work over the cores the profile was measured with (the step "
+              "is at least that), not when the ranks want a core at the same moment, nor other processes' load"
+              if counted else "the profile does not say how many cores its host had, so the prediction gives "
+              "each rank a core of its own")
     return (f"{local} ranks share {cores} CPU cores here{load}: the profile times each op in bursts "
             f"shorter than a scheduler slice (a core's speed), while in the run a rank waits for a core{waited} "
-            f"and each collective also for its peer to be scheduled; the prediction counts the cores' total "
-            f"work (the step is at least every rank's computation over the cores), not when the ranks want a "
-            f"core at the same moment, nor other processes' load, so the step measured here can be longer")
+            f"and each collective also for its peer to be scheduled; {priced}, so the step measured here can be "
+            f"longer")
 
 
 def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> dict:
@@ -313,6 +330,7 @@ def metrics(summary: RunSummary, options: "RunOptions", result: RunResult) -> di
                                                                                  predicted.rank_states, strict=True))]},
         "ranks": [{"rank": r.rank, "pp": summary.pipeline_ranks[i] if summary.pipeline_ranks else 0, "device": r.device, "host": r.host,
                    "step_s": list(r.step), "collective_s": list(r.collective), "p2p_s": list(r.p2p), "core_wait_s": list(r.core_wait),
+                   "cpu_s": list(r.cpu),
                    "peak_activations_bytes": r.peak_activations, "model_states_bytes": r.model_states,
                    "optimizer_scratch_bytes": r.optimizer_scratch, "host_states_bytes": r.host_states}
                   for i, r in enumerate(result.ranks)],

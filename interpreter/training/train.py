@@ -254,7 +254,7 @@ def _steps(options: RunOptions, executor, optimizer, device, source, start: int,
     tqdm.set_lock(threading.RLock())
     rank = executor.comm.rank
     tokens = source.global_sequences * executor.program.model.get("seq")
-    losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": [], "core_wait": [], "lanes": []}, [], []
+    losses, times, evals, skipped = [], {"step": [], "collective": [], "p2p": [], "core_wait": [], "cpu": [], "lanes": []}, [], []
     rolled: list[tuple[int, str]] = []
     log = StepLog(options.log if rank == 0 else None, tokens, resumed=start if options.resume else None)
     rotation = None
@@ -360,7 +360,7 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
 
     comm, waited = executor.comm, executor.recorder.waited
     batch = replica_batch(batch, comm.index("dp"), executor.program.train.microbatches)
-    start, before, queued = time.perf_counter(), dict(waited), run_queue_seconds()
+    start, before, queued, cpu = time.perf_counter(), dict(waited), run_queue_seconds(), time.process_time()
     loss = executor.step(batch)
     grads = executor.grads()
     # The loss is read once the norm has been (that waits for the device already).
@@ -370,6 +370,7 @@ def _one_step(executor, optimizer, device, batch, lr: float, times: dict, losses
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     times["step"].append(time.perf_counter() - start)
+    times["cpu"].append(time.process_time() - cpu)
     if queued is not None:
         times["core_wait"].append(run_queue_seconds() - queued)
     for kind in ("collective", "p2p"):
@@ -455,7 +456,7 @@ def _gather(executor, losses: list, times: dict, evals: list, optimizer, rolled:
     if executor.device.type == "cuda":  # what the allocator saw: weights, gradients and buffers too
         cuda_peak = torch.cuda.max_memory_allocated(executor.device)
     mine = RankRecord(rank=rank, step=tuple(times["step"]), collective=tuple(times["collective"]),
-                      p2p=tuple(times["p2p"]), core_wait=tuple(times["core_wait"]),
+                      p2p=tuple(times["p2p"]), core_wait=tuple(times["core_wait"]), cpu=tuple(times["cpu"]),
                       peak_activations=recorder.peak_bytes, cuda_peak=cuda_peak,
                       model_states=model_state_bytes(executor, optimizer),
                       optimizer_scratch=_storage_bytes(optimizer.scratch_tensors()),
