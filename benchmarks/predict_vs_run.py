@@ -11,7 +11,11 @@
    ``--no-si``, each writing ``--metrics``: the measured step time (median over its steps
    without the first, slowest rank) beside the simulator's prediction for the same profile;
 3. prints per mode the medians over rounds, the ratio simulated ÷ measured and whether it is
-   within the goal (15 %), and the same for the exposed communication.
+   within the goal (15 %), and the same for the exposed communication;
+4. with more local ranks than cores, the CPU seconds per step the ranks used (every thread,
+   summed over the ranks) beside the CPU work the simulator predicts for them (the bound of
+   the shared cores: :mod:`dhelix.dsl.simulator.host_cores`), and the cores the run got (its
+   CPU seconds over its step): under other processes' load it gets fewer than the profile's.
 
 A benchmark, not a test: the figures belong to the machine it runs on and to its load at the
 time (printed beside every run).
@@ -81,7 +85,7 @@ def run_rounds(args, profile: Path, work: Path, say) -> dict[str, list[dict]]:
     return results
 
 
-def summarise(results: dict[str, list[dict]], say) -> None:
+def summarise(results: dict[str, list[dict]], predicted: dict[str, tuple[float, float]], say) -> None:
     """Medians over rounds, simulated beside measured, the ratio and the goal."""
     say()
     say(f"{'mode':<10} {'runs':>4} {'measured':>10} {'min':>8} {'max':>8} {'simulated':>10} {'sim ÷ run':>9}  "
@@ -107,9 +111,41 @@ def summarise(results: dict[str, list[dict]], say) -> None:
         simulated = statistics.median(d["predicted"]["step_s"] for d in runs)
         say(f"{name:<10} {1e3 * wait:>8.1f}ms {1e3 * (step - wait):>8.1f}ms {1e3 * simulated:>8.1f}ms "
             f"{simulated / (step - wait):>18.3f}")
+    cpu_table(results, predicted, say)
     say(f"SI ÷ no-SI: measured {measured['SI planned'] / measured['no SI']:.3f}, "
         f"simulated {predicted['SI planned'] / predicted['no SI']:.3f}")
     say(f"simulator: {results['SI planned'][0]['predicted']['note']}")
+
+
+def predicted_cpu(program: Path, profile: Path, si: bool) -> tuple[float, float]:
+    """(CPU seconds of a step summed over the ranks, the step on a core per rank) that the
+    simulator predicts for ``program`` priced with ``profile``, with or without SI."""
+    from dhelix.dsl.simulator.host_cores import cpu_seconds
+    from dhelix.dsl.simulator.runplan import build_run_plan, price
+
+    run = build_run_plan(program.read_text(), str(program), profile=str(profile), interleave=si)
+    sim = price(run)
+    cores = run.program.profile.cores
+    return (cpu_seconds(cores, sim.ranks, sim.world) if cores is not None else 0.0), sim.timeline_time
+
+
+def cpu_table(results: dict[str, list[dict]], predicted: dict[str, tuple[float, float]], say) -> None:
+    """Measured CPU seconds per step (every rank's process, all threads, summed; each rank's
+    median without the first step) beside the simulator's CPU work, per mode, and the cores
+    the run got: its CPU seconds over its step. ``predicted``: per mode, :func:`predicted_cpu`."""
+    if not any(work for work, _ in predicted.values()):  # a profile without its host's cores
+        return
+    say(f"{'mode':<10} {'CPU run':>9} {'CPU sim':>9} {'sim ÷ run':>9} {'cores got':>9} {'sim at those cores':>18}   "
+        "(CPU: seconds per step summed over the ranks; sim at those cores: max(one core each, CPU sim ÷ cores got))")
+    for name, runs in results.items():
+        if not all(r.get("cpu_s") for d in runs for r in d["ranks"]):
+            continue
+        cpus = [sum(statistics.median(r["cpu_s"][1:] or r["cpu_s"]) for r in d["ranks"]) for d in runs]
+        cpu, step = statistics.median(cpus), statistics.median(d["step_s"] for d in runs)
+        got = statistics.median(c / d["step_s"] for c, d in zip(cpus, runs, strict=True))
+        work, timeline = predicted[name]
+        say(f"{name:<10} {1e3 * cpu:>7.1f}ms {1e3 * work:>7.1f}ms {work / cpu:>9.3f} {got:>9.2f} "
+            f"{1e3 * max(timeline, work / got):>16.1f}ms   (run {1e3 * step:.1f} ms)")
 
 
 def main(argv=None) -> int:
@@ -148,7 +184,8 @@ def main(argv=None) -> int:
         say(f"profile: `dhelix profile PROGRAM -o this-machine.yaml --repeats {args.repeats}`:")
         for line in result.stdout.splitlines()[2:5]:
             say(f"  {line.strip()}")
-        summarise(run_rounds(args, profile, work, say), say)
+        cpu = {name: predicted_cpu(args.program, profile, si="--no-si" not in extra) for name, extra in MODES}
+        summarise(run_rounds(args, profile, work, say), cpu, say)
     if args.output is not None:
         args.output.write_text("\n".join(lines) + "\n")
     return 0

@@ -194,7 +194,7 @@ def test_every_timed_collective_follows_an_untimed_run_of_itself():
     bench = _Counting()
     out = profiler._solo(bench, _Ticks(bench, cuda=False), comm, False)()
     assert bench.calls[4:] == [("issue", "ag1", False), ("wait", "ag1")] * profiler.CPU_BURST
-    assert out["us"] == 2.0 and 0.0 <= out["cpu"]
+    assert out["us"] == 2.0 and out["cpu"] >= 0.0
     bench = _Counting()
     out = profiler._solo(bench, _Ticks(bench), compute, False)()
     # Compute: an untimed run (its inputs in the caches), then back to back, the mean of those.

@@ -155,18 +155,19 @@ def write_profile(out: Path, program, options, samples, command: str, host: str)
 def host_cores(samples, notes: dict):
     """The :class:`~dhelix.dsl.frontend.host_cores.HostCores` of a profile measured on CPU
     ranks (``samples``), with its notes added to ``notes``: the cores rank 0 could run on,
-    the ranks on its host, and the median share of a layer collective's time that kept a
-    core busy (each run back to back on those ranks; 1 when none was timed)."""
-    import statistics
-
+    the ranks on its host, and the CPU µs a run of each layer collective cost them, summed
+    over the layer's collectives, over those collectives' times alone (the times the
+    simulator charges them; 1 when none was timed)."""
     from dhelix.dsl.frontend.host_cores import HostCores
 
-    shares = samples.comm_shares
-    busy = min(1.0, statistics.median(shares)) if shares else 1.0
+    cpu = samples.comm_cpu
+    timed = sum(samples.timings.ops.get(name, 0.0) for name in cpu)
+    busy = min(1.0, sum(cpu.values()) / timed) if cpu and timed > 0 else 1.0
     notes["cores.usable"] = "[measured] the cores rank 0 could run on (its CPU affinity)"
     notes["cores.ranks"] = "[measured] the ranks that ran on its host"
-    notes["cores.comm_busy"] = (f"[measured] CPU seconds over wall seconds of the layer's collectives run back to back, "
-                                f"median of {len(shares)}" if shares else "[assumed] no collective timed: all of it")
+    notes["cores.comm_busy"] = (f"[measured] CPU time of the layer's {len(cpu)} collectives (each run back to back, "
+                                f"{sum(cpu.values()) / 1e3:.3g} ms) over their times alone ({timed / 1e3:.3g} ms)"
+                                if cpu and timed > 0 else "[assumed] no collective timed: all of it")
     return HostCores(usable=samples.cores, ranks=samples.host_ranks, comm_busy=round(busy, 3))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import statistics
 import sys
 import threading
 
@@ -56,11 +57,11 @@ class ProfileSamples:
     machine: str
     torch: str
     memory_gb: float | None = None
-    #: On CPU ranks: the cores rank 0 could run on, the ranks that ran on its host, and the
-    #: CPU shares of the layer's collectives those ranks measured (None on GPUs).
+    #: On CPU ranks: the cores rank 0 could run on, the ranks that ran on its host, and per
+    #: layer collective the median CPU µs a run of it cost those ranks (None on GPUs).
     cores: int | None = None
     host_ranks: int | None = None
-    comm_shares: tuple[float, ...] | None = None
+    comm_cpu: dict | None = None
 
 
 def host_name() -> str:
@@ -109,8 +110,7 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
     bar.close()
     if options.as_rank is not None:
         comm.lanes.close()
-    shares = [share for values in samples.pop("cpu").values() for share in values]
-    gathered = gather_to_first((samples, shares, platform.node()))
+    gathered = gather_to_first((samples, samples.pop("cpu"), platform.node()))
     if gathered is None:
         return None
     ranks = [rank_samples for rank_samples, _, _ in gathered]
@@ -119,15 +119,16 @@ def measure_layer(options: ProfileOptions, device, heartbeat=None) -> ProfileSam
     counts["optimizer"] = sum(1 for item in items if item.key == OPTIMIZER_STEP)
     counts["layer"] = sum(1 for item in items if item.key == LAYER_PASS)
     counts["ops"] -= counts["ends"] + counts["optimizer"] + counts["layer"]
-    cores = host_ranks = comm_shares = None
+    cores = host_ranks = comm_cpu = None
     if device.type == "cpu" and options.as_rank is None:
-        here = [rank_shares for _, rank_shares, node in gathered if node == platform.node()]
         from dhelix.interpreter.training.summary import usable_cores
 
+        here = [cpu for _, cpu, node in gathered if node == platform.node()]
         cores, host_ranks = usable_cores(), len(here)
-        comm_shares = tuple(share for rank_shares in here for share in rank_shares)
+        comm_cpu = {name: statistics.median(us for cpu in here for us in cpu.get(name, ()))
+                    for name in sorted({name for cpu in here for name in cpu})}
     return ProfileSamples(pool(ranks), counts, len(ranks), machine(device), torch.__version__,
-                          device_memory_gb(device), cores=cores, host_ranks=host_ranks, comm_shares=comm_shares)
+                          device_memory_gb(device), cores=cores, host_ranks=host_ranks, comm_cpu=comm_cpu)
 
 
 def device_memory_gb(device) -> float | None:

@@ -77,8 +77,8 @@ KINDS = ("all_reduce", "reduce_scatter", "p2p")
 KIND_BYTES = (1 << 20, 8 << 20)
 #: Runs of a compute op per timed sample, back to back after an untimed one (see :func:`_solo`).
 BACK_TO_BACK = 4
-#: On CPU ranks, runs of a layer collective back to back after its timed one, for the share of
-#: its time the process spends on a core (see :func:`_solo`).
+#: On CPU ranks, runs of a layer collective back to back after its timed one, for the CPU time
+#: one costs the process (see :func:`_cpu_per_call`).
 CPU_BURST = 8
 #: Passes of the whole layer per timed sample, back to back after an untimed one: on the
 #: emulated link a single pass's time outside its collectives varied 2x between profiles.
@@ -385,23 +385,23 @@ def _solo(bench: LayerBench, clock: Clock, op: Op, async_op: bool) -> Callable[[
         bench.wait(op)
         out = {"us": clock.us(start, clock.mark())}
         if not clock.cuda and not async_op:
-            out["cpu"] = _cpu_share(bench, op)
+            out["cpu"] = _cpu_per_call(bench, op)
         return out
 
     return run
 
 
-def _cpu_share(bench: LayerBench, op: Op) -> float:
-    """The CPU seconds of this process (every thread: the collective backend's too) over the
-    wall seconds of :data:`CPU_BURST` runs of collective ``op`` back to back: on a CPU host, the
-    share of a collective's time that keeps a core busy (copies through the sockets,
-    reductions, waking threads). Back to back, so that work the backend does after a
-    collective returns is counted too."""
-    cpu, wall = time.process_time(), time.perf_counter()
+def _cpu_per_call(bench: LayerBench, op: Op) -> float:
+    """The CPU µs of this process (every thread: the collective backend's too) per run of
+    collective ``op``, over :data:`CPU_BURST` runs back to back: on a CPU host, the work a
+    collective gives the cores (copies through the sockets, reductions, waking threads), which
+    waiting for a core does not change (its wall time it does). Back to back, so that work the
+    backend does after a collective returns is counted too."""
+    cpu = time.process_time()
     for _ in range(CPU_BURST):
         bench.issue(op, False)
         bench.wait(op)
-    return (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9)
+    return 1e6 * (time.process_time() - cpu) / CPU_BURST
 
 
 def _pair(bench: LayerBench, clock: Clock, f: Op, b: Op) -> Callable[[], dict]:
@@ -475,7 +475,7 @@ def measure(items: Sequence[Measurement], repeats: int, warmup: int, meet: Calla
             tick: Callable[[], None] = lambda: None) -> dict[str, dict]:
     """Run every measurement ``warmup + repeats`` times, round by round; returns this rank's
     samples ``{kind: {key: [µs, …]}}`` (pair compute times under ``stretched``; on CPU, a
-    layer collective's CPU share under ``cpu``: :func:`_cpu_share`). ``meet`` is
+    layer collective's CPU µs per run under ``cpu``: :func:`_cpu_per_call`). ``meet`` is
     the world barrier before a measurement that communicates; ``tick`` advances a progress bar."""
     samples: dict[str, dict] = {kind: {} for kind in ("ops", "issued", "pairs", "stretched", "sweep", "kinds", "cpu")}
     for round_ in range(warmup + repeats):
