@@ -85,7 +85,7 @@ def run_rounds(args, profile: Path, work: Path, say) -> dict[str, list[dict]]:
     return results
 
 
-def summarise(results: dict[str, list[dict]], predicted: dict[str, tuple[float, float]], say) -> None:
+def summarise(results: dict[str, list[dict]], cpu_work: dict[str, tuple[float, float]], say) -> None:
     """Medians over rounds, simulated beside measured, the ratio and the goal."""
     say()
     say(f"{'mode':<10} {'runs':>4} {'measured':>10} {'min':>8} {'max':>8} {'simulated':>10} {'sim ÷ run':>9}  "
@@ -111,7 +111,7 @@ def summarise(results: dict[str, list[dict]], predicted: dict[str, tuple[float, 
         simulated = statistics.median(d["predicted"]["step_s"] for d in runs)
         say(f"{name:<10} {1e3 * wait:>8.1f}ms {1e3 * (step - wait):>8.1f}ms {1e3 * simulated:>8.1f}ms "
             f"{simulated / (step - wait):>18.3f}")
-    cpu_table(results, predicted, say)
+    cpu_table(results, cpu_work, say)
     say(f"SI ÷ no-SI: measured {measured['SI planned'] / measured['no SI']:.3f}, "
         f"simulated {predicted['SI planned'] / predicted['no SI']:.3f}")
     say(f"simulator: {results['SI planned'][0]['predicted']['note']}")

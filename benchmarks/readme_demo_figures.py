@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 from datetime import date
 from pathlib import Path
@@ -28,7 +29,7 @@ BEGIN, END = "<!-- demo figures -->", "<!-- /demo figures -->"
 COMMAND = "$ make demo && .venv/bin/python benchmarks/readme_demo_figures.py"
 #: The figures, in the results file's order: key, then how the sentence reads it.
 KEYS = ("steps", "first_loss", "last_loss", "held_out_loss", "held_out_perplexity", "held_out_windows",
-        "step_ms_measured", "step_ms_simulated")
+        "step_ms_measured", "step_ms_simulated", "cpu_ms_per_step", "cores_used")
 
 
 def figures(metrics: dict, log_lines: list[dict]) -> dict[str, str]:
@@ -48,7 +49,19 @@ def figures(metrics: dict, log_lines: list[dict]) -> dict[str, str]:
         "held_out_windows": f"{windows['evaluated']} of {windows['of']}" if windows else "unknown",
         "step_ms_measured": f"{1e3 * metrics['step_s']:.0f}",
         "step_ms_simulated": f"{1e3 * metrics['predicted']['step_s']:.0f}",
+        **cpu_figures(metrics),
     }
+
+
+def cpu_figures(metrics: dict) -> dict[str, str]:
+    """The CPU seconds per step the ranks used (each rank's median without the first step,
+    every thread of its process, summed over the ranks) and that over the step: the cores the
+    run kept busy ("unknown" where the metrics have no CPU times)."""
+    ranks = metrics.get("ranks", [])
+    if not ranks or not all(rank.get("cpu_s") for rank in ranks):
+        return {"cpu_ms_per_step": "unknown", "cores_used": "unknown"}
+    cpu = sum(statistics.median(rank["cpu_s"][1:] or rank["cpu_s"]) for rank in ranks)
+    return {"cpu_ms_per_step": f"{1e3 * cpu:.0f}", "cores_used": f"{cpu / metrics['step_s']:.2f}"}
 
 
 def results_text(found: dict[str, str]) -> str:

@@ -11,7 +11,9 @@ that profile, then run the tuned program and the shipped one alternately.
    the shipped mesh only), and both predictions from that same pricing;
 3. ``dhelix run`` of the shipped and the tuned program, alternated in every round (the order
    flips from round to round), each writing ``--metrics``; the medians over rounds, and the
-   ratio tuned ÷ shipped measured beside predicted.
+   ratio tuned ÷ shipped measured beside predicted; beside each run the CPU seconds its ranks
+   used per step and the cores it got (those over the step), and beside the prediction the
+   same without the bound of the profile's shared cores (a core per rank).
 
 A benchmark, not a test: the figures belong to the machine it runs on and to its load at the
 time (printed beside every run).
@@ -41,15 +43,21 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "examples" / "tiny_llama_cpu.dhx"
 
 
-def predictions(profile: Path, tuned_text: str) -> tuple[float, float, str, str]:
-    """(shipped, tuned) predicted steps by tune's pricing with ``profile``, and both choices."""
+def predictions(profile: Path, tuned_text: str) -> tuple:
+    """(shipped, tuned) simulations by tune's pricing with ``profile``, and both choices."""
     modules = with_profile_setting(load_modules(read_source(str(PROGRAM)), str(PROGRAM)), str(profile))
     base = passes.rerun(check_program(modules), after="check")
     tuned_path = profile.parent / "tuned.dhx"
     tuned_base = passes.rerun(check_program(load_modules(tuned_text, str(tuned_path))), after="check")
     pricer = Pricer(modules, base, base.mesh.world)
     shipped, tuned = shipped_choice(base), shipped_choice(tuned_base)
-    return pricer.price(shipped).seconds, pricer.price(tuned).seconds, shipped.describe(), tuned.describe()
+    return pricer.price(shipped).sim, pricer.price(tuned).sim, shipped.describe(), tuned.describe()
+
+
+def cpu_seconds(metrics: dict) -> float:
+    """The CPU seconds of a step summed over the ranks (each rank's median without the first
+    step, every thread of its process), from ``dhelix run --metrics``."""
+    return sum(statistics.median(rank["cpu_s"][1:] or rank["cpu_s"]) for rank in metrics["ranks"])
 
 
 def main(argv=None) -> int:
@@ -84,10 +92,13 @@ def main(argv=None) -> int:
                 say("`dhelix tune examples/tiny_llama_cpu.dhx --profile this-machine.yaml -o tuned.dhx`:")
                 for line in result.stdout.splitlines():
                     say(f"  {line}")
-        shipped_s, tuned_s, shipped_text, tuned_text = predictions(profile, tuned.read_text())
-        say(f"shipped: {shipped_text}: predicted {shipped_s * 1e3:.3f} ms")
-        say(f"tuned:   {tuned_text}: predicted {tuned_s * 1e3:.3f} ms")
+        shipped_sim, tuned_sim, shipped_text, tuned_text = predictions(profile, tuned.read_text())
+        shipped_s, tuned_s = shipped_sim.step_time, tuned_sim.step_time
+        for name, text, sim in (("shipped", shipped_text, shipped_sim), ("tuned", tuned_text, tuned_sim)):
+            say(f"{name + ':':<8} {text}: predicted {sim.step_time * 1e3:.3f} ms (a core per rank {sim.timeline_time * 1e3:.3f} "
+                f"ms, the ranks' CPU work over the profile's cores {sim.cores_bound * 1e3:.3f} ms)")
         steps: dict[str, list[float]] = {"shipped": [], "tuned": []}
+        cores: dict[str, list[float]] = {"shipped": [], "tuned": []}
         programs = {"shipped": PROGRAM, "tuned": tuned}
         for index in range(args.rounds):
             order = ("shipped", "tuned") if index % 2 == 0 else ("tuned", "shipped")
@@ -97,15 +108,20 @@ def main(argv=None) -> int:
                                 timeout=args.timeout)
                 if result.returncode != 0:
                     raise SystemExit(f"dhelix run ({name}) failed:\n{result.stderr[-2000:]}")
-                step = json.loads(metrics.read_text())["step_s"]
+                data = json.loads(metrics.read_text())
+                step, cpu = data["step_s"], cpu_seconds(data)
                 steps[name].append(step)
-                say(f"round {index + 1}/{args.rounds}  {name:<8} step {step * 1e3:8.1f} ms  "
-                    f"(load average {os.getloadavg()[0]:.1f})")
+                cores[name].append(cpu / step)
+                say(f"round {index + 1}/{args.rounds}  {name:<8} step {step * 1e3:8.1f} ms  CPU {cpu * 1e3:6.1f} ms "
+                    f"(cores got {cpu / step:.2f})  (load average {os.getloadavg()[0]:.1f})")
     shipped_run, tuned_run = statistics.median(steps["shipped"]), statistics.median(steps["tuned"])
     say()
     say(f"median step: shipped {shipped_run * 1e3:.1f} ms, tuned {tuned_run * 1e3:.1f} ms; tuned ÷ shipped measured "
         f"{tuned_run / shipped_run:.3f}, predicted {tuned_s / shipped_s:.3f}; tuned faster in "
         f"{sum(t < s for s, t in zip(steps['shipped'], steps['tuned'], strict=True))} of {args.rounds} rounds")
+    say(f"with a core per rank (no bound of the shared cores) the prediction is "
+        f"{tuned_sim.timeline_time / shipped_sim.timeline_time:.3f}; the runs got {statistics.median(cores['shipped']):.2f} "
+        f"(shipped) and {statistics.median(cores['tuned']):.2f} (tuned) cores, median (CPU seconds over the step)")
     if args.output is not None:
         args.output.write_text("\n".join(lines) + "\n")
     return 0
