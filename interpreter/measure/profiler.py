@@ -139,10 +139,14 @@ class KeptRun(LayerRun):
 
 
 class Clock:
-    """Marks and intervals: ``perf_counter`` on CPU, CUDA events on the current stream."""
+    """Marks and intervals: ``perf_counter`` on CPU, CUDA events on the current stream.
+    With ``cpu_time``, on CPU the process's CPU time instead (``process_time``, every thread):
+    the work of a compute op, which other processes taking turns on the cores do not lengthen
+    (the wall time of a burst they preempt does); the same as the wall time on an idle core."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cpu_time: bool = False):
         self.cuda = device.type == "cuda"
+        self._now = time.process_time if cpu_time and not self.cuda else time.perf_counter
 
     def mark(self):
         """A point in time (on CUDA, an event recorded on the current stream)."""
@@ -150,7 +154,7 @@ class Clock:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return self._now()
 
     def us(self, start, stop) -> float:
         """Microseconds from mark ``start`` to mark ``stop`` (waits for ``stop`` on CUDA)."""
@@ -304,10 +308,14 @@ def measurements(program: Program, bench: LayerBench, comm: Communicator, clock:
                  device: torch.device, ends: EndsBench | None = None,
                  optimizer: OptimizerBench | None = None) -> list[Measurement]:
     """Everything to time on this rank, in the order every rank times it (the model's end
-    ops too when ``ends`` is given, the optimizer step when ``optimizer`` is)."""
+    ops too when ``ends`` is given, the optimizer step when ``optimizer`` is). The layer's
+    compute ops and its pass outside its collectives are timed in CPU time on CPU ranks
+    (:class:`Clock`): their work, as the simulator prices each rank on a core of its own."""
     fwd, bwd = program.forward.ops, program.backward.ops
-    items = [Measurement("ops", op.name, op.kind == "comm", _solo(bench, clock, op, False)) for op in fwd + bwd]
-    items.append(Measurement("ops", LAYER_PASS, any(op.kind == "comm" for op in fwd + bwd), bench.layer_pass(clock)))
+    work = Clock(device, cpu_time=True)
+    items = [Measurement("ops", op.name, op.kind == "comm", _solo(bench, clock if op.kind == "comm" else work, op, False))
+             for op in fwd + bwd]
+    items.append(Measurement("ops", LAYER_PASS, any(op.kind == "comm" for op in fwd + bwd), bench.layer_pass(work)))
     if ends is not None:
         items += [Measurement("ops", name, True, ends.runner(name, clock)) for name in END_OPS]
     if optimizer is not None:
