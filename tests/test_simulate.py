@@ -554,7 +554,7 @@ def test_a_lane_books_a_bucket_in_the_first_gap_a_plain_scan_finds(seed):
 def test_the_cores_bound_is_the_host_s_cpu_work_over_its_cores():
     # Two pipeline ranks standing for a world of 8 (4 replicas each); 8 ranks on a host of 2
     # cores. CPU work per rank: busy less exposed layer comm, plus the optimizer, plus
-    # comm_busy of its layer, pipeline (twice: sender and receiver) and DP communication.
+    # comm_busy of its layer, pipeline (counted once, at the sender) and DP communication.
     from dhelix.dsl.frontend.host_cores import HostCores
     from dhelix.dsl.simulator.host_cores import cores_bound, cpu_seconds
     from dhelix.dsl.simulator.simulation import RankStats
@@ -566,7 +566,7 @@ def test_the_cores_bound_is_the_host_s_cpu_work_over_its_cores():
 
     ranks = (rank(10.0, 4.0, 3.0, 1.0, 2.0, 1.0), rank(6.0, 2.0, 2.0, 0.5, 0.0, 1.0))
     cores = HostCores(usable=2, ranks=8, comm_busy=0.5)
-    work = 4 * ((10 - 3 + 1 + 0.5 * (4 + 2 * 1.0 + 2)) + (6 - 2 + 1 + 0.5 * (2 + 2 * 0.5)))
+    work = 4 * ((10 - 3 + 1 + 0.5 * (4 + 1.0 + 2)) + (6 - 2 + 1 + 0.5 * (2 + 0.5)))
     assert cpu_seconds(cores, ranks, 8) == pytest.approx(work)
     assert cores_bound(cores, ranks, 8) == pytest.approx(work / 2)
     # 4 of the 8 ranks on each host (the profile's host ran 4): half the work on each.
