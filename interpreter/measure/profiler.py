@@ -309,10 +309,12 @@ def measurements(program: Program, bench: LayerBench, comm: Communicator, clock:
                  optimizer: OptimizerBench | None = None) -> list[Measurement]:
     """Everything to time on this rank, in the order every rank times it (the model's end
     ops too when ``ends`` is given, the optimizer step when ``optimizer`` is). The layer's
-    compute ops and its pass outside its collectives are timed in CPU time on CPU ranks
-    (:class:`Clock`): their work, as the simulator prices each rank on a core of its own."""
+    compute ops and its pass outside its collectives are timed in CPU time on CPU ranks that
+    compute on one thread (:class:`Clock`): their work, as the simulator prices each rank on a
+    core of its own. A rank computing on several threads is timed by the wall clock: its CPU
+    time adds up the threads, each op's several times over."""
     fwd, bwd = program.forward.ops, program.backward.ops
-    work = Clock(device, cpu_time=True)
+    work = Clock(device, cpu_time=torch.get_num_threads() == 1)
     items = [Measurement("ops", op.name, op.kind == "comm", _solo(bench, clock if op.kind == "comm" else work, op, False))
              for op in fwd + bwd]
     items.append(Measurement("ops", LAYER_PASS, any(op.kind == "comm" for op in fwd + bwd), bench.layer_pass(work)))
