@@ -9,13 +9,11 @@ transfers as that rank of a real gloo run of the same program.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from commands import dhelix_here
 
 from dhelix.dsl.core.schedule import Transfer
 from dhelix.dsl.frontend.imports import read_source
@@ -148,10 +146,10 @@ def test_same_communication_as_the_real_rank(tmp_path):
     assert set(figures["lanes_exposed_s"]) <= {"local", "cross"}
 
 
-def _cli(*args, timeout=300):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "dhelix", "run", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+def _cli(*args, command="run", timeout=300):
+    """``dhelix run ARGS`` (or ``command``) in this process (:func:`commands.dhelix_here`: the
+    real run's ranks forked from the session's forkserver, a rank alone run here)."""
+    return dhelix_here(command, *map(str, args), timeout=timeout)
 
 
 def test_cli_as_rank_large_mesh(tmp_path):
@@ -245,9 +243,7 @@ def test_inline_stand_ins_give_what_the_lanes_threads_give():
 
 def test_cli_profile_as_rank_then_run_with_it(tmp_path):
     profile = tmp_path / "alone.yaml"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "dhelix", "profile", str(TINY), "--as-rank", "3", "--repeats", "1",
-                           "-o", str(profile)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    done = _cli(TINY, "--as-rank", 3, "--repeats", 1, "-o", profile, command="profile")
     assert done.returncode == 0, done.stderr
     assert "rank 3 of 4 alone" in done.stdout and "links are the emulation's" in done.stdout
     done = _cli(TINY, "--as-rank", 3, "--steps", 2, "--profile", profile, "--json")

@@ -55,3 +55,27 @@ def test_a_corrupt_cache_file_is_rebuilt(tmp_path, seed):
     rebuilt = cache.read_bytes()  # (pickled afresh: not byte for byte the first one)
     assert rebuilt.split(b"\n", 1)[0] == good.split(b"\n", 1)[0]
     assert (tmp_path / (cache.name + ".sha256")).read_text().strip() == hashlib.sha256(rebuilt).hexdigest()
+
+
+def test_an_imported_file_is_parsed_once_per_text_and_again_once_edited(tmp_path):
+    # Imported texts are parsed once a process (dhelix.dsl.frontend.imports): a program
+    # loaded again shares its imports' modules, and an import edited in between is read anew.
+    from dhelix.dsl.core import syntax as s
+    from dhelix.dsl.core.errors import ParseError
+    from dhelix.dsl.frontend.imports import load_modules
+
+    main = 'import "lib.dhx"\nimport "stdlib/pipelines.dhx"\n'
+    lib = tmp_path / "lib.dhx"
+
+    def pipelines(modules) -> list[str]:
+        return [item.name for item in modules[0].items if isinstance(item, s.PipelineDef)]
+
+    lib.write_text("pipeline mine {\n  repeat m { F B }\n}\n")
+    first, again = (load_modules(main, str(tmp_path / "main.dhx")) for _ in range(2))
+    assert pipelines(first) == ["mine"] and again[0] is first[0] and again[1] is first[1]
+    lib.write_text("pipeline other {\n  repeat m { F B }\n}\n")
+    assert pipelines(load_modules(main, str(tmp_path / "main.dhx"))) == ["other"]
+    lib.write_text("pipeline broken {\n")
+    with pytest.raises(ParseError) as error:
+        load_modules(main, str(tmp_path / "main.dhx"))
+    assert "lib.dhx:1:17: unexpected end of file" in error.value.render()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import attrs
 import pytest
@@ -60,17 +59,27 @@ def legal_by_permutation(dag: LayerDag, moving: frozenset[str], window: int | No
     names = [op.name for op in dag.ops]
     fixed = [n for n in names if n not in moving]
     home = {n: sum(1 for m in names[:i] if m not in moving) for i, n in enumerate(names)}
+    inputs = {op.name: [i for i in op.inputs if i in home] for op in dag.ops}
     out = []
-    for perm in itertools.permutations(names):
-        position = {n: i for i, n in enumerate(perm)}
-        if [n for n in perm if n not in moving] != fixed:
-            continue
-        if any(position.get(i, -1) > position[op.name] for op in dag.ops for i in op.inputs):
-            continue
-        if window is not None and any(abs(sum(1 for m in perm[:position[n]] if m not in moving) - home[n]) > window
-                                      for n in moving):
-            continue
-        out.append(perm)
+
+    def extend(perm: list[str], fixed_placed: int) -> None:
+        # The permutations in lexicographic order of positions, a prefix dropped as soon as it
+        # breaks a rule (the first two are broken for good by a prefix): the same set as
+        # filtering itertools.permutations, without walking the 10! of a 10-op layer.
+        if len(perm) == len(names):
+            position = {n: i for i, n in enumerate(perm)}
+            if window is None or all(abs(sum(1 for m in perm[:position[n]] if m not in moving) - home[n]) <= window
+                                     for n in moving):
+                out.append(tuple(perm))
+            return
+        for name in names:
+            if name in perm or (name not in moving and name != fixed[fixed_placed]):
+                continue
+            if any(i not in perm for i in inputs[name]):
+                continue
+            extend(perm + [name], fixed_placed + (name not in moving))
+
+    extend([], 0)
     return sorted(out, key=lambda perm: [names.index(n) for n in perm])
 
 

@@ -5,12 +5,11 @@ and `--robust`'s choice of the best worst case."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import attrs
 import pytest
+from commands import dhelix_here
 
 from dhelix.dsl.frontend.profiles import load_profile
 from dhelix.dsl.search.space import Choice, Layout
@@ -65,8 +64,7 @@ def test_ranks_that_change_within_the_box_are_marked_and_the_best_worst_case_cho
 
 def test_cli_uncertainty_prices_the_top_at_every_corner_and_robust_chooses_the_best_worst_case(tmp_path):
     out = tmp_path / "robust.dhx"
-    proc = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--keep", "mesh", "--top", "3", "-j", "1",
-                           "--robust", "--json", "-o", str(out)], capture_output=True, text=True)
+    proc = dhelix_here("tune", str(TINY), "--keep", "mesh", "--top", "3", "-j", "1", "--robust", "--json", "-o", str(out))
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     top = data["uncertainty"]["top"]
@@ -78,8 +76,7 @@ def test_cli_uncertainty_prices_the_top_at_every_corner_and_robust_chooses_the_b
         assert entry["rank_changes"] == (len(set(entry["ranks"])) > 1)
     assert [e["worst_s"] for e in top] == sorted(e["worst_s"] for e in top)
     assert data["chosen"] == top[0]["choice"]
-    text = subprocess.run([sys.executable, "-m", "dhelix", "tune", str(TINY), "--keep", "mesh", "--top", "3", "-j", "1",
-                           "--uncertainty"], capture_output=True, text=True)
+    text = dhelix_here("tune", str(TINY), "--keep", "mesh", "--top", "3", "-j", "1", "--uncertainty")
     assert text.returncode == 0, text.stderr
     assert "within the profile's uncertainty (collective efficiency x0.7-1, GEMM efficiency x0.85-1.1, " \
            "link latency x0.5-3" in text.stdout
