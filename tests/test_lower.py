@@ -378,3 +378,26 @@ def test_interleaved_1f1b_runs_each_chunk_g_micro_batches_in_a_row():
         with pytest.raises(DhelixError) as info:
             check_text(text.replace("launch = 4", bad), str(ROOT / "examples" / "t.dhx"))
         assert f"needs {need}" in str(info.value)
+
+
+@pytest.mark.parametrize("text", [
+    "p - r - 1", "min((p - r - 1) * 2 + (v - 1) * max(g, gb), v * m)", "f // g % v", "v - 1 - b // gb % v",
+    "-(m - 3 * p)", "m / p", "f / g", "m // 0", "m % (p - p)", "n + 1", "mux(m, p)",
+    "1000000000000000 * 1000000000000000 * m", "(" * 40 + "m" + ")" * 40 + " + 1"])
+def test_evaluator_equals_evaluate(text):
+    # Lowering evaluates its statements through compiled closures (exprs.evaluator): the same
+    # values as evaluate, and where evaluate raises, the same error.
+    from dhelix.dsl.frontend.exprs import evaluate, evaluator
+
+    expr = parse(text, start="expr")
+    compiled = evaluator(expr, "schedule variable")
+    for env in ({"p": 4, "r": 1, "m": 12, "v": 2, "g": 4, "gb": 4, "f": 7, "b": 5},
+                {"p": 3, "r": 2, "m": 6, "v": 3, "g": 3, "gb": 6, "f": 0, "b": 11}):
+        try:
+            expected = evaluate(expr, env, "schedule variable")
+        except DhelixError as error:
+            with pytest.raises(type(error)) as raised:
+                compiled(env)
+            assert raised.value.render() == error.render()
+        else:
+            assert compiled(env) == expected

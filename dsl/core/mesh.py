@@ -131,7 +131,7 @@ class Mesh:
     def per_node(self, axis: str) -> int:
         """Ranks of a group of ``axis`` (a mesh axis or a sub-axis) on each node it spans,
         1 when the groups lie inside one node or spread unevenly."""
-        return ranks_per_node(self.groups(axis)[0], self.gpus_per_node)
+        return _per_node(self, axis)
 
     def sub_axes(self) -> tuple[str, ...]:
         """The sub-axes of every listed axis whose groups span nodes evenly, and hybrid
@@ -230,6 +230,11 @@ def ranks_per_node(ranks, gpus_per_node: int) -> int:
     holds unequal numbers on its nodes."""
     counts = collections.Counter(rank // gpus_per_node for rank in ranks)
     return counts.most_common(1)[0][1] if len(counts) > 1 and len(set(counts.values())) == 1 else 1
+
+
+@functools.cache
+def _per_node(mesh: Mesh, axis: str) -> int:
+    return ranks_per_node(_groups(mesh, axis)[0], mesh.gpus_per_node)
 
 
 @functools.cache

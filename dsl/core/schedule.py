@@ -140,7 +140,7 @@ class Lowered:
 
     def stage_of(self, rank: int, chunk: int) -> int | None:
         """The stage index held by ``rank`` as ``chunk``, or None for a slot outside the placement."""
-        return self._stage_index.get((rank, chunk))
+        return self.stage_index.get((rank, chunk))
 
     def stages_run(self, rank: int, action: Action) -> tuple[str, int | None, int | None]:
         """(kind, forward stage, backward stage) of a computation of ``rank``: ``SI`` with
@@ -172,7 +172,9 @@ class Lowered:
         return tuple(index), rows
 
     @functools.cached_property
-    def _stage_index(self) -> dict[tuple[int, int], int]:
+    def stage_index(self) -> dict[tuple[int, int], int]:
+        """(rank, chunk) -> the stage it holds (:meth:`stage_of`, as a dict for loops that
+        look up every action's)."""
         return {slot: index for index, slot in enumerate(self.stages)}
 
 

@@ -73,6 +73,34 @@ def _definition_errors(item, check) -> list[DhelixError]:
     return found
 
 
+#: The model, cluster, mesh and train blocks built without an error, by the identity of what
+#: they are built from (each kept with what was built of it): `dhelix tune`'s variants of one
+#: program share these very nodes. A block with an error is built afresh each time, so its
+#: errors are always recorded.
+_BUILT: dict[tuple, tuple] = {}
+
+
+def _built(sources: tuple, build, errors: ErrorCollector):
+    """``build(*sources, errors)``, once per tuple of source objects built without an error."""
+    key = tuple(map(id, sources))
+    found = _BUILT.get(key)
+    if found is not None and all(kept is source for kept, source in zip(found[0], sources, strict=True)):
+        return found[1]
+    before = (len(errors.errors), errors.dropped)
+    made = build(*sources, errors)
+    if (len(errors.errors), errors.dropped) == before:
+        if len(_BUILT) >= _REMEMBERED:
+            _BUILT.clear()
+        _BUILT[key] = (sources, made)
+    return made
+
+
+def _cluster_and_profile(node: s.ConfigBlock, errors: ErrorCollector) -> tuple:
+    """The Cluster of the cluster block ``node`` and the profile it names."""
+    cluster = build_cluster(node, errors)
+    return cluster, _profile(node, cluster, errors)
+
+
 def _definitions(modules, kind, word: str, errors: ErrorCollector) -> dict:
     found: dict = {}
     for module in modules:
@@ -115,12 +143,12 @@ def _configure(program: Program, singles: dict, layers: dict, pipelines: dict, e
         listing = join_words(words)
         errors.add(CheckError(f"model {model_node.name} needs {listing}", model_node.span_of("name"),
                               [f"e.g. {example}" for _, example in missing]))
-    model, model_block = build_model(model_node, errors)
-    cluster = build_cluster(singles["cluster"], errors) if "cluster" in singles else None
-    profile = _profile(singles.get("cluster"), cluster, errors)
+    model, model_block = _built((model_node,), build_model, errors)
+    cluster, profile = _built((singles["cluster"],), _cluster_and_profile, errors) if "cluster" in singles \
+        else (None, None)
     _check_dtype_costed(model, model_block, profile, errors)
-    mesh, mesh_block = build_mesh(singles["mesh"], cluster, errors) if "mesh" in singles else (None, None)
-    train = build_train(singles["train"], errors) if "train" in singles else None
+    mesh, mesh_block = _built((singles["mesh"], cluster), build_mesh, errors) if "mesh" in singles else (None, None)
+    train = _built((singles["train"],), build_train, errors) if "train" in singles else None
     fold = build_fold(singles["fold"], errors) if "fold" in singles else build_fold(s.Fold("none", None), errors)
     pipeline = _pipeline(singles.get("pipeline"), pipelines, errors)
     _check_layer_name(model, model_block, layers, errors)

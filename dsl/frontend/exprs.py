@@ -7,7 +7,7 @@ the sub-expression at fault, with a "did you mean" for misspelt names.
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError
@@ -45,6 +45,85 @@ def evaluate(expr: s.Expr, env: Mapping[str, int], what: str = "name") -> int:
     for node in reversed(spine):
         value = _bounded(_binop(node, value, evaluate(node.right, env, what)), node)
     return value
+
+
+#: A compiled expression: its value in an environment, or _Slow where :func:`evaluate` must
+#: say what is wrong (an unknown name, a division by zero or inexact, a value too large).
+Compiled = Callable[[Mapping[str, int]], int]
+#: The deepest expression compiled (deeper ones are evaluated as they are: no recursion limit).
+_COMPILED_DEPTH = 32
+
+
+class _Slow(Exception):
+    """A compiled expression met what :func:`evaluate` reports as an error."""
+
+
+def evaluator(expr: s.Expr, what: str = "name") -> Callable[[Mapping[str, int]], int]:
+    """A function of an environment equal to ``evaluate(expr, env, what)`` (the same value,
+    the same error), for an expression evaluated many times: a pipeline's statements, run
+    once per repeat per rank. Its arithmetic is compiled to closures once; anything the
+    closures would get wrong (an unknown name, a division by zero, an inexact ``/``, a value
+    out of range) falls back on :func:`evaluate`, which raises the located error."""
+    compiled = _compiled(expr, _COMPILED_DEPTH)
+    if compiled is None:
+        return lambda env: evaluate(expr, env, what)
+
+    def value(env: Mapping[str, int]) -> int:
+        try:
+            return compiled(env)
+        except (_Slow, KeyError):
+            return evaluate(expr, env, what)
+    return value
+
+
+def _compiled(expr: s.Expr, depth: int) -> Compiled | None:
+    """``expr`` as closures (raising _Slow or KeyError where :func:`evaluate` raises), None
+    when deeper than ``depth`` or calling an unknown function (evaluated as written)."""
+    if depth <= 0:
+        return None
+    if isinstance(expr, s.Int):
+        constant = expr.value
+        return lambda env: constant
+    if isinstance(expr, s.Name):
+        name = expr.id
+        return lambda env: env[name]
+    if isinstance(expr, s.Neg):
+        operand = _compiled(expr.operand, depth - 1)
+        return None if operand is None else (lambda env: -operand(env))
+    if isinstance(expr, s.Call):
+        func = FUNCTIONS.get(expr.func)
+        args = [_compiled(arg, depth - 1) for arg in expr.args]
+        if func is None or len(args) < 2 or any(arg is None for arg in args):
+            return None
+        return lambda env: func([arg(env) for arg in args])  # type: ignore[misc]
+    if isinstance(expr, s.BinOp):
+        left, right = _compiled(expr.left, depth - 1), _compiled(expr.right, depth - 1)
+        if left is None or right is None:
+            return None
+        return _compiled_binop(expr.op, left, right)
+    return None
+
+
+def _compiled_binop(op: str, left: Compiled, right: Compiled) -> Compiled | None:
+    """``left op right`` as :func:`_binop` and :func:`_bounded` compute it, _Slow where they raise."""
+    def bounded(value: int) -> int:
+        if abs(value) >= MAX_MAGNITUDE:
+            raise _Slow
+        return value
+
+    if op == "+":
+        return lambda env: bounded(left(env) + right(env))
+    if op == "-":
+        return lambda env: bounded(left(env) - right(env))
+    if op == "*":
+        return lambda env: bounded(left(env) * right(env))
+
+    def divided(env: Mapping[str, int]) -> int:
+        a, b = left(env), right(env)
+        if b == 0 or (op == "/" and a % b):
+            raise _Slow
+        return bounded(a % b if op == "%" else a // b)
+    return divided if op in ("/", "//", "%") else None
 
 
 def _leaf(expr: s.Expr, env: Mapping[str, int], what: str) -> int:

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from typing import Callable
 
 from dhelix.dsl.core import syntax as s
 from dhelix.dsl.core.errors import CheckError, DhelixError, ErrorCollector, ScheduleError
 from dhelix.dsl.core.program import FOLD_KINDS
-from dhelix.dsl.frontend.exprs import evaluate, format_expr
+from dhelix.dsl.frontend.exprs import evaluator, format_expr
 from dhelix.dsl.frontend.fmt import format_statement
 from dhelix.dsl.frontend.pipelinecheck import check_pipeline
 from dhelix.dsl.passes.fold import Placement
@@ -121,14 +122,6 @@ def leading_failure(pipeline: s.PipelineDef, *, ranks: int, microbatches: int, p
     raise AssertionError("every rank failed: one error at least")
 
 
-def _message(rank: int, transfer: Transfer, placement: Placement) -> tuple:
-    """What a transfer carries, the same on both sides: (data, micro-batch, producing stage)."""
-    stage = placement.stage_at(rank, transfer.chunk).index
-    if transfer.kind == "RECV":  # activations come from the stage before, gradients from the one after
-        stage += -1 if transfer.data == "F" else 1  # (a RECV's peer stage is in its copy: lowering added it)
-    return transfer.data, transfer.microbatch, stage
-
-
 def fifo_order(rows: list[tuple], placement: Placement) -> tuple[tuple, ...]:
     """``rows`` with every rank's receives from each peer in the order that peer sends them.
 
@@ -138,30 +131,46 @@ def fifo_order(rows: list[tuple], placement: Placement) -> tuple[tuple, ...]:
     a rank is about to post is hoisted to just before it; this cannot deadlock a schedule that
     did not, because the peer sent it before the receive the rank was waiting for anyway.
     """
+    stage = {slot: index for index, slot in enumerate(placement.slots())}
+
+    def message(rank: int, transfer: Transfer) -> tuple:  # _message, its stages looked up once
+        index = stage[rank, transfer.chunk]
+        if transfer.kind == "RECV":
+            index += -1 if transfer.data == "F" else 1
+        return transfer.data, transfer.microbatch, index
+
     sent: dict[tuple[int, int], list] = defaultdict(list)  # (sender, receiver) -> messages in order
     for rank, row in enumerate(rows):
         for action in row:
-            if isinstance(action, Transfer) and action.kind == "SEND":
-                sent[rank, action.peer].append(_message(rank, action, placement))
+            if type(action) is Transfer and action.kind == "SEND":
+                sent[rank, action.peer].append(message(rank, action))
     ordered = []
     for rank, row in enumerate(rows):
-        pending = {_message(rank, a, placement): a for a in row if isinstance(a, Transfer) and a.kind == "RECV"}
+        pending = {message(rank, a): a for a in row if type(a) is Transfer and a.kind == "RECV"}
+        if not pending:
+            ordered.append(tuple(row))
+            continue
         position: dict[int, int] = defaultdict(int)  # peer -> messages received so far
         out: list = []
         for action in row:
-            if not (isinstance(action, Transfer) and action.kind == "RECV"):
+            if not (type(action) is Transfer and action.kind == "RECV"):
                 out.append(action)
                 continue
-            message = _message(rank, action, placement)
-            if message not in pending:  # hoisted already
+            key = message(rank, action)
+            if key not in pending:  # hoisted already
                 continue
             order = sent[action.peer, rank]
-            while position[action.peer] < len(order) and order[position[action.peer]] != message:
+            at = position[action.peer]
+            if at < len(order) and order[at] == key:  # the next the peer sent: nothing to hoist
+                out.append(pending.pop(key))
+                position[action.peer] = at + 1
+                continue
+            while position[action.peer] < len(order) and order[position[action.peer]] != key:
                 earlier = pending.pop(order[position[action.peer]], None)
                 if earlier is not None:
                     out.append(earlier)
                 position[action.peer] += 1
-            out.append(pending.pop(message))
+            out.append(pending.pop(key))
             position[action.peer] += 1
         ordered.append(tuple(out))
     return tuple(ordered)
@@ -212,15 +221,16 @@ class _RankProgram:
         """Execute ``body``; raises _Failure at the first error."""
         for stmt in body:
             self.spend(stmt)
-            if isinstance(stmt, s.Let):
+            kind = type(stmt)  # (the statement kinds are distinct classes: most are actions)
+            if kind is s.Act:
+                self.emit_one(self.compute(stmt), stmt.span)
+            elif kind is s.Let:
                 self.env[stmt.name] = self.eval(stmt.value)
                 self.defs[stmt.name] = stmt.value
-            elif isinstance(stmt, s.Repeat):
+            elif kind is s.Repeat:
                 self.repeat(stmt)
-            elif isinstance(stmt, s.Require):
+            elif kind is s.Require:
                 self.require(stmt)
-            elif isinstance(stmt, s.Act):
-                self.emit([self.compute(stmt)], stmt.span)
             else:
                 self.emit([self.compute(stmt.fwd), self.compute(stmt.bwd)], stmt.span)
 
@@ -232,8 +242,12 @@ class _RankProgram:
                            ("a repeat count is far larger than the schedule needs",))
 
     def eval(self, expr: s.Expr) -> int:
+        if isinstance(expr, s.Int):  # the common leaves first, as evaluate reads them
+            return expr.value
+        if isinstance(expr, s.Name) and expr.id in self.env:
+            return self.env[expr.id]
         try:
-            return evaluate(expr, self.env, "schedule variable")
+            return _evaluator(expr)(self.env)
         except CheckError as error:
             raise _Failure(error.message + "{where}", error.span, error.notes) from None
 
@@ -314,6 +328,19 @@ class _RankProgram:
         main = parts[0] if len(parts) == 1 else Interleaved(parts[0], parts[1], span=span)
         self.actions.extend(receives + [main] + sends)
 
+    def emit_one(self, part: Compute, span) -> None:
+        """:meth:`emit` of one action: its receive, it, its send (as the peers place them)."""
+        if part.kind != "W":
+            receive = self.transfers(part, "RECV", span)
+            if receive:
+                self.actions.append(receive[0])
+            self.actions.append(part)
+            send = self.transfers(part, "SEND", span)
+            if send:
+                self.actions.append(send[0])
+        else:
+            self.actions.append(part)
+
     def transfers(self, part: Compute, kind: str, span) -> list[Transfer]:
         """The RECV before or SEND after ``part`` when its neighbour stage is on another rank."""
         if part.kind == "W":
@@ -330,6 +357,23 @@ class _RankProgram:
         if peer is None:
             return []
         return [Transfer(kind, part.kind, part.microbatch, part.chunk, peer, span=span)]
+
+
+#: The compiled expressions of the pipelines lowered (:func:`~dhelix.dsl.frontend.exprs.evaluator`),
+#: by identity, each kept with its expression so that its id stays its own; at most _COMPILED_KEPT.
+_COMPILED: dict[int, tuple[s.Expr, Callable]] = {}
+_COMPILED_KEPT = 4096
+
+
+def _evaluator(expr: s.Expr) -> Callable:
+    """:func:`~dhelix.dsl.frontend.exprs.evaluator` of ``expr`` (a schedule variable's), once
+    per expression object: a search lowers one pipeline for many sizes."""
+    found = _COMPILED.get(id(expr))
+    if found is None or found[0] is not expr:
+        if len(_COMPILED) >= _COMPILED_KEPT:
+            _COMPILED.clear()
+        found = _COMPILED[id(expr)] = (expr, evaluator(expr, "schedule variable"))
+    return found[1]
 
 
 def _names(expr: s.Expr):

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from dhelix.dsl.core.errors import ErrorCollector, ScheduleError
-from dhelix.dsl.core.schedule import Compute, Interleaved, Lowered, Transfer, computes, format_grid
+from dhelix.dsl.core.schedule import Compute, Interleaved, Lowered, Transfer, format_grid
 from dhelix.dsl.core.wording import join_words
 
 #: At most this many errors are shown; a last one says how many more there were.
@@ -50,7 +50,12 @@ def transfer_key(lowered: Lowered, rank: int, transfer: Transfer) -> tuple | Non
 
     A SEND and a RECV match when their keys are equal.
     """
-    stage = lowered.stage_of(rank, transfer.chunk)
+    return _key(lowered.stage_index, rank, transfer)
+
+
+def _key(stage_index: dict[tuple[int, int], int], rank: int, transfer: Transfer) -> tuple | None:
+    """:func:`transfer_key` with the schedule's stage index (slot -> stage) at hand."""
+    stage = stage_index.get((rank, transfer.chunk))
     if stage is None:
         return None
     if transfer.kind == "RECV":
@@ -90,6 +95,7 @@ def dry_run(lowered: Lowered) -> list[tuple[int, int]]:
     Raises ScheduleError naming the cycle of waiting ranks if some rank never finishes.
     """
     rows = lowered.actions
+    stage_index = lowered.stage_index
     position = [0] * lowered.ranks
     sent: set = set()
     waiting: dict = {}
@@ -100,7 +106,7 @@ def dry_run(lowered: Lowered) -> list[tuple[int, int]]:
         while position[rank] < len(rows[rank]):
             action = rows[rank][position[rank]]
             if isinstance(action, Transfer):
-                key = transfer_key(lowered, rank, action)
+                key = _key(stage_index, rank, action)
                 if action.kind == "RECV" and key not in sent:
                     waiting[key] = rank
                     break
@@ -190,18 +196,35 @@ class _Checker:
 
     # --- 1. ranges ----------------------------------------------------------------------
     def check_ranges(self) -> None:
-        """Micro-batches, chunks and peers in range; failing actions are left out of 2–4."""
-        for rank, row in enumerate(self.lowered.actions):
+        """Micro-batches, chunks and peers in range; failing actions are left out of 2–4.
+        An action plainly in range (its stage's micro-batches, a chunk of this rank's, another
+        rank) is taken without :meth:`range_problem`, which finds nothing wrong with it."""
+        low = self.lowered
+        m, v, ranks, stage_index = low.microbatches, low.chunks, low.ranks, low.stage_index
+        shares = [(share.start, share.stop) for share in map(low.microbatches_of, range(len(low.stages)))]
+        for rank, row in enumerate(low.actions):
+            steps = self.steps[rank]
             for step, action in enumerate(row):
-                for part in computes(action) or (action,):
+                parts: tuple[Compute | Transfer, ...] = action.parts if isinstance(action, Interleaved) else (action,)
+                fine = True
+                for part in parts:
+                    if isinstance(part, Transfer):
+                        if part.microbatch < m and part.chunk < v and 0 <= part.peer < ranks and part.peer != rank:
+                            continue
+                    else:
+                        stage = stage_index.get((rank, part.chunk))
+                        if stage is not None and part.microbatch < m and part.chunk < v \
+                                and shares[stage][0] <= part.microbatch < shares[stage][1]:
+                            continue
                     problem = self.range_problem(rank, part)
                     if problem:
+                        fine = False
                         self.bad.add((rank, step))
                         self.error(f"rank {rank}, step {step}: {part} {problem[0]}", rank, step,
                                    [problem[1]])
-                if (rank, step) not in self.bad:
-                    for part in computes(action):
-                        self.steps[rank][(part.kind, part.microbatch, part.chunk)].append(step)
+                if fine and not isinstance(action, Transfer):
+                    for part in parts:
+                        steps[(part.kind, part.microbatch, part.chunk)].append(step)
 
     def range_problem(self, rank: int, part) -> tuple[str, str] | None:
         """(what is wrong, what to do) for an out-of-range action, or None."""
@@ -259,19 +282,54 @@ class _Checker:
 
     # --- 3. order and inputs ----------------------------------------------------------
     def check_order(self) -> None:
-        """Walk each rank in order: what every action needs must already be there."""
-        for rank, row in enumerate(self.lowered.actions):
+        """Walk each rank in order: what every action needs must already be there. An action
+        whose needs are plainly there is taken without :meth:`check_compute` or
+        :meth:`check_transfer`, which find nothing wrong with it."""
+        low = self.lowered
+        stage_index, stages, bad = low.stage_index, low.stages, self.bad
+        # (rank, chunk, kind) -> the slot whose F or B feeds it: None for the ends of a copy.
+        sources: dict[tuple[int, int, str], tuple[int, int] | None] = {}
+        for (rank, chunk), stage in stage_index.items():
+            for kind, step in (("F", -1), ("B", 1)):
+                source = low.neighbour(stage, step)
+                sources[rank, chunk, kind] = None if source is None else stages[source]
+        for rank, row in enumerate(low.actions):
             done: set = set()
             received: set = set()
             for step, action in enumerate(row):
-                if (rank, step) in self.bad:
+                if bad and (rank, step) in bad:
                     continue
                 if isinstance(action, Transfer):
-                    self.check_transfer(rank, step, action, done, received)
+                    if action.kind == "RECV":
+                        received.add((action.data, action.microbatch, action.chunk))
+                    elif (action.data, action.microbatch, action.chunk) not in done:
+                        self.check_transfer(rank, step, action, done, received)
+                        continue
+                    stage = stage_index[rank, action.chunk]
+                    other = low.neighbour(stage, 1 if (action.data == "F") == (action.kind == "SEND") else -1)
+                    if other is None or stages[other][0] != action.peer:
+                        self.check_transfer(rank, step, action, done, received)
                     continue
-                for part in computes(action):
-                    self.check_compute(rank, step, action, part, done, received)
-                done.update((part.kind, part.microbatch, part.chunk) for part in computes(action))
+                computed = action.parts if isinstance(action, Interleaved) else (action,)
+                for part in computed:
+                    if not self._plainly_ready(rank, part, done, received, sources):
+                        self.check_compute(rank, step, action, part, done, received)
+                done.update((part.kind, part.microbatch, part.chunk) for part in computed)
+
+    @staticmethod
+    def _plainly_ready(rank: int, part: Compute, done: set, received: set, sources: dict) -> bool:
+        """Whether what ``part`` needs is there (its own F or B, and its input from the stage
+        before, or after for a B), so that :meth:`check_compute` would find nothing wrong."""
+        mb, chunk, kind = part.microbatch, part.chunk, part.kind
+        if kind == "W":
+            return ("B", mb, chunk) in done
+        if kind == "B" and ("F", mb, chunk) not in done:
+            return False
+        source = sources[rank, chunk, kind]
+        if source is None:
+            return True
+        peer, peer_chunk = source
+        return (kind, mb, peer_chunk) in done if peer == rank else (kind, mb, chunk) in received
 
     def check_compute(self, rank, step, action, part: Compute, done, received) -> None:
         low = self.lowered
@@ -352,10 +410,11 @@ class _Checker:
         low = self.lowered
         places: dict[str, defaultdict[tuple | None, list[tuple[int, int]]]] = {
             "SEND": defaultdict(list), "RECV": defaultdict(list)}
+        stage_index, bad = low.stage_index, self.bad
         for rank, row in enumerate(low.actions):
             for step, action in enumerate(row):
-                if isinstance(action, Transfer) and (rank, step) not in self.bad:
-                    places[action.kind][transfer_key(low, rank, action)].append((rank, step))
+                if isinstance(action, Transfer) and not (bad and (rank, step) in bad):
+                    places[action.kind][_key(stage_index, rank, action)].append((rank, step))
         for kind, other in (("SEND", "RECV"), ("RECV", "SEND")):
             for key, where in places[kind].items():
                 for rank, step in where[1:]:

@@ -20,6 +20,7 @@ import functools
 import heapq
 import itertools
 import math
+import operator
 import time
 from typing import Callable, Protocol
 
@@ -132,7 +133,12 @@ def keep_bounded(found: list[tuple[Layout, Bound | str]], space: Space, capacity
             tally.over(bound.memory, len(space.schedules), exact=False)
         else:
             bounded.append((bound.seconds, layout, bound.alone, bound.strands))
-    return sorted(bounded, key=lambda entry: entry[:2])
+    return sorted(bounded, key=lambda entry: (entry[0], _fields(entry[1])))
+
+
+#: A layout's fields in their order: the tuple its order compares (attrs' ``order=True``),
+#: built once per layout for a sort of many (each comparison through attrs builds two).
+_fields = operator.attrgetter(*(field.name for field in attrs.fields(Layout)))
 
 
 #: What pricing a choice returns (:meth:`~dhelix.dsl.search.pricer.Pricer.price`).

@@ -167,6 +167,8 @@ class Pricer:
         self._over_peaks = OverPeaks()
         #: The fastest share of each set of shares an offloading layout's bound took.
         self._fastest: dict[tuple[int, ...], int] = {}
+        #: The mesh and train blocks written for the choices (apply_choice's ``blocks``).
+        self._blocks: dict = {}
         #: Whether the last :meth:`chosen` left out counts over the device memory.
         self.squeezed = False
         #: The choice checked last (up to validate), and its program or why it was refused.
@@ -308,8 +310,10 @@ class Pricer:
         """The parsed files (``modules``, default the priced ones) with ``choice`` written in
         (its generated partition block too, when its partition is ``auto``)."""
         partition = self.generated(choice) if choice.layout.partition == "auto" else None
+        if len(self._blocks) >= _BLOCKS_KEPT:  # (a layout's choices come together: few are read again)
+            self._blocks.clear()
         modules = apply_choice(modules or self.modules, choice, self.pipelines, self.gpus_per_node, self.world, partition,
-                               self._reads[choice.pipeline])
+                               self._reads[choice.pipeline], self._blocks)
         if choice.pipeline in self.generated_names:
             modules = self._with_generated(modules, choice)
         return modules
@@ -702,6 +706,10 @@ class Pricer:
     def _over(self, peak: float) -> bool:
         capacity = self.capacity
         return capacity is not None and peak > capacity
+
+
+#: The most mesh and train blocks written kept at once (:meth:`Pricer.variant`).
+_BLOCKS_KEPT = 4096
 
 
 #: The relative margin by which an untimed floor must exceed the K-th best step to rule a

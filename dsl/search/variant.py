@@ -53,14 +53,17 @@ def require_main_blocks(modules: list[s.Module], path: str) -> None:
 
 def apply_choice(modules: list[s.Module], choice: Choice, pipelines: dict[str, s.PipelineDef],
                  gpus_per_node: int, world: int, partition: s.PartitionDef | None = None,
-                 reads: frozenset[str] | None = None) -> list[s.Module]:
+                 reads: frozenset[str] | None = None, blocks: dict | None = None) -> list[s.Module]:
     """``modules`` with the main file's mesh, train, fold and pipeline statements set to
     ``choice`` (a fold statement added when the file has none; ``launch`` and
     ``launch_backward`` dropped from the train block when the pipeline does not read them),
     the cluster's nodes set to hold ``world`` GPUs of ``gpus_per_node``, and, when the
     choice's partition is ``auto``, ``partition`` in place of the main file's partition block
     (at the end when it has none). ``reads``: :func:`launch_reads` of the choice's pipeline,
-    when the caller keeps it (a search applies thousands of choices to a few pipelines)."""
+    when the caller keeps it (a search applies thousands of choices to a few pipelines).
+    ``blocks``: a dict the caller keeps, where the mesh and train blocks written are kept by
+    what they are written from (the block, the layout, SI and ``reads``), so that the
+    choices of one layout share the very nodes (the checker builds a node once)."""
     main = modules[-1]
     items: list[s.Item] = []
     has_fold = False
@@ -69,10 +72,14 @@ def apply_choice(modules: list[s.Module], choice: Choice, pipelines: dict[str, s
         reads = launch_reads(pipelines[choice.pipeline])
     for item in main.items:
         if isinstance(item, s.ConfigBlock) and item.kind == "mesh":
-            item = attrs.evolve(item, settings=_mesh_settings(item.settings, choice))
+            item = _written(blocks, (item, choice.layout), lambda block: attrs.evolve(
+                block, settings=_mesh_settings(block.settings, choice)))
         elif isinstance(item, s.ConfigBlock) and item.kind == "train":
-            item = attrs.evolve(item, settings=_train_settings(item.settings, choice, reads))
-        elif isinstance(item, s.ConfigBlock) and item.kind == "cluster":
+            item = _written(blocks, (item, choice.layout, choice.si, reads), lambda block: attrs.evolve(
+                block, settings=_train_settings(block.settings, choice, reads)))
+        elif isinstance(item, s.ConfigBlock) and item.kind == "cluster" and not _writes(item, "nodes",
+                                                                                          world // gpus_per_node):
+            # (a block that already says so stays the very node: the checker builds it once)
             item = attrs.evolve(item, settings=_replace(item.settings, {"nodes": world // gpus_per_node}))
         elif isinstance(item, s.Fold):
             item, has_fold = _fold(choice.fold, item.span), True
@@ -87,6 +94,18 @@ def apply_choice(modules: list[s.Module], choice: Choice, pipelines: dict[str, s
     if generated and partition is not None:
         items.append(partition)
     return modules[:-1] + [attrs.evolve(main, items=tuple(items))]
+
+
+def _written(blocks: dict | None, key: tuple, write) -> s.ConfigBlock:
+    """``write(key[0])``, the block ``key[0]`` rewritten for what the rest of ``key`` says,
+    kept in ``blocks`` (None: not kept) by the block's identity and the rest by value."""
+    if blocks is None:
+        return write(key[0])
+    index = (id(key[0]),) + key[1:]
+    found = blocks.get(index)
+    if found is None or found[0] is not key[0]:
+        found = blocks[index] = (key[0], write(key[0]))
+    return found[1]
 
 
 def launch_reads(pipeline: s.PipelineDef) -> frozenset[str]:
@@ -117,6 +136,12 @@ def _value(value) -> s.Expr | s.Str:
     if isinstance(value, (s.Int, s.Name, s.BinOp, s.Neg, s.Call, s.Str)):
         return value
     return s.Name(value) if isinstance(value, str) else s.Int(value)
+
+
+def _writes(block: s.ConfigBlock, key: str, value: int) -> bool:
+    """Whether ``block`` sets ``key`` once, to the number ``value`` written as it is."""
+    found = [st for st in block.settings if isinstance(st, s.Setting) and st.key == key]
+    return len(found) == 1 and isinstance(found[0].value, s.Int) and found[0].value.value == value
 
 
 def _replace(settings: _Settings, values: dict) -> _Settings:

@@ -39,6 +39,7 @@ timeline), in seconds of the program's hardware profile:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -299,9 +300,11 @@ def layer_params(program: Program) -> Params:
     return Params(dense, expert, shard, shard + hidden)
 
 
+@functools.cache
 def _sync_group(mesh, expert: int) -> Group:
     """The gradient-sync group of rank 0: DP coordinates ``0, e, 2e, …`` (``e`` the EP size
-    for expert weights, else 1) times every CP coordinate; local when on one node."""
+    for expert weights, else 1) times every CP coordinate; local when on one node. Once per
+    mesh (its members are up to the world's ranks; a search asks for every layout's)."""
     size = max(1, mesh.size("dp") * mesh.size("cp") // expert)
     if size <= 1:
         return Group(size, "local")

@@ -250,7 +250,11 @@ class _Run:
         now = start
         tally, memory, grads = self.tally[rank], self.memory[rank], self.grads[rank]
         comm = exposed = 0.0
-        for layer, piece in enumerate(self.expander.pieces(kind, fstage, bstage)):
+        pieces = self.expander.pieces(kind, fstage, bstage)
+        if not gates and not (self.detail is not None and self.trace):
+            now, comm, exposed = self._pieces_run(rank, pieces, now, bstage)
+            pieces = ()  # (run: the loop below, for gates and pair events, has none left)
+        for layer, piece in enumerate(pieces):
             if piece.weights in gates:
                 arrived = gates.pop(piece.weights)
                 waited += max(0.0, arrived - now)
@@ -277,6 +281,28 @@ class _Run:
             if self.detail is not None and comm > 0:
                 args |= {"layer_comm_s": comm, "layer_comm_exposed_s": exposed}
             self.events.append(TraceEvent(rank, "compute", str(action), start, now - start, args))
+
+    def _pieces_run(self, rank: int, pieces, now: float, bstage) -> tuple[float, float, float]:
+        """The loop of :meth:`_compute` over ``pieces`` from ``now`` where no weights gate
+        them and no pair events are drawn: the same steps in the same order, with what each
+        reads looked up once. (end, layer communication, its exposed part)."""
+        steps = self.memory[rank].steps  # MemoryTimeline.change's appends, a piece's zero changes left out alike
+        grads, micro_ready = self.grads[rank], self.micro_ready[rank]
+        comm = exposed = 0.0
+        for piece in pieces:
+            if piece.alloc:
+                steps.append((now, piece.alloc))
+            work = piece.work
+            now += work.seconds
+            if piece.free:
+                steps.append((now, -piece.free))
+            comm += work.comm
+            exposed += work.exposed
+            if piece.grads is not None:
+                slot, dense, expert = piece.grads
+                grads[(bstage, slot)] = (now, dense, expert)
+                micro_ready.setdefault((bstage, slot), []).append(now)
+        return now, comm, exposed
 
     def _stages(self, rank: int, action):
         return self.lowered.stages_run(rank, action)
@@ -470,22 +496,34 @@ class _Run:
             walked = shared["walked", id(self.lowered)] = (self.lowered, [
                 (whole and self._untimed_whole(row, known)) or self._untimed_row(row, known) for row in rows])
         figures = walked[1]
-        return [(work, peak, self._reduction_seconds(row, keys, known))
-                for (work, peak), row in zip(figures, rows, strict=True)]
+        # So do the gradient slots each rank reduces, and how often.
+        counted = shared.get(("reduced", id(self.lowered)))
+        if counted is None or counted[0] is not self.lowered:
+            counted = shared["reduced", id(self.lowered)] = (self.lowered, [
+                self._reduced(row, keys, known) for row in rows])
+        return [(work, peak, self._reduction_seconds(reduced))
+                for (work, peak), reduced in zip(figures, counted[1], strict=True)]
 
-    def _reduction_seconds(self, row: tuple[int, ...], keys, known: list[_Changes]) -> float:
-        """Seconds of the gradient reductions :meth:`finish` books for a rank whose
-        computations are ``row`` (indices into ``keys`` and ``known``): one per layer slot
-        of each backward stage, or under ZeRO-2 one per backward of it, each :meth:`_syncs`."""
-        per_microbatch = self.program.train is not None and self.program.train.zero == 2
+    @staticmethod
+    def _reduced(row: tuple[int, ...], keys, known: list[_Changes]) -> list[tuple]:
+        """(slot, backwards, dense, expert) of each gradient slot of each backward stage a
+        rank whose computations are ``row`` (indices into ``keys`` and ``known``) completes,
+        in the order it first does: how many backwards complete it, its parameters."""
         counts: dict[tuple, list] = {}
         for index, repeats in collections.Counter(row).items():  # a rank repeats few computations
             bstage = keys[index][2]
             for slot, dense, expert in known[index].grads:
                 entry = counts.setdefault((bstage, slot), [0, dense, expert])
                 entry[0] += repeats
+        return [(slot, count, dense, expert) for (_, slot), (count, dense, expert) in counts.items()]
+
+    def _reduction_seconds(self, reduced: list[tuple]) -> float:
+        """Seconds of the gradient reductions :meth:`finish` books for a rank that completes
+        the gradient slots ``reduced`` (:meth:`_reduced`): one per layer slot of each
+        backward stage, or under ZeRO-2 one per backward of it, each :meth:`_syncs`."""
+        per_microbatch = self.program.train is not None and self.program.train.zero == 2
         total = 0.0
-        for (_, slot), (count, dense, expert) in counts.items():
+        for slot, count, dense, expert in reduced:
             seconds = self._sync_seconds.get((slot, dense, expert))
             if seconds is None:
                 seconds = self._sync_seconds[slot, dense, expert] = sum(
