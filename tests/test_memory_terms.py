@@ -91,3 +91,8 @@ def test_a_source_s_loss_reaches_its_runs_profile_and_a_wrong_one_is_refused(tmp
     bad.write_text("sources:\n  s:\n    cite: somebody\n    loss: chunked\nruns: []\n")
     with pytest.raises(DhelixError, match="loss must be one of vocab_parallel, upcast, fused"):
         load_runs(bad)
+    # a misspelt key is an error at its source, not a fact silently left out
+    bad.write_text("sources:\n  s:\n    cite: somebody\n    los: upcast\nruns: []\n")
+    with pytest.raises(DhelixError) as info:
+        load_runs(bad)
+    assert "runs.yaml:3:1" in str(info.value) and "source 's': unknown key(s) los" in str(info.value)

@@ -70,9 +70,11 @@ MODEL_KEYS = ("family", "layers", "hidden", "heads", "kv_heads", "ffn", "seq", "
               "activation", "norm", "pos", "sliding_window", "swa_pattern", "capacity_factor")
 #: The model's settings that are sizes (whole numbers ≥ 1).
 MODEL_NUMBERS = ("layers", "hidden", "heads", "kv_heads", "ffn", "seq", "vocab", "experts", "top_k", "head_dim")
-SOURCE_KEYS = ("cite", "system", "url_hint", "flops_convention", "cross_gbps_per_gpu", "gpus_per_node",
-               "flash_attention", "grad_overlap", "grad_reduce_dtype", "notes", "quote", "cluster", "interleaving",
-               "loss", "loss_quote")
+SOURCE_KEYS = ("cite", "system", "url_hint", "read_via", "flops_convention", "cross_gbps_per_gpu", "hbm_gbps",
+               "gpus_per_node", "flash_attention", "grad_overlap", "grad_reduce_dtype", "notes", "quote", "cluster",
+               "interleaving", "loss",
+               # the source's own words behind a fact (kept in the file, not read)
+               "flops_quote", "hardware_quote", "loss_quote", "moe_quote")
 #: How a run whose source does not say its chunks per rank (``vp: null``) is interleaved:
 #: ``fewest`` (:func:`_stated_interleaving`) or ``tuned`` — the source says it tunes its
 #: schedule, and the prediction takes the count dhelix prices fastest (:func:`interleavings`).
@@ -264,6 +266,11 @@ def _sources(data, source: Source, errors: ErrorCollector) -> dict[str, RunSourc
         if not isinstance(entry, dict) or not entry.get("cite"):
             errors.add(RunSetError(f"source '{key}' has no 'cite'", span,
                                    ["say who published it and where: authors, title, venue or address"]))
+            continue
+        unknown = [name for name in entry if name not in SOURCE_KEYS and name != "__line__"]
+        if unknown:
+            errors.add(RunSetError(f"source '{key}': unknown key(s) {', '.join(map(str, unknown))}", span,
+                                   [f"a source's keys: {', '.join(SOURCE_KEYS)}"]))
             continue
         convention = entry.get("flops_convention", "model")
         if convention not in CONVENTIONS:

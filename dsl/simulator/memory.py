@@ -243,8 +243,6 @@ def head_transients(program: Program) -> tuple[float, float]:
     """Bytes the LM head's loss holds for a moment beyond what it keeps, in its forward and in
     its backward (:func:`_loss_copies` of the fp32 logits)."""
     _, forward, backward = _loss_copies(program)
-    if not forward and not backward:
-        return 0.0, 0.0
     logits = _logits_fp32(program)
     return forward * logits, backward * logits
 
